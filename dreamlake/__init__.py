@@ -1,0 +1,1 @@
+"""dreamlake: namespace for the lakeshore SDK, control plane and runtime."""

@@ -1,0 +1,1 @@
+"""The in-sandbox side of a remote invocation: ``entry`` is what every runner starts."""

@@ -1,0 +1,105 @@
+"""The lakeshore exception hierarchy.
+
+::
+
+    LakeshoreError
+     +-- InvalidId                   an id that is not a ULID (never becomes a path or a key)
+     +-- WireError
+     |    +-- DecodeError            garbage, truncated or oversized bytes (carries .data)
+     +-- EnvelopeError
+     |    +-- VersionError           Envelope.v newer than this reader
+     |    +-- TransportError         a callable that cannot travel as asked
+     |    +-- GateError              a worker-side gate refused the function
+     |         +-- PickleRefused     pickled function on a plane that does not allow it
+     |         +-- RuntimeMismatch   python / cloudpickle differ beyond the policy
+     |         +-- StaleSource       src_hash differs from the worker's source
+     +-- DispatchError               a remote failure seen by the producer (.type, .message, .traceback)
+     +-- PlaneError                  the dispatch plane failed or refused a request
+          +-- AuthError              401/403 from the control plane
+          +-- NotFound               unknown invocation / job / topic
+
+``TypeError`` is raised (not wrapped) for an unpackable value, as the seed says.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class LakeshoreError(Exception):
+    """Base of every error lakeshore raises on purpose."""
+
+
+class InvalidId(LakeshoreError, ValueError):
+    """An id that is not a canonical ULID."""
+
+
+class WireError(LakeshoreError):
+    """The value codec failed."""
+
+
+class DecodeError(WireError, ValueError):
+    """Bytes that do not decode: garbage, truncation, or limits exceeded. ``data`` holds a prefix."""
+
+    def __init__(self, message: str, data: bytes | None = None) -> None:
+        super().__init__(message)
+        self.data = data[:64] if data is not None else None
+
+
+class EnvelopeError(LakeshoreError):
+    """A malformed Envelope or function transport record."""
+
+
+class VersionError(EnvelopeError):
+    """The Envelope was written by a newer wire version than this reader understands."""
+
+
+class TransportError(EnvelopeError):
+    """The callable cannot be shipped with the requested transport."""
+
+
+class GateError(EnvelopeError):
+    """A worker-side gate refused to run the function."""
+
+
+class PickleRefused(GateError):
+    """A pickled function reached a worker that does not allow pickled functions."""
+
+
+class RuntimeMismatch(GateError):
+    """The pickling runtime differs from this worker's beyond the runtime policy."""
+
+
+class StaleSource(GateError):
+    """The worker's source of a ref function hashes differently from the submitter's."""
+
+
+class DispatchError(LakeshoreError):
+    """A remote invocation failed; carries the producer-side view of the remote error."""
+
+    def __init__(self, type: str, message: str, traceback: str | None = None) -> None:
+        super().__init__(f"{type}: {message}")
+        self.type = type
+        self.message = message
+        self.traceback = traceback
+
+    @classmethod
+    def from_info(cls, info: dict[str, Any] | None) -> DispatchError:
+        info = info or {}
+        return cls(str(info.get("type") or "Error"), str(info.get("message") or ""), info.get("traceback"))
+
+
+class PlaneError(LakeshoreError):
+    """The dispatch plane (local store or control plane) failed or refused a request."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class AuthError(PlaneError):
+    """The control plane refused the token (401) or the scope (403)."""
+
+
+class NotFound(PlaneError):
+    """An unknown invocation, job or topic."""

@@ -1,0 +1,63 @@
+"""ULIDs: the durable handles of invocations, commands, topics and exec jobs.
+
+A ULID is 26 characters of Crockford base32: 48 bits of milliseconds since the epoch,
+then 80 random bits. Ids arrive from the network and become paths and row keys, so
+:func:`validate` is the one gate every untrusted id goes through.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+
+_ALPHABET = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+_ULID_RE = re.compile(r"^[0-7][0-9A-HJKMNP-TV-Z]{25}$")
+
+_lock = threading.Lock()
+_last_ms = -1
+_last_rand = 0
+
+
+def new_ulid() -> str:
+    """Return a new ULID, monotonic within this process (same millisecond -> random + 1)."""
+    global _last_ms, _last_rand
+    with _lock:
+        ms = time.time_ns() // 1_000_000
+        if ms <= _last_ms:
+            ms = _last_ms
+            rand = (_last_rand + 1) & ((1 << 80) - 1)
+        else:
+            rand = int.from_bytes(os.urandom(10), "big")
+        _last_ms, _last_rand = ms, rand
+    n = (ms << 80) | rand
+    out = []
+    for _ in range(26):
+        out.append(_ALPHABET[n & 31])
+        n >>= 5
+    return "".join(reversed(out))
+
+
+def is_ulid(value: object) -> bool:
+    """True when ``value`` is a canonical (upper-case) ULID string."""
+    return isinstance(value, str) and _ULID_RE.match(value) is not None
+
+
+def validate(value: object, what: str = "id") -> str:
+    """Return ``value`` if it is a ULID, else raise :class:`InvalidId` naming ``what``."""
+    if not is_ulid(value):
+        from dreamlake.lakeshore.errors import InvalidId
+
+        shown = repr(value)[:60]
+        raise InvalidId(f"invalid {what} {shown}: expected a 26-character ULID (Crockford base32)")
+    assert isinstance(value, str)
+    return value
+
+
+def ulid_time_ms(value: str) -> int:
+    """The millisecond timestamp encoded in a ULID."""
+    n = 0
+    for ch in validate(value)[:10]:
+        n = n * 32 + _ALPHABET.index(ch)
+    return n

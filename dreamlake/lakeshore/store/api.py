@@ -1,0 +1,168 @@
+"""The store's Python API: the one contract behind the control plane and the local plane.
+
+Both ``lakeshore server`` (over HTTP) and ``Dispatch(":memory:" | path)`` (in process) call exactly
+these methods; there is no second implementation of claims, leases or the journal. All methods are
+synchronous and thread-safe; the server calls them from a worker thread.
+
+Times are float seconds since the epoch. Blobs are ``bytes``. ``error`` is an ErrorInfo dict
+``{"type", "message", "traceback"?}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+State = Literal["queued", "running", "succeeded", "failed", "killed", "timeout", "cancelled"]
+TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "killed", "timeout", "cancelled"})
+ACK_STATES: frozenset[str] = frozenset({"succeeded", "failed", "killed", "timeout"})
+
+DEFAULT_LEASE_S = 30.0
+DEFAULT_MAX_ATTEMPTS = 3
+
+
+@dataclass
+class SubmitRequest:
+    """The seed's Submit body, already decoded and validated by the caller."""
+
+    invocation_id: str
+    queue: str
+    function: dict[str, Any]
+    args_blob: bytes
+    run_config: dict[str, Any]
+    code_context: dict[str, Any] = field(default_factory=dict)
+    parent_invocation_id: str | None = None
+    namespace: str = "default"
+
+
+@dataclass
+class SubmitResult:
+    invocation_id: str
+    queue: str
+    duplicate: bool = False  # True when run_config.key matched an existing invocation
+
+
+@dataclass
+class Invocation:
+    invocation_id: str
+    queue: str
+    state: str
+    priority: int
+    function: dict[str, Any]
+    args_blob: bytes
+    run_config: dict[str, Any]
+    code_context: dict[str, Any]
+    namespace: str
+    attempt: int  # 0 before the first claim; the claim increments it
+    max_attempts: int
+    parent_invocation_id: str | None
+    root_invocation_id: str | None
+    idempotency_key: str | None
+    worker_id: str | None
+    submitted_at: float
+    started_at: float | None
+    finished_at: float | None
+    lease_expires_at: float | None
+    result_blob: bytes | None
+    error: dict[str, Any] | None
+    cancel_requested: bool
+
+
+@dataclass
+class AckResult:
+    ok: bool  # False: refused (superseded attempt, unknown id, not running); nothing changed
+    duplicate: bool = False  # the same terminal outcome was already recorded
+    state: str | None = None  # the row's state after the call
+    reason: str | None = None  # why it was refused, for the 409 body
+
+
+@dataclass
+class ChunkResult:
+    ok: bool
+    seq: int
+    duplicate: bool = False
+    reason: str | None = None
+
+
+@dataclass
+class Frame:
+    seq: int
+    data: bytes  # the encoded frame, verbatim
+    final: bool
+
+
+@dataclass
+class Command:
+    """A command for a daemon: ``run`` (from claim), ``cancel`` (from heartbeat), ``exec``."""
+
+    id: str
+    kind: str
+    body: dict[str, Any]
+
+
+@dataclass
+class Principal:
+    token_id: str
+    kind: str  # "admin" | "producer" | "daemon" | "namespace"
+    namespace: str | None  # for namespace tokens (and daemons bound to one namespace)
+    name: str
+
+
+class Store(Protocol):
+    # -- producer side ------------------------------------------------------------------------
+    def submit(self, req: SubmitRequest) -> SubmitResult: ...
+    def get(self, invocation_id: str) -> Invocation | None: ...
+    def cancel(self, invocation_id: str) -> str | None:
+        """Queued -> cancelled at once; running -> cancel_requested (a cancel command is queued for
+        its worker); terminal -> unchanged. Returns the state after the call, None if unknown."""
+        ...
+
+    # -- daemon side --------------------------------------------------------------------------
+    def register_worker(self, worker_id: str, info: dict[str, Any]) -> None: ...
+    def claim(self, worker_id: str, queues: list[str], limit: int = 1,
+              lease_s: float = DEFAULT_LEASE_S) -> list[Invocation]:
+        """Atomically flip up to ``limit`` queued invocations whose queue is in ``queues`` to running,
+        best first (priority desc, submitted_at asc, invocation_id asc). Sets started_at, worker_id,
+        attempt += 1, lease_expires_at. Never hands one invocation to two callers."""
+        ...
+    def ack(self, invocation_id: str, state: str, *, attempt: int | None, worker_id: str | None,
+            result_blob: bytes | None, error: dict[str, Any] | None) -> AckResult:
+        """Record the outcome. Refused (ok=False) when the row is not running under that attempt
+        (when attempt is given) / that worker (when given). finished_at = now unconditionally on
+        success. A repeat of an already-recorded identical outcome answers duplicate=True."""
+        ...
+    def append_frame(self, owner_id: str, seq: int, data: bytes, final: bool, *,
+                     attempt: int | None = None) -> ChunkResult:
+        """Journal a frame. A repeated (owner_id, seq) answers duplicate=True and changes nothing.
+        For an invocation with ``attempt`` given, refused when that attempt is superseded."""
+        ...
+    def read_frames(self, owner_id: str, since: int = -1, limit: int = 1000) -> list[Frame]: ...
+    def heartbeat(self, worker_id: str, running: list[tuple[str, int]],
+                  lease_s: float = DEFAULT_LEASE_S) -> tuple[list[Command], list[str]]:
+        """Renew the leases of (invocation_id, attempt) still owned by this worker; return the
+        pending commands for it (cancels, each returned once) and the ids it no longer owns."""
+        ...
+    def expire_leases(self, now: float | None = None) -> list[str]:
+        """Requeue (attempt < max_attempts) or fail ({type: "LeaseExpired"}) running invocations
+        whose lease lapsed. Returns the affected ids."""
+        ...
+
+    # -- topics -------------------------------------------------------------------------------
+    def topic_post(self, name: str, body: bytes, final: bool = False) -> int:
+        """Append a VALUE (or END when final) frame to topic ``name``; returns its seq."""
+        ...
+
+    # -- namespaces, tokens, exec jobs --------------------------------------------------------
+    def pin_version(self, namespace: str, version: str | None) -> None: ...
+    def pinned_version(self, namespace: str) -> str | None: ...
+    def create_token(self, kind: str, name: str, namespace: str | None = None) -> str: ...
+    def verify_token(self, secret: str) -> Principal | None: ...
+    def count_tokens(self) -> int: ...
+    def create_exec(self, namespace: str, command: str, *, payload_inline: bytes | None,
+                    payload_ref: dict[str, Any] | None, queue: str, worker_id: str | None,
+                    timeout_s: float | None) -> str: ...
+    def claim_exec(self, worker_id: str, queues: list[str], limit: int = 1) -> list[dict[str, Any]]: ...
+    def publish_exec_result(self, namespace: str, exec_id: str, result: dict[str, Any]) -> bool: ...
+    def get_exec(self, namespace: str, exec_id: str) -> dict[str, Any] | None: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,118 @@
+"""The runner contract: how nymph starts, watches, stops and re-attaches to one invocation.
+
+A runner turns a prepared workdir into a running ``python3 -m dreamlake.lakeshore.daemon.entry``
+(or ``bash -c SCRIPT``) somewhere: a local process group, a container, a Slurm job, a pod. nymph
+owns everything else (polling, the workdir, the journal pump, acks, the outbox), so a runner is
+small. The lifecycle mirrors Nomad's task drivers::
+
+    handle = runner.start(task)          # spawn; returns a Handle nymph persists in the workdir
+    status = runner.wait(handle, t)     # ExitStatus once finished, None if still running after t
+    runner.stop(handle, grace_s)        # the cancellation ladder: interrupt, grace, kill
+    runner.destroy(handle)              # free everything (container, job, pod); idempotent
+    runner.inspect(handle)              # "running" | "exited" | "gone"
+    runner.recover(handle)              # after a nymph restart: True if re-attached to a live task
+
+Handles are small, versioned JSON documents (``handle.json`` in the workdir), so a restarted nymph
+can re-attach to what a previous life started. Optional features are declared in
+:class:`Capabilities`; nymph refuses a task that needs one the runner lacks, before starting it.
+
+Runners are plugins: the entry-point group ``nymph.runners`` maps a name to a class implementing
+:class:`Runner`. See :mod:`nymph.plugins` for loading and validation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+HANDLE_FILE = "handle.json"
+HANDLE_VERSION = 1
+
+
+class RunnerError(Exception):
+    """A runner could not do what was asked; the message says what to fix."""
+
+
+class RunnerUnavailable(RunnerError):
+    """The runner cannot work on this host (engine down, binary missing)."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    as_user: bool = False  # can run the task as another local user
+    gpus: bool = False  # can expose assigned GPUs to the task
+    resources: bool = False  # honours run_config.resources limits (cpus, memory, pids, shm)
+    image: bool = False  # honours run_config.image
+    network: bool = False  # honours run_config.network
+    recover: bool = True  # can re-attach after a nymph restart
+
+
+@dataclass
+class Task:
+    """Everything a runner needs to start one invocation. The workdir already holds args.msgpack."""
+
+    invocation_id: str
+    attempt: int
+    workdir: Path  # {workdir}/{invocation_id}, private to this invocation
+    env: dict[str, str]  # LAKESHORE_* variables, CUDA_VISIBLE_DEVICES, ...
+    script: str | None = None  # run `bash -c script` instead of the Python entry
+    as_user: str | None = None  # already checked against the allow-list
+    run_config: dict[str, Any] = field(default_factory=dict)
+    gpus: list[str] = field(default_factory=list)  # device indices/UUIDs assigned by nymph
+    labels: dict[str, str] = field(default_factory=dict)  # nymph.invocation, nymph.worker, ...
+
+
+@dataclass
+class Handle:
+    """The persisted identity of a started task. ``data`` is runner-specific (pid, container id...)."""
+
+    runner: str
+    invocation_id: str
+    attempt: int
+    data: dict[str, Any]
+    version: int = HANDLE_VERSION
+
+    def save(self, workdir: Path) -> None:
+        tmp = workdir / (HANDLE_FILE + ".tmp")
+        tmp.write_text(json.dumps(asdict(self)))
+        os.replace(tmp, workdir / HANDLE_FILE)
+
+    @classmethod
+    def load(cls, workdir: Path) -> Handle | None:
+        try:
+            raw = json.loads((workdir / HANDLE_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(raw, dict) or raw.get("version") != HANDLE_VERSION:
+            return None
+        try:
+            return cls(**raw)
+        except TypeError:
+            return None
+
+
+@dataclass
+class ExitStatus:
+    exit_code: int  # the entry's exit code; negative for a signal
+    reason: str | None = None  # e.g. "OOMKilled", "signal 9", "NodeFail": shown in the failure
+    logs: str | None = None  # captured stdout/stderr tail, kept with a failed invocation
+
+
+@runtime_checkable
+class Runner(Protocol):
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+
+    def check(self) -> None:
+        """Raise RunnerUnavailable with what to fix when the runner cannot work on this host."""
+        ...
+
+    def start(self, task: Task) -> Handle: ...
+    def wait(self, handle: Handle, timeout: float | None = None) -> ExitStatus | None: ...
+    def stop(self, handle: Handle, grace_s: float) -> None: ...
+    def destroy(self, handle: Handle) -> None: ...
+    def inspect(self, handle: Handle) -> str: ...
+    def recover(self, handle: Handle) -> bool: ...

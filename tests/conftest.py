@@ -1,0 +1,27 @@
+"""Shared fixtures. Real services skip on a laptop but fail in CI (LAKESHORE_REQUIRE_SERVICES=1)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+REQUIRE_SERVICES = os.environ.get("LAKESHORE_REQUIRE_SERVICES") == "1"
+
+
+def require(available: bool, reason: str) -> None:
+    """Skip with ``reason`` when a real service is missing; in CI that is a failure instead."""
+    if available:
+        return
+    if REQUIRE_SERVICES:
+        pytest.fail(f"required service missing in CI: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def python_exe() -> str:
+    """The interpreter the tests run under (the venv's), resolved past any shim."""
+    return os.path.realpath(sys.executable)
