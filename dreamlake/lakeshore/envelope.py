@@ -1,0 +1,506 @@
+"""The Envelope (one remote invocation) and function transport with its worker-side gates.
+
+An :class:`Envelope` is packed as a plain msgpack map: ``args`` and ``kwargs`` stay pre-packed
+``bin`` values (``wire.pack(list(args))`` / ``wire.pack(dict(kwargs))``), so :meth:`Envelope.header`
+can read the routing fields without touching user values. Unknown top-level keys and unknown ``cfg``
+keys survive a round trip, so additive changes do not need a version bump; a ``v`` newer than
+:data:`WIRE_VERSION` is refused with the fix in the message.
+
+``fn`` is a tagged union: ``{"kind": "ref", module, qualname, src_hash}`` for importable functions,
+``{"kind": "pickle", blob, hash, source, qualname, where, runtime}`` for everything else
+(:func:`fn_for`). On the worker, :func:`resolve_fn` applies the gates in order: allow_pickled,
+runtime policy (before any unpickle) plus the blob hash, then the ``src_hash`` staleness check.
+
+cloudpickle is imported only to pickle or unpickle; ``inspect`` only to hash or show source. This
+module is part of the entry bundle, so it must stay importable on Python 3.9.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Mapping, Sequence
+
+import msgpack
+
+from dreamlake.lakeshore import ids
+from dreamlake.lakeshore.errors import (
+    EnvelopeError,
+    PickleRefused,
+    RuntimeMismatch,
+    StaleSource,
+    TransportError,
+    VersionError,
+)
+
+__all__ = [
+    "INLINE_PICKLE_LIMIT",
+    "RUNTIME_POLICIES",
+    "TRANSPORTS",
+    "WIRE_VERSION",
+    "Envelope",
+    "check_fn",
+    "check_runtime",
+    "fn_for",
+    "is_pickled",
+    "resolve_fn",
+    "runtime_info",
+    "src_hash",
+]
+
+WIRE_VERSION = 1
+INLINE_PICKLE_LIMIT = 32 * 1024
+RUNTIME_POLICIES = ("strict", "minor", "off")
+TRANSPORTS = ("auto", "ref", "pickle")
+
+FnRecord = Dict[str, Any]
+
+_FIELDS = ("v", "id", "fn", "args", "kwargs", "prefix", "key", "cfg", "parent")
+_USER_VALUES = frozenset(("args", "kwargs"))
+
+
+@dataclass
+class Envelope:
+    """One remote invocation. ``extra`` holds top-level keys from a newer writer, kept verbatim."""
+
+    id: str
+    fn: FnRecord
+    args: bytes
+    kwargs: bytes
+    prefix: str = ""
+    key: str | None = None
+    cfg: Dict[str, Any] = field(default_factory=dict)
+    parent: str | None = None
+    v: int = WIRE_VERSION
+    extra: Dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def create(
+        cls,
+        fn: FnRecord,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        prefix: str = "",
+        key: str | None = None,
+        cfg: Dict[str, Any] | None = None,
+        parent: str | None = None,
+    ) -> Envelope:
+        """A new Envelope with a fresh ULID; ``args`` / ``kwargs`` are packed with ``wire.pack``."""
+        from dreamlake.lakeshore import wire
+
+        return cls(
+            id=ids.new_ulid(),
+            fn=check_fn(fn),
+            args=wire.pack(list(args)),
+            kwargs=wire.pack(dict(kwargs or {})),
+            prefix=prefix,
+            key=key,
+            cfg=dict(cfg or {}),
+            parent=parent,
+        )
+
+    def unpack_args(self) -> tuple[list[Any], dict[str, Any]]:
+        """Decode ``args`` and ``kwargs`` with the value codec."""
+        from dreamlake.lakeshore import wire
+
+        args = wire.unpack(self.args)
+        kwargs = wire.unpack(self.kwargs)
+        if not isinstance(args, list):
+            raise EnvelopeError(f"envelope {self.id}: args must pack a list, got {type(args).__name__}")
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise EnvelopeError(f"envelope {self.id}: kwargs must pack a dict with str keys")
+        return args, kwargs
+
+    def to_bytes(self) -> bytes:
+        """The Envelope as a msgpack map (args/kwargs as bin, extra keys after the known ones)."""
+        body: dict[str, Any] = {
+            "v": self.v,
+            "id": self.id,
+            "fn": self.fn,
+            "args": bytes(self.args),
+            "kwargs": bytes(self.kwargs),
+            "prefix": self.prefix,
+            "key": self.key,
+            "cfg": self.cfg,
+            "parent": self.parent,
+        }
+        for name, value in self.extra.items():
+            if name not in body:
+                body[name] = value
+        try:
+            return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise EnvelopeError(
+                f"envelope {self.id}: cannot pack ({exc}); fn and cfg must hold msgpack-native values"
+            ) from exc
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Envelope:
+        """Decode and validate an Envelope; raises :class:`EnvelopeError` / :class:`VersionError`."""
+        fields = _validate(_read_map(data, skip_user_values=False))
+        extra = {k: v for k, v in fields.items() if k not in _FIELDS}
+        return cls(
+            id=fields["id"],
+            fn=fields["fn"],
+            args=fields["args"],
+            kwargs=fields["kwargs"],
+            prefix=fields["prefix"],
+            key=fields["key"],
+            cfg=fields["cfg"],
+            parent=fields["parent"],
+            v=fields["v"],
+            extra=extra,
+        )
+
+    @staticmethod
+    def header(data: bytes) -> dict[str, Any]:
+        """The validated Envelope without ``args`` / ``kwargs``, which are skipped, not decoded."""
+        fields = _validate(_read_map(data, skip_user_values=True))
+        for name in _USER_VALUES:
+            fields.pop(name, None)
+        return fields
+
+
+def _read_map(data: bytes, *, skip_user_values: bool) -> dict[str, Any]:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise EnvelopeError(f"an Envelope is bytes, got {type(data).__name__}")
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(data), 1), strict_map_key=True)
+    unpacker.feed(data)
+    out: dict[str, Any] = {}
+    try:
+        size = unpacker.read_map_header()
+        for _ in range(size):
+            name = unpacker.unpack()
+            if not isinstance(name, str):
+                raise EnvelopeError(f"envelope keys are strings, got {type(name).__name__}")
+            if skip_user_values and name in _USER_VALUES:
+                unpacker.skip()
+                out[name] = b""
+            else:
+                out[name] = unpacker.unpack()
+        trailing = unpacker.tell() != len(data)
+    except EnvelopeError:
+        raise
+    except msgpack.OutOfData as exc:
+        raise EnvelopeError(f"truncated Envelope ({len(data)} bytes)") from exc
+    except Exception as exc:  # msgpack raises several unrelated types on bad input
+        raise EnvelopeError(f"not an Envelope (expected a msgpack map): {exc}") from exc
+    if trailing:
+        raise EnvelopeError(f"trailing bytes after the Envelope map ({len(data)} bytes in all)")
+    return out
+
+
+def _validate(fields: dict[str, Any]) -> dict[str, Any]:
+    v = fields.get("v")
+    if type(v) is not int or v < 1:
+        raise EnvelopeError(f"envelope field 'v' must be a positive int, got {v!r}")
+    if v > WIRE_VERSION:
+        raise VersionError(
+            f"Envelope wire version {v} is newer than this reader's ({WIRE_VERSION}): "
+            "upgrade dreamlake-lakeshore on the reading side (worker or entry bundle)"
+        )
+    try:
+        ids.validate(fields.get("id"), "envelope id")
+    except ValueError as exc:
+        raise EnvelopeError(str(exc)) from exc
+    fn = fields.get("fn")
+    if not isinstance(fn, dict):
+        raise EnvelopeError(f"envelope field 'fn' must be a map, got {type(fn).__name__}")
+    check_fn(fn)
+    for name in ("args", "kwargs"):
+        if not isinstance(fields.get(name), bytes):
+            raise EnvelopeError(f"envelope field {name!r} must be bin (pre-packed by wire.pack)")
+    fields.setdefault("prefix", "")
+    fields.setdefault("key", None)
+    fields.setdefault("cfg", {})
+    fields.setdefault("parent", None)
+    _expect(fields, "prefix", (str,))
+    _expect(fields, "key", (str, type(None)))
+    _expect(fields, "cfg", (dict,))
+    _expect(fields, "parent", (str, type(None)))
+    return fields
+
+
+def _expect(record: Mapping[str, Any], name: str, types: tuple[type, ...], what: str = "envelope") -> None:
+    value = record.get(name)
+    if not isinstance(value, types):
+        names = " or ".join("None" if t is type(None) else t.__name__ for t in types)
+        raise EnvelopeError(f"{what} field {name!r} must be {names}, got {type(value).__name__}")
+
+
+def check_fn(fn: Any) -> FnRecord:
+    """Validate a ``fn`` record (either arm); unknown keys pass. Returns it unchanged."""
+    if not isinstance(fn, dict):
+        raise EnvelopeError(f"fn must be a map, got {type(fn).__name__}")
+    kind = fn.get("kind")
+    if kind == "ref":
+        _expect(fn, "module", (str,), "fn")
+        _expect(fn, "qualname", (str,), "fn")
+        if not fn["module"] or not fn["qualname"]:
+            raise EnvelopeError("fn 'module' and 'qualname' must not be empty")
+        if fn.get("src_hash") is not None:
+            _expect(fn, "src_hash", (str,), "fn")
+    elif kind == "pickle":
+        _expect(fn, "blob", (bytes,), "fn")
+        _expect(fn, "hash", (str,), "fn")
+        _expect(fn, "qualname", (str,), "fn")
+        _expect(fn, "runtime", (dict,), "fn")
+        if not fn["hash"].startswith("sha256:"):
+            raise EnvelopeError("fn 'hash' must be 'sha256:<hex>'")
+    else:
+        raise EnvelopeError(f"fn 'kind' must be 'ref' or 'pickle', got {kind!r}")
+    return fn
+
+
+def is_pickled(fn: Mapping[str, Any]) -> bool:
+    """True for the pickle arm of the ``fn`` union."""
+    return fn.get("kind") == "pickle"
+
+
+# --- submitter side -------------------------------------------------------------------------------
+
+
+def _underlying(obj: Any) -> Any:
+    """The user function behind an SDK wrapper (``__lakeshore_fn__``, else the ``__wrapped__`` chain)."""
+    inner = getattr(obj, "__lakeshore_fn__", None)
+    if inner is not None:
+        return inner
+    seen = 0
+    while hasattr(obj, "__wrapped__") and seen < 100:
+        obj = obj.__wrapped__
+        seen += 1
+    return obj
+
+
+def _not_importable(obj: Any) -> str | None:
+    """Why ``obj`` cannot be shipped by reference, or None when it can."""
+    qualname = getattr(obj, "__qualname__", None)
+    if not isinstance(qualname, str):
+        return f"{type(obj).__name__} instance has no __qualname__ of its own (a callable instance)"
+    if "<lambda>" in qualname:
+        return f"{qualname} is a lambda"
+    if "<locals>" in qualname:
+        return f"{qualname} is defined inside a function (<locals> closure)"
+    module = getattr(obj, "__module__", None)
+    if module is None or module == "__main__":
+        return f"{qualname} is defined in __main__, which the worker cannot import"
+    return None
+
+
+def src_hash(fn: Callable[..., Any]) -> str | None:
+    """``"sha256:" + 16 hex`` of the function's source, or None when the source is unavailable."""
+    import inspect
+
+    try:
+        source = inspect.getsource(_underlying(fn))
+    except (OSError, TypeError):
+        return None
+    return "sha256:" + hashlib.sha256(source.encode("utf-8")).hexdigest()[:16]
+
+
+def fn_for(fn: Callable[..., Any], transport: str = "auto") -> FnRecord:
+    """The ``fn`` record for ``fn``: ``auto`` pickles exactly what cannot travel by reference."""
+    if transport not in TRANSPORTS:
+        raise TransportError(f"unknown transport {transport!r}: use 'auto', 'ref' or 'pickle'")
+    if not callable(fn):
+        raise TransportError(f"cannot ship {type(fn).__name__} object: it is not callable")
+    target = _underlying(fn)
+    why = _not_importable(target)
+    if transport == "pickle" or (transport == "auto" and why is not None):
+        return _pickle_record(target)
+    if why is not None:
+        raise TransportError(
+            f"cannot ship {why} by reference: the worker imports functions by module and qualname. "
+            "Move it to module level in an importable module, or use transport='pickle' (or 'auto') "
+            "on a worker started with --allow-pickled"
+        )
+    module, qualname = target.__module__, target.__qualname__
+    loaded = sys.modules.get(module)
+    if loaded is not None:
+        try:
+            _getattr_chain(loaded, qualname)
+        except AttributeError as exc:
+            raise TransportError(
+                f"cannot ship {module}.{qualname} by reference: the module has no attribute at that "
+                "qualname (was the name rebound or deleted?). Keep the function reachable under its "
+                "own name, or use transport='pickle'"
+            ) from exc
+    return {"kind": "ref", "module": module, "qualname": qualname, "src_hash": src_hash(target)}
+
+
+def runtime_info() -> dict[str, Any]:
+    """The runtime record a pickle carries: python, impl, cloudpickle, pickle_protocol, platform."""
+    import platform
+
+    import cloudpickle
+
+    return {
+        "python": platform.python_version(),
+        "impl": sys.implementation.name,
+        "cloudpickle": cloudpickle.__version__,
+        "pickle_protocol": cloudpickle.DEFAULT_PROTOCOL,
+        "platform": f"{sys.platform}-{platform.machine()}",
+    }
+
+
+def _pickle_record(obj: Any) -> FnRecord:
+    import inspect
+
+    import cloudpickle
+
+    qualname = getattr(obj, "__qualname__", None)
+    if not isinstance(qualname, str):
+        qualname = type(obj).__qualname__
+    source: str | None = None
+    where = f"{qualname} (<unknown>)"
+    for candidate in (obj, type(obj)):
+        try:
+            source = inspect.getsource(candidate)
+            lines = inspect.getsourcelines(candidate)[1]
+            where = f"{qualname} ({inspect.getsourcefile(candidate)}:{lines})"
+            break
+        except (OSError, TypeError):
+            continue
+    runtime = runtime_info()
+    try:
+        blob = cloudpickle.dumps(obj, protocol=runtime["pickle_protocol"])
+    except Exception as exc:
+        raise TransportError(
+            f"cannot pickle {where}: {exc}. Pass unpicklable state (locks, sockets, clients) as "
+            "arguments or build it inside the function"
+        ) from exc
+    if len(blob) > INLINE_PICKLE_LIMIT:
+        raise TransportError(
+            f"pickled {where} is {len(blob)} bytes, over the {INLINE_PICKLE_LIMIT}-byte (32 KiB) inline "
+            "limit: that is captured state (closure variables, globals or defaults the function drags "
+            "along). Pass the data as arguments instead"
+        )
+    return {
+        "kind": "pickle",
+        "blob": blob,
+        "hash": "sha256:" + hashlib.sha256(blob).hexdigest(),
+        "source": source,
+        "qualname": qualname,
+        "where": where,
+        "runtime": runtime,
+    }
+
+
+# --- worker side ----------------------------------------------------------------------------------
+
+
+def _getattr_chain(obj: Any, qualname: str) -> Any:
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_runtime(runtime: Mapping[str, Any], policy: str = "minor") -> None:
+    """Refuse a pickle whose runtime differs from this one beyond ``policy`` (strict | minor | off)."""
+    if policy not in RUNTIME_POLICIES:
+        raise ValueError(f"unknown runtime policy {policy!r}: use 'strict', 'minor' or 'off'")
+    if policy == "off":
+        return
+    if not isinstance(runtime, Mapping):
+        raise RuntimeMismatch("the pickled function carries no runtime record; re-submit it")
+    try:
+        import cloudpickle
+    except ImportError as exc:
+        raise RuntimeMismatch(
+            "cloudpickle is not installed in this runtime, so a pickled function cannot run here: "
+            "install cloudpickle or put the lakeshore entry bundle on PYTHONPATH"
+        ) from exc
+    theirs_py, theirs_cp = str(runtime.get("python", "?")), str(runtime.get("cloudpickle", "?"))
+    theirs_impl = str(runtime.get("impl", sys.implementation.name))
+    mine_py = ".".join(str(n) for n in sys.version_info[:3])
+    mine_cp = str(cloudpickle.__version__)
+    if policy == "strict":
+        same = theirs_py == mine_py and theirs_cp == mine_cp
+        need = "the exact python and cloudpickle versions"
+    else:
+        same = _parts(theirs_py, 2) == _parts(mine_py, 2) and _parts(theirs_cp, 1) == _parts(mine_cp, 1)
+        need = "the same python major.minor and cloudpickle major version"
+    if not same or theirs_impl != sys.implementation.name:
+        raise RuntimeMismatch(
+            f"function pickled under {theirs_impl} {theirs_py} / cloudpickle {theirs_cp}, but this worker "
+            f"runs {sys.implementation.name} {mine_py} / cloudpickle {mine_cp}; runtime policy {policy!r} "
+            f"requires {need}. Run a matching runtime, ship the function by ref, or relax the policy "
+            "(LAKESHORE_RUNTIME_POLICY=minor|off)"
+        )
+
+
+def _parts(version: str, n: int) -> tuple[str, ...]:
+    return tuple(version.split(".")[:n])
+
+
+def resolve_fn(
+    fn: Mapping[str, Any], *, allow_pickled: bool, runtime_policy: str = "minor"
+) -> Callable[..., Any]:
+    """The callable for ``fn`` after the gates: allow_pickled, runtime + hash, src_hash staleness."""
+    if runtime_policy not in RUNTIME_POLICIES:
+        raise ValueError(f"unknown runtime policy {runtime_policy!r}: use 'strict', 'minor' or 'off'")
+    record = check_fn(dict(fn))
+    if record["kind"] == "pickle":
+        return _unpickle(record, allow_pickled=allow_pickled, policy=runtime_policy)
+    return _resolve_ref(record, policy=runtime_policy)
+
+
+def _unpickle(record: FnRecord, *, allow_pickled: bool, policy: str) -> Callable[..., Any]:
+    where = record.get("where") or record["qualname"]
+    if not allow_pickled:
+        raise PickleRefused(
+            f"refusing pickled function {where}: unpickling runs arbitrary code from the submitter. "
+            "Start the worker with --allow-pickled (LAKESHORE_ALLOW_PICKLED=1) if it trusts the "
+            "submitter, or ship the function by ref (an importable module-level function)"
+        )
+    check_runtime(record["runtime"], policy)
+    digest = "sha256:" + hashlib.sha256(record["blob"]).hexdigest()
+    if digest != record["hash"]:
+        raise EnvelopeError(f"pickled function {where}: blob hash {digest} does not match {record['hash']}")
+    import cloudpickle
+
+    try:
+        obj = cloudpickle.loads(record["blob"])
+    except Exception as exc:
+        raise EnvelopeError(f"cannot unpickle {where}: {type(exc).__name__}: {exc}") from exc
+    if not callable(obj):
+        raise EnvelopeError(f"pickled function {where} unpickled to a {type(obj).__name__}, not a callable")
+    return obj  # type: ignore[no-any-return]
+
+
+def _resolve_ref(record: FnRecord, *, policy: str) -> Callable[..., Any]:
+    module_name, qualname = record["module"], record["qualname"]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (module_name + ".").startswith(exc.name + "."):
+            raise
+        raise EnvelopeError(
+            f"cannot import module {module_name!r} for {module_name}.{qualname}: the function's module "
+            "must be importable in the worker's runtime (install it or add it to PYTHONPATH)"
+        ) from exc
+    try:
+        obj = _getattr_chain(module, qualname)
+    except AttributeError as exc:
+        raise EnvelopeError(
+            f"module {module_name!r} has no attribute {qualname!r}: deploy the same code on the worker "
+            "as on the submitter"
+        ) from exc
+    inner = getattr(obj, "__lakeshore_fn__", None)
+    if inner is not None:
+        obj = inner
+    if not callable(obj):
+        raise EnvelopeError(f"{module_name}.{qualname} is a {type(obj).__name__}, not a callable")
+    expected = record.get("src_hash")
+    if expected and policy != "off":
+        local = src_hash(obj)
+        if local is not None and local != expected:
+            raise StaleSource(
+                f"{module_name}.{qualname}: the worker's source hashes to {local} but the submitter's "
+                f"to {expected}, so the worker would run different code. Deploy the same code on both "
+                "sides (or set the runtime policy to 'off' to skip this check)"
+            )
+    return obj  # type: ignore[no-any-return]

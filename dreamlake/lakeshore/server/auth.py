@@ -1,0 +1,77 @@
+"""Bearer-token auth: who is calling (401) and whether that kind may call this route (403).
+
+Kinds (docs/protocol.md): ``admin`` may call everything; ``producer`` ``/v1/producer/*``; ``daemon``
+``/v1/daemon/*`` plus publishing exec results and presigning; ``namespace`` only its own
+``/v1/namespaces/<ns>/*``. A daemon token bound to a namespace is held to that namespace too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from starlette.requests import Request
+
+from dreamlake.lakeshore.server.http import HTTPError
+from dreamlake.lakeshore.store.api import Principal
+
+log = logging.getLogger(__name__)
+
+KINDS = ("admin", "producer", "daemon", "namespace")
+
+_CACHE_TTL_S = 30.0
+_CACHE_MAX = 4096
+
+
+class Authenticator:
+    """Resolves ``Authorization: Bearer <token>`` to a Principal, with a short positive cache."""
+
+    def __init__(self, verify: Callable[[str], Awaitable[Principal | None]]) -> None:
+        self._verify = verify
+        self._cache: dict[str, tuple[float, Principal]] = {}
+
+    async def principal(self, request: Request) -> Principal:
+        header = request.headers.get("authorization", "")
+        scheme, _, secret = header.partition(" ")
+        secret = secret.strip()
+        if scheme.lower() != "bearer" or not secret:
+            raise HTTPError(401, "missing bearer token: send 'Authorization: Bearer <token>' "
+                            "(lakeshore token create --kind KIND --name NAME mints one)")
+        digest = hashlib.sha256(secret.encode("utf-8", "surrogateescape")).hexdigest()
+        now = time.monotonic()
+        hit = self._cache.get(digest)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        found = await self._verify(secret) if len(secret) <= 256 else None
+        if found is None:
+            raise HTTPError(401, "unknown token: check the token, or mint one with "
+                            "'lakeshore token create --kind KIND --name NAME'")
+        if len(self._cache) >= _CACHE_MAX:
+            self._cache.clear()
+        self._cache[digest] = (now + _CACHE_TTL_S, found)
+        return found
+
+
+def require_kind(principal: Principal, *kinds: str) -> None:
+    """403 unless the principal is an admin or one of ``kinds``."""
+    if principal.kind == "admin" or principal.kind in kinds:
+        return
+    allowed = " or ".join(("admin", *kinds))
+    raise HTTPError(403, f"token '{principal.name}' is a {principal.kind} token; this route needs {allowed}")
+
+
+def require_namespace(principal: Principal, namespace: str, *, daemon_ok: bool = False) -> None:
+    """403 unless the principal may act on ``/v1/namespaces/<namespace>/*``."""
+    if principal.kind == "admin":
+        return
+    if principal.kind == "namespace" or (daemon_ok and principal.kind == "daemon"):
+        if principal.kind == "daemon" and principal.namespace is None:
+            return
+        if principal.namespace == namespace:
+            return
+        raise HTTPError(403, f"token '{principal.name}' is bound to namespace "
+                        f"'{principal.namespace}', not '{namespace}'")
+    kinds = "admin, namespace or daemon" if daemon_ok else "admin or namespace"
+    raise HTTPError(403, f"token '{principal.name}' is a {principal.kind} token; this route needs {kinds}")

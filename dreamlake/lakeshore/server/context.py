@@ -1,0 +1,60 @@
+"""What every route needs: the store (run off-loop), wake-ups, auth, metrics, config and plugins."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from dreamlake.lakeshore.errors import PlaneError
+from dreamlake.lakeshore.server.auth import Authenticator
+from dreamlake.lakeshore.server.config import ServerConfig
+from dreamlake.lakeshore.server.http import HTTPError
+from dreamlake.lakeshore.server.hub import StoreRunner, Wakeups
+from dreamlake.lakeshore.server.metrics import Metrics
+from dreamlake.lakeshore.store.api import Store
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def store_dialect(store: Any) -> str:
+    """``"sqlite"`` or ``"postgresql"``, from the store's database when it exposes one."""
+    db = getattr(store, "db", None) or getattr(store, "database", None)
+    dialect = getattr(db, "dialect", None) or getattr(store, "dialect", None)
+    if isinstance(dialect, str):
+        return dialect
+    url = str(getattr(store, "url", "") or getattr(db, "url", ""))
+    return "postgresql" if url.startswith("postgres") else "sqlite"
+
+
+@dataclass
+class Context:
+    store: Store
+    config: ServerConfig
+    fanout: Any = None
+    payloads: Any = None
+    dialect: str = "sqlite"
+    metrics: Metrics = field(default_factory=Metrics)
+    worker_namespaces: dict[str, str | None] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        threads = self.config.store_threads or (1 if self.dialect == "sqlite" else 8)
+        self.runner = StoreRunner(threads)
+        self.wake = Wakeups(self.store)
+        self.auth = Authenticator(lambda secret: self.call(self.store.verify_token, secret))
+
+    async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a store method in the store thread; a PlaneError with a 4xx status becomes that answer."""
+        try:
+            return await self.runner(fn, *args, **kwargs)
+        except PlaneError as exc:
+            status = exc.status if isinstance(exc.status, int) and 400 <= exc.status < 500 else None
+            if status is None:
+                raise
+            raise HTTPError(status, str(exc)) from None
+
+    def close(self) -> None:
+        self.runner.close()

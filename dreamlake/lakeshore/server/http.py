@@ -1,0 +1,199 @@
+"""Request and response helpers: bounded msgpack/JSON bodies, typed field access, error answers.
+
+Every handler raises :class:`HTTPError` for a client mistake; the app turns it into
+``{"error": ...}`` in the route's encoding (msgpack or JSON) with the given status.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+import msgpack
+from starlette.requests import Request
+from starlette.responses import Response
+
+from dreamlake.lakeshore import ids
+from dreamlake.lakeshore.errors import InvalidId
+
+MSGPACK = "application/x-msgpack"
+MSGPACK_STREAM = "application/x-msgpack-stream"
+
+NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+# Bounds for decoding untrusted msgpack: containers stay small, bins may fill the body.
+_MAX_STR = 1024 * 1024
+_MAX_CONTAINER = 100_000
+_MAX_EXT = 1024 * 1024
+
+
+class HTTPError(Exception):
+    """A client (4xx) or server (5xx) error with the message the answer carries."""
+
+    def __init__(self, status: int, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.extra = extra
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing (413) anything over ``limit`` bytes before buffering it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise HTTPError(413, f"request body of {declared} bytes is over the limit of {limit} bytes "
+                                "(LAKESHORE_MAX_BODY_BYTES); send large payloads through the payload store")
+        except ValueError:
+            raise HTTPError(400, "invalid Content-Length header") from None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPError(413, f"request body is over the limit of {limit} bytes "
+                            "(LAKESHORE_MAX_BODY_BYTES); send large payloads through the payload store")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def decode_msgpack(data: bytes) -> dict[str, Any]:
+    """Decode a msgpack map body with bounds; 400 on garbage, trailing bytes or a non-map."""
+    if not data:
+        raise HTTPError(400, "empty body: send a msgpack map (Content-Type: application/x-msgpack)")
+    try:
+        value = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=False,
+            max_bin_len=len(data),
+            max_str_len=min(len(data), _MAX_STR),
+            max_array_len=_MAX_CONTAINER,
+            max_map_len=_MAX_CONTAINER,
+            max_ext_len=_MAX_EXT,
+        )
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, UnicodeDecodeError) as exc:
+        raise HTTPError(400, f"body is not valid msgpack ({type(exc).__name__}): send one msgpack map") from None
+    except Exception as exc:  # msgpack raises a few odd types on hostile input
+        raise HTTPError(400, f"body is not valid msgpack ({type(exc).__name__}): send one msgpack map") from None
+    if not isinstance(value, dict):
+        raise HTTPError(400, f"body must be a msgpack map, got {type(value).__name__}")
+    return value
+
+
+def decode_json(data: bytes) -> dict[str, Any]:
+    """Decode a JSON object body; 400 on anything else."""
+    if not data:
+        raise HTTPError(400, "empty body: send a JSON object (Content-Type: application/json)")
+    try:
+        value = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise HTTPError(400, f"body is not valid JSON: {str(exc)[:200]}") from None
+    if not isinstance(value, dict):
+        raise HTTPError(400, f"body must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def msgpack_response(value: Any, status: int = 200) -> Response:
+    return Response(msgpack.packb(value, use_bin_type=True), status_code=status, media_type=MSGPACK)
+
+
+def json_response(value: Any, status: int = 200) -> Response:
+    return Response(json.dumps(value, separators=(",", ":")), status_code=status,
+                    media_type="application/json")
+
+
+def error_response(exc: HTTPError, *, as_json: bool) -> Response:
+    body = {"error": exc.message, **exc.extra}
+    return json_response(body, exc.status) if as_json else msgpack_response(body, exc.status)
+
+
+# -- typed field access ------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def _type_name(value: Any) -> str:
+    return type(value).__name__
+
+
+def field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], *, default: Any = _MISSING,
+          nullable: bool = False) -> Any:
+    """``body[name]`` checked against ``kind``; 400 naming the field when missing or mistyped."""
+    if name not in body or (body[name] is None and default is not _MISSING and not nullable):
+        if default is _MISSING:
+            raise HTTPError(400, f"missing field '{name}'")
+        return default
+    value = body[name]
+    if value is None and nullable:
+        return None
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    # bool is an int in Python; refuse it where a number is asked for.
+    if isinstance(value, bool) and bool not in kinds:
+        raise HTTPError(400, f"field '{name}' must be {_kinds(kinds)}, got bool")
+    if not isinstance(value, kinds):
+        raise HTTPError(400, f"field '{name}' must be {_kinds(kinds)}, got {_type_name(value)}")
+    return value
+
+
+def _kinds(kinds: tuple[type, ...]) -> str:
+    return " or ".join(k.__name__ for k in kinds)
+
+
+def number(body: dict[str, Any], name: str, default: float, *, lo: float, hi: float) -> float:
+    """A finite number field clamped to ``[lo, hi]``."""
+    value = field(body, name, (int, float), default=default)
+    value = float(value)
+    if not math.isfinite(value):
+        raise HTTPError(400, f"field '{name}' must be a finite number")
+    return min(max(value, lo), hi)
+
+
+def ulid(value: Any, what: str) -> str:
+    """Validate an id with :func:`ids.validate`; 400 with its message otherwise."""
+    try:
+        return ids.validate(value, what)
+    except InvalidId as exc:
+        raise HTTPError(400, str(exc)) from None
+
+
+def ulid_field(body: dict[str, Any], name: str, *, optional: bool = False) -> str | None:
+    if optional and body.get(name) in (None, ""):
+        return None
+    if name not in body:
+        raise HTTPError(400, f"missing field '{name}'")
+    return ulid(body[name], name)
+
+
+def name(value: Any, what: str) -> str:
+    """A queue, topic or namespace name: ``[A-Za-z0-9._-]{1,128}``."""
+    if not isinstance(value, str) or not NAME_RE.match(value):
+        shown = repr(value)[:60]
+        raise HTTPError(400, f"invalid {what} {shown}: expected 1-128 characters of [A-Za-z0-9._-]")
+    return value
+
+
+def query_number(request: Request, key: str, default: float, *, lo: float, hi: float) -> float:
+    raw = request.query_params.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise HTTPError(400, f"query parameter '{key}' must be a number, got {raw[:40]!r}") from None
+    if not math.isfinite(value):
+        raise HTTPError(400, f"query parameter '{key}' must be a finite number")
+    return min(max(value, lo), hi)
+
+
+def query_int(request: Request, key: str, default: int) -> int:
+    raw = request.query_params.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise HTTPError(400, f"query parameter '{key}' must be an integer, got {raw[:40]!r}") from None

@@ -1,0 +1,143 @@
+"""The store's tables, as SQLAlchemy Core metadata shared by SQLite and PostgreSQL.
+
+This is the shape the code queries; ``migrations/versions`` creates it. A test compares the two
+(Alembic autogenerate finds no difference), so change both together, in a new migration.
+
+Times are ``DOUBLE`` seconds since the epoch; blobs are ``LargeBinary`` (BLOB / BYTEA); structured
+fields are JSON text (``JSON``, not ``JSONB``: stored as given).
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+metadata = sa.MetaData()
+
+ID = sa.String(64)
+NAME = sa.String(255)
+TIME = sa.Double()
+
+queues = sa.Table(
+    "queues",
+    metadata,
+    sa.Column("name", NAME, primary_key=True),
+    sa.Column("created_at", TIME, nullable=False),
+)
+
+functions = sa.Table(
+    "functions",
+    metadata,
+    sa.Column("function_key", ID, primary_key=True),  # sha256 hex of the canonical function JSON
+    sa.Column("function", sa.JSON, nullable=False),
+    sa.Column("created_at", TIME, nullable=False),
+)
+
+invocations = sa.Table(
+    "invocations",
+    metadata,
+    sa.Column("invocation_id", ID, primary_key=True),
+    sa.Column("queue", NAME, nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("priority", sa.BigInteger, nullable=False),
+    sa.Column("function_key", ID, nullable=False),
+    sa.Column("function", sa.JSON, nullable=False),
+    sa.Column("args_blob", sa.LargeBinary, nullable=False),
+    sa.Column("run_config", sa.JSON, nullable=False),
+    sa.Column("code_context", sa.JSON, nullable=False),
+    sa.Column("namespace", NAME, nullable=False),
+    sa.Column("content_hash", ID, nullable=False),  # what makes a re-submit of this id identical
+    sa.Column("attempt", sa.Integer, nullable=False),
+    sa.Column("max_attempts", sa.Integer, nullable=False),
+    sa.Column("parent_invocation_id", ID, nullable=True),
+    sa.Column("root_invocation_id", ID, nullable=True),
+    sa.Column("idempotency_key", sa.String(1024), nullable=True),
+    sa.Column("worker_id", ID, nullable=True),
+    sa.Column("submitted_at", TIME, nullable=False),
+    sa.Column("started_at", TIME, nullable=True),
+    sa.Column("finished_at", TIME, nullable=True),
+    sa.Column("lease_expires_at", TIME, nullable=True),
+    sa.Column("result_blob", sa.LargeBinary, nullable=True),
+    sa.Column("error", sa.JSON, nullable=True),
+    sa.Column("cancel_requested", sa.Boolean, nullable=False),
+    sa.Index("ix_invocations_claim", "state", "queue", "priority", "submitted_at"),
+    sa.Index("ix_invocations_lease", "state", "lease_expires_at"),
+    sa.Index("ix_invocations_root", "root_invocation_id"),
+    sa.Index("ux_invocations_queue_key", "queue", "idempotency_key", unique=True),
+)
+
+frames = sa.Table(
+    "frames",
+    metadata,
+    sa.Column("owner_id", NAME, primary_key=True),  # an invocation id, or "topic:<name>"
+    sa.Column("seq", sa.BigInteger, primary_key=True, autoincrement=False),
+    sa.Column("data", sa.LargeBinary, nullable=False),
+    sa.Column("final", sa.Boolean, nullable=False),
+    sa.Column("created_at", TIME, nullable=False),
+)
+
+topics = sa.Table(
+    "topics",
+    metadata,
+    sa.Column("name", NAME, primary_key=True),
+    sa.Column("next_seq", sa.BigInteger, nullable=False),
+    sa.Column("created_at", TIME, nullable=False),
+)
+
+workers = sa.Table(
+    "workers",
+    metadata,
+    sa.Column("worker_id", ID, primary_key=True),
+    sa.Column("info", sa.JSON, nullable=False),
+    sa.Column("registered_at", TIME, nullable=False),
+    sa.Column("last_seen", TIME, nullable=False),
+)
+
+tokens = sa.Table(
+    "tokens",
+    metadata,
+    sa.Column("token_id", ID, primary_key=True),
+    sa.Column("secret_sha256", sa.String(64), nullable=False, unique=True),
+    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("namespace", NAME, nullable=True),
+    sa.Column("name", NAME, nullable=False),
+    sa.Column("created_at", TIME, nullable=False),
+)
+
+namespaces = sa.Table(
+    "namespaces",
+    metadata,
+    sa.Column("name", NAME, primary_key=True),
+    sa.Column("nymph_version", sa.String(64), nullable=True),
+    sa.Column("updated_at", TIME, nullable=False),
+)
+
+exec_jobs = sa.Table(
+    "exec_jobs",
+    metadata,
+    sa.Column("exec_id", ID, primary_key=True),
+    sa.Column("namespace", NAME, nullable=False),
+    sa.Column("command", sa.Text, nullable=False),
+    sa.Column("payload_inline", sa.LargeBinary, nullable=True),
+    sa.Column("payload_ref", sa.JSON, nullable=True),
+    sa.Column("queue", NAME, nullable=False),
+    sa.Column("worker_id", ID, nullable=True),  # the worker it is meant for; None: any
+    sa.Column("timeout_s", TIME, nullable=True),
+    sa.Column("state", sa.String(16), nullable=False),  # queued | running | done
+    sa.Column("claimed_by", ID, nullable=True),
+    sa.Column("created_at", TIME, nullable=False),
+    sa.Column("claimed_at", TIME, nullable=True),
+    sa.Column("finished_at", TIME, nullable=True),
+    sa.Column("result", sa.LargeBinary, nullable=True),  # msgpack of the published result dict
+    sa.Index("ix_exec_jobs_claim", "state", "queue", "created_at"),
+)
+
+commands = sa.Table(
+    "commands",
+    metadata,
+    sa.Column("command_id", ID, primary_key=True),
+    sa.Column("worker_id", ID, nullable=False),
+    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("body", sa.JSON, nullable=False),
+    sa.Column("created_at", TIME, nullable=False),
+    sa.Index("ix_commands_worker", "worker_id", "created_at"),
+)

@@ -1,0 +1,408 @@
+"""The function author's surface: ``@udf``, :class:`UDF`, :class:`Thunk`, ``scope`` and ``run``.
+
+A decorated function stays an ordinary function locally: calling it runs it in this process and
+builds no Envelope. ``inspect.isgeneratorfunction`` decides once, at decoration, whether a call
+returns a value or a lazy iterator; a generator call runs nothing until it is pulled.
+
+Run context. Every call carries a small, immutable :class:`RunState` in a context variable: the
+invocation id (``None`` for a local call outside any invocation), the key prefix built by
+``scope`` blocks, and the name of the UDF whose body is executing. For a generator call the state
+lives in a private :class:`contextvars.Context` captured at call time, and that context is entered
+only around each ``next()`` / ``send()`` / ``throw()`` / ``close()``: a ``scope`` opened inside the
+body never leaks into the consumer between two pulls, and a scope the consumer opens later does
+not reach into the body.
+
+``run`` (exported as ``dls.run``) reads that state:
+
+* ``run.id`` -- the invocation id inside a remote invocation (worker or entry), else ``None``.
+* ``run.prefix`` -- the current key prefix: the submitter's ``scope`` prefix carried by the
+  Envelope, joined with every ``scope`` opened since; ``""`` when there is none.
+* ``run.key(name)`` -- ``"<prefix>/<name>"`` (just ``name`` without a prefix): the one way a body
+  names the objects it writes, so the same code writes under ``scenes/0007/...`` when submitted
+  inside ``dls.scope("scenes/0007")`` and at the top level otherwise.
+* ``run.name`` -- the qualified name of the UDF body executing, else ``None``.
+
+``.submit()`` sends a call to a dispatch plane: the ``_dispatch`` argument, else the plane given to
+``@udf(dispatch=...)``, else the process default of :func:`set_default_dispatch`. No plane is ever
+built implicitly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import inspect
+import logging
+import math
+from collections.abc import Callable, Generator, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar, overload
+
+from dreamlake.lakeshore.errors import PlaneError
+
+if TYPE_CHECKING:
+    from dreamlake.lakeshore.dispatch import Plane
+    from dreamlake.lakeshore.envelope import Envelope
+
+__all__ = [
+    "UDF",
+    "RunState",
+    "Thunk",
+    "get_default_dispatch",
+    "invocation_context",
+    "run",
+    "scope",
+    "set_default_dispatch",
+    "udf",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+TRANSPORTS = ("auto", "ref", "pickle")
+DEFAULT_QUEUE = "default"
+
+
+# --- run context ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RunState:
+    """What ``dls.run`` reports: invocation id, key prefix, executing UDF name."""
+
+    id: str | None = None
+    prefix: str = ""
+    name: str | None = None
+
+
+_STATE: contextvars.ContextVar[RunState] = contextvars.ContextVar(
+    "lakeshore_run",
+    default=RunState(),  # noqa: B039 (RunState is frozen)
+)
+
+
+def _check_segment_path(value: object, what: str) -> str:
+    """A ``/``-separated relative path without empty, ``.`` or ``..`` segments."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str like 'scenes/0007', got {type(value).__name__}")
+    path = value.strip("/")
+    if not path:
+        raise ValueError(f"{what} {value!r} is empty: pass a name like 'scenes/0007'")
+    for part in path.split("/"):
+        if part in ("", ".", ".."):
+            raise ValueError(
+                f"{what} {value!r} has an empty, '.' or '..' segment: use plain names joined by '/'"
+            )
+    return path
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}/{name}" if prefix else name
+
+
+@contextlib.contextmanager
+def scope(prefix: str) -> Iterator[str]:
+    """Open a key scope: ``run.key(name)`` and submitted calls inside it resolve under ``prefix``.
+
+    Scopes nest by joining: ``scope("scenes")`` then ``scope("0007")`` gives ``"scenes/0007"``.
+    Yields the full prefix.
+    """
+    part = _check_segment_path(prefix, "scope prefix")
+    state = _STATE.get()
+    full = _join(state.prefix, part)
+    token = _STATE.set(dataclasses.replace(state, prefix=full))
+    try:
+        yield full
+    finally:
+        _STATE.reset(token)
+
+
+class _Run:
+    """``dls.run``: the state of the call executing now (see the module docstring)."""
+
+    __slots__ = ()
+
+    @property
+    def id(self) -> str | None:
+        """The invocation id inside a remote invocation; ``None`` for a local call."""
+        return _STATE.get().id
+
+    @property
+    def prefix(self) -> str:
+        """The key prefix in force: Envelope prefix joined with open ``scope`` blocks, or ``""``."""
+        return _STATE.get().prefix
+
+    @property
+    def name(self) -> str | None:
+        """The qualified name of the UDF whose body is executing, else ``None``."""
+        return _STATE.get().name
+
+    def key(self, name: str) -> str:
+        """``"<prefix>/<name>"`` (``name`` alone without a prefix); ``name`` is a relative path."""
+        return _join(_STATE.get().prefix, _check_segment_path(name, "run key"))
+
+    def __repr__(self) -> str:
+        state = _STATE.get()
+        return f"<dls.run id={state.id!r} prefix={state.prefix!r} name={state.name!r}>"
+
+
+run = _Run()
+
+
+@contextlib.contextmanager
+def invocation_context(envelope: Envelope) -> Iterator[RunState]:
+    """The run state of a remote invocation, around its call (used by workers and the entry)."""
+    fn = envelope.fn if isinstance(envelope.fn, dict) else {}
+    state = RunState(id=envelope.id, prefix=envelope.prefix or "", name=fn.get("qualname"))
+    token = _STATE.set(state)
+    try:
+        yield state
+    finally:
+        _STATE.reset(token)
+
+
+# --- the default plane ----------------------------------------------------------------------------
+
+_default_plane: Plane | None = None
+
+
+def set_default_dispatch(plane: Plane | None) -> None:
+    """Set (or clear, with ``None``) the plane ``.submit()`` and ``SyncQueue`` use by default."""
+    global _default_plane
+    _default_plane = plane
+
+
+def get_default_dispatch() -> Plane:
+    """The process default plane; :class:`PlaneError` naming the fixes when none was set."""
+    if _default_plane is None:
+        raise PlaneError(
+            "no dispatch plane: pass _dispatch=plane to submit(), give @dls.udf(dispatch=plane), "
+            "or call dls.set_default_dispatch(plane) once at start-up "
+            '(plane = Dispatch(":memory:") in process, or HttpDispatch(url, token))'
+        )
+    return _default_plane
+
+
+# --- local generator calls ------------------------------------------------------------------------
+
+
+class LocalGenerator(Generator[Any, Any, Any]):
+    """A local generator call: the body runs in its own context, entered only around each pull."""
+
+    __slots__ = ("_ctx", "_gen")
+
+    def __init__(self, fn: Callable[..., Generator[Any, Any, Any]], name: str, args: Any, kwargs: Any):
+        ctx = contextvars.copy_context()
+        ctx.run(_STATE.set, dataclasses.replace(ctx.run(_STATE.get), name=name))
+        self._ctx = ctx
+        self._gen = fn(*args, **kwargs)  # creating a generator object runs none of its body
+
+    def __iter__(self) -> LocalGenerator:
+        return self
+
+    def __next__(self) -> Any:
+        return self._ctx.run(next, self._gen)
+
+    def send(self, value: Any) -> Any:
+        return self._ctx.run(self._gen.send, value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        if val is None and tb is None:
+            return self._ctx.run(self._gen.throw, typ)
+        return self._ctx.run(self._gen.throw, typ, val, tb)
+
+    def close(self) -> None:
+        self._ctx.run(self._gen.close)
+
+    def __repr__(self) -> str:
+        return f"<lakeshore local generator {getattr(self._gen, '__qualname__', '?')}>"
+
+
+# --- UDF and Thunk --------------------------------------------------------------------------------
+
+
+def _check_queue(queue: object) -> str:
+    if not isinstance(queue, str) or not queue:
+        raise ValueError(f"queue must be a non-empty str like 'gpu', got {queue!r}")
+    return queue
+
+
+def _check_priority(priority: object) -> float:
+    if isinstance(priority, bool) or not isinstance(priority, (int, float)) or not math.isfinite(priority):
+        raise ValueError(f"priority must be a finite number (higher runs first), got {priority!r}")
+    return float(priority)
+
+
+def _check_key(key: object) -> str | None:
+    if key is not None and (not isinstance(key, str) or not key):
+        raise ValueError(f"key (the idempotency key) must be a non-empty str or None, got {key!r}")
+    return key
+
+
+@dataclasses.dataclass(frozen=True)
+class Thunk:
+    """A call captured but not sent: ``to_envelope()`` builds the Envelope, ``submit()`` sends it."""
+
+    udf: UDF
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    queue: str
+    priority: float
+    key: str | None
+    prefix: str
+    parent: str | None
+
+    def run_config(self) -> dict[str, Any]:
+        """The Submit ``run_config``: queue, priority, key, plus prefix and the UDF's options."""
+        cfg: dict[str, Any] = dict(self.udf.options)
+        cfg.update({"queue": self.queue, "priority": self.priority, "key": self.key})
+        if self.prefix:
+            cfg["prefix"] = self.prefix
+        return cfg
+
+    def to_envelope(self) -> Envelope:
+        """The Envelope of this call (a fresh invocation id each time)."""
+        from dreamlake.lakeshore.envelope import Envelope, fn_for
+
+        return Envelope.create(
+            fn_for(self.udf, self.udf.transport),
+            self.args,
+            self.kwargs,
+            prefix=self.prefix,
+            key=self.key,
+            parent=self.parent,
+        )
+
+    def submit(self, dispatch: Plane | None = None) -> str:
+        """Send the call; returns its invocation id (the existing one when ``key`` matched)."""
+        plane = dispatch or self.udf.dispatch or get_default_dispatch()
+        envelope = self.to_envelope()
+        inv = plane.submit(envelope.to_bytes(), self.queue, self.run_config(), self.parent)
+        log.debug("submitted %s to queue %s as %s", self.udf.__qualname__, self.queue, inv)
+        return inv
+
+
+class UDF:
+    """A function decorated with ``@dls.udf``: call it locally, or ``submit()`` it to a plane."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        queue: str = DEFAULT_QUEUE,
+        transport: str = "auto",
+        priority: float = 0,
+        key: str | None = None,
+        timeout_s: float | None = None,
+        max_attempts: int | None = None,
+        dispatch: Plane | None = None,
+        **options: Any,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"@dls.udf decorates a function, got {type(fn).__name__}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {transport!r}: use 'auto', 'ref' or 'pickle'")
+        if timeout_s is not None and (
+            isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0
+        ):
+            raise ValueError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
+        if max_attempts is not None and (
+            isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1
+        ):
+            raise ValueError(f"max_attempts must be an int >= 1 or None, got {max_attempts!r}")
+        functools.update_wrapper(self, fn)
+        self.__qualname__: str = getattr(fn, "__qualname__", type(fn).__qualname__)
+        self.__lakeshore_fn__ = fn
+        self.is_generator = inspect.isgeneratorfunction(fn)
+        self.queue = _check_queue(queue)
+        self.transport = transport
+        self.priority = _check_priority(priority)
+        self.key = _check_key(key)
+        self.dispatch = dispatch
+        self.options: dict[str, Any] = dict(options)
+        if timeout_s is not None:
+            self.options["timeout_s"] = float(timeout_s)
+        if max_attempts is not None:
+            self.options["max_attempts"] = max_attempts
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run locally. A generator body returns a lazy iterator; nothing runs until pulled."""
+        fn = self.__lakeshore_fn__
+        if self.is_generator:
+            return LocalGenerator(fn, self.__qualname__, args, kwargs)
+        token = _STATE.set(dataclasses.replace(_STATE.get(), name=self.__qualname__))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _STATE.reset(token)
+
+    def thunk(
+        self,
+        *args: Any,
+        _queue: str | None = None,
+        _priority: float | None = None,
+        _key: str | None = None,
+        **kwargs: Any,
+    ) -> Thunk:
+        """Capture a call (and the current ``scope`` prefix and parent invocation) without sending."""
+        state = _STATE.get()
+        return Thunk(
+            udf=self,
+            args=args,
+            kwargs=kwargs,
+            queue=_check_queue(_queue) if _queue is not None else self.queue,
+            priority=_check_priority(_priority) if _priority is not None else self.priority,
+            key=_check_key(_key) if _key is not None else self.key,
+            prefix=state.prefix,
+            parent=state.id,
+        )
+
+    def submit(
+        self,
+        *args: Any,
+        _dispatch: Plane | None = None,
+        _queue: str | None = None,
+        _priority: float | None = None,
+        _key: str | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Send a call to a plane; returns the invocation id (a ULID string)."""
+        return self.thunk(*args, _queue=_queue, _priority=_priority, _key=_key, **kwargs).submit(_dispatch)
+
+    def __repr__(self) -> str:
+        kind = "generator " if self.is_generator else ""
+        return f"<dls.udf {kind}{self.__module__}.{self.__qualname__} queue={self.queue!r}>"
+
+
+@overload
+def udf(fn: Callable[..., Any], /) -> UDF: ...
+@overload
+def udf(
+    *,
+    queue: str = ...,
+    transport: str = ...,
+    priority: float = ...,
+    key: str | None = ...,
+    timeout_s: float | None = ...,
+    max_attempts: int | None = ...,
+    dispatch: Plane | None = ...,
+    **options: Any,
+) -> Callable[[Callable[..., Any]], UDF]: ...
+
+
+def udf(fn: Callable[..., Any] | None = None, /, **config: Any) -> Any:
+    """``@dls.udf`` or ``@dls.udf(queue=..., transport=..., priority=..., key=..., timeout_s=...,
+    max_attempts=..., dispatch=..., **run_config)``: wrap a plain or generator function.
+
+    Extra keywords (``image``, ``resources``, ``network``, ...) ride in the Submit ``run_config``.
+    """
+    if fn is not None:
+        if config:
+            raise TypeError("use either @dls.udf or @dls.udf(queue=...), not both")
+        return UDF(fn)
+
+    def decorate(f: Callable[..., Any]) -> UDF:
+        return UDF(f, **config)
+
+    return decorate

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The main job: an embedded control plane (SQLite), one nymph with the process runner,
+# and a real workload through them, with the results printed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh all,test
+exec .venv/bin/python examples/demo.py "$@"
