@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["tests.integration.s3_fixture", "tests.integration.redis_fixture"]
+
 ROOT = Path(__file__).resolve().parent.parent
 REQUIRE_SERVICES = os.environ.get("LAKESHORE_REQUIRE_SERVICES") == "1"
 

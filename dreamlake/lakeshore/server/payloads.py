@@ -1,0 +1,376 @@
+"""The payload store (seed 003): presigned S3 URLs for payloads too big to ride inline.
+
+Bytes never pass through the control plane. It mints short-lived presigned URLs
+(:class:`PayloadStore`, boto3, any S3-compatible endpoint) and clients move the bytes
+themselves (:func:`upload`, :func:`download`, httpx).
+
+Keys are minted by the server, never chosen by the caller::
+
+    payloads/<YYYY>/<MM>/<DD>/<job_id or a new ULID>/<kind>
+
+Configuration (:meth:`PayloadConfig.from_env`, given an explicit mapping, read once):
+
+=========================== ====================================================== ===========
+variable                    meaning                                                default
+=========================== ====================================================== ===========
+``LAKESHORE_BLOBS_BUCKET``  the bucket; unset -> no S3 tier, inline bytes only     unset
+``LAKESHORE_S3_ENDPOINT``   S3-compatible endpoint URL (path-style addressing)     AWS
+``LAKESHORE_S3_REGION``     signing region (else ``AWS_REGION`` /                  us-east-1
+                            ``AWS_DEFAULT_REGION``)
+``LAKESHORE_S3_ACCESS_KEY`` access key (else ``AWS_ACCESS_KEY_ID``; else boto3's   unset
+                            own credential chain)
+``LAKESHORE_S3_SECRET_KEY`` secret key (else ``AWS_SECRET_ACCESS_KEY``)            unset
+``INLINE_THRESHOLD_BYTES``  payloads above this go to S3                           256 KiB
+``MAX_PAYLOAD_BYTES``       presigning a larger PUT answers 413                    100 MiB
+``PAYLOAD_PRESIGN_TTL_S``   lifetime of a presigned URL, seconds                   900
+=========================== ====================================================== ===========
+
+A presigned PUT signs ``Content-Length``: the upload must carry exactly the size that was
+presigned, so S3 itself refuses an oversized (or undersized) body. When a ``content_type`` is
+presigned, the upload must send that ``Content-Type`` too.
+
+``expires_at`` in a presign answer is an ISO-8601 UTC timestamp with second precision and a
+``Z`` suffix (``2026-01-31T12:00:00Z``); the URL stops working at or slightly after it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import httpx
+
+from dreamlake.lakeshore import ids
+from dreamlake.lakeshore.errors import InvalidId, LakeshoreError
+
+log = logging.getLogger(__name__)
+
+KiB = 1024
+MiB = 1024 * KiB
+
+DEFAULT_INLINE_THRESHOLD_BYTES = 256 * KiB
+DEFAULT_MAX_PAYLOAD_BYTES = 100 * MiB
+DEFAULT_PRESIGN_TTL_S = 900
+DEFAULT_REGION = "us-east-1"
+DEFAULT_FETCH_TIMEOUT_S = 60.0
+
+PREFIX = "payloads/"
+_KIND_RE = re.compile(r"^[a-z0-9_-]{1,32}$")
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_MAX_KEY_LEN = 1024
+
+
+class PayloadError(LakeshoreError):
+    """A payload request that cannot be served; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class PayloadCorrupt(PayloadError):
+    """Downloaded bytes whose sha256 differs from the one the payloadRef promised."""
+
+    def __init__(self, expected: str, got: str) -> None:
+        super().__init__(422, f"payload corrupt: sha256 mismatch (expected {expected}, got {got})")
+        self.expected = expected
+        self.got = got
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer: set it to a whole number or unset it") from None
+    if value < minimum:
+        raise ValueError(f"{name}={value} is below {minimum}: set it to at least {minimum} or unset it")
+    return value
+
+
+def _first(env: Mapping[str, str], *names: str) -> str | None:
+    for name in names:
+        value = env.get(name)
+        if value:
+            return value
+    return None
+
+
+@dataclass(frozen=True)
+class PayloadConfig:
+    """Where payloads live and the limits on them. See the module docstring for the variables."""
+
+    bucket: str | None = None
+    endpoint: str | None = None
+    region: str = DEFAULT_REGION
+    access_key: str | None = None
+    secret_key: str | None = None
+    session_token: str | None = None
+    inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD_BYTES
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    presign_ttl_s: int = DEFAULT_PRESIGN_TTL_S
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> PayloadConfig:
+        """Resolve the configuration from ``env`` (pass ``os.environ`` from the CLI)."""
+        access = _first(env, "LAKESHORE_S3_ACCESS_KEY", "AWS_ACCESS_KEY_ID")
+        secret = _first(env, "LAKESHORE_S3_SECRET_KEY", "AWS_SECRET_ACCESS_KEY")
+        if (access is None) != (secret is None):
+            raise ValueError(
+                "S3 credentials are half set: give both LAKESHORE_S3_ACCESS_KEY and LAKESHORE_S3_SECRET_KEY "
+                "(or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY), or neither to use boto3's credential chain"
+            )
+        return cls(
+            bucket=_first(env, "LAKESHORE_BLOBS_BUCKET"),
+            endpoint=_first(env, "LAKESHORE_S3_ENDPOINT"),
+            region=_first(env, "LAKESHORE_S3_REGION", "AWS_REGION", "AWS_DEFAULT_REGION") or DEFAULT_REGION,
+            access_key=access,
+            secret_key=secret,
+            session_token=None if env.get("LAKESHORE_S3_ACCESS_KEY") else _first(env, "AWS_SESSION_TOKEN"),
+            inline_threshold_bytes=_env_int(env, "INLINE_THRESHOLD_BYTES", DEFAULT_INLINE_THRESHOLD_BYTES, 0),
+            max_payload_bytes=_env_int(env, "MAX_PAYLOAD_BYTES", DEFAULT_MAX_PAYLOAD_BYTES, 1),
+            presign_ttl_s=_env_int(env, "PAYLOAD_PRESIGN_TTL_S", DEFAULT_PRESIGN_TTL_S, 1),
+        )
+
+    @property
+    def bucket_configured(self) -> bool:
+        """True when an S3 bucket is configured (seed 003's ``bucketConfigured()``)."""
+        return bool(self.bucket)
+
+
+def bucket_configured(env: Mapping[str, str]) -> bool:
+    """Seed 003's ``bucketConfigured()``: is ``LAKESHORE_BLOBS_BUCKET`` set in ``env``?"""
+    return bool(env.get("LAKESHORE_BLOBS_BUCKET"))
+
+
+def _iso_utc(moment: datetime) -> str:
+    return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def check_key(key: object) -> str:
+    """Return ``key`` if it is a payload key a caller may reference, else raise PayloadError(400).
+
+    The ``payloads/`` prefix is the ownership gate (seed 003); ``..``, empty segments, backslashes
+    and control characters are refused so a key cannot walk out of the prefix.
+    """
+    if not isinstance(key, str) or not key:
+        raise PayloadError(400, "payload key must be a non-empty string starting with 'payloads/'")
+    shown = repr(key)[:80]
+    if not key.startswith(PREFIX):
+        raise PayloadError(
+            400, f"payload key {shown} is outside 'payloads/': only payload keys can be fetched"
+        )
+    if len(key) > _MAX_KEY_LEN:
+        raise PayloadError(400, f"payload key is {len(key)} characters long; the limit is {_MAX_KEY_LEN}")
+    segments = key.split("/")
+    if any(seg in ("", ".", "..") for seg in segments) or "\\" in key:
+        raise PayloadError(
+            400, f"payload key {shown} has an empty, '.' or '..' segment: use a key presign minted"
+        )
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in key):
+        raise PayloadError(400, f"payload key {shown} contains control characters: use a key presign minted")
+    return key
+
+
+class PayloadStore:
+    """Mints presigned PUT/GET URLs for one bucket. Presigning is local: it makes no network call."""
+
+    def __init__(self, config: PayloadConfig, client: Any | None = None) -> None:
+        if not config.bucket:
+            raise ValueError("PayloadStore needs a bucket: set LAKESHORE_BLOBS_BUCKET")
+        self.config = config
+        self.bucket: str = config.bucket
+        self._client = client if client is not None else self._make_client(config)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> PayloadStore | None:
+        """The store ``env`` configures, or None when ``LAKESHORE_BLOBS_BUCKET`` is unset (inline only)."""
+        config = PayloadConfig.from_env(env)
+        if not config.bucket_configured:
+            return None
+        return cls(config)
+
+    @staticmethod
+    def _make_client(config: PayloadConfig) -> Any:
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise RuntimeError(
+                "LAKESHORE_BLOBS_BUCKET is set but boto3 is not installed: pip install 'dreamlake-lakeshore[s3]'"
+            ) from exc
+        s3_opts = {"addressing_style": "path"} if config.endpoint else {}
+        return boto3.client(
+            "s3",
+            endpoint_url=config.endpoint,
+            region_name=config.region,
+            aws_access_key_id=config.access_key,
+            aws_secret_access_key=config.secret_key,
+            aws_session_token=config.session_token,
+            config=Config(signature_version="s3v4", s3=s3_opts),
+        )
+
+    @property
+    def client(self) -> Any:
+        """The boto3 S3 client (for operators and tests: bucket creation, listing)."""
+        return self._client
+
+    def mint_key(self, job_id: str | None = None, kind: str = "args", *, now: datetime | None = None) -> str:
+        """``payloads/<YYYY>/<MM>/<DD>/<job_id or a new ULID>/<kind>``, validating both parts."""
+        if job_id is None:
+            job_id = ids.new_ulid()
+        else:
+            try:
+                ids.validate(job_id, "jobId")
+            except InvalidId as exc:
+                raise PayloadError(400, str(exc)) from None
+        if not isinstance(kind, str) or not _KIND_RE.match(kind):
+            raise PayloadError(
+                400,
+                f"invalid kind {kind!r:.60}: expected 1-32 characters of a-z, 0-9, '_' or '-' (e.g. 'args')",
+            )
+        day = (now or datetime.now(timezone.utc)).astimezone(timezone.utc)
+        return f"{PREFIX}{day:%Y}/{day:%m}/{day:%d}/{job_id}/{kind}"
+
+    def presign_put(
+        self,
+        namespace: str,
+        size: int,
+        content_type: str | None = None,
+        job_id: str | None = None,
+        kind: str = "args",
+    ) -> dict[str, str]:
+        """Presign an upload of exactly ``size`` bytes -> ``{"url", "bucket", "key", "expires_at"}``.
+
+        Raises PayloadError: 400 for a bad size, jobId, kind or contentType; 413 over the limit.
+        """
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise PayloadError(400, f"size must be an integer number of bytes, got {size!r:.40}")
+        if size < 0:
+            raise PayloadError(400, f"size must be >= 0 bytes, got {size}")
+        limit = self.config.max_payload_bytes
+        if size > limit:
+            raise PayloadError(
+                413,
+                f"payload of {size} bytes is over MAX_PAYLOAD_BYTES ({limit} bytes): "
+                "send a smaller payload or raise MAX_PAYLOAD_BYTES on the control plane",
+            )
+        if content_type is not None and (
+            not isinstance(content_type, str)
+            or not content_type
+            or len(content_type) > 255
+            or any(ord(ch) < 0x20 or ord(ch) > 0x7E for ch in content_type)
+        ):
+            raise PayloadError(
+                400, f"invalid contentType {content_type!r:.60}: expected a printable MIME type"
+            )
+        key = self.mint_key(job_id, kind)
+        params: dict[str, Any] = {"Bucket": self.bucket, "Key": key, "ContentLength": size}
+        if content_type is not None:
+            params["ContentType"] = content_type
+        answer = self._presign("put_object", params)
+        log.info("presigned PUT ns=%s key=%s size=%d", namespace, key, size)
+        return answer
+
+    def presign_get(self, key: str) -> dict[str, str]:
+        """Presign a download of ``key`` (must be under ``payloads/``) -> ``{"url", "bucket", "key", "expires_at"}``."""
+        key = check_key(key)
+        return self._presign("get_object", {"Bucket": self.bucket, "Key": key})
+
+    def _presign(self, operation: str, params: dict[str, Any]) -> dict[str, str]:
+        ttl = self.config.presign_ttl_s
+        # Taken before signing and truncated to seconds, as the signature's X-Amz-Date is:
+        # the URL expires at or after this moment, never before.
+        signed_at = datetime.now(timezone.utc).replace(microsecond=0)
+        url = self._client.generate_presigned_url(operation, Params=params, ExpiresIn=ttl)
+        return {
+            "url": url,
+            "bucket": self.bucket,
+            "key": params["Key"],
+            "expires_at": _iso_utc(signed_at + timedelta(seconds=ttl)),
+        }
+
+
+def sha256_hex(data: bytes) -> str:
+    """Lower-case hex sha256 of ``data``."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def verify_sha256(data: bytes, expected: str) -> None:
+    """Raise PayloadCorrupt unless ``data`` hashes to ``expected`` (hex, optional ``sha256:`` prefix).
+
+    The message is exactly ``payload corrupt: sha256 mismatch (expected <e>, got <g>)`` with both
+    digests as lower-case hex.
+    """
+    if not isinstance(expected, str):
+        raise PayloadError(400, f"sha256 must be a hex string, got {type(expected).__name__}")
+    norm = expected.strip().lower()
+    if norm.startswith("sha256:"):
+        norm = norm[len("sha256:") :]
+    if not _SHA256_RE.match(norm):
+        raise PayloadError(400, f"invalid sha256 {expected!r:.80}: expected 64 hex characters")
+    got = sha256_hex(data)
+    if got != norm:
+        raise PayloadCorrupt(norm, got)
+
+
+def _s3_error(resp: httpx.Response) -> str:
+    code = re.search(r"<Code>([^<]{1,100})</Code>", resp.text)
+    message = re.search(r"<Message>([^<]{1,300})</Message>", resp.text)
+    parts = [p.group(1) for p in (code, message) if p]
+    return ": ".join(parts) if parts else resp.text[:200]
+
+
+def upload(
+    url: str, data: bytes, *, content_type: str | None = None, timeout: float = DEFAULT_FETCH_TIMEOUT_S
+) -> None:
+    """PUT ``data`` to a presigned URL. Send ``content_type`` when the URL was presigned with one.
+
+    Raises PayloadError carrying S3's status (403 for a bad, expired or size-mismatched URL) or
+    502 when the store cannot be reached.
+    """
+    headers = {"Content-Type": content_type} if content_type else {}
+    try:
+        resp = httpx.put(url, content=bytes(data), headers=headers, timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise PayloadError(502, f"payload upload failed: {exc!s}: check the S3 endpoint and retry") from exc
+    if resp.status_code >= 300:
+        raise PayloadError(
+            resp.status_code, f"payload upload refused by the store ({resp.status_code} {_s3_error(resp)})"
+        )
+
+
+def download(url: str, timeout: float = DEFAULT_FETCH_TIMEOUT_S, *, max_bytes: int | None = None) -> bytes:
+    """GET the bytes behind a presigned URL (the daemon's fetch timeout is 60 s).
+
+    ``max_bytes`` bounds the body (413 when exceeded). Raises PayloadError carrying S3's status
+    (403 bad/expired URL, 404 no such key) or 502 when the store cannot be reached.
+    """
+    try:
+        with httpx.stream("GET", url, timeout=timeout) as resp:
+            if resp.status_code >= 300:
+                resp.read()
+                raise PayloadError(
+                    resp.status_code,
+                    f"payload download refused by the store ({resp.status_code} {_s3_error(resp)})",
+                )
+            chunks: list[bytes] = []
+            total = 0
+            for chunk in resp.iter_bytes():
+                total += len(chunk)
+                if max_bytes is not None and total > max_bytes:
+                    raise PayloadError(
+                        413, f"payload is larger than the {max_bytes}-byte limit of this download"
+                    )
+                chunks.append(chunk)
+            return b"".join(chunks)
+    except httpx.HTTPError as exc:
+        raise PayloadError(502, f"payload download failed: {exc!s}: check the S3 endpoint and retry") from exc
