@@ -1,0 +1,180 @@
+"""nymph's logs, metrics and health endpoint.
+
+- :func:`configure_logging` sets up the root logger once, from the CLI: human text or JSON lines
+  (``ts``, ``level``, ``logger``, ``msg``, and ``invocation_id`` when the record carries one).
+- :class:`InvocationAdapter` attaches an invocation id to every line logged about it.
+- The Prometheus metrics live in their own :data:`REGISTRY` (not the process-global default), so
+  ``/metrics`` shows nymph's metrics only and tests do not collide.
+- :func:`start_health_server` serves ``GET /healthz`` and ``GET /metrics`` from a small stdlib
+  HTTP server on a daemon thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+from collections.abc import Callable, MutableMapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+log = logging.getLogger(__name__)
+
+# --- logging ---------------------------------------------------------------------------------------
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts (epoch seconds), level, logger, msg, invocation_id?, exc?."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        invocation_id = getattr(record, "invocation_id", None)
+        if invocation_id is not None:
+            doc["invocation_id"] = invocation_id
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str)
+
+
+def configure_logging(fmt: str = "text", level: str | int = "INFO", stream: Any = None) -> None:
+    """Send logs to ``stream`` (stderr) as ``text`` or ``json`` lines; replaces earlier handlers."""
+    if fmt not in ("text", "json"):
+        raise ValueError(f"log format must be 'text' or 'json', not {fmt!r}")
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper() if isinstance(level, str) else level)
+
+
+class InvocationAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """A logger for one invocation: prefixes messages with the id and sets ``invocation_id``."""
+
+    def __init__(self, logger: logging.Logger, invocation_id: str) -> None:
+        super().__init__(logger, {"invocation_id": invocation_id})
+        self.invocation_id = invocation_id
+
+    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
+        kwargs["extra"] = {**(kwargs.get("extra") or {}), "invocation_id": self.invocation_id}
+        return f"[{self.invocation_id}] {msg}", kwargs
+
+
+# --- metrics ---------------------------------------------------------------------------------------
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+INVOCATIONS = Counter(
+    "nymph_invocations",
+    "Invocations finished by this nymph, by runner and final state.",
+    ["runner", "state"],
+    registry=REGISTRY,
+)
+INVOCATION_SECONDS = Histogram(
+    "nymph_invocation_seconds",
+    "Wall time from start to exit of an invocation.",
+    ["runner"],
+    buckets=(0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 24 * 3600),
+    registry=REGISTRY,
+)
+POLLS = Counter(
+    "nymph_polls",
+    "Polls of the control plane by outcome (claimed, empty, error, ...).",
+    ["outcome"],
+    registry=REGISTRY,
+)
+RUNNING = Gauge("nymph_running", "Invocations running now.", registry=REGISTRY)
+OUTBOX_PENDING = Gauge(
+    "nymph_outbox_pending", "Acks and frames written to the outbox and not yet confirmed.", registry=REGISTRY
+)
+
+
+# --- health and metrics server ---------------------------------------------------------------------
+
+
+class HealthServer:
+    """A running ``/healthz`` + ``/metrics`` server; :meth:`stop` shuts it down."""
+
+    def __init__(self, httpd: ThreadingHTTPServer, thread: threading.Thread) -> None:
+        self._httpd = httpd
+        self._thread = thread
+        self.host: str = httpd.server_address[0]  # type: ignore[assignment]
+        self.port: int = httpd.server_address[1]
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+
+def _handler(
+    health: Callable[[], dict[str, Any]], registry: CollectorRegistry
+) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "nymph"
+
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/healthz":
+                try:
+                    doc = dict(health())
+                except Exception as exc:  # a broken probe is unhealthy, not a crash
+                    log.exception("health check raised")
+                    doc = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                body = json.dumps(doc, default=str).encode()
+                self._send(200 if doc.get("ok") else 503, "application/json", body)
+            elif path == "/metrics":
+                self._send(200, CONTENT_TYPE_LATEST, generate_latest(registry))
+            else:
+                self._send(404, "application/json", b'{"error": "not found"}')
+
+        def _send(self, status: int, ctype: str, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            log.debug("health server: " + format, *args)
+
+    return Handler
+
+
+def start_health_server(
+    host: str,
+    port: int,
+    health: Callable[[], dict[str, Any]],
+    registry: CollectorRegistry = REGISTRY,
+) -> HealthServer:
+    """Serve ``GET /healthz`` (200 when ``health()["ok"]``, else 503) and ``GET /metrics``.
+
+    ``port`` 0 picks a free port; the server's ``.port`` says which.
+    """
+    httpd = ThreadingHTTPServer((host, port), _handler(health, registry))
+    httpd.daemon_threads = True
+    thread = threading.Thread(
+        target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, name="nymph-health", daemon=True
+    )
+    thread.start()
+    server = HealthServer(httpd, thread)
+    log.info("health and metrics on http://%s:%d/healthz and /metrics", server.host, server.port)
+    return server
