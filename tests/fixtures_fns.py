@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 
@@ -16,10 +16,10 @@ def noop() -> None:
     return None
 
 
-def count(n: int) -> Iterator[int]:
+def count(n: int) -> Generator[int, None, str]:
     for i in range(n):
         yield i * i
-    return "done"  # type: ignore[misc]
+    return "done"
 
 
 def boom(message: str = "kaboom") -> None:
@@ -102,3 +102,14 @@ class UnpickleMarker:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_record_unpickle, ("unpickled",))
+
+
+def yield_then_wait(flag: str) -> Iterator[str]:
+    """Yields once, then waits (up to 30 s) for ``flag`` to exist: lets a test tail the journal live."""
+    import time
+
+    yield "first"
+    deadline = time.monotonic() + 30
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    yield "second"

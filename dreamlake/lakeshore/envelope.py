@@ -280,6 +280,9 @@ def _not_importable(obj: Any) -> str | None:
     qualname = getattr(obj, "__qualname__", None)
     if not isinstance(qualname, str):
         return f"{type(obj).__name__} instance has no __qualname__ of its own (a callable instance)"
+    bound_to = getattr(obj, "__self__", None)
+    if bound_to is not None and not isinstance(bound_to, type) and type(bound_to).__name__ != "module":
+        return f"{qualname} is a method bound to a {type(bound_to).__name__} instance (it carries state)"
     if "<lambda>" in qualname:
         return f"{qualname} is a lambda"
     if "<locals>" in qualname:

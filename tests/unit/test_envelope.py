@@ -6,6 +6,7 @@ import hashlib
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import cloudpickle
@@ -49,7 +50,8 @@ def _envelope(**over: Any) -> Envelope:
 def _raw(**over: Any) -> bytes:
     body = msgpack.unpackb(_envelope().to_bytes())
     body.update(over)
-    return msgpack.packb(body, use_bin_type=True)
+    data: bytes = msgpack.packb(body, use_bin_type=True)
+    return data
 
 
 # --- the Envelope codec ----------------------------------------------------------------------------
@@ -151,8 +153,9 @@ def _defined_in_main() -> Any:
         (lambda: ff.make_closure(2), "<locals>"),
         (_defined_in_main, "__main__"),
         (lambda: ff.adder, "callable instance"),
+        (lambda: ff.adder.__call__, "bound to a Adder instance"),
     ],
-    ids=["lambda", "closure", "main", "instance"],
+    ids=["lambda", "closure", "main", "instance", "bound-method"],
 )
 def test_auto_pickles_exactly_what_is_not_importable(make: Any, why: str) -> None:
     obj = make()
@@ -171,7 +174,7 @@ def test_auto_ships_importable_callables_by_ref(obj: Any) -> None:
 
 def test_ref_record_fields() -> None:
     record = fn_for(ff.add)
-    source = open(ff.__file__).read()
+    source = Path(ff.__file__).read_text()
     start = source.index("def add(")
     body = source[start : source.index("\n\n\n", start)] + "\n"
     assert record == {
@@ -191,7 +194,7 @@ def test_pickle_record_fields() -> None:
     assert record["where"] == f"add ({ff.__file__}:{ff.add.__code__.co_firstlineno})"
     assert record["source"].startswith("def add(")
     runtime = record["runtime"]
-    assert runtime["python"] == "%d.%d.%d" % sys.version_info[:3]
+    assert runtime["python"] == ".".join(map(str, sys.version_info[:3]))
     assert runtime["impl"] == sys.implementation.name
     assert runtime["cloudpickle"] == cloudpickle.__version__
     assert runtime["pickle_protocol"] == cloudpickle.DEFAULT_PROTOCOL
@@ -258,7 +261,7 @@ def test_gate1_pickle_refused_by_default_before_anything_else() -> None:
 def test_gate2_runtime_is_checked_before_unpickle() -> None:
     record = _marker_record(python="2.7.18")
     record["hash"] = "sha256:" + "0" * 64  # a bad hash too: the runtime gate answers first
-    with pytest.raises(RuntimeMismatch, match="2.7.18"):
+    with pytest.raises(RuntimeMismatch, match=r"2\.7\.18"):
         resolve_fn(record, allow_pickled=True)
     assert ff.UNPICKLED == []
 
@@ -274,8 +277,12 @@ def test_gate2_blob_hash_is_verified_before_unpickle() -> None:
 
 
 def _runtime(python: str | None = None, cp: str | None = None) -> dict[str, Any]:
-    mine = "%d.%d.%d" % sys.version_info[:3]
-    return {"python": python or mine, "impl": sys.implementation.name, "cloudpickle": cp or cloudpickle.__version__}
+    mine = ".".join(map(str, sys.version_info[:3]))
+    return {
+        "python": python or mine,
+        "impl": sys.implementation.name,
+        "cloudpickle": cp or cloudpickle.__version__,
+    }
 
 
 def _bump(version: str, index: int) -> str:
@@ -284,7 +291,7 @@ def _bump(version: str, index: int) -> str:
     return ".".join(map(str, parts))
 
 
-MY_PY = "%d.%d.%d" % sys.version_info[:3]
+MY_PY = ".".join(map(str, sys.version_info[:3]))
 MY_CP = cloudpickle.__version__
 
 

@@ -1,0 +1,208 @@
+"""The in-sandbox program every runner starts: ``python3 -m dreamlake.lakeshore.daemon.entry [DIR]``.
+
+It runs one invocation per the workdir contract (docs/architecture.md). With the workdir as cwd (or
+``DIR``), it reads ``args.msgpack`` (the Envelope), resolves the function through the worker-side
+gates, calls it and leaves:
+
+- ``result.msgpack``: ``wire.pack(return value)``, exit 0 (for a generator: its return value);
+- ``error.json``: ``{"type", "message", "traceback"}``, exit 1 when the function raised, exit 2 when a
+  gate refused or the Envelope was bad;
+- ``frames.msgpack`` for a generator result: one VALUE frame per yield, appended and flushed one by
+  one, then END (body ``wire.pack(return value)``) or ERROR.
+
+Environment: ``LAKESHORE_ALLOW_PICKLED=1`` allows pickled functions, ``LAKESHORE_RUNTIME_POLICY``
+(``strict`` | ``minor`` | ``off``, default ``minor``), ``LAKESHORE_INVOCATION_ID`` (for messages).
+
+The function's module must be importable in this runtime: the runner puts the user's code on
+``PYTHONPATH`` (shipping a code archive is out of scope). Start-up is kept lean: no SDK, HTTP client,
+database or server imports, and cloudpickle only for a pickled function. This module is part of the
+entry bundle, so it must stay importable on Python 3.9 with only msgpack (and cloudpickle) present.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, Callable, ContextManager, Dict, Iterator
+
+from dreamlake.lakeshore import wire
+from dreamlake.lakeshore.envelope import RUNTIME_POLICIES, Envelope, resolve_fn
+from dreamlake.lakeshore.errors import EnvelopeError, WireError
+
+ARGS_FILE = "args.msgpack"
+RESULT_FILE = "result.msgpack"
+ERROR_FILE = "error.json"
+FRAMES_FILE = "frames.msgpack"
+
+EXIT_OK = 0
+EXIT_RAISED = 1
+EXIT_REFUSED = 2
+
+_CO_GENERATOR = 0x20
+_TRUE = ("1", "true", "yes", "on")
+
+
+class _Refused(Exception):
+    """A gate refused or the Envelope was bad: exit 2."""
+
+
+def _run_context(envelope: Envelope) -> ContextManager[Any]:
+    """The SDK's per-invocation run context when the user's code imported the SDK, else a no-op."""
+    udf = sys.modules.get("dreamlake.lakeshore.udf")
+    hook = getattr(udf, "invocation_context", None)
+    if hook is None:
+        import contextlib
+
+        return contextlib.nullcontext()
+    return hook(envelope)  # type: ignore[no-any-return]
+
+
+def _write_atomic(name: str, data: bytes) -> None:
+    tmp = f".{name}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, name)
+
+
+def _error_info(exc: BaseException) -> Dict[str, str]:
+    import traceback
+
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    }
+
+
+def _write_error(info: Dict[str, str]) -> None:
+    import json
+
+    _write_atomic(ERROR_FILE, json.dumps(info).encode("utf-8"))
+
+
+class _Journal:
+    """``frames.msgpack``: frames appended with one ``os.write`` each, so a tail sees them at once."""
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self.seq = 0
+
+    def append(self, kind: int, body: Any) -> None:
+        frame = wire.encode_frame(kind, self.seq, body, {"ts": time.time()})
+        view = memoryview(frame)
+        while view:
+            view = view[os.write(self._fd, view) :]
+        self.seq += 1
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def _is_stream(fn: Callable[..., Any], result: Any) -> bool:
+    import types
+
+    if isinstance(result, types.GeneratorType):
+        return True
+    flags = getattr(getattr(fn, "__code__", None), "co_flags", 0)
+    return bool(flags & _CO_GENERATOR) and isinstance(result, Iterator)
+
+
+def _drain(stream: Iterator[Any]) -> int:
+    """Journal every yield, then END; on a raise, ERROR frame + error.json. Returns the exit code."""
+    journal = _Journal(FRAMES_FILE)
+    try:
+        try:
+            while True:
+                try:
+                    value = next(stream)
+                except StopIteration as stop:
+                    returned = wire.pack(stop.value)
+                    break
+                journal.append(wire.FRAME_VALUE, wire.pack(value))
+        except BaseException as exc:
+            info = _error_info(exc)
+            journal.append(wire.FRAME_ERROR, info)
+            return _fail(info, EXIT_RAISED)
+        journal.append(wire.FRAME_END, returned)
+    finally:
+        journal.close()
+    _write_atomic(RESULT_FILE, returned)
+    return EXIT_OK
+
+
+def _load() -> tuple[Envelope, Callable[..., Any], list[Any], dict[str, Any]]:
+    allow_pickled = os.environ.get("LAKESHORE_ALLOW_PICKLED", "").strip().lower() in _TRUE
+    policy = os.environ.get("LAKESHORE_RUNTIME_POLICY", "").strip() or "minor"
+    if policy not in RUNTIME_POLICIES:
+        bad = ValueError(
+            f"LAKESHORE_RUNTIME_POLICY={policy!r} is not a runtime policy: use 'strict', 'minor' or 'off'"
+        )
+        raise _Refused(str(bad)) from bad
+    try:
+        with open(ARGS_FILE, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise _Refused(
+            f"cannot read {ARGS_FILE} in {os.getcwd()}: {exc.strerror}; run the entry with the "
+            "invocation's workdir as cwd (or pass it as the argument)"
+        ) from exc
+    try:
+        envelope = Envelope.from_bytes(data)
+        fn = resolve_fn(envelope.fn, allow_pickled=allow_pickled, runtime_policy=policy)
+        args, kwargs = envelope.unpack_args()
+    except (EnvelopeError, WireError) as exc:
+        raise _Refused(str(exc)) from exc
+    return envelope, fn, args, kwargs
+
+
+def run() -> int:
+    """Run the invocation in the current directory; returns the exit code."""
+    try:
+        envelope, fn, args, kwargs = _load()
+    except _Refused as refused:
+        cause = refused.__cause__ or refused
+        info = _error_info(cause)
+        info["message"] = str(refused)  # the same text, or the cause with what to do about it
+        return _fail(info, EXIT_REFUSED)
+    except BaseException as exc:  # the user's module raised while importing
+        return _fail(_error_info(exc), EXIT_RAISED)
+    with _run_context(envelope):
+        try:
+            result = fn(*args, **kwargs)
+            if _is_stream(fn, result):
+                return _drain(result)
+            packed = wire.pack(result)
+        except BaseException as exc:
+            return _fail(_error_info(exc), EXIT_RAISED)
+    _write_atomic(RESULT_FILE, packed)
+    return EXIT_OK
+
+
+def _fail(info: Dict[str, str], code: int) -> int:
+    """Write error.json, say one line on stderr (nymph keeps stderr.log), return ``code``."""
+    _write_error(info)
+    invocation = os.environ.get("LAKESHORE_INVOCATION_ID", "?")
+    sys.stderr.write(
+        f"lakeshore entry: invocation {invocation} exit {code}: {info['type']}: {info['message']}\n"
+    )
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: ``entry [DIR]`` runs the invocation in DIR (default: the current directory)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) > 1 or (argv and argv[0].startswith("-")):
+        sys.stderr.write("usage: python3 -m dreamlake.lakeshore.daemon.entry [WORKDIR]\n")
+        return EXIT_REFUSED
+    if argv:
+        try:
+            os.chdir(argv[0])
+        except OSError as exc:
+            sys.stderr.write(f"lakeshore entry: cannot enter workdir {argv[0]!r}: {exc.strerror}\n")
+            return EXIT_REFUSED
+    return run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

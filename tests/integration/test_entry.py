@@ -1,0 +1,340 @@
+"""The in-sandbox entry run as a real subprocess in a workdir, and the self-contained entry bundle."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dreamlake.lakeshore import wire
+from dreamlake.lakeshore.daemon import entry
+from dreamlake.lakeshore.daemon.bundle import RUNTIME_FILES, build_bundle, bundle_path
+from dreamlake.lakeshore.envelope import Envelope, fn_for
+from tests import fixtures_fns as ff
+from tests.conftest import ROOT, require
+
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+def _workdir(tmp_path: Path, fn: Any, *args: Any, transport: str = "auto", **kwargs: Any) -> Path:
+    workdir = tmp_path / "inv"
+    workdir.mkdir(mode=0o700)
+    envelope = Envelope.create(fn_for(fn, transport=transport), args, kwargs)
+    (workdir / "args.msgpack").write_bytes(envelope.to_bytes())
+    return workdir
+
+
+def _run(
+    workdir: Path,
+    *,
+    python: str = sys.executable,
+    pythonpath: str = str(ROOT),
+    env: dict[str, str] | None = None,
+    argv: tuple[str, ...] = (),
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    full_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": pythonpath, **(env or {})}
+    return subprocess.run(
+        [python, "-s", "-m", "dreamlake.lakeshore.daemon.entry", *argv],
+        cwd=cwd or workdir,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _result(workdir: Path) -> Any:
+    return wire.unpack((workdir / "result.msgpack").read_bytes())
+
+
+def _error(workdir: Path) -> dict[str, str]:
+    info: dict[str, str] = json.loads((workdir / "error.json").read_text())
+    return info
+
+
+def _frames(workdir: Path) -> list[wire.Frame]:
+    return wire.FrameReader().feed((workdir / "frames.msgpack").read_bytes())
+
+
+def test_plain_result(tmp_path: Path) -> None:
+    workdir = _workdir(tmp_path, ff.add, 2, b=3)
+    proc = _run(workdir)
+    assert proc.returncode == 0, proc.stderr
+    assert _result(workdir) == 5
+    assert sorted(p.name for p in workdir.iterdir()) == ["args.msgpack", "result.msgpack"]
+
+
+def test_generator_frames_then_end(tmp_path: Path) -> None:
+    workdir = _workdir(tmp_path, ff.count, 3)
+    proc = _run(workdir)
+    assert proc.returncode == 0, proc.stderr
+    frames = _frames(workdir)
+    assert [(f.kind, f.seq) for f in frames] == [(1, 0), (1, 1), (1, 2), (2, 3)]
+    assert [wire.unpack(f.body) for f in frames[:3]] == [0, 1, 4]  # type: ignore[arg-type]
+    assert wire.unpack(frames[3].body) == "done"  # type: ignore[arg-type]
+    assert all(isinstance(f.meta, dict) and isinstance(f.meta["ts"], float) for f in frames)
+    assert _result(workdir) == "done"
+
+
+def test_frames_are_on_disk_while_the_body_still_runs(tmp_path: Path) -> None:
+    flag = tmp_path / "go"
+    workdir = _workdir(tmp_path, ff.yield_then_wait, str(flag))
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-s", "-m", "dreamlake.lakeshore.daemon.entry"]
+    with subprocess.Popen(cmd, cwd=workdir, env=env) as proc:
+        try:
+            reader, seen = wire.FrameReader(), []
+            journal = workdir / "frames.msgpack"
+            for _ in range(3000):  # up to ~30 s for the first frame to land
+                if journal.exists():
+                    seen = reader.feed(journal.read_bytes())
+                    if seen:
+                        break
+                time.sleep(0.01)
+            assert [(f.kind, f.seq) for f in seen] == [(wire.FRAME_VALUE, 0)]
+            assert proc.poll() is None  # the body is still running, waiting for the flag
+            flag.touch()
+            assert proc.wait(timeout=60) == 0
+        finally:
+            proc.kill()
+    assert [wire.unpack(f.body) for f in _frames(workdir)[:2]] == ["first", "second"]  # type: ignore[arg-type]
+
+
+def test_iterator_returned_by_a_plain_function_is_streamed(tmp_path: Path) -> None:
+    workdir = _workdir(tmp_path, ff.returns_iterator, 2)
+    assert _run(workdir).returncode == 0
+    assert [f.kind for f in _frames(workdir)] == [wire.FRAME_VALUE, wire.FRAME_VALUE, wire.FRAME_END]
+
+
+def test_raise_writes_error_json_and_exits_1(tmp_path: Path) -> None:
+    workdir = _workdir(tmp_path, ff.boom, "no good")
+    proc = _run(workdir)
+    assert proc.returncode == 1
+    info = _error(workdir)
+    assert (info["type"], info["message"]) == ("ValueError", "no good")
+    assert "fixtures_fns.py" in info["traceback"] and "in boom" in info["traceback"]
+    assert not (workdir / "result.msgpack").exists()
+
+
+def test_generator_raise_writes_error_frame_and_error_json(tmp_path: Path) -> None:
+    workdir = _workdir(tmp_path, ff.gen_boom, 2)
+    proc = _run(workdir)
+    assert proc.returncode == 1
+    frames = _frames(workdir)
+    assert [(f.kind, f.seq) for f in frames] == [(1, 0), (1, 1), (3, 2)]
+    body = frames[-1].body
+    assert isinstance(body, dict)
+    assert (body["type"], body["message"]) == ("RuntimeError", "mid-stream failure")
+    assert _error(workdir)["type"] == "RuntimeError"
+    assert not (workdir / "result.msgpack").exists()
+
+
+def test_unpackable_result_is_a_failure_with_the_fix(tmp_path: Path) -> None:
+    workdir = _workdir(tmp_path, ff.make_closure, 2)  # returns a function: not a wire value
+    proc = _run(workdir)
+    assert proc.returncode == 1
+    info = _error(workdir)
+    assert info["type"] == "TypeError"
+    assert "function" in info["message"]
+
+
+def test_pickled_refused_without_allow_pickled(tmp_path: Path) -> None:
+    workdir = _workdir(tmp_path, ff.make_closure(3), 5)
+    proc = _run(workdir)
+    assert proc.returncode == 2
+    info = _error(workdir)
+    assert info["type"] == "PickleRefused"
+    assert "--allow-pickled" in info["message"]
+    assert "PickleRefused" in proc.stderr
+
+
+def test_pickled_allowed_with_allow_pickled(tmp_path: Path) -> None:
+    workdir = _workdir(tmp_path, ff.make_closure(3), 5)
+    proc = _run(workdir, env={"LAKESHORE_ALLOW_PICKLED": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert _result(workdir) == 15
+
+
+def test_gate_errors_exit_2(tmp_path: Path) -> None:
+    workdir = _workdir(tmp_path, ff.add, 1)
+    proc = _run(workdir, env={"LAKESHORE_RUNTIME_POLICY": "lax"})
+    assert proc.returncode == 2
+    info = _error(workdir)
+    assert info["type"] == "ValueError"
+    assert "LAKESHORE_RUNTIME_POLICY='lax'" in info["message"]
+
+    stale = {**fn_for(ff.add), "src_hash": "sha256:" + "0" * 16}
+    (workdir / "args.msgpack").write_bytes(Envelope.create(stale, [1]).to_bytes())
+    assert _run(workdir).returncode == 2
+    assert _error(workdir)["type"] == "StaleSource"
+
+
+@pytest.mark.parametrize("content", [b"\x93garbage", None], ids=["garbage", "missing"])
+def test_bad_or_missing_envelope_exits_2(tmp_path: Path, content: bytes | None) -> None:
+    workdir = tmp_path / "inv"
+    workdir.mkdir()
+    if content is not None:
+        (workdir / "args.msgpack").write_bytes(content)
+    proc = _run(workdir)
+    assert proc.returncode == 2
+    info = _error(workdir)
+    assert info["type"] == ("EnvelopeError" if content else "FileNotFoundError")
+    if content is None:
+        assert "workdir" in info["message"]
+
+
+def test_explicit_workdir_argument_and_invocation_env(tmp_path: Path) -> None:
+    workdir = _workdir(tmp_path, ff.cwd)
+    proc = _run(workdir, argv=(str(workdir),), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert _result(workdir) == str(workdir)
+
+    (workdir / "args.msgpack").write_bytes(
+        Envelope.create(fn_for(ff.env_value), ["LAKESHORE_INVOCATION_ID"]).to_bytes()
+    )
+    assert _run(workdir, env={"LAKESHORE_INVOCATION_ID": "01TEST"}).returncode == 0
+    assert _result(workdir) == "01TEST"
+
+
+def test_outputs_replace_atomically(tmp_path: Path) -> None:
+    workdir = _workdir(tmp_path, ff.add, 40, b=2)
+    (workdir / "result.msgpack").write_bytes(b"old")
+    with open(workdir / "result.msgpack", "rb") as reader:
+        assert _run(workdir).returncode == 0
+        assert reader.read() == b"old"  # the open file is the old inode: the new one was renamed in
+    assert _result(workdir) == 42
+    assert not [p for p in workdir.iterdir() if p.name.startswith(".")]
+
+
+def test_run_context_uses_the_sdk_hook_only_when_already_imported(monkeypatch: pytest.MonkeyPatch) -> None:
+    import contextlib
+    import types
+
+    envelope = Envelope.create(fn_for(ff.add), [1])
+    monkeypatch.delitem(sys.modules, "dreamlake.lakeshore.udf", raising=False)
+    with entry._run_context(envelope) as value:
+        assert value is None
+    assert "dreamlake.lakeshore.udf" not in sys.modules  # the entry never imports the SDK itself
+
+    seen: list[str] = []
+
+    @contextlib.contextmanager
+    def invocation_context(env: Envelope) -> Any:
+        seen.append(env.id)
+        yield "ctx"
+
+    fake = types.ModuleType("dreamlake.lakeshore.udf")
+    fake.invocation_context = invocation_context  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "dreamlake.lakeshore.udf", fake)
+    with entry._run_context(envelope) as value:
+        assert value == "ctx"
+    assert seen == [envelope.id]
+
+
+def test_entry_start_up_stays_lean(tmp_path: Path) -> None:
+    code = (
+        "import sys, dreamlake.lakeshore.daemon.entry; "
+        "print(sorted(m for m in ('cloudpickle', 'httpx', 'sqlalchemy', 'starlette', 'numpy', "
+        "'dreamlake.lakeshore.udf', 'dreamlake.lakeshore.server') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# --- the bundle ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_bundle(tmp_path_factory.mktemp("bundle") / "lakeshore-entry.zip")
+
+
+def _system_python_without_msgpack() -> bool:
+    if not os.path.exists(SYSTEM_PYTHON):
+        return False
+    probe = subprocess.run([SYSTEM_PYTHON, "-s", "-c", "import msgpack"], capture_output=True, env={})
+    return probe.returncode != 0
+
+
+def test_bundle_carries_pure_python_only_and_parses_on_3_9(bundle: Path) -> None:
+    with zipfile.ZipFile(bundle) as zf:
+        names = set(zf.namelist())
+        assert set(RUNTIME_FILES) <= names
+        assert {"msgpack/fallback.py", "cloudpickle/cloudpickle.py"} <= names
+        assert not [n for n in names if n.endswith((".so", ".pyd"))]
+        for name in sorted(n for n in names if n.endswith(".py")):
+            ast.parse(zf.read(name), filename=name, feature_version=(3, 9))
+
+
+def test_bundle_runs_ref_and_pickled_on_a_bare_python(bundle: Path, tmp_path: Path) -> None:
+    require(_system_python_without_msgpack(), f"{SYSTEM_PYTHON} without msgpack (a bare runtime)")
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "bare_mod.py").write_text("def shout(s, times=1):\n    return (s.upper() + '!') * times\n")
+    sys.path.insert(0, str(mods))
+    try:
+        import bare_mod
+
+        workdir = _workdir(tmp_path, bare_mod.shout, "hi", times=2)
+    finally:
+        sys.path.remove(str(mods))
+        sys.modules.pop("bare_mod", None)
+    pythonpath = f"{bundle}{os.pathsep}{mods}"
+    proc = _run(workdir, python=SYSTEM_PYTHON, pythonpath=pythonpath)
+    assert proc.returncode == 0, proc.stderr
+    assert _result(workdir) == "HI!HI!"
+
+    lam = lambda x: (x, x * 3)  # noqa: E731
+    (workdir / "args.msgpack").write_bytes(Envelope.create(fn_for(lam), [7]).to_bytes())
+    proc = _run(workdir, python=SYSTEM_PYTHON, pythonpath=str(bundle), env={"LAKESHORE_ALLOW_PICKLED": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert _result(workdir) == (7, 21)
+
+
+def _oldest_python() -> str | None:
+    """A Python 3.9 from pyenv, when this machine has one (the oldest version the bundle supports)."""
+    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    found = sorted(root.glob("3.9.*/bin/python3.9"))
+    return str(found[-1]) if found else None
+
+
+def test_bundle_runs_on_python_3_9(bundle: Path, tmp_path: Path) -> None:
+    python = _oldest_python()
+    if python is None:
+        pytest.skip("no Python 3.9 under $PYENV_ROOT/versions (the ast check above still covers syntax)")
+    workdir = _workdir(tmp_path, ff.count, 2)
+    proc = _run(workdir, python=python, pythonpath=f"{bundle}{os.pathsep}{ROOT}")
+    assert proc.returncode == 0, proc.stderr
+    assert [f.kind for f in _frames(workdir)] == [wire.FRAME_VALUE, wire.FRAME_VALUE, wire.FRAME_END]
+    assert _result(workdir) == "done"
+
+
+def test_bundle_wins_over_an_installed_copy_and_the_sdk_stays_importable(bundle: Path) -> None:
+    code = (
+        "import dreamlake.lakeshore.wire as w, dreamlake.lakeshore.udf as u; "
+        "print(w.__file__); print(u.__file__)"
+    )
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(bundle)}
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    wire_file, udf_file = out.stdout.split()
+    assert wire_file.startswith(str(bundle))
+    assert udf_file == str(ROOT / "dreamlake" / "lakeshore" / "udf.py")
+
+
+def test_bundle_path_is_cached_by_content(tmp_path: Path) -> None:
+    first = bundle_path(tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert bundle_path(tmp_path) == first
+    assert first.stat().st_mtime_ns == mtime
+    assert first.parent == tmp_path and first.name.startswith("lakeshore-entry-")
+    assert zipfile.is_zipfile(first)
