@@ -49,5 +49,5 @@ def test_validate_returns_a_valid_id_unchanged() -> None:
 
 
 def test_validate_names_what_was_invalid() -> None:
-    with pytest.raises(InvalidId, match="invalid invocation id '../x'"):
+    with pytest.raises(InvalidId, match=r"invalid invocation id '\.\./x'"):
         ids.validate("../x", "invocation id")

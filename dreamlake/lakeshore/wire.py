@@ -1,0 +1,799 @@
+"""The value codec: msgpack with integer ExtType codes, plus the frame format of result streams.
+
+``pack(value) -> bytes`` and ``unpack(data) -> value`` carry every user value (args, kwargs, results,
+generator frames). Containers are plain msgpack (``strict_types=True``); anything msgpack does not
+know travels as ``ExtType(code, data)`` produced by a :class:`Codec`. ``import dreamlake.lakeshore.wire``
+needs msgpack alone: numpy, torch and PIL are imported only when a value of theirs is packed or an
+ext code of theirs is unpacked (a value is recognised by ``type(obj).__module__`` first).
+
+Built-in ext codes (1..63; 20..63 are reserved for future built-ins). ``hdr`` below is
+``u32 little-endian length + msgpack header``, zero padded so the raw bytes start 16-byte aligned.
+
+====  ==========================  ===================================================================
+code  type                        ext data
+====  ==========================  ===================================================================
+1     numpy.ndarray               hdr ``[dtype, shape, fortran]`` + raw bytes in memory order. dtype is
+                                  ``dtype.str`` (``"<f8"``, ``"<M8[ns]"``) or, structured, ``dtype.descr``
+2     numpy scalar (np.generic)   as code 1, of the 0-d array; unpacks to the numpy scalar
+3     torch.Tensor                hdr ``[dtype name, shape]`` + raw bytes (C order); comes back on CPU
+4     PIL.Image.Image             hdr ``[mode, [w, h], palette mode | None, palette | None]`` + raw pixels
+5     tuple                       msgpack array of the items
+6     set                         msgpack array of the items (sorted when the items sort)
+7     frozenset                   as set
+8     complex                     ``<dd`` (real, imag), 16 bytes
+9     datetime.datetime           UTF-8 ``isoformat()``; an aware value keeps its UTC offset (a zone
+                                  comes back as a fixed ``timezone``; ``fold`` is not kept)
+10    datetime.date               UTF-8 ``isoformat()``
+11    datetime.time               UTF-8 ``isoformat()`` (offset kept as for datetime)
+12    datetime.timedelta          msgpack ``[days, seconds, microseconds]``
+13    uuid.UUID                   the 16 bytes
+14    decimal.Decimal             UTF-8 ``str()`` (NaN, Infinity and the sign of zero are kept)
+15    pathlib.PurePosixPath       UTF-8 (surrogateescape) of ``str(path)``
+16    pathlib.PureWindowsPath     as 15
+17    pathlib.PosixPath           as 15; unpacks to ``Path`` (``PurePosixPath`` on Windows)
+18    pathlib.WindowsPath         as 15; unpacks to ``WindowsPath`` on Windows, else ``PureWindowsPath``
+19    int beyond 64 bits          signed big-endian two's complement
+====  ==========================  ===================================================================
+
+User codecs take codes 64..127: ``register(Codec(64, MyType, encode, decode, "my-type"))``.
+
+Behaviour worth knowing:
+
+* Numpy arrays of any dtype but ``object`` (refused with ``TypeError``), C or Fortran order (kept);
+  other views are packed as a C-order copy. Unpacked arrays are zero-copy, **read-only** views of the
+  received bytes (``arr.copy()`` to mutate). Byte order is kept. Subclasses (``np.memmap``) pack as
+  ``ndarray``.
+* ``strict_types=True``: the exact type decides. A subclass with no codec of its own is packed as the
+  first class of its MRO that has one or that msgpack knows: ``IntEnum`` -> ``int``, ``OrderedDict``
+  -> ``dict``, a namedtuple -> ``tuple``, a pandas ``Timestamp`` -> ``datetime``. That is lossy
+  by design (as ``json``); register a codec for the subclass to keep it. ``bytearray`` and
+  ``memoryview`` come back as ``bytes``.
+* An unknown type raises ``TypeError`` naming it and the fix. An unknown ext code unpacks to
+  ``msgpack.ExtType(code, data)`` and re-packs byte-identically, as does a numpy/torch/PIL value
+  read where that library is not installed.
+* ``unpack`` is for untrusted bytes: the buffer, every str/bin/ext/array/map and the nesting of ext
+  values are bounded by :class:`Limits` (array and map lengths also by the buffer length, so a short
+  header cannot make a huge allocation); msgpack itself bounds array/map nesting at 1024 per level.
+  Garbage, truncation, trailing bytes and corrupt ext data raise :class:`DecodeError`. Maps may have
+  non-str keys (``{1: "a"}``, tuples); such keys hash deterministically, so a hostile peer can make a
+  large map slow to build (``max_map_len`` bounds it).
+
+Frames (``[kind, seq, body, meta]``, see docs/architecture.md) are plain msgpack: the control plane
+reads them without this codec. :class:`FrameReader` reassembles frames split at any byte boundary.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import datetime as _dt
+import decimal
+import logging
+import math
+import os
+import pathlib
+import struct
+import uuid
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import msgpack
+
+from dreamlake.lakeshore.errors import DecodeError
+
+__all__ = [
+    "DEFAULT_FRAME_LIMITS",
+    "DEFAULT_LIMITS",
+    "FRAME_END",
+    "FRAME_ERROR",
+    "FRAME_LOG",
+    "FRAME_VALUE",
+    "Codec",
+    "Frame",
+    "FrameReader",
+    "Limits",
+    "decode_frame",
+    "encode_frame",
+    "pack",
+    "register",
+    "unpack",
+    "unregister",
+]
+
+logger = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+USER_CODES = range(64, 128)
+BUILTIN_CODES = range(1, 64)
+
+FRAME_VALUE, FRAME_END, FRAME_ERROR, FRAME_LOG = 1, 2, 3, 4
+FRAME_KINDS = frozenset({FRAME_VALUE, FRAME_END, FRAME_ERROR, FRAME_LOG})
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Bounds on decoding untrusted bytes. Lengths count bytes (str/bin/ext) or items (array/map)."""
+
+    max_buffer_size: int = 128 * MiB
+    max_str_len: int = 128 * MiB
+    max_bin_len: int = 128 * MiB
+    max_ext_len: int = 128 * MiB
+    max_array_len: int = 16 * MiB
+    max_map_len: int = 4 * MiB
+    max_depth: int = 64  # ext values (tuple, set, user codecs) nested inside each other
+
+
+DEFAULT_LIMITS = Limits()
+# Frames are small arrays and maps around one bin body.
+DEFAULT_FRAME_LIMITS = Limits(max_array_len=1024, max_map_len=1024)
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """How one type travels: ``encode(obj) -> bytes`` is the ext data, ``decode(bytes) -> obj``."""
+
+    code: int
+    type: type
+    encode: Callable[[Any], bytes]
+    decode: Callable[[bytes], Any]
+    name: str
+
+
+# ---------------------------------------------------------------- registry
+
+_BY_CODE: dict[int, Codec] = {}
+_BY_TYPE: dict[type, Codec] = {}
+# type -> function returning something msgpack packs (an ExtType or a native value); a cache.
+_ENCODERS: dict[type, Callable[[Any], Any]] = {}
+# Codes whose codecs live in an optional library, loaded on first use: code -> loader.
+_LAZY_CODES: dict[int, str] = {1: "numpy", 2: "numpy", 3: "torch", 4: "PIL"}
+_LAZY_TYPES = {"numpy.ndarray", "numpy.generic", "torch.Tensor", "PIL.Image.Image"}
+_LOADED: dict[str, bool] = {}
+# Ext codes whose decoders unpack nested wire values (they count towards Limits.max_depth).
+_NESTED_CODES = {5, 6, 7}
+_NATIVE: dict[type, Callable[[Any], Any]] = {
+    dict: dict,
+    list: list,
+    str: str.__str__,
+    bytes: bytes,
+    bytearray: bytes,
+    memoryview: bytes,
+    int: lambda i: _bigint(int.__int__(i)),
+    float: float.__float__,
+}
+_DEPTH: contextvars.ContextVar[int] = contextvars.ContextVar("lakeshore_wire_depth", default=0)
+
+
+def _add(codec: Codec) -> None:
+    _BY_CODE[codec.code] = codec
+    _BY_TYPE[codec.type] = codec
+    _ENCODERS.clear()
+
+
+def register(codec: Codec) -> None:
+    """Register a codec for a user type; codes 64..127. A taken code or type is refused."""
+    if not isinstance(codec, Codec):
+        raise TypeError(f"wire.register takes a wire.Codec, not {type(codec).__name__}")
+    code = codec.code
+    if isinstance(code, bool) or not isinstance(code, int) or code not in USER_CODES:
+        raise ValueError(
+            f"codec {codec.name!r}: code {code!r} is outside the user range 64..127 "
+            "(1..63 are built-in); pick a free code in 64..127"
+        )
+    if not isinstance(codec.type, type):
+        raise TypeError(f"codec {codec.name!r}: type must be a class, not {codec.type!r}")
+    if not (callable(codec.encode) and callable(codec.decode)):
+        raise TypeError(f"codec {codec.name!r}: encode and decode must be callables")
+    if not isinstance(codec.name, str) or not codec.name:
+        raise TypeError(f"codec name must be a non-empty str, not {codec.name!r}")
+    if _BY_CODE.get(code) == codec:
+        return  # the same codec again (a re-imported module): nothing to do
+    if code in _BY_CODE:
+        raise ValueError(
+            f"codec {codec.name!r}: ext code {code} is already taken by {_BY_CODE[code].name!r}; "
+            "pick another code in 64..127"
+        )
+    qual = _qualname(codec.type)
+    if codec.type in _NATIVE or codec.type in (bool, type(None), msgpack.ExtType, msgpack.Timestamp):
+        raise ValueError(f"codec {codec.name!r}: {qual} is msgpack-native and never reaches a codec")
+    taken = _BY_TYPE.get(codec.type)
+    if taken is not None or qual in _LAZY_TYPES:
+        owner = taken.name if taken is not None else "a built-in codec"
+        raise ValueError(f"codec {codec.name!r}: type {qual} is already packed by {owner!r}")
+    _add(codec)
+
+
+def unregister(code: int) -> None:
+    """Remove a user codec (codes 64..127); built-ins stay. Unknown codes are ignored."""
+    if code not in USER_CODES:
+        raise ValueError(f"code {code!r} is not a user code (64..127); built-in codecs cannot be removed")
+    codec = _BY_CODE.pop(code, None)
+    if codec is not None:
+        _BY_TYPE.pop(codec.type, None)
+        _ENCODERS.clear()
+
+
+def _qualname(t: type) -> str:
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+# ---------------------------------------------------------------- pack
+
+
+def _encoder_for(t: type) -> Callable[[Any], Any]:
+    for root in {b.__module__.partition(".")[0] for b in t.__mro__} & {"numpy", "torch", "PIL"}:
+        _load_optional(root)  # a user subclass of ndarray counts too
+    for base in t.__mro__:
+        codec = _BY_TYPE.get(base)
+        if codec is not None:
+            return _ext_encoder(codec)
+        native = _NATIVE.get(base)
+        if native is not None:
+            return native
+    raise TypeError(
+        f"cannot pack a value of type {_qualname(t)}: it is not msgpack-native and no codec is "
+        "registered for it. Convert it to str, bytes, int, float, bool, None, list, dict or a "
+        "built-in type (see dreamlake.lakeshore.wire), or register one with "
+        "wire.register(wire.Codec(code, type, encode, decode, name)) using a code in 64..127"
+    )
+
+
+def _ext_encoder(codec: Codec) -> Callable[[Any], Any]:
+    code, encode = codec.code, codec.encode
+
+    def ext(obj: Any) -> msgpack.ExtType:
+        data = encode(obj)
+        if type(data) is not bytes:
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise TypeError(f"codec {codec.name!r} encode returned {type(data).__name__}, not bytes")
+            data = bytes(data)
+        return msgpack.ExtType(code, data)
+
+    return ext
+
+
+def _default(obj: Any) -> Any:
+    t = type(obj)
+    enc = _ENCODERS.get(t)
+    if enc is None:
+        enc = _ENCODERS[t] = _encoder_for(t)
+    return enc(obj)
+
+
+# Packers are reused: a new one mallocs a fresh buffer each time, which dominates small values.
+# A packer is taken off the pool for one call (codecs re-enter pack()), and one whose buffer grew
+# past _POOL_KEEP is dropped rather than kept holding the memory.
+_POOL: list[msgpack.Packer] = []
+_POOL_MAX = 16
+_POOL_KEEP = 1 * MiB
+
+
+_BIG = 1 * MiB  # a top-level ext value this large is framed by hand: one copy instead of three
+
+
+def pack(value: Any) -> bytes:
+    """msgpack bytes of ``value``; ``TypeError`` (with the fix) for a type nothing can pack."""
+    if getattr(value, "nbytes", 0) >= _BIG and type(value).__module__ == "numpy":
+        return _pack_big(value)
+    try:
+        packer = _POOL.pop()
+    except IndexError:
+        packer = msgpack.Packer(default=_default, strict_types=True, use_bin_type=True)
+    out: bytes = packer.pack(value)  # raises before the packer goes back: a failed one is dropped
+    if len(out) <= _POOL_KEEP and len(_POOL) < _POOL_MAX:
+        _POOL.append(packer)
+    return out
+
+
+def _pack_big(value: Any) -> bytes:
+    """What the packer writes for a big top-level ndarray (ext 32), joined in one copy, not three."""
+    codec = _BY_TYPE.get(type(value)) if _load_optional("numpy") else None
+    if codec is None or codec.code != 1 or _ARRAY_PARTS is None:
+        return pack([value])[1:]  # a subclass or an odd value: the general path, minus the array
+    parts = _ARRAY_PARTS(value)
+    size = sum(memoryview(p).nbytes for p in parts)
+    return b"".join((_EXT32.pack(0xC9, size, 1), *parts))
+
+
+_EXT32 = struct.Struct(">BIb")
+# numpy's (header, raw) split of an array, set when the numpy codec loads.
+_ARRAY_PARTS: Callable[[Any], tuple[bytes, Any]] | None = None
+
+
+# ---------------------------------------------------------------- unpack
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    codec = _BY_CODE.get(code)
+    if codec is None:
+        root = _LAZY_CODES.get(code)
+        if root is None or not _load_optional(root):
+            return msgpack.ExtType(code, data)
+        codec = _BY_CODE[code]
+    if code in _NESTED_CODES or code in USER_CODES:
+        depth = _DEPTH.get() + 1
+        limits = _LIMITS.get()
+        if depth > limits.max_depth:
+            raise DecodeError(f"ext values nested deeper than max_depth={limits.max_depth}")
+        token = _DEPTH.set(depth)
+        try:
+            return _decode_with(codec, data)
+        finally:
+            _DEPTH.reset(token)
+    return _decode_with(codec, data)
+
+
+def _decode_with(codec: Codec, data: bytes) -> Any:
+    try:
+        return codec.decode(data)
+    except Exception as e:
+        raise DecodeError(f"corrupt ext data for {codec.name} (code {codec.code}): {_why(e)}", data) from e
+
+
+def _why(e: BaseException) -> str:
+    return str(e) if isinstance(e, DecodeError) else f"{type(e).__name__}: {e}".rstrip(": ")
+
+
+_LIMITS: contextvars.ContextVar[Limits] = contextvars.ContextVar(
+    "lakeshore_wire_limits", default=DEFAULT_LIMITS
+)
+
+
+def unpack(data: bytes | bytearray | memoryview, *, limits: Limits | None = None) -> Any:
+    """The value in ``data`` (exactly one msgpack object); ``DecodeError`` on bad or oversized bytes.
+
+    ``limits`` defaults to those of the enclosing ``unpack`` (a codec's nested call) or DEFAULT_LIMITS.
+    """
+    current = _LIMITS.get()
+    lim = current if limits is None else limits
+    n = data.nbytes if type(data) is memoryview else len(data)
+    if n > lim.max_buffer_size:
+        raise DecodeError(
+            f"wire value is {n} bytes, over max_buffer_size={lim.max_buffer_size}; "
+            "pass larger limits=wire.Limits(...) if it is expected",
+            bytes(data[:64]),
+        )
+    if n >= _BIG and type(data) is bytes and data[0] == 0xC9 and data[5] == 1 and n <= lim.max_ext_len + 6:
+        value = _unpack_big_array(data)
+        if value is not None:
+            return value
+    token = None if lim is current else _LIMITS.set(lim)
+    try:
+        return msgpack.unpackb(
+            data,
+            ext_hook=_ext_hook,
+            raw=False,
+            strict_map_key=False,
+            max_str_len=min(lim.max_str_len, n),
+            max_bin_len=min(lim.max_bin_len, n),
+            max_ext_len=min(lim.max_ext_len, n),
+            max_array_len=min(lim.max_array_len, n),
+            max_map_len=min(lim.max_map_len, n // 2),
+        )
+    except DecodeError:
+        raise
+    except Exception as e:  # msgpack errors, a hook's failure, RecursionError: all mean bad bytes
+        raise DecodeError(f"cannot decode wire value: {_why(e)}", bytes(data[:64])) from e
+    finally:
+        if token is not None:
+            _LIMITS.reset(token)
+
+
+def _unpack_big_array(data: bytes) -> Any:
+    """A top-level big ndarray as a zero-copy view of ``data`` itself (immutable bytes), or None.
+
+    None (the general path: msgpack copies the ext data, which is 16-byte aligned) when the view
+    would be misaligned for its dtype: the raw bytes sit 6 bytes past a 16-byte boundary here.
+    """
+    (size,) = _HDR_BE.unpack_from(data, 1)
+    if size + 6 != len(data) or not _load_optional("numpy"):
+        return None
+    arr = _decode_with(_BY_CODE[1], memoryview(data)[6:])  # type: ignore[arg-type]
+    return arr if arr.flags.aligned else None
+
+
+_HDR_BE = struct.Struct(">I")
+
+
+# ---------------------------------------------------------------- built-in codecs (stdlib)
+
+_COMPLEX = struct.Struct("<dd")
+_HDR = struct.Struct("<I")
+_HEADER_LIMITS = {"max_str_len": 1 * MiB, "max_bin_len": 64 * MiB, "max_array_len": 4096, "max_map_len": 64}
+
+
+def _nested(data: bytes) -> list[Any]:
+    items = unpack(data)
+    if type(items) is not list:
+        raise DecodeError(f"expected a msgpack array inside the ext value, got {type(items).__name__}")
+    return items
+
+
+def _sorted_if_possible(items: set[Any] | frozenset[Any]) -> list[Any]:
+    try:
+        return sorted(items)
+    except TypeError:
+        return list(items)
+
+
+def _int_encode(i: int) -> bytes:
+    return int(i).to_bytes((int(i).bit_length() + 8) // 8, "big", signed=True)
+
+
+def _int_decode(data: bytes) -> int:
+    if not data:
+        raise ValueError("empty big-int")
+    return int.from_bytes(data, "big", signed=True)
+
+
+def _td_decode(data: bytes) -> _dt.timedelta:
+    days, seconds, micros = unpack(data)
+    if not all(type(x) is int for x in (days, seconds, micros)):
+        raise ValueError("timedelta fields must be ints")
+    return _dt.timedelta(days=days, seconds=seconds, microseconds=micros)
+
+
+def _path_bytes(p: pathlib.PurePath) -> bytes:
+    return str(p).encode("utf-8", "surrogateescape")
+
+
+def _path_decoder(cls: type[pathlib.PurePath]) -> Callable[[bytes], pathlib.PurePath]:
+    def decode(data: bytes) -> pathlib.PurePath:
+        return cls(data.decode("utf-8", "surrogateescape"))
+
+    return decode
+
+
+def _decimal_decode(data: bytes) -> decimal.Decimal:
+    text = data.decode("ascii")
+    with decimal.localcontext() as ctx:
+        ctx.traps[decimal.InvalidOperation] = True
+        return decimal.Decimal(text)
+
+
+_posix_cls: type[pathlib.PurePath] = pathlib.PurePosixPath if os.name == "nt" else pathlib.Path
+_windows_cls: type[pathlib.PurePath] = pathlib.Path if os.name == "nt" else pathlib.PureWindowsPath
+
+for _codec in (
+    Codec(5, tuple, lambda t: pack(list(t)), lambda b: tuple(_nested(b)), "tuple"),
+    Codec(6, set, lambda s: pack(_sorted_if_possible(s)), lambda b: set(_nested(b)), "set"),
+    Codec(7, frozenset, lambda s: pack(_sorted_if_possible(s)), lambda b: frozenset(_nested(b)), "frozenset"),
+    Codec(
+        8, complex, lambda c: _COMPLEX.pack(c.real, c.imag), lambda b: complex(*_COMPLEX.unpack(b)), "complex"
+    ),
+    Codec(
+        9,
+        _dt.datetime,
+        lambda d: d.isoformat().encode(),
+        lambda b: _dt.datetime.fromisoformat(b.decode("ascii")),
+        "datetime",
+    ),
+    Codec(
+        10,
+        _dt.date,
+        lambda d: d.isoformat().encode(),
+        lambda b: _dt.date.fromisoformat(b.decode("ascii")),
+        "date",
+    ),
+    Codec(
+        11,
+        _dt.time,
+        lambda d: d.isoformat().encode(),
+        lambda b: _dt.time.fromisoformat(b.decode("ascii")),
+        "time",
+    ),
+    Codec(12, _dt.timedelta, lambda d: pack([d.days, d.seconds, d.microseconds]), _td_decode, "timedelta"),
+    Codec(13, uuid.UUID, lambda u: u.bytes, lambda b: uuid.UUID(bytes=b), "uuid"),
+    Codec(14, decimal.Decimal, lambda d: str(d).encode(), _decimal_decode, "decimal"),
+    Codec(15, pathlib.PurePosixPath, _path_bytes, _path_decoder(pathlib.PurePosixPath), "pure-posix-path"),
+    Codec(
+        16, pathlib.PureWindowsPath, _path_bytes, _path_decoder(pathlib.PureWindowsPath), "pure-windows-path"
+    ),
+    Codec(17, pathlib.PosixPath, _path_bytes, _path_decoder(_posix_cls), "posix-path"),
+    Codec(18, pathlib.WindowsPath, _path_bytes, _path_decoder(_windows_cls), "windows-path"),
+):
+    _add(_codec)
+# Only ints beyond 64 bits reach the codec (msgpack packs the rest); the type slot is int's own.
+_BY_CODE[19] = Codec(19, int, _int_encode, _int_decode, "bigint")
+
+
+def _bigint(i: int) -> Any:
+    """``i`` itself when msgpack packs it (an int subclass reaches here), else the ext of code 19."""
+    return i if -(2**63) <= i < 2**64 else msgpack.ExtType(19, _int_encode(i))
+
+
+# ---------------------------------------------------------------- optional libraries
+
+
+def _load_optional(root: str) -> bool:
+    """Register the codecs of numpy / torch / PIL on first use; False when it is not installed."""
+    done = _LOADED.get(root)
+    if done is not None:
+        return done
+    try:
+        if root == "numpy":
+            _register_numpy()
+        elif root == "torch":
+            _register_torch()
+        elif root == "PIL":
+            _register_pil()
+        ok = True
+    except ImportError:
+        logger.debug("%s is not installed: its ext codes pass through as msgpack.ExtType", root)
+        ok = False
+    _LOADED[root] = ok
+    return ok
+
+
+# Headers hold no custom types, so packing one never calls back into Python: one shared packer is safe.
+_HEADER_PACKER = msgpack.Packer(use_bin_type=True)
+
+
+def _header(header: list[Any]) -> bytes:
+    """``u32 length + msgpack header``, zero padded to a multiple of 16 bytes."""
+    h: bytes = _HEADER_PACKER.pack(header)
+    return b"".join((_HDR.pack(len(h)), h, b"\0" * (-(_HDR.size + len(h)) % 16)))
+
+
+def _with_header(header: list[Any], raw: Any) -> bytes:
+    return b"".join((_header(header), raw))
+
+
+def _split_header(data: bytes) -> tuple[list[Any], memoryview]:
+    mv = memoryview(data)
+    if len(mv) < _HDR.size:
+        raise ValueError("truncated header")
+    (hlen,) = _HDR.unpack_from(mv)
+    end = _HDR.size + hlen
+    if end > len(mv):
+        raise ValueError("header length past the end of the data")
+    header = msgpack.unpackb(mv[_HDR.size : end], raw=False, **_HEADER_LIMITS)
+    if type(header) is not list:
+        raise ValueError("header is not an array")
+    start = end + (-end % 16)
+    if start > len(mv) or any(mv[end:start]):
+        raise ValueError("bad header padding")
+    return header, mv[start:]
+
+
+def _shape(value: Any, ndim_max: int = 64) -> tuple[int, ...]:
+    if type(value) is not list or len(value) > ndim_max:
+        raise ValueError(f"shape must be a list of at most {ndim_max} ints")
+    if not all(type(d) is int and d >= 0 for d in value):
+        raise ValueError("shape dims must be non-negative ints")
+    return tuple(value)
+
+
+def _register_numpy() -> None:
+    import numpy as np
+
+    def descr_out(dtype: Any) -> Any:
+        return dtype.str if dtype.fields is None else dtype.descr
+
+    def descr_in(d: Any) -> Any:
+        if type(d) is str:
+            return d
+        if type(d) is not list:
+            raise ValueError("dtype must be a str or a field list")
+        fields = []
+        for f in d:
+            if type(f) is not list or len(f) not in (2, 3):
+                raise ValueError("bad structured dtype field")
+            name = tuple(f[0]) if type(f[0]) is list else f[0]
+            rest = [descr_in(f[1])] + ([tuple(_shape(f[2]))] if len(f) == 3 else [])
+            fields.append((name, *rest))
+        return fields
+
+    def array_parts(arr: Any) -> tuple[bytes, Any]:
+        if arr.dtype.hasobject:
+            raise TypeError(
+                f"cannot pack a numpy array of dtype {arr.dtype}: object arrays hold arbitrary Python "
+                "objects. Convert it to a fixed dtype (arr.astype(str), arr.astype(float)) or to a list"
+            )
+        fortran = bool(arr.flags.f_contiguous and not arr.flags.c_contiguous)
+        if not (arr.flags.c_contiguous or fortran):
+            arr = np.ascontiguousarray(arr)
+        raw: Any = b""
+        if arr.nbytes:
+            raw = memoryview(arr.ravel(order="K").view(np.uint8))
+        return _header([descr_out(arr.dtype), list(arr.shape), fortran]), raw
+
+    def encode_array(arr: Any) -> bytes:
+        return b"".join(array_parts(arr))
+
+    def decode_array(data: bytes) -> Any:
+        header, raw = _split_header(data)
+        if len(header) != 3 or type(header[2]) is not bool:
+            raise ValueError("ndarray header must be [dtype, shape, fortran]")
+        dtype = np.dtype(descr_in(header[0]))
+        if dtype.hasobject:
+            raise ValueError("object dtype refused")
+        shape = _shape(header[1])
+        order: Literal["C", "F"] = "F" if header[2] else "C"
+        count = math.prod(shape)
+        if count * dtype.itemsize != len(raw):
+            raise ValueError(
+                f"array data is {len(raw)} bytes; {dtype} x {shape} needs {count * dtype.itemsize}"
+            )
+        if len(raw) == 0:
+            arr = np.empty(shape, dtype=dtype, order=order)
+            arr.flags.writeable = False
+            return arr
+        return np.frombuffer(raw, dtype=dtype, count=count).reshape(shape, order=order)
+
+    def encode_scalar(x: Any) -> bytes:
+        return encode_array(np.asarray(x))
+
+    def decode_scalar(data: bytes) -> Any:
+        arr = decode_array(data)
+        if arr.ndim != 0:
+            raise ValueError("numpy scalar must be a 0-d array")
+        return arr[()]
+
+    global _ARRAY_PARTS
+    _ARRAY_PARTS = array_parts
+    _add(Codec(1, np.ndarray, encode_array, decode_array, "numpy.ndarray"))
+    _add(Codec(2, np.generic, encode_scalar, decode_scalar, "numpy.scalar"))
+
+
+def _register_torch() -> None:
+    import torch
+
+    def encode(t: Any) -> bytes:
+        t = t.detach().to("cpu").contiguous()
+        raw: Any = b""
+        if t.numel():
+            raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        return _with_header([str(t.dtype).removeprefix("torch."), list(t.shape)], raw)
+
+    def decode(data: bytes) -> Any:
+        header, raw = _split_header(data)
+        if len(header) != 2 or type(header[0]) is not str:
+            raise ValueError("tensor header must be [dtype, shape]")
+        dtype = getattr(torch, header[0], None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown torch dtype {header[0]!r}")
+        shape = _shape(header[1])
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if math.prod(shape) * itemsize != len(raw):
+            raise ValueError(f"tensor data is {len(raw)} bytes; {dtype} x {shape} needs more or less")
+        if len(raw) == 0:
+            return torch.empty(shape, dtype=dtype)
+        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)  # a writable copy, as torch expects
+        return flat.view(dtype).reshape(shape)
+
+    _add(Codec(3, torch.Tensor, encode, decode, "torch.Tensor"))
+
+
+def _register_pil() -> None:
+    from PIL import Image
+
+    def encode(img: Any) -> bytes:
+        palette = img.palette
+        pmode, pdata = (palette.mode, bytes(img.getpalette(palette.mode) or b"")) if palette else (None, None)
+        return _with_header([img.mode, list(img.size), pmode, pdata], img.tobytes())
+
+    def decode(data: bytes) -> Any:
+        header, raw = _split_header(data)
+        if len(header) != 4 or type(header[0]) is not str:
+            raise ValueError("image header must be [mode, size, palette mode, palette]")
+        mode, (w, h) = header[0], _shape(header[1], 2) if len(header[1]) == 2 else (-1, -1)
+        if w < 0:
+            raise ValueError("image size must be [width, height]")
+        if w * h > 8 * len(raw):  # no mode packs more than 8 pixels a byte: bound the allocation
+            raise ValueError(f"{len(raw)} bytes cannot hold a {w}x{h} image")
+        if w * h == 0:
+            img = Image.new(mode, (w, h))
+        else:
+            row = len(Image.new(mode, (w, 1)).tobytes())
+            if row * h != len(raw):
+                raise ValueError(f"image data is {len(raw)} bytes; {mode} {w}x{h} needs {row * h}")
+            img = Image.frombytes(mode, (w, h), bytes(raw))
+        if header[2] is not None:
+            img.putpalette(bytes(header[3]), header[2])
+        return img
+
+    _add(Codec(4, Image.Image, encode, decode, "PIL.Image"))
+
+
+# ---------------------------------------------------------------- frames
+
+
+class Frame(NamedTuple):
+    """One frame of a result stream: ``[kind, seq, body, meta]`` on the wire."""
+
+    kind: int
+    seq: int
+    body: bytes | dict[str, Any]
+    meta: dict[str, Any] | None
+
+    @property
+    def final(self) -> bool:
+        """END and ERROR close the stream."""
+        return self.kind in (FRAME_END, FRAME_ERROR)
+
+
+def encode_frame(
+    kind: int, seq: int, body: bytes | dict[str, Any], meta: dict[str, Any] | None = None
+) -> bytes:
+    """The msgpack bytes of one frame; ``body`` is ``bytes`` (a packed value, raw log) or a small dict."""
+    _check_frame(kind, seq, body, meta, ValueError)
+    return msgpack.packb([kind, seq, body, meta], use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def _check_frame(kind: Any, seq: Any, body: Any, meta: Any, exc: type[Exception]) -> None:
+    if type(kind) is not int or kind not in FRAME_KINDS:
+        raise exc(f"frame kind must be one of FRAME_VALUE/END/ERROR/LOG (1..4), not {kind!r}")
+    if type(seq) is not int or seq < 0:
+        raise exc(f"frame seq must be an int >= 0, not {seq!r}")
+    if not isinstance(body, (bytes, dict)):
+        raise exc(f"frame body must be bytes or a dict, not {type(body).__name__}")
+    if meta is not None and not isinstance(meta, dict):
+        raise exc(f"frame meta must be a dict or None, not {type(meta).__name__}")
+
+
+def _to_frame(obj: Any) -> Frame:
+    if type(obj) is not list or len(obj) != 4:
+        raise DecodeError(f"a frame is a 4-element array [kind, seq, body, meta], got {type(obj).__name__}")
+    kind, seq, body, meta = obj
+    _check_frame(kind, seq, body, meta, DecodeError)
+    return Frame(kind, seq, body, meta)
+
+
+def _frame_unpacker_kwargs(limits: Limits) -> dict[str, int]:
+    return {
+        "max_str_len": limits.max_str_len,
+        "max_bin_len": limits.max_bin_len,
+        "max_ext_len": limits.max_ext_len,
+        "max_array_len": limits.max_array_len,
+        "max_map_len": limits.max_map_len,
+    }
+
+
+def decode_frame(data: bytes | bytearray | memoryview, *, limits: Limits = DEFAULT_FRAME_LIMITS) -> Frame:
+    """The one frame in ``data``; ``DecodeError`` for anything else (garbage, trailing bytes, bad shape)."""
+    if len(data) > limits.max_buffer_size:
+        raise DecodeError(f"frame is {len(data)} bytes, over max_buffer_size={limits.max_buffer_size}")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, **_frame_unpacker_kwargs(limits))
+    except Exception as e:
+        raise DecodeError(f"cannot decode frame: {_why(e)}", bytes(data[:64])) from e
+    return _to_frame(obj)
+
+
+class FrameReader:
+    """Reassembles frames fed in chunks split at any byte boundary (a journal tail, an HTTP stream).
+
+    ``feed`` returns the frames completed by the chunk; a partial frame waits for the next chunk
+    (``pending`` says how many bytes wait). After a :class:`DecodeError` the reader is unusable.
+    """
+
+    def __init__(self, *, limits: Limits = DEFAULT_FRAME_LIMITS) -> None:
+        self._unpacker = msgpack.Unpacker(
+            raw=False, max_buffer_size=limits.max_buffer_size, **_frame_unpacker_kwargs(limits)
+        )
+        self._fed = 0
+        self._done = 0  # stream offset just past the last complete frame
+        self._broken = False
+
+    @property
+    def pending(self) -> int:
+        """Bytes fed but not yet part of a complete frame."""
+        return self._fed - self._done
+
+    def feed(self, chunk: bytes | bytearray | memoryview) -> list[Frame]:
+        if self._broken:
+            raise DecodeError("this FrameReader already failed on a malformed frame; start a new one")
+        try:
+            self._unpacker.feed(chunk)
+            self._fed += len(chunk)
+            frames = []
+            for obj in self._unpacker:
+                frames.append(_to_frame(obj))
+                self._done = self._unpacker.tell()
+            return frames
+        except Exception as e:
+            self._broken = True
+            if isinstance(e, DecodeError):
+                raise
+            raise DecodeError(f"malformed frame stream: {_why(e)}") from e
