@@ -119,29 +119,44 @@ class Store(Protocol):
 
     # -- daemon side --------------------------------------------------------------------------
     def register_worker(self, worker_id: str, info: dict[str, Any]) -> None: ...
-    def claim(self, worker_id: str, queues: list[str], limit: int = 1,
-              lease_s: float = DEFAULT_LEASE_S) -> list[Invocation]:
+    def claim(
+        self, worker_id: str, queues: list[str], limit: int = 1, lease_s: float = DEFAULT_LEASE_S
+    ) -> list[Invocation]:
         """Atomically flip up to ``limit`` queued invocations whose queue is in ``queues`` to running,
         best first (priority desc, submitted_at asc, invocation_id asc). Sets started_at, worker_id,
         attempt += 1, lease_expires_at. Never hands one invocation to two callers."""
         ...
-    def ack(self, invocation_id: str, state: str, *, attempt: int | None, worker_id: str | None,
-            result_blob: bytes | None, error: dict[str, Any] | None) -> AckResult:
+
+    def ack(
+        self,
+        invocation_id: str,
+        state: str,
+        *,
+        attempt: int | None,
+        worker_id: str | None,
+        result_blob: bytes | None,
+        error: dict[str, Any] | None,
+    ) -> AckResult:
         """Record the outcome. Refused (ok=False) when the row is not running under that attempt
         (when attempt is given) / that worker (when given). finished_at = now unconditionally on
         success. A repeat of an already-recorded identical outcome answers duplicate=True."""
         ...
-    def append_frame(self, owner_id: str, seq: int, data: bytes, final: bool, *,
-                     attempt: int | None = None) -> ChunkResult:
+
+    def append_frame(
+        self, owner_id: str, seq: int, data: bytes, final: bool, *, attempt: int | None = None
+    ) -> ChunkResult:
         """Journal a frame. A repeated (owner_id, seq) answers duplicate=True and changes nothing.
         For an invocation with ``attempt`` given, refused when that attempt is superseded."""
         ...
+
     def read_frames(self, owner_id: str, since: int = -1, limit: int = 1000) -> list[Frame]: ...
-    def heartbeat(self, worker_id: str, running: list[tuple[str, int]],
-                  lease_s: float = DEFAULT_LEASE_S) -> tuple[list[Command], list[str]]:
+    def heartbeat(
+        self, worker_id: str, running: list[tuple[str, int]], lease_s: float = DEFAULT_LEASE_S
+    ) -> tuple[list[Command], list[str]]:
         """Renew the leases of (invocation_id, attempt) still owned by this worker; return the
         pending commands for it (cancels, each returned once) and the ids it no longer owns."""
         ...
+
     def expire_leases(self, now: float | None = None) -> list[str]:
         """Requeue (attempt < max_attempts) or fail ({type: "LeaseExpired"}) running invocations
         whose lease lapsed. Returns the affected ids."""
@@ -158,9 +173,17 @@ class Store(Protocol):
     def create_token(self, kind: str, name: str, namespace: str | None = None) -> str: ...
     def verify_token(self, secret: str) -> Principal | None: ...
     def count_tokens(self) -> int: ...
-    def create_exec(self, namespace: str, command: str, *, payload_inline: bytes | None,
-                    payload_ref: dict[str, Any] | None, queue: str, worker_id: str | None,
-                    timeout_s: float | None) -> str: ...
+    def create_exec(
+        self,
+        namespace: str,
+        command: str,
+        *,
+        payload_inline: bytes | None,
+        payload_ref: dict[str, Any] | None,
+        queue: str,
+        worker_id: str | None,
+        timeout_s: float | None,
+    ) -> str: ...
     def claim_exec(self, worker_id: str, queues: list[str], limit: int = 1) -> list[dict[str, Any]]: ...
     def publish_exec_result(self, namespace: str, exec_id: str, result: dict[str, Any]) -> bool: ...
     def get_exec(self, namespace: str, exec_id: str) -> dict[str, Any] | None: ...

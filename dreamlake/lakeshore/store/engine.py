@@ -40,7 +40,9 @@ def normalize_url(url: str | Path) -> str:
     """Map the accepted spellings to a SQLAlchemy URL; raise PlaneError for anything else."""
     text = str(url).strip()
     if not text:
-        raise PlaneError("empty store URL: pass a file path, 'sqlite:///PATH', ':memory:' or 'postgresql://...'")
+        raise PlaneError(
+            "empty store URL: pass a file path, 'sqlite:///PATH', ':memory:' or 'postgresql://...'"
+        )
     if text in (":memory:", "sqlite://", "sqlite:///:memory:"):
         return "sqlite://"
     for prefix in ("postgresql://", "postgres://"):
@@ -100,12 +102,11 @@ class Database:
     def tx(self, *, write: bool) -> Iterator[Connection]:
         """A transaction: committed on normal exit, rolled back on an exception."""
         lock = self._lock if (self._lock is not None and (write or self.memory)) else None
-        with lock if lock is not None else contextlib.nullcontext():
-            with self.engine.connect() as conn:
-                if self.dialect == "sqlite":
-                    conn.execution_options(lakeshore_write=write)
-                with conn.begin():
-                    yield conn
+        with lock if lock is not None else contextlib.nullcontext(), self.engine.connect() as conn:
+            if self.dialect == "sqlite":
+                conn.execution_options(lakeshore_write=write)
+            with conn.begin():
+                yield conn
 
     def dispose(self) -> None:
         self.engine.dispose()

@@ -2,11 +2,12 @@
 
 Channels the store notifies (after the transaction commits):
 
-- ``queue:<name>``  an invocation became claimable on that queue (submit, lease-expiry requeue);
-  also ``exec:<queue>`` when an exec job is created on it.
+- ``queue:<name>``  work became claimable on that queue: a submit, a lease-expiry requeue, or a
+  new exec job.
 - ``inv:<id>``      an invocation changed state (claim, ack, cancel, expiry) or got a frame.
-- ``topic:<name>``  a frame was posted to the topic.
-- ``worker:<id>``   a command (a cancel) was queued for that worker.
+- ``topic:<name>``  a frame was posted to the topic (the frames' owner_id, ``topic:<name>``).
+- ``worker:<id>``   a cancel command was queued for that worker, or an exec job targets it.
+- ``exec:<id>``     an exec job's result was published.
 
 A notification is a hint, never the data: a woken waiter re-reads the store. To close the gap
 between "read the store, found nothing" and "start waiting", take ``mark()`` before the read and

@@ -15,7 +15,7 @@ metadata = sa.MetaData()
 
 ID = sa.String(64)
 NAME = sa.String(255)
-TIME = sa.Double()
+TIME: sa.Double[float] = sa.Double()
 
 queues = sa.Table(
     "queues",

@@ -20,7 +20,9 @@ def run() -> None:
     if conn is None:
         url = context.get_x_argument(as_dictionary=True).get("url")
         if not url:
-            raise SystemExit("pass -x url=<database url> (or run through dreamlake.lakeshore.store.open_store)")
+            raise SystemExit(
+                "pass -x url=<database url> (or run through dreamlake.lakeshore.store.open_store)"
+            )
         engine = sa.create_engine(url)
         with engine.begin() as own:
             context.configure(connection=own, target_metadata=metadata, render_as_batch=True)

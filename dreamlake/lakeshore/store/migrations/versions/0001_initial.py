@@ -19,7 +19,7 @@ ID = sa.String(64)
 NAME = sa.String(255)
 
 
-def _time(name: str, nullable: bool = False) -> sa.Column:
+def _time(name: str, nullable: bool = False) -> sa.Column[float]:
     return sa.Column(name, sa.Double(), nullable=nullable)
 
 

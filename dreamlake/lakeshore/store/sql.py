@@ -1,0 +1,486 @@
+"""SqlStore: the one implementation of the store's invocation, journal and lease rules.
+
+One SQLAlchemy Core code path serves SQLite and PostgreSQL; the only dialect-specific pieces are
+the ``INSERT ... ON CONFLICT`` constructor and ``FOR UPDATE SKIP LOCKED`` (ignored by SQLite,
+where ``BEGIN IMMEDIATE`` serialises writers instead). State changes are single conditional
+``UPDATE ... RETURNING`` statements, so a refusal never half-applies.
+
+Choices the seed leaves open, made here:
+
+- an unknown ``parent_invocation_id`` is taken as the root (``root_invocation_id = parent``);
+- a running invocation whose lease lapses after a cancel was requested becomes ``cancelled``
+  instead of being requeued;
+- frames of an invocation are accepted without ``attempt``; with it, only from the current attempt
+  (also after that attempt was acked, so a late journal upload is kept).
+
+Tokens, namespaces, workers and exec jobs live in ``side.py`` (mixed in here).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Row
+
+from dreamlake.lakeshore.errors import PlaneError
+from dreamlake.lakeshore.ids import new_ulid
+
+from . import schema as t
+from . import values
+from .api import (
+    ACK_STATES,
+    DEFAULT_LEASE_S,
+    AckResult,
+    ChunkResult,
+    Command,
+    Frame,
+    Invocation,
+    Store,
+    SubmitRequest,
+    SubmitResult,
+)
+from .engine import Database, migrate
+from .notify import Notifier
+from .side import SideMixin
+
+log = logging.getLogger(__name__)
+
+TOPIC_PREFIX = "topic:"
+FRAME_VALUE, FRAME_END = 1, 2  # wire.FRAME_VALUE / FRAME_END; the store does not import the codec
+CANCEL_REASON = "cancelled by producer"
+LEASE_EXPIRED = {
+    "type": "LeaseExpired",
+    "message": "the worker stopped renewing the lease on the last allowed attempt (run_config.max_attempts)",
+}
+
+_inv = t.invocations
+_claim_order = (_inv.c.priority.desc(), _inv.c.submitted_at.asc(), _inv.c.invocation_id.asc())
+
+
+def _row_to_invocation(r: Row[Any]) -> Invocation:
+    m = r._mapping
+    return Invocation(
+        invocation_id=m["invocation_id"],
+        queue=m["queue"],
+        state=m["state"],
+        priority=int(m["priority"]),
+        function=m["function"],
+        args_blob=bytes(m["args_blob"]),
+        run_config=m["run_config"],
+        code_context=m["code_context"],
+        namespace=m["namespace"],
+        attempt=m["attempt"],
+        max_attempts=m["max_attempts"],
+        parent_invocation_id=m["parent_invocation_id"],
+        root_invocation_id=m["root_invocation_id"],
+        idempotency_key=m["idempotency_key"],
+        worker_id=m["worker_id"],
+        submitted_at=m["submitted_at"],
+        started_at=m["started_at"],
+        finished_at=m["finished_at"],
+        lease_expires_at=m["lease_expires_at"],
+        result_blob=bytes(m["result_blob"]) if m["result_blob"] is not None else None,
+        error=m["error"],
+        cancel_requested=bool(m["cancel_requested"]),
+    )
+
+
+class SqlStore(SideMixin):
+    """The Store protocol over SQLite (file or ``:memory:``) or PostgreSQL."""
+
+    def __init__(self, url: str, *, notifier: Notifier | None = None, migrate_schema: bool = True) -> None:
+        self.db = Database(url)
+        self.notifier = notifier if notifier is not None else Notifier()
+        if migrate_schema:
+            migrate(self.db)
+
+    @property
+    def kind(self) -> str:
+        """``"sqlite"`` or ``"postgresql"`` (for /healthz)."""
+        return self.db.dialect
+
+    def close(self) -> None:
+        self.db.dispose()
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _insert(self, table: sa.Table) -> Any:
+        if self.db.dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+            return pg_insert(table)
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        return sqlite_insert(table)
+
+    def _notify(self, *channels: str) -> None:
+        for ch in channels:
+            self.notifier.notify(ch)
+
+    # -- producer side ---------------------------------------------------------------------------
+
+    def submit(self, req: SubmitRequest) -> SubmitResult:
+        queue = req.queue or str(req.run_config.get("queue") or "") or "default"
+        run_config = values.json_safe({**req.run_config, "queue": queue}, "run_config")
+        function = values.json_safe(req.function, "function")
+        code_context = values.json_safe(req.code_context or {}, "code_context")
+        key = values.idempotency_key(run_config)
+        chash = values.content_hash(req, queue, run_config)
+        now = time.time()
+        with self.db.tx(write=True) as conn:
+            conn.execute(self._insert(t.queues).values(name=queue, created_at=now).on_conflict_do_nothing())
+            fkey = values.function_key(function)
+            conn.execute(
+                self._insert(t.functions)
+                .values(function_key=fkey, function=function, created_at=now)
+                .on_conflict_do_nothing()
+            )
+            existing = self._existing(conn, req.invocation_id, chash, queue, key)
+            if existing is not None:
+                return existing
+            root = None
+            if req.parent_invocation_id:
+                parent_root = conn.execute(
+                    sa.select(_inv.c.root_invocation_id).where(
+                        _inv.c.invocation_id == req.parent_invocation_id
+                    )
+                ).scalar_one_or_none()
+                root = parent_root or req.parent_invocation_id
+            row = {
+                "invocation_id": req.invocation_id,
+                "queue": queue,
+                "state": "queued",
+                "priority": values.normalize_priority(run_config.get("priority")),
+                "function_key": fkey,
+                "function": function,
+                "args_blob": bytes(req.args_blob),
+                "run_config": run_config,
+                "code_context": code_context,
+                "namespace": req.namespace or "default",
+                "content_hash": chash,
+                "attempt": 0,
+                "max_attempts": values.normalize_max_attempts(run_config.get("max_attempts")),
+                "parent_invocation_id": req.parent_invocation_id,
+                "root_invocation_id": root,
+                "idempotency_key": key,
+                "submitted_at": now,
+                "cancel_requested": False,
+            }
+            inserted = conn.execute(
+                self._insert(_inv).values(**row).on_conflict_do_nothing().returning(_inv.c.invocation_id)
+            ).first()
+            if inserted is None:  # a concurrent submit of the same id or key won the race
+                existing = self._existing(conn, req.invocation_id, chash, queue, key)
+                if existing is None:
+                    raise PlaneError(f"submit of {req.invocation_id} conflicted; retry it", status=409)
+                return existing
+        self._notify(f"queue:{queue}", f"inv:{req.invocation_id}")
+        return SubmitResult(invocation_id=req.invocation_id, queue=queue)
+
+    def _existing(
+        self, conn: Connection, invocation_id: str, chash: str, queue: str, key: str | None
+    ) -> SubmitResult | None:
+        same = conn.execute(
+            sa.select(_inv.c.queue, _inv.c.content_hash).where(_inv.c.invocation_id == invocation_id)
+        ).first()
+        if same is not None:
+            if same.content_hash != chash:
+                raise PlaneError(
+                    f"invocation {invocation_id} already exists with different content; "
+                    "submit new work under a new invocation_id",
+                    status=409,
+                )
+            return SubmitResult(invocation_id=invocation_id, queue=same.queue, duplicate=True)
+        if key is not None:
+            other = conn.execute(
+                sa.select(_inv.c.invocation_id).where(_inv.c.queue == queue, _inv.c.idempotency_key == key)
+            ).scalar_one_or_none()
+            if other is not None:
+                return SubmitResult(invocation_id=other, queue=queue, duplicate=True)
+        return None
+
+    def get(self, invocation_id: str) -> Invocation | None:
+        with self.db.tx(write=False) as conn:
+            r = conn.execute(sa.select(_inv).where(_inv.c.invocation_id == invocation_id)).first()
+        return _row_to_invocation(r) if r is not None else None
+
+    def cancel(self, invocation_id: str) -> str | None:
+        now = time.time()
+        notify: list[str] = []
+        with self.db.tx(write=True) as conn:
+            if conn.execute(
+                sa.update(_inv)
+                .where(_inv.c.invocation_id == invocation_id, _inv.c.state == "queued")
+                .values(state="cancelled", finished_at=now, cancel_requested=True)
+                .returning(_inv.c.invocation_id)
+            ).first():
+                state: str | None = "cancelled"
+                notify.append(f"inv:{invocation_id}")
+            else:
+                worker = conn.execute(
+                    sa.update(_inv)
+                    .where(
+                        _inv.c.invocation_id == invocation_id,
+                        _inv.c.state == "running",
+                        _inv.c.cancel_requested == sa.false(),
+                    )
+                    .values(cancel_requested=True)
+                    .returning(_inv.c.worker_id)
+                ).scalar_one_or_none()
+                if worker is not None:
+                    conn.execute(
+                        sa.insert(t.commands).values(
+                            command_id=new_ulid(),
+                            worker_id=worker,
+                            kind="cancel",
+                            body={"invocation_id": invocation_id, "reason": CANCEL_REASON},
+                            created_at=now,
+                        )
+                    )
+                    notify += [f"worker:{worker}", f"inv:{invocation_id}"]
+                state = conn.execute(
+                    sa.select(_inv.c.state).where(_inv.c.invocation_id == invocation_id)
+                ).scalar_one_or_none()
+        self._notify(*notify)
+        return state
+
+    # -- daemon side -----------------------------------------------------------------------------
+
+    def claim(
+        self, worker_id: str, queues: list[str], limit: int = 1, lease_s: float = DEFAULT_LEASE_S
+    ) -> list[Invocation]:
+        if not queues or limit < 1:
+            return []
+        now = time.time()
+        pick = (
+            sa.select(_inv.c.invocation_id)
+            .where(_inv.c.state == "queued", _inv.c.queue.in_(queues))
+            .order_by(*_claim_order)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+            .cte("picked")
+            .prefix_with("MATERIALIZED")  # evaluated once: a bare IN (subquery) may run it per row
+        )
+        stmt = (
+            sa.update(_inv)
+            .where(_inv.c.invocation_id.in_(sa.select(pick.c.invocation_id)), _inv.c.state == "queued")
+            .values(
+                state="running",
+                worker_id=worker_id,
+                attempt=_inv.c.attempt + 1,
+                started_at=now,
+                lease_expires_at=now + lease_s,
+            )
+            .returning(*_inv.c)
+        )
+        with self.db.tx(write=True) as conn:
+            rows = conn.execute(stmt).fetchall()
+        got = sorted(
+            (_row_to_invocation(r) for r in rows),
+            key=lambda i: (-i.priority, i.submitted_at, i.invocation_id),
+        )
+        self._notify(*(f"inv:{i.invocation_id}" for i in got))
+        return got
+
+    def ack(
+        self,
+        invocation_id: str,
+        state: str,
+        *,
+        attempt: int | None,
+        worker_id: str | None,
+        result_blob: bytes | None,
+        error: dict[str, Any] | None,
+    ) -> AckResult:
+        if state not in ACK_STATES:
+            raise PlaneError(
+                f"cannot ack state {state!r}: use one of {', '.join(sorted(ACK_STATES))}", status=400
+            )
+        if error is not None and not isinstance(error, dict):
+            error = {"type": "DaemonError", "message": str(error)}
+        if error is not None:
+            error = values.json_safe(error, "error")
+        blob = bytes(result_blob) if result_blob else None
+        conds = [_inv.c.invocation_id == invocation_id, _inv.c.state == "running"]
+        if attempt is not None:
+            conds.append(_inv.c.attempt == attempt)
+        if worker_id is not None:
+            conds.append(_inv.c.worker_id == worker_id)
+        row: Row[Any] | None = None
+        with self.db.tx(write=True) as conn:
+            done = conn.execute(
+                sa.update(_inv)
+                .where(*conds)
+                .values(
+                    state=state,
+                    finished_at=time.time(),
+                    result_blob=blob,
+                    error=error,
+                    lease_expires_at=None,
+                )
+                .returning(_inv.c.invocation_id)
+            ).first()
+            if done is None:
+                row = conn.execute(sa.select(_inv).where(_inv.c.invocation_id == invocation_id)).first()
+        if done is not None:
+            self._notify(f"inv:{invocation_id}")
+            return AckResult(ok=True, state=state)
+        if row is None:
+            return AckResult(ok=False, reason=f"unknown invocation {invocation_id}")
+        inv = _row_to_invocation(row)
+        if attempt is not None and attempt != inv.attempt:
+            return AckResult(
+                ok=False,
+                state=inv.state,
+                reason=f"attempt {attempt} of {invocation_id} was superseded by attempt {inv.attempt}",
+            )
+        if worker_id is not None and worker_id != inv.worker_id:
+            return AckResult(
+                ok=False, state=inv.state, reason=f"{invocation_id} is not owned by worker {worker_id}"
+            )
+        if inv.state == state and (inv.result_blob or None) == blob and inv.error == error:
+            return AckResult(ok=True, duplicate=True, state=inv.state)
+        return AckResult(
+            ok=False, state=inv.state, reason=f"{invocation_id} is {inv.state}, not running; outcome refused"
+        )
+
+    def append_frame(
+        self, owner_id: str, seq: int, data: bytes, final: bool, *, attempt: int | None = None
+    ) -> ChunkResult:
+        if seq < 0:
+            raise PlaneError(f"frame seq must be >= 0, got {seq}", status=400)
+        with self.db.tx(write=True) as conn:
+            if attempt is not None and not owner_id.startswith(TOPIC_PREFIX):
+                current = conn.execute(
+                    sa.select(_inv.c.attempt).where(_inv.c.invocation_id == owner_id)
+                ).scalar_one_or_none()
+                if current is None:
+                    return ChunkResult(ok=False, seq=seq, reason=f"unknown invocation {owner_id}")
+                if current != attempt:
+                    return ChunkResult(
+                        ok=False,
+                        seq=seq,
+                        reason=f"attempt {attempt} of {owner_id} was superseded by attempt {current}",
+                    )
+            added = conn.execute(
+                self._insert(t.frames)
+                .values(
+                    owner_id=owner_id, seq=seq, data=bytes(data), final=bool(final), created_at=time.time()
+                )
+                .on_conflict_do_nothing()
+                .returning(t.frames.c.seq)
+            ).first()
+        if added is None:
+            return ChunkResult(ok=True, seq=seq, duplicate=True)
+        self._notify(owner_id if owner_id.startswith(TOPIC_PREFIX) else f"inv:{owner_id}")
+        return ChunkResult(ok=True, seq=seq)
+
+    def read_frames(self, owner_id: str, since: int = -1, limit: int = 1000) -> list[Frame]:
+        f = t.frames
+        with self.db.tx(write=False) as conn:
+            rows = conn.execute(
+                sa.select(f.c.seq, f.c.data, f.c.final)
+                .where(f.c.owner_id == owner_id, f.c.seq > since)
+                .order_by(f.c.seq)
+                .limit(max(0, limit))
+            ).fetchall()
+        return [Frame(seq=int(r.seq), data=bytes(r.data), final=bool(r.final)) for r in rows]
+
+    def heartbeat(
+        self, worker_id: str, running: Sequence[tuple[str, int]], lease_s: float = DEFAULT_LEASE_S
+    ) -> tuple[list[Command], list[str]]:
+        now = time.time()
+        wanted = {(inv_id, int(att)) for inv_id, att in running}
+        with self.db.tx(write=True) as conn:
+            conn.execute(sa.update(t.workers).where(t.workers.c.worker_id == worker_id).values(last_seen=now))
+            kept: set[str] = set()
+            if wanted:
+                match = sa.or_(*(sa.and_(_inv.c.invocation_id == i, _inv.c.attempt == a) for i, a in wanted))
+                kept = set(
+                    conn.execute(
+                        sa.update(_inv)
+                        .where(match, _inv.c.state == "running", _inv.c.worker_id == worker_id)
+                        .values(lease_expires_at=now + lease_s)
+                        .returning(_inv.c.invocation_id)
+                    ).scalars()
+                )
+            c = t.commands
+            rows = conn.execute(
+                sa.select(c).where(c.c.worker_id == worker_id).order_by(c.c.created_at, c.c.command_id)
+            ).fetchall()
+            if rows:
+                conn.execute(sa.delete(c).where(c.c.command_id.in_([r.command_id for r in rows])))
+        commands = [Command(id=r.command_id, kind=r.kind, body=r.body) for r in rows]
+        lost = sorted({i for i, _ in wanted} - kept)
+        return commands, lost
+
+    def expire_leases(self, now: float | None = None) -> list[str]:
+        now = time.time() if now is None else now
+        lapsed = (_inv.c.state == "running", _inv.c.lease_expires_at < now)
+        gone = {"worker_id": None, "lease_expires_at": None}
+        with self.db.tx(write=True) as conn:
+            cancelled = conn.execute(
+                sa.update(_inv)
+                .where(*lapsed, _inv.c.cancel_requested == sa.true())
+                .values(state="cancelled", finished_at=now, **gone)
+                .returning(_inv.c.invocation_id)
+            ).fetchall()
+            requeued = conn.execute(
+                sa.update(_inv)
+                .where(*lapsed, _inv.c.attempt < _inv.c.max_attempts)
+                .values(state="queued", started_at=None, **gone)
+                .returning(_inv.c.invocation_id, _inv.c.queue)
+            ).fetchall()
+            failed = conn.execute(
+                sa.update(_inv)
+                .where(*lapsed)
+                .values(state="failed", finished_at=now, error=LEASE_EXPIRED, lease_expires_at=None)
+                .returning(_inv.c.invocation_id)
+            ).fetchall()
+        ids = [r.invocation_id for r in (*cancelled, *requeued, *failed)]
+        if ids:
+            log.info(
+                "lease expired: %d requeued, %d failed, %d cancelled",
+                len(requeued),
+                len(failed),
+                len(cancelled),
+            )
+        self._notify(*{f"queue:{r.queue}" for r in requeued}, *(f"inv:{i}" for i in ids))
+        return ids
+
+    # -- topics ----------------------------------------------------------------------------------
+
+    def topic_post(self, name: str, body: bytes, final: bool = False) -> int:
+        now = time.time()
+        tp = t.topics
+        with self.db.tx(write=True) as conn:
+            conn.execute(
+                self._insert(tp).values(name=name, next_seq=0, created_at=now).on_conflict_do_nothing()
+            )
+            seq = int(
+                conn.execute(
+                    sa.update(tp)
+                    .where(tp.c.name == name)
+                    .values(next_seq=tp.c.next_seq + 1)
+                    .returning(tp.c.next_seq)
+                ).scalar_one()
+                - 1
+            )
+            data = msgpack.packb([FRAME_END if final else FRAME_VALUE, seq, bytes(body), {"ts": now}])
+            conn.execute(
+                sa.insert(t.frames).values(
+                    owner_id=TOPIC_PREFIX + name, seq=seq, data=data, final=bool(final), created_at=now
+                )
+            )
+        self._notify(TOPIC_PREFIX + name)
+        return seq
+
+
+def _conforms(store: SqlStore) -> Store:
+    """Never called: makes mypy check SqlStore against the Store protocol."""
+    return store

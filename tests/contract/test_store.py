@@ -1,0 +1,465 @@
+"""The store contract, run against SQLite (file and :memory:) and PostgreSQL."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from dreamlake.lakeshore.errors import PlaneError
+from dreamlake.lakeshore.ids import new_ulid
+from dreamlake.lakeshore.store.api import SubmitRequest
+from dreamlake.lakeshore.store.sql import SqlStore
+from dreamlake.lakeshore.store.values import normalize_max_attempts, normalize_priority
+
+FN = {"module": "_native_wire", "qualname": "_native_wire.envelope", "version": "v1"}
+FUTURE = 10**10  # an expire_leases "now" after every lease
+
+
+def submit(store: SqlStore, queue: str = "q", **run_config: Any) -> str:
+    inv = str(run_config.pop("invocation_id", None) or new_ulid())
+    parent = run_config.pop("parent", None)
+    store.submit(
+        SubmitRequest(
+            invocation_id=inv,
+            queue=queue,
+            function=FN,
+            args_blob=b"env-" + inv.encode(),
+            run_config=run_config,
+            parent_invocation_id=parent,
+        )
+    )
+    return inv
+
+
+def ack(store: SqlStore, inv: str, state: str = "succeeded", **kw: Any) -> Any:
+    args: dict[str, Any] = {"attempt": None, "worker_id": None, "result_blob": None, "error": None}
+    args.update(kw)
+    return store.ack(inv, state, **args)
+
+
+# -- submit -----------------------------------------------------------------------------------
+
+
+def test_submit_stores_the_row_with_queue_stamped(store: SqlStore) -> None:
+    inv = submit(store, "gpu", priority=2.9, extra={"a": [1, 2]})
+    row = store.get(inv)
+    assert row is not None
+    assert (row.state, row.queue, row.priority, row.attempt, row.max_attempts) == ("queued", "gpu", 2, 0, 3)
+    assert row.run_config == {"priority": 2.9, "extra": {"a": [1, 2]}, "queue": "gpu"}
+    assert row.args_blob == b"env-" + inv.encode()
+    assert row.function == FN
+    assert store.get(new_ulid()) is None
+
+
+def test_empty_queue_defaults_to_default(store: SqlStore) -> None:
+    inv = submit(store, "")
+    assert store.get(inv).queue == "default"  # type: ignore[union-attr]
+    assert store.claim("w", ["default"])[0].invocation_id == inv
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (5, 5),
+        (-3, -3),
+        (2.9, 2),
+        (-2.9, -2),
+        (True, 0),
+        ("7", 0),
+        (None, 0),
+        (math.nan, 0),
+        (math.inf, 0),
+        (-math.inf, 0),
+        ([1], 0),
+        (10**30, 2**63 - 1),
+    ],
+)
+def test_priority_normalisation(value: Any, expected: int) -> None:
+    assert normalize_priority(value) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(None, 3), (1, 1), (0, 1), (-5, 1), (7.8, 7), (1000, 100), ("9", 3), (True, 3)]
+)
+def test_max_attempts_normalisation(value: Any, expected: int) -> None:
+    assert normalize_max_attempts(value) == expected
+
+
+def test_non_finite_priority_is_stored_and_sorts_as_zero(store: SqlStore) -> None:
+    a = submit(store, priority=math.nan)
+    b = submit(store, priority=1)
+    assert store.get(a).priority == 0  # type: ignore[union-attr]
+    assert [i.invocation_id for i in store.claim("w", ["q"], limit=2)] == [b, a]
+
+
+def test_idempotency_key_returns_existing_invocation_of_same_queue(store: SqlStore) -> None:
+    first = submit(store, "q", key="k1")
+    again = store.submit(SubmitRequest(new_ulid(), "q", FN, b"other", {"key": "k1"}))
+    assert (again.invocation_id, again.duplicate) == (first, True)
+    other_queue = store.submit(SubmitRequest(new_ulid(), "q2", FN, b"x", {"key": "k1"}))
+    assert other_queue.duplicate is False and other_queue.invocation_id != first
+    assert len(store.claim("w", ["q", "q2"], limit=10)) == 2
+
+
+def test_resubmit_same_id_is_idempotent_and_different_content_conflicts(store: SqlStore) -> None:
+    inv = new_ulid()
+    req = SubmitRequest(inv, "q", FN, b"abc", {"priority": 1})
+    assert store.submit(req).duplicate is False
+    assert store.submit(req).duplicate is True
+    with pytest.raises(PlaneError) as err:
+        store.submit(SubmitRequest(inv, "q", FN, b"different", {"priority": 1}))
+    assert err.value.status == 409
+    assert len(store.claim("w", ["q"], limit=5)) == 1
+
+
+def test_non_json_run_config_is_refused_clearly(store: SqlStore) -> None:
+    with pytest.raises(PlaneError, match="run_config must hold JSON data") as err:
+        store.submit(SubmitRequest(new_ulid(), "q", FN, b"x", {"blob": b"\x00"}))
+    assert err.value.status == 400
+
+
+def test_root_resolution(store: SqlStore) -> None:
+    root = submit(store)
+    child = submit(store, parent=root)
+    grandchild = submit(store, parent=child)
+    orphan_parent = new_ulid()
+    orphan = submit(store, parent=orphan_parent)
+    assert store.get(root).root_invocation_id is None  # type: ignore[union-attr]
+    assert store.get(child).root_invocation_id == root  # type: ignore[union-attr]
+    g = store.get(grandchild)
+    assert g is not None and (g.parent_invocation_id, g.root_invocation_id) == (child, root)
+    assert store.get(orphan).root_invocation_id == orphan_parent  # type: ignore[union-attr]
+
+
+# -- claim ------------------------------------------------------------------------------------
+
+
+def test_claim_order_priority_then_submission_then_id(store: SqlStore) -> None:
+    low = submit(store, priority=0)
+    high1 = submit(store, priority=5)
+    high2 = submit(store, priority=5)
+    mid = submit(store, priority=1.5)
+    submit(store, "elsewhere", priority=100)
+    got = store.claim("w", ["q"], limit=10, lease_s=60)
+    assert [i.invocation_id for i in got] == [high1, high2, mid, low]
+    first = got[0]
+    assert (first.state, first.worker_id, first.attempt) == ("running", "w", 1)
+    assert first.started_at is not None and first.lease_expires_at is not None
+    assert store.claim("w", ["q"]) == []
+
+
+def test_claim_respects_limit_and_queues(store: SqlStore) -> None:
+    for _ in range(3):
+        submit(store, "a")
+    submit(store, "b")
+    assert store.claim("w", [], limit=5) == []
+    assert len(store.claim("w", ["a"], limit=2)) == 2
+    assert len(store.claim("w", ["a", "b"], limit=5)) == 2
+
+
+def test_no_double_claim_under_concurrency(store: SqlStore) -> None:
+    ids = {submit(store) for _ in range(60)}
+    claimed: list[str] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def worker(n: int) -> None:
+        try:
+            while True:
+                got = store.claim(f"w{n}", ["q"], limit=2)
+                if not got:
+                    return
+                with lock:
+                    claimed.extend(i.invocation_id for i in got)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    assert Counter(claimed).most_common(1)[0][1] == 1
+    assert set(claimed) == ids
+
+
+# -- ack --------------------------------------------------------------------------------------
+
+
+def test_ack_records_outcome_and_repeat_is_duplicate(store: SqlStore) -> None:
+    inv = submit(store)
+    store.claim("w", ["q"])
+    res = ack(store, inv, attempt=1, worker_id="w", result_blob=b"R")
+    assert (res.ok, res.duplicate, res.state) == (True, False, "succeeded")
+    row = store.get(inv)
+    assert row is not None and row.result_blob == b"R" and row.finished_at is not None
+    assert row.lease_expires_at is None
+    again = ack(store, inv, attempt=1, worker_id="w", result_blob=b"R")
+    assert (again.ok, again.duplicate) == (True, True)
+    other = ack(store, inv, "failed", attempt=1, worker_id="w", error={"type": "X", "message": "m"})
+    assert other.ok is False and other.reason
+    assert store.get(inv).state == "succeeded"  # type: ignore[union-attr]
+
+
+def test_ack_refusals(store: SqlStore) -> None:
+    inv = submit(store)
+    queued = ack(store, inv)
+    assert queued.ok is False and queued.state == "queued"
+    store.claim("w1", ["q"])
+    wrong_worker = ack(store, inv, worker_id="w2")
+    assert wrong_worker.ok is False
+    unknown = ack(store, new_ulid())
+    assert unknown.ok is False and unknown.state is None
+    with pytest.raises(PlaneError) as err:
+        ack(store, inv, "running")
+    assert err.value.status == 400
+    assert store.get(inv).state == "running"  # type: ignore[union-attr]
+
+
+def test_ack_from_superseded_attempt_is_refused(store: SqlStore) -> None:
+    inv = submit(store)
+    store.claim("w1", ["q"])
+    assert store.expire_leases(now=FUTURE) == [inv]
+    again = store.claim("w2", ["q"])
+    assert again[0].attempt == 2
+    stale = ack(store, inv, attempt=1, worker_id="w1", result_blob=b"old")
+    assert stale.ok is False and "superseded" in (stale.reason or "")
+    assert ack(store, inv, attempt=2, worker_id="w2", result_blob=b"new").ok
+    assert store.get(inv).result_blob == b"new"  # type: ignore[union-attr]
+
+
+def test_bare_string_error_is_stored_as_error_info(store: SqlStore) -> None:
+    inv = submit(store)
+    store.claim("w", ["q"])
+    assert ack(store, inv, "failed", error="boom").ok
+    assert store.get(inv).error == {"type": "DaemonError", "message": "boom"}  # type: ignore[union-attr]
+
+
+# -- frames -----------------------------------------------------------------------------------
+
+
+def test_frames_duplicate_and_since(store: SqlStore) -> None:
+    inv = submit(store)
+    store.claim("w", ["q"])
+    for seq in range(4):
+        assert store.append_frame(inv, seq, b"f%d" % seq, seq == 3, attempt=1).ok
+    dup = store.append_frame(inv, 1, b"changed", False, attempt=1)
+    assert (dup.ok, dup.duplicate, dup.seq) == (True, True, 1)
+    assert [f.seq for f in store.read_frames(inv)] == [0, 1, 2, 3]
+    assert store.read_frames(inv)[1].data == b"f1"
+    tail = store.read_frames(inv, since=1)
+    assert [(f.seq, f.data, f.final) for f in tail] == [(2, b"f2", False), (3, b"f3", True)]
+    assert [f.seq for f in store.read_frames(inv, since=-1, limit=2)] == [0, 1]
+    assert store.read_frames(inv, since=3) == []
+
+
+def test_frames_from_superseded_attempt_are_refused(store: SqlStore) -> None:
+    inv = submit(store)
+    store.claim("w1", ["q"])
+    store.expire_leases(now=FUTURE)
+    store.claim("w2", ["q"])
+    stale = store.append_frame(inv, 0, b"old", False, attempt=1)
+    assert stale.ok is False and "superseded" in (stale.reason or "")
+    assert store.append_frame(inv, 0, b"new", False, attempt=2).ok
+    assert store.append_frame(new_ulid(), 0, b"x", False, attempt=1).ok is False
+    assert [f.data for f in store.read_frames(inv)] == [b"new"]
+
+
+# -- heartbeat, cancel, leases ----------------------------------------------------------------
+
+
+def test_heartbeat_renews_owned_and_reports_lost(store: SqlStore) -> None:
+    a, b = submit(store), submit(store)
+    store.register_worker("w", {"hostname": "h"})
+    claimed = {i.invocation_id: i for i in store.claim("w", ["q"], limit=2, lease_s=5)}
+    before = claimed[a].lease_expires_at
+    ack(store, b, worker_id="w")
+    commands, lost = store.heartbeat("w", [(a, 1), (b, 1), (new_ulid(), 1)], lease_s=1000)
+    assert commands == []
+    assert a not in lost and b in lost and len(lost) == 2
+    after = store.get(a).lease_expires_at  # type: ignore[union-attr]
+    assert before is not None and after is not None and after > before
+    _, lost_wrong_attempt = store.heartbeat("w", [(a, 7)])
+    assert lost_wrong_attempt == [a]
+    _, lost_other_worker = store.heartbeat("other", [(a, 1)])
+    assert lost_other_worker == [a]
+
+
+def test_cancel_queued_running_terminal_unknown(store: SqlStore) -> None:
+    queued = submit(store)
+    assert store.cancel(queued) == "cancelled"
+    row = store.get(queued)
+    assert row is not None and row.finished_at is not None
+    assert store.claim("w", ["q"]) == []
+
+    running = submit(store)
+    store.claim("w", ["q"])
+    assert store.cancel(running) == "running"
+    assert store.cancel(running) == "running"  # a second cancel queues no second command
+    assert store.get(running).cancel_requested is True  # type: ignore[union-attr]
+    commands, lost = store.heartbeat("w", [(running, 1)])
+    assert [(c.kind, c.body["invocation_id"]) for c in commands] == [("cancel", running)]
+    assert commands[0].body["reason"] == "cancelled by producer"
+    assert lost == []
+    assert store.heartbeat("w", [(running, 1)]) == ([], [])  # delivered once
+    ack(store, running, "killed", error={"type": "Cancelled", "message": "cancelled by producer"})
+    assert store.cancel(running) == "killed"
+    assert store.cancel(new_ulid()) is None
+
+
+def test_lease_expiry_requeues_then_fails_after_max_attempts(store: SqlStore) -> None:
+    inv = submit(store, max_attempts=2)
+    store.claim("w", ["q"], lease_s=30)
+    assert store.expire_leases(now=time.time()) == []  # lease still valid
+    assert store.expire_leases(now=FUTURE) == [inv]
+    row = store.get(inv)
+    assert row is not None and (row.state, row.worker_id, row.attempt) == ("queued", None, 1)
+    assert store.claim("w", ["q"])[0].attempt == 2
+    assert store.expire_leases(now=FUTURE) == [inv]
+    row = store.get(inv)
+    assert row is not None and row.state == "failed" and row.finished_at is not None
+    assert row.error is not None and row.error["type"] == "LeaseExpired"
+    assert store.claim("w", ["q"]) == []
+
+
+def test_lease_expiry_after_cancel_request_cancels(store: SqlStore) -> None:
+    inv = submit(store)
+    store.claim("w", ["q"])
+    store.cancel(inv)
+    assert store.expire_leases(now=FUTURE) == [inv]
+    assert store.get(inv).state == "cancelled"  # type: ignore[union-attr]
+
+
+# -- topics -----------------------------------------------------------------------------------
+
+
+def test_topic_post_frames_and_seq(store: SqlStore) -> None:
+    import msgpack
+
+    assert store.topic_post("progress", b"\xa1a") == 0
+    assert store.topic_post("progress", b"\xa1b") == 1
+    assert store.topic_post("progress", b"\xc0", final=True) == 2
+    assert store.topic_post("other", b"\xc0") == 0
+    frames = store.read_frames("topic:progress")
+    decoded = [msgpack.unpackb(f.data) for f in frames]
+    assert [(d[0], d[1], d[2]) for d in decoded] == [(1, 0, b"\xa1a"), (1, 1, b"\xa1b"), (2, 2, b"\xc0")]
+    assert [f.final for f in frames] == [False, False, True]
+
+
+def test_topic_seq_under_concurrency(store: SqlStore) -> None:
+    seqs: list[int] = []
+    lock = threading.Lock()
+
+    def post() -> None:
+        for _ in range(8):
+            s = store.topic_post("busy", b"\x01")
+            with lock:
+                seqs.append(s)
+
+    threads = [threading.Thread(target=post) for _ in range(5)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert sorted(seqs) == list(range(40))
+    assert [f.seq for f in store.read_frames("topic:busy")] == list(range(40))
+
+
+# -- tokens, namespaces, workers, exec --------------------------------------------------------
+
+
+def test_tokens(store: SqlStore) -> None:
+    assert store.count_tokens() == 0
+    secret = store.create_token("namespace", "ci", namespace="ns1")
+    assert secret.startswith("lsk_") and len(secret) > 40
+    p = store.verify_token(secret)
+    assert p is not None and (p.kind, p.namespace, p.name) == ("namespace", "ns1", "ci")
+    assert store.verify_token(secret + "x") is None
+    assert store.verify_token("not-a-token") is None
+    assert store.count_tokens() == 1
+    with store.db.tx(write=False) as conn:
+        import sqlalchemy as sa
+
+        stored = conn.execute(sa.text("SELECT secret_sha256 FROM tokens")).scalars().all()
+    assert secret not in stored
+    with pytest.raises(PlaneError, match="unknown token kind"):
+        store.create_token("root", "x")
+    with pytest.raises(PlaneError, match="needs a namespace"):
+        store.create_token("namespace", "x")
+
+
+def test_pin_version(store: SqlStore) -> None:
+    assert store.pinned_version("ns") is None
+    store.pin_version("ns", "0.1.4")
+    assert store.pinned_version("ns") == "0.1.4"
+    store.pin_version("ns", None)
+    assert store.pinned_version("ns") is None
+
+
+def test_register_worker_upserts(store: SqlStore) -> None:
+    store.register_worker("w", {"slots": 1})
+    store.register_worker("w", {"slots": 2})
+    with store.db.tx(write=False) as conn:
+        import sqlalchemy as sa
+
+        rows = conn.execute(sa.text("SELECT info FROM workers")).all()
+    assert len(rows) == 1
+
+
+def test_exec_jobs(store: SqlStore) -> None:
+    anyone = store.create_exec(
+        "ns", "echo hi", payload_inline=b"p", payload_ref=None, queue="default", worker_id=None, timeout_s=5
+    )
+    for_w2 = store.create_exec(
+        "ns",
+        "true",
+        payload_inline=None,
+        payload_ref={"key": "payloads/x"},
+        queue="default",
+        worker_id="w2",
+        timeout_s=None,
+    )
+    store.create_exec(
+        "ns", "x", payload_inline=None, payload_ref=None, queue="gpu", worker_id=None, timeout_s=None
+    )
+    got = store.claim_exec("w1", ["default"], limit=5)
+    assert [j["exec_id"] for j in got] == [anyone]
+    assert got[0]["payload_inline"] == b"p" and got[0]["command"] == "echo hi" and got[0]["timeout_s"] == 5
+    got2 = store.claim_exec("w2", ["default"], limit=5)
+    assert [j["exec_id"] for j in got2] == [for_w2] and got2[0]["payload_ref"] == {"key": "payloads/x"}
+    assert store.get_exec("ns", anyone)["state"] == "running"  # type: ignore[index]
+    assert store.publish_exec_result("ns", anyone, {"exit_code": 0, "stdout": "hi\n", "stderr": ""})
+    assert store.publish_exec_result("other-ns", anyone, {"exit_code": 1}) is False
+    done = store.get_exec("ns", anyone)
+    assert done is not None and done["state"] == "done" and done["result"]["exit_code"] == 0
+    assert store.get_exec("other-ns", anyone) is None
+    with pytest.raises(PlaneError, match="mutually exclusive"):
+        store.create_exec(
+            "ns",
+            "x",
+            payload_inline=b"a",
+            payload_ref={"key": "payloads/y"},
+            queue="default",
+            worker_id=None,
+            timeout_s=None,
+        )
+
+
+# -- wake-ups ---------------------------------------------------------------------------------
+
+
+def test_submit_and_ack_wake_waiters(store: SqlStore) -> None:
+    mark = store.notifier.mark()
+    inv = submit(store, "wake")
+    assert store.notifier.wait(["queue:wake"], timeout=5, since=mark)
+    mark = store.notifier.mark()
+    store.claim("w", ["wake"])
+    ack(store, inv)
+    assert store.notifier.wait([f"inv:{inv}"], timeout=5, since=mark)
+    assert store.notifier.wait(["queue:nothing"], timeout=0.01) is False

@@ -1,0 +1,186 @@
+"""Store lifecycle: migrations, reopening, several processes on one SQLite file, wake-ups."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+
+from dreamlake.lakeshore.errors import PlaneError
+from dreamlake.lakeshore.ids import new_ulid
+from dreamlake.lakeshore.store import open_store, schema
+from dreamlake.lakeshore.store.api import SubmitRequest
+from dreamlake.lakeshore.store.engine import normalize_url
+from dreamlake.lakeshore.store.notify import Notifier
+from dreamlake.lakeshore.store.sql import SqlStore
+from tests.contract.conftest import pg_database
+
+# sys.executable, not the realpath: the venv's python must stay the venv's (site-packages).
+PYTHON = sys.executable
+FN = {"module": "m", "qualname": "f", "version": "v1"}
+
+WORKER = """
+import json, sys
+from dreamlake.lakeshore.ids import new_ulid
+from dreamlake.lakeshore.store import open_store
+from dreamlake.lakeshore.store.api import SubmitRequest
+s = open_store(sys.argv[1])  # the processes race to migrate the fresh file
+mine = [new_ulid() for _ in range(15)]
+for inv in mine:
+    s.submit(SubmitRequest(inv, "q", {"module": "m"}, b"x", {}))
+got = []
+while True:
+    batch = s.claim(sys.argv[2], ["q"], limit=1)
+    if not batch:
+        break
+    got += [i.invocation_id for i in batch]
+print(json.dumps({"submitted": mine, "claimed": got}))
+"""
+
+
+def test_migrations_match_schema_and_reopen_is_idempotent(store_url: str) -> None:
+    first = open_store(store_url)
+    second = open_store(store_url)  # runs upgrade again: a no-op
+    try:
+        with second.db.tx(write=False) as conn:
+            ctx = MigrationContext.configure(conn)
+            assert ctx.get_current_revision() == "0001"
+            assert compare_metadata(ctx, schema.metadata) == []
+    finally:
+        first.close()
+        second.close()
+
+
+def test_file_store_keeps_rows_across_restart(tmp_path: Path) -> None:
+    path = tmp_path / "data" / "store.db"
+    s = open_store(path)
+    inv = new_ulid()
+    s.submit(SubmitRequest(inv, "q", FN, b"args", {"priority": 3}))
+    s.claim("w", ["q"])
+    s.append_frame(inv, 0, b"frame", True, attempt=1)
+    secret = s.create_token("admin", "a")
+    s.close()
+
+    again = open_store(f"sqlite:///{path}")
+    try:
+        row = again.get(inv)
+        assert row is not None and (row.state, row.priority, row.args_blob) == ("running", 3, b"args")
+        assert [f.data for f in again.read_frames(inv)] == [b"frame"]
+        assert again.verify_token(secret) is not None
+    finally:
+        again.close()
+
+
+@pytest.mark.slow
+def test_processes_on_one_fresh_sqlite_file_migrate_once_and_never_share_a_claim(tmp_path: Path) -> None:
+    path = str(tmp_path / "shared.db")
+    procs = [
+        subprocess.Popen([PYTHON, "-c", WORKER, path, f"p{n}"], stdout=subprocess.PIPE, text=True)
+        for n in range(2)
+    ]
+    submitted: list[str] = []
+    claimed: list[str] = []
+    for p in procs:
+        out, _ = p.communicate(timeout=90)
+        assert p.returncode == 0
+        report = json.loads(out)
+        submitted += report["submitted"]
+        claimed += report["claimed"]
+    s = open_store(path)
+    try:
+        claimed += [i.invocation_id for i in s.claim("parent", ["q"], limit=100)]  # any left over
+        with s.db.tx(write=False) as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM alembic_version")).scalar_one() == 1
+    finally:
+        s.close()
+    assert Counter(claimed).most_common(1)[0][1] == 1
+    assert sorted(claimed) == sorted(submitted)
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        (":memory:", "sqlite://"),
+        ("/tmp/x/store.db", "sqlite:////tmp/x/store.db"),
+        ("sqlite:///rel.db", "sqlite:///rel.db"),
+        ("postgresql://u:p@h:5432/db", "postgresql+psycopg://u:p@h:5432/db"),
+        ("postgres://h/db", "postgresql+psycopg://h/db"),
+    ],
+)
+def test_url_mapping(given: str, expected: str) -> None:
+    assert normalize_url(given) == expected
+
+
+def test_unsupported_url_says_what_to_pass() -> None:
+    with pytest.raises(PlaneError, match="use a file path"):
+        normalize_url("mysql://h/db")
+
+
+def test_memory_store_is_shared_across_threads() -> None:
+    s = open_store(":memory:")
+    inv = new_ulid()
+    seen: list[object] = []
+    th = threading.Thread(target=lambda: s.submit(SubmitRequest(inv, "q", FN, b"x", {})))
+    th.start()
+    th.join()
+    th = threading.Thread(target=lambda: seen.extend(s.claim("w", ["q"])))
+    th.start()
+    th.join()
+    assert [i.invocation_id for i in seen] == [inv]  # type: ignore[attr-defined]
+    s.close()
+
+
+def test_notifier_wait_since_mark_sees_earlier_notify() -> None:
+    n = Notifier()
+    mark = n.mark()
+    n.notify("queue:a")
+    assert n.wait(["queue:a", "queue:b"], timeout=5, since=mark) is True
+    assert n.wait(["queue:a"], timeout=0.01) is False  # nothing new since now
+    threading.Timer(0.05, n.notify, args=("inv:x",)).start()
+    assert n.wait(["inv:x"], timeout=10) is True
+
+
+def test_notifier_async_wait_is_woken_from_another_thread() -> None:
+    n = Notifier()
+
+    async def main() -> tuple[bool, bool]:
+        threading.Timer(0.05, n.notify, args=("topic:t",)).start()
+        woken = await n.wait_async(["topic:t"], timeout=10)
+        quiet = await n.wait_async(["topic:none"], timeout=0.01)
+        return woken, quiet
+
+    assert asyncio.run(main()) == (True, False)
+
+
+def test_concurrent_opens_of_a_fresh_postgres_database_migrate_once() -> None:
+    with pg_database() as url:
+        errors: list[BaseException] = []
+        stores: list[SqlStore] = []
+
+        def opener() -> None:
+            try:
+                stores.append(open_store(url))
+            except BaseException as exc:  # surfaced below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=opener) for _ in range(3)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        try:
+            assert errors == []
+            with stores[0].db.tx(write=False) as conn:
+                assert MigrationContext.configure(conn).get_current_revision() == "0001"
+        finally:
+            for s in stores:
+                s.close()
