@@ -18,6 +18,7 @@ _LAZY = {
     "Thunk": "dreamlake.lakeshore.udf",
     "scope": "dreamlake.lakeshore.udf",
     "run": "dreamlake.lakeshore.udf",
+    "set_default_dispatch": "dreamlake.lakeshore.udf",
     "SyncQueue": "dreamlake.lakeshore.queue",
     "Topic": "dreamlake.lakeshore.queue",
     "run_worker": "dreamlake.lakeshore.worker",

@@ -36,6 +36,8 @@ import functools
 import inspect
 import logging
 import math
+import sys
+import types
 from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
@@ -406,3 +408,19 @@ def udf(fn: Callable[..., Any] | None = None, /, **config: Any) -> Any:
         return UDF(f, **config)
 
     return decorate
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable as ``udf``.
+
+    The module and the decorator share the name ``udf``: once anything imports
+    ``dreamlake.lakeshore.udf``, Python binds the package attribute ``dls.udf`` to this module, not
+    to the function. Making the module callable keeps ``@dls.udf`` and ``@dls.udf(...)`` working
+    whichever binding wins.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return udf(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,119 @@
+"""Dispatch planes: where ``.submit()`` sends a call and where workers claim it.
+
+Two planes implement one :class:`Plane` protocol:
+
+* :class:`Dispatch` (``dispatch/local.py``) -- in process, over the store (SQLite file or
+  ``":memory:"``). Trusted: ``run_worker`` allows pickled functions on it by default.
+* :class:`HttpDispatch` (``dispatch/http.py``) -- a client of the control plane's HTTP routes.
+  Not trusted: pickled functions are refused unless the worker opts in.
+
+The SDK (``SyncQueue``, ``Topic``, ``run_worker``) speaks only this protocol. Both classes are
+imported lazily so that importing this package pulls in neither SQLAlchemy nor httpx.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from dreamlake.lakeshore.dispatch.http import HttpDispatch
+    from dreamlake.lakeshore.dispatch.local import Dispatch
+    from dreamlake.lakeshore.wire import Frame
+
+__all__ = ["Claim", "Dispatch", "HttpDispatch", "Plane"]
+
+
+@dataclass
+class Claim:
+    """One invocation a worker claimed: what it needs to run it and to report on it."""
+
+    invocation_id: str
+    args_blob: bytes  # the Envelope, verbatim
+    run_config: dict[str, Any] = field(default_factory=dict)
+    attempt: int = 1
+
+
+@runtime_checkable
+class Plane(Protocol):
+    """What the SDK needs from a dispatch plane."""
+
+    trusted: bool  # True: the pickle trust domain of this plane allows pickled functions
+
+    # -- producer side --------------------------------------------------------------------------
+    def submit(
+        self, envelope: bytes, queue: str, run_config: dict[str, Any], parent: str | None = None
+    ) -> str:
+        """Queue an invocation (``envelope`` is the Envelope bytes); returns its id, or the id of
+        the existing invocation when ``run_config["key"]`` matched one on the same queue."""
+        ...
+
+    def status(self, invocation_id: str) -> dict[str, Any]:
+        """``{invocation_id, state, queue, priority, attempt, ..., error}``; NotFound if unknown."""
+        ...
+
+    def await_result(self, invocation_id: str, timeout: float) -> dict[str, Any]:
+        """``{state, result_blob, error}`` once terminal, or ``{"state": "pending"}`` after timeout."""
+        ...
+
+    def cancel(self, invocation_id: str) -> str:
+        """Cancel; returns the state after the call."""
+        ...
+
+    def frames(
+        self, owner: str, since: int = -1, timeout: float = 30.0, *, topic: bool = False
+    ) -> Iterator[Frame]:
+        """Decoded frames of an invocation (or a topic) with ``seq > since``: replay, then follow.
+
+        Ends after a final frame, or (invocations) on a terminal state with no further frames.
+        ``timeout`` is patience for silence, reset by every frame: TimeoutError when it runs out."""
+        ...
+
+    def topic_post(self, name: str, body: bytes, final: bool = False) -> int:
+        """Append ``body`` (``wire.pack(value)``) to a topic as VALUE (END when final); its seq."""
+        ...
+
+    # -- worker side ----------------------------------------------------------------------------
+    def claim(self, worker_id: str, queues: list[str], timeout: float) -> Claim | None:
+        """Claim the best queued invocation of ``queues``, waiting up to ``timeout`` for one."""
+        ...
+
+    def append_frame(self, invocation_id: str, seq: int, data: bytes, final: bool, attempt: int) -> None:
+        """Journal one encoded frame of a running invocation (a repeat of a seq is a no-op)."""
+        ...
+
+    def ack(
+        self,
+        invocation_id: str,
+        state: str,
+        *,
+        attempt: int,
+        worker_id: str,
+        result_blob: bytes | None = None,
+        error: dict[str, Any] | None = None,
+    ) -> bool:
+        """Record the outcome; False when the plane refused it (superseded attempt, not running)."""
+        ...
+
+    def heartbeat(self, worker_id: str, running: list[tuple[str, int]]) -> list[str]:
+        """Renew leases of running (invocation_id, attempt); returns ids with a cancel pending."""
+        ...
+
+    def close(self) -> None: ...
+
+
+_LAZY = {
+    "Dispatch": "dreamlake.lakeshore.dispatch.local",
+    "HttpDispatch": "dreamlake.lakeshore.dispatch.http",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dreamlake.lakeshore.dispatch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

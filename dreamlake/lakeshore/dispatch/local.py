@@ -1,0 +1,227 @@
+"""``Dispatch``: the in-process plane, over the store (an SQLite file, ``":memory:"``, or PostgreSQL).
+
+Every operation is a call into the one store (``store.open_store``): claims, leases, the journal
+and topics are the store's, never reimplemented here. Waits (stream follow, ``await_result``,
+``claim``) sleep on the store's :class:`Notifier`, which wakes them within milliseconds of a change
+made in this process; a change made by another process on the same file is seen at the next poll
+(``poll_s``, default 0.1 s).
+
+The local plane is its own trust domain: ``trusted = True``, so ``run_worker`` runs pickled
+functions on it by default.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dreamlake.lakeshore import ids
+from dreamlake.lakeshore.dispatch import Claim
+from dreamlake.lakeshore.errors import NotFound, PlaneError
+
+if TYPE_CHECKING:
+    from dreamlake.lakeshore.store.api import Invocation
+    from dreamlake.lakeshore.wire import Frame
+
+__all__ = ["Dispatch"]
+
+log = logging.getLogger(__name__)
+
+TOPIC_PREFIX = "topic:"  # the store journals topic frames under this owner prefix
+TERMINAL = frozenset({"succeeded", "failed", "killed", "timeout", "cancelled"})
+_FUNCTION_STUB = {"module": "_native_wire", "qualname": "_native_wire.envelope", "version": "v1"}
+
+
+def invocation_record(inv: Invocation) -> dict[str, Any]:
+    """The ``GET /v1/producer/invocations/:id`` shape of a store row."""
+    return {
+        "invocation_id": inv.invocation_id,
+        "state": inv.state,
+        "queue": inv.queue,
+        "priority": inv.priority,
+        "attempt": inv.attempt,
+        "max_attempts": inv.max_attempts,
+        "worker_id": inv.worker_id,
+        "submitted_at": inv.submitted_at,
+        "started_at": inv.started_at,
+        "finished_at": inv.finished_at,
+        "error": inv.error,
+        "parent_invocation_id": inv.parent_invocation_id,
+        "root_invocation_id": inv.root_invocation_id,
+    }
+
+
+class Dispatch:
+    """The local plane: ``Dispatch(":memory:")`` for one process, ``Dispatch("jobs.db")`` to share."""
+
+    trusted = True
+
+    def __init__(self, path: str | Path = ":memory:", *, poll_s: float = 0.1, lease_s: float = 30.0) -> None:
+        from dreamlake.lakeshore.store import open_store
+
+        if not poll_s > 0 or not lease_s > 0:
+            raise ValueError("poll_s and lease_s must be positive numbers of seconds")
+        self.store = open_store(path)
+        self.notifier = self.store.notifier
+        self.poll_s = poll_s
+        self.lease_s = lease_s
+        self._workers: set[str] = set()
+        self._next_expiry = 0.0
+
+    def _wait(self, channels: list[str], deadline: float, mark: int) -> None:
+        left = deadline - time.monotonic()
+        if left > 0:
+            self.notifier.wait(channels, min(left, self.poll_s), since=mark)
+
+    def _get(self, invocation_id: str) -> Invocation:
+        inv = self.store.get(ids.validate(invocation_id, "invocation id"))
+        if inv is None:
+            raise NotFound(f"unknown invocation {invocation_id}: check the id returned by submit()", 404)
+        return inv
+
+    def _expire(self) -> None:
+        """Reap lapsed leases now and then (the control plane does this with a reaper task)."""
+        now = time.monotonic()
+        if now >= self._next_expiry:
+            self._next_expiry = now + 1.0
+            self.store.expire_leases()
+
+    # -- producer side ------------------------------------------------------------------------------
+
+    def submit(
+        self, envelope: bytes, queue: str, run_config: dict[str, Any], parent: str | None = None
+    ) -> str:
+        from dreamlake.lakeshore.envelope import Envelope
+        from dreamlake.lakeshore.store.api import SubmitRequest
+
+        header = Envelope.header(envelope)
+        req = SubmitRequest(
+            invocation_id=header["id"],
+            queue=queue,
+            function=dict(_FUNCTION_STUB),
+            args_blob=bytes(envelope),
+            run_config={**run_config, "queue": queue},
+            parent_invocation_id=parent,
+        )
+        return self.store.submit(req).invocation_id
+
+    def status(self, invocation_id: str) -> dict[str, Any]:
+        return invocation_record(self._get(invocation_id))
+
+    def await_result(self, invocation_id: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + max(0.0, timeout)
+        channel = [f"inv:{invocation_id}"]
+        while True:
+            mark = self.notifier.mark()
+            inv = self._get(invocation_id)
+            if inv.state in TERMINAL:
+                return {"state": inv.state, "result_blob": inv.result_blob or b"", "error": inv.error}
+            if time.monotonic() >= deadline:
+                return {"state": "pending"}
+            self._wait(channel, deadline, mark)
+
+    def cancel(self, invocation_id: str) -> str:
+        state = self.store.cancel(ids.validate(invocation_id, "invocation id"))
+        if state is None:
+            raise NotFound(f"unknown invocation {invocation_id}: check the id returned by submit()", 404)
+        return state
+
+    def frames(
+        self, owner: str, since: int = -1, timeout: float = 30.0, *, topic: bool = False
+    ) -> Iterator[Frame]:
+        from dreamlake.lakeshore import wire
+
+        if not topic:
+            self._get(owner)  # NotFound before the first pull's wait, not after `timeout`
+        owner_id = TOPIC_PREFIX + owner if topic else owner
+        channel = [owner_id if topic else f"inv:{owner}"]
+        deadline = time.monotonic() + timeout
+        while True:
+            mark = self.notifier.mark()
+            rows = self.store.read_frames(owner_id, since)
+            for row in rows:
+                yield wire.decode_frame(row.data)
+                since = row.seq
+                if row.final:
+                    return
+            if rows:
+                deadline = time.monotonic() + timeout
+                continue
+            if not topic and self._get(owner).state in TERMINAL:
+                # frames are journaled before the ack: one more read sees any that raced the check
+                late = self.store.read_frames(owner_id, since)
+                for row in late:
+                    yield wire.decode_frame(row.data)
+                    if row.final:
+                        return
+                return
+            if time.monotonic() >= deadline:
+                what = f"topic {owner}" if topic else f"invocation {owner}"
+                raise TimeoutError(
+                    f"no frame from {what} after seq {since} for {timeout} s; resume with since={since} "
+                    "and a longer timeout"
+                )
+            self._wait(channel, deadline, mark)
+
+    def topic_post(self, name: str, body: bytes, final: bool = False) -> int:
+        return self.store.topic_post(name, body, final)
+
+    # -- worker side --------------------------------------------------------------------------------
+
+    def claim(self, worker_id: str, queues: list[str], timeout: float) -> Claim | None:
+        if worker_id not in self._workers:
+            self.store.register_worker(worker_id, {"runner": "in-process", "queues": list(queues)})
+            self._workers.add(worker_id)
+        deadline = time.monotonic() + max(0.0, timeout)
+        channels = [f"queue:{q}" for q in queues]
+        while True:
+            mark = self.notifier.mark()
+            self._expire()
+            got = self.store.claim(worker_id, list(queues), 1, self.lease_s)
+            if got:
+                inv = got[0]
+                return Claim(inv.invocation_id, inv.args_blob, dict(inv.run_config), inv.attempt)
+            if time.monotonic() >= deadline:
+                return None
+            self._wait(channels, deadline, mark)
+
+    def append_frame(self, invocation_id: str, seq: int, data: bytes, final: bool, attempt: int) -> None:
+        res = self.store.append_frame(invocation_id, seq, data, final, attempt=attempt)
+        if not res.ok:
+            raise PlaneError(f"frame {seq} of {invocation_id} refused: {res.reason}", 409)
+
+    def ack(
+        self,
+        invocation_id: str,
+        state: str,
+        *,
+        attempt: int,
+        worker_id: str,
+        result_blob: bytes | None = None,
+        error: dict[str, Any] | None = None,
+    ) -> bool:
+        res = self.store.ack(
+            invocation_id, state, attempt=attempt, worker_id=worker_id, result_blob=result_blob, error=error
+        )
+        if not res.ok:
+            log.warning("ack of %s refused: %s", invocation_id, res.reason)
+        return res.ok
+
+    def heartbeat(self, worker_id: str, running: list[tuple[str, int]]) -> list[str]:
+        commands, _lost = self.store.heartbeat(worker_id, running, self.lease_s)
+        return [c.body.get("invocation_id", "") for c in commands if c.kind == "cancel"]
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> Dispatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Dispatch store={self.store.kind}>"

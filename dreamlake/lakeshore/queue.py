@@ -1,0 +1,198 @@
+"""The consumer side of a queue: :class:`SyncQueue` (results, streams, status, cancel) and :class:`Topic`.
+
+Streams are the frame journal read with a cursor. ``since`` is the last seq the consumer saw
+(``-1`` replays from the start); a stream resumes in any process, at any time, without loss or
+duplication. ``timeout`` is patience for silence, reset by every frame, not a deadline for the
+whole stream: ``SyncQueue.stream`` waits 30 s by default, ``Topic.stream`` / ``Topic.listen`` 5 s.
+
+An invocation stream ends for exactly one of three reasons: an END frame, an ERROR frame (raised
+here as :class:`DispatchError` with the producer's exception type and message), or a terminal
+invocation state with no further frames (raised as :class:`DispatchError` too when that state is
+``failed``, ``killed`` or ``timeout``, e.g. a gate refused the function before it could yield).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Generator, Iterator
+from typing import TYPE_CHECKING, Any
+
+from dreamlake.lakeshore import ids
+from dreamlake.lakeshore.errors import DispatchError
+
+if TYPE_CHECKING:
+    from dreamlake.lakeshore.dispatch import Plane
+    from dreamlake.lakeshore.wire import Frame
+
+__all__ = ["SyncQueue", "Topic"]
+
+log = logging.getLogger(__name__)
+
+STREAM_TIMEOUT_S = 30.0
+TOPIC_TIMEOUT_S = 5.0
+RESULT_TIMEOUT_S = 60.0
+FAILED_STATES = frozenset({"failed", "killed", "timeout"})
+
+
+def _values(frames: Iterator[Frame], what: str) -> Generator[Any, None, bool]:
+    """Unpack VALUE bodies; stop at END; raise DispatchError at ERROR. LOG frames are skipped.
+
+    Returns True when the stream closed with a final frame, False when the frames simply ran out."""
+    from dreamlake.lakeshore import wire
+
+    for frame in frames:
+        if frame.kind == wire.FRAME_VALUE and isinstance(frame.body, bytes):
+            yield wire.unpack(frame.body)
+        elif frame.kind == wire.FRAME_END:
+            return True
+        elif frame.kind == wire.FRAME_ERROR:
+            body = frame.body if isinstance(frame.body, dict) else {"message": repr(frame.body)}
+            raise DispatchError.from_info(body)
+        else:
+            log.debug("%s: skipping frame kind %s at seq %s", what, frame.kind, frame.seq)
+    return False
+
+
+def _check_since(since: object) -> int:
+    if isinstance(since, bool) or not isinstance(since, int) or since < -1:
+        raise ValueError(f"since must be the last seq seen (an int >= -1; -1 replays all), got {since!r}")
+    return since
+
+
+def _check_timeout(timeout: object) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+class SyncQueue:
+    """A named queue on a dispatch plane, from the consumer's side."""
+
+    def __init__(self, name: str, dispatch: Plane | None = None) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"queue name must be a non-empty str like 'render', got {name!r}")
+        self.name = name
+        self._dispatch = dispatch
+
+    @property
+    def dispatch(self) -> Plane:
+        """The plane given to the queue, else the process default (``dls.set_default_dispatch``)."""
+        if self._dispatch is not None:
+            return self._dispatch
+        from dreamlake.lakeshore.udf import get_default_dispatch
+
+        return get_default_dispatch()
+
+    def stream(self, inv: str, since: int = -1, timeout: float = STREAM_TIMEOUT_S) -> Iterator[Any]:
+        """The values an invocation yields, with ``seq > since``: replay, then follow live."""
+        inv = ids.validate(inv, "invocation id")
+        frames = self.dispatch.frames(inv, _check_since(since), _check_timeout(timeout))
+        return self._follow(inv, frames)
+
+    def _follow(self, inv: str, frames: Iterator[Frame]) -> Iterator[Any]:
+        closed = yield from _values(frames, f"invocation {inv}")
+        if not closed:
+            # no END/ERROR: the invocation reached a terminal state without one (cancelled before
+            # it ran, refused by a gate, lease lost). A failure still reaches the consumer.
+            record = self.dispatch.status(inv)
+            if record.get("state") in FAILED_STATES:
+                raise DispatchError.from_info(
+                    record.get("error")
+                    or {"type": str(record["state"]), "message": f"invocation {inv} failed"}
+                )
+
+    def frames(self, inv: str, since: int = -1, timeout: float = STREAM_TIMEOUT_S) -> Iterator[Frame]:
+        """The raw decoded frames (kind, seq, body, meta): for a consumer that keeps its own cursor."""
+        inv = ids.validate(inv, "invocation id")
+        return self.dispatch.frames(inv, _check_since(since), _check_timeout(timeout))
+
+    def result(self, inv: str, timeout: float = RESULT_TIMEOUT_S) -> Any:
+        """The return value; DispatchError when the invocation failed; TimeoutError when pending."""
+        from dreamlake.lakeshore import wire
+
+        inv = ids.validate(inv, "invocation id")
+        deadline = time.monotonic() + _check_timeout(timeout)
+        while True:
+            left = deadline - time.monotonic()
+            out = self.dispatch.await_result(inv, max(left, 0.0))
+            state = out.get("state")
+            if state == "succeeded":
+                blob = out.get("result_blob")
+                return wire.unpack(blob) if blob else None
+            if state not in (None, "pending", "queued", "running"):
+                error = out.get("error") or {
+                    "type": str(state).capitalize(),
+                    "message": f"invocation {state}",
+                }
+                raise DispatchError.from_info(error)
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"invocation {inv} is still {state or 'pending'} after {timeout} s; "
+                    "call result() again with a longer timeout, or check status()"
+                )
+
+    def status(self, inv: str) -> dict[str, Any]:
+        """The invocation's record: state, queue, priority, attempt, times, error."""
+        return self.dispatch.status(ids.validate(inv, "invocation id"))
+
+    def cancel(self, inv: str) -> str:
+        """Cancel the invocation; returns its state after the call."""
+        return self.dispatch.cancel(ids.validate(inv, "invocation id"))
+
+    def topic(self, name: str | None = None) -> Topic:
+        """A topic on this queue's plane; ``name`` defaults to a fresh ``topic-<ULID>``."""
+        return Topic(name if name is not None else f"topic-{ids.new_ulid()}", dispatch=self._dispatch)
+
+    def __repr__(self) -> str:
+        return f"<SyncQueue {self.name!r}>"
+
+
+class Topic:
+    """A named journal not tied to any invocation: post values, stream or listen with a cursor."""
+
+    def __init__(self, name: str, dispatch: Plane | None = None) -> None:
+        import re
+
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", name):
+            raise ValueError(
+                f"invalid topic name {name!r}: use 1-128 characters of letters, digits, '.', '_' or '-'"
+            )
+        self.name = name
+        self._dispatch = dispatch
+
+    @property
+    def dispatch(self) -> Plane:
+        if self._dispatch is not None:
+            return self._dispatch
+        from dreamlake.lakeshore.udf import get_default_dispatch
+
+        return get_default_dispatch()
+
+    def post(self, value: Any, final: bool = False) -> int:
+        """Append ``value`` (an END frame closing the topic when ``final``); returns its seq."""
+        from dreamlake.lakeshore import wire
+
+        return self.dispatch.topic_post(self.name, wire.pack(value), final=final)
+
+    def stream(self, since: int = -1, timeout: float = TOPIC_TIMEOUT_S) -> Iterator[Any]:
+        """Values with ``seq > since`` until END; TimeoutError after ``timeout`` s of silence."""
+        frames = self.dispatch.frames(self.name, _check_since(since), _check_timeout(timeout), topic=True)
+        return _values(frames, f"topic {self.name}")
+
+    def listen(self, since: int = -1, timeout: float = TOPIC_TIMEOUT_S) -> Any:
+        """The next value after ``since``, or None on timeout (or when the topic ended)."""
+        frames = self.dispatch.frames(self.name, _check_since(since), _check_timeout(timeout), topic=True)
+        try:
+            for value in _values(frames, f"topic {self.name}"):
+                return value
+        except TimeoutError:
+            return None
+        finally:
+            close = getattr(frames, "close", None)
+            if close is not None:
+                close()
+        return None
+
+    def __repr__(self) -> str:
+        return f"<Topic {self.name!r}>"

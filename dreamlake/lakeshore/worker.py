@@ -1,0 +1,204 @@
+"""``run_worker``: claim invocations of one queue and run them in this process.
+
+The in-process counterpart of nymph, for the local plane, tests and simple deployments. Each job
+goes through the same gates as the sandbox entry (``envelope.resolve_fn``): a pickled function runs
+only when ``allow_pickled`` is true, which ``None`` resolves by the plane's trust domain (True on
+the local SQLite plane, False on any HTTP plane). A refused pickle is acked ``failed`` with the
+``PickleRefused`` type.
+
+A generator job appends a VALUE frame per yield while it runs, then END with the return value (or
+ERROR with ``{type, message, traceback}``), and then acks. A heartbeat thread renews the lease of
+a long job; a cancel that arrives while a generator job runs stops it at its next yield and acks
+``killed`` with ``{type: "Cancelled"}``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+import traceback
+from typing import TYPE_CHECKING, Any
+
+from dreamlake.lakeshore import ids
+from dreamlake.lakeshore.errors import EnvelopeError
+
+if TYPE_CHECKING:
+    from dreamlake.lakeshore.dispatch import Claim, Plane
+    from dreamlake.lakeshore.queue import SyncQueue
+
+__all__ = ["run_worker"]
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 10.0
+
+
+class _Cancelled(Exception):
+    """Raised into the job loop when a cancel for the running invocation arrived."""
+
+
+def _error_info(exc: BaseException) -> dict[str, Any]:
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    }
+
+
+class _Heartbeat:
+    """Renews the running job's lease and notices cancels, on a daemon thread."""
+
+    def __init__(self, plane: Plane, worker_id: str, claim: Claim, every_s: float) -> None:
+        self.cancelled = threading.Event()
+        self._stop = threading.Event()
+        self._args = (plane, worker_id, claim, every_s)
+        self._thread = threading.Thread(
+            target=self._loop, name=f"heartbeat-{claim.invocation_id}", daemon=True
+        )
+        self._thread.start()
+
+    def _loop(self) -> None:
+        plane, worker_id, claim, every_s = self._args
+        while not self._stop.wait(every_s):
+            try:
+                cancels = plane.heartbeat(worker_id, [(claim.invocation_id, claim.attempt)])
+            except Exception as exc:  # a missed beat is retried on the next one
+                log.warning("heartbeat for %s failed: %s", claim.invocation_id, exc)
+                continue
+            if claim.invocation_id in cancels:
+                log.info("cancel received for %s", claim.invocation_id)
+                self.cancelled.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class _Job:
+    """One claimed invocation: decode, gate, call, journal, ack."""
+
+    def __init__(self, plane: Plane, worker_id: str, claim: Claim, allow_pickled: bool, policy: str) -> None:
+        self.plane, self.worker_id, self.claim = plane, worker_id, claim
+        self.allow_pickled, self.policy = allow_pickled, policy
+        self.seq = 0
+
+    def ack(self, state: str, result_blob: bytes | None = None, error: dict[str, Any] | None = None) -> None:
+        ok = self.plane.ack(
+            self.claim.invocation_id,
+            state,
+            attempt=self.claim.attempt,
+            worker_id=self.worker_id,
+            result_blob=result_blob,
+            error=error,
+        )
+        if not ok:
+            log.warning("ack %s of %s was refused (superseded or cancelled)", state, self.claim.invocation_id)
+
+    def frame(self, kind: int, body: Any, final: bool = False) -> None:
+        from dreamlake.lakeshore import wire
+
+        data = wire.encode_frame(kind, self.seq, body, {"ts": time.time()})
+        self.plane.append_frame(self.claim.invocation_id, self.seq, data, final, self.claim.attempt)
+        self.seq += 1
+
+    def run(self, heartbeat: _Heartbeat) -> str:
+        from dreamlake.lakeshore import wire
+        from dreamlake.lakeshore.envelope import Envelope, resolve_fn
+        from dreamlake.lakeshore.udf import invocation_context
+
+        inv = self.claim.invocation_id
+        try:
+            envelope = Envelope.from_bytes(self.claim.args_blob)
+            fn = resolve_fn(envelope.fn, allow_pickled=self.allow_pickled, runtime_policy=self.policy)
+            fn = getattr(fn, "__lakeshore_fn__", fn)
+            args, kwargs = envelope.unpack_args()
+        except (EnvelopeError, ValueError, TypeError) as exc:
+            log.warning("refusing %s: %s: %s", inv, type(exc).__name__, exc)
+            self.ack("failed", error=_error_info(exc))
+            return "failed"
+        is_gen = inspect.isgeneratorfunction(fn)
+        with invocation_context(envelope):
+            try:
+                if not is_gen:
+                    blob = wire.pack(fn(*args, **kwargs))
+                else:
+                    blob = self._drain(fn(*args, **kwargs), heartbeat)
+            except _Cancelled:
+                error = {"type": "Cancelled", "message": "cancelled by producer"}
+                self.frame(wire.FRAME_ERROR, error, final=True)
+                self.ack("killed", error=error)
+                return "killed"
+            except Exception as exc:
+                log.info("invocation %s raised %s: %s", inv, type(exc).__name__, exc)
+                info = _error_info(exc)
+                if is_gen:
+                    self.frame(wire.FRAME_ERROR, info, final=True)
+                self.ack("failed", error=info)
+                return "failed"
+        self.ack("succeeded", result_blob=blob)
+        return "succeeded"
+
+    def _drain(self, gen: Any, heartbeat: _Heartbeat) -> bytes:
+        """Journal each yield as a VALUE frame, then END with the packed return value."""
+        from dreamlake.lakeshore import wire
+
+        try:
+            while True:
+                if heartbeat.cancelled.is_set():
+                    gen.close()
+                    raise _Cancelled()
+                value = next(gen)
+                self.frame(wire.FRAME_VALUE, wire.pack(value))
+        except StopIteration as stop:
+            blob = wire.pack(stop.value)
+        self.frame(wire.FRAME_END, blob, final=True)
+        return blob
+
+
+def run_worker(
+    queue: SyncQueue | str,
+    once: bool = False,
+    allow_pickled: bool | None = None,
+    runtime_policy: str = "minor",
+    poll_timeout: float = 30.0,
+    *,
+    dispatch: Plane | None = None,
+    worker_id: str | None = None,
+    stop: threading.Event | None = None,
+    heartbeat_s: float = HEARTBEAT_S,
+) -> str | None:
+    """Claim and run invocations of ``queue`` in this process.
+
+    ``once=True`` runs exactly one job, waiting up to ``poll_timeout`` seconds for one to be queued,
+    and returns its final state (``None`` when none came). Otherwise it loops, long-polling for
+    ``poll_timeout`` at a time, until ``stop`` is set (or KeyboardInterrupt), and returns None.
+    """
+    from dreamlake.lakeshore.queue import SyncQueue
+
+    q = queue if isinstance(queue, SyncQueue) else SyncQueue(queue, dispatch=dispatch)
+    plane = dispatch or q.dispatch
+    if runtime_policy not in ("strict", "minor", "off"):
+        raise ValueError(f"unknown runtime_policy {runtime_policy!r}: use 'strict', 'minor' or 'off'")
+    if not poll_timeout > 0:
+        raise ValueError(f"poll_timeout must be a positive number of seconds, got {poll_timeout!r}")
+    allow = plane.trusted if allow_pickled is None else bool(allow_pickled)
+    wid = worker_id or ids.new_ulid()
+    log.info("worker %s on queue %s (allow_pickled=%s, policy=%s)", wid, q.name, allow, runtime_policy)
+    while stop is None or not stop.is_set():
+        claim = plane.claim(wid, [q.name], poll_timeout)
+        if claim is None:
+            if once:
+                return None
+            continue
+        log.info("running %s (attempt %s)", claim.invocation_id, claim.attempt)
+        heartbeat = _Heartbeat(plane, wid, claim, heartbeat_s)
+        try:
+            state = _Job(plane, wid, claim, allow, runtime_policy).run(heartbeat)
+        finally:
+            heartbeat.stop()
+        log.info("%s %s", claim.invocation_id, state)
+        if once:
+            return state
+    return None

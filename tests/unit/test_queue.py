@@ -1,0 +1,44 @@
+"""SyncQueue / Topic argument checks: bad input fails at the call, with what to pass instead."""
+
+from __future__ import annotations
+
+import pytest
+
+import dreamlake.lakeshore as dls
+from dreamlake.lakeshore.dispatch import Dispatch
+from dreamlake.lakeshore.errors import InvalidId, PlaneError
+from dreamlake.lakeshore.udf import set_default_dispatch
+
+
+@pytest.fixture
+def q() -> dls.SyncQueue:
+    return dls.SyncQueue("render", dispatch=Dispatch(":memory:"))
+
+
+def test_bad_ids_cursors_and_timeouts_are_refused(q: dls.SyncQueue) -> None:
+    with pytest.raises(InvalidId, match="26-character ULID"):
+        q.stream("not-an-id")
+    inv = "01" + "A" * 24
+    with pytest.raises(ValueError, match="since must be"):
+        q.stream(inv, since=-2)
+    with pytest.raises(ValueError, match="timeout must be"):
+        q.stream(inv, timeout=0)
+    with pytest.raises(ValueError, match="timeout must be"):
+        q.topic("t").listen(timeout=-1)
+    with pytest.raises(ValueError, match="queue name"):
+        dls.SyncQueue("")
+
+
+def test_queue_without_a_plane_uses_the_process_default() -> None:
+    set_default_dispatch(None)
+    q = dls.SyncQueue("render")
+    with pytest.raises(PlaneError, match="set_default_dispatch"):
+        q.topic("t").post(1)
+    plane = Dispatch(":memory:")
+    set_default_dispatch(plane)
+    try:
+        assert q.topic("t").post(1) == 0
+        assert q.topic("t").listen(since=-1, timeout=1.0) == 1
+    finally:
+        set_default_dispatch(None)
+        plane.close()
