@@ -1,0 +1,194 @@
+"""nymph's configuration: one frozen value, resolved once by the CLI.
+
+Precedence, highest first: command-line flags, ``NYMPH_*`` environment variables, a TOML file
+(``--config`` / ``NYMPH_CONFIG``), then the defaults below. Nothing reads the environment at
+import time; :func:`resolve` is the only place that looks at it.
+
+TOML keys are the field names (``-`` and ``_`` both accepted); runner keyword options live in a
+``[runner_options]`` table (for example ``python = "/usr/bin/python3"`` for the process runner).
+Environment values: lists are comma separated (``NYMPH_QUEUE=gpu,cpu``), labels are
+``k=v,k2=v2``, booleans are ``1/true/yes/on``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+
+class ConfigError(Exception):
+    """The configuration is incomplete or malformed; the message says which setting and why."""
+
+
+@dataclass(frozen=True)
+class NymphConfig:
+    server: str
+    token: str
+    runner: str = "process"
+    queues: tuple[str, ...] = ("default",)
+    concurrency: int = 1
+    workdir: Path = Path("/var/lib/nymph/work")
+    state_dir: Path = Path("/var/lib/nymph/state")
+    allow_pickled: bool = False
+    allow_users: tuple[str, ...] = ()
+    labels: Mapping[str, str] = field(default_factory=dict)
+    namespace: str | None = None
+    grace_s: float = 30.0  # shutdown: how long running work may finish after SIGTERM
+    stop_grace_s: float = 10.0  # cancel / timeout ladder: SIGTERM, this grace, SIGKILL
+    heartbeat_s: float | None = None  # None: what the control plane says at registration
+    poll_timeout_s: float = 30.0
+    runtime_policy: str = "minor"
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
+    log_format: str = "text"
+    log_level: str = "INFO"
+    auto_upgrade: bool = False
+    upgrade_index_url: str | None = None
+    upgrade_wheelhouse: str | None = None
+    runner_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def redacted(self) -> dict[str, Any]:
+        """The config as a dict for logs, with the token hidden."""
+        out = dataclasses.asdict(self)
+        out["token"] = "***" if self.token else ""
+        return out
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(NymphConfig)}
+_ALIASES = {"queue": "queues", "allow_user": "allow_users", "label": "labels"}
+
+
+def _norm(key: str) -> str:
+    key = key.replace("-", "_").lower()
+    return _ALIASES.get(key, key)
+
+
+def _parse_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"{name}: expected a boolean (true/false), got {value!r}")
+
+
+def _parse_labels(name: str, value: Any) -> dict[str, str]:
+    if isinstance(value, Mapping):
+        return {str(k): str(v) for k, v in value.items()}
+    items = value.split(",") if isinstance(value, str) else list(value)
+    out: dict[str, str] = {}
+    for item in items:
+        item = str(item).strip()
+        if not item:
+            continue
+        key, sep, val = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{name}: expected k=v, got {item!r}")
+        out[key.strip()] = val.strip()
+    return out
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Convert a raw (string, TOML or flag) value to the type of field ``name``."""
+    try:
+        if name in ("queues", "allow_users"):
+            items = value.split(",") if isinstance(value, str) else list(value)
+            return tuple(str(i).strip() for i in items if str(i).strip())
+        if name == "labels":
+            return _parse_labels(name, value)
+        if name in ("allow_pickled", "auto_upgrade"):
+            return _parse_bool(name, value)
+        if name in ("concurrency", "metrics_port"):
+            return None if value in (None, "") else int(value)
+        if name in ("grace_s", "stop_grace_s", "heartbeat_s", "poll_timeout_s"):
+            return None if value in (None, "") else float(value)
+        if name in ("workdir", "state_dir"):
+            return Path(str(value)).expanduser()
+        if name == "runner_options":
+            if not isinstance(value, Mapping):
+                raise ConfigError("runner_options: expected a table")
+            return dict(value)
+        return None if value is None else str(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{name}: invalid value {value!r} ({exc})") from exc
+
+
+def load_file(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    table = raw.get("nymph", raw) if isinstance(raw.get("nymph"), dict) else raw
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        name = _norm(key)
+        if name not in _FIELDS:
+            raise ConfigError(f"config file {path}: unknown setting {key!r}")
+        out[name] = value
+    return out
+
+
+def from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in _FIELDS:
+        if name == "runner_options":
+            continue
+        for key in (f"NYMPH_{name.upper()}", f"NYMPH_{_singular(name).upper()}"):
+            if key in environ:
+                out[name] = environ[key]
+                break
+    return out
+
+
+def _singular(name: str) -> str:
+    return {v: k for k, v in _ALIASES.items()}.get(name, name)
+
+
+def resolve(
+    flags: Mapping[str, Any],
+    environ: Mapping[str, str] | None = None,
+    config_file: Path | None = None,
+) -> NymphConfig:
+    """Build the config: ``flags`` (None / empty means unset) over env over the TOML file."""
+    environ = os.environ if environ is None else environ
+    if config_file is None and environ.get("NYMPH_CONFIG"):
+        config_file = Path(environ["NYMPH_CONFIG"])
+    layers: list[dict[str, Any]] = []
+    if config_file is not None:
+        layers.append(load_file(config_file))
+    layers.append(from_env(environ))
+    layers.append({_norm(k): v for k, v in flags.items() if v is not None and v != () and v != []})
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        for name, value in layer.items():
+            if name not in _FIELDS:
+                raise ConfigError(f"unknown setting {name!r}")
+            merged[name] = _coerce(name, value)
+    merged = {k: v for k, v in merged.items() if v is not None or k in ("heartbeat_s", "metrics_port")}
+    for required in ("server", "token"):
+        if not merged.get(required):
+            env = f"NYMPH_{required.upper()}"
+            raise ConfigError(
+                f"missing {required}: pass --{required}, set {env}, or put it in the config file"
+            )
+    if merged.get("concurrency", 1) < 1:
+        raise ConfigError("concurrency must be >= 1")
+    if merged.get("runtime_policy", "minor") not in ("strict", "minor", "off"):
+        raise ConfigError("runtime_policy must be strict, minor or off")
+    if merged.get("log_format", "text") not in ("text", "json"):
+        raise ConfigError("log_format must be text or json")
+    if not merged.get("queues", ("default",)):
+        raise ConfigError("at least one queue is needed (--queue)")
+    merged["server"] = str(merged["server"]).rstrip("/")
+    return NymphConfig(**merged)

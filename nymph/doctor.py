@@ -1,0 +1,111 @@
+"""``nymph doctor``: check that this nymph can work, and say what to fix when it cannot.
+
+Checks, in order: the control plane answers ``/healthz``; the token is accepted as a daemon token
+(a heartbeat for an unregistered worker id must not answer 401/403); the runner loads and its
+``check()`` passes; the work and state directories exist (or can be created), are writable, and
+the work directory is not readable by others (each invocation's files are private).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dreamlake.lakeshore import ids
+from nymph.client import AuthRejected, ClientError, ControlPlaneClient
+from nymph.config import NymphConfig
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str  # what was found, or what to fix
+
+
+def _server(cfg: NymphConfig, client: ControlPlaneClient) -> Check:
+    try:
+        info = client.healthz()
+    except ClientError as exc:
+        return Check(
+            "server", False, f"{cfg.server} is not reachable ({exc}); check --server and the network"
+        )
+    return Check("server", True, f"{cfg.server} answers (store: {info.get('store', '?')})")
+
+
+def _token(cfg: NymphConfig, client: ControlPlaneClient) -> Check:
+    try:
+        client.heartbeat({"worker_id": ids.new_ulid(), "running": [], "free_slots": 0})
+    except AuthRejected as exc:
+        return Check(
+            "token",
+            False,
+            f"the control plane rejects the token ({exc}); mint one with "
+            "`lakeshore token create --kind daemon --name <host>` and pass it with --token / NYMPH_TOKEN",
+        )
+    except ClientError as exc:
+        if exc.status is None:
+            return Check("token", False, f"could not check the token: {exc}")
+    return Check("token", True, "accepted as a daemon token")
+
+
+def _runner(cfg: NymphConfig) -> Check:
+    from nymph.plugins import RunnerLoadError, load_runner
+    from nymph.runner import RunnerUnavailable
+
+    try:
+        runner = load_runner(cfg.runner)(**dict(cfg.runner_options))
+        runner.check()
+    except RunnerLoadError as exc:
+        return Check("runner", False, str(exc))
+    except RunnerUnavailable as exc:
+        return Check("runner", False, f"runner {cfg.runner!r} cannot work here: {exc}")
+    except Exception as exc:
+        return Check("runner", False, f"runner {cfg.runner!r} failed its check: {type(exc).__name__}: {exc}")
+    return Check("runner", True, f"{cfg.runner!r} loads and its check passes")
+
+
+def _directory(name: str, path: Path, private: bool) -> Check:
+    if not path.exists():
+        parent = next((p for p in path.parents if p.exists()), Path("/"))
+        if os.access(parent, os.W_OK):
+            return Check(name, True, f"{path} does not exist yet; nymph will create it")
+        return Check(name, False, f"{path} does not exist and {parent} is not writable; create it")
+    if not path.is_dir():
+        return Check(name, False, f"{path} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        return Check(name, False, f"{path} is not writable by uid {os.getuid()}; fix its owner or mode")
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if private and mode & stat.S_IROTH:
+        return Check(name, False, f"{path} is readable by others (mode {mode:o}); run `chmod o-rwx {path}`")
+    return Check(name, True, f"{path} (mode {mode:o})")
+
+
+def run_checks(cfg: NymphConfig, client: ControlPlaneClient | None = None) -> list[Check]:
+    own = client is None
+    client = client or ControlPlaneClient(cfg.server, cfg.token, timeout_s=10.0)
+    try:
+        checks = [_server(cfg, client)]
+        checks.append(
+            _token(cfg, client) if checks[0].ok else Check("token", False, "not checked: server unreachable")
+        )
+        checks.append(_runner(cfg))
+        checks.append(_directory("workdir", cfg.workdir, private=True))
+        checks.append(_directory("state-dir", cfg.state_dir, private=True))
+        return checks
+    finally:
+        if own:
+            client.close()
+
+
+def report(checks: list[Check], echo: Callable[[str], Any] = print) -> bool:
+    """Print one line per check; True when all passed."""
+    for check in checks:
+        echo(f"[{'ok' if check.ok else 'FAIL'}] {check.name}: {check.detail}")
+    failed = [c.name for c in checks if not c.ok]
+    echo("all checks passed" if not failed else f"{len(failed)} problem(s): {', '.join(failed)}")
+    return not failed

@@ -1,0 +1,70 @@
+"""The heartbeat: renews the leases of running invocations and carries commands back.
+
+Every ``interval_s`` (with a little jitter) it posts ``{worker_id, running, free_slots}`` to
+``/v1/daemon/heartbeat``. The answer carries cancel commands (so a cancel reaches a job even when
+every slot is busy and nymph is not polling), ``lost`` ids (another attempt owns them: kill, do
+not ack) and, when the namespace pins one, ``target_nymph_version``. Failures are logged and the
+next beat tries again; the poll loop decides when the agent must stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from nymph.client import ClientError, ControlPlaneClient
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeat:
+    def __init__(
+        self,
+        client: ControlPlaneClient,
+        worker_id: str,
+        interval_s: float,
+        *,
+        running: Callable[[], list[dict[str, Any]]],
+        free_slots: Callable[[], int],
+        on_answer: Callable[[dict[str, Any]], None],
+        on_error: Callable[[ClientError], None] = lambda exc: None,
+    ) -> None:
+        self._client = client
+        self._worker_id = worker_id
+        self.interval_s = interval_s
+        self._running = running
+        self._free_slots = free_slots
+        self._on_answer = on_answer
+        self._on_error = on_error
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="nymph-heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=20.0)
+
+    def beat(self) -> None:
+        """One heartbeat, now."""
+        body = {"worker_id": self._worker_id, "running": self._running(), "free_slots": self._free_slots()}
+        try:
+            answer = self._client.heartbeat(body)
+        except ClientError as exc:
+            log.warning("heartbeat failed: %s", exc)
+            self._on_error(exc)
+            return
+        self._on_answer(answer)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s * random.uniform(0.9, 1.0)):
+            try:
+                self.beat()
+            except Exception:
+                log.exception("heartbeat: unexpected failure")

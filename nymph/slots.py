@@ -1,0 +1,108 @@
+"""Concurrency slots and GPU assignment.
+
+nymph claims work only while a slot is free: the poll asks for at most :meth:`Slots.free`
+invocations, and each claimed invocation holds one slot until it is acked. GPUs are a second,
+finer resource: an invocation whose ``run_config.resources.gpus`` is N waits (holding its slot)
+until N devices of the :class:`nymph.gpus.GpuPool` are free, and gets them as
+``CUDA_VISIBLE_DEVICES``. A request for more GPUs than the host has fails at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+
+class GpuPoolLike(Protocol):
+    def acquire(self, n: int) -> list[str] | None: ...
+    def release(self, ids: list[str]) -> None: ...
+
+
+class NotEnoughGpus(Exception):
+    """The invocation asks for more GPUs than this host has."""
+
+
+def gpus_requested(run_config: dict[str, Any]) -> int:
+    resources = run_config.get("resources") or {}
+    try:
+        return max(0, int(resources.get("gpus") or 0)) if isinstance(resources, dict) else 0
+    except (TypeError, ValueError):
+        return 0
+
+
+class Slots:
+    """A counter of free slots plus the GPU pool; thread-safe."""
+
+    def __init__(self, concurrency: int, gpu_pool: GpuPoolLike | None = None, gpu_total: int = 0) -> None:
+        self.concurrency = concurrency
+        self._busy = 0
+        self._cond = threading.Condition()
+        self._gpus = gpu_pool
+        self.gpu_total = gpu_total
+
+    def free(self) -> int:
+        with self._cond:
+            return self.concurrency - self._busy
+
+    def busy(self) -> int:
+        with self._cond:
+            return self._busy
+
+    def take(self) -> bool:
+        """Take one slot if one is free."""
+        with self._cond:
+            if self._busy >= self.concurrency:
+                return False
+            self._busy += 1
+            return True
+
+    def force_take(self) -> None:
+        """Take a slot even when none is free (re-attached work, a late claim)."""
+        with self._cond:
+            self._busy += 1
+
+    def put(self) -> None:
+        with self._cond:
+            self._busy = max(0, self._busy - 1)
+            self._cond.notify_all()
+
+    def wait_free(self, timeout_s: float) -> bool:
+        """Block until a slot is free (True) or the timeout passed (False)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._busy < self.concurrency, timeout_s)
+
+    def wait_idle(self, timeout_s: float | None) -> bool:
+        """Block until no slot is busy."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._busy == 0, timeout_s)
+
+    def acquire_gpus(self, n: int, stop: threading.Event) -> list[str] | None:
+        """N device ids, waiting for them to free up; None if ``stop`` was set first."""
+        if n == 0:
+            return []
+        if self._gpus is None or n > self.gpu_total:
+            raise NotEnoughGpus(f"asks for {n} GPU(s), this host offers {self.gpu_total}")
+        while not stop.is_set():
+            with self._cond:
+                got = self._gpus.acquire(n)
+                if got is not None:
+                    return got
+                self._cond.wait(0.5)
+        return None
+
+    def claim_gpus(self, ids: list[str]) -> bool:
+        """Take exactly ``ids`` again (a task re-attached after a restart keeps its devices)."""
+        if not ids or self._gpus is None:
+            return not ids
+        with self._cond:
+            claim = getattr(self._gpus, "claim", None)
+            return bool(claim(ids)) if claim is not None else False
+
+    def release_gpus(self, ids: list[str]) -> None:
+        if ids and self._gpus is not None:
+            with self._cond:
+                self._gpus.release(ids)
+                self._cond.notify_all()

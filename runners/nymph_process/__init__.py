@@ -1,0 +1,273 @@
+"""nymph's ``process`` runner: each invocation is a local process group in its own session.
+
+Registered through the ``nymph.runners`` entry point exactly like a third-party runner. It spawns
+``python -m dreamlake.lakeshore.daemon.entry`` (or ``bash -c SCRIPT``) with the workdir as cwd and
+stdout/stderr appended to ``stdout.log`` / ``stderr.log`` there, in a new session so the whole tree
+can be signalled as one process group. ``as_user`` wraps the command in ``runuser -u USER --``.
+
+The handle records ``pid``, ``pgid`` and the leader's ``start_time`` (psutil ``create_time``), so
+:meth:`ProcessRunner.recover` re-attaches only to the very process it started, never to a recycled
+pid. A recovered process is not our child: :meth:`wait` then polls psutil and infers the exit code
+from the workdir (``result.msgpack`` -> 0, ``error.json`` -> 1, neither -> unknown).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import ClassVar
+
+import psutil
+
+from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, RunnerUnavailable, Task
+
+log = logging.getLogger(__name__)
+
+ENTRY_MODULE = "dreamlake.lakeshore.daemon.entry"
+_POLL_S = 0.05
+_START_TIME_SLACK_S = 0.01
+_LOG_TAIL_BYTES = 4096
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def default_python() -> str:
+    """The interpreter to run the entry: nymph's own, resolved past symlinks unless it is a venv's.
+
+    A venv's ``bin/python`` is a symlink whose location *is* the venv (resolving it would lose the
+    venv's site-packages); any other interpreter is resolved, so no shim sits in front of it.
+    """
+    if sys.prefix != sys.base_prefix:
+        return sys.executable
+    return os.path.realpath(sys.executable)
+
+
+class ProcessRunner:
+    """Runs each invocation as a local process group (one session per invocation)."""
+
+    name: ClassVar[str] = "process"
+    capabilities: ClassVar[Capabilities] = Capabilities(as_user=True, gpus=True, recover=True)
+
+    def __init__(self, python: str | None = None, bash: str = "bash", runuser: str = "runuser") -> None:
+        self.python = python or default_python()
+        self.bash = bash
+        self.runuser = runuser
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
+        become_subreaper()
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        if not os.access(self.python, os.X_OK):
+            raise RunnerUnavailable(f"process runner: python {self.python!r} is not executable; set python=")
+        probe = subprocess.run(
+            [self.python, "-c", f"import {ENTRY_MODULE}"], capture_output=True, text=True, timeout=60
+        )
+        if probe.returncode != 0:
+            raise RunnerUnavailable(
+                f"process runner: {self.python} cannot import {ENTRY_MODULE} "
+                f"(install dreamlake-lakeshore in that interpreter): {probe.stderr.strip()[-300:]}"
+            )
+
+    def start(self, task: Task) -> Handle:
+        cmd = [self.bash, "-c", task.script] if task.script is not None else [self.python, "-m", ENTRY_MODULE]
+        if task.as_user:
+            cmd = [self.runuser, "-u", task.as_user, "--", *cmd]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("NYMPH_")}
+        env.update(task.env)
+        workdir = Path(task.workdir)
+        with open(workdir / "stdout.log", "ab") as out, open(workdir / "stderr.log", "ab") as err:
+            try:
+                proc = subprocess.Popen(
+                    cmd,
+                    cwd=workdir,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    start_new_session=True,
+                    close_fds=True,
+                )
+            except OSError as exc:
+                raise RunnerError(f"process runner: cannot spawn {cmd[0]!r}: {exc}") from exc
+        self._children[proc.pid] = proc
+        try:
+            start_time = psutil.Process(proc.pid).create_time()
+        except psutil.Error:
+            start_time = 0.0
+        log.debug("invocation %s: started pid %d", task.invocation_id, proc.pid)
+        return Handle(
+            runner=self.name,
+            invocation_id=task.invocation_id,
+            attempt=task.attempt,
+            data={"pid": proc.pid, "pgid": proc.pid, "start_time": start_time, "workdir": str(workdir)},
+        )
+
+    def wait(self, handle: Handle, timeout: float | None = None) -> ExitStatus | None:
+        pid = int(handle.data["pid"])
+        proc = self._children.get(pid)
+        if proc is not None:
+            try:
+                code = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                return None
+            return self._status(handle, code)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._leader(handle) is not None:
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            time.sleep(_POLL_S)
+        return self._status(handle, self._inferred_code(handle))
+
+    def stop(self, handle: Handle, grace_s: float) -> None:
+        pgid = int(handle.data["pgid"])
+        if not self._owns_group(handle):
+            return
+        self._signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + max(grace_s, 0.0)
+        while time.monotonic() < deadline:
+            self._reap(handle)
+            if not self._group_members(pgid):
+                return
+            time.sleep(_POLL_S)
+        self._signal_group(pgid, signal.SIGKILL)
+        self._wait_group_gone(handle)
+
+    def destroy(self, handle: Handle) -> None:
+        pgid = int(handle.data["pgid"])
+        if self._group_members(pgid) and self._owns_group(handle):
+            self._signal_group(pgid, signal.SIGKILL)
+        self._wait_group_gone(handle)
+        self._children.pop(int(handle.data["pid"]), None)
+
+    def inspect(self, handle: Handle) -> str:
+        pid = int(handle.data["pid"])
+        proc = self._children.get(pid)
+        if proc is not None:
+            return "running" if proc.poll() is None else "exited"
+        return "running" if self._leader(handle) is not None else "gone"
+
+    def recover(self, handle: Handle) -> bool:
+        return self._leader(handle) is not None
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _leader(self, handle: Handle) -> psutil.Process | None:
+        """The live (non-zombie) leader process of ``handle``, verified by its start time."""
+        try:
+            proc = psutil.Process(int(handle.data["pid"]))
+            if abs(proc.create_time() - float(handle.data.get("start_time", 0.0))) > _START_TIME_SLACK_S:
+                return None
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(proc.pid, os.WNOHANG)
+                return None
+            return proc
+        except psutil.Error:
+            return None
+
+    def _owns_group(self, handle: Handle) -> bool:
+        """True while the group is ours: the leader is ours, or it exited and the group lingers."""
+        pid = int(handle.data["pid"])
+        if pid in self._children or self._leader(handle) is not None:
+            return True
+        # Leader gone (recovered case): the group id cannot be recycled while members remain.
+        return bool(self._group_members(int(handle.data["pgid"])))
+
+    @staticmethod
+    def _group_members(pgid: int) -> list[psutil.Process]:
+        members = []
+        for proc in psutil.process_iter(["pid"]):
+            try:
+                if os.getpgid(proc.pid) == pgid:
+                    members.append(proc)
+            except (OSError, psutil.Error):
+                continue
+        return members
+
+    @staticmethod
+    def _signal_group(pgid: int, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)
+
+    def _reap(self, handle: Handle) -> None:
+        """Reap the leader (our child) and any group member reparented to us (a subreaper)."""
+        proc = self._children.get(int(handle.data["pid"]))
+        if proc is not None:
+            proc.poll()
+        for member in self._group_members(int(handle.data["pgid"])):
+            if member.pid in self._children:
+                continue  # Popen reaps its own child; stealing its status would hide a signal
+            with contextlib.suppress(ChildProcessError, OSError, psutil.Error):
+                if member.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(member.pid, os.WNOHANG)
+
+    def _wait_group_gone(self, handle: Handle, limit_s: float = 10.0) -> None:
+        pgid = int(handle.data["pgid"])
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            self._reap(handle)
+            alive = [m for m in self._group_members(pgid) if _not_zombie(m)]
+            if not alive:
+                return
+            self._signal_group(pgid, signal.SIGKILL)
+            time.sleep(_POLL_S)
+        log.warning("invocation %s: process group %d still has members", handle.invocation_id, pgid)
+
+    def _inferred_code(self, handle: Handle) -> int:
+        workdir = Path(str(handle.data.get("workdir", "")))
+        if (workdir / "result.msgpack").exists():
+            return 0
+        if (workdir / "error.json").exists():
+            return 1
+        return -1
+
+    def _status(self, handle: Handle, code: int) -> ExitStatus:
+        reason = None
+        if code < 0:
+            reason = f"signal {-code}" if code != -1 or int(handle.data["pid"]) in self._children else None
+        if code == -1 and int(handle.data["pid"]) not in self._children:
+            reason = "exit status unknown (re-attached after a nymph restart)"
+        return ExitStatus(
+            exit_code=code, reason=reason, logs=_tail(Path(str(handle.data.get("workdir", ""))))
+        )
+
+
+def become_subreaper() -> None:
+    """Adopt orphaned descendants (Linux prctl), so every process a task forks can be reaped.
+
+    Without it a grandchild killed after its parent exited is reparented to PID 1, which on some
+    hosts (containers, micro-VMs) never reaps, and lingers as a zombie.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _not_zombie(proc: psutil.Process) -> bool:
+    try:
+        return bool(proc.status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False
+
+
+def _tail(workdir: Path) -> str | None:
+    parts = []
+    for name in ("stdout.log", "stderr.log"):
+        try:
+            with open(workdir / name, "rb") as fh:
+                fh.seek(0, os.SEEK_END)
+                size = fh.tell()
+                fh.seek(max(0, size - _LOG_TAIL_BYTES))
+                data = fh.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        if data:
+            parts.append(f"--- {name} ---\n{data}")
+    return "\n".join(parts) or None

@@ -1,0 +1,252 @@
+"""The runner conformance suite: every runner plugin, driven through the Runner protocol alone.
+
+Each test prepares a real workdir (args.msgpack holding a real Envelope of a function from
+``tests/nymph_fns.py``) and drives ``start / wait / stop / destroy / inspect / recover`` the way
+nymph does. Runners: ``process`` always; ``docker`` and ``gvisor`` need a Docker engine (and the
+runsc runtime) and an image with python3 in ``LAKESHORE_TEST_IMAGE``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from dreamlake.lakeshore import ids, wire
+from dreamlake.lakeshore.envelope import Envelope, fn_for
+from nymph.runner import Handle, Runner, Task
+from tests import nymph_fns
+from tests.conftest import ROOT, require
+
+if str(ROOT / "runners") not in sys.path:  # until the editable install exposes runners/
+    sys.path.insert(0, str(ROOT / "runners"))
+
+from nymph.plugins import load_runner
+
+RUNNERS = ["process", "docker", "gvisor"]
+LIMIT_S = 60.0
+
+
+def _docker_runtimes() -> str | None:
+    if shutil.which("docker") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["docker", "info", "--format", "{{json .Runtimes}}"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def options_for(name: str) -> dict[str, Any]:
+    """Keyword options each runner is constructed with in this suite."""
+    if name == "process":
+        return {}
+    runtimes = _docker_runtimes()
+    require(runtimes is not None, "needs a reachable Docker engine")
+    if name == "gvisor":
+        require("runsc" in (runtimes or ""), "needs the runsc runtime registered with Docker")
+    image = os.environ.get("LAKESHORE_TEST_IMAGE")
+    require(bool(image), "needs LAKESHORE_TEST_IMAGE (an image with python3 and msgpack)")
+    return {"image": image}
+
+
+@pytest.fixture(params=RUNNERS)
+def make_runner(request: pytest.FixtureRequest) -> Callable[[], Runner]:
+    name = request.param
+    options = options_for(name)
+    cls = load_runner(name)
+    return lambda: cls(**options)
+
+
+@pytest.fixture
+def runner(make_runner: Callable[[], Runner]) -> Runner:
+    return make_runner()
+
+
+@pytest.fixture
+def prepare(tmp_path: Path) -> Iterator[Callable[..., Task]]:
+    started: list[tuple[Runner, Handle]] = []
+
+    def _prepare(fn: Callable[..., Any] | None, *args: Any, script: str | None = None, **kwargs: Any) -> Task:
+        invocation_id = ids.new_ulid()
+        workdir = tmp_path / invocation_id
+        workdir.mkdir(mode=0o700)
+        if fn is not None:
+            env = Envelope.create(fn_for(fn, "ref"), args, kwargs)
+            (workdir / "args.msgpack").write_bytes(env.to_bytes())
+        return Task(
+            invocation_id=invocation_id,
+            attempt=1,
+            workdir=workdir,
+            env={
+                "LAKESHORE_INVOCATION_ID": invocation_id,
+                "LAKESHORE_ALLOW_PICKLED": "0",
+                "LAKESHORE_RUNTIME_POLICY": "minor",
+                "PYTHONPATH": str(ROOT),
+            },
+            script=script,
+            labels={"nymph.invocation": invocation_id},
+        )
+
+    _prepare.started = started  # type: ignore[attr-defined]
+    yield _prepare
+    for r, h in started:
+        r.destroy(h)
+
+
+def _start(runner: Runner, task: Task) -> Handle:
+    handle = runner.start(task)
+    handle.save(task.workdir)
+    return handle
+
+
+def _until(predicate: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + LIMIT_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.02)
+
+
+def _frames(workdir: Path) -> list[wire.Frame]:
+    try:
+        data = (workdir / "frames.msgpack").read_bytes()
+    except FileNotFoundError:
+        return []
+    return wire.FrameReader().feed(data)
+
+
+def _gone(pids: list[int]) -> bool:
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+            return False  # a zombie survived: nobody reaped it
+        except psutil.NoSuchProcess:
+            continue
+    return True
+
+
+def test_handle_names_the_runner_and_persists(runner: Runner, prepare: Callable[..., Task]) -> None:
+    task = prepare(nymph_fns.add, 2, 3)
+    handle = _start(runner, task)
+    loaded = Handle.load(task.workdir)
+    assert loaded == handle
+    assert loaded is not None and loaded.runner == runner.name and loaded.invocation_id == task.invocation_id
+    assert runner.wait(handle, LIMIT_S) is not None
+    runner.destroy(handle)
+
+
+def test_plain_result(runner: Runner, prepare: Callable[..., Task]) -> None:
+    task = prepare(nymph_fns.add, 2, 3)
+    handle = _start(runner, task)
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 0, status
+    assert wire.unpack((task.workdir / "result.msgpack").read_bytes()) == 5
+    assert runner.inspect(handle) in ("exited", "gone")
+    runner.destroy(handle)
+
+
+def test_generator_frames_appear_while_running(runner: Runner, prepare: Callable[..., Task]) -> None:
+    task = prepare(nymph_fns.slow_count, 3, 0.0, "release")
+    handle = _start(runner, task)
+    _until(lambda: len(_frames(task.workdir)) >= 2, "two frames in the journal")
+    assert runner.inspect(handle) == "running"  # the body waits for the release: frames came first
+    (task.workdir / "release").touch()
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 0
+    frames = _frames(task.workdir)
+    assert [f.kind for f in frames] == [wire.FRAME_VALUE] * 3 + [wire.FRAME_END]
+    assert [wire.unpack(f.body) for f in frames[:3]] == [0, 1, 2]  # type: ignore[arg-type]
+    runner.destroy(handle)
+
+
+def test_failure_leaves_error_json(runner: Runner, prepare: Callable[..., Task]) -> None:
+    import json
+
+    task = prepare(nymph_fns.boom, "no luck")
+    handle = _start(runner, task)
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 1
+    err = json.loads((task.workdir / "error.json").read_text())
+    assert err["type"] == "ValueError" and err["message"] == "no luck" and "boom" in err["traceback"]
+    runner.destroy(handle)
+
+
+def test_wait_times_out_then_stop_ladder_kills_a_sigterm_ignoring_tree(
+    runner: Runner, prepare: Callable[..., Task]
+) -> None:
+    task = prepare(nymph_fns.stubborn_tree, 2)
+    handle = _start(runner, task)
+    _until(lambda: (task.workdir / "pids.txt").exists(), "the tree to start")
+    assert runner.wait(handle, 0.2) is None  # still running: wait gives up, nothing is killed
+    assert runner.inspect(handle) == "running"
+    runner.stop(handle, 0.3)
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code != 0
+    assert runner.inspect(handle) in ("exited", "gone")
+    runner.destroy(handle)
+    if runner.name == "process":  # host pids: every process of the tree is gone and reaped
+        pids = [int(p) for p in (task.workdir / "pids.txt").read_text().split()]
+        assert _gone(pids), [p for p in pids if psutil.pid_exists(p)]
+
+
+def test_script_runs_bash_with_logs_and_exit_code(runner: Runner, prepare: Callable[..., Task]) -> None:
+    task = prepare(None, script="echo to-out; echo to-err >&2; exit 3")
+    handle = _start(runner, task)
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 3
+    assert (task.workdir / "stdout.log").read_text() == "to-out\n"
+    assert (task.workdir / "stderr.log").read_text() == "to-err\n"
+    runner.destroy(handle)
+
+
+def test_recover_after_restart_reattaches_to_the_same_task(
+    make_runner: Callable[[], Runner], prepare: Callable[..., Task]
+) -> None:
+    first = make_runner()
+    task = prepare(nymph_fns.wait_for_file, "release")
+    _start(first, task)
+    del first  # "nymph restarted": a new runner instance, only the persisted handle survives
+    second = make_runner()
+    handle = Handle.load(task.workdir)
+    assert handle is not None
+    assert second.recover(handle) is True
+    assert second.inspect(handle) == "running"
+    assert second.wait(handle, 0.1) is None
+    (task.workdir / "release").touch()
+    status = second.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 0
+    assert wire.unpack((task.workdir / "result.msgpack").read_bytes()) == "released"
+    second.destroy(handle)
+    assert second.recover(handle) is False  # finished: nothing to re-attach to
+
+
+def test_destroy_leaves_nothing_and_is_idempotent(runner: Runner, prepare: Callable[..., Task]) -> None:
+    task = prepare(nymph_fns.stubborn_tree, 2)
+    handle = _start(runner, task)
+    _until(lambda: (task.workdir / "pids.txt").exists(), "the tree to start")
+    runner.destroy(handle)
+    assert runner.inspect(handle) in ("exited", "gone")
+    runner.destroy(handle)
+    if runner.name == "process":
+        pids = [int(p) for p in (task.workdir / "pids.txt").read_text().split()]
+        assert _gone(pids)
+
+
+def test_env_reaches_the_task(runner: Runner, prepare: Callable[..., Task]) -> None:
+    task = prepare(nymph_fns.env_value, "LAKESHORE_INVOCATION_ID")
+    handle = _start(runner, task)
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 0
+    assert wire.unpack((task.workdir / "result.msgpack").read_bytes()) == task.invocation_id
+    runner.destroy(handle)

@@ -1,0 +1,503 @@
+"""nymph end to end: a real control plane over HTTP, ``nymph start`` as a real subprocess, real entries.
+
+Every test drives nymph the way an operator does (the console script, signals) and a producer does
+(submit, await, stream, cancel over HTTP). Timings are shortened through nymph's own settings
+(heartbeat, poll timeout, grace); no assertion is about speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgpack
+import psutil
+import pytest
+
+from dreamlake.lakeshore import ids, wire
+from dreamlake.lakeshore.envelope import Envelope, fn_for
+from tests import nymph_fns
+from tests.conftest import ROOT
+from tests.integration.conftest import ControlPlane, submit_body
+
+LIMIT_S = 60.0
+NYMPH = [sys.executable, "-m", "nymph"]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NYMPH_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "runners")])
+    return env
+
+
+class Nymph:
+    """``nymph start`` in a subprocess, with its log in a file the test can show on failure."""
+
+    def __init__(self, server: str, token: str, base: Path, *extra: str, queue: str = "default") -> None:
+        self.workdir = base / "work"
+        self.state_dir = base / "state"
+        self.log = base / "nymph.log"
+        self.args = [
+            *NYMPH, "start", "--server", server, "--token", token, "--queue", queue,
+            "--workdir", str(self.workdir), "--state-dir", str(self.state_dir),
+            "--heartbeat-s", "0.5", "--poll-timeout-s", "2", "--stop-grace-s", "0.5",
+            "--log-level", "INFO", *extra,
+        ]  # fmt: skip
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Nymph:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=_env())
+        return self
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = LIMIT_S) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+@pytest.fixture
+def nymph_factory(tmp_path: Path) -> Iterator[Callable[..., Nymph]]:
+    started: list[Nymph] = []
+
+    def make(server: str, token: str, *extra: str, base: Path | None = None) -> Nymph:
+        n = Nymph(server, token, base or tmp_path, *extra)
+        started.append(n)
+        return n.start()
+
+    yield make
+    for n in started:
+        n.stop()
+    for n in started:
+        if n.proc is not None and n.proc.returncode not in (0, None):
+            print(n.output()[-5000:])
+
+
+def _until(predicate: Callable[[], Any], what: str, limit_s: float = LIMIT_S) -> Any:
+    deadline = time.monotonic() + limit_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.05)
+
+
+def envelope(fn: Callable[..., Any], *args: Any, transport: str = "ref", **kwargs: Any) -> bytes:
+    return Envelope.create(fn_for(fn, transport), args, kwargs).to_bytes()
+
+
+def submit(url: str, token: str, args_blob: bytes = b"", **run_config: Any) -> str:
+    body = submit_body(ids.new_ulid(), "default", run_config=run_config, args_blob=args_blob)
+    out = _call(url, token, "/v1/producer/submit", body)
+    return str(out["invocation_id"])
+
+
+def _call(url: str, token: str, path: str, body: Any, timeout: float = 90.0) -> Any:
+    resp = httpx.post(
+        url + path,
+        content=msgpack.packb(body, use_bin_type=True),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/x-msgpack"},
+        timeout=timeout,
+    )
+    assert resp.status_code == 200, (resp.status_code, resp.content[:300])
+    return msgpack.unpackb(resp.content, raw=False)
+
+
+def await_result(url: str, token: str, invocation_id: str, limit_s: float = LIMIT_S) -> dict[str, Any]:
+    out = _call(url, token, "/v1/producer/await", {"invocation_id": invocation_id, "timeout_s": limit_s})
+    assert out["state"] != "pending", f"invocation {invocation_id} did not finish"
+    return dict(out)
+
+
+def state_of(url: str, token: str, invocation_id: str) -> str:
+    resp = httpx.get(
+        f"{url}/v1/producer/invocations/{invocation_id}",
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=10,
+    )
+    return str(msgpack.unpackb(resp.content, raw=False)["state"])
+
+
+def frames_of(url: str, token: str, invocation_id: str, timeout: float = 5.0) -> list[wire.Frame]:
+    resp = httpx.get(
+        f"{url}/v1/producer/invocations/{invocation_id}/result/stream",
+        params={"since": -1, "timeout": timeout},
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=timeout + 30,
+    )
+    return wire.FrameReader().feed(resp.content)
+
+
+# --- the basic outcomes ----------------------------------------------------------------------------
+
+
+def test_plain_function_succeeds_and_its_workdir_is_removed(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    cp = sqlite_control_plane
+    n = nymph_factory(cp.url, cp.daemon_token)
+    inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.add, 2, 3))
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert out["state"] == "succeeded", (out, n.output()[-3000:])
+    assert wire.unpack(out["result_blob"]) == 5
+    _until(lambda: not (n.workdir / inv).exists(), "the workdir to be removed")
+    assert (n.state_dir / "worker_id").read_text().strip() != ""
+
+
+def test_generator_frames_arrive_before_the_job_ends(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    cp = sqlite_control_plane
+    n = nymph_factory(cp.url, cp.daemon_token)
+    inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.slow_count, 3, 0.0, "release"))
+    # the body holds its last value until the release file appears in its workdir
+    seen = _until(lambda: len(frames_of(cp.url, cp.producer_token, inv, 0.5)) >= 2 or None, "two frames")
+    assert seen
+    assert state_of(cp.url, cp.producer_token, inv) == "running"
+    (n.workdir / inv / "release").touch()
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert out["state"] == "succeeded"
+    frames = frames_of(cp.url, cp.producer_token, inv)
+    assert [f.kind for f in frames] == [wire.FRAME_VALUE] * 3 + [wire.FRAME_END]
+    assert [f.seq for f in frames] == [0, 1, 2, 3]
+    assert [wire.unpack(f.body) for f in frames[:3]] == [0, 1, 2]  # type: ignore[arg-type]
+
+
+def test_failure_is_acked_with_traceback_and_the_workdir_is_kept(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    cp = sqlite_control_plane
+    n = nymph_factory(cp.url, cp.daemon_token)
+    inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.boom, "no luck"))
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert out["state"] == "failed"
+    assert out["error"]["type"] == "ValueError" and out["error"]["message"] == "no luck"
+    assert "boom" in out["error"]["traceback"]
+    kept = n.workdir / inv
+    _until(lambda: (kept / "outcome.json").exists(), "the failed workdir to be settled")
+    assert {"args.msgpack", "error.json", "stdout.log", "stderr.log"} <= {p.name for p in kept.iterdir()}
+    assert kept.stat().st_mode & 0o777 == 0o700
+
+
+def test_pickled_function_is_refused_without_allow_pickled_and_nothing_runs(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    cp = sqlite_control_plane
+    n = nymph_factory(cp.url, cp.daemon_token)
+    inv = submit(cp.url, cp.producer_token, envelope(lambda: 1, transport="pickle"))
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert out["state"] == "failed"
+    assert out["error"]["type"] == "PickleRefused"
+    assert "--allow-pickled" in out["error"]["message"]
+    assert not (n.workdir / inv).exists()
+
+
+def test_pickled_function_runs_with_allow_pickled(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    cp = sqlite_control_plane
+    nymph_factory(cp.url, cp.daemon_token, "--allow-pickled")
+    inv = submit(cp.url, cp.producer_token, envelope(lambda x: x * 2, 21, transport="pickle"))
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert out["state"] == "succeeded", out
+    assert wire.unpack(out["result_blob"]) == 42
+
+
+def test_as_user_not_in_the_allow_list_is_refused(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    cp = sqlite_control_plane
+    n = nymph_factory(cp.url, cp.daemon_token, "--allow-user", "someoneelse")
+    inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.add, 1), as_user="nobody")
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert out["state"] == "failed" and out["error"]["type"] == "UserNotAllowed"
+    assert "nobody" in out["error"]["message"]
+    assert not (n.workdir / inv).exists()
+
+
+def _ensure_user(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+        return True
+    except KeyError:
+        pass
+    if os.geteuid() != 0 or shutil.which("useradd") is None:
+        return False
+    return (
+        subprocess.run(["useradd", "--system", "--no-create-home", name], capture_output=True).returncode == 0
+    )
+
+
+def test_script_as_an_allowed_user_streams_logs_and_runs_as_that_user(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    if not _ensure_user("nymphtest"):
+        pytest.skip("needs root (or an existing user nymphtest) to run as another user")
+    cp = sqlite_control_plane
+    base = Path(tempfile.mkdtemp(prefix="nymph-as-user-"))
+    os.chmod(base, 0o711)  # the user must be able to reach its own workdir
+    try:
+        n = nymph_factory(cp.url, cp.daemon_token, "--allow-user", "nymphtest", base=base)
+        inv = submit(cp.url, cp.producer_token, script="id -un; echo oops >&2", as_user="nymphtest")
+        out = await_result(cp.url, cp.producer_token, inv)
+        assert out["state"] == "succeeded", (out, n.output()[-3000:])
+        assert wire.unpack(out["result_blob"]) == {"exit_code": 0}
+        frames = frames_of(cp.url, cp.producer_token, inv)
+        logs = {(f.meta or {}).get("stream"): f.body for f in frames if f.kind == wire.FRAME_LOG}
+        assert logs == {"stdout": b"nymphtest\n", "stderr": b"oops\n"}
+        assert frames[-1].kind == wire.FRAME_END
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_failing_script_is_failed_with_its_exit_code(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    cp = sqlite_control_plane
+    nymph_factory(cp.url, cp.daemon_token)
+    inv = submit(cp.url, cp.producer_token, script="echo partial; exit 4")
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert out["state"] == "failed"
+    assert out["error"]["type"] == "ScriptFailed" and "code 4" in out["error"]["message"]
+    frames = frames_of(cp.url, cp.producer_token, inv)
+    assert frames[0].kind == wire.FRAME_LOG and frames[0].body == b"partial\n"
+    assert frames[-1].kind == wire.FRAME_ERROR
+
+
+# --- cancel, timeout, shutdown ---------------------------------------------------------------------
+
+
+def test_cancel_reaches_a_job_while_every_slot_is_busy(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    cp = sqlite_control_plane
+    n = nymph_factory(cp.url, cp.daemon_token, "--concurrency", "1")
+    inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.stubborn_tree, 2))
+    pids_file = n.workdir / inv / "pids.txt"
+    _until(pids_file.exists, "the job to start")
+    pids = [int(p) for p in pids_file.read_text().split()]
+    _call(cp.url, cp.producer_token, f"/v1/producer/invocations/{inv}/cancel", {})
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert out["state"] == "killed"
+    assert out["error"]["type"] == "Cancelled"
+    _until(lambda: not any(_alive(p) for p in pids), "the whole tree to be gone")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_timeout_stops_the_job_and_acks_timeout(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    cp = sqlite_control_plane
+    nymph_factory(cp.url, cp.daemon_token)
+    inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.sleep_for, 120), timeout_s=1)
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert out["state"] == "timeout"
+    assert out["error"]["type"] == "Timeout"
+
+
+def test_sigterm_lets_work_finish_within_grace_then_kills_with_the_exact_message(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    cp = sqlite_control_plane
+    n = nymph_factory(cp.url, cp.daemon_token, "--grace-s", "1", "--concurrency", "2")
+    stuck = submit(cp.url, cp.producer_token, envelope(nymph_fns.wait_for_file, "never"))
+    _until(lambda: (n.workdir / stuck / "handle.json").exists(), "the job to start")
+    n.signal(signal.SIGTERM)
+    assert n.wait() == 0
+    out = await_result(cp.url, cp.producer_token, stuck)
+    assert out["state"] == "killed"
+    assert out["error"] == {"type": "Cancelled", "message": "daemon shutdown grace expired"}
+
+
+def test_bad_token_stops_nymph_with_a_clear_message(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    n = nymph_factory(sqlite_control_plane.url, "lsk_not-a-real-token")
+    assert n.wait() == 77
+    assert "rejected nymph's token" in n.output()
+
+
+# --- outages and restarts --------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """``lakeshore server`` as a subprocess that can be stopped and restarted on the same port and DB."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "dreamlake.lakeshore.cli", "server", "--port", str(self.port),
+               "--data-dir", str(self.data_dir)]  # fmt: skip
+        with open(self.data_dir / "server.log", "ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env())
+
+        def up() -> bool:
+            try:
+                return httpx.get(self.url + "/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        _until(up, "the control plane to answer")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(20)
+
+    def tokens(self) -> dict[str, str]:
+        return dict(json.loads((self.data_dir / "tokens.json").read_text()))
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    data = tmp_path / "cp"
+    data.mkdir()
+    s = Server(data)
+    s.start()
+    yield s
+    s.stop()
+
+
+def test_control_plane_outage_mid_run_costs_latency_not_results(
+    server: Server, nymph_factory: Callable[..., Nymph]
+) -> None:
+    tokens = server.tokens()
+    n = nymph_factory(server.url, tokens["daemon"])
+    inv = submit(server.url, tokens["admin"], envelope(nymph_fns.slow_count, 3, 0.0, "release"))
+    _until(lambda: (n.workdir / inv / "handle.json").exists(), "the job to start")
+    server.stop()
+    (n.workdir / inv / "release").touch()
+    # the job finishes while the control plane is away: its frames and ack wait in the outbox
+    _until(lambda: not (n.workdir / inv).exists(), "the job to finish")
+    assert list((n.state_dir / "outbox").glob("*.msg")), "nothing waits in the outbox"
+    server.start()
+    out = await_result(server.url, tokens["admin"], inv)
+    assert out["state"] == "succeeded", n.output()[-3000:]
+    frames = frames_of(server.url, tokens["admin"], inv)
+    assert [f.seq for f in frames] == [0, 1, 2, 3] and frames[-1].kind == wire.FRAME_END
+    _until(lambda: not list((n.state_dir / "outbox").glob("*.msg")), "the outbox to drain")
+
+
+def test_nymph_killed_mid_run_reattaches_after_restart(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph], tmp_path: Path
+) -> None:
+    cp = sqlite_control_plane
+    first = nymph_factory(cp.url, cp.daemon_token)
+    inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.slow_count, 3, 0.0, "release"))
+    handle_file = first.workdir / inv / "handle.json"
+    _until(handle_file.exists, "the job to start")
+    pid = int(json.loads(handle_file.read_text())["data"]["pid"])
+    _until(lambda: len(frames_of(cp.url, cp.producer_token, inv, 0.5)) >= 2, "frames before the kill")
+    first.signal(signal.SIGKILL)
+    first.wait()
+    assert _alive(pid), "the task must survive nymph's death"
+    second = nymph_factory(cp.url, cp.daemon_token)
+    _until(lambda: "re-attached" in second.output(), "the new nymph to re-attach")
+    (second.workdir / inv / "release").touch()
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert out["state"] == "succeeded", second.output()[-3000:]
+    frames = frames_of(cp.url, cp.producer_token, inv)
+    assert [f.seq for f in frames] == [0, 1, 2, 3] and frames[-1].kind == wire.FRAME_END
+    _until(lambda: not _alive(pid), "the task process to be gone")
+
+
+# --- version pinning, doctor, runners --------------------------------------------------------------
+
+
+def test_pinned_version_drains_running_work_then_exits_75(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    cp = sqlite_control_plane
+    n = nymph_factory(cp.url, cp.daemon_token, "--namespace", "team", "--concurrency", "2")
+    inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.wait_for_file, "release"))
+    _until(lambda: (n.workdir / inv / "handle.json").exists(), "the job to start")
+    status, _ = cp.json("PUT", "/v1/namespaces/team/pin", {"nymph_version": "9.9.9"}, cp.admin_token)
+    assert status == 200
+    _until(lambda: "pins nymph 9.9.9" in n.output(), "nymph to see the pin")
+    _until(lambda: "poll loop stopped" in n.output(), "the poll in flight to return")
+    later = submit(cp.url, cp.producer_token, envelope(nymph_fns.add, 1, 1))
+    (n.workdir / inv / "release").touch()
+    assert n.wait() == 75
+    assert await_result(cp.url, cp.producer_token, inv)["state"] == "succeeded"  # drained, not killed
+    assert state_of(cp.url, cp.producer_token, later) == "queued"  # no claim after the pin
+
+
+def _doctor(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*NYMPH, "doctor", *args], capture_output=True, text=True, env=_env(), timeout=120)
+
+
+def test_doctor_passes_on_a_good_setup_and_names_what_to_fix(
+    sqlite_control_plane: ControlPlane, tmp_path: Path
+) -> None:
+    cp = sqlite_control_plane
+    dirs = ["--workdir", str(tmp_path / "w"), "--state-dir", str(tmp_path / "s")]
+    good = _doctor("--server", cp.url, "--token", cp.daemon_token, *dirs)
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "all checks passed" in good.stdout
+
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o755)
+    os.chmod(open_dir, 0o755)
+    bad = _doctor(
+        "--server", cp.url, "--token", "lsk_wrong", "--runner", "nosuch",
+        "--workdir", str(open_dir), "--state-dir", str(tmp_path / "s"),
+    )  # fmt: skip
+    assert bad.returncode == 1
+    assert "[FAIL] token" in bad.stdout and "lakeshore token create --kind daemon" in bad.stdout
+    assert "[FAIL] runner" in bad.stdout and "nosuch" in bad.stdout
+    assert "[FAIL] workdir" in bad.stdout and "chmod o-rwx" in bad.stdout
+
+    down = _doctor("--server", f"http://127.0.0.1:{_free_port()}", "--token", "t", *dirs)
+    assert down.returncode == 1 and "[FAIL] server" in down.stdout
+
+
+def test_runners_lists_the_process_runner_as_usable() -> None:
+    out = subprocess.run([*NYMPH, "runners"], capture_output=True, text=True, env=_env(), timeout=120)
+    assert out.returncode == 0
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("process"))
+    assert "dreamlake-lakeshore" in line and "usable" in line and "NOT" not in line

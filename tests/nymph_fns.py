@@ -1,0 +1,67 @@
+"""Functions nymph's tests ship by reference; the spawned entry imports this module (PYTHONPATH = repo root)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def add(a: int, b: int = 0) -> int:
+    return a + b
+
+
+def slow_count(n: int, delay_s: float = 0.2, gate: str | None = None) -> Iterator[int]:
+    """Yield 0..n-1; before the last value, wait until the file ``gate`` exists (when given)."""
+    for i in range(n):
+        if gate is not None and i == n - 1:
+            while not Path(gate).exists():
+                time.sleep(0.02)
+        yield i
+        time.sleep(delay_s)
+
+
+def boom(message: str = "kaboom") -> None:
+    raise ValueError(message)
+
+
+def sleep_for(seconds: float) -> str:
+    time.sleep(seconds)
+    return "slept"
+
+
+def wait_for_file(path: str, limit_s: float = 60.0) -> str:
+    """Return once ``path`` exists (the test's release), so a test controls when a job ends."""
+    deadline = time.monotonic() + limit_s
+    while not Path(path).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.02)
+    return "released"
+
+
+def stubborn_tree(children: int = 2) -> None:
+    """Fork children that ignore SIGTERM, ignore it too, record all pids in pids.txt, then hang."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    pids = [os.getpid()]
+    for _ in range(children):
+        pid = os.fork()
+        if pid == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            while True:
+                time.sleep(1)
+        pids.append(pid)
+    Path("pids.txt.tmp").write_text(" ".join(map(str, pids)))
+    os.replace("pids.txt.tmp", "pids.txt")
+    while True:
+        time.sleep(1)
+
+
+def env_value(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def whoami() -> int:
+    return os.getuid()

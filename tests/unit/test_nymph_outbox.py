@@ -1,0 +1,127 @@
+"""The durable outbox and the client's retry rule, faked at the httpx transport seam."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgpack
+import pytest
+
+from nymph.client import (
+    AuthRejected,
+    BadRequest,
+    ControlPlaneClient,
+    NotFound,
+    Superseded,
+    TransientError,
+    is_retryable,
+)
+from nymph.outbox import Outbox
+
+
+class FakePlane:
+    """A control plane at the transport seam: answers from a script of status codes, then 200."""
+
+    def __init__(self, statuses: list[int] | None = None) -> None:
+        self.statuses = list(statuses or [])
+        self.received: list[tuple[str, dict[str, Any]]] = []
+        self.down = threading.Event()
+        self.lock = threading.Lock()
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if self.down.is_set():
+            raise httpx.ConnectError("connection refused", request=request)
+        with self.lock:
+            status = self.statuses.pop(0) if self.statuses else 200
+            if status == 200:
+                self.received.append((request.url.path, msgpack.unpackb(request.content)))
+        body = {"ok": status == 200} if status == 200 else {"error": f"status {status}"}
+        return httpx.Response(
+            status, content=msgpack.packb(body), headers={"content-type": "application/x-msgpack"}
+        )
+
+    def client(self) -> ControlPlaneClient:
+        return ControlPlaneClient("http://cp", "tok", transport=httpx.MockTransport(self))
+
+
+@pytest.mark.parametrize(
+    ("status", "error", "retryable"),
+    [
+        (500, TransientError, True),
+        (503, TransientError, True),
+        (429, TransientError, True),
+        (401, AuthRejected, False),
+        (403, AuthRejected, False),
+        (409, Superseded, False),
+        (404, NotFound, False),
+        (400, BadRequest, False),
+    ],
+)
+def test_client_classifies_statuses(status: int, error: type[Exception], retryable: bool) -> None:
+    plane = FakePlane([status])
+    with pytest.raises(error) as info:
+        plane.client().ack({"invocation_id": "x"})
+    assert is_retryable(info.value) is retryable
+    assert f"status {status}" in str(info.value)
+
+
+def test_connection_error_is_transient_and_chained() -> None:
+    plane = FakePlane()
+    plane.down.set()
+    with pytest.raises(TransientError) as info:
+        plane.client().heartbeat({})
+    assert isinstance(info.value.__cause__, httpx.ConnectError)
+
+
+def _ack(n: int) -> dict[str, Any]:
+    return {"invocation_id": f"inv{n}", "state": "succeeded", "result_blob": b"r", "attempt": 1}
+
+
+def test_messages_are_on_disk_before_sending_and_survive_a_restart(tmp_path: Path) -> None:
+    plane = FakePlane()
+    plane.down.set()
+    box = Outbox(tmp_path, plane.client(), max_backoff_s=0.05)
+    box.start()
+    box.chunk({"invocation_id": "inv1", "seq": 0, "bytes": b"f", "final": True})
+    box.ack(_ack(1))
+    assert len(list((tmp_path / "outbox").glob("*.msg"))) == 2
+    assert not box.flush(0.3)  # the control plane is down: nothing is lost, nothing confirmed
+    box.stop()
+    assert len(list((tmp_path / "outbox").glob("*.msg"))) == 2
+
+    plane.down.clear()
+    again = Outbox(tmp_path, plane.client(), max_backoff_s=0.05)  # "restart": replay from disk
+    assert again.pending_for("inv1")
+    again.start()
+    assert again.flush(10.0)
+    again.stop()
+    assert [route for route, _ in plane.received] == ["/v1/daemon/result-chunk", "/v1/daemon/ack"]
+    assert plane.received[1][1]["result_blob"] == b"r"
+    assert list((tmp_path / "outbox").glob("*.msg")) == []
+
+
+def test_transient_failures_are_retried_in_order(tmp_path: Path) -> None:
+    plane = FakePlane([503, 500, 429])
+    box = Outbox(tmp_path, plane.client(), max_backoff_s=0.05)
+    box.start()
+    for n in range(3):
+        box.ack(_ack(n))
+    assert box.flush(10.0)
+    box.stop()
+    assert [body["invocation_id"] for _, body in plane.received] == ["inv0", "inv1", "inv2"]
+
+
+def test_final_refusals_are_dropped_not_retried(tmp_path: Path) -> None:
+    plane = FakePlane([409, 404])
+    box = Outbox(tmp_path, plane.client(), max_backoff_s=0.05)
+    box.start()
+    box.ack(_ack(0))
+    box.ack(_ack(1))
+    box.ack(_ack(2))
+    assert box.flush(10.0)
+    box.stop()
+    assert [body["invocation_id"] for _, body in plane.received] == ["inv2"]
+    assert list((tmp_path / "outbox").glob("*.msg")) == []

@@ -1,0 +1,83 @@
+"""Start-up reconcile (what a previous life left in the workdir root) and GPU slots."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, ClassVar
+
+from dreamlake.lakeshore import ids
+from nymph import workdir as wd
+from nymph.config import resolve
+from nymph.gpus import Gpu, GpuPool
+from nymph.job import Job, JobContext
+from nymph.reconcile import recover_all
+from nymph.runner import Capabilities, Handle
+from nymph.slots import Slots
+
+
+class _Runner:
+    name: ClassVar[str] = "fake"
+    capabilities: ClassVar[Capabilities] = Capabilities(gpus=True)
+
+    def __init__(self, alive: set[str]) -> None:
+        self.alive = alive
+
+    def recover(self, handle: Handle) -> bool:
+        return handle.invocation_id in self.alive
+
+
+class _Outbox:
+    def __init__(self, pending: set[str]) -> None:
+        self.pending = pending
+
+    def pending_for(self, invocation_id: str) -> bool:
+        return invocation_id in self.pending
+
+
+def _ctx(tmp_path: Path, alive: set[str], pending: set[str], slots: Slots | None = None) -> JobContext:
+    config = resolve({"server": "http://x", "token": "t", "workdir": tmp_path}, {})
+    return JobContext(config, _Runner(alive), _Outbox(pending), slots or Slots(2), ids.new_ulid())  # type: ignore[arg-type]
+
+
+def _leftover(
+    tmp_path: Path, *, meta: bool = True, handle: bool = True, gpus: list[str] | None = None
+) -> str:
+    inv = ids.new_ulid()
+    m: dict[str, Any] = {"invocation_id": inv, "attempt": 2, "started_at": 1.0, "gpus": gpus or []}
+    path = wd.create(tmp_path, inv, b"", m, None) if meta else tmp_path / inv
+    path.mkdir(exist_ok=True)
+    if handle:
+        Handle("fake", inv, 2, {"pid": 1}).save(path)
+    return inv
+
+
+def test_reconcile_sorts_leftovers(tmp_path: Path) -> None:
+    alive = _leftover(tmp_path)
+    finished = _leftover(tmp_path)
+    never_started = _leftover(tmp_path, handle=False)
+    orphan = _leftover(tmp_path, meta=False, handle=False)
+    orphan_with_ack = _leftover(tmp_path, meta=False, handle=False)
+    settled = _leftover(tmp_path)
+    wd.mark_settled(tmp_path / settled, wd.Outcome.failed("ValueError", "kept for inspection"))
+    (tmp_path / "not-a-ulid").mkdir()
+
+    found = recover_all(_ctx(tmp_path, {alive}, {orphan_with_ack}))
+
+    by_id = {job.invocation_id: (job, is_alive) for job, is_alive in found}
+    assert set(by_id) == {alive, finished, never_started}
+    assert by_id[alive][1] is True and by_id[finished][1] is False
+    assert by_id[never_started][0].handle is None
+    assert all(job.attempt == 2 for job, _ in found)
+    assert not (tmp_path / orphan).exists()  # reported and removed
+    assert (tmp_path / orphan_with_ack).exists()  # its ack still waits in the outbox
+    assert (tmp_path / settled).exists() and (tmp_path / "not-a-ulid").exists()
+
+
+def test_reattached_task_keeps_its_gpus(tmp_path: Path) -> None:
+    slots = Slots(2, GpuPool([Gpu(0, "u0", "H200", 1), Gpu(1, "u1", "H200", 1)]), gpu_total=2)
+    inv = _leftover(tmp_path, gpus=["1"])
+    [(job, _)] = recover_all(_ctx(tmp_path, {inv}, set(), slots))
+    assert isinstance(job, Job) and job._gpus == ["1"]
+    assert job._env()["CUDA_VISIBLE_DEVICES"] == "1"
+    assert slots.acquire_gpus(1, threading.Event()) == ["0"]  # device 1 stays with the re-attached task
