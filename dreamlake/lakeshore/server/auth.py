@@ -37,8 +37,11 @@ class Authenticator:
         scheme, _, secret = header.partition(" ")
         secret = secret.strip()
         if scheme.lower() != "bearer" or not secret:
-            raise HTTPError(401, "missing bearer token: send 'Authorization: Bearer <token>' "
-                            "(lakeshore token create --kind KIND --name NAME mints one)")
+            raise HTTPError(
+                401,
+                "missing bearer token: send 'Authorization: Bearer <token>' "
+                "(lakeshore token create --kind KIND --name NAME mints one)",
+            )
         digest = hashlib.sha256(secret.encode("utf-8", "surrogateescape")).hexdigest()
         now = time.monotonic()
         hit = self._cache.get(digest)
@@ -46,8 +49,11 @@ class Authenticator:
             return hit[1]
         found = await self._verify(secret) if len(secret) <= 256 else None
         if found is None:
-            raise HTTPError(401, "unknown token: check the token, or mint one with "
-                            "'lakeshore token create --kind KIND --name NAME'")
+            raise HTTPError(
+                401,
+                "unknown token: check the token, or mint one with "
+                "'lakeshore token create --kind KIND --name NAME'",
+            )
         if len(self._cache) >= _CACHE_MAX:
             self._cache.clear()
         self._cache[digest] = (now + _CACHE_TTL_S, found)
@@ -71,7 +77,8 @@ def require_namespace(principal: Principal, namespace: str, *, daemon_ok: bool =
             return
         if principal.namespace == namespace:
             return
-        raise HTTPError(403, f"token '{principal.name}' is bound to namespace "
-                        f"'{principal.namespace}', not '{namespace}'")
+        raise HTTPError(
+            403, f"token '{principal.name}' is bound to namespace '{principal.namespace}', not '{namespace}'"
+        )
     kinds = "admin, namespace or daemon" if daemon_ok else "admin or namespace"
     raise HTTPError(403, f"token '{principal.name}' is a {principal.kind} token; this route needs {kinds}")

@@ -45,8 +45,11 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared is not None:
         try:
             if int(declared) > limit:
-                raise HTTPError(413, f"request body of {declared} bytes is over the limit of {limit} bytes "
-                                "(LAKESHORE_MAX_BODY_BYTES); send large payloads through the payload store")
+                raise HTTPError(
+                    413,
+                    f"request body of {declared} bytes is over the limit of {limit} bytes "
+                    "(LAKESHORE_MAX_BODY_BYTES); send large payloads through the payload store",
+                )
         except ValueError:
             raise HTTPError(400, "invalid Content-Length header") from None
     chunks: list[bytes] = []
@@ -54,8 +57,11 @@ async def read_body(request: Request, limit: int) -> bytes:
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise HTTPError(413, f"request body is over the limit of {limit} bytes "
-                            "(LAKESHORE_MAX_BODY_BYTES); send large payloads through the payload store")
+            raise HTTPError(
+                413,
+                f"request body is over the limit of {limit} bytes "
+                "(LAKESHORE_MAX_BODY_BYTES); send large payloads through the payload store",
+            )
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -75,10 +81,20 @@ def decode_msgpack(data: bytes) -> dict[str, Any]:
             max_map_len=_MAX_CONTAINER,
             max_ext_len=_MAX_EXT,
         )
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, UnicodeDecodeError) as exc:
-        raise HTTPError(400, f"body is not valid msgpack ({type(exc).__name__}): send one msgpack map") from None
+    except (
+        ValueError,
+        msgpack.ExtraData,
+        msgpack.FormatError,
+        msgpack.StackError,
+        UnicodeDecodeError,
+    ) as exc:
+        raise HTTPError(
+            400, f"body is not valid msgpack ({type(exc).__name__}): send one msgpack map"
+        ) from None
     except Exception as exc:  # msgpack raises a few odd types on hostile input
-        raise HTTPError(400, f"body is not valid msgpack ({type(exc).__name__}): send one msgpack map") from None
+        raise HTTPError(
+            400, f"body is not valid msgpack ({type(exc).__name__}): send one msgpack map"
+        ) from None
     if not isinstance(value, dict):
         raise HTTPError(400, f"body must be a msgpack map, got {type(value).__name__}")
     return value
@@ -102,8 +118,9 @@ def msgpack_response(value: Any, status: int = 200) -> Response:
 
 
 def json_response(value: Any, status: int = 200) -> Response:
-    return Response(json.dumps(value, separators=(",", ":")), status_code=status,
-                    media_type="application/json")
+    return Response(
+        json.dumps(value, separators=(",", ":")), status_code=status, media_type="application/json"
+    )
 
 
 def error_response(exc: HTTPError, *, as_json: bool) -> Response:
@@ -120,8 +137,14 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
-def field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], *, default: Any = _MISSING,
-          nullable: bool = False) -> Any:
+def field(
+    body: dict[str, Any],
+    name: str,
+    kind: type | tuple[type, ...],
+    *,
+    default: Any = _MISSING,
+    nullable: bool = False,
+) -> Any:
     """``body[name]`` checked against ``kind``; 400 naming the field when missing or mistyped."""
     if name not in body or (body[name] is None and default is not _MISSING and not nullable):
         if default is _MISSING:

@@ -25,7 +25,7 @@ class Wakeups:
     def __init__(self, store: Any) -> None:
         found = getattr(store, "notifier", None)
         self.own = not isinstance(found, Notifier)
-        self.notifier: Notifier = Notifier() if self.own else found
+        self.notifier: Notifier = found if isinstance(found, Notifier) else Notifier()
 
     def mark(self) -> int:
         return self.notifier.mark()

@@ -1,0 +1,178 @@
+"""The ``lakeshore`` console script: ``server``, ``token create``, ``namespace pin`` (and ``worker``).
+
+Configuration is resolved here, once: flags over ``LAKESHORE_*`` environment variables over
+defaults. Heavy imports (the store, Starlette, uvicorn) happen inside the commands.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+
+DEFAULT_DATA_DIR = "~/.local/share/lakeshore"
+DB_FILE = "lakeshore.db"
+
+
+def _data_dir(value: str) -> Path:
+    path = Path(value).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise click.UsageError(f"cannot create the data directory {path}: {exc}; pass --data-dir") from exc
+    return path
+
+
+def _open_store(db: str | None, data_dir: str) -> Any:
+    from dreamlake.lakeshore.errors import PlaneError
+    from dreamlake.lakeshore.store import open_store
+
+    url = db or str(_data_dir(data_dir) / DB_FILE)
+    try:
+        return open_store(url)
+    except PlaneError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+_store_options = [
+    click.option(
+        "--data-dir",
+        envvar="LAKESHORE_DATA_DIR",
+        default=DEFAULT_DATA_DIR,
+        show_default=True,
+        help="Where the SQLite store and tokens.json live.",
+    ),
+    click.option(
+        "--db",
+        envvar="LAKESHORE_DB",
+        default=None,
+        help="Store URL: a SQLite path or postgresql://... (default: <data-dir>/lakeshore.db).",
+    ),
+]
+
+
+def store_options(fn: Any) -> Any:
+    for option in reversed(_store_options):
+        fn = option(fn)
+    return fn
+
+
+@click.group()
+@click.option(
+    "--log-level",
+    envvar="LAKESHORE_LOG_LEVEL",
+    default="info",
+    show_default=True,
+    type=click.Choice(["debug", "info", "warning", "error"]),
+)
+def main(log_level: str) -> None:
+    """lakeshore: run Python functions remotely (control plane and tools)."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@main.command()
+@click.option("--host", envvar="LAKESHORE_HOST", default="127.0.0.1", show_default=True)
+@click.option("--port", envvar="LAKESHORE_PORT", default=8765, show_default=True, type=int)
+@store_options
+@click.option(
+    "--redis",
+    "redis_url",
+    envvar="LAKESHORE_REDIS_URL",
+    default=None,
+    help="Redis URL for live frame fan-out across replicas (default: in process).",
+)
+@click.option(
+    "--lease-s",
+    envvar="LAKESHORE_LEASE_S",
+    default=None,
+    type=float,
+    help="Invocation lease in seconds (default 30).",
+)
+def server(
+    host: str, port: int, data_dir: str, db: str | None, redis_url: str | None, lease_s: float | None
+) -> None:
+    """Run the control plane (HTTP) over the store."""
+    import uvicorn
+
+    from dreamlake.lakeshore.server.app import create_app
+    from dreamlake.lakeshore.server.bootstrap import bootstrap_tokens
+    from dreamlake.lakeshore.server.config import ServerConfig
+    from dreamlake.lakeshore.server.fanout import make_fanout
+    from dreamlake.lakeshore.server.payloads import PayloadStore
+
+    if lease_s is not None and lease_s <= 0:
+        raise click.UsageError("--lease-s must be a positive number of seconds")
+    data = _data_dir(data_dir)
+    store = _open_store(db, data_dir)
+    shown_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    lines = bootstrap_tokens(store, data, f"http://{shown_host}:{port}")
+    for line in lines or ():
+        click.echo(line)
+    try:
+        payloads = PayloadStore.from_env(os.environ)
+        config = ServerConfig.from_env(lease_s=lease_s)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    app = create_app(store, fanout=make_fanout(redis_url), payloads=payloads, config=config)
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+
+
+@main.group()
+def token() -> None:
+    """Manage bearer tokens."""
+
+
+@token.command("create")
+@click.option("--kind", required=True, type=click.Choice(["admin", "producer", "daemon", "namespace"]))
+@click.option("--name", required=True, help="A label for the token (who or what holds it).")
+@click.option("--namespace", default=None, help="The namespace a namespace (or daemon) token is bound to.")
+@store_options
+def token_create(kind: str, name: str, namespace: str | None, data_dir: str, db: str | None) -> None:
+    """Mint a token and print its secret (shown once; only its sha256 is stored)."""
+    if kind == "namespace" and not namespace:
+        raise click.UsageError("--kind namespace needs --namespace NS")
+    store = _open_store(db, data_dir)
+    try:
+        click.echo(store.create_token(kind, name, namespace))
+    finally:
+        store.close()
+
+
+@main.group()
+def namespace() -> None:
+    """Manage namespaces."""
+
+
+@namespace.command("pin")
+@click.argument("ns")
+@click.argument("version", required=False)
+@click.option("--clear", is_flag=True, help="Remove the pin.")
+@store_options
+def namespace_pin(ns: str, version: str | None, clear: bool, data_dir: str, db: str | None) -> None:
+    """Pin the nymph VERSION daemons of namespace NS run (or --clear the pin)."""
+    if clear == (version is not None):
+        raise click.UsageError("give either a VERSION or --clear")
+    store = _open_store(db, data_dir)
+    try:
+        store.pin_version(ns, None if clear else version)
+    finally:
+        store.close()
+    click.echo(f"namespace {ns}: " + ("pin cleared" if clear else f"pinned to nymph {version}"))
+
+
+# -- `lakeshore worker ...` ---------------------------------------------------------------------
+# The SDK's worker commands live in dreamlake/lakeshore/worker_cli.py (a click group named
+# `worker`); they are attached here when that module exists.
+try:
+    from dreamlake.lakeshore.worker_cli import worker as _worker_group
+except ImportError:  # pragma: no cover - until the SDK adds it
+    pass
+else:
+    main.add_command(_worker_group)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,284 @@
+"""Daemon routes (msgpack): register, poll, ack, result-chunk and heartbeat.
+
+``poll`` is a long poll: it claims invocations (``store.claim``) and exec jobs
+(``store.claim_exec``) and collects pending cancels; with nothing to hand out it waits on the
+store notifier's ``queue:<q>`` / ``exec:<q>`` / ``worker:<id>`` channels, re-checking the store
+about once a second for work submitted through other replicas.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from dreamlake.lakeshore import ids
+from dreamlake.lakeshore.server import http
+from dreamlake.lakeshore.server.context import Context
+from dreamlake.lakeshore.server.http import HTTPError, field
+from dreamlake.lakeshore.store.api import ACK_STATES, Command, Invocation, Principal
+
+log = logging.getLogger(__name__)
+
+MAX_QUEUES = 64
+
+
+def _worker(body: dict[str, Any]) -> str:
+    worker_id = http.ulid_field(body, "worker_id")
+    assert worker_id is not None
+    return worker_id
+
+
+def _queues(body: dict[str, Any], default: list[str] | None = None) -> list[str]:
+    queues = field(body, "queues", list, default=default)
+    if queues is None:
+        raise HTTPError(400, "missing field 'queues'")
+    if not queues or len(queues) > MAX_QUEUES:
+        raise HTTPError(400, f"field 'queues' must list 1 to {MAX_QUEUES} queue names")
+    return [http.name(q, "queue") for q in queues]
+
+
+def namespace_of(ctx: Context, principal: Principal, worker_id: str) -> str:
+    """The daemon's namespace: its token's, else the one it registered with, else ``default``."""
+    return principal.namespace or ctx.worker_namespaces.get(worker_id) or "default"
+
+
+async def _pinned(ctx: Context, principal: Principal, worker_id: str, out: dict[str, Any]) -> dict[str, Any]:
+    version = await ctx.call(ctx.store.pinned_version, namespace_of(ctx, principal, worker_id))
+    if version:
+        out["target_nymph_version"] = version
+    return out
+
+
+async def register(ctx: Context, principal: Principal, body: dict[str, Any]) -> dict[str, Any]:
+    worker_id = _worker(body)
+    namespace = field(body, "namespace", str, default=None, nullable=True)
+    if namespace is not None:
+        namespace = http.name(namespace, "namespace")
+        if principal.namespace is not None and namespace != principal.namespace:
+            raise HTTPError(
+                403,
+                f"token '{principal.name}' is bound to namespace '{principal.namespace}', not '{namespace}'",
+            )
+    info = {
+        "hostname": field(body, "hostname", str, default=""),
+        "version": field(body, "version", str, default=""),
+        "runner": field(body, "runner", str, default=""),
+        "queues": _queues(body, default=["default"]),
+        "labels": field(body, "labels", dict, default={}),
+        "slots": field(body, "slots", int, default=1),
+        "namespace": namespace or principal.namespace,
+    }
+    await ctx.call(ctx.store.register_worker, worker_id, info)
+    ctx.worker_namespaces[worker_id] = info["namespace"]
+    log.info(
+        "worker %s registered (%s, runner %s, queues %s)",
+        worker_id,
+        info["hostname"],
+        info["runner"],
+        ",".join(info["queues"]),
+    )
+    return {"worker_id": worker_id, "lease_s": ctx.config.lease_s, "heartbeat_s": ctx.config.heartbeat_s}
+
+
+def run_command(inv: Invocation) -> dict[str, Any]:
+    """The run command of docs/protocol.md and seed 000 "Dispatch" for a claimed invocation."""
+    rc = inv.run_config or {}
+    body: dict[str, Any] = {
+        "invocation_id": inv.invocation_id,
+        "function": inv.function,
+        "args_blob": inv.args_blob,
+        "run_config": rc,
+    }
+    if rc.get("prefix"):
+        body["prefix"] = rc["prefix"]
+    body["attempt"] = inv.attempt
+    if inv.parent_invocation_id:
+        body["parent_invocation_id"] = inv.parent_invocation_id
+    if inv.root_invocation_id:
+        body["root_invocation_id"] = inv.root_invocation_id
+    for key in ("script", "as_user", "timeout_s"):
+        if rc.get(key) is not None:
+            body[key] = rc[key]
+    return {"id": ids.new_ulid(), "kind": "run", "body": body}
+
+
+def exec_command(job: dict[str, Any]) -> dict[str, Any]:
+    body = {
+        k: job.get(k)
+        for k in ("exec_id", "namespace", "command", "payload_inline", "payload_ref", "timeout_s")
+    }
+    return {"id": ids.new_ulid(), "kind": "exec", "body": body}
+
+
+def command_dict(cmd: Command) -> dict[str, Any]:
+    return {"id": cmd.id, "kind": cmd.kind, "body": cmd.body}
+
+
+async def _collect(ctx: Context, worker_id: str, queues: list[str], limit: int) -> list[dict[str, Any]]:
+    cancels, _ = await ctx.call(ctx.store.heartbeat, worker_id, [], ctx.config.lease_s)
+    commands = [command_dict(c) for c in cancels]
+    claimed = await ctx.call(ctx.store.claim, worker_id, queues, limit, ctx.config.lease_s)
+    commands.extend(run_command(inv) for inv in claimed)
+    if claimed:
+        ctx.metrics.claims.labels(kind="run").inc(len(claimed))
+    if len(claimed) < limit:
+        jobs = await ctx.call(ctx.store.claim_exec, worker_id, queues, limit - len(claimed))
+        commands.extend(exec_command(job) for job in jobs)
+        if jobs:
+            ctx.metrics.claims.labels(kind="exec").inc(len(jobs))
+    return commands
+
+
+async def poll(ctx: Context, principal: Principal, body: dict[str, Any]) -> dict[str, Any]:
+    worker_id = _worker(body)
+    queues = _queues(body)
+    limit = int(http.number(body, "max", 1, lo=1, hi=ctx.config.poll_max_commands))
+    timeout = http.number(body, "timeout_s", ctx.config.poll_default_s, lo=0.0, hi=ctx.config.poll_max_s)
+    field(body, "version", str, default="")
+    started = time.monotonic()
+    deadline = started + timeout
+    channels = [f"queue:{q}" for q in queues] + [f"exec:{q}" for q in queues] + [f"worker:{worker_id}"]
+    while True:
+        mark = ctx.wake.mark()
+        commands = await _collect(ctx, worker_id, queues, limit)
+        remaining = deadline - time.monotonic()
+        if commands or remaining <= 0:
+            break
+        await ctx.wake.wait(channels, min(remaining, ctx.config.recheck_s), since=mark)
+    ctx.metrics.poll_wait.observe(time.monotonic() - started)
+    return await _pinned(ctx, principal, worker_id, {"commands": commands})
+
+
+def _error_info(body: dict[str, Any]) -> dict[str, Any] | None:
+    error = body.get("error")
+    if error is None or error == "":
+        return None
+    if isinstance(error, str):
+        return {"type": "DaemonError", "message": error}
+    if not isinstance(error, dict):
+        raise HTTPError(
+            400,
+            f"field 'error' must be a map {{type, message, traceback?}} or a string, "
+            f"got {type(error).__name__}",
+        )
+    if not all(isinstance(k, str) for k in error):
+        raise HTTPError(400, "field 'error' must have string keys")
+    return error
+
+
+def _optional_int(body: dict[str, Any], name: str) -> int | None:
+    value = field(body, name, int, default=None, nullable=True)
+    if value is not None and value < 0:
+        raise HTTPError(400, f"field '{name}' must be >= 0, got {value}")
+    return value  # type: ignore[no-any-return]
+
+
+async def ack(ctx: Context, principal: Principal, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    invocation_id = http.ulid_field(body, "invocation_id")
+    assert invocation_id is not None
+    state = field(body, "state", str)
+    if state not in ACK_STATES:
+        raise HTTPError(400, f"cannot ack state {state[:40]!r}: use one of {', '.join(sorted(ACK_STATES))}")
+    result_blob = field(body, "result_blob", bytes, default=None, nullable=True)
+    error = _error_info(body)
+    worker_id = http.ulid_field(body, "worker_id", optional=True)
+    attempt = _optional_int(body, "attempt")
+    result = await ctx.call(
+        ctx.store.ack,
+        invocation_id,
+        state,
+        attempt=attempt,
+        worker_id=worker_id,
+        result_blob=result_blob,
+        error=error,
+    )
+    if result.ok:
+        ctx.metrics.acks.labels(state=state, outcome="duplicate" if result.duplicate else "ok").inc()
+        ctx.wake.notify(f"inv:{invocation_id}")
+        log.debug("ack %s %s (attempt %s)", invocation_id, state, attempt)
+        return 200, ({"ok": True, "duplicate": True} if result.duplicate else {"ok": True})
+    if result.state is None:
+        ctx.metrics.acks.labels(state=state, outcome="unknown").inc()
+        raise HTTPError(404, result.reason or f"unknown invocation '{invocation_id}'", ok=False)
+    ctx.metrics.acks.labels(state=state, outcome="refused").inc()
+    log.info("ack of %s refused: %s", invocation_id, result.reason)
+    return 409, {"ok": False, "error": result.reason or "ack refused: the attempt was superseded"}
+
+
+def _frame_seq(data: bytes) -> int:
+    from dreamlake.lakeshore.wire import decode_frame
+
+    try:
+        frame = decode_frame(data)
+    except Exception as exc:
+        raise HTTPError(
+            400, f"field 'bytes' is not one encoded frame [kind, seq, body, meta]: {exc}"
+        ) from None
+    return int(frame.seq)
+
+
+async def result_chunk(
+    ctx: Context, principal: Principal, body: dict[str, Any]
+) -> tuple[int, dict[str, Any]]:
+    invocation_id = http.ulid_field(body, "invocation_id")
+    assert invocation_id is not None
+    seq = field(body, "seq", int)
+    if seq < 0:
+        raise HTTPError(400, f"field 'seq' must be >= 0, got {seq}")
+    data = field(body, "bytes", bytes)
+    final = field(body, "final", bool, default=False)
+    attempt = _optional_int(body, "attempt")
+    inside = _frame_seq(data)
+    if inside != seq:
+        raise HTTPError(
+            400,
+            f"the frame's own seq {inside} differs from the body's seq {seq}: "
+            "send the frame with the seq it was encoded with",
+        )
+    if attempt is None and await ctx.call(ctx.store.get, invocation_id) is None:
+        raise HTTPError(404, f"unknown invocation '{invocation_id}'", ok=False)
+    result = await ctx.call(ctx.store.append_frame, invocation_id, seq, data, final, attempt=attempt)
+    if not result.ok:
+        reason = result.reason or "frame refused"
+        if reason.startswith("unknown"):
+            raise HTTPError(404, reason, ok=False)
+        return 409, {"ok": False, "error": reason}
+    ctx.metrics.chunks.labels(duplicate=str(result.duplicate).lower()).inc()
+    if result.duplicate:
+        return 200, {"ok": True, "seq": seq, "duplicate": True}
+    ctx.wake.notify(f"inv:{invocation_id}")
+    if ctx.fanout is not None:
+        try:
+            await ctx.fanout.publish(invocation_id, seq, data, final)
+        except Exception:
+            log.warning(
+                "live publish of %s seq %d failed; followers catch up from the journal",
+                invocation_id,
+                seq,
+                exc_info=True,
+            )
+    return 200, {"ok": True, "seq": seq}
+
+
+async def heartbeat(ctx: Context, principal: Principal, body: dict[str, Any]) -> dict[str, Any]:
+    worker_id = _worker(body)
+    running = field(body, "running", list, default=[])
+    pairs: list[tuple[str, int]] = []
+    for item in running:
+        if not isinstance(item, dict):
+            raise HTTPError(400, "field 'running' must list maps {invocation_id, attempt}")
+        inv_id = http.ulid(item.get("invocation_id"), "invocation_id")
+        attempt = item.get("attempt")
+        if isinstance(attempt, bool) or not isinstance(attempt, int):
+            raise HTTPError(400, f"running[].attempt of {inv_id} must be an integer")
+        pairs.append((inv_id, attempt))
+    field(body, "free_slots", int, default=0)
+    commands, lost = await ctx.call(ctx.store.heartbeat, worker_id, pairs, ctx.config.lease_s)
+    out = {
+        "ok": True,
+        "lease_s": ctx.config.lease_s,
+        "commands": [command_dict(c) for c in commands],
+        "lost": lost,
+    }
+    return await _pinned(ctx, principal, worker_id, out)

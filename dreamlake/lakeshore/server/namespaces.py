@@ -1,0 +1,181 @@
+"""Namespace routes (JSON, seed 003): exec jobs, their results, payload presign, version pin."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import time
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from dreamlake.lakeshore.server import http
+from dreamlake.lakeshore.server.context import Context
+from dreamlake.lakeshore.server.http import HTTPError, field
+
+log = logging.getLogger(__name__)
+
+PAYLOAD_PREFIX = "payloads/"
+
+
+def _b64(value: Any, what: str) -> bytes:
+    if not isinstance(value, str):
+        raise HTTPError(400, f"field '{what}' must be a base64 string, got {type(value).__name__}")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise HTTPError(
+            400,
+            f"field '{what}' is not valid base64: encode the payload bytes with "
+            "standard base64 (A-Z a-z 0-9 + /, '=' padding)",
+        ) from None
+
+
+def _payload_ref(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise HTTPError(400, "field 'payloadRef' must be an object {bucket, key, size, sha256?}")
+    key = value.get("key")
+    if not isinstance(key, str) or not key.startswith(PAYLOAD_PREFIX):
+        raise HTTPError(
+            400,
+            f"payloadRef.key {str(key)[:80]!r} is outside 'payloads/': upload through "
+            "POST /v1/namespaces/:ns/payloads/presign and pass the key it returns",
+        )
+    segments = key.split("/")
+    if any(seg in ("", ".", "..") for seg in segments[1:]) or "\\" in key or len(key) > 1024:
+        raise HTTPError(400, f"payloadRef.key {key[:80]!r} is not a minted payload key")
+    field(value, "bucket", str)
+    size = field(value, "size", int)
+    if size < 0:
+        raise HTTPError(400, "payloadRef.size must be >= 0")
+    sha = field(value, "sha256", str, default=None, nullable=True)
+    if sha is not None and (len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha)):
+        raise HTTPError(400, "payloadRef.sha256 must be 64 lower-case hex characters")
+    return dict(value)
+
+
+async def exec_(ctx: Context, namespace: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    command = field(body, "command", str)
+    if not command:
+        raise HTTPError(400, "field 'command' must not be empty")
+    inline_raw = body.get("payloadInline")
+    ref_raw = body.get("payloadRef")
+    if inline_raw is not None and ref_raw is not None:
+        raise HTTPError(
+            400,
+            "payloadInline and payloadRef are mutually exclusive: send one "
+            "(payloadRef for payloads over the inline threshold)",
+        )
+    inline = _b64(inline_raw, "payloadInline") if inline_raw is not None else None
+    ref = _payload_ref(ref_raw) if ref_raw is not None else None
+    queue = http.name(field(body, "queue", str, default="default"), "queue")
+    worker_id = http.ulid_field(body, "worker_id", optional=True)
+    timeout_s = field(body, "timeout_s", (int, float), default=None, nullable=True)
+    if timeout_s is not None and not (0 < timeout_s < 1e9):
+        raise HTTPError(400, "field 'timeout_s' must be a positive number of seconds")
+    exec_id = await ctx.call(
+        ctx.store.create_exec,
+        namespace,
+        command,
+        payload_inline=inline,
+        payload_ref=ref,
+        queue=queue,
+        worker_id=worker_id,
+        timeout_s=float(timeout_s) if timeout_s is not None else None,
+    )
+    ctx.wake.notify(f"exec:{queue}")
+    log.info("exec %s queued on %s in namespace %s", exec_id, queue, namespace)
+    return 202, {"exec_id": exec_id, "worker_id": worker_id}
+
+
+def _done(job: dict[str, Any]) -> dict[str, Any]:
+    result = job.get("result") or {}
+    return {
+        "exec_id": job["exec_id"],
+        "state": "done",
+        "exit_code": result.get("exit_code"),
+        "stdout": result.get("stdout", ""),
+        "stderr": result.get("stderr", ""),
+        "resultInline": result.get("resultInline"),
+        "resultRef": result.get("resultRef"),
+    }
+
+
+async def result_get(ctx: Context, namespace: str, exec_id: str, wait: float) -> tuple[int, dict[str, Any]]:
+    deadline = time.monotonic() + wait
+    while True:
+        mark = ctx.wake.mark()
+        job = await ctx.call(ctx.store.get_exec, namespace, exec_id)
+        if job is None:
+            raise HTTPError(404, f"unknown exec job '{exec_id}' in namespace '{namespace}'")
+        if job.get("state") == "done":
+            return 200, _done(job)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return 202, {"exec_id": exec_id, "state": "pending"}
+        await ctx.wake.wait([f"exec:{exec_id}"], min(remaining, ctx.config.recheck_s), since=mark)
+
+
+async def result_post(ctx: Context, namespace: str, exec_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    exit_code = field(body, "exit_code", int)
+    result: dict[str, Any] = {
+        "exit_code": exit_code,
+        "stdout": field(body, "stdout", str, default=""),
+        "stderr": field(body, "stderr", str, default=""),
+    }
+    inline = body.get("resultInline")
+    if inline is not None:
+        _b64(inline, "resultInline")
+        result["resultInline"] = inline
+    ref = body.get("resultRef")
+    if ref is not None:
+        result["resultRef"] = _payload_ref(ref)
+    if not await ctx.call(ctx.store.publish_exec_result, namespace, exec_id, result):
+        raise HTTPError(404, f"unknown exec job '{exec_id}' in namespace '{namespace}'")
+    ctx.wake.notify(f"exec:{exec_id}")
+    return {"ok": True}
+
+
+async def presign(ctx: Context, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+    if ctx.payloads is None:
+        raise HTTPError(
+            501,
+            "payload store not configured: set LAKESHORE_BLOBS_BUCKET (and "
+            "LAKESHORE_S3_ENDPOINT / credentials) on the control plane, or send payloads "
+            "inline (payloadInline)",
+        )
+    op = field(body, "op", str)
+    try:
+        if op == "put":
+            size = field(body, "size", int)
+            content_type = field(body, "contentType", str, default=None, nullable=True)
+            job_id = field(body, "jobId", str, default=None, nullable=True)
+            kind = field(body, "kind", str, default="args")
+            answer = await run_in_threadpool(
+                ctx.payloads.presign_put, namespace, size, content_type, job_id, kind
+            )
+        elif op == "get":
+            key = field(body, "key", str)
+            answer = await run_in_threadpool(ctx.payloads.presign_get, key)
+        else:
+            raise HTTPError(400, f"field 'op' must be 'put' or 'get', got {op[:20]!r}")
+    except HTTPError:
+        raise
+    except Exception as exc:
+        status = getattr(exc, "status", None)
+        if isinstance(status, int) and 400 <= status < 500:
+            raise HTTPError(status, str(getattr(exc, "message", exc))) from None
+        raise
+    return dict(answer)
+
+
+async def pin(ctx: Context, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+    if "nymph_version" not in body:
+        raise HTTPError(400, "missing field 'nymph_version' (a version string, or null to clear the pin)")
+    version = field(body, "nymph_version", str, default=None, nullable=True)
+    if (version is not None and not (0 < len(version) <= 64)) or (version and not version.isprintable()):
+        raise HTTPError(400, "field 'nymph_version' must be a short version string such as '0.1.4', or null")
+    await ctx.call(ctx.store.pin_version, namespace, version)
+    log.info("namespace %s pinned to nymph %s", namespace, version)
+    return {"namespace": namespace, "nymph_version": version}

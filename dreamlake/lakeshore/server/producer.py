@@ -1,0 +1,133 @@
+"""Producer routes (msgpack): submit, await, status, cancel and topic posts.
+
+The result and topic streams live in ``server.streams``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from starlette.requests import Request
+
+from dreamlake.lakeshore.server import http
+from dreamlake.lakeshore.server.context import Context
+from dreamlake.lakeshore.server.http import HTTPError, field
+from dreamlake.lakeshore.store.api import TERMINAL_STATES, Invocation, Principal, SubmitRequest
+
+log = logging.getLogger(__name__)
+
+
+async def submit(ctx: Context, principal: Principal, body: dict[str, Any]) -> dict[str, Any]:
+    invocation_id = http.ulid_field(body, "invocation_id")
+    assert invocation_id is not None
+    run_config = field(body, "run_config", dict, default={})
+    queue = body.get("queue")
+    if queue is None:
+        queue = run_config.get("queue") or "default"
+    queue = http.name(queue, "queue")
+    function = field(body, "function", dict)
+    args_blob = field(body, "args_blob", bytes)
+    code_context = field(body, "code_context", dict, default={})
+    parent = http.ulid_field(body, "parent_invocation_id", optional=True)
+    for key in run_config:
+        if not isinstance(key, str):
+            raise HTTPError(400, "run_config keys must be strings")
+    req = SubmitRequest(
+        invocation_id=invocation_id,
+        queue=queue,
+        function=function,
+        args_blob=args_blob,
+        run_config=dict(run_config),
+        code_context=code_context,
+        parent_invocation_id=parent,
+        namespace=principal.namespace or "default",
+    )
+    result = await ctx.call(ctx.store.submit, req)
+    ctx.metrics.submits.labels(duplicate=str(result.duplicate).lower()).inc()
+    ctx.wake.notify(f"queue:{result.queue}")
+    log.debug("submitted %s to queue %s (duplicate=%s)", result.invocation_id, result.queue, result.duplicate)
+    out: dict[str, Any] = {"invocation_id": result.invocation_id, "queue": result.queue}
+    if result.duplicate:
+        out["duplicate"] = True
+    return out
+
+
+def outcome(inv: Invocation) -> dict[str, Any]:
+    return {"state": inv.state, "result_blob": inv.result_blob, "error": inv.error}
+
+
+async def wait_terminal(ctx: Context, invocation_id: str, timeout: float) -> Invocation | None:
+    """The invocation once terminal, or as it stands after ``timeout``; None when unknown."""
+    deadline = time.monotonic() + timeout
+    while True:
+        mark = ctx.wake.mark()
+        inv = await ctx.call(ctx.store.get, invocation_id)
+        if inv is None or inv.state in TERMINAL_STATES:
+            return inv
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return inv
+        await ctx.wake.wait([f"inv:{invocation_id}"], min(remaining, ctx.config.recheck_s), since=mark)
+
+
+async def await_(ctx: Context, principal: Principal, body: dict[str, Any]) -> dict[str, Any]:
+    invocation_id = http.ulid_field(body, "invocation_id")
+    assert invocation_id is not None
+    timeout = http.number(body, "timeout_s", ctx.config.await_default_s, lo=0.0, hi=ctx.config.await_max_s)
+    inv = await wait_terminal(ctx, invocation_id, timeout)
+    if inv is None:
+        raise HTTPError(404, f"unknown invocation '{invocation_id}'")
+    if inv.state not in TERMINAL_STATES:
+        return {"state": "pending"}
+    return outcome(inv)
+
+
+def describe(inv: Invocation) -> dict[str, Any]:
+    return {
+        "invocation_id": inv.invocation_id,
+        "state": inv.state,
+        "queue": inv.queue,
+        "priority": inv.priority,
+        "attempt": inv.attempt,
+        "max_attempts": inv.max_attempts,
+        "worker_id": inv.worker_id,
+        "submitted_at": inv.submitted_at,
+        "started_at": inv.started_at,
+        "finished_at": inv.finished_at,
+        "error": inv.error,
+        "parent_invocation_id": inv.parent_invocation_id,
+        "root_invocation_id": inv.root_invocation_id,
+    }
+
+
+async def status(ctx: Context, invocation_id: str) -> dict[str, Any]:
+    inv = await ctx.call(ctx.store.get, invocation_id)
+    if inv is None:
+        raise HTTPError(404, f"unknown invocation '{invocation_id}'")
+    return describe(inv)
+
+
+async def cancel(ctx: Context, invocation_id: str) -> dict[str, Any]:
+    state = await ctx.call(ctx.store.cancel, invocation_id)
+    if state is None:
+        raise HTTPError(404, f"unknown invocation '{invocation_id}'")
+    ctx.wake.notify(f"inv:{invocation_id}")
+    if ctx.wake.own and state == "running":
+        inv = await ctx.call(ctx.store.get, invocation_id)
+        if inv is not None and inv.worker_id:
+            ctx.wake.notify(f"worker:{inv.worker_id}")
+    return {"invocation_id": invocation_id, "state": state}
+
+
+async def topic_post(ctx: Context, topic: str, body: dict[str, Any]) -> dict[str, Any]:
+    payload = field(body, "body", bytes)
+    final = field(body, "final", bool, default=False)
+    seq = await ctx.call(ctx.store.topic_post, topic, payload, final)
+    ctx.wake.notify(f"topic:{topic}")
+    return {"seq": seq}
+
+
+def request_id(request: Request, key: str, what: str) -> str:
+    return http.ulid(request.path_params[key], what)

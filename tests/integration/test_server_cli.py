@@ -1,0 +1,112 @@
+"""``lakeshore server`` as a real process: first-start tokens, tokens.json, and the admin commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import msgpack
+from click.testing import CliRunner
+
+from dreamlake.lakeshore.cli import main
+from dreamlake.lakeshore.store import open_store
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_server_first_start_mints_tokens_and_serves(tmp_path: Path) -> None:
+    port = _free_port()
+    data = tmp_path / "data"
+    env = {**os.environ, "LAKESHORE_DATA_DIR": str(data)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dreamlake.lakeshore.cli", "server", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        lines: list[str] = []
+        assert proc.stdout is not None
+        while not any("nymph start" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line, "server exited: " + "".join(lines)
+            lines.append(line)
+        tokens = json.loads((data / "tokens.json").read_text())
+        assert stat.S_IMODE((data / "tokens.json").stat().st_mode) == 0o600
+        assert set(tokens) == {"admin", "daemon"}
+        start = next(line for line in lines if "nymph start" in line).split()
+        assert start == [
+            "nymph",
+            "start",
+            "--server",
+            f"http://127.0.0.1:{port}",
+            "--token",
+            tokens["daemon"],
+            "--runner",
+            "process",
+            "--queue",
+            "default",
+        ]
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                assert httpx.get(url + "/healthz").json() == {"ok": True, "store": "sqlite"}
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        r = httpx.post(
+            url + "/v1/daemon/poll",
+            headers={"Authorization": f"Bearer {tokens['daemon']}"},
+            content=msgpack.packb(
+                {"worker_id": "01ARZ3NDEKTSV4RRFFQ69G5FAV", "queues": ["default"], "timeout_s": 0}
+            ),
+        )
+        assert r.status_code == 200 and msgpack.unpackb(r.content) == {"commands": []}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    store = open_store(data / "lakeshore.db")
+    try:
+        assert store.count_tokens() == 2  # a second start mints nothing more
+    finally:
+        store.close()
+
+
+def test_token_create_and_namespace_pin(tmp_path: Path) -> None:
+    runner = CliRunner()
+    args = ["--data-dir", str(tmp_path)]
+    result = runner.invoke(
+        main, ["token", "create", "--kind", "namespace", "--name", "ci", "--namespace", "ns1", *args]
+    )
+    assert result.exit_code == 0, result.output
+    secret = result.output.strip()
+    assert secret.startswith("lsk_")
+    result = runner.invoke(main, ["token", "create", "--kind", "namespace", "--name", "x", *args])
+    assert result.exit_code != 0 and "--namespace" in result.output
+    result = runner.invoke(main, ["namespace", "pin", "ns1", "0.2.0", *args])
+    assert result.exit_code == 0 and "0.2.0" in result.output
+    store = open_store(tmp_path / "lakeshore.db")
+    try:
+        principal = store.verify_token(secret)
+        assert principal is not None and principal.kind == "namespace" and principal.namespace == "ns1"
+        assert store.pinned_version("ns1") == "0.2.0"
+    finally:
+        store.close()
+    result = runner.invoke(main, ["namespace", "pin", "ns1", "--clear", *args])
+    assert result.exit_code == 0
+    result = runner.invoke(main, ["namespace", "pin", "ns1", *args])
+    assert result.exit_code != 0

@@ -1,0 +1,265 @@
+"""Daemon routes over real HTTP: register, poll (long poll, concurrency), ack, result-chunk, heartbeat."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import msgpack
+import pytest
+
+from dreamlake.lakeshore import wire
+from dreamlake.lakeshore.ids import new_ulid
+from dreamlake.lakeshore.server.config import ServerConfig
+from tests.integration.conftest import ControlPlane, running_control_plane
+
+
+def poll(
+    cp: ControlPlane, worker: str, queues: list[str] | None = None, timeout_s: float = 2, limit: int = 1
+) -> dict[str, Any]:
+    status, out = cp.daemon(
+        "/v1/daemon/poll",
+        {
+            "worker_id": worker,
+            "queues": queues or ["default"],
+            "max": limit,
+            "timeout_s": timeout_s,
+            "version": "0.1.0",
+        },
+    )
+    assert status == 200, out
+    return out  # type: ignore[no-any-return]
+
+
+def frame(seq: int, kind: int = wire.FRAME_VALUE) -> bytes:
+    return wire.encode_frame(kind, seq, wire.pack(seq), {"ts": 0.0})
+
+
+def test_register_answers_lease_and_heartbeat(control_plane: ControlPlane) -> None:
+    worker = new_ulid()
+    status, out = control_plane.daemon(
+        "/v1/daemon/register",
+        {
+            "worker_id": worker,
+            "hostname": "h1",
+            "version": "0.1.0",
+            "runner": "process",
+            "queues": ["default", "gpu"],
+            "labels": {"zone": "a"},
+            "slots": 2,
+        },
+    )
+    assert (status, out) == (200, {"worker_id": worker, "lease_s": 30.0, "heartbeat_s": 10.0})
+
+
+def test_run_command_body_is_exact(control_plane: ControlPlane) -> None:
+    parent = control_plane.submit("other")
+    inv = control_plane.submit(
+        "render",
+        run_config={
+            "prefix": "scenes/0007",
+            "script": "echo hi",
+            "as_user": "alice",
+            "timeout_s": 5,
+            "custom": [1],
+        },
+        args_blob=b"ENVELOPE",
+        parent_invocation_id=parent,
+    )
+    out = poll(control_plane, new_ulid(), ["render"])
+    assert "target_nymph_version" not in out
+    (cmd,) = out["commands"]
+    assert cmd["kind"] == "run" and len(cmd["id"]) == 26
+    assert cmd["body"] == {
+        "invocation_id": inv,
+        "function": {"module": "_native_wire", "qualname": "_native_wire.envelope", "version": "v1"},
+        "args_blob": b"ENVELOPE",
+        "run_config": {
+            "queue": "render",
+            "priority": 0.0,
+            "key": None,
+            "prefix": "scenes/0007",
+            "script": "echo hi",
+            "as_user": "alice",
+            "timeout_s": 5,
+            "custom": [1],
+        },
+        "prefix": "scenes/0007",
+        "attempt": 1,
+        "parent_invocation_id": parent,
+        "root_invocation_id": parent,
+        "script": "echo hi",
+        "as_user": "alice",
+        "timeout_s": 5,
+    }
+    plain = control_plane.submit("plain")
+    (cmd,) = poll(control_plane, new_ulid(), ["plain"])["commands"]
+    assert set(cmd["body"]) == {"invocation_id", "function", "args_blob", "run_config", "attempt"}
+    assert cmd["body"]["invocation_id"] == plain
+
+
+def test_poll_times_out_empty_and_claims_best_first(control_plane: ControlPlane) -> None:
+    worker = new_ulid()
+    assert poll(control_plane, worker, timeout_s=0.2) == {"commands": []}
+    low = control_plane.submit(run_config={"priority": 0})
+    high = control_plane.submit(run_config={"priority": 5})
+    out = poll(control_plane, worker, limit=5)
+    assert [c["body"]["invocation_id"] for c in out["commands"]] == [high, low]
+
+
+def test_waiting_poll_gets_job_submitted_after_it_started(control_plane: ControlPlane) -> None:
+    result: dict[str, Any] = {}
+    t = threading.Thread(
+        target=lambda: result.update(poll(control_plane, new_ulid(), ["late"], timeout_s=20))
+    )
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive()
+    inv = control_plane.submit("late")
+    t.join(20)
+    assert [c["body"]["invocation_id"] for c in result["commands"]] == [inv]
+
+
+def test_concurrent_pollers_never_share_an_invocation(control_plane: ControlPlane) -> None:
+    submitted = {control_plane.submit("race") for _ in range(24)}
+
+    def drain(_: int) -> list[str]:
+        worker = new_ulid()
+        got: list[str] = []
+        with httpx.Client(
+            base_url=control_plane.url,
+            timeout=30,
+            headers={"Authorization": f"Bearer {control_plane.daemon_token}"},
+        ) as c:
+            while True:
+                body = {"worker_id": worker, "queues": ["race"], "max": 2, "timeout_s": 0}
+                r = c.post("/v1/daemon/poll", content=msgpack.packb(body))
+                cmds = msgpack.unpackb(r.content)["commands"]
+                if not cmds:
+                    return got
+                got.extend(cmd["body"]["invocation_id"] for cmd in cmds)
+
+    with ThreadPoolExecutor(8) as pool:
+        claims = [i for got in pool.map(drain, range(8)) for i in got]
+    assert len(claims) == len(set(claims)) == len(submitted)
+    assert set(claims) == submitted
+
+
+def test_ack_bare_string_error_becomes_daemon_error(control_plane: ControlPlane) -> None:
+    inv = control_plane.submit()
+    poll(control_plane, new_ulid())
+    status, out = control_plane.daemon(
+        "/v1/daemon/ack",
+        {"invocation_id": inv, "state": "failed", "result_blob": b"", "error": "runner crashed"},
+    )
+    assert (status, out) == (200, {"ok": True})
+    _, row = control_plane.producer(f"/v1/producer/invocations/{inv}", None, method="GET")
+    assert row["state"] == "failed"
+    assert row["error"] == {"type": "DaemonError", "message": "runner crashed"}
+    assert row["finished_at"] is not None
+    status, out = control_plane.daemon(
+        "/v1/daemon/ack",
+        {"invocation_id": inv, "state": "failed", "result_blob": b"", "error": "runner crashed"},
+    )
+    assert (status, out) == (200, {"ok": True, "duplicate": True})
+
+
+def test_ack_superseded_is_409_and_unknown_404(control_plane: ControlPlane) -> None:
+    inv = control_plane.submit()
+    poll(control_plane, new_ulid())
+    status, out = control_plane.daemon(
+        "/v1/daemon/ack", {"invocation_id": inv, "state": "succeeded", "result_blob": b"x", "attempt": 7}
+    )
+    assert status == 409 and out["ok"] is False and "superseded" in out["error"]
+    status, out = control_plane.daemon("/v1/daemon/ack", {"invocation_id": new_ulid(), "state": "succeeded"})
+    assert status == 404
+    status, out = control_plane.daemon("/v1/daemon/ack", {"invocation_id": inv, "state": "running"})
+    assert status == 400 and "cannot ack state" in out["error"]
+
+
+class RecordingFanout:
+    """Counts live publishes (the seam the result-chunk route publishes through)."""
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, int, bool]] = []
+
+    async def publish(self, owner_id: str, seq: int, data: bytes, final: bool) -> None:
+        self.published.append((owner_id, seq, final))
+
+
+def test_result_chunk_journals_once_and_publishes_once(tmp_path: Any) -> None:
+    fanout = RecordingFanout()
+    with running_control_plane(str(tmp_path / "s.db"), fanout=fanout) as cp:
+        inv = cp.submit()
+        poll(cp, new_ulid())
+        body = {"invocation_id": inv, "seq": 0, "bytes": frame(0), "final": False, "attempt": 1}
+        assert cp.daemon("/v1/daemon/result-chunk", body) == (200, {"ok": True, "seq": 0})
+        assert cp.daemon("/v1/daemon/result-chunk", body) == (200, {"ok": True, "seq": 0, "duplicate": True})
+        assert fanout.published == [(inv, 0, False)]
+        assert [f.seq for f in cp.store.read_frames(inv)] == [0]
+        bad = {**body, "seq": 1}  # the frame inside still says seq 0
+        status, out = cp.daemon("/v1/daemon/result-chunk", bad)
+        assert status == 400 and "seq" in out["error"]
+        status, out = cp.daemon("/v1/daemon/result-chunk", {**body, "seq": 1, "bytes": b"\xc1garbage"})
+        assert status == 400
+        stale = {**body, "seq": 1, "bytes": frame(1), "attempt": 9}
+        status, out = cp.daemon("/v1/daemon/result-chunk", stale)
+        assert status == 409 and out["ok"] is False
+        assert fanout.published == [(inv, 0, False)]
+
+
+def test_result_chunk_for_unknown_invocation_is_404(control_plane: ControlPlane) -> None:
+    status, _ = control_plane.daemon(
+        "/v1/daemon/result-chunk", {"invocation_id": new_ulid(), "seq": 0, "bytes": frame(0), "final": False}
+    )
+    assert status == 404
+
+
+def test_heartbeat_reports_lost_and_pin(control_plane: ControlPlane) -> None:
+    worker = new_ulid()
+    control_plane.daemon(
+        "/v1/daemon/register", {"worker_id": worker, "queues": ["default"], "namespace": "team-a"}
+    )
+    inv = control_plane.submit()
+    poll(control_plane, worker)
+    gone = new_ulid()
+    status, out = control_plane.daemon(
+        "/v1/daemon/heartbeat",
+        {
+            "worker_id": worker,
+            "free_slots": 0,
+            "running": [{"invocation_id": inv, "attempt": 1}, {"invocation_id": gone, "attempt": 1}],
+        },
+    )
+    assert status == 200
+    assert out == {"ok": True, "lease_s": 30.0, "commands": [], "lost": [gone]}
+    status, _ = control_plane.json(
+        "PUT", "/v1/namespaces/team-a/pin", {"nymph_version": "0.1.4"}, control_plane.admin_token
+    )
+    assert status == 200
+    _, out = control_plane.daemon("/v1/daemon/heartbeat", {"worker_id": worker, "running": []})
+    assert out["target_nymph_version"] == "0.1.4"
+    assert poll(control_plane, worker, timeout_s=0)["target_nymph_version"] == "0.1.4"
+    other = new_ulid()
+    assert "target_nymph_version" not in poll(control_plane, other, timeout_s=0)
+
+
+@pytest.mark.parametrize("lease_s", [0.4])
+def test_lapsed_lease_requeues_then_fails(tmp_path: Any, lease_s: float) -> None:
+    config = ServerConfig(lease_s=lease_s, expire_every_s=0.1, recheck_s=0.2)
+    with running_control_plane(str(tmp_path / "s.db"), config=config) as cp:
+        inv = cp.submit(run_config={"max_attempts": 2})
+        first = new_ulid()
+        (cmd,) = poll(cp, first)["commands"]
+        assert cmd["body"]["attempt"] == 1
+        (cmd,) = poll(cp, new_ulid(), timeout_s=10)["commands"]  # wakes when the lease lapses
+        assert cmd["body"]["invocation_id"] == inv and cmd["body"]["attempt"] == 2
+        status, out = cp.daemon(
+            "/v1/daemon/ack", {"invocation_id": inv, "state": "succeeded", "attempt": 1, "worker_id": first}
+        )
+        assert status == 409
+        status, out = cp.producer("/v1/producer/await", {"invocation_id": inv, "timeout_s": 10})
+        assert out["state"] == "failed" and out["error"]["type"] == "LeaseExpired"

@@ -1,0 +1,184 @@
+"""Namespace routes (JSON, seed 003) over real HTTP: exec, job results, presign, pin."""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from dreamlake.lakeshore.ids import new_ulid
+from dreamlake.lakeshore.server.payloads import PayloadConfig, PayloadStore
+from tests.integration.conftest import ControlPlane, running_control_plane
+
+
+@pytest.fixture
+def ns_token(sqlite_control_plane: ControlPlane) -> str:
+    return sqlite_control_plane.store.create_token("namespace", "ns-a", "ns-a")
+
+
+def _poll_exec(cp: ControlPlane, worker: str, queue: str = "default") -> dict[str, Any]:
+    status, out = cp.daemon("/v1/daemon/poll", {"worker_id": worker, "queues": [queue], "timeout_s": 2})
+    assert status == 200
+    (cmd,) = out["commands"]
+    return cmd  # type: ignore[no-any-return]
+
+
+def test_exec_inline_round_trip(sqlite_control_plane: ControlPlane, ns_token: str) -> None:
+    cp = sqlite_control_plane
+    payload = b"\x00\x01binary"
+    status, out = cp.json(
+        "POST",
+        "/v1/namespaces/ns-a/exec",
+        {"command": "cat", "payloadInline": base64.b64encode(payload).decode()},
+        ns_token,
+    )
+    assert status == 202 and set(out) == {"exec_id", "worker_id"} and out["worker_id"] is None
+    exec_id = out["exec_id"]
+    status, out = cp.json("GET", f"/v1/namespaces/ns-a/jobs/{exec_id}/result?wait=0.2", None, ns_token)
+    assert (status, out) == (202, {"exec_id": exec_id, "state": "pending"})
+    cmd = _poll_exec(cp, new_ulid())
+    assert cmd["kind"] == "exec"
+    assert cmd["body"] == {
+        "exec_id": exec_id,
+        "namespace": "ns-a",
+        "command": "cat",
+        "payload_inline": payload,
+        "payload_ref": None,
+        "timeout_s": None,
+    }
+    answer: dict[str, Any] = {}
+    t = threading.Thread(
+        target=lambda: answer.update(
+            r=cp.json("GET", f"/v1/namespaces/ns-a/jobs/{exec_id}/result?wait=20", None, ns_token)
+        )
+    )
+    t.start()
+    time.sleep(0.2)
+    status, out = cp.json(
+        "POST",
+        f"/v1/namespaces/ns-a/jobs/{exec_id}/result",
+        {"exit_code": 0, "stdout": "ok\n", "stderr": ""},
+        cp.daemon_token,
+    )
+    assert (status, out) == (200, {"ok": True})
+    t.join(20)
+    assert answer["r"] == (
+        200,
+        {
+            "exec_id": exec_id,
+            "state": "done",
+            "exit_code": 0,
+            "stdout": "ok\n",
+            "stderr": "",
+            "resultInline": None,
+            "resultRef": None,
+        },
+    )
+
+
+def test_exec_with_payload_ref_and_target_worker(sqlite_control_plane: ControlPlane, ns_token: str) -> None:
+    cp = sqlite_control_plane
+    worker = new_ulid()
+    ref = {"bucket": "b", "key": "payloads/2026/01/02/" + new_ulid() + "/args", "size": 10}
+    status, out = cp.json(
+        "POST",
+        "/v1/namespaces/ns-a/exec",
+        {"command": "run", "payloadRef": ref, "queue": "batch", "worker_id": worker, "timeout_s": 30},
+        ns_token,
+    )
+    assert status == 202 and out["worker_id"] == worker
+    cmd = _poll_exec(cp, worker, "batch")
+    assert cmd["body"]["payload_ref"] == ref and cmd["body"]["timeout_s"] == 30
+
+
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        ({"command": "x", "payloadInline": "@@not base64@@"}, "base64"),
+        (
+            {
+                "command": "x",
+                "payloadInline": "AA==",
+                "payloadRef": {"bucket": "b", "key": "payloads/k", "size": 1},
+            },
+            "mutually exclusive",
+        ),
+        ({"command": "x", "payloadRef": {"bucket": "b", "key": "exec/2026/out", "size": 1}}, "payloads/"),
+        (
+            {"command": "x", "payloadRef": {"bucket": "b", "key": "payloads/../exec/x", "size": 1}},
+            "payload key",
+        ),
+        ({"payloadInline": "AA=="}, "missing field 'command'"),
+        ({"command": "x", "worker_id": "nope"}, "ULID"),
+    ],
+)
+def test_exec_refuses_bad_bodies(
+    sqlite_control_plane: ControlPlane, ns_token: str, body: Any, needle: str
+) -> None:
+    status, out = sqlite_control_plane.json("POST", "/v1/namespaces/ns-a/exec", body, ns_token)
+    assert status == 400 and needle in out["error"]
+
+
+def test_unknown_job_is_404_and_bad_json_400(sqlite_control_plane: ControlPlane, ns_token: str) -> None:
+    cp = sqlite_control_plane
+    status, _ = cp.json("GET", f"/v1/namespaces/ns-a/jobs/{new_ulid()}/result", None, ns_token)
+    assert status == 404
+    status, _ = cp.json(
+        "POST", f"/v1/namespaces/ns-a/jobs/{new_ulid()}/result", {"exit_code": 0}, cp.daemon_token
+    )
+    assert status == 404
+    status, out = cp.json("POST", "/v1/namespaces/ns-a/exec", None, ns_token, raw=b"{not json")
+    assert status == 400 and "JSON" in out["error"]
+
+
+def test_presign_without_bucket_is_501(sqlite_control_plane: ControlPlane, ns_token: str) -> None:
+    status, out = sqlite_control_plane.json(
+        "POST", "/v1/namespaces/ns-a/payloads/presign", {"op": "put", "size": 10}, ns_token
+    )
+    assert status == 501 and out["error"].startswith("payload store not configured")
+
+
+def test_presign_delegates_to_payload_store(tmp_path: Any) -> None:
+    config = PayloadConfig(
+        bucket="lake", endpoint="http://127.0.0.1:9", access_key="ak", secret_key="sk", max_payload_bytes=1000
+    )
+    with running_control_plane(str(tmp_path / "s.db"), payloads=PayloadStore(config)) as cp:
+        job = new_ulid()
+        status, out = cp.json(
+            "POST",
+            "/v1/namespaces/ns-a/payloads/presign",
+            {"op": "put", "size": 10, "jobId": job, "kind": "args"},
+            cp.daemon_token,
+        )
+        assert status == 200 and set(out) == {"url", "bucket", "key", "expires_at"}
+        assert (
+            out["bucket"] == "lake"
+            and out["key"].startswith("payloads/")
+            and out["key"].endswith(f"/{job}/args")
+        )
+        status, out = cp.json(
+            "POST", "/v1/namespaces/ns-a/payloads/presign", {"op": "put", "size": 1001}, cp.admin_token
+        )
+        assert status == 413
+        status, out = cp.json(
+            "POST", "/v1/namespaces/ns-a/payloads/presign", {"op": "get", "key": "exec/x"}, cp.admin_token
+        )
+        assert status == 400
+        status, out = cp.json(
+            "POST", "/v1/namespaces/ns-a/payloads/presign", {"op": "delete"}, cp.admin_token
+        )
+        assert status == 400
+
+
+def test_pin_sets_and_clears(sqlite_control_plane: ControlPlane) -> None:
+    cp = sqlite_control_plane
+    status, out = cp.json("PUT", "/v1/namespaces/ns-a/pin", {"nymph_version": "0.1.4"}, cp.admin_token)
+    assert (status, out) == (200, {"namespace": "ns-a", "nymph_version": "0.1.4"})
+    assert cp.store.pinned_version("ns-a") == "0.1.4"
+    status, _ = cp.json("PUT", "/v1/namespaces/ns-a/pin", {"nymph_version": None}, cp.admin_token)
+    assert status == 200 and cp.store.pinned_version("ns-a") is None
+    status, _ = cp.json("PUT", "/v1/namespaces/ns-a/pin", {"nymph_version": 3}, cp.admin_token)
+    assert status == 400
