@@ -27,7 +27,6 @@ from dreamlake.lakeshore.server.fanout import (
 if TYPE_CHECKING:
     from tests.integration.redis_fixture import RedisServer
 
-pytest_plugins = ["tests.integration.redis_fixture"]
 
 Factory = Callable[[], Fanout]
 

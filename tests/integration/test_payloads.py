@@ -29,7 +29,6 @@ from dreamlake.lakeshore.server.payloads import (
 if TYPE_CHECKING:
     from tests.integration.s3_fixture import S3Service
 
-pytest_plugins = ["tests.integration.s3_fixture"]
 pytestmark = pytest.mark.s3
 
 
