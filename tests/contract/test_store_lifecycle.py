@@ -19,7 +19,7 @@ from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.store import open_store, schema
 from dreamlake.lakeshore.store.api import SubmitRequest
-from dreamlake.lakeshore.store.engine import normalize_url
+from dreamlake.lakeshore.store.engine import HEAD_REVISION, MIGRATIONS_DIR, normalize_url
 from dreamlake.lakeshore.store.notify import Notifier
 from dreamlake.lakeshore.store.sql import SqlStore
 from tests.contract.conftest import pg_database
@@ -58,6 +58,36 @@ def test_migrations_match_schema_and_reopen_is_idempotent(store_url: str) -> Non
     finally:
         first.close()
         second.close()
+
+
+def test_head_revision_in_code_is_alembics_head() -> None:
+    """open_store skips Alembic when alembic_version says HEAD_REVISION: it must be the real head."""
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    assert ScriptDirectory.from_config(cfg).get_heads() == [HEAD_REVISION]
+
+
+def test_reopen_below_head_still_upgrades(tmp_path: Path) -> None:
+    """The fast path skips Alembic only at head: a file at base (no revision row) is upgraded."""
+    path = tmp_path / "base.db"
+    open_store(path).close()
+    raw = sa.create_engine(f"sqlite:///{path}")
+    with raw.begin() as conn:
+        for table in reversed(schema.metadata.sorted_tables):
+            conn.execute(sa.text(f"DROP TABLE {table.name}"))
+        conn.execute(sa.text("DELETE FROM alembic_version"))
+    raw.dispose()
+    s = open_store(path)
+    try:
+        s.submit(SubmitRequest("i1", "q", FN, b"x", {}))
+        assert s.get("i1") is not None
+        with s.db.tx(write=False) as conn:
+            assert MigrationContext.configure(conn).get_current_revision() == HEAD_REVISION
+    finally:
+        s.close()
 
 
 def test_file_store_keeps_rows_across_restart(tmp_path: Path) -> None:

@@ -10,7 +10,16 @@ the store opens a transaction:
   ``:memory:`` (one connection shared by every thread) takes it for reads too.
 - PostgreSQL uses the pool and READ COMMITTED; claims rely on ``FOR UPDATE SKIP LOCKED``.
 
-``migrate(db)`` runs Alembic's ``upgrade head`` on a connection of the store (no alembic.ini).
+SQLite durability: files run in WAL mode with ``synchronous = NORMAL``. A commit is then written to
+the WAL (in the OS page cache) but fsynced only at checkpoints, so a *power loss or OS crash* can
+lose the last few committed transactions (never corrupting the file), while a *process crash* (the
+control plane or a local plane dying, killed, OOM) loses nothing: every committed ack, claim and
+frame is already in the WAL file. That is the crash model the store promises; ``FULL`` would add an
+fsync per commit (milliseconds on most disks) for power-loss durability only.
+
+``migrate(db)`` brings the schema to ``HEAD_REVISION``. When the ``alembic_version`` row already
+says so (every open but the first), it returns after one small query without importing Alembic;
+otherwise it runs Alembic's ``upgrade head`` on a connection of the store (no alembic.ini).
 """
 
 from __future__ import annotations
@@ -34,6 +43,9 @@ log = logging.getLogger(__name__)
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 _PG_MIGRATION_LOCK = 0x6C616B65  # pg_advisory_xact_lock key: "lake"
+# The newest revision in migrations/versions; a test checks it against Alembic's script head.
+# Bump it with every new migration, or opens will skip the upgrade.
+HEAD_REVISION = "0001"
 
 
 def normalize_url(url: str | Path) -> str:
@@ -93,18 +105,26 @@ class Database:
 
         @event.listens_for(engine, "begin")
         def _on_begin(conn: Connection) -> None:
-            immediate = conn.get_execution_options().get("lakeshore_write", False)
-            conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+            # tx() has issued BEGIN [IMMEDIATE] on the driver connection already; this covers other
+            # users of the engine (Alembic's CLI path), which would otherwise run in autocommit.
+            raw = conn.connection.driver_connection
+            if raw is not None and not raw.in_transaction:
+                immediate = conn.get_execution_options().get("lakeshore_write", False)
+                raw.execute("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
         return engine
 
     @contextlib.contextmanager
     def tx(self, *, write: bool) -> Iterator[Connection]:
         """A transaction: committed on normal exit, rolled back on an exception."""
+        if self.dialect != "sqlite":
+            with self.engine.connect() as conn, conn.begin():
+                yield conn
+            return
         lock = self._lock if (self._lock is not None and (write or self.memory)) else None
         with lock if lock is not None else contextlib.nullcontext(), self.engine.connect() as conn:
-            if self.dialect == "sqlite":
-                conn.execution_options(lakeshore_write=write)
+            # BEGIN straight on the sqlite3 connection: cheaper than a statement through SQLAlchemy.
+            conn.connection.driver_connection.execute("BEGIN IMMEDIATE" if write else "BEGIN")  # type: ignore[union-attr]
             with conn.begin():
                 yield conn
 
@@ -112,8 +132,30 @@ class Database:
         self.engine.dispose()
 
 
+def schema_revision(conn: Connection, dialect: str) -> str | None:
+    """The revision in ``alembic_version``; None when the table is missing or empty."""
+    if dialect == "postgresql":
+        exists = conn.execute(sa.text("SELECT to_regclass('alembic_version') IS NOT NULL")).scalar_one()
+    else:
+        exists = conn.exec_driver_sql(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'alembic_version'"
+        ).first()
+    if not exists:
+        return None
+    rows = conn.exec_driver_sql("SELECT version_num FROM alembic_version").fetchall()
+    return rows[0][0] if len(rows) == 1 else None
+
+
 def migrate(db: Database) -> None:
-    """Bring the schema to the newest revision; safe to run from many processes at once."""
+    """Bring the schema to the newest revision; safe to run from many processes at once.
+
+    Fast path: a read of ``alembic_version``; only a store behind ``HEAD_REVISION`` (or a fresh
+    one) imports Alembic and upgrades, under the write lock (SQLite) or an advisory lock
+    (PostgreSQL), where Alembic re-reads the revision, so concurrent first opens migrate once."""
+    if not db.memory:
+        with db.tx(write=False) as conn:
+            if schema_revision(conn, db.dialect) == HEAD_REVISION:
+                return
     from alembic import command
     from alembic.config import Config
 

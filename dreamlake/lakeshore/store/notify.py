@@ -82,7 +82,7 @@ class Notifier:
         try:
             await asyncio.wait_for(ev.wait(), timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         finally:
             with self._cond:

@@ -62,8 +62,13 @@ _inv = t.invocations
 _claim_order = (_inv.c.priority.desc(), _inv.c.submitted_at.asc(), _inv.c.invocation_id.asc())
 
 
+_INV_COLS = tuple(c.name for c in _inv.c)
+
+
 def _row_to_invocation(r: Row[Any]) -> Invocation:
-    m = r._mapping
+    """An Invocation from a row holding every invocations column (``select(_inv)`` / returning)."""
+    m = dict(zip(_INV_COLS, r, strict=True))
+    result_blob = m["result_blob"]
     return Invocation(
         invocation_id=m["invocation_id"],
         queue=m["queue"],
@@ -84,10 +89,163 @@ def _row_to_invocation(r: Row[Any]) -> Invocation:
         started_at=m["started_at"],
         finished_at=m["finished_at"],
         lease_expires_at=m["lease_expires_at"],
-        result_blob=bytes(m["result_blob"]) if m["result_blob"] is not None else None,
+        result_blob=bytes(result_blob) if result_blob is not None else None,
         error=m["error"],
         cancel_requested=bool(m["cancel_requested"]),
     )
+
+
+class _Statements:
+    """The hot paths' statements, built once per dialect with bind parameters.
+
+    Reusing one statement object lets SQLAlchemy memoize its cache key and reuse the compiled SQL
+    from the engine's compiled cache, so a call pays for executing, not for building and compiling.
+    Lists (queues of a claim, leases of a heartbeat) are ``expanding`` parameters.
+    """
+
+    def __init__(self, dialect: str) -> None:
+        B = sa.bindparam
+        insert: Any
+        if dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+            insert = pg_insert
+        else:
+            from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+            insert = sqlite_insert
+        f, tp, c = t.frames, t.topics, t.commands
+        self.insert_queue = (
+            insert(t.queues).values(name=B("queue"), created_at=B("now")).on_conflict_do_nothing()
+        )
+        self.insert_function = (
+            insert(t.functions)
+            .values(function_key=B("fkey"), function=B("function", type_=sa.JSON), created_at=B("now"))
+            .on_conflict_do_nothing()
+        )
+        self.insert_invocation = (
+            insert(_inv)
+            .values({col: B(col, type_=_inv.c[col].type) for col in _SUBMIT_COLS})
+            .on_conflict_do_nothing()
+            .returning(_inv.c.invocation_id)
+        )
+        self.root_of = sa.select(_inv.c.root_invocation_id).where(_inv.c.invocation_id == B("id"))
+        self.same_id = sa.select(_inv.c.queue, _inv.c.content_hash).where(_inv.c.invocation_id == B("id"))
+        self.same_key = sa.select(_inv.c.invocation_id).where(
+            _inv.c.queue == B("queue"), _inv.c.idempotency_key == B("key")
+        )
+        self.get = sa.select(_inv).where(_inv.c.invocation_id == B("id"))
+        self.attempt_of = sa.select(_inv.c.attempt).where(_inv.c.invocation_id == B("id"))
+        pick = (
+            sa.select(_inv.c.invocation_id)
+            .where(_inv.c.state == "queued", _inv.c.queue.in_(B("queues", expanding=True)))
+            .order_by(*_claim_order)
+            .limit(B("limit", type_=sa.Integer))
+            .with_for_update(skip_locked=True)
+            .cte("picked")
+            .prefix_with("MATERIALIZED")  # evaluated once: a bare IN (subquery) may run it per row
+        )
+        self.claim = (
+            sa.update(_inv)
+            .where(_inv.c.invocation_id.in_(sa.select(pick.c.invocation_id)), _inv.c.state == "queued")
+            .values(
+                state="running",
+                worker_id=B("worker"),
+                attempt=_inv.c.attempt + 1,
+                started_at=B("now"),
+                lease_expires_at=B("lease"),
+            )
+            .returning(*_inv.c)
+        )
+        self.ack: dict[tuple[bool, bool], Any] = {}
+        for by_attempt in (False, True):
+            for by_worker in (False, True):
+                conds = [_inv.c.invocation_id == B("id"), _inv.c.state == "running"]
+                if by_attempt:
+                    conds.append(_inv.c.attempt == B("b_attempt"))
+                if by_worker:
+                    conds.append(_inv.c.worker_id == B("worker"))
+                self.ack[by_attempt, by_worker] = (
+                    sa.update(_inv)
+                    .where(*conds)
+                    .values(
+                        state=B("b_state"),
+                        finished_at=B("now"),
+                        result_blob=B("blob", type_=_inv.c.result_blob.type),
+                        error=B("b_error", type_=_inv.c.error.type),
+                        lease_expires_at=None,
+                    )
+                    .returning(_inv.c.invocation_id)
+                )
+        self.insert_frame = (
+            insert(f)
+            .values(owner_id=B("owner"), seq=B("seq"), data=B("data"), final=B("final"), created_at=B("now"))
+            .on_conflict_do_nothing()
+            .returning(f.c.seq)
+        )
+        self.read_frames = (
+            sa.select(f.c.seq, f.c.data, f.c.final)
+            .where(f.c.owner_id == B("owner"), f.c.seq > B("since"))
+            .order_by(f.c.seq)
+            .limit(B("limit", type_=sa.Integer))
+        )
+        self.touch_worker = (
+            sa.update(t.workers).where(t.workers.c.worker_id == B("worker")).values(last_seen=B("now"))
+        )
+        self.renew = (
+            sa.update(_inv)
+            .where(
+                sa.tuple_(_inv.c.invocation_id, _inv.c.attempt).in_(B("pairs", expanding=True)),
+                _inv.c.state == "running",
+                _inv.c.worker_id == B("worker"),
+            )
+            .values(lease_expires_at=B("lease"))
+            .returning(_inv.c.invocation_id)
+        )
+        self.take_commands = (
+            sa.delete(c)
+            .where(c.c.worker_id == B("worker"))
+            .returning(c.c.command_id, c.c.kind, c.c.body, c.c.created_at)
+        )
+        self.topic_next = (
+            insert(tp)
+            .values(name=B("name"), next_seq=1, created_at=B("now"))
+            .on_conflict_do_update(index_elements=[tp.c.name], set_={"next_seq": tp.c.next_seq + 1})
+            .returning(tp.c.next_seq)
+        )
+        self.topic_frame = sa.insert(f).values(
+            owner_id=B("owner"), seq=B("seq"), data=B("data"), final=B("final"), created_at=B("now")
+        )
+
+
+_SUBMIT_COLS = (
+    "invocation_id",
+    "queue",
+    "state",
+    "priority",
+    "function_key",
+    "function",
+    "args_blob",
+    "run_config",
+    "code_context",
+    "namespace",
+    "content_hash",
+    "attempt",
+    "max_attempts",
+    "parent_invocation_id",
+    "root_invocation_id",
+    "idempotency_key",
+    "submitted_at",
+    "cancel_requested",
+)
+_STATEMENTS: dict[str, _Statements] = {}
+
+
+def _statements(dialect: str) -> _Statements:
+    st = _STATEMENTS.get(dialect)
+    if st is None:
+        st = _STATEMENTS[dialect] = _Statements(dialect)
+    return st
 
 
 class SqlStore(SideMixin):
@@ -96,6 +254,7 @@ class SqlStore(SideMixin):
     def __init__(self, url: str, *, notifier: Notifier | None = None, migrate_schema: bool = True) -> None:
         self.db = Database(url)
         self.notifier = notifier if notifier is not None else Notifier()
+        self._st = _statements(self.db.dialect)
         if migrate_schema:
             migrate(self.db)
 
@@ -125,31 +284,21 @@ class SqlStore(SideMixin):
     # -- producer side ---------------------------------------------------------------------------
 
     def submit(self, req: SubmitRequest) -> SubmitResult:
+        st = self._st
         queue = req.queue or str(req.run_config.get("queue") or "") or "default"
         run_config = values.json_safe({**req.run_config, "queue": queue}, "run_config")
         function = values.json_safe(req.function, "function")
         code_context = values.json_safe(req.code_context or {}, "code_context")
         key = values.idempotency_key(run_config)
         chash = values.content_hash(req, queue, run_config)
+        fkey = values.function_key(function)
         now = time.time()
         with self.db.tx(write=True) as conn:
-            conn.execute(self._insert(t.queues).values(name=queue, created_at=now).on_conflict_do_nothing())
-            fkey = values.function_key(function)
-            conn.execute(
-                self._insert(t.functions)
-                .values(function_key=fkey, function=function, created_at=now)
-                .on_conflict_do_nothing()
-            )
-            existing = self._existing(conn, req.invocation_id, chash, queue, key)
-            if existing is not None:
-                return existing
+            conn.execute(st.insert_queue, {"queue": queue, "now": now})
+            conn.execute(st.insert_function, {"fkey": fkey, "function": function, "now": now})
             root = None
             if req.parent_invocation_id:
-                parent_root = conn.execute(
-                    sa.select(_inv.c.root_invocation_id).where(
-                        _inv.c.invocation_id == req.parent_invocation_id
-                    )
-                ).scalar_one_or_none()
+                parent_root = conn.execute(st.root_of, {"id": req.parent_invocation_id}).scalar_one_or_none()
                 root = parent_root or req.parent_invocation_id
             row = {
                 "invocation_id": req.invocation_id,
@@ -171,10 +320,9 @@ class SqlStore(SideMixin):
                 "submitted_at": now,
                 "cancel_requested": False,
             }
-            inserted = conn.execute(
-                self._insert(_inv).values(**row).on_conflict_do_nothing().returning(_inv.c.invocation_id)
-            ).first()
-            if inserted is None:  # a concurrent submit of the same id or key won the race
+            # Insert first: ON CONFLICT DO NOTHING covers the id and the (queue, key) unique index,
+            # so only a conflict needs the lookups that tell a duplicate from a clash.
+            if conn.execute(st.insert_invocation, row).first() is None:
                 existing = self._existing(conn, req.invocation_id, chash, queue, key)
                 if existing is None:
                     raise PlaneError(f"submit of {req.invocation_id} conflicted; retry it", status=409)
@@ -185,9 +333,7 @@ class SqlStore(SideMixin):
     def _existing(
         self, conn: Connection, invocation_id: str, chash: str, queue: str, key: str | None
     ) -> SubmitResult | None:
-        same = conn.execute(
-            sa.select(_inv.c.queue, _inv.c.content_hash).where(_inv.c.invocation_id == invocation_id)
-        ).first()
+        same = conn.execute(self._st.same_id, {"id": invocation_id}).first()
         if same is not None:
             if same.content_hash != chash:
                 raise PlaneError(
@@ -197,16 +343,14 @@ class SqlStore(SideMixin):
                 )
             return SubmitResult(invocation_id=invocation_id, queue=same.queue, duplicate=True)
         if key is not None:
-            other = conn.execute(
-                sa.select(_inv.c.invocation_id).where(_inv.c.queue == queue, _inv.c.idempotency_key == key)
-            ).scalar_one_or_none()
+            other = conn.execute(self._st.same_key, {"queue": queue, "key": key}).scalar_one_or_none()
             if other is not None:
                 return SubmitResult(invocation_id=other, queue=queue, duplicate=True)
         return None
 
     def get(self, invocation_id: str) -> Invocation | None:
         with self.db.tx(write=False) as conn:
-            r = conn.execute(sa.select(_inv).where(_inv.c.invocation_id == invocation_id)).first()
+            r = conn.execute(self._st.get, {"id": invocation_id}).first()
         return _row_to_invocation(r) if r is not None else None
 
     def cancel(self, invocation_id: str) -> str | None:
@@ -257,29 +401,15 @@ class SqlStore(SideMixin):
         if not queues or limit < 1:
             return []
         now = time.time()
-        pick = (
-            sa.select(_inv.c.invocation_id)
-            .where(_inv.c.state == "queued", _inv.c.queue.in_(queues))
-            .order_by(*_claim_order)
-            .limit(limit)
-            .with_for_update(skip_locked=True)
-            .cte("picked")
-            .prefix_with("MATERIALIZED")  # evaluated once: a bare IN (subquery) may run it per row
-        )
-        stmt = (
-            sa.update(_inv)
-            .where(_inv.c.invocation_id.in_(sa.select(pick.c.invocation_id)), _inv.c.state == "queued")
-            .values(
-                state="running",
-                worker_id=worker_id,
-                attempt=_inv.c.attempt + 1,
-                started_at=now,
-                lease_expires_at=now + lease_s,
-            )
-            .returning(*_inv.c)
-        )
+        params = {
+            "queues": list(queues),
+            "limit": int(limit),
+            "worker": worker_id,
+            "now": now,
+            "lease": now + lease_s,
+        }
         with self.db.tx(write=True) as conn:
-            rows = conn.execute(stmt).fetchall()
+            rows = conn.execute(self._st.claim, params).fetchall()
         got = sorted(
             (_row_to_invocation(r) for r in rows),
             key=lambda i: (-i.priority, i.submitted_at, i.invocation_id),
@@ -306,27 +436,22 @@ class SqlStore(SideMixin):
         if error is not None:
             error = values.json_safe(error, "error")
         blob = bytes(result_blob) if result_blob else None
-        conds = [_inv.c.invocation_id == invocation_id, _inv.c.state == "running"]
+        params: dict[str, Any] = {
+            "id": invocation_id,
+            "b_state": state,
+            "now": time.time(),
+            "blob": blob,
+            "b_error": error,
+        }
         if attempt is not None:
-            conds.append(_inv.c.attempt == attempt)
+            params["b_attempt"] = attempt
         if worker_id is not None:
-            conds.append(_inv.c.worker_id == worker_id)
+            params["worker"] = worker_id
         row: Row[Any] | None = None
         with self.db.tx(write=True) as conn:
-            done = conn.execute(
-                sa.update(_inv)
-                .where(*conds)
-                .values(
-                    state=state,
-                    finished_at=time.time(),
-                    result_blob=blob,
-                    error=error,
-                    lease_expires_at=None,
-                )
-                .returning(_inv.c.invocation_id)
-            ).first()
+            done = conn.execute(self._st.ack[attempt is not None, worker_id is not None], params).first()
             if done is None:
-                row = conn.execute(sa.select(_inv).where(_inv.c.invocation_id == invocation_id)).first()
+                row = conn.execute(self._st.get, {"id": invocation_id}).first()
         if done is not None:
             self._notify(f"inv:{invocation_id}")
             return AckResult(ok=True, state=state)
@@ -356,9 +481,7 @@ class SqlStore(SideMixin):
             raise PlaneError(f"frame seq must be >= 0, got {seq}", status=400)
         with self.db.tx(write=True) as conn:
             if attempt is not None and not owner_id.startswith(TOPIC_PREFIX):
-                current = conn.execute(
-                    sa.select(_inv.c.attempt).where(_inv.c.invocation_id == owner_id)
-                ).scalar_one_or_none()
+                current = conn.execute(self._st.attempt_of, {"id": owner_id}).scalar_one_or_none()
                 if current is None:
                     return ChunkResult(ok=False, seq=seq, reason=f"unknown invocation {owner_id}")
                 if current != attempt:
@@ -368,12 +491,14 @@ class SqlStore(SideMixin):
                         reason=f"attempt {attempt} of {owner_id} was superseded by attempt {current}",
                     )
             added = conn.execute(
-                self._insert(t.frames)
-                .values(
-                    owner_id=owner_id, seq=seq, data=bytes(data), final=bool(final), created_at=time.time()
-                )
-                .on_conflict_do_nothing()
-                .returning(t.frames.c.seq)
+                self._st.insert_frame,
+                {
+                    "owner": owner_id,
+                    "seq": seq,
+                    "data": bytes(data),
+                    "final": bool(final),
+                    "now": time.time(),
+                },
             ).first()
         if added is None:
             return ChunkResult(ok=True, seq=seq, duplicate=True)
@@ -381,40 +506,28 @@ class SqlStore(SideMixin):
         return ChunkResult(ok=True, seq=seq)
 
     def read_frames(self, owner_id: str, since: int = -1, limit: int = 1000) -> list[Frame]:
-        f = t.frames
+        params = {"owner": owner_id, "since": since, "limit": max(0, limit)}
         with self.db.tx(write=False) as conn:
-            rows = conn.execute(
-                sa.select(f.c.seq, f.c.data, f.c.final)
-                .where(f.c.owner_id == owner_id, f.c.seq > since)
-                .order_by(f.c.seq)
-                .limit(max(0, limit))
-            ).fetchall()
-        return [Frame(seq=int(r.seq), data=bytes(r.data), final=bool(r.final)) for r in rows]
+            rows = conn.execute(self._st.read_frames, params).fetchall()
+        return [Frame(seq=int(seq), data=bytes(data), final=bool(final)) for seq, data, final in rows]
 
     def heartbeat(
         self, worker_id: str, running: Sequence[tuple[str, int]], lease_s: float = DEFAULT_LEASE_S
     ) -> tuple[list[Command], list[str]]:
         now = time.time()
         wanted = {(inv_id, int(att)) for inv_id, att in running}
+        st = self._st
         with self.db.tx(write=True) as conn:
-            conn.execute(sa.update(t.workers).where(t.workers.c.worker_id == worker_id).values(last_seen=now))
+            conn.execute(st.touch_worker, {"worker": worker_id, "now": now})
             kept: set[str] = set()
             if wanted:
-                match = sa.or_(*(sa.and_(_inv.c.invocation_id == i, _inv.c.attempt == a) for i, a in wanted))
-                kept = set(
-                    conn.execute(
-                        sa.update(_inv)
-                        .where(match, _inv.c.state == "running", _inv.c.worker_id == worker_id)
-                        .values(lease_expires_at=now + lease_s)
-                        .returning(_inv.c.invocation_id)
-                    ).scalars()
-                )
-            c = t.commands
-            rows = conn.execute(
-                sa.select(c).where(c.c.worker_id == worker_id).order_by(c.c.created_at, c.c.command_id)
-            ).fetchall()
-            if rows:
-                conn.execute(sa.delete(c).where(c.c.command_id.in_([r.command_id for r in rows])))
+                params = {"pairs": sorted(wanted), "worker": worker_id, "lease": now + lease_s}
+                kept = set(conn.execute(st.renew, params).scalars())
+            # DELETE ... RETURNING: each pending command goes to exactly one heartbeat.
+            rows = sorted(
+                conn.execute(st.take_commands, {"worker": worker_id}),
+                key=lambda r: (r.created_at, r.command_id),
+            )
         commands = [Command(id=r.command_id, kind=r.kind, body=r.body) for r in rows]
         lost = sorted({i for i, _ in wanted} - kept)
         return commands, lost
@@ -457,26 +570,18 @@ class SqlStore(SideMixin):
 
     def topic_post(self, name: str, body: bytes, final: bool = False) -> int:
         now = time.time()
-        tp = t.topics
+        st = self._st
         with self.db.tx(write=True) as conn:
-            conn.execute(
-                self._insert(tp).values(name=name, next_seq=0, created_at=now).on_conflict_do_nothing()
-            )
-            seq = int(
-                conn.execute(
-                    sa.update(tp)
-                    .where(tp.c.name == name)
-                    .values(next_seq=tp.c.next_seq + 1)
-                    .returning(tp.c.next_seq)
-                ).scalar_one()
-                - 1
-            )
+            seq = int(conn.execute(st.topic_next, {"name": name, "now": now}).scalar_one()) - 1
             data = msgpack.packb([FRAME_END if final else FRAME_VALUE, seq, bytes(body), {"ts": now}])
-            conn.execute(
-                sa.insert(t.frames).values(
-                    owner_id=TOPIC_PREFIX + name, seq=seq, data=data, final=bool(final), created_at=now
-                )
-            )
+            params = {
+                "owner": TOPIC_PREFIX + name,
+                "seq": seq,
+                "data": data,
+                "final": bool(final),
+                "now": now,
+            }
+            conn.execute(st.topic_frame, params)
         self._notify(TOPIC_PREFIX + name)
         return seq
 
