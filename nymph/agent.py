@@ -382,7 +382,10 @@ class Agent:
         while True:
             with self._lock:
                 jobs = list(self._jobs.values())
-            if not jobs and not poller.is_alive():
+            # An in-flight long poll is not waited for: whatever it might still claim comes back
+            # to the queue when its lease lapses (at-least-once), so shutdown stays prompt.
+            poll_settled = not poller.is_alive() or time.monotonic() >= start + 1.0
+            if not jobs and poll_settled:
                 break
             expired = time.monotonic() >= start + self.config.grace_s and not upgrading
             if (expired or self._immediate.is_set()) and jobs:

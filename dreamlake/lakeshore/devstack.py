@@ -1,0 +1,164 @@
+"""A whole stack on one machine: ``lakeshore server`` + ``nymph start``, as real processes.
+
+This is what the README's main job, the dispatch benchmark and a user trying lakeshore on a laptop
+run: the control plane on its embedded SQLite default in a temporary data directory, one nymph with
+the process runner, both on loopback, torn down on exit::
+
+    with LocalStack(queues=["demo"], pythonpath=["examples"]) as stack:
+        q = dls.SyncQueue("demo", dispatch=stack.plane())
+        inv = add.submit(2, 3, _dispatch=stack.plane())
+        print(q.result(inv))
+
+Nothing here is a fake: the processes, HTTP and SQLite are the ones production uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+if TYPE_CHECKING:
+    from dreamlake.lakeshore.dispatch.http import HttpDispatch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _console_script(name: str) -> list[str]:
+    """The console script beside this interpreter, or ``python -m`` of its module."""
+    candidate = Path(sys.executable).parent / name
+    if candidate.exists():
+        return [str(candidate)]
+    module = {"lakeshore": "dreamlake.lakeshore.cli", "nymph": "nymph"}[name]
+    return [sys.executable, "-m", module]
+
+
+class StackError(RuntimeError):
+    """The local stack could not start; the message says which process and why."""
+
+
+class LocalStack:
+    """Start a control plane and a nymph; stop both (SIGTERM, then SIGKILL) on exit."""
+
+    def __init__(
+        self,
+        *,
+        queues: Sequence[str] = ("default",),
+        concurrency: int = 2,
+        runner: str = "process",
+        pythonpath: Sequence[str | os.PathLike[str]] = (),
+        nymph_args: Sequence[str] = (),
+        data_dir: Path | None = None,
+        quiet: bool = False,
+    ) -> None:
+        self.queues = list(queues)
+        self.concurrency = concurrency
+        self.runner = runner
+        self.pythonpath = [str(Path(p).resolve()) for p in pythonpath]
+        self.nymph_args = list(nymph_args)
+        self._own_dir = data_dir is None
+        self.dir = data_dir or Path(tempfile.mkdtemp(prefix="lakeshore-stack-"))
+        self.quiet = quiet
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.tokens: dict[str, str] = {}
+        self.server: subprocess.Popen[bytes] | None = None
+        self.nymph: subprocess.Popen[bytes] | None = None
+        self._planes: list[HttpDispatch] = []
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def __enter__(self) -> LocalStack:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        path = [*self.pythonpath, env.get("PYTHONPATH", "")]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
+        return env
+
+    def _out(self) -> Any:
+        return subprocess.DEVNULL if self.quiet else None
+
+    def start(self) -> None:
+        cp_dir = self.dir / "cp"
+        self.server = subprocess.Popen(
+            [*_console_script("lakeshore"), "server", "--port", str(self.port), "--data-dir", str(cp_dir)],
+            env=self._env(),
+            stdout=self._out(),
+            stderr=self._out(),
+        )
+        self.wait_healthy()
+        self.tokens = json.loads((cp_dir / "tokens.json").read_text())
+        self.start_nymph()
+
+    def start_nymph(self) -> None:
+        args = [
+            *_console_script("nymph"), "start", "--server", self.url, "--token", self.tokens["daemon"],
+            "--runner", self.runner, "--concurrency", str(self.concurrency),
+            "--workdir", str(self.dir / "work"), "--state-dir", str(self.dir / "state"),
+        ]  # fmt: skip
+        for q in self.queues:
+            args += ["--queue", q]
+        self.nymph = subprocess.Popen(
+            [*args, *self.nymph_args], env=self._env(), stdout=self._out(), stderr=self._out()
+        )
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.server is not None
+            if self.server.poll() is not None:
+                raise StackError(f"lakeshore server exited early with status {self.server.returncode}")
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise StackError(f"lakeshore server did not answer /healthz at {self.url} within {timeout:.0f} s")
+
+    def plane(self) -> HttpDispatch:
+        """An HttpDispatch with the admin token (closed with the stack)."""
+        from dreamlake.lakeshore.dispatch.http import HttpDispatch
+
+        plane = HttpDispatch(self.url, self.tokens["admin"])
+        self._planes.append(plane)
+        return plane
+
+    def stop(self, timeout: float = 30.0) -> None:
+        for plane in self._planes:
+            plane.close()
+        self._planes.clear()
+        for proc in (self.nymph, self.server):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
