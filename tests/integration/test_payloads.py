@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, urlsplit
 
@@ -123,11 +123,11 @@ def test_url_signed_with_a_wrong_secret_is_rejected(s3_service: S3Service) -> No
 
 def test_key_scheme_and_expires_at(store: PayloadStore) -> None:
     job = ids.new_ulid()
-    before = datetime.now(timezone.utc).replace(microsecond=0)
+    before = datetime.now(UTC).replace(microsecond=0)
     signed = store.presign_put("ns1", 5, job_id=job, kind="result")
-    today = datetime.now(timezone.utc)
+    today = datetime.now(UTC)
     assert signed["key"] == f"payloads/{today:%Y}/{today:%m}/{today:%d}/{job}/result"
-    expires = datetime.strptime(signed["expires_at"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    expires = datetime.strptime(signed["expires_at"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
     assert before + timedelta(seconds=900) <= expires <= before + timedelta(seconds=902)
 
     minted = store.presign_put("ns1", 5)["key"]

@@ -62,7 +62,7 @@ def test_seed_example() -> None:
         dt.datetime(2024, 5, 6, tzinfo=dt.timezone(-dt.timedelta(hours=3, seconds=7, microseconds=1))),
         dt.date(1, 1, 1),
         dt.time(23, 59, 59, 999999),
-        dt.time(1, 2, tzinfo=dt.timezone.utc),
+        dt.time(1, 2, tzinfo=dt.UTC),
         dt.timedelta(days=-3, seconds=5, microseconds=7),
         uuid.UUID("12345678-1234-5678-1234-567812345678"),
         decimal.Decimal("3.14159265358979323846264338327950288"),
@@ -104,7 +104,7 @@ def test_subclasses_pack_as_their_base() -> None:
     class Color(enum.IntEnum):
         RED = 3
 
-    class Name(str, enum.Enum):
+    class Name(str, enum.Enum):  # noqa: UP042 - the (str, Enum) idiom users write is what is tested
         A = "alpha"
 
     class Pair(NamedTuple):

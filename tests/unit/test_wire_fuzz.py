@@ -119,7 +119,7 @@ SAMPLES: list[bytes] = [
             "s": {1, 2},
             "n": np.arange(6, dtype=np.int16).reshape(2, 3),
             "f": np.float32(2),
-            "d": dt.datetime(2020, 1, 1, tzinfo=dt.timezone.utc),
+            "d": dt.datetime(2020, 1, 1, tzinfo=dt.UTC),
             "td": dt.timedelta(1),
             "u": uuid.UUID(int=5),
             "dec": decimal.Decimal("1.5"),

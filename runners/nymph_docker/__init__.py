@@ -1,0 +1,426 @@
+"""nymph's ``docker`` runner: each invocation is one container on a Docker engine.
+
+Registered through the ``nymph.runners`` entry point exactly like a third-party runner. Modelled on
+Nomad's docker driver: ``start`` creates and starts a labelled container, ``wait`` blocks on the
+engine, ``stop`` is the cancellation ladder, ``destroy`` removes it, and the handle (container id)
+lets a restarted nymph re-attach.
+
+The container::
+
+    image        run_config.image or the runner's default; refused unless allowed (allowed_images)
+    command      python3 -m dreamlake.lakeshore.daemon.entry   (or bash -c SCRIPT; sh when no bash)
+    /work/inv    the invocation's workdir, bind-mounted read-write, the working directory
+    /opt/lakeshore/entry.zip   the entry bundle, read-only, first on PYTHONPATH: an image with a bare
+                 python3 (and nothing of dreamlake) can run invocations
+    code_dirs    host directories of user code, read-only at the same path, on PYTHONPATH; with
+                 mount_pythonpath (default) also the existing entries of the task's PYTHONPATH (the
+                 operator's code on nymph's own PYTHONPATH, as the process runner sees it)
+    user         as_user mapped to uid:gid (users option, else the host's passwd); else the owner of
+                 the workdir, so the bind-mounted workdir stays writable
+    security     cap_drop ALL, no-new-privileges, never privileged, network "none" by default,
+                 an init process (tini) as PID 1 so SIGTERM reaches the entry
+    limits       run_config.resources cpus/memory/pids/shm over the runner's defaults; memory also caps
+                 swap, so exceeding it ends with reason "OOMKilled"; task.gpus as a device request
+    labels       nymph.invocation, nymph.attempt, nymph.worker, nymph.runner, nymph.workdir + task.labels
+
+On exit, ``wait`` copies the container's stdout/stderr to ``stdout.log`` / ``stderr.log`` in the
+workdir and returns their tail in :class:`~nymph.runner.ExitStatus`.
+
+Errors: an unreachable engine is :class:`~nymph.runner.RunnerUnavailable` from ``check`` and
+``start`` (transient: nymph should keep the invocation and retry later); a refusal (image not
+allowed, image missing and not pullable, bad resources) is :class:`~nymph.runner.RunnerError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import docker
+import docker.errors
+from docker.types import DeviceRequest, Mount
+
+from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, RunnerUnavailable, Task
+from nymph_docker import engine, policy
+from nymph_docker.logs import collect_logs, log_tail
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_IMAGE", "ENTRY_MODULE", "DockerRunner"]
+
+ENTRY_MODULE = "dreamlake.lakeshore.daemon.entry"
+DEFAULT_IMAGE = "lakeshore-python:bookworm"
+WORKDIR_TARGET = "/work/inv"
+BUNDLE_TARGET = "/opt/lakeshore/entry.zip"
+PullPolicy = Literal["never", "if-not-present", "always"]
+PULL_POLICIES = ("never", "if-not-present", "always")
+# Run the script with bash when the image has it, else with sh; one container, no separate probe.
+_SCRIPT_SHIM = 'if command -v bash >/dev/null 2>&1; then exec bash -c "$1"; fi; exec sh -c "$1"'
+_KILL_WAIT_S = 30.0
+
+
+class DockerRunner:
+    """Runs each invocation in its own container (see the module docstring for what it looks like)."""
+
+    name: ClassVar[str] = "docker"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        as_user=True, gpus=True, resources=True, image=True, network=True, recover=True
+    )
+
+    def __init__(
+        self,
+        *,
+        image: str = DEFAULT_IMAGE,
+        allowed_images: Iterable[str] = (),
+        pull: PullPolicy = "if-not-present",
+        network: str = "none",
+        allowed_networks: Iterable[str] = (),
+        read_only: bool = False,
+        tmpfs_tmp: bool | str = False,
+        cpus: float | None = None,
+        memory: int | str | None = None,
+        pids: int | None = None,
+        shm: int | str | None = None,
+        users: Mapping[str, str] | None = None,
+        runtime: str | None = None,
+        code_dirs: Iterable[str] = (),
+        mount_pythonpath: bool = True,
+        docker_host: str | None = None,
+        python: str = "python3",
+        init: bool = True,
+        bundle: str | None = None,
+    ) -> None:
+        if pull not in PULL_POLICIES:
+            raise RunnerError(f"{self.name} runner: pull must be one of {PULL_POLICIES}, got {pull!r}")
+        self.image = image
+        self.allowed_images = tuple(allowed_images)
+        self.pull = pull
+        self.network = network
+        self.allowed_networks = (network, *allowed_networks)
+        self.read_only = read_only
+        self.tmpfs_tmp = tmpfs_tmp
+        self.default_limits: dict[str, Any] = {"cpus": cpus, "memory": memory, "pids": pids, "shm": shm}
+        policy.limits(None, **self.default_limits)  # validate the defaults now, not at the first task
+        self.users = dict(users or {})
+        self.runtime = runtime
+        self.code_dirs = tuple(str(Path(d).resolve()) for d in code_dirs)
+        self.mount_pythonpath = mount_pythonpath
+        self.docker_host = docker_host
+        self.python = python
+        self.init = init
+        self._bundle = Path(bundle) if bundle else None
+        self._client: docker.DockerClient | None = None
+        self._lock = threading.Lock()
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Engine reachable, runtime registered, default image present (or pulled), bundle built."""
+        client = self._engine()
+        self._check_runtime(client)
+        try:
+            self._ensure_image(self.image)
+        except RunnerUnavailable:
+            raise
+        except RunnerError as exc:
+            raise RunnerUnavailable(str(exc)) from exc
+        self._bundle_path()
+
+    def start(self, task: Task) -> Handle:
+        client = self._engine()
+        image = str(task.run_config.get("image") or self.image)
+        if not policy.image_allowed(image, self.image, self.allowed_images):
+            raise RunnerError(
+                f"{self.name} runner: image {image!r} is not allowed on this node "
+                f"(default {self.image!r}; allowed_images {list(self.allowed_images)})"
+            )
+        network = str(task.run_config.get("network") or self.network)
+        if network not in self.allowed_networks:
+            raise RunnerError(
+                f"{self.name} runner: network {network!r} is not allowed on this node "
+                f"(allowed: {list(self.allowed_networks)})"
+            )
+        self._ensure_image(image)
+        workdir = Path(task.workdir).resolve()
+        kwargs = self._create_kwargs(task, workdir, image, network)
+        what = f"{self.name} runner: invocation {task.invocation_id}"
+        with engine.translated(f"{what}: create container", self.docker_host):
+            try:
+                container = client.containers.create(image, **kwargs)
+            except docker.errors.NotFound as exc:
+                raise RunnerError(f"{what}: image {image!r} vanished: {engine.explain(exc)}") from exc
+        try:
+            with engine.translated(f"{what}: start container", self.docker_host):
+                container.start()
+        except RunnerError:
+            self._remove(container.id)
+            raise
+        log.debug("invocation %s: started container %s (%s)", task.invocation_id, container.short_id, image)
+        return Handle(
+            runner=self.name,
+            invocation_id=task.invocation_id,
+            attempt=task.attempt,
+            data={
+                "container_id": container.id,
+                "image": image,
+                "workdir": str(workdir),
+                "script": task.script is not None,
+            },
+        )
+
+    def wait(self, handle: Handle, timeout: float | None = None) -> ExitStatus | None:
+        state = self._state(handle)
+        if state is None:
+            return ExitStatus(
+                exit_code=-1,
+                reason="container gone (removed outside nymph)",
+                logs=log_tail(_workdir(handle)),
+            )
+        if _is_running(state):
+            if timeout is not None and timeout <= 0:
+                return None
+            if not self._block_until_exit(handle, timeout):
+                return None
+            state = self._state(handle)
+            if state is None:
+                return ExitStatus(exit_code=-1, reason="container gone while waiting", logs=None)
+        return self._exit_status(handle, state)
+
+    def stop(self, handle: Handle, grace_s: float) -> None:
+        """SIGTERM (through the init process), ``grace_s`` to exit, then SIGKILL."""
+        cid = str(handle.data["container_id"])
+        if not self._signal(cid, "SIGTERM"):
+            return
+        if self._block_until_exit(handle, max(grace_s, 0.001)):
+            return
+        self._signal(cid, "SIGKILL")
+        if not self._block_until_exit(handle, _KILL_WAIT_S):
+            log.warning("invocation %s: container %s survived SIGKILL", handle.invocation_id, cid[:12])
+
+    def destroy(self, handle: Handle) -> None:
+        self._remove(str(handle.data["container_id"]))
+
+    def inspect(self, handle: Handle) -> str:
+        state = self._state(handle)
+        if state is None:
+            return "gone"
+        return "running" if _is_running(state) else "exited"
+
+    def recover(self, handle: Handle) -> bool:
+        """True when the container still exists (running or exited): nymph then waits and reads outputs."""
+        return self._state(handle) is not None
+
+    def list_labelled(self, worker_id: str | None = None) -> list[Handle]:
+        """Handles of every container this runner kind started (of ``worker_id`` when given).
+
+        For start-up reconciliation: containers of a previous life whose workdir is gone can still
+        be found, waited on or destroyed.
+        """
+        filters = [f"nymph.runner={self.name}", "nymph.invocation"]
+        if worker_id is not None:
+            filters.append(f"nymph.worker={worker_id}")
+        client = self._engine()
+        with engine.translated(f"{self.name} runner: list containers", self.docker_host):
+            found = client.api.containers(all=True, filters={"label": filters})
+        handles = []
+        for row in found:
+            labels = row.get("Labels") or {}
+            try:
+                attempt = int(labels.get("nymph.attempt", "0"))
+            except ValueError:
+                attempt = 0
+            handles.append(
+                Handle(
+                    runner=self.name,
+                    invocation_id=labels["nymph.invocation"],
+                    attempt=attempt,
+                    data={
+                        "container_id": row["Id"],
+                        "image": row.get("Image", ""),
+                        "workdir": labels.get("nymph.workdir", ""),
+                        "script": labels.get("nymph.script") == "1",
+                    },
+                )
+            )
+        return handles
+
+    # --- hooks for subclasses (gvisor) ----------------------------------------------------------
+
+    def _check_runtime(self, client: docker.DockerClient) -> None:
+        """Raise RunnerUnavailable when ``self.runtime`` is not registered with the engine."""
+        if self.runtime is None:
+            return
+        with engine.translated(f"{self.name} runner: docker info", self.docker_host):
+            runtimes = client.info().get("Runtimes") or {}
+        if self.runtime not in runtimes:
+            raise RunnerUnavailable(
+                f"{self.name} runner: the Docker engine has no runtime {self.runtime!r} "
+                f"(it has {sorted(runtimes)}); register it in /etc/docker/daemon.json and reload dockerd"
+            )
+
+    def _limits(self, resources: Mapping[str, Any] | None) -> dict[str, Any]:
+        return policy.limits(resources, **self.default_limits)
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _engine(self) -> docker.DockerClient:
+        with self._lock:
+            if self._client is None:
+                self._client = engine.connect(self.docker_host, f"{self.name} runner")
+            return self._client
+
+    def _bundle_path(self) -> Path:
+        if self._bundle is None:
+            try:
+                from dreamlake.lakeshore.daemon.bundle import bundle_path
+
+                self._bundle = bundle_path()
+            except (OSError, ImportError) as exc:
+                raise RunnerUnavailable(f"{self.name} runner: cannot build the entry bundle: {exc}") from exc
+        return self._bundle
+
+    def _ensure_image(self, image: str) -> None:
+        """Make ``image`` present per the pull policy, or raise RunnerError saying how to get it."""
+        client = self._engine()
+        what = f"{self.name} runner: image {image!r}"
+        present = True
+        if self.pull != "always":
+            with engine.translated(what, self.docker_host):
+                try:
+                    client.api.inspect_image(image)
+                except docker.errors.ImageNotFound:
+                    present = False
+        if present and self.pull != "always":
+            return
+        if self.pull == "never":
+            raise RunnerError(
+                f"{what} is not present on the engine and pull='never': load it on this node "
+                f"(docker load / docker import; scripts/services/docker.sh builds {DEFAULT_IMAGE}) "
+                f"or set pull='if-not-present'"
+            )
+        log.info("%s: pulling", what)
+        try:
+            with engine.translated(f"{what}: pull", self.docker_host):
+                client.images.pull(image)
+        except docker.errors.NotFound as exc:
+            raise RunnerError(f"{what} cannot be pulled: {engine.explain(exc)}") from exc
+        except RunnerUnavailable:
+            raise
+        except RunnerError as exc:
+            raise RunnerError(
+                f"{what} is not present and cannot be pulled ({exc}); load it on this node"
+            ) from exc
+
+    def _create_kwargs(self, task: Task, workdir: Path, image: str, network: str) -> dict[str, Any]:
+        env = {k: v for k, v in task.env.items() if k != "PYTHONPATH"}
+        task_path = task.env.get("PYTHONPATH")
+        code = policy.code_paths(self.code_dirs, task_path if self.mount_pythonpath else None)
+        env["PYTHONPATH"] = policy.pythonpath(BUNDLE_TARGET, code, task_path)
+        mounts = [
+            Mount(target=WORKDIR_TARGET, source=str(workdir), type="bind", read_only=False),
+            Mount(target=BUNDLE_TARGET, source=str(self._bundle_path()), type="bind", read_only=True),
+        ]
+        mounts += [Mount(target=d, source=d, type="bind", read_only=True) for d in code]
+        kwargs: dict[str, Any] = {
+            "environment": env,
+            "working_dir": WORKDIR_TARGET,
+            "mounts": mounts,
+            "user": policy.container_user(task.as_user, self.users, workdir),
+            "labels": self._labels(task, workdir),
+            "network_mode": network,
+            "cap_drop": ["ALL"],
+            "security_opt": ["no-new-privileges"],
+            "privileged": False,
+            "read_only": self.read_only,
+            "init": self.init,
+            "stdin_open": False,
+            "tty": False,
+            "name": f"nymph-{task.invocation_id.lower()}-a{task.attempt}-{secrets.token_hex(3)}",
+        }
+        if task.script is not None:
+            kwargs["entrypoint"] = ["sh"]
+            kwargs["command"] = ["-c", _SCRIPT_SHIM, "sh", task.script]
+        else:
+            kwargs["entrypoint"] = [self.python]
+            kwargs["command"] = ["-m", ENTRY_MODULE]
+        if self.tmpfs_tmp:
+            size = "" if self.tmpfs_tmp is True else f",size={self.tmpfs_tmp}"
+            kwargs["tmpfs"] = {"/tmp": f"rw,nosuid,nodev,mode=1777{size}"}
+        if self.runtime:
+            kwargs["runtime"] = self.runtime
+        kwargs.update(self._limits(task.run_config.get("resources")))
+        if task.gpus:
+            kwargs["device_requests"] = [DeviceRequest(device_ids=list(task.gpus), capabilities=[["gpu"]])]
+            env["CUDA_VISIBLE_DEVICES"] = _container_gpu_ids(task.gpus)
+        return kwargs
+
+    def _labels(self, task: Task, workdir: Path) -> dict[str, str]:
+        labels = {str(k): str(v) for k, v in task.labels.items()}
+        labels.update(
+            {
+                "nymph.invocation": task.invocation_id,
+                "nymph.attempt": str(task.attempt),
+                "nymph.runner": self.name,
+                "nymph.workdir": str(workdir),
+                "nymph.script": "1" if task.script is not None else "0",
+            }
+        )
+        labels.setdefault("nymph.worker", "")
+        return labels
+
+    def _state(self, handle: Handle) -> dict[str, Any] | None:
+        """The container's ``State`` from the engine, None when it does not exist."""
+        return engine.state(self._engine(), str(handle.data["container_id"]), self._where())
+
+    def _block_until_exit(self, handle: Handle, timeout: float | None) -> bool:
+        return engine.wait_exit(self._engine(), str(handle.data["container_id"]), timeout, self._where())
+
+    def _signal(self, cid: str, signal: str) -> bool:
+        return engine.send_signal(self._engine(), cid, signal, self._where())
+
+    def _remove(self, cid: str) -> None:
+        engine.remove(self._engine(), cid, self._where())
+
+    def _where(self) -> engine.Where:
+        return engine.Where(f"{self.name} runner", self.docker_host)
+
+    def _exit_status(self, handle: Handle, state: Mapping[str, Any]) -> ExitStatus:
+        code = int(state.get("ExitCode", -1))
+        reason: str | None = None
+        if state.get("OOMKilled"):
+            reason = "OOMKilled"
+        elif code > 128 and not handle.data.get("script"):
+            reason = f"signal {code - 128}"  # the entry itself only exits 0, 1 or 2
+        if state.get("Error"):
+            reason = f"{reason}; {state['Error']}" if reason else str(state["Error"])
+        workdir = _workdir(handle)
+        logs: str | None = None
+        client = self._engine()
+        with engine.translated(f"{self.name} runner: logs", self.docker_host):
+            try:
+                collect_logs(client.api, str(handle.data["container_id"]), workdir)
+            except docker.errors.NotFound:
+                pass
+        logs = log_tail(workdir)
+        return ExitStatus(exit_code=code, reason=reason, logs=logs)
+
+
+def _workdir(handle: Handle) -> Path | None:
+    raw = handle.data.get("workdir")
+    return Path(str(raw)) if raw else None
+
+
+def _is_running(state: Mapping[str, Any]) -> bool:
+    return bool(state.get("Running")) or state.get("Status") in ("restarting", "paused")
+
+
+def _container_gpu_ids(gpus: Iterable[str]) -> str:
+    """CUDA_VISIBLE_DEVICES inside the container: UUIDs stay, host indices renumber from 0."""
+    ids = list(gpus)
+    if all(g.startswith(("GPU-", "MIG-")) for g in ids):
+        return ",".join(ids)
+    return ",".join(str(i) for i in range(len(ids)))

@@ -1,0 +1,147 @@
+"""Pure decisions of the docker runner: which image, which user, which limits, which PYTHONPATH.
+
+Nothing here talks to the engine, so every rule is testable without one:
+
+- :func:`image_allowed`: the default image is always allowed; ``allowed_images`` entries match an
+  image exactly, any tag or digest of a repository (``python`` allows ``python:3.12``), or, when an
+  entry ends with ``/``, every image under that registry prefix (``ghcr.io/acme/``).
+- :func:`container_user`: ``as_user`` maps to ``uid:gid`` (the runner's ``users`` table first, then
+  the host's passwd); without one, the workdir's owner, so the bind-mounted workdir is writable.
+- :func:`limits`: ``run_config.resources`` (``cpus``, ``memory``, ``pids``, ``shm``) over the
+  runner's defaults, as docker SDK ``create`` keywords.
+- :func:`code_paths` / :func:`pythonpath`: the entry bundle first, then the code paths (the
+  ``code_dirs``, and the task's own PYTHONPATH entries when they are mounted), each mounted at its
+  host path; PYTHONPATH entries that are not mounted mean nothing in a container and are dropped.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from nymph.runner import RunnerError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+def image_allowed(image: str, default: str, allowed: Iterable[str]) -> bool:
+    """Whether ``image`` may run: the default, an allowed image or repository, or a registry prefix."""
+    if image == default:
+        return True
+    for entry in allowed:
+        if not entry:
+            continue
+        if image == entry:
+            return True
+        if entry.endswith("/") and image.startswith(entry):
+            return True
+        if image.startswith(entry + ":") or image.startswith(entry + "@"):
+            return True
+    return False
+
+
+def parse_size(value: Any, what: str) -> int:
+    """Bytes from an int or a string such as ``512m``, ``1g``, ``2GiB``, ``1024``."""
+    if isinstance(value, bool):
+        raise RunnerError(f"{what}: expected a size such as 512m or 1g, got {value!r}")
+    if isinstance(value, int | float):
+        if value <= 0:
+            raise RunnerError(f"{what}: must be positive, got {value!r}")
+        return int(value)
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        if match:
+            number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+            if number > 0:
+                return int(number)
+    raise RunnerError(f"{what}: expected a size such as 512m or 1g, got {value!r}")
+
+
+def limits(
+    resources: Mapping[str, Any] | None,
+    *,
+    cpus: float | None,
+    memory: int | str | None,
+    pids: int | None,
+    shm: int | str | None,
+) -> dict[str, Any]:
+    """docker SDK ``create`` keywords for the limits: the task's ``resources`` over the defaults.
+
+    Memory also caps swap (``memswap_limit`` = ``mem_limit``), so a memory-hungry task is OOM-killed
+    rather than swapping; the reason then reads ``OOMKilled``.
+    """
+    res = dict(resources or {})
+    unknown = set(res) - {"cpus", "memory", "pids", "shm", "gpus"}
+    if unknown:
+        raise RunnerError(
+            f"run_config.resources: unknown keys {sorted(unknown)} (cpus, memory, pids, shm, gpus)"
+        )
+    out: dict[str, Any] = {}
+    want_cpus = res.get("cpus", cpus)
+    if want_cpus is not None:
+        try:
+            nano = int(float(want_cpus) * 1e9)
+        except (TypeError, ValueError) as exc:
+            raise RunnerError(f"resources.cpus: expected a number, got {want_cpus!r}") from exc
+        if nano <= 0:
+            raise RunnerError(f"resources.cpus: must be positive, got {want_cpus!r}")
+        out["nano_cpus"] = nano
+    want_memory = res.get("memory", memory)
+    if want_memory is not None:
+        out["mem_limit"] = out["memswap_limit"] = parse_size(want_memory, "resources.memory")
+    want_pids = res.get("pids", pids)
+    if want_pids is not None:
+        if isinstance(want_pids, bool) or not isinstance(want_pids, int) or want_pids <= 0:
+            raise RunnerError(f"resources.pids: expected a positive integer, got {want_pids!r}")
+        out["pids_limit"] = want_pids
+    want_shm = res.get("shm", shm)
+    if want_shm is not None:
+        out["shm_size"] = parse_size(want_shm, "resources.shm")
+    return out
+
+
+def container_user(as_user: str | None, users: Mapping[str, str], workdir: Path) -> str:
+    """``uid:gid`` the container runs as: ``as_user`` mapped, or the owner of the workdir."""
+    if as_user:
+        if as_user in users:
+            return users[as_user]
+        try:
+            pw = pwd.getpwnam(as_user)
+        except KeyError as exc:
+            raise RunnerError(
+                f"as_user {as_user!r} is not a user on this host; add it, or map it in the runner's "
+                f"users option (name -> 'uid:gid')"
+            ) from exc
+        return f"{pw.pw_uid}:{pw.pw_gid}"
+    st = os.stat(workdir)
+    return f"{st.st_uid}:{st.st_gid}"
+
+
+def code_paths(code_dirs: Iterable[str], task_pythonpath: str | None) -> list[str]:
+    """Host paths to mount read-only at the same place: ``code_dirs`` then existing PYTHONPATH entries."""
+    out: list[str] = []
+    candidates = [*code_dirs, *(task_pythonpath or "").split(os.pathsep)]
+    for entry in candidates:
+        if not entry or not os.path.isabs(entry):
+            continue
+        path = str(Path(entry).resolve())
+        if path not in out and os.path.exists(path):
+            out.append(path)
+    return out
+
+
+def pythonpath(bundle_target: str, code_dirs: Iterable[str], task_pythonpath: str | None) -> str:
+    """PYTHONPATH inside the container; code dirs are mounted at their host paths."""
+    dirs = [str(Path(d)) for d in code_dirs]
+    entries = [bundle_target, *dirs]
+    for entry in (task_pythonpath or "").split(os.pathsep):
+        if not entry or entry in entries:
+            continue
+        if any(entry == d or entry.startswith(d.rstrip("/") + "/") for d in dirs):
+            entries.append(entry)
+    return os.pathsep.join(entries)

@@ -1,0 +1,71 @@
+"""Functions the docker/gvisor runner tests ship by reference.
+
+They run inside a container whose image has python3 and msgpack but no dreamlake: the runner mounts
+this repository read-only (``code_dirs``) and the entry bundle. Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def add(a: int, b: int = 0) -> int:
+    return a + b
+
+
+def noop() -> None:
+    return None
+
+
+def gated_count(n: int, gate: str) -> Iterator[int]:
+    """Yield 0..n-1; before the last value, wait until the file ``gate`` (in the workdir) exists."""
+    for i in range(n):
+        if i == n - 1:
+            while not Path(gate).exists():
+                time.sleep(0.02)
+        yield i
+
+
+def boom(message: str = "kaboom") -> None:
+    raise ValueError(message)
+
+
+def hang(ignore_sigterm: bool) -> None:
+    """Write ``started`` in the workdir, then sleep forever (optionally deaf to SIGTERM)."""
+    if ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    Path("started").touch()
+    while True:
+        time.sleep(1)
+
+
+def hog_memory(mib: int) -> int:
+    """Allocate and touch ``mib`` MiB, so a memory limit below that is hit for real."""
+    blocks = [b"x" * (1024 * 1024) for _ in range(mib)]
+    return len(blocks)
+
+
+def ids() -> list[int]:
+    """The uid and gid the function runs as, after writing a file into the workdir."""
+    Path("written-by-task").write_text("ok")
+    return [os.getuid(), os.getgid()]
+
+
+def wait_for_file(path: str, limit_s: float = 60.0) -> str:
+    deadline = time.monotonic() + limit_s
+    while not Path(path).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.02)
+    return "released"
+
+
+def where_is_the_entry() -> str:
+    """The file the entry module was imported from (the bundle, when the image lacks dreamlake)."""
+    import dreamlake.lakeshore.daemon.entry as entry
+
+    return str(entry.__file__)
