@@ -13,12 +13,12 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "udf": "dreamlake.lakeshore.udf",
-    "UDF": "dreamlake.lakeshore.udf",
-    "Thunk": "dreamlake.lakeshore.udf",
-    "scope": "dreamlake.lakeshore.udf",
-    "run": "dreamlake.lakeshore.udf",
-    "set_default_dispatch": "dreamlake.lakeshore.udf",
+    "udf": "dreamlake.lakeshore.decorator",
+    "UDF": "dreamlake.lakeshore.decorator",
+    "Thunk": "dreamlake.lakeshore.decorator",
+    "scope": "dreamlake.lakeshore.decorator",
+    "run": "dreamlake.lakeshore.decorator",
+    "set_default_dispatch": "dreamlake.lakeshore.decorator",
     "SyncQueue": "dreamlake.lakeshore.queue",
     "Topic": "dreamlake.lakeshore.queue",
     "run_worker": "dreamlake.lakeshore.worker",

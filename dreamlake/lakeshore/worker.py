@@ -8,8 +8,14 @@ the local SQLite plane, False on any HTTP plane). A refused pickle is acked ``fa
 
 A generator job appends a VALUE frame per yield while it runs, then END with the return value (or
 ERROR with ``{type, message, traceback}``), and then acks. A heartbeat thread renews the lease of
-a long job; a cancel that arrives while a generator job runs stops it at its next yield and acks
-``killed`` with ``{type: "Cancelled"}``.
+a long job and collects cancels, the same way on both planes: heartbeat answers carry them
+(``Plane.heartbeat``), and a cancel an HTTP poll delivered while the worker was idle is kept by
+the plane for the next heartbeat, never dropped. A cancel stops a generator job at its next yield
+(ERROR frame ``{type: "Cancelled"}``); a plain call cannot be interrupted in process, so when a
+cancel arrived while it ran its result is discarded. Either way the outcome is acked ``killed``
+with ``{type: "Cancelled", message: "cancelled by producer"}``. On the local plane the heartbeat
+thread also wakes as soon as a cancel is queued for the worker (``Dispatch.wait_commands``), so
+a cancel lands within milliseconds rather than at the next beat.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ __all__ = ["run_worker"]
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 10.0
+_WAKE_SLICE_S = 0.1  # how often a heartbeat thread waiting on the plane rechecks its stop flag
+CANCELLED = {"type": "Cancelled", "message": "cancelled by producer"}
 
 
 class _Cancelled(Exception):
@@ -59,9 +67,22 @@ class _Heartbeat:
         )
         self._thread.start()
 
+    def _wait(self) -> bool:
+        """Wait for the next beat (or, on a plane that can say so, a queued command); True: stop."""
+        plane, worker_id, _claim, every_s = self._args
+        wait_commands = getattr(plane, "wait_commands", None)
+        if wait_commands is None:
+            return self._stop.wait(every_s)
+        deadline = time.monotonic() + every_s
+        while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or wait_commands(worker_id, min(left, _WAKE_SLICE_S)):
+                return False
+        return True
+
     def _loop(self) -> None:
-        plane, worker_id, claim, every_s = self._args
-        while not self._stop.wait(every_s):
+        plane, worker_id, claim, _every_s = self._args
+        while not self._wait():
             try:
                 cancels = plane.heartbeat(worker_id, [(claim.invocation_id, claim.attempt)])
             except Exception as exc:  # a missed beat is retried on the next one
@@ -105,8 +126,8 @@ class _Job:
 
     def run(self, heartbeat: _Heartbeat) -> str:
         from dreamlake.lakeshore import wire
+        from dreamlake.lakeshore.decorator import invocation_context
         from dreamlake.lakeshore.envelope import Envelope, resolve_fn
-        from dreamlake.lakeshore.udf import invocation_context
 
         inv = self.claim.invocation_id
         try:
@@ -123,12 +144,15 @@ class _Job:
             try:
                 if not is_gen:
                     blob = wire.pack(fn(*args, **kwargs))
+                    if heartbeat.cancelled.is_set():
+                        raise _Cancelled()  # the producer no longer wants this result
                 else:
                     blob = self._drain(fn(*args, **kwargs), heartbeat)
             except _Cancelled:
-                error = {"type": "Cancelled", "message": "cancelled by producer"}
-                self.frame(wire.FRAME_ERROR, error, final=True)
-                self.ack("killed", error=error)
+                log.info("invocation %s cancelled", inv)
+                if is_gen:
+                    self.frame(wire.FRAME_ERROR, dict(CANCELLED), final=True)
+                self.ack("killed", error=dict(CANCELLED))
                 return "killed"
             except Exception as exc:
                 log.info("invocation %s raised %s: %s", inv, type(exc).__name__, exc)

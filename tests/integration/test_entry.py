@@ -220,10 +220,10 @@ def test_run_context_uses_the_sdk_hook_only_when_already_imported(monkeypatch: p
     import types
 
     envelope = Envelope.create(fn_for(ff.add), [1])
-    monkeypatch.delitem(sys.modules, "dreamlake.lakeshore.udf", raising=False)
+    monkeypatch.delitem(sys.modules, "dreamlake.lakeshore.decorator", raising=False)
     with entry._run_context(envelope) as value:
         assert value is None
-    assert "dreamlake.lakeshore.udf" not in sys.modules  # the entry never imports the SDK itself
+    assert "dreamlake.lakeshore.decorator" not in sys.modules  # the entry never imports the SDK itself
 
     seen: list[str] = []
 
@@ -232,9 +232,9 @@ def test_run_context_uses_the_sdk_hook_only_when_already_imported(monkeypatch: p
         seen.append(env.id)
         yield "ctx"
 
-    fake = types.ModuleType("dreamlake.lakeshore.udf")
+    fake = types.ModuleType("dreamlake.lakeshore.decorator")
     fake.invocation_context = invocation_context  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "dreamlake.lakeshore.udf", fake)
+    monkeypatch.setitem(sys.modules, "dreamlake.lakeshore.decorator", fake)
     with entry._run_context(envelope) as value:
         assert value == "ctx"
     assert seen == [envelope.id]
@@ -244,7 +244,7 @@ def test_entry_start_up_stays_lean(tmp_path: Path) -> None:
     code = (
         "import sys, dreamlake.lakeshore.daemon.entry; "
         "print(sorted(m for m in ('cloudpickle', 'httpx', 'sqlalchemy', 'starlette', 'numpy', "
-        "'dreamlake.lakeshore.udf', 'dreamlake.lakeshore.server') if m in sys.modules))"
+        "'dreamlake.lakeshore.decorator', 'dreamlake.lakeshore.server') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -320,7 +320,7 @@ def test_bundle_runs_on_python_3_9(bundle: Path, tmp_path: Path) -> None:
 
 def test_bundle_wins_over_an_installed_copy_and_the_sdk_stays_importable(bundle: Path) -> None:
     code = (
-        "import dreamlake.lakeshore.wire as w, dreamlake.lakeshore.udf as u; "
+        "import dreamlake.lakeshore.wire as w, dreamlake.lakeshore.decorator as u; "
         "print(w.__file__); print(u.__file__)"
     )
     env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(bundle)}
@@ -328,7 +328,7 @@ def test_bundle_wins_over_an_installed_copy_and_the_sdk_stays_importable(bundle:
     assert out.returncode == 0, out.stderr
     wire_file, udf_file = out.stdout.split()
     assert wire_file.startswith(str(bundle))
-    assert udf_file == str(ROOT / "dreamlake" / "lakeshore" / "udf.py")
+    assert udf_file == str(ROOT / "dreamlake" / "lakeshore" / "decorator.py")
 
 
 def test_bundle_path_is_cached_by_content(tmp_path: Path) -> None:

@@ -8,14 +8,17 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import dreamlake.lakeshore as dls
+from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.dispatch import Dispatch, HttpDispatch, Plane
 from dreamlake.lakeshore.errors import DispatchError
 from tests.conftest import ROOT
+from tests.integration.test_seed004 import PLANES, open_plane
 
 
 @dls.udf(queue="long")
@@ -30,23 +33,29 @@ def square(x: int) -> int:
     return x * x
 
 
-@pytest.fixture(params=["local", "http"])
-def plane(request: pytest.FixtureRequest) -> Iterator[Plane]:
-    if request.param == "local":
-        p: Plane = Dispatch(":memory:")
-    else:
-        cp = request.getfixturevalue("sqlite_control_plane")
-        p = HttpDispatch(cp.url, cp.admin_token)
-    yield p
-    p.close()
+@dls.udf(queue="plain")
+def blocking(tag: str) -> str:
+    STARTED.set()
+    assert RELEASE.wait(30), "the test never released the body"
+    return tag
 
 
-def test_cancel_stops_a_running_generator_at_its_next_yield(plane: Plane) -> None:
+STARTED = threading.Event()
+RELEASE = threading.Event()
+
+
+@pytest.fixture(params=PLANES)
+def plane(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Plane]:
+    with open_plane(request.param, request, tmp_path) as (p, _spec):
+        yield p
+
+
+def _cancel_mid_stream(plane: Plane, heartbeat_s: float) -> None:
     q = dls.SyncQueue("long", dispatch=plane)
     inv = ticker.submit(10_000, _dispatch=plane)
     states: list[str | None] = []
     t = threading.Thread(
-        target=lambda: states.append(dls.run_worker(q, once=True, poll_timeout=5.0, heartbeat_s=0.05))
+        target=lambda: states.append(dls.run_worker(q, once=True, poll_timeout=5.0, heartbeat_s=heartbeat_s))
     )
     t.start()
     got: list[int] = []
@@ -57,8 +66,75 @@ def test_cancel_stops_a_running_generator_at_its_next_yield(plane: Plane) -> Non
                 assert q.cancel(inv) == "running"  # reaches the worker on its next heartbeat
     t.join(timeout=20)
     assert states == ["killed"]
-    assert info.value.type == "Cancelled"
+    assert (info.value.type, info.value.message) == ("Cancelled", "cancelled by producer")
     assert got[:3] == [0, 1, 2] and len(got) < 10_000
+    record = q.status(inv)
+    assert record["state"] == "killed"
+    assert record["error"]["type"] == "Cancelled"
+
+
+def test_cancel_stops_a_running_generator_at_its_next_yield(plane: Plane) -> None:
+    _cancel_mid_stream(plane, heartbeat_s=0.05)
+
+
+def test_local_cancel_does_not_wait_for_the_next_heartbeat(tmp_path: Path) -> None:
+    """On the local plane the heartbeat thread wakes on the cancel itself: with a beat an hour
+    away, the stream still ends with Cancelled (and not a TimeoutError after 10 s of silence...
+    the ticker keeps yielding, so it would run its 10_000 frames instead)."""
+    plane = Dispatch(str(tmp_path / "jobs.db"))
+    try:
+        _cancel_mid_stream(plane, heartbeat_s=3600.0)
+    finally:
+        plane.close()
+
+
+def test_cancel_of_a_running_plain_call_acks_killed(plane: Plane, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain body cannot be interrupted in process: its result is discarded, the outcome killed."""
+    STARTED.clear()
+    RELEASE.clear()
+    heard = threading.Event()
+    beat = plane.heartbeat
+
+    def heartbeat(worker_id: str, running: list[tuple[str, int]]) -> list[str]:
+        cancels = beat(worker_id, running)
+        if cancels:
+            heard.set()
+        return cancels
+
+    monkeypatch.setattr(plane, "heartbeat", heartbeat)
+    q = dls.SyncQueue("plain", dispatch=plane)
+    inv = blocking.submit("late", _dispatch=plane)
+    states: list[str | None] = []
+    t = threading.Thread(
+        target=lambda: states.append(dls.run_worker(q, once=True, poll_timeout=5.0, heartbeat_s=0.05))
+    )
+    t.start()
+    try:
+        assert STARTED.wait(20)
+        assert q.cancel(inv) == "running"
+        assert heard.wait(20), "the cancel never reached the worker's heartbeat"
+    finally:
+        RELEASE.set()
+        t.join(timeout=20)
+    assert states == ["killed"]
+    with pytest.raises(DispatchError) as info:
+        q.result(inv, timeout=5.0)
+    assert (info.value.type, info.value.message) == ("Cancelled", "cancelled by producer")
+
+
+def test_a_cancel_delivered_by_an_idle_poll_reaches_the_next_heartbeat(plane: Plane) -> None:
+    """The control plane hands each command out once, by poll or by heartbeat: a cancel that an
+    idle poll received must still be reported for the invocation by the worker's next heartbeat."""
+    q = dls.SyncQueue("long", dispatch=plane)
+    inv = ticker.submit(3, _dispatch=plane)
+    wid = ids.new_ulid()
+    claim = plane.claim(wid, ["long"], 5.0)
+    assert claim is not None and claim.invocation_id == inv
+    assert q.cancel(inv) == "running"
+    assert plane.claim(wid, ["long"], 0.3) is None  # idle: nothing to run, the cancel rides along
+    assert plane.heartbeat(wid, [(inv, claim.attempt)]) == [inv]
+    assert plane.heartbeat(wid, [(inv, claim.attempt)]) == []  # reported once
+    assert plane.ack(inv, "killed", attempt=claim.attempt, worker_id=wid, error={"type": "Cancelled"})
     assert q.status(inv)["state"] == "killed"
 
 
@@ -105,4 +181,23 @@ def test_worker_start_cli_runs_one_job(sqlite_control_plane: Any) -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "succeeded"
     assert q.result(inv, timeout=5.0) == 49
+    plane.close()
+
+
+def test_worker_start_cli_runs_pickles_only_with_allow_pickled(sqlite_control_plane: Any) -> None:
+    cp = sqlite_control_plane
+    plane = HttpDispatch(cp.url, cp.producer_token)
+    q = dls.SyncQueue("cli", dispatch=plane)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LAKESHORE_TOKEN": cp.daemon_token}
+    cmd = [sys.executable, "-m", "dreamlake.lakeshore.cli", "worker", "start", "--server", cp.url]
+    cmd += ["--queue", "cli", "--once", "--poll-timeout", "10"]
+    refused = dls.udf(queue="cli")(lambda: 6 * 7).submit(_dispatch=plane)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert (out.returncode, out.stdout.strip()) == (0, "failed"), out.stderr
+    with pytest.raises(DispatchError, match="PickleRefused"):
+        q.result(refused, timeout=5.0)
+    allowed = dls.udf(queue="cli")(lambda: 6 * 7).submit(_dispatch=plane)
+    out = subprocess.run([*cmd, "--allow-pickled"], capture_output=True, text=True, timeout=60, env=env)
+    assert (out.returncode, out.stdout.strip()) == (0, "succeeded"), out.stderr
+    assert q.result(allowed, timeout=5.0) == 42
     plane.close()

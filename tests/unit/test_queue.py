@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 import dreamlake.lakeshore as dls
+from dreamlake.lakeshore.decorator import set_default_dispatch
 from dreamlake.lakeshore.dispatch import Dispatch
 from dreamlake.lakeshore.errors import InvalidId, PlaneError
-from dreamlake.lakeshore.udf import set_default_dispatch
 
 
 @pytest.fixture
@@ -42,3 +42,16 @@ def test_queue_without_a_plane_uses_the_process_default() -> None:
     finally:
         set_default_dispatch(None)
         plane.close()
+
+
+def test_seed_defaults_for_cursor_and_patience() -> None:
+    """since=-1 replays everything; streams wait 30 s of silence, topics 5 s (the seed's numbers)."""
+    import inspect
+
+    def defaults(fn: object) -> dict[str, object]:
+        return {k: v.default for k, v in inspect.signature(fn).parameters.items() if k != "self"}  # type: ignore[arg-type]
+
+    assert defaults(dls.SyncQueue.stream) == {"inv": inspect.Parameter.empty, "since": -1, "timeout": 30.0}
+    assert defaults(dls.Topic.stream) == {"since": -1, "timeout": 5.0}
+    assert defaults(dls.Topic.listen) == {"since": -1, "timeout": 5.0}
+    assert defaults(dls.SyncQueue.topic) == {"name": None}

@@ -6,8 +6,8 @@ import pytest
 
 import dreamlake.lakeshore as dls
 from dreamlake.lakeshore import envelope, wire
+from dreamlake.lakeshore.decorator import UDF, get_default_dispatch, invocation_context, set_default_dispatch
 from dreamlake.lakeshore.errors import PlaneError, TransportError
-from dreamlake.lakeshore.udf import UDF, get_default_dispatch, invocation_context, set_default_dispatch
 
 
 @dls.udf
@@ -120,6 +120,28 @@ def test_seed004_l2_stages_pull_on_demand() -> None:
     first = next(score(load(["x.png", "never/loaded.png"])))
     assert first == {"path": "x.png", "score": 5}
     assert loaded == ["x.png"]  # "never/loaded.png" is never loaded
+
+
+def test_seed004_l2_as_written() -> None:
+    import dreamlake.lakeshore as dls
+
+    @dls.udf
+    def load(paths):
+        for p in paths:
+            yield {"path": p}
+
+    @dls.udf
+    def score(rows):
+        for r in rows:
+            yield {**r, "score": len(r["path"])}
+
+    pipeline = score(load(["a/b.png", "c.png", "d/e/f.png"]))
+    best = max(pipeline, key=lambda r: r["score"])
+
+    first = next(score(load(["x.png", "never/loaded.png"])))
+
+    assert best == {"path": "d/e/f.png", "score": 9}
+    assert first == {"path": "x.png", "score": 5}
 
 
 # -- L3: the plain-generator trampoline -------------------------------------------------------------
@@ -269,3 +291,48 @@ def test_decorator_keeps_function_metadata() -> None:
     assert add.__doc__ is None
     assert add.__wrapped__ is add.__lakeshore_fn__
     assert "add" in repr(add)
+
+
+# -- the module is not named like the decorator ----------------------------------------------------
+
+
+def test_importing_the_sdk_modules_never_rebinds_dls_udf() -> None:
+    """``dls.udf`` stays the decorator whatever gets imported, in whatever order."""
+    import importlib
+
+    from dreamlake.lakeshore import decorator
+
+    importlib.import_module("dreamlake.lakeshore.decorator")
+    importlib.import_module("dreamlake.lakeshore.udf")  # the old name, kept for the sandbox entry
+    import dreamlake.lakeshore
+
+    assert dreamlake.lakeshore.udf is decorator.udf
+    assert dls.udf is decorator.udf
+
+    @dls.udf(queue="q")
+    def f() -> int:
+        return 1
+
+    assert isinstance(f, UDF) and f.queue == "q" and f() == 1
+
+
+def test_fresh_interpreter_sees_the_decorator_and_the_entry_hook() -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    code = (
+        "import sys, types\n"
+        "import dreamlake.lakeshore.decorator\n"
+        "import dreamlake.lakeshore.udf\n"
+        "import dreamlake.lakeshore as dls\n"
+        "assert isinstance(dls.udf, types.FunctionType), dls.udf\n"
+        "assert not isinstance(dls.decorator.udf, types.ModuleType)\n"
+        "hook = sys.modules['dreamlake.lakeshore.udf'].invocation_context\n"
+        "assert hook is dreamlake.lakeshore.decorator.invocation_context\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "ok\n"

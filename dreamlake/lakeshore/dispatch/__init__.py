@@ -98,7 +98,12 @@ class Plane(Protocol):
         ...
 
     def heartbeat(self, worker_id: str, running: list[tuple[str, int]]) -> list[str]:
-        """Renew leases of running (invocation_id, attempt); returns ids with a cancel pending."""
+        """Renew leases of running (invocation_id, attempt); returns ids with a cancel pending,
+        including a cancel that an earlier ``claim`` (an HTTP poll) received: none is dropped.
+
+        A plane may also offer ``wait_commands(worker_id, timeout) -> bool`` (the local plane does):
+        block until a command may be queued for the worker since its last heartbeat, so that the
+        worker's heartbeat thread picks a cancel up at once instead of at its next beat."""
         ...
 
     def close(self) -> None: ...

@@ -40,6 +40,7 @@ TERMINAL = frozenset({"succeeded", "failed", "killed", "timeout", "cancelled"})
 _FUNCTION_STUB = {"module": "_native_wire", "qualname": "_native_wire.envelope", "version": "v1"}
 _SLACK_S = 10.0  # read-timeout margin over a server-side long poll
 _STREAM_RECONNECTS = 5
+_KEPT_CANCELS = 1024
 
 
 def _transient(exc: BaseException) -> bool:
@@ -78,6 +79,7 @@ class HttpDispatch:
             transport=transport,
         )
         self._registered: set[str] = set()
+        self._cancels: dict[str, dict[str, bool]] = {}  # worker id -> cancels a poll delivered
 
     # -- plumbing -----------------------------------------------------------------------------------
 
@@ -269,7 +271,10 @@ class HttpDispatch:
                         dict(b.get("run_config") or {}),
                         int(b.get("attempt") or 1),
                     )
-                log.debug("worker %s ignoring %s command while idle", worker_id, cmd.get("kind"))
+                if cmd.get("kind") == "cancel":
+                    self._keep_cancel(worker_id, str((cmd.get("body") or {}).get("invocation_id", "")))
+                else:
+                    log.warning("worker %s ignoring a %s command", worker_id, cmd.get("kind"))
             if time.monotonic() >= deadline:
                 return None
 
@@ -317,7 +322,24 @@ class HttpDispatch:
             "free_slots": 0,
         }
         out = self._call("POST", "/v1/daemon/heartbeat", body)
-        return [c["body"]["invocation_id"] for c in out.get("commands") or [] if c.get("kind") == "cancel"]
+        cancels = [c["body"]["invocation_id"] for c in out.get("commands") or [] if c.get("kind") == "cancel"]
+        kept = self._cancels.get(worker_id)
+        if kept:
+            for inv, _attempt in running:
+                if kept.pop(inv, False) and inv not in cancels:
+                    cancels.append(inv)
+        return cancels
+
+    def _keep_cancel(self, worker_id: str, invocation_id: str) -> None:
+        """A cancel a poll delivered: the server hands each command out once, so keep it for the
+        next heartbeat that reports that invocation running (bounded: old ones are stale)."""
+        kept = self._cancels.setdefault(worker_id, {})
+        kept[invocation_id] = True
+        while len(kept) > _KEPT_CANCELS:
+            kept.pop(next(iter(kept)))
+        log.info(
+            "worker %s: cancel for %s arrived by poll; kept for the next heartbeat", worker_id, invocation_id
+        )
 
     def close(self) -> None:
         self._client.close()

@@ -69,6 +69,7 @@ class Dispatch:
         self.poll_s = poll_s
         self.lease_s = lease_s
         self._workers: set[str] = set()
+        self._command_marks: dict[str, int] = {}  # notifier mark at each worker's last heartbeat
         self._next_expiry = 0.0
 
     def _wait(self, channels: list[str], deadline: float, mark: int) -> None:
@@ -211,8 +212,15 @@ class Dispatch:
         return res.ok
 
     def heartbeat(self, worker_id: str, running: list[tuple[str, int]]) -> list[str]:
+        self._command_marks[worker_id] = self.notifier.mark()
         commands, _lost = self.store.heartbeat(worker_id, running, self.lease_s)
         return [c.body.get("invocation_id", "") for c in commands if c.kind == "cancel"]
+
+    def wait_commands(self, worker_id: str, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for a command (a cancel) queued for ``worker_id`` since its last
+        heartbeat; True when one may be waiting. Sees changes made in this process at once."""
+        since = self._command_marks.get(worker_id)
+        return self.notifier.wait([f"worker:{worker_id}"], max(0.0, timeout), since=since)
 
     def close(self) -> None:
         self.store.close()

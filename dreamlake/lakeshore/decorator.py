@@ -37,7 +37,6 @@ import inspect
 import logging
 import math
 import sys
-import types
 from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
@@ -410,17 +409,8 @@ def udf(fn: Callable[..., Any] | None = None, /, **config: Any) -> Any:
     return decorate
 
 
-class _CallableModule(types.ModuleType):
-    """This module, callable as ``udf``.
-
-    The module and the decorator share the name ``udf``: once anything imports
-    ``dreamlake.lakeshore.udf``, Python binds the package attribute ``dls.udf`` to this module, not
-    to the function. Making the module callable keeps ``@dls.udf`` and ``@dls.udf(...)`` working
-    whichever binding wins.
-    """
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return udf(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+# Compatibility: the sandbox entry (daemon/entry.py) looks the SDK up as
+# ``sys.modules.get("dreamlake.lakeshore.udf")`` to install ``invocation_context``. Register this
+# module under that old name too. Only ``sys.modules`` is touched, never the package attribute, so
+# ``dls.udf`` stays the decorator. Drop this once the entry looks up ``dreamlake.lakeshore.decorator``.
+sys.modules.setdefault("dreamlake.lakeshore.udf", sys.modules[__name__])
