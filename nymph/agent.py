@@ -35,6 +35,7 @@ from nymph import observability as obs
 from nymph import upgrade
 from nymph.client import AuthRejected, ClientError, ControlPlaneClient, is_retryable
 from nymph.config import NymphConfig
+from nymph.execjob import ExecJob, recover_execs
 from nymph.heartbeat import Heartbeat
 from nymph.identity import load_or_create_worker_id
 from nymph.job import SHUTDOWN_MESSAGE, Job, JobContext
@@ -69,6 +70,8 @@ class Agent:
         self.worker_id = ""
         self.heartbeat_s = config.heartbeat_s or 10.0
         self._jobs: dict[str, Job] = {}
+        self._execs: dict[str, ExecJob] = {}
+        self._poller: threading.Thread | None = None
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._immediate = threading.Event()
@@ -98,6 +101,7 @@ class Agent:
         if not self._register():
             return self._finish(health)
         ctx = self._context()
+        recover_execs(cfg.workdir, self.runner, self.outbox)
         for job, alive in recover_all(ctx):
             self._launch(job, lambda j=job, a=alive: j.resume(a))
         hb = Heartbeat(
@@ -110,9 +114,10 @@ class Agent:
         )
         hb.start()
         poller = threading.Thread(target=self._poll_loop, name="nymph-poll", daemon=True)
+        self._poller = poller
         poller.start()
         while not self._stopping.wait(0.5):
-            pass
+            self._reap_orphans()
         self._shutdown(poller)
         hb.stop()
         return self._finish(health)
@@ -264,6 +269,8 @@ class Agent:
         body = command.get("body") or {}
         if kind == "run":
             self._start_run(body)
+        elif kind == "exec":
+            self._start_exec(body)
         elif kind == "cancel":
             self._cancel(
                 str(body.get("invocation_id", "")), str(body.get("reason") or "cancelled by producer")
@@ -281,15 +288,59 @@ class Agent:
             return
         attempt = int(body.get("attempt") or 1)
         with self._lock:
-            if invocation_id in self._jobs:
-                log.warning(
-                    "invocation %s: already running here; duplicate run command ignored", invocation_id
-                )
-                return
+            earlier = self._jobs.get(invocation_id)
+        if earlier is not None and earlier.attempt >= attempt:
+            log.warning("invocation %s: already running here; duplicate run command ignored", invocation_id)
+            return
+        if earlier is not None:
+            # a newer attempt of what runs here: the old copy lost its lease; stop it (no ack) and
+            # start the new one once it is gone, so the two never share the workdir
+            log.warning(
+                "invocation %s: attempt %d supersedes attempt %d running here",
+                invocation_id,
+                attempt,
+                earlier.attempt,
+            )
+            earlier.lose()
         if not self.slots.take():
             self.slots.force_take()
-        job = Job(self._context(), invocation_id, attempt, body)
+        job = Job(self._context(), invocation_id, attempt, body, after=earlier)
         self._launch(job, job.run, take=False)
+
+    def _start_exec(self, body: dict[str, Any]) -> None:
+        if not self.slots.take():
+            self.slots.force_take()
+        job = ExecJob(
+            body,
+            runner=self.runner,
+            client=self.client,
+            outbox=self._require_outbox(),
+            root=self.config.workdir,
+            stop_grace_s=self.config.stop_grace_s,
+            on_done=self._exec_done,
+        )
+        with self._lock:
+            self._execs[job.exec_id] = job
+        job.start_thread()
+
+    def _exec_done(self, job: ExecJob) -> None:
+        with self._lock:
+            if self._execs.get(job.exec_id) is job:
+                del self._execs[job.exec_id]
+        self.slots.put()
+
+    def _require_outbox(self) -> Outbox:
+        assert self.outbox is not None
+        return self.outbox
+
+    def _reap_orphans(self) -> None:
+        """Reap exited descendants reparented to nymph (it is a child subreaper), if the runner can."""
+        reap = getattr(self.runner, "reap_orphans", None)
+        if callable(reap):
+            try:
+                reap()
+            except Exception:
+                log.exception("reaping orphaned processes failed")
 
     def _launch(self, job: Job, target: Any, take: bool = True) -> None:
         if take and not self.slots.take():
@@ -343,9 +394,17 @@ class Agent:
         threading.Thread(target=self._drain_for_upgrade, name="nymph-drain", daemon=True).start()
 
     def _drain_for_upgrade(self) -> None:
-        while self.running() and not self._stopping.is_set():
+        # A long poll in flight when the pin landed may still claim work: wait for it to return
+        # (its claims are run like any other) before waiting for the running work to finish.
+        while not self._stopping.is_set() and (
+            (self._poller is not None and self._poller.is_alive()) or self._busy()
+        ):
             self._stopping.wait(0.2)
         self.request_stop()
+
+    def _busy(self) -> bool:
+        with self._lock:
+            return bool(self._jobs or self._execs)
 
     # --- health ----------------------------------------------------------------------------------
 
@@ -381,9 +440,10 @@ class Agent:
         killed = False
         while True:
             with self._lock:
-                jobs = list(self._jobs.values())
-            # An in-flight long poll is not waited for: whatever it might still claim comes back
-            # to the queue when its lease lapses (at-least-once), so shutdown stays prompt.
+                jobs: list[Job | ExecJob] = [*self._jobs.values(), *self._execs.values()]
+            # An in-flight long poll is not waited for on SIGTERM: whatever it might still claim
+            # comes back to the queue when its lease lapses (at-least-once), so shutdown stays
+            # prompt. Draining for a pinned version waits for it (see _drain_for_upgrade).
             poll_settled = not poller.is_alive() or time.monotonic() >= start + 1.0
             if not jobs and poll_settled:
                 break

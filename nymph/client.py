@@ -117,6 +117,40 @@ class ControlPlaneClient:
             raise TransientError(f"{route}: unexpected answer {answer!r:.80}", resp.status_code)
         return answer
 
+    def call_json(self, route: str, body: dict[str, Any], *, timeout_s: float = 30.0) -> dict[str, Any]:
+        """POST ``body`` as JSON (the ``/v1/namespaces/*`` routes speak JSON); same errors as call."""
+        try:
+            resp = self._http.post(
+                route,
+                json=body,
+                headers={"Accept": "application/json"},
+                timeout=httpx.Timeout(timeout_s, connect=5.0),
+            )
+        except httpx.TransportError as exc:
+            raise TransientError(f"{route}: cannot reach {self.server}: {type(exc).__name__}: {exc}") from exc
+        except httpx.HTTPError as exc:
+            raise TransientError(f"{route}: {type(exc).__name__}: {exc}") from exc
+        answer = _decode(resp)
+        if resp.status_code >= 400:
+            message = answer.get("error") if isinstance(answer, dict) else None
+            raise _classify(route, resp.status_code, str(message or resp.reason_phrase))
+        return answer if isinstance(answer, dict) else {}
+
+    def fetch(self, url: str, *, timeout_s: float = 60.0, limit: int = 100 * 2**20) -> bytes:
+        """GET a presigned URL (no bearer token: the signature is the credential)."""
+        try:
+            with httpx.stream("GET", url, timeout=timeout_s) as resp:
+                if resp.status_code != 200:
+                    raise _classify(f"GET {url.split('?')[0]}", resp.status_code, resp.reason_phrase)
+                data = bytearray()
+                for part in resp.iter_bytes():
+                    data += part
+                    if len(data) > limit:
+                        raise BadRequest(f"GET {url.split('?')[0]}: payload over {limit} bytes")
+                return bytes(data)
+        except httpx.TransportError as exc:
+            raise TransientError(f"GET {url.split('?')[0]}: {type(exc).__name__}: {exc}") from exc
+
     def healthz(self) -> dict[str, Any]:
         try:
             resp = self._http.get("/healthz", timeout=5.0)

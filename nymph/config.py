@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 
 class ConfigError(Exception):

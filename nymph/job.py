@@ -65,8 +65,17 @@ class Refused(Exception):
 class Job:
     """Supervises one invocation in a thread of its own."""
 
-    def __init__(self, ctx: JobContext, invocation_id: str, attempt: int, body: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        ctx: JobContext,
+        invocation_id: str,
+        attempt: int,
+        body: dict[str, Any],
+        *,
+        after: Job | None = None,
+    ) -> None:
         self.ctx = ctx
+        self._after = after  # an earlier attempt of the same invocation, still stopping
         self.invocation_id = invocation_id
         self.attempt = attempt
         self.body = body
@@ -119,6 +128,9 @@ class Job:
     def run(self) -> None:
         """Thread body for a freshly claimed invocation."""
         try:
+            if self._after is not None:
+                self._after.join()
+                self._after = None
             self._run_new()
         except Exception as exc:  # never leave a claimed invocation without an ack
             log.exception("invocation %s: nymph failed while running it", self.invocation_id)
@@ -385,5 +397,6 @@ class Job:
     def _release(self) -> None:
         self.ctx.slots.release_gpus(self._gpus)
         self._gpus = []
-        self.ctx.slots.put()
+        # forget the job before freeing its slot: a poll woken by the slot may claim its next attempt
         self.ctx.on_done(self)
+        self.ctx.slots.put()

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 ACK = "/v1/daemon/ack"
 CHUNK = "/v1/daemon/result-chunk"
+NAMESPACE_ROUTES = "/v1/namespaces/"
 _SUFFIX = ".msg"
 
 
@@ -41,7 +42,7 @@ class Message:
 
     @property
     def invocation_id(self) -> str:
-        return str(self.body.get("invocation_id", ""))
+        return str(self.body.get("invocation_id") or self.body.get("exec_id", ""))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -83,7 +84,7 @@ class Outbox:
         data = msgpack.packb({"route": route, "body": body}, use_bin_type=True)
         with self._cond:
             self._seq = max(self._seq + 1, time.time_ns())
-            name = f"{self._seq:020d}-{body.get('invocation_id', 'x')}{_SUFFIX}"
+            name = f"{self._seq:020d}-{body.get('invocation_id') or body.get('exec_id', 'x')}{_SUFFIX}"
             path = self.dir / name
             tmp = self.dir / (name + ".tmp")
             with open(tmp, "wb") as fh:
@@ -160,7 +161,11 @@ class Outbox:
             reraise=True,
         )
         try:
-            answer = retrying(self._client.call, msg.route, msg.body)
+            if msg.route.startswith(NAMESPACE_ROUTES):  # exec results: JSON, without our exec_id key
+                body = {k: v for k, v in msg.body.items() if k != "exec_id"}
+                answer = retrying(self._client.call_json, msg.route, body)
+            else:
+                answer = retrying(self._client.call, msg.route, msg.body)
         except FatalError as exc:
             log.warning("invocation %s: %s refused, dropped: %s", msg.invocation_id, msg.route, exc)
             self._done(msg)

@@ -79,8 +79,10 @@ def create(
         os.replace(path, aside)
     path.mkdir(mode=0o700)
     os.chmod(path, 0o700)
-    _write_atomic(path / ARGS, bytes(args_blob))
-    _write_atomic(path / META, json.dumps(meta).encode())
+    # No fsync: the workdir only has to survive nymph's death, not the host's (a task dies with
+    # its host, and the control plane re-queues it when the lease lapses); the page cache is enough.
+    (path / ARGS).write_bytes(bytes(args_blob))
+    (path / META).write_bytes(json.dumps(meta).encode())
     if as_user:
         pw = pwd.getpwnam(as_user)
         for target in (path, path / ARGS):

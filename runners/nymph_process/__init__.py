@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -59,6 +60,7 @@ class ProcessRunner:
         self.bash = bash
         self.runuser = runuser
         self._children: dict[int, subprocess.Popen[bytes]] = {}
+        self._pidfds: dict[int, int] = {}
         become_subreaper()
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -97,6 +99,9 @@ class ProcessRunner:
             except OSError as exc:
                 raise RunnerError(f"process runner: cannot spawn {cmd[0]!r}: {exc}") from exc
         self._children[proc.pid] = proc
+        with contextlib.suppress(OSError, AttributeError):
+            # our child cannot be reaped (nor its pid reused) before this: only we wait for it
+            self._pidfds[proc.pid] = os.pidfd_open(proc.pid)
         try:
             start_time = psutil.Process(proc.pid).create_time()
         except psutil.Error:
@@ -113,10 +118,12 @@ class ProcessRunner:
         pid = int(handle.data["pid"])
         proc = self._children.get(pid)
         if proc is not None:
-            try:
-                code = proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                return None
+            if proc.poll() is None and not _pidfd_ready(self._pidfds.get(pid), timeout):
+                try:  # no pidfd (old kernel): Popen's own wait, which polls
+                    proc.wait(0 if pid in self._pidfds else timeout)
+                except subprocess.TimeoutExpired:
+                    return None
+            code = proc.wait()
             return self._status(handle, code)
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._leader(handle) is not None:
@@ -141,10 +148,52 @@ class ProcessRunner:
 
     def destroy(self, handle: Handle) -> None:
         pgid = int(handle.data["pgid"])
-        if self._group_members(pgid) and self._owns_group(handle):
-            self._signal_group(pgid, signal.SIGKILL)
-        self._wait_group_gone(handle)
-        self._children.pop(int(handle.data["pid"]), None)
+        pid = int(handle.data["pid"])
+        proc = self._children.get(pid)
+        if proc is not None:
+            proc.poll()
+        # Fast path: once the leader is reaped, an empty group answers ESRCH to kill(-pgid, 0),
+        # with no scan of every process on the host.
+        leader_reaped = proc is not None and proc.returncode is not None
+        if not (leader_reaped and not _group_exists(pgid)):
+            if self._group_members(pgid) and self._owns_group(handle):
+                self._signal_group(pgid, signal.SIGKILL)
+            self._wait_group_gone(handle)
+        self._children.pop(pid, None)
+        fd = self._pidfds.pop(pid, None)
+        if fd is not None:
+            os.close(fd)
+        self.reap_orphans()
+
+    def reap_orphans(self) -> int:
+        """Reap zombie children that are no task's leader (descendants reparented to nymph).
+
+        nymph is a child subreaper, so a task's grandchildren whose parent died become nymph's
+        children; this reaps those that exited. nymph's own helper subprocesses (same process
+        group as nymph) and task leaders (reaped by their Popen) are left alone. Returns the count.
+        """
+        reaped = 0
+        own_group = os.getpgrp()
+        try:  # peek without reaping: no exited child at all is the common case, and costs no scan
+            if os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                return 0
+        except ChildProcessError:
+            return 0
+        except (OSError, AttributeError):
+            pass
+        try:
+            children = psutil.Process().children()
+        except psutil.Error:
+            return 0
+        for child in children:
+            if child.pid in self._children:
+                continue
+            with contextlib.suppress(ChildProcessError, OSError, psutil.Error):
+                if child.status() != psutil.STATUS_ZOMBIE or os.getpgid(child.pid) == own_group:
+                    continue
+                if os.waitpid(child.pid, os.WNOHANG)[0] == child.pid:
+                    reaped += 1
+        return reaped
 
     def inspect(self, handle: Handle) -> str:
         pid = int(handle.data["pid"])
@@ -248,6 +297,25 @@ def become_subreaper() -> None:
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _pidfd_ready(fd: int | None, timeout: float | None) -> bool:
+    """Block on a pidfd until the process exits (True) or ``timeout`` passes (False)."""
+    if fd is None:
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000))))
+
+
+def _group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _not_zombie(proc: psutil.Process) -> bool:

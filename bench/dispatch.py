@@ -1,0 +1,204 @@
+"""Submit-to-result round trip of a noop through the README's stack, beside a bare interpreter spawn.
+
+Usage: ``.venv/bin/python bench/dispatch.py [--calls 50] [--batch 100] [--slots 1,2,4] [--idle-s 60]``
+
+The stack is :class:`dreamlake.lakeshore.devstack.LocalStack`: ``lakeshore server`` (embedded SQLite)
+and ``nymph start --runner process`` as real processes on loopback. A producer submits a ref noop
+(``bench/bench_fns.py``) over HTTP and awaits its result; nothing is simulated.
+
+Rows, all measured in the same run so a loaded machine slows them alike:
+
+- ``bare spawn``: ``subprocess.run([python, "-c", "pass"])`` with the interpreter nymph spawns; the
+  floor any process-per-invocation design pays;
+- ``round trip``: submit -> claim -> workdir -> spawn entry -> result -> ack -> await answer, one call
+  at a time, one slot (p50 / p90, and the ratio to the bare spawn's);
+- ``throughput N slots``: a batch of noops submitted at once and awaited, invocations/s, beside
+  N / (bare spawn p50) (N bare spawns in parallel, the ideal for N slots);
+- nymph's idle RSS and CPU time over ``--idle-s`` seconds (psutil on the nymph process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import msgpack
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(ROOT / "runners"))
+
+import bench_fns  # noqa: E402
+
+from dreamlake.lakeshore import ids, wire  # noqa: E402
+from dreamlake.lakeshore.devstack import LocalStack  # noqa: E402
+from dreamlake.lakeshore.envelope import Envelope, fn_for  # noqa: E402
+from nymph_process import default_python  # noqa: E402
+
+QUEUE = "bench"
+MSGPACK = "application/x-msgpack"
+
+
+def _pct(times: list[float], p: float) -> float:
+    ordered = sorted(times)
+    return ordered[min(len(ordered) - 1, round(p * (len(ordered) - 1)))]
+
+
+def _ms(times: list[float]) -> str:
+    return f"p50 {statistics.median(times) * 1000:7.1f} ms  p90 {_pct(times, 0.9) * 1000:7.1f} ms"
+
+
+class Producer:
+    """Submit and await over the producer routes, one keep-alive connection per thread."""
+
+    def __init__(self, url: str, token: str) -> None:
+        self.url = url
+        self.token = token
+        self.blob = Envelope.create(fn_for(bench_fns.noop, "ref"), (), {}).to_bytes()
+        self._local = threading.local()
+
+    def _client(self) -> httpx.Client:
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = httpx.Client(
+                base_url=self.url,
+                timeout=120,
+                headers={"Authorization": f"Bearer {self.token}", "Content-Type": MSGPACK},
+            )
+            self._local.client = client
+        return client
+
+    def _post(self, path: str, body: dict[str, object]) -> dict[str, object]:
+        resp = self._client().post(path, content=msgpack.packb(body, use_bin_type=True))
+        if resp.status_code != 200:
+            raise SystemExit(f"{path}: HTTP {resp.status_code}: {resp.content[:300]!r}")
+        out = msgpack.unpackb(resp.content, raw=False)
+        assert isinstance(out, dict)
+        return out
+
+    def submit(self) -> str:
+        body = {
+            "invocation_id": ids.new_ulid(),
+            "queue": QUEUE,
+            "function": {"module": "_native_wire", "qualname": "_native_wire.envelope", "version": "v1"},
+            "args_blob": self.blob,
+            "run_config": {"queue": QUEUE, "priority": 0.0, "key": None},
+            "code_context": {},
+        }
+        return str(self._post("/v1/producer/submit", body)["invocation_id"])
+
+    def await_(self, invocation_id: str) -> None:
+        out = self._post("/v1/producer/await", {"invocation_id": invocation_id, "timeout_s": 60})
+        if out.get("state") != "succeeded":
+            raise SystemExit(f"noop {invocation_id} ended {out.get('state')}: {out.get('error')}")
+        assert wire.unpack(out["result_blob"]) is None  # type: ignore[arg-type]
+
+    def round_trip(self) -> float:
+        t0 = time.perf_counter()
+        self.await_(self.submit())
+        return time.perf_counter() - t0
+
+
+def bare_spawn(python: str) -> float:
+    t0 = time.perf_counter()
+    subprocess.run([python, "-c", "pass"], check=True)
+    return time.perf_counter() - t0
+
+
+def latency(stack: LocalStack, calls: int, python: str) -> tuple[list[float], list[float]]:
+    producer = Producer(stack.url, stack.tokens["admin"])
+    for _ in range(3):  # warm-up: page cache, bytecode, connections
+        producer.round_trip()
+        bare_spawn(python)
+    trips: list[float] = []
+    bare: list[float] = []
+    for _ in range(calls):  # interleaved, so both see the same machine
+        trips.append(producer.round_trip())
+        bare.append(bare_spawn(python))
+    return trips, bare
+
+
+def throughput(stack: LocalStack, batch: int, slots: int) -> float:
+    producer = Producer(stack.url, stack.tokens["admin"])
+    producer.round_trip()  # warm-up
+    with ThreadPoolExecutor(max(2, slots * 2)) as pool:
+        t0 = time.perf_counter()
+        invs = list(pool.map(lambda _: producer.submit(), range(batch)))
+        list(pool.map(producer.await_, invs))
+        return batch / (time.perf_counter() - t0)
+
+
+def bare_throughput(python: str, batch: int, slots: int) -> float:
+    with ThreadPoolExecutor(slots) as pool:
+        t0 = time.perf_counter()
+        list(pool.map(lambda _: bare_spawn(python), range(batch)))
+        return batch / (time.perf_counter() - t0)
+
+
+def idle(stack: LocalStack, seconds: float) -> tuple[float, float]:
+    assert stack.nymph is not None
+    proc = psutil.Process(stack.nymph.pid)
+    time.sleep(1.0)  # let the last job's threads wind down
+    cpu0 = proc.cpu_times()
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    cpu1 = proc.cpu_times()
+    elapsed = time.monotonic() - t0
+    rss = proc.memory_info().rss / 2**20
+    cpu = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
+    return rss, cpu / elapsed
+
+
+def _stack(slots: int) -> LocalStack:
+    return LocalStack(
+        queues=[QUEUE],
+        concurrency=slots,
+        pythonpath=[BENCH],
+        quiet=True,
+        nymph_args=["--log-level", "WARNING"],
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=50, help="sequential round trips (default 50)")
+    parser.add_argument("--batch", type=int, default=100, help="noops per throughput batch (default 100)")
+    parser.add_argument("--slots", default="1,2,4", help="comma-separated slot counts (default 1,2,4)")
+    parser.add_argument("--idle-s", type=float, default=60.0, help="idle window for RSS/CPU (default 60)")
+    opts = parser.parse_args()
+    python = default_python()
+    slot_counts = [int(s) for s in opts.slots.split(",") if s.strip()]
+
+    print(f"interpreter: {python}; cores: {psutil.cpu_count()}")
+    with _stack(1) as stack:
+        trips, bare = latency(stack, opts.calls, python)
+        ratio = statistics.median(trips) / statistics.median(bare)
+        print(f"\nround trip, 1 slot, N={opts.calls}")
+        print(f"  bare spawn  python -c pass      {_ms(bare)}")
+        print(f"  submit -> result (noop)         {_ms(trips)}")
+        print(f"  ratio p50 round trip / bare spawn: {ratio:.2f}x (aim: <= 2x)")
+        if opts.idle_s > 0:
+            rss, cpu = idle(stack, opts.idle_s)
+            print(f"\nnymph idle over {opts.idle_s:g} s: RSS {rss:.1f} MiB, CPU {cpu * 100:.2f}% of one core")
+
+    print(f"\nthroughput, batch of {opts.batch} noops")
+    print(f"  {'slots':>5} {'nymph inv/s':>12} {'bare spawn/s':>13} {'ratio':>7}")
+    for slots in slot_counts:
+        with _stack(slots) as stack:
+            rate = throughput(stack, opts.batch, slots)
+        floor = bare_throughput(python, opts.batch, slots)
+        print(f"  {slots:>5} {rate:>12.1f} {floor:>13.1f} {floor / rate:>6.2f}x")
+
+
+if __name__ == "__main__":
+    main()
