@@ -451,6 +451,59 @@ def test_exec_jobs(store: SqlStore) -> None:
         )
 
 
+def test_poll_takes_cancels_claims_then_fills_free_slots_with_exec_jobs(store: SqlStore) -> None:
+    running = submit(store)
+    (first,) = store.claim("w", ["q"])
+    assert store.cancel(running) == "running"
+    low, high = submit(store, priority=0), submit(store, priority=9)
+    job = store.create_exec(
+        "ns", "true", payload_inline=None, payload_ref=None, queue="q", worker_id=None, timeout_s=None
+    )
+    commands, claimed, jobs = store.poll("w", ["q"], limit=2, lease_s=60)
+    assert [(c.kind, c.body["invocation_id"]) for c in commands] == [("cancel", first.invocation_id)]
+    assert [i.invocation_id for i in claimed] == [high, low]
+    assert all(i.state == "running" and i.worker_id == "w" and i.attempt == 1 for i in claimed)
+    assert all(i.started_at is not None and i.lease_expires_at is not None for i in claimed)
+    assert jobs == []  # no slot left for the exec job
+    commands, claimed, jobs = store.poll("w", ["q"], limit=2, lease_s=60)
+    assert commands == [] and claimed == []  # a cancel is handed out once
+    assert [j["exec_id"] for j in jobs] == [job] and jobs[0]["command"] == "true"
+    assert store.get_exec("ns", job)["state"] == "running"  # type: ignore[index]
+    assert store.poll("w", ["q"], limit=2) == ([], [], [])
+    assert store.poll("w", [], limit=2) == ([], [], [])
+
+
+def test_concurrent_polls_never_claim_one_invocation_twice(store: SqlStore) -> None:
+    submitted = {submit(store, "race") for _ in range(30)}
+    got: list[str] = []
+    lock = threading.Lock()
+
+    def drain(worker: str) -> None:
+        while True:
+            _, claimed, _ = store.poll(worker, ["race"], limit=2)
+            if not claimed:
+                return
+            with lock:
+                got.extend(i.invocation_id for i in claimed)
+
+    threads = [threading.Thread(target=drain, args=(f"w{n}",)) for n in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert sorted(got) == sorted(submitted)
+
+
+def test_topic_append_returns_the_journaled_frame(store: SqlStore) -> None:
+    first = store.topic_append("live", b"\xa1a")
+    last = store.topic_append("live", b"\xc0", final=True)
+    assert (first.seq, first.final, last.seq, last.final) == (0, False, 1, True)
+    assert [(f.seq, f.data, f.final) for f in store.read_frames("topic:live")] == [
+        (0, first.data, False),
+        (1, last.data, True),
+    ]
+
+
 # -- wake-ups ---------------------------------------------------------------------------------
 
 

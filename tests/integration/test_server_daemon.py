@@ -263,3 +263,34 @@ def test_lapsed_lease_requeues_then_fails(tmp_path: Any, lease_s: float) -> None
         assert status == 409
         status, out = cp.producer("/v1/producer/await", {"invocation_id": inv, "timeout_s": 10})
         assert out["state"] == "failed" and out["error"]["type"] == "LeaseExpired"
+
+
+def test_poll_of_a_daemon_that_hung_up_claims_nothing(control_plane: ControlPlane) -> None:
+    gone, live = new_ulid(), new_ulid()
+    body = {"worker_id": gone, "queues": ["hangup"], "max": 1, "timeout_s": 60}
+    with (
+        httpx.Client(
+            base_url=control_plane.url,
+            timeout=0.5,  # the daemon gives up long before the poll would end
+            headers={"Authorization": f"Bearer {control_plane.daemon_token}"},
+        ) as c,
+        pytest.raises(httpx.ReadTimeout),
+    ):
+        c.post("/v1/daemon/poll", content=msgpack.packb(body))
+    # The abandoned poll is still waiting server-side; a submit wakes it, and it must not claim.
+    inv = control_plane.submit("hangup")
+    (cmd,) = poll(control_plane, live, ["hangup"], timeout_s=10)["commands"]
+    assert cmd["body"]["invocation_id"] == inv and cmd["body"]["attempt"] == 1
+    row = control_plane.store.get(inv)
+    assert row is not None and row.worker_id == live and row.attempt == 1
+
+
+def test_claimed_but_undelivered_work_comes_back_when_the_lease_lapses(tmp_path: Any) -> None:
+    """A claim whose answer never reached the daemon (it hung up after the claim) is not lost."""
+    config = ServerConfig(lease_s=0.3, expire_every_s=0.1, recheck_s=0.2)
+    with running_control_plane(str(tmp_path / "s.db"), config=config) as cp:
+        inv = cp.submit()
+        lost = new_ulid()
+        cp.store.claim(lost, ["default"], 1, 0.3)  # claimed; the answer is dropped on the floor
+        (cmd,) = poll(cp, new_ulid(), timeout_s=10)["commands"]
+        assert cmd["body"]["invocation_id"] == inv and cmd["body"]["attempt"] == 2

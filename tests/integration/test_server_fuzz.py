@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -126,9 +125,10 @@ def _encode(rng: random.Random, path: str, body: Any) -> bytes:
 
 
 @pytest.fixture
-def fuzz_plane(tmp_path: Path) -> Iterator[ControlPlane]:
+def fuzz_plane(store_url: str) -> Iterator[ControlPlane]:
+    """SQLite and PostgreSQL (``store_url`` is parametrized over both)."""
     config = ServerConfig(poll_max_s=0.05, await_max_s=0.05, stream_max_s=0.05, exec_wait_max_s=0.05)
-    with running_control_plane(str(tmp_path / "fuzz.db"), config=config) as cp:
+    with running_control_plane(store_url, config=config) as cp:
         yield cp
 
 

@@ -12,6 +12,7 @@ import pytest
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.server.payloads import PayloadConfig, PayloadStore
 from tests.integration.conftest import ControlPlane, running_control_plane
+from tests.integration.s3_fixture import S3Service
 
 
 @pytest.fixture
@@ -182,3 +183,42 @@ def test_pin_sets_and_clears(sqlite_control_plane: ControlPlane) -> None:
     assert status == 200 and cp.store.pinned_version("ns-a") is None
     status, _ = cp.json("PUT", "/v1/namespaces/ns-a/pin", {"nymph_version": 3}, cp.admin_token)
     assert status == 400
+
+
+def test_presign_route_against_a_signature_checking_s3(tmp_path: Any, s3_service: S3Service) -> None:
+    """Flows 2 and 3 of seed 003 through the HTTP routes, with a real S3 that checks signatures."""
+    import httpx
+
+    payloads = PayloadStore(PayloadConfig.from_env(s3_service.env(MAX_PAYLOAD_BYTES="4096")))
+    with running_control_plane(str(tmp_path / "s.db"), payloads=payloads) as cp:
+        ns_tok = cp.store.create_token("namespace", "ns-s3", "ns-s3")
+        data = b"\x93\x01\x02\x03" * 100
+        status, put = cp.json(
+            "POST", "/v1/namespaces/ns-s3/payloads/presign", {"op": "put", "size": len(data)}, ns_tok
+        )
+        assert status == 200 and put["bucket"] == s3_service.bucket and put["key"].startswith("payloads/")
+        assert put["key"].endswith("/args") and put["expires_at"].endswith("Z")
+        assert httpx.put(put["url"], content=data + b"x").status_code == 403  # signed Content-Length
+        assert httpx.put(put["url"].replace("Signature=", "Signature=0"), content=data).status_code == 403
+        assert httpx.put(put["url"], content=data).status_code == 200
+        ref = {"bucket": put["bucket"], "key": put["key"], "size": len(data)}
+        status, out = cp.json(
+            "POST", "/v1/namespaces/ns-s3/exec", {"command": "true", "payloadRef": ref}, ns_tok
+        )
+        assert status == 202
+        cmd = _poll_exec(cp, new_ulid())
+        assert cmd["body"]["payload_ref"] == ref and cmd["body"]["payload_inline"] is None
+        status, got = cp.json(
+            "POST", "/v1/namespaces/ns-s3/payloads/presign", {"op": "get", "key": ref["key"]}, cp.daemon_token
+        )
+        assert status == 200 and got["key"] == ref["key"]
+        assert httpx.get(got["url"]).content == data
+        assert httpx.get(got["url"].replace(ref["key"], ref["key"] + "x")).status_code == 403
+        status, out = cp.json(
+            "POST", "/v1/namespaces/ns-s3/payloads/presign", {"op": "put", "size": 4097}, ns_tok
+        )
+        assert status == 413 and "MAX_PAYLOAD_BYTES" in out["error"]
+        status, out = cp.json(
+            "POST", "/v1/namespaces/ns-s3/payloads/presign", {"op": "get", "key": "exec/2024/x/out"}, ns_tok
+        )
+        assert status == 400 and "payloads/" in out["error"]

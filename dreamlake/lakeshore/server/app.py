@@ -137,7 +137,8 @@ class Routes:
 
     async def poll(self, request: Request) -> Response:
         principal = await self._who(request, "daemon")
-        return h.msgpack_response(await daemon.poll(self.ctx, principal, await self._msgpack(request)))
+        body = await self._msgpack(request)
+        return h.msgpack_response(await daemon.poll(self.ctx, principal, body, request.is_disconnected))
 
     async def ack(self, request: Request) -> Response:
         principal = await self._who(request, "daemon")

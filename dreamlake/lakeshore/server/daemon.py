@@ -1,7 +1,7 @@
 """Daemon routes (msgpack): register, poll, ack, result-chunk and heartbeat.
 
-``poll`` is a long poll: it claims invocations (``store.claim``) and exec jobs
-(``store.claim_exec``) and collects pending cancels; with nothing to hand out it waits on the
+``poll`` is a long poll: each pass collects pending cancels, claims invocations and exec jobs in
+one store transaction (``store.poll``); with nothing to hand out it waits on the
 store notifier's ``queue:<q>`` / ``exec:<q>`` / ``worker:<id>`` channels, re-checking the store
 about once a second for work submitted through other replicas.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from dreamlake.lakeshore import ids
@@ -116,21 +117,37 @@ def command_dict(cmd: Command) -> dict[str, Any]:
 
 
 async def _collect(ctx: Context, worker_id: str, queues: list[str], limit: int) -> list[dict[str, Any]]:
-    cancels, _ = await ctx.call(ctx.store.heartbeat, worker_id, [], ctx.config.lease_s)
+    """One poll pass: pending cancels, then claimed invocations, then exec jobs for free slots.
+
+    One store transaction (``store.poll``); a store without ``poll`` gets the three calls."""
+    one_pass = getattr(ctx.store, "poll", None)
+    if one_pass is not None:
+        cancels, claimed, jobs = await ctx.call(one_pass, worker_id, queues, limit, ctx.config.lease_s)
+    else:
+        cancels, _ = await ctx.call(ctx.store.heartbeat, worker_id, [], ctx.config.lease_s)
+        claimed = await ctx.call(ctx.store.claim, worker_id, queues, limit, ctx.config.lease_s)
+        jobs = []
+        if len(claimed) < limit:
+            jobs = await ctx.call(ctx.store.claim_exec, worker_id, queues, limit - len(claimed))
     commands = [command_dict(c) for c in cancels]
-    claimed = await ctx.call(ctx.store.claim, worker_id, queues, limit, ctx.config.lease_s)
     commands.extend(run_command(inv) for inv in claimed)
+    commands.extend(exec_command(job) for job in jobs)
     if claimed:
         ctx.metrics.claims.labels(kind="run").inc(len(claimed))
-    if len(claimed) < limit:
-        jobs = await ctx.call(ctx.store.claim_exec, worker_id, queues, limit - len(claimed))
-        commands.extend(exec_command(job) for job in jobs)
-        if jobs:
-            ctx.metrics.claims.labels(kind="exec").inc(len(jobs))
+    if jobs:
+        ctx.metrics.claims.labels(kind="exec").inc(len(jobs))
     return commands
 
 
-async def poll(ctx: Context, principal: Principal, body: dict[str, Any]) -> dict[str, Any]:
+Disconnected = Callable[[], Awaitable[bool]]
+
+
+async def poll(
+    ctx: Context, principal: Principal, body: dict[str, Any], disconnected: Disconnected | None = None
+) -> dict[str, Any]:
+    """The long poll. ``disconnected`` (the request's ``is_disconnected``) is asked before every
+    claim: a daemon that hung up claims nothing. Work claimed just before a hang-up is not lost:
+    its lease lapses and the reaper requeues it (attempt + 1)."""
     worker_id = _worker(body)
     queues = _queues(body)
     limit = int(http.number(body, "max", 1, lo=1, hi=ctx.config.poll_max_commands))
@@ -139,7 +156,12 @@ async def poll(ctx: Context, principal: Principal, body: dict[str, Any]) -> dict
     started = time.monotonic()
     deadline = started + timeout
     channels = [f"queue:{q}" for q in queues] + [f"exec:{q}" for q in queues] + [f"worker:{worker_id}"]
+    commands: list[dict[str, Any]] = []
     while True:
+        if disconnected is not None and await disconnected():
+            log.debug("poll of worker %s: the daemon hung up; nothing claimed", worker_id)
+            ctx.metrics.poll_wait.observe(time.monotonic() - started)
+            return {"commands": []}
         mark = ctx.wake.mark()
         commands = await _collect(ctx, worker_id, queues, limit)
         remaining = deadline - time.monotonic()

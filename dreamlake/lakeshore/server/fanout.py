@@ -178,7 +178,7 @@ class LocalSubscription(_BaseSubscription):
             if timeout is not None and timeout <= 0:
                 return self._queue.get_nowait()
             return await asyncio.wait_for(self._queue.get(), timeout)
-        except (asyncio.QueueEmpty, asyncio.TimeoutError):
+        except (TimeoutError, asyncio.QueueEmpty):
             return None
 
     async def aclose(self) -> None:

@@ -40,7 +40,7 @@ import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -152,7 +152,7 @@ def bucket_configured(env: Mapping[str, str]) -> bool:
 
 
 def _iso_utc(moment: datetime) -> str:
-    return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def check_key(key: object) -> str:
@@ -237,7 +237,7 @@ class PayloadStore:
                 400,
                 f"invalid kind {kind!r:.60}: expected 1-32 characters of a-z, 0-9, '_' or '-' (e.g. 'args')",
             )
-        day = (now or datetime.now(timezone.utc)).astimezone(timezone.utc)
+        day = (now or datetime.now(UTC)).astimezone(UTC)
         return f"{PREFIX}{day:%Y}/{day:%m}/{day:%d}/{job_id}/{kind}"
 
     def presign_put(
@@ -289,7 +289,7 @@ class PayloadStore:
         ttl = self.config.presign_ttl_s
         # Taken before signing and truncated to seconds, as the signature's X-Amz-Date is:
         # the URL expires at or after this moment, never before.
-        signed_at = datetime.now(timezone.utc).replace(microsecond=0)
+        signed_at = datetime.now(UTC).replace(microsecond=0)
         url = self._client.generate_presigned_url(operation, Params=params, ExpiresIn=ttl)
         return {
             "url": url,

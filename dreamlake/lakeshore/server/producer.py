@@ -124,9 +124,16 @@ async def cancel(ctx: Context, invocation_id: str) -> dict[str, Any]:
 async def topic_post(ctx: Context, topic: str, body: dict[str, Any]) -> dict[str, Any]:
     payload = field(body, "body", bytes)
     final = field(body, "final", bool, default=False)
-    seq = await ctx.call(ctx.store.topic_post, topic, payload, final)
+    frame = await ctx.call(ctx.store.topic_append, topic, payload, final)
     ctx.wake.notify(f"topic:{topic}")
-    return {"seq": seq}
+    if ctx.fanout is not None:
+        # Row first (above), then live publish; a fan-out failure never fails the post.
+        try:
+            await ctx.fanout.publish(f"topic:{topic}", frame.seq, frame.data, frame.final)
+        except Exception:
+            log.warning("live publish of topic %s seq %d failed; followers catch up from the journal",
+                        topic, frame.seq, exc_info=True)  # fmt: skip
+    return {"seq": frame.seq}
 
 
 def request_id(request: Request, key: str, what: str) -> str:

@@ -27,16 +27,20 @@ PAGE = 1000
 
 async def _fanout_wake(ctx: Context, owner_id: str, event: asyncio.Event) -> None:
     """Set ``event`` whenever the live fan-out delivers something for ``owner_id`` (a wake-up only:
-    the frames themselves are always read from the journal, which has every one of them)."""
+    the frames themselves are always read from the journal, which has every one of them). When the
+    live feed dies (Redis down), set it once more: the follower re-reads the journal at once and
+    from then on follows it by re-checking every ``recheck_s``."""
     try:
         async with ctx.fanout.subscribe(owner_id) as sub:
             while sub.live:
-                if await sub.get(timeout=5.0) is not None:
+                if await sub.get(timeout=1.0) is not None:
                     event.set()
+        log.warning("live fan-out follow of %s ended; following the journal only", owner_id)
     except asyncio.CancelledError:
         raise
     except Exception:
         log.warning("live fan-out follow of %s failed; following the journal only", owner_id, exc_info=True)
+    event.set()
 
 
 def _cross_replica(fanout: Any) -> bool:

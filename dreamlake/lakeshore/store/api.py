@@ -157,6 +157,15 @@ class Store(Protocol):
         pending commands for it (cancels, each returned once) and the ids it no longer owns."""
         ...
 
+    def poll(
+        self, worker_id: str, queues: list[str], limit: int = 1, lease_s: float = DEFAULT_LEASE_S
+    ) -> tuple[list[Command], list[Invocation], list[dict[str, Any]]]:
+        """One daemon poll pass in one transaction: take the worker's pending commands (cancels,
+        each returned once, as ``heartbeat`` does), then ``claim`` up to ``limit`` invocations,
+        then ``claim_exec`` exec jobs for the slots left. Returns (commands, invocations, exec
+        command bodies)."""
+        ...
+
     def expire_leases(self, now: float | None = None) -> list[str]:
         """Requeue (attempt < max_attempts) or fail ({type: "LeaseExpired"}) running invocations
         whose lease lapsed. Returns the affected ids."""
@@ -165,6 +174,10 @@ class Store(Protocol):
     # -- topics -------------------------------------------------------------------------------
     def topic_post(self, name: str, body: bytes, final: bool = False) -> int:
         """Append a VALUE (or END when final) frame to topic ``name``; returns its seq."""
+        ...
+
+    def topic_append(self, name: str, body: bytes, final: bool = False) -> Frame:
+        """``topic_post`` that returns the journaled frame (seq and encoded bytes), for live fan-out."""
         ...
 
     # -- namespaces, tokens, exec jobs --------------------------------------------------------

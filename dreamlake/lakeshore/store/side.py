@@ -24,6 +24,7 @@ from typing import Any
 
 import msgpack
 import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Row
 
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.ids import new_ulid
@@ -39,6 +40,18 @@ TOKEN_KINDS = frozenset({"admin", "producer", "daemon", "namespace"})
 
 def _sha256(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def exec_body(r: Row[Any]) -> dict[str, Any]:
+    """The exec command body of a claimed exec_jobs row."""
+    return {
+        "exec_id": r.exec_id,
+        "namespace": r.namespace,
+        "command": r.command,
+        "payload_inline": bytes(r.payload_inline) if r.payload_inline is not None else None,
+        "payload_ref": r.payload_ref,
+        "timeout_s": r.timeout_s,
+    }
 
 
 class SideMixin:
@@ -158,41 +171,13 @@ class SideMixin:
     def claim_exec(self, worker_id: str, queues: list[str], limit: int = 1) -> list[dict[str, Any]]:
         if not queues or limit < 1:
             return []
-        e = t.exec_jobs
-        pick = (
-            sa.select(e.c.exec_id)
-            .where(
-                e.c.state == "queued",
-                e.c.queue.in_(queues),
-                sa.or_(e.c.worker_id.is_(None), e.c.worker_id == worker_id),
-            )
-            .order_by(e.c.created_at, e.c.exec_id)
-            .limit(limit)
-            .with_for_update(skip_locked=True)
-            .cte("picked")
-            .prefix_with("MATERIALIZED")
-        )
         with self.db.tx(write=True) as conn:
-            rows = list(
-                conn.execute(
-                    sa.update(e)
-                    .where(e.c.exec_id.in_(sa.select(pick.c.exec_id)), e.c.state == "queued")
-                    .values(state="running", claimed_by=worker_id, claimed_at=time.time())
-                    .returning(*e.c)
-                )
-            )
-        rows.sort(key=lambda r: (r.created_at, r.exec_id))
-        return [
-            {
-                "exec_id": r.exec_id,
-                "namespace": r.namespace,
-                "command": r.command,
-                "payload_inline": bytes(r.payload_inline) if r.payload_inline is not None else None,
-                "payload_ref": r.payload_ref,
-                "timeout_s": r.timeout_s,
-            }
-            for r in rows
-        ]
+            return self._claim_exec_in(conn, worker_id, queues, limit, time.time())
+
+    def _claim_exec_in(
+        self, conn: Connection, worker_id: str, queues: list[str], limit: int, now: float
+    ) -> list[dict[str, Any]]:
+        raise NotImplementedError
 
     def publish_exec_result(self, namespace: str, exec_id: str, result: dict[str, Any]) -> bool:
         """Record ``result``; False when no such job in that namespace. A repeat keeps the first."""

@@ -46,7 +46,7 @@ from .api import (
 )
 from .engine import Database, migrate
 from .notify import Notifier
-from .side import SideMixin
+from .side import SideMixin, exec_body
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +215,26 @@ class _Statements:
         )
         self.topic_frame = sa.insert(f).values(
             owner_id=B("owner"), seq=B("seq"), data=B("data"), final=B("final"), created_at=B("now")
+        )
+        e = t.exec_jobs
+        pick_exec = (
+            sa.select(e.c.exec_id)
+            .where(
+                e.c.state == "queued",
+                e.c.queue.in_(B("queues", expanding=True)),
+                sa.or_(e.c.worker_id.is_(None), e.c.worker_id == B("worker")),
+            )
+            .order_by(e.c.created_at, e.c.exec_id)
+            .limit(B("limit", type_=sa.Integer))
+            .with_for_update(skip_locked=True)
+            .cte("picked_exec")
+            .prefix_with("MATERIALIZED")
+        )
+        self.claim_exec = (
+            sa.update(e)
+            .where(e.c.exec_id.in_(sa.select(pick_exec.c.exec_id)), e.c.state == "queued")
+            .values(state="running", claimed_by=B("worker"), claimed_at=B("now"))
+            .returning(*e.c)
         )
 
 
@@ -400,7 +420,14 @@ class SqlStore(SideMixin):
     ) -> list[Invocation]:
         if not queues or limit < 1:
             return []
-        now = time.time()
+        with self.db.tx(write=True) as conn:
+            got = self._claim_in(conn, worker_id, queues, limit, lease_s, time.time())
+        self._notify(*(f"inv:{i.invocation_id}" for i in got))
+        return got
+
+    def _claim_in(
+        self, conn: Connection, worker_id: str, queues: list[str], limit: int, lease_s: float, now: float
+    ) -> list[Invocation]:
         params = {
             "queues": list(queues),
             "limit": int(limit),
@@ -408,14 +435,43 @@ class SqlStore(SideMixin):
             "now": now,
             "lease": now + lease_s,
         }
-        with self.db.tx(write=True) as conn:
-            rows = conn.execute(self._st.claim, params).fetchall()
-        got = sorted(
+        rows = conn.execute(self._st.claim, params).fetchall()
+        return sorted(
             (_row_to_invocation(r) for r in rows),
             key=lambda i: (-i.priority, i.submitted_at, i.invocation_id),
         )
-        self._notify(*(f"inv:{i.invocation_id}" for i in got))
-        return got
+
+    def _claim_exec_in(
+        self, conn: Connection, worker_id: str, queues: list[str], limit: int, now: float
+    ) -> list[dict[str, Any]]:
+        params = {"queues": list(queues), "limit": int(limit), "worker": worker_id, "now": now}
+        rows = sorted(conn.execute(self._st.claim_exec, params), key=lambda r: (r.created_at, r.exec_id))
+        return [exec_body(r) for r in rows]
+
+    def _take_commands_in(self, conn: Connection, worker_id: str, now: float) -> list[Command]:
+        st = self._st
+        conn.execute(st.touch_worker, {"worker": worker_id, "now": now})
+        # DELETE ... RETURNING: each pending command goes to exactly one caller.
+        rows = sorted(
+            conn.execute(st.take_commands, {"worker": worker_id}),
+            key=lambda r: (r.created_at, r.command_id),
+        )
+        return [Command(id=r.command_id, kind=r.kind, body=r.body) for r in rows]
+
+    def poll(
+        self, worker_id: str, queues: list[str], limit: int = 1, lease_s: float = DEFAULT_LEASE_S
+    ) -> tuple[list[Command], list[Invocation], list[dict[str, Any]]]:
+        now = time.time()
+        with self.db.tx(write=True) as conn:
+            commands = self._take_commands_in(conn, worker_id, now)
+            claimed: list[Invocation] = []
+            jobs: list[dict[str, Any]] = []
+            if queues and limit >= 1:
+                claimed = self._claim_in(conn, worker_id, queues, limit, lease_s, now)
+                if len(claimed) < limit:
+                    jobs = self._claim_exec_in(conn, worker_id, queues, limit - len(claimed), now)
+        self._notify(*(f"inv:{i.invocation_id}" for i in claimed))
+        return commands, claimed, jobs
 
     def ack(
         self,
@@ -518,17 +574,11 @@ class SqlStore(SideMixin):
         wanted = {(inv_id, int(att)) for inv_id, att in running}
         st = self._st
         with self.db.tx(write=True) as conn:
-            conn.execute(st.touch_worker, {"worker": worker_id, "now": now})
             kept: set[str] = set()
             if wanted:
                 params = {"pairs": sorted(wanted), "worker": worker_id, "lease": now + lease_s}
                 kept = set(conn.execute(st.renew, params).scalars())
-            # DELETE ... RETURNING: each pending command goes to exactly one heartbeat.
-            rows = sorted(
-                conn.execute(st.take_commands, {"worker": worker_id}),
-                key=lambda r: (r.created_at, r.command_id),
-            )
-        commands = [Command(id=r.command_id, kind=r.kind, body=r.body) for r in rows]
+            commands = self._take_commands_in(conn, worker_id, now)
         lost = sorted({i for i, _ in wanted} - kept)
         return commands, lost
 
@@ -569,6 +619,9 @@ class SqlStore(SideMixin):
     # -- topics ----------------------------------------------------------------------------------
 
     def topic_post(self, name: str, body: bytes, final: bool = False) -> int:
+        return self.topic_append(name, body, final).seq
+
+    def topic_append(self, name: str, body: bytes, final: bool = False) -> Frame:
         now = time.time()
         st = self._st
         with self.db.tx(write=True) as conn:
@@ -583,7 +636,7 @@ class SqlStore(SideMixin):
             }
             conn.execute(st.topic_frame, params)
         self._notify(TOPIC_PREFIX + name)
-        return seq
+        return Frame(seq=seq, data=data, final=bool(final))
 
 
 def _conforms(store: SqlStore) -> Store:
