@@ -7,16 +7,23 @@ the ratio columns are wire / pickle and wire / msgpack (lower is better for wire
 
     .venv/bin/python bench/wire.py          # about 30-60 s
     .venv/bin/python bench/wire.py --quick  # a few seconds, smaller arrays, fewer repetitions
+    .venv/bin/python bench/wire.py --baseline-root /tmp/before  # also time another tree's wire.py
+
+With ``--baseline-root`` (a copy of the tree before a change: ``cp -r dreamlake /tmp/before``) the
+"vs base" columns are this wire's median over that wire's, both measured in this run.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.util
 import pickle
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -54,7 +61,7 @@ def fmt(seconds: float) -> str:
 def mixed_payload() -> Any:
     return {
         "rows": [{"id": i, "name": f"row-{i}", "pos": (i, i + 1), "score": i / 3} for i in range(200)],
-        "when": dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc),
+        "when": dt.datetime(2024, 1, 1, tzinfo=dt.UTC),
         "tags": {"a", "b", "c"},
         "image": np.arange(64 * 1024, dtype=np.float32),
     }
@@ -70,7 +77,19 @@ def cases(quick: bool) -> list[tuple[str, Any, bool]]:
     return out
 
 
-def row(name: str, value: Any, is_array: bool, budget: float, reps: int) -> list[str]:
+def load_baseline(root: Path) -> Any:
+    """The wire module of another checkout, loaded beside this one under another name."""
+    path = root / "dreamlake" / "lakeshore" / "wire.py"
+    spec = importlib.util.spec_from_file_location("baseline_wire", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"no wire.py at {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["baseline_wire"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def row(name: str, value: Any, is_array: bool, budget: float, reps: int, base: Any = None) -> list[str]:
     p5 = pickle.dumps(value, protocol=5)
     w = wire.pack(value)
     raw = msgpack.packb(value.tobytes() if is_array else value, default=_raw_default)
@@ -100,6 +119,13 @@ def row(name: str, value: Any, is_array: bool, budget: float, reps: int) -> list
         cells.append(f"{fmt(memcpy)} ({len(w) / res['wire pack'][0] / 1e9:.1f} GB/s pack)")
     else:
         cells.append("")
+    if base is not None:
+        bp = measure(lambda: base.pack(value), budget, reps)[0]
+        bu = measure(lambda: base.unpack(w), budget, reps)[0]
+        cells += [
+            f"{res['wire pack'][0] / bp:.2f} of {fmt(bp)}",
+            f"{res['wire unpack'][0] / bu:.2f} of {fmt(bu)}",
+        ]
     return cells
 
 
@@ -119,7 +145,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="smaller arrays, shorter budget")
+    parser.add_argument("--baseline-root", type=Path, help="another checkout whose wire.py to time too")
     args = parser.parse_args()
+    base = load_baseline(args.baseline_root) if args.baseline_root else None
     budget, reps = (0.05, 5) if args.quick else (0.4, 7)
     header = [
         "case",
@@ -135,8 +163,8 @@ def main() -> None:
         "x pickle",
         "x msgpack",
         "memcpy",
-    ]
-    rows = [header] + [row(n, v, a, budget, reps) for n, v, a in cases(args.quick)]
+    ] + (["pack vs base", "unpack vs base"] if base is not None else [])
+    rows = [header] + [row(n, v, a, budget, reps, base) for n, v, a in cases(args.quick)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for i, r in enumerate(rows):
         print(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))

@@ -8,7 +8,10 @@ The SDK surface (``udf``, ``SyncQueue``, ``Topic``, ``run_worker``, ``scope``, `
 from __future__ import annotations
 
 import importlib
-from typing import Any
+
+TYPE_CHECKING = False  # typing costs start-up time; this package is imported by every invocation
+if TYPE_CHECKING:
+    from typing import Any
 
 __version__ = "0.1.0"
 

@@ -36,7 +36,6 @@ import functools
 import inspect
 import logging
 import math
-import sys
 from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
@@ -407,10 +406,3 @@ def udf(fn: Callable[..., Any] | None = None, /, **config: Any) -> Any:
         return UDF(f, **config)
 
     return decorate
-
-
-# Compatibility: the sandbox entry (daemon/entry.py) looks the SDK up as
-# ``sys.modules.get("dreamlake.lakeshore.udf")`` to install ``invocation_context``. Register this
-# module under that old name too. Only ``sys.modules`` is touched, never the package attribute, so
-# ``dls.udf`` stays the decorator. Drop this once the entry looks up ``dreamlake.lakeshore.decorator``.
-sys.modules.setdefault("dreamlake.lakeshore.udf", sys.modules[__name__])

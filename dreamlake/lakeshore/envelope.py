@@ -11,17 +11,15 @@ keys survive a round trip, so additive changes do not need a version bump; a ``v
 (:func:`fn_for`). On the worker, :func:`resolve_fn` applies the gates in order: allow_pickled,
 runtime policy (before any unpickle) plus the blob hash, then the ``src_hash`` staleness check.
 
-cloudpickle is imported only to pickle or unpickle; ``inspect`` only to hash or show source. This
-module is part of the entry bundle, so it must stay importable on Python 3.9.
+cloudpickle is imported only to pickle or unpickle; ``inspect`` only to show source or to hash a
+source the fast path below cannot; ``hashlib`` only where the small built-in sha256 is missing. No
+``typing`` or ``dataclasses`` at runtime: every invocation's entry imports this module. This module
+is part of the entry bundle, so it must stay importable on Python 3.9.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib
 import sys
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Mapping, Sequence
 
 import msgpack
 
@@ -34,6 +32,12 @@ from dreamlake.lakeshore.errors import (
     TransportError,
     VersionError,
 )
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Callable, Dict, Mapping, Sequence
+
+    FnRecord = Dict[str, Any]
 
 __all__ = [
     "INLINE_PICKLE_LIMIT",
@@ -55,26 +59,57 @@ INLINE_PICKLE_LIMIT = 32 * 1024
 RUNTIME_POLICIES = ("strict", "minor", "off")
 TRANSPORTS = ("auto", "ref", "pickle")
 
-FnRecord = Dict[str, Any]
-
 _FIELDS = ("v", "id", "fn", "args", "kwargs", "prefix", "key", "cfg", "parent")
 _USER_VALUES = frozenset(("args", "kwargs"))
 
 
-@dataclass
 class Envelope:
-    """One remote invocation. ``extra`` holds top-level keys from a newer writer, kept verbatim."""
+    """One remote invocation. ``extra`` holds top-level keys from a newer writer, kept verbatim.
 
-    id: str
-    fn: FnRecord
-    args: bytes
-    kwargs: bytes
-    prefix: str = ""
-    key: str | None = None
-    cfg: Dict[str, Any] = field(default_factory=dict)
-    parent: str | None = None
-    v: int = WIRE_VERSION
-    extra: Dict[str, Any] = field(default_factory=dict, repr=False)
+    A plain class with what ``@dataclass`` gave it (``__init__``, ``__repr__`` without ``extra``,
+    ``__eq__`` over every field): dataclasses imports inspect, which the entry should not pay for.
+    ``cfg`` and ``extra`` default to a fresh dict each.
+    """
+
+    __match_args__ = ("id", "fn", "args", "kwargs", "prefix", "key", "cfg", "parent", "v", "extra")
+    __hash__ = None  # type: ignore[assignment]  # mutable, compared by value: as the dataclass was
+
+    def __init__(
+        self,
+        id: str,
+        fn: FnRecord,
+        args: bytes,
+        kwargs: bytes,
+        prefix: str = "",
+        key: str | None = None,
+        cfg: Dict[str, Any] | None = None,
+        parent: str | None = None,
+        v: int = WIRE_VERSION,
+        extra: Dict[str, Any] | None = None,
+    ) -> None:
+        self.id = id
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+        self.prefix = prefix
+        self.key = key
+        self.cfg: Dict[str, Any] = {} if cfg is None else cfg
+        self.parent = parent
+        self.v = v
+        self.extra: Dict[str, Any] = {} if extra is None else extra
+
+    def _values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self.__match_args__)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        assert isinstance(other, Envelope)
+        return self._values() == other._values()
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__match_args__[:-1])
+        return f"{type(self).__qualname__}({shown})"
 
     @classmethod
     def create(
@@ -293,6 +328,19 @@ def _not_importable(obj: Any) -> str | None:
     return None
 
 
+def _sha256_hex(data: bytes) -> str:
+    """hashlib.sha256(data).hexdigest(), from the small built-in module when there is one: hashlib
+    loads OpenSSL, which costs the entry more than the rest of its imports."""
+    try:
+        from _sha256 import sha256  # Python <= 3.11
+    except ImportError:
+        try:
+            from _sha2 import sha256  # Python >= 3.12
+        except ImportError:
+            from hashlib import sha256
+    return sha256(data).hexdigest()  # type: ignore[no-any-return]
+
+
 def src_hash(fn: Callable[..., Any]) -> str | None:
     """``"sha256:" + 16 hex`` of the function's source, or None when the source is unavailable."""
     import inspect
@@ -301,7 +349,58 @@ def src_hash(fn: Callable[..., Any]) -> str | None:
         source = inspect.getsource(_underlying(fn))
     except (OSError, TypeError):
         return None
-    return "sha256:" + hashlib.sha256(source.encode("utf-8")).hexdigest()[:16]
+    return "sha256:" + _sha256_hex(source.encode("utf-8"))[:16]
+
+
+def _local_src_hash(fn: Callable[..., Any], expected: str) -> str | None:
+    """``src_hash(fn)`` for the staleness gate, trying first a slice of the source file that needs
+    neither inspect nor tokenize (the entry's start-up): lines from the function's first line (its
+    first decorator) to the last line any of its bytecode (nested code included) comes from.
+
+    The slice is trusted only when it hashes to ``expected``; otherwise (it may differ from
+    ``inspect.getsource``, e.g. on a trailing comment) ``src_hash`` decides, as it always did. A
+    match is sound: the slice holds every line of the function that compiles to code, and equals the
+    submitter's source.
+    """
+    fast = _sliced_source(fn)
+    if fast is not None:
+        local = "sha256:" + _sha256_hex(fast.encode("utf-8"))[:16]
+        if local == expected:
+            return local
+    return src_hash(fn)
+
+
+def _sliced_source(fn: Callable[..., Any]) -> str | None:
+    try:
+        target = _underlying(fn)
+        code = getattr(target, "__code__", None)
+        if type(target).__name__ != "function" or code is None:
+            return None
+        filename = code.co_filename
+        if not filename.endswith(".py"):
+            return None
+        with open(filename, encoding="utf-8") as f:  # universal newlines, as linecache reads it
+            lines = f.readlines()
+        start = code.co_firstlineno - 1
+        if not 0 <= start < len(lines) or not lines[start].lstrip().startswith(("def ", "async ", "@")):
+            return None
+        last, stack = 0, [code]
+        while stack:
+            c = stack.pop()
+            for _, _, line in c.co_lines():
+                if line is not None and line > last:
+                    last = line
+            for pos in getattr(c, "co_positions", lambda: ())():  # Python >= 3.11
+                if pos[1] is not None and pos[1] > last:
+                    last = pos[1]
+            stack.extend(k for k in c.co_consts if type(k) is type(code))
+        if last <= start:
+            return None
+        if not lines[-1].endswith("\n"):
+            lines[-1] += "\n"  # as linecache does
+        return "".join(lines[start:last])
+    except Exception:  # anything odd: inspect decides
+        return None
 
 
 def fn_for(fn: Callable[..., Any], transport: str = "auto") -> FnRecord:
@@ -384,7 +483,7 @@ def _pickle_record(obj: Any) -> FnRecord:
     return {
         "kind": "pickle",
         "blob": blob,
-        "hash": "sha256:" + hashlib.sha256(blob).hexdigest(),
+        "hash": "sha256:" + _sha256_hex(blob),
         "source": source,
         "qualname": qualname,
         "where": where,
@@ -407,6 +506,8 @@ def check_runtime(runtime: Mapping[str, Any], policy: str = "minor") -> None:
         raise ValueError(f"unknown runtime policy {policy!r}: use 'strict', 'minor' or 'off'")
     if policy == "off":
         return
+    from collections.abc import Mapping
+
     if not isinstance(runtime, Mapping):
         raise RuntimeMismatch("the pickled function carries no runtime record; re-submit it")
     try:
@@ -460,7 +561,7 @@ def _unpickle(record: FnRecord, *, allow_pickled: bool, policy: str) -> Callable
             "submitter, or ship the function by ref (an importable module-level function)"
         )
     check_runtime(record["runtime"], policy)
-    digest = "sha256:" + hashlib.sha256(record["blob"]).hexdigest()
+    digest = "sha256:" + _sha256_hex(record["blob"])
     if digest != record["hash"]:
         raise EnvelopeError(f"pickled function {where}: blob hash {digest} does not match {record['hash']}")
     import cloudpickle
@@ -475,6 +576,8 @@ def _unpickle(record: FnRecord, *, allow_pickled: bool, policy: str) -> Callable
 
 
 def _resolve_ref(record: FnRecord, *, policy: str) -> Callable[..., Any]:
+    import importlib
+
     module_name, qualname = record["module"], record["qualname"]
     try:
         module = importlib.import_module(module_name)
@@ -499,7 +602,7 @@ def _resolve_ref(record: FnRecord, *, policy: str) -> Callable[..., Any]:
         raise EnvelopeError(f"{module_name}.{qualname} is a {type(obj).__name__}, not a callable")
     expected = record.get("src_hash")
     if expected and policy != "off":
-        local = src_hash(obj)
+        local = _local_src_hash(obj, expected)
         if local is not None and local != expected:
             raise StaleSource(
                 f"{module_name}.{qualname}: the worker's source hashes to {local} but the submitter's "

@@ -23,7 +23,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+TYPE_CHECKING = False  # no typing at runtime: the entry imports this module
+if TYPE_CHECKING:
+    from typing import Any
 
 
 class LakeshoreError(Exception):

@@ -64,22 +64,25 @@ reads them without this codec. :class:`FrameReader` reassembles frames split at 
 
 from __future__ import annotations
 
+# Start-up matters (every invocation's entry imports this module): at import time this needs msgpack
+# alone (which itself imports datetime and struct). uuid, decimal and pathlib are imported by their
+# codecs on first use, like numpy; logging only to log. No typing, dataclasses or inspect at runtime.
+import builtins
 import contextvars
-import dataclasses
 import datetime as _dt
-import decimal
-import logging
 import math
 import os
-import pathlib
 import struct
-import uuid
-from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from collections import namedtuple
 
 import msgpack
 
 from dreamlake.lakeshore.errors import DecodeError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any, Literal, NamedTuple, NoReturn
 
 __all__ = [
     "DEFAULT_FRAME_LIMITS",
@@ -100,8 +103,6 @@ __all__ = [
     "unregister",
 ]
 
-logger = logging.getLogger(__name__)
-
 MiB = 1024 * 1024
 USER_CODES = range(64, 128)
 BUILTIN_CODES = range(1, 64)
@@ -110,17 +111,79 @@ FRAME_VALUE, FRAME_END, FRAME_ERROR, FRAME_LOG = 1, 2, 3, 4
 FRAME_KINDS = frozenset({FRAME_VALUE, FRAME_END, FRAME_ERROR, FRAME_LOG})
 
 
-@dataclasses.dataclass(frozen=True)
-class Limits:
+class _Frozen:
+    """A frozen record with ``__slots__`` (what ``@dataclass(frozen=True)`` gives, without importing
+    dataclasses, which pulls in inspect): keyword or positional construction, ``==``, ``hash``,
+    ``repr`` and pickling by field values; assigning a field raises ``AttributeError``."""
+
+    __slots__: tuple[str, ...] = ()
+    __match_args__: tuple[str, ...] = ()
+
+    def _values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self.__match_args__)
+
+    def __setattr__(self, name: str, value: Any) -> NoReturn:
+        raise AttributeError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> NoReturn:
+        raise AttributeError(f"cannot delete field {name!r}")
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__match_args__)
+        return f"{type(self).__qualname__}({fields})"
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), self._values())
+
+
+class Limits(_Frozen):
     """Bounds on decoding untrusted bytes. Lengths count bytes (str/bin/ext) or items (array/map)."""
 
-    max_buffer_size: int = 128 * MiB
-    max_str_len: int = 128 * MiB
-    max_bin_len: int = 128 * MiB
-    max_ext_len: int = 128 * MiB
-    max_array_len: int = 16 * MiB
-    max_map_len: int = 4 * MiB
-    max_depth: int = 64  # ext values (tuple, set, user codecs) nested inside each other
+    __match_args__ = (
+        "max_buffer_size",
+        "max_str_len",
+        "max_bin_len",
+        "max_ext_len",
+        "max_array_len",
+        "max_map_len",
+        "max_depth",
+    )
+    __slots__ = __match_args__
+
+    max_buffer_size: int
+    max_str_len: int
+    max_bin_len: int
+    max_ext_len: int
+    max_array_len: int
+    max_map_len: int
+    max_depth: int  # ext values (tuple, set, user codecs) nested inside each other
+
+    def __init__(
+        self,
+        max_buffer_size: int = 128 * MiB,
+        max_str_len: int = 128 * MiB,
+        max_bin_len: int = 128 * MiB,
+        max_ext_len: int = 128 * MiB,
+        max_array_len: int = 16 * MiB,
+        max_map_len: int = 4 * MiB,
+        max_depth: int = 64,
+    ) -> None:
+        init = object.__setattr__
+        init(self, "max_buffer_size", max_buffer_size)
+        init(self, "max_str_len", max_str_len)
+        init(self, "max_bin_len", max_bin_len)
+        init(self, "max_ext_len", max_ext_len)
+        init(self, "max_array_len", max_array_len)
+        init(self, "max_map_len", max_map_len)
+        init(self, "max_depth", max_depth)
 
 
 DEFAULT_LIMITS = Limits()
@@ -128,15 +191,37 @@ DEFAULT_LIMITS = Limits()
 DEFAULT_FRAME_LIMITS = Limits(max_array_len=1024, max_map_len=1024)
 
 
-@dataclasses.dataclass(frozen=True)
-class Codec:
+class Codec(_Frozen):
     """How one type travels: ``encode(obj) -> bytes`` is the ext data, ``decode(bytes) -> obj``."""
+
+    __match_args__ = ("code", "type", "encode", "decode", "name")
+    __slots__ = __match_args__
 
     code: int
     type: type
     encode: Callable[[Any], bytes]
     decode: Callable[[bytes], Any]
     name: str
+
+    def __init__(
+        self,
+        code: int,
+        type: builtins.type,
+        encode: Callable[[Any], bytes],
+        decode: Callable[[bytes], Any],
+        name: str,
+    ) -> None:
+        object.__setattr__(self, "code", code)
+        object.__setattr__(self, "type", type)
+        object.__setattr__(self, "encode", encode)
+        object.__setattr__(self, "decode", decode)
+        object.__setattr__(self, "name", name)
+
+
+def _logger() -> Any:
+    import logging
+
+    return logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------- registry
@@ -145,9 +230,33 @@ _BY_CODE: dict[int, Codec] = {}
 _BY_TYPE: dict[type, Codec] = {}
 # type -> function returning something msgpack packs (an ExtType or a native value); a cache.
 _ENCODERS: dict[type, Callable[[Any], Any]] = {}
-# Codes whose codecs live in an optional library, loaded on first use: code -> loader.
-_LAZY_CODES: dict[int, str] = {1: "numpy", 2: "numpy", 3: "torch", 4: "PIL"}
-_LAZY_TYPES = {"numpy.ndarray", "numpy.generic", "torch.Tensor", "PIL.Image.Image"}
+# Codes whose codecs live in a module imported on first use (an optional library, or a stdlib
+# module the entry should not pay for at start-up): code -> module.
+_LAZY_CODES: dict[int, str] = {
+    1: "numpy",
+    2: "numpy",
+    3: "torch",
+    4: "PIL",
+    13: "uuid",
+    14: "decimal",
+    15: "pathlib",
+    16: "pathlib",
+    17: "pathlib",
+    18: "pathlib",
+}
+_LAZY_ROOTS = frozenset(_LAZY_CODES.values())
+_LAZY_TYPES = {
+    "numpy.ndarray",
+    "numpy.generic",
+    "torch.Tensor",
+    "PIL.Image.Image",
+    "uuid.UUID",
+    "decimal.Decimal",
+    "pathlib.PurePosixPath",
+    "pathlib.PureWindowsPath",
+    "pathlib.PosixPath",
+    "pathlib.WindowsPath",
+}
 _LOADED: dict[str, bool] = {}
 # Ext codes whose decoders unpack nested wire values (they count towards Limits.max_depth).
 _NESTED_CODES = {5, 6, 7}
@@ -196,6 +305,9 @@ def register(codec: Codec) -> None:
     qual = _qualname(codec.type)
     if codec.type in _NATIVE or codec.type in (bool, type(None), msgpack.ExtType, msgpack.Timestamp):
         raise ValueError(f"codec {codec.name!r}: {qual} is msgpack-native and never reaches a codec")
+    root = codec.type.__module__.partition(".")[0]
+    if root in _LAZY_ROOTS:
+        _load_optional(root)  # the type exists, so its module is imported already: this is cheap
     taken = _BY_TYPE.get(codec.type)
     if taken is not None or qual in _LAZY_TYPES:
         owner = taken.name if taken is not None else "a built-in codec"
@@ -219,10 +331,18 @@ def _qualname(t: type) -> str:
 
 # ---------------------------------------------------------------- pack
 
+# ExtType(code, data) without its Python-level __new__ checks (codes and data are checked here).
+_ExtType = msgpack.ExtType
+_new_tuple = tuple.__new__
+
+
+def _ext(code: int, data: bytes) -> msgpack.ExtType:
+    return _new_tuple(_ExtType, (code, data))
+
 
 def _encoder_for(t: type) -> Callable[[Any], Any]:
-    for root in {b.__module__.partition(".")[0] for b in t.__mro__} & {"numpy", "torch", "PIL"}:
-        _load_optional(root)  # a user subclass of ndarray counts too
+    for root in {b.__module__.partition(".")[0] for b in t.__mro__} & _LAZY_ROOTS:
+        _load_optional(root)  # a user subclass of ndarray (or of PurePath) counts too
     for base in t.__mro__:
         codec = _BY_TYPE.get(base)
         if codec is not None:
@@ -240,6 +360,9 @@ def _encoder_for(t: type) -> Callable[[Any], Any]:
 
 def _ext_encoder(codec: Codec) -> Callable[[Any], Any]:
     code, encode = codec.code, codec.encode
+    direct = _DIRECT.get(code)
+    if direct is not None and _BY_CODE.get(code) is codec:
+        return direct  # a built-in container: no wrapper, no checks on bytes it made itself
 
     def ext(obj: Any) -> msgpack.ExtType:
         data = encode(obj)
@@ -247,13 +370,22 @@ def _ext_encoder(codec: Codec) -> Callable[[Any], Any]:
             if not isinstance(data, (bytes, bytearray, memoryview)):
                 raise TypeError(f"codec {codec.name!r} encode returned {type(data).__name__}, not bytes")
             data = bytes(data)
-        return msgpack.ExtType(code, data)
+        return _ext(code, data)
 
     return ext
 
 
 def _default(obj: Any) -> Any:
     t = type(obj)
+    if t is tuple:  # by far the most common ext value: _tuple_ext inlined
+        try:
+            packer = _POOL.pop()
+        except IndexError:
+            packer = msgpack.Packer(default=_default, strict_types=True, use_bin_type=True)
+        out: bytes = packer.pack(list(obj))
+        if len(out) <= _POOL_KEEP and len(_POOL) < _POOL_MAX:
+            _POOL.append(packer)
+        return _new_tuple(_ExtType, (5, out))
     enc = _ENCODERS.get(t)
     if enc is None:
         enc = _ENCODERS[t] = _encoder_for(t)
@@ -268,12 +400,47 @@ _POOL_MAX = 16
 _POOL_KEEP = 1 * MiB
 
 
+def _pack_items(items: list[Any]) -> bytes:
+    """``pack(items)`` for the items of a built-in container: a pooled packer, no other checks."""
+    try:
+        packer = _POOL.pop()
+    except IndexError:
+        packer = msgpack.Packer(default=_default, strict_types=True, use_bin_type=True)
+    out: bytes = packer.pack(items)
+    if len(out) <= _POOL_KEEP and len(_POOL) < _POOL_MAX:
+        _POOL.append(packer)
+    return out
+
+
+def _tuple_ext(t: Any) -> msgpack.ExtType:
+    # _pack_items and _ext inlined (and this in _default for exact tuples): the most common ext value.
+    try:
+        packer = _POOL.pop()
+    except IndexError:
+        packer = msgpack.Packer(default=_default, strict_types=True, use_bin_type=True)
+    out: bytes = packer.pack(list(t))
+    if len(out) <= _POOL_KEEP and len(_POOL) < _POOL_MAX:
+        _POOL.append(packer)
+    return _new_tuple(_ExtType, (5, out))
+
+
+def _set_ext(s: Any) -> msgpack.ExtType:
+    return _ext(6, _pack_items(_sorted_if_possible(s)))
+
+
+def _frozenset_ext(s: Any) -> msgpack.ExtType:
+    return _ext(7, _pack_items(_sorted_if_possible(s)))
+
+
+# Built-in codes whose encoders return the ExtType themselves (see _ext_encoder).
+_DIRECT: dict[int, Callable[[Any], msgpack.ExtType]] = {5: _tuple_ext, 6: _set_ext, 7: _frozenset_ext}
+
 _BIG = 1 * MiB  # a top-level ext value this large is framed by hand: one copy instead of three
 
 
 def pack(value: Any) -> bytes:
     """msgpack bytes of ``value``; ``TypeError`` (with the fix) for a type nothing can pack."""
-    if getattr(value, "nbytes", 0) >= _BIG and type(value).__module__ == "numpy":
+    if type(value).__module__ == "numpy" and getattr(value, "nbytes", 0) >= _BIG:
         return _pack_big(value)
     try:
         packer = _POOL.pop()
@@ -302,15 +469,52 @@ _ARRAY_PARTS: Callable[[Any], tuple[bytes, Any]] | None = None
 
 # ---------------------------------------------------------------- unpack
 
+# Built-in nested codes decoded inline by _ext_hook (no codec call, no nested unpack() round trip).
+_SEQ_TYPES: dict[int, Callable[[list[Any]], Any]] = {5: tuple, 6: set, 7: frozenset}
+
 
 def _ext_hook(code: int, data: bytes) -> Any:
+    make = _SEQ_TYPES.get(code)
+    if make is not None:  # tuple / set / frozenset, the common case: the codec's decode, inline
+        depth = _DEPTH.get() + 1
+        lim = _LIMITS.get()
+        if depth > lim.max_depth:
+            raise DecodeError(f"ext values nested deeper than max_depth={lim.max_depth}")
+        token = _DEPTH.set(depth)
+        try:
+            n = len(data)  # every length is also bounded by the bytes at hand (min() inlined: it is hot)
+            try:
+                items = msgpack.unpackb(
+                    data,
+                    ext_hook=_ext_hook,
+                    raw=False,
+                    strict_map_key=False,
+                    max_str_len=lim.max_str_len if lim.max_str_len < n else n,
+                    max_bin_len=lim.max_bin_len if lim.max_bin_len < n else n,
+                    max_ext_len=lim.max_ext_len if lim.max_ext_len < n else n,
+                    max_array_len=lim.max_array_len if lim.max_array_len < n else n,
+                    max_map_len=lim.max_map_len if lim.max_map_len < n // 2 else n // 2,
+                )
+            except DecodeError as e:  # from a value nested deeper
+                raise _items_error(code, data, str(e)) from e
+            except Exception as e:  # msgpack errors, RecursionError: all mean bad bytes
+                raise _items_error(code, data, f"cannot decode wire value: {_why(e)}") from e
+            if type(items) is not list:
+                got = type(items).__name__
+                raise _items_error(code, data, f"expected a msgpack array inside the ext value, got {got}")
+            try:
+                return make(items)
+            except Exception as e:  # an unhashable set item
+                raise _items_error(code, data, _why(e)) from e
+        finally:
+            _DEPTH.reset(token)
     codec = _BY_CODE.get(code)
     if codec is None:
         root = _LAZY_CODES.get(code)
         if root is None or not _load_optional(root):
             return msgpack.ExtType(code, data)
         codec = _BY_CODE[code]
-    if code in _NESTED_CODES or code in USER_CODES:
+    if code in USER_CODES:
         depth = _DEPTH.get() + 1
         limits = _LIMITS.get()
         if depth > limits.max_depth:
@@ -321,6 +525,12 @@ def _ext_hook(code: int, data: bytes) -> Any:
         finally:
             _DEPTH.reset(token)
     return _decode_with(codec, data)
+
+
+def _items_error(code: int, data: bytes, why: str) -> DecodeError:
+    """The error the tuple / set / frozenset codec's decode (a nested ``unpack``) would raise."""
+    codec = _BY_CODE[code]
+    return DecodeError(f"corrupt ext data for {codec.name} (code {codec.code}): {why}", data)
 
 
 def _decode_with(codec: Codec, data: bytes) -> Any:
@@ -364,11 +574,11 @@ def unpack(data: bytes | bytearray | memoryview, *, limits: Limits | None = None
             ext_hook=_ext_hook,
             raw=False,
             strict_map_key=False,
-            max_str_len=min(lim.max_str_len, n),
-            max_bin_len=min(lim.max_bin_len, n),
-            max_ext_len=min(lim.max_ext_len, n),
-            max_array_len=min(lim.max_array_len, n),
-            max_map_len=min(lim.max_map_len, n // 2),
+            max_str_len=lim.max_str_len if lim.max_str_len < n else n,
+            max_bin_len=lim.max_bin_len if lim.max_bin_len < n else n,
+            max_ext_len=lim.max_ext_len if lim.max_ext_len < n else n,
+            max_array_len=lim.max_array_len if lim.max_array_len < n else n,
+            max_map_len=lim.max_map_len if lim.max_map_len < n // 2 else n // 2,
         )
     except DecodeError:
         raise
@@ -433,31 +643,32 @@ def _td_decode(data: bytes) -> _dt.timedelta:
     return _dt.timedelta(days=days, seconds=seconds, microseconds=micros)
 
 
-def _path_bytes(p: pathlib.PurePath) -> bytes:
-    return str(p).encode("utf-8", "surrogateescape")
-
-
-def _path_decoder(cls: type[pathlib.PurePath]) -> Callable[[bytes], pathlib.PurePath]:
-    def decode(data: bytes) -> pathlib.PurePath:
-        return cls(data.decode("utf-8", "surrogateescape"))
-
-    return decode
-
-
-def _decimal_decode(data: bytes) -> decimal.Decimal:
+def _iso_decode(cls: Any, data: bytes) -> Any:
+    """``cls.fromisoformat`` that keeps a sub-second UTC offset (CPython 3.11 silently drops it)."""
     text = data.decode("ascii")
-    with decimal.localcontext() as ctx:
-        ctx.traps[decimal.InvalidOperation] = True
-        return decimal.Decimal(text)
+    value = cls.fromisoformat(text)
+    sign_at = max(text.rfind("+"), text.rfind("-"))
+    offset = text[sign_at + 1 :] if sign_at > text.find(":") - 3 else ""
+    if "." in offset and value.tzinfo is not None:
+        hh, mm, rest = offset.split(":")
+        ss, us = rest.split(".")
+        delta = _dt.timedelta(
+            hours=int(hh), minutes=int(mm), seconds=int(ss), microseconds=int(us.ljust(6, "0"))
+        )
+        value = value.replace(tzinfo=_dt.timezone(-delta if text[sign_at] == "-" else delta))
+    return value
 
-
-_posix_cls: type[pathlib.PurePath] = pathlib.PurePosixPath if os.name == "nt" else pathlib.Path
-_windows_cls: type[pathlib.PurePath] = pathlib.Path if os.name == "nt" else pathlib.PureWindowsPath
 
 for _codec in (
-    Codec(5, tuple, lambda t: pack(list(t)), lambda b: tuple(_nested(b)), "tuple"),
-    Codec(6, set, lambda s: pack(_sorted_if_possible(s)), lambda b: set(_nested(b)), "set"),
-    Codec(7, frozenset, lambda s: pack(_sorted_if_possible(s)), lambda b: frozenset(_nested(b)), "frozenset"),
+    Codec(5, tuple, lambda t: _pack_items(list(t)), lambda b: tuple(_nested(b)), "tuple"),
+    Codec(6, set, lambda s: _pack_items(_sorted_if_possible(s)), lambda b: set(_nested(b)), "set"),
+    Codec(
+        7,
+        frozenset,
+        lambda s: _pack_items(_sorted_if_possible(s)),
+        lambda b: frozenset(_nested(b)),
+        "frozenset",
+    ),
     Codec(
         8, complex, lambda c: _COMPLEX.pack(c.real, c.imag), lambda b: complex(*_COMPLEX.unpack(b)), "complex"
     ),
@@ -465,7 +676,7 @@ for _codec in (
         9,
         _dt.datetime,
         lambda d: d.isoformat().encode(),
-        lambda b: _dt.datetime.fromisoformat(b.decode("ascii")),
+        lambda b: _iso_decode(_dt.datetime, b),
         "datetime",
     ),
     Codec(
@@ -479,18 +690,12 @@ for _codec in (
         11,
         _dt.time,
         lambda d: d.isoformat().encode(),
-        lambda b: _dt.time.fromisoformat(b.decode("ascii")),
+        lambda b: _iso_decode(_dt.time, b),
         "time",
     ),
-    Codec(12, _dt.timedelta, lambda d: pack([d.days, d.seconds, d.microseconds]), _td_decode, "timedelta"),
-    Codec(13, uuid.UUID, lambda u: u.bytes, lambda b: uuid.UUID(bytes=b), "uuid"),
-    Codec(14, decimal.Decimal, lambda d: str(d).encode(), _decimal_decode, "decimal"),
-    Codec(15, pathlib.PurePosixPath, _path_bytes, _path_decoder(pathlib.PurePosixPath), "pure-posix-path"),
     Codec(
-        16, pathlib.PureWindowsPath, _path_bytes, _path_decoder(pathlib.PureWindowsPath), "pure-windows-path"
+        12, _dt.timedelta, lambda d: _pack_items([d.days, d.seconds, d.microseconds]), _td_decode, "timedelta"
     ),
-    Codec(17, pathlib.PosixPath, _path_bytes, _path_decoder(_posix_cls), "posix-path"),
-    Codec(18, pathlib.WindowsPath, _path_bytes, _path_decoder(_windows_cls), "windows-path"),
 ):
     _add(_codec)
 # Only ints beyond 64 bits reach the codec (msgpack packs the rest); the type slot is int's own.
@@ -499,27 +704,64 @@ _BY_CODE[19] = Codec(19, int, _int_encode, _int_decode, "bigint")
 
 def _bigint(i: int) -> Any:
     """``i`` itself when msgpack packs it (an int subclass reaches here), else the ext of code 19."""
-    return i if -(2**63) <= i < 2**64 else msgpack.ExtType(19, _int_encode(i))
+    return i if -(2**63) <= i < 2**64 else _ext(19, _int_encode(i))
+
+
+def _register_uuid() -> None:
+    import uuid
+
+    _add(Codec(13, uuid.UUID, lambda u: u.bytes, lambda b: uuid.UUID(bytes=b), "uuid"))
+
+
+def _register_decimal() -> None:
+    import decimal
+
+    def decode(data: bytes) -> decimal.Decimal:
+        text = data.decode("ascii")
+        with decimal.localcontext() as ctx:
+            ctx.traps[decimal.InvalidOperation] = True
+            return decimal.Decimal(text)
+
+    _add(Codec(14, decimal.Decimal, lambda d: str(d).encode(), decode, "decimal"))
+
+
+def _register_pathlib() -> None:
+    import pathlib
+
+    def path_bytes(p: pathlib.PurePath) -> bytes:
+        return str(p).encode("utf-8", "surrogateescape")
+
+    def decoder(cls: type[pathlib.PurePath]) -> Callable[[bytes], pathlib.PurePath]:
+        def decode(data: bytes) -> pathlib.PurePath:
+            return cls(data.decode("utf-8", "surrogateescape"))
+
+        return decode
+
+    posix_cls: type[pathlib.PurePath] = pathlib.PurePosixPath if os.name == "nt" else pathlib.Path
+    windows_cls: type[pathlib.PurePath] = pathlib.Path if os.name == "nt" else pathlib.PureWindowsPath
+    for codec in (
+        Codec(15, pathlib.PurePosixPath, path_bytes, decoder(pathlib.PurePosixPath), "pure-posix-path"),
+        Codec(16, pathlib.PureWindowsPath, path_bytes, decoder(pathlib.PureWindowsPath), "pure-windows-path"),
+        Codec(17, pathlib.PosixPath, path_bytes, decoder(posix_cls), "posix-path"),
+        Codec(18, pathlib.WindowsPath, path_bytes, decoder(windows_cls), "windows-path"),
+    ):
+        _add(codec)
 
 
 # ---------------------------------------------------------------- optional libraries
 
 
 def _load_optional(root: str) -> bool:
-    """Register the codecs of numpy / torch / PIL on first use; False when it is not installed."""
+    """Register the codecs of numpy / torch / PIL (and of uuid / decimal / pathlib) on first use;
+    False when the library is not installed."""
     done = _LOADED.get(root)
     if done is not None:
         return done
     try:
-        if root == "numpy":
-            _register_numpy()
-        elif root == "torch":
-            _register_torch()
-        elif root == "PIL":
-            _register_pil()
+        _LOADERS[root]()
         ok = True
     except ImportError:
-        logger.debug("%s is not installed: its ext codes pass through as msgpack.ExtType", root)
+        _logger().debug("%s is not installed: its ext codes pass through as msgpack.ExtType", root)
         ok = False
     _LOADED[root] = ok
     return ok
@@ -696,16 +938,35 @@ def _register_pil() -> None:
     _add(Codec(4, Image.Image, encode, decode, "PIL.Image"))
 
 
+_LOADERS: dict[str, Callable[[], None]] = {
+    "numpy": _register_numpy,
+    "torch": _register_torch,
+    "PIL": _register_pil,
+    "uuid": _register_uuid,
+    "decimal": _register_decimal,
+    "pathlib": _register_pathlib,
+}
+
+
 # ---------------------------------------------------------------- frames
 
 
-class Frame(NamedTuple):
+if TYPE_CHECKING:
+
+    class _FrameFields(NamedTuple):
+        kind: int
+        seq: int
+        body: bytes | dict[str, Any]
+        meta: dict[str, Any] | None
+
+else:  # the same class without importing typing (msgpack has imported collections already)
+    _FrameFields = namedtuple("Frame", ("kind", "seq", "body", "meta"))
+
+
+class Frame(_FrameFields):
     """One frame of a result stream: ``[kind, seq, body, meta]`` on the wire."""
 
-    kind: int
-    seq: int
-    body: bytes | dict[str, Any]
-    meta: dict[str, Any] | None
+    __slots__ = ()
 
     @property
     def final(self) -> bool:

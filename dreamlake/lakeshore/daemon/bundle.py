@@ -9,7 +9,7 @@ Precedence: ``PYTHONPATH`` entries come before site-packages, so when the runtim
 dreamlake-lakeshore installed the bundle's modules win; the bundle is what nymph controls. The
 bundled ``dreamlake`` and ``dreamlake.lakeshore`` packages extend their ``__path__`` with the same
 packages found further down ``sys.path`` (plain directories), so a user function that imports the
-SDK (``dreamlake.lakeshore.udf``) still finds it in an installed copy.
+SDK (``dreamlake.lakeshore.decorator``) still finds it in an installed copy.
 
 Bytecode: the zip holds ``.pyc`` files compiled by the building interpreter (unchecked hash-based,
 so zip timestamps never matter); any other Python version compiles the sources on each start.

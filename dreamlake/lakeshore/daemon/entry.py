@@ -24,11 +24,14 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Callable, ContextManager, Dict, Iterator
 
 from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.envelope import RUNTIME_POLICIES, Envelope, resolve_fn
 from dreamlake.lakeshore.errors import EnvelopeError, WireError
+
+TYPE_CHECKING = False  # no typing at runtime: start-up is what a noop invocation costs
+if TYPE_CHECKING:
+    from typing import Any, Callable, ContextManager, Dict, Iterator
 
 ARGS_FILE = "args.msgpack"
 RESULT_FILE = "result.msgpack"
@@ -47,14 +50,22 @@ class _Refused(Exception):
     """A gate refused or the Envelope was bad: exit 2."""
 
 
+class _NoContext:
+    """contextlib.nullcontext without importing contextlib."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 def _run_context(envelope: Envelope) -> ContextManager[Any]:
     """The SDK's per-invocation run context when the user's code imported the SDK, else a no-op."""
-    udf = sys.modules.get("dreamlake.lakeshore.udf")
-    hook = getattr(udf, "invocation_context", None)
+    sdk = sys.modules.get("dreamlake.lakeshore.decorator")
+    hook = getattr(sdk, "invocation_context", None)
     if hook is None:
-        import contextlib
-
-        return contextlib.nullcontext()
+        return _NoContext()
     return hook(envelope)  # type: ignore[no-any-return]
 
 
@@ -101,6 +112,7 @@ class _Journal:
 
 def _is_stream(fn: Callable[..., Any], result: Any) -> bool:
     import types
+    from collections.abc import Iterator
 
     if isinstance(result, types.GeneratorType):
         return True
