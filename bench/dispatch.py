@@ -1,25 +1,33 @@
 """Submit-to-result round trip of a noop through the README's stack, beside a bare interpreter spawn.
 
-Usage: ``.venv/bin/python bench/dispatch.py [--calls 50] [--batch 100] [--slots 1,2,4] [--idle-s 60]``
+Usage: ``.venv/bin/python bench/dispatch.py [--runner process,docker,gvisor] [--calls 50]
+[--batch 100] [--slots 1,2,4] [--idle-s 60] [--image IMAGE]``
 
 The stack is :class:`dreamlake.lakeshore.devstack.LocalStack`: ``lakeshore server`` (embedded SQLite)
-and ``nymph start --runner process`` as real processes on loopback. A producer submits a ref noop
-(``bench/bench_fns.py``) over HTTP and awaits its result; nothing is simulated.
+and ``nymph start --runner RUNNER`` as real processes on loopback. A producer submits a ref noop
+(``bench/bench_fns.py``) over HTTP and awaits its result; nothing is simulated. ``docker`` and
+``gvisor`` need the engine and the image (``eval "$(bash scripts/services/docker.sh)"``; the image
+is ``--image`` or ``LAKESHORE_TEST_IMAGE``); their nymph gets ``--runner-opt image=IMAGE``.
 
 Rows, all measured in the same run so a loaded machine slows them alike:
 
-- ``bare spawn``: ``subprocess.run([python, "-c", "pass"])`` with the interpreter nymph spawns; the
-  floor any process-per-invocation design pays;
+- ``bare``: the floor for the runner, interleaved with the round trips: ``python -c pass`` with the
+  interpreter nymph spawns (process), ``docker run --rm --network none IMAGE python3 -c pass``
+  (docker), the same with ``--runtime=runsc`` (gvisor);
 - ``round trip``: submit -> claim -> workdir -> spawn entry -> result -> ack -> await answer, one call
   at a time, one slot (p50 / p90, and the ratio to the bare spawn's);
 - ``throughput N slots``: a batch of noops submitted at once and awaited, invocations/s, beside
   N / (bare spawn p50) (N bare spawns in parallel, the ideal for N slots);
 - nymph's idle RSS and CPU time over ``--idle-s`` seconds (psutil on the nymph process).
+
+With several runners, a last table has one column per runner: bare p50, round trip p50, and the
+runner's overhead over its bare floor (aim for docker / gvisor: under 10 %).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -87,7 +95,7 @@ class Producer:
         return out
 
     def submit(self) -> str:
-        body = {
+        body: dict[str, object] = {
             "invocation_id": ids.new_ulid(),
             "queue": QUEUE,
             "function": {"module": "_native_wire", "qualname": "_native_wire.envelope", "version": "v1"},
@@ -109,22 +117,30 @@ class Producer:
         return time.perf_counter() - t0
 
 
-def bare_spawn(python: str) -> float:
+def bare_command(runner: str, python: str, image: str) -> list[str]:
+    """The floor for ``runner``: the same interpreter (in the same image) doing nothing."""
+    if runner == "process":
+        return [python, "-c", "pass"]
+    runtime = ["--runtime=runsc"] if runner == "gvisor" else []
+    return ["docker", "run", "--rm", "--network", "none", *runtime, image, "python3", "-c", "pass"]
+
+
+def bare_spawn(cmd: list[str]) -> float:
     t0 = time.perf_counter()
-    subprocess.run([python, "-c", "pass"], check=True)
+    subprocess.run(cmd, check=True, timeout=120)
     return time.perf_counter() - t0
 
 
-def latency(stack: LocalStack, calls: int, python: str) -> tuple[list[float], list[float]]:
+def latency(stack: LocalStack, calls: int, bare_cmd: list[str]) -> tuple[list[float], list[float]]:
     producer = Producer(stack.url, stack.tokens["admin"])
     for _ in range(3):  # warm-up: page cache, bytecode, connections
         producer.round_trip()
-        bare_spawn(python)
+        bare_spawn(bare_cmd)
     trips: list[float] = []
     bare: list[float] = []
     for _ in range(calls):  # interleaved, so both see the same machine
         trips.append(producer.round_trip())
-        bare.append(bare_spawn(python))
+        bare.append(bare_spawn(bare_cmd))
     return trips, bare
 
 
@@ -138,10 +154,10 @@ def throughput(stack: LocalStack, batch: int, slots: int) -> float:
         return batch / (time.perf_counter() - t0)
 
 
-def bare_throughput(python: str, batch: int, slots: int) -> float:
+def bare_throughput(bare_cmd: list[str], batch: int, slots: int) -> float:
     with ThreadPoolExecutor(slots) as pool:
         t0 = time.perf_counter()
-        list(pool.map(lambda _: bare_spawn(python), range(batch)))
+        list(pool.map(lambda _: bare_spawn(bare_cmd), range(batch)))
         return batch / (time.perf_counter() - t0)
 
 
@@ -159,45 +175,76 @@ def idle(stack: LocalStack, seconds: float) -> tuple[float, float]:
     return rss, cpu / elapsed
 
 
-def _stack(slots: int) -> LocalStack:
+def _stack(slots: int, runner: str, image: str) -> LocalStack:
     return LocalStack(
         queues=[QUEUE],
         concurrency=slots,
+        runner=runner,
+        runner_options={"image": image, "pull": "never"} if runner != "process" else None,
         pythonpath=[BENCH],
         quiet=True,
         nymph_args=["--log-level", "WARNING"],
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=50, help="sequential round trips (default 50)")
-    parser.add_argument("--batch", type=int, default=100, help="noops per throughput batch (default 100)")
-    parser.add_argument("--slots", default="1,2,4", help="comma-separated slot counts (default 1,2,4)")
-    parser.add_argument("--idle-s", type=float, default=60.0, help="idle window for RSS/CPU (default 60)")
-    opts = parser.parse_args()
-    python = default_python()
+def bench_runner(runner: str, opts: argparse.Namespace, python: str) -> tuple[float, float]:
+    """Print the rows for one runner; return (bare p50, round trip p50) in seconds."""
+    bare_cmd = bare_command(runner, python, opts.image)
     slot_counts = [int(s) for s in opts.slots.split(",") if s.strip()]
-
-    print(f"interpreter: {python}; cores: {psutil.cpu_count()}")
-    with _stack(1) as stack:
-        trips, bare = latency(stack, opts.calls, python)
+    with _stack(1, runner, opts.image) as stack:
+        trips, bare = latency(stack, opts.calls, bare_cmd)
         ratio = statistics.median(trips) / statistics.median(bare)
-        print(f"\nround trip, 1 slot, N={opts.calls}")
-        print(f"  bare spawn  python -c pass      {_ms(bare)}")
+        print(f"\n[{runner}] round trip, 1 slot, N={opts.calls}")
+        label = {"process": "python -c pass", "docker": "docker run", "gvisor": "docker run --runtime=runsc"}
+        print(f"  bare  {label[runner]:26}  {_ms(bare)}")
         print(f"  submit -> result (noop)         {_ms(trips)}")
-        print(f"  ratio p50 round trip / bare spawn: {ratio:.2f}x (aim: <= 2x)")
+        print(f"  ratio p50 round trip / bare: {ratio:.2f}x (overhead {(ratio - 1) * 100:+.0f} %)")
         if opts.idle_s > 0:
             rss, cpu = idle(stack, opts.idle_s)
-            print(f"\nnymph idle over {opts.idle_s:g} s: RSS {rss:.1f} MiB, CPU {cpu * 100:.2f}% of one core")
+            print(f"  nymph idle over {opts.idle_s:g} s: RSS {rss:.1f} MiB, CPU {cpu * 100:.2f}% of one core")
+    if slot_counts and opts.batch > 0:
+        print(f"\n[{runner}] throughput, batch of {opts.batch} noops")
+        print(f"  {'slots':>5} {'nymph inv/s':>12} {'bare/s':>13} {'ratio':>7}")
+        for slots in slot_counts:
+            with _stack(slots, runner, opts.image) as stack:
+                rate = throughput(stack, opts.batch, slots)
+            floor = bare_throughput(bare_cmd, opts.batch, slots)
+            print(f"  {slots:>5} {rate:>12.1f} {floor:>13.1f} {floor / rate:>6.2f}x")
+    return statistics.median(bare), statistics.median(trips)
 
-    print(f"\nthroughput, batch of {opts.batch} noops")
-    print(f"  {'slots':>5} {'nymph inv/s':>12} {'bare spawn/s':>13} {'ratio':>7}")
-    for slots in slot_counts:
-        with _stack(slots) as stack:
-            rate = throughput(stack, opts.batch, slots)
-        floor = bare_throughput(python, opts.batch, slots)
-        print(f"  {slots:>5} {rate:>12.1f} {floor:>13.1f} {floor / rate:>6.2f}x")
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--runner", default="process", help="comma-separated: process, docker, gvisor (default process)"
+    )
+    parser.add_argument("--calls", type=int, default=50, help="sequential round trips (default 50)")
+    parser.add_argument("--batch", type=int, default=100, help="noops per throughput batch (0: skip)")
+    parser.add_argument("--slots", default="1,2,4", help="comma-separated slot counts (default 1,2,4)")
+    parser.add_argument("--idle-s", type=float, default=60.0, help="idle window for RSS/CPU (0: skip)")
+    parser.add_argument(
+        "--image",
+        default=os.environ.get("LAKESHORE_TEST_IMAGE", "lakeshore-python:bookworm"),
+        help="image for docker / gvisor (default LAKESHORE_TEST_IMAGE)",
+    )
+    opts = parser.parse_args()
+    python = default_python()
+    runners = [r.strip() for r in opts.runner.split(",") if r.strip()]
+    unknown = set(runners) - {"process", "docker", "gvisor"}
+    if unknown:
+        raise SystemExit(f"--runner: unknown {sorted(unknown)} (process, docker, gvisor)")
+
+    print(f"interpreter: {python}; image: {opts.image}; cores: {psutil.cpu_count()}")
+    results = {runner: bench_runner(runner, opts, python) for runner in runners}
+    if len(results) > 1:
+        print("\nnoop round trip, p50, 1 slot")
+        print(f"  {'':24}" + "".join(f"{r:>12}" for r in results))
+        print(f"  {'bare floor (ms)':24}" + "".join(f"{b * 1000:>12.1f}" for b, _ in results.values()))
+        print(f"  {'submit -> result (ms)':24}" + "".join(f"{t * 1000:>12.1f}" for _, t in results.values()))
+        print(
+            f"  {'overhead over bare':24}"
+            + "".join(f"{(t / b - 1) * 100:>+11.0f}%" for b, t in results.values())
+        )
 
 
 if __name__ == "__main__":

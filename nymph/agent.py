@@ -33,15 +33,16 @@ from dreamlake.lakeshore import __version__, ids
 from dreamlake.lakeshore.errors import InvalidId
 from nymph import observability as obs
 from nymph import upgrade
+from nymph import workdir as wd
 from nymph.client import AuthRejected, ClientError, ControlPlaneClient, is_retryable
 from nymph.config import NymphConfig
 from nymph.execjob import ExecJob, recover_execs
 from nymph.heartbeat import Heartbeat
 from nymph.identity import load_or_create_worker_id
-from nymph.job import SHUTDOWN_MESSAGE, Job, JobContext
+from nymph.job import SHUTDOWN_MESSAGE, Job, JobContext, backoff_s
 from nymph.outbox import Outbox
 from nymph.reconcile import recover_all
-from nymph.runner import Runner
+from nymph.runner import Runner, RunnerUnavailable
 from nymph.sdnotify import SdNotify
 from nymph.slots import Slots
 
@@ -82,6 +83,12 @@ class Agent:
         self._outbox_ok = True
         self._last_poll_ok = False
         self._sigints = 0
+        # the runner's health: claims stop (and /healthz says why) while check() fails
+        self._runner_ok = threading.Event()
+        self._runner_problem: str | None = None
+        self._runner_checking = threading.Lock()
+        self._reconciled = False
+        self._pending_recovery: list[dict[str, Any]] = []
         self.outbox: Outbox | None = None
         self.registered = threading.Event()
 
@@ -100,10 +107,10 @@ class Agent:
             health = obs.start_health_server(cfg.metrics_host, cfg.metrics_port, self.health)
         if not self._register():
             return self._finish(health)
-        ctx = self._context()
-        recover_execs(cfg.workdir, self.runner, self.outbox)
-        for job, alive in recover_all(ctx):
-            self._launch(job, lambda j=job, a=alive: j.resume(a))
+        if self._check_runner():
+            self._reconcile()
+        else:
+            self._pending_recovery = _leftover_entries(cfg.workdir)
         hb = Heartbeat(
             self.client,
             self.worker_id,
@@ -135,11 +142,17 @@ class Agent:
 
     def running(self) -> list[dict[str, Any]]:
         with self._lock:
-            return [job.running_entry for job in self._jobs.values()]
+            entries = [job.running_entry for job in self._jobs.values()]
+            # a previous life's work waiting for the runner to come back keeps its lease
+            known = {e["invocation_id"] for e in entries}
+            entries += [e for e in self._pending_recovery if e["invocation_id"] not in known]
+            return entries
 
     def health(self) -> dict[str, Any]:
         return {
-            "ok": self._ready and not self._stopping.is_set(),
+            "ok": self._ready and self._runner_ok.is_set() and not self._stopping.is_set(),
+            "runner_ok": self._runner_ok.is_set(),
+            "runner_problem": self._runner_problem,
             "worker_id": self.worker_id,
             "version": __version__,
             "runner": self.runner.name,
@@ -154,8 +167,76 @@ class Agent:
     def _context(self) -> JobContext:
         assert self.outbox is not None
         return JobContext(
-            self.config, self.runner, self.outbox, self.slots, self.worker_id, on_done=self._job_done
+            self.config,
+            self.runner,
+            self.outbox,
+            self.slots,
+            self.worker_id,
+            on_done=self._job_done,
+            on_unavailable=self._runner_unavailable,
         )
+
+    # --- the runner's health ---------------------------------------------------------------------
+
+    def _check_runner(self) -> bool:
+        """Run ``runner.check()``; True when it passes. Never raises: nymph keeps running."""
+        with self._runner_checking:
+            try:
+                self.runner.check()
+            except Exception as exc:
+                self._runner_unavailable(exc)
+                return False
+            if not self._runner_ok.is_set():
+                if self._runner_problem is not None:
+                    log.warning("runner %s is available again; claiming work", self.runner.name)
+                self._runner_problem = None
+                self._runner_ok.set()
+                self.notify.status(f"worker {self.worker_id}: runner {self.runner.name} ok")
+            return True
+
+    def _runner_unavailable(self, exc: BaseException) -> None:
+        """The runner cannot work: stop claiming and report not-ready until check() passes again."""
+        problem = f"{type(exc).__name__}: {exc}"
+        was_ok = self._runner_ok.is_set() or self._runner_problem is None
+        self._runner_ok.clear()
+        if problem != self._runner_problem or was_ok:
+            log.error(
+                "runner %s cannot work: %s -- no new claims until it can (retrying; "
+                "`nymph doctor` says what to fix)",
+                self.runner.name,
+                exc,
+            )
+            self.notify.status(f"runner {self.runner.name} unavailable: {exc}")
+        self._runner_problem = problem
+
+    def _await_runner(self) -> bool:
+        """Block (backoff and jitter) until ``runner.check()`` passes; False when stopping."""
+        tries = 0
+        while not self._claiming_stopped():
+            if self._runner_ok.is_set() or self._check_runner():
+                return True
+            self._stopping.wait(backoff_s(tries))
+            tries += 1
+        return False
+
+    def _reconcile(self) -> bool:
+        """Recover what a previous life left (deferred while the runner is unavailable)."""
+        ctx = self._context()
+        try:
+            found = recover_all(ctx)
+        except RunnerUnavailable as exc:
+            self._runner_unavailable(exc)
+            if not self._pending_recovery:
+                self._pending_recovery = _leftover_entries(self.config.workdir)
+            log.warning("reconciling the previous run's work is deferred until the runner is back")
+            return False
+        recover_execs(self.config.workdir, self.runner, self._require_outbox())
+        for job, alive in found:
+            self._launch(job, lambda j=job, a=alive: j.resume(a))
+        with self._lock:
+            self._pending_recovery = []
+        self._reconciled = True
+        return True
 
     def _retrying(self) -> tenacity.Retrying:
         return tenacity.Retrying(
@@ -225,6 +306,11 @@ class Agent:
 
     def _poll_loop(self) -> None:
         while not self._claiming_stopped():
+            if not self._runner_ok.is_set() or not self._reconciled:
+                if not self._await_runner():
+                    break
+                if not self._reconciled and not self._reconcile():
+                    continue
             free = self.slots.free()
             if free <= 0:
                 self.slots.wait_free(1.0)
@@ -486,3 +572,14 @@ class Agent:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def _leftover_entries(root: Any) -> list[dict[str, Any]]:
+    """``{invocation_id, attempt}`` of every unsettled workdir a previous life left (for leases)."""
+    out: list[dict[str, Any]] = []
+    for path in wd.leftovers(root):
+        meta = wd.read_meta(path)
+        if wd.is_settled(path) or not meta or meta.get("invocation_id") != path.name:
+            continue
+        out.append({"invocation_id": path.name, "attempt": int(meta.get("attempt", 1))})
+    return out

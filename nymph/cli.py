@@ -23,6 +23,13 @@ def _options(fn: Any) -> Any:
         click.option("--server", help="Control plane URL (NYMPH_SERVER)."),
         click.option("--token", help="Daemon token (NYMPH_TOKEN)."),
         click.option("--runner", help="Runner plugin name (default: process)."),
+        click.option(
+            "--runner-opt",
+            "runner_opts",
+            multiple=True,
+            metavar="KEY=VALUE",
+            help="Runner keyword option (VALUE read as TOML when it is, else a string); repeatable.",
+        ),
         click.option("--queue", "queues", multiple=True, help="Queue to serve; repeatable."),
         click.option("--concurrency", type=int, help="Invocations run at once (slots)."),
         click.option("--workdir", type=click.Path(path_type=Path), help="Root of per-invocation workdirs."),

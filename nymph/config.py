@@ -8,6 +8,12 @@ TOML keys are the field names (``-`` and ``_`` both accepted); runner keyword op
 ``[runner_options]`` table (for example ``python = "/usr/bin/python3"`` for the process runner).
 Environment values: lists are comma separated (``NYMPH_QUEUE=gpu,cpu``), labels are
 ``k=v,k2=v2``, booleans are ``1/true/yes/on``.
+
+Runner options merge key by key across the layers: the file's ``[runner_options]`` table, then
+``NYMPH_RUNNER_OPT_<KEY>=VALUE`` variables, then repeatable ``--runner-opt KEY=VALUE`` flags. A
+flag or variable VALUE is read as a TOML value when it is one (``pids=1024`` is an int,
+``read_only=true`` a bool, ``allowed_images=["a", "b"]`` a list, ``users={alice="1000:1000"}`` a
+table) and as a plain string otherwise (``image=python:3.11-slim``, ``memory=512m``).
 """
 
 from __future__ import annotations
@@ -138,6 +144,29 @@ def load_file(path: Path) -> dict[str, Any]:
     return out
 
 
+RUNNER_OPT_ENV = "NYMPH_RUNNER_OPT_"
+
+
+def option_value(raw: str) -> Any:
+    """A runner option's value from a flag or variable: a TOML value when it is one, else the string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def parse_runner_opts(items: Any) -> dict[str, Any]:
+    """``["image=python:3.11", "pids=1024"]`` -> ``{"image": "python:3.11", "pids": 1024}``."""
+    out: dict[str, Any] = {}
+    for item in [items] if isinstance(items, str) else list(items or ()):
+        key, sep, raw = str(item).partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise ConfigError(f"--runner-opt: expected KEY=VALUE, got {item!r}")
+        out[key] = option_value(raw.strip())
+    return out
+
+
 def from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in _FIELDS:
@@ -147,6 +176,13 @@ def from_env(environ: Mapping[str, str]) -> dict[str, Any]:
             if key in environ:
                 out[name] = environ[key]
                 break
+    opts = {
+        key[len(RUNNER_OPT_ENV) :].lower(): option_value(value.strip())
+        for key, value in environ.items()
+        if key.startswith(RUNNER_OPT_ENV) and len(key) > len(RUNNER_OPT_ENV)
+    }
+    if opts:
+        out["runner_options"] = opts
     return out
 
 
@@ -167,13 +203,20 @@ def resolve(
     if config_file is not None:
         layers.append(load_file(config_file))
     layers.append(from_env(environ))
-    layers.append({_norm(k): v for k, v in flags.items() if v is not None and v != () and v != []})
+    flag_layer = {_norm(k): v for k, v in flags.items() if v is not None and v != () and v != []}
+    runner_opts = flag_layer.pop("runner_opts", None)
+    if runner_opts:
+        flag_layer["runner_options"] = parse_runner_opts(runner_opts)
+    layers.append(flag_layer)
     merged: dict[str, Any] = {}
     for layer in layers:
         for name, value in layer.items():
             if name not in _FIELDS:
                 raise ConfigError(f"unknown setting {name!r}")
-            merged[name] = _coerce(name, value)
+            value = _coerce(name, value)
+            if name == "runner_options":  # merged key by key: a flag overrides one option, not all
+                value = {**merged.get("runner_options", {}), **value}
+            merged[name] = value
     merged = {k: v for k, v in merged.items() if v is not None or k in ("heartbeat_s", "metrics_port")}
     for required in ("server", "token"):
         if not merged.get(required):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -32,13 +33,23 @@ from nymph import workdir as wd
 from nymph.config import NymphConfig
 from nymph.outbox import Outbox
 from nymph.pump import Pump
-from nymph.runner import ExitStatus, Handle, Runner, RunnerError, Task
+from nymph.runner import ExitStatus, Handle, Runner, RunnerError, RunnerUnavailable, Task
 from nymph.slots import NotEnoughGpus, Slots, gpus_requested
 
 log = logging.getLogger(__name__)
 
 SHUTDOWN_MESSAGE = "daemon shutdown grace expired"
 _WAIT_STEP_S = 0.2
+RETRY_MAX_S = 10.0  # the longest pause between two tries of an unavailable runner
+
+
+def backoff_s(tries: int, cap: float = RETRY_MAX_S) -> float:
+    """Exponential backoff with full jitter: the pause before try ``tries + 1`` (0.5 s, 1 s, 2 s ...)."""
+    return float(random.uniform(0.5, 1.0) * min(cap, 0.5 * 2 ** min(tries, 10)))
+
+
+def _ignore_unavailable(exc: RunnerUnavailable) -> None:
+    pass
 
 
 @dataclass
@@ -51,6 +62,8 @@ class JobContext:
     slots: Slots
     worker_id: str
     on_done: Callable[[Job], None] = field(default=lambda job: None)
+    # the runner said it cannot work (engine down): the agent stops claiming until check() passes
+    on_unavailable: Callable[[RunnerUnavailable], None] = field(default=_ignore_unavailable)
 
 
 class Refused(Exception):
@@ -177,11 +190,14 @@ class Job:
             gpus=list(self._gpus),
             labels={"nymph.invocation": self.invocation_id, "nymph.worker": self.ctx.worker_id, **cfg.labels},
         )
-        try:
-            self.handle = self.ctx.runner.start(task)
-        except RunnerError as exc:
-            self._settle(wd.Outcome.failed(type(exc).__name__, str(exc)))
+        handle = self._start_when_available(task)
+        if handle is None:  # stopped (cancel, shutdown, lost lease) while the runner was unavailable
+            self._settle(self._stopped_outcome(None))
             return
+        if isinstance(handle, RunnerError):
+            self._settle(wd.Outcome.failed(type(handle).__name__, str(handle)))
+            return
+        self.handle = handle
         self.handle.save(self.workdir)
         log.info(
             "invocation %s: started (attempt %d, runner %s)",
@@ -190,6 +206,35 @@ class Job:
             self.ctx.runner.name,
         )
         self._supervise()
+
+    def _start_when_available(self, task: Task) -> Handle | RunnerError | None:
+        """``runner.start``, tried again (backoff and jitter) while the runner is unavailable.
+
+        An unavailable runner (the Docker engine down) is transient: the invocation stays claimed
+        (the heartbeat keeps its lease) and is not settled; the agent is told, so it stops claiming
+        and reports not-ready until ``runner.check()`` passes again. A refusal (RunnerError) is
+        returned to be acked ``failed``; None when the job was stopped while waiting.
+        """
+        tries = 0
+        while True:
+            try:
+                return self.ctx.runner.start(task)
+            except RunnerUnavailable as exc:
+                delay = backoff_s(tries)
+                tries += 1
+                log.warning(
+                    "invocation %s: runner %s unavailable (try %d), kept claimed, retrying in %.1fs: %s",
+                    self.invocation_id,
+                    self.ctx.runner.name,
+                    tries,
+                    delay,
+                    exc,
+                )
+                self.ctx.on_unavailable(exc)
+                if self._stop_event.wait(delay):
+                    return None
+            except RunnerError as exc:
+                return exc
 
     def _gates(self) -> None:
         cfg = self.ctx.config
@@ -266,9 +311,17 @@ class Job:
             job._gpus = gpus
         return job
 
-    def resume(self, alive: bool) -> None:
-        """Thread body for a recovered invocation: supervise it if alive, else report what it left."""
+    def resume(self, alive: bool | None) -> None:
+        """Thread body for a recovered invocation: supervise it if alive, else report what it left.
+
+        ``alive`` None: the runner could not say (engine down); ask again with backoff until it can.
+        """
         try:
+            if alive is None and self.handle is not None:
+                alive = self._recover_when_available(self.handle)
+                if alive is None:
+                    self._deferred_stop()
+                    return
             if self.handle is None:
                 self._settle(
                     wd.Outcome.failed("DaemonRestart", "nymph restarted before the task was started")
@@ -284,6 +337,46 @@ class Job:
         finally:
             self._release()
 
+    def _recover_when_available(self, handle: Handle) -> bool | None:
+        """``runner.recover`` tried again while the runner is unavailable; None if stopped meanwhile."""
+        tries = 0
+        while True:
+            try:
+                return bool(self.ctx.runner.recover(handle))
+            except RunnerUnavailable as exc:
+                delay = backoff_s(tries)
+                tries += 1
+                log.warning(
+                    "invocation %s: cannot re-attach yet, runner %s unavailable (try %d); retrying in %.1fs",
+                    self.invocation_id,
+                    self.ctx.runner.name,
+                    tries,
+                    delay,
+                )
+                self.ctx.on_unavailable(exc)
+                if self._stop_event.wait(delay):
+                    return None
+
+    def _deferred_stop(self) -> None:
+        """Stopped before the runner came back: on shutdown leave everything to the next life."""
+        request = self._stop_request
+        if (
+            request is not None
+            and request[0] == "killed"
+            and (request[1] or {}).get("message") == (SHUTDOWN_MESSAGE)
+        ):
+            log.warning(
+                "invocation %s: runner still unavailable at shutdown; left for the next start",
+                self.invocation_id,
+            )
+            self.state = "deferred"
+            return
+        log.warning(
+            "invocation %s: stopped while the runner was unavailable; its task is collected later",
+            self.invocation_id,
+        )
+        self._settle(self._stopped_outcome(None))
+
     # --- supervision -----------------------------------------------------------------------------
 
     def _supervise(self) -> None:
@@ -297,6 +390,7 @@ class Job:
         deadline = self.started_at + self.timeout_s if self.timeout_s else None
         status: ExitStatus | None = None
         stopped: tuple[str, dict[str, Any] | None, float] | None = None
+        tries = 0
         while status is None:
             if self._stop_request is not None:
                 stopped = self._stop_request
@@ -313,10 +407,28 @@ class Job:
                 log.info(
                     "invocation %s: stopping (%s), grace %.1fs", self.invocation_id, stopped[0], stopped[2]
                 )
-                runner.stop(self.handle, stopped[2])
-                status = runner.wait(self.handle, 5.0) or ExitStatus(-9, "stopped")
+                try:
+                    runner.stop(self.handle, stopped[2])
+                    status = runner.wait(self.handle, 5.0) or ExitStatus(-9, "stopped")
+                except RunnerUnavailable as exc:  # the labelled task is collected by a later start
+                    log.warning("invocation %s: could not stop the task: %s", self.invocation_id, exc)
+                    self.ctx.on_unavailable(exc)
                 break
-            status = runner.wait(self.handle, _WAIT_STEP_S)
+            try:
+                status = runner.wait(self.handle, _WAIT_STEP_S)
+                tries = 0
+            except RunnerUnavailable as exc:  # engine lost mid-run: the task may well live on
+                delay = backoff_s(tries)
+                tries += 1
+                log.warning(
+                    "invocation %s: lost the runner while waiting (try %d), retrying in %.1fs: %s",
+                    self.invocation_id,
+                    tries,
+                    delay,
+                    exc,
+                )
+                self.ctx.on_unavailable(exc)
+                self._stop_event.wait(delay)
         pump.stop()
         outcome = self._stopped_outcome(stopped) if stopped is not None else self._collect(status)
         self._finish(outcome)

@@ -6,25 +6,62 @@ For each ``{workdir}/{ULID}/``:
 * a persisted handle the runner can re-attach to (:meth:`Runner.recover`): supervised again
   (frames keep flowing, the wait, the ack) as if nothing happened;
 * a handle whose task is gone: its outputs are read and acked (frames not yet sent go first);
-* nymph's ``invocation.json`` but no handle (nymph died between the claim and the start):
-  acked ``failed`` ``{type: "DaemonRestart"}``; the control plane decides about a retry;
+* a handle the runner cannot look at yet (``recover`` raises :class:`RunnerUnavailable`: the
+  Docker engine is down): the job is resumed with ``alive=None`` and asks again, with backoff,
+  until the runner answers; nothing is acked on a guess;
+* nymph's ``invocation.json`` but no handle (nymph died between the claim and the start, or
+  between ``runner.start`` and saving the handle): when the runner lists a task labelled with the
+  invocation and attempt (``list_labelled``), that task is adopted; otherwise acked ``failed``
+  ``{type: "DaemonRestart"}``; the control plane decides about a retry;
 * nothing of nymph's at all: removed as an orphan, unless the outbox still holds a message for it.
+
+Runners that label what they start (docker, gvisor) expose ``list_labelled(worker_id)``: every
+labelled task of this worker that no unsettled workdir claims (its workdir is gone or settled) is
+destroyed here, so no labelled container outlives a restart.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Callable
+from typing import Any
 
 from nymph import workdir as wd
 from nymph.job import Job, JobContext
-from nymph.runner import Handle
+from nymph.runner import Handle, RunnerError, RunnerUnavailable
 
 log = logging.getLogger(__name__)
 
 
-def recover_all(ctx: JobContext) -> list[tuple[Job, bool]]:
-    """Jobs to resume, each with whether its task is still alive; orphans are cleaned here."""
-    found: list[tuple[Job, bool]] = []
+def _key(handle: Handle) -> str:
+    cid = handle.data.get("container_id")
+    return str(cid) if cid else json.dumps(handle.data, sort_keys=True)
+
+
+def _labelled(ctx: JobContext) -> list[Handle] | None:
+    """The runner's labelled tasks of this worker; None when the runner does not label.
+
+    Raises RunnerUnavailable: reconciliation waits for the runner (the agent retries).
+    """
+    lister: Callable[..., Any] | None = getattr(ctx.runner, "list_labelled", None)
+    if not callable(lister):
+        return None
+    return [h for h in lister(ctx.worker_id) if isinstance(h, Handle)]
+
+
+def recover_all(ctx: JobContext) -> list[tuple[Job, bool | None]]:
+    """Jobs to resume, each with whether its task is still alive (None: unknown yet).
+
+    Orphaned workdirs and labelled tasks nobody claims are cleaned here. Raises RunnerUnavailable
+    when the runner cannot list its tasks; call again once ``runner.check()`` passes.
+    """
+    labelled = _labelled(ctx)
+    by_invocation: dict[tuple[str, int], Handle] = {}
+    for h in labelled or []:
+        by_invocation.setdefault((h.invocation_id, h.attempt), h)
+    kept: set[str] = set()
+    found: list[tuple[Job, bool | None]] = []
     for path in wd.leftovers(ctx.config.workdir):
         invocation_id = path.name
         if wd.is_settled(path):
@@ -39,7 +76,17 @@ def recover_all(ctx: JobContext) -> list[tuple[Job, bool]]:
             wd.remove(path)
             continue
         handle = Handle.load(path)
-        alive = False
+        if handle is None:
+            adopted = by_invocation.get((invocation_id, int(meta.get("attempt", 1))))
+            if adopted is not None:
+                log.info(
+                    "invocation %s: no handle saved, but its labelled task %s exists; adopting it",
+                    invocation_id,
+                    _key(adopted)[:12],
+                )
+                adopted.save(path)
+                handle = adopted
+        alive: bool | None = False
         if handle is not None:
             if handle.runner != ctx.runner.name:
                 log.error(
@@ -48,11 +95,14 @@ def recover_all(ctx: JobContext) -> list[tuple[Job, bool]]:
                     handle.runner,
                     ctx.runner.name,
                 )
-                job = Job.attach(ctx, path, meta, None)
-                found.append((job, False))
+                found.append((Job.attach(ctx, path, meta, None), False))
                 continue
+            kept.add(_key(handle))
             try:
                 alive = ctx.runner.recover(handle)
+            except RunnerUnavailable as exc:
+                log.warning("invocation %s: runner unavailable, re-attach deferred: %s", invocation_id, exc)
+                alive = None
             except Exception as exc:
                 log.warning("invocation %s: recover failed: %s", invocation_id, exc)
                 alive = False
@@ -60,7 +110,23 @@ def recover_all(ctx: JobContext) -> list[tuple[Job, bool]]:
             "invocation %s: left by a previous run (attempt %s): %s",
             invocation_id,
             meta.get("attempt"),
-            "re-attaching" if alive else ("collecting its outcome" if handle else "never started"),
+            "re-attaching"
+            if alive
+            else ("deferred" if alive is None else "collecting its outcome" if handle else "never started"),
         )
         found.append((Job.attach(ctx, path, meta, handle), alive))
+    for h in labelled or []:
+        if _key(h) in kept:
+            continue
+        log.warning(
+            "invocation %s: labelled task %s of a previous run has no unsettled workdir; removed",
+            h.invocation_id,
+            _key(h)[:12],
+        )
+        try:
+            ctx.runner.destroy(h)
+        except RunnerUnavailable:
+            raise
+        except RunnerError as exc:
+            log.warning("invocation %s: could not remove task %s: %s", h.invocation_id, _key(h)[:12], exc)
     return found

@@ -2,7 +2,8 @@
 
 This is what the README's main job, the dispatch benchmark and a user trying lakeshore on a laptop
 run: the control plane on its embedded SQLite default in a temporary data directory, one nymph with
-the process runner, both on loopback, torn down on exit::
+the process runner (or ``runner="docker"`` / ``"gvisor"`` with ``runner_options`` such as
+``{"image": ...}``, passed as ``--runner-opt``), both on loopback, torn down on exit::
 
     with LocalStack(queues=["demo"], pythonpath=["examples"]) as stack:
         q = dls.SyncQueue("demo", dispatch=stack.plane())
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,21 @@ def _console_script(name: str) -> list[str]:
     return [sys.executable, "-m", module]
 
 
+def runner_opt_value(value: Any) -> str:
+    """A runner option as ``nymph start --runner-opt KEY=VALUE`` reads it (a TOML value, or a string)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k} = {runner_opt_value_toml(v)}" for k, v in value.items()) + "}"
+    return runner_opt_value_toml(value)
+
+
+def runner_opt_value_toml(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return runner_opt_value(value)
+    return json.dumps(value)  # bools, numbers, strings and lists of them are the same in TOML
+
+
 class StackError(RuntimeError):
     """The local stack could not start; the message says which process and why."""
 
@@ -61,6 +77,7 @@ class LocalStack:
         queues: Sequence[str] = ("default",),
         concurrency: int = 2,
         runner: str = "process",
+        runner_options: Mapping[str, Any] | None = None,
         pythonpath: Sequence[str | os.PathLike[str]] = (),
         nymph_args: Sequence[str] = (),
         data_dir: Path | None = None,
@@ -69,6 +86,7 @@ class LocalStack:
         self.queues = list(queues)
         self.concurrency = concurrency
         self.runner = runner
+        self.runner_options = dict(runner_options or {})
         self.pythonpath = [str(Path(p).resolve()) for p in pythonpath]
         self.nymph_args = list(nymph_args)
         self._own_dir = data_dir is None
@@ -122,6 +140,8 @@ class LocalStack:
         ]  # fmt: skip
         for q in self.queues:
             args += ["--queue", q]
+        for key, value in self.runner_options.items():
+            args += ["--runner-opt", f"{key}={runner_opt_value(value)}"]
         self.nymph = subprocess.Popen(
             [*args, *self.nymph_args], env=self._env(), stdout=self._out(), stderr=self._out()
         )

@@ -75,19 +75,19 @@ class DockerRunner:
         self,
         *,
         image: str = DEFAULT_IMAGE,
-        allowed_images: Iterable[str] = (),
+        allowed_images: Iterable[str] | str = (),
         pull: PullPolicy = "if-not-present",
         network: str = "none",
-        allowed_networks: Iterable[str] = (),
+        allowed_networks: Iterable[str] | str = (),
         read_only: bool = False,
         tmpfs_tmp: bool | str = False,
         cpus: float | None = None,
         memory: int | str | None = None,
         pids: int | None = None,
         shm: int | str | None = None,
-        users: Mapping[str, str] | None = None,
+        users: Mapping[str, str] | str | None = None,
         runtime: str | None = None,
-        code_dirs: Iterable[str] = (),
+        code_dirs: Iterable[str] | str = (),
         mount_pythonpath: bool = True,
         docker_host: str | None = None,
         python: str = "python3",
@@ -97,17 +97,17 @@ class DockerRunner:
         if pull not in PULL_POLICIES:
             raise RunnerError(f"{self.name} runner: pull must be one of {PULL_POLICIES}, got {pull!r}")
         self.image = image
-        self.allowed_images = tuple(allowed_images)
+        self.allowed_images = _strings(allowed_images)
         self.pull = pull
         self.network = network
-        self.allowed_networks = (network, *allowed_networks)
+        self.allowed_networks = (network, *_strings(allowed_networks))
         self.read_only = read_only
         self.tmpfs_tmp = tmpfs_tmp
         self.default_limits: dict[str, Any] = {"cpus": cpus, "memory": memory, "pids": pids, "shm": shm}
         policy.limits(None, **self.default_limits)  # validate the defaults now, not at the first task
-        self.users = dict(users or {})
+        self.users = _users(users)
         self.runtime = runtime
-        self.code_dirs = tuple(str(Path(d).resolve()) for d in code_dirs)
+        self.code_dirs = tuple(str(Path(d).resolve()) for d in _strings(code_dirs))
         self.mount_pythonpath = mount_pythonpath
         self.docker_host = docker_host
         self.python = python
@@ -407,6 +407,27 @@ class DockerRunner:
                 pass
         logs = log_tail(workdir)
         return ExitStatus(exit_code=code, reason=reason, logs=logs)
+
+
+def _strings(value: Iterable[str] | str) -> tuple[str, ...]:
+    """A list option; a string (``--runner-opt code_dirs=/a,/b``) is comma separated."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    return tuple(str(i).strip() for i in items if str(i).strip())
+
+
+def _users(value: Mapping[str, str] | str | None) -> dict[str, str]:
+    """The ``users`` option; a string is ``name=uid:gid,name2=uid:gid``."""
+    if not value:
+        return {}
+    if isinstance(value, str):
+        out: dict[str, str] = {}
+        for item in _strings(value):
+            name, sep, ids_ = item.partition("=")
+            if not sep or not name.strip() or not ids_.strip():
+                raise RunnerError(f"users: expected name=uid:gid, got {item!r}")
+            out[name.strip()] = ids_.strip()
+        return out
+    return {str(k): str(v) for k, v in value.items()}
 
 
 def _workdir(handle: Handle) -> Path | None:

@@ -6,13 +6,15 @@ import threading
 from pathlib import Path
 from typing import Any, ClassVar
 
+import pytest
+
 from dreamlake.lakeshore import ids
 from nymph import workdir as wd
 from nymph.config import resolve
 from nymph.gpus import Gpu, GpuPool
 from nymph.job import Job, JobContext
 from nymph.reconcile import recover_all
-from nymph.runner import Capabilities, Handle
+from nymph.runner import Capabilities, Handle, RunnerUnavailable
 from nymph.slots import Slots
 
 
@@ -81,3 +83,87 @@ def test_reattached_task_keeps_its_gpus(tmp_path: Path) -> None:
     assert isinstance(job, Job) and job._gpus == ["1"]
     assert job._env()["CUDA_VISIBLE_DEVICES"] == "1"
     assert slots.acquire_gpus(1, threading.Event()) == ["0"]  # device 1 stays with the re-attached task
+
+
+class _LabellingRunner(_Runner):
+    """A runner that labels its tasks (like docker): list_labelled, destroy, and an engine switch."""
+
+    def __init__(self, alive: set[str], labelled: list[Handle], up: bool = True) -> None:
+        super().__init__(alive)
+        self.labelled = labelled
+        self.destroyed: list[Handle] = []
+        self.up = up
+        self.listed_for: list[str | None] = []
+
+    def _engine(self) -> None:
+        if not self.up:
+            raise RunnerUnavailable("engine down")
+
+    def recover(self, handle: Handle) -> bool:
+        self._engine()
+        return super().recover(handle)
+
+    def list_labelled(self, worker_id: str | None = None) -> list[Handle]:
+        self._engine()
+        self.listed_for.append(worker_id)
+        return list(self.labelled)
+
+    def destroy(self, handle: Handle) -> None:
+        self._engine()
+        self.destroyed.append(handle)
+
+
+def _labelled_ctx(tmp_path: Path, runner: _LabellingRunner) -> JobContext:
+    config = resolve({"server": "http://x", "token": "t", "workdir": tmp_path}, {})
+    return JobContext(config, runner, _Outbox(set()), Slots(2), "W1")  # type: ignore[arg-type]
+
+
+def test_labelled_tasks_without_an_unsettled_workdir_are_destroyed_others_kept(tmp_path: Path) -> None:
+    running = _leftover(tmp_path)
+    settled = _leftover(tmp_path)
+    wd.mark_settled(tmp_path / settled, wd.Outcome.failed("X", "kept"))
+    gone = ids.new_ulid()  # its workdir is gone
+    handles = [Handle("fake", i, 2, {"container_id": f"c-{i}"}) for i in (running, settled, gone)]
+    for inv in (running, settled):
+        Handle("fake", inv, 2, {"container_id": f"c-{inv}"}).save(tmp_path / inv)
+    runner = _LabellingRunner({running}, handles)
+    found = recover_all(_labelled_ctx(tmp_path, runner))
+    assert [(j.invocation_id, alive) for j, alive in found] == [(running, True)]
+    assert runner.listed_for == ["W1"]  # only this worker's labelled tasks
+    assert sorted(h.invocation_id for h in runner.destroyed) == sorted([settled, gone])
+
+
+def test_a_workdir_without_a_handle_adopts_its_labelled_task(tmp_path: Path) -> None:
+    inv = _leftover(tmp_path, handle=False)  # died between runner.start and saving the handle
+    labelled = Handle("fake", inv, 2, {"container_id": "c-1"})
+    runner = _LabellingRunner({inv}, [labelled])
+    [(job, alive)] = recover_all(_labelled_ctx(tmp_path, runner))
+    assert alive is True and job.handle is not None and job.handle.data == {"container_id": "c-1"}
+    assert Handle.load(tmp_path / inv) is not None and not runner.destroyed
+
+
+def test_an_unavailable_runner_defers_instead_of_acking(tmp_path: Path) -> None:
+    inv = _leftover(tmp_path)
+    runner = _LabellingRunner({inv}, [], up=False)
+    with pytest.raises(RunnerUnavailable):  # the agent calls again once check() passes
+        recover_all(_labelled_ctx(tmp_path, runner))
+    assert (tmp_path / inv / "handle.json").exists() and not wd.is_settled(tmp_path / inv)
+
+
+def test_recover_raising_unavailable_resumes_with_alive_unknown_then_retries(tmp_path: Path) -> None:
+    inv = _leftover(tmp_path)
+    runner = _LabellingRunner({inv}, [])
+    calls = {"n": 0}
+    real = runner.recover
+
+    def flaky(handle: Handle) -> bool:
+        calls["n"] += 1
+        if calls["n"] <= 2:  # once in reconcile, once in the job (which backs off and asks again)
+            raise RunnerUnavailable("engine down")
+        return real(handle)
+
+    runner.recover = flaky  # type: ignore[method-assign]
+    [(job, alive)] = recover_all(_labelled_ctx(tmp_path, runner))
+    assert alive is None  # unknown: not acked on a guess
+    assert job._recover_when_available(job.handle) is True  # type: ignore[arg-type]
+    assert calls["n"] == 3

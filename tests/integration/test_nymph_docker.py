@@ -1,0 +1,243 @@
+"""``nymph start --runner docker|gvisor`` end to end: a real control plane, nymph as a real process,
+real containers on a real Docker engine (``scripts/services/docker.sh``; LAKESHORE_TEST_IMAGE).
+
+The image has python3 and msgpack but no dreamlake: the entry comes from the mounted bundle and the
+test functions from this repository, mounted read-only because it is on nymph's PYTHONPATH
+(``mount_pythonpath``). Runner options reach nymph through ``--runner-opt KEY=VALUE``. Every docker
+command here has a timeout, and every test checks that no container labelled for its worker is
+left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dreamlake.lakeshore import wire
+from tests import docker_fns, nymph_fns
+from tests.integration.conftest import ControlPlane
+from tests.integration.test_nymph_agent import (
+    Nymph,
+    _until,
+    await_result,
+    envelope,
+    frames_of,
+    state_of,
+    submit,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+KINDS = ("docker", "gvisor")
+
+
+def _docker(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _runtimes() -> dict[str, object] | None:
+    if shutil.which("docker") is None:
+        return None
+    try:
+        out = _docker("info", "--format", "{{json .Runtimes}}", timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return dict(json.loads(out.stdout)) if out.returncode == 0 else None
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    if _runtimes() is None:
+        pytest.skip("needs a reachable Docker engine (scripts/services/docker.sh)")
+    name = os.environ.get("LAKESHORE_TEST_IMAGE", "")
+    if not name or _docker("image", "inspect", name).returncode != 0:
+        pytest.skip("needs LAKESHORE_TEST_IMAGE on the engine (scripts/services/docker.sh builds one)")
+    return name
+
+
+def _require_kind(kind: str) -> None:
+    if kind == "gvisor" and "runsc" not in (_runtimes() or {}):
+        pytest.skip("needs the runsc runtime registered with the engine")
+
+
+def _labelled(worker_id: str) -> list[str]:
+    out = _docker("ps", "-a", "-q", "--filter", f"label=nymph.worker={worker_id}")
+    return out.stdout.split()
+
+
+def _worker_id(n: Nymph) -> str:
+    return str(_until(lambda: _read(n.state_dir / "worker_id"), "nymph's worker id"))
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+@pytest.fixture
+def start_nymph(image: str, tmp_path: Path) -> Iterator[Callable[..., Nymph]]:
+    started: list[Nymph] = []
+
+    def make(cp_url: str, token: str, kind: str, *extra: str) -> Nymph:
+        _require_kind(kind)
+        n = Nymph(
+            cp_url, token, tmp_path, "--runner", kind, "--runner-opt", f"image={image}",
+            "--runner-opt", "pull=never", *extra,
+        )  # fmt: skip
+        started.append(n)
+        return n.start()
+
+    yield make
+    for n in started:
+        n.stop()
+        if n.proc is not None and n.proc.returncode not in (0, None, -signal.SIGKILL):
+            print(n.output()[-5000:])
+    for worker in {_read(n.state_dir / "worker_id") for n in started} - {""}:
+        leftovers = _labelled(worker)
+        if leftovers:
+            _docker("rm", "-f", *leftovers)
+        assert not leftovers, f"containers left behind by nymph: {leftovers}"
+
+
+# --- a plain result and a live generator through each runner ----------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_plain_result_and_live_generator_through_nymph_start(
+    kind: str, sqlite_control_plane: ControlPlane, start_nymph: Callable[..., Nymph]
+) -> None:
+    cp = sqlite_control_plane
+    n = start_nymph(cp.url, cp.daemon_token, kind)
+    inv = submit(cp.url, cp.producer_token, envelope(docker_fns.add, 2, 3))
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert out["state"] == "succeeded", (out, n.output()[-3000:])
+    assert wire.unpack(out["result_blob"]) == 5
+
+    gen = submit(cp.url, cp.producer_token, envelope(docker_fns.gated_count, 3, "release"))
+    _until(lambda: len(frames_of(cp.url, cp.producer_token, gen, 0.5)) >= 2, "two frames while it runs")
+    assert state_of(cp.url, cp.producer_token, gen) == "running"
+    (n.workdir / gen / "release").touch()
+    out = await_result(cp.url, cp.producer_token, gen)
+    assert out["state"] == "succeeded", (out, n.output()[-3000:])
+    frames = frames_of(cp.url, cp.producer_token, gen)
+    assert [f.kind for f in frames] == [wire.FRAME_VALUE] * 3 + [wire.FRAME_END]
+    assert [wire.unpack(f.body) for f in frames[:3]] == [0, 1, 2]  # type: ignore[arg-type]
+    _until(lambda: not _labelled(_worker_id(n)), "every container to be removed")
+
+
+def test_as_user_runs_as_the_uid_the_operator_mapped(
+    sqlite_control_plane: ControlPlane, start_nymph: Callable[..., Nymph]
+) -> None:
+    cp = sqlite_control_plane
+    n = start_nymph(
+        cp.url, cp.daemon_token, "docker", "--allow-user", "nobody", "--runner-opt", 'users={nobody="65534:65534"}'
+    )  # fmt: skip
+    inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.whoami), as_user="nobody")
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert out["state"] == "succeeded", (out, n.output()[-3000:])
+    assert wire.unpack(out["result_blob"]) == 65534
+
+
+# --- restart: re-attach, collect, nothing left behind -------------------------------------------------
+
+
+def test_sigkill_nymph_while_a_container_runs_then_restart_acks_it_and_removes_it(
+    sqlite_control_plane: ControlPlane, start_nymph: Callable[..., Nymph], image: str
+) -> None:
+    cp = sqlite_control_plane
+    first = start_nymph(cp.url, cp.daemon_token, "docker")
+    inv = submit(cp.url, cp.producer_token, envelope(docker_fns.gated_count, 3, "release"))
+    handle_file = first.workdir / inv / "handle.json"
+    _until(handle_file.exists, "the container to start")
+    cid = str(json.loads(handle_file.read_text())["data"]["container_id"])
+    _until(lambda: len(frames_of(cp.url, cp.producer_token, inv, 0.5)) >= 2, "frames before the kill")
+    first.signal(signal.SIGKILL)
+    first.wait()
+    assert _docker("inspect", "-f", "{{.State.Running}}", cid).stdout.strip() == "true"
+    # a container of a previous life whose workdir is gone: the restart must collect it too
+    worker = _worker_id(first)
+    stray = _docker(
+        "run", "-d", "--network", "none", "--label", "nymph.runner=docker", "--label", "nymph.invocation=STRAY",
+        "--label", f"nymph.worker={worker}", "--entrypoint", "sleep", image, "300",
+    ).stdout.strip()  # fmt: skip
+    assert stray
+
+    second = start_nymph(cp.url, cp.daemon_token, "docker")
+    _until(lambda: "re-attached" in second.output(), "the new nymph to re-attach")
+    (second.workdir / inv / "release").touch()
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert out["state"] == "succeeded", second.output()[-3000:]
+    frames = frames_of(cp.url, cp.producer_token, inv)
+    assert [f.seq for f in frames] == [0, 1, 2, 3] and frames[-1].kind == wire.FRAME_END
+    _until(lambda: _docker("inspect", cid).returncode != 0, "the re-attached container to be removed")
+    assert _docker("inspect", stray).returncode != 0, "the stray labelled container was not collected"
+    assert not _labelled(worker)
+
+
+# --- the engine down at start -------------------------------------------------------------------------
+
+
+def _health(port: int) -> dict[str, object] | None:
+    try:
+        return dict(httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).json())
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def test_engine_down_at_start_is_reported_and_nymph_runs_the_work_once_it_is_back(
+    sqlite_control_plane: ControlPlane, start_nymph: Callable[..., Nymph]
+) -> None:
+    from dreamlake.lakeshore.devstack import free_port
+
+    cp = sqlite_control_plane
+    sock_dir = Path(tempfile.mkdtemp(prefix="ls-dk-", dir="/tmp"))  # a short path: sun_path is 108 bytes
+    sock = sock_dir / "docker.sock"
+    port = free_port()
+    try:
+        n = start_nymph(
+            cp.url, cp.daemon_token, "docker", "--runner-opt", f"docker_host=unix://{sock}",
+            "--metrics-port", str(port),
+        )  # fmt: skip
+        health = _until(lambda: (h := _health(port)) and h.get("runner_problem") and h, "not-ready health")
+        assert health["ok"] is False and health["runner_ok"] is False
+        assert "not reachable" in str(health["runner_problem"])
+        _until(lambda: "cannot work" in n.output(), "a clear log line")
+        inv = submit(cp.url, cp.producer_token, envelope(docker_fns.add, 20, 22))
+        assert n.proc is not None and n.proc.poll() is None  # alive, retrying
+        assert state_of(cp.url, cp.producer_token, inv) == "queued"  # nothing claimed meanwhile
+        os.symlink("/var/run/docker.sock", sock)  # the engine comes back
+        out = await_result(cp.url, cp.producer_token, inv, 90.0)
+        assert out["state"] == "succeeded", n.output()[-3000:]
+        assert wire.unpack(out["result_blob"]) == 42
+        _until(lambda: (h := _health(port)) and h.get("ok") is True, "ready health")
+        assert "available again" in n.output()
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def test_doctor_says_what_to_fix_when_the_engine_is_down(
+    sqlite_control_plane: ControlPlane, tmp_path: Path, image: str
+) -> None:
+    cp = sqlite_control_plane
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NYMPH_")}
+    env["DOCKER_HOST"] = f"unix://{tmp_path}/no-engine.sock"
+    cmd = [sys.executable, "-m", "nymph", "doctor", "--server", cp.url, "--token", cp.daemon_token,
+           "--runner", "docker", "--workdir", str(tmp_path / "w"), "--state-dir", str(tmp_path / "s")]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.startswith("[FAIL] runner"))
+    assert "no-engine.sock" in line and "not reachable" in line
+    assert "start the engine" in line and "DOCKER_HOST" in line
+    assert "[ok] server" in out.stdout and "[ok] token" in out.stdout
