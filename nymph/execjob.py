@@ -38,8 +38,9 @@ from typing import Any
 from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.errors import InvalidId
 from nymph.client import ClientError, ControlPlaneClient
+from nymph.job import backoff_s
 from nymph.outbox import Outbox
-from nymph.runner import ExitStatus, Handle, Runner, RunnerError, Task
+from nymph.runner import ExitStatus, Handle, Runner, RunnerError, RunnerUnavailable, Task
 from nymph.workdir import STDERR, STDOUT
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,28 @@ class ExecJob:
         if self._stop is None:
             self._stop = (message, self._stop_grace_s if grace_s is None else grace_s)
 
+    def _start_when_available(self, task: Task) -> Handle | str:
+        """``runner.start``, retried with backoff while the runner is unavailable (engine down);
+        a refusal, or a stop while waiting, comes back as the message to report."""
+        tries = 0
+        while True:
+            try:
+                return self._runner.start(task)
+            except RunnerUnavailable as exc:
+                delay = backoff_s(tries)
+                tries += 1
+                log.warning(
+                    "exec %s: runner %s unavailable (try %d), retrying in %.1fs: %s",
+                    self.exec_id, self._runner.name, tries, delay, exc,
+                )  # fmt: skip
+                deadline = time.monotonic() + delay
+                while time.monotonic() < deadline:
+                    if self._stop is not None:
+                        return f"stopped before it started ({self._stop[0]}): runner unavailable: {exc}"
+                    time.sleep(0.1)
+            except RunnerError as exc:
+                return f"runner {self._runner.name!r} could not start the command: {exc}"
+
     def start_thread(self) -> None:
         self._thread = threading.Thread(target=self.run, name=f"nymph-exec-{self.exec_id}", daemon=True)
         self._thread.start()
@@ -217,10 +240,9 @@ class ExecJob:
             script=self.command,
             labels={"nymph.exec": self.exec_id, "nymph.namespace": self.namespace},
         )
-        try:
-            handle = self._runner.start(task)
-        except RunnerError as exc:
-            return EXIT_NOT_RUN, "", f"runner {self._runner.name!r} could not start the command: {exc}"
+        handle = self._start_when_available(task)
+        if isinstance(handle, str):
+            return EXIT_NOT_RUN, "", handle
         handle.save(workdir)
         log.info("exec %s: started in namespace %s", self.exec_id, self.namespace)
         note = ""
