@@ -39,10 +39,22 @@ User codecs take codes 64..127: ``register(Codec(64, MyType, encode, decode, "my
 
 Behaviour worth knowing:
 
-* Numpy arrays of any dtype but ``object`` (refused with ``TypeError``), C or Fortran order (kept);
-  other views are packed as a C-order copy. Unpacked arrays are zero-copy, **read-only** views of the
-  received bytes (``arr.copy()`` to mutate). Byte order is kept. Subclasses (``np.memmap``) pack as
-  ``ndarray``.
+* Numpy arrays of any dtype but ``object`` (refused with ``TypeError``): bool, complex, datetime64 /
+  timedelta64 with their unit, strings, structured (padded and aligned layouts kept). C or Fortran
+  order is kept; other views (slices, transposes, broadcasts) are packed as a C-order copy. Unpacked
+  arrays are **read-only** views, never copied by the codec (``arr.copy()`` to mutate): of the ext
+  data msgpack hands over, or for a big top-level array of the input ``bytes`` themselves when that
+  view is aligned for the dtype. Byte order is kept. Subclasses
+  (``np.memmap``, ``np.matrix``) pack as ``ndarray``; a masked array is refused (its mask would be
+  lost). ``np.str_`` / ``np.bytes_`` subclass ``str`` / ``bytes`` and come back as those.
+* Torch tensors: dense tensors of every non-quantized dtype. A CUDA (or any non-CPU) tensor is copied
+  to the host and **comes back on CPU**: move it with ``.to(device)`` on the other side. The autograd
+  graph and ``requires_grad`` are dropped (``detach()``); strides are not kept (a contiguous copy);
+  unpacked tensors are writable copies. Sparse, nested, quantized and meta tensors raise
+  ``TypeError`` with the conversion to use.
+* PIL images: mode, size, pixel bytes and palette (with its mode) are kept exactly, for every mode
+  (``1``, ``L``, ``P``, ``RGB``, ``RGBA``, ``I;16``, ``F``, ...). ``img.info`` (transparency key, EXIF,
+  ICC profile) and the source file format are not carried.
 * ``strict_types=True``: the exact type decides. A subclass with no codec of its own is packed as the
   first class of its MRO that has one or that msgpack knows: ``IntEnum`` -> ``int``, ``OrderedDict``
   -> ``dict``, a namedtuple -> ``tuple``, a pandas ``Timestamp`` -> ``datetime``. That is lossy
@@ -812,21 +824,46 @@ def _register_numpy() -> None:
     def descr_out(dtype: Any) -> Any:
         return dtype.str if dtype.fields is None else dtype.descr
 
-    def descr_in(d: Any) -> Any:
+    def dtype_in(d: Any) -> Any:
+        """The dtype of a ``dtype.str`` or ``dtype.descr``; a descr field named ``""`` is padding
+        (as ``dtype.descr`` writes gaps and offsets), so padded and aligned structs keep their layout."""
         if type(d) is str:
-            return d
+            return np.dtype(d)
         if type(d) is not list:
             raise ValueError("dtype must be a str or a field list")
-        fields = []
+        names: list[str] = []
+        formats: list[Any] = []
+        offsets: list[int] = []
+        titles: list[Any] = []
+        offset = 0
         for f in d:
             if type(f) is not list or len(f) not in (2, 3):
                 raise ValueError("bad structured dtype field")
-            name = tuple(f[0]) if type(f[0]) is list else f[0]
-            rest = [descr_in(f[1])] + ([tuple(_shape(f[2]))] if len(f) == 3 else [])
-            fields.append((name, *rest))
-        return fields
+            title, name = f[0] if type(f[0]) is list and len(f[0]) == 2 else (None, f[0])
+            if type(name) is not str or (title is not None and type(title) is not str):
+                raise ValueError("structured dtype field names must be str")
+            sub = dtype_in(f[1])
+            if len(f) == 3:
+                sub = np.dtype((sub, _shape(f[2])))
+            if name:
+                names.append(name)
+                formats.append(sub)
+                offsets.append(offset)
+                titles.append(title)
+            offset += sub.itemsize
+        spec = {"names": names, "formats": formats, "offsets": offsets, "itemsize": offset}
+        if any(t is not None for t in titles):
+            spec["titles"] = titles
+        return np.dtype(spec)  # type: ignore[call-overload]
 
     def array_parts(arr: Any) -> tuple[bytes, Any]:
+        if type(arr) is not np.ndarray:
+            if isinstance(arr, np.ma.MaskedArray):
+                raise TypeError(
+                    "cannot pack a numpy masked array: the mask would be lost. Pack arr.filled(value), "
+                    "or arr.data and arr.mask as two arrays"
+                )
+            arr = arr.view(np.ndarray)  # a subclass (np.memmap, np.matrix) travels as its ndarray
         if arr.dtype.hasobject:
             raise TypeError(
                 f"cannot pack a numpy array of dtype {arr.dtype}: object arrays hold arbitrary Python "
@@ -847,7 +884,7 @@ def _register_numpy() -> None:
         header, raw = _split_header(data)
         if len(header) != 3 or type(header[2]) is not bool:
             raise ValueError("ndarray header must be [dtype, shape, fortran]")
-        dtype = np.dtype(descr_in(header[0]))
+        dtype = dtype_in(header[0])
         if dtype.hasobject:
             raise ValueError("object dtype refused")
         shape = _shape(header[1])
@@ -882,7 +919,21 @@ def _register_torch() -> None:
     import torch
 
     def encode(t: Any) -> bytes:
-        t = t.detach().to("cpu").contiguous()
+        # Only dense tensors with plain element bytes travel; the rest would lose what they are.
+        if t.is_nested or t.layout != torch.strided:
+            raise TypeError(
+                f"cannot pack a {t.layout} torch tensor: only dense (strided) tensors travel. "
+                "Convert it with t.to_dense() (or pack its indices and values as separate tensors)"
+            )
+        if t.is_quantized:
+            raise TypeError(
+                f"cannot pack a quantized torch tensor ({t.dtype}): its scale and zero point would be "
+                "lost. Convert it with t.dequantize() (or pack t.int_repr() with the quantization "
+                "parameters)"
+            )
+        if t.is_meta:
+            raise TypeError("cannot pack a torch tensor on the meta device: it has no data")
+        t = t.detach().to("cpu").contiguous()  # a CUDA (or MPS, ...) tensor is copied to the host
         raw: Any = b""
         if t.numel():
             raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
@@ -895,10 +946,14 @@ def _register_torch() -> None:
         dtype = getattr(torch, header[0], None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"unknown torch dtype {header[0]!r}")
+        if header[0].startswith(("qint", "quint")):  # never packed: raw bytes without scale / zero point
+            raise ValueError(f"quantized torch dtype {header[0]!r} refused")
         shape = _shape(header[1])
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if math.prod(shape) * itemsize != len(raw):
-            raise ValueError(f"tensor data is {len(raw)} bytes; {dtype} x {shape} needs more or less")
+        # dtype.itemsize is torch >= 2.1; an older torch in a user's runtime measures an empty tensor
+        itemsize = getattr(dtype, "itemsize", None) or torch.empty((), dtype=dtype).element_size()
+        need = math.prod(shape) * itemsize
+        if need != len(raw):
+            raise ValueError(f"tensor data is {len(raw)} bytes; {dtype} x {shape} needs {need}")
         if len(raw) == 0:
             return torch.empty(shape, dtype=dtype)
         flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)  # a writable copy, as torch expects

@@ -309,8 +309,10 @@ def _oldest_python() -> str | None:
 
 def test_bundle_runs_on_python_3_9(bundle: Path, tmp_path: Path) -> None:
     python = _oldest_python()
-    if python is None:
-        pytest.skip("no Python 3.9 under $PYENV_ROOT/versions (the ast check above still covers syntax)")
+    require(python is not None, "a Python 3.9 under $PYENV_ROOT/versions (the oldest the bundle supports)")
+    assert python is not None
+    probe = subprocess.run([python, "-s", "-c", "import msgpack"], capture_output=True, env={})
+    assert probe.returncode != 0, f"{python} has msgpack installed: not a bare runtime"
     workdir = _workdir(tmp_path, ff.count, 2)
     proc = _run(workdir, python=python, pythonpath=f"{bundle}{os.pathsep}{ROOT}")
     assert proc.returncode == 0, proc.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -130,6 +131,30 @@ def test_garbage_is_an_envelope_error(data: Any, message: str) -> None:
 def test_bad_fields_are_named(over: dict[str, Any], message: str) -> None:
     with pytest.raises(EnvelopeError, match=message):
         Envelope.from_bytes(_raw(**over))
+
+
+@pytest.mark.parametrize("transport", ["ref", "pickle"])
+def test_mutated_envelopes_only_raise_envelope_error(transport: str) -> None:
+    # Envelopes arrive from the network: flipped bits, cuts and insertions never escape as another error.
+    fn = fn_for(ff.add, transport=transport)
+    base = Envelope.create(fn, [1, (2, 3)], {"b": 4}, prefix="p", key="k", cfg={"code": {"x": 1}}).to_bytes()
+    rng = random.Random(transport)
+    for _ in range(2000):
+        data = bytearray(base)
+        for _ in range(rng.randrange(1, 4)):
+            i = rng.randrange(len(data))
+            op = rng.randrange(3)
+            if op == 0:
+                data[i] ^= 1 << rng.randrange(8)
+            elif op == 1:
+                del data[max(i, 1) :]
+            else:
+                data[i:i] = rng.randbytes(rng.randrange(1, 5))
+        for decode in (Envelope.from_bytes, Envelope.header):
+            try:
+                decode(bytes(data))
+            except EnvelopeError:
+                pass
 
 
 def test_trailing_bytes_are_refused() -> None:

@@ -8,9 +8,11 @@ import decimal
 import enum
 import json
 import pathlib
+import struct
 import subprocess
 import sys
 import uuid
+import warnings
 from typing import Any, NamedTuple
 
 import msgpack
@@ -100,6 +102,19 @@ def test_unknown_ext_passes_through_byte_identical() -> None:
     assert wire.pack(value) == blob
 
 
+@pytest.mark.parametrize("code", [0, 20, 63, 99, 127], ids=lambda c: f"code{c}")
+@pytest.mark.parametrize("size", [0, 1, 4, 16, 17, 255, 256, 70_000], ids=lambda n: f"{n}B")
+def test_unknown_ext_of_any_size_and_nesting_repacks_byte_identical(code: int, size: int) -> None:
+    # A newer peer's value (a reserved built-in code, a user code not registered here) passes through.
+    ext = msgpack.ExtType(code, (bytes(range(256)) * (size // 256 + 1))[:size])
+    for value in (ext, [ext, 1], {"k": ext}):
+        blob = msgpack.packb(value, use_bin_type=True)
+        assert wire.unpack(blob) == value
+        assert wire.pack(wire.unpack(blob)) == blob
+    in_tuple = wire.pack((ext,))
+    assert wire.unpack(in_tuple) == (ext,) and wire.pack(wire.unpack(in_tuple)) == in_tuple
+
+
 def test_subclasses_pack_as_their_base() -> None:
     class Color(enum.IntEnum):
         RED = 3
@@ -152,7 +167,17 @@ def test_plain_enum_is_refused() -> None:
         np.array(7.5, dtype=np.float16),
         np.array([(1, 2.0), (3, 4.0)], dtype=[("a", "<i4"), ("b", "<f8")]),
         np.zeros(2, dtype=[("xy", "<f4", (2,)), ("n", [("k", "u1"), ("t", "S3")])]),
+        np.zeros(3, dtype=np.dtype({"names": ["a", "b"], "formats": ["u1", "<f8"], "offsets": [0, 8]})),
+        np.ones(2, dtype=np.dtype([("a", "u1"), ("b", "<f8")], align=True)),
+        np.zeros(2, dtype=np.dtype({"names": ["a"], "formats": ["<i4"], "offsets": [4], "itemsize": 12})),
+        np.zeros(2, dtype=[(("Title", "t"), "<i4")]),
+        np.array([1 + 2j], dtype=np.clongdouble),
+        np.array(["2020-01-01T00:00:00.123456789"], dtype="M8[ns]").reshape(1, 1),
+        np.broadcast_to(np.arange(3, dtype=np.int16), (4, 3)),
         np.asfortranarray(np.arange(24, dtype=np.int32).reshape(2, 3, 4)),
+        np.asfortranarray(np.eye(3, dtype=bool)),
+        np.arange(60).reshape(3, 4, 5)[:, ::2, ::-1],
+        np.arange(6).reshape(2, 3).T,
         np.arange(40, dtype=np.uint8).reshape(5, 8)[::2, 1::3],
         np.arange(10, dtype=np.float64)[::-1],
     ],
@@ -175,7 +200,16 @@ def test_fortran_order_is_kept_and_unpack_is_zero_copy_readonly() -> None:
 
 
 def test_numpy_scalars_keep_their_type() -> None:
-    values = [np.float32(1.5), np.int64(-3), np.bool_(True), np.datetime64("2020-01-01"), np.complex128(1j)]
+    values = [
+        np.float32(1.5),
+        np.int64(-3),
+        np.bool_(True),
+        np.datetime64("2020-01-01"),
+        np.datetime64("2020-01-01T12:00:00.123456789"),
+        np.timedelta64(5, "ms"),
+        np.complex128(1j),
+        np.float16(-0.0),
+    ]
     out = rt(values)
     for a, b in zip(values, out, strict=True):
         assert type(a) is type(b) and a == b
@@ -194,21 +228,41 @@ def test_ndarray_subclass_packs_as_ndarray() -> None:
     assert type(out) is np.ndarray and out.tolist() == [0, 1, 2]
 
 
+def test_masked_array_is_refused_rather_than_losing_its_mask() -> None:
+    with pytest.raises(TypeError, match=r"mask.*filled"):
+        wire.pack(np.ma.masked_array([1, 2], mask=[0, 1]))
+
+
 # ---------------------------------------------------------------- PIL, torch
 
 
-@pytest.mark.parametrize("mode", ["1", "L", "LA", "RGB", "RGBA", "CMYK", "I", "F", "I;16", "P"])
+@pytest.mark.parametrize(
+    "mode", ["1", "L", "LA", "P", "PA", "RGB", "RGBA", "CMYK", "YCbCr", "I", "F", "I;16", "I;16B"]
+)
 def test_pil_image_is_lossless(mode: str) -> None:
     rng = np.random.default_rng(0)
     img = Image.frombytes(mode, (7, 5), rng.bytes(len(Image.new(mode, (7, 5)).tobytes())))
-    if mode == "P":
+    if mode in ("P", "PA"):
         img.putpalette(list(range(256)) * 3)
     out = rt(img)
     assert isinstance(out, Image.Image)
     assert (out.mode, out.size) == (img.mode, img.size)
     assert out.tobytes() == img.tobytes()
-    if mode == "P":
-        assert out.getpalette() == img.getpalette()
+    assert out.getpalette() == img.getpalette()
+
+
+def test_pil_palette_keeps_its_mode_and_length() -> None:
+    rgba = Image.frombytes("P", (4, 4), bytes(range(16)))
+    rgba.putpalette(bytes(range(64)), "RGBA")
+    out = rt(rgba)
+    assert out.palette.mode == "RGBA" and out.getpalette("RGBA") == rgba.getpalette("RGBA")
+    short = Image.frombytes("P", (2, 2), bytes([0, 1, 2, 3]))
+    short.putpalette([255, 0, 0, 0, 255, 0, 0, 0, 255, 9, 9, 9])
+    assert rt(short).getpalette() == short.getpalette() == [255, 0, 0, 0, 255, 0, 0, 0, 255, 9, 9, 9]
+    quantized = Image.fromarray(np.random.default_rng(1).integers(0, 255, (8, 8, 3), dtype=np.uint8))
+    quantized = quantized.convert("P")
+    back = rt(quantized)
+    assert back.convert("RGB").tobytes() == quantized.convert("RGB").tobytes()
 
 
 def test_empty_pil_image() -> None:
@@ -216,16 +270,89 @@ def test_empty_pil_image() -> None:
     assert out.size == (0, 3)
 
 
-def test_torch_tensor_round_trip() -> None:
-    torch = pytest.importorskip("torch", reason="torch is optional and not installed here")
-    for t in [
+def _torch() -> Any:
+    import torch  # in the test extra: the torch codec is tested, never skipped
+
+    return torch
+
+
+def _torch_cases() -> list[Any]:
+    torch = _torch()
+    return [
         torch.arange(6, dtype=torch.float32).reshape(2, 3),
         torch.tensor([True, False]),
         torch.ones(3, dtype=torch.bfloat16),
-    ]:
-        out = rt(t)
-        assert out.dtype == t.dtype and out.shape == t.shape and torch.equal(out, t)
+        torch.tensor([1 + 2j, -3j], dtype=torch.complex64),
+        torch.tensor([-1, 2], dtype=torch.int8),
+        torch.tensor([0, 65535], dtype=torch.int32).to(torch.uint16),
+        torch.tensor(3.5, dtype=torch.float64),  # 0-d
+        torch.zeros(2, 0),
+        torch.zeros(3, dtype=torch.float8_e4m3fn),
+    ]
+
+
+@pytest.mark.parametrize("index", range(9))
+def test_torch_tensor_round_trip(index: int) -> None:
+    torch = _torch()
+    t = _torch_cases()[index]
+    out = rt(t)
+    assert type(out) is torch.Tensor
+    assert (out.dtype, out.shape, out.device.type) == (t.dtype, t.shape, "cpu")
+    assert _tensor_bytes(out) == _tensor_bytes(t)  # bit for bit, NaN payloads and -0.0 included
+    _tensor_bytes(out, zero=True)  # unpacked tensors are writable (torch warns on read-only memory)
+    assert not out.any()
+
+
+def _tensor_bytes(t: Any, *, zero: bool = False) -> list[int]:
+    flat = t.reshape(-1).view(_torch().uint8)
+    if zero:
+        flat.zero_()
+    return list(flat.tolist())
+
+
+def test_torch_views_and_autograd() -> None:
+    torch = _torch()
+    strided = torch.arange(24).reshape(4, 6)[::2, 1::2]
+    assert rt(strided).tolist() == strided.tolist()
     assert rt(torch.arange(6).reshape(2, 3).t()).tolist() == [[0, 3], [1, 4], [2, 5]]
+    channels_last = torch.randn(1, 3, 4, 4).to(memory_format=torch.channels_last)
+    assert torch.equal(rt(channels_last), channels_last)
+    grad = torch.ones(2, requires_grad=True) * 2
+    out = rt(grad)
+    assert not out.requires_grad and out.grad_fn is None and out.tolist() == [2.0, 2.0]
+    assert type(rt(torch.nn.Parameter(torch.ones(2)))) is torch.Tensor
+
+
+def test_torch_tensors_that_would_lose_meaning_are_refused_with_the_fix() -> None:
+    torch = _torch()
+    with pytest.raises(TypeError, match="to_dense"):
+        wire.pack(torch.eye(3).to_sparse())
+    with pytest.raises(TypeError, match="meta"):
+        wire.pack(torch.empty(2, device="meta"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized tensors are deprecated in torch itself
+        quantized = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8)
+    with pytest.raises(TypeError, match="dequantize"):
+        wire.pack(quantized)
+
+
+def test_torch_quantized_dtype_from_a_peer_is_a_decode_error() -> None:
+    header = msgpack.packb(["qint32", [2]])
+    raw = struct.pack("<I", len(header)) + header
+    raw += b"\0" * (-len(raw) % 16) + b"\1" * 8
+    with pytest.raises(DecodeError, match="quantized"):
+        wire.unpack(msgpack.packb(msgpack.ExtType(3, raw)))
+
+
+def test_cuda_tensor_comes_back_on_cpu() -> None:
+    torch = _torch()
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here (the CPU build of torch); the codec moves tensors to the host")
+    t = torch.arange(6, dtype=torch.float16, device="cuda").reshape(2, 3)
+    out = rt({"t": t})["t"]
+    assert out.device.type == "cpu" and out.dtype == t.dtype
+    assert torch.equal(out, t.cpu())
+    assert wire.pack(t) == wire.pack(t.cpu())  # the same bytes as the host copy
 
 
 # ---------------------------------------------------------------- registry
@@ -353,3 +480,19 @@ def test_big_top_level_arrays_take_the_same_bytes_both_ways(arr: np.ndarray) -> 
         wire.unpack(blob[:-1])
     with pytest.raises(DecodeError):
         wire.unpack(blob + b"\x00")
+
+
+def _buffer_owner(arr: np.ndarray) -> Any:
+    base: Any = arr
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return base.obj if isinstance(base, memoryview) else base
+
+
+def test_unpack_never_copies_array_data_itself() -> None:
+    image = np.zeros((1024, 1024, 3), dtype=np.uint8)  # big, top level, byte-aligned: the input itself
+    blob = wire.pack(image)
+    assert _buffer_owner(wire.unpack(blob)) is blob
+    small = {"a": np.arange(4, dtype=np.float64)}  # nested: a view of the ext data msgpack hands over
+    out = wire.unpack(wire.pack(small))["a"]
+    assert not out.flags.owndata and isinstance(_buffer_owner(out), bytes)

@@ -13,9 +13,11 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from PIL import Image
 
 from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.errors import DecodeError
@@ -111,6 +113,12 @@ def _check(data: bytes) -> None:
         pass
 
 
+def _palette_image() -> Image.Image:
+    img = Image.new("P", (3, 3))
+    img.putpalette(bytes(range(48)), "RGBA")
+    return img
+
+
 SAMPLES: list[bytes] = [
     wire.pack(
         {
@@ -129,6 +137,9 @@ SAMPLES: list[bytes] = [
         }
     ),
     wire.pack(np.zeros(3, dtype=[("a", "<i4"), ("b", "S2")])),
+    wire.pack(np.zeros(2, dtype=np.dtype({"names": ["a"], "formats": ["<f8"], "offsets": [8]}))),
+    wire.pack([_palette_image(), Image.new("I;16", (3, 2)), Image.new("1", (9, 2))]),
+    wire.pack([torch.arange(6, dtype=torch.int16).reshape(2, 3), torch.ones(2, dtype=torch.bfloat16)]),
 ]
 
 
