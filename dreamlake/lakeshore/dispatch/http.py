@@ -27,6 +27,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_expo
 from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.dispatch import Claim
 from dreamlake.lakeshore.errors import AuthError, NotFound, PlaneError
+from dreamlake.lakeshore.store.api import TERMINAL_STATES
 
 if TYPE_CHECKING:
     from dreamlake.lakeshore.wire import Frame
@@ -36,7 +37,6 @@ __all__ = ["HttpDispatch"]
 log = logging.getLogger(__name__)
 
 MSGPACK = "application/x-msgpack"
-TERMINAL = frozenset({"succeeded", "failed", "killed", "timeout", "cancelled"})
 _FUNCTION_STUB = {"module": "_native_wire", "qualname": "_native_wire.envelope", "version": "v1"}
 _SLACK_S = 10.0  # read-timeout margin over a server-side long poll
 _STREAM_RECONNECTS = 5
@@ -215,7 +215,7 @@ class HttpDispatch:
             if not topic:
                 if terminal and not got_any:
                     return
-                if self.status(owner)["state"] in TERMINAL:
+                if self.status(owner)["state"] in TERMINAL_STATES:
                     terminal = True  # one more replay picks up frames that raced the state check
                     continue
             if time.monotonic() - last_frame >= timeout - 0.05:

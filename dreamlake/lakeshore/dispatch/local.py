@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.dispatch import Claim
 from dreamlake.lakeshore.errors import NotFound, PlaneError
+from dreamlake.lakeshore.store.api import TERMINAL_STATES
 
 if TYPE_CHECKING:
     from dreamlake.lakeshore.store.api import Invocation
@@ -31,27 +32,7 @@ __all__ = ["Dispatch"]
 log = logging.getLogger(__name__)
 
 TOPIC_PREFIX = "topic:"  # the store journals topic frames under this owner prefix
-TERMINAL = frozenset({"succeeded", "failed", "killed", "timeout", "cancelled"})
 _FUNCTION_STUB = {"module": "_native_wire", "qualname": "_native_wire.envelope", "version": "v1"}
-
-
-def invocation_record(inv: Invocation) -> dict[str, Any]:
-    """The ``GET /v1/producer/invocations/:id`` shape of a store row."""
-    return {
-        "invocation_id": inv.invocation_id,
-        "state": inv.state,
-        "queue": inv.queue,
-        "priority": inv.priority,
-        "attempt": inv.attempt,
-        "max_attempts": inv.max_attempts,
-        "worker_id": inv.worker_id,
-        "submitted_at": inv.submitted_at,
-        "started_at": inv.started_at,
-        "finished_at": inv.finished_at,
-        "error": inv.error,
-        "parent_invocation_id": inv.parent_invocation_id,
-        "root_invocation_id": inv.root_invocation_id,
-    }
 
 
 class Dispatch:
@@ -110,7 +91,7 @@ class Dispatch:
         return self.store.submit(req).invocation_id
 
     def status(self, invocation_id: str) -> dict[str, Any]:
-        return invocation_record(self._get(invocation_id))
+        return self._get(invocation_id).status()
 
     def await_result(self, invocation_id: str, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + max(0.0, timeout)
@@ -118,7 +99,7 @@ class Dispatch:
         while True:
             mark = self.notifier.mark()
             inv = self._get(invocation_id)
-            if inv.state in TERMINAL:
+            if inv.state in TERMINAL_STATES:
                 return {"state": inv.state, "result_blob": inv.result_blob or b"", "error": inv.error}
             if time.monotonic() >= deadline:
                 return {"state": "pending"}
@@ -151,7 +132,7 @@ class Dispatch:
             if rows:
                 deadline = time.monotonic() + timeout
                 continue
-            if not topic and self._get(owner).state in TERMINAL:
+            if not topic and self._get(owner).state in TERMINAL_STATES:
                 # frames are journaled before the ack: one more read sees any that raced the check
                 late = self.store.read_frames(owner_id, since)
                 for row in late:

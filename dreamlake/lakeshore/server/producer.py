@@ -84,29 +84,11 @@ async def await_(ctx: Context, principal: Principal, body: dict[str, Any]) -> di
     return outcome(inv)
 
 
-def describe(inv: Invocation) -> dict[str, Any]:
-    return {
-        "invocation_id": inv.invocation_id,
-        "state": inv.state,
-        "queue": inv.queue,
-        "priority": inv.priority,
-        "attempt": inv.attempt,
-        "max_attempts": inv.max_attempts,
-        "worker_id": inv.worker_id,
-        "submitted_at": inv.submitted_at,
-        "started_at": inv.started_at,
-        "finished_at": inv.finished_at,
-        "error": inv.error,
-        "parent_invocation_id": inv.parent_invocation_id,
-        "root_invocation_id": inv.root_invocation_id,
-    }
-
-
 async def status(ctx: Context, invocation_id: str) -> dict[str, Any]:
     inv = await ctx.call(ctx.store.get, invocation_id)
     if inv is None:
         raise HTTPError(404, f"unknown invocation '{invocation_id}'")
-    return describe(inv)
+    return inv.status()
 
 
 async def cancel(ctx: Context, invocation_id: str) -> dict[str, Any]:

@@ -67,6 +67,24 @@ class Invocation:
     error: dict[str, Any] | None
     cancel_requested: bool
 
+    def status(self) -> dict[str, Any]:
+        """The producer's view of this row: the ``GET /v1/producer/invocations/:id`` body."""
+        return {
+            "invocation_id": self.invocation_id,
+            "state": self.state,
+            "queue": self.queue,
+            "priority": self.priority,
+            "attempt": self.attempt,
+            "max_attempts": self.max_attempts,
+            "worker_id": self.worker_id,
+            "submitted_at": self.submitted_at,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "error": self.error,
+            "parent_invocation_id": self.parent_invocation_id,
+            "root_invocation_id": self.root_invocation_id,
+        }
+
 
 @dataclass
 class AckResult:
