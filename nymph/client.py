@@ -101,31 +101,29 @@ class ControlPlaneClient:
 
     def call(self, route: str, body: dict[str, Any], *, timeout_s: float | None = None) -> dict[str, Any]:
         """POST ``body`` as msgpack to ``route``; the decoded answer, or a :class:`ClientError`."""
-        payload = msgpack.packb(body, use_bin_type=True)
         timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else httpx.Timeout(timeout_s, connect=5.0)
-        try:
-            resp = self._http.post(route, content=payload, headers={"Content-Type": MSGPACK}, timeout=timeout)
-        except httpx.TransportError as exc:
-            raise TransientError(f"{route}: cannot reach {self.server}: {type(exc).__name__}: {exc}") from exc
-        except httpx.HTTPError as exc:
-            raise TransientError(f"{route}: {type(exc).__name__}: {exc}") from exc
-        answer = _decode(resp)
-        if resp.status_code >= 400:
-            message = answer.get("error") if isinstance(answer, dict) else None
-            raise _classify(route, resp.status_code, str(message or resp.reason_phrase))
+        payload = msgpack.packb(body, use_bin_type=True)
+        answer, status = self._post(
+            route, content=payload, headers={"Content-Type": MSGPACK}, timeout=timeout
+        )
         if not isinstance(answer, dict):
-            raise TransientError(f"{route}: unexpected answer {answer!r:.80}", resp.status_code)
+            raise TransientError(f"{route}: unexpected answer {answer!r:.80}", status)
         return answer
 
     def call_json(self, route: str, body: dict[str, Any], *, timeout_s: float = 30.0) -> dict[str, Any]:
         """POST ``body`` as JSON (the ``/v1/namespaces/*`` routes speak JSON); same errors as call."""
+        answer, _ = self._post(
+            route,
+            json=body,
+            headers={"Accept": "application/json"},
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
+        )
+        return answer if isinstance(answer, dict) else {}
+
+    def _post(self, route: str, **request: Any) -> tuple[Any, int]:
+        """One POST with httpx errors and 4xx/5xx answers translated to :class:`ClientError`."""
         try:
-            resp = self._http.post(
-                route,
-                json=body,
-                headers={"Accept": "application/json"},
-                timeout=httpx.Timeout(timeout_s, connect=5.0),
-            )
+            resp = self._http.post(route, **request)
         except httpx.TransportError as exc:
             raise TransientError(f"{route}: cannot reach {self.server}: {type(exc).__name__}: {exc}") from exc
         except httpx.HTTPError as exc:
@@ -134,7 +132,7 @@ class ControlPlaneClient:
         if resp.status_code >= 400:
             message = answer.get("error") if isinstance(answer, dict) else None
             raise _classify(route, resp.status_code, str(message or resp.reason_phrase))
-        return answer if isinstance(answer, dict) else {}
+        return answer, resp.status_code
 
     def fetch(self, url: str, *, timeout_s: float = 60.0, limit: int = 100 * 2**20) -> bytes:
         """GET a presigned URL (no bearer token: the signature is the credential)."""
