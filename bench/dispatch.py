@@ -1,7 +1,8 @@
 """Submit-to-result round trip of a noop through the README's stack, beside a bare interpreter spawn.
 
 Usage: ``.venv/bin/python bench/dispatch.py [--runner process,docker,gvisor] [--calls 50]
-[--batch 100] [--slots 1,2,4] [--idle-s 60] [--image IMAGE]``
+[--batch 100] [--slots 1,2,4] [--idle-s 60] [--image IMAGE] [--runner-opt KEY=VALUE ...]``
+(``--runner-opt prefork=true``: the process runner's warm fork)
 
 The stack is :class:`dreamlake.lakeshore.devstack.LocalStack`: ``lakeshore server`` (embedded SQLite)
 and ``nymph start --runner RUNNER`` as real processes on loopback. A producer submits a ref noop
@@ -51,6 +52,7 @@ import bench_fns  # noqa: E402
 from dreamlake.lakeshore import ids, wire  # noqa: E402
 from dreamlake.lakeshore.devstack import LocalStack  # noqa: E402
 from dreamlake.lakeshore.envelope import Envelope, fn_for  # noqa: E402
+from nymph.config import parse_runner_opts  # noqa: E402
 from nymph_process import default_python  # noqa: E402
 
 QUEUE = "bench"
@@ -175,12 +177,15 @@ def idle(stack: LocalStack, seconds: float) -> tuple[float, float]:
     return rss, cpu / elapsed
 
 
+RUNNER_OPTS: dict[str, object] = {}  # --runner-opt
+
+
 def _stack(slots: int, runner: str, image: str) -> LocalStack:
     return LocalStack(
         queues=[QUEUE],
         concurrency=slots,
         runner=runner,
-        runner_options={"image": image, "pull": "never"} if runner != "process" else None,
+        runner_options={**({"image": image, "pull": "never"} if runner != "process" else {}), **RUNNER_OPTS},
         pythonpath=[BENCH],
         quiet=True,
         nymph_args=["--log-level", "WARNING"],
@@ -227,14 +232,16 @@ def main() -> None:
         default=os.environ.get("LAKESHORE_TEST_IMAGE", "lakeshore-python:bookworm"),
         help="image for docker / gvisor (default LAKESHORE_TEST_IMAGE)",
     )
+    parser.add_argument("--runner-opt", action="append", default=[], help="KEY=VALUE for every runner")
     opts = parser.parse_args()
+    RUNNER_OPTS.update(parse_runner_opts(opts.runner_opt))
     python = default_python()
     runners = [r.strip() for r in opts.runner.split(",") if r.strip()]
     unknown = set(runners) - {"process", "docker", "gvisor"}
     if unknown:
         raise SystemExit(f"--runner: unknown {sorted(unknown)} (process, docker, gvisor)")
 
-    print(f"interpreter: {python}; image: {opts.image}; cores: {psutil.cpu_count()}")
+    print(f"interpreter: {python}; image: {opts.image}; cores: {psutil.cpu_count()}; options: {RUNNER_OPTS}")
     results = {runner: bench_runner(runner, opts, python) for runner in runners}
     if len(results) > 1:
         print("\nnoop round trip, p50, 1 slot")

@@ -9,6 +9,19 @@ The handle records ``pid``, ``pgid`` and the leader's ``start_time`` (psutil ``c
 :meth:`ProcessRunner.recover` re-attaches only to the very process it started, never to a recycled
 pid. A recovered process is not our child: :meth:`wait` then polls psutil and infers the exit code
 from the workdir (``result.msgpack`` -> 0, ``error.json`` -> 1, neither -> unknown).
+
+``prefork=True`` (warm fork): a Python task (no ``script``, no ``as_user``) is forked by a long-lived
+zygote (:mod:`nymph_process.zygote`) that has already paid the interpreter start-up and the entry's
+imports, instead of spawning a new interpreter. The child is set up exactly as the spawned entry
+(own session, cwd, environment, logs) and imports the user's code itself; the handle is the same
+``{pid, pgid, start_time}``. The zygote reports each child's exit code (it is the parent); if it
+dies, running children are watched like re-attached ones and the next task restarts it (or, after
+repeated failures, spawns the normal way), so no invocation is lost to it. On by default
+(``prefork = false`` under ``[runner_options]`` turns it off). What differs from a spawned entry:
+children of one zygote share its hash seed (``PYTHONHASHSEED``) and the entry code it loaded (an
+upgrade of the package on disk reaches tasks when nymph restarts), and ``__main__`` is the entry
+module. One zygote serves each distinct environment (all but ``LAKESHORE_*`` and the GPU variables,
+which are read after start-up), at most four.
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import ClassVar
@@ -28,6 +42,7 @@ from typing import ClassVar
 import psutil
 
 from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, RunnerUnavailable, Task
+from nymph_process.prefork import ForkedChild, ZygoteClient, ZygoteError
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +51,15 @@ _POLL_S = 0.05
 _START_TIME_SLACK_S = 0.01
 _LOG_TAIL_BYTES = 4096
 _PR_SET_CHILD_SUBREAPER = 36
+PREFORK_DEFAULT = True
+_ZYGOTE_TIMEOUT_S = 30.0  # start-up (imports on a cold page cache) and one fork answer
+_ZYGOTE_MAX_FAILURES = 3  # consecutive zygote failures before prefork gives up for this runner
+_ZYGOTE_MAX = 4  # zygotes kept at once, one per distinct interpreter environment
+# per-invocation variables: read after start-up, so a zygote serves tasks that differ only in them
+_PER_TASK_ENV = ("LAKESHORE_",)
+_PER_TASK_ENV_KEYS = frozenset(
+    {"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"}
+)
 
 
 def default_python() -> str:
@@ -55,12 +79,23 @@ class ProcessRunner:
     name: ClassVar[str] = "process"
     capabilities: ClassVar[Capabilities] = Capabilities(as_user=True, gpus=True, recover=True)
 
-    def __init__(self, python: str | None = None, bash: str = "bash", runuser: str = "runuser") -> None:
+    def __init__(
+        self,
+        python: str | None = None,
+        bash: str = "bash",
+        runuser: str = "runuser",
+        prefork: bool = PREFORK_DEFAULT,
+    ) -> None:
         self.python = python or default_python()
         self.bash = bash
         self.runuser = runuser
+        self.prefork = bool(prefork)
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._pidfds: dict[int, int] = {}
+        self._forked: dict[int, tuple[ZygoteClient, ForkedChild]] = {}
+        self._zygotes: dict[tuple[tuple[str, str], ...], ZygoteClient] = {}
+        self._zygote_lock = threading.Lock()
+        self._zygote_failures = 0
         become_subreaper()
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -77,7 +112,19 @@ class ProcessRunner:
                 f"(install dreamlake-lakeshore in that interpreter): {probe.stderr.strip()[-300:]}"
             )
 
+    def close(self) -> None:
+        """Stop the zygotes (tasks they forked carry on). nymph need not call it: they exit with it."""
+        with self._zygote_lock:
+            zygotes = list(self._zygotes.values())
+            self._zygotes.clear()
+        for zygote in zygotes:
+            zygote.close()
+
     def start(self, task: Task) -> Handle:
+        if self.prefork and task.script is None and not task.as_user:
+            handle = self._start_forked(task)
+            if handle is not None:
+                return handle
         cmd = [self.bash, "-c", task.script] if task.script is not None else [self.python, "-m", ENTRY_MODULE]
         if task.as_user:
             cmd = [self.runuser, "-u", task.as_user, "--", *cmd]
@@ -116,6 +163,14 @@ class ProcessRunner:
 
     def wait(self, handle: Handle, timeout: float | None = None) -> ExitStatus | None:
         pid = int(handle.data["pid"])
+        forked = self._forked.get(pid)
+        if forked is not None:
+            child = forked[1]
+            if not child.done.wait(timeout):
+                return None
+            if child.code is not None:
+                return self._status(handle, child.code)
+            # the zygote died first: exit code unknown, watched below like a re-attached process
         proc = self._children.get(pid)
         if proc is not None:
             if proc.poll() is None and not _pidfd_ready(self._pidfds.get(pid), timeout):
@@ -155,10 +210,17 @@ class ProcessRunner:
         # Fast path: once the leader is reaped, an empty group answers ESRCH to kill(-pgid, 0),
         # with no scan of every process on the host.
         leader_reaped = proc is not None and proc.returncode is not None
+        forked = self._forked.get(pid)
+        if forked is not None:  # the zygote reaps it; its exit report says the leader is gone
+            leader_reaped = forked[1].done.is_set() and forked[1].code is not None
         if not (leader_reaped and not _group_exists(pgid)):
             if self._group_members(pgid) and self._owns_group(handle):
                 self._signal_group(pgid, signal.SIGKILL)
             self._wait_group_gone(handle)
+        if forked is not None:  # wait for the zygote to reap the leader: no zombie outlives destroy
+            forked[1].done.wait(10.0)
+            forked[0].forget(pid)
+            self._forked.pop(pid, None)
         self._children.pop(pid, None)
         fd = self._pidfds.pop(pid, None)
         if fd is not None:
@@ -197,6 +259,9 @@ class ProcessRunner:
 
     def inspect(self, handle: Handle) -> str:
         pid = int(handle.data["pid"])
+        forked = self._forked.get(pid)
+        if forked is not None and (not forked[1].done.is_set() or forked[1].code is not None):
+            return "running" if not forked[1].done.is_set() else "exited"
         proc = self._children.get(pid)
         if proc is not None:
             return "running" if proc.poll() is None else "exited"
@@ -204,6 +269,84 @@ class ProcessRunner:
 
     def recover(self, handle: Handle) -> bool:
         return self._leader(handle) is not None
+
+    # --- warm fork ------------------------------------------------------------------------------
+
+    def _start_forked(self, task: Task) -> Handle | None:
+        """Start ``task`` through a zygote; None when prefork cannot serve it (spawn it instead)."""
+        env = self._task_env(task)
+        workdir = Path(task.workdir)
+        for _attempt in range(2):  # a zygote found dead is restarted once for this task
+            zygote = self._zygote(env)
+            if zygote is None:
+                return None
+            try:
+                child, start_time = zygote.fork(workdir, env, _ZYGOTE_TIMEOUT_S)
+            except ZygoteError as exc:
+                log.warning("invocation %s: zygote %d: %s", task.invocation_id, zygote.pid, exc)
+                self._zygote_failed(zygote)
+                continue
+            self._zygote_failures = 0
+            self._forked[child.pid] = (zygote, child)
+            log.debug(
+                "invocation %s: forked pid %d from zygote %d", task.invocation_id, child.pid, zygote.pid
+            )
+            return Handle(
+                runner=self.name,
+                invocation_id=task.invocation_id,
+                attempt=task.attempt,
+                data={
+                    "pid": child.pid,
+                    "pgid": child.pid,
+                    "start_time": start_time,
+                    "workdir": str(workdir),
+                },
+            )
+        return None
+
+    @staticmethod
+    def _task_env(task: Task) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("NYMPH_")}
+        env.update(task.env)
+        return env
+
+    def _zygote(self, env: dict[str, str]) -> ZygoteClient | None:
+        """The live zygote for this interpreter environment, started if needed; None: spawn instead."""
+        key = tuple(
+            sorted(
+                (k, v)
+                for k, v in env.items()
+                if k not in _PER_TASK_ENV_KEYS and not k.startswith(_PER_TASK_ENV)
+            )
+        )
+        with self._zygote_lock:
+            if self._zygote_failures >= _ZYGOTE_MAX_FAILURES:
+                return None
+            zygote = self._zygotes.get(key)
+            if zygote is not None and zygote.alive:
+                return zygote
+            if zygote is None and len(self._zygotes) >= _ZYGOTE_MAX:
+                return None
+            try:
+                zygote = ZygoteClient(self.python, dict(key))
+            except ZygoteError as exc:
+                log.warning("process runner: %s; spawning instead", exc)
+                self._zygote_failures += 1
+                return None
+            self._zygotes[key] = zygote
+            return zygote
+
+    def _zygote_failed(self, zygote: ZygoteClient) -> None:
+        with self._zygote_lock:
+            self._zygote_failures += 1
+            for key, known in list(self._zygotes.items()):
+                if known is zygote:
+                    del self._zygotes[key]
+            if self._zygote_failures >= _ZYGOTE_MAX_FAILURES:
+                log.warning(
+                    "process runner: the zygote failed %d times; spawning from now on", self._zygote_failures
+                )
+        zygote.close()
 
     # --- helpers --------------------------------------------------------------------------------
 
@@ -226,6 +369,9 @@ class ProcessRunner:
         pid = int(handle.data["pid"])
         if pid in self._children or self._leader(handle) is not None:
             return True
+        forked = self._forked.get(pid)
+        if forked is not None and not forked[1].done.is_set():
+            return True  # exited, not yet reaped by the zygote: the pid cannot be reused yet
         # Leader gone (recovered case): the group id cannot be recycled while members remain.
         return bool(self._group_members(int(handle.data["pgid"])))
 
@@ -251,8 +397,8 @@ class ProcessRunner:
         if proc is not None:
             proc.poll()
         for member in self._group_members(int(handle.data["pgid"])):
-            if member.pid in self._children:
-                continue  # Popen reaps its own child; stealing its status would hide a signal
+            if member.pid in self._children or member.pid in self._forked:
+                continue  # Popen (or the zygote) reaps its own child; stealing its status would hide a signal
             with contextlib.suppress(ChildProcessError, OSError, psutil.Error):
                 if member.status() == psutil.STATUS_ZOMBIE:
                     os.waitpid(member.pid, os.WNOHANG)
@@ -279,9 +425,11 @@ class ProcessRunner:
 
     def _status(self, handle: Handle, code: int) -> ExitStatus:
         reason = None
+        pid = int(handle.data["pid"])
+        known = pid in self._children or (pid in self._forked and self._forked[pid][1].code is not None)
         if code < 0:
-            reason = f"signal {-code}" if code != -1 or int(handle.data["pid"]) in self._children else None
-        if code == -1 and int(handle.data["pid"]) not in self._children:
+            reason = f"signal {-code}" if code != -1 or known else None
+        if code == -1 and not known:
             reason = "exit status unknown (re-attached after a nymph restart)"
         return ExitStatus(
             exit_code=code, reason=reason, logs=_tail(Path(str(handle.data.get("workdir", ""))))

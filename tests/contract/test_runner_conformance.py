@@ -31,7 +31,7 @@ if str(ROOT / "runners") not in sys.path:  # until the editable install exposes 
 
 from nymph.plugins import load_runner
 
-RUNNERS = ["process", "docker", "gvisor"]
+RUNNERS = ["process", "process-prefork", "docker", "gvisor"]
 LIMIT_S = 60.0
 
 
@@ -50,7 +50,9 @@ def _docker_runtimes() -> str | None:
 def options_for(name: str) -> dict[str, Any]:
     """Keyword options each runner is constructed with in this suite."""
     if name == "process":
-        return {}
+        return {"prefork": False}
+    if name == "process-prefork":  # the process runner's warm-fork (zygote) mode
+        return {"prefork": True}
     runtimes = _docker_runtimes()
     require(runtimes is not None, "needs a reachable Docker engine")
     if name == "gvisor":
@@ -61,11 +63,21 @@ def options_for(name: str) -> dict[str, Any]:
 
 
 @pytest.fixture(params=RUNNERS)
-def make_runner(request: pytest.FixtureRequest) -> Callable[[], Runner]:
+def make_runner(request: pytest.FixtureRequest) -> Iterator[Callable[[], Runner]]:
     name = request.param
     options = options_for(name)
-    cls = load_runner(name)
-    return lambda: cls(**options)
+    cls = load_runner(name.removesuffix("-prefork"))
+    made: list[Runner] = []
+
+    def _make() -> Runner:
+        made.append(cls(**options))
+        return made[-1]
+
+    yield _make
+    for made_runner in made:  # the prefork runner's zygote; no-op elsewhere
+        close = getattr(made_runner, "close", None)
+        if callable(close):
+            close()
 
 
 @pytest.fixture

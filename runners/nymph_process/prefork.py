@@ -1,0 +1,189 @@
+"""nymph's side of the warm-fork server (:mod:`nymph_process.zygote`).
+
+:class:`ZygoteClient` starts one zygote (``python zygote.py FD``, a process of its own, so it is
+single-threaded and safe to fork even though nymph has threads), sends it fork requests and reads its
+answers on a reader thread: the pid of each child, and later that child's exit code (only the zygote,
+the child's parent, can reap it). If the zygote dies, every child still running is marked orphaned
+(its exit code unknown: the runner then watches it like a re-attached process) and the client is
+dead; the runner starts another or spawns the entry the normal way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import os
+import socket
+import subprocess
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+ZYGOTE_SCRIPT = str(Path(__file__).resolve().with_name("zygote.py"))
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+class ZygoteError(Exception):
+    """The zygote could not fork this task (dead, not ready, refused); spawn it the normal way."""
+
+
+class ForkedChild:
+    """A child of the zygote: ``done`` is set once it exited (``code``) or the zygote died (``code`` None)."""
+
+    __slots__ = ("code", "done", "pid")
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.code: int | None = None
+        self.done = threading.Event()
+
+
+class ZygoteClient:
+    def __init__(self, python: str, env: Mapping[str, str]) -> None:
+        self.python = python
+        self.env = dict(env)
+        self.children: dict[int, ForkedChild] = {}
+        self._ready = threading.Event()
+        self._dead = threading.Event()
+        self._lock = threading.Lock()  # sends, pending replies, children
+        self._pending: dict[int, tuple[threading.Event, dict[str, Any]]] = {}
+        self._ids = itertools.count(1)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.proc = subprocess.Popen(
+                [python, ZYGOTE_SCRIPT, str(theirs.fileno())],
+                env=self.env,
+                cwd="/",
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                pass_fds=[theirs.fileno()],
+                close_fds=True,
+            )
+        except OSError as exc:
+            ours.close()
+            raise ZygoteError(f"cannot start the zygote with {python!r}: {exc}") from exc
+        finally:
+            theirs.close()
+        self.sock = ours
+        self.pid = self.proc.pid
+        self._reader = threading.Thread(target=self._read, name=f"zygote-{self.pid}", daemon=True)
+        self._reader.start()
+
+    @property
+    def alive(self) -> bool:
+        return not self._dead.is_set()
+
+    def wait_ready(self, timeout: float) -> bool:
+        self._ready.wait(timeout)
+        return self._ready.is_set() and self.alive
+
+    def fork(self, workdir: Path, env: Mapping[str, str], timeout: float) -> tuple[ForkedChild, float]:
+        """Fork a child for ``workdir``; returns it and its start time (psutil ``create_time``)."""
+        if not self.wait_ready(timeout):
+            raise ZygoteError("the zygote is not ready" if self.alive else "the zygote is dead")
+        req_id = next(self._ids)
+        event = threading.Event()
+        reply: dict[str, Any] = {}
+        line = json.dumps({"id": req_id, "workdir": str(workdir), "env": dict(env)}).encode() + b"\n"
+        with self._lock:
+            if self._dead.is_set():
+                raise ZygoteError("the zygote is dead")
+            self._pending[req_id] = (event, reply)
+            try:
+                self.sock.sendall(line)
+            except OSError as exc:
+                self._pending.pop(req_id, None)
+                raise ZygoteError(f"cannot reach the zygote: {exc}") from exc
+        if not event.wait(timeout):
+            with self._lock:
+                self._pending.pop(req_id, None)
+            self.close()  # a hung zygote is no use; what it forked (if anything) carries on orphaned
+            raise ZygoteError(f"the zygote did not answer within {timeout:g} s")
+        if "pid" not in reply:
+            raise ZygoteError(str(reply.get("error", "the zygote died")))
+        pid = int(reply["pid"])
+        with self._lock:
+            child = self.children[pid]
+        ticks = reply.get("ticks")
+        start_time = 0.0
+        if isinstance(ticks, int):
+            start_time = ticks / _CLOCK_TICKS + psutil.boot_time()  # as psutil computes create_time
+        return child, start_time
+
+    def forget(self, pid: int) -> None:
+        with self._lock:
+            self.children.pop(pid, None)
+
+    def close(self) -> None:
+        """Stop the zygote (its children carry on) and reap it."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self._reader.join(5.0)
+        if self.proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(2.0)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    # --- reader thread --------------------------------------------------------------------------
+
+    def _read(self) -> None:
+        buf = b""
+        try:
+            while True:
+                data = self.sock.recv(1 << 16)
+                if not data:
+                    break
+                buf += data
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    self._dispatch(json.loads(line))
+        except (OSError, ValueError) as exc:
+            log.warning("zygote %d: %s", self.pid, exc)
+        finally:
+            self._died()
+
+    def _dispatch(self, msg: dict[str, Any]) -> None:
+        if "exit" in msg:
+            with self._lock:
+                child = self.children.get(int(msg["exit"]))
+            if child is not None:
+                child.code = int(msg["code"])
+                child.done.set()
+        elif "id" in msg:
+            with self._lock:
+                if "pid" in msg:
+                    pid = int(msg["pid"])
+                    self.children[pid] = ForkedChild(pid)
+                waiter = self._pending.pop(int(msg["id"]), None)
+            if waiter is not None:
+                waiter[1].update(msg)
+                waiter[0].set()
+        elif "ready" in msg:
+            self._ready.set()
+
+    def _died(self) -> None:
+        with self._lock:
+            self._dead.set()
+            pending = list(self._pending.values())
+            self._pending.clear()
+            orphans = [c for c in self.children.values() if not c.done.is_set()]
+        for event, _reply in pending:
+            event.set()
+        for child in orphans:  # exit code unknown from now on: the runner watches them via psutil
+            child.done.set()
+        self._ready.set()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5.0)  # reap the zygote itself
+        if self.proc.returncode not in (0, None):
+            log.warning("zygote %d exited with status %s", self.pid, self.proc.returncode)

@@ -1,0 +1,197 @@
+"""The process runner's warm-fork server ("zygote"): ``python zygote.py FD``, run by path.
+
+A long-lived, single-threaded interpreter that has already imported the entry (and so ``wire``,
+``envelope``, msgpack) but no user code. For each request on the UNIX socket ``FD`` it forks a child
+that becomes exactly what ``python -m dreamlake.lakeshore.daemon.entry`` in the workdir would be:
+its own session (``setsid``, so the runner's ``killpg`` ladder works), cwd the workdir,
+``os.environ`` replaced by the task's environment, stdin ``/dev/null``, stdout/stderr appended to
+``stdout.log`` / ``stderr.log``, signal handlers and mask reset, ``sys.path[0]`` the workdir; it runs
+the entry's ``main()``, then the interpreter's exit steps (non-daemon threads joined, atexit
+handlers, streams flushed) and ``os._exit``. User code is imported in the child only, so nothing a
+task does to ``sys.path``, ``sys.modules`` or ``os.environ`` reaches the next one.
+
+Protocol, one JSON document per line. Runner -> zygote: ``{"id", "workdir", "env"}``. Zygote ->
+runner: ``{"ready": pid}`` once; ``{"id", "pid", "ticks"}`` (``ticks``: the child's start time in
+clock ticks after boot, from ``/proc``, so the runner can record it even if the child is already
+gone) or ``{"id", "error"}``; ``{"exit": pid, "code"}`` when a child ends (only the zygote, its
+parent, can reap it; ``code`` is negative for a signal, as ``Popen.returncode``). The zygote exits
+when the socket reaches EOF (nymph is gone); its running children carry on, reparented.
+
+Stdlib only besides the entry, and Python 3.9 syntax: it runs in whichever interpreter runs the entry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import sys
+
+_CHILD_SETUP_FAILED = 127
+
+
+def _ticks(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])  # field 22 (starttime)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Zygote:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = b""
+        self.safe_path = bool(getattr(sys.flags, "safe_path", False))
+        if not self.safe_path and sys.path:
+            del sys.path[0]  # this script's directory; a child puts its workdir there, as -m does
+        self.handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGCHLD)}
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C to nymph's terminal is nymph's to handle
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.set_wakeup_fd(self.wake_w)
+
+    def send(self, msg: dict) -> None:  # type: ignore[type-arg]
+        self.sock.sendall(json.dumps(msg).encode() + b"\n")
+
+    def serve(self) -> None:
+        self.send({"ready": os.getpid()})
+        sock_fd = self.sock.fileno()
+        while True:
+            readable = select.select([sock_fd, self.wake_r], [], [])[0]
+            if self.wake_r in readable:
+                try:
+                    while os.read(self.wake_r, 512):
+                        pass
+                except BlockingIOError:
+                    pass
+            self.reap()
+            if sock_fd in readable:
+                data = self.sock.recv(1 << 16)
+                if not data:
+                    return  # nymph is gone
+                self.buf += data
+                while b"\n" in self.buf:
+                    line, self.buf = self.buf.split(b"\n", 1)
+                    self.handle(json.loads(line))
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+    def handle(self, req: dict) -> None:  # type: ignore[type-arg]
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            self.send({"id": req["id"], "error": f"fork: {exc}"})
+            return
+        if pid == 0:
+            code = _CHILD_SETUP_FAILED
+            try:
+                code = self.child(req)
+            finally:
+                os._exit(code)
+        self.send({"id": req["id"], "pid": pid, "ticks": _ticks(pid)})
+
+    def child(self, req: dict) -> int:  # type: ignore[type-arg]
+        """In the forked child: become the entry in the workdir; returns only if setup failed."""
+        os.setsid()
+        signal.set_wakeup_fd(-1)
+        for sig, handler in self.handlers.items():
+            signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        self.sock.close()
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+        workdir = req["workdir"]
+        try:
+            os.chdir(workdir)
+            null = os.open(os.devnull, os.O_RDONLY)
+            out = os.open("stdout.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            err = os.open("stderr.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as exc:
+            sys.stderr.write(f"lakeshore zygote: cannot set up workdir {workdir!r}: {exc}\n")
+            return _CHILD_SETUP_FAILED
+        for fd, target in ((null, 0), (out, 1), (err, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(req["env"])
+        if not self.safe_path:
+            sys.path.insert(0, os.getcwd())
+        from dreamlake.lakeshore.daemon import entry
+
+        sys.argv = [entry.__file__ or "entry"]
+        sys.modules["__main__"] = entry
+        _exit(_run(entry.main))
+        return _CHILD_SETUP_FAILED  # not reached
+
+
+def _run(main: object) -> int:
+    try:
+        code = main()  # type: ignore[operator]
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        return 1
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    sys.stderr.write(f"{code}\n")
+    return 1
+
+
+def _exit(code: int) -> None:
+    """What the interpreter does on exit, then ``os._exit`` (never back into the zygote's loop)."""
+    threading = sys.modules.get("threading")
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        try:
+            shutdown()  # join non-daemon threads
+        except BaseException:
+            pass
+    try:
+        import atexit
+
+        atexit._run_exitfuncs()
+    except BaseException:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except BaseException:
+            pass
+    os._exit(code & 0xFF)
+
+
+def main() -> None:
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    import dreamlake.lakeshore.daemon.entry  # noqa: F401  (and so wire, envelope, msgpack)
+
+    try:
+        Zygote(sock).serve()
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,295 @@
+"""The process runner's warm-fork (zygote) mode, beyond the conformance suite (which runs it too).
+
+The functions below are shipped by reference: the forked child imports this module itself, fresh
+(PYTHONPATH = repo root), never the zygote.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from dreamlake.lakeshore import ids, wire
+from dreamlake.lakeshore.envelope import Envelope, fn_for
+from nymph.runner import ExitStatus, Handle, Task
+from tests.conftest import ROOT
+
+if str(ROOT / "runners") not in sys.path:
+    sys.path.insert(0, str(ROOT / "runners"))
+
+import nymph_process.prefork
+from nymph_process import ProcessRunner
+
+LIMIT_S = 60.0
+_CALLS: list[int] = []
+
+
+# --- shipped functions (run in the forked child) --------------------------------------------------
+
+
+def pollute() -> int:
+    os.environ["PREFORK_JUNK"] = "1"
+    sys.modules["prefork_junk_module"] = sys
+    sys.path.append("/prefork/junk")
+    _CALLS.append(1)
+    return os.getpid()
+
+
+def observe() -> dict[str, Any]:
+    _CALLS.append(1)
+    return {
+        "env": "PREFORK_JUNK" in os.environ,
+        "module": "prefork_junk_module" in sys.modules,
+        "path": "/prefork/junk" in sys.path,
+        "calls": len(_CALLS),  # 1: this module was imported fresh by this child
+        "cwd": os.getcwd(),
+        "sys_path0": sys.path[0],
+        "invocation": os.environ.get("LAKESHORE_INVOCATION_ID"),
+        "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+        "session_leader": os.getsid(0) == os.getpid(),
+    }
+
+
+def say(text: str) -> str:
+    print(text)
+    print(f"err:{text}", file=sys.stderr)
+    return text
+
+
+def wait_release(path: str) -> str:
+    while not Path(path).exists():
+        time.sleep(0.02)
+    return "released"
+
+
+# --- harness ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def runner() -> Iterator[ProcessRunner]:
+    r = ProcessRunner(prefork=True)
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def prepare(tmp_path: Path) -> Callable[..., Task]:
+    def _prepare(fn: Callable[..., Any] | None, *args: Any, script: str | None = None) -> Task:
+        invocation_id = ids.new_ulid()
+        workdir = tmp_path / invocation_id
+        workdir.mkdir(mode=0o700)
+        if fn is not None:
+            (workdir / "args.msgpack").write_bytes(Envelope.create(fn_for(fn, "ref"), args, {}).to_bytes())
+        return Task(
+            invocation_id=invocation_id,
+            attempt=1,
+            workdir=workdir,
+            env={"LAKESHORE_INVOCATION_ID": invocation_id, "PYTHONPATH": str(ROOT)},
+            script=script,
+        )
+
+    return _prepare
+
+
+def _run(runner: ProcessRunner, task: Task) -> tuple[Handle, ExitStatus]:
+    handle = runner.start(task)
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None
+    return handle, status
+
+
+def _result(task: Task) -> Any:
+    return wire.unpack((task.workdir / "result.msgpack").read_bytes())
+
+
+def _until(predicate: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + LIMIT_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.02)
+
+
+def _zygote_pids(runner: ProcessRunner) -> list[int]:
+    return [z.pid for z in runner._zygotes.values() if z.alive]
+
+
+def _zombies(pid: int) -> list[int]:
+    try:
+        children = psutil.Process(pid).children()
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for child in children:
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                out.append(child.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+# --- tests -----------------------------------------------------------------------------------------
+
+
+def test_python_tasks_are_forked_by_one_zygote(runner: ProcessRunner, prepare: Callable[..., Task]) -> None:
+    parents = set()
+    for _ in range(3):
+        task = prepare(observe)
+        handle = runner.start(task)
+        parents.add(psutil.Process(handle.data["pid"]).ppid())
+        status = runner.wait(handle, LIMIT_S)
+        assert status is not None and status.exit_code == 0, status
+        runner.destroy(handle)
+    assert parents == set(_zygote_pids(runner)) and os.getpid() not in parents
+
+
+def test_child_is_set_up_like_the_spawned_entry(runner: ProcessRunner, prepare: Callable[..., Task]) -> None:
+    task = prepare(observe)
+    handle, status = _run(runner, task)
+    assert status.exit_code == 0, status
+    seen = _result(task)
+    assert seen["cwd"] == str(task.workdir) and seen["sys_path0"] == str(task.workdir)
+    assert seen["invocation"] == task.invocation_id
+    assert seen["sigint"] and seen["session_leader"]
+    assert handle.data["pgid"] == handle.data["pid"]
+    runner.destroy(handle)
+
+    task = prepare(say, "hello")
+    handle, status = _run(runner, task)
+    assert status.exit_code == 0
+    assert (task.workdir / "stdout.log").read_text() == "hello\n"
+    assert (task.workdir / "stderr.log").read_text() == "err:hello\n"
+    runner.destroy(handle)
+
+
+def test_state_does_not_leak_between_invocations(runner: ProcessRunner, prepare: Callable[..., Task]) -> None:
+    first = prepare(pollute)
+    handle, status = _run(runner, first)
+    assert status.exit_code == 0, status
+    runner.destroy(handle)
+    second = prepare(observe)
+    handle, status = _run(runner, second)
+    assert status.exit_code == 0, status
+    seen = _result(second)
+    assert (seen["env"], seen["module"], seen["path"], seen["calls"]) == (False, False, False, 1)
+    runner.destroy(handle)
+    # the zygote itself never imported user code
+    zygote = _zygote_pids(runner)[0]
+    assert "PREFORK_JUNK" not in psutil.Process(zygote).environ()
+
+
+def test_script_and_as_user_tasks_are_spawned(runner: ProcessRunner, prepare: Callable[..., Task]) -> None:
+    task = prepare(None, script="echo $PPID")
+    handle, status = _run(runner, task)
+    assert status.exit_code == 0
+    assert int((task.workdir / "stdout.log").read_text()) == os.getpid()
+    runner.destroy(handle)
+
+
+def test_zygote_killed_next_task_still_runs_and_running_one_completes(
+    runner: ProcessRunner, prepare: Callable[..., Task]
+) -> None:
+    running = prepare(wait_release, "release")
+    handle = runner.start(running)
+    fresh = ProcessRunner(prefork=True)  # "nymph restarted": the handle's pid + start time re-attach
+    assert fresh.recover(handle) and fresh.inspect(handle) == "running"
+    (zygote,) = _zygote_pids(runner)
+    os.kill(zygote, signal.SIGKILL)
+    _until(lambda: not _zygote_pids(runner), "the runner to notice the zygote died")
+
+    task = prepare(observe)
+    after, status = _run(runner, task)
+    assert status.exit_code == 0 and _result(task)["calls"] == 1
+    assert _zygote_pids(runner) and _zygote_pids(runner) != [zygote]  # restarted
+    runner.destroy(after)
+
+    assert runner.inspect(handle) == "running"  # the orphan carries on, watched like a re-attached one
+    assert runner.wait(handle, 0.05) is None
+    (running.workdir / "release").touch()
+    orphan = runner.wait(handle, LIMIT_S)
+    assert orphan is not None and orphan.exit_code == 0  # inferred from result.msgpack
+    runner.destroy(handle)
+    assert _result(running) == "released"
+    assert not psutil.pid_exists(zygote) or psutil.Process(zygote).status() != psutil.STATUS_ZOMBIE
+
+
+def test_zygote_that_cannot_start_falls_back_to_spawn(
+    runner: ProcessRunner, prepare: Callable[..., Task], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broken = tmp_path / "broken_zygote.py"
+    broken.write_text("raise SystemExit(3)\n")
+    monkeypatch.setattr(nymph_process.prefork, "ZYGOTE_SCRIPT", str(broken))
+    for _ in range(4):  # past the failure limit: spawned from then on
+        task = prepare(observe)
+        handle = runner.start(task)
+        assert psutil.Process(handle.data["pid"]).ppid() == os.getpid()
+        status = runner.wait(handle, LIMIT_S)
+        assert status is not None and status.exit_code == 0
+        runner.destroy(handle)
+
+
+def test_no_zombies_left_behind(runner: ProcessRunner, prepare: Callable[..., Task]) -> None:
+    from tests import nymph_fns
+
+    handles = []
+    for fn, args in ((nymph_fns.add, (1, 2)), (nymph_fns.boom, ("x",)), (nymph_fns.stubborn_tree, (2,))):
+        task = prepare(fn, *args)
+        handles.append((task, runner.start(task)))
+    stubborn_task, stubborn = handles[-1]
+    _until(lambda: (stubborn_task.workdir / "pids.txt").exists(), "the tree to start")
+    runner.stop(stubborn, 0.1)
+    for _task, handle in handles:
+        assert runner.wait(handle, LIMIT_S) is not None
+        runner.destroy(handle)
+    (zygote,) = _zygote_pids(runner)
+    assert _zombies(zygote) == [] and psutil.Process(zygote).children() == []
+    # every task process (leaders, reaped by the zygote; the tree's children, reparented to this
+    # subreaper and reaped by the ladder) is gone, not a zombie (other tests may leave zombies of theirs)
+    pids = [int(p) for p in (stubborn_task.workdir / "pids.txt").read_text().split()]
+    pids += [int(h.data["pid"]) for _t, h in handles]
+    assert not [p for p in pids if psutil.pid_exists(p)]
+
+
+def test_zygote_exits_when_nymph_dies(tmp_path: Path) -> None:
+    """nymph SIGKILLed: the zygote sees EOF and exits; what it forked carries on (tasks survive)."""
+    workdir = tmp_path / ids.new_ulid()
+    workdir.mkdir()
+    release = workdir / "release"
+    (workdir / "args.msgpack").write_bytes(
+        Envelope.create(fn_for(wait_release, "ref"), (str(release),), {}).to_bytes()
+    )
+    code = f"""
+import os, sys, signal
+sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "runners")!r}]
+from pathlib import Path
+from nymph.runner import Task
+from nymph_process import ProcessRunner
+r = ProcessRunner(prefork=True)
+h = r.start(Task("x", 1, Path({str(workdir)!r}), {{"PYTHONPATH": {str(ROOT)!r}}}))
+(z,) = [z.pid for z in r._zygotes.values()]
+print(z, h.data["pid"], flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=LIMIT_S)
+    zygote, child = (int(p) for p in proc.stdout.split())
+
+    def gone(pid: int) -> bool:
+        try:
+            return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+        except psutil.NoSuchProcess:
+            return True
+
+    _until(lambda: gone(zygote), "the zygote to exit")
+    assert not gone(child)  # the task survives nymph (and its zygote)
+    release.touch()
+    _until(lambda: gone(child), "the task to finish")
+    assert wire.unpack((workdir / "result.msgpack").read_bytes()) == "released"
