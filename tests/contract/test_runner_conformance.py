@@ -31,7 +31,7 @@ if str(ROOT / "runners") not in sys.path:  # until the editable install exposes 
 
 from nymph.plugins import load_runner
 
-RUNNERS = ["process", "process-prefork", "docker", "gvisor"]
+RUNNERS = ["process", "process-prefork", "docker", "gvisor", "slurm"]
 LIMIT_S = 60.0
 
 
@@ -47,12 +47,24 @@ def _docker_runtimes() -> str | None:
     return out.stdout if out.returncode == 0 else None
 
 
+def _slurm_answers() -> bool:
+    if shutil.which("sbatch") is None or shutil.which("scontrol") is None:
+        return False
+    try:
+        return subprocess.run(["scontrol", "ping"], capture_output=True, timeout=15).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
 def options_for(name: str) -> dict[str, Any]:
     """Keyword options each runner is constructed with in this suite."""
     if name == "process":
         return {"prefork": False}
     if name == "process-prefork":  # the process runner's warm-fork (zygote) mode
         return {"prefork": True}
+    if name == "slurm":
+        require(_slurm_answers(), 'needs a Slurm controller: eval "$(scripts/services/slurm.sh)"')
+        return {}
     runtimes = _docker_runtimes()
     require(runtimes is not None, "needs a reachable Docker engine")
     if name == "gvisor":

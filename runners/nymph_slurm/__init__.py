@@ -1,0 +1,381 @@
+"""nymph's ``slurm`` runner: each invocation is one Slurm batch job.
+
+Registered through the ``nymph.runners`` entry point exactly like a third-party runner. ``start``
+writes ``slurm-job.sh`` into the workdir (it exports the task's environment and ``exec``\\ s
+``python -m dreamlake.lakeshore.daemon.entry`` or ``bash -c SCRIPT``, see :mod:`nymph_slurm.jobs`)
+and submits it::
+
+    [runuser -u USER --] sbatch --parsable --chdir WORKDIR --output WORKDIR/stdout.log
+        --error WORKDIR/stderr.log --open-mode=append --job-name nymph-<invocation_id>
+        --comment nymph:<invocation_id> --no-requeue --nodes=1 --ntasks=1
+        [--partition/--account/--qos/--time] [--cpus-per-task/--mem/--gres=gpu:N] [extra_args]
+        WORKDIR/slurm-job.sh
+
+The handle is ``{job_id, job_name, workdir}``. ``wait`` polls ``scontrol show job -o`` (never
+``sbatch --wait``, which polls at 2 s, 10 s, 42 s, ...) and maps ``JobState`` / ``ExitCode`` to an
+:class:`~nymph.runner.ExitStatus`. A job that has aged out of ``scontrol`` (``MinJobAge``, 300 s by
+default, and there is no ``sacct`` without slurmdbd) is ``gone``: its exit code is inferred from
+the workdir (``result.msgpack`` -> 0, ``error.json`` -> 1, neither -> unknown), as the process
+runner does for a re-attached process. A job id that now names another job (ids restart with a
+fresh ``StateSaveLocation``) is gone too: the job name must match.
+
+The ladder: ``scancel --signal=TERM --full`` (the batch step and every process it started),
+``grace_s``, then ``scancel --full`` (a cancel: Slurm sends SIGTERM and, ``KillWait`` seconds later,
+SIGKILL; a plain ``--signal=KILL`` is treated the same way by Slurm), then wait up to
+``cancel_wait_s`` for the job to end.
+
+``as_user`` submits as that user with ``runuser -u USER -- sbatch``; the job inherits the
+submitter's environment, so the interpreter (``python``) must be readable and runnable by that user
+on the compute node. A ``--chdir`` that does not exist silently runs the job in ``/tmp``, so
+``start`` refuses a missing workdir and the script itself refuses to run elsewhere.
+
+Errors: a missing binary, an unreachable controller or a timed-out Slurm command is
+:class:`~nymph.runner.RunnerUnavailable` (transient); a refused submission (bad partition, bad
+resources) is :class:`~nymph.runner.RunnerError` with Slurm's message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import ClassVar
+
+from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, RunnerUnavailable, Task
+from nymph_slurm.jobs import GPU_ENV, JobRecord, batch_script, exit_status, parse_record, resource_args
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ENTRY_MODULE", "SCRIPT_FILE", "SlurmRunner"]
+
+ENTRY_MODULE = "dreamlake.lakeshore.daemon.entry"
+SCRIPT_FILE = "slurm-job.sh"
+_CMD_TIMEOUT_S = 30.0
+_PING_TIMEOUT_S = 10.0  # check(): a client without a configuration source hangs in DNS lookups
+_FIRST_POLL_S = 0.05  # polls start fast (a trivial job ends in about 1 s) and back off
+_LOG_TAIL_BYTES = 4096
+# sbatch / scontrol / scancel messages that mean "the controller cannot be reached": transient
+_UNREACHABLE = (
+    "unable to contact slurm controller",
+    "socket timed out",
+    "connection refused",
+    "zero bytes were transmitted",
+    "could not establish a configuration source",
+    "slurm_load_jobs error: unable to",
+)
+
+
+def default_python() -> str:
+    """nymph's own interpreter, as the process runner resolves it (a venv's python stays a venv's)."""
+    if sys.prefix != sys.base_prefix:
+        return sys.executable
+    return os.path.realpath(sys.executable)
+
+
+class SlurmRunner:
+    """Runs each invocation as one Slurm batch job (see the module docstring)."""
+
+    name: ClassVar[str] = "slurm"
+    capabilities: ClassVar[Capabilities] = Capabilities(as_user=True, gpus=True, resources=True, recover=True)
+
+    def __init__(
+        self,
+        *,
+        partition: str | None = None,
+        account: str | None = None,
+        qos: str | None = None,
+        time_limit: str | int | None = None,
+        extra_args: Iterable[str] | str = (),
+        python: str | None = None,
+        bash: str = "bash",
+        sbatch: str = "sbatch",
+        scontrol: str = "scontrol",
+        scancel: str = "scancel",
+        runuser: str = "runuser",
+        poll_interval_s: float = 0.2,
+        cancel_wait_s: float = 35.0,
+    ) -> None:
+        if poll_interval_s <= 0:
+            raise RunnerError(f"slurm runner: poll_interval_s must be positive, got {poll_interval_s!r}")
+        self.partition = partition
+        self.account = account
+        self.qos = qos
+        self.time_limit = None if time_limit in (None, "") else str(time_limit)
+        self.extra_args = (
+            shlex.split(extra_args) if isinstance(extra_args, str) else [str(a) for a in extra_args]
+        )
+        self.python = python or default_python()
+        self.bash = bash
+        self.sbatch = sbatch
+        self.scontrol = scontrol
+        self.scancel = scancel
+        self.runuser = runuser
+        self.poll_interval_s = float(poll_interval_s)
+        self.cancel_wait_s = float(cancel_wait_s)
+        self._destroyed: set[str] = set()  # job ids destroyed here: finished, nothing to re-attach to
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        for what in ("sbatch", "scontrol", "scancel"):
+            path = getattr(self, what)
+            if shutil.which(path) is None:
+                raise RunnerUnavailable(
+                    f"slurm runner: {path!r} not found; install the Slurm client tools "
+                    f"(apt-get install slurm-client) or set {what}="
+                )
+        ping = self._run([self.scontrol, "ping"], check=False, timeout=_PING_TIMEOUT_S)
+        if ping.returncode != 0 or "UP" not in ping.stdout:
+            said = (ping.stdout + ping.stderr).strip()[-300:]
+            raise RunnerUnavailable(
+                f"slurm runner: the Slurm controller does not answer `scontrol ping` ({said}); start "
+                "slurmctld (on a dev box: scripts/services/slurm.sh) or point SLURM_CONF at the "
+                "cluster's slurm.conf"
+            )
+
+    def start(self, task: Task) -> Handle:
+        workdir = Path(task.workdir)
+        if not workdir.is_dir():  # sbatch would silently run the job in /tmp
+            raise RunnerError(f"slurm runner: workdir {workdir} does not exist; nothing submitted")
+        job_name = f"nymph-{task.invocation_id}"
+        resources = (task.run_config or {}).get("resources")
+        res_args = resource_args(resources, len(task.gpus))
+        env = dict(task.env)
+        if any(a.startswith("--gres=gpu") for a in res_args):
+            env = {k: v for k, v in env.items() if k not in GPU_ENV}  # Slurm sets them for its GPUs
+        command = (
+            [self.bash, "-c", task.script] if task.script is not None else [self.python, "-m", ENTRY_MODULE]
+        )
+        script = workdir / SCRIPT_FILE
+        header = f"nymph invocation {task.invocation_id} attempt {task.attempt} (slurm runner)"
+        script.write_text(batch_script(str(workdir), env, command, header))
+        script.chmod(0o755)
+        argv = [
+            self.sbatch,
+            "--parsable",
+            f"--chdir={workdir}",
+            f"--output={workdir / 'stdout.log'}",
+            f"--error={workdir / 'stderr.log'}",
+            "--open-mode=append",
+            f"--job-name={job_name}",
+            f"--comment=nymph:{task.invocation_id}",
+            "--no-requeue",  # a requeued job would run the invocation twice in the same workdir
+            "--nodes=1",
+            "--ntasks=1",
+        ]
+        for flag, value in (
+            ("--partition", self.partition),
+            ("--account", self.account),
+            ("--qos", self.qos),
+            ("--time", self.time_limit),
+        ):
+            if value:
+                argv.append(f"{flag}={value}")
+        argv += [*res_args, *self.extra_args, str(script)]
+        if task.as_user:
+            argv = [self.runuser, "-u", task.as_user, "--", *argv]
+        out = self._run(argv, env=self._submit_env(task), what="sbatch")
+        job_id = out.stdout.strip().split(";")[0]  # --parsable: "ID" or "ID;CLUSTER"
+        if not job_id.isdigit():
+            raise RunnerError(f"slurm runner: sbatch answered {out.stdout.strip()[:200]!r}, not a job id")
+        log.debug("invocation %s: submitted Slurm job %s", task.invocation_id, job_id)
+        return Handle(
+            runner=self.name,
+            invocation_id=task.invocation_id,
+            attempt=task.attempt,
+            data={"job_id": job_id, "job_name": job_name, "workdir": str(workdir)},
+        )
+
+    def wait(self, handle: Handle, timeout: float | None = None) -> ExitStatus | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = _FIRST_POLL_S
+        while True:
+            record = self._record(handle)
+            if record is None:
+                return self._inferred(handle)
+            if not record.active:
+                status = exit_status(record)
+                status.logs = _tail(_workdir(handle))
+                return status
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                time.sleep(min(left, delay * random.uniform(0.8, 1.2)))
+            else:
+                time.sleep(delay * random.uniform(0.8, 1.2))
+            delay = min(delay * 1.5, self.poll_interval_s)
+
+    def stop(self, handle: Handle, grace_s: float) -> None:
+        record = self._record(handle)
+        if record is None or not record.active:
+            return
+        if record.state != "PENDING":
+            self._scancel(handle, "--signal=TERM", "--full")
+            if self._ended(handle, max(grace_s, 0.0)):
+                return
+        self._scancel(handle, "--full")  # the cancel: SIGTERM, KillWait, SIGKILL to what is left
+        if not self._ended(handle, self.cancel_wait_s):
+            log.warning(
+                "invocation %s: Slurm job %s still active %.0f s after scancel",
+                handle.invocation_id,
+                handle.data["job_id"],
+                self.cancel_wait_s,
+            )
+
+    def destroy(self, handle: Handle) -> None:
+        record = self._record(handle)
+        if record is not None and record.active:
+            self._scancel(handle, "--full")
+            self._ended(handle, self.cancel_wait_s)
+        self._destroyed.add(str(handle.data["job_id"]))
+
+    def inspect(self, handle: Handle) -> str:
+        record = self._record(handle)
+        if record is None:
+            return "gone"
+        return "running" if record.active else "exited"
+
+    def recover(self, handle: Handle) -> bool:
+        """True while Slurm knows the job (pending, running, or finished and not yet destroyed here)."""
+        if str(handle.data.get("job_id")) in self._destroyed:
+            return False
+        return self._record(handle) is not None
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def job_record(self, handle: Handle) -> JobRecord | None:
+        """The job's ``scontrol show job`` record; None when Slurm no longer knows it (or it is not ours)."""
+        return self._record(handle)
+
+    def _record(self, handle: Handle) -> JobRecord | None:
+        job_id = str(handle.data["job_id"])
+        out = self._run([self.scontrol, "show", "job", "-o", job_id], check=False)
+        if out.returncode != 0:
+            said = (out.stderr + out.stdout).strip()
+            if "invalid job id" in said.lower():
+                return None
+            raise self._failure("scontrol show job", said)
+        lines = [line for line in out.stdout.splitlines() if line.strip()]
+        if not lines:
+            return None
+        record = parse_record(lines[0])
+        expected = handle.data.get("job_name")
+        if expected and record.name != expected:  # the id was recycled: our job is long gone
+            return None
+        return record
+
+    def _ended(self, handle: Handle, limit_s: float) -> bool:
+        """Poll until the job is no longer active (True) or ``limit_s`` passes (False)."""
+        deadline = time.monotonic() + limit_s
+        delay = _FIRST_POLL_S
+        while True:
+            record = self._record(handle)
+            if record is None or not record.active:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(left, delay * random.uniform(0.8, 1.2)))
+            delay = min(delay * 1.5, self.poll_interval_s)
+
+    def _scancel(self, handle: Handle, *flags: str) -> None:
+        out = self._run([self.scancel, *flags, str(handle.data["job_id"])], check=False)
+        said = (out.stderr + out.stdout).strip()
+        if out.returncode != 0 and not _already_over(said):
+            raise self._failure("scancel", said)
+
+    def _inferred(self, handle: Handle) -> ExitStatus:
+        workdir = _workdir(handle)
+        if (workdir / "result.msgpack").exists():
+            code, reason = 0, None
+        elif (workdir / "error.json").exists():
+            code, reason = 1, None
+        else:
+            code = -1
+            reason = (
+                f"exit status unknown: Slurm job {handle.data['job_id']} is no longer known to scontrol "
+                "(finished more than MinJobAge ago)"
+            )
+        return ExitStatus(exit_code=code, reason=reason, logs=_tail(workdir))
+
+    @staticmethod
+    def _submit_env(task: Task) -> dict[str, str]:
+        """sbatch's environment: nymph's own minus NYMPH_* and a surrounding job's SLURM_* (SLURM_CONF
+        stays: it names the cluster), plus the task's. The job inherits it."""
+        env = {
+            k: v for k, v in os.environ.items() if not k.startswith(("NYMPH_", "SLURM_")) or k == "SLURM_CONF"
+        }
+        env.update(task.env)
+        return env
+
+    def _run(
+        self,
+        argv: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        check: bool = True,
+        what: str = "",
+        timeout: float = _CMD_TIMEOUT_S,
+    ) -> subprocess.CompletedProcess[str]:
+        try:
+            out = subprocess.run(
+                argv,
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=timeout,
+                stdin=subprocess.DEVNULL,
+            )
+        except FileNotFoundError as exc:
+            raise RunnerUnavailable(
+                f"slurm runner: {argv[0]!r} not found ({exc}); install Slurm's client tools"
+            ) from exc
+        except subprocess.TimeoutExpired as exc:
+            raise RunnerUnavailable(
+                f"slurm runner: {shlex.join(argv[:3])} did not answer in {timeout:.0f} s"
+            ) from exc
+        except OSError as exc:
+            raise RunnerError(f"slurm runner: cannot run {argv[0]!r}: {exc}") from exc
+        if check and out.returncode != 0:
+            raise self._failure(what or Path(argv[0]).name, out.stderr + out.stdout)
+        return out
+
+    @staticmethod
+    def _failure(what: str, said: str) -> RunnerError:
+        said = said.strip()[-500:]
+        if any(marker in said.lower() for marker in _UNREACHABLE):
+            return RunnerUnavailable(f"slurm runner: the Slurm controller cannot be reached ({what}): {said}")
+        return RunnerError(f"slurm runner: {what} failed: {said}")
+
+
+def _already_over(said: str) -> bool:
+    said = said.lower()
+    return "already completing or completed" in said or "invalid job id" in said
+
+
+def _workdir(handle: Handle) -> Path:
+    return Path(str(handle.data.get("workdir", "")))
+
+
+def _tail(workdir: Path) -> str | None:
+    parts = []
+    for name in ("stdout.log", "stderr.log"):
+        try:
+            with open(workdir / name, "rb") as fh:
+                fh.seek(0, os.SEEK_END)
+                size = fh.tell()
+                fh.seek(max(0, size - _LOG_TAIL_BYTES))
+                data = fh.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        if data:
+            parts.append(f"--- {name} ---\n{data}")
+    return "\n".join(parts) or None

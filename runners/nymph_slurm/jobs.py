@@ -1,0 +1,200 @@
+"""Pure decisions of the slurm runner: the batch script, the sbatch options, reading a job record.
+
+Nothing here runs a Slurm command, so every rule is testable without a cluster:
+
+- :func:`batch_script`: the ``/bin/sh`` script written into the workdir: it exports the task's
+  environment, refuses to run anywhere but the workdir, and ``exec``\\ s the entry (or
+  ``bash -c SCRIPT``), so the entry *is* the batch step's process and Slurm's signals reach it;
+- :func:`resource_args`: ``run_config.resources`` as sbatch options (``cpus`` ->
+  ``--cpus-per-task``, ``memory`` -> ``--mem``, ``gpus`` -> ``--gres=gpu:N``);
+- :func:`parse_record`: one line of ``scontrol show job -o`` as a :class:`JobRecord`;
+- :func:`exit_status`: a finished job's ``JobState`` and ``ExitCode`` (``"3:0"``: exit 3,
+  ``"0:9"``: signal 9) as an :class:`~nymph.runner.ExitStatus` with a reason.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from nymph.runner import ExitStatus, RunnerError
+
+# Job states (scontrol's JobState) that still hold processes or will run; anything else has ended.
+ACTIVE_STATES = frozenset(
+    {
+        "PENDING",
+        "CONFIGURING",
+        "RUNNING",
+        "COMPLETING",  # the batch step ended, Slurm is still killing what it left (KillWait)
+        "SUSPENDED",
+        "STOPPED",
+        "REQUEUED",
+        "REQUEUE_FED",
+        "REQUEUE_HOLD",
+        "RESIZING",
+        "SIGNALING",
+        "STAGE_OUT",
+        "SPECIAL_EXIT",
+        "RESV_DEL_HOLD",
+    }
+)
+# What a terminal state means, for ExitStatus.reason (COMPLETED / FAILED carry the exit code).
+STATE_REASONS = {
+    "CANCELLED": "cancelled (scancel)",
+    "TIMEOUT": "Slurm time limit reached",
+    "NODE_FAIL": "NodeFail",
+    "OUT_OF_MEMORY": "OOMKilled",
+    "PREEMPTED": "preempted by Slurm",
+    "BOOT_FAIL": "node boot failure",
+    "DEADLINE": "Slurm deadline reached",
+}
+# Variables nymph sets for a local GPU assignment; Slurm sets its own for a --gres allocation.
+GPU_ENV = frozenset(
+    {"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"}
+)
+# The code Slurm reports (ExitCode 0:53) when the batch step cannot start: an output file or the
+# working directory could not be opened as the job's user.
+LAUNCH_FAILED_SIGNAL = 53
+
+_UNINFORMATIVE = frozenset({"None", "NonZeroExitCode", "JobLaunchFailure", ""})
+_KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_:/.]*=")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+_MIB = 1024**2
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """What the runner reads from ``scontrol show job -o``."""
+
+    job_id: str
+    name: str
+    state: str  # JobState, e.g. RUNNING, COMPLETED, FAILED, CANCELLED
+    exit_code: int  # the batch step's exit code (ExitCode "N:S" -> N)
+    signal: int  # the signal that ended it (ExitCode "N:S" -> S), 0 for none
+    reason: str  # Slurm's Reason (None, NonZeroExitCode, JobLaunchFailure, Resources, ...)
+    fields: Mapping[str, str]
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE_STATES
+
+
+def parse_record(line: str) -> JobRecord:
+    """One record of ``scontrol show job -o`` (``Key=Value`` pairs; values may hold spaces)."""
+    fields: dict[str, str] = {}
+    key = None
+    for token in line.strip().split(" "):
+        if _KEY.match(token):
+            key, _, value = token.partition("=")
+            fields[key] = value
+        elif key is not None:  # a value with spaces (Command=..., Comment=..., WorkDir=...)
+            fields[key] += " " + token
+    if "JobId" not in fields or "JobState" not in fields:
+        raise RunnerError(f"slurm runner: cannot read a job record from scontrol: {line[:300]!r}")
+    code, _, sig = fields.get("ExitCode", "0:0").partition(":")
+    return JobRecord(
+        job_id=fields["JobId"],
+        name=fields.get("JobName", ""),
+        state=fields["JobState"].split("+")[0].upper(),
+        exit_code=_int(code),
+        signal=_int(sig),
+        reason=fields.get("Reason", "None"),
+        fields=fields,
+    )
+
+
+def exit_status(record: JobRecord) -> ExitStatus:
+    """The ExitStatus of a finished job: the exit code, or minus the signal, with why it ended."""
+    state, code, sig = record.state, record.exit_code, record.signal
+    if code:
+        exit_code = code
+    elif sig:
+        exit_code = -sig
+    elif state in ("COMPLETED",):
+        exit_code = 0
+    elif state == "CANCELLED":
+        exit_code = -15  # scancel of a pending job, or a cancel whose signal Slurm did not record
+    else:
+        exit_code = -1
+    reason: str | None = STATE_REASONS.get(state)
+    if state == "FAILED" and not code and sig == LAUNCH_FAILED_SIGNAL:
+        reason = (
+            "the Slurm job failed to launch (ExitCode 0:53): the workdir or its stdout.log / "
+            "stderr.log could not be opened as the job's user on the compute node"
+        )
+    elif exit_code < 0 and state not in ("CANCELLED", "OUT_OF_MEMORY", "NODE_FAIL"):
+        reason = f"signal {sig}" if reason is None else f"{reason} (signal {sig})"
+    # Slurm's Reason adds to TIMEOUT, OOM, NODE_FAIL...; a cancelled job keeps a stale pending reason
+    if reason is not None and state != "CANCELLED" and record.reason not in _UNINFORMATIVE:
+        reason = f"{reason}; Slurm reason: {record.reason}"
+    return ExitStatus(exit_code=exit_code, reason=reason)
+
+
+def resource_args(resources: Mapping[str, Any] | None, gpus_assigned: int) -> list[str]:
+    """sbatch options for ``run_config.resources``; ``gpus`` defaults to the GPUs nymph assigned."""
+    res = dict(resources or {})
+    unknown = set(res) - {"cpus", "memory", "gpus"}
+    if unknown:
+        raise RunnerError(
+            f"run_config.resources: {sorted(unknown)} not supported by the slurm runner (cpus, memory, gpus)"
+        )
+    args: list[str] = []
+    cpus = res.get("cpus")
+    if cpus is not None:
+        try:
+            want = float(cpus)
+        except (TypeError, ValueError) as exc:
+            raise RunnerError(f"resources.cpus: expected a number, got {cpus!r}") from exc
+        if isinstance(cpus, bool) or not want > 0:
+            raise RunnerError(f"resources.cpus: must be positive, got {cpus!r}")
+        args.append(f"--cpus-per-task={math.ceil(want)}")  # Slurm allocates whole CPUs
+    memory = res.get("memory")
+    if memory is not None:
+        args.append(f"--mem={math.ceil(parse_size(memory, 'resources.memory') / _MIB)}M")
+    gpus = res.get("gpus", gpus_assigned)
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
+        raise RunnerError(f"resources.gpus: expected a count (0 or more), got {gpus!r}")
+    if gpus:
+        args.append(f"--gres=gpu:{gpus}")
+    return args
+
+
+def parse_size(value: Any, what: str) -> int:
+    """Bytes from an int or a string such as ``512m``, ``1g``, ``2GiB``, ``1024``."""
+    if isinstance(value, bool):
+        raise RunnerError(f"{what}: expected a size such as 512m or 1g, got {value!r}")
+    if isinstance(value, int | float):
+        if value <= 0:
+            raise RunnerError(f"{what}: must be positive, got {value!r}")
+        return int(value)
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        if match:
+            number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+            if number > 0:
+                return int(number)
+    raise RunnerError(f"{what}: expected a size such as 512m or 1g, got {value!r}")
+
+
+def batch_script(workdir: str, env: Mapping[str, str], command: list[str], header: str) -> str:
+    """The batch script: export ``env``, insist on ``workdir`` (a missing --chdir runs in /tmp), exec."""
+    lines = ["#!/bin/sh", f"# {header}"]
+    for key, value in sorted(env.items()):
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise RunnerError(f"slurm runner: environment variable name {key!r} cannot be exported")
+        lines.append(f"export {key}={shlex.quote(value)}")
+    lines.append(f'cd {shlex.quote(workdir)} || {{ echo "nymph: no workdir on $(hostname)" >&2; exit 2; }}')
+    lines.append("exec " + shlex.join(command))
+    return "\n".join(lines) + "\n"
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        return 0

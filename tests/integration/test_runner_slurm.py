@@ -1,0 +1,451 @@
+"""The slurm runner against a real single-node Slurm (``eval "$(scripts/services/slurm.sh)"``).
+
+The node is this machine, so the tests also look at the processes a job left behind. The first
+tests need no cluster: they pin the pure rules of :mod:`nymph_slurm.jobs` (the scontrol record, the
+ExitCode mapping, resources as sbatch options) and ``check()`` on a host without Slurm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from dreamlake.lakeshore import ids, wire
+from dreamlake.lakeshore.envelope import Envelope, fn_for
+from nymph.runner import Handle, RunnerError, RunnerUnavailable, Task
+from tests import nymph_fns
+from tests.conftest import ROOT, require
+
+if str(ROOT / "runners") not in sys.path:  # until the editable install exposes runners/
+    sys.path.insert(0, str(ROOT / "runners"))
+
+from nymph_slurm import SCRIPT_FILE, SlurmRunner
+from nymph_slurm.jobs import exit_status, parse_record, resource_args
+
+LIMIT_S = 60.0
+AS_USER = "nymphtest"
+
+
+# --- no cluster needed ---------------------------------------------------------------------------
+
+
+def test_parse_record_keeps_values_with_spaces() -> None:
+    line = (
+        "JobId=42 JobName=nymph-X UserId=alice(1000) JobState=FAILED Reason=NonZeroExitCode "
+        "Dependency=(null) ExitCode=3:0 Comment=nymph:X with spaces WorkDir=/tmp/a b Command=/x"
+    )
+    record = parse_record(line)
+    assert (record.job_id, record.name, record.state, record.exit_code, record.signal) == (
+        "42",
+        "nymph-X",
+        "FAILED",
+        3,
+        0,
+    )
+    assert record.fields["Comment"] == "nymph:X with spaces" and record.fields["WorkDir"] == "/tmp/a b"
+    assert not record.active
+    with pytest.raises(RunnerError):
+        parse_record("garbage")
+
+
+@pytest.mark.parametrize(
+    ("state", "code", "reason_in", "want_code", "want_reason"),
+    [
+        ("COMPLETED", "0:0", "None", 0, None),
+        ("FAILED", "3:0", "NonZeroExitCode", 3, None),
+        ("FAILED", "0:9", "JobLaunchFailure", -9, "signal 9"),
+        ("CANCELLED", "0:0", "None", -15, "cancelled (scancel)"),
+        ("CANCELLED", "0:9", "None", -9, "cancelled (scancel)"),
+        (
+            "TIMEOUT",
+            "0:15",
+            "TimeLimit",
+            -15,
+            "Slurm time limit reached (signal 15); Slurm reason: TimeLimit",
+        ),
+        ("OUT_OF_MEMORY", "0:125", "OutOfMemory", -125, "OOMKilled; Slurm reason: OutOfMemory"),
+        ("NODE_FAIL", "0:0", "None", -1, "NodeFail"),
+    ],
+)
+def test_exit_status_maps_state_and_exit_code(
+    state: str, code: str, reason_in: str, want_code: int, want_reason: str | None
+) -> None:
+    record = parse_record(f"JobId=1 JobName=n JobState={state} Reason={reason_in} ExitCode={code}")
+    status = exit_status(record)
+    assert (status.exit_code, status.reason) == (want_code, want_reason)
+
+
+def test_launch_failure_0_53_says_what_to_fix() -> None:
+    status = exit_status(
+        parse_record("JobId=1 JobName=n JobState=FAILED Reason=JobLaunchFailure ExitCode=0:53")
+    )
+    assert status.exit_code == -53 and status.reason is not None and "failed to launch" in status.reason
+
+
+def test_resources_become_sbatch_options() -> None:
+    assert resource_args({"cpus": 1.5, "memory": "256m"}, 0) == ["--cpus-per-task=2", "--mem=256M"]
+    assert resource_args({"memory": 3 * 1024**3}, 0) == ["--mem=3072M"]
+    assert resource_args(None, 2) == ["--gres=gpu:2"]  # the GPUs nymph assigned
+    assert resource_args({"gpus": 1}, 0) == ["--gres=gpu:1"]
+    for bad in ({"pids": 10}, {"cpus": 0}, {"memory": "lots"}, {"gpus": -1}, {"gpus": True}):
+        with pytest.raises(RunnerError):
+            resource_args(bad, 0)
+
+
+def test_check_without_slurm_tools_is_unavailable_and_says_what_to_do() -> None:
+    with pytest.raises(RunnerUnavailable, match="not found"):
+        SlurmRunner(sbatch="/nonexistent/sbatch").check()
+    with pytest.raises(RunnerUnavailable, match="not found"):
+        SlurmRunner(scontrol="/nonexistent/scontrol").check()
+
+
+# --- a real cluster ------------------------------------------------------------------------------
+
+
+def _slurm_problem() -> str | None:
+    try:
+        SlurmRunner().check()
+    except RunnerUnavailable as exc:
+        return str(exc)
+    return None
+
+
+@pytest.fixture(scope="module")
+def slurm_ok() -> None:
+    problem = _slurm_problem()
+    require(problem is None, f'needs Slurm (eval "$(scripts/services/slurm.sh)"): {problem}')
+
+
+@pytest.fixture
+def runner(slurm_ok: None) -> SlurmRunner:
+    return SlurmRunner(poll_interval_s=0.1)
+
+
+class Tasks:
+    """Prepares workdirs the way nymph does; destroys every started job at teardown."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.started: list[tuple[SlurmRunner, Handle]] = []
+
+    def task(
+        self,
+        fn: Callable[..., Any] | None,
+        *args: Any,
+        script: str | None = None,
+        as_user: str | None = None,
+        run_config: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Task:
+        invocation_id = ids.new_ulid()
+        workdir = self.root / invocation_id
+        workdir.mkdir(mode=0o700)
+        if fn is not None:
+            (workdir / "args.msgpack").write_bytes(
+                Envelope.create(fn_for(fn, "ref"), args, kwargs).to_bytes()
+            )
+        if as_user:
+            pw = pwd.getpwnam(as_user)
+            os.chown(workdir, pw.pw_uid, pw.pw_gid)
+            for child in workdir.iterdir():
+                os.chown(child, pw.pw_uid, pw.pw_gid)
+        return Task(
+            invocation_id=invocation_id,
+            attempt=1,
+            workdir=workdir,
+            env={
+                "LAKESHORE_INVOCATION_ID": invocation_id,
+                "LAKESHORE_ALLOW_PICKLED": "0",
+                "LAKESHORE_RUNTIME_POLICY": "minor",
+                "PYTHONPATH": str(ROOT),
+            },
+            script=script,
+            as_user=as_user,
+            run_config=run_config or {},
+            labels={"nymph.invocation": invocation_id},
+        )
+
+    def start(self, runner: SlurmRunner, task: Task) -> Handle:
+        handle = runner.start(task)
+        handle.save(task.workdir)
+        self.started.append((runner, handle))
+        return handle
+
+
+@pytest.fixture
+def tasks(slurm_ok: None) -> Iterator[Tasks]:
+    # reachable by another user (as_user): the root is 0711, each workdir 0700 and its user's own
+    root = Path(tempfile.mkdtemp(prefix="nymph-slurm-"))
+    os.chmod(root, 0o711)
+    made = Tasks(root)
+    try:
+        yield made
+    finally:
+        for r, h in made.started:
+            r.destroy(h)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _until(predicate: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + LIMIT_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.02)
+
+
+def _frames(workdir: Path) -> list[wire.Frame]:
+    try:
+        return wire.FrameReader().feed((workdir / "frames.msgpack").read_bytes())
+    except FileNotFoundError:
+        return []
+
+
+def _scontrol(job_id: str) -> str:
+    return subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+
+
+def _running(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+def test_plain_result_and_the_job_is_labelled(runner: SlurmRunner, tasks: Tasks) -> None:
+    task = tasks.task(nymph_fns.add, 2, 3)
+    handle = tasks.start(runner, task)
+    assert handle.runner == "slurm" and handle.data["job_id"].isdigit()
+    assert Handle.load(task.workdir) == handle
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 0, status
+    assert wire.unpack((task.workdir / "result.msgpack").read_bytes()) == 5
+    record = _scontrol(handle.data["job_id"])
+    assert f"JobName=nymph-{task.invocation_id} " in record
+    assert f"Comment=nymph:{task.invocation_id} " in record
+    assert f"WorkDir={task.workdir} " in record
+    assert (task.workdir / SCRIPT_FILE).exists()
+    assert runner.inspect(handle) == "exited"
+    runner.destroy(handle)
+
+
+def test_env_reaches_the_task(runner: SlurmRunner, tasks: Tasks) -> None:
+    task = tasks.task(nymph_fns.env_value, "LAKESHORE_INVOCATION_ID")
+    handle = tasks.start(runner, task)
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 0, status
+    assert wire.unpack((task.workdir / "result.msgpack").read_bytes()) == task.invocation_id
+
+
+def test_generator_frames_appear_while_running(runner: SlurmRunner, tasks: Tasks) -> None:
+    task = tasks.task(nymph_fns.slow_count, 3, 0.0, "release")
+    handle = tasks.start(runner, task)
+    _until(lambda: len(_frames(task.workdir)) >= 2, "two frames in the journal")
+    assert runner.inspect(handle) == "running"  # the body waits for the release: frames came first
+    assert runner.wait(handle, 0.1) is None
+    (task.workdir / "release").touch()
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 0, status
+    frames = _frames(task.workdir)
+    assert [f.kind for f in frames] == [wire.FRAME_VALUE] * 3 + [wire.FRAME_END]
+    assert [wire.unpack(f.body) for f in frames[:3]] == [0, 1, 2]  # type: ignore[arg-type]
+
+
+def test_failure_leaves_error_json(runner: SlurmRunner, tasks: Tasks) -> None:
+    task = tasks.task(nymph_fns.boom, "no luck")
+    handle = tasks.start(runner, task)
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 1, status
+    err = json.loads((task.workdir / "error.json").read_text())
+    assert err["type"] == "ValueError" and err["message"] == "no luck" and "boom" in err["traceback"]
+    assert status.logs is not None and "ValueError" in status.logs  # the entry's stderr tail
+
+
+def test_script_runs_bash_with_logs_and_exit_code(runner: SlurmRunner, tasks: Tasks) -> None:
+    task = tasks.task(None, script="echo to-out; echo to-err >&2; exit 3")
+    handle = tasks.start(runner, task)
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 3 and status.reason is None, status
+    assert (task.workdir / "stdout.log").read_text() == "to-out\n"
+    assert (task.workdir / "stderr.log").read_text() == "to-err\n"
+
+
+def test_a_signal_is_a_negative_exit_code(runner: SlurmRunner, tasks: Tasks) -> None:
+    task = tasks.task(None, script="kill -9 $$")
+    handle = tasks.start(runner, task)
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and (status.exit_code, status.reason) == (-9, "signal 9"), status
+
+
+def test_stop_ladder_kills_a_sigterm_ignoring_tree(runner: SlurmRunner, tasks: Tasks) -> None:
+    task = tasks.task(nymph_fns.stubborn_tree, 2)
+    handle = tasks.start(runner, task)
+    _until(lambda: (task.workdir / "pids.txt").exists(), "the tree to start")
+    pids = [int(p) for p in (task.workdir / "pids.txt").read_text().split()]
+    assert runner.wait(handle, 0.2) is None  # still running: wait gives up, nothing is killed
+    assert runner.inspect(handle) == "running"
+    runner.stop(handle, 0.3)
+    assert runner.inspect(handle) == "exited"  # stop returns once Slurm has ended the job
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code < 0 and status.reason is not None, status
+    assert "cancelled" in status.reason
+    assert _running(pids) == [], "processes of the job outlived stop()"
+    runner.destroy(handle)
+    runner.destroy(handle)  # idempotent
+
+
+def test_timeout_via_stop_ends_a_cooperative_task_with_sigterm(runner: SlurmRunner, tasks: Tasks) -> None:
+    task = tasks.task(nymph_fns.sleep_for, 60)
+    handle = tasks.start(runner, task)
+    assert runner.wait(handle, 0.5) is None  # nymph's timeout fired: the ladder, not Slurm's --time
+    runner.stop(handle, 10.0)  # SIGTERM ends it long before the grace
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == -15 and status.reason == "signal 15", status
+
+
+def test_stop_of_a_pending_job_cancels_it(runner: SlurmRunner, tasks: Tasks) -> None:
+    task = tasks.task(nymph_fns.add, 1)
+    handle = tasks.start(runner, task)
+    hold = subprocess.run(["scontrol", "hold", handle.data["job_id"]], capture_output=True, text=True)
+    if hold.returncode != 0:  # it started already: nothing pending to test on this run
+        pytest.skip(f"job started before it could be held: {hold.stderr.strip()}")
+    assert runner.inspect(handle) == "running"  # pending counts as running: it will run
+    runner.stop(handle, 1.0)
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == -15 and status.reason == "cancelled (scancel)"
+    assert not (task.workdir / "result.msgpack").exists()
+
+
+def test_recover_after_restart_reattaches_to_the_same_job(tasks: Tasks, slurm_ok: None) -> None:
+    first = SlurmRunner(poll_interval_s=0.1)
+    task = tasks.task(nymph_fns.wait_for_file, "release")
+    tasks.start(first, task)
+    del first  # "nymph restarted": a new runner instance, only the persisted handle survives
+    second = SlurmRunner(poll_interval_s=0.1)
+    handle = Handle.load(task.workdir)
+    assert handle is not None
+    assert second.recover(handle) is True
+    assert second.inspect(handle) == "running"
+    assert second.wait(handle, 0.1) is None
+    (task.workdir / "release").touch()
+    status = second.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 0, status
+    assert wire.unpack((task.workdir / "result.msgpack").read_bytes()) == "released"
+    third = SlurmRunner()  # a restart after the job finished: Slurm still knows its exit code
+    assert third.recover(handle) is True and third.inspect(handle) == "exited"
+    second.destroy(handle)
+    assert second.recover(handle) is False  # destroyed: nothing to re-attach to
+
+
+def test_a_job_slurm_no_longer_knows_is_gone_and_its_outcome_comes_from_the_workdir(
+    runner: SlurmRunner, tasks: Tasks
+) -> None:
+    task = tasks.task(nymph_fns.add, 2, 3)
+    done = tasks.start(runner, task)
+    assert runner.wait(done, LIMIT_S) is not None
+    # aged out of scontrol (MinJobAge): an id Slurm never handed out
+    aged = Handle("slurm", task.invocation_id, 1, {**done.data, "job_id": "987654321"})
+    assert runner.inspect(aged) == "gone" and runner.recover(aged) is False
+    status = runner.wait(aged, 1.0)
+    assert status is not None and status.exit_code == 0
+    # a recycled id (fresh StateSaveLocation): the job name does not match, so it is not ours
+    recycled = Handle("slurm", task.invocation_id, 1, {**done.data, "job_name": "nymph-someone-else"})
+    assert runner.inspect(recycled) == "gone"
+    (task.workdir / "result.msgpack").unlink()
+    status = runner.wait(recycled, 1.0)
+    assert status is not None and status.exit_code == -1 and "no longer known" in (status.reason or "")
+
+
+def test_missing_workdir_is_refused_before_anything_is_submitted(runner: SlurmRunner, tasks: Tasks) -> None:
+    task = tasks.task(nymph_fns.add, 1)
+    shutil.rmtree(task.workdir)
+    with pytest.raises(RunnerError, match="does not exist"):
+        runner.start(task)
+    queued = subprocess.run(
+        ["squeue", "-h", "-n", f"nymph-{task.invocation_id}", "-o", "%i"], capture_output=True, text=True
+    )
+    assert queued.stdout.strip() == ""
+
+
+def test_resources_are_visible_in_scontrol(runner: SlurmRunner, tasks: Tasks) -> None:
+    task = tasks.task(nymph_fns.add, 1, run_config={"resources": {"cpus": 2, "memory": "256m"}})
+    handle = tasks.start(runner, task)
+    record = _scontrol(handle.data["job_id"])
+    assert " NumCPUs=2 " in record and " CPUs/Task=2 " in record, record
+    assert "mem=256M" in record, record
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 0, status
+
+
+def test_gpus_on_a_cluster_without_gres_is_refused_with_slurms_message(
+    runner: SlurmRunner, tasks: Tasks
+) -> None:
+    gres = subprocess.run(["sinfo", "-h", "-o", "%G"], capture_output=True, text=True).stdout
+    if "gpu" in gres:
+        pytest.skip("this cluster has GPUs configured")
+    task = tasks.task(nymph_fns.add, 1, run_config={"resources": {"gpus": 1}})
+    with pytest.raises(RunnerError, match="sbatch failed"):
+        runner.start(task)
+
+
+def _ensure_user(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+        return True
+    except KeyError:
+        pass
+    if os.geteuid() != 0 or shutil.which("useradd") is None:
+        return False
+    return (
+        subprocess.run(["useradd", "--system", "--no-create-home", name], capture_output=True).returncode == 0
+    )
+
+
+def test_script_as_user_runs_as_that_user(runner: SlurmRunner, tasks: Tasks) -> None:
+    if not _ensure_user(AS_USER):
+        pytest.skip(f"needs root (or an existing user {AS_USER}) to submit as another user")
+    task = tasks.task(None, script="id -un; echo oops >&2", as_user=AS_USER)
+    handle = tasks.start(runner, task)
+    assert f"UserId={AS_USER}(" in _scontrol(handle.data["job_id"])
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 0, status
+    assert (task.workdir / "stdout.log").read_text() == f"{AS_USER}\n"
+    assert (task.workdir / "stderr.log").read_text() == "oops\n"
+    assert (task.workdir / "stdout.log").stat().st_uid == pwd.getpwnam(AS_USER).pw_uid
+
+
+def test_entry_as_user_runs_as_that_user(runner: SlurmRunner, tasks: Tasks) -> None:
+    if not _ensure_user(AS_USER):
+        pytest.skip(f"needs root (or an existing user {AS_USER}) to submit as another user")
+    probe = subprocess.run(
+        ["runuser", "-u", AS_USER, "--", runner.python, "-c", "import dreamlake.lakeshore.daemon.entry"],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    if probe.returncode != 0:
+        pytest.skip(
+            f"{AS_USER} cannot run the entry with {runner.python} (the job inherits the submitter's "
+            f"interpreter; e.g. a venv under a 0700 /root): {probe.stderr.strip()[-200:]}"
+        )
+    task = tasks.task(nymph_fns.whoami, as_user=AS_USER)
+    handle = tasks.start(runner, task)
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 0, status
+    assert wire.unpack((task.workdir / "result.msgpack").read_bytes()) == pwd.getpwnam(AS_USER).pw_uid
