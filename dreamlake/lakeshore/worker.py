@@ -28,7 +28,7 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import ids
-from dreamlake.lakeshore.errors import EnvelopeError
+from dreamlake.lakeshore.errors import EnvelopeError, PlaneError
 
 if TYPE_CHECKING:
     from dreamlake.lakeshore.dispatch import Claim, Plane
@@ -45,6 +45,10 @@ CANCELLED = {"type": "Cancelled", "message": "cancelled by producer"}
 
 class _Cancelled(Exception):
     """Raised into the job loop when a cancel for the running invocation arrived."""
+
+
+class _Superseded(Exception):
+    """The plane refused a frame (409): this attempt's lease lapsed and another one owns the job."""
 
 
 def _error_info(exc: BaseException) -> dict[str, Any]:
@@ -121,11 +125,15 @@ class _Job:
         from dreamlake.lakeshore import wire
 
         data = wire.encode_frame(kind, self.seq, body, {"ts": time.time()})
-        self.plane.append_frame(self.claim.invocation_id, self.seq, data, final, self.claim.attempt)
+        try:
+            self.plane.append_frame(self.claim.invocation_id, self.seq, data, final, self.claim.attempt)
+        except PlaneError as exc:
+            if exc.status == 409:
+                raise _Superseded(str(exc)) from exc
+            raise
         self.seq += 1
 
     def run(self, heartbeat: _Heartbeat) -> str:
-        from dreamlake.lakeshore import wire
         from dreamlake.lakeshore.decorator import invocation_context
         from dreamlake.lakeshore.envelope import Envelope, resolve_fn
 
@@ -139,28 +147,42 @@ class _Job:
             log.warning("refusing %s: %s: %s", inv, type(exc).__name__, exc)
             self.ack("failed", error=_error_info(exc))
             return "failed"
-        is_gen = inspect.isgeneratorfunction(fn)
         with invocation_context(envelope):
             try:
-                if not is_gen:
-                    blob = wire.pack(fn(*args, **kwargs))
-                    if heartbeat.cancelled.is_set():
-                        raise _Cancelled()  # the producer no longer wants this result
-                else:
-                    blob = self._drain(fn(*args, **kwargs), heartbeat)
-            except _Cancelled:
-                log.info("invocation %s cancelled", inv)
-                if is_gen:
-                    self.frame(wire.FRAME_ERROR, dict(CANCELLED), final=True)
-                self.ack("killed", error=dict(CANCELLED))
-                return "killed"
-            except Exception as exc:
-                log.info("invocation %s raised %s: %s", inv, type(exc).__name__, exc)
-                info = _error_info(exc)
-                if is_gen:
-                    self.frame(wire.FRAME_ERROR, info, final=True)
-                self.ack("failed", error=info)
-                return "failed"
+                return self._call(fn, args, kwargs, heartbeat)
+            except _Superseded as exc:
+                # Nothing more of this attempt is wanted (its ack would be refused too); the
+                # worker goes on with the next job instead of dying on the refusal.
+                log.warning("invocation %s: attempt %s superseded: %s", inv, self.claim.attempt, exc)
+                return "superseded"
+
+    def _call(self, fn: Any, args: Any, kwargs: Any, heartbeat: _Heartbeat) -> str:
+        from dreamlake.lakeshore import wire
+
+        inv = self.claim.invocation_id
+        is_gen = inspect.isgeneratorfunction(fn)
+        try:
+            if not is_gen:
+                blob = wire.pack(fn(*args, **kwargs))
+                if heartbeat.cancelled.is_set():
+                    raise _Cancelled()  # the producer no longer wants this result
+            else:
+                blob = self._drain(fn(*args, **kwargs), heartbeat)
+        except _Cancelled:
+            log.info("invocation %s cancelled", inv)
+            if is_gen:
+                self.frame(wire.FRAME_ERROR, dict(CANCELLED), final=True)
+            self.ack("killed", error=dict(CANCELLED))
+            return "killed"
+        except _Superseded:
+            raise
+        except Exception as exc:
+            log.info("invocation %s raised %s: %s", inv, type(exc).__name__, exc)
+            info = _error_info(exc)
+            if is_gen:
+                self.frame(wire.FRAME_ERROR, info, final=True)
+            self.ack("failed", error=info)
+            return "failed"
         self.ack("succeeded", result_blob=blob)
         return "succeeded"
 

@@ -516,3 +516,26 @@ def test_submit_and_ack_wake_waiters(store: SqlStore) -> None:
     ack(store, inv)
     assert store.notifier.wait([f"inv:{inv}"], timeout=5, since=mark)
     assert store.notifier.wait(["queue:nothing"], timeout=0.01) is False
+
+
+def test_exec_claims_of_a_namespace_bound_daemon_stay_in_its_namespace(store: SqlStore) -> None:
+    mine = store.create_exec(
+        "a", "true", payload_inline=None, payload_ref=None, queue="q", worker_id=None, timeout_s=None
+    )
+    theirs = store.create_exec(
+        "b", "true", payload_inline=None, payload_ref=None, queue="q", worker_id=None, timeout_s=None
+    )
+    assert [j["exec_id"] for j in store.claim_exec("w", ["q"], 5, namespace="a")] == [mine]
+    _, _, jobs = store.poll("w", ["q"], 5, namespace="a")
+    assert jobs == []  # b's job is not a's to run
+    assert store.get_exec("b", theirs)["state"] == "queued"  # type: ignore[index]
+    _, _, jobs = store.poll("w", ["q"], 5, exec_jobs=False)
+    assert jobs == []  # a worker that cannot run exec jobs never claims one
+    assert [j["exec_id"] for j in store.poll("w", ["q"], 5)[2]] == [theirs]
+
+
+def test_an_overlong_idempotency_key_is_refused_on_every_dialect(store: SqlStore) -> None:
+    # The column holds 1024 characters: PostgreSQL raised (a 500), SQLite stored it.
+    with pytest.raises(PlaneError, match="limit is 1024") as err:
+        submit(store, key="k" * 1025)
+    assert err.value.status == 400

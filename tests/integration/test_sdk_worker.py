@@ -201,3 +201,42 @@ def test_worker_start_cli_runs_pickles_only_with_allow_pickled(sqlite_control_pl
     assert (out.returncode, out.stdout.strip()) == (0, "succeeded"), out.stderr
     assert q.result(allowed, timeout=5.0) == 42
     plane.close()
+
+
+def test_a_superseded_attempt_ends_the_job_not_the_worker(tmp_path: Path) -> None:
+    """The plane refuses a frame (409) once the attempt's lease lapsed and it was claimed again:
+    the worker drops the job (its ack would be refused too) and stays alive for the next one."""
+    from dreamlake.lakeshore.errors import PlaneError
+
+    plane = Dispatch(":memory:")
+    q = dls.SyncQueue("long", dispatch=plane)
+    inv = ticker.submit(3, _dispatch=plane)
+    real = plane.append_frame
+
+    def refuse_second(invocation_id: str, seq: int, data: bytes, final: bool, attempt: int) -> None:
+        if seq >= 1:
+            raise PlaneError(f"attempt {attempt} of {invocation_id} was superseded by attempt 2", 409)
+        real(invocation_id, seq, data, final, attempt)
+
+    plane.append_frame = refuse_second  # type: ignore[method-assign]
+    try:
+        assert dls.run_worker(q, once=True, poll_timeout=5.0) == "superseded"
+        assert q.status(inv)["state"] == "running"  # no ack of the superseded attempt was sent
+        plane.append_frame = real  # type: ignore[method-assign]
+        other = square.submit(7, _dispatch=plane)
+        assert dls.run_worker("cli", once=True, poll_timeout=5.0, dispatch=plane) == "succeeded"
+        assert dls.SyncQueue("cli", dispatch=plane).result(other, timeout=5.0) == 49
+    finally:
+        plane.close()
+
+
+def test_an_sdk_worker_over_http_never_claims_exec_jobs(sqlite_control_plane: Any) -> None:
+    """An exec job it claimed could not run in process and would stay running for ever."""
+    cp = sqlite_control_plane
+    status, out = cp.json(
+        "POST", "/v1/namespaces/ns/exec", {"command": "true", "queue": "cli"}, cp.admin_token
+    )
+    assert status == 202
+    with HttpDispatch(cp.url, cp.admin_token) as plane:
+        assert dls.run_worker("cli", once=True, poll_timeout=0.5, dispatch=plane) is None
+    assert cp.store.get_exec("ns", out["exec_id"])["state"] == "queued"

@@ -294,3 +294,58 @@ def test_claimed_but_undelivered_work_comes_back_when_the_lease_lapses(tmp_path:
         cp.store.claim(lost, ["default"], 1, 0.3)  # claimed; the answer is dropped on the floor
         (cmd,) = poll(cp, new_ulid(), timeout_s=10)["commands"]
         assert cmd["body"]["invocation_id"] == inv and cmd["body"]["attempt"] == 2
+
+
+def test_integers_past_their_column_are_400_not_500(control_plane: ControlPlane) -> None:
+    inv = control_plane.submit("bounds")
+    worker = new_ulid()
+    poll(control_plane, worker, ["bounds"], timeout_s=0)
+    huge = 2**64 - 1  # msgpack's largest int: the driver overflowed (500) on it
+    status, out = control_plane.daemon(
+        "/v1/daemon/ack", {"invocation_id": inv, "state": "succeeded", "attempt": huge}
+    )
+    assert status == 400 and "field 'attempt' must be between 0 and" in out["error"]
+    status, out = control_plane.daemon(
+        "/v1/daemon/result-chunk", {"invocation_id": inv, "seq": huge, "bytes": frame(huge)}
+    )
+    assert status == 400 and "field 'seq' must be between 0 and" in out["error"]
+    status, out = control_plane.daemon(
+        "/v1/daemon/heartbeat", {"worker_id": worker, "running": [{"invocation_id": inv, "attempt": huge}]}
+    )
+    assert status == 400 and "running[].attempt" in out["error"]
+    # PostgreSQL takes at most 65535 bind parameters in one statement (a 500 before the cap)
+    many = [{"invocation_id": new_ulid(), "attempt": 1} for _ in range(40_000)]
+    status, out = control_plane.daemon("/v1/daemon/heartbeat", {"worker_id": worker, "running": many})
+    assert status == 400 and "the limit is 4096" in out["error"]
+    status, out = control_plane.daemon("/v1/daemon/register", {"worker_id": worker, "slots": huge})
+    assert status == 400 and "field 'slots'" in out["error"]
+
+
+def test_a_namespace_bound_daemon_claims_only_its_namespaces_exec_jobs(control_plane: ControlPlane) -> None:
+    cp = control_plane
+    for ns in ("team-b", "team-a"):
+        status, _ = cp.json(
+            "POST", f"/v1/namespaces/{ns}/exec", {"command": "true", "queue": "nsq"}, cp.admin_token
+        )
+        assert status == 202
+    bound = cp.store.create_token("daemon", "a-daemon", namespace="team-a")
+    body = {"worker_id": new_ulid(), "queues": ["nsq"], "max": 4, "timeout_s": 0}
+    status, out = cp.call("/v1/daemon/poll", body, bound)
+    assert status == 200
+    assert [c["body"]["namespace"] for c in out["commands"]] == ["team-a"]
+    _, out = cp.daemon("/v1/daemon/poll", body)  # an unbound daemon token serves every namespace
+    assert [c["body"]["namespace"] for c in out["commands"]] == ["team-b"]
+
+
+def test_a_poll_for_run_commands_only_leaves_exec_jobs_queued(control_plane: ControlPlane) -> None:
+    cp = control_plane
+    status, out = cp.json(
+        "POST", "/v1/namespaces/ns/exec", {"command": "true", "queue": "runonly"}, cp.admin_token
+    )
+    assert status == 202
+    body = {"worker_id": new_ulid(), "queues": ["runonly"], "timeout_s": 0, "kinds": ["run"]}
+    assert cp.daemon("/v1/daemon/poll", body) == (200, {"commands": []})
+    status, err = cp.daemon("/v1/daemon/poll", {**body, "kinds": ["exec"]})
+    assert status == 400 and "'kinds' must include 'run'" in err["error"]
+    _, got = cp.daemon("/v1/daemon/poll", {**body, "kinds": ["run", "exec"]})
+    assert [c["body"]["exec_id"] for c in got["commands"]] == [out["exec_id"]]

@@ -258,6 +258,7 @@ class HttpDispatch:
                 "worker_id": worker_id,
                 "queues": list(queues),
                 "max": 1,
+                "kinds": ["run"],  # this worker cannot run exec jobs: never claim one
                 "timeout_s": left,
                 "version": __version__,
             }

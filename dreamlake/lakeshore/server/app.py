@@ -260,12 +260,15 @@ def create_app(
             expirer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await expirer
-            closer = getattr(ctx.fanout, "close", None)
+            # The Fanout protocol closes with ``aclose`` (a Redis fan-out holds two clients).
+            closer = getattr(ctx.fanout, "aclose", None) or getattr(ctx.fanout, "close", None)
             if callable(closer):
-                with contextlib.suppress(Exception):
+                try:
                     result = closer()
                     if asyncio.iscoroutine(result):
                         await result
+                except Exception:
+                    log.warning("closing the live fan-out failed", exc_info=True)
             ctx.close()
 
     app = Starlette(

@@ -22,6 +22,7 @@ from dreamlake.lakeshore.store.api import ACK_STATES, Command, Invocation, Princ
 log = logging.getLogger(__name__)
 
 MAX_QUEUES = 64
+MAX_RUNNING = 4096  # entries of a heartbeat's ``running``: one statement renews them all
 
 
 def _worker(body: dict[str, Any]) -> str:
@@ -67,7 +68,7 @@ async def register(ctx: Context, principal: Principal, body: dict[str, Any]) -> 
         "runner": field(body, "runner", str, default=""),
         "queues": _queues(body, default=["default"]),
         "labels": field(body, "labels", dict, default={}),
-        "slots": field(body, "slots", int, default=1),
+        "slots": http.integer(body, "slots", hi=http.I32_MAX, default=1),
         "namespace": namespace or principal.namespace,
     }
     await ctx.call(ctx.store.register_worker, worker_id, info)
@@ -116,19 +117,20 @@ def command_dict(cmd: Command) -> dict[str, Any]:
     return {"id": cmd.id, "kind": cmd.kind, "body": cmd.body}
 
 
-async def _collect(ctx: Context, worker_id: str, queues: list[str], limit: int) -> list[dict[str, Any]]:
-    """One poll pass: pending cancels, then claimed invocations, then exec jobs for free slots.
-
-    One store transaction (``store.poll``); a store without ``poll`` gets the three calls."""
-    one_pass = getattr(ctx.store, "poll", None)
-    if one_pass is not None:
-        cancels, claimed, jobs = await ctx.call(one_pass, worker_id, queues, limit, ctx.config.lease_s)
-    else:
-        cancels, _ = await ctx.call(ctx.store.heartbeat, worker_id, [], ctx.config.lease_s)
-        claimed = await ctx.call(ctx.store.claim, worker_id, queues, limit, ctx.config.lease_s)
-        jobs = []
-        if len(claimed) < limit:
-            jobs = await ctx.call(ctx.store.claim_exec, worker_id, queues, limit - len(claimed))
+async def _collect(
+    ctx: Context, worker_id: str, queues: list[str], limit: int, *, exec_jobs: bool, namespace: str | None
+) -> list[dict[str, Any]]:
+    """One poll pass, one store transaction (``store.poll``): pending cancels, then claimed
+    invocations, then exec jobs (of ``namespace`` when the token is bound to one) for free slots."""
+    cancels, claimed, jobs = await ctx.call(
+        ctx.store.poll,
+        worker_id,
+        queues,
+        limit,
+        ctx.config.lease_s,
+        exec_jobs=exec_jobs,
+        namespace=namespace,
+    )
     commands = [command_dict(c) for c in cancels]
     commands.extend(run_command(inv) for inv in claimed)
     commands.extend(exec_command(job) for job in jobs)
@@ -140,6 +142,19 @@ async def _collect(ctx: Context, worker_id: str, queues: list[str], limit: int) 
 
 
 Disconnected = Callable[[], Awaitable[bool]]
+POLL_KINDS = ("run", "exec")
+
+
+def _takes_exec(body: dict[str, Any]) -> bool:
+    """``kinds`` of a poll: the command kinds the daemon runs (default both). A worker that cannot
+    run exec jobs (the SDK's in-process worker) sends ``["run"]``: a job it claimed and could not
+    run would sit in ``running`` for ever."""
+    kinds = field(body, "kinds", list, default=list(POLL_KINDS))
+    if not kinds or any(k not in POLL_KINDS for k in kinds):
+        raise HTTPError(400, f"field 'kinds' must list one or both of {', '.join(POLL_KINDS)}")
+    if "run" not in kinds:
+        raise HTTPError(400, "field 'kinds' must include 'run'")
+    return "exec" in kinds
 
 
 async def poll(
@@ -153,6 +168,7 @@ async def poll(
     limit = int(http.number(body, "max", 1, lo=1, hi=ctx.config.poll_max_commands))
     timeout = http.number(body, "timeout_s", ctx.config.poll_default_s, lo=0.0, hi=ctx.config.poll_max_s)
     field(body, "version", str, default="")
+    exec_jobs = _takes_exec(body)
     started = time.monotonic()
     deadline = started + timeout
     channels = [f"queue:{q}" for q in queues] + [f"exec:{q}" for q in queues] + [f"worker:{worker_id}"]
@@ -163,7 +179,9 @@ async def poll(
             ctx.metrics.poll_wait.observe(time.monotonic() - started)
             return {"commands": []}
         mark = ctx.wake.mark()
-        commands = await _collect(ctx, worker_id, queues, limit)
+        commands = await _collect(
+            ctx, worker_id, queues, limit, exec_jobs=exec_jobs, namespace=principal.namespace
+        )
         remaining = deadline - time.monotonic()
         if commands or remaining <= 0:
             break
@@ -189,13 +207,6 @@ def _error_info(body: dict[str, Any]) -> dict[str, Any] | None:
     return error
 
 
-def _optional_int(body: dict[str, Any], name: str) -> int | None:
-    value = field(body, name, int, default=None, nullable=True)
-    if value is not None and value < 0:
-        raise HTTPError(400, f"field '{name}' must be >= 0, got {value}")
-    return value  # type: ignore[no-any-return]
-
-
 async def ack(ctx: Context, principal: Principal, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     invocation_id = http.ulid_field(body, "invocation_id")
     assert invocation_id is not None
@@ -205,7 +216,7 @@ async def ack(ctx: Context, principal: Principal, body: dict[str, Any]) -> tuple
     result_blob = field(body, "result_blob", bytes, default=None, nullable=True)
     error = _error_info(body)
     worker_id = http.ulid_field(body, "worker_id", optional=True)
-    attempt = _optional_int(body, "attempt")
+    attempt = http.integer(body, "attempt", hi=http.I32_MAX, default=None)
     result = await ctx.call(
         ctx.store.ack,
         invocation_id,
@@ -245,12 +256,10 @@ async def result_chunk(
 ) -> tuple[int, dict[str, Any]]:
     invocation_id = http.ulid_field(body, "invocation_id")
     assert invocation_id is not None
-    seq = field(body, "seq", int)
-    if seq < 0:
-        raise HTTPError(400, f"field 'seq' must be >= 0, got {seq}")
+    seq = http.integer(body, "seq", hi=http.I64_MAX)
     data = field(body, "bytes", bytes)
     final = field(body, "final", bool, default=False)
-    attempt = _optional_int(body, "attempt")
+    attempt = http.integer(body, "attempt", hi=http.I32_MAX, default=None)
     inside = _frame_seq(data)
     if inside != seq:
         raise HTTPError(
@@ -286,14 +295,18 @@ async def result_chunk(
 async def heartbeat(ctx: Context, principal: Principal, body: dict[str, Any]) -> dict[str, Any]:
     worker_id = _worker(body)
     running = field(body, "running", list, default=[])
+    if len(running) > MAX_RUNNING:
+        raise HTTPError(400, f"field 'running' lists {len(running)} invocations; the limit is {MAX_RUNNING}")
     pairs: list[tuple[str, int]] = []
     for item in running:
         if not isinstance(item, dict):
             raise HTTPError(400, "field 'running' must list maps {invocation_id, attempt}")
         inv_id = http.ulid(item.get("invocation_id"), "invocation_id")
         attempt = item.get("attempt")
-        if isinstance(attempt, bool) or not isinstance(attempt, int):
-            raise HTTPError(400, f"running[].attempt of {inv_id} must be an integer")
+        if isinstance(attempt, bool) or not isinstance(attempt, int) or not 0 <= attempt <= http.I32_MAX:
+            raise HTTPError(
+                400, f"running[].attempt of {inv_id} must be an integer between 0 and {http.I32_MAX}"
+            )
         pairs.append((inv_id, attempt))
     field(body, "free_slots", int, default=0)
     commands, lost = await ctx.call(ctx.store.heartbeat, worker_id, pairs, ctx.config.lease_s)

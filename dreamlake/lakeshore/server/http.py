@@ -175,6 +175,21 @@ def number(body: dict[str, Any], name: str, default: float, *, lo: float, hi: fl
     return min(max(value, lo), hi)
 
 
+I64_MAX = 2**63 - 1  # a BIGINT column (frame seqs)
+I32_MAX = 2**31 - 1  # an INTEGER column (attempts)
+
+
+def integer(body: dict[str, Any], name: str, *, hi: int, default: Any = _MISSING) -> Any:
+    """An int field in ``0..hi`` (the column it lands in); 400 naming the field otherwise.
+
+    Without the bound a huge value fails in the database driver (a 500), and differently on
+    SQLite and PostgreSQL."""
+    value = field(body, name, int, default=default, nullable=default is None)
+    if value is not None and not 0 <= value <= hi:
+        raise HTTPError(400, f"field '{name}' must be between 0 and {hi}, got {value}")
+    return value
+
+
 def ulid(value: Any, what: str) -> str:
     """Validate an id with :func:`ids.validate`; 400 with its message otherwise."""
     try:

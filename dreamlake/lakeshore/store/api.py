@@ -176,12 +176,19 @@ class Store(Protocol):
         ...
 
     def poll(
-        self, worker_id: str, queues: list[str], limit: int = 1, lease_s: float = DEFAULT_LEASE_S
+        self,
+        worker_id: str,
+        queues: list[str],
+        limit: int = 1,
+        lease_s: float = DEFAULT_LEASE_S,
+        *,
+        exec_jobs: bool = True,
+        namespace: str | None = None,
     ) -> tuple[list[Command], list[Invocation], list[dict[str, Any]]]:
         """One daemon poll pass in one transaction: take the worker's pending commands (cancels,
         each returned once, as ``heartbeat`` does), then ``claim`` up to ``limit`` invocations,
-        then ``claim_exec`` exec jobs for the slots left. Returns (commands, invocations, exec
-        command bodies)."""
+        then (``exec_jobs``) ``claim_exec`` exec jobs of ``namespace`` (None: any) for the slots
+        left. Returns (commands, invocations, exec command bodies)."""
         ...
 
     def expire_leases(self, now: float | None = None) -> list[str]:
@@ -215,7 +222,9 @@ class Store(Protocol):
         worker_id: str | None,
         timeout_s: float | None,
     ) -> str: ...
-    def claim_exec(self, worker_id: str, queues: list[str], limit: int = 1) -> list[dict[str, Any]]: ...
+    def claim_exec(
+        self, worker_id: str, queues: list[str], limit: int = 1, *, namespace: str | None = None
+    ) -> list[dict[str, Any]]: ...
     def publish_exec_result(self, namespace: str, exec_id: str, result: dict[str, Any]) -> bool: ...
     def get_exec(self, namespace: str, exec_id: str) -> dict[str, Any] | None: ...
 

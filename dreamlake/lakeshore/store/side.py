@@ -6,7 +6,8 @@ Tokens: ``create_token`` returns ``"lsk_" + secrets.token_urlsafe(32)`` once; on
 stored, and ``verify_token`` looks the hash up (no secret ever compared byte by byte).
 
 Exec jobs (seed 003): ``create_exec`` queues a job (``state`` queued); ``claim_exec`` flips jobs of
-the given queues that are meant for any worker or for the caller to running and returns the exec
+the given queues (and of ``namespace``, when one is given: a daemon token bound to a namespace
+never sees another namespace's jobs) that are meant for any worker or for the caller to running and returns the exec
 command bodies ``{exec_id, namespace, command, payload_inline, payload_ref, timeout_s}``;
 ``publish_exec_result`` records the first published result (``{exit_code, stdout, stderr,
 resultInline?, resultRef?}``, any msgpack-able dict) and marks it done; ``get_exec`` returns
@@ -168,14 +169,22 @@ class SideMixin:
         self._notify(f"queue:{queue}", *([f"worker:{worker_id}"] if worker_id else []))
         return exec_id
 
-    def claim_exec(self, worker_id: str, queues: list[str], limit: int = 1) -> list[dict[str, Any]]:
+    def claim_exec(
+        self, worker_id: str, queues: list[str], limit: int = 1, *, namespace: str | None = None
+    ) -> list[dict[str, Any]]:
         if not queues or limit < 1:
             return []
         with self.db.tx(write=True) as conn:
-            return self._claim_exec_in(conn, worker_id, queues, limit, time.time())
+            return self._claim_exec_in(conn, worker_id, queues, limit, time.time(), namespace)
 
     def _claim_exec_in(
-        self, conn: Connection, worker_id: str, queues: list[str], limit: int, now: float
+        self,
+        conn: Connection,
+        worker_id: str,
+        queues: list[str],
+        limit: int,
+        now: float,
+        namespace: str | None = None,
     ) -> list[dict[str, Any]]:
         raise NotImplementedError
 

@@ -217,25 +217,31 @@ class _Statements:
             owner_id=B("owner"), seq=B("seq"), data=B("data"), final=B("final"), created_at=B("now")
         )
         e = t.exec_jobs
-        pick_exec = (
-            sa.select(e.c.exec_id)
-            .where(
+        # One statement per "any namespace" / "this namespace only" (a daemon token bound to one).
+        self.claim_exec: dict[bool, Any] = {}
+        for by_namespace in (False, True):
+            conds = [
                 e.c.state == "queued",
                 e.c.queue.in_(B("queues", expanding=True)),
                 sa.or_(e.c.worker_id.is_(None), e.c.worker_id == B("worker")),
+            ]
+            if by_namespace:
+                conds.append(e.c.namespace == B("b_namespace"))
+            pick_exec = (
+                sa.select(e.c.exec_id)
+                .where(*conds)
+                .order_by(e.c.created_at, e.c.exec_id)
+                .limit(B("limit", type_=sa.Integer))
+                .with_for_update(skip_locked=True)
+                .cte("picked_exec")
+                .prefix_with("MATERIALIZED")
             )
-            .order_by(e.c.created_at, e.c.exec_id)
-            .limit(B("limit", type_=sa.Integer))
-            .with_for_update(skip_locked=True)
-            .cte("picked_exec")
-            .prefix_with("MATERIALIZED")
-        )
-        self.claim_exec = (
-            sa.update(e)
-            .where(e.c.exec_id.in_(sa.select(pick_exec.c.exec_id)), e.c.state == "queued")
-            .values(state="running", claimed_by=B("worker"), claimed_at=B("now"))
-            .returning(*e.c)
-        )
+            self.claim_exec[by_namespace] = (
+                sa.update(e)
+                .where(e.c.exec_id.in_(sa.select(pick_exec.c.exec_id)), e.c.state == "queued")
+                .values(state="running", claimed_by=B("worker"), claimed_at=B("now"))
+                .returning(*e.c)
+            )
 
 
 _SUBMIT_COLS = (
@@ -442,10 +448,23 @@ class SqlStore(SideMixin):
         )
 
     def _claim_exec_in(
-        self, conn: Connection, worker_id: str, queues: list[str], limit: int, now: float
+        self,
+        conn: Connection,
+        worker_id: str,
+        queues: list[str],
+        limit: int,
+        now: float,
+        namespace: str | None = None,
     ) -> list[dict[str, Any]]:
-        params = {"queues": list(queues), "limit": int(limit), "worker": worker_id, "now": now}
-        rows = sorted(conn.execute(self._st.claim_exec, params), key=lambda r: (r.created_at, r.exec_id))
+        params = {
+            "queues": list(queues),
+            "limit": int(limit),
+            "worker": worker_id,
+            "now": now,
+            "b_namespace": namespace,
+        }
+        stmt = self._st.claim_exec[namespace is not None]
+        rows = sorted(conn.execute(stmt, params), key=lambda r: (r.created_at, r.exec_id))
         return [exec_body(r) for r in rows]
 
     def _take_commands_in(self, conn: Connection, worker_id: str, now: float) -> list[Command]:
@@ -459,7 +478,14 @@ class SqlStore(SideMixin):
         return [Command(id=r.command_id, kind=r.kind, body=r.body) for r in rows]
 
     def poll(
-        self, worker_id: str, queues: list[str], limit: int = 1, lease_s: float = DEFAULT_LEASE_S
+        self,
+        worker_id: str,
+        queues: list[str],
+        limit: int = 1,
+        lease_s: float = DEFAULT_LEASE_S,
+        *,
+        exec_jobs: bool = True,
+        namespace: str | None = None,
     ) -> tuple[list[Command], list[Invocation], list[dict[str, Any]]]:
         now = time.time()
         with self.db.tx(write=True) as conn:
@@ -468,8 +494,9 @@ class SqlStore(SideMixin):
             jobs: list[dict[str, Any]] = []
             if queues and limit >= 1:
                 claimed = self._claim_in(conn, worker_id, queues, limit, lease_s, now)
-                if len(claimed) < limit:
-                    jobs = self._claim_exec_in(conn, worker_id, queues, limit - len(claimed), now)
+                if exec_jobs and len(claimed) < limit:
+                    left = limit - len(claimed)
+                    jobs = self._claim_exec_in(conn, worker_id, queues, left, now, namespace)
         self._notify(*(f"inv:{i.invocation_id}" for i in claimed))
         return commands, claimed, jobs
 

@@ -19,6 +19,7 @@ from dreamlake.lakeshore.errors import PlaneError
 from .api import DEFAULT_MAX_ATTEMPTS, SubmitRequest
 
 MAX_ATTEMPTS_CAP = 100
+MAX_KEY_LEN = 1024  # the idempotency_key column: PostgreSQL refuses longer, SQLite would not
 _I64 = 2**63 - 1
 
 
@@ -89,4 +90,11 @@ def idempotency_key(run_config: dict[str, Any]) -> str | None:
         return None
     if not isinstance(key, (str, int)) or isinstance(key, bool):
         raise PlaneError(f"run_config.key must be a string, got {type(key).__name__}", status=400)
-    return str(key)
+    key = str(key)
+    if len(key) > MAX_KEY_LEN:
+        raise PlaneError(
+            f"run_config.key is {len(key)} characters long; the limit is {MAX_KEY_LEN} "
+            "(hash a longer key client-side)",
+            status=400,
+        )
+    return key
