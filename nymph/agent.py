@@ -350,7 +350,15 @@ class Agent:
     def _claiming_stopped(self) -> bool:
         return self._stopping.is_set() or self._target_version is not None
 
-    def _dispatch(self, command: dict[str, Any]) -> None:
+    def _dispatch(self, command: Any) -> None:
+        """Handle one command; a malformed one is logged and skipped, never fatal to the caller."""
+        try:
+            self._dispatch_one(command)
+        except Exception:
+            cid = command.get("id") if isinstance(command, dict) else None
+            log.exception("command %s could not be handled; ignored: %.300r", cid, command)
+
+    def _dispatch_one(self, command: dict[str, Any]) -> None:
         kind = command.get("kind")
         body = command.get("body") or {}
         if kind == "run":
@@ -372,7 +380,15 @@ class Agent:
         except InvalidId as exc:
             log.error("run command refused before it touched the disk: %s", exc)
             return
-        attempt = int(body.get("attempt") or 1)
+        try:
+            attempt = int(body.get("attempt") or 1)
+        except (TypeError, ValueError):
+            log.error(
+                "invocation %s: run command refused: attempt %r is not a number",
+                invocation_id,
+                body.get("attempt"),
+            )
+            return
         with self._lock:
             earlier = self._jobs.get(invocation_id)
         if earlier is not None and earlier.attempt >= attempt:
@@ -394,8 +410,6 @@ class Agent:
         self._launch(job, job.run, take=False)
 
     def _start_exec(self, body: dict[str, Any]) -> None:
-        if not self.slots.take():
-            self.slots.force_take()
         job = ExecJob(
             body,
             runner=self.runner,
@@ -406,7 +420,12 @@ class Agent:
             on_done=self._exec_done,
         )
         with self._lock:
+            if job.exec_id and job.exec_id in self._execs:
+                log.warning("exec %s: already running here; duplicate exec command ignored", job.exec_id)
+                return
             self._execs[job.exec_id] = job
+        if not self.slots.take():
+            self.slots.force_take()
         job.start_thread()
 
     def _exec_done(self, job: ExecJob) -> None:
@@ -453,14 +472,16 @@ class Agent:
 
     # --- heartbeat answers -----------------------------------------------------------------------
 
-    def _on_heartbeat(self, answer: dict[str, Any]) -> None:
+    def _on_heartbeat(self, answer: dict[str, Any], sent: list[dict[str, Any]]) -> None:
         self._pet()
         for command in answer.get("commands") or []:
             self._dispatch(command)
+        # ``lost`` names the attempts this beat reported; a newer attempt claimed since then is not lost
+        reported = {str(e["invocation_id"]): int(e["attempt"]) for e in sent}
         for invocation_id in answer.get("lost") or []:
             with self._lock:
                 job = self._jobs.get(str(invocation_id))
-            if job is not None:
+            if job is not None and job.attempt <= reported.get(str(invocation_id), 0):
                 log.warning("invocation %s: lease lost to another attempt; killing it", invocation_id)
                 job.lose()
         self._check_version(answer)

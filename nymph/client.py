@@ -128,6 +128,8 @@ class ControlPlaneClient:
             raise TransientError(f"{route}: cannot reach {self.server}: {type(exc).__name__}: {exc}") from exc
         except httpx.HTTPError as exc:
             raise TransientError(f"{route}: {type(exc).__name__}: {exc}") from exc
+        except httpx.InvalidURL as exc:  # e.g. a route built from a bad name: never retried
+            raise BadRequest(f"{route}: invalid URL: {exc}") from exc
         answer = _decode(resp)
         if resp.status_code >= 400:
             message = answer.get("error") if isinstance(answer, dict) else None

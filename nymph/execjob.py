@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
+import re
 import shutil
 import threading
 import time
@@ -41,7 +41,7 @@ from nymph.client import ClientError, ControlPlaneClient
 from nymph.job import backoff_s
 from nymph.outbox import Outbox
 from nymph.runner import ExitStatus, Handle, Runner, RunnerError, RunnerUnavailable, Task
-from nymph.workdir import STDERR, STDOUT
+from nymph.workdir import STDERR, STDOUT, tail
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +53,16 @@ EXIT_TIMEOUT = 124
 EXIT_NOT_RUN = -1
 FETCH_TIMEOUT_S = 60.0
 _WAIT_STEP_S = 0.2
+_NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,128}")  # the control plane's name rule (docs/protocol.md)
 
 
 class PayloadError(Exception):
     """The payload could not be obtained or failed verification; nothing is spawned."""
+
+
+def valid_namespace(namespace: str) -> bool:
+    """A name that is safe as one path segment of a route: ``[A-Za-z0-9._-]{1,128}``, not ``.``/``..``."""
+    return bool(_NAMESPACE.fullmatch(namespace)) and namespace not in (".", "..")
 
 
 def result_route(namespace: str, exec_id: str) -> str:
@@ -88,13 +94,7 @@ def fetch_payload(client: ControlPlaneClient, namespace: str, ref: dict[str, Any
 
 
 def _tail_text(path: Path) -> str:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - OUTPUT_LIMIT))
-            return fh.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
+    return tail(path, OUTPUT_LIMIT)
 
 
 class ExecJob:
@@ -117,7 +117,13 @@ class ExecJob:
         self.namespace = str(body.get("namespace") or "")
         self.command = str(body.get("command") or "")
         timeout = body.get("timeout_s")
-        self.timeout_s = float(timeout) if timeout not in (None, "", 0) else None
+        try:
+            self.timeout_s = float(timeout) if timeout not in (None, "", 0) else None
+        except (TypeError, ValueError):
+            self.timeout_s = None
+            self._bad_timeout: str | None = f"bad timeout_s {timeout!r}: expected a number of seconds"
+        else:
+            self._bad_timeout = None
         self._runner = runner
         self._client = client
         self._outbox = outbox
@@ -198,6 +204,12 @@ class ExecJob:
             log.error("exec command refused: %s", exc)
             self.namespace = ""  # nowhere valid to publish to
             return EXIT_NOT_RUN, "", str(exc)
+        if not valid_namespace(self.namespace):
+            log.error("exec %s refused: invalid namespace %r", self.exec_id, self.namespace[:200])
+            self.namespace = ""  # it would become a path segment of the result route
+            return EXIT_NOT_RUN, "", "invalid namespace"
+        if self._bad_timeout:
+            return EXIT_NOT_RUN, "", self._bad_timeout
         if not self.command:
             return EXIT_NOT_RUN, "", "exec job without a command"
         try:
@@ -243,18 +255,20 @@ class ExecJob:
         handle = self._start_when_available(task)
         if isinstance(handle, str):
             return EXIT_NOT_RUN, "", handle
-        handle.save(workdir)
-        log.info("exec %s: started in namespace %s", self.exec_id, self.namespace)
+        try:
+            handle.save(workdir)
+            log.info("exec %s: started in namespace %s", self.exec_id, self.namespace)
+            code = self._wait(handle)
+        finally:  # also when the wait failed: no container, pod or process outlives the exec job
+            try:
+                self._runner.destroy(handle)
+            except RunnerError as exc:
+                log.warning("exec %s: destroy failed: %s", self.exec_id, exc)
         note = ""
-        code = self._wait(handle)
         if isinstance(code, str):
             note, code_value = code, (EXIT_TIMEOUT if code.startswith("timed out") else EXIT_NOT_RUN)
         else:
             code_value = code
-        try:
-            self._runner.destroy(handle)
-        except RunnerError as exc:
-            log.warning("exec %s: destroy failed: %s", self.exec_id, exc)
         stderr = _tail_text(workdir / STDERR)
         if note:
             stderr += ("" if not stderr or stderr.endswith("\n") else "\n") + f"nymph: {note}\n"

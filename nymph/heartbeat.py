@@ -29,7 +29,7 @@ class Heartbeat:
         *,
         running: Callable[[], list[dict[str, Any]]],
         free_slots: Callable[[], int],
-        on_answer: Callable[[dict[str, Any]], None],
+        on_answer: Callable[[dict[str, Any], list[dict[str, Any]]], None],
         on_error: Callable[[ClientError], None] = lambda exc: None,
     ) -> None:
         self._client = client
@@ -53,14 +53,15 @@ class Heartbeat:
 
     def beat(self) -> None:
         """One heartbeat, now."""
-        body = {"worker_id": self._worker_id, "running": self._running(), "free_slots": self._free_slots()}
+        running = self._running()
+        body = {"worker_id": self._worker_id, "running": running, "free_slots": self._free_slots()}
         try:
             answer = self._client.heartbeat(body)
         except ClientError as exc:
             log.warning("heartbeat failed: %s", exc)
             self._on_error(exc)
             return
-        self._on_answer(answer)
+        self._on_answer(answer, running)  # with what was reported: an answer is about those attempts
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s * random.uniform(0.9, 1.0)):

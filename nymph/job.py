@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
 import random
 import threading
 import time
@@ -96,7 +97,12 @@ class Job:
         self.script: str | None = body.get("script") or self.run_config.get("script")
         self.as_user: str | None = body.get("as_user") or self.run_config.get("as_user")
         timeout = body.get("timeout_s", self.run_config.get("timeout_s"))
-        self.timeout_s: float | None = float(timeout) if timeout not in (None, "", 0) else None
+        self._bad_timeout: str | None = None
+        try:
+            self.timeout_s: float | None = float(timeout) if timeout not in (None, "", 0) else None
+        except (TypeError, ValueError):  # refused by the gates, so the invocation is still acked
+            self.timeout_s = None
+            self._bad_timeout = f"run_config.timeout_s {timeout!r} is not a number of seconds"
         self.workdir: Path | None = None
         self.handle: Handle | None = None
         self.started_at = time.time()
@@ -239,6 +245,8 @@ class Job:
     def _gates(self) -> None:
         cfg = self.ctx.config
         caps = self.ctx.runner.capabilities
+        if self._bad_timeout:
+            raise Refused("InvalidRunConfig", self._bad_timeout)
         if self.script is None:
             try:
                 header = Envelope.header(bytes(self.body.get("args_blob") or b""))
@@ -262,6 +270,14 @@ class Job:
                 raise Refused(
                     "RunnerCapabilityMissing", f"runner {self.ctx.runner.name!r} cannot run as another user"
                 )
+            try:
+                pwd.getpwnam(self.as_user)
+            except KeyError:
+                raise Refused(
+                    "UserNotAllowed",
+                    f"as_user {self.as_user!r} is allowed but is not a user on this host (its workdir is "
+                    f"owned by that user); create it with useradd",
+                ) from None
         if gpus_requested(self.run_config) and not caps.gpus:
             raise Refused("RunnerCapabilityMissing", f"runner {self.ctx.runner.name!r} cannot expose GPUs")
         for key, needed in (("image", caps.image), ("network", caps.network)):

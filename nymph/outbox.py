@@ -74,7 +74,7 @@ class Outbox:
         self._seq = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._sending = False
+        self._in_flight: Message | None = None  # popped from the queue, being delivered
         self._replay()
 
     # --- producer side -----------------------------------------------------------------------------
@@ -104,11 +104,13 @@ class Outbox:
 
     def pending(self) -> int:
         with self._cond:
-            return len(self._queue) + (1 if self._sending else 0)
+            return len(self._queue) + (1 if self._in_flight is not None else 0)
 
     def pending_for(self, invocation_id: str) -> bool:
+        """Whether a message for ``invocation_id`` is queued or being sent."""
         with self._cond:
-            return any(m.invocation_id == invocation_id for m in self._queue)
+            queued = [*self._queue, *([self._in_flight] if self._in_flight is not None else [])]
+            return any(m.invocation_id == invocation_id for m in queued)
 
     # --- sender ------------------------------------------------------------------------------------
 
@@ -120,7 +122,7 @@ class Outbox:
         """Wait until everything was delivered (True) or ``timeout_s`` passed (False)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._queue or self._sending:
+            while self._queue or self._in_flight is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -142,12 +144,18 @@ class Outbox:
                 if self._stop.is_set():
                     return
                 msg = self._queue.pop(0)
-                self._sending = True
+                self._in_flight = msg
             try:
                 self._deliver(msg)
+            except Exception:  # a poison message must not stop every later ack (nor the next start)
+                log.exception(
+                    "invocation %s: %s cannot be sent; moved aside as .bad", msg.invocation_id, msg.route
+                )
+                with contextlib.suppress(OSError):
+                    os.replace(msg.path, msg.path.with_suffix(".bad"))
             finally:
                 with self._cond:
-                    self._sending = False
+                    self._in_flight = None
                     self._cond.notify_all()
 
     def _deliver(self, msg: Message) -> None:

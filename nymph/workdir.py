@@ -122,7 +122,8 @@ def leftovers(root: Path) -> list[Path]:
         return []
 
 
-def _tail(path: Path, limit: int = 4000) -> str:
+def tail(path: Path, limit: int = 4000) -> str:
+    """The last ``limit`` bytes of a file, decoded as UTF-8; empty when it cannot be read."""
     try:
         with open(path, "rb") as fh:
             fh.seek(0, os.SEEK_END)
@@ -141,7 +142,7 @@ def read_outcome(path: Path, status: ExitStatus | None, *, script: bool = False)
             from dreamlake.lakeshore import wire
 
             return Outcome("succeeded", wire.pack({"exit_code": 0}))
-        return Outcome.failed("ScriptFailed", f"script exited with code {code}{reason}", _tail(path / STDERR))
+        return Outcome.failed("ScriptFailed", f"script exited with code {code}{reason}", tail(path / STDERR))
     result = path / RESULT
     if code == 0 or (status is None and result.exists()):
         try:
@@ -159,7 +160,7 @@ def read_outcome(path: Path, status: ExitStatus | None, *, script: bool = False)
             return Outcome("failed", b"", error)
     except (OSError, ValueError):
         pass
-    logs = status.logs if status is not None and status.logs else _tail(path / STDERR)
+    logs = status.logs if status is not None and status.logs else tail(path / STDERR)
     return Outcome.failed(
         "ProcessExited", f"the entry exited with code {code}{reason} and left no error.json", logs
     )

@@ -45,8 +45,9 @@ import docker.errors
 from docker.types import DeviceRequest, Mount
 
 from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, RunnerUnavailable, Task
+from nymph.runnerkit import log_tail, option_list
 from nymph_docker import engine, policy
-from nymph_docker.logs import collect_logs, log_tail
+from nymph_docker.logs import collect_logs
 
 log = logging.getLogger(__name__)
 
@@ -97,17 +98,17 @@ class DockerRunner:
         if pull not in PULL_POLICIES:
             raise RunnerError(f"{self.name} runner: pull must be one of {PULL_POLICIES}, got {pull!r}")
         self.image = image
-        self.allowed_images = _strings(allowed_images)
+        self.allowed_images = option_list(allowed_images)
         self.pull = pull
         self.network = network
-        self.allowed_networks = (network, *_strings(allowed_networks))
+        self.allowed_networks = (network, *option_list(allowed_networks))
         self.read_only = read_only
         self.tmpfs_tmp = tmpfs_tmp
         self.default_limits: dict[str, Any] = {"cpus": cpus, "memory": memory, "pids": pids, "shm": shm}
         policy.limits(None, **self.default_limits)  # validate the defaults now, not at the first task
         self.users = _users(users)
         self.runtime = runtime
-        self.code_dirs = tuple(str(Path(d).resolve()) for d in _strings(code_dirs))
+        self.code_dirs = tuple(str(Path(d).resolve()) for d in option_list(code_dirs))
         self.mount_pythonpath = mount_pythonpath
         self.docker_host = docker_host
         self.python = python
@@ -250,6 +251,8 @@ class DockerRunner:
 
     # --- hooks for subclasses (gvisor) ----------------------------------------------------------
 
+    _runtime_hint = "register it in /etc/docker/daemon.json and reload dockerd"
+
     def _check_runtime(self, client: docker.DockerClient) -> None:
         """Raise RunnerUnavailable when ``self.runtime`` is not registered with the engine."""
         if self.runtime is None:
@@ -258,8 +261,8 @@ class DockerRunner:
             runtimes = client.info().get("Runtimes") or {}
         if self.runtime not in runtimes:
             raise RunnerUnavailable(
-                f"{self.name} runner: the Docker engine has no runtime {self.runtime!r} "
-                f"(it has {sorted(runtimes)}); register it in /etc/docker/daemon.json and reload dockerd"
+                f"{self.name} runner: the Docker engine at {engine.engine_location(self.docker_host)} has "
+                f"no {self.runtime!r} runtime (it has {sorted(runtimes)}): {self._runtime_hint}"
             )
 
     def _limits(self, resources: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -409,19 +412,13 @@ class DockerRunner:
         return ExitStatus(exit_code=code, reason=reason, logs=logs)
 
 
-def _strings(value: Iterable[str] | str) -> tuple[str, ...]:
-    """A list option; a string (``--runner-opt code_dirs=/a,/b``) is comma separated."""
-    items = value.split(",") if isinstance(value, str) else list(value)
-    return tuple(str(i).strip() for i in items if str(i).strip())
-
-
 def _users(value: Mapping[str, str] | str | None) -> dict[str, str]:
     """The ``users`` option; a string is ``name=uid:gid,name2=uid:gid``."""
     if not value:
         return {}
     if isinstance(value, str):
         out: dict[str, str] = {}
-        for item in _strings(value):
+        for item in option_list(value):
             name, sep, ids_ = item.partition("=")
             if not sep or not name.strip() or not ids_.strip():
                 raise RunnerError(f"users: expected name=uid:gid, got {item!r}")

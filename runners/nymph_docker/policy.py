@@ -2,13 +2,13 @@
 
 Nothing here talks to the engine, so every rule is testable without one:
 
-- :func:`image_allowed`: the default image is always allowed; ``allowed_images`` entries match an
+- :func:`image_allowed` (shared with the kube runner, :mod:`nymph.runnerkit`): the default image is always allowed; ``allowed_images`` entries match an
   image exactly, any tag or digest of a repository (``python`` allows ``python:3.12``), or, when an
   entry ends with ``/``, every image under that registry prefix (``ghcr.io/acme/``).
 - :func:`container_user`: ``as_user`` maps to ``uid:gid`` (the runner's ``users`` table first, then
   the host's passwd); without one, the workdir's owner, so the bind-mounted workdir is writable.
 - :func:`limits`: ``run_config.resources`` (``cpus``, ``memory``, ``pids``, ``shm``) over the
-  runner's defaults, as docker SDK ``create`` keywords.
+  runner's defaults, as docker SDK ``create`` keywords (sizes read by :mod:`nymph.resources`).
 - :func:`code_paths` / :func:`pythonpath`: the entry bundle first, then the code paths (the
   ``code_dirs``, and the task's own PYTHONPATH entries when they are mounted), each mounted at its
   host path; PYTHONPATH entries that are not mounted mean nothing in a container and are dropped.
@@ -18,48 +18,15 @@ from __future__ import annotations
 
 import os
 import pwd
-import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from nymph.resources import parse_size
 from nymph.runner import RunnerError
+from nymph.runnerkit import image_allowed
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
-
-
-def image_allowed(image: str, default: str, allowed: Iterable[str]) -> bool:
-    """Whether ``image`` may run: the default, an allowed image or repository, or a registry prefix."""
-    if image == default:
-        return True
-    for entry in allowed:
-        if not entry:
-            continue
-        if image == entry:
-            return True
-        if entry.endswith("/") and image.startswith(entry):
-            return True
-        if image.startswith(entry + ":") or image.startswith(entry + "@"):
-            return True
-    return False
-
-
-def parse_size(value: Any, what: str) -> int:
-    """Bytes from an int or a string such as ``512m``, ``1g``, ``2GiB``, ``1024``."""
-    if isinstance(value, bool):
-        raise RunnerError(f"{what}: expected a size such as 512m or 1g, got {value!r}")
-    if isinstance(value, int | float):
-        if value <= 0:
-            raise RunnerError(f"{what}: must be positive, got {value!r}")
-        return int(value)
-    if isinstance(value, str):
-        match = _SIZE.match(value)
-        if match:
-            number = float(match.group(1)) * _UNITS[match.group(2).lower()]
-            if number > 0:
-                return int(number)
-    raise RunnerError(f"{what}: expected a size such as 512m or 1g, got {value!r}")
+__all__ = ["code_paths", "container_user", "image_allowed", "limits", "parse_size", "pythonpath"]
 
 
 def limits(
@@ -84,6 +51,8 @@ def limits(
     out: dict[str, Any] = {}
     want_cpus = res.get("cpus", cpus)
     if want_cpus is not None:
+        if isinstance(want_cpus, bool):
+            raise RunnerError(f"resources.cpus: expected a number, got {want_cpus!r}")
         try:
             nano = int(float(want_cpus) * 1e9)
         except (TypeError, ValueError) as exc:

@@ -28,10 +28,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import docker
-
-from nymph.runner import RunnerUnavailable
-from nymph_docker import DockerRunner, engine, policy
+from nymph_docker import DockerRunner, policy
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +47,7 @@ class GVisorRunner(DockerRunner):
     """The docker runner under gVisor (runsc), with untrusted-code defaults."""
 
     name: ClassVar[str] = "gvisor"
+    _runtime_hint = REGISTER_HINT
 
     def __init__(
         self,
@@ -63,15 +61,6 @@ class GVisorRunner(DockerRunner):
         super().__init__(runtime=runtime, read_only=read_only, tmpfs_tmp=tmpfs_tmp, pids=pids, **options)
         if read_only and not tmpfs_tmp:
             log.warning("gvisor runner: read_only without tmpfs_tmp leaves /tmp writable under runsc")
-
-    def _check_runtime(self, client: docker.DockerClient) -> None:
-        with engine.translated(f"{self.name} runner: docker info", self.docker_host):
-            runtimes = client.info().get("Runtimes") or {}
-        if self.runtime not in runtimes:
-            raise RunnerUnavailable(
-                f"{self.name} runner: the Docker engine at {engine.engine_location(self.docker_host)} has no "
-                f"{self.runtime!r} runtime (it has {sorted(runtimes)}): {REGISTER_HINT}"
-            )
 
     def _limits(self, resources: Mapping[str, Any] | None) -> dict[str, Any]:
         out = policy.limits(resources, **self.default_limits)

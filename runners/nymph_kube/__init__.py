@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, RunnerUnavailable, Task
+from nymph.runnerkit import image_allowed, option_list
 from nymph_kube import api, podspec
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ class KubeRunner:
         )
         self.namespace = namespace
         self.image = image
-        self.allowed_images = podspec.strings(allowed_images)
+        self.allowed_images = option_list(allowed_images)
         self.workdir_volume = workdir_volume
         self.host_workdir_root = host_workdir_root
         self.workdir_claim = workdir_claim
@@ -158,7 +159,7 @@ class KubeRunner:
     def start(self, task: Task) -> Handle:
         pods = self._client()
         image = str(task.run_config.get("image") or self.image)
-        if not _image_allowed(image, self.image, self.allowed_images):
+        if not image_allowed(image, self.image, self.allowed_images):
             raise RunnerError(
                 f"{self.name} runner: image {image!r} is not allowed on this node "
                 f"(default {self.image!r}; allowed_images {list(self.allowed_images)})"
@@ -383,20 +384,6 @@ def _use_claim(manifest: dict[str, Any], claim: str, sub_workdir: str, sub_bundl
             mount["subPath"] = sub_workdir
         elif mount["name"] == "entry-bundle":
             mount.update({"name": "workdir", "subPath": sub_bundle})
-
-
-def _image_allowed(image: str, default: str, allowed: Iterable[str]) -> bool:
-    """The default, an allowed image or repository (any tag/digest), or a registry prefix ending in '/'."""
-    if image == default:
-        return True
-    for entry in allowed:
-        if entry and (
-            image == entry
-            or (entry.endswith("/") and image.startswith(entry))
-            or image.startswith((entry + ":", entry + "@"))
-        ):
-            return True
-    return False
 
 
 def _pod(handle: Handle) -> str:

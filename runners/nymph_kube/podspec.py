@@ -15,12 +15,14 @@ from __future__ import annotations
 import os
 import pwd
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nymph.resources import parse_size
 from nymph.runner import ExitStatus, RunnerError
+from nymph.runnerkit import option_list
 
 ENTRY_MODULE = "dreamlake.lakeshore.daemon.entry"
 CONTAINER = "task"
@@ -30,8 +32,6 @@ GPU_RESOURCE = "nvidia.com/gpu"
 # Run the script with bash when the image has it, else with sh (as the docker runner does).
 SCRIPT_SHIM = 'if command -v bash >/dev/null 2>&1; then exec bash -c "$1"; fi; exec sh -c "$1"'
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -55,21 +55,6 @@ class PodOptions:
     automount_token: bool = False
     runtime_class: str | None = None
     priority_class: str | None = None
-
-
-def parse_size(value: Any, what: str) -> int:
-    """Bytes from an int or ``512m`` / ``1g`` / ``2GiB`` / ``512Mi`` (binary units, as the docker runner)."""
-    if isinstance(value, bool):
-        raise RunnerError(f"{what}: expected a size such as 512Mi or 1g, got {value!r}")
-    if isinstance(value, int | float) and value > 0:
-        return int(value)
-    if isinstance(value, str):
-        match = _SIZE.match(value)
-        if match:
-            number = float(match.group(1)) * _UNITS[match.group(2).lower()]
-            if number > 0:
-                return int(number)
-    raise RunnerError(f"{what}: expected a positive size such as 512Mi or 1g, got {value!r}")
 
 
 def _cpu_quantity(value: Any) -> str:
@@ -336,19 +321,13 @@ def exit_status(pod: Mapping[str, Any], *, script: bool, logs: str | None) -> Ex
     return ExitStatus(exit_code=-1, reason=f"{reason}: {message}" if message else str(reason), logs=logs)
 
 
-def strings(value: Iterable[str] | str) -> tuple[str, ...]:
-    """A list option; a string (``--runner-opt x=a,b``) is comma separated."""
-    items = value.split(",") if isinstance(value, str) else list(value)
-    return tuple(str(i).strip() for i in items if str(i).strip())
-
-
 def mapping(value: Mapping[str, Any] | str | None, what: str) -> dict[str, str]:
     """A table option; a string is ``k=v,k2=v2``."""
     if not value:
         return {}
     if isinstance(value, str):
         out: dict[str, str] = {}
-        for item in strings(value):
+        for item in option_list(value):
             key, sep, val = item.partition("=")
             if not sep or not key.strip():
                 raise RunnerError(f"{what}: expected key=value, got {item!r}")

@@ -33,7 +33,6 @@ import os
 import select
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ from typing import ClassVar
 import psutil
 
 from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, RunnerUnavailable, Task
+from nymph.runnerkit import default_python, inferred_exit_code, log_tail
 from nymph_process.prefork import ForkedChild, ZygoteClient, ZygoteError
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,6 @@ log = logging.getLogger(__name__)
 ENTRY_MODULE = "dreamlake.lakeshore.daemon.entry"
 _POLL_S = 0.05
 _START_TIME_SLACK_S = 0.01
-_LOG_TAIL_BYTES = 4096
 _PR_SET_CHILD_SUBREAPER = 36
 PREFORK_DEFAULT = True
 _ZYGOTE_TIMEOUT_S = 30.0  # start-up (imports on a cold page cache) and one fork answer
@@ -60,17 +59,6 @@ _PER_TASK_ENV = ("LAKESHORE_",)
 _PER_TASK_ENV_KEYS = frozenset(
     {"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"}
 )
-
-
-def default_python() -> str:
-    """The interpreter to run the entry: nymph's own, resolved past symlinks unless it is a venv's.
-
-    A venv's ``bin/python`` is a symlink whose location *is* the venv (resolving it would lose the
-    venv's site-packages); any other interpreter is resolved, so no shim sits in front of it.
-    """
-    if sys.prefix != sys.base_prefix:
-        return sys.executable
-    return os.path.realpath(sys.executable)
 
 
 class ProcessRunner:
@@ -96,6 +84,10 @@ class ProcessRunner:
         self._zygotes: dict[tuple[tuple[str, str], ...], ZygoteClient] = {}
         self._zygote_lock = threading.Lock()
         self._zygote_failures = 0
+        # held from spawning a leader until it is in _children, and while reaping anything that is
+        # not: an orphan sweep must never reap a leader Popen has not been told about (its exit
+        # status would be lost and Popen would report 0)
+        self._spawn_lock = threading.Lock()
         become_subreaper()
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -131,7 +123,11 @@ class ProcessRunner:
         env = {k: v for k, v in os.environ.items() if not k.startswith("NYMPH_")}
         env.update(task.env)
         workdir = Path(task.workdir)
-        with open(workdir / "stdout.log", "ab") as out, open(workdir / "stderr.log", "ab") as err:
+        with (
+            open(workdir / "stdout.log", "ab") as out,
+            open(workdir / "stderr.log", "ab") as err,
+            self._spawn_lock,
+        ):
             try:
                 proc = subprocess.Popen(
                     cmd,
@@ -145,7 +141,7 @@ class ProcessRunner:
                 )
             except OSError as exc:
                 raise RunnerError(f"process runner: cannot spawn {cmd[0]!r}: {exc}") from exc
-        self._children[proc.pid] = proc
+            self._children[proc.pid] = proc
         with contextlib.suppress(OSError, AttributeError):
             # our child cannot be reaped (nor its pid reused) before this: only we wait for it
             self._pidfds[proc.pid] = os.pidfd_open(proc.pid)
@@ -243,18 +239,19 @@ class ProcessRunner:
             return 0
         except (OSError, AttributeError):
             pass
-        try:
-            children = psutil.Process().children()
-        except psutil.Error:
-            return 0
-        for child in children:
-            if child.pid in self._children:
-                continue
-            with contextlib.suppress(ChildProcessError, OSError, psutil.Error):
-                if child.status() != psutil.STATUS_ZOMBIE or os.getpgid(child.pid) == own_group:
+        with self._spawn_lock:
+            try:
+                children = psutil.Process().children()
+            except psutil.Error:
+                return 0
+            for child in children:
+                if child.pid in self._children:
                     continue
-                if os.waitpid(child.pid, os.WNOHANG)[0] == child.pid:
-                    reaped += 1
+                with contextlib.suppress(ChildProcessError, OSError, psutil.Error):
+                    if child.status() != psutil.STATUS_ZOMBIE or os.getpgid(child.pid) == own_group:
+                        continue
+                    if os.waitpid(child.pid, os.WNOHANG)[0] == child.pid:
+                        reaped += 1
         return reaped
 
     def inspect(self, handle: Handle) -> str:
@@ -416,12 +413,7 @@ class ProcessRunner:
         log.warning("invocation %s: process group %d still has members", handle.invocation_id, pgid)
 
     def _inferred_code(self, handle: Handle) -> int:
-        workdir = Path(str(handle.data.get("workdir", "")))
-        if (workdir / "result.msgpack").exists():
-            return 0
-        if (workdir / "error.json").exists():
-            return 1
-        return -1
+        return inferred_exit_code(Path(str(handle.data.get("workdir", ""))))
 
     def _status(self, handle: Handle, code: int) -> ExitStatus:
         reason = None
@@ -432,7 +424,7 @@ class ProcessRunner:
         if code == -1 and not known:
             reason = "exit status unknown (re-attached after a nymph restart)"
         return ExitStatus(
-            exit_code=code, reason=reason, logs=_tail(Path(str(handle.data.get("workdir", ""))))
+            exit_code=code, reason=reason, logs=log_tail(Path(str(handle.data.get("workdir", ""))))
         )
 
 
@@ -471,19 +463,3 @@ def _not_zombie(proc: psutil.Process) -> bool:
         return bool(proc.status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
         return False
-
-
-def _tail(workdir: Path) -> str | None:
-    parts = []
-    for name in ("stdout.log", "stderr.log"):
-        try:
-            with open(workdir / name, "rb") as fh:
-                fh.seek(0, os.SEEK_END)
-                size = fh.tell()
-                fh.seek(max(0, size - _LOG_TAIL_BYTES))
-                data = fh.read().decode("utf-8", "replace")
-        except OSError:
-            continue
-        if data:
-            parts.append(f"--- {name} ---\n{data}")
-    return "\n".join(parts) or None

@@ -42,13 +42,13 @@ import random
 import shlex
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import ClassVar
 
 from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, RunnerUnavailable, Task
+from nymph.runnerkit import default_python, inferred_exit_code, log_tail
 from nymph_slurm.jobs import GPU_ENV, JobRecord, batch_script, exit_status, parse_record, resource_args
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,6 @@ SCRIPT_FILE = "slurm-job.sh"
 _CMD_TIMEOUT_S = 30.0
 _PING_TIMEOUT_S = 10.0  # check(): a client without a configuration source hangs in DNS lookups
 _FIRST_POLL_S = 0.05  # polls start fast (a trivial job ends in about 1 s) and back off
-_LOG_TAIL_BYTES = 4096
 # sbatch / scontrol / scancel messages that mean "the controller cannot be reached": transient
 _UNREACHABLE = (
     "unable to contact slurm controller",
@@ -70,13 +69,6 @@ _UNREACHABLE = (
     "could not establish a configuration source",
     "slurm_load_jobs error: unable to",
 )
-
-
-def default_python() -> str:
-    """nymph's own interpreter, as the process runner resolves it (a venv's python stays a venv's)."""
-    if sys.prefix != sys.base_prefix:
-        return sys.executable
-    return os.path.realpath(sys.executable)
 
 
 class SlurmRunner:
@@ -202,7 +194,7 @@ class SlurmRunner:
                 return self._inferred(handle)
             if not record.active:
                 status = exit_status(record)
-                status.logs = _tail(_workdir(handle))
+                status.logs = log_tail(_workdir(handle))
                 return status
             if deadline is not None:
                 left = deadline - time.monotonic()
@@ -294,17 +286,13 @@ class SlurmRunner:
 
     def _inferred(self, handle: Handle) -> ExitStatus:
         workdir = _workdir(handle)
-        if (workdir / "result.msgpack").exists():
-            code, reason = 0, None
-        elif (workdir / "error.json").exists():
-            code, reason = 1, None
-        else:
-            code = -1
+        code, reason = inferred_exit_code(workdir), None
+        if code == -1:
             reason = (
                 f"exit status unknown: Slurm job {handle.data['job_id']} is no longer known to scontrol "
                 "(finished more than MinJobAge ago)"
             )
-        return ExitStatus(exit_code=code, reason=reason, logs=_tail(workdir))
+        return ExitStatus(exit_code=code, reason=reason, logs=log_tail(workdir))
 
     @staticmethod
     def _submit_env(task: Task) -> dict[str, str]:
@@ -363,19 +351,3 @@ def _already_over(said: str) -> bool:
 
 def _workdir(handle: Handle) -> Path:
     return Path(str(handle.data.get("workdir", "")))
-
-
-def _tail(workdir: Path) -> str | None:
-    parts = []
-    for name in ("stdout.log", "stderr.log"):
-        try:
-            with open(workdir / name, "rb") as fh:
-                fh.seek(0, os.SEEK_END)
-                size = fh.tell()
-                fh.seek(max(0, size - _LOG_TAIL_BYTES))
-                data = fh.read().decode("utf-8", "replace")
-        except OSError:
-            continue
-        if data:
-            parts.append(f"--- {name} ---\n{data}")
-    return "\n".join(parts) or None

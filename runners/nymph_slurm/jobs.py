@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from nymph.resources import parse_size
 from nymph.runner import ExitStatus, RunnerError
 
 # Job states (scontrol's JobState) that still hold processes or will run; anything else has ended.
@@ -62,8 +63,6 @@ LAUNCH_FAILED_SIGNAL = 53
 
 _UNINFORMATIVE = frozenset({"None", "NonZeroExitCode", "JobLaunchFailure", ""})
 _KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_:/.]*=")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 _MIB = 1024**2
 
 
@@ -162,23 +161,6 @@ def resource_args(resources: Mapping[str, Any] | None, gpus_assigned: int) -> li
     if gpus:
         args.append(f"--gres=gpu:{gpus}")
     return args
-
-
-def parse_size(value: Any, what: str) -> int:
-    """Bytes from an int or a string such as ``512m``, ``1g``, ``2GiB``, ``1024``."""
-    if isinstance(value, bool):
-        raise RunnerError(f"{what}: expected a size such as 512m or 1g, got {value!r}")
-    if isinstance(value, int | float):
-        if value <= 0:
-            raise RunnerError(f"{what}: must be positive, got {value!r}")
-        return int(value)
-    if isinstance(value, str):
-        match = _SIZE.match(value)
-        if match:
-            number = float(match.group(1)) * _UNITS[match.group(2).lower()]
-            if number > 0:
-                return int(number)
-    raise RunnerError(f"{what}: expected a size such as 512m or 1g, got {value!r}")
 
 
 def batch_script(workdir: str, env: Mapping[str, str], command: list[str], header: str) -> str:

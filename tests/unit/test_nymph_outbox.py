@@ -125,3 +125,51 @@ def test_final_refusals_are_dropped_not_retried(tmp_path: Path) -> None:
     box.stop()
     assert [body["invocation_id"] for _, body in plane.received] == ["inv2"]
     assert list((tmp_path / "outbox").glob("*.msg")) == []
+
+
+def test_a_message_that_cannot_be_sent_is_moved_aside_and_later_ones_still_go(tmp_path: Path) -> None:
+    # Before the fix an exception outside ClientError (here a bug in the transport) killed the
+    # sender thread: every later ack stayed on disk until a restart, which died the same way.
+    plane = FakePlane()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if msgpack.unpackb(request.content).get("invocation_id") == "poison":
+            raise ValueError("boom")
+        return plane(request)
+
+    client = ControlPlaneClient("http://cp", "tok", transport=httpx.MockTransport(handler))
+    box = Outbox(tmp_path, client, max_backoff_s=0.05)
+    box.start()
+    box.ack({**_ack(0), "invocation_id": "poison"})
+    box.ack(_ack(1))
+    assert box.flush(10.0)
+    box.stop()
+    assert [body["invocation_id"] for _, body in plane.received] == ["inv1"]
+    assert len(list((tmp_path / "outbox").glob("*.bad"))) == 1
+
+
+def test_a_route_that_is_not_a_url_is_a_final_refusal() -> None:
+    client = ControlPlaneClient("http://cp", "tok", transport=httpx.MockTransport(FakePlane()))
+    with pytest.raises(BadRequest):
+        client.call("/v1/namespaces/a\x00b/jobs/x/result", {})
+
+
+def test_pending_for_counts_the_message_being_sent(tmp_path: Path) -> None:
+    sending = threading.Event()
+    release = threading.Event()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sending.set()
+        release.wait(10.0)
+        return FakePlane()(request)
+
+    client = ControlPlaneClient("http://cp", "tok", transport=httpx.MockTransport(handler))
+    box = Outbox(tmp_path, client, max_backoff_s=0.05)
+    box.start()
+    box.ack(_ack(7))
+    assert sending.wait(10.0)
+    assert box.pending_for("inv7") and box.pending() == 1
+    release.set()
+    assert box.flush(10.0)
+    box.stop()
+    assert not box.pending_for("inv7")

@@ -1,0 +1,170 @@
+"""The agent's command handling and the exec job's edges, at the seams (no control plane, no runner)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from nymph.agent import Agent
+from nymph.client import ControlPlaneClient
+from nymph.config import NymphConfig
+from nymph.execjob import ExecJob
+from nymph.runner import Capabilities, ExitStatus, Handle, RunnerUnavailable, Task
+
+ID = "01HZZZZZZZZZZZZZZZZZZZZZZZ"
+
+
+class _Runner:
+    name = "fake"
+    capabilities = Capabilities()
+
+    def __init__(self, wait_raises: bool = False) -> None:
+        self.wait_raises = wait_raises
+        self.started: list[Task] = []
+        self.destroyed: list[Handle] = []
+
+    def check(self) -> None:
+        pass
+
+    def start(self, task: Task) -> Handle:
+        self.started.append(task)
+        return Handle(self.name, task.invocation_id, task.attempt, {})
+
+    def wait(self, handle: Handle, timeout: float | None = None) -> ExitStatus | None:
+        if self.wait_raises:
+            raise RunnerUnavailable("engine gone")
+        return ExitStatus(0)
+
+    def stop(self, handle: Handle, grace_s: float) -> None:
+        pass
+
+    def destroy(self, handle: Handle) -> None:
+        self.destroyed.append(handle)
+
+    def inspect(self, handle: Handle) -> str:
+        return "gone"
+
+    def recover(self, handle: Handle) -> bool:
+        return False
+
+
+class _Outbox:
+    def __init__(self) -> None:
+        self.put_calls: list[tuple[str, dict[str, Any]]] = []
+
+    def put(self, route: str, body: dict[str, Any]) -> None:
+        self.put_calls.append((route, body))
+
+
+class _Job:
+    def __init__(self, attempt: int) -> None:
+        self.invocation_id = ID
+        self.attempt = attempt
+        self.lost = False
+
+    def lose(self) -> None:
+        self.lost = True
+
+
+def _agent(tmp_path: Path) -> Agent:
+    cfg = NymphConfig(server="http://cp", token="t", workdir=tmp_path / "w", state_dir=tmp_path / "s")
+    client = ControlPlaneClient(
+        "http://cp", "t", transport=httpx.MockTransport(lambda r: httpx.Response(500))
+    )
+    return Agent(cfg, _Runner(), client=client)  # type: ignore[arg-type]
+
+
+def _exec(tmp_path: Path, runner: _Runner, outbox: _Outbox, **body: Any) -> ExecJob:
+    return ExecJob(
+        {"exec_id": ID, "namespace": "ns", "command": "true", **body},
+        runner=runner,  # type: ignore[arg-type]
+        client=None,  # type: ignore[arg-type]
+        outbox=outbox,  # type: ignore[arg-type]
+        root=tmp_path,
+        stop_grace_s=0.1,
+        on_done=lambda job: None,
+    )
+
+
+def test_lost_names_the_reported_attempt_not_a_newer_one_claimed_since(tmp_path: Path) -> None:
+    agent = _agent(tmp_path)
+    newer = _Job(attempt=2)
+    agent._jobs[ID] = newer  # type: ignore[assignment]
+    agent._on_heartbeat({"lost": [ID]}, [{"invocation_id": ID, "attempt": 1}])
+    assert not newer.lost  # attempt 2 started after the beat that reported attempt 1
+    agent._on_heartbeat({"lost": [ID]}, [{"invocation_id": ID, "attempt": 2}])
+    assert newer.lost
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "not a map",
+        {"kind": "run", "body": {"invocation_id": ID, "attempt": "two"}},
+        {"kind": "exec", "body": ["not", "a", "map"]},  # used to leak the slot it took first
+        {"kind": "cancel", "body": None},
+    ],
+)
+def test_a_malformed_command_is_logged_not_fatal_and_takes_no_slot(tmp_path: Path, command: Any) -> None:
+    agent = _agent(tmp_path)
+    agent._dispatch(command)
+    assert agent.slots.free() == 1
+    assert not agent._jobs
+
+
+def test_exec_with_a_bad_namespace_or_timeout_never_runs(tmp_path: Path) -> None:
+    runner, outbox = _Runner(), _Outbox()
+    _exec(tmp_path, runner, outbox, namespace="../admin").run()
+    _exec(tmp_path, runner, outbox, timeout_s="soon").run()
+    assert runner.started == []
+    assert len(outbox.put_calls) == 1  # the bad timeout is reported; the bad namespace has nowhere to go
+    route, body = outbox.put_calls[0]
+    assert route == f"/v1/namespaces/ns/jobs/{ID}/result" and "timeout_s" in body["stderr"]
+
+
+def test_exec_destroys_its_task_even_when_the_wait_fails(tmp_path: Path) -> None:
+    runner, outbox = _Runner(wait_raises=True), _Outbox()
+    _exec(tmp_path, runner, outbox).run()
+    assert len(runner.destroyed) == 1  # before the fix the container outlived the exec job
+    assert outbox.put_calls[0][1]["exit_code"] == -1
+
+
+class _AckOutbox(_Outbox):
+    def ack(self, body: dict[str, Any]) -> None:
+        self.put("/v1/daemon/ack", body)
+
+
+def _run_job(tmp_path: Path, body: dict[str, Any], **config: Any) -> tuple[_Runner, dict[str, Any]]:
+    from nymph.job import Job, JobContext
+    from nymph.slots import Slots
+
+    cfg = NymphConfig(
+        server="http://cp", token="t", workdir=tmp_path / "w", state_dir=tmp_path / "s", **config
+    )
+    runner, outbox = _Runner(), _AckOutbox()
+    slots = Slots(1)
+    slots.take()
+    ctx = JobContext(cfg, runner, outbox, slots, "worker")  # type: ignore[arg-type]
+    Job(ctx, ID, 1, {"script": "true", **body}).run()
+    assert slots.free() == 1
+    return runner, outbox.put_calls[-1][1]
+
+
+def test_a_bad_timeout_is_acked_failed_before_anything_runs(tmp_path: Path) -> None:
+    # before: float("soon") raised in the poll thread, and the invocation was never acked
+    runner, ack = _run_job(tmp_path, {"timeout_s": "soon"})
+    assert runner.started == [] and ack["state"] == "failed"
+    assert ack["error"]["type"] == "InvalidRunConfig" and "'soon'" in ack["error"]["message"]
+
+
+def test_an_allowed_user_that_does_not_exist_is_refused_clearly(tmp_path: Path) -> None:
+    _Runner.capabilities = Capabilities(as_user=True)
+    try:
+        runner, ack = _run_job(tmp_path, {"as_user": "no-such-user-x"}, allow_users=("no-such-user-x",))
+    finally:
+        _Runner.capabilities = Capabilities()
+    assert runner.started == [] and ack["error"]["type"] == "UserNotAllowed"
+    assert "not a user on this host" in ack["error"]["message"]
