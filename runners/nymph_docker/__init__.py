@@ -170,6 +170,7 @@ class DockerRunner:
                 "image": image,
                 "workdir": str(workdir),
                 "script": task.script is not None,
+                "mem_limit": kwargs.get("mem_limit"),
             },
         )
 
@@ -194,6 +195,7 @@ class DockerRunner:
     def stop(self, handle: Handle, grace_s: float) -> None:
         """SIGTERM (through the init process), ``grace_s`` to exit, then SIGKILL."""
         cid = str(handle.data["container_id"])
+        handle.data["stopped_by_nymph"] = True  # a SIGKILL that follows is ours, not the OOM killer's
         if not self._signal(cid, "SIGTERM"):
             return
         if self._block_until_exit(handle, max(grace_s, 0.001)):
@@ -396,6 +398,12 @@ class DockerRunner:
         reason: str | None = None
         if state.get("OOMKilled"):
             reason = "OOMKilled"
+        elif code == 137 and handle.data.get("mem_limit") and not handle.data.get("stopped_by_nymph"):
+            # Under runsc the sandbox itself may kill the task at the limit, and the engine does not
+            # always flag that: a SIGKILL nobody here sent, under a memory limit, is the limit.
+            reason = (
+                f"OOMKilled (inferred: SIGKILL under the memory limit of {handle.data['mem_limit']} bytes)"
+            )
         elif code > 128 and not handle.data.get("script"):
             reason = f"signal {code - 128}"  # the entry itself only exits 0, 1 or 2
         if state.get("Error"):

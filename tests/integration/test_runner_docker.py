@@ -243,7 +243,8 @@ def test_stop_delivers_sigterm_to_the_entry(runner: DockerRunner, started: Start
 def test_memory_limit_reports_oomkilled(runner: DockerRunner, started: Started) -> None:
     task = started.task(docker_fns.hog_memory, 512, run_config={"resources": {"memory": "64m"}})
     status = runner.wait(started.start(runner, task), LIMIT_S)
-    assert status is not None and status.exit_code != 0 and status.reason == "OOMKilled", status
+    assert status is not None and status.exit_code != 0, status
+    assert status.reason is not None and status.reason.startswith("OOMKilled"), status
     assert not (task.workdir / "result.msgpack").exists()
 
 

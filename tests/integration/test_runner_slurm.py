@@ -315,7 +315,10 @@ def test_timeout_via_stop_ends_a_cooperative_task_with_sigterm(runner: SlurmRunn
     assert runner.wait(handle, 0.5) is None  # nymph's timeout fired: the ladder, not Slurm's --time
     runner.stop(handle, 10.0)  # SIGTERM ends it long before the grace
     status = runner.wait(handle, LIMIT_S)
-    assert status is not None and status.exit_code == -15 and status.reason == "signal 15", status
+    # -15, not -9: SIGTERM ended it inside the grace. Slurm books such a job as ended by signal 15
+    # or, when the scancel lands while the step is still starting, as CANCELLED: both say so.
+    assert status is not None and status.exit_code == -15, status
+    assert status.reason in ("signal 15", "cancelled (scancel)"), status
 
 
 def test_stop_of_a_pending_job_cancels_it(runner: SlurmRunner, tasks: Tasks) -> None:
