@@ -41,7 +41,7 @@ from nymph.heartbeat import Heartbeat
 from nymph.identity import load_or_create_worker_id
 from nymph.job import SHUTDOWN_MESSAGE, Job, JobContext, backoff_s
 from nymph.outbox import Outbox
-from nymph.reconcile import recover_all
+from nymph.reconcile import recover_all, sweep_labelled
 from nymph.runner import Runner, RunnerUnavailable
 from nymph.sdnotify import SdNotify
 from nymph.slots import Slots
@@ -88,6 +88,9 @@ class Agent:
         self._runner_problem: str | None = None
         self._runner_checking = threading.Lock()
         self._reconciled = False
+        self._reconcile_failures = 0  # in a row, other than an unavailable runner
+        self._sweep_pending = False  # labelled tasks of a previous life could not be listed yet
+        self._sweep_next = 0.0
         self._pending_recovery: list[dict[str, Any]] = []
         self.outbox: Outbox | None = None
         self.registered = threading.Event()
@@ -117,6 +120,7 @@ class Agent:
             self.heartbeat_s,
             running=self.running,
             free_slots=self.slots.free,
+            running_exec=self.running_exec,
             on_answer=self._on_heartbeat,
         )
         hb.start()
@@ -125,6 +129,7 @@ class Agent:
         poller.start()
         while not self._stopping.wait(0.5):
             self._reap_orphans()
+            self._sweep_labelled()
         self._shutdown(poller)
         hb.stop()
         return self._finish(health)
@@ -147,6 +152,12 @@ class Agent:
             known = {e["invocation_id"] for e in entries}
             entries += [e for e in self._pending_recovery if e["invocation_id"] not in known]
             return entries
+
+    def running_exec(self) -> list[dict[str, Any]]:
+        """The exec jobs running here, ``{exec_id, attempt}``: the heartbeat renews their leases."""
+        with self._lock:
+            entries = [job.running_entry for job in self._execs.values()]
+        return [e for e in entries if e is not None]
 
     def health(self) -> dict[str, Any]:
         return {
@@ -220,23 +231,61 @@ class Agent:
         return False
 
     def _reconcile(self) -> bool:
-        """Recover what a previous life left (deferred while the runner is unavailable)."""
+        """Recover what a previous life left (deferred while the runner is unavailable).
+
+        Never raises: any other failure is logged and reconciliation is tried again later (with
+        backoff, from the poll loop; no claims until it succeeds, so new work never races it).
+        """
         ctx = self._context()
         try:
             found = recover_all(ctx)
+            recover_execs(self.config.workdir, self.runner, self._require_outbox(), self.worker_id)
         except RunnerUnavailable as exc:
             self._runner_unavailable(exc)
             if not self._pending_recovery:
                 self._pending_recovery = _leftover_entries(self.config.workdir)
             log.warning("reconciling the previous run's work is deferred until the runner is back")
             return False
-        recover_execs(self.config.workdir, self.runner, self._require_outbox())
+        except Exception as exc:
+            self._reconcile_failures += 1
+            if not self._pending_recovery:
+                self._pending_recovery = _leftover_entries(self.config.workdir)
+            log.exception(
+                "reconciling the previous run's work failed (%s: %s); no claims until it succeeds, "
+                "trying again (try %d)",
+                type(exc).__name__,
+                exc,
+                self._reconcile_failures,
+            )
+            return False
+        self._reconcile_failures = 0
+        self._sweep_pending = found.sweep_pending
         for job, alive in found:
             self._launch(job, lambda j=job, a=alive: j.resume(a))
         with self._lock:
             self._pending_recovery = []
         self._reconciled = True
         return True
+
+    def _sweep_labelled(self) -> None:
+        """Retry the labelled-task sweep reconcile could not do (listing failed), with backoff."""
+        if not self._sweep_pending or time.monotonic() < self._sweep_next:
+            return
+
+        def live() -> set[str]:
+            with self._lock:
+                return set(self._jobs) | set(self._execs)
+
+        try:
+            done = sweep_labelled(self._context(), live)
+        except Exception as exc:  # RunnerUnavailable included: tried again later
+            log.warning("removing labelled tasks of a previous run failed again: %s", exc)
+            done = False
+        if done:
+            self._sweep_pending = False
+            return
+        self._reconcile_failures += 1
+        self._sweep_next = time.monotonic() + backoff_s(self._reconcile_failures, cap=60.0)
 
     def _retrying(self) -> tenacity.Retrying:
         return tenacity.Retrying(
@@ -310,6 +359,8 @@ class Agent:
                 if not self._await_runner():
                     break
                 if not self._reconciled and not self._reconcile():
+                    if self._reconcile_failures:
+                        self._stopping.wait(backoff_s(self._reconcile_failures, cap=60.0))
                     continue
             free = self.slots.free()
             if free <= 0:
@@ -418,10 +469,14 @@ class Agent:
             root=self.config.workdir,
             stop_grace_s=self.config.stop_grace_s,
             on_done=self._exec_done,
+            worker_id=self.worker_id,
         )
         with self._lock:
-            if job.exec_id and job.exec_id in self._execs:
-                log.warning("exec %s: already running here; duplicate exec command ignored", job.exec_id)
+            running = self._execs.get(job.exec_id) if job.exec_id else None
+            if running is not None:
+                # a newer claim of a job still running here: run on, under that attempt
+                if not running.adopt(body.get("attempt")):
+                    log.warning("exec %s: already running here; duplicate exec command ignored", job.exec_id)
                 return
             self._execs[job.exec_id] = job
         if not self.slots.take():
@@ -477,13 +532,18 @@ class Agent:
         for command in answer.get("commands") or []:
             self._dispatch(command)
         # ``lost`` names the attempts this beat reported; a newer attempt claimed since then is not lost
-        reported = {str(e["invocation_id"]): int(e["attempt"]) for e in sent}
-        for invocation_id in answer.get("lost") or []:
+        reported = {str(e["invocation_id"]): int(e["attempt"]) for e in sent if "invocation_id" in e}
+        reported_exec = {str(e["exec_id"]): int(e["attempt"]) for e in sent if "exec_id" in e}
+        for lost_id in answer.get("lost") or []:
             with self._lock:
-                job = self._jobs.get(str(invocation_id))
-            if job is not None and job.attempt <= reported.get(str(invocation_id), 0):
-                log.warning("invocation %s: lease lost to another attempt; killing it", invocation_id)
+                job = self._jobs.get(str(lost_id))
+                exec_job = self._execs.get(str(lost_id))
+            if job is not None and job.attempt <= reported.get(str(lost_id), 0):
+                log.warning("invocation %s: lease lost to another attempt; killing it", lost_id)
                 job.lose()
+            if exec_job is not None and (exec_job.attempt or 0) <= reported_exec.get(str(lost_id), 0):
+                log.warning("exec %s: lease lost to another claim; stopping it", lost_id)
+                exec_job.lose()
         self._check_version(answer)
 
     def _check_version(self, answer: dict[str, Any]) -> None:

@@ -1,9 +1,10 @@
 """Namespace exec jobs (seed 003, flows 1-4): a shell command with an optional payload.
 
 A poll answer may carry ``{"kind": "exec", "body": {exec_id, namespace, command, payload_inline,
-payload_ref, timeout_s}}``. nymph runs it in a slot, through its runner like a ``script``
-invocation (so the runner's isolation applies), and publishes ``{exit_code, stdout, stderr}`` to
-``POST /v1/namespaces/:ns/jobs/:exec_id/result`` through the durable outbox:
+payload_ref, timeout_s, attempt}}``. nymph runs it in a slot, through its runner like a ``script``
+invocation (so the runner's isolation applies), and publishes ``{exec_id, worker_id, attempt,
+exit_code, stdout, stderr}`` to ``POST /v1/namespaces/:ns/jobs/:exec_id/result`` through the
+durable outbox (the control plane takes it only from the worker of the latest claim):
 
 1. the payload: ``payload_inline`` bytes as they are, or ``payload_ref`` fetched through a presigned
    GET (``POST /v1/namespaces/:ns/payloads/presign {"op": "get", "key"}``, 60 s fetch timeout); when
@@ -18,8 +19,12 @@ invocation (so the runner's isolation applies), and publishes ``{exit_code, stdo
    published with exit code 124 (the ``timeout(1)`` convention) and a note on stderr; a command
    stopped by a nymph shutdown is published with exit code -1 and a note.
 
-An exec job has no lease and no attempt: if nymph dies while one runs, the next start stops what
-is left of it and publishes exit code -1 (see :func:`recover_execs`).
+An exec job holds a lease like an invocation: the heartbeat reports it in ``running_exec``
+(:attr:`ExecJob.running_entry`) and renews it; a job the heartbeat answers as ``lost`` (another
+claim took it) is stopped and publishes nothing; a new claim of a job still running here (the
+lease had lapsed) is adopted (:meth:`ExecJob.adopt`). If nymph dies while one runs and does not
+come back, its lease lapses and the control plane requeues it; if it comes back, the next start
+stops what is left of it and publishes exit code -1 (see :func:`recover_execs`).
 """
 
 from __future__ import annotations
@@ -110,9 +115,17 @@ class ExecJob:
         root: Path,
         stop_grace_s: float,
         on_done: Callable[[ExecJob], None],
+        worker_id: str = "",
     ) -> None:
         self.body = body
+        self.worker_id = worker_id
         self.exec_id = str(body.get("exec_id") or "")
+        attempt = body.get("attempt")
+        # None: a control plane from before exec leases (no attempt, nothing to renew)
+        self.attempt: int | None = (
+            attempt if isinstance(attempt, int) and not isinstance(attempt, bool) and attempt > 0 else None
+        )
+        self._lost = False
         self.invocation_id = self.exec_id  # the agent's job bookkeeping is keyed by this
         self.namespace = str(body.get("namespace") or "")
         self.command = str(body.get("command") or "")
@@ -139,6 +152,35 @@ class ExecJob:
     def cancel(self, message: str = "cancelled", grace_s: float | None = None) -> None:
         if self._stop is None:
             self._stop = (message, self._stop_grace_s if grace_s is None else grace_s)
+
+    @property
+    def running_entry(self) -> dict[str, Any] | None:
+        """This job's ``running_exec`` entry of a heartbeat; None without an attempt to renew."""
+        if self.attempt is None or not self.exec_id:
+            return None
+        return {"exec_id": self.exec_id, "attempt": self.attempt}
+
+    def adopt(self, attempt: Any) -> bool:
+        """A newer claim of this job reached this worker while it still runs here (its lease had
+        lapsed and the control plane handed it out again, to us): keep running, and renew and
+        publish under the newer attempt. True when adopted."""
+        if not isinstance(attempt, int) or isinstance(attempt, bool) or self._lost:
+            return False
+        if self.attempt is None or attempt <= self.attempt:
+            return False
+        log.warning(
+            "exec %s: claimed again (attempt %d) while attempt %d runs here; adopted",
+            self.exec_id,
+            attempt,
+            self.attempt,
+        )
+        self.attempt = attempt
+        return True
+
+    def lose(self) -> None:
+        """Another claim owns the job now: stop the command, publish nothing (it would be refused)."""
+        self._lost = True
+        self.cancel("lease lost to another claim", 0.0)
 
     def _start_when_available(self, task: Task) -> Handle | str:
         """``runner.start``, retried with backoff while the runner is unavailable (engine down);
@@ -184,10 +226,13 @@ class ExecJob:
             self._on_done(self)
 
     def publish(self, exit_code: int, stdout: str, stderr: str) -> None:
+        if self._lost:
+            log.warning("exec %s: lease lost to another claim; its result is not published", self.exec_id)
+            return
         if self.namespace and self.exec_id:
             self._outbox.put(
                 result_route(self.namespace, self.exec_id),
-                {"exec_id": self.exec_id, "exit_code": exit_code, "stdout": stdout, "stderr": stderr},
+                result_body(self.exec_id, self.worker_id, self.attempt, exit_code, stdout, stderr),
             )
         log.info(
             "exec %s: done namespace=%s exit_code=%d duration=%.3fs",
@@ -238,7 +283,8 @@ class ExecJob:
     def _spawn(self, workdir: Path, payload: bytes | None) -> tuple[int, str, str]:
         if payload is not None:
             (workdir / PAYLOAD).write_bytes(payload)
-        (workdir / META).write_text(json.dumps({"exec_id": self.exec_id, "namespace": self.namespace}))
+        meta = {"exec_id": self.exec_id, "namespace": self.namespace, "attempt": self.attempt}
+        (workdir / META).write_text(json.dumps(meta))
         env = {
             "LAKESHORE_EXEC_ID": self.exec_id,
             "LAKESHORE_NAMESPACE": self.namespace,
@@ -246,11 +292,16 @@ class ExecJob:
         }
         task = Task(
             invocation_id=self.exec_id,
-            attempt=1,
+            attempt=self.attempt or 1,
             workdir=workdir,
             env=env,
             script=self.command,
-            labels={"nymph.exec": self.exec_id, "nymph.namespace": self.namespace},
+            labels={
+                "nymph.exec": self.exec_id,
+                "nymph.namespace": self.namespace,
+                "nymph.invocation": self.exec_id,  # like a run's task: start-up cleanup finds it
+                "nymph.worker": self.worker_id,
+            },
         )
         handle = self._start_when_available(task)
         if isinstance(handle, str):
@@ -290,8 +341,21 @@ class ExecJob:
                 return status.exit_code
 
 
-def recover_execs(root: Path, runner: Runner, outbox: Outbox) -> int:
-    """Stop what a previous life's exec jobs left running and publish exit code -1 for each."""
+def result_body(
+    exec_id: str, worker_id: str, attempt: int | None, exit_code: int, stdout: str, stderr: str
+) -> dict[str, Any]:
+    """The body of a result publish: who claimed it (``worker_id``, ``attempt``) and the outcome."""
+    body: dict[str, Any] = {"exec_id": exec_id, "exit_code": exit_code, "stdout": stdout, "stderr": stderr}
+    if worker_id:
+        body["worker_id"] = worker_id
+    if attempt is not None:
+        body["attempt"] = attempt
+    return body
+
+
+def recover_execs(root: Path, runner: Runner, outbox: Outbox, worker_id: str = "") -> int:
+    """Stop what a previous life's exec jobs left running and publish exit code -1 for each (as
+    ``worker_id``, the claimer: refused if the job was requeued and claimed again meanwhile)."""
     base = root / EXEC_DIR
     count = 0
     try:
@@ -307,18 +371,22 @@ def recover_execs(root: Path, runner: Runner, outbox: Outbox) -> int:
             except RunnerError as exc:
                 log.warning("exec %s: could not stop the leftover command: %s", path.name, exc)
         try:
-            namespace = str(json.loads((path / META).read_text()).get("namespace") or "")
+            meta = json.loads((path / META).read_text())
+            namespace = str(meta.get("namespace") or "")
+            attempt = meta.get("attempt")
         except (OSError, ValueError, AttributeError):
-            namespace = ""
+            namespace, attempt = "", None
         if namespace:
             outbox.put(
                 result_route(namespace, path.name),
-                {
-                    "exec_id": path.name,
-                    "exit_code": EXIT_NOT_RUN,
-                    "stdout": _tail_text(path / STDOUT),
-                    "stderr": _tail_text(path / STDERR) + "nymph: restarted while the command ran\n",
-                },
+                result_body(
+                    path.name,
+                    worker_id,
+                    attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else None,
+                    EXIT_NOT_RUN,
+                    _tail_text(path / STDOUT),
+                    _tail_text(path / STDERR) + "nymph: restarted while the command ran\n",
+                ),
             )
         log.warning("exec %s: left by a previous run; stopped and reported", path.name)
         shutil.rmtree(path, ignore_errors=True)

@@ -1,9 +1,12 @@
 """The heartbeat: renews the leases of running invocations and carries commands back.
 
-Every ``interval_s`` (with a little jitter) it posts ``{worker_id, running, free_slots}`` to
-``/v1/daemon/heartbeat``. The answer carries cancel commands (so a cancel reaches a job even when
-every slot is busy and nymph is not polling), ``lost`` ids (another attempt owns them: kill, do
-not ack) and, when the namespace pins one, ``target_nymph_version``. Failures are logged and the
+Every ``interval_s`` (with a little jitter) it posts ``{worker_id, running, running_exec,
+free_slots}`` to ``/v1/daemon/heartbeat``: ``running`` the invocations ``{invocation_id,
+attempt}``, ``running_exec`` the exec jobs ``{exec_id, attempt}`` whose leases it renews. The
+answer carries cancel commands (so a cancel reaches a job even when every slot is busy and nymph
+is not polling), ``lost`` ids (another attempt owns them: kill, do not ack or publish) and, when
+the namespace pins one, ``target_nymph_version``. ``on_answer`` gets the answer and the entries
+reported (those of ``running``, then those of ``running_exec``), since ``lost`` is about those. Failures are logged and the
 next beat tries again; the poll loop decides when the agent must stop.
 """
 
@@ -29,6 +32,7 @@ class Heartbeat:
         *,
         running: Callable[[], list[dict[str, Any]]],
         free_slots: Callable[[], int],
+        running_exec: Callable[[], list[dict[str, Any]]] | None = None,
         on_answer: Callable[[dict[str, Any], list[dict[str, Any]]], None],
         on_error: Callable[[ClientError], None] = lambda exc: None,
     ) -> None:
@@ -36,6 +40,7 @@ class Heartbeat:
         self._worker_id = worker_id
         self.interval_s = interval_s
         self._running = running
+        self._running_exec = running_exec
         self._free_slots = free_slots
         self._on_answer = on_answer
         self._on_error = on_error
@@ -54,14 +59,20 @@ class Heartbeat:
     def beat(self) -> None:
         """One heartbeat, now."""
         running = self._running()
-        body = {"worker_id": self._worker_id, "running": running, "free_slots": self._free_slots()}
+        body: dict[str, Any] = {"worker_id": self._worker_id, "running": running}
+        execs: list[dict[str, Any]] = []
+        if self._running_exec is not None:
+            execs = self._running_exec()
+            body["running_exec"] = execs
+        body["free_slots"] = self._free_slots()
         try:
             answer = self._client.heartbeat(body)
         except ClientError as exc:
             log.warning("heartbeat failed: %s", exc)
             self._on_error(exc)
             return
-        self._on_answer(answer, running)  # with what was reported: an answer is about those attempts
+        # with what was reported: an answer is about those attempts
+        self._on_answer(answer, running + execs)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s * random.uniform(0.9, 1.0)):

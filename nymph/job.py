@@ -111,6 +111,7 @@ class Job:
         self._lost = False
         self._gpus: list[str] = []
         self._thread: threading.Thread | None = None
+        self._destroyed = False
         self.state: str | None = None
 
     # --- control from other threads --------------------------------------------------------------
@@ -346,7 +347,12 @@ class Job:
                 log.info("invocation %s: re-attached after restart", self.invocation_id)
                 self._supervise()
             else:
-                self._finish(self._collect(None))
+                try:
+                    outcome = self._collect(None)
+                except Exception:
+                    self._destroy()  # the failure is acked below; the task's resources go now
+                    raise
+                self._finish(outcome)
         except Exception as exc:
             log.exception("invocation %s: nymph failed while recovering it", self.invocation_id)
             self._settle(wd.Outcome.failed("DaemonError", f"nymph failed: {type(exc).__name__}: {exc}"))
@@ -397,12 +403,20 @@ class Job:
 
     def _supervise(self) -> None:
         assert self.handle is not None and self.workdir is not None
-        runner = self.ctx.runner
         pump = Pump(
             self.workdir, self.invocation_id, self.attempt, self.ctx.outbox, script=self.script is not None
         )
         self._pump = pump
         pump.start()
+        try:
+            self._supervise_with(pump)
+        finally:  # whatever failed (a pump or outbox write, the wait): no container or pod outlives it
+            pump.halt()
+            self._destroy()
+
+    def _supervise_with(self, pump: Pump) -> None:
+        assert self.handle is not None
+        runner = self.ctx.runner
         deadline = self.started_at + self.timeout_s if self.timeout_s else None
         status: ExitStatus | None = None
         stopped: tuple[str, dict[str, Any] | None, float] | None = None
@@ -462,7 +476,24 @@ class Job:
         return wd.read_outcome(self.workdir, status, script=self.script is not None)
 
     def _finish(self, outcome: wd.Outcome) -> None:
-        """Close the stream, free the runner's resources, then settle."""
+        """Close the stream, free the runner's resources (also when closing the stream fails), settle."""
+        try:
+            self._close_stream(outcome)
+        finally:
+            self._destroy()
+        self._settle(outcome)
+
+    def _destroy(self) -> None:
+        """``runner.destroy`` once (it is idempotent, but one call is enough)."""
+        if self.handle is None or self._destroyed:
+            return
+        self._destroyed = True
+        try:
+            self.ctx.runner.destroy(self.handle)
+        except RunnerError as exc:
+            log.warning("invocation %s: destroy failed: %s", self.invocation_id, exc)
+
+    def _close_stream(self, outcome: wd.Outcome) -> None:
         pump = getattr(self, "_pump", None)
         if pump is None and self.workdir is not None:
             pump = Pump(
@@ -480,12 +511,6 @@ class Job:
                 outcome.state != "succeeded" and (pump.sent_any or self.script is not None) and outcome.error
             ):
                 pump.finish(wire.FRAME_ERROR, {k: str(v) for k, v in outcome.error.items()})
-        if self.handle is not None:
-            try:
-                self.ctx.runner.destroy(self.handle)
-            except RunnerError as exc:
-                log.warning("invocation %s: destroy failed: %s", self.invocation_id, exc)
-        self._settle(outcome)
 
     def _settle(self, outcome: wd.Outcome) -> None:
         """Ack through the outbox (unless lost), then keep or delete the workdir."""

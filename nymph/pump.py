@@ -79,6 +79,12 @@ class Pump:
             self._thread.join()
         self.poll()
 
+    def halt(self) -> None:
+        """Stop the thread without draining (the job failed; safe after :meth:`stop`)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
             try:

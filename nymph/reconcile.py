@@ -15,18 +15,22 @@ For each ``{workdir}/{ULID}/``:
   ``{type: "DaemonRestart"}``; the control plane decides about a retry;
 * nothing of nymph's at all: removed as an orphan, unless the outbox still holds a message for it.
 
-Runners that label what they start (docker, gvisor) expose ``list_labelled(worker_id)``: every
-labelled task of this worker that no unsettled workdir claims (its workdir is gone or settled) is
-destroyed here, so no labelled container outlives a restart.
+Runners that label what they start (docker, gvisor, kube) expose ``list_labelled(worker_id)``:
+every labelled task of this worker that no unsettled workdir claims (its workdir is gone or
+settled) is destroyed here, so no labelled container outlives a restart. When listing fails for
+another reason than an unavailable runner (a bug, a malformed answer), the workdirs are still
+reconciled, the failure is logged and the result says ``sweep_pending``: the agent calls
+:func:`sweep_labelled` again later, sparing the tasks of the jobs it runs by then.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
+from dreamlake.lakeshore import ids
 from nymph import workdir as wd
 from nymph.job import Job, JobContext
 from nymph.runner import Handle, RunnerError, RunnerUnavailable
@@ -50,18 +54,40 @@ def _labelled(ctx: JobContext) -> list[Handle] | None:
     return [h for h in lister(ctx.worker_id) if isinstance(h, Handle)]
 
 
-def recover_all(ctx: JobContext) -> list[tuple[Job, bool | None]]:
+class Recovered(list[tuple[Job, bool | None]]):
+    """What :func:`recover_all` found; ``sweep_pending``: the labelled tasks could not be listed."""
+
+    sweep_pending: bool = False
+
+
+def _labelled_or_pending(ctx: JobContext) -> tuple[list[Handle] | None, bool]:
+    """``_labelled``, with a failure other than RunnerUnavailable logged and reported as pending."""
+    try:
+        return _labelled(ctx), False
+    except RunnerUnavailable:
+        raise
+    except Exception:
+        log.exception(
+            "runner %s: listing its labelled tasks failed; orphaned tasks of a previous run are "
+            "removed later (the workdirs are reconciled now)",
+            ctx.runner.name,
+        )
+        return None, True
+
+
+def recover_all(ctx: JobContext) -> Recovered:
     """Jobs to resume, each with whether its task is still alive (None: unknown yet).
 
     Orphaned workdirs and labelled tasks nobody claims are cleaned here. Raises RunnerUnavailable
     when the runner cannot list its tasks; call again once ``runner.check()`` passes.
     """
-    labelled = _labelled(ctx)
+    labelled, sweep_pending = _labelled_or_pending(ctx)
     by_invocation: dict[tuple[str, int], Handle] = {}
     for h in labelled or []:
         by_invocation.setdefault((h.invocation_id, h.attempt), h)
     kept: set[str] = set()
-    found: list[tuple[Job, bool | None]] = []
+    found = Recovered()
+    found.sweep_pending = sweep_pending
     for path in wd.leftovers(ctx.config.workdir):
         invocation_id = path.name
         if wd.is_settled(path):
@@ -116,17 +142,44 @@ def recover_all(ctx: JobContext) -> list[tuple[Job, bool | None]]:
         )
         found.append((Job.attach(ctx, path, meta, handle), alive))
     for h in labelled or []:
-        if _key(h) in kept:
-            continue
-        log.warning(
-            "invocation %s: labelled task %s of a previous run has no unsettled workdir; removed",
-            h.invocation_id,
-            _key(h)[:12],
-        )
-        try:
-            ctx.runner.destroy(h)
-        except RunnerUnavailable:
-            raise
-        except RunnerError as exc:
-            log.warning("invocation %s: could not remove task %s: %s", h.invocation_id, _key(h)[:12], exc)
+        if _key(h) not in kept:
+            _destroy_orphan(ctx, h)
     return found
+
+
+def _destroy_orphan(ctx: JobContext, h: Handle) -> None:
+    log.warning(
+        "invocation %s: labelled task %s of a previous run has no unsettled workdir; removed",
+        h.invocation_id,
+        _key(h)[:12],
+    )
+    try:
+        ctx.runner.destroy(h)
+    except RunnerUnavailable:
+        raise
+    except RunnerError as exc:
+        log.warning("invocation %s: could not remove task %s: %s", h.invocation_id, _key(h)[:12], exc)
+
+
+def sweep_labelled(ctx: JobContext, live: Callable[[], Collection[str]]) -> bool:
+    """The labelled-task sweep of :func:`recover_all`, tried again after nymph started claiming.
+
+    Destroys this worker's labelled tasks that no job runs (``live()``: the invocation and exec
+    ids of the jobs running now, asked after listing, so a task started meanwhile is spared) and
+    no unsettled workdir claims. True when done; False when listing failed again (logged). Raises
+    RunnerUnavailable like :func:`recover_all`.
+    """
+    labelled, pending = _labelled_or_pending(ctx)
+    if pending:
+        return False
+    running = set(live())
+    for h in labelled or []:
+        if h.invocation_id in running:
+            continue
+        path = ctx.config.workdir / h.invocation_id
+        claimed = ids.is_ulid(h.invocation_id) and path.is_dir() and not wd.is_settled(path)
+        if claimed and wd.read_meta(path) is not None:
+            continue  # an unsettled workdir still claims it
+        _destroy_orphan(ctx, h)
+    log.info("runner %s: labelled tasks of a previous run reconciled", ctx.runner.name)
+    return True

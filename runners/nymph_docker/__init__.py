@@ -22,6 +22,9 @@ The container::
     limits       run_config.resources cpus/memory/pids/shm over the runner's defaults; memory also caps
                  swap, so exceeding it ends with reason "OOMKilled"; task.gpus as a device request
     labels       nymph.invocation, nymph.attempt, nymph.worker, nymph.runner, nymph.workdir + task.labels
+    name         nymph-<invocation id>-a<attempt>: a start tried again after a lost answer finds the
+                 container the first one made (removed if it never started, else adopted), never a
+                 second one
 
 On exit, ``wait`` copies the container's stdout/stderr to ``stdout.log`` / ``stderr.log`` in the
 workdir and returns their tail in :class:`~nymph.runner.ExitStatus`.
@@ -34,7 +37,6 @@ allowed, image missing and not pullable, bad resources) is :class:`~nymph.runner
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -51,7 +53,7 @@ from nymph_docker.logs import collect_logs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_IMAGE", "ENTRY_MODULE", "DockerRunner"]
+__all__ = ["DEFAULT_IMAGE", "ENTRY_MODULE", "DockerRunner", "container_name"]
 
 ENTRY_MODULE = "dreamlake.lakeshore.daemon.entry"
 DEFAULT_IMAGE = "lakeshore-python:bookworm"
@@ -149,30 +151,86 @@ class DockerRunner:
         workdir = Path(task.workdir).resolve()
         kwargs = self._create_kwargs(task, workdir, image, network)
         what = f"{self.name} runner: invocation {task.invocation_id}"
-        with engine.translated(f"{what}: create container", self.docker_host):
+        for tries in range(2):
+            existing = self._existing(kwargs["name"], task, workdir)
+            if existing is not None:
+                log.warning(
+                    "invocation %s: container %s of this attempt exists (an earlier start's answer was "
+                    "lost); adopting it",
+                    task.invocation_id,
+                    existing[:12],
+                )
+                return self._handle(task, existing, image, workdir, kwargs)
             try:
-                container = client.containers.create(image, **kwargs)
-            except docker.errors.NotFound as exc:
-                raise RunnerError(f"{what}: image {image!r} vanished: {engine.explain(exc)}") from exc
+                with engine.translated(f"{what}: create container", self.docker_host):
+                    try:
+                        container = client.containers.create(image, **kwargs)
+                    except docker.errors.NotFound as exc:
+                        raise RunnerError(f"{what}: image {image!r} vanished: {engine.explain(exc)}") from exc
+                break
+            except RunnerUnavailable:
+                raise
+            except RunnerError as exc:
+                # the name was taken since we looked (an earlier create of this attempt landed): again
+                if tries or not engine.is_conflict(exc):
+                    raise
         try:
             with engine.translated(f"{what}: start container", self.docker_host):
                 container.start()
+        except RunnerUnavailable:
+            raise  # it may have started: kept for the start tried again, which finds it by name
         except RunnerError:
             self._remove(container.id)
             raise
         log.debug("invocation %s: started container %s (%s)", task.invocation_id, container.short_id, image)
+        return self._handle(task, str(container.id), image, workdir, kwargs)
+
+    def _handle(self, task: Task, cid: str, image: str, workdir: Path, kwargs: Mapping[str, Any]) -> Handle:
         return Handle(
             runner=self.name,
             invocation_id=task.invocation_id,
             attempt=task.attempt,
             data={
-                "container_id": container.id,
+                "container_id": cid,
                 "image": image,
                 "workdir": str(workdir),
                 "script": task.script is not None,
                 "mem_limit": kwargs.get("mem_limit"),
             },
         )
+
+    def _existing(self, name: str, task: Task, workdir: Path) -> str | None:
+        """The id of this attempt's container when an earlier start already started it.
+
+        Containers are named after the invocation and attempt, so a start tried again after an
+        answer was lost (the engine created, or even started, the container, but the reply never
+        came) finds the first one instead of making a second. One that never started is removed
+        (created again below, from this task); a started one is this task, adopted: never twice.
+        One of that name that is not this task's (other labels) is refused.
+        """
+        with engine.translated(f"{self.name} runner: inspect {name}", self.docker_host):
+            try:
+                info = self._engine().api.inspect_container(name)
+            except docker.errors.NotFound:
+                return None
+        cid = str(info.get("Id") or name)
+        labels = (info.get("Config") or {}).get("Labels") or {}
+        mine = (
+            labels.get("nymph.invocation") == task.invocation_id
+            and labels.get("nymph.attempt") == str(task.attempt)
+            and labels.get("nymph.runner") == self.name
+            and labels.get("nymph.workdir") == str(workdir)
+        )
+        if not mine:
+            raise RunnerError(
+                f"{self.name} runner: a container named {name!r} ({cid[:12]}) exists and is not this "
+                f"task's (labels {labels}); remove it (docker rm -f {name})"
+            )
+        state = info.get("State") or {}
+        if state.get("Status") == "created":  # never started
+            self._remove(cid)
+            return None
+        return cid
 
     def wait(self, handle: Handle, timeout: float | None = None) -> ExitStatus | None:
         state = self._state(handle)
@@ -344,7 +402,7 @@ class DockerRunner:
             "init": self.init,
             "stdin_open": False,
             "tty": False,
-            "name": f"nymph-{task.invocation_id.lower()}-a{task.attempt}-{secrets.token_hex(3)}",
+            "name": container_name(task),  # one per attempt: a start tried again finds it
         }
         if task.script is not None:
             kwargs["entrypoint"] = ["sh"]
@@ -418,6 +476,11 @@ class DockerRunner:
                 pass
         logs = log_tail(workdir)
         return ExitStatus(exit_code=code, reason=reason, logs=logs)
+
+
+def container_name(task: Task) -> str:
+    """``nymph-<invocation id>-a<attempt>``: deterministic, so a start tried again finds the first."""
+    return f"nymph-{task.invocation_id.lower()}-a{task.attempt}"
 
 
 def _users(value: Mapping[str, str] | str | None) -> dict[str, str]:

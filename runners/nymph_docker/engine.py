@@ -134,7 +134,7 @@ def send_signal(client: docker.DockerClient, cid: str, signal: str, where: Where
     except RunnerUnavailable:
         raise
     except RunnerError as exc:
-        if _conflict(exc):
+        if is_conflict(exc):
             return False  # not running
         raise
     return True
@@ -150,10 +150,11 @@ def remove(client: docker.DockerClient, cid: str, where: Where) -> None:
     except RunnerUnavailable:
         raise
     except RunnerError as exc:
-        if not _conflict(exc):
+        if not is_conflict(exc):
             raise
 
 
-def _conflict(exc: RunnerError) -> bool:
+def is_conflict(exc: RunnerError) -> bool:
+    """True when the engine refused with 409 Conflict (a name in use, a container not running)."""
     cause = exc.__cause__
     return isinstance(cause, docker.errors.APIError) and cause.status_code == 409

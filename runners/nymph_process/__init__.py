@@ -22,12 +22,21 @@ children of one zygote share its hash seed (``PYTHONHASHSEED``) and the entry co
 upgrade of the package on disk reaches tasks when nymph restarts), and ``__main__`` is the entry
 module. One zygote serves each distinct environment (all but ``LAKESHORE_*`` and the GPU variables,
 which are read after start-up), at most four.
+
+Never twice in one workdir: a Python entry runs only under the workdir's entry lock (``flock`` on
+``.entry.lock``, which records who ran it). A forked child takes it before it runs the entry; a
+spawned entry inherits it from the runner, which takes it before spawning. When a zygote got a fork
+request but its answer never came (a timeout, the zygote died), the runner does not ask a zygote
+again: it takes the lock and spawns, or, when a child got there first (the lock is held, or the
+file says an entry already ran), adopts that child like a re-attached process.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
+import json
 import logging
 import os
 import select
@@ -43,6 +52,7 @@ import psutil
 from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, RunnerUnavailable, Task
 from nymph.runnerkit import default_python, inferred_exit_code, log_tail
 from nymph_process.prefork import ForkedChild, ZygoteClient, ZygoteError
+from nymph_process.zygote import ENTRY_LOCK
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +60,7 @@ ENTRY_MODULE = "dreamlake.lakeshore.daemon.entry"
 _POLL_S = 0.05
 _START_TIME_SLACK_S = 0.01
 _PR_SET_CHILD_SUBREAPER = 36
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PREFORK_DEFAULT = True
 _ZYGOTE_TIMEOUT_S = 30.0  # start-up (imports on a cold page cache) and one fork answer
 _ZYGOTE_MAX_FAILURES = 3  # consecutive zygote failures before prefork gives up for this runner
@@ -123,25 +134,37 @@ class ProcessRunner:
         env = {k: v for k, v in os.environ.items() if not k.startswith("NYMPH_")}
         env.update(task.env)
         workdir = Path(task.workdir)
-        with (
-            open(workdir / "stdout.log", "ab") as out,
-            open(workdir / "stderr.log", "ab") as err,
-            self._spawn_lock,
-        ):
-            try:
-                proc = subprocess.Popen(
-                    cmd,
-                    cwd=workdir,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=err,
-                    start_new_session=True,
-                    close_fds=True,
-                )
-            except OSError as exc:
-                raise RunnerError(f"process runner: cannot spawn {cmd[0]!r}: {exc}") from exc
-            self._children[proc.pid] = proc
+        lock: int | None = None
+        if task.script is None:  # the entry runs once per workdir: under its lock, inherited below
+            lock, holder = self._entry_lock(task)
+            if holder is not None:
+                return holder
+        try:
+            with (
+                open(workdir / "stdout.log", "ab") as out,
+                open(workdir / "stderr.log", "ab") as err,
+                self._spawn_lock,
+            ):
+                try:
+                    proc = subprocess.Popen(
+                        cmd,
+                        cwd=workdir,
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=err,
+                        start_new_session=True,
+                        close_fds=True,
+                        pass_fds=() if lock is None else (lock,),
+                    )
+                except OSError as exc:
+                    raise RunnerError(f"process runner: cannot spawn {cmd[0]!r}: {exc}") from exc
+                self._children[proc.pid] = proc
+            if lock is not None:  # still held here: no forked child can slip in between
+                _record_entry(lock, proc.pid)
+        finally:
+            if lock is not None:
+                os.close(lock)  # the entry's inherited copy keeps the lock until it exits
         with contextlib.suppress(OSError, AttributeError):
             # our child cannot be reaped (nor its pid reused) before this: only we wait for it
             self._pidfds[proc.pid] = os.pidfd_open(proc.pid)
@@ -267,6 +290,52 @@ class ProcessRunner:
     def recover(self, handle: Handle) -> bool:
         return self._leader(handle) is not None
 
+    # --- the entry lock -------------------------------------------------------------------------
+
+    def _entry_lock(self, task: Task) -> tuple[int | None, Handle | None]:
+        """Take the workdir's entry lock to spawn the entry, or the handle of who already ran it.
+
+        A forked child whose answer was lost holds the lock while it runs (and leaves its pid and
+        start time in the file after): that child is the task, adopted like a re-attached process.
+        """
+        path = Path(task.workdir) / ENTRY_LOCK
+        deadline = time.monotonic() + _ZYGOTE_TIMEOUT_S
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                raise RunnerError(f"process runner: cannot open {path}: {exc}") from exc
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                locked = False
+            except OSError as exc:
+                os.close(fd)
+                raise RunnerError(f"process runner: cannot lock {path}: {exc}") from exc
+            else:
+                locked = True
+            holder = _entry_holder(fd)
+            if locked and holder is None:
+                return fd, None
+            os.close(fd)
+            if holder is not None:
+                pid, start_time = holder
+                log.warning(
+                    "invocation %s: a zygote child (pid %d) whose fork answer was lost runs the entry; "
+                    "adopting it instead of starting it again",
+                    task.invocation_id,
+                    pid,
+                )
+                return None, Handle(
+                    runner=self.name,
+                    invocation_id=task.invocation_id,
+                    attempt=task.attempt,
+                    data={"pid": pid, "pgid": pid, "start_time": start_time, "workdir": str(task.workdir)},
+                )
+            if time.monotonic() >= deadline:  # locked, never recorded: a child stuck in between
+                raise RunnerError(f"process runner: {path} stays locked by an unknown process")
+            time.sleep(_POLL_S)  # a child took the lock and is about to record itself
+
     # --- warm fork ------------------------------------------------------------------------------
 
     def _start_forked(self, task: Task) -> Handle | None:
@@ -282,6 +351,8 @@ class ProcessRunner:
             except ZygoteError as exc:
                 log.warning("invocation %s: zygote %d: %s", task.invocation_id, zygote.pid, exc)
                 self._zygote_failed(zygote)
+                if exc.maybe_forked:  # a child may run it: only the entry lock decides from here
+                    return None
                 continue
             self._zygote_failures = 0
             self._forked[child.pid] = (zygote, child)
@@ -446,6 +517,29 @@ def _pidfd_ready(fd: int | None, timeout: float | None) -> bool:
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000))))
+
+
+def _entry_holder(fd: int) -> tuple[int, float] | None:
+    """The ``(pid, start_time)`` recorded in an entry lock file; None when nothing is recorded."""
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        raw = json.loads(os.read(fd, 4096) or b"null")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("pid"), int):
+        return None
+    ticks = raw.get("ticks")
+    start_time = ticks / _CLOCK_TICKS + psutil.boot_time() if isinstance(ticks, int) else 0.0
+    return int(raw["pid"]), start_time
+
+
+def _record_entry(fd: int, pid: int) -> None:
+    """Say in the entry lock file that ``pid`` runs (ran) the entry: no forked child runs it after."""
+    ticks = None
+    with contextlib.suppress(psutil.Error):
+        ticks = round((psutil.Process(pid).create_time() - psutil.boot_time()) * _CLOCK_TICKS)
+    with contextlib.suppress(OSError):
+        os.write(fd, json.dumps({"pid": pid, "ticks": ticks}).encode())
 
 
 def _group_exists(pgid: int) -> bool:

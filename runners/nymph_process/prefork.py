@@ -31,7 +31,16 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class ZygoteError(Exception):
-    """The zygote could not fork this task (dead, not ready, refused); spawn it the normal way."""
+    """The zygote could not fork this task (dead, not ready, refused); spawn it the normal way.
+
+    ``maybe_forked``: the request reached the zygote and no answer came back (a timeout, the zygote
+    died), so a child may exist and run the entry; the runner must then go through the workdir's
+    entry lock (:data:`nymph_process.zygote.ENTRY_LOCK`) and never ask a zygote again for this task.
+    """
+
+    def __init__(self, message: str, *, maybe_forked: bool = False) -> None:
+        super().__init__(message)
+        self.maybe_forked = maybe_forked
 
 
 class ForkedChild:
@@ -105,9 +114,11 @@ class ZygoteClient:
             with self._lock:
                 self._pending.pop(req_id, None)
             self.close()  # a hung zygote is no use; what it forked (if anything) carries on orphaned
-            raise ZygoteError(f"the zygote did not answer within {timeout:g} s")
+            raise ZygoteError(f"the zygote did not answer within {timeout:g} s", maybe_forked=True)
         if "pid" not in reply:
-            raise ZygoteError(str(reply.get("error", "the zygote died")))
+            if "error" in reply:  # the zygote's fork() failed: no child
+                raise ZygoteError(str(reply["error"]))
+            raise ZygoteError("the zygote died before answering", maybe_forked=True)
         pid = int(reply["pid"])
         with self._lock:
             child = self.children[pid]

@@ -17,11 +17,18 @@ gone) or ``{"id", "error"}``; ``{"exit": pid, "code"}`` when a child ends (only 
 parent, can reap it; ``code`` is negative for a signal, as ``Popen.returncode``). The zygote exits
 when the socket reaches EOF (nymph is gone); its running children carry on, reparented.
 
+A child runs the entry only once it holds the workdir's entry lock (``flock`` on ``.entry.lock``,
+held until it exits) and has written ``{"pid", "ticks"}`` there; it exits with
+:data:`ENTRY_LOCKED` without running anything when the lock is taken. The runner takes the same
+lock before it spawns the entry itself, so a child whose fork answer never reached nymph (a
+timeout, a dying zygote) can never run the invocation a second time next to a fallback spawn.
+
 Stdlib only besides the entry, and Python 3.9 syntax: it runs in whichever interpreter runs the entry.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import select
@@ -30,6 +37,8 @@ import socket
 import sys
 
 _CHILD_SETUP_FAILED = 127
+ENTRY_LOCK = ".entry.lock"  # in the workdir; see the module docstring
+ENTRY_LOCKED = 75  # EX_TEMPFAIL: another process holds the entry lock; nothing was run
 
 
 def _ticks(pid: int) -> int | None:
@@ -120,6 +129,8 @@ class Zygote:
         workdir = req["workdir"]
         try:
             os.chdir(workdir)
+            if not _take_entry_lock():
+                return ENTRY_LOCKED  # the runner (or another child) runs this entry: never twice
             null = os.open(os.devnull, os.O_RDONLY)
             out = os.open("stdout.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             err = os.open("stderr.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -139,6 +150,22 @@ class Zygote:
         sys.modules["__main__"] = entry
         _exit(_run(entry.main))
         return _CHILD_SETUP_FAILED  # not reached
+
+
+def _take_entry_lock() -> bool:
+    """Hold the cwd's entry lock for the rest of this process's life and record who holds it."""
+    fd = os.open(ENTRY_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    if os.fstat(fd).st_size:  # an entry already ran here (and ended): not again
+        os.close(fd)
+        return False
+    pid = os.getpid()
+    os.write(fd, json.dumps({"pid": pid, "ticks": _ticks(pid)}).encode())
+    return True  # fd stays open (close-on-exec): released when this process exits
 
 
 def _run(main: object) -> int:

@@ -434,8 +434,9 @@ def test_exec_jobs(store: SqlStore) -> None:
     got2 = store.claim_exec("w2", ["default"], limit=5)
     assert [j["exec_id"] for j in got2] == [for_w2] and got2[0]["payload_ref"] == {"key": "payloads/x"}
     assert store.get_exec("ns", anyone)["state"] == "running"  # type: ignore[index]
-    assert store.publish_exec_result("ns", anyone, {"exit_code": 0, "stdout": "hi\n", "stderr": ""})
-    assert store.publish_exec_result("other-ns", anyone, {"exit_code": 1}) is False
+    assert store.publish_exec_result("ns", anyone, {"exit_code": 0, "stdout": "hi\n", "stderr": ""}).ok
+    unknown = store.publish_exec_result("other-ns", anyone, {"exit_code": 1})
+    assert (unknown.ok, unknown.state) == (False, None)
     done = store.get_exec("ns", anyone)
     assert done is not None and done["state"] == "done" and done["result"]["exit_code"] == 0
     assert store.get_exec("other-ns", anyone) is None
@@ -539,3 +540,154 @@ def test_an_overlong_idempotency_key_is_refused_on_every_dialect(store: SqlStore
     with pytest.raises(PlaneError, match="limit is 1024") as err:
         submit(store, key="k" * 1025)
     assert err.value.status == 400
+
+
+# -- exec job leases ----------------------------------------------------------------------------
+
+
+def _exec(store: SqlStore, queue: str = "q", max_attempts: int | None = None) -> str:
+    return store.create_exec(
+        "ns",
+        "sleep 1",
+        payload_inline=None,
+        payload_ref=None,
+        queue=queue,
+        worker_id=None,
+        timeout_s=None,
+        max_attempts=max_attempts,
+    )
+
+
+def test_an_exec_claim_holds_a_lease_and_the_heartbeat_renews_it(store: SqlStore) -> None:
+    job = _exec(store)
+    (body,) = store.claim_exec("w", ["q"], lease_s=0.5)
+    assert body["attempt"] == 1
+    row = store.get_exec("ns", job)
+    assert row is not None and (row["attempt"], row["max_attempts"]) == (1, 3)
+    commands, lost = store.heartbeat("w", [], lease_s=1000, running_exec=[(job, 1)])
+    assert (commands, lost) == ([], [])
+    assert store.expire_leases(now=time.time() + 10) == []  # renewed for 1000 s
+    # a stale attempt, another worker or an unknown job: lost, and nothing renewed
+    _, lost = store.heartbeat("w", [], running_exec=[(job, 7)])
+    assert lost == [job]
+    _, lost = store.heartbeat("other", [], running_exec=[(job, 1)])
+    assert lost == [job]
+    gone = new_ulid()
+    _, lost = store.heartbeat("w", [], running_exec=[(gone, 1)])
+    assert lost == [gone]
+
+
+def test_a_dead_daemons_exec_job_is_requeued_then_finished_with_exit_code_minus_one(store: SqlStore) -> None:
+    """The review's finding: a claimed exec job stayed ``running`` for ever when its daemon died."""
+    job = _exec(store, max_attempts=2)
+    mark = store.notifier.mark()
+    store.claim_exec("dead", ["q"], lease_s=60)
+    assert store.expire_leases(now=time.time()) == []  # lease still valid
+    assert store.expire_leases(now=FUTURE) == [job]
+    assert store.notifier.wait(["exec:q"], timeout=5, since=mark)  # a waiting poll wakes
+    row = store.get_exec("ns", job)
+    assert row is not None and row["state"] == "queued" and row["result"] is None
+    (body,) = store.claim_exec("w2", ["q"])
+    assert body["attempt"] == 2
+    assert store.expire_leases(now=FUTURE) == [job]  # the last allowed attempt lapsed too
+    row = store.get_exec("ns", job)
+    assert row is not None and row["state"] == "done" and row["finished_at"] is not None
+    result = row["result"]
+    assert result["exit_code"] == -1 and "stopped renewing its lease" in result["stderr"]
+    assert result["error"]["type"] == "LeaseExpired"
+    assert store.claim_exec("w3", ["q"]) == []
+
+
+def test_a_heartbeat_without_running_exec_renews_all_the_workers_exec_jobs(store: SqlStore) -> None:
+    """A daemon from before exec leases reports no exec jobs: alive, it keeps them all."""
+    job = _exec(store)
+    store.claim_exec("old", ["q"], lease_s=0.01)
+    store.heartbeat("old", [], lease_s=1000)  # running_exec absent
+    assert store.expire_leases(now=time.time() + 10) == []
+    store.heartbeat("old", [], lease_s=5000, running_exec=[])  # a new daemon running none of them
+    assert store.expire_leases(now=time.time() + 2000) == [job]  # not renewed: lapses at 1000 s
+
+
+def test_a_lapsed_claim_whose_daemon_is_alive_takes_its_job_back(store: SqlStore) -> None:
+    job = _exec(store)
+    store.claim_exec("w", ["q"], lease_s=60)
+    assert store.expire_leases(now=FUTURE) == [job]  # requeued, nobody claimed it again yet
+    _, lost = store.heartbeat("w", [], lease_s=60, running_exec=[(job, 1)])
+    assert lost == []
+    row = store.get_exec("ns", job)
+    assert row is not None and (row["state"], row["attempt"]) == ("running", 1)
+    assert store.claim_exec("w2", ["q"]) == []
+
+
+def test_only_the_claimer_publishes_an_exec_result(store: SqlStore) -> None:
+    job = _exec(store)
+    never = store.publish_exec_result("ns", job, {"exit_code": 0}, worker_id="w", attempt=1)
+    assert (never.ok, never.state) == (False, "queued") and "never claimed" in (never.reason or "")
+    store.claim_exec("w", ["q"])
+    other = store.publish_exec_result("ns", job, {"exit_code": 9}, worker_id="intruder", attempt=1)
+    assert (other.ok, other.state) == (False, "running") and "not by worker intruder" in (other.reason or "")
+    stale = store.publish_exec_result("ns", job, {"exit_code": 9}, worker_id="w", attempt=2)
+    assert not stale.ok and "superseded" in (stale.reason or "")
+    assert store.get_exec("ns", job)["state"] == "running"  # type: ignore[index]
+    done = store.publish_exec_result("ns", job, {"exit_code": 0}, worker_id="w", attempt=1)
+    assert (done.ok, done.duplicate) == (True, False)
+    again = store.publish_exec_result("ns", job, {"exit_code": 5}, worker_id="w", attempt=1)
+    assert (again.ok, again.duplicate) == (True, True)
+    assert store.get_exec("ns", job)["result"] == {"exit_code": 0}  # type: ignore[index]
+    late = store.publish_exec_result("ns", job, {"exit_code": 9}, worker_id="intruder")
+    assert not late.ok and late.state == "done"
+
+
+def test_a_superseded_exec_claim_cannot_publish(store: SqlStore) -> None:
+    job = _exec(store)
+    store.claim_exec("w1", ["q"])
+    store.expire_leases(now=FUTURE)
+    store.claim_exec("w2", ["q"])  # attempt 2 supersedes w1's attempt 1
+    refused = store.publish_exec_result("ns", job, {"exit_code": 1}, worker_id="w1", attempt=1)
+    assert not refused.ok and refused.state == "running"
+    assert store.publish_exec_result("ns", job, {"exit_code": 0}, worker_id="w2", attempt=2).ok
+    # the same worker claiming again: its older attempt is superseded too
+    job2 = _exec(store)
+    store.claim_exec("w3", ["q"])
+    store.expire_leases(now=FUTURE)
+    store.claim_exec("w3", ["q"])
+    assert not store.publish_exec_result("ns", job2, {"exit_code": 1}, worker_id="w3", attempt=1).ok
+    assert store.publish_exec_result("ns", job2, {"exit_code": 0}, worker_id="w3", attempt=2).ok
+
+
+def test_a_lapsed_claim_may_still_publish_until_another_claim_takes_the_job(store: SqlStore) -> None:
+    job = _exec(store)
+    store.claim_exec("w", ["q"])
+    store.expire_leases(now=FUTURE)  # requeued
+    assert store.publish_exec_result("ns", job, {"exit_code": 0}, worker_id="w", attempt=1).ok
+    assert store.get_exec("ns", job)["state"] == "done"  # type: ignore[index]
+    assert store.claim_exec("w2", ["q"]) == []
+    # and the claimer's real result replaces the placeholder of a last attempt that lapsed
+    last = _exec(store, max_attempts=1)
+    store.claim_exec("w", ["q"])
+    store.expire_leases(now=FUTURE)
+    assert store.get_exec("ns", last)["result"]["exit_code"] == -1  # type: ignore[index]
+    assert not store.publish_exec_result("ns", last, {"exit_code": 3}, worker_id="other").ok
+    assert store.publish_exec_result("ns", last, {"exit_code": 0}, worker_id="w", attempt=1).ok
+    assert store.get_exec("ns", last)["result"] == {"exit_code": 0}  # type: ignore[index]
+
+
+def test_an_admin_publish_is_not_checked(store: SqlStore) -> None:
+    job = _exec(store)
+    store.claim_exec("w", ["q"])
+    assert store.publish_exec_result("ns", job, {"exit_code": 0}).ok  # worker_id None: an admin
+
+
+def test_the_pinned_version_of_a_worker_comes_from_its_register(store: SqlStore) -> None:
+    store.register_worker("w", {"namespace": "team-a"})
+    store.register_worker("plain", {"namespace": None})
+    store.pin_version("team-a", "0.1.4")
+    assert store.worker_info("w") == {"namespace": "team-a"}
+    assert store.worker_info("nobody") is None
+    assert store.pinned_version_for_worker("w") == "0.1.4"
+    assert store.pinned_version_for_worker("plain") is None
+    assert store.pinned_version_for_worker("nobody") is None
+    assert store.pinned_version_for_worker("plain", "team-a") == "0.1.4"  # the token's namespace wins
+    store.pin_version("default", "0.2.0")
+    assert store.pinned_version_for_worker("plain") == "0.2.0"
+    assert store.pinned_version_for_worker("w", "default") == "0.2.0"

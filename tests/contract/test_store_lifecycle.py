@@ -53,7 +53,7 @@ def test_migrations_match_schema_and_reopen_is_idempotent(store_url: str) -> Non
     try:
         with second.db.tx(write=False) as conn:
             ctx = MigrationContext.configure(conn)
-            assert ctx.get_current_revision() == "0001"
+            assert ctx.get_current_revision() == HEAD_REVISION == "0002"
             assert compare_metadata(ctx, schema.metadata) == []
     finally:
         first.close()
@@ -210,7 +210,41 @@ def test_concurrent_opens_of_a_fresh_postgres_database_migrate_once() -> None:
         try:
             assert errors == []
             with stores[0].db.tx(write=False) as conn:
-                assert MigrationContext.configure(conn).get_current_revision() == "0001"
+                assert MigrationContext.configure(conn).get_current_revision() == HEAD_REVISION
         finally:
             for s in stores:
                 s.close()
+
+
+def test_upgrade_to_0002_gives_running_exec_jobs_a_lease(tmp_path: Path) -> None:
+    """A job claimed before exec leases (``running`` for ever if its daemon died) gets attempt 1
+    and a lease of a minute: a live daemon renews it, a dead one's is requeued."""
+    from alembic import command
+    from alembic.config import Config
+
+    path = tmp_path / "old.db"
+    raw = sa.create_engine(f"sqlite:///{path}")
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    with raw.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0001")
+        for exec_id, state, claimed_by in (("r", "running", "w"), ("q", "queued", None)):
+            conn.execute(
+                sa.text(
+                    "INSERT INTO exec_jobs (exec_id, namespace, command, queue, state, claimed_by, created_at)"
+                    " VALUES (:id, 'ns', 'true', 'q', :state, :by, 0)"
+                ),
+                {"id": exec_id, "state": state, "by": claimed_by},
+            )
+    raw.dispose()
+    s = open_store(path)
+    try:
+        running, queued = s.get_exec("ns", "r"), s.get_exec("ns", "q")
+        assert running is not None and (running["attempt"], running["max_attempts"]) == (1, 3)
+        assert queued is not None and queued["attempt"] == 0
+        assert s.expire_leases() == []  # a minute for a live daemon's heartbeat
+        assert s.expire_leases(now=10**10) == ["r"]
+        assert s.get_exec("ns", "r")["state"] == "queued"  # type: ignore[index]
+    finally:
+        s.close()

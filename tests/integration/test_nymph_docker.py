@@ -241,3 +241,49 @@ def test_doctor_says_what_to_fix_when_the_engine_is_down(
     assert "no-engine.sock" in line and "not reachable" in line
     assert "start the engine" in line and "DOCKER_HOST" in line
     assert "[ok] server" in out.stdout and "[ok] token" in out.stdout
+
+
+# --- exec jobs are labelled like invocations ---------------------------------------------------------
+
+
+def test_an_exec_container_is_labelled_with_the_worker_and_listed_for_start_up_cleanup(
+    image: str, tmp_path: Path
+) -> None:
+    """Start-up cleanup lists this worker's labelled containers: an exec job's must be among them."""
+    from typing import Any
+
+    from dreamlake.lakeshore import ids
+    from nymph.execjob import ExecJob
+    from tests.conftest import ROOT
+
+    if str(ROOT / "runners") not in sys.path:
+        sys.path.insert(0, str(ROOT / "runners"))
+    from nymph_docker import DockerRunner
+
+    class _Outbox:
+        def put(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+    runner = DockerRunner(image=image, pull="never")
+    worker = f"W-exec-{ids.new_ulid()}"
+    job = ExecJob(
+        {"exec_id": ids.new_ulid(), "namespace": "ns", "command": "sleep 60"},
+        runner=runner,
+        client=None,  # type: ignore[arg-type]
+        outbox=_Outbox(),  # type: ignore[arg-type]
+        root=tmp_path,
+        stop_grace_s=0.5,
+        on_done=lambda job: None,
+        worker_id=worker,
+    )
+    job.start_thread()
+    try:
+        listed = _until(lambda: runner.list_labelled(worker_id=worker), "the exec container to be listed")
+        assert [h.invocation_id for h in listed] == [job.exec_id]
+        cid = str(listed[0].data["container_id"])
+        labels = json.loads(_docker("inspect", "--format", "{{json .Config.Labels}}", cid).stdout)
+        assert labels["nymph.worker"] == worker and labels["nymph.exec"] == job.exec_id
+    finally:
+        job.cancel("test over", 0.5)
+        job.join(60)
+    assert _labelled(worker) == []

@@ -18,8 +18,10 @@ from pathlib import Path
 import httpx
 import msgpack
 
+from dreamlake.lakeshore import ids
+from dreamlake.lakeshore.server.config import ServerConfig
 from tests import nymph_fns
-from tests.integration.conftest import ControlPlane
+from tests.integration.conftest import ControlPlane, running_control_plane
 from tests.integration.test_nymph_agent import (  # noqa: F401  (nymph_factory is a fixture)
     Nymph,
     _alive,
@@ -96,6 +98,42 @@ def test_exec_job_past_its_timeout_is_stopped_and_reported_124(
     assert out["exit_code"] == 124
     assert out["stdout"] == "started\n"
     assert "timed out after 1s" in str(out["stderr"])
+
+
+def test_the_heartbeat_keeps_a_long_exec_job_leased_and_a_lost_one_is_stopped_unpublished(
+    tmp_path: Path, nymph_factory: Callable[..., Nymph]
+) -> None:
+    """Exec jobs lease like invocations: nymph's heartbeat (``running_exec``) renews the lease of
+    one that outlives it many times over; when another claim takes the job, nymph stops its copy
+    and publishes nothing, and only the new claimer's result counts."""
+    config = ServerConfig(lease_s=1.0, expire_every_s=0.1, recheck_s=0.2)
+    with running_control_plane(str(tmp_path / "cp.db"), config=config) as cp:
+        n = nymph_factory(cp.url, cp.daemon_token, "--concurrency", "1")
+        long_one = _exec(cp, {"command": "sleep 3; echo finished", "max_attempts": 1})
+        out = _exec_result(cp, long_one)
+        assert (out["exit_code"], out["stdout"]) == (0, "finished\n"), n.output()[-3000:]
+        assert cp.store.get_exec("team", long_one)["attempt"] == 1  # type: ignore[index]
+
+        marker = tmp_path / "still-running"
+        stolen = _exec(cp, {"command": f"sleep 1; while true; do touch {marker}; sleep 0.2; done"})
+        _until(marker.exists, "the exec command to start under nymph")
+        # its lease lapses (as if the heartbeats had not arrived) and another daemon claims it first
+        # (a heartbeat in between takes a job nobody claimed yet back: then try again)
+        other = ids.new_ulid()
+
+        def steal() -> list[dict[str, object]]:
+            cp.store.expire_leases(now=time.time() + 3600)
+            return cp.store.claim_exec(other, ["default"])
+
+        (claimed,) = _until(steal, "another daemon to claim the exec job")
+        assert claimed["exec_id"] == stolen and claimed["attempt"] == 2
+        _until(lambda: "lease lost to another claim" in n.output(), "nymph to hear its exec lease is lost")
+        _until(lambda: time.time() - marker.stat().st_mtime > 2, "nymph to stop its copy")
+        route = f"/v1/namespaces/team/jobs/{stolen}/result"
+        mine = {"exit_code": 0, "stdout": "other", "stderr": "", "worker_id": other, "attempt": 2}
+        assert cp.json("POST", route, mine, cp.daemon_token) == (200, {"ok": True})
+        assert _exec_result(cp, stolen)["stdout"] == "other"
+        assert "is not published" in n.output()
 
 
 # --- a lost lease ----------------------------------------------------------------------------------

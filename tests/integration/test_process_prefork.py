@@ -26,8 +26,11 @@ from tests.conftest import ROOT
 if str(ROOT / "runners") not in sys.path:
     sys.path.insert(0, str(ROOT / "runners"))
 
+import nymph_process
 import nymph_process.prefork
 from nymph_process import ProcessRunner
+from nymph_process.prefork import ZygoteClient
+from nymph_process.zygote import ENTRY_LOCK, ENTRY_LOCKED
 
 LIMIT_S = 60.0
 _CALLS: list[int] = []
@@ -69,6 +72,15 @@ def wait_release(path: str) -> str:
     while not Path(path).exists():
         time.sleep(0.02)
     return "released"
+
+
+def record_run(runs: str, release: str) -> int:
+    """Append this process's pid to ``runs`` (one line per run of the entry), then wait for ``release``."""
+    with open(runs, "a") as fh:
+        fh.write(f"{os.getpid()}\n")
+    while not Path(release).exists():
+        time.sleep(0.02)
+    return os.getpid()
 
 
 # --- harness ---------------------------------------------------------------------------------------
@@ -259,6 +271,71 @@ def test_no_zombies_left_behind(runner: ProcessRunner, prepare: Callable[..., Ta
     assert not [p for p in pids if psutil.pid_exists(p)]
 
 
+def _runs(path: Path) -> list[int]:
+    return [int(line) for line in path.read_text().split()] if path.exists() else []
+
+
+def test_fork_answer_lost_the_child_is_adopted_never_run_twice(
+    runner: ProcessRunner, prepare: Callable[..., Task], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The zygote forks but its answer never arrives: the fallback adopts that child, runs nothing more."""
+    warm = prepare(observe)  # the zygote is up (its start-up is not what times out below)
+    handle, status = _run(runner, warm)
+    assert status.exit_code == 0
+    runner.destroy(handle)
+
+    real_dispatch = ZygoteClient._dispatch
+
+    def lose_fork_answers(self: ZygoteClient, msg: dict[str, Any]) -> None:
+        if "id" in msg and "pid" in msg:
+            return  # forked, but nymph never hears of it
+        real_dispatch(self, msg)
+
+    monkeypatch.setattr(ZygoteClient, "_dispatch", lose_fork_answers)
+    monkeypatch.setattr(nymph_process, "_ZYGOTE_TIMEOUT_S", 2.0)
+    runs, release = tmp_path / "runs.txt", tmp_path / "release"
+    task = prepare(record_run, str(runs), str(release))
+    handle = runner.start(task)
+    _until(lambda: _runs(runs), "the entry to run")
+    time.sleep(1.0)  # a second run (the bug) would have started by now
+    assert _runs(runs) == [handle.data["pid"]]  # the one run is the adopted child
+    assert runner.inspect(handle) == "running"
+    release.touch()
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 0, status  # inferred from result.msgpack
+    runner.destroy(handle)
+    assert _result(task) == handle.data["pid"] and _runs(runs) == [handle.data["pid"]]
+
+
+@pytest.mark.parametrize("spawned_one", ["running", "finished"])
+def test_a_late_forked_child_never_runs_an_entry_the_runner_spawned(
+    prepare: Callable[..., Task], tmp_path: Path, spawned_one: str
+) -> None:
+    """The other order: the runner spawned the entry (under the lock); a fork that lands after runs nothing."""
+    spawner = ProcessRunner(prefork=False)
+    runs, release = tmp_path / "runs.txt", tmp_path / "release"
+    task = prepare(record_run, str(runs), str(release))
+    handle = spawner.start(task)
+    _until(lambda: _runs(runs), "the spawned entry to run")
+    assert (task.workdir / ENTRY_LOCK).exists()
+    if spawned_one == "finished":  # the lock is free again, but the file says the entry ran
+        release.touch()
+        assert spawner.wait(handle, LIMIT_S) is not None
+    env = {**os.environ, **task.env}
+    zygote = ZygoteClient(spawner.python, env)
+    try:
+        child, _start = zygote.fork(task.workdir, env, LIMIT_S)
+        assert child.done.wait(LIMIT_S)
+        assert child.code == ENTRY_LOCKED
+    finally:
+        zygote.close()
+    release.touch()
+    status = spawner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 0, status
+    spawner.destroy(handle)
+    assert _runs(runs) == [handle.data["pid"]]
+
+
 def test_zygote_exits_when_nymph_dies(tmp_path: Path) -> None:
     """nymph SIGKILLed: the zygote sees EOF and exits; what it forked carries on (tasks survive)."""
     workdir = tmp_path / ids.new_ulid()
@@ -272,7 +349,10 @@ import os, sys, signal
 sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "runners")!r}]
 from pathlib import Path
 from nymph.runner import Task
+import nymph_process
 from nymph_process import ProcessRunner
+from nymph_process.prefork import ZygoteClient
+from nymph_process.zygote import ENTRY_LOCK, ENTRY_LOCKED
 r = ProcessRunner(prefork=True)
 h = r.start(Task("x", 1, Path({str(workdir)!r}), {{"PYTHONPATH": {str(ROOT)!r}}}))
 (z,) = [z.pid for z in r._zygotes.values()]

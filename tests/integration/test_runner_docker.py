@@ -412,3 +412,58 @@ def test_gvisor_low_pids_limit_is_raised_not_fatal(gvisor: GVisorRunner, started
     status = gvisor.wait(started.start(gvisor, task), LIMIT_S)
     assert status is not None and status.exit_code == 0, status
     assert _result(task) == 2
+
+
+def _containers_of(task: Task) -> list[str]:
+    out = _docker("ps", "-a", "-q", "--no-trunc", "--filter", f"label=nymph.invocation={task.invocation_id}")
+    return out.stdout.split()
+
+
+@pytest.mark.parametrize("lost", ["create", "start"])
+def test_a_start_tried_again_after_a_lost_answer_leaves_one_container(
+    runner: DockerRunner, started: Started, monkeypatch: pytest.MonkeyPatch, lost: str
+) -> None:
+    """The engine did the work but its answer never came: the retry finds that container, never a second."""
+    import docker.models.containers
+    import requests.exceptions
+
+    task = started.task(docker_fns.add, 2, 3)
+    models = docker.models.containers
+    cls: Any = models.ContainerCollection if lost == "create" else models.Container
+    real = getattr(cls, lost)
+
+    def do_it_then_lose_the_answer(self: Any, *args: Any, **kwargs: Any) -> Any:
+        real(self, *args, **kwargs)
+        raise requests.exceptions.ConnectionError("connection reset (the answer was lost)")
+
+    monkeypatch.setattr(cls, lost, do_it_then_lose_the_answer)
+    with pytest.raises(RunnerUnavailable):
+        runner.start(task)
+    first = _containers_of(task)
+    assert len(first) == 1  # the engine made it although nymph never heard
+    monkeypatch.undo()
+    handle = started.start(runner, task)  # what nymph does with RunnerUnavailable: start again
+    assert _containers_of(task) == [handle.data["container_id"]]
+    if lost == "start":  # it ran: adopted, not started a second time
+        assert handle.data["container_id"] == first[0]
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 0, status
+    assert _result(task) == 5
+    runner.destroy(handle)
+    assert _containers_of(task) == []
+
+
+def test_a_container_of_the_same_name_that_is_not_this_tasks_is_refused(
+    runner: DockerRunner, started: Started, image: str
+) -> None:
+    from nymph_docker import container_name
+
+    task = started.task(docker_fns.add, 1, 1)
+    name = container_name(task)
+    made = _docker("create", "--name", name, "--label", f"{RUN_LABEL}={RUN_ID}", image, "true")
+    assert made.returncode == 0, made.stderr
+    try:
+        with pytest.raises(RunnerError, match="not this task's"):
+            runner.start(task)
+    finally:
+        _docker("rm", "-f", name)

@@ -432,22 +432,41 @@ def test_script_as_user_runs_as_that_user(runner: SlurmRunner, tasks: Tasks) -> 
     assert (task.workdir / "stdout.log").stat().st_uid == pwd.getpwnam(AS_USER).pw_uid
 
 
-def test_entry_as_user_runs_as_that_user(runner: SlurmRunner, tasks: Tasks) -> None:
+@pytest.fixture
+def readable_runtime() -> Iterator[tuple[str, str]]:
+    """An interpreter and a PYTHONPATH another user can read: the system python3 and the entry bundle.
+
+    nymph's own venv may sit under a 0700 home (/root), out of that user's reach; the entry bundle
+    exists for exactly such runtimes (a python3 without the package). Copied with the module of
+    the shipped test function into a 0755 directory.
+    """
+    from dreamlake.lakeshore.daemon.bundle import build_bundle
+
+    python = shutil.which("python3", path="/usr/bin:/usr/local/bin:/bin") or ""
+    require(bool(python), "needs a system python3 (/usr/bin/python3) another user can run")
+    base = Path(tempfile.mkdtemp(prefix="nymph-slurm-runtime-"))
+    try:
+        os.chmod(base, 0o755)
+        bundle = build_bundle(base / "lakeshore-entry.zip")
+        (base / "tests").mkdir(mode=0o755)
+        for name in ("__init__.py", "nymph_fns.py"):
+            shutil.copyfile(ROOT / "tests" / name, base / "tests" / name)
+        for path in (bundle, *(base / "tests").iterdir()):
+            os.chmod(path, 0o644)
+        yield python, f"{bundle}:{base}"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_entry_as_user_runs_as_that_user(
+    slurm_ok: None, tasks: Tasks, readable_runtime: tuple[str, str]
+) -> None:
     if not _ensure_user(AS_USER):
         pytest.skip(f"needs root (or an existing user {AS_USER}) to submit as another user")
-    probe = subprocess.run(
-        ["runuser", "-u", AS_USER, "--", runner.python, "-c", "import dreamlake.lakeshore.daemon.entry"],
-        capture_output=True,
-        text=True,
-        cwd="/",
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    if probe.returncode != 0:
-        pytest.skip(
-            f"{AS_USER} cannot run the entry with {runner.python} (the job inherits the submitter's "
-            f"interpreter; e.g. a venv under a 0700 /root): {probe.stderr.strip()[-200:]}"
-        )
+    python, pythonpath = readable_runtime
+    runner = SlurmRunner(poll_interval_s=0.1, python=python)
     task = tasks.task(nymph_fns.whoami, as_user=AS_USER)
+    task.env["PYTHONPATH"] = pythonpath  # not the repo (under a 0700 /root): the bundle and the test module
     handle = tasks.start(runner, task)
     status = runner.wait(handle, LIMIT_S)
     assert status is not None and status.exit_code == 0, status

@@ -349,3 +349,87 @@ def test_a_poll_for_run_commands_only_leaves_exec_jobs_queued(control_plane: Con
     assert status == 400 and "'kinds' must include 'run'" in err["error"]
     _, got = cp.daemon("/v1/daemon/poll", {**body, "kinds": ["run", "exec"]})
     assert [c["body"]["exec_id"] for c in got["commands"]] == [out["exec_id"]]
+
+
+# -- exec job leases and the daemon's namespace across replicas ---------------------------------
+
+
+def _exec(cp: ControlPlane, **extra: Any) -> str:
+    status, out = cp.json(
+        "POST", "/v1/namespaces/ns/exec", {"command": "true", "queue": "xq", **extra}, cp.admin_token
+    )
+    assert status == 202
+    return str(out["exec_id"])
+
+
+def _exec_result(cp: ControlPlane, exec_id: str, wait: float = 0) -> tuple[int, Any]:
+    return cp.json("GET", f"/v1/namespaces/ns/jobs/{exec_id}/result?wait={wait}", None, cp.admin_token)
+
+
+def test_a_dead_daemons_exec_job_is_requeued_then_failed(tmp_path: Any) -> None:
+    """The review's finding: an exec job whose daemon died stayed ``running`` for ever."""
+    config = ServerConfig(lease_s=0.4, expire_every_s=0.1, recheck_s=0.2)
+    with running_control_plane(str(tmp_path / "s.db"), config=config) as cp:
+        exec_id = _exec(cp, max_attempts=2)
+        dead = new_ulid()
+        (cmd,) = poll(cp, dead, ["xq"])["commands"]
+        assert cmd["kind"] == "exec" and cmd["body"]["attempt"] == 1
+        second = new_ulid()
+        (cmd,) = poll(cp, second, ["xq"], timeout_s=10)["commands"]  # wakes when the lease lapses
+        assert cmd["body"]["exec_id"] == exec_id and cmd["body"]["attempt"] == 2
+        route = f"/v1/namespaces/ns/jobs/{exec_id}/result"
+        late = {"exit_code": 0, "stdout": "", "stderr": "", "worker_id": dead, "attempt": 1}
+        status, out = cp.json("POST", route, late, cp.daemon_token)
+        assert status == 409 and out["ok"] is False
+        # the second daemon dies too: its last allowed attempt lapses, and the client hears so
+        status, out = _exec_result(cp, exec_id, wait=10)
+        assert status == 200 and out["exit_code"] == -1
+        assert "stopped renewing its lease" in out["stderr"]
+
+
+def test_the_heartbeat_renews_exec_leases(tmp_path: Any) -> None:
+    config = ServerConfig(lease_s=0.5, expire_every_s=0.1, recheck_s=0.2)
+    with running_control_plane(str(tmp_path / "s.db"), config=config) as cp:
+        exec_id = _exec(cp, max_attempts=1)
+        worker = new_ulid()
+        (_cmd,) = poll(cp, worker, ["xq"])["commands"]
+        gone = new_ulid()
+        beat = {"worker_id": worker, "running": [], "running_exec": [{"exec_id": exec_id, "attempt": 1}]}
+        for _ in range(8):  # 1.6 s: three leases' worth
+            status, out = cp.daemon("/v1/daemon/heartbeat", beat)
+            assert status == 200 and out["lost"] == []
+            time.sleep(0.2)
+        assert cp.store.get_exec("ns", exec_id)["state"] == "running"  # type: ignore[index]
+        status, out = cp.daemon(
+            "/v1/daemon/heartbeat",
+            {"worker_id": worker, "running": [], "running_exec": [{"exec_id": gone, "attempt": 1}]},
+        )
+        assert status == 200 and out["lost"] == [gone]
+        for bad in ([{"exec_id": "x", "attempt": 1}], [{"exec_id": exec_id, "attempt": True}], ["x"], "x"):
+            status, out = cp.daemon("/v1/daemon/heartbeat", {"worker_id": worker, "running_exec": bad})
+            assert status == 400, bad
+        route = f"/v1/namespaces/ns/jobs/{exec_id}/result"
+        done = {"exit_code": 0, "stdout": "ok", "stderr": "", "worker_id": worker, "attempt": 1}
+        assert cp.json("POST", route, done, cp.daemon_token) == (200, {"ok": True})
+        assert _exec_result(cp, exec_id)[1]["stdout"] == "ok"
+
+
+def test_a_replica_that_missed_the_register_knows_the_daemons_namespace(tmp_path: Any) -> None:
+    """The namespace a daemon registered with comes from the store, not one replica's memory."""
+    path = str(tmp_path / "shared.db")
+    with running_control_plane(path) as a, running_control_plane(path) as b:
+        worker = new_ulid()
+        status, _ = a.daemon(
+            "/v1/daemon/register", {"worker_id": worker, "queues": ["default"], "namespace": "team-a"}
+        )
+        assert status == 200
+        status, _ = a.json("PUT", "/v1/namespaces/team-a/pin", {"nymph_version": "0.1.4"}, a.admin_token)
+        assert status == 200
+        for replica in (b, a):
+            _, out = replica.daemon("/v1/daemon/heartbeat", {"worker_id": worker, "running": []})
+            assert out["target_nymph_version"] == "0.1.4"
+            assert poll(replica, worker, timeout_s=0)["target_nymph_version"] == "0.1.4"
+        # a re-register elsewhere (another namespace) is seen by every replica at once
+        b.daemon("/v1/daemon/register", {"worker_id": worker, "queues": ["default"], "namespace": "team-b"})
+        _, out = a.daemon("/v1/daemon/heartbeat", {"worker_id": worker, "running": []})
+        assert "target_nymph_version" not in out

@@ -40,7 +40,8 @@ def test_exec_inline_round_trip(sqlite_control_plane: ControlPlane, ns_token: st
     exec_id = out["exec_id"]
     status, out = cp.json("GET", f"/v1/namespaces/ns-a/jobs/{exec_id}/result?wait=0.2", None, ns_token)
     assert (status, out) == (202, {"exec_id": exec_id, "state": "pending"})
-    cmd = _poll_exec(cp, new_ulid())
+    worker = new_ulid()
+    cmd = _poll_exec(cp, worker)
     assert cmd["kind"] == "exec"
     assert cmd["body"] == {
         "exec_id": exec_id,
@@ -49,6 +50,7 @@ def test_exec_inline_round_trip(sqlite_control_plane: ControlPlane, ns_token: st
         "payload_inline": payload,
         "payload_ref": None,
         "timeout_s": None,
+        "attempt": 1,
     }
     answer: dict[str, Any] = {}
     t = threading.Thread(
@@ -61,7 +63,7 @@ def test_exec_inline_round_trip(sqlite_control_plane: ControlPlane, ns_token: st
     status, out = cp.json(
         "POST",
         f"/v1/namespaces/ns-a/jobs/{exec_id}/result",
-        {"exit_code": 0, "stdout": "ok\n", "stderr": ""},
+        {"exit_code": 0, "stdout": "ok\n", "stderr": "", "worker_id": worker, "attempt": 1},
         cp.daemon_token,
     )
     assert (status, out) == (200, {"ok": True})
@@ -78,6 +80,48 @@ def test_exec_inline_round_trip(sqlite_control_plane: ControlPlane, ns_token: st
             "resultRef": None,
         },
     )
+
+
+def test_only_the_claiming_daemon_publishes_an_exec_result(
+    sqlite_control_plane: ControlPlane, ns_token: str
+) -> None:
+    """The review's finding: any unbound daemon token could publish another daemon's result."""
+    cp = sqlite_control_plane
+    _, out = cp.json("POST", "/v1/namespaces/ns-a/exec", {"command": "true"}, ns_token)
+    exec_id = out["exec_id"]
+    route = f"/v1/namespaces/ns-a/jobs/{exec_id}/result"
+    claimer, intruder = new_ulid(), new_ulid()
+    assert _poll_exec(cp, claimer)["body"]["exec_id"] == exec_id
+    forged = {"exit_code": 0, "stdout": "forged", "stderr": ""}
+    status, out = cp.json("POST", route, {**forged, "worker_id": intruder}, cp.daemon_token)
+    assert status == 409 and out["ok"] is False and "only the daemon that claimed it" in out["error"]
+    status, out = cp.json("POST", route, forged, cp.daemon_token)  # no worker_id: refused
+    assert status == 400 and "worker_id" in out["error"]
+    status, out = cp.json("POST", route, {**forged, "worker_id": claimer, "attempt": 2}, cp.daemon_token)
+    assert status == 409 and "superseded" in out["error"]
+    status, out = cp.json("GET", route, None, ns_token)
+    assert (status, out["state"]) == (202, "pending")
+    real = {"exit_code": 0, "stdout": "real", "stderr": "", "worker_id": claimer, "attempt": 1}
+    assert cp.json("POST", route, real, cp.daemon_token) == (200, {"ok": True})
+    assert cp.json("POST", route, real, cp.daemon_token) == (200, {"ok": True, "duplicate": True})
+    status, out = cp.json("GET", route, None, ns_token)
+    assert (status, out["stdout"]) == (200, "real")
+    # an admin publishes without a worker_id (an operator settling a job by hand)
+    _, out = cp.json("POST", "/v1/namespaces/ns-a/exec", {"command": "true"}, ns_token)
+    admin_route = f"/v1/namespaces/ns-a/jobs/{out['exec_id']}/result"
+    _poll_exec(cp, claimer)
+    assert cp.json("POST", admin_route, {"exit_code": 3}, cp.admin_token) == (200, {"ok": True})
+
+
+def test_exec_max_attempts_is_checked(sqlite_control_plane: ControlPlane, ns_token: str) -> None:
+    cp = sqlite_control_plane
+    for bad in (0, 101, "3"):
+        status, out = cp.json(
+            "POST", "/v1/namespaces/ns-a/exec", {"command": "x", "max_attempts": bad}, ns_token
+        )
+        assert status == 400 and "max_attempts" in out["error"]
+    _, out = cp.json("POST", "/v1/namespaces/ns-a/exec", {"command": "x", "max_attempts": 1}, ns_token)
+    assert cp.store.get_exec("ns-a", out["exec_id"])["max_attempts"] == 1  # type: ignore[index]
 
 
 def test_exec_with_payload_ref_and_target_worker(sqlite_control_plane: ControlPlane, ns_token: str) -> None:
@@ -128,7 +172,10 @@ def test_unknown_job_is_404_and_bad_json_400(sqlite_control_plane: ControlPlane,
     status, _ = cp.json("GET", f"/v1/namespaces/ns-a/jobs/{new_ulid()}/result", None, ns_token)
     assert status == 404
     status, _ = cp.json(
-        "POST", f"/v1/namespaces/ns-a/jobs/{new_ulid()}/result", {"exit_code": 0}, cp.daemon_token
+        "POST",
+        f"/v1/namespaces/ns-a/jobs/{new_ulid()}/result",
+        {"exit_code": 0, "worker_id": new_ulid()},
+        cp.daemon_token,
     )
     assert status == 404
     status, out = cp.json("POST", "/v1/namespaces/ns-a/exec", None, ns_token, raw=b"{not json")

@@ -167,3 +167,136 @@ def test_recover_raising_unavailable_resumes_with_alive_unknown_then_retries(tmp
     assert alive is None  # unknown: not acked on a guess
     assert job._recover_when_available(job.handle) is True  # type: ignore[arg-type]
     assert calls["n"] == 3
+
+
+# --- a broken list_labelled, and the agent's reconcile call sites ---------------------------------
+
+
+class _BrokenListing(_LabellingRunner):
+    def __init__(self, alive: set[str], labelled: list[Handle]) -> None:
+        super().__init__(alive, labelled)
+        self.broken = True
+
+    def list_labelled(self, worker_id: str | None = None) -> list[Handle]:
+        if self.broken:
+            raise ValueError("malformed answer from the engine")
+        return super().list_labelled(worker_id)
+
+
+def test_a_broken_list_labelled_still_reconciles_workdirs_and_leaves_the_sweep_pending(
+    tmp_path: Path,
+) -> None:
+    from nymph.reconcile import sweep_labelled
+
+    running = _leftover(tmp_path)
+    orphan, live_new = ids.new_ulid(), ids.new_ulid()  # no workdir: a previous life's; a job's of now
+    handles = [Handle("fake", i, 2, {"container_id": f"c-{i}"}) for i in (running, orphan, live_new)]
+    Handle("fake", running, 2, {"container_id": f"c-{running}"}).save(tmp_path / running)
+    runner = _BrokenListing({running}, handles)
+    ctx = _labelled_ctx(tmp_path, runner)
+    found = recover_all(ctx)
+    assert [(j.invocation_id, alive) for j, alive in found] == [(running, True)]
+    assert found.sweep_pending and runner.destroyed == []
+    assert sweep_labelled(ctx, lambda: {live_new}) is False  # still broken: tried again later
+    runner.broken = False
+    assert sweep_labelled(ctx, lambda: {live_new}) is True
+    # the previous life's task goes; the running job's and the unsettled workdir's stay
+    assert [h.invocation_id for h in runner.destroyed] == [orphan]
+
+
+class _NullOutbox(_Outbox):
+    def put(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def _agent(tmp_path: Path, runner: Any) -> Any:
+    from nymph.agent import Agent
+
+    config = resolve({"server": "http://x", "token": "t", "workdir": tmp_path / "w"}, {})
+    (tmp_path / "w").mkdir()
+    agent = Agent(config, runner, client=object())  # type: ignore[arg-type]
+    agent.worker_id = "W1"
+    agent.outbox = _NullOutbox(set())  # type: ignore[assignment]
+    return agent
+
+
+def test_agent_reconcile_survives_any_failure_and_succeeds_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import nymph.agent
+
+    agent = _agent(tmp_path, _LabellingRunner(set(), []))
+    real = nymph.agent.recover_all
+    monkeypatch.setattr(nymph.agent, "recover_all", lambda ctx: (_ for _ in ()).throw(KeyError("bug")))
+    assert agent._reconcile() is False  # logged, not raised: nymph keeps running
+    assert agent._reconcile_failures == 1 and not agent._reconciled
+    assert "reconciling the previous run's work failed (KeyError" in caplog.text
+    monkeypatch.setattr(nymph.agent, "recover_all", real)
+    assert agent._reconcile() is True and agent._reconciled and agent._reconcile_failures == 0
+
+
+def test_agent_with_a_broken_list_labelled_reconciles_then_sweeps_later(tmp_path: Path) -> None:
+    orphan = ids.new_ulid()
+    runner = _BrokenListing(set(), [Handle("fake", orphan, 1, {"container_id": "c-orphan"})])
+    agent = _agent(tmp_path, runner)
+    assert agent._reconcile() is True  # claims go on
+    assert agent._sweep_pending and runner.destroyed == []
+    agent._sweep_labelled()  # still broken: backs off
+    assert agent._sweep_pending and agent._sweep_next > 0
+    runner.broken = False
+    agent._sweep_next = 0.0
+    agent._sweep_labelled()
+    assert not agent._sweep_pending and [h.invocation_id for h in runner.destroyed] == [orphan]
+
+
+# --- the end of a job: destroy happens whatever fails while the stream is closed ------------------
+
+
+class _EndingRunner(_Runner):
+    def __init__(self) -> None:
+        super().__init__(set())
+        self.destroyed: list[Handle] = []
+
+    def wait(self, handle: Handle, timeout: float | None = None) -> Any:
+        from nymph.runner import ExitStatus
+
+        return ExitStatus(1)
+
+    def stop(self, handle: Handle, grace_s: float) -> None:
+        pass
+
+    def destroy(self, handle: Handle) -> None:
+        self.destroyed.append(handle)
+
+
+class _AckingOutbox(_Outbox):
+    def __init__(self) -> None:
+        super().__init__(set())
+        self.acks: list[dict[str, Any]] = []
+
+    def ack(self, body: dict[str, Any]) -> None:
+        self.acks.append(body)
+
+
+@pytest.mark.parametrize("failing", ["stop", "finish"])
+def test_a_pump_write_error_at_the_end_still_destroys_the_task(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    from nymph.pump import Pump
+
+    def disk_full(*args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Pump, failing, disk_full)
+    inv = ids.new_ulid()
+    meta = {"invocation_id": inv, "attempt": 1, "started_at": 1.0, "script": "exit 1"}
+    path = wd.create(tmp_path, inv, b"", meta, None)
+    handle = Handle("fake", inv, 1, {"pid": 1})
+    handle.save(path)
+    runner, outbox = _EndingRunner(), _AckingOutbox()
+    config = resolve({"server": "http://x", "token": "t", "workdir": tmp_path}, {})
+    ctx = JobContext(config, runner, outbox, Slots(2), "W1")  # type: ignore[arg-type]
+    job = Job.attach(ctx, path, meta, handle)
+    job.resume(True)  # supervised: the script "exited 1", closing its stream fails
+    assert runner.destroyed == [handle]
+    assert [a["error"]["type"] for a in outbox.acks] == ["DaemonError"]

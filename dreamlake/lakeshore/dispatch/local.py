@@ -194,7 +194,7 @@ class Dispatch:
 
     def heartbeat(self, worker_id: str, running: list[tuple[str, int]]) -> list[str]:
         self._command_marks[worker_id] = self.notifier.mark()
-        commands, _lost = self.store.heartbeat(worker_id, running, self.lease_s)
+        commands, _lost = self.store.heartbeat(worker_id, running, self.lease_s, running_exec=[])
         return [c.body.get("invocation_id", "") for c in commands if c.kind == "cancel"]
 
     def wait_commands(self, worker_id: str, timeout: float) -> bool:

@@ -157,10 +157,13 @@ class Routes:
     # -- namespaces (JSON) ---------------------------------------------------------------------
 
     async def _ns(self, request: Request, *, daemon_ok: bool = False) -> str:
+        return (await self._ns_principal(request, daemon_ok=daemon_ok))[0]
+
+    async def _ns_principal(self, request: Request, *, daemon_ok: bool = False) -> tuple[str, Principal]:
         principal = await self._who(request)
         ns = h.name(request.path_params["ns"], "namespace")
         require_namespace(principal, ns, daemon_ok=daemon_ok)
-        return ns
+        return ns, principal
 
     async def exec_(self, request: Request) -> Response:
         ns = await self._ns(request)
@@ -169,11 +172,12 @@ class Routes:
 
     async def job_result(self, request: Request) -> Response:
         if request.method == "POST":
-            ns = await self._ns(request, daemon_ok=True)
+            ns, principal = await self._ns_principal(request, daemon_ok=True)
             exec_id = h.ulid(request.path_params["id"], "exec_id")
-            return h.json_response(
-                await namespaces.result_post(self.ctx, ns, exec_id, await self._json(request))
+            status, out = await namespaces.result_post(
+                self.ctx, principal, ns, exec_id, await self._json(request)
             )
+            return h.json_response(out, status)
         ns = await self._ns(request)
         exec_id = h.ulid(request.path_params["id"], "exec_id")
         wait = h.query_number(request, "wait", 0.0, lo=0.0, hi=self.ctx.config.exec_wait_max_s)

@@ -38,7 +38,6 @@ class Context:
     payloads: Any = None
     dialect: str = "sqlite"
     metrics: Metrics = field(default_factory=Metrics)
-    worker_namespaces: dict[str, str | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         threads = self.config.store_threads or (1 if self.dialect == "sqlite" else 8)

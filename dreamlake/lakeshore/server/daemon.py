@@ -22,7 +22,7 @@ from dreamlake.lakeshore.store.api import ACK_STATES, Command, Invocation, Princ
 log = logging.getLogger(__name__)
 
 MAX_QUEUES = 64
-MAX_RUNNING = 4096  # entries of a heartbeat's ``running``: one statement renews them all
+MAX_RUNNING = 4096  # entries of a heartbeat's ``running`` (and ``running_exec``): one statement each
 
 
 def _worker(body: dict[str, Any]) -> str:
@@ -40,13 +40,11 @@ def _queues(body: dict[str, Any], default: list[str] | None = None) -> list[str]
     return [http.name(q, "queue") for q in queues]
 
 
-def namespace_of(ctx: Context, principal: Principal, worker_id: str) -> str:
-    """The daemon's namespace: its token's, else the one it registered with, else ``default``."""
-    return principal.namespace or ctx.worker_namespaces.get(worker_id) or "default"
-
-
 async def _pinned(ctx: Context, principal: Principal, worker_id: str, out: dict[str, Any]) -> dict[str, Any]:
-    version = await ctx.call(ctx.store.pinned_version, namespace_of(ctx, principal, worker_id))
+    """Add ``target_nymph_version`` when the daemon's namespace pins one. The namespace is its
+    token's, else the one it registered with (read from the store's workers row, so a replica that
+    did not serve the register answers the same), else ``default``."""
+    version = await ctx.call(ctx.store.pinned_version_for_worker, worker_id, principal.namespace)
     if version:
         out["target_nymph_version"] = version
     return out
@@ -72,7 +70,6 @@ async def register(ctx: Context, principal: Principal, body: dict[str, Any]) -> 
         "namespace": namespace or principal.namespace,
     }
     await ctx.call(ctx.store.register_worker, worker_id, info)
-    ctx.worker_namespaces[worker_id] = info["namespace"]
     log.info(
         "worker %s registered (%s, runner %s, queues %s)",
         worker_id,
@@ -108,7 +105,7 @@ def run_command(inv: Invocation) -> dict[str, Any]:
 def exec_command(job: dict[str, Any]) -> dict[str, Any]:
     body = {
         k: job.get(k)
-        for k in ("exec_id", "namespace", "command", "payload_inline", "payload_ref", "timeout_s")
+        for k in ("exec_id", "namespace", "command", "payload_inline", "payload_ref", "timeout_s", "attempt")
     }
     return {"id": ids.new_ulid(), "kind": "exec", "body": body}
 
@@ -292,6 +289,30 @@ async def result_chunk(
     return 200, {"ok": True, "seq": seq}
 
 
+def _running_exec(body: dict[str, Any]) -> list[tuple[str, int]] | None:
+    """``running_exec`` of a heartbeat: the exec jobs ``[{exec_id, attempt}]`` the daemon runs.
+    Absent (a daemon from before exec leases): None, and the store renews all the worker's exec jobs."""
+    if body.get("running_exec") is None:
+        return None
+    running = field(body, "running_exec", list)
+    if len(running) > MAX_RUNNING:
+        raise HTTPError(
+            400, f"field 'running_exec' lists {len(running)} exec jobs; the limit is {MAX_RUNNING}"
+        )
+    pairs: list[tuple[str, int]] = []
+    for item in running:
+        if not isinstance(item, dict):
+            raise HTTPError(400, "field 'running_exec' must list maps {exec_id, attempt}")
+        exec_id = http.ulid(item.get("exec_id"), "exec_id")
+        attempt = item.get("attempt")
+        if isinstance(attempt, bool) or not isinstance(attempt, int) or not 0 <= attempt <= http.I32_MAX:
+            raise HTTPError(
+                400, f"running_exec[].attempt of {exec_id} must be an integer between 0 and {http.I32_MAX}"
+            )
+        pairs.append((exec_id, attempt))
+    return pairs
+
+
 async def heartbeat(ctx: Context, principal: Principal, body: dict[str, Any]) -> dict[str, Any]:
     worker_id = _worker(body)
     running = field(body, "running", list, default=[])
@@ -308,8 +329,11 @@ async def heartbeat(ctx: Context, principal: Principal, body: dict[str, Any]) ->
                 400, f"running[].attempt of {inv_id} must be an integer between 0 and {http.I32_MAX}"
             )
         pairs.append((inv_id, attempt))
+    exec_pairs = _running_exec(body)
     field(body, "free_slots", int, default=0)
-    commands, lost = await ctx.call(ctx.store.heartbeat, worker_id, pairs, ctx.config.lease_s)
+    commands, lost = await ctx.call(
+        ctx.store.heartbeat, worker_id, pairs, ctx.config.lease_s, running_exec=exec_pairs
+    )
     out = {
         "ok": True,
         "lease_s": ctx.config.lease_s,

@@ -13,6 +13,8 @@ from starlette.concurrency import run_in_threadpool
 from dreamlake.lakeshore.server import http
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError, field
+from dreamlake.lakeshore.store.api import Principal
+from dreamlake.lakeshore.store.values import MAX_ATTEMPTS_CAP
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,9 @@ async def exec_(ctx: Context, namespace: str, body: dict[str, Any]) -> tuple[int
     timeout_s = field(body, "timeout_s", (int, float), default=None, nullable=True)
     if timeout_s is not None and not (0 < timeout_s < 1e9):
         raise HTTPError(400, "field 'timeout_s' must be a positive number of seconds")
+    max_attempts = field(body, "max_attempts", int, default=None, nullable=True)
+    if max_attempts is not None and not 1 <= max_attempts <= MAX_ATTEMPTS_CAP:
+        raise HTTPError(400, f"field 'max_attempts' must be between 1 and {MAX_ATTEMPTS_CAP}")
     exec_id = await ctx.call(
         ctx.store.create_exec,
         namespace,
@@ -83,6 +88,7 @@ async def exec_(ctx: Context, namespace: str, body: dict[str, Any]) -> tuple[int
         queue=queue,
         worker_id=worker_id,
         timeout_s=float(timeout_s) if timeout_s is not None else None,
+        max_attempts=max_attempts,
     )
     ctx.wake.notify(f"exec:{queue}")
     log.info("exec %s queued on %s in namespace %s", exec_id, queue, namespace)
@@ -117,7 +123,19 @@ async def result_get(ctx: Context, namespace: str, exec_id: str, wait: float) ->
         await ctx.wake.wait([f"exec:{exec_id}"], min(remaining, ctx.config.recheck_s), since=mark)
 
 
-async def result_post(ctx: Context, namespace: str, exec_id: str, body: dict[str, Any]) -> dict[str, Any]:
+async def result_post(
+    ctx: Context, principal: Principal, namespace: str, exec_id: str, body: dict[str, Any]
+) -> tuple[int, dict[str, Any]]:
+    """A daemon publishes the result of the exec job it claimed: ``worker_id`` (required but for an
+    admin) must be the claimer, ``attempt`` (when sent) the latest claim; else 409."""
+    worker_id = http.ulid_field(body, "worker_id", optional=True)
+    if worker_id is None and principal.kind != "admin":
+        raise HTTPError(
+            400,
+            "missing field 'worker_id': send the id of the worker that claimed the exec job "
+            "(only an admin token publishes without one)",
+        )
+    attempt = http.integer(body, "attempt", hi=http.I32_MAX, default=None)
     exit_code = field(body, "exit_code", int)
     result: dict[str, Any] = {
         "exit_code": exit_code,
@@ -131,10 +149,16 @@ async def result_post(ctx: Context, namespace: str, exec_id: str, body: dict[str
     ref = body.get("resultRef")
     if ref is not None:
         result["resultRef"] = _payload_ref(ref)
-    if not await ctx.call(ctx.store.publish_exec_result, namespace, exec_id, result):
-        raise HTTPError(404, f"unknown exec job '{exec_id}' in namespace '{namespace}'")
+    done = await ctx.call(
+        ctx.store.publish_exec_result, namespace, exec_id, result, worker_id=worker_id, attempt=attempt
+    )
+    if not done.ok:
+        if done.state is None:
+            raise HTTPError(404, f"unknown exec job '{exec_id}' in namespace '{namespace}'")
+        log.info("result of exec %s refused: %s", exec_id, done.reason)
+        return 409, {"ok": False, "error": done.reason or "result refused: the claim was superseded"}
     ctx.wake.notify(f"exec:{exec_id}")
-    return {"ok": True}
+    return 200, ({"ok": True, "duplicate": True} if done.duplicate else {"ok": True})
 
 
 async def presign(ctx: Context, namespace: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -137,6 +137,16 @@ class Store(Protocol):
 
     # -- daemon side --------------------------------------------------------------------------
     def register_worker(self, worker_id: str, info: dict[str, Any]) -> None: ...
+    def worker_info(self, worker_id: str) -> dict[str, Any] | None:
+        """The info of the worker's latest register; None for a worker that never registered."""
+        ...
+
+    def pinned_version_for_worker(self, worker_id: str, namespace: str | None = None) -> str | None:
+        """The nymph version pinned for a daemon's namespace: ``namespace`` (its token's) when
+        given, else the one it registered with, else ``default``. One read, from the store: every
+        replica answers alike."""
+        ...
+
     def claim(
         self, worker_id: str, queues: list[str], limit: int = 1, lease_s: float = DEFAULT_LEASE_S
     ) -> list[Invocation]:
@@ -169,10 +179,17 @@ class Store(Protocol):
 
     def read_frames(self, owner_id: str, since: int = -1, limit: int = 1000) -> list[Frame]: ...
     def heartbeat(
-        self, worker_id: str, running: list[tuple[str, int]], lease_s: float = DEFAULT_LEASE_S
+        self,
+        worker_id: str,
+        running: list[tuple[str, int]],
+        lease_s: float = DEFAULT_LEASE_S,
+        *,
+        running_exec: list[tuple[str, int]] | None = None,
     ) -> tuple[list[Command], list[str]]:
-        """Renew the leases of (invocation_id, attempt) still owned by this worker; return the
-        pending commands for it (cancels, each returned once) and the ids it no longer owns."""
+        """Renew the leases of (invocation_id, attempt) and of exec jobs (exec_id, attempt) still
+        claimed by this worker; return the pending commands for it (cancels, each returned once)
+        and the ids (invocations and exec jobs) it no longer owns. ``running_exec=None`` (a daemon
+        that does not report its exec jobs) renews every exec job the worker holds."""
         ...
 
     def poll(
@@ -193,7 +210,8 @@ class Store(Protocol):
 
     def expire_leases(self, now: float | None = None) -> list[str]:
         """Requeue (attempt < max_attempts) or fail ({type: "LeaseExpired"}) running invocations
-        whose lease lapsed. Returns the affected ids."""
+        whose lease lapsed; requeue running exec jobs whose lease lapsed, or, on their last allowed
+        attempt, finish them (``done``, exit code -1, a note on stderr). Returns the affected ids."""
         ...
 
     # -- topics -------------------------------------------------------------------------------
@@ -221,11 +239,32 @@ class Store(Protocol):
         queue: str,
         worker_id: str | None,
         timeout_s: float | None,
+        max_attempts: int | None = None,
     ) -> str: ...
     def claim_exec(
-        self, worker_id: str, queues: list[str], limit: int = 1, *, namespace: str | None = None
+        self,
+        worker_id: str,
+        queues: list[str],
+        limit: int = 1,
+        *,
+        namespace: str | None = None,
+        lease_s: float = DEFAULT_LEASE_S,
     ) -> list[dict[str, Any]]: ...
-    def publish_exec_result(self, namespace: str, exec_id: str, result: dict[str, Any]) -> bool: ...
+    def publish_exec_result(
+        self,
+        namespace: str,
+        exec_id: str,
+        result: dict[str, Any],
+        *,
+        worker_id: str | None = None,
+        attempt: int | None = None,
+    ) -> AckResult:
+        """Record ``result`` and mark the job done. ``worker_id`` None (an admin) publishes
+        unchecked; otherwise refused (ok=False, state set) unless that worker holds the latest
+        claim (and, when given, under ``attempt``). A repeat answers duplicate=True and keeps the
+        first result. Unknown job in that namespace: ok=False, state None."""
+        ...
+
     def get_exec(self, namespace: str, exec_id: str) -> dict[str, Any] | None: ...
 
     def close(self) -> None: ...

@@ -123,12 +123,17 @@ exec_jobs = sa.Table(
     sa.Column("worker_id", ID, nullable=True),  # the worker it is meant for; None: any
     sa.Column("timeout_s", TIME, nullable=True),
     sa.Column("state", sa.String(16), nullable=False),  # queued | running | done
-    sa.Column("claimed_by", ID, nullable=True),
+    sa.Column("claimed_by", ID, nullable=True),  # the worker of the latest claim (kept on a requeue)
     sa.Column("created_at", TIME, nullable=False),
     sa.Column("claimed_at", TIME, nullable=True),
     sa.Column("finished_at", TIME, nullable=True),
     sa.Column("result", sa.LargeBinary, nullable=True),  # msgpack of the published result dict
+    # 0002: leases, as on invocations. attempt 0 before the first claim; the claim increments it.
+    sa.Column("attempt", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("max_attempts", sa.Integer, nullable=False, server_default="3"),
+    sa.Column("lease_expires_at", TIME, nullable=True),
     sa.Index("ix_exec_jobs_claim", "state", "queue", "created_at"),
+    sa.Index("ix_exec_jobs_lease", "state", "lease_expires_at"),
 )
 
 commands = sa.Table(

@@ -46,7 +46,7 @@ from .api import (
 )
 from .engine import Database, migrate
 from .notify import Notifier
-from .side import SideMixin, exec_body
+from .side import EXEC_LEASE_EXPIRED, SideMixin, exec_body
 
 log = logging.getLogger(__name__)
 
@@ -239,9 +239,35 @@ class _Statements:
             self.claim_exec[by_namespace] = (
                 sa.update(e)
                 .where(e.c.exec_id.in_(sa.select(pick_exec.c.exec_id)), e.c.state == "queued")
-                .values(state="running", claimed_by=B("worker"), claimed_at=B("now"))
+                .values(
+                    state="running",
+                    claimed_by=B("worker"),
+                    claimed_at=B("now"),
+                    attempt=e.c.attempt + 1,
+                    lease_expires_at=B("lease"),
+                )
                 .returning(*e.c)
             )
+        # Also a job requeued after its lease lapsed but not claimed again (attempt and claimed_by
+        # unchanged): its daemon is alive and still runs it, so it takes the job back instead of
+        # the command running twice.
+        self.renew_exec = (
+            sa.update(e)
+            .where(
+                sa.tuple_(e.c.exec_id, e.c.attempt).in_(B("pairs", expanding=True)),
+                e.c.state.in_(("running", "queued")),
+                e.c.claimed_by == B("worker"),
+            )
+            .values(state="running", lease_expires_at=B("lease"))
+            .returning(e.c.exec_id)
+        )
+        # A daemon that does not report its exec jobs (before running_exec): its heartbeat renews
+        # all of them, as before leases it kept them for ever; a dead one stops renewing them.
+        self.renew_all_exec = (
+            sa.update(e)
+            .where(e.c.claimed_by == B("worker"), e.c.state == "running")
+            .values(lease_expires_at=B("lease"))
+        )
 
 
 _SUBMIT_COLS = (
@@ -455,12 +481,14 @@ class SqlStore(SideMixin):
         limit: int,
         now: float,
         namespace: str | None = None,
+        lease_s: float = DEFAULT_LEASE_S,
     ) -> list[dict[str, Any]]:
         params = {
             "queues": list(queues),
             "limit": int(limit),
             "worker": worker_id,
             "now": now,
+            "lease": now + lease_s,
             "b_namespace": namespace,
         }
         stmt = self._st.claim_exec[namespace is not None]
@@ -496,7 +524,7 @@ class SqlStore(SideMixin):
                 claimed = self._claim_in(conn, worker_id, queues, limit, lease_s, now)
                 if exec_jobs and len(claimed) < limit:
                     left = limit - len(claimed)
-                    jobs = self._claim_exec_in(conn, worker_id, queues, left, now, namespace)
+                    jobs = self._claim_exec_in(conn, worker_id, queues, left, now, namespace, lease_s)
         self._notify(*(f"inv:{i.invocation_id}" for i in claimed))
         return commands, claimed, jobs
 
@@ -595,18 +623,30 @@ class SqlStore(SideMixin):
         return [Frame(seq=int(seq), data=bytes(data), final=bool(final)) for seq, data, final in rows]
 
     def heartbeat(
-        self, worker_id: str, running: Sequence[tuple[str, int]], lease_s: float = DEFAULT_LEASE_S
+        self,
+        worker_id: str,
+        running: Sequence[tuple[str, int]],
+        lease_s: float = DEFAULT_LEASE_S,
+        *,
+        running_exec: Sequence[tuple[str, int]] | None = None,
     ) -> tuple[list[Command], list[str]]:
         now = time.time()
         wanted = {(inv_id, int(att)) for inv_id, att in running}
+        wanted_exec = {(exec_id, int(att)) for exec_id, att in running_exec or ()}
         st = self._st
+        lease = now + lease_s
         with self.db.tx(write=True) as conn:
             kept: set[str] = set()
             if wanted:
-                params = {"pairs": sorted(wanted), "worker": worker_id, "lease": now + lease_s}
+                params = {"pairs": sorted(wanted), "worker": worker_id, "lease": lease}
                 kept = set(conn.execute(st.renew, params).scalars())
+            if running_exec is None:
+                conn.execute(st.renew_all_exec, {"worker": worker_id, "lease": lease})
+            elif wanted_exec:
+                params = {"pairs": sorted(wanted_exec), "worker": worker_id, "lease": lease}
+                kept |= set(conn.execute(st.renew_exec, params).scalars())
             commands = self._take_commands_in(conn, worker_id, now)
-        lost = sorted({i for i, _ in wanted} - kept)
+        lost = sorted({i for i, _ in wanted} - kept) + sorted({i for i, _ in wanted_exec} - kept)
         return commands, lost
 
     def expire_leases(self, now: float | None = None) -> list[str]:
@@ -632,16 +672,39 @@ class SqlStore(SideMixin):
                 .values(state="failed", finished_at=now, error=LEASE_EXPIRED, lease_expires_at=None)
                 .returning(_inv.c.invocation_id)
             ).fetchall()
+            e = t.exec_jobs
+            lapsed_exec = (e.c.state == "running", e.c.lease_expires_at < now)
+            # claimed_by stays: the lapsed claim may still publish until another claim supersedes it
+            exec_requeued = conn.execute(
+                sa.update(e)
+                .where(*lapsed_exec, e.c.attempt < e.c.max_attempts)
+                .values(state="queued", lease_expires_at=None)
+                .returning(e.c.exec_id, e.c.queue)
+            ).fetchall()
+            exec_failed = conn.execute(
+                sa.update(e)
+                .where(*lapsed_exec)
+                .values(state="done", finished_at=now, lease_expires_at=None, result=EXEC_LEASE_EXPIRED)
+                .returning(e.c.exec_id)
+            ).fetchall()
         ids = [r.invocation_id for r in (*cancelled, *requeued, *failed)]
-        if ids:
+        exec_ids = [r.exec_id for r in (*exec_requeued, *exec_failed)]
+        if ids or exec_ids:
             log.info(
-                "lease expired: %d requeued, %d failed, %d cancelled",
+                "lease expired: %d requeued, %d failed, %d cancelled; exec jobs: %d requeued, %d failed",
                 len(requeued),
                 len(failed),
                 len(cancelled),
+                len(exec_requeued),
+                len(exec_failed),
             )
-        self._notify(*{f"queue:{r.queue}" for r in requeued}, *(f"inv:{i}" for i in ids))
-        return ids
+        self._notify(
+            *{f"queue:{r.queue}" for r in requeued},
+            *(f"inv:{i}" for i in ids),
+            *{f"exec:{r.queue}" for r in exec_requeued},
+            *(f"exec:{i}" for i in exec_ids),
+        )
+        return ids + exec_ids
 
     # -- topics ----------------------------------------------------------------------------------
 
