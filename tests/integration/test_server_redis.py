@@ -203,7 +203,7 @@ def test_server_flag_redis_publishes_topic_posts_to_redis(
     )
     assert r.status_code == 200 and msgpack.unpackb(r.content) == {"seq": 0}
     assert _redis_len(redis_url, f"{STREAM_PREFIX}topic:{topic}") == 1
-    r = httpx.get(f"{url}/v1/producer/topics/{topic}/stream?since=-1&timeout=5", headers=headers)
+    r = httpx.get(f"{url}/v1/producer/topics/{topic}/stream?since=-1&timeout=5", headers=headers, timeout=30)
     (frame,) = wire.FrameReader().feed(r.content)
     assert isinstance(frame.body, bytes)
     assert (frame.seq, frame.kind, wire.unpack(frame.body)) == (0, wire.FRAME_END, "hi")

@@ -25,17 +25,18 @@ log = logging.getLogger(__name__)
 PAGE = 1000
 
 
-async def _fanout_wake(ctx: Context, owner_id: str, event: asyncio.Event) -> None:
+async def _fanout_wake(ctx: Context, owner_id: str, event: asyncio.Event, stop: asyncio.Event) -> None:
     """Set ``event`` whenever the live fan-out delivers something for ``owner_id`` (a wake-up only:
     the frames themselves are always read from the journal, which has every one of them). When the
     live feed dies (Redis down), set it once more: the follower re-reads the journal at once and
     from then on follows it by re-checking every ``recheck_s``."""
     try:
         async with ctx.fanout.subscribe(owner_id) as sub:
-            while sub.live:
+            while sub.live and not stop.is_set():
                 if await sub.get(timeout=1.0) is not None:
                     event.set()
-        log.warning("live fan-out follow of %s ended; following the journal only", owner_id)
+        if not stop.is_set():
+            log.warning("live fan-out follow of %s ended; following the journal only", owner_id)
     except asyncio.CancelledError:
         raise
     except Exception:
@@ -59,9 +60,10 @@ async def follow(
     last = since
     idle_until = time.monotonic() + timeout
     live = asyncio.Event()
+    stop = asyncio.Event()
     live_task: asyncio.Task[Any] | None = None
     if _cross_replica(ctx.fanout):
-        live_task = asyncio.create_task(_fanout_wake(ctx, owner_id, live))
+        live_task = asyncio.create_task(_fanout_wake(ctx, owner_id, live, stop))
     try:
         while True:
             mark = ctx.wake.mark()
@@ -99,9 +101,12 @@ async def follow(
                 await _either(ctx.wake.wait([channel], wait, since=mark), live.wait(), wait)
     finally:
         if live_task is not None:
+            # The stream is over: stop the live follow, but never let its shutdown hold the response
+            # open (a cancel that lands inside the Redis client's blocking read can be absorbed; the
+            # stop flag then ends the loop at its next read, within a second).
+            stop.set()
             live_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await live_task
+            await asyncio.wait({live_task}, timeout=2.0)
 
 
 async def _either(notified: Any, live: Any, timeout: float) -> None:
