@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx
 import msgpack
+from _stats import percentile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -44,11 +45,6 @@ def _client(cp: ControlPlane, token: str) -> httpx.Client:
         timeout=60,
         headers={"Authorization": f"Bearer {token}", "Content-Type": "application/x-msgpack"},
     )
-
-
-def _pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p * len(xs)))]
 
 
 def healthz(cp: ControlPlane, n: int = 200) -> list[float]:
@@ -193,10 +189,10 @@ def run(label: str, store_url: str, daemons: int, jobs: int, rounds: int) -> lis
         wake = wake_latency(cp, rounds, daemons - 1)
     ms = 1000.0
     return [
-        f"{label:<11} {_pct(base, 0.5) * ms:>8.2f} {_pct(base, 0.9) * ms:>8.2f}"
+        f"{label:<11} {percentile(base, 0.5) * ms:>8.2f} {percentile(base, 0.9) * ms:>8.2f}"
         f" {statistics.median(submits):>10.0f} {statistics.median(rates['1tx']):>12.0f}"
         f" {statistics.median(rates['3tx']):>12.0f}"
-        f" {_pct(wake, 0.5) * ms:>9.2f} {_pct(wake, 0.9) * ms:>9.2f}   (wake mean {statistics.mean(wake) * ms:.2f})"
+        f" {percentile(wake, 0.5) * ms:>9.2f} {percentile(wake, 0.9) * ms:>9.2f}   (wake mean {statistics.mean(wake) * ms:.2f})"
     ]
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 import httpx
 import msgpack
 import psutil
+from _stats import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent
@@ -59,13 +60,8 @@ QUEUE = "bench"
 MSGPACK = "application/x-msgpack"
 
 
-def _pct(times: list[float], p: float) -> float:
-    ordered = sorted(times)
-    return ordered[min(len(ordered) - 1, round(p * (len(ordered) - 1)))]
-
-
 def _ms(times: list[float]) -> str:
-    return f"p50 {statistics.median(times) * 1000:7.1f} ms  p90 {_pct(times, 0.9) * 1000:7.1f} ms"
+    return f"p50 {statistics.median(times) * 1000:7.1f} ms  p90 {percentile(times, 0.9) * 1000:7.1f} ms"
 
 
 class Producer:

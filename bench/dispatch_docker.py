@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from _stats import median_p90
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "runners"))
@@ -39,12 +41,6 @@ from nymph.runner import Task  # noqa: E402
 from nymph_docker import BUNDLE_TARGET, ENTRY_MODULE, WORKDIR_TARGET, DockerRunner  # noqa: E402
 from nymph_gvisor import GVisorRunner  # noqa: E402
 from tests import docker_fns  # noqa: E402
-
-
-def _stats(times: list[float]) -> tuple[float, float]:
-    ordered = sorted(times)
-    p90 = ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
-    return statistics.median(ordered) * 1000, p90 * 1000
 
 
 def _workdir(root: Path, args_blob: bytes) -> tuple[str, Path]:
@@ -145,7 +141,7 @@ def main() -> None:
             print(f"\n{runner.name} runner ({runtime}), image {opts.image}, N={opts.runs}")
             print(f"{'case':<36} {'median ms':>10} {'p90 ms':>10} {'vs bare':>9}")
             for name, times in rows:
-                median, p90 = _stats(times)
+                median, p90 = (x * 1000 for x in median_p90(times))
                 ratio = statistics.median(times) / floor - 1
                 print(f"{name:<36} {median:>10.1f} {p90:>10.1f} {ratio:>+8.1%}")
     finally:

@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from _stats import median_p90
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "runners"))
@@ -39,12 +41,6 @@ from dreamlake.lakeshore.envelope import Envelope, fn_for  # noqa: E402
 from nymph.runner import Task  # noqa: E402
 from nymph_slurm import SlurmRunner  # noqa: E402
 from nymph_slurm.jobs import parse_record  # noqa: E402
-
-
-def _stats(times: list[float]) -> tuple[float, float]:
-    ordered = sorted(times)
-    p90 = ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
-    return statistics.median(ordered) * 1000, p90 * 1000
 
 
 def bare_sbatch(root: Path, python: str, poll_interval_s: float) -> None:
@@ -110,7 +106,7 @@ def main() -> None:
     print(f"slurm runner, N={opts.runs}, poll interval {opts.poll_interval} s")
     print(f"{'case':<38} {'median ms':>10} {'p90 ms':>10} {'ratio':>7}")
     for name, _ in cases:
-        median, p90 = _stats(times[name])
+        median, p90 = (x * 1000 for x in median_p90(times[name]))
         print(f"{name:<38} {median:>10.1f} {p90:>10.1f} {statistics.median(times[name]) / floor:>6.2f}x")
 
 

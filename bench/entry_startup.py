@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _stats import percentile
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -60,10 +62,6 @@ class Case:
             raise SystemExit(
                 f"{self.name}: {self.cmd} failed ({proc.returncode}): {proc.stderr.decode()[-2000:]}"
             )
-
-
-def _p90(xs: list[float]) -> float:
-    return sorted(xs)[max(0, round(0.9 * len(xs)) - 1)]
 
 
 def _importtimes(python: str, env: dict[str, str], cwd: Path, runs: int) -> dict[str, float]:
@@ -165,7 +163,7 @@ def main() -> None:
             ratio = med / medians[case.floor]
             vs_bare = f"{med / bare_s:10.2f}" if case.floor == floor else " " * 10
             print(
-                f"{case.name:34} {med * 1e3:10.1f} {_p90(case.times) * 1e3:10.1f} {ratio:8.2f} {vs_bare}"
+                f"{case.name:34} {med * 1e3:10.1f} {percentile(case.times, 0.9) * 1e3:10.1f} {ratio:8.2f} {vs_bare}"
                 f"  {case.floor}"
             )
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import socket
-import statistics
 import tempfile
 import threading
 import time
@@ -26,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
+from _stats import percentile
 
 import dreamlake.lakeshore as dls
 from dreamlake.lakeshore.dispatch import Dispatch, HttpDispatch, Plane
@@ -43,10 +43,6 @@ def bare_msgpack_us(reps: int = 20_000) -> float:
     for _ in range(reps):
         msgpack.unpackb(msgpack.packb(value))
     return (time.perf_counter() - t0) / reps * 1e6
-
-
-def pct(xs: list[float], p: float) -> float:
-    return statistics.quantiles(xs, n=100)[int(p) - 1] if len(xs) > 1 else xs[0]
 
 
 def run_stream(plane: Plane, n: int) -> dict[str, float]:
@@ -75,8 +71,8 @@ def run_stream(plane: Plane, n: int) -> dict[str, float]:
     assert len(lat) == n, f"lost frames: {len(lat)} of {n}"
     return {
         "fps": (n - 1) / (t_last - t_first) if t_last > t_first else float("nan"),
-        "p50_ms": pct(lat, 50) * 1e3,
-        "p90_ms": pct(lat, 90) * 1e3,
+        "p50_ms": percentile(lat, 0.5) * 1e3,
+        "p90_ms": percentile(lat, 0.9) * 1e3,
     }
 
 
