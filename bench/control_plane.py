@@ -5,8 +5,7 @@ Measures, with N simulated daemons (threads, one httpx client each):
 - baseline: a bare ``GET /healthz`` round trip (what HTTP itself costs here);
 - submit/s: producers submitting as fast as they can;
 - claim+ack/s: daemons polling (max 1) and acking until the queue is drained; the median of two
-  drains with the one-transaction poll pass (``store.poll``), and, as a same-run baseline, of two
-  with the old three-transaction pass (heartbeat + claim + claim_exec), interleaved;
+  drains (each poll pass is one store transaction, ``store.poll``);
 - poll wake latency: a daemon waits in a long poll; the time from the submit's answer to the
   poll's answer (p50, p90).
 
@@ -27,7 +26,6 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import httpx
 import msgpack
@@ -80,7 +78,10 @@ def claim_ack_rate(cp: ControlPlane, threads: int, queue: str) -> tuple[float, i
                     "/v1/daemon/poll",
                     content=msgpack.packb({"worker_id": worker, "queues": [queue], "max": 1, "timeout_s": 0}),
                 )
-                cmds = msgpack.unpackb(r.content)["commands"]
+                answer = msgpack.unpackb(r.content)
+                if r.status_code != 200:
+                    raise RuntimeError(f"poll answered {r.status_code}: {answer}")
+                cmds = answer["commands"]
                 if not cmds:
                     return done
                 for cmd in cmds:
@@ -157,41 +158,21 @@ def _pg(url: str | None) -> Iterator[str | None]:
         yield db
 
 
-class ThreeTransactions:
-    """The store without ``poll``: the server falls back to heartbeat + claim + claim_exec, three
-    write transactions per poll pass (the path before ``store.poll``), as a same-run baseline."""
-
-    def __init__(self, store: Any) -> None:
-        self._store = store
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "poll":
-            raise AttributeError(name)
-        return getattr(self._store, name)
-
-
 def run(label: str, store_url: str, daemons: int, jobs: int, rounds: int) -> list[str]:
-    ctx_store: dict[str, Any] = {}
-    rates: dict[str, list[float]] = {"1tx": [], "3tx": []}
+    rates: list[float] = []
     with running_control_plane(store_url) as cp:
-        ctx = cp.app.state.ctx
-        ctx_store["1tx"], ctx_store["3tx"] = ctx.store, ThreeTransactions(ctx.store)
         base = healthz(cp)
         submits: list[float] = []
-        for rep in range(2):
-            for mode in ("3tx", "1tx") if rep % 2 == 0 else ("1tx", "3tx"):
-                ctx.store = ctx_store[mode]
-                submits.append(submit_rate(cp, jobs, daemons, "bench"))
-                rate, total = claim_ack_rate(cp, daemons, "bench")
-                assert total == jobs // daemons * daemons
-                rates[mode].append(rate)
-        ctx.store = ctx_store["1tx"]
+        for _ in range(2):
+            submits.append(submit_rate(cp, jobs, daemons, "bench"))
+            rate, total = claim_ack_rate(cp, daemons, "bench")
+            assert total == jobs // daemons * daemons
+            rates.append(rate)
         wake = wake_latency(cp, rounds, daemons - 1)
     ms = 1000.0
     return [
         f"{label:<11} {percentile(base, 0.5) * ms:>8.2f} {percentile(base, 0.9) * ms:>8.2f}"
-        f" {statistics.median(submits):>10.0f} {statistics.median(rates['1tx']):>12.0f}"
-        f" {statistics.median(rates['3tx']):>12.0f}"
+        f" {statistics.median(submits):>10.0f} {statistics.median(rates):>12.0f}"
         f" {percentile(wake, 0.5) * ms:>9.2f} {percentile(wake, 0.9) * ms:>9.2f}   (wake mean {statistics.mean(wake) * ms:.2f})"
     ]
 
@@ -212,7 +193,7 @@ def main() -> None:
     print(f"control plane, loopback, {args.daemons} daemons, {args.jobs} jobs")
     print(
         f"{'store':<11} {'hz p50ms':>8} {'hz p90ms':>8} {'submit/s':>10} {'claim+ack/s':>12}"
-        f" {'(3-tx poll)':>12} {'wake p50':>9} {'wake p90':>9}"
+        f" {'wake p50':>9} {'wake p90':>9}"
     )
     for row in rows:
         print(row)

@@ -1,0 +1,33 @@
+"""Every benchmark that needs no extra service still runs end to end (tiny sizes, figures ignored).
+
+Benchmarks are not run by CI at full size; this keeps them from rotting silently when the code they
+drive changes. Nothing here is timed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+CASES = {
+    "control_plane": ["--daemons", "2", "--jobs", "8", "--rounds", "3"],
+    "streams": ["--frames", "20"],
+    "store": ["--reps", "5", "--opens", "1", "--backends", "sqlite-memory"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_benchmark_runs_and_prints_its_table(name: str) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / f"{name}.py"), *CASES[name]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip(), "the benchmark printed no figures"
