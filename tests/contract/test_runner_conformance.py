@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,10 +19,10 @@ from typing import Any
 import psutil
 import pytest
 
-from dreamlake.lakeshore import ids, wire
-from dreamlake.lakeshore.envelope import Envelope, fn_for
+from dreamlake.lakeshore import wire
 from nymph.runner import Handle, Runner, Task
 from tests import nymph_fns
+from tests import runner_kit as kit
 from tests.conftest import ROOT, require
 
 if str(ROOT / "runners") not in sys.path:  # until the editable install exposes runners/
@@ -99,54 +98,11 @@ def runner(make_runner: Callable[[], Runner]) -> Runner:
 
 @pytest.fixture
 def prepare(tmp_path: Path) -> Iterator[Callable[..., Task]]:
-    started: list[tuple[Runner, Handle]] = []
-
-    def _prepare(fn: Callable[..., Any] | None, *args: Any, script: str | None = None, **kwargs: Any) -> Task:
-        invocation_id = ids.new_ulid()
-        workdir = tmp_path / invocation_id
-        workdir.mkdir(mode=0o700)
-        if fn is not None:
-            env = Envelope.create(fn_for(fn, "ref"), args, kwargs)
-            (workdir / "args.msgpack").write_bytes(env.to_bytes())
-        return Task(
-            invocation_id=invocation_id,
-            attempt=1,
-            workdir=workdir,
-            env={
-                "LAKESHORE_INVOCATION_ID": invocation_id,
-                "LAKESHORE_ALLOW_PICKLED": "0",
-                "LAKESHORE_RUNTIME_POLICY": "minor",
-                "PYTHONPATH": str(ROOT),
-            },
-            script=script,
-            labels={"nymph.invocation": invocation_id},
-        )
-
-    _prepare.started = started  # type: ignore[attr-defined]
-    yield _prepare
-    for r, h in started:
-        r.destroy(h)
-
-
-def _start(runner: Runner, task: Task) -> Handle:
-    handle = runner.start(task)
-    handle.save(task.workdir)
-    return handle
-
-
-def _until(predicate: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + LIMIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.02)
-
-
-def _frames(workdir: Path) -> list[wire.Frame]:
-    try:
-        data = (workdir / "frames.msgpack").read_bytes()
-    except FileNotFoundError:
-        return []
-    return wire.FrameReader().feed(data)
+    factory = kit.TaskFactory(
+        tmp_path, env_extra={"LAKESHORE_RUNTIME_POLICY": "minor", "PYTHONPATH": str(ROOT)}
+    )
+    yield factory.task
+    factory.destroy_all()  # nothing recorded: the tests use kit.start_saved and destroy their own
 
 
 def _gone(pids: list[int]) -> bool:
@@ -162,7 +118,7 @@ def _gone(pids: list[int]) -> bool:
 
 def test_handle_names_the_runner_and_persists(runner: Runner, prepare: Callable[..., Task]) -> None:
     task = prepare(nymph_fns.add, 2, 3)
-    handle = _start(runner, task)
+    handle = kit.start_saved(runner, task)
     loaded = Handle.load(task.workdir)
     assert loaded == handle
     assert loaded is not None and loaded.runner == runner.name and loaded.invocation_id == task.invocation_id
@@ -172,7 +128,7 @@ def test_handle_names_the_runner_and_persists(runner: Runner, prepare: Callable[
 
 def test_plain_result(runner: Runner, prepare: Callable[..., Task]) -> None:
     task = prepare(nymph_fns.add, 2, 3)
-    handle = _start(runner, task)
+    handle = kit.start_saved(runner, task)
     status = runner.wait(handle, LIMIT_S)
     assert status is not None and status.exit_code == 0, status
     assert wire.unpack((task.workdir / "result.msgpack").read_bytes()) == 5
@@ -182,13 +138,13 @@ def test_plain_result(runner: Runner, prepare: Callable[..., Task]) -> None:
 
 def test_generator_frames_appear_while_running(runner: Runner, prepare: Callable[..., Task]) -> None:
     task = prepare(nymph_fns.slow_count, 3, 0.0, "release")
-    handle = _start(runner, task)
-    _until(lambda: len(_frames(task.workdir)) >= 2, "two frames in the journal")
+    handle = kit.start_saved(runner, task)
+    kit.until(lambda: len(kit.frames(task.workdir)) >= 2, "two frames in the journal")
     assert runner.inspect(handle) == "running"  # the body waits for the release: frames came first
     (task.workdir / "release").touch()
     status = runner.wait(handle, LIMIT_S)
     assert status is not None and status.exit_code == 0
-    frames = _frames(task.workdir)
+    frames = kit.frames(task.workdir)
     assert [f.kind for f in frames] == [wire.FRAME_VALUE] * 3 + [wire.FRAME_END]
     assert [wire.unpack(f.body) for f in frames[:3]] == [0, 1, 2]  # type: ignore[arg-type]
     runner.destroy(handle)
@@ -198,7 +154,7 @@ def test_failure_leaves_error_json(runner: Runner, prepare: Callable[..., Task])
     import json
 
     task = prepare(nymph_fns.boom, "no luck")
-    handle = _start(runner, task)
+    handle = kit.start_saved(runner, task)
     status = runner.wait(handle, LIMIT_S)
     assert status is not None and status.exit_code == 1
     err = json.loads((task.workdir / "error.json").read_text())
@@ -210,8 +166,8 @@ def test_wait_times_out_then_stop_ladder_kills_a_sigterm_ignoring_tree(
     runner: Runner, prepare: Callable[..., Task]
 ) -> None:
     task = prepare(nymph_fns.stubborn_tree, 2)
-    handle = _start(runner, task)
-    _until(lambda: (task.workdir / "pids.txt").exists(), "the tree to start")
+    handle = kit.start_saved(runner, task)
+    kit.until(lambda: (task.workdir / "pids.txt").exists(), "the tree to start")
     assert runner.wait(handle, 0.2) is None  # still running: wait gives up, nothing is killed
     assert runner.inspect(handle) == "running"
     runner.stop(handle, 0.3)
@@ -226,7 +182,7 @@ def test_wait_times_out_then_stop_ladder_kills_a_sigterm_ignoring_tree(
 
 def test_script_runs_bash_with_logs_and_exit_code(runner: Runner, prepare: Callable[..., Task]) -> None:
     task = prepare(None, script="echo to-out; echo to-err >&2; exit 3")
-    handle = _start(runner, task)
+    handle = kit.start_saved(runner, task)
     status = runner.wait(handle, LIMIT_S)
     assert status is not None and status.exit_code == 3
     assert (task.workdir / "stdout.log").read_text() == "to-out\n"
@@ -239,7 +195,7 @@ def test_recover_after_restart_reattaches_to_the_same_task(
 ) -> None:
     first = make_runner()
     task = prepare(nymph_fns.wait_for_file, "release")
-    _start(first, task)
+    kit.start_saved(first, task)
     del first  # "nymph restarted": a new runner instance, only the persisted handle survives
     second = make_runner()
     handle = Handle.load(task.workdir)
@@ -257,8 +213,8 @@ def test_recover_after_restart_reattaches_to_the_same_task(
 
 def test_destroy_leaves_nothing_and_is_idempotent(runner: Runner, prepare: Callable[..., Task]) -> None:
     task = prepare(nymph_fns.stubborn_tree, 2)
-    handle = _start(runner, task)
-    _until(lambda: (task.workdir / "pids.txt").exists(), "the tree to start")
+    handle = kit.start_saved(runner, task)
+    kit.until(lambda: (task.workdir / "pids.txt").exists(), "the tree to start")
     runner.destroy(handle)
     assert runner.inspect(handle) in ("exited", "gone")
     runner.destroy(handle)
@@ -269,7 +225,7 @@ def test_destroy_leaves_nothing_and_is_idempotent(runner: Runner, prepare: Calla
 
 def test_env_reaches_the_task(runner: Runner, prepare: Callable[..., Task]) -> None:
     task = prepare(nymph_fns.env_value, "LAKESHORE_INVOCATION_ID")
-    handle = _start(runner, task)
+    handle = kit.start_saved(runner, task)
     status = runner.wait(handle, LIMIT_S)
     assert status is not None and status.exit_code == 0
     assert wire.unpack((task.workdir / "result.msgpack").read_bytes()) == task.invocation_id

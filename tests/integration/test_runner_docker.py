@@ -16,7 +16,6 @@ import secrets
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,10 +23,11 @@ from typing import Any
 import pytest
 
 from dreamlake.lakeshore import ids, wire
-from dreamlake.lakeshore.envelope import Envelope, fn_for
 from nymph.runner import Handle, RunnerError, RunnerUnavailable, Task
 from tests import docker_fns
+from tests import runner_kit as kit
 from tests.conftest import ROOT, require
+from tests.runner_kit import TaskFactory
 
 if str(ROOT / "runners") not in sys.path:  # until the editable install exposes runners/
     sys.path.insert(0, str(ROOT / "runners"))
@@ -103,67 +103,15 @@ def runner(make_runner: Callable[..., DockerRunner]) -> DockerRunner:
     return make_runner()
 
 
-class Started:
-    """Starts tasks in fresh workdirs and destroys every container at teardown."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.handles: list[tuple[DockerRunner, Handle]] = []
-
-    def task(
-        self,
-        fn: Callable[..., Any] | None,
-        *args: Any,
-        script: str | None = None,
-        owner: tuple[int, int] | None = None,
-        **fields: Any,
-    ) -> Task:
-        invocation_id = ids.new_ulid()
-        workdir = self.root / invocation_id
-        workdir.mkdir(mode=0o700)
-        if fn is not None:
-            (workdir / "args.msgpack").write_bytes(Envelope.create(fn_for(fn, "ref"), args, {}).to_bytes())
-        if owner is not None:
-            for path in (workdir, *workdir.iterdir()):
-                os.chown(path, *owner)
-        labels = {"nymph.invocation": invocation_id, RUN_LABEL: RUN_ID, **fields.pop("labels", {})}
-        env = {"LAKESHORE_INVOCATION_ID": invocation_id, "LAKESHORE_ALLOW_PICKLED": "0"}
-        return Task(invocation_id, 1, workdir, env, script=script, labels=labels, **fields)
-
-    def start(self, runner: DockerRunner, task: Task) -> Handle:
-        handle = runner.start(task)
-        handle.save(task.workdir)
-        self.handles.append((runner, handle))
-        return handle
-
-
 @pytest.fixture
-def started(tmp_path: Path) -> Iterator[Started]:
-    s = Started(tmp_path)
+def started(tmp_path: Path) -> Iterator[TaskFactory]:
+    """Starts tasks in fresh workdirs (run-labelled) and destroys every container at teardown."""
+    s = TaskFactory(tmp_path, labels_extra={RUN_LABEL: RUN_ID})
     yield s
-    for r, h in s.handles:
-        r.destroy(h)
+    s.destroy_all()
 
 
-def _until(predicate: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + LIMIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.02)
-
-
-def _result(task: Task) -> Any:
-    return wire.unpack((task.workdir / "result.msgpack").read_bytes())
-
-
-def _frames(workdir: Path) -> list[wire.Frame]:
-    try:
-        return wire.FrameReader().feed((workdir / "frames.msgpack").read_bytes())
-    except FileNotFoundError:
-        return []
-
-
-def _run_script(runner: DockerRunner, started: Started, script: str, **fields: Any) -> tuple[int, str]:
+def _run_script(runner: DockerRunner, started: TaskFactory, script: str, **fields: Any) -> tuple[int, str]:
     task = started.task(None, script=script, **fields)
     status = runner.wait(started.start(runner, task), LIMIT_S)
     assert status is not None
@@ -173,39 +121,39 @@ def _run_script(runner: DockerRunner, started: Started, script: str, **fields: A
 # --- results through the entry bundle -------------------------------------------------------------
 
 
-def test_plain_result_in_an_image_without_dreamlake(runner: DockerRunner, started: Started) -> None:
+def test_plain_result_in_an_image_without_dreamlake(runner: DockerRunner, started: TaskFactory) -> None:
     task = started.task(docker_fns.add, 2, 3)
     handle = started.start(runner, task)
     assert handle.runner == runner.name and Handle.load(task.workdir) == handle
     status = runner.wait(handle, LIMIT_S)
     assert status is not None and status.exit_code == 0, status
-    assert _result(task) == 5
+    assert kit.result(task) == 5
     assert runner.inspect(handle) == "exited"
 
 
-def test_the_entry_comes_from_the_mounted_bundle(runner: DockerRunner, started: Started) -> None:
+def test_the_entry_comes_from_the_mounted_bundle(runner: DockerRunner, started: TaskFactory) -> None:
     task = started.task(docker_fns.where_is_the_entry)
     status = runner.wait(started.start(runner, task), LIMIT_S)
     assert status is not None and status.exit_code == 0, status
-    assert _result(task).startswith(BUNDLE_TARGET + "/")
+    assert kit.result(task).startswith(BUNDLE_TARGET + "/")
     bare = "env -u PYTHONPATH python3 -c 'import dreamlake' 2>/dev/null && echo has || echo none"
     assert _run_script(runner, started, bare) == (0, "none\n")  # the image itself has no dreamlake
 
 
-def test_generator_frames_appear_while_running(runner: DockerRunner, started: Started) -> None:
+def test_generator_frames_appear_while_running(runner: DockerRunner, started: TaskFactory) -> None:
     task = started.task(docker_fns.gated_count, 3, "release")
     handle = started.start(runner, task)
-    _until(lambda: len(_frames(task.workdir)) >= 2, "two frames in the journal")
+    kit.until(lambda: len(kit.frames(task.workdir)) >= 2, "two frames in the journal")
     assert runner.inspect(handle) == "running"  # frames arrive before the body finishes
     (task.workdir / "release").touch()
     status = runner.wait(handle, LIMIT_S)
     assert status is not None and status.exit_code == 0
-    frames = _frames(task.workdir)
+    frames = kit.frames(task.workdir)
     assert [f.kind for f in frames] == [wire.FRAME_VALUE] * 3 + [wire.FRAME_END]
     assert [wire.unpack(f.body) for f in frames[:3]] == [0, 1, 2]  # type: ignore[arg-type]
 
 
-def test_failure_leaves_error_json(runner: DockerRunner, started: Started) -> None:
+def test_failure_leaves_error_json(runner: DockerRunner, started: TaskFactory) -> None:
     task = started.task(docker_fns.boom, "no luck")
     status = runner.wait(started.start(runner, task), LIMIT_S)
     assert status is not None and status.exit_code == 1 and status.reason is None
@@ -217,11 +165,11 @@ def test_failure_leaves_error_json(runner: DockerRunner, started: Started) -> No
 
 
 def test_wait_times_out_then_the_stop_ladder_kills_a_sigterm_ignoring_task(
-    runner: DockerRunner, started: Started
+    runner: DockerRunner, started: TaskFactory
 ) -> None:
     task = started.task(docker_fns.hang, True)
     handle = started.start(runner, task)
-    _until(lambda: (task.workdir / "started").exists(), "the task to start")
+    kit.until(lambda: (task.workdir / "started").exists(), "the task to start")
     assert runner.wait(handle, 0.3) is None  # nymph's timeout: wait gives up, nothing is killed
     assert runner.inspect(handle) == "running"
     runner.stop(handle, 0.5)
@@ -230,17 +178,17 @@ def test_wait_times_out_then_the_stop_ladder_kills_a_sigterm_ignoring_task(
     runner.stop(handle, 0.5)  # stopping a stopped container is harmless
 
 
-def test_stop_delivers_sigterm_to_the_entry(runner: DockerRunner, started: Started) -> None:
+def test_stop_delivers_sigterm_to_the_entry(runner: DockerRunner, started: TaskFactory) -> None:
     task = started.task(docker_fns.hang, False)
     handle = started.start(runner, task)
-    _until(lambda: (task.workdir / "started").exists(), "the task to start")
+    kit.until(lambda: (task.workdir / "started").exists(), "the task to start")
     runner.stop(handle, LIMIT_S)
     status = runner.wait(handle, LIMIT_S)
     # Ended by SIGTERM itself, not by the SIGKILL after the grace: the init process forwarded it.
     assert status is not None and status.reason == "signal 15", status
 
 
-def test_memory_limit_reports_oomkilled(runner: DockerRunner, started: Started) -> None:
+def test_memory_limit_reports_oomkilled(runner: DockerRunner, started: TaskFactory) -> None:
     task = started.task(docker_fns.hog_memory, 512, run_config={"resources": {"memory": "64m"}})
     status = runner.wait(started.start(runner, task), LIMIT_S)
     assert status is not None and status.exit_code != 0, status
@@ -249,27 +197,27 @@ def test_memory_limit_reports_oomkilled(runner: DockerRunner, started: Started) 
 
 
 def test_as_user_runs_as_the_mapped_uid_and_can_write_the_workdir(
-    runner: DockerRunner, started: Started
+    runner: DockerRunner, started: TaskFactory
 ) -> None:
     nobody = pwd.getpwnam("nobody")
     task = started.task(docker_fns.ids, as_user="nobody", owner=(nobody.pw_uid, nobody.pw_gid))
     status = runner.wait(started.start(runner, task), LIMIT_S)
     assert status is not None and status.exit_code == 0, status
-    assert _result(task) == [nobody.pw_uid, nobody.pw_gid]
+    assert kit.result(task) == [nobody.pw_uid, nobody.pw_gid]
     assert (task.workdir / "written-by-task").stat().st_uid == nobody.pw_uid
 
 
 def test_users_option_maps_a_name_to_uid_gid(
-    make_runner: Callable[..., DockerRunner], started: Started
+    make_runner: Callable[..., DockerRunner], started: TaskFactory
 ) -> None:
     runner = make_runner(users={"svc": "4321:4322"})
     task = started.task(docker_fns.ids, as_user="svc", owner=(4321, 4322))
     status = runner.wait(started.start(runner, task), LIMIT_S)
     assert status is not None and status.exit_code == 0, status
-    assert _result(task) == [4321, 4322]
+    assert kit.result(task) == [4321, 4322]
 
 
-def test_tasks_run_without_capabilities_or_network(runner: DockerRunner, started: Started) -> None:
+def test_tasks_run_without_capabilities_or_network(runner: DockerRunner, started: TaskFactory) -> None:
     code, out = _run_script(
         runner,
         started,
@@ -282,7 +230,7 @@ def test_tasks_run_without_capabilities_or_network(runner: DockerRunner, started
 # --- scripts --------------------------------------------------------------------------------------
 
 
-def test_script_output_goes_to_the_log_files(runner: DockerRunner, started: Started) -> None:
+def test_script_output_goes_to_the_log_files(runner: DockerRunner, started: TaskFactory) -> None:
     task = started.task(None, script="echo to-out; echo to-err >&2; exit 3")
     status = runner.wait(started.start(runner, task), LIMIT_S)
     assert status is not None and status.exit_code == 3 and status.reason is None
@@ -306,7 +254,7 @@ def image_without_bash(image: str) -> Iterator[str]:
 
 
 def test_script_runs_under_bash_or_falls_back_to_sh(
-    make_runner: Callable[..., DockerRunner], started: Started, image_without_bash: str
+    make_runner: Callable[..., DockerRunner], started: TaskFactory, image_without_bash: str
 ) -> None:
     runner = make_runner(allowed_images=["lakeshore-python"])
     probe = 'if [ -n "$BASH_VERSION" ]; then echo bash; else echo sh; fi'
@@ -318,7 +266,7 @@ def test_script_runs_under_bash_or_falls_back_to_sh(
 
 
 def test_recover_with_a_new_runner_instance(
-    make_runner: Callable[..., DockerRunner], started: Started
+    make_runner: Callable[..., DockerRunner], started: TaskFactory
 ) -> None:
     first = make_runner()
     task = started.task(docker_fns.wait_for_file, "release")
@@ -333,14 +281,14 @@ def test_recover_with_a_new_runner_instance(
     (task.workdir / "release").touch()
     status = second.wait(handle, LIMIT_S)
     assert status is not None and status.exit_code == 0
-    assert _result(task) == "released"
+    assert kit.result(task) == "released"
     second.destroy(handle)
     second.destroy(handle)  # idempotent
     assert second.inspect(handle) == "gone" and second.recover(handle) is False
 
 
 def test_list_labelled_finds_containers_of_a_previous_life(
-    make_runner: Callable[..., DockerRunner], started: Started, kind: str
+    make_runner: Callable[..., DockerRunner], started: TaskFactory, kind: str
 ) -> None:
     worker = f"test-{RUN_ID}-{kind}"
     task = started.task(docker_fns.hang, False, labels={"nymph.worker": worker})
@@ -361,14 +309,14 @@ def test_list_labelled_finds_containers_of_a_previous_life(
 # --- refusals -------------------------------------------------------------------------------------
 
 
-def test_an_image_not_allowed_is_refused(runner: DockerRunner, started: Started) -> None:
+def test_an_image_not_allowed_is_refused(runner: DockerRunner, started: TaskFactory) -> None:
     task = started.task(docker_fns.noop, run_config={"image": "evil.example/miner:latest"})
     with pytest.raises(RunnerError, match=r"image 'evil.example/miner:latest' is not allowed"):
         runner.start(task)
 
 
 def test_a_missing_image_with_pull_never_is_a_clear_error(
-    make_runner: Callable[..., DockerRunner], started: Started
+    make_runner: Callable[..., DockerRunner], started: TaskFactory
 ) -> None:
     runner = make_runner(allowed_images=["lakeshore-missing/"])
     task = started.task(docker_fns.noop, run_config={"image": "lakeshore-missing/none:1"})
@@ -402,16 +350,16 @@ def gvisor(image: str) -> GVisorRunner:
     return GVisorRunner(image=image, pull="never", code_dirs=[str(ROOT)])
 
 
-def test_gvisor_root_is_read_only_with_a_private_tmp(gvisor: GVisorRunner, started: Started) -> None:
+def test_gvisor_root_is_read_only_with_a_private_tmp(gvisor: GVisorRunner, started: TaskFactory) -> None:
     script = "touch /tmp/x && echo tmp-writable; touch /etc/x 2>/dev/null || echo root-read-only"
     assert _run_script(gvisor, started, script) == (0, "tmp-writable\nroot-read-only\n")
 
 
-def test_gvisor_low_pids_limit_is_raised_not_fatal(gvisor: GVisorRunner, started: Started) -> None:
+def test_gvisor_low_pids_limit_is_raised_not_fatal(gvisor: GVisorRunner, started: TaskFactory) -> None:
     task = started.task(docker_fns.add, 1, 1, run_config={"resources": {"pids": 64}})
     status = gvisor.wait(started.start(gvisor, task), LIMIT_S)
     assert status is not None and status.exit_code == 0, status
-    assert _result(task) == 2
+    assert kit.result(task) == 2
 
 
 def _containers_of(task: Task) -> list[str]:
@@ -421,7 +369,7 @@ def _containers_of(task: Task) -> list[str]:
 
 @pytest.mark.parametrize("lost", ["create", "start"])
 def test_a_start_tried_again_after_a_lost_answer_leaves_one_container(
-    runner: DockerRunner, started: Started, monkeypatch: pytest.MonkeyPatch, lost: str
+    runner: DockerRunner, started: TaskFactory, monkeypatch: pytest.MonkeyPatch, lost: str
 ) -> None:
     """The engine did the work but its answer never came: the retry finds that container, never a second."""
     import docker.models.containers
@@ -448,13 +396,13 @@ def test_a_start_tried_again_after_a_lost_answer_leaves_one_container(
         assert handle.data["container_id"] == first[0]
     status = runner.wait(handle, LIMIT_S)
     assert status is not None and status.exit_code == 0, status
-    assert _result(task) == 5
+    assert kit.result(task) == 5
     runner.destroy(handle)
     assert _containers_of(task) == []
 
 
 def test_a_container_of_the_same_name_that_is_not_this_tasks_is_refused(
-    runner: DockerRunner, started: Started, image: str
+    runner: DockerRunner, started: TaskFactory, image: str
 ) -> None:
     from nymph_docker import container_name
 

@@ -17,12 +17,13 @@ from typing import Any
 
 import pytest
 
-from dreamlake.lakeshore import ids, wire
-from dreamlake.lakeshore.envelope import Envelope, fn_for
-from nymph.runner import Handle, Runner, RunnerError, RunnerUnavailable, Task
+from dreamlake.lakeshore import ids
+from nymph.runner import Handle, Runner, RunnerError, RunnerUnavailable
 from nymph_kube import KubeRunner, podspec
 from tests import docker_fns
+from tests import runner_kit as kit
 from tests.integration.kube_fake import KubeFake, wait_until
+from tests.runner_kit import TaskFactory
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,46 +57,24 @@ def runner(make_runner: Callable[..., KubeRunner]) -> KubeRunner:
     return make_runner()
 
 
-class Started:
-    """Starts tasks in fresh workdirs under one workdir root and destroys every pod at teardown."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.handles: list[tuple[KubeRunner, Handle]] = []
-
-    def task(
-        self, fn: Callable[..., Any] | None, *args: Any, script: str | None = None, **fields: Any
-    ) -> Task:
-        invocation_id = ids.new_ulid()
-        workdir = self.root / invocation_id
-        workdir.mkdir(mode=0o700)
-        if fn is not None:
-            (workdir / "args.msgpack").write_bytes(Envelope.create(fn_for(fn, "ref"), args, {}).to_bytes())
-        if os.geteuid() == 0:
-            for path in (workdir, *workdir.iterdir()):
-                os.chown(path, OWNER, OWNER)
-        labels = {"nymph.invocation": invocation_id, "nymph.worker": "W1", **fields.pop("labels", {})}
-        env = {"LAKESHORE_INVOCATION_ID": invocation_id, "LAKESHORE_ALLOW_PICKLED": "0", "PYTHONPATH": "/x"}
-        return Task(invocation_id, 1, workdir, env, script=script, labels=labels, **fields)
-
-    def start(self, runner: KubeRunner, task: Task) -> Handle:
-        handle = runner.start(task)
-        handle.save(task.workdir)
-        self.handles.append((runner, handle))
-        return handle
+def _factory(root: Path) -> TaskFactory:
+    """Tasks in fresh workdirs under one workdir root, owned by a non-root user when we are root."""
+    return TaskFactory(
+        root,
+        env_extra={"PYTHONPATH": "/x"},
+        labels_extra={"nymph.worker": "W1"},
+        owner=(OWNER, OWNER) if os.geteuid() == 0 else None,
+    )
 
 
 @pytest.fixture
-def started(tmp_path: Path) -> Iterator[Started]:
+def started(tmp_path: Path) -> Iterator[TaskFactory]:
+    """Starts tasks under tmp_path/work and destroys every pod at teardown."""
     root = tmp_path / "work"
     root.mkdir()
-    s = Started(root)
+    s = _factory(root)
     yield s
-    for r, h in s.handles:
-        try:
-            r.destroy(h)
-        except RunnerUnavailable:
-            pass  # the test took the API away
+    s.destroy_all(ignore=(RunnerUnavailable,))  # a test may have taken the API away
 
 
 def _created(fake: KubeFake) -> dict[str, Any]:
@@ -103,10 +82,6 @@ def _created(fake: KubeFake) -> dict[str, Any]:
     assert len(posts) == 1
     body: dict[str, Any] = posts[0].body
     return body
-
-
-def _result(task: Task) -> Any:
-    return wire.unpack((task.workdir / "result.msgpack").read_bytes())
 
 
 # --- the pod spec ---------------------------------------------------------------------------------
@@ -121,7 +96,7 @@ def test_is_a_runner_with_its_capabilities(runner: KubeRunner) -> None:
 
 
 def test_pod_spec_is_locked_down_and_carries_the_workdir(
-    make_runner: Callable[..., KubeRunner], started: Started, fake: KubeFake
+    make_runner: Callable[..., KubeRunner], started: TaskFactory, fake: KubeFake
 ) -> None:
     runner = make_runner(
         service_account="nymph-tasks",
@@ -194,7 +169,7 @@ def test_pod_spec_is_locked_down_and_carries_the_workdir(
 
 
 def test_pod_spec_validates_against_the_kubernetes_schema(
-    runner: KubeRunner, started: Started, fake: KubeFake
+    runner: KubeRunner, started: TaskFactory, fake: KubeFake
 ) -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     started.start(runner, started.task(None, script="true", run_config={"resources": {"memory": "1g"}}))
@@ -202,7 +177,7 @@ def test_pod_spec_validates_against_the_kubernetes_schema(
 
 
 def test_script_command_and_persistent_volume_claim(
-    make_runner: Callable[..., KubeRunner], started: Started
+    make_runner: Callable[..., KubeRunner], started: TaskFactory
 ) -> None:
     runner = make_runner(workdir_volume="persistentVolumeClaim", workdir_claim="nymph-work")
     task = started.task(None, script="echo hi")
@@ -218,7 +193,7 @@ def test_script_command_and_persistent_volume_claim(
 
 
 def test_refusals_before_anything_is_created(
-    make_runner: Callable[..., KubeRunner], started: Started, fake: KubeFake
+    make_runner: Callable[..., KubeRunner], started: TaskFactory, fake: KubeFake
 ) -> None:
     runner = make_runner(users={"root": "0:0"}, allowed_images=["ghcr.io/acme/"])
     with pytest.raises(RunnerError, match="runAsNonRoot"):
@@ -239,17 +214,17 @@ def test_refusals_before_anything_is_created(
 # --- the workdir contract through the fake kubelet ------------------------------------------------
 
 
-def test_plain_result(runner: KubeRunner, started: Started) -> None:
+def test_plain_result(runner: KubeRunner, started: TaskFactory) -> None:
     task = started.task(docker_fns.add, 2, 3)
     handle = started.start(runner, task)
     assert handle.runner == "kube" and Handle.load(task.workdir) == handle
     status = runner.wait(handle, LIMIT_S)
     assert status is not None and status.exit_code == 0 and status.reason is None, status
-    assert _result(task) == 5
+    assert kit.result(task) == 5
     assert runner.inspect(handle) == "exited"
 
 
-def test_failure_leaves_error_json_and_the_log(runner: KubeRunner, started: Started) -> None:
+def test_failure_leaves_error_json_and_the_log(runner: KubeRunner, started: TaskFactory) -> None:
     task = started.task(docker_fns.boom, "no luck")
     status = runner.wait(started.start(runner, task), LIMIT_S)
     assert status is not None and status.exit_code == 1 and status.reason is None, status
@@ -257,7 +232,7 @@ def test_failure_leaves_error_json_and_the_log(runner: KubeRunner, started: Star
     assert error["type"] == "ValueError" and error["message"] == "no luck"
 
 
-def test_script_output_lands_in_stdout_log(runner: KubeRunner, started: Started) -> None:
+def test_script_output_lands_in_stdout_log(runner: KubeRunner, started: TaskFactory) -> None:
     task = started.task(None, script="echo out; echo err >&2; exit 3")
     status = runner.wait(started.start(runner, task), LIMIT_S)
     assert status is not None and status.exit_code == 3, status
@@ -265,7 +240,7 @@ def test_script_output_lands_in_stdout_log(runner: KubeRunner, started: Started)
     assert status.logs is not None and "out" in status.logs
 
 
-def test_wait_with_a_timeout_returns_none_while_running(runner: KubeRunner, started: Started) -> None:
+def test_wait_with_a_timeout_returns_none_while_running(runner: KubeRunner, started: TaskFactory) -> None:
     task = started.task(docker_fns.hang, False)
     handle = started.start(runner, task)
     wait_until(lambda: (task.workdir / "started").exists(), "the task to start")
@@ -274,7 +249,7 @@ def test_wait_with_a_timeout_returns_none_while_running(runner: KubeRunner, star
     assert runner.inspect(handle) == "running"
 
 
-def test_oom_killed_reason(runner: KubeRunner, started: Started, fake: KubeFake) -> None:
+def test_oom_killed_reason(runner: KubeRunner, started: TaskFactory, fake: KubeFake) -> None:
     task = started.task(docker_fns.hang, False)
     handle = started.start(runner, task)
     wait_until(lambda: (task.workdir / "started").exists(), "the task to start")
@@ -285,7 +260,7 @@ def test_oom_killed_reason(runner: KubeRunner, started: Started, fake: KubeFake)
 
 @pytest.mark.parametrize("deaf", [False, True], ids=["sigterm", "sigkill-after-grace"])
 def test_stop_deletes_with_the_grace(
-    runner: KubeRunner, started: Started, fake: KubeFake, deaf: bool
+    runner: KubeRunner, started: TaskFactory, fake: KubeFake, deaf: bool
 ) -> None:
     task = started.task(docker_fns.hang, deaf)
     handle = started.start(runner, task)
@@ -298,7 +273,7 @@ def test_stop_deletes_with_the_grace(
     assert status is not None and status.exit_code == -1 and status.reason == "pod deleted by stop"
 
 
-def test_destroy_is_idempotent(runner: KubeRunner, started: Started, fake: KubeFake) -> None:
+def test_destroy_is_idempotent(runner: KubeRunner, started: TaskFactory, fake: KubeFake) -> None:
     handle = started.start(runner, started.task(docker_fns.hang, False))
     runner.destroy(handle)
     wait_until(lambda: runner.inspect(handle) == "gone", "the pod to go")
@@ -310,7 +285,7 @@ def test_destroy_is_idempotent(runner: KubeRunner, started: Started, fake: KubeF
 
 
 def test_recover_and_list_labelled_after_a_restart(
-    make_runner: Callable[..., KubeRunner], started: Started
+    make_runner: Callable[..., KubeRunner], started: TaskFactory
 ) -> None:
     task = started.task(docker_fns.hang, False)
     handle = started.start(make_runner(), task)
@@ -352,7 +327,7 @@ def test_missing_namespace_and_forbidden_are_errors(
     assert info.value.__cause__ is not None
 
 
-def test_api_down_is_runner_unavailable(runner: KubeRunner, started: Started, fake: KubeFake) -> None:
+def test_api_down_is_runner_unavailable(runner: KubeRunner, started: TaskFactory, fake: KubeFake) -> None:
     handle = started.start(runner, started.task(docker_fns.hang, False))
     fake.stop()
     for call in (runner.check, lambda: runner.inspect(handle), lambda: runner.wait(handle, 0)):
@@ -389,7 +364,7 @@ def test_against_a_real_cluster(tmp_path: Path) -> None:
     root = os.environ.get("LAKESHORE_TEST_KUBE_WORKDIR")
     if not node or not root:
         return
-    s = Started(Path(root))
+    s = _factory(Path(root))
     task = s.task(None, script="echo hello from a pod")
     handle = s.start(runner, task)
     try:

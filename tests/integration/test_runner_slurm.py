@@ -14,19 +14,18 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
 
-from dreamlake.lakeshore import ids, wire
-from dreamlake.lakeshore.envelope import Envelope, fn_for
-from nymph.runner import Handle, RunnerError, RunnerUnavailable, Task
+from dreamlake.lakeshore import wire
+from nymph.runner import Handle, RunnerError, RunnerUnavailable
 from tests import nymph_fns
+from tests import runner_kit as kit
 from tests.conftest import ROOT, require
+from tests.runner_kit import TaskFactory
 
 if str(ROOT / "runners") not in sys.path:  # until the editable install exposes runners/
     sys.path.insert(0, str(ROOT / "runners"))
@@ -133,83 +132,20 @@ def runner(slurm_ok: None) -> SlurmRunner:
     return SlurmRunner(poll_interval_s=0.1)
 
 
-class Tasks:
-    """Prepares workdirs the way nymph does; destroys every started job at teardown."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.started: list[tuple[SlurmRunner, Handle]] = []
-
-    def task(
-        self,
-        fn: Callable[..., Any] | None,
-        *args: Any,
-        script: str | None = None,
-        as_user: str | None = None,
-        run_config: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> Task:
-        invocation_id = ids.new_ulid()
-        workdir = self.root / invocation_id
-        workdir.mkdir(mode=0o700)
-        if fn is not None:
-            (workdir / "args.msgpack").write_bytes(
-                Envelope.create(fn_for(fn, "ref"), args, kwargs).to_bytes()
-            )
-        if as_user:
-            pw = pwd.getpwnam(as_user)
-            os.chown(workdir, pw.pw_uid, pw.pw_gid)
-            for child in workdir.iterdir():
-                os.chown(child, pw.pw_uid, pw.pw_gid)
-        return Task(
-            invocation_id=invocation_id,
-            attempt=1,
-            workdir=workdir,
-            env={
-                "LAKESHORE_INVOCATION_ID": invocation_id,
-                "LAKESHORE_ALLOW_PICKLED": "0",
-                "LAKESHORE_RUNTIME_POLICY": "minor",
-                "PYTHONPATH": str(ROOT),
-            },
-            script=script,
-            as_user=as_user,
-            run_config=run_config or {},
-            labels={"nymph.invocation": invocation_id},
-        )
-
-    def start(self, runner: SlurmRunner, task: Task) -> Handle:
-        handle = runner.start(task)
-        handle.save(task.workdir)
-        self.started.append((runner, handle))
-        return handle
-
-
 @pytest.fixture
-def tasks(slurm_ok: None) -> Iterator[Tasks]:
+def tasks(slurm_ok: None) -> Iterator[TaskFactory]:
+    """Prepares workdirs the way nymph does (as_user's own); destroys every started job at teardown."""
     # reachable by another user (as_user): the root is 0711, each workdir 0700 and its user's own
     root = Path(tempfile.mkdtemp(prefix="nymph-slurm-"))
     os.chmod(root, 0o711)
-    made = Tasks(root)
+    made = TaskFactory(
+        root, env_extra={"LAKESHORE_RUNTIME_POLICY": "minor", "PYTHONPATH": str(ROOT)}, own_as_user=True
+    )
     try:
         yield made
     finally:
-        for r, h in made.started:
-            r.destroy(h)
+        made.destroy_all()
         shutil.rmtree(root, ignore_errors=True)
-
-
-def _until(predicate: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + LIMIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.02)
-
-
-def _frames(workdir: Path) -> list[wire.Frame]:
-    try:
-        return wire.FrameReader().feed((workdir / "frames.msgpack").read_bytes())
-    except FileNotFoundError:
-        return []
 
 
 def _scontrol(job_id: str) -> str:
@@ -227,7 +163,7 @@ def _running(pids: list[int]) -> list[int]:
     return alive
 
 
-def test_plain_result_and_the_job_is_labelled(runner: SlurmRunner, tasks: Tasks) -> None:
+def test_plain_result_and_the_job_is_labelled(runner: SlurmRunner, tasks: TaskFactory) -> None:
     task = tasks.task(nymph_fns.add, 2, 3)
     handle = tasks.start(runner, task)
     assert handle.runner == "slurm" and handle.data["job_id"].isdigit()
@@ -244,7 +180,7 @@ def test_plain_result_and_the_job_is_labelled(runner: SlurmRunner, tasks: Tasks)
     runner.destroy(handle)
 
 
-def test_env_reaches_the_task(runner: SlurmRunner, tasks: Tasks) -> None:
+def test_env_reaches_the_task(runner: SlurmRunner, tasks: TaskFactory) -> None:
     task = tasks.task(nymph_fns.env_value, "LAKESHORE_INVOCATION_ID")
     handle = tasks.start(runner, task)
     status = runner.wait(handle, LIMIT_S)
@@ -252,21 +188,21 @@ def test_env_reaches_the_task(runner: SlurmRunner, tasks: Tasks) -> None:
     assert wire.unpack((task.workdir / "result.msgpack").read_bytes()) == task.invocation_id
 
 
-def test_generator_frames_appear_while_running(runner: SlurmRunner, tasks: Tasks) -> None:
+def test_generator_frames_appear_while_running(runner: SlurmRunner, tasks: TaskFactory) -> None:
     task = tasks.task(nymph_fns.slow_count, 3, 0.0, "release")
     handle = tasks.start(runner, task)
-    _until(lambda: len(_frames(task.workdir)) >= 2, "two frames in the journal")
+    kit.until(lambda: len(kit.frames(task.workdir)) >= 2, "two frames in the journal")
     assert runner.inspect(handle) == "running"  # the body waits for the release: frames came first
     assert runner.wait(handle, 0.1) is None
     (task.workdir / "release").touch()
     status = runner.wait(handle, LIMIT_S)
     assert status is not None and status.exit_code == 0, status
-    frames = _frames(task.workdir)
+    frames = kit.frames(task.workdir)
     assert [f.kind for f in frames] == [wire.FRAME_VALUE] * 3 + [wire.FRAME_END]
     assert [wire.unpack(f.body) for f in frames[:3]] == [0, 1, 2]  # type: ignore[arg-type]
 
 
-def test_failure_leaves_error_json(runner: SlurmRunner, tasks: Tasks) -> None:
+def test_failure_leaves_error_json(runner: SlurmRunner, tasks: TaskFactory) -> None:
     task = tasks.task(nymph_fns.boom, "no luck")
     handle = tasks.start(runner, task)
     status = runner.wait(handle, LIMIT_S)
@@ -276,7 +212,7 @@ def test_failure_leaves_error_json(runner: SlurmRunner, tasks: Tasks) -> None:
     assert status.logs is not None and "ValueError" in status.logs  # the entry's stderr tail
 
 
-def test_script_runs_bash_with_logs_and_exit_code(runner: SlurmRunner, tasks: Tasks) -> None:
+def test_script_runs_bash_with_logs_and_exit_code(runner: SlurmRunner, tasks: TaskFactory) -> None:
     task = tasks.task(None, script="echo to-out; echo to-err >&2; exit 3")
     handle = tasks.start(runner, task)
     status = runner.wait(handle, LIMIT_S)
@@ -285,17 +221,17 @@ def test_script_runs_bash_with_logs_and_exit_code(runner: SlurmRunner, tasks: Ta
     assert (task.workdir / "stderr.log").read_text() == "to-err\n"
 
 
-def test_a_signal_is_a_negative_exit_code(runner: SlurmRunner, tasks: Tasks) -> None:
+def test_a_signal_is_a_negative_exit_code(runner: SlurmRunner, tasks: TaskFactory) -> None:
     task = tasks.task(None, script="kill -9 $$")
     handle = tasks.start(runner, task)
     status = runner.wait(handle, LIMIT_S)
     assert status is not None and (status.exit_code, status.reason) == (-9, "signal 9"), status
 
 
-def test_stop_ladder_kills_a_sigterm_ignoring_tree(runner: SlurmRunner, tasks: Tasks) -> None:
+def test_stop_ladder_kills_a_sigterm_ignoring_tree(runner: SlurmRunner, tasks: TaskFactory) -> None:
     task = tasks.task(nymph_fns.stubborn_tree, 2)
     handle = tasks.start(runner, task)
-    _until(lambda: (task.workdir / "pids.txt").exists(), "the tree to start")
+    kit.until(lambda: (task.workdir / "pids.txt").exists(), "the tree to start")
     pids = [int(p) for p in (task.workdir / "pids.txt").read_text().split()]
     assert runner.wait(handle, 0.2) is None  # still running: wait gives up, nothing is killed
     assert runner.inspect(handle) == "running"
@@ -309,7 +245,9 @@ def test_stop_ladder_kills_a_sigterm_ignoring_tree(runner: SlurmRunner, tasks: T
     runner.destroy(handle)  # idempotent
 
 
-def test_timeout_via_stop_ends_a_cooperative_task_with_sigterm(runner: SlurmRunner, tasks: Tasks) -> None:
+def test_timeout_via_stop_ends_a_cooperative_task_with_sigterm(
+    runner: SlurmRunner, tasks: TaskFactory
+) -> None:
     task = tasks.task(nymph_fns.sleep_for, 60)
     handle = tasks.start(runner, task)
     assert runner.wait(handle, 0.5) is None  # nymph's timeout fired: the ladder, not Slurm's --time
@@ -321,7 +259,7 @@ def test_timeout_via_stop_ends_a_cooperative_task_with_sigterm(runner: SlurmRunn
     assert status.reason in ("signal 15", "cancelled (scancel)"), status
 
 
-def test_stop_of_a_pending_job_cancels_it(runner: SlurmRunner, tasks: Tasks) -> None:
+def test_stop_of_a_pending_job_cancels_it(runner: SlurmRunner, tasks: TaskFactory) -> None:
     task = tasks.task(nymph_fns.add, 1)
     handle = tasks.start(runner, task)
     hold = subprocess.run(["scontrol", "hold", handle.data["job_id"]], capture_output=True, text=True)
@@ -334,7 +272,7 @@ def test_stop_of_a_pending_job_cancels_it(runner: SlurmRunner, tasks: Tasks) -> 
     assert not (task.workdir / "result.msgpack").exists()
 
 
-def test_recover_after_restart_reattaches_to_the_same_job(tasks: Tasks, slurm_ok: None) -> None:
+def test_recover_after_restart_reattaches_to_the_same_job(tasks: TaskFactory, slurm_ok: None) -> None:
     first = SlurmRunner(poll_interval_s=0.1)
     task = tasks.task(nymph_fns.wait_for_file, "release")
     tasks.start(first, task)
@@ -356,7 +294,7 @@ def test_recover_after_restart_reattaches_to_the_same_job(tasks: Tasks, slurm_ok
 
 
 def test_a_job_slurm_no_longer_knows_is_gone_and_its_outcome_comes_from_the_workdir(
-    runner: SlurmRunner, tasks: Tasks
+    runner: SlurmRunner, tasks: TaskFactory
 ) -> None:
     task = tasks.task(nymph_fns.add, 2, 3)
     done = tasks.start(runner, task)
@@ -374,7 +312,9 @@ def test_a_job_slurm_no_longer_knows_is_gone_and_its_outcome_comes_from_the_work
     assert status is not None and status.exit_code == -1 and "no longer known" in (status.reason or "")
 
 
-def test_missing_workdir_is_refused_before_anything_is_submitted(runner: SlurmRunner, tasks: Tasks) -> None:
+def test_missing_workdir_is_refused_before_anything_is_submitted(
+    runner: SlurmRunner, tasks: TaskFactory
+) -> None:
     task = tasks.task(nymph_fns.add, 1)
     shutil.rmtree(task.workdir)
     with pytest.raises(RunnerError, match="does not exist"):
@@ -385,7 +325,7 @@ def test_missing_workdir_is_refused_before_anything_is_submitted(runner: SlurmRu
     assert queued.stdout.strip() == ""
 
 
-def test_resources_are_visible_in_scontrol(runner: SlurmRunner, tasks: Tasks) -> None:
+def test_resources_are_visible_in_scontrol(runner: SlurmRunner, tasks: TaskFactory) -> None:
     task = tasks.task(nymph_fns.add, 1, run_config={"resources": {"cpus": 2, "memory": "256m"}})
     handle = tasks.start(runner, task)
     record = _scontrol(handle.data["job_id"])
@@ -396,7 +336,7 @@ def test_resources_are_visible_in_scontrol(runner: SlurmRunner, tasks: Tasks) ->
 
 
 def test_gpus_on_a_cluster_without_gres_is_refused_with_slurms_message(
-    runner: SlurmRunner, tasks: Tasks
+    runner: SlurmRunner, tasks: TaskFactory
 ) -> None:
     gres = subprocess.run(["sinfo", "-h", "-o", "%G"], capture_output=True, text=True).stdout
     if "gpu" in gres:
@@ -419,7 +359,7 @@ def _ensure_user(name: str) -> bool:
     )
 
 
-def test_script_as_user_runs_as_that_user(runner: SlurmRunner, tasks: Tasks) -> None:
+def test_script_as_user_runs_as_that_user(runner: SlurmRunner, tasks: TaskFactory) -> None:
     if not _ensure_user(AS_USER):
         pytest.skip(f"needs root (or an existing user {AS_USER}) to submit as another user")
     task = tasks.task(None, script="id -un; echo oops >&2", as_user=AS_USER)
@@ -459,7 +399,7 @@ def readable_runtime() -> Iterator[tuple[str, str]]:
 
 
 def test_entry_as_user_runs_as_that_user(
-    slurm_ok: None, tasks: Tasks, readable_runtime: tuple[str, str]
+    slurm_ok: None, tasks: TaskFactory, readable_runtime: tuple[str, str]
 ) -> None:
     if not _ensure_user(AS_USER):
         pytest.skip(f"needs root (or an existing user {AS_USER}) to submit as another user")

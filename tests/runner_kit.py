@@ -1,0 +1,131 @@
+"""Shared scaffolding for the runner tests: prepare tasks the way nymph does, start, clean up.
+
+Used by ``tests/contract/test_runner_conformance.py`` and the docker, slurm and kube runner tests
+in ``tests/integration``. Each of those keeps its own fixtures and builds them on :class:`TaskFactory`.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from dreamlake.lakeshore import ids, wire
+from dreamlake.lakeshore.envelope import Envelope, fn_for
+from nymph.runner import Handle, Runner, Task
+
+LIMIT_S = 60.0
+
+
+class TaskFactory:
+    """Prepares workdirs the way nymph does, starts tasks, and destroys every started handle.
+
+    ``env_extra`` and ``labels_extra`` are added to the base env (``LAKESHORE_INVOCATION_ID``,
+    ``LAKESHORE_ALLOW_PICKLED=0``) and labels (``nymph.invocation``) of every task. The workdir and
+    its files are chowned to ``owner`` when given per task, else to the ``as_user`` account when
+    ``own_as_user`` is set, else to the factory's ``owner``.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        env_extra: Mapping[str, str] | None = None,
+        labels_extra: Mapping[str, str] | None = None,
+        owner: tuple[int, int] | None = None,
+        own_as_user: bool = False,
+    ) -> None:
+        self.root = root
+        self.env_extra = dict(env_extra or {})
+        self.labels_extra = dict(labels_extra or {})
+        self.owner = owner
+        self.own_as_user = own_as_user
+        self.handles: list[tuple[Runner, Handle]] = []
+
+    def task(
+        self,
+        fn: Callable[..., Any] | None,
+        *args: Any,
+        script: str | None = None,
+        as_user: str | None = None,
+        run_config: dict[str, Any] | None = None,
+        gpus: list[str] | None = None,
+        labels: Mapping[str, str] | None = None,
+        owner: tuple[int, int] | None = None,
+        **kwargs: Any,
+    ) -> Task:
+        """A fresh 0700 workdir holding args.msgpack for ``fn(*args, **kwargs)`` (none when ``fn`` is None)."""
+        invocation_id = ids.new_ulid()
+        workdir = self.root / invocation_id
+        workdir.mkdir(mode=0o700)
+        if fn is not None:
+            env = Envelope.create(fn_for(fn, "ref"), args, kwargs)
+            (workdir / "args.msgpack").write_bytes(env.to_bytes())
+        if owner is None and self.own_as_user and as_user:
+            pw = pwd.getpwnam(as_user)
+            owner = (pw.pw_uid, pw.pw_gid)
+        if owner is None:
+            owner = self.owner
+        if owner is not None:
+            for path in (workdir, *workdir.iterdir()):
+                os.chown(path, *owner)
+        return Task(
+            invocation_id=invocation_id,
+            attempt=1,
+            workdir=workdir,
+            env={
+                "LAKESHORE_INVOCATION_ID": invocation_id,
+                "LAKESHORE_ALLOW_PICKLED": "0",
+                **self.env_extra,
+            },
+            script=script,
+            as_user=as_user,
+            run_config=run_config if run_config is not None else {},
+            gpus=gpus if gpus is not None else [],
+            labels={"nymph.invocation": invocation_id, **self.labels_extra, **(labels or {})},
+        )
+
+    def start(self, runner: Runner, task: Task) -> Handle:
+        """Start ``task``, persist its handle in the workdir, and remember it for :meth:`destroy_all`."""
+        handle = start_saved(runner, task)
+        self.handles.append((runner, handle))
+        return handle
+
+    def destroy_all(self, ignore: tuple[type[BaseException], ...] = ()) -> None:
+        """Destroy every handle :meth:`start` made; exceptions of the ``ignore`` types are swallowed."""
+        for runner, handle in self.handles:
+            try:
+                runner.destroy(handle)
+            except ignore:
+                pass
+
+
+def start_saved(runner: Runner, task: Task) -> Handle:
+    """Start ``task`` and persist its handle in the workdir, as nymph does (not remembered)."""
+    handle = runner.start(task)
+    handle.save(task.workdir)
+    return handle
+
+
+def until(predicate: Callable[[], bool], what: str, limit_s: float = LIMIT_S) -> None:
+    """Poll ``predicate`` every 20 ms; fail the test after ``limit_s`` seconds."""
+    deadline = time.monotonic() + limit_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.02)
+
+
+def frames(workdir: Path) -> list[wire.Frame]:
+    """The frames journal so far; empty when the task has written none yet."""
+    try:
+        return wire.FrameReader().feed((workdir / "frames.msgpack").read_bytes())
+    except FileNotFoundError:
+        return []
+
+
+def result(task: Task) -> Any:
+    """The unpacked result.msgpack of a finished task."""
+    return wire.unpack((task.workdir / "result.msgpack").read_bytes())
