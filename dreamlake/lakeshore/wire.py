@@ -82,10 +82,8 @@ from __future__ import annotations
 import builtins
 import contextvars
 import datetime as _dt
-import math
 import os
 import struct
-from collections import namedtuple
 
 import msgpack
 
@@ -94,7 +92,7 @@ from dreamlake.lakeshore.errors import DecodeError
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import Any, Literal, NamedTuple, NoReturn
+    from typing import Any, NoReturn
 
 __all__ = [
     "DEFAULT_FRAME_LIMITS",
@@ -620,8 +618,6 @@ _HDR_BE = struct.Struct(">I")
 # ---------------------------------------------------------------- built-in codecs (stdlib)
 
 _COMPLEX = struct.Struct("<dd")
-_HDR = struct.Struct("<I")
-_HEADER_LIMITS = {"max_str_len": 1 * MiB, "max_bin_len": 64 * MiB, "max_array_len": 4096, "max_map_len": 64}
 
 
 def _nested(data: bytes) -> list[Any]:
@@ -779,218 +775,23 @@ def _load_optional(root: str) -> bool:
     return ok
 
 
-# Headers hold no custom types, so packing one never calls back into Python: one shared packer is safe.
-_HEADER_PACKER = msgpack.Packer(use_bin_type=True)
-
-
-def _header(header: list[Any]) -> bytes:
-    """``u32 length + msgpack header``, zero padded to a multiple of 16 bytes."""
-    h: bytes = _HEADER_PACKER.pack(header)
-    return b"".join((_HDR.pack(len(h)), h, b"\0" * (-(_HDR.size + len(h)) % 16)))
-
-
-def _with_header(header: list[Any], raw: Any) -> bytes:
-    return b"".join((_header(header), raw))
-
-
-def _split_header(data: bytes) -> tuple[list[Any], memoryview]:
-    mv = memoryview(data)
-    if len(mv) < _HDR.size:
-        raise ValueError("truncated header")
-    (hlen,) = _HDR.unpack_from(mv)
-    end = _HDR.size + hlen
-    if end > len(mv):
-        raise ValueError("header length past the end of the data")
-    header = msgpack.unpackb(mv[_HDR.size : end], raw=False, **_HEADER_LIMITS)
-    if type(header) is not list:
-        raise ValueError("header is not an array")
-    start = end + (-end % 16)
-    if start > len(mv) or any(mv[end:start]):
-        raise ValueError("bad header padding")
-    return header, mv[start:]
-
-
-def _shape(value: Any, ndim_max: int = 64) -> tuple[int, ...]:
-    if type(value) is not list or len(value) > ndim_max:
-        raise ValueError(f"shape must be a list of at most {ndim_max} ints")
-    if not all(type(d) is int and d >= 0 for d in value):
-        raise ValueError("shape dims must be non-negative ints")
-    return tuple(value)
-
-
+# numpy / torch / PIL live in _wire_arrays, imported (like the library itself) on first use.
 def _register_numpy() -> None:
-    import numpy as np
+    from dreamlake.lakeshore._wire_arrays import register_numpy
 
-    def descr_out(dtype: Any) -> Any:
-        return dtype.str if dtype.fields is None else dtype.descr
-
-    def dtype_in(d: Any) -> Any:
-        """The dtype of a ``dtype.str`` or ``dtype.descr``; a descr field named ``""`` is padding
-        (as ``dtype.descr`` writes gaps and offsets), so padded and aligned structs keep their layout."""
-        if type(d) is str:
-            return np.dtype(d)
-        if type(d) is not list:
-            raise ValueError("dtype must be a str or a field list")
-        names: list[str] = []
-        formats: list[Any] = []
-        offsets: list[int] = []
-        titles: list[Any] = []
-        offset = 0
-        for f in d:
-            if type(f) is not list or len(f) not in (2, 3):
-                raise ValueError("bad structured dtype field")
-            title, name = f[0] if type(f[0]) is list and len(f[0]) == 2 else (None, f[0])
-            if type(name) is not str or (title is not None and type(title) is not str):
-                raise ValueError("structured dtype field names must be str")
-            sub = dtype_in(f[1])
-            if len(f) == 3:
-                sub = np.dtype((sub, _shape(f[2])))
-            if name:
-                names.append(name)
-                formats.append(sub)
-                offsets.append(offset)
-                titles.append(title)
-            offset += sub.itemsize
-        spec = {"names": names, "formats": formats, "offsets": offsets, "itemsize": offset}
-        if any(t is not None for t in titles):
-            spec["titles"] = titles
-        return np.dtype(spec)  # type: ignore[call-overload]
-
-    def array_parts(arr: Any) -> tuple[bytes, Any]:
-        if type(arr) is not np.ndarray:
-            if isinstance(arr, np.ma.MaskedArray):
-                raise TypeError(
-                    "cannot pack a numpy masked array: the mask would be lost. Pack arr.filled(value), "
-                    "or arr.data and arr.mask as two arrays"
-                )
-            arr = arr.view(np.ndarray)  # a subclass (np.memmap, np.matrix) travels as its ndarray
-        if arr.dtype.hasobject:
-            raise TypeError(
-                f"cannot pack a numpy array of dtype {arr.dtype}: object arrays hold arbitrary Python "
-                "objects. Convert it to a fixed dtype (arr.astype(str), arr.astype(float)) or to a list"
-            )
-        fortran = bool(arr.flags.f_contiguous and not arr.flags.c_contiguous)
-        if not (arr.flags.c_contiguous or fortran):
-            arr = np.ascontiguousarray(arr)
-        raw: Any = b""
-        if arr.nbytes:
-            raw = memoryview(arr.ravel(order="K").view(np.uint8))
-        return _header([descr_out(arr.dtype), list(arr.shape), fortran]), raw
-
-    def encode_array(arr: Any) -> bytes:
-        return b"".join(array_parts(arr))
-
-    def decode_array(data: bytes) -> Any:
-        header, raw = _split_header(data)
-        if len(header) != 3 or type(header[2]) is not bool:
-            raise ValueError("ndarray header must be [dtype, shape, fortran]")
-        dtype = dtype_in(header[0])
-        if dtype.hasobject:
-            raise ValueError("object dtype refused")
-        shape = _shape(header[1])
-        order: Literal["C", "F"] = "F" if header[2] else "C"
-        count = math.prod(shape)
-        if count * dtype.itemsize != len(raw):
-            raise ValueError(
-                f"array data is {len(raw)} bytes; {dtype} x {shape} needs {count * dtype.itemsize}"
-            )
-        if len(raw) == 0:
-            arr = np.empty(shape, dtype=dtype, order=order)
-            arr.flags.writeable = False
-            return arr
-        return np.frombuffer(raw, dtype=dtype, count=count).reshape(shape, order=order)
-
-    def encode_scalar(x: Any) -> bytes:
-        return encode_array(np.asarray(x))
-
-    def decode_scalar(data: bytes) -> Any:
-        arr = decode_array(data)
-        if arr.ndim != 0:
-            raise ValueError("numpy scalar must be a 0-d array")
-        return arr[()]
-
-    global _ARRAY_PARTS
-    _ARRAY_PARTS = array_parts
-    _add(Codec(1, np.ndarray, encode_array, decode_array, "numpy.ndarray"))
-    _add(Codec(2, np.generic, encode_scalar, decode_scalar, "numpy.scalar"))
+    register_numpy()
 
 
 def _register_torch() -> None:
-    import torch
+    from dreamlake.lakeshore._wire_arrays import register_torch
 
-    def encode(t: Any) -> bytes:
-        # Only dense tensors with plain element bytes travel; the rest would lose what they are.
-        if t.is_nested or t.layout != torch.strided:
-            raise TypeError(
-                f"cannot pack a {t.layout} torch tensor: only dense (strided) tensors travel. "
-                "Convert it with t.to_dense() (or pack its indices and values as separate tensors)"
-            )
-        if t.is_quantized:
-            raise TypeError(
-                f"cannot pack a quantized torch tensor ({t.dtype}): its scale and zero point would be "
-                "lost. Convert it with t.dequantize() (or pack t.int_repr() with the quantization "
-                "parameters)"
-            )
-        if t.is_meta:
-            raise TypeError("cannot pack a torch tensor on the meta device: it has no data")
-        t = t.detach().to("cpu").contiguous()  # a CUDA (or MPS, ...) tensor is copied to the host
-        raw: Any = b""
-        if t.numel():
-            raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-        return _with_header([str(t.dtype).removeprefix("torch."), list(t.shape)], raw)
-
-    def decode(data: bytes) -> Any:
-        header, raw = _split_header(data)
-        if len(header) != 2 or type(header[0]) is not str:
-            raise ValueError("tensor header must be [dtype, shape]")
-        dtype = getattr(torch, header[0], None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown torch dtype {header[0]!r}")
-        if header[0].startswith(("qint", "quint")):  # never packed: raw bytes without scale / zero point
-            raise ValueError(f"quantized torch dtype {header[0]!r} refused")
-        shape = _shape(header[1])
-        # dtype.itemsize is torch >= 2.1; an older torch in a user's runtime measures an empty tensor
-        itemsize = getattr(dtype, "itemsize", None) or torch.empty((), dtype=dtype).element_size()
-        need = math.prod(shape) * itemsize
-        if need != len(raw):
-            raise ValueError(f"tensor data is {len(raw)} bytes; {dtype} x {shape} needs {need}")
-        if len(raw) == 0:
-            return torch.empty(shape, dtype=dtype)
-        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)  # a writable copy, as torch expects
-        return flat.view(dtype).reshape(shape)
-
-    _add(Codec(3, torch.Tensor, encode, decode, "torch.Tensor"))
+    register_torch()
 
 
 def _register_pil() -> None:
-    from PIL import Image
+    from dreamlake.lakeshore._wire_arrays import register_pil
 
-    def encode(img: Any) -> bytes:
-        palette = img.palette
-        pmode, pdata = (palette.mode, bytes(img.getpalette(palette.mode) or b"")) if palette else (None, None)
-        return _with_header([img.mode, list(img.size), pmode, pdata], img.tobytes())
-
-    def decode(data: bytes) -> Any:
-        header, raw = _split_header(data)
-        if len(header) != 4 or type(header[0]) is not str:
-            raise ValueError("image header must be [mode, size, palette mode, palette]")
-        mode, (w, h) = header[0], _shape(header[1], 2) if len(header[1]) == 2 else (-1, -1)
-        if w < 0:
-            raise ValueError("image size must be [width, height]")
-        if w * h > 8 * len(raw):  # no mode packs more than 8 pixels a byte: bound the allocation
-            raise ValueError(f"{len(raw)} bytes cannot hold a {w}x{h} image")
-        if w * h == 0:
-            img = Image.new(mode, (w, h))
-        else:
-            row = len(Image.new(mode, (w, 1)).tobytes())
-            if row * h != len(raw):
-                raise ValueError(f"image data is {len(raw)} bytes; {mode} {w}x{h} needs {row * h}")
-            img = Image.frombytes(mode, (w, h), bytes(raw))
-        if header[2] is not None:
-            img.putpalette(bytes(header[3]), header[2])
-        return img
-
-    _add(Codec(4, Image.Image, encode, decode, "PIL.Image"))
+    register_pil()
 
 
 _LOADERS: dict[str, Callable[[], None]] = {
@@ -1005,111 +806,10 @@ _LOADERS: dict[str, Callable[[], None]] = {
 
 # ---------------------------------------------------------------- frames
 
-
-if TYPE_CHECKING:
-
-    class _FrameFields(NamedTuple):
-        kind: int
-        seq: int
-        body: bytes | dict[str, Any]
-        meta: dict[str, Any] | None
-
-else:  # the same class without importing typing (msgpack has imported collections already)
-    _FrameFields = namedtuple("Frame", ("kind", "seq", "body", "meta"))
-
-
-class Frame(_FrameFields):
-    """One frame of a result stream: ``[kind, seq, body, meta]`` on the wire."""
-
-    __slots__ = ()
-
-    @property
-    def final(self) -> bool:
-        """END and ERROR close the stream."""
-        return self.kind in (FRAME_END, FRAME_ERROR)
-
-
-def encode_frame(
-    kind: int, seq: int, body: bytes | dict[str, Any], meta: dict[str, Any] | None = None
-) -> bytes:
-    """The msgpack bytes of one frame; ``body`` is ``bytes`` (a packed value, raw log) or a small dict."""
-    _check_frame(kind, seq, body, meta, ValueError)
-    return msgpack.packb([kind, seq, body, meta], use_bin_type=True)  # type: ignore[no-any-return]
-
-
-def _check_frame(kind: Any, seq: Any, body: Any, meta: Any, exc: type[Exception]) -> None:
-    if type(kind) is not int or kind not in FRAME_KINDS:
-        raise exc(f"frame kind must be one of FRAME_VALUE/END/ERROR/LOG (1..4), not {kind!r}")
-    if type(seq) is not int or seq < 0:
-        raise exc(f"frame seq must be an int >= 0, not {seq!r}")
-    if not isinstance(body, (bytes, dict)):
-        raise exc(f"frame body must be bytes or a dict, not {type(body).__name__}")
-    if meta is not None and not isinstance(meta, dict):
-        raise exc(f"frame meta must be a dict or None, not {type(meta).__name__}")
-
-
-def _to_frame(obj: Any) -> Frame:
-    if type(obj) is not list or len(obj) != 4:
-        raise DecodeError(f"a frame is a 4-element array [kind, seq, body, meta], got {type(obj).__name__}")
-    kind, seq, body, meta = obj
-    _check_frame(kind, seq, body, meta, DecodeError)
-    return Frame(kind, seq, body, meta)
-
-
-def _frame_unpacker_kwargs(limits: Limits) -> dict[str, int]:
-    return {
-        "max_str_len": limits.max_str_len,
-        "max_bin_len": limits.max_bin_len,
-        "max_ext_len": limits.max_ext_len,
-        "max_array_len": limits.max_array_len,
-        "max_map_len": limits.max_map_len,
-    }
-
-
-def decode_frame(data: bytes | bytearray | memoryview, *, limits: Limits = DEFAULT_FRAME_LIMITS) -> Frame:
-    """The one frame in ``data``; ``DecodeError`` for anything else (garbage, trailing bytes, bad shape)."""
-    if len(data) > limits.max_buffer_size:
-        raise DecodeError(f"frame is {len(data)} bytes, over max_buffer_size={limits.max_buffer_size}")
-    try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, **_frame_unpacker_kwargs(limits))
-    except Exception as e:
-        raise DecodeError(f"cannot decode frame: {_why(e)}", bytes(data[:64])) from e
-    return _to_frame(obj)
-
-
-class FrameReader:
-    """Reassembles frames fed in chunks split at any byte boundary (a journal tail, an HTTP stream).
-
-    ``feed`` returns the frames completed by the chunk; a partial frame waits for the next chunk
-    (``pending`` says how many bytes wait). After a :class:`DecodeError` the reader is unusable.
-    """
-
-    def __init__(self, *, limits: Limits = DEFAULT_FRAME_LIMITS) -> None:
-        self._unpacker = msgpack.Unpacker(
-            raw=False, max_buffer_size=limits.max_buffer_size, **_frame_unpacker_kwargs(limits)
-        )
-        self._fed = 0
-        self._done = 0  # stream offset just past the last complete frame
-        self._broken = False
-
-    @property
-    def pending(self) -> int:
-        """Bytes fed but not yet part of a complete frame."""
-        return self._fed - self._done
-
-    def feed(self, chunk: bytes | bytearray | memoryview) -> list[Frame]:
-        if self._broken:
-            raise DecodeError("this FrameReader already failed on a malformed frame; start a new one")
-        try:
-            self._unpacker.feed(chunk)
-            self._fed += len(chunk)
-            frames = []
-            for obj in self._unpacker:
-                frames.append(_to_frame(obj))
-                self._done = self._unpacker.tell()
-            return frames
-        except Exception as e:
-            self._broken = True
-            if isinstance(e, DecodeError):
-                raise
-            raise DecodeError(f"malformed frame stream: {_why(e)}") from e
+# The frame format lives in _wire_frames (it imports the names above from this module).
+from dreamlake.lakeshore._wire_frames import (  # noqa: E402
+    Frame,
+    FrameReader,
+    decode_frame,
+    encode_frame,
+)

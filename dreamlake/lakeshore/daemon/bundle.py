@@ -46,6 +46,8 @@ RUNTIME_FILES = (
     "dreamlake/lakeshore/ids.py",
     "dreamlake/lakeshore/errors.py",
     "dreamlake/lakeshore/wire.py",
+    "dreamlake/lakeshore/_wire_arrays.py",
+    "dreamlake/lakeshore/_wire_frames.py",
     "dreamlake/lakeshore/envelope.py",
     "dreamlake/lakeshore/daemon/__init__.py",
     "dreamlake/lakeshore/daemon/entry.py",
