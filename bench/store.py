@@ -20,26 +20,24 @@ import argparse
 import contextlib
 import json
 import os
-import secrets
 import sqlite3
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-from dreamlake.lakeshore.store import open_store
-from dreamlake.lakeshore.store.api import SubmitRequest
+from _stats import median_p90
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # for tests.contract.conftest (the scratch PostgreSQL database)
+
+from dreamlake.lakeshore.store import open_store  # noqa: E402
+from dreamlake.lakeshore.store.api import SubmitRequest  # noqa: E402
 
 PG_ENV = "LAKESHORE_TEST_PG_URL"
 FUNCTION = {"module": "bench.jobs", "qualname": "work", "kind": "function"}
-
-
-def stats(samples: list[float]) -> tuple[float, float]:
-    s = sorted(samples)
-    return statistics.median(s) * 1e6, s[min(len(s) - 1, int(len(s) * 0.9))] * 1e6
 
 
 def timed(fn: Callable[[int], object], reps: int) -> list[float]:
@@ -133,24 +131,6 @@ def cold_open(url: str) -> None:
     subprocess.run([sys.executable, "-c", code, url], check=True, cwd=Path(__file__).resolve().parent.parent)
 
 
-@contextlib.contextmanager
-def pg_scratch(base: str) -> Iterator[str]:
-    import psycopg
-    from psycopg import sql
-    from sqlalchemy.engine import make_url
-
-    name = f"lakeshore_bench_{secrets.token_hex(4)}"
-    admin = make_url(base).set(drivername="postgresql")
-    dsn = admin.render_as_string(hide_password=False)
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        yield admin.set(database=name).render_as_string(hide_password=False)
-    finally:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=300)
@@ -160,7 +140,7 @@ def main() -> None:
     wanted = args.backends.split(",")
     rows: list[tuple[str, str, float, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        med, p90 = stats(raw_sqlite_insert(Path(tmp) / "raw.db", args.reps))
+        med, p90 = (x * 1e6 for x in median_p90(raw_sqlite_insert(Path(tmp) / "raw.db", args.reps)))
         rows.append(("raw sqlite3", "INSERT (baseline)", med, p90))
         for backend in wanted:
             if backend == "sqlite-file":
@@ -174,12 +154,14 @@ def main() -> None:
                 if not base:
                     print(f"postgresql: skipped (set {PG_ENV})")
                     continue
-                ctx = pg_scratch(base)
+                from tests.contract.conftest import pg_database  # a scratch database, dropped after
+
+                ctx = pg_database()
             else:
                 raise SystemExit(f"unknown backend {backend!r}")
             with ctx as url:
                 for op, samples in bench_backend(url, args.reps, args.opens).items():
-                    rows.append((backend, op, *stats(samples)))
+                    rows.append((backend, op, *(x * 1e6 for x in median_p90(samples))))
     print(f"{'backend':<14} {'operation':<26} {'median µs':>10} {'p90 µs':>10}")
     for backend, op, med, p90 in rows:
         print(f"{backend:<14} {op:<26} {med:>10.0f} {p90:>10.0f}")

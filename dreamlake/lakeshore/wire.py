@@ -483,6 +483,21 @@ _ARRAY_PARTS: Callable[[Any], tuple[bytes, Any]] | None = None
 _SEQ_TYPES: dict[int, Callable[[list[Any]], Any]] = {5: tuple, 6: set, 7: frozenset}
 
 
+def _bounded_unpackb(data: Any, lim: Limits, n: int) -> Any:
+    """msgpack.unpackb with every length also bounded by the ``n`` bytes at hand (min() inlined: hot)."""
+    return msgpack.unpackb(
+        data,
+        ext_hook=_ext_hook,
+        raw=False,
+        strict_map_key=False,
+        max_str_len=lim.max_str_len if lim.max_str_len < n else n,
+        max_bin_len=lim.max_bin_len if lim.max_bin_len < n else n,
+        max_ext_len=lim.max_ext_len if lim.max_ext_len < n else n,
+        max_array_len=lim.max_array_len if lim.max_array_len < n else n,
+        max_map_len=lim.max_map_len if lim.max_map_len < n // 2 else n // 2,
+    )
+
+
 def _ext_hook(code: int, data: bytes) -> Any:
     make = _SEQ_TYPES.get(code)
     if make is not None:  # tuple / set / frozenset, the common case: the codec's decode, inline
@@ -492,19 +507,9 @@ def _ext_hook(code: int, data: bytes) -> Any:
             raise DecodeError(f"ext values nested deeper than max_depth={lim.max_depth}")
         token = _DEPTH.set(depth)
         try:
-            n = len(data)  # every length is also bounded by the bytes at hand (min() inlined: it is hot)
+            n = len(data)
             try:
-                items = msgpack.unpackb(
-                    data,
-                    ext_hook=_ext_hook,
-                    raw=False,
-                    strict_map_key=False,
-                    max_str_len=lim.max_str_len if lim.max_str_len < n else n,
-                    max_bin_len=lim.max_bin_len if lim.max_bin_len < n else n,
-                    max_ext_len=lim.max_ext_len if lim.max_ext_len < n else n,
-                    max_array_len=lim.max_array_len if lim.max_array_len < n else n,
-                    max_map_len=lim.max_map_len if lim.max_map_len < n // 2 else n // 2,
-                )
+                items = _bounded_unpackb(data, lim, n)
             except DecodeError as e:  # from a value nested deeper
                 raise _items_error(code, data, str(e)) from e
             except Exception as e:  # msgpack errors, RecursionError: all mean bad bytes
@@ -579,17 +584,7 @@ def unpack(data: bytes | bytearray | memoryview, *, limits: Limits | None = None
             return value
     token = None if lim is current else _LIMITS.set(lim)
     try:
-        return msgpack.unpackb(
-            data,
-            ext_hook=_ext_hook,
-            raw=False,
-            strict_map_key=False,
-            max_str_len=lim.max_str_len if lim.max_str_len < n else n,
-            max_bin_len=lim.max_bin_len if lim.max_bin_len < n else n,
-            max_ext_len=lim.max_ext_len if lim.max_ext_len < n else n,
-            max_array_len=lim.max_array_len if lim.max_array_len < n else n,
-            max_map_len=lim.max_map_len if lim.max_map_len < n // 2 else n // 2,
-        )
+        return _bounded_unpackb(data, lim, n)
     except DecodeError:
         raise
     except Exception as e:  # msgpack errors, a hook's failure, RecursionError: all mean bad bytes

@@ -30,13 +30,13 @@ from typing import Any
 
 import msgpack
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection, Row
+from sqlalchemy.engine import Row
 
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.ids import new_ulid
 
 from . import schema as t
-from .api import DEFAULT_LEASE_S, AckResult, Principal
+from .api import AckResult, Principal
 from .engine import Database
 from .values import json_safe, normalize_max_attempts
 
@@ -226,32 +226,6 @@ class SideMixin:
             )
         self._notify(f"queue:{queue}", *([f"worker:{worker_id}"] if worker_id else []))
         return exec_id
-
-    def claim_exec(
-        self,
-        worker_id: str,
-        queues: list[str],
-        limit: int = 1,
-        *,
-        namespace: str | None = None,
-        lease_s: float = DEFAULT_LEASE_S,
-    ) -> list[dict[str, Any]]:
-        if not queues or limit < 1:
-            return []
-        with self.db.tx(write=True) as conn:
-            return self._claim_exec_in(conn, worker_id, queues, limit, time.time(), namespace, lease_s)
-
-    def _claim_exec_in(
-        self,
-        conn: Connection,
-        worker_id: str,
-        queues: list[str],
-        limit: int,
-        now: float,
-        namespace: str | None = None,
-        lease_s: float = DEFAULT_LEASE_S,
-    ) -> list[dict[str, Any]]:
-        raise NotImplementedError
 
     def publish_exec_result(
         self,

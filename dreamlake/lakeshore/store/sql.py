@@ -473,6 +473,20 @@ class SqlStore(SideMixin):
             key=lambda i: (-i.priority, i.submitted_at, i.invocation_id),
         )
 
+    def claim_exec(
+        self,
+        worker_id: str,
+        queues: list[str],
+        limit: int = 1,
+        *,
+        namespace: str | None = None,
+        lease_s: float = DEFAULT_LEASE_S,
+    ) -> list[dict[str, Any]]:
+        if not queues or limit < 1:
+            return []
+        with self.db.tx(write=True) as conn:
+            return self._claim_exec_in(conn, worker_id, queues, limit, time.time(), namespace, lease_s)
+
     def _claim_exec_in(
         self,
         conn: Connection,
