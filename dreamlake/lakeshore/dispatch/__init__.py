@@ -23,7 +23,14 @@ if TYPE_CHECKING:
     from dreamlake.lakeshore.dispatch.local import Dispatch
     from dreamlake.lakeshore.wire import Frame
 
-__all__ = ["Claim", "Dispatch", "HttpDispatch", "Plane"]
+__all__ = ["NATIVE_FUNCTION", "Claim", "Dispatch", "HttpDispatch", "Plane"]
+
+NATIVE_FUNCTION: dict[str, str] = {
+    "module": "_native_wire",
+    "qualname": "_native_wire.envelope",
+    "version": "v1",
+}
+"""The Submit body's ``function`` record of an SDK call: the function travels inside the Envelope."""
 
 
 @dataclass

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import ids
-from dreamlake.lakeshore.dispatch import Claim
-from dreamlake.lakeshore.errors import NotFound, PlaneError
-from dreamlake.lakeshore.store.api import TERMINAL_STATES
+from dreamlake.lakeshore.dispatch import NATIVE_FUNCTION, Claim
+from dreamlake.lakeshore.errors import Conflict, NotFound
+from dreamlake.lakeshore.states import TERMINAL_STATES
 
 if TYPE_CHECKING:
     from dreamlake.lakeshore.store.api import Invocation
@@ -32,7 +32,6 @@ __all__ = ["Dispatch"]
 log = logging.getLogger(__name__)
 
 TOPIC_PREFIX = "topic:"  # the store journals topic frames under this owner prefix
-_FUNCTION_STUB = {"module": "_native_wire", "qualname": "_native_wire.envelope", "version": "v1"}
 
 
 class Dispatch:
@@ -83,7 +82,7 @@ class Dispatch:
         req = SubmitRequest(
             invocation_id=header["id"],
             queue=queue,
-            function=dict(_FUNCTION_STUB),
+            function=dict(NATIVE_FUNCTION),
             args_blob=bytes(envelope),
             run_config={**run_config, "queue": queue},
             parent_invocation_id=parent,
@@ -173,7 +172,7 @@ class Dispatch:
     def append_frame(self, invocation_id: str, seq: int, data: bytes, final: bool, attempt: int) -> None:
         res = self.store.append_frame(invocation_id, seq, data, final, attempt=attempt)
         if not res.ok:
-            raise PlaneError(f"frame {seq} of {invocation_id} refused: {res.reason}", 409)
+            raise Conflict(f"frame {seq} of {invocation_id} refused: {res.reason}", 409)
 
     def ack(
         self,
