@@ -88,7 +88,8 @@ class Plane(Protocol):
         ...
 
     def append_frame(self, invocation_id: str, seq: int, data: bytes, final: bool, attempt: int) -> None:
-        """Journal one encoded frame of a running invocation (a repeat of a seq is a no-op)."""
+        """Journal one encoded frame of a running invocation (a repeat of a seq is a no-op). The
+        frame's kind decides whether it closes the stream (END and ERROR do); ``final`` should agree."""
         ...
 
     def ack(

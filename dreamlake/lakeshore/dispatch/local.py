@@ -170,7 +170,17 @@ class Dispatch:
             self._wait(channels, deadline, mark)
 
     def append_frame(self, invocation_id: str, seq: int, data: bytes, final: bool, attempt: int) -> None:
-        res = self.store.append_frame(invocation_id, seq, data, final, attempt=attempt)
+        """As the control plane's result-chunk route: the frame's kind, not ``final``, decides
+        whether it closes the stream (END and ERROR do)."""
+        from dreamlake.lakeshore import wire
+
+        try:
+            frame = wire.decode_frame(data)
+        except ValueError as exc:
+            raise PlaneError(f"frame {seq} of {invocation_id} is not one encoded frame: {exc}", 400) from None
+        if frame.seq != seq:
+            raise PlaneError(f"frame {seq} of {invocation_id} carries its own seq {frame.seq}", 400)
+        res = self.store.append_frame(invocation_id, seq, data, frame.final, attempt=attempt)
         if not res.ok:
             raise Conflict(f"frame {seq} of {invocation_id} refused: {res.reason}", 409)
 
