@@ -160,9 +160,10 @@ class DockerRunner:
                 f"{self.name} runner: network {network!r} is not allowed on this node "
                 f"(allowed: {list(self.allowed_networks)})"
             )
+        limits = self.limits(task.run_config.get("resources"))  # refused before any pull
         self._ensure_image(image)
         workdir = Path(task.workdir).resolve()
-        kwargs = self._create_kwargs(task, workdir, image, network)
+        kwargs = self._create_kwargs(task, workdir, image, network, limits)
         what = f"{self.name} runner: invocation {task.invocation_id}"
         for tries in range(2):
             existing = self._existing(kwargs["name"], task, workdir)
@@ -400,7 +401,9 @@ class DockerRunner:
                 f"{what} is not present and cannot be pulled ({exc}); load it on this node"
             ) from exc
 
-    def _create_kwargs(self, task: Task, workdir: Path, image: str, network: str) -> dict[str, Any]:
+    def _create_kwargs(
+        self, task: Task, workdir: Path, image: str, network: str, limits: Mapping[str, Any]
+    ) -> dict[str, Any]:
         env = {k: v for k, v in task.env.items() if k != "PYTHONPATH"}
         task_path = task.env.get("PYTHONPATH")
         code = policy.code_paths(self.code_dirs, task_path if self.mount_pythonpath else None)
@@ -437,7 +440,7 @@ class DockerRunner:
             kwargs["tmpfs"] = {"/tmp": f"rw,nosuid,nodev,mode=1777{size}"}
         if self.runtime:
             kwargs["runtime"] = self.runtime
-        kwargs.update(self.limits(task.run_config.get("resources")))
+        kwargs.update(limits)
         if task.gpus:
             kwargs["device_requests"] = [DeviceRequest(device_ids=list(task.gpus), capabilities=[["gpu"]])]
             env["CUDA_VISIBLE_DEVICES"] = _container_gpu_ids(task.gpus)
