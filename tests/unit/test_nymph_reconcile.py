@@ -88,6 +88,8 @@ def test_reattached_task_keeps_its_gpus(tmp_path: Path) -> None:
 class _LabellingRunner(_Runner):
     """A runner that labels its tasks (like docker): list_labelled, destroy, and an engine switch."""
 
+    capabilities: ClassVar[Capabilities] = Capabilities(gpus=True, list_labelled=True)
+
     def __init__(self, alive: set[str], labelled: list[Handle], up: bool = True) -> None:
         super().__init__(alive)
         self.labelled = labelled
@@ -167,6 +169,49 @@ def test_recover_raising_unavailable_resumes_with_alive_unknown_then_retries(tmp
     assert alive is None  # unknown: not acked on a guess
     assert job._recover_when_available(job.handle) is True  # type: ignore[arg-type]
     assert calls["n"] == 3
+
+
+# --- optional features are read from Capabilities only --------------------------------------------
+
+
+class _UndeclaredLabelling(_LabellingRunner):
+    """Has list_labelled() but does not declare it: never listed, so nothing is swept or adopted."""
+
+    capabilities: ClassVar[Capabilities] = Capabilities(gpus=True)
+
+
+def test_a_runner_without_the_list_labelled_capability_is_not_listed(tmp_path: Path) -> None:
+    running = _leftover(tmp_path)
+    never_started = _leftover(tmp_path, handle=False)
+    gone = ids.new_ulid()
+    handles = [Handle("fake", i, 2, {"container_id": f"c-{i}"}) for i in (never_started, gone)]
+    runner = _UndeclaredLabelling({running}, handles)
+    found = recover_all(_labelled_ctx(tmp_path, runner))
+    assert runner.listed_for == [] and runner.destroyed == []
+    by_id = {job.invocation_id: (job, alive) for job, alive in found}
+    assert by_id[running][1] is True
+    assert by_id[never_started][0].handle is None  # not adopted: acked DaemonRestart
+
+
+class _Unrecoverable(_LabellingRunner):
+    """Cannot re-attach (recover=False): reconcile never calls recover()."""
+
+    capabilities: ClassVar[Capabilities] = Capabilities(gpus=True, list_labelled=True, recover=False)
+
+    asked: ClassVar[list[Handle]] = []
+
+    def recover(self, handle: Handle) -> bool:
+        self.asked.append(handle)
+        return True
+
+
+def test_a_runner_that_cannot_recover_gets_its_leftovers_destroyed_and_reported(tmp_path: Path) -> None:
+    inv = _leftover(tmp_path)
+    handle = Handle.load(tmp_path / inv)
+    runner = _Unrecoverable({inv}, [])
+    [(job, alive)] = recover_all(_labelled_ctx(tmp_path, runner))
+    assert alive is False and job.handle == handle  # collected and acked from what it left
+    assert runner.asked == [] and runner.destroyed == [handle]
 
 
 # --- a broken list_labelled, and the agent's reconcile call sites ---------------------------------
