@@ -25,16 +25,13 @@ import logging
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
+from nymph.errors import RunnerLoadError as RunnerLoadError  # re-exported: raised here
 from nymph.runner import Capabilities, Runner, RunnerUnavailable
 
 log = logging.getLogger(__name__)
 
 GROUP = "nymph.runners"
 REQUIRED_METHODS = ("check", "start", "wait", "stop", "destroy", "inspect", "recover")
-
-
-class RunnerLoadError(Exception):
-    """A runner plugin could not be loaded; the message names it, its distribution and the problem."""
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+from nymph.errors import NymphError
+
 HANDLE_FILE = "handle.json"
 HANDLE_VERSION = 1
 
 
-class RunnerError(Exception):
+class RunnerError(NymphError):
     """A runner could not do what was asked; the message says what to fix."""
 
 
@@ -48,6 +50,8 @@ class Capabilities:
     image: bool = False  # honours run_config.image
     network: bool = False  # honours run_config.network
     recover: bool = True  # can re-attach after a nymph restart
+    list_labelled: bool = False
+    reap_orphans: bool = False
 
 
 @dataclass
