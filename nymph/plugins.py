@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
+from nymph.errors import RunnerLoadError as RunnerLoadError  # re-exported: raised here
 from nymph.runner import Capabilities, Runner, RunnerUnavailable
 
 log = logging.getLogger(__name__)
@@ -42,10 +43,6 @@ REQUIRED_METHODS = ("check", "start", "wait", "stop", "destroy", "inspect", "rec
 OPTIONAL_METHODS = ("close",)
 #: The method each optional feature of Capabilities needs.
 FEATURE_METHODS = {"list_labelled": "list_labelled", "reap_orphans": "reap_orphans"}
-
-
-class RunnerLoadError(Exception):
-    """A runner plugin could not be loaded; the message names it, its distribution and the problem."""
 
 
 @dataclass(frozen=True)

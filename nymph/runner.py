@@ -35,11 +35,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+from nymph.errors import NymphError
+
 HANDLE_FILE = "handle.json"
 HANDLE_VERSION = 1
 
 
-class RunnerError(Exception):
+class RunnerError(NymphError):
     """A runner could not do what was asked; the message says what to fix."""
 
 

@@ -268,30 +268,31 @@ def _agent(tmp_path: Path, runner: Any) -> Any:
 def test_agent_reconcile_survives_any_failure_and_succeeds_later(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import nymph.agent
+    import nymph.recovery
 
     agent = _agent(tmp_path, _LabellingRunner(set(), []))
-    real = nymph.agent.recover_all
-    monkeypatch.setattr(nymph.agent, "recover_all", lambda ctx: (_ for _ in ()).throw(KeyError("bug")))
-    assert agent._reconcile() is False  # logged, not raised: nymph keeps running
-    assert agent._reconcile_failures == 1 and not agent._reconciled
+    real = nymph.recovery.recover_all
+    monkeypatch.setattr(nymph.recovery, "recover_all", lambda ctx: (_ for _ in ()).throw(KeyError("bug")))
+    recovery = agent.recovery
+    assert recovery.reconcile() is False  # logged, not raised: nymph keeps running
+    assert recovery.failures == 1 and not recovery.done
     assert "reconciling the previous run's work failed (KeyError" in caplog.text
-    monkeypatch.setattr(nymph.agent, "recover_all", real)
-    assert agent._reconcile() is True and agent._reconciled and agent._reconcile_failures == 0
+    monkeypatch.setattr(nymph.recovery, "recover_all", real)
+    assert recovery.reconcile() is True and recovery.done and recovery.failures == 0
 
 
 def test_agent_with_a_broken_list_labelled_reconciles_then_sweeps_later(tmp_path: Path) -> None:
     orphan = ids.new_ulid()
     runner = _BrokenListing(set(), [Handle("fake", orphan, 1, {"container_id": "c-orphan"})])
-    agent = _agent(tmp_path, runner)
-    assert agent._reconcile() is True  # claims go on
-    assert agent._sweep_pending and runner.destroyed == []
-    agent._sweep_labelled()  # still broken: backs off
-    assert agent._sweep_pending and agent._sweep_next > 0
+    recovery = _agent(tmp_path, runner).recovery
+    assert recovery.reconcile() is True  # claims go on
+    assert recovery.sweep_pending and runner.destroyed == []
+    recovery.sweep()  # still broken: backs off
+    assert recovery.sweep_pending and recovery.sweep_next > 0
     runner.broken = False
-    agent._sweep_next = 0.0
-    agent._sweep_labelled()
-    assert not agent._sweep_pending and [h.invocation_id for h in runner.destroyed] == [orphan]
+    recovery.sweep_next = 0.0
+    recovery.sweep()
+    assert not recovery.sweep_pending and [h.invocation_id for h in runner.destroyed] == [orphan]
 
 
 # --- the end of a job: destroy happens whatever fails while the stream is closed ------------------

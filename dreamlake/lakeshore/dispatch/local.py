@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.dispatch import NATIVE_FUNCTION, Claim
-from dreamlake.lakeshore.errors import Conflict, NotFound
+from dreamlake.lakeshore.errors import BadRequest, Conflict, NotFound
 from dreamlake.lakeshore.states import TERMINAL_STATES
 
 if TYPE_CHECKING:
@@ -177,9 +177,9 @@ class Dispatch:
         try:
             frame = wire.decode_frame(data)
         except ValueError as exc:
-            raise PlaneError(f"frame {seq} of {invocation_id} is not one encoded frame: {exc}", 400) from None
+            raise BadRequest(f"frame {seq} of {invocation_id} is not one encoded frame: {exc}", 400) from None
         if frame.seq != seq:
-            raise PlaneError(f"frame {seq} of {invocation_id} carries its own seq {frame.seq}", 400)
+            raise BadRequest(f"frame {seq} of {invocation_id} carries its own seq {frame.seq}", 400)
         res = self.store.append_frame(invocation_id, seq, data, frame.final, attempt=attempt)
         if not res.ok:
             raise Conflict(f"frame {seq} of {invocation_id} refused: {res.reason}", 409)
