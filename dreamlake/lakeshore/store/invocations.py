@@ -7,10 +7,12 @@ half-applies. Choices the seed leaves open, made here:
 - a running invocation whose lease lapses after a cancel was requested becomes ``cancelled``
   instead of being requeued.
 
-Claims (see docs/architecture.md): the order is priority desc, submitted_at asc, invocation_id asc;
-``FOR UPDATE SKIP LOCKED`` (ignored by SQLite, where ``BEGIN IMMEDIATE`` serialises writers) in a
-``MATERIALIZED`` CTE picks the rows, and the claim updates them. ``_renew_in`` and ``_expire_in``
-run inside the heartbeat and ``expire_leases`` transactions of sql.py.
+Claims (see docs/architecture.md and :func:`claim_statement`): the order is priority desc,
+submitted_at asc, invocation_id asc, read straight off an index of queued rows, so a claim costs the
+same at any backlog; ``FOR UPDATE SKIP LOCKED`` (ignored by SQLite, where ``BEGIN IMMEDIATE``
+serialises writers) in a ``MATERIALIZED`` CTE picks the rows, and the claim updates them by primary
+key. ``_renew_in`` and ``_expire_in`` run inside the heartbeat and ``expire_leases`` transactions
+of sql.py.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ LEASE_EXPIRED = {
 
 _inv = t.invocations
 _claim_order = (_inv.c.priority.desc(), _inv.c.submitted_at.asc(), _inv.c.invocation_id.asc())
+# Claims from up to this many queues merge each queue's best rows (see claim_statement).
+MERGED_QUEUES_MAX = 16
 _INV_COLS = tuple(c.name for c in _inv.c)
 
 
@@ -135,27 +139,6 @@ class _Statements:
             _inv.c.queue == B("queue"), _inv.c.idempotency_key == B("key")
         )
         self.get = sa.select(_inv).where(_inv.c.invocation_id == B("id"))
-        pick = (
-            sa.select(_inv.c.invocation_id)
-            .where(_inv.c.state == "queued", _inv.c.queue.in_(B("queues", expanding=True)))
-            .order_by(*_claim_order)
-            .limit(B("limit", type_=sa.Integer))
-            .with_for_update(skip_locked=True)
-            .cte("picked")
-            .prefix_with("MATERIALIZED")  # evaluated once: a bare IN (subquery) may run it per row
-        )
-        self.claim = (
-            sa.update(_inv)
-            .where(_inv.c.invocation_id.in_(sa.select(pick.c.invocation_id)), _inv.c.state == "queued")
-            .values(
-                state="running",
-                worker_id=B("worker"),
-                attempt=_inv.c.attempt + 1,
-                started_at=B("now"),
-                lease_expires_at=B("lease"),
-            )
-            .returning(*_inv.c)
-        )
         self.ack: dict[tuple[bool, bool], Any] = {}
         for by_attempt in (False, True):
             for by_worker in (False, True):
@@ -191,6 +174,83 @@ class _Statements:
 @functools.cache
 def _statements(dialect: str) -> _Statements:
     return _Statements(dialect)
+
+
+@functools.cache
+def claim_statement(n_queues: int) -> Any:
+    """The claim of up to ``:limit`` queued invocations of ``n_queues`` queues, best first.
+
+    Parameters: ``q0`` .. ``q<n-1>`` (distinct queue names), ``limit``, ``worker``, ``now``,
+    ``lease``; past ``MERGED_QUEUES_MAX`` queues, ``queues`` (a list) instead of ``q<i>``.
+
+    The pick reads ``ix_invocations_queued`` (queue, priority DESC, submitted_at, invocation_id,
+    over queued rows only), which yields one queue's rows in claim order: one queue is one index
+    range read up to ``limit`` rows, no sort. Several queues take the first ``limit`` rows of each
+    (each locked ``FOR UPDATE SKIP LOCKED`` on PostgreSQL) and keep the best ``limit`` of those, so
+    the sort is over at most ``n_queues * limit`` rows whatever the backlog; the rows picked but
+    not kept stay locked until the claim commits, and a concurrent claim skips them meanwhile.
+    Past ``MERGED_QUEUES_MAX`` queues (SQLite caps a compound SELECT at 500 terms) the pick reads
+    every queued row of those queues and sorts them.
+
+    The update finds the picked rows by primary key only: no ``state`` test there, which SQLite
+    would plan as a scan of queued rows by a state index. None is needed: on SQLite the statement
+    runs under the write lock, and on PostgreSQL every picked row is locked, re-checked as queued,
+    until the transaction ends.
+    """
+    B = sa.bindparam
+    queued = _inv.c.state == "queued"
+    limit = B("limit", type_=sa.Integer)
+    pick: Any
+    if n_queues > MERGED_QUEUES_MAX:
+        pick = sa.select(_inv.c.invocation_id).where(queued, _inv.c.queue.in_(B("queues", expanding=True)))
+    elif n_queues == 1:
+        pick = sa.select(_inv.c.invocation_id).where(queued, _inv.c.queue == B("q0"))
+    else:
+        cols = (_inv.c.invocation_id, _inv.c.priority, _inv.c.submitted_at)
+        firsts = [
+            sa.select(*cols)
+            .where(queued, _inv.c.queue == B(f"q{i}"))
+            .order_by(*_claim_order)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
+            .subquery(f"q{i}")
+            for i in range(n_queues)
+        ]
+        merged = sa.union_all(*(sa.select(*sub.c) for sub in firsts))
+        best = merged.selected_columns
+        pick = merged.order_by(best.priority.desc(), best.submitted_at.asc(), best.invocation_id.asc())
+    if n_queues == 1 or n_queues > MERGED_QUEUES_MAX:
+        pick = pick.order_by(*_claim_order).with_for_update(skip_locked=True)
+    picked = (
+        pick.limit(limit)
+        .cte("picked")
+        .prefix_with("MATERIALIZED")  # evaluated once: a bare IN (subquery) may run it per row
+    )
+    return (
+        sa.update(_inv)
+        .where(_inv.c.invocation_id.in_(sa.select(picked.c.invocation_id)))
+        .values(
+            state="running",
+            worker_id=B("worker"),
+            attempt=_inv.c.attempt + 1,
+            started_at=B("now"),
+            lease_expires_at=B("lease"),
+        )
+        .returning(*_inv.c)
+    )
+
+
+def claim_params(
+    queues: Sequence[str], limit: int, worker_id: str, now: float, lease_s: float
+) -> tuple[Any, dict[str, Any]]:
+    """The claim statement for ``queues`` (see :func:`claim_statement`) and its parameters."""
+    names = sorted(set(queues))  # a queue named twice must not be picked twice
+    params: dict[str, Any] = {"limit": int(limit), "worker": worker_id, "now": now, "lease": now + lease_s}
+    if len(names) > MERGED_QUEUES_MAX:
+        params["queues"] = names
+    else:
+        params.update((f"q{i}", name) for i, name in enumerate(names))
+    return claim_statement(len(names)), params
 
 
 class InvocationStore(StoreBase):
@@ -320,14 +380,8 @@ class InvocationStore(StoreBase):
     def _claim_in(
         self, conn: Connection, worker_id: str, queues: list[str], limit: int, lease_s: float, now: float
     ) -> list[Invocation]:
-        params = {
-            "queues": list(queues),
-            "limit": int(limit),
-            "worker": worker_id,
-            "now": now,
-            "lease": now + lease_s,
-        }
-        rows = conn.execute(self._inv_st.claim, params).fetchall()
+        stmt, params = claim_params(queues, limit, worker_id, now, lease_s)
+        rows = conn.execute(stmt, params).fetchall()
         return sorted(
             (_row_to_invocation(r) for r in rows),
             key=lambda i: (-i.priority, i.submitted_at, i.invocation_id),
