@@ -25,6 +25,7 @@ from dreamlake.lakeshore.server import http as h
 from dreamlake.lakeshore.server.auth import require_kind, require_namespace
 from dreamlake.lakeshore.server.config import ServerConfig
 from dreamlake.lakeshore.server.context import Context, store_dialect
+from dreamlake.lakeshore.server.fanout import LocalFanout
 from dreamlake.lakeshore.server.http import HTTPError
 from dreamlake.lakeshore.store.api import Principal, Store
 
@@ -150,6 +151,11 @@ class Routes:
         status, out = await daemon.result_chunk(self.ctx, principal, await self._msgpack(request))
         return h.msgpack_response(out, status)
 
+    async def result_chunks(self, request: Request) -> Response:
+        principal = await self._who(request, "daemon")
+        status, out = await daemon.result_chunks(self.ctx, principal, await self._msgpack(request))
+        return h.msgpack_response(out, status)
+
     async def heartbeat(self, request: Request) -> Response:
         principal = await self._who(request, "daemon")
         return h.msgpack_response(await daemon.heartbeat(self.ctx, principal, await self._msgpack(request)))
@@ -210,6 +216,7 @@ class Routes:
             Route("/v1/daemon/poll", g(self.poll), methods=["POST"]),
             Route("/v1/daemon/ack", g(self.ack), methods=["POST"]),
             Route("/v1/daemon/result-chunk", g(self.result_chunk), methods=["POST"]),
+            Route("/v1/daemon/result-chunks", g(self.result_chunks), methods=["POST"]),
             Route("/v1/daemon/heartbeat", g(self.heartbeat), methods=["POST"]),
             Route("/v1/namespaces/{ns}/exec", g(self.exec_), methods=["POST"]),
             Route("/v1/namespaces/{ns}/jobs/{id}/result", g(self.job_result), methods=["GET", "POST"]),
@@ -246,11 +253,12 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 def create_app(
     store: Store, *, fanout: Any = None, payloads: Any = None, config: ServerConfig | None = None
 ) -> Starlette:
-    """The control plane over ``store``; ``fanout`` (live frames) and ``payloads`` (presign) are optional."""
+    """The control plane over ``store``; ``fanout`` (live frames; in process when None) and
+    ``payloads`` (presign) are optional."""
     ctx = Context(
         store=store,
         config=config or ServerConfig(),
-        fanout=fanout,
+        fanout=fanout if fanout is not None else LocalFanout(),
         payloads=payloads,
         dialect=store_dialect(store),
     )

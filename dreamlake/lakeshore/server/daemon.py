@@ -1,4 +1,10 @@
-"""Daemon routes (msgpack): register, poll, ack, result-chunk and heartbeat.
+"""Daemon routes (msgpack): register, poll, ack, result-chunk, result-chunks and heartbeat.
+
+``result-chunks`` takes many frames of one attempt in one request and journals them in one
+transaction (``store.append_frames``), answering per seq (stored or duplicate); the frames that
+were new are then published to the live fan-out in one call. ``result-chunk`` is the seed's
+one-frame form. The ack pokes the invocation's live followers, so a stream that ends without a
+final frame (a plain call, a failure before the first frame) ends at once.
 
 ``poll`` is a long poll: each pass collects pending cancels, claims invocations and exec jobs in
 one store transaction (``store.poll``); with nothing to hand out it waits on the
@@ -229,6 +235,7 @@ async def ack(ctx: Context, principal: Principal, body: dict[str, Any]) -> tuple
     if result.ok:
         ctx.metrics.acks.labels(state=state, outcome="duplicate" if result.duplicate else "ok").inc()
         ctx.wake.notify(f"inv:{invocation_id}")
+        await _poke(ctx, invocation_id)
         log.debug("ack %s %s (attempt %s)", invocation_id, state, attempt)
         return 200, ({"ok": True, "duplicate": True} if result.duplicate else {"ok": True})
     if result.state is None:
@@ -239,15 +246,13 @@ async def ack(ctx: Context, principal: Principal, body: dict[str, Any]) -> tuple
     return 409, {"ok": False, "error": result.reason or "ack refused: the attempt was superseded"}
 
 
-def _frame(data: bytes) -> Frame:
+def _frame(data: bytes, what: str = "field 'bytes'") -> Frame:
     from dreamlake.lakeshore.wire import decode_frame
 
     try:
         return decode_frame(data)
     except Exception as exc:
-        raise HTTPError(
-            400, f"field 'bytes' is not one encoded frame [kind, seq, body, meta]: {exc}"
-        ) from None
+        raise HTTPError(400, f"{what} is not one encoded frame [kind, seq, body, meta]: {exc}") from None
 
 
 async def result_chunk(
@@ -300,6 +305,78 @@ async def result_chunk(
                 exc_info=True,
             )
     return 200, {"ok": True, "seq": seq}
+
+
+MAX_BATCH_FRAMES = 10_000
+
+
+async def result_chunks(
+    ctx: Context, principal: Principal, body: dict[str, Any]
+) -> tuple[int, dict[str, Any]]:
+    """Journal a batch ``{invocation_id, attempt, worker_id, frames: [bytes, ...]}`` of one attempt
+    in one transaction and answer ``{ok, results: [{seq, duplicate}]}`` in the order sent. Each
+    frame is a repeat of a seq already journaled (``duplicate``) or the next seq; a gap, a frame
+    after the final one, another worker or a superseded attempt refuse the whole batch (409,
+    nothing journaled; 404 for an unknown invocation). Frames whose kind is END or ERROR close
+    the stream."""
+    invocation_id = http.ulid_field(body, "invocation_id")
+    assert invocation_id is not None
+    attempt = http.integer(body, "attempt", hi=http.I32_MAX)
+    worker_id = http.ulid_field(body, "worker_id")
+    raw = field(body, "frames", list)
+    if not raw or len(raw) > MAX_BATCH_FRAMES:
+        raise HTTPError(400, f"field 'frames' must list 1 to {MAX_BATCH_FRAMES} encoded frames")
+    batch: list[tuple[int, bytes, bool]] = []
+    for i, data in enumerate(raw):
+        if not isinstance(data, bytes):
+            raise HTTPError(
+                400, f"frames[{i}] must be the bytes of one encoded frame, not {type(data).__name__}"
+            )
+        frame = _frame(data, f"frames[{i}]")
+        batch.append((frame.seq, data, frame.final))
+    results = await ctx.call(ctx.store.append_frames, invocation_id, attempt, batch, worker_id=worker_id)
+    refused = next((r for r in results if not r.ok), None)
+    if refused is not None:
+        reason = refused.reason or "frames refused"
+        if reason.startswith("unknown"):
+            raise HTTPError(404, reason, ok=False)
+        log.info("frames of %s refused: %s", invocation_id, reason)
+        return 409, {"ok": False, "error": reason}
+    fresh = [item for item, r in zip(batch, results, strict=True) if not r.duplicate]
+    ctx.metrics.chunks.labels(duplicate="false").inc(len(fresh))
+    if len(fresh) < len(batch):
+        ctx.metrics.chunks.labels(duplicate="true").inc(len(batch) - len(fresh))
+    if fresh:
+        ctx.wake.notify(f"inv:{invocation_id}")
+        await _publish(ctx, invocation_id, fresh)
+    return 200, {"ok": True, "results": [{"seq": r.seq, "duplicate": r.duplicate} for r in results]}
+
+
+async def _publish(ctx: Context, invocation_id: str, items: list[tuple[int, bytes, bool]]) -> None:
+    """Hand new frames to the live fan-out; a failure is logged (followers read the journal)."""
+    fanout = ctx.fanout
+    if fanout is None:
+        return
+    try:
+        if hasattr(fanout, "publish_many"):
+            await fanout.publish_many(invocation_id, items)
+        else:
+            for seq, data, final in items:
+                await fanout.publish(invocation_id, seq, data, final)
+    except Exception:
+        log.warning("live publish of %s (%d frame(s)) failed; followers catch up from the journal",
+                    invocation_id, len(items), exc_info=True)  # fmt: skip
+
+
+async def _poke(ctx: Context, invocation_id: str) -> None:
+    """Tell the live followers of ``invocation_id`` to re-read the store (its state changed)."""
+    poke = getattr(ctx.fanout, "poke", None)
+    if poke is None:
+        return
+    try:
+        await poke(invocation_id)
+    except Exception:
+        log.warning("live poke of %s failed", invocation_id, exc_info=True)
 
 
 def _running_exec(body: dict[str, Any]) -> list[tuple[str, int]] | None:

@@ -10,6 +10,7 @@ Times are float seconds since the epoch. Blobs are ``bytes``. ``error`` is an Er
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -176,6 +177,20 @@ class Store(Protocol):
     ) -> ChunkResult:
         """Journal a frame. A repeated (owner_id, seq) answers duplicate=True and changes nothing.
         For an invocation with ``attempt`` given, refused when that attempt is superseded."""
+        ...
+
+    def append_frames(
+        self,
+        invocation_id: str,
+        attempt: int,
+        frames: Sequence[tuple[int, bytes, bool]],
+        *,
+        worker_id: str | None = None,
+    ) -> list[ChunkResult]:
+        """Journal a batch ``(seq, data, final)`` of one attempt in one transaction, in order: one
+        result per frame (stored, or ``duplicate`` for a seq already journaled). A gap, a frame after
+        the final one, a superseded attempt or another worker refuse the whole batch: every result
+        ``ok=False`` with the reason, nothing stored."""
         ...
 
     def read_frames(self, owner_id: str, since: int = -1, limit: int = 1000) -> list[Frame]: ...

@@ -6,6 +6,11 @@ repeated seq answers ``duplicate`` and keeps the first bytes. Frames of an invoc
 without ``attempt``; with it, only from the current attempt (also after that attempt was acked, so a
 late journal upload is kept). ``read_frames`` pages by seq.
 
+``append_frames`` journals a batch of one invocation's frames in one transaction, in order: each
+frame is either a repeat of a seq already journaled (``duplicate``) or the next seq after the
+newest one (stored); a gap, a new frame after a final one, a superseded attempt or another worker
+refuse the whole batch (nothing is stored). New frames are inserted with one ``executemany``.
+
 Topics: ``topic_append`` takes the next seq from the ``topics`` counter (an upsert, so concurrent
 posters never share a seq) and journals the frame under ``topic:<name>``, built here as plain
 msgpack (the store does not import the wire codec).
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -45,6 +51,13 @@ class _Statements:
             .on_conflict_do_nothing()
             .returning(f.c.seq)
         )
+        self.owner_of = sa.select(inv.c.attempt, inv.c.worker_id).where(inv.c.invocation_id == B("id"))
+        self.newest_frame = (
+            sa.select(f.c.seq, f.c.final).where(f.c.owner_id == B("owner")).order_by(f.c.seq.desc()).limit(1)
+        )
+        self.insert_new = sa.insert(f).values(
+            owner_id=B("owner"), seq=B("seq"), data=B("data"), final=B("final"), created_at=B("now")
+        )
         self.read_frames = (
             sa.select(f.c.seq, f.c.data, f.c.final)
             .where(f.c.owner_id == B("owner"), f.c.seq > B("since"))
@@ -60,6 +73,10 @@ class _Statements:
         self.topic_frame = sa.insert(f).values(
             owner_id=B("owner"), seq=B("seq"), data=B("data"), final=B("final"), created_at=B("now")
         )
+
+
+class _Refused(Exception):
+    """A batch of frames refused as a whole: rolls its transaction back."""
 
 
 @functools.cache
@@ -105,6 +122,75 @@ class FrameStore(StoreBase):
             return ChunkResult(ok=True, seq=seq, duplicate=True)
         self._notify(owner_id if owner_id.startswith(TOPIC_PREFIX) else f"inv:{owner_id}")
         return ChunkResult(ok=True, seq=seq)
+
+    def append_frames(
+        self,
+        invocation_id: str,
+        attempt: int,
+        frames: Sequence[tuple[int, bytes, bool]],
+        *,
+        worker_id: str | None = None,
+    ) -> list[ChunkResult]:
+        """Journal ``frames`` (``(seq, data, final)``, in seq order) of one attempt in one
+        transaction; one result per frame, as the module docstring says. A refused batch answers
+        every frame ``ok=False`` with the reason, which starts with ``unknown`` for an unknown
+        invocation."""
+        if not frames:
+            return []
+        st = self._frame_st
+        results: list[ChunkResult] = []
+        try:
+            with self.db.tx(write=True) as conn:
+                row = conn.execute(st.owner_of, {"id": invocation_id}).first()
+                if row is None:
+                    raise _Refused(f"unknown invocation {invocation_id}")
+                if row.attempt != attempt:
+                    raise _Refused(
+                        f"attempt {attempt} of {invocation_id} was superseded by attempt {row.attempt}"
+                    )
+                if worker_id is not None and row.worker_id is not None and row.worker_id != worker_id:
+                    raise _Refused(f"invocation {invocation_id} is claimed by another worker")
+                newest = conn.execute(st.newest_frame, {"owner": invocation_id}).first()
+                last = -1 if newest is None else int(newest.seq)
+                journaled = last
+                closed = newest is not None and bool(newest.final)
+                now = time.time()
+                fresh: list[dict[str, Any]] = []
+                for seq, data, final in frames:
+                    if seq < 0:
+                        raise PlaneError(f"frame seq must be >= 0, got {seq}", status=400)
+                    params = {
+                        "owner": invocation_id,
+                        "seq": seq,
+                        "data": bytes(data),
+                        "final": bool(final),
+                        "now": now,
+                    }
+                    if seq <= journaled:  # a repeat of a journaled seq (the insert fills a legacy gap)
+                        added = conn.execute(st.insert_frame, params).first()
+                        results.append(ChunkResult(ok=True, seq=seq, duplicate=added is None))
+                        continue
+                    if seq <= last:  # a repeat of a frame earlier in this batch
+                        results.append(ChunkResult(ok=True, seq=seq, duplicate=True))
+                        continue
+                    if closed:
+                        raise _Refused(
+                            f"the stream of {invocation_id} was closed by its final frame {last}; frame {seq} refused"
+                        )
+                    if seq != last + 1:
+                        raise _Refused(
+                            f"frame {seq} of {invocation_id} is out of order: the next seq is {last + 1}"
+                        )
+                    fresh.append(params)
+                    results.append(ChunkResult(ok=True, seq=seq))
+                    last, closed = seq, bool(final)
+                if fresh:
+                    conn.execute(st.insert_new, fresh)
+        except _Refused as refused:
+            return [ChunkResult(ok=False, seq=seq, reason=str(refused)) for seq, _data, _final in frames]
+        if any(not r.duplicate for r in results):
+            self._notify(f"inv:{invocation_id}")
+        return results
 
     def read_frames(self, owner_id: str, since: int = -1, limit: int = 1000) -> list[Frame]:
         params = {"owner": owner_id, "since": since, "limit": max(0, limit)}
