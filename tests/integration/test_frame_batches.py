@@ -65,15 +65,16 @@ def test_a_batch_is_journaled_in_order_and_answers_per_seq(control_plane: Contro
     assert cp.daemon("/v1/daemon/result-chunk", single) == (200, {"ok": True, "seq": 3, "duplicate": True})
 
 
-def test_a_batch_that_breaks_the_order_is_refused_whole(control_plane: ControlPlane) -> None:
+def test_a_batch_that_breaks_the_order_is_refused_from_there(control_plane: ControlPlane) -> None:
     cp = control_plane
     inv, worker = _claimed(cp)
     assert _batch(cp, inv, worker, [0, 1])[0] == 200
-    status, out = _batch(cp, inv, worker, [2, 4])  # a gap
+    status, out = _batch(cp, inv, worker, [2, 4, 5])  # a gap: 2 is kept, 4 and 5 are refused
     assert status == 409 and out["ok"] is False and "next seq is 3" in out["error"]
+    assert _answers(out) == [(2, False)]
     status, out = _batch(cp, inv, worker, [5])
-    assert status == 409 and "out of order" in out["error"]
-    assert [f.seq for f in cp.store.read_frames(inv)] == [0, 1]  # nothing of a refused batch
+    assert status == 409 and "out of order" in out["error"] and out["results"] == []
+    assert [f.seq for f in cp.store.read_frames(inv)] == [0, 1, 2]
     assert _batch(cp, inv, worker, [2, 3], kinds={3: wire.FRAME_ERROR})[0] == 200
     status, out = _batch(cp, inv, worker, [3, 4])  # after the final frame
     assert status == 409 and "closed by its final frame 3" in out["error"]

@@ -315,9 +315,10 @@ async def result_chunks(
 ) -> tuple[int, dict[str, Any]]:
     """Journal a batch ``{invocation_id, attempt, worker_id, frames: [bytes, ...]}`` of one attempt
     in one transaction and answer ``{ok, results: [{seq, duplicate}]}`` in the order sent. Each
-    frame is a repeat of a seq already journaled (``duplicate``) or the next seq; a gap, a frame
-    after the final one, another worker or a superseded attempt refuse the whole batch (409,
-    nothing journaled; 404 for an unknown invocation). Frames whose kind is END or ERROR close
+    frame is a repeat of a seq already journaled (``duplicate``) or the next seq. A gap or a frame
+    after the final one is refused with the rest of the batch: 409 ``{ok: false, error, results}``
+    with the results of the frames kept before it. Another worker or a superseded attempt refuse
+    the whole batch (409), an unknown invocation is a 404. Frames whose kind is END or ERROR close
     the stream."""
     invocation_id = http.ulid_field(body, "invocation_id")
     assert invocation_id is not None
@@ -335,21 +336,22 @@ async def result_chunks(
         frame = _frame(data, f"frames[{i}]")
         batch.append((frame.seq, data, frame.final))
     results = await ctx.call(ctx.store.append_frames, invocation_id, attempt, batch, worker_id=worker_id)
-    refused = next((r for r in results if not r.ok), None)
-    if refused is not None:
-        reason = refused.reason or "frames refused"
-        if reason.startswith("unknown"):
-            raise HTTPError(404, reason, ok=False)
-        log.info("frames of %s refused: %s", invocation_id, reason)
-        return 409, {"ok": False, "error": reason}
-    fresh = [item for item, r in zip(batch, results, strict=True) if not r.duplicate]
+    kept = [r for r in results if r.ok]
+    fresh = [item for item, r in zip(batch, results, strict=False) if r.ok and not r.duplicate]
     ctx.metrics.chunks.labels(duplicate="false").inc(len(fresh))
     if len(fresh) < len(batch):
         ctx.metrics.chunks.labels(duplicate="true").inc(len(batch) - len(fresh))
     if fresh:
         ctx.wake.notify(f"inv:{invocation_id}")
         await _publish(ctx, invocation_id, fresh)
-    return 200, {"ok": True, "results": [{"seq": r.seq, "duplicate": r.duplicate} for r in results]}
+    answers = [{"seq": r.seq, "duplicate": r.duplicate} for r in kept]
+    if len(kept) < len(results):
+        reason = results[len(kept)].reason or "frames refused"
+        if reason.startswith("unknown"):
+            raise HTTPError(404, reason, ok=False)
+        log.info("frames of %s refused: %s", invocation_id, reason)
+        return 409, {"ok": False, "error": reason, "results": answers}
+    return 200, {"ok": True, "results": answers}
 
 
 async def _publish(ctx: Context, invocation_id: str, items: list[tuple[int, bytes, bool]]) -> None:

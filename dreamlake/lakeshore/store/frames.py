@@ -8,8 +8,9 @@ late journal upload is kept). ``read_frames`` pages by seq.
 
 ``append_frames`` journals a batch of one invocation's frames in one transaction, in order: each
 frame is either a repeat of a seq already journaled (``duplicate``) or the next seq after the
-newest one (stored); a gap, a new frame after a final one, a superseded attempt or another worker
-refuse the whole batch (nothing is stored). New frames are inserted with one ``executemany``.
+newest one (stored). A gap or a new frame after a final one refuses that frame and the rest of the
+batch (the frames before it are kept); a superseded attempt or another worker refuse the whole
+batch. New frames are inserted with one ``executemany``.
 
 Topics: ``topic_append`` takes the next seq from the ``topics`` counter (an upsert, so concurrent
 posters never share a seq) and journals the frame under ``topic:<name>``, built here as plain
@@ -132,9 +133,9 @@ class FrameStore(StoreBase):
         worker_id: str | None = None,
     ) -> list[ChunkResult]:
         """Journal ``frames`` (``(seq, data, final)``, in seq order) of one attempt in one
-        transaction; one result per frame, as the module docstring says. A refused batch answers
-        every frame ``ok=False`` with the reason, which starts with ``unknown`` for an unknown
-        invocation."""
+        transaction; one result per frame, as the module docstring says. A refused frame and those
+        after it answer ``ok=False`` with the reason (the reason starts with ``unknown`` for an
+        unknown invocation)."""
         if not frames:
             return []
         st = self._frame_st
@@ -156,6 +157,7 @@ class FrameStore(StoreBase):
                 closed = newest is not None and bool(newest.final)
                 now = time.time()
                 fresh: list[dict[str, Any]] = []
+                broken: str | None = None
                 for seq, data, final in frames:
                     if seq < 0:
                         raise PlaneError(f"frame seq must be >= 0, got {seq}", status=400)
@@ -174,13 +176,15 @@ class FrameStore(StoreBase):
                         results.append(ChunkResult(ok=True, seq=seq, duplicate=True))
                         continue
                     if closed:
-                        raise _Refused(
-                            f"the stream of {invocation_id} was closed by its final frame {last}; frame {seq} refused"
+                        broken = f"the stream of {invocation_id} was closed by its final frame {last}; frame {seq} refused"
+                    elif seq != last + 1:
+                        broken = f"frame {seq} of {invocation_id} is out of order: the next seq is {last + 1}"
+                    if broken is not None:  # this frame and the rest are refused; what came before is kept
+                        results.extend(
+                            ChunkResult(ok=False, seq=s, reason=broken)
+                            for s, _d, _f in frames[len(results) :]
                         )
-                    if seq != last + 1:
-                        raise _Refused(
-                            f"frame {seq} of {invocation_id} is out of order: the next seq is {last + 1}"
-                        )
+                        break
                     fresh.append(params)
                     results.append(ChunkResult(ok=True, seq=seq))
                     last, closed = seq, bool(final)
@@ -188,7 +192,7 @@ class FrameStore(StoreBase):
                     conn.execute(st.insert_new, fresh)
         except _Refused as refused:
             return [ChunkResult(ok=False, seq=seq, reason=str(refused)) for seq, _data, _final in frames]
-        if any(not r.duplicate for r in results):
+        if any(r.ok and not r.duplicate for r in results):
             self._notify(f"inv:{invocation_id}")
         return results
 
