@@ -16,7 +16,7 @@ from tests.conftest import ROOT
 CASES = {
     "backlog": ["--quick", "--reps", "3", "--backends", "sqlite-memory"],
     "control_plane": ["--daemons", "2", "--jobs", "8", "--rounds", "3"],
-    "streams": ["--frames", "20"],
+    "streams": ["--frames", "20", "--nymph-frames", "50", "--blobs", "2", "--first-runs", "2"],
     "store": ["--reps", "5", "--opens", "1", "--backends", "sqlite-memory"],
 }
 

@@ -92,6 +92,10 @@ class Subscription(Protocol):
         """The next ``(seq, data, final)``, or None on timeout, lag or a dead backend."""
         ...
 
+    def ready(self) -> int:
+        """How many items ``get`` can return without waiting (a follower batches them)."""
+        ...
+
     async def aclose(self) -> None:
         """Stop receiving; idempotent."""
         ...
@@ -136,6 +140,9 @@ class _BaseSubscription:
 
     async def get(self, timeout: float | None = None) -> Item | None:
         return await self._next(timeout)
+
+    def ready(self) -> int:
+        return 0
 
     async def _next(self, timeout: float | None) -> Item | None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -189,6 +196,9 @@ class LocalSubscription(_BaseSubscription):
                         self.owner_id, self._queue.maxsize, self._max_bytes)  # fmt: skip
         self._queue.put_nowait(item)
         self._bytes += size
+
+    def ready(self) -> int:
+        return self._queue.qsize()
 
     def _take(self) -> Item:
         item = self._queue.get_nowait()
@@ -288,6 +298,9 @@ class RedisSubscription(_BaseSubscription):
     @property
     def live(self) -> bool:
         return not (self._closed or self._failed)
+
+    def ready(self) -> int:
+        return len(self._buffer)
 
     async def __aenter__(self) -> RedisSubscription:
         await self._start()

@@ -1,6 +1,7 @@
 """Frame streams: ``GET .../result/stream`` and ``GET /v1/producer/topics/:name/stream``.
 
-Frames are written verbatim (``application/x-msgpack-stream``, no delimiter). A follower first
+Frames are written verbatim (``application/x-msgpack-stream``, no delimiter), those already at
+hand together in one chunk (a journal page, or what waits in the live buffer). A follower first
 subscribes to the live fan-out of its owner (one subscription, one bounded buffer, per follower:
 :mod:`~dreamlake.lakeshore.server.fanout`; in process, or over Redis across replicas), then replays
 the journal from ``since``, then takes frames from the subscription in memory, skipping seqs it has
@@ -29,6 +30,7 @@ from dreamlake.lakeshore.store.api import TERMINAL_STATES
 log = logging.getLogger(__name__)
 
 PAGE = 1000
+CHUNK = 256 * 1024  # frames waiting in a follower's buffer go out together, up to this many bytes
 
 
 class _Cursor:
@@ -48,14 +50,17 @@ class _Cursor:
 
 
 async def _replay(ctx: Context, owner_id: str, cur: _Cursor) -> AsyncIterator[bytes]:
-    """The journal's frames after the cursor, page by page, until the end or a final frame."""
+    """The journal's frames after the cursor, a page per chunk, until the end or a final frame."""
     while not cur.done:
         frames = await ctx.call(ctx.store.read_frames, owner_id, cur.last, PAGE)
+        chunk: list[bytes] = []
         for frame in frames:
             if cur.take(frame.seq, frame.final):
-                yield frame.data
+                chunk.append(frame.data)
                 if cur.done:
-                    return
+                    break
+        if chunk:
+            yield b"".join(chunk)
         if len(frames) < PAGE:
             return
 
@@ -110,15 +115,25 @@ async def follow(
             if item is None:  # silence, lag or a dead backend: the journal knows
                 stale = True
                 continue
-            seq, data, final = item
-            if seq == POKE or seq > cur.last + 1:  # a poke, or a gap: re-read the journal
-                stale = True
-                continue
-            if seq <= cur.last:
-                continue
-            cur.take(seq, final)
-            idle_until = time.monotonic() + timeout
-            yield data
+            chunk: list[bytes] = []
+            size = 0
+            while True:  # this item and those already waiting, sent as one chunk
+                seq, data, final = item
+                if seq == POKE or seq > cur.last + 1:  # a poke, or a gap: re-read the journal
+                    stale = True
+                    break
+                if cur.take(seq, final):
+                    chunk.append(data)
+                    size += len(data)
+                if cur.done or size >= CHUNK or not sub.ready():
+                    break
+                item = await sub.get(timeout=0)
+                if item is None:  # a lag: the journal knows
+                    stale = True
+                    break
+            if chunk:
+                idle_until = time.monotonic() + timeout
+                yield b"".join(chunk)
 
 
 async def _follow_journal(
