@@ -2,7 +2,8 @@
 
 Kinds (docs/protocol.md): ``admin`` may call everything; ``producer`` ``/v1/producer/*``; ``daemon``
 ``/v1/daemon/*`` plus publishing exec results and presigning; ``namespace`` only its own
-``/v1/namespaces/<ns>/*``. A daemon token bound to a namespace is held to that namespace too.
+``/v1/namespaces/<ns>/*``; ``metrics`` only ``GET /metrics`` (read-only, for a scraper). A daemon
+token bound to a namespace is held to that namespace too.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dreamlake.lakeshore.store.api import Principal
 
 log = logging.getLogger(__name__)
 
-KINDS = ("admin", "producer", "daemon", "namespace")
+KINDS = ("admin", "producer", "daemon", "namespace", "metrics")
 
 _CACHE_TTL_S = 30.0
 _CACHE_MAX = 4096

@@ -55,7 +55,7 @@ EXEC_LEASE_EXPIRED: bytes = msgpack.packb(
     use_bin_type=True,
 )
 TOKEN_PREFIX = "lsk_"
-TOKEN_KINDS = frozenset({"admin", "producer", "daemon", "namespace"})
+TOKEN_KINDS = frozenset({"admin", "producer", "daemon", "namespace", "metrics"})
 
 
 def _sha256(secret: str) -> str:

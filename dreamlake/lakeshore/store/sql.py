@@ -13,7 +13,8 @@ Choices the seed leaves open, made here:
 - frames of an invocation are accepted without ``attempt``; with it, only from the current attempt
   (also after that attempt was acked, so a late journal upload is kept).
 
-Tokens, namespaces, workers and exec jobs live in ``side.py`` (mixed in here).
+Tokens, namespaces, workers and exec jobs live in ``side.py``, the operators' read-only views in
+``listing.py`` (both mixed in here).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from .api import (
     SubmitResult,
 )
 from .engine import Database, migrate
+from .listing import ListingMixin
 from .notify import Notifier
 from .side import EXEC_LEASE_EXPIRED, SideMixin, exec_body
 
@@ -300,7 +302,7 @@ def _statements(dialect: str) -> _Statements:
     return st
 
 
-class SqlStore(SideMixin):
+class SqlStore(SideMixin, ListingMixin):
     """The Store protocol over SQLite (file or ``:memory:``) or PostgreSQL."""
 
     def __init__(self, url: str, *, notifier: Notifier | None = None, migrate_schema: bool = True) -> None:
