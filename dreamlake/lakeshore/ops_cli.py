@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from dreamlake.lakeshore.errors import LakeshoreError, NotFound
+from dreamlake.lakeshore.humanize import age, duration, when
 
 if TYPE_CHECKING:
     from dreamlake.lakeshore.dispatch.http import HttpDispatch
@@ -43,30 +44,6 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
         padded = [c.ljust(w) for c, w in zip(row[:-1], widths[:-1], strict=True)] + [row[-1]]
         lines.append("  ".join(padded).rstrip())
     return "\n".join(lines)
-
-
-def age(seconds: float | None) -> str:
-    """``45s``, ``12m``, ``3h``, ``2d``; ``-`` for None."""
-    if seconds is None:
-        return "-"
-    seconds = max(0.0, seconds)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.0f}{unit}"
-    return f"{seconds:.0f}s"
-
-
-def when(ts: float | None) -> str:
-    if ts is None:
-        return "-"
-    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
-
-
-def duration(start: float | None, end: float | None) -> str:
-    if start is None:
-        return "-"
-    span = (end if end is not None else time.time()) - start
-    return f"{span:.2f}s" if span < 60 else age(span)
 
 
 def parse_since(value: str | None, now: float | None = None) -> float | None:

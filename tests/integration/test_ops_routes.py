@@ -267,3 +267,26 @@ def test_submit_to_an_unserved_queue_warns(sqlite_control_plane: ControlPlane) -
     _register(cp, ["mnie"])  # a worker for it appears: no more warning, at once
     _, out = _submit(cp, cp.producer_token, "mnie")
     assert "warning" not in out
+
+
+@pytest.mark.parametrize(
+    "kind,ok,says",
+    [
+        ("daemon", True, "accepted as a daemon token"),
+        ("admin", True, "it is an admin token"),
+    ],
+)
+def test_nymph_doctor_names_the_token_kind(
+    sqlite_control_plane: ControlPlane, tmp_path: Any, kind: str, ok: bool, says: str
+) -> None:
+    from nymph import config as nymph_config
+    from nymph.doctor import run_checks
+
+    cp = sqlite_control_plane
+    token = {"daemon": cp.daemon_token, "admin": cp.admin_token}[kind]
+    cfg = nymph_config.resolve(
+        {"server": cp.url, "token": token, "workdir": tmp_path / "w", "state_dir": tmp_path / "s"}, environ={}
+    )
+    (check,) = [c for c in run_checks(cfg) if c.name == "token"]
+    assert check.ok is ok and says in check.detail
+    assert "accepted as a daemon token" not in check.detail or kind == "daemon"

@@ -19,7 +19,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from dreamlake.lakeshore.server import daemon, namespaces, ops, producer, streams
 from dreamlake.lakeshore.server import http as h
@@ -27,6 +27,7 @@ from dreamlake.lakeshore.server.auth import require_kind, require_namespace
 from dreamlake.lakeshore.server.config import ServerConfig
 from dreamlake.lakeshore.server.context import Context, store_dialect
 from dreamlake.lakeshore.server.http import HTTPError
+from dreamlake.lakeshore.server.ui import Dashboard
 from dreamlake.lakeshore.store.api import Principal, Store
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ class Routes:
         del principal
         return h.json_response(await namespaces.pin(self.ctx, ns, await self._json(request)))
 
-    def table(self) -> list[Route]:
+    def table(self) -> list[BaseRoute]:
         g = _guard
         return [
             Route("/healthz", g(self.healthz), methods=["GET"]),
@@ -214,6 +215,7 @@ class Routes:
             Route("/v1/namespaces/{ns}/payloads/presign", g(self.presign), methods=["POST"]),
             Route("/v1/namespaces/{ns}/pin", g(self.pin), methods=["PUT"]),
             *ops.OpsRoutes(self.ctx).table(g),
+            *Dashboard(self.ctx).table(),
         ]
 
 

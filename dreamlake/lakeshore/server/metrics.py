@@ -3,7 +3,7 @@
 Counters and histograms count what this replica did. The gauges (queue depth, oldest queued age,
 live workers, invocations by state) describe the store, shared by every replica: ``GET /metrics``
 reads them from the store just before rendering (:meth:`Metrics.observe_store`), so any replica
-answers the same and an autoscaler (KEDA, packaging/k8s/keda-scaledobject.yaml) can scale on
+answers the same and an autoscaler (KEDA: packaging/keda/scaledobject.yaml) can scale on
 ``lakeshore_queue_depth{state="queued"}``.
 """
 
