@@ -3,19 +3,37 @@
 Layout (one concern per module)::
 
     cli.py        the ``nymph`` console script (start, doctor, runners); resolves config once
+    __main__.py   ``python -m nymph``: the console script
     config.py     NymphConfig: flags over NYMPH_* environment over a TOML file
+    errors.py     the exception hierarchy (drawn in its docstring)
     client.py     the typed control-plane client; the one place that decides what is retryable
     identity.py   the worker id (a ULID kept in the state directory)
-    agent.py      registration, the poll loop, dispatch of commands, shutdown and version pinning
+
+    agent.py      the agent: registration, the threads, shutdown; wires the pieces below
+    poller.py     the long-poll loop (claims only while a slot is free) and the retry policy
+    jobs.py       the one table of jobs (invocations and exec jobs) and the commands about them
+    health.py     the runner's health (no claims while it cannot work) and the outbox watchdog
+    recovery.py   when to reconcile a previous life's work, and its leases meanwhile
+    upgrade.py    version pinning: drain, then exit 75 or install the pinned version and re-exec
+    heartbeat.py  lease renewal; its answers carry cancel commands, lost ids and the pin
+    sdnotify.py   systemd notifications (ready, status, watchdog, stopping)
+
+    lifecycle.py  the one supervised job lifecycle: claimed, prepared, started, running, settled
+    job.py        one invocation: gates, GPUs, workdir, pump, ack (a lifecycle specialisation)
+    execjob.py    one namespace exec job: payload, command, result (a lifecycle specialisation)
     slots.py      concurrency slots and GPU assignment
-    job.py        one invocation: gates, workdir, runner start, pump, wait, timeout/cancel, ack
+    gpus.py       the host's GPUs (NVML or nvidia-smi) and the pool they are assigned from
     workdir.py    the workdir contract on nymph's side (create, args, outputs, cleanup)
     pump.py       tails the frame journal (and script logs) into the outbox as frames appear
     outbox.py     the durable outbox: acks and frames on disk until the control plane confirms
-    heartbeat.py  lease renewal, cancel commands, lost invocations
     reconcile.py  re-attach to or report what a previous life left behind
-    doctor.py     ``nymph doctor``: checks with what to fix
+
     runner.py     the Runner contract that runner plugins implement
+    plugins.py    loading runner plugins (entry-point group ``nymph.runners``) and validating them
+    runnerkit.py  helpers runners share (image allow-list, log tails, the entry's interpreter)
+    resources.py  ``run_config.resources`` sizes, read one way for every runner
+    doctor.py     ``nymph doctor``: checks with what to fix
+    observability.py  logs (text or JSON lines, the job's id on each), metrics, /healthz
 """
 
 from __future__ import annotations

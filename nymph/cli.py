@@ -14,7 +14,8 @@ from typing import Any
 
 import click
 
-from nymph.config import ConfigError, NymphConfig, resolve
+from nymph.config import NymphConfig, resolve
+from nymph.errors import ConfigError, RunnerLoadError
 
 
 def _options(fn: Any) -> Any:
@@ -77,7 +78,7 @@ def start(**kwargs: Any) -> None:
     cfg = _resolve(kwargs)
     from nymph.agent import Agent
     from nymph.observability import configure_logging
-    from nymph.plugins import RunnerLoadError, load_runner
+    from nymph.plugins import load_runner
 
     configure_logging(cfg.log_format, cfg.log_level)
     if cfg.log_level.upper() != "DEBUG":  # one line per poll is noise; our own lines say what matters

@@ -26,9 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-class ConfigError(Exception):
-    """The configuration is incomplete or malformed; the message says which setting and why."""
+from nymph.errors import ConfigError as ConfigError  # re-exported: raised here
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,8 @@ def _token(cfg: NymphConfig, client: ControlPlaneClient) -> Check:
 
 
 def _runner(cfg: NymphConfig) -> Check:
-    from nymph.plugins import RunnerLoadError, load_runner
+    from nymph.errors import RunnerLoadError
+    from nymph.plugins import load_runner
     from nymph.runner import RunnerUnavailable
 
     try:

@@ -1,8 +1,14 @@
 """nymph's logs, metrics and health endpoint.
 
 - :func:`configure_logging` sets up the root logger once, from the CLI: human text or JSON lines
-  (``ts``, ``level``, ``logger``, ``msg``, and ``invocation_id`` when the record carries one).
-- :class:`InvocationAdapter` attaches an invocation id to every line logged about it.
+  (``ts``, ``level``, ``logger``, ``msg``, and ``invocation_id`` / ``exec_id`` when the line is
+  about one).
+- :func:`log_context` says which job the lines logged inside it are about: every job runs its
+  lifecycle inside one (:mod:`nymph.lifecycle`), so every line its thread logs, from nymph, the
+  pump, the outbox or the runner, carries the job's id; the agent wraps what it logs about a job
+  from other threads (a cancel, a lost lease) the same way. :class:`JobContextFilter`, installed
+  on the handler by :func:`configure_logging`, copies the ids onto each record.
+- :class:`InvocationAdapter` attaches an invocation id to the lines of one logger.
 - The Prometheus metrics live in their own :data:`REGISTRY` (not the process-global default), so
   ``/metrics`` shows nymph's metrics only and tests do not collide.
 - :func:`start_health_server` serves ``GET /healthz`` and ``GET /metrics`` from a small stdlib
@@ -11,11 +17,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import logging
 import sys
 import threading
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -33,10 +41,41 @@ log = logging.getLogger(__name__)
 # --- logging ---------------------------------------------------------------------------------------
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+CONTEXT_FIELDS = ("invocation_id", "exec_id")  # the ids a line can be about, in JSON output
+
+# the ids of the current log context, as (field, id) pairs
+_context: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.ContextVar(
+    "nymph_log_context", default=()
+)
+
+
+@contextlib.contextmanager
+def log_context(**ids: str) -> Iterator[None]:
+    """Every line logged inside (in this thread) is about ``ids`` (``invocation_id=`` / ``exec_id=``)."""
+    unknown = set(ids) - set(CONTEXT_FIELDS)
+    if unknown:
+        raise ValueError(
+            f"log context fields are {', '.join(CONTEXT_FIELDS)}, not {', '.join(sorted(unknown))}"
+        )
+    token = _context.set(tuple({**dict(_context.get()), **ids}.items()))
+    try:
+        yield
+    finally:
+        _context.reset(token)
+
+
+class JobContextFilter(logging.Filter):
+    """Copy the ids of the current :func:`log_context` onto each record (an explicit one wins)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for name, value in _context.get():
+            if getattr(record, name, None) is None:
+                setattr(record, name, value)
+        return True
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: ts (epoch seconds), level, logger, msg, invocation_id?, exc?."""
+    """One JSON object per line: ts (epoch seconds), level, logger, msg, invocation_id?, exec_id?, exc?."""
 
     def format(self, record: logging.LogRecord) -> str:
         doc: dict[str, Any] = {
@@ -45,9 +84,10 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        invocation_id = getattr(record, "invocation_id", None)
-        if invocation_id is not None:
-            doc["invocation_id"] = invocation_id
+        for name in CONTEXT_FIELDS:
+            value = getattr(record, name, None)
+            if value is not None:
+                doc[name] = value
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
         return json.dumps(doc, default=str)
@@ -59,6 +99,7 @@ def configure_logging(fmt: str = "text", level: str | int = "INFO", stream: Any 
         raise ValueError(f"log format must be 'text' or 'json', not {fmt!r}")
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.addFilter(JobContextFilter())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

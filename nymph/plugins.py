@@ -8,9 +8,15 @@ a third-party distribution would register one::
 
 Plugins are loaded lazily, by name, and validated when they load (as pluggy does): the object must
 be a class whose ``name`` matches the entry-point name, whose ``capabilities`` is a
-:class:`~nymph.runner.Capabilities`, and which has every method of the
-:class:`~nymph.runner.Runner` protocol. The distribution a plugin came from is recorded, so every
-error names the plugin, where it came from and what is wrong with it.
+:class:`~nymph.runner.Capabilities`, which has every method of the :class:`~nymph.runner.Runner`
+protocol (:data:`REQUIRED_METHODS`), and the method of every optional feature its capabilities
+declare (``list_labelled``, ``reap_orphans``). The distribution a plugin came from is recorded, so
+every error names the plugin, where it came from and what is wrong with it.
+
+Runners written before ``close()`` joined the protocol still load: a class without it is given a
+no-op one (a subclass of the same name; :data:`OPTIONAL_METHODS`). A class with an optional
+feature's method whose capabilities do not declare it is loaded with a warning: nymph reads
+features only from ``capabilities`` and will not call that method.
 
 A broken plugin (it fails to import, has the wrong shape, or its ``check()`` fails) is reported,
 never fatal: :func:`load_runner` raises :class:`RunnerLoadError` for the one runner asked for, and
@@ -24,17 +30,19 @@ import inspect
 import logging
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
+from typing import Any
 
+from nymph.errors import RunnerLoadError as RunnerLoadError  # re-exported: raised here
 from nymph.runner import Capabilities, Runner, RunnerUnavailable
 
 log = logging.getLogger(__name__)
 
 GROUP = "nymph.runners"
 REQUIRED_METHODS = ("check", "start", "wait", "stop", "destroy", "inspect", "recover")
-
-
-class RunnerLoadError(Exception):
-    """A runner plugin could not be loaded; the message names it, its distribution and the problem."""
+#: Protocol methods added after the first plugins were written: a class without one gets a no-op.
+OPTIONAL_METHODS = ("close",)
+#: The method each optional feature of Capabilities needs.
+FEATURE_METHODS = {"list_labelled": "list_labelled", "reap_orphans": "reap_orphans"}
 
 
 @dataclass(frozen=True)
@@ -91,12 +99,42 @@ def _shape_problem(obj: object, name: str) -> str | None:
         return "has no string attribute 'name'"
     if declared != name:
         return f"declares name {declared!r} but is registered as {name!r} (handles would not re-attach)"
-    if not isinstance(getattr(obj, "capabilities", None), Capabilities):
+    caps = getattr(obj, "capabilities", None)
+    if not isinstance(caps, Capabilities):
         return "has no 'capabilities' attribute of type nymph.runner.Capabilities"
     missing = [m for m in REQUIRED_METHODS if not callable(getattr(obj, m, None))]
     if missing:
         return f"lacks the Runner method(s) {', '.join(missing)}"
+    for feature, method in FEATURE_METHODS.items():
+        if getattr(caps, feature) and not callable(getattr(obj, method, None)):
+            return f"declares capabilities.{feature} but has no {method}() method"
     return None
+
+
+def _completed(cls: type[Any], origin: str) -> type[Any]:
+    """``cls``, or a subclass of the same name with a no-op for each missing optional method.
+
+    Also warns about a feature method its capabilities leave undeclared (it will not be called).
+    """
+    for feature, method in FEATURE_METHODS.items():
+        if callable(getattr(cls, method, None)) and not getattr(cls.capabilities, feature):
+            log.warning(
+                "%s has %s() but its capabilities do not declare %s=True: nymph will not call it",
+                origin,
+                method,
+                feature,
+            )
+    missing = [m for m in OPTIONAL_METHODS if not callable(getattr(cls, m, None))]
+    if not missing:
+        return cls
+    log.debug("%s has no %s(): using a no-op", origin, ", ".join(missing))
+    namespace: dict[str, Any] = {m: _noop for m in missing}
+    namespace.update(__module__=cls.__module__, __qualname__=cls.__qualname__, __doc__=cls.__doc__)
+    return type(cls.__name__, (cls,), namespace)
+
+
+def _noop(self: object) -> None:
+    """Nothing to release (the plugin predates ``close()``)."""
 
 
 def _load(ep: EntryPoint) -> type[Runner]:
@@ -107,7 +145,7 @@ def _load(ep: EntryPoint) -> type[Runner]:
     problem = _shape_problem(obj, ep.name)
     if problem is not None:
         raise RunnerLoadError(f"{_origin(ep)} is not a runner: it {problem}")
-    cls: type[Runner] = obj
+    cls: type[Runner] = _completed(obj, _origin(ep))
     return cls
 
 

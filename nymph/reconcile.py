@@ -6,6 +6,9 @@ For each ``{workdir}/{ULID}/``:
 * a persisted handle the runner can re-attach to (:meth:`Runner.recover`): supervised again
   (frames keep flowing, the wait, the ack) as if nothing happened;
 * a handle whose task is gone: its outputs are read and acked (frames not yet sent go first);
+* a handle of a runner that cannot re-attach (``Capabilities.recover`` False): ``recover`` is
+  never called; the task is destroyed (nobody would supervise it) and what it left is read and
+  acked like a gone task's;
 * a handle the runner cannot look at yet (``recover`` raises :class:`RunnerUnavailable`: the
   Docker engine is down): the job is resumed with ``alive=None`` and asks again, with backoff,
   until the runner answers; nothing is acked on a guess;
@@ -15,9 +18,11 @@ For each ``{workdir}/{ULID}/``:
   ``{type: "DaemonRestart"}``; the control plane decides about a retry;
 * nothing of nymph's at all: removed as an orphan, unless the outbox still holds a message for it.
 
-Runners that label what they start (docker, gvisor, kube) expose ``list_labelled(worker_id)``:
-every labelled task of this worker that no unsettled workdir claims (its workdir is gone or
-settled) is destroyed here, so no labelled container outlives a restart. When listing fails for
+Runners that label what they start (docker, gvisor, kube) declare ``Capabilities.list_labelled``
+and implement :class:`~nymph.runner.Labelling` (``list_labelled(worker_id)``); what a runner can
+do is read only from its capabilities, never guessed from its attributes. Every labelled task of
+this worker that no unsettled workdir claims (its workdir is gone or settled) is destroyed here, so
+no labelled container outlives a restart. When listing fails for
 another reason than an unavailable runner (a bug, a malformed answer), the workdirs are still
 reconciled, the failure is logged and the result says ``sweep_pending``: the agent calls
 :func:`sweep_labelled` again later, sparing the tasks of the jobs it runs by then.
@@ -28,12 +33,12 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import cast
 
 from dreamlake.lakeshore import ids
 from nymph import workdir as wd
 from nymph.job import Job, JobContext
-from nymph.runner import Handle, RunnerError, RunnerUnavailable
+from nymph.runner import Handle, Labelling, RunnerError, RunnerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +49,14 @@ def _key(handle: Handle) -> str:
 
 
 def _labelled(ctx: JobContext) -> list[Handle] | None:
-    """The runner's labelled tasks of this worker; None when the runner does not label.
+    """The runner's labelled tasks of this worker; None when it does not declare ``list_labelled``.
 
     Raises RunnerUnavailable: reconciliation waits for the runner (the agent retries).
     """
-    lister: Callable[..., Any] | None = getattr(ctx.runner, "list_labelled", None)
-    if not callable(lister):
+    if not ctx.runner.capabilities.list_labelled:
         return None
-    return [h for h in lister(ctx.worker_id) if isinstance(h, Handle)]
+    lister = cast(Labelling, ctx.runner)
+    return [h for h in lister.list_labelled(ctx.worker_id) if isinstance(h, Handle)]
 
 
 class Recovered(list[tuple[Job, bool | None]]):
@@ -124,14 +129,19 @@ def recover_all(ctx: JobContext) -> Recovered:
                 found.append((Job.attach(ctx, path, meta, None), False))
                 continue
             kept.add(_key(handle))
-            try:
-                alive = ctx.runner.recover(handle)
-            except RunnerUnavailable as exc:
-                log.warning("invocation %s: runner unavailable, re-attach deferred: %s", invocation_id, exc)
-                alive = None
-            except Exception as exc:
-                log.warning("invocation %s: recover failed: %s", invocation_id, exc)
-                alive = False
+            if not ctx.runner.capabilities.recover:
+                _destroy_unrecoverable(ctx, handle)
+            else:
+                try:
+                    alive = ctx.runner.recover(handle)
+                except RunnerUnavailable as exc:
+                    log.warning(
+                        "invocation %s: runner unavailable, re-attach deferred: %s", invocation_id, exc
+                    )
+                    alive = None
+                except Exception as exc:
+                    log.warning("invocation %s: recover failed: %s", invocation_id, exc)
+                    alive = False
         log.info(
             "invocation %s: left by a previous run (attempt %s): %s",
             invocation_id,
@@ -145,6 +155,23 @@ def recover_all(ctx: JobContext) -> Recovered:
         if _key(h) not in kept:
             _destroy_orphan(ctx, h)
     return found
+
+
+def _destroy_unrecoverable(ctx: JobContext, handle: Handle) -> None:
+    """Destroy a task its runner cannot re-attach to (``recover=False``): nobody would supervise it.
+
+    Best effort: the job collects what it left and destroys it again when it settles.
+    """
+    log.warning(
+        "invocation %s: runner %s cannot re-attach (capabilities.recover is False); its task is "
+        "destroyed and what it left is reported",
+        handle.invocation_id,
+        ctx.runner.name,
+    )
+    try:
+        ctx.runner.destroy(handle)
+    except RunnerError as exc:  # RunnerUnavailable too: the job's own destroy tries again
+        log.warning("invocation %s: could not destroy its task now: %s", handle.invocation_id, exc)
 
 
 def _destroy_orphan(ctx: JobContext, h: Handle) -> None:

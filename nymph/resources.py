@@ -1,37 +1,232 @@
-"""Reading ``run_config.resources`` values the same way in every runner that enforces limits.
+"""The one reader of ``run_config.resources``: every runner parses limits here, with one set of units.
 
-The docker, gvisor, kube and slurm runners each turn ``resources`` into their own form (docker SDK
-keywords, a pod's requests and limits, sbatch options); the values they read are the same, so they
-are parsed here once:
+A task asks for limits in ``run_config.resources``; a runner may add defaults of its own (its
+``cpus``, ``memory``, ``pids``, ``shm`` options). :func:`parse_resources` reads a task's mapping and
+:func:`parse_defaults` a runner's options into the same typed :class:`Resources`, which each runner
+turns into its own form (docker SDK keywords, a pod's requests and limits, sbatch options):
 
-- :func:`parse_size`: bytes (at least one) from a number or a string with an optional binary unit
-  (``1024``, ``512m``, ``1g``, ``2GiB``, ``512Mi``); ``k``/``m``/``g``/``t`` are powers of 1024.
+========== ====================================================== ==================================
+field      accepted                                               read as
+========== ====================================================== ==================================
+``cpus``   a positive number (``2``, ``1.5``, ``"1.5"``) or        millicores (``millicpus``), at
+           millicores (``"500m"``); alias ``cpu``                  least 1
+``memory`` bytes (``1073741824``) or a number with a binary unit   bytes, at least 1
+           (``64k``, ``512m``, ``1g``, ``1t``, ``512Mi``,
+           ``2GiB``): k/m/g/t and Ki/Mi/Gi/Ti are powers of 1024
+``pids``   a positive whole number (``1024``, ``"1024"``)           processes and threads of the task
+``shm``    a size, as ``memory``                                  bytes of ``/dev/shm``
+``gpus``   a whole number, 0 or more; alias ``nvidia.com/gpu``     a GPU count
+========== ====================================================== ==================================
 
-Every error is a :class:`~nymph.runner.RunnerError` that names the field and the value, so the
-invocation is acked ``failed`` with a message the producer can act on.
+A runner that cannot enforce a field names it in ``unsupported`` (field -> why); a task asking
+for it is refused. Every problem (a bad value, an unknown key, a field this runner cannot honour)
+is one :class:`ResourceError` with one message format, naming the runner, the field and what to do::
+
+    kube runner: run_config.resources.pids: not enforced by this runner (a pod cannot set its own
+    pids limit: the kubelet's podPidsLimit does); leave it out, or send the task to a nymph whose
+    runner enforces it
+
+A :class:`ResourceError` is a :class:`~nymph.runner.RunnerError`, so the invocation is acked
+``failed`` (type ``ResourceError``) with that message, before anything runs.
 """
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from nymph.runner import RunnerError
 
+__all__ = ["ALIASES", "FIELDS", "ResourceError", "Resources", "parse_defaults", "parse_resources"]
+
+#: The fields of ``run_config.resources``, in the order messages list them.
+FIELDS = ("cpus", "memory", "pids", "shm", "gpus")
+#: Other names accepted for a field (Kubernetes' own resource names).
+ALIASES = {"cpu": "cpus", "nvidia.com/gpu": "gpus"}
+TASK_SOURCE = "run_config.resources"
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+_MILLI = re.compile(r"^\s*(\d+)\s*m\s*$")
+_WHOLE = re.compile(r"^\s*\d+\s*$")
+_EXPECTED = {
+    "cpus": "a positive number of CPUs such as 2 or 1.5, or millicores such as '500m'",
+    "memory": "a positive size such as 512m, 1g or 512Mi",
+    "shm": "a positive size such as 512m, 1g or 512Mi",
+    "pids": "a positive whole number",
+    "gpus": "a whole number of GPUs (0 or more)",
+}
+_REFUSED_FIX = "leave it out, or send the task to a nymph whose runner enforces it"
 
 
-def parse_size(value: Any, what: str) -> int:
-    """Bytes from a positive int/float or a string such as ``512m``, ``1g``, ``2GiB``, ``512Mi``."""
-    if not isinstance(value, bool):
-        if isinstance(value, int | float):
-            if value >= 1:
-                return int(value)
-        elif isinstance(value, str):
-            match = _SIZE.match(value)
-            if match:
-                number = float(match.group(1)) * _UNITS[match.group(2).lower()]
-                if number >= 1:
-                    return int(number)
-    raise RunnerError(f"{what}: expected a positive size such as 512m, 1g or 512Mi, got {value!r}")
+class ResourceError(RunnerError):
+    """``run_config.resources`` (or a runner's default limits) cannot be honoured as given.
+
+    ``runner`` and ``field`` say where (``field`` is empty for the mapping as a whole), ``problem``
+    what is wrong and ``fix`` what to do; the message is always
+    ``"{runner} runner: {source}.{field}: {problem}; {fix}"``.
+    """
+
+    def __init__(self, runner: str, field: str, problem: str, fix: str, source: str = TASK_SOURCE) -> None:
+        self.runner, self.field, self.problem, self.fix = runner, field, problem, fix
+        where = f"{source}.{field}" if field else source
+        super().__init__(f"{runner} runner: {where}: {problem}; {fix}")
+
+
+@dataclass(frozen=True)
+class Resources:
+    """Parsed limits; None means "not asked for" (no limit, or the runner's default)."""
+
+    millicpus: int | None = None
+    memory: int | None = None  # bytes
+    pids: int | None = None
+    shm: int | None = None  # bytes
+    gpus: int | None = None
+
+    @property
+    def cpus(self) -> float | None:
+        """CPUs as a number (``1500`` millicores -> ``1.5``)."""
+        return None if self.millicpus is None else self.millicpus / 1000
+
+    def over(self, defaults: Resources) -> Resources:
+        """These values, each missing one taken from ``defaults``."""
+        missing = {f.name: getattr(defaults, f.name) for f in fields(self) if getattr(self, f.name) is None}
+        return replace(self, **missing)
+
+    def given(self) -> tuple[str, ...]:
+        """The fields that are set, by their ``run_config.resources`` names."""
+        return tuple(name for name in FIELDS if self._value(name) is not None)
+
+    def _value(self, name: str) -> int | None:
+        value: int | None = getattr(self, "millicpus" if name == "cpus" else name)
+        return value
+
+
+def parse_resources(value: Any, runner: str, *, unsupported: Mapping[str, str] | None = None) -> Resources:
+    """A task's ``run_config.resources`` for ``runner``; raise :class:`ResourceError`.
+
+    ``unsupported`` maps each field ``runner`` cannot enforce to why; asking for one is refused.
+    None (or ``{}``) asks for nothing.
+    """
+    if value is None:
+        value = {}
+    if not isinstance(value, Mapping):
+        raise ResourceError(
+            runner, "", f"expected a table, got {value!r}", "give a mapping such as {'cpus': 2}"
+        )
+    wanted: dict[str, Any] = {}
+    for key, raw in value.items():
+        name = ALIASES.get(str(key), str(key))
+        if name in wanted:
+            raise ResourceError(
+                runner, name, f"given twice (as {name!r} and its alias {key!r})", "give it once"
+            )
+        wanted[name] = raw
+    unknown = sorted(set(wanted) - set(FIELDS))
+    if unknown:
+        raise ResourceError(
+            runner,
+            "",
+            f"unknown keys {unknown}",
+            f"use {', '.join(FIELDS)} (aliases: {', '.join(ALIASES)})",
+        )
+    res = _read(wanted, runner, TASK_SOURCE)
+    for name in res.given():
+        why = (unsupported or {}).get(name)
+        if why is not None:
+            raise ResourceError(runner, name, f"not enforced by this runner ({why})", _REFUSED_FIX)
+    return res
+
+
+def parse_defaults(runner: str, **options: Any) -> Resources:
+    """A runner's default limits from its options (``cpus=``, ``memory=``, ...); None ones unset.
+
+    Read like a task's, so ``memory="512m"`` means the same as an option and in a task; an error
+    names the option (``docker runner: runner_options.memory: ...``).
+    """
+    unknown = sorted(set(options) - set(FIELDS))
+    if unknown:  # a programming error in the runner, not an operator's
+        raise TypeError(f"parse_defaults: unknown resource options {unknown}")
+    return _read({k: v for k, v in options.items() if v is not None}, runner, "runner_options")
+
+
+def _read(wanted: Mapping[str, Any], runner: str, source: str) -> Resources:
+    def bad(name: str) -> ResourceError:
+        return ResourceError(
+            runner, name, f"expected {_EXPECTED[name]}, got {wanted[name]!r}", "correct the value", source
+        )
+
+    out: dict[str, int] = {}
+    for name, raw in wanted.items():
+        parsed = _PARSERS[name](raw)
+        if parsed is None:
+            raise bad(name)
+        out["millicpus" if name == "cpus" else name] = parsed
+    return Resources(**out)
+
+
+def _millicpus(value: Any) -> int | None:
+    if isinstance(value, str) and (milli := _MILLI.match(value)):
+        count = int(milli.group(1))
+    else:
+        number = _number(value)
+        if number is None:
+            return None
+        count = round(number * 1000)
+    return count if count >= 1 else None
+
+
+def _size(value: Any) -> int | None:
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        if not match:
+            return None
+        number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    else:
+        found = _number(value)
+        if found is None:
+            return None
+        number = found
+    return int(number) if number >= 1 else None
+
+
+def _whole(value: Any, least: int) -> int | None:
+    if isinstance(value, str) and _WHOLE.match(value):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        return None
+    return value
+
+
+def _number(value: Any) -> float | None:
+    """A finite int/float, or a string of one; never a bool."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return None
+    if not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _pids(value: Any) -> int | None:
+    return _whole(value, 1)
+
+
+def _gpus(value: Any) -> int | None:
+    return _whole(value, 0)
+
+
+_PARSERS: dict[str, Callable[[Any], int | None]] = {
+    "cpus": _millicpus,
+    "memory": _size,
+    "shm": _size,
+    "pids": _pids,
+    "gpus": _gpus,
+}

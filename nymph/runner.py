@@ -11,10 +11,17 @@ small. The lifecycle mirrors Nomad's task drivers::
     runner.destroy(handle)              # free everything (container, job, pod); idempotent
     runner.inspect(handle)              # "running" | "exited" | "gone"
     runner.recover(handle)              # after a nymph restart: True if re-attached to a live task
+    runner.close()                      # at nymph's shutdown: release what the runner holds
+
+``start`` is idempotent under retry: a start tried again for the same invocation and attempt
+(after ``RunnerUnavailable``, when the first answer may have been lost) finds what the first one
+started and adopts it instead of starting a second task.
 
 Handles are small, versioned JSON documents (``handle.json`` in the workdir), so a restarted nymph
 can re-attach to what a previous life started. Optional features are declared in
-:class:`Capabilities`; nymph refuses a task that needs one the runner lacks, before starting it.
+:class:`Capabilities` and read only from there: nymph refuses a task that needs one the runner
+lacks, before starting it, and calls an optional method (:class:`Labelling`, :class:`Reaping`) only
+when the capability says the runner has it.
 
 Runners are plugins: the entry-point group ``nymph.runners`` maps a name to a class implementing
 :class:`Runner`. See :mod:`nymph.plugins` for loading and validation.
@@ -28,11 +35,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+from nymph.errors import NymphError
+
 HANDLE_FILE = "handle.json"
 HANDLE_VERSION = 1
 
 
-class RunnerError(Exception):
+class RunnerError(NymphError):
     """A runner could not do what was asked; the message says what to fix."""
 
 
@@ -47,7 +56,9 @@ class Capabilities:
     resources: bool = False  # honours run_config.resources limits (cpus, memory, pids, shm)
     image: bool = False  # honours run_config.image
     network: bool = False  # honours run_config.network
-    recover: bool = True  # can re-attach after a nymph restart
+    recover: bool = True  # can re-attach after a nymph restart (else leftovers are destroyed, reported)
+    list_labelled: bool = False  # lists the tasks it labelled (Labelling): reconcile adopts or sweeps them
+    reap_orphans: bool = False  # reaps descendants reparented to nymph (Reaping): the agent calls it
 
 
 @dataclass
@@ -116,3 +127,31 @@ class Runner(Protocol):
     def destroy(self, handle: Handle) -> None: ...
     def inspect(self, handle: Handle) -> str: ...
     def recover(self, handle: Handle) -> bool: ...
+
+    def close(self) -> None:
+        """Release what the runner holds (clients, helper processes) at nymph's shutdown.
+
+        Tasks it started keep running (a restarted nymph re-attaches); a no-op where nothing is held.
+        """
+        ...
+
+
+@runtime_checkable
+class Labelling(Protocol):
+    """The method of a runner whose :class:`Capabilities` say ``list_labelled=True``."""
+
+    def list_labelled(self, worker_id: str | None = None) -> list[Handle]:
+        """Handles of every task this runner kind labelled (of ``worker_id`` when given).
+
+        Raise RunnerUnavailable when the runner cannot be asked now.
+        """
+        ...
+
+
+@runtime_checkable
+class Reaping(Protocol):
+    """The method of a runner whose :class:`Capabilities` say ``reap_orphans=True``."""
+
+    def reap_orphans(self) -> int:
+        """Reap exited descendants reparented to nymph that are no task's leader; the count."""
+        ...

@@ -1,22 +1,50 @@
 """Small helpers the bundled runners share (and a third-party runner may use).
 
+- :data:`ENTRY_MODULE`: the module every runner runs (``python -m ENTRY_MODULE``);
+  :data:`WORKDIR_TARGET`, :data:`BUNDLE_TARGET` and :data:`SCRIPT_SHIM`: where the container
+  runners (docker, gvisor, kube) mount the workdir and the entry bundle, and how they run a script;
+- :func:`task_name`: ``nymph-<invocation id>-a<attempt>``, the deterministic name of a task's
+  container, pod or Slurm job, so a start tried again finds the first one;
+- :func:`handle_workdir`: the workdir a handle records;
 - :func:`default_python`: nymph's own interpreter, for runners that run the entry with it;
-- :func:`option_list`: a list option that may come as a comma-separated string (``--runner-opt``);
+- :func:`option_list` / :func:`option_mapping`: a list or table option that may come as a string
+  (``--runner-opt code_dirs=/a,/b``, ``users=alice=1000:1000``);
 - :func:`image_allowed`: the ``allowed_images`` rule of the container runners;
 - :func:`log_tail`: the labelled tail of ``stdout.log`` / ``stderr.log`` for an ExitStatus;
 - :func:`inferred_exit_code`: the exit code of a task nymph could not reap, read from the workdir.
+
+``run_config.resources`` is read by :mod:`nymph.resources`.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
+from nymph.runner import Handle, RunnerError, Task
 from nymph.workdir import ERROR, RESULT, STDERR, STDOUT, tail
 
+ENTRY_MODULE = "dreamlake.lakeshore.daemon.entry"
+WORKDIR_TARGET = "/work/inv"
+BUNDLE_TARGET = "/opt/lakeshore/entry.zip"
+# Run the script with bash when the image has it, else with sh: one container, no separate probe.
+# Arguments: sh -c SCRIPT_SHIM sh SCRIPT
+SCRIPT_SHIM = 'if command -v bash >/dev/null 2>&1; then exec bash -c "$1"; fi; exec sh -c "$1"'
 LOG_TAIL_BYTES = 4096
+
+
+def task_name(task: Task) -> str:
+    """``nymph-<invocation id>-a<attempt>``: one name per attempt, valid for docker, Kubernetes and Slurm."""
+    return f"nymph-{task.invocation_id.lower()}-a{task.attempt}"
+
+
+def handle_workdir(handle: Handle) -> Path | None:
+    """The workdir recorded in ``handle.data["workdir"]``; None when it records none."""
+    raw = handle.data.get("workdir")
+    return Path(str(raw)) if raw else None
 
 
 def default_python() -> str:
@@ -34,6 +62,21 @@ def option_list(value: Iterable[str] | str) -> tuple[str, ...]:
     """A list option; a string (``--runner-opt code_dirs=/a,/b``) is comma separated."""
     items = value.split(",") if isinstance(value, str) else list(value)
     return tuple(str(i).strip() for i in items if str(i).strip())
+
+
+def option_mapping(value: Mapping[str, Any] | str | None, what: str) -> dict[str, str]:
+    """A table option; a string is ``k=v,k2=v2`` (``users=alice=1000:1000``: split at the first ``=``)."""
+    if not value:
+        return {}
+    if isinstance(value, str):
+        out: dict[str, str] = {}
+        for item in option_list(value):
+            key, sep, val = item.partition("=")
+            if not sep or not key.strip():
+                raise RunnerError(f"{what}: expected key=value, got {item!r}")
+            out[key.strip()] = val.strip()
+        return out
+    return {str(k): str(v) for k, v in value.items()}
 
 
 def image_allowed(image: str, default: str, allowed: Iterable[str]) -> bool:

@@ -13,16 +13,14 @@ import logging
 import threading
 from typing import Any, Protocol
 
+from nymph.errors import NotEnoughGpus as NotEnoughGpus  # re-exported: raised here
+
 log = logging.getLogger(__name__)
 
 
 class GpuPoolLike(Protocol):
     def acquire(self, n: int) -> list[str] | None: ...
     def release(self, ids: list[str]) -> None: ...
-
-
-class NotEnoughGpus(Exception):
-    """The invocation asks for more GPUs than this host has."""
 
 
 def gpus_requested(run_config: dict[str, Any]) -> int:
@@ -47,10 +45,6 @@ class Slots:
         with self._cond:
             return self.concurrency - self._busy
 
-    def busy(self) -> int:
-        with self._cond:
-            return self._busy
-
     def take(self) -> bool:
         """Take one slot if one is free."""
         with self._cond:
@@ -73,11 +67,6 @@ class Slots:
         """Block until a slot is free (True) or the timeout passed (False)."""
         with self._cond:
             return self._cond.wait_for(lambda: self._busy < self.concurrency, timeout_s)
-
-    def wait_idle(self, timeout_s: float | None) -> bool:
-        """Block until no slot is busy."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._busy == 0, timeout_s)
 
     def acquire_gpus(self, n: int, stop: threading.Event) -> list[str] | None:
         """N device ids, waiting for them to free up; None if ``stop`` was set first."""

@@ -17,6 +17,8 @@ dependency, and a half-installed agent is worse than a failed upgrade. With a wh
 ``--no-index``, dependencies already installed and satisfied cost nothing; a missing one makes
 the install fail cleanly (:class:`UpgradeError`) and the running version carries on.
 
+:class:`VersionPin` notices the pin and drains; the agent then exits or upgrades.
+
 The pure parts (:func:`validate_version`, :func:`install_command`, :func:`reexec_argv`) are split
 from the side effects (:func:`install`, :func:`upgrade_and_reexec`) so they can be tested alone.
 """
@@ -28,9 +30,14 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
+
+from dreamlake.lakeshore import __version__
+from nymph.errors import UpgradeError as UpgradeError  # re-exported: raised here
+from nymph.sdnotify import SdNotify
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +45,10 @@ EXIT_VERSION_MISMATCH = 75  # EX_TEMPFAIL: "restart me"; the supervisor replaces
 DISTRIBUTION = "dreamlake-lakeshore"
 INSTALL_TIMEOUT_S = 600.0
 STDERR_TAIL = 2000
+_DRAIN_STEP_S = 0.2
 
 # PEP 440 public versions (what a pin may name); anything else is refused before pip sees it.
 _VERSION_RE = re.compile(r"^\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?$")
-
-
-class UpgradeError(Exception):
-    """The requested version could not be installed; the running version keeps running."""
 
 
 def validate_version(version: str) -> str:
@@ -152,3 +156,56 @@ def upgrade_and_reexec(
         os.execv(python, argv)
     except OSError as exc:
         raise UpgradeError(f"installed {DISTRIBUTION}=={version} but could not exec {argv}: {exc}") from exc
+
+
+class VersionPin:
+    """The version the control plane pins (``target_nymph_version`` in a poll or heartbeat answer).
+
+    A pin other than ours stops claiming (:attr:`target` is set), drains what runs (the long poll
+    in flight first: what it claims runs like any other work), then asks the agent to stop; the
+    agent exits :data:`EXIT_VERSION_MISMATCH` or, with ``auto_upgrade``, calls
+    :func:`upgrade_and_reexec`.
+    """
+
+    def __init__(
+        self,
+        notify: SdNotify,
+        *,
+        stopping: threading.Event,
+        polling: Callable[[], bool],
+        wait_idle: Callable[[float], bool],
+        running: Callable[[], int],
+        request_stop: Callable[[], None],
+    ) -> None:
+        self._notify = notify
+        self._stopping = stopping
+        self._polling = polling
+        self._wait_idle = wait_idle
+        self._running = running
+        self._request_stop = request_stop
+        self.target: str | None = None
+
+    def check(self, answer: dict[str, Any]) -> None:
+        """Start draining when ``answer`` pins another version (once)."""
+        target = answer.get("target_nymph_version")
+        if not target or target == __version__ or self.target is not None:
+            return
+        log.warning(
+            "the control plane pins nymph %s (this is %s): no new claims, draining %d running job(s)",
+            target,
+            __version__,
+            self._running(),
+        )
+        self.target = str(target)
+        self._notify.status(f"draining for nymph {target}")
+        threading.Thread(target=self._drain, name="nymph-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        # A long poll in flight when the pin landed may still claim work: wait for it to return
+        # (its claims are run like any other) before waiting for the running work to finish.
+        while not self._stopping.is_set():
+            if self._polling():
+                self._stopping.wait(_DRAIN_STEP_S)
+            elif self._wait_idle(_DRAIN_STEP_S):
+                break
+        self._request_stop()

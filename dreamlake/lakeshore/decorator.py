@@ -8,9 +8,9 @@ Run context. Every call carries a small, immutable :class:`RunState` in a contex
 invocation id (``None`` for a local call outside any invocation), the key prefix built by
 ``scope`` blocks, and the name of the UDF whose body is executing. For a generator call the state
 lives in a private :class:`contextvars.Context` captured at call time, and that context is entered
-only around each ``next()`` / ``send()`` / ``throw()`` / ``close()``: a ``scope`` opened inside the
-body never leaks into the consumer between two pulls, and a scope the consumer opens later does
-not reach into the body.
+only around each ``next()`` / ``send()`` / ``throw()`` / ``close()`` (and the close of a generator
+dropped mid-iteration): a ``scope`` opened inside the body never leaks into the consumer between
+two pulls, and a scope the consumer opens later does not reach into the body.
 
 ``run`` (exported as ``dls.run``) reads that state:
 
@@ -223,6 +223,14 @@ class LocalGenerator(Generator[Any, Any, Any]):
 
     def close(self) -> None:
         self._ctx.run(self._gen.close)
+
+    def __del__(self) -> None:
+        # Dropped while paused: close the body here, inside its own context. Left to the body's own
+        # finaliser it would run in whatever context collects it, and every ``scope`` still open in
+        # the body would fail to reset its token ("created in a different Context").
+        gen = getattr(self, "_gen", None)  # absent when the call itself raised
+        if gen is not None and gen.gi_frame is not None and not gen.gi_running:
+            self._ctx.run(gen.close)
 
     def __repr__(self) -> str:
         return f"<lakeshore local generator {getattr(self._gen, '__qualname__', '?')}>"

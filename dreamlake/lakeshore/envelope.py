@@ -4,7 +4,8 @@ An :class:`Envelope` is packed as a plain msgpack map: ``args`` and ``kwargs`` s
 ``bin`` values (``wire.pack(list(args))`` / ``wire.pack(dict(kwargs))``), so :meth:`Envelope.header`
 can read the routing fields without touching user values. Unknown top-level keys and unknown ``cfg``
 keys survive a round trip, so additive changes do not need a version bump; a ``v`` newer than
-:data:`WIRE_VERSION` is refused with the fix in the message.
+:data:`WIRE_VERSION` is refused with the fix in the message. A ``prefix`` that is absent or nil (a
+peer with no ``scope``) reads as ``""``, no prefix.
 
 ``fn`` is a tagged union: ``{"kind": "ref", module, qualname, src_hash}`` for importable functions,
 ``{"kind": "pickle", blob, hash, source, qualname, where, runtime}`` for everything else
@@ -248,7 +249,8 @@ def _validate(fields: dict[str, Any]) -> dict[str, Any]:
     for name in ("args", "kwargs"):
         if not isinstance(fields.get(name), bytes):
             raise EnvelopeError(f"envelope field {name!r} must be bin (pre-packed by wire.pack)")
-    fields.setdefault("prefix", "")
+    if fields.get("prefix") is None:  # absent, or nil from a peer with no scope: no prefix
+        fields["prefix"] = ""
     fields.setdefault("key", None)
     fields.setdefault("cfg", {})
     fields.setdefault("parent", None)

@@ -14,11 +14,19 @@
      |         +-- RuntimeMismatch   python / cloudpickle differ beyond the policy
      |         +-- StaleSource       src_hash differs from the worker's source
      +-- DispatchError               a remote failure seen by the producer (.type, .message, .traceback)
-     +-- PlaneError                  the dispatch plane failed or refused a request
-          +-- AuthError              401/403 from the control plane
-          +-- NotFound               unknown invocation / job / topic
+     +-- PlaneError                  the dispatch plane failed or refused a request (.status)
+          +-- Unavailable            unreachable, timed out, 5xx, 429: worth retrying (.retry_after)
+          +-- Refused                will not succeed as sent: never retried
+               +-- AuthError         the token was refused
+               |    +-- Unauthorized 401: unknown, expired or revoked token
+               |    +-- Forbidden    403: the token lacks the kind or the scope
+               +-- NotFound          404: unknown invocation / job / topic
+               +-- Conflict          409: a superseded attempt, an invocation no longer running
+               +-- BadRequest        another 4xx (400, 413, 422, ...): malformed on one side
 
-``TypeError`` is raised (not wrapped) for an unpackable value, as the seed says.
+``TypeError`` is raised (not wrapped) for an unpackable value, as the seed says. The control-plane
+client (``dreamlake.lakeshore.client``) maps every HTTP failure onto the ``PlaneError`` branch, and
+retries :class:`Unavailable` alone.
 """
 
 from __future__ import annotations
@@ -99,9 +107,38 @@ class PlaneError(LakeshoreError):
         self.status = status
 
 
-class AuthError(PlaneError):
+class Unavailable(PlaneError):
+    """Worth retrying: the plane was unreachable, timed out, failed internally (5xx) or asked the
+    caller to slow down (429). ``retry_after`` is the server's ``Retry-After`` in seconds, if any."""
+
+    def __init__(self, message: str, status: int | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message, status)
+        self.retry_after = retry_after
+
+
+class Refused(PlaneError):
+    """The plane refused the request as sent; repeating it unchanged cannot succeed."""
+
+
+class AuthError(Refused):
     """The control plane refused the token (401) or the scope (403)."""
 
 
-class NotFound(PlaneError):
+class Unauthorized(AuthError):
+    """401: the token is unknown, expired or revoked."""
+
+
+class Forbidden(AuthError):
+    """403: the token is valid but lacks the kind or the scope the route needs."""
+
+
+class NotFound(Refused):
     """An unknown invocation, job or topic."""
+
+
+class Conflict(Refused):
+    """409: the attempt was superseded, or the invocation is no longer running."""
+
+
+class BadRequest(Refused):
+    """Another 4xx: the request is malformed (or too large) for the plane."""

@@ -21,13 +21,13 @@ import click
 
 from dreamlake.lakeshore.errors import LakeshoreError, NotFound
 from dreamlake.lakeshore.humanize import age, duration, when
+from dreamlake.lakeshore.states import STATES
 
 if TYPE_CHECKING:
     from dreamlake.lakeshore.dispatch.http import HttpDispatch
     from dreamlake.lakeshore.ops_client import OpsClient
     from dreamlake.lakeshore.wire import Frame
 
-STATES = ("queued", "running", "succeeded", "failed", "killed", "timeout", "cancelled")
 _SINCE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhd])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 

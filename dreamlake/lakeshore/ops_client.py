@@ -1,9 +1,9 @@
 """``OpsClient``: the operator routes (``/v1/ops/*``, JSON) from Python, for the CLI and scripts.
 
-Errors follow ``HttpDispatch``: 401/403 :class:`AuthError`, 404 :class:`NotFound`, anything else
-:class:`PlaneError`, each with the server's ``error`` text; a connection failure is a PlaneError
-that names the URL. Reads are retried on connection errors and 5xx (idempotent GETs); cancel is
-retried too (cancelling twice is harmless).
+It speaks through :class:`~dreamlake.lakeshore.client.PlaneClient`, so its errors and retries are
+every client's: 401/403 :class:`AuthError`, 404 :class:`NotFound`, another 4xx
+:class:`BadRequest`, connection failures and 5xx :class:`Unavailable` (retried, with jitter). Every
+call is safe to retry: the reads are GETs, and cancelling twice is harmless.
 """
 
 from __future__ import annotations
@@ -12,16 +12,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from dreamlake.lakeshore import ids
-from dreamlake.lakeshore.errors import AuthError, NotFound, PlaneError
-
-
-def _transient(exc: BaseException) -> bool:
-    if isinstance(exc, httpx.TransportError):
-        return True
-    return isinstance(exc, PlaneError) and exc.status is not None and exc.status >= 500
+from dreamlake.lakeshore.client import PlaneClient
 
 
 class OpsClient:
@@ -32,23 +25,17 @@ class OpsClient:
         url: str,
         token: str,
         *,
-        timeout: float = 30.0,
-        retries: int = 3,
+        timeout_s: float = 30.0,
+        attempts: int = 3,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"control plane url must start with http:// or https://, got {url!r}")
-        self.url = url.rstrip("/")
-        self.retries = max(1, retries)
-        self._http = httpx.Client(
-            base_url=self.url,
-            headers={"Authorization": f"Bearer {token}", "Accept": "application/json"},
-            timeout=httpx.Timeout(timeout, connect=5.0),
-            transport=transport,
-        )
+        self._client = PlaneClient(url, token, timeout_s=timeout_s, attempts=attempts, transport=transport)
+        self.url = self._client.url
 
     def close(self) -> None:
-        self._http.close()
+        self._client.close()
 
     def __enter__(self) -> OpsClient:
         return self
@@ -57,39 +44,10 @@ class OpsClient:
         self.close()
 
     def _request(self, method: str, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
-        what = f"{method} {path}"
         query = {k: v for k, v in (params or {}).items() if v is not None}
-
-        def once() -> dict[str, Any]:
-            resp = self._http.request(method, path, params=query, json={} if method == "POST" else None)
-            try:
-                body = resp.json()
-            except ValueError:
-                body = {"error": resp.text[:300]}
-            if resp.status_code >= 400:
-                message = body.get("error", body) if isinstance(body, dict) else body
-                if resp.status_code in (401, 403):
-                    raise AuthError(f"{what}: {message}", resp.status_code)
-                if resp.status_code == 404:
-                    raise NotFound(f"{message}", resp.status_code)
-                raise PlaneError(f"{what} failed with HTTP {resp.status_code}: {message}", resp.status_code)
-            return body if isinstance(body, dict) else {}
-
-        try:
-            for attempt in Retrying(
-                retry=retry_if_exception(_transient),
-                stop=stop_after_attempt(self.retries),
-                wait=wait_exponential_jitter(multiplier=0.1, max=2.0, jitter=0.2),
-                reraise=True,
-            ):
-                with attempt:
-                    return once()
-        except httpx.TransportError as exc:
-            raise PlaneError(
-                f"cannot reach the control plane at {self.url} ({what}): {type(exc).__name__}: {exc}. "
-                "Is `lakeshore server` running there?"
-            ) from exc
-        raise AssertionError("unreachable")  # pragma: no cover
+        body: dict[str, Any] | None = {} if method == "POST" else None
+        out = self._client.request(method, path, body, as_json=True, params=query)
+        return out if isinstance(out, dict) else {}
 
     def whoami(self) -> dict[str, Any]:
         return self._request("GET", "/v1/ops/whoami")

@@ -9,6 +9,12 @@ An invocation stream ends for exactly one of three reasons: an END frame, an ERR
 here as :class:`DispatchError` with the producer's exception type and message), or a terminal
 invocation state with no further frames (raised as :class:`DispatchError` too when that state is
 ``failed``, ``killed`` or ``timeout``, e.g. a gate refused the function before it could yield).
+
+Streams are one-way. ``SyncQueue.stream`` and ``Topic.stream`` return a :class:`Stream`, a generator
+whose ``send(None)`` pulls like ``next()`` and whose ``send(value)`` raises ``NotImplementedError``:
+a remote generator cannot receive values (the journal carries frames from the producer to
+consumers only; seed 004 names this gap). Two-way flow is two one-way channels: the invocation
+stream out, a :class:`Topic` back in.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ if TYPE_CHECKING:
     from dreamlake.lakeshore.dispatch import Plane
     from dreamlake.lakeshore.wire import Frame
 
-__all__ = ["SyncQueue", "Topic"]
+__all__ = ["Stream", "SyncQueue", "Topic"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +58,47 @@ def _values(frames: Iterator[Frame], what: str) -> Generator[Any, None, bool]:
         else:
             log.debug("%s: skipping frame kind %s at seq %s", what, frame.kind, frame.seq)
     return False
+
+
+class Stream(Generator[Any, None, None]):
+    """The values of an invocation or topic stream, pulled with ``next()`` / ``for``.
+
+    One-way: ``send(None)`` is ``next()``, ``send(value)`` raises ``NotImplementedError`` (see the
+    module docstring) and the stream stays where it was. ``close()`` stops following it.
+    """
+
+    __slots__ = ("_gen", "_what")
+
+    def __init__(self, gen: Generator[Any, None, Any], what: str) -> None:
+        self._gen = gen
+        self._what = what
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._gen)
+
+    def send(self, value: None) -> Any:
+        if value is not None:
+            raise NotImplementedError(
+                f"the stream of {self._what} is one-way: .send() cannot deliver a value into a remote "
+                "generator (seed 004's named gap: the journal carries frames from the producer to "
+                "consumers only). Send values back over a Topic instead: topic.post(value) on this "
+                "side, Topic(name).stream() in the body; use next() or send(None) to pull"
+            )
+        return next(self._gen)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        if val is None and tb is None:
+            return self._gen.throw(typ)
+        return self._gen.throw(typ, val, tb)
+
+    def close(self) -> None:
+        self._gen.close()
+
+    def __repr__(self) -> str:
+        return f"<lakeshore Stream of {self._what}>"
 
 
 def _check_since(since: object) -> int:
@@ -84,13 +131,13 @@ class SyncQueue:
 
         return get_default_dispatch()
 
-    def stream(self, inv: str, since: int = -1, timeout: float = STREAM_TIMEOUT_S) -> Iterator[Any]:
+    def stream(self, inv: str, since: int = -1, timeout: float = STREAM_TIMEOUT_S) -> Stream:
         """The values an invocation yields, with ``seq > since``: replay, then follow live."""
         inv = ids.validate(inv, "invocation id")
         frames = self.dispatch.frames(inv, _check_since(since), _check_timeout(timeout))
-        return self._follow(inv, frames)
+        return Stream(self._follow(inv, frames), f"invocation {inv}")
 
-    def _follow(self, inv: str, frames: Iterator[Frame]) -> Iterator[Any]:
+    def _follow(self, inv: str, frames: Iterator[Frame]) -> Generator[Any, None, None]:
         closed = yield from _values(frames, f"invocation {inv}")
         if not closed:
             # no END/ERROR: the invocation reached a terminal state without one (cancelled before
@@ -176,10 +223,10 @@ class Topic:
 
         return self.dispatch.topic_post(self.name, wire.pack(value), final=final)
 
-    def stream(self, since: int = -1, timeout: float = TOPIC_TIMEOUT_S) -> Iterator[Any]:
+    def stream(self, since: int = -1, timeout: float = TOPIC_TIMEOUT_S) -> Stream:
         """Values with ``seq > since`` until END; TimeoutError after ``timeout`` s of silence."""
         frames = self.dispatch.frames(self.name, _check_since(since), _check_timeout(timeout), topic=True)
-        return _values(frames, f"topic {self.name}")
+        return Stream(_values(frames, f"topic {self.name}"), f"topic {self.name}")
 
     def listen(self, since: int = -1, timeout: float = TOPIC_TIMEOUT_S) -> Any:
         """The next value after ``since``, or None on timeout (or when the topic ended)."""

@@ -19,8 +19,9 @@ The container::
                  the workdir, so the bind-mounted workdir stays writable
     security     cap_drop ALL, no-new-privileges, never privileged, network "none" by default,
                  an init process (tini) as PID 1 so SIGTERM reaches the entry
-    limits       run_config.resources cpus/memory/pids/shm over the runner's defaults; memory also caps
-                 swap, so exceeding it ends with reason "OOMKilled"; task.gpus as a device request
+    limits       run_config.resources (read by nymph.resources: cpus, memory, pids, shm, gpus) over
+                 the runner's defaults; memory also caps swap, so exceeding it ends with reason
+                 "OOMKilled"; task.gpus (assigned by nymph) as a device request
     labels       nymph.invocation, nymph.attempt, nymph.worker, nymph.runner, nymph.workdir + task.labels
     name         nymph-<invocation id>-a<attempt>: a start tried again after a lost answer finds the
                  container the first one made (removed if it never started, else adopted), never a
@@ -31,7 +32,8 @@ workdir and returns their tail in :class:`~nymph.runner.ExitStatus`.
 
 Errors: an unreachable engine is :class:`~nymph.runner.RunnerUnavailable` from ``check`` and
 ``start`` (transient: nymph should keep the invocation and retry later); a refusal (image not
-allowed, image missing and not pullable, bad resources) is :class:`~nymph.runner.RunnerError`.
+allowed, image missing and not pullable) is :class:`~nymph.runner.RunnerError`; bad resources are
+its :class:`~nymph.resources.ResourceError`. ``close`` closes the engine client.
 """
 
 from __future__ import annotations
@@ -46,23 +48,35 @@ import docker
 import docker.errors
 from docker.types import DeviceRequest, Mount
 
+from nymph.resources import Resources, parse_defaults, parse_resources
 from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, RunnerUnavailable, Task
-from nymph.runnerkit import log_tail, option_list
+from nymph.runnerkit import (
+    BUNDLE_TARGET,
+    ENTRY_MODULE,
+    SCRIPT_SHIM,
+    WORKDIR_TARGET,
+    handle_workdir,
+    log_tail,
+    option_list,
+    option_mapping,
+    task_name,
+)
 from nymph_docker import engine, policy
 from nymph_docker.logs import collect_logs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_IMAGE", "ENTRY_MODULE", "DockerRunner", "container_name"]
+__all__ = [
+    "BUNDLE_TARGET",
+    "DEFAULT_IMAGE",
+    "ENTRY_MODULE",
+    "WORKDIR_TARGET",
+    "DockerRunner",
+]
 
-ENTRY_MODULE = "dreamlake.lakeshore.daemon.entry"
 DEFAULT_IMAGE = "lakeshore-python:bookworm"
-WORKDIR_TARGET = "/work/inv"
-BUNDLE_TARGET = "/opt/lakeshore/entry.zip"
 PullPolicy = Literal["never", "if-not-present", "always"]
 PULL_POLICIES = ("never", "if-not-present", "always")
-# Run the script with bash when the image has it, else with sh; one container, no separate probe.
-_SCRIPT_SHIM = 'if command -v bash >/dev/null 2>&1; then exec bash -c "$1"; fi; exec sh -c "$1"'
 _KILL_WAIT_S = 30.0
 
 
@@ -71,7 +85,7 @@ class DockerRunner:
 
     name: ClassVar[str] = "docker"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        as_user=True, gpus=True, resources=True, image=True, network=True, recover=True
+        as_user=True, gpus=True, resources=True, image=True, network=True, recover=True, list_labelled=True
     )
 
     def __init__(
@@ -84,9 +98,9 @@ class DockerRunner:
         allowed_networks: Iterable[str] | str = (),
         read_only: bool = False,
         tmpfs_tmp: bool | str = False,
-        cpus: float | None = None,
+        cpus: float | str | None = None,
         memory: int | str | None = None,
-        pids: int | None = None,
+        pids: int | str | None = None,
         shm: int | str | None = None,
         users: Mapping[str, str] | str | None = None,
         runtime: str | None = None,
@@ -106,8 +120,7 @@ class DockerRunner:
         self.allowed_networks = (network, *option_list(allowed_networks))
         self.read_only = read_only
         self.tmpfs_tmp = tmpfs_tmp
-        self.default_limits: dict[str, Any] = {"cpus": cpus, "memory": memory, "pids": pids, "shm": shm}
-        policy.limits(None, **self.default_limits)  # validate the defaults now, not at the first task
+        self.default_limits = parse_defaults(self.name, cpus=cpus, memory=memory, pids=pids, shm=shm)
         self.users = _users(users)
         self.runtime = runtime
         self.code_dirs = tuple(str(Path(d).resolve()) for d in option_list(code_dirs))
@@ -147,9 +160,10 @@ class DockerRunner:
                 f"{self.name} runner: network {network!r} is not allowed on this node "
                 f"(allowed: {list(self.allowed_networks)})"
             )
+        limits = self.limits(task.run_config.get("resources"))  # refused before any pull
         self._ensure_image(image)
         workdir = Path(task.workdir).resolve()
-        kwargs = self._create_kwargs(task, workdir, image, network)
+        kwargs = self._create_kwargs(task, workdir, image, network, limits)
         what = f"{self.name} runner: invocation {task.invocation_id}"
         for tries in range(2):
             existing = self._existing(kwargs["name"], task, workdir)
@@ -238,7 +252,7 @@ class DockerRunner:
             return ExitStatus(
                 exit_code=-1,
                 reason="container gone (removed outside nymph)",
-                logs=log_tail(_workdir(handle)),
+                logs=log_tail(handle_workdir(handle)),
             )
         if _is_running(state):
             if timeout is not None and timeout <= 0:
@@ -325,8 +339,17 @@ class DockerRunner:
                 f"no {self.runtime!r} runtime (it has {sorted(runtimes)}): {self._runtime_hint}"
             )
 
-    def _limits(self, resources: Mapping[str, Any] | None) -> dict[str, Any]:
-        return policy.limits(resources, **self.default_limits)
+    def limits(self, resources: Any) -> dict[str, Any]:
+        """docker SDK ``create`` keywords for a task's ``run_config.resources`` over the defaults."""
+        wanted: Resources = parse_resources(resources, self.name).over(self.default_limits)
+        return policy.limits(wanted)
+
+    def close(self) -> None:
+        """Close the engine client (its connection pool); containers keep running."""
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
 
     # --- helpers --------------------------------------------------------------------------------
 
@@ -378,7 +401,9 @@ class DockerRunner:
                 f"{what} is not present and cannot be pulled ({exc}); load it on this node"
             ) from exc
 
-    def _create_kwargs(self, task: Task, workdir: Path, image: str, network: str) -> dict[str, Any]:
+    def _create_kwargs(
+        self, task: Task, workdir: Path, image: str, network: str, limits: Mapping[str, Any]
+    ) -> dict[str, Any]:
         env = {k: v for k, v in task.env.items() if k != "PYTHONPATH"}
         task_path = task.env.get("PYTHONPATH")
         code = policy.code_paths(self.code_dirs, task_path if self.mount_pythonpath else None)
@@ -402,11 +427,11 @@ class DockerRunner:
             "init": self.init,
             "stdin_open": False,
             "tty": False,
-            "name": container_name(task),  # one per attempt: a start tried again finds it
+            "name": task_name(task),  # one per attempt: a start tried again finds it
         }
         if task.script is not None:
             kwargs["entrypoint"] = ["sh"]
-            kwargs["command"] = ["-c", _SCRIPT_SHIM, "sh", task.script]
+            kwargs["command"] = ["-c", SCRIPT_SHIM, "sh", task.script]
         else:
             kwargs["entrypoint"] = [self.python]
             kwargs["command"] = ["-m", ENTRY_MODULE]
@@ -415,7 +440,7 @@ class DockerRunner:
             kwargs["tmpfs"] = {"/tmp": f"rw,nosuid,nodev,mode=1777{size}"}
         if self.runtime:
             kwargs["runtime"] = self.runtime
-        kwargs.update(self._limits(task.run_config.get("resources")))
+        kwargs.update(limits)
         if task.gpus:
             kwargs["device_requests"] = [DeviceRequest(device_ids=list(task.gpus), capabilities=[["gpu"]])]
             env["CUDA_VISIBLE_DEVICES"] = _container_gpu_ids(task.gpus)
@@ -466,7 +491,7 @@ class DockerRunner:
             reason = f"signal {code - 128}"  # the entry itself only exits 0, 1 or 2
         if state.get("Error"):
             reason = f"{reason}; {state['Error']}" if reason else str(state["Error"])
-        workdir = _workdir(handle)
+        workdir = handle_workdir(handle)
         logs: str | None = None
         client = self._engine()
         with engine.translated(f"{self.name} runner: logs", self.docker_host):
@@ -478,29 +503,13 @@ class DockerRunner:
         return ExitStatus(exit_code=code, reason=reason, logs=logs)
 
 
-def container_name(task: Task) -> str:
-    """``nymph-<invocation id>-a<attempt>``: deterministic, so a start tried again finds the first."""
-    return f"nymph-{task.invocation_id.lower()}-a{task.attempt}"
-
-
 def _users(value: Mapping[str, str] | str | None) -> dict[str, str]:
     """The ``users`` option; a string is ``name=uid:gid,name2=uid:gid``."""
-    if not value:
-        return {}
-    if isinstance(value, str):
-        out: dict[str, str] = {}
-        for item in option_list(value):
-            name, sep, ids_ = item.partition("=")
-            if not sep or not name.strip() or not ids_.strip():
-                raise RunnerError(f"users: expected name=uid:gid, got {item!r}")
-            out[name.strip()] = ids_.strip()
-        return out
-    return {str(k): str(v) for k, v in value.items()}
-
-
-def _workdir(handle: Handle) -> Path | None:
-    raw = handle.data.get("workdir")
-    return Path(str(raw)) if raw else None
+    users = option_mapping(value, "users")
+    for name, ids_ in users.items():
+        if not ids_:
+            raise RunnerError(f"users: expected name=uid:gid, got {name!r} with no uid:gid")
+    return users
 
 
 def _is_running(state: Mapping[str, Any]) -> bool:

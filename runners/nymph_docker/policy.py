@@ -7,8 +7,8 @@ Nothing here talks to the engine, so every rule is testable without one:
   entry ends with ``/``, every image under that registry prefix (``ghcr.io/acme/``).
 - :func:`container_user`: ``as_user`` maps to ``uid:gid`` (the runner's ``users`` table first, then
   the host's passwd); without one, the workdir's owner, so the bind-mounted workdir is writable.
-- :func:`limits`: ``run_config.resources`` (``cpus``, ``memory``, ``pids``, ``shm``) over the
-  runner's defaults, as docker SDK ``create`` keywords (sizes read by :mod:`nymph.resources`).
+- :func:`limits`: parsed :class:`~nymph.resources.Resources` (the task's over the runner's
+  defaults, read by :mod:`nymph.resources`) as docker SDK ``create`` keywords.
 - :func:`code_paths` / :func:`pythonpath`: the entry bundle first, then the code paths (the
   ``code_dirs``, and the task's own PYTHONPATH entries when they are mounted), each mounted at its
   host path; PYTHONPATH entries that are not mounted mean nothing in a container and are dropped.
@@ -22,55 +22,29 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from nymph.resources import parse_size
+from nymph.resources import Resources
 from nymph.runner import RunnerError
 from nymph.runnerkit import image_allowed
 
-__all__ = ["code_paths", "container_user", "image_allowed", "limits", "parse_size", "pythonpath"]
+__all__ = ["code_paths", "container_user", "image_allowed", "limits", "pythonpath"]
 
 
-def limits(
-    resources: Mapping[str, Any] | None,
-    *,
-    cpus: float | None,
-    memory: int | str | None,
-    pids: int | None,
-    shm: int | str | None,
-) -> dict[str, Any]:
-    """docker SDK ``create`` keywords for the limits: the task's ``resources`` over the defaults.
+def limits(wanted: Resources) -> dict[str, Any]:
+    """docker SDK ``create`` keywords for ``wanted``.
 
     Memory also caps swap (``memswap_limit`` = ``mem_limit``), so a memory-hungry task is OOM-killed
-    rather than swapping; the reason then reads ``OOMKilled``.
+    rather than swapping; the reason then reads ``OOMKilled``. ``gpus`` needs nothing here: the
+    devices nymph assigned (``task.gpus``) become the container's device request.
     """
-    res = dict(resources or {})
-    unknown = set(res) - {"cpus", "memory", "pids", "shm", "gpus"}
-    if unknown:
-        raise RunnerError(
-            f"run_config.resources: unknown keys {sorted(unknown)} (cpus, memory, pids, shm, gpus)"
-        )
     out: dict[str, Any] = {}
-    want_cpus = res.get("cpus", cpus)
-    if want_cpus is not None:
-        if isinstance(want_cpus, bool):
-            raise RunnerError(f"resources.cpus: expected a number, got {want_cpus!r}")
-        try:
-            nano = int(float(want_cpus) * 1e9)
-        except (TypeError, ValueError) as exc:
-            raise RunnerError(f"resources.cpus: expected a number, got {want_cpus!r}") from exc
-        if nano <= 0:
-            raise RunnerError(f"resources.cpus: must be positive, got {want_cpus!r}")
-        out["nano_cpus"] = nano
-    want_memory = res.get("memory", memory)
-    if want_memory is not None:
-        out["mem_limit"] = out["memswap_limit"] = parse_size(want_memory, "resources.memory")
-    want_pids = res.get("pids", pids)
-    if want_pids is not None:
-        if isinstance(want_pids, bool) or not isinstance(want_pids, int) or want_pids <= 0:
-            raise RunnerError(f"resources.pids: expected a positive integer, got {want_pids!r}")
-        out["pids_limit"] = want_pids
-    want_shm = res.get("shm", shm)
-    if want_shm is not None:
-        out["shm_size"] = parse_size(want_shm, "resources.shm")
+    if wanted.millicpus is not None:
+        out["nano_cpus"] = wanted.millicpus * 1_000_000
+    if wanted.memory is not None:
+        out["mem_limit"] = out["memswap_limit"] = wanted.memory
+    if wanted.pids is not None:
+        out["pids_limit"] = wanted.pids
+    if wanted.shm is not None:
+        out["shm_size"] = wanted.shm
     return out
 
 

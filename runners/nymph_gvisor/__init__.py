@@ -25,10 +25,9 @@ Never use ``--platform=kvm`` without hardware virtualisation: the sandbox spins 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from nymph_docker import DockerRunner, policy
+from nymph_docker import DockerRunner
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +61,8 @@ class GVisorRunner(DockerRunner):
         if read_only and not tmpfs_tmp:
             log.warning("gvisor runner: read_only without tmpfs_tmp leaves /tmp writable under runsc")
 
-    def _limits(self, resources: Mapping[str, Any] | None) -> dict[str, Any]:
-        out = policy.limits(resources, **self.default_limits)
+    def limits(self, resources: Any) -> dict[str, Any]:
+        out = super().limits(resources)
         pids = out.get("pids_limit")
         if pids is None or pids < MIN_PIDS:
             if pids is not None:

@@ -18,10 +18,14 @@ own node, created through the API with nymph's service account:
                  nymph's passwd) or the workdir's owner (nymph's user); allowPrivilegeEscalation
                  false, capabilities drop ALL, readOnlyRootFilesystem, seccomp RuntimeDefault, no
                  service account token, no service links
-    resources    run_config.resources cpus/memory/gpus/shm over the defaults, requests == limits;
+    resources    run_config.resources (read by nymph.resources) cpus/memory/gpus/shm over the
+                 defaults, requests == limits; pids is refused (the kubelet's podPidsLimit);
                  task.gpus counts as ``nvidia.com/gpu`` (the device plugin picks the devices)
     labels       nymph.invocation, nymph.attempt, nymph.worker, nymph.runner=kube + valid task labels;
                  annotations nymph.workdir, nymph.script
+    name         nymph-<invocation id>-a<attempt>: a start tried again after a lost create answer
+                 gets 409 AlreadyExists, finds the pod the first one made and adopts it (a pod of
+                 that name that is not this task's is refused), never a second pod
     restartPolicy Never
 
 ``wait`` polls the pod (with jitter) until its phase is Succeeded/Failed or its container has
@@ -30,7 +34,8 @@ container log to ``stdout.log``. ``stop`` deletes the pod with ``gracePeriodSeco
 the kubelet sends SIGTERM, waits, then SIGKILL. ``destroy`` deletes it (a missing pod is fine).
 
 Errors: an unreachable API (or 5xx / 429) is :class:`~nymph.runner.RunnerUnavailable`; a refusal
-(403, a bad spec, an image not allowed, bad resources) is :class:`~nymph.runner.RunnerError`.
+(403, a bad spec, an image not allowed) is :class:`~nymph.runner.RunnerError`, bad resources its
+:class:`~nymph.resources.ResourceError`. ``close`` closes the API client.
 """
 
 from __future__ import annotations
@@ -39,15 +44,15 @@ import logging
 import math
 import os
 import random
-import secrets
 import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from nymph.resources import parse_defaults, parse_resources
 from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, RunnerUnavailable, Task
-from nymph.runnerkit import image_allowed, option_list
+from nymph.runnerkit import handle_workdir, image_allowed, log_tail, option_list, option_mapping, task_name
 from nymph_kube import api, podspec
 
 log = logging.getLogger(__name__)
@@ -59,7 +64,6 @@ BUNDLE_DIR = ".lakeshore-bundle"
 WorkdirVolume = Literal["hostPath", "persistentVolumeClaim"]
 WORKDIR_VOLUMES = ("hostPath", "persistentVolumeClaim")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
-LOG_TAIL_BYTES = 4096
 LOG_LIMIT_BYTES = 8 * 1024 * 1024
 _POLL_MIN_S, _POLL_MAX_S = 0.2, 2.0
 _GONE_WAIT_S = 30.0
@@ -70,7 +74,7 @@ class KubeRunner:
 
     name: ClassVar[str] = "kube"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        as_user=True, gpus=True, resources=True, image=True, network=False, recover=True
+        as_user=True, gpus=True, resources=True, image=True, network=False, recover=True, list_labelled=True
     )
 
     def __init__(
@@ -121,7 +125,7 @@ class KubeRunner:
             image_pull_policy=image_pull_policy,
             service_account=service_account,
             node_name=node_name or None,
-            node_selector=podspec.mapping(node_selector, "node_selector"),
+            node_selector=option_mapping(node_selector, "node_selector"),
             tolerations=tolerations,
             python=python,
             tmp_size=tmp_size,
@@ -134,9 +138,8 @@ class KubeRunner:
         self.workdir_volume = workdir_volume
         self.host_workdir_root = host_workdir_root
         self.workdir_claim = workdir_claim
-        self.users = podspec.mapping(users, "users")
-        self.default_resources: dict[str, Any] = {"cpus": cpus, "memory": memory, "shm": shm}
-        podspec.resources(None, self.default_resources)  # validate the defaults now, not at the first task
+        self.users = option_mapping(users, "users")
+        self.default_resources = parse_defaults(self.name, cpus=cpus, memory=memory, shm=shm)
         self.kubeconfig = kubeconfig
         self.context = context
         self._pods: api.Pods | None = None
@@ -173,8 +176,18 @@ class KubeRunner:
         workdir = Path(task.workdir).resolve()
         manifest = self.manifest(task, workdir, image)
         name = manifest["metadata"]["name"]
-        pods.create(manifest)
-        log.debug("invocation %s: created pod %s/%s (%s)", task.invocation_id, self.namespace, name, image)
+        for _tries in range(2):
+            if pods.create(manifest) is not None:
+                log.debug(
+                    "invocation %s: created pod %s/%s (%s)", task.invocation_id, self.namespace, name, image
+                )
+                break
+            if self._adopt(name, task, workdir):  # 409: an earlier start of this attempt created it
+                break
+        else:
+            raise RunnerUnavailable(
+                f"{self.name} runner: pod {self.namespace}/{name} keeps appearing and vanishing; start again"
+            )
         return Handle(
             runner=self.name,
             invocation_id=task.invocation_id,
@@ -190,13 +203,13 @@ class KubeRunner:
 
     def manifest(self, task: Task, workdir: Path, image: str) -> dict[str, Any]:
         """The Pod this runner would create for ``task`` (pure but for the bundle build and a stat)."""
+        res, shm = self.limits(task.run_config.get("resources"), len(task.gpus))
         root = workdir.parent
         bundle = self._bundle(root)
         uid, gid = podspec.run_as(task.as_user, self.users, workdir)
-        res, shm = podspec.resources(task.run_config.get("resources"), self.default_resources, len(task.gpus))
         env = {k: v for k, v in task.env.items() if k not in ("PYTHONPATH", "CUDA_VISIBLE_DEVICES")}
         env["PYTHONPATH"] = podspec.BUNDLE_TARGET
-        name = f"nymph-{task.invocation_id.lower()}-a{task.attempt}-{secrets.token_hex(3)}"
+        name = task_name(task)
         worker = str(task.labels.get("nymph.worker", ""))
         manifest = podspec.pod_manifest(
             self.options,
@@ -220,6 +233,15 @@ class KubeRunner:
             _use_claim(manifest, str(self.workdir_claim), workdir.name, f"{BUNDLE_DIR}/{bundle.name}")
         return manifest
 
+    def limits(self, resources: Any, gpus: int = 0) -> tuple[dict[str, Any], int | None]:
+        """The container's ``resources`` and the /dev/shm size for a task's ``run_config.resources``.
+
+        Read by :mod:`nymph.resources` over the runner's defaults; ``gpus`` is the number nymph
+        assigned (the count when ``resources`` names none).
+        """
+        wanted = parse_resources(resources, self.name, unsupported=podspec.UNSUPPORTED_RESOURCES)
+        return podspec.resources(wanted.over(self.default_resources), gpus)
+
     def wait(self, handle: Handle, timeout: float | None = None) -> ExitStatus | None:
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         delay = _POLL_MIN_S
@@ -230,12 +252,12 @@ class KubeRunner:
                 return ExitStatus(
                     exit_code=-1,
                     reason="pod deleted by stop" if stopped else "pod gone (deleted outside nymph)",
-                    logs=_log_tail(_workdir(handle)),
+                    logs=log_tail(handle_workdir(handle)),
                 )
             if not podspec.is_running(pod):
                 self._collect_logs(handle)
                 return podspec.exit_status(
-                    pod, script=bool(handle.data.get("script")), logs=_log_tail(_workdir(handle))
+                    pod, script=bool(handle.data.get("script")), logs=log_tail(handle_workdir(handle))
                 )
             if deadline is not None and time.monotonic() >= deadline:
                 return None
@@ -317,7 +339,52 @@ class KubeRunner:
             )
         return handles
 
+    def close(self) -> None:
+        """Close the API client (its connection pool); pods keep running."""
+        with self._lock:
+            pods, self._pods = self._pods, None
+        if pods is not None:
+            pods.close()
+
     # --- helpers --------------------------------------------------------------------------------
+
+    def _adopt(self, name: str, task: Task, workdir: Path) -> bool:
+        """Adopt the pod of this name an earlier start of the same attempt created; refuse any other.
+
+        Pods are named after the invocation and attempt, so a start tried again after the create's
+        answer was lost (the API created the pod, the reply never came) gets 409 AlreadyExists and
+        finds the first pod here instead of making a second one. False when the pod is gone again
+        (deleted between the 409 and the read): it may be created anew.
+        """
+        pod = self._client().get(name)
+        if pod is None:
+            return False
+        meta = pod.get("metadata") or {}
+        labels, notes = meta.get("labels") or {}, meta.get("annotations") or {}
+        mine = (
+            labels.get("nymph.invocation") == task.invocation_id
+            and labels.get("nymph.attempt") == str(task.attempt)
+            and labels.get("nymph.runner") == self.name
+            and notes.get("nymph.workdir") == str(workdir)
+        )
+        if not mine:
+            raise RunnerError(
+                f"{self.name} runner: a pod named {self.namespace}/{name} exists and is not this task's "
+                f"(labels {labels}); delete it (kubectl delete pod -n {self.namespace} {name})"
+            )
+        if meta.get("deletionTimestamp"):
+            raise RunnerError(
+                f"{self.name} runner: pod {self.namespace}/{name} of this attempt is being deleted; "
+                f"the attempt cannot start again under the same name"
+            )
+        log.warning(
+            "invocation %s: pod %s/%s of this attempt exists (an earlier start's answer was lost); "
+            "adopting it",
+            task.invocation_id,
+            self.namespace,
+            name,
+        )
+        return True
 
     def _client(self) -> api.Pods:
         with self._lock:
@@ -354,7 +421,7 @@ class KubeRunner:
 
     def _collect_logs(self, handle: Handle) -> None:
         """Copy the container log (stdout and stderr interleaved) to ``stdout.log``; best effort."""
-        workdir = _workdir(handle)
+        workdir = handle_workdir(handle)
         if workdir is None or not workdir.is_dir():
             return
         try:
@@ -388,22 +455,3 @@ def _use_claim(manifest: dict[str, Any], claim: str, sub_workdir: str, sub_bundl
 
 def _pod(handle: Handle) -> str:
     return str(handle.data["pod"])
-
-
-def _workdir(handle: Handle) -> Path | None:
-    raw = handle.data.get("workdir")
-    return Path(str(raw)) if raw else None
-
-
-def _log_tail(workdir: Path | None, limit: int = LOG_TAIL_BYTES) -> str | None:
-    """The last ``limit`` bytes of ``stdout.log`` (the pod's combined output); None when empty."""
-    if workdir is None:
-        return None
-    try:
-        with open(workdir / "stdout.log", "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - limit))
-            data = fh.read().decode("utf-8", "replace")
-    except OSError:
-        return None
-    return f"--- pod log ---\n{data}" if data else None

@@ -7,7 +7,9 @@ runner contract's exceptions, always with ``raise ... from`` so the original err
   :class:`~nymph.runner.RunnerUnavailable` (transient: nymph keeps the claim and retries);
 - 401 / 403 (a wrong kubeconfig or missing RBAC) and every other 4xx: :class:`~nymph.runner.RunnerError`
   naming the call, the namespace and the API's own message;
-- 404 is returned to the call site as ``None`` / ``False``: what a missing pod means is its decision.
+- 404 is returned to the call site as ``None`` / ``False``: what a missing pod means is its decision;
+  so is 409 AlreadyExists on a create (``None``): the name is taken, maybe by an earlier create of
+  the same pod whose answer was lost.
 
 Reads use ``_preload_content=False`` and parse the JSON, so the runner works on plain dicts
 (``pod["status"]["phase"]``) rather than the generated model classes.
@@ -103,6 +105,16 @@ def _unless_404(exc: ApiException) -> None:
         raise exc
 
 
+def _reason(exc: ApiException) -> str | None:
+    """The ``reason`` of the API's Status object (``AlreadyExists``, ``Conflict``...), if any."""
+    body: Any = exc.body
+    try:
+        parsed = json.loads(body) if body else None
+    except (TypeError, ValueError):
+        return None
+    return str(parsed.get("reason")) if isinstance(parsed, dict) and parsed.get("reason") else None
+
+
 def _json(response: Any) -> dict[str, Any]:
     data = json.loads(response.data or b"{}")
     if not isinstance(data, dict):
@@ -119,7 +131,8 @@ class Pods:
         self.namespace = namespace
         self.who = who
 
-    def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
+    def create(self, manifest: dict[str, Any]) -> dict[str, Any] | None:
+        """The created pod; None when a pod of that name exists already (409 AlreadyExists)."""
         name = manifest["metadata"]["name"]
         with translated(f"{self.who}: create pod {self.namespace}/{name}", self.host):
             try:
@@ -129,10 +142,16 @@ class Pods:
                     )
                 )
             except ApiException as exc:  # 404: the namespace does not exist
+                if exc.status == 409 and _reason(exc) == "AlreadyExists":
+                    return None
                 _unless_404(exc)
                 raise RunnerError(
                     f"{self.who}: create pod {name}: namespace {self.namespace!r} not found ({explain(exc)})"
                 ) from exc
+
+    def close(self) -> None:
+        """Close the API client's connection pool."""
+        self.core.api_client.close()
 
     def get(self, name: str) -> dict[str, Any] | None:
         with translated(f"{self.who}: read pod {self.namespace}/{name}", self.host):

@@ -3,8 +3,9 @@
 Nothing here talks to the API, so every rule is testable without one:
 
 - :func:`pod_manifest`: the whole Pod as a plain dict (what ``kubectl apply`` would take).
-- :func:`resources`: ``run_config.resources`` (``cpus``/``cpu``, ``memory``, ``gpus``/``nvidia.com/gpu``,
-  ``shm``) over the runner's defaults, as requests == limits (Guaranteed QoS for cpu/memory).
+- :func:`resources`: parsed :class:`~nymph.resources.Resources` (``cpus``, ``memory``, ``gpus``,
+  ``shm``; read by :mod:`nymph.resources`) as requests == limits (Guaranteed QoS for cpu/memory)
+  and the size of ``/dev/shm``; ``pids`` is refused (:data:`UNSUPPORTED_RESOURCES`).
 - :func:`run_as`: ``as_user`` mapped to ``uid:gid`` (the ``users`` table, then nymph's passwd); without
   one, the owner of the workdir. uid 0 is refused: the pod always runs with ``runAsNonRoot``.
 - :func:`exit_status`: a pod's phase and container state as an :class:`~nymph.runner.ExitStatus`.
@@ -20,17 +21,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nymph.resources import parse_size
+from nymph.resources import Resources
 from nymph.runner import ExitStatus, RunnerError
-from nymph.runnerkit import option_list
+from nymph.runnerkit import BUNDLE_TARGET, ENTRY_MODULE, SCRIPT_SHIM, WORKDIR_TARGET
 
-ENTRY_MODULE = "dreamlake.lakeshore.daemon.entry"
+__all__ = [
+    "BUNDLE_TARGET",
+    "CONTAINER",
+    "SCRIPT_SHIM",
+    "UNSUPPORTED_RESOURCES",
+    "PodOptions",
+    "exit_status",
+    "is_running",
+    "labels",
+    "pod_manifest",
+    "resources",
+    "run_as",
+    "valid_label",
+    "valid_name",
+]
+
 CONTAINER = "task"
-WORKDIR_TARGET = "/work/inv"
-BUNDLE_TARGET = "/opt/lakeshore/entry.zip"
 GPU_RESOURCE = "nvidia.com/gpu"
-# Run the script with bash when the image has it, else with sh (as the docker runner does).
-SCRIPT_SHIM = 'if command -v bash >/dev/null 2>&1; then exec bash -c "$1"; fi; exec sh -c "$1"'
+#: run_config.resources fields a pod cannot enforce, with why (see nymph.resources).
+UNSUPPORTED_RESOURCES = {"pids": "a pod cannot set its own pids limit: the kubelet's podPidsLimit does"}
 
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
@@ -57,64 +71,23 @@ class PodOptions:
     priority_class: str | None = None
 
 
-def _cpu_quantity(value: Any) -> str:
-    if isinstance(value, bool):
-        raise RunnerError(f"resources.cpus: expected a number, got {value!r}")
-    if isinstance(value, str) and value.endswith("m"):
-        value = value[:-1]
-        try:
-            milli = int(value)
-        except ValueError as exc:
-            raise RunnerError(f"resources.cpus: expected a number or NNNm, got {value!r}m") from exc
-    else:
-        try:
-            milli = round(float(value) * 1000)
-        except (TypeError, ValueError) as exc:
-            raise RunnerError(f"resources.cpus: expected a number, got {value!r}") from exc
-    if milli <= 0:
-        raise RunnerError(f"resources.cpus: must be positive, got {value!r}")
-    return f"{milli}m"
-
-
-def resources(
-    wanted: Mapping[str, Any] | None, defaults: Mapping[str, Any], gpus: int = 0
-) -> tuple[dict[str, Any], int | None]:
+def resources(wanted: Resources, gpus: int = 0) -> tuple[dict[str, Any], int | None]:
     """The container's ``resources`` (requests == limits) and the /dev/shm size in bytes (or None).
 
-    ``gpus`` (the number nymph assigned) is the GPU count when ``resources`` names none: on
+    ``gpus`` (the number nymph assigned) is the GPU count when ``wanted`` names none: on
     Kubernetes the device plugin picks the devices, nymph only says how many.
     """
-    res = {**{k: v for k, v in defaults.items() if v is not None}, **dict(wanted or {})}
-    if "cpu" in res:
-        res.setdefault("cpus", res.pop("cpu"))
-    if GPU_RESOURCE in res:
-        res.setdefault("gpus", res.pop(GPU_RESOURCE))
-    if "pids" in res:
-        raise RunnerError(
-            "run_config.resources.pids: a pod cannot set its own pids limit on Kubernetes (it is the "
-            "kubelet's podPidsLimit); leave it out for the kube runner"
-        )
-    unknown = set(res) - {"cpus", "memory", "gpus", "shm"}
-    if unknown:
-        raise RunnerError(
-            f"run_config.resources: unknown keys {sorted(unknown)} (cpus, memory, gpus, shm; "
-            f"'cpu' and '{GPU_RESOURCE}' are accepted as aliases)"
-        )
     limits: dict[str, str] = {}
-    if res.get("cpus") is not None:
-        limits["cpu"] = _cpu_quantity(res["cpus"])
-    if res.get("memory") is not None:
-        limits["memory"] = str(parse_size(res["memory"], "resources.memory"))
-    count = res.get("gpus", gpus or None)
-    if count is not None:
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise RunnerError(f"resources.gpus: expected a whole number of GPUs, got {count!r}")
-        if count:
-            limits[GPU_RESOURCE] = str(count)
-    shm = parse_size(res["shm"], "resources.shm") if res.get("shm") is not None else None
+    if wanted.millicpus is not None:
+        limits["cpu"] = f"{wanted.millicpus}m"
+    if wanted.memory is not None:
+        limits["memory"] = str(wanted.memory)
+    count = wanted.gpus if wanted.gpus is not None else gpus
+    if count:
+        limits[GPU_RESOURCE] = str(count)
     if not limits:
-        return {}, shm
-    return {"requests": dict(limits), "limits": limits}, shm
+        return {}, wanted.shm
+    return {"requests": dict(limits), "limits": limits}, wanted.shm
 
 
 def run_as(as_user: str | None, users: Mapping[str, str], workdir: Path) -> tuple[int, int]:
@@ -319,18 +292,3 @@ def exit_status(pod: Mapping[str, Any], *, script: bool, logs: str | None) -> Ex
     reason = status.get("reason") or status.get("phase") or "unknown"
     message = status.get("message")
     return ExitStatus(exit_code=-1, reason=f"{reason}: {message}" if message else str(reason), logs=logs)
-
-
-def mapping(value: Mapping[str, Any] | str | None, what: str) -> dict[str, str]:
-    """A table option; a string is ``k=v,k2=v2``."""
-    if not value:
-        return {}
-    if isinstance(value, str):
-        out: dict[str, str] = {}
-        for item in option_list(value):
-            key, sep, val = item.partition("=")
-            if not sep or not key.strip():
-                raise RunnerError(f"{what}: expected key=value, got {item!r}")
-            out[key.strip()] = val.strip()
-        return out
-    return {str(k): str(v) for k, v in value.items()}

@@ -28,7 +28,16 @@ Never twice in one workdir: a Python entry runs only under the workdir's entry l
 spawned entry inherits it from the runner, which takes it before spawning. When a zygote got a fork
 request but its answer never came (a timeout, the zygote died), the runner does not ask a zygote
 again: it takes the lock and spawns, or, when a child got there first (the lock is held, or the
-file says an entry already ran), adopts that child like a re-attached process.
+file says an entry already ran), adopts that child like a re-attached process. The same lock makes
+``start`` idempotent under retry: a second start of a Python task finds the entry the first one
+started and adopts it.
+
+Limits: a process runs unconfined on the host, so ``run_config.resources`` may only name ``gpus``
+(nymph assigns the devices through ``CUDA_VISIBLE_DEVICES``); any other field is refused with
+:class:`~nymph.resources.ResourceError` (see :mod:`nymph.resources`).
+
+Optional features (:class:`~nymph.runner.Capabilities`): ``reap_orphans`` (nymph is a child
+subreaper; the agent calls :meth:`ProcessRunner.reap_orphans`). ``close`` stops the zygotes.
 """
 
 from __future__ import annotations
@@ -49,14 +58,18 @@ from typing import ClassVar
 
 import psutil
 
+from nymph.resources import parse_resources
 from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, RunnerUnavailable, Task
-from nymph.runnerkit import default_python, inferred_exit_code, log_tail
+from nymph.runnerkit import ENTRY_MODULE, default_python, handle_workdir, inferred_exit_code, log_tail
 from nymph_process.prefork import ForkedChild, ZygoteClient, ZygoteError
 from nymph_process.zygote import ENTRY_LOCK
 
 log = logging.getLogger(__name__)
 
-ENTRY_MODULE = "dreamlake.lakeshore.daemon.entry"
+#: run_config.resources fields a local process cannot be held to, with why (see nymph.resources).
+UNSUPPORTED_RESOURCES = dict.fromkeys(
+    ("cpus", "memory", "pids", "shm"), "a local process runs unconfined on the host"
+)
 _POLL_S = 0.05
 _START_TIME_SLACK_S = 0.01
 _PR_SET_CHILD_SUBREAPER = 36
@@ -76,7 +89,9 @@ class ProcessRunner:
     """Runs each invocation as a local process group (one session per invocation)."""
 
     name: ClassVar[str] = "process"
-    capabilities: ClassVar[Capabilities] = Capabilities(as_user=True, gpus=True, recover=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        as_user=True, gpus=True, recover=True, reap_orphans=True
+    )
 
     def __init__(
         self,
@@ -116,7 +131,7 @@ class ProcessRunner:
             )
 
     def close(self) -> None:
-        """Stop the zygotes (tasks they forked carry on). nymph need not call it: they exit with it."""
+        """Stop the zygotes (tasks they forked carry on); nymph calls it at shutdown."""
         with self._zygote_lock:
             zygotes = list(self._zygotes.values())
             self._zygotes.clear()
@@ -124,6 +139,7 @@ class ProcessRunner:
             zygote.close()
 
     def start(self, task: Task) -> Handle:
+        parse_resources(task.run_config.get("resources"), self.name, unsupported=UNSUPPORTED_RESOURCES)
         if self.prefork and task.script is None and not task.as_user:
             handle = self._start_forked(task)
             if handle is not None:
@@ -484,7 +500,8 @@ class ProcessRunner:
         log.warning("invocation %s: process group %d still has members", handle.invocation_id, pgid)
 
     def _inferred_code(self, handle: Handle) -> int:
-        return inferred_exit_code(Path(str(handle.data.get("workdir", ""))))
+        workdir = handle_workdir(handle)
+        return inferred_exit_code(workdir) if workdir is not None else -1
 
     def _status(self, handle: Handle, code: int) -> ExitStatus:
         reason = None
@@ -494,9 +511,7 @@ class ProcessRunner:
             reason = f"signal {-code}" if code != -1 or known else None
         if code == -1 and not known:
             reason = "exit status unknown (re-attached after a nymph restart)"
-        return ExitStatus(
-            exit_code=code, reason=reason, logs=log_tail(Path(str(handle.data.get("workdir", ""))))
-        )
+        return ExitStatus(exit_code=code, reason=reason, logs=log_tail(handle_workdir(handle)))
 
 
 def become_subreaper() -> None:

@@ -11,7 +11,14 @@ and submits it::
         [--partition/--account/--qos/--time] [--cpus-per-task/--mem/--gres=gpu:N] [extra_args]
         WORKDIR/slurm-job.sh
 
-The handle is ``{job_id, job_name, workdir}``. ``wait`` polls ``scontrol show job -o`` (never
+``run_config.resources`` is read by :mod:`nymph.resources`; ``pids`` and ``shm`` are refused
+(Slurm has no such per-job limit). The handle is ``{job_id, job_name, workdir}``.
+
+A start tried again after an sbatch whose answer never came (it timed out, or the controller
+stopped answering: :class:`~nymph.runner.RunnerUnavailable`) may find the job submitted after all:
+before submitting again it looks the job up by its name and workdir (``squeue --states=all``),
+leaving out jobs this runner destroyed (an earlier attempt's in the same workdir), and adopts it,
+so the invocation never runs twice. ``wait`` polls ``scontrol show job -o`` (never
 ``sbatch --wait``, which polls at 2 s, 10 s, 42 s, ...) and maps ``JobState`` / ``ExitCode`` to an
 :class:`~nymph.runner.ExitStatus`. A job that has aged out of ``scontrol`` (``MinJobAge``, 300 s by
 default, and there is no ``sacct`` without slurmdbd) is ``gone``: its exit code is inferred from
@@ -31,7 +38,8 @@ on the compute node. A ``--chdir`` that does not exist silently runs the job in 
 
 Errors: a missing binary, an unreachable controller or a timed-out Slurm command is
 :class:`~nymph.runner.RunnerUnavailable` (transient); a refused submission (bad partition, bad
-resources) is :class:`~nymph.runner.RunnerError` with Slurm's message.
+resources) is :class:`~nymph.runner.RunnerError` with Slurm's message. ``close`` has nothing to
+release (every call is a short-lived Slurm command).
 """
 
 from __future__ import annotations
@@ -48,14 +56,19 @@ from pathlib import Path
 from typing import ClassVar
 
 from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, RunnerUnavailable, Task
-from nymph.runnerkit import default_python, inferred_exit_code, log_tail
+from nymph.runnerkit import (
+    ENTRY_MODULE,
+    default_python,
+    handle_workdir,
+    inferred_exit_code,
+    log_tail,
+)
 from nymph_slurm.jobs import GPU_ENV, JobRecord, batch_script, exit_status, parse_record, resource_args
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ENTRY_MODULE", "SCRIPT_FILE", "SlurmRunner"]
+__all__ = ["SCRIPT_FILE", "SlurmRunner"]
 
-ENTRY_MODULE = "dreamlake.lakeshore.daemon.entry"
 SCRIPT_FILE = "slurm-job.sh"
 _CMD_TIMEOUT_S = 30.0
 _PING_TIMEOUT_S = 10.0  # check(): a client without a configuration source hangs in DNS lookups
@@ -90,6 +103,7 @@ class SlurmRunner:
         sbatch: str = "sbatch",
         scontrol: str = "scontrol",
         scancel: str = "scancel",
+        squeue: str = "squeue",
         runuser: str = "runuser",
         poll_interval_s: float = 0.2,
         cancel_wait_s: float = 35.0,
@@ -108,15 +122,18 @@ class SlurmRunner:
         self.sbatch = sbatch
         self.scontrol = scontrol
         self.scancel = scancel
+        self.squeue = squeue
         self.runuser = runuser
         self.poll_interval_s = float(poll_interval_s)
         self.cancel_wait_s = float(cancel_wait_s)
         self._destroyed: set[str] = set()  # job ids destroyed here: finished, nothing to re-attach to
+        # (invocation, attempt) whose sbatch gave no answer: a start tried again looks the job up first
+        self._unanswered: set[tuple[str, int]] = set()
 
     # --- lifecycle ------------------------------------------------------------------------------
 
     def check(self) -> None:
-        for what in ("sbatch", "scontrol", "scancel"):
+        for what in ("sbatch", "scontrol", "scancel", "squeue"):
             path = getattr(self, what)
             if shutil.which(path) is None:
                 raise RunnerUnavailable(
@@ -137,8 +154,19 @@ class SlurmRunner:
         if not workdir.is_dir():  # sbatch would silently run the job in /tmp
             raise RunnerError(f"slurm runner: workdir {workdir} does not exist; nothing submitted")
         job_name = f"nymph-{task.invocation_id}"
-        resources = (task.run_config or {}).get("resources")
-        res_args = resource_args(resources, len(task.gpus))
+        res_args = resource_args((task.run_config or {}).get("resources"), len(task.gpus))
+        key = (task.invocation_id, task.attempt)
+        if key in self._unanswered:
+            job_id = self._submitted(job_name, workdir)
+            if job_id is not None:
+                log.warning(
+                    "invocation %s: Slurm job %s of this attempt was submitted (an earlier sbatch's "
+                    "answer was lost); adopting it",
+                    task.invocation_id,
+                    job_id,
+                )
+                self._unanswered.discard(key)
+                return self._handle(task, job_id, job_name, workdir)
         env = dict(task.env)
         if any(a.startswith("--gres=gpu") for a in res_args):
             env = {k: v for k, v in env.items() if k not in GPU_ENV}  # Slurm sets them for its GPUs
@@ -173,17 +201,41 @@ class SlurmRunner:
         argv += [*res_args, *self.extra_args, str(script)]
         if task.as_user:
             argv = [self.runuser, "-u", task.as_user, "--", *argv]
-        out = self._run(argv, env=self._submit_env(task), what="sbatch")
+        self._unanswered.add(key)
+        try:
+            out = self._run(argv, env=self._submit_env(task), what="sbatch")
+        except RunnerUnavailable:
+            raise  # it may have been submitted: the start tried again looks first
+        except RunnerError:
+            self._unanswered.discard(key)  # refused: nothing was submitted
+            raise
+        self._unanswered.discard(key)
         job_id = out.stdout.strip().split(";")[0]  # --parsable: "ID" or "ID;CLUSTER"
         if not job_id.isdigit():
             raise RunnerError(f"slurm runner: sbatch answered {out.stdout.strip()[:200]!r}, not a job id")
         log.debug("invocation %s: submitted Slurm job %s", task.invocation_id, job_id)
+        return self._handle(task, job_id, job_name, workdir)
+
+    def _handle(self, task: Task, job_id: str, job_name: str, workdir: Path) -> Handle:
         return Handle(
             runner=self.name,
             invocation_id=task.invocation_id,
             attempt=task.attempt,
             data={"job_id": job_id, "job_name": job_name, "workdir": str(workdir)},
         )
+
+    def _submitted(self, job_name: str, workdir: Path) -> str | None:
+        """The id of a job named ``job_name`` in ``workdir`` that Slurm knows (in any state) and this
+        runner did not destroy (an earlier attempt's), or None."""
+        out = self._run(
+            [self.squeue, "--noheader", "--states=all", f"--name={job_name}", "--format=%i|%Z"],
+            what="squeue",
+        )
+        for line in out.stdout.splitlines():
+            job_id, _, where = line.strip().partition("|")
+            if job_id.isdigit() and where == str(workdir) and job_id not in self._destroyed:
+                return job_id
+        return None
 
     def wait(self, handle: Handle, timeout: float | None = None) -> ExitStatus | None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -194,7 +246,7 @@ class SlurmRunner:
                 return self._inferred(handle)
             if not record.active:
                 status = exit_status(record)
-                status.logs = log_tail(_workdir(handle))
+                status.logs = log_tail(handle_workdir(handle))
                 return status
             if deadline is not None:
                 left = deadline - time.monotonic()
@@ -241,11 +293,10 @@ class SlurmRunner:
             return False
         return self._record(handle) is not None
 
-    # --- helpers --------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Nothing to release: every call is a short-lived Slurm command."""
 
-    def job_record(self, handle: Handle) -> JobRecord | None:
-        """The job's ``scontrol show job`` record; None when Slurm no longer knows it (or it is not ours)."""
-        return self._record(handle)
+    # --- helpers --------------------------------------------------------------------------------
 
     def _record(self, handle: Handle) -> JobRecord | None:
         job_id = str(handle.data["job_id"])
@@ -285,8 +336,8 @@ class SlurmRunner:
             raise self._failure("scancel", said)
 
     def _inferred(self, handle: Handle) -> ExitStatus:
-        workdir = _workdir(handle)
-        code, reason = inferred_exit_code(workdir), None
+        workdir = handle_workdir(handle)
+        code, reason = (inferred_exit_code(workdir) if workdir else -1), None
         if code == -1:
             reason = (
                 f"exit status unknown: Slurm job {handle.data['job_id']} is no longer known to scontrol "
@@ -347,7 +398,3 @@ class SlurmRunner:
 def _already_over(said: str) -> bool:
     said = said.lower()
     return "already completing or completed" in said or "invalid job id" in said
-
-
-def _workdir(handle: Handle) -> Path:
-    return Path(str(handle.data.get("workdir", "")))

@@ -5,8 +5,9 @@ Nothing here runs a Slurm command, so every rule is testable without a cluster:
 - :func:`batch_script`: the ``/bin/sh`` script written into the workdir: it exports the task's
   environment, refuses to run anywhere but the workdir, and ``exec``\\ s the entry (or
   ``bash -c SCRIPT``), so the entry *is* the batch step's process and Slurm's signals reach it;
-- :func:`resource_args`: ``run_config.resources`` as sbatch options (``cpus`` ->
-  ``--cpus-per-task``, ``memory`` -> ``--mem``, ``gpus`` -> ``--gres=gpu:N``);
+- :func:`resource_args`: ``run_config.resources`` (read by :mod:`nymph.resources`) as sbatch
+  options (``cpus`` -> ``--cpus-per-task``, ``memory`` -> ``--mem``, ``gpus`` -> ``--gres=gpu:N``);
+  ``pids`` and ``shm`` are refused (:data:`UNSUPPORTED_RESOURCES`);
 - :func:`parse_record`: one line of ``scontrol show job -o`` as a :class:`JobRecord`;
 - :func:`exit_status`: a finished job's ``JobState`` and ``ExitCode`` (``"3:0"``: exit 3,
   ``"0:9"``: signal 9) as an :class:`~nymph.runner.ExitStatus` with a reason.
@@ -21,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nymph.resources import parse_size
+from nymph.resources import parse_resources
 from nymph.runner import ExitStatus, RunnerError
 
 # Job states (scontrol's JobState) that still hold processes or will run; anything else has ended.
@@ -64,6 +65,11 @@ LAUNCH_FAILED_SIGNAL = 53
 _UNINFORMATIVE = frozenset({"None", "NonZeroExitCode", "JobLaunchFailure", ""})
 _KEY = re.compile(r"^[A-Za-z][A-Za-z0-9_:/.]*=")
 _MIB = 1024**2
+#: run_config.resources fields a Slurm job cannot enforce, with why (see nymph.resources).
+UNSUPPORTED_RESOURCES = {
+    "pids": "Slurm has no per-job process limit",
+    "shm": "a job's /dev/shm is the compute node's own, not sized per job",
+}
 
 
 @dataclass(frozen=True)
@@ -134,30 +140,18 @@ def exit_status(record: JobRecord) -> ExitStatus:
     return ExitStatus(exit_code=exit_code, reason=reason)
 
 
-def resource_args(resources: Mapping[str, Any] | None, gpus_assigned: int) -> list[str]:
-    """sbatch options for ``run_config.resources``; ``gpus`` defaults to the GPUs nymph assigned."""
-    res = dict(resources or {})
-    unknown = set(res) - {"cpus", "memory", "gpus"}
-    if unknown:
-        raise RunnerError(
-            f"run_config.resources: {sorted(unknown)} not supported by the slurm runner (cpus, memory, gpus)"
-        )
+def resource_args(resources: Any, gpus_assigned: int) -> list[str]:
+    """sbatch options for ``run_config.resources``; ``gpus`` defaults to the GPUs nymph assigned.
+
+    Raises :class:`~nymph.resources.ResourceError` for a bad value or a field Slurm cannot enforce.
+    """
+    wanted = parse_resources(resources, "slurm", unsupported=UNSUPPORTED_RESOURCES)
     args: list[str] = []
-    cpus = res.get("cpus")
-    if cpus is not None:
-        try:
-            want = float(cpus)
-        except (TypeError, ValueError) as exc:
-            raise RunnerError(f"resources.cpus: expected a number, got {cpus!r}") from exc
-        if isinstance(cpus, bool) or not want > 0:
-            raise RunnerError(f"resources.cpus: must be positive, got {cpus!r}")
-        args.append(f"--cpus-per-task={math.ceil(want)}")  # Slurm allocates whole CPUs
-    memory = res.get("memory")
-    if memory is not None:
-        args.append(f"--mem={math.ceil(parse_size(memory, 'resources.memory') / _MIB)}M")
-    gpus = res.get("gpus", gpus_assigned)
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
-        raise RunnerError(f"resources.gpus: expected a count (0 or more), got {gpus!r}")
+    if wanted.millicpus is not None:
+        args.append(f"--cpus-per-task={math.ceil(wanted.millicpus / 1000)}")  # Slurm allocates whole CPUs
+    if wanted.memory is not None:
+        args.append(f"--mem={math.ceil(wanted.memory / _MIB)}M")
+    gpus = wanted.gpus if wanted.gpus is not None else gpus_assigned
     if gpus:
         args.append(f"--gres=gpu:{gpus}")
     return args

@@ -85,10 +85,8 @@ def make_runner(request: pytest.FixtureRequest) -> Iterator[Callable[[], Runner]
         return made[-1]
 
     yield _make
-    for made_runner in made:  # the prefork runner's zygote; no-op elsewhere
-        close = getattr(made_runner, "close", None)
-        if callable(close):
-            close()
+    for made_runner in made:  # engine/API clients, the prefork runner's zygotes
+        made_runner.close()
 
 
 @pytest.fixture
@@ -209,6 +207,20 @@ def test_recover_after_restart_reattaches_to_the_same_task(
     assert wire.unpack((task.workdir / "result.msgpack").read_bytes()) == "released"
     second.destroy(handle)
     assert second.recover(handle) is False  # finished: nothing to re-attach to
+
+
+def test_close_releases_the_runner_and_its_tasks_run_on(runner: Runner, prepare: Callable[..., Task]) -> None:
+    task = prepare(nymph_fns.wait_for_file, "release")
+    handle = kit.start_saved(runner, task)
+    assert runner.inspect(handle) == "running"
+    runner.close()  # nymph's shutdown: clients and helpers go, the task does not
+    runner.close()  # and twice is fine
+    assert runner.inspect(handle) == "running"  # the runner still answers (it reconnects)
+    (task.workdir / "release").touch()
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 0, status
+    assert wire.unpack((task.workdir / "result.msgpack").read_bytes()) == "released"
+    runner.destroy(handle)
 
 
 def test_destroy_leaves_nothing_and_is_idempotent(runner: Runner, prepare: Callable[..., Task]) -> None:

@@ -13,6 +13,7 @@ import pytest
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.store.api import SubmitRequest
+from dreamlake.lakeshore.store.invocations import MERGED_QUEUES_MAX
 from dreamlake.lakeshore.store.sql import SqlStore
 from dreamlake.lakeshore.store.values import normalize_max_attempts, normalize_priority
 
@@ -162,8 +163,27 @@ def test_claim_respects_limit_and_queues(store: SqlStore) -> None:
     assert len(store.claim("w", ["a", "b"], limit=5)) == 2
 
 
-def test_no_double_claim_under_concurrency(store: SqlStore) -> None:
-    ids = {submit(store) for _ in range(60)}
+def test_a_claim_of_several_queues_takes_the_best_across_them(store: SqlStore) -> None:
+    a_low = submit(store, "a", priority=0)
+    b_high = submit(store, "b", priority=5)
+    a_high = submit(store, "a", priority=5)
+    c_mid = submit(store, "c", priority=2)
+    submit(store, "elsewhere", priority=100)
+    got = store.claim("w", ["c", "a", "b", "a"], limit=3)  # a queue named twice counts once
+    assert [i.invocation_id for i in got] == [b_high, a_high, c_mid]
+    assert [i.invocation_id for i in store.claim("w", ["a", "b", "c"], limit=3)] == [a_low]
+
+
+def test_a_claim_of_more_queues_than_merged_keeps_the_order(store: SqlStore) -> None:
+    queues = [f"q{n:02d}" for n in range(MERGED_QUEUES_MAX + 4)]
+    ids = {q: submit(store, q, priority=n % 3) for n, q in enumerate(queues)}
+    got = store.claim("w", queues, limit=len(queues))
+    expected = sorted(queues, key=lambda q: -(queues.index(q) % 3))  # priority desc, then submission
+    assert [i.invocation_id for i in got] == [ids[q] for q in expected]
+
+
+def _drain_concurrently(store: SqlStore, queues: list[str]) -> list[str]:
+    """Six threads claim two at a time from ``queues`` until a claim comes back empty."""
     claimed: list[str] = []
     lock = threading.Lock()
     errors: list[BaseException] = []
@@ -171,7 +191,7 @@ def test_no_double_claim_under_concurrency(store: SqlStore) -> None:
     def worker(n: int) -> None:
         try:
             while True:
-                got = store.claim(f"w{n}", ["q"], limit=2)
+                got = store.claim(f"w{n}", queues, limit=2)
                 if not got:
                     return
                 with lock:
@@ -185,6 +205,19 @@ def test_no_double_claim_under_concurrency(store: SqlStore) -> None:
     for th in threads:
         th.join()
     assert errors == []
+    return claimed
+
+
+def test_no_double_claim_under_concurrency(store: SqlStore) -> None:
+    ids = {submit(store) for _ in range(60)}
+    claimed = _drain_concurrently(store, ["q"])
+    assert Counter(claimed).most_common(1)[0][1] == 1
+    assert set(claimed) == ids
+
+
+def test_no_double_claim_across_queues_under_concurrency(store: SqlStore) -> None:
+    ids = {submit(store, f"q{n % 3}", priority=n % 4) for n in range(60)}
+    claimed = _drain_concurrently(store, ["q0", "q1", "q2"])
     assert Counter(claimed).most_common(1)[0][1] == 1
     assert set(claimed) == ids
 

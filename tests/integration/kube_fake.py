@@ -25,7 +25,8 @@ goes. Not modelled: scheduling, securityContext (no setuid here), resource limit
 watches, other kinds.
 
 Test hooks: ``requests`` (every call: method, path, query, body), ``forbid`` (answer 403),
-:meth:`stop` (the API goes away).
+``lost_answers`` (that many next POSTs are served but their answer is lost: the connection is cut
+before it is sent), :meth:`stop` (the API goes away).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class KubeFake:
         self.runs: dict[tuple[str, str], _Run] = {}
         self.requests: list[Call] = []
         self.forbid = False
+        self.lost_answers = 0
         self.connections: set[socket.socket] = set()
         self.lock = threading.RLock()
         self._version = 0
@@ -118,6 +120,13 @@ class KubeFake:
                 with fake.lock:
                     fake.requests.append(Call(self.command, parts.path, query, body))
                 code, payload, ctype = fake.handle(self.command, parts.path, query, body)
+                with fake.lock:
+                    lose = self.command == "POST" and fake.lost_answers > 0
+                    fake.lost_answers -= lose
+                if lose:  # done, but the client never hears of it
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", ctype)

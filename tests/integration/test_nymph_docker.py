@@ -253,7 +253,10 @@ def test_an_exec_container_is_labelled_with_the_worker_and_listed_for_start_up_c
     from typing import Any
 
     from dreamlake.lakeshore import ids
+    from nymph.config import NymphConfig
     from nymph.execjob import ExecJob
+    from nymph.lifecycle import JobContext
+    from nymph.slots import Slots
     from tests.conftest import ROOT
 
     if str(ROOT / "runners") not in sys.path:
@@ -266,15 +269,10 @@ def test_an_exec_container_is_labelled_with_the_worker_and_listed_for_start_up_c
 
     runner = DockerRunner(image=image, pull="never")
     worker = f"W-exec-{ids.new_ulid()}"
+    config = NymphConfig(server="http://cp", token="t", workdir=tmp_path, stop_grace_s=0.5)
     job = ExecJob(
+        JobContext(config, runner, _Outbox(), Slots(1), worker),  # type: ignore[arg-type]
         {"exec_id": ids.new_ulid(), "namespace": "ns", "command": "sleep 60"},
-        runner=runner,
-        client=None,  # type: ignore[arg-type]
-        outbox=_Outbox(),  # type: ignore[arg-type]
-        root=tmp_path,
-        stop_grace_s=0.5,
-        on_done=lambda job: None,
-        worker_id=worker,
     )
     job.start_thread()
     try:

@@ -404,10 +404,10 @@ def test_a_start_tried_again_after_a_lost_answer_leaves_one_container(
 def test_a_container_of_the_same_name_that_is_not_this_tasks_is_refused(
     runner: DockerRunner, started: TaskFactory, image: str
 ) -> None:
-    from nymph_docker import container_name
+    from nymph.runnerkit import task_name
 
     task = started.task(docker_fns.add, 1, 1)
-    name = container_name(task)
+    name = task_name(task)
     made = _docker("create", "--name", name, "--label", f"{RUN_LABEL}={RUN_ID}", image, "true")
     assert made.returncode == 0, made.stderr
     try:

@@ -19,6 +19,7 @@ import pytest
 
 from dreamlake.lakeshore import ids
 from nymph.runner import Handle, Runner, RunnerError, RunnerUnavailable
+from nymph.runnerkit import task_name
 from nymph_kube import KubeRunner, podspec
 from tests import docker_fns
 from tests import runner_kit as kit
@@ -209,6 +210,36 @@ def test_refusals_before_anything_is_created(
         make_runner(image_pull_policy="sometimes")
     with pytest.raises(RunnerError, match="workdir_volume"):
         make_runner(workdir_volume="nfs")
+
+
+def test_start_tried_again_after_a_lost_create_answer_adopts_the_pod(
+    runner: KubeRunner, started: TaskFactory, fake: KubeFake
+) -> None:
+    task = started.task(docker_fns.add, 2, 3)
+    fake.lost_answers = 1
+    with pytest.raises(RunnerUnavailable):  # the API created the pod; its answer never came
+        runner.start(task)
+    assert len(fake.pods) == 1
+    handle = started.start(runner, task)  # what the job does after RunnerUnavailable: start again
+    assert len(fake.calls("POST", "/pods")) == 2 and len(fake.pods) == 1  # 409, adopted: no second pod
+    assert handle.data["pod"] == task_name(task)
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 0, status
+    assert kit.result(task) == 5
+
+
+def test_a_pod_of_the_same_name_that_is_not_this_tasks_is_refused(
+    runner: KubeRunner, started: TaskFactory, fake: KubeFake
+) -> None:
+    task = started.task(docker_fns.add, 2, 3)
+    other = started.task(docker_fns.add, 2, 3)
+    manifest = runner.manifest(other, other.workdir.resolve(), runner.image)
+    manifest["metadata"]["name"] = task_name(task)  # squatting on this task's name
+    assert runner._client().create(manifest) is not None
+    with pytest.raises(RunnerError, match="not this task's"):
+        runner.start(task)
+    assert len(fake.pods) == 1
+    runner.destroy(Handle("kube", other.invocation_id, 1, {"pod": task_name(task)}))
 
 
 # --- the workdir contract through the fake kubelet ------------------------------------------------

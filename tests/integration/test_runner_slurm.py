@@ -325,6 +325,36 @@ def test_missing_workdir_is_refused_before_anything_is_submitted(
     assert queued.stdout.strip() == ""
 
 
+def test_start_tried_again_after_a_lost_sbatch_answer_adopts_the_job(
+    tasks: TaskFactory, slurm_ok: None, tmp_path: Path
+) -> None:
+    lose = tmp_path / "lose-the-answer"
+    wrapper = tmp_path / "sbatch"
+    wrapper.write_text(  # submits for real; while the flag exists, the answer is "lost" once
+        "#!/bin/sh\n"
+        'out=$(sbatch "$@") || exit $?\n'
+        f"if [ -e {lose} ]; then rm -f {lose}; "
+        'echo "sbatch: error: Socket timed out on send/recv operation" >&2; exit 1; fi\n'
+        'echo "$out"\n'
+    )
+    wrapper.chmod(0o755)
+    runner = SlurmRunner(sbatch=str(wrapper), poll_interval_s=0.1)
+    task = tasks.task(nymph_fns.add, 2, 3)
+    lose.touch()
+    with pytest.raises(RunnerUnavailable, match="cannot be reached"):
+        runner.start(task)  # submitted, but nymph never heard the job id
+    handle = tasks.start(runner, task)  # what the job does after RunnerUnavailable: start again
+    queued = subprocess.run(
+        ["squeue", "-h", "--states=all", "-n", f"nymph-{task.invocation_id}", "-o", "%i"],
+        capture_output=True,
+        text=True,
+    )
+    assert queued.stdout.split() == [handle.data["job_id"]]  # adopted: one job, not two
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 0, status
+    assert wire.unpack((task.workdir / "result.msgpack").read_bytes()) == 5
+
+
 def test_resources_are_visible_in_scontrol(runner: SlurmRunner, tasks: TaskFactory) -> None:
     task = tasks.task(nymph_fns.add, 1, run_config={"resources": {"cpus": 2, "memory": "256m"}})
     handle = tasks.start(runner, task)

@@ -127,3 +127,34 @@ def test_real_control_plane_unknown_invocation_is_not_found(sqlite_control_plane
     with pytest.raises(ValueError, match="ULID"):
         q.status("../etc/passwd")
     plane.close()
+
+
+def test_stream_resumes_after_a_transient_failure_and_stops_at_a_refusal() -> None:
+    from dreamlake.lakeshore import wire
+
+    inv = "01" + "B" * 24
+    opened: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if not request.url.path.endswith("/result/stream"):
+            return _answer(200, {"invocation_id": inv, "state": "running"})
+        opened.append(request.url.params["since"])
+        if len(opened) == 1:
+            return _answer(503, {"error": "restarting"})
+        if len(opened) == 2:  # one frame, then the long poll ends before the next one
+            return httpx.Response(200, content=wire.encode_frame(wire.FRAME_VALUE, 0, wire.pack(1)))
+        return httpx.Response(200, content=wire.encode_frame(wire.FRAME_END, 1, {}))
+
+    frames = list(_plane(handler).frames(inv, timeout=10.0))
+    assert [(f.kind, f.seq) for f in frames] == [(wire.FRAME_VALUE, 0), (wire.FRAME_END, 1)]
+    assert opened == ["-1", "-1", "0"]  # each reopen resumes after the last seq seen
+
+    refused: list[int] = []
+
+    def unknown(request: httpx.Request) -> httpx.Response:
+        refused.append(1)
+        return _answer(404, {"error": "unknown invocation"})
+
+    with pytest.raises(NotFound, match="unknown invocation"):
+        list(_plane(unknown).frames(inv, timeout=10.0))
+    assert refused == [1]

@@ -249,6 +249,27 @@ def test_two_way_flow_as_two_one_way_channels(plane: Plane) -> None:
     assert list(q.stream(inv, timeout=5.0)) == pytest.approx([0.1, 0.05, 0.055])
 
 
+def test_send_into_a_remote_stream_names_the_gap(plane: Plane) -> None:
+    """L3's system-level row does not exist: .send(x) says so instead of dropping x."""
+    q = dls.SyncQueue("render", dispatch=plane)
+    inv = render.submit(3, _dispatch=plane)
+    assert dls.run_worker(q, once=True, poll_timeout=5.0) == "succeeded"
+    stream = q.stream(inv, timeout=5.0)
+    assert next(stream)["frame"] == 0
+    assert stream.send(None)["frame"] == 1  # send(None) pulls, as next() does
+    with pytest.raises(NotImplementedError, match=r"one-way.*seed 004.*Topic"):
+        stream.send(0.5)
+    assert [f["frame"] for f in stream] == [2]  # the refused send consumed nothing
+
+    t = q.topic()
+    t.post("a")
+    t.post(None, final=True)
+    values = t.stream(timeout=5.0)
+    with pytest.raises(NotImplementedError, match=f"topic {t.name} is one-way"):
+        values.send("back")
+    assert list(values) == ["a"]
+
+
 @dls.udf(queue="render")
 def tune_from_topic(topic: str):
     lr = 0.1

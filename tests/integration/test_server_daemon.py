@@ -211,6 +211,55 @@ def test_result_chunk_journals_once_and_publishes_once(tmp_path: Any) -> None:
         assert fanout.published == [(inv, 0, False)]
 
 
+def _follow(cp: ControlPlane, inv: str, timeout: float, started: threading.Event | None = None) -> list[Any]:
+    """``(seq, kind)`` of each frame the result stream sends, until the server ends the body."""
+    url = f"/v1/producer/invocations/{inv}/result/stream?since=-1&timeout={timeout}"
+    reader = wire.FrameReader()
+    seen: list[Any] = []
+    with cp.client(cp.producer_token, timeout=timeout + 30).stream("GET", url) as resp:
+        assert resp.status_code == 200
+        if started is not None:
+            started.set()
+        for chunk in resp.iter_bytes():
+            seen += [(f.seq, f.kind) for f in reader.feed(chunk)]
+    return seen
+
+
+@pytest.mark.parametrize("closing", [wire.FRAME_END, wire.FRAME_ERROR])
+def test_end_or_error_closes_the_stream_whatever_final_says(
+    control_plane: ControlPlane, closing: int
+) -> None:
+    """Seed 000: an explicit END/ERROR frame closes the stream, also when posted with "final": false.
+    The probe is a frame journaled after it: a stream that stayed open would send it too."""
+    from dreamlake.lakeshore.dispatch import Dispatch
+    from dreamlake.lakeshore.envelope import Envelope, fn_for
+
+    kinds = [wire.FRAME_VALUE, closing, wire.FRAME_VALUE]
+    closed = [(0, wire.FRAME_VALUE), (1, closing)]
+    cp = control_plane
+    inv = cp.submit()
+    poll(cp, new_ulid())  # running, and stays so: no ack ends the stream for it
+    started = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        live = pool.submit(_follow, cp, inv, 20.0, started)  # a follower waiting for the frames
+        assert started.wait(30)
+        for seq, kind in enumerate(kinds):
+            body = {"invocation_id": inv, "seq": seq, "bytes": frame(seq, kind), "final": False, "attempt": 1}
+            assert cp.daemon("/v1/daemon/result-chunk", body) == (200, {"ok": True, "seq": seq})
+        assert live.result() == closed
+    assert _follow(cp, inv, 20.0) == closed  # a replay stops there too
+    assert [f.final for f in cp.store.read_frames(inv)] == [False, True, False]
+
+    # the local plane agrees
+    with Dispatch(":memory:") as local:
+        inv = local.submit(Envelope.create(fn_for(len)).to_bytes(), "default", {})
+        claim = local.claim(new_ulid(), ["default"], 5.0)
+        assert claim is not None
+        for seq, kind in enumerate(kinds):
+            local.append_frame(inv, seq, frame(seq, kind), False, claim.attempt)
+        assert [(f.seq, f.kind) for f in local.frames(inv, timeout=20.0)] == closed
+
+
 def test_result_chunk_for_unknown_invocation_is_404(control_plane: ControlPlane) -> None:
     status, _ = control_plane.daemon(
         "/v1/daemon/result-chunk", {"invocation_id": new_ulid(), "seq": 0, "bytes": frame(0), "final": False}

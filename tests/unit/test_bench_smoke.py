@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import ROOT
 
 CASES = {
+    "backlog": ["--quick", "--reps", "3", "--backends", "sqlite-memory"],
     "control_plane": ["--daemons", "2", "--jobs", "8", "--rounds", "3"],
     "streams": ["--frames", "20"],
     "store": ["--reps", "5", "--opens", "1", "--backends", "sqlite-memory"],

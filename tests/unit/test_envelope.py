@@ -123,7 +123,7 @@ def test_garbage_is_an_envelope_error(data: Any, message: str) -> None:
         ({"fn": {"kind": "exec"}}, "'ref' or 'pickle'"),
         ({"fn": {"kind": "ref", "module": "m"}}, "'qualname' must be str"),
         ({"cfg": []}, "'cfg' must be dict"),
-        ({"prefix": None}, "'prefix' must be str"),
+        ({"prefix": 7}, "'prefix' must be str"),
         ({"v": "1"}, "positive int"),
         ({"id": "../../etc"}, "ULID"),
     ],
@@ -131,6 +131,16 @@ def test_garbage_is_an_envelope_error(data: Any, message: str) -> None:
 def test_bad_fields_are_named(over: dict[str, Any], message: str) -> None:
     with pytest.raises(EnvelopeError, match=message):
         Envelope.from_bytes(_raw(**over))
+
+
+def test_a_nil_prefix_means_no_prefix() -> None:
+    # a peer with no scope may send "prefix": nil (or leave it out): both read as "", no prefix
+    for data in (
+        _raw(prefix=None),
+        msgpack.packb({k: v for k, v in msgpack.unpackb(_raw()).items() if k != "prefix"}),
+    ):
+        assert Envelope.from_bytes(data).prefix == ""
+        assert Envelope.header(data)["prefix"] == ""
 
 
 @pytest.mark.parametrize("transport", ["ref", "pickle"])

@@ -12,7 +12,9 @@ from nymph.agent import Agent
 from nymph.client import ControlPlaneClient
 from nymph.config import NymphConfig
 from nymph.execjob import ExecJob
-from nymph.runner import Capabilities, ExitStatus, Handle, RunnerUnavailable, Task
+from nymph.lifecycle import JobContext
+from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, Task
+from nymph.slots import Slots
 
 ID = "01HZZZZZZZZZZZZZZZZZZZZZZZ"
 
@@ -34,8 +36,8 @@ class _Runner:
         return Handle(self.name, task.invocation_id, task.attempt, {})
 
     def wait(self, handle: Handle, timeout: float | None = None) -> ExitStatus | None:
-        if self.wait_raises:
-            raise RunnerUnavailable("engine gone")
+        if self.wait_raises:  # a failure, not an unavailable runner (that is retried)
+            raise RunnerError("engine broke")
         return ExitStatus(0)
 
     def stop(self, handle: Handle, grace_s: float) -> None:
@@ -60,8 +62,11 @@ class _Outbox:
 
 
 class _Job:
+    kind = "invocation"
+    id_field = "invocation_id"
+
     def __init__(self, attempt: int) -> None:
-        self.invocation_id = ID
+        self.invocation_id = self.job_id = ID
         self.attempt = attempt
         self.lost = False
 
@@ -77,22 +82,24 @@ def _agent(tmp_path: Path) -> Agent:
     return Agent(cfg, _Runner(), client=client)  # type: ignore[arg-type]
 
 
+def _exec_ctx(tmp_path: Path, runner: Any, outbox: Any, worker_id: str = "", **config: Any) -> JobContext:
+    """What an exec job shares with the agent: its workdir root is ``tmp_path``, no client."""
+    cfg = NymphConfig(
+        server="http://cp", token="t", workdir=tmp_path, state_dir=tmp_path / "s", stop_grace_s=0.1, **config
+    )
+    return JobContext(cfg, runner, outbox, Slots(1), worker_id)
+
+
 def _exec(tmp_path: Path, runner: _Runner, outbox: _Outbox, **body: Any) -> ExecJob:
     return ExecJob(
-        {"exec_id": ID, "namespace": "ns", "command": "true", **body},
-        runner=runner,  # type: ignore[arg-type]
-        client=None,  # type: ignore[arg-type]
-        outbox=outbox,  # type: ignore[arg-type]
-        root=tmp_path,
-        stop_grace_s=0.1,
-        on_done=lambda job: None,
+        _exec_ctx(tmp_path, runner, outbox), {"exec_id": ID, "namespace": "ns", "command": "true", **body}
     )
 
 
 def test_lost_names_the_reported_attempt_not_a_newer_one_claimed_since(tmp_path: Path) -> None:
     agent = _agent(tmp_path)
     newer = _Job(attempt=2)
-    agent._jobs[ID] = newer  # type: ignore[assignment]
+    agent.jobs._table[("invocation", ID)] = newer  # type: ignore[assignment]
     agent._on_heartbeat({"lost": [ID]}, [{"invocation_id": ID, "attempt": 1}])
     assert not newer.lost  # attempt 2 started after the beat that reported attempt 1
     agent._on_heartbeat({"lost": [ID]}, [{"invocation_id": ID, "attempt": 2}])
@@ -110,9 +117,9 @@ def test_lost_names_the_reported_attempt_not_a_newer_one_claimed_since(tmp_path:
 )
 def test_a_malformed_command_is_logged_not_fatal_and_takes_no_slot(tmp_path: Path, command: Any) -> None:
     agent = _agent(tmp_path)
-    agent._dispatch(command)
+    agent.jobs.dispatch(command)
     assert agent.slots.free() == 1
-    assert not agent._jobs
+    assert not agent.jobs.busy()
 
 
 def test_exec_with_a_bad_namespace_or_timeout_never_runs(tmp_path: Path) -> None:

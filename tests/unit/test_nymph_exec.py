@@ -42,15 +42,11 @@ def _fakes() -> tuple[Any, Any]:
 
 
 def _job(tmp_path: Path, runner: Any, outbox: Any, **body: Any) -> ExecJob:
+    from tests.unit.test_nymph_dispatch import _exec_ctx
+
     return ExecJob(
+        _exec_ctx(tmp_path, runner, outbox, WORKER),
         {"exec_id": ID, "namespace": "ns", "command": "true", **body},
-        runner=runner,
-        client=None,  # type: ignore[arg-type]
-        outbox=outbox,
-        root=tmp_path,
-        stop_grace_s=0.1,
-        on_done=lambda job: None,
-        worker_id=WORKER,
     )
 
 
@@ -134,9 +130,9 @@ def test_the_agent_reports_its_exec_jobs_and_stops_one_whose_lease_is_lost(tmp_p
     runner, outbox = _fakes()
     agent = _agent(tmp_path)
     job = _job(tmp_path, runner, outbox, attempt=2)
-    agent._execs[ID] = job
+    agent.jobs._table[job.key] = job
     assert agent.running_exec() == [{"exec_id": ID, "attempt": 2}]
     agent._on_heartbeat({"lost": [ID]}, [{"exec_id": ID, "attempt": 1}])
-    assert not job._lost  # attempt 2 was claimed after the beat that reported attempt 1
+    assert not job.lost  # attempt 2 was claimed after the beat that reported attempt 1
     agent._on_heartbeat({"lost": [ID]}, [{"exec_id": ID, "attempt": 2}])
-    assert job._lost and job._stop is not None
+    assert job.lost and job.stop_request is not None

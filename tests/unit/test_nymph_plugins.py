@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from nymph.plugins import RunnerInfo, RunnerLoadError, available_runners, list_runners, load_runner
-from nymph.runner import Capabilities
+from nymph.runner import Capabilities, Runner
 
 MODULE = """
 from nymph.runner import Capabilities, RunnerUnavailable
@@ -58,6 +58,25 @@ class Misnamed(FakeRunner):
     name = "other"
 
 
+class Boaster(FakeRunner):
+    name = "boaster"
+    capabilities = Capabilities(list_labelled=True)
+
+
+class Shy(FakeRunner):
+    name = "shy"
+
+    def list_labelled(self, worker_id=None): return []
+
+
+class Closing(FakeRunner):
+    name = "closing"
+    closed = 0
+
+    def close(self):
+        type(self).closed += 1
+
+
 def make_runner():
     return FakeRunner()
 """
@@ -71,6 +90,9 @@ broken = fakeplug_broken:Runner
 shapeless = fakeplug_ok:Shapeless
 misnamed = fakeplug_ok:Misnamed
 notclass = fakeplug_ok:make_runner
+boaster = fakeplug_ok:Boaster
+shy = fakeplug_ok:Shy
+closing = fakeplug_ok:Closing
 
 [console_scripts]
 unrelated = fakeplug_ok:make_runner
@@ -132,6 +154,7 @@ def test_import_error_names_plugin_distribution_and_problem(fakeplug: Path) -> N
         ("shapeless", "lacks the Runner method(s) start, wait, stop, destroy, inspect, recover"),
         ("notclass", "not a class"),
         ("misnamed", "declares name 'other' but is registered as 'misnamed'"),
+        ("boaster", "declares capabilities.list_labelled but has no list_labelled() method"),
     ],
 )
 def test_wrong_shape_is_refused_at_load(fakeplug: Path, name: str, problem: str) -> None:
@@ -166,3 +189,24 @@ def test_a_broken_plugin_does_not_stop_a_good_one(fakeplug: Path) -> None:
 def test_project_runners_are_registered() -> None:
     # The project's own runners are entry points like any third party's.
     assert {"process", "docker", "gvisor"} <= set(available_runners())
+
+
+def test_a_runner_without_close_loads_with_a_no_op_close(fakeplug: Path) -> None:
+    import fakeplug_ok  # type: ignore[import-not-found]
+
+    cls = load_runner("fake")  # written before close() joined the protocol
+    assert issubclass(cls, fakeplug_ok.FakeRunner) and cls.__name__ == "FakeRunner"
+    runner = cls()
+    assert runner.close() is None and isinstance(runner, Runner)
+    closing = load_runner("closing")
+    assert closing is fakeplug_ok.Closing  # its own close() is kept, the class untouched
+    closing().close()
+    assert fakeplug_ok.Closing.closed == 1
+
+
+def test_a_feature_method_without_its_capability_is_loaded_with_a_warning(
+    fakeplug: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cls = load_runner("shy")
+    assert not cls.capabilities.list_labelled  # nymph reads features from capabilities only
+    assert "has list_labelled() but its capabilities do not declare list_labelled=True" in caplog.text

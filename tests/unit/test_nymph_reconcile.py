@@ -88,6 +88,8 @@ def test_reattached_task_keeps_its_gpus(tmp_path: Path) -> None:
 class _LabellingRunner(_Runner):
     """A runner that labels its tasks (like docker): list_labelled, destroy, and an engine switch."""
 
+    capabilities: ClassVar[Capabilities] = Capabilities(gpus=True, list_labelled=True)
+
     def __init__(self, alive: set[str], labelled: list[Handle], up: bool = True) -> None:
         super().__init__(alive)
         self.labelled = labelled
@@ -169,6 +171,49 @@ def test_recover_raising_unavailable_resumes_with_alive_unknown_then_retries(tmp
     assert calls["n"] == 3
 
 
+# --- optional features are read from Capabilities only --------------------------------------------
+
+
+class _UndeclaredLabelling(_LabellingRunner):
+    """Has list_labelled() but does not declare it: never listed, so nothing is swept or adopted."""
+
+    capabilities: ClassVar[Capabilities] = Capabilities(gpus=True)
+
+
+def test_a_runner_without_the_list_labelled_capability_is_not_listed(tmp_path: Path) -> None:
+    running = _leftover(tmp_path)
+    never_started = _leftover(tmp_path, handle=False)
+    gone = ids.new_ulid()
+    handles = [Handle("fake", i, 2, {"container_id": f"c-{i}"}) for i in (never_started, gone)]
+    runner = _UndeclaredLabelling({running}, handles)
+    found = recover_all(_labelled_ctx(tmp_path, runner))
+    assert runner.listed_for == [] and runner.destroyed == []
+    by_id = {job.invocation_id: (job, alive) for job, alive in found}
+    assert by_id[running][1] is True
+    assert by_id[never_started][0].handle is None  # not adopted: acked DaemonRestart
+
+
+class _Unrecoverable(_LabellingRunner):
+    """Cannot re-attach (recover=False): reconcile never calls recover()."""
+
+    capabilities: ClassVar[Capabilities] = Capabilities(gpus=True, list_labelled=True, recover=False)
+
+    asked: ClassVar[list[Handle]] = []
+
+    def recover(self, handle: Handle) -> bool:
+        self.asked.append(handle)
+        return True
+
+
+def test_a_runner_that_cannot_recover_gets_its_leftovers_destroyed_and_reported(tmp_path: Path) -> None:
+    inv = _leftover(tmp_path)
+    handle = Handle.load(tmp_path / inv)
+    runner = _Unrecoverable({inv}, [])
+    [(job, alive)] = recover_all(_labelled_ctx(tmp_path, runner))
+    assert alive is False and job.handle == handle  # collected and acked from what it left
+    assert runner.asked == [] and runner.destroyed == [handle]
+
+
 # --- a broken list_labelled, and the agent's reconcile call sites ---------------------------------
 
 
@@ -223,30 +268,31 @@ def _agent(tmp_path: Path, runner: Any) -> Any:
 def test_agent_reconcile_survives_any_failure_and_succeeds_later(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import nymph.agent
+    import nymph.recovery
 
     agent = _agent(tmp_path, _LabellingRunner(set(), []))
-    real = nymph.agent.recover_all
-    monkeypatch.setattr(nymph.agent, "recover_all", lambda ctx: (_ for _ in ()).throw(KeyError("bug")))
-    assert agent._reconcile() is False  # logged, not raised: nymph keeps running
-    assert agent._reconcile_failures == 1 and not agent._reconciled
+    real = nymph.recovery.recover_all
+    monkeypatch.setattr(nymph.recovery, "recover_all", lambda ctx: (_ for _ in ()).throw(KeyError("bug")))
+    recovery = agent.recovery
+    assert recovery.reconcile() is False  # logged, not raised: nymph keeps running
+    assert recovery.failures == 1 and not recovery.done
     assert "reconciling the previous run's work failed (KeyError" in caplog.text
-    monkeypatch.setattr(nymph.agent, "recover_all", real)
-    assert agent._reconcile() is True and agent._reconciled and agent._reconcile_failures == 0
+    monkeypatch.setattr(nymph.recovery, "recover_all", real)
+    assert recovery.reconcile() is True and recovery.done and recovery.failures == 0
 
 
 def test_agent_with_a_broken_list_labelled_reconciles_then_sweeps_later(tmp_path: Path) -> None:
     orphan = ids.new_ulid()
     runner = _BrokenListing(set(), [Handle("fake", orphan, 1, {"container_id": "c-orphan"})])
-    agent = _agent(tmp_path, runner)
-    assert agent._reconcile() is True  # claims go on
-    assert agent._sweep_pending and runner.destroyed == []
-    agent._sweep_labelled()  # still broken: backs off
-    assert agent._sweep_pending and agent._sweep_next > 0
+    recovery = _agent(tmp_path, runner).recovery
+    assert recovery.reconcile() is True  # claims go on
+    assert recovery.sweep_pending and runner.destroyed == []
+    recovery.sweep()  # still broken: backs off
+    assert recovery.sweep_pending and recovery.sweep_next > 0
     runner.broken = False
-    agent._sweep_next = 0.0
-    agent._sweep_labelled()
-    assert not agent._sweep_pending and [h.invocation_id for h in runner.destroyed] == [orphan]
+    recovery.sweep_next = 0.0
+    recovery.sweep()
+    assert not recovery.sweep_pending and [h.invocation_id for h in runner.destroyed] == [orphan]
 
 
 # --- the end of a job: destroy happens whatever fails while the stream is closed ------------------

@@ -1,11 +1,17 @@
-"""Sizes in run_config.resources read one way by every runner (nymph.resources)."""
+"""run_config.resources read one way (nymph.resources) and refused one way by every runner."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
 import pytest
 
-from nymph.resources import parse_size
-from nymph.runner import RunnerError
+from dreamlake.lakeshore import ids
+from nymph.resources import ResourceError, Resources, parse_defaults, parse_resources
+from nymph.runner import RunnerError, Task
 
 
 @pytest.mark.parametrize(
@@ -13,28 +19,174 @@ from nymph.runner import RunnerError
     [
         (1024, 1024),
         ("1024", 1024),
+        ("64k", 64 * 2**10),
         ("512m", 512 * 2**20),
         ("1g", 2**30),
         ("2GiB", 2 * 2**30),
         ("512Mi", 512 * 2**20),
+        ("1.5Gi", 3 * 2**29),
     ],
 )
 def test_sizes(value: object, expected: int) -> None:
-    assert parse_size(value, "resources.memory") == expected
+    assert parse_resources({"memory": value}, "any").memory == expected
+    assert parse_resources({"shm": value}, "any").shm == expected
 
 
-@pytest.mark.parametrize("value", [0, -1, True, "0.5", 0.5, "lots", "", None, "1x"])
+@pytest.mark.parametrize("value", [0, -1, True, "0.5", 0.5, "lots", "", None, "1x", float("inf")])
 def test_bad_sizes_name_the_field_and_the_value(value: object) -> None:
     # "0.5" / 0.5 used to parse as 0 bytes, which docker reads as "no limit"
     with pytest.raises(RunnerError, match=r"resources\.memory: expected a positive size .* got"):
-        parse_size(value, "resources.memory")
+        parse_resources({"memory": value}, "any")
 
 
-def test_the_runners_share_it() -> None:
-    from nymph_docker import policy
-    from nymph_kube import podspec
-    from nymph_slurm import jobs
+@pytest.mark.parametrize(
+    ("value", "millicpus"), [(2, 2000), (1.5, 1500), ("1.5", 1500), ("500m", 500), ("0.25", 250)]
+)
+def test_cpus_as_numbers_or_millicores(value: object, millicpus: int) -> None:
+    parsed = parse_resources({"cpus": value}, "any")
+    assert parsed.millicpus == millicpus and parsed.cpus == millicpus / 1000
+    assert parse_resources({"cpu": value}, "any") == parsed  # Kubernetes' name is an alias
 
-    assert policy.parse_size is podspec.parse_size is jobs.parse_size is parse_size
-    with pytest.raises(RunnerError, match=r"resources\.cpus"):
-        policy.limits({"cpus": True}, cpus=None, memory=None, pids=None, shm=None)
+
+def test_aliases_whole_numbers_and_defaults() -> None:
+    assert parse_resources({"nvidia.com/gpu": 2, "pids": "64"}, "any") == Resources(gpus=2, pids=64)
+    assert parse_resources(None, "any") == Resources() and Resources().given() == ()
+    defaults = parse_defaults("docker", cpus=None, memory="1g", pids=512, shm=None)
+    task = parse_resources({"memory": "256m", "gpus": 0}, "docker").over(defaults)
+    assert task == Resources(memory=256 * 2**20, pids=512, gpus=0)
+    assert task.given() == ("memory", "pids", "gpus")
+    with pytest.raises(
+        ResourceError, match=r"^docker runner: runner_options\.memory: expected a positive size"
+    ):
+        parse_defaults("docker", memory="lots")
+
+
+# --- every runner: one table of inputs, one error shape -----------------------------------------
+
+OK = None
+ALL = ("process", "docker", "gvisor", "kube", "slurm")
+
+
+def _everywhere(outcome: str | None) -> dict[str, str | None]:
+    return dict.fromkeys(ALL, outcome)
+
+
+#: (run_config.resources, {runner: None when accepted, else the field it refuses}); "" is the
+#: mapping as a whole (unknown keys, not a table).
+TABLE: list[tuple[Any, dict[str, str | None]]] = [
+    ({}, _everywhere(OK)),
+    ({"gpus": 1}, _everywhere(OK)),
+    ({"nvidia.com/gpu": 2}, _everywhere(OK)),
+    ({"cpus": 2}, {**_everywhere(OK), "process": "cpus"}),
+    ({"cpus": "500m"}, {**_everywhere(OK), "process": "cpus"}),
+    ({"cpu": 1.5}, {**_everywhere(OK), "process": "cpus"}),
+    ({"memory": "512Mi"}, {**_everywhere(OK), "process": "memory"}),
+    ({"memory": "1g", "shm": "64m"}, {**_everywhere(OK), "process": "memory", "slurm": "shm"}),
+    ({"shm": "64m"}, {**_everywhere(OK), "process": "shm", "slurm": "shm"}),
+    ({"pids": 100}, {**_everywhere(OK), "process": "pids", "kube": "pids", "slurm": "pids"}),
+    ({"cpus": True}, _everywhere("cpus")),
+    ({"cpus": 0}, _everywhere("cpus")),
+    ({"cpus": "lots"}, _everywhere("cpus")),
+    ({"memory": "lots"}, _everywhere("memory")),
+    ({"pids": 0}, _everywhere("pids")),
+    ({"gpus": -1}, _everywhere("gpus")),
+    ({"gpus": True}, _everywhere("gpus")),
+    ({"cpus": 1, "cpu": 2}, _everywhere("cpus")),
+    ({"disk": "1g"}, _everywhere("")),
+    ("2 cpus", _everywhere("")),
+]
+
+
+@pytest.fixture(scope="module")
+def appliers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Callable[[Any], object]]]:
+    """Each runner's own reading of ``run_config.resources``: what its start does with it."""
+    from nymph_docker import DockerRunner
+    from nymph_gvisor import GVisorRunner
+    from nymph_kube import KubeRunner
+    from nymph_process import ProcessRunner
+    from nymph_slurm.jobs import resource_args
+
+    process = ProcessRunner(prefork=False)
+    root = tmp_path_factory.mktemp("process")
+
+    def start_process(resources: Any) -> object:
+        """A real start (of ``true``): refused before anything is spawned, else run and destroyed."""
+        workdir = root / ids.new_ulid()
+        workdir.mkdir()
+        task = Task(ids.new_ulid(), 1, workdir, {}, script="true", run_config={"resources": resources})
+        try:
+            handle = process.start(task)
+        except ResourceError:
+            assert list(workdir.iterdir()) == []  # nothing spawned, no log opened
+            raise
+        process.wait(handle, 30)
+        process.destroy(handle)
+        return handle
+
+    yield {
+        "process": start_process,
+        "docker": DockerRunner().limits,
+        "gvisor": GVisorRunner().limits,
+        "kube": KubeRunner(node_name="n").limits,
+        "slurm": lambda resources: resource_args(resources, 0),
+    }
+    process.close()
+
+
+@pytest.mark.parametrize(("resources", "outcomes"), TABLE, ids=[repr(r) for r, _ in TABLE])
+def test_every_runner_accepts_or_refuses_with_the_same_error_shape(
+    appliers: dict[str, Callable[[Any], object]], resources: Any, outcomes: dict[str, str | None]
+) -> None:
+    assert set(outcomes) == set(appliers)
+    for runner, field in outcomes.items():
+        if field is None:
+            appliers[runner](resources)
+            continue
+        with pytest.raises(ResourceError) as info:
+            appliers[runner](resources)
+        err = info.value
+        where = r"run_config\.resources" + (re.escape("." + field) if field else "")
+        assert (err.runner, err.field) == (runner, field), str(err)
+        assert re.fullmatch(rf"{runner} runner: {where}: .+; .+", str(err)), str(err)
+        assert err.problem and err.fix and isinstance(err, RunnerError)
+
+
+def test_a_field_a_runner_cannot_enforce_says_why_and_what_to_do(
+    appliers: dict[str, Callable[[Any], object]],
+) -> None:
+    with pytest.raises(ResourceError) as info:
+        appliers["kube"]({"pids": 100})
+    assert str(info.value) == (
+        "kube runner: run_config.resources.pids: not enforced by this runner (a pod cannot set its own "
+        "pids limit: the kubelet's podPidsLimit does); leave it out, or send the task to a nymph whose "
+        "runner enforces it"
+    )
+
+
+def test_the_same_cpus_on_every_runner(appliers: dict[str, Callable[[Any], object]]) -> None:
+    half = {"cpus": "500m"}
+    assert appliers["docker"](half) == {"nano_cpus": 500_000_000}
+    assert appliers["kube"](half) == ({"requests": {"cpu": "500m"}, "limits": {"cpu": "500m"}}, None)
+    assert appliers["slurm"](half) == ["--cpus-per-task=1"]  # Slurm allocates whole CPUs
+    gib = {"memory": "1Gi", "shm": "64m"}
+    assert appliers["docker"](gib) == {"mem_limit": 2**30, "memswap_limit": 2**30, "shm_size": 64 * 2**20}
+    limits = {"memory": str(2**30)}
+    assert appliers["kube"](gib) == ({"requests": limits, "limits": limits}, 64 * 2**20)
+    assert appliers["gvisor"]({"pids": 64})["pids_limit"] == 1024  # raised: gVisor's threads count
+
+
+def test_runner_defaults_are_read_the_same_way(tmp_path: Path) -> None:
+    from nymph_docker import DockerRunner
+    from nymph_kube import KubeRunner
+
+    assert DockerRunner(cpus="500m", memory="1g").limits({"memory": "256m"}) == {
+        "nano_cpus": 500_000_000,
+        "mem_limit": 256 * 2**20,
+        "memswap_limit": 256 * 2**20,
+    }
+    assert KubeRunner(node_name="n", shm="64m").limits(None, gpus=2) == (
+        {"requests": {"nvidia.com/gpu": "2"}, "limits": {"nvidia.com/gpu": "2"}},
+        64 * 2**20,
+    )
+    with pytest.raises(ResourceError, match=r"^kube runner: runner_options\.cpus: expected"):
+        KubeRunner(node_name="n", cpus="-1")

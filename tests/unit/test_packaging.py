@@ -3,10 +3,10 @@
 - ``kubectl kustomize packaging/k8s`` renders (kubectl is on the dev box and in CI; skipped without it);
 - every rendered object validates with ``kubernetes-validate`` (strict, Kubernetes 1.30), and the
   things the schemas do not check (names are DNS labels, enum values, label syntax) are checked here;
-- there is no ``helm`` binary: the chart's templates are kept to a small subset (``.Values`` /
-  ``.Release`` / ``.Chart`` fields, ``include``, ``quote``, ``toYaml``, ``nindent``, trim markers),
-  rendered by :func:`render_chart` below, which refuses anything else rather than guess; the result
-  is validated the same way and compared field by field with the plain manifests;
+- the Helm chart is linted (``strict``) and rendered by real Helm, through ``helm-python-sdk``
+  (Helm v4's Go SDK as a shared library: no ``helm`` binary); the result is validated the same way
+  and compared field by field with the plain manifests, and the values schema (a string
+  ``image.tag``, no unknown keys) and the templates' optional parts are exercised;
 - the ConfigMap's nymph.toml loads through nymph's own config resolver, and its runner options build
   a :class:`~nymph_kube.KubeRunner`.
 """
@@ -29,7 +29,8 @@ from tests.conftest import ROOT, require
 K8S = ROOT / "packaging" / "k8s"
 CHART = ROOT / "packaging" / "helm" / "nymph"
 KUBE_VERSION = "1.30"
-RELEASE = {"Name": "nymph", "Namespace": "lakeshore", "Service": "Helm"}
+RELEASE, NAMESPACE = "nymph", "lakeshore"
+_LINT_WARNING = 2  # helm lint severities: 1 info, 2 warning, 3 error
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
@@ -62,8 +63,31 @@ def plain() -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def chart() -> list[dict[str, Any]]:
-    return render_chart(CHART, RELEASE)
+def helm() -> Any:
+    """helm-python-sdk: Helm v4 itself (its Go SDK as a shared library), no helm binary needed."""
+    try:
+        import helm_python
+    except ImportError:
+        require(False, "helm-python-sdk is not installed (pip install -e '.[test]' brings it)")
+    return helm_python
+
+
+def _render(helm: Any, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The chart's objects as ``helm template nymph packaging/helm/nymph -n lakeshore`` prints them."""
+    with helm.Chart.load(CHART) as loaded:
+        manifests = loaded.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    return [
+        doc
+        for path, text in sorted(manifests.items())
+        if path.endswith(".yaml")  # not NOTES.txt
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
+
+
+@pytest.fixture(scope="module")
+def chart(helm: Any) -> list[dict[str, Any]]:
+    return _render(helm)
 
 
 def _validate(docs: list[dict[str, Any]]) -> None:
@@ -170,7 +194,13 @@ def test_the_config_builds_a_kube_runner(plain: list[dict[str, Any]]) -> None:
     assert runner.workdir_volume == "hostPath"
 
 
-# --- the Helm chart, rendered by a deliberately small renderer -----------------------------------
+# --- the Helm chart, linted and rendered by real Helm ---------------------------------------------
+
+
+def test_helm_lint_strict_passes(helm: Any) -> None:
+    report = helm.lint(CHART, strict=True, namespace=NAMESPACE, kube_version=f"v{KUBE_VERSION}.0")
+    assert report["errors"] == [], report
+    assert [m for m in report["messages"] if m["severity"] >= _LINT_WARNING] == [], report
 
 
 def test_chart_renders_validates_and_agrees_with_the_plain_manifests(
@@ -193,97 +223,54 @@ def test_chart_renders_validates_and_agrees_with_the_plain_manifests(
                   "serviceAccountName"):  # fmt: skip
         assert mine[field] == plain_pod[field], field
     assert ours["DaemonSet"]["spec"]["selector"] == theirs["DaemonSet"]["spec"]["selector"]
+    assert "nodeSelector" not in mine and "tolerations" not in mine  # empty values leave them out
 
 
-def test_the_renderer_refuses_what_it_does_not_know() -> None:
-    with pytest.raises(ValueError, match="unsupported"):
-        _render("{{ if .Values.x }}a{{ end }}", {}, {"Values": {"x": 1}})
+def _images(docs: list[dict[str, Any]]) -> set[str]:
+    pod = _by_kind(docs)["DaemonSet"]["spec"]["template"]["spec"]
+    return {c["image"] for c in pod["containers"] + pod["initContainers"]}
 
 
-_ACTION = re.compile(r"(\s*)\{\{(-?)\s*(.*?)\s*(-?)\}\}", re.DOTALL)
-_DEFINE = re.compile(r'\{\{-?\s*define\s+"([^"]+)"\s*-?\}\}(.*?)\{\{-?\s*end\s*-?\}\}', re.DOTALL)
+def test_the_image_tag_is_a_string_defaulting_to_the_app_version(helm: Any) -> None:
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    assert _images(_render(helm)) == {f"ghcr.io/dreamlake/nymph:{app_version}"}
+    assert _images(_render(helm, {"image": {"tag": "1.0"}})) == {"ghcr.io/dreamlake/nymph:1.0"}
+    assert _images(_render(helm, {"image": {"tag": "2"}})) == {"ghcr.io/dreamlake/nymph:2"}
+    # YAML reads an unquoted 1.0 as a number, which would render as ":1": refused, naming the value
+    numeric = helm.values_from_yaml("image:\n  tag: 1.0\n")
+    with pytest.raises(helm.HelmValuesError, match=r"/image/tag.*want string"):
+        _render(helm, numeric)
+    assert helm.lint(CHART, numeric, strict=True)["errors"], "lint refuses it too"
 
 
-def render_chart(chart_dir: Path, release: dict[str, str]) -> list[dict[str, Any]]:
-    """Render ``chart_dir`` with its default values: only the constructs the chart uses."""
-    chart_meta = yaml.safe_load((chart_dir / "Chart.yaml").read_text())
-    scope = {
-        "Values": yaml.safe_load((chart_dir / "values.yaml").read_text()),
-        "Release": release,
-        "Chart": {
-            "Name": chart_meta["name"],
-            "Version": chart_meta["version"],
-            "AppVersion": chart_meta["appVersion"],
+def test_values_are_typed_by_the_schema(helm: Any) -> None:
+    with pytest.raises(helm.HelmValuesError, match="'imag' not allowed"):  # a typo is not ignored
+        _render(helm, {"imag": {"tag": "1.0"}})
+    with pytest.raises(helm.HelmValuesError, match="/metricsPort"):
+        _render(helm, {"metricsPort": "9464"})
+
+
+def test_optional_values_reach_the_pod_and_a_config_change_rolls_it(helm: Any) -> None:
+    placed = _render(
+        helm,
+        {
+            "nodeSelector": {"nvidia.com/gpu.present": "true"},
+            "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
         },
-    }
-    defines: dict[str, str] = {}
-    for helper in sorted((chart_dir / "templates").glob("_*.tpl")):
-        for name, body in _DEFINE.findall(helper.read_text()):
-            defines[name] = body
-    docs: list[dict[str, Any]] = []
-    for template in sorted((chart_dir / "templates").glob("*.yaml")):
-        text = _render(template.read_text(), defines, scope)
-        docs += [d for d in yaml.safe_load_all(text) if d]
-    return docs
+    )
+    _validate(placed)
+    pod = _by_kind(placed)["DaemonSet"]["spec"]["template"]
+    assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert pod["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
 
+    unlimited = _by_kind(_render(helm, {"resources": None}))["DaemonSet"]  # null drops the default
+    (bare,) = unlimited["spec"]["template"]["spec"]["containers"]
+    assert "resources" not in bare
 
-def _render(text: str, defines: dict[str, str], scope: dict[str, Any]) -> str:
-    out: list[str] = []
-    pos = 0
-    trim_next = False
-    for match in _ACTION.finditer(text):
-        literal = text[pos : match.start()]
-        if trim_next:
-            literal = literal.lstrip()
-        lead_ws, left_trim, action, right_trim = match.groups()
-        out.append(literal + ("" if left_trim else lead_ws))
-        out.append(_evaluate(action, defines, scope))
-        trim_next = bool(right_trim)
-        pos = match.end()
-    tail = text[pos:]
-    out.append(tail.lstrip() if trim_next else tail)
-    return "".join(out)
+    def checksum(docs: list[dict[str, Any]]) -> str:
+        annotations = _by_kind(docs)["DaemonSet"]["spec"]["template"]["metadata"]["annotations"]
+        return str(annotations["checksum/config"])
 
-
-def _evaluate(action: str, defines: dict[str, str], scope: dict[str, Any]) -> str:
-    if action.startswith("/*"):
-        return ""
-    stages = [s.strip() for s in action.split("|")]
-    value: Any = _command(stages[0], defines, scope)
-    for stage in stages[1:]:
-        word, *args = stage.split()
-        if word == "quote" and not args:
-            value = '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
-        elif word == "nindent" and len(args) == 1:
-            pad = " " * int(args[0])
-            value = "\n" + "\n".join(
-                pad + line if line else line for line in str(value).rstrip("\n").split("\n")
-            )
-        else:
-            raise ValueError(f"unsupported pipeline stage {stage!r}")
-    return str(value)
-
-
-def _command(cmd: str, defines: dict[str, str], scope: dict[str, Any]) -> Any:
-    words = cmd.split()
-    if len(words) == 1 and words[0].startswith("."):
-        return _lookup(words[0], scope)
-    if len(words) == 3 and words[0] == "include" and words[2] == ".":
-        return _render(defines[words[1].strip('"')], defines, scope).strip()
-    if len(words) == 2 and words[0] == "toYaml" and words[1].startswith("."):
-        value = _lookup(words[1], scope)
-        return (
-            yaml.safe_dump(value, default_flow_style=False, sort_keys=True).rstrip("\n")
-            if value
-            else ("{}" if isinstance(value, dict) else "[]")
-        )
-    raise ValueError(f"unsupported template action {cmd!r}")
-
-
-def _lookup(path: str, scope: dict[str, Any]) -> Any:
-    value: Any = scope
-    for part in path.strip(".").split("."):
-        if not isinstance(value, dict) or part not in value:
-            raise ValueError(f"unsupported or missing value {path!r}")
-        value = value[part]
-    return value
+    default_config = yaml.safe_load((CHART / "values.yaml").read_text())["config"]
+    assert checksum(placed) == checksum(_render(helm))  # scheduling is not config
+    assert checksum(_render(helm, {"config": default_config + "concurrency = 8\n"})) != checksum(placed)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import sys
+
 import pytest
 
 import dreamlake.lakeshore as dls
@@ -69,6 +72,32 @@ def test_run_context_only_around_each_next() -> None:
         assert next(it) == ("inner", scoped_body.__qualname__)
         assert dls.run.prefix == "consumer"
     assert list(it) == []
+
+
+def test_a_generator_dropped_inside_a_scope_closes_in_its_own_context(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    unraisable: list[sys.UnraisableHookArgs] = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    cleanup: list[str] = []
+
+    @dls.udf
+    def body():
+        with dls.scope("inner"):
+            try:
+                yield 1
+                yield 2
+            finally:
+                cleanup.append(dls.run.prefix)
+
+    it = body()
+    assert next(it) == 1
+    del it  # dropped mid-iteration, paused inside the scope
+    gc.collect()
+    assert not unraisable, [str(u.exc_value) for u in unraisable]
+    assert capsys.readouterr().err == ""
+    assert cleanup == ["inner"]  # the body's own cleanup ran, in the body's context
+    assert dls.run.prefix == ""
 
 
 def test_generator_sees_scope_of_its_call() -> None:

@@ -441,6 +441,17 @@ def test_import_does_not_pull_numpy_torch_pil() -> None:
     assert json.loads(out.stdout) == []
 
 
+@pytest.mark.parametrize("module", ["base", "codec", "arrays", "frames"])
+def test_each_wire_module_imports_first_in_a_fresh_interpreter(module: str) -> None:
+    # No import cycle: whichever module of the package is imported first, it loads and the codec works.
+    code = (
+        f"import dreamlake.lakeshore.wire.{module}; from dreamlake.lakeshore import wire as w; "
+        "assert w.unpack(w.pack((1, 'a'))) == (1, 'a'); "
+        "assert w.decode_frame(w.encode_frame(w.FRAME_END, 0, b'')).final"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_numpy_ext_passes_through_where_numpy_is_absent() -> None:
     blob = wire.pack([np.arange(3)])
     code = (

@@ -23,7 +23,14 @@ if TYPE_CHECKING:
     from dreamlake.lakeshore.dispatch.local import Dispatch
     from dreamlake.lakeshore.wire import Frame
 
-__all__ = ["Claim", "Dispatch", "HttpDispatch", "Plane"]
+__all__ = ["NATIVE_FUNCTION", "Claim", "Dispatch", "HttpDispatch", "Plane"]
+
+NATIVE_FUNCTION: dict[str, str] = {
+    "module": "_native_wire",
+    "qualname": "_native_wire.envelope",
+    "version": "v1",
+}
+"""The Submit body's ``function`` record of an SDK call: the function travels inside the Envelope."""
 
 
 @dataclass
@@ -81,7 +88,8 @@ class Plane(Protocol):
         ...
 
     def append_frame(self, invocation_id: str, seq: int, data: bytes, final: bool, attempt: int) -> None:
-        """Journal one encoded frame of a running invocation (a repeat of a seq is a no-op)."""
+        """Journal one encoded frame of a running invocation (a repeat of a seq is a no-op). The
+        frame's kind decides whether it closes the stream (END and ERROR do); ``final`` should agree."""
         ...
 
     def ack(

@@ -1,10 +1,12 @@
 """``HttpDispatch``: the plane as a client of the control plane's HTTP routes (docs/protocol.md).
 
-Bodies are msgpack both ways. One classifier (:func:`_transient`) decides what is retried:
-connection errors, 5xx and 429, with exponential backoff and jitter (tenacity); a 4xx never is.
-401/403 become :class:`AuthError`, 404 :class:`NotFound`, the rest :class:`PlaneError`, each with
-the server's ``error`` text. Every request that can be retried is idempotent on the server: submit
-carries its invocation id, chunks their seq, acks their attempt.
+Every request goes through the one control-plane client (:class:`~dreamlake.lakeshore.client.
+PlaneClient`): msgpack bodies both ways, one retry rule (connection errors, timeouts, 5xx and 429
+are retried ``retries`` times with exponential backoff and jitter; a 4xx never is) and one error
+tree (401/403 :class:`AuthError` saying how to mint a token, 404 :class:`NotFound`, 409
+:class:`Conflict`, another 4xx :class:`BadRequest`, what stayed unreachable :class:`Unavailable`),
+each with the server's ``error`` text. Every request that can be retried is idempotent on the
+server: submit carries its invocation id, chunks their seq, acks their attempt.
 
 Streams follow ``GET .../result/stream?since=`` and reassemble frames with ``wire.FrameReader``; a
 dropped connection resumes from the last seq seen, so a consumer never sees a gap or a duplicate.
@@ -20,37 +22,25 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import httpx
-import msgpack
-from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
-
 from dreamlake.lakeshore import ids
-from dreamlake.lakeshore.dispatch import Claim
-from dreamlake.lakeshore.errors import AuthError, NotFound, PlaneError
-from dreamlake.lakeshore.store.api import TERMINAL_STATES
+from dreamlake.lakeshore.client import PlaneClient, is_retryable
+from dreamlake.lakeshore.dispatch import NATIVE_FUNCTION, Claim
+from dreamlake.lakeshore.errors import Conflict, PlaneError, Unavailable
+from dreamlake.lakeshore.states import TERMINAL_STATES
 
 if TYPE_CHECKING:
+    import httpx
+
     from dreamlake.lakeshore.wire import Frame
 
 __all__ = ["HttpDispatch"]
 
 log = logging.getLogger(__name__)
 
-MSGPACK = "application/x-msgpack"
-_FUNCTION_STUB = {"module": "_native_wire", "qualname": "_native_wire.envelope", "version": "v1"}
 _SLACK_S = 10.0  # read-timeout margin over a server-side long poll
 _STREAM_RECONNECTS = 5
 _KEPT_CANCELS = 1024
 _WARNED: set[tuple[str, str]] = set()  # (control plane, queue) whose no-worker warning was logged
-
-
-def _transient(exc: BaseException) -> bool:
-    """Retry connection failures, 5xx and 429; never another 4xx (or an auth failure)."""
-    if isinstance(exc, httpx.TransportError):
-        return True
-    if isinstance(exc, PlaneError) and not isinstance(exc, (AuthError, NotFound)):
-        return exc.status is not None and (exc.status >= 500 or exc.status == 429)
-    return False
 
 
 class HttpDispatch:
@@ -71,67 +61,16 @@ class HttpDispatch:
             raise ValueError(f"control plane url must start with http:// or https://, got {url!r}")
         if not isinstance(token, str) or not token:
             raise ValueError("a token is required: mint one with `lakeshore token create --kind producer`")
-        self.url = url.rstrip("/")
-        self.retries = max(1, retries)
-        self._client = httpx.Client(
-            base_url=self.url,
-            headers={"Authorization": f"Bearer {token}", "Accept": MSGPACK},
-            timeout=httpx.Timeout(timeout, connect=5.0),
-            transport=transport,
-        )
+        self._client = PlaneClient(url, token, timeout_s=timeout, attempts=retries, transport=transport)
+        self.url = self._client.url
+        self.retries = self._client.attempts
         self._registered: set[str] = set()
         self._cancels: dict[str, dict[str, bool]] = {}  # worker id -> cancels a poll delivered
 
-    # -- plumbing -----------------------------------------------------------------------------------
-
-    def _raise_for(self, resp: httpx.Response, what: str) -> None:
-        try:
-            detail = msgpack.unpackb(resp.read(), raw=False)
-            message = str(detail.get("error", detail)) if isinstance(detail, dict) else str(detail)
-        except Exception:
-            message = resp.text[:300]
-        status = resp.status_code
-        if status in (401, 403):
-            raise AuthError(
-                f"the control plane at {self.url} refused the token for {what} (HTTP {status}): {message}. "
-                "Pass a valid token of the right kind (producer for submit/stream, daemon for workers): "
-                "`lakeshore token create --kind producer --name me`",
-                status,
-            )
-        if status == 404:
-            raise NotFound(f"{what}: {message}", status)
-        raise PlaneError(f"{what} failed with HTTP {status}: {message}", status)
-
     def _call(self, method: str, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
-        """One request with retries on transient failures; returns the decoded msgpack answer."""
-        what = f"{method} {path}"
-        content = msgpack.packb(body, use_bin_type=True) if body is not None else None
-        headers = {"Content-Type": MSGPACK} if content is not None else None
-        extra: dict[str, Any] = {}
-        if timeout is not None:
-            extra["timeout"] = httpx.Timeout(timeout + _SLACK_S, connect=5.0)
-
-        def once() -> Any:
-            resp = self._client.request(method, path, content=content, headers=headers, **extra)
-            if resp.status_code >= 400:
-                self._raise_for(resp, what)
-            return msgpack.unpackb(resp.content, raw=False) if resp.content else {}
-
-        try:
-            for attempt in Retrying(
-                retry=retry_if_exception(_transient),
-                stop=stop_after_attempt(self.retries),
-                wait=wait_exponential_jitter(multiplier=0.1, max=5.0, jitter=0.2),
-                reraise=True,
-            ):
-                with attempt:
-                    return once()
-        except httpx.TransportError as exc:
-            raise PlaneError(
-                f"cannot reach the control plane at {self.url} ({what}): {type(exc).__name__}: {exc}. "
-                "Is `lakeshore server` running there?"
-            ) from exc
-        raise AssertionError("unreachable")  # pragma: no cover
+        """One request, retried on transient failures; ``timeout`` is a server-side wait to outlast."""
+        timeout_s = None if timeout is None else timeout + _SLACK_S
+        return self._client.request(method, path, body, timeout_s=timeout_s)
 
     # -- producer side ------------------------------------------------------------------------------
 
@@ -143,7 +82,7 @@ class HttpDispatch:
         body: dict[str, Any] = {
             "invocation_id": Envelope.header(envelope)["id"],
             "queue": queue,
-            "function": dict(_FUNCTION_STUB),
+            "function": dict(NATIVE_FUNCTION),
             "args_blob": bytes(envelope),
             "run_config": {**run_config, "queue": queue},
             "code_context": {},
@@ -187,13 +126,8 @@ class HttpDispatch:
             got_any = False
             try:
                 with self._client.stream(
-                    "GET",
-                    path,
-                    params={"since": since, "timeout": patience},
-                    timeout=httpx.Timeout(patience + _SLACK_S, connect=5.0),
+                    path, params={"since": since, "timeout": patience}, timeout_s=patience + _SLACK_S
                 ) as resp:
-                    if resp.status_code >= 400:
-                        self._raise_for(resp, f"GET {path}")
                     reader = wire.FrameReader()
                     for chunk in resp.iter_bytes():
                         for frame in reader.feed(chunk):
@@ -205,12 +139,15 @@ class HttpDispatch:
                             last_frame = time.monotonic()
                             if frame.kind in (wire.FRAME_END, wire.FRAME_ERROR):
                                 return
-            except httpx.TransportError as exc:
+            except PlaneError as exc:
+                if not is_retryable(exc):
+                    raise
                 drops += 1
                 if drops > _STREAM_RECONNECTS:
-                    raise PlaneError(
+                    raise Unavailable(
                         f"lost the stream {path} at seq {since} {drops} times: {exc}; "
-                        f"resume later with since={since}"
+                        f"resume later with since={since}",
+                        exc.status,
                     ) from exc
                 log.info("stream %s dropped at seq %s (%s); resuming", path, since, exc)
                 time.sleep(min(2.0, 0.1 * 2**drops))
@@ -314,11 +251,9 @@ class HttpDispatch:
         }
         try:
             self._call("POST", "/v1/daemon/ack", body)
-        except PlaneError as exc:
-            if exc.status == 409:
-                log.warning("ack of %s refused: %s", invocation_id, exc)
-                return False
-            raise
+        except Conflict as exc:
+            log.warning("ack of %s refused: %s", invocation_id, exc)
+            return False
         return True
 
     def heartbeat(self, worker_id: str, running: list[tuple[str, int]]) -> list[str]:

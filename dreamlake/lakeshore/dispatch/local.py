@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import ids
-from dreamlake.lakeshore.dispatch import Claim
-from dreamlake.lakeshore.errors import NotFound, PlaneError
-from dreamlake.lakeshore.store.api import TERMINAL_STATES
+from dreamlake.lakeshore.dispatch import NATIVE_FUNCTION, Claim
+from dreamlake.lakeshore.errors import BadRequest, Conflict, NotFound
+from dreamlake.lakeshore.states import TERMINAL_STATES
 
 if TYPE_CHECKING:
     from dreamlake.lakeshore.store.api import Invocation
@@ -32,7 +32,6 @@ __all__ = ["Dispatch"]
 log = logging.getLogger(__name__)
 
 TOPIC_PREFIX = "topic:"  # the store journals topic frames under this owner prefix
-_FUNCTION_STUB = {"module": "_native_wire", "qualname": "_native_wire.envelope", "version": "v1"}
 
 
 class Dispatch:
@@ -83,7 +82,7 @@ class Dispatch:
         req = SubmitRequest(
             invocation_id=header["id"],
             queue=queue,
-            function=dict(_FUNCTION_STUB),
+            function=dict(NATIVE_FUNCTION),
             args_blob=bytes(envelope),
             run_config={**run_config, "queue": queue},
             parent_invocation_id=parent,
@@ -171,9 +170,19 @@ class Dispatch:
             self._wait(channels, deadline, mark)
 
     def append_frame(self, invocation_id: str, seq: int, data: bytes, final: bool, attempt: int) -> None:
-        res = self.store.append_frame(invocation_id, seq, data, final, attempt=attempt)
+        """As the control plane's result-chunk route: the frame's kind, not ``final``, decides
+        whether it closes the stream (END and ERROR do)."""
+        from dreamlake.lakeshore import wire
+
+        try:
+            frame = wire.decode_frame(data)
+        except ValueError as exc:
+            raise BadRequest(f"frame {seq} of {invocation_id} is not one encoded frame: {exc}", 400) from None
+        if frame.seq != seq:
+            raise BadRequest(f"frame {seq} of {invocation_id} carries its own seq {frame.seq}", 400)
+        res = self.store.append_frame(invocation_id, seq, data, frame.final, attempt=attempt)
         if not res.ok:
-            raise PlaneError(f"frame {seq} of {invocation_id} refused: {res.reason}", 409)
+            raise Conflict(f"frame {seq} of {invocation_id} refused: {res.reason}", 409)
 
     def ack(
         self,

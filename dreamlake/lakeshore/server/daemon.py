@@ -11,13 +11,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.server import http
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError, field
 from dreamlake.lakeshore.store.api import ACK_STATES, Command, Invocation, Principal
+
+if TYPE_CHECKING:
+    from dreamlake.lakeshore.wire import Frame
 
 log = logging.getLogger(__name__)
 
@@ -236,33 +239,43 @@ async def ack(ctx: Context, principal: Principal, body: dict[str, Any]) -> tuple
     return 409, {"ok": False, "error": result.reason or "ack refused: the attempt was superseded"}
 
 
-def _frame_seq(data: bytes) -> int:
+def _frame(data: bytes) -> Frame:
     from dreamlake.lakeshore.wire import decode_frame
 
     try:
-        frame = decode_frame(data)
+        return decode_frame(data)
     except Exception as exc:
         raise HTTPError(
             400, f"field 'bytes' is not one encoded frame [kind, seq, body, meta]: {exc}"
         ) from None
-    return int(frame.seq)
 
 
 async def result_chunk(
     ctx: Context, principal: Principal, body: dict[str, Any]
 ) -> tuple[int, dict[str, Any]]:
+    """Journal one frame, then publish it live. The frame's kind decides whether it closes the
+    stream (END and ERROR do, as the seed says); a ``final: true`` on a VALUE or LOG frame is
+    logged and ignored."""
     invocation_id = http.ulid_field(body, "invocation_id")
     assert invocation_id is not None
     seq = http.integer(body, "seq", hi=http.I64_MAX)
     data = field(body, "bytes", bytes)
-    final = field(body, "final", bool, default=False)
+    said_final = field(body, "final", bool, default=False)
     attempt = http.integer(body, "attempt", hi=http.I32_MAX, default=None)
-    inside = _frame_seq(data)
-    if inside != seq:
+    frame = _frame(data)
+    if frame.seq != seq:
         raise HTTPError(
             400,
-            f"the frame's own seq {inside} differs from the body's seq {seq}: "
+            f"the frame's own seq {frame.seq} differs from the body's seq {seq}: "
             "send the frame with the seq it was encoded with",
+        )
+    final = frame.final
+    if said_final and not final:
+        log.warning(
+            "result chunk %s seq %d says final but is a frame of kind %d: only END and ERROR close a stream",
+            invocation_id,
+            seq,
+            frame.kind,
         )
     if attempt is None and await ctx.call(ctx.store.get, invocation_id) is None:
         raise HTTPError(404, f"unknown invocation '{invocation_id}'", ok=False)

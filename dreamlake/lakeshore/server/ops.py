@@ -27,6 +27,7 @@ from dreamlake.lakeshore.server import producer
 from dreamlake.lakeshore.server.auth import require_kind
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError
+from dreamlake.lakeshore.states import STATES
 from dreamlake.lakeshore.store.api import (
     LIST_LIMIT_MAX,
     LIVE_WINDOW_S,
@@ -37,7 +38,6 @@ from dreamlake.lakeshore.store.api import (
     QueueStats,
     WorkerRow,
 )
-from dreamlake.lakeshore.store.listing import STATES
 
 Handler = Callable[[Request], Awaitable[Response]]
 OPS_KINDS = ("producer", "namespace")  # and admin

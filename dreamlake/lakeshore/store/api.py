@@ -11,11 +11,12 @@ Times are float seconds since the epoch. Blobs are ``bytes``. ``error`` is an Er
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
-State = Literal["queued", "running", "succeeded", "failed", "killed", "timeout", "cancelled"]
-TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "killed", "timeout", "cancelled"})
-ACK_STATES: frozenset[str] = frozenset({"succeeded", "failed", "killed", "timeout"})
+# Shared with the clients, which must not import the store: defined in ``states``, re-exported here.
+from dreamlake.lakeshore.states import ACK_STATES as ACK_STATES
+from dreamlake.lakeshore.states import TERMINAL_STATES as TERMINAL_STATES
+from dreamlake.lakeshore.states import State as State
 
 DEFAULT_LEASE_S = 30.0
 DEFAULT_MAX_ATTEMPTS = 3

@@ -1,10 +1,10 @@
 """Read-only views of the store for operators: queues, workers, invocations, journal sizes.
 
-Mixed into ``SqlStore`` (it shares its ``Database``); the contract is ``api.Listing``. Nothing
-here writes. The queries stay on indexes the hot paths already have:
+One of ``SqlStore``'s concerns (see base.py); the contract is ``api.Listing``. Nothing here
+writes. The queries:
 
-- ``queue_stats`` groups invocations by (queue, state): an index-only pass over
-  ``ix_invocations_claim`` on PostgreSQL;
+- ``queue_stats`` groups invocations by (queue, state), one pass over the table (the queued rows'
+  oldest ``submitted_at`` comes with it);
 - ``list_invocations`` walks the primary key backwards (ids are ULIDs minted at submit, so newest
   first) with keyset paging: the cursor is the last id of the previous page;
 - ``frame_stats`` reads one owner's range of the ``frames`` primary key.
@@ -21,6 +21,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from dreamlake.lakeshore.states import STATES
+
 from . import schema as t
 from .api import (
     LIST_LIMIT_MAX,
@@ -32,9 +34,7 @@ from .api import (
     WorkerPage,
     WorkerRow,
 )
-from .engine import Database
-
-STATES = ("queued", "running", "succeeded", "failed", "killed", "timeout", "cancelled")
+from .base import StoreBase
 
 _inv = t.invocations
 # Every column but the two blobs: a listing never needs the arguments or the result.
@@ -82,9 +82,7 @@ def _visible_to(namespace: str | None) -> Any:
     return sa.or_(bound.is_(None), bound == namespace)
 
 
-class ListingMixin:
-    db: Database
-
+class ListingStore(StoreBase):
     def queue_stats(
         self, namespace: str | None = None, *, live_within: float = LIVE_WINDOW_S
     ) -> list[QueueStats]:

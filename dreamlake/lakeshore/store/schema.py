@@ -59,10 +59,19 @@ invocations = sa.Table(
     sa.Column("result_blob", sa.LargeBinary, nullable=True),
     sa.Column("error", sa.JSON, nullable=True),
     sa.Column("cancel_requested", sa.Boolean, nullable=False),
-    sa.Index("ix_invocations_claim", "state", "queue", "priority", "submitted_at"),
     sa.Index("ix_invocations_lease", "state", "lease_expires_at"),
     sa.Index("ix_invocations_root", "root_invocation_id"),
     sa.Index("ux_invocations_queue_key", "queue", "idempotency_key", unique=True),
+)
+# 0003: the claim order of one queue, over queued rows only (see invocations.claim_statement).
+sa.Index(
+    "ix_invocations_queued",
+    invocations.c.queue,
+    invocations.c.priority.desc(),
+    invocations.c.submitted_at,
+    invocations.c.invocation_id,
+    sqlite_where=invocations.c.state == "queued",
+    postgresql_where=invocations.c.state == "queued",
 )
 
 frames = sa.Table(

@@ -39,8 +39,8 @@ from dreamlake.lakeshore.server import http as h
 from dreamlake.lakeshore.server import ops
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError
+from dreamlake.lakeshore.states import STATES
 from dreamlake.lakeshore.store.api import LIVE_WINDOW_S, Principal
-from dreamlake.lakeshore.store.listing import STATES
 
 HERE = Path(__file__).resolve().parent
 COOKIE = "lakeshore_session"

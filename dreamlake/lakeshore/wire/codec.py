@@ -1,85 +1,17 @@
-"""The value codec: msgpack with integer ExtType codes, plus the frame format of result streams.
+"""The value codec: ``pack`` / ``unpack``, the codec registry and the built-in stdlib codecs.
 
-``pack(value) -> bytes`` and ``unpack(data) -> value`` carry every user value (args, kwargs, results,
-generator frames). Containers are plain msgpack (``strict_types=True``); anything msgpack does not
-know travels as ``ExtType(code, data)`` produced by a :class:`Codec`. ``import dreamlake.lakeshore.wire``
-needs msgpack alone: numpy, torch and PIL are imported only when a value of theirs is packed or an
-ext code of theirs is unpacked (a value is recognised by ``type(obj).__module__`` first).
-
-Built-in ext codes (1..63; 20..63 are reserved for future built-ins). ``hdr`` below is
-``u32 little-endian length + msgpack header``, zero padded so the raw bytes start 16-byte aligned.
-
-====  ==========================  ===================================================================
-code  type                        ext data
-====  ==========================  ===================================================================
-1     numpy.ndarray               hdr ``[dtype, shape, fortran]`` + raw bytes in memory order. dtype is
-                                  ``dtype.str`` (``"<f8"``, ``"<M8[ns]"``) or, structured, ``dtype.descr``
-2     numpy scalar (np.generic)   as code 1, of the 0-d array; unpacks to the numpy scalar
-3     torch.Tensor                hdr ``[dtype name, shape]`` + raw bytes (C order); comes back on CPU
-4     PIL.Image.Image             hdr ``[mode, [w, h], palette mode | None, palette | None]`` + raw pixels
-5     tuple                       msgpack array of the items
-6     set                         msgpack array of the items (sorted when the items sort)
-7     frozenset                   as set
-8     complex                     ``<dd`` (real, imag), 16 bytes
-9     datetime.datetime           UTF-8 ``isoformat()``; an aware value keeps its UTC offset (a zone
-                                  comes back as a fixed ``timezone``; ``fold`` is not kept)
-10    datetime.date               UTF-8 ``isoformat()``
-11    datetime.time               UTF-8 ``isoformat()`` (offset kept as for datetime)
-12    datetime.timedelta          msgpack ``[days, seconds, microseconds]``
-13    uuid.UUID                   the 16 bytes
-14    decimal.Decimal             UTF-8 ``str()`` (NaN, Infinity and the sign of zero are kept)
-15    pathlib.PurePosixPath       UTF-8 (surrogateescape) of ``str(path)``
-16    pathlib.PureWindowsPath     as 15
-17    pathlib.PosixPath           as 15; unpacks to ``Path`` (``PurePosixPath`` on Windows)
-18    pathlib.WindowsPath         as 15; unpacks to ``WindowsPath`` on Windows, else ``PureWindowsPath``
-19    int beyond 64 bits          signed big-endian two's complement
-====  ==========================  ===================================================================
-
-User codecs take codes 64..127: ``register(Codec(64, MyType, encode, decode, "my-type"))``.
-
-Behaviour worth knowing:
-
-* Numpy arrays of any dtype but ``object`` (refused with ``TypeError``): bool, complex, datetime64 /
-  timedelta64 with their unit, strings, structured (padded and aligned layouts kept). C or Fortran
-  order is kept; other views (slices, transposes, broadcasts) are packed as a C-order copy. Unpacked
-  arrays are **read-only** views, never copied by the codec (``arr.copy()`` to mutate): of the ext
-  data msgpack hands over, or for a big top-level array of the input ``bytes`` themselves when that
-  view is aligned for the dtype. Byte order is kept. Subclasses
-  (``np.memmap``, ``np.matrix``) pack as ``ndarray``; a masked array is refused (its mask would be
-  lost). ``np.str_`` / ``np.bytes_`` subclass ``str`` / ``bytes`` and come back as those.
-* Torch tensors: dense tensors of every non-quantized dtype. A CUDA (or any non-CPU) tensor is copied
-  to the host and **comes back on CPU**: move it with ``.to(device)`` on the other side. The autograd
-  graph and ``requires_grad`` are dropped (``detach()``); strides are not kept (a contiguous copy);
-  unpacked tensors are writable copies. Sparse, nested, quantized and meta tensors raise
-  ``TypeError`` with the conversion to use.
-* PIL images: mode, size, pixel bytes and palette (with its mode) are kept exactly, for every mode
-  (``1``, ``L``, ``P``, ``RGB``, ``RGBA``, ``I;16``, ``F``, ...). ``img.info`` (transparency key, EXIF,
-  ICC profile) and the source file format are not carried.
-* ``strict_types=True``: the exact type decides. A subclass with no codec of its own is packed as the
-  first class of its MRO that has one or that msgpack knows: ``IntEnum`` -> ``int``, ``OrderedDict``
-  -> ``dict``, a namedtuple -> ``tuple``, a pandas ``Timestamp`` -> ``datetime``. That is lossy
-  by design (as ``json``); register a codec for the subclass to keep it. ``bytearray`` and
-  ``memoryview`` come back as ``bytes``.
-* An unknown type raises ``TypeError`` naming it and the fix. An unknown ext code unpacks to
-  ``msgpack.ExtType(code, data)`` and re-packs byte-identically, as does a numpy/torch/PIL value
-  read where that library is not installed.
-* ``unpack`` is for untrusted bytes: the buffer, every str/bin/ext/array/map and the nesting of ext
-  values are bounded by :class:`Limits` (array and map lengths also by the buffer length, so a short
-  header cannot make a huge allocation); msgpack itself bounds array/map nesting at 1024 per level.
-  Garbage, truncation, trailing bytes and corrupt ext data raise :class:`DecodeError`. Maps may have
-  non-str keys (``{1: "a"}``, tuples); such keys hash deterministically, so a hostile peer can make a
-  large map slow to build (``max_map_len`` bounds it).
-
-Frames (``[kind, seq, body, meta]``, see docs/architecture.md) are plain msgpack: the control plane
-reads them without this codec. :class:`FrameReader` reassembles frames split at any byte boundary.
+What travels and how (the ext code table, limits, lossy cases) is documented in
+:mod:`dreamlake.lakeshore.wire`; import the names from there, not from here. This module needs
+msgpack alone at import time (which itself imports datetime and struct): uuid, decimal and pathlib
+codecs are registered on first use, numpy / torch / PIL ones by :mod:`.arrays`, imported (like the
+library itself) when a value of theirs is packed or an ext code of theirs is unpacked. Runs on
+Python >= 3.9 (the entry bundle).
 """
 
 from __future__ import annotations
 
-# Start-up matters (every invocation's entry imports this module): at import time this needs msgpack
-# alone (which itself imports datetime and struct). uuid, decimal and pathlib are imported by their
-# codecs on first use, like numpy; logging only to log. No typing, dataclasses or inspect at runtime.
-import builtins
+# Start-up matters (every invocation's entry imports this module): no typing, dataclasses or
+# inspect at runtime; logging only to log.
 import contextvars
 import datetime as _dt
 import os
@@ -89,143 +21,16 @@ import msgpack
 
 from dreamlake.lakeshore.errors import DecodeError
 
+from .base import DEFAULT_LIMITS, Codec, Limits, MiB
+from .base import why as _why
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import Any, NoReturn
+    from typing import Any
 
-__all__ = [
-    "DEFAULT_FRAME_LIMITS",
-    "DEFAULT_LIMITS",
-    "FRAME_END",
-    "FRAME_ERROR",
-    "FRAME_LOG",
-    "FRAME_VALUE",
-    "Codec",
-    "Frame",
-    "FrameReader",
-    "Limits",
-    "decode_frame",
-    "encode_frame",
-    "pack",
-    "register",
-    "unpack",
-    "unregister",
-]
-
-MiB = 1024 * 1024
 USER_CODES = range(64, 128)
 BUILTIN_CODES = range(1, 64)
-
-FRAME_VALUE, FRAME_END, FRAME_ERROR, FRAME_LOG = 1, 2, 3, 4
-FRAME_KINDS = frozenset({FRAME_VALUE, FRAME_END, FRAME_ERROR, FRAME_LOG})
-
-
-class _Frozen:
-    """A frozen record with ``__slots__`` (what ``@dataclass(frozen=True)`` gives, without importing
-    dataclasses, which pulls in inspect): keyword or positional construction, ``==``, ``hash``,
-    ``repr`` and pickling by field values; assigning a field raises ``AttributeError``."""
-
-    __slots__: tuple[str, ...] = ()
-    __match_args__: tuple[str, ...] = ()
-
-    def _values(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, name) for name in self.__match_args__)
-
-    def __setattr__(self, name: str, value: Any) -> NoReturn:
-        raise AttributeError(f"cannot assign to field {name!r}")
-
-    def __delattr__(self, name: str) -> NoReturn:
-        raise AttributeError(f"cannot delete field {name!r}")
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__match_args__)
-        return f"{type(self).__qualname__}({fields})"
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is not self.__class__:
-            return NotImplemented
-        return self._values() == other._values()
-
-    def __hash__(self) -> int:
-        return hash(self._values())
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), self._values())
-
-
-class Limits(_Frozen):
-    """Bounds on decoding untrusted bytes. Lengths count bytes (str/bin/ext) or items (array/map)."""
-
-    __match_args__ = (
-        "max_buffer_size",
-        "max_str_len",
-        "max_bin_len",
-        "max_ext_len",
-        "max_array_len",
-        "max_map_len",
-        "max_depth",
-    )
-    __slots__ = __match_args__
-
-    max_buffer_size: int
-    max_str_len: int
-    max_bin_len: int
-    max_ext_len: int
-    max_array_len: int
-    max_map_len: int
-    max_depth: int  # ext values (tuple, set, user codecs) nested inside each other
-
-    def __init__(
-        self,
-        max_buffer_size: int = 128 * MiB,
-        max_str_len: int = 128 * MiB,
-        max_bin_len: int = 128 * MiB,
-        max_ext_len: int = 128 * MiB,
-        max_array_len: int = 16 * MiB,
-        max_map_len: int = 4 * MiB,
-        max_depth: int = 64,
-    ) -> None:
-        init = object.__setattr__
-        init(self, "max_buffer_size", max_buffer_size)
-        init(self, "max_str_len", max_str_len)
-        init(self, "max_bin_len", max_bin_len)
-        init(self, "max_ext_len", max_ext_len)
-        init(self, "max_array_len", max_array_len)
-        init(self, "max_map_len", max_map_len)
-        init(self, "max_depth", max_depth)
-
-
-DEFAULT_LIMITS = Limits()
-# Frames are small arrays and maps around one bin body.
-DEFAULT_FRAME_LIMITS = Limits(max_array_len=1024, max_map_len=1024)
-
-
-class Codec(_Frozen):
-    """How one type travels: ``encode(obj) -> bytes`` is the ext data, ``decode(bytes) -> obj``."""
-
-    __match_args__ = ("code", "type", "encode", "decode", "name")
-    __slots__ = __match_args__
-
-    code: int
-    type: type
-    encode: Callable[[Any], bytes]
-    decode: Callable[[bytes], Any]
-    name: str
-
-    def __init__(
-        self,
-        code: int,
-        type: builtins.type,
-        encode: Callable[[Any], bytes],
-        decode: Callable[[bytes], Any],
-        name: str,
-    ) -> None:
-        object.__setattr__(self, "code", code)
-        object.__setattr__(self, "type", type)
-        object.__setattr__(self, "encode", encode)
-        object.__setattr__(self, "decode", decode)
-        object.__setattr__(self, "name", name)
 
 
 def _logger() -> Any:
@@ -555,10 +360,6 @@ def _decode_with(codec: Codec, data: bytes) -> Any:
         raise DecodeError(f"corrupt ext data for {codec.name} (code {codec.code}): {_why(e)}", data) from e
 
 
-def _why(e: BaseException) -> str:
-    return str(e) if isinstance(e, DecodeError) else f"{type(e).__name__}: {e}".rstrip(": ")
-
-
 _LIMITS: contextvars.ContextVar[Limits] = contextvars.ContextVar(
     "lakeshore_wire_limits", default=DEFAULT_LIMITS
 )
@@ -770,23 +571,26 @@ def _load_optional(root: str) -> bool:
     return ok
 
 
-# numpy / torch / PIL live in _wire_arrays, imported (like the library itself) on first use.
+# numpy / torch / PIL live in .arrays, imported (like the library itself) on first use.
 def _register_numpy() -> None:
-    from dreamlake.lakeshore._wire_arrays import register_numpy
+    global _ARRAY_PARTS
+    from . import arrays
 
-    register_numpy()
+    codecs, _ARRAY_PARTS = arrays.numpy_codecs()
+    for codec in codecs:
+        _add(codec)
 
 
 def _register_torch() -> None:
-    from dreamlake.lakeshore._wire_arrays import register_torch
+    from . import arrays
 
-    register_torch()
+    _add(arrays.torch_codec())
 
 
 def _register_pil() -> None:
-    from dreamlake.lakeshore._wire_arrays import register_pil
+    from . import arrays
 
-    register_pil()
+    _add(arrays.pil_codec())
 
 
 _LOADERS: dict[str, Callable[[], None]] = {
@@ -797,14 +601,3 @@ _LOADERS: dict[str, Callable[[], None]] = {
     "decimal": _register_decimal,
     "pathlib": _register_pathlib,
 }
-
-
-# ---------------------------------------------------------------- frames
-
-# The frame format lives in _wire_frames (it imports the names above from this module).
-from dreamlake.lakeshore._wire_frames import (  # noqa: E402
-    Frame,
-    FrameReader,
-    decode_frame,
-    encode_frame,
-)

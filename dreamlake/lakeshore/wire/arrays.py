@@ -1,8 +1,9 @@
 """The optional numpy / torch / PIL codecs of :mod:`dreamlake.lakeshore.wire` (codes 1..4).
 
-Imported by ``wire`` on first use of one of these libraries (never at ``wire``'s import time); each
-``register_*`` imports its library and registers its codecs, or raises ``ImportError``. Import the
-codec through ``dreamlake.lakeshore.wire``, not from here. Runs on Python >= 3.9 (the entry bundle).
+Imported by :mod:`.codec` on first use of one of these libraries (never at ``wire``'s import time);
+each ``*_codec(s)`` function imports its library and returns its codecs for the codec to register,
+or raises ``ImportError``. Use them through ``dreamlake.lakeshore.wire``, not from here. Runs on
+Python >= 3.9 (the entry bundle).
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import struct
 
 import msgpack
 
-from dreamlake.lakeshore import wire as _wire
-from dreamlake.lakeshore.wire import Codec, MiB, _add
+from .base import Codec, MiB
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any, Literal
 
 _HDR = struct.Struct("<I")
@@ -61,7 +62,9 @@ def _shape(value: Any, ndim_max: int = 64) -> tuple[int, ...]:
     return tuple(value)
 
 
-def register_numpy() -> None:
+def numpy_codecs() -> tuple[list[Codec], Callable[[Any], tuple[bytes, Any]]]:
+    """The ndarray (code 1) and numpy scalar (code 2) codecs, and the ``(header, raw bytes)`` split of
+    an array the codec uses to frame a big top-level array in one copy."""
     import numpy as np
 
     def descr_out(dtype: Any) -> Any:
@@ -152,12 +155,15 @@ def register_numpy() -> None:
             raise ValueError("numpy scalar must be a 0-d array")
         return arr[()]
 
-    _wire._ARRAY_PARTS = array_parts
-    _add(Codec(1, np.ndarray, encode_array, decode_array, "numpy.ndarray"))
-    _add(Codec(2, np.generic, encode_scalar, decode_scalar, "numpy.scalar"))
+    codecs = [
+        Codec(1, np.ndarray, encode_array, decode_array, "numpy.ndarray"),
+        Codec(2, np.generic, encode_scalar, decode_scalar, "numpy.scalar"),
+    ]
+    return codecs, array_parts
 
 
-def register_torch() -> None:
+def torch_codec() -> Codec:
+    """The torch.Tensor codec (code 3)."""
     import torch
 
     def encode(t: Any) -> bytes:
@@ -201,10 +207,11 @@ def register_torch() -> None:
         flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)  # a writable copy, as torch expects
         return flat.view(dtype).reshape(shape)
 
-    _add(Codec(3, torch.Tensor, encode, decode, "torch.Tensor"))
+    return Codec(3, torch.Tensor, encode, decode, "torch.Tensor")
 
 
-def register_pil() -> None:
+def pil_codec() -> Codec:
+    """The PIL.Image.Image codec (code 4)."""
     from PIL import Image
 
     def encode(img: Any) -> bytes:
@@ -232,4 +239,4 @@ def register_pil() -> None:
             img.putpalette(bytes(header[3]), header[2])
         return img
 
-    _add(Codec(4, Image.Image, encode, decode, "PIL.Image"))
+    return Codec(4, Image.Image, encode, decode, "PIL.Image")

@@ -1,8 +1,9 @@
 """The frame format of result streams, re-exported by :mod:`dreamlake.lakeshore.wire`.
 
-``[kind, seq, body, meta]`` as plain msgpack: :class:`Frame`, :func:`encode_frame`,
-:func:`decode_frame` and :class:`FrameReader`. Import these from ``dreamlake.lakeshore.wire`` (which
-imports this module at its end), not from here. Runs on Python >= 3.9 (the entry bundle).
+``[kind, seq, body, meta]`` as plain msgpack (no codec: the control plane reads frames without one):
+the kinds ``FRAME_VALUE`` / ``END`` / ``ERROR`` / ``LOG``, :class:`Frame`, :func:`encode_frame`,
+:func:`decode_frame` and :class:`FrameReader`. Import these from ``dreamlake.lakeshore.wire``, not
+from here. Runs on Python >= 3.9 (the entry bundle).
 """
 
 from __future__ import annotations
@@ -12,13 +13,18 @@ from collections import namedtuple
 import msgpack
 
 from dreamlake.lakeshore.errors import DecodeError
-from dreamlake.lakeshore.wire import DEFAULT_FRAME_LIMITS, FRAME_END, FRAME_ERROR, FRAME_KINDS, _why
+
+from .base import Limits
+from .base import why as _why
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, NamedTuple
 
-    from dreamlake.lakeshore.wire import Limits
+FRAME_VALUE, FRAME_END, FRAME_ERROR, FRAME_LOG = 1, 2, 3, 4
+FRAME_KINDS = frozenset({FRAME_VALUE, FRAME_END, FRAME_ERROR, FRAME_LOG})
+# Frames are small arrays and maps around one bin body.
+DEFAULT_FRAME_LIMITS = Limits(max_array_len=1024, max_map_len=1024)
 
 if TYPE_CHECKING:
 

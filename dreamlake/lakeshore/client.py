@@ -1,0 +1,331 @@
+"""The control-plane client: one transport, one token, one retry rule, one error tree.
+
+Every client of the control plane's HTTP routes speaks through :class:`PlaneClient`: nymph
+(``nymph.client.ControlPlaneClient``, the typed ``/v1/daemon/*`` wrapper) and the SDK's HTTP plane
+(``dispatch.http.HttpDispatch``). It owns
+
+* the transport: one ``httpx.Client`` (``transport=`` is injectable: tests fake the control plane
+  with ``httpx.MockTransport``), the bearer token, msgpack bodies both ways, JSON for the routes
+  that speak JSON (``as_json=True``);
+* the error tree: every httpx failure and every 4xx/5xx answer becomes a class of
+  :mod:`dreamlake.lakeshore.errors`, raised ``from`` the httpx exception where there is one::
+
+      failure                                    raised                    retried
+      connection error, timeout, other httpx     Unavailable (status None) yes
+      5xx, an undecodable 2xx answer             Unavailable               yes
+      429 (waits out its Retry-After)            Unavailable               yes
+      401                                        Unauthorized              no
+      403                                        Forbidden                 no
+      404                                        NotFound                  no
+      409                                        Conflict                  no
+      another 4xx (400, 413, 422, ...), bad URL  BadRequest                no
+
+* the retry rule: :func:`is_retryable` (``Unavailable`` and nothing else) and :func:`retrying`,
+  the tenacity policy built on it: exponential backoff with jitter, never sooner than the
+  server's ``Retry-After``.
+
+A :class:`PlaneClient` retries its own requests ``attempts`` times (the SDK's plane uses 5);
+nymph keeps ``attempts=1`` and retries in its agent and outbox, whose loops stop with the agent.
+Nothing here imports the server or the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import email.utils
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import msgpack
+import tenacity
+
+from dreamlake.lakeshore.errors import (
+    BadRequest,
+    Conflict,
+    Forbidden,
+    NotFound,
+    PlaneError,
+    Unauthorized,
+    Unavailable,
+)
+
+__all__ = ["MSGPACK", "PlaneClient", "error_for", "is_retryable", "retrying"]
+
+MSGPACK = "application/x-msgpack"
+CONNECT_TIMEOUT_S = 5.0
+RETRY_AFTER_CAP_S = 60.0  # a Retry-After longer than this is waited for this long, then retried
+
+_TOKEN_HINT = (
+    "Pass a valid token of the right kind (producer to submit and stream, daemon for workers and "
+    "nymph): `lakeshore token create --kind producer|daemon --name NAME`"
+)
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """The one retry rule: :class:`Unavailable` (connection, timeout, 5xx, 429) and nothing else."""
+    return isinstance(exc, Unavailable)
+
+
+def error_for(status: int, message: str, *, retry_after: float | None = None) -> PlaneError:
+    """The error class of an HTTP ``status`` (>= 400), carrying ``message`` and the status."""
+    if status == 401:
+        return Unauthorized(message, status)
+    if status == 403:
+        return Forbidden(message, status)
+    if status == 404:
+        return NotFound(message, status)
+    if status == 409:
+        return Conflict(message, status)
+    if status == 429 or status >= 500:
+        return Unavailable(message, status, retry_after)
+    return BadRequest(message, status)
+
+
+class _WaitRetryAfter(tenacity.wait.wait_base):
+    """``base``'s wait, stretched to the ``Retry-After`` of the failure being retried (capped)."""
+
+    def __init__(self, base: tenacity.wait.wait_base) -> None:
+        self.base = base
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> float:
+        wait = float(self.base(retry_state))
+        exc = retry_state.outcome.exception() if retry_state.outcome else None
+        after = getattr(exc, "retry_after", None)
+        return max(wait, min(float(after), RETRY_AFTER_CAP_S)) if after else wait
+
+
+def retrying(
+    *,
+    attempts: int | None = None,
+    stop: tenacity.stop.stop_base | None = None,
+    initial_s: float = 0.1,
+    max_s: float = 5.0,
+    jitter_s: float = 0.2,
+    also: tuple[type[BaseException], ...] = (),
+    sleep: Callable[[float], None] = time.sleep,
+    before_sleep: Callable[[tenacity.RetryCallState], None] | None = None,
+) -> tenacity.Retrying:
+    """The tenacity policy for control-plane calls: retry what :func:`is_retryable` accepts (and the
+    ``also`` classes), waiting ``initial_s * 2**n`` (at most ``max_s``) plus up to ``jitter_s``, and
+    at least a ``Retry-After``; stop after ``attempts`` or at ``stop``; re-raise the last failure."""
+    if stop is None:
+        stop = tenacity.stop_after_attempt(max(1, attempts or 1))
+    elif attempts is not None:
+        stop = stop | tenacity.stop_after_attempt(max(1, attempts))
+    kwargs: dict[str, Any] = {} if before_sleep is None else {"before_sleep": before_sleep}
+    return tenacity.Retrying(
+        retry=tenacity.retry_if_exception(lambda exc: is_retryable(exc) or isinstance(exc, also)),
+        wait=_WaitRetryAfter(
+            tenacity.wait_exponential(multiplier=initial_s, max=max_s) + tenacity.wait_random(0, jitter_s)
+        ),
+        stop=stop,
+        sleep=sleep,
+        reraise=True,
+        **kwargs,
+    )
+
+
+class PlaneClient:
+    """A control plane at ``url`` (``http://host:8470``), authenticated with a bearer ``token``.
+
+    Thread-safe (``httpx.Client`` is). ``timeout_s`` is the default read timeout of a request;
+    ``attempts`` how many times :meth:`request` tries a request that fails retryably.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        *,
+        timeout_s: float = 30.0,
+        attempts: int = 1,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.attempts = max(1, attempts)
+        self._transport = transport
+        self._http = httpx.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {token}", "Accept": MSGPACK},
+            timeout=_timeout(timeout_s),
+            transport=transport,
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.url}>"
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        as_json: bool = False,
+        params: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+        attempts: int | None = None,
+    ) -> Any:
+        """Send ``body`` (msgpack, or JSON with ``as_json``; none when ``None``) and return the
+        decoded answer, retrying a retryable failure up to ``attempts`` (default: the client's)."""
+        request: dict[str, Any] = {"params": params}
+        if as_json:
+            request["headers"] = {"Accept": "application/json"}
+            if body is not None:
+                request["json"] = body
+        elif body is not None:
+            request["content"] = msgpack.packb(body, use_bin_type=True)
+            request["headers"] = {"Content-Type": MSGPACK}
+        if timeout_s is not None:
+            request["timeout"] = _timeout(timeout_s)
+        policy = retrying(attempts=self.attempts if attempts is None else attempts)
+        return policy(self._once, method, path, request)
+
+    def _once(self, method: str, path: str, request: dict[str, Any]) -> Any:
+        what = f"{method} {path}"
+        with self._translated(what):
+            resp = self._http.request(method, path, **request)
+        if resp.status_code >= 400:
+            raise self._refusal(resp, what)
+        if not resp.content:
+            return {}
+        try:
+            return _decode(resp)
+        except ValueError as exc:
+            raise Unavailable(
+                f"{what}: undecodable answer (HTTP {resp.status_code}, "
+                f"{resp.headers.get('content-type', 'no content type')}): {resp.text[:80]!r}",
+                resp.status_code,
+            ) from exc
+
+    @contextlib.contextmanager
+    def stream(
+        self, path: str, *, params: dict[str, Any] | None = None, timeout_s: float | None = None
+    ) -> Iterator[httpx.Response]:
+        """``GET path`` as a stream: the response, its status already checked. Failures while it is
+        read (a dropped connection) are translated too: :class:`Unavailable`. Never retried here."""
+        what = f"GET {path}"
+        timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else _timeout(timeout_s)
+        with (
+            self._translated(what),
+            self._http.stream("GET", path, params=params, timeout=timeout) as resp,
+        ):
+            if resp.status_code >= 400:
+                resp.read()
+                raise self._refusal(resp, what)
+            yield resp
+
+    def download(self, url: str, *, timeout_s: float = 60.0, limit: int = 100 * 2**20) -> bytes:
+        """GET an absolute (presigned) ``url`` without the token: the signature is the credential.
+        More than ``limit`` bytes is a :class:`BadRequest`."""
+        what = f"GET {url.split('?')[0]}"
+        with (
+            httpx.Client(transport=self._transport, timeout=_timeout(timeout_s)) as bare,
+            self._translated(what),
+            bare.stream("GET", url) as resp,
+        ):
+            if resp.status_code != 200:
+                resp.read()
+                raise error_for(
+                    resp.status_code, f"{what} failed with HTTP {resp.status_code}: {_reason(resp)}"
+                )
+            data = bytearray()
+            for part in resp.iter_bytes():
+                data += part
+                if len(data) > limit:
+                    raise BadRequest(f"{what}: payload over {limit} bytes")
+            return bytes(data)
+
+    def healthz(self) -> dict[str, Any]:
+        """``GET /healthz`` (JSON, 5 s, tried once); an answer that is not a JSON object is ``{}``."""
+        what = "GET /healthz"
+        with self._translated(what):
+            resp = self._http.get("/healthz", timeout=CONNECT_TIMEOUT_S)
+        if resp.status_code != 200:
+            raise self._refusal(resp, what)
+        try:
+            out = resp.json()
+        except ValueError:
+            out = {}
+        return out if isinstance(out, dict) else {}
+
+    # -- errors -------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _translated(self, what: str) -> Iterator[None]:
+        """httpx's exceptions raised inside, as :mod:`errors` classes (``from`` the original)."""
+        try:
+            yield
+        except httpx.TransportError as exc:
+            raise Unavailable(
+                f"cannot reach the control plane at {self.url} ({what}): {type(exc).__name__}: {exc}. "
+                "Is `lakeshore server` running there?"
+            ) from exc
+        except httpx.HTTPError as exc:  # a malformed answer (bad encoding, redirect loop): try again
+            raise Unavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
+        except httpx.InvalidURL as exc:  # e.g. a path built from a bad name: never retried
+            raise BadRequest(f"{what}: invalid URL: {exc}") from exc
+
+    def _refusal(self, resp: httpx.Response, what: str) -> PlaneError:
+        status = resp.status_code
+        reason = _reason(resp)
+        if status in (401, 403):
+            message = (
+                f"the control plane at {self.url} refused the token for {what} (HTTP {status}): "
+                f"{reason}. {_TOKEN_HINT}"
+            )
+        else:
+            message = f"{what} failed with HTTP {status}: {reason}"
+        return error_for(status, message, retry_after=_retry_after(resp))
+
+
+def _timeout(read_s: float) -> httpx.Timeout:
+    return httpx.Timeout(read_s, connect=CONNECT_TIMEOUT_S)
+
+
+def _decode(resp: httpx.Response) -> Any:
+    """A body by its content type: JSON, or msgpack (also when untyped). ValueError otherwise."""
+    ctype = resp.headers.get("content-type", "")
+    if "json" in ctype:
+        return resp.json()
+    if ctype and "msgpack" not in ctype:
+        raise ValueError(f"a {ctype} body")
+    try:
+        return msgpack.unpackb(resp.content, raw=False)
+    except msgpack.UnpackException as exc:  # msgpack's other failures are ValueErrors already
+        raise ValueError(str(exc)) from exc
+
+
+def _reason(resp: httpx.Response) -> str:
+    """Why the server refused: its ``error`` text, else the start of its body, else the phrase."""
+    if not resp.content:
+        return resp.reason_phrase
+    try:
+        detail = _decode(resp)
+    except ValueError:
+        return resp.text[:300]
+    if isinstance(detail, dict) and "error" in detail:
+        return str(detail["error"])
+    return str(detail)[:300]
+
+
+def _retry_after(resp: httpx.Response) -> float | None:
+    """``Retry-After`` in seconds (delta-seconds or an HTTP date), ``None`` when absent or bad."""
+    value = resp.headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())

@@ -1,0 +1,22 @@
+"""Invocation states: the vocabulary the control plane and its clients share.
+
+The store (server side) records these states and the clients (``dispatch``, nymph) read them, so
+they live here, importing nothing, rather than in either side. ``store.api`` re-exports them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+__all__ = ["ACK_STATES", "STATES", "TERMINAL_STATES", "State"]
+
+State = Literal["queued", "running", "succeeded", "failed", "killed", "timeout", "cancelled"]
+
+STATES: tuple[str, ...] = get_args(State)
+"""Every state, in lifecycle order (listings and filters show them so)."""
+
+TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "killed", "timeout", "cancelled"})
+"""States an invocation never leaves."""
+
+ACK_STATES: frozenset[str] = frozenset({"succeeded", "failed", "killed", "timeout"})
+"""The outcomes a worker may report (``cancelled`` is the producer's, never a worker's)."""

@@ -1,0 +1,135 @@
+"""The frame journal: result frames of invocations and the frames of topics.
+
+Frames are rows ``(owner_id, seq, data, final)`` keyed by ``(owner_id, seq)``; the owner is an
+invocation id or ``topic:<name>``. ``append_frame`` inserts with ``ON CONFLICT DO NOTHING``, so a
+repeated seq answers ``duplicate`` and keeps the first bytes. Frames of an invocation are accepted
+without ``attempt``; with it, only from the current attempt (also after that attempt was acked, so a
+late journal upload is kept). ``read_frames`` pages by seq.
+
+Topics: ``topic_append`` takes the next seq from the ``topics`` counter (an upsert, so concurrent
+posters never share a seq) and journals the frame under ``topic:<name>``, built here as plain
+msgpack (the store does not import the wire codec).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import msgpack
+import sqlalchemy as sa
+
+from dreamlake.lakeshore.errors import PlaneError
+
+from . import schema as t
+from .api import ChunkResult, Frame
+from .base import StoreBase, dialect_insert
+from .engine import Database
+from .notify import Notifier
+
+TOPIC_PREFIX = "topic:"
+FRAME_VALUE, FRAME_END = 1, 2  # wire.FRAME_VALUE / FRAME_END; the store does not import the codec
+
+
+class _Statements:
+    """The journal's statements, built once per dialect with bind parameters (see base.py)."""
+
+    def __init__(self, dialect: str) -> None:
+        B = sa.bindparam
+        f, tp, inv = t.frames, t.topics, t.invocations
+        self.attempt_of = sa.select(inv.c.attempt).where(inv.c.invocation_id == B("id"))
+        self.insert_frame = (
+            dialect_insert(dialect, f)
+            .values(owner_id=B("owner"), seq=B("seq"), data=B("data"), final=B("final"), created_at=B("now"))
+            .on_conflict_do_nothing()
+            .returning(f.c.seq)
+        )
+        self.read_frames = (
+            sa.select(f.c.seq, f.c.data, f.c.final)
+            .where(f.c.owner_id == B("owner"), f.c.seq > B("since"))
+            .order_by(f.c.seq)
+            .limit(B("limit", type_=sa.Integer))
+        )
+        self.topic_next = (
+            dialect_insert(dialect, tp)
+            .values(name=B("name"), next_seq=1, created_at=B("now"))
+            .on_conflict_do_update(index_elements=[tp.c.name], set_={"next_seq": tp.c.next_seq + 1})
+            .returning(tp.c.next_seq)
+        )
+        self.topic_frame = sa.insert(f).values(
+            owner_id=B("owner"), seq=B("seq"), data=B("data"), final=B("final"), created_at=B("now")
+        )
+
+
+@functools.cache
+def _statements(dialect: str) -> _Statements:
+    return _Statements(dialect)
+
+
+class FrameStore(StoreBase):
+    """The journal of invocation and topic frames."""
+
+    def __init__(self, db: Database, notifier: Notifier) -> None:
+        super().__init__(db, notifier)
+        self._frame_st = _statements(db.dialect)
+
+    def append_frame(
+        self, owner_id: str, seq: int, data: bytes, final: bool, *, attempt: int | None = None
+    ) -> ChunkResult:
+        if seq < 0:
+            raise PlaneError(f"frame seq must be >= 0, got {seq}", status=400)
+        st = self._frame_st
+        with self.db.tx(write=True) as conn:
+            if attempt is not None and not owner_id.startswith(TOPIC_PREFIX):
+                current = conn.execute(st.attempt_of, {"id": owner_id}).scalar_one_or_none()
+                if current is None:
+                    return ChunkResult(ok=False, seq=seq, reason=f"unknown invocation {owner_id}")
+                if current != attempt:
+                    return ChunkResult(
+                        ok=False,
+                        seq=seq,
+                        reason=f"attempt {attempt} of {owner_id} was superseded by attempt {current}",
+                    )
+            added = conn.execute(
+                st.insert_frame,
+                {
+                    "owner": owner_id,
+                    "seq": seq,
+                    "data": bytes(data),
+                    "final": bool(final),
+                    "now": time.time(),
+                },
+            ).first()
+        if added is None:
+            return ChunkResult(ok=True, seq=seq, duplicate=True)
+        self._notify(owner_id if owner_id.startswith(TOPIC_PREFIX) else f"inv:{owner_id}")
+        return ChunkResult(ok=True, seq=seq)
+
+    def read_frames(self, owner_id: str, since: int = -1, limit: int = 1000) -> list[Frame]:
+        params = {"owner": owner_id, "since": since, "limit": max(0, limit)}
+        with self.db.tx(write=False) as conn:
+            rows = conn.execute(self._frame_st.read_frames, params).fetchall()
+        return [Frame(seq=int(seq), data=bytes(data), final=bool(final)) for seq, data, final in rows]
+
+    # -- topics ----------------------------------------------------------------------------------
+
+    def topic_post(self, name: str, body: bytes, final: bool = False) -> int:
+        return self.topic_append(name, body, final).seq
+
+    def topic_append(self, name: str, body: bytes, final: bool = False) -> Frame:
+        now = time.time()
+        st = self._frame_st
+        with self.db.tx(write=True) as conn:
+            seq = int(conn.execute(st.topic_next, {"name": name, "now": now}).scalar_one()) - 1
+            data = msgpack.packb([FRAME_END if final else FRAME_VALUE, seq, bytes(body), {"ts": now}])
+            params: dict[str, Any] = {
+                "owner": TOPIC_PREFIX + name,
+                "seq": seq,
+                "data": data,
+                "final": bool(final),
+                "now": now,
+            }
+            conn.execute(st.topic_frame, params)
+        self._notify(TOPIC_PREFIX + name)
+        return Frame(seq=seq, data=data, final=bool(final))

@@ -1,0 +1,183 @@
+"""Workers, their pending commands, namespaces (the pinned nymph version) and API tokens.
+
+Workers: ``register_worker`` records a daemon's info (upsert); every poll and heartbeat touches its
+``last_seen`` and takes its pending commands (``_take_commands_in``). Commands are the cancels the
+producer side queues for the worker running an invocation (``queue_command``, called by
+``cancel``); ``DELETE ... RETURNING`` hands each to exactly one caller.
+
+Namespaces: ``pin_version`` / ``pinned_version`` hold the nymph version a namespace runs;
+``pinned_version_for_worker`` reads it for the namespace the worker registered with (``default``
+when none).
+
+Tokens: ``create_token`` returns ``"lsk_" + secrets.token_urlsafe(32)`` once; only its sha256 is
+stored, and ``verify_token`` looks the hash up (no secret ever compared byte by byte).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import secrets
+import time
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from dreamlake.lakeshore.errors import PlaneError
+from dreamlake.lakeshore.ids import new_ulid
+
+from . import schema as t
+from .api import Command, Principal
+from .base import StoreBase
+from .engine import Database
+from .notify import Notifier
+from .values import json_safe
+
+TOKEN_PREFIX = "lsk_"
+TOKEN_KINDS = frozenset({"admin", "producer", "daemon", "namespace", "metrics"})
+
+
+def _sha256(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+class _Statements:
+    """The statements of every poll and heartbeat, built once per dialect (see base.py)."""
+
+    def __init__(self) -> None:
+        B = sa.bindparam
+        c = t.commands
+        self.touch_worker = (
+            sa.update(t.workers).where(t.workers.c.worker_id == B("worker")).values(last_seen=B("now"))
+        )
+        self.take_commands = (
+            sa.delete(c)
+            .where(c.c.worker_id == B("worker"))
+            .returning(c.c.command_id, c.c.kind, c.c.body, c.c.created_at)
+        )
+
+
+@functools.cache
+def _statements() -> _Statements:
+    return _Statements()
+
+
+def queue_command(conn: Connection, worker_id: str, kind: str, body: dict[str, Any], now: float) -> None:
+    """Queue a command for ``worker_id`` in the caller's transaction (notify ``worker:<id>`` after)."""
+    conn.execute(
+        sa.insert(t.commands).values(
+            command_id=new_ulid(), worker_id=worker_id, kind=kind, body=body, created_at=now
+        )
+    )
+
+
+class WorkerStore(StoreBase):
+    """Workers and their commands, namespaces and tokens."""
+
+    def __init__(self, db: Database, notifier: Notifier) -> None:
+        super().__init__(db, notifier)
+        self._worker_st = _statements()
+
+    # -- workers and their commands --------------------------------------------------------------
+
+    def register_worker(self, worker_id: str, info: dict[str, Any]) -> None:
+        now = time.time()
+        info = json_safe(info, "worker info")
+        w = t.workers
+        with self.db.tx(write=True) as conn:
+            conn.execute(
+                self._insert(w)
+                .values(worker_id=worker_id, info=info, registered_at=now, last_seen=now)
+                .on_conflict_do_update(index_elements=[w.c.worker_id], set_={"info": info, "last_seen": now})
+            )
+
+    def worker_info(self, worker_id: str) -> dict[str, Any] | None:
+        w = t.workers
+        with self.db.tx(write=False) as conn:
+            info = conn.execute(sa.select(w.c.info).where(w.c.worker_id == worker_id)).scalar_one_or_none()
+        return dict(info) if isinstance(info, dict) else None
+
+    def _take_commands_in(self, conn: Connection, worker_id: str, now: float) -> list[Command]:
+        """Touch the worker's ``last_seen`` and take its pending commands, oldest first."""
+        st = self._worker_st
+        conn.execute(st.touch_worker, {"worker": worker_id, "now": now})
+        # DELETE ... RETURNING: each pending command goes to exactly one caller.
+        rows = sorted(
+            conn.execute(st.take_commands, {"worker": worker_id}),
+            key=lambda r: (r.created_at, r.command_id),
+        )
+        return [Command(id=r.command_id, kind=r.kind, body=r.body) for r in rows]
+
+    # -- namespaces ------------------------------------------------------------------------------
+
+    def pinned_version_for_worker(self, worker_id: str, namespace: str | None = None) -> str | None:
+        w, n = t.workers, t.namespaces
+        with self.db.tx(write=False) as conn:
+            if namespace is None:
+                info = conn.execute(
+                    sa.select(w.c.info).where(w.c.worker_id == worker_id)
+                ).scalar_one_or_none()
+                registered = info.get("namespace") if isinstance(info, dict) else None
+                namespace = registered if isinstance(registered, str) and registered else "default"
+            return conn.execute(
+                sa.select(n.c.nymph_version).where(n.c.name == namespace)
+            ).scalar_one_or_none()
+
+    def pin_version(self, namespace: str, version: str | None) -> None:
+        now = time.time()
+        n = t.namespaces
+        with self.db.tx(write=True) as conn:
+            conn.execute(
+                self._insert(n)
+                .values(name=namespace, nymph_version=version, updated_at=now)
+                .on_conflict_do_update(
+                    index_elements=[n.c.name], set_={"nymph_version": version, "updated_at": now}
+                )
+            )
+
+    def pinned_version(self, namespace: str) -> str | None:
+        n = t.namespaces
+        with self.db.tx(write=False) as conn:
+            return conn.execute(
+                sa.select(n.c.nymph_version).where(n.c.name == namespace)
+            ).scalar_one_or_none()
+
+    # -- tokens ----------------------------------------------------------------------------------
+
+    def create_token(self, kind: str, name: str, namespace: str | None = None) -> str:
+        if kind not in TOKEN_KINDS:
+            raise PlaneError(
+                f"unknown token kind {kind!r}: use one of {', '.join(sorted(TOKEN_KINDS))}", status=400
+            )
+        if kind == "namespace" and not namespace:
+            raise PlaneError("a namespace token needs a namespace: pass namespace=NAME", status=400)
+        secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
+        with self.db.tx(write=True) as conn:
+            conn.execute(
+                sa.insert(t.tokens).values(
+                    token_id=new_ulid(),
+                    secret_sha256=_sha256(secret),
+                    kind=kind,
+                    namespace=namespace,
+                    name=name,
+                    created_at=time.time(),
+                )
+            )
+        return secret
+
+    def verify_token(self, secret: str) -> Principal | None:
+        if not isinstance(secret, str) or not secret.startswith(TOKEN_PREFIX):
+            return None
+        digest = _sha256(secret)
+        tk = t.tokens
+        with self.db.tx(write=False) as conn:
+            r = conn.execute(sa.select(tk).where(tk.c.secret_sha256 == digest)).first()
+        if r is None or not hmac.compare_digest(r.secret_sha256, digest):
+            return None
+        return Principal(token_id=r.token_id, kind=r.kind, namespace=r.namespace, name=r.name)
+
+    def count_tokens(self) -> int:
+        with self.db.tx(write=False) as conn:
+            return int(conn.execute(sa.select(sa.func.count()).select_from(t.tokens)).scalar_one())

@@ -1,0 +1,366 @@
+"""One supervised job lifecycle, shared by invocations (:mod:`nymph.job`) and exec jobs
+(:mod:`nymph.execjob`).
+
+::
+
+    claimed --prepare()--> prepared --runner.start--> started --handle saved--> running --> settled
+       |                      |                                                   |
+       |  JobRefused          |  stopped before the start                        |  exit status, or
+       +----------------------+---------------------------------------------------+  a stop (ladder)
+
+A :class:`SupervisedJob` lives in a thread of its own (:meth:`~SupervisedJob.start_thread`). What
+happens at each step is the subclass's (:meth:`~SupervisedJob.prepare` builds the task,
+:meth:`~SupervisedJob.supervise` turns the run into an outcome, :meth:`~SupervisedJob.settle`
+reports it); everything around the steps is here, once:
+
+- **stop requests**: :meth:`~SupervisedJob.cancel` (``killed``), :meth:`~SupervisedJob.lose`
+  (``lost``: another attempt owns the job, nothing is reported) and the job's timeout (``timeout``,
+  counted from the claim) become one :class:`Stop`; a request sets a :class:`threading.Event` that
+  wakes every wait of the job, and a running task is stopped with the runner's ladder;
+- **retry while the runner is unavailable** (:meth:`~SupervisedJob.when_available`): ``start``,
+  ``recover`` and ``wait`` are tried again with backoff and jitter while the runner raises
+  :class:`~nymph.runner.RunnerUnavailable`; the job stays claimed (the heartbeat renews its lease)
+  and the agent is told (``JobContext.on_unavailable``), so it stops claiming until
+  ``runner.check()`` passes again;
+- **the one exception guard** (:meth:`~SupervisedJob.guarded`): an unexpected exception anywhere
+  in a job's lifecycle is logged and the job settles ``failed`` with ``{type: "DaemonError",
+  message: "nymph failed: <type>: <message>"}``; no exception escapes a job's thread, and the
+  runner's resources are freed whatever failed;
+- **release**: the GPUs, the agent's table entry (``on_done``) and the slot, in that order.
+
+A job settles at most once: the phase is ``settled`` before the outcome is reported, so a failure
+while reporting is logged, never reported twice.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+
+from nymph import observability as obs
+from nymph.config import NymphConfig
+from nymph.errors import JobRefused
+from nymph.outbox import Outbox
+from nymph.runner import ExitStatus, Handle, Runner, RunnerError, RunnerUnavailable, Task
+from nymph.slots import Slots
+
+if TYPE_CHECKING:
+    from nymph.client import ControlPlaneClient
+
+log = logging.getLogger(__name__)
+
+WAIT_STEP_S = 0.2  # one runner.wait step: how soon a stop request reaches a running task
+STOP_WAIT_S = 5.0  # after the ladder, how long to wait for the task's exit
+RETRY_MAX_S = 10.0  # the longest pause between two tries of an unavailable runner
+SHUTDOWN_MESSAGE = "daemon shutdown grace expired"
+
+T = TypeVar("T")
+OutcomeT = TypeVar("OutcomeT")  # what a job settles with: a workdir Outcome, an exec result
+
+
+def backoff_s(tries: int, cap: float = RETRY_MAX_S) -> float:
+    """Exponential backoff with full jitter: the pause before try ``tries + 1`` (0.5 s, 1 s, 2 s ...)."""
+    return float(random.uniform(0.5, 1.0) * min(cap, 0.5 * 2 ** min(tries, 10)))
+
+
+def parse_timeout(value: Any, what: str) -> tuple[float | None, str | None]:
+    """``(seconds, None)``; ``(None, None)`` for no timeout; ``(None, why)`` for a bad value."""
+    if value in (None, "", 0):
+        return None, None
+    try:
+        return float(value), None
+    except (TypeError, ValueError):
+        return None, f"{what} {value!r} is not a number of seconds"
+
+
+def _ignore_unavailable(exc: RunnerUnavailable) -> None:
+    pass
+
+
+def _forget(job: SupervisedJob[Any]) -> None:
+    pass
+
+
+@dataclass
+class JobContext:
+    """What every job shares with the agent."""
+
+    config: NymphConfig
+    runner: Runner
+    outbox: Outbox
+    slots: Slots
+    worker_id: str
+    on_done: Callable[[SupervisedJob[Any]], None] = field(default=_forget)
+    # the runner said it cannot work (engine down): the agent stops claiming until check() passes
+    on_unavailable: Callable[[RunnerUnavailable], None] = field(default=_ignore_unavailable)
+    client: ControlPlaneClient | None = None  # exec jobs fetch their payload through it
+
+
+class Phase(enum.Enum):
+    CLAIMED = "claimed"
+    PREPARED = "prepared"
+    STARTED = "started"
+    RUNNING = "running"
+    SETTLED = "settled"
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Why a job stops before its task ends: ``killed`` (cancel, shutdown), ``timeout``, ``lost``."""
+
+    reason: str
+    message: str
+    grace_s: float
+
+
+class SupervisedJob(abc.ABC, Generic[OutcomeT]):
+    """The lifecycle of one claimed job; subclasses say what each step does."""
+
+    kind: ClassVar[str]  # "invocation" or "exec": log lines, thread names, the agent's table
+    id_field: ClassVar[str]  # the id's name in heartbeat entries and in JSON log lines
+    timeout_field: ClassVar[str]  # where the timeout came from, for the timeout message
+
+    def __init__(self, ctx: JobContext, job_id: str, attempt: int | None, timeout: Any) -> None:
+        self.ctx = ctx
+        self.job_id = job_id
+        self.attempt = attempt  # None: nothing to renew (an exec job from before exec leases)
+        self.timeout_s, self.bad_timeout = parse_timeout(timeout, self.timeout_field)
+        self.started_at = time.time()  # the claim; a recovered job keeps its first life's
+        self.phase = Phase.CLAIMED
+        self.workdir: Path | None = None
+        self.handle: Handle | None = None
+        self.stop_request: Stop | None = None
+        self.lost = False
+        self._gpus: list[str] = []
+        self._stop_event = threading.Event()
+        self._destroyed = False
+        self._thread: threading.Thread | None = None
+
+    # --- control from other threads --------------------------------------------------------------
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """The job's key in the agent's table: invocation and exec ids are separate spaces."""
+        return (self.kind, self.job_id)
+
+    @property
+    def running_entry(self) -> dict[str, Any] | None:
+        """This job's entry of a heartbeat (its lease is renewed); None without an attempt."""
+        if self.attempt is None or not self.job_id:
+            return None
+        return {self.id_field: self.job_id, "attempt": self.attempt}
+
+    def cancel(self, message: str = "cancelled", grace_s: float | None = None) -> None:
+        """Stop the job (the ladder, with ``grace_s``); it settles as stopped with ``message``."""
+        grace = self.ctx.config.stop_grace_s if grace_s is None else grace_s
+        self._request(Stop("killed", message, grace))
+
+    def lose(self) -> None:
+        """Another attempt owns the job: stop it at once and report nothing."""
+        self.lost = True
+        self._request(Stop("lost", "lease lost to another attempt", 0.0))
+
+    def _request(self, stop: Stop) -> None:
+        if self.stop_request is None or stop.reason == "lost":
+            self.stop_request = stop
+        self._stop_event.set()
+
+    def start_thread(self, target: Callable[[], None] | None = None) -> None:
+        """Run ``target`` (:meth:`run` by default) in the job's own thread."""
+        self._thread = threading.Thread(
+            target=target or self.run, name=f"nymph-{self.kind}-{self.job_id}", daemon=True
+        )
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # --- the steps, the subclass's ---------------------------------------------------------------
+
+    @abc.abstractmethod
+    def prepare(self) -> Task | None:
+        """claimed -> prepared: check, write the workdir, build the task. Raise JobRefused to
+        refuse (nothing spawned); None when a stop arrived meanwhile."""
+
+    @abc.abstractmethod
+    def supervise(self, handle: Handle) -> OutcomeT:
+        """running: follow the task to its end (:meth:`wait_or_stop`) and return its outcome."""
+
+    @abc.abstractmethod
+    def settle(self, outcome: OutcomeT) -> None:
+        """Report the outcome (unless lost) and clean up; called once."""
+
+    @abc.abstractmethod
+    def failure(self, type_: str, message: str) -> OutcomeT:
+        """The outcome of a job that failed before or without its task's verdict."""
+
+    @abc.abstractmethod
+    def stopped(self, stop: Stop) -> OutcomeT:
+        """The outcome of a job stopped by ``stop``."""
+
+    def start_refused(self, exc: RunnerError) -> OutcomeT:
+        """The outcome when the runner refuses to start the task."""
+        return self.failure(type(exc).__name__, str(exc))
+
+    # --- the lifecycle ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Thread body for a freshly claimed job."""
+        self.guarded(self._run_new)
+
+    def guarded(self, body: Callable[[], None]) -> None:
+        """Run one lifecycle ``body`` under the job's log context and the one exception guard."""
+        with obs.log_context(**{self.id_field: self.job_id}):
+            try:
+                body()
+            except Exception as exc:  # never leave a claimed job unsettled, never crash its thread
+                log.exception("%s %s: nymph failed while running it", self.kind, self.job_id)
+                self._settle_once(self.failure("DaemonError", f"nymph failed: {type(exc).__name__}: {exc}"))
+            finally:
+                self._release()
+
+    def _run_new(self) -> None:
+        try:
+            task = self.prepare()
+        except JobRefused as exc:
+            log.warning("%s %s: refused: %s: %s", self.kind, self.job_id, exc.type, exc.message)
+            self._settle_once(self.failure(exc.type, exc.message))
+            return
+        self.phase = Phase.PREPARED
+        stop = self.due_stop()
+        if task is None or stop is not None:
+            self._settle_once(self.stopped(stop or Stop("killed", "cancelled", 0.0)))
+            return
+        try:
+            handle = self.when_available("starting", lambda: self.ctx.runner.start(task), timed=True)
+        except RunnerError as exc:
+            log.warning("%s %s: runner %s refused it: %s", self.kind, self.job_id, self.ctx.runner.name, exc)
+            self._settle_once(self.start_refused(exc))
+            return
+        if handle is None:  # stopped (cancel, shutdown, lost lease, timeout) while the runner was down
+            self._settle_once(self.stopped(self.due_stop() or Stop("killed", "cancelled", 0.0)))
+            return
+        self.handle = handle
+        self.phase = Phase.STARTED
+        self.conclude(lambda: self._started(handle))
+
+    def _started(self, handle: Handle) -> OutcomeT:
+        if self.workdir is not None:
+            handle.save(self.workdir)
+        log.info(
+            "%s %s: started (attempt %s, runner %s)",
+            self.kind,
+            self.job_id,
+            self.attempt,
+            self.ctx.runner.name,
+        )
+        self.phase = Phase.RUNNING
+        return self.supervise(handle)
+
+    def conclude(self, produce: Callable[[], OutcomeT]) -> None:
+        """Produce the outcome (which may still read the task), free the task whatever happened, settle."""
+        try:
+            outcome = produce()
+        finally:  # no process, container or pod outlives its job
+            self.destroy()
+        self._settle_once(outcome)
+
+    def _settle_once(self, outcome: OutcomeT) -> None:
+        if self.phase is Phase.SETTLED:
+            return
+        self.phase = Phase.SETTLED
+        try:
+            self.settle(outcome)
+        except Exception:
+            log.exception("%s %s: reporting its outcome failed", self.kind, self.job_id)
+
+    def _release(self) -> None:
+        try:
+            self.ctx.slots.release_gpus(self._gpus)
+            self._gpus = []
+            # forget the job before freeing its slot: a poll woken by the slot may claim its next attempt
+            self.ctx.on_done(self)
+        except Exception:
+            log.exception("%s %s: releasing it failed", self.kind, self.job_id)
+        finally:
+            self.ctx.slots.put()
+
+    # --- waits and stops -------------------------------------------------------------------------
+
+    @property
+    def deadline(self) -> float | None:
+        return self.started_at + self.timeout_s if self.timeout_s else None
+
+    def due_stop(self) -> Stop | None:
+        """The stop to act on now: a request, else the timeout once past; None to carry on."""
+        if self.stop_request is not None:
+            return self.stop_request
+        deadline = self.deadline
+        if deadline is not None and time.time() >= deadline:
+            message = f"timed out after {self.timeout_s:g}s ({self.timeout_field})"
+            return Stop("timeout", message, self.ctx.config.stop_grace_s)
+        return None
+
+    def when_available(self, doing: str, op: Callable[[], T], *, timed: bool = False) -> T | None:
+        """``op()``, tried again with backoff and jitter while the runner is unavailable.
+
+        The job stays claimed meanwhile and the agent is told each time. None when a stop request
+        arrived meanwhile (or, when ``timed``, the timeout passed). Other errors propagate.
+        """
+        tries = 0
+        while True:
+            try:
+                return op()
+            except RunnerUnavailable as exc:
+                delay = backoff_s(tries)
+                tries += 1
+                log.warning(
+                    "%s %s: runner %s unavailable while %s (try %d), kept claimed, retrying in %.1fs: %s",
+                    self.kind, self.job_id, self.ctx.runner.name, doing, tries, delay, exc,
+                )  # fmt: skip
+                self.ctx.on_unavailable(exc)
+                deadline = self.deadline if timed else None
+                if deadline is not None:
+                    delay = min(delay, max(0.0, deadline - time.time()))
+                self._stop_event.wait(delay)
+                if self.stop_request is not None or (timed and self.due_stop() is not None):
+                    return None
+
+    def wait_or_stop(self, handle: Handle) -> ExitStatus | Stop:
+        """Wait for the task, stepwise; when a stop is due, the ladder (``runner.stop``) and the stop."""
+        runner = self.ctx.runner
+        while True:
+            stop = self.due_stop()
+            if stop is not None:
+                log.info(
+                    "%s %s: stopping (%s), grace %.1fs", self.kind, self.job_id, stop.reason, stop.grace_s
+                )
+                try:
+                    runner.stop(handle, stop.grace_s)
+                    runner.wait(handle, STOP_WAIT_S)
+                except RunnerUnavailable as exc:  # the labelled task is collected by a later start
+                    log.warning("%s %s: could not stop the task: %s", self.kind, self.job_id, exc)
+                    self.ctx.on_unavailable(exc)
+                return stop
+            status = self.when_available("waiting", lambda: runner.wait(handle, WAIT_STEP_S), timed=True)
+            if status is not None:
+                return status
+
+    def destroy(self) -> None:
+        """``runner.destroy`` once (it is idempotent, but one call is enough)."""
+        if self.handle is None or self._destroyed:
+            return
+        self._destroyed = True
+        try:
+            self.ctx.runner.destroy(self.handle)
+        except RunnerError as exc:
+            log.warning("%s %s: destroy failed: %s", self.kind, self.job_id, exc)

@@ -1,0 +1,141 @@
+"""The claim's query plans: the claim order comes off an index, and the update finds rows by key.
+
+A claim must cost the same at any backlog (bench/backlog.py measures it). These tests pin the
+plans that make it so, on a table with enough queued rows (and, on PostgreSQL, statistics) that a
+planner would sort them if the index did not serve the order:
+
+- SQLite ``EXPLAIN QUERY PLAN``: the pick searches ``ix_invocations_queued``, the update searches
+  the primary key, nothing scans ``invocations`` and nothing sorts the table's rows (a several-queue
+  claim sorts only the first rows of each queue: a temp B-tree over a LIMITed co-routine).
+- PostgreSQL ``EXPLAIN``: index scans only, on ``ix_invocations_queued`` and the primary key; no
+  Sort (or Incremental Sort) node for one queue; for several, a Sort only above each queue's Limit.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from dreamlake.lakeshore.store import schema
+from dreamlake.lakeshore.store.invocations import claim_params
+from dreamlake.lakeshore.store.sql import SqlStore
+
+QUEUED_ROWS = 20_000
+DONE_ROWS = 5_000
+QUEUES = [f"q{i}" for i in range(4)]
+CASES = [(["q1"], 1), (["q1"], 10), (["q0", "q2", "q3"], 1), (["q0", "q2", "q3"], 10)]
+
+
+def _rows() -> Iterator[dict[str, Any]]:
+    rnd = random.Random(7)
+    for i in range(QUEUED_ROWS + DONE_ROWS):
+        yield {
+            "invocation_id": f"inv-{i:08d}",
+            "queue": rnd.choice(QUEUES),
+            "state": "queued" if i < QUEUED_ROWS else "succeeded",
+            "priority": rnd.randrange(10),
+            "function_key": "f",
+            "function": {},
+            "args_blob": b"",
+            "run_config": {},
+            "code_context": {},
+            "namespace": "default",
+            "content_hash": "h",
+            "attempt": 0,
+            "max_attempts": 3,
+            "submitted_at": 1_700_000_000.0 + rnd.random() * 1e6,
+            "cancel_requested": False,
+        }
+
+
+@pytest.fixture
+def backlog(store: SqlStore) -> SqlStore:
+    with store.db.tx(write=True) as conn:
+        conn.execute(sa.insert(schema.invocations), list(_rows()))
+    if store.kind == "postgresql":
+        with store.db.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql("ANALYZE invocations")
+    return store
+
+
+def _explain(conn: Connection, prefix: str, queues: list[str], limit: int) -> list[Any]:
+    """The rows of ``prefix`` + the claim statement of ``queues``, run with the claim's parameters."""
+    stmt, params = claim_params(queues, limit, "w", 1.0, 30.0)
+    compiled = stmt.compile(dialect=conn.dialect)
+    values = compiled.construct_params(params)
+    args = tuple(values[k] for k in compiled.positiontup or ()) if compiled.positional else values
+    return list(conn.exec_driver_sql(f"{prefix} {compiled}", args))
+
+
+def _sqlite_plan(conn: Connection, queues: list[str], limit: int) -> list[tuple[int, int, str]]:
+    return [(r[0], r[1], r[3]) for r in _explain(conn, "EXPLAIN QUERY PLAN", queues, limit)]
+
+
+def _check_sqlite(plan: list[tuple[int, int, str]], queues: list[str]) -> None:
+    text = "\n".join(detail for _, _, detail in plan)
+    on_table = [d for _, _, d in plan if d.startswith(("SCAN invocations", "SEARCH invocations"))]
+    assert not [d for d in on_table if d.startswith("SCAN")], text
+    picks = [d for d in on_table if "USING INDEX ix_invocations_queued (queue=?)" in d]
+    assert len(picks) == len(queues), text
+    by_key = [d for d in on_table if "(invocation_id=?)" in d]
+    assert len(by_key) == 1 and len(on_table) == len(queues) + 1, text
+    sorts = [(node, parent) for node, parent, d in plan if d.startswith("USE TEMP B-TREE")]
+    if len(queues) == 1:
+        assert sorts == [], text
+    for _, parent in sorts:  # a merge of several queues sorts each queue's first `limit` rows only
+        siblings = [d for _, p, d in plan if p == parent]
+        subqueries = {d.split()[1] for d in siblings if d.startswith("CO-ROUTINE ")}
+        scans = [d for d in siblings if d.startswith(("SCAN", "SEARCH"))]
+        assert subqueries and scans == [f"SCAN {q}" for q in subqueries], text
+
+
+def _nodes(
+    node: dict[str, Any], above: tuple[str, ...] = ()
+) -> Iterator[tuple[dict[str, Any], tuple[str, ...]]]:
+    """Every plan node with the node types on its path from the root."""
+    yield node, above
+    for child in node.get("Plans", ()):
+        yield from _nodes(child, (*above, node["Node Type"]))
+
+
+def _check_pg(plan: dict[str, Any], queues: list[str]) -> None:
+    text = json.dumps(plan, indent=1)
+    nodes = list(_nodes(plan))
+    scans = [
+        (n, path)
+        for n, path in nodes
+        if n.get("Relation Name") == "invocations" and n["Node Type"] != "ModifyTable"
+    ]
+    assert {n["Node Type"] for n, _ in scans} <= {"Index Scan", "Index Only Scan"}, text
+    picks = [n for n, _ in scans if n["Index Name"] == "ix_invocations_queued"]
+    assert len(picks) == len(queues), text
+    assert [n["Index Name"] for n, _ in scans if n not in picks] == ["invocations_pkey"], text
+    sorts = [n for n, _ in nodes if n["Node Type"].endswith("Sort")]  # Sort, Incremental Sort
+    if len(queues) == 1:
+        assert sorts == [], text
+    for _, path in scans:  # a merge of several queues sorts each queue's first `limit` rows only
+        for at, kind in enumerate(path):
+            if kind.endswith("Sort"):
+                assert "Limit" in path[at + 1 :], text
+
+
+@pytest.mark.parametrize(("queues", "limit"), CASES, ids=[f"{len(q)}q-limit{n}" for q, n in CASES])
+def test_the_claim_reads_its_order_off_the_index_and_updates_by_key(
+    backlog: SqlStore, queues: list[str], limit: int
+) -> None:
+    with backlog.db.tx(write=True) as conn:
+        if backlog.kind == "postgresql":
+            ((plan,),) = _explain(conn, "EXPLAIN (FORMAT JSON)", queues, limit)
+            _check_pg(plan[0]["Plan"], queues)
+        else:
+            _check_sqlite(_sqlite_plan(conn, queues, limit), queues)  # as the store runs: no ANALYZE
+            conn.exec_driver_sql("ANALYZE")
+            _check_sqlite(_sqlite_plan(conn, queues, limit), queues)
+    got = backlog.claim("w", queues, limit=limit)  # and the statement does what the plan says
+    assert len(got) == limit and {i.queue for i in got} <= set(queues)

@@ -1,0 +1,285 @@
+"""The one supervised job lifecycle (nymph/lifecycle.py), at the seams: its exception guard, the
+retry while the runner is unavailable (exec jobs included), and the job's id on every log line."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+import nymph.lifecycle
+from nymph.agent import Agent
+from nymph.client import ControlPlaneClient
+from nymph.config import NymphConfig
+from nymph.execjob import ExecJob
+from nymph.job import Job
+from nymph.lifecycle import JobContext, Phase
+from nymph.observability import configure_logging, log_context
+from nymph.runner import Handle, RunnerUnavailable, Task
+from nymph.slots import Slots
+from tests.unit.test_nymph_dispatch import _Runner
+
+ID = "01HZZZZZZZZZZZZZZZZZZZZZZZ"
+ID2 = "01HZZZZZZZZZZZZZZZZZZZZZZY"
+
+
+class _Outbox:
+    """Records acks, result publishes and stream chunks."""
+
+    def __init__(self) -> None:
+        self.acks: list[dict[str, Any]] = []
+        self.results: list[tuple[str, dict[str, Any]]] = []
+        self.chunks: list[dict[str, Any]] = []
+
+    def ack(self, body: dict[str, Any]) -> None:
+        self.acks.append(body)
+
+    def put(self, route: str, body: dict[str, Any]) -> None:
+        self.results.append((route, body))
+
+    def chunk(self, body: dict[str, Any]) -> None:
+        self.chunks.append(body)
+
+    def pending(self) -> int:
+        return 0
+
+
+class _FlakyRunner(_Runner):
+    """``start`` raises each of ``failures`` in turn, then starts."""
+
+    def __init__(self, *failures: BaseException) -> None:
+        super().__init__()
+        self.failures = list(failures)
+
+    def start(self, task: Task) -> Handle:
+        if self.failures:
+            raise self.failures.pop(0)
+        return super().start(task)
+
+
+@pytest.fixture
+def thread_crashes(monkeypatch: pytest.MonkeyPatch) -> list[BaseException]:
+    """Exceptions that escaped a thread (there must be none)."""
+    crashes: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: crashes.append(args.exc_value))
+    return crashes
+
+
+@pytest.fixture
+def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nymph.lifecycle, "backoff_s", lambda tries, cap=10.0: 0.0)
+
+
+def _ctx(tmp_path: Path, runner: Any, outbox: _Outbox, **kwargs: Any) -> JobContext:
+    cfg = NymphConfig(server="http://cp", token="t", workdir=tmp_path / "w", state_dir=tmp_path / "s")
+    (tmp_path / "w").mkdir(exist_ok=True)
+    slots = Slots(2)
+    slots.take()
+    return JobContext(cfg, runner, outbox, slots, "W1", **kwargs)  # type: ignore[arg-type]
+
+
+def _agent(tmp_path: Path, runner: Any) -> tuple[Agent, _Outbox]:
+    """An agent between start-up and its first poll: outbox and worker id set, nothing running."""
+    cfg = NymphConfig(server="http://cp", token="t", workdir=tmp_path / "w", state_dir=tmp_path / "s")
+    (tmp_path / "w").mkdir(exist_ok=True)
+    client = ControlPlaneClient(
+        "http://cp", "t", transport=httpx.MockTransport(lambda r: httpx.Response(500))
+    )
+    agent = Agent(cfg, runner, client=client)
+    outbox = _Outbox()
+    agent.outbox = outbox  # type: ignore[assignment]
+    agent.worker_id = "W1"
+    return agent, outbox
+
+
+def _run_in_thread(job: Job | ExecJob) -> None:
+    job.start_thread()
+    job.join(60)
+
+
+# --- the one exception guard ---------------------------------------------------------------------
+
+
+def test_an_unexpected_exception_in_prepare_is_acked_failed_with_its_type_and_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, thread_crashes: list[BaseException]
+) -> None:
+    def broken_gates(self: Job) -> None:
+        raise KeyError("no such gate")
+
+    monkeypatch.setattr(Job, "_gates", broken_gates)
+    runner, outbox, done = _Runner(), _Outbox(), []
+    ctx = _ctx(tmp_path, runner, outbox, on_done=done.append)
+    job = Job(ctx, ID, 1, {"script": "true"})
+    _run_in_thread(job)
+    assert thread_crashes == []
+    [ack] = outbox.acks
+    assert ack["state"] == "failed" and ack["error"]["type"] == "DaemonError"
+    assert ack["error"]["message"] == "nymph failed: KeyError: 'no such gate'"
+    assert runner.started == [] and done == [job] and ctx.slots.free() == 2
+    assert job.phase is Phase.SETTLED
+
+
+def test_an_unexpected_exception_in_start_frees_the_job_and_the_agent_keeps_working(
+    tmp_path: Path, thread_crashes: list[BaseException]
+) -> None:
+    agent, outbox = _agent(tmp_path, _FlakyRunner(ValueError("engine said something odd")))
+    agent.jobs.dispatch({"kind": "run", "body": {"invocation_id": ID, "attempt": 1, "script": "true"}})
+    assert agent.jobs.wait_idle(60)
+    agent.jobs.dispatch({"kind": "run", "body": {"invocation_id": ID2, "attempt": 1, "script": "true"}})
+    assert agent.jobs.wait_idle(60)
+    assert thread_crashes == []
+    first, second = outbox.acks
+    assert (first["invocation_id"], first["state"], first["error"]["type"]) == (ID, "failed", "DaemonError")
+    assert first["error"]["message"] == "nymph failed: ValueError: engine said something odd"
+    assert (second["invocation_id"], second["state"]) == (ID2, "succeeded")
+    assert agent.slots.free() == 1 and not agent.jobs.busy()
+
+
+def test_a_failure_while_reporting_is_logged_not_reported_twice_nor_raised(
+    tmp_path: Path, thread_crashes: list[BaseException], caplog: pytest.LogCaptureFixture
+) -> None:
+    class _BrokenOutbox(_Outbox):
+        def ack(self, body: dict[str, Any]) -> None:
+            super().ack(body)
+            raise OSError(28, "No space left on device")
+
+    outbox, done = _BrokenOutbox(), []
+    ctx = _ctx(tmp_path, _Runner(), outbox, on_done=done.append)
+    job = Job(ctx, ID, 1, {"script": "true"})
+    _run_in_thread(job)
+    assert thread_crashes == [] and done == [job] and ctx.slots.free() == 2
+    assert [a["state"] for a in outbox.acks] == ["succeeded"]  # once: no second, "failed" ack
+    assert "reporting its outcome failed" in caplog.text
+
+
+def test_an_exec_job_that_crashes_publishes_exit_minus_one_with_the_exception(
+    tmp_path: Path, thread_crashes: list[BaseException]
+) -> None:
+    outbox = _Outbox()
+    job = ExecJob(
+        _ctx(tmp_path, _FlakyRunner(ValueError("odd")), outbox),
+        {"exec_id": ID, "namespace": "ns", "command": "true", "attempt": 1},
+    )
+    _run_in_thread(job)
+    assert thread_crashes == []
+    [(_, body)] = outbox.results
+    assert body["exit_code"] == -1 and body["stderr"] == "nymph failed: ValueError: odd"
+    assert not (tmp_path / "w" / "exec" / ID).exists()
+
+
+# --- an unavailable runner: retried, the agent told, the job kept claimed ------------------------------
+
+
+def test_an_exec_job_tells_the_agent_when_the_runner_is_unavailable(tmp_path: Path) -> None:
+    """Before, an exec job polled with sleep and never said so: the agent kept claiming."""
+    told: list[RunnerUnavailable] = []
+    outbox, runner = _Outbox(), _FlakyRunner(RunnerUnavailable("engine down"))
+
+    def on_unavailable(exc: RunnerUnavailable) -> None:
+        told.append(exc)
+        job.cancel("shutting down", 0.0)  # the stop wakes the backoff wait at once
+
+    job = ExecJob(
+        _ctx(tmp_path, runner, outbox, on_unavailable=on_unavailable),
+        {"exec_id": ID, "namespace": "ns", "command": "true", "attempt": 1},
+    )
+    _run_in_thread(job)
+    assert [str(e) for e in told] == ["engine down"]
+    assert runner.started == []
+    [(_, body)] = outbox.results
+    assert body["exit_code"] == -1 and "shutting down" in body["stderr"]
+
+
+def test_the_agent_stops_claiming_while_an_exec_job_meets_an_unavailable_runner(
+    tmp_path: Path, no_backoff: None
+) -> None:
+    runner = _FlakyRunner(RunnerUnavailable("engine down"))
+    agent, outbox = _agent(tmp_path, runner)
+    assert agent.runner_health.check()  # claiming
+    agent.jobs.dispatch({"kind": "exec", "body": {"exec_id": ID, "namespace": "ns", "command": "true"}})
+    assert agent.jobs.wait_idle(60)
+    # no claims until runner.check() passes again; the job itself was retried and ran
+    assert not agent.runner_health.ok.is_set()
+    assert agent.health()["runner_problem"] == "RunnerUnavailable: engine down"
+    assert [t.invocation_id for t in runner.started] == [ID]
+    assert outbox.results[0][1]["exit_code"] == 0
+    assert agent.runner_health.check() and agent.runner_health.ok.is_set()
+
+
+def test_a_timeout_passing_while_the_runner_is_unavailable_settles_timeout_without_a_start(
+    tmp_path: Path,
+) -> None:
+    outbox = _Outbox()
+    runner = _FlakyRunner(*[RunnerUnavailable("engine down")] * 1000)
+    job = Job(_ctx(tmp_path, runner, outbox), ID, 1, {"script": "true", "timeout_s": 0.01})
+    _run_in_thread(job)
+    assert runner.started == []
+    [ack] = outbox.acks
+    assert ack["state"] == "timeout" and ack["error"]["type"] == "Timeout"
+
+
+# --- the job's id on every log line --------------------------------------------------------------------
+
+
+@pytest.fixture
+def json_log() -> Iterator[io.StringIO]:
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    out = io.StringIO()
+    configure_logging("json", "DEBUG", stream=out)
+    yield out
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    for h in handlers:
+        root.addHandler(h)
+    root.setLevel(level)
+
+
+def _lines(out: io.StringIO) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+def test_every_json_line_a_job_logs_carries_its_id(tmp_path: Path, json_log: io.StringIO) -> None:
+    outbox = _Outbox()
+    _run_in_thread(Job(_ctx(tmp_path, _Runner(), outbox), ID, 1, {"script": "true"}))
+    _run_in_thread(
+        ExecJob(_ctx(tmp_path, _Runner(), outbox), {"exec_id": ID2, "namespace": "ns", "command": "true"})
+    )
+    logging.getLogger("nymph.test").info("about nothing in particular")
+    lines = _lines(json_log)
+    about_inv = [x for x in lines if ID in x["msg"]]
+    about_exec = [x for x in lines if ID2 in x["msg"]]
+    assert len(about_inv) >= 2 and len(about_exec) >= 2  # started, settled, ...
+    assert all(x.get("invocation_id") == ID for x in about_inv)
+    assert all(x.get("exec_id") == ID2 and "invocation_id" not in x for x in about_exec)
+    assert "invocation_id" not in lines[-1] and "exec_id" not in lines[-1]
+
+
+def test_lines_the_agent_logs_about_a_job_from_its_own_threads_carry_the_id(
+    tmp_path: Path, json_log: io.StringIO
+) -> None:
+    agent, _ = _agent(tmp_path, _Runner())
+    agent.jobs.cancel(ID, "no longer wanted")  # not running here: logged and ignored
+    agent.jobs.dispatch({"kind": "run", "body": {"invocation_id": ID, "attempt": "two"}})
+    lines = _lines(json_log)
+    assert len(lines) == 2 and all(x["invocation_id"] == ID for x in lines)
+
+
+def test_log_context_nests_and_an_explicit_id_wins(json_log: io.StringIO) -> None:
+    log = logging.getLogger("nymph.test")
+    with log_context(invocation_id=ID):
+        with log_context(exec_id=ID2):
+            log.info("both")
+        log.info("explicit", extra={"invocation_id": "other"})
+    with pytest.raises(ValueError, match="invocation_id, exec_id"), log_context(job="x"):
+        pass
+    both, explicit = _lines(json_log)
+    assert (both["invocation_id"], both["exec_id"]) == (ID, ID2)
+    assert explicit["invocation_id"] == "other" and "exec_id" not in explicit
