@@ -290,7 +290,11 @@ class Agent:
     def _retrying(self) -> tenacity.Retrying:
         return tenacity.Retrying(
             retry=tenacity.retry_if_exception(is_retryable),
-            wait=tenacity.wait_exponential(multiplier=0.2, max=15.0) + tenacity.wait_random(0, 1.0),
+            wait=tenacity.wait_exponential(multiplier=0.2, max=15.0)
+            + tenacity.wait_random(0, 1.0)
+            + tenacity.wait_exception(
+                lambda e: (getattr(e, "retry_after", None) or 0.0) * random.uniform(1, 1.5)
+            ),
             stop=tenacity.stop_when_event_set(self._stopping),
             sleep=self._sleep,
             before_sleep=lambda rs: log.warning(

@@ -16,6 +16,7 @@ Callers retry only :class:`TransientError` (see :func:`is_retryable`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -33,6 +34,7 @@ class ClientError(Exception):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after: float | None = None  # seconds, from a 503's or 429's Retry-After header
 
 
 class TransientError(ClientError):
@@ -133,7 +135,10 @@ class ControlPlaneClient:
         answer = _decode(resp)
         if resp.status_code >= 400:
             message = answer.get("error") if isinstance(answer, dict) else None
-            raise _classify(route, resp.status_code, str(message or resp.reason_phrase))
+            error = _classify(route, resp.status_code, str(message or resp.reason_phrase))
+            with contextlib.suppress(ValueError):  # absent, or an HTTP date: back off as usual
+                error.retry_after = min(300.0, max(0.0, float(resp.headers.get("Retry-After", ""))))
+            raise error
         return answer, resp.status_code
 
     def fetch(self, url: str, *, timeout_s: float = 60.0, limit: int = 100 * 2**20) -> bytes:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 
 class Metrics:
@@ -25,6 +25,31 @@ class Metrics:
             "lakeshore_poll_wait_seconds",
             "Time a daemon poll waited before answering",
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 120),
+            registry=self.registry,
+        )
+
+        self.poll_passes = Counter(
+            "lakeshore_poll_passes",
+            "Store transactions run by long polls (Store.poll), by what started them: "
+            "first (the poll's opening pass), woken (new work), worker (a command for the worker), "
+            "recheck (the safety re-check)",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.polls_refused = Counter(
+            "lakeshore_polls_refused",
+            "Long polls answered 503 because --max-polls were being served",
+            registry=self.registry,
+        )
+        self.polls_waiting = Gauge(
+            "lakeshore_polls_waiting", "Long polls waiting for work now", registry=self.registry
+        )
+        self.polls_active = Gauge(
+            "lakeshore_polls_active", "Long polls being served now (waiting or not)", registry=self.registry
+        )
+        self.relay_listening = Gauge(
+            "lakeshore_relay_listening",
+            "1 while PostgreSQL LISTEN carries other replicas' wake-ups to this one",
             registry=self.registry,
         )
 

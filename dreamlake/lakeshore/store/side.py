@@ -38,6 +38,7 @@ from dreamlake.lakeshore.ids import new_ulid
 from . import schema as t
 from .api import AckResult, Principal
 from .engine import Database
+from .notify import exec_queue_channel
 from .values import json_safe, normalize_max_attempts
 
 # The result of an exec job whose lease lapsed on its last allowed attempt (see expire_leases).
@@ -67,6 +68,7 @@ def exec_body(r: Row[Any]) -> dict[str, Any]:
     return {
         "exec_id": r.exec_id,
         "namespace": r.namespace,
+        "queue": r.queue,
         "command": r.command,
         "payload_inline": bytes(r.payload_inline) if r.payload_inline is not None else None,
         "payload_ref": r.payload_ref,
@@ -224,7 +226,7 @@ class SideMixin:
                     max_attempts=normalize_max_attempts(max_attempts),
                 )
             )
-        self._notify(f"queue:{queue}", *([f"worker:{worker_id}"] if worker_id else []))
+        self._notify(f"worker:{worker_id}" if worker_id else exec_queue_channel(namespace, queue))
         return exec_id
 
     def publish_exec_result(

@@ -45,7 +45,7 @@ from .api import (
     SubmitResult,
 )
 from .engine import Database, migrate
-from .notify import Notifier
+from .notify import Notifier, exec_queue_channel
 from .side import EXEC_LEASE_EXPIRED, SideMixin, exec_body
 
 log = logging.getLogger(__name__)
@@ -693,7 +693,7 @@ class SqlStore(SideMixin):
                 sa.update(e)
                 .where(*lapsed_exec, e.c.attempt < e.c.max_attempts)
                 .values(state="queued", lease_expires_at=None)
-                .returning(e.c.exec_id, e.c.queue)
+                .returning(e.c.exec_id, e.c.queue, e.c.namespace, e.c.worker_id)
             ).fetchall()
             exec_failed = conn.execute(
                 sa.update(e)
@@ -713,9 +713,12 @@ class SqlStore(SideMixin):
                 len(exec_failed),
             )
         self._notify(
-            *{f"queue:{r.queue}" for r in requeued},
+            *(f"queue:{r.queue}" for r in requeued),  # one per invocation: a poll hub wakes one poll each
             *(f"inv:{i}" for i in ids),
-            *{f"exec:{r.queue}" for r in exec_requeued},
+            *(
+                f"worker:{r.worker_id}" if r.worker_id else exec_queue_channel(r.namespace, r.queue)
+                for r in exec_requeued
+            ),
             *(f"exec:{i}" for i in exec_ids),
         )
         return ids + exec_ids
