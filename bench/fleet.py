@@ -32,6 +32,7 @@ import json
 import os
 import random
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -349,8 +350,10 @@ async def _measure(
     fleet = Fleet(host, back.port, tokens["daemon"], queue)
     fleet.heartbeat_s = heartbeat_s
     ready = asyncio.Event()
+    started = time.monotonic()
     await fleet.start(n, ready)
     await _until(lambda: _ready(fleet, n), f"{n} daemons registered")
+    _progress(f"N={n}: {n} daemons registered after {time.monotonic() - started:.0f} s")
     ready.set()
     if has_hub:
         await _until(lambda: _equals(waiting, n), f"{n} polls waiting")
@@ -359,6 +362,7 @@ async def _measure(
         await asyncio.sleep(2.0)
     await asyncio.sleep(1.0)
     rss = back.rss()
+    _progress(f"N={n}: {n} polls waiting after {time.monotonic() - started:.0f} s; measuring")
 
     cpu0 = sum(s.cpu_s() for s in servers)
     await asyncio.sleep(idle_window)
@@ -398,6 +402,10 @@ async def _measure(
         rss_per_poll=(rss - rss0) / n,
         refused=fleet.refused,
     )
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 async def _ready(fleet: Fleet, n: int) -> bool:
@@ -480,6 +488,7 @@ def main() -> None:
     ap.add_argument("--idle-s", type=float, default=5.0, help="window the idle CPU is measured over")
     ap.add_argument("--server-root", type=Path, default=ROOT, help="checkout the server runs from")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     if args.replicas < 1 or (args.replicas > 1 and args.store != "postgresql"):
         raise SystemExit("--replicas above 1 needs --store postgresql (replicas share one database)")
     sizes = [int(x) for x in (args.sizes or ("1,100" if args.quick else "1,100,1000")).split(",")]

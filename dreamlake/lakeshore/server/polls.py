@@ -35,6 +35,7 @@ import contextlib
 import itertools
 import logging
 import random
+import time
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 RUN, EXEC = "run", "exec"
 KEPT_PER_QUEUE = 4096  # wakes kept for a queue with no waiter; older ones fall off
+KEPT_FOR_S = 120.0  # a kept wake is for a poll in the middle of its pass: none takes this long
 _QUEUE, _EXEC_QUEUE, _WORKER = "queue:", "exec-queue:", "worker:"
 _ROUTED = (_QUEUE, _EXEC_QUEUE, _WORKER)
 
@@ -171,6 +173,8 @@ class PollHub:
         self._exec: dict[tuple[str, str | None], OrderedDict[int, Ticket]] = {}
         self._workers: dict[str, dict[int, Ticket]] = {}
         self._kept: dict[tuple[str, str], deque[tuple[int, str | None]]] = {}
+        self._kept_at: dict[tuple[str, str], float] = {}  # last kept, to forget idle queues
+        self._next_sweep = 0.0
 
     # -- life cycle and admission ---------------------------------------------------------------
 
@@ -244,8 +248,21 @@ class PollHub:
         if kept is None:
             kept = self._kept[key] = deque(maxlen=KEPT_PER_QUEUE)
         kept.append((seq, wake.namespace))
+        self._forget_idle(key)
         if not relayed and self.relay is not None:
             self.relay.publish(wake.channel)
+
+    def _forget_idle(self, key: tuple[str, str]) -> None:
+        """Drop the kept wakes of queues nobody took them from for ``KEPT_FOR_S``: queue names
+        are the producers' to choose, and kept wakes must not grow with every name ever used."""
+        now = time.monotonic()
+        self._kept_at[key] = now
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + KEPT_FOR_S / 4
+        for stale in [k for k, at in self._kept_at.items() if now - at > KEPT_FOR_S]:
+            del self._kept_at[stale]
+            self._kept.pop(stale, None)
 
     def _pass_on(self, wakes: list[Wake]) -> None:
         seq = self.notifier.mark()  # a poll starting its pass after now sees that work itself
@@ -269,11 +286,6 @@ class PollHub:
             t.woken.append(wake)
         if t._future is not None and not t._future.done():
             t._future.set_result(reason)
-
-    def wake_all(self, reason: str = RECHECK) -> None:
-        """End every wait now (each poll runs one pass): for shutdown."""
-        for t in list(self._waiting.values()):
-            self._wake(t, None, reason)
 
     def degrade(self) -> None:
         """Wake-ups from other replicas may be missed from now on: bring every waiting poll's
@@ -342,6 +354,7 @@ class PollHub:
                     self._kept[(kind, queue)] = left
                 else:
                     del self._kept[(kind, queue)]
+                    self._kept_at.pop((kind, queue), None)
         return found
 
     def _register(self, t: Ticket) -> None:

@@ -79,7 +79,12 @@ class PgRelay:
 
     async def run(self) -> None:
         """Listen and send until cancelled."""
-        await asyncio.gather(self._listen_forever(), self._send_forever())
+        try:
+            async with asyncio.TaskGroup() as tasks:  # one failing cancels the other
+                tasks.create_task(self._listen_forever())
+                tasks.create_task(self._send_forever())
+        except Exception:
+            log.exception("wake-up relay failed; long polls re-check the store every recheck_s from now on")
 
     def _set_listening(self, value: bool) -> None:
         if value != self._listening:
