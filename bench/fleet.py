@@ -8,7 +8,8 @@ on a second connection. With all N polls waiting, a producer submits one invocat
 the time from sending the submit to the claiming poll's answer is recorded. Printed per N:
 
 - submit -> claim p50 / p99, beside the goal (p99 <= 20 ms at N = 1,000);
-- poll passes (store transactions run by polls, from ``lakeshore_poll_passes``) per submit;
+- polls woken per submit, and poll passes (store transactions run by polls, from
+  ``lakeshore_poll_passes``) per submit less the idle fleet's rate (its polls renewing);
 - server CPU per submit (psutil, less the idle rate) and idle server CPU (heartbeats only);
 - server RSS with the fleet waiting, and RSS per idle poll: the RSS growth from before the fleet
   connected to all N polls waiting, over N (it includes each daemon's worker row and its side
@@ -184,7 +185,7 @@ def _database(store: str, workdir: Path) -> Iterator[str]:
 
 
 async def _metrics(conn: Conn) -> dict[str, float]:
-    """The server's Prometheus samples (name with labels -> value) that the bench reads."""
+    """The server's Prometheus samples: ``name`` (summed over labels) and ``name{k="v"}``."""
     from prometheus_client.parser import text_string_to_metric_families
 
     async with conn.lock:
@@ -193,7 +194,10 @@ async def _metrics(conn: Conn) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(body.decode()):
         for s in family.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
+            out[s.name] = out.get(s.name, 0.0) + s.value  # summed over labels
+            if s.labels:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}"] = s.value
     return out
 
 
@@ -305,7 +309,8 @@ class Row:
     n: int
     p50: float
     p99: float
-    passes: float | None
+    passes: float | None  # poll passes per submit, less the idle fleet's rate (poll renewals)
+    woken: float | None  # polls woken per submit
     cpu_ms: float
     idle_cpu: float
     rss: int
@@ -338,10 +343,15 @@ async def _measure(
         samples = [await _metrics(a) for a in admin]
         return all(m.get("lakeshore_relay_listening", 1.0) == 1.0 for m in samples)
 
-    async def passes() -> float | None:
+    async def passes() -> tuple[float, float] | None:
+        """Poll passes (store transactions run by polls) so far: all of them, and those woken."""
         samples = [await _metrics(a) for a in admin]
-        found = [m["lakeshore_poll_passes_total"] for m in samples if "lakeshore_poll_passes_total" in m]
-        return sum(found) if found else None
+        found = [m for m in samples if "lakeshore_poll_passes_total" in m]
+        if not found:
+            return None
+        return sum(m["lakeshore_poll_passes_total"] for m in found), sum(
+            m.get('lakeshore_poll_passes_total{reason="woken"}', 0.0) for m in found
+        )
 
     has_hub = "lakeshore_polls_waiting" in await _metrics(admin[0])
     if has_hub and pg:
@@ -364,9 +374,13 @@ async def _measure(
     rss = back.rss()
     _progress(f"N={n}: {n} polls waiting after {time.monotonic() - started:.0f} s; measuring")
 
-    cpu0 = sum(s.cpu_s() for s in servers)
+    cpu0, idle_passes0 = sum(s.cpu_s() for s in servers), await passes()
     await asyncio.sleep(idle_window)
     idle_rate = (sum(s.cpu_s() for s in servers) - cpu0) / idle_window
+    idle_passes1 = await passes()
+    idle_pass_rate = (
+        (idle_passes1[0] - idle_passes0[0]) / idle_window if idle_passes0 and idle_passes1 else 0.0
+    )
 
     loop = asyncio.get_running_loop()
     passes0 = await passes()
@@ -395,7 +409,10 @@ async def _measure(
         n=n,
         p50=percentile(latencies, 0.5),
         p99=percentile(latencies, 0.99),
-        passes=(passes1 - passes0) / submits if passes0 is not None and passes1 is not None else None,
+        passes=(passes1[0] - passes0[0] - idle_pass_rate * elapsed) / submits
+        if passes0 and passes1
+        else None,
+        woken=(passes1[1] - passes0[1]) / submits if passes0 and passes1 else None,
         cpu_ms=max(0.0, busy) / submits * 1000,
         idle_cpu=idle_rate * 100,
         rss=rss,
@@ -454,7 +471,8 @@ def _ms(seconds: float) -> str:
 
 
 HEADER = (
-    f"{'daemons':>8} | {'submit->claim p50':>17} | {'p99':>9} | {'goal':>14} | {'passes/submit':>13} | "
+    f"{'daemons':>8} | {'submit->claim p50':>17} | {'p99':>9} | {'goal':>16} | {'woken/submit':>12} | "
+    f"{'passes/submit':>13} | "
     f"{'CPU/submit':>10} | {'idle CPU':>8} | {'server RSS':>10} | {'RSS/idle poll':>13}"
 )
 
@@ -464,9 +482,10 @@ def _print_row(r: Row) -> None:
     if r.n >= GOAL_N:
         goal = ("met" if r.p99 <= GOAL_P99_S else "MISSED") + " (<=20 ms)"
     passes = f"{r.passes:.2f}" if r.passes is not None else "-"
+    woken = f"{r.woken:.2f}" if r.woken is not None else "-"
     refused = f"  ({r.refused} polls refused 503)" if r.refused else ""
     print(
-        f"{r.n:>8} | {_ms(r.p50):>17} | {_ms(r.p99):>9} | {goal:>14} | {passes:>13} | "
+        f"{r.n:>8} | {_ms(r.p50):>17} | {_ms(r.p99):>9} | {goal:>16} | {woken:>12} | {passes:>13} | "
         f"{r.cpu_ms:>7.2f} ms | {r.idle_cpu:>7.1f}% | {r.rss / 2**20:>6.0f} MiB | "
         f"{r.rss_per_poll / 1024:>9.1f} KiB{refused}",
         flush=True,

@@ -9,6 +9,7 @@ worker with a command queued), so a submit costs one claim transaction, not one 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -172,7 +173,9 @@ async def poll(
     field(body, "version", str, default="")
     exec_jobs = _takes_exec(body)
     started = time.monotonic()
-    deadline = started + timeout
+    # A fleet started together would renew its polls in lockstep, all at once every timeout_s: an
+    # empty poll ends at a random point of its last fifth, so renewals spread out within rounds.
+    deadline = started + timeout * random.uniform(0.8, 1.0)
     ticket = ctx.polls.ticket(worker_id, queues, takes_exec=exec_jobs, namespace=principal.namespace)
     commands: list[dict[str, Any]] = []
     reason = "first"
