@@ -1,4 +1,4 @@
-"""What every route needs: the store (run off-loop), wake-ups, auth, metrics, config and plugins."""
+"""What every route needs: the store (run off-loop), wake-ups, auth and worker bindings, metrics, config."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.server.auth import Authenticator
+from dreamlake.lakeshore.server.authz import WorkerBindings
 from dreamlake.lakeshore.server.config import ServerConfig
 from dreamlake.lakeshore.server.http import HTTPError
 from dreamlake.lakeshore.server.hub import StoreRunner, Wakeups
@@ -44,6 +45,7 @@ class Context:
         self.runner = StoreRunner(threads)
         self.wake = Wakeups(self.store)
         self.auth = Authenticator(lambda secret: self.call(self.store.verify_token, secret))
+        self.workers = WorkerBindings(lambda worker, token: self.call(self.store.bind_worker, worker, token))
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a store method in the store thread; a PlaneError with a 4xx status becomes that answer."""
