@@ -1,12 +1,13 @@
 """The control plane's ASGI app: ``create_app(store, ...)`` wires every route of docs/protocol.md.
 
 The routes are the entries of ``authz.ROUTES`` (the one table of who may call what); handlers live
-by audience in ``producer``, ``streams``, ``daemon`` and ``namespaces``. This module does what is
-common to all of them: authentication (401) and the table's verdict (403) first, then ids (400),
-then the bounded body (413/400), then the handler, which applies the caller's ownership rule; an
-:class:`~.http.HTTPError` becomes ``{"error": ...}`` in the route's encoding, a client that hung
-up mid-body nothing, anything unexpected a logged 500. A background task expires lapsed leases
-every second.
+by audience in ``producer``, ``streams``, ``daemon``, ``namespaces`` and ``ops`` (operators' JSON
+views; the ``/ui`` dashboard is ``server.ui``, behind its session cookie and the table's ``/ui``
+entry). This module does what is common to all of them: authentication (401) and the table's
+verdict (403) first, then ids (400), then the bounded body (413/400), then the handler, which
+applies the caller's ownership rule; an :class:`~.http.HTTPError` becomes ``{"error": ...}`` in
+the route's encoding, a client that hung up mid-body nothing, anything unexpected a logged 500. A
+background task expires lapsed leases every second.
 """
 
 from __future__ import annotations
@@ -21,23 +22,20 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
-from dreamlake.lakeshore.server import authz, daemon, namespaces, producer, streams
+from dreamlake.lakeshore.server import authz, daemon, namespaces, ops, producer, streams
 from dreamlake.lakeshore.server import http as h
 from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.config import ServerConfig
 from dreamlake.lakeshore.server.context import Context, store_dialect
 from dreamlake.lakeshore.server.http import HTTPError
+from dreamlake.lakeshore.server.ui import Dashboard
 from dreamlake.lakeshore.store.api import Store
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Request], Awaitable[Response]]
-
-
-def _is_json(request: Request) -> bool:
-    return request.url.path.startswith("/v1/namespaces/")
 
 
 def _guard(fn: Handler) -> Handler:
@@ -47,7 +45,7 @@ def _guard(fn: Handler) -> Handler:
         try:
             return await fn(request)
         except HTTPError as exc:
-            return h.error_response(exc, as_json=_is_json(request))
+            return h.error_answer(request, exc)
         except ClientDisconnect:
             # The client hung up (or the server's body read timeout closed it) mid-body: nobody
             # reads this answer.
@@ -56,7 +54,7 @@ def _guard(fn: Handler) -> Handler:
         except Exception:
             log.exception("%s %s failed", request.method, request.url.path)
             err = HTTPError(500, "internal error in the control plane; see its log")
-            return h.error_response(err, as_json=_is_json(request))
+            return h.error_answer(request, err)
 
     return wrapped
 
@@ -68,6 +66,7 @@ class Routes:
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
+        self.ops = ops.OpsRoutes(ctx)
 
     async def _msgpack(self, request: Request) -> dict[str, Any]:
         return h.decode_msgpack(await h.read_body(request, self.ctx.config.max_body_bytes))
@@ -81,6 +80,7 @@ class Routes:
         return h.json_response({"ok": True, "store": self.ctx.dialect})
 
     async def metrics(self, request: Request, caller: Caller) -> Response:
+        await ops.observe_store(self.ctx)
         return Response(self.ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
     # -- producer ------------------------------------------------------------------------------
@@ -180,7 +180,10 @@ class Routes:
 
     def _endpoint(self, route: authz.RouteAuth) -> Handler:
         """The route's handler behind its gate: authenticate (401), then authorize (403)."""
-        handler: Callable[[Request, Caller], Awaitable[Response]] = getattr(self, route.handler)
+        owner: Any = self.ops if route.handler.startswith("ops.") else self
+        handler: Callable[[Request, Caller], Awaitable[Response]] = getattr(
+            owner, route.handler.removeprefix("ops.")
+        )
 
         async def endpoint(request: Request) -> Response:
             if route.public:
@@ -191,9 +194,13 @@ class Routes:
 
         return _guard(endpoint)
 
-    def table(self) -> list[Route]:
-        """One Starlette route per entry of :data:`~.authz.ROUTES`, in its order."""
-        return [Route(r.path, self._endpoint(r), methods=[r.method]) for r in authz.ROUTES]
+    def table(self) -> list[BaseRoute]:
+        """One Starlette route per entry of :data:`~.authz.ROUTES`, in its order, then the
+        dashboard's (``server.ui``, which checks its sessions against the table's ``/ui`` entry)."""
+        routes: list[BaseRoute] = [
+            Route(r.path, self._endpoint(r), methods=[r.method]) for r in authz.ROUTES if not r.session
+        ]
+        return [*routes, *Dashboard(self.ctx).table()]
 
 
 async def _expire_loop(ctx: Context) -> None:
@@ -218,7 +225,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         404: f"no route {request.url.path[:200]}: see docs/protocol.md",
         405: f"method {request.method} not allowed on {request.url.path[:200]}",
     }.get(status, str(getattr(exc, "detail", "error")))
-    return h.error_response(HTTPError(status, message), as_json=_is_json(request))
+    return h.error_answer(request, HTTPError(status, message))
 
 
 def create_app(

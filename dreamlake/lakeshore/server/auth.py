@@ -35,18 +35,25 @@ class Authenticator:
                 "missing bearer token: send 'Authorization: Bearer <token>' "
                 "(lakeshore token create --kind KIND --name NAME mints one)",
             )
-        digest = hashlib.sha256(secret.encode("utf-8", "surrogateescape")).hexdigest()
-        now = time.monotonic()
-        hit = self._cache.get(digest)
-        if hit is not None and hit[0] > now:
-            return hit[1]
-        found = await self._verify(secret) if len(secret) <= 256 else None
+        found = await self.verify(secret)
         if found is None:
             raise HTTPError(
                 401,
                 "unknown token: check the token, or mint one with "
                 "'lakeshore token create --kind KIND --name NAME'",
             )
+        return found
+
+    async def verify(self, secret: str) -> Principal | None:
+        """The principal of a token secret (from a header or the dashboard's cookie); None if unknown."""
+        digest = hashlib.sha256(secret.encode("utf-8", "surrogateescape")).hexdigest()
+        now = time.monotonic()
+        hit = self._cache.get(digest)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        found = await self._verify(secret) if 0 < len(secret) <= 256 else None
+        if found is None:
+            return None
         if len(self._cache) >= _CACHE_MAX:
             self._cache.clear()
         self._cache[digest] = (now + _CACHE_TTL_S, found)

@@ -12,7 +12,8 @@ rule               what the caller may touch
 ``any``            every object of the route
 ``own namespace``  objects of the namespace its token is bound to (see :func:`confined_to`); an
                    invocation of another namespace answers 404 (its existence is not
-                   disclosed), a ``/v1/namespaces/<ns>`` path of another namespace 403
+                   disclosed), a ``/v1/namespaces/<ns>`` path (or ``?namespace=``) of another
+                   namespace 403
 ``own worker``     worker ids bound to its token (the first daemon call naming an unbound id
                    binds it, see :class:`WorkerBindings`); a daemon token bound to a namespace
                    claims only that namespace's work
@@ -61,21 +62,34 @@ class RouteAuth:
     grants: Mapping[str, Own] = field(default_factory=dict)  # kind -> rule; other kinds: 403
     outside: int = 404  # the answer for an object outside the caller's rule
     public: bool = False  # no token needed
+    session: bool = False  # the token comes in the dashboard's session cookie (server.ui), not a header
 
 
-def _route(handler: str, method: str, path: str, *, outside: int = 404, **grants: Own) -> RouteAuth:
-    unknown = set(grants) - set(KINDS)
+def _route(
+    handler: str,
+    method: str,
+    path: str,
+    grants: Mapping[str, Own] | None = None,
+    *,
+    outside: int = 404,
+    session: bool = False,
+    **kinds: Own,
+) -> RouteAuth:
+    every = {**(grants or {}), **kinds}
+    unknown = set(every) - set(KINDS)
     if unknown:
         raise ValueError(f"route {path}: unknown token kinds {sorted(unknown)}")
-    return RouteAuth(handler, method, path, dict(grants), outside)
+    return RouteAuth(handler, method, path, every, outside, session=session)
 
 
 _NS, _ANY, _WORKER, _LEASE = Own.NAMESPACE, Own.ANY, Own.WORKER, Own.LEASE
 _INV = "/v1/producer/invocations/{id}"
+_OPS = {"admin": _ANY, "producer": _NS, "namespace": _NS}  # operators' views (server.ops)
+_EVERY = dict.fromkeys(KINDS, _ANY)
 
 ROUTES: tuple[RouteAuth, ...] = (
     RouteAuth("healthz", "GET", "/healthz", public=True),
-    _route("metrics", "GET", "/metrics", admin=_ANY),
+    _route("metrics", "GET", "/metrics", admin=_ANY, metrics=_ANY),
     # producers: invocations of their own namespace only (an unbound producer token: "default")
     _route("submit", "POST", "/v1/producer/submit", admin=_ANY, producer=_NS),
     _route("await_", "POST", "/v1/producer/await", admin=_ANY, producer=_NS),
@@ -109,7 +123,20 @@ ROUTES: tuple[RouteAuth, ...] = (
         daemon=_NS,
     ),
     _route("pin", "PUT", "/v1/namespaces/{ns}/pin", outside=403, admin=_ANY),
+    # operators (server.ops): an admin sees every namespace, the others their own
+    _route("ops.whoami", "GET", "/v1/ops/whoami", _EVERY),
+    _route("ops.whoami", "POST", "/v1/ops/whoami", _EVERY),
+    _route("ops.queues", "GET", "/v1/ops/queues", _OPS, outside=403),
+    _route("ops.workers", "GET", "/v1/ops/workers", _OPS, outside=403),
+    _route("ops.invocations", "GET", "/v1/ops/invocations", _OPS, outside=403),
+    _route("ops.invocation", "GET", "/v1/ops/invocations/{id}", _OPS),
+    _route("ops.cancel", "POST", "/v1/ops/invocations/{id}/cancel", _OPS),
+    # the dashboard: every /ui page, with the token of its session cookie (server.ui)
+    _route("ui", "GET, POST", "/ui/*", _OPS, session=True),
 )
+
+#: The dashboard's entry of :data:`ROUTES` (``server.ui`` checks its sessions against it).
+UI = next(r for r in ROUTES if r.session)
 
 ANONYMOUS = Principal(token_id="", kind="anonymous", namespace=None, name="anonymous")
 
@@ -246,7 +273,8 @@ def matrix_markdown() -> str:
         else:
             cells = [r.grants[k].value if k in r.grants else "403" for k in KINDS]
             outside = str(r.outside) if any(g is not Own.ANY for g in r.grants.values()) else "-"
-        lines.append(f"| `{r.method} {r.path}` | " + " | ".join(cells) + f" | {outside} |")
+        where = f"`{r.method} {r.path}`" + (" (session cookie)" if r.session else "")
+        lines.append(f"| {where} | " + " | ".join(cells) + f" | {outside} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,4 +1,5 @@
-"""What every route needs: the store (run off-loop), wake-ups, auth and worker bindings, metrics, config."""
+"""What every route needs: the store (run off-loop), wake-ups, auth and worker bindings, metrics,
+config, plugins and the live-queue watch behind submit's "no worker" warning."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dreamlake.lakeshore.server.authz import WorkerBindings
 from dreamlake.lakeshore.server.config import ServerConfig
 from dreamlake.lakeshore.server.http import HTTPError
 from dreamlake.lakeshore.server.hub import StoreRunner, Wakeups
+from dreamlake.lakeshore.server.liveness import QueueWatch
 from dreamlake.lakeshore.server.metrics import Metrics
 from dreamlake.lakeshore.store.api import Store
 
@@ -46,6 +48,7 @@ class Context:
         self.wake = Wakeups(self.store)
         self.auth = Authenticator(lambda secret: self.call(self.store.verify_token, secret))
         self.workers = WorkerBindings(lambda worker, token: self.call(self.store.bind_worker, worker, token))
+        self.queues = QueueWatch()
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a store method in the store thread; a PlaneError with a 4xx status becomes that answer."""
@@ -56,6 +59,10 @@ class Context:
             if status is None:
                 raise
             raise HTTPError(status, str(exc)) from None
+
+    async def queue_warning(self, queue: str) -> str | None:
+        """The "no worker has polled queue ..." warning, or None when a live worker serves it."""
+        return await self.queues.warning(queue, lambda window: self.call(self.store.live_queues, window))
 
     def close(self) -> None:
         self.runner.close()

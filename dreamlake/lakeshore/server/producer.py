@@ -62,6 +62,10 @@ async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str
     out: dict[str, Any] = {"invocation_id": result.invocation_id, "queue": result.queue}
     if result.duplicate:
         out["duplicate"] = True
+    warning = await ctx.queue_warning(result.queue)
+    if warning:
+        out["warning"] = warning
+        log.info("submitted %s: %s", result.invocation_id, warning)
     return out
 
 
@@ -90,7 +94,12 @@ async def await_(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str
     timeout = http.number(body, "timeout_s", ctx.config.await_default_s, lo=0.0, hi=ctx.config.await_max_s)
     inv = await wait_terminal(ctx, caller, invocation_id, timeout)
     if inv.state not in TERMINAL_STATES:
-        return {"state": "pending"}
+        pending: dict[str, Any] = {"state": "pending"}
+        if inv.state == "queued":
+            warning = await ctx.queue_warning(inv.queue)
+            if warning:
+                pending["warning"] = warning
+        return pending
     return outcome(inv)
 
 
@@ -100,6 +109,11 @@ async def status(ctx: Context, caller: Caller, invocation_id: str) -> dict[str, 
 
 async def cancel(ctx: Context, caller: Caller, invocation_id: str) -> dict[str, Any]:
     authz.see_invocation(caller, invocation_id, await ctx.call(ctx.store.get, invocation_id))
+    return await request_cancel(ctx, invocation_id)
+
+
+async def request_cancel(ctx: Context, invocation_id: str) -> dict[str, Any]:
+    """Cancel an invocation the caller was found to see; wake its waiters and its worker."""
     state = await ctx.call(ctx.store.cancel, invocation_id)
     if state is None:
         raise HTTPError(404, f"unknown invocation '{invocation_id}'")
