@@ -49,7 +49,9 @@ def _guard(fn: Handler) -> Handler:
         except ClientDisconnect:
             # The client hung up (or the server's body read timeout closed it) mid-body: nobody
             # reads this answer.
-            log.info("%s %s: the client left before sending its whole body", request.method, request.url.path)
+            log.debug(
+                "%s %s: the client left before sending its whole body", request.method, request.url.path
+            )
             return Response(status_code=400)
         except Exception:
             log.exception("%s %s failed", request.method, request.url.path)

@@ -60,7 +60,7 @@ class RouteAuth:
     method: str
     path: str
     grants: Mapping[str, Own] = field(default_factory=dict)  # kind -> rule; other kinds: 403
-    outside: int = 404  # the answer for an object outside the caller's rule
+    outside: int | None = 404  # the answer for an object outside the caller's rule; None: no such object
     public: bool = False  # no token needed
     session: bool = False  # the token comes in the dashboard's session cookie (server.ui), not a header
 
@@ -71,7 +71,7 @@ def _route(
     path: str,
     grants: Mapping[str, Own] | None = None,
     *,
-    outside: int = 404,
+    outside: int | None = 404,
     session: bool = False,
     **kinds: Own,
 ) -> RouteAuth:
@@ -91,7 +91,7 @@ ROUTES: tuple[RouteAuth, ...] = (
     RouteAuth("healthz", "GET", "/healthz", public=True),
     _route("metrics", "GET", "/metrics", admin=_ANY, metrics=_ANY),
     # producers: invocations of their own namespace only (an unbound producer token: "default")
-    _route("submit", "POST", "/v1/producer/submit", admin=_ANY, producer=_NS),
+    _route("submit", "POST", "/v1/producer/submit", outside=None, admin=_ANY, producer=_NS),
     _route("await_", "POST", "/v1/producer/await", admin=_ANY, producer=_NS),
     _route("status", "GET", _INV, admin=_ANY, producer=_NS),
     _route("cancel", "POST", _INV + "/cancel", admin=_ANY, producer=_NS),
@@ -100,11 +100,11 @@ ROUTES: tuple[RouteAuth, ...] = (
     _route("topic_post", "POST", "/v1/producer/topics/{name}/post", admin=_ANY, producer=_ANY),
     _route("topic_stream", "GET", "/v1/producer/topics/{name}/stream", admin=_ANY, producer=_ANY),
     # daemons: as the workers their token registered, on the leases those workers hold
-    _route("register", "POST", "/v1/daemon/register", admin=_ANY, daemon=_WORKER),
-    _route("poll", "POST", "/v1/daemon/poll", admin=_ANY, daemon=_WORKER),
-    _route("heartbeat", "POST", "/v1/daemon/heartbeat", admin=_ANY, daemon=_WORKER),
-    _route("ack", "POST", "/v1/daemon/ack", admin=_ANY, daemon=_LEASE),
-    _route("result_chunk", "POST", "/v1/daemon/result-chunk", admin=_ANY, daemon=_LEASE),
+    _route("register", "POST", "/v1/daemon/register", outside=403, admin=_ANY, daemon=_WORKER),
+    _route("poll", "POST", "/v1/daemon/poll", outside=403, admin=_ANY, daemon=_WORKER),
+    _route("heartbeat", "POST", "/v1/daemon/heartbeat", outside=403, admin=_ANY, daemon=_WORKER),
+    _route("ack", "POST", "/v1/daemon/ack", outside=403, admin=_ANY, daemon=_LEASE),
+    _route("result_chunk", "POST", "/v1/daemon/result-chunk", outside=403, admin=_ANY, daemon=_LEASE),
     # namespaces (seed 003): the path names the namespace, so another one answers 403
     _route("exec_", "POST", "/v1/namespaces/{ns}/exec", outside=403, admin=_ANY, namespace=_NS),
     _route(
@@ -199,7 +199,7 @@ def enter_namespace(caller: Caller, namespace: str) -> None:
     if bound is not None and bound != namespace:
         name = caller.principal.name
         raise HTTPError(
-            caller.route.outside, f"token '{name}' is bound to namespace '{bound}', not '{namespace}'"
+            caller.route.outside or 403, f"token '{name}' is bound to namespace '{bound}', not '{namespace}'"
         )
 
 
@@ -272,7 +272,8 @@ def matrix_markdown() -> str:
             outside = "-"
         else:
             cells = [r.grants[k].value if k in r.grants else "403" for k in KINDS]
-            outside = str(r.outside) if any(g is not Own.ANY for g in r.grants.values()) else "-"
+            confined = r.outside is not None and any(g is not Own.ANY for g in r.grants.values())
+            outside = str(r.outside) if confined else "-"
         where = f"`{r.method} {r.path}`" + (" (session cookie)" if r.session else "")
         lines.append(f"| {where} | " + " | ".join(cells) + f" | {outside} |")
     return "\n".join(lines) + "\n"

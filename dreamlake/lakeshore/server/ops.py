@@ -306,9 +306,7 @@ class OpsRoutes:
             asked = h.name(asked, "namespace")
             if ns is not None and asked != ns:
                 name = caller.principal.name
-                raise HTTPError(
-                    caller.route.outside, f"token '{name}' sees namespace '{ns}' only, not '{asked}'"
-                )
+                raise HTTPError(403, f"token '{name}' sees namespace '{ns}' only, not '{asked}'")
             ns = asked
         return ns
 

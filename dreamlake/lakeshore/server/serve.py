@@ -109,7 +109,7 @@ class GuardedH11Protocol(H11Protocol):
         if self.transport.is_closing():
             return
         client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
-        log.info("closing the connection of %s: its request %s did not arrive in time", client, what)
+        log.debug("closing the connection of %s: its request %s did not arrive in time", client, what)
         self.transport.close()
 
 
