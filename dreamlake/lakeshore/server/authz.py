@@ -3,8 +3,9 @@
 :data:`ROUTES` lists every route of the control plane. For each it names the token kinds that may
 call it, each with an ownership rule (:class:`Own`) that decides which objects that kind may touch
 there; a kind not listed is refused 403 before the handler runs. ``app.py`` builds its routing
-table from :data:`ROUTES`, so a route cannot exist without an entry, and every handler receives a
-:class:`Caller` (the principal and its rule) and applies the rule through the functions below:
+table from :data:`ROUTES`, so a route cannot exist without an entry (the dashboard's pages are one
+entry, :data:`UI`, that ``server.ui`` checks its session cookie against), and every handler receives
+a :class:`Caller` (the principal and its rule) and applies the rule through the functions below:
 
 =================  ===========================================================================
 rule               what the caller may touch
@@ -54,7 +55,8 @@ class Own(enum.Enum):
 
 @dataclass(frozen=True)
 class RouteAuth:
-    """One route: its handler (a method of ``app.Routes``), method, path and grants."""
+    """One route: its handler (a method of ``app.Routes``, or ``ops.<method>`` of
+    ``ops.OpsRoutes``), method, path and grants."""
 
     handler: str
     method: str
