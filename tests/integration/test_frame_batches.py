@@ -61,7 +61,14 @@ def test_a_batch_is_journaled_in_order_and_answers_per_seq(control_plane: Contro
     assert [f.final for f in frames] == [False] * 6 + [True]
     assert [wire.unpack(wire.decode_frame(f.data).body) for f in frames[:6]] == list(range(6))
     # the seed's one-frame route still answers its per-frame duplicate
-    single = {"invocation_id": inv, "seq": 3, "bytes": frame(3), "final": False, "attempt": 1}
+    single = {
+        "invocation_id": inv,
+        "seq": 3,
+        "bytes": frame(3),
+        "final": False,
+        "attempt": 1,
+        "worker_id": worker,
+    }
     assert cp.daemon("/v1/daemon/result-chunk", single) == (200, {"ok": True, "seq": 3, "duplicate": True})
 
 
@@ -70,14 +77,14 @@ def test_a_batch_that_breaks_the_order_is_refused_from_there(control_plane: Cont
     inv, worker = _claimed(cp)
     assert _batch(cp, inv, worker, [0, 1])[0] == 200
     status, out = _batch(cp, inv, worker, [2, 4, 5])  # a gap: 2 is kept, 4 and 5 are refused
-    assert status == 409 and out["ok"] is False and "next seq is 3" in out["error"]
-    assert _answers(out) == [(2, False)]
+    assert status == 409 and out["ok"] is False and "the next frame is 3" in out["error"]
+    assert _answers(out) == [(2, False)] and out["expected_seq"] == 3
     status, out = _batch(cp, inv, worker, [5])
-    assert status == 409 and "out of order" in out["error"] and out["results"] == []
+    assert status == 409 and "skips ahead" in out["error"] and out["results"] == []
     assert [f.seq for f in cp.store.read_frames(inv)] == [0, 1, 2]
     assert _batch(cp, inv, worker, [2, 3], kinds={3: wire.FRAME_ERROR})[0] == 200
     status, out = _batch(cp, inv, worker, [3, 4])  # after the final frame
-    assert status == 409 and "closed by its final frame 3" in out["error"]
+    assert status == 409 and "ended with final frame 3" in out["error"] and out["expected_seq"] == 4
     status, out = _batch(cp, inv, worker, [3])  # a repeat of the final frame is still a duplicate
     assert status == 200 and _answers(out) == [(3, True)]
 
@@ -87,8 +94,10 @@ def test_a_batch_from_another_attempt_or_worker_is_refused(control_plane: Contro
     inv, worker = _claimed(cp)
     status, out = _batch(cp, inv, worker, [0], attempt=2)
     assert status == 409 and "superseded" in out["error"]
-    status, out = _batch(cp, inv, new_ulid(), [0])
-    assert status == 409 and "another worker" in out["error"]
+    other = new_ulid()
+    assert len(poll(cp, other, timeout_s=0)["commands"]) == 0  # a registered worker, not the holder
+    status, out = _batch(cp, inv, other, [0])
+    assert status == 403 and "held by another worker" in out["error"]
     status, out = _batch(cp, new_ulid(), worker, [0])
     assert status == 404
     assert cp.store.read_frames(inv) == []
@@ -127,7 +136,13 @@ def test_live_followers_get_batches_from_memory_and_end_on_the_ack(tmp_path: Any
             _until_subscribed(fanout, inv, 2)
             for first in range(0, 300, 100):
                 assert _batch(cp, inv, worker, list(range(first, first + 100)))[0] == 200
-            ack = {"invocation_id": inv, "state": "succeeded", "result_blob": b"", "attempt": 1}
+            ack = {
+                "invocation_id": inv,
+                "state": "succeeded",
+                "result_blob": b"",
+                "attempt": 1,
+                "worker_id": worker,
+            }
             assert cp.daemon("/v1/daemon/ack", ack)[0] == 200  # no final frame: the ack ends the streams
             for follower in live:
                 assert follower.result() == [(s, wire.FRAME_VALUE) for s in range(300)]

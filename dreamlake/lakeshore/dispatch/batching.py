@@ -1,16 +1,22 @@
 """Frames in batches for the in-process worker's planes (``Dispatch``, ``HttpDispatch``).
 
-``Plane.append_frame`` hands a frame to a :class:`FrameWriter` and returns: one writer thread per
-plane writes each invocation's frames in order, the first at once and then every frame that built
-up while the previous write was in flight, up to ``max_frames`` / ``max_bytes`` per write (one
-store transaction on the local plane, one ``result-chunks`` request over HTTP). Invocations take
-turns, so one stream's backlog never delays another's frames.
+``Plane.append_frame`` hands a frame to a :class:`FrameWriter`. The first frame of a stream (one
+attempt of one invocation, from one worker) is written at once, in the caller's thread, so a
+refusal of the stream itself (another worker, a superseded attempt, an unknown invocation) is
+raised right there. Later frames are queued and written by one writer thread per plane: every
+frame that built up while the previous write was in flight, up to ``max_frames`` / ``max_bytes``
+per write (one store transaction on the local plane, one ``result-chunks`` request over HTTP).
+Streams take turns, so one stream's backlog never delays another's frames.
 
-Flow control: a producer more than ``window`` frames ahead of its writes waits in
-``append`` until the writer caught up. A refused write (a superseded attempt, an out-of-order
-frame) is kept and raised by the next ``append`` or ``flush`` of that invocation; its frames not
-yet written are dropped with it (they would be refused too). ``flush`` waits until every frame of
-an invocation was written: the planes flush before an ack, so the ack always follows its frames.
+Order is checked when a frame is appended, as the journal would: a frame past the next seq, or
+after the stream's final frame, raises :class:`~dreamlake.lakeshore.errors.Conflict` at once
+(a repeat of a seq goes through: the journal answers it as a duplicate). A write refused later
+(the lease lapsed meanwhile) is kept and raised by the next ``append`` or ``flush`` of that
+stream; its frames not yet written are dropped with it (they would be refused too).
+
+Flow control: a producer more than ``window`` frames ahead of its writes waits in ``append``
+until the writer caught up. ``flush`` waits until every frame of an invocation was written: the
+planes flush before an ack, so the ack always follows its frames.
 """
 
 from __future__ import annotations
@@ -21,26 +27,32 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from dreamlake.lakeshore.errors import Conflict
+
 log = logging.getLogger(__name__)
 
 Item = tuple[int, bytes, bool]  # seq, encoded frame, final
-Write = Callable[[str, int, Sequence[Item]], None]  # (invocation_id, attempt, frames); raises to refuse
+Key = tuple[str, int, str]  # invocation_id, attempt, worker_id
+# (invocation_id, attempt, worker_id, frames); raises to refuse
+Write = Callable[[str, int, str, Sequence[Item]], None]
 
 MAX_FRAMES = 1000
 MAX_BYTES = 1024 * 1024
 WINDOW = 10_000
+ORDER_HINT = "send frames in order, each once"
 
 
 @dataclass
 class _Stream:
-    attempt: int
+    next_seq: int  # the seq the stream takes next
+    final_seq: int | None = None  # its final frame, once appended
     queue: deque[Item] = field(default_factory=deque)
     writing: int = 0  # frames in the write in flight
     error: BaseException | None = None
 
 
 class FrameWriter:
-    """One writer thread for the frames of every invocation of one plane (see the module docstring)."""
+    """One writer thread for the frames of every stream of one plane (see the module docstring)."""
 
     def __init__(
         self, write: Write, *, max_frames: int = MAX_FRAMES, max_bytes: int = MAX_BYTES, window: int = WINDOW
@@ -52,45 +64,74 @@ class FrameWriter:
         self._max_bytes = max_bytes
         self._window = window
         self._cond = threading.Condition()
-        self._streams: OrderedDict[str, _Stream] = OrderedDict()
+        self._streams: OrderedDict[Key, _Stream] = OrderedDict()
         self._closed = False
         self._thread: threading.Thread | None = None
 
-    def append(self, invocation_id: str, attempt: int, seq: int, data: bytes, final: bool) -> None:
-        """Queue one frame; waits while the invocation is ``window`` frames ahead of its writes.
-        Raises what refused an earlier write of this invocation."""
+    def append(
+        self, invocation_id: str, attempt: int, seq: int, data: bytes, final: bool, *, worker_id: str = ""
+    ) -> None:
+        """Write or queue one frame of ``attempt`` held by ``worker_id`` (see the module docstring)."""
+        key = (invocation_id, attempt, worker_id)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the frame writer is closed")
-            stream = self._streams.get(invocation_id)
-            if stream is None or stream.attempt != attempt:
-                stream = self._streams[invocation_id] = _Stream(attempt)
-            self._raise(invocation_id, stream)
-            while len(stream.queue) + stream.writing >= self._window and stream.error is None:
-                self._cond.wait()
-            self._raise(invocation_id, stream)
-            stream.queue.append((seq, data, final))
-            self._cond.notify_all()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="lakeshore-frames", daemon=True)
-                self._thread.start()
+            stream = self._streams.get(key)
+            if stream is not None:
+                self._check(invocation_id, stream, seq)
+                while len(stream.queue) + stream.writing >= self._window and stream.error is None:
+                    self._cond.wait()
+                if stream.error is not None:
+                    raise stream.error
+                self._appended(stream, seq, final)
+                stream.queue.append((seq, data, final))
+                self._cond.notify_all()
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="lakeshore-frames", daemon=True)
+                    self._thread.start()
+                return
+        self._write(invocation_id, attempt, worker_id, [(seq, data, final)])  # the first frame, at once
+        with self._cond:
+            stream = self._streams.setdefault(key, _Stream(next_seq=seq))
+            self._appended(stream, seq, final)
+
+    @staticmethod
+    def _check(invocation_id: str, stream: _Stream, seq: int) -> None:
+        if stream.error is not None:
+            raise stream.error
+        if stream.final_seq is not None and seq > stream.final_seq:
+            raise Conflict(
+                f"the stream of {invocation_id} ended with final frame {stream.final_seq}; {ORDER_HINT}", 409
+            )
+        if seq > stream.next_seq:
+            raise Conflict(
+                f"frame {seq} of {invocation_id} skips ahead: the next frame is {stream.next_seq}; {ORDER_HINT}",
+                409,
+            )
+
+    @staticmethod
+    def _appended(stream: _Stream, seq: int, final: bool) -> None:
+        stream.next_seq = max(stream.next_seq, seq + 1)
+        if final and stream.final_seq is None:
+            stream.final_seq = seq
 
     def flush(self, invocation_id: str, timeout: float | None = None) -> None:
-        """Wait until every queued frame of ``invocation_id`` was written, then forget it; raises
-        what refused a write (TimeoutError after ``timeout``)."""
+        """Wait until every queued frame of ``invocation_id`` was written, then forget its streams;
+        raises what refused a write (TimeoutError after ``timeout``)."""
         with self._cond:
-            stream = self._streams.get(invocation_id)
-            if stream is None:
-                return
+            streams = [(k, s) for k, s in self._streams.items() if k[0] == invocation_id]
             done = self._cond.wait_for(
-                lambda: stream.error is not None or (not stream.queue and not stream.writing), timeout
+                lambda: all(s.error is not None or (not s.queue and not s.writing) for _k, s in streams),
+                timeout,
             )
             if not done:
                 raise TimeoutError(f"frames of {invocation_id} not written after {timeout} s")
-            if self._streams.get(invocation_id) is stream:
-                del self._streams[invocation_id]
-            if stream.error is not None:
-                raise stream.error
+            for key, stream in streams:
+                if self._streams.get(key) is stream:
+                    del self._streams[key]
+            for _key, stream in streams:
+                if stream.error is not None:
+                    raise stream.error
 
     def close(self) -> None:
         """Write what is queued, then stop the thread."""
@@ -100,13 +141,8 @@ class FrameWriter:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
-    @staticmethod
-    def _raise(invocation_id: str, stream: _Stream) -> None:
-        if stream.error is not None:
-            raise stream.error
-
-    def _next(self) -> tuple[str, _Stream, list[Item]] | None:
-        """The next batch, invocations in turn; None once closed and empty."""
+    def _next(self) -> tuple[Key, _Stream, list[Item]] | None:
+        """The next batch, streams in turn; None once closed and empty."""
         with self._cond:
             while True:
                 for key, stream in self._streams.items():
@@ -128,10 +164,10 @@ class FrameWriter:
 
     def _run(self) -> None:
         while (work := self._next()) is not None:
-            invocation_id, stream, batch = work
+            (invocation_id, attempt, worker_id), stream, batch = work
             error: BaseException | None = None
             try:
-                self._write(invocation_id, stream.attempt, batch)
+                self._write(invocation_id, attempt, worker_id, batch)
             except Exception as exc:
                 error = exc
                 log.warning("frames %d..%d of %s refused: %s", batch[0][0], batch[-1][0], invocation_id, exc)

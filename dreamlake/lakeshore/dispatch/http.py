@@ -70,7 +70,6 @@ class HttpDispatch:
         self.retries = self._client.attempts
         self._registered: set[str] = set()
         self._cancels: dict[str, dict[str, bool]] = {}  # worker id -> cancels a poll delivered
-        self._claimed: dict[str, str] = {}  # invocation id -> the worker that claimed it (for frames)
         self._frames = FrameWriter(self._write_frames)
 
     def _call(self, method: str, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
@@ -214,7 +213,6 @@ class HttpDispatch:
             for cmd in out.get("commands") or []:
                 if cmd.get("kind") == "run":
                     b = cmd["body"]
-                    self._claimed[str(b["invocation_id"])] = worker_id
                     return Claim(
                         b["invocation_id"],
                         b["args_blob"],
@@ -228,18 +226,20 @@ class HttpDispatch:
             if time.monotonic() >= deadline:
                 return None
 
-    def append_frame(self, invocation_id: str, seq: int, data: bytes, final: bool, attempt: int) -> None:
+    def append_frame(
+        self, invocation_id: str, seq: int, data: bytes, final: bool, attempt: int, *, worker_id: str
+    ) -> None:
         """Queue the frame for the frame writer: batches go to ``/v1/daemon/result-chunks`` (one
         request each); a refusal is raised by the next ``append_frame`` of the invocation."""
-        self._frames.append(invocation_id, attempt, seq, bytes(data), final)
+        self._frames.append(invocation_id, attempt, seq, bytes(data), final, worker_id=worker_id)
 
     def _write_frames(
-        self, invocation_id: str, attempt: int, frames: Sequence[tuple[int, bytes, bool]]
+        self, invocation_id: str, attempt: int, worker_id: str, frames: Sequence[tuple[int, bytes, bool]]
     ) -> None:
         body = {
             "invocation_id": invocation_id,
             "attempt": attempt,
-            "worker_id": self._claimed.get(invocation_id, ""),
+            "worker_id": worker_id,
             "frames": [data for _seq, data, _final in frames],
         }
         self._call("POST", "/v1/daemon/result-chunks", body)
@@ -259,8 +259,6 @@ class HttpDispatch:
         except PlaneError as exc:
             log.warning("ack of %s refused: its frames were: %s", invocation_id, exc)
             return False
-        finally:
-            self._claimed.pop(invocation_id, None)
         body = {
             "invocation_id": invocation_id,
             "state": state,

@@ -1,16 +1,22 @@
 """The frame journal: result frames of invocations and the frames of topics.
 
 Frames are rows ``(owner_id, seq, data, final)`` keyed by ``(owner_id, seq)``; the owner is an
-invocation id or ``topic:<name>``. ``append_frame`` inserts with ``ON CONFLICT DO NOTHING``, so a
-repeated seq answers ``duplicate`` and keeps the first bytes. Frames of an invocation are accepted
-without ``attempt``; with it, only from the current attempt (also after that attempt was acked, so a
-late journal upload is kept). ``read_frames`` pages by seq.
+invocation id or ``topic:<name>``. ``read_frames`` pages by seq.
+
+``append_frame`` keeps an invocation's journal gap-free, so a follower can never skip a value: in
+one transaction it reads the journal's last frame and accepts ``seq`` only when it is the next one
+(and the last frame is not final). A seq already journaled answers ``duplicate`` and keeps the
+first bytes (``ON CONFLICT DO NOTHING``); a gap or a frame after the final one is refused with the
+seq the journal takes next, so the sender re-sends in order. With ``attempt`` / ``worker_id``, the
+frame is also refused unless that attempt is the current one and that worker holds it (also after
+the attempt was acked, so a late journal upload is kept); see ``invocations.lease_refusal``.
 
 ``append_frames`` journals a batch of one invocation's frames in one transaction, in order: each
 frame is either a repeat of a seq already journaled (``duplicate``) or the next seq after the
 newest one (stored). A gap or a new frame after a final one refuses that frame and the rest of the
-batch (the frames before it are kept); a superseded attempt or another worker refuse the whole
-batch. New frames are inserted with one driver-level ``executemany``.
+batch (the frames before it are kept, the refusal carries the expected seq); the lease checks of
+``append_frame`` refuse the whole batch. New frames are inserted with one driver-level
+``executemany``.
 
 Topics: ``topic_append`` takes the next seq from the ``topics`` counter (an upsert, so concurrent
 posters never share a seq) and journals the frame under ``topic:<name>``, built here as plain
@@ -30,9 +36,10 @@ import sqlalchemy as sa
 from dreamlake.lakeshore.errors import PlaneError
 
 from . import schema as t
-from .api import ChunkResult, Frame
+from .api import OUT_OF_ORDER, UNKNOWN, ChunkResult, Frame
 from .base import StoreBase, dialect_insert
 from .engine import Database
+from .invocations import lease_refusal
 from .notify import Notifier
 
 TOPIC_PREFIX = "topic:"
@@ -45,16 +52,17 @@ class _Statements:
     def __init__(self, dialect: str) -> None:
         B = sa.bindparam
         f, tp, inv = t.frames, t.topics, t.invocations
-        self.attempt_of = sa.select(inv.c.attempt).where(inv.c.invocation_id == B("id"))
+        self.lease = sa.select(inv.c.invocation_id, inv.c.state, inv.c.attempt, inv.c.worker_id).where(
+            inv.c.invocation_id == B("id")
+        )
+        self.last_frame = (
+            sa.select(f.c.seq, f.c.final).where(f.c.owner_id == B("owner")).order_by(f.c.seq.desc()).limit(1)
+        )
         self.insert_frame = (
             dialect_insert(dialect, f)
             .values(owner_id=B("owner"), seq=B("seq"), data=B("data"), final=B("final"), created_at=B("now"))
             .on_conflict_do_nothing()
             .returning(f.c.seq)
-        )
-        self.owner_of = sa.select(inv.c.attempt, inv.c.worker_id).where(inv.c.invocation_id == B("id"))
-        self.newest_frame = (
-            sa.select(f.c.seq, f.c.final).where(f.c.owner_id == B("owner")).order_by(f.c.seq.desc()).limit(1)
         )
         # New frames of a batch go in one executemany straight to the driver: no per-row parameter
         # processing (the values are bytes, ints, bools and floats already).
@@ -80,10 +88,6 @@ class _Statements:
         )
 
 
-class _Refused(Exception):
-    """A batch of frames refused as a whole: rolls its transaction back."""
-
-
 @functools.cache
 def _statements(dialect: str) -> _Statements:
     return _Statements(dialect)
@@ -97,22 +101,42 @@ class FrameStore(StoreBase):
         self._frame_st = _statements(db.dialect)
 
     def append_frame(
-        self, owner_id: str, seq: int, data: bytes, final: bool, *, attempt: int | None = None
+        self,
+        owner_id: str,
+        seq: int,
+        data: bytes,
+        final: bool,
+        *,
+        attempt: int | None = None,
+        worker_id: str | None = None,
     ) -> ChunkResult:
         if seq < 0:
             raise PlaneError(f"frame seq must be >= 0, got {seq}", status=400)
+        if owner_id.startswith(TOPIC_PREFIX):
+            raise PlaneError("topic frames are appended by topic_append, not append_frame", status=400)
         st = self._frame_st
         with self.db.tx(write=True) as conn:
-            if attempt is not None and not owner_id.startswith(TOPIC_PREFIX):
-                current = conn.execute(st.attempt_of, {"id": owner_id}).scalar_one_or_none()
-                if current is None:
-                    return ChunkResult(ok=False, seq=seq, reason=f"unknown invocation {owner_id}")
-                if current != attempt:
-                    return ChunkResult(
-                        ok=False,
-                        seq=seq,
-                        reason=f"attempt {attempt} of {owner_id} was superseded by attempt {current}",
-                    )
+            lease = conn.execute(st.lease, {"id": owner_id}).first()
+            if lease is None:
+                return ChunkResult(ok=False, seq=seq, reason=f"unknown invocation {owner_id}", status=UNKNOWN)
+            refused = lease_refusal(lease, attempt, worker_id)
+            if refused is not None:
+                return ChunkResult(ok=False, seq=seq, reason=refused[1], status=refused[0])
+            last = conn.execute(st.last_frame, {"owner": owner_id}).first()
+            expected = 0 if last is None else int(last.seq) + 1
+            why = None
+            if last is not None and last.final and seq > last.seq:
+                why = f"the stream of {owner_id} ended with final frame {last.seq}"
+            elif seq > expected:
+                why = f"frame {seq} of {owner_id} skips ahead: the next frame is {expected}"
+            if why is not None:
+                return ChunkResult(
+                    ok=False,
+                    seq=seq,
+                    reason=f"{why}; send frames in order, each once",
+                    status=OUT_OF_ORDER,
+                    expected_seq=expected,
+                )
             added = conn.execute(
                 st.insert_frame,
                 {
@@ -125,7 +149,7 @@ class FrameStore(StoreBase):
             ).first()
         if added is None:
             return ChunkResult(ok=True, seq=seq, duplicate=True)
-        self._notify(owner_id if owner_id.startswith(TOPIC_PREFIX) else f"inv:{owner_id}")
+        self._notify(f"inv:{owner_id}")
         return ChunkResult(ok=True, seq=seq)
 
     def append_frames(
@@ -138,58 +162,59 @@ class FrameStore(StoreBase):
     ) -> list[ChunkResult]:
         """Journal ``frames`` (``(seq, data, final)``, in seq order) of one attempt in one
         transaction; one result per frame, as the module docstring says. A refused frame and those
-        after it answer ``ok=False`` with the reason (the reason starts with ``unknown`` for an
-        unknown invocation)."""
+        after it answer ``ok=False`` with the reason and status (UNKNOWN, ANOTHER_WORKER and
+        SUPERSEDED refuse the whole batch; OUT_OF_ORDER carries ``expected_seq``)."""
         if not frames:
             return []
+        if invocation_id.startswith(TOPIC_PREFIX):
+            raise PlaneError("topic frames are appended by topic_append, not append_frames", status=400)
         st = self._frame_st
         results: list[ChunkResult] = []
-        try:
-            with self.db.tx(write=True) as conn:
-                row = conn.execute(st.owner_of, {"id": invocation_id}).first()
-                if row is None:
-                    raise _Refused(f"unknown invocation {invocation_id}")
-                if row.attempt != attempt:
-                    raise _Refused(
-                        f"attempt {attempt} of {invocation_id} was superseded by attempt {row.attempt}"
-                    )
-                if worker_id is not None and row.worker_id is not None and row.worker_id != worker_id:
-                    raise _Refused(f"invocation {invocation_id} is claimed by another worker")
-                newest = conn.execute(st.newest_frame, {"owner": invocation_id}).first()
-                last = -1 if newest is None else int(newest.seq)
-                journaled = last
-                closed = newest is not None and bool(newest.final)
-                now = time.time()
-                fresh: list[tuple[str, int, bytes, bool, float]] = []
-                broken: str | None = None
-                for seq, data, final in frames:
-                    if seq < 0:
-                        raise PlaneError(f"frame seq must be >= 0, got {seq}", status=400)
-                    if seq <= journaled:  # a repeat of a journaled seq (the insert fills a legacy gap)
-                        params = {"owner": invocation_id, "seq": seq, "data": bytes(data), "final": bool(final), "now": now}  # fmt: skip
-                        added = conn.execute(st.insert_frame, params).first()
-                        results.append(ChunkResult(ok=True, seq=seq, duplicate=added is None))
-                        continue
-                    if seq <= last:  # a repeat of a frame earlier in this batch
-                        results.append(ChunkResult(ok=True, seq=seq, duplicate=True))
-                        continue
-                    if closed:
-                        broken = f"the stream of {invocation_id} was closed by its final frame {last}; frame {seq} refused"
-                    elif seq != last + 1:
-                        broken = f"frame {seq} of {invocation_id} is out of order: the next seq is {last + 1}"
-                    if broken is not None:  # this frame and the rest are refused; what came before is kept
-                        results.extend(
-                            ChunkResult(ok=False, seq=s, reason=broken)
-                            for s, _d, _f in frames[len(results) :]
+        with self.db.tx(write=True) as conn:
+            lease = conn.execute(st.lease, {"id": invocation_id}).first()
+            if lease is None:
+                reason, status = f"unknown invocation {invocation_id}", UNKNOWN
+                return [ChunkResult(ok=False, seq=s, reason=reason, status=status) for s, _d, _f in frames]
+            refused = lease_refusal(lease, attempt, worker_id)
+            if refused is not None:
+                status, reason = refused
+                return [ChunkResult(ok=False, seq=s, reason=reason, status=status) for s, _d, _f in frames]
+            newest = conn.execute(st.last_frame, {"owner": invocation_id}).first()
+            last = -1 if newest is None else int(newest.seq)
+            journaled = last
+            closed = newest is not None and bool(newest.final)
+            now = time.time()
+            fresh: list[tuple[str, int, bytes, bool, float]] = []
+            for seq, data, final in frames:
+                if seq < 0:
+                    raise PlaneError(f"frame seq must be >= 0, got {seq}", status=400)
+                if seq <= journaled:  # a repeat of a journaled seq (the insert fills a legacy gap)
+                    params = {"owner": invocation_id, "seq": seq, "data": bytes(data), "final": bool(final), "now": now}  # fmt: skip
+                    added = conn.execute(st.insert_frame, params).first()
+                    results.append(ChunkResult(ok=True, seq=seq, duplicate=added is None))
+                    continue
+                if seq <= last:  # a repeat of a frame earlier in this batch
+                    results.append(ChunkResult(ok=True, seq=seq, duplicate=True))
+                    continue
+                why = None
+                if closed:
+                    why = f"the stream of {invocation_id} ended with final frame {last}"
+                elif seq != last + 1:
+                    why = f"frame {seq} of {invocation_id} skips ahead: the next frame is {last + 1}"
+                if why is not None:  # this frame and the rest are refused; what came before is kept
+                    reason = f"{why}; send frames in order, each once"
+                    results.extend(
+                        ChunkResult(
+                            ok=False, seq=s, reason=reason, status=OUT_OF_ORDER, expected_seq=last + 1
                         )
-                        break
-                    fresh.append((invocation_id, seq, data, bool(final), now))
-                    results.append(ChunkResult(ok=True, seq=seq))
-                    last, closed = seq, bool(final)
-                if fresh:
-                    conn.exec_driver_sql(st.insert_new_sql, fresh)
-        except _Refused as refused:
-            return [ChunkResult(ok=False, seq=seq, reason=str(refused)) for seq, _data, _final in frames]
+                        for s, _d, _f in frames[len(results) :]
+                    )
+                    break
+                fresh.append((invocation_id, seq, data, bool(final), now))
+                results.append(ChunkResult(ok=True, seq=seq))
+                last, closed = seq, bool(final)
+            if fresh:
+                conn.exec_driver_sql(st.insert_new_sql, fresh)
         if any(r.ok and not r.duplicate for r in results):
             self._notify(f"inv:{invocation_id}")
         return results
