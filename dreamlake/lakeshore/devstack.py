@@ -133,17 +133,25 @@ class LocalStack:
         self.start_nymph()
 
     def start_nymph(self) -> None:
+        """``nymph start`` with the daemon token in its environment (never on a command line).
+
+        A development stack runs its tasks as the user who started it, like the code around it;
+        run as root (a CI container), that takes ``--allow-root-tasks``, passed here.
+        """
         args = [
-            *_console_script("nymph"), "start", "--server", self.url, "--token", self.tokens["daemon"],
+            *_console_script("nymph"), "start", "--server", self.url,
             "--runner", self.runner, "--concurrency", str(self.concurrency),
             "--workdir", str(self.dir / "work"), "--state-dir", str(self.dir / "state"),
         ]  # fmt: skip
+        if os.geteuid() == 0:
+            args.append("--allow-root-tasks")
         for q in self.queues:
             args += ["--queue", q]
         for key, value in self.runner_options.items():
             args += ["--runner-opt", f"{key}={runner_opt_value(value)}"]
+        env = {**self._env(), "NYMPH_TOKEN": self.tokens["daemon"]}
         self.nymph = subprocess.Popen(
-            [*args, *self.nymph_args], env=self._env(), stdout=self._out(), stderr=self._out()
+            [*args, *self.nymph_args], env=env, stdout=self._out(), stderr=self._out()
         )
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
