@@ -52,6 +52,10 @@ so ``run_config.resources`` may only name ``gpus`` (nymph assigns the devices th
 ``CUDA_VISIBLE_DEVICES``); any other field is refused with
 :class:`~nymph.resources.ResourceError` (see :mod:`nymph.resources`).
 
+Options: ``python`` (the tasks' interpreter, default nymph's own), ``pythonpath`` (the tasks'
+``PYTHONPATH`` instead of nymph's own, a list; e.g. the entry bundle and the code's directory when
+the task user cannot read nymph's environment), ``prefork``, ``cgroup``.
+
 Optional features (:class:`~nymph.runner.Capabilities`): ``reap_orphans`` (nymph is a child
 subreaper; the agent calls :meth:`ProcessRunner.reap_orphans`). ``close`` stops the zygotes.
 """
@@ -70,6 +74,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import ClassVar
 
@@ -85,6 +90,7 @@ from nymph.runnerkit import (
     handle_workdir,
     inferred_exit_code,
     log_tail,
+    option_list,
     task_name,
 )
 from nymph_process.prefork import ForkedChild, ZygoteClient, ZygoteError
@@ -127,8 +133,12 @@ class ProcessRunner:
         runuser: str = "runuser",
         prefork: bool = PREFORK_DEFAULT,
         cgroup: str = "auto",
+        pythonpath: Iterable[str] | str | None = None,
     ) -> None:
         self.python = python or default_python()
+        # what tasks import from when it is not nymph's own PYTHONPATH (a task user who cannot
+        # read nymph's venv: the system python3 with the entry bundle and the code's directory)
+        self.pythonpath = None if pythonpath is None else os.pathsep.join(option_list(pythonpath))
         self.bash = bash
         self.runuser = runuser
         self.prefork = bool(prefork)
@@ -166,8 +176,9 @@ class ProcessRunner:
             )
         if not os.access(self.python, os.X_OK):
             raise RunnerUnavailable(f"process runner: python {self.python!r} is not executable; set python=")
+        env = None if self.pythonpath is None else {**os.environ, "PYTHONPATH": self.pythonpath}
         probe = subprocess.run(
-            [self.python, "-c", f"import {ENTRY_MODULE}"], capture_output=True, text=True, timeout=60
+            [self.python, "-c", f"import {ENTRY_MODULE}"], capture_output=True, text=True, timeout=60, env=env
         )
         if probe.returncode != 0:
             raise RunnerUnavailable(
@@ -463,10 +474,11 @@ class ProcessRunner:
             return self._handle(task, child.pid, start_time, cgroup)
         return None
 
-    @staticmethod
-    def _task_env(task: Task) -> dict[str, str]:
+    def _task_env(self, task: Task) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("NYMPH_")}
         env.update(task.env)
+        if self.pythonpath is not None:
+            env["PYTHONPATH"] = self.pythonpath
         env[TASK_MARKER_ENV] = task_name(task)
         return env
 
