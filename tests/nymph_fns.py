@@ -59,8 +59,9 @@ def stubborn_tree(children: int = 2) -> None:
         time.sleep(1)
 
 
-def setsid_daemons(count: int, marker: str, hang: bool = True) -> int:
-    """Start ``count`` daemons the classic way, record their pids in daemons.txt, then hang (or return).
+def setsid_daemons(count: int, marker: str, release: str | None = None) -> int:
+    """Start ``count`` daemons the classic way, record their pids in daemons.txt, then hang (or,
+    with ``release``, return once that file exists), leaving the daemons running.
 
     Each daemon is forked by a child that calls ``setsid()`` and exits at once (so the daemon is in
     a session of its own and orphaned), ignores SIGTERM and carries ``marker`` on its command line.
@@ -87,8 +88,8 @@ def setsid_daemons(count: int, marker: str, hang: bool = True) -> int:
         os.close(read_end)
     Path("daemons.txt.tmp").write_text(" ".join(map(str, pids)))
     os.replace("daemons.txt.tmp", "daemons.txt")
-    while hang:
-        time.sleep(1)
+    while release is None or not Path(release).exists():
+        time.sleep(0.02)
     return count
 
 

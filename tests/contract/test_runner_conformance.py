@@ -266,7 +266,7 @@ def test_setsid_descendants_die_with_the_task(
     import uuid
 
     marker = f"nymph-test-daemon-{uuid.uuid4().hex}"
-    task = prepare(nymph_fns.setsid_daemons, 2, marker, ending == "stopped")
+    task = prepare(nymph_fns.setsid_daemons, 2, marker, None if ending == "stopped" else "release")
     handle = kit.start_saved(runner, task)
     kit.until(lambda: (task.workdir / "daemons.txt").exists(), "the daemons to start")
     assert len((task.workdir / "daemons.txt").read_text().split()) == 2
@@ -278,6 +278,7 @@ def test_setsid_descendants_die_with_the_task(
         status = runner.wait(handle, LIMIT_S)
         assert status is not None and status.exit_code != 0
     else:
+        (task.workdir / "release").touch()  # the task returns; its daemons are still running
         status = runner.wait(handle, LIMIT_S)
         assert status is not None and status.exit_code == 0, status
     runner.destroy(handle)

@@ -130,19 +130,24 @@ def _env() -> dict[str, str]:
     return env
 
 
-def nymph_args(cp: ControlPlane, base: Path, runtime: tuple[str, list[str]], *extra: str) -> list[str]:
-    """``nymph start`` as the systemd unit runs it: the token in a 0600 file, nothing else privileged."""
+def nymph_args(cp: ControlPlane, base: Path, runtime: tuple[str, list[str]] | None, *extra: str) -> list[str]:
+    """``nymph start`` as the systemd unit runs it: the token in a 0600 file, nothing else privileged.
+
+    ``runtime``: the process runner's ``python`` / ``pythonpath`` (None: another runner, in ``extra``).
+    """
     token_file = base / "token"
     token_file.write_text(cp.daemon_token + "\n")
     os.chmod(token_file, 0o600)
-    python, pythonpath = runtime
-    return [
+    args = [
         sys.executable, "-m", "nymph", "start", "--server", cp.url, "--token-file", str(token_file),
         "--queue", "default", "--workdir", str(base / "work"), "--state-dir", str(base / "state"),
         "--heartbeat-s", "0.5", "--poll-timeout-s", "2", "--stop-grace-s", "0.5",
-        "--runner-opt", f"python={python}", "--runner-opt", f"pythonpath={pythonpath!r}".replace("'", '"'),
-        *extra,
     ]  # fmt: skip
+    if runtime is not None:
+        python, pythonpath = runtime
+        paths = ", ".join(f'"{p}"' for p in pythonpath)
+        args += ["--runner-opt", f"python={python}", "--runner-opt", f"pythonpath=[{paths}]"]
+    return [*args, *extra]
 
 
 @pytest.fixture
@@ -151,10 +156,10 @@ def root_nymph(
 ) -> Iterator[Callable[..., RootNymph]]:
     started: list[RootNymph] = []
 
-    def make(*extra: str) -> RootNymph:
+    def make(*extra: str, process: bool = True) -> RootNymph:
         base = Path(tempfile.mkdtemp(prefix="nymph-sec-"))
         os.chmod(base, 0o711)
-        n = RootNymph(base, nymph_args(plane, base, readable_runtime, *extra))
+        n = RootNymph(base, nymph_args(plane, base, readable_runtime if process else None, *extra))
         started.append(n)
         return n.start()
 

@@ -147,3 +147,19 @@ def test_nymph_refuses_to_start_as_root_without_its_task_user(
     assert not (base / "state" / "worker_id").exists()  # never registered
     os.remove(base / "token")
     os.rmdir(base)
+
+
+def test_a_container_runs_as_the_task_user_not_root(
+    plane: ControlPlane, root_nymph: Callable[..., RootNymph], task_user: pwd.struct_passwd
+) -> None:
+    """The docker runner runs the container as the workdir's owner: the task user's uid, not 0."""
+    from tests.contract.test_runner_conformance import options_for
+
+    image = options_for("docker")["image"]  # skips without an engine and a test image
+    n = root_nymph(
+        "--runner", "docker", "--runner-opt", f"image={image}", "--runner-opt", "pull=never", process=False
+    )
+    inv = submit(plane, ref("tests.security.attack_fns", "ids"))
+    out = await_result(plane, inv)
+    assert out["state"] == "succeeded", (out, n.output()[-3000:])
+    assert list(wire.unpack(out["result_blob"])) == [task_user.pw_uid, task_user.pw_uid]

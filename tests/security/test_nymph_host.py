@@ -119,7 +119,7 @@ def test_setsid_daemons_die_on_cancel_timeout_and_shutdown(
     n = root_nymph("--grace-s", "0.5")
     marker = f"nymph-sec-daemon-{uuid.uuid4().hex}"
     timeout = {"timeout_s": 15} if how == "timeout" else {}
-    inv = submit(plane, ref("tests.nymph_fns", "setsid_daemons", 2, marker, True), **timeout)
+    inv = submit(plane, ref("tests.nymph_fns", "setsid_daemons", 2, marker, None), **timeout)
     deadline_ok = _until(lambda: len(_marked(marker)) == 2)
     assert deadline_ok, ("the daemons never started", n.output()[-3000:])
     daemons = _marked(marker)
