@@ -95,8 +95,22 @@ def main(log_level: str) -> None:
     type=float,
     help="Invocation lease in seconds (default 30).",
 )
+@click.option(
+    "--max-polls",
+    envvar="LAKESHORE_MAX_POLLS",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Concurrent daemon long polls served; past it a poll is answered 503 with Retry-After "
+    "(default 5000). Each needs a file descriptor: the soft limit is raised to the hard one.",
+)
 def server(
-    host: str, port: int, data_dir: str, db: str | None, redis_url: str | None, lease_s: float | None
+    host: str,
+    port: int,
+    data_dir: str,
+    db: str | None,
+    redis_url: str | None,
+    lease_s: float | None,
+    max_polls: int | None,
 ) -> None:
     """Run the control plane (HTTP) over the store."""
     import uvicorn
@@ -117,11 +131,34 @@ def server(
         click.echo(line)
     try:
         payloads = PayloadStore.from_env(os.environ)
-        config = ServerConfig.from_env(lease_s=lease_s)
+        config = ServerConfig.from_env(lease_s=lease_s, max_polls=max_polls)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
+    _raise_open_files(config.max_polls)
     app = create_app(store, fanout=make_fanout(redis_url), payloads=payloads, config=config)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+
+
+FDS_PER_SERVER = 256  # descriptors besides the long polls: store, other routes, logs
+
+
+def _raise_open_files(max_polls: int) -> None:
+    """Raise the soft limit on open files to the hard one (a fleet's polls each hold a socket);
+    warn when even that is short of ``max_polls``."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    if soft != resource.RLIM_INFINITY and soft < max_polls + FDS_PER_SERVER:
+        logging.getLogger(__name__).warning(
+            "open-file limit %d is below --max-polls %d plus %d: raise `ulimit -n` (LimitNOFILE= under "
+            "systemd) or lower --max-polls, or polls past the limit fail to connect",
+            soft,
+            max_polls,
+            FDS_PER_SERVER,
+        )
 
 
 @main.group()

@@ -4,7 +4,9 @@ Handlers live by audience in ``producer``, ``streams``, ``daemon``, ``namespaces
 (operators' JSON views; the ``/ui`` dashboard is ``server.ui``); this module
 does what is common to all of them: auth first (401/403), then ids (400), then the bounded body
 (413/400), then the handler; an :class:`~.http.HTTPError` becomes ``{"error": ...}`` in the route's
-encoding, anything unexpected a logged 500. A background task expires lapsed leases every second.
+encoding, anything unexpected a logged 500. Long polls are admitted up to ``max_polls`` (past it:
+503 with ``Retry-After``). Background tasks expire lapsed leases every second and, over PostgreSQL,
+relay wake-ups between replicas (``server/relay.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -27,6 +30,8 @@ from dreamlake.lakeshore.server.auth import require_kind, require_namespace
 from dreamlake.lakeshore.server.config import ServerConfig
 from dreamlake.lakeshore.server.context import Context, store_dialect
 from dreamlake.lakeshore.server.http import HTTPError
+from dreamlake.lakeshore.server.polls import PollsFull
+from dreamlake.lakeshore.server.relay import PgRelay, libpq_dsn
 from dreamlake.lakeshore.server.ui import Dashboard
 from dreamlake.lakeshore.store.api import Principal, Store
 
@@ -136,8 +141,18 @@ class Routes:
 
     async def poll(self, request: Request) -> Response:
         principal = await self._who(request, "daemon")
-        body = await self._msgpack(request)
-        return h.msgpack_response(await daemon.poll(self.ctx, principal, body, request.is_disconnected))
+        try:
+            with self.ctx.polls.admitted():
+                body = await self._msgpack(request)
+                out = await daemon.poll(self.ctx, principal, body, request.is_disconnected)
+        except PollsFull as exc:
+            self.ctx.metrics.polls_refused.inc()
+            after = self.ctx.config.poll_retry_after_s
+            after = random.randint(after, 2 * after)  # spread the fleet's retries
+            response = h.msgpack_response({"error": f"{exc}; retry after {after} s"}, 503)
+            response.headers["Retry-After"] = str(after)
+            return response
+        return h.msgpack_response(out)
 
     async def ack(self, request: Request) -> Response:
         principal = await self._who(request, "daemon")
@@ -235,6 +250,21 @@ async def _expire_loop(ctx: Context) -> None:
                 ctx.wake.notify(f"inv:{inv}")
 
 
+def _relay(ctx: Context) -> PgRelay | None:
+    """The LISTEN/NOTIFY relay of a PostgreSQL store, attached to the poll hub; None on SQLite."""
+    url = getattr(getattr(ctx.store, "db", None), "url", None)
+    if not ctx.polls.shared_store or not isinstance(url, str):
+        return None
+
+    def on_listening(up: bool) -> None:
+        if not up:
+            ctx.polls.degrade()
+
+    relay = PgRelay(libpq_dsn(url), ctx.wake.notifier, on_listening=on_listening)
+    ctx.polls.relay = relay
+    return relay
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     status = exc.status_code if isinstance(exc, HTTPException) else 500
     message = {
@@ -258,13 +288,20 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        expirer = asyncio.create_task(_expire_loop(ctx))
+        ctx.polls.start(asyncio.get_running_loop())
+        tasks = [asyncio.create_task(_expire_loop(ctx))]
+        relay = _relay(ctx)
+        if relay is not None:
+            tasks.append(asyncio.create_task(relay.run()))
         try:
             yield
         finally:
-            expirer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await expirer
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            ctx.polls.stop()
             # The Fanout protocol closes with ``aclose`` (a Redis fan-out holds two clients).
             closer = getattr(ctx.fanout, "aclose", None) or getattr(ctx.fanout, "close", None)
             if callable(closer):

@@ -25,7 +25,10 @@ class ServerConfig:
     stream_max_s: float = 3600.0
     exec_wait_max_s: float = 300.0
     poll_max_commands: int = 64
-    recheck_s: float = 1.0  # safety re-check of long polls (other replicas do not wake this one)
+    recheck_s: float = 1.0  # re-check of waits that other replicas' changes may not wake
+    poll_recheck_s: float = 30.0  # safety re-check of a long poll while wake-ups reach it reliably
+    max_polls: int = 5000  # concurrent long polls; past it a poll is answered 503 + Retry-After
+    poll_retry_after_s: int = 5  # Retry-After of that 503 (sent jittered, up to twice this)
     expire_every_s: float = 1.0
     store_threads: int | None = None  # None: 1 for SQLite, 8 otherwise
 

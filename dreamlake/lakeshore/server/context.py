@@ -1,5 +1,5 @@
-"""What every route needs: the store (run off-loop), wake-ups, auth, metrics, config, plugins and
-the live-queue watch behind submit's "no worker" warning."""
+"""What every route needs: the store (run off-loop), wake-ups, the poll hub, auth, metrics, config,
+plugins and the live-queue watch behind submit's "no worker" warning."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from dreamlake.lakeshore.server.http import HTTPError
 from dreamlake.lakeshore.server.hub import StoreRunner, Wakeups
 from dreamlake.lakeshore.server.liveness import QueueWatch
 from dreamlake.lakeshore.server.metrics import Metrics
+from dreamlake.lakeshore.server.polls import PollHub
 from dreamlake.lakeshore.store.api import Store
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,18 @@ class Context:
         threads = self.config.store_threads or (1 if self.dialect == "sqlite" else 8)
         self.runner = StoreRunner(threads)
         self.wake = Wakeups(self.store)
+        self.polls = PollHub(
+            self.wake.notifier,
+            max_polls=self.config.max_polls,
+            recheck_s=self.config.recheck_s,
+            safety_recheck_s=self.config.poll_recheck_s,
+        )
+        self.polls.shared_store = self.dialect == "postgresql"
+        self.metrics.polls_waiting.set_function(lambda: self.polls.waiting)
+        self.metrics.polls_active.set_function(lambda: self.polls.active)
+        self.metrics.relay_listening.set_function(
+            lambda: float(self.polls.relay is not None and self.polls.relay.listening)
+        )
         self.auth = Authenticator(lambda secret: self.call(self.store.verify_token, secret))
         self.queues = QueueWatch()
 

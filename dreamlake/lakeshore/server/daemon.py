@@ -1,14 +1,15 @@
 """Daemon routes (msgpack): register, poll, ack, result-chunk and heartbeat.
 
 ``poll`` is a long poll: each pass collects pending cancels, claims invocations and exec jobs in
-one store transaction (``store.poll``); with nothing to hand out it waits on the
-store notifier's ``queue:<q>`` / ``exec:<q>`` / ``worker:<id>`` channels, re-checking the store
-about once a second for work submitted through other replicas.
+one store transaction (``store.poll``); with nothing to hand out it waits in the poll hub
+(``server/polls.py``), which wakes one waiting poll per unit of new work (and every poll of a
+worker with a command queued), so a submit costs one claim transaction, not one per waiting daemon.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,7 @@ from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.server import http
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError, field
+from dreamlake.lakeshore.server.polls import EXEC, RUN, TIMEOUT, Wake
 from dreamlake.lakeshore.store.api import ACK_STATES, Command, Invocation, Principal
 
 if TYPE_CHECKING:
@@ -119,9 +121,10 @@ def command_dict(cmd: Command) -> dict[str, Any]:
 
 async def _collect(
     ctx: Context, worker_id: str, queues: list[str], limit: int, *, exec_jobs: bool, namespace: str | None
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], list[Wake]]:
     """One poll pass, one store transaction (``store.poll``): pending cancels, then claimed
-    invocations, then exec jobs (of ``namespace`` when the token is bound to one) for free slots."""
+    invocations, then exec jobs (of ``namespace`` when the token is bound to one) for free slots.
+    Returns the commands and the work claimed (for the poll hub)."""
     cancels, claimed, jobs = await ctx.call(
         ctx.store.poll,
         worker_id,
@@ -138,7 +141,9 @@ async def _collect(
         ctx.metrics.claims.labels(kind="run").inc(len(claimed))
     if jobs:
         ctx.metrics.claims.labels(kind="exec").inc(len(jobs))
-    return commands
+    units = [Wake(RUN, inv.queue) for inv in claimed]
+    units.extend(Wake(EXEC, job["queue"], job["namespace"]) for job in jobs)
+    return commands, units
 
 
 Disconnected = Callable[[], Awaitable[bool]]
@@ -160,9 +165,10 @@ def _takes_exec(body: dict[str, Any]) -> bool:
 async def poll(
     ctx: Context, principal: Principal, body: dict[str, Any], disconnected: Disconnected | None = None
 ) -> dict[str, Any]:
-    """The long poll. ``disconnected`` (the request's ``is_disconnected``) is asked before every
-    claim: a daemon that hung up claims nothing. Work claimed just before a hang-up is not lost:
-    its lease lapses and the reaper requeues it (attempt + 1)."""
+    """The long poll (admission is the route's: ``ctx.polls.admitted()``). ``disconnected`` (the
+    request's ``is_disconnected``) is asked before every claim: a daemon that hung up claims
+    nothing, and a wake-up it was handed goes to the next poll. Work claimed just before a hang-up
+    is not lost: its lease lapses and the reaper requeues it (attempt + 1)."""
     worker_id = _worker(body)
     queues = _queues(body)
     limit = int(http.number(body, "max", 1, lo=1, hi=ctx.config.poll_max_commands))
@@ -170,22 +176,32 @@ async def poll(
     field(body, "version", str, default="")
     exec_jobs = _takes_exec(body)
     started = time.monotonic()
-    deadline = started + timeout
-    channels = [f"queue:{q}" for q in queues] + [f"exec:{q}" for q in queues] + [f"worker:{worker_id}"]
+    # A fleet started together would renew its polls in lockstep, all at once every timeout_s: an
+    # empty poll ends at a random point of its last fifth, so renewals spread out within rounds.
+    deadline = started + timeout * random.uniform(0.8, 1.0)
+    ticket = ctx.polls.ticket(worker_id, queues, takes_exec=exec_jobs, namespace=principal.namespace)
     commands: list[dict[str, Any]] = []
-    while True:
-        if disconnected is not None and await disconnected():
-            log.debug("poll of worker %s: the daemon hung up; nothing claimed", worker_id)
-            ctx.metrics.poll_wait.observe(time.monotonic() - started)
-            return {"commands": []}
-        mark = ctx.wake.mark()
-        commands = await _collect(
-            ctx, worker_id, queues, limit, exec_jobs=exec_jobs, namespace=principal.namespace
-        )
-        remaining = deadline - time.monotonic()
-        if commands or remaining <= 0:
-            break
-        await ctx.wake.wait(channels, min(remaining, ctx.config.recheck_s), since=mark)
+    reason = "first"
+    try:
+        while True:
+            if disconnected is not None and await disconnected():
+                log.debug("poll of worker %s: the daemon hung up; nothing claimed", worker_id)
+                ctx.metrics.poll_wait.observe(time.monotonic() - started)
+                return {"commands": []}
+            mark = ctx.wake.mark()
+            ctx.metrics.poll_passes.labels(reason=reason).inc()
+            commands, claimed = await _collect(
+                ctx, worker_id, queues, limit, exec_jobs=exec_jobs, namespace=principal.namespace
+            )
+            ticket.settle(claimed, limit)
+            remaining = deadline - time.monotonic()
+            if commands or remaining <= 0:
+                break
+            reason = await ticket.wait(remaining, since=mark)
+            if reason == TIMEOUT:  # nothing came for this poll: no last pass needed
+                break
+    finally:
+        ticket.close()
     ctx.metrics.poll_wait.observe(time.monotonic() - started)
     return await _pinned(ctx, principal, worker_id, {"commands": commands})
 

@@ -14,6 +14,7 @@ from dreamlake.lakeshore.server import http
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError, field
 from dreamlake.lakeshore.store.api import Principal
+from dreamlake.lakeshore.store.notify import exec_queue_channel
 from dreamlake.lakeshore.store.values import MAX_ATTEMPTS_CAP
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ async def exec_(ctx: Context, namespace: str, body: dict[str, Any]) -> tuple[int
         timeout_s=float(timeout_s) if timeout_s is not None else None,
         max_attempts=max_attempts,
     )
-    ctx.wake.notify(f"exec:{queue}")
+    ctx.wake.notify(f"worker:{worker_id}" if worker_id else exec_queue_channel(namespace, queue))
     log.info("exec %s queued on %s in namespace %s", exec_id, queue, namespace)
     return 202, {"exec_id": exec_id, "worker_id": worker_id}
 
