@@ -311,7 +311,7 @@ class ProcessRunner:
                 return
             time.sleep(_POLL_S)
         self._signal_group(pgid, signal.SIGKILL)
-        _signal_each(self._strays(handle), signal.SIGKILL)
+        _kill_and_wait(self._strays(handle))
         self._wait_group_gone(handle)
 
     def destroy(self, handle: Handle) -> None:
@@ -320,7 +320,7 @@ class ProcessRunner:
             cgroup[0].kill(cgroup[1])  # whatever the task left running, in any session
             cgroup[0].wait_empty(cgroup[1], 10.0)
         elif cgroup is None:
-            _signal_each(self._strays(handle), signal.SIGKILL)
+            _kill_and_wait(self._strays(handle))
         pgid = int(handle.data["pgid"])
         pid = int(handle.data["pid"])
         proc = self._children.get(pid)
@@ -730,6 +730,16 @@ def _signal_each(procs: list[psutil.Process], sig: int) -> None:
     for proc in procs:
         with contextlib.suppress(psutil.Error):
             proc.send_signal(sig)
+
+
+def _kill_and_wait(procs: list[psutil.Process], limit_s: float = 10.0) -> None:
+    """SIGKILL ``procs`` and wait until each is gone or a zombie (a kill is delivered asynchronously)."""
+    _signal_each(procs, signal.SIGKILL)
+    deadline = time.monotonic() + limit_s
+    while procs and time.monotonic() < deadline:
+        procs = [p for p in procs if _not_zombie(p)]  # a gone process reads as not running
+        if procs:
+            time.sleep(_POLL_S)
 
 
 def _user_record(name: str) -> dict[str, object]:
