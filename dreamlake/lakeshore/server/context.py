@@ -1,5 +1,5 @@
-"""What every route needs: the store (run off-loop), wake-ups, the poll hub, auth, metrics, config,
-plugins and the live-queue watch behind submit's "no worker" warning."""
+"""What every route needs: the store (run off-loop), wake-ups, the poll hub, auth and worker
+bindings, metrics, config, plugins and the live-queue watch behind submit's "no worker" warning."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.server.auth import Authenticator
+from dreamlake.lakeshore.server.authz import WorkerBindings
 from dreamlake.lakeshore.server.config import ServerConfig
 from dreamlake.lakeshore.server.http import HTTPError
 from dreamlake.lakeshore.server.hub import StoreRunner, Wakeups
@@ -59,6 +60,7 @@ class Context:
             lambda: float(self.polls.relay is not None and self.polls.relay.listening)
         )
         self.auth = Authenticator(lambda secret: self.call(self.store.verify_token, secret))
+        self.workers = WorkerBindings(lambda worker, token: self.call(self.store.bind_worker, worker, token))
         self.queues = QueueWatch()
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

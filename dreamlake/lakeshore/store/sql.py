@@ -57,7 +57,7 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
             claimed: list[Invocation] = []
             jobs: list[dict[str, Any]] = []
             if queues and limit >= 1:
-                claimed = self._claim_in(conn, worker_id, queues, limit, lease_s, now)
+                claimed = self._claim_in(conn, worker_id, queues, limit, lease_s, now, namespace)
                 if exec_jobs and len(claimed) < limit:
                     left = limit - len(claimed)
                     jobs = self._claim_exec_in(conn, worker_id, queues, left, now, namespace, lease_s)
