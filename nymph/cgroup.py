@@ -150,12 +150,11 @@ class TaskCgroups:
         return path.parent == self.base and bool(path.name) and not path.name.startswith(".")
 
     def create(self, name: str) -> Path:
-        """A fresh, empty cgroup for task ``name``; a leftover of the same name is emptied first."""
+        """The cgroup of task ``name``, created unless it exists (a start tried again, or a previous
+        life's: the same invocation and attempt, so the same task, never killed here)."""
         path = self.path(name)
         try:
-            path.mkdir()
-        except FileExistsError:
-            self.kill(path)
+            path.mkdir(exist_ok=True)
         except OSError as exc:
             raise CgroupError(exc.errno, f"cannot create cgroup {path}: {exc.strerror}") from exc
         return path

@@ -197,6 +197,14 @@ class ProcessRunner:
     def start(self, task: Task) -> Handle:
         parse_resources(task.run_config.get("resources"), self.name, unsupported=UNSUPPORTED_RESOURCES)
         cgroup = self._task_cgroup(task)
+        try:
+            return self._start(task, cgroup)
+        except BaseException:
+            if cgroup is not None and self.cgroups is not None and not self.cgroups.populated(cgroup):
+                self.cgroups.remove(cgroup)  # nothing started in it: no empty cgroup left behind
+            raise
+
+    def _start(self, task: Task, cgroup: Path | None) -> Handle:
         if self.prefork and task.script is None and (not task.as_user or os.geteuid() == 0):
             handle = self._start_forked(task, cgroup)
             if handle is not None:
