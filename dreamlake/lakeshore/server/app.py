@@ -264,6 +264,7 @@ def create_app(
             expirer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await expirer
+            await ctx.writer.aclose()
             # The Fanout protocol closes with ``aclose`` (a Redis fan-out holds two clients).
             closer = getattr(ctx.fanout, "aclose", None) or getattr(ctx.fanout, "close", None)
             if callable(closer):

@@ -1,4 +1,5 @@
-"""What every route needs: the store (run off-loop), wake-ups, auth, metrics, config and plugins."""
+"""What every route needs: the store (run off-loop), the group-commit writer, wake-ups, auth,
+metrics, config and plugins."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from dreamlake.lakeshore.server.config import ServerConfig
 from dreamlake.lakeshore.server.http import HTTPError
 from dreamlake.lakeshore.server.hub import StoreRunner, Wakeups
 from dreamlake.lakeshore.server.metrics import Metrics
-from dreamlake.lakeshore.store.api import Store
+from dreamlake.lakeshore.server.writer import GroupWriter
+from dreamlake.lakeshore.store.api import Store, WriteRequest, WriteResult
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,13 @@ def store_dialect(store: Any) -> str:
     return "postgresql" if url.startswith("postgres") else "sqlite"
 
 
+def _answer(exc: PlaneError) -> Exception:
+    """A store refusal with a 4xx status as that HTTP answer; anything else unchanged (a 500)."""
+    if isinstance(exc.status, int) and 400 <= exc.status < 500:
+        return HTTPError(exc.status, str(exc))
+    return exc
+
+
 @dataclass
 class Context:
     store: Store
@@ -44,16 +53,22 @@ class Context:
         self.runner = StoreRunner(threads)
         self.wake = Wakeups(self.store)
         self.auth = Authenticator(lambda secret: self.call(self.store.verify_token, secret))
+        self.writer = GroupWriter(self.store, observe=self.metrics.write_batch.observe)
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a store method in the store thread; a PlaneError with a 4xx status becomes that answer."""
         try:
             return await self.runner(fn, *args, **kwargs)
         except PlaneError as exc:
-            status = exc.status if isinstance(exc.status, int) and 400 <= exc.status < 500 else None
-            if status is None:
-                raise
-            raise HTTPError(status, str(exc)) from None
+            raise _answer(exc) from None
+
+    async def write(self, request: WriteRequest) -> WriteResult:
+        """Write through the group commit (answered once committed); a 4xx PlaneError becomes
+        that answer, as in ``call``."""
+        try:
+            return await self.writer.write(request)
+        except PlaneError as exc:
+            raise _answer(exc) from None
 
     def close(self) -> None:
         self.runner.close()

@@ -3,7 +3,8 @@
 ``poll`` is a long poll: each pass collects pending cancels, claims invocations and exec jobs in
 one store transaction (``store.poll``); with nothing to hand out it waits on the
 store notifier's ``queue:<q>`` / ``exec:<q>`` / ``worker:<id>`` channels, re-checking the store
-about once a second for work submitted through other replicas.
+about once a second for work submitted through other replicas. ``ack``, ``result-chunk`` and
+``heartbeat`` write through the group commit (``ctx.write``): answered once committed.
 """
 
 from __future__ import annotations
@@ -17,7 +18,18 @@ from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.server import http
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError, field
-from dreamlake.lakeshore.store.api import ACK_STATES, Command, Invocation, Principal
+from dreamlake.lakeshore.store.api import (
+    ACK_STATES,
+    AckRequest,
+    AckResult,
+    ChunkResult,
+    Command,
+    FrameRequest,
+    HeartbeatRequest,
+    HeartbeatResult,
+    Invocation,
+    Principal,
+)
 
 if TYPE_CHECKING:
     from dreamlake.lakeshore.wire import Frame
@@ -41,16 +53,6 @@ def _queues(body: dict[str, Any], default: list[str] | None = None) -> list[str]
     if not queues or len(queues) > MAX_QUEUES:
         raise HTTPError(400, f"field 'queues' must list 1 to {MAX_QUEUES} queue names")
     return [http.name(q, "queue") for q in queues]
-
-
-async def _pinned(ctx: Context, principal: Principal, worker_id: str, out: dict[str, Any]) -> dict[str, Any]:
-    """Add ``target_nymph_version`` when the daemon's namespace pins one. The namespace is its
-    token's, else the one it registered with (read from the store's workers row, so a replica that
-    did not serve the register answers the same), else ``default``."""
-    version = await ctx.call(ctx.store.pinned_version_for_worker, worker_id, principal.namespace)
-    if version:
-        out["target_nymph_version"] = version
-    return out
 
 
 async def register(ctx: Context, principal: Principal, body: dict[str, Any]) -> dict[str, Any]:
@@ -117,13 +119,24 @@ def command_dict(cmd: Command) -> dict[str, Any]:
     return {"id": cmd.id, "kind": cmd.kind, "body": cmd.body}
 
 
+def _with_pin(out: dict[str, Any], version: str | None) -> dict[str, Any]:
+    """Add ``target_nymph_version`` when the daemon's namespace pins one. The namespace is its
+    token's, else the one it registered with (read from the store's workers row, in the poll's or
+    heartbeat's own transaction, so a replica that did not serve the register answers the same),
+    else ``default``."""
+    if version:
+        out["target_nymph_version"] = version
+    return out
+
+
 async def _collect(
     ctx: Context, worker_id: str, queues: list[str], limit: int, *, exec_jobs: bool, namespace: str | None
-) -> list[dict[str, Any]]:
-    """One poll pass, one store transaction (``store.poll``): pending cancels, then claimed
-    invocations, then exec jobs (of ``namespace`` when the token is bound to one) for free slots."""
-    cancels, claimed, jobs = await ctx.call(
-        ctx.store.poll,
+) -> tuple[list[dict[str, Any]], str | None]:
+    """One poll pass, one store transaction (``store.poll_pass``): pending cancels, then claimed
+    invocations, then exec jobs (of ``namespace`` when the token is bound to one) for free slots,
+    and the pinned nymph version."""
+    got = await ctx.call(
+        ctx.store.poll_pass,
         worker_id,
         queues,
         limit,
@@ -131,14 +144,14 @@ async def _collect(
         exec_jobs=exec_jobs,
         namespace=namespace,
     )
-    commands = [command_dict(c) for c in cancels]
-    commands.extend(run_command(inv) for inv in claimed)
-    commands.extend(exec_command(job) for job in jobs)
-    if claimed:
-        ctx.metrics.claims.labels(kind="run").inc(len(claimed))
-    if jobs:
-        ctx.metrics.claims.labels(kind="exec").inc(len(jobs))
-    return commands
+    commands = [command_dict(c) for c in got.commands]
+    commands.extend(run_command(inv) for inv in got.invocations)
+    commands.extend(exec_command(job) for job in got.exec_jobs)
+    if got.invocations:
+        ctx.metrics.claims.labels(kind="run").inc(len(got.invocations))
+    if got.exec_jobs:
+        ctx.metrics.claims.labels(kind="exec").inc(len(got.exec_jobs))
+    return commands, got.pinned_version
 
 
 Disconnected = Callable[[], Awaitable[bool]]
@@ -173,13 +186,14 @@ async def poll(
     deadline = started + timeout
     channels = [f"queue:{q}" for q in queues] + [f"exec:{q}" for q in queues] + [f"worker:{worker_id}"]
     commands: list[dict[str, Any]] = []
+    pinned: str | None = None
     while True:
         if disconnected is not None and await disconnected():
             log.debug("poll of worker %s: the daemon hung up; nothing claimed", worker_id)
             ctx.metrics.poll_wait.observe(time.monotonic() - started)
             return {"commands": []}
         mark = ctx.wake.mark()
-        commands = await _collect(
+        commands, pinned = await _collect(
             ctx, worker_id, queues, limit, exec_jobs=exec_jobs, namespace=principal.namespace
         )
         remaining = deadline - time.monotonic()
@@ -187,7 +201,7 @@ async def poll(
             break
         await ctx.wake.wait(channels, min(remaining, ctx.config.recheck_s), since=mark)
     ctx.metrics.poll_wait.observe(time.monotonic() - started)
-    return await _pinned(ctx, principal, worker_id, {"commands": commands})
+    return _with_pin({"commands": commands}, pinned)
 
 
 def _error_info(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -217,15 +231,8 @@ async def ack(ctx: Context, principal: Principal, body: dict[str, Any]) -> tuple
     error = _error_info(body)
     worker_id = http.ulid_field(body, "worker_id", optional=True)
     attempt = http.integer(body, "attempt", hi=http.I32_MAX, default=None)
-    result = await ctx.call(
-        ctx.store.ack,
-        invocation_id,
-        state,
-        attempt=attempt,
-        worker_id=worker_id,
-        result_blob=result_blob,
-        error=error,
-    )
+    result = await ctx.write(AckRequest(invocation_id, state, attempt, worker_id, result_blob, error))
+    assert isinstance(result, AckResult)
     if result.ok:
         ctx.metrics.acks.labels(state=state, outcome="duplicate" if result.duplicate else "ok").inc()
         ctx.wake.notify(f"inv:{invocation_id}")
@@ -279,7 +286,8 @@ async def result_chunk(
         )
     if attempt is None and await ctx.call(ctx.store.get, invocation_id) is None:
         raise HTTPError(404, f"unknown invocation '{invocation_id}'", ok=False)
-    result = await ctx.call(ctx.store.append_frame, invocation_id, seq, data, final, attempt=attempt)
+    result = await ctx.write(FrameRequest(invocation_id, seq, data, final, attempt))
+    assert isinstance(result, ChunkResult)
     if not result.ok:
         reason = result.reason or "frame refused"
         if reason.startswith("unknown"):
@@ -344,13 +352,13 @@ async def heartbeat(ctx: Context, principal: Principal, body: dict[str, Any]) ->
         pairs.append((inv_id, attempt))
     exec_pairs = _running_exec(body)
     field(body, "free_slots", int, default=0)
-    commands, lost = await ctx.call(
-        ctx.store.heartbeat, worker_id, pairs, ctx.config.lease_s, running_exec=exec_pairs
-    )
+    beat = HeartbeatRequest(worker_id, pairs, ctx.config.lease_s, exec_pairs, principal.namespace)
+    result = await ctx.write(beat)
+    assert isinstance(result, HeartbeatResult)
     out = {
         "ok": True,
         "lease_s": ctx.config.lease_s,
-        "commands": [command_dict(c) for c in commands],
-        "lost": lost,
+        "commands": [command_dict(c) for c in result.commands],
+        "lost": result.lost,
     }
-    return await _pinned(ctx, principal, worker_id, out)
+    return _with_pin(out, result.pinned_version)

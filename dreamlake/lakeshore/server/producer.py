@@ -1,5 +1,7 @@
 """Producer routes (msgpack): submit, await, status, cancel and topic posts.
 
+A submit is written through the group commit (``ctx.write``) and answered once committed.
+
 The result and topic streams live in ``server.streams``.
 """
 
@@ -14,7 +16,13 @@ from starlette.requests import Request
 from dreamlake.lakeshore.server import http
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError, field
-from dreamlake.lakeshore.store.api import TERMINAL_STATES, Invocation, Principal, SubmitRequest
+from dreamlake.lakeshore.store.api import (
+    TERMINAL_STATES,
+    Invocation,
+    Principal,
+    SubmitRequest,
+    SubmitResult,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +52,8 @@ async def submit(ctx: Context, principal: Principal, body: dict[str, Any]) -> di
         parent_invocation_id=parent,
         namespace=principal.namespace or "default",
     )
-    result = await ctx.call(ctx.store.submit, req)
+    result = await ctx.write(req)
+    assert isinstance(result, SubmitResult)
     ctx.metrics.submits.labels(duplicate=str(result.duplicate).lower()).inc()
     ctx.wake.notify(f"queue:{result.queue}")
     log.debug("submitted %s to queue %s (duplicate=%s)", result.invocation_id, result.queue, result.duplicate)

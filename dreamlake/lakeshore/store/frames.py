@@ -19,17 +19,23 @@ from typing import Any
 
 import msgpack
 import sqlalchemy as sa
+from sqlalchemy.engine import Connection
 
 from dreamlake.lakeshore.errors import PlaneError
 
 from . import schema as t
-from .api import ChunkResult, Frame
+from .api import ChunkResult, Frame, FrameRequest
 from .base import StoreBase, dialect_insert
-from .engine import Database
+from .engine import Database, retry_on_disconnect
 from .notify import Notifier
 
 TOPIC_PREFIX = "topic:"
 FRAME_VALUE, FRAME_END = 1, 2  # wire.FRAME_VALUE / FRAME_END; the store does not import the codec
+
+
+def frame_channel(owner_id: str) -> str:
+    """The notifier channel of a frame's owner: ``topic:<name>`` as is, ``inv:<id>`` otherwise."""
+    return owner_id if owner_id.startswith(TOPIC_PREFIX) else f"inv:{owner_id}"
 
 
 class _Statements:
@@ -74,38 +80,49 @@ class FrameStore(StoreBase):
         super().__init__(db, notifier)
         self._frame_st = _statements(db.dialect)
 
+    @retry_on_disconnect
     def append_frame(
         self, owner_id: str, seq: int, data: bytes, final: bool, *, attempt: int | None = None
     ) -> ChunkResult:
-        if seq < 0:
-            raise PlaneError(f"frame seq must be >= 0, got {seq}", status=400)
-        st = self._frame_st
+        req = self._prepare_frame(FrameRequest(owner_id, seq, data, final, attempt))
         with self.db.tx(write=True) as conn:
-            if attempt is not None and not owner_id.startswith(TOPIC_PREFIX):
-                current = conn.execute(st.attempt_of, {"id": owner_id}).scalar_one_or_none()
-                if current is None:
-                    return ChunkResult(ok=False, seq=seq, reason=f"unknown invocation {owner_id}")
-                if current != attempt:
-                    return ChunkResult(
-                        ok=False,
-                        seq=seq,
-                        reason=f"attempt {attempt} of {owner_id} was superseded by attempt {current}",
-                    )
-            added = conn.execute(
-                st.insert_frame,
-                {
-                    "owner": owner_id,
-                    "seq": seq,
-                    "data": bytes(data),
-                    "final": bool(final),
-                    "now": time.time(),
-                },
-            ).first()
-        if added is None:
+            result = self._append_frame_in(conn, req, time.time())
+        if result.ok and not result.duplicate:
+            self._notify(frame_channel(owner_id))
+        return result
+
+    @staticmethod
+    def _prepare_frame(req: FrameRequest) -> FrameRequest:
+        if req.seq < 0:
+            raise PlaneError(f"frame seq must be >= 0, got {req.seq}", status=400)
+        return req
+
+    def _append_frame_in(self, conn: Connection, req: FrameRequest, now: float) -> ChunkResult:
+        """Journal a checked frame in the caller's transaction (see ``append_frame``)."""
+        st = self._frame_st
+        owner_id, seq, attempt = req.owner_id, req.seq, req.attempt
+        if attempt is not None and not owner_id.startswith(TOPIC_PREFIX):
+            current = conn.execute(st.attempt_of, {"id": owner_id}).scalar_one_or_none()
+            if current is None:
+                return ChunkResult(ok=False, seq=seq, reason=f"unknown invocation {owner_id}")
+            if current != attempt:
+                return ChunkResult(
+                    ok=False,
+                    seq=seq,
+                    reason=f"attempt {attempt} of {owner_id} was superseded by attempt {current}",
+                )
+        params = {
+            "owner": owner_id,
+            "seq": seq,
+            "data": bytes(req.data),
+            "final": bool(req.final),
+            "now": now,
+        }
+        if conn.execute(st.insert_frame, params).first() is None:
             return ChunkResult(ok=True, seq=seq, duplicate=True)
-        self._notify(owner_id if owner_id.startswith(TOPIC_PREFIX) else f"inv:{owner_id}")
         return ChunkResult(ok=True, seq=seq)
 
+    @retry_on_disconnect
     def read_frames(self, owner_id: str, since: int = -1, limit: int = 1000) -> list[Frame]:
         params = {"owner": owner_id, "since": since, "limit": max(0, limit)}
         with self.db.tx(write=False) as conn:
