@@ -91,33 +91,54 @@ def main(log_level: str) -> None:
     type=float,
     help="Invocation lease in seconds (default 30).",
 )
+@click.option(
+    "--workers",
+    envvar="LAKESHORE_WORKERS",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 256),
+    help="Server processes on the one port: the way past one core, over PostgreSQL (with --redis "
+    "for live frames). See docs/architecture.md.",
+)
 def server(
-    host: str, port: int, data_dir: str, db: str | None, redis_url: str | None, lease_s: float | None
+    host: str,
+    port: int,
+    data_dir: str,
+    db: str | None,
+    redis_url: str | None,
+    lease_s: float | None,
+    workers: int,
 ) -> None:
     """Run the control plane (HTTP) over the store."""
-    import uvicorn
-
-    from dreamlake.lakeshore.server.app import create_app
     from dreamlake.lakeshore.server.bootstrap import bootstrap_tokens
     from dreamlake.lakeshore.server.config import ServerConfig
-    from dreamlake.lakeshore.server.fanout import make_fanout
     from dreamlake.lakeshore.server.payloads import PayloadStore
+    from dreamlake.lakeshore.server.serve import ServeSpec, serve
 
     if lease_s is not None and lease_s <= 0:
         raise click.UsageError("--lease-s must be a positive number of seconds")
     data = _data_dir(data_dir)
     store = _open_store(db, data_dir)
+    if workers > 1 and store.db.memory:
+        raise click.UsageError("--workers needs a store the processes share: a SQLite file or PostgreSQL")
+    if workers > 1 and store.kind == "sqlite":
+        click.echo(
+            "lakeshore: --workers over SQLite serialises on the file's write lock; "
+            "PostgreSQL (and --redis) is the way past one core",
+            err=True,
+        )
     shown_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     lines = bootstrap_tokens(store, data, f"http://{shown_host}:{port}")
     for line in lines or ():
         click.echo(line)
+    overrides = {"lease_s": lease_s} if lease_s is not None else {}
     try:
-        payloads = PayloadStore.from_env(os.environ)
-        config = ServerConfig.from_env(lease_s=lease_s)
+        PayloadStore.from_env(os.environ)  # fail here, once, on a bad payload configuration
+        ServerConfig.from_env(**overrides)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    app = create_app(store, fanout=make_fanout(redis_url), payloads=payloads, config=config)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    spec = ServeSpec(db=db or str(data / DB_FILE), redis_url=redis_url, config=overrides)
+    serve(spec, host=host, port=port, workers=workers, store=store)
 
 
 @main.group()
