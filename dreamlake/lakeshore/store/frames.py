@@ -4,7 +4,8 @@ Frames are rows ``(owner_id, seq, data, final)`` keyed by ``(owner_id, seq)``; t
 invocation id or ``topic:<name>``. ``append_frame`` inserts with ``ON CONFLICT DO NOTHING``, so a
 repeated seq answers ``duplicate`` and keeps the first bytes. Frames of an invocation are accepted
 without ``attempt``; with it, only from the current attempt (also after that attempt was acked, so a
-late journal upload is kept). ``read_frames`` pages by seq.
+late journal upload is kept). ``_append_frame_in`` does the same in the caller's transaction (the
+group commit of sql.py). ``read_frames`` pages by seq.
 
 Topics: ``topic_append`` takes the next seq from the ``topics`` counter (an upsert, so concurrent
 posters never share a seq) and journals the frame under ``topic:<name>``, built here as plain

@@ -1,7 +1,9 @@
 """Invocations: submit, read, cancel, claim, ack, and their leases.
 
 State changes are single conditional ``UPDATE ... RETURNING`` statements, so a refusal never
-half-applies. Choices the seed leaves open, made here:
+half-applies. A submit and an ack are checked first (``_prepare_submit``, ``_prepare_ack``), then
+applied in the caller's transaction (``_submit_many_in``: many submits, one multi-row insert;
+``_ack_in``), which lets the group commit of sql.py apply many in one transaction. Choices the seed leaves open, made here:
 
 - an unknown ``parent_invocation_id`` is taken as the root (``root_invocation_id = parent``);
 - a running invocation whose lease lapses after a cancel was requested becomes ``cancelled``

@@ -8,9 +8,11 @@ concern, each whole in its module (see base.py for how they combine):
 - workers.py      workers and their commands, namespaces (pinned nymph version), tokens
 - exec_jobs.py    exec jobs (seed 003) and their leases
 
-This module holds what spans them: the daemon's one-transaction calls ``poll`` (commands, then
-invocations, then exec jobs up to the limit), ``heartbeat`` (renew both kinds of lease, take
-commands) and ``expire_leases`` (both kinds), and the store's construction (engine, migration).
+This module holds what spans them: the daemon's one-transaction calls ``poll`` / ``poll_pass``
+(commands, then invocations, then exec jobs up to the limit; ``poll_pass`` also reads the pinned
+nymph version), ``heartbeat`` (renew both kinds of lease, take commands) and ``expire_leases``
+(both kinds); the group commit ``write_batch`` (submits, acks, frames and heartbeats, many in one
+transaction, each answered alone); and the store's construction (engine, migration).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ producer side queues for the worker running an invocation (``queue_command``, ca
 
 Namespaces: ``pin_version`` / ``pinned_version`` hold the nymph version a namespace runs;
 ``pinned_version_for_worker`` reads it for the namespace the worker registered with (``default``
-when none).
+when none), in one statement; ``_pinned_in`` runs that read inside the poll's and heartbeat's own
+transaction.
 
 Tokens: ``create_token`` returns ``"lsk_" + secrets.token_urlsafe(32)`` once; only its sha256 is
 stored, and ``verify_token`` looks the hash up (no secret ever compared byte by byte).
