@@ -1,12 +1,16 @@
 """The README's main job: a control plane, a nymph, and a real workload through them.
 
 Starts ``lakeshore server`` (embedded SQLite in a temporary data directory) and ``nymph start
---runner process`` as real processes on loopback, submits a plain call, a generator that streams
-live, and a failing call, and prints what comes back. Everything is torn down at the end.
+--runner process`` as real processes on loopback (their logs go to files in that directory), submits
+a plain call, a generator that streams live, and a failing call, prints what comes back, and shows
+what an operator sees with ``lakeshore queues`` and ``lakeshore ls``. Everything is torn down at
+the end.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,9 +29,9 @@ def ms_since(t0: float) -> str:
 
 
 def main() -> int:
-    with LocalStack(queues=["demo"], concurrency=2, pythonpath=[HERE]) as stack:
+    with LocalStack(queues=["demo"], concurrency=2, pythonpath=[HERE], quiet=True) as stack:
         print(f"== control plane: lakeshore server on {stack.url} (SQLite under {stack.dir / 'cp'})")
-        print("== nymph: process runner, queue 'demo', 2 slots")
+        print("== nymph: process runner, queue 'demo', 2 slots, registered")
         plane = stack.plane()
         q = dls.SyncQueue("demo", dispatch=plane)
 
@@ -58,6 +62,13 @@ def main() -> int:
             for line in (exc.traceback or "").rstrip().splitlines():
                 print(f"     {line}")
         print(f"   state = {q.status(inv)['state']}")
+
+        env = {**os.environ, "LAKESHORE_URL": stack.url, "LAKESHORE_TOKEN": stack.tokens["admin"]}
+        lakeshore = Path(sys.executable).parent / "lakeshore"
+        for args in (["queues"], ["ls", "--limit", "3"]):
+            print(f"\n-- what an operator sees: lakeshore {' '.join(args)}")
+            out = subprocess.run([str(lakeshore), *args], env=env, capture_output=True, text=True, check=True)
+            print("\n".join("   " + line for line in out.stdout.rstrip().splitlines()))
     print("\nDone: control plane and nymph stopped.")
     return 0
 

@@ -1,7 +1,8 @@
 """``nymph doctor``: check that this nymph can work, and say what to fix when it cannot.
 
 Checks, in order: the control plane answers ``/healthz``; the token is accepted as a daemon token
-(a heartbeat for an unregistered worker id must not answer 401/403); the runner loads and its
+(a heartbeat for an unregistered worker id must not answer 401/403, and ``/v1/ops/whoami`` names
+its kind: an admin token works but is flagged); the runner loads and its
 ``check()`` passes; the work and state directories exist (or can be created), are writable, and
 the work directory is not readable by others (each invocation's files are private).
 """
@@ -50,7 +51,20 @@ def _token(cfg: NymphConfig, client: ControlPlaneClient) -> Check:
     except ClientError as exc:
         if exc.status is None:
             return Check("token", False, f"could not check the token: {exc}")
-    return Check("token", True, "accepted as a daemon token")
+    try:
+        kind = client.call_json("/v1/ops/whoami", {}).get("kind")
+    except ClientError:
+        kind = None  # a control plane without /v1/ops/whoami: the heartbeat's answer is all we know
+    if kind == "admin":
+        return Check(
+            "token",
+            True,
+            "accepted, but it is an admin token (it may do anything, anywhere); give nymph a daemon "
+            "token: `lakeshore token create --kind daemon --name <host>`",
+        )
+    if kind not in (None, "daemon"):
+        return Check("token", False, f"a {kind} token, not a daemon token")
+    return Check("token", True, "accepted as a daemon token" if kind else "accepted for the daemon routes")
 
 
 def _runner(cfg: NymphConfig) -> Check:

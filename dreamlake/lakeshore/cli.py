@@ -1,4 +1,6 @@
-"""The ``lakeshore`` console script: ``server``, ``token create``, ``namespace pin`` (and ``worker``).
+"""The ``lakeshore`` console script: ``server``, ``token create``, ``namespace pin``, ``worker``, and
+the operator commands of ``ops_cli`` (``queues``, ``workers``, ``ls``, ``show``, ``cancel``,
+``stream``, ``logs``).
 
 Configuration is resolved here, once: flags over ``LAKESHORE_*`` environment variables over
 defaults. Heavy imports (the store, Starlette, uvicorn) happen inside the commands.
@@ -71,6 +73,8 @@ def store_options(fn: Any) -> Any:
 def main(log_level: str) -> None:
     """lakeshore: run Python functions remotely (control plane and tools)."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if log_level != "debug":  # Alembic narrates every migration step at INFO
+        logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
 @main.command()
@@ -110,7 +114,7 @@ def server(
     workers: int,
 ) -> None:
     """Run the control plane (HTTP) over the store."""
-    from dreamlake.lakeshore.server.bootstrap import bootstrap_tokens
+    from dreamlake.lakeshore.server.bootstrap import bootstrap_tokens, start_line
     from dreamlake.lakeshore.server.config import ServerConfig
     from dreamlake.lakeshore.server.payloads import PayloadStore
     from dreamlake.lakeshore.server.serve import ServeSpec, serve
@@ -128,8 +132,8 @@ def server(
             err=True,
         )
     shown_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    lines = bootstrap_tokens(store, data, f"http://{shown_host}:{port}")
-    for line in lines or ():
+    url = f"http://{shown_host}:{port}"
+    for line in [*(bootstrap_tokens(store, data, url) or ()), start_line(url, data)]:
         click.echo(line)
     overrides = {"lease_s": lease_s} if lease_s is not None else {}
     try:
@@ -147,7 +151,9 @@ def token() -> None:
 
 
 @token.command("create")
-@click.option("--kind", required=True, type=click.Choice(["admin", "producer", "daemon", "namespace"]))
+@click.option(
+    "--kind", required=True, type=click.Choice(["admin", "producer", "daemon", "namespace", "metrics"])
+)
 @click.option("--name", required=True, help="A label for the token (who or what holds it).")
 @click.option("--namespace", default=None, help="The namespace a namespace (or daemon) token is bound to.")
 @store_options
@@ -193,6 +199,13 @@ except ImportError:  # pragma: no cover - until the SDK adds it
     pass
 else:
     main.add_command(_worker_group)
+
+
+# -- `lakeshore queues|workers|ls|show|cancel|stream|logs` (dreamlake/lakeshore/ops_cli.py) ------
+from dreamlake.lakeshore.ops_cli import COMMANDS as _OPS_COMMANDS  # noqa: E402
+
+for _command in _OPS_COMMANDS:
+    main.add_command(_command)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -23,8 +23,9 @@ two pulls, and a scope the consumer opens later does not reach into the body.
 * ``run.name`` -- the qualified name of the UDF body executing, else ``None``.
 
 ``.submit()`` sends a call to a dispatch plane: the ``_dispatch`` argument, else the plane given to
-``@udf(dispatch=...)``, else the process default of :func:`set_default_dispatch`. No plane is ever
-built implicitly.
+``@udf(dispatch=...)``, else the process default of :func:`set_default_dispatch`, else an
+``HttpDispatch(url, token)`` built once from ``LAKESHORE_URL`` / ``LAKESHORE_TOKEN`` or the config
+file (``dreamlake.lakeshore.settings``). Nothing else is built implicitly.
 """
 
 from __future__ import annotations
@@ -174,10 +175,18 @@ def set_default_dispatch(plane: Plane | None) -> None:
 
 
 def get_default_dispatch() -> Plane:
-    """The process default plane; :class:`PlaneError` naming the fixes when none was set."""
+    """The process default plane: the one set, else an ``HttpDispatch`` from ``LAKESHORE_URL`` /
+    ``LAKESHORE_TOKEN`` or the config file (``dreamlake.lakeshore.settings``), made once;
+    :class:`PlaneError` naming the fixes when there is none."""
+    global _default_plane
+    if _default_plane is None:
+        from dreamlake.lakeshore.settings import default_plane
+
+        _default_plane = default_plane()
     if _default_plane is None:
         raise PlaneError(
-            "no dispatch plane: pass _dispatch=plane to submit(), give @dls.udf(dispatch=plane), "
+            "no dispatch plane: export LAKESHORE_URL and LAKESHORE_TOKEN (`lakeshore server` prints "
+            "both), pass _dispatch=plane to submit(), give @dls.udf(dispatch=plane), "
             "or call dls.set_default_dispatch(plane) once at start-up "
             '(plane = Dispatch(":memory:") in process, or HttpDispatch(url, token))'
         )

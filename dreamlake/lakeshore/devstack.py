@@ -10,6 +10,10 @@ the process runner (or ``runner="docker"`` / ``"gvisor"`` with ``runner_options`
         inv = add.submit(2, 3, _dispatch=stack.plane())
         print(q.result(inv))
 
+``start()`` returns once nymph has registered for every queue (so a first submit never races its
+start-up). With ``quiet=True`` both processes write to ``server.log`` and ``nymph.log`` in the
+stack's directory instead of the terminal; a failed start quotes the log's last lines.
+
 Nothing here is a fake: the processes, HTTP and SQLite are the ones production uses.
 """
 
@@ -98,6 +102,7 @@ class LocalStack:
         self.server: subprocess.Popen[bytes] | None = None
         self.nymph: subprocess.Popen[bytes] | None = None
         self._planes: list[HttpDispatch] = []
+        self._logs: list[Any] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
     def __enter__(self) -> LocalStack:
@@ -117,20 +122,38 @@ class LocalStack:
         env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
         return env
 
-    def _out(self) -> Any:
-        return subprocess.DEVNULL if self.quiet else None
+    def log_path(self, name: str) -> Path:
+        """Where a quiet stack's ``server`` or ``nymph`` writes its output."""
+        return self.dir / f"{name}.log"
+
+    def _out(self, name: str) -> Any:
+        if not self.quiet:
+            return None
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fh = open(self.log_path(name), "ab")  # noqa: SIM115 (closed in stop())
+        self._logs.append(fh)
+        return fh
+
+    def _tail(self, name: str, lines: int = 15) -> str:
+        try:
+            text = self.log_path(name).read_text(errors="replace")
+        except OSError:
+            return ""
+        return "; its log ends:\n" + "\n".join(text.splitlines()[-lines:]) if text else ""
 
     def start(self) -> None:
         cp_dir = self.dir / "cp"
+        out = self._out("server")
         self.server = subprocess.Popen(
             [*_console_script("lakeshore"), "server", "--port", str(self.port), "--data-dir", str(cp_dir)],
             env=self._env(),
-            stdout=self._out(),
-            stderr=self._out(),
+            stdout=out,
+            stderr=subprocess.STDOUT if out is not None else None,
         )
         self.wait_healthy()
         self.tokens = json.loads((cp_dir / "tokens.json").read_text())
         self.start_nymph()
+        self.wait_registered()
 
     def start_nymph(self) -> None:
         args = [
@@ -142,8 +165,34 @@ class LocalStack:
             args += ["--queue", q]
         for key, value in self.runner_options.items():
             args += ["--runner-opt", f"{key}={runner_opt_value(value)}"]
+        out = self._out("nymph")
         self.nymph = subprocess.Popen(
-            [*args, *self.nymph_args], env=self._env(), stdout=self._out(), stderr=self._out()
+            [*args, *self.nymph_args],
+            env=self._env(),
+            stdout=out,
+            stderr=subprocess.STDOUT if out is not None else None,
+        )
+
+    def wait_registered(self, timeout: float = 60.0) -> None:
+        """Until a live worker serves every queue of the stack (nymph has registered)."""
+        headers = {"Authorization": f"Bearer {self.tokens['admin']}"}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.nymph is not None
+            if self.nymph.poll() is not None:
+                raise StackError(
+                    f"nymph exited early with status {self.nymph.returncode}{self._tail('nymph')}"
+                )
+            try:
+                r = httpx.get(f"{self.url}/v1/ops/queues", headers=headers, timeout=5.0)
+                served = {q["name"] for q in r.json()["queues"] if q["workers_live"]}
+                if r.status_code == 200 and served >= set(self.queues):
+                    return
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(0.05)
+        raise StackError(
+            f"nymph did not register with {self.url} within {timeout:.0f} s{self._tail('nymph')}"
         )
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
@@ -151,7 +200,9 @@ class LocalStack:
         while time.monotonic() < deadline:
             assert self.server is not None
             if self.server.poll() is not None:
-                raise StackError(f"lakeshore server exited early with status {self.server.returncode}")
+                raise StackError(
+                    f"lakeshore server exited early with status {self.server.returncode}{self._tail('server')}"
+                )
             try:
                 if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
                     return
@@ -180,5 +231,8 @@ class LocalStack:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+        for fh in self._logs:
+            fh.close()
+        self._logs.clear()
         if self._own_dir:
             shutil.rmtree(self.dir, ignore_errors=True)

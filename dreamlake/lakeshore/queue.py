@@ -174,9 +174,10 @@ class SyncQueue:
                 }
                 raise DispatchError.from_info(error)
             if time.monotonic() >= deadline:
+                hint = f"; {out['warning']}" if out.get("warning") else ""
                 raise TimeoutError(
                     f"invocation {inv} is still {state or 'pending'} after {timeout} s; "
-                    "call result() again with a longer timeout, or check status()"
+                    f"call result() again with a longer timeout, or check status(){hint}"
                 )
 
     def status(self, inv: str) -> dict[str, Any]:

@@ -6,11 +6,14 @@ they live here, importing nothing, rather than in either side. ``store.api`` re-
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
-__all__ = ["ACK_STATES", "TERMINAL_STATES", "State"]
+__all__ = ["ACK_STATES", "STATES", "TERMINAL_STATES", "State"]
 
 State = Literal["queued", "running", "succeeded", "failed", "killed", "timeout", "cancelled"]
+
+STATES: tuple[str, ...] = get_args(State)
+"""Every state, in lifecycle order (listings and filters show them so)."""
 
 TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "killed", "timeout", "cancelled"})
 """States an invocation never leaves."""

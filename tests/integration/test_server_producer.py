@@ -52,7 +52,14 @@ def _read_stream(cp: ControlPlane, url: str) -> list[wire.Frame]:
     return frames
 
 
+def _serve(cp: ControlPlane, queue: str) -> None:
+    """A live worker serving ``queue``: a submit to it answers the seed's body, with no warning."""
+    status, _ = cp.daemon("/v1/daemon/register", {"worker_id": new_ulid(), "queues": [queue]})
+    assert status == 200
+
+
 def test_submit_answers_seed_body_and_status_shows_row(control_plane: ControlPlane) -> None:
+    _serve(control_plane, "gpu")
     inv = new_ulid()
     status, out = control_plane.producer(
         "/v1/producer/submit", submit_body(inv, "gpu", run_config={"priority": 2.7})
@@ -80,6 +87,7 @@ def test_submit_answers_seed_body_and_status_shows_row(control_plane: ControlPla
 
 
 def test_submit_with_same_key_is_duplicate(control_plane: ControlPlane) -> None:
+    _serve(control_plane, "default")
     first = control_plane.submit(run_config={"key": "k-1"})
     status, out = control_plane.producer(
         "/v1/producer/submit", submit_body(new_ulid(), run_config={"key": "k-1"})
@@ -100,6 +108,7 @@ def test_submit_defaults_queue_and_resolves_root(control_plane: ControlPlane) ->
 
 
 def test_await_answers_pending_on_timeout_then_outcome(control_plane: ControlPlane) -> None:
+    _serve(control_plane, "default")
     inv = control_plane.submit()
     status, out = control_plane.producer("/v1/producer/await", {"invocation_id": inv, "timeout_s": 0.2})
     assert (status, out) == (200, {"state": "pending"})

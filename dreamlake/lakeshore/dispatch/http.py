@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 _SLACK_S = 10.0  # read-timeout margin over a server-side long poll
 _STREAM_RECONNECTS = 5
 _KEPT_CANCELS = 1024
+_WARNED: set[tuple[str, str]] = set()  # (control plane, queue) whose no-worker warning was logged
 
 
 class HttpDispatch:
@@ -89,6 +90,10 @@ class HttpDispatch:
         if parent:
             body["parent_invocation_id"] = parent
         out = self._call("POST", "/v1/producer/submit", body)
+        warning = out.get("warning")
+        if warning and (self.url, queue) not in _WARNED:  # "no worker has polled queue ...": once
+            _WARNED.add((self.url, queue))
+            log.warning("%s", warning)
         return str(out["invocation_id"])
 
     def status(self, invocation_id: str) -> dict[str, Any]:

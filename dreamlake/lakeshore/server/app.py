@@ -1,6 +1,7 @@
 """The control plane's ASGI app: ``create_app(store, ...)`` wires every route of docs/protocol.md.
 
-Handlers live by audience in ``producer``, ``streams``, ``daemon`` and ``namespaces``; this module
+Handlers live by audience in ``producer``, ``streams``, ``daemon``, ``namespaces`` and ``ops``
+(operators' JSON views; the ``/ui`` dashboard is ``server.ui``); this module
 does what is common to all of them: auth first (401/403), then ids (400), then the bounded body
 (413/400), then the handler; an :class:`~.http.HTTPError` becomes ``{"error": ...}`` in the route's
 encoding, anything unexpected a logged 500. A background task expires lapsed leases every second.
@@ -18,23 +19,20 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
-from dreamlake.lakeshore.server import daemon, namespaces, producer, streams
+from dreamlake.lakeshore.server import daemon, namespaces, ops, producer, streams
 from dreamlake.lakeshore.server import http as h
 from dreamlake.lakeshore.server.auth import require_kind, require_namespace
 from dreamlake.lakeshore.server.config import ServerConfig
 from dreamlake.lakeshore.server.context import Context, store_dialect
 from dreamlake.lakeshore.server.http import HTTPError
+from dreamlake.lakeshore.server.ui import Dashboard
 from dreamlake.lakeshore.store.api import Principal, Store
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Request], Awaitable[Response]]
-
-
-def _is_json(request: Request) -> bool:
-    return request.url.path.startswith("/v1/namespaces/")
 
 
 def _guard(fn: Handler) -> Handler:
@@ -44,11 +42,11 @@ def _guard(fn: Handler) -> Handler:
         try:
             return await fn(request)
         except HTTPError as exc:
-            return h.error_response(exc, as_json=_is_json(request))
+            return h.error_answer(request, exc)
         except Exception:
             log.exception("%s %s failed", request.method, request.url.path)
             err = HTTPError(500, "internal error in the control plane; see its log")
-            return h.error_response(err, as_json=_is_json(request))
+            return h.error_answer(request, err)
 
     return wrapped
 
@@ -77,7 +75,8 @@ class Routes:
         return h.json_response({"ok": True, "store": self.ctx.dialect})
 
     async def metrics(self, request: Request) -> Response:
-        await self._who(request, "admin")
+        await self._who(request, "metrics")
+        await ops.observe_store(self.ctx)
         return Response(self.ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
     # -- producer ------------------------------------------------------------------------------
@@ -194,7 +193,7 @@ class Routes:
         del principal
         return h.json_response(await namespaces.pin(self.ctx, ns, await self._json(request)))
 
-    def table(self) -> list[Route]:
+    def table(self) -> list[BaseRoute]:
         g = _guard
         return [
             Route("/healthz", g(self.healthz), methods=["GET"]),
@@ -215,6 +214,8 @@ class Routes:
             Route("/v1/namespaces/{ns}/jobs/{id}/result", g(self.job_result), methods=["GET", "POST"]),
             Route("/v1/namespaces/{ns}/payloads/presign", g(self.presign), methods=["POST"]),
             Route("/v1/namespaces/{ns}/pin", g(self.pin), methods=["PUT"]),
+            *ops.OpsRoutes(self.ctx).table(g),
+            *Dashboard(self.ctx).table(),
         ]
 
 
@@ -240,7 +241,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         404: f"no route {request.url.path[:200]}: see docs/protocol.md",
         405: f"method {request.method} not allowed on {request.url.path[:200]}",
     }.get(status, str(getattr(exc, "detail", "error")))
-    return h.error_response(HTTPError(status, message), as_json=_is_json(request))
+    return h.error_answer(request, HTTPError(status, message))
 
 
 def create_app(

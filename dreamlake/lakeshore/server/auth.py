@@ -2,7 +2,8 @@
 
 Kinds (docs/protocol.md): ``admin`` may call everything; ``producer`` ``/v1/producer/*``; ``daemon``
 ``/v1/daemon/*`` plus publishing exec results and presigning; ``namespace`` only its own
-``/v1/namespaces/<ns>/*``. A daemon token bound to a namespace is held to that namespace too.
+``/v1/namespaces/<ns>/*``; ``metrics`` only ``GET /metrics`` (read-only, for a scraper). A daemon
+token bound to a namespace is held to that namespace too.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dreamlake.lakeshore.store.api import Principal
 
 log = logging.getLogger(__name__)
 
-KINDS = ("admin", "producer", "daemon", "namespace")
+KINDS = ("admin", "producer", "daemon", "namespace", "metrics")
 
 _CACHE_TTL_S = 30.0
 _CACHE_MAX = 4096
@@ -42,18 +43,25 @@ class Authenticator:
                 "missing bearer token: send 'Authorization: Bearer <token>' "
                 "(lakeshore token create --kind KIND --name NAME mints one)",
             )
-        digest = hashlib.sha256(secret.encode("utf-8", "surrogateescape")).hexdigest()
-        now = time.monotonic()
-        hit = self._cache.get(digest)
-        if hit is not None and hit[0] > now:
-            return hit[1]
-        found = await self._verify(secret) if len(secret) <= 256 else None
+        found = await self.verify(secret)
         if found is None:
             raise HTTPError(
                 401,
                 "unknown token: check the token, or mint one with "
                 "'lakeshore token create --kind KIND --name NAME'",
             )
+        return found
+
+    async def verify(self, secret: str) -> Principal | None:
+        """The principal of a token secret (from a header or the dashboard's cookie); None if unknown."""
+        digest = hashlib.sha256(secret.encode("utf-8", "surrogateescape")).hexdigest()
+        now = time.monotonic()
+        hit = self._cache.get(digest)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        found = await self._verify(secret) if 0 < len(secret) <= 256 else None
+        if found is None:
+            return None
         if len(self._cache) >= _CACHE_MAX:
             self._cache.clear()
         self._cache[digest] = (now + _CACHE_TTL_S, found)

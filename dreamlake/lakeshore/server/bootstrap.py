@@ -2,7 +2,9 @@
 
 On a store with no tokens, ``bootstrap_tokens`` creates both, writes ``{"admin", "daemon"}`` to
 ``<data-dir>/tokens.json`` (mode 0600, created that way, never world-readable for a moment) and
-returns the lines to print, among them a ready ``nymph start`` command.
+returns the lines to print: the tokens, the ``export LAKESHORE_URL=... LAKESHORE_TOKEN=...`` lines
+the SDK and the CLI read, and a ready ``nymph start`` command. ``start_line`` is what every start
+prints: where the server listens and where its tokens are.
 """
 
 from __future__ import annotations
@@ -40,11 +42,25 @@ def bootstrap_tokens(store: Store, data_dir: Path, server_url: str) -> list[str]
     data_dir.mkdir(parents=True, exist_ok=True)
     path = data_dir / TOKENS_FILE
     write_private(path, json.dumps({"admin": admin, "daemon": daemon}, indent=2) + "\n")
-    log.info("minted the first admin and daemon tokens into %s", path)
+    log.debug("minted the first admin and daemon tokens into %s", path)
     return [
         f"lakeshore: first start, minted tokens (also in {path}, mode 0600):",
         f"  admin token:  {admin}",
         f"  daemon token: {daemon}",
-        "start a node agent with:",
+        "use it from Python and the lakeshore CLI (lakeshore queues, ls, show ...):",
+        f"  export LAKESHORE_URL={server_url}",
+        f"  export LAKESHORE_TOKEN={admin}",
+        "start a node agent for @dls.udf functions (queue 'default'; add --queue NAME per queue):",
         f"  nymph start --server {server_url} --token {daemon} --runner process --queue default",
     ]
+
+
+def start_line(server_url: str, data_dir: Path) -> str:
+    """What the server says on every start: where it listens and where its tokens are."""
+    path = data_dir / TOKENS_FILE
+    tokens = (
+        f"tokens in {path}"
+        if path.exists()
+        else "tokens: mint them with `lakeshore token create --kind KIND --name NAME`"
+    )
+    return f"lakeshore server: listening on {server_url} (dashboard {server_url}/ui); {tokens}"

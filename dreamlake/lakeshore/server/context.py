@@ -1,5 +1,5 @@
 """What every route needs: the store (run off-loop), the group-commit writer, wake-ups, auth,
-metrics, config and plugins."""
+metrics, config, plugins and the live-queue watch behind submit's "no worker" warning."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from dreamlake.lakeshore.server.auth import Authenticator
 from dreamlake.lakeshore.server.config import ServerConfig
 from dreamlake.lakeshore.server.http import HTTPError
 from dreamlake.lakeshore.server.hub import StoreRunner, Wakeups
+from dreamlake.lakeshore.server.liveness import QueueWatch
 from dreamlake.lakeshore.server.metrics import Metrics
 from dreamlake.lakeshore.server.writer import GroupWriter
 from dreamlake.lakeshore.store.api import Store, WriteRequest, WriteResult
@@ -54,6 +55,7 @@ class Context:
         self.wake = Wakeups(self.store)
         self.auth = Authenticator(lambda secret: self.call(self.store.verify_token, secret))
         self.writer = GroupWriter(self.store, observe=self.metrics.write_batch.observe)
+        self.queues = QueueWatch()
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a store method in the store thread; a PlaneError with a 4xx status becomes that answer."""
@@ -69,6 +71,10 @@ class Context:
             return await self.writer.write(request)
         except PlaneError as exc:
             raise _answer(exc) from None
+
+    async def queue_warning(self, queue: str) -> str | None:
+        """The "no worker has polled queue ..." warning, or None when a live worker serves it."""
+        return await self.queues.warning(queue, lambda window: self.call(self.store.live_queues, window))
 
     def close(self) -> None:
         self.runner.close()

@@ -128,6 +128,34 @@ def error_response(exc: HTTPError, *, as_json: bool) -> Response:
     return json_response(body, exc.status) if as_json else msgpack_response(body, exc.status)
 
 
+JSON_ROUTES = ("/v1/namespaces/", "/v1/ops/")
+TEXT_ROUTES = ("/metrics", "/ui")
+
+
+def error_encoding(path: str, accept: str) -> str:
+    """``json``, ``msgpack`` or ``text``: the JSON routes answer JSON; ``/metrics`` and ``/ui``
+    text; a msgpack route msgpack unless the client accepts JSON or text and not msgpack (a
+    scraper, curl with ``-H 'Accept: text/plain'``)."""
+    if path.startswith(JSON_ROUTES):
+        return "json"
+    if path.startswith(TEXT_ROUTES):
+        return "text"
+    accept = accept.lower()
+    if not accept or "msgpack" in accept:
+        return "msgpack"
+    if "application/json" in accept:
+        return "json"
+    return "text" if "text/" in accept else "msgpack"
+
+
+def error_answer(request: Request, exc: HTTPError) -> Response:
+    """``{"error": ...}`` (plus the error's extra fields) in the encoding the caller reads."""
+    encoding = error_encoding(request.url.path, request.headers.get("accept", ""))
+    if encoding == "text":
+        return Response(f"{exc.message}\n", status_code=exc.status, media_type="text/plain; charset=utf-8")
+    return error_response(exc, as_json=encoding == "json")
+
+
 # -- typed field access ------------------------------------------------------------------------
 
 _MISSING = object()

@@ -1,8 +1,20 @@
-"""Prometheus metrics of one app, in a registry of its own (several apps may share a process)."""
+"""Prometheus metrics of one app, in a registry of its own (several apps may share a process).
+
+Counters and histograms count what this replica did. The gauges (queue depth, oldest queued age,
+live workers, invocations by state) describe the store, shared by every replica: ``GET /metrics``
+reads them from the store just before rendering (:meth:`Metrics.observe_store`), so any replica
+answers the same and an autoscaler (KEDA: packaging/keda/scaledobject.yaml) can scale on
+``lakeshore_queue_depth{state="queued"}``.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+import time
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from dreamlake.lakeshore.store.api import QueueStats
 
 
 class Metrics:
@@ -33,6 +45,51 @@ class Metrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
             registry=self.registry,
         )
+
+        self.queue_depth = Gauge(
+            "lakeshore_queue_depth",
+            "Invocations of a queue that are queued or running",
+            ["queue", "state"],
+            registry=self.registry,
+        )
+        self.oldest_queued = Gauge(
+            "lakeshore_queue_oldest_queued_seconds",
+            "Age of the oldest queued invocation of a queue (0 when none is queued)",
+            ["queue"],
+            registry=self.registry,
+        )
+        self.queue_workers = Gauge(
+            "lakeshore_queue_workers_live",
+            "Live workers (seen within the live window) serving a queue",
+            ["queue"],
+            registry=self.registry,
+        )
+        self.workers_live = Gauge(
+            "lakeshore_workers_live", "Workers seen within the live window", registry=self.registry
+        )
+        self.invocations = Gauge(
+            "lakeshore_invocations",
+            "Invocations in the store by queue and state (terminal states: outcomes)",
+            ["queue", "state"],
+            registry=self.registry,
+        )
+
+    def observe_store(
+        self, queues: Iterable[QueueStats], workers_live: int, now: float | None = None
+    ) -> None:
+        """Set the store gauges from one reading; queues gone from the reading drop out."""
+        now = time.time() if now is None else now
+        for gauge in (self.queue_depth, self.oldest_queued, self.queue_workers, self.invocations):
+            gauge.clear()
+        for q in queues:
+            for state in ("queued", "running"):
+                self.queue_depth.labels(queue=q.name, state=state).set(q.counts.get(state, 0))
+            age = max(0.0, now - q.oldest_queued_at) if q.oldest_queued_at is not None else 0.0
+            self.oldest_queued.labels(queue=q.name).set(age)
+            self.queue_workers.labels(queue=q.name).set(q.workers_live)
+            for state, n in q.counts.items():
+                self.invocations.labels(queue=q.name, state=state).set(n)
+        self.workers_live.set(workers_live)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -60,6 +60,10 @@ async def submit(ctx: Context, principal: Principal, body: dict[str, Any]) -> di
     out: dict[str, Any] = {"invocation_id": result.invocation_id, "queue": result.queue}
     if result.duplicate:
         out["duplicate"] = True
+    warning = await ctx.queue_warning(result.queue)
+    if warning:
+        out["warning"] = warning
+        log.info("submitted %s: %s", result.invocation_id, warning)
     return out
 
 
@@ -89,7 +93,12 @@ async def await_(ctx: Context, principal: Principal, body: dict[str, Any]) -> di
     if inv is None:
         raise HTTPError(404, f"unknown invocation '{invocation_id}'")
     if inv.state not in TERMINAL_STATES:
-        return {"state": "pending"}
+        pending: dict[str, Any] = {"state": "pending"}
+        if inv.state == "queued":
+            warning = await ctx.queue_warning(inv.queue)
+            if warning:
+                pending["warning"] = warning
+        return pending
     return outcome(inv)
 
 

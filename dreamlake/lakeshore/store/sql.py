@@ -7,6 +7,7 @@ concern, each whole in its module (see base.py for how they combine):
 - frames.py       the frame journal of invocations and topics
 - workers.py      workers and their commands, namespaces (pinned nymph version), tokens
 - exec_jobs.py    exec jobs (seed 003) and their leases
+- listing.py      the operators' read-only views: queues, workers, invocation pages, journal sizes
 
 This module holds what spans them: the daemon's one-transaction calls ``poll`` / ``poll_pass``
 (commands, then invocations, then exec jobs up to the limit; ``poll_pass`` also reads the pinned
@@ -44,13 +45,14 @@ from .engine import Database, migrate, retry_on_disconnect
 from .exec_jobs import ExecJobStore
 from .frames import FrameStore, frame_channel
 from .invocations import InvocationStore, _Prepared
+from .listing import ListingStore
 from .notify import Notifier
 from .workers import WorkerStore
 
 log = logging.getLogger(__name__)
 
 
-class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore):
+class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingStore):
     """The Store protocol over SQLite (file or ``:memory:``) or PostgreSQL."""
 
     def __init__(self, url: str, *, notifier: Notifier | None = None, migrate_schema: bool = True) -> None:

@@ -37,7 +37,7 @@ from .notify import Notifier
 from .values import json_safe
 
 TOKEN_PREFIX = "lsk_"
-TOKEN_KINDS = frozenset({"admin", "producer", "daemon", "namespace"})
+TOKEN_KINDS = frozenset({"admin", "producer", "daemon", "namespace", "metrics"})
 
 
 def _sha256(secret: str) -> str:

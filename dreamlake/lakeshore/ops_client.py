@@ -1,0 +1,96 @@
+"""``OpsClient``: the operator routes (``/v1/ops/*``, JSON) from Python, for the CLI and scripts.
+
+It speaks through :class:`~dreamlake.lakeshore.client.PlaneClient`, so its errors and retries are
+every client's: 401/403 :class:`AuthError`, 404 :class:`NotFound`, another 4xx
+:class:`BadRequest`, connection failures and 5xx :class:`Unavailable` (retried, with jitter). Every
+call is safe to retry: the reads are GETs, and cancelling twice is harmless.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+from dreamlake.lakeshore import ids
+from dreamlake.lakeshore.client import PlaneClient
+
+
+class OpsClient:
+    """The control plane at ``url`` with a bearer ``token`` (admin, producer or namespace kind)."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        *,
+        timeout_s: float = 30.0,
+        attempts: int = 3,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"control plane url must start with http:// or https://, got {url!r}")
+        self._client = PlaneClient(url, token, timeout_s=timeout_s, attempts=attempts, transport=transport)
+        self.url = self._client.url
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> OpsClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(self, method: str, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        query = {k: v for k, v in (params or {}).items() if v is not None}
+        body: dict[str, Any] | None = {} if method == "POST" else None
+        out = self._client.request(method, path, body, as_json=True, params=query)
+        return out if isinstance(out, dict) else {}
+
+    def whoami(self) -> dict[str, Any]:
+        return self._request("GET", "/v1/ops/whoami")
+
+    def queues(self) -> list[dict[str, Any]]:
+        return list(self._request("GET", "/v1/ops/queues")["queues"])
+
+    def workers(self, *, live: bool = False, limit: int = 100, cursor: str | None = None) -> dict[str, Any]:
+        params = {"live": "1" if live else None, "limit": limit, "cursor": cursor}
+        return self._request("GET", "/v1/ops/workers", params)
+
+    def all_workers(self, *, live: bool = False) -> Iterator[dict[str, Any]]:
+        cursor: str | None = None
+        while True:
+            page = self.workers(live=live, limit=500, cursor=cursor)
+            yield from page["workers"]
+            cursor = page.get("next_cursor")
+            if not cursor:
+                return
+
+    def invocations(
+        self,
+        *,
+        queue: str | None = None,
+        states: list[str] | None = None,
+        since: float | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> dict[str, Any]:
+        """One page: ``{"invocations": [...], "next_cursor": id | None}``, newest first."""
+        params = {
+            "queue": queue,
+            "state": ",".join(states) if states else None,
+            "since": since,
+            "limit": limit,
+            "cursor": cursor,
+        }
+        return self._request("GET", "/v1/ops/invocations", params)
+
+    def invocation(self, invocation_id: str) -> dict[str, Any]:
+        inv = ids.validate(invocation_id, "invocation id")
+        return self._request("GET", f"/v1/ops/invocations/{inv}")
+
+    def cancel(self, invocation_id: str) -> str:
+        inv = ids.validate(invocation_id, "invocation id")
+        return str(self._request("POST", f"/v1/ops/invocations/{inv}/cancel")["state"])

@@ -1,0 +1,51 @@
+"""Which queues live workers serve, for the warning on a submit to a queue nobody polls.
+
+A worker is live when it registered, polled or heartbeated within ``LIVE_WINDOW_S`` (5 min); the
+queues it serves are those of its latest register. :class:`QueueWatch` caches the store's answer
+for ``ttl_s`` only while it says "served": a queue that looks unserved is read again at once, so a
+nymph that has just started is never reported missing, and the cost (one small query) falls on
+submits that are probably mistakes anyway.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+from dreamlake.lakeshore.store.api import LIVE_WINDOW_S
+
+_SHOWN = 10  # queue names a warning lists at most
+
+
+def no_worker_warning(queue: str, live: dict[str, int], window_s: float = LIVE_WINDOW_S) -> str:
+    """``no worker has polled queue 'mnie' in the last 5 min; known queues: demo, default``."""
+    window = f"{window_s / 60:g} min" if window_s >= 60 else f"{window_s:g} s"
+    names = sorted(live)
+    if not names:
+        known = "none (start one: nymph start --server URL --token DAEMON_TOKEN --queue " + queue + ")"
+    else:
+        known = ", ".join(names[:_SHOWN]) + (
+            f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+        )
+    return f"no worker has polled queue {queue!r} in the last {window}; known queues: {known}"
+
+
+class QueueWatch:
+    """The live queues, read through ``read`` (the store's ``live_queues``, run off the loop)."""
+
+    def __init__(self, ttl_s: float = 5.0, window_s: float = LIVE_WINDOW_S) -> None:
+        self.ttl_s = ttl_s
+        self.window_s = window_s
+        self._live: dict[str, int] = {}
+        self._read_at = float("-inf")
+
+    async def warning(self, queue: str, read: Callable[[float], Awaitable[dict[str, int]]]) -> str | None:
+        """None when a live worker serves ``queue``; otherwise the warning to give the producer."""
+        fresh = time.monotonic() - self._read_at < self.ttl_s
+        if fresh and self._live.get(queue):
+            return None
+        self._live = await read(self.window_s)
+        self._read_at = time.monotonic()
+        if self._live.get(queue):
+            return None
+        return no_worker_warning(queue, self._live, self.window_s)

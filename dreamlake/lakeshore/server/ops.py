@@ -1,0 +1,367 @@
+"""Operator routes (JSON, ``/v1/ops/*``): who am I, queues, workers, invocations, one invocation's
+detail, cancel; and the store gauges ``GET /metrics`` renders.
+
+Who sees what (docs/protocol.md, "Operator routes"): an ``admin`` token sees every namespace (and
+may narrow with ``?namespace=``); a ``producer`` token sees its own namespace (``default`` when it
+is bound to none, where its submits land); a ``namespace`` token its namespace. Workers bound to
+another namespace and invocations of another namespace are invisible: an invocation of another
+namespace answers 404, exactly like an unknown id. ``daemon`` and ``metrics`` tokens get 403.
+
+The JSON shapes are built here once (``queue_json``, ``worker_json``, ``invocation_json``,
+``detail_json``) and shared by the dashboard (``server/ui``) and the ``lakeshore`` CLI's
+``--json`` output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from dreamlake.lakeshore.server import http as h
+from dreamlake.lakeshore.server import producer
+from dreamlake.lakeshore.server.auth import require_kind
+from dreamlake.lakeshore.server.context import Context
+from dreamlake.lakeshore.server.http import HTTPError
+from dreamlake.lakeshore.states import STATES
+from dreamlake.lakeshore.store.api import (
+    LIST_LIMIT_MAX,
+    LIVE_WINDOW_S,
+    TERMINAL_STATES,
+    FrameStats,
+    Invocation,
+    Principal,
+    QueueStats,
+    WorkerRow,
+)
+
+Handler = Callable[[Request], Awaitable[Response]]
+OPS_KINDS = ("producer", "namespace")  # and admin
+
+
+def scope(principal: Principal) -> str | None:
+    """The namespace a principal sees; None for an admin (every namespace)."""
+    if principal.kind == "admin":
+        return None
+    return principal.namespace or "default"
+
+
+def visible(principal: Principal, inv: Invocation | None) -> Invocation | None:
+    """``inv`` when the principal may see it; None (answered 404) otherwise."""
+    ns = scope(principal)
+    if inv is None or (ns is not None and inv.namespace != ns):
+        return None
+    return inv
+
+
+# -- JSON shapes -----------------------------------------------------------------------------------
+
+
+def queue_json(q: QueueStats, now: float) -> dict[str, Any]:
+    return {
+        "name": q.name,
+        "counts": q.counts,
+        "queued": q.counts.get("queued", 0),
+        "running": q.counts.get("running", 0),
+        "oldest_queued_age_s": round(now - q.oldest_queued_at, 3) if q.oldest_queued_at else None,
+        "workers_live": q.workers_live,
+    }
+
+
+def worker_json(w: WorkerRow, now: float, live_within: float = LIVE_WINDOW_S) -> dict[str, Any]:
+    info = w.info
+    slots = info.get("slots")
+    return {
+        "worker_id": w.worker_id,
+        "hostname": info.get("hostname", ""),
+        "runner": info.get("runner", ""),
+        "queues": info.get("queues", []),
+        "slots": slots if isinstance(slots, int) else None,
+        "busy": w.busy,
+        "version": info.get("version", ""),
+        "labels": info.get("labels", {}),
+        "namespace": info.get("namespace"),
+        "registered_at": w.registered_at,
+        "last_seen": w.last_seen,
+        "last_seen_age_s": round(max(0.0, now - w.last_seen), 3),
+        "live": now - w.last_seen <= live_within,
+    }
+
+
+def _error_summary(error: Any) -> dict[str, Any] | None:
+    if not isinstance(error, dict):
+        return None
+    return {"type": error.get("type"), "message": error.get("message")}
+
+
+def invocation_json(inv: Invocation) -> dict[str, Any]:
+    """One row of a listing: no arguments, no result, the error without its traceback."""
+    return {
+        "invocation_id": inv.invocation_id,
+        "queue": inv.queue,
+        "state": inv.state,
+        "namespace": inv.namespace,
+        "priority": inv.priority,
+        "attempt": inv.attempt,
+        "max_attempts": inv.max_attempts,
+        "worker_id": inv.worker_id,
+        "submitted_at": inv.submitted_at,
+        "started_at": inv.started_at,
+        "finished_at": inv.finished_at,
+        "cancel_requested": inv.cancel_requested,
+        "error": _error_summary(inv.error),
+    }
+
+
+def attempts(inv: Invocation) -> list[dict[str, Any]]:
+    """Every attempt with its outcome.
+
+    The store keeps the latest attempt's worker and times only. An invocation is claimed again
+    only after its lease lapsed (an ack is final), so every earlier attempt ended ``lease_expired``;
+    the latest one ran when ``started_at`` is set (a requeue clears it)."""
+    ran = inv.attempt >= 1 and inv.started_at is not None
+    out: list[dict[str, Any]] = [
+        {"attempt": n, "outcome": "lease_expired", "worker_id": None, "started_at": None, "finished_at": None}
+        for n in range(1, inv.attempt if ran else inv.attempt + 1)
+    ]
+    if ran:
+        out.append(
+            {
+                "attempt": inv.attempt,
+                "outcome": inv.state,
+                "worker_id": inv.worker_id,
+                "started_at": inv.started_at,
+                "finished_at": inv.finished_at,
+            }
+        )
+    return out
+
+
+def function_of(inv: Invocation) -> dict[str, Any] | None:
+    """``{kind, module, qualname}`` of the Envelope's function, when the arguments are an Envelope."""
+    from dreamlake.lakeshore.envelope import Envelope
+
+    try:
+        fn = Envelope.header(inv.args_blob).get("fn")
+    except Exception:
+        return None
+    if not isinstance(fn, dict):
+        return None
+    return {k: fn.get(k) for k in ("kind", "module", "qualname") if isinstance(fn.get(k), str)}
+
+
+def timings(inv: Invocation, now: float) -> dict[str, float | None]:
+    end = inv.finished_at if inv.finished_at is not None else now
+    return {
+        "wait_s": round(inv.started_at - inv.submitted_at, 3) if inv.started_at is not None else None,
+        "run_s": round(end - inv.started_at, 3) if inv.started_at is not None else None,
+        "total_s": round(end - inv.submitted_at, 3),
+    }
+
+
+def detail_json(inv: Invocation, frames: FrameStats, now: float) -> dict[str, Any]:
+    """``GET /v1/ops/invocations/:id``: the status, plus what an operator needs to judge a run."""
+    out = inv.status()
+    out.update(
+        namespace=inv.namespace,
+        run_config=inv.run_config,
+        cancel_requested=inv.cancel_requested,
+        lease_expires_at=inv.lease_expires_at,
+        function=function_of(inv),
+        attempts=attempts(inv),
+        timings=timings(inv, now),
+        frames={
+            "count": frames.count,
+            "last_seq": frames.last_seq,
+            "first_at": frames.first_at,
+            "last_at": frames.last_at,
+        },
+        terminal=inv.state in TERMINAL_STATES,
+    )
+    return out
+
+
+# -- reads shared with the dashboard -------------------------------------------------------------
+
+
+async def read_queues(ctx: Context, namespace: str | None) -> list[dict[str, Any]]:
+    stats = await ctx.call(ctx.store.queue_stats, namespace)
+    now = time.time()
+    return [queue_json(q, now) for q in stats]
+
+
+async def read_workers(
+    ctx: Context,
+    namespace: str | None,
+    *,
+    live_only: bool = False,
+    limit: int = 100,
+    cursor: str | None = None,
+) -> tuple[list[dict[str, Any]], str | None]:
+    page = await ctx.call(
+        ctx.store.list_workers,
+        namespace,
+        live_within=LIVE_WINDOW_S if live_only else None,
+        limit=limit,
+        cursor=cursor,
+    )
+    now = time.time()
+    return [worker_json(w, now) for w in page.workers], page.next_cursor
+
+
+async def read_invocations(
+    ctx: Context,
+    namespace: str | None,
+    *,
+    queue: str | None = None,
+    states: list[str] | None = None,
+    since: float | None = None,
+    limit: int = 50,
+    cursor: str | None = None,
+) -> tuple[list[dict[str, Any]], str | None]:
+    page = await ctx.call(
+        ctx.store.list_invocations,
+        namespace,
+        queue=queue,
+        states=states,
+        since=since,
+        limit=limit,
+        cursor=cursor,
+    )
+    return [invocation_json(i) for i in page.invocations], page.next_cursor
+
+
+async def read_detail(ctx: Context, principal: Principal, invocation_id: str) -> dict[str, Any]:
+    inv = visible(principal, await ctx.call(ctx.store.get, invocation_id))
+    if inv is None:
+        raise HTTPError(404, f"unknown invocation '{invocation_id}'")
+    frames = await ctx.call(ctx.store.frame_stats, invocation_id)
+    return detail_json(inv, frames, time.time())
+
+
+async def cancel(ctx: Context, principal: Principal, invocation_id: str) -> dict[str, Any]:
+    if visible(principal, await ctx.call(ctx.store.get, invocation_id)) is None:
+        raise HTTPError(404, f"unknown invocation '{invocation_id}'")
+    return await producer.cancel(ctx, invocation_id)
+
+
+async def observe_store(ctx: Context) -> None:
+    """Refresh the store gauges of ``ctx.metrics`` (before ``GET /metrics`` renders them)."""
+    stats = await ctx.call(ctx.store.queue_stats, None)
+    live = await ctx.call(ctx.store.count_workers, LIVE_WINDOW_S)
+    ctx.metrics.observe_store(stats, live)
+
+
+# -- query parameters ------------------------------------------------------------------------------
+
+
+def states_param(request: Request) -> list[str] | None:
+    raw = request.query_params.get("state", "")
+    if not raw:
+        return None
+    states = [s.strip() for s in raw.split(",") if s.strip()]
+    bad = [s for s in states if s not in STATES]
+    if bad:
+        raise HTTPError(400, f"unknown state {bad[0][:40]!r}: use one or more of {', '.join(STATES)}")
+    return states
+
+
+def limit_param(request: Request, default: int) -> int:
+    return int(h.query_number(request, "limit", default, lo=1, hi=LIST_LIMIT_MAX))
+
+
+def cursor_param(request: Request, what: str) -> str | None:
+    raw = request.query_params.get("cursor")
+    return h.ulid(raw, f"{what} cursor") if raw else None
+
+
+def queue_param(request: Request) -> str | None:
+    raw = request.query_params.get("queue")
+    return h.name(raw, "queue") if raw else None
+
+
+def since_param(request: Request) -> float | None:
+    raw = request.query_params.get("since")
+    if not raw:
+        return None
+    return h.query_number(request, "since", 0.0, lo=0.0, hi=1e12)
+
+
+# -- routes ----------------------------------------------------------------------------------------
+
+
+class OpsRoutes:
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    async def _who(self, request: Request) -> tuple[Principal, str | None]:
+        principal = await self.ctx.auth.principal(request)
+        require_kind(principal, *OPS_KINDS)
+        ns = scope(principal)
+        asked = request.query_params.get("namespace")
+        if asked:
+            asked = h.name(asked, "namespace")
+            if ns is not None and asked != ns:
+                raise HTTPError(403, f"token '{principal.name}' sees namespace '{ns}' only, not '{asked}'")
+            ns = asked
+        return principal, ns
+
+    async def whoami(self, request: Request) -> Response:
+        principal = await self.ctx.auth.principal(request)
+        return h.json_response(
+            {"kind": principal.kind, "name": principal.name, "namespace": principal.namespace}
+        )
+
+    async def queues(self, request: Request) -> Response:
+        _, ns = await self._who(request)
+        return h.json_response({"queues": await read_queues(self.ctx, ns), "live_window_s": LIVE_WINDOW_S})
+
+    async def workers(self, request: Request) -> Response:
+        _, ns = await self._who(request)
+        live_only = request.query_params.get("live", "") in ("1", "true", "yes")
+        rows, cursor = await read_workers(
+            self.ctx,
+            ns,
+            live_only=live_only,
+            limit=limit_param(request, 100),
+            cursor=cursor_param(request, "worker"),
+        )
+        return h.json_response({"workers": rows, "next_cursor": cursor, "live_window_s": LIVE_WINDOW_S})
+
+    async def invocations(self, request: Request) -> Response:
+        _, ns = await self._who(request)
+        rows, cursor = await read_invocations(
+            self.ctx,
+            ns,
+            queue=queue_param(request),
+            states=states_param(request),
+            since=since_param(request),
+            limit=limit_param(request, 50),
+            cursor=cursor_param(request, "invocation"),
+        )
+        return h.json_response({"invocations": rows, "next_cursor": cursor})
+
+    async def invocation(self, request: Request) -> Response:
+        principal, _ = await self._who(request)
+        inv = producer.request_id(request, "id", "invocation_id")
+        return h.json_response(await read_detail(self.ctx, principal, inv))
+
+    async def cancel(self, request: Request) -> Response:
+        principal, _ = await self._who(request)
+        inv = producer.request_id(request, "id", "invocation_id")
+        return h.json_response(await cancel(self.ctx, principal, inv))
+
+    def table(self, guard: Callable[[Handler], Handler]) -> list[Route]:
+        g = guard
+        return [
+            Route("/v1/ops/whoami", g(self.whoami), methods=["GET", "POST"]),
+            Route("/v1/ops/queues", g(self.queues), methods=["GET"]),
+            Route("/v1/ops/workers", g(self.workers), methods=["GET"]),
+            Route("/v1/ops/invocations", g(self.invocations), methods=["GET"]),
+            Route("/v1/ops/invocations/{id}", g(self.invocation), methods=["GET"]),
+            Route("/v1/ops/invocations/{id}/cancel", g(self.cancel), methods=["POST"]),
+        ]

@@ -1,0 +1,103 @@
+"""Where the SDK and the ``lakeshore`` CLI find the control plane.
+
+Resolved on first use, never at import: explicit values (CLI flags) over the ``LAKESHORE_URL`` /
+``LAKESHORE_TOKEN`` environment variables over a TOML file, ``$LAKESHORE_CONFIG`` or else
+``$XDG_CONFIG_HOME/lakeshore/config.toml`` (``~/.config/lakeshore/config.toml``)::
+
+    url = "http://127.0.0.1:8765"
+    token = "lsk_..."
+
+``lakeshore server`` prints the two ``export`` lines on its first start. With them set,
+``topk.submit(...)`` and ``dls.SyncQueue("q")`` use an ``HttpDispatch(url, token)`` without
+``set_default_dispatch`` (see ``decorator.get_default_dispatch``).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dreamlake.lakeshore.errors import PlaneError
+
+if TYPE_CHECKING:
+    from dreamlake.lakeshore.dispatch.http import HttpDispatch
+
+URL_ENV = "LAKESHORE_URL"
+TOKEN_ENV = "LAKESHORE_TOKEN"
+CONFIG_ENV = "LAKESHORE_CONFIG"
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    url: str | None
+    token: str | None
+    config_file: Path  # the file consulted (it may not exist)
+
+    def require(self) -> tuple[str, str]:
+        """``(url, token)``; PlaneError naming what is missing and where to set it."""
+        missing = [name for name, value in ((URL_ENV, self.url), (TOKEN_ENV, self.token)) if not value]
+        if missing:
+            raise PlaneError(
+                f"no control plane configured: set {' and '.join(missing)} (`lakeshore server` prints "
+                f"both), pass --url/--token, or write url and token to {self.config_file}"
+            )
+        assert self.url and self.token
+        return self.url, self.token
+
+
+def config_path(env: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if env is None else env
+    if env.get(CONFIG_ENV):
+        return Path(env[CONFIG_ENV]).expanduser()
+    base = env.get("XDG_CONFIG_HOME") or str(Path("~/.config").expanduser())
+    return Path(base) / "lakeshore" / "config.toml"
+
+
+def _read_file(path: Path) -> dict[str, str]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise PlaneError(f"cannot read the lakeshore config {path}: {exc}") from exc
+    out = {}
+    for key in ("url", "token"):
+        value = data.get(key)
+        if value is not None and not isinstance(value, str):
+            raise PlaneError(f"{path}: {key} must be a string, got {type(value).__name__}")
+        if value:
+            out[key] = value
+    return out
+
+
+def load(
+    url: str | None = None, token: str | None = None, env: Mapping[str, str] | None = None
+) -> ClientSettings:
+    """Resolve url and token: the arguments, else the environment, else the config file."""
+    env = os.environ if env is None else env
+    path = config_path(env)
+    url = url or env.get(URL_ENV) or None
+    token = token or env.get(TOKEN_ENV) or None
+    if not (url and token):
+        found = _read_file(path)
+        url = url or found.get("url")
+        token = token or found.get("token")
+    return ClientSettings(url=url, token=token, config_file=path)
+
+
+def default_plane(env: Mapping[str, str] | None = None) -> HttpDispatch | None:
+    """An HttpDispatch from the environment or config file; None when neither names a control plane."""
+    settings = load(env=env)
+    if not settings.url and not settings.token:
+        return None
+    url, token = settings.require()
+    from dreamlake.lakeshore.dispatch.http import HttpDispatch
+
+    try:
+        return HttpDispatch(url, token)
+    except ValueError as exc:
+        raise PlaneError(f"{URL_ENV}/{TOKEN_ENV} (or {settings.config_file}): {exc}") from exc

@@ -1,0 +1,170 @@
+"""The ``/ui`` dashboard over HTTP, from the attacker's side: sessions, cookie flags, CSRF, Origin,
+token kinds and namespace scoping. (``test_ui_browser.py`` drives it in a real browser.)"""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import msgpack
+import pytest
+
+from dreamlake.lakeshore import wire
+from dreamlake.lakeshore.ids import new_ulid
+from dreamlake.lakeshore.server.ui import csrf_token, frame_view
+from tests.integration.conftest import ControlPlane, submit_body
+
+
+def _login(cp: ControlPlane, token: str) -> httpx.Client:
+    client = cp.client()
+    r = client.post("/ui/login", data={"token": token})
+    assert r.status_code == 303 and r.headers["location"] == "/ui", r.text
+    return client
+
+
+def _csrf(page: str) -> str:
+    m = re.search(r'name="csrf" value="([0-9a-f]+)"', page)
+    assert m, page
+    return m.group(1)
+
+
+def _submit(cp: ControlPlane, token: str, queue: str = "q") -> str:
+    inv = new_ulid()
+    status, out = cp.call("/v1/producer/submit", submit_body(inv, queue), token)
+    assert status == 200, out
+    return inv
+
+
+def test_without_a_session_every_page_sends_to_login(sqlite_control_plane: ControlPlane) -> None:
+    client = sqlite_control_plane.client()
+    inv = new_ulid()
+    for path in ("/ui", "/ui/invocations", f"/ui/invocations/{inv}"):
+        r = client.get(path)
+        assert r.status_code == 303 and r.headers["location"] == "/ui/login", path
+    r = client.get("/ui/parts/overview", headers={"HX-Request": "true"})
+    assert r.status_code == 401 and r.headers["hx-redirect"] == "/ui/login"
+    r = client.post(f"/ui/invocations/{inv}/cancel", data={"csrf": "x"})
+    assert r.status_code == 303 and r.headers["location"] == "/ui/login"
+    client.cookies.set("lakeshore_session", "lsk_forged", path="/ui")
+    assert client.get("/ui").status_code == 303
+    r = client.get("/ui/login")
+    assert r.status_code == 200 and 'name="token"' in r.text
+
+
+def test_login_sets_a_strict_httponly_cookie_and_refuses_other_kinds(
+    sqlite_control_plane: ControlPlane,
+) -> None:
+    cp = sqlite_control_plane
+    client = cp.client()
+    r = client.post("/ui/login", data={"token": cp.producer_token})
+    cookie = r.headers["set-cookie"]
+    assert r.status_code == 303
+    assert cookie.startswith(f"lakeshore_session={cp.producer_token};")
+    flags = {part.strip().lower() for part in cookie.split(";")[1:]}
+    assert {"httponly", "path=/ui", "samesite=strict"} <= flags and "secure" not in flags
+    r = client.post("/ui/login", data={"token": cp.producer_token}, headers={"X-Forwarded-Proto": "https"})
+    assert "secure" in r.headers["set-cookie"].lower()
+    for token, status, text in (
+        ("lsk_unknown", 401, "unknown token"),
+        (cp.daemon_token, 403, "a daemon token cannot open the dashboard"),
+        (cp.store.create_token("metrics", "scraper"), 403, "a metrics token cannot open the dashboard"),
+    ):
+        r = cp.client().post("/ui/login", data={"token": token})
+        assert r.status_code == status and text in r.text and "set-cookie" not in r.headers
+
+
+def test_cancel_needs_the_sessions_csrf_token_and_a_same_site_origin(control_plane: ControlPlane) -> None:
+    cp = control_plane
+    inv = _submit(cp, cp.producer_token)
+    client = _login(cp, cp.admin_token)
+    page = client.get(f"/ui/invocations/{inv}")
+    assert page.status_code == 200 and 'id="cancel"' in page.text
+    good = _csrf(page.text)
+    assert good == csrf_token(cp.admin_token)
+    url = f"/ui/invocations/{inv}/cancel"
+    for data, headers in (
+        ({}, {}),
+        ({"csrf": "0" * 64}, {}),
+        ({"csrf": csrf_token(cp.producer_token)}, {}),  # another session's token
+        ({"csrf": good}, {"Origin": "https://evil.example"}),
+    ):
+        r = client.post(url, data=data, headers=headers)
+        assert r.status_code == 403, (data, headers)
+    assert cp.store.get(inv).state == "queued"  # type: ignore[union-attr]
+    r = client.post(url, data={"csrf": good}, headers={"Origin": cp.url})
+    assert r.status_code == 303 and r.headers["location"] == f"/ui/invocations/{inv}"
+    assert cp.store.get(inv).state == "cancelled"  # type: ignore[union-attr]
+    page = client.get(f"/ui/invocations/{inv}")
+    assert 'data-state="cancelled"' in page.text and 'id="cancel"' not in page.text
+    assert "hx-trigger" not in page.text.split('id="live"')[1].split(">")[0]  # finished: no polling
+
+
+def test_a_namespace_session_sees_only_its_namespace(sqlite_control_plane: ControlPlane) -> None:
+    cp = sqlite_control_plane
+    theirs = _submit(cp, cp.producer_token, "secret-queue")
+    token_a = cp.store.create_token("namespace", "team-a", "team-a")
+    mine = _submit(cp, cp.store.create_token("producer", "prod-a", "team-a"), "a-queue")
+    client = _login(cp, token_a)
+    overview = client.get("/ui").text
+    assert 'data-queue="a-queue"' in overview and "secret-queue" not in overview
+    listing = client.get("/ui/invocations").text
+    assert mine in listing and theirs not in listing
+    r = client.get(f"/ui/invocations/{theirs}")
+    assert r.status_code == 404 and "unknown invocation" in r.text
+    csrf = _csrf(client.get(f"/ui/invocations/{mine}").text)
+    r = client.post(f"/ui/invocations/{theirs}/cancel", data={"csrf": csrf})
+    assert r.status_code == 404 and cp.store.get(theirs).state == "queued"  # type: ignore[union-attr]
+    r = client.get("/ui/invocations", params={"state": "bogus"})
+    assert r.status_code == 400 and "unknown state" in r.text
+
+
+def test_filters_and_the_live_parts(sqlite_control_plane: ControlPlane) -> None:
+    cp = sqlite_control_plane
+    a = _submit(cp, cp.producer_token, "qa")
+    b = _submit(cp, cp.producer_token, "qb")
+    client = _login(cp, cp.admin_token)
+    page = client.get("/ui/invocations", params={"queue": "qa"}).text
+    assert a in page and b not in page and 'hx-get="/ui/parts/invocations?queue=qa"' in page
+    part = client.get("/ui/parts/invocations", params={"queue": "qb", "since": "10m"}).text
+    assert b in part and a not in part and "<html" not in part
+    assert client.get("/ui/invocations", params={"since": "3w"}).status_code == 400
+    part = client.get("/ui/parts/overview").text
+    assert 'data-queue="qa"' in part and "no worker" in part  # queued, nobody serves it
+    detail = client.get(f"/ui/parts/invocations/{a}").text
+    assert 'hx-trigger="every 1s"' in detail and "waiting for a worker" in detail
+
+
+def test_logout_needs_csrf_and_clears_the_cookie(sqlite_control_plane: ControlPlane) -> None:
+    cp = sqlite_control_plane
+    client = _login(cp, cp.admin_token)
+    assert client.post("/ui/logout", data={}).status_code == 403
+    r = client.post("/ui/logout", data={"csrf": _csrf(client.get("/ui").text)})
+    assert r.status_code == 303 and 'lakeshore_session=""' in r.headers["set-cookie"]
+    assert client.get("/ui").status_code == 303
+
+
+@pytest.mark.parametrize(
+    "frame,kind,preview",
+    [
+        (wire.encode_frame(wire.FRAME_VALUE, 3, wire.pack({"left": 2})), "value", "{'left': 2}"),
+        (
+            wire.encode_frame(wire.FRAME_LOG, 4, b"oops\n", {"stream": "stderr", "ts": 1.0}),
+            "stderr",
+            "oops\n",
+        ),
+        (
+            wire.encode_frame(wire.FRAME_ERROR, 5, {"type": "ValueError", "message": "bad"}),
+            "error",
+            "ValueError: bad",
+        ),
+        (
+            wire.encode_frame(wire.FRAME_VALUE, 6, msgpack.packb([msgpack.ExtType(3, b"\x00" * 64)])),
+            "value",
+            "['<ext 3: 64 bytes>']",
+        ),
+        (b"\xc1garbage", "invalid", "undecodable frame"),
+    ],
+)
+def test_frames_are_previewed_without_the_wire_codecs(frame: bytes, kind: str, preview: str) -> None:
+    view = frame_view(frame)
+    assert view["kind"] == kind and view["preview"].startswith(preview)

@@ -1,0 +1,161 @@
+"""The dashboard in a real headless browser (Debian's chromium through chromedriver and Selenium),
+against a real ``lakeshore server`` + ``nymph`` (LocalStack): sign in, watch a submitted
+invocation appear and finish, follow a live stream, cancel a running invocation.
+
+Screenshots go to ``$LAKESHORE_ARTIFACTS`` (CI keeps them) or ``tests/artifacts``; two of them are
+the README's pictures (``docs/img``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dreamlake.lakeshore.devstack import LocalStack
+from tests.conftest import require
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+CHROME_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1280,860",
+)
+
+pytestmark = pytest.mark.slow
+
+
+def artifacts() -> Path:
+    path = Path(os.environ.get("LAKESHORE_ARTIFACTS") or ROOT / "tests" / "artifacts")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[Any]:
+    chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
+    require(
+        chromium is not None and driver_path is not None,
+        "a browser: apt-get install chromium chromium-driver",
+    )
+    pytest.importorskip("selenium", reason="selenium (the test extra)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(chromium)
+    for flag in CHROME_FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tmp_path / 'chrome-profile'}")
+    driver = webdriver.Chrome(service=Service(str(driver_path)), options=options)
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture
+def stack() -> Iterator[LocalStack]:
+    with LocalStack(queues=["demo"], concurrency=2, pythonpath=[EXAMPLES], quiet=True) as s:
+        yield s
+
+
+def _wait(driver: Any, what: str, check: Callable[[Any], Any], timeout: float = 30.0) -> Any:
+    from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        return WebDriverWait(driver, timeout, ignored_exceptions=(StaleElementReferenceException,)).until(
+            check
+        )
+    except TimeoutException:
+        shot = artifacts() / f"timeout-{what.replace(' ', '-')}.png"
+        driver.save_screenshot(str(shot))
+        raise AssertionError(
+            f"gave up waiting for {what} (page saved as {shot}):\n{driver.page_source[:3000]}"
+        ) from None
+
+
+def _css(driver: Any, selector: str) -> list[Any]:
+    from selenium.webdriver.common.by import By
+
+    return list(driver.find_elements(By.CSS_SELECTOR, selector))
+
+
+def test_dashboard_in_a_real_browser(
+    stack: LocalStack, browser: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    import workload  # examples/workload.py, which nymph imports by reference too
+
+    plane = stack.plane()
+    shots = artifacts()
+    url = stack.url
+
+    browser.get(url + "/ui")
+    assert browser.current_url.endswith("/ui/login")
+    browser.find_element(By.ID, "token").send_keys("lsk_not-a-token")
+    browser.find_element(By.ID, "sign-in").click()
+    _wait(browser, "a refused login", lambda d: _css(d, "#login-error"))
+    assert "unknown token" in browser.find_element(By.ID, "login-error").text
+    browser.find_element(By.ID, "token").send_keys(stack.tokens["admin"])
+    browser.find_element(By.ID, "sign-in").click()
+    _wait(browser, "the overview", lambda d: _css(d, "#workers tr[data-worker] .badge.ok"))
+    assert "lakeshore_session" not in browser.execute_script("return document.cookie")  # HttpOnly
+
+    # A submitted invocation appears in the open list and finishes, without a reload.
+    browser.get(url + "/ui/invocations")
+    _wait(browser, "the invocation list", lambda d: _css(d, "#invocation-list"))
+    inv = workload.add.submit(2, 3, _dispatch=plane)
+    _wait(browser, "the new invocation", lambda d: _css(d, f'tr[data-id="{inv}"]'))
+    _wait(browser, "it to succeed", lambda d: _css(d, f'tr[data-id="{inv}"][data-state="succeeded"]'))
+    browser.save_screenshot(str(shots / "invocations.png"))
+
+    # A live stream: frames arrive while the generator runs, then END and the final state.
+    inv = workload.countdown.submit(8, 0.5, _dispatch=plane)
+    browser.get(f"{url}/ui/invocations/{inv}")
+    _wait(
+        browser,
+        "live frames",
+        lambda d: _css(d, '#live[data-state="running"]') and len(_css(d, 'tr[data-kind="value"]')) >= 2,
+    )
+    seen_running = len(_css(browser, 'tr[data-kind="value"]'))
+    assert seen_running < 8
+    browser.save_screenshot(str(shots / "invocation-live.png"))
+    _wait(
+        browser,
+        "the end of the stream",
+        lambda d: _css(d, '#live[data-state="succeeded"] tr[data-kind="end"]'),
+    )
+    assert len(_css(browser, 'tr[data-kind="value"]')) == 8
+    assert "'left': 1" in browser.find_element(By.CSS_SELECTOR, 'tr[data-seq="7"]').text
+    assert not _css(browser, "#cancel")
+
+    # Cancel a running invocation from its page.
+    inv = workload.countdown.submit(1000, 0.5, _dispatch=plane)
+    browser.get(f"{url}/ui/invocations/{inv}")
+    _wait(browser, "it to run", lambda d: _css(d, '#live[data-state="running"] tr[data-kind="value"]'))
+    browser.find_element(By.CSS_SELECTOR, "#cancel button").click()
+    _wait(browser, "the cancel to land", lambda d: _css(d, '#live[data-state="killed"]'))
+    assert "Cancelled" in browser.find_element(By.ID, "error-summary").text
+    browser.save_screenshot(str(shots / "invocation-cancelled.png"))
+
+    browser.get(url + "/ui")
+    _wait(browser, "the demo queue", lambda d: _css(d, '#queues tr[data-queue="demo"]'))
+    row = browser.find_element(By.CSS_SELECTOR, '#queues tr[data-queue="demo"]').text.split()
+    assert row[:3] == ["demo", "0", "0"]
+    browser.save_screenshot(str(shots / "overview.png"))
