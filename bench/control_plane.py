@@ -320,6 +320,12 @@ def control_plane(db: str, data_dir: Path, args: argparse.Namespace) -> Figures:
     with lakeshore_server(db, data_dir, args.workers) as (port, token, pid):
         for rep in range(args.reps):
             queue = f"bench{rep}"
+            # a registered worker serves the queue, as a nymph would (else each submit reads the
+            # live queues to warn that nobody serves it)
+            register = {"worker_id": ulid(), "queues": [queue], "slots": args.daemons}
+            status, answer = Client(port, token).post("/v1/daemon/register", register)
+            if status != 200:
+                raise RuntimeError(f"register answered {status}: {answer}")
             cpu = cpu_seconds(pid)
             sub, total = run_load(_producer, [(port, token, per, queue)] * args.producers)
             cpu_sub, cpu = (cpu_seconds(pid) - cpu) * 1000 / total, cpu_seconds(pid)

@@ -105,6 +105,29 @@ def test_a_batch_answers_each_write_as_its_single_call_would(store: SqlStore) ->
     assert fresh_row is not None and fresh_row.state == "queued"
 
 
+def test_a_run_of_acks_applies_together_and_answers_each(store: SqlStore) -> None:
+    (a, att), (b, _), (c, _), (d, _), (e, _) = _running(store, 5)
+    store.ack(e, "failed", attempt=att, worker_id="w", result_blob=None, error={"type": "E", "message": "m"})
+    unknown = new_ulid()
+    results = store.write_batch(
+        [
+            AckRequest(a, "succeeded", attempt=att, worker_id="w", result_blob=b"r"),
+            AckRequest(b, "failed", error={"type": "E", "message": "m"}),  # neither attempt nor worker
+            AckRequest(c, "succeeded", attempt=att + 1, worker_id="w"),  # not its attempt
+            AckRequest(d, "succeeded", attempt=att, worker_id="other"),  # not its worker
+            AckRequest(e, "failed", attempt=att, worker_id="w", error={"type": "E", "message": "m"}),
+            AckRequest(unknown, "succeeded"),
+        ]
+    )
+    assert results[:2] == [AckResult(ok=True, state="succeeded"), AckResult(ok=True, state="failed")]
+    assert [(r.ok, r.state) for r in results[2:4]] == [(False, "running"), (False, "running")]  # type: ignore[union-attr]
+    assert "superseded" in (results[2].reason or "") and "not owned" in (results[3].reason or "")  # type: ignore[union-attr]
+    assert results[4] == AckResult(ok=True, duplicate=True, state="failed")  # the same outcome again
+    assert results[5] == AckResult(ok=False, reason=f"unknown invocation {unknown}")
+    states = {i: getattr(store.get(i), "state", None) for i in (a, b, c, d, e)}
+    assert states == {a: "succeeded", b: "failed", c: "running", d: "running", e: "failed"}
+
+
 def test_a_write_the_database_refuses_fails_alone(store: SqlStore) -> None:
     """A value no column holds (a seq past BIGINT) fails in the database: the batch is retried
     write by write, and only that write answers an error."""

@@ -145,7 +145,11 @@ class _Statements:
             _inv.c.queue == B("queue"), _inv.c.idempotency_key == B("key")
         )
         self.get = sa.select(_inv).where(_inv.c.invocation_id == B("id"))
+        self.get_many = sa.select(_inv).where(_inv.c.invocation_id.in_(B("ids", expanding=True)))
+        # ``ack``: one ack, RETURNING whether it applied; ``ack_many``: the same without RETURNING,
+        # for an executemany of many acks (one round trip: psycopg pipelines it).
         self.ack: dict[tuple[bool, bool], Any] = {}
+        self.ack_many: dict[tuple[bool, bool], Any] = {}
         for by_attempt in (False, True):
             for by_worker in (False, True):
                 conds = [_inv.c.invocation_id == B("id"), _inv.c.state == "running"]
@@ -153,7 +157,7 @@ class _Statements:
                     conds.append(_inv.c.attempt == B("b_attempt"))
                 if by_worker:
                     conds.append(_inv.c.worker_id == B("worker"))
-                self.ack[by_attempt, by_worker] = (
+                update = (
                     sa.update(_inv)
                     .where(*conds)
                     .values(
@@ -163,8 +167,9 @@ class _Statements:
                         error=B("b_error", type_=_inv.c.error.type),
                         lease_expires_at=None,
                     )
-                    .returning(_inv.c.invocation_id)
                 )
+                self.ack_many[by_attempt, by_worker] = update
+                self.ack[by_attempt, by_worker] = update.returning(_inv.c.invocation_id)
         self.renew = (
             sa.update(_inv)
             .where(
@@ -262,6 +267,29 @@ def claim_params(
     else:
         params.update((f"q{i}", name) for i, name in enumerate(names))
     return claim_statement(len(names)), params
+
+
+def _ack_refusal(req: AckRequest, inv: Invocation | None) -> AckResult:
+    """The answer to an ack that did not apply, from the row as it stands: unknown, superseded,
+    not this worker's, a repeat of the recorded outcome (ok, duplicate) or refused."""
+    invocation_id, attempt, worker_id = req.invocation_id, req.attempt, req.worker_id
+    if inv is None:
+        return AckResult(ok=False, reason=f"unknown invocation {invocation_id}")
+    if attempt is not None and attempt != inv.attempt:
+        return AckResult(
+            ok=False,
+            state=inv.state,
+            reason=f"attempt {attempt} of {invocation_id} was superseded by attempt {inv.attempt}",
+        )
+    if worker_id is not None and worker_id != inv.worker_id:
+        return AckResult(
+            ok=False, state=inv.state, reason=f"{invocation_id} is not owned by worker {worker_id}"
+        )
+    if inv.state == req.state and (inv.result_blob or None) == req.result_blob and inv.error == req.error:
+        return AckResult(ok=True, duplicate=True, state=inv.state)
+    return AckResult(
+        ok=False, state=inv.state, reason=f"{invocation_id} is {inv.state}, not running; outcome refused"
+    )
 
 
 class _Prepared:
@@ -519,43 +547,53 @@ class InvocationStore(StoreBase):
         blob = bytes(req.result_blob) if req.result_blob else None
         return AckRequest(req.invocation_id, req.state, req.attempt, req.worker_id, blob, error)
 
+    @staticmethod
+    def _ack_params(req: AckRequest, now: float) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "id": req.invocation_id,
+            "b_state": req.state,
+            "now": now,
+            "blob": req.result_blob,
+            "b_error": req.error,
+        }
+        if req.attempt is not None:
+            params["b_attempt"] = req.attempt
+        if req.worker_id is not None:
+            params["worker"] = req.worker_id
+        return params
+
     def _ack_in(self, conn: Connection, req: AckRequest, now: float) -> AckResult:
         """Apply a prepared ack in the caller's transaction: one conditional UPDATE; a refusal
         (or a repeat) reads the row to say why, and changes nothing."""
-        invocation_id, state, attempt, worker_id = req.invocation_id, req.state, req.attempt, req.worker_id
-        blob, error = req.result_blob, req.error
-        params: dict[str, Any] = {
-            "id": invocation_id,
-            "b_state": state,
-            "now": now,
-            "blob": blob,
-            "b_error": error,
-        }
-        if attempt is not None:
-            params["b_attempt"] = attempt
-        if worker_id is not None:
-            params["worker"] = worker_id
-        if conn.execute(self._inv_st.ack[attempt is not None, worker_id is not None], params).first():
-            return AckResult(ok=True, state=state)
-        row = conn.execute(self._inv_st.get, {"id": invocation_id}).first()
-        if row is None:
-            return AckResult(ok=False, reason=f"unknown invocation {invocation_id}")
-        inv = _row_to_invocation(row)
-        if attempt is not None and attempt != inv.attempt:
-            return AckResult(
-                ok=False,
-                state=inv.state,
-                reason=f"attempt {attempt} of {invocation_id} was superseded by attempt {inv.attempt}",
-            )
-        if worker_id is not None and worker_id != inv.worker_id:
-            return AckResult(
-                ok=False, state=inv.state, reason=f"{invocation_id} is not owned by worker {worker_id}"
-            )
-        if inv.state == state and (inv.result_blob or None) == blob and inv.error == error:
-            return AckResult(ok=True, duplicate=True, state=inv.state)
-        return AckResult(
-            ok=False, state=inv.state, reason=f"{invocation_id} is {inv.state}, not running; outcome refused"
-        )
+        variant = (req.attempt is not None, req.worker_id is not None)
+        if conn.execute(self._inv_st.ack[variant], self._ack_params(req, now)).first():
+            return AckResult(ok=True, state=req.state)
+        row = conn.execute(self._inv_st.get, {"id": req.invocation_id}).first()
+        return _ack_refusal(req, _row_to_invocation(row) if row is not None else None)
+
+    def _ack_many_in(self, conn: Connection, reqs: Sequence[AckRequest], now: float) -> list[AckResult]:
+        """Apply prepared acks of distinct invocations in the caller's transaction: one
+        executemany per kind of ack (with or without attempt / worker), then one read of the rows.
+        An ack applied iff its row now holds its state with ``finished_at == now`` (this
+        transaction's time: an earlier outcome has an earlier one); the others are refused or
+        repeats, told apart as ``_ack_in`` does. Acks of one invocation twice go one by one."""
+        if len(reqs) < 2 or len({r.invocation_id for r in reqs}) < len(reqs):
+            return [self._ack_in(conn, r, now) for r in reqs]
+        st = self._inv_st
+        by_variant: dict[tuple[bool, bool], list[dict[str, Any]]] = {}
+        for r in reqs:
+            variant = (r.attempt is not None, r.worker_id is not None)
+            by_variant.setdefault(variant, []).append(self._ack_params(r, now))
+        for variant, params in by_variant.items():
+            conn.execute(st.ack_many[variant], params)
+        rows = conn.execute(st.get_many, {"ids": [r.invocation_id for r in reqs]}).fetchall()
+        found = {inv.invocation_id: inv for inv in map(_row_to_invocation, rows)}
+        out: list[AckResult] = []
+        for r in reqs:
+            inv = found.get(r.invocation_id)
+            applied = inv is not None and inv.state == r.state and inv.finished_at == now
+            out.append(AckResult(ok=True, state=r.state) if applied else _ack_refusal(r, inv))
+        return out
 
     def _renew_in(
         self, conn: Connection, worker_id: str, running: Sequence[tuple[str, int]], lease: float

@@ -190,8 +190,9 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
 
     @retry_on_disconnect
     def _apply_writes(self, batch: Sequence[tuple[int, Any]]) -> list[WriteResult | PlaneError]:
-        """One transaction: the submits (one multi-row insert), then the other writes in order;
-        the waiters are woken after the commit."""
+        """One transaction: the submits (one multi-row insert), then the other writes in order
+        (each run of consecutive acks as one ``_ack_many_in``); the waiters are woken after the
+        commit."""
         submits = [(k, p) for k, (_, p) in enumerate(batch) if isinstance(p, _Prepared)]
         results: list[WriteResult | PlaneError | None] = [None] * len(batch)
         channels: list[str] = []
@@ -201,13 +202,20 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
             submitted = self._submit_many_in(conn, preps, now) if preps else []
             for (k, _), res in zip(submits, submitted, strict=True):
                 results[k] = res
-            for k, (_, p) in enumerate(batch):
+            acks: list[tuple[int, AckRequest]] = []  # a run of consecutive acks, applied together
+            for k, (_, p) in enumerate([*batch, (-1, None)]):
                 if isinstance(p, AckRequest):
-                    ack = self._ack_in(conn, p, now)
-                    results[k] = ack
-                    if ack.ok and not ack.duplicate:
-                        channels.append(f"inv:{p.invocation_id}")
-                elif isinstance(p, FrameRequest):
+                    acks.append((k, p))
+                    continue
+                if acks:
+                    for (j, req), ack in zip(
+                        acks, self._ack_many_in(conn, [a for _, a in acks], now), strict=True
+                    ):
+                        results[j] = ack
+                        if ack.ok and not ack.duplicate:
+                            channels.append(f"inv:{req.invocation_id}")
+                    acks = []
+                if isinstance(p, FrameRequest):
                     chunk = self._append_frame_in(conn, p, now)
                     results[k] = chunk
                     if chunk.ok and not chunk.duplicate:
