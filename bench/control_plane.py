@@ -9,7 +9,7 @@ msgpack bodies), so the client never shares the server's core or interpreter. Fi
 - claim+ack/s: ``--daemons`` processes polling (``max`` ``--poll-max``, no wait) and acking until
   the queue is drained;
 - baselines of the same run: a Starlette hello-world on the same HTTP stack (uvicorn with
-  uvloop + httptools when installed, as ``lakeshore server`` uses) under the same load processes;
+  uvloop when installed, and h11, as ``lakeshore server`` uses) under the same load processes;
   raw ``sqlite3`` (WAL, ``synchronous=NORMAL``, as the store) and raw ``psycopg`` inserts, one row
   per transaction and 100 rows per transaction.
 
@@ -59,8 +59,7 @@ async def hello(request):
     return Response(b"\\x81\\xa2ok\\xc3", media_type="application/x-msgpack")
 app = Starlette(routes=[Route("/", hello, methods=["GET", "POST"])])
 loop = "uvloop" if {uvloop} else "asyncio"
-http = "httptools" if {httptools} else "h11"
-uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", loop=loop, http=http)
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", loop=loop, http="h11")
 """
 
 
@@ -238,7 +237,7 @@ def has(module: str) -> bool:
 def hello_rate(clients: int, n: int) -> tuple[float, float]:
     """Requests/s and server CPU ms per request of the hello-world."""
     port = free_port()
-    code = HELLO.format(uvloop=has("uvloop"), httptools=has("httptools"))
+    code = HELLO.format(uvloop=has("uvloop"))
     with _process([sys.executable, "-c", code, str(port)], port) as pid:
         cpu = cpu_seconds(pid)
         rate, total = run_load(_hello, [(port, n)] * clients)
@@ -353,7 +352,7 @@ def main() -> None:
     ap.add_argument("--raw-rows", type=int, default=5000)
     ap.add_argument("--pg", default=os.environ.get("LAKESHORE_TEST_PG_URL"))
     args = ap.parse_args()
-    stack = f"{'uvloop' if has('uvloop') else 'asyncio'} + {'httptools' if has('httptools') else 'h11'}"
+    stack = f"{'uvloop' if has('uvloop') else 'asyncio'} + h11"
     hello, hello_cpu = hello_rate(args.producers, max(200, args.jobs // args.producers))
     rows: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:

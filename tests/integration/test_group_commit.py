@@ -18,6 +18,10 @@ from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.server.writer import GroupWriter
 from dreamlake.lakeshore.store import open_store
 from dreamlake.lakeshore.store.api import (
+    ANOTHER_WORKER,
+    OUT_OF_ORDER,
+    SUPERSEDED,
+    UNKNOWN,
     AckRequest,
     AckResult,
     ChunkResult,
@@ -121,34 +125,71 @@ def test_a_run_of_acks_applies_together_and_answers_each(store: SqlStore) -> Non
     )
     assert results[:2] == [AckResult(ok=True, state="succeeded"), AckResult(ok=True, state="failed")]
     assert [(r.ok, r.state) for r in results[2:4]] == [(False, "running"), (False, "running")]  # type: ignore[union-attr]
-    assert "superseded" in (results[2].reason or "") and "not owned" in (results[3].reason or "")  # type: ignore[union-attr]
+    assert "superseded" in (results[2].reason or "") and "another worker" in (results[3].reason or "")  # type: ignore[union-attr]
+    assert [r.status for r in results[2:4]] == [SUPERSEDED, ANOTHER_WORKER]  # type: ignore[union-attr]
     assert results[4] == AckResult(ok=True, duplicate=True, state="failed")  # the same outcome again
-    assert results[5] == AckResult(ok=False, reason=f"unknown invocation {unknown}")
+    assert results[5] == AckResult(ok=False, reason=f"unknown invocation {unknown}", status=UNKNOWN)
     states = {i: getattr(store.get(i), "state", None) for i in (a, b, c, d, e)}
     assert states == {a: "succeeded", b: "failed", c: "running", d: "running", e: "failed"}
 
 
-def test_a_write_the_database_refuses_fails_alone(store: SqlStore) -> None:
-    """A value no column holds (a seq past BIGINT) fails in the database: the batch is retried
-    write by write, and only that write answers an error."""
+def test_a_write_that_fails_in_the_transaction_fails_alone(store: SqlStore) -> None:
+    """A write that fails inside the transaction (here a frame whose data only the apply finds is
+    no bytes; in service, a value a column refuses or a lost connection): the batch is retried write
+    by write, and only that write answers an error. A write the store refuses (a frame past the
+    next seq) answers its own refusal and fails nothing."""
     ((inv, attempt),) = _running(store, 1)
     good = new_ulid()
     results = store.write_batch(
         [
             _submit(good),
+            FrameRequest(inv, 0, None, False),  # type: ignore[arg-type]
             FrameRequest(inv, 2**64, b"x", False),
             FrameRequest(inv, 0, b"fine", False),
             AckRequest(inv, "succeeded", attempt=attempt, worker_id="w"),
         ]
     )
-    sub, bad, frame, ack = results
+    sub, bad, gap, frame, ack = results
     assert sub == SubmitResult(invocation_id=good, queue="q")
     assert isinstance(bad, PlaneError) and bad.status == 500
+    assert isinstance(gap, ChunkResult) and not gap.ok
+    assert (gap.status, gap.expected_seq) == (OUT_OF_ORDER, 0)
     assert frame == ChunkResult(ok=True, seq=0)
     assert ack == AckResult(ok=True, state="succeeded")
     assert store.get(good) is not None
     got = store.get(inv)
     assert got is not None and got.state == "succeeded"
+
+
+def test_lease_and_order_checks_hold_per_write_of_a_batch(store: SqlStore) -> None:
+    """Another worker's frame (403), a superseded attempt's frame (409), a gap (409 with the next
+    seq) and a frame after the final one are refused each alone; the rest of the batch commits."""
+    ((inv, attempt),) = _running(store, 1)
+    results = store.write_batch(
+        [
+            FrameRequest(inv, 0, b"a", False, attempt=attempt, worker_id="w"),
+            FrameRequest(inv, 1, b"b", False, attempt=attempt, worker_id="other"),
+            FrameRequest(inv, 1, b"b", False, attempt=attempt + 1, worker_id="w"),
+            FrameRequest(inv, 2, b"c", False, attempt=attempt, worker_id="w"),
+            FrameRequest(inv, 1, b"end", True, attempt=attempt, worker_id="w"),
+            FrameRequest(inv, 2, b"late", False, attempt=attempt, worker_id="w"),
+            AckRequest(inv, "succeeded", attempt=attempt, worker_id="other"),
+            AckRequest(inv, "succeeded", attempt=attempt, worker_id="w"),
+        ]
+    )
+    f0, other, old, gap, end, late, ack_other, ack = results
+    assert f0 == ChunkResult(ok=True, seq=0) and end == ChunkResult(ok=True, seq=1)
+    assert isinstance(other, ChunkResult) and other.status == ANOTHER_WORKER
+    assert isinstance(old, ChunkResult) and old.status == SUPERSEDED
+    assert isinstance(gap, ChunkResult) and (gap.ok, gap.status, gap.expected_seq) == (False, OUT_OF_ORDER, 1)
+    assert isinstance(late, ChunkResult) and (late.ok, late.status, late.expected_seq) == (
+        False,
+        OUT_OF_ORDER,
+        2,
+    )
+    assert isinstance(ack_other, AckResult) and (ack_other.ok, ack_other.status) == (False, ANOTHER_WORKER)
+    assert ack == AckResult(ok=True, state="succeeded")
+    assert [f.data for f in store.read_frames(inv)] == [b"a", b"end"]
 
 
 def test_a_malformed_write_answers_its_own_error(store: SqlStore) -> None:

@@ -27,6 +27,7 @@ CASES = {
         "--raw-rows",
         "200",
     ],
+    "fleet": ["--sizes", "1,3", "--submits", "3", "--idle-s", "0.2"],
     "streams": ["--frames", "20"],
     "store": ["--reps", "5", "--opens", "1", "--backends", "sqlite-memory"],
 }

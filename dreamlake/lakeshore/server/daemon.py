@@ -1,25 +1,38 @@
 """Daemon routes (msgpack): register, poll, ack, result-chunk and heartbeat.
 
+A daemon acts as the workers its token registered (``authz.WorkerBindings``: the first call naming
+a worker id binds it; any other token naming it is refused 403) and reports only on the leases
+those workers hold: ack and result-chunk require ``worker_id`` and ``attempt``, and the store
+refuses a superseded attempt or lapsed lease (409) and another worker's lease (403); every refusal
+is logged. Frames must come in order (the store refuses a gap, or a frame after the final one, 409
+with ``expected_seq``). A daemon token bound to a namespace registers and claims in it only.
+
 ``poll`` is a long poll: each pass collects pending cancels, claims invocations and exec jobs in
-one store transaction (``store.poll``); with nothing to hand out it waits on the
-store notifier's ``queue:<q>`` / ``exec:<q>`` / ``worker:<id>`` channels, re-checking the store
-about once a second for work submitted through other replicas. ``ack``, ``result-chunk`` and
-``heartbeat`` write through the group commit (``ctx.write``): answered once committed.
+one store transaction (``store.poll_pass``, which also reads the pinned nymph version); with
+nothing to hand out it waits in the poll hub (``server/polls.py``), which wakes one waiting poll per
+unit of new work (and every poll of a worker with a command queued), so a submit costs one claim
+transaction, not one per waiting daemon. ``ack``, ``result-chunk`` and ``heartbeat`` write through
+the group commit (``ctx.write``), which applies the same lease and order checks per write, and are
+answered once committed.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.server import http
+from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError, field
+from dreamlake.lakeshore.server.polls import EXEC, RUN, TIMEOUT, Wake
 from dreamlake.lakeshore.store.api import (
     ACK_STATES,
+    UNKNOWN,
     AckRequest,
     AckResult,
     ChunkResult,
@@ -28,7 +41,6 @@ from dreamlake.lakeshore.store.api import (
     HeartbeatRequest,
     HeartbeatResult,
     Invocation,
-    Principal,
 )
 
 if TYPE_CHECKING:
@@ -40,10 +52,17 @@ MAX_QUEUES = 64
 MAX_RUNNING = 4096  # entries of a heartbeat's ``running`` (and ``running_exec``): one statement each
 
 
-def _worker(body: dict[str, Any]) -> str:
+async def _worker(ctx: Context, caller: Caller, body: dict[str, Any]) -> str:
+    """The body's ``worker_id`` (required), once the caller's token is known to act as it."""
     worker_id = http.ulid_field(body, "worker_id")
     assert worker_id is not None
+    await ctx.workers.check(caller, worker_id)
     return worker_id
+
+
+def _attempt(body: dict[str, Any]) -> int:
+    attempt: int = http.integer(body, "attempt", hi=http.I32_MAX)
+    return attempt
 
 
 def _queues(body: dict[str, Any], default: list[str] | None = None) -> list[str]:
@@ -55,8 +74,9 @@ def _queues(body: dict[str, Any], default: list[str] | None = None) -> list[str]
     return [http.name(q, "queue") for q in queues]
 
 
-async def register(ctx: Context, principal: Principal, body: dict[str, Any]) -> dict[str, Any]:
-    worker_id = _worker(body)
+async def register(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+    worker_id = await _worker(ctx, caller, body)
+    principal = caller.principal
     namespace = field(body, "namespace", str, default=None, nullable=True)
     if namespace is not None:
         namespace = http.name(namespace, "namespace")
@@ -131,10 +151,11 @@ def _with_pin(out: dict[str, Any], version: str | None) -> dict[str, Any]:
 
 async def _collect(
     ctx: Context, worker_id: str, queues: list[str], limit: int, *, exec_jobs: bool, namespace: str | None
-) -> tuple[list[dict[str, Any]], str | None]:
+) -> tuple[list[dict[str, Any]], list[Wake], str | None]:
     """One poll pass, one store transaction (``store.poll_pass``): pending cancels, then claimed
     invocations, then exec jobs (of ``namespace`` when the token is bound to one) for free slots,
-    and the pinned nymph version."""
+    and the pinned nymph version. Returns the commands, the work claimed (for the poll hub) and
+    that version."""
     got = await ctx.call(
         ctx.store.poll_pass,
         worker_id,
@@ -151,7 +172,9 @@ async def _collect(
         ctx.metrics.claims.labels(kind="run").inc(len(got.invocations))
     if got.exec_jobs:
         ctx.metrics.claims.labels(kind="exec").inc(len(got.exec_jobs))
-    return commands, got.pinned_version
+    units = [Wake(RUN, inv.queue) for inv in got.invocations]
+    units.extend(Wake(EXEC, job["queue"], job["namespace"]) for job in got.exec_jobs)
+    return commands, units, got.pinned_version
 
 
 Disconnected = Callable[[], Awaitable[bool]]
@@ -171,35 +194,47 @@ def _takes_exec(body: dict[str, Any]) -> bool:
 
 
 async def poll(
-    ctx: Context, principal: Principal, body: dict[str, Any], disconnected: Disconnected | None = None
+    ctx: Context, caller: Caller, body: dict[str, Any], disconnected: Disconnected | None = None
 ) -> dict[str, Any]:
-    """The long poll. ``disconnected`` (the request's ``is_disconnected``) is asked before every
-    claim: a daemon that hung up claims nothing. Work claimed just before a hang-up is not lost:
-    its lease lapses and the reaper requeues it (attempt + 1)."""
-    worker_id = _worker(body)
+    """The long poll (admission is the route's: ``ctx.polls.admitted()``). ``disconnected`` (the
+    request's ``is_disconnected``) is asked before every claim: a daemon that hung up claims
+    nothing, and a wake-up it was handed goes to the next poll. Work claimed just before a hang-up
+    is not lost: its lease lapses and the reaper requeues it (attempt + 1). A token bound to a
+    namespace claims that namespace's invocations and exec jobs only."""
+    worker_id = await _worker(ctx, caller, body)
     queues = _queues(body)
     limit = int(http.number(body, "max", 1, lo=1, hi=ctx.config.poll_max_commands))
     timeout = http.number(body, "timeout_s", ctx.config.poll_default_s, lo=0.0, hi=ctx.config.poll_max_s)
     field(body, "version", str, default="")
     exec_jobs = _takes_exec(body)
     started = time.monotonic()
-    deadline = started + timeout
-    channels = [f"queue:{q}" for q in queues] + [f"exec:{q}" for q in queues] + [f"worker:{worker_id}"]
+    # A fleet started together would renew its polls in lockstep, all at once every timeout_s: an
+    # empty poll ends at a random point of its last fifth, so renewals spread out within rounds.
+    deadline = started + timeout * random.uniform(0.8, 1.0)
+    ticket = ctx.polls.ticket(worker_id, queues, takes_exec=exec_jobs, namespace=caller.principal.namespace)
     commands: list[dict[str, Any]] = []
     pinned: str | None = None
-    while True:
-        if disconnected is not None and await disconnected():
-            log.debug("poll of worker %s: the daemon hung up; nothing claimed", worker_id)
-            ctx.metrics.poll_wait.observe(time.monotonic() - started)
-            return {"commands": []}
-        mark = ctx.wake.mark()
-        commands, pinned = await _collect(
-            ctx, worker_id, queues, limit, exec_jobs=exec_jobs, namespace=principal.namespace
-        )
-        remaining = deadline - time.monotonic()
-        if commands or remaining <= 0:
-            break
-        await ctx.wake.wait(channels, min(remaining, ctx.config.recheck_s), since=mark)
+    reason = "first"
+    try:
+        while True:
+            if disconnected is not None and await disconnected():
+                log.debug("poll of worker %s: the daemon hung up; nothing claimed", worker_id)
+                ctx.metrics.poll_wait.observe(time.monotonic() - started)
+                return {"commands": []}
+            mark = ctx.wake.mark()
+            ctx.metrics.poll_passes.labels(reason=reason).inc()
+            commands, claimed, pinned = await _collect(
+                ctx, worker_id, queues, limit, exec_jobs=exec_jobs, namespace=caller.principal.namespace
+            )
+            ticket.settle(claimed, limit)
+            remaining = deadline - time.monotonic()
+            if commands or remaining <= 0:
+                break
+            reason = await ticket.wait(remaining, since=mark)
+            if reason == TIMEOUT:  # nothing came for this poll: no last pass needed
+                break
+    finally:
+        ticket.close()
     ctx.metrics.poll_wait.observe(time.monotonic() - started)
     return _with_pin({"commands": commands}, pinned)
 
@@ -221,7 +256,13 @@ def _error_info(body: dict[str, Any]) -> dict[str, Any] | None:
     return error
 
 
-async def ack(ctx: Context, principal: Principal, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+def _refused(caller: Caller, what: str, invocation_id: str, status: int, reason: str) -> None:
+    log.warning(
+        "%s of %s refused (%d) for token %r: %s", what, invocation_id, status, caller.principal.name, reason
+    )
+
+
+async def ack(ctx: Context, caller: Caller, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     invocation_id = http.ulid_field(body, "invocation_id")
     assert invocation_id is not None
     state = field(body, "state", str)
@@ -229,8 +270,8 @@ async def ack(ctx: Context, principal: Principal, body: dict[str, Any]) -> tuple
         raise HTTPError(400, f"cannot ack state {state[:40]!r}: use one of {', '.join(sorted(ACK_STATES))}")
     result_blob = field(body, "result_blob", bytes, default=None, nullable=True)
     error = _error_info(body)
-    worker_id = http.ulid_field(body, "worker_id", optional=True)
-    attempt = http.integer(body, "attempt", hi=http.I32_MAX, default=None)
+    attempt = _attempt(body)
+    worker_id = await _worker(ctx, caller, body)
     result = await ctx.write(AckRequest(invocation_id, state, attempt, worker_id, result_blob, error))
     assert isinstance(result, AckResult)
     if result.ok:
@@ -238,12 +279,13 @@ async def ack(ctx: Context, principal: Principal, body: dict[str, Any]) -> tuple
         ctx.wake.notify(f"inv:{invocation_id}")
         log.debug("ack %s %s (attempt %s)", invocation_id, state, attempt)
         return 200, ({"ok": True, "duplicate": True} if result.duplicate else {"ok": True})
-    if result.state is None:
+    if result.status == UNKNOWN:
         ctx.metrics.acks.labels(state=state, outcome="unknown").inc()
         raise HTTPError(404, result.reason or f"unknown invocation '{invocation_id}'", ok=False)
     ctx.metrics.acks.labels(state=state, outcome="refused").inc()
-    log.info("ack of %s refused: %s", invocation_id, result.reason)
-    return 409, {"ok": False, "error": result.reason or "ack refused: the attempt was superseded"}
+    reason = result.reason or "ack refused: the attempt was superseded"
+    _refused(caller, "ack", invocation_id, result.status, reason)
+    return result.status, {"ok": False, "error": reason}
 
 
 def _frame(data: bytes) -> Frame:
@@ -257,18 +299,17 @@ def _frame(data: bytes) -> Frame:
         ) from None
 
 
-async def result_chunk(
-    ctx: Context, principal: Principal, body: dict[str, Any]
-) -> tuple[int, dict[str, Any]]:
+async def result_chunk(ctx: Context, caller: Caller, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """Journal one frame, then publish it live. The frame's kind decides whether it closes the
     stream (END and ERROR do, as the seed says); a ``final: true`` on a VALUE or LOG frame is
-    logged and ignored."""
+    logged and ignored. Only the worker holding the current lease posts frames, in seq order."""
     invocation_id = http.ulid_field(body, "invocation_id")
     assert invocation_id is not None
     seq = http.integer(body, "seq", hi=http.I64_MAX)
     data = field(body, "bytes", bytes)
     said_final = field(body, "final", bool, default=False)
-    attempt = http.integer(body, "attempt", hi=http.I32_MAX, default=None)
+    attempt = _attempt(body)
+    worker_id = await _worker(ctx, caller, body)
     frame = _frame(data)
     if frame.seq != seq:
         raise HTTPError(
@@ -284,15 +325,17 @@ async def result_chunk(
             seq,
             frame.kind,
         )
-    if attempt is None and await ctx.call(ctx.store.get, invocation_id) is None:
-        raise HTTPError(404, f"unknown invocation '{invocation_id}'", ok=False)
-    result = await ctx.write(FrameRequest(invocation_id, seq, data, final, attempt))
+    result = await ctx.write(FrameRequest(invocation_id, seq, data, final, attempt, worker_id))
     assert isinstance(result, ChunkResult)
     if not result.ok:
         reason = result.reason or "frame refused"
-        if reason.startswith("unknown"):
+        if result.status == UNKNOWN:
             raise HTTPError(404, reason, ok=False)
-        return 409, {"ok": False, "error": reason}
+        _refused(caller, f"frame {seq}", invocation_id, result.status, reason)
+        out: dict[str, Any] = {"ok": False, "error": reason}
+        if result.expected_seq is not None:
+            out["expected_seq"] = result.expected_seq
+        return result.status, out
     ctx.metrics.chunks.labels(duplicate=str(result.duplicate).lower()).inc()
     if result.duplicate:
         return 200, {"ok": True, "seq": seq, "duplicate": True}
@@ -334,8 +377,8 @@ def _running_exec(body: dict[str, Any]) -> list[tuple[str, int]] | None:
     return pairs
 
 
-async def heartbeat(ctx: Context, principal: Principal, body: dict[str, Any]) -> dict[str, Any]:
-    worker_id = _worker(body)
+async def heartbeat(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+    worker_id = await _worker(ctx, caller, body)
     running = field(body, "running", list, default=[])
     if len(running) > MAX_RUNNING:
         raise HTTPError(400, f"field 'running' lists {len(running)} invocations; the limit is {MAX_RUNNING}")
@@ -352,7 +395,7 @@ async def heartbeat(ctx: Context, principal: Principal, body: dict[str, Any]) ->
         pairs.append((inv_id, attempt))
     exec_pairs = _running_exec(body)
     field(body, "free_slots", int, default=0)
-    beat = HeartbeatRequest(worker_id, pairs, ctx.config.lease_s, exec_pairs, principal.namespace)
+    beat = HeartbeatRequest(worker_id, pairs, ctx.config.lease_s, exec_pairs, caller.principal.namespace)
     result = await ctx.write(beat)
     assert isinstance(result, HeartbeatResult)
     out = {

@@ -1,4 +1,5 @@
-"""Running the control plane under uvicorn: one process, or ``--workers N`` on one port.
+"""Serving the control plane under uvicorn: one process, or ``--workers N`` on one port, with read
+deadlines and a connection cap so idle sockets cannot pile up.
 
 ``serve(spec, ...)`` is what ``lakeshore server`` calls once it has resolved its flags into a
 :class:`ServeSpec` (store URL, Redis URL, config overrides). With one worker the app is built and
@@ -9,22 +10,48 @@ restarts a worker that dies.
 
 Several processes share nothing but the store (and Redis), so this is the way past one core on
 PostgreSQL, with ``--redis`` so live frames reach followers on every process. Over SQLite the
-processes serialise on the file's write lock and do not wake each other's long polls (those
-re-check the store about once a second), so it is allowed but rarely worth it.
+processes serialise on the file's write lock and see each other's submits only at the poll hub's
+safety re-check (``poll_recheck_s``), so it is allowed but rarely worth it.
 
-The event loop and HTTP parser are uvicorn's fastest installed: ``uvloop`` and ``httptools``
-(the ``server`` extra installs both), else asyncio and h11 (:func:`http_stack`).
+uvicorn alone holds a connection that sends part of a request for ever: its ``timeout_keep_alive``
+only covers the silence between requests and is reset by every byte, and an ASGI middleware runs
+only once the headers are in. :class:`GuardedH11Protocol` adds, per connection:
+
+- a **header deadline** (``header_timeout_s``): the request line and headers must be complete
+  within that many seconds of the connection opening, or of the previous response (a trickle of
+  bytes does not extend it);
+- a **body idle timeout** (``body_timeout_s``): while a body is being received, a pause longer
+  than that closes the connection (the handler sees a client that left);
+- a **connection cap** (``max_connections``): a connection beyond it is closed as soon as it is
+  accepted, before it costs a buffer or a task.
+
+Headers are bounded by h11's ``max_incomplete_event_size`` (``max_header_bytes``). Nothing is
+armed while the app works on a request, so long polls and streams are never cut.
+
+The HTTP parser stays h11 on every path, also where ``httptools`` is installed: the guard reads
+h11's connection state, and httptools has no bound on incomplete headers to set, so the faster
+parser would drop two of the limits above. The event loop is ``uvloop`` when installed (the
+``server`` extra installs it), else asyncio (:func:`event_loop`). ``uvicorn_config`` builds the
+uvicorn Config a single process (and the tests) serve with.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib.util
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
+
+import h11
+from uvicorn.config import Config
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from dreamlake.lakeshore.server.config import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -50,50 +77,174 @@ class ServeSpec:
         return cls(**json.loads(raw))
 
 
-def http_stack() -> tuple[str, str]:
-    """uvicorn's ``loop`` and ``http`` settings: uvloop and httptools when installed."""
-    loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
-    http = "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
-    return loop, http
+_CAP_LOG_EVERY_S = 10.0
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with the deadlines and the cap of the module docstring."""
+
+    header_timeout_s: ClassVar[float] = 10.0
+    body_timeout_s: ClassVar[float] = 30.0
+    max_connections: ClassVar[int] = 2048
+    _cap_logged_at: ClassVar[float] = 0.0
+
+    _timer: asyncio.TimerHandle | None = None
+    _timer_for: str | None = None  # "headers" or "body": what the armed timer waits for
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            now = time.monotonic()
+            if now - GuardedH11Protocol._cap_logged_at > _CAP_LOG_EVERY_S:
+                GuardedH11Protocol._cap_logged_at = now
+                log.warning(
+                    "connection cap reached (%d open): closing new connections at once", self.max_connections
+                )
+            self.transport.close()
+            return
+        self._rearm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._rearm(fresh_body=True)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        self._rearm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._rearm()
+
+    def _rearm(self, *, fresh_body: bool = False) -> None:
+        """Arm the timer the connection's state calls for: the header deadline while waiting for a
+        request (armed once per request), the body idle timer while receiving a body (re-armed by
+        every chunk), none otherwise."""
+        if self.transport is None or self.transport.is_closing():
+            self._disarm()
+            return
+        state = self.conn.their_state
+        if state is h11.IDLE:
+            if self._timer_for != "headers":
+                self._arm("headers", self.header_timeout_s)
+        elif state is h11.SEND_BODY:
+            if self._timer_for != "body" or fresh_body:
+                self._arm("body", self.body_timeout_s)
+        else:
+            self._disarm()
+
+    def _arm(self, what: str, seconds: float) -> None:
+        self._disarm()
+        self._timer_for = what
+        self._timer = self.loop.call_later(seconds, self._expired, what)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None
+        self._timer_for = None
+
+    def _expired(self, what: str) -> None:
+        self._timer = None
+        self._timer_for = None
+        if self.transport.is_closing():
+            return
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+        log.debug("closing the connection of %s: its request %s did not arrive in time", client, what)
+        self.transport.close()
+
+
+def event_loop() -> str:
+    """uvicorn's ``loop`` setting: uvloop when installed, else asyncio."""
+    return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+
+
+def guarded_protocol(config: ServerConfig) -> type[GuardedH11Protocol]:
+    """:class:`GuardedH11Protocol` with ``config``'s limits (uvicorn builds protocols by class)."""
+    return type(
+        "GuardedH11Protocol",
+        (GuardedH11Protocol,),
+        {
+            "header_timeout_s": config.header_timeout_s,
+            "body_timeout_s": config.body_timeout_s,
+            "max_connections": config.max_connections,
+        },
+    )
+
+
+def _guard_options(config: ServerConfig) -> dict[str, Any]:
+    """The uvicorn settings behind the guard, but the protocol class: keep-alive and header bound."""
+    return {
+        "timeout_keep_alive": max(1, int(config.keep_alive_s)),
+        "h11_max_incomplete_event_size": config.max_header_bytes,
+    }
+
+
+def uvicorn_config(app: Any, config: ServerConfig, **options: Any) -> Config:
+    """The uvicorn Config that serves ``app`` with ``config``'s read deadlines, cap and header bound;
+    ``options`` (host, port, log_level, loop, ...) go to uvicorn as given."""
+    return Config(app, http=guarded_protocol(config), **_guard_options(config), **options)
+
+
+def _config(spec: ServeSpec) -> ServerConfig:
+    return ServerConfig.from_env(**spec.config)
 
 
 def build_app(spec: ServeSpec, store: Any = None) -> Any:
     """The app over ``store`` (else the store at ``spec.db``, opened here)."""
     from dreamlake.lakeshore.server.app import create_app
-    from dreamlake.lakeshore.server.config import ServerConfig
     from dreamlake.lakeshore.server.fanout import make_fanout
     from dreamlake.lakeshore.server.payloads import PayloadStore
     from dreamlake.lakeshore.store import open_store
 
     payloads = PayloadStore.from_env(os.environ)
-    config = ServerConfig.from_env(**spec.config)
+    config = _config(spec)
     store = store if store is not None else open_store(spec.db)
     return create_app(store, fanout=make_fanout(spec.redis_url), payloads=payloads, config=config)
 
 
 def app_from_env() -> Any:
-    """The uvicorn factory of a worker process (``--workers N``): the app ``LAKESHORE_SERVE_SPEC`` describes."""
-    return build_app(ServeSpec.from_env(os.environ))
+    """The uvicorn factory of a worker process (``--workers N``): the app ``LAKESHORE_SERVE_SPEC``
+    describes. It also sets :class:`GuardedH11Protocol`'s limits in this process, as the parent
+    hands the class down by name (a class made by :func:`guarded_protocol` cannot be)."""
+    spec = ServeSpec.from_env(os.environ)
+    config = _config(spec)
+    GuardedH11Protocol.header_timeout_s = config.header_timeout_s
+    GuardedH11Protocol.body_timeout_s = config.body_timeout_s
+    GuardedH11Protocol.max_connections = config.max_connections
+    return build_app(spec)
 
 
 def serve(spec: ServeSpec, *, host: str, port: int, workers: int = 1, store: Any = None) -> None:
     """Serve the control plane on ``host:port`` with ``workers`` processes (see the module docstring)."""
     import uvicorn
 
-    loop, http = http_stack()
+    config = _config(spec)
+    loop = event_loop()
     common: dict[str, Any] = {
         "host": host,
         "port": port,
         "log_level": "warning",
         "timeout_graceful_shutdown": 5,
         "loop": loop,
-        "http": http,
     }
-    log.info("serving on %s:%d: %d worker(s), %s loop, %s HTTP", host, port, workers, loop, http)
+    log.info("serving on %s:%d: %d worker(s), %s loop, guarded h11 HTTP", host, port, workers, loop)
     if workers <= 1:
-        uvicorn.run(build_app(spec, store), **common)
+        uvicorn.Server(uvicorn_config(build_app(spec, store), config, **common)).run()
         return
     if store is not None:
         store.close()  # each worker opens its own
     os.environ[SPEC_ENV] = spec.to_env()
-    uvicorn.run(f"{__name__}:app_from_env", factory=True, workers=workers, **common)
+    # A connection cap per process: ``max_connections`` each (the port's total is workers times it).
+    uvicorn.run(
+        f"{__name__}:app_from_env",
+        factory=True,
+        workers=workers,
+        http=GuardedH11Protocol,
+        **_guard_options(config),
+        **common,
+    )

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Row
@@ -33,7 +33,11 @@ from . import schema as t
 from . import values
 from .api import (
     ACK_STATES,
+    ANOTHER_WORKER,
     DEFAULT_LEASE_S,
+    DEFAULT_NAMESPACE,
+    SUPERSEDED,
+    UNKNOWN,
     AckRequest,
     AckResult,
     Invocation,
@@ -59,7 +63,7 @@ KNOWN_MAX = 10_000  # queues and functions remembered as already in the store
 _INV_COLS = tuple(c.name for c in _inv.c)
 
 
-def _row_to_invocation(r: Row[Any]) -> Invocation:
+def row_to_invocation(r: Row[Any]) -> Invocation:
     """An Invocation from a row holding every invocations column (``select(_inv)`` / returning)."""
     m = dict(zip(_INV_COLS, r, strict=True))
     result_blob = m["result_blob"]
@@ -142,7 +146,7 @@ class _Statements:
         )
         self.same_id = sa.select(_inv.c.queue, _inv.c.content_hash).where(_inv.c.invocation_id == B("id"))
         self.same_key = sa.select(_inv.c.invocation_id).where(
-            _inv.c.queue == B("queue"), _inv.c.idempotency_key == B("key")
+            _inv.c.namespace == B("namespace"), _inv.c.queue == B("queue"), _inv.c.idempotency_key == B("key")
         )
         self.get = sa.select(_inv).where(_inv.c.invocation_id == B("id"))
         self.get_many = sa.select(_inv).where(_inv.c.invocation_id.in_(B("ids", expanding=True)))
@@ -188,11 +192,13 @@ def _statements(dialect: str) -> _Statements:
 
 
 @functools.cache
-def claim_statement(n_queues: int) -> Any:
+def claim_statement(n_queues: int, by_namespace: bool = False) -> Any:
     """The claim of up to ``:limit`` queued invocations of ``n_queues`` queues, best first.
 
     Parameters: ``q0`` .. ``q<n-1>`` (distinct queue names), ``limit``, ``worker``, ``now``,
-    ``lease``; past ``MERGED_QUEUES_MAX`` queues, ``queues`` (a list) instead of ``q<i>``.
+    ``lease``; past ``MERGED_QUEUES_MAX`` queues, ``queues`` (a list) instead of ``q<i>``; with
+    ``by_namespace``, ``b_namespace``: only that namespace's invocations, read off
+    ``ix_invocations_queued_ns`` (namespace, queue, then the same order) the same way.
 
     The pick reads ``ix_invocations_queued`` (queue, priority DESC, submitted_at, invocation_id,
     over queued rows only), which yields one queue's rows in claim order: one queue is one index
@@ -214,7 +220,9 @@ def claim_statement(n_queues: int) -> Any:
     # partial index's predicate, and knows how many rows the claim takes (for an unknown LIMIT it
     # assumes a tenth of the table, and would update them by a scan). ``limit`` is rendered into
     # the SQL at execution: one statement text per limit in use.
-    queued = _inv.c.state == sa.literal_column("'queued'")
+    queued: Any = _inv.c.state == sa.literal_column("'queued'")
+    if by_namespace:
+        queued = sa.and_(queued, _inv.c.namespace == B("b_namespace"))
     limit = B("limit", type_=sa.Integer, literal_execute=True)
     pick: Any
     if n_queues > MERGED_QUEUES_MAX:
@@ -257,34 +265,59 @@ def claim_statement(n_queues: int) -> Any:
 
 
 def claim_params(
-    queues: Sequence[str], limit: int, worker_id: str, now: float, lease_s: float
+    queues: Sequence[str],
+    limit: int,
+    worker_id: str,
+    now: float,
+    lease_s: float,
+    namespace: str | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """The claim statement for ``queues`` (see :func:`claim_statement`) and its parameters."""
+    """The claim statement for ``queues`` (of ``namespace`` when given; see
+    :func:`claim_statement`) and its parameters."""
     names = sorted(set(queues))  # a queue named twice must not be picked twice
     params: dict[str, Any] = {"limit": int(limit), "worker": worker_id, "now": now, "lease": now + lease_s}
     if len(names) > MERGED_QUEUES_MAX:
         params["queues"] = names
     else:
         params.update((f"q{i}", name) for i, name in enumerate(names))
-    return claim_statement(len(names)), params
+    if namespace is not None:
+        params["b_namespace"] = namespace
+    return claim_statement(len(names), namespace is not None), params
+
+
+class Lease(Protocol):
+    """What a lease check reads of an invocation (an :class:`Invocation`, or a row of those columns)."""
+
+    invocation_id: str
+    state: str
+    attempt: int
+    worker_id: str | None
+
+
+def lease_refusal(inv: Lease, attempt: int | None, worker_id: str | None) -> tuple[int, str] | None:
+    """Why a report (ack, frame) from ``worker_id`` on ``attempt`` of ``inv`` is refused, as
+    ``(status, reason)``, or None when that worker holds (or, once finished, held) that attempt:
+    a later attempt (SUPERSEDED), a lapsed lease awaiting its next claim (SUPERSEDED), or the
+    current attempt held by another worker (ANOTHER_WORKER)."""
+    inv_id = inv.invocation_id
+    if attempt is not None and attempt != inv.attempt:
+        return SUPERSEDED, f"attempt {attempt} of {inv_id} was superseded by attempt {inv.attempt}"
+    if worker_id is not None and worker_id != inv.worker_id:
+        if inv.worker_id is None:
+            return SUPERSEDED, f"the lease of {inv_id} lapsed ({inv.state}); the worker no longer holds it"
+        return ANOTHER_WORKER, f"attempt {inv.attempt} of {inv_id} is held by another worker, not {worker_id}"
+    return None
 
 
 def _ack_refusal(req: AckRequest, inv: Invocation | None) -> AckResult:
     """The answer to an ack that did not apply, from the row as it stands: unknown, superseded,
     not this worker's, a repeat of the recorded outcome (ok, duplicate) or refused."""
-    invocation_id, attempt, worker_id = req.invocation_id, req.attempt, req.worker_id
+    invocation_id = req.invocation_id
     if inv is None:
-        return AckResult(ok=False, reason=f"unknown invocation {invocation_id}")
-    if attempt is not None and attempt != inv.attempt:
-        return AckResult(
-            ok=False,
-            state=inv.state,
-            reason=f"attempt {attempt} of {invocation_id} was superseded by attempt {inv.attempt}",
-        )
-    if worker_id is not None and worker_id != inv.worker_id:
-        return AckResult(
-            ok=False, state=inv.state, reason=f"{invocation_id} is not owned by worker {worker_id}"
-        )
+        return AckResult(ok=False, reason=f"unknown invocation {invocation_id}", status=UNKNOWN)
+    refused = lease_refusal(inv, req.attempt, req.worker_id)
+    if refused is not None:
+        return AckResult(ok=False, state=inv.state, reason=refused[1], status=refused[0])
     if inv.state == req.state and (inv.result_blob or None) == req.result_blob and inv.error == req.error:
         return AckResult(ok=True, duplicate=True, state=inv.state)
     return AckResult(
@@ -357,7 +390,7 @@ class InvocationStore(StoreBase):
             "args_blob": bytes(req.args_blob),
             "run_config": run_config,
             "code_context": code_context,
-            "namespace": req.namespace or "default",
+            "namespace": req.namespace or DEFAULT_NAMESPACE,
             "content_hash": values.content_hash(req, queue, run_config),
             "attempt": 0,
             "max_attempts": values.normalize_max_attempts(run_config.get("max_attempts")),
@@ -415,7 +448,7 @@ class InvocationStore(StoreBase):
                 out.append(SubmitResult(invocation_id=inv_id, queue=r["queue"]))
                 continue
             try:
-                existing = self._existing(conn, inv_id, r["content_hash"], r["queue"], r["idempotency_key"])
+                existing = self._existing(conn, r)
             except PlaneError as exc:
                 out.append(exc)
                 continue
@@ -433,11 +466,18 @@ class InvocationStore(StoreBase):
             self._known.remember(p.row["queue"], p.row["function_key"])
             if isinstance(res, SubmitResult) and not res.duplicate:
                 channels += (f"queue:{res.queue}", f"inv:{res.invocation_id}")
-        self._notify(*dict.fromkeys(channels))
+        self._notify(*channels)  # one queue:<q> per new invocation: a poll hub wakes one poll each
 
-    def _existing(
-        self, conn: Connection, invocation_id: str, chash: str, queue: str, key: str | None
-    ) -> SubmitResult | None:
+    def _existing(self, conn: Connection, row: dict[str, Any]) -> SubmitResult | None:
+        """The earlier submit a row that was not inserted repeats (same id and content, or the same
+        idempotency key in its namespace and queue), None when there is none (a race: retry);
+        PlaneError(409) for the same id with other content."""
+        invocation_id, chash, queue, key = (
+            row["invocation_id"],
+            row["content_hash"],
+            row["queue"],
+            row["idempotency_key"],
+        )
         same = conn.execute(self._inv_st.same_id, {"id": invocation_id}).first()
         if same is not None:
             if same.content_hash != chash:
@@ -448,7 +488,8 @@ class InvocationStore(StoreBase):
                 )
             return SubmitResult(invocation_id=invocation_id, queue=same.queue, duplicate=True)
         if key is not None:
-            other = conn.execute(self._inv_st.same_key, {"queue": queue, "key": key}).scalar_one_or_none()
+            params = {"namespace": row["namespace"], "queue": queue, "key": key}
+            other = conn.execute(self._inv_st.same_key, params).scalar_one_or_none()
             if other is not None:
                 return SubmitResult(invocation_id=other, queue=queue, duplicate=True)
         return None
@@ -457,7 +498,7 @@ class InvocationStore(StoreBase):
     def get(self, invocation_id: str) -> Invocation | None:
         with self.db.tx(write=False) as conn:
             r = conn.execute(self._inv_st.get, {"id": invocation_id}).first()
-        return _row_to_invocation(r) if r is not None else None
+        return row_to_invocation(r) if r is not None else None
 
     def cancel(self, invocation_id: str) -> str | None:
         now = time.time()
@@ -495,22 +536,35 @@ class InvocationStore(StoreBase):
     # -- daemon side -----------------------------------------------------------------------------
 
     def claim(
-        self, worker_id: str, queues: list[str], limit: int = 1, lease_s: float = DEFAULT_LEASE_S
+        self,
+        worker_id: str,
+        queues: list[str],
+        limit: int = 1,
+        lease_s: float = DEFAULT_LEASE_S,
+        *,
+        namespace: str | None = None,
     ) -> list[Invocation]:
         if not queues or limit < 1:
             return []
         with self.db.tx(write=True) as conn:
-            got = self._claim_in(conn, worker_id, queues, limit, lease_s, time.time())
+            got = self._claim_in(conn, worker_id, queues, limit, lease_s, time.time(), namespace)
         self._notify(*(f"inv:{i.invocation_id}" for i in got))
         return got
 
     def _claim_in(
-        self, conn: Connection, worker_id: str, queues: list[str], limit: int, lease_s: float, now: float
+        self,
+        conn: Connection,
+        worker_id: str,
+        queues: list[str],
+        limit: int,
+        lease_s: float,
+        now: float,
+        namespace: str | None = None,
     ) -> list[Invocation]:
-        stmt, params = claim_params(queues, limit, worker_id, now, lease_s)
+        stmt, params = claim_params(queues, limit, worker_id, now, lease_s, namespace)
         rows = conn.execute(stmt, params).fetchall()
         return sorted(
-            (_row_to_invocation(r) for r in rows),
+            (row_to_invocation(r) for r in rows),
             key=lambda i: (-i.priority, i.submitted_at, i.invocation_id),
         )
 
@@ -569,7 +623,7 @@ class InvocationStore(StoreBase):
         if conn.execute(self._inv_st.ack[variant], self._ack_params(req, now)).first():
             return AckResult(ok=True, state=req.state)
         row = conn.execute(self._inv_st.get, {"id": req.invocation_id}).first()
-        return _ack_refusal(req, _row_to_invocation(row) if row is not None else None)
+        return _ack_refusal(req, row_to_invocation(row) if row is not None else None)
 
     def _ack_many_in(self, conn: Connection, reqs: Sequence[AckRequest], now: float) -> list[AckResult]:
         """Apply prepared acks of distinct invocations in the caller's transaction: one
@@ -587,7 +641,7 @@ class InvocationStore(StoreBase):
         for variant, params in by_variant.items():
             conn.execute(st.ack_many[variant], params)
         rows = conn.execute(st.get_many, {"ids": [r.invocation_id for r in reqs]}).fetchall()
-        found = {inv.invocation_id: inv for inv in map(_row_to_invocation, rows)}
+        found = {inv.invocation_id: inv for inv in map(row_to_invocation, rows)}
         out: list[AckResult] = []
         for r in reqs:
             inv = found.get(r.invocation_id)
