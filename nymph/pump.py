@@ -24,6 +24,9 @@ the window. Undelivered bytes beyond ``max_bytes`` (a task that ignores the wind
 logs faster than delivery while the control plane is away) call ``on_overflow`` once: the job
 stops the task and fails it with ``StreamOverflow``; nothing is dropped silently.
 
+The workdir is the task's: every file in it is opened through :mod:`nymph.safeio` (no link
+followed, only the task's or nymph's own regular files).
+
 New frames are noticed without polling: a :class:`Watcher` (one thread, one inotify instance via
 ctypes, for every pump) wakes the outbox on each write in a watched workdir, with a safety tick
 each second. Where inotify is unavailable (or a watch cannot be added, or ``inotify=False`` for a
@@ -32,7 +35,6 @@ filesystem written from other hosts), the watcher polls those workdirs every ``p
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -53,6 +55,7 @@ import msgpack
 
 from dreamlake.lakeshore import wire
 from nymph import observability as obs
+from nymph import safeio
 from nymph.workdir import FRAMES, STDERR, STDOUT
 
 if TYPE_CHECKING:
@@ -146,19 +149,6 @@ def punch_hole(fd: int, length: int) -> bool:
     fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     rc = fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, length)
     return bool(rc == 0)
-
-
-def _write_private(path: Path, data: bytes, mode: int) -> None:
-    """Write ``path`` atomically (temp + rename), never through a symlink the task planted."""
-    tmp = path.with_name(path.name + ".tmp")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
 
 
 # --- the pump ---------------------------------------------------------------------------------------
@@ -317,7 +307,7 @@ class Pump:
         if self._script or self.delivered_seq >= 0 or self._entries:
             return True
         try:
-            return (self.workdir / FRAMES).stat().st_size > 0
+            return os.lstat(self.workdir / FRAMES).st_size > 0
         except OSError:
             return False
 
@@ -399,21 +389,29 @@ class Pump:
 
     def _size(self, name: str) -> int:
         try:
-            return (self.workdir / name).stat().st_size
+            if name == FRAMES and self._fd is not None:
+                return os.fstat(self._fd).st_size
+            return os.lstat(self.workdir / name).st_size  # a planted link is not followed
         except OSError:
             return 0
 
     def _open(self) -> int | None:
+        """The journal, opened through :mod:`nymph.safeio` (the workdir is the task's: no link
+        followed, only the task's own regular file); writable when it can be, to punch holes."""
         if self._fd is None:
             try:
-                self._fd = os.open(self.workdir / FRAMES, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+                self._fd = safeio.open_fd(self.workdir, FRAMES, os.O_RDWR)
+            except FileNotFoundError:
+                return None
             except PermissionError:  # not ours to write: read it, release nothing
                 try:
-                    self._fd = os.open(self.workdir / FRAMES, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                    self._fd = safeio.open_fd(self.workdir, FRAMES, os.O_RDONLY)
                 except OSError:
                     return None
                 self._punch_ok = False
-            except OSError:
+            except OSError as exc:
+                if not self._broken:
+                    log.warning("invocation %s: journal not read: %s", self.invocation_id, exc)
                 return None
         return self._fd
 
@@ -492,12 +490,12 @@ class Pump:
         for name, stream in ((STDOUT, "stdout"), (STDERR, "stderr")):
             offset = self._offsets[name]
             while len(frames) < limits.batch_frames and size < limits.batch_bytes:
-                try:
-                    with open(self.workdir / name, "rb") as fh:
-                        fh.seek(offset)
-                        data = fh.read(_LOG_READ)
-                except FileNotFoundError:
+                fh = safeio.open_output(self.workdir, name)  # never through a link the task planted
+                if fh is None:
                     break
+                with fh:
+                    fh.seek(offset)
+                    data = fh.read(_LOG_READ)
                 if not data:
                     break
                 offset += len(data)
@@ -571,22 +569,22 @@ class Pump:
 
     def _load_state(self) -> dict[str, Any]:
         try:
-            raw = json.loads((self.workdir / STATE).read_text())
-        except (OSError, ValueError):
+            raw = json.loads(safeio.read_own(self.workdir, STATE) or b"{}")
+        except ValueError:
             return {}
         return raw if isinstance(raw, dict) else {}
 
     def _save_state(self) -> None:
         state = {"sent_seq": self.delivered_seq, "final": self.final_sent, **self._offsets}
         try:
-            _write_private(self.workdir / STATE, json.dumps(state).encode(), 0o600)
+            safeio.write_file(self.workdir, STATE, json.dumps(state).encode())
         except OSError as exc:
             log.warning("invocation %s: cannot save pump progress: %s", self.invocation_id, exc)
 
     def _write_watermark(self) -> None:
         text = f"{self.delivered_seq} {self._offsets[FRAMES]}\n".encode()
-        try:
-            _write_private(self.workdir / WATERMARK, text, 0o644)
+        try:  # readable by the task, which runs as another user
+            safeio.write_file(self.workdir, WATERMARK, text, 0o644)
         except OSError as exc:
             log.warning("invocation %s: cannot write %s: %s", self.invocation_id, WATERMARK, exc)
 
