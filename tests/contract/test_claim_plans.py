@@ -7,7 +7,8 @@ planner would sort them if the index did not serve the order:
 - SQLite ``EXPLAIN QUERY PLAN``: the pick searches ``ix_invocations_queued``, the update searches
   the primary key, nothing scans ``invocations`` and nothing sorts the table's rows (a several-queue
   claim sorts only the first rows of each queue: a temp B-tree over a LIMITed co-routine).
-- PostgreSQL ``EXPLAIN``: index scans only, on ``ix_invocations_queued`` and the primary key; no
+- PostgreSQL ``EXPLAIN``, of the plan for the claim's values and of the generic plan a prepared
+  statement may switch to: index scans only, on ``ix_invocations_queued`` and the primary key; no
   Sort (or Incremental Sort) node for one queue; for several, a Sort only above each queue's Limit.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -67,10 +69,35 @@ def backlog(store: SqlStore) -> SqlStore:
 def _explain(conn: Connection, prefix: str, queues: list[str], limit: int) -> list[Any]:
     """The rows of ``prefix`` + the claim statement of ``queues``, run with the claim's parameters."""
     stmt, params = claim_params(queues, limit, "w", 1.0, 30.0)
-    compiled = stmt.compile(dialect=conn.dialect)
-    values = compiled.construct_params(params)
-    args = tuple(values[k] for k in compiled.positiontup or ()) if compiled.positional else values
-    return list(conn.exec_driver_sql(f"{prefix} {compiled}", args))
+    state = stmt.compile(dialect=conn.dialect).construct_expanded_state(params)
+    args = state.positional_parameters if conn.dialect.positional else state.parameters
+    return list(conn.exec_driver_sql(f"{prefix} {state.statement}", args))
+
+
+def _pg_generic_plan(conn: Connection, queues: list[str], limit: int) -> dict[str, Any]:
+    """The plan PostgreSQL caches for the claim once prepared (psycopg prepares a statement run
+    five times): planned without the parameters' values."""
+    from psycopg import sql
+
+    stmt, params = claim_params(queues, limit, "w", 1.0, 30.0)
+    state = stmt.compile(dialect=conn.dialect).construct_expanded_state(params)
+    values = state.parameters
+    names: list[str] = []
+
+    def numbered(m: re.Match[str]) -> str:
+        if m.group(1) not in names:
+            names.append(m.group(1))
+        return f"${names.index(m.group(1)) + 1}"
+
+    text = re.sub(r"%\((\w+)\)s", numbered, state.statement)
+    args = ", ".join(sql.Literal(values[k]).as_string(None) for k in names)
+    conn.exec_driver_sql(f"PREPARE claim_plan AS {text}")
+    try:
+        conn.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
+        ((plan,),) = conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) EXECUTE claim_plan({args})").fetchall()
+    finally:
+        conn.exec_driver_sql("DEALLOCATE claim_plan")
+    return plan[0]["Plan"]  # type: ignore[no-any-return]
 
 
 def _sqlite_plan(conn: Connection, queues: list[str], limit: int) -> list[tuple[int, int, str]]:
@@ -133,6 +160,7 @@ def test_the_claim_reads_its_order_off_the_index_and_updates_by_key(
         if backlog.kind == "postgresql":
             ((plan,),) = _explain(conn, "EXPLAIN (FORMAT JSON)", queues, limit)
             _check_pg(plan[0]["Plan"], queues)
+            _check_pg(_pg_generic_plan(conn, queues, limit), queues)
         else:
             _check_sqlite(_sqlite_plan(conn, queues, limit), queues)  # as the store runs: no ANALYZE
             conn.exec_driver_sql("ANALYZE")

@@ -198,8 +198,13 @@ def claim_statement(n_queues: int) -> Any:
     until the transaction ends.
     """
     B = sa.bindparam
-    queued = _inv.c.state == "queued"
-    limit = B("limit", type_=sa.Integer)
+    # Literals, not bind parameters, where the plan depends on them: a generic plan (PostgreSQL
+    # prepares a statement run often, and may keep one plan for any values) can then prove the
+    # partial index's predicate, and knows how many rows the claim takes (for an unknown LIMIT it
+    # assumes a tenth of the table, and would update them by a scan). ``limit`` is rendered into
+    # the SQL at execution: one statement text per limit in use.
+    queued = _inv.c.state == sa.literal_column("'queued'")
+    limit = B("limit", type_=sa.Integer, literal_execute=True)
     pick: Any
     if n_queues > MERGED_QUEUES_MAX:
         pick = sa.select(_inv.c.invocation_id).where(queued, _inv.c.queue.in_(B("queues", expanding=True)))
