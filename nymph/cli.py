@@ -23,6 +23,10 @@ def _options(fn: Any) -> Any:
         click.option("--config", "config_file", type=click.Path(path_type=Path), help="TOML config file."),
         click.option("--server", help="Control plane URL (NYMPH_SERVER)."),
         click.option("--token", help="Daemon token (NYMPH_TOKEN)."),
+        click.option(
+            "--task-url",
+            help="The control plane's URL as tasks reach it: LAKESHORE_URL inside a task (default: --server).",
+        ),
         click.option("--runner", help="Runner plugin name (default: process)."),
         click.option(
             "--runner-opt",

@@ -30,6 +30,13 @@ if str(USER_CODE) not in sys.path:
     sys.path.append(str(USER_CODE))
 
 
+def user_module(name: str) -> Any:
+    """The user module ``name`` from :data:`USER_CODE` (a top-level module, as a user's would be)."""
+    import importlib
+
+    return importlib.import_module(name)
+
+
 def envelope_of(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Envelope:
     """What ``.submit()`` sends for a ``@dls.udf`` (scope prefix captured); any other function by ref."""
     if isinstance(fn, UDF):

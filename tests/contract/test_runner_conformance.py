@@ -37,10 +37,9 @@ from tests.conftest import ROOT, require
 if str(ROOT / "runners") not in sys.path:  # until the editable install exposes runners/
     sys.path.insert(0, str(ROOT / "runners"))
 
-# tests/user_code, put on sys.path by runner_kit: a top-level module, as a user's would be
-import readme_udfs as readme
-
 from nymph.plugins import load_runner
+
+readme = kit.user_module("readme_udfs")
 
 RUNNERS = ["process", "process-prefork", "docker", "gvisor", "slurm"]
 LIMIT_S = 60.0

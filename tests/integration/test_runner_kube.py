@@ -274,8 +274,7 @@ def test_readme_module_runs_in_a_bare_image(make_runner: Callable[..., KubeRunne
     bare = "/usr/bin/python3"
     probe = subprocess.run([bare, "-s", "-c", "import msgpack"], capture_output=True, env={})
     require(os.path.exists(bare) and probe.returncode != 0, f"{bare} without msgpack (a bare runtime)")
-    import readme_udfs as readme  # tests/user_code, on sys.path through runner_kit
-
+    readme = kit.user_module("readme_udfs")
     scratch = tmp_path / "bare-kubelet"
     scratch.mkdir()
     root = tmp_path / "bare-work"

@@ -68,8 +68,9 @@ class Plane(Protocol):
         """``{state, result_blob, error}`` once terminal, or ``{"state": "pending"}`` after timeout."""
         ...
 
-    def cancel(self, invocation_id: str) -> str:
-        """Cancel; returns the state after the call."""
+    def cancel(self, invocation_id: str, descendants: bool = True) -> str:
+        """Cancel; returns the state after the call. With ``descendants`` (the default) every
+        descendant not yet finished is cancelled too: the tasks it submitted, and theirs."""
         ...
 
     def frames(

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from dreamlake.lakeshore.server import daemon, namespaces, ops, producer, streams
+from dreamlake.lakeshore.server import daemon, namespaces, ops, producer, streams, tasks
 from dreamlake.lakeshore.server import http as h
 from dreamlake.lakeshore.server.auth import require_kind, require_namespace
 from dreamlake.lakeshore.server.config import ServerConfig
@@ -81,23 +81,43 @@ class Routes:
 
     # -- producer ------------------------------------------------------------------------------
 
+    # A task token (kind ``task``, server/tasks.py) may use these producer routes, held to its own
+    # invocation: it submits children of it, and reads or cancels its descendants only.
+
+    async def _reach(self, principal: Principal, invocation_id: str) -> None:
+        if principal.kind == "task":
+            await tasks.check_target(self.ctx, principal, invocation_id)
+
     async def submit(self, request: Request) -> Response:
-        principal = await self._who(request, "producer")
-        return h.msgpack_response(await producer.submit(self.ctx, principal, await self._msgpack(request)))
+        principal = await self._who(request, "producer", "task")
+        body = await self._msgpack(request)
+        if principal.kind == "task":
+            await tasks.check_submit(self.ctx, principal, body)
+        return h.msgpack_response(await producer.submit(self.ctx, principal, body))
 
     async def await_(self, request: Request) -> Response:
-        principal = await self._who(request, "producer")
-        return h.msgpack_response(await producer.await_(self.ctx, principal, await self._msgpack(request)))
+        principal = await self._who(request, "producer", "task")
+        body = await self._msgpack(request)
+        if principal.kind == "task":
+            target = h.ulid_field(body, "invocation_id")
+            assert target is not None
+            await self._reach(principal, target)
+        return h.msgpack_response(await producer.await_(self.ctx, principal, body))
 
     async def status(self, request: Request) -> Response:
-        await self._who(request, "producer")
+        principal = await self._who(request, "producer", "task")
         inv = producer.request_id(request, "id", "invocation_id")
+        await self._reach(principal, inv)
         return h.msgpack_response(await producer.status(self.ctx, inv))
 
     async def cancel(self, request: Request) -> Response:
-        await self._who(request, "producer")
+        principal = await self._who(request, "producer", "task")
         inv = producer.request_id(request, "id", "invocation_id")
-        return h.msgpack_response(await producer.cancel(self.ctx, inv))
+        await self._reach(principal, inv)
+        raw = await h.read_body(request, self.ctx.config.max_body_bytes)
+        body = h.decode_msgpack(raw) if raw else {}
+        descendants = h.field(body, "descendants", bool, default=True)
+        return h.msgpack_response(await producer.cancel(self.ctx, inv, descendants=descendants))
 
     def _stream_params(self, request: Request) -> tuple[int, float]:
         since = h.query_int(request, "since", -1)
@@ -107,8 +127,9 @@ class Routes:
         return since, timeout
 
     async def result_stream(self, request: Request) -> Response:
-        await self._who(request, "producer")
+        principal = await self._who(request, "producer", "task")
         inv = producer.request_id(request, "id", "invocation_id")
+        await self._reach(principal, inv)
         since, timeout = self._stream_params(request)
         if await self.ctx.call(self.ctx.store.get, inv) is None:
             raise HTTPError(404, f"unknown invocation '{inv}'")

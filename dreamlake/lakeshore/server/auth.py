@@ -2,8 +2,10 @@
 
 Kinds (docs/protocol.md): ``admin`` may call everything; ``producer`` ``/v1/producer/*``; ``daemon``
 ``/v1/daemon/*`` plus publishing exec results and presigning; ``namespace`` only its own
-``/v1/namespaces/<ns>/*``; ``metrics`` only ``GET /metrics`` (read-only, for a scraper). A daemon
-token bound to a namespace is held to that namespace too.
+``/v1/namespaces/<ns>/*``; ``metrics`` only ``GET /metrics`` (read-only, for a scraper); ``task``
+(the credential nymph hands an invocation, ``server/tasks.py``) submit, status, await, result stream
+and cancel, held to its own invocation's descendants while that invocation runs. A daemon token
+bound to a namespace is held to that namespace too.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dreamlake.lakeshore.store.api import Principal
 
 log = logging.getLogger(__name__)
 
-KINDS = ("admin", "producer", "daemon", "namespace", "metrics")
+KINDS = ("admin", "producer", "daemon", "namespace", "metrics", "task")
 
 _CACHE_TTL_S = 30.0
 _CACHE_MAX = 4096

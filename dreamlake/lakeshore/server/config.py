@@ -28,6 +28,7 @@ class ServerConfig:
     recheck_s: float = 1.0  # safety re-check of long polls (other replicas do not wake this one)
     expire_every_s: float = 1.0
     store_threads: int | None = None  # None: 1 for SQLite, 8 otherwise
+    task_token_ttl_s: float = 86400.0  # the longest a task token lives (it dies with its ack first)
 
     @classmethod
     def from_env(cls, **overrides: object) -> ServerConfig:

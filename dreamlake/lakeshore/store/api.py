@@ -122,9 +122,11 @@ class Command:
 @dataclass
 class Principal:
     token_id: str
-    kind: str  # "admin" | "producer" | "daemon" | "namespace"
-    namespace: str | None  # for namespace tokens (and daemons bound to one namespace)
+    kind: str  # "admin" | "producer" | "daemon" | "namespace" | "metrics" | "task"
+    namespace: str | None  # for namespace tokens (and daemons bound to one namespace); a task's own
     name: str
+    invocation_id: str | None = None  # a task token: the invocation it was handed to ...
+    attempt: int | None = None  # ... and that invocation's attempt (the token dies with its ack)
 
 
 # -- listing (store/listing.py): what ``lakeshore queues|workers|ls|show`` and the dashboard read --
@@ -224,6 +226,14 @@ class Store(Listing, Protocol):
     # -- producer side ------------------------------------------------------------------------
     def submit(self, req: SubmitRequest) -> SubmitResult: ...
     def get(self, invocation_id: str) -> Invocation | None: ...
+    def lineage(self, invocation_id: str, limit: int = 64) -> list[str]:
+        """``invocation_id`` and its ancestors by ``parent_invocation_id``, nearest first."""
+        ...
+
+    def descendants(self, invocation_id: str) -> list[tuple[str, str | None, str]]:
+        """``(invocation_id, parent_invocation_id, state)`` of every descendant, breadth first."""
+        ...
+
     def cancel(self, invocation_id: str) -> str | None:
         """Queued -> cancelled at once; running -> cancel_requested (a cancel command is queued for
         its worker); terminal -> unchanged. Returns the state after the call, None if unknown."""
@@ -322,6 +332,10 @@ class Store(Listing, Protocol):
     def pinned_version(self, namespace: str) -> str | None: ...
     def create_token(self, kind: str, name: str, namespace: str | None = None) -> str: ...
     def verify_token(self, secret: str) -> Principal | None: ...
+    def server_key(self, name: str) -> bytes:
+        """A 32-byte secret shared by every replica, made on first use (the task-token HMAC key)."""
+        ...
+
     def count_tokens(self) -> int: ...
     def create_exec(
         self,

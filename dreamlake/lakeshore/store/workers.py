@@ -11,6 +11,9 @@ when none).
 
 Tokens: ``create_token`` returns ``"lsk_" + secrets.token_urlsafe(32)`` once; only its sha256 is
 stored, and ``verify_token`` looks the hash up (no secret ever compared byte by byte).
+
+Server keys: ``server_key(name)`` returns a 32-byte secret every replica shares, made on first use
+(the first insert wins a race; the others read it back). The task-token HMAC key is one.
 """
 
 from __future__ import annotations
@@ -177,6 +180,21 @@ class WorkerStore(StoreBase):
         if r is None or not hmac.compare_digest(r.secret_sha256, digest):
             return None
         return Principal(token_id=r.token_id, kind=r.kind, namespace=r.namespace, name=r.name)
+
+    # -- server keys -----------------------------------------------------------------------------
+
+    def server_key(self, name: str) -> bytes:
+        k = t.server_keys
+        with self.db.tx(write=True) as conn:
+            found = conn.execute(sa.select(k.c.secret).where(k.c.name == name)).scalar_one_or_none()
+            if found is None:
+                conn.execute(
+                    self._insert(k)
+                    .values(name=name, secret=secrets.token_bytes(32), created_at=time.time())
+                    .on_conflict_do_nothing()
+                )
+                found = conn.execute(sa.select(k.c.secret).where(k.c.name == name)).scalar_one()
+        return bytes(found)
 
     def count_tokens(self) -> int:
         with self.db.tx(write=False) as conn:
