@@ -251,7 +251,12 @@ class Job(SupervisedJob[wd.Outcome]):
     def supervise(self, handle: Handle) -> wd.Outcome:
         assert self.workdir is not None
         pump = Pump(
-            self.workdir, self.invocation_id, self.attempt, self.ctx.outbox, script=self.script is not None
+            self.workdir,
+            self.invocation_id,
+            self.attempt,
+            self.ctx.outbox,
+            worker_id=self.ctx.worker_id,
+            script=self.script is not None,
         )
         self._pump = pump
         pump.start()
@@ -278,6 +283,7 @@ class Job(SupervisedJob[wd.Outcome]):
                 self.invocation_id,
                 self.attempt,
                 self.ctx.outbox,
+                worker_id=self.ctx.worker_id,
                 script=self.script is not None,
             )
             pump.poll()

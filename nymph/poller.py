@@ -20,8 +20,9 @@ from typing import Any
 import tenacity
 
 from dreamlake.lakeshore import __version__
+from dreamlake.lakeshore.client import retrying as plane_retrying
 from nymph import observability as obs
-from nymph.client import AuthRejected, ClientError, ControlPlaneClient, is_retryable
+from nymph.client import AuthRejected, ClientError, ControlPlaneClient
 from nymph.config import NymphConfig
 from nymph.slots import Slots
 
@@ -31,22 +32,23 @@ REFUSED_PAUSE_S = 5.0  # after a poll the control plane refused (not retryable, 
 
 
 def retrying(stop: threading.Event) -> tenacity.Retrying:
-    """Retry retryable control-plane errors with backoff and jitter until ``stop`` is set."""
+    """Retry retryable control-plane errors until ``stop`` is set: the shared policy (backoff,
+    jitter, and at least the server's ``Retry-After``, e.g. a 503 from poll admission control)."""
 
     def pause(seconds: float) -> None:
         stop.wait(seconds)
 
-    return tenacity.Retrying(
-        retry=tenacity.retry_if_exception(is_retryable),
-        wait=tenacity.wait_exponential(multiplier=0.2, max=15.0) + tenacity.wait_random(0, 1.0),
+    return plane_retrying(
         stop=tenacity.stop_when_event_set(stop),
+        initial_s=0.2,
+        max_s=15.0,
+        jitter_s=1.0,
         sleep=pause,
         before_sleep=lambda rs: log.warning(
             "control plane unavailable (try %d), retrying: %s",
             rs.attempt_number,
             rs.outcome.exception() if rs.outcome else None,
         ),
-        reraise=True,
     )
 
 

@@ -41,12 +41,16 @@ class Pump:
         attempt: int,
         outbox: Outbox,
         *,
+        worker_id: str | None = None,
         script: bool = False,
         interval_s: float = 0.05,
     ) -> None:
         self.workdir = workdir
         self.invocation_id = invocation_id
         self.attempt = attempt
+        self.worker_id = (
+            worker_id  # sent with every frame: the control plane takes frames from the lease holder only
+        )
         self._outbox = outbox
         self._script = script
         self._interval_s = interval_s
@@ -167,6 +171,7 @@ class Pump:
                 "bytes": frame,
                 "final": final,
                 "attempt": self.attempt,
+                **({"worker_id": self.worker_id} if self.worker_id else {}),
             }
         )
         self.sent_seq = seq

@@ -20,9 +20,17 @@ DB_FILE = "lakeshore.db"
 
 
 def _data_dir(value: str) -> Path:
+    """The data directory, private: created 0700; an existing one of ours that others can enter is
+    narrowed to 0700 (it holds the store and tokens.json)."""
     path = Path(value).expanduser()
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = path.stat()
+        if info.st_mode & 0o077 and info.st_uid == os.getuid():
+            path.chmod(0o700)
+            logging.getLogger(__name__).warning(
+                "data directory %s was mode %o; narrowed to 700", path, info.st_mode & 0o777
+            )
     except OSError as exc:
         raise click.UsageError(f"cannot create the data directory {path}: {exc}; pass --data-dir") from exc
     return path
@@ -95,8 +103,22 @@ def main(log_level: str) -> None:
     type=float,
     help="Invocation lease in seconds (default 30).",
 )
+@click.option(
+    "--max-polls",
+    envvar="LAKESHORE_MAX_POLLS",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Concurrent daemon long polls served; past it a poll is answered 503 with Retry-After "
+    "(default 5000). Each needs a file descriptor: the soft limit is raised to the hard one.",
+)
 def server(
-    host: str, port: int, data_dir: str, db: str | None, redis_url: str | None, lease_s: float | None
+    host: str,
+    port: int,
+    data_dir: str,
+    db: str | None,
+    redis_url: str | None,
+    lease_s: float | None,
+    max_polls: int | None,
 ) -> None:
     """Run the control plane (HTTP) over the store."""
     import uvicorn
@@ -106,6 +128,7 @@ def server(
     from dreamlake.lakeshore.server.config import ServerConfig
     from dreamlake.lakeshore.server.fanout import make_fanout
     from dreamlake.lakeshore.server.payloads import PayloadStore
+    from dreamlake.lakeshore.server.serve import uvicorn_config
 
     if lease_s is not None and lease_s <= 0:
         raise click.UsageError("--lease-s must be a positive number of seconds")
@@ -117,11 +140,37 @@ def server(
         click.echo(line)
     try:
         payloads = PayloadStore.from_env(os.environ)
-        config = ServerConfig.from_env(lease_s=lease_s)
+        config = ServerConfig.from_env(lease_s=lease_s, max_polls=max_polls)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
+    _raise_open_files(config.max_polls)
     app = create_app(store, fanout=make_fanout(redis_url), payloads=payloads, config=config)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    serving = uvicorn_config(
+        app, config, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5
+    )
+    uvicorn.Server(serving).run()
+
+
+FDS_PER_SERVER = 256  # descriptors besides the long polls: store, other routes, logs
+
+
+def _raise_open_files(max_polls: int) -> None:
+    """Raise the soft limit on open files to the hard one (a fleet's polls each hold a socket);
+    warn when even that is short of ``max_polls``."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    if soft != resource.RLIM_INFINITY and soft < max_polls + FDS_PER_SERVER:
+        logging.getLogger(__name__).warning(
+            "open-file limit %d is below --max-polls %d plus %d: raise `ulimit -n` (LimitNOFILE= under "
+            "systemd) or lower --max-polls, or polls past the limit fail to connect",
+            soft,
+            max_polls,
+            FDS_PER_SERVER,
+        )
 
 
 @main.group()
@@ -134,15 +183,36 @@ def token() -> None:
     "--kind", required=True, type=click.Choice(["admin", "producer", "daemon", "namespace", "metrics"])
 )
 @click.option("--name", required=True, help="A label for the token (who or what holds it).")
-@click.option("--namespace", default=None, help="The namespace a namespace (or daemon) token is bound to.")
+@click.option(
+    "--namespace",
+    default=None,
+    help="Bind the token to a namespace: a producer submits and sees only its invocations there, a "
+    "daemon claims only its work, a namespace token calls only /v1/namespaces/NS/*. Unbound "
+    "producers act in 'default'; unbound daemons serve every namespace.",
+)
+@click.option(
+    "--may-script",
+    is_flag=True,
+    help="Let this producer token submit run_config.script invocations (shell on the nymph host).",
+)
 @store_options
-def token_create(kind: str, name: str, namespace: str | None, data_dir: str, db: str | None) -> None:
+def token_create(
+    kind: str, name: str, namespace: str | None, may_script: bool, data_dir: str, db: str | None
+) -> None:
     """Mint a token and print its secret (shown once; only its sha256 is stored)."""
+    from dreamlake.lakeshore.server.http import NAME_RE
+
     if kind == "namespace" and not namespace:
         raise click.UsageError("--kind namespace needs --namespace NS")
+    if kind == "admin" and namespace:
+        raise click.UsageError("an admin token acts in every namespace: drop --namespace")
+    if namespace is not None and not NAME_RE.match(namespace):
+        raise click.UsageError(f"--namespace {namespace!r}: expected 1-128 characters of [A-Za-z0-9._-]")
+    if may_script and kind != "producer":
+        raise click.UsageError("--may-script is for producer tokens (admins may always submit scripts)")
     store = _open_store(db, data_dir)
     try:
-        click.echo(store.create_token(kind, name, namespace))
+        click.echo(store.create_token(kind, name, namespace, may_script=may_script))
     finally:
         store.close()
 

@@ -126,7 +126,9 @@ class _Job:
 
         data = wire.encode_frame(kind, self.seq, body, {"ts": time.time()})
         try:
-            self.plane.append_frame(self.claim.invocation_id, self.seq, data, final, self.claim.attempt)
+            self.plane.append_frame(
+                self.claim.invocation_id, self.seq, data, final, self.claim.attempt, worker_id=self.worker_id
+            )
         except PlaneError as exc:
             if exc.status == 409:
                 raise _Superseded(str(exc)) from exc

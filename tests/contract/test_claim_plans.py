@@ -10,6 +10,9 @@ planner would sort them if the index did not serve the order:
 - PostgreSQL ``EXPLAIN``, of the plan for the claim's values and of the generic plan a prepared
   statement may switch to: index scans only, on ``ix_invocations_queued`` and the primary key; no
   Sort (or Incremental Sort) node for one queue; for several, a Sort only above each queue's Limit.
+
+A claim of a daemon bound to a namespace reads ``ix_invocations_queued_ns`` (namespace, queue, the
+same order) the same way.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ QUEUED_ROWS = 20_000
 DONE_ROWS = 5_000
 QUEUES = [f"q{i}" for i in range(4)]
 CASES = [(["q1"], 1), (["q1"], 10), (["q0", "q2", "q3"], 1), (["q0", "q2", "q3"], 10)]
+NAMESPACES = ["default", "ns1"]
+INDEX = {None: "ix_invocations_queued", "ns1": "ix_invocations_queued_ns"}
 
 
 def _rows() -> Iterator[dict[str, Any]]:
@@ -47,7 +52,7 @@ def _rows() -> Iterator[dict[str, Any]]:
             "args_blob": b"",
             "run_config": {},
             "code_context": {},
-            "namespace": "default",
+            "namespace": rnd.choice(NAMESPACES),
             "content_hash": "h",
             "attempt": 0,
             "max_attempts": 3,
@@ -66,20 +71,24 @@ def backlog(store: SqlStore) -> SqlStore:
     return store
 
 
-def _explain(conn: Connection, prefix: str, queues: list[str], limit: int) -> list[Any]:
+def _explain(
+    conn: Connection, prefix: str, queues: list[str], limit: int, namespace: str | None = None
+) -> list[Any]:
     """The rows of ``prefix`` + the claim statement of ``queues``, run with the claim's parameters."""
-    stmt, params = claim_params(queues, limit, "w", 1.0, 30.0)
+    stmt, params = claim_params(queues, limit, "w", 1.0, 30.0, namespace)
     state = stmt.compile(dialect=conn.dialect).construct_expanded_state(params)
     args = state.positional_parameters if conn.dialect.positional else state.parameters
     return list(conn.exec_driver_sql(f"{prefix} {state.statement}", args))
 
 
-def _pg_generic_plan(conn: Connection, queues: list[str], limit: int) -> dict[str, Any]:
+def _pg_generic_plan(
+    conn: Connection, queues: list[str], limit: int, namespace: str | None
+) -> dict[str, Any]:
     """The plan PostgreSQL caches for the claim once prepared (psycopg prepares a statement run
     five times): planned without the parameters' values."""
     from psycopg import sql
 
-    stmt, params = claim_params(queues, limit, "w", 1.0, 30.0)
+    stmt, params = claim_params(queues, limit, "w", 1.0, 30.0, namespace)
     state = stmt.compile(dialect=conn.dialect).construct_expanded_state(params)
     values = state.parameters
     names: list[str] = []
@@ -100,15 +109,18 @@ def _pg_generic_plan(conn: Connection, queues: list[str], limit: int) -> dict[st
     return plan[0]["Plan"]  # type: ignore[no-any-return]
 
 
-def _sqlite_plan(conn: Connection, queues: list[str], limit: int) -> list[tuple[int, int, str]]:
-    return [(r[0], r[1], r[3]) for r in _explain(conn, "EXPLAIN QUERY PLAN", queues, limit)]
+def _sqlite_plan(
+    conn: Connection, queues: list[str], limit: int, namespace: str | None
+) -> list[tuple[int, int, str]]:
+    return [(r[0], r[1], r[3]) for r in _explain(conn, "EXPLAIN QUERY PLAN", queues, limit, namespace)]
 
 
-def _check_sqlite(plan: list[tuple[int, int, str]], queues: list[str]) -> None:
+def _check_sqlite(plan: list[tuple[int, int, str]], queues: list[str], namespace: str | None) -> None:
     text = "\n".join(detail for _, _, detail in plan)
     on_table = [d for _, _, d in plan if d.startswith(("SCAN invocations", "SEARCH invocations"))]
     assert not [d for d in on_table if d.startswith("SCAN")], text
-    picks = [d for d in on_table if "USING INDEX ix_invocations_queued (queue=?)" in d]
+    search = "(namespace=? AND queue=?)" if namespace else "(queue=?)"
+    picks = [d for d in on_table if f"USING INDEX {INDEX[namespace]} {search}" in d]
     assert len(picks) == len(queues), text
     by_key = [d for d in on_table if "(invocation_id=?)" in d]
     assert len(by_key) == 1 and len(on_table) == len(queues) + 1, text
@@ -131,7 +143,7 @@ def _nodes(
         yield from _nodes(child, (*above, node["Node Type"]))
 
 
-def _check_pg(plan: dict[str, Any], queues: list[str]) -> None:
+def _check_pg(plan: dict[str, Any], queues: list[str], namespace: str | None) -> None:
     text = json.dumps(plan, indent=1)
     nodes = list(_nodes(plan))
     scans = [
@@ -140,7 +152,7 @@ def _check_pg(plan: dict[str, Any], queues: list[str]) -> None:
         if n.get("Relation Name") == "invocations" and n["Node Type"] != "ModifyTable"
     ]
     assert {n["Node Type"] for n, _ in scans} <= {"Index Scan", "Index Only Scan"}, text
-    picks = [n for n, _ in scans if n["Index Name"] == "ix_invocations_queued"]
+    picks = [n for n, _ in scans if n["Index Name"] == INDEX[namespace]]
     assert len(picks) == len(queues), text
     assert [n["Index Name"] for n, _ in scans if n not in picks] == ["invocations_pkey"], text
     sorts = [n for n, _ in nodes if n["Node Type"].endswith("Sort")]  # Sort, Incremental Sort
@@ -152,18 +164,20 @@ def _check_pg(plan: dict[str, Any], queues: list[str]) -> None:
                 assert "Limit" in path[at + 1 :], text
 
 
+@pytest.mark.parametrize("namespace", [None, "ns1"], ids=["any-namespace", "one-namespace"])
 @pytest.mark.parametrize(("queues", "limit"), CASES, ids=[f"{len(q)}q-limit{n}" for q, n in CASES])
 def test_the_claim_reads_its_order_off_the_index_and_updates_by_key(
-    backlog: SqlStore, queues: list[str], limit: int
+    backlog: SqlStore, queues: list[str], limit: int, namespace: str | None
 ) -> None:
     with backlog.db.tx(write=True) as conn:
         if backlog.kind == "postgresql":
-            ((plan,),) = _explain(conn, "EXPLAIN (FORMAT JSON)", queues, limit)
-            _check_pg(plan[0]["Plan"], queues)
-            _check_pg(_pg_generic_plan(conn, queues, limit), queues)
-        else:
-            _check_sqlite(_sqlite_plan(conn, queues, limit), queues)  # as the store runs: no ANALYZE
+            ((plan,),) = _explain(conn, "EXPLAIN (FORMAT JSON)", queues, limit, namespace)
+            _check_pg(plan[0]["Plan"], queues, namespace)
+            _check_pg(_pg_generic_plan(conn, queues, limit, namespace), queues, namespace)
+        else:  # as the store runs (no ANALYZE), then with statistics
+            _check_sqlite(_sqlite_plan(conn, queues, limit, namespace), queues, namespace)
             conn.exec_driver_sql("ANALYZE")
-            _check_sqlite(_sqlite_plan(conn, queues, limit), queues)
-    got = backlog.claim("w", queues, limit=limit)  # and the statement does what the plan says
+            _check_sqlite(_sqlite_plan(conn, queues, limit, namespace), queues, namespace)
+    got = backlog.claim("w", queues, limit=limit, namespace=namespace)  # it does what the plan says
     assert len(got) == limit and {i.queue for i in got} <= set(queues)
+    assert namespace is None or {i.namespace for i in got} == {namespace}

@@ -14,6 +14,7 @@ from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.store.api import SubmitRequest
 from dreamlake.lakeshore.store.invocations import MERGED_QUEUES_MAX
+from dreamlake.lakeshore.store.notify import exec_queue_channel
 from dreamlake.lakeshore.store.sql import SqlStore
 from dreamlake.lakeshore.store.values import normalize_max_attempts, normalize_priority
 
@@ -646,7 +647,7 @@ def test_a_dead_daemons_exec_job_is_requeued_then_finished_with_exit_code_minus_
     store.claim_exec("dead", ["q"], lease_s=60)
     assert store.expire_leases(now=time.time()) == []  # lease still valid
     assert store.expire_leases(now=FUTURE) == [job]
-    assert store.notifier.wait(["exec:q"], timeout=5, since=mark)  # a waiting poll wakes
+    assert store.notifier.wait([exec_queue_channel("ns", "q")], timeout=5, since=mark)  # a waiting poll wakes
     row = store.get_exec("ns", job)
     assert row is not None and row["state"] == "queued" and row["result"] is None
     (body,) = store.claim_exec("w2", ["q"])

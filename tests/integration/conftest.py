@@ -41,7 +41,10 @@ class ServerThread:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+        from dreamlake.lakeshore.server.serve import uvicorn_config
+
+        limits = getattr(getattr(app.state, "ctx", None), "config", None) or ServerConfig()
+        config = uvicorn_config(app, limits, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
@@ -181,7 +184,8 @@ def running_control_plane(
         store=store,
         admin_token=store.create_token("admin", "test-admin"),
         daemon_token=store.create_token("daemon", "test-daemon"),
-        producer_token=store.create_token("producer", "test-producer"),
+        # the tests' producer is trusted with scripts (tests/security checks one that is not)
+        producer_token=store.create_token("producer", "test-producer", may_script=True),
         app=app,
     )
     try:

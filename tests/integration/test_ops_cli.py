@@ -58,7 +58,14 @@ def _run_to_the_end(cp: ControlPlane, inv: str, queue: str = "q") -> str:
         wire.encode_frame(wire.FRAME_END, 3, wire.pack("done")),
     ]
     for seq, data in enumerate(frames):
-        chunk = {"invocation_id": inv, "seq": seq, "bytes": data, "final": seq == 3, "attempt": 1}
+        chunk = {
+            "invocation_id": inv,
+            "seq": seq,
+            "bytes": data,
+            "final": seq == 3,
+            "attempt": 1,
+            "worker_id": worker,
+        }
         assert cp.daemon("/v1/daemon/result-chunk", chunk)[0] == 200
     ack = {"invocation_id": inv, "state": "succeeded", "result_blob": wire.pack("done"),
            "error": None, "worker_id": worker, "attempt": 1}  # fmt: skip

@@ -127,7 +127,14 @@ def test_detail_has_attempts_timings_and_the_traceback(control_plane: ControlPla
     assert run["body"]["attempt"] == 2
     status, out = cp.call(
         "/v1/daemon/result-chunk",
-        {"invocation_id": inv, "seq": 0, "bytes": b"\x94\x01\x00\xc4\x00\x80", "final": False, "attempt": 2},
+        {
+            "invocation_id": inv,
+            "seq": 0,
+            "bytes": b"\x94\x01\x00\xc4\x00\x80",
+            "final": False,
+            "attempt": 2,
+            "worker_id": worker,
+        },
         cp.daemon_token,
     )
     assert status == 200, out

@@ -213,10 +213,12 @@ def test_a_superseded_attempt_ends_the_job_not_the_worker(tmp_path: Path) -> Non
     inv = ticker.submit(3, _dispatch=plane)
     real = plane.append_frame
 
-    def refuse_second(invocation_id: str, seq: int, data: bytes, final: bool, attempt: int) -> None:
+    def refuse_second(
+        invocation_id: str, seq: int, data: bytes, final: bool, attempt: int, *, worker_id: str
+    ) -> None:
         if seq >= 1:
             raise PlaneError(f"attempt {attempt} of {invocation_id} was superseded by attempt 2", 409)
-        real(invocation_id, seq, data, final, attempt)
+        real(invocation_id, seq, data, final, attempt, worker_id=worker_id)
 
     plane.append_frame = refuse_second  # type: ignore[method-assign]
     try:

@@ -12,6 +12,7 @@ import msgpack
 import pytest
 
 from dreamlake.lakeshore import wire
+from dreamlake.lakeshore.errors import Conflict
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.server.config import ServerConfig
 from tests.integration.conftest import ControlPlane, running_control_plane
@@ -159,10 +160,12 @@ def test_concurrent_pollers_never_share_an_invocation(control_plane: ControlPlan
 
 def test_ack_bare_string_error_becomes_daemon_error(control_plane: ControlPlane) -> None:
     inv = control_plane.submit()
-    poll(control_plane, new_ulid())
+    worker = new_ulid()
+    poll(control_plane, worker)
+    lease = {"worker_id": worker, "attempt": 1}
     status, out = control_plane.daemon(
         "/v1/daemon/ack",
-        {"invocation_id": inv, "state": "failed", "result_blob": b"", "error": "runner crashed"},
+        {"invocation_id": inv, "state": "failed", "result_blob": b"", "error": "runner crashed", **lease},
     )
     assert (status, out) == (200, {"ok": True})
     _, row = control_plane.producer(f"/v1/producer/invocations/{inv}", None, method="GET")
@@ -171,19 +174,24 @@ def test_ack_bare_string_error_becomes_daemon_error(control_plane: ControlPlane)
     assert row["finished_at"] is not None
     status, out = control_plane.daemon(
         "/v1/daemon/ack",
-        {"invocation_id": inv, "state": "failed", "result_blob": b"", "error": "runner crashed"},
+        {"invocation_id": inv, "state": "failed", "result_blob": b"", "error": "runner crashed", **lease},
     )
     assert (status, out) == (200, {"ok": True, "duplicate": True})
 
 
 def test_ack_superseded_is_409_and_unknown_404(control_plane: ControlPlane) -> None:
     inv = control_plane.submit()
-    poll(control_plane, new_ulid())
+    worker = new_ulid()
+    poll(control_plane, worker)
     status, out = control_plane.daemon(
-        "/v1/daemon/ack", {"invocation_id": inv, "state": "succeeded", "result_blob": b"x", "attempt": 7}
+        "/v1/daemon/ack",
+        {"invocation_id": inv, "state": "succeeded", "result_blob": b"x", "attempt": 7, "worker_id": worker},
     )
     assert status == 409 and out["ok"] is False and "superseded" in out["error"]
-    status, out = control_plane.daemon("/v1/daemon/ack", {"invocation_id": new_ulid(), "state": "succeeded"})
+    status, out = control_plane.daemon(
+        "/v1/daemon/ack",
+        {"invocation_id": new_ulid(), "state": "succeeded", "attempt": 1, "worker_id": worker},
+    )
     assert status == 404
     status, out = control_plane.daemon("/v1/daemon/ack", {"invocation_id": inv, "state": "running"})
     assert status == 400 and "cannot ack state" in out["error"]
@@ -203,8 +211,16 @@ def test_result_chunk_journals_once_and_publishes_once(tmp_path: Any) -> None:
     fanout = RecordingFanout()
     with running_control_plane(str(tmp_path / "s.db"), fanout=fanout) as cp:
         inv = cp.submit()
-        poll(cp, new_ulid())
-        body = {"invocation_id": inv, "seq": 0, "bytes": frame(0), "final": False, "attempt": 1}
+        worker = new_ulid()
+        poll(cp, worker)
+        body = {
+            "invocation_id": inv,
+            "seq": 0,
+            "bytes": frame(0),
+            "final": False,
+            "attempt": 1,
+            "worker_id": worker,
+        }
         assert cp.daemon("/v1/daemon/result-chunk", body) == (200, {"ok": True, "seq": 0})
         assert cp.daemon("/v1/daemon/result-chunk", body) == (200, {"ok": True, "seq": 0, "duplicate": True})
         assert fanout.published == [(inv, 0, False)]
@@ -247,31 +263,54 @@ def test_end_or_error_closes_the_stream_whatever_final_says(
     closed = [(0, wire.FRAME_VALUE), (1, closing)]
     cp = control_plane
     inv = cp.submit()
-    poll(cp, new_ulid())  # running, and stays so: no ack ends the stream for it
+    worker = new_ulid()
+    poll(cp, worker)  # running, and stays so: no ack ends the stream for it
     started = threading.Event()
     with ThreadPoolExecutor(1) as pool:
         live = pool.submit(_follow, cp, inv, 20.0, started)  # a follower waiting for the frames
         assert started.wait(30)
-        for seq, kind in enumerate(kinds):
+        for seq, kind in enumerate(kinds[:2]):
             body = {"invocation_id": inv, "seq": seq, "bytes": frame(seq, kind), "final": False, "attempt": 1}
+            body["worker_id"] = worker
             assert cp.daemon("/v1/daemon/result-chunk", body) == (200, {"ok": True, "seq": seq})
+        # issue 11: nothing is journaled after a final frame (the probe is refused, and says why)
+        body = {
+            "invocation_id": inv,
+            "seq": 2,
+            "bytes": frame(2, kinds[2]),
+            "attempt": 1,
+            "worker_id": worker,
+        }
+        status, out = cp.daemon("/v1/daemon/result-chunk", body)
+        assert status == 409 and "ended with final frame 1" in out["error"]
         assert live.result() == closed
     assert _follow(cp, inv, 20.0) == closed  # a replay stops there too
-    assert [f.final for f in cp.store.read_frames(inv)] == [False, True, False]
+    assert [f.final for f in cp.store.read_frames(inv)] == [False, True]
 
     # the local plane agrees
     with Dispatch(":memory:") as local:
         inv = local.submit(Envelope.create(fn_for(len)).to_bytes(), "default", {})
-        claim = local.claim(new_ulid(), ["default"], 5.0)
+        local_worker = new_ulid()
+        claim = local.claim(local_worker, ["default"], 5.0)
         assert claim is not None
-        for seq, kind in enumerate(kinds):
-            local.append_frame(inv, seq, frame(seq, kind), False, claim.attempt)
+        for seq, kind in enumerate(kinds[:2]):
+            local.append_frame(inv, seq, frame(seq, kind), False, claim.attempt, worker_id=local_worker)
+        with pytest.raises(Conflict, match="ended with final frame 1"):
+            local.append_frame(inv, 2, frame(2, kinds[2]), False, claim.attempt, worker_id=local_worker)
         assert [(f.seq, f.kind) for f in local.frames(inv, timeout=20.0)] == closed
 
 
 def test_result_chunk_for_unknown_invocation_is_404(control_plane: ControlPlane) -> None:
     status, _ = control_plane.daemon(
-        "/v1/daemon/result-chunk", {"invocation_id": new_ulid(), "seq": 0, "bytes": frame(0), "final": False}
+        "/v1/daemon/result-chunk",
+        {
+            "invocation_id": new_ulid(),
+            "seq": 0,
+            "bytes": frame(0),
+            "final": False,
+            "attempt": 1,
+            "worker_id": new_ulid(),
+        },
     )
     assert status == 404
 
@@ -360,11 +399,12 @@ def test_integers_past_their_column_are_400_not_500(control_plane: ControlPlane)
     poll(control_plane, worker, ["bounds"], timeout_s=0)
     huge = 2**64 - 1  # msgpack's largest int: the driver overflowed (500) on it
     status, out = control_plane.daemon(
-        "/v1/daemon/ack", {"invocation_id": inv, "state": "succeeded", "attempt": huge}
+        "/v1/daemon/ack", {"invocation_id": inv, "state": "succeeded", "attempt": huge, "worker_id": worker}
     )
     assert status == 400 and "field 'attempt' must be between 0 and" in out["error"]
     status, out = control_plane.daemon(
-        "/v1/daemon/result-chunk", {"invocation_id": inv, "seq": huge, "bytes": frame(huge)}
+        "/v1/daemon/result-chunk",
+        {"invocation_id": inv, "seq": huge, "bytes": frame(huge), "attempt": 1, "worker_id": worker},
     )
     assert status == 400 and "field 'seq' must be between 0 and" in out["error"]
     status, out = control_plane.daemon(
@@ -391,7 +431,8 @@ def test_a_namespace_bound_daemon_claims_only_its_namespaces_exec_jobs(control_p
     status, out = cp.call("/v1/daemon/poll", body, bound)
     assert status == 200
     assert [c["body"]["namespace"] for c in out["commands"]] == ["team-a"]
-    _, out = cp.daemon("/v1/daemon/poll", body)  # an unbound daemon token serves every namespace
+    # an unbound daemon token serves every namespace (as a worker of its own: ids are bound per token)
+    _, out = cp.daemon("/v1/daemon/poll", {**body, "worker_id": new_ulid()})
     assert [c["body"]["namespace"] for c in out["commands"]] == ["team-b"]
 
 
@@ -477,6 +518,7 @@ def test_a_replica_that_missed_the_register_knows_the_daemons_namespace(tmp_path
     """The namespace a daemon registered with comes from the store, not one replica's memory."""
     path = str(tmp_path / "shared.db")
     with running_control_plane(path) as a, running_control_plane(path) as b:
+        b.daemon_token = a.daemon_token  # one daemon (a worker id is bound to the token that registered it)
         worker = new_ulid()
         status, _ = a.daemon(
             "/v1/daemon/register", {"worker_id": worker, "queues": ["default"], "namespace": "team-a"}

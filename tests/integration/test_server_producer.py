@@ -27,6 +27,8 @@ def _chunk(
     cp: ControlPlane, inv: str, seq: int, kind: int = wire.FRAME_VALUE, value: Any = None
 ) -> tuple[int, Any]:
     frame = wire.encode_frame(kind, seq, wire.pack(value if value is not None else seq), {"ts": time.time()})
+    holder = cp.store.get(inv)  # the worker holding the lease posts the frames
+    assert holder is not None
     return cp.daemon(
         "/v1/daemon/result-chunk",
         {
@@ -34,6 +36,8 @@ def _chunk(
             "seq": seq,
             "bytes": frame,
             "final": kind in (wire.FRAME_END, wire.FRAME_ERROR),
+            "worker_id": holder.worker_id,
+            "attempt": holder.attempt,
         },
     )
 
@@ -171,6 +175,7 @@ def test_cancel_running_reaches_worker_by_heartbeat(control_plane: ControlPlane)
             "invocation_id": inv,
             "state": "killed",
             "attempt": 1,
+            "worker_id": worker,
             "error": {"type": "Cancelled", "message": "cancelled by producer"},
         },
     )

@@ -92,7 +92,10 @@ def _redis_len(url: str, key: str) -> int:
 
 def _chunk(cp: ControlPlane, inv: str, seq: int, kind: int = wire.FRAME_VALUE) -> None:
     body = {"invocation_id": inv, "seq": seq, "bytes": _frame(seq, kind), "final": kind != wire.FRAME_VALUE}
-    assert cp.daemon("/v1/daemon/result-chunk", {**body, "attempt": 1}) == (200, {"ok": True, "seq": seq})
+    holder = cp.store.get(inv)  # the worker holding the lease posts the frames
+    assert holder is not None
+    lease = {"attempt": 1, "worker_id": holder.worker_id}
+    assert cp.daemon("/v1/daemon/result-chunk", {**body, **lease}) == (200, {"ok": True, "seq": seq})
 
 
 def _post(cp: ControlPlane, topic: str, value: int, final: bool = False) -> int:

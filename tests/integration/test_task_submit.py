@@ -169,7 +169,8 @@ def test_a_child_credential_is_refused_outside_its_scope(
     )
     assert _request(cp, token, "GET", f"/v1/producer/invocations/{grandchild}/result/stream")[0] == 200
 
-    # another invocation's children, its own parent, another namespace: 403 on every route
+    # another invocation's children, its own parent, another namespace: 404 on every route, as an
+    # unknown id (the auth table's "outside the rule"; nothing is disclosed)
     other = cp.submit("elsewhere")  # a queue no worker serves: they stay queued
     other_child = cp.submit("elsewhere", parent_invocation_id=other)
     foreign = ids.new_ulid()
@@ -191,7 +192,7 @@ def test_a_child_credential_is_refused_outside_its_scope(
             ("GET", f"/v1/producer/invocations/{target}/result/stream", None),
             ("POST", "/v1/producer/await", {"invocation_id": target, "timeout_s": 0}),
         ):
-            assert _request(cp, token, method, path, payload)[0] == 403, (target, path)
+            assert _request(cp, token, method, path, payload)[0] == 404, (target, path)
     stolen = submit_body(ids.new_ulid(), run_config={}, parent_invocation_id=other)
     assert _request(cp, token, "POST", "/v1/producer/submit", stolen)[0] == 403
     for method, path, payload in (

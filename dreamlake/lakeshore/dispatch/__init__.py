@@ -91,9 +91,12 @@ class Plane(Protocol):
         """Claim the best queued invocation of ``queues``, waiting up to ``timeout`` for one."""
         ...
 
-    def append_frame(self, invocation_id: str, seq: int, data: bytes, final: bool, attempt: int) -> None:
-        """Journal one encoded frame of a running invocation (a repeat of a seq is a no-op). The
-        frame's kind decides whether it closes the stream (END and ERROR do); ``final`` should agree."""
+    def append_frame(
+        self, invocation_id: str, seq: int, data: bytes, final: bool, attempt: int, *, worker_id: str
+    ) -> None:
+        """Journal one encoded frame of a running invocation that ``worker_id`` holds under
+        ``attempt``, in seq order (a repeat of a seq is a no-op; a gap is refused, 409). The frame's
+        kind decides whether it closes the stream (END and ERROR do); ``final`` should agree."""
         ...
 
     def ack(

@@ -222,13 +222,16 @@ class HttpDispatch:
             if time.monotonic() >= deadline:
                 return None
 
-    def append_frame(self, invocation_id: str, seq: int, data: bytes, final: bool, attempt: int) -> None:
+    def append_frame(
+        self, invocation_id: str, seq: int, data: bytes, final: bool, attempt: int, *, worker_id: str
+    ) -> None:
         body = {
             "invocation_id": invocation_id,
             "seq": seq,
             "bytes": bytes(data),
             "final": final,
             "attempt": attempt,
+            "worker_id": worker_id,
         }
         self._call("POST", "/v1/daemon/result-chunk", body)
 

@@ -7,7 +7,10 @@ made in this process; a change made by another process on the same file is seen 
 (``poll_s``, default 0.1 s).
 
 The local plane is its own trust domain: ``trusted = True``, so ``run_worker`` runs pickled
-functions on it by default.
+functions on it by default. It keeps the control plane's rules otherwise: submits are checked
+(``store.values.check_run_config``), a plane opened with ``namespace=`` submits into that namespace,
+sees only its invocations (NotFound for the rest) and claims only its work, and frames and acks
+are taken only from the worker holding the lease, in seq order.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.dispatch import NATIVE_FUNCTION, Claim
-from dreamlake.lakeshore.errors import BadRequest, Conflict, NotFound
+from dreamlake.lakeshore.errors import AuthError, BadRequest, Conflict, NotFound, PlaneError
 from dreamlake.lakeshore.states import TERMINAL_STATES
 
 if TYPE_CHECKING:
@@ -28,6 +31,13 @@ if TYPE_CHECKING:
     from dreamlake.lakeshore.wire import Frame
 
 __all__ = ["Dispatch"]
+
+
+def _refusal(message: str, status: int) -> PlaneError:
+    """The error the HTTP plane raises for the same refusal (404, 403 or 409)."""
+    kind = {404: NotFound, 403: AuthError}.get(status, Conflict)
+    return kind(message, status)
+
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +49,14 @@ class Dispatch:
 
     trusted = True
 
-    def __init__(self, path: str | Path = ":memory:", *, poll_s: float = 0.1, lease_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        path: str | Path = ":memory:",
+        *,
+        poll_s: float = 0.1,
+        lease_s: float = 30.0,
+        namespace: str | None = None,
+    ) -> None:
         from dreamlake.lakeshore.store import open_store
 
         if not poll_s > 0 or not lease_s > 0:
@@ -48,6 +65,7 @@ class Dispatch:
         self.notifier = self.store.notifier
         self.poll_s = poll_s
         self.lease_s = lease_s
+        self.namespace = namespace  # None: every namespace (submits go to "default")
         self._workers: set[str] = set()
         self._command_marks: dict[str, int] = {}  # notifier mark at each worker's last heartbeat
         self._next_expiry = 0.0
@@ -58,8 +76,10 @@ class Dispatch:
             self.notifier.wait(channels, min(left, self.poll_s), since=mark)
 
     def _get(self, invocation_id: str) -> Invocation:
+        from dreamlake.lakeshore.store.api import visible
+
         inv = self.store.get(ids.validate(invocation_id, "invocation id"))
-        if inv is None:
+        if inv is None or not visible(self.namespace, inv):
             raise NotFound(f"unknown invocation {invocation_id}: check the id returned by submit()", 404)
         return inv
 
@@ -76,9 +96,11 @@ class Dispatch:
         self, envelope: bytes, queue: str, run_config: dict[str, Any], parent: str | None = None
     ) -> str:
         from dreamlake.lakeshore.envelope import Envelope
-        from dreamlake.lakeshore.store.api import SubmitRequest
+        from dreamlake.lakeshore.store.api import DEFAULT_NAMESPACE, SubmitRequest
+        from dreamlake.lakeshore.store.values import check_run_config
 
         header = Envelope.header(envelope)
+        check_run_config(run_config)
         req = SubmitRequest(
             invocation_id=header["id"],
             queue=queue,
@@ -86,6 +108,7 @@ class Dispatch:
             args_blob=bytes(envelope),
             run_config={**run_config, "queue": queue},
             parent_invocation_id=parent,
+            namespace=self.namespace or DEFAULT_NAMESPACE,
         )
         return self.store.submit(req).invocation_id
 
@@ -105,6 +128,7 @@ class Dispatch:
             self._wait(channel, deadline, mark)
 
     def cancel(self, invocation_id: str, descendants: bool = True) -> str:
+        self._get(invocation_id)
         inv = ids.validate(invocation_id, "invocation id")
         state = self.store.cancel(inv)
         if state is None:
@@ -166,7 +190,7 @@ class Dispatch:
         while True:
             mark = self.notifier.mark()
             self._expire()
-            got = self.store.claim(worker_id, list(queues), 1, self.lease_s)
+            got = self.store.claim(worker_id, list(queues), 1, self.lease_s, namespace=self.namespace)
             if got:
                 inv = got[0]
                 return Claim(inv.invocation_id, inv.args_blob, dict(inv.run_config), inv.attempt)
@@ -174,7 +198,9 @@ class Dispatch:
                 return None
             self._wait(channels, deadline, mark)
 
-    def append_frame(self, invocation_id: str, seq: int, data: bytes, final: bool, attempt: int) -> None:
+    def append_frame(
+        self, invocation_id: str, seq: int, data: bytes, final: bool, attempt: int, *, worker_id: str
+    ) -> None:
         """As the control plane's result-chunk route: the frame's kind, not ``final``, decides
         whether it closes the stream (END and ERROR do)."""
         from dreamlake.lakeshore import wire
@@ -185,9 +211,11 @@ class Dispatch:
             raise BadRequest(f"frame {seq} of {invocation_id} is not one encoded frame: {exc}", 400) from None
         if frame.seq != seq:
             raise BadRequest(f"frame {seq} of {invocation_id} carries its own seq {frame.seq}", 400)
-        res = self.store.append_frame(invocation_id, seq, data, frame.final, attempt=attempt)
+        res = self.store.append_frame(
+            invocation_id, seq, data, frame.final, attempt=attempt, worker_id=worker_id
+        )
         if not res.ok:
-            raise Conflict(f"frame {seq} of {invocation_id} refused: {res.reason}", 409)
+            raise _refusal(f"frame {seq} of {invocation_id} refused: {res.reason}", res.status)
 
     def ack(
         self,

@@ -1,10 +1,14 @@
 """The control plane's ASGI app: ``create_app(store, ...)`` wires every route of docs/protocol.md.
 
-Handlers live by audience in ``producer``, ``streams``, ``daemon``, ``namespaces`` and ``ops``
-(operators' JSON views; the ``/ui`` dashboard is ``server.ui``); this module
-does what is common to all of them: auth first (401/403), then ids (400), then the bounded body
-(413/400), then the handler; an :class:`~.http.HTTPError` becomes ``{"error": ...}`` in the route's
-encoding, anything unexpected a logged 500. A background task expires lapsed leases every second.
+The routes are the entries of ``authz.ROUTES`` (the one table of who may call what); handlers live
+by audience in ``producer``, ``streams``, ``daemon``, ``namespaces`` and ``ops`` (operators' JSON
+views; the ``/ui`` dashboard is ``server.ui``, behind its session cookie and the table's ``/ui``
+entry). This module does what is common to all of them: authentication (401) and the table's
+verdict (403) first, then ids (400), then the bounded body (413/400), then the handler, which
+applies the caller's ownership rule; an :class:`~.http.HTTPError` becomes ``{"error": ...}`` in
+the route's encoding, a client that hung up mid-body nothing, anything unexpected a logged 500. Long polls
+are admitted up to ``max_polls`` (past it: 503 with ``Retry-After``). Background tasks expire lapsed
+leases every second and, over PostgreSQL, relay wake-ups between replicas (``server/relay.py``).
 """
 
 from __future__ import annotations
@@ -12,23 +16,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from dreamlake.lakeshore.server import daemon, namespaces, ops, producer, streams, tasks
+from dreamlake.lakeshore.server import authz, daemon, namespaces, ops, producer, streams, tasks
 from dreamlake.lakeshore.server import http as h
-from dreamlake.lakeshore.server.auth import require_kind, require_namespace
+from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.config import ServerConfig
 from dreamlake.lakeshore.server.context import Context, store_dialect
 from dreamlake.lakeshore.server.http import HTTPError
+from dreamlake.lakeshore.server.polls import PollsFull
+from dreamlake.lakeshore.server.relay import PgRelay, libpq_dsn
 from dreamlake.lakeshore.server.ui import Dashboard
-from dreamlake.lakeshore.store.api import Principal, Store
+from dreamlake.lakeshore.store.api import Store
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +50,13 @@ def _guard(fn: Handler) -> Handler:
             return await fn(request)
         except HTTPError as exc:
             return h.error_answer(request, exc)
+        except ClientDisconnect:
+            # The client hung up (or the server's body read timeout closed it) mid-body: nobody
+            # reads this answer.
+            log.debug(
+                "%s %s: the client left before sending its whole body", request.method, request.url.path
+            )
+            return Response(status_code=400)
         except Exception:
             log.exception("%s %s failed", request.method, request.url.path)
             err = HTTPError(500, "internal error in the control plane; see its log")
@@ -52,16 +66,13 @@ def _guard(fn: Handler) -> Handler:
 
 
 class Routes:
-    """The route handlers of one app, bound to its :class:`Context`."""
+    """The route handlers of one app, bound to its :class:`Context`. Each takes the request and
+    the :class:`~.authz.Caller` that :func:`~.authz.authorize` made of its token and the route's
+    entry in :data:`~.authz.ROUTES`, and applies the caller's rule to what it touches."""
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-
-    async def _who(self, request: Request, *kinds: str) -> Principal:
-        principal = await self.ctx.auth.principal(request)
-        if kinds:
-            require_kind(principal, *kinds)
-        return principal
+        self.ops = ops.OpsRoutes(ctx)
 
     async def _msgpack(self, request: Request) -> dict[str, Any]:
         return h.decode_msgpack(await h.read_body(request, self.ctx.config.max_body_bytes))
@@ -71,53 +82,48 @@ class Routes:
 
     # -- health --------------------------------------------------------------------------------
 
-    async def healthz(self, request: Request) -> Response:
+    async def healthz(self, request: Request, caller: Caller) -> Response:
         return h.json_response({"ok": True, "store": self.ctx.dialect})
 
-    async def metrics(self, request: Request) -> Response:
-        await self._who(request, "metrics")
+    async def metrics(self, request: Request, caller: Caller) -> Response:
         await ops.observe_store(self.ctx)
         return Response(self.ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
     # -- producer ------------------------------------------------------------------------------
 
-    # A task token (kind ``task``, server/tasks.py) may use these producer routes, held to its own
+    # A task token (kind ``task``, rule "own descendants": server/tasks.py) is held to its own
     # invocation: it submits children of it, and reads or cancels its descendants only.
 
-    async def _reach(self, principal: Principal, invocation_id: str) -> None:
-        if principal.kind == "task":
-            await tasks.check_target(self.ctx, principal, invocation_id)
+    async def _reach(self, caller: Caller, invocation_id: str) -> None:
+        if caller.rule is authz.Own.DESCENDANTS:
+            await tasks.check_target(self.ctx, caller, invocation_id)
 
-    async def submit(self, request: Request) -> Response:
-        principal = await self._who(request, "producer", "task")
+    async def submit(self, request: Request, caller: Caller) -> Response:
         body = await self._msgpack(request)
-        if principal.kind == "task":
-            await tasks.check_submit(self.ctx, principal, body)
-        return h.msgpack_response(await producer.submit(self.ctx, principal, body))
+        if caller.rule is authz.Own.DESCENDANTS:
+            await tasks.check_submit(self.ctx, caller, body)
+        return h.msgpack_response(await producer.submit(self.ctx, caller, body))
 
-    async def await_(self, request: Request) -> Response:
-        principal = await self._who(request, "producer", "task")
+    async def await_(self, request: Request, caller: Caller) -> Response:
         body = await self._msgpack(request)
-        if principal.kind == "task":
+        if caller.rule is authz.Own.DESCENDANTS:
             target = h.ulid_field(body, "invocation_id")
             assert target is not None
-            await self._reach(principal, target)
-        return h.msgpack_response(await producer.await_(self.ctx, principal, body))
+            await self._reach(caller, target)
+        return h.msgpack_response(await producer.await_(self.ctx, caller, body))
 
-    async def status(self, request: Request) -> Response:
-        principal = await self._who(request, "producer", "task")
+    async def status(self, request: Request, caller: Caller) -> Response:
         inv = producer.request_id(request, "id", "invocation_id")
-        await self._reach(principal, inv)
-        return h.msgpack_response(await producer.status(self.ctx, inv))
+        await self._reach(caller, inv)
+        return h.msgpack_response(await producer.status(self.ctx, caller, inv))
 
-    async def cancel(self, request: Request) -> Response:
-        principal = await self._who(request, "producer", "task")
+    async def cancel(self, request: Request, caller: Caller) -> Response:
         inv = producer.request_id(request, "id", "invocation_id")
-        await self._reach(principal, inv)
+        await self._reach(caller, inv)
         raw = await h.read_body(request, self.ctx.config.max_body_bytes)
         body = h.decode_msgpack(raw) if raw else {}
         descendants = h.field(body, "descendants", bool, default=True)
-        return h.msgpack_response(await producer.cancel(self.ctx, inv, descendants=descendants))
+        return h.msgpack_response(await producer.cancel(self.ctx, caller, inv, descendants=descendants))
 
     def _stream_params(self, request: Request) -> tuple[int, float]:
         since = h.query_int(request, "since", -1)
@@ -126,23 +132,19 @@ class Routes:
         )
         return since, timeout
 
-    async def result_stream(self, request: Request) -> Response:
-        principal = await self._who(request, "producer", "task")
+    async def result_stream(self, request: Request, caller: Caller) -> Response:
         inv = producer.request_id(request, "id", "invocation_id")
-        await self._reach(principal, inv)
+        await self._reach(caller, inv)
         since, timeout = self._stream_params(request)
-        if await self.ctx.call(self.ctx.store.get, inv) is None:
-            raise HTTPError(404, f"unknown invocation '{inv}'")
+        authz.see_invocation(caller, inv, await self.ctx.call(self.ctx.store.get, inv))
         body = streams.follow(self.ctx, inv, f"inv:{inv}", since, timeout, invocation=True)
         return StreamingResponse(body, media_type=h.MSGPACK_STREAM)
 
-    async def topic_post(self, request: Request) -> Response:
-        await self._who(request, "producer")
+    async def topic_post(self, request: Request, caller: Caller) -> Response:
         topic = h.name(request.path_params["name"], "topic name")
         return h.msgpack_response(await producer.topic_post(self.ctx, topic, await self._msgpack(request)))
 
-    async def topic_stream(self, request: Request) -> Response:
-        await self._who(request, "producer")
+    async def topic_stream(self, request: Request, caller: Caller) -> Response:
         topic = h.name(request.path_params["name"], "topic name")
         since, timeout = self._stream_params(request)
         owner = f"topic:{topic}"
@@ -151,93 +153,91 @@ class Routes:
 
     # -- daemon --------------------------------------------------------------------------------
 
-    async def register(self, request: Request) -> Response:
-        principal = await self._who(request, "daemon")
-        return h.msgpack_response(await daemon.register(self.ctx, principal, await self._msgpack(request)))
+    async def register(self, request: Request, caller: Caller) -> Response:
+        return h.msgpack_response(await daemon.register(self.ctx, caller, await self._msgpack(request)))
 
-    async def poll(self, request: Request) -> Response:
-        principal = await self._who(request, "daemon")
-        body = await self._msgpack(request)
-        return h.msgpack_response(await daemon.poll(self.ctx, principal, body, request.is_disconnected))
+    async def poll(self, request: Request, caller: Caller) -> Response:
+        try:
+            with self.ctx.polls.admitted():
+                body = await self._msgpack(request)
+                out = await daemon.poll(self.ctx, caller, body, request.is_disconnected)
+        except PollsFull as exc:
+            self.ctx.metrics.polls_refused.inc()
+            after = self.ctx.config.poll_retry_after_s
+            after = random.randint(after, 2 * after)  # spread the fleet's retries
+            response = h.msgpack_response({"error": f"{exc}; retry after {after} s"}, 503)
+            response.headers["Retry-After"] = str(after)
+            return response
+        return h.msgpack_response(out)
 
-    async def ack(self, request: Request) -> Response:
-        principal = await self._who(request, "daemon")
-        status, out = await daemon.ack(self.ctx, principal, await self._msgpack(request))
+    async def ack(self, request: Request, caller: Caller) -> Response:
+        status, out = await daemon.ack(self.ctx, caller, await self._msgpack(request))
         return h.msgpack_response(out, status)
 
-    async def result_chunk(self, request: Request) -> Response:
-        principal = await self._who(request, "daemon")
-        status, out = await daemon.result_chunk(self.ctx, principal, await self._msgpack(request))
+    async def result_chunk(self, request: Request, caller: Caller) -> Response:
+        status, out = await daemon.result_chunk(self.ctx, caller, await self._msgpack(request))
         return h.msgpack_response(out, status)
 
-    async def heartbeat(self, request: Request) -> Response:
-        principal = await self._who(request, "daemon")
-        return h.msgpack_response(await daemon.heartbeat(self.ctx, principal, await self._msgpack(request)))
+    async def heartbeat(self, request: Request, caller: Caller) -> Response:
+        return h.msgpack_response(await daemon.heartbeat(self.ctx, caller, await self._msgpack(request)))
 
     # -- namespaces (JSON) ---------------------------------------------------------------------
 
-    async def _ns(self, request: Request, *, daemon_ok: bool = False) -> str:
-        return (await self._ns_principal(request, daemon_ok=daemon_ok))[0]
-
-    async def _ns_principal(self, request: Request, *, daemon_ok: bool = False) -> tuple[str, Principal]:
-        principal = await self._who(request)
+    def _ns(self, request: Request, caller: Caller) -> str:
         ns = h.name(request.path_params["ns"], "namespace")
-        require_namespace(principal, ns, daemon_ok=daemon_ok)
-        return ns, principal
+        authz.enter_namespace(caller, ns)
+        return ns
 
-    async def exec_(self, request: Request) -> Response:
-        ns = await self._ns(request)
+    async def exec_(self, request: Request, caller: Caller) -> Response:
+        ns = self._ns(request, caller)
         status, out = await namespaces.exec_(self.ctx, ns, await self._json(request))
         return h.json_response(out, status)
 
-    async def job_result(self, request: Request) -> Response:
-        if request.method == "POST":
-            ns, principal = await self._ns_principal(request, daemon_ok=True)
-            exec_id = h.ulid(request.path_params["id"], "exec_id")
-            status, out = await namespaces.result_post(
-                self.ctx, principal, ns, exec_id, await self._json(request)
-            )
-            return h.json_response(out, status)
-        ns = await self._ns(request)
+    async def job_result(self, request: Request, caller: Caller) -> Response:
+        ns = self._ns(request, caller)
         exec_id = h.ulid(request.path_params["id"], "exec_id")
         wait = h.query_number(request, "wait", 0.0, lo=0.0, hi=self.ctx.config.exec_wait_max_s)
         status, out = await namespaces.result_get(self.ctx, ns, exec_id, wait)
         return h.json_response(out, status)
 
-    async def presign(self, request: Request) -> Response:
-        ns = await self._ns(request, daemon_ok=True)
+    async def job_publish(self, request: Request, caller: Caller) -> Response:
+        ns = self._ns(request, caller)
+        exec_id = h.ulid(request.path_params["id"], "exec_id")
+        body = await self._json(request)
+        status, out = await namespaces.result_post(self.ctx, caller, ns, exec_id, body)
+        return h.json_response(out, status)
+
+    async def presign(self, request: Request, caller: Caller) -> Response:
+        ns = self._ns(request, caller)
         return h.json_response(await namespaces.presign(self.ctx, ns, await self._json(request)))
 
-    async def pin(self, request: Request) -> Response:
-        principal = await self._who(request, "admin")
-        ns = h.name(request.path_params["ns"], "namespace")
-        del principal
+    async def pin(self, request: Request, caller: Caller) -> Response:
+        ns = self._ns(request, caller)
         return h.json_response(await namespaces.pin(self.ctx, ns, await self._json(request)))
 
+    def _endpoint(self, route: authz.RouteAuth) -> Handler:
+        """The route's handler behind its gate: authenticate (401), then authorize (403)."""
+        owner: Any = self.ops if route.handler.startswith("ops.") else self
+        handler: Callable[[Request, Caller], Awaitable[Response]] = getattr(
+            owner, route.handler.removeprefix("ops.")
+        )
+
+        async def endpoint(request: Request) -> Response:
+            if route.public:
+                caller = authz.Caller(authz.ANONYMOUS, authz.Own.ANY, route)
+            else:
+                caller = authz.authorize(route, await self.ctx.auth.principal(request))
+            return await handler(request, caller)
+
+        return _guard(endpoint)
+
     def table(self) -> list[BaseRoute]:
-        g = _guard
-        return [
-            Route("/healthz", g(self.healthz), methods=["GET"]),
-            Route("/metrics", g(self.metrics), methods=["GET"]),
-            Route("/v1/producer/submit", g(self.submit), methods=["POST"]),
-            Route("/v1/producer/await", g(self.await_), methods=["POST"]),
-            Route("/v1/producer/invocations/{id}", g(self.status), methods=["GET"]),
-            Route("/v1/producer/invocations/{id}/cancel", g(self.cancel), methods=["POST"]),
-            Route("/v1/producer/invocations/{id}/result/stream", g(self.result_stream), methods=["GET"]),
-            Route("/v1/producer/topics/{name}/post", g(self.topic_post), methods=["POST"]),
-            Route("/v1/producer/topics/{name}/stream", g(self.topic_stream), methods=["GET"]),
-            Route("/v1/daemon/register", g(self.register), methods=["POST"]),
-            Route("/v1/daemon/poll", g(self.poll), methods=["POST"]),
-            Route("/v1/daemon/ack", g(self.ack), methods=["POST"]),
-            Route("/v1/daemon/result-chunk", g(self.result_chunk), methods=["POST"]),
-            Route("/v1/daemon/heartbeat", g(self.heartbeat), methods=["POST"]),
-            Route("/v1/namespaces/{ns}/exec", g(self.exec_), methods=["POST"]),
-            Route("/v1/namespaces/{ns}/jobs/{id}/result", g(self.job_result), methods=["GET", "POST"]),
-            Route("/v1/namespaces/{ns}/payloads/presign", g(self.presign), methods=["POST"]),
-            Route("/v1/namespaces/{ns}/pin", g(self.pin), methods=["PUT"]),
-            *ops.OpsRoutes(self.ctx).table(g),
-            *Dashboard(self.ctx).table(),
+        """One Starlette route per entry of :data:`~.authz.ROUTES`, in its order, then the
+        dashboard's (``server.ui``, which checks its sessions against the table's ``/ui`` entry)."""
+        routes: list[BaseRoute] = [
+            Route(r.path, self._endpoint(r), methods=[r.method]) for r in authz.ROUTES if not r.session
         ]
+        return [*routes, *Dashboard(self.ctx).table()]
 
 
 async def _expire_loop(ctx: Context) -> None:
@@ -254,6 +254,21 @@ async def _expire_loop(ctx: Context) -> None:
             ctx.metrics.expired.inc(len(expired))
             for inv in expired:
                 ctx.wake.notify(f"inv:{inv}")
+
+
+def _relay(ctx: Context) -> PgRelay | None:
+    """The LISTEN/NOTIFY relay of a PostgreSQL store, attached to the poll hub; None on SQLite."""
+    url = getattr(getattr(ctx.store, "db", None), "url", None)
+    if not ctx.polls.shared_store or not isinstance(url, str):
+        return None
+
+    def on_listening(up: bool) -> None:
+        if not up:
+            ctx.polls.degrade()
+
+    relay = PgRelay(libpq_dsn(url), ctx.wake.notifier, on_listening=on_listening)
+    ctx.polls.relay = relay
+    return relay
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -279,13 +294,20 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        expirer = asyncio.create_task(_expire_loop(ctx))
+        ctx.polls.start(asyncio.get_running_loop())
+        tasks = [asyncio.create_task(_expire_loop(ctx))]
+        relay = _relay(ctx)
+        if relay is not None:
+            tasks.append(asyncio.create_task(relay.run()))
         try:
             yield
         finally:
-            expirer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await expirer
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            ctx.polls.stop()
             # The Fanout protocol closes with ``aclose`` (a Redis fan-out holds two clients).
             closer = getattr(ctx.fanout, "aclose", None) or getattr(ctx.fanout, "close", None)
             if callable(closer):

@@ -1,12 +1,4 @@
-"""Bearer-token auth: who is calling (401) and whether that kind may call this route (403).
-
-Kinds (docs/protocol.md): ``admin`` may call everything; ``producer`` ``/v1/producer/*``; ``daemon``
-``/v1/daemon/*`` plus publishing exec results and presigning; ``namespace`` only its own
-``/v1/namespaces/<ns>/*``; ``metrics`` only ``GET /metrics`` (read-only, for a scraper); ``task``
-(the credential nymph hands an invocation, ``server/tasks.py``) submit, status, await, result stream
-and cancel, held to its own invocation's descendants while that invocation runs. A daemon token
-bound to a namespace is held to that namespace too.
-"""
+"""Bearer-token authentication: who is calling (401). What they may do is ``authz``'s table."""
 
 from __future__ import annotations
 
@@ -21,8 +13,6 @@ from dreamlake.lakeshore.server.http import HTTPError
 from dreamlake.lakeshore.store.api import Principal
 
 log = logging.getLogger(__name__)
-
-KINDS = ("admin", "producer", "daemon", "namespace", "metrics", "task")
 
 _CACHE_TTL_S = 30.0
 _CACHE_MAX = 4096
@@ -68,27 +58,3 @@ class Authenticator:
             self._cache.clear()
         self._cache[digest] = (now + _CACHE_TTL_S, found)
         return found
-
-
-def require_kind(principal: Principal, *kinds: str) -> None:
-    """403 unless the principal is an admin or one of ``kinds``."""
-    if principal.kind == "admin" or principal.kind in kinds:
-        return
-    allowed = " or ".join(("admin", *kinds))
-    raise HTTPError(403, f"token '{principal.name}' is a {principal.kind} token; this route needs {allowed}")
-
-
-def require_namespace(principal: Principal, namespace: str, *, daemon_ok: bool = False) -> None:
-    """403 unless the principal may act on ``/v1/namespaces/<namespace>/*``."""
-    if principal.kind == "admin":
-        return
-    if principal.kind == "namespace" or (daemon_ok and principal.kind == "daemon"):
-        if principal.kind == "daemon" and principal.namespace is None:
-            return
-        if principal.namespace == namespace:
-            return
-        raise HTTPError(
-            403, f"token '{principal.name}' is bound to namespace '{principal.namespace}', not '{namespace}'"
-        )
-    kinds = "admin, namespace or daemon" if daemon_ok else "admin or namespace"
-    raise HTTPError(403, f"token '{principal.name}' is a {principal.kind} token; this route needs {kinds}")

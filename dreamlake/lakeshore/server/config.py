@@ -25,20 +25,45 @@ class ServerConfig:
     stream_max_s: float = 3600.0
     exec_wait_max_s: float = 300.0
     poll_max_commands: int = 64
-    recheck_s: float = 1.0  # safety re-check of long polls (other replicas do not wake this one)
+    recheck_s: float = 1.0  # re-check of waits that other replicas' changes may not wake
+    poll_recheck_s: float = 30.0  # safety re-check of a long poll while wake-ups reach it reliably
+    max_polls: int = 5000  # concurrent long polls; past it a poll is answered 503 + Retry-After
+    poll_retry_after_s: int = 5  # Retry-After of that 503 (sent jittered, up to twice this)
     expire_every_s: float = 1.0
     store_threads: int | None = None  # None: 1 for SQLite, 8 otherwise
+    # Connections (server.serve): a request's headers must arrive within header_timeout_s, a body
+    # may pause at most body_timeout_s; connections past max_connections are closed on accept.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_s: float = 5.0
+    max_connections: int = 2048
+    max_header_bytes: int = 64 * 1024
     task_token_ttl_s: float = 86400.0  # the longest a task token lives (it dies with its ack first)
 
     @classmethod
     def from_env(cls, **overrides: object) -> ServerConfig:
-        """Defaults, then ``LAKESHORE_MAX_BODY_BYTES`` / ``LAKESHORE_LEASE_S``, then ``overrides``."""
+        """Defaults, then the ``LAKESHORE_*`` variables of :data:`ENV`, then ``overrides``.
+        A value that is not a positive number raises ValueError naming the variable."""
         values: dict[str, object] = {}
-        body = os.environ.get("LAKESHORE_MAX_BODY_BYTES")
-        if body:
-            values["max_body_bytes"] = int(body)
-        lease = os.environ.get("LAKESHORE_LEASE_S")
-        if lease:
-            values["lease_s"] = float(lease)
+        for name, (key, kind) in ENV.items():
+            raw = os.environ.get(name)
+            if raw:
+                try:
+                    value = kind(raw)
+                except ValueError:
+                    value = 0
+                if not value > 0:
+                    raise ValueError(f"{name} must be a positive {kind.__name__}, got {raw!r}")
+                values[key] = value
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+
+#: The environment variables ``ServerConfig.from_env`` reads: name -> (field, type).
+ENV: dict[str, tuple[str, type[int] | type[float]]] = {
+    "LAKESHORE_MAX_BODY_BYTES": ("max_body_bytes", int),
+    "LAKESHORE_LEASE_S": ("lease_s", float),
+    "LAKESHORE_HEADER_TIMEOUT_S": ("header_timeout_s", float),
+    "LAKESHORE_BODY_TIMEOUT_S": ("body_timeout_s", float),
+    "LAKESHORE_MAX_CONNECTIONS": ("max_connections", int),
+}

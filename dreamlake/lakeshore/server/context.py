@@ -1,5 +1,5 @@
-"""What every route needs: the store (run off-loop), wake-ups, auth, metrics, config, plugins and
-the live-queue watch behind submit's "no worker" warning."""
+"""What every route needs: the store (run off-loop), wake-ups, the poll hub, auth and worker
+bindings, metrics, config, plugins and the live-queue watch behind submit's "no worker" warning."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from typing import Any, TypeVar
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.server import tasks
 from dreamlake.lakeshore.server.auth import Authenticator
+from dreamlake.lakeshore.server.authz import WorkerBindings
 from dreamlake.lakeshore.server.config import ServerConfig
 from dreamlake.lakeshore.server.http import HTTPError
 from dreamlake.lakeshore.server.hub import StoreRunner, Wakeups
 from dreamlake.lakeshore.server.liveness import QueueWatch
 from dreamlake.lakeshore.server.metrics import Metrics
+from dreamlake.lakeshore.server.polls import PollHub
 from dreamlake.lakeshore.server.tasks import TaskTokens
 from dreamlake.lakeshore.store.api import Principal, Store
 
@@ -47,7 +49,20 @@ class Context:
         threads = self.config.store_threads or (1 if self.dialect == "sqlite" else 8)
         self.runner = StoreRunner(threads)
         self.wake = Wakeups(self.store)
+        self.polls = PollHub(
+            self.wake.notifier,
+            max_polls=self.config.max_polls,
+            recheck_s=self.config.recheck_s,
+            safety_recheck_s=self.config.poll_recheck_s,
+        )
+        self.polls.shared_store = self.dialect == "postgresql"
+        self.metrics.polls_waiting.set_function(lambda: self.polls.waiting)
+        self.metrics.polls_active.set_function(lambda: self.polls.active)
+        self.metrics.relay_listening.set_function(
+            lambda: float(self.polls.relay is not None and self.polls.relay.listening)
+        )
         self.auth = Authenticator(self._verify)
+        self.workers = WorkerBindings(lambda worker, token: self.call(self.store.bind_worker, worker, token))
         self.queues = QueueWatch()
         self._task_tokens: TaskTokens | None = None
 

@@ -1,23 +1,33 @@
 """Daemon routes (msgpack): register, poll, ack, result-chunk and heartbeat.
 
+A daemon acts as the workers its token registered (``authz.WorkerBindings``: the first call naming
+a worker id binds it; any other token naming it is refused 403) and reports only on the leases
+those workers hold: ack and result-chunk require ``worker_id`` and ``attempt``, and the store
+refuses a superseded attempt or lapsed lease (409) and another worker's lease (403); every refusal
+is logged. Frames must come in order (the store refuses a gap, or a frame after the final one, 409
+with ``expected_seq``). A daemon token bound to a namespace registers and claims in it only.
+
 ``poll`` is a long poll: each pass collects pending cancels, claims invocations and exec jobs in
-one store transaction (``store.poll``); with nothing to hand out it waits on the
-store notifier's ``queue:<q>`` / ``exec:<q>`` / ``worker:<id>`` channels, re-checking the store
-about once a second for work submitted through other replicas.
+one store transaction (``store.poll``); with nothing to hand out it waits in the poll hub
+(``server/polls.py``), which wakes one waiting poll per unit of new work (and every poll of a
+worker with a command queued), so a submit costs one claim transaction, not one per waiting daemon.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.server import http, tasks
+from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError, field
-from dreamlake.lakeshore.store.api import ACK_STATES, Command, Invocation, Principal
+from dreamlake.lakeshore.server.polls import EXEC, RUN, TIMEOUT, Wake
+from dreamlake.lakeshore.store.api import ACK_STATES, UNKNOWN, Command, Invocation
 
 if TYPE_CHECKING:
     from dreamlake.lakeshore.wire import Frame
@@ -28,10 +38,17 @@ MAX_QUEUES = 64
 MAX_RUNNING = 4096  # entries of a heartbeat's ``running`` (and ``running_exec``): one statement each
 
 
-def _worker(body: dict[str, Any]) -> str:
+async def _worker(ctx: Context, caller: Caller, body: dict[str, Any]) -> str:
+    """The body's ``worker_id`` (required), once the caller's token is known to act as it."""
     worker_id = http.ulid_field(body, "worker_id")
     assert worker_id is not None
+    await ctx.workers.check(caller, worker_id)
     return worker_id
+
+
+def _attempt(body: dict[str, Any]) -> int:
+    attempt: int = http.integer(body, "attempt", hi=http.I32_MAX)
+    return attempt
 
 
 def _queues(body: dict[str, Any], default: list[str] | None = None) -> list[str]:
@@ -43,18 +60,19 @@ def _queues(body: dict[str, Any], default: list[str] | None = None) -> list[str]
     return [http.name(q, "queue") for q in queues]
 
 
-async def _pinned(ctx: Context, principal: Principal, worker_id: str, out: dict[str, Any]) -> dict[str, Any]:
+async def _pinned(ctx: Context, caller: Caller, worker_id: str, out: dict[str, Any]) -> dict[str, Any]:
     """Add ``target_nymph_version`` when the daemon's namespace pins one. The namespace is its
     token's, else the one it registered with (read from the store's workers row, so a replica that
     did not serve the register answers the same), else ``default``."""
-    version = await ctx.call(ctx.store.pinned_version_for_worker, worker_id, principal.namespace)
+    version = await ctx.call(ctx.store.pinned_version_for_worker, worker_id, caller.principal.namespace)
     if version:
         out["target_nymph_version"] = version
     return out
 
 
-async def register(ctx: Context, principal: Principal, body: dict[str, Any]) -> dict[str, Any]:
-    worker_id = _worker(body)
+async def register(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+    worker_id = await _worker(ctx, caller, body)
+    principal = caller.principal
     namespace = field(body, "namespace", str, default=None, nullable=True)
     if namespace is not None:
         namespace = http.name(namespace, "namespace")
@@ -122,9 +140,10 @@ def command_dict(cmd: Command) -> dict[str, Any]:
 
 async def _collect(
     ctx: Context, worker_id: str, queues: list[str], limit: int, *, exec_jobs: bool, namespace: str | None
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], list[Wake]]:
     """One poll pass, one store transaction (``store.poll``): pending cancels, then claimed
-    invocations, then exec jobs (of ``namespace`` when the token is bound to one) for free slots."""
+    invocations, then exec jobs (of ``namespace`` when the token is bound to one) for free slots.
+    Returns the commands and the work claimed (for the poll hub)."""
     cancels, claimed, jobs = await ctx.call(
         ctx.store.poll,
         worker_id,
@@ -148,7 +167,9 @@ async def _collect(
         ctx.metrics.claims.labels(kind="run").inc(len(claimed))
     if jobs:
         ctx.metrics.claims.labels(kind="exec").inc(len(jobs))
-    return commands
+    units = [Wake(RUN, inv.queue) for inv in claimed]
+    units.extend(Wake(EXEC, job["queue"], job["namespace"]) for job in jobs)
+    return commands, units
 
 
 Disconnected = Callable[[], Awaitable[bool]]
@@ -168,36 +189,48 @@ def _takes_exec(body: dict[str, Any]) -> bool:
 
 
 async def poll(
-    ctx: Context, principal: Principal, body: dict[str, Any], disconnected: Disconnected | None = None
+    ctx: Context, caller: Caller, body: dict[str, Any], disconnected: Disconnected | None = None
 ) -> dict[str, Any]:
-    """The long poll. ``disconnected`` (the request's ``is_disconnected``) is asked before every
-    claim: a daemon that hung up claims nothing. Work claimed just before a hang-up is not lost:
-    its lease lapses and the reaper requeues it (attempt + 1)."""
-    worker_id = _worker(body)
+    """The long poll (admission is the route's: ``ctx.polls.admitted()``). ``disconnected`` (the
+    request's ``is_disconnected``) is asked before every claim: a daemon that hung up claims
+    nothing, and a wake-up it was handed goes to the next poll. Work claimed just before a hang-up
+    is not lost: its lease lapses and the reaper requeues it (attempt + 1). A token bound to a
+    namespace claims that namespace's invocations and exec jobs only."""
+    worker_id = await _worker(ctx, caller, body)
     queues = _queues(body)
     limit = int(http.number(body, "max", 1, lo=1, hi=ctx.config.poll_max_commands))
     timeout = http.number(body, "timeout_s", ctx.config.poll_default_s, lo=0.0, hi=ctx.config.poll_max_s)
     field(body, "version", str, default="")
     exec_jobs = _takes_exec(body)
     started = time.monotonic()
-    deadline = started + timeout
-    channels = [f"queue:{q}" for q in queues] + [f"exec:{q}" for q in queues] + [f"worker:{worker_id}"]
+    # A fleet started together would renew its polls in lockstep, all at once every timeout_s: an
+    # empty poll ends at a random point of its last fifth, so renewals spread out within rounds.
+    deadline = started + timeout * random.uniform(0.8, 1.0)
+    ticket = ctx.polls.ticket(worker_id, queues, takes_exec=exec_jobs, namespace=caller.principal.namespace)
     commands: list[dict[str, Any]] = []
-    while True:
-        if disconnected is not None and await disconnected():
-            log.debug("poll of worker %s: the daemon hung up; nothing claimed", worker_id)
-            ctx.metrics.poll_wait.observe(time.monotonic() - started)
-            return {"commands": []}
-        mark = ctx.wake.mark()
-        commands = await _collect(
-            ctx, worker_id, queues, limit, exec_jobs=exec_jobs, namespace=principal.namespace
-        )
-        remaining = deadline - time.monotonic()
-        if commands or remaining <= 0:
-            break
-        await ctx.wake.wait(channels, min(remaining, ctx.config.recheck_s), since=mark)
+    reason = "first"
+    try:
+        while True:
+            if disconnected is not None and await disconnected():
+                log.debug("poll of worker %s: the daemon hung up; nothing claimed", worker_id)
+                ctx.metrics.poll_wait.observe(time.monotonic() - started)
+                return {"commands": []}
+            mark = ctx.wake.mark()
+            ctx.metrics.poll_passes.labels(reason=reason).inc()
+            commands, claimed = await _collect(
+                ctx, worker_id, queues, limit, exec_jobs=exec_jobs, namespace=caller.principal.namespace
+            )
+            ticket.settle(claimed, limit)
+            remaining = deadline - time.monotonic()
+            if commands or remaining <= 0:
+                break
+            reason = await ticket.wait(remaining, since=mark)
+            if reason == TIMEOUT:  # nothing came for this poll: no last pass needed
+                break
+    finally:
+        ticket.close()
     ctx.metrics.poll_wait.observe(time.monotonic() - started)
-    return await _pinned(ctx, principal, worker_id, {"commands": commands})
+    return await _pinned(ctx, caller, worker_id, {"commands": commands})
 
 
 def _error_info(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -217,7 +250,13 @@ def _error_info(body: dict[str, Any]) -> dict[str, Any] | None:
     return error
 
 
-async def ack(ctx: Context, principal: Principal, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+def _refused(caller: Caller, what: str, invocation_id: str, status: int, reason: str) -> None:
+    log.warning(
+        "%s of %s refused (%d) for token %r: %s", what, invocation_id, status, caller.principal.name, reason
+    )
+
+
+async def ack(ctx: Context, caller: Caller, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     invocation_id = http.ulid_field(body, "invocation_id")
     assert invocation_id is not None
     state = field(body, "state", str)
@@ -225,8 +264,8 @@ async def ack(ctx: Context, principal: Principal, body: dict[str, Any]) -> tuple
         raise HTTPError(400, f"cannot ack state {state[:40]!r}: use one of {', '.join(sorted(ACK_STATES))}")
     result_blob = field(body, "result_blob", bytes, default=None, nullable=True)
     error = _error_info(body)
-    worker_id = http.ulid_field(body, "worker_id", optional=True)
-    attempt = http.integer(body, "attempt", hi=http.I32_MAX, default=None)
+    attempt = _attempt(body)
+    worker_id = await _worker(ctx, caller, body)
     result = await ctx.call(
         ctx.store.ack,
         invocation_id,
@@ -241,12 +280,13 @@ async def ack(ctx: Context, principal: Principal, body: dict[str, Any]) -> tuple
         ctx.wake.notify(f"inv:{invocation_id}")
         log.debug("ack %s %s (attempt %s)", invocation_id, state, attempt)
         return 200, ({"ok": True, "duplicate": True} if result.duplicate else {"ok": True})
-    if result.state is None:
+    if result.status == UNKNOWN:
         ctx.metrics.acks.labels(state=state, outcome="unknown").inc()
         raise HTTPError(404, result.reason or f"unknown invocation '{invocation_id}'", ok=False)
     ctx.metrics.acks.labels(state=state, outcome="refused").inc()
-    log.info("ack of %s refused: %s", invocation_id, result.reason)
-    return 409, {"ok": False, "error": result.reason or "ack refused: the attempt was superseded"}
+    reason = result.reason or "ack refused: the attempt was superseded"
+    _refused(caller, "ack", invocation_id, result.status, reason)
+    return result.status, {"ok": False, "error": reason}
 
 
 def _frame(data: bytes) -> Frame:
@@ -260,18 +300,17 @@ def _frame(data: bytes) -> Frame:
         ) from None
 
 
-async def result_chunk(
-    ctx: Context, principal: Principal, body: dict[str, Any]
-) -> tuple[int, dict[str, Any]]:
+async def result_chunk(ctx: Context, caller: Caller, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """Journal one frame, then publish it live. The frame's kind decides whether it closes the
     stream (END and ERROR do, as the seed says); a ``final: true`` on a VALUE or LOG frame is
-    logged and ignored."""
+    logged and ignored. Only the worker holding the current lease posts frames, in seq order."""
     invocation_id = http.ulid_field(body, "invocation_id")
     assert invocation_id is not None
     seq = http.integer(body, "seq", hi=http.I64_MAX)
     data = field(body, "bytes", bytes)
     said_final = field(body, "final", bool, default=False)
-    attempt = http.integer(body, "attempt", hi=http.I32_MAX, default=None)
+    attempt = _attempt(body)
+    worker_id = await _worker(ctx, caller, body)
     frame = _frame(data)
     if frame.seq != seq:
         raise HTTPError(
@@ -287,14 +326,18 @@ async def result_chunk(
             seq,
             frame.kind,
         )
-    if attempt is None and await ctx.call(ctx.store.get, invocation_id) is None:
-        raise HTTPError(404, f"unknown invocation '{invocation_id}'", ok=False)
-    result = await ctx.call(ctx.store.append_frame, invocation_id, seq, data, final, attempt=attempt)
+    result = await ctx.call(
+        ctx.store.append_frame, invocation_id, seq, data, final, attempt=attempt, worker_id=worker_id
+    )
     if not result.ok:
         reason = result.reason or "frame refused"
-        if reason.startswith("unknown"):
+        if result.status == UNKNOWN:
             raise HTTPError(404, reason, ok=False)
-        return 409, {"ok": False, "error": reason}
+        _refused(caller, f"frame {seq}", invocation_id, result.status, reason)
+        out: dict[str, Any] = {"ok": False, "error": reason}
+        if result.expected_seq is not None:
+            out["expected_seq"] = result.expected_seq
+        return result.status, out
     ctx.metrics.chunks.labels(duplicate=str(result.duplicate).lower()).inc()
     if result.duplicate:
         return 200, {"ok": True, "seq": seq, "duplicate": True}
@@ -336,8 +379,8 @@ def _running_exec(body: dict[str, Any]) -> list[tuple[str, int]] | None:
     return pairs
 
 
-async def heartbeat(ctx: Context, principal: Principal, body: dict[str, Any]) -> dict[str, Any]:
-    worker_id = _worker(body)
+async def heartbeat(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+    worker_id = await _worker(ctx, caller, body)
     running = field(body, "running", list, default=[])
     if len(running) > MAX_RUNNING:
         raise HTTPError(400, f"field 'running' lists {len(running)} invocations; the limit is {MAX_RUNNING}")
@@ -363,4 +406,4 @@ async def heartbeat(ctx: Context, principal: Principal, body: dict[str, Any]) ->
         "commands": [command_dict(c) for c in commands],
         "lost": lost,
     }
-    return await _pinned(ctx, principal, worker_id, out)
+    return await _pinned(ctx, caller, worker_id, out)

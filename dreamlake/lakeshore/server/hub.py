@@ -1,10 +1,11 @@
 """Wake-ups for long polls and the thread the store runs in.
 
-Long polls wait on the store's in-process :class:`~dreamlake.lakeshore.store.notify.Notifier`
-(channels ``queue:<q>``, ``exec:<q>``, ``inv:<id>``, ``topic:<name>``, ``worker:<id>``), which the
-store notifies after each commit. A store without one gets a private notifier that the routes
-notify themselves. Other replicas never reach this process, so every long poll also re-checks
-the store about once a second.
+Awaits, streams and exec-result waits wait on the store's in-process
+:class:`~dreamlake.lakeshore.store.notify.Notifier` (channels ``inv:<id>``, ``topic:<name>``,
+``exec:<id>``), which the store notifies after each commit; a store without one gets a private
+notifier that the routes notify themselves. Other replicas never reach this process, so those
+waits also re-check the store every ``recheck_s``. Daemon long polls wait in the poll hub instead
+(``server/polls.py``), which listens to the same notifier.
 """
 
 from __future__ import annotations

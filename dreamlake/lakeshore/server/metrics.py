@@ -40,6 +40,31 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.poll_passes = Counter(
+            "lakeshore_poll_passes",
+            "Store transactions run by long polls (Store.poll), by what started them: "
+            "first (the poll's opening pass), woken (new work), worker (a command for the worker), "
+            "recheck (the safety re-check)",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.polls_refused = Counter(
+            "lakeshore_polls_refused",
+            "Long polls answered 503 because --max-polls were being served",
+            registry=self.registry,
+        )
+        self.polls_waiting = Gauge(
+            "lakeshore_polls_waiting", "Long polls waiting for work now", registry=self.registry
+        )
+        self.polls_active = Gauge(
+            "lakeshore_polls_active", "Long polls being served now (waiting or not)", registry=self.registry
+        )
+        self.relay_listening = Gauge(
+            "lakeshore_relay_listening",
+            "1 while PostgreSQL LISTEN carries other replicas' wake-ups to this one",
+            registry=self.registry,
+        )
+
         self.queue_depth = Gauge(
             "lakeshore_queue_depth",
             "Invocations of a queue that are queued or running",

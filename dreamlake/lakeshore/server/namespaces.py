@@ -10,11 +10,13 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
+from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.server import http
+from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError, field
-from dreamlake.lakeshore.store.api import Principal
-from dreamlake.lakeshore.store.values import MAX_ATTEMPTS_CAP
+from dreamlake.lakeshore.store.notify import exec_queue_channel
+from dreamlake.lakeshore.store.values import check_max_attempts, check_timeout
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +75,11 @@ async def exec_(ctx: Context, namespace: str, body: dict[str, Any]) -> tuple[int
     ref = _payload_ref(ref_raw) if ref_raw is not None else None
     queue = http.name(field(body, "queue", str, default="default"), "queue")
     worker_id = http.ulid_field(body, "worker_id", optional=True)
-    timeout_s = field(body, "timeout_s", (int, float), default=None, nullable=True)
-    if timeout_s is not None and not (0 < timeout_s < 1e9):
-        raise HTTPError(400, "field 'timeout_s' must be a positive number of seconds")
-    max_attempts = field(body, "max_attempts", int, default=None, nullable=True)
-    if max_attempts is not None and not 1 <= max_attempts <= MAX_ATTEMPTS_CAP:
-        raise HTTPError(400, f"field 'max_attempts' must be between 1 and {MAX_ATTEMPTS_CAP}")
+    try:
+        timeout_s = check_timeout(body.get("timeout_s"), "field 'timeout_s'")
+        max_attempts = check_max_attempts(body.get("max_attempts"), "field 'max_attempts'")
+    except PlaneError as exc:
+        raise HTTPError(400, str(exc)) from None
     exec_id = await ctx.call(
         ctx.store.create_exec,
         namespace,
@@ -87,10 +88,10 @@ async def exec_(ctx: Context, namespace: str, body: dict[str, Any]) -> tuple[int
         payload_ref=ref,
         queue=queue,
         worker_id=worker_id,
-        timeout_s=float(timeout_s) if timeout_s is not None else None,
+        timeout_s=timeout_s,
         max_attempts=max_attempts,
     )
-    ctx.wake.notify(f"exec:{queue}")
+    ctx.wake.notify(f"worker:{worker_id}" if worker_id else exec_queue_channel(namespace, queue))
     log.info("exec %s queued on %s in namespace %s", exec_id, queue, namespace)
     return 202, {"exec_id": exec_id, "worker_id": worker_id}
 
@@ -124,17 +125,20 @@ async def result_get(ctx: Context, namespace: str, exec_id: str, wait: float) ->
 
 
 async def result_post(
-    ctx: Context, principal: Principal, namespace: str, exec_id: str, body: dict[str, Any]
+    ctx: Context, caller: Caller, namespace: str, exec_id: str, body: dict[str, Any]
 ) -> tuple[int, dict[str, Any]]:
     """A daemon publishes the result of the exec job it claimed: ``worker_id`` (required but for an
-    admin) must be the claimer, ``attempt`` (when sent) the latest claim; else 409."""
+    admin, and bound to the daemon's token) must be the claimer, ``attempt`` (when sent) the latest
+    claim; else 409."""
     worker_id = http.ulid_field(body, "worker_id", optional=True)
-    if worker_id is None and principal.kind != "admin":
+    if worker_id is None and not caller.admin:
         raise HTTPError(
             400,
             "missing field 'worker_id': send the id of the worker that claimed the exec job "
             "(only an admin token publishes without one)",
         )
+    if worker_id is not None:
+        await ctx.workers.check(caller, worker_id)
     attempt = http.integer(body, "attempt", hi=http.I32_MAX, default=None)
     exit_code = field(body, "exit_code", int)
     result: dict[str, Any] = {

@@ -20,11 +20,10 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
+from dreamlake.lakeshore.server import authz, producer
 from dreamlake.lakeshore.server import http as h
-from dreamlake.lakeshore.server import producer
-from dreamlake.lakeshore.server.auth import require_kind
+from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError
 from dreamlake.lakeshore.states import STATES
@@ -38,22 +37,19 @@ from dreamlake.lakeshore.store.api import (
     QueueStats,
     WorkerRow,
 )
+from dreamlake.lakeshore.store.api import visible as store_visible
 
 Handler = Callable[[Request], Awaitable[Response]]
-OPS_KINDS = ("producer", "namespace")  # and admin
 
 
 def scope(principal: Principal) -> str | None:
-    """The namespace a principal sees; None for an admin (every namespace)."""
-    if principal.kind == "admin":
-        return None
-    return principal.namespace or "default"
+    """The namespace a principal sees (``authz.confined_to``); None for an admin (every namespace)."""
+    return authz.confined_to(principal)
 
 
 def visible(principal: Principal, inv: Invocation | None) -> Invocation | None:
     """``inv`` when the principal may see it; None (answered 404) otherwise."""
-    ns = scope(principal)
-    if inv is None or (ns is not None and inv.namespace != ns):
+    if inv is None or not store_visible(scope(principal), inv):
         return None
     return inv
 
@@ -248,7 +244,7 @@ async def read_detail(ctx: Context, principal: Principal, invocation_id: str) ->
 async def cancel(ctx: Context, principal: Principal, invocation_id: str) -> dict[str, Any]:
     if visible(principal, await ctx.call(ctx.store.get, invocation_id)) is None:
         raise HTTPError(404, f"unknown invocation '{invocation_id}'")
-    return await producer.cancel(ctx, invocation_id)
+    return await producer.request_cancel(ctx, invocation_id)
 
 
 async def observe_store(ctx: Context) -> None:
@@ -297,33 +293,37 @@ def since_param(request: Request) -> float | None:
 
 
 class OpsRoutes:
+    """The ``/v1/ops/*`` handlers; ``authz.ROUTES`` names them (``ops.<method>``) and ``app``
+    serves them behind the table's verdict, with the caller's namespace as their scope."""
+
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
 
-    async def _who(self, request: Request) -> tuple[Principal, str | None]:
-        principal = await self.ctx.auth.principal(request)
-        require_kind(principal, *OPS_KINDS)
-        ns = scope(principal)
+    def _scope(self, request: Request, caller: Caller) -> str | None:
+        """The caller's namespace, or the ``?namespace=`` an admin narrows to (403 for another
+        namespace than a confined caller's own)."""
+        ns = caller.namespace
         asked = request.query_params.get("namespace")
         if asked:
             asked = h.name(asked, "namespace")
             if ns is not None and asked != ns:
-                raise HTTPError(403, f"token '{principal.name}' sees namespace '{ns}' only, not '{asked}'")
+                name = caller.principal.name
+                raise HTTPError(403, f"token '{name}' sees namespace '{ns}' only, not '{asked}'")
             ns = asked
-        return principal, ns
+        return ns
 
-    async def whoami(self, request: Request) -> Response:
-        principal = await self.ctx.auth.principal(request)
+    async def whoami(self, request: Request, caller: Caller) -> Response:
+        principal = caller.principal
         return h.json_response(
             {"kind": principal.kind, "name": principal.name, "namespace": principal.namespace}
         )
 
-    async def queues(self, request: Request) -> Response:
-        _, ns = await self._who(request)
+    async def queues(self, request: Request, caller: Caller) -> Response:
+        ns = self._scope(request, caller)
         return h.json_response({"queues": await read_queues(self.ctx, ns), "live_window_s": LIVE_WINDOW_S})
 
-    async def workers(self, request: Request) -> Response:
-        _, ns = await self._who(request)
+    async def workers(self, request: Request, caller: Caller) -> Response:
+        ns = self._scope(request, caller)
         live_only = request.query_params.get("live", "") in ("1", "true", "yes")
         rows, cursor = await read_workers(
             self.ctx,
@@ -334,8 +334,8 @@ class OpsRoutes:
         )
         return h.json_response({"workers": rows, "next_cursor": cursor, "live_window_s": LIVE_WINDOW_S})
 
-    async def invocations(self, request: Request) -> Response:
-        _, ns = await self._who(request)
+    async def invocations(self, request: Request, caller: Caller) -> Response:
+        ns = self._scope(request, caller)
         rows, cursor = await read_invocations(
             self.ctx,
             ns,
@@ -347,23 +347,10 @@ class OpsRoutes:
         )
         return h.json_response({"invocations": rows, "next_cursor": cursor})
 
-    async def invocation(self, request: Request) -> Response:
-        principal, _ = await self._who(request)
+    async def invocation(self, request: Request, caller: Caller) -> Response:
         inv = producer.request_id(request, "id", "invocation_id")
-        return h.json_response(await read_detail(self.ctx, principal, inv))
+        return h.json_response(await read_detail(self.ctx, caller.principal, inv))
 
-    async def cancel(self, request: Request) -> Response:
-        principal, _ = await self._who(request)
+    async def cancel(self, request: Request, caller: Caller) -> Response:
         inv = producer.request_id(request, "id", "invocation_id")
-        return h.json_response(await cancel(self.ctx, principal, inv))
-
-    def table(self, guard: Callable[[Handler], Handler]) -> list[Route]:
-        g = guard
-        return [
-            Route("/v1/ops/whoami", g(self.whoami), methods=["GET", "POST"]),
-            Route("/v1/ops/queues", g(self.queues), methods=["GET"]),
-            Route("/v1/ops/workers", g(self.workers), methods=["GET"]),
-            Route("/v1/ops/invocations", g(self.invocations), methods=["GET"]),
-            Route("/v1/ops/invocations/{id}", g(self.invocation), methods=["GET"]),
-            Route("/v1/ops/invocations/{id}/cancel", g(self.cancel), methods=["POST"]),
-        ]
+        return h.json_response(await cancel(self.ctx, caller.principal, inv))

@@ -1,6 +1,9 @@
 """Producer routes (msgpack): submit, await, status, cancel and topic posts.
 
-The result and topic streams live in ``server.streams``.
+A producer acts in one namespace (``authz.confined_to``): its submits land there, and an
+invocation of another namespace is unknown to it (404). A submit is checked before it is queued:
+run_config limits (``store.values.check_run_config``, 400) and a script's permission
+(``authz.check_submit``, 403). The result and topic streams live in ``server.streams``.
 """
 
 from __future__ import annotations
@@ -11,15 +14,18 @@ from typing import Any
 
 from starlette.requests import Request
 
-from dreamlake.lakeshore.server import http
+from dreamlake.lakeshore.errors import PlaneError
+from dreamlake.lakeshore.server import authz, http
+from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError, field
-from dreamlake.lakeshore.store.api import TERMINAL_STATES, Invocation, Principal, SubmitRequest
+from dreamlake.lakeshore.store.api import DEFAULT_NAMESPACE, TERMINAL_STATES, Invocation, SubmitRequest
+from dreamlake.lakeshore.store.values import check_run_config
 
 log = logging.getLogger(__name__)
 
 
-async def submit(ctx: Context, principal: Principal, body: dict[str, Any]) -> dict[str, Any]:
+async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
     invocation_id = http.ulid_field(body, "invocation_id")
     assert invocation_id is not None
     run_config = field(body, "run_config", dict, default={})
@@ -34,6 +40,11 @@ async def submit(ctx: Context, principal: Principal, body: dict[str, Any]) -> di
     for key in run_config:
         if not isinstance(key, str):
             raise HTTPError(400, "run_config keys must be strings")
+    try:
+        check_run_config(run_config)
+    except PlaneError as exc:
+        raise HTTPError(400, str(exc)) from None
+    authz.check_submit(caller, run_config)
     req = SubmitRequest(
         invocation_id=invocation_id,
         queue=queue,
@@ -42,7 +53,7 @@ async def submit(ctx: Context, principal: Principal, body: dict[str, Any]) -> di
         run_config=dict(run_config),
         code_context=code_context,
         parent_invocation_id=parent,
-        namespace=principal.namespace or "default",
+        namespace=caller.namespace or DEFAULT_NAMESPACE,
     )
     result = await ctx.call(ctx.store.submit, req)
     ctx.metrics.submits.labels(duplicate=str(result.duplicate).lower()).inc()
@@ -62,13 +73,14 @@ def outcome(inv: Invocation) -> dict[str, Any]:
     return {"state": inv.state, "result_blob": inv.result_blob, "error": inv.error}
 
 
-async def wait_terminal(ctx: Context, invocation_id: str, timeout: float) -> Invocation | None:
-    """The invocation once terminal, or as it stands after ``timeout``; None when unknown."""
+async def wait_terminal(ctx: Context, caller: Caller, invocation_id: str, timeout: float) -> Invocation:
+    """The invocation once terminal, or as it stands after ``timeout``; 404 when the caller may
+    not see it."""
     deadline = time.monotonic() + timeout
     while True:
         mark = ctx.wake.mark()
-        inv = await ctx.call(ctx.store.get, invocation_id)
-        if inv is None or inv.state in TERMINAL_STATES:
+        inv = authz.see_invocation(caller, invocation_id, await ctx.call(ctx.store.get, invocation_id))
+        if inv.state in TERMINAL_STATES:
             return inv
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -76,13 +88,11 @@ async def wait_terminal(ctx: Context, invocation_id: str, timeout: float) -> Inv
         await ctx.wake.wait([f"inv:{invocation_id}"], min(remaining, ctx.config.recheck_s), since=mark)
 
 
-async def await_(ctx: Context, principal: Principal, body: dict[str, Any]) -> dict[str, Any]:
+async def await_(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
     invocation_id = http.ulid_field(body, "invocation_id")
     assert invocation_id is not None
     timeout = http.number(body, "timeout_s", ctx.config.await_default_s, lo=0.0, hi=ctx.config.await_max_s)
-    inv = await wait_terminal(ctx, invocation_id, timeout)
-    if inv is None:
-        raise HTTPError(404, f"unknown invocation '{invocation_id}'")
+    inv = await wait_terminal(ctx, caller, invocation_id, timeout)
     if inv.state not in TERMINAL_STATES:
         pending: dict[str, Any] = {"state": "pending"}
         if inv.state == "queued":
@@ -99,13 +109,18 @@ async def children(ctx: Context, invocation_id: str) -> list[dict[str, Any]]:
     return [{"invocation_id": i, "state": state} for i, parent, state in below if parent == invocation_id]
 
 
-async def status(ctx: Context, invocation_id: str) -> dict[str, Any]:
-    inv = await ctx.call(ctx.store.get, invocation_id)
-    if inv is None:
-        raise HTTPError(404, f"unknown invocation '{invocation_id}'")
+async def status(ctx: Context, caller: Caller, invocation_id: str) -> dict[str, Any]:
+    inv = authz.see_invocation(caller, invocation_id, await ctx.call(ctx.store.get, invocation_id))
     out = inv.status()
     out["children"] = await children(ctx, invocation_id)
     return out
+
+
+async def cancel(
+    ctx: Context, caller: Caller, invocation_id: str, *, descendants: bool = True
+) -> dict[str, Any]:
+    authz.see_invocation(caller, invocation_id, await ctx.call(ctx.store.get, invocation_id))
+    return await request_cancel(ctx, invocation_id, descendants=descendants)
 
 
 async def _cancel_one(ctx: Context, invocation_id: str) -> str | None:
@@ -120,10 +135,11 @@ async def _cancel_one(ctx: Context, invocation_id: str) -> str | None:
     return state
 
 
-async def cancel(ctx: Context, invocation_id: str, *, descendants: bool = True) -> dict[str, Any]:
-    """Cancel the invocation and (``descendants``, the default) every descendant not yet finished:
-    the tasks it submitted, the ones they submitted, ... The answer counts the descendants reached
-    (``descendants_cancelled``, present when there were any)."""
+async def request_cancel(ctx: Context, invocation_id: str, *, descendants: bool = True) -> dict[str, Any]:
+    """Cancel an invocation the caller was found to see, and (``descendants``, the default) every
+    descendant not yet finished: the tasks it submitted, the ones they submitted, ... Wakes their
+    waiters and workers. The answer counts the descendants reached (``descendants_cancelled``,
+    present when there were any)."""
     state = await _cancel_one(ctx, invocation_id)
     if state is None:
         raise HTTPError(404, f"unknown invocation '{invocation_id}'")

@@ -7,11 +7,13 @@ stateless: ``lst_`` + base64url(msgpack ``[1, invocation_id, attempt, namespace,
 (``store.server_key("task-token")``). Minting it costs the claim nothing; verifying it costs one
 HMAC, then one read of the invocation.
 
-What it may do (the rows of the ``task`` kind, checked next to ``require_kind`` in ``app``):
+What it may do: the ``task`` column of ``authz.ROUTES``, rule "own descendants", which ``app``
+applies through :func:`check_submit` and :func:`check_target`:
 
 * submit, into its invocation's namespace, with its invocation as the parent (a submit naming
-  another parent is refused): the store records ``parent_invocation_id`` / ``root_invocation_id``;
+  another parent: 403): the store records ``parent_invocation_id`` / ``root_invocation_id``;
 * status, await, result stream and cancel of its own descendants (a child, a grandchild, ...);
+  any other invocation answers 404, as an unknown id does (nothing is disclosed);
 * nothing else: topics, daemon, namespace, ops and dashboard routes refuse the ``task`` kind (403).
 
 It lives as long as its attempt runs: every request re-reads the invocation, and once the attempt
@@ -35,6 +37,7 @@ from dreamlake.lakeshore.server.http import HTTPError
 from dreamlake.lakeshore.store.api import Invocation, Principal
 
 if TYPE_CHECKING:
+    from dreamlake.lakeshore.server.authz import Caller
     from dreamlake.lakeshore.server.context import Context
 
 PREFIX = "lst_"
@@ -114,9 +117,9 @@ async def live(ctx: Context, principal: Principal) -> Invocation:
     return inv
 
 
-async def check_submit(ctx: Context, principal: Principal, body: dict[str, Any]) -> None:
+async def check_submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> None:
     """A task submits children of its own invocation, into its namespace (set by the submit route)."""
-    inv = await live(ctx, principal)
+    inv = await live(ctx, caller.principal)
     parent = body.get("parent_invocation_id")
     if parent is None:
         body["parent_invocation_id"] = inv.invocation_id
@@ -128,14 +131,15 @@ async def check_submit(ctx: Context, principal: Principal, body: dict[str, Any])
         )
 
 
-async def check_target(ctx: Context, principal: Principal, target: str) -> None:
-    """403 unless ``target`` descends from the task's invocation (and 401 once the task ended)."""
-    inv = await live(ctx, principal)
+async def check_target(ctx: Context, caller: Caller, target: str) -> None:
+    """The route's ``outside`` answer (404, as for an unknown id) unless ``target`` descends from
+    the task's invocation; 401 once the task's attempt ended."""
+    inv = await live(ctx, caller.principal)
     ids.validate(target, "invocation id")
     chain = await ctx.call(ctx.store.lineage, target, _LINEAGE_DEPTH)
     if inv.invocation_id not in chain[1:]:
         raise HTTPError(
-            403,
-            f"a task token reaches only the invocations its task submitted (and theirs): "
-            f"{target} does not descend from {inv.invocation_id}",
+            caller.route.outside or 403,
+            f"unknown invocation '{target}' (a task token reaches only the invocations its task "
+            "submitted, and theirs)",
         )

@@ -87,12 +87,20 @@ class Invocation:
         }
 
 
+# What a refusal (``ok=False``) of an ack or a frame answers over HTTP (``AckResult.status``).
+UNKNOWN = 404  # no such invocation
+ANOTHER_WORKER = 403  # the current lease is held by another worker
+SUPERSEDED = 409  # a later attempt owns the invocation, its lease lapsed, or it is not running
+OUT_OF_ORDER = 409  # a frame past the next expected seq, or after the final frame
+
+
 @dataclass
 class AckResult:
     ok: bool  # False: refused (superseded attempt, unknown id, not running); nothing changed
     duplicate: bool = False  # the same terminal outcome was already recorded
     state: str | None = None  # the row's state after the call
-    reason: str | None = None  # why it was refused, for the 409 body
+    reason: str | None = None  # why it was refused, for the error body
+    status: int = SUPERSEDED  # the HTTP status of a refusal: UNKNOWN, ANOTHER_WORKER or SUPERSEDED
 
 
 @dataclass
@@ -101,6 +109,8 @@ class ChunkResult:
     seq: int
     duplicate: bool = False
     reason: str | None = None
+    status: int = SUPERSEDED  # of a refusal: UNKNOWN, ANOTHER_WORKER, SUPERSEDED or OUT_OF_ORDER
+    expected_seq: int | None = None  # on OUT_OF_ORDER: the seq the journal takes next
 
 
 @dataclass
@@ -123,10 +133,23 @@ class Command:
 class Principal:
     token_id: str
     kind: str  # "admin" | "producer" | "daemon" | "namespace" | "metrics" | "task"
-    namespace: str | None  # for namespace tokens (and daemons bound to one namespace); a task's own
+    namespace: str | None  # the namespace the token is bound to; None: unbound (a task: its own)
     name: str
+    may_script: bool = False  # may submit run_config.script invocations (admins always may)
     invocation_id: str | None = None  # a task token: the invocation it was handed to ...
     attempt: int | None = None  # ... and that invocation's attempt (the token dies with its ack)
+
+
+DEFAULT_NAMESPACE = "default"
+#: Every kind of token, in the order the auth matrix (docs/security.md) shows them. ``task`` tokens
+#: are minted by the control plane for each claimed invocation (server/tasks.py), never by an operator.
+TOKEN_KINDS = ("admin", "producer", "daemon", "namespace", "metrics", "task")
+
+
+def visible(namespace: str | None, inv: Invocation) -> bool:
+    """Whether a caller confined to ``namespace`` (None: not confined) may see ``inv``. The one
+    rule behind the 404s of both planes: a producer sees its namespace's invocations only."""
+    return namespace is None or inv.namespace == namespace
 
 
 # -- listing (store/listing.py): what ``lakeshore queues|workers|ls|show`` and the dashboard read --
@@ -252,11 +275,22 @@ class Store(Listing, Protocol):
         ...
 
     def claim(
-        self, worker_id: str, queues: list[str], limit: int = 1, lease_s: float = DEFAULT_LEASE_S
+        self,
+        worker_id: str,
+        queues: list[str],
+        limit: int = 1,
+        lease_s: float = DEFAULT_LEASE_S,
+        *,
+        namespace: str | None = None,
     ) -> list[Invocation]:
-        """Atomically flip up to ``limit`` queued invocations whose queue is in ``queues`` to running,
-        best first (priority desc, submitted_at asc, invocation_id asc). Sets started_at, worker_id,
-        attempt += 1, lease_expires_at. Never hands one invocation to two callers."""
+        """Atomically flip up to ``limit`` queued invocations whose queue is in ``queues`` (and, when
+        given, whose namespace is ``namespace``) to running, best first (priority desc,
+        submitted_at asc, invocation_id asc). Sets started_at, worker_id, attempt += 1,
+        lease_expires_at. Never hands one invocation to two callers."""
+        ...
+
+    def bind_worker(self, worker_id: str, token_id: str) -> str:
+        """Bind ``worker_id`` to ``token_id`` unless it is bound already; the token it is bound to."""
         ...
 
     def ack(
@@ -269,16 +303,26 @@ class Store(Listing, Protocol):
         result_blob: bytes | None,
         error: dict[str, Any] | None,
     ) -> AckResult:
-        """Record the outcome. Refused (ok=False) when the row is not running under that attempt
-        (when attempt is given) / that worker (when given). finished_at = now unconditionally on
-        success. A repeat of an already-recorded identical outcome answers duplicate=True."""
+        """Record the outcome. Refused (ok=False, ``status`` saying why) when the row is not
+        running under that attempt (when attempt is given) / that worker (when given).
+        finished_at = now unconditionally on success. A repeat of an already-recorded identical
+        outcome answers duplicate=True."""
         ...
 
     def append_frame(
-        self, owner_id: str, seq: int, data: bytes, final: bool, *, attempt: int | None = None
+        self,
+        owner_id: str,
+        seq: int,
+        data: bytes,
+        final: bool,
+        *,
+        attempt: int | None = None,
+        worker_id: str | None = None,
     ) -> ChunkResult:
-        """Journal a frame. A repeated (owner_id, seq) answers duplicate=True and changes nothing.
-        For an invocation with ``attempt`` given, refused when that attempt is superseded."""
+        """Journal a frame of an invocation, in order: ``seq`` must be the next one (a seq already
+        journaled answers duplicate=True and changes nothing); a gap, or a frame after the final
+        one, is refused with ``expected_seq``. With ``attempt`` / ``worker_id`` given, refused
+        unless that attempt is the current one / that worker holds it."""
         ...
 
     def read_frames(self, owner_id: str, since: int = -1, limit: int = 1000) -> list[Frame]: ...
@@ -308,8 +352,8 @@ class Store(Listing, Protocol):
     ) -> tuple[list[Command], list[Invocation], list[dict[str, Any]]]:
         """One daemon poll pass in one transaction: take the worker's pending commands (cancels,
         each returned once, as ``heartbeat`` does), then ``claim`` up to ``limit`` invocations,
-        then (``exec_jobs``) ``claim_exec`` exec jobs of ``namespace`` (None: any) for the slots
-        left. Returns (commands, invocations, exec command bodies)."""
+        then (``exec_jobs``) ``claim_exec`` exec jobs for the slots left, both of ``namespace``
+        (None: any). Returns (commands, invocations, exec command bodies)."""
         ...
 
     def expire_leases(self, now: float | None = None) -> list[str]:
@@ -330,7 +374,9 @@ class Store(Listing, Protocol):
     # -- namespaces, tokens, exec jobs --------------------------------------------------------
     def pin_version(self, namespace: str, version: str | None) -> None: ...
     def pinned_version(self, namespace: str) -> str | None: ...
-    def create_token(self, kind: str, name: str, namespace: str | None = None) -> str: ...
+    def create_token(
+        self, kind: str, name: str, namespace: str | None = None, *, may_script: bool = False
+    ) -> str: ...
     def verify_token(self, secret: str) -> Principal | None: ...
     def server_key(self, name: str) -> bytes:
         """A 32-byte secret shared by every replica, made on first use (the task-token HMAC key)."""

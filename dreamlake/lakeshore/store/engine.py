@@ -10,6 +10,11 @@ the store opens a transaction:
   ``:memory:`` (one connection shared by every thread) takes it for reads too.
 - PostgreSQL uses the pool and READ COMMITTED; claims rely on ``FOR UPDATE SKIP LOCKED``.
 
+SQLite files are private: the store holds every argument, result and token hash, so its
+directory is created 0700 and the database file 0600 (created that way before SQLite opens it;
+SQLite gives its ``-wal`` and ``-shm`` files the database file's mode). An existing database file
+(and its ``-wal`` / ``-shm``) readable by others is narrowed to 0600, with a log line.
+
 SQLite durability: files run in WAL mode with ``synchronous = NORMAL``. A commit is then written to
 the WAL (in the OS page cache) but fsynced only at checkpoints, so a *power loss or OS crash* can
 lose the last few committed transactions (never corrupting the file), while a *process crash* (the
@@ -26,6 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,7 +52,7 @@ MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 _PG_MIGRATION_LOCK = 0x6C616B65  # pg_advisory_xact_lock key: "lake"
 # The newest revision in migrations/versions; a test checks it against Alembic's script head.
 # Bump it with every new migration, or opens will skip the upgrade.
-HEAD_REVISION = "0004"
+HEAD_REVISION = "0005"
 
 
 def normalize_url(url: str | Path) -> str:
@@ -69,6 +76,35 @@ def normalize_url(url: str | Path) -> str:
     return "sqlite:///" + str(Path(text).expanduser())
 
 
+PRIVATE_FILE = 0o600
+PRIVATE_DIR = 0o700
+
+
+def private_file(path: Path) -> None:
+    """Make ``path`` (a SQLite database) a 0600 file in a directory created 0700, before SQLite
+    opens it; narrow an existing file, and its ``-wal`` / ``-shm``, that others could read."""
+    path.parent.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, PRIVATE_FILE)
+    except FileExistsError:
+        pass
+    else:
+        os.close(fd)
+        return
+    for each in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        try:
+            mode = stat.S_IMODE(os.stat(each).st_mode)
+            if mode & 0o077:
+                os.chmod(each, mode & ~0o077)
+                log.warning(
+                    "store file %s was mode %o, readable by others; narrowed to %o", each, mode, mode & ~0o077
+                )
+        except FileNotFoundError:
+            continue
+        except PermissionError as exc:
+            log.warning("store file %s is readable by others and cannot be narrowed: %s", each, exc)
+
+
 class Database:
     """An engine plus the locking and BEGIN discipline the store needs on its dialect."""
 
@@ -83,7 +119,7 @@ class Database:
         if self.dialect == "postgresql":
             return sa.create_engine(self.url, pool_pre_ping=True, pool_size=10, max_overflow=20)
         if not self.memory:
-            Path(self.url[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
+            private_file(Path(self.url[len("sqlite:///") :]))
         args: dict[str, Any] = {"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
         engine = (
             sa.create_engine(self.url, connect_args=args, poolclass=StaticPool)

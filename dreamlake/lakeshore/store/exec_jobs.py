@@ -34,7 +34,7 @@ from . import schema as t
 from .api import DEFAULT_LEASE_S, AckResult
 from .base import StoreBase
 from .engine import Database
-from .notify import Notifier
+from .notify import Notifier, exec_queue_channel
 from .values import json_safe, normalize_max_attempts
 
 # The result of an exec job whose lease lapsed on its last allowed attempt (see _expire_exec_in).
@@ -124,6 +124,7 @@ def exec_body(r: Row[Any]) -> dict[str, Any]:
     return {
         "exec_id": r.exec_id,
         "namespace": r.namespace,
+        "queue": r.queue,
         "command": r.command,
         "payload_inline": bytes(r.payload_inline) if r.payload_inline is not None else None,
         "payload_ref": r.payload_ref,
@@ -188,7 +189,7 @@ class ExecJobStore(StoreBase):
                     max_attempts=normalize_max_attempts(max_attempts),
                 )
             )
-        self._notify(f"queue:{queue}", *([f"worker:{worker_id}"] if worker_id else []))
+        self._notify(f"worker:{worker_id}" if worker_id else exec_queue_channel(namespace, queue))
         return exec_id
 
     def claim_exec(
@@ -249,7 +250,7 @@ class ExecJobStore(StoreBase):
             sa.update(_e)
             .where(*lapsed, _e.c.attempt < _e.c.max_attempts)
             .values(state="queued", lease_expires_at=None)
-            .returning(_e.c.exec_id, _e.c.queue)
+            .returning(_e.c.exec_id, _e.c.queue, _e.c.namespace, _e.c.worker_id)
         ).fetchall()
         failed = conn.execute(
             sa.update(_e)

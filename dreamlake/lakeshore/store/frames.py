@@ -1,10 +1,15 @@
 """The frame journal: result frames of invocations and the frames of topics.
 
 Frames are rows ``(owner_id, seq, data, final)`` keyed by ``(owner_id, seq)``; the owner is an
-invocation id or ``topic:<name>``. ``append_frame`` inserts with ``ON CONFLICT DO NOTHING``, so a
-repeated seq answers ``duplicate`` and keeps the first bytes. Frames of an invocation are accepted
-without ``attempt``; with it, only from the current attempt (also after that attempt was acked, so a
-late journal upload is kept). ``read_frames`` pages by seq.
+invocation id or ``topic:<name>``. ``read_frames`` pages by seq.
+
+``append_frame`` keeps an invocation's journal gap-free, so a follower can never skip a value: in
+one transaction it reads the journal's last frame and accepts ``seq`` only when it is the next one
+(and the last frame is not final). A seq already journaled answers ``duplicate`` and keeps the
+first bytes (``ON CONFLICT DO NOTHING``); a gap or a frame after the final one is refused with the
+seq the journal takes next, so the sender re-sends in order. With ``attempt`` / ``worker_id``, the
+frame is also refused unless that attempt is the current one and that worker holds it (also after
+the attempt was acked, so a late journal upload is kept); see ``invocations.lease_refusal``.
 
 Topics: ``topic_append`` takes the next seq from the ``topics`` counter (an upsert, so concurrent
 posters never share a seq) and journals the frame under ``topic:<name>``, built here as plain
@@ -23,9 +28,10 @@ import sqlalchemy as sa
 from dreamlake.lakeshore.errors import PlaneError
 
 from . import schema as t
-from .api import ChunkResult, Frame
+from .api import OUT_OF_ORDER, UNKNOWN, ChunkResult, Frame
 from .base import StoreBase, dialect_insert
 from .engine import Database
+from .invocations import lease_refusal
 from .notify import Notifier
 
 TOPIC_PREFIX = "topic:"
@@ -38,7 +44,12 @@ class _Statements:
     def __init__(self, dialect: str) -> None:
         B = sa.bindparam
         f, tp, inv = t.frames, t.topics, t.invocations
-        self.attempt_of = sa.select(inv.c.attempt).where(inv.c.invocation_id == B("id"))
+        self.lease = sa.select(inv.c.invocation_id, inv.c.state, inv.c.attempt, inv.c.worker_id).where(
+            inv.c.invocation_id == B("id")
+        )
+        self.last_frame = (
+            sa.select(f.c.seq, f.c.final).where(f.c.owner_id == B("owner")).order_by(f.c.seq.desc()).limit(1)
+        )
         self.insert_frame = (
             dialect_insert(dialect, f)
             .values(owner_id=B("owner"), seq=B("seq"), data=B("data"), final=B("final"), created_at=B("now"))
@@ -75,22 +86,42 @@ class FrameStore(StoreBase):
         self._frame_st = _statements(db.dialect)
 
     def append_frame(
-        self, owner_id: str, seq: int, data: bytes, final: bool, *, attempt: int | None = None
+        self,
+        owner_id: str,
+        seq: int,
+        data: bytes,
+        final: bool,
+        *,
+        attempt: int | None = None,
+        worker_id: str | None = None,
     ) -> ChunkResult:
         if seq < 0:
             raise PlaneError(f"frame seq must be >= 0, got {seq}", status=400)
+        if owner_id.startswith(TOPIC_PREFIX):
+            raise PlaneError("topic frames are appended by topic_append, not append_frame", status=400)
         st = self._frame_st
         with self.db.tx(write=True) as conn:
-            if attempt is not None and not owner_id.startswith(TOPIC_PREFIX):
-                current = conn.execute(st.attempt_of, {"id": owner_id}).scalar_one_or_none()
-                if current is None:
-                    return ChunkResult(ok=False, seq=seq, reason=f"unknown invocation {owner_id}")
-                if current != attempt:
-                    return ChunkResult(
-                        ok=False,
-                        seq=seq,
-                        reason=f"attempt {attempt} of {owner_id} was superseded by attempt {current}",
-                    )
+            lease = conn.execute(st.lease, {"id": owner_id}).first()
+            if lease is None:
+                return ChunkResult(ok=False, seq=seq, reason=f"unknown invocation {owner_id}", status=UNKNOWN)
+            refused = lease_refusal(lease, attempt, worker_id)
+            if refused is not None:
+                return ChunkResult(ok=False, seq=seq, reason=refused[1], status=refused[0])
+            last = conn.execute(st.last_frame, {"owner": owner_id}).first()
+            expected = 0 if last is None else int(last.seq) + 1
+            why = None
+            if last is not None and last.final and seq > last.seq:
+                why = f"the stream of {owner_id} ended with final frame {last.seq}"
+            elif seq > expected:
+                why = f"frame {seq} of {owner_id} skips ahead: the next frame is {expected}"
+            if why is not None:
+                return ChunkResult(
+                    ok=False,
+                    seq=seq,
+                    reason=f"{why}; send frames in order, each once",
+                    status=OUT_OF_ORDER,
+                    expected_seq=expected,
+                )
             added = conn.execute(
                 st.insert_frame,
                 {
@@ -103,7 +134,7 @@ class FrameStore(StoreBase):
             ).first()
         if added is None:
             return ChunkResult(ok=True, seq=seq, duplicate=True)
-        self._notify(owner_id if owner_id.startswith(TOPIC_PREFIX) else f"inv:{owner_id}")
+        self._notify(f"inv:{owner_id}")
         return ChunkResult(ok=True, seq=seq)
 
     def read_frames(self, owner_id: str, since: int = -1, limit: int = 1000) -> list[Frame]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Row
@@ -31,7 +31,11 @@ from . import schema as t
 from . import values
 from .api import (
     ACK_STATES,
+    ANOTHER_WORKER,
     DEFAULT_LEASE_S,
+    DEFAULT_NAMESPACE,
+    SUPERSEDED,
+    UNKNOWN,
     AckResult,
     Invocation,
     SubmitRequest,
@@ -55,7 +59,7 @@ MERGED_QUEUES_MAX = 16
 _INV_COLS = tuple(c.name for c in _inv.c)
 
 
-def _row_to_invocation(r: Row[Any]) -> Invocation:
+def row_to_invocation(r: Row[Any]) -> Invocation:
     """An Invocation from a row holding every invocations column (``select(_inv)`` / returning)."""
     m = dict(zip(_INV_COLS, r, strict=True))
     result_blob = m["result_blob"]
@@ -136,7 +140,7 @@ class _Statements:
         self.root_of = sa.select(_inv.c.root_invocation_id).where(_inv.c.invocation_id == B("id"))
         self.same_id = sa.select(_inv.c.queue, _inv.c.content_hash).where(_inv.c.invocation_id == B("id"))
         self.same_key = sa.select(_inv.c.invocation_id).where(
-            _inv.c.queue == B("queue"), _inv.c.idempotency_key == B("key")
+            _inv.c.namespace == B("namespace"), _inv.c.queue == B("queue"), _inv.c.idempotency_key == B("key")
         )
         self.get = sa.select(_inv).where(_inv.c.invocation_id == B("id"))
         self.ack: dict[tuple[bool, bool], Any] = {}
@@ -177,11 +181,13 @@ def _statements(dialect: str) -> _Statements:
 
 
 @functools.cache
-def claim_statement(n_queues: int) -> Any:
+def claim_statement(n_queues: int, by_namespace: bool = False) -> Any:
     """The claim of up to ``:limit`` queued invocations of ``n_queues`` queues, best first.
 
     Parameters: ``q0`` .. ``q<n-1>`` (distinct queue names), ``limit``, ``worker``, ``now``,
-    ``lease``; past ``MERGED_QUEUES_MAX`` queues, ``queues`` (a list) instead of ``q<i>``.
+    ``lease``; past ``MERGED_QUEUES_MAX`` queues, ``queues`` (a list) instead of ``q<i>``; with
+    ``by_namespace``, ``b_namespace``: only that namespace's invocations, read off
+    ``ix_invocations_queued_ns`` (namespace, queue, then the same order) the same way.
 
     The pick reads ``ix_invocations_queued`` (queue, priority DESC, submitted_at, invocation_id,
     over queued rows only), which yields one queue's rows in claim order: one queue is one index
@@ -203,7 +209,9 @@ def claim_statement(n_queues: int) -> Any:
     # partial index's predicate, and knows how many rows the claim takes (for an unknown LIMIT it
     # assumes a tenth of the table, and would update them by a scan). ``limit`` is rendered into
     # the SQL at execution: one statement text per limit in use.
-    queued = _inv.c.state == sa.literal_column("'queued'")
+    queued: Any = _inv.c.state == sa.literal_column("'queued'")
+    if by_namespace:
+        queued = sa.and_(queued, _inv.c.namespace == B("b_namespace"))
     limit = B("limit", type_=sa.Integer, literal_execute=True)
     pick: Any
     if n_queues > MERGED_QUEUES_MAX:
@@ -246,16 +254,48 @@ def claim_statement(n_queues: int) -> Any:
 
 
 def claim_params(
-    queues: Sequence[str], limit: int, worker_id: str, now: float, lease_s: float
+    queues: Sequence[str],
+    limit: int,
+    worker_id: str,
+    now: float,
+    lease_s: float,
+    namespace: str | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """The claim statement for ``queues`` (see :func:`claim_statement`) and its parameters."""
+    """The claim statement for ``queues`` (of ``namespace`` when given; see
+    :func:`claim_statement`) and its parameters."""
     names = sorted(set(queues))  # a queue named twice must not be picked twice
     params: dict[str, Any] = {"limit": int(limit), "worker": worker_id, "now": now, "lease": now + lease_s}
     if len(names) > MERGED_QUEUES_MAX:
         params["queues"] = names
     else:
         params.update((f"q{i}", name) for i, name in enumerate(names))
-    return claim_statement(len(names)), params
+    if namespace is not None:
+        params["b_namespace"] = namespace
+    return claim_statement(len(names), namespace is not None), params
+
+
+class Lease(Protocol):
+    """What a lease check reads of an invocation (an :class:`Invocation`, or a row of those columns)."""
+
+    invocation_id: str
+    state: str
+    attempt: int
+    worker_id: str | None
+
+
+def lease_refusal(inv: Lease, attempt: int | None, worker_id: str | None) -> tuple[int, str] | None:
+    """Why a report (ack, frame) from ``worker_id`` on ``attempt`` of ``inv`` is refused, as
+    ``(status, reason)``, or None when that worker holds (or, once finished, held) that attempt:
+    a later attempt (SUPERSEDED), a lapsed lease awaiting its next claim (SUPERSEDED), or the
+    current attempt held by another worker (ANOTHER_WORKER)."""
+    inv_id = inv.invocation_id
+    if attempt is not None and attempt != inv.attempt:
+        return SUPERSEDED, f"attempt {attempt} of {inv_id} was superseded by attempt {inv.attempt}"
+    if worker_id is not None and worker_id != inv.worker_id:
+        if inv.worker_id is None:
+            return SUPERSEDED, f"the lease of {inv_id} lapsed ({inv.state}); the worker no longer holds it"
+        return ANOTHER_WORKER, f"attempt {inv.attempt} of {inv_id} is held by another worker, not {worker_id}"
+    return None
 
 
 class InvocationStore(StoreBase):
@@ -294,7 +334,7 @@ class InvocationStore(StoreBase):
                 "args_blob": bytes(req.args_blob),
                 "run_config": run_config,
                 "code_context": code_context,
-                "namespace": req.namespace or "default",
+                "namespace": req.namespace or DEFAULT_NAMESPACE,
                 "content_hash": chash,
                 "attempt": 0,
                 "max_attempts": values.normalize_max_attempts(run_config.get("max_attempts")),
@@ -307,7 +347,7 @@ class InvocationStore(StoreBase):
             # Insert first: ON CONFLICT DO NOTHING covers the id and the (queue, key) unique index,
             # so only a conflict needs the lookups that tell a duplicate from a clash.
             if conn.execute(st.insert_invocation, row).first() is None:
-                existing = self._existing(conn, req.invocation_id, chash, queue, key)
+                existing = self._existing(conn, req, chash, queue, key)
                 if existing is None:
                     raise PlaneError(f"submit of {req.invocation_id} conflicted; retry it", status=409)
                 return existing
@@ -315,8 +355,9 @@ class InvocationStore(StoreBase):
         return SubmitResult(invocation_id=req.invocation_id, queue=queue)
 
     def _existing(
-        self, conn: Connection, invocation_id: str, chash: str, queue: str, key: str | None
+        self, conn: Connection, req: SubmitRequest, chash: str, queue: str, key: str | None
     ) -> SubmitResult | None:
+        invocation_id = req.invocation_id
         same = conn.execute(self._inv_st.same_id, {"id": invocation_id}).first()
         if same is not None:
             if same.content_hash != chash:
@@ -327,7 +368,8 @@ class InvocationStore(StoreBase):
                 )
             return SubmitResult(invocation_id=invocation_id, queue=same.queue, duplicate=True)
         if key is not None:
-            other = conn.execute(self._inv_st.same_key, {"queue": queue, "key": key}).scalar_one_or_none()
+            params = {"namespace": req.namespace or DEFAULT_NAMESPACE, "queue": queue, "key": key}
+            other = conn.execute(self._inv_st.same_key, params).scalar_one_or_none()
             if other is not None:
                 return SubmitResult(invocation_id=other, queue=queue, duplicate=True)
         return None
@@ -335,7 +377,7 @@ class InvocationStore(StoreBase):
     def get(self, invocation_id: str) -> Invocation | None:
         with self.db.tx(write=False) as conn:
             r = conn.execute(self._inv_st.get, {"id": invocation_id}).first()
-        return _row_to_invocation(r) if r is not None else None
+        return row_to_invocation(r) if r is not None else None
 
     # -- lineage: parent_invocation_id / root_invocation_id ----------------------------------------
 
@@ -416,22 +458,35 @@ class InvocationStore(StoreBase):
     # -- daemon side -----------------------------------------------------------------------------
 
     def claim(
-        self, worker_id: str, queues: list[str], limit: int = 1, lease_s: float = DEFAULT_LEASE_S
+        self,
+        worker_id: str,
+        queues: list[str],
+        limit: int = 1,
+        lease_s: float = DEFAULT_LEASE_S,
+        *,
+        namespace: str | None = None,
     ) -> list[Invocation]:
         if not queues or limit < 1:
             return []
         with self.db.tx(write=True) as conn:
-            got = self._claim_in(conn, worker_id, queues, limit, lease_s, time.time())
+            got = self._claim_in(conn, worker_id, queues, limit, lease_s, time.time(), namespace)
         self._notify(*(f"inv:{i.invocation_id}" for i in got))
         return got
 
     def _claim_in(
-        self, conn: Connection, worker_id: str, queues: list[str], limit: int, lease_s: float, now: float
+        self,
+        conn: Connection,
+        worker_id: str,
+        queues: list[str],
+        limit: int,
+        lease_s: float,
+        now: float,
+        namespace: str | None = None,
     ) -> list[Invocation]:
-        stmt, params = claim_params(queues, limit, worker_id, now, lease_s)
+        stmt, params = claim_params(queues, limit, worker_id, now, lease_s, namespace)
         rows = conn.execute(stmt, params).fetchall()
         return sorted(
-            (_row_to_invocation(r) for r in rows),
+            (row_to_invocation(r) for r in rows),
             key=lambda i: (-i.priority, i.submitted_at, i.invocation_id),
         )
 
@@ -474,18 +529,11 @@ class InvocationStore(StoreBase):
             self._notify(f"inv:{invocation_id}")
             return AckResult(ok=True, state=state)
         if row is None:
-            return AckResult(ok=False, reason=f"unknown invocation {invocation_id}")
-        inv = _row_to_invocation(row)
-        if attempt is not None and attempt != inv.attempt:
-            return AckResult(
-                ok=False,
-                state=inv.state,
-                reason=f"attempt {attempt} of {invocation_id} was superseded by attempt {inv.attempt}",
-            )
-        if worker_id is not None and worker_id != inv.worker_id:
-            return AckResult(
-                ok=False, state=inv.state, reason=f"{invocation_id} is not owned by worker {worker_id}"
-            )
+            return AckResult(ok=False, reason=f"unknown invocation {invocation_id}", status=UNKNOWN)
+        inv = row_to_invocation(row)
+        refused = lease_refusal(inv, attempt, worker_id)
+        if refused is not None:
+            return AckResult(ok=False, state=inv.state, reason=refused[1], status=refused[0])
         if inv.state == state and (inv.result_blob or None) == blob and inv.error == error:
             return AckResult(ok=True, duplicate=True, state=inv.state)
         return AckResult(

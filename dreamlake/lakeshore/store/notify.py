@@ -2,18 +2,24 @@
 
 Channels the store notifies (after the transaction commits):
 
-- ``queue:<name>``  work became claimable on that queue: a submit, a lease-expiry requeue, or a
-  new exec job.
-- ``inv:<id>``      an invocation changed state (claim, ack, cancel, expiry) or got a frame.
-- ``topic:<name>``  a frame was posted to the topic (the frames' owner_id, ``topic:<name>``).
-- ``worker:<id>``   a cancel command was queued for that worker, or an exec job targets it.
-- ``exec:<id>``     an exec job's result was published.
+- ``queue:<name>``        an invocation became claimable on that queue: a submit or a lease-expiry
+  requeue.
+- ``exec-queue:<ns>:<q>`` an exec job of namespace ``<ns>`` became claimable on queue ``<q>`` (one
+  that targets a worker notifies ``worker:<id>`` instead: only that worker can claim it).
+- ``inv:<id>``            an invocation changed state (claim, ack, cancel, expiry) or got a frame.
+- ``topic:<name>``        a frame was posted to the topic (the frames' owner_id, ``topic:<name>``).
+- ``worker:<id>``         a cancel command was queued for that worker, or an exec job targets it.
+- ``exec:<id>``           an exec job's result was published.
 
 A notification is a hint, never the data: a woken waiter re-reads the store. To close the gap
 between "read the store, found nothing" and "start waiting", take ``mark()`` before the read and
-pass it as ``since``: a notification after the mark wakes the wait at once. Only this process is
-woken; several control-plane replicas over one PostgreSQL still see each other's changes on their
-next poll (waits always carry a timeout).
+pass it as ``since``: a notification after the mark wakes the wait at once.
+
+``wait`` and ``wait_async`` wake every waiter of a channel (followers of one stream all want the
+frame). Daemon long polls must not: one unit of work should wake one poll, so the control plane's
+poll hub (``server/polls.py``) subscribes with ``add_listener`` and hands each notification to one
+waiter itself. Listeners also carry notifications to other replicas (``server/relay.py``), whose
+``notify(..., relayed=True)`` injects them here.
 """
 
 from __future__ import annotations
@@ -21,39 +27,68 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 MAX_CHANNELS = 10_000  # recent channels remembered for ``since`` checks
 
+Listener = Callable[[str, int, bool], None]
+"""``listener(channel, seq, relayed)``: called after every notification, in the notifying thread
+(a store thread, or the event loop for a relayed one), outside the notifier's lock. It must be
+cheap and must not block; ``relayed`` is True for a notification that came from another replica."""
+
+
+def exec_queue_channel(namespace: str, queue: str) -> str:
+    """The channel of claimable exec jobs of ``namespace`` on ``queue``."""
+    return f"exec-queue:{namespace}:{queue}"
+
 
 class Notifier:
-    """Thread-safe channel notifications with blocking and asyncio waits."""
+    """Thread-safe channel notifications with blocking and asyncio waits, and listeners."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._seq = 0
         self._last: OrderedDict[str, int] = OrderedDict()
-        self._async: list[tuple[asyncio.AbstractEventLoop, asyncio.Event, frozenset[str]]] = []
+        # asyncio waiters by channel: a notification looks up its own, never scans them all
+        self._async: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+        self._listeners: tuple[Listener, ...] = ()
 
     def mark(self) -> int:
         """The current position; pass it as ``since`` to a later wait."""
         with self._cond:
             return self._seq
 
-    def notify(self, channel: str) -> None:
+    def add_listener(self, listener: Listener) -> None:
+        with self._cond:
+            self._listeners = (*self._listeners, listener)
+
+    def remove_listener(self, listener: Listener) -> None:
+        with self._cond:
+            self._listeners = tuple(x for x in self._listeners if x is not listener)
+
+    def notify(self, channel: str, *, relayed: bool = False) -> None:
         with self._cond:
             self._seq += 1
-            self._last[channel] = self._seq
+            seq = self._seq
+            self._last[channel] = seq
             self._last.move_to_end(channel)
             while len(self._last) > MAX_CHANNELS:
                 self._last.popitem(last=False)
             self._cond.notify_all()
-            waiters = [(loop, ev) for loop, ev, chans in self._async if channel in chans]
+            waiters = list(self._async.get(channel, ()))
+            listeners = self._listeners
         for loop, ev in waiters:
             try:
                 loop.call_soon_threadsafe(ev.set)
             except RuntimeError:  # the waiter's loop is closed; nothing to wake
                 pass
+        for listener in listeners:
+            listener(channel, seq, relayed)
+
+    def fired(self, channels: Iterable[str], since: int) -> bool:
+        """True when one of ``channels`` was notified after ``since``."""
+        with self._cond:
+            return self._fired(frozenset(channels), since)
 
     def _fired(self, channels: frozenset[str], since: int) -> bool:
         return any(self._last.get(c, 0) > since for c in channels)
@@ -72,18 +107,22 @@ class Notifier:
     ) -> bool:
         """The asyncio form of ``wait``: the event loop is never blocked."""
         chans = frozenset(channels)
-        loop = asyncio.get_running_loop()
-        ev = asyncio.Event()
-        entry = (loop, ev, chans)
+        entry = (asyncio.get_running_loop(), asyncio.Event())
         with self._cond:
             if since is not None and self._fired(chans, since):
                 return True
-            self._async.append(entry)
+            for c in chans:
+                self._async.setdefault(c, set()).add(entry)
         try:
-            await asyncio.wait_for(ev.wait(), timeout)
+            await asyncio.wait_for(entry[1].wait(), timeout)
             return True
         except TimeoutError:
             return False
         finally:
             with self._cond:
-                self._async.remove(entry)
+                for c in chans:
+                    waiting = self._async.get(c)
+                    if waiting is not None:
+                        waiting.discard(entry)
+                        if not waiting:
+                            del self._async[c]

@@ -61,11 +61,23 @@ invocations = sa.Table(
     sa.Column("cancel_requested", sa.Boolean, nullable=False),
     sa.Index("ix_invocations_lease", "state", "lease_expires_at"),
     sa.Index("ix_invocations_root", "root_invocation_id"),
-    sa.Index("ux_invocations_queue_key", "queue", "idempotency_key", unique=True),
+    # 0004: a key is unique within its namespace and queue.
+    sa.Index("ux_invocations_queue_key", "namespace", "queue", "idempotency_key", unique=True),
 )
 # 0003: the claim order of one queue, over queued rows only (see invocations.claim_statement).
 sa.Index(
     "ix_invocations_queued",
+    invocations.c.queue,
+    invocations.c.priority.desc(),
+    invocations.c.submitted_at,
+    invocations.c.invocation_id,
+    sqlite_where=invocations.c.state == "queued",
+    postgresql_where=invocations.c.state == "queued",
+)
+# 0004: the same within one namespace, for claims of daemons bound to a namespace.
+sa.Index(
+    "ix_invocations_queued_ns",
+    invocations.c.namespace,
     invocations.c.queue,
     invocations.c.priority.desc(),
     invocations.c.submitted_at,
@@ -99,6 +111,8 @@ workers = sa.Table(
     sa.Column("info", sa.JSON, nullable=False),
     sa.Column("registered_at", TIME, nullable=False),
     sa.Column("last_seen", TIME, nullable=False),
+    # 0004: the token this worker id is bound to (its first register binds it); None: unbound.
+    sa.Column("token_id", ID, nullable=True),
 )
 
 tokens = sa.Table(
@@ -110,6 +124,8 @@ tokens = sa.Table(
     sa.Column("namespace", NAME, nullable=True),
     sa.Column("name", NAME, nullable=False),
     sa.Column("created_at", TIME, nullable=False),
+    # 0004: may this (producer) token submit run_config.script invocations?
+    sa.Column("may_script", sa.Boolean, nullable=False, server_default=sa.false()),
 )
 
 server_keys = sa.Table(  # secrets the control plane's replicas share (the task-token HMAC key)

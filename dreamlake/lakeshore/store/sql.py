@@ -27,7 +27,7 @@ from .exec_jobs import ExecJobStore
 from .frames import FrameStore
 from .invocations import InvocationStore
 from .listing import ListingStore
-from .notify import Notifier
+from .notify import Notifier, exec_queue_channel
 from .workers import WorkerStore
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
             claimed: list[Invocation] = []
             jobs: list[dict[str, Any]] = []
             if queues and limit >= 1:
-                claimed = self._claim_in(conn, worker_id, queues, limit, lease_s, now)
+                claimed = self._claim_in(conn, worker_id, queues, limit, lease_s, now, namespace)
                 if exec_jobs and len(claimed) < limit:
                     left = limit - len(claimed)
                     jobs = self._claim_exec_in(conn, worker_id, queues, left, now, namespace, lease_s)
@@ -101,9 +101,12 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
                 len(exec_failed),
             )
         self._notify(
-            *{f"queue:{r.queue}" for r in requeued},
+            *(f"queue:{r.queue}" for r in requeued),  # one per invocation: a poll hub wakes one poll each
             *(f"inv:{i}" for i in ids),
-            *{f"exec:{r.queue}" for r in exec_requeued},
+            *(
+                f"worker:{r.worker_id}" if r.worker_id else exec_queue_channel(r.namespace, r.queue)
+                for r in exec_requeued
+            ),
             *(f"exec:{i}" for i in exec_ids),
         )
         return ids + exec_ids

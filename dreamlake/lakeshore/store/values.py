@@ -1,4 +1,12 @@
-"""Pure rules that turn a Submit's loose fields into row values (seed 000, "Submit").
+"""Pure rules that turn a Submit's loose fields into row values (seed 000, "Submit"), and the check
+both planes run on a Submit before it reaches the store.
+
+:func:`check_run_config` refuses (``PlaneError``, status 400, naming the field and the accepted
+range) the run_config values that would otherwise be bent into shape below or run as given:
+``priority`` not a finite number in -2^53..2^53, ``max_attempts`` not a whole number in 1..100,
+``timeout_s`` not a finite number of seconds in (0, 30 days], ``resources`` not a map of at most
+16 names to non-negative finite numbers or short strings (nymph checks the units). The store
+itself stays lenient, as the seed asks:
 
 - ``priority``: ints as given; floats truncated toward zero; bools, non-numbers, NaN and
   infinities become 0; clamped to the signed 64-bit range the column holds.
@@ -19,6 +27,10 @@ from dreamlake.lakeshore.errors import PlaneError
 from .api import DEFAULT_MAX_ATTEMPTS, SubmitRequest
 
 MAX_ATTEMPTS_CAP = 100
+MAX_TIMEOUT_S = 30 * 86400.0
+PRIORITY_BOUND = 2**53  # priorities are exact in a float (msgpack, JSON) up to here
+MAX_RESOURCES = 16
+MAX_RESOURCE_TEXT = 64
 MAX_KEY_LEN = 1024  # the idempotency_key column: PostgreSQL refuses longer, SQLite would not
 _I64 = 2**63 - 1
 
@@ -41,6 +53,63 @@ def normalize_max_attempts(value: Any) -> int:
             return DEFAULT_MAX_ATTEMPTS
         value = math.trunc(value)
     return max(1, min(MAX_ATTEMPTS_CAP, int(value)))
+
+
+def _bad(what: str, accepted: str, value: Any) -> PlaneError:
+    return PlaneError(f"{what} must be {accepted}, got {value!r:.60}", status=400)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_timeout(value: Any, what: str = "run_config.timeout_s") -> float | None:
+    """``value`` as seconds when it is None or a finite number in (0, MAX_TIMEOUT_S]; else 400."""
+    if value is None:
+        return None
+    if not _number(value) or not 0 < value <= MAX_TIMEOUT_S:
+        raise _bad(what, f"a number of seconds above 0 and at most {MAX_TIMEOUT_S:.0f} (30 days)", value)
+    return float(value)
+
+
+def check_max_attempts(value: Any, what: str = "run_config.max_attempts") -> int | None:
+    """``value`` when it is None or a whole number in 1..MAX_ATTEMPTS_CAP; else 400."""
+    if value is None:
+        return None
+    if not _number(value) or value != int(value) or not 1 <= value <= MAX_ATTEMPTS_CAP:
+        raise _bad(what, f"a whole number from 1 to {MAX_ATTEMPTS_CAP}", value)
+    return int(value)
+
+
+def check_run_config(run_config: dict[str, Any]) -> None:
+    """Refuse a Submit's run_config whose limits are out of range (see the module docstring)."""
+    priority = run_config.get("priority")
+    if priority is not None and (not _number(priority) or abs(priority) > PRIORITY_BOUND):
+        raise _bad(
+            "run_config.priority", f"a finite number from -{PRIORITY_BOUND} to {PRIORITY_BOUND}", priority
+        )
+    check_max_attempts(run_config.get("max_attempts"))
+    check_timeout(run_config.get("timeout_s"))
+    resources = run_config.get("resources")
+    if resources is None:
+        return
+    if not isinstance(resources, dict) or len(resources) > MAX_RESOURCES:
+        raise _bad(
+            "run_config.resources",
+            f"a map of at most {MAX_RESOURCES} limits such as {{'cpus': 2}}",
+            resources,
+        )
+    for name, limit in resources.items():
+        what = f"run_config.resources.{str(name)[:40]}"
+        if not isinstance(name, str) or not name:
+            raise _bad("run_config.resources", "a map with string keys", resources)
+        text = isinstance(limit, str) and 0 < len(limit) <= MAX_RESOURCE_TEXT
+        if not text and not (_number(limit) and limit >= 0):
+            raise _bad(
+                what,
+                f"a finite number >= 0 or a size such as '512Mi' (at most {MAX_RESOURCE_TEXT} characters)",
+                limit,
+            )
 
 
 def json_safe(value: Any, what: str) -> Any:

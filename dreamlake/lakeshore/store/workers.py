@@ -9,8 +9,13 @@ Namespaces: ``pin_version`` / ``pinned_version`` hold the nymph version a namesp
 ``pinned_version_for_worker`` reads it for the namespace the worker registered with (``default``
 when none).
 
+Workers are bound to the token that first named them: ``bind_worker`` records the token on a
+worker id that has none (a conditional update, so two tokens racing for one id cannot both win)
+and answers the token it is bound to; the control plane refuses any other token acting as it.
+
 Tokens: ``create_token`` returns ``"lsk_" + secrets.token_urlsafe(32)`` once; only its sha256 is
-stored, and ``verify_token`` looks the hash up (no secret ever compared byte by byte).
+stored, and ``verify_token`` looks the hash up (no secret ever compared byte by byte). A token
+carries its kind, the namespace it is bound to (if any) and ``may_script``.
 
 Server keys: ``server_key(name)`` returns a 32-byte secret every replica shares, made on first use
 (the first insert wins a race; the others read it back). The task-token HMAC key is one.
@@ -32,14 +37,13 @@ from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.ids import new_ulid
 
 from . import schema as t
-from .api import Command, Principal
+from .api import TOKEN_KINDS, Command, Principal
 from .base import StoreBase
 from .engine import Database
 from .notify import Notifier
 from .values import json_safe
 
 TOKEN_PREFIX = "lsk_"
-TOKEN_KINDS = frozenset({"admin", "producer", "daemon", "namespace", "metrics"})
 
 
 def _sha256(secret: str) -> str:
@@ -96,6 +100,23 @@ class WorkerStore(StoreBase):
                 .on_conflict_do_update(index_elements=[w.c.worker_id], set_={"info": info, "last_seen": now})
             )
 
+    def bind_worker(self, worker_id: str, token_id: str) -> str:
+        now = time.time()
+        w = t.workers
+        with self.db.tx(write=True) as conn:
+            conn.execute(
+                self._insert(w)
+                .values(worker_id=worker_id, info={}, registered_at=now, last_seen=now, token_id=token_id)
+                .on_conflict_do_nothing()
+            )
+            conn.execute(
+                sa.update(w)
+                .where(w.c.worker_id == worker_id, w.c.token_id.is_(None))
+                .values(token_id=token_id)
+            )
+            bound = conn.execute(sa.select(w.c.token_id).where(w.c.worker_id == worker_id)).scalar_one()
+        return str(bound)
+
     def worker_info(self, worker_id: str) -> dict[str, Any] | None:
         w = t.workers
         with self.db.tx(write=False) as conn:
@@ -149,11 +170,18 @@ class WorkerStore(StoreBase):
 
     # -- tokens ----------------------------------------------------------------------------------
 
-    def create_token(self, kind: str, name: str, namespace: str | None = None) -> str:
-        if kind not in TOKEN_KINDS:
+    def create_token(
+        self, kind: str, name: str, namespace: str | None = None, *, may_script: bool = False
+    ) -> str:
+        mintable = [k for k in TOKEN_KINDS if k != "task"]
+        if kind == "task":
             raise PlaneError(
-                f"unknown token kind {kind!r}: use one of {', '.join(sorted(TOKEN_KINDS))}", status=400
+                "task tokens are minted by the control plane for each claimed invocation (nymph hands "
+                f"it to the task); mint one of {', '.join(mintable)}",
+                status=400,
             )
+        if kind not in TOKEN_KINDS:
+            raise PlaneError(f"unknown token kind {kind!r}: use one of {', '.join(mintable)}", status=400)
         if kind == "namespace" and not namespace:
             raise PlaneError("a namespace token needs a namespace: pass namespace=NAME", status=400)
         secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
@@ -166,6 +194,7 @@ class WorkerStore(StoreBase):
                     namespace=namespace,
                     name=name,
                     created_at=time.time(),
+                    may_script=bool(may_script),
                 )
             )
         return secret
@@ -179,7 +208,13 @@ class WorkerStore(StoreBase):
             r = conn.execute(sa.select(tk).where(tk.c.secret_sha256 == digest)).first()
         if r is None or not hmac.compare_digest(r.secret_sha256, digest):
             return None
-        return Principal(token_id=r.token_id, kind=r.kind, namespace=r.namespace, name=r.name)
+        return Principal(
+            token_id=r.token_id,
+            kind=r.kind,
+            namespace=r.namespace,
+            name=r.name,
+            may_script=bool(r.may_script),
+        )
 
     # -- server keys -----------------------------------------------------------------------------
 

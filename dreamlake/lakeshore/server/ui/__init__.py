@@ -35,8 +35,8 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 from dreamlake.lakeshore import humanize
+from dreamlake.lakeshore.server import authz, ops
 from dreamlake.lakeshore.server import http as h
-from dreamlake.lakeshore.server import ops
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError
 from dreamlake.lakeshore.states import STATES
@@ -150,7 +150,7 @@ class Dashboard:
     async def _session(self, request: Request) -> Session:
         secret = request.cookies.get(COOKIE, "")
         principal = await self.ctx.auth.verify(secret) if secret else None
-        if principal is None or principal.kind not in ("admin", *ops.OPS_KINDS):
+        if principal is None or principal.kind not in authz.UI.grants:
             raise _LoginNeeded
         return Session(principal, csrf_token(secret))
 
@@ -201,7 +201,7 @@ class Dashboard:
         principal = await self.ctx.auth.verify(secret) if secret else None
         if principal is None:
             return self._page(request, "login.html", 401, error="unknown token", session=None)
-        if principal.kind not in ("admin", *ops.OPS_KINDS):
+        if principal.kind not in authz.UI.grants:
             error = f"a {principal.kind} token cannot open the dashboard: use an admin, producer or namespace token"
             return self._page(request, "login.html", 403, error=error, session=None)
         response = RedirectResponse("/ui", status_code=303)

@@ -4,8 +4,8 @@ One row today, ``task-token``: the HMAC key that signs the credential nymph hand
 (``LAKESHORE_TOKEN`` inside a task, docs/protocol.md "Task tokens"). Created on first use by the
 store (``server_key``), so there is nothing to fill in here.
 
-Revision ID: 0004
-Revises: 0003
+Revision ID: 0005
+Revises: 0004
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0004"
-down_revision = "0003"
+revision = "0005"
+down_revision = "0004"
 branch_labels = None
 depends_on = None
 

@@ -1,0 +1,390 @@
+"""The daemons' long polls, woken one per unit of new work: no thundering herd.
+
+Each waiting ``POST /v1/daemon/poll`` holds a :class:`Ticket` of the :class:`PollHub`. While it
+waits, the ticket is in the FIFO of every queue it serves (invocations), in the FIFO of every
+(queue, namespace) it may claim exec jobs of (when it takes exec jobs; namespace ``None`` for a
+daemon token bound to none, which takes every namespace's), and under its worker id. The hub
+listens to the store notifier (``store/notify.py``) and routes each notification itself:
+
+- ``queue:<q>`` wakes the longest-waiting poll of ``q``;
+- ``exec-queue:<ns>:<q>`` wakes the longest-waiting poll that may claim that job;
+- ``worker:<id>`` wakes the polls of that worker (a cancel, or an exec job aimed at it).
+
+A woken poll leaves every FIFO at once (a poll of several queues is woken once) and runs one store
+pass; one that finds nothing waits again, at the back. What keeps a wake-up from being lost:
+
+- A wake with no waiter is kept, with its notifier position, and taken by the first poll that
+  starts waiting with an older ``since`` (its pass may have missed that work). A poll that starts
+  waiting after a fruitless pass drops the kept wakes its pass saw: it ran after them and found
+  nothing it could claim, so that work is gone.
+- The store notifies once per unit of work. A woken poll spends its wake by claiming work of
+  that kind, or by a pass with room to spare; a pass filled with other work (a poll of several
+  queues, an unbound poll taking another namespace's exec job) hands it on (:meth:`Ticket.settle`).
+- A woken poll that ends without a pass (the daemon hung up, the pass failed) hands it on too.
+- A wake no local poll can take goes to the relay (``server/relay.py``), for other replicas.
+
+Every wait also ends after a safety re-check (``poll_recheck_s``, jittered); while wake-ups from
+other replicas may be missed (PostgreSQL LISTEN not connected) the re-check is ``recheck_s``.
+Everything here runs on the event loop; only :meth:`PollHub._listener` runs in store threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import random
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from dreamlake.lakeshore.store.notify import Notifier, exec_queue_channel
+
+log = logging.getLogger(__name__)
+
+RUN, EXEC = "run", "exec"
+KEPT_PER_QUEUE = 4096  # wakes kept for a queue with no waiter; older ones fall off
+KEPT_FOR_S = 120.0  # a kept wake is for a poll in the middle of its pass: none takes this long
+_QUEUE, _EXEC_QUEUE, _WORKER = "queue:", "exec-queue:", "worker:"
+_ROUTED = (_QUEUE, _EXEC_QUEUE, _WORKER)
+
+# Why a wait ended (and why the poll's next store pass runs): the ``reason`` label of the
+# ``lakeshore_poll_passes`` counter, with "first" for the pass a poll opens with.
+WOKEN, WORKER, RECHECK, TIMEOUT = "woken", "worker", "recheck", "timeout"
+
+_K = TypeVar("_K")
+_F = TypeVar("_F", bound="dict[int, Ticket]")
+
+
+@dataclass(frozen=True)
+class Wake:
+    """One unit of new work: an invocation on ``queue``, or an exec job of ``namespace`` on it."""
+
+    kind: str
+    queue: str
+    namespace: str | None = None
+
+    @property
+    def channel(self) -> str:
+        if self.kind == RUN:
+            return _QUEUE + self.queue
+        assert self.namespace is not None
+        return exec_queue_channel(self.namespace, self.queue)
+
+
+def parse_wake(channel: str) -> Wake | None:
+    """The work a ``queue:`` or ``exec-queue:`` channel announces; None for other channels."""
+    if channel.startswith(_QUEUE):
+        return Wake(RUN, channel[len(_QUEUE) :])
+    if channel.startswith(_EXEC_QUEUE):
+        namespace, sep, queue = channel[len(_EXEC_QUEUE) :].partition(":")
+        if sep and namespace and queue:
+            return Wake(EXEC, queue, namespace)
+    return None
+
+
+class Relay(Protocol):
+    """Carries wake-ups to other replicas (``server/relay.py``)."""
+
+    @property
+    def listening(self) -> bool: ...
+
+    def publish(self, channel: str) -> None: ...
+
+
+class PollsFull(Exception):
+    """The hub serves its limit of concurrent long polls (admission control: 503 + Retry-After)."""
+
+
+class Ticket:
+    """One long poll's place in the hub, for the lifetime of its request."""
+
+    def __init__(
+        self, hub: PollHub, worker_id: str, queues: list[str], *, takes_exec: bool, namespace: str | None
+    ) -> None:
+        self.hub = hub
+        self.worker_id = worker_id
+        self.queues = tuple(dict.fromkeys(queues))
+        self.takes_exec = takes_exec
+        self.namespace = namespace
+        self.id = 0  # registration order while waiting (lower: waited longer); 0 when not waiting
+        self.woken: list[Wake] = []  # wakes handed to this poll and not yet settled by a pass
+        self._future: asyncio.Future[str] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0
+
+    async def wait(self, timeout: float, since: int) -> str:
+        """Wait for work after a fruitless pass that started at notifier position ``since``.
+
+        Returns why it ended: ``woken`` (work for this poll), ``worker`` (a command for its worker),
+        ``recheck`` (the safety re-check) or ``timeout`` (``timeout`` seconds passed)."""
+        return await self.hub._wait(self, timeout, since)
+
+    def settle(self, claimed: list[Wake], limit: int) -> None:
+        """After a store pass that claimed ``claimed`` (one entry per invocation or exec job) of at
+        most ``limit``: spend each wake this poll holds, or hand it on.
+
+        A wake is spent by a claim of its own kind (queue, and namespace for an exec job), or by a
+        pass with room to spare (nothing of its kind was left to claim). A full pass of other work
+        hands it on: a poll of several queues, or an unbound one taking another namespace's exec
+        job, may have claimed the work whose wake went to another poll, and left this one's."""
+        wakes, self.woken = self.woken, []
+        if not wakes:
+            return
+        units = list(claimed)
+        room = len(units) < limit
+        unused = []
+        for wake in wakes:
+            if wake in units:
+                units.remove(wake)
+            elif not room:
+                unused.append(wake)
+        if unused:
+            self.hub._pass_on(unused)
+
+    def close(self) -> None:
+        """The poll is answering: leave the hub, handing on any wake no pass has used."""
+        self.hub._unregister(self)
+        wakes, self.woken = self.woken, []
+        if wakes:
+            self.hub._pass_on(wakes)
+
+
+class PollHub:
+    """The waiting long polls of one control plane and the routing of wake-ups to them."""
+
+    def __init__(
+        self, notifier: Notifier, *, max_polls: int, recheck_s: float, safety_recheck_s: float
+    ) -> None:
+        self.notifier = notifier
+        self.max_polls = max_polls
+        self.recheck_s = recheck_s
+        self.safety_recheck_s = safety_recheck_s
+        self.relay: Relay | None = None
+        self.shared_store = False  # True when other replicas may write work (PostgreSQL)
+        self.active = 0  # admitted polls, waiting or not
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, Ticket] = {}
+        self._run: dict[str, OrderedDict[int, Ticket]] = {}
+        self._exec: dict[tuple[str, str | None], OrderedDict[int, Ticket]] = {}
+        self._workers: dict[str, dict[int, Ticket]] = {}
+        self._kept: dict[tuple[str, str], deque[tuple[int, str | None]]] = {}
+        self._kept_at: dict[tuple[str, str], float] = {}  # last kept, to forget idle queues
+        self._next_sweep = 0.0
+
+    # -- life cycle and admission ---------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._loop is None:
+            self._loop = loop
+            self.notifier.add_listener(self._listener)
+
+    def stop(self) -> None:
+        if self._loop is not None:
+            self.notifier.remove_listener(self._listener)
+            self._loop = None
+
+    @property
+    def waiting(self) -> int:
+        """Polls waiting now."""
+        return len(self._waiting)
+
+    @property
+    def reliable(self) -> bool:
+        """Whether every wake-up reaches this replica: one replica, or the relay is listening."""
+        return not self.shared_store or (self.relay is not None and self.relay.listening)
+
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[None]:
+        """Count one long poll for its whole life; :class:`PollsFull` past ``max_polls``."""
+        if self.active >= self.max_polls:
+            raise PollsFull(
+                f"the control plane is serving its limit of {self.max_polls} concurrent long polls "
+                "(lakeshore server --max-polls)"
+            )
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+
+    def ticket(self, worker_id: str, queues: list[str], *, takes_exec: bool, namespace: str | None) -> Ticket:
+        return Ticket(self, worker_id, queues, takes_exec=takes_exec, namespace=namespace)
+
+    # -- routing --------------------------------------------------------------------------------
+
+    def _listener(self, channel: str, seq: int, relayed: bool) -> None:
+        """Called by the notifier in the notifying thread: hand routed channels to the loop."""
+        loop = self._loop
+        if loop is not None and channel.startswith(_ROUTED):
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
+                loop.call_soon_threadsafe(self._route, channel, seq, relayed)
+
+    def _route(self, channel: str, seq: int, relayed: bool) -> None:
+        if channel.startswith(_WORKER):
+            polls = self._workers.get(channel[len(_WORKER) :])
+            if polls:
+                for t in list(polls.values()):
+                    self._wake(t, None, WORKER)
+            elif not relayed and self.relay is not None:
+                self.relay.publish(channel)
+            return
+        wake = parse_wake(channel)
+        if wake is not None:
+            self._dispatch(wake, seq, relayed=relayed)
+
+    def _dispatch(self, wake: Wake, seq: int, *, relayed: bool) -> None:
+        """Wake the longest-waiting poll that can claim ``wake``; else keep it and relay it."""
+        t = self._first(wake)
+        if t is not None:
+            self._wake(t, wake, WOKEN)
+            return
+        key = (wake.kind, wake.queue)
+        kept = self._kept.get(key)
+        if kept is None:
+            kept = self._kept[key] = deque(maxlen=KEPT_PER_QUEUE)
+        kept.append((seq, wake.namespace))
+        self._forget_idle(key)
+        if not relayed and self.relay is not None:
+            self.relay.publish(wake.channel)
+
+    def _forget_idle(self, key: tuple[str, str]) -> None:
+        """Drop the kept wakes of queues nobody took them from for ``KEPT_FOR_S``: queue names
+        are the producers' to choose, and kept wakes must not grow with every name ever used."""
+        now = time.monotonic()
+        self._kept_at[key] = now
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + KEPT_FOR_S / 4
+        for stale in [k for k, at in self._kept_at.items() if now - at > KEPT_FOR_S]:
+            del self._kept_at[stale]
+            self._kept.pop(stale, None)
+
+    def _pass_on(self, wakes: list[Wake]) -> None:
+        seq = self.notifier.mark()  # a poll starting its pass after now sees that work itself
+        for wake in wakes:
+            self._dispatch(wake, seq, relayed=False)
+
+    def _first(self, wake: Wake) -> Ticket | None:
+        if wake.kind == RUN:
+            fifo = self._run.get(wake.queue)
+            return next(iter(fifo.values())) if fifo else None
+        heads = [
+            next(iter(fifo.values()))
+            for fifo in (self._exec.get((wake.queue, wake.namespace)), self._exec.get((wake.queue, None)))
+            if fifo
+        ]
+        return min(heads, key=lambda t: t.id) if heads else None
+
+    def _wake(self, t: Ticket, wake: Wake | None, reason: str) -> None:
+        self._unregister(t)
+        if wake is not None:
+            t.woken.append(wake)
+        if t._future is not None and not t._future.done():
+            t._future.set_result(reason)
+
+    def degrade(self) -> None:
+        """Wake-ups from other replicas may be missed from now on: bring every waiting poll's
+        re-check forward to ``recheck_s``."""
+        loop = self._loop
+        if loop is None:
+            return
+        now = loop.time()
+        for t in self._waiting.values():
+            due = min(t._deadline - now, self._jitter(self.recheck_s))
+            if t._timer is not None and t._future is not None:
+                t._timer.cancel()
+                t._timer = loop.call_later(max(0.0, due), _expire, t._future, RECHECK)
+
+    # -- waiting --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _jitter(interval: float) -> float:
+        return interval * random.uniform(0.5, 1.0)
+
+    async def _wait(self, t: Ticket, timeout: float, since: int) -> str:
+        if timeout <= 0:
+            return TIMEOUT
+        loop = asyncio.get_running_loop()
+        self.start(loop)  # an app served without its lifespan still routes wake-ups
+        kept = self._take_kept(t, since)
+        if kept is not None:
+            t.woken.append(kept)
+            return WOKEN
+        if self.notifier.fired([_WORKER + t.worker_id], since):
+            return WORKER
+        interval = self._jitter(self.safety_recheck_s if self.reliable else self.recheck_s)
+        reason = RECHECK if interval < timeout else TIMEOUT
+        future: asyncio.Future[str] = loop.create_future()
+        t._future = future
+        t._deadline = loop.time() + timeout
+        t._timer = loop.call_later(min(interval, timeout), _expire, future, reason)
+        self._register(t)
+        try:
+            return await future
+        finally:
+            t._timer.cancel()
+            t._timer = t._future = None
+            self._unregister(t)
+
+    def _take_kept(self, t: Ticket, since: int) -> Wake | None:
+        """A kept wake newer than ``since`` that ``t`` can take (removed); kept wakes ``t`` could
+        take but that are not newer than ``since`` are dropped (its fruitless pass saw that work)."""
+        found: Wake | None = None
+        for queue in t.queues:
+            for kind in (RUN, EXEC) if t.takes_exec else (RUN,):
+                kept = self._kept.get((kind, queue))
+                if not kept:
+                    continue
+                left: deque[tuple[int, str | None]] = deque(maxlen=KEPT_PER_QUEUE)
+                for seq, namespace in kept:
+                    mine = kind == RUN or t.namespace is None or t.namespace == namespace
+                    if not mine:
+                        left.append((seq, namespace))
+                    elif seq > since:
+                        if found is None:
+                            found = Wake(kind, queue, namespace)
+                        else:
+                            left.append((seq, namespace))
+                if left:
+                    self._kept[(kind, queue)] = left
+                else:
+                    del self._kept[(kind, queue)]
+                    self._kept_at.pop((kind, queue), None)
+        return found
+
+    def _register(self, t: Ticket) -> None:
+        t.id = next(self._ids)
+        self._waiting[t.id] = t
+        for queue in t.queues:
+            self._run.setdefault(queue, OrderedDict())[t.id] = t
+            if t.takes_exec:
+                self._exec.setdefault((queue, t.namespace), OrderedDict())[t.id] = t
+        self._workers.setdefault(t.worker_id, {})[t.id] = t
+
+    def _unregister(self, t: Ticket) -> None:
+        if self._waiting.pop(t.id, None) is None:
+            return
+        for queue in t.queues:
+            _discard(self._run, queue, t.id)
+            if t.takes_exec:
+                _discard(self._exec, (queue, t.namespace), t.id)
+        _discard(self._workers, t.worker_id, t.id)
+        t.id = 0
+
+
+def _discard(index: dict[_K, _F], key: _K, ticket_id: int) -> None:
+    fifo = index.get(key)
+    if fifo is not None:
+        fifo.pop(ticket_id, None)
+        if not fifo:
+            del index[key]
+
+
+def _expire(future: asyncio.Future[str], reason: str) -> None:
+    if not future.done():
+        future.set_result(reason)

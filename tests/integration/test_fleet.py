@@ -1,0 +1,187 @@
+"""A fleet of waiting daemons over real HTTP: one submit wakes one poll, not all of them.
+
+Hundreds of long polls are held open by a cheap asyncio client (one connection each); the store
+transactions polls run are counted with the server's ``lakeshore_poll_passes`` counter. Re-checks
+are set far beyond the test's length, so every pass counted was caused by a wake-up. Across two
+replicas on PostgreSQL, a poll on one replica must be woken by LISTEN/NOTIFY from the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import msgpack
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dreamlake.lakeshore.ids import new_ulid
+from dreamlake.lakeshore.server.app import create_app
+from dreamlake.lakeshore.server.config import ServerConfig
+from dreamlake.lakeshore.store import open_store
+from nymph.client import ControlPlaneClient, TransientError
+from tests.integration.conftest import MSGPACK, ControlPlane, ServerThread, running_control_plane, submit_body
+
+WAITERS = 200
+NO_RECHECK = ServerConfig(recheck_s=600.0, poll_recheck_s=600.0)
+POLL_S = 100.0
+SETTLE_S = 60.0  # a deadline for conditions the test waits for, never a measured bound
+
+
+def _headers(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}", "Content-Type": MSGPACK}
+
+
+async def _poll(client: httpx.AsyncClient, worker: str, queue: str) -> dict[str, Any]:
+    body = {"worker_id": worker, "queues": [queue], "max": 1, "timeout_s": POLL_S}
+    resp = await client.post("/v1/daemon/poll", content=msgpack.packb(body))
+    assert resp.status_code == 200, resp.content
+    out: dict[str, Any] = msgpack.unpackb(resp.content)
+    return out
+
+
+async def _until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + SETTLE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def _passes(cp: ControlPlane) -> float:
+    resp = httpx.get(cp.url + "/metrics", headers={"Authorization": f"Bearer {cp.admin_token}"})
+    assert resp.status_code == 200
+    for family in text_string_to_metric_families(resp.text):
+        if family.name == "lakeshore_poll_passes":
+            return sum(s.value for s in family.samples if s.name.endswith("_total"))
+    raise AssertionError("no lakeshore_poll_passes counter on /metrics")
+
+
+async def _submit(client: httpx.AsyncClient, queue: str) -> str:
+    inv = new_ulid()
+    resp = await client.post("/v1/producer/submit", content=msgpack.packb(submit_body(inv, queue)))
+    assert resp.status_code == 200, resp.content
+    return inv
+
+
+def test_one_submit_wakes_one_of_200_waiting_polls_and_a_burst_wakes_each_once(store_url: str) -> None:
+    with running_control_plane(store_url, config=NO_RECHECK) as cp:
+        hub = cp.app.state.ctx.polls
+        queue = f"fleet-{new_ulid()}"
+
+        async def main() -> None:
+            limits = httpx.Limits(max_connections=WAITERS + 8, max_keepalive_connections=WAITERS + 8)
+            async with (
+                httpx.AsyncClient(
+                    base_url=cp.url, headers=_headers(cp.daemon_token), limits=limits, timeout=POLL_S + 30
+                ) as daemons,
+                httpx.AsyncClient(base_url=cp.url, headers=_headers(cp.producer_token)) as producer,
+            ):
+                workers = [new_ulid() for _ in range(WAITERS)]
+                polls = {asyncio.ensure_future(_poll(daemons, w, queue)): w for w in workers}
+                await _until(lambda: hub.waiting == WAITERS, f"{WAITERS} polls waiting")
+                before = await asyncio.to_thread(_passes, cp)
+
+                inv = await _submit(producer, queue)
+                done, pending = await asyncio.wait(polls, return_when=asyncio.FIRST_COMPLETED)
+                (winner,) = done
+                (cmd,) = winner.result()["commands"]
+                assert cmd["body"]["invocation_id"] == inv
+                await _until(lambda: hub.waiting == WAITERS - 1, "the other polls to wait again")
+                assert all(not p.done() for p in pending)  # nobody else answered
+                assert await asyncio.to_thread(_passes, cp) - before <= 2
+                row = cp.store.get(inv)
+                assert row is not None and row.worker_id == polls[winner] and row.attempt == 1
+
+                # a burst: each waiting poll is woken once and claims one invocation
+                burst = set(await asyncio.gather(*(_submit(producer, queue) for _ in pending)))
+                answers = await asyncio.gather(*pending)
+                claimed = [c["body"]["invocation_id"] for a in answers for c in a["commands"]]
+                assert sorted(claimed) == sorted(burst)
+                assert await asyncio.to_thread(_passes, cp) - before <= WAITERS + 4
+
+        asyncio.run(main())
+
+
+def test_past_max_polls_a_poll_is_refused_503_with_retry_after(tmp_path: Any) -> None:
+    config = ServerConfig(max_polls=3, poll_retry_after_s=5, **_no_recheck())
+    with running_control_plane(str(tmp_path / "s.db"), config=config) as cp:
+        hub = cp.app.state.ctx.polls
+
+        async def main() -> None:
+            async with httpx.AsyncClient(
+                base_url=cp.url, headers=_headers(cp.daemon_token), timeout=POLL_S + 30
+            ) as daemons:
+                held = [asyncio.ensure_future(_poll(daemons, new_ulid(), "full")) for _ in range(3)]
+                await _until(lambda: hub.waiting == 3, "3 polls waiting")
+                body = {"worker_id": new_ulid(), "queues": ["full"], "timeout_s": 1}
+                resp = await daemons.post("/v1/daemon/poll", content=msgpack.packb(body))
+                assert resp.status_code == 503
+                assert 5 <= int(resp.headers["Retry-After"]) <= 10
+                assert (
+                    "limit of 3 concurrent long polls (lakeshore server --max-polls)"
+                    in (msgpack.unpackb(resp.content)["error"])
+                )
+                client = ControlPlaneClient(cp.url, cp.daemon_token)
+                try:
+                    with pytest.raises(TransientError) as err:
+                        await asyncio.to_thread(client.poll, body, timeout_s=1)
+                finally:
+                    client.close()
+                assert err.value.status == 503 and err.value.retry_after in {5.0, 6.0, 7.0, 8.0, 9.0, 10.0}
+                # the held polls still get their work
+                async with httpx.AsyncClient(
+                    base_url=cp.url, headers=_headers(cp.producer_token)
+                ) as producer:
+                    invs = {await _submit(producer, "full") for _ in range(3)}
+                answers = await asyncio.gather(*held)
+                assert {a["commands"][0]["body"]["invocation_id"] for a in answers} == invs
+
+        asyncio.run(main())
+
+
+def _no_recheck() -> dict[str, float]:
+    return {"recheck_s": NO_RECHECK.recheck_s, "poll_recheck_s": NO_RECHECK.poll_recheck_s}
+
+
+def test_a_submit_on_one_replica_wakes_a_poll_waiting_on_the_other(_pg_url: str) -> None:
+    """Replica B never re-checks within the test: its poll can only learn of A's submit (and of a
+    cancel for its worker) through PostgreSQL LISTEN/NOTIFY."""
+    with running_control_plane(_pg_url, config=NO_RECHECK) as a:
+        b_app = create_app(open_store(_pg_url), config=NO_RECHECK)
+        b = ServerThread(b_app)
+        b.start()
+        b_polls = b_app.state.ctx.polls
+        try:
+
+            async def main() -> None:
+                await _until(lambda: b_polls.relay is not None and b_polls.relay.listening, "B to LISTEN")
+                queue, worker = f"replicas-{new_ulid()}", new_ulid()
+                async with (
+                    httpx.AsyncClient(
+                        base_url=b.url, headers=_headers(a.daemon_token), timeout=POLL_S + 30
+                    ) as on_b,
+                    httpx.AsyncClient(base_url=a.url, headers=_headers(a.producer_token)) as on_a,
+                ):
+                    waiting = asyncio.ensure_future(_poll(on_b, worker, queue))
+                    await _until(lambda: b_polls.waiting == 1, "a poll waiting on B")
+                    started = time.monotonic()
+                    inv = await _submit(on_a, queue)
+                    (cmd,) = (await waiting)["commands"]
+                    woken_after = time.monotonic() - started
+                    assert cmd["body"]["invocation_id"] == inv
+                    assert woken_after < 0.9  # B re-checks every 600 s: the wake came by NOTIFY
+
+                    waiting = asyncio.ensure_future(_poll(on_b, worker, queue))
+                    await _until(lambda: b_polls.waiting == 1, "the worker's next poll waiting on B")
+                    resp = await on_a.post(f"/v1/producer/invocations/{inv}/cancel")
+                    assert resp.status_code == 200
+                    (cancel,) = (await waiting)["commands"]
+                    assert cancel["kind"] == "cancel" and cancel["body"]["invocation_id"] == inv
+
+            asyncio.run(main())
+        finally:
+            b.stop()
+            b_app.state.ctx.store.close()

@@ -1,0 +1,87 @@
+"""Slow and half-open clients cannot hold the control plane's connections (issue 11).
+
+``lakeshore server`` runs with a 1 s header deadline, a 1 s body pause limit and a cap of 150
+connections. The attacker opens 200 sockets on loopback: some send half a request line and
+headers and stop, some trickle a byte every 0.2 s (a trickle must not extend the deadline), some
+send complete (authenticated) headers and never the body they announce. A normal request is still served while
+they hang, the sockets past the cap are closed on accept, and the server closes every one of them;
+the wait for that is bounded (30 s) so a regression fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.security.conftest import Stack
+
+HALF_HEADERS = (
+    b"POST /v1/producer/submit HTTP/1.1\r\nHost: lakeshore\r\nContent-Type: application/x-msgpack\r\n"
+)
+
+
+def no_body(token: str) -> bytes:
+    """Complete, authenticated headers announcing a body of which one byte ever comes."""
+    head = f"POST /v1/producer/submit HTTP/1.1\r\nHost: lakeshore\r\nAuthorization: Bearer {token}\r\n"
+    return head.encode() + b"Content-Length: 1000\r\n\r\n{"
+
+
+BOUND_S = 30.0
+
+
+def _open(port: int, data: bytes) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.sendall(data)
+    s.setblocking(False)
+    return s
+
+
+def _closed(s: socket.socket) -> bool:
+    """Whether the server has closed ``s`` (EOF or reset); False while it is held open."""
+    try:
+        return s.recv(65536) == b""  # an answer then EOF comes as data first: read on
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def test_half_open_and_slow_connections_are_dropped_and_others_still_served(tmp_path: Path) -> None:
+    stack = Stack(
+        tmp_path / "data",
+        LAKESHORE_HEADER_TIMEOUT_S="1",
+        LAKESHORE_BODY_TIMEOUT_S="1",
+        LAKESHORE_MAX_CONNECTIONS="150",
+    ).start()
+    held: list[socket.socket] = []
+    try:
+        held += [_open(stack.port, HALF_HEADERS) for _ in range(100)]
+        trickle = [_open(stack.port, b"G") for _ in range(10)]
+        held += trickle
+        held += [_open(stack.port, no_body(stack.admin)) for _ in range(20)]
+        # 130 connections hang; an honest request is still served
+        assert httpx.get(stack.url + "/healthz", timeout=10).status_code == 200
+        held += [_open(stack.port, HALF_HEADERS) for _ in range(70)]  # past the cap of 150
+        assert len(held) == 200
+
+        open_ = list(held)
+        deadline = time.monotonic() + BOUND_S
+        while open_ and time.monotonic() < deadline:
+            for s in trickle:
+                try:
+                    s.send(b"E")  # one byte every 0.2 s: it must not keep the connection alive
+                except OSError:
+                    pass
+            open_ = [s for s in open_ if not _closed(s)]
+            time.sleep(0.2)
+        assert open_ == [], f"{len(open_)} of 200 slow connections still open after {BOUND_S} s"
+        assert httpx.get(stack.url + "/healthz", timeout=10).status_code == 200
+    finally:
+        for s in held:
+            s.close()
+        stack.stop()
+    log = stack.log.read_text()
+    assert "connection cap reached (150 open)" in log

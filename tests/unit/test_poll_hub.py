@@ -1,0 +1,245 @@
+"""The poll hub's routing rules, on a real notifier without a server: who a wake-up goes to."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from dreamlake.lakeshore.server.polls import (
+    EXEC,
+    RECHECK,
+    RUN,
+    TIMEOUT,
+    WOKEN,
+    WORKER,
+    PollHub,
+    PollsFull,
+    Ticket,
+    Wake,
+    parse_wake,
+)
+from dreamlake.lakeshore.store.notify import Notifier, exec_queue_channel
+
+LONG = 600.0  # no re-check fires during a test
+
+
+def _hub(**kw: Any) -> PollHub:
+    args: dict[str, Any] = {"max_polls": 100, "recheck_s": LONG, "safety_recheck_s": LONG, **kw}
+    return PollHub(Notifier(), **args)
+
+
+def run(test: Callable[[PollHub], Awaitable[None]], **kw: Any) -> None:
+    hub = _hub(**kw)
+
+    async def main() -> None:
+        hub.start(asyncio.get_running_loop())
+        try:
+            await test(hub)
+        finally:
+            hub.stop()
+
+    asyncio.run(main())
+
+
+async def _settled() -> None:
+    """Let the loop run the notifier's call_soon_threadsafe callbacks and the woken waits."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def _wait(t: Ticket, since: int, timeout: float = LONG) -> asyncio.Task[str]:
+    return asyncio.ensure_future(t.wait(timeout, since))
+
+
+def test_channels_parse_to_wakes() -> None:
+    assert parse_wake("queue:gpu") == Wake(RUN, "gpu")
+    assert parse_wake(exec_queue_channel("team-a", "gpu")) == Wake(EXEC, "gpu", "team-a")
+    assert Wake(EXEC, "gpu", "team-a").channel == "exec-queue:team-a:gpu"
+    for other in ("inv:01H", "worker:01H", "exec:01H", "exec-queue:gpu", "topic:t"):
+        assert parse_wake(other) is None
+
+
+def test_one_notification_wakes_the_longest_waiting_poll_only() -> None:
+    async def test(hub: PollHub) -> None:
+        mark = hub.notifier.mark()
+        tickets = [hub.ticket(f"w{i}", ["q"], takes_exec=True, namespace=None) for i in range(3)]
+        waits = [_wait(t, mark) for t in tickets]
+        await _settled()
+        assert hub.waiting == 3
+        hub.notifier.notify("queue:q")
+        hub.notifier.notify("queue:q")
+        await _settled()
+        assert [w.done() for w in waits] == [True, True, False]
+        assert waits[0].result() == WOKEN and tickets[0].woken == [Wake(RUN, "q")]
+        assert hub.waiting == 1
+        waits[2].cancel()
+        await _settled()
+        assert hub.waiting == 0
+
+    run(test)
+
+
+def test_a_poll_of_several_queues_is_woken_once_and_the_next_wake_is_kept() -> None:
+    async def test(hub: PollHub) -> None:
+        mark = hub.notifier.mark()
+        both = hub.ticket("w1", ["a", "b"], takes_exec=False, namespace=None)
+        waiting = _wait(both, mark)
+        await _settled()
+        hub.notifier.notify("queue:a")
+        hub.notifier.notify("queue:b")
+        await _settled()
+        assert waiting.result() == WOKEN and both.woken == [Wake(RUN, "a")]
+        # nobody waits on b: its wake is kept for a poll whose pass may have missed that work ...
+        late = hub.ticket("w2", ["b"], takes_exec=False, namespace=None)
+        assert await late.wait(LONG, mark) == WOKEN and late.woken == [Wake(RUN, "b")]
+        # ... and a poll whose fruitless pass started after it drops it rather than waking for it
+        hub.notifier.notify("queue:c")
+        await _settled()
+        after = hub.notifier.mark()
+        stale = hub.ticket("w3", ["c"], takes_exec=False, namespace=None)
+        assert await stale.wait(0.01, after) == TIMEOUT
+        assert await hub.ticket("w4", ["c"], takes_exec=False, namespace=None).wait(0.01, mark) == TIMEOUT
+
+    run(test)
+
+
+def test_exec_wakes_go_to_a_poll_that_may_claim_the_job() -> None:
+    async def test(hub: PollHub) -> None:
+        mark = hub.notifier.mark()
+        run_only = hub.ticket("w1", ["q"], takes_exec=False, namespace=None)
+        bound_a = hub.ticket("w2", ["q"], takes_exec=True, namespace="a")
+        unbound = hub.ticket("w3", ["q"], takes_exec=True, namespace=None)
+        waits = {t.worker_id: _wait(t, mark) for t in (run_only, bound_a, unbound)}
+        await _settled()
+        hub.notifier.notify(exec_queue_channel("b", "q"))
+        await _settled()
+        assert [w for w, task in waits.items() if task.done()] == ["w3"]
+        hub.notifier.notify(exec_queue_channel("a", "q"))
+        await _settled()
+        assert waits["w2"].done() and bound_a.woken == [Wake(EXEC, "q", "a")]
+        assert not waits["w1"].done()
+        waits["w1"].cancel()
+
+    run(test)
+
+
+def test_a_command_for_a_worker_wakes_its_poll_without_spending_work() -> None:
+    async def test(hub: PollHub) -> None:
+        mark = hub.notifier.mark()
+        mine, other = (hub.ticket(w, ["q"], takes_exec=True, namespace=None) for w in ("w1", "w2"))
+        waits = [_wait(mine, mark), _wait(other, mark)]
+        await _settled()
+        hub.notifier.notify("worker:w1")
+        await _settled()
+        assert waits[0].result() == WORKER and mine.woken == [] and not waits[1].done()
+        # a command queued while the poll was in its pass: the next wait does not sleep
+        assert await hub.ticket("w1", ["q"], takes_exec=True, namespace=None).wait(LONG, mark) == WORKER
+        waits[1].cancel()
+
+    run(test)
+
+
+@pytest.mark.parametrize(
+    ("claimed", "limit", "handed_on"),
+    [
+        ([Wake(RUN, "a")], 1, False),  # its own work: spent
+        ([], 1, False),  # room to spare and nothing found: that work is gone
+        ([Wake(RUN, "b")], 1, True),  # full of other work: a's invocation may still be queued
+        ([Wake(RUN, "b")], 2, False),  # room left, so nothing of a's was claimable
+    ],
+)
+def test_a_woken_poll_hands_its_wake_on_only_when_other_work_filled_it(
+    claimed: list[Wake], limit: int, handed_on: bool
+) -> None:
+    async def test(hub: PollHub) -> None:
+        mark = hub.notifier.mark()
+        first = hub.ticket("w1", ["a", "b"], takes_exec=False, namespace=None)
+        second = hub.ticket("w2", ["a"], takes_exec=False, namespace=None)
+        waits = [_wait(first, mark), _wait(second, mark)]
+        await _settled()
+        hub.notifier.notify("queue:a")
+        await _settled()
+        assert waits[0].result() == WOKEN and not waits[1].done()
+        first.settle(claimed, limit)
+        await _settled()
+        assert waits[1].done() is handed_on
+        first.close()
+        if not handed_on:
+            waits[1].cancel()
+
+    run(test)
+
+
+def test_a_poll_that_ends_without_its_pass_hands_the_wake_on() -> None:
+    async def test(hub: PollHub) -> None:
+        mark = hub.notifier.mark()
+        gone = hub.ticket("w1", ["q"], takes_exec=False, namespace=None)
+        live = hub.ticket("w2", ["q"], takes_exec=False, namespace=None)
+        waits = [_wait(gone, mark), _wait(live, mark)]
+        await _settled()
+        hub.notifier.notify("queue:q")
+        await _settled()
+        assert waits[0].result() == WOKEN
+        gone.close()  # the daemon hung up before the pass
+        await _settled()
+        assert waits[1].result() == WOKEN and live.woken == [Wake(RUN, "q")]
+
+    run(test)
+
+
+def test_relayed_work_is_not_sent_back_and_local_work_nobody_takes_is_relayed() -> None:
+    class Relay:
+        listening = True
+
+        def __init__(self) -> None:
+            self.sent: list[str] = []
+
+        def publish(self, channel: str) -> None:
+            self.sent.append(channel)
+
+    async def test(hub: PollHub) -> None:
+        relay = Relay()
+        hub.relay = relay
+        hub.notifier.notify("queue:q")
+        hub.notifier.notify("queue:r", relayed=True)
+        hub.notifier.notify("worker:w9")
+        await _settled()
+        assert relay.sent == ["queue:q", "worker:w9"]
+        mark = hub.notifier.mark()
+        t = hub.ticket("w1", ["q"], takes_exec=False, namespace=None)
+        waiting = _wait(t, mark)
+        await _settled()
+        hub.notifier.notify("queue:q")  # taken here: no other replica needs to hear of it
+        await _settled()
+        assert waiting.result() == WOKEN and relay.sent == ["queue:q", "worker:w9"]
+
+    run(test)
+
+
+def test_waits_recheck_sooner_while_other_replicas_wakes_may_be_missed() -> None:
+    class Down:
+        listening = False
+
+        def publish(self, channel: str) -> None:
+            pass
+
+    async def test(hub: PollHub) -> None:
+        hub.shared_store = True
+        hub.relay = Down()
+        assert not hub.reliable
+        t = hub.ticket("w1", ["q"], takes_exec=False, namespace=None)
+        assert await t.wait(LONG, hub.notifier.mark()) == RECHECK
+
+    run(test, recheck_s=0.02)
+
+
+def test_admission_stops_at_max_polls() -> None:
+    hub = _hub(max_polls=2)
+    with hub.admitted(), hub.admitted():
+        assert hub.active == 2
+        with pytest.raises(PollsFull, match="limit of 2 concurrent long polls"), hub.admitted():
+            pass
+    assert hub.active == 0
