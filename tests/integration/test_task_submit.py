@@ -285,6 +285,8 @@ def test_the_readme_module_and_tasks_that_submit_in_a_bare_image(
     )  # fmt: skip
     top = submit(cp, readme.topk, [3, 1, 2], 2)
     assert _result(cp, top, bare) == [2, 3]
+    keys = submit(cp, readme.keys, "x.png")
+    print(f"[{kind}, bare image] readme_udfs.topk([3, 1, 2], 2) -> [2, 3]; keys -> {_result(cp, keys, bare)}")
     error = _failure(cp, submit(cp, udfs.fan_out, 2), bare)
     print(f"[{kind}, bare image] {error['type']}: {error['message']}")
     assert error["type"] == "ModuleNotFoundError"
