@@ -1,204 +1,398 @@
-"""Control-plane throughput and wake latency over loopback HTTP, for SQLite and PostgreSQL.
+"""Control-plane throughput over loopback HTTP, SQLite and PostgreSQL, beside the goals and the
+same run's raw baselines.
 
-Measures, with N simulated daemons (threads, one httpx client each):
+The server is ``lakeshore server`` in a subprocess (``--workers N`` to try several); the load comes
+from separate processes with a cheap client (``http.client`` on one keep-alive connection each,
+msgpack bodies), so the client never shares the server's core or interpreter. Figures:
 
-- baseline: a bare ``GET /healthz`` round trip (what HTTP itself costs here);
-- submit/s: producers submitting as fast as they can;
-- claim+ack/s: daemons polling (max 1) and acking until the queue is drained; the median of two
-  drains (each poll pass is one store transaction, ``store.poll``);
-- poll wake latency: a daemon waits in a long poll; the time from the submit's answer to the
-  poll's answer (p50, p90).
+- submit/s: ``--producers`` processes submitting ``--jobs`` invocations in all, as fast as answered;
+- claim+ack/s: ``--daemons`` processes polling (``max`` ``--poll-max``, no wait) and acking until
+  the queue is drained;
+- baselines of the same run: a Starlette hello-world on the same HTTP stack (uvicorn with
+  uvloop when installed, and h11, as ``lakeshore server`` uses) under the same load processes;
+  raw ``sqlite3`` (WAL, ``synchronous=NORMAL``, as the store) and raw ``psycopg`` inserts, one row
+  per transaction and 100 rows per transaction.
 
-Run: ``.venv/bin/python bench/control_plane.py [--daemons 8] [--jobs 400] [--pg URL]``
-(PostgreSQL also from ``LAKESHORE_TEST_PG_URL``; the database is created and dropped).
+The code under test is whatever ``dreamlake`` the interpreter imports: to compare two trees run
+``PYTHONPATH=<tree> python bench/control_plane.py`` for each (this script imports nothing of it).
+
+Run: ``python bench/control_plane.py [--producers 4] [--daemons 4] [--jobs 2000] [--workers 1]
+[--pg URL]`` (PostgreSQL also from ``LAKESHORE_TEST_PG_URL``; a database is created and dropped).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
+import importlib.util
+import json
+import multiprocessing as mp
 import os
-import statistics
+import secrets
+import signal
+import socket
+import sqlite3
+import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import httpx
 import msgpack
-from _stats import percentile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+GOAL_SUBMIT = {"sqlite": 2000, "postgresql": 3000}
+GOAL_CLAIM_ACK = {"sqlite": 2000, "postgresql": 3000}
+MSGPACK = "application/x-msgpack"
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
-from dreamlake.lakeshore.ids import new_ulid
-from tests.integration.conftest import ControlPlane, running_control_plane, submit_body
-
-
-def _client(cp: ControlPlane, token: str) -> httpx.Client:
-    return httpx.Client(
-        base_url=cp.url,
-        timeout=60,
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/x-msgpack"},
-    )
-
-
-def healthz(cp: ControlPlane, n: int = 200) -> list[float]:
-    with httpx.Client(base_url=cp.url) as c:
-        c.get("/healthz")
-        out = []
-        for _ in range(n):
-            t = time.perf_counter()
-            c.get("/healthz")
-            out.append(time.perf_counter() - t)
-    return out
+HELLO = """
+import sys, uvicorn
+from starlette.applications import Starlette
+from starlette.responses import Response
+from starlette.routing import Route
+async def hello(request):
+    await request.body()
+    return Response(b"\\x81\\xa2ok\\xc3", media_type="application/x-msgpack")
+app = Starlette(routes=[Route("/", hello, methods=["GET", "POST"])])
+loop = "uvloop" if {uvloop} else "asyncio"
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", loop=loop, http="h11")
+"""
 
 
-def submit_rate(cp: ControlPlane, jobs: int, threads: int, queue: str) -> float:
-    def work(k: int) -> None:
-        with _client(cp, cp.producer_token) as c:
-            for _ in range(k):
-                r = c.post("/v1/producer/submit", content=msgpack.packb(submit_body(new_ulid(), queue)))
-                assert r.status_code == 200, r.content
-
-    t = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(work, [jobs // threads] * threads))
-    return (jobs // threads * threads) / (time.perf_counter() - t)
+def ulid() -> str:
+    """A ULID (48-bit ms time + 80 random bits, Crockford base32): what the server validates."""
+    value = (int(time.time() * 1000) << 80) | int.from_bytes(os.urandom(10), "big")
+    return "".join(_CROCKFORD[(value >> (5 * i)) & 31] for i in range(25, -1, -1))
 
 
-def claim_ack_rate(cp: ControlPlane, threads: int, queue: str) -> tuple[float, int]:
-    def work(_: int) -> int:
-        worker, done = new_ulid(), 0
-        with _client(cp, cp.daemon_token) as c:
-            while True:
-                r = c.post(
-                    "/v1/daemon/poll",
-                    content=msgpack.packb({"worker_id": worker, "queues": [queue], "max": 1, "timeout_s": 0}),
-                )
-                answer = msgpack.unpackb(r.content)
-                if r.status_code != 200:
-                    raise RuntimeError(f"poll answered {r.status_code}: {answer}")
-                cmds = answer["commands"]
-                if not cmds:
-                    return done
-                for cmd in cmds:
-                    ack = {
-                        "invocation_id": cmd["body"]["invocation_id"],
-                        "state": "succeeded",
-                        "result_blob": b"\xc0",
-                        "error": None,
-                        "worker_id": worker,
-                        "attempt": cmd["body"]["attempt"],
-                    }
-                    assert c.post("/v1/daemon/ack", content=msgpack.packb(ack)).status_code == 200
-                    done += 1
-
-    t = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        total = sum(pool.map(work, range(threads)))
-    return total / (time.perf_counter() - t), total
+def submit_body(queue: str) -> dict[str, Any]:
+    return {
+        "invocation_id": ulid(),
+        "queue": queue,
+        "function": {"module": "_native_wire", "qualname": "_native_wire.envelope", "version": "v1"},
+        "args_blob": b"\x90",
+        "run_config": {"queue": queue, "priority": 0.0, "key": None},
+        "code_context": {},
+    }
 
 
-def wake_latency(cp: ControlPlane, rounds: int, idle_pollers: int) -> list[float]:
-    """Latency from a submit's answer to the waiting poll's answer, with other pollers idling."""
-    stop = threading.Event()
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
-    def idle(_: int) -> None:  # pollers on another queue: load on the server, never woken
-        worker = new_ulid()
-        with _client(cp, cp.daemon_token) as c:
-            while not stop.is_set():
-                c.post(
-                    "/v1/daemon/poll",
-                    content=msgpack.packb({"worker_id": worker, "queues": ["idle"], "timeout_s": 1}),
-                )
 
-    pool = ThreadPoolExecutor(max(1, idle_pollers))
-    for i in range(idle_pollers):
-        pool.submit(idle, i)
-    out: list[float] = []
-    try:
-        with _client(cp, cp.daemon_token) as d, _client(cp, cp.producer_token) as p:
-            worker = new_ulid()
-            for _ in range(rounds):
-                got: dict[str, float] = {}
+class Client:
+    """One keep-alive HTTP/1.1 connection; msgpack in, msgpack out."""
 
-                def wait(got: dict[str, float] = got) -> None:
-                    r = d.post(
-                        "/v1/daemon/poll",
-                        content=msgpack.packb({"worker_id": worker, "queues": ["wake"], "timeout_s": 10}),
-                    )
-                    got["t"] = time.perf_counter()
-                    assert msgpack.unpackb(r.content)["commands"]
+    def __init__(self, port: int, token: str | None) -> None:
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        self.headers = {"Content-Type": MSGPACK}
+        if token:
+            self.headers["Authorization"] = f"Bearer {token}"
 
-                t = threading.Thread(target=wait)
-                t.start()
-                time.sleep(0.05)  # the poll is waiting by now
-                p.post("/v1/producer/submit", content=msgpack.packb(submit_body(new_ulid(), "wake")))
-                submitted = time.perf_counter()
-                t.join()
-                out.append(got["t"] - submitted)
-    finally:
-        stop.set()
-        pool.shutdown(wait=True)
-    return out
+    def post(self, path: str, body: Any) -> tuple[int, Any]:
+        self.conn.request("POST", path, msgpack.packb(body, use_bin_type=True), self.headers)
+        resp = self.conn.getresponse()
+        data = resp.read()
+        return resp.status, msgpack.unpackb(data, raw=False) if data else None
+
+
+# -- load processes ----------------------------------------------------------------------------
+
+
+def _producer(port: int, token: str, n: int, queue: str, go: Any, out: Any) -> None:
+    c = Client(port, token)
+    go.wait()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        status, answer = c.post("/v1/producer/submit", submit_body(queue))
+        if status != 200:
+            raise RuntimeError(f"submit answered {status}: {answer}")
+    out.put((t0, time.perf_counter(), n))
+
+
+def _daemon(port: int, token: str, queue: str, poll_max: int, go: Any, out: Any) -> None:
+    c = Client(port, token)
+    worker, done = ulid(), 0
+    go.wait()
+    t0 = time.perf_counter()
+    while True:
+        poll = {"worker_id": worker, "queues": [queue], "max": poll_max, "timeout_s": 0}
+        status, answer = c.post("/v1/daemon/poll", poll)
+        if status != 200:
+            raise RuntimeError(f"poll answered {status}: {answer}")
+        if not answer["commands"]:
+            break
+        for cmd in answer["commands"]:
+            body = cmd["body"]
+            ack = {
+                "invocation_id": body["invocation_id"],
+                "state": "succeeded",
+                "result_blob": b"\xc0",
+                "error": None,
+                "worker_id": worker,
+                "attempt": body["attempt"],
+            }
+            status, answer = c.post("/v1/daemon/ack", ack)
+            if status != 200:
+                raise RuntimeError(f"ack answered {status}: {answer}")
+            done += 1
+    out.put((t0, time.perf_counter(), done))
+
+
+def _hello(port: int, n: int, go: Any, out: Any) -> None:
+    c = Client(port, None)
+    go.wait()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        c.post("/", {"x": 1})
+    out.put((t0, time.perf_counter(), n))
+
+
+def run_load(target: Callable[..., None], arglists: list[tuple[Any, ...]]) -> tuple[float, int]:
+    """Run ``target(*args, go, out)`` in one process per arglist, started together; (rate/s, total)."""
+    ctx = mp.get_context("fork")
+    go, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*a, go, out)) for a in arglists]
+    for p in procs:
+        p.start()
+    time.sleep(0.2)  # every process has connected and waits
+    go.set()
+    results = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(30)
+        if p.exitcode != 0:
+            raise RuntimeError(f"a load process failed (exit {p.exitcode})")
+    start = min(r[0] for r in results)
+    end = max(r[1] for r in results)
+    total = sum(r[2] for r in results)
+    return total / (end - start), total
+
+
+# -- servers -----------------------------------------------------------------------------------
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError("server did not start")
+        time.sleep(0.05)
 
 
 @contextlib.contextmanager
-def _pg(url: str | None) -> Iterator[str | None]:
-    if not url:
-        yield None
-        return
-    os.environ["LAKESHORE_TEST_PG_URL"] = url
-    from tests.contract.conftest import pg_database
+def _process(cmd: list[str], port: int) -> Iterator[int]:
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=None)
+    try:
+        _wait_port(port, proc)
+        yield proc.pid
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
-    with pg_database() as db:
-        yield db
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its live children (``--workers``)."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    total = 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
 
 
-def run(label: str, store_url: str, daemons: int, jobs: int, rounds: int) -> list[str]:
-    rates: list[float] = []
-    with running_control_plane(store_url) as cp:
-        base = healthz(cp)
-        submits: list[float] = []
-        for _ in range(2):
-            submits.append(submit_rate(cp, jobs, daemons, "bench"))
-            rate, total = claim_ack_rate(cp, daemons, "bench")
-            assert total == jobs // daemons * daemons
-            rates.append(rate)
-        wake = wake_latency(cp, rounds, daemons - 1)
-    ms = 1000.0
-    return [
-        f"{label:<11} {percentile(base, 0.5) * ms:>8.2f} {percentile(base, 0.9) * ms:>8.2f}"
-        f" {statistics.median(submits):>10.0f} {statistics.median(rates):>12.0f}"
-        f" {percentile(wake, 0.5) * ms:>9.2f} {percentile(wake, 0.9) * ms:>9.2f}   (wake mean {statistics.mean(wake) * ms:.2f})"
-    ]
+@contextlib.contextmanager
+def lakeshore_server(db: str, data_dir: Path, workers: int) -> Iterator[tuple[int, str, int]]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "dreamlake.lakeshore.cli", "--log-level", "warning", "server"]
+    cmd += ["--port", str(port), "--data-dir", str(data_dir), "--db", db]
+    if workers > 1:
+        cmd += ["--workers", str(workers)]
+    with _process(cmd, port) as pid:
+        time.sleep(0.5 if workers == 1 else 2.0)  # every worker accepts
+        yield port, json.loads((data_dir / "tokens.json").read_text())["admin"], pid
+
+
+def has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def hello_rate(clients: int, n: int) -> tuple[float, float]:
+    """Requests/s and server CPU ms per request of the hello-world."""
+    port = free_port()
+    code = HELLO.format(uvloop=has("uvloop"))
+    with _process([sys.executable, "-c", code, str(port)], port) as pid:
+        cpu = cpu_seconds(pid)
+        rate, total = run_load(_hello, [(port, n)] * clients)
+        return rate, (cpu_seconds(pid) - cpu) * 1000 / total
+
+
+# -- raw database baselines --------------------------------------------------------------------
+
+
+def raw_sqlite(path: Path, rows: int, per_tx: int) -> float:
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("PRAGMA journal_mode = WAL")
+    db.execute("PRAGMA synchronous = NORMAL")
+    db.execute("CREATE TABLE IF NOT EXISTS t (id TEXT PRIMARY KEY, body BLOB, at REAL)")
+    t0 = time.perf_counter()
+    for _ in range(0, rows, per_tx):
+        db.execute("BEGIN IMMEDIATE")
+        db.executemany(
+            "INSERT INTO t VALUES (?, ?, ?)", [(ulid(), b"\x90", time.time()) for _ in range(per_tx)]
+        )
+        db.execute("COMMIT")
+    rate = rows / (time.perf_counter() - t0)
+    db.close()
+    return rate
+
+
+def raw_psycopg(url: str, rows: int, per_tx: int) -> float:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS raw_t (id TEXT PRIMARY KEY, body BYTEA, at DOUBLE PRECISION)"
+        )
+        t0 = time.perf_counter()
+        for _ in range(0, rows, per_tx):
+            batch = [(ulid(), b"\x90", time.time()) for _ in range(per_tx)]
+            if per_tx == 1:
+                conn.execute("INSERT INTO raw_t VALUES (%s, %s, %s)", batch[0])
+            else:
+                with conn.transaction(), conn.cursor() as cur:
+                    cur.executemany("INSERT INTO raw_t VALUES (%s, %s, %s)", batch)
+        rate = rows / (time.perf_counter() - t0)
+        conn.execute("DROP TABLE raw_t")
+    return rate
+
+
+@contextlib.contextmanager
+def pg_database(base: str) -> Iterator[str]:
+    """A fresh database on the server of ``base``; yields its URL, drops it after."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    name = f"lakeshore_bench_{secrets.token_hex(4)}"
+    admin = make_url(base).set(drivername="postgresql")
+    dsn = admin.render_as_string(hide_password=False)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield admin.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Figures:
+    submit_rate: float
+    submit_cpu_ms: float  # server CPU per submit
+    claim_rate: float
+    claim_cpu_ms: float  # server CPU per poll + ack
+
+
+def control_plane(db: str, data_dir: Path, args: argparse.Namespace) -> Figures:
+    per = args.jobs // args.producers
+    runs: list[Figures] = []
+    with lakeshore_server(db, data_dir, args.workers) as (port, token, pid):
+        for rep in range(args.reps):
+            queue = f"bench{rep}"
+            # a registered worker serves the queue, as a nymph would (else each submit reads the
+            # live queues to warn that nobody serves it)
+            register = {"worker_id": ulid(), "queues": [queue], "slots": args.daemons}
+            status, answer = Client(port, token).post("/v1/daemon/register", register)
+            if status != 200:
+                raise RuntimeError(f"register answered {status}: {answer}")
+            cpu = cpu_seconds(pid)
+            sub, total = run_load(_producer, [(port, token, per, queue)] * args.producers)
+            cpu_sub, cpu = (cpu_seconds(pid) - cpu) * 1000 / total, cpu_seconds(pid)
+            rate, drained = run_load(_daemon, [(port, token, queue, args.poll_max)] * args.daemons)
+            if drained != total:
+                raise RuntimeError(f"drained {drained} of {total} invocations")
+            runs.append(Figures(sub, cpu_sub, rate, (cpu_seconds(pid) - cpu) * 1000 / drained))
+    mid = len(runs) // 2
+    return Figures(
+        sorted(r.submit_rate for r in runs)[mid],
+        sorted(r.submit_cpu_ms for r in runs)[mid],
+        sorted(r.claim_rate for r in runs)[mid],
+        sorted(r.claim_cpu_ms for r in runs)[mid],
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--daemons", type=int, default=8)
-    ap.add_argument("--jobs", type=int, default=400)
-    ap.add_argument("--rounds", type=int, default=40, help="wake-latency samples")
+    ap.add_argument("--producers", type=int, default=4)
+    ap.add_argument("--daemons", type=int, default=4)
+    ap.add_argument("--jobs", type=int, default=2000)
+    ap.add_argument("--poll-max", type=int, default=1, help="commands per poll")
+    ap.add_argument("--workers", type=int, default=1, help="lakeshore server --workers")
+    ap.add_argument("--reps", type=int, default=2, help="runs per figure (median)")
+    ap.add_argument("--raw-rows", type=int, default=5000)
     ap.add_argument("--pg", default=os.environ.get("LAKESHORE_TEST_PG_URL"))
     args = ap.parse_args()
-    rows = []
+    stack = f"{'uvloop' if has('uvloop') else 'asyncio'} + h11"
+    hello, hello_cpu = hello_rate(args.producers, max(200, args.jobs // args.producers))
+    rows: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
-        rows += run("sqlite", str(Path(tmp) / "bench.db"), args.daemons, args.jobs, args.rounds)
-    with _pg(args.pg) as pg:
-        if pg:
-            rows += run("postgresql", pg, args.daemons, args.jobs, args.rounds)
-    print(f"control plane, loopback, {args.daemons} daemons, {args.jobs} jobs")
+        raw1 = raw_sqlite(Path(tmp) / "raw1.db", args.raw_rows // 5, 1)
+        raw100 = raw_sqlite(Path(tmp) / "raw100.db", args.raw_rows, 100)
+        got = control_plane(str(Path(tmp) / "bench.db"), Path(tmp) / "sq", args)
+        rows.append(_row("sqlite", got, raw1, raw100))
+        if args.pg:
+            with pg_database(args.pg) as pg:
+                raw1 = raw_psycopg(pg, args.raw_rows // 5, 1)
+                raw100 = raw_psycopg(pg, args.raw_rows, 100)
+                got = control_plane(pg, Path(tmp) / "pg", args)
+            rows.append(_row("postgresql", got, raw1, raw100))
     print(
-        f"{'store':<11} {'hz p50ms':>8} {'hz p90ms':>8} {'submit/s':>10} {'claim+ack/s':>12}"
-        f" {'wake p50':>9} {'wake p90':>9}"
+        f"control plane over loopback: {args.producers} producer and {args.daemons} daemon processes, "
+        f"{args.jobs} jobs, poll max {args.poll_max}, {args.workers} server process(es), "
+        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; median of {args.reps}"
+    )
+    print(
+        f"HTTP stack {stack}: Starlette hello-world {hello:,.0f} requests/s, "
+        f"{hello_cpu:.2f} server CPU ms per request ({args.producers} clients)"
+    )
+    print("  cpu ms: server CPU per submit / per claim+ack (poll + ack); 1-core/s: 1000 / cpu ms")
+    print(
+        f"{'store':<11} {'submit/s':>9} {'goal':>6} {'cpu ms':>7} {'1-core/s':>9}"
+        f" {'claim+ack/s':>12} {'goal':>6} {'cpu ms':>7} {'1-core/s':>9}"
+        f" {'raw rows/s 1/tx':>16} {'100/tx':>8}"
     )
     for row in rows:
         print(row)
     if not args.pg:
         print("(PostgreSQL skipped: pass --pg URL or set LAKESHORE_TEST_PG_URL)")
+
+
+def _row(kind: str, f: Figures, raw1: float, raw100: float) -> str:
+    return (
+        f"{kind:<11} {f.submit_rate:>9,.0f} {GOAL_SUBMIT[kind]:>6,} {f.submit_cpu_ms:>7.2f}"
+        f" {1000 / f.submit_cpu_ms:>9,.0f} {f.claim_rate:>12,.0f} {GOAL_CLAIM_ACK[kind]:>6,}"
+        f" {f.claim_cpu_ms:>7.2f} {1000 / f.claim_cpu_ms:>9,.0f} {raw1:>16,.0f} {raw100:>8,.0f}"
+    )
 
 
 if __name__ == "__main__":

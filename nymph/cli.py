@@ -3,6 +3,11 @@
 Configuration is resolved here, once (:func:`nymph.config.resolve`): flags over ``NYMPH_*``
 environment over the TOML file named by ``--config``. Nothing else in nymph reads the environment
 for settings.
+
+A token given with ``--token`` is on the command line, where ``ps`` shows it to every local user:
+``nymph start`` then re-executes itself at once (same PID) with the token moved to ``NYMPH_TOKEN``
+(readable only by nymph's own user and root, and never passed to tasks) and a warning to use
+``--token-file``. ``nymph start`` as root checks its task user first (:mod:`nymph.taskuser`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,14 @@ def _options(fn: Any) -> Any:
     opts = [
         click.option("--config", "config_file", type=click.Path(path_type=Path), help="TOML config file."),
         click.option("--server", help="Control plane URL (NYMPH_SERVER)."),
-        click.option("--token", help="Daemon token (NYMPH_TOKEN)."),
+        click.option(
+            "--token", help="Daemon token (NYMPH_TOKEN); shown by ps: prefer --token-file or NYMPH_TOKEN."
+        ),
+        click.option(
+            "--token-file",
+            type=click.Path(path_type=Path),
+            help="File holding the daemon token (mode 0600 or 0400; NYMPH_TOKEN_FILE).",
+        ),
         click.option(
             "--task-url",
             help="The control plane's URL as tasks reach it: LAKESHORE_URL inside a task (default: --server).",
@@ -40,7 +52,25 @@ def _options(fn: Any) -> Any:
         click.option("--workdir", type=click.Path(path_type=Path), help="Root of per-invocation workdirs."),
         click.option("--state-dir", type=click.Path(path_type=Path), help="Worker id and outbox."),
         click.option("--allow-pickled/--no-allow-pickled", default=None, help="Accept pickled functions."),
+        click.option(
+            "--allow-script/--no-allow-script",
+            default=None,
+            help="Run run_config.script (bash -c) invocations; off by default.",
+        ),
+        click.option(
+            "--allow-module",
+            "allow_modules",
+            multiple=True,
+            metavar="PATTERN",
+            help="Only run ref functions of modules matching PATTERN (fnmatch); repeatable.",
+        ),
         click.option("--allow-user", "allow_users", multiple=True, help="User as_user may name; repeatable."),
+        click.option("--task-user", help="User tasks run as when nymph runs as root (default nymph-task)."),
+        click.option(
+            "--allow-root-tasks/--no-allow-root-tasks",
+            default=None,
+            help="Let tasks run as root (nymph's own root, or as_user root); off by default.",
+        ),
         click.option("--label", "labels", multiple=True, help="k=v label of this worker; repeatable."),
         click.option("--namespace", help="Namespace this worker belongs to."),
         click.option("--grace-s", type=float, help="Shutdown grace for running work."),
@@ -79,10 +109,13 @@ def main() -> None:
 @_options
 def start(**kwargs: Any) -> None:
     """Register with the control plane and run invocations until SIGTERM."""
+    if kwargs.get("token"):
+        _reexec_without_token(kwargs["token"])
     cfg = _resolve(kwargs)
     from nymph.agent import Agent
     from nymph.observability import configure_logging
     from nymph.plugins import load_runner
+    from nymph.taskuser import TaskUserError, check_task_user, nymph_is_root
 
     configure_logging(cfg.log_format, cfg.log_level)
     if cfg.log_level.upper() != "DEBUG":  # one line per poll is noise; our own lines say what matters
@@ -93,10 +126,58 @@ def start(**kwargs: Any) -> None:
         raise click.ClickException(str(exc)) from exc
     except TypeError as exc:
         raise click.ClickException(f"runner {cfg.runner!r} rejects runner_options: {exc}") from exc
+    try:
+        check_task_user(cfg, runner)
+    except TaskUserError as exc:
+        runner.close()
+        raise click.ClickException(str(exc)) from exc
+    if cfg.allow_root_tasks and nymph_is_root():
+        logging.getLogger("nymph").warning(
+            "--allow-root-tasks: tasks without as_user run as root on this host"
+        )
     gpu_pool, gpu_total = _gpus()
     agent = Agent(cfg, runner, gpu_pool=gpu_pool, gpu_total=gpu_total)
     agent.install_signal_handlers()
     sys.exit(agent.run())
+
+
+def strip_token(argv: list[str]) -> list[str]:
+    """``argv`` without ``--token VALUE`` / ``--token=VALUE`` (after ``--``, nothing is touched)."""
+    out: list[str] = []
+    items = iter(argv)
+    for arg in items:
+        if arg == "--":
+            out.append(arg)
+            out.extend(items)
+            break
+        if arg == "--token":
+            next(items, None)
+            continue
+        if arg.startswith("--token="):
+            continue
+        out.append(arg)
+    return out
+
+
+def _reexec_without_token(token: str) -> None:
+    """Exec this command line again (same PID) with the token in ``NYMPH_TOKEN`` instead of argv."""
+    import os
+
+    from nymph.upgrade import reexec_argv
+
+    argv = strip_token(reexec_argv())
+    if argv == reexec_argv():  # the token came some other way click accepts: nothing to strip
+        return
+    click.echo(
+        "nymph: --token puts the daemon token on the command line, where `ps` shows it to every "
+        "local user; restarting without it. Use --token-file FILE or NYMPH_TOKEN instead.",
+        err=True,
+    )
+    os.environ["NYMPH_TOKEN"] = token
+    os.environ.pop("NYMPH_TOKEN_FILE", None)  # the flag won over it; one way of giving the token
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(argv[0], argv)
 
 
 def _gpus() -> tuple[Any, int]:

@@ -4,6 +4,11 @@ Precedence, highest first: command-line flags, ``NYMPH_*`` environment variables
 (``--config`` / ``NYMPH_CONFIG``), then the defaults below. Nothing reads the environment at
 import time; :func:`resolve` is the only place that looks at it.
 
+The daemon token comes from ``--token-file`` / ``token_file`` (a file holding it, e.g. a systemd
+credential or a mounted Kubernetes Secret) or ``NYMPH_TOKEN``; ``--token`` still works but puts it
+on the command line, where ``ps`` shows it to every local user (``nymph start`` re-executes itself
+without it at once, see :mod:`nymph.cli`). A token file must not be readable by others.
+
 TOML keys are the field names (``-`` and ``_`` both accepted); runner keyword options live in a
 ``[runner_options]`` table (for example ``python = "/usr/bin/python3"`` for the process runner).
 Environment values: lists are comma separated (``NYMPH_QUEUE=gpu,cpu``), labels are
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,7 +38,7 @@ from nymph.errors import ConfigError as ConfigError  # re-exported: raised here
 @dataclass(frozen=True)
 class NymphConfig:
     server: str
-    token: str
+    token: str = field(repr=False)
     task_url: str | None = None  # LAKESHORE_URL inside a task (default: server), e.g. a bridge address
     runner: str = "process"
     queues: tuple[str, ...] = ("default",)
@@ -40,7 +46,12 @@ class NymphConfig:
     workdir: Path = Path("/var/lib/nymph/work")
     state_dir: Path = Path("/var/lib/nymph/state")
     allow_pickled: bool = False
+    allow_script: bool = False  # run_config.script (bash -c) invocations; off: refused before spawning
+    allow_modules: tuple[str, ...] = ()  # fnmatch patterns a ref's module must match; empty: any module
     allow_users: tuple[str, ...] = ()
+    task_user: str = "nymph-task"  # who tasks without as_user run as when nymph runs as root
+    allow_root_tasks: bool = False  # tasks may run as uid 0 (as nymph's own root, or as_user root)
+    token_file: Path | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
     namespace: str | None = None
     grace_s: float = 30.0  # shutdown: how long running work may finish after SIGTERM
@@ -65,7 +76,12 @@ class NymphConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(NymphConfig)}
-_ALIASES = {"queue": "queues", "allow_user": "allow_users", "label": "labels"}
+_ALIASES = {
+    "queue": "queues",
+    "allow_user": "allow_users",
+    "label": "labels",
+    "allow_module": "allow_modules",
+}
 
 
 def _norm(key: str) -> str:
@@ -103,12 +119,12 @@ def _parse_labels(name: str, value: Any) -> dict[str, str]:
 def _coerce(name: str, value: Any) -> Any:
     """Convert a raw (string, TOML or flag) value to the type of field ``name``."""
     try:
-        if name in ("queues", "allow_users"):
+        if name in ("queues", "allow_users", "allow_modules"):
             items = value.split(",") if isinstance(value, str) else list(value)
             return tuple(str(i).strip() for i in items if str(i).strip())
         if name == "labels":
             return _parse_labels(name, value)
-        if name in ("allow_pickled", "auto_upgrade"):
+        if name in ("allow_pickled", "allow_script", "allow_root_tasks", "auto_upgrade"):
             return _parse_bool(name, value)
         if name in ("concurrency", "metrics_port"):
             return None if value in (None, "") else int(value)
@@ -116,6 +132,8 @@ def _coerce(name: str, value: Any) -> Any:
             return None if value in (None, "") else float(value)
         if name in ("workdir", "state_dir"):
             return Path(str(value)).expanduser()
+        if name == "token_file":
+            return None if value in (None, "") else Path(str(value)).expanduser()
         if name == "runner_options":
             if not isinstance(value, Mapping):
                 raise ConfigError("runner_options: expected a table")
@@ -209,17 +227,28 @@ def resolve(
     layers.append(flag_layer)
     merged: dict[str, Any] = {}
     for layer in layers:
+        if layer.get("token") and layer.get("token_file"):
+            raise ConfigError("set either token or token_file, not both")
         for name, value in layer.items():
             if name not in _FIELDS:
                 raise ConfigError(f"unknown setting {name!r}")
             value = _coerce(name, value)
             if name == "runner_options":  # merged key by key: a flag overrides one option, not all
                 value = {**merged.get("runner_options", {}), **value}
+            if value and name in ("token", "token_file"):  # the higher layer's way of giving it wins
+                merged.pop("token_file" if name == "token" else "token", None)
             merged[name] = value
     merged = {k: v for k, v in merged.items() if v is not None or k in ("heartbeat_s", "metrics_port")}
+    if merged.get("token_file") is not None:
+        merged["token"] = read_token_file(merged["token_file"])
     for required in ("server", "token"):
         if not merged.get(required):
             env = f"NYMPH_{required.upper()}"
+            if required == "token":
+                raise ConfigError(
+                    "missing token: pass --token-file FILE (a file holding the daemon token), set "
+                    "NYMPH_TOKEN, or put token_file in the config file"
+                )
             raise ConfigError(
                 f"missing {required}: pass --{required}, set {env}, or put it in the config file"
             )
@@ -229,7 +258,33 @@ def resolve(
         raise ConfigError("runtime_policy must be strict, minor or off")
     if merged.get("log_format", "text") not in ("text", "json"):
         raise ConfigError("log_format must be text or json")
+    if not merged.get("task_user", "nymph-task"):
+        raise ConfigError("task_user must name a local user (--task-user NAME)")
     if not merged.get("queues", ("default",)):
         raise ConfigError("at least one queue is needed (--queue)")
     merged["server"] = str(merged["server"]).rstrip("/")
     return NymphConfig(**merged)
+
+
+def read_token_file(path: Path) -> str:
+    """The token in ``path`` (surrounding whitespace stripped); the file must not be readable by others."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError as exc:
+        raise ConfigError(f"token_file {path}: cannot read it ({exc.strerror})") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"token_file {path}: not a regular file")
+        if st.st_mode & (stat.S_IROTH | stat.S_IWOTH):
+            raise ConfigError(
+                f"token_file {path} is readable or writable by every local user (mode "
+                f"{stat.S_IMODE(st.st_mode):o}); run `chmod 600 {path}`"
+            )
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            token = fh.read(64 * 1024).decode("utf-8", "replace").strip()
+    finally:
+        os.close(fd)
+    if not token:
+        raise ConfigError(f"token_file {path} is empty")
+    return token

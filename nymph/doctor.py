@@ -2,14 +2,20 @@
 
 Checks, in order: the control plane answers ``/healthz``; the token is accepted as a daemon token
 (a heartbeat for an unregistered worker id must not answer 401/403, and ``/v1/ops/whoami`` names
-its kind: an admin token works but is flagged); the runner loads and its
-``check()`` passes; the work and state directories exist (or can be created), are writable, and
+its kind: an admin token works but is flagged); the runner loads and its ``check()`` passes; who
+tasks run as (:mod:`nymph.taskuser`: a root nymph without its task user fails, one with
+``--allow-root-tasks`` warns); for the process runner, whether each task gets its own cgroup
+(:mod:`nymph.cgroup`; where not, a warning that says why and that nymph falls back to the process
+group); the work and state directories exist (or can be created), are writable, and
 the work directory is not readable by others (each invocation's files are private).
+
+A warning (``[warn]``) does not fail the doctor; a failure (``[FAIL]``) does.
 """
 
 from __future__ import annotations
 
 import os
+import pwd
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +32,7 @@ class Check:
     name: str
     ok: bool
     detail: str  # what was found, or what to fix
+    warn: bool = False  # works, but not as it should (ok stays True)
 
 
 def _server(cfg: NymphConfig, client: ControlPlaneClient) -> Check:
@@ -84,6 +91,45 @@ def _runner(cfg: NymphConfig) -> Check:
     return Check("runner", True, f"{cfg.runner!r} loads and its check passes")
 
 
+def _task_user(cfg: NymphConfig) -> Check:
+    from nymph.taskuser import TaskUserError, check_task_user, nymph_is_root
+
+    if not nymph_is_root():
+        return Check("task-user", True, f"tasks run as nymph's own user (uid {os.geteuid()}), never root")
+    if cfg.allow_root_tasks:
+        return Check(
+            "task-user",
+            True,
+            "nymph runs as root with --allow-root-tasks: tasks without as_user run as root; drop the "
+            f"flag to run them as the task user {cfg.task_user!r}",
+            warn=True,
+        )
+    try:
+        check_task_user(cfg)
+    except TaskUserError as exc:
+        return Check("task-user", False, str(exc))
+    uid = pwd.getpwnam(cfg.task_user).pw_uid
+    return Check("task-user", True, f"nymph runs as root; tasks run as {cfg.task_user!r} (uid {uid})")
+
+
+def _cgroups(cfg: NymphConfig) -> Check:
+    if cfg.runner != "process":
+        return Check("cgroups", True, f"runner {cfg.runner!r} contains each task itself (its engine, Slurm)")
+    mode = str(cfg.runner_options.get("cgroup", "auto"))
+    fallback = (
+        "tasks are tracked by process group; a descendant that leaves it (setsid) is found by "
+        "walking the process tree, best effort"
+    )
+    if mode == "off":
+        return Check("cgroups", True, f'turned off (cgroup = "off"): {fallback}', warn=True)
+    from nymph.cgroup import detect
+
+    found = detect(None if mode == "auto" else mode)
+    if found.tree is None:
+        return Check("cgroups", mode == "auto", f"no task cgroups: {found.problem}; {fallback}", warn=True)
+    return Check("cgroups", True, f"each task gets its own cgroup v2 under {found.tree.base}")
+
+
 def _directory(name: str, path: Path, private: bool) -> Check:
     if not path.exists():
         parent = next((p for p in path.parents if p.exists()), Path("/"))
@@ -109,6 +155,8 @@ def run_checks(cfg: NymphConfig, client: ControlPlaneClient | None = None) -> li
             _token(cfg, client) if checks[0].ok else Check("token", False, "not checked: server unreachable")
         )
         checks.append(_runner(cfg))
+        checks.append(_task_user(cfg))
+        checks.append(_cgroups(cfg))
         checks.append(_directory("workdir", cfg.workdir, private=True))
         checks.append(_directory("state-dir", cfg.state_dir, private=True))
         return checks
@@ -120,7 +168,10 @@ def run_checks(cfg: NymphConfig, client: ControlPlaneClient | None = None) -> li
 def report(checks: list[Check], echo: Callable[[str], Any] = print) -> bool:
     """Print one line per check; True when all passed."""
     for check in checks:
-        echo(f"[{'ok' if check.ok else 'FAIL'}] {check.name}: {check.detail}")
+        mark = "FAIL" if not check.ok else "warn" if check.warn else "ok"
+        echo(f"[{mark}] {check.name}: {check.detail}")
     failed = [c.name for c in checks if not c.ok]
-    echo("all checks passed" if not failed else f"{len(failed)} problem(s): {', '.join(failed)}")
+    warned = [c.name for c in checks if c.ok and c.warn]
+    note = f" ({len(warned)} warning(s): {', '.join(warned)})" if warned else ""
+    echo(("all checks passed" + note) if not failed else f"{len(failed)} problem(s): {', '.join(failed)}")
     return not failed

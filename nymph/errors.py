@@ -4,6 +4,7 @@
 
     NymphError
      +-- ConfigError                 a setting that is missing or malformed (names the setting)
+     |    +-- TaskUserError          nymph runs as root and cannot run tasks as anyone else
      +-- RunnerLoadError             a runner plugin that does not load or validate (names it)
      +-- RunnerError                 a runner could not do what was asked (nymph.runner)
      |    +-- RunnerUnavailable      the runner cannot work here now: engine down, binary missing
@@ -14,7 +15,7 @@
      +-- UpgradeError                the pinned version could not be installed; the running one stays
 
 Every class is defined here and re-exported by the module that raises it (``nymph.config``,
-``nymph.plugins``, ``nymph.job``, ``nymph.slots``, ``nymph.execjob``, ``nymph.upgrade``), except
+``nymph.taskuser``, ``nymph.plugins``, ``nymph.job``, ``nymph.slots``, ``nymph.execjob``, ``nymph.upgrade``), except
 ``RunnerError`` and ``RunnerUnavailable``: they are defined in :mod:`nymph.runner`, beside the
 contract runner plugins implement (which imports this module, never the other way round). The control-plane client's errors
 (``ClientError`` and its subclasses) live with the client in :mod:`nymph.client`.
@@ -33,6 +34,10 @@ class NymphError(Exception):
 
 class ConfigError(NymphError):
     """The configuration is incomplete or malformed; the message says which setting and why."""
+
+
+class TaskUserError(ConfigError):
+    """nymph runs as root and has no unprivileged user to run tasks as; the message says what to do."""
 
 
 class RunnerLoadError(NymphError):
@@ -78,5 +83,6 @@ __all__ = [
     "PayloadError",
     "Refused",
     "RunnerLoadError",
+    "TaskUserError",
     "UpgradeError",
 ]

@@ -12,7 +12,9 @@ durable outbox (the control plane takes it only from the worker of the latest cl
    ``payload corrupt: sha256 mismatch (expected …, got …)`` and never spawns the command;
 2. ``{workdir}/exec/{exec_id}/`` (0700) holds ``exec.json`` ({exec_id, namespace, attempt}),
    ``payload.msgpack`` (when there is a payload) and the runner's ``handle.json``; the
-   command runs as ``bash -c COMMAND`` with that directory as cwd and ``LAKESHORE_EXEC_ID``,
+   command runs as ``bash -c COMMAND`` as nymph's user, or its task user when nymph runs as root
+   (:mod:`nymph.taskuser`; the directory is handed to that user, and nymph's own files in it are
+   read and written through :mod:`nymph.safeio`), with that directory as cwd and ``LAKESHORE_EXEC_ID``,
    ``LAKESHORE_NAMESPACE`` and ``LAKESHORE_PAYLOAD`` (``payload.msgpack`` or empty) set;
 3. stdout and stderr (their last :data:`OUTPUT_LIMIT` bytes each, decoded as UTF-8) and the exit
    code are published; a command past ``timeout_s`` is stopped with the cancellation ladder and
@@ -46,12 +48,13 @@ from typing import Any, ClassVar, NamedTuple
 
 from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.errors import InvalidId
+from nymph import safeio, taskuser
 from nymph.client import ClientError, ControlPlaneClient
 from nymph.errors import JobRefused, PayloadError
 from nymph.lifecycle import JobContext, Stop, SupervisedJob
 from nymph.outbox import Outbox
 from nymph.runner import Handle, Runner, RunnerError, Task
-from nymph.workdir import STDERR, STDOUT, tail
+from nymph.workdir import STDERR, STDOUT, hand_over, tail
 
 __all__ = ["ExecJob", "ExecResult", "PayloadError", "fetch_payload", "recover_execs", "verify_sha256"]
 
@@ -166,16 +169,29 @@ class ExecJob(SupervisedJob[ExecResult]):
             raise JobRefused("InvalidTimeout", self.bad_timeout)
         if not self.command:
             raise JobRefused("NoCommand", "exec job without a command")
+        cfg = self.ctx.config
+        run_as = taskuser.run_as(cfg, None)  # nymph's own user, or its task user when nymph is root
         payload = self._payload()
-        workdir = self.ctx.config.workdir / EXEC_DIR / self.exec_id
-        workdir.parent.mkdir(mode=0o700, exist_ok=True)
+        workdir = cfg.workdir / EXEC_DIR / self.exec_id
+        workdir.parent.mkdir(mode=0o711, exist_ok=True)
         shutil.rmtree(workdir, ignore_errors=True)
         workdir.mkdir(mode=0o700)
         self.workdir = workdir
+        # written while the directory is nymph's alone, then handed to the user the command runs as
         if payload is not None:
-            (workdir / PAYLOAD).write_bytes(payload)
+            safeio.write_file(workdir, PAYLOAD, payload)
         meta = {"exec_id": self.exec_id, "namespace": self.namespace, "attempt": self.attempt}
-        (workdir / META).write_text(json.dumps(meta))
+        safeio.write_file(workdir, META, json.dumps(meta).encode())
+        for name in (STDOUT, STDERR):
+            safeio.write_file(workdir, name, b"", 0o644)
+        try:
+            hand_over(workdir, run_as, (PAYLOAD, STDOUT, STDERR) if payload is not None else (STDOUT, STDERR))
+        except KeyError:
+            raise JobRefused(
+                "TaskUserMissing",
+                f"task user {run_as!r} is not a user on this host (any more); create it with "
+                f"`{taskuser.useradd_command(str(run_as))}`",
+            ) from None
         env = {
             "LAKESHORE_EXEC_ID": self.exec_id,
             "LAKESHORE_NAMESPACE": self.namespace,
@@ -187,6 +203,7 @@ class ExecJob(SupervisedJob[ExecResult]):
             workdir=workdir,
             env=env,
             script=self.command,
+            as_user=run_as,
             labels={
                 "nymph.exec": self.exec_id,
                 "nymph.namespace": self.namespace,
@@ -290,10 +307,10 @@ def recover_execs(root: Path, runner: Runner, outbox: Outbox, worker_id: str = "
             except RunnerError as exc:
                 log.warning("exec %s: could not stop the leftover command: %s", path.name, exc)
         try:
-            meta = json.loads((path / META).read_text())
+            meta = json.loads(safeio.read_own(path, META) or b"")  # nymph's own, never the command's
             namespace = str(meta.get("namespace") or "")
             attempt = meta.get("attempt")
-        except (OSError, ValueError, AttributeError):
+        except (ValueError, AttributeError):
             namespace, attempt = "", None
         if namespace:
             outbox.put(

@@ -1,11 +1,12 @@
 """One invocation, from a run command to its ack: the invocation's steps of the supervised
 lifecycle (:mod:`nymph.lifecycle`).
 
-:class:`Job` prepares with the worker-side gates (pickle, ``as_user`` allow-list, runner
-capabilities, a sane ``timeout_s``) before anything is written or spawned, then GPUs and the
-private workdir; it supervises with the stream pump around the lifecycle's wait (cancel,
-``timeout_s``, shutdown grace and a lost lease stop it with the ladder) and settles into the
-durable outbox. A restarted nymph builds a Job around a recovered handle (:meth:`Job.attach`) and
+:class:`Job` prepares with the worker-side gates (``script`` only with ``--allow-script``,
+pickle, ``--allow-module``, the ``as_user`` allow-list, who the task runs as and never root unless
+allowed (:mod:`nymph.taskuser`), runner capabilities, a sane ``timeout_s``) before anything is
+written or spawned, then GPUs and the private workdir, owned by the task's user; it supervises
+with the stream pump around the lifecycle's wait (cancel, ``timeout_s``, shutdown grace and a
+lost lease stop it with the ladder) and settles into the durable outbox. A restarted nymph builds a Job around a recovered handle (:meth:`Job.attach`) and
 supervises it the same way (:meth:`Job.resume`).
 
 Outcomes: ``succeeded`` (workdir deleted), ``failed`` (workdir kept with its logs), ``killed``
@@ -24,9 +25,11 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from dreamlake.lakeshore import wire
+from dreamlake.lakeshore.daemon.entry import ALLOW_MODULES_ENV, module_allowed, module_refusal
 from dreamlake.lakeshore.envelope import Envelope, is_pickled
 from dreamlake.lakeshore.errors import LakeshoreError
 from nymph import observability as obs
+from nymph import taskuser
 from nymph import workdir as wd
 from nymph.errors import Refused
 from nymph.lifecycle import SHUTDOWN_MESSAGE, JobContext, Phase, Stop, SupervisedJob, backoff_s
@@ -65,6 +68,7 @@ class Job(SupervisedJob[wd.Outcome]):
         self._after = after  # an earlier attempt of the same invocation, still stopping
         self.script: str | None = body.get("script") or self.run_config.get("script")
         self.as_user: str | None = body.get("as_user") or self.run_config.get("as_user")
+        self.run_as: str | None = self.as_user  # who the task runs as (nymph.taskuser), set by the gates
         self._pump: Pump | None = None
         self.state: str | None = None  # the settled state; "deferred": left for the next life
 
@@ -96,8 +100,9 @@ class Job(SupervisedJob[wd.Outcome]):
             "gpus": self._gpus,
             "worker_id": self.ctx.worker_id,
         }
+        meta["run_as"] = self.run_as
         self.workdir = wd.create(
-            cfg.workdir, self.invocation_id, bytes(self.body.get("args_blob") or b""), meta, self.as_user
+            cfg.workdir, self.invocation_id, bytes(self.body.get("args_blob") or b""), meta, self.run_as
         )
         return Task(
             invocation_id=self.invocation_id,
@@ -105,7 +110,7 @@ class Job(SupervisedJob[wd.Outcome]):
             workdir=self.workdir,
             env=self._env(),
             script=self.script,
-            as_user=self.as_user,
+            as_user=self.run_as,
             run_config=self.run_config,
             gpus=list(self._gpus),
             labels={"nymph.invocation": self.invocation_id, "nymph.worker": self.ctx.worker_id, **cfg.labels},
@@ -116,17 +121,30 @@ class Job(SupervisedJob[wd.Outcome]):
         caps = self.ctx.runner.capabilities
         if self.bad_timeout:
             raise Refused("InvalidRunConfig", self.bad_timeout)
+        if self.script is not None and not cfg.allow_script:
+            raise Refused(
+                "ScriptRefused",
+                "script invocations are refused: this nymph runs only Python functions; start it with "
+                "--allow-script to run run_config.script with bash (that is running any shell command "
+                "its producers send)",
+            )
         if self.script is None:
             try:
                 header = Envelope.header(bytes(self.body.get("args_blob") or b""))
             except LakeshoreError as exc:
                 raise Refused(type(exc).__name__, f"bad envelope: {exc}") from exc
-            if is_pickled(header.get("fn") or {}) and not cfg.allow_pickled:
+            fn = header.get("fn") or {}
+            if is_pickled(fn) and not cfg.allow_pickled:
                 raise Refused(
                     "PickleRefused",
-                    f"pickled function {header['fn'].get('where') or header['fn'].get('qualname')!r} refused: "
+                    f"pickled function {fn.get('where') or fn.get('qualname')!r} refused: "
                     "this nymph runs only functions shipped by reference; start it with --allow-pickled "
                     "to accept pickled functions (that is code execution)",
+                )
+            module = str(fn.get("module") or "")
+            if not is_pickled(fn) and cfg.allow_modules and not module_allowed(module, cfg.allow_modules):
+                raise Refused(
+                    "ModuleRefused", module_refusal(module, str(fn.get("qualname")), list(cfg.allow_modules))
                 )
         if self.as_user:
             if self.as_user not in cfg.allow_users:
@@ -146,6 +164,25 @@ class Job(SupervisedJob[wd.Outcome]):
                     "UserNotAllowed",
                     f"as_user {self.as_user!r} is allowed but is not a user on this host (its workdir is "
                     f"owned by that user); create it with useradd",
+                ) from None
+        self.run_as = taskuser.run_as(cfg, self.as_user)
+        refusal = taskuser.root_refusal(cfg, self.run_as)
+        if refusal is not None:
+            raise Refused("RootRefused", refusal)
+        if self.run_as and not self.as_user:  # nymph is root: the task runs as its task user
+            if not caps.as_user:
+                raise Refused(
+                    "RunnerCapabilityMissing",
+                    f"runner {self.ctx.runner.name!r} cannot run the task as the task user "
+                    f"{self.run_as!r}; start nymph with {taskuser.ROOT_FLAG} to run tasks as root",
+                )
+            try:
+                pwd.getpwnam(self.run_as)
+            except KeyError:
+                raise Refused(
+                    "TaskUserMissing",
+                    f"task user {self.run_as!r} is not a user on this host (any more); create it with "
+                    f"`{taskuser.useradd_command(self.run_as)}`",
                 ) from None
         if gpus_requested(self.run_config) and not caps.gpus:
             raise Refused("RunnerCapabilityMissing", f"runner {self.ctx.runner.name!r} cannot expose GPUs")
@@ -167,6 +204,7 @@ class Job(SupervisedJob[wd.Outcome]):
         cfg = self.ctx.config
         env = {
             "LAKESHORE_ALLOW_PICKLED": "1" if cfg.allow_pickled else "0",
+            ALLOW_MODULES_ENV: ",".join(cfg.allow_modules),
             "LAKESHORE_RUNTIME_POLICY": cfg.runtime_policy,
             "LAKESHORE_INVOCATION_ID": self.invocation_id,
         }

@@ -6,6 +6,7 @@ For a Python invocation it tails the entry's journal (``frames.msgpack``) with a
 Every frame goes to the durable outbox (``/v1/daemon/result-chunk``) in seq order, so a frame is
 on disk before it is sent. Progress is saved in ``pump.json`` in the workdir after each frame, so
 a restarted nymph resumes where it stopped (at worst it re-sends a frame: duplicates are safe).
+The workdir is the task's: every file is opened through :mod:`nymph.safeio` (no link followed).
 
 One thread per running invocation polls the files every ``interval_s``.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -22,6 +22,7 @@ from typing import Any
 
 from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.errors import DecodeError
+from nymph import safeio
 from nymph.outbox import Outbox
 from nymph.workdir import FRAMES, STDERR, STDOUT
 
@@ -106,12 +107,12 @@ class Pump:
     def _poll_journal(self) -> int:
         if self._broken:
             return 0
-        try:
-            with open(self.workdir / FRAMES, "rb") as fh:
-                fh.seek(self._journal_pos)
-                data = fh.read()
-        except FileNotFoundError:
+        fh = safeio.open_output(self.workdir, FRAMES)  # never through a link the task planted
+        if fh is None:
             return 0
+        with fh:
+            fh.seek(self._journal_pos)
+            data = fh.read()
         if not data:
             return 0
         self._journal_pos += len(data)
@@ -134,14 +135,13 @@ class Pump:
     def _poll_logs(self) -> int:
         queued = 0
         for name, stream in ((STDOUT, "stdout"), (STDERR, "stderr")):
-            path = self.workdir / name
             while True:
-                try:
-                    with open(path, "rb") as fh:
-                        fh.seek(self._offsets[name])
-                        data = fh.read(_READ)
-                except FileNotFoundError:
+                fh = safeio.open_output(self.workdir, name)
+                if fh is None:
                     break
+                with fh:
+                    fh.seek(self._offsets[name])
+                    data = fh.read(_READ)
                 if not data:
                     break
                 self._offsets[name] += len(data)
@@ -182,16 +182,14 @@ class Pump:
 
     def _load_state(self) -> dict[str, Any]:
         try:
-            raw = json.loads((self.workdir / STATE).read_text())
-        except (OSError, ValueError):
+            raw = json.loads(safeio.read_own(self.workdir, STATE) or b"{}")
+        except ValueError:
             return {}
         return raw if isinstance(raw, dict) else {}
 
     def _save_state(self) -> None:
         state = {"sent_seq": self.sent_seq, "final": self.final_sent, **self._offsets}
-        tmp = self.workdir / (STATE + ".tmp")
         try:
-            tmp.write_text(json.dumps(state))
-            os.replace(tmp, self.workdir / STATE)
+            safeio.write_file(self.workdir, STATE, json.dumps(state).encode())
         except OSError as exc:
             log.warning("invocation %s: cannot save pump progress: %s", self.invocation_id, exc)

@@ -18,7 +18,8 @@ small. The lifecycle mirrors Nomad's task drivers::
 started and adopts it instead of starting a second task.
 
 Handles are small, versioned JSON documents (``handle.json`` in the workdir), so a restarted nymph
-can re-attach to what a previous life started. Optional features are declared in
+can re-attach to what a previous life started; only a file nymph itself wrote is loaded (a task
+cannot forge one, see :mod:`nymph.safeio`). Optional features are declared in
 :class:`Capabilities` and read only from there: nymph refuses a task that needs one the runner
 lacks, before starting it, and calls an optional method (:class:`Labelling`, :class:`Reaping`) only
 when the capability says the runner has it.
@@ -30,11 +31,11 @@ Runners are plugins: the entry-point group ``nymph.runners`` maps a name to a cl
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+from nymph import safeio
 from nymph.errors import NymphError
 
 HANDLE_FILE = "handle.json"
@@ -70,7 +71,9 @@ class Task:
     workdir: Path  # {workdir}/{invocation_id}, private to this invocation
     env: dict[str, str]  # LAKESHORE_* variables, CUDA_VISIBLE_DEVICES, ...
     script: str | None = None  # run `bash -c script` instead of the Python entry
-    as_user: str | None = None  # already checked against the allow-list
+    # the local user the task runs as: as_user (checked against the allow-list) or, when nymph runs
+    # as root, its task user (nymph.taskuser); the workdir is theirs. None: nymph's own user
+    as_user: str | None = None
     run_config: dict[str, Any] = field(default_factory=dict)
     gpus: list[str] = field(default_factory=list)  # device indices/UUIDs assigned by nymph
     labels: dict[str, str] = field(default_factory=dict)  # nymph.invocation, nymph.worker, ...
@@ -87,15 +90,16 @@ class Handle:
     version: int = HANDLE_VERSION
 
     def save(self, workdir: Path) -> None:
-        tmp = workdir / (HANDLE_FILE + ".tmp")
-        tmp.write_text(json.dumps(asdict(self)))
-        os.replace(tmp, workdir / HANDLE_FILE)
+        """Write ``handle.json`` (atomically, never through a link the task planted: :mod:`nymph.safeio`)."""
+        safeio.write_file(workdir, HANDLE_FILE, json.dumps(asdict(self)).encode())
 
     @classmethod
     def load(cls, workdir: Path) -> Handle | None:
+        """The saved handle; None when there is none, or the file is not one nymph wrote."""
+        data = safeio.read_own(workdir, HANDLE_FILE)
         try:
-            raw = json.loads((workdir / HANDLE_FILE).read_text())
-        except (OSError, ValueError):
+            raw = json.loads(data) if data is not None else None
+        except ValueError:
             return None
         if not isinstance(raw, dict) or raw.get("version") != HANDLE_VERSION:
             return None

@@ -1,11 +1,17 @@
 """nymph's side of the workdir contract (docs/architecture.md, "The workdir contract").
 
-``{workdir}/{invocation_id}/`` is created mode 0700 (owned by ``as_user`` when set) only after the
-id was validated as a ULID, so an id from the network never becomes an arbitrary path. It holds
-``args.msgpack`` (the Envelope, verbatim), nymph's own ``invocation.json`` (what a restarted nymph
-needs to ack: attempt, script, timeout) and, once settled, ``outcome.json``. After the runner is
-done, :func:`read_outcome` turns ``result.msgpack`` / ``error.json`` and the exit status into the
-ack's state, result and error.
+``{workdir}/{invocation_id}/`` is created mode 0700 only after the id was validated as a ULID, so an
+id from the network never becomes an arbitrary path. It holds ``args.msgpack`` (the Envelope,
+verbatim), nymph's own ``invocation.json`` (what a restarted nymph needs to ack: attempt, script,
+timeout), the empty ``stdout.log`` / ``stderr.log`` and, once settled, ``outcome.json``. Everything
+is written while the directory is still nymph's; then the directory, ``args.msgpack`` and the logs
+are handed to the user the task runs as (``run_as``: ``as_user`` or nymph's task user, see
+:mod:`nymph.taskuser`), so every runner finds that user as the workdir's owner.
+
+From then on the task's user can write the directory, so nymph reads and writes in it only through
+:mod:`nymph.safeio` (no symbolic link followed, no FIFO opened blocking, atomic replacement, an
+ownership rule for what it reads). After the runner is done, :func:`read_outcome` turns
+``result.msgpack`` / ``error.json`` and the exit status into the ack's state, result and error.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dreamlake.lakeshore import ids
+from nymph import safeio
 from nymph.runner import ExitStatus
 
 log = logging.getLogger(__name__)
@@ -57,21 +64,15 @@ def path_for(root: Path, invocation_id: str) -> Path:
     return root / ids.validate(invocation_id, "invocation_id")
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def create(
-    root: Path, invocation_id: str, args_blob: bytes, meta: dict[str, Any], as_user: str | None
+    root: Path, invocation_id: str, args_blob: bytes, meta: dict[str, Any], run_as: str | None
 ) -> Path:
-    """Create the private workdir with args.msgpack and invocation.json; return its path."""
+    """Create the private workdir with args.msgpack, invocation.json and the empty logs; return its path.
+
+    ``run_as``: the local user the task runs as (None: nymph's own user), who gets the directory.
+    """
     path = path_for(root, invocation_id)
-    if path.exists():
+    if os.path.lexists(path):
         aside = root / f"{invocation_id}.old-{int(time.time())}"
         log.warning(
             "invocation %s: workdir exists from an earlier attempt, moved to %s", invocation_id, aside
@@ -81,19 +82,34 @@ def create(
     os.chmod(path, 0o700)
     # No fsync: the workdir only has to survive nymph's death, not the host's (a task dies with
     # its host, and the control plane re-queues it when the lease lapses); the page cache is enough.
-    (path / ARGS).write_bytes(bytes(args_blob))
-    (path / META).write_bytes(json.dumps(meta).encode())
-    if as_user:
-        pw = pwd.getpwnam(as_user)
-        for target in (path, path / ARGS):
-            os.chown(target, pw.pw_uid, pw.pw_gid)
+    safeio.write_file(path, ARGS, bytes(args_blob))
+    safeio.write_file(path, META, json.dumps(meta).encode())
+    for name in (STDOUT, STDERR):
+        safeio.write_file(path, name, b"", 0o644)
+    hand_over(path, run_as, (ARGS, STDOUT, STDERR))
     return path
 
 
+def hand_over(path: Path, run_as: str | None, names: tuple[str, ...] = ()) -> None:
+    """Give the directory ``path`` and its files ``names`` to ``run_as`` (None: keep them nymph's).
+
+    Called while nothing but nymph can write ``path`` (before the task starts).
+    """
+    if not run_as:
+        return
+    pw = pwd.getpwnam(run_as)
+    if (pw.pw_uid, pw.pw_gid) == (os.geteuid(), os.getegid()):
+        return
+    for name in names:
+        os.chown(path / name, pw.pw_uid, pw.pw_gid, follow_symlinks=False)
+    os.chown(path, pw.pw_uid, pw.pw_gid, follow_symlinks=False)
+
+
 def read_meta(path: Path) -> dict[str, Any] | None:
+    data = safeio.read_own(path, META)
     try:
-        raw = json.loads((path / META).read_text())
-    except (OSError, ValueError):
+        raw = json.loads(data) if data is not None else None
+    except ValueError:
         return None
     return raw if isinstance(raw, dict) else None
 
@@ -101,13 +117,14 @@ def read_meta(path: Path) -> dict[str, Any] | None:
 def mark_settled(path: Path, outcome: Outcome) -> None:
     """Record that the outcome was handed to the outbox (a restart leaves this workdir alone)."""
     try:
-        _write_atomic(path / OUTCOME, json.dumps({"state": outcome.state, "error": outcome.error}).encode())
+        data = json.dumps({"state": outcome.state, "error": outcome.error}).encode()
+        safeio.write_file(path, OUTCOME, data, sync=True)
     except OSError as exc:
         log.warning("workdir %s: cannot write %s: %s", path, OUTCOME, exc)
 
 
 def is_settled(path: Path) -> bool:
-    return (path / OUTCOME).exists()
+    return safeio.exists_own(path, OUTCOME)
 
 
 def remove(path: Path) -> None:
@@ -123,9 +140,13 @@ def leftovers(root: Path) -> list[Path]:
 
 
 def tail(path: Path, limit: int = 4000) -> str:
-    """The last ``limit`` bytes of a file, decoded as UTF-8; empty when it cannot be read."""
+    """The last ``limit`` bytes of a file the task wrote, decoded as UTF-8; empty when it cannot be
+    read (or is not the task's to show: see :func:`nymph.safeio.open_output`)."""
+    fh = safeio.open_output(path.parent, path.name)
+    if fh is None:
+        return ""
     try:
-        with open(path, "rb") as fh:
+        with fh:
             fh.seek(0, os.SEEK_END)
             fh.seek(max(0, fh.tell() - limit))
             return fh.read().decode("utf-8", "replace")
@@ -143,14 +164,13 @@ def read_outcome(path: Path, status: ExitStatus | None, *, script: bool = False)
 
             return Outcome("succeeded", wire.pack({"exit_code": 0}))
         return Outcome.failed("ScriptFailed", f"script exited with code {code}{reason}", tail(path / STDERR))
-    result = path / RESULT
-    if code == 0 or (status is None and result.exists()):
-        try:
-            return Outcome("succeeded", result.read_bytes())
-        except OSError:
+    result = safeio.read_output(path, RESULT) if code == 0 or status is None else None
+    if code == 0 or result is not None:
+        if result is None:
             return Outcome.failed("MissingResult", "the entry exited 0 but left no result.msgpack")
+        return Outcome("succeeded", result)
     try:
-        err = json.loads((path / ERROR).read_text())
+        err = json.loads(safeio.read_output(path, ERROR) or b"")
         if isinstance(err, dict) and "type" in err:
             error = {
                 "type": str(err.get("type")),

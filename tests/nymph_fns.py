@@ -69,6 +69,41 @@ def stubborn_tree(children: int = 2) -> None:
 
 
 @dls.udf(queue="nymph")
+def setsid_daemons(count: int, marker: str, release: str | None = None) -> int:
+    """Start ``count`` daemons the classic way, record their pids in daemons.txt, then hang (or,
+    with ``release``, return once that file exists), leaving the daemons running.
+
+    Each daemon is forked by a child that calls ``setsid()`` and exits at once (so the daemon is in
+    a session of its own and orphaned), ignores SIGTERM and carries ``marker`` on its command line.
+    """
+    import sys
+
+    pids = []
+    for _ in range(count):
+        read_end, write_end = os.pipe()
+        middle = os.fork()
+        if middle == 0:
+            os.close(read_end)
+            os.setsid()
+            daemon = os.fork()
+            if daemon == 0:
+                os.close(write_end)
+                code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True: time.sleep(1)"
+                os.execv(sys.executable, [sys.executable, "-c", code, marker])
+            os.write(write_end, str(daemon).encode())
+            os._exit(0)
+        os.close(write_end)
+        os.waitpid(middle, 0)
+        pids.append(int(os.read(read_end, 32) or b"0"))
+        os.close(read_end)
+    Path("daemons.txt.tmp").write_text(" ".join(map(str, pids)))
+    os.replace("daemons.txt.tmp", "daemons.txt")
+    while release is None or not Path(release).exists():
+        time.sleep(0.02)
+    return count
+
+
+@dls.udf(queue="nymph")
 def env_value(name: str) -> str | None:
     return os.environ.get(name)
 

@@ -104,6 +104,15 @@ def main(log_level: str) -> None:
     help="Invocation lease in seconds (default 30).",
 )
 @click.option(
+    "--workers",
+    envvar="LAKESHORE_WORKERS",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 256),
+    help="Server processes on the one port: the way past one core, over PostgreSQL (with --redis "
+    "for live frames). See docs/architecture.md.",
+)
+@click.option(
     "--max-polls",
     envvar="LAKESHORE_MAX_POLLS",
     default=None,
@@ -118,37 +127,41 @@ def server(
     db: str | None,
     redis_url: str | None,
     lease_s: float | None,
+    workers: int,
     max_polls: int | None,
 ) -> None:
     """Run the control plane (HTTP) over the store."""
-    import uvicorn
-
-    from dreamlake.lakeshore.server.app import create_app
     from dreamlake.lakeshore.server.bootstrap import bootstrap_tokens, start_line
     from dreamlake.lakeshore.server.config import ServerConfig
-    from dreamlake.lakeshore.server.fanout import make_fanout
     from dreamlake.lakeshore.server.payloads import PayloadStore
-    from dreamlake.lakeshore.server.serve import uvicorn_config
+    from dreamlake.lakeshore.server.serve import ServeSpec, serve
 
     if lease_s is not None and lease_s <= 0:
         raise click.UsageError("--lease-s must be a positive number of seconds")
     data = _data_dir(data_dir)
     store = _open_store(db, data_dir)
+    if workers > 1 and store.db.memory:
+        raise click.UsageError("--workers needs a store the processes share: a SQLite file or PostgreSQL")
+    if workers > 1 and store.kind == "sqlite":
+        click.echo(
+            "lakeshore: --workers over SQLite serialises on the file's write lock; "
+            "PostgreSQL (and --redis) is the way past one core",
+            err=True,
+        )
     shown_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     url = f"http://{shown_host}:{port}"
     for line in [*(bootstrap_tokens(store, data, url) or ()), start_line(url, data)]:
         click.echo(line)
+    overrides: dict[str, Any] = {"lease_s": lease_s, "max_polls": max_polls}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
     try:
-        payloads = PayloadStore.from_env(os.environ)
-        config = ServerConfig.from_env(lease_s=lease_s, max_polls=max_polls)
+        PayloadStore.from_env(os.environ)  # fail here, once, on a bad payload configuration
+        config = ServerConfig.from_env(**overrides)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     _raise_open_files(config.max_polls)
-    app = create_app(store, fanout=make_fanout(redis_url), payloads=payloads, config=config)
-    serving = uvicorn_config(
-        app, config, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5
-    )
-    uvicorn.Server(serving).run()
+    spec = ServeSpec(db=db or str(data / DB_FILE), redis_url=redis_url, config=overrides)
+    serve(spec, host=host, port=port, workers=workers, store=store)
 
 
 FDS_PER_SERVER = 256  # descriptors besides the long polls: store, other routes, logs

@@ -156,11 +156,18 @@ class LocalStack:
         self.wait_registered()
 
     def start_nymph(self) -> None:
+        """``nymph start`` with the daemon token in its environment (never on a command line).
+
+        A development stack runs its tasks as the user who started it, like the code around it;
+        run as root (a CI container), that takes ``--allow-root-tasks``, passed here.
+        """
         args = [
-            *_console_script("nymph"), "start", "--server", self.url, "--token", self.tokens["daemon"],
+            *_console_script("nymph"), "start", "--server", self.url,
             "--runner", self.runner, "--concurrency", str(self.concurrency),
             "--workdir", str(self.dir / "work"), "--state-dir", str(self.dir / "state"),
         ]  # fmt: skip
+        if os.geteuid() == 0:
+            args.append("--allow-root-tasks")
         for q in self.queues:
             args += ["--queue", q]
         for key, value in self.runner_options.items():
@@ -168,7 +175,7 @@ class LocalStack:
         out = self._out("nymph")
         self.nymph = subprocess.Popen(
             [*args, *self.nymph_args],
-            env=self._env(),
+            env={**self._env(), "NYMPH_TOKEN": self.tokens["daemon"]},
             stdout=out,
             stderr=subprocess.STDOUT if out is not None else None,
         )

@@ -50,6 +50,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from nymph import safeio
 from nymph.resources import parse_defaults, parse_resources
 from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, RunnerUnavailable, Task
 from nymph.runnerkit import handle_workdir, image_allowed, log_tail, option_list, option_mapping, task_name
@@ -431,13 +432,10 @@ class KubeRunner:
             return
         if data is None:
             return
-        target, tmp = workdir / "stdout.log", workdir / ".stdout.log.tmp"
-        try:
-            tmp.write_bytes(data)
-            os.replace(tmp, target)
+        try:  # the workdir is the task user's: a link planted there is replaced, never written through
+            safeio.write_file(workdir, "stdout.log", data, 0o644)
         except OSError as exc:
-            log.warning("cannot write %s: %s", target, exc)
-            tmp.unlink(missing_ok=True)
+            log.warning("cannot write %s: %s", workdir / "stdout.log", exc)
 
 
 def _use_claim(manifest: dict[str, Any], claim: str, sub_workdir: str, sub_bundle: str) -> None:

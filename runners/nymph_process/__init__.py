@@ -1,16 +1,31 @@
-"""nymph's ``process`` runner: each invocation is a local process group in its own session.
+"""nymph's ``process`` runner: each invocation is a local process tree in its own cgroup and session.
 
 Registered through the ``nymph.runners`` entry point exactly like a third-party runner. It spawns
 ``python -m dreamlake.lakeshore.daemon.entry`` (or ``bash -c SCRIPT``) with the workdir as cwd and
-stdout/stderr appended to ``stdout.log`` / ``stderr.log`` there, in a new session so the whole tree
-can be signalled as one process group. ``as_user`` wraps the command in ``runuser -u USER --``.
+stdout/stderr appended to ``stdout.log`` / ``stderr.log`` there (opened through
+:mod:`nymph.safeio`: the workdir is the task user's), in a new session. ``Task.as_user`` (the
+invocation's ``as_user``, or nymph's task user when nymph runs as root: :mod:`nymph.taskuser`)
+wraps the command in ``runuser -u USER --``.
 
-The handle records ``pid``, ``pgid`` and the leader's ``start_time`` (psutil ``create_time``), so
-:meth:`ProcessRunner.recover` re-attaches only to the very process it started, never to a recycled
-pid. A recovered process is not our child: :meth:`wait` then polls psutil and infers the exit code
+Every task gets its own cgroup v2 (:mod:`nymph.cgroup`, option ``cgroup``: ``"auto"`` (default),
+``"off"``, or the path of a cgroup to create task cgroups under): a spawned task joins it through
+a ``/bin/sh`` prefix before its command runs, a forked one first thing after the fork. Stopping a
+task signals every process in its cgroup (SIGTERM, the grace, then ``cgroup.kill``), and
+``destroy`` kills what is left and removes the cgroup, so a descendant that started its own
+session (``setsid``, a daemonising library) dies with the task. Where cgroups cannot be used
+(``nymph doctor`` says why) the runner falls back to the process group, plus the task's strays:
+nymph is a child subreaper, so descendants that left the group and were orphaned become nymph's
+children, and those carrying the task's ``LAKESHORE_TASK`` marker are signalled too (best
+effort: a descendant that cleared its environment, or one orphaned while nymph was down, is missed).
+
+The handle records ``pid``, ``pgid``, the leader's ``start_time`` (psutil ``create_time``), the
+task's name and its cgroup, so :meth:`ProcessRunner.recover` re-attaches only to the very process
+it started, never to a recycled pid. A recovered process is not our child: :meth:`wait` then polls psutil and infers the exit code
 from the workdir (``result.msgpack`` -> 0, ``error.json`` -> 1, neither -> unknown).
 
-``prefork=True`` (warm fork): a Python task (no ``script``, no ``as_user``) is forked by a long-lived
+``prefork=True`` (warm fork): a Python task (no ``script``; with a user to become only when nymph
+runs as root, the zygote's child then drops to it with ``setgroups`` / ``setgid`` / ``setuid``
+before the entry runs) is forked by a long-lived
 zygote (:mod:`nymph_process.zygote`) that has already paid the interpreter start-up and the entry's
 imports, instead of spawning a new interpreter. The child is set up exactly as the spawned entry
 (own session, cwd, environment, logs) and imports the user's code itself; the handle is the same
@@ -32,9 +47,14 @@ file says an entry already ran), adopts that child like a re-attached process. T
 ``start`` idempotent under retry: a second start of a Python task finds the entry the first one
 started and adopts it.
 
-Limits: a process runs unconfined on the host, so ``run_config.resources`` may only name ``gpus``
-(nymph assigns the devices through ``CUDA_VISIBLE_DEVICES``); any other field is refused with
+Limits: a process runs on the host with no resource limits (its cgroup enables no controller),
+so ``run_config.resources`` may only name ``gpus`` (nymph assigns the devices through
+``CUDA_VISIBLE_DEVICES``); any other field is refused with
 :class:`~nymph.resources.ResourceError` (see :mod:`nymph.resources`).
+
+Options: ``python`` (the tasks' interpreter, default nymph's own), ``pythonpath`` (the tasks'
+``PYTHONPATH`` instead of nymph's own, a list; e.g. the entry bundle and the code's directory when
+the task user cannot read nymph's environment), ``prefork``, ``cgroup``.
 
 Optional features (:class:`~nymph.runner.Capabilities`): ``reap_orphans`` (nymph is a child
 subreaper; the agent calls :meth:`ProcessRunner.reap_orphans`). ``close`` stops the zygotes.
@@ -48,19 +68,31 @@ import fcntl
 import json
 import logging
 import os
+import pwd
 import select
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import ClassVar
 
 import psutil
 
+from nymph import safeio
+from nymph.cgroup import CgroupError, TaskCgroups, detect, spawn_prefix
 from nymph.resources import parse_resources
 from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, RunnerUnavailable, Task
-from nymph.runnerkit import ENTRY_MODULE, default_python, handle_workdir, inferred_exit_code, log_tail
+from nymph.runnerkit import (
+    ENTRY_MODULE,
+    default_python,
+    handle_workdir,
+    inferred_exit_code,
+    log_tail,
+    option_list,
+    task_name,
+)
 from nymph_process.prefork import ForkedChild, ZygoteClient, ZygoteError
 from nymph_process.zygote import ENTRY_LOCK
 
@@ -80,6 +112,7 @@ _ZYGOTE_MAX_FAILURES = 3  # consecutive zygote failures before prefork gives up 
 _ZYGOTE_MAX = 4  # zygotes kept at once, one per distinct interpreter environment
 # per-invocation variables: read after start-up, so a zygote serves tasks that differ only in them
 _PER_TASK_ENV = ("LAKESHORE_",)
+TASK_MARKER_ENV = "LAKESHORE_TASK"  # nymph-<id>-a<attempt>: how the fallback finds strays
 _PER_TASK_ENV_KEYS = frozenset(
     {"CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"}
 )
@@ -99,11 +132,29 @@ class ProcessRunner:
         bash: str = "bash",
         runuser: str = "runuser",
         prefork: bool = PREFORK_DEFAULT,
+        cgroup: str = "auto",
+        pythonpath: Iterable[str] | str | None = None,
     ) -> None:
         self.python = python or default_python()
+        # what tasks import from when it is not nymph's own PYTHONPATH (a task user who cannot
+        # read nymph's venv: the system python3 with the entry bundle and the code's directory)
+        self.pythonpath = None if pythonpath is None else os.pathsep.join(option_list(pythonpath))
         self.bash = bash
         self.runuser = runuser
         self.prefork = bool(prefork)
+        self.cgroup = str(cgroup)
+        self.cgroups: TaskCgroups | None = None
+        self.cgroup_problem = 'turned off (cgroup = "off")'
+        if self.cgroup != "off":
+            found = detect(None if self.cgroup == "auto" else self.cgroup)
+            self.cgroups, self.cgroup_problem = found.tree, found.problem
+            if found.tree is None:
+                log.warning(
+                    "process runner: no task cgroups (%s); falling back to process groups: a "
+                    "descendant that leaves its task's session is found by walking the process "
+                    "tree, best effort",
+                    found.problem,
+                )
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._pidfds: dict[int, int] = {}
         self._forked: dict[int, tuple[ZygoteClient, ForkedChild]] = {}
@@ -119,10 +170,15 @@ class ProcessRunner:
     # --- lifecycle ------------------------------------------------------------------------------
 
     def check(self) -> None:
+        if self.cgroups is None and self.cgroup not in ("auto", "off"):
+            raise RunnerUnavailable(
+                f"process runner: cgroup={self.cgroup!r} cannot be used: {self.cgroup_problem}"
+            )
         if not os.access(self.python, os.X_OK):
             raise RunnerUnavailable(f"process runner: python {self.python!r} is not executable; set python=")
+        env = None if self.pythonpath is None else {**os.environ, "PYTHONPATH": self.pythonpath}
         probe = subprocess.run(
-            [self.python, "-c", f"import {ENTRY_MODULE}"], capture_output=True, text=True, timeout=60
+            [self.python, "-c", f"import {ENTRY_MODULE}"], capture_output=True, text=True, timeout=60, env=env
         )
         if probe.returncode != 0:
             raise RunnerUnavailable(
@@ -140,27 +196,39 @@ class ProcessRunner:
 
     def start(self, task: Task) -> Handle:
         parse_resources(task.run_config.get("resources"), self.name, unsupported=UNSUPPORTED_RESOURCES)
-        if self.prefork and task.script is None and not task.as_user:
-            handle = self._start_forked(task)
+        cgroup = self._task_cgroup(task)
+        try:
+            return self._start(task, cgroup)
+        except BaseException:
+            if cgroup is not None and self.cgroups is not None and not self.cgroups.populated(cgroup):
+                self.cgroups.remove(cgroup)  # nothing started in it: no empty cgroup left behind
+            raise
+
+    def _start(self, task: Task, cgroup: Path | None) -> Handle:
+        if self.prefork and task.script is None and (not task.as_user or os.geteuid() == 0):
+            handle = self._start_forked(task, cgroup)
             if handle is not None:
                 return handle
         cmd = [self.bash, "-c", task.script] if task.script is not None else [self.python, "-m", ENTRY_MODULE]
         if task.as_user:
             cmd = [self.runuser, "-u", task.as_user, "--", *cmd]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("NYMPH_")}
-        env.update(task.env)
+        if cgroup is not None:  # joins its cgroup before anything of the task's runs
+            cmd = [*spawn_prefix(cgroup), *cmd]
+        env = self._task_env(task)
         workdir = Path(task.workdir)
         lock: int | None = None
         if task.script is None:  # the entry runs once per workdir: under its lock, inherited below
-            lock, holder = self._entry_lock(task)
+            lock, holder = self._entry_lock(task, cgroup)
             if holder is not None:
                 return holder
+        out = err = -1
         try:
-            with (
-                open(workdir / "stdout.log", "ab") as out,
-                open(workdir / "stderr.log", "ab") as err,
-                self._spawn_lock,
-            ):
+            try:  # the workdir is the task user's: never through a link planted there
+                out = safeio.open_append(workdir, "stdout.log")
+                err = safeio.open_append(workdir, "stderr.log")
+            except OSError as exc:
+                raise RunnerError(f"process runner: cannot open the logs in {workdir}: {exc}") from exc
+            with self._spawn_lock:
                 try:
                     proc = subprocess.Popen(
                         cmd,
@@ -179,6 +247,9 @@ class ProcessRunner:
             if lock is not None:  # still held here: no forked child can slip in between
                 _record_entry(lock, proc.pid)
         finally:
+            for fd in (out, err):
+                if fd >= 0:
+                    os.close(fd)
             if lock is not None:
                 os.close(lock)  # the entry's inherited copy keeps the lock until it exits
         with contextlib.suppress(OSError, AttributeError):
@@ -189,12 +260,7 @@ class ProcessRunner:
         except psutil.Error:
             start_time = 0.0
         log.debug("invocation %s: started pid %d", task.invocation_id, proc.pid)
-        return Handle(
-            runner=self.name,
-            invocation_id=task.invocation_id,
-            attempt=task.attempt,
-            data={"pid": proc.pid, "pgid": proc.pid, "start_time": start_time, "workdir": str(workdir)},
-        )
+        return self._handle(task, proc.pid, start_time, cgroup)
 
     def wait(self, handle: Handle, timeout: float | None = None) -> ExitStatus | None:
         pid = int(handle.data["pid"])
@@ -223,20 +289,46 @@ class ProcessRunner:
         return self._status(handle, self._inferred_code(handle))
 
     def stop(self, handle: Handle, grace_s: float) -> None:
+        cgroup = self._cgroup_of(handle)
+        if cgroup is not None:  # the whole cgroup: every session and process group in it
+            tree, path = cgroup
+            if not tree.populated(path):
+                self._reap(handle)
+                return
+            tree.signal(path, signal.SIGTERM)
+            deadline = time.monotonic() + max(grace_s, 0.0)
+            while time.monotonic() < deadline:
+                self._reap(handle)
+                if not tree.populated(path):
+                    return
+                time.sleep(_POLL_S)
+            tree.kill(path)
+            tree.wait_empty(path, 10.0)
+            self._reap(handle)
+            return
         pgid = int(handle.data["pgid"])
-        if not self._owns_group(handle):
+        strays = self._strays(handle)
+        if not self._owns_group(handle) and not strays:
             return
         self._signal_group(pgid, signal.SIGTERM)
+        _signal_each(strays, signal.SIGTERM)
         deadline = time.monotonic() + max(grace_s, 0.0)
         while time.monotonic() < deadline:
             self._reap(handle)
-            if not self._group_members(pgid):
+            if not self._group_members(pgid) and not self._strays(handle):
                 return
             time.sleep(_POLL_S)
         self._signal_group(pgid, signal.SIGKILL)
+        _kill_and_wait(self._strays(handle))
         self._wait_group_gone(handle)
 
     def destroy(self, handle: Handle) -> None:
+        cgroup = self._cgroup_of(handle)
+        if cgroup is not None and cgroup[0].populated(cgroup[1]):
+            cgroup[0].kill(cgroup[1])  # whatever the task left running, in any session
+            cgroup[0].wait_empty(cgroup[1], 10.0)
+        elif cgroup is None:
+            _kill_and_wait(self._strays(handle))
         pgid = int(handle.data["pgid"])
         pid = int(handle.data["pid"])
         proc = self._children.get(pid)
@@ -260,6 +352,8 @@ class ProcessRunner:
         fd = self._pidfds.pop(pid, None)
         if fd is not None:
             os.close(fd)
+        if cgroup is not None:
+            cgroup[0].remove(cgroup[1])
         self.reap_orphans()
 
     def reap_orphans(self) -> int:
@@ -308,17 +402,20 @@ class ProcessRunner:
 
     # --- the entry lock -------------------------------------------------------------------------
 
-    def _entry_lock(self, task: Task) -> tuple[int | None, Handle | None]:
+    def _entry_lock(self, task: Task, cgroup: Path | None) -> tuple[int | None, Handle | None]:
         """Take the workdir's entry lock to spawn the entry, or the handle of who already ran it.
 
         A forked child whose answer was lost holds the lock while it runs (and leaves its pid and
-        start time in the file after): that child is the task, adopted like a re-attached process.
+        start time in the file after): that child is the task, adopted like a re-attached process,
+        provided it runs as the workdir's owner (the file is in the task's reach, so what it names
+        is never trusted further than the task itself).
         """
-        path = Path(task.workdir) / ENTRY_LOCK
+        workdir = Path(task.workdir)
+        path = workdir / ENTRY_LOCK
         deadline = time.monotonic() + _ZYGOTE_TIMEOUT_S
         while True:
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                fd = safeio.open_fd(workdir, ENTRY_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
             except OSError as exc:
                 raise RunnerError(f"process runner: cannot open {path}: {exc}") from exc
             try:
@@ -336,34 +433,41 @@ class ProcessRunner:
             os.close(fd)
             if holder is not None:
                 pid, start_time = holder
+                if not _runs_as_owner(pid, workdir):
+                    raise RunnerError(
+                        f"process runner: {path} names pid {pid}, which does not run as the "
+                        "workdir's owner; not adopted"
+                    )
                 log.warning(
                     "invocation %s: a zygote child (pid %d) whose fork answer was lost runs the entry; "
                     "adopting it instead of starting it again",
                     task.invocation_id,
                     pid,
                 )
-                return None, Handle(
-                    runner=self.name,
-                    invocation_id=task.invocation_id,
-                    attempt=task.attempt,
-                    data={"pid": pid, "pgid": pid, "start_time": start_time, "workdir": str(task.workdir)},
-                )
+                return None, self._handle(task, pid, start_time, cgroup)
             if time.monotonic() >= deadline:  # locked, never recorded: a child stuck in between
                 raise RunnerError(f"process runner: {path} stays locked by an unknown process")
             time.sleep(_POLL_S)  # a child took the lock and is about to record itself
 
     # --- warm fork ------------------------------------------------------------------------------
 
-    def _start_forked(self, task: Task) -> Handle | None:
+    def _start_forked(self, task: Task, cgroup: Path | None) -> Handle | None:
         """Start ``task`` through a zygote; None when prefork cannot serve it (spawn it instead)."""
         env = self._task_env(task)
         workdir = Path(task.workdir)
+        try:
+            user = _user_record(task.as_user) if task.as_user else None
+        except KeyError:
+            raise RunnerError(
+                f"process runner: as_user {task.as_user!r} is not a user on this host"
+            ) from None
+        procs = None if cgroup is None else str(TaskCgroups.procs_file(cgroup))
         for _attempt in range(2):  # a zygote found dead is restarted once for this task
             zygote = self._zygote(env)
             if zygote is None:
                 return None
             try:
-                child, start_time = zygote.fork(workdir, env, _ZYGOTE_TIMEOUT_S)
+                child, start_time = zygote.fork(workdir, env, _ZYGOTE_TIMEOUT_S, cgroup=procs, user=user)
             except ZygoteError as exc:
                 log.warning("invocation %s: zygote %d: %s", task.invocation_id, zygote.pid, exc)
                 self._zygote_failed(zygote)
@@ -375,24 +479,80 @@ class ProcessRunner:
             log.debug(
                 "invocation %s: forked pid %d from zygote %d", task.invocation_id, child.pid, zygote.pid
             )
-            return Handle(
-                runner=self.name,
-                invocation_id=task.invocation_id,
-                attempt=task.attempt,
-                data={
-                    "pid": child.pid,
-                    "pgid": child.pid,
-                    "start_time": start_time,
-                    "workdir": str(workdir),
-                },
-            )
+            return self._handle(task, child.pid, start_time, cgroup)
         return None
 
-    @staticmethod
-    def _task_env(task: Task) -> dict[str, str]:
+    def _task_env(self, task: Task) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("NYMPH_")}
         env.update(task.env)
+        if self.pythonpath is not None:
+            env["PYTHONPATH"] = self.pythonpath
+        env[TASK_MARKER_ENV] = task_name(task)
         return env
+
+    def _handle(self, task: Task, pid: int, start_time: float, cgroup: Path | None) -> Handle:
+        data: dict[str, object] = {
+            "pid": pid,
+            "pgid": pid,
+            "start_time": start_time,
+            "workdir": str(task.workdir),
+            "task": task_name(task),
+        }
+        if cgroup is not None:
+            data["cgroup"] = str(cgroup)
+        return Handle(runner=self.name, invocation_id=task.invocation_id, attempt=task.attempt, data=data)
+
+    # --- cgroups and the process-group fallback -------------------------------------------------
+
+    def _task_cgroup(self, task: Task) -> Path | None:
+        """A fresh cgroup for ``task``; None without cgroups (or when this one cannot be made)."""
+        if self.cgroups is None:
+            return None
+        try:
+            return self.cgroups.create(task_name(task))
+        except CgroupError as exc:
+            log.warning("invocation %s: %s; tracked by its process group", task.invocation_id, exc)
+            return None
+
+    def _cgroup_of(self, handle: Handle) -> tuple[TaskCgroups, Path] | None:
+        """The cgroup a handle records, with the tree that manages it; None when it records none."""
+        raw = handle.data.get("cgroup")
+        if not raw:
+            return None
+        path = Path(str(raw))
+        if self.cgroups is not None and self.cgroups.owns(path):
+            return self.cgroups, path
+        if path.is_absolute() and ".." not in path.parts and (path / "cgroup.kill").exists():
+            return TaskCgroups(path.parent), path  # a previous life's tree (nymph's own handle)
+        return self.cgroups or TaskCgroups(path.parent), path  # gone: nothing left to kill
+
+    def _strays(self, handle: Handle) -> list[psutil.Process]:
+        """Without a cgroup: the task's processes outside its process group (best effort).
+
+        nymph is a child subreaper, so a descendant whose parent died (a double fork, a ``setsid``
+        daemon) is reparented to nymph; those of nymph's descendants that carry this task's marker
+        (``LAKESHORE_TASK``, unless they cleared their environment), started after the task, are
+        its strays. After a nymph restart they are no longer nymph's descendants and are missed.
+        """
+        marker = handle.data.get("task")
+        if not marker:
+            return []
+        pgid = int(handle.data["pgid"])
+        since = float(handle.data.get("start_time") or 0.0) - 1.0
+        strays = []
+        try:
+            descendants = psutil.Process().children(recursive=True)
+        except psutil.Error:
+            return []
+        for proc in descendants:
+            with contextlib.suppress(psutil.Error, OSError):
+                if proc.create_time() < since or os.getpgid(proc.pid) == pgid:
+                    continue
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                if proc.environ().get(TASK_MARKER_ENV) == marker:
+                    strays.append(proc)
+        return strays
 
     def _zygote(self, env: dict[str, str]) -> ZygoteClient | None:
         """The live zygote for this interpreter environment, started if needed; None: spawn instead."""
@@ -571,4 +731,42 @@ def _not_zombie(proc: psutil.Process) -> bool:
     try:
         return bool(proc.status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
+        return False
+
+
+def _signal_each(procs: list[psutil.Process], sig: int) -> None:
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.send_signal(sig)
+
+
+def _kill_and_wait(procs: list[psutil.Process], limit_s: float = 10.0) -> None:
+    """SIGKILL ``procs`` and wait until each is gone or a zombie (a kill is delivered asynchronously)."""
+    _signal_each(procs, signal.SIGKILL)
+    deadline = time.monotonic() + limit_s
+    while procs and time.monotonic() < deadline:
+        procs = [p for p in procs if _not_zombie(p)]  # a gone process reads as not running
+        if procs:
+            time.sleep(_POLL_S)
+
+
+def _user_record(name: str) -> dict[str, object]:
+    """What the zygote's child needs to become ``name``: uid, gid, groups, home, name."""
+    pw = pwd.getpwnam(name)
+    return {
+        "name": pw.pw_name,
+        "uid": pw.pw_uid,
+        "gid": pw.pw_gid,
+        "groups": os.getgrouplist(pw.pw_name, pw.pw_gid),
+        "home": pw.pw_dir,
+        "shell": pw.pw_shell,
+    }
+
+
+def _runs_as_owner(pid: int, workdir: Path) -> bool:
+    """True when process ``pid`` runs as the owner of ``workdir`` (or as nymph's own user)."""
+    try:
+        uid = psutil.Process(pid).uids().real
+        return uid in (workdir.stat().st_uid, os.geteuid())
+    except (psutil.Error, OSError):
         return False

@@ -93,14 +93,27 @@ class ZygoteClient:
         self._ready.wait(timeout)
         return self._ready.is_set() and self.alive
 
-    def fork(self, workdir: Path, env: Mapping[str, str], timeout: float) -> tuple[ForkedChild, float]:
-        """Fork a child for ``workdir``; returns it and its start time (psutil ``create_time``)."""
+    def fork(
+        self,
+        workdir: Path,
+        env: Mapping[str, str],
+        timeout: float,
+        *,
+        cgroup: str | None = None,
+        user: Mapping[str, Any] | None = None,
+    ) -> tuple[ForkedChild, float]:
+        """Fork a child for ``workdir``; returns it and its start time (psutil ``create_time``).
+
+        ``cgroup``: the ``cgroup.procs`` file the child joins before anything else; ``user``: who
+        it becomes before it runs the entry (``uid``, ``gid``, ``groups``, ``name``, ``home``).
+        """
         if not self.wait_ready(timeout):
             raise ZygoteError("the zygote is not ready" if self.alive else "the zygote is dead")
         req_id = next(self._ids)
         event = threading.Event()
         reply: dict[str, Any] = {}
-        line = json.dumps({"id": req_id, "workdir": str(workdir), "env": dict(env)}).encode() + b"\n"
+        req = {"id": req_id, "workdir": str(workdir), "env": dict(env), "cgroup": cgroup, "user": user}
+        line = json.dumps(req).encode() + b"\n"
         with self._lock:
             if self._dead.is_set():
                 raise ZygoteError("the zygote is dead")

@@ -10,7 +10,15 @@ the entry's ``main()``, then the interpreter's exit steps (non-daemon threads jo
 handlers, streams flushed) and ``os._exit``. User code is imported in the child only, so nothing a
 task does to ``sys.path``, ``sys.modules`` or ``os.environ`` reaches the next one.
 
-Protocol, one JSON document per line. Runner -> zygote: ``{"id", "workdir", "env"}``. Zygote ->
+Before anything else the child joins the task's cgroup (``cgroup``: a ``cgroup.procs`` path, when
+the runner has task cgroups), so every process the task starts is in it; last before the entry it
+becomes the task's user (``user``: ``setgroups``, ``setgid``, ``setuid``, and ``HOME``, ``USER``,
+``LOGNAME``, ``SHELL`` in its environment), when the zygote runs as root. Files it opens in the
+workdir (the lock, the logs) are opened without following links or blocking on FIFOs, and only
+when they are regular files of the task's user or of the zygote's own.
+
+Protocol, one JSON document per line. Runner -> zygote: ``{"id", "workdir", "env", "cgroup",
+"user"}``. Zygote ->
 runner: ``{"ready": pid}`` once; ``{"id", "pid", "ticks"}`` (``ticks``: the child's start time in
 clock ticks after boot, from ``/proc``, so the runner can record it even if the child is already
 gone) or ``{"id", "error"}``; ``{"exit": pid, "code"}`` when a child ends (only the zygote, its
@@ -28,12 +36,14 @@ Stdlib only besides the entry, and Python 3.9 syntax: it runs in whichever inter
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
 import select
 import signal
 import socket
+import stat
 import sys
 
 _CHILD_SETUP_FAILED = 127
@@ -118,6 +128,17 @@ class Zygote:
 
     def child(self, req: dict) -> int:  # type: ignore[type-arg]
         """In the forked child: become the entry in the workdir; returns only if setup failed."""
+        cgroup = req.get("cgroup")
+        if cgroup:  # first of all: nothing the task starts can be outside its cgroup
+            try:
+                fd = os.open(cgroup, os.O_WRONLY | os.O_CLOEXEC)
+                try:
+                    os.write(fd, str(os.getpid()).encode())
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                sys.stderr.write(f"lakeshore zygote: cannot join cgroup {cgroup!r}: {exc}\n")
+                return _CHILD_SETUP_FAILED
         os.setsid()
         signal.set_wakeup_fd(-1)
         for sig, handler in self.handlers.items():
@@ -127,21 +148,36 @@ class Zygote:
         os.close(self.wake_r)
         os.close(self.wake_w)
         workdir = req["workdir"]
+        user = req.get("user") or None
         try:
             os.chdir(workdir)
             if not _take_entry_lock():
                 return ENTRY_LOCKED  # the runner (or another child) runs this entry: never twice
             null = os.open(os.devnull, os.O_RDONLY)
-            out = os.open("stdout.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            err = os.open("stderr.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            append = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+            out = _open_in_workdir("stdout.log", append, 0o644)
+            err = _open_in_workdir("stderr.log", append, 0o644)
         except OSError as exc:
             sys.stderr.write(f"lakeshore zygote: cannot set up workdir {workdir!r}: {exc}\n")
             return _CHILD_SETUP_FAILED
         for fd, target in ((null, 0), (out, 1), (err, 2)):
             os.dup2(fd, target)
             os.close(fd)
+        if user is not None:
+            try:
+                _become(user)
+            except (OSError, KeyError, TypeError) as exc:
+                sys.stderr.write(f"lakeshore zygote: cannot become user {user.get('name')!r}: {exc}\n")
+                return _CHILD_SETUP_FAILED
         os.environ.clear()
         os.environ.update(req["env"])
+        if user is not None:
+            os.environ.update(
+                HOME=str(user["home"]),
+                USER=str(user["name"]),
+                LOGNAME=str(user["name"]),
+                SHELL=str(user["shell"]),
+            )
         if not self.safe_path:
             sys.path.insert(0, os.getcwd())
         from dreamlake.lakeshore.daemon import entry
@@ -152,9 +188,35 @@ class Zygote:
         return _CHILD_SETUP_FAILED  # not reached
 
 
+def _open_in_workdir(name: str, flags: int, mode: int) -> int:
+    """``os.open(name)`` in the cwd (the task's workdir) that follows no link and blocks on no FIFO,
+    for a regular file of the workdir's owner or one of the zygote's own with a single link."""
+    fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY, mode)
+    st = os.fstat(fd)
+    me = os.geteuid()
+    owner = os.stat(".").st_uid
+    if not stat.S_ISREG(st.st_mode) or not (
+        (st.st_uid == me and (st.st_nlink == 1 or owner == me)) or st.st_uid == owner
+    ):
+        os.close(fd)
+        raise OSError(errno.EPERM, f"{name} is not a regular file of the task's; not used")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _become(user: dict) -> None:  # type: ignore[type-arg]
+    """Drop to the task's user (as ``runuser`` would: supplementary groups, then gid, then uid)."""
+    uid, gid = int(user["uid"]), int(user["gid"])
+    if (uid, gid) == (os.geteuid(), os.getegid()):
+        return
+    os.setgroups([int(g) for g in user.get("groups") or [gid]])
+    os.setgid(gid)
+    os.setuid(uid)
+
+
 def _take_entry_lock() -> bool:
     """Hold the cwd's entry lock for the rest of this process's life and record who holds it."""
-    fd = os.open(ENTRY_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = _open_in_workdir(ENTRY_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -1,9 +1,11 @@
 """nymph's ``slurm`` runner: each invocation is one Slurm batch job.
 
 Registered through the ``nymph.runners`` entry point exactly like a third-party runner. ``start``
-writes ``slurm-job.sh`` into the workdir (it exports the task's environment and ``exec``\\ s
-``python -m dreamlake.lakeshore.daemon.entry`` or ``bash -c SCRIPT``, see :mod:`nymph_slurm.jobs`)
-and submits it::
+writes ``slurm-job.sh`` into the workdir (through :mod:`nymph.safeio`: the workdir is the task
+user's; it exports the task's environment and ``exec``\\ s ``python -m
+dreamlake.lakeshore.daemon.entry`` or ``bash -c SCRIPT`` under :mod:`nymph_slurm.reaper`, so a
+``setsid()`` daemon the task starts stays in the job and dies with it even under
+``proctrack/linuxproc``; see :mod:`nymph_slurm.jobs`) and submits it::
 
     [runuser -u USER --] sbatch --parsable --chdir WORKDIR --output WORKDIR/stdout.log
         --error WORKDIR/stderr.log --open-mode=append --job-name nymph-<invocation_id>
@@ -31,9 +33,11 @@ The ladder: ``scancel --signal=TERM --full`` (the batch step and every process i
 SIGKILL; a plain ``--signal=KILL`` is treated the same way by Slurm), then wait up to
 ``cancel_wait_s`` for the job to end.
 
-``as_user`` submits as that user with ``runuser -u USER -- sbatch``; the job inherits the
-submitter's environment, so the interpreter (``python``) must be readable and runnable by that user
-on the compute node. A ``--chdir`` that does not exist silently runs the job in ``/tmp``, so
+``Task.as_user`` (the invocation's ``as_user``, or nymph's task user when nymph runs as root, see
+:mod:`nymph.taskuser`) submits as that user with ``runuser -u USER -- sbatch``, so the job runs as
+that user (who must exist on the compute nodes); the job inherits the submitter's environment, so
+the interpreter (``python``) must be readable and runnable by that user on the compute node (a
+script job whose user cannot run it runs without the reaper). A ``--chdir`` that does not exist silently runs the job in ``/tmp``, so
 ``start`` refuses a missing workdir and the script itself refuses to run elsewhere.
 
 Errors: a missing binary, an unreachable controller or a timed-out Slurm command is
@@ -55,6 +59,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import ClassVar
 
+from nymph import safeio
 from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, RunnerUnavailable, Task
 from nymph.runnerkit import (
     ENTRY_MODULE,
@@ -175,8 +180,11 @@ class SlurmRunner:
         )
         script = workdir / SCRIPT_FILE
         header = f"nymph invocation {task.invocation_id} attempt {task.attempt} (slurm runner)"
-        script.write_text(batch_script(str(workdir), env, command, header))
-        script.chmod(0o755)
+        text = batch_script(str(workdir), env, command, header, python=self.python)
+        try:  # the workdir is the task user's: never written through a link planted there
+            safeio.write_file(workdir, SCRIPT_FILE, text.encode(), 0o755)
+        except OSError as exc:
+            raise RunnerError(f"slurm runner: cannot write {script}: {exc}") from exc
         argv = [
             self.sbatch,
             "--parsable",

@@ -4,7 +4,9 @@ Nothing here runs a Slurm command, so every rule is testable without a cluster:
 
 - :func:`batch_script`: the ``/bin/sh`` script written into the workdir: it exports the task's
   environment, refuses to run anywhere but the workdir, and ``exec``\\ s the entry (or
-  ``bash -c SCRIPT``), so the entry *is* the batch step's process and Slurm's signals reach it;
+  ``bash -c SCRIPT``) under :mod:`nymph_slurm.reaper`, a child subreaper that keeps every
+  descendant (a ``setsid()`` daemon too) inside the job as Slurm tracks it and kills what the
+  entry left when it ends; Slurm's signals reach the entry as before;
 - :func:`resource_args`: ``run_config.resources`` (read by :mod:`nymph.resources`) as sbatch
   options (``cpus`` -> ``--cpus-per-task``, ``memory`` -> ``--mem``, ``gpus`` -> ``--gres=gpu:N``);
   ``pids`` and ``shm`` are refused (:data:`UNSUPPORTED_RESOURCES`);
@@ -20,6 +22,7 @@ import re
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from nymph.resources import parse_resources
@@ -157,14 +160,27 @@ def resource_args(resources: Any, gpus_assigned: int) -> list[str]:
     return args
 
 
-def batch_script(workdir: str, env: Mapping[str, str], command: list[str], header: str) -> str:
-    """The batch script: export ``env``, insist on ``workdir`` (a missing --chdir runs in /tmp), exec."""
+REAPER_SOURCE = (Path(__file__).with_name("reaper.py")).read_text()
+
+
+def batch_script(
+    workdir: str, env: Mapping[str, str], command: list[str], header: str, python: str | None = None
+) -> str:
+    """The batch script: export ``env``, insist on ``workdir`` (a missing --chdir runs in /tmp), exec.
+
+    With ``python``, the command runs under :mod:`nymph_slurm.reaper` (inline, with that
+    interpreter), so no process the task starts outlives the job; when the job's user cannot run
+    that interpreter on the node (a script needs none otherwise), the command runs without it.
+    """
     lines = ["#!/bin/sh", f"# {header}"]
     for key, value in sorted(env.items()):
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
             raise RunnerError(f"slurm runner: environment variable name {key!r} cannot be exported")
         lines.append(f"export {key}={shlex.quote(value)}")
     lines.append(f'cd {shlex.quote(workdir)} || {{ echo "nymph: no workdir on $(hostname)" >&2; exit 2; }}')
+    if python is not None:
+        reaped = [python, "-c", REAPER_SOURCE, *command]
+        lines.append(f"[ -x {shlex.quote(python)} ] && exec {shlex.join(reaped)}")
     lines.append("exec " + shlex.join(command))
     return "\n".join(lines) + "\n"
 

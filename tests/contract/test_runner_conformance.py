@@ -2,9 +2,10 @@
 
 Each test prepares a real workdir (args.msgpack holding a real Envelope of a ``@dls.udf`` function
 from ``tests/nymph_fns.py``) and drives ``start / wait / stop / destroy / inspect / recover`` the way
-nymph does. Runners: ``process`` always; ``docker`` and ``gvisor`` need a Docker engine (and the
-runsc runtime) and an image with python3 and msgpack in ``LAKESHORE_TEST_IMAGE`` (the bare
-``lakeshore-python:bookworm`` of scripts/services/docker.sh: no dreamlake in it).
+nymph does. Runners: ``process`` always (spawned, warm-forked, and without cgroups); ``docker``
+and ``gvisor`` need a Docker engine (and the runsc runtime) and an image with python3 and msgpack
+in ``LAKESHORE_TEST_IMAGE`` (the bare ``lakeshore-python:bookworm`` of scripts/services/docker.sh:
+no dreamlake in it); ``slurm`` a Slurm controller.
 
 The ``readme`` tests run one user module, ``tests/user_code/readme_udfs.py``, written as the README
 shows (``import dreamlake.lakeshore as dls``, ``@dls.udf(queue=...)``): a plain call, a generator, a
@@ -41,7 +42,8 @@ from nymph.plugins import load_runner
 
 readme = kit.user_module("readme_udfs")
 
-RUNNERS = ["process", "process-prefork", "docker", "gvisor", "slurm"]
+# process-pgroup: the process runner without cgroups (its process-group fallback)
+RUNNERS = ["process", "process-prefork", "process-pgroup", "docker", "gvisor", "slurm"]
 LIMIT_S = 60.0
 
 
@@ -72,6 +74,8 @@ def options_for(name: str) -> dict[str, Any]:
         return {"prefork": False}
     if name == "process-prefork":  # the process runner's warm-fork (zygote) mode
         return {"prefork": True}
+    if name == "process-pgroup":  # no task cgroups: process groups and the stray walk
+        return {"prefork": False, "cgroup": "off"}
     if name == "slurm":
         require(_slurm_answers(), 'needs a Slurm controller: eval "$(scripts/services/slurm.sh)"')
         return {}
@@ -88,7 +92,7 @@ def options_for(name: str) -> dict[str, Any]:
 def make_runner(request: pytest.FixtureRequest) -> Iterator[Callable[[], Runner]]:
     name = request.param
     options = options_for(name)
-    cls = load_runner(name.removesuffix("-prefork"))
+    cls = load_runner(name.split("-")[0])
     made: list[Runner] = []
 
     def _make() -> Runner:
@@ -348,3 +352,42 @@ def test_env_reaches_the_task(runner: Runner, prepare: Callable[..., Task]) -> N
     assert status is not None and status.exit_code == 0
     assert wire.unpack((task.workdir / "result.msgpack").read_bytes()) == task.invocation_id
     runner.destroy(handle)
+
+
+def _marked(marker: str) -> list[int]:
+    """Live (non-zombie) processes on this host with ``marker`` on their command line."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if marker in (proc.info["cmdline"] or []) and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(proc.pid)
+    return found
+
+
+@pytest.mark.parametrize("ending", ["stopped", "exited"])
+def test_setsid_descendants_die_with_the_task(
+    runner: Runner, prepare: Callable[..., Task], ending: str
+) -> None:
+    """Daemons that left the task's session (fork, setsid, fork) and ignore SIGTERM die with it:
+    on a stop (cancel, timeout, lease loss, shutdown all use it) and when the task just exits."""
+    import uuid
+
+    marker = f"nymph-test-daemon-{uuid.uuid4().hex}"
+    task = prepare(nymph_fns.setsid_daemons, 2, marker, None if ending == "stopped" else "release")
+    handle = kit.start_saved(runner, task)
+    kit.until(lambda: (task.workdir / "daemons.txt").exists(), "the daemons to start")
+    assert len((task.workdir / "daemons.txt").read_text().split()) == 2
+    host_visible = runner.name != "gvisor"  # gVisor's processes live inside its sandbox
+    if host_visible:  # a daemon's pid is recorded before it execs the command line with the marker
+        kit.until(lambda: len(_marked(marker)) == 2, "the daemons to exec")
+    if ending == "stopped":
+        runner.stop(handle, 0.3)
+        status = runner.wait(handle, LIMIT_S)
+        assert status is not None and status.exit_code != 0
+    else:
+        (task.workdir / "release").touch()  # the task returns; its daemons are still running
+        status = runner.wait(handle, LIMIT_S)
+        assert status is not None and status.exit_code == 0, status
+    runner.destroy(handle)
+    assert runner.inspect(handle) in ("exited", "gone")
+    if host_visible:
+        assert _marked(marker) == []

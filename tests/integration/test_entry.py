@@ -164,6 +164,47 @@ def test_pickled_allowed_with_allow_pickled(tmp_path: Path) -> None:
     assert _result(workdir) == 15
 
 
+def _ref_workdir(tmp_path: Path, module: str, qualname: str, *args: Any) -> Path:
+    workdir = tmp_path / "inv"
+    workdir.mkdir(mode=0o700)
+    fn = {"kind": "ref", "module": module, "qualname": qualname}
+    (workdir / "args.msgpack").write_bytes(Envelope.create(fn, args).to_bytes())
+    return workdir
+
+
+@pytest.mark.parametrize(
+    ("module", "qualname", "args"),
+    [
+        ("builtins", "exec", ("open('owned.txt', 'w')",)),  # a module outside the patterns
+        ("tests.fixtures_fns", "os.system", ("touch owned.txt",)),  # allowed module, os's function
+    ],
+)
+def test_allow_modules_refuses_what_the_patterns_do_not_match(
+    tmp_path: Path, module: str, qualname: str, args: tuple[Any, ...]
+) -> None:
+    workdir = _ref_workdir(tmp_path, module, qualname, *args)
+    proc = _run(workdir, env={entry.ALLOW_MODULES_ENV: "tests.*,mypkg"})
+    assert proc.returncode == 2, proc.stderr
+    info = _error(workdir)
+    assert info["type"] == "ModuleRefused" and "--allow-module" in info["message"], info
+    assert not (workdir / "owned.txt").exists()
+
+
+def test_allow_modules_runs_a_matching_function(tmp_path: Path) -> None:
+    workdir = _workdir(tmp_path, ff.add, 1, 2, transport="ref")
+    proc = _run(workdir, env={entry.ALLOW_MODULES_ENV: "tests.*"})
+    assert proc.returncode == 0, proc.stderr
+    assert _result(workdir) == 3
+
+
+def test_allow_module_wildcards_never_reach_the_standard_library() -> None:
+    assert entry.module_allowed("mypkg.tasks", ["mypkg.*"])
+    assert not entry.module_allowed("mypkg", ["mypkg.*"]) and entry.module_allowed("mypkg", ["mypkg"])
+    for module in ("builtins", "subprocess", "os", "importlib.util"):
+        assert not entry.module_allowed(module, ["*"]), module
+    assert entry.module_allowed("subprocess", ["subprocess"])  # named exactly: the operator's choice
+
+
 def test_gate_errors_exit_2(tmp_path: Path) -> None:
     workdir = _workdir(tmp_path, ff.add, 1)
     proc = _run(workdir, env={"LAKESHORE_RUNTIME_POLICY": "lax"})

@@ -34,6 +34,10 @@ from tests.integration.conftest import ControlPlane, submit_body
 
 LIMIT_S = 60.0
 NYMPH = [sys.executable, "-m", "nymph"]
+# These tests run nymph as whoever runs them (root in CI) and their tasks import from the checkout:
+# tasks run as nymph's own user, which for root takes the operator's flag (tests/security/ runs
+# nymph as root with a task user instead).
+ROOT_TASKS = ["--allow-root-tasks"] if os.geteuid() == 0 else []
 
 
 def _env() -> dict[str, str]:
@@ -53,7 +57,7 @@ class Nymph:
             *NYMPH, "start", "--server", server, "--token", token, "--queue", queue,
             "--workdir", str(self.workdir), "--state-dir", str(self.state_dir),
             "--heartbeat-s", "0.5", "--poll-timeout-s", "2", "--stop-grace-s", "0.5",
-            "--log-level", "INFO", *extra,
+            "--log-level", "INFO", *ROOT_TASKS, *extra,
         ]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -266,7 +270,7 @@ def test_script_as_an_allowed_user_streams_logs_and_runs_as_that_user(
     base = Path(tempfile.mkdtemp(prefix="nymph-as-user-"))
     os.chmod(base, 0o711)  # the user must be able to reach its own workdir
     try:
-        n = nymph_factory(cp.url, cp.daemon_token, "--allow-user", "nymphtest", base=base)
+        n = nymph_factory(cp.url, cp.daemon_token, "--allow-user", "nymphtest", "--allow-script", base=base)
         inv = submit(cp.url, cp.producer_token, script="id -un; echo oops >&2", as_user="nymphtest")
         out = await_result(cp.url, cp.producer_token, inv)
         assert out["state"] == "succeeded", (out, n.output()[-3000:])
@@ -283,7 +287,7 @@ def test_failing_script_is_failed_with_its_exit_code(
     sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
 ) -> None:
     cp = sqlite_control_plane
-    nymph_factory(cp.url, cp.daemon_token)
+    nymph_factory(cp.url, cp.daemon_token, "--allow-script")
     inv = submit(cp.url, cp.producer_token, script="echo partial; exit 4")
     out = await_result(cp.url, cp.producer_token, inv)
     assert out["state"] == "failed"
@@ -468,7 +472,8 @@ def test_pinned_version_drains_running_work_then_exits_75(
 
 
 def _doctor(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*NYMPH, "doctor", *args], capture_output=True, text=True, env=_env(), timeout=120)
+    cmd = [*NYMPH, "doctor", *ROOT_TASKS, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=120)
 
 
 def test_doctor_passes_on_a_good_setup_and_names_what_to_fix(

@@ -269,7 +269,9 @@ def test_an_exec_container_is_labelled_with_the_worker_and_listed_for_start_up_c
 
     runner = DockerRunner(image=image, pull="never")
     worker = f"W-exec-{ids.new_ulid()}"
-    config = NymphConfig(server="http://cp", token="t", workdir=tmp_path, stop_grace_s=0.5)
+    config = NymphConfig(  # run as root in CI: the container as root too, not as a task user
+        server="http://cp", token="t", workdir=tmp_path, stop_grace_s=0.5, allow_root_tasks=True
+    )
     job = ExecJob(
         JobContext(config, runner, _Outbox(), Slots(1), worker),  # type: ignore[arg-type]
         {"exec_id": ids.new_ulid(), "namespace": "ns", "command": "sleep 60"},

@@ -15,7 +15,18 @@ from tests.conftest import ROOT
 
 CASES = {
     "backlog": ["--quick", "--reps", "3", "--backends", "sqlite-memory"],
-    "control_plane": ["--daemons", "2", "--jobs", "8", "--rounds", "3"],
+    "control_plane": [
+        "--producers",
+        "2",
+        "--daemons",
+        "2",
+        "--jobs",
+        "8",
+        "--reps",
+        "1",
+        "--raw-rows",
+        "200",
+    ],
     "fleet": ["--sizes", "1,3", "--submits", "3", "--idle-s", "0.2"],
     "streams": ["--frames", "20"],
     "store": ["--reps", "5", "--opens", "1", "--backends", "sqlite-memory"],

@@ -137,3 +137,46 @@ def test_the_example_files_docker_options_are_real_runner_options(tmp_path: Path
     assert cfg.runner_options["users"] == {"alice": "1000:1000"}
     runner = load_runner("docker")(**dict(cfg.runner_options))  # every key is a constructor option
     assert runner.name == "docker"
+
+
+def test_token_from_a_private_file_and_the_higher_layer_wins(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("lsk_from_file\n")
+    token_file.chmod(0o600)
+    cfg = resolve({"server": "http://x", "token_file": str(token_file)}, {})
+    assert cfg.token == "lsk_from_file" and "lsk_from_file" not in repr(cfg)
+    # a flag's token beats the environment's file, and the environment's file beats the TOML token
+    assert (
+        resolve({"server": "http://x", "token": "flag"}, {"NYMPH_TOKEN_FILE": str(token_file)}).token
+        == "flag"
+    )
+    toml = _write(tmp_path, 'server = "http://x"\ntoken = "from-toml"\n')
+    assert resolve({}, {"NYMPH_TOKEN_FILE": str(token_file)}, toml).token == "lsk_from_file"
+    with pytest.raises(ConfigError, match="either token or token_file"):
+        resolve({}, {"NYMPH_SERVER": "http://x", "NYMPH_TOKEN": "a", "NYMPH_TOKEN_FILE": str(token_file)})
+
+
+@pytest.mark.parametrize(("mode", "content", "message"), [(0o644, "t", "chmod 600"), (0o600, " \n", "empty")])
+def test_a_token_file_others_can_read_or_an_empty_one_is_refused(
+    tmp_path: Path, mode: int, content: str, message: str
+) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(content)
+    token_file.chmod(mode)
+    with pytest.raises(ConfigError, match=message):
+        resolve({"server": "http://x", "token_file": str(token_file)}, {})
+
+
+def test_the_trust_settings_from_flags_env_and_file(tmp_path: Path) -> None:
+    cfg = resolve({"server": "http://x", "token": "t"}, {})
+    assert (cfg.allow_script, cfg.allow_modules, cfg.task_user, cfg.allow_root_tasks) == (
+        False, (), "nymph-task", False,
+    )  # fmt: skip
+    env = {"NYMPH_ALLOW_MODULE": "mypkg.*,other", "NYMPH_ALLOW_SCRIPT": "yes", "NYMPH_TASK_USER": "runner"}
+    cfg = resolve({"server": "http://x", "token": "t"}, env)
+    assert cfg.allow_modules == ("mypkg.*", "other") and cfg.allow_script and cfg.task_user == "runner"
+    toml = _write(
+        tmp_path, 'server = "http://x"\ntoken = "t"\nallow_module = ["a.*"]\nallow-root-tasks = true\n'
+    )
+    cfg = resolve({"allow_modules": ("b",)}, {}, toml)
+    assert cfg.allow_modules == ("b",) and cfg.allow_root_tasks

@@ -75,7 +75,9 @@ class _Job:
 
 
 def _agent(tmp_path: Path) -> Agent:
-    cfg = NymphConfig(server="http://cp", token="t", workdir=tmp_path / "w", state_dir=tmp_path / "s")
+    cfg = NymphConfig(
+        server="http://cp", token="t", workdir=tmp_path / "w", state_dir=tmp_path / "s", allow_root_tasks=True
+    )
     client = ControlPlaneClient(
         "http://cp", "t", transport=httpx.MockTransport(lambda r: httpx.Response(500))
     )
@@ -84,6 +86,9 @@ def _agent(tmp_path: Path) -> Agent:
 
 def _exec_ctx(tmp_path: Path, runner: Any, outbox: Any, worker_id: str = "", **config: Any) -> JobContext:
     """What an exec job shares with the agent: its workdir root is ``tmp_path``, no client."""
+    config.setdefault(
+        "allow_root_tasks", True
+    )  # the tests run as root in CI: tasks as root, not as a task user
     cfg = NymphConfig(
         server="http://cp", token="t", workdir=tmp_path, state_dir=tmp_path / "s", stop_grace_s=0.1, **config
     )
@@ -148,6 +153,7 @@ def _run_job(tmp_path: Path, body: dict[str, Any], **config: Any) -> tuple[_Runn
     from nymph.job import Job, JobContext
     from nymph.slots import Slots
 
+    config = {"allow_script": True, "allow_root_tasks": True, **config}  # a script task, run as root
     cfg = NymphConfig(
         server="http://cp", token="t", workdir=tmp_path / "w", state_dir=tmp_path / "s", **config
     )

@@ -78,7 +78,14 @@ def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _ctx(tmp_path: Path, runner: Any, outbox: _Outbox, **kwargs: Any) -> JobContext:
-    cfg = NymphConfig(server="http://cp", token="t", workdir=tmp_path / "w", state_dir=tmp_path / "s")
+    cfg = NymphConfig(
+        server="http://cp",
+        token="t",
+        workdir=tmp_path / "w",
+        state_dir=tmp_path / "s",
+        allow_root_tasks=True,
+        allow_script=True,
+    )
     (tmp_path / "w").mkdir(exist_ok=True)
     slots = Slots(2)
     slots.take()
@@ -87,7 +94,14 @@ def _ctx(tmp_path: Path, runner: Any, outbox: _Outbox, **kwargs: Any) -> JobCont
 
 def _agent(tmp_path: Path, runner: Any) -> tuple[Agent, _Outbox]:
     """An agent between start-up and its first poll: outbox and worker id set, nothing running."""
-    cfg = NymphConfig(server="http://cp", token="t", workdir=tmp_path / "w", state_dir=tmp_path / "s")
+    cfg = NymphConfig(
+        server="http://cp",
+        token="t",
+        workdir=tmp_path / "w",
+        state_dir=tmp_path / "s",
+        allow_root_tasks=True,
+        allow_script=True,
+    )
     (tmp_path / "w").mkdir(exist_ok=True)
     client = ControlPlaneClient(
         "http://cp", "t", transport=httpx.MockTransport(lambda r: httpx.Response(500))

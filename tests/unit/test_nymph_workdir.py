@@ -64,7 +64,8 @@ class _Caps:
 
 
 def _job(tmp_path: Path, body: dict[str, Any], **cfg: Any) -> Job:
-    config = resolve({"server": "http://x", "token": "t", "workdir": tmp_path, **cfg}, {})
+    flags = {"server": "http://x", "token": "t", "workdir": tmp_path, "allow_root_tasks": True, **cfg}
+    config = resolve(flags, {})
     outbox = Outbox.__new__(Outbox)  # the gates never touch the outbox
     ctx = JobContext(config, _Caps(as_user=False), outbox, Slots(1), ids.new_ulid())  # type: ignore[arg-type]
     return Job(ctx, ids.new_ulid(), 1, body)

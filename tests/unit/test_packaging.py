@@ -139,7 +139,16 @@ def test_the_daemonset_runs_nymph_as_the_kube_runner_needs(plain: list[dict[str,
     assert nymph["command"] == ["nymph", "start", "--config", "/etc/nymph/nymph.toml"]
     assert pod["serviceAccountName"] == "nymph"
     env = {e["name"]: e for e in nymph["env"]}
-    assert env["NYMPH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "nymph-token", "key": "token"}
+    # the token: the Secret mounted as a file nymph reads (never a command line, not the environment)
+    assert "NYMPH_TOKEN" not in env
+    token_file = Path(env["NYMPH_TOKEN_FILE"]["value"])
+    token_mount = next(m for m in nymph["volumeMounts"] if m["name"] == "token")
+    assert token_mount["mountPath"] == str(token_file.parent) and token_mount["readOnly"] is True
+    token_volume = next(v for v in pod["volumes"] if v["name"] == "token")["secret"]
+    assert token_volume["secretName"] == "nymph-token"
+    assert token_volume["items"] == [{"key": "token", "path": token_file.name}]
+    assert token_volume["defaultMode"] & 0o007 == 0  # not readable by others: nymph refuses that
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"]
     assert env["NYMPH_RUNNER_OPT_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["workdir"]["hostPath"]["path"] == "/var/lib/nymph/work"

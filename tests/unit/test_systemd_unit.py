@@ -112,16 +112,31 @@ def test_hardening_keeps_runuser_and_gpus_working(service: dict[str, list[str]])
     assert one(service, "StateDirectory") == "nymph"
 
 
-def test_example_config_resolves_with_nymphs_loader() -> None:
+def test_tasks_run_as_the_sysusers_task_user_in_delegated_cgroups(service: dict[str, list[str]]) -> None:
+    assert one(service, "Delegate") == "yes"  # nymph-tasks/<task> below the unit's cgroup is nymph's
+    sysusers = (ROOT / "systemd" / "nymph-sysusers.conf").read_text()
+    entries = [line.split() for line in sysusers.splitlines() if line.strip() and not line.startswith("#")]
+    assert [e[:3] for e in entries] == [["u", NymphConfig(server="x", token="x").task_user, "-"]]
+    example = resolve({}, {"NYMPH_TOKEN": "x"}, TOML)
+    assert example.task_user == "nymph-task" and not example.allow_root_tasks and not example.allow_script
+
+
+def test_example_config_resolves_with_nymphs_loader(service: dict[str, list[str]], tmp_path: Path) -> None:
     env = {}
     for line in ENV.read_text().splitlines():
         if line.strip() and not line.lstrip().startswith("#"):
             key, sep, value = line.partition("=")
             assert sep and key == key.strip() and key.isupper(), f"bad env line {line!r}"
             env[key] = value
-    assert "NYMPH_TOKEN" in env
-    cfg = resolve({}, env, TOML)
-    assert cfg.token == env["NYMPH_TOKEN"]
+    assert "NYMPH_TOKEN" not in env  # the token is a credential file, never in the env file
+    # the unit: LoadCredential=token:/etc/nymph/token, Environment=NYMPH_TOKEN_FILE=%d/token
+    assert "token:/etc/nymph/token" in service["LoadCredential"]
+    assert "NYMPH_TOKEN_FILE=%d/token" in service["Environment"]
+    credential = tmp_path / "token"
+    credential.write_text("lsk_daemon_example\n")
+    credential.chmod(0o400)  # as systemd hands credentials over
+    cfg = resolve({}, {**env, "NYMPH_TOKEN_FILE": str(credential)}, TOML)
+    assert cfg.token == "lsk_daemon_example"
     assert cfg.server.startswith("https://")
     assert cfg.runner == "process"
     assert cfg.workdir.is_relative_to("/var/lib/nymph") and cfg.state_dir.is_relative_to("/var/lib/nymph")

@@ -11,7 +11,11 @@ gates, calls it and leaves:
   one, then END (body ``wire.pack(return value)``) or ERROR.
 
 Environment: ``LAKESHORE_ALLOW_PICKLED=1`` allows pickled functions, ``LAKESHORE_RUNTIME_POLICY``
-(``strict`` | ``minor`` | ``off``, default ``minor``), ``LAKESHORE_INVOCATION_ID`` (for messages).
+(``strict`` | ``minor`` | ``off``, default ``minor``), ``LAKESHORE_INVOCATION_ID`` (for messages),
+``LAKESHORE_ALLOW_MODULES`` (nymph's ``--allow-module`` patterns, comma separated; see
+:func:`module_allowed`): when set, a ``ref`` function is refused (exit 2, ``ModuleRefused``) unless
+its module matches, checked before the module is imported, and again on the callable it resolved
+to (its ``__module__``), so ``allowed_module:os.system`` does not reach ``os``.
 
 The function's module must be importable in this runtime: the runner puts the user's code on
 ``PYTHONPATH`` (shipping a code archive is out of scope). Start-up is kept lean: no SDK, HTTP client,
@@ -31,7 +35,7 @@ from dreamlake.lakeshore.errors import EnvelopeError, WireError
 
 TYPE_CHECKING = False  # no typing at runtime: start-up is what a noop invocation costs
 if TYPE_CHECKING:
-    from typing import Any, Callable, ContextManager, Dict, Iterator
+    from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List
 
 ARGS_FILE = "args.msgpack"
 RESULT_FILE = "result.msgpack"
@@ -44,10 +48,80 @@ EXIT_REFUSED = 2
 
 _CO_GENERATOR = 0x20
 _TRUE = ("1", "true", "yes", "on")
+ALLOW_MODULES_ENV = "LAKESHORE_ALLOW_MODULES"
+ALLOW_MODULE_FLAG = "--allow-module"
+# Never matched by a wildcard when Python < 3.10 has no sys.stdlib_module_names (with it, every
+# standard-library module is kept from wildcards).
+_STDLIB_FALLBACK = frozenset(
+    [
+        "builtins",
+        "os",
+        "posix",
+        "nt",
+        "subprocess",
+        "sys",
+        "shutil",
+        "importlib",
+        "runpy",
+        "pty",
+        "ctypes",
+        "code",
+        "codeop",
+        "pickle",
+        "marshal",
+        "socket",
+        "multiprocessing",
+        "signal",
+        "tempfile",
+        "io",
+        "pathlib",
+        "platform",
+        "asyncio",
+        "webbrowser",
+        "threading",
+    ]
+)
 
 
 class _Refused(Exception):
     """A gate refused or the Envelope was bad: exit 2."""
+
+
+class ModuleRefused(Exception):
+    """The function's module is not one the worker allows (``--allow-module``)."""
+
+
+def module_allowed(module: str, patterns: Iterable[str]) -> bool:
+    """Whether ``module`` matches one of the fnmatch ``patterns`` (case-sensitive, whole name).
+
+    ``mypkg.*`` matches ``mypkg``'s submodules, ``mypkg`` the module itself. A pattern with a
+    wildcard never matches a standard-library module (``builtins``, ``subprocess``, ``os``...): such
+    a module is allowed only by a pattern that names it exactly.
+    """
+    from fnmatch import fnmatchcase
+
+    top = module.partition(".")[0]
+    stdlib = getattr(sys, "stdlib_module_names", None) or _STDLIB_FALLBACK | set(sys.builtin_module_names)
+    for pattern in patterns:
+        if pattern == module:
+            return True
+        if top not in stdlib and fnmatchcase(module, pattern):
+            return True
+    return False
+
+
+def allow_modules_from_env() -> List[str]:
+    """The ``LAKESHORE_ALLOW_MODULES`` patterns; empty: every module is allowed."""
+    raw = os.environ.get(ALLOW_MODULES_ENV, "")
+    return [p.strip() for p in raw.split(",") if p.strip()]
+
+
+def module_refusal(module: str, qualname: str, patterns: List[str]) -> str:
+    return (
+        f"function {module}:{qualname} refused: this worker runs only functions of modules matching "
+        f"{ALLOW_MODULE_FLAG} {' / '.join(patterns)}; deploy the function in an allowed module, or "
+        f"start nymph with {ALLOW_MODULE_FLAG} matching {module!r}"
+    )
 
 
 class _NoContext:
@@ -159,13 +233,25 @@ def _load() -> tuple[Envelope, Callable[..., Any], list[Any], dict[str, Any]]:
             f"cannot read {ARGS_FILE} in {os.getcwd()}: {exc.strerror}; run the entry with the "
             "invocation's workdir as cwd (or pass it as the argument)"
         ) from exc
+    patterns = allow_modules_from_env()
     try:
         envelope = Envelope.from_bytes(data)
+        ref = envelope.fn.get("kind") == "ref" and bool(patterns)
+        if ref:  # before the import: a refused module's top-level code never runs
+            _check_module(str(envelope.fn.get("module")), str(envelope.fn.get("qualname")), patterns)
         fn = resolve_fn(envelope.fn, allow_pickled=allow_pickled, runtime_policy=policy)
+        if ref:  # and what the qualname led to: ``allowed_module:os.system`` is os's function
+            owner = getattr(fn, "__module__", None) or type(fn).__module__
+            _check_module(str(owner), str(envelope.fn.get("qualname")), patterns)
         args, kwargs = envelope.unpack_args()
-    except (EnvelopeError, WireError) as exc:
+    except (EnvelopeError, WireError, ModuleRefused) as exc:
         raise _Refused(str(exc)) from exc
     return envelope, fn, args, kwargs
+
+
+def _check_module(module: str, qualname: str, patterns: List[str]) -> None:
+    if not module_allowed(module, patterns):
+        raise ModuleRefused(module_refusal(module, qualname, patterns))
 
 
 def run() -> int:

@@ -308,6 +308,7 @@ def create_app(
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             ctx.polls.stop()
+            await ctx.writer.aclose()
             # The Fanout protocol closes with ``aclose`` (a Redis fan-out holds two clients).
             closer = getattr(ctx.fanout, "aclose", None) or getattr(ctx.fanout, "close", None)
             if callable(closer):

@@ -1,5 +1,6 @@
-"""What every route needs: the store (run off-loop), wake-ups, the poll hub, auth and worker
-bindings, metrics, config, plugins and the live-queue watch behind submit's "no worker" warning."""
+"""What every route needs: the store (run off-loop), the group-commit writer, wake-ups, the poll
+hub, auth and worker bindings, metrics, config, plugins and the live-queue watch behind submit's
+"no worker" warning."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from dreamlake.lakeshore.server.liveness import QueueWatch
 from dreamlake.lakeshore.server.metrics import Metrics
 from dreamlake.lakeshore.server.polls import PollHub
 from dreamlake.lakeshore.server.tasks import TaskTokens
-from dreamlake.lakeshore.store.api import Principal, Store
+from dreamlake.lakeshore.server.writer import GroupWriter
+from dreamlake.lakeshore.store.api import Principal, Store, WriteRequest, WriteResult
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,13 @@ def store_dialect(store: Any) -> str:
         return dialect
     url = str(getattr(store, "url", "") or getattr(db, "url", ""))
     return "postgresql" if url.startswith("postgres") else "sqlite"
+
+
+def _answer(exc: PlaneError) -> Exception:
+    """A store refusal with a 4xx status as that HTTP answer; anything else unchanged (a 500)."""
+    if isinstance(exc.status, int) and 400 <= exc.status < 500:
+        return HTTPError(exc.status, str(exc))
+    return exc
 
 
 @dataclass
@@ -62,6 +71,7 @@ class Context:
             lambda: float(self.polls.relay is not None and self.polls.relay.listening)
         )
         self.auth = Authenticator(self._verify)
+        self.writer = GroupWriter(self.store, observe=self.metrics.write_batch.observe)
         self.workers = WorkerBindings(lambda worker, token: self.call(self.store.bind_worker, worker, token))
         self.queues = QueueWatch()
         self._task_tokens: TaskTokens | None = None
@@ -82,10 +92,15 @@ class Context:
         try:
             return await self.runner(fn, *args, **kwargs)
         except PlaneError as exc:
-            status = exc.status if isinstance(exc.status, int) and 400 <= exc.status < 500 else None
-            if status is None:
-                raise
-            raise HTTPError(status, str(exc)) from None
+            raise _answer(exc) from None
+
+    async def write(self, request: WriteRequest) -> WriteResult:
+        """Write through the group commit (answered once committed); a 4xx PlaneError becomes
+        that answer, as in ``call``."""
+        try:
+            return await self.writer.write(request)
+        except PlaneError as exc:
+            raise _answer(exc) from None
 
     async def queue_warning(self, queue: str) -> str | None:
         """The "no worker has polled queue ..." warning, or None when a live worker serves it."""

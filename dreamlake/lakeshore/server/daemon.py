@@ -8,9 +8,12 @@ is logged. Frames must come in order (the store refuses a gap, or a frame after 
 with ``expected_seq``). A daemon token bound to a namespace registers and claims in it only.
 
 ``poll`` is a long poll: each pass collects pending cancels, claims invocations and exec jobs in
-one store transaction (``store.poll``); with nothing to hand out it waits in the poll hub
-(``server/polls.py``), which wakes one waiting poll per unit of new work (and every poll of a
-worker with a command queued), so a submit costs one claim transaction, not one per waiting daemon.
+one store transaction (``store.poll_pass``, which also reads the pinned nymph version); with
+nothing to hand out it waits in the poll hub (``server/polls.py``), which wakes one waiting poll per
+unit of new work (and every poll of a worker with a command queued), so a submit costs one claim
+transaction, not one per waiting daemon. ``ack``, ``result-chunk`` and ``heartbeat`` write through
+the group commit (``ctx.write``), which applies the same lease and order checks per write, and are
+answered once committed.
 """
 
 from __future__ import annotations
@@ -27,7 +30,18 @@ from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError, field
 from dreamlake.lakeshore.server.polls import EXEC, RUN, TIMEOUT, Wake
-from dreamlake.lakeshore.store.api import ACK_STATES, UNKNOWN, Command, Invocation
+from dreamlake.lakeshore.store.api import (
+    ACK_STATES,
+    UNKNOWN,
+    AckRequest,
+    AckResult,
+    ChunkResult,
+    Command,
+    FrameRequest,
+    HeartbeatRequest,
+    HeartbeatResult,
+    Invocation,
+)
 
 if TYPE_CHECKING:
     from dreamlake.lakeshore.wire import Frame
@@ -58,16 +72,6 @@ def _queues(body: dict[str, Any], default: list[str] | None = None) -> list[str]
     if not queues or len(queues) > MAX_QUEUES:
         raise HTTPError(400, f"field 'queues' must list 1 to {MAX_QUEUES} queue names")
     return [http.name(q, "queue") for q in queues]
-
-
-async def _pinned(ctx: Context, caller: Caller, worker_id: str, out: dict[str, Any]) -> dict[str, Any]:
-    """Add ``target_nymph_version`` when the daemon's namespace pins one. The namespace is its
-    token's, else the one it registered with (read from the store's workers row, so a replica that
-    did not serve the register answers the same), else ``default``."""
-    version = await ctx.call(ctx.store.pinned_version_for_worker, worker_id, caller.principal.namespace)
-    if version:
-        out["target_nymph_version"] = version
-    return out
 
 
 async def register(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
@@ -138,14 +142,25 @@ def command_dict(cmd: Command) -> dict[str, Any]:
     return {"id": cmd.id, "kind": cmd.kind, "body": cmd.body}
 
 
+def _with_pin(out: dict[str, Any], version: str | None) -> dict[str, Any]:
+    """Add ``target_nymph_version`` when the daemon's namespace pins one. The namespace is its
+    token's, else the one it registered with (read from the store's workers row, in the poll's or
+    heartbeat's own transaction, so a replica that did not serve the register answers the same),
+    else ``default``."""
+    if version:
+        out["target_nymph_version"] = version
+    return out
+
+
 async def _collect(
     ctx: Context, worker_id: str, queues: list[str], limit: int, *, exec_jobs: bool, namespace: str | None
-) -> tuple[list[dict[str, Any]], list[Wake]]:
-    """One poll pass, one store transaction (``store.poll``): pending cancels, then claimed
-    invocations, then exec jobs (of ``namespace`` when the token is bound to one) for free slots.
-    Returns the commands and the work claimed (for the poll hub)."""
-    cancels, claimed, jobs = await ctx.call(
-        ctx.store.poll,
+) -> tuple[list[dict[str, Any]], list[Wake], str | None]:
+    """One poll pass, one store transaction (``store.poll_pass``): pending cancels, then claimed
+    invocations, then exec jobs (of ``namespace`` when the token is bound to one) for free slots,
+    and the pinned nymph version. Returns the commands, the work claimed (for the poll hub) and
+    that version."""
+    got = await ctx.call(
+        ctx.store.poll_pass,
         worker_id,
         queues,
         limit,
@@ -153,23 +168,23 @@ async def _collect(
         exec_jobs=exec_jobs,
         namespace=namespace,
     )
-    commands = [command_dict(c) for c in cancels]
-    if claimed:
+    commands = [command_dict(c) for c in got.commands]
+    if got.invocations:
         signer, now = await ctx.task_tokens(), time.time()
         ttl, lease = ctx.config.task_token_ttl_s, ctx.config.lease_s
-        for inv in claimed:
+        for inv in got.invocations:
             token = signer.mint(
                 inv.invocation_id, inv.attempt, inv.namespace, tasks.expires_at(inv, ttl, lease, now)
             )
             commands.append(run_command(inv, token))
-    commands.extend(exec_command(job) for job in jobs)
-    if claimed:
-        ctx.metrics.claims.labels(kind="run").inc(len(claimed))
-    if jobs:
-        ctx.metrics.claims.labels(kind="exec").inc(len(jobs))
-    units = [Wake(RUN, inv.queue) for inv in claimed]
-    units.extend(Wake(EXEC, job["queue"], job["namespace"]) for job in jobs)
-    return commands, units
+    commands.extend(exec_command(job) for job in got.exec_jobs)
+    if got.invocations:
+        ctx.metrics.claims.labels(kind="run").inc(len(got.invocations))
+    if got.exec_jobs:
+        ctx.metrics.claims.labels(kind="exec").inc(len(got.exec_jobs))
+    units = [Wake(RUN, inv.queue) for inv in got.invocations]
+    units.extend(Wake(EXEC, job["queue"], job["namespace"]) for job in got.exec_jobs)
+    return commands, units, got.pinned_version
 
 
 Disconnected = Callable[[], Awaitable[bool]]
@@ -208,6 +223,7 @@ async def poll(
     deadline = started + timeout * random.uniform(0.8, 1.0)
     ticket = ctx.polls.ticket(worker_id, queues, takes_exec=exec_jobs, namespace=caller.principal.namespace)
     commands: list[dict[str, Any]] = []
+    pinned: str | None = None
     reason = "first"
     try:
         while True:
@@ -217,7 +233,7 @@ async def poll(
                 return {"commands": []}
             mark = ctx.wake.mark()
             ctx.metrics.poll_passes.labels(reason=reason).inc()
-            commands, claimed = await _collect(
+            commands, claimed, pinned = await _collect(
                 ctx, worker_id, queues, limit, exec_jobs=exec_jobs, namespace=caller.principal.namespace
             )
             ticket.settle(claimed, limit)
@@ -230,7 +246,7 @@ async def poll(
     finally:
         ticket.close()
     ctx.metrics.poll_wait.observe(time.monotonic() - started)
-    return await _pinned(ctx, caller, worker_id, {"commands": commands})
+    return _with_pin({"commands": commands}, pinned)
 
 
 def _error_info(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -266,15 +282,8 @@ async def ack(ctx: Context, caller: Caller, body: dict[str, Any]) -> tuple[int, 
     error = _error_info(body)
     attempt = _attempt(body)
     worker_id = await _worker(ctx, caller, body)
-    result = await ctx.call(
-        ctx.store.ack,
-        invocation_id,
-        state,
-        attempt=attempt,
-        worker_id=worker_id,
-        result_blob=result_blob,
-        error=error,
-    )
+    result = await ctx.write(AckRequest(invocation_id, state, attempt, worker_id, result_blob, error))
+    assert isinstance(result, AckResult)
     if result.ok:
         ctx.metrics.acks.labels(state=state, outcome="duplicate" if result.duplicate else "ok").inc()
         ctx.wake.notify(f"inv:{invocation_id}")
@@ -326,9 +335,8 @@ async def result_chunk(ctx: Context, caller: Caller, body: dict[str, Any]) -> tu
             seq,
             frame.kind,
         )
-    result = await ctx.call(
-        ctx.store.append_frame, invocation_id, seq, data, final, attempt=attempt, worker_id=worker_id
-    )
+    result = await ctx.write(FrameRequest(invocation_id, seq, data, final, attempt, worker_id))
+    assert isinstance(result, ChunkResult)
     if not result.ok:
         reason = result.reason or "frame refused"
         if result.status == UNKNOWN:
@@ -397,13 +405,13 @@ async def heartbeat(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[
         pairs.append((inv_id, attempt))
     exec_pairs = _running_exec(body)
     field(body, "free_slots", int, default=0)
-    commands, lost = await ctx.call(
-        ctx.store.heartbeat, worker_id, pairs, ctx.config.lease_s, running_exec=exec_pairs
-    )
+    beat = HeartbeatRequest(worker_id, pairs, ctx.config.lease_s, exec_pairs, caller.principal.namespace)
+    result = await ctx.write(beat)
+    assert isinstance(result, HeartbeatResult)
     out = {
         "ok": True,
         "lease_s": ctx.config.lease_s,
-        "commands": [command_dict(c) for c in commands],
-        "lost": lost,
+        "commands": [command_dict(c) for c in result.commands],
+        "lost": result.lost,
     }
-    return await _pinned(ctx, caller, worker_id, out)
+    return _with_pin(out, result.pinned_version)

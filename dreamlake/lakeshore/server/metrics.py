@@ -39,6 +39,12 @@ class Metrics:
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 120),
             registry=self.registry,
         )
+        self.write_batch = Histogram(
+            "lakeshore_write_batch_size",
+            "Writes (submits, acks, frames, heartbeats) committed per group-commit transaction",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=self.registry,
+        )
 
         self.poll_passes = Counter(
             "lakeshore_poll_passes",

@@ -3,7 +3,8 @@
 A producer acts in one namespace (``authz.confined_to``): its submits land there, and an
 invocation of another namespace is unknown to it (404). A submit is checked before it is queued:
 run_config limits (``store.values.check_run_config``, 400) and a script's permission
-(``authz.check_submit``, 403). The result and topic streams live in ``server.streams``.
+(``authz.check_submit``, 403), then written through the group commit (``ctx.write``) and
+answered once committed. The result and topic streams live in ``server.streams``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ from dreamlake.lakeshore.server import authz, http
 from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError, field
-from dreamlake.lakeshore.store.api import DEFAULT_NAMESPACE, TERMINAL_STATES, Invocation, SubmitRequest
+from dreamlake.lakeshore.store.api import (
+    DEFAULT_NAMESPACE,
+    TERMINAL_STATES,
+    Invocation,
+    SubmitRequest,
+    SubmitResult,
+)
 from dreamlake.lakeshore.store.values import check_run_config
 
 log = logging.getLogger(__name__)
@@ -55,7 +62,8 @@ async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str
         parent_invocation_id=parent,
         namespace=caller.namespace or DEFAULT_NAMESPACE,
     )
-    result = await ctx.call(ctx.store.submit, req)
+    result = await ctx.write(req)
+    assert isinstance(result, SubmitResult)
     ctx.metrics.submits.labels(duplicate=str(result.duplicate).lower()).inc()
     ctx.wake.notify(f"queue:{result.queue}")
     log.debug("submitted %s to queue %s (duplicate=%s)", result.invocation_id, result.queue, result.duplicate)

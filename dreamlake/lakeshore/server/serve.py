@@ -1,4 +1,17 @@
-"""Serving the app: uvicorn with read deadlines and a connection cap, so idle sockets cannot pile up.
+"""Serving the control plane under uvicorn: one process, or ``--workers N`` on one port, with read
+deadlines and a connection cap so idle sockets cannot pile up.
+
+``serve(spec, ...)`` is what ``lakeshore server`` calls once it has resolved its flags into a
+:class:`ServeSpec` (store URL, Redis URL, config overrides). With one worker the app is built and
+served in this process. With ``workers > 1`` uvicorn binds the port once and forks N worker
+processes that accept on it; each builds its own app from the spec, handed down in the
+``LAKESHORE_SERVE_SPEC`` environment variable (``app_from_env``, a uvicorn factory), and uvicorn
+restarts a worker that dies.
+
+Several processes share nothing but the store (and Redis), so this is the way past one core on
+PostgreSQL, with ``--redis`` so live frames reach followers on every process. Over SQLite the
+processes serialise on the file's write lock and see each other's submits only at the poll hub's
+safety re-check (``poll_recheck_s``), so it is allowed but rarely worth it.
 
 uvicorn alone holds a connection that sends part of a request for ever: its ``timeout_keep_alive``
 only covers the silence between requests and is reset by every byte, and an ASGI middleware runs
@@ -13,15 +26,25 @@ only once the headers are in. :class:`GuardedH11Protocol` adds, per connection:
   accepted, before it costs a buffer or a task.
 
 Headers are bounded by h11's ``max_incomplete_event_size`` (``max_header_bytes``). Nothing is
-armed while the app works on a request, so long polls and streams are never cut. ``uvicorn_config``
-builds the uvicorn Config the CLI and the tests serve with.
+armed while the app works on a request, so long polls and streams are never cut.
+
+The HTTP parser stays h11 on every path, also where ``httptools`` is installed: the guard reads
+h11's connection state, and httptools has no bound on incomplete headers to set, so the faster
+parser would drop two of the limits above. The event loop is ``uvloop`` when installed (the
+``server`` extra installs it), else asyncio (:func:`event_loop`). ``uvicorn_config`` builds the
+uvicorn Config a single process (and the tests) serve with.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import importlib.util
+import json
 import logging
+import os
 import time
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import h11
@@ -31,6 +54,28 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from dreamlake.lakeshore.server.config import ServerConfig
 
 log = logging.getLogger(__name__)
+
+SPEC_ENV = "LAKESHORE_SERVE_SPEC"
+
+
+@dataclass(frozen=True)
+class ServeSpec:
+    """What a worker process needs to build the app: the store, Redis and config overrides."""
+
+    db: str
+    redis_url: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)  # ServerConfig fields set by flags
+
+    def to_env(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | os._Environ[str]) -> ServeSpec:
+        raw = env.get(SPEC_ENV)
+        if not raw:
+            raise RuntimeError(f"{SPEC_ENV} is not set: start workers with 'lakeshore server --workers N'")
+        return cls(**json.loads(raw))
+
 
 _CAP_LOG_EVERY_S = 10.0
 
@@ -113,6 +158,11 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
+def event_loop() -> str:
+    """uvicorn's ``loop`` setting: uvloop when installed, else asyncio."""
+    return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+
+
 def guarded_protocol(config: ServerConfig) -> type[GuardedH11Protocol]:
     """:class:`GuardedH11Protocol` with ``config``'s limits (uvicorn builds protocols by class)."""
     return type(
@@ -126,13 +176,75 @@ def guarded_protocol(config: ServerConfig) -> type[GuardedH11Protocol]:
     )
 
 
+def _guard_options(config: ServerConfig) -> dict[str, Any]:
+    """The uvicorn settings behind the guard, but the protocol class: keep-alive and header bound."""
+    return {
+        "timeout_keep_alive": max(1, int(config.keep_alive_s)),
+        "h11_max_incomplete_event_size": config.max_header_bytes,
+    }
+
+
 def uvicorn_config(app: Any, config: ServerConfig, **options: Any) -> Config:
     """The uvicorn Config that serves ``app`` with ``config``'s read deadlines, cap and header bound;
-    ``options`` (host, port, log_level, ...) go to uvicorn as given."""
-    return Config(
-        app,
-        http=guarded_protocol(config),
-        timeout_keep_alive=max(1, int(config.keep_alive_s)),
-        h11_max_incomplete_event_size=config.max_header_bytes,
-        **options,
+    ``options`` (host, port, log_level, loop, ...) go to uvicorn as given."""
+    return Config(app, http=guarded_protocol(config), **_guard_options(config), **options)
+
+
+def _config(spec: ServeSpec) -> ServerConfig:
+    return ServerConfig.from_env(**spec.config)
+
+
+def build_app(spec: ServeSpec, store: Any = None) -> Any:
+    """The app over ``store`` (else the store at ``spec.db``, opened here)."""
+    from dreamlake.lakeshore.server.app import create_app
+    from dreamlake.lakeshore.server.fanout import make_fanout
+    from dreamlake.lakeshore.server.payloads import PayloadStore
+    from dreamlake.lakeshore.store import open_store
+
+    payloads = PayloadStore.from_env(os.environ)
+    config = _config(spec)
+    store = store if store is not None else open_store(spec.db)
+    return create_app(store, fanout=make_fanout(spec.redis_url), payloads=payloads, config=config)
+
+
+def app_from_env() -> Any:
+    """The uvicorn factory of a worker process (``--workers N``): the app ``LAKESHORE_SERVE_SPEC``
+    describes. It also sets :class:`GuardedH11Protocol`'s limits in this process, as the parent
+    hands the class down by name (a class made by :func:`guarded_protocol` cannot be)."""
+    spec = ServeSpec.from_env(os.environ)
+    config = _config(spec)
+    GuardedH11Protocol.header_timeout_s = config.header_timeout_s
+    GuardedH11Protocol.body_timeout_s = config.body_timeout_s
+    GuardedH11Protocol.max_connections = config.max_connections
+    return build_app(spec)
+
+
+def serve(spec: ServeSpec, *, host: str, port: int, workers: int = 1, store: Any = None) -> None:
+    """Serve the control plane on ``host:port`` with ``workers`` processes (see the module docstring)."""
+    import uvicorn
+
+    config = _config(spec)
+    loop = event_loop()
+    common: dict[str, Any] = {
+        "host": host,
+        "port": port,
+        "log_level": "warning",
+        "timeout_graceful_shutdown": 5,
+        "loop": loop,
+    }
+    log.info("serving on %s:%d: %d worker(s), %s loop, guarded h11 HTTP", host, port, workers, loop)
+    if workers <= 1:
+        uvicorn.Server(uvicorn_config(build_app(spec, store), config, **common)).run()
+        return
+    if store is not None:
+        store.close()  # each worker opens its own
+    os.environ[SPEC_ENV] = spec.to_env()
+    # A connection cap per process: ``max_connections`` each (the port's total is workers times it).
+    uvicorn.run(
+        f"{__name__}:app_from_env",
+        factory=True,
+        workers=workers,
+        http=GuardedH11Protocol,
+        **_guard_options(config),
+        **common,
     )

@@ -10,8 +10,11 @@ Times are float seconds since the epoch. Blobs are ``bytes``. ``error`` is an Er
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from dreamlake.lakeshore.errors import PlaneError
 
 # Shared with the clients, which must not import the store: defined in ``states``, re-exported here.
 from dreamlake.lakeshore.states import ACK_STATES as ACK_STATES
@@ -111,6 +114,65 @@ class ChunkResult:
     reason: str | None = None
     status: int = SUPERSEDED  # of a refusal: UNKNOWN, ANOTHER_WORKER, SUPERSEDED or OUT_OF_ORDER
     expected_seq: int | None = None  # on OUT_OF_ORDER: the seq the journal takes next
+
+
+@dataclass
+class AckRequest:
+    """An ack as a write of a group commit (``Store.write_batch``); fields as ``Store.ack``."""
+
+    invocation_id: str
+    state: str
+    attempt: int | None = None
+    worker_id: str | None = None
+    result_blob: bytes | None = None
+    error: dict[str, Any] | None = None
+
+
+@dataclass
+class FrameRequest:
+    """One journaled frame as a write of a group commit; fields as ``Store.append_frame``."""
+
+    owner_id: str
+    seq: int
+    data: bytes
+    final: bool
+    attempt: int | None = None
+    worker_id: str | None = None
+
+
+@dataclass
+class HeartbeatRequest:
+    """A heartbeat as a write of a group commit; fields as ``Store.heartbeat``. ``namespace`` (the
+    daemon token's, when bound to one) picks the pinned version read in the same transaction."""
+
+    worker_id: str
+    running: list[tuple[str, int]]
+    lease_s: float = DEFAULT_LEASE_S
+    running_exec: list[tuple[str, int]] | None = None
+    namespace: str | None = None
+
+
+@dataclass
+class HeartbeatResult:
+    commands: list[Command]
+    lost: list[str]
+    pinned_version: str | None = None  # the nymph version pinned for the worker's namespace
+
+
+@dataclass
+class PollResult:
+    """One daemon poll pass (``Store.poll_pass``): ``poll``'s three lists plus the pinned version."""
+
+    commands: list[Command]
+    invocations: list[Invocation]
+    exec_jobs: list[dict[str, Any]]
+    pinned_version: str | None = None
+
+
+# The writes ``Store.write_batch`` commits together, and what each answers (or the PlaneError it
+# raised: that write's refusal, never the others').
+WriteRequest = SubmitRequest | AckRequest | FrameRequest | HeartbeatRequest
+WriteResult = SubmitResult | AckResult | ChunkResult | HeartbeatResult
 
 
 @dataclass
@@ -354,6 +416,29 @@ class Store(Listing, Protocol):
         each returned once, as ``heartbeat`` does), then ``claim`` up to ``limit`` invocations,
         then (``exec_jobs``) ``claim_exec`` exec jobs for the slots left, both of ``namespace``
         (None: any). Returns (commands, invocations, exec command bodies)."""
+        ...
+
+    def poll_pass(
+        self,
+        worker_id: str,
+        queues: list[str],
+        limit: int = 1,
+        lease_s: float = DEFAULT_LEASE_S,
+        *,
+        exec_jobs: bool = True,
+        namespace: str | None = None,
+    ) -> PollResult:
+        """``poll`` plus, in the same transaction, the version pinned for the worker's namespace
+        (as ``pinned_version_for_worker``): the control plane's poll route in one store call."""
+        ...
+
+    def write_batch(self, requests: Sequence[WriteRequest]) -> list[WriteResult | PlaneError]:
+        """Apply many writes (submits, acks, frames, heartbeats) in one transaction: the group
+        commit. Each answers as its single call would (``submit``, ``ack``, ``append_frame``,
+        ``heartbeat``, the latter with the pinned version), or with the PlaneError that call would
+        raise; one write's error never fails another. Submits apply first, in order, then the
+        rest in order. Returns only after the transaction committed (nothing is answered before
+        it is durable)."""
         ...
 
     def expire_leases(self, now: float | None = None) -> list[str]:

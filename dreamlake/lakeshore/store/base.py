@@ -6,7 +6,7 @@ once per dialect (``functools.cache`` on a ``_statements(dialect)`` function of 
 binds them in its ``__init__``, which calls ``super().__init__`` so the classes combine in any
 order. A concern also offers ``_..._in(conn, ...)`` methods that run inside a transaction the caller
 holds: sql.py composes those into the daemon's one-transaction calls (poll, heartbeat,
-expire_leases).
+expire_leases) and the group commit (write_batch).
 """
 
 from __future__ import annotations

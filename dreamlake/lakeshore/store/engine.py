@@ -8,7 +8,11 @@ the store opens a transaction:
   writes, so two writers (threads or processes) serialise on SQLite's own lock instead of failing
   on a lock upgrade; ``busy_timeout`` makes them wait. Writes in one process also take a lock, and
   ``:memory:`` (one connection shared by every thread) takes it for reads too.
-- PostgreSQL uses the pool and READ COMMITTED; claims rely on ``FOR UPDATE SKIP LOCKED``.
+- PostgreSQL uses the pool and READ COMMITTED; claims rely on ``FOR UPDATE SKIP LOCKED``. A
+  checkout is not pinged (no extra round trip per transaction): a connection that died while
+  pooled (a database restart) fails its first statement, SQLAlchemy then invalidates the whole
+  pool, and the hot paths, wrapped in :func:`retry_on_disconnect`, run once more on a fresh
+  connection.
 
 SQLite files are private: the store holds every argument, result and token hash, so its
 directory is created 0700 and the database file 0600 (created that way before SQLite opens it;
@@ -30,13 +34,14 @@ otherwise it runs Alembic's ``upgrade head`` on a connection of the store (no al
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event
@@ -53,6 +58,30 @@ _PG_MIGRATION_LOCK = 0x6C616B65  # pg_advisory_xact_lock key: "lake"
 # The newest revision in migrations/versions; a test checks it against Alembic's script head.
 # Bump it with every new migration, or opens will skip the upgrade.
 HEAD_REVISION = "0005"
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def retry_on_disconnect(fn: Callable[P, T]) -> Callable[P, T]:
+    """Run ``fn`` (one whole transaction) once more when it failed because its connection was
+    found dead (``connection_invalidated``: SQLAlchemy has then invalidated the pool, so the retry
+    checks out a fresh connection). Only for calls that are safe to repeat: a transaction cut off
+    before its commit was rolled back by the server; one cut off during its commit may have
+    landed, and the store's writes answer a repeat as a duplicate."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except sa.exc.DBAPIError as exc:
+            if not exc.connection_invalidated:
+                raise
+            log.warning("store connection lost (%s); retrying on a fresh one", type(exc.orig).__name__)
+        return fn(*args, **kwargs)
+
+    return wrapped
 
 
 def normalize_url(url: str | Path) -> str:
@@ -117,7 +146,7 @@ class Database:
 
     def _create(self) -> Engine:
         if self.dialect == "postgresql":
-            return sa.create_engine(self.url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+            return sa.create_engine(self.url, pool_pre_ping=False, pool_size=10, max_overflow=20)
         if not self.memory:
             private_file(Path(self.url[len("sqlite:///") :]))
         args: dict[str, Any] = {"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}

@@ -10,6 +10,8 @@ first bytes (``ON CONFLICT DO NOTHING``); a gap or a frame after the final one i
 seq the journal takes next, so the sender re-sends in order. With ``attempt`` / ``worker_id``, the
 frame is also refused unless that attempt is the current one and that worker holds it (also after
 the attempt was acked, so a late journal upload is kept); see ``invocations.lease_refusal``.
+``_append_frame_in`` does the same in the caller's transaction (the group commit of sql.py), so a
+frame of a batch sees the frames journaled before it in that batch.
 
 Topics: ``topic_append`` takes the next seq from the ``topics`` counter (an upsert, so concurrent
 posters never share a seq) and journals the frame under ``topic:<name>``, built here as plain
@@ -24,18 +26,24 @@ from typing import Any
 
 import msgpack
 import sqlalchemy as sa
+from sqlalchemy.engine import Connection
 
 from dreamlake.lakeshore.errors import PlaneError
 
 from . import schema as t
-from .api import OUT_OF_ORDER, UNKNOWN, ChunkResult, Frame
+from .api import OUT_OF_ORDER, UNKNOWN, ChunkResult, Frame, FrameRequest
 from .base import StoreBase, dialect_insert
-from .engine import Database
+from .engine import Database, retry_on_disconnect
 from .invocations import lease_refusal
 from .notify import Notifier
 
 TOPIC_PREFIX = "topic:"
 FRAME_VALUE, FRAME_END = 1, 2  # wire.FRAME_VALUE / FRAME_END; the store does not import the codec
+
+
+def frame_channel(owner_id: str) -> str:
+    """The notifier channel of a frame's owner: ``topic:<name>`` as is, ``inv:<id>`` otherwise."""
+    return owner_id if owner_id.startswith(TOPIC_PREFIX) else f"inv:{owner_id}"
 
 
 class _Statements:
@@ -85,6 +93,7 @@ class FrameStore(StoreBase):
         super().__init__(db, notifier)
         self._frame_st = _statements(db.dialect)
 
+    @retry_on_disconnect
     def append_frame(
         self,
         owner_id: str,
@@ -95,48 +104,58 @@ class FrameStore(StoreBase):
         attempt: int | None = None,
         worker_id: str | None = None,
     ) -> ChunkResult:
-        if seq < 0:
-            raise PlaneError(f"frame seq must be >= 0, got {seq}", status=400)
-        if owner_id.startswith(TOPIC_PREFIX):
-            raise PlaneError("topic frames are appended by topic_append, not append_frame", status=400)
-        st = self._frame_st
+        req = self._prepare_frame(FrameRequest(owner_id, seq, data, final, attempt, worker_id))
         with self.db.tx(write=True) as conn:
-            lease = conn.execute(st.lease, {"id": owner_id}).first()
-            if lease is None:
-                return ChunkResult(ok=False, seq=seq, reason=f"unknown invocation {owner_id}", status=UNKNOWN)
-            refused = lease_refusal(lease, attempt, worker_id)
-            if refused is not None:
-                return ChunkResult(ok=False, seq=seq, reason=refused[1], status=refused[0])
-            last = conn.execute(st.last_frame, {"owner": owner_id}).first()
-            expected = 0 if last is None else int(last.seq) + 1
-            why = None
-            if last is not None and last.final and seq > last.seq:
-                why = f"the stream of {owner_id} ended with final frame {last.seq}"
-            elif seq > expected:
-                why = f"frame {seq} of {owner_id} skips ahead: the next frame is {expected}"
-            if why is not None:
-                return ChunkResult(
-                    ok=False,
-                    seq=seq,
-                    reason=f"{why}; send frames in order, each once",
-                    status=OUT_OF_ORDER,
-                    expected_seq=expected,
-                )
-            added = conn.execute(
-                st.insert_frame,
-                {
-                    "owner": owner_id,
-                    "seq": seq,
-                    "data": bytes(data),
-                    "final": bool(final),
-                    "now": time.time(),
-                },
-            ).first()
-        if added is None:
+            result = self._append_frame_in(conn, req, time.time())
+        if result.ok and not result.duplicate:
+            self._notify(frame_channel(owner_id))
+        return result
+
+    @staticmethod
+    def _prepare_frame(req: FrameRequest) -> FrameRequest:
+        if req.seq < 0:
+            raise PlaneError(f"frame seq must be >= 0, got {req.seq}", status=400)
+        if req.owner_id.startswith(TOPIC_PREFIX):
+            raise PlaneError("topic frames are appended by topic_append, not append_frame", status=400)
+        return req
+
+    def _append_frame_in(self, conn: Connection, req: FrameRequest, now: float) -> ChunkResult:
+        """Journal a checked frame in the caller's transaction (see ``append_frame``)."""
+        st = self._frame_st
+        owner_id, seq = req.owner_id, req.seq
+        lease = conn.execute(st.lease, {"id": owner_id}).first()
+        if lease is None:
+            return ChunkResult(ok=False, seq=seq, reason=f"unknown invocation {owner_id}", status=UNKNOWN)
+        refused = lease_refusal(lease, req.attempt, req.worker_id)
+        if refused is not None:
+            return ChunkResult(ok=False, seq=seq, reason=refused[1], status=refused[0])
+        last = conn.execute(st.last_frame, {"owner": owner_id}).first()
+        expected = 0 if last is None else int(last.seq) + 1
+        why = None
+        if last is not None and last.final and seq > last.seq:
+            why = f"the stream of {owner_id} ended with final frame {last.seq}"
+        elif seq > expected:
+            why = f"frame {seq} of {owner_id} skips ahead: the next frame is {expected}"
+        if why is not None:
+            return ChunkResult(
+                ok=False,
+                seq=seq,
+                reason=f"{why}; send frames in order, each once",
+                status=OUT_OF_ORDER,
+                expected_seq=expected,
+            )
+        params = {
+            "owner": owner_id,
+            "seq": seq,
+            "data": bytes(req.data),
+            "final": bool(req.final),
+            "now": now,
+        }
+        if conn.execute(st.insert_frame, params).first() is None:
             return ChunkResult(ok=True, seq=seq, duplicate=True)
-        self._notify(f"inv:{owner_id}")
         return ChunkResult(ok=True, seq=seq)
 
+    @retry_on_disconnect
     def read_frames(self, owner_id: str, since: int = -1, limit: int = 1000) -> list[Frame]:
         params = {"owner": owner_id, "since": since, "limit": max(0, limit)}
         with self.db.tx(write=False) as conn:

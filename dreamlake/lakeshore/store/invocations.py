@@ -1,7 +1,9 @@
 """Invocations: submit, read, cancel, claim, ack, and their leases.
 
 State changes are single conditional ``UPDATE ... RETURNING`` statements, so a refusal never
-half-applies. Choices the seed leaves open, made here:
+half-applies. A submit and an ack are checked first (``_prepare_submit``, ``_prepare_ack``), then
+applied in the caller's transaction (``_submit_many_in``: many submits, one multi-row insert;
+``_ack_in``), which lets the group commit of sql.py apply many in one transaction. Choices the seed leaves open, made here:
 
 - an unknown ``parent_invocation_id`` is taken as the root (``root_invocation_id = parent``);
 - a running invocation whose lease lapses after a cancel was requested becomes ``cancelled``
@@ -36,13 +38,14 @@ from .api import (
     DEFAULT_NAMESPACE,
     SUPERSEDED,
     UNKNOWN,
+    AckRequest,
     AckResult,
     Invocation,
     SubmitRequest,
     SubmitResult,
 )
 from .base import StoreBase, dialect_insert
-from .engine import Database
+from .engine import Database, retry_on_disconnect
 from .notify import Notifier
 from .workers import queue_command
 
@@ -56,6 +59,7 @@ _inv = t.invocations
 _claim_order = (_inv.c.priority.desc(), _inv.c.submitted_at.asc(), _inv.c.invocation_id.asc())
 # Claims from up to this many queues merge each queue's best rows (see claim_statement).
 MERGED_QUEUES_MAX = 16
+KNOWN_MAX = 10_000  # queues and functions remembered as already in the store
 _INV_COLS = tuple(c.name for c in _inv.c)
 
 
@@ -137,13 +141,19 @@ class _Statements:
             .on_conflict_do_nothing()
             .returning(_inv.c.invocation_id)
         )
-        self.root_of = sa.select(_inv.c.root_invocation_id).where(_inv.c.invocation_id == B("id"))
+        self.roots_of = sa.select(_inv.c.invocation_id, _inv.c.root_invocation_id).where(
+            _inv.c.invocation_id.in_(B("ids", expanding=True))
+        )
         self.same_id = sa.select(_inv.c.queue, _inv.c.content_hash).where(_inv.c.invocation_id == B("id"))
         self.same_key = sa.select(_inv.c.invocation_id).where(
             _inv.c.namespace == B("namespace"), _inv.c.queue == B("queue"), _inv.c.idempotency_key == B("key")
         )
         self.get = sa.select(_inv).where(_inv.c.invocation_id == B("id"))
+        self.get_many = sa.select(_inv).where(_inv.c.invocation_id.in_(B("ids", expanding=True)))
+        # ``ack``: one ack, RETURNING whether it applied; ``ack_many``: the same without RETURNING,
+        # for an executemany of many acks (one round trip: psycopg pipelines it).
         self.ack: dict[tuple[bool, bool], Any] = {}
+        self.ack_many: dict[tuple[bool, bool], Any] = {}
         for by_attempt in (False, True):
             for by_worker in (False, True):
                 conds = [_inv.c.invocation_id == B("id"), _inv.c.state == "running"]
@@ -151,7 +161,7 @@ class _Statements:
                     conds.append(_inv.c.attempt == B("b_attempt"))
                 if by_worker:
                     conds.append(_inv.c.worker_id == B("worker"))
-                self.ack[by_attempt, by_worker] = (
+                update = (
                     sa.update(_inv)
                     .where(*conds)
                     .values(
@@ -161,8 +171,9 @@ class _Statements:
                         error=B("b_error", type_=_inv.c.error.type),
                         lease_expires_at=None,
                     )
-                    .returning(_inv.c.invocation_id)
                 )
+                self.ack_many[by_attempt, by_worker] = update
+                self.ack[by_attempt, by_worker] = update.returning(_inv.c.invocation_id)
         self.renew = (
             sa.update(_inv)
             .where(
@@ -298,66 +309,175 @@ def lease_refusal(inv: Lease, attempt: int | None, worker_id: str | None) -> tup
     return None
 
 
+def _ack_refusal(req: AckRequest, inv: Invocation | None) -> AckResult:
+    """The answer to an ack that did not apply, from the row as it stands: unknown, superseded,
+    not this worker's, a repeat of the recorded outcome (ok, duplicate) or refused."""
+    invocation_id = req.invocation_id
+    if inv is None:
+        return AckResult(ok=False, reason=f"unknown invocation {invocation_id}", status=UNKNOWN)
+    refused = lease_refusal(inv, req.attempt, req.worker_id)
+    if refused is not None:
+        return AckResult(ok=False, state=inv.state, reason=refused[1], status=refused[0])
+    if inv.state == req.state and (inv.result_blob or None) == req.result_blob and inv.error == req.error:
+        return AckResult(ok=True, duplicate=True, state=inv.state)
+    return AckResult(
+        ok=False, state=inv.state, reason=f"{invocation_id} is {inv.state}, not running; outcome refused"
+    )
+
+
+class _Prepared:
+    """A validated submit: its invocations row, less the root and the time (set in the batch)."""
+
+    __slots__ = ("row",)
+
+    def __init__(self, row: dict[str, Any]) -> None:
+        self.row = row
+
+
+class _Known:
+    """The queues and functions this store has written: a submit skips their inserts.
+
+    Rows of ``queues`` and ``functions`` are never deleted, so remembering them is safe; each set
+    is bounded (cleared past ``KNOWN_MAX``: the next submits re-insert, ``ON CONFLICT DO NOTHING``).
+    """
+
+    def __init__(self) -> None:
+        self.queues: set[str] = set()
+        self.functions: set[str] = set()
+
+    def remember(self, queue: str, function_key: str) -> None:
+        for known, value in ((self.queues, queue), (self.functions, function_key)):
+            if len(known) >= KNOWN_MAX:
+                known.clear()
+            known.add(value)
+
+
 class InvocationStore(StoreBase):
     """Invocations from submit to their outcome."""
 
     def __init__(self, db: Database, notifier: Notifier) -> None:
         super().__init__(db, notifier)
         self._inv_st = _statements(db.dialect)
+        self._known = _Known()
 
     # -- producer side ---------------------------------------------------------------------------
 
+    @retry_on_disconnect
     def submit(self, req: SubmitRequest) -> SubmitResult:
-        st = self._inv_st
+        prepared = self._prepare_submit(req)
+        with self.db.tx(write=True) as conn:
+            (result,) = self._submit_many_in(conn, [prepared], time.time())
+        if isinstance(result, PlaneError):
+            raise result
+        self._submitted([prepared], [result])
+        return result
+
+    def _prepare_submit(self, req: SubmitRequest) -> _Prepared:
+        """Validate ``req`` and build its row (everything but the root and the time), outside any
+        transaction; raises PlaneError(400) for a malformed submit."""
         queue = req.queue or str(req.run_config.get("queue") or "") or "default"
         run_config = values.json_safe({**req.run_config, "queue": queue}, "run_config")
         function = values.json_safe(req.function, "function")
         code_context = values.json_safe(req.code_context or {}, "code_context")
         key = values.idempotency_key(run_config)
-        chash = values.content_hash(req, queue, run_config)
-        fkey = values.function_key(function)
-        now = time.time()
-        with self.db.tx(write=True) as conn:
-            conn.execute(st.insert_queue, {"queue": queue, "now": now})
-            conn.execute(st.insert_function, {"fkey": fkey, "function": function, "now": now})
-            root = None
-            if req.parent_invocation_id:
-                parent_root = conn.execute(st.root_of, {"id": req.parent_invocation_id}).scalar_one_or_none()
-                root = parent_root or req.parent_invocation_id
-            row = {
-                "invocation_id": req.invocation_id,
-                "queue": queue,
-                "state": "queued",
-                "priority": values.normalize_priority(run_config.get("priority")),
-                "function_key": fkey,
-                "function": function,
-                "args_blob": bytes(req.args_blob),
-                "run_config": run_config,
-                "code_context": code_context,
-                "namespace": req.namespace or DEFAULT_NAMESPACE,
-                "content_hash": chash,
-                "attempt": 0,
-                "max_attempts": values.normalize_max_attempts(run_config.get("max_attempts")),
-                "parent_invocation_id": req.parent_invocation_id,
-                "root_invocation_id": root,
-                "idempotency_key": key,
-                "submitted_at": now,
-                "cancel_requested": False,
-            }
-            # Insert first: ON CONFLICT DO NOTHING covers the id and the (queue, key) unique index,
-            # so only a conflict needs the lookups that tell a duplicate from a clash.
-            if conn.execute(st.insert_invocation, row).first() is None:
-                existing = self._existing(conn, req, chash, queue, key)
-                if existing is None:
-                    raise PlaneError(f"submit of {req.invocation_id} conflicted; retry it", status=409)
-                return existing
-        self._notify(f"queue:{queue}", f"inv:{req.invocation_id}")
-        return SubmitResult(invocation_id=req.invocation_id, queue=queue)
+        row = {
+            "invocation_id": req.invocation_id,
+            "queue": queue,
+            "state": "queued",
+            "priority": values.normalize_priority(run_config.get("priority")),
+            "function_key": values.function_key(function),
+            "function": function,
+            "args_blob": bytes(req.args_blob),
+            "run_config": run_config,
+            "code_context": code_context,
+            "namespace": req.namespace or DEFAULT_NAMESPACE,
+            "content_hash": values.content_hash(req, queue, run_config),
+            "attempt": 0,
+            "max_attempts": values.normalize_max_attempts(run_config.get("max_attempts")),
+            "parent_invocation_id": req.parent_invocation_id,
+            "root_invocation_id": None,
+            "idempotency_key": key,
+            "submitted_at": 0.0,
+            "cancel_requested": False,
+        }
+        return _Prepared(row)
 
-    def _existing(
-        self, conn: Connection, req: SubmitRequest, chash: str, queue: str, key: str | None
-    ) -> SubmitResult | None:
-        invocation_id = req.invocation_id
+    def _submit_many_in(
+        self, conn: Connection, batch: Sequence[_Prepared], now: float
+    ) -> list[SubmitResult | PlaneError]:
+        """Insert the prepared submits in the caller's transaction, in order, with one statement
+        each for the new queues, the new functions and the invocations (a multi-row insert).
+
+        Queues and functions this store already wrote are skipped (``_known``; remembered only once
+        the transaction committed, by ``_submitted``). ``ON CONFLICT DO NOTHING`` covers the id and
+        the (queue, key) unique index, so only a submit whose row was not inserted needs the
+        lookups that tell a duplicate from a clash (a PlaneError(409) in its place)."""
+        st = self._inv_st
+        rows = [p.row for p in batch]
+        queues = sorted({r["queue"] for r in rows} - self._known.queues)
+        if queues:
+            conn.execute(st.insert_queue, [{"queue": q, "now": now} for q in queues])
+        functions: dict[str, Any] = {}
+        for r in rows:
+            if r["function_key"] not in self._known.functions:
+                functions.setdefault(r["function_key"], r["function"])
+        if functions:
+            conn.execute(
+                st.insert_function,
+                [{"fkey": k, "function": f, "now": now} for k, f in sorted(functions.items())],
+            )
+        parents = {r["parent_invocation_id"] for r in rows if r["parent_invocation_id"]}
+        roots: dict[str, str | None] = {}
+        if parents:
+            roots = {r[0]: r[1] for r in conn.execute(st.roots_of, {"ids": sorted(parents)})}
+        batch_roots: dict[str, str | None] = {}
+        params = []
+        for r in rows:
+            parent = r["parent_invocation_id"]
+            root = None
+            if parent:  # an unknown parent is taken as the root; a parent of this batch counts
+                root = roots.get(parent) or batch_roots.get(parent) or parent
+            batch_roots.setdefault(r["invocation_id"], root)
+            params.append({**r, "root_invocation_id": root, "submitted_at": now})
+        inserted = set(conn.execute(st.insert_invocation, params).scalars())
+        out: list[SubmitResult | PlaneError] = []
+        for r in rows:
+            inv_id = r["invocation_id"]
+            if inv_id in inserted:
+                inserted.discard(inv_id)  # a second submit of this id in the batch is a repeat
+                out.append(SubmitResult(invocation_id=inv_id, queue=r["queue"]))
+                continue
+            try:
+                existing = self._existing(conn, r)
+            except PlaneError as exc:
+                out.append(exc)
+                continue
+            out.append(
+                existing
+                if existing is not None
+                else PlaneError(f"submit of {inv_id} conflicted; retry it", status=409)
+            )
+        return out
+
+    def _submitted(self, batch: Sequence[_Prepared], results: Sequence[SubmitResult | PlaneError]) -> None:
+        """After the commit: remember the queues and functions now in the store, wake the waiters."""
+        channels: list[str] = []
+        for p, res in zip(batch, results, strict=True):
+            self._known.remember(p.row["queue"], p.row["function_key"])
+            if isinstance(res, SubmitResult) and not res.duplicate:
+                channels += (f"queue:{res.queue}", f"inv:{res.invocation_id}")
+        self._notify(*channels)  # one queue:<q> per new invocation: a poll hub wakes one poll each
+
+    def _existing(self, conn: Connection, row: dict[str, Any]) -> SubmitResult | None:
+        """The earlier submit a row that was not inserted repeats (same id and content, or the same
+        idempotency key in its namespace and queue), None when there is none (a race: retry);
+        PlaneError(409) for the same id with other content."""
+        invocation_id, chash, queue, key = (
+            row["invocation_id"],
+            row["content_hash"],
+            row["queue"],
+            row["idempotency_key"],
+        )
         same = conn.execute(self._inv_st.same_id, {"id": invocation_id}).first()
         if same is not None:
             if same.content_hash != chash:
@@ -368,12 +488,13 @@ class InvocationStore(StoreBase):
                 )
             return SubmitResult(invocation_id=invocation_id, queue=same.queue, duplicate=True)
         if key is not None:
-            params = {"namespace": req.namespace or DEFAULT_NAMESPACE, "queue": queue, "key": key}
+            params = {"namespace": row["namespace"], "queue": queue, "key": key}
             other = conn.execute(self._inv_st.same_key, params).scalar_one_or_none()
             if other is not None:
                 return SubmitResult(invocation_id=other, queue=queue, duplicate=True)
         return None
 
+    @retry_on_disconnect
     def get(self, invocation_id: str) -> Invocation | None:
         with self.db.tx(write=False) as conn:
             r = conn.execute(self._inv_st.get, {"id": invocation_id}).first()
@@ -490,6 +611,7 @@ class InvocationStore(StoreBase):
             key=lambda i: (-i.priority, i.submitted_at, i.invocation_id),
         )
 
+    @retry_on_disconnect
     def ack(
         self,
         invocation_id: str,
@@ -500,45 +622,75 @@ class InvocationStore(StoreBase):
         result_blob: bytes | None,
         error: dict[str, Any] | None,
     ) -> AckResult:
-        if state not in ACK_STATES:
+        req = self._prepare_ack(AckRequest(invocation_id, state, attempt, worker_id, result_blob, error))
+        with self.db.tx(write=True) as conn:
+            result = self._ack_in(conn, req, time.time())
+        if result.ok and not result.duplicate:
+            self._notify(f"inv:{invocation_id}")
+        return result
+
+    @staticmethod
+    def _prepare_ack(req: AckRequest) -> AckRequest:
+        """``req`` checked and normalised (error as a JSON-safe dict, an empty blob as None)."""
+        if req.state not in ACK_STATES:
             raise PlaneError(
-                f"cannot ack state {state!r}: use one of {', '.join(sorted(ACK_STATES))}", status=400
+                f"cannot ack state {req.state!r}: use one of {', '.join(sorted(ACK_STATES))}", status=400
             )
+        error = req.error
         if error is not None and not isinstance(error, dict):
             error = {"type": "DaemonError", "message": str(error)}
         if error is not None:
             error = values.json_safe(error, "error")
-        blob = bytes(result_blob) if result_blob else None
+        blob = bytes(req.result_blob) if req.result_blob else None
+        return AckRequest(req.invocation_id, req.state, req.attempt, req.worker_id, blob, error)
+
+    @staticmethod
+    def _ack_params(req: AckRequest, now: float) -> dict[str, Any]:
         params: dict[str, Any] = {
-            "id": invocation_id,
-            "b_state": state,
-            "now": time.time(),
-            "blob": blob,
-            "b_error": error,
+            "id": req.invocation_id,
+            "b_state": req.state,
+            "now": now,
+            "blob": req.result_blob,
+            "b_error": req.error,
         }
-        if attempt is not None:
-            params["b_attempt"] = attempt
-        if worker_id is not None:
-            params["worker"] = worker_id
-        row: Row[Any] | None = None
-        with self.db.tx(write=True) as conn:
-            done = conn.execute(self._inv_st.ack[attempt is not None, worker_id is not None], params).first()
-            if done is None:
-                row = conn.execute(self._inv_st.get, {"id": invocation_id}).first()
-        if done is not None:
-            self._notify(f"inv:{invocation_id}")
-            return AckResult(ok=True, state=state)
-        if row is None:
-            return AckResult(ok=False, reason=f"unknown invocation {invocation_id}", status=UNKNOWN)
-        inv = row_to_invocation(row)
-        refused = lease_refusal(inv, attempt, worker_id)
-        if refused is not None:
-            return AckResult(ok=False, state=inv.state, reason=refused[1], status=refused[0])
-        if inv.state == state and (inv.result_blob or None) == blob and inv.error == error:
-            return AckResult(ok=True, duplicate=True, state=inv.state)
-        return AckResult(
-            ok=False, state=inv.state, reason=f"{invocation_id} is {inv.state}, not running; outcome refused"
-        )
+        if req.attempt is not None:
+            params["b_attempt"] = req.attempt
+        if req.worker_id is not None:
+            params["worker"] = req.worker_id
+        return params
+
+    def _ack_in(self, conn: Connection, req: AckRequest, now: float) -> AckResult:
+        """Apply a prepared ack in the caller's transaction: one conditional UPDATE; a refusal
+        (or a repeat) reads the row to say why, and changes nothing."""
+        variant = (req.attempt is not None, req.worker_id is not None)
+        if conn.execute(self._inv_st.ack[variant], self._ack_params(req, now)).first():
+            return AckResult(ok=True, state=req.state)
+        row = conn.execute(self._inv_st.get, {"id": req.invocation_id}).first()
+        return _ack_refusal(req, row_to_invocation(row) if row is not None else None)
+
+    def _ack_many_in(self, conn: Connection, reqs: Sequence[AckRequest], now: float) -> list[AckResult]:
+        """Apply prepared acks of distinct invocations in the caller's transaction: one
+        executemany per kind of ack (with or without attempt / worker), then one read of the rows.
+        An ack applied iff its row now holds its state with ``finished_at == now`` (this
+        transaction's time: an earlier outcome has an earlier one); the others are refused or
+        repeats, told apart as ``_ack_in`` does. Acks of one invocation twice go one by one."""
+        if len(reqs) < 2 or len({r.invocation_id for r in reqs}) < len(reqs):
+            return [self._ack_in(conn, r, now) for r in reqs]
+        st = self._inv_st
+        by_variant: dict[tuple[bool, bool], list[dict[str, Any]]] = {}
+        for r in reqs:
+            variant = (r.attempt is not None, r.worker_id is not None)
+            by_variant.setdefault(variant, []).append(self._ack_params(r, now))
+        for variant, params in by_variant.items():
+            conn.execute(st.ack_many[variant], params)
+        rows = conn.execute(st.get_many, {"ids": [r.invocation_id for r in reqs]}).fetchall()
+        found = {inv.invocation_id: inv for inv in map(row_to_invocation, rows)}
+        out: list[AckResult] = []
+        for r in reqs:
+            inv = found.get(r.invocation_id)
+            applied = inv is not None and inv.state == r.state and inv.finished_at == now
+            out.append(AckResult(ok=True, state=r.state) if applied else _ack_refusal(r, inv))
+        return out
 
     def _renew_in(
         self, conn: Connection, worker_id: str, running: Sequence[tuple[str, int]], lease: float

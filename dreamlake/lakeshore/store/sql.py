@@ -9,9 +9,11 @@ concern, each whole in its module (see base.py for how they combine):
 - exec_jobs.py    exec jobs (seed 003) and their leases
 - listing.py      the operators' read-only views: queues, workers, invocation pages, journal sizes
 
-This module holds what spans them: the daemon's one-transaction calls ``poll`` (commands, then
-invocations, then exec jobs up to the limit), ``heartbeat`` (renew both kinds of lease, take
-commands) and ``expire_leases`` (both kinds), and the store's construction (engine, migration).
+This module holds what spans them: the daemon's one-transaction calls ``poll`` / ``poll_pass``
+(commands, then invocations, then exec jobs up to the limit; ``poll_pass`` also reads the pinned
+nymph version), ``heartbeat`` (renew both kinds of lease, take commands) and ``expire_leases``
+(both kinds); the group commit ``write_batch`` (submits, acks, frames and heartbeats, many in one
+transaction, each answered alone); and the store's construction (engine, migration).
 """
 
 from __future__ import annotations
@@ -21,11 +23,28 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .api import DEFAULT_LEASE_S, Command, Invocation, Store
-from .engine import Database, migrate
+from sqlalchemy.engine import Connection
+
+from dreamlake.lakeshore.errors import PlaneError
+
+from .api import (
+    DEFAULT_LEASE_S,
+    AckRequest,
+    Command,
+    FrameRequest,
+    HeartbeatRequest,
+    HeartbeatResult,
+    Invocation,
+    PollResult,
+    Store,
+    SubmitRequest,
+    WriteRequest,
+    WriteResult,
+)
+from .engine import Database, migrate, retry_on_disconnect
 from .exec_jobs import ExecJobStore
-from .frames import FrameStore
-from .invocations import InvocationStore
+from .frames import FrameStore, frame_channel
+from .invocations import InvocationStore, _Prepared
 from .listing import ListingStore
 from .notify import Notifier, exec_queue_channel
 from .workers import WorkerStore
@@ -51,7 +70,35 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
         exec_jobs: bool = True,
         namespace: str | None = None,
     ) -> tuple[list[Command], list[Invocation], list[dict[str, Any]]]:
+        got = self._poll(worker_id, queues, limit, lease_s, exec_jobs, namespace, pin=False)
+        return got.commands, got.invocations, got.exec_jobs
+
+    def poll_pass(
+        self,
+        worker_id: str,
+        queues: list[str],
+        limit: int = 1,
+        lease_s: float = DEFAULT_LEASE_S,
+        *,
+        exec_jobs: bool = True,
+        namespace: str | None = None,
+    ) -> PollResult:
+        return self._poll(worker_id, queues, limit, lease_s, exec_jobs, namespace, pin=True)
+
+    @retry_on_disconnect
+    def _poll(
+        self,
+        worker_id: str,
+        queues: list[str],
+        limit: int,
+        lease_s: float,
+        exec_jobs: bool,
+        namespace: str | None,
+        *,
+        pin: bool,
+    ) -> PollResult:
         now = time.time()
+        pinned = None
         with self.db.tx(write=True) as conn:
             commands = self._take_commands_in(conn, worker_id, now)
             claimed: list[Invocation] = []
@@ -61,9 +108,12 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
                 if exec_jobs and len(claimed) < limit:
                     left = limit - len(claimed)
                     jobs = self._claim_exec_in(conn, worker_id, queues, left, now, namespace, lease_s)
+            if pin:
+                pinned = self._pinned_in(conn, worker_id, namespace)
         self._notify(*(f"inv:{i.invocation_id}" for i in claimed))
-        return commands, claimed, jobs
+        return PollResult(commands, claimed, jobs, pinned)
 
+    @retry_on_disconnect
     def heartbeat(
         self,
         worker_id: str,
@@ -72,17 +122,110 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
         *,
         running_exec: Sequence[tuple[str, int]] | None = None,
     ) -> tuple[list[Command], list[str]]:
-        now = time.time()
-        wanted = {(inv_id, int(att)) for inv_id, att in running}
-        wanted_exec = None if running_exec is None else {(exec_id, int(att)) for exec_id, att in running_exec}
-        lease = now + lease_s
+        req = HeartbeatRequest(
+            worker_id, list(running), lease_s, None if running_exec is None else list(running_exec)
+        )
         with self.db.tx(write=True) as conn:
-            kept = self._renew_in(conn, worker_id, sorted(wanted), lease)
-            exec_list = None if wanted_exec is None else sorted(wanted_exec)
-            kept |= self._renew_exec_in(conn, worker_id, exec_list, lease)
-            commands = self._take_commands_in(conn, worker_id, now)
+            got = self._heartbeat_in(conn, req, time.time(), pin=False)
+        return got.commands, got.lost
+
+    def _heartbeat_in(
+        self, conn: Connection, req: HeartbeatRequest, now: float, *, pin: bool
+    ) -> HeartbeatResult:
+        """Renew both kinds of lease and take the worker's commands (and, with ``pin``, read its
+        pinned version) in the caller's transaction."""
+        wanted = {(inv_id, int(att)) for inv_id, att in req.running}
+        wanted_exec = None if req.running_exec is None else {(e, int(att)) for e, att in req.running_exec}
+        lease = now + req.lease_s
+        kept = self._renew_in(conn, req.worker_id, sorted(wanted), lease)
+        exec_list = None if wanted_exec is None else sorted(wanted_exec)
+        kept |= self._renew_exec_in(conn, req.worker_id, exec_list, lease)
+        commands = self._take_commands_in(conn, req.worker_id, now)
+        pinned = self._pinned_in(conn, req.worker_id, req.namespace) if pin else None
         lost = sorted({i for i, _ in wanted} - kept) + sorted({i for i, _ in wanted_exec or ()} - kept)
-        return commands, lost
+        return HeartbeatResult(commands, lost, pinned)
+
+    # -- group commit ----------------------------------------------------------------------------
+
+    def write_batch(self, requests: Sequence[WriteRequest]) -> list[WriteResult | PlaneError]:
+        """See ``api.Store.write_batch``. Each request is checked first, outside the transaction
+        (a malformed one answers its PlaneError and takes no part). The rest apply in one
+        transaction; should it fail (a value a column refuses, a lost connection), it is rolled
+        back and every request is retried alone, in a transaction of its own, so the error lands
+        on the request that caused it (as a PlaneError with status 500)."""
+        out: list[WriteResult | PlaneError | None] = [None] * len(requests)
+        live: list[tuple[int, Any]] = []
+        for i, req in enumerate(requests):
+            try:
+                live.append((i, self._prepare_write(req)))
+            except PlaneError as exc:
+                out[i] = exc
+        if len(live) > 1:
+            try:
+                for i, res in zip((i for i, _ in live), self._apply_writes(live), strict=True):
+                    out[i] = res
+                live = []
+            except Exception:  # a value a column refuses, a lost connection: find whose it is
+                log.warning(
+                    "a group commit of %d writes failed; retrying each alone", len(live), exc_info=True
+                )
+        for i, prepared in live:
+            try:
+                out[i] = self._apply_writes([(i, prepared)])[0]
+            except Exception as exc:
+                log.exception("a %s failed in the store", type(requests[i]).__name__)
+                out[i] = PlaneError(f"the store failed: {type(exc).__name__}", status=500)
+        return [r for r in out if r is not None]
+
+    def _prepare_write(self, req: WriteRequest) -> Any:
+        if isinstance(req, SubmitRequest):
+            return self._prepare_submit(req)
+        if isinstance(req, AckRequest):
+            return self._prepare_ack(req)
+        if isinstance(req, FrameRequest):
+            return self._prepare_frame(req)
+        if isinstance(req, HeartbeatRequest):
+            return req
+        raise TypeError(f"not a write of a group commit: {type(req).__name__}")
+
+    @retry_on_disconnect
+    def _apply_writes(self, batch: Sequence[tuple[int, Any]]) -> list[WriteResult | PlaneError]:
+        """One transaction: the submits (one multi-row insert), then the other writes in order
+        (each run of consecutive acks as one ``_ack_many_in``); the waiters are woken after the
+        commit."""
+        submits = [(k, p) for k, (_, p) in enumerate(batch) if isinstance(p, _Prepared)]
+        results: list[WriteResult | PlaneError | None] = [None] * len(batch)
+        channels: list[str] = []
+        now = time.time()
+        with self.db.tx(write=True) as conn:
+            preps = [p for _, p in submits]
+            submitted = self._submit_many_in(conn, preps, now) if preps else []
+            for (k, _), res in zip(submits, submitted, strict=True):
+                results[k] = res
+            acks: list[tuple[int, AckRequest]] = []  # a run of consecutive acks, applied together
+            for k, (_, p) in enumerate([*batch, (-1, None)]):
+                if isinstance(p, AckRequest):
+                    acks.append((k, p))
+                    continue
+                if acks:
+                    for (j, req), ack in zip(
+                        acks, self._ack_many_in(conn, [a for _, a in acks], now), strict=True
+                    ):
+                        results[j] = ack
+                        if ack.ok and not ack.duplicate:
+                            channels.append(f"inv:{req.invocation_id}")
+                    acks = []
+                if isinstance(p, FrameRequest):
+                    chunk = self._append_frame_in(conn, p, now)
+                    results[k] = chunk
+                    if chunk.ok and not chunk.duplicate:
+                        channels.append(frame_channel(p.owner_id))
+                elif isinstance(p, HeartbeatRequest):
+                    results[k] = self._heartbeat_in(conn, p, now, pin=True)
+        if preps:
+            self._submitted(preps, submitted)
+        self._notify(*dict.fromkeys(channels))
+        return [r for r in results if r is not None]
 
     def expire_leases(self, now: float | None = None) -> list[str]:
         now = time.time() if now is None else now

@@ -7,7 +7,8 @@ producer side queues for the worker running an invocation (``queue_command``, ca
 
 Namespaces: ``pin_version`` / ``pinned_version`` hold the nymph version a namespace runs;
 ``pinned_version_for_worker`` reads it for the namespace the worker registered with (``default``
-when none).
+when none), in one statement; ``_pinned_in`` runs that read inside the poll's and heartbeat's own
+transaction.
 
 Workers are bound to the token that first named them: ``bind_worker`` records the token on a
 worker id that has none (a conditional update, so two tokens racing for one id cannot both win)
@@ -39,7 +40,7 @@ from dreamlake.lakeshore.ids import new_ulid
 from . import schema as t
 from .api import TOKEN_KINDS, Command, Principal
 from .base import StoreBase
-from .engine import Database
+from .engine import Database, retry_on_disconnect
 from .notify import Notifier
 from .values import json_safe
 
@@ -64,6 +65,17 @@ class _Statements:
             .where(c.c.worker_id == B("worker"))
             .returning(c.c.command_id, c.c.kind, c.c.body, c.c.created_at)
         )
+        w, n = t.workers, t.namespaces
+        # The namespace a worker registered with ('' or none: default), read in the same statement.
+        registered = (
+            sa.select(sa.func.nullif(w.c.info["namespace"].as_string(), ""))
+            .where(w.c.worker_id == B("worker"))
+            .scalar_subquery()
+        )
+        self.pinned_of_worker = sa.select(n.c.nymph_version).where(
+            n.c.name == sa.func.coalesce(registered, "default")
+        )
+        self.pinned = sa.select(n.c.nymph_version).where(n.c.name == B("b_namespace"))
 
 
 @functools.cache
@@ -136,18 +148,18 @@ class WorkerStore(StoreBase):
 
     # -- namespaces ------------------------------------------------------------------------------
 
+    @retry_on_disconnect
     def pinned_version_for_worker(self, worker_id: str, namespace: str | None = None) -> str | None:
-        w, n = t.workers, t.namespaces
         with self.db.tx(write=False) as conn:
-            if namespace is None:
-                info = conn.execute(
-                    sa.select(w.c.info).where(w.c.worker_id == worker_id)
-                ).scalar_one_or_none()
-                registered = info.get("namespace") if isinstance(info, dict) else None
-                namespace = registered if isinstance(registered, str) and registered else "default"
-            return conn.execute(
-                sa.select(n.c.nymph_version).where(n.c.name == namespace)
-            ).scalar_one_or_none()
+            return self._pinned_in(conn, worker_id, namespace)
+
+    def _pinned_in(self, conn: Connection, worker_id: str, namespace: str | None) -> str | None:
+        """The version pinned for ``namespace``, else for the namespace ``worker_id`` registered
+        with, else for ``default``: one statement, in the caller's transaction."""
+        st = self._worker_st
+        if namespace is not None:
+            return conn.execute(st.pinned, {"b_namespace": namespace}).scalar_one_or_none()
+        return conn.execute(st.pinned_of_worker, {"worker": worker_id}).scalar_one_or_none()
 
     def pin_version(self, namespace: str, version: str | None) -> None:
         now = time.time()
@@ -199,6 +211,7 @@ class WorkerStore(StoreBase):
             )
         return secret
 
+    @retry_on_disconnect
     def verify_token(self, secret: str) -> Principal | None:
         if not isinstance(secret, str) or not secret.startswith(TOKEN_PREFIX):
             return None

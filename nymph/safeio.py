@@ -1,0 +1,199 @@
+"""Files nymph reads and writes in a directory its task's user can write (a workdir).
+
+A workdir belongs to the task's user, and nymph may run as root: a task can plant a symbolic link,
+a hard link or a FIFO under any name nymph uses there, to make root write, truncate or read a file
+outside the workdir (or hang reading a FIFO). So nymph never opens a workdir path the ordinary way;
+every helper here opens the directory first (``O_DIRECTORY | O_NOFOLLOW``) and the name relative to
+that descriptor, never following a link, never blocking on a FIFO:
+
+- :func:`write_file` / :func:`write_stream`: atomic replacement. The bytes go to a fresh file under
+  a random name, created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (a planted name makes it fail, never
+  write through), which is then renamed over the target (a rename replaces a planted link, it does
+  not write through it).
+- :func:`read_own`: nymph's own documents (``handle.json``, ``invocation.json``, ``pump.json``,
+  ``outcome.json``). Only a regular file owned by nymph's uid with exactly one link is read: a task
+  running as another user cannot create one, and a hard link it made to one has two links. Anything
+  else reads as absent (and is logged), so a task cannot forge what a restarted nymph acts on.
+- :func:`open_output`: what the task wrote (``result.msgpack``, ``error.json``, ``frames.msgpack``,
+  the logs), for reading. A regular file owned by the directory's owner (the task's user), or one of
+  nymph's own files (owned by nymph, one link); else None, so a planted link to a file the task
+  cannot read itself is never read by nymph on its behalf.
+- :func:`open_fd` / :func:`open_append`: a file nymph opens for the task (``stdout.log`` to append
+  to, the process runner's entry lock), under the same rule as :func:`open_output`.
+
+When nymph and the task run as the same user there is no boundary to keep (the task can do whatever
+nymph can); the helpers then behave like plain opens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import secrets
+import stat
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+log = logging.getLogger(__name__)
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+
+
+class UnsafeFile(OSError):
+    """A name in a task-writable directory is not a file nymph may use (a link, a FIFO, not its own)."""
+
+
+@contextlib.contextmanager
+def _directory(directory: Path) -> Iterator[int]:
+    fd = os.open(directory, _DIR_FLAGS)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def write_file(directory: Path, name: str, data: bytes, mode: int = 0o600, *, sync: bool = False) -> None:
+    """Replace ``directory/name`` with ``data`` atomically, never through a planted link."""
+    write_stream(directory, name, (data,), mode, sync=sync)
+
+
+def write_stream(
+    directory: Path, name: str, chunks: Iterable[bytes], mode: int = 0o600, *, sync: bool = False
+) -> None:
+    """:func:`write_file` for data that comes in chunks (a container's log)."""
+    with _directory(directory) as dfd:
+        tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+        fd = os.open(
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dfd
+        )
+        try:
+            with os.fdopen(fd, "wb", closefd=False) as fh:
+                for chunk in chunks:
+                    fh.write(chunk)
+                fh.flush()
+                if sync:
+                    os.fsync(fd)
+            os.fchmod(fd, mode)  # not narrowed by the umask
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
+            raise
+        os.close(fd)
+        try:
+            os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
+            raise
+
+
+def _open_checked(directory: Path, name: str, flags: int, mode: int, *, own: bool) -> int:
+    """An fd on ``directory/name`` that passed the ownership rule (``own``: nymph's documents only)."""
+    with _directory(directory) as dfd:
+        fd = os.open(name, flags, mode, dir_fd=dfd)
+        try:
+            st = os.fstat(fd)
+            owner = os.fstat(dfd).st_uid
+            why = _refusal(st, owner, own=own)
+            if why is not None:
+                raise UnsafeFile(f"{directory / name}: {why}; not used")
+            if flags & os.O_NONBLOCK:
+                os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+
+def _refusal(st: os.stat_result, dir_owner: int, *, own: bool) -> str | None:
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    me = os.geteuid()
+    if st.st_uid == me and st.st_nlink == 1:
+        return None
+    if st.st_uid == me == dir_owner:
+        return None  # the task runs as nymph's own user: nothing to keep apart
+    if not own and st.st_uid == dir_owner:
+        return None  # the task's own file
+    if st.st_uid == me:
+        return f"owned by nymph but with {st.st_nlink} links (a planted hard link)"
+    return f"owned by uid {st.st_uid}, not by nymph (uid {me})" + ("" if own else " nor the task")
+
+
+def read_own(directory: Path, name: str, limit: int = 1 << 20) -> bytes | None:
+    """The bytes of nymph's own document ``directory/name``; None when absent or not nymph's."""
+    try:
+        fd = _open_checked(directory, name, _READ_FLAGS, 0, own=True)
+    except FileNotFoundError:
+        return None
+    except UnsafeFile as exc:
+        log.warning("%s", exc)
+        return None
+    except OSError as exc:  # ELOOP: a symbolic link; ENOTDIR, EACCES ...
+        log.warning("%s: cannot open safely (%s); not used", directory / name, exc.strerror or exc)
+        return None
+    with os.fdopen(fd, "rb") as fh:
+        return fh.read(limit)
+
+
+def exists_own(directory: Path, name: str) -> bool:
+    """True when ``directory/name`` is a document nymph wrote (see :func:`read_own`)."""
+    return read_own(directory, name, limit=0) is not None
+
+
+def open_output(directory: Path, name: str) -> BinaryIO | None:
+    """``directory/name`` open for reading when it is the task's (or nymph's) regular file, else None.
+
+    Raises nothing: a missing file is None, a refused one is None and logged.
+    """
+    try:
+        fd = _open_checked(directory, name, _READ_FLAGS, 0, own=False)
+    except FileNotFoundError:
+        return None
+    except UnsafeFile as exc:
+        log.warning("%s", exc)
+        return None
+    except OSError as exc:
+        log.warning("%s: cannot open safely (%s); not read", directory / name, exc.strerror or exc)
+        return None
+    return os.fdopen(fd, "rb")
+
+
+def read_output(directory: Path, name: str) -> bytes | None:
+    """All of ``directory/name`` (see :func:`open_output`); None when absent or refused."""
+    fh = open_output(directory, name)
+    if fh is None:
+        return None
+    with fh:
+        return fh.read()
+
+
+def open_fd(directory: Path, name: str, flags: int, mode: int = 0o600) -> int:
+    """``os.open(directory/name, flags)`` under the rule of :func:`open_output` (close-on-exec).
+
+    Raises :class:`UnsafeFile` (an OSError) for a link, a FIFO or another user's file, and the
+    usual OSError (FileNotFoundError ...) otherwise.
+    """
+    flags |= os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+    try:
+        return _open_checked(directory, name, flags, mode, own=False)
+    except OSError as exc:
+        if isinstance(exc, UnsafeFile) or exc.errno != errno.ELOOP:
+            raise
+        raise UnsafeFile(exc.errno, f"{directory / name}: a symbolic link; not used") from exc
+
+
+def open_append(directory: Path, name: str, mode: int = 0o644) -> int:
+    """An ``O_APPEND`` fd on ``directory/name`` (created if missing) for the task's output."""
+    return open_fd(directory, name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, mode)
+
+
+def unlink(directory: Path, name: str) -> None:
+    """Remove ``directory/name`` (a link itself, never its target); absent is fine."""
+    with _directory(directory) as dfd, contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=dfd)

@@ -1,0 +1,141 @@
+"""Control planes in subprocesses and the load that drives them, for the crash and replica tests.
+
+``server_process`` runs ``lakeshore server`` (its own process group, so ``kill -9`` reaches every
+worker of ``--workers N``); :class:`Load` runs producers and daemons in threads that record every
+submit and ack the server confirmed with a 200.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgpack
+
+from dreamlake.lakeshore.ids import new_ulid
+from tests.integration.conftest import submit_body
+
+MSGPACK = {"Content-Type": "application/x-msgpack"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def server_process(
+    db: str, data_dir: Path, *extra: str, port: int | None = None
+) -> Iterator[tuple[subprocess.Popen[bytes], str, str]]:
+    """``lakeshore server`` over ``db`` in a subprocess (its own process group); yields the
+    process, its URL and the admin token it minted (or found) in ``data_dir``; killed after."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "dreamlake.lakeshore.cli", "server", "--port", str(port)]
+    cmd += ["--data-dir", str(data_dir), "--db", db, *extra]
+    log = open(data_dir / f"server-{port}.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {(data_dir / f'server-{port}.log').read_text()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not answer /healthz")
+            time.sleep(0.1)
+        admin = json.loads((data_dir / "tokens.json").read_text())["admin"]
+        yield proc, url, admin
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        log.close()
+
+
+class Load:
+    """Producers submitting and daemons polling and acking until the server goes away; each
+    records what the server confirmed with a 200."""
+
+    def __init__(
+        self, url: str, token: str, *, producers: int = 3, daemons: int = 2, queue: str = "load"
+    ) -> None:
+        self.url, self.token, self.queue = url, token, queue
+        self.submitted: set[str] = set()
+        self.acked: list[str] = []  # one entry per ack the server took (ok, not a duplicate)
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.no_submits = threading.Event()
+        self.producers = producers
+        self.threads = [threading.Thread(target=self._produce, daemon=True) for _ in range(producers)]
+        self.threads += [threading.Thread(target=self._work, daemon=True) for _ in range(daemons)]
+
+    def _client(self) -> httpx.Client:
+        headers = {**MSGPACK, "Authorization": f"Bearer {self.token}"}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=10)
+
+    def _produce(self) -> None:
+        with self._client() as c, contextlib.suppress(httpx.HTTPError):
+            while not (self.stop.is_set() or self.no_submits.is_set()):
+                inv = new_ulid()
+                r = c.post("/v1/producer/submit", content=msgpack.packb(submit_body(inv, self.queue)))
+                if r.status_code == 200:
+                    with self.lock:
+                        self.submitted.add(inv)
+
+    def _work(self) -> None:
+        worker = new_ulid()
+        with self._client() as c, contextlib.suppress(httpx.HTTPError):
+            while not self.stop.is_set():
+                poll = {"worker_id": worker, "queues": [self.queue], "max": 8, "timeout_s": 0.2}
+                r = c.post("/v1/daemon/poll", content=msgpack.packb(poll))
+                for cmd in msgpack.unpackb(r.content)["commands"] if r.status_code == 200 else []:
+                    body = cmd["body"]
+                    ack = {
+                        "invocation_id": body["invocation_id"],
+                        "state": "succeeded",
+                        "result_blob": b"\xc0",
+                        "worker_id": worker,
+                        "attempt": body["attempt"],
+                    }
+                    r = c.post("/v1/daemon/ack", content=msgpack.packb(ack))
+                    if r.status_code == 200 and not msgpack.unpackb(r.content).get("duplicate"):
+                        with self.lock:
+                            self.acked.append(body["invocation_id"])
+
+    def stop_producing(self) -> None:
+        """Stop the producers (the daemons go on draining); waits for them to finish."""
+        self.no_submits.set()
+        for t in self.threads[: self.producers]:
+            t.join(15)
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(15)
+
+    def wait_for(self, submitted: int, acked: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.submitted) < submitted or len(self.acked) < acked:
+            assert time.monotonic() < deadline, "the load made no progress"
+            time.sleep(0.05)

@@ -1,0 +1,282 @@
+"""The group commit: ``store.write_batch`` (many writes, one transaction, each answered alone) and
+the server's :class:`GroupWriter` (batches form while a commit runs; answers only after it).
+
+Durability under ``kill -9`` is tested in test_group_commit_crash.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+
+from dreamlake.lakeshore.errors import PlaneError
+from dreamlake.lakeshore.ids import new_ulid
+from dreamlake.lakeshore.server.writer import GroupWriter
+from dreamlake.lakeshore.store import open_store
+from dreamlake.lakeshore.store.api import (
+    ANOTHER_WORKER,
+    OUT_OF_ORDER,
+    SUPERSEDED,
+    UNKNOWN,
+    AckRequest,
+    AckResult,
+    ChunkResult,
+    FrameRequest,
+    HeartbeatRequest,
+    HeartbeatResult,
+    SubmitRequest,
+    SubmitResult,
+    WriteRequest,
+    WriteResult,
+)
+from dreamlake.lakeshore.store.sql import SqlStore
+
+FUNCTION = {"module": "m", "qualname": "f", "version": "v1"}
+
+
+@pytest.fixture
+def store(store_url: str) -> Iterator[SqlStore]:
+    s = open_store(store_url)
+    if s.kind == "postgresql":
+        from tests.contract.conftest import _truncate_all
+
+        _truncate_all(s)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _submit(inv: str | None = None, queue: str = "q", **run_config: Any) -> SubmitRequest:
+    return SubmitRequest(
+        invocation_id=inv or new_ulid(),
+        queue=queue,
+        function=dict(FUNCTION),
+        args_blob=b"\x90",
+        run_config={"queue": queue, **run_config},
+    )
+
+
+def _running(store: SqlStore, n: int, worker: str = "w") -> list[tuple[str, int]]:
+    ids = [store.submit(_submit()).invocation_id for _ in range(n)]
+    claimed = store.claim(worker, ["q"], limit=n)
+    assert sorted(i.invocation_id for i in claimed) == sorted(ids)
+    return [(i.invocation_id, i.attempt) for i in claimed]
+
+
+def test_a_batch_answers_each_write_as_its_single_call_would(store: SqlStore) -> None:
+    (a, att_a), (b, att_b), (c, _att_c) = _running(store, 3)
+    store.expire_leases(now=1e12)  # c, a and b lapse: requeued at attempt 1
+    store.claim("w", ["q"], limit=3)  # and claimed again: attempt 2 supersedes attempt 1
+    fresh, keyed = new_ulid(), new_ulid()
+    store.submit(_submit(keyed, key="k"))
+    results = store.write_batch(
+        [
+            AckRequest(a, "succeeded", attempt=att_a + 1, worker_id="w", result_blob=b"ok"),
+            AckRequest(b, "succeeded", attempt=att_b, worker_id="w"),  # superseded: refused alone
+            _submit(fresh),
+            _submit(fresh),  # the same submit twice in one batch: the second is a duplicate
+            _submit(a, priority=5),  # an id taken with other content: a 409 for this submit only
+            _submit(key="k"),  # another id under a taken key: the keyed invocation, duplicate
+            FrameRequest(c, 0, b"frame", False, attempt=2),
+            FrameRequest(c, 0, b"other", False, attempt=2),  # a repeated seq: duplicate
+            FrameRequest(c, 1, b"late", False, attempt=1),  # a superseded attempt: refused
+            HeartbeatRequest("w", [(c, 2), (a, 2)]),
+            AckRequest(new_ulid(), "failed"),  # unknown: refused
+        ]
+    )
+    ack_a, ack_b, sub1, sub2, clash, by_key, f0, f0_again, f_old, beat, unknown = results
+    assert ack_a == AckResult(ok=True, state="succeeded")
+    assert isinstance(ack_b, AckResult) and not ack_b.ok and "superseded" in (ack_b.reason or "")
+    assert sub1 == SubmitResult(invocation_id=fresh, queue="q")
+    assert sub2 == SubmitResult(invocation_id=fresh, queue="q", duplicate=True)
+    assert isinstance(clash, PlaneError) and clash.status == 409
+    assert by_key == SubmitResult(invocation_id=keyed, queue="q", duplicate=True)
+    assert f0 == ChunkResult(ok=True, seq=0)
+    assert f0_again == ChunkResult(ok=True, seq=0, duplicate=True)
+    assert isinstance(f_old, ChunkResult) and not f_old.ok
+    # the ack of a earlier in the batch already ended its lease: the heartbeat reports it lost
+    assert beat == HeartbeatResult(commands=[], lost=[a], pinned_version=None)
+    assert isinstance(unknown, AckResult) and not unknown.ok and unknown.state is None
+    got_a = store.get(a)
+    assert got_a is not None and got_a.state == "succeeded" and got_a.result_blob == b"ok"
+    assert [f.data for f in store.read_frames(c)] == [b"frame"]
+    fresh_row = store.get(fresh)
+    assert fresh_row is not None and fresh_row.state == "queued"
+
+
+def test_a_run_of_acks_applies_together_and_answers_each(store: SqlStore) -> None:
+    (a, att), (b, _), (c, _), (d, _), (e, _) = _running(store, 5)
+    store.ack(e, "failed", attempt=att, worker_id="w", result_blob=None, error={"type": "E", "message": "m"})
+    unknown = new_ulid()
+    results = store.write_batch(
+        [
+            AckRequest(a, "succeeded", attempt=att, worker_id="w", result_blob=b"r"),
+            AckRequest(b, "failed", error={"type": "E", "message": "m"}),  # neither attempt nor worker
+            AckRequest(c, "succeeded", attempt=att + 1, worker_id="w"),  # not its attempt
+            AckRequest(d, "succeeded", attempt=att, worker_id="other"),  # not its worker
+            AckRequest(e, "failed", attempt=att, worker_id="w", error={"type": "E", "message": "m"}),
+            AckRequest(unknown, "succeeded"),
+        ]
+    )
+    assert results[:2] == [AckResult(ok=True, state="succeeded"), AckResult(ok=True, state="failed")]
+    assert [(r.ok, r.state) for r in results[2:4]] == [(False, "running"), (False, "running")]  # type: ignore[union-attr]
+    assert "superseded" in (results[2].reason or "") and "another worker" in (results[3].reason or "")  # type: ignore[union-attr]
+    assert [r.status for r in results[2:4]] == [SUPERSEDED, ANOTHER_WORKER]  # type: ignore[union-attr]
+    assert results[4] == AckResult(ok=True, duplicate=True, state="failed")  # the same outcome again
+    assert results[5] == AckResult(ok=False, reason=f"unknown invocation {unknown}", status=UNKNOWN)
+    states = {i: getattr(store.get(i), "state", None) for i in (a, b, c, d, e)}
+    assert states == {a: "succeeded", b: "failed", c: "running", d: "running", e: "failed"}
+
+
+def test_a_write_that_fails_in_the_transaction_fails_alone(store: SqlStore) -> None:
+    """A write that fails inside the transaction (here a frame whose data only the apply finds is
+    no bytes; in service, a value a column refuses or a lost connection): the batch is retried write
+    by write, and only that write answers an error. A write the store refuses (a frame past the
+    next seq) answers its own refusal and fails nothing."""
+    ((inv, attempt),) = _running(store, 1)
+    good = new_ulid()
+    results = store.write_batch(
+        [
+            _submit(good),
+            FrameRequest(inv, 0, None, False),  # type: ignore[arg-type]
+            FrameRequest(inv, 2**64, b"x", False),
+            FrameRequest(inv, 0, b"fine", False),
+            AckRequest(inv, "succeeded", attempt=attempt, worker_id="w"),
+        ]
+    )
+    sub, bad, gap, frame, ack = results
+    assert sub == SubmitResult(invocation_id=good, queue="q")
+    assert isinstance(bad, PlaneError) and bad.status == 500
+    assert isinstance(gap, ChunkResult) and not gap.ok
+    assert (gap.status, gap.expected_seq) == (OUT_OF_ORDER, 0)
+    assert frame == ChunkResult(ok=True, seq=0)
+    assert ack == AckResult(ok=True, state="succeeded")
+    assert store.get(good) is not None
+    got = store.get(inv)
+    assert got is not None and got.state == "succeeded"
+
+
+def test_lease_and_order_checks_hold_per_write_of_a_batch(store: SqlStore) -> None:
+    """Another worker's frame (403), a superseded attempt's frame (409), a gap (409 with the next
+    seq) and a frame after the final one are refused each alone; the rest of the batch commits."""
+    ((inv, attempt),) = _running(store, 1)
+    results = store.write_batch(
+        [
+            FrameRequest(inv, 0, b"a", False, attempt=attempt, worker_id="w"),
+            FrameRequest(inv, 1, b"b", False, attempt=attempt, worker_id="other"),
+            FrameRequest(inv, 1, b"b", False, attempt=attempt + 1, worker_id="w"),
+            FrameRequest(inv, 2, b"c", False, attempt=attempt, worker_id="w"),
+            FrameRequest(inv, 1, b"end", True, attempt=attempt, worker_id="w"),
+            FrameRequest(inv, 2, b"late", False, attempt=attempt, worker_id="w"),
+            AckRequest(inv, "succeeded", attempt=attempt, worker_id="other"),
+            AckRequest(inv, "succeeded", attempt=attempt, worker_id="w"),
+        ]
+    )
+    f0, other, old, gap, end, late, ack_other, ack = results
+    assert f0 == ChunkResult(ok=True, seq=0) and end == ChunkResult(ok=True, seq=1)
+    assert isinstance(other, ChunkResult) and other.status == ANOTHER_WORKER
+    assert isinstance(old, ChunkResult) and old.status == SUPERSEDED
+    assert isinstance(gap, ChunkResult) and (gap.ok, gap.status, gap.expected_seq) == (False, OUT_OF_ORDER, 1)
+    assert isinstance(late, ChunkResult) and (late.ok, late.status, late.expected_seq) == (
+        False,
+        OUT_OF_ORDER,
+        2,
+    )
+    assert isinstance(ack_other, AckResult) and (ack_other.ok, ack_other.status) == (False, ANOTHER_WORKER)
+    assert ack == AckResult(ok=True, state="succeeded")
+    assert [f.data for f in store.read_frames(inv)] == [b"a", b"end"]
+
+
+def test_a_malformed_write_answers_its_own_error(store: SqlStore) -> None:
+    ok = new_ulid()
+    results = store.write_batch(
+        [_submit(key=["not", "a", "key"]), AckRequest(new_ulid(), "bogus"), _submit(ok)]
+    )
+    assert [type(r) for r in results] == [PlaneError, PlaneError, SubmitResult]
+    assert [getattr(r, "status", None) for r in results[:2]] == [400, 400]
+    assert store.get(ok) is not None
+
+
+def test_a_heartbeat_in_a_batch_reads_the_pinned_version(store: SqlStore) -> None:
+    store.register_worker("w", {"namespace": "team-a"})
+    store.pin_version("team-a", "0.1.4")
+    store.pin_version("default", "0.2.0")
+    mine, bound, stranger = store.write_batch(
+        [HeartbeatRequest("w", []), HeartbeatRequest("w", [], namespace="default"), HeartbeatRequest("x", [])]
+    )
+    assert [getattr(r, "pinned_version", None) for r in (mine, bound, stranger)] == [
+        "0.1.4",
+        "0.2.0",
+        "0.2.0",
+    ]
+    assert store.poll_pass("w", ["q"]).pinned_version == "0.1.4"
+
+
+def test_a_submit_remembers_its_queue_and_function_only_once_committed(store: SqlStore) -> None:
+    store.submit(_submit(queue="seen"))
+    assert "seen" in store._known.queues
+    with pytest.raises(RuntimeError), store.db.tx(write=True) as conn:
+        store._submit_many_in(conn, [store._prepare_submit(_submit(queue="rolled-back"))], 1.0)
+        raise RuntimeError("abort the transaction")
+    assert "rolled-back" not in store._known.queues
+    store.submit(_submit(queue="rolled-back"))  # the queue row is written by the next submit
+    assert "rolled-back" in store._known.queues
+
+
+# -- the writer ------------------------------------------------------------------------------------
+
+
+class _GatedStore:
+    """A store whose ``write_batch`` records each batch and waits for a gate before answering."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[WriteRequest]] = []
+        self.started = threading.Event()
+        self.gate = threading.Event()
+
+    def write_batch(self, requests: Sequence[WriteRequest]) -> list[WriteResult | PlaneError]:
+        self.batches.append(list(requests))
+        self.started.set()
+        assert self.gate.wait(10)
+        out: list[WriteResult | PlaneError] = []
+        for r in requests:
+            if isinstance(r, AckRequest) and r.state == "refuse":
+                out.append(PlaneError("refused", status=409))
+            else:
+                out.append(AckResult(ok=True, state=r.state if isinstance(r, AckRequest) else None))
+        return out
+
+
+def test_the_writer_batches_what_arrives_during_a_commit_and_answers_after_it() -> None:
+    async def scenario() -> None:
+        store = _GatedStore()
+        writer = GroupWriter(store, max_batch=4)  # type: ignore[arg-type]
+        first = asyncio.create_task(writer.write(AckRequest("a", "succeeded")))
+        await asyncio.to_thread(store.started.wait, 10)
+        rest = [
+            asyncio.create_task(writer.write(AckRequest(x, "refuse" if x == "c" else "failed")))
+            for x in "bcdef"
+        ]
+        await asyncio.sleep(0.05)
+        assert not first.done() and not any(t.done() for t in rest)  # nothing before the commit
+        store.gate.set()
+        assert (await first).state == "succeeded"
+        answers = await asyncio.gather(*rest, return_exceptions=True)
+        assert isinstance(answers[1], PlaneError) and answers[1].status == 409
+        assert [a.state for a in answers if isinstance(a, AckResult)] == ["failed"] * 4
+        # a, then what queued during a's commit up to the cap (b..e), then the rest (f)
+        assert [[r.invocation_id for r in b] for b in store.batches] == [  # type: ignore[union-attr]
+            ["a"],
+            ["b", "c", "d", "e"],
+            ["f"],
+        ]
+        await writer.aclose()
+        with pytest.raises(PlaneError):
+            await writer.write(AckRequest("g", "failed"))
+
+    asyncio.run(scenario())
