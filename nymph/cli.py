@@ -35,6 +35,10 @@ def _options(fn: Any) -> Any:
             type=click.Path(path_type=Path),
             help="File holding the daemon token (mode 0600 or 0400; NYMPH_TOKEN_FILE).",
         ),
+        click.option(
+            "--task-url",
+            help="The control plane's URL as tasks reach it: LAKESHORE_URL inside a task (default: --server).",
+        ),
         click.option("--runner", help="Runner plugin name (default: process)."),
         click.option(
             "--runner-opt",

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 class NymphConfig:
     server: str
     token: str = field(repr=False)
+    task_url: str | None = None  # LAKESHORE_URL inside a task (default: server), e.g. a bridge address
     runner: str = "process"
     queues: tuple[str, ...] = ("default",)
     concurrency: int = 1

@@ -213,6 +213,12 @@ class Job(SupervisedJob[wd.Outcome]):
             "LAKESHORE_INVOCATION_ID": self.invocation_id,
             WINDOW_ENV: cfg.stream_limits.env,
         }
+        token = self.body.get("task_token")
+        if isinstance(token, str) and token:
+            # the task's own credential (submit children, read and cancel its descendants; it dies
+            # with this attempt's ack): dls .submit() / SyncQueue inside the task use these two
+            env["LAKESHORE_URL"] = cfg.task_url or cfg.server
+            env["LAKESHORE_TOKEN"] = token
         if os.environ.get("PYTHONPATH"):
             env["PYTHONPATH"] = os.environ["PYTHONPATH"]
         if self._gpus or self.ctx.slots.gpu_total:

@@ -1,7 +1,8 @@
-"""Functions the docker/gvisor runner tests ship by reference.
+"""Functions the docker/gvisor (and kube) runner tests ship by reference, written as a user writes them.
 
 They run inside a container whose image has python3 and msgpack but no dreamlake: the runner mounts
-this repository read-only (``code_dirs``) and the entry bundle. Standard library only.
+this repository read-only (``code_dirs``) and the entry bundle, whose ``dreamlake.lakeshore`` (the
+SDK's import-time surface) wins over the repository's copy.
 """
 
 from __future__ import annotations
@@ -12,15 +13,20 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import dreamlake.lakeshore as dls
 
+
+@dls.udf(queue="docker")
 def add(a: int, b: int = 0) -> int:
     return a + b
 
 
+@dls.udf(queue="docker")
 def noop() -> None:
     return None
 
 
+@dls.udf(queue="docker")
 def gated_count(n: int, gate: str) -> Iterator[int]:
     """Yield 0..n-1; before the last value, wait until the file ``gate`` (in the workdir) exists."""
     for i in range(n):
@@ -35,10 +41,12 @@ def count_to(n: int) -> Iterator[int]:
     yield from range(n)
 
 
+@dls.udf(queue="docker")
 def boom(message: str = "kaboom") -> None:
     raise ValueError(message)
 
 
+@dls.udf(queue="docker")
 def hang(ignore_sigterm: bool) -> None:
     """Write ``started`` in the workdir, then sleep forever (optionally deaf to SIGTERM)."""
     if ignore_sigterm:
@@ -48,18 +56,21 @@ def hang(ignore_sigterm: bool) -> None:
         time.sleep(1)
 
 
+@dls.udf(queue="docker")
 def hog_memory(mib: int) -> int:
     """Allocate and touch ``mib`` MiB, so a memory limit below that is hit for real."""
     blocks = [b"x" * (1024 * 1024) for _ in range(mib)]
     return len(blocks)
 
 
+@dls.udf(queue="docker")
 def ids() -> list[int]:
     """The uid and gid the function runs as, after writing a file into the workdir."""
     Path("written-by-task").write_text("ok")
     return [os.getuid(), os.getgid()]
 
 
+@dls.udf(queue="docker")
 def wait_for_file(path: str, limit_s: float = 60.0) -> str:
     deadline = time.monotonic() + limit_s
     while not Path(path).exists():
@@ -69,6 +80,7 @@ def wait_for_file(path: str, limit_s: float = 60.0) -> str:
     return "released"
 
 
+@dls.udf(queue="docker")
 def where_is_the_entry() -> str:
     """The file the entry module was imported from (the bundle, when the image lacks dreamlake)."""
     import dreamlake.lakeshore.daemon.entry as entry

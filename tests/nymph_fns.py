@@ -1,4 +1,5 @@
-"""Functions nymph's tests ship by reference; the spawned entry imports this module (PYTHONPATH = repo root)."""
+"""Functions nymph's tests ship by reference, as ``@dls.udf`` functions; the spawned entry imports this
+module (PYTHONPATH = repo root; in a container the SDK comes from the entry bundle)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import dreamlake.lakeshore as dls
 
+
+@dls.udf(queue="nymph")
 def add(a: int, b: int = 0) -> int:
     return a + b
 
 
+@dls.udf(queue="nymph")
 def slow_count(n: int, delay_s: float = 0.2, gate: str | None = None) -> Iterator[int]:
     """Yield 0..n-1; before the last value, wait until the file ``gate`` exists (when given)."""
     for i in range(n):
@@ -38,15 +43,18 @@ def blobs(n: int, size: int) -> Iterator[bytes]:
         yield bytes([i % 256]) * size
 
 
+@dls.udf(queue="nymph")
 def boom(message: str = "kaboom") -> None:
     raise ValueError(message)
 
 
+@dls.udf(queue="nymph")
 def sleep_for(seconds: float) -> str:
     time.sleep(seconds)
     return "slept"
 
 
+@dls.udf(queue="nymph")
 def wait_for_file(path: str, limit_s: float = 60.0) -> str:
     """Return once ``path`` exists (the test's release), so a test controls when a job ends."""
     deadline = time.monotonic() + limit_s
@@ -57,6 +65,7 @@ def wait_for_file(path: str, limit_s: float = 60.0) -> str:
     return "released"
 
 
+@dls.udf(queue="nymph")
 def stubborn_tree(children: int = 2) -> None:
     """Fork children that ignore SIGTERM, ignore it too, record all pids in pids.txt, then hang."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -74,6 +83,7 @@ def stubborn_tree(children: int = 2) -> None:
         time.sleep(1)
 
 
+@dls.udf(queue="nymph")
 def setsid_daemons(count: int, marker: str, release: str | None = None) -> int:
     """Start ``count`` daemons the classic way, record their pids in daemons.txt, then hang (or,
     with ``release``, return once that file exists), leaving the daemons running.
@@ -108,9 +118,11 @@ def setsid_daemons(count: int, marker: str, release: str | None = None) -> int:
     return count
 
 
+@dls.udf(queue="nymph")
 def env_value(name: str) -> str | None:
     return os.environ.get(name)
 
 
+@dls.udf(queue="nymph")
 def whoami() -> int:
     return os.getuid()

@@ -2,22 +2,46 @@
 
 Used by ``tests/contract/test_runner_conformance.py`` and the docker, slurm and kube runner tests
 in ``tests/integration``. Each of those keeps its own fixtures and builds them on :class:`TaskFactory`.
+
+A ``@dls.udf`` function becomes the Envelope its ``.submit()`` would send (through its Thunk: the
+``scope`` prefix in force is captured), and the task's invocation id is that Envelope's id, as on
+the control plane. :data:`USER_CODE` holds user modules that live apart from the repository (the
+README's module): it is put on ``sys.path`` here, so they import as top-level modules.
 """
 
 from __future__ import annotations
 
 import os
 import pwd
+import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from dreamlake.lakeshore import ids, wire
+from dreamlake.lakeshore.decorator import UDF
 from dreamlake.lakeshore.envelope import Envelope, fn_for
 from nymph.runner import Handle, Runner, Task
 
 LIMIT_S = 60.0
+USER_CODE = Path(__file__).resolve().parent / "user_code"
+if str(USER_CODE) not in sys.path:
+    sys.path.append(str(USER_CODE))
+
+
+def user_module(name: str) -> Any:
+    """The user module ``name`` from :data:`USER_CODE` (a top-level module, as a user's would be)."""
+    import importlib
+
+    return importlib.import_module(name)
+
+
+def envelope_of(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Envelope:
+    """What ``.submit()`` sends for a ``@dls.udf`` (scope prefix captured); any other function by ref."""
+    if isinstance(fn, UDF):
+        return fn.thunk(*args, **kwargs).to_envelope()
+    return Envelope.create(fn_for(fn, "ref"), args, kwargs)
 
 
 class TaskFactory:
@@ -58,12 +82,12 @@ class TaskFactory:
         **kwargs: Any,
     ) -> Task:
         """A fresh 0700 workdir holding args.msgpack for ``fn(*args, **kwargs)`` (none when ``fn`` is None)."""
-        invocation_id = ids.new_ulid()
+        envelope = envelope_of(fn, args, kwargs) if fn is not None else None
+        invocation_id = envelope.id if envelope is not None else ids.new_ulid()
         workdir = self.root / invocation_id
         workdir.mkdir(mode=0o700)
-        if fn is not None:
-            env = Envelope.create(fn_for(fn, "ref"), args, kwargs)
-            (workdir / "args.msgpack").write_bytes(env.to_bytes())
+        if envelope is not None:
+            (workdir / "args.msgpack").write_bytes(envelope.to_bytes())
         if owner is None and self.own_as_user and as_user:
             pw = pwd.getpwnam(as_user)
             owner = (pw.pw_uid, pw.pw_gid)

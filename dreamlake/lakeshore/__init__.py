@@ -3,6 +3,11 @@
 The SDK surface (``udf``, ``SyncQueue``, ``Topic``, ``run_worker``, ``scope``, ``run``, ``Dispatch``,
 ``HttpDispatch``) is imported lazily, so that the runtime modules (``wire``, ``envelope``,
 ``daemon.entry``) start without pulling in the SDK, an HTTP client or a database driver.
+
+Inside a task with a bring-your-own image, the entry bundle carries this package with the SDK's
+import-time surface (``udf``, ``UDF``, ``Thunk``, ``scope``, ``run``, ``SyncQueue``, ``Topic``, the
+planes' protocol and ``HttpDispatch``); a name whose module it lacks (``run_worker``) raises a
+``ModuleNotFoundError`` saying to install dreamlake-lakeshore in the image.
 """
 
 from __future__ import annotations
@@ -37,7 +42,15 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'dreamlake.lakeshore' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    try:
+        loaded = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise  # a dependency of the module: its own import says which (dispatch names the fix)
+        from dreamlake.lakeshore.errors import missing_module
+
+        raise missing_module(f"dls.{name}", exc, "dreamlake-lakeshore", "dreamlake-lakeshore") from exc
+    value = getattr(loaded, name)
     globals()[name] = value
     return value
 

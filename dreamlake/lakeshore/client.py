@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import email.utils
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -52,6 +53,14 @@ from dreamlake.lakeshore.errors import (
 )
 
 __all__ = ["MSGPACK", "PlaneClient", "error_for", "is_retryable", "retrying"]
+
+_IN_TASK_HINT = (
+    "This task runs under nymph: is the control plane reachable from its sandbox? The docker and "
+    "gvisor runners give a task no network by default (network none): start nymph with "
+    "--runner-opt network=host (or allow a network with allowed_networks and set run_config "
+    "network), and --task-url when tasks reach the control plane at another address "
+    "(docs/nymph.md, 'Tasks that submit tasks')"
+)
 
 MSGPACK = "application/x-msgpack"
 CONNECT_TIMEOUT_S = 5.0
@@ -265,7 +274,11 @@ class PlaneClient:
         except httpx.TransportError as exc:
             raise Unavailable(
                 f"cannot reach the control plane at {self.url} ({what}): {type(exc).__name__}: {exc}. "
-                "Is `lakeshore server` running there?"
+                + (
+                    _IN_TASK_HINT
+                    if os.environ.get("LAKESHORE_INVOCATION_ID")
+                    else "Is `lakeshore server` running there?"
+                )
             ) from exc
         except httpx.HTTPError as exc:  # a malformed answer (bad encoding, redirect loop): try again
             raise Unavailable(f"{what}: {type(exc).__name__}: {exc}") from exc

@@ -1,8 +1,8 @@
 """The function author's surface: ``@udf``, :class:`UDF`, :class:`Thunk`, ``scope`` and ``run``.
 
 A decorated function stays an ordinary function locally: calling it runs it in this process and
-builds no Envelope. ``inspect.isgeneratorfunction`` decides once, at decoration, whether a call
-returns a value or a lazy iterator; a generator call runs nothing until it is pulled.
+builds no Envelope. Whether the function is a generator function is decided once, at decoration: a
+call returns a value or a lazy iterator; a generator call runs nothing until it is pulled.
 
 Run context. Every call carries a small, immutable :class:`RunState` in a context variable: the
 invocation id (``None`` for a local call outside any invocation), the key prefix built by
@@ -26,23 +26,29 @@ two pulls, and a scope the consumer opens later does not reach into the body.
 ``@udf(dispatch=...)``, else the process default of :func:`set_default_dispatch`, else an
 ``HttpDispatch(url, token)`` built once from ``LAKESHORE_URL`` / ``LAKESHORE_TOKEN`` or the config
 file (``dreamlake.lakeshore.settings``). Nothing else is built implicitly.
+
+This module is what a user's module imports inside a sandbox, so it is part of the entry bundle
+(Python >= 3.9, only msgpack present) and kept lean: no ``typing``, ``dataclasses``, ``inspect`` or
+``logging`` at import; the Envelope, the planes and their HTTP client load on first use.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import functools
-import inspect
-import logging
 import math
-from collections.abc import Callable, Generator, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+import types
+from collections import namedtuple
+from collections.abc import Generator
 
 from dreamlake.lakeshore.errors import PlaneError
 
+TYPE_CHECKING = False  # typing, dataclasses, inspect and logging cost every invocation's start-up
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from typing import Any, NamedTuple, overload
+
     from dreamlake.lakeshore.dispatch import Plane
     from dreamlake.lakeshore.envelope import Envelope
 
@@ -58,28 +64,34 @@ __all__ = [
     "udf",
 ]
 
-log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 TRANSPORTS = ("auto", "ref", "pickle")
 DEFAULT_QUEUE = "default"
+_CO_GENERATOR = 0x20
 
 
 # --- run context ----------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class RunState:
-    """What ``dls.run`` reports: invocation id, key prefix, executing UDF name."""
+if TYPE_CHECKING:
 
-    id: str | None = None
-    prefix: str = ""
-    name: str | None = None
+    class _RunFields(NamedTuple):
+        id: str | None = None
+        prefix: str = ""
+        name: str | None = None
+
+else:
+    _RunFields = namedtuple("_RunFields", ("id", "prefix", "name"), defaults=(None, "", None))
+
+
+class RunState(_RunFields):
+    """What ``dls.run`` reports: invocation id, key prefix, executing UDF name (immutable)."""
+
+    __slots__ = ()
 
 
 _STATE: contextvars.ContextVar[RunState] = contextvars.ContextVar(
     "lakeshore_run",
-    default=RunState(),  # noqa: B039 (RunState is frozen)
+    default=RunState(),  # noqa: B039 (RunState is immutable)
 )
 
 
@@ -112,7 +124,7 @@ def scope(prefix: str) -> Iterator[str]:
     part = _check_segment_path(prefix, "scope prefix")
     state = _STATE.get()
     full = _join(state.prefix, part)
-    token = _STATE.set(dataclasses.replace(state, prefix=full))
+    token = _STATE.set(state._replace(prefix=full))
     try:
         yield full
     finally:
@@ -196,14 +208,20 @@ def get_default_dispatch() -> Plane:
 # --- local generator calls ------------------------------------------------------------------------
 
 
-class LocalGenerator(Generator[Any, Any, Any]):
+if TYPE_CHECKING:
+    _GeneratorBase = Generator[Any, Any, Any]
+else:
+    _GeneratorBase = Generator
+
+
+class LocalGenerator(_GeneratorBase):
     """A local generator call: the body runs in its own context, entered only around each pull."""
 
     __slots__ = ("_ctx", "_gen")
 
     def __init__(self, fn: Callable[..., Generator[Any, Any, Any]], name: str, args: Any, kwargs: Any):
         ctx = contextvars.copy_context()
-        ctx.run(_STATE.set, dataclasses.replace(ctx.run(_STATE.get), name=name))
+        ctx.run(_STATE.set, ctx.run(_STATE.get)._replace(name=name))
         self._ctx = ctx
         self._gen = fn(*args, **kwargs)  # creating a generator object runs none of its body
 
@@ -257,18 +275,43 @@ def _check_key(key: object) -> str | None:
     return key
 
 
-@dataclasses.dataclass(frozen=True)
-class Thunk:
-    """A call captured but not sent: ``to_envelope()`` builds the Envelope, ``submit()`` sends it."""
+def _is_generator_function(fn: object) -> bool:
+    """``inspect.isgeneratorfunction`` without importing inspect: bound methods and partials unwrap."""
+    while True:
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif isinstance(fn, types.MethodType):
+            fn = fn.__func__
+        else:
+            break
+    return isinstance(fn, types.FunctionType) and bool(fn.__code__.co_flags & _CO_GENERATOR)
 
-    udf: UDF
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    queue: str
-    priority: float
-    key: str | None
-    prefix: str
-    parent: str | None
+
+if TYPE_CHECKING:
+
+    class _ThunkFields(NamedTuple):
+        udf: UDF
+        args: tuple[Any, ...]
+        kwargs: dict[str, Any]
+        queue: str
+        priority: float
+        key: str | None
+        prefix: str
+        parent: str | None
+
+else:
+    _ThunkFields = namedtuple(
+        "_ThunkFields", ("udf", "args", "kwargs", "queue", "priority", "key", "prefix", "parent")
+    )
+
+
+class Thunk(_ThunkFields):
+    """A call captured but not sent: ``to_envelope()`` builds the Envelope, ``submit()`` sends it.
+
+    Immutable; fields ``udf, args, kwargs, queue, priority, key, prefix, parent`` (``parent`` is the
+    invocation the call was captured in, ``None`` outside one)."""
+
+    __slots__ = ()
 
     def run_config(self) -> dict[str, Any]:
         """The Submit ``run_config``: queue, priority, key, plus prefix and the UDF's options."""
@@ -296,7 +339,11 @@ class Thunk:
         plane = dispatch or self.udf.dispatch or get_default_dispatch()
         envelope = self.to_envelope()
         inv = plane.submit(envelope.to_bytes(), self.queue, self.run_config(), self.parent)
-        log.debug("submitted %s to queue %s as %s", self.udf.__qualname__, self.queue, inv)
+        import logging
+
+        logging.getLogger(__name__).debug(
+            "submitted %s to queue %s as %s", self.udf.__qualname__, self.queue, inv
+        )
         return inv
 
 
@@ -331,7 +378,7 @@ class UDF:
         functools.update_wrapper(self, fn)
         self.__qualname__: str = getattr(fn, "__qualname__", type(fn).__qualname__)
         self.__lakeshore_fn__ = fn
-        self.is_generator = inspect.isgeneratorfunction(fn)
+        self.is_generator = _is_generator_function(fn)
         self.queue = _check_queue(queue)
         self.transport = transport
         self.priority = _check_priority(priority)
@@ -348,7 +395,7 @@ class UDF:
         fn = self.__lakeshore_fn__
         if self.is_generator:
             return LocalGenerator(fn, self.__qualname__, args, kwargs)
-        token = _STATE.set(dataclasses.replace(_STATE.get(), name=self.__qualname__))
+        token = _STATE.set(_STATE.get()._replace(name=self.__qualname__))
         try:
             return fn(*args, **kwargs)
         finally:
@@ -392,20 +439,22 @@ class UDF:
         return f"<dls.udf {kind}{self.__module__}.{self.__qualname__} queue={self.queue!r}>"
 
 
-@overload
-def udf(fn: Callable[..., Any], /) -> UDF: ...
-@overload
-def udf(
-    *,
-    queue: str = ...,
-    transport: str = ...,
-    priority: float = ...,
-    key: str | None = ...,
-    timeout_s: float | None = ...,
-    max_attempts: int | None = ...,
-    dispatch: Plane | None = ...,
-    **options: Any,
-) -> Callable[[Callable[..., Any]], UDF]: ...
+if TYPE_CHECKING:
+
+    @overload
+    def udf(fn: Callable[..., Any], /) -> UDF: ...
+    @overload
+    def udf(
+        *,
+        queue: str = ...,
+        transport: str = ...,
+        priority: float = ...,
+        key: str | None = ...,
+        timeout_s: float | None = ...,
+        max_attempts: int | None = ...,
+        dispatch: Plane | None = ...,
+        **options: Any,
+    ) -> Callable[[Callable[..., Any]], UDF]: ...
 
 
 def udf(fn: Callable[..., Any] | None = None, /, **config: Any) -> Any:

@@ -24,7 +24,9 @@
                +-- Conflict          409: a superseded attempt, an invocation no longer running
                +-- BadRequest        another 4xx (400, 413, 422, ...): malformed on one side
 
-``TypeError`` is raised (not wrapped) for an unpackable value, as the seed says. The control-plane
+``TypeError`` is raised (not wrapped) for an unpackable value, as the seed says. A part of the SDK
+whose dependency the runtime lacks (a bring-your-own image has only what the entry bundle carries)
+raises ``ModuleNotFoundError`` from :func:`missing_module`, naming the feature, the module and the fix. The control-plane
 client (``dreamlake.lakeshore.client``) maps every HTTP failure onto the ``PlaneError`` branch, and
 retries :class:`Unavailable` alone.
 """
@@ -142,3 +144,24 @@ class Conflict(Refused):
 
 class BadRequest(Refused):
     """Another 4xx: the request is malformed (or too large) for the plane."""
+
+
+def missing_module(feature: str, exc: ModuleNotFoundError, needs: str, pip: str) -> ModuleNotFoundError:
+    """A ModuleNotFoundError for ``exc`` that names ``feature``, what it ``needs`` and the fix.
+
+    Inside a task (``LAKESHORE_INVOCATION_ID`` set) it says that the image lacks it: the entry bundle
+    carries the SDK's import-time surface with msgpack and cloudpickle, nothing more.
+    """
+    import os
+
+    missing = exc.name or "?"
+    if os.environ.get("LAKESHORE_INVOCATION_ID"):
+        other = "" if pip == "dreamlake-lakeshore" else ", or install dreamlake-lakeshore there"
+        message = (
+            f"{feature} needs {needs} in the image; this task's runtime has no module {missing!r} "
+            "(the entry bundle carries only the SDK's task surface, msgpack and cloudpickle): "
+            f"install it in the task's image (pip install {pip}){other}"
+        )
+    else:
+        message = f"{feature} needs {needs}, and there is no module {missing!r}: pip install {pip}"
+    return ModuleNotFoundError(message, name=missing)

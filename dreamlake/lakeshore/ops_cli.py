@@ -260,7 +260,7 @@ def ls(
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @guarded
 def show(url: str | None, token: str | None, invocation_id: str, as_json: bool) -> None:
-    """One invocation: status, attempts and their outcomes, timings, error with traceback."""
+    """One invocation: status, attempts and their outcomes, timings, children, error with traceback."""
     with _client(url, token) as client:
         d = client.invocation(invocation_id)
     if as_json:
@@ -287,6 +287,14 @@ def show(url: str | None, token: str | None, invocation_id: str, as_json: bool) 
         lines.append(f"  #{a['attempt']}: {a['outcome']}{where}{span}")
     if d.get("parent_invocation_id"):
         lines.append(f"parent      {d['parent_invocation_id']} (root {d['root_invocation_id']})")
+    children = d.get("children") or []
+    if children:
+        counts: dict[str, int] = {}
+        for child in children:
+            counts[child["state"]] = counts.get(child["state"], 0) + 1
+        summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+        lines.append(f"children    {len(children)} ({summary})")
+        lines += [f"  {c['invocation_id']}  {c['state']}" for c in children]
     error = d.get("error")
     if error:
         lines.append(f"error       {error.get('type')}: {error.get('message')}")

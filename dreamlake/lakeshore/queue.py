@@ -181,12 +181,14 @@ class SyncQueue:
                 )
 
     def status(self, inv: str) -> dict[str, Any]:
-        """The invocation's record: state, queue, priority, attempt, times, error."""
+        """The invocation's record: state, queue, priority, attempt, times, error, and (over HTTP)
+        ``children``: ``[{invocation_id, state}]`` of the tasks it submitted."""
         return self.dispatch.status(ids.validate(inv, "invocation id"))
 
-    def cancel(self, inv: str) -> str:
-        """Cancel the invocation; returns its state after the call."""
-        return self.dispatch.cancel(ids.validate(inv, "invocation id"))
+    def cancel(self, inv: str, descendants: bool = True) -> str:
+        """Cancel the invocation, and with ``descendants`` (the default) the tasks it submitted and
+        theirs, wherever they run; returns the invocation's state after the call."""
+        return self.dispatch.cancel(ids.validate(inv, "invocation id"), descendants=descendants)
 
     def topic(self, name: str | None = None) -> Topic:
         """A topic on this queue's plane; ``name`` defaults to a fresh ``topic-<ULID>``."""

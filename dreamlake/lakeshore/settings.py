@@ -9,17 +9,20 @@ Resolved on first use, never at import: explicit values (CLI flags) over the ``L
 
 ``lakeshore server`` prints the two ``export`` lines on its first start. With them set,
 ``topk.submit(...)`` and ``dls.SyncQueue("q")`` use an ``HttpDispatch(url, token)`` without
-``set_default_dispatch`` (see ``decorator.get_default_dispatch``).
+``set_default_dispatch`` (see ``decorator.get_default_dispatch``). Inside a task, nymph sets both
+variables: the control plane's URL and a credential scoped to that invocation.
+
+Part of the entry bundle (a task's ``.submit()`` comes through here), so it runs on Python 3.9:
+the config file is parsed with ``tomllib`` (3.11+) or ``tomli``, imported only when the file exists.
 """
 
 from __future__ import annotations
 
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore.errors import PlaneError
 
@@ -57,12 +60,34 @@ def config_path(env: Mapping[str, str] | None = None) -> Path:
     return Path(base) / "lakeshore" / "config.toml"
 
 
+def _toml() -> Any:
+    """``tomllib`` (Python >= 3.11), else ``tomli``, else None."""
+    import importlib
+
+    for name in ("tomllib", "tomli"):
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+    return None
+
+
 def _read_file(path: Path) -> dict[str, str]:
     try:
-        data = tomllib.loads(path.read_text())
+        text = path.read_text()
     except FileNotFoundError:
         return {}
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlaneError(f"cannot read the lakeshore config {path}: {exc}") from exc
+    toml = _toml()
+    if toml is None:
+        raise PlaneError(
+            f"reading the lakeshore config {path} needs Python >= 3.11 or the tomli package; "
+            f"set {URL_ENV} and {TOKEN_ENV} instead"
+        )
+    try:
+        data = toml.loads(text)
+    except toml.TOMLDecodeError as exc:
         raise PlaneError(f"cannot read the lakeshore config {path}: {exc}") from exc
     out = {}
     for key in ("url", "token"):
@@ -95,7 +120,7 @@ def default_plane(env: Mapping[str, str] | None = None) -> HttpDispatch | None:
     if not settings.url and not settings.token:
         return None
     url, token = settings.require()
-    from dreamlake.lakeshore.dispatch.http import HttpDispatch
+    from dreamlake.lakeshore.dispatch import HttpDispatch
 
     try:
         return HttpDispatch(url, token)

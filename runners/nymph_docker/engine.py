@@ -136,6 +136,10 @@ def send_signal(client: docker.DockerClient, cid: str, signal: str, where: Where
     except RunnerError as exc:
         if is_conflict(exc):
             return False  # not running
+        # runsc answers a kill that races the sandbox's exit with a 500 ("sandbox is not running")
+        found = state(client, cid, where)
+        if found is None or not found.get("Running"):
+            return False
         raise
     return True
 

@@ -1,10 +1,17 @@
 """The runner conformance suite: every runner plugin, driven through the Runner protocol alone.
 
-Each test prepares a real workdir (args.msgpack holding a real Envelope of a function from
-``tests/nymph_fns.py``) and drives ``start / wait / stop / destroy / inspect / recover`` the way
+Each test prepares a real workdir (args.msgpack holding a real Envelope of a ``@dls.udf`` function
+from ``tests/nymph_fns.py``) and drives ``start / wait / stop / destroy / inspect / recover`` the way
 nymph does. Runners: ``process`` always (spawned, warm-forked, and without cgroups); ``docker``
-and ``gvisor`` need a Docker engine (and the runsc runtime) and an image with python3 in
-``LAKESHORE_TEST_IMAGE``; ``slurm`` a Slurm controller.
+and ``gvisor`` need a Docker engine (and the runsc runtime) and an image with python3 and msgpack
+in ``LAKESHORE_TEST_IMAGE`` (the bare ``lakeshore-python:bookworm`` of scripts/services/docker.sh:
+no dreamlake in it); ``slurm`` a Slurm controller.
+
+The ``readme`` tests run one user module, ``tests/user_code/readme_udfs.py``, written as the README
+shows (``import dreamlake.lakeshore as dls``, ``@dls.udf(queue=...)``): a plain call, a generator, a
+failure with its traceback, a scope, a nested call, a Thunk and the wire types, on every runner. A
+container gets that directory alone on PYTHONPATH, so the only SDK it can import is the entry
+bundle's; host runners also get the repository (their installed copy).
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ from typing import Any
 import psutil
 import pytest
 
+import dreamlake.lakeshore as dls
 from dreamlake.lakeshore import wire
 from nymph.runner import Handle, Runner, Task
+from nymph.runnerkit import BUNDLE_TARGET
 from tests import nymph_fns
 from tests import runner_kit as kit
 from tests.conftest import ROOT, require
@@ -30,6 +39,8 @@ if str(ROOT / "runners") not in sys.path:  # until the editable install exposes 
     sys.path.insert(0, str(ROOT / "runners"))
 
 from nymph.plugins import load_runner
+
+readme = kit.user_module("readme_udfs")
 
 # process-pgroup: the process runner without cgroups (its process-group fallback)
 RUNNERS = ["process", "process-prefork", "process-pgroup", "docker", "gvisor", "slurm"]
@@ -105,6 +116,101 @@ def prepare(tmp_path: Path) -> Iterator[Callable[..., Task]]:
     )
     yield factory.task
     factory.destroy_all()  # nothing recorded: the tests use kit.start_saved and destroy their own
+
+
+CONTAINER_RUNNERS = ("docker", "gvisor")
+
+
+@pytest.fixture
+def prepare_user(tmp_path: Path, runner: Runner) -> Iterator[Callable[..., Task]]:
+    """Tasks of the README module: tests/user_code alone in a container, plus the repo on the host."""
+    path = str(kit.USER_CODE)
+    if runner.name not in CONTAINER_RUNNERS:
+        path += os.pathsep + str(ROOT)
+    root = tmp_path / "user"
+    root.mkdir()
+    factory = kit.TaskFactory(root, env_extra={"LAKESHORE_RUNTIME_POLICY": "minor", "PYTHONPATH": path})
+    yield factory.task
+    factory.destroy_all()
+
+
+def _run(runner: Runner, task: Task, code: int = 0) -> None:
+    handle = kit.start_saved(runner, task)
+    status = runner.wait(handle, LIMIT_S)
+    runner.destroy(handle)
+    assert status is not None and status.exit_code == code, (status, _error_text(task))
+
+
+def _error_text(task: Task) -> str | None:
+    path = task.workdir / "error.json"
+    return path.read_text() if path.exists() else None
+
+
+def test_readme_plain_call(runner: Runner, prepare_user: Callable[..., Task]) -> None:
+    task = prepare_user(readme.topk, [3, 1, 2], 2)
+    _run(runner, task)
+    assert kit.result(task) == [2, 3]
+
+
+def test_readme_generator_streams_while_running(runner: Runner, prepare_user: Callable[..., Task]) -> None:
+    task = prepare_user(readme.count, 3, "release")
+    handle = kit.start_saved(runner, task)
+    kit.until(lambda: len(kit.frames(task.workdir)) >= 2, "two frames in the journal")
+    assert runner.inspect(handle) == "running"
+    (task.workdir / "release").touch()
+    status = runner.wait(handle, LIMIT_S)
+    runner.destroy(handle)
+    assert status is not None and status.exit_code == 0, (status, _error_text(task))
+    frames = kit.frames(task.workdir)
+    assert [f.kind for f in frames] == [wire.FRAME_VALUE] * 3 + [wire.FRAME_END]
+    assert [wire.unpack(f.body) for f in frames] == [0, 1, 2, "done"]  # type: ignore[arg-type]
+    assert kit.result(task) == "done"
+
+
+def test_readme_failure_carries_its_traceback(runner: Runner, prepare_user: Callable[..., Task]) -> None:
+    import json
+
+    task = prepare_user(readme.fail, "no luck")
+    _run(runner, task, code=1)
+    err = json.loads((task.workdir / "error.json").read_text())
+    assert (err["type"], err["message"]) == ("ValueError", "no luck")
+    assert "readme_udfs.py" in err["traceback"] and "in fail" in err["traceback"]
+    assert "raise ValueError(message)" in err["traceback"]
+
+
+def test_readme_scope_reaches_the_body(runner: Runner, prepare_user: Callable[..., Task]) -> None:
+    with dls.scope("scenes/0007"):
+        task = prepare_user(readme.keys, "x.png")
+    _run(runner, task)
+    assert kit.result(task) == {
+        "id": task.invocation_id,
+        "name": "keys",
+        "key": "scenes/0007/x.png",
+        "inner": "scenes/0007/frames/x.png",
+    }
+
+
+def test_readme_nested_call_runs_in_the_invocation(runner: Runner, prepare_user: Callable[..., Task]) -> None:
+    task = prepare_user(readme.nested, [3, 1, 2])
+    _run(runner, task)
+    assert kit.result(task) == {"top": [2, 3], "inner": "who", "outer": "nested", "id": task.invocation_id}
+
+
+def test_readme_wire_types_and_thunk(runner: Runner, prepare_user: Callable[..., Task]) -> None:
+    import datetime
+
+    task = prepare_user(readme.values)
+    _run(runner, task)
+    out = kit.result(task)
+    assert out["tuple"] == (1, "a") and out["set"] == {2, 3} and out["bytes"] == b"\x00\xff"
+    assert out["when"] == datetime.datetime(2024, 5, 1, 12, 30, tzinfo=datetime.UTC)
+    assert out["complex"] == 1 + 2j
+    assert out["plan"] == {"queue": "work", "priority": 2.0, "key": None}
+    assert out["plan_fn"] == "topk"
+    if runner.name in CONTAINER_RUNNERS:  # the bare image has no dreamlake: the SDK is the bundle's
+        assert out["sdk"].startswith(BUNDLE_TARGET + "/"), out["sdk"]
+    else:
+        assert out["sdk"] == str(ROOT / "dreamlake" / "lakeshore" / "decorator.py")
 
 
 def _gone(pids: list[int]) -> bool:

@@ -138,6 +138,35 @@ def test_root_resolution(store: SqlStore) -> None:
     assert store.get(orphan).root_invocation_id == orphan_parent  # type: ignore[union-attr]
 
 
+def test_lineage_and_descendants_walk_the_tree(store: SqlStore) -> None:
+    root = submit(store)
+    a, b = submit(store, parent=root), submit(store, parent=root)
+    a1 = submit(store, parent=a)
+    a11 = submit(store, parent=a1)
+    other = submit(store)
+    submit(store, parent=other)
+    assert store.lineage(a11) == [a11, a1, a, root]
+    assert store.lineage(a11, limit=2) == [a11, a1]
+    assert store.lineage(other) == [other]
+    unknown = new_ulid()
+    assert store.lineage(unknown) == [unknown]
+    assert store.descendants(root) == [
+        (a, root, "queued"),
+        (b, root, "queued"),
+        (a1, a, "queued"),
+        (a11, a1, "queued"),
+    ]
+    assert store.descendants(a) == [(a1, a, "queued"), (a11, a1, "queued")]
+    assert store.descendants(a11) == [] and store.descendants(unknown) == []
+
+
+def test_server_key_is_made_once_and_kept(store: SqlStore) -> None:
+    key = store.server_key("task-token")
+    assert isinstance(key, bytes) and len(key) == 32
+    assert store.server_key("task-token") == key
+    assert store.server_key("another") != key
+
+
 # -- claim ------------------------------------------------------------------------------------
 
 

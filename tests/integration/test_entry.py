@@ -16,7 +16,7 @@ import pytest
 
 from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.daemon import entry
-from dreamlake.lakeshore.daemon.bundle import RUNTIME_FILES, build_bundle, bundle_path
+from dreamlake.lakeshore.daemon.bundle import RUNTIME_FILES, SDK_FILES, build_bundle, bundle_path
 from dreamlake.lakeshore.envelope import Envelope, fn_for
 from tests import fixtures_fns as ff
 from tests.conftest import ROOT, require
@@ -309,7 +309,7 @@ def _system_python_without_msgpack() -> bool:
 def test_bundle_carries_pure_python_only_and_parses_on_3_9(bundle: Path) -> None:
     with zipfile.ZipFile(bundle) as zf:
         names = set(zf.namelist())
-        assert set(RUNTIME_FILES) <= names
+        assert set(RUNTIME_FILES) | set(SDK_FILES) <= names
         assert {"msgpack/fallback.py", "cloudpickle/cloudpickle.py"} <= names
         assert not [n for n in names if n.endswith((".so", ".pyd"))]
         for name in sorted(n for n in names if n.endswith(".py")):
@@ -361,17 +361,98 @@ def test_bundle_runs_on_python_3_9(bundle: Path, tmp_path: Path) -> None:
     assert _result(workdir) == "done"
 
 
-def test_bundle_wins_over_an_installed_copy_and_the_sdk_stays_importable(bundle: Path) -> None:
+def test_bundle_wins_over_an_installed_copy_and_the_rest_stays_importable(bundle: Path) -> None:
     code = (
-        "import dreamlake.lakeshore.wire as w, dreamlake.lakeshore.decorator as u; "
-        "print(w.__file__); print(u.__file__)"
+        "import dreamlake.lakeshore.wire as w, dreamlake.lakeshore.decorator as u, "
+        "dreamlake.lakeshore.worker as k; print(w.__file__); print(u.__file__); print(k.__file__)"
     )
-    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(bundle)}
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": f"{bundle}{os.pathsep}{ROOT}"}
     out = subprocess.run([sys.executable, "-c", code], cwd="/", env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    wire_file, udf_file = out.stdout.split()
-    assert wire_file.startswith(str(bundle))
-    assert udf_file == str(ROOT / "dreamlake" / "lakeshore" / "decorator.py")
+    wire_file, udf_file, worker_file = out.stdout.split()
+    assert wire_file.startswith(str(bundle)) and udf_file.startswith(str(bundle))  # the SDK surface
+    assert worker_file == str(ROOT / "dreamlake" / "lakeshore" / "worker.py")  # not bundled: installed
+
+
+# --- a user's decorated module on a bare runtime ------------------------------------------------------
+
+SDK_USER_MODULE = """
+import dreamlake.lakeshore as dls
+
+@dls.udf(queue="work")
+def add(a, b):
+    with dls.scope("out"):
+        return {"sum": a + b, "key": dls.run.key("x"), "id": dls.run.id, "name": dls.run.name}
+
+@dls.udf(queue="work")
+def fan(n):
+    return [add.submit(i, i) for i in range(n)]
+
+@dls.udf(queue="work")
+def no_worker():
+    return dls.run_worker
+"""
+
+
+def _user_task(tmp_path: Path, fn_name: str, *args: Any) -> tuple[Path, Path]:
+    """A workdir for ``sdk_user_mod.<fn_name>(*args)`` submitted inside ``scope("jobs/1")``."""
+    mods = tmp_path / "mods"
+    mods.mkdir(exist_ok=True)
+    (mods / "sdk_user_mod.py").write_text(SDK_USER_MODULE)
+    sys.path.insert(0, str(mods))
+    try:
+        import sdk_user_mod
+
+        import dreamlake.lakeshore as dls
+
+        with dls.scope("jobs/1"):
+            envelope = getattr(sdk_user_mod, fn_name).thunk(*args).to_envelope()
+    finally:
+        sys.path.remove(str(mods))
+        sys.modules.pop("sdk_user_mod", None)
+    workdir = tmp_path / envelope.id
+    workdir.mkdir(mode=0o700)
+    (workdir / "args.msgpack").write_bytes(envelope.to_bytes())
+    return workdir, mods
+
+
+@pytest.mark.parametrize("which", ["3.9", "system"])
+def test_bundle_runs_a_decorated_module_on_a_bare_python(bundle: Path, tmp_path: Path, which: str) -> None:
+    python = _oldest_python() if which == "3.9" else SYSTEM_PYTHON
+    require(python is not None and os.path.exists(python), f"a bare Python {which}")
+    assert python is not None
+    probe = subprocess.run([python, "-s", "-c", "import msgpack"], capture_output=True, env={})
+    require(probe.returncode != 0, f"{python} without msgpack (a bare runtime)")
+    workdir, mods = _user_task(tmp_path, "add", 2, 3)
+    invocation = {"LAKESHORE_INVOCATION_ID": workdir.name}
+    proc = _run(workdir, python=python, pythonpath=f"{bundle}{os.pathsep}{mods}", env=invocation)
+    assert proc.returncode == 0, proc.stderr
+    assert _result(workdir) == {"sum": 5, "key": "jobs/1/out/x", "id": workdir.name, "name": "add"}
+
+
+def test_a_missing_piece_is_named_inside_the_task(bundle: Path, tmp_path: Path) -> None:
+    require(_system_python_without_msgpack(), f"{SYSTEM_PYTHON} without msgpack (a bare runtime)")
+    workdir, mods = _user_task(tmp_path, "fan", 2)
+    env = {
+        "LAKESHORE_INVOCATION_ID": workdir.name,
+        "LAKESHORE_URL": "http://127.0.0.1:9",
+        "LAKESHORE_TOKEN": "t",
+    }
+    proc = _run(workdir, python=SYSTEM_PYTHON, pythonpath=f"{bundle}{os.pathsep}{mods}", env=env)
+    assert proc.returncode == 1
+    error = _error(workdir)
+    assert error["type"] == "ModuleNotFoundError"
+    assert error["message"].startswith("submitting from inside a task")
+    assert (
+        "needs httpx and tenacity in the image" in error["message"]
+        and "pip install httpx" in error["message"]
+    )
+
+    workdir, mods = _user_task(tmp_path, "no_worker")
+    env["LAKESHORE_INVOCATION_ID"] = workdir.name
+    proc = _run(workdir, python=SYSTEM_PYTHON, pythonpath=f"{bundle}{os.pathsep}{mods}", env=env)
+    assert proc.returncode == 1
+    assert "dls.run_worker needs dreamlake-lakeshore in the image" in _error(workdir)["message"]
 
 
 def test_bundle_path_is_cached_by_content(tmp_path: Path) -> None:

@@ -227,3 +227,14 @@ def test_submit_uses_the_environment_and_warns_once_about_an_unserved_queue(
     assert cp.store.get(first).queue == "mnie"  # type: ignore[union-attr]
     with pytest.raises(TimeoutError, match="no worker has polled queue 'mnie'"):
         dls.SyncQueue("mnie").result(first, timeout=0.2)
+
+
+def test_show_lists_the_children_an_invocation_submitted(cp: ControlPlane) -> None:
+    parent = _submit(cp)
+    kids = [cp.submit("q", parent_invocation_id=parent) for _ in range(2)]
+    result = run(cp, "show", parent)
+    assert "children    2 (2 queued)" in result.output
+    assert all(f"  {kid}  queued" in result.output for kid in kids)
+    detail = json.loads(run(cp, "show", parent, "--json").stdout)
+    assert detail["children"] == [{"invocation_id": kid, "state": "queued"} for kid in sorted(kids)]
+    assert "children" not in run(cp, "show", kids[0]).output

@@ -4,12 +4,17 @@ The official client talks HTTP to the fake through a kubeconfig; the fake's kube
 command as a local process in the hostPath workdir, so the workdir contract (args.msgpack in,
 result.msgpack / error.json out) runs end to end through the entry bundle the runner mounts. The
 last test uses a real cluster when ``KUBECONFIG`` points at one and is skipped otherwise.
+
+The pod's PYTHONPATH holds only the bundle: user code comes with the image. The fake's "image" is an
+interpreter with this repository's code installed (:func:`_image`); the README module's test uses a
+bare one, the system python3 without msgpack, with only ``tests/user_code`` installed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,12 +22,14 @@ from typing import Any
 
 import pytest
 
+import dreamlake.lakeshore as dls
 from dreamlake.lakeshore import ids
 from nymph.runner import Handle, Runner, RunnerError, RunnerUnavailable
 from nymph.runnerkit import task_name
 from nymph_kube import KubeRunner, podspec
 from tests import docker_fns
 from tests import runner_kit as kit
+from tests.conftest import ROOT, require
 from tests.integration.kube_fake import KubeFake, wait_until
 from tests.runner_kit import TaskFactory
 
@@ -34,11 +41,19 @@ NODE = "node-1"
 OWNER = 10001  # a non-root owner for workdirs when the tests run as root (pods run as non-root)
 
 
+def _image(tmp_path: Path, python: str, code: Path) -> str:
+    """An "image" for the fake kubelet: ``python`` with ``code`` installed (after the pod's PYTHONPATH)."""
+    path = tmp_path / "image-python3"
+    path.write_text(f'#!/bin/sh\nPYTHONPATH="${{PYTHONPATH}}:{code}" exec {python} "$@"\n')
+    path.chmod(0o755)
+    return str(path)
+
+
 @pytest.fixture
 def fake(tmp_path: Path) -> Iterator[KubeFake]:
     scratch = tmp_path / "kubelet"
     scratch.mkdir()
-    with KubeFake(namespaces={NS}, python=sys.executable, scratch=scratch) as f:
+    with KubeFake(namespaces={NS}, python=_image(tmp_path, sys.executable, ROOT), scratch=scratch) as f:
         yield f
 
 
@@ -253,6 +268,40 @@ def test_plain_result(runner: KubeRunner, started: TaskFactory) -> None:
     assert status is not None and status.exit_code == 0 and status.reason is None, status
     assert kit.result(task) == 5
     assert runner.inspect(handle) == "exited"
+
+
+def test_readme_module_runs_in_a_bare_image(make_runner: Callable[..., KubeRunner], tmp_path: Path) -> None:
+    bare = "/usr/bin/python3"
+    probe = subprocess.run([bare, "-s", "-c", "import msgpack"], capture_output=True, env={})
+    require(os.path.exists(bare) and probe.returncode != 0, f"{bare} without msgpack (a bare runtime)")
+    readme = kit.user_module("readme_udfs")
+    scratch = tmp_path / "bare-kubelet"
+    scratch.mkdir()
+    root = tmp_path / "bare-work"
+    root.mkdir()
+    factory = _factory(root)
+    with KubeFake(namespaces={NS}, python=_image(tmp_path, bare, kit.USER_CODE), scratch=scratch) as f:
+        runner = KubeRunner(namespace=NS, node_name=NODE, kubeconfig=str(f.kubeconfig(tmp_path / "kc")))
+        try:
+            with dls.scope("scenes/0007"):
+                tasks = [factory.task(readme.nested, [3, 1, 2]), factory.task(readme.keys, "x.png")]
+            tasks.append(factory.task(readme.fail, "no luck"))
+            for task, code in zip(tasks, (0, 0, 1), strict=True):
+                status = runner.wait(factory.start(runner, task), LIMIT_S)
+                assert status is not None and status.exit_code == code, status
+        finally:
+            factory.destroy_all()
+            runner.close()
+    nested, keys, failed = tasks
+    assert kit.result(nested) == {
+        "top": [2, 3],
+        "inner": "who",
+        "outer": "nested",
+        "id": nested.invocation_id,
+    }
+    assert kit.result(keys)["inner"] == "scenes/0007/frames/x.png"
+    error = json.loads((failed.workdir / "error.json").read_text())
+    assert error["type"] == "ValueError" and "in fail" in error["traceback"]
 
 
 def test_failure_leaves_error_json_and_the_log(runner: KubeRunner, started: TaskFactory) -> None:

@@ -74,6 +74,8 @@ def test_run_command_body_is_exact(control_plane: ControlPlane) -> None:
     assert "target_nymph_version" not in out
     (cmd,) = out["commands"]
     assert cmd["kind"] == "run" and len(cmd["id"]) == 26
+    token = cmd["body"].pop("task_token")  # the invocation's own credential (test_task_submit.py)
+    assert isinstance(token, str) and token.startswith("lst_")
     assert cmd["body"] == {
         "invocation_id": inv,
         "function": {"module": "_native_wire", "qualname": "_native_wire.envelope", "version": "v1"},
@@ -98,7 +100,14 @@ def test_run_command_body_is_exact(control_plane: ControlPlane) -> None:
     }
     plain = control_plane.submit("plain")
     (cmd,) = poll(control_plane, new_ulid(), ["plain"])["commands"]
-    assert set(cmd["body"]) == {"invocation_id", "function", "args_blob", "run_config", "attempt"}
+    assert set(cmd["body"]) == {
+        "invocation_id",
+        "function",
+        "args_blob",
+        "run_config",
+        "attempt",
+        "task_token",
+    }
     assert cmd["body"]["invocation_id"] == plain
 
 

@@ -87,7 +87,9 @@ def test_submit_answers_seed_body_and_status_shows_row(control_plane: ControlPla
         "error",
         "parent_invocation_id",
         "root_invocation_id",
+        "children",
     }
+    assert row["children"] == []
 
 
 def test_submit_with_same_key_is_duplicate(control_plane: ControlPlane) -> None:

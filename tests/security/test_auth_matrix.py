@@ -5,7 +5,9 @@ For each case the expected answer is read off the table: a kind the route does n
 a granted kind succeeds on its own objects, and on another namespace's (another token's worker or
 lease) gets the route's ``outside`` status (404 or 403) unless its rule is ``any``. The tokens
 of the kinds are bound to ``team-a`` (admin and metrics tokens are not bound); "other" objects
-belong to ``team-b``, and its workers to a daemon token bound to ``team-b``.
+belong to ``team-b``, and its workers to a daemon token bound to ``team-b``. The task token is the
+one a poll hands out for an invocation of ``team-a`` (kept running: a long lease); its "own"
+invocations are children of that invocation.
 
 Also here: every route the app serves has an entry in the table, and docs/security.md shows the
 table as it is.
@@ -28,6 +30,7 @@ from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.server import authz
 from dreamlake.lakeshore.server.authz import KINDS, ROUTES, Own, RouteAuth
+from dreamlake.lakeshore.server.config import ServerConfig
 from dreamlake.lakeshore.store.api import SubmitRequest
 from tests.integration.conftest import ControlPlane, running_control_plane, submit_body
 
@@ -43,14 +46,17 @@ class World:
     cp: ControlPlane
     tokens: dict[str, str]
     other_daemon: str
+    task_invocation: str = ""  # the invocation the task token was handed with
 
     def queue(self) -> str:
         return f"m{next(_queue_ids)}"
 
-    def invocation(self, ns: str) -> str:
+    def invocation(self, ns: str, parent: str | None = None) -> str:
         inv = new_ulid()
         fn = {"module": "m", "qualname": "f"}
-        self.cp.store.submit(SubmitRequest(inv, self.queue(), fn, b"\x90", {}, namespace=ns))
+        self.cp.store.submit(
+            SubmitRequest(inv, self.queue(), fn, b"\x90", {}, parent_invocation_id=parent, namespace=ns)
+        )
         return inv
 
     def worker(self, token: str) -> str:
@@ -86,13 +92,22 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    with running_control_plane(str(tmp_path_factory.mktemp("matrix") / "m.db")) as cp:
+    config = ServerConfig(lease_s=3600.0)  # the task token's invocation keeps running throughout
+    with running_control_plane(str(tmp_path_factory.mktemp("matrix") / "m.db"), config=config) as cp:
         store = cp.store
         tokens = {
             kind: store.create_token(kind, f"{kind}-a", None if kind in ("admin", "metrics") else OWN)
             for kind in KINDS
+            if kind != "task"
         }
-        yield World(cp, tokens, other_daemon=store.create_token("daemon", "daemon-b", OTHER))
+        w = World(cp, tokens, other_daemon=store.create_token("daemon", "daemon-b", OTHER))
+        w.task_invocation = w.invocation(OWN)
+        queue = store.get(w.task_invocation).queue  # type: ignore[union-attr]
+        body = {"worker_id": new_ulid(), "queues": [queue], "timeout_s": 0, "kinds": ["run"]}
+        status, out = cp.call("/v1/daemon/poll", body, tokens["daemon"])
+        assert status == 200, out
+        tokens["task"] = out["commands"][0]["body"]["task_token"]
+        yield w
 
 
 Request = tuple[str, str, Any, str]  # method, path, body, encoding ("msgpack" | "json" | "none")
@@ -105,6 +120,11 @@ def request_for(w: World, route: RouteAuth, kind: str, own: bool) -> Request:
     # for kinds that cannot register one: they are refused before it matters)
     daemon = w.other_daemon if not own else w.tokens[kind if kind in ("daemon", "admin") else "admin"]
     inv_path = "/v1/producer/invocations/{}"
+
+    def target() -> str:
+        """An invocation of ``ns``; a task's own ones are children of its invocation."""
+        return w.invocation(ns, parent=w.task_invocation if kind == "task" and own else None)
+
     match route.handler:
         case "metrics":
             return "GET", "/metrics", None, "none"
@@ -114,15 +134,15 @@ def request_for(w: World, route: RouteAuth, kind: str, own: bool) -> Request:
             return (
                 "POST",
                 "/v1/producer/await",
-                {"invocation_id": w.invocation(ns), "timeout_s": 0},
+                {"invocation_id": target(), "timeout_s": 0},
                 "msgpack",
             )
         case "status":
-            return "GET", inv_path.format(w.invocation(ns)), None, "msgpack"
+            return "GET", inv_path.format(target()), None, "msgpack"
         case "cancel":
-            return "POST", inv_path.format(w.invocation(ns)) + "/cancel", {}, "msgpack"
+            return "POST", inv_path.format(target()) + "/cancel", {}, "msgpack"
         case "result_stream":
-            return "GET", inv_path.format(w.invocation(ns)) + "/result/stream?timeout=0", None, "msgpack"
+            return "GET", inv_path.format(target()) + "/result/stream?timeout=0", None, "msgpack"
         case "topic_post":
             return "POST", "/v1/producer/topics/matrix/post", {"body": wire.pack(1)}, "msgpack"
         case "topic_stream":

@@ -117,3 +117,28 @@ def test_stale_source_is_still_refused(tmp_path: Path) -> None:
     rc, _, workdir = _invoke(tmp_path, NOOP_SOURCE, _src_hash("def noop():\n    return 42\n"))
     assert rc == 2
     assert json.loads((workdir / "error.json").read_text())["type"] == "StaleSource"
+
+
+DECORATED_SOURCE = (
+    "import dreamlake.lakeshore as dls\n\n\n"
+    '@dls.udf(queue="work")\n'
+    "def noop():\n"
+    "    with dls.scope('x'):\n"
+    "        return [dls.run.id, dls.run.key('y')]\n"
+)
+
+
+def test_a_decorated_module_imports_nothing_heavy(tmp_path: Path) -> None:
+    """A user's ``@dls.udf`` module pays for the decorator alone: no plane, HTTP client or settings."""
+    function_source = DECORATED_SOURCE[DECORATED_SOURCE.index("@") :]  # from its decorator on
+    rc, modules, workdir = _invoke(tmp_path, DECORATED_SOURCE, _src_hash(function_source))
+    assert rc == 0, (workdir / "error.json").read_text() if (workdir / "error.json").exists() else rc
+    run_id, key = wire.unpack((workdir / "result.msgpack").read_bytes())
+    assert run_id == Envelope.from_bytes((workdir / "args.msgpack").read_bytes()).id and key == "x/y"
+    assert "dreamlake.lakeshore.decorator" in modules
+    heavy = (HEAVY - {"dreamlake.lakeshore.decorator"}) | {
+        "typing",
+        "tomllib",
+        "dreamlake.lakeshore.settings",
+    }
+    assert sorted(modules & heavy) == []

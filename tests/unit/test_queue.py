@@ -1,4 +1,4 @@
-"""SyncQueue / Topic argument checks: bad input fails at the call, with what to pass instead."""
+"""SyncQueue / Topic: bad input fails at the call, with what to pass instead; cancel and descendants."""
 
 from __future__ import annotations
 
@@ -55,3 +55,21 @@ def test_seed_defaults_for_cursor_and_patience() -> None:
     assert defaults(dls.Topic.stream) == {"since": -1, "timeout": 5.0}
     assert defaults(dls.Topic.listen) == {"since": -1, "timeout": 5.0}
     assert defaults(dls.SyncQueue.topic) == {"name": None}
+
+
+def test_cancel_reaches_descendants_unless_told_not_to(q: dls.SyncQueue) -> None:
+    from dreamlake.lakeshore.envelope import Envelope
+
+    plane = q.dispatch
+
+    def submit(parent: str | None = None) -> str:
+        env = Envelope.create({"kind": "ref", "module": "m", "qualname": "f", "src_hash": None}, ())
+        return plane.submit(env.to_bytes(), "render", {"queue": "render"}, parent)
+
+    root = submit()
+    child = submit(root)
+    grandchild = submit(child)
+    assert q.cancel(root, descendants=False) == "cancelled"
+    assert [q.status(i)["state"] for i in (child, grandchild)] == ["queued", "queued"]
+    assert q.cancel(child) == "cancelled"  # the default reaches the grandchild
+    assert q.status(grandchild)["state"] == "cancelled"

@@ -1,15 +1,21 @@
 """The entry bundle: one zip that lets a bare ``python3`` run ``-m dreamlake.lakeshore.daemon.entry``.
 
 Runners put it on ``PYTHONPATH`` (mounted into a container, shipped to a node). It carries the
-runtime part of dreamlake.lakeshore (ids, errors, wire, envelope, daemon.entry), msgpack's
-pure-Python files (msgpack falls back to ``msgpack.fallback`` when ``_cmsgpack`` is missing) and
-cloudpickle's, so an interpreter >= 3.9 with nothing installed can run an invocation.
+runtime part of dreamlake.lakeshore (ids, errors, wire, envelope, daemon.entry), the SDK's
+import-time surface (:data:`SDK_FILES`: ``@dls.udf``, ``dls.scope``, ``dls.run``, ``Thunk``,
+``SyncQueue`` / ``Topic``, the settings and ``HttpDispatch`` with its client), msgpack's pure-Python
+files (msgpack falls back to ``msgpack.fallback`` when ``_cmsgpack`` is missing) and cloudpickle's,
+so an interpreter >= 3.9 with nothing installed can import a user's ``import dreamlake.lakeshore as
+dls`` module and run an invocation. What the bundle does not carry is imported only when used: the
+HTTP client's httpx and tenacity (a task that submits needs them in its image, and is told so),
+the in-process plane and worker, the store and the server.
 
 Precedence: ``PYTHONPATH`` entries come before site-packages, so when the runtime also has
 dreamlake-lakeshore installed the bundle's modules win; the bundle is what nymph controls. The
-bundled ``dreamlake`` and ``dreamlake.lakeshore`` packages extend their ``__path__`` with the same
-packages found further down ``sys.path`` (plain directories), so a user function that imports the
-SDK (``dreamlake.lakeshore.decorator``) still finds it in an installed copy.
+bundled ``dreamlake``, ``dreamlake.lakeshore`` and ``dreamlake.lakeshore.dispatch`` packages extend
+their ``__path__`` with the same packages found further down ``sys.path`` (plain directories), so
+a module the bundle lacks (``dreamlake.lakeshore.worker``, the store) still comes from an
+installed copy when the runtime has one.
 
 Bytecode: the zip holds ``.pyc`` files compiled by the building interpreter (unchecked hash-based,
 so zip timestamps never matter); any other Python version compiles the sources on each start.
@@ -54,12 +60,24 @@ RUNTIME_FILES = (
     "dreamlake/lakeshore/daemon/__init__.py",
     "dreamlake/lakeshore/daemon/entry.py",
 )
+#: What a user's module touches when it imports the SDK, and what a task needs to submit tasks
+#: (the HTTP plane; its httpx and tenacity come from the image, imported on first use).
+SDK_FILES = (
+    "dreamlake/lakeshore/decorator.py",
+    "dreamlake/lakeshore/queue.py",
+    "dreamlake/lakeshore/settings.py",
+    "dreamlake/lakeshore/states.py",
+    "dreamlake/lakeshore/client.py",
+    "dreamlake/lakeshore/dispatch/__init__.py",
+    "dreamlake/lakeshore/dispatch/http.py",
+)
+BUNDLED_FILES = RUNTIME_FILES + SDK_FILES
 MSGPACK_FILES = ("__init__.py", "exceptions.py", "ext.py", "fallback.py")
 
 # Appended to the bundled package __init__ files: let installed copies supply modules the bundle lacks.
 _EXTEND_PATH = """
 
-# Added by the lakeshore entry bundle: modules the bundle lacks (the SDK, the server) come from the
+# Added by the lakeshore entry bundle: modules the bundle lacks (the worker, the store) come from the
 # same package in a plain directory further down sys.path, when there is one.
 def _lakeshore_extend_path(path, name):
     import os as _os
@@ -77,7 +95,11 @@ def _lakeshore_extend_path(path, name):
 __path__ = _lakeshore_extend_path(__path__, __name__)
 del _lakeshore_extend_path
 """
-_EXTENDED = ("dreamlake/__init__.py", "dreamlake/lakeshore/__init__.py")
+_EXTENDED = (
+    "dreamlake/__init__.py",
+    "dreamlake/lakeshore/__init__.py",
+    "dreamlake/lakeshore/dispatch/__init__.py",
+)
 _FIXED_TIME = (1980, 1, 1, 0, 0, 0)
 
 
@@ -108,7 +130,7 @@ def _sources() -> dict[str, bytes]:
     """Archive name -> source bytes for everything the bundle carries (no compiled extensions)."""
     root = Path(lakeshore.__file__).resolve().parent.parent.parent
     out: dict[str, bytes] = {}
-    for rel in RUNTIME_FILES:
+    for rel in BUNDLED_FILES:
         data = (root / rel).read_bytes()
         if rel in _EXTENDED:
             data = data.rstrip(b"\n") + b"\n" + _EXTEND_PATH.encode()

@@ -8,12 +8,15 @@ Two planes implement one :class:`Plane` protocol:
   Not trusted: pickled functions are refused unless the worker opts in.
 
 The SDK (``SyncQueue``, ``Topic``, ``run_worker``) speaks only this protocol. Both classes are
-imported lazily so that importing this package pulls in neither SQLAlchemy nor httpx.
+imported lazily so that importing this package pulls in neither SQLAlchemy nor httpx; a runtime
+that lacks them (a task's bring-your-own image) gets a ``ModuleNotFoundError`` naming the fix on
+first use. This package and ``dispatch/http.py`` are part of the entry bundle (Python >= 3.9).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -65,8 +68,9 @@ class Plane(Protocol):
         """``{state, result_blob, error}`` once terminal, or ``{"state": "pending"}`` after timeout."""
         ...
 
-    def cancel(self, invocation_id: str) -> str:
-        """Cancel; returns the state after the call."""
+    def cancel(self, invocation_id: str, descendants: bool = True) -> str:
+        """Cancel; returns the state after the call. With ``descendants`` (the default) every
+        descendant not yet finished is cancelled too: the tasks it submitted, and theirs."""
         ...
 
     def frames(
@@ -128,12 +132,34 @@ _LAZY = {
     "Dispatch": "dreamlake.lakeshore.dispatch.local",
     "HttpDispatch": "dreamlake.lakeshore.dispatch.http",
 }
+# name -> (what it is for, what it needs, what to pip install): the error when a dependency is missing
+_NEEDS = {
+    "Dispatch": (
+        "the in-process Dispatch (a store over SQLite)",
+        "SQLAlchemy and the lakeshore store",
+        "dreamlake-lakeshore",
+    ),
+    "HttpDispatch": (
+        "submitting from inside a task (and q.result() / q.stream() there)",
+        "httpx and tenacity",
+        "httpx tenacity",
+    ),
+}
 
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'dreamlake.lakeshore.dispatch' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    try:
+        loaded = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        from dreamlake.lakeshore.errors import missing_module
+
+        feature, needs, pip = _NEEDS[name]
+        if name == "HttpDispatch" and not os.environ.get("LAKESHORE_INVOCATION_ID"):
+            feature = "HttpDispatch (the control plane's client)"
+        raise missing_module(feature, exc, needs, pip) from exc
+    value = getattr(loaded, name)
     globals()[name] = value
     return value

@@ -110,9 +110,10 @@ class HttpDispatch:
         body = {"invocation_id": inv, "timeout_s": max(0.0, timeout)}
         return dict(self._call("POST", "/v1/producer/await", body, timeout=timeout))
 
-    def cancel(self, invocation_id: str) -> str:
+    def cancel(self, invocation_id: str, descendants: bool = True) -> str:
         inv = ids.validate(invocation_id, "invocation id")
-        return str(self._call("POST", f"/v1/producer/invocations/{inv}/cancel", {})["state"])
+        body = {"descendants": bool(descendants)}
+        return str(self._call("POST", f"/v1/producer/invocations/{inv}/cancel", body)["state"])
 
     def frames(
         self, owner: str, since: int = -1, timeout: float = 30.0, *, topic: bool = False

@@ -130,11 +130,16 @@ class Dispatch:
                 return {"state": "pending"}
             self._wait(channel, deadline, mark)
 
-    def cancel(self, invocation_id: str) -> str:
+    def cancel(self, invocation_id: str, descendants: bool = True) -> str:
         self._get(invocation_id)
-        state = self.store.cancel(ids.validate(invocation_id, "invocation id"))
+        inv = ids.validate(invocation_id, "invocation id")
+        state = self.store.cancel(inv)
         if state is None:
             raise NotFound(f"unknown invocation {invocation_id}: check the id returned by submit()", 404)
+        if descendants:
+            for child, _parent, child_state in self.store.descendants(inv):
+                if child_state not in TERMINAL_STATES:
+                    self.store.cancel(child)
         return state
 
     def frames(

@@ -26,7 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from dreamlake.lakeshore.server import authz, daemon, namespaces, ops, producer, streams
+from dreamlake.lakeshore.server import authz, daemon, namespaces, ops, producer, streams, tasks
 from dreamlake.lakeshore.server import http as h
 from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.config import ServerConfig
@@ -92,19 +92,39 @@ class Routes:
 
     # -- producer ------------------------------------------------------------------------------
 
+    # A task token (kind ``task``, rule "own descendants": server/tasks.py) is held to its own
+    # invocation: it submits children of it, and reads or cancels its descendants only.
+
+    async def _reach(self, caller: Caller, invocation_id: str) -> None:
+        if caller.rule is authz.Own.DESCENDANTS:
+            await tasks.check_target(self.ctx, caller, invocation_id)
+
     async def submit(self, request: Request, caller: Caller) -> Response:
-        return h.msgpack_response(await producer.submit(self.ctx, caller, await self._msgpack(request)))
+        body = await self._msgpack(request)
+        if caller.rule is authz.Own.DESCENDANTS:
+            await tasks.check_submit(self.ctx, caller, body)
+        return h.msgpack_response(await producer.submit(self.ctx, caller, body))
 
     async def await_(self, request: Request, caller: Caller) -> Response:
-        return h.msgpack_response(await producer.await_(self.ctx, caller, await self._msgpack(request)))
+        body = await self._msgpack(request)
+        if caller.rule is authz.Own.DESCENDANTS:
+            target = h.ulid_field(body, "invocation_id")
+            assert target is not None
+            await self._reach(caller, target)
+        return h.msgpack_response(await producer.await_(self.ctx, caller, body))
 
     async def status(self, request: Request, caller: Caller) -> Response:
         inv = producer.request_id(request, "id", "invocation_id")
+        await self._reach(caller, inv)
         return h.msgpack_response(await producer.status(self.ctx, caller, inv))
 
     async def cancel(self, request: Request, caller: Caller) -> Response:
         inv = producer.request_id(request, "id", "invocation_id")
-        return h.msgpack_response(await producer.cancel(self.ctx, caller, inv))
+        await self._reach(caller, inv)
+        raw = await h.read_body(request, self.ctx.config.max_body_bytes)
+        body = h.decode_msgpack(raw) if raw else {}
+        descendants = h.field(body, "descendants", bool, default=True)
+        return h.msgpack_response(await producer.cancel(self.ctx, caller, inv, descendants=descendants))
 
     def _stream_params(self, request: Request) -> tuple[int, float]:
         since = h.query_int(request, "since", -1)
@@ -115,6 +135,7 @@ class Routes:
 
     async def result_stream(self, request: Request, caller: Caller) -> Response:
         inv = producer.request_id(request, "id", "invocation_id")
+        await self._reach(caller, inv)
         since, timeout = self._stream_params(request)
         authz.see_invocation(caller, inv, await self.ctx.call(self.ctx.store.get, inv))
         body = streams.follow(self.ctx, inv, f"inv:{inv}", since, timeout, invocation=True)

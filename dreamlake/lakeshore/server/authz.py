@@ -21,6 +21,10 @@ rule               what the caller may touch
 ``own lease``      ``own worker``, and only invocations (exec jobs) whose current lease that
                    worker holds, under the attempt it names (the store checks the lease: 409
                    superseded, 403 another worker)
+``own descendants``  a task token (minted per claim, handed to the task by nymph): submits
+                   children of its own invocation, into its namespace, and reaches only that
+                   invocation's descendants; every request also checks that the attempt still
+                   runs (401 once acked). See ``server/tasks.py``
 =================  ===========================================================================
 
 Submitting ``run_config.script`` also needs the token's ``may_script`` flag (admins always may),
@@ -51,6 +55,7 @@ class Own(enum.Enum):
     NAMESPACE = "own namespace"
     WORKER = "own worker"
     LEASE = "own lease"
+    DESCENDANTS = "own descendants"
 
 
 @dataclass(frozen=True)
@@ -84,7 +89,7 @@ def _route(
     return RouteAuth(handler, method, path, every, outside, session=session)
 
 
-_NS, _ANY, _WORKER, _LEASE = Own.NAMESPACE, Own.ANY, Own.WORKER, Own.LEASE
+_NS, _ANY, _WORKER, _LEASE, _DESC = Own.NAMESPACE, Own.ANY, Own.WORKER, Own.LEASE, Own.DESCENDANTS
 _INV = "/v1/producer/invocations/{id}"
 _OPS = {"admin": _ANY, "producer": _NS, "namespace": _NS}  # operators' views (server.ops)
 _EVERY = dict.fromkeys(KINDS, _ANY)
@@ -92,12 +97,13 @@ _EVERY = dict.fromkeys(KINDS, _ANY)
 ROUTES: tuple[RouteAuth, ...] = (
     RouteAuth("healthz", "GET", "/healthz", public=True),
     _route("metrics", "GET", "/metrics", admin=_ANY, metrics=_ANY),
-    # producers: invocations of their own namespace only (an unbound producer token: "default")
-    _route("submit", "POST", "/v1/producer/submit", outside=None, admin=_ANY, producer=_NS),
-    _route("await_", "POST", "/v1/producer/await", admin=_ANY, producer=_NS),
-    _route("status", "GET", _INV, admin=_ANY, producer=_NS),
-    _route("cancel", "POST", _INV + "/cancel", admin=_ANY, producer=_NS),
-    _route("result_stream", "GET", _INV + "/result/stream", admin=_ANY, producer=_NS),
+    # producers: invocations of their own namespace only (an unbound producer token: "default");
+    # a task: children of its invocation, in that invocation's namespace
+    _route("submit", "POST", "/v1/producer/submit", outside=None, admin=_ANY, producer=_NS, task=_DESC),
+    _route("await_", "POST", "/v1/producer/await", admin=_ANY, producer=_NS, task=_DESC),
+    _route("status", "GET", _INV, admin=_ANY, producer=_NS, task=_DESC),
+    _route("cancel", "POST", _INV + "/cancel", admin=_ANY, producer=_NS, task=_DESC),
+    _route("result_stream", "GET", _INV + "/result/stream", admin=_ANY, producer=_NS, task=_DESC),
     # topics are one space shared by every producer (see docs/security.md)
     _route("topic_post", "POST", "/v1/producer/topics/{name}/post", admin=_ANY, producer=_ANY),
     _route("topic_stream", "GET", "/v1/producer/topics/{name}/stream", admin=_ANY, producer=_ANY),
@@ -188,7 +194,8 @@ def authorize(route: RouteAuth, principal: Principal) -> Caller:
 def see_invocation(caller: Caller, invocation_id: str, inv: Invocation | None) -> Invocation:
     """``inv`` when the caller may see it; 404 when it is unknown or outside the caller's
     namespace (the answer is the same, so an id of another namespace discloses nothing)."""
-    if inv is None or (caller.rule is Own.NAMESPACE and not visible(caller.namespace, inv)):
+    confined = caller.rule in (Own.NAMESPACE, Own.DESCENDANTS)
+    if inv is None or (confined and not visible(caller.namespace, inv)):
         raise HTTPError(404, f"unknown invocation '{invocation_id}'")
     return inv
 

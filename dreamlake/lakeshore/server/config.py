@@ -38,6 +38,7 @@ class ServerConfig:
     keep_alive_s: float = 5.0
     max_connections: int = 2048
     max_header_bytes: int = 64 * 1024
+    task_token_ttl_s: float = 86400.0  # the longest a task token lives (it dies with its ack first)
 
     @classmethod
     def from_env(cls, **overrides: object) -> ServerConfig:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from dreamlake.lakeshore.errors import PlaneError
+from dreamlake.lakeshore.server import tasks
 from dreamlake.lakeshore.server.auth import Authenticator
 from dreamlake.lakeshore.server.authz import WorkerBindings
 from dreamlake.lakeshore.server.config import ServerConfig
@@ -18,8 +19,9 @@ from dreamlake.lakeshore.server.hub import StoreRunner, Wakeups
 from dreamlake.lakeshore.server.liveness import QueueWatch
 from dreamlake.lakeshore.server.metrics import Metrics
 from dreamlake.lakeshore.server.polls import PollHub
+from dreamlake.lakeshore.server.tasks import TaskTokens
 from dreamlake.lakeshore.server.writer import GroupWriter
-from dreamlake.lakeshore.store.api import Store, WriteRequest, WriteResult
+from dreamlake.lakeshore.store.api import Principal, Store, WriteRequest, WriteResult
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +70,22 @@ class Context:
         self.metrics.relay_listening.set_function(
             lambda: float(self.polls.relay is not None and self.polls.relay.listening)
         )
-        self.auth = Authenticator(lambda secret: self.call(self.store.verify_token, secret))
+        self.auth = Authenticator(self._verify)
         self.writer = GroupWriter(self.store, observe=self.metrics.write_batch.observe)
         self.workers = WorkerBindings(lambda worker, token: self.call(self.store.bind_worker, worker, token))
         self.queues = QueueWatch()
+        self._task_tokens: TaskTokens | None = None
+
+    async def task_tokens(self) -> TaskTokens:
+        """The signer of task tokens, under the key every replica shares (read once)."""
+        if self._task_tokens is None:
+            self._task_tokens = TaskTokens(await self.call(self.store.server_key, tasks.KEY_NAME))
+        return self._task_tokens
+
+    async def _verify(self, secret: str) -> Principal | None:
+        if secret.startswith(tasks.PREFIX):
+            return (await self.task_tokens()).verify(secret)
+        return await self.call(self.store.verify_token, secret)
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a store method in the store thread; a PlaneError with a 4xx status becomes that answer."""

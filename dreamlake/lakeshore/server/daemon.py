@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import ids
-from dreamlake.lakeshore.server import http
+from dreamlake.lakeshore.server import http, tasks
 from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError, field
@@ -111,8 +111,9 @@ async def register(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[s
     return {"worker_id": worker_id, "lease_s": ctx.config.lease_s, "heartbeat_s": ctx.config.heartbeat_s}
 
 
-def run_command(inv: Invocation) -> dict[str, Any]:
-    """The run command of docs/protocol.md and seed 000 "Dispatch" for a claimed invocation."""
+def run_command(inv: Invocation, task_token: str | None = None) -> dict[str, Any]:
+    """The run command of docs/protocol.md and seed 000 "Dispatch" for a claimed invocation, with
+    the invocation's task token (``LAKESHORE_TOKEN`` inside the task: server/tasks.py)."""
     rc = inv.run_config or {}
     body: dict[str, Any] = {
         "invocation_id": inv.invocation_id,
@@ -130,6 +131,8 @@ def run_command(inv: Invocation) -> dict[str, Any]:
     for key in ("script", "as_user", "timeout_s"):
         if rc.get(key) is not None:
             body[key] = rc[key]
+    if task_token is not None:
+        body["task_token"] = task_token
     return {"id": ids.new_ulid(), "kind": "run", "body": body}
 
 
@@ -172,7 +175,14 @@ async def _collect(
         namespace=namespace,
     )
     commands = [command_dict(c) for c in got.commands]
-    commands.extend(run_command(inv) for inv in got.invocations)
+    if got.invocations:
+        signer, now = await ctx.task_tokens(), time.time()
+        ttl, lease = ctx.config.task_token_ttl_s, ctx.config.lease_s
+        for inv in got.invocations:
+            token = signer.mint(
+                inv.invocation_id, inv.attempt, inv.namespace, tasks.expires_at(inv, ttl, lease, now)
+            )
+            commands.append(run_command(inv, token))
     commands.extend(exec_command(job) for job in got.exec_jobs)
     if got.invocations:
         ctx.metrics.claims.labels(kind="run").inc(len(got.invocations))

@@ -236,7 +236,9 @@ async def read_detail(ctx: Context, principal: Principal, invocation_id: str) ->
     if inv is None:
         raise HTTPError(404, f"unknown invocation '{invocation_id}'")
     frames = await ctx.call(ctx.store.frame_stats, invocation_id)
-    return detail_json(inv, frames, time.time())
+    out = detail_json(inv, frames, time.time())
+    out["children"] = await producer.children(ctx, invocation_id)
+    return out
 
 
 async def cancel(ctx: Context, principal: Principal, invocation_id: str) -> dict[str, Any]:

@@ -111,26 +111,56 @@ async def await_(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str
     return outcome(inv)
 
 
+async def children(ctx: Context, invocation_id: str) -> list[dict[str, Any]]:
+    """``[{invocation_id, state}]`` of the invocations ``invocation_id`` submitted, oldest first."""
+    below = await ctx.call(ctx.store.descendants, invocation_id)
+    return [{"invocation_id": i, "state": state} for i, parent, state in below if parent == invocation_id]
+
+
 async def status(ctx: Context, caller: Caller, invocation_id: str) -> dict[str, Any]:
-    return authz.see_invocation(caller, invocation_id, await ctx.call(ctx.store.get, invocation_id)).status()
+    inv = authz.see_invocation(caller, invocation_id, await ctx.call(ctx.store.get, invocation_id))
+    out = inv.status()
+    out["children"] = await children(ctx, invocation_id)
+    return out
 
 
-async def cancel(ctx: Context, caller: Caller, invocation_id: str) -> dict[str, Any]:
+async def cancel(
+    ctx: Context, caller: Caller, invocation_id: str, *, descendants: bool = True
+) -> dict[str, Any]:
     authz.see_invocation(caller, invocation_id, await ctx.call(ctx.store.get, invocation_id))
-    return await request_cancel(ctx, invocation_id)
+    return await request_cancel(ctx, invocation_id, descendants=descendants)
 
 
-async def request_cancel(ctx: Context, invocation_id: str) -> dict[str, Any]:
-    """Cancel an invocation the caller was found to see; wake its waiters and its worker."""
+async def _cancel_one(ctx: Context, invocation_id: str) -> str | None:
     state = await ctx.call(ctx.store.cancel, invocation_id)
     if state is None:
-        raise HTTPError(404, f"unknown invocation '{invocation_id}'")
+        return None
     ctx.wake.notify(f"inv:{invocation_id}")
     if ctx.wake.own and state == "running":
         inv = await ctx.call(ctx.store.get, invocation_id)
         if inv is not None and inv.worker_id:
             ctx.wake.notify(f"worker:{inv.worker_id}")
-    return {"invocation_id": invocation_id, "state": state}
+    return state
+
+
+async def request_cancel(ctx: Context, invocation_id: str, *, descendants: bool = True) -> dict[str, Any]:
+    """Cancel an invocation the caller was found to see, and (``descendants``, the default) every
+    descendant not yet finished: the tasks it submitted, the ones they submitted, ... Wakes their
+    waiters and workers. The answer counts the descendants reached (``descendants_cancelled``,
+    present when there were any)."""
+    state = await _cancel_one(ctx, invocation_id)
+    if state is None:
+        raise HTTPError(404, f"unknown invocation '{invocation_id}'")
+    out: dict[str, Any] = {"invocation_id": invocation_id, "state": state}
+    if descendants:
+        below = await ctx.call(ctx.store.descendants, invocation_id)
+        reached = 0
+        for child, _parent, child_state in below:
+            if child_state not in TERMINAL_STATES and await _cancel_one(ctx, child) is not None:
+                reached += 1
+        if reached:
+            out["descendants_cancelled"] = reached
+    return out
 
 
 async def topic_post(ctx: Context, topic: str, body: dict[str, Any]) -> dict[str, Any]:

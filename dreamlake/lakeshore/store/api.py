@@ -194,15 +194,18 @@ class Command:
 @dataclass
 class Principal:
     token_id: str
-    kind: str  # "admin" | "producer" | "daemon" | "namespace"
-    namespace: str | None  # the namespace the token is bound to; None: unbound
+    kind: str  # "admin" | "producer" | "daemon" | "namespace" | "metrics" | "task"
+    namespace: str | None  # the namespace the token is bound to; None: unbound (a task: its own)
     name: str
     may_script: bool = False  # may submit run_config.script invocations (admins always may)
+    invocation_id: str | None = None  # a task token: the invocation it was handed to ...
+    attempt: int | None = None  # ... and that invocation's attempt (the token dies with its ack)
 
 
 DEFAULT_NAMESPACE = "default"
-#: Every kind of token, in the order the auth matrix (docs/security.md) shows them.
-TOKEN_KINDS = ("admin", "producer", "daemon", "namespace", "metrics")
+#: Every kind of token, in the order the auth matrix (docs/security.md) shows them. ``task`` tokens
+#: are minted by the control plane for each claimed invocation (server/tasks.py), never by an operator.
+TOKEN_KINDS = ("admin", "producer", "daemon", "namespace", "metrics", "task")
 
 
 def visible(namespace: str | None, inv: Invocation) -> bool:
@@ -308,6 +311,14 @@ class Store(Listing, Protocol):
     # -- producer side ------------------------------------------------------------------------
     def submit(self, req: SubmitRequest) -> SubmitResult: ...
     def get(self, invocation_id: str) -> Invocation | None: ...
+    def lineage(self, invocation_id: str, limit: int = 64) -> list[str]:
+        """``invocation_id`` and its ancestors by ``parent_invocation_id``, nearest first."""
+        ...
+
+    def descendants(self, invocation_id: str) -> list[tuple[str, str | None, str]]:
+        """``(invocation_id, parent_invocation_id, state)`` of every descendant, breadth first."""
+        ...
+
     def cancel(self, invocation_id: str) -> str | None:
         """Queued -> cancelled at once; running -> cancel_requested (a cancel command is queued for
         its worker); terminal -> unchanged. Returns the state after the call, None if unknown."""
@@ -466,6 +477,10 @@ class Store(Listing, Protocol):
         self, kind: str, name: str, namespace: str | None = None, *, may_script: bool = False
     ) -> str: ...
     def verify_token(self, secret: str) -> Principal | None: ...
+    def server_key(self, name: str) -> bytes:
+        """A 32-byte secret shared by every replica, made on first use (the task-token HMAC key)."""
+        ...
+
     def count_tokens(self) -> int: ...
     def create_exec(
         self,

@@ -500,6 +500,49 @@ class InvocationStore(StoreBase):
             r = conn.execute(self._inv_st.get, {"id": invocation_id}).first()
         return row_to_invocation(r) if r is not None else None
 
+    # -- lineage: parent_invocation_id / root_invocation_id ----------------------------------------
+
+    def lineage(self, invocation_id: str, limit: int = 64) -> list[str]:
+        """``invocation_id`` and its ancestors, nearest first (at most ``limit`` ids)."""
+        out: list[str] = []
+        current: str | None = invocation_id
+        with self.db.tx(write=False) as conn:
+            while current is not None and len(out) < limit and current not in out:
+                out.append(current)
+                current = conn.execute(
+                    sa.select(_inv.c.parent_invocation_id).where(_inv.c.invocation_id == current)
+                ).scalar_one_or_none()
+        return out
+
+    def descendants(self, invocation_id: str) -> list[tuple[str, str | None, str]]:
+        """``(invocation_id, parent_invocation_id, state)`` of every descendant, breadth first.
+
+        Every descendant shares the tree's root (``root_invocation_id``, indexed): one read of that
+        tree, walked from ``invocation_id`` down its parent links."""
+        with self.db.tx(write=False) as conn:
+            root = conn.execute(
+                sa.select(_inv.c.root_invocation_id).where(_inv.c.invocation_id == invocation_id)
+            ).first()
+            if root is None:
+                return []
+            rows = conn.execute(
+                sa.select(_inv.c.invocation_id, _inv.c.parent_invocation_id, _inv.c.state)
+                .where(_inv.c.root_invocation_id == (root[0] or invocation_id))
+                .order_by(_inv.c.invocation_id)
+            ).all()
+        by_parent: dict[str, list[tuple[str, str | None, str]]] = {}
+        for r in rows:
+            by_parent.setdefault(r.parent_invocation_id, []).append(
+                (r.invocation_id, r.parent_invocation_id, r.state)
+            )
+        out: list[tuple[str, str | None, str]] = []
+        frontier = [invocation_id]
+        while frontier:
+            below = [row for parent in frontier for row in by_parent.get(parent, [])]
+            out.extend(below)
+            frontier = [row[0] for row in below]
+        return out
+
     def cancel(self, invocation_id: str) -> str | None:
         now = time.time()
         notify: list[str] = []

@@ -128,6 +128,14 @@ tokens = sa.Table(
     sa.Column("may_script", sa.Boolean, nullable=False, server_default=sa.false()),
 )
 
+server_keys = sa.Table(  # secrets the control plane's replicas share (the task-token HMAC key)
+    "server_keys",
+    metadata,
+    sa.Column("name", NAME, primary_key=True),
+    sa.Column("secret", sa.LargeBinary, nullable=False),
+    sa.Column("created_at", TIME, nullable=False),
+)
+
 namespaces = sa.Table(
     "namespaces",
     metadata,

@@ -17,6 +17,9 @@ and answers the token it is bound to; the control plane refuses any other token 
 Tokens: ``create_token`` returns ``"lsk_" + secrets.token_urlsafe(32)`` once; only its sha256 is
 stored, and ``verify_token`` looks the hash up (no secret ever compared byte by byte). A token
 carries its kind, the namespace it is bound to (if any) and ``may_script``.
+
+Server keys: ``server_key(name)`` returns a 32-byte secret every replica shares, made on first use
+(the first insert wins a race; the others read it back). The task-token HMAC key is one.
 """
 
 from __future__ import annotations
@@ -182,8 +185,15 @@ class WorkerStore(StoreBase):
     def create_token(
         self, kind: str, name: str, namespace: str | None = None, *, may_script: bool = False
     ) -> str:
+        mintable = [k for k in TOKEN_KINDS if k != "task"]
+        if kind == "task":
+            raise PlaneError(
+                "task tokens are minted by the control plane for each claimed invocation (nymph hands "
+                f"it to the task); mint one of {', '.join(mintable)}",
+                status=400,
+            )
         if kind not in TOKEN_KINDS:
-            raise PlaneError(f"unknown token kind {kind!r}: use one of {', '.join(TOKEN_KINDS)}", status=400)
+            raise PlaneError(f"unknown token kind {kind!r}: use one of {', '.join(mintable)}", status=400)
         if kind == "namespace" and not namespace:
             raise PlaneError("a namespace token needs a namespace: pass namespace=NAME", status=400)
         secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
@@ -218,6 +228,21 @@ class WorkerStore(StoreBase):
             name=r.name,
             may_script=bool(r.may_script),
         )
+
+    # -- server keys -----------------------------------------------------------------------------
+
+    def server_key(self, name: str) -> bytes:
+        k = t.server_keys
+        with self.db.tx(write=True) as conn:
+            found = conn.execute(sa.select(k.c.secret).where(k.c.name == name)).scalar_one_or_none()
+            if found is None:
+                conn.execute(
+                    self._insert(k)
+                    .values(name=name, secret=secrets.token_bytes(32), created_at=time.time())
+                    .on_conflict_do_nothing()
+                )
+                found = conn.execute(sa.select(k.c.secret).where(k.c.name == name)).scalar_one()
+        return bytes(found)
 
     def count_tokens(self) -> int:
         with self.db.tx(write=False) as conn:
