@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import sqlalchemy as sa
@@ -65,15 +65,20 @@ _INV_COLS = tuple(c.name for c in _inv.c)
 
 def row_to_invocation(r: Row[Any]) -> Invocation:
     """An Invocation from a row holding every invocations column (``select(_inv)`` / returning)."""
-    m = dict(zip(_INV_COLS, r, strict=True))
-    result_blob = m["result_blob"]
+    return invocation_from(dict(zip(_INV_COLS, r, strict=True)))
+
+
+def invocation_from(m: Mapping[str, Any]) -> Invocation:
+    """An Invocation from a mapping of invocations columns; the two blobs may be left out (a
+    listing reads neither): the arguments are then empty and the result None."""
+    args_blob, result_blob = m.get("args_blob"), m.get("result_blob")
     return Invocation(
         invocation_id=m["invocation_id"],
         queue=m["queue"],
         state=m["state"],
         priority=int(m["priority"]),
         function=m["function"],
-        args_blob=bytes(m["args_blob"]),
+        args_blob=bytes(args_blob) if args_blob is not None else b"",
         run_config=m["run_config"],
         code_context=m["code_context"],
         namespace=m["namespace"],

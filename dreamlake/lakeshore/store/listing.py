@@ -35,6 +35,7 @@ from .api import (
     WorkerRow,
 )
 from .base import StoreBase
+from .invocations import invocation_from
 
 _inv = t.invocations
 # Every column but the two blobs: a listing never needs the arguments or the result.
@@ -42,31 +43,7 @@ _SUMMARY_COLS = tuple(c for c in _inv.c if c.name not in ("args_blob", "result_b
 
 
 def _summary(r: Any) -> Invocation:
-    m = r._mapping
-    return Invocation(
-        invocation_id=m["invocation_id"],
-        queue=m["queue"],
-        state=m["state"],
-        priority=int(m["priority"]),
-        function=m["function"],
-        args_blob=b"",
-        run_config=m["run_config"],
-        code_context=m["code_context"],
-        namespace=m["namespace"],
-        attempt=m["attempt"],
-        max_attempts=m["max_attempts"],
-        parent_invocation_id=m["parent_invocation_id"],
-        root_invocation_id=m["root_invocation_id"],
-        idempotency_key=m["idempotency_key"],
-        worker_id=m["worker_id"],
-        submitted_at=m["submitted_at"],
-        started_at=m["started_at"],
-        finished_at=m["finished_at"],
-        lease_expires_at=m["lease_expires_at"],
-        result_blob=None,
-        error=m["error"],
-        cancel_requested=bool(m["cancel_requested"]),
-    )
+    return invocation_from(r._mapping)  # the blob-less columns: no arguments, no result
 
 
 def _worker_queues(info: Any) -> list[str]:
