@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+
 
 def noop() -> None:
     """Does nothing: what is left of a round trip is pure dispatch."""
     return None
+
+
+def ticks(n: int) -> Iterator[dict[str, float]]:
+    """Yield ``n`` small values ``{"i", "t"}``, ``t`` the wall clock at the yield (bench/streams.py)."""
+    for i in range(n):
+        yield {"i": i, "t": time.time()}
+
+
+def blobs(n: int, size: int) -> Iterator[bytes]:
+    """Yield ``n`` values of ``size`` bytes (bench/streams.py)."""
+    for i in range(n):
+        yield bytes([i % 256]) * size

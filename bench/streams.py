@@ -1,34 +1,58 @@
-"""Generator streams: frames/s and yield-to-consumer latency, on the local plane and over HTTP.
+"""Generator streams: frames/s and yield-to-consumer latency, on the local plane, over HTTP and
+through nymph.
 
-A generator job yields N small values ({"i", "t"}: ``t`` is ``perf_counter()`` at the yield) while a
-consumer follows ``q.stream(inv)`` live in the same process, so the latency of each frame is the
-consumer's ``perf_counter()`` at arrival minus ``t``. The worker runs in a thread (``run_worker``, pickles allowed: this script is ``__main__``).
-Over HTTP the control plane is served by uvicorn on a loopback port over a SQLite file, and the
-worker appends every frame with ``POST /v1/daemon/result-chunk``.
+In-process planes: a generator job yields N small values ({"i", "t"}: ``t`` is ``perf_counter()``
+at the yield) while a consumer follows ``q.stream(inv)`` live in the same process, so the latency
+of each frame is the consumer's ``perf_counter()`` at arrival minus ``t``. The worker runs in a
+thread (``run_worker``, pickles allowed: this script is ``__main__``) and writes frames in batches
+(``dispatch/batching.py``). Over HTTP the control plane is served by uvicorn on a loopback port
+over a SQLite file.
+
+nymph: ``LocalStack`` (``lakeshore server`` and ``nymph start`` with the process runner, real
+processes on loopback); ``bench_fns.ticks`` (``t`` is the wall clock, the processes differ) is
+followed live over HTTP by this process. Rows: frames/s and per-frame latency for
+``--nymph-frames`` values; the first frame's latency (yield to consumer) over ``--first-runs``
+invocations (p50 / p90); and 200 values of 1 MiB (``--blobs``). For the two long generators:
+nymph's peak RSS and the peak size of its outbox directory (sampled every 50 ms), and nymph's own
+peak of undelivered stream bytes (``nymph_stream_undelivered_bytes_peak``, when it has it).
 
 Printed beside the cost of a bare msgpack pack+unpack of the same value, measured in the same run,
-which is the floor any frame pays.
+which is the floor any frame pays, and beside the goals (>= 20,000 frames/s, first frame <= 5 ms).
 
-    .venv/bin/python bench/streams.py            # 2000 frames per plane
-    .venv/bin/python bench/streams.py --frames 300
+    .venv/bin/python bench/streams.py                       # 2000 frames per plane, nymph too
+    .venv/bin/python bench/streams.py --frames 300 --no-nymph
+    .venv/bin/python bench/streams.py --nymph-frames 100000 --blobs 200
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import socket
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import msgpack
+import psutil
 from _stats import percentile
 
 import dreamlake.lakeshore as dls
+from dreamlake.lakeshore import wire
+from dreamlake.lakeshore.devstack import LocalStack, free_port
 from dreamlake.lakeshore.dispatch import Dispatch, HttpDispatch, Plane
+from dreamlake.lakeshore.envelope import Envelope, fn_for
+
+BENCH = Path(__file__).resolve().parent
+MiB = 1024 * 1024
+GOAL_FPS = 20_000
+GOAL_FIRST_MS = 5.0
 
 
 @dls.udf(queue="bench")
@@ -104,12 +128,127 @@ def control_plane(path: Path) -> Iterator[tuple[str, str]]:
         store.close()
 
 
+class Sampler:
+    """Peak RSS of nymph's process and peak bytes of its outbox directory, every 50 ms."""
+
+    def __init__(self, pid: int, outbox: Path) -> None:
+        self.proc = psutil.Process(pid)
+        self.outbox = outbox
+        self.rss = self.proc.memory_info().rss
+        self.outbox_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            with contextlib.suppress(psutil.Error):
+                self.rss = max(self.rss, self.proc.memory_info().rss)
+            size = 0
+            with contextlib.suppress(OSError), os.scandir(self.outbox) as entries:
+                for entry in entries:
+                    with contextlib.suppress(OSError):
+                        size += entry.stat().st_size
+            self.outbox_bytes = max(self.outbox_bytes, size)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _metric(port: int, name: str) -> float | None:
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+def _follow(plane: HttpDispatch, fn: Any, *args: Any) -> list[tuple[float, Any]]:
+    """Submit ``fn(*args)`` to the stack and follow its stream: ``(arrival wall time, value)``."""
+    import bench_fns  # noqa: F401 - the entry imports it by reference
+
+    envelope = Envelope.create(fn_for(fn, "ref"), args, {}).to_bytes()
+    inv = plane.submit(envelope, "bench", {})
+    out: list[tuple[float, Any]] = []
+    for frame in plane.frames(inv, timeout=120):
+        now = time.time()
+        if frame.kind == wire.FRAME_VALUE:
+            out.append((now, wire.unpack(frame.body)))  # type: ignore[arg-type]
+        elif frame.kind == wire.FRAME_ERROR:
+            raise RuntimeError(f"the stream failed: {frame.body!r:.300}")
+    return out
+
+
+def nymph_rows(frames: int, blobs: int, first_runs: int) -> list[tuple[str, str]]:
+    """The nymph rows (see the module docstring), as (label, figures) pairs."""
+    import bench_fns
+
+    port = free_port()
+    rows: list[tuple[str, str]] = []
+    with LocalStack(
+        queues=["bench"],
+        concurrency=1,
+        pythonpath=[BENCH],
+        nymph_args=["--metrics-port", str(port)],
+        quiet=True,
+    ) as stack:
+        plane = stack.plane()
+        assert stack.nymph is not None
+        _follow(plane, bench_fns.ticks, 1)  # warm: the first spawn, imports
+        firsts = []
+        for _ in range(first_runs):
+            got = _follow(plane, bench_fns.ticks, 1)
+            firsts.append((got[0][0] - got[0][1]["t"]) * 1e3)
+        rows.append(
+            (
+                f"first frame ({first_runs} runs)",
+                f"p50 {percentile(firsts, 0.5):.2f} ms  p90 {percentile(firsts, 0.9):.2f} ms  (goal <= {GOAL_FIRST_MS:g} ms p50)",
+            )
+        )
+        outbox = stack.dir / "state" / "outbox"
+        for label, fn, args, size in (
+            (f"{frames} small values", bench_fns.ticks, (frames,), 0),
+            (f"{blobs} values of 1 MiB", bench_fns.blobs, (blobs, MiB), MiB),
+        ):
+            sampler = Sampler(stack.nymph.pid, outbox)
+            start = time.time()
+            got = _follow(plane, fn, *args)
+            sampler.stop()
+            assert len(got) == args[0], f"lost frames: {len(got)} of {args[0]}"
+            if size:
+                span = got[-1][0] - start
+                speed = f"{len(got) / span:.0f} frames/s  {len(got) * size / MiB / span:.0f} MiB/s"
+            else:
+                lat = [(at - v["t"]) * 1e3 for at, v in got]
+                fps = (len(got) - 1) / (got[-1][0] - got[0][0])
+                speed = f"{fps:.0f} frames/s (goal >= {GOAL_FPS})  latency p50 {percentile(lat, 0.5):.1f} ms"
+            undelivered = _metric(port, "nymph_stream_undelivered_bytes_peak")
+            extra = "n/a" if undelivered is None else f"{undelivered / MiB:.1f} MiB"
+            rows.append(
+                (
+                    label,
+                    f"{speed}  peak rss {sampler.rss / MiB:.0f} MiB  peak outbox {sampler.outbox_bytes / MiB:.2f} MiB  "
+                    f"peak undelivered {extra}",
+                )
+            )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--frames", type=int, default=2000)
+    parser.add_argument("--nymph-frames", type=int, default=20_000)
+    parser.add_argument("--blobs", type=int, default=200)
+    parser.add_argument("--first-runs", type=int, default=20)
+    parser.add_argument("--no-nymph", action="store_true", help="only the in-process planes")
     args = parser.parse_args()
+    sys.path.insert(0, str(BENCH))
     rows: list[tuple[str, dict[str, float]]] = []
     with tempfile.TemporaryDirectory() as tmp:
         local = Dispatch(":memory:")
@@ -130,6 +269,10 @@ def main() -> None:
         print(
             f"{name:<22} {r['fps']:>10.0f} {r['p50_ms']:>9.2f} {r['p90_ms']:>9.2f} {per:>10.0f} {per / floor:>10.0f}"
         )
+    if not args.no_nymph:
+        print(f"\nnymph (process runner) -> live consumer over HTTP (goal >= {GOAL_FPS} frames/s):")
+        for label, figures in nymph_rows(args.nymph_frames, args.blobs, args.first_runs):
+            print(f"  {label:<24} {figures}")
 
 
 if __name__ == "__main__":

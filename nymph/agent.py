@@ -10,7 +10,7 @@
      +-- Watchdog              systemd's watchdog, petted while the outbox delivers (health.py)
      +-- Recovery              reconcile what a previous life left, hold its leases meanwhile
      +-- VersionPin            a pinned version: stop claiming, drain (upgrade.py)
-     +-- Outbox                acks and frames, durable until the control plane confirms
+     +-- Outbox                frames (in batches), then acks, per invocation; durable until confirmed
 
 Concurrency model: threads. The main thread owns signals, housekeeping (reaping orphaned
 processes, the deferred labelled-task sweep) and the shutdown sequence; one thread long-polls
@@ -51,6 +51,7 @@ from nymph.jobs import Jobs
 from nymph.lifecycle import SHUTDOWN_MESSAGE, JobContext
 from nymph.outbox import Outbox
 from nymph.poller import Poller, retrying
+from nymph.pump import Watcher
 from nymph.recovery import Recovery
 from nymph.runner import Reaping, Runner
 from nymph.sdnotify import SdNotify
@@ -138,7 +139,13 @@ class Agent:
         cfg.workdir.mkdir(parents=True, exist_ok=True, mode=0o711)
         cfg.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.worker_id = load_or_create_worker_id(cfg.state_dir)
-        self.outbox = Outbox(cfg.state_dir, self.client, on_sent=self.watchdog.sent)
+        self.outbox = Outbox(
+            cfg.state_dir,
+            self.client,
+            on_sent=self.watchdog.sent,
+            watcher=Watcher(inotify=cfg.stream_inotify, poll_s=cfg.stream_poll_s),
+            max_bytes=cfg.stream_max_bytes,
+        )
         self.outbox.start()
         health = None
         if cfg.metrics_port is not None:
@@ -189,11 +196,18 @@ class Agent:
         )
 
     def running(self) -> list[dict[str, Any]]:
-        """The invocations whose leases the heartbeat renews, ``{invocation_id, attempt}``."""
+        """The invocations whose leases the heartbeat renews, ``{invocation_id, attempt}``: the
+        running jobs (a job runs until every frame of it was confirmed), those whose ack is not
+        confirmed yet (a lease is given up only by the ack), and a previous life's work waiting
+        for the runner to come back."""
         entries = self.jobs.entries("invocation")
-        # a previous life's work waiting for the runner to come back keeps its lease
         known = {e["invocation_id"] for e in entries}
-        return entries + [e for e in self.recovery.pending_entries() if e["invocation_id"] not in known]
+        acks = self.outbox.pending_entries() if self.outbox is not None else []
+        for e in [*acks, *self.recovery.pending_entries()]:
+            if e["invocation_id"] not in known:
+                known.add(e["invocation_id"])
+                entries.append(e)
+        return entries
 
     def running_exec(self) -> list[dict[str, Any]]:
         """The exec jobs running here, ``{exec_id, attempt}``: the heartbeat renews their leases."""

@@ -86,6 +86,22 @@ def _options(fn: Any) -> Any:
         click.option(
             "--auto-upgrade/--no-auto-upgrade", default=None, help="Install a pinned version and re-exec."
         ),
+        click.option(
+            "--stream-window-frames", type=int, help="A task pauses while this many frames are undelivered."
+        ),
+        click.option(
+            "--stream-window-bytes", type=int, help="A task pauses while this many bytes are undelivered."
+        ),
+        click.option(
+            "--stream-max-bytes", type=int, help="Undelivered stream bytes that fail an invocation."
+        ),
+        click.option("--stream-batch-frames", type=int, help="Frames per request at most."),
+        click.option("--stream-batch-bytes", type=int, help="Bytes per request at most."),
+        click.option(
+            "--stream-inotify/--no-stream-inotify",
+            default=None,
+            help="Notice journal writes with inotify (off: poll, for workdirs written from other hosts).",
+        ),
     ]
     for opt in reversed(opts):
         fn = opt(fn)

@@ -30,9 +30,12 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nymph.errors import ConfigError as ConfigError  # re-exported: raised here
+
+if TYPE_CHECKING:
+    from nymph.pump import StreamLimits
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,30 @@ class NymphConfig:
     upgrade_index_url: str | None = None
     upgrade_wheelhouse: str | None = None
     runner_options: Mapping[str, Any] = field(default_factory=dict)
+    # streams (docs/nymph.md "Streams and backpressure"): the task pauses at its next yield while
+    # this many frames / bytes of it are undelivered; max_bytes undelivered fails the invocation
+    stream_window_frames: int = 4096
+    stream_window_bytes: int = 32 * 1024 * 1024
+    stream_max_bytes: int = 1024 * 1024 * 1024
+    stream_batch_frames: int = 1000
+    stream_batch_bytes: int = 1024 * 1024
+    stream_inotify: bool = True
+    stream_poll_s: float = 0.05
+
+    @property
+    def stream_limits(self) -> StreamLimits:
+        """The ``stream_*`` settings as one value (raises ValueError when they do not fit together)."""
+        from nymph.pump import StreamLimits
+
+        return StreamLimits(
+            window_frames=self.stream_window_frames,
+            window_bytes=self.stream_window_bytes,
+            max_bytes=self.stream_max_bytes,
+            batch_frames=self.stream_batch_frames,
+            batch_bytes=self.stream_batch_bytes,
+            inotify=self.stream_inotify,
+            poll_s=self.stream_poll_s,
+        )
 
     def redacted(self) -> dict[str, Any]:
         """The config as a dict for logs, with the token hidden."""
@@ -76,6 +103,15 @@ class NymphConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(NymphConfig)}
+_STREAM_INTS = frozenset(
+    (
+        "stream_window_frames",
+        "stream_window_bytes",
+        "stream_max_bytes",
+        "stream_batch_frames",
+        "stream_batch_bytes",
+    )
+)
 _ALIASES = {
     "queue": "queues",
     "allow_user": "allow_users",
@@ -124,11 +160,11 @@ def _coerce(name: str, value: Any) -> Any:
             return tuple(str(i).strip() for i in items if str(i).strip())
         if name == "labels":
             return _parse_labels(name, value)
-        if name in ("allow_pickled", "allow_script", "allow_root_tasks", "auto_upgrade"):
+        if name in ("allow_pickled", "allow_script", "allow_root_tasks", "auto_upgrade", "stream_inotify"):
             return _parse_bool(name, value)
-        if name in ("concurrency", "metrics_port"):
+        if name in ("concurrency", "metrics_port") or name in _STREAM_INTS:
             return None if value in (None, "") else int(value)
-        if name in ("grace_s", "stop_grace_s", "heartbeat_s", "poll_timeout_s"):
+        if name in ("grace_s", "stop_grace_s", "heartbeat_s", "poll_timeout_s", "stream_poll_s"):
             return None if value in (None, "") else float(value)
         if name in ("workdir", "state_dir"):
             return Path(str(value)).expanduser()
@@ -263,7 +299,12 @@ def resolve(
     if not merged.get("queues", ("default",)):
         raise ConfigError("at least one queue is needed (--queue)")
     merged["server"] = str(merged["server"]).rstrip("/")
-    return NymphConfig(**merged)
+    config = NymphConfig(**merged)
+    try:
+        config.stream_limits  # noqa: B018 - validates the stream settings together
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    return config
 
 
 def read_token_file(path: Path) -> str:

@@ -2,7 +2,9 @@
 
 Every ``interval_s`` (with a little jitter) it posts ``{worker_id, running, running_exec,
 free_slots}`` to ``/v1/daemon/heartbeat``: ``running`` the invocations ``{invocation_id,
-attempt}``, ``running_exec`` the exec jobs ``{exec_id, attempt}`` whose leases it renews. The
+attempt}`` whose leases nymph holds (the agent lists an invocation until its ack is confirmed:
+while it runs, while its frames are delivered, and while its ack waits in the outbox),
+``running_exec`` the exec jobs ``{exec_id, attempt}`` whose leases it renews. The
 answer carries cancel commands (so a cancel reaches a job even when every slot is busy and nymph
 is not polling), ``lost`` ids (another attempt owns them: kill, do not ack or publish) and, when
 the namespace pins one, ``target_nymph_version``. ``on_answer`` gets the answer and the entries

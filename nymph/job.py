@@ -6,7 +6,8 @@ pickle, ``--allow-module``, the ``as_user`` allow-list, who the task runs as and
 allowed (:mod:`nymph.taskuser`), runner capabilities, a sane ``timeout_s``) before anything is
 written or spawned, then GPUs and the private workdir, owned by the task's user; it supervises
 with the stream pump around the lifecycle's wait (cancel, ``timeout_s``, shutdown grace and a
-lost lease stop it with the ladder) and settles into the durable outbox. A restarted nymph builds a Job around a recovered handle (:meth:`Job.attach`) and
+lost lease stop it with the ladder) and settles into the durable outbox, after its frames (see
+:meth:`Job._close_stream`). A restarted nymph builds a Job around a recovered handle (:meth:`Job.attach`) and
 supervises it the same way (:meth:`Job.resume`).
 
 Outcomes: ``succeeded`` (workdir deleted), ``failed`` (workdir kept with its logs), ``killed``
@@ -33,7 +34,8 @@ from nymph import taskuser
 from nymph import workdir as wd
 from nymph.errors import Refused
 from nymph.lifecycle import SHUTDOWN_MESSAGE, JobContext, Phase, Stop, SupervisedJob, backoff_s
-from nymph.pump import Pump
+from nymph.outbox import CHUNKS
+from nymph.pump import WINDOW_ENV, Pump
 from nymph.runner import ExitStatus, Handle, Task
 from nymph.slots import gpus_requested
 
@@ -42,6 +44,7 @@ __all__ = ["SHUTDOWN_MESSAGE", "Job", "JobContext", "Refused", "backoff_s"]
 log = logging.getLogger(__name__)
 
 _ERROR_TYPES = {"killed": "Cancelled", "timeout": "Timeout"}
+SPILL_AFTER_S = 2.0  # how long a finished job waits for its frames before the outbox takes them
 
 
 class Job(SupervisedJob[wd.Outcome]):
@@ -70,6 +73,7 @@ class Job(SupervisedJob[wd.Outcome]):
         self.as_user: str | None = body.get("as_user") or self.run_config.get("as_user")
         self.run_as: str | None = self.as_user  # who the task runs as (nymph.taskuser), set by the gates
         self._pump: Pump | None = None
+        self._overflow: str | None = None  # why the stream overflowed (the invocation fails)
         self.state: str | None = None  # the settled state; "deferred": left for the next life
 
     def cancel(self, message: str = "cancelled by producer", grace_s: float | None = None) -> None:
@@ -207,6 +211,7 @@ class Job(SupervisedJob[wd.Outcome]):
             ALLOW_MODULES_ENV: ",".join(cfg.allow_modules),
             "LAKESHORE_RUNTIME_POLICY": cfg.runtime_policy,
             "LAKESHORE_INVOCATION_ID": self.invocation_id,
+            WINDOW_ENV: cfg.stream_limits.env,
         }
         token = self.body.get("task_token")
         if isinstance(token, str) and token:
@@ -288,23 +293,37 @@ class Job(SupervisedJob[wd.Outcome]):
 
     def supervise(self, handle: Handle) -> wd.Outcome:
         assert self.workdir is not None
+        pump = self._new_pump(self.workdir)
+        try:
+            ending = self.wait_or_stop(handle)
+            pump.stop()
+            outcome = self.stopped(ending) if isinstance(ending, Stop) else self._collect(ending)
+            if self._overflow is not None:
+                outcome = wd.Outcome.failed("StreamOverflow", self._overflow)
+            return self._close_stream(outcome)
+        finally:  # whatever failed (a pump or outbox write, the wait): the pump stops with the job
+            pump.halt()
+
+    def _new_pump(self, workdir: Path) -> Pump:
+        """The invocation's stream, opened on the outbox (its frames go before the ack)."""
         pump = Pump(
-            self.workdir,
+            workdir,
             self.invocation_id,
             self.attempt,
             self.ctx.outbox,
             worker_id=self.ctx.worker_id,
             script=self.script is not None,
+            limits=self.ctx.config.stream_limits,
+            on_overflow=self._overflowed,
         )
         self._pump = pump
         pump.start()
-        try:
-            ending = self.wait_or_stop(handle)
-            pump.stop()
-            outcome = self.stopped(ending) if isinstance(ending, Stop) else self._collect(ending)
-            return self._close_stream(outcome)
-        finally:  # whatever failed (a pump or outbox write, the wait): the pump stops with the job
-            pump.halt()
+        return pump
+
+    def _overflowed(self, message: str) -> None:
+        """The stream passed ``stream_max_bytes``: stop the task; the invocation fails."""
+        self._overflow = message
+        self._request(Stop("killed", message, self.ctx.config.stop_grace_s))
 
     def _collect(self, status: ExitStatus | None) -> wd.Outcome:
         assert self.workdir is not None
@@ -313,26 +332,51 @@ class Job(SupervisedJob[wd.Outcome]):
         return wd.read_outcome(self.workdir, status, script=self.script is not None)
 
     def _close_stream(self, outcome: wd.Outcome) -> wd.Outcome:
-        """End the stream as the outcome says (END for a script's success, ERROR for a failure)."""
+        """End the stream as the outcome says (END for a script's success, ERROR for a failure),
+        then wait until the control plane confirmed every frame (the lease holds: the job is still
+        running). When that takes longer than ``SPILL_AFTER_S`` (the control plane is away) and
+        the outbox has room, or at shutdown, the frames left are put in the outbox, ahead of the
+        ack, and the slot is freed; the heartbeat holds the lease until the ack is confirmed."""
         pump = self._pump
         if pump is None and self.workdir is not None:  # a recovered task that had ended: send what is left
-            pump = Pump(
-                self.workdir,
+            pump = self._new_pump(self.workdir)
+            pump.stop()
+        if pump is None or outcome.state == "lost":
+            return outcome
+        if self.script is not None and outcome.state == "succeeded":
+            pump.finish(wire.FRAME_END, outcome.result_blob)
+        elif outcome.state != "succeeded" and (pump.has_frames or self.script is not None) and outcome.error:
+            pump.finish(wire.FRAME_ERROR, {k: str(v) for k, v in outcome.error.items()})
+        else:
+            pump.stop()
+        delivered = pump.drain(self._drain_stopped, patience_s=SPILL_AFTER_S, room=self.ctx.outbox.has_room)
+        if delivered or self.lost or pump.refused is not None:
+            pump.halt()
+            if self.lost:
+                return self.stopped(Stop("lost", "lease lost to another attempt", 0.0))
+            return outcome  # (refused: superseded or unknown; its ack is refused as well)
+        spilled = pump.spill()
+        for frames in spilled:  # durable in the outbox, in order, ahead of the ack
+            body = {
+                "invocation_id": self.invocation_id,
+                "attempt": self.attempt,
+                "worker_id": self.ctx.worker_id,
+                "frames": frames,
+            }
+            self.ctx.outbox.put(CHUNKS, body)
+        if spilled:
+            log.info(
+                "invocation %s: %d frame(s) not delivered yet wait in the outbox, ahead of the ack",
                 self.invocation_id,
-                self.attempt,
-                self.ctx.outbox,
-                worker_id=self.ctx.worker_id,
-                script=self.script is not None,
+                sum(len(f) for f in spilled),
             )
-            pump.poll()
-        if pump is not None and outcome.state != "lost":
-            if self.script is not None and outcome.state == "succeeded":
-                pump.finish(wire.FRAME_END, outcome.result_blob)
-            elif (
-                outcome.state != "succeeded" and (pump.sent_any or self.script is not None) and outcome.error
-            ):
-                pump.finish(wire.FRAME_ERROR, {k: str(v) for k, v in outcome.error.items()})
         return outcome
+
+    def _drain_stopped(self) -> bool:
+        """Stop waiting for delivery: the lease was lost, or nymph shuts down (a cancel after the
+        task ended changes nothing: its outcome is known)."""
+        stop = self.stop_request
+        return self.lost or (stop is not None and stop.message == SHUTDOWN_MESSAGE)
 
     # --- outcomes --------------------------------------------------------------------------------
 

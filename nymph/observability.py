@@ -144,8 +144,54 @@ POLLS = Counter(
 )
 RUNNING = Gauge("nymph_running", "Invocations running now.", registry=REGISTRY)
 OUTBOX_PENDING = Gauge(
-    "nymph_outbox_pending", "Acks and frames written to the outbox and not yet confirmed.", registry=REGISTRY
+    "nymph_outbox_pending",
+    "Acks and exec results in the outbox, and streams with frames, not yet confirmed.",
+    registry=REGISTRY,
 )
+OUTBOX_BYTES = Gauge(
+    "nymph_outbox_bytes", "Bytes of the messages in the outbox directory.", registry=REGISTRY
+)
+OUTBOX_BYTES_PEAK = Gauge(
+    "nymph_outbox_bytes_peak", "The highest nymph_outbox_bytes since nymph started.", registry=REGISTRY
+)
+OUTBOX_AGE = Gauge(
+    "nymph_outbox_age_seconds",
+    "How long the outbox lane that waits longest has gone without delivering anything.",
+    registry=REGISTRY,
+)
+STREAM_UNDELIVERED_FRAMES = Gauge(
+    "nymph_stream_undelivered_frames",
+    "Stream frames read from journals and not yet confirmed by the control plane.",
+    registry=REGISTRY,
+)
+STREAM_UNDELIVERED_BYTES = Gauge(
+    "nymph_stream_undelivered_bytes",
+    "Stream bytes on disk (journals, script logs) not yet confirmed by the control plane.",
+    registry=REGISTRY,
+)
+STREAM_UNDELIVERED_BYTES_PEAK = Gauge(
+    "nymph_stream_undelivered_bytes_peak",
+    "The highest nymph_stream_undelivered_bytes of one stream seen since nymph started.",
+    registry=REGISTRY,
+)
+STREAM_PAUSED = Counter(
+    "nymph_stream_paused_seconds",
+    "Time streams spent with a full window (their task paused at its next yield).",
+    registry=REGISTRY,
+)
+STREAM_FRAMES_SENT = Counter(
+    "nymph_stream_frames_sent", "Stream frames confirmed by the control plane.", registry=REGISTRY
+)
+
+
+def bind_outbox(outbox: Any) -> None:
+    """Read the outbox gauges from ``outbox`` (its ``stats()``) at every scrape."""
+    OUTBOX_AGE.set_function(lambda: outbox.stats()["oldest_s"])
+    OUTBOX_BYTES.set_function(lambda: outbox.stats()["disk_bytes"])
+    OUTBOX_BYTES_PEAK.set_function(lambda: outbox.stats()["disk_peak"])
+    STREAM_UNDELIVERED_FRAMES.set_function(lambda: outbox.stats()["frames"])
+    STREAM_UNDELIVERED_BYTES.set_function(lambda: outbox.stats()["bytes"])
+    STREAM_UNDELIVERED_BYTES_PEAK.set_function(lambda: outbox.stats()["bytes_peak"])
 
 
 # --- health and metrics server ---------------------------------------------------------------------

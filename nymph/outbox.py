@@ -1,12 +1,29 @@
-"""The durable outbox: every ack and every frame is on disk before it is sent.
+"""The outbox: every ack and every frame reaches the control plane, per invocation in order.
 
-:meth:`Outbox.put` writes one message (route + msgpack body) to ``{state_dir}/outbox/`` atomically
-(temp file, fsync, rename, fsync of the directory) and returns; a single sender thread delivers
-messages in the order they were put, retrying transient failures with exponential backoff and
-jitter (tenacity), and deletes a message only when the control plane has settled it: 2xx
-(including ``duplicate: true``), or a final refusal (409 superseded, 404 unknown, other 4xx, which
-are logged). On start-up the directory is replayed, so an outage or a restart costs latency,
-never results. File names sort by a per-outbox sequence, which keeps frames before their ack.
+Messages (acks, exec results) are durable: :meth:`Outbox.put` writes one (route + msgpack body) to
+``{state_dir}/outbox/`` atomically (temp file, fsync, rename, fsync of the directory) and returns.
+Frames are not copied here while their job runs: an invocation's stream is a
+:class:`~nymph.pump.Pump` over its journal in the workdir (durable there), opened with
+:meth:`Outbox.open_stream`. A finished job whose frames cannot be delivered for a while (the
+control plane is away) puts them here as ``result-chunks`` messages ahead of its ack, while the
+messages on disk stay below ``max_bytes`` (:meth:`Outbox.has_room`).
+
+Lanes. Everything of one invocation (or exec job) is one lane, delivered in order: its frames
+first, in batches (``/v1/daemon/result-chunks``), then its messages; a message waits only for
+its own lane's stream, never behind another invocation's backlog. One sender thread serves the
+lanes round robin, one request at a time (a batch of frames, or one message). A lane is given up
+message by message only when the control plane settled it: 2xx (including ``duplicate``), or a
+final refusal (409 superseded, 404 unknown, other 4xx: logged; a refused stream ends its lane's
+frames). A transient failure (connection, timeout, 5xx, 429, a refused token) pauses the sender as
+a whole, with exponential backoff and jitter, and the same request is tried first again: the
+control plane is one for every lane. On start-up the directory is replayed in the order it was
+written, so an outage or a restart costs latency, never results.
+
+:meth:`Outbox.pending_entries` names the invocations with frames or an ack not yet confirmed
+here: the heartbeat keeps renewing their leases (a lease is given up only by the ack). Metrics (:meth:`Outbox.stats`):
+messages pending and their bytes on disk (and the peak), undelivered stream frames and bytes (and
+the peak of one stream's bytes), and the outbox age: how long the lane that waits longest has gone
+without delivering anything.
 """
 
 from __future__ import annotations
@@ -14,24 +31,31 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
-import tenacity
 
-from nymph.client import AuthRejected, ClientError, ControlPlaneClient, FatalError, is_retryable
+from nymph import observability as obs
+from nymph.client import ClientError, ControlPlaneClient, FatalError
+
+if TYPE_CHECKING:
+    from nymph.pump import Batch, Pump, Watcher
 
 log = logging.getLogger(__name__)
 
 ACK = "/v1/daemon/ack"
 CHUNK = "/v1/daemon/result-chunk"
+CHUNKS = "/v1/daemon/result-chunks"
 NAMESPACE_ROUTES = "/v1/namespaces/"
 _SUFFIX = ".msg"
+_IDLE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -39,10 +63,24 @@ class Message:
     path: Path
     route: str
     body: dict[str, Any]
+    created: float = field(default_factory=time.time, compare=False)
+    size: int = 0  # bytes on disk
 
     @property
     def invocation_id(self) -> str:
         return str(self.body.get("invocation_id") or self.body.get("exec_id", ""))
+
+
+@dataclass
+class _Lane:
+    key: str
+    messages: deque[Message] = field(default_factory=deque)
+    stream: Pump | None = None
+    since: float = field(default_factory=time.time)  # the oldest undelivered item was made then
+
+    @property
+    def empty(self) -> bool:
+        return not self.messages and self.stream is None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -54,7 +92,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 class Outbox:
-    """Durable, ordered delivery of acks and frames to the control plane."""
+    """Durable, per-invocation ordered delivery of frames, acks and exec results."""
 
     def __init__(
         self,
@@ -63,54 +101,139 @@ class Outbox:
         *,
         on_sent: Callable[[bool], None] | None = None,
         max_backoff_s: float = 10.0,
+        watcher: Watcher | None = None,
+        max_bytes: int = 1024 * 1024 * 1024,
     ) -> None:
+        from nymph.pump import Watcher
+
         self.dir = state_dir / "outbox"
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._client = client
         self._on_sent = on_sent
         self._max_backoff_s = max_backoff_s
+        self.watcher = watcher or Watcher()
         self._cond = threading.Condition()
-        self._queue: list[Message] = []
+        self._lanes: OrderedDict[str, _Lane] = OrderedDict()
         self._seq = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._in_flight: Message | None = None  # popped from the queue, being delivered
+        self._woken = False
+        self._paused_until = 0.0
+        self._failures = 0
+        self._busy: str | None = None  # the lane whose request is in flight
+        self._next_lane: str | None = None  # round robin: serve this lane first
+        self._peak_bytes = 0
+        self.max_bytes = max_bytes
+        self._disk_bytes = 0  # of the messages on disk
+        self._disk_peak = 0
         self._replay()
+        obs.bind_outbox(self)
 
     # --- producer side -----------------------------------------------------------------------------
 
     def put(self, route: str, body: dict[str, Any]) -> None:
-        """Persist one message (fsync'd) and queue it for delivery."""
+        """Persist one message (fsync'd) and queue it on its lane."""
         data = msgpack.packb({"route": route, "body": body}, use_bin_type=True)
         with self._cond:
             self._seq = max(self._seq + 1, time.time_ns())
             name = f"{self._seq:020d}-{body.get('invocation_id') or body.get('exec_id', 'x')}{_SUFFIX}"
             path = self.dir / name
             tmp = self.dir / (name + ".tmp")
-            with open(tmp, "wb") as fh:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with open(fd, "wb") as fh:
                 fh.write(data)
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
             _fsync_dir(self.dir)
-            self._queue.append(Message(path, route, body))
-            self._cond.notify_all()
+            msg = Message(path, route, body, size=len(data))
+            self._lane(msg.invocation_id).messages.append(msg)
+            self._count_disk(len(data))
+            self._wake_locked()
 
     def ack(self, body: dict[str, Any]) -> None:
         self.put(ACK, body)
 
     def chunk(self, body: dict[str, Any]) -> None:
+        """One frame as a durable message (``/v1/daemon/result-chunk``); streams use open_stream."""
         self.put(CHUNK, body)
 
-    def pending(self) -> int:
+    def open_stream(self, pump: Pump) -> None:
+        """Deliver ``pump``'s frames ahead of any message of its invocation put after this call."""
         with self._cond:
-            return len(self._queue) + (1 if self._in_flight is not None else 0)
+            lane = self._lane(pump.invocation_id)
+            lane.stream = pump
+            self._wake_locked()
+
+    def has_room(self) -> bool:
+        """Whether the messages on disk stay below ``max_bytes`` (a finished job may spill its
+        undelivered frames here; otherwise it keeps waiting, holding its slot)."""
+        with self._cond:
+            return self._disk_bytes < self.max_bytes
+
+    def _count_disk(self, delta: int) -> None:
+        self._disk_bytes += delta
+        self._disk_peak = max(self._disk_peak, self._disk_bytes)
+
+    def wake(self) -> None:
+        """Something may be ready to send (a write in a journal, a confirmed batch)."""
+        with self._cond:
+            self._wake_locked()
+
+    def note_undelivered(self, nbytes: int) -> None:
+        """A stream reports its undelivered bytes: keep the peak of any one stream for /metrics."""
+        if nbytes > self._peak_bytes:
+            self._peak_bytes = nbytes
+
+    # --- what is pending -----------------------------------------------------------------------------
+
+    def pending(self) -> int:
+        """Messages not yet settled, plus streams not yet fully delivered."""
+        with self._cond:
+            return sum(len(lane.messages) + (lane.stream is not None) for lane in self._lanes.values())
 
     def pending_for(self, invocation_id: str) -> bool:
-        """Whether a message for ``invocation_id`` is queued or being sent."""
+        """Whether anything of ``invocation_id`` is queued or being sent."""
         with self._cond:
-            queued = [*self._queue, *([self._in_flight] if self._in_flight is not None else [])]
-            return any(m.invocation_id == invocation_id for m in queued)
+            lane = self._lanes.get(invocation_id)
+            return lane is not None and not lane.empty
+
+    def pending_entries(self) -> list[dict[str, Any]]:
+        """``{invocation_id, attempt}`` of every invocation with frames or an ack on disk here."""
+        with self._cond:
+            out: dict[str, dict[str, Any]] = {}
+            for lane in self._lanes.values():
+                for msg in lane.messages:
+                    attempt = msg.body.get("attempt")
+                    if msg.route in (ACK, CHUNKS, CHUNK) and isinstance(attempt, int):
+                        out[lane.key] = {"invocation_id": lane.key, "attempt": attempt}
+            return list(out.values())
+
+    def stats(self) -> dict[str, float]:
+        """Figures for /metrics: messages, undelivered stream frames and bytes, oldest age, peak."""
+        with self._cond:
+            lanes = list(self._lanes.values())
+        frames = nbytes = 0
+        stalled: list[float] = []
+        for lane in lanes:
+            f = b = 0
+            stream = lane.stream
+            if stream is not None:
+                f, b = stream.undelivered()
+                frames += f
+                nbytes += b
+            if lane.messages or f or b:
+                stalled.append(lane.since)
+        oldest = min(stalled, default=None)
+        return {
+            "messages": float(sum(len(lane.messages) for lane in lanes)),
+            "frames": float(frames),
+            "bytes": float(nbytes),
+            "bytes_peak": float(self._peak_bytes),
+            "disk_bytes": float(self._disk_bytes),
+            "disk_peak": float(self._disk_peak),
+            "oldest_s": 0.0 if oldest is None else max(0.0, time.time() - oldest),
+        }
 
     # --- sender ------------------------------------------------------------------------------------
 
@@ -122,7 +245,7 @@ class Outbox:
         """Wait until everything was delivered (True) or ``timeout_s`` passed (False)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._queue or self._in_flight is not None:
+            while any(not lane.empty for lane in self._lanes.values()):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -135,91 +258,188 @@ class Outbox:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
+        self.watcher.close()
+
+    def _lane(self, key: str) -> _Lane:
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = _Lane(key)
+        return lane
+
+    def _wake_locked(self) -> None:
+        self._woken = True
+        self._cond.notify_all()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            with self._cond:
-                while not self._queue and not self._stop.is_set():
-                    self._cond.wait(1.0)
-                if self._stop.is_set():
-                    return
-                msg = self._queue.pop(0)
-                self._in_flight = msg
             try:
-                self._deliver(msg)
-            except Exception:  # a poison message must not stop every later ack (nor the next start)
-                log.exception(
-                    "invocation %s: %s cannot be sent; moved aside as .bad", msg.invocation_id, msg.route
-                )
-                with contextlib.suppress(OSError):
-                    os.replace(msg.path, msg.path.with_suffix(".bad"))
-            finally:
-                with self._cond:
-                    self._in_flight = None
-                    self._cond.notify_all()
+                if not self._serve_one():
+                    self._idle()
+            except Exception:  # the sender must not die: the next pass tries again
+                log.exception("outbox: unexpected failure in the sender")
+                self._stop.wait(0.1)
 
-    def _deliver(self, msg: Message) -> None:
-        retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception(lambda e: is_retryable(e) or isinstance(e, AuthRejected)),
-            wait=tenacity.wait_exponential(multiplier=0.1, max=self._max_backoff_s)
-            + tenacity.wait_random(0, 0.5),
-            stop=tenacity.stop_when_event_set(self._stop),
-            sleep=self._sleep,
-            before_sleep=lambda rs: self._report(msg, rs),
-            reraise=True,
-        )
-        try:
-            if msg.route.startswith(NAMESPACE_ROUTES):  # exec results: JSON, without our exec_id key
-                body = {k: v for k, v in msg.body.items() if k != "exec_id"}
-                answer = retrying(self._client.call_json, msg.route, body)
-            else:
-                answer = retrying(self._client.call, msg.route, msg.body)
-        except FatalError as exc:
-            log.warning("invocation %s: %s refused, dropped: %s", msg.invocation_id, msg.route, exc)
-            self._done(msg)
-            return
-        except ClientError:
-            # stopped while the control plane was away: keep the file for the next start
+    def _idle(self) -> None:
+        with self._cond:
+            if self._woken:
+                self._woken = False
+                return
+            wait = _IDLE_S
+            if self._paused_until:
+                wait = max(0.0, min(wait, self._paused_until - time.monotonic()))
+            self._cond.wait(wait)
+            self._woken = False
+
+    def _order(self) -> list[_Lane]:
+        """The lanes, starting with the one round robin serves next."""
+        with self._cond:
+            lanes = list(self._lanes.values())
+            first = self._next_lane
+        if first is not None:
+            for i, lane in enumerate(lanes):
+                if lane.key == first:
+                    return lanes[i:] + lanes[:i]
+        return lanes
+
+    def _serve_one(self) -> bool:
+        """Send one request (a batch or a message) of the first lane that has one; False if none."""
+        if time.monotonic() < self._paused_until:
+            return False
+        with self._cond:
+            self._woken = False
+        for lane in self._order():
+            if self._stop.is_set():
+                return False
+            stream = lane.stream
+            if stream is not None:
+                batch = stream.take()
+                if batch is not None:
+                    self._send_batch(lane, stream, batch)
+                    return True
+                if not stream.done:
+                    continue  # its messages wait for the rest of its frames
+                with self._cond:
+                    if lane.stream is stream:
+                        lane.stream = None
             with self._cond:
-                self._queue.insert(0, msg)
+                msg = lane.messages[0] if lane.messages else None
+                if msg is None:
+                    self._drop_if_empty(lane)
+                    continue
+            self._send_message(lane, msg)
+            return True
+        return False
+
+    def _drop_if_empty(self, lane: _Lane) -> None:
+        if lane.empty and self._lanes.get(lane.key) is lane:
+            del self._lanes[lane.key]
+            self._cond.notify_all()
+
+    def _served(self, lane: _Lane) -> None:
+        """A request of ``lane`` was settled: reset the backoff, let the next lane go first."""
+        with self._cond:
+            self._failures = 0
+            self._paused_until = 0.0
+            keys = list(self._lanes)
+            if lane.key in keys:
+                i = keys.index(lane.key)
+                self._next_lane = keys[(i + 1) % len(keys)]
+            lane.since = time.time()
+            self._drop_if_empty(lane)
+            self._cond.notify_all()
+
+    def _send_batch(self, lane: _Lane, stream: Pump, batch: Batch) -> None:
+        body = {
+            "invocation_id": stream.invocation_id,
+            "attempt": stream.attempt,
+            "worker_id": stream.worker_id,
+            "frames": batch.frames,
+        }
+        what = f"frames {batch.first_seq}..{batch.last_seq}"
+        try:
+            self._client.call(CHUNKS, body)
+        except FatalError as exc:
+            log.warning("invocation %s: %s refused, the stream ends here: %s", lane.key, what, exc)
+            stream.refuse(str(exc))
+            self._served(lane)
             return
-        if answer.get("duplicate"):
-            log.debug("invocation %s: %s was a duplicate", msg.invocation_id, msg.route)
-        self._done(msg)
+        except ClientError as exc:
+            self._failed(lane, what, exc)
+            return
+        stream.confirm(batch)
+        obs.STREAM_FRAMES_SENT.inc(len(batch.frames))
+        self._served(lane)
         if self._on_sent is not None:
             self._on_sent(True)
 
-    def _sleep(self, seconds: float) -> None:
-        self._stop.wait(seconds)
+    def _send_message(self, lane: _Lane, msg: Message) -> None:
+        try:
+            if msg.route.startswith(NAMESPACE_ROUTES):  # exec results: JSON, without our exec_id key
+                body = {k: v for k, v in msg.body.items() if k != "exec_id"}
+                answer = self._client.call_json(msg.route, body)
+            else:
+                answer = self._client.call(msg.route, msg.body)
+        except FatalError as exc:
+            log.warning("invocation %s: %s refused, dropped: %s", msg.invocation_id, msg.route, exc)
+            self._done(lane, msg)
+            return
+        except ClientError as exc:
+            self._failed(lane, msg.route, exc)
+            return
+        except Exception:  # a poison message must not stop every later ack (nor the next start)
+            log.exception(
+                "invocation %s: %s cannot be sent; moved aside as .bad", msg.invocation_id, msg.route
+            )
+            with contextlib.suppress(OSError):
+                os.replace(msg.path, msg.path.with_suffix(".bad"))
+            self._done(lane, msg, unlink=False)
+            return
+        if answer.get("duplicate"):
+            log.debug("invocation %s: %s was a duplicate", msg.invocation_id, msg.route)
+        self._done(lane, msg)
+        if self._on_sent is not None:
+            self._on_sent(True)
 
-    def _report(self, msg: Message, state: tenacity.RetryCallState) -> None:
-        exc = state.outcome.exception() if state.outcome is not None else None
-        log.warning(
-            "invocation %s: %s not delivered (try %d), will retry: %s",
-            msg.invocation_id,
-            msg.route,
-            state.attempt_number,
-            exc,
-        )
+    def _failed(self, lane: _Lane, what: str, exc: ClientError) -> None:
+        """A transient failure (or a refused token): pause the sender; the same lane goes first
+        on the next try."""
+        with self._cond:
+            self._failures += 1
+            tries = self._failures
+            delay = min(self._max_backoff_s, 0.1 * 2 ** min(tries - 1, 16))
+            delay += random.uniform(0, min(0.5, self._max_backoff_s))
+            self._paused_until = time.monotonic() + delay
+            self._next_lane = lane.key
+        log.warning("invocation %s: %s not delivered (try %d), will retry in %.2fs: %s",
+                    lane.key, what, tries, delay, exc)  # fmt: skip
         if self._on_sent is not None:
             self._on_sent(False)
 
-    def _done(self, msg: Message) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            msg.path.unlink()
+    def _done(self, lane: _Lane, msg: Message, *, unlink: bool = True) -> None:
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                msg.path.unlink()
+        with self._cond:
+            if lane.messages and lane.messages[0] is msg:
+                lane.messages.popleft()
+                self._count_disk(-msg.size)
+        self._served(lane)
 
     def _replay(self) -> None:
         for tmp in self.dir.glob("*.tmp"):
             tmp.unlink(missing_ok=True)
+        count = 0
         for path in sorted(self.dir.glob("*" + _SUFFIX)):
             try:
                 raw = msgpack.unpackb(path.read_bytes(), raw=False)
-                msg = Message(path, str(raw["route"]), dict(raw["body"]))
+                msg = Message(path, str(raw["route"]), dict(raw["body"]), size=path.stat().st_size)
             except (OSError, ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
                 log.error("outbox: unreadable message %s moved aside: %s", path.name, exc)
                 os.replace(path, path.with_suffix(".bad"))
                 continue
-            self._queue.append(msg)
+            self._lane(msg.invocation_id).messages.append(msg)
+            self._count_disk(msg.size)
             self._seq = max(self._seq, int(path.name.split("-", 1)[0]))
-        if self._queue:
-            log.info("outbox: replaying %d message(s) left by a previous run", len(self._queue))
+            count += 1
+        if count:
+            log.info("outbox: replaying %d message(s) left by a previous run", count)

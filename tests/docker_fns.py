@@ -36,6 +36,11 @@ def gated_count(n: int, gate: str) -> Iterator[int]:
         yield i
 
 
+def count_to(n: int) -> Iterator[int]:
+    """Yield 0..n-1 as fast as the stream takes them."""
+    yield from range(n)
+
+
 @dls.udf(queue="docker")
 def boom(message: str = "kaboom") -> None:
     raise ValueError(message)

@@ -28,6 +28,21 @@ def slow_count(n: int, delay_s: float = 0.2, gate: str | None = None) -> Iterato
         time.sleep(delay_s)
 
 
+def count_to(n: int, gate: str | None = None, at: int = -1) -> Iterator[int]:
+    """Yield 0..n-1 as fast as the stream takes them; before value ``at``, wait for the file ``gate``."""
+    for i in range(n):
+        if i == at and gate is not None:
+            while not Path(gate).exists():
+                time.sleep(0.02)
+        yield i
+
+
+def blobs(n: int, size: int) -> Iterator[bytes]:
+    """Yield ``n`` values of ``size`` bytes each; value i is filled with the byte i % 256."""
+    for i in range(n):
+        yield bytes([i % 256]) * size
+
+
 @dls.udf(queue="nymph")
 def boom(message: str = "kaboom") -> None:
     raise ValueError(message)

@@ -28,6 +28,7 @@ from tests import docker_fns, nymph_fns
 from tests.integration.conftest import ControlPlane
 from tests.integration.test_nymph_agent import (
     Nymph,
+    _free_port,
     _until,
     await_result,
     envelope,
@@ -135,6 +136,40 @@ def test_plain_result_and_live_generator_through_nymph_start(
     assert [f.kind for f in frames] == [wire.FRAME_VALUE] * 3 + [wire.FRAME_END]
     assert [wire.unpack(f.body) for f in frames[:3]] == [0, 1, 2]  # type: ignore[arg-type]
     _until(lambda: not _labelled(_worker_id(n)), "every container to be removed")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_fast_generator_is_paused_by_the_window_inside_the_container(
+    kind: str, sqlite_control_plane: ControlPlane, start_nymph: Callable[..., Nymph]
+) -> None:
+    """Backpressure works through the workdir on this runner: the entry in the container pauses
+    at the window (``frames.delivered``), and every value arrives once, in order, on attempt 1."""
+    cp = sqlite_control_plane
+    window, count = 300, 20_000
+    metrics_port = _free_port()
+    n = start_nymph(
+        cp.url,
+        cp.daemon_token,
+        kind,
+        "--stream-window-frames",
+        str(window),
+        "--metrics-port",
+        str(metrics_port),
+    )
+    inv = submit(cp.url, cp.producer_token, envelope(docker_fns.count_to, count))
+    out = await_result(cp.url, cp.producer_token, inv, limit_s=150)
+    assert out["state"] == "succeeded", (out, n.output()[-3000:])
+    frames = frames_of(cp.url, cp.producer_token, inv, 30.0)
+    assert [f.seq for f in frames] == list(range(count + 1)) and frames[-1].kind == wire.FRAME_END
+    assert [wire.unpack(f.body) for f in frames[:-1]] == list(range(count))  # type: ignore[arg-type]
+    assert cp.store.get(inv).attempt == 1  # type: ignore[union-attr]
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    peak = next(
+        float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith("nymph_stream_undelivered_bytes_peak ")
+    )
+    assert 0 < peak <= window * 64
 
 
 def test_as_user_runs_as_the_uid_the_operator_mapped(

@@ -161,7 +161,7 @@ def request_for(w: World, route: RouteAuth, kind: str, own: bool) -> Request:
         case "heartbeat":
             worker = new_ulid() if own else w.worker(daemon)
             return "POST", "/v1/daemon/heartbeat", {"worker_id": worker, "running": []}, "msgpack"
-        case "ack" | "result_chunk":
+        case "ack" | "result_chunk" | "result_chunks":
             inv, worker, attempt = w.lease(ns, daemon)
             lease = {"invocation_id": inv, "worker_id": worker, "attempt": attempt}
             if route.handler == "ack":
@@ -172,6 +172,8 @@ def request_for(w: World, route: RouteAuth, kind: str, own: bool) -> Request:
                     "msgpack",
                 )
             data = wire.encode_frame(wire.FRAME_VALUE, 0, wire.pack(0), {})
+            if route.handler == "result_chunks":
+                return "POST", "/v1/daemon/result-chunks", {**lease, "frames": [data]}, "msgpack"
             return "POST", "/v1/daemon/result-chunk", {**lease, "seq": 0, "bytes": data}, "msgpack"
         case "exec_":
             return "POST", f"/v1/namespaces/{ns}/exec", {"command": "true", "queue": w.queue()}, "json"

@@ -30,6 +30,14 @@ ID = "01HZZZZZZZZZZZZZZZZZZZZZZZ"
 ID2 = "01HZZZZZZZZZZZZZZZZZZZZZZY"
 
 
+class _NoWatcher:
+    def add(self, path: Path, callback: Any) -> object:
+        return object()
+
+    def remove(self, watch: object) -> None:
+        pass
+
+
 class _Outbox:
     """Records acks, result publishes and stream chunks."""
 
@@ -49,6 +57,27 @@ class _Outbox:
 
     def pending(self) -> int:
         return 0
+
+    # the stream side: a pump's frames are "delivered" at once, whenever it wakes the outbox
+    watcher = _NoWatcher()
+
+    def open_stream(self, pump: Any) -> None:
+        self.streams = [*getattr(self, "streams", []), pump]
+
+    def wake(self) -> None:
+        for pump in getattr(self, "streams", []):
+            while (batch := pump.take()) is not None:
+                self.chunks.extend({"invocation_id": pump.invocation_id, "bytes": f} for f in batch.frames)
+                pump.confirm(batch)
+
+    def note_undelivered(self, nbytes: int) -> None:
+        pass
+
+    def pending_entries(self) -> list[dict[str, Any]]:
+        return []
+
+    def has_room(self) -> bool:
+        return True
 
 
 class _FlakyRunner(_Runner):

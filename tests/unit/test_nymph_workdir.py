@@ -100,11 +100,28 @@ def test_gates_pass_a_pickled_function_when_allowed(tmp_path: Path) -> None:
 
 
 class _Recorder:
+    """The outbox as a pump sees it, recording what :func:`_deliver` confirms."""
+
     def __init__(self) -> None:
         self.chunks: list[dict[str, Any]] = []
 
-    def chunk(self, body: dict[str, Any]) -> None:
-        self.chunks.append(body)
+    def wake(self) -> None:
+        pass
+
+    def note_undelivered(self, nbytes: int) -> None:
+        pass
+
+
+def _deliver(pump: Pump, out: _Recorder) -> int:
+    """What the outbox's sender does: take batches, "post" them, confirm; returns how many frames."""
+    sent = 0
+    while (batch := pump.take()) is not None:
+        for data in batch.frames:
+            frame = wire.decode_frame(data)
+            out.chunks.append({"seq": frame.seq, "bytes": data, "final": frame.final})
+        sent += len(batch.frames)
+        pump.confirm(batch)
+    return sent
 
 
 def test_pump_forwards_complete_frames_in_order_and_resumes_after_restart(tmp_path: Path) -> None:
@@ -115,19 +132,41 @@ def test_pump_forwards_complete_frames_in_order_and_resumes_after_restart(tmp_pa
     journal.write_bytes(f0 + f1[:3])  # a partial frame at the tail waits
     out = _Recorder()
     pump = Pump(tmp_path, "inv", 1, out)  # type: ignore[arg-type]
-    assert pump.poll() == 1
+    assert _deliver(pump, out) == 1
     with open(journal, "ab") as fh:
         fh.write(f1[3:])
-    assert pump.poll() == 1
+    assert _deliver(pump, out) == 1
     assert [c["bytes"] for c in out.chunks] == [f0, f1]
     assert [c["final"] for c in out.chunks] == [False, False]
+    assert (tmp_path / "frames.delivered").read_text().split() == ["1", str(len(f0 + f1))]
 
     with open(journal, "ab") as fh:
         fh.write(f2)
     again = _Recorder()
     restarted = Pump(tmp_path, "inv", 1, again)  # type: ignore[arg-type]
-    assert restarted.poll() == 1  # only what was not handed over before
+    assert _deliver(restarted, again) == 1  # only what was not delivered before
     assert again.chunks[0]["seq"] == 2 and again.chunks[0]["final"] is True
+    assert restarted.done
+
+
+def test_pump_batches_what_built_up_and_adds_the_final_frame(tmp_path: Path) -> None:
+    from nymph.pump import StreamLimits
+
+    frames = [wire.encode_frame(wire.FRAME_VALUE, i, wire.pack(i), None) for i in range(7)]
+    (tmp_path / "frames.msgpack").write_bytes(b"".join(frames))
+    limits = StreamLimits(batch_frames=3, window_bytes=1024, max_bytes=4096)
+    pump = Pump(tmp_path, "inv", 1, _Recorder(), limits=limits)  # type: ignore[arg-type]
+    first = pump.take()
+    assert first is not None and first.frames == frames[:3]
+    assert pump.take() is first  # the same batch until it is confirmed
+    pump.confirm(first)
+    assert pump.undelivered() == (4, len(b"".join(frames[3:])))
+    pump.finish(wire.FRAME_ERROR, {"type": "Cancelled", "message": "m"})  # no final in the journal
+    out = _Recorder()
+    assert _deliver(pump, out) == 5
+    assert [c["seq"] for c in out.chunks] == [3, 4, 5, 6, 7]
+    assert wire.decode_frame(out.chunks[-1]["bytes"]).kind == wire.FRAME_ERROR
+    assert pump.done and pump.drain(lambda: False)
 
 
 def test_script_pump_turns_output_into_log_frames(tmp_path: Path) -> None:
@@ -135,8 +174,9 @@ def test_script_pump_turns_output_into_log_frames(tmp_path: Path) -> None:
     (tmp_path / "stderr.log").write_bytes(b"warn\n")
     out = _Recorder()
     pump = Pump(tmp_path, "inv", 1, out, script=True)  # type: ignore[arg-type]
-    assert pump.poll() == 2
+    assert _deliver(pump, out) == 2
     pump.finish(wire.FRAME_END, wire.pack({"exit_code": 0}))
+    assert _deliver(pump, out) == 1
     frames = [wire.decode_frame(c["bytes"]) for c in out.chunks]
     assert [(f.kind, f.seq, f.body, (f.meta or {}).get("stream")) for f in frames[:2]] == [
         (wire.FRAME_LOG, 0, b"hello\n", "stdout"),

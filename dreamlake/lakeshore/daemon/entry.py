@@ -10,12 +10,19 @@ gates, calls it and leaves:
 - ``frames.msgpack`` for a generator result: one VALUE frame per yield, appended and flushed one by
   one, then END (body ``wire.pack(return value)``) or ERROR.
 
+Backpressure: with ``LAKESHORE_STREAM_WINDOW=<frames>:<bytes>`` set (nymph sets it), the generator
+is paused at its next ``yield`` while that many of its frames (or bytes) are not yet delivered. The
+delivered position is the file ``frames.delivered`` (``"<seq> <offset>"``, written by nymph), read
+again with a short sleep (1 ms, doubling to 20 ms) until the window drains. Without the variable
+(or with a malformed one) the generator is never paused.
+
 Environment: ``LAKESHORE_ALLOW_PICKLED=1`` allows pickled functions, ``LAKESHORE_RUNTIME_POLICY``
 (``strict`` | ``minor`` | ``off``, default ``minor``), ``LAKESHORE_INVOCATION_ID`` (for messages),
-``LAKESHORE_ALLOW_MODULES`` (nymph's ``--allow-module`` patterns, comma separated; see
-:func:`module_allowed`): when set, a ``ref`` function is refused (exit 2, ``ModuleRefused``) unless
-its module matches, checked before the module is imported, and again on the callable it resolved
-to (its ``__module__``), so ``allowed_module:os.system`` does not reach ``os``.
+``LAKESHORE_STREAM_WINDOW`` (above), ``LAKESHORE_ALLOW_MODULES`` (nymph's ``--allow-module``
+patterns, comma separated; see :func:`module_allowed`): when set, a ``ref`` function is refused
+(exit 2, ``ModuleRefused``) unless its module matches, checked before the module is imported, and
+again on the callable it resolved to (its ``__module__``), so ``allowed_module:os.system`` does not
+reach ``os``.
 
 The function's module must be importable in this runtime: the runner puts the user's code on
 ``PYTHONPATH`` (shipping a code archive is out of scope). Start-up is kept lean: no SDK, HTTP client,
@@ -41,6 +48,10 @@ ARGS_FILE = "args.msgpack"
 RESULT_FILE = "result.msgpack"
 ERROR_FILE = "error.json"
 FRAMES_FILE = "frames.msgpack"
+DELIVERED_FILE = "frames.delivered"
+WINDOW_ENV = "LAKESHORE_STREAM_WINDOW"
+_PAUSE_MIN_S = 0.001
+_PAUSE_MAX_S = 0.02
 
 EXIT_OK = 0
 EXIT_RAISED = 1
@@ -166,12 +177,26 @@ def _write_error(info: Dict[str, str]) -> None:
     _write_atomic(ERROR_FILE, json.dumps(info).encode("utf-8"))
 
 
+def _window() -> tuple[int, int] | None:
+    """``(frames, bytes)`` of ``LAKESHORE_STREAM_WINDOW``; None: never pause."""
+    raw = os.environ.get(WINDOW_ENV, "")
+    frames, _, nbytes = raw.partition(":")
+    try:
+        window = int(frames), int(nbytes)
+    except ValueError:
+        return None
+    return window if window[0] > 0 and window[1] > 0 else None
+
+
 class _Journal:
     """``frames.msgpack``: frames appended with one ``os.write`` each, so a tail sees them at once."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, window: tuple[int, int] | None = None) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self.seq = 0
+        self.offset = 0  # bytes written
+        self._window = window
+        self._delivered = (-1, 0)  # the last (seq, offset) nymph said it delivered
 
     def append(self, kind: int, body: Any) -> None:
         frame = wire.encode_frame(kind, self.seq, body, {"ts": time.time()})
@@ -179,9 +204,37 @@ class _Journal:
         while view:
             view = view[os.write(self._fd, view) :]
         self.seq += 1
+        self.offset += len(frame)
+
+    def _over(self, window: tuple[int, int]) -> bool:
+        frames, nbytes = window
+        seq, offset = self._delivered
+        return self.seq - 1 - seq >= frames or self.offset - offset >= nbytes
+
+    def wait_window(self) -> None:
+        """Block while the undelivered frames fill the window (see the module docstring)."""
+        window = self._window
+        if window is None or not self._over(window):
+            return
+        pause = _PAUSE_MIN_S
+        while True:
+            self._delivered = _read_delivered(self._delivered)
+            if not self._over(window):
+                return
+            time.sleep(pause)
+            pause = min(pause * 2, _PAUSE_MAX_S)
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+def _read_delivered(known: tuple[int, int]) -> tuple[int, int]:
+    try:
+        with open(DELIVERED_FILE, "rb") as f:
+            seq, offset = f.read(64).split()
+        return max(known, (int(seq), int(offset)))
+    except (OSError, ValueError):
+        return known
 
 
 def _is_stream(fn: Callable[..., Any], result: Any) -> bool:
@@ -196,7 +249,7 @@ def _is_stream(fn: Callable[..., Any], result: Any) -> bool:
 
 def _drain(stream: Iterator[Any]) -> int:
     """Journal every yield, then END; on a raise, ERROR frame + error.json. Returns the exit code."""
-    journal = _Journal(FRAMES_FILE)
+    journal = _Journal(FRAMES_FILE, _window())
     try:
         try:
             while True:
@@ -206,6 +259,7 @@ def _drain(stream: Iterator[Any]) -> int:
                     returned = wire.pack(stop.value)
                     break
                 journal.append(wire.FRAME_VALUE, wire.pack(value))
+                journal.wait_window()  # the generator stays paused at its yield meanwhile
         except BaseException as exc:
             info = _error_info(exc)
             journal.append(wire.FRAME_ERROR, info)

@@ -96,7 +96,11 @@ class Plane(Protocol):
     ) -> None:
         """Journal one encoded frame of a running invocation that ``worker_id`` holds under
         ``attempt``, in seq order (a repeat of a seq is a no-op; a gap is refused, 409). The frame's
-        kind decides whether it closes the stream (END and ERROR do); ``final`` should agree."""
+        kind decides whether it closes the stream (END and ERROR do); ``final`` should agree.
+        Both planes write a stream's first frame at once and later ones in batches, in the
+        background (``dispatch/batching.py``): a refusal that comes later (the lease lapsed) is
+        raised by a later ``append_frame``, and ``ack`` waits for the invocation's frames (False
+        when they were refused)."""
         ...
 
     def ack(

@@ -8,6 +8,9 @@ tree (401/403 :class:`AuthError` saying how to mint a token, 404 :class:`NotFoun
 each with the server's ``error`` text. Every request that can be retried is idempotent on the
 server: submit carries its invocation id, chunks their seq, acks their attempt.
 
+Frames go in batches (``POST /v1/daemon/result-chunks``, one request per batch) through a frame
+writer (:mod:`~dreamlake.lakeshore.dispatch.batching`); an ack waits for its frames.
+
 Streams follow ``GET .../result/stream?since=`` and reassemble frames with ``wire.FrameReader``; a
 dropped connection resumes from the last seq seen, so a consumer never sees a gap or a duplicate.
 
@@ -19,12 +22,13 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.client import PlaneClient, is_retryable
 from dreamlake.lakeshore.dispatch import NATIVE_FUNCTION, Claim
+from dreamlake.lakeshore.dispatch.batching import FrameWriter
 from dreamlake.lakeshore.errors import Conflict, PlaneError, Unavailable
 from dreamlake.lakeshore.states import TERMINAL_STATES
 
@@ -66,6 +70,7 @@ class HttpDispatch:
         self.retries = self._client.attempts
         self._registered: set[str] = set()
         self._cancels: dict[str, dict[str, bool]] = {}  # worker id -> cancels a poll delivered
+        self._frames = FrameWriter(self._write_frames)
 
     def _call(self, method: str, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
         """One request, retried on transient failures; ``timeout`` is a server-side wait to outlast."""
@@ -225,15 +230,20 @@ class HttpDispatch:
     def append_frame(
         self, invocation_id: str, seq: int, data: bytes, final: bool, attempt: int, *, worker_id: str
     ) -> None:
+        """Queue the frame for the frame writer: batches go to ``/v1/daemon/result-chunks`` (one
+        request each); a refusal is raised by the next ``append_frame`` of the invocation."""
+        self._frames.append(invocation_id, attempt, seq, bytes(data), final, worker_id=worker_id)
+
+    def _write_frames(
+        self, invocation_id: str, attempt: int, worker_id: str, frames: Sequence[tuple[int, bytes, bool]]
+    ) -> None:
         body = {
             "invocation_id": invocation_id,
-            "seq": seq,
-            "bytes": bytes(data),
-            "final": final,
             "attempt": attempt,
             "worker_id": worker_id,
+            "frames": [data for _seq, data, _final in frames],
         }
-        self._call("POST", "/v1/daemon/result-chunk", body)
+        self._call("POST", "/v1/daemon/result-chunks", body)
 
     def ack(
         self,
@@ -245,6 +255,11 @@ class HttpDispatch:
         result_blob: bytes | None = None,
         error: dict[str, Any] | None = None,
     ) -> bool:
+        try:
+            self._frames.flush(invocation_id)  # the ack follows its frames
+        except PlaneError as exc:
+            log.warning("ack of %s refused: its frames were: %s", invocation_id, exc)
+            return False
         body = {
             "invocation_id": invocation_id,
             "state": state,
@@ -287,6 +302,7 @@ class HttpDispatch:
         )
 
     def close(self) -> None:
+        self._frames.close()
         self._client.close()
 
     def __enter__(self) -> HttpDispatch:

@@ -4,7 +4,8 @@ Every operation is a call into the one store (``store.open_store``): claims, lea
 and topics are the store's, never reimplemented here. Waits (stream follow, ``await_result``,
 ``claim``) sleep on the store's :class:`Notifier`, which wakes them within milliseconds of a change
 made in this process; a change made by another process on the same file is seen at the next poll
-(``poll_s``, default 0.1 s).
+(``poll_s``, default 0.1 s). Frames are written in batches, one transaction each, by a frame
+writer (:mod:`~dreamlake.lakeshore.dispatch.batching`); an ack waits for its frames.
 
 The local plane is its own trust domain: ``trusted = True``, so ``run_worker`` runs pickled
 functions on it by default. It keeps the control plane's rules otherwise: submits are checked
@@ -17,12 +18,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.dispatch import NATIVE_FUNCTION, Claim
+from dreamlake.lakeshore.dispatch.batching import FrameWriter
 from dreamlake.lakeshore.errors import AuthError, BadRequest, Conflict, NotFound, PlaneError
 from dreamlake.lakeshore.states import TERMINAL_STATES
 
@@ -69,6 +71,7 @@ class Dispatch:
         self._workers: set[str] = set()
         self._command_marks: dict[str, int] = {}  # notifier mark at each worker's last heartbeat
         self._next_expiry = 0.0
+        self._frames = FrameWriter(self._write_frames)
 
     def _wait(self, channels: list[str], deadline: float, mark: int) -> None:
         left = deadline - time.monotonic()
@@ -202,7 +205,9 @@ class Dispatch:
         self, invocation_id: str, seq: int, data: bytes, final: bool, attempt: int, *, worker_id: str
     ) -> None:
         """As the control plane's result-chunk route: the frame's kind, not ``final``, decides
-        whether it closes the stream (END and ERROR do)."""
+        whether it closes the stream (END and ERROR do). The first frame of a stream is written at
+        once, later ones in batches by the frame writer; a refusal that comes later is raised by
+        the next ``append_frame`` of the stream (and its ack is refused)."""
         from dreamlake.lakeshore import wire
 
         try:
@@ -211,11 +216,18 @@ class Dispatch:
             raise BadRequest(f"frame {seq} of {invocation_id} is not one encoded frame: {exc}", 400) from None
         if frame.seq != seq:
             raise BadRequest(f"frame {seq} of {invocation_id} carries its own seq {frame.seq}", 400)
-        res = self.store.append_frame(
-            invocation_id, seq, data, frame.final, attempt=attempt, worker_id=worker_id
-        )
-        if not res.ok:
-            raise _refusal(f"frame {seq} of {invocation_id} refused: {res.reason}", res.status)
+        self._frames.append(invocation_id, attempt, seq, bytes(data), frame.final, worker_id=worker_id)
+
+    def _write_frames(
+        self, invocation_id: str, attempt: int, worker_id: str, frames: Sequence[tuple[int, bytes, bool]]
+    ) -> None:
+        """One batch of the frame writer: one transaction (``store.append_frames``)."""
+        results = self.store.append_frames(invocation_id, attempt, frames, worker_id=worker_id)
+        refused = next((r for r in results if not r.ok), None)
+        if refused is not None:
+            raise _refusal(
+                f"frames from {refused.seq} of {invocation_id} refused: {refused.reason}", refused.status
+            )
 
     def ack(
         self,
@@ -227,6 +239,11 @@ class Dispatch:
         result_blob: bytes | None = None,
         error: dict[str, Any] | None = None,
     ) -> bool:
+        try:
+            self._frames.flush(invocation_id)  # the ack follows its frames
+        except PlaneError as exc:
+            log.warning("ack of %s refused: its frames were: %s", invocation_id, exc)
+            return False
         res = self.store.ack(
             invocation_id, state, attempt=attempt, worker_id=worker_id, result_blob=result_blob, error=error
         )
@@ -246,6 +263,7 @@ class Dispatch:
         return self.notifier.wait([f"worker:{worker_id}"], max(0.0, timeout), since=since)
 
     def close(self) -> None:
+        self._frames.close()
         self.store.close()
 
     def __enter__(self) -> Dispatch:

@@ -31,6 +31,7 @@ from dreamlake.lakeshore.server import http as h
 from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.config import ServerConfig
 from dreamlake.lakeshore.server.context import Context, store_dialect
+from dreamlake.lakeshore.server.fanout import LocalFanout
 from dreamlake.lakeshore.server.http import HTTPError
 from dreamlake.lakeshore.server.polls import PollsFull
 from dreamlake.lakeshore.server.relay import PgRelay, libpq_dsn
@@ -178,6 +179,10 @@ class Routes:
         status, out = await daemon.result_chunk(self.ctx, caller, await self._msgpack(request))
         return h.msgpack_response(out, status)
 
+    async def result_chunks(self, request: Request, caller: Caller) -> Response:
+        status, out = await daemon.result_chunks(self.ctx, caller, await self._msgpack(request))
+        return h.msgpack_response(out, status)
+
     async def heartbeat(self, request: Request, caller: Caller) -> Response:
         return h.msgpack_response(await daemon.heartbeat(self.ctx, caller, await self._msgpack(request)))
 
@@ -283,11 +288,12 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 def create_app(
     store: Store, *, fanout: Any = None, payloads: Any = None, config: ServerConfig | None = None
 ) -> Starlette:
-    """The control plane over ``store``; ``fanout`` (live frames) and ``payloads`` (presign) are optional."""
+    """The control plane over ``store``; ``fanout`` (live frames; in process when None) and
+    ``payloads`` (presign) are optional."""
     ctx = Context(
         store=store,
         config=config or ServerConfig(),
-        fanout=fanout,
+        fanout=fanout if fanout is not None else LocalFanout(),
         payloads=payloads,
         dialect=store_dialect(store),
     )

@@ -1,4 +1,10 @@
-"""Daemon routes (msgpack): register, poll, ack, result-chunk and heartbeat.
+"""Daemon routes (msgpack): register, poll, ack, result-chunk, result-chunks and heartbeat.
+
+``result-chunks`` takes many frames of one attempt in one request and journals them in one
+transaction (``store.append_frames``), answering per seq (stored or duplicate); the frames that
+were new are then published to the live fan-out in one call. ``result-chunk`` is the seed's
+one-frame form. The ack pokes the invocation's live followers, so a stream that ends without a
+final frame (a plain call, a failure before the first frame) ends at once.
 
 A daemon acts as the workers its token registered (``authz.WorkerBindings``: the first call naming
 a worker id binds it; any other token naming it is refused 403) and reports only on the leases
@@ -287,6 +293,7 @@ async def ack(ctx: Context, caller: Caller, body: dict[str, Any]) -> tuple[int, 
     if result.ok:
         ctx.metrics.acks.labels(state=state, outcome="duplicate" if result.duplicate else "ok").inc()
         ctx.wake.notify(f"inv:{invocation_id}")
+        await _poke(ctx, invocation_id)
         log.debug("ack %s %s (attempt %s)", invocation_id, state, attempt)
         return 200, ({"ok": True, "duplicate": True} if result.duplicate else {"ok": True})
     if result.status == UNKNOWN:
@@ -298,15 +305,13 @@ async def ack(ctx: Context, caller: Caller, body: dict[str, Any]) -> tuple[int, 
     return result.status, {"ok": False, "error": reason}
 
 
-def _frame(data: bytes) -> Frame:
+def _frame(data: bytes, what: str = "field 'bytes'") -> Frame:
     from dreamlake.lakeshore.wire import decode_frame
 
     try:
         return decode_frame(data)
     except Exception as exc:
-        raise HTTPError(
-            400, f"field 'bytes' is not one encoded frame [kind, seq, body, meta]: {exc}"
-        ) from None
+        raise HTTPError(400, f"{what} is not one encoded frame [kind, seq, body, meta]: {exc}") from None
 
 
 async def result_chunk(ctx: Context, caller: Caller, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -361,6 +366,82 @@ async def result_chunk(ctx: Context, caller: Caller, body: dict[str, Any]) -> tu
                 exc_info=True,
             )
     return 200, {"ok": True, "seq": seq}
+
+
+MAX_BATCH_FRAMES = 10_000
+
+
+async def result_chunks(ctx: Context, caller: Caller, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """Journal a batch ``{invocation_id, attempt, worker_id, frames: [bytes, ...]}`` of one attempt
+    in one transaction and answer ``{ok, results: [{seq, duplicate}]}`` in the order sent. Each
+    frame is a repeat of a seq already journaled (``duplicate``) or the next seq. A gap or a frame
+    after the final one is refused with the rest of the batch: 409 ``{ok: false, error,
+    expected_seq, results}`` with the results of the frames kept before it. Only the worker holding
+    the current lease posts frames (403 another worker, 409 superseded, nothing journaled); an
+    unknown invocation is a 404. Frames whose kind is END or ERROR close the stream."""
+    invocation_id = http.ulid_field(body, "invocation_id")
+    assert invocation_id is not None
+    attempt = _attempt(body)
+    worker_id = await _worker(ctx, caller, body)
+    raw = field(body, "frames", list)
+    if not raw or len(raw) > MAX_BATCH_FRAMES:
+        raise HTTPError(400, f"field 'frames' must list 1 to {MAX_BATCH_FRAMES} encoded frames")
+    batch: list[tuple[int, bytes, bool]] = []
+    for i, data in enumerate(raw):
+        if not isinstance(data, bytes):
+            raise HTTPError(
+                400, f"frames[{i}] must be the bytes of one encoded frame, not {type(data).__name__}"
+            )
+        frame = _frame(data, f"frames[{i}]")
+        batch.append((frame.seq, data, frame.final))
+    results = await ctx.call(ctx.store.append_frames, invocation_id, attempt, batch, worker_id=worker_id)
+    kept = [r for r in results if r.ok]
+    fresh = [item for item, r in zip(batch, results, strict=False) if r.ok and not r.duplicate]
+    ctx.metrics.chunks.labels(duplicate="false").inc(len(fresh))
+    if len(kept) > len(fresh):
+        ctx.metrics.chunks.labels(duplicate="true").inc(len(kept) - len(fresh))
+    if fresh:
+        ctx.wake.notify(f"inv:{invocation_id}")
+        await _publish(ctx, invocation_id, fresh)
+    answers = [{"seq": r.seq, "duplicate": r.duplicate} for r in kept]
+    if len(kept) == len(results):
+        return 200, {"ok": True, "results": answers}
+    refused = results[len(kept)]
+    reason = refused.reason or "frames refused"
+    if refused.status == UNKNOWN:
+        raise HTTPError(404, reason, ok=False)
+    _refused(caller, f"frames from {refused.seq}", invocation_id, refused.status, reason)
+    out: dict[str, Any] = {"ok": False, "error": reason, "results": answers}
+    if refused.expected_seq is not None:
+        out["expected_seq"] = refused.expected_seq
+    return refused.status, out
+
+
+async def _publish(ctx: Context, invocation_id: str, items: list[tuple[int, bytes, bool]]) -> None:
+    """Hand new frames to the live fan-out; a failure is logged (followers read the journal)."""
+    fanout = ctx.fanout
+    if fanout is None:
+        return
+    try:
+        if hasattr(fanout, "publish_many"):
+            await fanout.publish_many(invocation_id, items)
+        else:
+            for seq, data, final in items:
+                await fanout.publish(invocation_id, seq, data, final)
+    except Exception:
+        log.warning("live publish of %s (%d frame(s)) failed; followers catch up from the journal",
+                    invocation_id, len(items), exc_info=True)  # fmt: skip
+
+
+async def _poke(ctx: Context, invocation_id: str) -> None:
+    """Tell the live followers of ``invocation_id`` to re-read the store (its state changed)."""
+    poke = getattr(ctx.fanout, "poke", None)
+    if poke is None:
+        return
+    try:
+        await poke(invocation_id)
+    except Exception:
+        log.warning("live poke of %s failed", invocation_id, exc_info=True)
 
 
 def _running_exec(body: dict[str, Any]) -> list[tuple[str, int]] | None:

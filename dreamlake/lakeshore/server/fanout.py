@@ -17,18 +17,26 @@ it, or published after the subscription started. The price is duplicates, so **t
 dedupes by seq**. A subscription sees only frames published after it started (``subscribe()``
 for :class:`LocalFanout`; the first ``get`` / ``async with`` / iteration for :class:`RedisFanout`).
 
+Writers publish a batch with :meth:`Fanout.publish_many` (one Redis round trip), and
+:meth:`Fanout.poke` sends a follower the cue "re-read the store" without a frame: an item with seq
+:data:`POKE` (-1). The ack route pokes (the invocation may have ended without a final frame), and
+:class:`RedisFanout` sends a poke in place of a frame larger than ``inline_max`` bytes, so Redis
+never holds big frames; the follower reads those from the journal.
+
 ``get(timeout)`` returns ``(seq, data, final)`` or None. None means: nothing arrived within
 ``timeout`` (``timeout=None`` waits for ever), *or* frames may have been missed (the subscriber
 lagged: the None comes at once, and frames published later keep coming), *or* the subscription
-was closed (at once). After a backend failure ``sub.live`` is False and ``get`` behaves like
-silence: None after ``timeout``, never with ``timeout=None``. Every None is a cue to re-read
+was closed (at once). When the backend fails, the ``get`` waiting at that moment returns None at
+once and ``sub.live`` turns False; later calls behave like silence: None after ``timeout``, never
+with ``timeout=None``. Every None is a cue to re-read
 the store. Async iteration yields ``(seq, data, final)`` and ends after a final frame, on lag, or
 when the backend fails; the caller then goes back to the store.
 
 :class:`LocalFanout` keeps one bounded asyncio queue per subscriber (one event loop). A
-subscriber more than ``max_pending`` frames behind is marked lagging: its queue is emptied, its
-next ``get`` returns None at once, and it must catch up from the store (frames after that keep
-coming). Subscriptions that are dropped without being closed are forgotten when collected.
+subscriber more than ``max_pending`` frames or ``max_pending_bytes`` bytes behind is marked
+lagging: its queue is emptied, its next ``get`` returns None at once, and it must catch up from the
+store (frames after that keep coming). Publishing never waits for a subscriber, so a slow follower
+slows neither the writer nor the other followers. Subscriptions that are dropped without being closed are forgotten when collected.
 
 :class:`RedisFanout` XADDs each frame to the stream ``lakeshore:frames:<owner_id>`` (MAXLEN ~
 10000, a TTL refreshed on every publish) and subscribers XREAD BLOCK from the last id they saw,
@@ -52,6 +60,9 @@ log = logging.getLogger(__name__)
 Item = tuple[int, bytes, bool]
 
 DEFAULT_MAX_PENDING = 1024
+DEFAULT_MAX_PENDING_BYTES = 16 * 1024 * 1024
+POKE = -1  # the seq of a poke: no frame, re-read the store
+INLINE_MAX = 256 * 1024  # RedisFanout: a larger frame is published as a poke
 STREAM_PREFIX = "lakeshore:frames:"
 STREAM_MAXLEN = 10_000
 STREAM_TTL_S = 3600
@@ -81,6 +92,10 @@ class Subscription(Protocol):
         """The next ``(seq, data, final)``, or None on timeout, lag or a dead backend."""
         ...
 
+    def ready(self) -> int:
+        """How many items ``get`` can return without waiting (a follower batches them)."""
+        ...
+
     async def aclose(self) -> None:
         """Stop receiving; idempotent."""
         ...
@@ -100,6 +115,14 @@ class Fanout(Protocol):
 
     async def publish(self, owner_id: str, seq: int, data: bytes, final: bool) -> None: ...
 
+    async def publish_many(self, owner_id: str, items: list[Item]) -> None:
+        """Publish ``(seq, data, final)`` items of one owner, in order."""
+        ...
+
+    async def poke(self, owner_id: str) -> None:
+        """Tell the followers of ``owner_id`` to re-read the store (an item with seq ``POKE``)."""
+        ...
+
     def subscribe(self, owner_id: str) -> Subscription: ...
 
     async def aclose(self) -> None: ...
@@ -117,6 +140,9 @@ class _BaseSubscription:
 
     async def get(self, timeout: float | None = None) -> Item | None:
         return await self._next(timeout)
+
+    def ready(self) -> int:
+        return 0
 
     async def _next(self, timeout: float | None) -> Item | None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -148,25 +174,36 @@ class _BaseSubscription:
 class LocalSubscription(_BaseSubscription):
     """One follower of :class:`LocalFanout`: a bounded queue filled by ``publish``."""
 
-    def __init__(self, fanout: LocalFanout, owner_id: str, max_pending: int) -> None:
+    def __init__(self, fanout: LocalFanout, owner_id: str, max_pending: int, max_bytes: int) -> None:
         self._fanout = fanout
         self.owner_id = owner_id
         self._queue: asyncio.Queue[Item] = asyncio.Queue(maxsize=max_pending)
+        self._max_bytes = max_bytes
+        self._bytes = 0  # of the frames queued
         self.lagged = 0  # how many times this subscriber fell behind
 
     def _offer(self, item: Item) -> None:
         if self._closed:
             return
-        try:
-            self._queue.put_nowait(item)
-        except asyncio.QueueFull:
+        size = len(item[1])
+        if self._queue.full() or (self._bytes + size > self._max_bytes and not self._queue.empty()):
             while not self._queue.empty():
                 self._queue.get_nowait()
+            self._bytes = 0
             self._lag_signal = True
             self.lagged += 1
-            log.warning("live follower of %s fell %d frames behind; it catches up from the journal",
-                        self.owner_id, self._queue.maxsize)  # fmt: skip
-            self._queue.put_nowait(item)
+            log.warning("live follower of %s fell behind (%d frames, %d bytes); it catches up from the journal",
+                        self.owner_id, self._queue.maxsize, self._max_bytes)  # fmt: skip
+        self._queue.put_nowait(item)
+        self._bytes += size
+
+    def ready(self) -> int:
+        return self._queue.qsize()
+
+    def _take(self) -> Item:
+        item = self._queue.get_nowait()
+        self._bytes -= len(item[1])
+        return item
 
     async def _next(self, timeout: float | None) -> Item | None:
         if self._lag_signal:
@@ -174,12 +211,19 @@ class LocalSubscription(_BaseSubscription):
             return None
         if self._closed:
             return None
-        try:
-            if timeout is not None and timeout <= 0:
-                return self._queue.get_nowait()
-            return await asyncio.wait_for(self._queue.get(), timeout)
-        except (TimeoutError, asyncio.QueueEmpty):
+        if not self._queue.empty():
+            return self._take()
+        if timeout is not None and timeout <= 0:
             return None
+        try:
+            item = await asyncio.wait_for(self._queue.get(), timeout)
+        except TimeoutError:
+            return None
+        self._bytes -= len(item[1])
+        if self._lag_signal:  # emptied while this get was waking up: the item may follow a gap
+            self._lag_signal = False
+            return None
+        return item
 
     async def aclose(self) -> None:
         if not self._closed:
@@ -190,23 +234,35 @@ class LocalSubscription(_BaseSubscription):
 class LocalFanout:
     """In-process fan-out over bounded asyncio queues; for one control-plane process (one loop)."""
 
-    def __init__(self, max_pending: int = DEFAULT_MAX_PENDING) -> None:
-        if max_pending < 1:
-            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+    def __init__(
+        self, max_pending: int = DEFAULT_MAX_PENDING, max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
+    ) -> None:
+        if max_pending < 1 or max_pending_bytes < 1:
+            raise ValueError(
+                f"max_pending and max_pending_bytes must be >= 1, got {max_pending}, {max_pending_bytes}"
+            )
         self.max_pending = max_pending
+        self.max_pending_bytes = max_pending_bytes
         self._subs: dict[str, weakref.WeakSet[LocalSubscription]] = {}
 
     async def publish(self, owner_id: str, seq: int, data: bytes, final: bool) -> None:
+        await self.publish_many(owner_id, [(seq, data, final)])
+
+    async def publish_many(self, owner_id: str, items: list[Item]) -> None:
         subs = self._subs.get(owner_id)
         if not subs:
             self._subs.pop(owner_id, None)
             return
-        item = (int(seq), bytes(data), bool(final))
+        ready = [(int(seq), bytes(data), bool(final)) for seq, data, final in items]
         for sub in list(subs):
-            sub._offer(item)
+            for item in ready:
+                sub._offer(item)
+
+    async def poke(self, owner_id: str) -> None:
+        await self.publish_many(owner_id, [(POKE, b"", False)])
 
     def subscribe(self, owner_id: str) -> LocalSubscription:
-        sub = LocalSubscription(self, _check_owner(owner_id), self.max_pending)
+        sub = LocalSubscription(self, _check_owner(owner_id), self.max_pending, self.max_pending_bytes)
         self._subs.setdefault(owner_id, weakref.WeakSet()).add(sub)
         return sub
 
@@ -243,6 +299,9 @@ class RedisSubscription(_BaseSubscription):
     def live(self) -> bool:
         return not (self._closed or self._failed)
 
+    def ready(self) -> int:
+        return len(self._buffer)
+
     async def __aenter__(self) -> RedisSubscription:
         await self._start()
         return self
@@ -265,10 +324,12 @@ class RedisSubscription(_BaseSubscription):
 
     async def get(self, timeout: float | None = None) -> Item | None:
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        failed_before = self._failed
         item = await self._next(timeout)
-        if item is None and self._failed and not self._closed:
+        if item is None and failed_before and not self._closed:
             # A dead backend behaves like silence (for the rest of the timeout, or for ever), so
-            # a caller that loops on get() and re-reads the store on None does not spin.
+            # a caller that loops on get() and re-reads the store on None does not spin. The call
+            # during which it died returns at once: the caller learns of it (``live``) promptly.
             if deadline is None:
                 await asyncio.Event().wait()
             else:
@@ -319,7 +380,14 @@ def _decode(fields: dict[bytes, bytes]) -> Item | None:
 class RedisFanout:
     """Fan-out over Redis streams (``redis.asyncio``), shared by every control-plane replica."""
 
-    def __init__(self, url: str, *, maxlen: int = STREAM_MAXLEN, ttl_s: int = STREAM_TTL_S) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        maxlen: int = STREAM_MAXLEN,
+        ttl_s: int = STREAM_TTL_S,
+        inline_max: int = INLINE_MAX,
+    ) -> None:
         try:
             import redis.asyncio as aioredis
         except ImportError as exc:  # pragma: no cover - depends on the install
@@ -327,6 +395,7 @@ class RedisFanout:
         self.url = url
         self.maxlen = maxlen
         self.ttl_s = ttl_s
+        self.inline_max = inline_max
         # Publishing must never stall a writer for long; following blocks in XREAD, so no read timeout.
         self._pub: Any = aioredis.Redis.from_url(
             url, socket_timeout=_REDIS_OP_TIMEOUT_S, socket_connect_timeout=_REDIS_OP_TIMEOUT_S
@@ -339,20 +408,32 @@ class RedisFanout:
 
     async def publish(self, owner_id: str, seq: int, data: bytes, final: bool) -> None:
         """XADD the frame (and refresh the stream's TTL); log and swallow any Redis failure."""
+        await self.publish_many(owner_id, [(seq, data, final)])
+
+    async def publish_many(self, owner_id: str, items: list[Item]) -> None:
+        """XADD the frames in one pipeline (a frame over ``inline_max`` bytes as a poke)."""
+        if not items:
+            return
         key = self.stream_key(owner_id)
-        fields: dict[Any, Any] = {
-            b"seq": str(int(seq)).encode(),
-            b"data": bytes(data),
-            b"final": b"1" if final else b"0",
-        }
         try:
             async with self._pub.pipeline(transaction=False) as pipe:
-                pipe.xadd(key, fields, maxlen=self.maxlen, approximate=True)
+                for seq, data, final in items:
+                    if len(data) > self.inline_max:
+                        seq, data, final = POKE, b"", False
+                    fields: dict[Any, Any] = {
+                        b"seq": str(int(seq)).encode(),
+                        b"data": bytes(data),
+                        b"final": b"1" if final else b"0",
+                    }
+                    pipe.xadd(key, fields, maxlen=self.maxlen, approximate=True)
                 pipe.expire(key, self.ttl_s)
                 await pipe.execute()
         except Exception as exc:
-            log.warning("live publish of %s seq %d to Redis failed (%s); followers catch up from the journal",
-                        owner_id, seq, exc)  # fmt: skip
+            log.warning("live publish of %s (%d frame(s) from seq %d) to Redis failed (%s); followers catch "
+                        "up from the journal", owner_id, len(items), items[0][0], exc)  # fmt: skip
+
+    async def poke(self, owner_id: str) -> None:
+        await self.publish_many(owner_id, [(POKE, b"", False)])
 
     def subscribe(self, owner_id: str) -> RedisSubscription:
         return RedisSubscription(self, _check_owner(owner_id))

@@ -1,121 +1,163 @@
 """Frame streams: ``GET .../result/stream`` and ``GET /v1/producer/topics/:name/stream``.
 
-Frames are written verbatim (``application/x-msgpack-stream``, no delimiter). A stream replays the
-journal from ``since``, then follows it: it wakes on the store notifier (or the live fan-out when
-one is configured), re-reads the journal, and re-checks about once a second for writes made by
-other replicas. It ends on a final frame (END / ERROR), on a terminal invocation with no further
-frames, or after ``timeout`` seconds without a frame; the client tells silence from END because
-no final frame came.
+Frames are written verbatim (``application/x-msgpack-stream``, no delimiter), those already at
+hand together in one chunk (a journal page, or what waits in the live buffer). A follower first
+subscribes to the live fan-out of its owner (one subscription, one bounded buffer, per follower:
+:mod:`~dreamlake.lakeshore.server.fanout`; in process, or over Redis across replicas), then replays
+the journal from ``since``, then takes frames from the subscription in memory, skipping seqs it has
+sent. It goes back to the journal only when the live feed cannot be trusted to be complete: a lag
+(the follower fell behind its buffer), a poke (an ack, or a frame too big for Redis), a gap in the
+seqs, or a second of silence (writes through another replica without Redis). A follower that falls
+behind therefore never slows the writer or the other followers; it catches up from the journal.
+A fan-out without ``subscribe`` (or a dead one) leaves the follower on the journal, woken by the
+store notifier.
+
+A stream ends on a final frame (END / ERROR), on a terminal invocation with no further frames, or
+after ``timeout`` seconds without a frame; the client tells silence from END because no final
+frame came.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from dreamlake.lakeshore.server.context import Context
+from dreamlake.lakeshore.server.fanout import POKE
 from dreamlake.lakeshore.store.api import TERMINAL_STATES
 
 log = logging.getLogger(__name__)
 
 PAGE = 1000
+CHUNK = 256 * 1024  # frames waiting in a follower's buffer go out together, up to this many bytes
 
 
-async def _fanout_wake(ctx: Context, owner_id: str, event: asyncio.Event, stop: asyncio.Event) -> None:
-    """Set ``event`` whenever the live fan-out delivers something for ``owner_id`` (a wake-up only:
-    the frames themselves are always read from the journal, which has every one of them). When the
-    live feed dies (Redis down), set it once more: the follower re-reads the journal at once and
-    from then on follows it by re-checking every ``recheck_s``."""
-    try:
-        async with ctx.fanout.subscribe(owner_id) as sub:
-            while sub.live and not stop.is_set():
-                if await sub.get(timeout=1.0) is not None:
-                    event.set()
-        if not stop.is_set():
-            log.warning("live fan-out follow of %s ended; following the journal only", owner_id)
-    except asyncio.CancelledError:
-        raise
-    except Exception:
-        log.warning("live fan-out follow of %s failed; following the journal only", owner_id, exc_info=True)
-    event.set()
+class _Cursor:
+    """What a follower has sent: the last seq, and whether the stream is over."""
+
+    def __init__(self, since: int) -> None:
+        self.last = since
+        self.done = False
+
+    def take(self, seq: int, final: bool) -> bool:
+        """True when the frame ``seq`` is the next to send (and marks it sent)."""
+        if seq <= self.last or self.done:
+            return False
+        self.last = seq
+        self.done = final
+        return True
 
 
-def _cross_replica(fanout: Any) -> bool:
-    """True for a fan-out that carries frames from other replicas (not the in-process one)."""
-    if fanout is None or not hasattr(fanout, "subscribe"):
-        return False
-    from dreamlake.lakeshore.server.fanout import LocalFanout
+async def _replay(ctx: Context, owner_id: str, cur: _Cursor) -> AsyncIterator[bytes]:
+    """The journal's frames after the cursor, a page per chunk, until the end or a final frame."""
+    while not cur.done:
+        frames = await ctx.call(ctx.store.read_frames, owner_id, cur.last, PAGE)
+        chunk: list[bytes] = []
+        for frame in frames:
+            if cur.take(frame.seq, frame.final):
+                chunk.append(frame.data)
+                if cur.done:
+                    break
+        if chunk:
+            yield b"".join(chunk)
+        if len(frames) < PAGE:
+            return
 
-    return not isinstance(fanout, LocalFanout)
+
+async def _ended(ctx: Context, owner_id: str, cur: _Cursor, invocation: bool) -> AsyncIterator[bytes]:
+    """For an invocation in a terminal state: the frames that raced the state check, then done."""
+    if not invocation:
+        return
+    inv = await ctx.call(ctx.store.get, owner_id)
+    if inv is None or inv.state in TERMINAL_STATES:
+        async for data in _replay(ctx, owner_id, cur):
+            yield data
+        cur.done = True
 
 
 async def follow(
     ctx: Context, owner_id: str, channel: str, since: int, timeout: float, *, invocation: bool
 ) -> AsyncIterator[bytes]:
     """Yield the encoded frames of ``owner_id`` with seq > ``since``, as the module docstring says."""
-    last = since
+    fanout = ctx.fanout
+    if fanout is None or not hasattr(fanout, "subscribe"):
+        async for data in _follow_journal(ctx, owner_id, channel, since, timeout, invocation=invocation):
+            yield data
+        return
+    cur = _Cursor(since)
     idle_until = time.monotonic() + timeout
-    live = asyncio.Event()
-    stop = asyncio.Event()
-    live_task: asyncio.Task[Any] | None = None
-    if _cross_replica(ctx.fanout):
-        live_task = asyncio.create_task(_fanout_wake(ctx, owner_id, live, stop))
-    try:
-        while True:
-            mark = ctx.wake.mark()
-            live.clear()
-            frames = await ctx.call(ctx.store.read_frames, owner_id, last, PAGE)
-            for frame in frames:
-                if frame.seq <= last:
-                    continue
-                last = frame.seq
-                yield frame.data
-                if frame.final:
+    async with fanout.subscribe(owner_id) as sub:  # before the replay: no frame falls in between
+        stale = True  # the journal may hold frames the subscription will not deliver
+        while not cur.done:
+            if stale:
+                sent = cur.last
+                async for data in _replay(ctx, owner_id, cur):
+                    yield data
+                if cur.done:
                     return
-            if frames:
-                idle_until = time.monotonic() + timeout
-                if len(frames) >= PAGE:
-                    continue
-            elif invocation:
-                inv = await ctx.call(ctx.store.get, owner_id)
-                if inv is None or inv.state in TERMINAL_STATES:
-                    # Frames may have landed between the read above and the state check.
-                    for frame in await ctx.call(ctx.store.read_frames, owner_id, last, PAGE):
-                        if frame.seq > last:
-                            last = frame.seq
-                            yield frame.data
-                            if frame.final:
-                                return
-                    return
+                if cur.last != sent:
+                    idle_until = time.monotonic() + timeout
+                else:
+                    async for data in _ended(ctx, owner_id, cur, invocation):
+                        yield data
+                    if cur.done:
+                        return
+                stale = False
+            if not sub.live:  # the live feed died: the journal alone, from here
+                async for data in _follow_journal(ctx, owner_id, channel, cur.last, max(0.0, idle_until - time.monotonic()), invocation=invocation):  # fmt: skip
+                    yield data
+                return
             remaining = idle_until - time.monotonic()
             if remaining <= 0:
                 return
-            wait = min(remaining, ctx.config.recheck_s)
-            if live_task is None:
-                await ctx.wake.wait([channel], wait, since=mark)
-            else:
-                await _either(ctx.wake.wait([channel], wait, since=mark), live.wait(), wait)
-    finally:
-        if live_task is not None:
-            # The stream is over: stop the live follow, but never let its shutdown hold the response
-            # open (a cancel that lands inside the Redis client's blocking read can be absorbed; the
-            # stop flag then ends the loop at its next read, within a second).
-            stop.set()
-            live_task.cancel()
-            await asyncio.wait({live_task}, timeout=2.0)
+            item = await sub.get(timeout=min(remaining, ctx.config.recheck_s))
+            if item is None:  # silence, lag or a dead backend: the journal knows
+                stale = True
+                continue
+            chunk: list[bytes] = []
+            size = 0
+            while True:  # this item and those already waiting, sent as one chunk
+                seq, data, final = item
+                if seq == POKE or seq > cur.last + 1:  # a poke, or a gap: re-read the journal
+                    stale = True
+                    break
+                if cur.take(seq, final):
+                    chunk.append(data)
+                    size += len(data)
+                if cur.done or size >= CHUNK or not sub.ready():
+                    break
+                item = await sub.get(timeout=0)
+                if item is None:  # a lag: the journal knows
+                    stale = True
+                    break
+            if chunk:
+                idle_until = time.monotonic() + timeout
+                yield b"".join(chunk)
 
 
-async def _either(notified: Any, live: Any, timeout: float) -> None:
-    tasks = [asyncio.ensure_future(notified), asyncio.ensure_future(live)]
-    try:
-        await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+async def _follow_journal(
+    ctx: Context, owner_id: str, channel: str, since: int, timeout: float, *, invocation: bool
+) -> AsyncIterator[bytes]:
+    """Follow the journal alone: re-read it whenever the store notifier wakes ``channel``, and
+    about once a second (writes through other replicas wake nothing here)."""
+    cur = _Cursor(since)
+    idle_until = time.monotonic() + timeout
+    while True:
+        mark = ctx.wake.mark()
+        sent = cur.last
+        async for data in _replay(ctx, owner_id, cur):
+            yield data
+        if cur.done:
+            return
+        if cur.last != sent:
+            idle_until = time.monotonic() + timeout
+        else:
+            async for data in _ended(ctx, owner_id, cur, invocation):
+                yield data
+            if cur.done:
+                return
+        remaining = idle_until - time.monotonic()
+        if remaining <= 0:
+            return
+        await ctx.wake.wait([channel], min(remaining, ctx.config.recheck_s), since=mark)

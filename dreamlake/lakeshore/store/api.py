@@ -387,6 +387,20 @@ class Store(Listing, Protocol):
         unless that attempt is the current one / that worker holds it."""
         ...
 
+    def append_frames(
+        self,
+        invocation_id: str,
+        attempt: int,
+        frames: Sequence[tuple[int, bytes, bool]],
+        *,
+        worker_id: str | None = None,
+    ) -> list[ChunkResult]:
+        """Journal a batch ``(seq, data, final)`` of one attempt in one transaction, in order: one
+        result per frame (stored, or ``duplicate`` for a seq already journaled). A gap or a frame
+        after the final one is refused with the rest of the batch (``ok=False`` and the reason; the
+        frames before it are kept); a superseded attempt or another worker refuse the whole batch."""
+        ...
+
     def read_frames(self, owner_id: str, since: int = -1, limit: int = 1000) -> list[Frame]: ...
     def heartbeat(
         self,

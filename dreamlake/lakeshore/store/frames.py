@@ -13,6 +13,13 @@ the attempt was acked, so a late journal upload is kept); see ``invocations.leas
 ``_append_frame_in`` does the same in the caller's transaction (the group commit of sql.py), so a
 frame of a batch sees the frames journaled before it in that batch.
 
+``append_frames`` journals a batch of one invocation's frames in one transaction, in order: each
+frame is either a repeat of a seq already journaled (``duplicate``) or the next seq after the
+newest one (stored). A gap or a new frame after a final one refuses that frame and the rest of the
+batch (the frames before it are kept, the refusal carries the expected seq); the lease checks of
+``append_frame`` refuse the whole batch. New frames are inserted with one driver-level
+``executemany``.
+
 Topics: ``topic_append`` takes the next seq from the ``topics`` counter (an upsert, so concurrent
 posters never share a seq) and journals the frame under ``topic:<name>``, built here as plain
 msgpack (the store does not import the wire codec).
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -63,6 +71,13 @@ class _Statements:
             .values(owner_id=B("owner"), seq=B("seq"), data=B("data"), final=B("final"), created_at=B("now"))
             .on_conflict_do_nothing()
             .returning(f.c.seq)
+        )
+        # New frames of a batch go in one executemany straight to the driver: no per-row parameter
+        # processing (the values are bytes, ints, bools and floats already).
+        mark = "?" if dialect == "sqlite" else "%s"
+        self.insert_new_sql = (
+            f"INSERT INTO {f.name} (owner_id, seq, data, final, created_at) "
+            f"VALUES ({mark}, {mark}, {mark}, {mark}, {mark})"
         )
         self.read_frames = (
             sa.select(f.c.seq, f.c.data, f.c.final)
@@ -154,6 +169,74 @@ class FrameStore(StoreBase):
         if conn.execute(st.insert_frame, params).first() is None:
             return ChunkResult(ok=True, seq=seq, duplicate=True)
         return ChunkResult(ok=True, seq=seq)
+
+    @retry_on_disconnect
+    def append_frames(
+        self,
+        invocation_id: str,
+        attempt: int,
+        frames: Sequence[tuple[int, bytes, bool]],
+        *,
+        worker_id: str | None = None,
+    ) -> list[ChunkResult]:
+        """Journal ``frames`` (``(seq, data, final)``, in seq order) of one attempt in one
+        transaction; one result per frame, as the module docstring says. A refused frame and those
+        after it answer ``ok=False`` with the reason and status (UNKNOWN, ANOTHER_WORKER and
+        SUPERSEDED refuse the whole batch; OUT_OF_ORDER carries ``expected_seq``)."""
+        if not frames:
+            return []
+        if invocation_id.startswith(TOPIC_PREFIX):
+            raise PlaneError("topic frames are appended by topic_append, not append_frames", status=400)
+        st = self._frame_st
+        results: list[ChunkResult] = []
+        with self.db.tx(write=True) as conn:
+            lease = conn.execute(st.lease, {"id": invocation_id}).first()
+            if lease is None:
+                reason, status = f"unknown invocation {invocation_id}", UNKNOWN
+                return [ChunkResult(ok=False, seq=s, reason=reason, status=status) for s, _d, _f in frames]
+            refused = lease_refusal(lease, attempt, worker_id)
+            if refused is not None:
+                status, reason = refused
+                return [ChunkResult(ok=False, seq=s, reason=reason, status=status) for s, _d, _f in frames]
+            newest = conn.execute(st.last_frame, {"owner": invocation_id}).first()
+            last = -1 if newest is None else int(newest.seq)
+            journaled = last
+            closed = newest is not None and bool(newest.final)
+            now = time.time()
+            fresh: list[tuple[str, int, bytes, bool, float]] = []
+            for seq, data, final in frames:
+                if seq < 0:
+                    raise PlaneError(f"frame seq must be >= 0, got {seq}", status=400)
+                if seq <= journaled:  # a repeat of a journaled seq (the insert fills a legacy gap)
+                    params = {"owner": invocation_id, "seq": seq, "data": bytes(data), "final": bool(final), "now": now}  # fmt: skip
+                    added = conn.execute(st.insert_frame, params).first()
+                    results.append(ChunkResult(ok=True, seq=seq, duplicate=added is None))
+                    continue
+                if seq <= last:  # a repeat of a frame earlier in this batch
+                    results.append(ChunkResult(ok=True, seq=seq, duplicate=True))
+                    continue
+                why = None
+                if closed:
+                    why = f"the stream of {invocation_id} ended with final frame {last}"
+                elif seq != last + 1:
+                    why = f"frame {seq} of {invocation_id} skips ahead: the next frame is {last + 1}"
+                if why is not None:  # this frame and the rest are refused; what came before is kept
+                    reason = f"{why}; send frames in order, each once"
+                    results.extend(
+                        ChunkResult(
+                            ok=False, seq=s, reason=reason, status=OUT_OF_ORDER, expected_seq=last + 1
+                        )
+                        for s, _d, _f in frames[len(results) :]
+                    )
+                    break
+                fresh.append((invocation_id, seq, data, bool(final), now))
+                results.append(ChunkResult(ok=True, seq=seq))
+                last, closed = seq, bool(final)
+            if fresh:
+                conn.exec_driver_sql(st.insert_new_sql, fresh)
+        if any(r.ok and not r.duplicate for r in results):
+            self._notify(frame_channel(invocation_id))
+        return results
 
     @retry_on_disconnect
     def read_frames(self, owner_id: str, since: int = -1, limit: int = 1000) -> list[Frame]:
