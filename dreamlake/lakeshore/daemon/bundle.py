@@ -70,6 +70,7 @@ SDK_FILES = (
     "dreamlake/lakeshore/client.py",
     "dreamlake/lakeshore/dispatch/__init__.py",
     "dreamlake/lakeshore/dispatch/http.py",
+    "dreamlake/lakeshore/dispatch/batching.py",
 )
 BUNDLED_FILES = RUNTIME_FILES + SDK_FILES
 MSGPACK_FILES = ("__init__.py", "exceptions.py", "ext.py", "fallback.py")
