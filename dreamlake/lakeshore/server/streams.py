@@ -76,6 +76,16 @@ async def _ended(ctx: Context, owner_id: str, cur: _Cursor, invocation: bool) ->
         cur.done = True
 
 
+async def _catch_up(ctx: Context, owner_id: str, cur: _Cursor, invocation: bool) -> AsyncIterator[bytes]:
+    """The journal past ``cur``; when it held nothing new, the end an ended invocation left."""
+    sent = cur.last
+    async for data in _replay(ctx, owner_id, cur):
+        yield data
+    if not cur.done and cur.last == sent:
+        async for data in _ended(ctx, owner_id, cur, invocation):
+            yield data
+
+
 async def follow(
     ctx: Context, owner_id: str, channel: str, since: int, timeout: float, *, invocation: bool
 ) -> AsyncIterator[bytes]:
@@ -92,17 +102,12 @@ async def follow(
         while not cur.done:
             if stale:
                 sent = cur.last
-                async for data in _replay(ctx, owner_id, cur):
+                async for data in _catch_up(ctx, owner_id, cur, invocation):
                     yield data
                 if cur.done:
                     return
                 if cur.last != sent:
                     idle_until = time.monotonic() + timeout
-                else:
-                    async for data in _ended(ctx, owner_id, cur, invocation):
-                        yield data
-                    if cur.done:
-                        return
                 stale = False
             if not sub.live:  # the live feed died: the journal alone, from here
                 async for data in _follow_journal(ctx, owner_id, channel, cur.last, max(0.0, idle_until - time.monotonic()), invocation=invocation):  # fmt: skip
@@ -146,17 +151,12 @@ async def _follow_journal(
     while True:
         mark = ctx.wake.mark()
         sent = cur.last
-        async for data in _replay(ctx, owner_id, cur):
+        async for data in _catch_up(ctx, owner_id, cur, invocation):
             yield data
         if cur.done:
             return
         if cur.last != sent:
             idle_until = time.monotonic() + timeout
-        else:
-            async for data in _ended(ctx, owner_id, cur, invocation):
-                yield data
-            if cur.done:
-                return
         remaining = idle_until - time.monotonic()
         if remaining <= 0:
             return
