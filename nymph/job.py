@@ -30,7 +30,7 @@ from dreamlake.lakeshore.daemon.entry import ALLOW_MODULES_ENV, module_allowed, 
 from dreamlake.lakeshore.envelope import Envelope, is_pickled
 from dreamlake.lakeshore.errors import LakeshoreError
 from nymph import observability as obs
-from nymph import taskuser
+from nymph import refs, taskuser
 from nymph import workdir as wd
 from nymph.errors import Refused
 from nymph.lifecycle import SHUTDOWN_MESSAGE, JobContext, Phase, Stop, SupervisedJob, backoff_s
@@ -73,6 +73,7 @@ class Job(SupervisedJob[wd.Outcome]):
         self.as_user: str | None = body.get("as_user") or self.run_config.get("as_user")
         self.run_as: str | None = self.as_user  # who the task runs as (nymph.taskuser), set by the gates
         self._pump: Pump | None = None
+        self._staged: Path | None = None  # args_ref fetched into {workdir}/.incoming, not yet moved in
         self._overflow: str | None = None  # why the stream overflowed (the invocation fails)
         self.state: str | None = None  # the settled state; "deferred": left for the next life
 
@@ -86,6 +87,8 @@ class Job(SupervisedJob[wd.Outcome]):
         if self._after is not None:  # the earlier attempt must be gone before this one uses the workdir
             self._after.join()
             self._after = None
+        if self.body.get("args_ref") is not None and self.script is None:
+            self._staged = refs.stage_args(self.ctx.client, self.ctx.config.workdir, self.body)
         self._gates()
         gpus = self.ctx.slots.acquire_gpus(gpus_requested(self.run_config), self._stop_event)
         if gpus is None:  # stopped while waiting for devices
@@ -106,8 +109,14 @@ class Job(SupervisedJob[wd.Outcome]):
         }
         meta["run_as"] = self.run_as
         self.workdir = wd.create(
-            cfg.workdir, self.invocation_id, bytes(self.body.get("args_blob") or b""), meta, self.run_as
+            cfg.workdir,
+            self.invocation_id,
+            bytes(self.body.get("args_blob") or b""),
+            meta,
+            self.run_as,
+            args_file=self._staged,
         )
+        self._staged = None
         return Task(
             invocation_id=self.invocation_id,
             attempt=self.attempt,
@@ -134,7 +143,10 @@ class Job(SupervisedJob[wd.Outcome]):
             )
         if self.script is None:
             try:
-                header = Envelope.header(bytes(self.body.get("args_blob") or b""))
+                if self._staged is not None:
+                    header = refs.header_of(self._staged)
+                else:
+                    header = Envelope.header(bytes(self.body.get("args_blob") or b""))
             except LakeshoreError as exc:
                 raise Refused(type(exc).__name__, f"bad envelope: {exc}") from exc
             fn = header.get("fn") or {}
@@ -315,10 +327,41 @@ class Job(SupervisedJob[wd.Outcome]):
             script=self.script is not None,
             limits=self.ctx.config.stream_limits,
             on_overflow=self._overflowed,
+            ship=self._ship_frame if self.ctx.inline_threshold is not None else None,
+            inline_threshold=self.ctx.inline_threshold,
         )
         self._pump = pump
         pump.start()
         return pump
+
+    def _ship_frame(self, seq: int, body: bytes) -> dict[str, Any]:
+        """Upload a frame body over the threshold; the pump sends ``{"ref": <this>}`` instead."""
+        return refs.ship(
+            self.ctx.client, refs.namespace_of(self.body), self.invocation_id, body, f"frame-{seq}"
+        )
+
+    def _by_reference(self, outcome: wd.Outcome) -> tuple[wd.Outcome, dict[str, Any] | None]:
+        """A result over the control plane's inline threshold, uploaded -> (outcome, its ref);
+        one that cannot be uploaded fails the invocation."""
+        limit = self.ctx.inline_threshold
+        if limit is None or outcome.state != "succeeded" or len(outcome.result_blob) <= limit:
+            return outcome, None
+        try:
+            ref = refs.ship(
+                self.ctx.client,
+                refs.namespace_of(self.body),
+                self.invocation_id,
+                outcome.result_blob,
+                "result",
+            )
+        except LakeshoreError as exc:
+            log.warning("invocation %s: result upload failed: %s", self.invocation_id, exc)
+            return wd.Outcome.failed(
+                "ResultUploadFailed",
+                f"the result ({len(outcome.result_blob)} bytes, over the inline threshold of {limit}) "
+                f"could not be uploaded to the payload store: {exc}",
+            ), None
+        return wd.Outcome("succeeded", b"", None, outcome.extra), ref
 
     def _overflowed(self, message: str) -> None:
         """The stream passed ``stream_max_bytes``: stop the task; the invocation fails."""
@@ -390,6 +433,11 @@ class Job(SupervisedJob[wd.Outcome]):
 
     def settle(self, outcome: wd.Outcome) -> None:
         """Ack through the outbox (unless lost), then keep or delete the workdir."""
+        refs.discard(self._staged)  # arguments fetched for a job that never started
+        self._staged = None
+        ref = None
+        if not self.lost:
+            outcome, ref = self._by_reference(outcome)
         self.state = "lost" if self.lost else outcome.state
         duration = time.time() - self.started_at
         if self.state == "lost":
@@ -403,6 +451,8 @@ class Job(SupervisedJob[wd.Outcome]):
                 "worker_id": self.ctx.worker_id,
                 "attempt": self.attempt,
             }
+            if ref is not None:
+                ack["result_ref"] = ref
             self.ctx.outbox.ack(ack)
         if self.workdir is not None:
             if outcome.state == "succeeded" or self.state == "lost":

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from dreamlake.lakeshore import wire
+from dreamlake.lakeshore.errors import LakeshoreError
 from nymph import observability as obs
 from nymph import safeio
 from nymph.workdir import FRAMES, STDERR, STDOUT
@@ -168,8 +169,14 @@ class Pump:
         script: bool = False,
         limits: StreamLimits | None = None,
         on_overflow: Callable[[str], None] | None = None,
+        ship: Callable[[int, bytes], dict[str, Any]] | None = None,
+        inline_threshold: int | None = None,
     ) -> None:
         self.workdir = workdir
+        # frames whose body is over the control plane's inline threshold: the body is uploaded
+        # (``ship(seq, body) -> ref``) and the frame sent with the body ``{"ref": ref}``
+        self._ship = ship
+        self._threshold = inline_threshold
         self.invocation_id = invocation_id
         self.attempt = attempt
         self.worker_id = worker_id
@@ -319,7 +326,11 @@ class Pump:
             if self._halted or self.refused is not None:
                 return None
             if self._inflight is None:
-                self._inflight = self._next_batch()
+                try:
+                    self._inflight = self._next_batch()
+                except LakeshoreError as exc:  # a big frame's upload failed: try again on the next take
+                    log.warning("invocation %s: frame upload failed, retrying: %s", self.invocation_id, exc)
+                    return None
             self._check_window()
             return self._inflight
 
@@ -478,8 +489,19 @@ class Pump:
         if len(data) != last.end - first.start:
             raise OSError(f"journal of {self.invocation_id} shrank under the pump")
         view = memoryview(data)
-        frames = [bytes(view[e.start - first.start : e.end - first.start]) for e in taken]
+        frames = [self._by_reference(bytes(view[e.start - first.start : e.end - first.start])) for e in taken]
         return Batch(frames, first.seq, last.seq, last.final, {FRAMES: last.end})
+
+    def _by_reference(self, data: bytes) -> bytes:
+        """``data`` (one encoded frame), or when its body is over the inline threshold the same
+        frame with the body uploaded and replaced by ``{"ref": {bucket, key, size, sha256}}``."""
+        if self._ship is None or self._threshold is None or len(data) <= self._threshold:
+            return data
+        frame = wire.decode_frame(data)
+        if not isinstance(frame.body, bytes) or len(frame.body) <= self._threshold:
+            return data
+        ref = self._ship(frame.seq, frame.body)
+        return wire.encode_frame(frame.kind, frame.seq, {"ref": ref}, frame.meta)
 
     def _log_batch(self) -> Batch | None:
         limits = self.limits

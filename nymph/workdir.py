@@ -65,11 +65,19 @@ def path_for(root: Path, invocation_id: str) -> Path:
 
 
 def create(
-    root: Path, invocation_id: str, args_blob: bytes, meta: dict[str, Any], run_as: str | None
+    root: Path,
+    invocation_id: str,
+    args_blob: bytes,
+    meta: dict[str, Any],
+    run_as: str | None,
+    *,
+    args_file: Path | None = None,
 ) -> Path:
     """Create the private workdir with args.msgpack, invocation.json and the empty logs; return its path.
 
     ``run_as``: the local user the task runs as (None: nymph's own user), who gets the directory.
+    ``args_file``: a file of nymph's on the same filesystem (arguments fetched by reference, see
+    :mod:`nymph.refs`) moved in as ``args.msgpack`` instead of writing ``args_blob``.
     """
     path = path_for(root, invocation_id)
     if os.path.lexists(path):
@@ -82,7 +90,11 @@ def create(
     os.chmod(path, 0o700)
     # No fsync: the workdir only has to survive nymph's death, not the host's (a task dies with
     # its host, and the control plane re-queues it when the lease lapses); the page cache is enough.
-    safeio.write_file(path, ARGS, bytes(args_blob))
+    if args_file is not None:
+        os.chmod(args_file, 0o600)
+        os.replace(args_file, path / ARGS)
+    else:
+        safeio.write_file(path, ARGS, bytes(args_blob))
     safeio.write_file(path, META, json.dumps(meta).encode())
     for name in (STDOUT, STDERR):
         safeio.write_file(path, name, b"", 0o644)

@@ -19,7 +19,8 @@ copy), a path, an open binary file or an iterable of chunks (give ``size``) is r
 ``payload corrupt: sha256 mismatch (expected E, got G)``) when it differs from the ref's; a file
 being written is removed then, so a corrupt blob never lands where a reader would take it.
 
-Import-light on purpose: httpx and the control-plane client, no server or store code.
+Import-light on purpose: httpx and the control-plane client, no server or store code. It is in
+the entry bundle (a task that submits tasks with big arguments uses it), so it runs on Python 3.9.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import os
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Union
 from urllib.parse import urljoin
 
 import httpx
@@ -54,7 +55,7 @@ CHUNK = 1 << 20
 TIMEOUT_S = 60.0  # seed 003: the daemon's fetch timeout (per read / write, not for the whole body)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
-Source = bytes | bytearray | memoryview | str | os.PathLike[str] | IO[bytes] | Iterable[bytes]
+Source = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]", IO[bytes], Iterable[bytes]]
 
 
 def presign_route(namespace: str) -> str:
@@ -104,10 +105,10 @@ class _Body:
         self._iterable: Iterable[bytes] | None = None
         self._path: Path | None = None
         self._start = 0
-        if isinstance(source, bytes | bytearray | memoryview):
+        if isinstance(source, (bytes, bytearray, memoryview)):
             self._view = memoryview(source).cast("B") if not isinstance(source, bytes) else memoryview(source)
             self.size = self._view.nbytes
-        elif isinstance(source, str | os.PathLike):
+        elif isinstance(source, (str, os.PathLike)):
             self._path = Path(source)
             self.size = self._path.stat().st_size
         elif hasattr(source, "read"):
@@ -294,7 +295,7 @@ def get(
     target: IO[bytes] | None = None
     part: Path | None = None
     final: Path | None = None
-    if isinstance(into, str | os.PathLike):
+    if isinstance(into, (str, os.PathLike)):
         final = Path(into)
         part = final.with_name(final.name + ".part")
         target = _open_private(part)

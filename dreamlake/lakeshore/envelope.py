@@ -192,7 +192,7 @@ class Envelope:
         )
 
     @staticmethod
-    def header(data: bytes) -> dict[str, Any]:
+    def header(data: bytes | bytearray | memoryview) -> dict[str, Any]:
         """The validated Envelope without ``args`` / ``kwargs``, which are skipped, not decoded."""
         fields = _validate(_read_map(data, skip_user_values=True))
         for name in _USER_VALUES:
@@ -200,9 +200,84 @@ class Envelope:
         return fields
 
 
-def _read_map(data: bytes, *, skip_user_values: bool) -> dict[str, Any]:
+_BIN_HEADERS = {0xC4: 1, 0xC5: 2, 0xC6: 4}  # msgpack bin 8/16/32: the width of the length
+_MAP_HEADERS = {0xDE: 2, 0xDF: 4}  # map 16/32
+_WINDOW = 64 * 1024
+
+
+def _unpack_at(view: memoryview, pos: int) -> tuple[Any, int]:
+    """One msgpack object at ``pos`` of ``view`` and the position after it, decoding only a window
+    of the buffer (grown until the object fits), never the whole of it."""
+    window = _WINDOW
+    while True:
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=max(window, 1))
+        unpacker.feed(view[pos : pos + window])
+        try:
+            return unpacker.unpack(), pos + unpacker.tell()
+        except msgpack.OutOfData:
+            if pos + window >= len(view):
+                raise
+            window *= 4
+
+
+def _skip_bin(view: memoryview, pos: int) -> int | None:
+    """The position after the bin object at ``pos`` (its length read off its header), or None when
+    the object there is not a bin."""
+    width = _BIN_HEADERS.get(view[pos]) if pos < len(view) else None
+    if width is None:
+        return None
+    end = pos + 1 + width
+    if end > len(view):
+        raise msgpack.OutOfData
+    length = int.from_bytes(view[pos + 1 : end], "big")
+    if end + length > len(view):
+        raise msgpack.OutOfData
+    return end + length
+
+
+def _read_header_map(data: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """The Envelope's fields with ``args`` / ``kwargs`` skipped by their bin headers: a header of a
+    big Envelope (a memory map of a staged file, say) costs its small fields, not a copy of it."""
+    view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
+    out: dict[str, Any] = {}
+    try:
+        if not len(view):
+            raise msgpack.OutOfData
+        first = view[0]
+        if 0x80 <= first <= 0x8F:
+            size, pos = first & 0x0F, 1
+        elif first in _MAP_HEADERS:
+            pos = 1 + _MAP_HEADERS[first]
+            if pos > len(view):
+                raise msgpack.OutOfData
+            size = int.from_bytes(view[1:pos], "big")
+        else:
+            raise EnvelopeError("not an Envelope (expected a msgpack map)")
+        for _ in range(size):
+            name, pos = _unpack_at(view, pos)
+            if not isinstance(name, str):
+                raise EnvelopeError(f"envelope keys are strings, got {type(name).__name__}")
+            after = _skip_bin(view, pos) if name in _USER_VALUES else None
+            if after is not None:
+                out[name], pos = b"", after
+            else:
+                out[name], pos = _unpack_at(view, pos)
+    except EnvelopeError:
+        raise
+    except msgpack.OutOfData as exc:
+        raise EnvelopeError(f"truncated Envelope ({len(view)} bytes)") from exc
+    except Exception as exc:  # msgpack raises several unrelated types on bad input
+        raise EnvelopeError(f"not an Envelope (expected a msgpack map): {exc}") from exc
+    if pos != len(view):
+        raise EnvelopeError(f"trailing bytes after the Envelope map ({len(view)} bytes in all)")
+    return out
+
+
+def _read_map(data: bytes | bytearray | memoryview, *, skip_user_values: bool) -> dict[str, Any]:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise EnvelopeError(f"an Envelope is bytes, got {type(data).__name__}")
+    if skip_user_values:
+        return _read_header_map(data)
     unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(data), 1), strict_map_key=True)
     unpacker.feed(data)
     out: dict[str, Any] = {}

@@ -59,6 +59,10 @@ invocations = sa.Table(
     sa.Column("result_blob", sa.LargeBinary, nullable=True),
     sa.Column("error", sa.JSON, nullable=True),
     sa.Column("cancel_requested", sa.Boolean, nullable=False),
+    # 0008: payload refs (seed 003) instead of inline bytes: {bucket, key, size, sha256}; with
+    # args_ref the args_blob is empty, with result_ref the result_blob is None
+    sa.Column("args_ref", sa.JSON, nullable=True),
+    sa.Column("result_ref", sa.JSON, nullable=True),
     sa.Index("ix_invocations_lease", "state", "lease_expires_at"),
     sa.Index("ix_invocations_root", "root_invocation_id"),
     # 0004: a key is unique within its namespace and queue.
