@@ -165,7 +165,18 @@ def run_child(
     direction: str, size: int, url: str, token: str, nymph_pid: int
 ) -> tuple[dict[str, Any], int, int]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(BENCH)])}
-    cmd = [sys.executable, __file__, "--child", direction, "--size", str(size), "--url", url, "--token", token]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        direction,
+        "--size",
+        str(size),
+        "--url",
+        url,
+        "--token",
+        token,
+    ]
     with Sampler(nymph_pid) as sampler:
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if out.returncode != 0:
@@ -174,7 +185,9 @@ def run_child(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sizes", default="1,64,1024", help="payload sizes in MiB (default 1,64,1024)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--tier", choices=["local", "s3"], default="local")
@@ -215,7 +228,9 @@ def main() -> None:
             raw = [raw_s3(s3, size) for _ in range(opts.reps)] if s3 is not None else []
             raw_mib_s = size / MiB / median_p90(raw)[0] if raw else None
             for direction in ("args", "result"):
-                runs = [run_child(direction, size, stack.url, token, stack.nymph.pid) for _ in range(opts.reps)]
+                runs = [
+                    run_child(direction, size, stack.url, token, stack.nymph.pid) for _ in range(opts.reps)
+                ]
                 med, p90 = median_p90([r["seconds"] for r, _, _ in runs])
                 sdk = max(r["extra_bytes"] for r, _, _ in runs) / size
                 nymph = max(n for _, n, _ in runs) / size

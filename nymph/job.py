@@ -30,7 +30,7 @@ from dreamlake.lakeshore.daemon.entry import ALLOW_MODULES_ENV, module_allowed, 
 from dreamlake.lakeshore.envelope import Envelope, is_pickled
 from dreamlake.lakeshore.errors import LakeshoreError
 from nymph import observability as obs
-from nymph import refs, taskuser
+from nymph import refs, safeio, taskuser
 from nymph import workdir as wd
 from nymph.errors import Refused
 from nymph.lifecycle import SHUTDOWN_MESSAGE, JobContext, Phase, Stop, SupervisedJob, backoff_s
@@ -342,26 +342,34 @@ class Job(SupervisedJob[wd.Outcome]):
 
     def _by_reference(self, outcome: wd.Outcome) -> tuple[wd.Outcome, dict[str, Any] | None]:
         """A result over the control plane's inline threshold, uploaded -> (outcome, its ref);
-        one that cannot be uploaded fails the invocation."""
+        one that cannot be uploaded fails the invocation. One left on disk by ``read_outcome``
+        streams from the workdir: it never enters nymph's memory."""
         limit = self.ctx.inline_threshold
-        if limit is None or outcome.state != "succeeded" or len(outcome.result_blob) <= limit:
+        on_disk = outcome.extra.get("result_file") if self.workdir is not None else None
+        if limit is None or outcome.state != "succeeded":
             return outcome, None
+        if not on_disk and len(outcome.result_blob) <= limit:
+            return outcome, None
+        size = outcome.extra.get("result_size", len(outcome.result_blob))
+        namespace = refs.namespace_of(self.body)
         try:
-            ref = refs.ship(
-                self.ctx.client,
-                refs.namespace_of(self.body),
-                self.invocation_id,
-                outcome.result_blob,
-                "result",
-            )
-        except LakeshoreError as exc:
+            if on_disk:
+                assert self.workdir is not None
+                fh = safeio.open_output(self.workdir, str(on_disk))
+                if fh is None:
+                    raise LakeshoreError(f"{on_disk} could not be opened safely")
+                with fh:
+                    ref = refs.ship(self.ctx.client, namespace, self.invocation_id, fh, "result")
+            else:
+                ref = refs.ship(self.ctx.client, namespace, self.invocation_id, outcome.result_blob, "result")
+        except (LakeshoreError, OSError) as exc:
             log.warning("invocation %s: result upload failed: %s", self.invocation_id, exc)
             return wd.Outcome.failed(
                 "ResultUploadFailed",
-                f"the result ({len(outcome.result_blob)} bytes, over the inline threshold of {limit}) "
+                f"the result ({size} bytes, over the inline threshold of {limit}) "
                 f"could not be uploaded to the payload store: {exc}",
             ), None
-        return wd.Outcome("succeeded", b"", None, outcome.extra), ref
+        return wd.Outcome("succeeded", b"", None, {}), ref
 
     def _overflowed(self, message: str) -> None:
         """The stream passed ``stream_max_bytes``: stop the task; the invocation fails."""
@@ -372,7 +380,9 @@ class Job(SupervisedJob[wd.Outcome]):
         assert self.workdir is not None
         if status is None and self.handle is not None:
             status = self.ctx.runner.wait(self.handle, 0)
-        return wd.read_outcome(self.workdir, status, script=self.script is not None)
+        return wd.read_outcome(
+            self.workdir, status, script=self.script is not None, big=self.ctx.inline_threshold
+        )
 
     def _close_stream(self, outcome: wd.Outcome) -> wd.Outcome:
         """End the stream as the outcome says (END for a script's success, ERROR for a failure),

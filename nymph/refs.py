@@ -23,7 +23,7 @@ import logging
 import mmap
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from dreamlake.lakeshore import blobs, ids
 from dreamlake.lakeshore.client import retrying
@@ -84,13 +84,17 @@ def discard(path: Path | None) -> None:
 
 
 def ship(
-    client: ControlPlaneClient | None, namespace: str, invocation_id: str, data: bytes | Path, kind: str
+    client: ControlPlaneClient | None, namespace: str, invocation_id: str, data: bytes | BinaryIO, kind: str
 ) -> dict[str, Any]:
     """Upload ``data`` (bytes, or a file) as ``payloads/<date>/<invocation_id>/<kind>`` -> its ref.
     Raises LakeshoreError (the client's errors) when it cannot."""
     if client is None:
         raise LakeshoreError("no control-plane client to upload through")
-    ref: dict[str, Any] = retrying(attempts=ATTEMPTS)(
-        blobs.put, client, namespace, data, job_id=invocation_id, kind=kind
-    )
+
+    def once() -> dict[str, Any]:
+        if not isinstance(data, bytes):
+            data.seek(0)  # a try again starts from the file's beginning
+        return blobs.put(client, namespace, data, job_id=invocation_id, kind=kind)
+
+    ref: dict[str, Any] = retrying(attempts=ATTEMPTS)(once)
     return ref

@@ -166,8 +166,13 @@ def tail(path: Path, limit: int = 4000) -> str:
         return ""
 
 
-def read_outcome(path: Path, status: ExitStatus | None, *, script: bool = False) -> Outcome:
-    """Turn the entry's outputs and exit status into an Outcome (seed 000 semantics)."""
+def read_outcome(
+    path: Path, status: ExitStatus | None, *, script: bool = False, big: int | None = None
+) -> Outcome:
+    """Turn the entry's outputs and exit status into an Outcome (seed 000 semantics).
+
+    A ``result.msgpack`` over ``big`` bytes is left on disk, not read: the Outcome says
+    ``extra["result_file"]`` and nymph streams it to the payload store (:mod:`nymph.refs`)."""
     code = status.exit_code if status is not None else -1
     reason = f" ({status.reason})" if status is not None and status.reason else ""
     if script:
@@ -176,6 +181,13 @@ def read_outcome(path: Path, status: ExitStatus | None, *, script: bool = False)
 
             return Outcome("succeeded", wire.pack({"exit_code": 0}))
         return Outcome.failed("ScriptFailed", f"script exited with code {code}{reason}", tail(path / STDERR))
+    if big is not None and (code == 0 or status is None):
+        fh = safeio.open_output(path, RESULT)
+        if fh is not None:
+            with fh:
+                size = os.fstat(fh.fileno()).st_size
+            if size > big:
+                return Outcome("succeeded", b"", None, {"result_file": RESULT, "result_size": size})
     result = safeio.read_output(path, RESULT) if code == 0 or status is None else None
     if code == 0 or result is not None:
         if result is None:

@@ -55,7 +55,10 @@ CHUNK = 1 << 20
 TIMEOUT_S = 60.0  # seed 003: the daemon's fetch timeout (per read / write, not for the whole body)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
-Source = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]", IO[bytes], Iterable[bytes]]
+# a list of bytes-like pieces is one payload, their concatenation (read in place, re-readable)
+Source = Union[
+    bytes, bytearray, memoryview, str, "os.PathLike[str]", IO[bytes], Iterable[bytes], "list[bytes]"
+]
 
 
 def presign_route(namespace: str) -> str:
@@ -105,7 +108,11 @@ class _Body:
         self._iterable: Iterable[bytes] | None = None
         self._path: Path | None = None
         self._start = 0
-        if isinstance(source, (bytes, bytearray, memoryview)):
+        self._parts: list[memoryview] | None = None
+        if isinstance(source, list) and all(isinstance(p, (bytes, bytearray, memoryview)) for p in source):
+            self._parts = [memoryview(p).cast("B") for p in source]  # pieces of one payload, in place
+            self.size = sum(p.nbytes for p in self._parts)
+        elif isinstance(source, (bytes, bytearray, memoryview)):
             self._view = memoryview(source).cast("B") if not isinstance(source, bytes) else memoryview(source)
             self.size = self._view.nbytes
         elif isinstance(source, (str, os.PathLike)):
@@ -159,10 +166,11 @@ class _Body:
             raise ValueError(f"the source ended after {self.sent} of its {self.size} bytes")
 
     def _raw(self) -> Iterator[bytes]:
-        if self._view is not None:
-            view = self._view
-            for start in range(0, view.nbytes, CHUNK):
-                yield bytes(view[start : start + CHUNK])
+        if self._parts is not None or self._view is not None:
+            for view in self._parts if self._parts is not None else [self._view]:
+                assert view is not None
+                for start in range(0, view.nbytes, CHUNK):
+                    yield bytes(view[start : start + CHUNK])
         elif self._path is not None:
             with open(self._path, "rb") as f:
                 yield from iter(lambda: f.read(CHUNK), b"")

@@ -152,6 +152,39 @@ class Envelope:
 
     def to_bytes(self) -> bytes:
         """The Envelope as a msgpack map (args/kwargs as bin, extra keys after the known ones)."""
+        if len(self.args) + len(self.kwargs) >= _PARTS_FROM:
+            return b"".join(self.to_parts())
+        return self._packed()
+
+    def to_parts(self) -> list[bytes]:
+        """:meth:`to_bytes` as pieces whose concatenation is those bytes, with ``args`` and
+        ``kwargs`` themselves among them, not copied: a big Envelope streams to the payload store
+        without a second copy of its arguments in memory."""
+        body = self._body()
+        parts: list[bytes] = [msgpack.Packer().pack_map_header(len(body))]
+        try:
+            for name, value in body.items():
+                parts.append(msgpack.packb(name, use_bin_type=True))
+                if name in _USER_VALUES:
+                    parts += [_bin_header(len(value)), value]
+                else:
+                    parts.append(msgpack.packb(value, use_bin_type=True))
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise EnvelopeError(
+                f"envelope {self.id}: cannot pack ({exc}); fn and cfg must hold msgpack-native values"
+            ) from exc
+        return parts
+
+    def _packed(self) -> bytes:
+        body = self._body()
+        try:
+            return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise EnvelopeError(
+                f"envelope {self.id}: cannot pack ({exc}); fn and cfg must hold msgpack-native values"
+            ) from exc
+
+    def _body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
             "v": self.v,
             "id": self.id,
@@ -166,12 +199,7 @@ class Envelope:
         for name, value in self.extra.items():
             if name not in body:
                 body[name] = value
-        try:
-            return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise EnvelopeError(
-                f"envelope {self.id}: cannot pack ({exc}); fn and cfg must hold msgpack-native values"
-            ) from exc
+        return body
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Envelope:
@@ -198,6 +226,18 @@ class Envelope:
         for name in _USER_VALUES:
             fields.pop(name, None)
         return fields
+
+
+_PARTS_FROM = 1 << 20  # arguments this large are joined from parts: one copy, not two
+
+
+def _bin_header(n: int) -> bytes:
+    """msgpack's (minimal) header of a bin of ``n`` bytes, as the packer writes it."""
+    if n < 0x100:
+        return bytes((0xC4, n))
+    if n < 0x10000:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
 
 
 _BIN_HEADERS = {0xC4: 1, 0xC5: 2, 0xC6: 4}  # msgpack bin 8/16/32: the width of the length

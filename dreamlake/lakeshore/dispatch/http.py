@@ -45,6 +45,7 @@ from dreamlake.lakeshore.states import TERMINAL_STATES
 if TYPE_CHECKING:
     import httpx
 
+    from dreamlake.lakeshore.envelope import Envelope
     from dreamlake.lakeshore.wire import Frame
 
 __all__ = ["HttpDispatch"]
@@ -115,7 +116,7 @@ class HttpDispatch:
             self._namespace = str((who or {}).get("namespace") or "default")
         return self._namespace
 
-    def _upload(self, data: bytes, job_id: str, kind: str) -> dict[str, Any] | None:
+    def _upload(self, data: bytes | list[bytes], job_id: str, kind: str) -> dict[str, Any] | None:
         """``data`` uploaded through the presign route -> its ref; None when the control plane has
         no payload store (501: it takes everything inline, and is not asked again)."""
         from dreamlake.lakeshore import blobs
@@ -152,28 +153,59 @@ class HttpDispatch:
 
     # -- producer side ------------------------------------------------------------------------------
 
+    def submit_envelope(
+        self, envelope: Envelope, queue: str, run_config: dict[str, Any], parent: str | None = None
+    ) -> str:
+        """:meth:`submit` of an Envelope: one over the inline threshold goes to the payload store
+        from :meth:`Envelope.to_parts` (its arguments read in place), never joined in memory."""
+        parts = envelope.to_parts()
+        size = sum(len(p) for p in parts)
+        limit = self.inline_threshold
+        if limit is None or size <= limit:
+            return self.submit(b"".join(parts), queue, run_config, parent)
+        ref = self._upload(parts, envelope.id, "args")
+        if ref is None:  # no payload store: inline after all
+            return self.submit(b"".join(parts), queue, run_config, parent)
+        return self._submit(envelope.id, None, queue, run_config, parent, args_ref=ref)
+
     def submit(
         self, envelope: bytes, queue: str, run_config: dict[str, Any], parent: str | None = None
     ) -> str:
         from dreamlake.lakeshore.envelope import Envelope
 
+        return self._submit(Envelope.header(envelope)["id"], envelope, queue, run_config, parent)
+
+    def _submit(
+        self,
+        invocation_id: str,
+        envelope: bytes | None,
+        queue: str,
+        run_config: dict[str, Any],
+        parent: str | None,
+        *,
+        args_ref: dict[str, Any] | None = None,
+    ) -> str:
         body: dict[str, Any] = {
-            "invocation_id": Envelope.header(envelope)["id"],
+            "invocation_id": invocation_id,
             "queue": queue,
             "function": dict(NATIVE_FUNCTION),
-            "args_blob": bytes(envelope),
             "run_config": {**run_config, "queue": queue},
             "code_context": {},
         }
+        if args_ref is not None:
+            body["args_ref"] = args_ref
+        else:
+            assert envelope is not None
+            body["args_blob"] = bytes(envelope)
         if parent:
             body["parent_invocation_id"] = parent
         limit = self.inline_threshold
-        if limit is not None and len(envelope) > limit:
+        if envelope is not None and limit is not None and len(envelope) > limit:
             self._by_reference(body, envelope)
         try:
             out = self._call("POST", "/v1/producer/submit", body)
         except BadRequest as exc:  # the control plane's threshold is lower than ours: go by reference
-            if exc.status != 413 or "args_ref" not in str(exc) or "args_blob" not in body:
+            if exc.status != 413 or "args_ref" not in str(exc) or envelope is None or "args_blob" not in body:
                 raise
             self._by_reference(body, envelope)
             if "args_ref" not in body:
