@@ -321,7 +321,7 @@ def get(
                         raise error_for(
                             resp.status_code, f"{what} failed with HTTP {resp.status_code}: {_reason(resp)}"
                         )
-                    for chunk in resp.iter_bytes(CHUNK):
+                    for chunk in resp.iter_bytes():  # as it arrives: no re-chunking copy
                         if got + len(chunk) > size:
                             raise _wrong_size(ref, f"more than its {size} bytes")
                         digest.update(chunk)

@@ -202,7 +202,7 @@ class Envelope:
         return body
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> Envelope:
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> Envelope:
         """Decode and validate an Envelope; raises :class:`EnvelopeError` / :class:`VersionError`."""
         fields = _validate(_read_map(data, skip_user_values=False))
         extra = {k: v for k, v in fields.items() if k not in _FIELDS}
@@ -275,9 +275,12 @@ def _skip_bin(view: memoryview, pos: int) -> int | None:
     return end + length
 
 
-def _read_header_map(data: bytes | bytearray | memoryview) -> dict[str, Any]:
+def _read_header_map(
+    data: bytes | bytearray | memoryview, *, keep_user_values: bool = False
+) -> dict[str, Any]:
     """The Envelope's fields with ``args`` / ``kwargs`` skipped by their bin headers: a header of a
-    big Envelope (a memory map of a staged file, say) costs its small fields, not a copy of it."""
+    big Envelope (a memory map of a staged file, say) costs its small fields, not a copy of it.
+    With ``keep_user_values`` they are copied out once each (a full decode: no buffer copy)."""
     view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
     out: dict[str, Any] = {}
     try:
@@ -299,7 +302,9 @@ def _read_header_map(data: bytes | bytearray | memoryview) -> dict[str, Any]:
                 raise EnvelopeError(f"envelope keys are strings, got {type(name).__name__}")
             after = _skip_bin(view, pos) if name in _USER_VALUES else None
             if after is not None:
-                out[name], pos = b"", after
+                start = pos + 1 + _BIN_HEADERS[view[pos]]  # the bin's bytes, past its header
+                out[name] = bytes(view[start:after]) if keep_user_values else b""
+                pos = after
             else:
                 out[name], pos = _unpack_at(view, pos)
     except EnvelopeError:
@@ -316,32 +321,7 @@ def _read_header_map(data: bytes | bytearray | memoryview) -> dict[str, Any]:
 def _read_map(data: bytes | bytearray | memoryview, *, skip_user_values: bool) -> dict[str, Any]:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise EnvelopeError(f"an Envelope is bytes, got {type(data).__name__}")
-    if skip_user_values:
-        return _read_header_map(data)
-    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(data), 1), strict_map_key=True)
-    unpacker.feed(data)
-    out: dict[str, Any] = {}
-    try:
-        size = unpacker.read_map_header()
-        for _ in range(size):
-            name = unpacker.unpack()
-            if not isinstance(name, str):
-                raise EnvelopeError(f"envelope keys are strings, got {type(name).__name__}")
-            if skip_user_values and name in _USER_VALUES:
-                unpacker.skip()
-                out[name] = b""
-            else:
-                out[name] = unpacker.unpack()
-        trailing = unpacker.tell() != len(data)
-    except EnvelopeError:
-        raise
-    except msgpack.OutOfData as exc:
-        raise EnvelopeError(f"truncated Envelope ({len(data)} bytes)") from exc
-    except Exception as exc:  # msgpack raises several unrelated types on bad input
-        raise EnvelopeError(f"not an Envelope (expected a msgpack map): {exc}") from exc
-    if trailing:
-        raise EnvelopeError(f"trailing bytes after the Envelope map ({len(data)} bytes in all)")
-    return out
+    return _read_header_map(data, keep_user_values=not skip_user_values)
 
 
 def _validate(fields: dict[str, Any]) -> dict[str, Any]:
