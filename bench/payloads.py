@@ -67,6 +67,8 @@ def child(direction: str, size: int, url: str, token: str) -> None:
     total = dls.udf(queue="bench")(bench_fns.array_total)
     make = dls.udf(queue="bench")(bench_fns.make_array)
     plane.namespace()  # the whoami call, outside the timing
+    plane._client.bare()  # and the token-less client's SSL context: fixed costs, not copies
+    import dreamlake.lakeshore.blobs  # noqa: F401
     if direction == "args":
         arr = np.full(size, 7, dtype=np.uint8)
         base = _rss_now()

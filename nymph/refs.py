@@ -22,6 +22,7 @@ import contextlib
 import logging
 import mmap
 import os
+import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -35,6 +36,7 @@ from nymph.errors import Refused
 log = logging.getLogger(__name__)
 
 INCOMING = ".incoming"
+STALE_S = 86400.0  # a staged argument file this old belongs to no running job
 ATTEMPTS = 5  # tries of a blob transfer that fails retryably (the store or the control plane away)
 
 
@@ -52,6 +54,7 @@ def stage_args(client: ControlPlaneClient | None, root: Path, body: dict[str, An
         raise Refused("PayloadUnavailable", "this nymph has no control-plane client to fetch args_ref with")
     incoming = root / INCOMING
     incoming.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _prune(incoming)
     path = incoming / f"{invocation_id}.args"
     try:
         assert isinstance(ref, dict)
@@ -65,6 +68,15 @@ def stage_args(client: ControlPlaneClient | None, root: Path, body: dict[str, An
         ) from exc
     log.info("invocation %s: arguments fetched by reference (%s bytes)", invocation_id, ref.get("size"))
     return path
+
+
+def _prune(incoming: Path, max_age_s: float = STALE_S) -> None:
+    """Drop what an earlier life left half-fetched (a crash between fetch and workdir)."""
+    cutoff = time.time() - max_age_s
+    for entry in incoming.iterdir():
+        with contextlib.suppress(OSError):
+            if entry.lstat().st_mtime < cutoff:
+                entry.unlink()
 
 
 def header_of(path: Path) -> dict[str, Any]:

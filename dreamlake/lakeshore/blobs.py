@@ -207,9 +207,8 @@ def _reason(resp: httpx.Response) -> str:
     return text[:200] or resp.reason_phrase
 
 
-def _bare(client: PlaneClient, timeout_s: float) -> httpx.Client:
-    """An HTTP client without the bearer token (never send it to S3), on the plane's transport."""
-    return httpx.Client(transport=client.transport, timeout=httpx.Timeout(timeout_s, connect=5.0))
+def _timeout(timeout_s: float) -> httpx.Timeout:
+    return httpx.Timeout(timeout_s, connect=5.0)
 
 
 def put(
@@ -244,11 +243,10 @@ def put(
     what = f"PUT {url.split('?')[0]}"
 
     def once() -> None:
-        with _bare(client, timeout_s) as bare:
-            try:
-                resp = bare.put(url, content=body.chunks(), headers=headers)
-            except httpx.TransportError as exc:
-                raise Unavailable(f"{what}: the payload store could not be reached: {exc}") from exc
+        try:
+            resp = client.bare().put(url, content=body.chunks(), headers=headers, timeout=_timeout(timeout_s))
+        except httpx.TransportError as exc:
+            raise Unavailable(f"{what}: the payload store could not be reached: {exc}") from exc
         if resp.status_code >= 300:
             raise error_for(resp.status_code, f"{what} failed with HTTP {resp.status_code}: {_reason(resp)}")
 
@@ -313,26 +311,25 @@ def get(
     got = 0
     ok = False
     try:
-        with _bare(client, timeout_s) as bare:
-            try:
-                with bare.stream("GET", url) as resp:
-                    if resp.status_code != 200:
-                        resp.read()
-                        raise error_for(
-                            resp.status_code, f"{what} failed with HTTP {resp.status_code}: {_reason(resp)}"
-                        )
-                    for chunk in resp.iter_bytes():  # as it arrives: no re-chunking copy
-                        if got + len(chunk) > size:
-                            raise _wrong_size(ref, f"more than its {size} bytes")
-                        digest.update(chunk)
-                        if buffer is not None:
-                            buffer[got : got + len(chunk)] = chunk
-                        else:
-                            assert target is not None
-                            target.write(chunk)
-                        got += len(chunk)
-            except httpx.TransportError as exc:
-                raise Unavailable(f"{what}: the payload store could not be reached: {exc}") from exc
+        try:
+            with client.bare().stream("GET", url, timeout=_timeout(timeout_s)) as resp:
+                if resp.status_code != 200:
+                    resp.read()
+                    raise error_for(
+                        resp.status_code, f"{what} failed with HTTP {resp.status_code}: {_reason(resp)}"
+                    )
+                for chunk in resp.iter_bytes():  # as it arrives: no re-chunking copy
+                    if got + len(chunk) > size:
+                        raise _wrong_size(ref, f"more than its {size} bytes")
+                    digest.update(chunk)
+                    if buffer is not None:
+                        buffer[got : got + len(chunk)] = chunk
+                    else:
+                        assert target is not None
+                        target.write(chunk)
+                    got += len(chunk)
+        except httpx.TransportError as exc:
+            raise Unavailable(f"{what}: the payload store could not be reached: {exc}") from exc
         verify_sha256(digest.hexdigest(), ref.get("sha256"))
         if got != size:
             raise _wrong_size(ref, f"{got} of its {size} bytes")

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import email.utils
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -155,6 +156,8 @@ class PlaneClient:
         self.url = url.rstrip("/")
         self.attempts = max(1, attempts)
         self._transport = transport
+        self._bare: httpx.Client | None = None
+        self._bare_lock = threading.Lock()
         self._http = httpx.Client(
             base_url=self.url,
             headers={"Authorization": f"Bearer {token}", "Accept": MSGPACK},
@@ -164,6 +167,16 @@ class PlaneClient:
 
     def close(self) -> None:
         self._http.close()
+        if self._bare is not None:
+            self._bare.close()
+
+    def bare(self) -> httpx.Client:
+        """An HTTP client without the bearer token (presigned URLs: never send the token to S3),
+        on the same transport, made once and kept (an ``httpx.Client`` costs an SSL context)."""
+        with self._bare_lock:
+            if self._bare is None:
+                self._bare = httpx.Client(transport=self._transport, timeout=_timeout(60.0))
+            return self._bare
 
     @property
     def transport(self) -> httpx.BaseTransport | None:

@@ -142,8 +142,9 @@ class Envelope:
         """Decode ``args`` and ``kwargs`` with the value codec."""
         from dreamlake.lakeshore import wire
 
-        args = wire.unpack(self.args)
-        kwargs = wire.unpack(self.kwargs)
+        # The Envelope's own size bounded these already (MAX_PAYLOAD_BYTES when it came by reference)
+        args = wire.unpack(self.args, limits=wire.limits_for(self.args))
+        kwargs = wire.unpack(self.kwargs, limits=wire.limits_for(self.kwargs))
         if not isinstance(args, list):
             raise EnvelopeError(f"envelope {self.id}: args must pack a list, got {type(args).__name__}")
         if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):

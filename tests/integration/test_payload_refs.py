@@ -280,3 +280,64 @@ def test_args_and_results_by_reference_on_every_runner(
 ) -> None:
     n = start_nymph(blob_plane, *_runner_args(kind), name=kind)
     _round_trip(blob_plane, n, size)
+
+
+# -- the wire rules, without a worker ---------------------------------------------------------------
+
+
+def _submit_raw(cp: ControlPlane, body: dict[str, Any], token: str | None = None) -> tuple[int, Any]:
+    r = httpx.post(
+        cp.url + "/v1/producer/submit",
+        content=msgpack.packb(body, use_bin_type=True),
+        headers={
+            "Authorization": f"Bearer {token or cp.producer_token}",
+            "Content-Type": "application/x-msgpack",
+        },
+        timeout=60,
+    )
+    return r.status_code, msgpack.unpackb(r.content, raw=False)
+
+
+def test_a_ref_must_be_a_payload_key_with_its_sha256(blob_plane: ControlPlane) -> None:
+    from tests.integration.conftest import submit_body
+
+    cp = blob_plane
+    good = {"bucket": "local", "key": "payloads/2026/01/01/x/args", "size": 3, "sha256": "0" * 64}
+    cases = [
+        ({**good, "key": "exec/2026/01/01/x/out"}, "outside 'payloads/'"),
+        ({**good, "key": "payloads/../tokens.json"}, "'..'"),
+        ({k: v for k, v in good.items() if k != "sha256"}, "sha256"),
+        ({**good, "size": -1}, "size"),
+        ("payloads/x", "must be dict"),
+    ]
+    for ref, needle in cases:
+        envelope = kit.envelope_of(udfs.digest, (b"x",), {})
+        body = submit_body(envelope.id, run_config={}, args_blob=b"")
+        body.pop("args_blob")
+        body["args_ref"] = ref
+        status, out = _submit_raw(cp, body)
+        assert status == 400 and needle in out["error"], (ref, out)
+        assert cp.store.get(envelope.id) is None
+    envelope = kit.envelope_of(udfs.digest, (b"x",), {})
+    body = submit_body(envelope.id, run_config={}, args_blob=envelope.to_bytes())
+    body["args_ref"] = good
+    status, out = _submit_raw(cp, body)
+    assert status == 400 and "not both" in out["error"]
+
+
+def test_the_sdk_follows_a_lower_threshold_of_the_control_plane(blob_plane: ControlPlane) -> None:
+    plane = HttpDispatch(blob_plane.url, blob_plane.producer_token, inline_threshold=64 * MiB)
+    inv = udfs.digest.submit(os.urandom(300 * KiB), _dispatch=plane)  # inline, refused 413, by reference
+    row = blob_plane.store.get(inv)
+    assert row is not None and row.args_ref is not None and row.args_blob == b""
+    plane.close()
+
+
+def test_without_a_payload_store_everything_stays_inline(sqlite_control_plane: ControlPlane) -> None:
+    plane = _sdk(sqlite_control_plane)
+    data = os.urandom(300 * KiB)
+    inv = udfs.digest.submit(data, _dispatch=plane)  # presign answers 501: inline, as seed 003 says
+    row = sqlite_control_plane.store.get(inv)
+    assert row is not None and row.args_ref is None and len(row.args_blob) > 300 * KiB
+    assert plane.inline_threshold is None  # not asked again
+    plane.close()
