@@ -69,6 +69,7 @@ def child(direction: str, size: int, url: str, token: str) -> None:
     plane.namespace()  # the whoami call, outside the timing
     plane._client.bare()  # and the token-less client's SSL context: fixed costs, not copies
     import dreamlake.lakeshore.blobs  # noqa: F401
+
     if direction == "args":
         arr = np.full(size, 7, dtype=np.uint8)
         base = _rss_now()

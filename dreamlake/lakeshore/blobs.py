@@ -281,13 +281,15 @@ def get(
     into: str | os.PathLike[str] | IO[bytes] | None = None,
     limit: int | None = None,
     timeout_s: float = TIMEOUT_S,
+    sync: bool = False,
 ) -> bytearray | None:
     """Download the blob ``ref`` names, checking its size and sha256 (when the ref has one).
 
     Without ``into`` -> the bytes (one buffer of the ref's size, filled in place). With a path ->
     written to ``<path>.part`` (0600, links not followed) and renamed to ``path`` once verified;
     with an open binary file -> written there (the caller discards it on an error). ``limit``
-    refuses (BadRequest) a ref larger than that before anything is fetched. Raises PayloadCorrupt
+    refuses (BadRequest) a ref larger than that before anything is fetched; ``sync`` flushes a path
+    to disk before the rename (off: a workdir need only outlive its process, not the host). Raises PayloadCorrupt
     on a sha256 or size mismatch, the client's errors otherwise.
     """
     ref = check_ref(ref)
@@ -335,7 +337,8 @@ def get(
             raise _wrong_size(ref, f"{got} of its {size} bytes")
         if part is not None and target is not None and final is not None:
             target.flush()
-            os.fsync(target.fileno())
+            if sync:
+                os.fsync(target.fileno())
             target.close()
             os.replace(part, final)
         ok = True
