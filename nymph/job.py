@@ -219,8 +219,9 @@ class Job(SupervisedJob[wd.Outcome]):
             # with this attempt's ack): dls .submit() / SyncQueue inside the task use these two
             env["LAKESHORE_URL"] = cfg.task_url or cfg.server
             env["LAKESHORE_TOKEN"] = token
-        if os.environ.get("PYTHONPATH"):
-            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+        if os.environ.get("PYTHONPATH"):  # absolute: the task's cwd is not nymph's (a zygote runs in /)
+            parts = os.environ["PYTHONPATH"].split(os.pathsep)
+            env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p for p in parts)
         if self._gpus or self.ctx.slots.gpu_total:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self._gpus)
         return env

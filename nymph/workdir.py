@@ -40,6 +40,7 @@ META = "invocation.json"
 OUTCOME = "outcome.json"
 STDOUT = "stdout.log"
 STDERR = "stderr.log"
+OLD_MARK = ".old-"  # ``{invocation_id}.old-{unix time}``: an earlier attempt's workdir, moved aside
 
 
 @dataclass
@@ -73,20 +74,27 @@ def create(
     """
     path = path_for(root, invocation_id)
     if os.path.lexists(path):
-        aside = root / f"{invocation_id}.old-{int(time.time())}"
+        aside = root / f"{invocation_id}{OLD_MARK}{int(time.time())}"
         log.warning(
             "invocation %s: workdir exists from an earlier attempt, moved to %s", invocation_id, aside
         )
-        os.replace(path, aside)
+        try:
+            os.replace(path, aside)
+        except FileNotFoundError:  # pruned meanwhile: nothing left to move
+            pass
     path.mkdir(mode=0o700)
-    os.chmod(path, 0o700)
-    # No fsync: the workdir only has to survive nymph's death, not the host's (a task dies with
-    # its host, and the control plane re-queues it when the lease lapses); the page cache is enough.
-    safeio.write_file(path, ARGS, bytes(args_blob))
-    safeio.write_file(path, META, json.dumps(meta).encode())
-    for name in (STDOUT, STDERR):
-        safeio.write_file(path, name, b"", 0o644)
-    hand_over(path, run_as, (ARGS, STDOUT, STDERR))
+    try:
+        os.chmod(path, 0o700)
+        # No fsync: the workdir only has to survive nymph's death, not the host's (a task dies with
+        # its host, and the control plane re-queues it when the lease lapses); the page cache is enough.
+        safeio.write_file(path, ARGS, bytes(args_blob))
+        safeio.write_file(path, META, json.dumps(meta).encode())
+        for name in (STDOUT, STDERR):
+            safeio.write_file(path, name, b"", 0o644)
+        hand_over(path, run_as, (ARGS, STDOUT, STDERR))
+    except BaseException:  # a full disk, say: leave no half-made workdir for a restart to puzzle over
+        remove(path)
+        raise
     return path
 
 
