@@ -195,11 +195,17 @@ class Agent:
             self.outbox,
             self.slots,
             self.worker_id,
-            on_done=self.jobs.done,
+            on_done=self._job_done,
             on_unavailable=self.runner_health.unavailable,
             client=self.client,
             on_disk_full=self.disk.full,
         )
+
+    def _job_done(self, job: Any) -> None:
+        """A job released its slot; one that kept its workdir (failed) brings the next prune forward."""
+        self.jobs.done(job)
+        if getattr(job, "state", None) not in (None, "succeeded", "lost", "deferred"):
+            self._next_prune = 0.0
 
     def running(self) -> list[dict[str, Any]]:
         """The invocations whose leases the heartbeat renews, ``{invocation_id, attempt}``: the
@@ -331,13 +337,14 @@ class Agent:
         life was reconciled and then every ``PRUNE_EVERY_S``."""
         if not self.recovery.done or time.monotonic() < self._next_prune:
             return
-        self._next_prune = time.monotonic() + PRUNE_EVERY_S
         cfg = self.config
+        # at least every minute, and twice per keep_failed_s when that is shorter
+        self._next_prune = time.monotonic() + min(PRUNE_EVERY_S, max(1.0, cfg.keep_failed_s / 2))
         try:
             prune(
                 cfg.workdir,
                 keep_s=cfg.keep_failed_s,
-                keep_bytes=cfg.keep_failed_mb * 2**20,
+                keep_bytes=int(cfg.keep_failed_mb * 2**20),
                 busy=self.jobs.ids(),
             )
         except Exception:

@@ -109,7 +109,7 @@ def _options(fn: Any) -> Any:
         ),
         click.option(
             "--keep-failed-mb",
-            type=int,
+            type=float,
             help="Failed workdirs are removed, oldest first, beyond this total size (default 1024).",
         ),
         click.option(

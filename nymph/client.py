@@ -81,10 +81,14 @@ class PlaneLink:
             exc,
         )
 
-    def answered(self) -> None:
-        """A call got an answer (any answer the control plane gave on purpose, 2xx or 4xx)."""
+    def answered(self, sent_at: float) -> None:
+        """A call sent at ``sent_at`` (monotonic) got an answer (2xx or 4xx: one given on purpose).
+
+        An answer to a request sent before the outage began (a long poll a stopping server
+        answered empty) says nothing about now, so only a later request brings the link back up.
+        """
         with self._lock:
-            if self.up:
+            if self.up or (self.down_since is not None and sent_at < self.down_since):
                 return
             self.up = True
             since, self.down_since = self.down_since, None
@@ -127,15 +131,16 @@ class ControlPlaneClient(PlaneClient):
 
     def _linked(self, route: str, send: Callable[[], Any]) -> Any:
         """``send()``, telling :attr:`link` whether the control plane answered."""
+        sent_at = time.monotonic()
         try:
             answer = send()
         except ClientError as exc:
             if is_retryable(exc):
                 self.link.failed(route, exc)
             else:
-                self.link.answered()
+                self.link.answered(sent_at)
             raise
-        self.link.answered()
+        self.link.answered(sent_at)
         return answer
 
     def fetch(self, url: str, *, timeout_s: float = 60.0, limit: int = 100 * 2**20) -> bytes:

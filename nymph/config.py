@@ -85,7 +85,7 @@ class NymphConfig:
     # kept failed workdirs (docs/nymph.md "Pruning"): removed once older than keep_failed_s, and the
     # oldest first while together they take more than keep_failed_mb
     keep_failed_s: float = 7 * 24 * 3600.0
-    keep_failed_mb: int = 1024
+    keep_failed_mb: float = 1024.0
 
     def __post_init__(self) -> None:
         # a config built in code (tests, embedders) gets the same absolute paths as one resolved
@@ -125,7 +125,6 @@ _STREAM_INTS = frozenset(
         "stream_batch_frames",
         "stream_batch_bytes",
         "min_free_mb",
-        "keep_failed_mb",
     )
 )
 # runner options that name a file or directory: made absolute at configuration, like workdir
@@ -187,7 +186,8 @@ def _coerce(name: str, value: Any) -> Any:
         if name in ("concurrency", "metrics_port") or name in _STREAM_INTS:
             return None if value in (None, "") else int(value)
         if name in (
-            "grace_s", "stop_grace_s", "heartbeat_s", "poll_timeout_s", "stream_poll_s", "keep_failed_s"
+            "grace_s", "stop_grace_s", "heartbeat_s", "poll_timeout_s", "stream_poll_s", "keep_failed_s",
+            "keep_failed_mb",
         ):  # fmt: skip
             return None if value in (None, "") else float(value)
         if name in ("workdir", "state_dir"):

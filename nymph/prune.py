@@ -14,7 +14,8 @@ up until the disk is full, so :func:`prune` removes them:
 
 Only settled workdirs and ``.old-`` directories are touched, never one of a job running here
 (``busy``): a workdir without ``outcome.json`` belongs to a running job or is reconciled at start.
-The agent runs it once after reconciling and then every :data:`PRUNE_EVERY_S` from its main loop.
+The agent runs it once after reconciling, then from its main loop every :data:`PRUNE_EVERY_S` (or
+twice per ``keep_failed_s`` when that is shorter) and soon after a job kept its workdir.
 """
 
 from __future__ import annotations

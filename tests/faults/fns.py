@@ -43,3 +43,13 @@ def count(tally: str, key: str, n: int, delay_s: float = 0.0) -> Iterator[int]:
         yield i
         if delay_s:
             time.sleep(delay_s)
+
+
+def fail(tally: str, key: str, stderr_bytes: int = 0) -> None:
+    """Raise ValueError, after writing ``stderr_bytes`` to stderr (a failed workdir keeps that log)."""
+    import sys
+
+    _mark(tally, key)
+    sys.stderr.write("e" * stderr_bytes)
+    sys.stderr.flush()
+    raise ValueError(f"{key} failed on purpose")

@@ -79,7 +79,7 @@ def test_a_full_disk_fails_the_call_it_meets_pauses_claims_and_resumes(tmp_path:
         out = producer.await_(first, 30.0)
         assert out["state"] == "failed", (out, n.output()[-3000:])
         assert "No space left on device" in out["error"]["message"], out
-        code, health = until(lambda: (h := n.health())[0] == 503 and h, "/healthz to say not ready")
+        _, health = until(lambda: (h := n.health())[0] == 503 and h, "/healthz to say not ready")
         assert health["disk_ok"] is False and health["disk_problem"], health
 
         # while the disk is full nothing is claimed: the calls wait, queued
