@@ -18,6 +18,7 @@ same bytes are the ack's ``result_blob``), or with ERROR ``{type: "ScriptFailed"
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import pwd
@@ -330,7 +331,10 @@ class Job(SupervisedJob[wd.Outcome]):
         assert self.workdir is not None
         if status is None and self.handle is not None:
             status = self.ctx.runner.wait(self.handle, 0)
-        return wd.read_outcome(self.workdir, status, script=self.script is not None)
+        outcome = wd.read_outcome(self.workdir, status, script=self.script is not None)
+        if outcome.extra.get("disk_full"):  # the task met a full disk: no claims until there is room
+            self.ctx.on_disk_full(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.workdir)))
+        return outcome
 
     def _close_stream(self, outcome: wd.Outcome) -> wd.Outcome:
         """End the stream as the outcome says (END for a script's success, ERROR for a failure),

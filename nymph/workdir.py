@@ -189,6 +189,29 @@ def read_outcome(path: Path, status: ExitStatus | None, *, script: bool = False)
     except (OSError, ValueError):
         pass
     logs = status.logs if status is not None and status.logs else tail(path / STDERR)
-    return Outcome.failed(
-        "ProcessExited", f"the entry exited with code {code}{reason} and left no error.json", logs
+    message = f"the entry exited with code {code}{reason} and left no error.json"
+    full = _full(path)
+    if full is not None:  # most likely why: it could not write its result, nor its error
+        message += f"; {full}"
+    outcome = Outcome.failed("ProcessExited", message, logs)
+    if full is not None:
+        outcome.extra["disk_full"] = True
+    return outcome
+
+
+FULL_BELOW_BYTES = 1024 * 1024  # a workdir filesystem with less free space than this counts as full
+
+
+def _full(path: Path) -> str | None:
+    """What to say when ``path``'s filesystem is full (``No space left on device``), else None."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    if free >= FULL_BELOW_BYTES:
+        return None
+    return (
+        f"the workdir's filesystem is full (No space left on device: {free / 2**20:.1f} MiB free "
+        f"under {path.parent}), so the task could not write its result"
     )

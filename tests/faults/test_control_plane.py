@@ -9,7 +9,11 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.faults.stack import Nymph, Producer, Tally, ref, stack, until, wait_all
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(240)]
 
 OUTAGE_S = 20.0
 
@@ -38,7 +42,7 @@ def test_a_20s_outage_costs_latency_not_calls_and_nymph_logs_it_once(tmp_path: P
         gate.touch()  # the running calls end while the control plane is away: their acks wait
         until(lambda: len(list((n.state_dir / "outbox").glob("*.msg"))) >= 1, "acks in the outbox", 30.0)
         time.sleep(OUTAGE_S)  # the outage itself: nymph keeps retrying, quietly
-        code, health = n.health()
+        _, health = n.health()
         assert health.get("control_plane_ok") is False, health
         server.start()
         wait_all(producer, tally, 90.0)

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.faults.stack import Nymph, Producer, Tally, ref, stack, until, wait_all
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def test_kill_9_of_nymph_mid_run_then_restart(tmp_path: Path) -> None:

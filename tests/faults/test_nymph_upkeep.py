@@ -7,8 +7,12 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 from dreamlake.lakeshore import ids
 from tests.faults.stack import Nymph, Producer, ref, stack, until
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 def test_relative_workdir_state_dir_and_token_file_work_with_the_prefork_runner(tmp_path: Path) -> None:

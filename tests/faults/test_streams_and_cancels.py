@@ -10,8 +10,12 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from dreamlake.lakeshore import wire
 from tests.faults.stack import LIMIT_S, Nymph, Producer, Tally, ref, stack, until, wait_all
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(240)]
 
 DROPS = 100
 
