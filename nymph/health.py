@@ -115,7 +115,7 @@ class DiskHealth:
             except OSError as exc:  # not there (yet): nymph creates it; nothing to say about space
                 log.debug("free space of %s unknown: %s", path, exc)
                 continue
-            if free < floor or (free == 0 and self._full_seen):
+            if free < floor:
                 short.append(f"{path} has {_mib(free)} free (floor {_mib(floor)})")
         if short:
             self._set_problem("; ".join(short))
