@@ -135,7 +135,10 @@ class ControlPlaneClient(PlaneClient):
         try:
             answer = send()
         except ClientError as exc:
-            if is_retryable(exc):
+            # gone: no connection, a timeout, a 5xx; a 429 / 503 with Retry-After is a server that
+            # is there and asks for patience (poll admission control), not an outage
+            asked_to_wait = exc.status == 429 or (exc.status == 503 and getattr(exc, "retry_after", None))
+            if is_retryable(exc) and not asked_to_wait:
                 self.link.failed(route, exc)
             else:
                 self.link.answered(sent_at)

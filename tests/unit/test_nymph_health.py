@@ -90,3 +90,17 @@ def test_an_outage_is_one_went_away_line_and_one_reconnected_line(caplog: pytest
     lines = [r.getMessage() for r in caplog.records]
     assert sum("control plane went away" in m for m in lines) == 1, lines
     assert sum("reconnected to the control plane" in m for m in lines) == 1, lines
+
+
+def test_a_server_that_asks_to_wait_is_not_an_outage() -> None:
+    def busy(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(
+            503,
+            content=msgpack.packb({"error": "too many polls"}),
+            headers={"content-type": "application/x-msgpack", "retry-after": "1"},
+        )
+
+    client = ControlPlaneClient("http://cp", "tok", transport=httpx.MockTransport(busy))
+    with pytest.raises(TransientError):
+        client.poll({}, timeout_s=1)
+    assert client.link.up is True  # poll admission control: the server is there

@@ -169,6 +169,34 @@ def test_an_unexpected_exception_in_prepare_is_acked_failed_with_its_type_and_me
     assert job.phase is Phase.SETTLED
 
 
+def test_a_full_disk_in_prepare_is_acked_failed_saying_so_and_pauses_claims(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    thread_crashes: list[BaseException],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import errno
+
+    import nymph.workdir
+
+    def full(directory: Path, name: str, data: bytes, mode: int = 0o600, *, sync: bool = False) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(directory / name))
+
+    monkeypatch.setattr(nymph.workdir.safeio, "write_file", full)
+    agent, outbox = _agent(tmp_path, _Runner())
+    caplog.set_level(logging.ERROR, logger="nymph")
+    agent.jobs.dispatch({"kind": "run", "body": {"invocation_id": ID, "attempt": 1, "script": "true"}})
+    assert agent.jobs.wait_idle(60)
+    assert thread_crashes == []
+    [ack] = outbox.acks
+    assert ack["state"] == "failed" and ack["error"]["type"] == "DaemonError"
+    assert "OSError: [Errno 28] No space left on device" in ack["error"]["message"]
+    assert not (tmp_path / "w" / ID).exists()  # no half-made workdir left behind
+    assert not agent.disk.ok.is_set() and "No space left on device" in (agent.disk.problem or "")
+    assert not any(r.exc_info for r in caplog.records)  # an outcome, one line, not a traceback
+    assert agent.slots.free() == 1 and not agent.jobs.busy()
+
+
 def test_an_unexpected_exception_in_start_frees_the_job_and_the_agent_keeps_working(
     tmp_path: Path, thread_crashes: list[BaseException]
 ) -> None:
