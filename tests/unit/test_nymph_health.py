@@ -104,3 +104,13 @@ def test_a_server_that_asks_to_wait_is_not_an_outage() -> None:
     with pytest.raises(TransientError):
         client.poll({}, timeout_s=1)
     assert client.link.up is True  # poll admission control: the server is there
+
+
+def test_doctor_names_a_directory_below_the_free_space_floor(tmp_path: Path) -> None:
+    from nymph.doctor import _directory
+
+    tmp_path.chmod(0o700)
+    ok = _directory("workdir", tmp_path, private=True, min_free_mb=0)
+    assert ok.ok and "MiB free" in ok.detail
+    short = _directory("workdir", tmp_path, private=True, min_free_mb=2**40)
+    assert not short.ok and "below --min-free-mb" in short.detail
