@@ -204,7 +204,7 @@ class Agent:
     def _job_done(self, job: Any) -> None:
         """A job released its slot; one that kept its workdir (failed) brings the next prune forward."""
         self.jobs.done(job)
-        if getattr(job, "state", None) not in (None, "succeeded", "lost", "deferred"):
+        if getattr(job, "state", None) not in (None, "succeeded", "lost", "deferred", "released"):
             self._next_prune = 0.0
 
     def running(self) -> list[dict[str, Any]]:

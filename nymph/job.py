@@ -257,6 +257,9 @@ class Job(SupervisedJob[wd.Outcome]):
     def _resume(self, alive: bool | None) -> None:
         handle = self.handle
         if handle is None:
+            if self.workdir is not None and wd.nothing_runs(self.workdir):
+                self._release_unstarted(self.workdir)
+                return
             self._settle_once(self.failure("DaemonRestart", "nymph restarted before the task was started"))
             return
         if alive is None:
@@ -270,6 +273,21 @@ class Job(SupervisedJob[wd.Outcome]):
             self.conclude(lambda: self.supervise(handle))
         else:
             self.conclude(lambda: self._close_stream(self._collect(None)))
+
+    def _release_unstarted(self, workdir: Path) -> None:
+        """A previous life died between the claim and the start (or its task died with it before
+        any outcome) and nothing runs in the workdir: ack nothing (a failure would lose a call that
+        never ran) and let the control plane run it again once its lease lapses (the lease rule:
+        the next attempt, here or on another nymph; at least once, as after any crash). The workdir
+        goes first, so a launch still in flight when nymph died finds nothing to run."""
+        wd.remove(workdir)
+        self.state = "released"
+        log.warning(
+            "invocation %s: nymph restarted between the claim and the start of attempt %d (nothing "
+            "runs, no outcome); nothing is acked: the control plane runs it again once its lease lapses",
+            self.invocation_id,
+            self.attempt,
+        )
 
     def _recover_when_available(self, handle: Handle) -> bool | None:
         """``runner.recover``, asked again while the runner is unavailable; None if stopped meanwhile."""

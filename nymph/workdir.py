@@ -16,6 +16,7 @@ ownership rule for what it reads). After the runner is done, :func:`read_outcome
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -28,7 +29,7 @@ from typing import Any
 
 from dreamlake.lakeshore import ids
 from nymph import safeio
-from nymph.runner import ExitStatus
+from nymph.runner import HANDLE_FILE, ExitStatus
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,35 @@ def mark_settled(path: Path, outcome: Outcome) -> None:
 
 def is_settled(path: Path) -> bool:
     return safeio.exists_own(path, OUTCOME)
+
+
+ENTRY_LOCK = ".entry.lock"  # the process runner's entry lock: held by whichever process runs the entry
+# what a task leaves once it got somewhere: an outcome, frames, or the runner's handle
+OUTCOME_SIGNS = (RESULT, ERROR, FRAMES, HANDLE_FILE)
+
+
+def nothing_runs(path: Path) -> bool:
+    """Whether no task runs in the workdir now and none left anything to report: a previous life
+    claimed it and died before its task started (or its task died with it, before any outcome).
+
+    A free entry lock (or none) means no entry process is alive here; an outcome, frames or a
+    handle mean there is something to collect or report instead.
+    """
+    if any(os.path.lexists(path / name) for name in OUTCOME_SIGNS):
+        return False
+    if not os.path.lexists(path / ENTRY_LOCK):
+        return True
+    try:
+        fd = safeio.open_fd(path, ENTRY_LOCK, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # taken: nobody holds it, nothing runs
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # releases it again
+    return True
 
 
 def remove(path: Path) -> None:

@@ -13,18 +13,27 @@ from tests.faults.stack import Nymph, Producer, Tally, ref, stack, until, wait_a
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(240)]
 
 
-def test_kill_9_of_nymph_mid_run_then_restart(tmp_path: Path) -> None:
+def _claimed(producer: Producer, tally: Tally) -> int:
+    return sum(producer.status(i)["state"] == "running" for i in tally.expected)
+
+
+@pytest.mark.parametrize("when", ["claimed", "running"])
+def test_kill_9_of_nymph_mid_run_then_restart(tmp_path: Path, when: str) -> None:
+    """``running``: three tasks run their function (the restart re-attaches to them); ``claimed``:
+    killed as soon as three calls are claimed, most of them before their task started (nothing
+    ran: the restart acks nothing and they run again once their lease lapses)."""
     with stack(tmp_path) as (server, nymphs, marks):
         first = Nymph(server, tmp_path / "n", "--concurrency", "3")
         nymphs.append(first.start())
         producer = Producer(server)
         gate = tmp_path / "gate"
-        tally = Tally("kill-nymph-restart", marks)
+        tally = Tally(f"kill-nymph-restart-{when}", marks)
         for i in range(6):
             tally.add(producer.submit(ref("hold", str(marks), f"k{i}", i, str(gate))), f"k{i}", 2 * i)
-        # mid-run: three tasks are running their function (a kill between a claim and its task's
-        # start is acked failed DaemonRestart, see docs/nymph.md; not this fault)
-        until(lambda: sum(tally.executions(i) for i in tally.expected) == 3, "three calls to run")
+        if when == "running":
+            until(lambda: sum(tally.executions(i) for i in tally.expected) == 3, "three calls to run")
+        else:
+            until(lambda: _claimed(producer, tally) == 3, "three calls to be claimed", step_s=0.01)
         first.kill()
         again = Nymph(server, tmp_path / "n", "--concurrency", "3")  # same workdir and state dir
         nymphs.append(again.start())

@@ -354,3 +354,47 @@ def test_log_context_nests_and_an_explicit_id_wins(json_log: io.StringIO) -> Non
     both, explicit = _lines(json_log)
     assert (both["invocation_id"], both["exec_id"]) == (ID, ID2)
     assert explicit["invocation_id"] == "other" and "exec_id" not in explicit
+
+
+# --- a restart between the claim and the start -----------------------------------------------------
+
+
+def _claimed_workdir(tmp_path: Path) -> Path:
+    import nymph.workdir as wd
+
+    meta = {"invocation_id": ID, "attempt": 2, "started_at": 1.0}
+    return wd.create(tmp_path / "w", ID, b"\x90", meta, None)
+
+
+def test_a_claim_whose_task_never_started_is_left_to_its_lease_not_failed(
+    tmp_path: Path, thread_crashes: list[BaseException]
+) -> None:
+    outbox = _Outbox()
+    ctx = _ctx(tmp_path, _Runner(), outbox)
+    path = _claimed_workdir(tmp_path)
+    job = Job.attach(ctx, path, {"invocation_id": ID, "attempt": 2}, None)
+    job.start_thread(lambda: job.resume(False))
+    job.join(60)
+    assert thread_crashes == [] and outbox.acks == []  # nothing ran: nothing to report
+    assert job.state == "released" and not path.exists()
+
+
+def test_a_claim_whose_entry_still_holds_its_lock_is_reported_daemon_restart(
+    tmp_path: Path, thread_crashes: list[BaseException]
+) -> None:
+    import fcntl
+    import os
+
+    outbox = _Outbox()
+    ctx = _ctx(tmp_path, _Runner(), outbox)
+    path = _claimed_workdir(tmp_path)
+    fd = os.open(path / ".entry.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # an entry process runs there, unsupervised
+    try:
+        job = Job.attach(ctx, path, {"invocation_id": ID, "attempt": 2}, None)
+        job.start_thread(lambda: job.resume(False))
+        job.join(60)
+    finally:
+        os.close(fd)
+    [ack] = outbox.acks
+    assert (ack["state"], ack["error"]["type"]) == ("failed", "DaemonRestart")
