@@ -9,7 +9,8 @@ the workdir takes the file as its ``args.msgpack``, so every runner works unchan
 On the way back, a result (``result.msgpack``) or a frame body larger than the control plane's
 ``inline_threshold_bytes`` (its register answer) is uploaded before the ack or the frame is sent:
 the ack carries ``result_ref`` instead of ``result_blob``, the frame a body ``{"ref": {...}}``.
-The keys are ``payloads/<date>/<invocation_id>/result`` and ``.../frame-<seq>``.
+The keys are ``payloads/<date>/<invocation_id>.<random>/result`` and ``.../frame-<seq>``
+(:func:`~dreamlake.lakeshore.blobs.private_job_id`).
 
 Failures: a blob that cannot be had or fails its sha256 refuses the invocation before it runs
 (``PayloadCorrupt`` with seed 003's message, or ``PayloadUnavailable``); a result that cannot be
@@ -106,7 +107,7 @@ def ship(
     def once() -> dict[str, Any]:
         if not isinstance(data, bytes):
             data.seek(0)  # a try again starts from the file's beginning
-        return blobs.put(client, namespace, data, job_id=invocation_id, kind=kind)
+        return blobs.put(client, namespace, data, job_id=blobs.private_job_id(invocation_id), kind=kind)
 
     ref: dict[str, Any] = retrying(attempts=ATTEMPTS)(once)
     return ref

@@ -29,6 +29,7 @@ import contextlib
 import hashlib
 import os
 import re
+import secrets
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any, Union
@@ -46,6 +47,7 @@ __all__ = [
     "get",
     "is_ref",
     "presign_route",
+    "private_job_id",
     "put",
     "verify_sha256",
 ]
@@ -59,6 +61,15 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 Source = Union[
     bytes, bytearray, memoryview, str, "os.PathLike[str]", IO[bytes], Iterable[bytes], "list[bytes]"
 ]
+
+
+def private_job_id(invocation_id: str) -> str:
+    """``<invocation_id>.<80 random bits>``: the ``jobId`` lakeshore names its own blobs with.
+
+    A payload key is the only credential a presign GET needs (seed 003: the ``payloads/`` prefix
+    is the gate, keys carry no namespace), and invocation ids are not secrets (they show in logs
+    and URLs), so the key must not be derivable from one."""
+    return f"{invocation_id}.{secrets.token_hex(10)}"
 
 
 def presign_route(namespace: str) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -115,8 +116,10 @@ def _round_trip(cp: ControlPlane, n: Nymph, size: int) -> None:
     assert (row.args_ref is not None) is big and (row.args_blob == b"") is big
     assert (row.result_ref is not None) is big and (row.result_blob is None) is big
     if big:
-        assert row.args_ref["key"].endswith(f"/{inv}/args") and row.result_ref["key"].endswith(
-            f"/{inv}/result"
+        # payloads/<date>/<invocation id>.<80 random bits>/<kind>: not derivable from the id
+        assert re.fullmatch(rf"payloads/\d{{4}}/\d\d/\d\d/{inv}\.[0-9a-f]{{20}}/args", row.args_ref["key"])
+        assert re.fullmatch(
+            rf"payloads/\d{{4}}/\d\d/\d\d/{inv}\.[0-9a-f]{{20}}/result", row.result_ref["key"]
         )
 
 
@@ -143,7 +146,9 @@ def test_frames_over_the_threshold_go_by_reference(
     values_journaled = [f for f in journal if f.kind == wire.FRAME_VALUE]
     assert len(values_journaled) == 3
     for frame in values_journaled:  # the control plane holds refs, not 300 KiB bodies
-        assert isinstance(frame.body, dict) and frame.body["ref"]["key"].endswith(f"/{inv}/frame-{frame.seq}")
+        assert isinstance(frame.body, dict) and re.search(
+            rf"/{inv}\.[0-9a-f]{{20}}/frame-{frame.seq}$", frame.body["ref"]["key"]
+        )
         assert frame.body["ref"]["size"] == len(wire.pack(b"x" * (300 * KiB)))  # the packed value
     plane.close()
 

@@ -122,7 +122,9 @@ class HttpDispatch:
         from dreamlake.lakeshore import blobs
 
         try:
-            return blobs.put(self._client, self.namespace(), data, job_id=job_id, kind=kind)
+            return blobs.put(
+                self._client, self.namespace(), data, job_id=blobs.private_job_id(job_id), kind=kind
+            )
         except PlaneError as exc:
             if exc.status == 501:
                 log.info("%s has no payload store: payloads stay inline", self.url)
