@@ -346,3 +346,24 @@ def test_without_a_payload_store_everything_stays_inline(sqlite_control_plane: C
     assert row is not None and row.args_ref is None and len(row.args_blob) > 300 * KiB
     assert plane.inline_threshold is None  # not asked again
     plane.close()
+
+
+def test_the_sdk_worker_over_http_takes_and_gives_by_reference(blob_plane: ControlPlane) -> None:
+    """``run_worker`` on an HttpDispatch: it fetches ``args_ref`` at the claim, and ships a big
+    result and big frames by reference, like nymph."""
+    producer = _sdk(blob_plane)
+    worker = HttpDispatch(blob_plane.url, blob_plane.daemon_token, timeout=120.0)
+    q = dls.SyncQueue("sdkw", producer)
+    data = os.urandom(400 * KiB)
+    inv = udfs.echo.submit(data, _dispatch=producer, _queue="sdkw")
+    assert dls.run_worker(dls.SyncQueue("sdkw", worker), once=True, poll_timeout=10.0) == "succeeded"
+    assert q.result(inv, timeout=60)["data"] == data
+    row = blob_plane.store.get(inv)
+    assert row is not None and row.args_ref is not None and row.result_ref is not None
+    gen = udfs.big_frames.submit(2, 300 * KiB, _dispatch=producer, _queue="sdkw")
+    assert dls.run_worker(dls.SyncQueue("sdkw", worker), once=True, poll_timeout=10.0) == "succeeded"
+    assert list(q.stream(gen, timeout=60)) == [b"A" * (300 * KiB), b"B" * (300 * KiB)]
+    bodies = [wire.decode_frame(f.data).body for f in blob_plane.store.read_frames(gen)]
+    assert [isinstance(b, dict) and "ref" in b for b in bodies[:2]] == [True, True]
+    producer.close()
+    worker.close()
