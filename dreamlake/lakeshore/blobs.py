@@ -181,7 +181,7 @@ class _Body:
             for view in self._parts if self._parts is not None else [self._view]:
                 assert view is not None
                 for start in range(0, view.nbytes, CHUNK):
-                    yield bytes(view[start : start + CHUNK])
+                    yield view[start : start + CHUNK]  # type: ignore[misc]  # in place: h11 joins it once
         elif self._path is not None:
             with open(self._path, "rb") as f:
                 yield from iter(lambda: f.read(CHUNK), b"")
