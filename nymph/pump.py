@@ -177,6 +177,7 @@ class Pump:
         # (``ship(seq, body) -> ref``) and the frame sent with the body ``{"ref": ref}``
         self._ship = ship
         self._threshold = inline_threshold
+        self._spilling = False
         self.invocation_id = invocation_id
         self.attempt = attempt
         self.worker_id = worker_id
@@ -284,6 +285,7 @@ class Pump:
                 return batches
             self._inflight = None
             self._ended = True
+            self._spilling = True  # a big frame that cannot be uploaded now is kept inline
             while (batch := self._next_batch()) is not None:
                 batches.append(batch.frames)
                 self._offsets.update(batch.end)  # in memory only: pump.json keeps what was confirmed
@@ -500,7 +502,16 @@ class Pump:
         frame = wire.decode_frame(data)
         if not isinstance(frame.body, bytes) or len(frame.body) <= self._threshold:
             return data
-        ref = self._ship(frame.seq, frame.body)
+        try:
+            ref = self._ship(frame.seq, frame.body)
+        except LakeshoreError as exc:
+            if not self._spilling:
+                raise
+            log.warning(
+                "invocation %s: frame %d (%d bytes) kept inline in the outbox: its upload failed: %s",
+                self.invocation_id, frame.seq, len(frame.body), exc,
+            )  # fmt: skip
+            return data
         return wire.encode_frame(frame.kind, frame.seq, {"ref": ref}, frame.meta)
 
     def _log_batch(self) -> Batch | None:
