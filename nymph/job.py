@@ -29,8 +29,8 @@ from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.daemon.entry import ALLOW_MODULES_ENV, module_allowed, module_refusal
 from dreamlake.lakeshore.envelope import Envelope, is_pickled
 from dreamlake.lakeshore.errors import LakeshoreError
+from nymph import codecache, taskuser
 from nymph import observability as obs
-from nymph import taskuser
 from nymph import workdir as wd
 from nymph.errors import Refused
 from nymph.lifecycle import SHUTDOWN_MESSAGE, JobContext, Phase, Stop, SupervisedJob, backoff_s
@@ -73,6 +73,9 @@ class Job(SupervisedJob[wd.Outcome]):
         self.as_user: str | None = body.get("as_user") or self.run_config.get("as_user")
         self.run_as: str | None = self.as_user  # who the task runs as (nymph.taskuser), set by the gates
         self._pump: Pump | None = None
+        self._code: dict[str, Any] | None = None  # cfg["code"] of the Envelope: a shipped code archive
+        self._code_held: str | None = None  # the sha256 this job holds in the code cache
+        self._code_dirs: list[Path] = []
         self._overflow: str | None = None  # why the stream overflowed (the invocation fails)
         self.state: str | None = None  # the settled state; "deferred": left for the next life
 
@@ -87,6 +90,7 @@ class Job(SupervisedJob[wd.Outcome]):
             self._after.join()
             self._after = None
         self._gates()
+        self._fetch_code()
         gpus = self.ctx.slots.acquire_gpus(gpus_requested(self.run_config), self._stop_event)
         if gpus is None:  # stopped while waiting for devices
             return None
@@ -118,7 +122,38 @@ class Job(SupervisedJob[wd.Outcome]):
             run_config=self.run_config,
             gpus=list(self._gpus),
             labels={"nymph.invocation": self.invocation_id, "nymph.worker": self.ctx.worker_id, **cfg.labels},
+            code_dirs=list(self._code_dirs),
         )
+
+    def _fetch_code(self) -> None:
+        """The code archive the call shipped, fetched once per sha256 into the cache (nymph.codecache)
+        and held while the task runs; a corrupt or unsafe one refuses the invocation here."""
+        code = self._code
+        if code is None:
+            return
+        cache = self._code_cache()
+        try:
+            path = cache.acquire(code)
+        except codecache.CodeArchiveError as exc:
+            raise Refused("CodeArchiveRefused", str(exc)) from exc
+        except OSError as exc:
+            raise Refused(
+                "CodeArchiveRefused", f"code archive: cannot unpack into {cache.root}: {exc}"
+            ) from exc
+        self._code_held = str(code["sha256"])
+        self._code_dirs = [path]
+
+    def _code_cache(self) -> codecache.CodeCache:
+        cfg = self.ctx.config
+        return codecache.shared(
+            cfg.code_cache_dir, max_bytes=cfg.code_cache_max_bytes, max_age_s=cfg.code_cache_max_age_s
+        )
+
+    def _release(self) -> None:
+        if self._code_held is not None:
+            self._code_cache().release(self._code_held)
+            self._code_held = None
+        super()._release()
 
     def _gates(self) -> None:
         cfg = self.ctx.config
@@ -138,6 +173,10 @@ class Job(SupervisedJob[wd.Outcome]):
             except LakeshoreError as exc:
                 raise Refused(type(exc).__name__, f"bad envelope: {exc}") from exc
             fn = header.get("fn") or {}
+            code = (header.get("cfg") or {}).get("code")
+            if code is not None and not isinstance(code, dict):
+                raise Refused("CodeArchiveRefused", f"cfg.code must be a map, got {type(code).__name__}")
+            self._code = code
             if is_pickled(fn) and not cfg.allow_pickled:
                 raise Refused(
                     "PickleRefused",
@@ -221,6 +260,7 @@ class Job(SupervisedJob[wd.Outcome]):
             env["LAKESHORE_TOKEN"] = token
         if os.environ.get("PYTHONPATH"):
             env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+        env.update(codecache.code_env(self._code_dirs))  # first on the task's import path
         if self._gpus or self.ctx.slots.gpu_total:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self._gpus)
         return env

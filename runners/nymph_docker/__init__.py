@@ -55,6 +55,8 @@ from nymph.runnerkit import (
     ENTRY_MODULE,
     SCRIPT_SHIM,
     WORKDIR_TARGET,
+    code_mounts,
+    code_path_env,
     handle_workdir,
     log_tail,
     option_list,
@@ -413,6 +415,9 @@ class DockerRunner:
             Mount(target=BUNDLE_TARGET, source=str(self._bundle_path()), type="bind", read_only=True),
         ]
         mounts += [Mount(target=d, source=d, type="bind", read_only=True) for d in code]
+        shipped = code_mounts(task)  # the code archives the call shipped, first on the import path
+        mounts += [Mount(target=target, source=host, type="bind", read_only=True) for host, target in shipped]
+        env.update(code_path_env(shipped))
         kwargs: dict[str, Any] = {
             "environment": env,
             "working_dir": WORKDIR_TARGET,

@@ -1,0 +1,110 @@
+"""Code archives end to end (issue 13): a new user's local package, never installed on the worker,
+submitted with the SDK over real HTTP to ``lakeshore``'s control plane and run by a real nymph
+(process runner) whose ``PYTHONPATH`` does not hold it.
+
+Covers what the runner conformance suite cannot see from below the agent: the SDK's default
+(``"auto"``) picking the package, nymph's cache fetching an archive once per sha256 (the second
+call runs the very files the first unpacked), an edit picked up by the next submit with no restart,
+two versions in flight on one nymph, and a tampered archive refused with the seed's message before
+anything runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import dreamlake.lakeshore as dls
+from dreamlake.lakeshore.dispatch import HttpDispatch
+from tests import code_kit
+from tests.integration.conftest import ControlPlane
+from tests.integration.test_nymph_agent import Nymph, _until, await_result, nymph_factory, submit
+
+__all__ = ["nymph_factory"]  # the fixture, shared with the agent's tests
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def user_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, str]]:
+    """(where, name) of a fresh local package; the SDK's own default applies (no LAKESHORE_CODE)."""
+    import sys
+
+    monkeypatch.delenv("LAKESHORE_CODE", raising=False)
+    src, name = tmp_path / "src", code_kit.unique_name()
+    yield src, name
+    if str(src) in sys.path:
+        sys.path.remove(str(src))
+
+
+def _workdir_of(n: Nymph, inv: str) -> Path:
+    return n.workdir / inv
+
+
+def test_a_local_package_ships_with_the_call(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph], user_package: tuple[Path, str]
+) -> None:
+    cp = sqlite_control_plane
+    src, name = user_package
+    n = nymph_factory(cp.url, cp.daemon_token, "--concurrency", "2")
+    plane = HttpDispatch(cp.url, cp.producer_token)
+    q = dls.SyncQueue("default", plane)
+    try:
+        code_kit.write_package(src, name, "one")
+        v1 = code_kit.load(src, name)
+        first = q.result(v1.which.submit(_dispatch=plane), timeout=120)
+        assert first["version"] == "one", (first, n.output()[-3000:])
+        shipped = Path(first["file"])
+        assert shipped.is_relative_to(n.workdir / ".code"), first  # nymph's cache, not the host
+        assert shipped.parent.name == name and (shipped.parent / "helpers.py").is_file()
+        assert not (shipped.parent / "data.bin").exists()  # .gitignore'd: never shipped
+        unpacked = os.stat(shipped).st_ino
+
+        again = q.result(v1.which.submit(_dispatch=plane), timeout=120)  # the cache hit
+        assert again["file"] == first["file"] and os.stat(shipped).st_ino == unpacked
+        assert [p.name for p in (n.workdir / ".code").iterdir()] == [shipped.parent.parent.name]
+
+        # an edit while version one runs: both in flight at once, each runs its own
+        old = v1.which.submit("release", _dispatch=plane)
+        _until(lambda: _workdir_of(n, old).is_dir() and plane.status(old)["state"] == "running", "v1 to run")
+        code_kit.write_package(src, name, "second")
+        new = code_kit.load(src, name).which.submit("release", _dispatch=plane)
+        _until(lambda: _workdir_of(n, new).is_dir() and plane.status(new)["state"] == "running", "v2 to run")
+        for inv in (old, new):
+            (_workdir_of(n, inv) / "release").touch()
+        outs = [q.result(inv, timeout=120) for inv in (old, new)]
+        assert [(o["version"], o["helper"]) for o in outs] == [
+            ("one", "one-helper"),
+            ("second", "second-helper"),
+        ]
+        assert outs[0]["file"] == first["file"] and outs[1]["file"] != first["file"]
+    finally:
+        plane.close()
+
+
+def test_a_tampered_archive_is_refused_before_anything_runs(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph], user_package: tuple[Path, str]
+) -> None:
+    cp = sqlite_control_plane
+    src, name = user_package
+    n = nymph_factory(cp.url, cp.daemon_token)
+    code_kit.write_package(src, name, "one")
+    envelope = code_kit.load(src, name).which.thunk().to_envelope()
+    record: dict[str, Any] = envelope.cfg["code"]
+    good = record["sha256"]
+    tampered = bytearray(record["inline"])
+    tampered[len(tampered) // 2] ^= 0xFF  # one byte flipped on the way: the same size, other bytes
+    record["inline"] = bytes(tampered)
+    inv = submit(cp.url, cp.producer_token, envelope.to_bytes())
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert out["state"] == "failed", (out, n.output()[-3000:])
+    assert out["error"]["type"] == "CodeArchiveRefused"
+    assert out["error"]["message"].startswith(
+        f"code archive: payload corrupt: sha256 mismatch (expected {good}, got "
+    )
+    assert not (n.workdir / ".code" / good).exists()  # nothing unpacked
+    assert not (n.workdir / inv).exists()  # refused before its workdir was made: nothing ran
