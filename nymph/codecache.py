@@ -151,7 +151,7 @@ class CodeCache:
 
     def _unpack(self, sha: str, data: bytes, target: Path) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.root, 0o755)
+        os.chmod(self.root, 0o711)  # traversable by task users, not listable
         staging = Path(self._mkdtemp(sha))
         try:
             _extract(data, staging)
@@ -331,6 +331,24 @@ def _remove(path: Path) -> None:
     except OSError:
         pass
     shutil.rmtree(path, ignore_errors=True)
+
+
+def shipped_modules(path: Path) -> list[str]:
+    """Every module an unpacked archive makes importable (``pkg``, ``pkg.sub``, ``tool``), sorted:
+    what ``--allow-module`` must allow before the archive goes on a task's import path."""
+    import importlib.machinery
+
+    suffixes = tuple(importlib.machinery.all_suffixes())
+    found = set()
+    for here, _dirs, files in os.walk(path):
+        rel = Path(here).relative_to(path).parts
+        for name in files:
+            suffix = next((s for s in suffixes if name.endswith(s)), None)
+            if suffix is None:
+                continue
+            stem = name[: -len(suffix)].partition(".")[0]  # mod.cpython-311-x86_64-linux-gnu.so -> mod
+            found.add(".".join(rel if stem == "__init__" else (*rel, stem)))
+    return sorted(m for m in found if m)
 
 
 def code_env(dirs: list[Path]) -> dict[str, str]:

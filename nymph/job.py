@@ -141,6 +141,18 @@ class Job(SupervisedJob[wd.Outcome]):
                 "CodeArchiveRefused", f"code archive: cannot unpack into {cache.root}: {exc}"
             ) from exc
         self._code_held = str(code["sha256"])
+        patterns = list(self.ctx.config.allow_modules)
+        if patterns:  # the policy sees the shipped code: every module it ships must be allowed
+            refused = [m for m in codecache.shipped_modules(path) if not module_allowed(m, patterns)]
+            if refused:
+                self._release_code()
+                raise Refused(
+                    "ModuleRefused",
+                    f"the call ships code with module {refused[0]!r} (of {len(refused)} refused) but this "
+                    f"worker runs only modules matching {' / '.join(patterns)}; ship only allowed "
+                    f"packages (code=[...]), deploy the code instead (code=None), or start nymph with "
+                    f"--allow-module matching {refused[0]!r}",
+                )
         self._code_dirs = [path]
 
     def _code_cache(self) -> codecache.CodeCache:
@@ -149,10 +161,13 @@ class Job(SupervisedJob[wd.Outcome]):
             cfg.code_cache_dir, max_bytes=cfg.code_cache_max_bytes, max_age_s=cfg.code_cache_max_age_s
         )
 
-    def _release(self) -> None:
+    def _release_code(self) -> None:
         if self._code_held is not None:
             self._code_cache().release(self._code_held)
             self._code_held = None
+
+    def _release(self) -> None:
+        self._release_code()
         super()._release()
 
     def _gates(self) -> None:

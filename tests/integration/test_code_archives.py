@@ -12,6 +12,8 @@ anything runs.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ import pytest
 import dreamlake.lakeshore as dls
 from dreamlake.lakeshore.dispatch import HttpDispatch
 from tests import code_kit
+from tests.conftest import ROOT
 from tests.integration.conftest import ControlPlane
 from tests.integration.test_nymph_agent import Nymph, _until, await_result, nymph_factory, submit
 
@@ -32,8 +35,6 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.fixture
 def user_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, str]]:
     """(where, name) of a fresh local package; the SDK's own default applies (no LAKESHORE_CODE)."""
-    import sys
-
     monkeypatch.delenv("LAKESHORE_CODE", raising=False)
     src, name = tmp_path / "src", code_kit.unique_name()
     yield src, name
@@ -108,3 +109,19 @@ def test_a_tampered_archive_is_refused_before_anything_runs(
     )
     assert not (n.workdir / ".code" / good).exists()  # nothing unpacked
     assert not (n.workdir / inv).exists()  # refused before its workdir was made: nothing ran
+
+
+def test_example_06_ships_its_local_package() -> None:
+    """``examples/06_ship_code.py`` as a user runs it: its nymph's PYTHONPATH lacks examples/."""
+    env = {k: v for k, v in os.environ.items() if k != "LAKESHORE_CODE"}  # the SDK's own default
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "runners")])
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "06_ship_code.py")],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=env,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout == "mean 2.50, spread 3.00\nran from nymph's code cache: True\n"
