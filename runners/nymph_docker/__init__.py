@@ -15,6 +15,8 @@ The container::
     code_dirs    host directories of user code, read-only at the same path, on PYTHONPATH; with
                  mount_pythonpath (default) also the existing entries of the task's PYTHONPATH (the
                  operator's code on nymph's own PYTHONPATH, as the process runner sees it)
+    /opt/lakeshore/code/<sha256>   each code archive the call shipped (nymph's code cache),
+                 read-only, first on the import path (LAKESHORE_CODE_PATH; the entry puts it there)
     user         as_user mapped to uid:gid (users option, else the host's passwd); else the owner of
                  the workdir, so the bind-mounted workdir stays writable
     security     cap_drop ALL, no-new-privileges, never privileged, network "none" by default,
