@@ -118,6 +118,15 @@ class CodeCache:
         self.prune()
         return target
 
+    def hold(self, sha256: str) -> bool:
+        """Hold an archive already unpacked (a task a restarted nymph re-attached to runs from it);
+        False when it is not in the cache. :meth:`release` it as an acquired one."""
+        if not _is_sha256(sha256) or not self.path_for(sha256).is_dir():
+            return False
+        with self._lock:
+            self._held[sha256] = self._held.get(sha256, 0) + 1
+        return True
+
     def release(self, sha256: str) -> None:
         with self._lock:
             left = self._held.get(sha256, 0) - 1

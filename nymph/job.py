@@ -109,6 +109,7 @@ class Job(SupervisedJob[wd.Outcome]):
             "worker_id": self.ctx.worker_id,
         }
         meta["run_as"] = self.run_as
+        meta["code_sha256"] = self._code_held  # a restarted nymph holds the archive its task runs from
         self.workdir = wd.create(
             cfg.workdir, self.invocation_id, bytes(self.body.get("args_blob") or b""), meta, self.run_as
         )
@@ -295,6 +296,9 @@ class Job(SupervisedJob[wd.Outcome]):
         job.workdir = workdir
         job.handle = handle
         job.started_at = float(meta.get("started_at") or time.time())
+        code = meta.get("code_sha256")
+        if handle is not None and isinstance(code, str) and job._code_cache().hold(code):
+            job._code_held = code  # the task still runs from it: pruning leaves it until the job ends
         gpus = [str(g) for g in meta.get("gpus") or []]
         if handle is not None and gpus and ctx.slots.claim_gpus(gpus):
             job._gpus = gpus

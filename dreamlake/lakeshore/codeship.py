@@ -28,6 +28,7 @@ Submitter side only: never imported by the entry (nymph unpacks, see ``nymph.cod
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import os
@@ -102,7 +103,8 @@ def set_default_code(code: object = _UNSET) -> None:
     _default = _UNSET if code is _UNSET else normalize_code(code)
 
 
-def _installed_dirs() -> list[str]:
+@functools.lru_cache(maxsize=1)
+def _installed_dirs() -> tuple[str, ...]:
     """Directories whose modules come from an installation: the standard library and every site dir."""
     import site
 
@@ -113,13 +115,25 @@ def _installed_dirs() -> list[str]:
         pass
     user = site.getusersitepackages() if hasattr(site, "getusersitepackages") else None
     dirs.add(user)
-    return [os.path.realpath(d) + os.sep for d in dirs if d]
+    return tuple(os.path.realpath(d) + os.sep for d in dirs if d)
 
 
 def local_root(module: str) -> Path | None:
     """The directory (package) or file (module) ``"auto"`` packs for ``module``; None: ship nothing."""
     top = module.partition(".")[0]
-    if module == "__main__" or top in RUNTIME_PACKAGES or top in sys.builtin_module_names:
+    loaded = sys.modules.get(top)
+    key = (top, getattr(loaded, "__file__", None), tuple(getattr(loaded, "__path__", None) or ()))
+    known = _ROOTS.get(key, _UNSET)
+    if known is _UNSET:
+        known = _ROOTS[key] = _local_root(top)
+    return known  # type: ignore[return-value]
+
+
+_ROOTS: dict[tuple[Any, ...], object] = {}  # where each loaded top-level package lives: fixed once imported
+
+
+def _local_root(top: str) -> Path | None:
+    if top == "__main__" or top in RUNTIME_PACKAGES or top in sys.builtin_module_names:
         return None
     if top in getattr(sys, "stdlib_module_names", ()):
         return None
@@ -199,29 +213,37 @@ class _PlainIgnore:
         return False
 
 
-def _files(root: Path) -> list[tuple[str, Path]]:
-    """``(archive name, source path)`` of every file under ``root`` that ships, sorted by name."""
-    if root.is_file():
-        return [(root.name, root)]
+def _files(root: Path) -> list[tuple[str, str, os.stat_result]]:
+    """``(archive name, source path, stat)`` of every file under ``root`` that ships, sorted by name.
+
+    One ``os.scandir`` pass, one stat per file (a submit pays this walk to notice an edit)."""
+    top = str(root)
+    if not os.path.isdir(top):
+        return [(root.name, top, os.stat(top))]
     spec = _ignore_spec(root)
-    out: list[tuple[str, Path]] = []
-    for here, dirs, names in os.walk(root):
-        rel_dir = os.path.relpath(here, root)
-        rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
-        kept = []
-        for d in dirs:
-            if d in ALWAYS_DROPPED or (spec is not None and spec.match_file(rel_dir + d + "/")):
-                continue
-            kept.append(d)
-        dirs[:] = sorted(kept)  # links to directories are not followed (os.walk's default)
-        for name in names:
+    out: list[tuple[str, str, os.stat_result]] = []
+    pending = [(top, root.name + "/", "")]
+    while pending:
+        here, prefix, rel_dir = pending.pop()
+        with os.scandir(here) as it:
+            entries = list(it)
+        for entry in entries:
+            name = entry.name
             rel = rel_dir + name
+            if entry.is_dir(follow_symlinks=False):  # links to directories are not followed
+                if name in ALWAYS_DROPPED or (spec is not None and spec.match_file(rel + "/")):
+                    continue
+                pending.append((entry.path, prefix + name + "/", rel + "/"))
+                continue
             if name.endswith(DROPPED_SUFFIXES) or (spec is not None and spec.match_file(rel)):
                 continue
-            path = Path(here, name)
-            if path.is_file():  # a link to a file ships its content; a dangling one nothing
-                out.append((f"{root.name}/{rel}", path))
-    out.sort()
+            try:
+                st = entry.stat()  # a link to a file ships its content; a dangling one nothing
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                out.append((prefix + name, entry.path, st))
+    out.sort(key=lambda e: e[0])
     return out
 
 
@@ -261,9 +283,10 @@ def pack(roots: Sequence[Path], limit: int | None = None) -> bytes:
     buf = io.BytesIO()
     raw = 0
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as zf:
-        entries = sorted(e for root in roots for e in _files(root))
-        for name, path in entries:
-            data = path.read_bytes()
+        entries = sorted((e for root in roots for e in _files(root)), key=lambda e: e[0])
+        for name, path, _ in entries:
+            with open(path, "rb") as f:
+                data = f.read()
             raw += len(data)
             if raw > 4 * limit:  # stop reading early on a directory of data
                 raise _too_big(roots, raw, limit)
@@ -282,12 +305,9 @@ def pack(roots: Sequence[Path], limit: int | None = None) -> bytes:
 
 def _fingerprint(roots: Sequence[Path]) -> tuple[Any, ...]:
     """What decides whether the archive must be built again: every shipped file's name, size, mtime."""
-    out: list[Any] = []
-    for root in roots:
-        for name, path in _files(root):
-            st = path.stat()
-            out.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
-    return tuple(out)
+    return tuple(
+        (name, st.st_size, st.st_mtime_ns, st.st_ino) for root in roots for name, _, st in _files(root)
+    )
 
 
 class _Shipped:

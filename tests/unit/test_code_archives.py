@@ -20,7 +20,7 @@ import dreamlake.lakeshore as dls
 from dreamlake.lakeshore import codeship
 from dreamlake.lakeshore.envelope import Envelope
 from dreamlake.lakeshore.errors import TransportError
-from nymph.codecache import CodeArchiveError, CodeCache
+from nymph.codecache import CodeArchiveError, CodeCache, shipped_modules
 from tests import code_kit, nymph_fns
 
 
@@ -253,3 +253,29 @@ def test_prune_drops_old_and_least_recent_but_never_what_a_task_holds(tmp_path: 
     cache.release(records[0]["sha256"])
     assert cache.prune(now=time.time() + 7200) == [records[0]["sha256"], records[2]["sha256"]]
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_a_restarted_nymph_holds_the_archive_its_reattached_task_runs_from(tmp_path: Path) -> None:
+    first = CodeCache(tmp_path / "cache", max_bytes=0)
+    record = _zip({"m/__init__.py": b"x" * 100})
+    first.release(first.acquire(record).name)
+    second = CodeCache(tmp_path / "cache", max_bytes=0)  # the next life: nothing held in memory
+    assert second.hold(record["sha256"]) and not second.hold("f" * 64)
+    assert second.prune() == []  # over max_bytes, but a running task holds it
+    second.release(record["sha256"])
+    assert second.prune() == [record["sha256"]]
+
+
+def test_shipped_modules_lists_what_the_archive_makes_importable(tmp_path: Path) -> None:
+    record = _zip(
+        {
+            "pkg/__init__.py": b"",
+            "pkg/sub/__init__.py": b"",
+            "pkg/sub/mod.py": b"",
+            "pkg/fast.cpython-311-x86_64-linux-gnu.so": b"",
+            "pkg/data.json": b"{}",
+            "tool.py": b"",
+        }
+    )
+    path = CodeCache(tmp_path / "cache").acquire(record)
+    assert shipped_modules(path) == ["pkg", "pkg.fast", "pkg.sub", "pkg.sub.mod", "tool"]
