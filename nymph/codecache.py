@@ -43,6 +43,7 @@ from nymph.errors import NymphError
 log = logging.getLogger(__name__)
 
 MAX_ENTRIES = 20_000
+MAX_FETCH_BYTES = 256 * 1024 * 1024  # an archive fetched by reference larger than this is refused
 MAX_UNPACKED_BYTES = 512 * 1024 * 1024
 DEFAULT_MAX_BYTES = 2 * 1024**3
 DEFAULT_MAX_AGE_S = 7 * 24 * 3600.0
@@ -58,8 +59,7 @@ Fetch = Callable[[Mapping[str, Any]], bytes]
 
 def _no_fetch(ref: Mapping[str, Any]) -> bytes:
     raise CodeArchiveError(
-        "the code archive came by reference (cfg.code.ref) and this nymph cannot fetch payload refs "
-        "yet: ship it inline (under the inline threshold) or upgrade nymph"
+        "the code archive came by reference (cfg.code.ref) and this cache has no way to fetch it"
     )
 
 

@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from dreamlake.lakeshore import wire
+from dreamlake.lakeshore import blobs, wire
 from dreamlake.lakeshore.daemon.entry import ALLOW_MODULES_ENV, module_allowed, module_refusal
 from dreamlake.lakeshore.envelope import Envelope, is_pickled
-from dreamlake.lakeshore.errors import LakeshoreError
+from dreamlake.lakeshore.errors import LakeshoreError, PayloadCorrupt
 from nymph import codecache, taskuser
 from nymph import observability as obs
 from nymph import workdir as wd
@@ -134,7 +134,7 @@ class Job(SupervisedJob[wd.Outcome]):
             return
         cache = self._code_cache()
         try:
-            path = cache.acquire(code)
+            path = cache.acquire(code, fetch=lambda ref: self._fetch_code_ref(code, ref))
         except codecache.CodeArchiveError as exc:
             raise Refused("CodeArchiveRefused", str(exc)) from exc
         except OSError as exc:
@@ -155,6 +155,26 @@ class Job(SupervisedJob[wd.Outcome]):
                     f"--allow-module matching {refused[0]!r}",
                 )
         self._code_dirs = [path]
+
+    def _fetch_code_ref(self, code: dict[str, Any], ref: Any) -> bytes:
+        """An archive shipped by reference, through the presign route of the namespace it was
+        uploaded to (``dreamlake.lakeshore.blobs``: size and sha256 checked on the way)."""
+        client = self.ctx.client
+        if client is None:
+            raise codecache.CodeArchiveError(
+                "code archive by reference: this nymph has no control-plane client"
+            )
+        namespace = str(code.get("namespace") or self.ctx.config.namespace or "default")
+        try:
+            data = blobs.get(client, namespace, dict(ref), limit=codecache.MAX_FETCH_BYTES)
+        except PayloadCorrupt as exc:
+            raise codecache.CodeArchiveError(f"code archive: {exc}") from exc
+        except LakeshoreError as exc:
+            raise codecache.CodeArchiveError(
+                f"code archive: cannot fetch {ref.get('key')!r} from the payload store: {exc}"
+            ) from exc
+        assert data is not None
+        return bytes(data)
 
     def _code_cache(self) -> codecache.CodeCache:
         cfg = self.ctx.config

@@ -18,10 +18,11 @@ The archive is a deterministic zip: entries sorted, timestamps fixed (1980-01-01
 file changed (a stat of every packed file per submit: an edit is picked up by the next call).
 Archives up to ``LAKESHORE_INLINE_THRESHOLD_BYTES`` (seed 003: 256 KiB) travel inline in the
 Envelope; larger ones go through the payload store once per content per process
-(:func:`_store_archive`). The record (docs/protocol.md "Code archives")::
+(:func:`_store_archive`: ``dreamlake.lakeshore.blobs`` through the presign route, kind ``code``). The record (docs/protocol.md "Code archives")::
 
     {"sha256": "<64 hex>", "size": <archive bytes>, "roots": ["mylib"], "inline": b"PK..."}
-    {"sha256": "<64 hex>", "size": <archive bytes>, "roots": ["mylib"], "ref": {...payloadRef}}
+    {"sha256": "<64 hex>", "size": <archive bytes>, "roots": ["mylib"],
+     "ref": {"bucket", "key", "size", "sha256"}, "namespace": "<the presign route's namespace>"}
 
 Submitter side only: never imported by the entry (nymph unpacks, see ``nymph.codecache``).
 """
@@ -36,6 +37,7 @@ import stat
 import sys
 import sysconfig
 import threading
+import time
 import zipfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -60,6 +62,7 @@ MAX_ENV = "LAKESHORE_CODE_MAX_BYTES"
 THRESHOLD_ENV = "LAKESHORE_INLINE_THRESHOLD_BYTES"
 CODE_MAX_BYTES = 32 * 1024 * 1024
 INLINE_THRESHOLD_BYTES = 256 * 1024  # seed 003's default; the server enforces its own
+STORED_FOR_S = 24 * 3600.0  # a stored archive is uploaded again after this (the store prunes old blobs)
 FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # the zip epoch: the same bytes whenever the files are the same
 ALWAYS_DROPPED = ("__pycache__", ".git", ".hg", ".svn", ".mypy_cache", ".pytest_cache", ".ruff_cache")
 DROPPED_SUFFIXES = (".pyc", ".pyo")
@@ -316,7 +319,8 @@ class _Shipped:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.built: dict[tuple[str, ...], tuple[tuple[Any, ...], bytes, str]] = {}
-        self.stored: dict[str, Any] = {}  # sha256 -> payload ref, uploaded once per content
+        # (sha256, control plane) -> (when, {ref, namespace}): uploaded once per content and plane
+        self.stored: dict[tuple[str, Any], tuple[float, dict[str, Any]]] = {}
 
 
 _SHIPPED = _Shipped()
@@ -344,20 +348,52 @@ def code_record(
     if len(data) <= _threshold():
         record["inline"] = data
         return record
+    where = (digest, getattr(getattr(plane, "_client", None), "url", None))  # per control plane
     with _SHIPPED.lock:
-        ref = _SHIPPED.stored.get(digest)
-    if ref is None:
-        ref = _store_archive(data, digest, plane)
+        known_ref = _SHIPPED.stored.get(where)
+    if known_ref is None or time.monotonic() - known_ref[0] > STORED_FOR_S:
+        known_ref = (time.monotonic(), _store_archive(data, digest, plane))
         with _SHIPPED.lock:
-            _SHIPPED.stored[digest] = ref
-    record["ref"] = ref
+            _SHIPPED.stored[where] = known_ref
+    record.update(known_ref[1])
     return record
 
 
-def _store_archive(data: bytes, digest: str, plane: Any) -> Any:
-    """Upload an archive over the inline threshold through the payload store; its payloadRef."""
-    raise TransportError(
-        f"code archive is {len(data)} bytes, over the {_threshold()}-byte inline threshold, and this "
-        "SDK cannot ship it by reference yet (the payload store client is not wired): ship less code "
-        f"(a .gitignore, code=[...]) or raise {THRESHOLD_ENV} on both sides"
-    )
+def _store_archive(data: bytes, digest: str, plane: Any) -> dict[str, Any]:
+    """Upload an archive over the inline threshold through the payload store (the presign route of
+    the namespace the plane's token acts in, kind ``code``); the record's ``ref`` and ``namespace``."""
+    from dreamlake.lakeshore.client import PlaneClient
+
+    client = getattr(plane, "_client", None)
+    if not isinstance(client, PlaneClient):
+        raise TransportError(
+            f"code archive is {len(data)} bytes, over the {_threshold()}-byte inline threshold, and "
+            f"{type(plane).__name__ if plane is not None else 'no plane'} has no payload store to ship "
+            "it through: submit through an HttpDispatch (a control plane), ship less code (a "
+            f".gitignore, code=[...]) or raise {THRESHOLD_ENV}"
+        )
+    try:
+        from dreamlake.lakeshore import blobs
+    except ModuleNotFoundError as exc:  # inside a task whose image has only the entry bundle
+        raise TransportError(
+            f"code archive is {len(data)} bytes, over the {_threshold()}-byte inline threshold, and "
+            f"the payload store client cannot load here ({exc}): install dreamlake-lakeshore in the "
+            "image, or ship less code (code=[...])"
+        ) from exc
+    namespace = _namespace(client)
+    ref = blobs.put(client, namespace, memoryview(data), job_id=digest, kind="code")
+    return {"ref": ref, "namespace": namespace}
+
+
+def _namespace(client: Any) -> str:
+    """The namespace the client's token acts in (``GET /v1/ops/whoami``; unbound: ``default``)."""
+    known = _NAMESPACES.get(id(client))
+    if known is not None and known[0] is client:
+        return known[1]
+    who = client.request("GET", "/v1/ops/whoami", as_json=True)
+    namespace = str((who or {}).get("namespace") or "default")
+    _NAMESPACES[id(client)] = (client, namespace)
+    return namespace
+
+
+_NAMESPACES: dict[int, tuple[Any, str]] = {}

@@ -22,9 +22,11 @@ import pytest
 
 import dreamlake.lakeshore as dls
 from dreamlake.lakeshore.dispatch import HttpDispatch
+from dreamlake.lakeshore.server.payloads import PayloadConfig, PayloadStore
 from tests import code_kit
 from tests.conftest import ROOT
-from tests.integration.conftest import ControlPlane
+from tests.integration.conftest import ControlPlane, local_blobs, running_control_plane
+from tests.integration.s3_fixture import S3Service
 from tests.integration.test_nymph_agent import Nymph, _until, await_result, nymph_factory, submit
 
 __all__ = ["nymph_factory"]  # the fixture, shared with the agent's tests
@@ -125,3 +127,76 @@ def test_example_06_ships_its_local_package() -> None:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout == "mean 2.50, spread 3.00\nran from nymph's code cache: True\n"
+
+
+# --- over the inline threshold: through the payload store (both tiers) ----------------------------
+
+
+class Tier:
+    """A control plane over one payload tier, and a way to rewrite a stored blob behind its back."""
+
+    def __init__(self, cp: ControlPlane, tamper: Callable[[str, bytes], None], keys: Callable[[], list[str]]):
+        self.cp, self.tamper, self.stored_keys = cp, tamper, keys
+
+
+@pytest.fixture(params=["local", "s3"])
+def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
+    if request.param == "local":  # the embedded default: a blob directory next to the SQLite store
+        root = tmp_path / "blobs"
+        with running_control_plane(str(tmp_path / "l.db"), payloads=local_blobs(root)) as cp:
+            yield Tier(
+                cp,
+                lambda key, data: (root / key).write_bytes(data),
+                lambda: [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()],
+            )
+        return
+    s3: S3Service = request.getfixturevalue("s3_service")
+    with running_control_plane(
+        str(tmp_path / "s.db"), payloads=PayloadStore(PayloadConfig.from_env(s3.env()))
+    ) as cp:
+        client = s3.client()
+        yield Tier(
+            cp,
+            lambda key, data: client.put_object(Bucket=s3.bucket, Key=key, Body=data),
+            lambda: [o["Key"] for o in client.list_objects_v2(Bucket=s3.bucket).get("Contents", [])],
+        )
+
+
+def test_an_archive_over_the_threshold_goes_by_ref_once_and_a_tampered_blob_is_refused(
+    tier: Tier,
+    nymph_factory: Callable[..., Nymph],
+    user_package: tuple[Path, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cp = tier.cp
+    src, name = user_package
+    monkeypatch.setenv("LAKESHORE_INLINE_THRESHOLD_BYTES", "256")  # every archive goes by reference
+    n = nymph_factory(cp.url, cp.daemon_token)
+    plane = HttpDispatch(cp.url, cp.producer_token)
+    q = dls.SyncQueue("default", plane)
+    try:
+        code_kit.write_package(src, name, "one")
+        which = code_kit.load(src, name).which
+        invs = [which.submit(_dispatch=plane) for _ in range(2)]
+        outs = [q.result(inv, timeout=120) for inv in invs]
+        assert [o["version"] for o in outs] == ["one", "one"], n.output()[-3000:]
+        assert Path(outs[0]["file"]).is_relative_to(n.workdir / ".code")
+        sha = Path(outs[0]["file"]).parent.parent.name
+        stored = [k for k in tier.stored_keys() if k.endswith(f"/{sha}/code")]
+        assert len(stored) == 1, tier.stored_keys()  # uploaded once for both calls
+
+        code_kit.write_package(src, name, "second")  # a new archive, whose stored blob is rewritten
+        envelope = code_kit.load(src, name).which.thunk().to_envelope(plane)
+        record = envelope.cfg["code"]
+        assert "inline" not in record and record["ref"]["sha256"] == record["sha256"]
+        tier.tamper(record["ref"]["key"], b"\0" * record["size"])
+        inv = plane.submit(envelope.to_bytes(), "default", {"queue": "default"}, None)
+        out = await_result(cp.url, cp.producer_token, inv)
+        assert out["state"] == "failed", (out, n.output()[-3000:])
+        assert out["error"]["type"] == "CodeArchiveRefused"
+        assert out["error"]["message"].startswith(
+            f"code archive: payload corrupt: sha256 mismatch (expected {record['sha256']}, got "
+        ), out["error"]
+        assert not (n.workdir / ".code" / record["sha256"]).exists()
+    finally:
+        plane.close()

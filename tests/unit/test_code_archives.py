@@ -142,14 +142,12 @@ def test_over_the_inline_threshold_goes_through_the_payload_store(
 
     def store(data: bytes, digest: str, plane: Any) -> dict[str, Any]:
         stored.append((data, digest))
-        return {"key": f"code/{digest}", "sha256": digest}
+        return {"ref": {"key": f"payloads/x/{digest}/code", "sha256": digest}, "namespace": "default"}
 
     monkeypatch.setattr(codeship, "_store_archive", store)
     first = _record(pkg)
-    assert "inline" not in first and first["ref"] == {
-        "key": f"code/{first['sha256']}",
-        "sha256": first["sha256"],
-    }
+    assert "inline" not in first and first["namespace"] == "default"
+    assert first["ref"] == {"key": f"payloads/x/{first['sha256']}/code", "sha256": first["sha256"]}
     assert _record(pkg) == first
     assert len(stored) == 1  # uploaded once per content per process
 
