@@ -210,6 +210,27 @@ def test_script_command_and_persistent_volume_claim(
     assert pod["metadata"]["annotations"]["nymph.script"] == "1"
 
 
+def test_a_shipped_code_archive_rides_the_workdir_claim(
+    make_runner: Callable[..., KubeRunner], started: TaskFactory
+) -> None:
+    runner = make_runner(workdir_volume="persistentVolumeClaim", workdir_claim="nymph-work")
+    task = started.task(docker_fns.noop)
+    sha = "a" * 64
+    task.code_dirs = [started.root.resolve() / ".code" / sha]
+    pod = runner.manifest(task, task.workdir.resolve(), "python:3.11-slim")
+    spec = pod["spec"]
+    assert not [v for v in spec["volumes"] if v["name"].startswith("code-")]  # no hostPath left
+    mounts = {m["mountPath"]: m for m in spec["containers"][0]["volumeMounts"]}
+    assert mounts[f"{CODE_TARGET}/{sha}"] == {
+        "name": "workdir",
+        "mountPath": f"{CODE_TARGET}/{sha}",
+        "readOnly": True,
+        "subPath": f".code/{sha}",
+    }
+    env = {e["name"]: e["value"] for e in spec["containers"][0]["env"]}
+    assert env["LAKESHORE_CODE_PATH"] == f"{CODE_TARGET}/{sha}"
+
+
 def test_refusals_before_anything_is_created(
     make_runner: Callable[..., KubeRunner], started: TaskFactory, fake: KubeFake
 ) -> None:

@@ -277,3 +277,41 @@ def test_shipped_modules_lists_what_the_archive_makes_importable(tmp_path: Path)
     )
     path = CodeCache(tmp_path / "cache").acquire(record)
     assert shipped_modules(path) == ["pkg", "pkg.fast", "pkg.sub", "pkg.sub.mod", "tool"]
+
+
+def _entry(workdir: Path, envelope: Envelope, code_dir: Path) -> dict[str, Any]:
+    """Run the entry on ``envelope`` with ``code_dir`` shipped; error.json (or the result)."""
+    import json
+    import subprocess
+    import sys
+
+    from dreamlake.lakeshore import wire
+    from tests.conftest import ROOT
+
+    workdir.mkdir()
+    (workdir / "args.msgpack").write_bytes(envelope.to_bytes())
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT), "LAKESHORE_CODE_PATH": str(code_dir)}
+    subprocess.run(
+        [sys.executable, "-m", "dreamlake.lakeshore.daemon.entry", str(workdir)], env=env, timeout=60
+    )
+    if (workdir / "error.json").exists():
+        return dict(json.loads((workdir / "error.json").read_text()))
+    return {"result": wire.unpack((workdir / "result.msgpack").read_bytes())}
+
+
+def test_an_edit_runs_on_the_next_submit_and_one_that_moved_the_function_says_reload(
+    pkg: Any, tmp_path: Path
+) -> None:
+    cache = CodeCache(tmp_path / "cache")
+    fresh = pkg.which.thunk().to_envelope()
+    assert _entry(tmp_path / "w1", fresh, cache.acquire(fresh.cfg["code"]))["result"]["version"] == "one"
+    # edited on disk, never re-imported by the submitter: the shipped (new) code runs
+    code_kit.write_package(tmp_path / "src", pkg.__name__, "edited")
+    edited = pkg.which.thunk().to_envelope()
+    assert _entry(tmp_path / "w2", edited, cache.acquire(edited.cfg["code"]))["result"]["version"] == "edited"
+    # an edit that moved the function: the loaded function no longer matches its file
+    init = Path(pkg.__file__)
+    init.write_text("# a new first line\n" + init.read_text())
+    moved = pkg.which.thunk().to_envelope()
+    err = _entry(tmp_path / "w3", moved, cache.acquire(moved.cfg["code"]))
+    assert err.get("type") == "StaleSource" and "Reload the module" in err["message"], err
