@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from nymph import observability as obs
 from nymph.errors import NymphError
 
 log = logging.getLogger(__name__)
@@ -108,13 +109,17 @@ class CodeCache:
                     if record.get("inline") is not None:  # cheap to check: a tampered one is refused
                         self._bytes(record, fetch or self.fetch)  # whether the cache has it or not
                     _touch(target)
+                    obs.CODE_ARCHIVES.labels(result="hit").inc()
                     return target
                 data = self._bytes(record, fetch or self.fetch)
                 self._unpack(sha, data, target)
                 self.fetches += 1
-        except BaseException:
+        except BaseException as exc:
             self.release(sha)
+            if isinstance(exc, CodeArchiveError):
+                obs.CODE_ARCHIVES.labels(result="refused").inc()
             raise
+        obs.CODE_ARCHIVES.labels(result="fetched").inc()
         self.prune()
         return target
 

@@ -20,6 +20,7 @@ import dreamlake.lakeshore as dls
 from dreamlake.lakeshore import codeship
 from dreamlake.lakeshore.envelope import Envelope
 from dreamlake.lakeshore.errors import TransportError
+from nymph import observability as obs
 from nymph.codecache import CodeArchiveError, CodeCache, shipped_modules
 from tests import code_kit, nymph_fns
 
@@ -182,7 +183,9 @@ def test_cache_unpacks_once_read_only_and_refuses_a_tampered_archive(tmp_path: P
     assert (path / "m" / "__init__.py").read_bytes() == b"X = 1\n"
     assert stat.S_IMODE((path / "m" / "__init__.py").stat().st_mode) == 0o444
     assert stat.S_IMODE((path / "m").stat().st_mode) == 0o555
+    hits = obs.REGISTRY.get_sample_value("nymph_code_archives_total", {"result": "hit"}) or 0
     assert cache.acquire(record) == path and cache.fetches == 1  # the cache hit: not unpacked again
+    assert obs.REGISTRY.get_sample_value("nymph_code_archives_total", {"result": "hit"}) == hits + 1
     tampered = dict(record, inline=record["inline"].replace(b"X = 1", b"X = 2"))
     with pytest.raises(CodeArchiveError) as caught:
         cache.acquire(tampered)
