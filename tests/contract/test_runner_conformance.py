@@ -456,5 +456,10 @@ def test_shipped_code_runs_first_on_the_import_path_two_versions_at_once(
             assert out["file"] == str(shipped), out
             assert out["sys_path0"].startswith(str(shipped.parent.parent)), out  # first, for subprocesses too
         assert cache.fetches == 2
+        # the second version again: the cache hit, nothing unpacked, the same files run
+        again = _ship(factory, cache, code_kit.load(src, name).which)
+        assert again.code_dirs == second.code_dirs and cache.fetches == 2
+        _run(runner, again)
+        assert kit.result(again)["file"] == outs[1]["file"]
     finally:
         factory.destroy_all()
