@@ -318,3 +318,12 @@ def test_an_edit_runs_on_the_next_submit_and_one_that_moved_the_function_says_re
     moved = pkg.which.thunk().to_envelope()
     err = _entry(tmp_path / "w3", moved, cache.acquire(moved.cfg["code"]))
     assert err.get("type") == "StaleSource" and "Reload the module" in err["message"], err
+
+
+def test_without_pathspec_plain_gitignore_patterns_still_apply() -> None:
+    """Inside a task whose image has only the entry bundle (no pathspec), children still ship code."""
+    plain = codeship._PlainIgnore(["# data", "*.bin", "build/", "!keep.bin", "docs/*.md"])
+    assert plain.match_file("weights.bin") and plain.match_file("sub/weights.bin")
+    assert plain.match_file("build/") and not plain.match_file("build")  # a directory pattern
+    assert plain.match_file("docs/a.md") and not plain.match_file("a.md")
+    assert not plain.match_file("mod.py")
