@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from dreamlake.lakeshore import blobs, wire
+from dreamlake.lakeshore.client import retrying
 from dreamlake.lakeshore.daemon.entry import ALLOW_MODULES_ENV, module_allowed, module_refusal
 from dreamlake.lakeshore.envelope import Envelope, is_pickled
 from dreamlake.lakeshore.errors import LakeshoreError, PayloadCorrupt
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 _ERROR_TYPES = {"killed": "Cancelled", "timeout": "Timeout"}
 SPILL_AFTER_S = 2.0  # how long a finished job waits for its frames before the outbox takes them
+FETCH_ATTEMPTS = 4  # a code archive by reference: tries of the fetch while the store is unreachable
 
 
 class Job(SupervisedJob[wd.Outcome]):
@@ -166,8 +168,9 @@ class Job(SupervisedJob[wd.Outcome]):
                 "code archive by reference: this nymph has no control-plane client"
             )
         namespace = str(code.get("namespace") or self.ctx.config.namespace or "default")
-        try:
-            data = blobs.get(client, namespace, dict(ref), limit=codecache.MAX_FETCH_BYTES)
+        try:  # a control plane or store away for a moment costs a few retries, not the invocation
+            policy = retrying(attempts=FETCH_ATTEMPTS, initial_s=0.5)
+            data = policy(blobs.get, client, namespace, dict(ref), limit=codecache.MAX_FETCH_BYTES)
         except PayloadCorrupt as exc:
             raise codecache.CodeArchiveError(f"code archive: {exc}") from exc
         except LakeshoreError as exc:
