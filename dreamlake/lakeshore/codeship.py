@@ -6,7 +6,9 @@
 - ``"auto"`` (the default): the local, non-installed top-level package (or single module) the
   function comes from; nothing for a function from the standard library, site-packages (an
   installed distribution) or the SDK itself, and nothing for a ``__main__`` function (it travels
-  pickled, by value);
+  pickled, by value: name the local packages it uses with ``code=[...]``). An editable install
+  (``pip install -e``) counts as local: its files are not in site-packages, and the worker may
+  not have them;
 - a list of paths: each directory (a package) or ``.py`` file is packed under its own name, so
   ``code=["src/mylib", "tools.py"]`` makes ``mylib`` and ``tools`` importable on the worker;
 - ``None`` (``LAKESHORE_CODE=none``): nothing, the function's module must be deployed on the worker.
@@ -17,14 +19,17 @@ The archive is a deterministic zip: entries sorted, timestamps fixed (1980-01-01
 ``LAKESHORE_CODE_MAX_BYTES`` (default 32 MiB) with what to exclude, and built again only when a
 file changed (a stat of every packed file per submit: an edit is picked up by the next call).
 Archives up to ``LAKESHORE_INLINE_THRESHOLD_BYTES`` (seed 003: 256 KiB) travel inline in the
-Envelope; larger ones go through the payload store once per content per process
-(:func:`_store_archive`: ``dreamlake.lakeshore.blobs`` through the presign route, kind ``code``). The record (docs/protocol.md "Code archives")::
+Envelope; larger ones go through the payload store once per content and control plane per
+process (:func:`_store_archive`: ``dreamlake.lakeshore.blobs`` through the presign route, kind
+``code``). The record (docs/protocol.md "Code archives")::
 
     {"sha256": "<64 hex>", "size": <archive bytes>, "roots": ["mylib"], "inline": b"PK..."}
     {"sha256": "<64 hex>", "size": <archive bytes>, "roots": ["mylib"],
      "ref": {"bucket", "key", "size", "sha256"}, "namespace": "<the presign route's namespace>"}
 
-Submitter side only: never imported by the entry (nymph unpacks, see ``nymph.codecache``).
+Submitter side: the entry never imports it (nymph unpacks, see ``nymph.codecache``), but the entry
+bundle carries it (Python >= 3.9, ``pathspec`` optional), so a task's own ``.submit()`` ships its
+code to its children.
 """
 
 from __future__ import annotations
