@@ -5,8 +5,9 @@
 
 - ``"auto"`` (the default): the local, non-installed top-level package (or single module) the
   function comes from; nothing for a function from the standard library, site-packages (an
-  installed distribution) or the SDK itself, and nothing for a ``__main__`` function (it travels
-  pickled, by value: name the local packages it uses with ``code=[...]``). An editable install
+  installed distribution) or the SDK itself; for a ``__main__`` function (it travels pickled, by
+  value) the local packages its body names (``mylib.g(x)``, a ``g`` imported from ``mylib``),
+  which the unpickling worker must import. An editable install
   (``pip install -e``) counts as local: its files are not in site-packages, and the worker may
   not have them;
 - a list of paths: each directory (a package) or ``.py`` file is packed under its own name, so
@@ -169,7 +170,11 @@ def _roots(fn: Callable[..., Any], code: str | tuple[str, ...] | None) -> list[P
     if code == AUTO:
         from dreamlake.lakeshore.envelope import _underlying
 
-        root = local_root(str(getattr(_underlying(fn), "__module__", None) or "__main__"))
+        target = _underlying(fn)
+        module = str(getattr(target, "__module__", None) or "__main__")
+        if module == "__main__":  # pickled by value: ship the local packages its body refers to
+            return _used_roots(target)
+        root = local_root(module)
         return [root] if root is not None else []
     roots = []
     for raw in code:
@@ -186,6 +191,33 @@ def _roots(fn: Callable[..., Any], code: str | tuple[str, ...] | None) -> list[P
     if dupes:
         raise TransportError(f"code paths share the name {dupes[0]!r}: each is shipped under its own name")
     return roots
+
+
+def _used_roots(fn: Any) -> list[Path]:
+    """The local packages a ``__main__`` function's body names (``mylib.g(x)``, ``g`` imported from
+    ``mylib``): cloudpickle pickles them by reference, so the worker must be able to import them."""
+    code = getattr(fn, "__code__", None)
+    scope = getattr(fn, "__globals__", None)
+    if code is None or not isinstance(scope, dict):
+        return []
+    names: set[str] = set()
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(k for k in c.co_consts if type(k) is type(code))
+    roots: dict[str, Path] = {}
+    for name in sorted(names):
+        value = scope.get(name)
+        if value is None:
+            continue
+        owner = value.__name__ if type(value).__name__ == "module" else getattr(value, "__module__", None)
+        if not isinstance(owner, str) or owner == "__main__":
+            continue
+        root = local_root(owner)
+        if root is not None:
+            roots.setdefault(str(root), root)
+    return [roots[k] for k in sorted(roots)]
 
 
 def _ignore_spec(root: Path) -> Any:

@@ -327,3 +327,32 @@ def test_without_pathspec_plain_gitignore_patterns_still_apply() -> None:
     assert plain.match_file("build/") and not plain.match_file("build")  # a directory pattern
     assert plain.match_file("docs/a.md") and not plain.match_file("a.md")
     assert not plain.match_file("mod.py")
+
+
+def test_a_main_function_ships_the_local_packages_its_body_names(pkg: Any, tmp_path: Path) -> None:
+    """A script's own function travels pickled; the local package it calls must come along."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import json, sys\n"
+        "import dreamlake.lakeshore as dls\n"
+        f"import {pkg.__name__} as mylib\n"
+        "from json import dumps\n"
+        "@dls.udf\n"
+        "def f():\n"
+        "    return mylib.helpers.tag(), dumps(1)\n"
+        "@dls.udf\n"
+        "def alone():\n"
+        "    return 1\n"
+        "print(json.dumps([(t.to_envelope().cfg.get('code') or {}).get('roots') for t in (f.thunk(), alone.thunk())]))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path / "src")])}
+    env.pop("LAKESHORE_CODE", None)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [[pkg.__name__], None]  # json (the stdlib) never ships
