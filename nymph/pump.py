@@ -419,7 +419,9 @@ class Pump:
                 journal_seq, final = taken
         if frames:
             first = self.delivered_seq + 1
-            return Batch(frames, first, first + len(frames) - 1, final, end, journal_seq, log_bytes, truncated)
+            return Batch(
+                frames, first, first + len(frames) - 1, final, end, journal_seq, log_bytes, truncated
+            )
         if self._ended and self._tail is not None and self._drained_files():
             kind, body = self._tail
             if not self.final_sent and not self._final_seen:
@@ -590,7 +592,9 @@ class Pump:
                     offset += len(data)
                     taken += len(data)
                     seq += 1
-                    frame = wire.encode_frame(wire.FRAME_LOG, seq, data, {"stream": stream, "ts": time.time()})
+                    frame = wire.encode_frame(
+                        wire.FRAME_LOG, seq, data, {"stream": stream, "ts": time.time()}
+                    )
                     frames.append(frame)
                     size += len(frame)
                 if truncated:

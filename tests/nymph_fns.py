@@ -84,6 +84,19 @@ def chatty(gate: str, limit_s: float = 60.0) -> str:
     return "talked"
 
 
+def noisy_count(n: int, lines: int, pad: int = 0) -> Iterator[int]:
+    """Yield 0..n-1 as fast as the stream takes them, printing ``lines`` lines (padded with ``pad``
+    x's) before each value, and one line on stderr at the end."""
+    import sys
+
+    tail = " " + "x" * pad if pad else ""
+    for i in range(n):
+        for j in range(lines):
+            print(f"value {i} line {j}{tail}")
+        yield i
+    print("noisy_count done", file=sys.stderr)
+
+
 @dls.udf(queue="nymph")
 def stubborn_tree(children: int = 2) -> None:
     """Fork children that ignore SIGTERM, ignore it too, record all pids in pids.txt, then hang."""

@@ -313,7 +313,9 @@ def test_output_reaches_the_workdir_logs_while_the_function_runs(
     task = prepare(nymph_fns.chatty, "release")
     handle = kit.start_saved(runner, task)
     kit.until(
-        lambda: "from a child process" in _text(task, "stdout.log") and "careful" in _text(task, "stderr.log"),
+        lambda: (
+            "from a child process" in _text(task, "stdout.log") and "careful" in _text(task, "stderr.log")
+        ),
         "the output in the workdir logs",
     )
     assert runner.inspect(handle) == "running"  # the function waits for the release: output came first

@@ -224,7 +224,11 @@ def test_python_output_and_journal_share_one_seq_space(tmp_path: Path) -> None:
         (wire.FRAME_LOG, b"bye\n"),
         (wire.FRAME_END, "done"),
     ]
-    assert [(f.meta or {}).get("stream") for f in frames if f.kind == wire.FRAME_LOG] == ["stdout", "stderr", "stdout"]
+    assert [(f.meta or {}).get("stream") for f in frames if f.kind == wire.FRAME_LOG] == [
+        "stdout",
+        "stderr",
+        "stdout",
+    ]
     assert frames[1].meta == {"ts": 1.0}  # the journal frame's own meta, unchanged
     assert out.chunks[-1]["final"] is True and pump.done
 
@@ -257,7 +261,11 @@ def test_a_restarted_pump_keeps_the_numbering(tmp_path: Path) -> None:
     restarted.stop()
     assert _deliver(restarted, again) == 3
     frames = _decoded(again)
-    assert [(f.seq, f.kind) for f in frames] == [(2, wire.FRAME_LOG), (3, wire.FRAME_VALUE), (4, wire.FRAME_END)]
+    assert [(f.seq, f.kind) for f in frames] == [
+        (2, wire.FRAME_LOG),
+        (3, wire.FRAME_VALUE),
+        (4, wire.FRAME_END),
+    ]
     assert frames[0].body == b"two\n" and wire.unpack(frames[1].body) == 1  # type: ignore[arg-type]
 
 

@@ -277,7 +277,9 @@ def capture_output() -> None:
         encoding = getattr(old, "encoding", None) or "utf-8"
         errors = "backslashreplace" if attr == "stderr" else (getattr(old, "errors", None) or "strict")
         raw = io.FileIO(fd, "w", closefd=False)
-        stream = io.TextIOWrapper(raw, encoding=encoding, errors=errors, line_buffering=True, write_through=True)
+        stream = io.TextIOWrapper(
+            raw, encoding=encoding, errors=errors, line_buffering=True, write_through=True
+        )
         setattr(sys, attr, stream)
 
 
