@@ -85,6 +85,7 @@ STATE = "pump.json"
 WATERMARK = "frames.delivered"
 WINDOW_ENV = "LAKESHORE_STREAM_WINDOW"
 _LOG_READ = 64 * 1024
+PARTIAL_HOLD_S = 0.1  # a line without its newline yet waits this long (after the last write) for it
 _READ = 256 * 1024
 _PAGE = 4096
 MiB = 1024 * 1024
@@ -580,14 +581,20 @@ class Pump:
                 with fh:
                     fh.seek(offset)
                     data = fh.read(min(_LOG_READ, room + 1))  # one byte past the room: is there more?
+                    fresh = time.time() - os.fstat(fh.fileno()).st_mtime < PARTIAL_HOLD_S
                 if not data:
                     break
                 if len(data) > room:  # the cap: keep what fits, say so, skip the rest
                     data = data[:room]
                     truncated = True
-                elif not self._ended and len(data) == _LOG_READ:
-                    cut = data.rfind(b"\n") + 1  # whole lines where there are some
-                    data = data[:cut] if cut else data
+                elif not self._ended and not data.endswith(b"\n"):
+                    # whole lines where there are some: the rest of a line being written (an
+                    # unbuffered print writes the text, then the newline) waits a moment for it
+                    cut = data.rfind(b"\n") + 1
+                    if cut:
+                        data = data[:cut]
+                    elif fresh and len(data) < _LOG_READ:
+                        break  # a partial line written just now: the next wake-up or tick takes it
                 if data:
                     offset += len(data)
                     taken += len(data)
@@ -722,7 +729,8 @@ def _renumbered(frame: memoryview, seq: int) -> bytes:
     """The encoded ``frame`` with its seq replaced by ``seq`` (body and meta bytes kept as they are)."""
     tag = frame[2]
     width = 0 if tag < 0x80 else _UINT[tag]
-    return b"\x94" + bytes(frame[1:2]) + msgpack.packb(seq) + bytes(frame[3 + width :])
+    packed: bytes = msgpack.packb(seq)
+    return b"\x94" + bytes(frame[1:2]) + packed + bytes(frame[3 + width :])
 
 
 def _header(head: bytes | bytearray) -> tuple[int, int]:

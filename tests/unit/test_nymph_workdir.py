@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -269,11 +271,37 @@ def test_a_restarted_pump_keeps_the_numbering(tmp_path: Path) -> None:
     assert frames[0].body == b"two\n" and wire.unpack(frames[1].body) == 1  # type: ignore[arg-type]
 
 
+def _settled(workdir: Path) -> None:
+    """Make the logs' last write a second old (a partial line that recent would wait for its end)."""
+    past = time.time() - 1
+    for name in ("stdout.log", "stderr.log"):
+        os.utime(workdir / name, (past, past))
+
+
+def test_a_line_written_in_two_writes_goes_as_one_frame(tmp_path: Path) -> None:
+    (tmp_path / "stdout.log").write_bytes(b"first\nstep 5 of 12")  # the newline is not written yet
+    (tmp_path / "stderr.log").write_bytes(b"")
+    out = _Recorder()
+    pump = Pump(tmp_path, "inv", 1, out, script=True)  # type: ignore[arg-type]
+    assert _deliver(pump, out) == 1  # the whole line; the partial one waits for its newline
+    with open(tmp_path / "stdout.log", "ab") as fh:
+        fh.write(b"\nprogress 10%")
+    assert _deliver(pump, out) == 1
+    _settled(tmp_path)  # a partial line nothing completes goes after a moment
+    assert _deliver(pump, out) == 1
+    assert [wire.decode_frame(c["bytes"]).body for c in out.chunks] == [
+        b"first\n",
+        b"step 5 of 12\n",
+        b"progress 10%",
+    ]
+
+
 def test_output_past_the_cap_is_cut_with_one_line_and_the_task_runs_on(tmp_path: Path) -> None:
     from nymph.pump import StreamLimits
 
     (tmp_path / "stdout.log").write_bytes(b"x" * 700)
     (tmp_path / "stderr.log").write_bytes(b"")
+    _settled(tmp_path)
     limits = StreamLimits(log_max_bytes=1000, window_bytes=1024, max_bytes=4096)
     overflowed: list[str] = []
     out = _Recorder()
@@ -281,6 +309,7 @@ def test_output_past_the_cap_is_cut_with_one_line_and_the_task_runs_on(tmp_path:
     assert _deliver(pump, out) == 1
     with open(tmp_path / "stderr.log", "ab") as fh:
         fh.write(b"y" * 500)
+    _settled(tmp_path)
     assert _deliver(pump, out) == 2  # 300 bytes fit, then the line that says the rest is cut
     with open(tmp_path / "stdout.log", "ab") as fh:
         fh.write(b"z" * 100_000)  # far past every limit: skipped, never an overflow

@@ -18,8 +18,9 @@ again with a short sleep (1 ms, doubling to 20 ms) until the window drains. With
 
 Output: with ``LAKESHORE_CAPTURE_OUTPUT=1`` (nymph sets it for every invocation) the entry first
 appends its own fd 1 and fd 2 to the workdir's ``stdout.log`` / ``stderr.log`` (``O_APPEND``, no
-link followed) and makes ``sys.stdout`` / ``sys.stderr`` unbuffered (each write reaches the file at
-once, as ``PYTHONUNBUFFERED=1`` would; a warm-forked entry's interpreter started long before), so
+link followed) and makes ``sys.stdout`` / ``sys.stderr`` line-buffered (each line reaches the file
+in one write as it is printed, as on a terminal; ``flush=True`` sends a partial line; a warm-forked
+entry's interpreter started long before any ``PYTHONUNBUFFERED`` could apply), so
 every runner, a container's or a Slurm job's as much as a spawned process, leaves the task's output
 in the workdir while it runs, and nymph's pump streams it as LOG frames. Processes the function
 starts inherit the same fds. What a process writes before the entry runs (the interpreter failing to
@@ -252,7 +253,7 @@ def _read_delivered(known: tuple[int, int]) -> tuple[int, int]:
 
 def capture_output() -> None:
     """Append fd 1 / fd 2 to ``stdout.log`` / ``stderr.log`` of the cwd (the workdir) and make
-    ``sys.stdout`` / ``sys.stderr`` write through at once (see the module docstring). A file that
+    ``sys.stdout`` / ``sys.stderr`` line-buffered (see the module docstring). A file that
     cannot be opened leaves that fd as it was, with one line on the old stderr."""
     import io
 
@@ -276,10 +277,8 @@ def capture_output() -> None:
             os.close(target)
         encoding = getattr(old, "encoding", None) or "utf-8"
         errors = "backslashreplace" if attr == "stderr" else (getattr(old, "errors", None) or "strict")
-        raw = io.FileIO(fd, "w", closefd=False)
-        stream = io.TextIOWrapper(
-            raw, encoding=encoding, errors=errors, line_buffering=True, write_through=True
-        )
+        buffer = io.BufferedWriter(io.FileIO(fd, "w", closefd=False))
+        stream = io.TextIOWrapper(buffer, encoding=encoding, errors=errors, line_buffering=True)
         setattr(sys, attr, stream)
 
 

@@ -121,6 +121,17 @@ def frame_view(data: bytes) -> dict[str, Any]:
     }
 
 
+def _runs(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive LOG frames of one stream as one piece of text (a line may span two frames)."""
+    runs: list[dict[str, Any]] = []
+    for view in output:
+        if runs and runs[-1]["kind"] == view["kind"]:
+            runs[-1] = {**runs[-1], "text": runs[-1]["text"] + view["text"]}
+        else:
+            runs.append(view)
+    return runs
+
+
 def _preview_value(body: bytes) -> str:
     def ext(code: int, data: bytes) -> str:
         return f"<ext {code}: {len(data)} bytes>"
@@ -285,7 +296,7 @@ class Dashboard:
         return {
             "d": detail,
             "frames": [v for v in views if v["kind"] not in LOG_KINDS],
-            "output": [v for v in views if v["kind"] in LOG_KINDS],
+            "output": _runs([v for v in views if v["kind"] in LOG_KINDS]),
             "hidden": max(0, detail["frames"]["count"] - len(views)),
             "frames_shown": FRAMES_SHOWN,
             "session": session,
