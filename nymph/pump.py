@@ -141,6 +141,7 @@ class Batch:
     journal_seq: int | None = None  # the entry's seq of the batch's last journal frame
     log_bytes: int = 0  # output bytes taken into the batch (toward log_max_bytes)
     truncated: bool = False  # the batch carries the "output truncated" line
+    log_frames: int = 0  # how many of the frames are LOG frames read from the output (they come first)
 
     @property
     def nbytes(self) -> int:
@@ -392,7 +393,7 @@ class Pump:
         """``(frames, bytes)`` not yet confirmed: the frames read from the journal (for a script,
         the batch in flight) and the bytes on disk past the delivered offset."""
         with self._lock:
-            frames = len(self._entries) + (len(self._inflight.frames) if self._inflight else 0)
+            frames = len(self._entries) + (self._inflight.log_frames if self._inflight else 0)
             return frames, self._undelivered_bytes()
 
     # --- reading ----------------------------------------------------------------------------------
@@ -413,6 +414,7 @@ class Pump:
         )
         journal_seq = None
         final = False
+        log_frames = len(frames)
         if self._entries:
             shift = self.delivered_seq + 1 + len(frames) - self._entries[0].seq
             taken = self._journal_frames(frames, end, size, shift)
@@ -420,9 +422,8 @@ class Pump:
                 journal_seq, final = taken
         if frames:
             first = self.delivered_seq + 1
-            return Batch(
-                frames, first, first + len(frames) - 1, final, end, journal_seq, log_bytes, truncated
-            )
+            last = first + len(frames) - 1
+            return Batch(frames, first, last, final, end, journal_seq, log_bytes, truncated, log_frames)
         if self._ended and self._tail is not None and self._drained_files():
             kind, body = self._tail
             if not self.final_sent and not self._final_seen:

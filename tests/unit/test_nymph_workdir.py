@@ -341,4 +341,5 @@ def test_a_flood_of_output_never_starves_the_values(tmp_path: Path) -> None:
     assert batch is not None
     kinds = [wire.decode_frame(f).kind for f in batch.frames]
     assert kinds == [wire.FRAME_LOG] * 4 + [wire.FRAME_VALUE] * 3  # the values ride in the first batch
+    assert pump.undelivered()[0] == 7  # the batch in flight: 4 LOG frames and the 3 journal frames
     assert all(bytes(wire.decode_frame(f).body).endswith(b"\n") for f in batch.frames[:4])  # type: ignore[arg-type]
