@@ -374,6 +374,9 @@ class Pump:
         self._offsets.update(batch.end)
         self._log_bytes += batch.log_bytes
         self._truncated = self._truncated or batch.truncated
+        obs.OUTPUT_BYTES_SENT.inc(batch.log_bytes)
+        if batch.truncated:
+            obs.OUTPUT_TRUNCATED.inc()
         if batch.journal_seq is not None:
             self._journal_seq = batch.journal_seq
             while self._entries and self._entries[0].seq <= batch.journal_seq:

@@ -181,8 +181,11 @@ def test_a_flood_of_prints_is_cut_at_the_cap_and_never_starves_the_values(
     notes = [c for c in chunks if c.truncated]
     assert len(notes) == 1 and notes[0] is chunks[-1] and notes[0].stream == "stderr"
     assert "output truncated" in notes[0].text and f"log_max_bytes={cap}" in notes[0].text
-    peak = _metrics(port)["nymph_stream_undelivered_bytes_peak"]
+    metrics = _metrics(port)
+    peak = metrics["nymph_stream_undelivered_bytes_peak"]
     assert 0 < peak <= window * 64 + cap + 64 * 1024, peak
+    assert metrics["nymph_output_bytes_sent_total"] == cap
+    assert metrics["nymph_output_truncated_total"] == 1
 
 
 def test_the_control_plane_counts_log_frames_and_claim_latency(
