@@ -3,9 +3,8 @@
 Starts ``lakeshore server`` (embedded SQLite in a temporary data directory) and ``nymph start
 --runner process`` as real processes on loopback (their logs go to files in that directory), submits
 a plain call, a generator that streams live, a function whose prints are read live, and a failing
-call, prints what comes back, and shows
-what an operator sees with ``lakeshore queues`` and ``lakeshore ls``. Everything is torn down at
-the end.
+call, prints what comes back, and shows what an operator sees with ``lakeshore queues`` and
+``lakeshore ls``. Everything is torn down at the end.
 """
 
 from __future__ import annotations
