@@ -19,7 +19,8 @@ output takes at most half a batch: a flood of prints never starves the values.
 Output is bounded: a task's output past ``log_max_bytes`` (per attempt) is not sent. When the cap is
 hit, one last LOG frame on ``stderr`` (meta ``truncated: true``) says so, and the rest is skipped
 while the task runs on. The cap counts bytes taken, so the output never counts toward
-``max_bytes`` beyond it.
+``max_bytes`` beyond it. Output already taken (or skipped) is punched out of the log files (but
+their last 64 KiB), so a task that prints without end does not fill nymph's disk either.
 
 The outbox's sender asks the pump for a batch
 (:meth:`Pump.take`: every complete frame that built up since the last request, up to
@@ -84,11 +85,13 @@ log = logging.getLogger(__name__)
 STATE = "pump.json"
 WATERMARK = "frames.delivered"
 WINDOW_ENV = "LAKESHORE_STREAM_WINDOW"
+MiB = 1024 * 1024
 _LOG_READ = 64 * 1024
 PARTIAL_HOLD_S = 0.1  # a line without its newline yet waits this long (after the last write) for it
+LOG_PUNCH_STEP = MiB  # taken output is released from the logs' disk in steps of this much
+LOG_TAIL_KEEP = 64 * 1024  # ... but for their last bytes
 _READ = 256 * 1024
 _PAGE = 4096
-MiB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -233,6 +236,8 @@ class Pump:
         self._fd: int | None = None
         self._punched = 0
         self._punch_ok = True
+        self._log_punched: dict[str, int] = {}  # output released (punched out) up to here, per file
+        self._log_punch_ok = True
         self._final_seen = self.final_sent
         self._broken = False
         # lifecycle
@@ -259,6 +264,8 @@ class Pump:
         with self._lock:
             if not self._halted:
                 self._check_window()
+                if self._truncated:  # past the cap the output is skipped: keep its disk use bounded
+                    self._release_logs()
         self._outbox.wake()
 
     def stop(self) -> None:
@@ -360,6 +367,7 @@ class Pump:
             self._inflight = None
             self._advance(batch)
             self._save_state()
+            self._release_logs()
             if not self._script:
                 self._write_watermark()
                 self._release()
@@ -679,6 +687,31 @@ class Pump:
             self._punch_ok = False
             log.info("invocation %s: the journal's filesystem cannot punch holes (%s); it keeps its "
                      "delivered frames until the workdir goes", self.invocation_id, errno.errorcode.get(err, err))  # fmt: skip
+
+    def _release_logs(self) -> None:
+        """Punch out the output already taken (sent, or skipped past the cap) but its last
+        ``LOG_TAIL_KEEP`` bytes (failure records quote the tail), once a ``LOG_PUNCH_STEP`` of it
+        built up: a task printing without end never fills nymph's disk. Best effort: a log nymph
+        cannot write, or a filesystem that cannot punch holes, keeps its bytes."""
+        if not self._log_punch_ok:
+            return
+        for name in (STDOUT, STDERR):
+            done = max(self._offsets[name], self._size(name) if self._truncated else 0)
+            upto = (done - LOG_TAIL_KEEP) // _PAGE * _PAGE
+            if upto - self._log_punched.get(name, 0) < LOG_PUNCH_STEP:
+                continue
+            try:
+                fd = safeio.open_fd(self.workdir, name, os.O_WRONLY)
+            except OSError:
+                self._log_punch_ok = False
+                return
+            try:
+                if punch_hole(fd, upto):
+                    self._log_punched[name] = upto
+                else:
+                    self._log_punch_ok = False
+            finally:
+                os.close(fd)
 
     # --- progress ---------------------------------------------------------------------------------
 

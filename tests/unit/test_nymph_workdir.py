@@ -343,3 +343,31 @@ def test_a_flood_of_output_never_starves_the_values(tmp_path: Path) -> None:
     assert kinds == [wire.FRAME_LOG] * 4 + [wire.FRAME_VALUE] * 3  # the values ride in the first batch
     assert pump.undelivered()[0] == 7  # the batch in flight: 4 LOG frames and the 3 journal frames
     assert all(bytes(wire.decode_frame(f).body).endswith(b"\n") for f in batch.frames[:4])  # type: ignore[arg-type]
+
+
+def test_output_taken_or_skipped_is_released_from_the_disk(tmp_path: Path) -> None:
+    """A task that prints past the cap without end: the logs' blocks are punched out as the pump
+    goes, but for their last 64 KiB (what a failure record quotes)."""
+    from nymph.pump import LOG_TAIL_KEEP, StreamLimits, punch_hole
+
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"x" * 8192)
+    with open(probe, "r+b") as fh:
+        if not punch_hole(fh.fileno(), 4096):
+            pytest.skip("this filesystem cannot punch holes")
+    (tmp_path / "stdout.log").write_bytes(b"line\n" * 100_000)  # 500 kB
+    (tmp_path / "stderr.log").write_bytes(b"")
+    limits = StreamLimits(log_max_bytes=100_000)
+    out = _Recorder()
+    pump = Pump(tmp_path, "inv", 1, out, script=True, limits=limits)  # type: ignore[arg-type]
+    _deliver(pump, out)
+    with open(tmp_path / "stdout.log", "ab") as fh:
+        fh.write(b"more\n" * 1_000_000)  # 5 MB past the cap
+    pump._on_write()  # what the watcher calls on a write
+    log = tmp_path / "stdout.log"
+    size = log.stat().st_size
+    assert log.stat().st_blocks * 512 <= LOG_TAIL_KEEP + 2 * 4096  # only the tail keeps its blocks
+    with open(log, "rb") as fh:
+        fh.seek(size - 5)
+        assert fh.read() == b"more\n"
+    assert wd.tail(log, 10) == "more\nmore\n"
