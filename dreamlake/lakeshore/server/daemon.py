@@ -1,7 +1,7 @@
 """Daemon routes (msgpack): register, poll, ack, result-chunk, result-chunks and heartbeat.
 
-``result-chunks`` takes many frames of one attempt in one request and journals them in one
-transaction (``store.append_frames``), answering per seq (stored or duplicate); the frames that
+``result-chunks`` takes many frames of one attempt in one request and journals them through the
+group commit (a ``FramesRequest``: many requests' batches in one transaction), answering per seq (stored or duplicate); the frames that
 were new are then published to the live fan-out in one call. ``result-chunk`` is the seed's
 one-frame form. The ack pokes the invocation's live followers, so a stream that ends without a
 final frame (a plain call, a failure before the first frame) ends at once.
@@ -17,7 +17,8 @@ with ``expected_seq``). A daemon token bound to a namespace registers and claims
 one store transaction (``store.poll_pass``, which also reads the pinned nymph version); with
 nothing to hand out it waits in the poll hub (``server/polls.py``), which wakes one waiting poll per
 unit of new work (and every poll of a worker with a command queued), so a submit costs one claim
-transaction, not one per waiting daemon. ``ack``, ``result-chunk`` and ``heartbeat`` write through
+transaction, not one per waiting daemon. ``ack``, ``result-chunk``, ``result-chunks`` and
+``heartbeat`` write through
 the group commit (``ctx.write``), which applies the same lease and order checks per write, and are
 answered once committed.
 """
@@ -44,6 +45,8 @@ from dreamlake.lakeshore.store.api import (
     ChunkResult,
     Command,
     FrameRequest,
+    FramesRequest,
+    FramesResult,
     HeartbeatRequest,
     HeartbeatResult,
     Invocation,
@@ -373,7 +376,8 @@ MAX_BATCH_FRAMES = 10_000
 
 async def result_chunks(ctx: Context, caller: Caller, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """Journal a batch ``{invocation_id, attempt, worker_id, frames: [bytes, ...]}`` of one attempt
-    in one transaction and answer ``{ok, results: [{seq, duplicate}]}`` in the order sent. Each
+    through the group commit (one transaction, shared with the other writes committed with it;
+    the lease and order checks run per batch, inside it) and answer, once committed, ``{ok, results: [{seq, duplicate}]}`` in the order sent. Each
     frame is a repeat of a seq already journaled (``duplicate``) or the next seq. A gap or a frame
     after the final one is refused with the rest of the batch: 409 ``{ok: false, error,
     expected_seq, results}`` with the results of the frames kept before it. Only the worker holding
@@ -394,7 +398,9 @@ async def result_chunks(ctx: Context, caller: Caller, body: dict[str, Any]) -> t
             )
         frame = _frame(data, f"frames[{i}]")
         batch.append((frame.seq, data, frame.final))
-    results = await ctx.call(ctx.store.append_frames, invocation_id, attempt, batch, worker_id=worker_id)
+    written = await ctx.write(FramesRequest(invocation_id, attempt, batch, worker_id))
+    assert isinstance(written, FramesResult)
+    results = written.results
     kept = [r for r in results if r.ok]
     fresh = [item for item, r in zip(batch, results, strict=False) if r.ok and not r.duplicate]
     ctx.metrics.chunks.labels(duplicate="false").inc(len(fresh))

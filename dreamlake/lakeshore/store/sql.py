@@ -32,6 +32,8 @@ from .api import (
     AckRequest,
     Command,
     FrameRequest,
+    FramesRequest,
+    FramesResult,
     HeartbeatRequest,
     HeartbeatResult,
     Invocation,
@@ -184,6 +186,8 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
             return self._prepare_ack(req)
         if isinstance(req, FrameRequest):
             return self._prepare_frame(req)
+        if isinstance(req, FramesRequest):
+            return self._prepare_frames(req)
         if isinstance(req, HeartbeatRequest):
             return req
         raise TypeError(f"not a write of a group commit: {type(req).__name__}")
@@ -220,6 +224,11 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
                     results[k] = chunk
                     if chunk.ok and not chunk.duplicate:
                         channels.append(frame_channel(p.owner_id))
+                elif isinstance(p, FramesRequest):
+                    chunks = self._append_frames_in(conn, p, now)
+                    results[k] = FramesResult(chunks)
+                    if any(c.ok and not c.duplicate for c in chunks):
+                        channels.append(frame_channel(p.invocation_id))
                 elif isinstance(p, HeartbeatRequest):
                     results[k] = self._heartbeat_in(conn, p, now, pin=True)
         if preps:
