@@ -25,6 +25,7 @@ answered once committed.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -51,6 +52,7 @@ from dreamlake.lakeshore.store.api import (
     HeartbeatResult,
     Invocation,
 )
+from dreamlake.lakeshore.store.values import json_safe
 
 if TYPE_CHECKING:
     from dreamlake.lakeshore.wire import Frame
@@ -226,6 +228,7 @@ async def poll(
     timeout = http.number(body, "timeout_s", ctx.config.poll_default_s, lo=0.0, hi=ctx.config.poll_max_s)
     field(body, "version", str, default="")
     exec_jobs = _takes_exec(body)
+    acked = await _poll_acks(ctx, caller, worker_id, body) if body.get("acks") else None
     started = time.monotonic()
     # A fleet started together would renew its polls in lockstep, all at once every timeout_s: an
     # empty poll ends at a random point of its last fifth, so renewals spread out within rounds.
@@ -239,7 +242,7 @@ async def poll(
             if disconnected is not None and await disconnected():
                 log.debug("poll of worker %s: the daemon hung up; nothing claimed", worker_id)
                 ctx.metrics.poll_wait.observe(time.monotonic() - started)
-                return {"commands": []}
+                return {"commands": []} if acked is None else {"commands": [], "acked": acked}
             mark = ctx.wake.mark()
             ctx.metrics.poll_passes.labels(reason=reason).inc()
             commands, claimed, pinned = await _collect(
@@ -255,7 +258,10 @@ async def poll(
     finally:
         ticket.close()
     ctx.metrics.poll_wait.observe(time.monotonic() - started)
-    return _with_pin({"commands": commands}, pinned)
+    out: dict[str, Any] = {"commands": commands}
+    if acked is not None:
+        out["acked"] = acked
+    return _with_pin(out, pinned)
 
 
 def _error_info(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -291,8 +297,73 @@ async def ack(ctx: Context, caller: Caller, body: dict[str, Any]) -> tuple[int, 
     error = _error_info(body)
     attempt = _attempt(body)
     worker_id = await _worker(ctx, caller, body)
-    result = await ctx.write(AckRequest(invocation_id, state, attempt, worker_id, result_blob, error))
+    return await _ack(ctx, caller, worker_id, invocation_id, state, attempt, result_blob, error)
+
+
+MAX_POLL_ACKS = 256
+
+
+async def _poll_acks(
+    ctx: Context, caller: Caller, worker_id: str, body: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """The ``acks`` a poll carries (``[{invocation_id, state, attempt, result_blob?, error?}]``,
+    each of ``worker_id``'s leases), written together through the group commit before the poll
+    claims, each checked as the ack route checks it; one answer per ack, in the order sent:
+    ``{invocation_id, status, ok, duplicate?, error?}`` (status: the ack route's)."""
+    acks = field(body, "acks", list, default=[])
+    if len(acks) > MAX_POLL_ACKS:
+        raise HTTPError(400, f"field 'acks' lists {len(acks)} acks; the limit is {MAX_POLL_ACKS}")
+
+    async def one(item: Any) -> dict[str, Any]:
+        inv = str(item.get("invocation_id", ""))[:64] if isinstance(item, dict) else ""
+        try:
+            if not isinstance(item, dict):
+                raise HTTPError(
+                    400, "field 'acks' must list maps {invocation_id, state, attempt, result_blob?, error?}"
+                )
+            invocation_id = http.ulid_field(item, "invocation_id")
+            assert invocation_id is not None
+            state = field(item, "state", str)
+            if state not in ACK_STATES:
+                raise HTTPError(
+                    400, f"cannot ack state {state[:40]!r}: use one of {', '.join(sorted(ACK_STATES))}"
+                )
+            blob = field(item, "result_blob", bytes, default=None, nullable=True)
+            status, out = await _ack(
+                ctx, caller, worker_id, invocation_id, state, _attempt(item), blob, _error_info(item)
+            )
+        except HTTPError as exc:
+            status, out = exc.status, {"ok": False, "error": exc.message}
+        return {"invocation_id": inv, "status": status, **out}
+
+    return list(await asyncio.gather(*(one(a) for a in acks)))
+
+
+async def _ack(
+    ctx: Context,
+    caller: Caller,
+    worker_id: str,
+    invocation_id: str,
+    state: str,
+    attempt: int,
+    result_blob: bytes | None,
+    error: dict[str, Any] | None,
+) -> tuple[int, dict[str, Any]]:
+    """Write one checked ack through the group commit and answer as the ack route does."""
+    flight = ctx.acks.begin(invocation_id)
+    try:
+        result = await ctx.write(AckRequest(invocation_id, state, attempt, worker_id, result_blob, error))
+    except BaseException:
+        ctx.acks.end(invocation_id, flight, None)
+        raise
     assert isinstance(result, AckResult)
+    # as the store keeps it (an empty blob is None, the error JSON-safe), for a waiting producer
+    committed = {
+        "state": state,
+        "result_blob": result_blob or None,
+        "error": None if error is None else json_safe(error, "error"),
+    }
+    ctx.acks.end(invocation_id, flight, committed if result.ok and not result.duplicate else None)
     if result.ok:
         ctx.metrics.acks.labels(state=state, outcome="duplicate" if result.duplicate else "ok").inc()
         ctx.wake.notify(f"inv:{invocation_id}")
