@@ -83,6 +83,24 @@ class HttpDispatch:
     def submit(
         self, envelope: bytes, queue: str, run_config: dict[str, Any], parent: str | None = None
     ) -> str:
+        return self._submit(envelope, queue, run_config, parent, None)[0]
+
+    def submit_and_wait(
+        self, envelope: bytes, queue: str, run_config: dict[str, Any], parent: str | None, timeout: float
+    ) -> tuple[str, dict[str, Any]]:
+        """Submit and await in one request (``submit`` with ``wait_s``): the invocation id and the
+        await answer after up to ``timeout`` s (``{state: pending}`` when not yet terminal)."""
+        inv, out = self._submit(envelope, queue, run_config, parent, max(0.0, timeout))
+        return inv, dict(out.get("outcome") or {"state": "pending"})
+
+    def _submit(
+        self,
+        envelope: bytes,
+        queue: str,
+        run_config: dict[str, Any],
+        parent: str | None,
+        wait_s: float | None,
+    ) -> tuple[str, dict[str, Any]]:
         from dreamlake.lakeshore.envelope import Envelope
 
         body: dict[str, Any] = {
@@ -95,12 +113,14 @@ class HttpDispatch:
         }
         if parent:
             body["parent_invocation_id"] = parent
-        out = self._call("POST", "/v1/producer/submit", body)
+        if wait_s is not None:
+            body["wait_s"] = wait_s
+        out = self._call("POST", "/v1/producer/submit", body, timeout=wait_s)
         warning = out.get("warning")
         if warning and (self.url, queue) not in _WARNED:  # "no worker has polled queue ...": once
             _WARNED.add((self.url, queue))
             log.warning("%s", warning)
-        return str(out["invocation_id"])
+        return str(out["invocation_id"]), out
 
     def status(self, invocation_id: str) -> dict[str, Any]:
         inv = ids.validate(invocation_id, "invocation id")
