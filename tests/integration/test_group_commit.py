@@ -30,6 +30,8 @@ from dreamlake.lakeshore.store.api import (
     FramesResult,
     HeartbeatRequest,
     HeartbeatResult,
+    PollRequest,
+    PollResult,
     SubmitRequest,
     SubmitResult,
     WriteRequest,
@@ -251,6 +253,32 @@ def test_a_malformed_frame_batch_is_refused_before_the_commit(store: SqlStore) -
     assert [getattr(r, "status", None) for r in results[:2]] == [400, 400]
     assert isinstance(results[2], FramesResult) and results[2].results == [ChunkResult(ok=True, seq=0)]
     assert [f.seq for f in store.read_frames(inv)] == [0]
+
+
+def test_a_poll_pass_in_a_batch_claims_what_the_batch_submitted_and_acks_commit_with_it(
+    store: SqlStore,
+) -> None:
+    """A poll pass is a write of the group commit: a submit of the same batch (applied first) is
+    claimed by it, an ack of the same batch frees the worker's earlier job, each answered alone."""
+    ((held, attempt),) = _running(store, 1)
+    fresh = new_ulid()
+    store.pin_version("default", "9.9.9")
+    results = store.write_batch(
+        [
+            AckRequest(held, "succeeded", attempt=attempt, worker_id="w"),
+            PollRequest("w", ["q"], limit=4, exec_jobs=False),
+            _submit(fresh),
+            PollRequest("other", ["q"], limit=4, exec_jobs=False),  # nothing left for it
+        ]
+    )
+    ack, polled, submitted, empty = results
+    assert ack == AckResult(ok=True, state="succeeded")
+    assert isinstance(submitted, SubmitResult) and submitted.invocation_id == fresh
+    assert isinstance(polled, PollResult) and [i.invocation_id for i in polled.invocations] == [fresh]
+    assert polled.invocations[0].attempt == 1 and polled.pinned_version == "9.9.9"
+    assert isinstance(empty, PollResult) and empty.invocations == []
+    got = store.get(fresh)
+    assert got is not None and (got.state, got.worker_id) == ("running", "w")
 
 
 def test_a_malformed_write_answers_its_own_error(store: SqlStore) -> None:

@@ -14,7 +14,8 @@ is logged. Frames must come in order (the store refuses a gap, or a frame after 
 with ``expected_seq``). A daemon token bound to a namespace registers and claims in it only.
 
 ``poll`` is a long poll: each pass collects pending cancels, claims invocations and exec jobs in
-one store transaction (``store.poll_pass``, which also reads the pinned nymph version); with
+one transaction of the group commit (a ``PollRequest``, which also reads the pinned nymph
+version; its claims commit with the submits and acks of the same batch); with
 nothing to hand out it waits in the poll hub (``server/polls.py``), which wakes one waiting poll per
 unit of new work (and every poll of a worker with a command queued), so a submit costs one claim
 transaction, not one per waiting daemon. ``ack``, ``result-chunk``, ``result-chunks`` and
@@ -51,6 +52,8 @@ from dreamlake.lakeshore.store.api import (
     HeartbeatRequest,
     HeartbeatResult,
     Invocation,
+    PollRequest,
+    PollResult,
 )
 from dreamlake.lakeshore.store.values import json_safe
 
@@ -166,19 +169,13 @@ def _with_pin(out: dict[str, Any], version: str | None) -> dict[str, Any]:
 async def _collect(
     ctx: Context, worker_id: str, queues: list[str], limit: int, *, exec_jobs: bool, namespace: str | None
 ) -> tuple[list[dict[str, Any]], list[Wake], str | None]:
-    """One poll pass, one store transaction (``store.poll_pass``): pending cancels, then claimed
-    invocations, then exec jobs (of ``namespace`` when the token is bound to one) for free slots,
-    and the pinned nymph version. Returns the commands, the work claimed (for the poll hub) and
+    """One poll pass, written through the group commit (a ``PollRequest``: its claims share the
+    transaction of the submits and acks committed with it, ``store.poll_pass`` alone): pending
+    cancels, then claimed invocations, then exec jobs (of ``namespace`` when the token is bound to
+    one) for free slots, and the pinned nymph version. Returns the commands, the work claimed (for the poll hub) and
     that version."""
-    got = await ctx.call(
-        ctx.store.poll_pass,
-        worker_id,
-        queues,
-        limit,
-        ctx.config.lease_s,
-        exec_jobs=exec_jobs,
-        namespace=namespace,
-    )
+    got = await ctx.write(PollRequest(worker_id, queues, limit, ctx.config.lease_s, exec_jobs, namespace))
+    assert isinstance(got, PollResult)
     commands = [command_dict(c) for c in got.commands]
     if got.invocations:
         signer, now = await ctx.task_tokens(), time.time()

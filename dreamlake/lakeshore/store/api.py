@@ -187,10 +187,23 @@ class PollResult:
     pinned_version: str | None = None
 
 
+@dataclass
+class PollRequest:
+    """A daemon poll pass as a write of a group commit; fields and answer as ``Store.poll_pass``
+    (its claims are writes: committed with the submits and acks of the same batch)."""
+
+    worker_id: str
+    queues: list[str]
+    limit: int = 1
+    lease_s: float = DEFAULT_LEASE_S
+    exec_jobs: bool = True
+    namespace: str | None = None
+
+
 # The writes ``Store.write_batch`` commits together, and what each answers (or the PlaneError it
 # raised: that write's refusal, never the others').
-WriteRequest = SubmitRequest | AckRequest | FrameRequest | FramesRequest | HeartbeatRequest
-WriteResult = SubmitResult | AckResult | ChunkResult | FramesResult | HeartbeatResult
+WriteRequest = SubmitRequest | AckRequest | FrameRequest | FramesRequest | HeartbeatRequest | PollRequest
+WriteResult = SubmitResult | AckResult | ChunkResult | FramesResult | HeartbeatResult | PollResult
 
 
 @dataclass
@@ -465,9 +478,11 @@ class Store(Listing, Protocol):
         ...
 
     def write_batch(self, requests: Sequence[WriteRequest]) -> list[WriteResult | PlaneError]:
-        """Apply many writes (submits, acks, frames, frame batches, heartbeats) in one transaction:
+        """Apply many writes (submits, acks, frames, frame batches, heartbeats, poll passes) in one
+        transaction:
         the group commit. Each answers as its single call would (``submit``, ``ack``,
-        ``append_frame``, ``append_frames``, ``heartbeat``, the latter with the pinned version), or
+        ``append_frame``, ``append_frames``, ``heartbeat`` and ``poll_pass``, the last two with the
+        pinned version), or
         with the PlaneError that call would raise; one write's error never fails another. Submits apply first, in order, then the
         rest in order. Returns only after the transaction committed (nothing is answered before
         it is durable)."""
