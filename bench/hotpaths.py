@@ -139,9 +139,7 @@ def warm_rows(args: argparse.Namespace) -> list[Row]:
         calls=args.warm_calls,
         producers=args.producers,
         per_producer=args.warm_per_producer,
-        slots=4,
         prefetch=8,
-        no_nymph=True,
     )
     hello, rows, _cpu = warm.warm_rows(ns)
     h50 = median_p90(hello)[0]

@@ -1,9 +1,9 @@
-"""The warm path for short calls: round trip and throughput of a noop through ``lakeshore worker``
-(and nymph's process runner in warm mode), beside the same run's raw HTTP round trip.
+"""The warm path for short calls: round trip and throughput of a noop through ``lakeshore worker``,
+beside the same run's raw HTTP round trip.
 
-The stack is real processes on loopback: ``lakeshore server`` over a SQLite file, and either
-``lakeshore worker start --queue warm`` (the SDK's long-lived worker) or ``nymph start --runner
-process --runner-opt warm=true`` (``devstack.LocalStack``). The load comes from separate processes
+The stack is real processes on loopback: ``lakeshore server`` over a SQLite file and ``lakeshore
+worker start --queue warm --prefetch N`` (the SDK's long-lived worker; nymph's process runner has
+no warm mode yet: ``bench/dispatch.py`` measures its prefork path). The load comes from separate processes
 with a cheap client (``http.client`` on one keep-alive connection each, msgpack bodies, envelopes
 built before the clock starts). Each call is a ref noop (``bench/bench_fns.py``).
 
@@ -17,7 +17,9 @@ Rows, each beside its goal (<= 3 ms p50, >= 500/s) and the same run's baseline:
   in one request);
 - ``calls/s``: ``--producers`` processes calling at once (closed loop, ``submit?wait``), one worker.
 
-Run: ``python bench/warm.py [--calls 300] [--producers 8] [--per-producer 150] [--no-nymph]``.
+Also printed: the CPU ms per call of the server and of the worker (psutil).
+
+Run: ``python bench/warm.py [--calls 300] [--producers 8] [--per-producer 150] [--prefetch 8]``.
 """
 
 from __future__ import annotations
@@ -196,23 +198,6 @@ def lakeshore_worker(port: int, token: str, prefetch: int) -> Iterator[int]:
             proc.wait()
 
 
-@contextlib.contextmanager
-def nymph_warm(port: int, token: str, slots: int) -> Iterator[int]:
-    cmd = [sys.executable, "-m", "nymph", "--log-level", "WARNING", "start"]
-    cmd += ["--server", f"http://127.0.0.1:{port}", "--token", token, "--queues", QUEUE]
-    cmd += ["--runner", "process", "--concurrency", str(slots), "--runner-opt", "warm=true"]
-    proc = subprocess.Popen(cmd, env=_env(), start_new_session=True)
-    try:
-        yield proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def ms(seconds: float) -> str:
     return f"{seconds * 1000:.2f}"
 
@@ -251,20 +236,13 @@ def warm_rows(args: argparse.Namespace) -> tuple[list[float], list[Row], dict[st
     with (
         tempfile.TemporaryDirectory() as tmp,
         lakeshore_server(str(Path(tmp) / "warm.db"), Path(tmp) / "sq", 1) as (port, token, pid),
+        lakeshore_worker(port, token, args.prefetch) as wpid,
     ):
-        with lakeshore_worker(port, token, args.prefetch) as wpid:
-            s0, w0 = cpu_seconds(pid), cpu_seconds(wpid)
-            rows += measure(port, token, args, hello_p50, f"lakeshore worker (prefetch {args.prefetch})")
-            calls = 2 * args.calls + 40 + args.producers * args.per_producer
-            cpu["lakeshore worker: server"] = (cpu_seconds(pid) - s0) * 1000 / calls
-            cpu["lakeshore worker: worker"] = (cpu_seconds(wpid) - w0) * 1000 / calls
-        if not args.no_nymph:
-            with nymph_warm(port, token, args.slots) as npid:
-                s0, n0 = cpu_seconds(pid), cpu_seconds(npid)
-                rows += measure(port, token, args, hello_p50, f"nymph warm ({args.slots} slots)")
-                calls = 2 * args.calls + 40 + args.producers * args.per_producer
-                cpu["nymph warm: server"] = (cpu_seconds(pid) - s0) * 1000 / calls
-                cpu["nymph warm: nymph + workers"] = (cpu_seconds(npid) - n0) * 1000 / calls
+        s0, w0 = cpu_seconds(pid), cpu_seconds(wpid)
+        rows += measure(port, token, args, hello_p50, f"lakeshore worker (prefetch {args.prefetch})")
+        calls = 2 * args.calls + 40 + args.producers * args.per_producer
+        cpu["server"] = (cpu_seconds(pid) - s0) * 1000 / calls
+        cpu["worker"] = (cpu_seconds(wpid) - w0) * 1000 / calls
     return hello, rows, cpu
 
 
@@ -276,9 +254,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=300, help="sequential calls per latency row")
     ap.add_argument("--producers", type=int, default=8, help="processes calling at once (calls/s)")
     ap.add_argument("--per-producer", type=int, default=150, help="calls of each of those")
-    ap.add_argument("--slots", type=int, default=4, help="nymph warm mode's slots")
     ap.add_argument("--prefetch", type=int, default=8, help="lakeshore worker --prefetch")
-    ap.add_argument("--no-nymph", action="store_true", help="skip nymph's warm mode")
     args = ap.parse_args()
     hello, rows, cpu = warm_rows(args)
     h50, h90 = median_p90(hello)

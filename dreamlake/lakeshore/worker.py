@@ -19,7 +19,7 @@ a cancel lands within milliseconds rather than at the next beat.
 
 The warm path (HTTP plane): the worker's requests share one keep-alive connection; each poll claims
 up to ``prefetch`` invocations and carries the acks of the jobs run since the previous poll (each
-ack committed, and its waiting producer answered, before that poll claims), so a short call costs
+ack group-committed with that poll's first pass, and its waiting producer answered at that commit), so a short call costs
 the worker one request. An ack still waiting for the next poll when the worker stops is sent on
 its own.
 """

@@ -222,7 +222,7 @@ class HttpDispatch:
     def claim_batch(self, worker_id: str, queues: list[str], timeout: float, limit: int) -> list[Claim]:
         """Up to ``limit`` invocations in one long poll (waiting up to ``timeout`` for the first),
         carrying the acks queued by ``ack(..., later=True)``: one request answers those acks (each
-        committed before the poll claims) and hands out the next work."""
+        committed with the poll's first pass) and hands out the next work."""
         from dreamlake.lakeshore import __version__
 
         if worker_id not in self._registered:
