@@ -101,15 +101,18 @@ def report(path: str, top: int = 25, skip: tuple[str, ...] = ()) -> None:
         data = json.load(f)
     for kind, stacks in data["samples"].items():
         total = sum(stacks.values())
-        if not total:
-            continue
         own: collections.Counter[str] = collections.Counter()
         incl: collections.Counter[str] = collections.Counter()
-        for stack, n in stacks.items():
+        for stack, n in list(stacks.items()):
+            if "_find_and_load" in stack:  # start-up and first-use imports: not the load's cost
+                total -= n
+                continue
             frames = stack.split(";")
             own[frames[-1]] += n
             for f in set(frames):
                 incl[f] += n
+        if total <= 0:
+            continue
         print(f"\n[{kind}] {total} busy samples ({total * data['interval_s']:.2f} s)")
         print(f"  {'self %':>7}  function")
         for fn, n in own.most_common(top):
