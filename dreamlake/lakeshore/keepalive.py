@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import http.client
 import select
+import socket
 import threading
 import urllib.parse
 import urllib.request
@@ -106,6 +107,9 @@ class KeepAlive:
         try:
             if conn.sock is None:
                 conn.connect()
+                assert conn.sock is not None
+                # http.client sends the headers and the body apart: no Nagle wait for the body
+                conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             assert conn.sock is not None
             conn.sock.settimeout(read_timeout_s)
             conn.request(method, target, body=content, headers=sent)

@@ -20,7 +20,7 @@ from dreamlake.lakeshore.keepalive import usable
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive
     seen: list[dict[str, Any]] = []
-    close_after: bool = False
+    close_after: str = ""  # "said": close after the answer with Connection: close; "silent": without
 
     def log_message(self, *args: Any) -> None:
         pass
@@ -41,16 +41,28 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/x-msgpack")
         self.send_header("Content-Length", str(len(out)))
+        if type(self).close_after == "said":
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(out)
         if type(self).close_after:
             self.close_connection = True
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    closed = threading.Semaphore(0)  # released each time the server closed a connection
+
+    def shutdown_request(self, request: Any) -> None:
+        super().shutdown_request(request)
+        self.closed.release()
+
+
 @pytest.fixture
 def server() -> Iterator[tuple[str, type[_Handler]]]:
-    handler = type("H", (_Handler,), {"seen": [], "close_after": False})
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    handler = type("H", (_Handler,), {"seen": [], "close_after": ""})
+    srv = _Server(("127.0.0.1", 0), handler)
+    srv.closed = threading.Semaphore(0)
+    handler.server_closed = srv.closed  # type: ignore[attr-defined]
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{srv.server_address[1]}", handler
@@ -77,12 +89,17 @@ def test_requests_go_over_one_reused_connection_with_token_and_msgpack(
     assert first["peer"] == second["peer"]  # the same connection, kept alive
 
 
-def test_a_connection_the_server_closed_is_replaced(server: tuple[str, type[_Handler]]) -> None:
+@pytest.mark.parametrize("how", ["said", "silent"])
+def test_a_connection_the_server_closed_is_replaced(server: tuple[str, type[_Handler]], how: str) -> None:
+    """Closed with ``Connection: close``, or silently while idle (noticed before reuse)."""
     url, handler = server
-    handler.close_after = True  # the server closes each connection after its answer
+    handler.close_after = how
     client = PlaneClient(url, "lsk_tok")
+    answers = []
     try:
-        answers = [client.request("POST", "/x", {"i": i})["n"] for i in range(3)]
+        for i in range(3):
+            answers.append(client.request("POST", "/x", {"i": i})["n"])
+            assert handler.server_closed.acquire(timeout=10)  # type: ignore[attr-defined]
     finally:
         client.close()
     assert answers == [1, 2, 3]
