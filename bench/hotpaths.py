@@ -19,7 +19,8 @@ It runs the other benches' own functions, so the figures mean what they mean the
 ``bench/_sampler.py`` (stack samples of every thread, waits dropped) while the producers of
 ``control_plane.py`` submit, and the heaviest functions are printed per thread kind.
 
-Run: ``python bench/hotpaths.py [--pg URL] [--profile]`` (PostgreSQL also from
+Run: ``python bench/hotpaths.py [--pg URL] [--profile] [--tree CHECKOUT]`` (``--tree``: measure
+another checkout's code with these benches, e.g. the main branch for a before and after) (PostgreSQL also from
 ``LAKESHORE_TEST_PG_URL``; skipped without one). The machine's load average is printed with the
 table: figures from a loaded machine are lower bounds.
 """
@@ -37,13 +38,32 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-sys.path.insert(0, str(BENCH))
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "runners"))
 
+
+def _tree() -> Path:
+    """``--tree PATH``: the checkout whose code is measured (default this one), read before
+    anything imports ``dreamlake``: it goes first on ``sys.path`` and on the children's
+    ``PYTHONPATH``, so a run with ``--tree`` of the main checkout and one without are a before
+    and after of the same benches on the same machine."""
+    if "--tree" in sys.argv:
+        return Path(sys.argv[sys.argv.index("--tree") + 1]).resolve()
+    return ROOT
+
+
+TREE = _tree()
+sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(TREE / "runners"))
+sys.path.insert(0, str(TREE))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(TREE), str(TREE / "runners"), *filter(None, [os.environ.get("PYTHONPATH")])]
+)
 import _sampler  # noqa: E402
 import control_plane as cp  # noqa: E402
 from _stats import median_p90  # noqa: E402
+
+import dreamlake.lakeshore  # noqa: E402, F401 - pinned to TREE before a bench inserts its own root
+import nymph  # noqa: E402, F401
+import nymph_process  # noqa: E402, F401
 
 
 @dataclass
@@ -135,6 +155,8 @@ def stream_rows(args: argparse.Namespace) -> list[Row]:
 def warm_rows(args: argparse.Namespace) -> list[Row]:
     import warm
 
+    warm.TREE = TREE
+
     ns = argparse.Namespace(
         calls=args.warm_calls,
         producers=args.producers,
@@ -209,6 +231,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="sample the server under submit load")
     ap.add_argument("--profile-top", type=int, default=25)
     ap.add_argument("--only", default="", help="comma-separated: control,streams,warm,prefork")
+    ap.add_argument("--tree", default=str(ROOT), help="the checkout whose code is measured")
     args = ap.parse_args()
     only = {x.strip() for x in args.only.split(",") if x.strip()}
     started = time.monotonic()
@@ -216,6 +239,7 @@ def main() -> None:
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
+        os.chdir(tmp)  # a child run with ``-m`` puts its cwd first on sys.path: no checkout there
         for name, fn in (
             ("control", lambda: control_plane_rows(args, tmp)),
             ("streams", lambda: stream_rows(args)),
@@ -228,7 +252,7 @@ def main() -> None:
         if args.profile:
             profile_submits(args, tmp)
     print(
-        f"\nissue 10's table, one paired run: {os.cpu_count()} cores, load average {load:.1f} at start, "
+        f"\nissue 10's table, code of {TREE}: {os.cpu_count()} cores, load average {load:.1f} at start, "
         f"{os.getloadavg()[0]:.1f} at end, {time.monotonic() - started:.0f} s"
     )
     w = [max(len(r.figure) for r in rows), max(len(r.value) for r in rows), max(len(r.goal) for r in rows)]
