@@ -70,6 +70,7 @@ SDK_FILES = (
     "dreamlake/lakeshore/states.py",
     "dreamlake/lakeshore/client.py",
     "dreamlake/lakeshore/blobs.py",
+    "dreamlake/lakeshore/keepalive.py",
     "dreamlake/lakeshore/dispatch/__init__.py",
     "dreamlake/lakeshore/dispatch/http.py",
     "dreamlake/lakeshore/dispatch/batching.py",

@@ -50,6 +50,13 @@ if TYPE_CHECKING:
 
 __all__ = ["HttpDispatch"]
 
+
+def _id_of(envelope: bytes) -> str:
+    from dreamlake.lakeshore.envelope import Envelope
+
+    return str(Envelope.header(envelope)["id"])
+
+
 log = logging.getLogger(__name__)
 
 _SLACK_S = 10.0  # read-timeout margin over a server-side long poll
@@ -147,6 +154,7 @@ class HttpDispatch:
         if frame.kind in (wire.FRAME_VALUE, wire.FRAME_END) and isinstance(body, dict) and "ref" in body:
             return frame._replace(body=self._download(body["ref"], f"frame {frame.seq}"))
         return frame
+        self._later: dict[str, list[dict[str, Any]]] = {}  # worker id -> acks for its next poll
 
     def _call(self, method: str, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
         """One request, retried on transient failures; ``timeout`` is a server-side wait to outlast."""
@@ -161,21 +169,25 @@ class HttpDispatch:
         """:meth:`submit` of an Envelope: one over the inline threshold goes to the payload store
         from :meth:`Envelope.to_parts` (its arguments read in place), never joined in memory."""
         parts = envelope.to_parts()
-        size = sum(len(p) for p in parts)
         limit = self.inline_threshold
-        if limit is None or size <= limit:
-            return self.submit(b"".join(parts), queue, run_config, parent)
-        ref = self._upload(parts, envelope.id, "args")
-        if ref is None:  # no payload store: inline after all
-            return self.submit(b"".join(parts), queue, run_config, parent)
-        return self._submit(envelope.id, None, queue, run_config, parent, args_ref=ref)
+        if limit is not None and sum(len(p) for p in parts) > limit:
+            ref = self._upload(parts, envelope.id, "args")
+            if ref is not None:
+                return self._submit(envelope.id, None, queue, run_config, parent, None, args_ref=ref)[0]
+        return self._submit(envelope.id, b"".join(parts), queue, run_config, parent, None)[0]
 
     def submit(
         self, envelope: bytes, queue: str, run_config: dict[str, Any], parent: str | None = None
     ) -> str:
-        from dreamlake.lakeshore.envelope import Envelope
+        return self._submit(_id_of(envelope), envelope, queue, run_config, parent, None)[0]
 
-        return self._submit(Envelope.header(envelope)["id"], envelope, queue, run_config, parent)
+    def submit_and_wait(
+        self, envelope: bytes, queue: str, run_config: dict[str, Any], parent: str | None, timeout: float
+    ) -> tuple[str, dict[str, Any]]:
+        """Submit and await in one request (``submit`` with ``wait_s``): the invocation id and the
+        await answer after up to ``timeout`` s (``{state: pending}`` when not yet terminal)."""
+        inv, out = self._submit(_id_of(envelope), envelope, queue, run_config, parent, max(0.0, timeout))
+        return inv, self._resolved(dict(out.get("outcome") or {"state": "pending"}), inv)
 
     def _submit(
         self,
@@ -184,9 +196,10 @@ class HttpDispatch:
         queue: str,
         run_config: dict[str, Any],
         parent: str | None,
+        wait_s: float | None,
         *,
         args_ref: dict[str, Any] | None = None,
-    ) -> str:
+    ) -> tuple[str, dict[str, Any]]:
         body: dict[str, Any] = {
             "invocation_id": invocation_id,
             "queue": queue,
@@ -201,23 +214,25 @@ class HttpDispatch:
             body["args_blob"] = bytes(envelope)
         if parent:
             body["parent_invocation_id"] = parent
+        if wait_s is not None:
+            body["wait_s"] = wait_s
         limit = self.inline_threshold
         if envelope is not None and limit is not None and len(envelope) > limit:
             self._by_reference(body, envelope)
         try:
-            out = self._call("POST", "/v1/producer/submit", body)
+            out = self._call("POST", "/v1/producer/submit", body, timeout=wait_s)
         except BadRequest as exc:  # the control plane's threshold is lower than ours: go by reference
             if exc.status != 413 or "args_ref" not in str(exc) or envelope is None or "args_blob" not in body:
                 raise
             self._by_reference(body, envelope)
             if "args_ref" not in body:
                 raise
-            out = self._call("POST", "/v1/producer/submit", body)
+            out = self._call("POST", "/v1/producer/submit", body, timeout=wait_s)
         warning = out.get("warning")
         if warning and (self.url, queue) not in _WARNED:  # "no worker has polled queue ...": once
             _WARNED.add((self.url, queue))
             log.warning("%s", warning)
-        return str(out["invocation_id"])
+        return str(out["invocation_id"]), out
 
     def _by_reference(self, body: dict[str, Any], envelope: bytes) -> None:
         """Move the submit's Envelope to the payload store (``args_ref``), when there is one."""
@@ -226,6 +241,13 @@ class HttpDispatch:
             body.pop("args_blob", None)
             body["args_ref"] = ref
 
+    def _resolved(self, out: dict[str, Any], invocation_id: str) -> dict[str, Any]:
+        """An await answer with a ``result_ref`` fetched (sha256 checked) into ``result_blob``."""
+        ref = out.pop("result_ref", None)
+        if ref is not None:
+            out["result_blob"] = self._download(ref, f"result_ref of {invocation_id}")
+        return out
+
     def status(self, invocation_id: str) -> dict[str, Any]:
         inv = ids.validate(invocation_id, "invocation id")
         return dict(self._call("GET", f"/v1/producer/invocations/{inv}"))
@@ -233,11 +255,7 @@ class HttpDispatch:
     def await_result(self, invocation_id: str, timeout: float) -> dict[str, Any]:
         inv = ids.validate(invocation_id, "invocation id")
         body = {"invocation_id": inv, "timeout_s": max(0.0, timeout)}
-        out = dict(self._call("POST", "/v1/producer/await", body, timeout=timeout))
-        ref = out.pop("result_ref", None)
-        if ref is not None:  # the result is in the payload store: fetch it (sha256 checked)
-            out["result_blob"] = self._download(ref, f"result_ref of {inv}")
-        return out
+        return self._resolved(dict(self._call("POST", "/v1/producer/await", body, timeout=timeout)), inv)
 
     def cancel(self, invocation_id: str, descendants: bool = True) -> str:
         inv = ids.validate(invocation_id, "invocation id")
@@ -326,6 +344,13 @@ class HttpDispatch:
         self._registered.add(worker_id)
 
     def claim(self, worker_id: str, queues: list[str], timeout: float) -> Claim | None:
+        got = self.claim_batch(worker_id, queues, timeout, 1)
+        return got[0] if got else None
+
+    def claim_batch(self, worker_id: str, queues: list[str], timeout: float, limit: int) -> list[Claim]:
+        """Up to ``limit`` invocations in one long poll (waiting up to ``timeout`` for the first),
+        carrying the acks queued by ``ack(..., later=True)``: one request answers those acks (each
+        committed with the poll's first pass) and hands out the next work."""
         from dreamlake.lakeshore import __version__
 
         if worker_id not in self._registered:
@@ -333,33 +358,52 @@ class HttpDispatch:
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
             left = max(0.0, deadline - time.monotonic())
-            body = {
+            body: dict[str, Any] = {
                 "worker_id": worker_id,
                 "queues": list(queues),
-                "max": 1,
+                "max": max(1, int(limit)),
                 "kinds": ["run"],  # this worker cannot run exec jobs: never claim one
                 "timeout_s": left,
                 "version": __version__,
             }
-            out = self._call("POST", "/v1/daemon/poll", body, timeout=left)
+            acks = self._later.pop(worker_id, [])
+            if acks:
+                body["acks"] = acks
+            try:
+                out = self._call("POST", "/v1/daemon/poll", body, timeout=left)
+            except BaseException:
+                if acks:  # not known to have landed: they go again, first (an ack is idempotent)
+                    self._later.setdefault(worker_id, [])[:0] = acks
+                raise
+            for answer in out.get("acked") or []:
+                if not answer.get("ok"):
+                    log.warning(
+                        "ack of %s refused (%s): %s",
+                        answer.get("invocation_id"),
+                        answer.get("status"),
+                        answer.get("error"),
+                    )
+            claims: list[Claim] = []
             for cmd in out.get("commands") or []:
                 if cmd.get("kind") == "run":
                     b = cmd["body"]
                     args = b.get("args_blob") or b""
                     if b.get("args_ref") is not None:
                         args = self._download(b["args_ref"], f"args_ref of {b['invocation_id']}")
-                    return Claim(
-                        b["invocation_id"],
-                        args,
-                        dict(b.get("run_config") or {}),
-                        int(b.get("attempt") or 1),
+                    claims.append(
+                        Claim(
+                            b["invocation_id"],
+                            args,
+                            dict(b.get("run_config") or {}),
+                            int(b.get("attempt") or 1),
+                        )
                     )
-                if cmd.get("kind") == "cancel":
+                elif cmd.get("kind") == "cancel":
                     self._keep_cancel(worker_id, str((cmd.get("body") or {}).get("invocation_id", "")))
                 else:
                     log.warning("worker %s ignoring a %s command", worker_id, cmd.get("kind"))
-            if time.monotonic() >= deadline:
-                return None
+            if claims or time.monotonic() >= deadline:
+                return claims
 
     def append_frame(
         self, invocation_id: str, seq: int, data: bytes, final: bool, attempt: int, *, worker_id: str
@@ -398,7 +442,11 @@ class HttpDispatch:
         worker_id: str,
         result_blob: bytes | None = None,
         error: dict[str, Any] | None = None,
+        later: bool = False,
     ) -> bool:
+        """Record the outcome (after the invocation's frames). ``later``: queue it for the
+        worker's next ``claim_batch`` instead of a request of its own (True: queued; a refusal
+        is logged when that poll answers); ``flush_acks`` sends what is queued."""
         try:
             self._frames.flush(invocation_id)  # the ack follows its frames
         except PlaneError as exc:
@@ -418,12 +466,23 @@ class HttpDispatch:
             if ref is not None:
                 body["result_blob"] = b""
                 body["result_ref"] = ref
+        if later:
+            self._later.setdefault(worker_id, []).append({k: v for k, v in body.items() if k != "worker_id"})
+            return True
         try:
             self._call("POST", "/v1/daemon/ack", body)
         except Conflict as exc:
             log.warning("ack of %s refused: %s", invocation_id, exc)
             return False
         return True
+
+    def flush_acks(self, worker_id: str) -> None:
+        """Send the acks ``ack(..., later=True)`` queued for ``worker_id``, each in its own request."""
+        for body in self._later.pop(worker_id, []):
+            try:
+                self._call("POST", "/v1/daemon/ack", {**body, "worker_id": worker_id})
+            except Conflict as exc:
+                log.warning("ack of %s refused: %s", body["invocation_id"], exc)
 
     def heartbeat(self, worker_id: str, running: list[tuple[str, int]]) -> list[str]:
         body = {
