@@ -367,3 +367,15 @@ def test_the_sdk_worker_over_http_takes_and_gives_by_reference(blob_plane: Contr
     assert [isinstance(b, dict) and "ref" in b for b in bodies[:2]] == [True, True]
     producer.close()
     worker.close()
+
+
+def test_call_submits_and_waits_by_reference_too(
+    blob_plane: ControlPlane, start_nymph: Callable[..., UserNymph]
+) -> None:
+    """``.call()`` (submit and wait in one request) with an argument and a result over the threshold."""
+    n = start_nymph(blob_plane)
+    plane = _sdk(blob_plane)
+    data = os.urandom(300 * KiB)
+    out = udfs.echo.call(data, _dispatch=plane, _timeout=LIMIT_S)
+    assert out["data"] == data, n.output()[-3000:]
+    plane.close()

@@ -107,6 +107,7 @@ class HttpDispatch:
         self._registered: set[str] = set()
         self._cancels: dict[str, dict[str, bool]] = {}  # worker id -> cancels a poll delivered
         self._frames = FrameWriter(self._write_frames)
+        self._later: dict[str, list[dict[str, Any]]] = {}  # worker id -> acks for its next poll
         # payloads over this go by reference; None once the control plane said it has no store
         self.inline_threshold: int | None = (
             inline_threshold if inline_threshold is not None else inline_threshold_from_env()
@@ -154,7 +155,6 @@ class HttpDispatch:
         if frame.kind in (wire.FRAME_VALUE, wire.FRAME_END) and isinstance(body, dict) and "ref" in body:
             return frame._replace(body=self._download(body["ref"], f"frame {frame.seq}"))
         return frame
-        self._later: dict[str, list[dict[str, Any]]] = {}  # worker id -> acks for its next poll
 
     def _call(self, method: str, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
         """One request, retried on transient failures; ``timeout`` is a server-side wait to outlast."""
