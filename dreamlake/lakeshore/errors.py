@@ -102,7 +102,12 @@ class DispatchError(LakeshoreError):
 
 
 class PlaneError(LakeshoreError):
-    """The dispatch plane (local store or control plane) failed or refused a request."""
+    """The dispatch plane (local store or control plane) failed or refused a request.
+
+    ``invocation_id`` is set on the failure of a submit: the id the call was submitted under, whose
+    status the caller can ask for (a submit that stayed unanswered may still have been stored)."""
+
+    invocation_id: str | None = None
 
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
