@@ -35,7 +35,7 @@ from dreamlake.lakeshore.server import http, tasks
 from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError, field
-from dreamlake.lakeshore.server.polls import EXEC, RUN, TIMEOUT, Wake
+from dreamlake.lakeshore.server.polls import EXEC, RUN, SHUTDOWN, TIMEOUT, Wake
 from dreamlake.lakeshore.store.api import (
     ACK_STATES,
     UNKNOWN,
@@ -247,7 +247,7 @@ async def poll(
             if commands or remaining <= 0:
                 break
             reason = await ticket.wait(remaining, since=mark)
-            if reason == TIMEOUT:  # nothing came for this poll: no last pass needed
+            if reason in (TIMEOUT, SHUTDOWN):  # nothing came, or the server stops: answer now
                 break
     finally:
         ticket.close()

@@ -91,7 +91,7 @@ async def wait_terminal(ctx: Context, caller: Caller, invocation_id: str, timeou
         if inv.state in TERMINAL_STATES:
             return inv
         remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        if remaining <= 0 or ctx.closing:  # the server stops: answer as it stands
             return inv
         await ctx.wake.wait([f"inv:{invocation_id}"], min(remaining, ctx.config.recheck_s), since=mark)
 
