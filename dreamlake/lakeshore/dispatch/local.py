@@ -116,7 +116,9 @@ class Dispatch:
         return self.store.submit(req).invocation_id
 
     def status(self, invocation_id: str) -> dict[str, Any]:
-        return self._get(invocation_id).status()
+        out = self._get(invocation_id).status()
+        out["attempts"] = self.store.attempts(invocation_id)  # each attempt's outcome, as over HTTP
+        return out
 
     def await_result(self, invocation_id: str, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + max(0.0, timeout)

@@ -120,6 +120,7 @@ async def children(ctx: Context, invocation_id: str) -> list[dict[str, Any]]:
 async def status(ctx: Context, caller: Caller, invocation_id: str) -> dict[str, Any]:
     inv = authz.see_invocation(caller, invocation_id, await ctx.call(ctx.store.get, invocation_id))
     out = inv.status()
+    out["attempts"] = await ctx.call(ctx.store.attempts, invocation_id)
     out["children"] = await children(ctx, invocation_id)
     return out
 

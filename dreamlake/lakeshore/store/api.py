@@ -71,9 +71,12 @@ class Invocation:
     error: dict[str, Any] | None
     cancel_requested: bool
 
+    not_before: float | None = None  # a retry waits queued until then (None: claimable)
+
     def status(self) -> dict[str, Any]:
         """The producer's view of this row: the ``GET /v1/producer/invocations/:id`` body."""
         return {
+            "retry_at": self.not_before,
             "invocation_id": self.invocation_id,
             "state": self.state,
             "queue": self.queue,
@@ -104,6 +107,7 @@ class AckResult:
     state: str | None = None  # the row's state after the call
     reason: str | None = None  # why it was refused, for the error body
     status: int = SUPERSEDED  # the HTTP status of a refusal: UNKNOWN, ANOTHER_WORKER or SUPERSEDED
+    requeued: str | None = None  # the queue a retry went back to, claimable now (to wake a poll)
 
 
 @dataclass
@@ -317,6 +321,13 @@ class Store(Listing, Protocol):
 
     def descendants(self, invocation_id: str) -> list[tuple[str, str | None, str]]:
         """``(invocation_id, parent_invocation_id, state)`` of every descendant, breadth first."""
+        ...
+
+    def attempts(self, invocation_id: str) -> list[dict[str, Any]]:
+        """Each attempt's outcome, oldest first: ``{attempt, state, worker_id, started_at,
+        finished_at, error, retry_at}``, the earlier ones (retried, or lost with their lease) from
+        the store's history, the current one from the invocation row (absent while a retry waits:
+        the status's ``retry_at`` says when it becomes claimable). Empty for an unknown invocation."""
         ...
 
     def cancel(self, invocation_id: str) -> str | None:

@@ -196,6 +196,7 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
         submits = [(k, p) for k, (_, p) in enumerate(batch) if isinstance(p, _Prepared)]
         results: list[WriteResult | PlaneError | None] = [None] * len(batch)
         channels: list[str] = []
+        requeued: list[str] = []
         now = time.time()
         with self.db.tx(write=True) as conn:
             preps = [p for _, p in submits]
@@ -214,6 +215,8 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
                         results[j] = ack
                         if ack.ok and not ack.duplicate:
                             channels.append(f"inv:{req.invocation_id}")
+                        if ack.requeued:  # a retry claimable now: one wake per invocation
+                            requeued.append(f"queue:{ack.requeued}")
                     acks = []
                 if isinstance(p, FrameRequest):
                     chunk = self._append_frame_in(conn, p, now)
@@ -224,13 +227,14 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
                     results[k] = self._heartbeat_in(conn, p, now, pin=True)
         if preps:
             self._submitted(preps, submitted)
-        self._notify(*dict.fromkeys(channels))
+        self._notify(*dict.fromkeys(channels), *requeued)
         return [r for r in results if r is not None]
 
     def expire_leases(self, now: float | None = None) -> list[str]:
         now = time.time() if now is None else now
         with self.db.tx(write=True) as conn:
             cancelled, requeued, failed = self._expire_in(conn, now)
+            due = self._release_in(conn, now)
             exec_requeued, exec_failed = self._expire_exec_in(conn, now)
         ids = [r.invocation_id for r in (*cancelled, *requeued, *failed)]
         exec_ids = [r.exec_id for r in (*exec_requeued, *exec_failed)]
@@ -243,8 +247,11 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
                 len(exec_requeued),
                 len(exec_failed),
             )
+        if due:
+            log.debug("%d retries due: claimable again", len(due))
         self._notify(
-            *(f"queue:{r.queue}" for r in requeued),  # one per invocation: a poll hub wakes one poll each
+            *(f"queue:{r.queue}" for r in (*requeued, *due)),  # one per invocation: one poll woken each
+            *(f"inv:{r.invocation_id}" for r in due),
             *(f"inv:{i}" for i in ids),
             *(
                 f"worker:{r.worker_id}" if r.worker_id else exec_queue_channel(r.namespace, r.queue)
