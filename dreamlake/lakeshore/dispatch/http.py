@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.client import DEFAULT_RETRY_WINDOW_S, RETRY_WINDOW_ENV, PlaneClient, is_retryable
-from dreamlake.lakeshore.dispatch import NATIVE_FUNCTION, Claim
+from dreamlake.lakeshore.dispatch import NATIVE_FUNCTION, Claim, error_ends_stream
 from dreamlake.lakeshore.dispatch.batching import FrameWriter
 from dreamlake.lakeshore.errors import Conflict, PlaneError, Unavailable
 from dreamlake.lakeshore.states import TERMINAL_STATES
@@ -185,14 +185,21 @@ class HttpDispatch:
                     path, params={"since": since, "timeout": patience}, timeout_s=patience + _SLACK_S
                 ) as resp:
                     reader = wire.FrameReader()
+                    skipped = False  # a retried attempt's ERROR: reconnect after it
                     for chunk in resp.iter_bytes():
+                        if skipped:
+                            break
                         for frame in reader.feed(chunk):
                             if frame.seq <= since:
                                 continue  # never hand a consumer the same seq twice
                             got_any = True
+                            last_frame = time.monotonic()
+                            retried = frame.kind == wire.FRAME_ERROR and not topic
+                            if retried and not error_ends_stream(lambda: self.status(owner), frame, timeout):
+                                since, skipped = frame.seq, True  # its restart follows
+                                break
                             yield frame
                             since = frame.seq
-                            last_frame = time.monotonic()
                             if frame.kind in (wire.FRAME_END, wire.FRAME_ERROR):
                                 return
             except PlaneError as exc:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import ids
-from dreamlake.lakeshore.dispatch import NATIVE_FUNCTION, Claim
+from dreamlake.lakeshore.dispatch import NATIVE_FUNCTION, Claim, error_ends_stream
 from dreamlake.lakeshore.dispatch.batching import FrameWriter
 from dreamlake.lakeshore.errors import AuthError, BadRequest, Conflict, NotFound, PlaneError
 from dreamlake.lakeshore.states import TERMINAL_STATES
@@ -158,7 +158,12 @@ class Dispatch:
             mark = self.notifier.mark()
             rows = self.store.read_frames(owner_id, since)
             for row in rows:
-                yield wire.decode_frame(row.data)
+                frame = wire.decode_frame(row.data)
+                retried = frame.kind == wire.FRAME_ERROR and not topic
+                if retried and not error_ends_stream(lambda: self.status(owner), frame, timeout):
+                    since = row.seq  # a retried attempt's failure: its restart follows
+                    continue
+                yield frame
                 since = row.seq
                 if row.final:
                     return
@@ -168,10 +173,8 @@ class Dispatch:
             if not topic and self._get(owner).state in TERMINAL_STATES:
                 # frames are journaled before the ack: one more read sees any that raced the check
                 late = self.store.read_frames(owner_id, since)
-                for row in late:
-                    yield wire.decode_frame(row.data)
-                    if row.final:
-                        return
+                if late:
+                    continue  # frames raced the check: read them as above
                 return
             if time.monotonic() >= deadline:
                 what = f"topic {owner}" if topic else f"invocation {owner}"

@@ -356,8 +356,9 @@ async def result_chunk(ctx: Context, caller: Caller, body: dict[str, Any]) -> tu
         return 200, {"ok": True, "seq": seq, "duplicate": True}
     ctx.wake.notify(f"inv:{invocation_id}")
     if ctx.fanout is not None:
-        try:
-            await ctx.fanout.publish(invocation_id, seq, data, final)
+        try:  # at its journal position, as journaled (a later attempt's frames are restamped)
+            pos = seq if result.pos is None else result.pos
+            await ctx.fanout.publish(invocation_id, pos, result.data or data, final)
         except Exception:
             log.warning(
                 "live publish of %s seq %d failed; followers catch up from the journal",
@@ -396,7 +397,11 @@ async def result_chunks(ctx: Context, caller: Caller, body: dict[str, Any]) -> t
         batch.append((frame.seq, data, frame.final))
     results = await ctx.call(ctx.store.append_frames, invocation_id, attempt, batch, worker_id=worker_id)
     kept = [r for r in results if r.ok]
-    fresh = [item for item, r in zip(batch, results, strict=False) if r.ok and not r.duplicate]
+    fresh = [  # at their journal positions, as journaled (a later attempt's frames are restamped)
+        (seq if r.pos is None else r.pos, r.data or data, final)
+        for (seq, data, final), r in zip(batch, results, strict=False)
+        if r.ok and not r.duplicate
+    ]
     ctx.metrics.chunks.labels(duplicate="false").inc(len(fresh))
     if len(kept) > len(fresh):
         ctx.metrics.chunks.labels(duplicate="true").inc(len(kept) - len(fresh))

@@ -118,6 +118,8 @@ class ChunkResult:
     reason: str | None = None
     status: int = SUPERSEDED  # of a refusal: UNKNOWN, ANOTHER_WORKER, SUPERSEDED or OUT_OF_ORDER
     expected_seq: int | None = None  # on OUT_OF_ORDER: the seq the journal takes next
+    pos: int | None = None  # the frame's journal position (== seq for the first attempt to write)
+    data: bytes | None = None  # the bytes journaled, when not those sent (a later attempt's, restamped)
 
 
 @dataclass

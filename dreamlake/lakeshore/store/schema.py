@@ -61,6 +61,9 @@ invocations = sa.Table(
     sa.Column("cancel_requested", sa.Boolean, nullable=False),
     # 0006: a retried invocation waits queued until then (NULL: due); see ix_invocations_queued.
     sa.Column("not_before", TIME, nullable=True),
+    # 0006: the attempt whose frames the journal takes and the position of its seq 0 (NULL: 1, 0)
+    sa.Column("frames_attempt", sa.Integer, nullable=True),
+    sa.Column("frames_base", sa.BigInteger, nullable=True),
     sa.Index("ix_invocations_lease", "state", "lease_expires_at"),
     sa.Index("ix_invocations_root", "root_invocation_id"),
     # 0004: a key is unique within its namespace and queue.

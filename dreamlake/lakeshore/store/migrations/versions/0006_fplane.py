@@ -7,6 +7,9 @@
 - ``invocation_attempts``: the outcome of every attempt that did not end the invocation (a retried
   failure, a lapsed lease); the last attempt's outcome is the invocation row itself.
 - ``ix_invocations_finished``: finished invocations by ``finished_at``, for the retention sweep.
+- ``invocations.frames_attempt`` / ``frames_base``: the attempt whose frames the journal takes now
+  and the journal position of its seq 0 (NULL: attempt 1, position 0). A later attempt that writes
+  to a journal holding an earlier attempt's frames restarts it after a RESTART marker.
 
 Revision ID: 0006_fplane
 Revises: 0005
@@ -44,6 +47,8 @@ def _claim_indexes(where: sa.TextClause) -> None:
 
 def upgrade() -> None:
     op.add_column("invocations", sa.Column("not_before", sa.Double(), nullable=True))
+    op.add_column("invocations", sa.Column("frames_attempt", sa.Integer, nullable=True))
+    op.add_column("invocations", sa.Column("frames_base", sa.BigInteger, nullable=True))
     op.drop_index("ix_invocations_queued", table_name="invocations")
     op.drop_index("ix_invocations_queued_ns", table_name="invocations")
     _claim_indexes(DUE)
@@ -81,4 +86,6 @@ def downgrade() -> None:
     op.drop_index("ix_invocations_queued_ns", table_name="invocations")
     op.drop_index("ix_invocations_queued", table_name="invocations")
     _claim_indexes(QUEUED)
+    op.drop_column("invocations", "frames_base")
+    op.drop_column("invocations", "frames_attempt")
     op.drop_column("invocations", "not_before")
