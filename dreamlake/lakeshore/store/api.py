@@ -10,9 +10,9 @@ Times are float seconds since the epoch. Blobs are ``bytes``. ``error`` is an Er
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dreamlake.lakeshore.errors import PlaneError
 
@@ -20,6 +20,9 @@ from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.states import ACK_STATES as ACK_STATES
 from dreamlake.lakeshore.states import TERMINAL_STATES as TERMINAL_STATES
 from dreamlake.lakeshore.states import State as State
+
+if TYPE_CHECKING:
+    from .retention import GcResult
 
 DEFAULT_LEASE_S = 30.0
 DEFAULT_MAX_ATTEMPTS = 3
@@ -532,5 +535,31 @@ class Store(Listing, Protocol):
         ...
 
     def get_exec(self, namespace: str, exec_id: str) -> dict[str, Any] | None: ...
+
+    # -- retention (store/retention.py) --------------------------------------------------------
+    def gc_batch(
+        self,
+        now: float,
+        default_s: float | None,
+        per_queue: Mapping[str, float | None] | None = None,
+        *,
+        limit: int = 200,
+    ) -> GcResult:
+        """Delete at most ``limit`` finished invocations (with their frames and attempts) and
+        ``limit`` done exec jobs that finished more than their queue's retention ago
+        (``per_queue[queue]``, else ``default_s``; None or 0: kept), in one transaction."""
+        ...
+
+    def gc(
+        self,
+        now: float,
+        default_s: float | None,
+        per_queue: Mapping[str, float | None] | None = None,
+        *,
+        limit: int = 200,
+        max_batches: int = 1_000_000,
+    ) -> GcResult:
+        """``gc_batch`` until a batch comes back short; the totals."""
+        ...
 
     def close(self) -> None: ...

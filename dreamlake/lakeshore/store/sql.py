@@ -8,6 +8,7 @@ concern, each whole in its module (see base.py for how they combine):
 - workers.py      workers and their commands, namespaces (pinned nymph version), tokens
 - exec_jobs.py    exec jobs (seed 003) and their leases
 - listing.py      the operators' read-only views: queues, workers, invocation pages, journal sizes
+- retention.py    expiry of finished work, in batches (the server's sweep and ``lakeshore gc``)
 
 This module holds what spans them: the daemon's one-transaction calls ``poll`` / ``poll_pass``
 (commands, then invocations, then exec jobs up to the limit; ``poll_pass`` also reads the pinned
@@ -47,12 +48,13 @@ from .frames import FrameStore, frame_channel
 from .invocations import InvocationStore, _Prepared
 from .listing import ListingStore
 from .notify import Notifier, exec_queue_channel
+from .retention import RetentionStore
 from .workers import WorkerStore
 
 log = logging.getLogger(__name__)
 
 
-class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingStore):
+class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingStore, RetentionStore):
     """The Store protocol over SQLite (file or ``:memory:``) or PostgreSQL."""
 
     def __init__(self, url: str, *, notifier: Notifier | None = None, migrate_schema: bool = True) -> None:
