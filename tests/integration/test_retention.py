@@ -97,7 +97,7 @@ def test_the_sweep_deletes_expired_work_its_frames_and_its_payloads(
     _until(lambda: cp.store.get_exec("default", job) is None, "the exec job to expire")
     assert all(cp.store.read_frames(i) == [] for i in done)
     assert cp.store.get(kept) is not None and cp.store.get(waiting) is not None
-    with pytest.raises(Exception, match="404|Not Found|NoSuchKey"):
+    with pytest.raises(Exception, match=r"404|Not Found|NoSuchKey"):
         s3.head_object(Bucket=s3_service.bucket, Key=key)
     counts = _deleted(cp)
     print(f"retention sweep: {counts}")
