@@ -110,7 +110,7 @@ class AckResult:
     state: str | None = None  # the row's state after the call
     reason: str | None = None  # why it was refused, for the error body
     status: int = SUPERSEDED  # the HTTP status of a refusal: UNKNOWN, ANOTHER_WORKER or SUPERSEDED
-    requeued: str | None = None  # the queue a retry went back to, claimable now (to wake a poll)
+    requeued: str | None = field(default=None, compare=False)  # a retry's queue, claimable now
 
 
 @dataclass
@@ -121,8 +121,9 @@ class ChunkResult:
     reason: str | None = None
     status: int = SUPERSEDED  # of a refusal: UNKNOWN, ANOTHER_WORKER, SUPERSEDED or OUT_OF_ORDER
     expected_seq: int | None = None  # on OUT_OF_ORDER: the seq the journal takes next
-    pos: int | None = None  # the frame's journal position (== seq for the first attempt to write)
-    data: bytes | None = None  # the bytes journaled, when not those sent (a later attempt's, restamped)
+    # Where it went, for the live fan-out (not part of the answer, nor of equality):
+    pos: int | None = field(default=None, compare=False)  # its journal position (== seq on attempt 1)
+    data: bytes | None = field(default=None, compare=False)  # the bytes journaled, if not those sent
 
 
 @dataclass
