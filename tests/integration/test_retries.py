@@ -77,6 +77,11 @@ def test_declared_failures_and_crashes_retry_with_backoff_others_fail_at_once(
     ]
     first, second = status["attempts"][:2]
     assert second["started_at"] >= first["retry_at"] >= first["finished_at"]  # not before its backoff
+    detail = httpx.get(
+        f"{server.url}/v1/ops/invocations/{flaky}", headers={"Authorization": f"Bearer {admin}"}
+    )
+    shown = [(a["attempt"], a["outcome"], (a["error"] or {}).get("type")) for a in detail.json()["attempts"]]
+    assert shown == [(1, "failed", "TimeoutError"), (2, "failed", "TimeoutError"), (3, "succeeded", None)]
 
     assert await_result(server.url, admin, base)["state"] == "failed"
     assert _outcomes(_status(server, admin, base)) == [
