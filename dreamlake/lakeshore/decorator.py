@@ -362,6 +362,7 @@ class UDF:
         max_attempts: int | None = None,
         retry_on: tuple[type[BaseException] | str, ...] | None = None,
         backoff_s: float | None = None,
+        resumable: bool = False,
         dispatch: Plane | None = None,
         **options: Any,
     ) -> None:
@@ -397,6 +398,8 @@ class UDF:
             if isinstance(backoff_s, bool) or not isinstance(backoff_s, (int, float)) or not backoff_s >= 0:
                 raise ValueError(f"backoff_s must be a number of seconds >= 0, got {backoff_s!r}")
             self.options["backoff_s"] = float(backoff_s)
+        if resumable:  # a deterministic generator: a new attempt continues its stream
+            self.options["resumable"] = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run locally. A generator body returns a lazy iterator; nothing runs until pulled."""
@@ -480,6 +483,7 @@ if TYPE_CHECKING:
         max_attempts: int | None = ...,
         retry_on: tuple[type[BaseException] | str, ...] | None = ...,
         backoff_s: float | None = ...,
+        resumable: bool = ...,
         dispatch: Plane | None = ...,
         **options: Any,
     ) -> Callable[[Callable[..., Any]], UDF]: ...
@@ -493,6 +497,8 @@ def udf(fn: Callable[..., Any] | None = None, /, **config: Any) -> Any:
     ``max_attempts`` bounds the attempts; a failure queues another one (after ``backoff_s * 2**(n-1)``
     seconds) when its exception is one of ``retry_on`` (classes or names; base classes match too),
     or when the task's process died. docs/protocol.md "Retries" says what retries and what never.
+    A generator's new attempt restarts its stream (``StreamRestarted``); ``resumable=True`` declares
+    it deterministic, and the new attempt continues the stream where the journal stands instead.
 
     Extra keywords (``image``, ``resources``, ``network``, ...) ride in the Submit ``run_config``.
     """

@@ -102,3 +102,16 @@ def test_a_retried_failure_s_error_frame_is_followed_by_the_restart(store: SqlSt
     assert _values(_journal(store, inv)) == [0, 1, wire.FRAME_ERROR, ("restart", 2), 0, wire.FRAME_END]
     raw = store.read_frames(inv)[3].data
     assert msgpack.unpackb(raw)[0] == wire.FRAME_LOG
+
+
+def test_a_resumable_generator_continues_instead_of_restarting(store: SqlStore) -> None:
+    inv = submit(store, max_attempts=2, resumable=True)
+    store.claim("w1", ["q"])
+    store.append_frames(inv, 1, [_value(s, s) for s in range(34)], worker_id="w1")
+    store.expire_leases(now=FUTURE)
+    store.claim("w2", ["q"])
+    got = store.append_frames(inv, 2, [*(_value(s, s) for s in range(100)), _end(100)], worker_id="w2")
+    assert [r.duplicate for r in got] == [True] * 34 + [False] * 67  # what attempt 1 journaled is kept
+    frames = _journal(store, inv)
+    assert _values(frames) == [*range(100), wire.FRAME_END]  # one stream, no marker
+    assert [f.seq for f in frames] == list(range(101))

@@ -178,3 +178,21 @@ def test_a_retry_waiting_for_its_backoff_is_cancelled_at_once(store: SqlStore) -
     store.expire_leases(now=time.time() + 601)
     assert store.claim("w", ["q"]) == []
     assert store.get(inv).state == "cancelled"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("run_config", "match"),
+    [
+        ({"retry_on": "TimeoutError"}, "list of at most 32 exception type names"),
+        ({"retry_on": [1]}, "list of at most 32 exception type names"),
+        ({"backoff_s": -1}, "backoff_s must be a number of seconds from 0 to 3600"),
+        ({"backoff_s": 10_000}, "backoff_s must be a number of seconds from 0 to 3600"),
+    ],
+)
+def test_a_malformed_retry_policy_is_refused_at_submit(run_config: dict[str, Any], match: str) -> None:
+    from dreamlake.lakeshore.errors import PlaneError
+    from dreamlake.lakeshore.store.values import check_run_config
+
+    with pytest.raises(PlaneError, match=match) as refused:
+        check_run_config(run_config)
+    assert refused.value.status == 400

@@ -30,7 +30,11 @@ row as ``frames_base``, with ``frames_attempt``). Frames of an attempt after the
 re-encoded with their position as seq and ``meta.attempt`` / ``meta.aseq`` (the attempt and its
 own seq); a frame without ``meta.attempt`` is attempt 1's. Positions stay gap-free and monotonic,
 so ``since`` cursors keep working across restarts; results answer the attempt's own seq (what the
-sender knows), with the position in ``ChunkResult.pos``.
+sender knows), with the position in ``ChunkResult.pos``. An invocation declared resumable
+(``run_config.resumable``, ``@dls.udf(resumable=True)``: a deterministic generator) is not
+restarted: the new attempt continues at the earlier attempt's positions (its seqs already
+journaled are duplicates, the rest follow), unless the earlier attempt's part ended with a final
+frame (a retried failure's ERROR), which restarts it all the same.
 
 Topics: ``topic_append`` takes the next seq from the ``topics`` counter (an upsert, so concurrent
 posters never share a seq) and journals the frame under ``topic:<name>``, built here as plain
@@ -107,6 +111,7 @@ class _Statements:
             inv.c.frames_attempt,
             inv.c.frames_base,
         ).where(inv.c.invocation_id == B("id"))
+        self.run_config = sa.select(inv.c.run_config).where(inv.c.invocation_id == B("id"))
         self.restart = (
             sa.update(inv)
             .where(inv.c.invocation_id == B("id"))
@@ -227,13 +232,20 @@ class FrameStore(StoreBase):
         st = self._frame_st
         newest = conn.execute(st.last_frame, {"owner": owner_id}).first()
         base = 0
-        if newest is not None:
+        if newest is not None and not newest.final and self._resumable_in(conn, owner_id):
+            base = int(lease.frames_base or 0)  # declared resumable: the new attempt continues
+        elif newest is not None:
             marker = int(newest.seq) + 1
             params = {"owner": owner_id, "seq": marker, "data": restart_marker(marker, attempt, now), "final": False, "now": now}  # fmt: skip
             conn.execute(st.insert_frame, params)
             base = marker + 1
         conn.execute(st.restart, {"id": owner_id, "b_attempt": attempt, "b_base": base})
         return base
+
+    def _resumable_in(self, conn: Connection, owner_id: str) -> bool:
+        """Whether the invocation was declared ``resumable`` (``@dls.udf(resumable=True)``)."""
+        run_config = conn.execute(self._frame_st.run_config, {"id": owner_id}).scalar_one_or_none()
+        return isinstance(run_config, dict) and run_config.get("resumable") is True
 
     @retry_on_disconnect
     def append_frames(
