@@ -229,6 +229,8 @@ def read_outcome(path: Path, status: ExitStatus | None, *, script: bool = False)
     outcome = Outcome.failed("ProcessExited", message, logs)
     if full is not None:
         outcome.extra["disk_full"] = True
+        if outcome.error is not None:  # the control plane does not retry such a crash by default
+            outcome.error["disk_full"] = True
     return outcome
 
 

@@ -196,3 +196,13 @@ def test_a_malformed_retry_policy_is_refused_at_submit(run_config: dict[str, Any
     with pytest.raises(PlaneError, match=match) as refused:
         check_run_config(run_config)
     assert refused.value.status == 400
+
+
+def test_a_crash_on_a_full_disk_is_final_unless_retry_on_names_it(store: SqlStore) -> None:
+    full = {"type": "ProcessExited", "message": "... No space left on device ...", "disk_full": True}
+    inv = submit(store, max_attempts=3)
+    store.claim("w", ["q"])
+    assert _fail(store, inv, 1, full).state == "failed"  # the caller hears of the full disk at once
+    asked = submit(store, max_attempts=3, retry_on=["ProcessExited"], backoff_s=0)
+    store.claim("w", ["q"])
+    assert _fail(store, asked, 1, full).state == "queued"

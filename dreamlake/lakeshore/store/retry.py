@@ -7,7 +7,9 @@ outcome. Another attempt is queued (``delay`` is not None) when all of these hol
 - the outcome is not one that cannot change by running again (:data:`NEVER`: a gate refused the
   function, it could not be imported or decoded, the run config was refused, a cancel);
 - it is a death of the task's process (:data:`CRASHES`: ``ProcessExited``, e.g. ``os._exit(17)``,
-  an OOM kill; retried like a lapsed lease, the way Ray retries a dead worker), or its error type
+  an OOM kill; retried like a lapsed lease, the way Ray retries a dead worker) that nymph did not
+  mark ``disk_full`` (the task could not write its result on a full disk: resource exhaustion is
+  the outcome the caller is told at once, issue 12 item 1), or its error type
   is listed in ``run_config.retry_on`` (``@dls.udf(retry_on=(TimeoutError,))``). A name matches
   the error's ``type`` or, when the worker reports it, a base class in the error's ``mro`` (the
   entry reports the class names of the exception's MRO), so ``retry_on=(OSError,)`` also retries a
@@ -113,7 +115,7 @@ def delay(
     if state == "timeout":
         if TIMEOUT_TYPE not in wanted_set:
             return None
-    elif not (names & CRASHES or names & wanted_set):
+    elif not (names & wanted_set or (names & CRASHES and not (error or {}).get("disk_full"))):
         return None
     base = run_config.get("backoff_s")
     if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base < 0:
