@@ -365,7 +365,9 @@ async def _ack(
         "result_blob": result_blob or None,
         "error": None if error is None else json_safe(error, "error"),
     }
-    ctx.acks.end(invocation_id, flight, committed if result.ok and not result.duplicate else None)
+    # a failure that queued a retry (result.state "queued") is no outcome for a waiting producer
+    final = result.ok and not result.duplicate and result.state == state
+    ctx.acks.end(invocation_id, flight, committed if final else None)
     if result.ok:
         ctx.metrics.acks.labels(state=state, outcome="duplicate" if result.duplicate else "ok").inc()
         ctx.wake.notify(f"inv:{invocation_id}")
