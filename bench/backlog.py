@@ -97,6 +97,9 @@ def rows(start: int, count: int, queues: int, priorities: int) -> Iterator[tuple
             "cancel_requested": False,
             "args_ref": None,
             "result_ref": None,
+            "not_before": None,  # due: a retry waiting for its backoff is not in the claim index
+            "frames_attempt": None,
+            "frames_base": None,
         }
         yield tuple(values[c] for c in COLUMNS)
 

@@ -234,11 +234,14 @@ def read_outcome(
     try:
         err = json.loads(safeio.read_output(path, ERROR) or b"")
         if isinstance(err, dict) and "type" in err:
-            error = {
+            error: dict[str, Any] = {
                 "type": str(err.get("type")),
                 "message": str(err.get("message", "")),
                 "traceback": str(err.get("traceback") or ""),
             }
+            mro = err.get("mro")
+            if isinstance(mro, list) and len(mro) <= 64:  # the base classes retry_on may name
+                error["mro"] = [str(n)[:200] for n in mro]
             return Outcome("failed", b"", error)
     except (OSError, ValueError):
         pass
@@ -250,6 +253,8 @@ def read_outcome(
     outcome = Outcome.failed("ProcessExited", message, logs)
     if full is not None:
         outcome.extra["disk_full"] = True
+        if outcome.error is not None:  # the control plane does not retry such a crash by default
+            outcome.error["disk_full"] = True
     return outcome
 
 

@@ -6,7 +6,7 @@ a result over it is acked with ``result_ref`` and no ``result_blob``. Both nulla
 written before this revision keeps its inline bytes.
 
 Revision ID: 0008_shipdata
-Revises: 0005
+Revises: 0006_fplane
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0008_shipdata"
-down_revision = "0005"
+down_revision = "0006_fplane"
 branch_labels = None
 depends_on = None
 
