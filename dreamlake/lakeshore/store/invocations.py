@@ -46,7 +46,7 @@ from .api import (
 )
 from .base import StoreBase, dialect_insert
 from .engine import Database, retry_on_disconnect
-from .notify import Notifier
+from .notify import Notifier, invocation_channels
 from .workers import queue_command
 
 CANCEL_REASON = "cancelled by producer"
@@ -470,8 +470,8 @@ class InvocationStore(StoreBase):
         for p, res in zip(batch, results, strict=True):
             self._known.remember(p.row["queue"], p.row["function_key"])
             if isinstance(res, SubmitResult) and not res.duplicate:
-                channels += (f"queue:{res.queue}", f"inv:{res.invocation_id}")
-        self._notify(*channels)  # one queue:<q> per new invocation: a poll hub wakes one poll each
+                channels += (*invocation_channels(p.row["namespace"], res.queue), f"inv:{res.invocation_id}")
+        self._notify(*channels)  # one run-queue:<ns>:<q> per new invocation: the poll hub wakes one poll each
 
     def _existing(self, conn: Connection, row: dict[str, Any]) -> SubmitResult | None:
         """The earlier submit a row that was not inserted repeats (same id and content, or the same
@@ -712,7 +712,7 @@ class InvocationStore(StoreBase):
     ) -> tuple[list[Row[Any]], list[Row[Any]], list[Row[Any]]]:
         """End the running invocations whose lease lapsed: cancelled when a cancel was requested,
         else requeued while attempts remain, else failed with ``LEASE_EXPIRED``. Returns the
-        ``(invocation_id,)`` rows cancelled, the ``(invocation_id, queue)`` rows requeued and the
+        ``(invocation_id,)`` rows cancelled, the ``(invocation_id, queue, namespace)`` rows requeued and the
         ``(invocation_id,)`` rows failed."""
         lapsed = (_inv.c.state == "running", _inv.c.lease_expires_at < now)
         gone = {"worker_id": None, "lease_expires_at": None}
@@ -726,7 +726,7 @@ class InvocationStore(StoreBase):
             sa.update(_inv)
             .where(*lapsed, _inv.c.attempt < _inv.c.max_attempts)
             .values(state="queued", started_at=None, **gone)
-            .returning(_inv.c.invocation_id, _inv.c.queue)
+            .returning(_inv.c.invocation_id, _inv.c.queue, _inv.c.namespace)
         ).fetchall()
         failed = conn.execute(
             sa.update(_inv)

@@ -46,7 +46,7 @@ from .exec_jobs import ExecJobStore
 from .frames import FrameStore, frame_channel
 from .invocations import InvocationStore, _Prepared
 from .listing import ListingStore
-from .notify import Notifier, exec_queue_channel
+from .notify import Notifier, exec_queue_channel, invocation_channels
 from .workers import WorkerStore
 
 log = logging.getLogger(__name__)
@@ -244,7 +244,8 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
                 len(exec_failed),
             )
         self._notify(
-            *(f"queue:{r.queue}" for r in requeued),  # one per invocation: a poll hub wakes one poll each
+            # one per invocation: the poll hub wakes one poll each
+            *(c for r in requeued for c in invocation_channels(r.namespace, r.queue)),
             *(f"inv:{i}" for i in ids),
             *(
                 f"worker:{r.worker_id}" if r.worker_id else exec_queue_channel(r.namespace, r.queue)
