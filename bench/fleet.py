@@ -279,7 +279,9 @@ class Fleet:
         while not self.stopping:
             async with side.lock:
                 status, out, _ = await side.request(
-                    "POST", "/v1/daemon/heartbeat", {"worker_id": worker, "running": []}
+                    "POST",
+                    "/v1/daemon/heartbeat",
+                    {"worker_id": worker, "running": [], "running_exec": [], "free_slots": 1},  # as nymph
                 )
             assert status == 200, out
             await asyncio.sleep(period)
