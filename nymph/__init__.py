@@ -4,15 +4,17 @@ Layout (one concern per module)::
 
     cli.py        the ``nymph`` console script (start, doctor, runners); resolves config once
     __main__.py   ``python -m nymph``: the console script
-    config.py     NymphConfig: flags over NYMPH_* environment over a TOML file
+    config.py     NymphConfig: flags over NYMPH_* environment over a TOML file; paths made absolute
     errors.py     the exception hierarchy (drawn in its docstring)
-    client.py     the typed control-plane client; the one place that decides what is retryable
+    client.py     the typed control-plane client; the one place that decides what is retryable,
+                  and the one "control plane went away" / "reconnected" line of an outage
     identity.py   the worker id (a ULID kept in the state directory)
 
     agent.py      the agent: registration, the threads, shutdown; wires the pieces below
     poller.py     the long-poll loop (claims only while a slot is free) and the retry policy
     jobs.py       the one table of jobs (invocations and exec jobs) and the commands about them
-    health.py     the runner's health (no claims while it cannot work) and the outbox watchdog
+    health.py     readiness: the runner's health and free disk space (no claims while either is
+                  short) and the outbox watchdog
     recovery.py   when to reconcile a previous life's work, and its leases meanwhile
     upgrade.py    version pinning: drain, then exit 75 or install the pinned version and re-exec
     heartbeat.py  lease renewal; its answers carry cancel commands, lost ids and the pin
@@ -27,6 +29,7 @@ Layout (one concern per module)::
     pump.py       tails the frame journal (and script logs) into the outbox as frames appear
     outbox.py     the durable outbox: acks and frames on disk until the control plane confirms
     reconcile.py  re-attach to or report what a previous life left behind
+    prune.py      removes kept failed workdirs by age and total size, and ``*.old-*`` directories
 
     runner.py     the Runner contract that runner plugins implement
     plugins.py    loading runner plugins (entry-point group ``nymph.runners``) and validating them

@@ -44,13 +44,14 @@ from nymph import upgrade
 from nymph.client import AuthRejected, ClientError, ControlPlaneClient
 from nymph.config import NymphConfig
 from nymph.errors import UpgradeError
-from nymph.health import RunnerHealth, Watchdog
+from nymph.health import DiskHealth, RunnerHealth, Watchdog
 from nymph.heartbeat import Heartbeat
 from nymph.identity import load_or_create_worker_id
 from nymph.jobs import Jobs
 from nymph.lifecycle import SHUTDOWN_MESSAGE, JobContext
 from nymph.outbox import Outbox
 from nymph.poller import Poller, retrying
+from nymph.prune import PRUNE_EVERY_S, prune
 from nymph.pump import Watcher
 from nymph.recovery import Recovery
 from nymph.runner import Reaping, Runner
@@ -106,6 +107,8 @@ class Agent:
         self.stopping = Stopping()
         self.exit_code = EXIT_OK
         self.runner_health = RunnerHealth(runner, self.notify)
+        self._next_prune = 0.0
+        self.disk = DiskHealth([config.workdir, config.state_dir], config.min_free_mb * 2**20, self.notify)
         self.watchdog = Watchdog(self.notify, lambda: self.outbox.pending() if self.outbox else 0)
         self.jobs = Jobs(self.slots, self.context)
         self.recovery = Recovery(self.jobs, self.runner_health, self.context)
@@ -145,6 +148,7 @@ class Agent:
             on_sent=self.watchdog.sent,
             watcher=Watcher(inotify=cfg.stream_inotify, poll_s=cfg.stream_poll_s),
             max_bytes=cfg.stream_max_bytes,
+            on_full=self.disk.full,
         )
         self.outbox.start()
         health = None
@@ -170,6 +174,7 @@ class Agent:
         while not self.stopping.event.wait(HOUSEKEEPING_S):
             self._reap_orphans()
             self.recovery.sweep()
+            self._prune()
         self._shutdown()
         hb.stop()
         return self._finish(health)
@@ -190,10 +195,17 @@ class Agent:
             self.outbox,
             self.slots,
             self.worker_id,
-            on_done=self.jobs.done,
+            on_done=self._job_done,
             on_unavailable=self.runner_health.unavailable,
             client=self.client,
+            on_disk_full=self.disk.full,
         )
+
+    def _job_done(self, job: Any) -> None:
+        """A job released its slot; one that kept its workdir (failed) brings the next prune forward."""
+        self.jobs.done(job)
+        if getattr(job, "state", None) not in (None, "succeeded", "lost", "deferred", "released"):
+            self._next_prune = 0.0
 
     def running(self) -> list[dict[str, Any]]:
         """The invocations whose leases the heartbeat renews, ``{invocation_id, attempt}``: the
@@ -215,10 +227,14 @@ class Agent:
 
     def health(self) -> dict[str, Any]:
         runner_ok = self.runner_health.ok.is_set()
+        disk_ok = self.disk.check()  # looked at now: /healthz tells the truth while every slot is busy
         return {
-            "ok": self.registered.is_set() and runner_ok and not self.stopping.event.is_set(),
+            "ok": self.registered.is_set() and runner_ok and disk_ok and not self.stopping.event.is_set(),
             "runner_ok": runner_ok,
             "runner_problem": self.runner_health.problem,
+            "disk_ok": disk_ok,
+            "disk_problem": self.disk.problem,
+            "control_plane_ok": getattr(getattr(self.client, "link", None), "up", True),
             "worker_id": self.worker_id,
             "version": __version__,
             "runner": self.runner.name,
@@ -282,10 +298,15 @@ class Agent:
         return self.stopping.event.is_set() or self.pin.target is not None
 
     def _ready_to_claim(self) -> bool:
-        """Block until the runner works and the previous life is reconciled; False when stopping."""
+        """Block until the runner works, the disks have room and the previous life is reconciled;
+        False when stopping. Free space is looked at again before every claim."""
         while not self._claiming_stopped():
             if not self.runner_health.wait_ok(self._claiming_stopped, self.stopping.event.wait):
                 return False
+            if not self.disk.wait_ok(self._claiming_stopped, self.stopping.event.wait):
+                return False
+            if not self.runner_health.ok.is_set():
+                continue
             if self.recovery.done or self.recovery.reconcile():
                 return True
             if self.recovery.failures:
@@ -310,6 +331,24 @@ class Agent:
             cast(Reaping, self.runner).reap_orphans()
         except Exception:
             log.exception("reaping orphaned processes failed")
+
+    def _prune(self) -> None:
+        """Kept failed workdirs and ``*.old-*`` leftovers (:mod:`nymph.prune`), once the previous
+        life was reconciled and then every ``PRUNE_EVERY_S``."""
+        if not self.recovery.done or time.monotonic() < self._next_prune:
+            return
+        cfg = self.config
+        # at least every minute, and twice per keep_failed_s when that is shorter
+        self._next_prune = time.monotonic() + min(PRUNE_EVERY_S, max(1.0, cfg.keep_failed_s / 2))
+        try:
+            prune(
+                cfg.workdir,
+                keep_s=cfg.keep_failed_s,
+                keep_bytes=int(cfg.keep_failed_mb * 2**20),
+                busy=self.jobs.ids(),
+            )
+        except Exception:
+            log.exception("pruning %s failed; tried again in %.0fs", cfg.workdir, PRUNE_EVERY_S)
 
     # --- shutdown --------------------------------------------------------------------------------
 

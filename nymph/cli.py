@@ -98,6 +98,21 @@ def _options(fn: Any) -> Any:
         click.option("--stream-batch-frames", type=int, help="Frames per request at most."),
         click.option("--stream-batch-bytes", type=int, help="Bytes per request at most."),
         click.option(
+            "--min-free-mb",
+            type=int,
+            help="No claims while the workdir's or state dir's filesystem has less free (default 100).",
+        ),
+        click.option(
+            "--keep-failed-s",
+            type=float,
+            help="Failed workdirs (kept for their logs) are removed after this long (default 7 days).",
+        ),
+        click.option(
+            "--keep-failed-mb",
+            type=float,
+            help="Failed workdirs are removed, oldest first, beyond this total size (default 1024).",
+        ),
+        click.option(
             "--stream-inotify/--no-stream-inotify",
             default=None,
             help="Notice journal writes with inotify (off: poll, for workdirs written from other hosts).",

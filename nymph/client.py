@@ -13,10 +13,18 @@ keeps nymph's names for the lakeshore errors it raises::
     BadRequest      = BadRequest     another 4xx (a bug on one side)
 
 Callers retry only what :func:`is_retryable` accepts (``TransientError``).
+
+Every call goes through one :class:`PlaneLink`: the poll, the heartbeat and the outbox all meet an
+outage at once, and the operator reads one ``control plane went away`` line when the first of them
+fails transiently and one ``reconnected`` line when a call succeeds again, not a line (or a
+traceback) per poll; the callers log their own retries at DEBUG while the link is down.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore.client import MSGPACK, PlaneClient, is_retryable
@@ -28,6 +36,8 @@ from dreamlake.lakeshore.errors import Refused as FatalError
 from dreamlake.lakeshore.errors import Unavailable as TransientError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import httpx
 
 __all__ = [
@@ -38,10 +48,52 @@ __all__ = [
     "ControlPlaneClient",
     "FatalError",
     "NotFound",
+    "PlaneLink",
     "Superseded",
     "TransientError",
     "is_retryable",
 ]
+
+log = logging.getLogger("nymph.client")
+
+
+class PlaneLink:
+    """Whether the control plane answers, as seen by every call: one line when it stops, one when
+    it answers again."""
+
+    def __init__(self, server: str) -> None:
+        self._server = server
+        self._lock = threading.Lock()
+        self.up = True
+        self.down_since: float | None = None
+
+    def failed(self, route: str, exc: BaseException) -> None:
+        """A call failed transiently (connection refused, timeout, 5xx, 429)."""
+        with self._lock:
+            if not self.up:
+                return
+            self.up = False
+            self.down_since = time.monotonic()
+        log.warning(
+            "control plane went away (%s: %s); running work carries on, acks and frames wait in the "
+            "outbox, claims stop until it answers again (retrying with backoff)",
+            route,
+            exc,
+        )
+
+    def answered(self, sent_at: float) -> None:
+        """A call sent at ``sent_at`` (monotonic) got an answer (2xx or 4xx: one given on purpose).
+
+        An answer to a request sent before the outage began (a long poll a stopping server
+        answered empty) says nothing about now, so only a later request brings the link back up.
+        """
+        with self._lock:
+            if self.up or (self.down_since is not None and sent_at < self.down_since):
+                return
+            self.up = True
+            since, self.down_since = self.down_since, None
+        gone = time.monotonic() - since if since is not None else 0.0
+        log.warning("reconnected to the control plane at %s after %.1fs", self._server, gone)
 
 
 class ControlPlaneClient(PlaneClient):
@@ -57,6 +109,7 @@ class ControlPlaneClient(PlaneClient):
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         super().__init__(server, token, timeout_s=timeout_s, transport=transport)
+        self.link = PlaneLink(self.url)
 
     @property
     def server(self) -> str:
@@ -64,15 +117,34 @@ class ControlPlaneClient(PlaneClient):
 
     def call(self, route: str, body: dict[str, Any], *, timeout_s: float | None = None) -> dict[str, Any]:
         """POST ``body`` as msgpack to ``route``; the decoded answer, or a :class:`ClientError`."""
-        answer = self.request("POST", route, body, timeout_s=timeout_s)
+        answer = self._linked(route, lambda: self.request("POST", route, body, timeout_s=timeout_s))
         if not isinstance(answer, dict):
             raise TransientError(f"POST {route}: unexpected answer {answer!r:.80}")
         return answer
 
     def call_json(self, route: str, body: dict[str, Any], *, timeout_s: float = 30.0) -> dict[str, Any]:
         """POST ``body`` as JSON (the ``/v1/namespaces/*`` routes speak JSON); same errors as call."""
-        answer = self.request("POST", route, body, as_json=True, timeout_s=timeout_s)
+        answer = self._linked(
+            route, lambda: self.request("POST", route, body, as_json=True, timeout_s=timeout_s)
+        )
         return answer if isinstance(answer, dict) else {}
+
+    def _linked(self, route: str, send: Callable[[], Any]) -> Any:
+        """``send()``, telling :attr:`link` whether the control plane answered."""
+        sent_at = time.monotonic()
+        try:
+            answer = send()
+        except ClientError as exc:
+            # gone: no connection, a timeout, a 5xx; a 429 / 503 with Retry-After is a server that
+            # is there and asks for patience (poll admission control), not an outage
+            asked_to_wait = exc.status == 429 or (exc.status == 503 and getattr(exc, "retry_after", None))
+            if is_retryable(exc) and not asked_to_wait:
+                self.link.failed(route, exc)
+            else:
+                self.link.answered(sent_at)
+            raise
+        self.link.answered(sent_at)
+        return answer
 
     def fetch(self, url: str, *, timeout_s: float = 60.0, limit: int = 100 * 2**20) -> bytes:
         """GET a presigned URL (no bearer token: the signature is the credential)."""

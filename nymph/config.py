@@ -79,6 +79,20 @@ class NymphConfig:
     stream_batch_bytes: int = 1024 * 1024
     stream_inotify: bool = True
     stream_poll_s: float = 0.05
+    # full disks (docs/nymph.md "Full disks"): no claim while the workdir's or the state dir's
+    # filesystem has less free space than this
+    min_free_mb: int = 100
+    # kept failed workdirs (docs/nymph.md "Pruning"): removed once older than keep_failed_s, and the
+    # oldest first while together they take more than keep_failed_mb
+    keep_failed_s: float = 7 * 24 * 3600.0
+    keep_failed_mb: float = 1024.0
+
+    def __post_init__(self) -> None:
+        # a config built in code (tests, embedders) gets the same absolute paths as one resolved
+        for name in ("workdir", "state_dir", "token_file"):
+            value = getattr(self, name)
+            if value is not None and not Path(value).is_absolute():
+                object.__setattr__(self, name, absolute(value))
 
     @property
     def stream_limits(self) -> StreamLimits:
@@ -110,8 +124,15 @@ _STREAM_INTS = frozenset(
         "stream_max_bytes",
         "stream_batch_frames",
         "stream_batch_bytes",
+        "min_free_mb",
     )
 )
+# runner options that name a file or directory: made absolute at configuration, like workdir
+# (a relative one would be read from the cwd of a zygote or a container runtime, not nymph's)
+_PATH_OPTIONS = frozenset(("pythonpath", "code_dirs", "bundle", "kubeconfig"))
+# runner options that name a program: absolute when given as a relative path (``bin/python``);
+# a bare name (``python3``) is looked up on PATH and stays as it is
+_PROGRAM_OPTIONS = frozenset(("python", "bash", "runuser", "sbatch", "scontrol", "scancel", "squeue"))
 _ALIASES = {
     "queue": "queues",
     "allow_user": "allow_users",
@@ -164,19 +185,51 @@ def _coerce(name: str, value: Any) -> Any:
             return _parse_bool(name, value)
         if name in ("concurrency", "metrics_port") or name in _STREAM_INTS:
             return None if value in (None, "") else int(value)
-        if name in ("grace_s", "stop_grace_s", "heartbeat_s", "poll_timeout_s", "stream_poll_s"):
+        if name in (
+            "grace_s", "stop_grace_s", "heartbeat_s", "poll_timeout_s", "stream_poll_s", "keep_failed_s",
+            "keep_failed_mb",
+        ):  # fmt: skip
             return None if value in (None, "") else float(value)
         if name in ("workdir", "state_dir"):
-            return Path(str(value)).expanduser()
-        if name == "token_file":
-            return None if value in (None, "") else Path(str(value)).expanduser()
+            return absolute(value)
+        if name in ("token_file", "upgrade_wheelhouse"):
+            if value in (None, ""):
+                return None
+            return absolute(value) if name == "token_file" else str(absolute(value))
         if name == "runner_options":
             if not isinstance(value, Mapping):
                 raise ConfigError("runner_options: expected a table")
-            return dict(value)
+            return {str(k): _absolute_option(str(k), v) for k, v in value.items()}
         return None if value is None else str(value)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{name}: invalid value {value!r} ({exc})") from exc
+
+
+def absolute(value: Any) -> Path:
+    """``value`` as an absolute, normalised path (``~`` expanded, relative to the cwd now).
+
+    Every path nymph takes from flags, the environment or the config file goes through here once,
+    at configuration: nymph's cwd is not the cwd of what uses the path later (the prefork zygote
+    runs in ``/``, a container runtime in its own), so a relative path would point elsewhere there.
+    """
+    return Path(os.path.abspath(os.path.expanduser(str(value))))
+
+
+def _absolute_option(key: str, value: Any) -> Any:
+    """A runner option's value with its paths made absolute (see :data:`_PATH_OPTIONS`)."""
+    name = key.replace("-", "_").lower()
+    if name in _PROGRAM_OPTIONS and isinstance(value, str) and os.sep in value:
+        return str(absolute(value))
+    if name not in _PATH_OPTIONS or value in (None, ""):
+        return value
+    if isinstance(value, str):
+        if name in ("pythonpath", "code_dirs"):  # a list given as one string: os.pathsep or comma separated
+            sep = os.pathsep if os.pathsep in value else ","
+            return sep.join(str(absolute(v)) for v in value.split(sep) if v.strip())
+        return str(absolute(value))
+    if isinstance(value, (list, tuple)):
+        return [str(absolute(v)) for v in value]
+    return value
 
 
 def load_file(path: Path) -> dict[str, Any]:

@@ -130,7 +130,23 @@ def _cgroups(cfg: NymphConfig) -> Check:
     return Check("cgroups", True, f"each task gets its own cgroup v2 under {found.tree.base}")
 
 
-def _directory(name: str, path: Path, private: bool) -> Check:
+def _directory(name: str, path: Path, private: bool, min_free_mb: int = 0) -> Check:
+    check = _directory_access(name, path, private)
+    if not check.ok or not path.exists():
+        return check
+    free = os.statvfs(path)
+    free_mb = free.f_bavail * free.f_frsize / 2**20
+    if free_mb < min_free_mb:  # nymph would start, and claim nothing (docs/nymph.md "Full disks")
+        return Check(
+            name,
+            False,
+            f"{path} has {free_mb:.0f} MiB free, below --min-free-mb {min_free_mb}: nymph claims nothing "
+            "until there is room; free some space or lower --min-free-mb",
+        )
+    return Check(name, True, f"{check.detail}, {free_mb:.0f} MiB free")
+
+
+def _directory_access(name: str, path: Path, private: bool) -> Check:
     if not path.exists():
         parent = next((p for p in path.parents if p.exists()), Path("/"))
         if os.access(parent, os.W_OK):
@@ -157,8 +173,8 @@ def run_checks(cfg: NymphConfig, client: ControlPlaneClient | None = None) -> li
         checks.append(_runner(cfg))
         checks.append(_task_user(cfg))
         checks.append(_cgroups(cfg))
-        checks.append(_directory("workdir", cfg.workdir, private=True))
-        checks.append(_directory("state-dir", cfg.state_dir, private=True))
+        checks.append(_directory("workdir", cfg.workdir, private=True, min_free_mb=cfg.min_free_mb))
+        checks.append(_directory("state-dir", cfg.state_dir, private=True, min_free_mb=cfg.min_free_mb))
         return checks
     finally:
         if own:

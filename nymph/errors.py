@@ -27,6 +27,22 @@ message; :class:`JobRefused` is the expected way to say no before anything runs.
 
 from __future__ import annotations
 
+import errno
+
+DISK_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT))
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised from) says a filesystem is full (``ENOSPC``, ``EDQUOT``)."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in DISK_ERRNOS:
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
 
 class NymphError(Exception):
     """Base of every error nymph raises on purpose."""

@@ -4,6 +4,11 @@
   that meets an unavailable runner reports it here (``JobContext.on_unavailable``). While the
   runner is unavailable nymph claims nothing, ``/healthz`` answers 503 with the problem, and
   systemd's status line says what is wrong; claims resume once ``check()`` passes again.
+- :class:`DiskHealth`: free space on the workdir's and the state dir's filesystems, checked before
+  each claim against a floor (``min_free_mb``), and told at once when a job or the outbox meets a
+  full disk (``ENOSPC``, ``EDQUOT``). While space is short nymph claims nothing and ``/healthz``
+  answers 503 with the problem; one line says so when it starts and one when space is back, and
+  claims resume by themselves.
 - :class:`Watchdog`: systemd's watchdog is petted after each successful poll or heartbeat and
   each confirmed outbox send, but only while the outbox delivers: an agent whose acks cannot get
   through is restarted by systemd rather than claiming more work it cannot report.
@@ -12,8 +17,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from nymph import observability as obs
 from nymph.lifecycle import backoff_s
@@ -73,6 +80,85 @@ class RunnerHealth:
             pause(backoff_s(tries))
             tries += 1
         return False
+
+
+DISK_CHECK_S = 1.0  # while space is short: how often free space is looked at again
+RESUME_MIN_BYTES = 1024 * 1024  # after a full disk, claims resume above this even with a floor of 0
+
+
+def free_bytes(path: Path) -> int:
+    """Free space for an unprivileged writer on ``path``'s filesystem (``statvfs``' ``f_bavail``)."""
+    st = os.statvfs(path)
+    return int(st.f_bavail * st.f_frsize)
+
+
+class DiskHealth:
+    """Whether the workdir's and the state dir's filesystems have room (``ok``), and if not, why."""
+
+    def __init__(self, paths: Sequence[Path], min_free_bytes: int, notify: SdNotify) -> None:
+        self._paths = list(dict.fromkeys(paths))
+        self.min_free_bytes = max(0, int(min_free_bytes))
+        self._notify = notify
+        self._lock = threading.Lock()
+        self.ok = threading.Event()
+        self.ok.set()
+        self.problem: str | None = None
+        self._full_seen = False  # a write failed with ENOSPC: stay paused until there is room again
+
+    def check(self) -> bool:
+        """Look at free space now; True when every filesystem is above the floor. Never raises."""
+        floor = max(self.min_free_bytes, RESUME_MIN_BYTES if self._full_seen else 0)
+        short: list[str] = []
+        for path in self._paths:
+            try:
+                free = free_bytes(path)
+            except OSError as exc:  # not there (yet): nymph creates it; nothing to say about space
+                log.debug("free space of %s unknown: %s", path, exc)
+                continue
+            if free < floor:
+                short.append(f"{path} has {_mib(free)} free (floor {_mib(floor)})")
+        if short:
+            self._set_problem("; ".join(short))
+            return False
+        with self._lock:
+            was, self.problem, self._full_seen = self.problem, None, False
+            self.ok.set()
+        if was is not None:
+            log.warning("disk space is back (%s); claiming work again", ", ".join(map(str, self._paths)))
+            self._notify.status("disk space ok")
+        return True
+
+    def full(self, exc: BaseException) -> None:
+        """A write of nymph's failed because a filesystem is full: no claims until there is room."""
+        with self._lock:
+            self._full_seen = True
+        self._set_problem(f"a write failed: {exc}")
+
+    def _set_problem(self, problem: str) -> None:
+        with self._lock:
+            first = self.problem is None
+            self.ok.clear()
+            self.problem = problem
+        if first:
+            log.error(
+                "disk full: %s -- no new claims until there is room (free space on %s, or lower "
+                "--min-free-mb); running work carries on, claims resume by themselves",
+                problem,
+                ", ".join(map(str, self._paths)),
+            )
+            self._notify.status(f"disk full: {problem}")
+
+    def wait_ok(self, stopped: Callable[[], bool], pause: Callable[[float], object]) -> bool:
+        """Block until :meth:`check` passes (looking every :data:`DISK_CHECK_S`); False once ``stopped()``."""
+        while not stopped():
+            if self.check():
+                return True
+            pause(DISK_CHECK_S)
+        return False
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 class Watchdog:

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from nymph.client import ClientError, ControlPlaneClient
+from nymph.client import ClientError, ControlPlaneClient, is_retryable
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,8 @@ class Heartbeat:
         try:
             answer = self._client.heartbeat(body)
         except ClientError as exc:
-            log.warning("heartbeat failed: %s", exc)
+            # an outage is the client's one "control plane went away" line, not one per beat
+            log.log(logging.DEBUG if is_retryable(exc) else logging.WARNING, "heartbeat failed: %s", exc)
             self._on_error(exc)
             return
         # with what was reported: an answer is about those attempts

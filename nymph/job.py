@@ -18,6 +18,7 @@ same bytes are the ack's ``result_blob``), or with ERROR ``{type: "ScriptFailed"
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import pwd
@@ -219,8 +220,9 @@ class Job(SupervisedJob[wd.Outcome]):
             # with this attempt's ack): dls .submit() / SyncQueue inside the task use these two
             env["LAKESHORE_URL"] = cfg.task_url or cfg.server
             env["LAKESHORE_TOKEN"] = token
-        if os.environ.get("PYTHONPATH"):
-            env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+        if os.environ.get("PYTHONPATH"):  # absolute: the task's cwd is not nymph's (a zygote runs in /)
+            parts = os.environ["PYTHONPATH"].split(os.pathsep)
+            env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p for p in parts)
         if self._gpus or self.ctx.slots.gpu_total:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self._gpus)
         return env
@@ -255,6 +257,9 @@ class Job(SupervisedJob[wd.Outcome]):
     def _resume(self, alive: bool | None) -> None:
         handle = self.handle
         if handle is None:
+            if self.workdir is not None and wd.nothing_runs(self.workdir):
+                self._release_unstarted(self.workdir)
+                return
             self._settle_once(self.failure("DaemonRestart", "nymph restarted before the task was started"))
             return
         if alive is None:
@@ -268,6 +273,21 @@ class Job(SupervisedJob[wd.Outcome]):
             self.conclude(lambda: self.supervise(handle))
         else:
             self.conclude(lambda: self._close_stream(self._collect(None)))
+
+    def _release_unstarted(self, workdir: Path) -> None:
+        """A previous life died between the claim and the start (or its task died with it before
+        any outcome) and nothing runs in the workdir: ack nothing (a failure would lose a call that
+        never ran) and let the control plane run it again once its lease lapses (the lease rule:
+        the next attempt, here or on another nymph; at least once, as after any crash). The workdir
+        goes first, so a launch still in flight when nymph died finds nothing to run."""
+        wd.remove(workdir)
+        self.state = "released"
+        log.warning(
+            "invocation %s: nymph restarted between the claim and the start of attempt %d (nothing "
+            "runs, no outcome); nothing is acked: the control plane runs it again once its lease lapses",
+            self.invocation_id,
+            self.attempt,
+        )
 
     def _recover_when_available(self, handle: Handle) -> bool | None:
         """``runner.recover``, asked again while the runner is unavailable; None if stopped meanwhile."""
@@ -329,7 +349,10 @@ class Job(SupervisedJob[wd.Outcome]):
         assert self.workdir is not None
         if status is None and self.handle is not None:
             status = self.ctx.runner.wait(self.handle, 0)
-        return wd.read_outcome(self.workdir, status, script=self.script is not None)
+        outcome = wd.read_outcome(self.workdir, status, script=self.script is not None)
+        if outcome.extra.get("disk_full"):  # the task met a full disk: no claims until there is room
+            self.ctx.on_disk_full(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.workdir)))
+        return outcome
 
     def _close_stream(self, outcome: wd.Outcome) -> wd.Outcome:
         """End the stream as the outcome says (END for a script's success, ERROR for a failure),

@@ -25,7 +25,10 @@ reports it); everything around the steps is here, once:
 - **the one exception guard** (:meth:`~SupervisedJob.guarded`): an unexpected exception anywhere
   in a job's lifecycle is logged and the job settles ``failed`` with ``{type: "DaemonError",
   message: "nymph failed: <type>: <message>"}``; no exception escapes a job's thread, and the
-  runner's resources are freed whatever failed;
+  runner's resources are freed whatever failed. A full disk (``OSError`` ``ENOSPC`` / ``EDQUOT``,
+  e.g. ``nymph failed: OSError: [Errno 28] No space left on device``) is an outcome, not a bug:
+  one log line without a traceback, and the agent is told (``JobContext.on_disk_full``), so it
+  stops claiming until there is room (:class:`nymph.health.DiskHealth`);
 - **release**: the GPUs, the agent's table entry (``on_done``) and the slot, in that order.
 
 A job settles at most once: the phase is ``settled`` before the outcome is reported, so a failure
@@ -47,7 +50,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from nymph import observability as obs
 from nymph.config import NymphConfig
-from nymph.errors import JobRefused
+from nymph.errors import JobRefused, is_disk_full
 from nymph.outbox import Outbox
 from nymph.runner import ExitStatus, Handle, Runner, RunnerError, RunnerUnavailable, Task
 from nymph.slots import Slots
@@ -89,6 +92,10 @@ def _forget(job: SupervisedJob[Any]) -> None:
     pass
 
 
+def _ignore_disk_full(exc: BaseException) -> None:
+    pass
+
+
 @dataclass
 class JobContext:
     """What every job shares with the agent."""
@@ -102,6 +109,8 @@ class JobContext:
     # the runner said it cannot work (engine down): the agent stops claiming until check() passes
     on_unavailable: Callable[[RunnerUnavailable], None] = field(default=_ignore_unavailable)
     client: ControlPlaneClient | None = None  # exec jobs fetch their payload through it
+    # a job met a full disk (ENOSPC, EDQUOT): the agent stops claiming until there is room
+    on_disk_full: Callable[[BaseException], None] = field(default=_ignore_disk_full)
 
 
 class Phase(enum.Enum):
@@ -223,8 +232,13 @@ class SupervisedJob(abc.ABC, Generic[OutcomeT]):
             try:
                 body()
             except Exception as exc:  # never leave a claimed job unsettled, never crash its thread
-                log.exception("%s %s: nymph failed while running it", self.kind, self.job_id)
-                self._settle_once(self.failure("DaemonError", f"nymph failed: {type(exc).__name__}: {exc}"))
+                message = f"nymph failed: {type(exc).__name__}: {exc}"
+                if is_disk_full(exc):  # an outcome of a full disk, not a bug: one line, no traceback
+                    log.error("%s %s: %s", self.kind, self.job_id, message)
+                    self.ctx.on_disk_full(exc)
+                else:
+                    log.exception("%s %s: nymph failed while running it", self.kind, self.job_id)
+                self._settle_once(self.failure("DaemonError", message))
             finally:
                 self._release()
 

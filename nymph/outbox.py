@@ -2,6 +2,8 @@
 
 Messages (acks, exec results) are durable: :meth:`Outbox.put` writes one (route + msgpack body) to
 ``{state_dir}/outbox/`` atomically (temp file, fsync, rename, fsync of the directory) and returns.
+On a full state dir (``ENOSPC``) a message is kept in memory instead and delivered all the same
+(see :meth:`Outbox.put`); a failed write leaves no partial file, and messages already written stay.
 Frames are not copied here while their job runs: an invocation's stream is a
 :class:`~nymph.pump.Pump` over its journal in the workdir (durable there), opened with
 :meth:`Outbox.open_stream`. A finished job whose frames cannot be delivered for a while (the
@@ -43,7 +45,8 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from nymph import observability as obs
-from nymph.client import ClientError, ControlPlaneClient, FatalError
+from nymph.client import ClientError, ControlPlaneClient, FatalError, is_retryable
+from nymph.errors import is_disk_full
 
 if TYPE_CHECKING:
     from nymph.pump import Batch, Pump, Watcher
@@ -65,6 +68,7 @@ class Message:
     body: dict[str, Any]
     created: float = field(default_factory=time.time, compare=False)
     size: int = 0  # bytes on disk
+    durable: bool = True  # False: kept in memory only (the state dir was full when it was put)
 
     @property
     def invocation_id(self) -> str:
@@ -103,6 +107,7 @@ class Outbox:
         max_backoff_s: float = 10.0,
         watcher: Watcher | None = None,
         max_bytes: int = 1024 * 1024 * 1024,
+        on_full: Callable[[BaseException], None] | None = None,
     ) -> None:
         from nymph.pump import Watcher
 
@@ -110,6 +115,7 @@ class Outbox:
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._client = client
         self._on_sent = on_sent
+        self._on_full = on_full
         self._max_backoff_s = max_backoff_s
         self.watcher = watcher or Watcher()
         self._cond = threading.Condition()
@@ -132,24 +138,54 @@ class Outbox:
     # --- producer side -----------------------------------------------------------------------------
 
     def put(self, route: str, body: dict[str, Any]) -> None:
-        """Persist one message (fsync'd) and queue it on its lane."""
+        """Persist one message (fsync'd) and queue it on its lane.
+
+        When the state dir's filesystem is full (``ENOSPC``, ``EDQUOT``) the message is queued in
+        memory only (``on_full`` is told): it is delivered like any other, and only a death of
+        nymph before that loses it, after which the lease lapses and the invocation runs again
+        (at least once, as after any crash). Messages already on disk are never touched by it.
+        """
         data = msgpack.packb({"route": route, "body": body}, use_bin_type=True)
         with self._cond:
             self._seq = max(self._seq + 1, time.time_ns())
             name = f"{self._seq:020d}-{body.get('invocation_id') or body.get('exec_id', 'x')}{_SUFFIX}"
             path = self.dir / name
-            tmp = self.dir / (name + ".tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                self._write(path, data)
+            except OSError as exc:
+                if not is_disk_full(exc):
+                    raise
+                log.error(
+                    "outbox: %s for invocation %s kept in memory, not on disk (%s); it is still "
+                    "delivered, but lost if nymph dies first (then its lease lapses and it runs again)",
+                    route, body.get("invocation_id") or body.get("exec_id"), exc,
+                )  # fmt: skip
+                if self._on_full is not None:
+                    self._on_full(exc)
+                msg = Message(path, route, body, size=0, durable=False)
+            else:
+                msg = Message(path, route, body, size=len(data))
+                self._count_disk(len(data))
+            self._lane(msg.invocation_id).messages.append(msg)
+            self._wake_locked()
+
+    def _write(self, path: Path, data: bytes) -> None:
+        """Write ``data`` to ``path`` atomically and durably; on failure leave nothing behind."""
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
             with open(fd, "wb") as fh:
                 fh.write(data)
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        try:
             _fsync_dir(self.dir)
-            msg = Message(path, route, body, size=len(data))
-            self._lane(msg.invocation_id).messages.append(msg)
-            self._count_disk(len(data))
-            self._wake_locked()
+        except OSError as exc:  # the message is in place; only its durability across a host crash is in doubt
+            log.warning("outbox: fsync of %s failed: %s", self.dir, exc)
 
     def ack(self, body: dict[str, Any]) -> None:
         self.put(ACK, body)
@@ -390,8 +426,9 @@ class Outbox:
             log.exception(
                 "invocation %s: %s cannot be sent; moved aside as .bad", msg.invocation_id, msg.route
             )
-            with contextlib.suppress(OSError):
-                os.replace(msg.path, msg.path.with_suffix(".bad"))
+            if msg.durable:
+                with contextlib.suppress(OSError):
+                    os.replace(msg.path, msg.path.with_suffix(".bad"))
             self._done(lane, msg, unlink=False)
             return
         if answer.get("duplicate"):
@@ -410,13 +447,15 @@ class Outbox:
             delay += random.uniform(0, min(0.5, self._max_backoff_s))
             self._paused_until = time.monotonic() + delay
             self._next_lane = lane.key
-        log.warning("invocation %s: %s not delivered (try %d), will retry in %.2fs: %s",
-                    lane.key, what, tries, delay, exc)  # fmt: skip
+        # an outage is the client's one "control plane went away" line, not one per try
+        level = logging.DEBUG if is_retryable(exc) else logging.WARNING
+        log.log(level, "invocation %s: %s not delivered (try %d), will retry in %.2fs: %s",
+                lane.key, what, tries, delay, exc)  # fmt: skip
         if self._on_sent is not None:
             self._on_sent(False)
 
     def _done(self, lane: _Lane, msg: Message, *, unlink: bool = True) -> None:
-        if unlink:
+        if unlink and msg.durable:
             with contextlib.suppress(FileNotFoundError):
                 msg.path.unlink()
         with self._cond:

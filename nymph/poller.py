@@ -44,7 +44,8 @@ def retrying(stop: threading.Event) -> tenacity.Retrying:
         max_s=15.0,
         jitter_s=1.0,
         sleep=pause,
-        before_sleep=lambda rs: log.warning(
+        # the client's PlaneLink said "control plane went away" once; each try is only a debug line
+        before_sleep=lambda rs: log.debug(
             "control plane unavailable (try %d), retrying: %s",
             rs.attempt_number,
             rs.outcome.exception() if rs.outcome else None,

@@ -16,6 +16,7 @@ ownership rule for what it reads). After the runner is done, :func:`read_outcome
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -28,7 +29,7 @@ from typing import Any
 
 from dreamlake.lakeshore import ids
 from nymph import safeio
-from nymph.runner import ExitStatus
+from nymph.runner import HANDLE_FILE, ExitStatus
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ META = "invocation.json"
 OUTCOME = "outcome.json"
 STDOUT = "stdout.log"
 STDERR = "stderr.log"
+OLD_MARK = ".old-"  # ``{invocation_id}.old-{unix time}``: an earlier attempt's workdir, moved aside
 
 
 @dataclass
@@ -73,20 +75,27 @@ def create(
     """
     path = path_for(root, invocation_id)
     if os.path.lexists(path):
-        aside = root / f"{invocation_id}.old-{int(time.time())}"
+        aside = root / f"{invocation_id}{OLD_MARK}{int(time.time())}"
         log.warning(
             "invocation %s: workdir exists from an earlier attempt, moved to %s", invocation_id, aside
         )
-        os.replace(path, aside)
+        try:
+            os.replace(path, aside)
+        except FileNotFoundError:  # pruned meanwhile: nothing left to move
+            pass
     path.mkdir(mode=0o700)
-    os.chmod(path, 0o700)
-    # No fsync: the workdir only has to survive nymph's death, not the host's (a task dies with
-    # its host, and the control plane re-queues it when the lease lapses); the page cache is enough.
-    safeio.write_file(path, ARGS, bytes(args_blob))
-    safeio.write_file(path, META, json.dumps(meta).encode())
-    for name in (STDOUT, STDERR):
-        safeio.write_file(path, name, b"", 0o644)
-    hand_over(path, run_as, (ARGS, STDOUT, STDERR))
+    try:
+        os.chmod(path, 0o700)
+        # No fsync: the workdir only has to survive nymph's death, not the host's (a task dies with
+        # its host, and the control plane re-queues it when the lease lapses); the page cache is enough.
+        safeio.write_file(path, ARGS, bytes(args_blob))
+        safeio.write_file(path, META, json.dumps(meta).encode())
+        for name in (STDOUT, STDERR):
+            safeio.write_file(path, name, b"", 0o644)
+        hand_over(path, run_as, (ARGS, STDOUT, STDERR))
+    except BaseException:  # a full disk, say: leave no half-made workdir for a restart to puzzle over
+        remove(path)
+        raise
     return path
 
 
@@ -125,6 +134,35 @@ def mark_settled(path: Path, outcome: Outcome) -> None:
 
 def is_settled(path: Path) -> bool:
     return safeio.exists_own(path, OUTCOME)
+
+
+ENTRY_LOCK = ".entry.lock"  # the process runner's entry lock: held by whichever process runs the entry
+# what a task leaves once it got somewhere: an outcome, frames, or the runner's handle
+OUTCOME_SIGNS = (RESULT, ERROR, FRAMES, HANDLE_FILE)
+
+
+def nothing_runs(path: Path) -> bool:
+    """Whether no task runs in the workdir now and none left anything to report: a previous life
+    claimed it and died before its task started (or its task died with it, before any outcome).
+
+    A free entry lock (or none) means no entry process is alive here; an outcome, frames or a
+    handle mean there is something to collect or report instead.
+    """
+    if any(os.path.lexists(path / name) for name in OUTCOME_SIGNS):
+        return False
+    if not os.path.lexists(path / ENTRY_LOCK):
+        return True
+    try:
+        fd = safeio.open_fd(path, ENTRY_LOCK, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # taken: nobody holds it, nothing runs
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # releases it again
+    return True
 
 
 def remove(path: Path) -> None:
@@ -181,6 +219,29 @@ def read_outcome(path: Path, status: ExitStatus | None, *, script: bool = False)
     except (OSError, ValueError):
         pass
     logs = status.logs if status is not None and status.logs else tail(path / STDERR)
-    return Outcome.failed(
-        "ProcessExited", f"the entry exited with code {code}{reason} and left no error.json", logs
+    message = f"the entry exited with code {code}{reason} and left no error.json"
+    full = _full(path)
+    if full is not None:  # most likely why: it could not write its result, nor its error
+        message += f"; {full}"
+    outcome = Outcome.failed("ProcessExited", message, logs)
+    if full is not None:
+        outcome.extra["disk_full"] = True
+    return outcome
+
+
+FULL_BELOW_BYTES = 1024 * 1024  # a workdir filesystem with less free space than this counts as full
+
+
+def _full(path: Path) -> str | None:
+    """What to say when ``path``'s filesystem is full (``No space left on device``), else None."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    if free >= FULL_BELOW_BYTES:
+        return None
+    return (
+        f"the workdir's filesystem is full (No space left on device: {free / 2**20:.1f} MiB free "
+        f"under {path.parent}), so the task could not write its result"
     )

@@ -165,6 +165,12 @@ class PlaneClient:
     def close(self) -> None:
         self._http.close()
 
+    @property
+    def transport(self) -> httpx.BaseTransport | None:
+        """The injected transport (None: httpx's own), for requests made without the token: the
+        presigned payload URLs of ``dreamlake.lakeshore.blobs``."""
+        return self._transport
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.url}>"
 

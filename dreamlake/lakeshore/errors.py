@@ -23,6 +23,7 @@
                +-- NotFound          404: unknown invocation / job / topic
                +-- Conflict          409: a superseded attempt, an invocation no longer running
                +-- BadRequest        another 4xx (400, 413, 422, ...): malformed on one side
+                    +-- PayloadCorrupt  a referenced blob whose sha256 is not the ref's (422)
 
 ``TypeError`` is raised (not wrapped) for an unpackable value, as the seed says. A part of the SDK
 whose dependency the runtime lacks (a bring-your-own image has only what the entry bundle carries)
@@ -144,6 +145,16 @@ class Conflict(Refused):
 
 class BadRequest(Refused):
     """Another 4xx: the request is malformed (or too large) for the plane."""
+
+
+class PayloadCorrupt(BadRequest):
+    """Bytes behind a payload ref (``argsRef``, ``resultRef``, a frame's ref) that do not hash to the
+    ref's sha256. The message is seed 003's: ``payload corrupt: sha256 mismatch (expected E, got G)``."""
+
+    def __init__(self, expected: str, got: str, message: str | None = None) -> None:
+        super().__init__(message or f"payload corrupt: sha256 mismatch (expected {expected}, got {got})", 422)
+        self.expected = expected
+        self.got = got
 
 
 def missing_module(feature: str, exc: ModuleNotFoundError, needs: str, pip: str) -> ModuleNotFoundError:

@@ -168,7 +168,9 @@ def submit_body(
 def running_control_plane(
     store_url: str, *, config: ServerConfig | None = None, fanout: Any = None, payloads: Any = None
 ) -> Iterator[ControlPlane]:
-    """Open the store at ``store_url``, serve it, mint one token of each kind, tear it all down."""
+    """Open the store at ``store_url``, serve it, mint one token of each kind, tear it all down.
+    ``payloads`` is a payload store, or a callable making one of the opened store (a ``BlobDir``
+    signs with a key the store keeps: see :func:`local_blobs`)."""
     from dreamlake.lakeshore.server.app import create_app
 
     store = open_store(store_url)
@@ -176,6 +178,8 @@ def running_control_plane(
         from tests.contract.conftest import _truncate_all
 
         _truncate_all(store)
+    if callable(payloads):
+        payloads = payloads(store)
     app = create_app(store, fanout=fanout, payloads=payloads, config=config or ServerConfig())
     server = ServerThread(app)
     server.start()
@@ -194,6 +198,15 @@ def running_control_plane(
         cp.close()
         server.stop()
         store.close()
+
+
+def local_blobs(root: Path, **config: Any) -> Any:
+    """A ``running_control_plane(payloads=...)`` factory: the blob directory ``root`` (no bucket),
+    with ``PayloadConfig`` fields ``config`` (e.g. ``max_payload_bytes``, ``presign_ttl_s``)."""
+    from dreamlake.lakeshore.server.blobdir import KEY_NAME, BlobDir
+    from dreamlake.lakeshore.server.payloads import PayloadConfig
+
+    return lambda store: BlobDir(root, PayloadConfig(**config), store.server_key(KEY_NAME))
 
 
 @pytest.fixture(scope="session")

@@ -137,7 +137,8 @@ def test_key_scheme_and_expires_at(store: PayloadStore) -> None:
 
 @pytest.mark.parametrize(
     ("kw", "needle"),
-    [({"job_id": "../../etc"}, "jobId"), ({"job_id": "x" * 26}, "jobId"), ({"kind": "Args"}, "kind"),
+    [({"job_id": "../../etc"}, "jobId"), ({"job_id": "x" * 129}, "jobId"), ({"job_id": "-x"}, "jobId"),
+     ({"job_id": "a b"}, "jobId"), ({"job_id": ""}, "jobId"), ({"kind": "Args"}, "kind"),
      ({"kind": "a/b"}, "kind"), ({"kind": ""}, "kind"), ({"kind": "a" * 33}, "kind")],
 )  # fmt: skip
 def test_bad_job_id_or_kind_is_400(store: PayloadStore, kw: dict[str, str], needle: str) -> None:
@@ -145,6 +146,12 @@ def test_bad_job_id_or_kind_is_400(store: PayloadStore, kw: dict[str, str], need
         store.presign_put("ns1", 5, **kw)
     assert err.value.status == 400
     assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("job_id", ["x" * 26, "batch-7.part_3", "A" * 128, "0"])
+def test_caller_chosen_job_ids_are_accepted(store: PayloadStore, job_id: str) -> None:
+    """Seed 003's staged flow uploads before the job row exists, under an id the caller chose."""
+    assert store.presign_put("ns1", 5, job_id=job_id)["key"].endswith(f"/{job_id}/args")
 
 
 def test_size_over_limit_is_413_naming_the_limit(s3_service: S3Service) -> None:

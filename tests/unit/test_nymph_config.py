@@ -180,3 +180,44 @@ def test_the_trust_settings_from_flags_env_and_file(tmp_path: Path) -> None:
     )
     cfg = resolve({"allow_modules": ("b",)}, {}, toml)
     assert cfg.allow_modules == ("b",) and cfg.allow_root_tasks
+
+
+def test_every_path_is_made_absolute_once_at_configuration(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``nymph start --workdir work`` from some directory: the prefork zygote runs in ``/``, so a
+    relative path left as it is would point elsewhere there (issue 12, item 2)."""
+    monkeypatch.chdir(tmp_path)
+    token = tmp_path / "tok"
+    token.write_text("t\n")
+    token.chmod(0o600)
+    cfg = resolve(
+        {
+            "server": "http://cp",
+            "workdir": "work",
+            "state_dir": "./state/../state2",
+            "token_file": "tok",
+            "upgrade_wheelhouse": "wheels",
+            "runner_opts": ['pythonpath=["src", "/abs"]', "bundle=entry.zip", "python=venv/bin/python"],
+        },
+        {"NYMPH_RUNNER_OPT_CODE_DIRS": "code,/opt/code"},
+    )
+    assert cfg.workdir == tmp_path / "work"
+    assert cfg.state_dir == tmp_path / "state2"
+    assert cfg.token_file == tmp_path / "tok" and cfg.token == "t"
+    assert cfg.upgrade_wheelhouse == str(tmp_path / "wheels")
+    opts = cfg.runner_options
+    assert opts["pythonpath"] == [str(tmp_path / "src"), "/abs"]
+    assert opts["bundle"] == str(tmp_path / "entry.zip")
+    assert opts["python"] == str(tmp_path / "venv/bin/python")
+    assert opts["code_dirs"] == f"{tmp_path / 'code'},/opt/code"
+    bare = resolve({"server": "http://cp", "token": "t", "runner_opts": ["python=python3"]}, {})
+    assert bare.runner_options == {"python": "python3"}  # a bare program name is looked up on PATH
+
+
+def test_disk_floor_and_pruning_settings_come_from_every_layer(tmp_path: Path) -> None:
+    cfg_file = _write(tmp_path, 'server = "http://f"\ntoken = "t"\nmin-free-mb = 50\nkeep_failed_s = 3600\n')
+    cfg = resolve({"keep_failed_mb": 0.5}, {"NYMPH_MIN_FREE_MB": "20"}, cfg_file)
+    assert (cfg.min_free_mb, cfg.keep_failed_s, cfg.keep_failed_mb) == (20, 3600.0, 0.5)
+    default = resolve({"server": "http://x", "token": "t"}, {})
+    assert (default.min_free_mb, default.keep_failed_s, default.keep_failed_mb) == (100, 7 * 86400.0, 1024.0)

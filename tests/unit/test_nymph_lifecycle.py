@@ -169,6 +169,34 @@ def test_an_unexpected_exception_in_prepare_is_acked_failed_with_its_type_and_me
     assert job.phase is Phase.SETTLED
 
 
+def test_a_full_disk_in_prepare_is_acked_failed_saying_so_and_pauses_claims(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    thread_crashes: list[BaseException],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import errno
+
+    import nymph.workdir
+
+    def full(directory: Path, name: str, data: bytes, mode: int = 0o600, *, sync: bool = False) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(directory / name))
+
+    monkeypatch.setattr(nymph.workdir.safeio, "write_file", full)
+    agent, outbox = _agent(tmp_path, _Runner())
+    caplog.set_level(logging.ERROR, logger="nymph")
+    agent.jobs.dispatch({"kind": "run", "body": {"invocation_id": ID, "attempt": 1, "script": "true"}})
+    assert agent.jobs.wait_idle(60)
+    assert thread_crashes == []
+    [ack] = outbox.acks
+    assert ack["state"] == "failed" and ack["error"]["type"] == "DaemonError"
+    assert "OSError: [Errno 28] No space left on device" in ack["error"]["message"]
+    assert not (tmp_path / "w" / ID).exists()  # no half-made workdir left behind
+    assert not agent.disk.ok.is_set() and "No space left on device" in (agent.disk.problem or "")
+    assert not any(r.exc_info for r in caplog.records)  # an outcome, one line, not a traceback
+    assert agent.slots.free() == 1 and not agent.jobs.busy()
+
+
 def test_an_unexpected_exception_in_start_frees_the_job_and_the_agent_keeps_working(
     tmp_path: Path, thread_crashes: list[BaseException]
 ) -> None:
@@ -326,3 +354,47 @@ def test_log_context_nests_and_an_explicit_id_wins(json_log: io.StringIO) -> Non
     both, explicit = _lines(json_log)
     assert (both["invocation_id"], both["exec_id"]) == (ID, ID2)
     assert explicit["invocation_id"] == "other" and "exec_id" not in explicit
+
+
+# --- a restart between the claim and the start -----------------------------------------------------
+
+
+def _claimed_workdir(tmp_path: Path) -> Path:
+    import nymph.workdir as wd
+
+    meta = {"invocation_id": ID, "attempt": 2, "started_at": 1.0}
+    return wd.create(tmp_path / "w", ID, b"\x90", meta, None)
+
+
+def test_a_claim_whose_task_never_started_is_left_to_its_lease_not_failed(
+    tmp_path: Path, thread_crashes: list[BaseException]
+) -> None:
+    outbox = _Outbox()
+    ctx = _ctx(tmp_path, _Runner(), outbox)
+    path = _claimed_workdir(tmp_path)
+    job = Job.attach(ctx, path, {"invocation_id": ID, "attempt": 2}, None)
+    job.start_thread(lambda: job.resume(False))
+    job.join(60)
+    assert thread_crashes == [] and outbox.acks == []  # nothing ran: nothing to report
+    assert job.state == "released" and not path.exists()
+
+
+def test_a_claim_whose_entry_still_holds_its_lock_is_reported_daemon_restart(
+    tmp_path: Path, thread_crashes: list[BaseException]
+) -> None:
+    import fcntl
+    import os
+
+    outbox = _Outbox()
+    ctx = _ctx(tmp_path, _Runner(), outbox)
+    path = _claimed_workdir(tmp_path)
+    fd = os.open(path / ".entry.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # an entry process runs there, unsupervised
+    try:
+        job = Job.attach(ctx, path, {"invocation_id": ID, "attempt": 2}, None)
+        job.start_thread(lambda: job.resume(False))
+        job.join(60)
+    finally:
+        os.close(fd)
+    [ack] = outbox.acks
+    assert (ack["state"], ack["error"]["type"]) == ("failed", "DaemonRestart")

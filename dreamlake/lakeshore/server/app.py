@@ -26,9 +26,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from dreamlake.lakeshore.server import authz, daemon, namespaces, ops, producer, streams, tasks
+from dreamlake.lakeshore.server import authz, blobroutes, daemon, namespaces, ops, producer, streams, tasks
 from dreamlake.lakeshore.server import http as h
 from dreamlake.lakeshore.server.authz import Caller
+from dreamlake.lakeshore.server.blobdir import BlobDir
 from dreamlake.lakeshore.server.config import ServerConfig
 from dreamlake.lakeshore.server.context import Context, store_dialect
 from dreamlake.lakeshore.server.fanout import LocalFanout
@@ -41,6 +42,7 @@ from dreamlake.lakeshore.store.api import Store
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Request], Awaitable[Response]]
+BLOB_PRUNE_EVERY_S = 3600.0
 
 
 def _guard(fn: Handler) -> Handler:
@@ -214,7 +216,18 @@ class Routes:
 
     async def presign(self, request: Request, caller: Caller) -> Response:
         ns = self._ns(request, caller)
-        return h.json_response(await namespaces.presign(self.ctx, ns, await self._json(request)))
+        if caller.rule is authz.Own.DESCENDANTS:
+            await tasks.live(self.ctx, caller.principal)  # a task presigns while its attempt runs
+        body = await self._json(request)
+        return h.json_response(await namespaces.presign(self.ctx, ns, body, str(request.base_url)))
+
+    # -- the local blob directory (no bucket): presigned URLs onto the control plane itself ------
+
+    async def blob_put(self, request: Request, caller: Caller) -> Response:
+        return await blobroutes.put(self.ctx, request)
+
+    async def blob_get(self, request: Request, caller: Caller) -> Response:
+        return await blobroutes.get(self.ctx, request)
 
     async def pin(self, request: Request, caller: Caller) -> Response:
         ns = self._ns(request, caller)
@@ -261,6 +274,16 @@ async def _expire_loop(ctx: Context) -> None:
                 ctx.wake.notify(f"inv:{inv}")
 
 
+async def _prune_loop(blobs: BlobDir, every_s: float) -> None:
+    """Drop blobs past their retention from the local blob directory, as an S3 lifecycle rule would."""
+    while True:
+        try:
+            await asyncio.to_thread(blobs.prune)
+        except Exception:
+            log.warning("pruning the blob directory %s failed", blobs.root, exc_info=True)
+        await asyncio.sleep(every_s)
+
+
 def _relay(ctx: Context) -> PgRelay | None:
     """The LISTEN/NOTIFY relay of a PostgreSQL store, attached to the poll hub; None on SQLite."""
     url = getattr(getattr(ctx.store, "db", None), "url", None)
@@ -289,7 +312,7 @@ def create_app(
     store: Store, *, fanout: Any = None, payloads: Any = None, config: ServerConfig | None = None
 ) -> Starlette:
     """The control plane over ``store``; ``fanout`` (live frames; in process when None) and
-    ``payloads`` (presign) are optional."""
+    ``payloads`` (presign: a ``PayloadStore`` over S3 or a ``BlobDir``) are optional."""
     ctx = Context(
         store=store,
         config=config or ServerConfig(),
@@ -302,6 +325,8 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         ctx.polls.start(asyncio.get_running_loop())
         tasks = [asyncio.create_task(_expire_loop(ctx))]
+        if isinstance(ctx.payloads, BlobDir):
+            tasks.append(asyncio.create_task(_prune_loop(ctx.payloads, BLOB_PRUNE_EVERY_S)))
         relay = _relay(ctx)
         if relay is not None:
             tasks.append(asyncio.create_task(relay.run()))

@@ -122,16 +122,24 @@ ROUTES: tuple[RouteAuth, ...] = (
     _route(
         "job_publish", "POST", "/v1/namespaces/{ns}/jobs/{id}/result", outside=403, admin=_ANY, daemon=_LEASE
     ),
+    # presign: producers and tasks upload big arguments (argsRef) and read big results, nymph
+    # the other way round; a task only while its attempt runs
     _route(
         "presign",
         "POST",
         "/v1/namespaces/{ns}/payloads/presign",
         outside=403,
         admin=_ANY,
+        producer=_NS,
         namespace=_NS,
         daemon=_NS,
+        task=_DESC,
     ),
     _route("pin", "PUT", "/v1/namespaces/{ns}/pin", outside=403, admin=_ANY),
+    # the local blob directory (server/blobdir.py, no bucket configured): the presigned URL's
+    # signature is the credential, as an S3 URL's is; presign itself is namespace-gated above
+    RouteAuth("blob_put", "PUT", "/v1/blobs/{key:path}", public=True),
+    RouteAuth("blob_get", "GET", "/v1/blobs/{key:path}", public=True),
     # operators (server.ops): an admin sees every namespace, the others their own
     _route("ops.whoami", "GET", "/v1/ops/whoami", _EVERY),
     _route("ops.whoami", "POST", "/v1/ops/whoami", _EVERY),

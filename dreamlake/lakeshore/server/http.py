@@ -128,7 +128,7 @@ def error_response(exc: HTTPError, *, as_json: bool) -> Response:
     return json_response(body, exc.status) if as_json else msgpack_response(body, exc.status)
 
 
-JSON_ROUTES = ("/v1/namespaces/", "/v1/ops/")
+JSON_ROUTES = ("/v1/namespaces/", "/v1/ops/", "/v1/blobs/")
 TEXT_ROUTES = ("/metrics", "/ui")
 
 

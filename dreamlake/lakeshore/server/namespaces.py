@@ -165,13 +165,15 @@ async def result_post(
     return 200, ({"ok": True, "duplicate": True} if done.duplicate else {"ok": True})
 
 
-async def presign(ctx: Context, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+async def presign(ctx: Context, namespace: str, body: dict[str, Any], base_url: str = "") -> dict[str, Any]:
+    """Seed 003's presign: an S3 URL, or one onto this control plane's blob directory (``base_url``,
+    the address the caller reached it at) when no bucket is configured."""
     if ctx.payloads is None:
         raise HTTPError(
             501,
             "payload store not configured: set LAKESHORE_BLOBS_BUCKET (and "
-            "LAKESHORE_S3_ENDPOINT / credentials) on the control plane, or send payloads "
-            "inline (payloadInline)",
+            "LAKESHORE_S3_ENDPOINT / credentials) on the control plane, or LAKESHORE_BLOBS_DIR "
+            "(the default next to a SQLite store file), or send payloads inline (payloadInline)",
         )
     op = field(body, "op", str)
     try:
@@ -181,11 +183,11 @@ async def presign(ctx: Context, namespace: str, body: dict[str, Any]) -> dict[st
             job_id = field(body, "jobId", str, default=None, nullable=True)
             kind = field(body, "kind", str, default="args")
             answer = await run_in_threadpool(
-                ctx.payloads.presign_put, namespace, size, content_type, job_id, kind
+                ctx.payloads.presign_put, namespace, size, content_type, job_id, kind, base_url=base_url
             )
         elif op == "get":
             key = field(body, "key", str)
-            answer = await run_in_threadpool(ctx.payloads.presign_get, key)
+            answer = await run_in_threadpool(ctx.payloads.presign_get, key, base_url=base_url)
         else:
             raise HTTPError(400, f"field 'op' must be 'put' or 'get', got {op[:20]!r}")
     except HTTPError:

@@ -46,7 +46,7 @@ from typing import Any
 import httpx
 
 from dreamlake.lakeshore import ids
-from dreamlake.lakeshore.errors import InvalidId, LakeshoreError
+from dreamlake.lakeshore.errors import LakeshoreError
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,10 @@ DEFAULT_REGION = "us-east-1"
 DEFAULT_FETCH_TIMEOUT_S = 60.0
 
 PREFIX = "payloads/"
+#: A ``jobId`` a caller may choose (seed 003's staged flow uploads before the job row exists):
+#: 1-128 characters of ``A-Za-z0-9._-``, starting with a letter or digit, so it is one safe key
+#: segment (never ``.``, ``..`` or empty). ULIDs qualify; so do ids such as ``batch-7.part-3``.
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _KIND_RE = re.compile(r"^[a-z0-9_-]{1,32}$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _MAX_KEY_LEN = 1024
@@ -225,20 +229,7 @@ class PayloadStore:
 
     def mint_key(self, job_id: str | None = None, kind: str = "args", *, now: datetime | None = None) -> str:
         """``payloads/<YYYY>/<MM>/<DD>/<job_id or a new ULID>/<kind>``, validating both parts."""
-        if job_id is None:
-            job_id = ids.new_ulid()
-        else:
-            try:
-                ids.validate(job_id, "jobId")
-            except InvalidId as exc:
-                raise PayloadError(400, str(exc)) from None
-        if not isinstance(kind, str) or not _KIND_RE.match(kind):
-            raise PayloadError(
-                400,
-                f"invalid kind {kind!r:.60}: expected 1-32 characters of a-z, 0-9, '_' or '-' (e.g. 'args')",
-            )
-        day = (now or datetime.now(UTC)).astimezone(UTC)
-        return f"{PREFIX}{day:%Y}/{day:%m}/{day:%d}/{job_id}/{kind}"
+        return mint_key(job_id, kind, now=now)
 
     def presign_put(
         self,
@@ -247,31 +238,15 @@ class PayloadStore:
         content_type: str | None = None,
         job_id: str | None = None,
         kind: str = "args",
+        *,
+        base_url: str = "",
     ) -> dict[str, str]:
         """Presign an upload of exactly ``size`` bytes -> ``{"url", "bucket", "key", "expires_at"}``.
 
         Raises PayloadError: 400 for a bad size, jobId, kind or contentType; 413 over the limit.
+        ``base_url`` is unused (see :meth:`presign_get`).
         """
-        if isinstance(size, bool) or not isinstance(size, int):
-            raise PayloadError(400, f"size must be an integer number of bytes, got {size!r:.40}")
-        if size < 0:
-            raise PayloadError(400, f"size must be >= 0 bytes, got {size}")
-        limit = self.config.max_payload_bytes
-        if size > limit:
-            raise PayloadError(
-                413,
-                f"payload of {size} bytes is over MAX_PAYLOAD_BYTES ({limit} bytes): "
-                "send a smaller payload or raise MAX_PAYLOAD_BYTES on the control plane",
-            )
-        if content_type is not None and (
-            not isinstance(content_type, str)
-            or not content_type
-            or len(content_type) > 255
-            or any(ord(ch) < 0x20 or ord(ch) > 0x7E for ch in content_type)
-        ):
-            raise PayloadError(
-                400, f"invalid contentType {content_type!r:.60}: expected a printable MIME type"
-            )
+        check_put(self.config, size, content_type)
         key = self.mint_key(job_id, kind)
         params: dict[str, Any] = {"Bucket": self.bucket, "Key": key, "ContentLength": size}
         if content_type is not None:
@@ -280,8 +255,11 @@ class PayloadStore:
         log.info("presigned PUT ns=%s key=%s size=%d", namespace, key, size)
         return answer
 
-    def presign_get(self, key: str) -> dict[str, str]:
-        """Presign a download of ``key`` (must be under ``payloads/``) -> ``{"url", "bucket", "key", "expires_at"}``."""
+    def presign_get(self, key: str, *, base_url: str = "") -> dict[str, str]:
+        """Presign a download of ``key`` (must be under ``payloads/``) -> ``{"url", "bucket", "key", "expires_at"}``.
+
+        ``base_url`` (the control plane's address as the caller reached it) is unused here: an S3
+        URL names its own host. The local blob directory (``server.blobdir``) needs it."""
         key = check_key(key)
         return self._presign("get_object", {"Bucket": self.bucket, "Key": key})
 
@@ -297,6 +275,49 @@ class PayloadStore:
             "key": params["Key"],
             "expires_at": _iso_utc(signed_at + timedelta(seconds=ttl)),
         }
+
+
+def mint_key(job_id: str | None = None, kind: str = "args", *, now: datetime | None = None) -> str:
+    """``payloads/<YYYY>/<MM>/<DD>/<job_id or a new ULID>/<kind>`` (seed 003), validating both parts:
+    ``jobId`` by :data:`JOB_ID_RE`, ``kind`` 1-32 characters of ``a-z0-9_-``; else PayloadError(400)."""
+    if job_id is None:
+        job_id = ids.new_ulid()
+    elif not isinstance(job_id, str) or not JOB_ID_RE.match(job_id):
+        raise PayloadError(
+            400,
+            f"invalid jobId {job_id!r:.60}: expected 1-128 characters of A-Z, a-z, 0-9, '.', '_' or '-', "
+            "starting with a letter or digit (a ULID, or an id of your own such as 'batch-7')",
+        )
+    if not isinstance(kind, str) or not _KIND_RE.match(kind):
+        raise PayloadError(
+            400,
+            f"invalid kind {kind!r:.60}: expected 1-32 characters of a-z, 0-9, '_' or '-' (e.g. 'args')",
+        )
+    day = (now or datetime.now(UTC)).astimezone(UTC)
+    return f"{PREFIX}{day:%Y}/{day:%m}/{day:%d}/{job_id}/{kind}"
+
+
+def check_put(config: PayloadConfig, size: object, content_type: object) -> None:
+    """The checks every presigned PUT passes, whichever tier: PayloadError 400 for a bad ``size`` or
+    ``contentType``, 413 over ``MAX_PAYLOAD_BYTES``."""
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise PayloadError(400, f"size must be an integer number of bytes, got {size!r:.40}")
+    if size < 0:
+        raise PayloadError(400, f"size must be >= 0 bytes, got {size}")
+    limit = config.max_payload_bytes
+    if size > limit:
+        raise PayloadError(
+            413,
+            f"payload of {size} bytes is over MAX_PAYLOAD_BYTES ({limit} bytes): "
+            "send a smaller payload or raise MAX_PAYLOAD_BYTES on the control plane",
+        )
+    if content_type is not None and (
+        not isinstance(content_type, str)
+        or not content_type
+        or len(content_type) > 255
+        or any(ord(ch) < 0x20 or ord(ch) > 0x7E for ch in content_type)
+    ):
+        raise PayloadError(400, f"invalid contentType {content_type!r:.60}: expected a printable MIME type")
 
 
 def sha256_hex(data: bytes) -> str:

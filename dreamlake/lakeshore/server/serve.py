@@ -198,13 +198,16 @@ def _config(spec: ServeSpec) -> ServerConfig:
 def build_app(spec: ServeSpec, store: Any = None) -> Any:
     """The app over ``store`` (else the store at ``spec.db``, opened here)."""
     from dreamlake.lakeshore.server.app import create_app
+    from dreamlake.lakeshore.server.blobdir import BlobDir
     from dreamlake.lakeshore.server.fanout import make_fanout
-    from dreamlake.lakeshore.server.payloads import PayloadStore
+    from dreamlake.lakeshore.server.payloads import PayloadConfig, PayloadStore
     from dreamlake.lakeshore.store import open_store
 
-    payloads = PayloadStore.from_env(os.environ)
+    payloads: Any = PayloadStore.from_env(os.environ)
     config = _config(spec)
     store = store if store is not None else open_store(spec.db)
+    if payloads is None:  # no bucket: the blob directory next to a SQLite file (or LAKESHORE_BLOBS_DIR)
+        payloads = BlobDir.for_store(store, os.environ, PayloadConfig.from_env(os.environ))
     return create_app(store, fanout=make_fanout(spec.redis_url), payloads=payloads, config=config)
 
 

@@ -14,7 +14,10 @@ applies through :func:`check_submit` and :func:`check_target`:
   another parent: 403): the store records ``parent_invocation_id`` / ``root_invocation_id``;
 * status, await, result stream and cancel of its own descendants (a child, a grandchild, ...);
   any other invocation answers 404, as an unknown id does (nothing is disclosed);
-* nothing else: topics, daemon, namespace, ops and dashboard routes refuse the ``task`` kind (403).
+* presign payloads (``POST /v1/namespaces/<its namespace>/payloads/presign``: big arguments of
+  the children it submits, their big results);
+* nothing else: topics, daemon, the other namespace routes, ops and dashboard routes refuse the
+  ``task`` kind (403).
 
 It lives as long as its attempt runs: every request re-reads the invocation, and once the attempt
 is acked (or superseded, or cancelled and gone) the token answers 401. ``expires_at``

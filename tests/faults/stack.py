@@ -1,0 +1,338 @@
+"""Real processes on loopback for the fault suite: ``lakeshore server`` and ``nymph start``.
+
+- :class:`Server`: ``lakeshore server`` as a subprocess on one port and one data directory (SQLite),
+  with a short lease, that a test stops, kills with ``kill -9`` and starts again;
+- :class:`Nymph`: ``nymph start`` as a subprocess (its own session, so ``kill -9`` reaches nymph
+  alone, as a crash would; its tasks live on), with ``/healthz`` on a port of its own;
+- :class:`Producer`: the producer routes over HTTP (submit, await, status, cancel, stream), each
+  call retried while the control plane is away, with the same invocation id (submit is
+  idempotent on it), so an outage costs the test time, never a call;
+- :class:`Tally`: what happened to a batch of calls (lost, duplicated, wrong, executions per call),
+  printed by every test and asserted on.
+
+Every wait is for a condition with a bound (:func:`until`), never a bare sleep.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgpack
+import psutil
+
+from dreamlake.lakeshore import ids, wire
+from dreamlake.lakeshore.envelope import Envelope
+from tests.conftest import ROOT
+from tests.integration.conftest import submit_body
+
+LEASE_S = 2.0  # the server's lease: a dead nymph's work comes back this soon
+LIMIT_S = 90.0
+FNS = "tests.faults.fns"
+# tasks run as nymph's own user, which for root (CI) takes the operator's flag
+ROOT_TASKS = ["--allow-root-tasks"] if os.geteuid() == 0 else []
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def until(predicate: Callable[[], Any], what: str, limit_s: float = LIMIT_S, step_s: float = 0.05) -> Any:
+    deadline = time.monotonic() + limit_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"gave up after {limit_s:g}s waiting for {what}"
+        time.sleep(step_s)
+
+
+def env() -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if not k.startswith("NYMPH_")}
+    out["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "runners")])
+    return out
+
+
+def ref(qualname: str, *args: Any) -> bytes:
+    return Envelope.create({"kind": "ref", "module": FNS, "qualname": qualname}, args, {}).to_bytes()
+
+
+class Server:
+    """``lakeshore server`` on a fixed port and data directory, stopped, killed and restarted."""
+
+    def __init__(self, data_dir: Path, *extra: str) -> None:
+        self.data_dir = data_dir
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.extra = ["--lease-s", str(LEASE_S), *extra]
+        self.log = data_dir / "server.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Server:
+        cmd = [sys.executable, "-m", "dreamlake.lakeshore.cli", "server", "--port", str(self.port),
+               "--data-dir", str(self.data_dir), *self.extra]  # fmt: skip
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env(), start_new_session=True
+            )
+        until(self.up, "the control plane to answer")
+        return self
+
+    def up(self) -> bool:
+        try:
+            return httpx.get(self.url + "/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def kill(self) -> None:
+        """``kill -9`` of the server and every process of its session."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(20)
+
+    def tokens(self) -> dict[str, str]:
+        return dict(json.loads((self.data_dir / "tokens.json").read_text()))
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+class Nymph:
+    """``nymph start`` in its own session; its log in a file, ``/healthz`` on :attr:`health_url`."""
+
+    def __init__(
+        self,
+        server: Server,
+        base: Path,
+        *extra: str,
+        workdir: Path | None = None,
+        state_dir: Path | None = None,
+    ) -> None:
+        self.base = base
+        base.mkdir(parents=True, exist_ok=True)
+        self.workdir = workdir or base / "work"
+        self.state_dir = state_dir or base / "state"
+        self.log = base / "nymph.log"
+        self.port = free_port()
+        self.health_url = f"http://127.0.0.1:{self.port}/healthz"
+        token_file = base / "token"
+        token_file.write_text(server.tokens()["daemon"] + "\n")
+        os.chmod(token_file, 0o600)
+        self.args = [
+            sys.executable, "-m", "nymph", "start", "--server", server.url, "--token-file", str(token_file),
+            "--queue", "default", "--workdir", str(self.workdir), "--state-dir", str(self.state_dir),
+            "--heartbeat-s", "0.5", "--poll-timeout-s", "2", "--stop-grace-s", "0.5", "--grace-s", "5",
+            "--metrics-port", str(self.port), "--log-level", "INFO", *ROOT_TASKS, *extra,
+        ]  # fmt: skip
+        self.cwd: Path | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Nymph:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env(),
+                cwd=self.cwd,
+                start_new_session=True,
+            )
+        return self
+
+    def kill(self) -> None:
+        """``kill -9`` of nymph alone: its tasks live on, as after a crash."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(20)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        try:
+            resp = httpx.get(self.health_url, timeout=2)
+        except httpx.HTTPError:
+            return 0, {}
+        return resp.status_code, resp.json()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+class Producer:
+    """The producer routes, each call retried (same body, same invocation id) while the plane is away."""
+
+    def __init__(self, server: Server, token: str | None = None) -> None:
+        self.server = server
+        self.token = token or server.tokens()["admin"]
+        self.client = httpx.Client(headers={"Authorization": f"Bearer {self.token}"}, timeout=60)
+        self.retries = 0
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _retry(self, send: Callable[[], httpx.Response], limit_s: float = LIMIT_S) -> Any:
+        deadline = time.monotonic() + limit_s
+        while True:
+            try:
+                resp = send()
+                if resp.status_code < 500:
+                    assert resp.status_code == 200, (resp.status_code, resp.content[:300])
+                    return msgpack.unpackb(resp.content, raw=False)
+            except httpx.TransportError:
+                pass
+            self.retries += 1
+            assert time.monotonic() < deadline, "the control plane did not come back"
+            time.sleep(0.1)
+
+    def post(self, path: str, body: Any, timeout: float = 60.0) -> Any:
+        data = msgpack.packb(body, use_bin_type=True)
+        headers = {"Content-Type": "application/x-msgpack"}
+        url = self.server.url + path
+        return self._retry(lambda: self.client.post(url, content=data, headers=headers, timeout=timeout))
+
+    def submit(self, args_blob: bytes, invocation_id: str | None = None, **run_config: Any) -> str:
+        inv = invocation_id or ids.new_ulid()
+        out = self.post(
+            "/v1/producer/submit", submit_body(inv, "default", run_config=run_config, args_blob=args_blob)
+        )
+        assert out["invocation_id"] == inv
+        return inv
+
+    def await_(self, invocation_id: str, limit_s: float = LIMIT_S) -> dict[str, Any]:
+        deadline = time.monotonic() + limit_s
+        while True:
+            left = max(0.5, min(10.0, deadline - time.monotonic()))
+            out = self.post("/v1/producer/await", {"invocation_id": invocation_id, "timeout_s": left})
+            if out["state"] != "pending" or time.monotonic() >= deadline:
+                return dict(out)
+
+    def status(self, invocation_id: str) -> dict[str, Any]:
+        url = f"{self.server.url}/v1/producer/invocations/{invocation_id}"
+        return dict(self._retry(lambda: self.client.get(url, timeout=10)))
+
+    def cancel(self, invocation_id: str) -> dict[str, Any]:
+        return dict(self.post(f"/v1/producer/invocations/{invocation_id}/cancel", {}))
+
+    def frames(self, invocation_id: str, since: int = -1, timeout: float = 5.0) -> list[wire.Frame]:
+        """The frames after ``since`` (one stream request; its cursor is the last seq read)."""
+        url = f"{self.server.url}/v1/producer/invocations/{invocation_id}/result/stream"
+        params = {"since": since, "timeout": timeout}
+        resp = self.client.get(url, params=params, timeout=timeout + 30)
+        assert resp.status_code == 200, (resp.status_code, resp.content[:300])
+        return wire.FrameReader().feed(resp.content)
+
+
+@dataclass
+class Tally:
+    """Calls made and what became of them: printed by every fault test, asserted on."""
+
+    name: str
+    marks: Path
+    expected: dict[str, Any] = field(default_factory=dict)  # invocation id -> the right result
+    keys: dict[str, str] = field(default_factory=dict)  # invocation id -> its mark file's name
+    outcomes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    delivered: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def add(self, invocation_id: str, key: str, result: Any) -> None:
+        self.expected[invocation_id] = result
+        self.keys[invocation_id] = key
+
+    def executions(self, invocation_id: str) -> int:
+        path = self.marks / self.keys[invocation_id]
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    def report(self, states: Callable[[str], str] | None = None) -> dict[str, Any]:
+        lost = [i for i in self.expected if self.outcomes.get(i, {}).get("state") != "succeeded"]
+        wrong = [
+            i
+            for i, out in self.outcomes.items()
+            if out.get("state") == "succeeded" and wire.unpack(out["result_blob"]) != self.expected[i]
+        ]
+        duplicated = [i for i, n in self.delivered.items() if n > 1]
+        runs = collections.Counter(self.executions(i) for i in self.expected)
+        counts = {
+            "calls": len(self.expected),
+            "lost": len(lost),
+            "duplicated": len(duplicated),
+            "wrong": len(wrong),
+            "executions_per_call": dict(sorted(runs.items())),
+        }
+        print(f"\n[fault {self.name}] " + " ".join(f"{k}={v}" for k, v in counts.items()))
+        if lost:
+            print(f"[fault {self.name}] not succeeded: {[(i, self.outcomes.get(i)) for i in lost[:5]]}")
+        return counts
+
+
+def wait_all(producer: Producer, tally: Tally, limit_s: float = LIMIT_S) -> None:
+    """Await every call of ``tally`` (each outcome delivered once to this consumer)."""
+    deadline = time.monotonic() + limit_s
+    for inv in tally.expected:
+        out = producer.await_(inv, max(1.0, deadline - time.monotonic()))
+        tally.outcomes[inv] = out
+        tally.delivered[inv] += 1
+
+
+def kill_leftovers(base: Path) -> None:
+    """Kill what a killed nymph left running under ``base`` (tasks whose cwd or argv is there)."""
+    mine = os.getpid()
+    for proc in psutil.process_iter(["pid", "cmdline", "cwd"]):
+        try:
+            if proc.pid == mine:
+                continue
+            where = [proc.info.get("cwd") or "", *(proc.info.get("cmdline") or [])]
+            if any(str(base) in str(w) for w in where):
+                proc.kill()
+        except (psutil.Error, OSError):
+            continue
+
+
+@contextlib.contextmanager
+def stack(tmp_path: Path, *server_extra: str) -> Iterator[tuple[Server, list[Nymph], Path]]:
+    """A started server, a list the test adds its nymphs to (all stopped at the end), a marks dir."""
+    server = Server(tmp_path / "cp", *server_extra).start()
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    os.chmod(marks, 0o777)
+    nymphs: list[Nymph] = []
+    try:
+        yield server, nymphs, marks
+    finally:
+        for n in nymphs:
+            n.stop()
+        server.stop()
+        kill_leftovers(tmp_path)
+        for n in nymphs:
+            if n.proc is not None and n.proc.returncode not in (0, None, -9):
+                print(n.output()[-4000:])
