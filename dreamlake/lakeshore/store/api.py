@@ -447,12 +447,13 @@ class Store(Listing, Protocol):
         ...
 
     def write_batch(self, requests: Sequence[WriteRequest]) -> list[WriteResult | PlaneError]:
-        """Apply many writes (submits, acks, frames, heartbeats) in one transaction: the group
-        commit. Each answers as its single call would (``submit``, ``ack``, ``append_frame``,
-        ``heartbeat``, the latter with the pinned version), or with the PlaneError that call would
-        raise; one write's error never fails another. Submits apply first, in order, then the
-        rest in order. Returns only after the transaction committed (nothing is answered before
-        it is durable)."""
+        """Apply many writes (submits, acks, frames, heartbeats) together: the group commit. Each
+        answers as its single call would (``submit``, ``ack``, ``append_frame``, ``heartbeat``,
+        the latter with the pinned version), or with the PlaneError that call would raise; one
+        write's error never fails another. Submits apply first, in order, in a transaction of
+        their own (committed, their waiters woken, before the rest), then the rest in order in
+        one transaction. Returns only after both committed (nothing is answered before it is
+        durable)."""
         ...
 
     def expire_leases(self, now: float | None = None) -> list[str]:
