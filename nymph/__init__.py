@@ -30,6 +30,8 @@ Layout (one concern per module)::
     outbox.py     the durable outbox: acks and frames on disk until the control plane confirms
     reconcile.py  re-attach to or report what a previous life left behind
     prune.py      removes kept failed workdirs by age and total size, and ``*.old-*`` directories
+    codecache.py  code archives calls ship: fetched once per sha256, verified, unpacked read-only,
+                  pruned by age and size
 
     runner.py     the Runner contract that runner plugins implement
     plugins.py    loading runner plugins (entry-point group ``nymph.runners``) and validating them

@@ -48,6 +48,10 @@ class NymphConfig:
     concurrency: int = 1
     workdir: Path = Path("/var/lib/nymph/work")
     state_dir: Path = Path("/var/lib/nymph/state")
+    # code archives shipped with calls (nymph.codecache), unpacked once per sha256; None: {workdir}/.code
+    code_cache: Path | None = None
+    code_cache_max_bytes: int = 2 * 1024**3
+    code_cache_max_age_s: float = 7 * 24 * 3600.0
     allow_pickled: bool = False
     allow_script: bool = False  # run_config.script (bash -c) invocations; off: refused before spawning
     allow_modules: tuple[str, ...] = ()  # fnmatch patterns a ref's module must match; empty: any module
@@ -89,10 +93,15 @@ class NymphConfig:
 
     def __post_init__(self) -> None:
         # a config built in code (tests, embedders) gets the same absolute paths as one resolved
-        for name in ("workdir", "state_dir", "token_file"):
+        for name in ("workdir", "state_dir", "token_file", "code_cache"):
             value = getattr(self, name)
             if value is not None and not Path(value).is_absolute():
                 object.__setattr__(self, name, absolute(value))
+
+    @property
+    def code_cache_dir(self) -> Path:
+        """Where code archives are unpacked: ``code_cache``, else ``{workdir}/.code``."""
+        return self.code_cache if self.code_cache is not None else self.workdir / ".code"
 
     @property
     def stream_limits(self) -> StreamLimits:
@@ -183,15 +192,17 @@ def _coerce(name: str, value: Any) -> Any:
             return _parse_labels(name, value)
         if name in ("allow_pickled", "allow_script", "allow_root_tasks", "auto_upgrade", "stream_inotify"):
             return _parse_bool(name, value)
-        if name in ("concurrency", "metrics_port") or name in _STREAM_INTS:
+        if name in ("concurrency", "metrics_port", "code_cache_max_bytes") or name in _STREAM_INTS:
             return None if value in (None, "") else int(value)
         if name in (
             "grace_s", "stop_grace_s", "heartbeat_s", "poll_timeout_s", "stream_poll_s", "keep_failed_s",
-            "keep_failed_mb",
+            "keep_failed_mb", "code_cache_max_age_s",
         ):  # fmt: skip
             return None if value in (None, "") else float(value)
         if name in ("workdir", "state_dir"):
             return absolute(value)
+        if name == "code_cache":
+            return None if value in (None, "") else absolute(value)
         if name in ("token_file", "upgrade_wheelhouse"):
             if value in (None, ""):
                 return None

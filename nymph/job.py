@@ -26,12 +26,13 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from dreamlake.lakeshore import wire
+from dreamlake.lakeshore import blobs, wire
+from dreamlake.lakeshore.client import retrying
 from dreamlake.lakeshore.daemon.entry import ALLOW_MODULES_ENV, module_allowed, module_refusal
 from dreamlake.lakeshore.envelope import Envelope, is_pickled
-from dreamlake.lakeshore.errors import LakeshoreError
+from dreamlake.lakeshore.errors import LakeshoreError, PayloadCorrupt
+from nymph import codecache, taskuser
 from nymph import observability as obs
-from nymph import taskuser
 from nymph import workdir as wd
 from nymph.errors import Refused
 from nymph.lifecycle import SHUTDOWN_MESSAGE, JobContext, Phase, Stop, SupervisedJob, backoff_s
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 _ERROR_TYPES = {"killed": "Cancelled", "timeout": "Timeout"}
 SPILL_AFTER_S = 2.0  # how long a finished job waits for its frames before the outbox takes them
+FETCH_ATTEMPTS = 4  # a code archive by reference: tries of the fetch while the store is unreachable
 
 
 class Job(SupervisedJob[wd.Outcome]):
@@ -74,6 +76,9 @@ class Job(SupervisedJob[wd.Outcome]):
         self.as_user: str | None = body.get("as_user") or self.run_config.get("as_user")
         self.run_as: str | None = self.as_user  # who the task runs as (nymph.taskuser), set by the gates
         self._pump: Pump | None = None
+        self._code: dict[str, Any] | None = None  # cfg["code"] of the Envelope: a shipped code archive
+        self._code_held: str | None = None  # the sha256 this job holds in the code cache
+        self._code_dirs: list[Path] = []
         self._overflow: str | None = None  # why the stream overflowed (the invocation fails)
         self.state: str | None = None  # the settled state; "deferred": left for the next life
 
@@ -88,6 +93,7 @@ class Job(SupervisedJob[wd.Outcome]):
             self._after.join()
             self._after = None
         self._gates()
+        self._fetch_code()
         gpus = self.ctx.slots.acquire_gpus(gpus_requested(self.run_config), self._stop_event)
         if gpus is None:  # stopped while waiting for devices
             return None
@@ -106,6 +112,7 @@ class Job(SupervisedJob[wd.Outcome]):
             "worker_id": self.ctx.worker_id,
         }
         meta["run_as"] = self.run_as
+        meta["code_sha256"] = self._code_held  # a restarted nymph holds the archive its task runs from
         self.workdir = wd.create(
             cfg.workdir, self.invocation_id, bytes(self.body.get("args_blob") or b""), meta, self.run_as
         )
@@ -119,7 +126,74 @@ class Job(SupervisedJob[wd.Outcome]):
             run_config=self.run_config,
             gpus=list(self._gpus),
             labels={"nymph.invocation": self.invocation_id, "nymph.worker": self.ctx.worker_id, **cfg.labels},
+            code_dirs=list(self._code_dirs),
         )
+
+    def _fetch_code(self) -> None:
+        """The code archive the call shipped, fetched once per sha256 into the cache (nymph.codecache)
+        and held while the task runs; a corrupt or unsafe one refuses the invocation here."""
+        code = self._code
+        if code is None:
+            return
+        cache = self._code_cache()
+        try:
+            path = cache.acquire(code, fetch=lambda ref: self._fetch_code_ref(code, ref))
+        except codecache.CodeArchiveError as exc:
+            raise Refused("CodeArchiveRefused", str(exc)) from exc
+        except OSError as exc:
+            raise Refused(
+                "CodeArchiveRefused", f"code archive: cannot unpack into {cache.root}: {exc}"
+            ) from exc
+        self._code_held = str(code["sha256"])
+        patterns = list(self.ctx.config.allow_modules)
+        if patterns:  # the policy sees the shipped code: every module it ships must be allowed
+            refused = [m for m in codecache.shipped_modules(path) if not module_allowed(m, patterns)]
+            if refused:
+                self._release_code()
+                raise Refused(
+                    "ModuleRefused",
+                    f"the call ships code with module {refused[0]!r} (of {len(refused)} refused) but this "
+                    f"worker runs only modules matching {' / '.join(patterns)}; ship only allowed "
+                    f"packages (code=[...]), deploy the code instead (code=None), or start nymph with "
+                    f"--allow-module matching {refused[0]!r}",
+                )
+        self._code_dirs = [path]
+
+    def _fetch_code_ref(self, code: dict[str, Any], ref: Any) -> bytes:
+        """An archive shipped by reference, through the presign route of the namespace it was
+        uploaded to (``dreamlake.lakeshore.blobs``: size and sha256 checked on the way)."""
+        client = self.ctx.client
+        if client is None:
+            raise codecache.CodeArchiveError(
+                "code archive by reference: this nymph has no control-plane client"
+            )
+        namespace = str(code.get("namespace") or self.ctx.config.namespace or "default")
+        try:  # a control plane or store away for a moment costs a few retries, not the invocation
+            policy = retrying(attempts=FETCH_ATTEMPTS, initial_s=0.5)
+            data = policy(blobs.get, client, namespace, dict(ref), limit=codecache.MAX_FETCH_BYTES)
+        except PayloadCorrupt as exc:
+            raise codecache.CodeArchiveError(f"code archive: {exc}") from exc
+        except LakeshoreError as exc:
+            raise codecache.CodeArchiveError(
+                f"code archive: cannot fetch {ref.get('key')!r} from the payload store: {exc}"
+            ) from exc
+        assert data is not None
+        return bytes(data)
+
+    def _code_cache(self) -> codecache.CodeCache:
+        cfg = self.ctx.config
+        return codecache.shared(
+            cfg.code_cache_dir, max_bytes=cfg.code_cache_max_bytes, max_age_s=cfg.code_cache_max_age_s
+        )
+
+    def _release_code(self) -> None:
+        if self._code_held is not None:
+            self._code_cache().release(self._code_held)
+            self._code_held = None
+
+    def _release(self) -> None:
+        self._release_code()
+        super()._release()
 
     def _gates(self) -> None:
         cfg = self.ctx.config
@@ -139,6 +213,10 @@ class Job(SupervisedJob[wd.Outcome]):
             except LakeshoreError as exc:
                 raise Refused(type(exc).__name__, f"bad envelope: {exc}") from exc
             fn = header.get("fn") or {}
+            code = (header.get("cfg") or {}).get("code")
+            if code is not None and not isinstance(code, dict):
+                raise Refused("CodeArchiveRefused", f"cfg.code must be a map, got {type(code).__name__}")
+            self._code = code
             if is_pickled(fn) and not cfg.allow_pickled:
                 raise Refused(
                     "PickleRefused",
@@ -223,6 +301,7 @@ class Job(SupervisedJob[wd.Outcome]):
         if os.environ.get("PYTHONPATH"):  # absolute: the task's cwd is not nymph's (a zygote runs in /)
             parts = os.environ["PYTHONPATH"].split(os.pathsep)
             env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p for p in parts)
+        env.update(codecache.code_env(self._code_dirs))  # first on the task's import path
         if self._gpus or self.ctx.slots.gpu_total:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self._gpus)
         return env
@@ -242,6 +321,9 @@ class Job(SupervisedJob[wd.Outcome]):
         job.workdir = workdir
         job.handle = handle
         job.started_at = float(meta.get("started_at") or time.time())
+        code = meta.get("code_sha256")
+        if handle is not None and isinstance(code, str) and job._code_cache().hold(code):
+            job._code_held = code  # the task still runs from it: pruning leaves it until the job ends
         gpus = [str(g) for g in meta.get("gpus") or []]
         if handle is not None and gpus and ctx.slots.claim_gpus(gpus):
             job._gpus = gpus

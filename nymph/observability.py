@@ -142,6 +142,12 @@ POLLS = Counter(
     ["outcome"],
     registry=REGISTRY,
 )
+CODE_ARCHIVES = Counter(
+    "nymph_code_archives",
+    "Code archives calls shipped, by how the cache answered (hit, fetched, refused).",
+    ["result"],
+    registry=REGISTRY,
+)
 RUNNING = Gauge("nymph_running", "Invocations running now.", registry=REGISTRY)
 OUTBOX_PENDING = Gauge(
     "nymph_outbox_pending",

@@ -77,6 +77,10 @@ class Task:
     run_config: dict[str, Any] = field(default_factory=dict)
     gpus: list[str] = field(default_factory=list)  # device indices/UUIDs assigned by nymph
     labels: dict[str, str] = field(default_factory=dict)  # nymph.invocation, nymph.worker, ...
+    # host directories of the code archives the call shipped (nymph.codecache), read-only, to go
+    # first on the task's import path: env LAKESHORE_CODE_PATH names them; a runner whose task sees
+    # another filesystem (a container, a pod) mounts each read-only at the same path
+    code_dirs: list[Path] = field(default_factory=list)
 
 
 @dataclass

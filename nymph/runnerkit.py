@@ -1,8 +1,9 @@
 """Small helpers the bundled runners share (and a third-party runner may use).
 
 - :data:`ENTRY_MODULE`: the module every runner runs (``python -m ENTRY_MODULE``);
-  :data:`WORKDIR_TARGET`, :data:`BUNDLE_TARGET` and :data:`SCRIPT_SHIM`: where the container
-  runners (docker, gvisor, kube) mount the workdir and the entry bundle, and how they run a script;
+  :data:`WORKDIR_TARGET`, :data:`BUNDLE_TARGET`, :data:`CODE_TARGET` and :data:`SCRIPT_SHIM`: where
+  the container runners (docker, gvisor, kube) mount the workdir, the entry bundle and the code
+  archives a call shipped (:func:`code_mounts`), and how they run a script;
 - :func:`task_name`: ``nymph-<invocation id>-a<attempt>``, the deterministic name of a task's
   container, pod or Slurm job, so a start tried again finds the first one;
 - :func:`handle_workdir`: the workdir a handle records;
@@ -24,16 +25,29 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from dreamlake.lakeshore.daemon.entry import CODE_PATH_ENV
 from nymph.runner import Handle, RunnerError, Task
 from nymph.workdir import ERROR, RESULT, STDERR, STDOUT, tail
 
 ENTRY_MODULE = "dreamlake.lakeshore.daemon.entry"
 WORKDIR_TARGET = "/work/inv"
 BUNDLE_TARGET = "/opt/lakeshore/entry.zip"
+CODE_TARGET = "/opt/lakeshore/code"  # + "/<sha256>": one read-only mount per shipped code archive
 # Run the script with bash when the image has it, else with sh: one container, no separate probe.
 # Arguments: sh -c SCRIPT_SHIM sh SCRIPT
 SCRIPT_SHIM = 'if command -v bash >/dev/null 2>&1; then exec bash -c "$1"; fi; exec sh -c "$1"'
 LOG_TAIL_BYTES = 4096
+
+
+def code_mounts(task: Task) -> list[tuple[str, str]]:
+    """``(host path, container path)`` of each code archive of ``task`` (``Task.code_dirs``)."""
+    return [(str(d), f"{CODE_TARGET}/{d.name}") for d in task.code_dirs]
+
+
+def code_path_env(mounts: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """``{LAKESHORE_CODE_PATH: the container paths}`` for ``mounts``; empty when nothing shipped."""
+    targets = [target for _, target in mounts]
+    return {CODE_PATH_ENV: os.pathsep.join(targets)} if targets else {}
 
 
 def task_name(task: Task) -> str:

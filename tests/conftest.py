@@ -11,6 +11,11 @@ import pytest
 pytest_plugins = ["tests.integration.s3_fixture", "tests.integration.redis_fixture"]
 
 ROOT = Path(__file__).resolve().parent.parent
+# The suite deploys its own functions (tests/*) on every worker through PYTHONPATH, as a fleet with
+# the code installed does, so its calls ship no code archive: the SDK's default ("auto") would pack
+# the whole tests/ package into every call. The code-archive tests opt in (tests/code_kit.py);
+# subprocesses (README examples, producers) inherit the same default.
+os.environ.setdefault("LAKESHORE_CODE", "none")
 REQUIRE_SERVICES = os.environ.get("LAKESHORE_REQUIRE_SERVICES") == "1"
 
 

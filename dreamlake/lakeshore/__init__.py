@@ -26,6 +26,7 @@ _LAZY = {
     "Thunk": "dreamlake.lakeshore.decorator",
     "scope": "dreamlake.lakeshore.decorator",
     "run": "dreamlake.lakeshore.decorator",
+    "set_default_code": "dreamlake.lakeshore.decorator",
     "set_default_dispatch": "dreamlake.lakeshore.decorator",
     "SyncQueue": "dreamlake.lakeshore.queue",
     "Topic": "dreamlake.lakeshore.queue",

@@ -60,6 +60,7 @@ __all__ = [
     "invocation_context",
     "run",
     "scope",
+    "set_default_code",
     "set_default_dispatch",
     "udf",
 ]
@@ -114,20 +115,53 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}/{name}" if prefix else name
 
 
+_INHERIT = "<inherit>"  # a udf or scope that does not say what code it ships
+# What the calls captured inside ``scope(code=...)`` ship, unless their udf says: "auto", None or paths.
+_CODE: contextvars.ContextVar[Any] = contextvars.ContextVar("lakeshore_code", default=_INHERIT)
+
+
+def _check_code(code: object) -> Any:
+    if code == _INHERIT:
+        return code
+    from dreamlake.lakeshore.codeship import normalize_code
+
+    return normalize_code(code)
+
+
+def set_default_code(code: Any = _INHERIT) -> None:
+    """The code every call ships when neither its udf nor a scope says: ``"auto"`` (the default),
+    ``None`` or a list of paths (see :mod:`dreamlake.lakeshore.codeship`); no argument: back to
+    ``LAKESHORE_CODE``."""
+    from dreamlake.lakeshore import codeship
+
+    if code == _INHERIT:
+        codeship.set_default_code()
+    else:
+        codeship.set_default_code(code)
+
+
 @contextlib.contextmanager
-def scope(prefix: str) -> Iterator[str]:
+def scope(prefix: str | None = None, *, code: Any = _INHERIT) -> Iterator[str]:
     """Open a key scope: ``run.key(name)`` and submitted calls inside it resolve under ``prefix``.
 
     Scopes nest by joining: ``scope("scenes")`` then ``scope("0007")`` gives ``"scenes/0007"``.
-    Yields the full prefix.
+    Yields the full prefix. ``code=`` (``"auto"``, ``None`` or a list of paths) is what the calls
+    submitted inside ship, unless their ``@udf(code=...)`` says; ``scope(code=...)`` alone keeps
+    the prefix.
     """
-    part = _check_segment_path(prefix, "scope prefix")
     state = _STATE.get()
-    full = _join(state.prefix, part)
+    full = (
+        state.prefix if prefix is None else _join(state.prefix, _check_segment_path(prefix, "scope prefix"))
+    )
+    if prefix is None and code == _INHERIT:
+        raise ValueError("scope() needs a prefix like 'scenes/0007', code=..., or both")
     token = _STATE.set(state._replace(prefix=full))
+    code_token = _CODE.set(_check_code(code)) if code != _INHERIT else None
     try:
         yield full
     finally:
+        if code_token is not None:
+            _CODE.reset(code_token)
         _STATE.reset(token)
 
 
@@ -298,18 +332,22 @@ if TYPE_CHECKING:
         key: str | None
         prefix: str
         parent: str | None
+        code: Any = _INHERIT
 
 else:
     _ThunkFields = namedtuple(
-        "_ThunkFields", ("udf", "args", "kwargs", "queue", "priority", "key", "prefix", "parent")
+        "_ThunkFields",
+        ("udf", "args", "kwargs", "queue", "priority", "key", "prefix", "parent", "code"),
+        defaults=(_INHERIT,),
     )
 
 
 class Thunk(_ThunkFields):
     """A call captured but not sent: ``to_envelope()`` builds the Envelope, ``submit()`` sends it.
 
-    Immutable; fields ``udf, args, kwargs, queue, priority, key, prefix, parent`` (``parent`` is the
-    invocation the call was captured in, ``None`` outside one)."""
+    Immutable; fields ``udf, args, kwargs, queue, priority, key, prefix, parent, code`` (``parent`` is
+    the invocation the call was captured in, ``None`` outside one; ``code`` what the call ships: the
+    udf's ``code=``, else the innermost ``scope(code=...)`` at capture, else the process default)."""
 
     __slots__ = ()
 
@@ -321,23 +359,30 @@ class Thunk(_ThunkFields):
             cfg["prefix"] = self.prefix
         return cfg
 
-    def to_envelope(self) -> Envelope:
-        """The Envelope of this call (a fresh invocation id each time)."""
+    def to_envelope(self, dispatch: Plane | None = None) -> Envelope:
+        """The Envelope of this call (a fresh invocation id each time), with ``cfg["code"]`` when a
+        code archive ships (``dispatch``: the plane whose payload store takes a large one)."""
+        from dreamlake.lakeshore import codeship
         from dreamlake.lakeshore.envelope import Envelope, fn_for
 
+        code = self.code
+        if code == _INHERIT:
+            code = codeship.default_code()
+        record = codeship.code_record(self.udf, code, dispatch)
         return Envelope.create(
             fn_for(self.udf, self.udf.transport),
             self.args,
             self.kwargs,
             prefix=self.prefix,
             key=self.key,
+            cfg={"code": record} if record is not None else None,
             parent=self.parent,
         )
 
     def submit(self, dispatch: Plane | None = None) -> str:
         """Send the call; returns its invocation id (the existing one when ``key`` matched)."""
         plane = dispatch or self.udf.dispatch or get_default_dispatch()
-        envelope = self.to_envelope()
+        envelope = self.to_envelope(plane)
         inv = plane.submit(envelope.to_bytes(), self.queue, self.run_config(), self.parent)
         import logging
 
@@ -361,6 +406,7 @@ class UDF:
         timeout_s: float | None = None,
         max_attempts: int | None = None,
         dispatch: Plane | None = None,
+        code: Any = _INHERIT,
         **options: Any,
     ) -> None:
         if not callable(fn):
@@ -384,6 +430,7 @@ class UDF:
         self.priority = _check_priority(priority)
         self.key = _check_key(key)
         self.dispatch = dispatch
+        self.code = _check_code(code)  # "auto", None, paths, or _INHERIT: the scope's or the default
         self.options: dict[str, Any] = dict(options)
         if timeout_s is not None:
             self.options["timeout_s"] = float(timeout_s)
@@ -420,6 +467,7 @@ class UDF:
             key=_check_key(_key) if _key is not None else self.key,
             prefix=state.prefix,
             parent=state.id,
+            code=self.code if self.code != _INHERIT else _CODE.get(),
         )
 
     def submit(
@@ -453,13 +501,18 @@ if TYPE_CHECKING:
         timeout_s: float | None = ...,
         max_attempts: int | None = ...,
         dispatch: Plane | None = ...,
+        code: Any = ...,
         **options: Any,
     ) -> Callable[[Callable[..., Any]], UDF]: ...
 
 
 def udf(fn: Callable[..., Any] | None = None, /, **config: Any) -> Any:
     """``@dls.udf`` or ``@dls.udf(queue=..., transport=..., priority=..., key=..., timeout_s=...,
-    max_attempts=..., dispatch=..., **run_config)``: wrap a plain or generator function.
+    max_attempts=..., dispatch=..., code=..., **run_config)``: wrap a plain or generator function.
+
+    ``code`` is what a submitted call ships with it: ``"auto"`` (the default) the local,
+    non-installed package the function comes from, a list of paths those, ``None`` nothing (see
+    :mod:`dreamlake.lakeshore.codeship`).
 
     Extra keywords (``image``, ``resources``, ``network``, ...) ride in the Submit ``run_config``.
     """

@@ -577,6 +577,15 @@ def _unpickle(record: FnRecord, *, allow_pickled: bool, policy: str) -> Callable
     return obj  # type: ignore[no-any-return]
 
 
+def _shipped(module: Any) -> bool:
+    """Whether ``module`` was imported from a code archive shipped with the call (LAKESHORE_CODE_PATH)."""
+    import os
+
+    file = getattr(module, "__file__", None) or ""
+    dirs = [d for d in os.environ.get("LAKESHORE_CODE_PATH", "").split(os.pathsep) if d]
+    return any(file.startswith(d.rstrip(os.sep) + os.sep) for d in dirs)
+
+
 def _resolve_ref(record: FnRecord, *, policy: str) -> Callable[..., Any]:
     import importlib
 
@@ -606,6 +615,12 @@ def _resolve_ref(record: FnRecord, *, policy: str) -> Callable[..., Any]:
     if expected and policy != "off":
         local = _local_src_hash(obj, expected)
         if local is not None and local != expected:
+            if _shipped(module):
+                raise StaleSource(
+                    f"{module_name}.{qualname}: the code shipped with the call hashes to {local} but the "
+                    f"function the submitter had loaded to {expected}: the file changed after it was "
+                    "imported. Reload the module (importlib.reload, or restart the kernel) after editing it"
+                )
             raise StaleSource(
                 f"{module_name}.{qualname}: the worker's source hashes to {local} but the submitter's "
                 f"to {expected}, so the worker would run different code. Deploy the same code on both "

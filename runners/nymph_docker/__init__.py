@@ -15,6 +15,8 @@ The container::
     code_dirs    host directories of user code, read-only at the same path, on PYTHONPATH; with
                  mount_pythonpath (default) also the existing entries of the task's PYTHONPATH (the
                  operator's code on nymph's own PYTHONPATH, as the process runner sees it)
+    /opt/lakeshore/code/<sha256>   each code archive the call shipped (nymph's code cache),
+                 read-only, first on the import path (LAKESHORE_CODE_PATH; the entry puts it there)
     user         as_user mapped to uid:gid (users option, else the host's passwd); else the owner of
                  the workdir, so the bind-mounted workdir stays writable
     security     cap_drop ALL, no-new-privileges, never privileged, network "none" by default,
@@ -55,6 +57,8 @@ from nymph.runnerkit import (
     ENTRY_MODULE,
     SCRIPT_SHIM,
     WORKDIR_TARGET,
+    code_mounts,
+    code_path_env,
     handle_workdir,
     log_tail,
     option_list,
@@ -413,6 +417,9 @@ class DockerRunner:
             Mount(target=BUNDLE_TARGET, source=str(self._bundle_path()), type="bind", read_only=True),
         ]
         mounts += [Mount(target=d, source=d, type="bind", read_only=True) for d in code]
+        shipped = code_mounts(task)  # the code archives the call shipped, first on the import path
+        mounts += [Mount(target=target, source=host, type="bind", read_only=True) for host, target in shipped]
+        env.update(code_path_env(shipped))
         kwargs: dict[str, Any] = {
             "environment": env,
             "working_dir": WORKDIR_TARGET,

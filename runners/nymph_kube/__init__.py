@@ -53,7 +53,16 @@ from typing import Any, ClassVar, Literal
 from nymph import safeio
 from nymph.resources import parse_defaults, parse_resources
 from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, RunnerUnavailable, Task
-from nymph.runnerkit import handle_workdir, image_allowed, log_tail, option_list, option_mapping, task_name
+from nymph.runnerkit import (
+    code_mounts,
+    code_path_env,
+    handle_workdir,
+    image_allowed,
+    log_tail,
+    option_list,
+    option_mapping,
+    task_name,
+)
 from nymph_kube import api, podspec
 
 log = logging.getLogger(__name__)
@@ -210,6 +219,9 @@ class KubeRunner:
         uid, gid = podspec.run_as(task.as_user, self.users, workdir)
         env = {k: v for k, v in task.env.items() if k not in ("PYTHONPATH", "CUDA_VISIBLE_DEVICES")}
         env["PYTHONPATH"] = podspec.BUNDLE_TARGET
+        # the shipped code at the paths the pod sees (the entry puts them first on sys.path)
+        code = [(self._code_host_path(root, Path(host)), target) for host, target in code_mounts(task)]
+        env.update(code_path_env(code))
         name = task_name(task)
         worker = str(task.labels.get("nymph.worker", ""))
         manifest = podspec.pod_manifest(
@@ -229,10 +241,28 @@ class KubeRunner:
             },
             container_resources=res,
             shm_bytes=shm,
+            code_dirs=code,
         )
         if self.workdir_volume == "persistentVolumeClaim":
-            _use_claim(manifest, str(self.workdir_claim), workdir.name, f"{BUNDLE_DIR}/{bundle.name}")
+            subs = [self._code_sub_path(root, d) for d in task.code_dirs]
+            _use_claim(manifest, str(self.workdir_claim), workdir.name, f"{BUNDLE_DIR}/{bundle.name}", subs)
         return manifest
+
+    def _code_host_path(self, root: Path, code_dir: Path) -> str:
+        """The node path of a code cache directory: under the workdir root it moves with it."""
+        try:
+            return self._host_path(root, str(code_dir.relative_to(root)))
+        except ValueError:
+            return str(code_dir)  # a code_cache outside the workdir: nymph sees the node's path
+
+    def _code_sub_path(self, root: Path, code_dir: Path) -> str:
+        try:
+            return str(code_dir.relative_to(root))
+        except ValueError:
+            raise RunnerError(
+                f"kube runner: code cache {code_dir} is outside the workdir {root}, so the workdir claim "
+                "cannot carry it: leave code_cache unset (it defaults to {workdir}/.code)"
+            ) from None
 
     def limits(self, resources: Any, gpus: int = 0) -> tuple[dict[str, Any], int | None]:
         """The container's ``resources`` and the /dev/shm size for a task's ``run_config.resources``.
@@ -438,10 +468,14 @@ class KubeRunner:
             log.warning("cannot write %s: %s", workdir / "stdout.log", exc)
 
 
-def _use_claim(manifest: dict[str, Any], claim: str, sub_workdir: str, sub_bundle: str) -> None:
-    """Swap the hostPath volumes for one ReadWriteMany claim mounted twice with subPaths."""
+def _use_claim(
+    manifest: dict[str, Any], claim: str, sub_workdir: str, sub_bundle: str, sub_code: list[str] | None = None
+) -> None:
+    """Swap the hostPath volumes for one ReadWriteMany claim mounted with subPaths (the workdir, the
+    bundle, each code archive)."""
     spec = manifest["spec"]
-    spec["volumes"] = [v for v in spec["volumes"] if v["name"] not in ("workdir", "entry-bundle")]
+    code = {f"code-{n}": sub for n, sub in enumerate(sub_code or [])}
+    spec["volumes"] = [v for v in spec["volumes"] if v["name"] not in ("workdir", "entry-bundle", *code)]
     spec["volumes"].insert(0, {"name": "workdir", "persistentVolumeClaim": {"claimName": claim}})
     spec.pop("nodeName", None)
     for mount in spec["containers"][0]["volumeMounts"]:
@@ -449,6 +483,8 @@ def _use_claim(manifest: dict[str, Any], claim: str, sub_workdir: str, sub_bundl
             mount["subPath"] = sub_workdir
         elif mount["name"] == "entry-bundle":
             mount.update({"name": "workdir", "subPath": sub_bundle})
+        elif mount["name"] in code:
+            mount.update({"name": "workdir", "subPath": code[mount["name"]]})
 
 
 def _pod(handle: Handle) -> str:

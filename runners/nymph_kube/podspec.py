@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import pwd
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,8 +175,12 @@ def pod_manifest(
     annotations: Mapping[str, str],
     container_resources: Mapping[str, Any],
     shm_bytes: int | None,
+    code_dirs: Sequence[tuple[str, str]] = (),
 ) -> dict[str, Any]:
-    """The Pod: one container, the workdir and the bundle as hostPath volumes, locked down."""
+    """The Pod: one container, the workdir and the bundle as hostPath volumes, locked down.
+
+    ``code_dirs``: ``(node path, mount path)`` of each code archive the call shipped (nymph's code
+    cache), mounted read-only as volume ``code-<n>``."""
     volumes: list[dict[str, Any]] = [
         {"name": "workdir", "hostPath": {"path": host_workdir, "type": "Directory"}},
         {"name": "entry-bundle", "hostPath": {"path": host_bundle, "type": "File"}},
@@ -187,6 +191,9 @@ def pod_manifest(
         {"name": "entry-bundle", "mountPath": BUNDLE_TARGET, "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
+    for n, (host, target) in enumerate(code_dirs):
+        volumes.append({"name": f"code-{n}", "hostPath": {"path": host, "type": "Directory"}})
+        mounts.append({"name": f"code-{n}", "mountPath": target, "readOnly": True})
     if shm_bytes is not None:
         volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": str(shm_bytes)}})
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})

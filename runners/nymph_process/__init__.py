@@ -56,6 +56,11 @@ Options: ``python`` (the tasks' interpreter, default nymph's own), ``pythonpath`
 ``PYTHONPATH`` instead of nymph's own, a list; e.g. the entry bundle and the code's directory when
 the task user cannot read nymph's environment), ``prefork``, ``cgroup``.
 
+Code a call shipped (``Task.code_dirs``, nymph's code cache) reaches the task as
+``LAKESHORE_CODE_PATH``, a per-task variable like every ``LAKESHORE_*`` one: it is not part of a
+zygote's key, so one zygote serves every version, and the entry (in the forked child or the spawned
+process alike) puts the directories first on ``sys.path`` and ``PYTHONPATH``.
+
 Optional features (:class:`~nymph.runner.Capabilities`): ``reap_orphans`` (nymph is a child
 subreaper; the agent calls :meth:`ProcessRunner.reap_orphans`). ``close`` stops the zygotes.
 """

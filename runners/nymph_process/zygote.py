@@ -8,7 +8,9 @@ its own session (``setsid``, so the runner's ``killpg`` ladder works), cwd the w
 ``stdout.log`` / ``stderr.log``, signal handlers and mask reset, ``sys.path[0]`` the workdir; it runs
 the entry's ``main()``, then the interpreter's exit steps (non-daemon threads joined, atexit
 handlers, streams flushed) and ``os._exit``. User code is imported in the child only, so nothing a
-task does to ``sys.path``, ``sys.modules`` or ``os.environ`` reaches the next one.
+task does to ``sys.path``, ``sys.modules`` or ``os.environ`` reaches the next one: a code archive the
+call shipped (``LAKESHORE_CODE_PATH`` in the task's environment) goes first on the child's
+``sys.path`` in the entry, so each child imports its own version of the user's code fresh.
 
 Before anything else the child joins the task's cgroup (``cgroup``: a ``cgroup.procs`` path, when
 the runner has task cgroups), so every process the task starts is in it; last before the entry it

@@ -29,9 +29,11 @@ import pytest
 
 import dreamlake.lakeshore as dls
 from dreamlake.lakeshore import wire
+from dreamlake.lakeshore.envelope import Envelope
+from nymph.codecache import CodeCache, code_env
 from nymph.runner import Handle, Runner, Task
-from nymph.runnerkit import BUNDLE_TARGET
-from tests import nymph_fns
+from nymph.runnerkit import BUNDLE_TARGET, CODE_TARGET
+from tests import code_kit, nymph_fns
 from tests import runner_kit as kit
 from tests.conftest import ROOT, require
 
@@ -391,3 +393,73 @@ def test_setsid_descendants_die_with_the_task(
     assert runner.inspect(handle) in ("exited", "gone")
     if host_visible:
         assert _marked(marker) == []
+
+
+# --- code archives shipped with the call (issue 13) ------------------------------------------------
+
+
+def _ship(factory: kit.TaskFactory, cache: CodeCache, fn: Any, *args: Any) -> Task:
+    """A task of ``fn`` whose call ships its package (``code="auto"``), unpacked through nymph's
+    cache and handed to the runner as nymph's Job does (``Task.code_dirs`` + the env)."""
+    with dls.scope(code="auto"):
+        task = factory.task(fn, *args)
+    record = Envelope.from_bytes((task.workdir / "args.msgpack").read_bytes()).cfg["code"]
+    task.code_dirs = [cache.acquire(record)]
+    task.env.update(code_env(task.code_dirs))
+    return task
+
+
+def test_shipped_code_runs_first_on_the_import_path_two_versions_at_once(
+    runner: Runner, tmp_path: Path
+) -> None:
+    """A local package no worker has installed, shipped with the call: it runs from the archive,
+    ahead of a stale copy on the task's PYTHONPATH (whose src_hash the gate would refuse), an edit
+    runs on the next call without a restart, and two versions in flight each run their own."""
+    import json
+
+    name = code_kit.unique_name()
+    src, host = tmp_path / "src", tmp_path / "host"
+    code_kit.write_package(host, name, "stale host copy")  # what an old deployment left on the host
+    path = str(host) if runner.name in CONTAINER_RUNNERS else f"{host}{os.pathsep}{ROOT}"
+    root = tmp_path / "work"
+    root.mkdir()
+    factory = kit.TaskFactory(root, env_extra={"LAKESHORE_RUNTIME_POLICY": "minor", "PYTHONPATH": path})
+    cache = CodeCache(root / ".code")
+    try:
+        code_kit.write_package(src, name, "one")
+        # the call without its archive runs the host's stale copy, which the src_hash gate refuses
+        bare = factory.task(code_kit.load(src, name).which, "release")
+        _run(runner, bare, code=2)
+        err = json.loads((bare.workdir / "error.json").read_text())
+        assert err["type"] == "StaleSource", err
+        first = _ship(factory, cache, code_kit.load(src, name).which, "release")
+        h1 = factory.start(runner, first)
+        code_kit.write_package(src, name, "second")  # edited while the first version runs
+        second = _ship(factory, cache, code_kit.load(src, name).which, "release")
+        h2 = factory.start(runner, second)
+        kit.until(lambda: runner.inspect(h1) == "running" and runner.inspect(h2) == "running", "both to run")
+        assert runner.inspect(h1) == "running" and runner.inspect(h2) == "running"
+        for task in (first, second):
+            (task.workdir / "release").touch()
+        outs = []
+        for task, handle in ((first, h1), (second, h2)):
+            status = runner.wait(handle, LIMIT_S)
+            assert status is not None and status.exit_code == 0, (status, _error_text(task))
+            outs.append(kit.result(task))
+        assert [(o["version"], o["helper"]) for o in outs] == [
+            ("one", "one-helper"),
+            ("second", "second-helper"),
+        ]
+        for task, out in zip((first, second), outs, strict=True):
+            where = Path(CODE_TARGET) if runner.name in CONTAINER_RUNNERS else task.code_dirs[0].parent
+            shipped = where / task.code_dirs[0].name / name / "__init__.py"
+            assert out["file"] == str(shipped), out
+            assert out["sys_path0"].startswith(str(shipped.parent.parent)), out  # first, for subprocesses too
+        assert cache.fetches == 2
+        # the second version again: the cache hit, nothing unpacked, the same files run
+        again = _ship(factory, cache, code_kit.load(src, name).which)
+        assert again.code_dirs == second.code_dirs and cache.fetches == 2
+        _run(runner, again)
+        assert kit.result(again)["file"] == outs[1]["file"]
+    finally:
+        factory.destroy_all()

@@ -24,10 +24,12 @@ import pytest
 
 import dreamlake.lakeshore as dls
 from dreamlake.lakeshore import ids
+from dreamlake.lakeshore.envelope import Envelope
+from nymph.codecache import CodeCache, code_env
 from nymph.runner import Handle, Runner, RunnerError, RunnerUnavailable
-from nymph.runnerkit import task_name
+from nymph.runnerkit import CODE_TARGET, task_name
 from nymph_kube import KubeRunner, podspec
-from tests import docker_fns
+from tests import code_kit, docker_fns
 from tests import runner_kit as kit
 from tests.conftest import ROOT, require
 from tests.integration.kube_fake import KubeFake, wait_until
@@ -206,6 +208,27 @@ def test_script_command_and_persistent_volume_claim(
     assert mounts["/work/inv"]["subPath"] == task.invocation_id
     assert mounts["/opt/lakeshore/entry.zip"]["subPath"].startswith(".lakeshore-bundle/lakeshore-entry-")
     assert pod["metadata"]["annotations"]["nymph.script"] == "1"
+
+
+def test_a_shipped_code_archive_rides_the_workdir_claim(
+    make_runner: Callable[..., KubeRunner], started: TaskFactory
+) -> None:
+    runner = make_runner(workdir_volume="persistentVolumeClaim", workdir_claim="nymph-work")
+    task = started.task(docker_fns.noop)
+    sha = "a" * 64
+    task.code_dirs = [started.root.resolve() / ".code" / sha]
+    pod = runner.manifest(task, task.workdir.resolve(), "python:3.11-slim")
+    spec = pod["spec"]
+    assert not [v for v in spec["volumes"] if v["name"].startswith("code-")]  # no hostPath left
+    mounts = {m["mountPath"]: m for m in spec["containers"][0]["volumeMounts"]}
+    assert mounts[f"{CODE_TARGET}/{sha}"] == {
+        "name": "workdir",
+        "mountPath": f"{CODE_TARGET}/{sha}",
+        "readOnly": True,
+        "subPath": f".code/{sha}",
+    }
+    env = {e["name"]: e["value"] for e in spec["containers"][0]["env"]}
+    assert env["LAKESHORE_CODE_PATH"] == f"{CODE_TARGET}/{sha}"
 
 
 def test_refusals_before_anything_is_created(
@@ -453,3 +476,39 @@ def test_against_a_real_cluster(tmp_path: Path) -> None:
         assert "hello from a pod" in (task.workdir / "stdout.log").read_text()
     finally:
         runner.destroy(handle)
+
+
+def test_shipped_code_comes_through_the_hostpath_cache(
+    runner: KubeRunner, started: TaskFactory, fake: KubeFake, tmp_path: Path
+) -> None:
+    """A code archive the call shipped: nymph's cache under the workdir root, a read-only hostPath
+    volume at /opt/lakeshore/code/<sha256>, first on the pod's import path; an edit runs next call."""
+    name = code_kit.unique_name()
+    src = tmp_path / "src"
+    cache = CodeCache(started.root / ".code")
+    outs = []
+    for version in ("one", "second"):
+        code_kit.write_package(src, name, version)
+        with dls.scope(code="auto"):
+            task = started.task(code_kit.load(src, name).which)
+        record = Envelope.from_bytes((task.workdir / "args.msgpack").read_bytes()).cfg["code"]
+        task.code_dirs = [cache.acquire(record)]
+        task.env.update(code_env(task.code_dirs))
+        handle = started.start(runner, task)
+        status = runner.wait(handle, LIMIT_S)
+        assert status is not None and status.exit_code == 0, (
+            status,
+            (task.workdir / "stdout.log").read_text(),
+        )
+        outs.append((task, kit.result(task)))
+    assert [out["version"] for _, out in outs] == ["one", "second"]
+    for task, out in outs:  # the fake kubelet runs the pod on this host: the hostPath's own file
+        assert out["file"] == str(task.code_dirs[0] / name / "__init__.py"), out
+    pod = fake.calls("POST", "/pods")[-1].body
+    sha = outs[-1][0].code_dirs[0].name
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "code-0")
+    assert volume["hostPath"] == {"path": str(started.root / ".code" / sha), "type": "Directory"}
+    mount = next(m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "code-0")
+    assert mount == {"name": "code-0", "mountPath": f"{CODE_TARGET}/{sha}", "readOnly": True}
+    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    assert env["LAKESHORE_CODE_PATH"] == f"{CODE_TARGET}/{sha}"

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import os
 import pwd
+import stat
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import dreamlake.lakeshore as dls
 from dreamlake.lakeshore import wire
+from tests import code_kit
 from tests.security.nymph_stack import (  # noqa: F401  (fixtures)
     LIMIT_S,
     ControlPlane,
@@ -163,3 +167,40 @@ def test_a_container_runs_as_the_task_user_not_root(
     out = await_result(plane, inv)
     assert out["state"] == "succeeded", (out, n.output()[-3000:])
     assert list(wire.unpack(out["result_blob"])) == [task_user.pw_uid, task_user.pw_uid]
+
+
+def test_shipped_code_runs_as_the_task_user_and_allow_module_sees_every_shipped_module(
+    plane: ControlPlane,
+    root_nymph: Callable[..., RootNymph],
+    task_user: pwd.struct_passwd,
+    tmp_path: Path,
+) -> None:
+    """A code archive is unpacked by root nymph, read-only, for the task user to read; under
+    --allow-module every module the archive ships must be allowed, not just the function's."""
+    src = tmp_path / "src"
+    name, evil = code_kit.unique_name(), "evil_" + code_kit.unique_name()
+    code_kit.write_package(src, name, "one")
+    code_kit.write_package(src, evil, "evil")
+    which = code_kit.load(src, name).which
+    n = root_nymph("--allow-module", "lk_user_*")
+    try:
+        with dls.scope(code="auto"):
+            inv = submit(plane, which.thunk().to_envelope().to_bytes())
+        out = await_result(plane, inv)
+        assert out["state"] == "succeeded", (out, n.output()[-3000:])
+        shipped = Path(wire.unpack(out["result_blob"])["file"])
+        assert shipped.is_relative_to(n.workdir / ".code")
+        st = shipped.stat()
+        assert st.st_uid == 0 and stat.S_IMODE(st.st_mode) == 0o444  # the task user reads, never writes
+        assert stat.S_IMODE(shipped.parent.stat().st_mode) == 0o555
+        assert stat.S_IMODE((n.workdir / ".code").stat().st_mode) == 0o711  # not listable by tasks
+
+        smuggled = dls.udf(code=[str(src / name), str(src / evil)])(which.__wrapped__)
+        inv = submit(plane, smuggled.thunk().to_envelope().to_bytes())
+        out = await_result(plane, inv)
+        assert out["state"] == "failed", n.output()[-3000:]
+        assert out["error"]["type"] == "ModuleRefused"
+        assert f"ships code with module {evil!r}" in out["error"]["message"], out["error"]
+        assert _no_workdir(n, inv)
+    finally:
+        sys.path.remove(str(src))

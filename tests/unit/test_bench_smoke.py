@@ -15,6 +15,7 @@ from tests.conftest import ROOT
 
 CASES = {
     "backlog": ["--quick", "--reps", "3", "--backends", "sqlite-memory"],
+    "code_archives": ["--files", "5", "--reps", "3"],
     "control_plane": [
         "--producers",
         "2",

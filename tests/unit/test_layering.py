@@ -181,6 +181,7 @@ def test_no_upward_import(module: str) -> None:
 SERVER_SIDE = ("dreamlake.lakeshore.server",)
 CLIENT_SIDE = (
     "dreamlake.lakeshore.blobs",
+    "dreamlake.lakeshore.codeship",
     "dreamlake.lakeshore.dispatch.http",
     "dreamlake.lakeshore.decorator",
     "dreamlake.lakeshore.queue",

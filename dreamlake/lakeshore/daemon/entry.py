@@ -25,7 +25,11 @@ again on the callable it resolved to (its ``__module__``), so ``allowed_module:o
 reach ``os``.
 
 The function's module must be importable in this runtime: the runner puts the user's code on
-``PYTHONPATH`` (shipping a code archive is out of scope). Start-up is kept lean: no SDK, HTTP client,
+``PYTHONPATH``, and a code archive shipped with the call (``cfg["code"]``, unpacked by nymph into
+its cache) comes as ``LAKESHORE_CODE_PATH`` (directories, ``os.pathsep`` separated, as the task
+sees them): they go first on ``sys.path`` and on ``PYTHONPATH`` (for the processes the task
+starts) before anything is imported, so the gates (``--allow-module``, pickles, ``src_hash``) see
+the shipped code, not a copy the host has. Start-up is kept lean: no SDK, HTTP client,
 database or server imports, and cloudpickle only for a pickled function. This module is part of the
 entry bundle, so it must stay importable on Python 3.9 with only msgpack (and cloudpickle) present.
 """
@@ -50,6 +54,7 @@ ERROR_FILE = "error.json"
 FRAMES_FILE = "frames.msgpack"
 DELIVERED_FILE = "frames.delivered"
 WINDOW_ENV = "LAKESHORE_STREAM_WINDOW"
+CODE_PATH_ENV = "LAKESHORE_CODE_PATH"
 _PAUSE_MIN_S = 0.001
 _PAUSE_MAX_S = 0.02
 
@@ -308,8 +313,19 @@ def _check_module(module: str, qualname: str, patterns: List[str]) -> None:
         raise ModuleRefused(module_refusal(module, qualname, patterns))
 
 
+def _ship_code_path() -> None:
+    """Put the shipped code's directories (``LAKESHORE_CODE_PATH``) first on the import path."""
+    dirs = [d for d in os.environ.get(CODE_PATH_ENV, "").split(os.pathsep) if d]
+    if not dirs:
+        return
+    sys.path[:0] = dirs
+    rest = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = os.pathsep.join([*dirs, rest] if rest else dirs)
+
+
 def run() -> int:
     """Run the invocation in the current directory; returns the exit code."""
+    _ship_code_path()
     try:
         envelope, fn, args, kwargs = _load()
     except _Refused as refused:

@@ -1,0 +1,391 @@
+"""The code-archive cache: each archive a call ships (``cfg["code"]``) fetched once per sha256.
+
+``{code_cache}/<sha256>/`` holds one archive unpacked: the directory the task gets first on its
+import path (``LAKESHORE_CODE_PATH``, see :mod:`dreamlake.lakeshore.daemon.entry`). By default
+``code_cache`` is ``{workdir}/.code``: on the workdir's filesystem, so the Slurm job (a shared
+workdir) and the kube pod (the hostPath) see it at the same path, and never taken for an
+invocation's workdir (those are named by ULIDs).
+
+An archive is used only after its bytes hash to the sha256 the record names (a mismatch is
+``payload corrupt: sha256 mismatch (expected …, got …)``, seed 003's text, and the invocation is
+refused before anything runs); inline bytes are checked on a cache hit too, a ref is not fetched
+again. It is unpacked into a private staging directory and renamed into
+place, so a reader sees the whole tree or none of it, and two nymph threads (or processes)
+unpacking the same archive at once end with one copy. Every entry is checked first: relative,
+no ``..``, no absolute or drive path, a regular file or a directory (a symbolic link, a device or
+a FIFO in the archive refuses it), within :data:`MAX_ENTRIES` and :data:`MAX_UNPACKED_BYTES`
+(a zip bomb stops while it is read, whatever its headers claim). Files are written without
+following links, mode 0444 in directories 0555, owned by nymph: any task user can read them and
+no task can change the copy the next task runs.
+
+Pruning (:meth:`CodeCache.prune`, after each unpack): archives unused for ``max_age_s`` go, then
+the least recently used until the cache is under ``max_bytes``; an archive a running task holds
+(:meth:`CodeCache.acquire` / :meth:`CodeCache.release`) is never removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import stat
+import threading
+import time
+import zipfile
+import zlib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from nymph import observability as obs
+from nymph.errors import NymphError
+
+log = logging.getLogger(__name__)
+
+MAX_ENTRIES = 20_000
+MAX_FETCH_BYTES = 256 * 1024 * 1024  # an archive fetched by reference larger than this is refused
+MAX_UNPACKED_BYTES = 512 * 1024 * 1024
+DEFAULT_MAX_BYTES = 2 * 1024**3
+DEFAULT_MAX_AGE_S = 7 * 24 * 3600.0
+_STAGING = ".staging-"
+
+
+class CodeArchiveError(NymphError):
+    """An archive nymph will not use (corrupt, unsafe, unfetchable); the message says why."""
+
+
+Fetch = Callable[[Mapping[str, Any]], bytes]
+
+
+def _no_fetch(ref: Mapping[str, Any]) -> bytes:
+    raise CodeArchiveError(
+        "the code archive came by reference (cfg.code.ref) and this cache has no way to fetch it"
+    )
+
+
+def _is_sha256(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+class CodeCache:
+    """Archives unpacked under ``root``, one directory per sha256 (see the module docstring)."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_age_s: float = DEFAULT_MAX_AGE_S,
+        fetch: Fetch | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.max_age_s = max_age_s
+        self.fetch = fetch or _no_fetch
+        self._lock = threading.Lock()
+        self._unpacking: dict[str, threading.Lock] = {}
+        self._held: dict[str, int] = {}
+        self.fetches = 0  # archives fetched and unpacked by this process (the cache's misses)
+
+    def path_for(self, sha256: str) -> Path:
+        return self.root / sha256
+
+    def acquire(self, record: Mapping[str, Any], fetch: Fetch | None = None) -> Path:
+        """The unpacked directory of ``record`` (``cfg["code"]``), fetched (``fetch``: how a ref's
+        bytes are read, else the cache's) and unpacked if new; held until :meth:`release`.
+        :class:`CodeArchiveError` when it cannot be used."""
+        sha = record.get("sha256") if isinstance(record, Mapping) else None
+        if not _is_sha256(sha):
+            raise CodeArchiveError(f"cfg.code.sha256 must be 64 lowercase hex digits, got {sha!r}")
+        assert isinstance(sha, str)
+        with self._lock:
+            self._held[sha] = self._held.get(sha, 0) + 1
+            gate = self._unpacking.setdefault(sha, threading.Lock())
+        try:
+            with gate:
+                target = self.path_for(sha)
+                if target.is_dir():
+                    if record.get("inline") is not None:  # cheap to check: a tampered one is refused
+                        self._bytes(record, fetch or self.fetch)  # whether the cache has it or not
+                    _touch(target)
+                    obs.CODE_ARCHIVES.labels(result="hit").inc()
+                    return target
+                data = self._bytes(record, fetch or self.fetch)
+                self._unpack(sha, data, target)
+                self.fetches += 1
+        except BaseException as exc:
+            self.release(sha)
+            if isinstance(exc, CodeArchiveError):
+                obs.CODE_ARCHIVES.labels(result="refused").inc()
+            raise
+        obs.CODE_ARCHIVES.labels(result="fetched").inc()
+        self.prune()
+        return target
+
+    def hold(self, sha256: str) -> bool:
+        """Hold an archive already unpacked (a task a restarted nymph re-attached to runs from it);
+        False when it is not in the cache. :meth:`release` it as an acquired one."""
+        if not _is_sha256(sha256) or not self.path_for(sha256).is_dir():
+            return False
+        with self._lock:
+            self._held[sha256] = self._held.get(sha256, 0) + 1
+        return True
+
+    def release(self, sha256: str) -> None:
+        with self._lock:
+            left = self._held.get(sha256, 0) - 1
+            if left > 0:
+                self._held[sha256] = left
+            else:
+                self._held.pop(sha256, None)
+
+    def _bytes(self, record: Mapping[str, Any], fetch: Fetch) -> bytes:
+        inline, ref = record.get("inline"), record.get("ref")
+        if isinstance(inline, bytes | bytearray | memoryview):
+            data = bytes(inline)
+        elif ref is not None:
+            if not isinstance(ref, Mapping):
+                raise CodeArchiveError(f"cfg.code.ref must be a payload ref map, got {type(ref).__name__}")
+            data = fetch(ref)
+        else:
+            raise CodeArchiveError("cfg.code names neither 'inline' bytes nor a 'ref': re-submit the call")
+        expected = str(record["sha256"])
+        got = hashlib.sha256(data).hexdigest()
+        if got != expected:
+            raise CodeArchiveError(
+                f"code archive: payload corrupt: sha256 mismatch (expected {expected}, got {got})"
+            )
+        size = record.get("size")
+        if isinstance(size, int) and size != len(data):
+            raise CodeArchiveError(
+                f"code archive {expected}: {len(data)} bytes, but cfg.code.size says {size}"
+            )
+        return data
+
+    def _unpack(self, sha: str, data: bytes, target: Path) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o711)  # traversable by task users, not listable
+        staging = Path(self._mkdtemp(sha))
+        try:
+            _extract(data, staging)
+            _seal(staging)
+            try:
+                os.rename(staging, target)
+            except OSError:
+                if not target.is_dir():  # not a lost race: a real failure
+                    raise
+                _remove(staging)  # another process unpacked the same archive first
+        except BaseException:
+            if staging.exists():
+                _remove(staging)
+            raise
+
+    def _mkdtemp(self, sha: str) -> str:
+        import tempfile
+
+        return tempfile.mkdtemp(prefix=f"{_STAGING}{sha[:16]}-", dir=self.root)
+
+    def prune(self, now: float | None = None) -> list[str]:
+        """Remove archives unused for ``max_age_s``, then the least recently used over ``max_bytes``;
+        never one a task holds. Returns the sha256s removed."""
+        now = time.time() if now is None else now
+        try:
+            entries = [p for p in self.root.iterdir() if p.is_dir() and _is_sha256(p.name)]
+        except OSError:
+            return []
+        with self._lock:
+            held = set(self._held)
+        aged: list[tuple[float, int, Path]] = []
+        for path in entries:
+            try:
+                used = path.stat().st_mtime
+            except OSError:
+                continue
+            aged.append((used, _size(path), path))
+        aged.sort()
+        total = sum(size for _, size, _ in aged)
+        removed = []
+        for used, size, path in aged:
+            if path.name in held:
+                continue
+            if now - used > self.max_age_s or total > self.max_bytes:
+                _remove(path)
+                total -= size
+                removed.append(path.name)
+        for stale in self.root.glob(_STAGING + "*"):  # a staging directory left by a crash
+            try:
+                if now - stale.stat().st_mtime > 3600:
+                    _remove(stale)
+            except OSError:
+                pass
+        if removed:
+            log.info("code cache: pruned %d archive(s) from %s", len(removed), self.root)
+        return removed
+
+
+def _check_name(name: str) -> str:
+    if (
+        not name
+        or "\x00" in name
+        or "\\" in name
+        or name.startswith("/")
+        or (len(name) > 1 and name[1] == ":")
+    ):
+        raise CodeArchiveError(f"code archive refused: entry {name!r} is not a relative path")
+    parts = name.rstrip("/").split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise CodeArchiveError(f"code archive refused: entry {name!r} has an empty, '.' or '..' segment")
+    return "/".join(parts)
+
+
+def _extract(data: bytes, dest: Path) -> None:
+    """Unpack ``data`` under ``dest`` after checking every entry (see the module docstring)."""
+    import io
+
+    try:
+        zf = zipfile.ZipFile(io.BytesIO(data))
+    except zipfile.BadZipFile as exc:
+        raise CodeArchiveError(f"code archive refused: not a zip ({exc})") from exc
+    with zf:
+        infos = zf.infolist()
+        if len(infos) > MAX_ENTRIES:
+            raise CodeArchiveError(f"code archive refused: {len(infos)} entries, over {MAX_ENTRIES}")
+        for info in infos:
+            _check_name(info.filename)
+            kind_bits = stat.S_IFMT(info.external_attr >> 16)  # 0: a zip without unix modes
+            if kind_bits not in (0, stat.S_IFREG, stat.S_IFDIR):
+                kind = "a symbolic link" if kind_bits == stat.S_IFLNK else "not a regular file"
+                raise CodeArchiveError(f"code archive refused: entry {info.filename!r} is {kind}")
+        written = 0
+        dest_fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for info in infos:
+                name = _check_name(info.filename)
+                parts = name.split("/")
+                if info.is_dir():
+                    _makedirs(dest_fd, parts)
+                    continue
+                parent = _makedirs(dest_fd, parts[:-1])
+                try:
+                    fd = os.open(
+                        parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=parent
+                    )
+                except FileExistsError:
+                    raise CodeArchiveError(
+                        f"code archive refused: entry {info.filename!r} appears twice"
+                    ) from None
+                finally:
+                    if parent != dest_fd:
+                        os.close(parent)
+                with os.fdopen(fd, "wb") as out, zf.open(info) as src:
+                    while chunk := src.read(1 << 20):
+                        written += len(chunk)
+                        if written > MAX_UNPACKED_BYTES:
+                            raise CodeArchiveError(
+                                f"code archive refused: over {MAX_UNPACKED_BYTES} bytes unpacked"
+                            )
+                        out.write(chunk)
+        except (zipfile.BadZipFile, zlib.error) as exc:
+            raise CodeArchiveError(f"code archive refused: {exc}") from exc
+        finally:
+            os.close(dest_fd)
+
+
+def _makedirs(dest_fd: int, parts: list[str]) -> int:
+    """The fd of ``parts`` under ``dest_fd``, created as needed, never through a link."""
+    fd = dest_fd
+    for part in parts:
+        try:
+            os.mkdir(part, 0o700, dir_fd=fd)
+        except FileExistsError:
+            pass
+        nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+        if fd != dest_fd:
+            os.close(fd)
+        fd = nxt
+    return fd
+
+
+def _seal(root: Path) -> None:
+    """Files 0444 and directories 0555: readable by any task user, written by none."""
+    for here, _dirs, files in os.walk(root):
+        for name in files:
+            os.chmod(os.path.join(here, name), 0o444, follow_symlinks=False)
+        os.chmod(here, 0o555)
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:  # read-only: the age rule then counts from the unpack
+        pass
+
+
+def _size(path: Path) -> int:
+    total = 0
+    for here, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(here, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _remove(path: Path) -> None:
+    for here, dirs, _ in os.walk(path):
+        for name in dirs:
+            try:
+                os.chmod(os.path.join(here, name), 0o700, follow_symlinks=False)
+            except OSError:
+                pass
+    try:
+        os.chmod(path, 0o700)
+    except OSError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def shipped_modules(path: Path) -> list[str]:
+    """Every module an unpacked archive makes importable (``pkg``, ``pkg.sub``, ``tool``), sorted:
+    what ``--allow-module`` must allow before the archive goes on a task's import path."""
+    import importlib.machinery
+
+    suffixes = tuple(importlib.machinery.all_suffixes())
+    found = set()
+    for here, _dirs, files in os.walk(path):
+        rel = Path(here).relative_to(path).parts
+        for name in files:
+            suffix = next((s for s in suffixes if name.endswith(s)), None)
+            if suffix is None:
+                continue
+            stem = name[: -len(suffix)].partition(".")[0]  # mod.cpython-311-x86_64-linux-gnu.so -> mod
+            found.add(".".join(rel if stem == "__init__" else (*rel, stem)))
+    return sorted(m for m in found if m)
+
+
+def code_env(dirs: list[Path]) -> dict[str, str]:
+    """The task's ``LAKESHORE_CODE_PATH`` for the unpacked archives ``dirs`` (nymph's paths; a
+    container runner rewrites it to where it mounts them); empty when nothing shipped."""
+    from dreamlake.lakeshore.daemon.entry import CODE_PATH_ENV
+
+    return {CODE_PATH_ENV: os.pathsep.join(str(d) for d in dirs)} if dirs else {}
+
+
+_SHARED: dict[Path, CodeCache] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared(
+    root: Path, *, max_bytes: int = DEFAULT_MAX_BYTES, max_age_s: float = DEFAULT_MAX_AGE_S
+) -> CodeCache:
+    """The one cache of this process for ``root`` (every job of a nymph shares it: one fetch per sha256)."""
+    key = Path(os.path.abspath(root))
+    with _SHARED_LOCK:
+        cache = _SHARED.get(key)
+        if cache is None:
+            cache = _SHARED[key] = CodeCache(key, max_bytes=max_bytes, max_age_s=max_age_s)
+        else:
+            cache.max_bytes, cache.max_age_s = max_bytes, max_age_s
+        return cache
