@@ -21,3 +21,28 @@ def blobs(n: int, size: int) -> Iterator[bytes]:
     """Yield ``n`` values of ``size`` bytes (bench/streams.py)."""
     for i in range(n):
         yield bytes([i % 256]) * size
+
+
+def say(lines: int, pause_s: float) -> int:
+    """Print ``lines`` lines ``"<i> <wall clock>"``, ``pause_s`` apart (bench/logs.py: print-to-reader latency)."""
+    for i in range(lines):
+        print(f"{i} {time.time():.6f}")
+        time.sleep(pause_s)
+    return lines
+
+
+def shout(lines: int, width: int) -> float:
+    """Print ``lines`` lines of ``width`` bytes as fast as possible; returns the seconds it took."""
+    line = "x" * (width - 1)
+    start = time.perf_counter()
+    for _ in range(lines):
+        print(line)
+    return time.perf_counter() - start
+
+
+def noisy_ticks(n: int, lines: int) -> Iterator[dict[str, float]]:
+    """:func:`ticks`, printing ``lines`` lines before each value (a flood of prints beside a stream)."""
+    for i in range(n):
+        for j in range(lines):
+            print(f"value {i} line {j}")
+        yield {"i": i, "t": time.time()}

@@ -2,9 +2,9 @@
 
 Starts ``lakeshore server`` (embedded SQLite in a temporary data directory) and ``nymph start
 --runner process`` as real processes on loopback (their logs go to files in that directory), submits
-a plain call, a generator that streams live, and a failing call, prints what comes back, and shows
-what an operator sees with ``lakeshore queues`` and ``lakeshore ls``. Everything is torn down at
-the end.
+a plain call, a generator that streams live, a function whose prints are read live, and a failing
+call, prints what comes back, and shows what an operator sees with ``lakeshore queues`` and
+``lakeshore ls``. Everything is torn down at the end.
 """
 
 from __future__ import annotations
@@ -51,6 +51,13 @@ def main() -> int:
             lag_ms = (time.time() - frame["at"]) * 1000
             print(f"   frame {frame['left']}   (yield to consumer: {lag_ms:.0f} ms)")
         print(f"   stream ended at END; the generator returned {q.result(inv, timeout=30)!r}")
+
+        print("\n-- what a function prints, read live while it runs: chatter(4)")
+        inv = workload.chatter.submit(4, 0.2, _dispatch=plane)
+        for chunk in q.logs(inv, follow=True):
+            for line in chunk.text.splitlines():
+                print(f"   [{chunk.stream}] {line}")
+        print(f"   it returned {q.result(inv, timeout=30)!r}; `lakeshore logs {inv}` prints it again")
 
         print("\n-- a failure: explode(-1)")
         inv = workload.explode.submit(-1, _dispatch=plane)

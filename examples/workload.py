@@ -27,6 +27,19 @@ def countdown(n: int, pause_s: float = 0.3):  # type: ignore[no-untyped-def]
 
 
 @dls.udf(queue="demo")
+def chatter(lines: int, pause_s: float = 0.3) -> int:
+    """Print as it works: its output reaches ``lakeshore logs -f``, ``q.logs()`` and the dashboard live."""
+    import sys
+
+    for i in range(1, lines + 1):
+        print(f"step {i} of {lines}")
+        if i % 3 == 0:
+            print(f"step {i}: a warning on stderr", file=sys.stderr)
+        time.sleep(pause_s)
+    return lines
+
+
+@dls.udf(queue="demo")
 def explode(x: int) -> int:
     return _check(x)
 

@@ -98,6 +98,11 @@ def _options(fn: Any) -> Any:
         click.option("--stream-batch-frames", type=int, help="Frames per request at most."),
         click.option("--stream-batch-bytes", type=int, help="Bytes per request at most."),
         click.option(
+            "--stream-log-max-bytes",
+            type=int,
+            help="stdout + stderr streamed per attempt (default 16 MiB); past it one line says truncated.",
+        ),
+        click.option(
             "--min-free-mb",
             type=int,
             help="No claims while the workdir's or state dir's filesystem has less free (default 100).",

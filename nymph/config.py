@@ -81,6 +81,8 @@ class NymphConfig:
     stream_max_bytes: int = 1024 * 1024 * 1024
     stream_batch_frames: int = 1000
     stream_batch_bytes: int = 1024 * 1024
+    # stdout + stderr streamed per attempt as LOG frames; past it one "truncated" line, the rest dropped
+    stream_log_max_bytes: int = 16 * 1024 * 1024
     stream_inotify: bool = True
     stream_poll_s: float = 0.05
     # full disks (docs/nymph.md "Full disks"): no claim while the workdir's or the state dir's
@@ -114,6 +116,7 @@ class NymphConfig:
             max_bytes=self.stream_max_bytes,
             batch_frames=self.stream_batch_frames,
             batch_bytes=self.stream_batch_bytes,
+            log_max_bytes=self.stream_log_max_bytes,
             inotify=self.stream_inotify,
             poll_s=self.stream_poll_s,
         )
@@ -133,6 +136,7 @@ _STREAM_INTS = frozenset(
         "stream_max_bytes",
         "stream_batch_frames",
         "stream_batch_bytes",
+        "stream_log_max_bytes",
         "min_free_mb",
     )
 )

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 from dreamlake.lakeshore import blobs, wire
 from dreamlake.lakeshore.client import retrying
-from dreamlake.lakeshore.daemon.entry import ALLOW_MODULES_ENV, module_allowed, module_refusal
+from dreamlake.lakeshore.daemon.entry import ALLOW_MODULES_ENV, CAPTURE_ENV, module_allowed, module_refusal
 from dreamlake.lakeshore.envelope import Envelope, is_pickled
 from dreamlake.lakeshore.errors import LakeshoreError, PayloadCorrupt
 from nymph import codecache, taskuser
@@ -291,6 +291,10 @@ class Job(SupervisedJob[wd.Outcome]):
             "LAKESHORE_RUNTIME_POLICY": cfg.runtime_policy,
             "LAKESHORE_INVOCATION_ID": self.invocation_id,
             WINDOW_ENV: cfg.stream_limits.env,
+            # the entry appends its fd 1/2 to the workdir's logs (every runner: the pump streams
+            # them live as LOG frames); Python processes the task starts write through too
+            CAPTURE_ENV: "1",
+            "PYTHONUNBUFFERED": "1",
         }
         token = self.body.get("task_token")
         if isinstance(token, str) and token:

@@ -188,6 +188,16 @@ STREAM_PAUSED = Counter(
 STREAM_FRAMES_SENT = Counter(
     "nymph_stream_frames_sent", "Stream frames confirmed by the control plane.", registry=REGISTRY
 )
+OUTPUT_BYTES_SENT = Counter(
+    "nymph_output_bytes_sent",
+    "Bytes of tasks' stdout/stderr delivered as LOG frames (confirmed, or left in the outbox to send).",
+    registry=REGISTRY,
+)
+OUTPUT_TRUNCATED = Counter(
+    "nymph_output_truncated",
+    "Attempts whose output passed stream_log_max_bytes (the rest was not sent).",
+    registry=REGISTRY,
+)
 
 
 def bind_outbox(outbox: Any) -> None:

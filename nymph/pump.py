@@ -2,9 +2,27 @@
 with flow control back to the task.
 
 A :class:`Pump` is the frame source of one invocation's lane in the outbox (:mod:`nymph.outbox`).
-For a Python invocation it reads the entry's journal (``frames.msgpack``) from where delivery
-stopped; for a ``script`` run it turns new bytes of ``stdout.log`` / ``stderr.log`` into LOG frames
-(kind 4, meta ``{"stream": ..., "ts": ...}``). The outbox's sender asks it for a batch
+It turns new bytes of ``stdout.log`` / ``stderr.log`` (every invocation's output: the runner or
+the entry appends fd 1/2 there, see :func:`dreamlake.lakeshore.daemon.entry.capture_output`) into
+LOG frames (kind 4, meta ``{"stream": ..., "ts": ...}``), and for a Python invocation it reads the
+entry's journal (``frames.msgpack``) from where delivery stopped.
+
+One stream, one seq space. The control plane journals an invocation's frames under consecutive
+seqs, so the pump numbers what it sends: LOG frames take the next seqs as they are read, and each
+journal frame is renumbered (its header rewritten, the rest of its bytes kept) to follow them; the
+entry's own seqs stay the journal's (``frames.delivered`` speaks of those). The order between the
+two is the order the pump reads them (a batch takes the output written so far, then the journal),
+not the exact order the task wrote them. The journal's final frame (END or ERROR) is held until the
+task ended and its output was read, so no LOG frame comes after it. While journal frames wait, the
+output takes at most half a batch: a flood of prints never starves the values.
+
+Output is bounded: a task's output past ``log_max_bytes`` (per attempt) is not sent. When the cap is
+hit, one last LOG frame on ``stderr`` (meta ``truncated: true``) says so, and the rest is skipped
+while the task runs on. The cap counts bytes taken, so the output never counts toward
+``max_bytes`` beyond it. Output already taken (or skipped) is punched out of the log files (but
+their last 64 KiB), so a task that prints without end does not fill nymph's disk either.
+
+The outbox's sender asks the pump for a batch
 (:meth:`Pump.take`: every complete frame that built up since the last request, up to
 ``batch_frames`` / ``batch_bytes``; the first frame goes alone, at once) and posts it to
 ``/v1/daemon/result-chunks``; a batch is taken again, identical, until the control plane confirmed
@@ -20,9 +38,10 @@ while its undelivered frames reach the window and resumes when this file says th
 :mod:`dreamlake.lakeshore.daemon.entry`). That works on every runner: the workdir is all the task
 shares with nymph. The delivered prefix of the journal is released with
 ``fallocate(PUNCH_HOLE)`` where the filesystem supports it, so the journal's disk use stays near
-the window. Undelivered bytes beyond ``max_bytes`` (a task that ignores the window, a script that
-logs faster than delivery while the control plane is away) call ``on_overflow`` once: the job
-stops the task and fails it with ``StreamOverflow``; nothing is dropped silently.
+the window. Undelivered journal bytes beyond ``max_bytes`` (a task that ignores the window, e.g.
+one writing the journal itself) call ``on_overflow`` once: the job stops the task and fails it with
+``StreamOverflow``; no frame is dropped silently. Output never does that: past its cap it is cut
+with a line that says so.
 
 The workdir is the task's: every file in it is opened through :mod:`nymph.safeio` (no link
 followed, only the task's or nymph's own regular files).
@@ -66,10 +85,13 @@ log = logging.getLogger(__name__)
 STATE = "pump.json"
 WATERMARK = "frames.delivered"
 WINDOW_ENV = "LAKESHORE_STREAM_WINDOW"
+MiB = 1024 * 1024
 _LOG_READ = 64 * 1024
+PARTIAL_HOLD_S = 0.1  # a line without its newline yet waits this long (after the last write) for it
+LOG_PUNCH_STEP = MiB  # taken output is released from the logs' disk in steps of this much
+LOG_TAIL_KEEP = 64 * 1024  # ... but for their last bytes
 _READ = 256 * 1024
 _PAGE = 4096
-MiB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -81,11 +103,19 @@ class StreamLimits:
     max_bytes: int = 1024 * MiB  # undelivered bytes on disk that fail the invocation (hard cap)
     batch_frames: int = 1000  # frames per request at most
     batch_bytes: int = MiB  # bytes per request at most (one larger frame goes alone)
+    log_max_bytes: int = 16 * MiB  # stdout + stderr sent per attempt; past it, one "truncated" line
     inotify: bool = True  # False: poll every poll_s (a workdir written from other hosts)
     poll_s: float = 0.05
 
     def __post_init__(self) -> None:
-        for name in ("window_frames", "window_bytes", "max_bytes", "batch_frames", "batch_bytes"):
+        for name in (
+            "window_frames",
+            "window_bytes",
+            "max_bytes",
+            "batch_frames",
+            "batch_bytes",
+            "log_max_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"stream_{name} must be >= 1, got {getattr(self, name)}")
         if self.window_bytes >= self.max_bytes:
@@ -111,6 +141,10 @@ class Batch:
     last_seq: int
     final: bool
     end: dict[str, int] = field(default_factory=dict)  # file -> offset just past the batch
+    journal_seq: int | None = None  # the entry's seq of the batch's last journal frame
+    log_bytes: int = 0  # output bytes taken into the batch (toward log_max_bytes)
+    truncated: bool = False  # the batch carries the "output truncated" line
+    log_frames: int = 0  # how many of the frames are LOG frames read from the output (they come first)
 
     @property
     def nbytes(self) -> int:
@@ -180,6 +214,11 @@ class Pump:
         self._lock = threading.Condition()
         state = self._load_state()
         self.delivered_seq: int = int(state.get("sent_seq", -1))  # last seq the control plane confirmed
+        # the entry's seq of the last journal frame confirmed (a state from before LOG frames of
+        # Python invocations: the two seq spaces were one)
+        self._journal_seq: int = int(state.get("journal_seq", self.delivered_seq))
+        self._log_bytes: int = int(state.get("log_bytes", 0))  # output sent, toward log_max_bytes
+        self._truncated: bool = bool(state.get("truncated", False))  # the cap was hit, said so
         self.final_sent: bool = bool(state.get("final", False))
         self._offsets: dict[str, int] = {  # delivered up to here, per file
             FRAMES: int(state.get(FRAMES, 0)),
@@ -197,6 +236,8 @@ class Pump:
         self._fd: int | None = None
         self._punched = 0
         self._punch_ok = True
+        self._log_punched: dict[str, int] = {}  # output released (punched out) up to here, per file
+        self._log_punch_ok = True
         self._final_seen = self.final_sent
         self._broken = False
         # lifecycle
@@ -223,6 +264,8 @@ class Pump:
         with self._lock:
             if not self._halted:
                 self._check_window()
+                if self._truncated:  # past the cap the output is skipped: keep its disk use bounded
+                    self._release_logs()
         self._outbox.wake()
 
     def stop(self) -> None:
@@ -279,11 +322,7 @@ class Pump:
             self._ended = True
             while (batch := self._next_batch()) is not None:
                 batches.append(batch.frames)
-                self._offsets.update(batch.end)  # in memory only: pump.json keeps what was confirmed
-                self.delivered_seq = batch.last_seq
-                self.final_sent = self.final_sent or batch.final
-                while self._entries and self._entries[0].seq <= batch.last_seq:
-                    self._entries.popleft()
+                self._advance(batch)  # in memory only: pump.json keeps what was confirmed
                 if batch.final:
                     self._tail = None
                     break
@@ -306,10 +345,7 @@ class Pump:
         """Whether the stream has any frame (delivered or in the journal)."""
         if self._script or self.delivered_seq >= 0 or self._entries:
             return True
-        try:
-            return os.lstat(self.workdir / FRAMES).st_size > 0
-        except OSError:
-            return False
+        return any(self._size(name) > 0 for name in (FRAMES, STDOUT, STDERR))
 
     # --- the sender's side ------------------------------------------------------------------------
 
@@ -329,21 +365,32 @@ class Pump:
             if batch is not self._inflight:
                 return
             self._inflight = None
-            self.delivered_seq = batch.last_seq
-            self.final_sent = self.final_sent or batch.final
-            self._offsets.update(batch.end)
-            if not self._script:
-                while self._entries and self._entries[0].seq <= batch.last_seq:
-                    self._entries.popleft()
-            if batch.final:
-                self._tail = None
+            self._advance(batch)
             self._save_state()
+            self._release_logs()
             if not self._script:
                 self._write_watermark()
                 self._release()
             self._lock.notify_all()
         if self.done:
             self._detach()
+
+    def _advance(self, batch: Batch) -> None:
+        """Delivery now stands past ``batch`` (confirmed, or spilled to the outbox)."""
+        self.delivered_seq = batch.last_seq
+        self.final_sent = self.final_sent or batch.final
+        self._offsets.update(batch.end)
+        self._log_bytes += batch.log_bytes
+        self._truncated = self._truncated or batch.truncated
+        obs.OUTPUT_BYTES_SENT.inc(batch.log_bytes)
+        if batch.truncated:
+            obs.OUTPUT_TRUNCATED.inc()
+        if batch.journal_seq is not None:
+            self._journal_seq = batch.journal_seq
+            while self._entries and self._entries[0].seq <= batch.journal_seq:
+                self._entries.popleft()
+        if batch.final:
+            self._tail = None
 
     def refuse(self, reason: str) -> None:
         """The control plane refused the stream for good (superseded, unknown, out of order)."""
@@ -357,35 +404,62 @@ class Pump:
         """``(frames, bytes)`` not yet confirmed: the frames read from the journal (for a script,
         the batch in flight) and the bytes on disk past the delivered offset."""
         with self._lock:
-            frames = len(self._inflight.frames) if self._script and self._inflight else len(self._entries)
+            frames = len(self._entries) + (self._inflight.log_frames if self._inflight else 0)
             return frames, self._undelivered_bytes()
 
     # --- reading ----------------------------------------------------------------------------------
 
     def _next_batch(self) -> Batch | None:
-        if self._script:
-            batch = self._log_batch()
-        else:
+        if self.final_sent:  # the stream is closed: nothing goes after its END or ERROR
+            return None
+        if not self._script:
             self._read_journal()
-            batch = self._journal_batch()
-        if batch is None and self._ended and self._tail is not None and self._drained_files():
+        limits = self.limits
+        frames: list[bytes] = []
+        end: dict[str, int] = {}
+        # output first (what the task printed before the frames it yielded, mostly), but only half
+        # a batch of it while journal frames wait
+        share = 2 if self._entries else 1
+        size, log_bytes, truncated = self._log_frames(
+            frames, end, max(1, limits.batch_frames // share), max(1, limits.batch_bytes // share)
+        )
+        journal_seq = None
+        final = False
+        log_frames = len(frames)
+        if self._entries:
+            shift = self.delivered_seq + 1 + len(frames) - self._entries[0].seq
+            taken = self._journal_frames(frames, end, size, shift)
+            if taken is not None:
+                journal_seq, final = taken
+        if frames:
+            first = self.delivered_seq + 1
+            last = first + len(frames) - 1
+            return Batch(frames, first, last, final, end, journal_seq, log_bytes, truncated, log_frames)
+        if self._ended and self._tail is not None and self._drained_files():
             kind, body = self._tail
             if not self.final_sent and not self._final_seen:
-                seq = self._last_seq() + 1
+                seq = self.delivered_seq + 1
                 data = wire.encode_frame(kind, seq, body, {"ts": time.time()})
-                batch = Batch([data], seq, seq, True, {})
-            else:
-                self._tail = None
-        return batch
+                return Batch([data], seq, seq, True, {})
+            self._tail = None
+        return None
 
     def _last_seq(self) -> int:
-        return self._entries[-1].seq if self._entries else self.delivered_seq
+        """The entry's seq of the last journal frame read."""
+        return self._entries[-1].seq if self._entries else self._journal_seq
+
+    def _logs_drained(self, end: dict[str, int] | None = None) -> bool:
+        """Every byte of output was taken (delivered, or in a batch whose offsets ``end`` holds)."""
+        if self._truncated:
+            return True
+        at = end or {}
+        return all(self._size(name) <= at.get(name, self._offsets[name]) for name in (STDOUT, STDERR))
 
     def _drained_files(self) -> bool:
-        """Every byte written to the journal (or logs) was turned into frames."""
+        """Every byte written to the journal and the logs was turned into frames."""
         if self._script:
-            return all(self._size(name) <= self._offsets[name] for name in (STDOUT, STDERR))
-        return self._broken or self._size(FRAMES) <= self._parsed_off
+            return self._logs_drained()
+        return self._logs_drained() and (self._broken or self._size(FRAMES) <= self._parsed_off)
 
     def _size(self, name: str) -> int:
         try:
@@ -461,66 +535,129 @@ class Pump:
         del self._raw[: self._parsed_off - self._raw_off]
         self._raw_off = self._parsed_off
 
-    def _journal_batch(self) -> Batch | None:
-        if not self._entries or self._fd is None:
+    def _journal_frames(
+        self, frames: list[bytes], end: dict[str, int], size: int, shift: int
+    ) -> tuple[int, bool] | None:
+        """Append the next journal frames to ``frames`` (renumbered by ``shift``) within the batch
+        limits; ``(the entry's seq of the last one, whether it is final)``, None when none fit.
+        The final frame waits until the task ended and its output is all in frames."""
+        if self._fd is None:
             return None
         limits = self.limits
         first = self._entries[0]
         taken: list[_Entry] = []
         for entry in self._entries:
-            if taken and (len(taken) >= limits.batch_frames or entry.end - first.start > limits.batch_bytes):
+            if (frames or taken) and (
+                len(frames) + len(taken) >= limits.batch_frames
+                or size + entry.end - first.start > limits.batch_bytes
+            ):
+                break
+            if entry.final and not (self._ended and self._logs_drained(end)):
                 break
             taken.append(entry)
             if entry.final:
                 break
+        if not taken:
+            return None
         last = taken[-1]
         data = os.pread(self._fd, last.end - first.start, first.start)
         if len(data) != last.end - first.start:
             raise OSError(f"journal of {self.invocation_id} shrank under the pump")
         view = memoryview(data)
-        frames = [bytes(view[e.start - first.start : e.end - first.start]) for e in taken]
-        return Batch(frames, first.seq, last.seq, last.final, {FRAMES: last.end})
+        for e in taken:
+            frame = view[e.start - first.start : e.end - first.start]
+            frames.append(bytes(frame) if shift == 0 else _renumbered(frame, e.seq + shift))
+        end[FRAMES] = last.end
+        return last.seq, last.final
 
-    def _log_batch(self) -> Batch | None:
-        limits = self.limits
-        frames: list[bytes] = []
-        end: dict[str, int] = {}
-        size = 0
-        seq = self.delivered_seq
+    def _log_frames(
+        self, frames: list[bytes], end: dict[str, int], max_frames: int, max_bytes: int
+    ) -> tuple[int, int, bool]:
+        """Append LOG frames of the output not yet taken (the next seqs) to ``frames``, within
+        ``max_frames`` / ``max_bytes`` and the cap; ``(their encoded size, the output bytes they
+        carry, whether the "truncated" line is among them)``. Past the cap, output is skipped."""
+        size = taken = 0
+        seq = self.delivered_seq + len(frames)
+        budget = self.limits.log_max_bytes - self._log_bytes
+        truncated = self._truncated
         for name, stream in ((STDOUT, "stdout"), (STDERR, "stderr")):
             offset = self._offsets[name]
-            while len(frames) < limits.batch_frames and size < limits.batch_bytes:
+            if truncated:  # past the cap: what the task writes is skipped, not kept on our side
+                end[name] = max(offset, self._size(name))
+                continue
+            while len(frames) < max_frames and size < max_bytes:
                 fh = safeio.open_output(self.workdir, name)  # never through a link the task planted
                 if fh is None:
                     break
+                room = max(0, budget - taken)
                 with fh:
                     fh.seek(offset)
-                    data = fh.read(_LOG_READ)
+                    data = fh.read(min(_LOG_READ, room + 1))  # one byte past the room: is there more?
+                    fresh = time.time() - os.fstat(fh.fileno()).st_mtime < PARTIAL_HOLD_S
                 if not data:
                     break
-                offset += len(data)
-                seq += 1
-                meta = {"stream": stream, "ts": time.time()}
-                frame = wire.encode_frame(wire.FRAME_LOG, seq, data, meta)
-                frames.append(frame)
-                size += len(frame)
+                if len(data) > room:  # the cap: keep what fits, say so, skip the rest
+                    data = data[:room]
+                    truncated = True
+                elif not self._ended and not data.endswith(b"\n"):
+                    # whole lines where there are some: the rest of a line being written (an
+                    # unbuffered print writes the text, then the newline) waits a moment for it
+                    cut = data.rfind(b"\n") + 1
+                    if cut:
+                        data = data[:cut]
+                    elif fresh and len(data) < _LOG_READ:
+                        break  # a partial line written just now: the next wake-up or tick takes it
+                if data:
+                    offset += len(data)
+                    taken += len(data)
+                    seq += 1
+                    frame = wire.encode_frame(
+                        wire.FRAME_LOG, seq, data, {"stream": stream, "ts": time.time()}
+                    )
+                    frames.append(frame)
+                    size += len(frame)
+                if truncated:
+                    break
             end[name] = offset
-        if not frames:
-            return None
-        return Batch(frames, self.delivered_seq + 1, seq, False, end)
+            if truncated:
+                break
+        if truncated and not self._truncated:
+            for name in (STDOUT, STDERR):
+                end[name] = max(end.get(name, self._offsets[name]), self._size(name))
+            seq += 1
+            note = (
+                f"[lakeshore] output truncated: this attempt wrote more than log_max_bytes="
+                f"{self.limits.log_max_bytes} bytes of stdout/stderr; the rest is not kept (the "
+                "function keeps running; raise nymph's stream_log_max_bytes to keep more)\n"
+            ).encode()
+            meta = {"stream": "stderr", "ts": time.time(), "truncated": True}
+            frame = wire.encode_frame(wire.FRAME_LOG, seq, note, meta)
+            frames.append(frame)
+            size += len(frame)
+        return size, taken, truncated and not self._truncated
 
     # --- flow control -----------------------------------------------------------------------------
 
     def _undelivered_bytes(self) -> int:
+        """Bytes on disk not yet delivered: the journal's, and the output's up to its cap."""
+        return self._undelivered_output() + self._undelivered_journal()
+
+    def _undelivered_output(self) -> int:
+        if self._truncated:
+            return 0
+        logs = sum(max(0, self._size(n) - self._offsets[n]) for n in (STDOUT, STDERR))
+        return min(logs, max(0, self.limits.log_max_bytes - self._log_bytes))
+
+    def _undelivered_journal(self) -> int:
         if self._script:
-            return sum(max(0, self._size(n) - self._offsets[n]) for n in (STDOUT, STDERR))
+            return 0
         return max(0, self._size(FRAMES) - self._offsets[FRAMES])
 
     def _check_window(self) -> None:
         """Account the time the window is full (the task pauses) and enforce the hard cap."""
         limits = self.limits
-        nbytes = self._undelivered_bytes()
-        self._outbox.note_undelivered(nbytes)
+        nbytes = self._undelivered_journal()  # output is bounded by its own cap, never fails the task
+        self._outbox.note_undelivered(nbytes + self._undelivered_output())
         full = nbytes >= limits.window_bytes or len(self._entries) >= limits.window_frames
         now = time.monotonic()
         if full and self._full_since is None:
@@ -551,6 +688,31 @@ class Pump:
             log.info("invocation %s: the journal's filesystem cannot punch holes (%s); it keeps its "
                      "delivered frames until the workdir goes", self.invocation_id, errno.errorcode.get(err, err))  # fmt: skip
 
+    def _release_logs(self) -> None:
+        """Punch out the output already taken (sent, or skipped past the cap) but its last
+        ``LOG_TAIL_KEEP`` bytes (failure records quote the tail), once a ``LOG_PUNCH_STEP`` of it
+        built up: a task printing without end never fills nymph's disk. Best effort: a log nymph
+        cannot write, or a filesystem that cannot punch holes, keeps its bytes."""
+        if not self._log_punch_ok:
+            return
+        for name in (STDOUT, STDERR):
+            done = max(self._offsets[name], self._size(name) if self._truncated else 0)
+            upto = (done - LOG_TAIL_KEEP) // _PAGE * _PAGE
+            if upto - self._log_punched.get(name, 0) < LOG_PUNCH_STEP:
+                continue
+            try:
+                fd = safeio.open_fd(self.workdir, name, os.O_WRONLY)
+            except OSError:
+                self._log_punch_ok = False
+                return
+            try:
+                if punch_hole(fd, upto):
+                    self._log_punched[name] = upto
+                else:
+                    self._log_punch_ok = False
+            finally:
+                os.close(fd)
+
     # --- progress ---------------------------------------------------------------------------------
 
     def _detach(self) -> None:
@@ -575,14 +737,21 @@ class Pump:
         return raw if isinstance(raw, dict) else {}
 
     def _save_state(self) -> None:
-        state = {"sent_seq": self.delivered_seq, "final": self.final_sent, **self._offsets}
+        state = {
+            "sent_seq": self.delivered_seq,
+            "journal_seq": self._journal_seq,
+            "log_bytes": self._log_bytes,
+            "truncated": self._truncated,
+            "final": self.final_sent,
+            **self._offsets,
+        }
         try:
             safeio.write_file(self.workdir, STATE, json.dumps(state).encode())
         except OSError as exc:
             log.warning("invocation %s: cannot save pump progress: %s", self.invocation_id, exc)
 
     def _write_watermark(self) -> None:
-        text = f"{self.delivered_seq} {self._offsets[FRAMES]}\n".encode()
+        text = f"{self._journal_seq} {self._offsets[FRAMES]}\n".encode()
         try:  # readable by the task, which runs as another user
             safeio.write_file(self.workdir, WATERMARK, text, 0o644)
         except OSError as exc:
@@ -591,6 +760,14 @@ class Pump:
 
 _HEAD = 11  # a frame's first bytes: fixarray(4), kind, seq (up to uint64)
 _UINT = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
+
+
+def _renumbered(frame: memoryview, seq: int) -> bytes:
+    """The encoded ``frame`` with its seq replaced by ``seq`` (body and meta bytes kept as they are)."""
+    tag = frame[2]
+    width = 0 if tag < 0x80 else _UINT[tag]
+    packed: bytes = msgpack.packb(seq)
+    return b"\x94" + bytes(frame[1:2]) + packed + bytes(frame[3 + width :])
 
 
 def _header(head: bytes | bytearray) -> tuple[int, int]:

@@ -34,8 +34,13 @@ WORKDIR_TARGET = "/work/inv"
 BUNDLE_TARGET = "/opt/lakeshore/entry.zip"
 CODE_TARGET = "/opt/lakeshore/code"  # + "/<sha256>": one read-only mount per shipped code archive
 # Run the script with bash when the image has it, else with sh: one container, no separate probe.
+# Its output is appended to the workdir's logs (the cwd) as it is written, so it streams live; a
+# log that cannot be written leaves the output in the container's own log (collected at the end).
 # Arguments: sh -c SCRIPT_SHIM sh SCRIPT
-SCRIPT_SHIM = 'if command -v bash >/dev/null 2>&1; then exec bash -c "$1"; fi; exec sh -c "$1"'
+SCRIPT_SHIM = (
+    "if [ -w stdout.log ]; then exec >>stdout.log; fi; if [ -w stderr.log ]; then exec 2>>stderr.log; fi; "
+    'if command -v bash >/dev/null 2>&1; then exec bash -c "$1"; fi; exec sh -c "$1"'
+)
 LOG_TAIL_BYTES = 4096
 
 

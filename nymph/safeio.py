@@ -193,6 +193,28 @@ def open_append(directory: Path, name: str, mode: int = 0o644) -> int:
     return open_fd(directory, name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, mode)
 
 
+def append_stream(directory: Path, name: str, chunks: Iterable[bytes], mode: int = 0o644) -> int:
+    """Append ``chunks`` to ``directory/name`` (created if missing) under the rule of
+    :func:`open_output`: nothing is opened until the first non-empty chunk; returns the bytes written."""
+    fd: int | None = None
+    written = 0
+    try:
+        for chunk in chunks:
+            if not chunk:
+                continue
+            if fd is None:
+                fd = open_append(directory, name, mode)
+            view = memoryview(chunk)
+            while view:
+                n = os.write(fd, view)
+                written += n
+                view = view[n:]
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return written
+
+
 def unlink(directory: Path, name: str) -> None:
     """Remove ``directory/name`` (a link itself, never its target); absent is fine."""
     with _directory(directory) as dfd, contextlib.suppress(FileNotFoundError):

@@ -66,6 +66,38 @@ def wait_for_file(path: str, limit_s: float = 60.0) -> str:
 
 
 @dls.udf(queue="nymph")
+def chatty(gate: str, limit_s: float = 60.0) -> str:
+    """Print to stdout (no flush), to stderr, and from a child process; then wait for the file
+    ``gate`` (the output must be readable before that) and print once more."""
+    import subprocess
+    import sys
+
+    print("hello from print")
+    print("careful, stderr", file=sys.stderr)
+    subprocess.run([sys.executable, "-c", "print('from a child process')"], check=True)
+    deadline = time.monotonic() + limit_s
+    while not Path(gate).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{gate} never appeared")
+        time.sleep(0.02)
+    print("after the gate")
+    return "talked"
+
+
+def noisy_count(n: int, lines: int, pad: int = 0) -> Iterator[int]:
+    """Yield 0..n-1 as fast as the stream takes them, printing ``lines`` lines (padded with ``pad``
+    x's) before each value, and one line on stderr at the end."""
+    import sys
+
+    tail = " " + "x" * pad if pad else ""
+    for i in range(n):
+        for j in range(lines):
+            print(f"value {i} line {j}{tail}")
+        yield i
+    print("noisy_count done", file=sys.stderr)
+
+
+@dls.udf(queue="nymph")
 def stubborn_tree(children: int = 2) -> None:
     """Fork children that ignore SIGTERM, ignore it too, record all pids in pids.txt, then hang."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -48,7 +48,7 @@ class TaskFactory:
     """Prepares workdirs the way nymph does, starts tasks, and destroys every started handle.
 
     ``env_extra`` and ``labels_extra`` are added to the base env (``LAKESHORE_INVOCATION_ID``,
-    ``LAKESHORE_ALLOW_PICKLED=0``) and labels (``nymph.invocation``) of every task. The workdir and
+    ``LAKESHORE_ALLOW_PICKLED=0``, ``LAKESHORE_CAPTURE_OUTPUT=1``, ``PYTHONUNBUFFERED=1``) and labels (``nymph.invocation``) of every task. The workdir and
     its files are chowned to ``owner`` when given per task, else to the ``as_user`` account when
     ``own_as_user`` is set, else to the factory's ``owner``.
     """
@@ -88,6 +88,9 @@ class TaskFactory:
         workdir.mkdir(mode=0o700)
         if envelope is not None:
             (workdir / "args.msgpack").write_bytes(envelope.to_bytes())
+        for name in ("stdout.log", "stderr.log"):  # as nymph's workdir.create leaves them
+            (workdir / name).write_bytes(b"")
+            os.chmod(workdir / name, 0o644)
         if owner is None and self.own_as_user and as_user:
             pw = pwd.getpwnam(as_user)
             owner = (pw.pw_uid, pw.pw_gid)
@@ -103,6 +106,8 @@ class TaskFactory:
             env={
                 "LAKESHORE_INVOCATION_ID": invocation_id,
                 "LAKESHORE_ALLOW_PICKLED": "0",
+                "LAKESHORE_CAPTURE_OUTPUT": "1",  # as nymph's Job sets it
+                "PYTHONUNBUFFERED": "1",
                 **self.env_extra,
             },
             script=script,

@@ -81,8 +81,11 @@ def store_options(fn: Any) -> Any:
 def main(log_level: str) -> None:
     """lakeshore: run Python functions remotely (control plane and tools)."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if log_level != "debug":  # Alembic narrates every migration step at INFO
-        logging.getLogger("alembic").setLevel(logging.WARNING)
+    if log_level != "debug":
+        # Alembic narrates every migration step at INFO, httpx every request: the operator
+        # commands' output (``lakeshore logs`` prints the invocation's stderr on stderr) is theirs
+        for noisy in ("alembic", "httpx", "httpcore"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 @main.command()

@@ -14,7 +14,7 @@ import json
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -322,15 +322,6 @@ def cancel(url: str | None, token: str | None, invocation_ids: tuple[str, ...]) 
         sys.exit(1)
 
 
-def _frames(plane: HttpDispatch, inv: str, since: int, follow: bool) -> Iterator[Frame]:
-    """The journaled frames after ``since``; with ``follow`` also the live ones until the end."""
-    try:
-        yield from plane.frames(inv, since, timeout=3600.0 if follow else 0.5)
-    except TimeoutError:
-        if follow:
-            raise
-
-
 def _frame_json(frame: Frame) -> dict[str, Any]:
     from dreamlake.lakeshore import wire
 
@@ -396,16 +387,14 @@ def stream(
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new output until the invocation ends.")
 @guarded
 def logs(url: str | None, token: str | None, invocation_id: str, follow: bool) -> None:
-    """The stdout/stderr an invocation's LOG frames carry (stderr lines go to stderr)."""
-    from dreamlake.lakeshore import wire
+    """An invocation's stdout and stderr (stderr lines go to stderr), while it runs and after it
+    ended; with -f, follow it until it ends."""
+    from dreamlake.lakeshore.queue import log_chunks
 
     with _plane(url, token) as plane:
-        for frame in _frames(plane, invocation_id, -1, follow):
-            if frame.kind != wire.FRAME_LOG or not isinstance(frame.body, bytes):
-                continue
-            err = isinstance(frame.meta, dict) and frame.meta.get("stream") == "stderr"
-            out = sys.stderr if err else sys.stdout
-            out.write(frame.body.decode("utf-8", "replace"))
+        for chunk in log_chunks(plane, invocation_id, follow=follow):
+            out = sys.stderr if chunk.stream == "stderr" else sys.stdout
+            out.write(chunk.text)
             out.flush()
 
 

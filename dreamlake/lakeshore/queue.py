@@ -10,6 +10,11 @@ here as :class:`DispatchError` with the producer's exception type and message), 
 invocation state with no further frames (raised as :class:`DispatchError` too when that state is
 ``failed``, ``killed`` or ``timeout``, e.g. a gate refused the function before it could yield).
 
+An invocation's output (its stdout and stderr, captured by the worker on every runner) travels in the
+same journal as LOG frames: ``SyncQueue.stream`` skips them, ``SyncQueue.logs`` yields them as
+:class:`LogChunk` s (text as it was written, chunk by chunk: a chunk holds whole lines where it can),
+while the invocation runs (``follow=True``) and after it ended, for as long as the invocation is kept.
+
 Streams are one-way. ``SyncQueue.stream`` and ``Topic.stream`` return a :class:`Stream`, a generator
 whose ``send(None)`` pulls like ``next()`` and whose ``send(value)`` raises ``NotImplementedError``:
 a remote generator cannot receive values (the journal carries frames from the producer to
@@ -19,9 +24,11 @@ stream out, a :class:`Topic` back in.
 
 from __future__ import annotations
 
+import codecs
 import logging
 import time
 from collections.abc import Generator, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import ids
@@ -31,7 +38,7 @@ if TYPE_CHECKING:
     from dreamlake.lakeshore.dispatch import Plane
     from dreamlake.lakeshore.wire import Frame
 
-__all__ = ["Stream", "SyncQueue", "Topic"]
+__all__ = ["LogChunk", "Stream", "SyncQueue", "Topic", "log_chunks"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +46,62 @@ STREAM_TIMEOUT_S = 30.0
 TOPIC_TIMEOUT_S = 5.0
 RESULT_TIMEOUT_S = 60.0
 FAILED_STATES = frozenset({"failed", "killed", "timeout"})
+LOGS_SETTLE_S = 0.5  # logs without follow: the journal so far, once this long passed without a frame
+
+
+@dataclass(frozen=True)
+class LogChunk:
+    """Output of an invocation as the worker captured it: one LOG frame, decoded as UTF-8.
+
+    ``stream`` is ``"stdout"`` or ``"stderr"``; ``seq`` the frame's seq (resume with
+    ``since=chunk.seq``); ``ts`` when the worker read it; ``truncated`` marks the one line that says
+    the output passed the worker's cap (``stream_log_max_bytes``) and the rest was not kept."""
+
+    stream: str
+    text: str
+    seq: int
+    ts: float | None = None
+    truncated: bool = False
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def log_chunks(
+    plane: Plane, inv: str, *, since: int = -1, follow: bool = False, timeout: float | None = None
+) -> Iterator[LogChunk]:
+    """The LOG frames of invocation ``inv`` after ``since`` as :class:`LogChunk` s.
+
+    Without ``follow``: what is journaled now (the stream is read until it ends or stays silent for
+    ``LOGS_SETTLE_S``). With ``follow``: also what comes, until the invocation ends; ``timeout``
+    None waits through any silence, a number raises TimeoutError after that many seconds of it.
+    A character split between two chunks is decoded whole (one decoder per stream)."""
+    from dreamlake.lakeshore import wire
+
+    decoders: dict[str, Any] = {}
+    last = since
+    while True:
+        patience = (timeout if timeout is not None else STREAM_TIMEOUT_S) if follow else LOGS_SETTLE_S
+        try:
+            for frame in plane.frames(inv, last, patience):
+                last = frame.seq
+                if frame.kind != wire.FRAME_LOG or not isinstance(frame.body, bytes):
+                    continue
+                meta = frame.meta if isinstance(frame.meta, dict) else {}
+                stream = "stderr" if meta.get("stream") == "stderr" else "stdout"
+                decoder = decoders.get(stream)
+                if decoder is None:
+                    decoder = decoders[stream] = codecs.getincrementaldecoder("utf-8")("replace")
+                text = decoder.decode(frame.body)
+                ts = meta.get("ts")
+                yield LogChunk(stream, text, frame.seq, float(ts) if isinstance(ts, (int, float)) else None,
+                               bool(meta.get("truncated")))  # fmt: skip
+            return  # the stream ended (END, ERROR, or a terminal state with no more frames)
+        except TimeoutError:
+            if not follow or timeout is not None:
+                if follow:
+                    raise
+                return
 
 
 def _values(frames: Iterator[Frame], what: str) -> Generator[Any, None, bool]:
@@ -153,6 +216,18 @@ class SyncQueue:
         """The raw decoded frames (kind, seq, body, meta): for a consumer that keeps its own cursor."""
         inv = ids.validate(inv, "invocation id")
         return self.dispatch.frames(inv, _check_since(since), _check_timeout(timeout))
+
+    def logs(
+        self, inv: str, follow: bool = False, since: int = -1, timeout: float | None = None
+    ) -> Iterator[LogChunk]:
+        """The invocation's stdout and stderr as :class:`LogChunk` s (``print(c.text, end="")``):
+        what it wrote so far, and with ``follow`` what it writes until it ends (``timeout``: None
+        waits through any silence; seconds of silence before TimeoutError). Readable while it runs
+        and after it ended; the worker keeps at most ``stream_log_max_bytes`` of it per attempt."""
+        inv = ids.validate(inv, "invocation id")
+        if timeout is not None:
+            _check_timeout(timeout)
+        return log_chunks(self.dispatch, inv, since=_check_since(since), follow=follow, timeout=timeout)
 
     def result(self, inv: str, timeout: float = RESULT_TIMEOUT_S) -> Any:
         """The return value; DispatchError when the invocation failed; TimeoutError when pending."""

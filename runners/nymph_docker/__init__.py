@@ -29,8 +29,10 @@ The container::
                  container the first one made (removed if it never started, else adopted), never a
                  second one
 
-On exit, ``wait`` copies the container's stdout/stderr to ``stdout.log`` / ``stderr.log`` in the
-workdir and returns their tail in :class:`~nymph.runner.ExitStatus`.
+The task's output reaches ``stdout.log`` / ``stderr.log`` in the workdir while it runs (the entry,
+and the script shim, append fd 1/2 there), so nymph streams it live. On exit, ``wait`` appends what
+the container wrote before that (its engine log) to the same files, once, and returns their tail in
+:class:`~nymph.runner.ExitStatus`.
 
 Errors: an unreachable engine is :class:`~nymph.runner.RunnerUnavailable` from ``check`` and
 ``start`` (transient: nymph should keep the invocation and retry later); a refusal (image not

@@ -29,9 +29,10 @@ own node, created through the API with nymph's service account:
     restartPolicy Never
 
 ``wait`` polls the pod (with jitter) until its phase is Succeeded/Failed or its container has
-terminated, reads the exit code and reason (``OOMKilled``, ``signal N``, an eviction), and copies the
-container log to ``stdout.log``. ``stop`` deletes the pod with ``gracePeriodSeconds`` = the grace:
-the kubelet sends SIGTERM, waits, then SIGKILL. ``destroy`` deletes it (a missing pod is fine).
+terminated, reads the exit code and reason (``OOMKilled``, ``signal N``, an eviction), and appends
+the container log (what came before the entry took over fd 1/2) to ``stderr.log``. ``stop``
+deletes the pod with ``gracePeriodSeconds`` = the grace: the kubelet sends SIGTERM, waits, then
+SIGKILL. ``destroy`` deletes it (a missing pod is fine).
 
 Errors: an unreachable API (or 5xx / 429) is :class:`~nymph.runner.RunnerUnavailable`; a refusal
 (403, a bad spec, an image not allowed) is :class:`~nymph.runner.RunnerError`, bad resources its
@@ -75,6 +76,7 @@ WorkdirVolume = Literal["hostPath", "persistentVolumeClaim"]
 WORKDIR_VOLUMES = ("hostPath", "persistentVolumeClaim")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 LOG_LIMIT_BYTES = 8 * 1024 * 1024
+COLLECTED = ".container-output"  # nymph's marker: the pod's log was appended to the workdir's
 _POLL_MIN_S, _POLL_MAX_S = 0.2, 2.0
 _GONE_WAIT_S = 30.0
 
@@ -451,9 +453,12 @@ class KubeRunner:
         return str(base / relative)
 
     def _collect_logs(self, handle: Handle) -> None:
-        """Copy the container log (stdout and stderr interleaved) to ``stdout.log``; best effort."""
+        """Append the container log (stdout and stderr interleaved) to ``stderr.log``, once; best
+        effort. The task's own output is in the workdir's logs already (the entry and the script
+        shim append it there as it is written): what the kubelet kept is what came before that
+        (an interpreter or a mount that failed). A marker keeps a rerun from appending it twice."""
         workdir = handle_workdir(handle)
-        if workdir is None or not workdir.is_dir():
+        if workdir is None or not workdir.is_dir() or safeio.exists_own(workdir, COLLECTED):
             return
         try:
             data = self._client().log(_pod(handle), podspec.CONTAINER, LOG_LIMIT_BYTES)
@@ -462,10 +467,11 @@ class KubeRunner:
             return
         if data is None:
             return
-        try:  # the workdir is the task user's: a link planted there is replaced, never written through
-            safeio.write_file(workdir, "stdout.log", data, 0o644)
+        try:  # the workdir is the task user's: a link planted there is refused, never written through
+            safeio.append_stream(workdir, "stderr.log", (data,), 0o644)
+            safeio.write_file(workdir, COLLECTED, b"")
         except OSError as exc:
-            log.warning("cannot write %s: %s", workdir / "stdout.log", exc)
+            log.warning("cannot write %s: %s", workdir / "stderr.log", exc)
 
 
 def _use_claim(

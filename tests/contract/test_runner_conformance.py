@@ -300,6 +300,49 @@ def test_script_runs_bash_with_logs_and_exit_code(runner: Runner, prepare: Calla
     runner.destroy(handle)
 
 
+def _text(task: Task, name: str) -> str:
+    try:
+        return (task.workdir / name).read_text()
+    except FileNotFoundError:
+        return ""
+
+
+def test_output_reaches_the_workdir_logs_while_the_function_runs(
+    runner: Runner, prepare: Callable[..., Task]
+) -> None:
+    """print() (unflushed), stderr and a child process's output are in stdout.log / stderr.log
+    before the function ends, on every runner: that is what nymph streams as LOG frames."""
+    task = prepare(nymph_fns.chatty, "release")
+    handle = kit.start_saved(runner, task)
+    kit.until(
+        lambda: (
+            "from a child process" in _text(task, "stdout.log") and "careful" in _text(task, "stderr.log")
+        ),
+        "the output in the workdir logs",
+    )
+    assert runner.inspect(handle) == "running"  # the function waits for the release: output came first
+    assert _text(task, "stdout.log") == "hello from print\nfrom a child process\n"
+    (task.workdir / "release").touch()
+    status = runner.wait(handle, LIMIT_S)
+    runner.destroy(handle)
+    assert status is not None and status.exit_code == 0, (status, _error_text(task))
+    assert kit.result(task) == "talked"
+    assert _text(task, "stdout.log") == "hello from print\nfrom a child process\nafter the gate\n"
+    assert _text(task, "stderr.log") == "careful, stderr\n"
+
+
+def test_script_output_reaches_the_logs_while_it_runs(runner: Runner, prepare: Callable[..., Task]) -> None:
+    task = prepare(None, script="echo before; while [ ! -e release ]; do sleep 0.05; done; echo after")
+    handle = kit.start_saved(runner, task)
+    kit.until(lambda: _text(task, "stdout.log") == "before\n", "the script's first line in stdout.log")
+    assert runner.inspect(handle) == "running"
+    (task.workdir / "release").touch()
+    status = runner.wait(handle, LIMIT_S)
+    runner.destroy(handle)
+    assert status is not None and status.exit_code == 0, status
+    assert _text(task, "stdout.log") == "before\nafter\n"
+
+
 def test_recover_after_restart_reattaches_to_the_same_task(
     make_runner: Callable[[], Runner], prepare: Callable[..., Task]
 ) -> None:

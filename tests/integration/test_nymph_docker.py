@@ -138,6 +138,39 @@ def test_plain_result_and_live_generator_through_nymph_start(
     _until(lambda: not _labelled(_worker_id(n)), "every container to be removed")
 
 
+def _output(frames: list[wire.Frame], stream: str) -> str:
+    return "".join(
+        bytes(f.body).decode()  # type: ignore[arg-type]
+        for f in frames
+        if f.kind == wire.FRAME_LOG and (f.meta or {}).get("stream") == stream
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_container_s_output_streams_live_as_log_frames(
+    kind: str, sqlite_control_plane: ControlPlane, start_nymph: Callable[..., Nymph]
+) -> None:
+    """print() inside the container reaches the control plane while the function still runs
+    (the entry appends fd 1/2 to the bind-mounted workdir), stderr apart, nothing twice."""
+    cp = sqlite_control_plane
+    n = start_nymph(cp.url, cp.daemon_token, kind)
+    inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.chatty, "release"))
+    _until(
+        lambda: "from a child process" in _output(frames_of(cp.url, cp.producer_token, inv, 0.5), "stdout"),
+        "the output while the container runs",
+    )
+    assert state_of(cp.url, cp.producer_token, inv) == "running"
+    (n.workdir / inv / "release").touch()
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert out["state"] == "succeeded", (out, n.output()[-3000:])
+    assert wire.unpack(out["result_blob"]) == "talked"
+    frames = frames_of(cp.url, cp.producer_token, inv)
+    assert [f.seq for f in frames] == list(range(len(frames)))
+    assert _output(frames, "stdout") == "hello from print\nfrom a child process\nafter the gate\n"
+    assert _output(frames, "stderr") == "careful, stderr\n"
+    _until(lambda: not _labelled(_worker_id(n)), "every container to be removed")
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_fast_generator_is_paused_by_the_window_inside_the_container(
     kind: str, sqlite_control_plane: ControlPlane, start_nymph: Callable[..., Nymph]

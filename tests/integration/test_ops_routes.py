@@ -247,6 +247,58 @@ def test_metrics_token_scrapes_store_gauges(control_plane: ControlPlane) -> None
     assert status == 403
 
 
+def _samples(cp: ControlPlane, token: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(cp.url + "/metrics", headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 200, r.text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
+    }
+
+
+def test_claim_latency_and_frames_appended_by_kind_over_http(control_plane: ControlPlane) -> None:
+    """``lakeshore_claim_latency_seconds`` observes submit -> first claim per queue;
+    ``lakeshore_frames_appended_total`` counts journaled frames by kind (repeats not counted)."""
+    from dreamlake.lakeshore import wire
+
+    cp = control_plane
+    token = cp.store.create_token("metrics", "prometheus")
+    worker = _register(cp, ["lat"])
+    invs = [_submit(cp, cp.producer_token, "lat")[0] for _ in range(2)]
+    time.sleep(0.3)
+    claimed = [c["body"]["invocation_id"] for c in _poll(cp, worker, ["lat"])]
+    claimed += [c["body"]["invocation_id"] for c in _poll(cp, worker, ["lat"])]
+    assert sorted(claimed) == sorted(invs)
+    got = _samples(cp, token)
+    assert got[("lakeshore_claim_latency_seconds_count", (("queue", "lat"),))] == 2
+    assert got[("lakeshore_claim_latency_seconds_sum", (("queue", "lat"),))] >= 0.6  # both waited >= 0.3 s
+    assert got[("lakeshore_claim_latency_seconds_bucket", (("le", "0.1"), ("queue", "lat")))] == 0
+
+    frames = [
+        wire.encode_frame(wire.FRAME_LOG, 0, b"out\n", {"stream": "stdout"}),
+        wire.encode_frame(wire.FRAME_LOG, 1, b"err\n", {"stream": "stderr"}),
+        wire.encode_frame(wire.FRAME_VALUE, 2, wire.pack(1)),
+        wire.encode_frame(wire.FRAME_END, 3, wire.pack(None)),
+    ]
+    body = {"invocation_id": invs[0], "attempt": 1, "worker_id": worker, "frames": frames}
+    for _ in range(2):  # the second time every frame is a repeat
+        status, out = cp.call("/v1/daemon/result-chunks", body, cp.daemon_token)
+        assert status == 200, out
+    got = _samples(cp, token)
+
+    def appended(kind: str, owner: str = "invocation") -> float:
+        return got.get(("lakeshore_frames_appended_total", (("kind", kind), ("owner", owner))), 0.0)
+
+    assert (appended("log"), appended("value"), appended("end"), appended("error")) == (2, 1, 1, 0)
+    status, out = cp.call("/v1/producer/topics/ticks/post", {"body": wire.pack(1)}, cp.producer_token)
+    assert status == 200, out
+    got = _samples(cp, token)
+    assert appended("value", "topic") == 1 and appended("value") == 1
+
+
 def test_text_clients_get_text_errors(sqlite_control_plane: ControlPlane) -> None:
     cp = sqlite_control_plane
     r = httpx.get(cp.url + "/metrics", headers={"Accept": "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"})

@@ -29,7 +29,7 @@ from nymph.codecache import CodeCache, code_env
 from nymph.runner import Handle, Runner, RunnerError, RunnerUnavailable
 from nymph.runnerkit import CODE_TARGET, task_name
 from nymph_kube import KubeRunner, podspec
-from tests import code_kit, docker_fns
+from tests import code_kit, docker_fns, nymph_fns
 from tests import runner_kit as kit
 from tests.conftest import ROOT, require
 from tests.integration.kube_fake import KubeFake, wait_until
@@ -339,8 +339,32 @@ def test_script_output_lands_in_stdout_log(runner: KubeRunner, started: TaskFact
     task = started.task(None, script="echo out; echo err >&2; exit 3")
     status = runner.wait(started.start(runner, task), LIMIT_S)
     assert status is not None and status.exit_code == 3, status
-    assert (task.workdir / "stdout.log").read_text().splitlines() == ["out", "err"]
+    assert (task.workdir / "stdout.log").read_text() == "out\n"  # as written, apart: the shim
+    assert (task.workdir / "stderr.log").read_text() == "err\n"  # appends them to the workdir
     assert status.logs is not None and "out" in status.logs
+
+
+def test_a_function_s_output_reaches_the_workdir_while_the_pod_runs(
+    runner: KubeRunner, started: TaskFactory
+) -> None:
+    """The entry in the pod appends fd 1/2 to the hostPath workdir's logs: nymph streams them live
+    (the pod log holds nothing of it, so nothing is appended twice at the end)."""
+    task = started.task(nymph_fns.chatty, "release")
+    handle = started.start(runner, task)
+    kit.until(lambda: "from a child process" in _read(task, "stdout.log"), "the output while the pod runs")
+    assert runner.inspect(handle) == "running"
+    (task.workdir / "release").touch()
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 0, status
+    assert _read(task, "stdout.log") == "hello from print\nfrom a child process\nafter the gate\n"
+    assert _read(task, "stderr.log") == "careful, stderr\n"
+
+
+def _read(task: Any, name: str) -> str:
+    try:
+        return (task.workdir / name).read_text()
+    except FileNotFoundError:
+        return ""
 
 
 def test_wait_with_a_timeout_returns_none_while_running(runner: KubeRunner, started: TaskFactory) -> None:

@@ -143,6 +143,34 @@ def test_logout_needs_csrf_and_clears_the_cookie(sqlite_control_plane: ControlPl
     assert client.get("/ui").status_code == 303
 
 
+def test_the_output_panel_shows_stdout_and_stderr_apart_from_the_stream(
+    sqlite_control_plane: ControlPlane,
+) -> None:
+    """LOG frames go to the Output panel (escaped, stderr marked), the others to the stream table."""
+    cp = sqlite_control_plane
+    inv = _submit(cp, cp.producer_token)
+    worker = new_ulid()
+    body = {"worker_id": worker, "hostname": "h", "runner": "process", "queues": ["q"], "slots": 1}
+    assert cp.daemon("/v1/daemon/register", body)[0] == 200
+    assert cp.daemon("/v1/daemon/poll", {"worker_id": worker, "queues": ["q"], "timeout_s": 0})[0] == 200
+    client = _login(cp, cp.admin_token)
+    assert 'id="output-empty"' in client.get(f"/ui/parts/invocations/{inv}").text
+    frames = [
+        wire.encode_frame(wire.FRAME_LOG, 0, b"step 1 <b>bold</b>\n", {"stream": "stdout", "ts": 1.0}),
+        wire.encode_frame(wire.FRAME_VALUE, 1, wire.pack({"left": 2})),
+        wire.encode_frame(wire.FRAME_LOG, 2, b"a warning\n", {"stream": "stderr", "ts": 2.0}),
+    ]
+    chunk = {"invocation_id": inv, "attempt": 1, "worker_id": worker, "frames": frames}
+    assert cp.daemon("/v1/daemon/result-chunks", chunk)[0] == 200
+    part = client.get(f"/ui/parts/invocations/{inv}").text
+    output = part.split('id="output"')[1].split("</pre>")[0]
+    assert '<span class="log" data-seq="0">step 1 &lt;b&gt;bold&lt;/b&gt;\n</span>' in output
+    assert '<span class="stderr" data-seq="2">a warning\n</span>' in output
+    table = part.split('id="frames"')[1]
+    assert 'data-seq="1" data-kind="value"' in table and 'data-kind="log"' not in table
+    assert 'data-kind="stderr"' not in table
+
+
 @pytest.mark.parametrize(
     "frame,kind,preview",
     [

@@ -1,6 +1,7 @@
 """The dashboard in a real headless browser (Debian's chromium through chromedriver and Selenium),
 against a real ``lakeshore server`` + ``nymph`` (LocalStack): sign in, watch a submitted
-invocation appear and finish, follow a live stream, cancel a running invocation.
+invocation appear and finish, follow a live stream and a function's live output, cancel a running
+invocation.
 
 Screenshots go to ``$LAKESHORE_ARTIFACTS`` (CI keeps them) or ``tests/artifacts``; two of them are
 the README's pictures (``docs/img``).
@@ -144,6 +145,25 @@ def test_dashboard_in_a_real_browser(
     assert len(_css(browser, 'tr[data-kind="value"]')) == 8
     assert "'left': 1" in browser.find_element(By.CSS_SELECTOR, 'tr[data-seq="7"]').text
     assert not _css(browser, "#cancel")
+
+    # Live output: what the function prints appears while it runs, stderr marked apart.
+    inv = workload.chatter.submit(12, 0.4, _dispatch=plane)
+    browser.get(f"{url}/ui/invocations/{inv}")
+    _wait(
+        browser,
+        "live output",
+        lambda d: (
+            _css(d, '#live[data-state="running"]') and "step 3 of 12" in d.find_element(By.ID, "output").text
+        ),
+    )
+    assert "step 12 of 12" not in browser.find_element(By.ID, "output").text  # it still runs
+    assert "step 3: a warning on stderr" in browser.find_element(By.CSS_SELECTOR, "#output .stderr").text
+    browser.save_screenshot(str(shots / "invocation-output.png"))
+    _wait(browser, "the whole output", lambda d: _css(d, '#live[data-state="succeeded"]'))
+    text = browser.find_element(By.ID, "output").text
+    assert [line for line in text.splitlines() if line.startswith("step") and "of" in line] == [
+        f"step {i} of 12" for i in range(1, 13)
+    ]
 
     # Cancel a running invocation from its page.
     inv = workload.countdown.submit(1000, 0.5, _dispatch=plane)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +146,8 @@ def test_pump_forwards_complete_frames_in_order_and_resumes_after_restart(tmp_pa
         fh.write(f2)
     again = _Recorder()
     restarted = Pump(tmp_path, "inv", 1, again)  # type: ignore[arg-type]
+    assert _deliver(restarted, again) == 0  # the final frame waits for the task's end (and output)
+    restarted.stop()
     assert _deliver(restarted, again) == 1  # only what was not delivered before
     assert again.chunks[0]["seq"] == 2 and again.chunks[0]["final"] is True
     assert restarted.done
@@ -183,3 +187,187 @@ def test_script_pump_turns_output_into_log_frames(tmp_path: Path) -> None:
         (wire.FRAME_LOG, 1, b"warn\n", "stderr"),
     ]
     assert frames[2].kind == wire.FRAME_END and out.chunks[2]["final"] is True
+
+
+def _decoded(out: _Recorder) -> list[wire.Frame]:
+    return [wire.decode_frame(c["bytes"]) for c in out.chunks]
+
+
+def test_python_output_and_journal_share_one_seq_space(tmp_path: Path) -> None:
+    """A Python invocation's prints become LOG frames beside its values: one run of seqs for the
+    control plane, the journal's frames renumbered, ``frames.delivered`` still in the entry's seqs."""
+    journal = tmp_path / "frames.msgpack"
+    (tmp_path / "stdout.log").write_bytes(b"starting\n")
+    (tmp_path / "stderr.log").write_bytes(b"")
+    f0 = wire.encode_frame(wire.FRAME_VALUE, 0, wire.pack("a"), {"ts": 1.0})
+    journal.write_bytes(f0)
+    out = _Recorder()
+    pump = Pump(tmp_path, "inv", 1, out)  # type: ignore[arg-type]
+    assert _deliver(pump, out) == 2
+    with open(tmp_path / "stderr.log", "ab") as fh:
+        fh.write(b"careful\n")
+    f1 = wire.encode_frame(wire.FRAME_VALUE, 1, wire.pack("b"), {"ts": 2.0})
+    f2 = wire.encode_frame(wire.FRAME_END, 2, wire.pack("done"), {"ts": 3.0})
+    with open(journal, "ab") as fh:
+        fh.write(f1 + f2)
+    assert _deliver(pump, out) == 2  # the END waits: the task has not ended
+    assert (tmp_path / "frames.delivered").read_text().split() == ["1", str(len(f0 + f1))]
+    with open(tmp_path / "stdout.log", "ab") as fh:
+        fh.write(b"bye\n")  # written after the END frame, before the process exited
+    pump.stop()
+    assert _deliver(pump, out) == 2
+    frames = _decoded(out)
+    assert [f.seq for f in frames] == list(range(6))
+    assert [(f.kind, f.body if f.kind == wire.FRAME_LOG else wire.unpack(f.body)) for f in frames] == [  # type: ignore[arg-type]
+        (wire.FRAME_LOG, b"starting\n"),
+        (wire.FRAME_VALUE, "a"),
+        (wire.FRAME_LOG, b"careful\n"),
+        (wire.FRAME_VALUE, "b"),
+        (wire.FRAME_LOG, b"bye\n"),
+        (wire.FRAME_END, "done"),
+    ]
+    assert [(f.meta or {}).get("stream") for f in frames if f.kind == wire.FRAME_LOG] == [
+        "stdout",
+        "stderr",
+        "stdout",
+    ]
+    assert frames[1].meta == {"ts": 1.0}  # the journal frame's own meta, unchanged
+    assert out.chunks[-1]["final"] is True and pump.done
+
+    # a restarted nymph resumes both files and the numbering where delivery stood
+    with open(tmp_path / "stdout.log", "ab") as fh:
+        fh.write(b"late\n")
+    again = _Recorder()
+    restarted = Pump(tmp_path, "inv", 1, again)  # type: ignore[arg-type]
+    restarted.stop()
+    assert _deliver(restarted, again) == 0  # the stream was closed by END: nothing after it
+
+
+def test_a_restarted_pump_keeps_the_numbering(tmp_path: Path) -> None:
+    journal = tmp_path / "frames.msgpack"
+    (tmp_path / "stdout.log").write_bytes(b"one\n")
+    (tmp_path / "stderr.log").write_bytes(b"")
+    f0 = wire.encode_frame(wire.FRAME_VALUE, 0, wire.pack(0), None)
+    journal.write_bytes(f0)
+    out = _Recorder()
+    pump = Pump(tmp_path, "inv", 1, out)  # type: ignore[arg-type]
+    assert _deliver(pump, out) == 2
+    pump.halt()  # nymph goes away
+    with open(tmp_path / "stdout.log", "ab") as fh:
+        fh.write(b"two\n")
+    f1 = wire.encode_frame(wire.FRAME_VALUE, 1, wire.pack(1), None)
+    with open(journal, "ab") as fh:
+        fh.write(f1 + wire.encode_frame(wire.FRAME_END, 2, wire.pack(None), None))
+    again = _Recorder()
+    restarted = Pump(tmp_path, "inv", 1, again)  # type: ignore[arg-type]
+    restarted.stop()
+    assert _deliver(restarted, again) == 3
+    frames = _decoded(again)
+    assert [(f.seq, f.kind) for f in frames] == [
+        (2, wire.FRAME_LOG),
+        (3, wire.FRAME_VALUE),
+        (4, wire.FRAME_END),
+    ]
+    assert frames[0].body == b"two\n" and wire.unpack(frames[1].body) == 1  # type: ignore[arg-type]
+
+
+def _settled(workdir: Path) -> None:
+    """Make the logs' last write a second old (a partial line that recent would wait for its end)."""
+    past = time.time() - 1
+    for name in ("stdout.log", "stderr.log"):
+        os.utime(workdir / name, (past, past))
+
+
+def test_a_line_written_in_two_writes_goes_as_one_frame(tmp_path: Path) -> None:
+    (tmp_path / "stdout.log").write_bytes(b"first\nstep 5 of 12")  # the newline is not written yet
+    (tmp_path / "stderr.log").write_bytes(b"")
+    out = _Recorder()
+    pump = Pump(tmp_path, "inv", 1, out, script=True)  # type: ignore[arg-type]
+    assert _deliver(pump, out) == 1  # the whole line; the partial one waits for its newline
+    with open(tmp_path / "stdout.log", "ab") as fh:
+        fh.write(b"\nprogress 10%")
+    assert _deliver(pump, out) == 1
+    _settled(tmp_path)  # a partial line nothing completes goes after a moment
+    assert _deliver(pump, out) == 1
+    assert [wire.decode_frame(c["bytes"]).body for c in out.chunks] == [
+        b"first\n",
+        b"step 5 of 12\n",
+        b"progress 10%",
+    ]
+
+
+def test_output_past_the_cap_is_cut_with_one_line_and_the_task_runs_on(tmp_path: Path) -> None:
+    from nymph.pump import StreamLimits
+
+    (tmp_path / "stdout.log").write_bytes(b"x" * 700)
+    (tmp_path / "stderr.log").write_bytes(b"")
+    _settled(tmp_path)
+    limits = StreamLimits(log_max_bytes=1000, window_bytes=1024, max_bytes=4096)
+    overflowed: list[str] = []
+    out = _Recorder()
+    pump = Pump(tmp_path, "inv", 1, out, script=True, limits=limits, on_overflow=overflowed.append)  # type: ignore[arg-type]
+    assert _deliver(pump, out) == 1
+    with open(tmp_path / "stderr.log", "ab") as fh:
+        fh.write(b"y" * 500)
+    _settled(tmp_path)
+    assert _deliver(pump, out) == 2  # 300 bytes fit, then the line that says the rest is cut
+    with open(tmp_path / "stdout.log", "ab") as fh:
+        fh.write(b"z" * 100_000)  # far past every limit: skipped, never an overflow
+    pump.take()
+    assert _deliver(pump, out) == 0 and overflowed == []
+    frames = _decoded(out)
+    assert [len(f.body) for f in frames[:2]] == [700, 300]  # type: ignore[arg-type]
+    note = frames[2]
+    assert note.kind == wire.FRAME_LOG and (note.meta or {}).get("truncated") is True
+    assert (note.meta or {}).get("stream") == "stderr"
+    assert b"output truncated" in note.body and b"log_max_bytes=1000" in note.body  # type: ignore[operator]
+    pump.finish(wire.FRAME_END, wire.pack({"exit_code": 0}))
+    assert _deliver(pump, out) == 1 and pump.done
+    assert [f.seq for f in _decoded(out)] == [0, 1, 2, 3]
+
+
+def test_a_flood_of_output_never_starves_the_values(tmp_path: Path) -> None:
+    """While journal frames wait, output takes at most half of each batch."""
+    from nymph.pump import StreamLimits
+
+    (tmp_path / "stdout.log").write_bytes(b"line\n" * 200_000)  # 1 MB of prints, 16 reads of it
+    (tmp_path / "stderr.log").write_bytes(b"")
+    values = [wire.encode_frame(wire.FRAME_VALUE, i, wire.pack(i), None) for i in range(3)]
+    (tmp_path / "frames.msgpack").write_bytes(b"".join(values))
+    limits = StreamLimits(batch_frames=8)
+    out = _Recorder()
+    pump = Pump(tmp_path, "inv", 1, out, limits=limits)  # type: ignore[arg-type]
+    batch = pump.take()
+    assert batch is not None
+    kinds = [wire.decode_frame(f).kind for f in batch.frames]
+    assert kinds == [wire.FRAME_LOG] * 4 + [wire.FRAME_VALUE] * 3  # the values ride in the first batch
+    assert pump.undelivered()[0] == 7  # the batch in flight: 4 LOG frames and the 3 journal frames
+    assert all(bytes(wire.decode_frame(f).body).endswith(b"\n") for f in batch.frames[:4])  # type: ignore[arg-type]
+
+
+def test_output_taken_or_skipped_is_released_from_the_disk(tmp_path: Path) -> None:
+    """A task that prints past the cap without end: the logs' blocks are punched out as the pump
+    goes, but for their last 64 KiB (what a failure record quotes)."""
+    from nymph.pump import LOG_TAIL_KEEP, StreamLimits, punch_hole
+
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"x" * 8192)
+    with open(probe, "r+b") as fh:
+        if not punch_hole(fh.fileno(), 4096):
+            pytest.skip("this filesystem cannot punch holes")
+    (tmp_path / "stdout.log").write_bytes(b"line\n" * 100_000)  # 500 kB
+    (tmp_path / "stderr.log").write_bytes(b"")
+    limits = StreamLimits(log_max_bytes=100_000)
+    out = _Recorder()
+    pump = Pump(tmp_path, "inv", 1, out, script=True, limits=limits)  # type: ignore[arg-type]
+    _deliver(pump, out)
+    with open(tmp_path / "stdout.log", "ab") as fh:
+        fh.write(b"more\n" * 1_000_000)  # 5 MB past the cap
+    pump._on_write()  # what the watcher calls on a write
+    log = tmp_path / "stdout.log"
+    size = log.stat().st_size
+    assert log.stat().st_blocks * 512 <= LOG_TAIL_KEEP + 2 * 4096  # only the tail keeps its blocks
+    with open(log, "rb") as fh:
+        fh.seek(size - 5)
+        assert fh.read() == b"more\n"
+    assert wd.tail(log, 10) == "more\nmore\n"

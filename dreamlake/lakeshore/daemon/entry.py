@@ -16,9 +16,20 @@ delivered position is the file ``frames.delivered`` (``"<seq> <offset>"``, writt
 again with a short sleep (1 ms, doubling to 20 ms) until the window drains. Without the variable
 (or with a malformed one) the generator is never paused.
 
+Output: with ``LAKESHORE_CAPTURE_OUTPUT=1`` (nymph sets it for every invocation) the entry first
+appends its own fd 1 and fd 2 to the workdir's ``stdout.log`` / ``stderr.log`` (``O_APPEND``, no
+link followed) and makes ``sys.stdout`` / ``sys.stderr`` line-buffered (each line reaches the file
+in one write as it is printed, as on a terminal; ``flush=True`` sends a partial line; a warm-forked
+entry's interpreter started long before any ``PYTHONUNBUFFERED`` could apply), so
+every runner, a container's or a Slurm job's as much as a spawned process, leaves the task's output
+in the workdir while it runs, and nymph's pump streams it as LOG frames. Processes the function
+starts inherit the same fds. What a process writes before the entry runs (the interpreter failing to
+start) stays where the runner put fd 1/2 (for a container: its log, which the runner appends to the
+files when it ends).
+
 Environment: ``LAKESHORE_ALLOW_PICKLED=1`` allows pickled functions, ``LAKESHORE_RUNTIME_POLICY``
 (``strict`` | ``minor`` | ``off``, default ``minor``), ``LAKESHORE_INVOCATION_ID`` (for messages),
-``LAKESHORE_STREAM_WINDOW`` (above), ``LAKESHORE_ALLOW_MODULES`` (nymph's ``--allow-module``
+``LAKESHORE_STREAM_WINDOW`` and ``LAKESHORE_CAPTURE_OUTPUT`` (above), ``LAKESHORE_ALLOW_MODULES`` (nymph's ``--allow-module``
 patterns, comma separated; see :func:`module_allowed`): when set, a ``ref`` function is refused
 (exit 2, ``ModuleRefused``) unless its module matches, checked before the module is imported, and
 again on the callable it resolved to (its ``__module__``), so ``allowed_module:os.system`` does not
@@ -54,6 +65,9 @@ ERROR_FILE = "error.json"
 FRAMES_FILE = "frames.msgpack"
 DELIVERED_FILE = "frames.delivered"
 WINDOW_ENV = "LAKESHORE_STREAM_WINDOW"
+CAPTURE_ENV = "LAKESHORE_CAPTURE_OUTPUT"
+STDOUT_FILE = "stdout.log"
+STDERR_FILE = "stderr.log"
 CODE_PATH_ENV = "LAKESHORE_CODE_PATH"
 _PAUSE_MIN_S = 0.001
 _PAUSE_MAX_S = 0.02
@@ -242,6 +256,37 @@ def _read_delivered(known: tuple[int, int]) -> tuple[int, int]:
         return known
 
 
+def capture_output() -> None:
+    """Append fd 1 / fd 2 to ``stdout.log`` / ``stderr.log`` of the cwd (the workdir) and make
+    ``sys.stdout`` / ``sys.stderr`` line-buffered (see the module docstring). A file that
+    cannot be opened leaves that fd as it was, with one line on the old stderr."""
+    import io
+
+    for fd, name, attr in ((1, STDOUT_FILE, "stdout"), (2, STDERR_FILE, "stderr")):
+        old = getattr(sys, attr, None)
+        try:
+            if old is not None:
+                old.flush()
+        except (OSError, ValueError):
+            pass
+        try:
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            target = os.open(name, flags, 0o644)
+        except OSError as exc:
+            sys.stderr.write(f"lakeshore entry: cannot append {attr} to {name}: {exc.strerror}\n")
+            continue
+        try:
+            os.set_blocking(target, True)
+            os.dup2(target, fd)  # the copy at fd is inheritable: child processes write there too
+        finally:
+            os.close(target)
+        encoding = getattr(old, "encoding", None) or "utf-8"
+        errors = "backslashreplace" if attr == "stderr" else (getattr(old, "errors", None) or "strict")
+        buffer = io.BufferedWriter(io.FileIO(fd, "w", closefd=False))
+        stream = io.TextIOWrapper(buffer, encoding=encoding, errors=errors, line_buffering=True)
+        setattr(sys, attr, stream)
+
+
 def _is_stream(fn: Callable[..., Any], result: Any) -> bool:
     import types
     from collections.abc import Iterator
@@ -369,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:
             sys.stderr.write(f"lakeshore entry: cannot enter workdir {argv[0]!r}: {exc.strerror}\n")
             return EXIT_REFUSED
+    if os.environ.get(CAPTURE_ENV, "").strip().lower() in _TRUE:
+        capture_output()
     return run()
 
 

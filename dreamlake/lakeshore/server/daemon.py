@@ -186,6 +186,11 @@ async def _collect(
     commands.extend(exec_command(job) for job in got.exec_jobs)
     if got.invocations:
         ctx.metrics.claims.labels(kind="run").inc(len(got.invocations))
+        for inv in got.invocations:
+            if inv.attempt == 1 and inv.started_at is not None:
+                ctx.metrics.claim_latency.labels(queue=inv.queue).observe(
+                    max(0.0, inv.started_at - inv.submitted_at)
+                )
     if got.exec_jobs:
         ctx.metrics.claims.labels(kind="exec").inc(len(got.exec_jobs))
     units = [Wake(RUN, inv.queue, inv.namespace) for inv in got.invocations]
@@ -354,6 +359,7 @@ async def result_chunk(ctx: Context, caller: Caller, body: dict[str, Any]) -> tu
     ctx.metrics.chunks.labels(duplicate=str(result.duplicate).lower()).inc()
     if result.duplicate:
         return 200, {"ok": True, "seq": seq, "duplicate": True}
+    ctx.metrics.frames_appended((frame.kind,))
     ctx.wake.notify(f"inv:{invocation_id}")
     if ctx.fanout is not None:
         try:
@@ -387,6 +393,7 @@ async def result_chunks(ctx: Context, caller: Caller, body: dict[str, Any]) -> t
     if not raw or len(raw) > MAX_BATCH_FRAMES:
         raise HTTPError(400, f"field 'frames' must list 1 to {MAX_BATCH_FRAMES} encoded frames")
     batch: list[tuple[int, bytes, bool]] = []
+    kinds: list[int] = []
     for i, data in enumerate(raw):
         if not isinstance(data, bytes):
             raise HTTPError(
@@ -394,10 +401,12 @@ async def result_chunks(ctx: Context, caller: Caller, body: dict[str, Any]) -> t
             )
         frame = _frame(data, f"frames[{i}]")
         batch.append((frame.seq, data, frame.final))
+        kinds.append(frame.kind)
     results = await ctx.call(ctx.store.append_frames, invocation_id, attempt, batch, worker_id=worker_id)
     kept = [r for r in results if r.ok]
     fresh = [item for item, r in zip(batch, results, strict=False) if r.ok and not r.duplicate]
     ctx.metrics.chunks.labels(duplicate="false").inc(len(fresh))
+    ctx.metrics.frames_appended(k for k, r in zip(kinds, results, strict=False) if r.ok and not r.duplicate)
     if len(kept) > len(fresh):
         ctx.metrics.chunks.labels(duplicate="true").inc(len(kept) - len(fresh))
     if fresh:

@@ -14,7 +14,15 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.store.api import QueueStats
+
+FRAME_KIND_NAMES = {
+    wire.FRAME_VALUE: "value",
+    wire.FRAME_END: "end",
+    wire.FRAME_ERROR: "error",
+    wire.FRAME_LOG: "log",
+}
 
 
 class Metrics:
@@ -29,6 +37,21 @@ class Metrics:
         self.acks = Counter("lakeshore_acks", "Acks received", ["state", "outcome"], registry=self.registry)
         self.chunks = Counter(
             "lakeshore_result_chunks", "Frames journaled", ["duplicate"], registry=self.registry
+        )
+        self.frames = Counter(
+            "lakeshore_frames_appended",
+            "Frames journaled (not counting repeats), by kind: value, end, error, log (an "
+            "invocation's stdout/stderr); topic posts as owner=topic. rate() gives frames per second",
+            ["kind", "owner"],
+            registry=self.registry,
+        )
+        self.claim_latency = Histogram(
+            "lakeshore_claim_latency_seconds",
+            "Time from submit to the first claim by a worker (first attempts only: a retry's wait "
+            "would include the attempts before it)",
+            ["queue"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600),
+            registry=self.registry,
         )
         self.expired = Counter(
             "lakeshore_leases_expired", "Invocations whose lease lapsed", registry=self.registry
@@ -115,6 +138,15 @@ class Metrics:
             for state, n in q.counts.items():
                 self.invocations.labels(queue=q.name, state=state).set(n)
         self.workers_live.set(workers_live)
+
+    def frames_appended(self, kinds: Iterable[int], owner: str = "invocation") -> None:
+        """Count journaled frames by their kind (ints on the wire, named here)."""
+        counts: dict[str, int] = {}
+        for kind in kinds:
+            name = FRAME_KIND_NAMES.get(kind, str(kind))
+            counts[name] = counts.get(name, 0) + 1
+        for name, n in counts.items():
+            self.frames.labels(kind=name, owner=owner).inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,6 +15,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.server import authz, http
 from dreamlake.lakeshore.server.authz import Caller
@@ -170,6 +171,7 @@ async def topic_post(ctx: Context, topic: str, body: dict[str, Any]) -> dict[str
     final = field(body, "final", bool, default=False)
     frame = await ctx.call(ctx.store.topic_append, topic, payload, final)
     ctx.wake.notify(f"topic:{topic}")
+    ctx.metrics.frames_appended((wire.FRAME_END if frame.final else wire.FRAME_VALUE,), owner="topic")
     if ctx.fanout is not None:
         # Row first (above), then live publish; a fan-out failure never fails the post.
         try:

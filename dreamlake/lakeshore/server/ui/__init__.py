@@ -1,5 +1,6 @@
 """The dashboard ``lakeshore server`` serves at ``/ui``: queues, workers, invocations, one
-invocation's timeline with its live stream, and cancel.
+invocation's timeline with its live output (the LOG frames: stdout and stderr) and live stream (the
+other frames), and cancel.
 
 Server-rendered HTML: Jinja2 templates (``templates/``, autoescaped) over the same reads as the
 operator routes (``server.ops``), so the scoping is the same: an admin sees every namespace, a
@@ -47,6 +48,8 @@ COOKIE = "lakeshore_session"
 SESSION_S = 12 * 3600
 FORM_LIMIT = 8 * 1024
 FRAMES_SHOWN = 200
+LOG_KINDS = ("log", "stderr")  # LOG frames: the Output panel, not the stream table
+OUTPUT_SHOWN = 64 * 1024  # characters of one LOG frame the Output panel shows
 HEALTHY_S = 30.0  # seen this recently: "ok" (nymph heartbeats every 10 s); then "late", then "gone"
 SINCE_CHOICES = {"10m": 600, "1h": 3600, "1d": 86400, "7d": 7 * 86400}
 _CSRF_CONTEXT = b"lakeshore-ui-csrf-v1"
@@ -113,8 +116,20 @@ def frame_view(data: bytes) -> dict[str, Any]:
         "seq": frame.seq,
         "kind": kind,
         "preview": preview[:500],
+        "text": preview[:OUTPUT_SHOWN] if frame.kind == wire.FRAME_LOG else "",
         "at": at if isinstance(at, (int, float)) else None,
     }
+
+
+def _runs(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive LOG frames of one stream as one piece of text (a line may span two frames)."""
+    runs: list[dict[str, Any]] = []
+    for view in output:
+        if runs and runs[-1]["kind"] == view["kind"]:
+            runs[-1] = {**runs[-1], "text": runs[-1]["text"] + view["text"]}
+        else:
+            runs.append(view)
+    return runs
 
 
 def _preview_value(body: bytes) -> str:
@@ -277,10 +292,13 @@ class Dashboard:
         last = detail["frames"]["last_seq"]
         since = -1 if last is None else max(-1, last - FRAMES_SHOWN)
         frames = await self.ctx.call(self.ctx.store.read_frames, inv, since, FRAMES_SHOWN + 1)
+        views = [frame_view(f.data) for f in frames]
         return {
             "d": detail,
-            "frames": [frame_view(f.data) for f in frames],
-            "hidden": max(0, detail["frames"]["count"] - len(frames)),
+            "frames": [v for v in views if v["kind"] not in LOG_KINDS],
+            "output": _runs([v for v in views if v["kind"] in LOG_KINDS]),
+            "hidden": max(0, detail["frames"]["count"] - len(views)),
+            "frames_shown": FRAMES_SHOWN,
             "session": session,
         }
 
