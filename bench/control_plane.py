@@ -190,14 +190,14 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def _process(cmd: list[str], port: int) -> Iterator[int]:
+def _process(cmd: list[str], port: int, stop: int = signal.SIGTERM) -> Iterator[int]:
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=None)
     try:
         _wait_port(port, proc)
         yield proc.pid
     finally:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, stop)
         try:
             proc.wait(15)
         except subprocess.TimeoutExpired:
@@ -219,13 +219,19 @@ def cpu_seconds(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def lakeshore_server(db: str, data_dir: Path, workers: int) -> Iterator[tuple[int, str, int]]:
+def lakeshore_server(
+    db: str, data_dir: Path, workers: int, profile: Path | None = None
+) -> Iterator[tuple[int, str, int]]:
+    """``lakeshore server`` in a subprocess; yields (port, admin token, pid). With ``profile``, the
+    server runs under ``bench/_sampler.py``, whose stack samples land in that file at exit."""
     port = free_port()
-    cmd = [sys.executable, "-m", "dreamlake.lakeshore.cli", "--log-level", "warning", "server"]
+    prof = [str(Path(__file__).with_name("_sampler.py")), str(profile)] if profile is not None else []
+    cmd = [sys.executable, *prof, "-m", "dreamlake.lakeshore.cli", "--log-level", "warning", "server"]
     cmd += ["--port", str(port), "--data-dir", str(data_dir), "--db", db]
     if workers > 1:
         cmd += ["--workers", str(workers)]
-    with _process(cmd, port) as pid:
+    # uvicorn re-raises the signal it stopped on: SIGINT's KeyboardInterrupt lets the sampler write
+    with _process(cmd, port, signal.SIGINT if profile is not None else signal.SIGTERM) as pid:
         time.sleep(0.5 if workers == 1 else 2.0)  # every worker accepts
         yield port, json.loads((data_dir / "tokens.json").read_text())["admin"], pid
 

@@ -19,6 +19,8 @@ Rows, all measured in the same run so a loaded machine slows them alike:
   at a time, one slot (p50 / p90, and the ratio to the bare spawn's);
 - ``throughput N slots``: a batch of noops submitted at once and awaited, invocations/s, beside
   N / (bare spawn p50) (N bare spawns in parallel, the ideal for N slots);
+- CPU ms per noop invocation over the throughput batch, by part: the server, nymph itself, and
+  nymph's children (zygotes with the tasks they reaped; spawned tasks); beside a bare spawn's CPU;
 - nymph's idle RSS and CPU time over ``--idle-s`` seconds (psutil on the nymph process).
 
 With several runners, a last table has one column per runner: bare p50, round trip p50, and the
@@ -28,6 +30,7 @@ runner's overhead over its bare floor (aim for docker / gvisor: under 10 %).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -143,13 +146,54 @@ def latency(stack: LocalStack, calls: int, bare_cmd: list[str]) -> tuple[list[fl
 
 
 def throughput(stack: LocalStack, batch: int, slots: int) -> float:
+    return throughput_cpu(stack, batch, slots)[0]
+
+
+def _cpu_s(proc: psutil.Process, *, reaped: bool) -> float:
+    """User + system CPU seconds of ``proc``; with ``reaped``, also of its children it reaped
+    (a zygote's tasks)."""
+    t = proc.cpu_times()
+    total = t.user + t.system
+    if reaped:
+        total += t.children_user + t.children_system
+    return total
+
+
+def cpu_parts(stack: LocalStack) -> dict[str, float]:
+    """CPU seconds so far of the server, nymph itself, and nymph's children (zygotes with the tasks
+    they reaped, and tasks nymph spawned and reaped)."""
+    assert stack.server is not None and stack.nymph is not None
+    server, nymph = psutil.Process(stack.server.pid), psutil.Process(stack.nymph.pid)
+    own = nymph.cpu_times()
+    kids = own.children_user + own.children_system
+    for child in nymph.children(recursive=False):
+        with contextlib.suppress(psutil.Error):
+            kids += _cpu_s(child, reaped=True)
+    return {"server": _cpu_s(server, reaped=False), "nymph": own.user + own.system, "zygote+tasks": kids}
+
+
+def throughput_cpu(stack: LocalStack, batch: int, slots: int) -> tuple[float, dict[str, float]]:
+    """Invocations/s of a batch submitted at once, and the CPU ms per invocation of each part
+    (``cpu_parts``) over the batch (the producer's threads are this process, not counted)."""
     producer = Producer(stack.url, stack.tokens["admin"])
     producer.round_trip()  # warm-up
+    before = cpu_parts(stack)
     with ThreadPoolExecutor(max(2, slots * 2)) as pool:
         t0 = time.perf_counter()
         invs = list(pool.map(lambda _: producer.submit(), range(batch)))
         list(pool.map(producer.await_, invs))
-        return batch / (time.perf_counter() - t0)
+        rate = batch / (time.perf_counter() - t0)
+    after = cpu_parts(stack)
+    return rate, {k: (after[k] - before[k]) * 1000 / batch for k in before}
+
+
+def bare_spawn_cpu_ms(cmd: list[str], n: int = 10) -> float:
+    """CPU ms of one bare spawn (its user + system time, reaped by this process)."""
+    t0 = os.times()
+    for _ in range(n):
+        subprocess.run(cmd, check=True, timeout=120)
+    t1 = os.times()
+    return ((t1.children_user - t0.children_user) + (t1.children_system - t0.children_system)) * 1000 / n
 
 
 def bare_throughput(bare_cmd: list[str], batch: int, slots: int) -> float:
@@ -205,12 +249,20 @@ def bench_runner(runner: str, opts: argparse.Namespace, python: str) -> tuple[fl
             print(f"  nymph idle over {opts.idle_s:g} s: RSS {rss:.1f} MiB, CPU {cpu * 100:.2f}% of one core")
     if slot_counts and opts.batch > 0:
         print(f"\n[{runner}] throughput, batch of {opts.batch} noops")
-        print(f"  {'slots':>5} {'nymph inv/s':>12} {'bare/s':>13} {'ratio':>7}")
+        print(
+            f"  {'slots':>5} {'nymph inv/s':>12} {'bare/s':>13} {'ratio':>7}   "
+            "CPU ms per noop: server / nymph / zygote+tasks = total (bare spawn's CPU)"
+        )
+        bare_cpu = bare_spawn_cpu_ms(bare_cmd)
         for slots in slot_counts:
             with _stack(slots, runner, opts.image) as stack:
-                rate = throughput(stack, opts.batch, slots)
+                rate, cpu = throughput_cpu(stack, opts.batch, slots)
             floor = bare_throughput(bare_cmd, opts.batch, slots)
-            print(f"  {slots:>5} {rate:>12.1f} {floor:>13.1f} {floor / rate:>6.2f}x")
+            parts = " / ".join(f"{cpu[k]:.1f}" for k in ("server", "nymph", "zygote+tasks"))
+            print(
+                f"  {slots:>5} {rate:>12.1f} {floor:>13.1f} {floor / rate:>6.2f}x   "
+                f"{parts} = {sum(cpu.values()):.1f} ({bare_cpu:.1f})"
+            )
     return statistics.median(bare), statistics.median(trips)
 
 

@@ -51,6 +51,7 @@ from dreamlake.lakeshore.errors import (
     Unauthorized,
     Unavailable,
 )
+from dreamlake.lakeshore.keepalive import KeepAlive, KeepAliveError, usable
 
 __all__ = ["MSGPACK", "PlaneClient", "error_for", "is_retryable", "retrying"]
 
@@ -155,14 +156,19 @@ class PlaneClient:
         self.url = url.rstrip("/")
         self.attempts = max(1, attempts)
         self._transport = transport
+        headers = {"Authorization": f"Bearer {token}", "Accept": MSGPACK}
+        self._timeout_s = timeout_s
         self._http = httpx.Client(
-            base_url=self.url,
-            headers={"Authorization": f"Bearer {token}", "Accept": MSGPACK},
-            timeout=_timeout(timeout_s),
-            transport=transport,
+            base_url=self.url, headers=headers, timeout=_timeout(timeout_s), transport=transport
         )
+        # ordinary requests over keep-alive http.client connections where they can (keepalive.py)
+        self._fast: KeepAlive | None = None
+        if transport is None and usable(self.url):
+            self._fast = KeepAlive(self.url, headers, connect_timeout_s=CONNECT_TIMEOUT_S)
 
     def close(self) -> None:
+        if self._fast is not None:
+            self._fast.close()
         self._http.close()
 
     @property
@@ -198,14 +204,27 @@ class PlaneClient:
             request["content"] = msgpack.packb(body, use_bin_type=True)
             request["headers"] = {"Content-Type": MSGPACK}
         if timeout_s is not None:
-            request["timeout"] = _timeout(timeout_s)
+            request["timeout_s"] = timeout_s
         policy = retrying(attempts=self.attempts if attempts is None else attempts)
         return policy(self._once, method, path, request)
 
     def _once(self, method: str, path: str, request: dict[str, Any]) -> Any:
         what = f"{method} {path}"
-        with self._translated(what):
-            resp = self._http.request(method, path, **request)
+        if self._fast is not None and "json" not in request:
+            try:
+                resp = self._fast.request(
+                    method,
+                    path,
+                    content=request.get("content"),
+                    headers=request.get("headers"),
+                    params=request.get("params"),
+                    read_timeout_s=request.get("timeout_s") or self._timeout_s,
+                )
+            except KeepAliveError as exc:
+                raise self._unreachable(what, exc) from exc
+        else:
+            with self._translated(what):
+                resp = self._http.request(method, path, **_httpx_request(request))
         if resp.status_code >= 400:
             raise self._refusal(resp, what)
         if not resp.content:
@@ -278,18 +297,21 @@ class PlaneClient:
         try:
             yield
         except httpx.TransportError as exc:
-            raise Unavailable(
-                f"cannot reach the control plane at {self.url} ({what}): {type(exc).__name__}: {exc}. "
-                + (
-                    _IN_TASK_HINT
-                    if os.environ.get("LAKESHORE_INVOCATION_ID")
-                    else "Is `lakeshore server` running there?"
-                )
-            ) from exc
+            raise self._unreachable(what, exc) from exc
         except httpx.HTTPError as exc:  # a malformed answer (bad encoding, redirect loop): try again
             raise Unavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
         except httpx.InvalidURL as exc:  # e.g. a path built from a bad name: never retried
             raise BadRequest(f"{what}: invalid URL: {exc}") from exc
+
+    def _unreachable(self, what: str, exc: BaseException) -> Unavailable:
+        return Unavailable(
+            f"cannot reach the control plane at {self.url} ({what}): {type(exc).__name__}: {exc}. "
+            + (
+                _IN_TASK_HINT
+                if os.environ.get("LAKESHORE_INVOCATION_ID")
+                else "Is `lakeshore server` running there?"
+            )
+        )
 
     def _refusal(self, resp: httpx.Response, what: str) -> PlaneError:
         status = resp.status_code
@@ -302,6 +324,14 @@ class PlaneClient:
         else:
             message = f"{what} failed with HTTP {status}: {reason}"
         return error_for(status, message, retry_after=_retry_after(resp))
+
+
+def _httpx_request(request: dict[str, Any]) -> dict[str, Any]:
+    """``request``'s fields as ``httpx.Client.request`` keywords."""
+    out = {k: v for k, v in request.items() if k != "timeout_s"}
+    if request.get("timeout_s") is not None:
+        out["timeout"] = _timeout(request["timeout_s"])
+    return out
 
 
 def _timeout(read_s: float) -> httpx.Timeout:

@@ -22,7 +22,8 @@ two pulls, and a scope the consumer opens later does not reach into the body.
   inside ``dls.scope("scenes/0007")`` and at the top level otherwise.
 * ``run.name`` -- the qualified name of the UDF body executing, else ``None``.
 
-``.submit()`` sends a call to a dispatch plane: the ``_dispatch`` argument, else the plane given to
+``.submit()`` sends a call to a dispatch plane (``.call()`` sends it and waits for its value: one
+request over HTTP): the ``_dispatch`` argument, else the plane given to
 ``@udf(dispatch=...)``, else the process default of :func:`set_default_dispatch`, else an
 ``HttpDispatch(url, token)`` built once from ``LAKESHORE_URL`` / ``LAKESHORE_TOKEN`` or the config
 file (``dreamlake.lakeshore.settings``). Nothing else is built implicitly.
@@ -391,6 +392,16 @@ class Thunk(_ThunkFields):
         )
         return inv
 
+    def call(self, dispatch: Plane | None = None, timeout: float = 60.0) -> Any:
+        """Send the call and wait for its value (DispatchError when it failed, TimeoutError when
+        still pending after ``timeout`` s). Over HTTP, submit and wait are one request."""
+        from dreamlake.lakeshore.queue import SyncQueue
+
+        plane = dispatch or self.udf.dispatch or get_default_dispatch()
+        envelope = self.to_envelope(plane)
+        q = SyncQueue(self.queue, dispatch=plane)
+        return q.call(envelope.to_bytes(), self.run_config(), self.parent, timeout)
+
 
 class UDF:
     """A function decorated with ``@dls.udf``: call it locally, or ``submit()`` it to a plane."""
@@ -481,6 +492,21 @@ class UDF:
     ) -> str:
         """Send a call to a plane; returns the invocation id (a ULID string)."""
         return self.thunk(*args, _queue=_queue, _priority=_priority, _key=_key, **kwargs).submit(_dispatch)
+
+    def call(
+        self,
+        *args: Any,
+        _dispatch: Plane | None = None,
+        _queue: str | None = None,
+        _priority: float | None = None,
+        _key: str | None = None,
+        _timeout: float = 60.0,
+        **kwargs: Any,
+    ) -> Any:
+        """Send a call to a plane and wait for its value (a generator's: its return value); over
+        HTTP one request submits and waits (the warm path's short calls)."""
+        thunk = self.thunk(*args, _queue=_queue, _priority=_priority, _key=_key, **kwargs)
+        return thunk.call(_dispatch, _timeout)
 
     def __repr__(self) -> str:
         kind = "generator " if self.is_generator else ""

@@ -231,13 +231,31 @@ class SyncQueue:
 
     def result(self, inv: str, timeout: float = RESULT_TIMEOUT_S) -> Any:
         """The return value; DispatchError when the invocation failed; TimeoutError when pending."""
-        from dreamlake.lakeshore import wire
-
         inv = ids.validate(inv, "invocation id")
         deadline = time.monotonic() + _check_timeout(timeout)
+        return self._settle(inv, None, deadline, timeout)
+
+    def call(self, envelope: bytes, run_config: dict[str, Any], parent: str | None, timeout: float) -> Any:
+        """Submit ``envelope`` to this queue and wait for its value (``Thunk.call``): one request
+        on a plane that submits and waits at once (the HTTP plane's ``submit_and_wait``), else a
+        submit, then ``result``."""
+        deadline = time.monotonic() + _check_timeout(timeout)
+        plane = self.dispatch
+        submit_and_wait = getattr(plane, "submit_and_wait", None)
+        if submit_and_wait is None:
+            inv = plane.submit(envelope, self.name, run_config, parent)
+            return self._settle(inv, None, deadline, timeout)
+        inv, out = submit_and_wait(envelope, self.name, run_config, parent, timeout)
+        return self._settle(inv, out, deadline, timeout)
+
+    def _settle(self, inv: str, out: dict[str, Any] | None, deadline: float, timeout: float) -> Any:
+        """The value of ``inv`` from the await answer ``out`` (None: await first), awaiting again
+        until ``deadline`` while it is pending."""
+        from dreamlake.lakeshore import wire
+
         while True:
-            left = deadline - time.monotonic()
-            out = self.dispatch.await_result(inv, max(left, 0.0))
+            if out is None:
+                out = self.dispatch.await_result(inv, max(deadline - time.monotonic(), 0.0))
             state = out.get("state")
             if state == "succeeded":
                 blob = out.get("result_blob")
@@ -254,6 +272,7 @@ class SyncQueue:
                     f"invocation {inv} is still {state or 'pending'} after {timeout} s; "
                     f"call result() again with a longer timeout, or check status(){hint}"
                 )
+            out = None
 
     def status(self, inv: str) -> dict[str, Any]:
         """The invocation's record: state, queue, priority, attempt, times, error, and (over HTTP)

@@ -7,8 +7,8 @@ the local SQLite plane, False on any HTTP plane). A refused pickle is acked ``fa
 ``PickleRefused`` type.
 
 A generator job appends a VALUE frame per yield while it runs, then END with the return value (or
-ERROR with ``{type, message, traceback}``), and then acks. A heartbeat thread renews the lease of
-a long job and collects cancels, the same way on both planes: heartbeat answers carry them
+ERROR with ``{type, message, traceback}``), and then acks. One heartbeat thread, for the worker's
+life, renews the leases it holds (a long job's, and those claimed ahead of it) and collects cancels, the same way on both planes: heartbeat answers carry them
 (``Plane.heartbeat``), and a cancel an HTTP poll delivered while the worker was idle is kept by
 the plane for the next heartbeat, never dropped. A cancel stops a generator job at its next yield
 (ERROR frame ``{type: "Cancelled"}``); a plain call cannot be interrupted in process, so when a
@@ -16,6 +16,12 @@ cancel arrived while it ran its result is discarded. Either way the outcome is a
 with ``{type: "Cancelled", message: "cancelled by producer"}``. On the local plane the heartbeat
 thread also wakes as soon as a cancel is queued for the worker (``Dispatch.wait_commands``), so
 a cancel lands within milliseconds rather than at the next beat.
+
+The warm path (HTTP plane): the worker's requests share one keep-alive connection; each poll claims
+up to ``prefetch`` invocations and carries the acks of the jobs run since the previous poll (each
+ack group-committed with that poll's first pass, and its waiting producer answered at that commit), so a short call costs
+the worker one request. An ack still waiting for the next poll when the worker stops is sent on
+its own.
 """
 
 from __future__ import annotations
@@ -60,20 +66,36 @@ def _error_info(exc: BaseException) -> dict[str, Any]:
 
 
 class _Heartbeat:
-    """Renews the running job's lease and notices cancels, on a daemon thread."""
+    """Renews the leases the worker holds and notices cancels, on one daemon thread for the
+    worker's life (a short call pays no thread of its own). ``hold`` adds claims (the one running
+    and those claimed ahead of it), ``release`` drops one once acked."""
 
-    def __init__(self, plane: Plane, worker_id: str, claim: Claim, every_s: float) -> None:
-        self.cancelled = threading.Event()
+    def __init__(self, plane: Plane, worker_id: str, every_s: float) -> None:
+        self._held: dict[str, Claim] = {}
+        self._cancelled: set[str] = set()
+        self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._args = (plane, worker_id, claim, every_s)
-        self._thread = threading.Thread(
-            target=self._loop, name=f"heartbeat-{claim.invocation_id}", daemon=True
-        )
+        self._args = (plane, worker_id, every_s)
+        self._thread = threading.Thread(target=self._loop, name=f"heartbeat-{worker_id}", daemon=True)
         self._thread.start()
+
+    def hold(self, *claims: Claim) -> None:
+        with self._lock:
+            for claim in claims:
+                self._held[claim.invocation_id] = claim
+
+    def release(self, invocation_id: str) -> None:
+        with self._lock:
+            self._held.pop(invocation_id, None)
+            self._cancelled.discard(invocation_id)
+
+    def cancelled(self, invocation_id: str) -> bool:
+        with self._lock:
+            return invocation_id in self._cancelled
 
     def _wait(self) -> bool:
         """Wait for the next beat (or, on a plane that can say so, a queued command); True: stop."""
-        plane, worker_id, _claim, every_s = self._args
+        plane, worker_id, every_s = self._args
         wait_commands = getattr(plane, "wait_commands", None)
         if wait_commands is None:
             return self._stop.wait(every_s)
@@ -85,16 +107,22 @@ class _Heartbeat:
         return True
 
     def _loop(self) -> None:
-        plane, worker_id, claim, _every_s = self._args
+        plane, worker_id, _every_s = self._args
         while not self._wait():
-            try:
-                cancels = plane.heartbeat(worker_id, [(claim.invocation_id, claim.attempt)])
-            except Exception as exc:  # a missed beat is retried on the next one
-                log.warning("heartbeat for %s failed: %s", claim.invocation_id, exc)
+            with self._lock:
+                running = [(c.invocation_id, c.attempt) for c in self._held.values()]
+            if not running:
                 continue
-            if claim.invocation_id in cancels:
-                log.info("cancel received for %s", claim.invocation_id)
-                self.cancelled.set()
+            try:
+                cancels = plane.heartbeat(worker_id, running)
+            except Exception as exc:  # a missed beat is retried on the next one
+                log.warning("heartbeat for %s failed: %s", ", ".join(i for i, _ in running), exc)
+                continue
+            with self._lock:
+                for inv in cancels:
+                    if inv in self._held:
+                        log.info("cancel received for %s", inv)
+                        self._cancelled.add(inv)
 
     def stop(self) -> None:
         self._stop.set()
@@ -104,12 +132,16 @@ class _Heartbeat:
 class _Job:
     """One claimed invocation: decode, gate, call, journal, ack."""
 
-    def __init__(self, plane: Plane, worker_id: str, claim: Claim, allow_pickled: bool, policy: str) -> None:
+    def __init__(
+        self, plane: Plane, worker_id: str, claim: Claim, allow_pickled: bool, policy: str, later: bool
+    ) -> None:
         self.plane, self.worker_id, self.claim = plane, worker_id, claim
         self.allow_pickled, self.policy = allow_pickled, policy
+        self.later = later  # the ack rides on the next poll (``HttpDispatch.claim_batch``)
         self.seq = 0
 
     def ack(self, state: str, result_blob: bytes | None = None, error: dict[str, Any] | None = None) -> None:
+        kwargs: dict[str, Any] = {"later": True} if self.later else {}
         ok = self.plane.ack(
             self.claim.invocation_id,
             state,
@@ -117,6 +149,7 @@ class _Job:
             worker_id=self.worker_id,
             result_blob=result_blob,
             error=error,
+            **kwargs,
         )
         if not ok:
             log.warning("ack %s of %s was refused (superseded or cancelled)", state, self.claim.invocation_id)
@@ -166,7 +199,7 @@ class _Job:
         try:
             if not is_gen:
                 blob = wire.pack(fn(*args, **kwargs))
-                if heartbeat.cancelled.is_set():
+                if heartbeat.cancelled(inv):
                     raise _Cancelled()  # the producer no longer wants this result
             else:
                 blob = self._drain(fn(*args, **kwargs), heartbeat)
@@ -193,8 +226,9 @@ class _Job:
         from dreamlake.lakeshore import wire
 
         try:
+            inv = self.claim.invocation_id
             while True:
-                if heartbeat.cancelled.is_set():
+                if heartbeat.cancelled(inv):
                     gen.close()
                     raise _Cancelled()
                 value = next(gen)
@@ -216,12 +250,19 @@ def run_worker(
     worker_id: str | None = None,
     stop: threading.Event | None = None,
     heartbeat_s: float = HEARTBEAT_S,
+    prefetch: int = 1,
 ) -> str | None:
     """Claim and run invocations of ``queue`` in this process.
 
     ``once=True`` runs exactly one job, waiting up to ``poll_timeout`` seconds for one to be queued,
     and returns its final state (``None`` when none came). Otherwise it loops, long-polling for
     ``poll_timeout`` at a time, until ``stop`` is set (or KeyboardInterrupt), and returns None.
+
+    The warm path, on a plane that offers it (the HTTP plane's ``claim_batch``): one long-lived
+    connection carries the loop, each poll claims up to ``prefetch`` invocations (run one after
+    another, their leases renewed meanwhile) and carries the acks of the ones run since the last
+    poll, so a short call costs the worker one request. ``prefetch`` > 1 suits many short calls;
+    keep 1 for long ones (an invocation claimed ahead waits for the ones before it).
     """
     from dreamlake.lakeshore.queue import SyncQueue
 
@@ -231,22 +272,41 @@ def run_worker(
         raise ValueError(f"unknown runtime_policy {runtime_policy!r}: use 'strict', 'minor' or 'off'")
     if not poll_timeout > 0:
         raise ValueError(f"poll_timeout must be a positive number of seconds, got {poll_timeout!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+        raise ValueError(f"prefetch must be an int >= 1, got {prefetch!r}")
     allow = plane.trusted if allow_pickled is None else bool(allow_pickled)
     wid = worker_id or ids.new_ulid()
+    claim_batch = getattr(plane, "claim_batch", None)
+    later = claim_batch is not None and not once
     log.info("worker %s on queue %s (allow_pickled=%s, policy=%s)", wid, q.name, allow, runtime_policy)
-    while stop is None or not stop.is_set():
-        claim = plane.claim(wid, [q.name], poll_timeout)
-        if claim is None:
-            if once:
-                return None
-            continue
-        log.info("running %s (attempt %s)", claim.invocation_id, claim.attempt)
-        heartbeat = _Heartbeat(plane, wid, claim, heartbeat_s)
-        try:
-            state = _Job(plane, wid, claim, allow, runtime_policy).run(heartbeat)
-        finally:
-            heartbeat.stop()
-        log.info("%s %s", claim.invocation_id, state)
-        if once:
-            return state
-    return None
+    heartbeat = _Heartbeat(plane, wid, heartbeat_s)
+    try:
+        while stop is None or not stop.is_set():
+            if claim_batch is not None:
+                claims = claim_batch(wid, [q.name], poll_timeout, 1 if once else prefetch)
+            else:
+                one = plane.claim(wid, [q.name], poll_timeout)
+                claims = [] if one is None else [one]
+            if not claims:
+                if once:
+                    return None
+                continue
+            heartbeat.hold(*claims)
+            for claim in claims:
+                log.debug("running %s (attempt %s)", claim.invocation_id, claim.attempt)
+                try:
+                    state = _Job(plane, wid, claim, allow, runtime_policy, later).run(heartbeat)
+                finally:
+                    heartbeat.release(claim.invocation_id)
+                log.debug("%s %s", claim.invocation_id, state)
+                if once:
+                    return state
+        return None
+    finally:
+        heartbeat.stop()
+        flush = getattr(plane, "flush_acks", None)
+        if later and flush is not None:
+            try:
+                flush(wid)
+            except Exception as exc:  # the plane is gone: the leases lapse and the jobs run again
+                log.warning("worker %s: the acks queued for the next poll were not sent: %s", wid, exc)

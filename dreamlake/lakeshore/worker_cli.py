@@ -47,6 +47,13 @@ def worker() -> None:
     show_default=True,
     help="Long-poll seconds.",
 )
+@click.option(
+    "--prefetch",
+    type=click.IntRange(min=1, max=256),
+    default=1,
+    show_default=True,
+    help="Invocations claimed per poll and run one after another (more for many short calls).",
+)
 def start(
     server: str,
     token: str,
@@ -55,6 +62,7 @@ def start(
     runtime_policy: str,
     once: bool,
     poll_timeout: float,
+    prefetch: int,
 ) -> None:
     """Claim and run invocations of QUEUE until interrupted (or one, with --once)."""
     from dreamlake.lakeshore.dispatch.http import HttpDispatch
@@ -75,6 +83,7 @@ def start(
             runtime_policy=runtime_policy,
             poll_timeout=poll_timeout,
             stop=stop,
+            prefetch=prefetch,
         )
     except KeyboardInterrupt:
         stop.set()

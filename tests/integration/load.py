@@ -2,7 +2,7 @@
 
 ``server_process`` runs ``lakeshore server`` (its own process group, so ``kill -9`` reaches every
 worker of ``--workers N``); :class:`Load` runs producers and daemons in threads that record every
-submit and ack the server confirmed with a 200.
+submit, ack (and, with ``frames``, batch of frames) the server confirmed with a 200.
 """
 
 from __future__ import annotations
@@ -73,9 +73,18 @@ class Load:
     records what the server confirmed with a 200."""
 
     def __init__(
-        self, url: str, token: str, *, producers: int = 3, daemons: int = 2, queue: str = "load"
+        self,
+        url: str,
+        token: str,
+        *,
+        producers: int = 3,
+        daemons: int = 2,
+        queue: str = "load",
+        frames: int = 0,
     ) -> None:
         self.url, self.token, self.queue = url, token, queue
+        self.frames = frames  # a daemon posts this many frames (one result-chunks batch) before its ack
+        self.framed: dict[str, int] = {}  # invocation -> frames the server confirmed journaled
         self.submitted: set[str] = set()
         self.acked: list[str] = []  # one entry per ack the server took (ok, not a duplicate)
         self.lock = threading.Lock()
@@ -106,6 +115,8 @@ class Load:
                 r = c.post("/v1/daemon/poll", content=msgpack.packb(poll))
                 for cmd in msgpack.unpackb(r.content)["commands"] if r.status_code == 200 else []:
                     body = cmd["body"]
+                    if self.frames and not self._post_frames(c, worker, body):
+                        continue
                     ack = {
                         "invocation_id": body["invocation_id"],
                         "state": "succeeded",
@@ -117,6 +128,19 @@ class Load:
                     if r.status_code == 200 and not msgpack.unpackb(r.content).get("duplicate"):
                         with self.lock:
                             self.acked.append(body["invocation_id"])
+
+    def _post_frames(self, c: httpx.Client, worker: str, body: dict[str, Any]) -> bool:
+        from dreamlake.lakeshore import wire
+
+        inv = body["invocation_id"]
+        frames = [wire.encode_frame(wire.FRAME_VALUE, s, wire.pack(s), {}) for s in range(self.frames)]
+        batch = {"invocation_id": inv, "attempt": body["attempt"], "worker_id": worker, "frames": frames}
+        r = c.post("/v1/daemon/result-chunks", content=msgpack.packb(batch))
+        if r.status_code != 200:
+            return False
+        with self.lock:
+            self.framed[inv] = self.frames
+        return True
 
     def stop_producing(self) -> None:
         """Stop the producers (the daemons go on draining); waits for them to finish."""

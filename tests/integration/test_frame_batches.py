@@ -9,6 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
 import pytest
 
 from dreamlake.lakeshore import wire
@@ -101,6 +102,51 @@ def test_a_batch_from_another_attempt_or_worker_is_refused(control_plane: Contro
     status, out = _batch(cp, new_ulid(), worker, [0])
     assert status == 404
     assert cp.store.read_frames(inv) == []
+
+
+def _written_batches(cp: ControlPlane) -> float:
+    """How many writes the group commit took so far (``lakeshore_write_batch_size``'s sum)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    resp = httpx.get(cp.url + "/metrics", headers={"Authorization": f"Bearer {cp.admin_token}"})
+    assert resp.status_code == 200
+    for family in text_string_to_metric_families(resp.text):
+        if family.name == "lakeshore_write_batch_size":
+            return sum(s.value for s in family.samples if s.name.endswith("_sum"))
+    raise AssertionError("no lakeshore_write_batch_size histogram on /metrics")
+
+
+def test_batches_and_acks_of_many_invocations_at_once_go_through_the_group_commit(
+    control_plane: ControlPlane,
+) -> None:
+    """Daemons posting batches and acking concurrently: every batch and ack is answered 200 once
+    written by the group commit (counted by its histogram), every journal is whole and in order
+    and every invocation ends succeeded."""
+    cp = control_plane
+    claimed = [_claimed(cp) for _ in range(12)]
+    before = _written_batches(cp)
+
+    def one(inv: str, worker: str) -> None:
+        for seqs in ([0], [1, 2, 3], [3, 4, 5], [6, 7]):
+            status, out = _batch(cp, inv, worker, seqs, kinds={7: wire.FRAME_END})
+            assert status == 200 and out["ok"] is True, out
+        ack = {
+            "invocation_id": inv,
+            "state": "succeeded",
+            "result_blob": b"\xc0",
+            "worker_id": worker,
+            "attempt": 1,
+        }
+        assert cp.daemon("/v1/daemon/ack", ack) == (200, {"ok": True})
+
+    with ThreadPoolExecutor(6) as pool:
+        for f in [pool.submit(one, inv, worker) for inv, worker in claimed]:
+            f.result()
+    assert _written_batches(cp) - before >= len(claimed) * 5  # 4 batches and an ack each
+    for inv, _worker in claimed:
+        assert [(f.seq, f.final) for f in cp.store.read_frames(inv)] == [(s, s == 7) for s in range(8)]
+        got = cp.store.get(inv)
+        assert got is not None and got.state == "succeeded"
 
 
 @pytest.mark.parametrize(

@@ -26,8 +26,12 @@ from dreamlake.lakeshore.store.api import (
     AckResult,
     ChunkResult,
     FrameRequest,
+    FramesRequest,
+    FramesResult,
     HeartbeatRequest,
     HeartbeatResult,
+    PollRequest,
+    PollResult,
     SubmitRequest,
     SubmitResult,
     WriteRequest,
@@ -190,6 +194,91 @@ def test_lease_and_order_checks_hold_per_write_of_a_batch(store: SqlStore) -> No
     assert isinstance(ack_other, AckResult) and (ack_other.ok, ack_other.status) == (False, ANOTHER_WORKER)
     assert ack == AckResult(ok=True, state="succeeded")
     assert [f.data for f in store.read_frames(inv)] == [b"a", b"end"]
+
+
+def test_frame_batches_in_one_commit_keep_order_duplicates_and_lease_checks(store: SqlStore) -> None:
+    """Batches of ``result-chunks`` as writes of one group commit: each sees the journal as the
+    writes before it in the transaction left it (order, per-seq duplicates, the first-frame batch
+    of one), another worker's and a superseded attempt's batch are refused whole, a batch after
+    the ack is refused, and the other writes of the transaction commit."""
+    (a, att_a), (b, att_b) = _running(store, 2)
+
+    def batch(inv: str, seqs: list[int], *, attempt: int, worker: str = "w", end: int = -1) -> FramesRequest:
+        return FramesRequest(inv, attempt, [(s, f"{inv[-4:]}{s}".encode(), s == end) for s in seqs], worker)
+
+    results = store.write_batch(
+        [
+            batch(a, [0], attempt=att_a),  # the first frame, alone
+            batch(a, [1, 2, 3], attempt=att_a),
+            batch(b, [0, 1], attempt=att_b, worker="other"),  # another worker: refused whole
+            batch(a, [2, 3, 4, 4], attempt=att_a),  # a retry overlapping the journal
+            batch(b, [0, 1], attempt=att_b + 1),  # superseded: refused whole
+            batch(a, [6, 7], attempt=att_a),  # a gap: refused, expected 5
+            batch(b, [0, 1, 2], attempt=att_b, end=2),
+            AckRequest(b, "succeeded", attempt=att_b, worker_id="w"),
+            batch(b, [3], attempt=att_b),  # after the ack: the lease is gone
+            _submit(),
+        ]
+    )
+    first, more, other, retry, old, gap, b_frames, ack, late, sub = results
+    answers = [
+        [(c.seq, c.duplicate) for c in r.results if c.ok] if isinstance(r, FramesResult) else r
+        for r in (first, more, retry, b_frames)
+    ]
+    assert answers == [
+        [(0, False)],
+        [(1, False), (2, False), (3, False)],
+        [(2, True), (3, True), (4, False), (4, True)],
+        [(0, False), (1, False), (2, False)],
+    ]
+    assert isinstance(other, FramesResult) and {(c.ok, c.status) for c in other.results} == {
+        (False, ANOTHER_WORKER)
+    }
+    assert isinstance(old, FramesResult) and {(c.ok, c.status) for c in old.results} == {(False, SUPERSEDED)}
+    assert isinstance(gap, FramesResult)
+    assert [(c.ok, c.status, c.expected_seq) for c in gap.results] == [(False, OUT_OF_ORDER, 5)] * 2
+    assert ack == AckResult(ok=True, state="succeeded")
+    assert isinstance(late, FramesResult) and not any(c.ok for c in late.results)
+    assert isinstance(sub, SubmitResult)
+    assert [(f.seq, f.data) for f in store.read_frames(a)] == [(s, f"{a[-4:]}{s}".encode()) for s in range(5)]
+    assert [(f.seq, f.final) for f in store.read_frames(b)] == [(0, False), (1, False), (2, True)]
+
+
+def test_a_malformed_frame_batch_is_refused_before_the_commit(store: SqlStore) -> None:
+    ((inv, attempt),) = _running(store, 1)
+    bad = FramesRequest(inv, attempt, [(0, b"a", False), (-1, b"b", False)], "w")
+    topic = FramesRequest("topic:t", 1, [(0, b"a", False)], "w")
+    good = FramesRequest(inv, attempt, [(0, b"a", False)], "w")
+    results = store.write_batch([bad, topic, good])
+    assert [getattr(r, "status", None) for r in results[:2]] == [400, 400]
+    assert isinstance(results[2], FramesResult) and results[2].results == [ChunkResult(ok=True, seq=0)]
+    assert [f.seq for f in store.read_frames(inv)] == [0]
+
+
+def test_a_poll_pass_in_a_batch_claims_what_the_batch_submitted_and_acks_commit_with_it(
+    store: SqlStore,
+) -> None:
+    """A poll pass is a write of the group commit: a submit of the same batch (applied first) is
+    claimed by it, an ack of the same batch frees the worker's earlier job, each answered alone."""
+    ((held, attempt),) = _running(store, 1)
+    fresh = new_ulid()
+    store.pin_version("default", "9.9.9")
+    results = store.write_batch(
+        [
+            AckRequest(held, "succeeded", attempt=attempt, worker_id="w"),
+            PollRequest("w", ["q"], limit=4, exec_jobs=False),
+            _submit(fresh),
+            PollRequest("other", ["q"], limit=4, exec_jobs=False),  # nothing left for it
+        ]
+    )
+    ack, polled, submitted, empty = results
+    assert ack == AckResult(ok=True, state="succeeded")
+    assert isinstance(submitted, SubmitResult) and submitted.invocation_id == fresh
+    assert isinstance(polled, PollResult) and [i.invocation_id for i in polled.invocations] == [fresh]
+    assert polled.invocations[0].attempt == 1 and polled.pinned_version == "9.9.9"
+    assert isinstance(empty, PollResult) and empty.invocations == []
+    got = store.get(fresh)
+    assert got is not None and (got.state, got.worker_id) == ("running", "w")
 
 
 def test_a_malformed_write_answers_its_own_error(store: SqlStore) -> None:

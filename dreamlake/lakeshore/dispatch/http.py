@@ -71,6 +71,7 @@ class HttpDispatch:
         self._registered: set[str] = set()
         self._cancels: dict[str, dict[str, bool]] = {}  # worker id -> cancels a poll delivered
         self._frames = FrameWriter(self._write_frames)
+        self._later: dict[str, list[dict[str, Any]]] = {}  # worker id -> acks for its next poll
 
     def _call(self, method: str, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
         """One request, retried on transient failures; ``timeout`` is a server-side wait to outlast."""
@@ -82,6 +83,24 @@ class HttpDispatch:
     def submit(
         self, envelope: bytes, queue: str, run_config: dict[str, Any], parent: str | None = None
     ) -> str:
+        return self._submit(envelope, queue, run_config, parent, None)[0]
+
+    def submit_and_wait(
+        self, envelope: bytes, queue: str, run_config: dict[str, Any], parent: str | None, timeout: float
+    ) -> tuple[str, dict[str, Any]]:
+        """Submit and await in one request (``submit`` with ``wait_s``): the invocation id and the
+        await answer after up to ``timeout`` s (``{state: pending}`` when not yet terminal)."""
+        inv, out = self._submit(envelope, queue, run_config, parent, max(0.0, timeout))
+        return inv, dict(out.get("outcome") or {"state": "pending"})
+
+    def _submit(
+        self,
+        envelope: bytes,
+        queue: str,
+        run_config: dict[str, Any],
+        parent: str | None,
+        wait_s: float | None,
+    ) -> tuple[str, dict[str, Any]]:
         from dreamlake.lakeshore.envelope import Envelope
 
         body: dict[str, Any] = {
@@ -94,12 +113,14 @@ class HttpDispatch:
         }
         if parent:
             body["parent_invocation_id"] = parent
-        out = self._call("POST", "/v1/producer/submit", body)
+        if wait_s is not None:
+            body["wait_s"] = wait_s
+        out = self._call("POST", "/v1/producer/submit", body, timeout=wait_s)
         warning = out.get("warning")
         if warning and (self.url, queue) not in _WARNED:  # "no worker has polled queue ...": once
             _WARNED.add((self.url, queue))
             log.warning("%s", warning)
-        return str(out["invocation_id"])
+        return str(out["invocation_id"]), out
 
     def status(self, invocation_id: str) -> dict[str, Any]:
         inv = ids.validate(invocation_id, "invocation id")
@@ -195,6 +216,13 @@ class HttpDispatch:
         self._registered.add(worker_id)
 
     def claim(self, worker_id: str, queues: list[str], timeout: float) -> Claim | None:
+        got = self.claim_batch(worker_id, queues, timeout, 1)
+        return got[0] if got else None
+
+    def claim_batch(self, worker_id: str, queues: list[str], timeout: float, limit: int) -> list[Claim]:
+        """Up to ``limit`` invocations in one long poll (waiting up to ``timeout`` for the first),
+        carrying the acks queued by ``ack(..., later=True)``: one request answers those acks (each
+        committed with the poll's first pass) and hands out the next work."""
         from dreamlake.lakeshore import __version__
 
         if worker_id not in self._registered:
@@ -202,30 +230,49 @@ class HttpDispatch:
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
             left = max(0.0, deadline - time.monotonic())
-            body = {
+            body: dict[str, Any] = {
                 "worker_id": worker_id,
                 "queues": list(queues),
-                "max": 1,
+                "max": max(1, int(limit)),
                 "kinds": ["run"],  # this worker cannot run exec jobs: never claim one
                 "timeout_s": left,
                 "version": __version__,
             }
-            out = self._call("POST", "/v1/daemon/poll", body, timeout=left)
+            acks = self._later.pop(worker_id, [])
+            if acks:
+                body["acks"] = acks
+            try:
+                out = self._call("POST", "/v1/daemon/poll", body, timeout=left)
+            except BaseException:
+                if acks:  # not known to have landed: they go again, first (an ack is idempotent)
+                    self._later.setdefault(worker_id, [])[:0] = acks
+                raise
+            for answer in out.get("acked") or []:
+                if not answer.get("ok"):
+                    log.warning(
+                        "ack of %s refused (%s): %s",
+                        answer.get("invocation_id"),
+                        answer.get("status"),
+                        answer.get("error"),
+                    )
+            claims: list[Claim] = []
             for cmd in out.get("commands") or []:
                 if cmd.get("kind") == "run":
                     b = cmd["body"]
-                    return Claim(
-                        b["invocation_id"],
-                        b["args_blob"],
-                        dict(b.get("run_config") or {}),
-                        int(b.get("attempt") or 1),
+                    claims.append(
+                        Claim(
+                            b["invocation_id"],
+                            b["args_blob"],
+                            dict(b.get("run_config") or {}),
+                            int(b.get("attempt") or 1),
+                        )
                     )
-                if cmd.get("kind") == "cancel":
+                elif cmd.get("kind") == "cancel":
                     self._keep_cancel(worker_id, str((cmd.get("body") or {}).get("invocation_id", "")))
                 else:
                     log.warning("worker %s ignoring a %s command", worker_id, cmd.get("kind"))
-            if time.monotonic() >= deadline:
-                return None
+            if claims or time.monotonic() >= deadline:
+                return claims
 
     def append_frame(
         self, invocation_id: str, seq: int, data: bytes, final: bool, attempt: int, *, worker_id: str
@@ -254,7 +301,11 @@ class HttpDispatch:
         worker_id: str,
         result_blob: bytes | None = None,
         error: dict[str, Any] | None = None,
+        later: bool = False,
     ) -> bool:
+        """Record the outcome (after the invocation's frames). ``later``: queue it for the
+        worker's next ``claim_batch`` instead of a request of its own (True: queued; a refusal
+        is logged when that poll answers); ``flush_acks`` sends what is queued."""
         try:
             self._frames.flush(invocation_id)  # the ack follows its frames
         except PlaneError as exc:
@@ -268,12 +319,23 @@ class HttpDispatch:
             "worker_id": worker_id,
             "attempt": attempt,
         }
+        if later:
+            self._later.setdefault(worker_id, []).append({k: v for k, v in body.items() if k != "worker_id"})
+            return True
         try:
             self._call("POST", "/v1/daemon/ack", body)
         except Conflict as exc:
             log.warning("ack of %s refused: %s", invocation_id, exc)
             return False
         return True
+
+    def flush_acks(self, worker_id: str) -> None:
+        """Send the acks ``ack(..., later=True)`` queued for ``worker_id``, each in its own request."""
+        for body in self._later.pop(worker_id, []):
+            try:
+                self._call("POST", "/v1/daemon/ack", {**body, "worker_id": worker_id})
+            except Conflict as exc:
+                log.warning("ack of %s refused: %s", body["invocation_id"], exc)
 
     def heartbeat(self, worker_id: str, running: list[tuple[str, int]]) -> list[str]:
         body = {

@@ -18,6 +18,7 @@ from dreamlake.lakeshore.server.http import HTTPError
 from dreamlake.lakeshore.server.hub import StoreRunner, Wakeups
 from dreamlake.lakeshore.server.liveness import QueueWatch
 from dreamlake.lakeshore.server.metrics import Metrics
+from dreamlake.lakeshore.server.outcomes import AcksInFlight
 from dreamlake.lakeshore.server.polls import PollHub
 from dreamlake.lakeshore.server.tasks import TaskTokens
 from dreamlake.lakeshore.server.writer import GroupWriter
@@ -71,6 +72,7 @@ class Context:
             lambda: float(self.polls.relay is not None and self.polls.relay.listening)
         )
         self.auth = Authenticator(self._verify)
+        self.acks = AcksInFlight()
         self.writer = GroupWriter(self.store, observe=self.metrics.write_batch.observe)
         self.workers = WorkerBindings(lambda worker, token: self.call(self.store.bind_worker, worker, token))
         self.queues = QueueWatch()

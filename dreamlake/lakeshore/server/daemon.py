@@ -1,7 +1,7 @@
 """Daemon routes (msgpack): register, poll, ack, result-chunk, result-chunks and heartbeat.
 
-``result-chunks`` takes many frames of one attempt in one request and journals them in one
-transaction (``store.append_frames``), answering per seq (stored or duplicate); the frames that
+``result-chunks`` takes many frames of one attempt in one request and journals them through the
+group commit (a ``FramesRequest``: many requests' batches in one transaction), answering per seq (stored or duplicate); the frames that
 were new are then published to the live fan-out in one call. ``result-chunk`` is the seed's
 one-frame form. The ack pokes the invocation's live followers, so a stream that ends without a
 final frame (a plain call, a failure before the first frame) ends at once.
@@ -14,16 +14,19 @@ is logged. Frames must come in order (the store refuses a gap, or a frame after 
 with ``expected_seq``). A daemon token bound to a namespace registers and claims in it only.
 
 ``poll`` is a long poll: each pass collects pending cancels, claims invocations and exec jobs in
-one store transaction (``store.poll_pass``, which also reads the pinned nymph version); with
+one transaction of the group commit (a ``PollRequest``, which also reads the pinned nymph
+version; its claims commit with the submits and acks of the same batch); with
 nothing to hand out it waits in the poll hub (``server/polls.py``), which wakes one waiting poll per
 unit of new work (and every poll of a worker with a command queued), so a submit costs one claim
-transaction, not one per waiting daemon. ``ack``, ``result-chunk`` and ``heartbeat`` write through
+transaction, not one per waiting daemon. ``ack``, ``result-chunk``, ``result-chunks`` and
+``heartbeat`` write through
 the group commit (``ctx.write``), which applies the same lease and order checks per write, and are
 answered once committed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -44,10 +47,15 @@ from dreamlake.lakeshore.store.api import (
     ChunkResult,
     Command,
     FrameRequest,
+    FramesRequest,
+    FramesResult,
     HeartbeatRequest,
     HeartbeatResult,
     Invocation,
+    PollRequest,
+    PollResult,
 )
+from dreamlake.lakeshore.store.values import json_safe
 
 if TYPE_CHECKING:
     from dreamlake.lakeshore.wire import Frame
@@ -161,19 +169,13 @@ def _with_pin(out: dict[str, Any], version: str | None) -> dict[str, Any]:
 async def _collect(
     ctx: Context, worker_id: str, queues: list[str], limit: int, *, exec_jobs: bool, namespace: str | None
 ) -> tuple[list[dict[str, Any]], list[Wake], str | None]:
-    """One poll pass, one store transaction (``store.poll_pass``): pending cancels, then claimed
-    invocations, then exec jobs (of ``namespace`` when the token is bound to one) for free slots,
-    and the pinned nymph version. Returns the commands, the work claimed (for the poll hub) and
+    """One poll pass, written through the group commit (a ``PollRequest``: its claims share the
+    transaction of the submits and acks committed with it, ``store.poll_pass`` alone): pending
+    cancels, then claimed invocations, then exec jobs (of ``namespace`` when the token is bound to
+    one) for free slots, and the pinned nymph version. Returns the commands, the work claimed (for the poll hub) and
     that version."""
-    got = await ctx.call(
-        ctx.store.poll_pass,
-        worker_id,
-        queues,
-        limit,
-        ctx.config.lease_s,
-        exec_jobs=exec_jobs,
-        namespace=namespace,
-    )
+    got = await ctx.write(PollRequest(worker_id, queues, limit, ctx.config.lease_s, exec_jobs, namespace))
+    assert isinstance(got, PollResult)
     commands = [command_dict(c) for c in got.commands]
     if got.invocations:
         signer, now = await ctx.task_tokens(), time.time()
@@ -228,6 +230,7 @@ async def poll(
     timeout = http.number(body, "timeout_s", ctx.config.poll_default_s, lo=0.0, hi=ctx.config.poll_max_s)
     field(body, "version", str, default="")
     exec_jobs = _takes_exec(body)
+    acked = await _poll_acks(ctx, caller, worker_id, body) if body.get("acks") else None
     started = time.monotonic()
     # A fleet started together would renew its polls in lockstep, all at once every timeout_s: an
     # empty poll ends at a random point of its last fifth, so renewals spread out within rounds.
@@ -241,7 +244,7 @@ async def poll(
             if disconnected is not None and await disconnected():
                 log.debug("poll of worker %s: the daemon hung up; nothing claimed", worker_id)
                 ctx.metrics.poll_wait.observe(time.monotonic() - started)
-                return {"commands": []}
+                return {"commands": []} if acked is None else {"commands": [], "acked": acked}
             mark = ctx.wake.mark()
             ctx.metrics.poll_passes.labels(reason=reason).inc()
             commands, claimed, pinned = await _collect(
@@ -257,7 +260,10 @@ async def poll(
     finally:
         ticket.close()
     ctx.metrics.poll_wait.observe(time.monotonic() - started)
-    return _with_pin({"commands": commands}, pinned)
+    out: dict[str, Any] = {"commands": commands}
+    if acked is not None:
+        out["acked"] = acked
+    return _with_pin(out, pinned)
 
 
 def _error_info(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -293,8 +299,73 @@ async def ack(ctx: Context, caller: Caller, body: dict[str, Any]) -> tuple[int, 
     error = _error_info(body)
     attempt = _attempt(body)
     worker_id = await _worker(ctx, caller, body)
-    result = await ctx.write(AckRequest(invocation_id, state, attempt, worker_id, result_blob, error))
+    return await _ack(ctx, caller, worker_id, invocation_id, state, attempt, result_blob, error)
+
+
+MAX_POLL_ACKS = 256
+
+
+async def _poll_acks(
+    ctx: Context, caller: Caller, worker_id: str, body: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """The ``acks`` a poll carries (``[{invocation_id, state, attempt, result_blob?, error?}]``,
+    each of ``worker_id``'s leases), written together through the group commit before the poll
+    claims, each checked as the ack route checks it; one answer per ack, in the order sent:
+    ``{invocation_id, status, ok, duplicate?, error?}`` (status: the ack route's)."""
+    acks = field(body, "acks", list, default=[])
+    if len(acks) > MAX_POLL_ACKS:
+        raise HTTPError(400, f"field 'acks' lists {len(acks)} acks; the limit is {MAX_POLL_ACKS}")
+
+    async def one(item: Any) -> dict[str, Any]:
+        inv = str(item.get("invocation_id", ""))[:64] if isinstance(item, dict) else ""
+        try:
+            if not isinstance(item, dict):
+                raise HTTPError(
+                    400, "field 'acks' must list maps {invocation_id, state, attempt, result_blob?, error?}"
+                )
+            invocation_id = http.ulid_field(item, "invocation_id")
+            assert invocation_id is not None
+            state = field(item, "state", str)
+            if state not in ACK_STATES:
+                raise HTTPError(
+                    400, f"cannot ack state {state[:40]!r}: use one of {', '.join(sorted(ACK_STATES))}"
+                )
+            blob = field(item, "result_blob", bytes, default=None, nullable=True)
+            status, out = await _ack(
+                ctx, caller, worker_id, invocation_id, state, _attempt(item), blob, _error_info(item)
+            )
+        except HTTPError as exc:
+            status, out = exc.status, {"ok": False, "error": exc.message}
+        return {"invocation_id": inv, "status": status, **out}
+
+    return list(await asyncio.gather(*(one(a) for a in acks)))
+
+
+async def _ack(
+    ctx: Context,
+    caller: Caller,
+    worker_id: str,
+    invocation_id: str,
+    state: str,
+    attempt: int,
+    result_blob: bytes | None,
+    error: dict[str, Any] | None,
+) -> tuple[int, dict[str, Any]]:
+    """Write one checked ack through the group commit and answer as the ack route does."""
+    flight = ctx.acks.begin(invocation_id)
+    try:
+        result = await ctx.write(AckRequest(invocation_id, state, attempt, worker_id, result_blob, error))
+    except BaseException:
+        ctx.acks.end(invocation_id, flight, None)
+        raise
     assert isinstance(result, AckResult)
+    # as the store keeps it (an empty blob is None, the error JSON-safe), for a waiting producer
+    committed = {
+        "state": state,
+        "result_blob": result_blob or None,
+        "error": None if error is None else json_safe(error, "error"),
+    }
+    ctx.acks.end(invocation_id, flight, committed if result.ok and not result.duplicate else None)
     if result.ok:
         ctx.metrics.acks.labels(state=state, outcome="duplicate" if result.duplicate else "ok").inc()
         ctx.wake.notify(f"inv:{invocation_id}")
@@ -379,7 +450,8 @@ MAX_BATCH_FRAMES = 10_000
 
 async def result_chunks(ctx: Context, caller: Caller, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """Journal a batch ``{invocation_id, attempt, worker_id, frames: [bytes, ...]}`` of one attempt
-    in one transaction and answer ``{ok, results: [{seq, duplicate}]}`` in the order sent. Each
+    through the group commit (one transaction, shared with the other writes committed with it;
+    the lease and order checks run per batch, inside it) and answer, once committed, ``{ok, results: [{seq, duplicate}]}`` in the order sent. Each
     frame is a repeat of a seq already journaled (``duplicate``) or the next seq. A gap or a frame
     after the final one is refused with the rest of the batch: 409 ``{ok: false, error,
     expected_seq, results}`` with the results of the frames kept before it. Only the worker holding
@@ -402,7 +474,9 @@ async def result_chunks(ctx: Context, caller: Caller, body: dict[str, Any]) -> t
         frame = _frame(data, f"frames[{i}]")
         batch.append((frame.seq, data, frame.final))
         kinds.append(frame.kind)
-    results = await ctx.call(ctx.store.append_frames, invocation_id, attempt, batch, worker_id=worker_id)
+    written = await ctx.write(FramesRequest(invocation_id, attempt, batch, worker_id))
+    assert isinstance(written, FramesResult)
+    results = written.results
     kept = [r for r in results if r.ok]
     fresh = [item for item, r in zip(batch, results, strict=False) if r.ok and not r.duplicate]
     ctx.metrics.chunks.labels(duplicate="false").inc(len(fresh))

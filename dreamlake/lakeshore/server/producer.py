@@ -9,6 +9,7 @@ answered once committed. The result and topic streams live in ``server.streams``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -17,7 +18,7 @@ from starlette.requests import Request
 
 from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.errors import PlaneError
-from dreamlake.lakeshore.server import authz, http
+from dreamlake.lakeshore.server import authz, http, tasks
 from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError, field
@@ -54,6 +55,9 @@ async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str
     except PlaneError as exc:
         raise HTTPError(400, str(exc)) from None
     authz.check_submit(caller, run_config)
+    wait_s = None
+    if body.get("wait_s") is not None:
+        wait_s = http.number(body, "wait_s", 0.0, lo=0.0, hi=ctx.config.await_max_s)
     req = SubmitRequest(
         invocation_id=invocation_id,
         queue=queue,
@@ -77,6 +81,10 @@ async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str
     if warning:
         out["warning"] = warning
         log.info("submitted %s: %s", result.invocation_id, warning)
+    if wait_s is not None:
+        if caller.rule is authz.Own.DESCENDANTS:  # a keyed duplicate may be no descendant of the task's
+            await tasks.check_target(ctx, caller, result.invocation_id)
+        out["outcome"] = await _await_answer(ctx, caller, result.invocation_id, wait_s, warning)
     return out
 
 
@@ -86,10 +94,16 @@ def outcome(inv: Invocation) -> dict[str, Any]:
 
 async def wait_terminal(ctx: Context, caller: Caller, invocation_id: str, timeout: float) -> Invocation:
     """The invocation once terminal, or as it stands after ``timeout``; 404 when the caller may
-    not see it."""
+    not see it. Woken by an ack of this process, it takes the outcome from the ack in flight at
+    its commit (``server/outcomes.py``) instead of reading the store again."""
     deadline = time.monotonic() + timeout
+    inv: Invocation | None = None
     while True:
         mark = ctx.wake.mark()
+        if inv is not None:
+            acked = await ctx.acks.outcome(invocation_id, deadline - time.monotonic())
+            if acked is not None:
+                return dataclasses.replace(inv, **acked)
         inv = authz.see_invocation(caller, invocation_id, await ctx.call(ctx.store.get, invocation_id))
         if inv.state in TERMINAL_STATES:
             return inv
@@ -103,11 +117,19 @@ async def await_(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str
     invocation_id = http.ulid_field(body, "invocation_id")
     assert invocation_id is not None
     timeout = http.number(body, "timeout_s", ctx.config.await_default_s, lo=0.0, hi=ctx.config.await_max_s)
+    return await _await_answer(ctx, caller, invocation_id, timeout)
+
+
+async def _await_answer(
+    ctx: Context, caller: Caller, invocation_id: str, timeout: float, warning: str | None = None
+) -> dict[str, Any]:
+    """What ``/v1/producer/await`` answers after waiting up to ``timeout``: the outcome, or
+    ``{state: pending}`` (with the no-worker warning while queued)."""
     inv = await wait_terminal(ctx, caller, invocation_id, timeout)
     if inv.state not in TERMINAL_STATES:
         pending: dict[str, Any] = {"state": "pending"}
         if inv.state == "queued":
-            warning = await ctx.queue_warning(inv.queue)
+            warning = warning or await ctx.queue_warning(inv.queue)
             if warning:
                 pending["warning"] = warning
         return pending

@@ -141,6 +141,24 @@ class FrameRequest:
 
 
 @dataclass
+class FramesRequest:
+    """A batch of frames ``(seq, data, final)`` of one attempt as one write of a group commit;
+    fields and answers as ``Store.append_frames`` (the route ``/v1/daemon/result-chunks``)."""
+
+    invocation_id: str
+    attempt: int
+    frames: list[tuple[int, bytes, bool]]
+    worker_id: str | None = None
+
+
+@dataclass
+class FramesResult:
+    """What a ``FramesRequest`` answers: one ChunkResult per frame, in the order sent."""
+
+    results: list[ChunkResult]
+
+
+@dataclass
 class HeartbeatRequest:
     """A heartbeat as a write of a group commit; fields as ``Store.heartbeat``. ``namespace`` (the
     daemon token's, when bound to one) picks the pinned version read in the same transaction."""
@@ -169,10 +187,23 @@ class PollResult:
     pinned_version: str | None = None
 
 
+@dataclass
+class PollRequest:
+    """A daemon poll pass as a write of a group commit; fields and answer as ``Store.poll_pass``
+    (its claims are writes: committed with the submits and acks of the same batch)."""
+
+    worker_id: str
+    queues: list[str]
+    limit: int = 1
+    lease_s: float = DEFAULT_LEASE_S
+    exec_jobs: bool = True
+    namespace: str | None = None
+
+
 # The writes ``Store.write_batch`` commits together, and what each answers (or the PlaneError it
 # raised: that write's refusal, never the others').
-WriteRequest = SubmitRequest | AckRequest | FrameRequest | HeartbeatRequest
-WriteResult = SubmitResult | AckResult | ChunkResult | HeartbeatResult
+WriteRequest = SubmitRequest | AckRequest | FrameRequest | FramesRequest | HeartbeatRequest | PollRequest
+WriteResult = SubmitResult | AckResult | ChunkResult | FramesResult | HeartbeatResult | PollResult
 
 
 @dataclass
@@ -447,13 +478,13 @@ class Store(Listing, Protocol):
         ...
 
     def write_batch(self, requests: Sequence[WriteRequest]) -> list[WriteResult | PlaneError]:
-        """Apply many writes (submits, acks, frames, heartbeats) together: the group commit. Each
-        answers as its single call would (``submit``, ``ack``, ``append_frame``, ``heartbeat``,
-        the latter with the pinned version), or with the PlaneError that call would raise; one
-        write's error never fails another. Submits apply first, in order, in a transaction of
-        their own (committed, their waiters woken, before the rest), then the rest in order in
-        one transaction. Returns only after both committed (nothing is answered before it is
-        durable)."""
+        """Apply many writes (submits, acks, frames, frame batches, heartbeats, poll passes)
+        together: the group commit. Each answers as its single call would (``submit``, ``ack``,
+        ``append_frame``, ``append_frames``, ``heartbeat`` and ``poll_pass``, the last two with
+        the pinned version), or with the PlaneError that call would raise; one write's error never
+        fails another. Submits apply first, in order, in a transaction of their own (committed,
+        their waiters woken, before the rest), then the rest in order in one transaction. Returns
+        only after both committed (nothing is answered before it is durable)."""
         ...
 
     def expire_leases(self, now: float | None = None) -> list[str]:

@@ -39,7 +39,7 @@ from sqlalchemy.engine import Connection
 from dreamlake.lakeshore.errors import PlaneError
 
 from . import schema as t
-from .api import OUT_OF_ORDER, UNKNOWN, ChunkResult, Frame, FrameRequest
+from .api import OUT_OF_ORDER, UNKNOWN, ChunkResult, Frame, FrameRequest, FramesRequest
 from .base import StoreBase, dialect_insert
 from .engine import Database, retry_on_disconnect
 from .invocations import lease_refusal
@@ -185,57 +185,69 @@ class FrameStore(StoreBase):
         SUPERSEDED refuse the whole batch; OUT_OF_ORDER carries ``expected_seq``)."""
         if not frames:
             return []
-        if invocation_id.startswith(TOPIC_PREFIX):
-            raise PlaneError("topic frames are appended by topic_append, not append_frames", status=400)
-        st = self._frame_st
-        results: list[ChunkResult] = []
+        req = self._prepare_frames(FramesRequest(invocation_id, attempt, list(frames), worker_id))
         with self.db.tx(write=True) as conn:
-            lease = conn.execute(st.lease, {"id": invocation_id}).first()
-            if lease is None:
-                reason, status = f"unknown invocation {invocation_id}", UNKNOWN
-                return [ChunkResult(ok=False, seq=s, reason=reason, status=status) for s, _d, _f in frames]
-            refused = lease_refusal(lease, attempt, worker_id)
-            if refused is not None:
-                status, reason = refused
-                return [ChunkResult(ok=False, seq=s, reason=reason, status=status) for s, _d, _f in frames]
-            newest = conn.execute(st.last_frame, {"owner": invocation_id}).first()
-            last = -1 if newest is None else int(newest.seq)
-            journaled = last
-            closed = newest is not None and bool(newest.final)
-            now = time.time()
-            fresh: list[tuple[str, int, bytes, bool, float]] = []
-            for seq, data, final in frames:
-                if seq < 0:
-                    raise PlaneError(f"frame seq must be >= 0, got {seq}", status=400)
-                if seq <= journaled:  # a repeat of a journaled seq (the insert fills a legacy gap)
-                    params = {"owner": invocation_id, "seq": seq, "data": bytes(data), "final": bool(final), "now": now}  # fmt: skip
-                    added = conn.execute(st.insert_frame, params).first()
-                    results.append(ChunkResult(ok=True, seq=seq, duplicate=added is None))
-                    continue
-                if seq <= last:  # a repeat of a frame earlier in this batch
-                    results.append(ChunkResult(ok=True, seq=seq, duplicate=True))
-                    continue
-                why = None
-                if closed:
-                    why = f"the stream of {invocation_id} ended with final frame {last}"
-                elif seq != last + 1:
-                    why = f"frame {seq} of {invocation_id} skips ahead: the next frame is {last + 1}"
-                if why is not None:  # this frame and the rest are refused; what came before is kept
-                    reason = f"{why}; send frames in order, each once"
-                    results.extend(
-                        ChunkResult(
-                            ok=False, seq=s, reason=reason, status=OUT_OF_ORDER, expected_seq=last + 1
-                        )
-                        for s, _d, _f in frames[len(results) :]
-                    )
-                    break
-                fresh.append((invocation_id, seq, data, bool(final), now))
-                results.append(ChunkResult(ok=True, seq=seq))
-                last, closed = seq, bool(final)
-            if fresh:
-                conn.exec_driver_sql(st.insert_new_sql, fresh)
+            results = self._append_frames_in(conn, req, time.time())
         if any(r.ok and not r.duplicate for r in results):
             self._notify(frame_channel(invocation_id))
+        return results
+
+    @staticmethod
+    def _prepare_frames(req: FramesRequest) -> FramesRequest:
+        """The checks of a batch that need no transaction (a PlaneError 400 refuses it whole)."""
+        if req.invocation_id.startswith(TOPIC_PREFIX):
+            raise PlaneError("topic frames are appended by topic_append, not append_frames", status=400)
+        for seq, _data, _final in req.frames:
+            if seq < 0:
+                raise PlaneError(f"frame seq must be >= 0, got {seq}", status=400)
+        return req
+
+    def _append_frames_in(self, conn: Connection, req: FramesRequest, now: float) -> list[ChunkResult]:
+        """Journal a checked batch in the caller's transaction (see ``append_frames``): the lease
+        and the journal's last frame are read here, so a batch after another of the same
+        invocation in one group commit sees the frames that one wrote."""
+        st = self._frame_st
+        invocation_id, frames = req.invocation_id, req.frames
+        results: list[ChunkResult] = []
+        lease = conn.execute(st.lease, {"id": invocation_id}).first()
+        if lease is None:
+            reason, status = f"unknown invocation {invocation_id}", UNKNOWN
+            return [ChunkResult(ok=False, seq=s, reason=reason, status=status) for s, _d, _f in frames]
+        refused = lease_refusal(lease, req.attempt, req.worker_id)
+        if refused is not None:
+            status, reason = refused
+            return [ChunkResult(ok=False, seq=s, reason=reason, status=status) for s, _d, _f in frames]
+        newest = conn.execute(st.last_frame, {"owner": invocation_id}).first()
+        last = -1 if newest is None else int(newest.seq)
+        journaled = last
+        closed = newest is not None and bool(newest.final)
+        fresh: list[tuple[str, int, bytes, bool, float]] = []
+        for seq, data, final in frames:
+            if seq <= journaled:  # a repeat of a journaled seq (the insert fills a legacy gap)
+                params = {"owner": invocation_id, "seq": seq, "data": bytes(data), "final": bool(final), "now": now}  # fmt: skip
+                added = conn.execute(st.insert_frame, params).first()
+                results.append(ChunkResult(ok=True, seq=seq, duplicate=added is None))
+                continue
+            if seq <= last:  # a repeat of a frame earlier in this batch
+                results.append(ChunkResult(ok=True, seq=seq, duplicate=True))
+                continue
+            why = None
+            if closed:
+                why = f"the stream of {invocation_id} ended with final frame {last}"
+            elif seq != last + 1:
+                why = f"frame {seq} of {invocation_id} skips ahead: the next frame is {last + 1}"
+            if why is not None:  # this frame and the rest are refused; what came before is kept
+                reason = f"{why}; send frames in order, each once"
+                results.extend(
+                    ChunkResult(ok=False, seq=s, reason=reason, status=OUT_OF_ORDER, expected_seq=last + 1)
+                    for s, _d, _f in frames[len(results) :]
+                )
+                break
+            fresh.append((invocation_id, seq, data, bool(final), now))
+            results.append(ChunkResult(ok=True, seq=seq))
+            last, closed = seq, bool(final)
+        if fresh:
+            conn.exec_driver_sql(st.insert_new_sql, fresh)
         return results
 
     @retry_on_disconnect

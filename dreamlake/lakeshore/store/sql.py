@@ -32,9 +32,12 @@ from .api import (
     AckRequest,
     Command,
     FrameRequest,
+    FramesRequest,
+    FramesResult,
     HeartbeatRequest,
     HeartbeatResult,
     Invocation,
+    PollRequest,
     PollResult,
     Store,
     SubmitRequest,
@@ -97,20 +100,28 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
         *,
         pin: bool,
     ) -> PollResult:
-        now = time.time()
-        pinned = None
+        req = PollRequest(worker_id, queues, limit, lease_s, exec_jobs, namespace)
         with self.db.tx(write=True) as conn:
-            commands = self._take_commands_in(conn, worker_id, now)
-            claimed: list[Invocation] = []
-            jobs: list[dict[str, Any]] = []
-            if queues and limit >= 1:
-                claimed = self._claim_in(conn, worker_id, queues, limit, lease_s, now, namespace)
-                if exec_jobs and len(claimed) < limit:
-                    left = limit - len(claimed)
-                    jobs = self._claim_exec_in(conn, worker_id, queues, left, now, namespace, lease_s)
-            if pin:
-                pinned = self._pinned_in(conn, worker_id, namespace)
-        self._notify(*(f"inv:{i.invocation_id}" for i in claimed))
+            got = self._poll_in(conn, req, time.time(), pin=pin)
+        self._notify(*(f"inv:{i.invocation_id}" for i in got.invocations))
+        return got
+
+    def _poll_in(self, conn: Connection, req: PollRequest, now: float, *, pin: bool) -> PollResult:
+        """One poll pass in the caller's transaction (the waiters of what it claimed are the
+        caller's to notify, after the commit)."""
+        commands = self._take_commands_in(conn, req.worker_id, now)
+        claimed: list[Invocation] = []
+        jobs: list[dict[str, Any]] = []
+        if req.queues and req.limit >= 1:
+            claimed = self._claim_in(
+                conn, req.worker_id, req.queues, req.limit, req.lease_s, now, req.namespace
+            )
+            if req.exec_jobs and len(claimed) < req.limit:
+                left = req.limit - len(claimed)
+                jobs = self._claim_exec_in(
+                    conn, req.worker_id, req.queues, left, now, req.namespace, req.lease_s
+                )
+        pinned = self._pinned_in(conn, req.worker_id, req.namespace) if pin else None
         return PollResult(commands, claimed, jobs, pinned)
 
     @retry_on_disconnect
@@ -202,7 +213,9 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
             return self._prepare_ack(req)
         if isinstance(req, FrameRequest):
             return self._prepare_frame(req)
-        if isinstance(req, HeartbeatRequest):
+        if isinstance(req, FramesRequest):
+            return self._prepare_frames(req)
+        if isinstance(req, (HeartbeatRequest, PollRequest)):
             return req
         raise TypeError(f"not a write of a group commit: {type(req).__name__}")
 
@@ -238,8 +251,17 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
                     results[k] = chunk
                     if chunk.ok and not chunk.duplicate:
                         channels.append(frame_channel(p.owner_id))
+                elif isinstance(p, FramesRequest):
+                    chunks = self._append_frames_in(conn, p, now)
+                    results[k] = FramesResult(chunks)
+                    if any(c.ok and not c.duplicate for c in chunks):
+                        channels.append(frame_channel(p.invocation_id))
                 elif isinstance(p, HeartbeatRequest):
                     results[k] = self._heartbeat_in(conn, p, now, pin=True)
+                elif isinstance(p, PollRequest):
+                    polled = self._poll_in(conn, p, now, pin=True)
+                    results[k] = polled
+                    channels.extend(f"inv:{i.invocation_id}" for i in polled.invocations)
         if preps:
             self._submitted(preps, submitted)
         self._notify(*dict.fromkeys(channels))

@@ -1,0 +1,277 @@
+"""The warm path for short calls: round trip and throughput of a noop through ``lakeshore worker``,
+beside the same run's raw HTTP round trip.
+
+The stack is real processes on loopback: ``lakeshore server`` over a SQLite file and ``lakeshore
+worker start --queue warm --prefetch N`` (the SDK's long-lived worker; nymph's process runner has
+no warm mode yet: ``bench/dispatch.py`` measures its prefork path). The load comes from separate processes
+with a cheap client (``http.client`` on one keep-alive connection each, msgpack bodies, envelopes
+built before the clock starts). Each call is a ref noop (``bench/bench_fns.py``).
+
+Rows, each beside its goal (<= 3 ms p50, >= 500/s) and the same run's baseline:
+
+- ``hello``: one POST to a Starlette hello-world on the same HTTP stack (uvicorn, uvloop when
+  installed, h11): the floor of one request; a warm call is at least two (the producer's and the
+  worker's), so ``x hello`` is printed beside each round trip;
+- ``submit + await``: two requests per call (``/v1/producer/submit``, then ``/v1/producer/await``);
+- ``submit?wait``: one request per call (``/v1/producer/submit`` with ``wait_s``: submit and await
+  in one request);
+- ``calls/s``: ``--producers`` processes calling at once (closed loop, ``submit?wait``), one worker.
+
+Also printed: the CPU ms per call of the server and of the worker (psutil).
+
+Run: ``python bench/warm.py [--calls 300] [--producers 8] [--per-producer 150] [--prefetch 8]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from _stats import median_p90
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(BENCH))
+
+from control_plane import (  # noqa: E402
+    HELLO,
+    Client,
+    _process,
+    cpu_seconds,
+    free_port,
+    has,
+    lakeshore_server,
+)
+
+QUEUE = "warm"
+GOAL_P50_MS = 3.0
+GOAL_RATE = 500.0
+
+
+def _envelopes(n: int) -> list[tuple[str, bytes]]:
+    """``n`` noop envelopes (id, bytes), built before the clock starts."""
+    import bench_fns
+
+    from dreamlake.lakeshore.envelope import Envelope, fn_for
+
+    out = []
+    for _ in range(n):
+        env = Envelope.create(fn_for(bench_fns.noop, "ref"), (), {})
+        out.append((env.id, env.to_bytes()))
+    return out
+
+
+def _body(inv: str, blob: bytes, wait_s: float | None) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "invocation_id": inv,
+        "queue": QUEUE,
+        "function": {"module": "_native_wire", "qualname": "_native_wire.envelope", "version": "v1"},
+        "args_blob": blob,
+        "run_config": {"queue": QUEUE, "priority": 0.0, "key": None},
+        "code_context": {},
+    }
+    if wait_s is not None:
+        body["wait_s"] = wait_s
+    return body
+
+
+def _check(answer: Any, inv: str) -> None:
+    if not isinstance(answer, dict) or answer.get("state") != "succeeded":
+        raise RuntimeError(f"noop {inv} answered {answer!r}")
+
+
+def call(c: Client, inv: str, blob: bytes, one_request: bool) -> None:
+    """One noop call, submit-and-wait in one request, or submit then await (also when the server
+    predates ``wait_s`` and answers no ``outcome``: a tree compared with ``--tree``)."""
+    status, answer = c.post("/v1/producer/submit", _body(inv, blob, 60.0 if one_request else None))
+    if status != 200:
+        raise RuntimeError(f"submit answered {status}: {answer}")
+    if one_request and "outcome" in answer:
+        _check(answer["outcome"], inv)
+        return
+    status, answer = c.post("/v1/producer/await", {"invocation_id": inv, "timeout_s": 60})
+    if status != 200:
+        raise RuntimeError(f"await answered {status}: {answer}")
+    _check(answer, inv)
+
+
+def _latency(port: int, token: str, n: int, one_request: bool, go: Any, out: Any) -> None:
+    c = Client(port, token)
+    calls = _envelopes(n + 20)
+    go.wait()
+    for inv, blob in calls[:20]:  # warm-up: connections, imports, the worker's module cache
+        call(c, inv, blob, one_request)
+    times = []
+    for inv, blob in calls[20:]:
+        t0 = time.perf_counter()
+        call(c, inv, blob, one_request)
+        times.append(time.perf_counter() - t0)
+    out.put(times)
+
+
+def _closed_loop(port: int, token: str, n: int, go: Any, out: Any) -> None:
+    c = Client(port, token)
+    calls = _envelopes(n)
+    go.wait()
+    t0 = time.perf_counter()
+    for inv, blob in calls:
+        call(c, inv, blob, True)
+    out.put((t0, time.perf_counter(), n))
+
+
+def _hello(port: int, n: int, go: Any, out: Any) -> None:
+    c = Client(port, None)
+    go.wait()
+    for _ in range(20):
+        c.post("/", {"x": 1})
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        c.post("/", {"x": 1})
+        times.append(time.perf_counter() - t0)
+    out.put(times)
+
+
+def in_processes(target: Any, arglists: list[tuple[Any, ...]]) -> list[Any]:
+    """Run ``target(*args, go, out)`` in one process per arglist, started together; their outputs."""
+    ctx = mp.get_context("fork")
+    go, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*a, go, out)) for a in arglists]
+    for p in procs:
+        p.start()
+    time.sleep(0.3)
+    go.set()
+    results = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(30)
+        if p.exitcode != 0:
+            raise RuntimeError(f"a load process failed (exit {p.exitcode})")
+    return results
+
+
+def rate(results: list[tuple[float, float, int]]) -> float:
+    start, end = min(r[0] for r in results), max(r[1] for r in results)
+    return sum(r[2] for r in results) / (end - start)
+
+
+def hello_round_trip(n: int) -> list[float]:
+    port = free_port()
+    code = HELLO.format(uvloop=has("uvloop"))
+    with _process([sys.executable, "-c", code, str(port)], port):
+        (times,) = in_processes(_hello, [(port, n)])
+    return list(times)
+
+
+TREE = ROOT  # the code under test (``bench/hotpaths.py --tree`` points it at another checkout)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(BENCH), str(TREE), str(TREE / "runners"), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    return env
+
+
+@contextlib.contextmanager
+def lakeshore_worker(port: int, token: str, prefetch: int) -> Iterator[int]:
+    cmd = [sys.executable, "-m", "dreamlake.lakeshore.cli", "--log-level", "warning", "worker", "start"]
+    cmd += ["--server", f"http://127.0.0.1:{port}", "--token", token, "--queue", QUEUE]
+    helped = subprocess.run([*cmd[:6], "--help"], env=_env(), capture_output=True, text=True, cwd="/")
+    if "--prefetch" in helped.stdout:  # a tree from before the warm path has no --prefetch
+        cmd += ["--prefetch", str(prefetch)]
+    proc = subprocess.Popen(cmd, env=_env(), start_new_session=True, cwd="/")
+    try:
+        yield proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.2f}"
+
+
+class Row:
+    def __init__(self, name: str, times: list[float] | None, per_s: float | None, hello_p50: float) -> None:
+        self.name, self.times, self.per_s, self.hello = name, times, per_s, hello_p50
+
+    def line(self) -> str:
+        if self.times:
+            p50, p90 = median_p90(self.times)
+            lat = f"{ms(p50):>8} {ms(p90):>8} {GOAL_P50_MS:>6.1f} {p50 / self.hello:>7.1f}x"
+        else:
+            lat = f"{'':>8} {'':>8} {'':>6} {'':>8}"
+        rate_s = f"{self.per_s:>9,.0f} {GOAL_RATE:>6,.0f}" if self.per_s else f"{'':>9} {'':>6}"
+        return f"{self.name:<34} {lat} {rate_s}"
+
+
+def measure(port: int, token: str, args: argparse.Namespace, hello_p50: float, label: str) -> list[Row]:
+    rows = []
+    (two,) = in_processes(_latency, [(port, token, args.calls, False)])
+    rows.append(Row(f"{label}: submit + await", two, None, hello_p50))
+    (one,) = in_processes(_latency, [(port, token, args.calls, True)])
+    per = args.per_producer
+    got = in_processes(_closed_loop, [(port, token, per)] * args.producers)
+    rows.append(Row(f"{label}: submit?wait", one, rate(got), hello_p50))
+    return rows
+
+
+def warm_rows(args: argparse.Namespace) -> tuple[list[float], list[Row], dict[str, float]]:
+    """The hello baseline and the rows of each warm path; and the CPU ms per call of each part."""
+    hello = hello_round_trip(args.calls)
+    hello_p50 = median_p90(hello)[0]
+    rows: list[Row] = []
+    cpu: dict[str, float] = {}
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        lakeshore_server(str(Path(tmp) / "warm.db"), Path(tmp) / "sq", 1) as (port, token, pid),
+        lakeshore_worker(port, token, args.prefetch) as wpid,
+    ):
+        s0, w0 = cpu_seconds(pid), cpu_seconds(wpid)
+        rows += measure(port, token, args, hello_p50, f"lakeshore worker (prefetch {args.prefetch})")
+        calls = 2 * args.calls + 40 + args.producers * args.per_producer
+        cpu["server"] = (cpu_seconds(pid) - s0) * 1000 / calls
+        cpu["worker"] = (cpu_seconds(wpid) - w0) * 1000 / calls
+    return hello, rows, cpu
+
+
+HEADER = f"{'path':<34} {'p50 ms':>8} {'p90 ms':>8} {'goal':>6} {'x hello':>8} {'calls/s':>9} {'goal':>6}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=300, help="sequential calls per latency row")
+    ap.add_argument("--producers", type=int, default=8, help="processes calling at once (calls/s)")
+    ap.add_argument("--per-producer", type=int, default=150, help="calls of each of those")
+    ap.add_argument("--prefetch", type=int, default=8, help="lakeshore worker --prefetch")
+    args = ap.parse_args()
+    hello, rows, cpu = warm_rows(args)
+    h50, h90 = median_p90(hello)
+    print(
+        f"warm path, noop, loopback, SQLite file; {os.cpu_count()} cores, load average "
+        f"{os.getloadavg()[0]:.1f}; {args.calls} sequential calls per row, {args.producers} producers "
+        f"x {args.per_producer} for calls/s"
+    )
+    print(f"baseline: Starlette hello-world on the same stack, one POST: p50 {ms(h50)} ms, p90 {ms(h90)} ms")
+    print(HEADER)
+    for row in rows:
+        print(row.line())
+    print("CPU ms per call: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""The warm path for short calls, on both stores: acks carried by the worker's next poll, submit
+with ``wait_s`` (submit and await in one request), an ack in flight answering a waiting await
+from memory at its commit, and the SDK's ``.call()`` against ``run_worker`` with ``prefetch``."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+import dreamlake.lakeshore as dls
+from dreamlake.lakeshore import wire
+from dreamlake.lakeshore.dispatch import Dispatch, HttpDispatch
+from dreamlake.lakeshore.errors import DispatchError
+from dreamlake.lakeshore.ids import new_ulid
+from tests.integration.conftest import ControlPlane, submit_body
+from tests.integration.test_server_daemon import poll
+
+POLL = "/v1/daemon/poll"
+
+
+@dls.udf(queue="warm")
+def triple(x: int) -> int:
+    return 3 * x
+
+
+@dls.udf(queue="warm")
+def broken(x: int) -> int:
+    raise ValueError(f"no {x}")
+
+
+def _ack(inv: str, attempt: int = 1, state: str = "succeeded", blob: bytes = b"\xc0") -> dict[str, Any]:
+    return {"invocation_id": inv, "state": state, "attempt": attempt, "result_blob": blob}
+
+
+def _claim(cp: ControlPlane, worker: str, n: int) -> list[str]:
+    out = poll(cp, worker, limit=n, timeout_s=0)
+    return [c["body"]["invocation_id"] for c in out["commands"]]
+
+
+def test_a_poll_carries_acks_each_committed_and_answered_then_claims(control_plane: ControlPlane) -> None:
+    cp = control_plane
+    worker = new_ulid()
+    a, b, c = (cp.submit() for _ in range(3))
+    assert sorted(_claim(cp, worker, 3)) == sorted([a, b, c])
+    fresh = cp.submit()
+    acks = [
+        _ack(a, blob=wire.pack(1)),
+        _ack(b, state="failed", blob=b""),
+        _ack(c, attempt=2),  # not the current attempt: superseded
+        {**_ack(c), "state": "bogus"},
+        _ack(new_ulid()),  # unknown
+    ]
+    body = {"worker_id": worker, "queues": ["default"], "max": 1, "timeout_s": 0, "acks": acks}
+    status, out = cp.daemon(POLL, body)
+    assert status == 200
+    assert [(x["invocation_id"], x["status"], x["ok"]) for x in out["acked"]] == [
+        (a, 200, True),
+        (b, 200, True),
+        (c, 409, False),
+        (c, 400, False),
+        (acks[4]["invocation_id"], 404, False),
+    ]
+    assert "cannot ack state" in out["acked"][3]["error"]
+    assert [cmd["body"]["invocation_id"] for cmd in out["commands"]] == [fresh]
+    states = {i: getattr(cp.store.get(i), "state", None) for i in (a, b, c)}
+    assert states == {a: "succeeded", b: "failed", c: "running"}
+    # the same acks again (a poll retried after a lost answer) are duplicates, not errors
+    status, out = cp.daemon(POLL, {**body, "acks": acks[:2]})
+    assert [x.get("duplicate") for x in out["acked"]] == [True, True]
+
+
+def test_acks_on_another_workers_poll_are_refused(control_plane: ControlPlane) -> None:
+    cp = control_plane
+    holder, other = new_ulid(), new_ulid()
+    inv = cp.submit()
+    assert _claim(cp, holder, 1) == [inv]
+    poll(cp, other, timeout_s=0)  # registered, holds nothing
+    body = {"worker_id": other, "queues": ["default"], "max": 1, "timeout_s": 0, "acks": [_ack(inv)]}
+    status, out = cp.daemon(POLL, body)
+    assert status == 200 and out["acked"][0]["status"] == 403
+    got = cp.store.get(inv)
+    assert got is not None and (got.state, got.worker_id) == ("running", holder)
+    status, out = cp.daemon(POLL, {**body, "acks": "nope"})
+    assert status == 400
+
+
+def test_submit_with_wait_s_answers_the_outcome_in_one_request(control_plane: ControlPlane) -> None:
+    cp = control_plane
+    worker = new_ulid()
+    inv = new_ulid()
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(cp.producer, "/v1/producer/submit", {**submit_body(inv), "wait_s": 30})
+        claimed: list[str] = []
+        while not claimed:  # the submit is queued by the time its wait starts
+            claimed = _claim(cp, worker, 1)
+        assert claimed == [inv]
+        status, out = cp.daemon(
+            POLL,
+            {"worker_id": worker, "queues": ["x"], "timeout_s": 0, "acks": [_ack(inv, blob=wire.pack(7))]},
+        )
+        assert status == 200 and out["acked"][0]["ok"] is True
+        status, answer = waiting.result(30)
+    assert status == 200 and answer["invocation_id"] == inv
+    assert answer["outcome"]["state"] == "succeeded" and wire.unpack(answer["outcome"]["result_blob"]) == 7
+    status, answer = cp.producer("/v1/producer/submit", {**submit_body(new_ulid()), "wait_s": 0.2})
+    assert status == 200 and answer["outcome"]["state"] == "pending"
+    status, answer = cp.producer("/v1/producer/submit", {**submit_body(new_ulid()), "wait_s": "soon"})
+    assert status == 400 and "wait_s" in answer["error"]
+
+
+def test_an_await_woken_by_an_ack_takes_the_committed_outcome_from_memory(
+    control_plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No store read of the waiting await sees the terminal row: the outcome came with the ack's
+    commit. The answer is the committed one (an empty blob as None, as the store keeps it)."""
+    cp = control_plane
+    ctx = cp.app.state.ctx
+    real_get = ctx.store.get
+    terminal_reads: list[str] = []
+
+    def counting_get(invocation_id: str) -> Any:
+        got = real_get(invocation_id)
+        if got is not None and got.state in ("succeeded", "failed"):
+            terminal_reads.append(invocation_id)
+        return got
+
+    monkeypatch.setattr(ctx.store, "get", counting_get)
+    worker = new_ulid()
+    inv = cp.submit()
+    assert _claim(cp, worker, 1) == [inv]
+    started = threading.Event()
+
+    def wait() -> tuple[int, Any]:
+        started.set()
+        return cp.producer("/v1/producer/await", {"invocation_id": inv, "timeout_s": 30})
+
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(wait)
+        started.wait(10)
+        error = {"type": "ValueError", "message": "no"}
+        while True:  # ack once the await waits (its first read saw the row running)
+            if ctx.wake.notifier._async.get(f"inv:{inv}"):
+                break
+            threading.Event().wait(0.01)
+        status, _ = cp.daemon(
+            "/v1/daemon/ack", {**_ack(inv, state="failed", blob=b""), "worker_id": worker, "error": error}
+        )
+        assert status == 200
+        status, answer = waiting.result(30)
+    assert status == 200
+    assert answer == {"state": "failed", "result_blob": None, "error": error}
+    assert terminal_reads == []
+
+
+def test_udf_call_runs_on_a_warm_worker_over_http(sqlite_control_plane: ControlPlane) -> None:
+    cp = sqlite_control_plane
+    stop = threading.Event()
+    worker_plane = HttpDispatch(cp.url, cp.daemon_token)
+    producer = HttpDispatch(cp.url, cp.producer_token)
+    worker = threading.Thread(
+        target=dls.run_worker,
+        args=("warm",),
+        kwargs={
+            "dispatch": worker_plane,
+            "allow_pickled": False,
+            "poll_timeout": 0.5,
+            "stop": stop,
+            "prefetch": 4,
+        },
+        daemon=True,
+    )
+    worker.start()
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(lambda i: triple.call(i, _dispatch=producer, _timeout=30), range(24)))
+        assert got == [3 * i for i in range(24)]
+        with pytest.raises(DispatchError, match="no 5"):
+            broken.call(5, _dispatch=producer, _timeout=30)
+    finally:
+        stop.set()
+        worker.join(30)
+        worker_plane.close()
+        producer.close()
+    assert not worker.is_alive()
+    running = cp.store.list_invocations(states=["running", "queued"], limit=100).invocations
+    assert running == []  # every ack was sent, the last ones when the worker stopped
+
+
+def test_udf_call_on_the_local_plane_submits_then_waits() -> None:
+    plane = Dispatch(":memory:")
+    inv_result: list[Any] = []
+    t = threading.Thread(target=lambda: inv_result.append(triple.call(4, _dispatch=plane, _timeout=30)))
+    t.start()
+    assert dls.run_worker("warm", once=True, poll_timeout=10, dispatch=plane) == "succeeded"
+    t.join(30)
+    assert inv_result == [12]
+    plane.close()

@@ -1,0 +1,131 @@
+"""The client's keep-alive fast path (``dreamlake.lakeshore.keepalive``) against a real HTTP server
+on loopback: the same requests and answers as httpx sends, connections reused, a connection the
+server closed while idle replaced, errors translated the same way, and when it steps aside."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import pytest
+
+from dreamlake.lakeshore import errors
+from dreamlake.lakeshore.client import PlaneClient
+from dreamlake.lakeshore.keepalive import usable
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive
+    seen: list[dict[str, Any]] = []
+    close_after: str = ""  # "said": close after the answer with Connection: close; "silent": without
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.seen.append(
+            {
+                "path": self.path,
+                "auth": self.headers.get("Authorization"),
+                "ctype": self.headers.get("Content-Type"),
+                "body": msgpack.unpackb(body) if body else None,
+                "peer": self.client_address[1],
+            }
+        )
+        status = 409 if self.path.startswith("/conflict") else 200
+        out = msgpack.packb({"error": "superseded"} if status == 409 else {"ok": True, "n": len(self.seen)})
+        self.send_response(status)
+        self.send_header("Content-Type", "application/x-msgpack")
+        self.send_header("Content-Length", str(len(out)))
+        if type(self).close_after == "said":
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(out)
+        if type(self).close_after:
+            self.close_connection = True
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    closed = threading.Semaphore(0)  # released each time the server closed a connection
+
+    def shutdown_request(self, request: Any) -> None:
+        super().shutdown_request(request)
+        self.closed.release()
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, type[_Handler]]]:
+    handler = type("H", (_Handler,), {"seen": [], "close_after": ""})
+    srv = _Server(("127.0.0.1", 0), handler)
+    srv.closed = threading.Semaphore(0)
+    handler.server_closed = srv.closed  # type: ignore[attr-defined]
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}", handler
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_requests_go_over_one_reused_connection_with_token_and_msgpack(
+    server: tuple[str, type[_Handler]],
+) -> None:
+    url, handler = server
+    client = PlaneClient(url, "lsk_tok")
+    assert client._fast is not None  # a plain http:// control plane takes the fast path
+    try:
+        assert client.request("POST", "/v1/daemon/ack", {"blob": b"\x00\xff"}) == {"ok": True, "n": 1}
+        assert client.request("POST", "/v1/daemon/poll", {"q": [1]}, params={"since": 3, "x": True})["n"] == 2
+    finally:
+        client.close()
+    first, second = handler.seen
+    assert first["path"] == "/v1/daemon/ack" and second["path"] == "/v1/daemon/poll?since=3&x=true"
+    assert first["auth"] == "Bearer lsk_tok" and first["ctype"] == "application/x-msgpack"
+    assert first["body"] == {"blob": b"\x00\xff"}
+    assert first["peer"] == second["peer"]  # the same connection, kept alive
+
+
+@pytest.mark.parametrize("how", ["said", "silent"])
+def test_a_connection_the_server_closed_is_replaced(server: tuple[str, type[_Handler]], how: str) -> None:
+    """Closed with ``Connection: close``, or silently while idle (noticed before reuse)."""
+    url, handler = server
+    handler.close_after = how
+    client = PlaneClient(url, "lsk_tok")
+    answers = []
+    try:
+        for i in range(3):
+            answers.append(client.request("POST", "/x", {"i": i})["n"])
+            assert handler.server_closed.acquire(timeout=10)  # type: ignore[attr-defined]
+    finally:
+        client.close()
+    assert answers == [1, 2, 3]
+    assert len({s["peer"] for s in handler.seen}) == 3
+
+
+def test_a_refusal_and_an_unreachable_server_raise_the_same_errors(
+    server: tuple[str, type[_Handler]],
+) -> None:
+    url, _handler = server
+    client = PlaneClient(url, "lsk_tok")
+    with pytest.raises(errors.Conflict, match="superseded"):
+        client.request("POST", "/conflict", {})
+    client.close()
+    gone = PlaneClient("http://127.0.0.1:9", "lsk_tok")  # nothing listens on the discard port
+    with pytest.raises(errors.Unavailable, match=r"cannot reach the control plane at http://127\.0\.0\.1:9"):
+        gone.request("POST", "/v1/daemon/ack", {})
+    gone.close()
+
+
+def test_https_and_proxies_stay_on_httpx(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    assert usable("http://cp.example:8470")
+    assert not usable("https://cp.example:8470")
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy:3128")
+    assert not usable("http://cp.example:8470")
+    monkeypatch.setenv("NO_PROXY", "cp.example")
+    assert usable("http://cp.example:8470")
