@@ -95,6 +95,9 @@ def rows(start: int, count: int, queues: int, priorities: int) -> Iterator[tuple
             "result_blob": None,
             "error": None,
             "cancel_requested": False,
+            "not_before": None,  # due: a retry waiting for its backoff is not in the claim index
+            "frames_attempt": None,
+            "frames_base": None,
         }
         yield tuple(values[c] for c in COLUMNS)
 

@@ -210,11 +210,14 @@ def read_outcome(path: Path, status: ExitStatus | None, *, script: bool = False)
     try:
         err = json.loads(safeio.read_output(path, ERROR) or b"")
         if isinstance(err, dict) and "type" in err:
-            error = {
+            error: dict[str, Any] = {
                 "type": str(err.get("type")),
                 "message": str(err.get("message", "")),
                 "traceback": str(err.get("traceback") or ""),
             }
+            mro = err.get("mro")
+            if isinstance(mro, list) and len(mro) <= 64:  # the base classes retry_on may name
+                error["mro"] = [str(n)[:200] for n in mro]
             return Outcome("failed", b"", error)
     except (OSError, ValueError):
         pass
@@ -226,6 +229,8 @@ def read_outcome(path: Path, status: ExitStatus | None, *, script: bool = False)
     outcome = Outcome.failed("ProcessExited", message, logs)
     if full is not None:
         outcome.extra["disk_full"] = True
+        if outcome.error is not None:  # the control plane does not retry such a crash by default
+            outcome.error["disk_full"] = True
     return outcome
 
 

@@ -34,6 +34,7 @@ _LAZY = {
     "Dispatch": "dreamlake.lakeshore.dispatch",
     "HttpDispatch": "dreamlake.lakeshore.dispatch",
     "DispatchError": "dreamlake.lakeshore.errors",
+    "StreamRestarted": "dreamlake.lakeshore.errors",
 }
 
 __all__ = ["__version__", *sorted(_LAZY)]

@@ -243,7 +243,7 @@ def put(
         if resp.status_code >= 300:
             raise error_for(resp.status_code, f"{what} failed with HTTP {resp.status_code}: {_reason(resp)}")
 
-    retrying(attempts=client.attempts if body.replayable else 1)(once)
+    (client.policy() if body.replayable else retrying(attempts=1))(once)  # the client's attempts / window
     return {
         "bucket": answer.get("bucket"),
         "key": answer["key"],

@@ -123,6 +123,21 @@ def main(log_level: str) -> None:
     help="Concurrent daemon long polls served; past it a poll is answered 503 with Retry-After "
     "(default 5000). Each needs a file descriptor: the soft limit is raised to the hard one.",
 )
+@click.option(
+    "--retention",
+    envvar="LAKESHORE_RETENTION",
+    default=None,
+    help="How long finished invocations (their frames, attempts, results) and exec jobs (and the "
+    "S3 payloads they reference) are kept: 7d, 12h, 3600, or off (default 7d). A background "
+    "sweep deletes what expired; `lakeshore gc` runs one now.",
+)
+@click.option(
+    "--retention-queue",
+    "retention_queue",
+    multiple=True,
+    metavar="QUEUE=DURATION",
+    help="A queue's own retention, e.g. gpu=30d or scratch=1h or audit=off (repeatable).",
+)
 def server(
     host: str,
     port: int,
@@ -132,6 +147,8 @@ def server(
     lease_s: float | None,
     workers: int,
     max_polls: int | None,
+    retention: str | None,
+    retention_queue: tuple[str, ...],
 ) -> None:
     """Run the control plane (HTTP) over the store."""
     from dreamlake.lakeshore.server.bootstrap import bootstrap_tokens, start_line
@@ -156,6 +173,10 @@ def server(
     for line in [*(bootstrap_tokens(store, data, url) or ()), start_line(url, data)]:
         click.echo(line)
     overrides: dict[str, Any] = {"lease_s": lease_s, "max_polls": max_polls}
+    try:
+        overrides.update(_retention_overrides(retention, retention_queue))
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
     overrides = {k: v for k, v in overrides.items() if v is not None}
     try:
         PayloadStore.from_env(os.environ)  # fail here, once, on a bad payload configuration
@@ -165,6 +186,61 @@ def server(
     _raise_open_files(config.max_polls)
     spec = ServeSpec(db=db or str(data / DB_FILE), redis_url=redis_url, config=overrides)
     serve(spec, host=host, port=port, workers=workers, store=store)
+
+
+def _retention_overrides(retention: str | None, queues: tuple[str, ...]) -> dict[str, Any]:
+    """``ServerConfig`` fields of ``--retention`` / ``--retention-queue`` (ValueError when bad)."""
+    from dreamlake.lakeshore.server.config import parse_duration, parse_queue_retention
+
+    out: dict[str, Any] = {}
+    if retention is not None:
+        out["retention_s"] = parse_duration(retention, "--retention")
+    if queues:
+        out["retention_queues"] = parse_queue_retention(queues)
+    return out
+
+
+@main.command()
+@store_options
+@click.option("--retention", default=None, help="As `lakeshore server --retention` (default 7d).")
+@click.option(
+    "--retention-queue", "retention_queue", multiple=True, metavar="QUEUE=DURATION",
+    help="As `lakeshore server --retention-queue` (repeatable).",
+)  # fmt: skip
+@click.option(
+    "--batch", default=200, show_default=True, type=click.IntRange(1, 10_000), help="Rows per transaction."
+)
+def gc(
+    data_dir: str, db: str | None, retention: str | None, retention_queue: tuple[str, ...], batch: int
+) -> None:
+    """Delete expired work now (what the server's background sweep does): finished invocations with
+    their frames and attempts, done exec jobs, and the S3 payloads those referenced."""
+    import time
+
+    from dreamlake.lakeshore.server.config import DEFAULT_RETENTION_S
+    from dreamlake.lakeshore.server.payloads import PayloadStore
+
+    try:
+        rules = _retention_overrides(retention, retention_queue)
+        payloads = PayloadStore.from_env(os.environ)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    store = _open_store(db, data_dir)
+    try:
+        default_s = rules.get("retention_s", DEFAULT_RETENTION_S)
+        total = store.gc(time.time(), default_s, dict(rules.get("retention_queues", ())), limit=batch)
+    finally:
+        store.close()
+    deleted = payloads.delete(total.payload_keys) if payloads is not None and total.payload_keys else 0
+    click.echo(
+        f"deleted {total.invocations} invocations ({total.frames} frames, {total.attempts} attempts), "
+        f"{total.exec_jobs} exec jobs, {deleted} payloads"
+        + (
+            f" ({len(total.payload_keys)} referenced; no S3 configured)"
+            if total.payload_keys and payloads is None
+            else ""
+        )
+    )
 
 
 FDS_PER_SERVER = 256  # descriptors besides the long polls: store, other routes, logs

@@ -24,7 +24,8 @@ Every client of the control plane's HTTP routes speaks through :class:`PlaneClie
   the tenacity policy built on it: exponential backoff with jitter, never sooner than the
   server's ``Retry-After``.
 
-A :class:`PlaneClient` retries its own requests ``attempts`` times (the SDK's plane uses 5);
+A :class:`PlaneClient` retries its own requests ``attempts`` times, or for ``window_s`` seconds
+(the SDK's plane retries for ``DEFAULT_RETRY_WINDOW_S``, long enough to outlast a server restart);
 nymph keeps ``attempts=1`` and retries in its agent and outbox, whose loops stop with the agent.
 Nothing here imports the server or the store.
 """
@@ -53,7 +54,7 @@ from dreamlake.lakeshore.errors import (
 )
 from dreamlake.lakeshore.keepalive import KeepAlive, KeepAliveError, usable
 
-__all__ = ["MSGPACK", "PlaneClient", "error_for", "is_retryable", "retrying"]
+__all__ = ["DEFAULT_RETRY_WINDOW_S", "MSGPACK", "PlaneClient", "error_for", "is_retryable", "retrying"]
 
 _IN_TASK_HINT = (
     "This task runs under nymph: is the control plane reachable from its sandbox? The docker and "
@@ -66,6 +67,12 @@ _IN_TASK_HINT = (
 MSGPACK = "application/x-msgpack"
 CONNECT_TIMEOUT_S = 5.0
 RETRY_AFTER_CAP_S = 60.0  # a Retry-After longer than this is waited for this long, then retried
+#: How long the SDK's plane keeps retrying a transient failure: a restart of ``lakeshore server``
+#: takes a few seconds, a rolling upgrade of replicas longer. ``LAKESHORE_RETRY_WINDOW`` (seconds)
+#: or ``HttpDispatch(retry_window=...)`` change it.
+DEFAULT_RETRY_WINDOW_S = 60.0
+RETRY_WINDOW_ENV = "LAKESHORE_RETRY_WINDOW"
+WINDOW_MAX_WAIT_S = 2.0  # within a window, never wait longer than this between tries
 
 _TOKEN_HINT = (
     "Pass a valid token of the right kind (producer to submit and stream, daemon for workers and "
@@ -141,7 +148,8 @@ class PlaneClient:
     """A control plane at ``url`` (``http://host:8470``), authenticated with a bearer ``token``.
 
     Thread-safe (``httpx.Client`` is). ``timeout_s`` is the default read timeout of a request;
-    ``attempts`` how many times :meth:`request` tries a request that fails retryably.
+    ``attempts`` how many times :meth:`request` tries a request that fails retryably, ``window_s``
+    (when given) for how long it keeps trying: the first of the two to run out stops it.
     """
 
     def __init__(
@@ -150,11 +158,13 @@ class PlaneClient:
         token: str,
         *,
         timeout_s: float = 30.0,
-        attempts: int = 1,
+        attempts: int | None = 1,
+        window_s: float | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.url = url.rstrip("/")
-        self.attempts = max(1, attempts)
+        self.attempts = None if attempts is None else max(1, attempts)
+        self.window_s = None if window_s is None else max(0.0, float(window_s))
         self._transport = transport
         headers = {"Authorization": f"Bearer {token}", "Accept": MSGPACK}
         self._timeout_s = timeout_s
@@ -205,8 +215,16 @@ class PlaneClient:
             request["headers"] = {"Content-Type": MSGPACK}
         if timeout_s is not None:
             request["timeout_s"] = timeout_s
-        policy = retrying(attempts=self.attempts if attempts is None else attempts)
-        return policy(self._once, method, path, request)
+        return self.policy(attempts)(self._once, method, path, request)
+
+    def policy(self, attempts: int | None = None) -> tenacity.Retrying:
+        """This client's retry policy: ``attempts`` (default: the client's) and its window."""
+        attempts = self.attempts if attempts is None else attempts
+        if self.window_s is None:
+            return retrying(attempts=attempts)
+        return retrying(
+            attempts=attempts, stop=tenacity.stop_after_delay(self.window_s), max_s=WINDOW_MAX_WAIT_S
+        )
 
     def _once(self, method: str, path: str, request: dict[str, Any]) -> Any:
         what = f"{method} {path}"

@@ -416,6 +416,9 @@ class UDF:
         key: str | None = None,
         timeout_s: float | None = None,
         max_attempts: int | None = None,
+        retry_on: tuple[type[BaseException] | str, ...] | None = None,
+        backoff_s: float | None = None,
+        resumable: bool = False,
         dispatch: Plane | None = None,
         code: Any = _INHERIT,
         **options: Any,
@@ -447,6 +450,14 @@ class UDF:
             self.options["timeout_s"] = float(timeout_s)
         if max_attempts is not None:
             self.options["max_attempts"] = max_attempts
+        if retry_on is not None:
+            self.options["retry_on"] = _retry_names(retry_on)
+        if backoff_s is not None:
+            if isinstance(backoff_s, bool) or not isinstance(backoff_s, (int, float)) or not backoff_s >= 0:
+                raise ValueError(f"backoff_s must be a number of seconds >= 0, got {backoff_s!r}")
+            self.options["backoff_s"] = float(backoff_s)
+        if resumable:  # a deterministic generator: a new attempt continues its stream
+            self.options["resumable"] = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run locally. A generator body returns a lazy iterator; nothing runs until pulled."""
@@ -513,6 +524,24 @@ class UDF:
         return f"<dls.udf {kind}{self.__module__}.{self.__qualname__} queue={self.queue!r}>"
 
 
+def _retry_names(retry_on: Any) -> list[str]:
+    """``retry_on`` (exception classes or their names) as the names run_config carries: the
+    control plane matches them against the failure's type and its base classes."""
+    if isinstance(retry_on, (str, type)):
+        retry_on = (retry_on,)
+    names: list[str] = []
+    for item in retry_on:
+        if isinstance(item, type) and issubclass(item, BaseException):
+            names.append(item.__name__)
+        elif isinstance(item, str) and item:
+            names.append(item)
+        else:
+            raise ValueError(
+                f"retry_on takes exception classes or their names, e.g. (TimeoutError, 'Timeout'), got {item!r}"
+            )
+    return names
+
+
 if TYPE_CHECKING:
 
     @overload
@@ -526,6 +555,9 @@ if TYPE_CHECKING:
         key: str | None = ...,
         timeout_s: float | None = ...,
         max_attempts: int | None = ...,
+        retry_on: tuple[type[BaseException] | str, ...] | None = ...,
+        backoff_s: float | None = ...,
+        resumable: bool = ...,
         dispatch: Plane | None = ...,
         code: Any = ...,
         **options: Any,
@@ -534,7 +566,14 @@ if TYPE_CHECKING:
 
 def udf(fn: Callable[..., Any] | None = None, /, **config: Any) -> Any:
     """``@dls.udf`` or ``@dls.udf(queue=..., transport=..., priority=..., key=..., timeout_s=...,
-    max_attempts=..., dispatch=..., code=..., **run_config)``: wrap a plain or generator function.
+    max_attempts=..., retry_on=..., backoff_s=..., resumable=..., dispatch=..., code=...,
+    **run_config)``: wrap a plain or generator function.
+
+    ``max_attempts`` bounds the attempts; a failure queues another one (after ``backoff_s * 2**(n-1)``
+    seconds) when its exception is one of ``retry_on`` (classes or names; base classes match too),
+    or when the task's process died. docs/protocol.md "Retries" says what retries and what never.
+    A generator's new attempt restarts its stream (``StreamRestarted``); ``resumable=True`` declares
+    it deterministic, and the new attempt continues the stream where the journal stands instead.
 
     ``code`` is what a submitted call ships with it: ``"auto"`` (the default) the local,
     non-installed package the function comes from, a list of paths those, ``None`` nothing (see

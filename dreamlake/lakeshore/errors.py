@@ -14,6 +14,7 @@
      |         +-- RuntimeMismatch   python / cloudpickle differ beyond the policy
      |         +-- StaleSource       src_hash differs from the worker's source
      +-- DispatchError               a remote failure seen by the producer (.type, .message, .traceback)
+     +-- StreamRestarted             a new attempt restarted an invocation's stream (.attempt, .seq)
      +-- PlaneError                  the dispatch plane failed or refused a request (.status)
           +-- Unavailable            unreachable, timed out, 5xx, 429: worth retrying (.retry_after)
           +-- Refused                will not succeed as sent: never retried
@@ -102,8 +103,30 @@ class DispatchError(LakeshoreError):
         return cls(str(info.get("type") or "Error"), str(info.get("message") or ""), info.get("traceback"))
 
 
+class StreamRestarted(LakeshoreError):
+    """A new attempt of the invocation restarted its stream: the values before this came from an
+    earlier attempt (whose process died, or whose failure is retried), and the values after it
+    are the new attempt's, from its first. Raised by ``next()`` on ``SyncQueue.stream``; catch it
+    and keep iterating the same stream (or resume elsewhere with ``since=seq``)."""
+
+    def __init__(self, invocation_id: str, attempt: int, seq: int) -> None:
+        super().__init__(
+            f"invocation {invocation_id}: attempt {attempt} restarted the stream at seq {seq}; "
+            "the values so far came from an earlier attempt, the next ones are attempt "
+            f"{attempt}'s from its first (keep iterating, or resume with since={seq})"
+        )
+        self.invocation_id = invocation_id
+        self.attempt = attempt
+        self.seq = seq
+
+
 class PlaneError(LakeshoreError):
-    """The dispatch plane (local store or control plane) failed or refused a request."""
+    """The dispatch plane (local store or control plane) failed or refused a request.
+
+    ``invocation_id`` is set on the failure of a submit: the id the call was submitted under, whose
+    status the caller can ask for (a submit that stayed unanswered may still have been stored)."""
+
+    invocation_id: str | None = None
 
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)

@@ -284,7 +284,9 @@ def show(url: str | None, token: str | None, invocation_id: str, as_json: bool) 
     for a in d["attempts"]:
         where = f" on {a['worker_id']}" if a["worker_id"] else ""
         span = f", {when(a['started_at'])} .. {when(a['finished_at'])}" if a["started_at"] else ""
-        lines.append(f"  #{a['attempt']}: {a['outcome']}{where}{span}")
+        why = f" ({a['error']['type']}: {a['error']['message']})" if a.get("error") else ""
+        retried = f", retried at {when(a['retry_at'])}" if a.get("retry_at") else ""
+        lines.append(f"  #{a['attempt']}: {a['outcome']}{why}{where}{span}{retried}")
     if d.get("parent_invocation_id"):
         lines.append(f"parent      {d['parent_invocation_id']} (root {d['root_invocation_id']})")
     children = d.get("children") or []

@@ -10,6 +10,13 @@ here as :class:`DispatchError` with the producer's exception type and message), 
 invocation state with no further frames (raised as :class:`DispatchError` too when that state is
 ``failed``, ``killed`` or ``timeout``, e.g. a gate refused the function before it could yield).
 
+A requeued invocation (its nymph died, or a failure it retries) never splices two executions: the
+new attempt's frames follow a RESTART marker in the journal, which ``next()`` raises as
+:class:`StreamRestarted` (the values before it came from the earlier attempt, those after it are
+the new attempt's from its first). Catch it and keep iterating the same stream; ``since`` cursors
+keep counting across it (docs/protocol.md, "Retries and stream restarts"). The ERROR frame of an
+attempt that is retried is not the stream's end and is not raised.
+
 An invocation's output (its stdout and stderr, captured by the worker on every runner) travels in the
 same journal as LOG frames: ``SyncQueue.stream`` skips them, ``SyncQueue.logs`` yields them as
 :class:`LogChunk` s (text as it was written, chunk by chunk: a chunk holds whole lines where it can),
@@ -32,7 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import ids
-from dreamlake.lakeshore.errors import DispatchError
+from dreamlake.lakeshore.errors import DispatchError, StreamRestarted
 
 if TYPE_CHECKING:
     from dreamlake.lakeshore.dispatch import Plane
@@ -104,14 +111,38 @@ def log_chunks(
                 return
 
 
+class _Restart:
+    """A RESTART marker, yielded by :func:`_values` for :class:`Stream` to raise (the generator
+    behind the stream stays alive, so the consumer can keep iterating)."""
+
+    __slots__ = ("attempt", "seq")
+
+    def __init__(self, attempt: int, seq: int) -> None:
+        self.attempt, self.seq = attempt, seq
+
+
+def restart_of(frame: Frame) -> int | None:
+    """The attempt a RESTART marker announces (a LOG frame with ``meta.restart``); None otherwise."""
+    from dreamlake.lakeshore import wire
+
+    if frame.kind != wire.FRAME_LOG or not isinstance(frame.meta, dict):
+        return None
+    attempt = frame.meta.get("restart")
+    return attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else None
+
+
 def _values(frames: Iterator[Frame], what: str) -> Generator[Any, None, bool]:
-    """Unpack VALUE bodies; stop at END; raise DispatchError at ERROR. LOG frames are skipped.
+    """Unpack VALUE bodies; stop at END; raise DispatchError at ERROR; a RESTART marker as a
+    :class:`_Restart`. Other LOG frames are skipped.
 
     Returns True when the stream closed with a final frame, False when the frames simply ran out."""
     from dreamlake.lakeshore import wire
 
     for frame in frames:
-        if frame.kind == wire.FRAME_VALUE and isinstance(frame.body, bytes):
+        restart = restart_of(frame)
+        if restart is not None:
+            yield _Restart(restart, frame.seq)
+        elif frame.kind == wire.FRAME_VALUE and isinstance(frame.body, bytes):
             yield wire.unpack(frame.body)
         elif frame.kind == wire.FRAME_END:
             return True
@@ -140,7 +171,12 @@ class Stream(Generator[Any, None, None]):
         return self
 
     def __next__(self) -> Any:
-        return next(self._gen)
+        return self._surface(next(self._gen))
+
+    def _surface(self, value: Any) -> Any:
+        if isinstance(value, _Restart):
+            raise StreamRestarted(self._what.removeprefix("invocation "), value.attempt, value.seq)
+        return value
 
     def send(self, value: None) -> Any:
         if value is not None:
@@ -150,7 +186,7 @@ class Stream(Generator[Any, None, None]):
                 "consumers only). Send values back over a Topic instead: topic.post(value) on this "
                 "side, Topic(name).stream() in the body; use next() or send(None) to pull"
             )
-        return next(self._gen)
+        return self._surface(next(self._gen))
 
     def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
         if val is None and tb is None:

@@ -62,6 +62,8 @@ def _error_info(exc: BaseException) -> dict[str, Any]:
         "type": type(exc).__name__,
         "message": str(exc),
         "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        # the class names of its MRO (less object): retry_on names a base class as well
+        "mro": [c.__name__ for c in type(exc).__mro__ if c is not object],
     }
 
 

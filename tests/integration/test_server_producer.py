@@ -87,6 +87,8 @@ def test_submit_answers_seed_body_and_status_shows_row(control_plane: ControlPla
         "error",
         "parent_invocation_id",
         "root_invocation_id",
+        "retry_at",  # issue 12: when a retry waiting for its backoff becomes claimable
+        "attempts",  # issue 12: each attempt's outcome
         "children",
     }
     assert row["children"] == []

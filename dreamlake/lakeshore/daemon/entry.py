@@ -180,17 +180,19 @@ def _write_atomic(name: str, data: bytes) -> None:
     os.replace(tmp, name)
 
 
-def _error_info(exc: BaseException) -> Dict[str, str]:
+def _error_info(exc: BaseException) -> Dict[str, Any]:
     import traceback
 
     return {
         "type": type(exc).__name__,
         "message": str(exc),
         "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        # the class names of its MRO (less object): retry_on names a base class as well
+        "mro": [c.__name__ for c in type(exc).__mro__ if c is not object],
     }
 
 
-def _write_error(info: Dict[str, str]) -> None:
+def _write_error(info: Dict[str, Any]) -> None:
     import json
 
     _write_atomic(ERROR_FILE, json.dumps(info).encode("utf-8"))
@@ -392,7 +394,7 @@ def run() -> int:
     return EXIT_OK
 
 
-def _fail(info: Dict[str, str], code: int) -> int:
+def _fail(info: Dict[str, Any], code: int) -> int:
     """Write error.json, say one line on stderr (nymph keeps stderr.log), return ``code``."""
     _write_error(info)
     invocation = os.environ.get("LAKESHORE_INVOCATION_ID", "?")

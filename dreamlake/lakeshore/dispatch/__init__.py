@@ -147,6 +147,39 @@ _NEEDS = {
 }
 
 
+def frame_attempt(frame: Frame) -> int:
+    """The attempt a journaled frame came from: ``meta.attempt``, else 1 (the first attempt to
+    write keeps its frames verbatim; see docs/protocol.md, "Retries and stream restarts")."""
+    meta = frame.meta if isinstance(frame.meta, dict) else {}
+    attempt = meta.get("attempt")
+    return attempt if isinstance(attempt, int) and not isinstance(attempt, bool) and attempt > 0 else 1
+
+
+def error_ends_stream(status: Any, frame: Frame, patience_s: float = 30.0) -> bool:
+    """Whether an ERROR frame ends its invocation's stream: True once the invocation is terminal;
+    False when another attempt follows it (queued for a retry, or a later attempt running), whose
+    frames come after a RESTART marker. While the attempt is still running (its ack follows its
+    frames) ``status()`` is asked again, for up to ``patience_s``; past that the ERROR ends it."""
+    import time
+
+    from dreamlake.lakeshore.states import TERMINAL_STATES
+
+    attempt = frame_attempt(frame)
+    deadline = time.monotonic() + patience_s
+    pause = 0.02
+    while True:
+        record = status()
+        state = record.get("state")
+        if state in TERMINAL_STATES:
+            return True
+        if state == "queued" or int(record.get("attempt") or 0) > attempt:
+            return False
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(pause)
+        pause = min(0.5, pause * 2)
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:

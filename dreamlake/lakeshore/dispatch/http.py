@@ -2,11 +2,15 @@
 
 Every request goes through the one control-plane client (:class:`~dreamlake.lakeshore.client.
 PlaneClient`): msgpack bodies both ways, one retry rule (connection errors, timeouts, 5xx and 429
-are retried ``retries`` times with exponential backoff and jitter; a 4xx never is) and one error
+are retried for ``retry_window`` seconds, 60 by default or ``$LAKESHORE_RETRY_WINDOW``, with
+exponential backoff and jitter, so a call outlasts a restart of the server; a 4xx never is) and one error
 tree (401/403 :class:`AuthError` saying how to mint a token, 404 :class:`NotFound`, 409
 :class:`Conflict`, another 4xx :class:`BadRequest`, what stayed unreachable :class:`Unavailable`),
 each with the server's ``error`` text. Every request that can be retried is idempotent on the
-server: submit carries its invocation id, chunks their seq, acks their attempt.
+server: submit carries its invocation id (the Envelope's id: a retried submit answers the invocation
+the first one stored, never a second), chunks their seq, acks their attempt. A submit whose failure
+outlasts the window raises with ``invocation_id`` set: the call may have been stored, so ask for its
+status, or submit the same Envelope again (never a new one, which would run the call twice).
 
 Frames go in batches (``POST /v1/daemon/result-chunks``, one request per batch) through a frame
 writer (:mod:`~dreamlake.lakeshore.dispatch.batching`); an ack waits for its frames.
@@ -20,14 +24,15 @@ An HTTP plane is outside the local trust domain: ``trusted = False``.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import ids
-from dreamlake.lakeshore.client import PlaneClient, is_retryable
-from dreamlake.lakeshore.dispatch import NATIVE_FUNCTION, Claim
+from dreamlake.lakeshore.client import DEFAULT_RETRY_WINDOW_S, RETRY_WINDOW_ENV, PlaneClient, is_retryable
+from dreamlake.lakeshore.dispatch import NATIVE_FUNCTION, Claim, error_ends_stream
 from dreamlake.lakeshore.dispatch.batching import FrameWriter
 from dreamlake.lakeshore.errors import Conflict, PlaneError, Unavailable
 from dreamlake.lakeshore.states import TERMINAL_STATES
@@ -47,8 +52,44 @@ _KEPT_CANCELS = 1024
 _WARNED: set[tuple[str, str]] = set()  # (control plane, queue) whose no-worker warning was logged
 
 
+def _retry_window() -> float:
+    """``$LAKESHORE_RETRY_WINDOW`` (seconds), else the default; a bad value says what to set."""
+    raw = os.environ.get(RETRY_WINDOW_ENV, "").strip()
+    if not raw:
+        return DEFAULT_RETRY_WINDOW_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"{RETRY_WINDOW_ENV}={raw!r}: give a number of seconds >= 0, e.g. 60")
+    return value
+
+
+def _submit_failed(exc: PlaneError, invocation_id: str, window: float) -> PlaneError:
+    """The error of a submit, carrying ``invocation_id``; one that outlasted the retry window says
+    the call may be stored and how to find out (a fresh submit would run it twice)."""
+    if isinstance(exc, Unavailable):
+        new: PlaneError = Unavailable(
+            f"submit of invocation {invocation_id} got no answer within the {window:g} s retry window: "
+            f"{exc}. It may have been stored: ask for its status (plane.status({invocation_id!r}) or "
+            f"`lakeshore show {invocation_id}`), or submit the same call again (the same Envelope id: "
+            "a submit is idempotent on it); never submit it anew, which would run it twice",
+            exc.status,
+            exc.retry_after,
+        )
+    else:
+        new = type(exc)(str(exc), exc.status)
+    new.invocation_id = invocation_id
+    return new
+
+
 class HttpDispatch:
-    """A control plane at ``url`` (``http://host:8470``), authenticated with a bearer ``token``."""
+    """A control plane at ``url`` (``http://host:8470``), authenticated with a bearer ``token``.
+
+    A transient failure is retried for ``retry_window`` seconds (default ``$LAKESHORE_RETRY_WINDOW``,
+    else ``DEFAULT_RETRY_WINDOW_S``) and, when ``retries`` is given, at most that many times.
+    """
 
     trusted = False
 
@@ -58,16 +99,21 @@ class HttpDispatch:
         token: str,
         *,
         timeout: float = 30.0,
-        retries: int = 5,
+        retries: int | None = None,
+        retry_window: float | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"control plane url must start with http:// or https://, got {url!r}")
         if not isinstance(token, str) or not token:
             raise ValueError("a token is required: mint one with `lakeshore token create --kind producer`")
-        self._client = PlaneClient(url, token, timeout_s=timeout, attempts=retries, transport=transport)
+        window = _retry_window() if retry_window is None else float(retry_window)
+        self._client = PlaneClient(
+            url, token, timeout_s=timeout, attempts=retries, window_s=window, transport=transport
+        )
         self.url = self._client.url
         self.retries = self._client.attempts
+        self.retry_window = window
         self._registered: set[str] = set()
         self._cancels: dict[str, dict[str, bool]] = {}  # worker id -> cancels a poll delivered
         self._frames = FrameWriter(self._write_frames)
@@ -115,7 +161,10 @@ class HttpDispatch:
             body["parent_invocation_id"] = parent
         if wait_s is not None:
             body["wait_s"] = wait_s
-        out = self._call("POST", "/v1/producer/submit", body, timeout=wait_s)
+        try:
+            out = self._call("POST", "/v1/producer/submit", body, timeout=wait_s)
+        except PlaneError as exc:
+            raise _submit_failed(exc, body["invocation_id"], self.retry_window) from exc
         warning = out.get("warning")
         if warning and (self.url, queue) not in _WARNED:  # "no worker has polled queue ...": once
             _WARNED.add((self.url, queue))
@@ -147,6 +196,7 @@ class HttpDispatch:
             path = f"/v1/producer/invocations/{ids.validate(owner, 'invocation id')}/result/stream"
         last_frame = time.monotonic()
         drops = 0
+        first_drop: float | None = None  # when the current run of reconnects began
         terminal = False
         while True:
             patience = max(0.05, timeout - (time.monotonic() - last_frame))
@@ -156,31 +206,43 @@ class HttpDispatch:
                     path, params={"since": since, "timeout": patience}, timeout_s=patience + _SLACK_S
                 ) as resp:
                     reader = wire.FrameReader()
+                    skipped = False  # a retried attempt's ERROR: reconnect after it
                     for chunk in resp.iter_bytes():
+                        if skipped:
+                            break
                         for frame in reader.feed(chunk):
                             if frame.seq <= since:
                                 continue  # never hand a consumer the same seq twice
                             got_any = True
+                            last_frame = time.monotonic()
+                            retried = frame.kind == wire.FRAME_ERROR and not topic
+                            if retried and not error_ends_stream(lambda: self.status(owner), frame, timeout):
+                                since, skipped = frame.seq, True  # its restart follows
+                                break
                             yield frame
                             since = frame.seq
-                            last_frame = time.monotonic()
                             if frame.kind in (wire.FRAME_END, wire.FRAME_ERROR):
                                 return
             except PlaneError as exc:
                 if not is_retryable(exc):
                     raise
                 drops += 1
-                if drops > _STREAM_RECONNECTS:
+                if got_any or first_drop is None:
+                    first_drop = time.monotonic()
+                if drops > _STREAM_RECONNECTS and time.monotonic() - first_drop > self.retry_window:
                     raise Unavailable(
-                        f"lost the stream {path} at seq {since} {drops} times: {exc}; "
-                        f"resume later with since={since}",
+                        f"lost the stream {path} at seq {since} {drops} times over "
+                        f"{self.retry_window:g} s: {exc}; resume later with since={since}",
                         exc.status,
                     ) from exc
                 log.info("stream %s dropped at seq %s (%s); resuming", path, since, exc)
                 time.sleep(min(2.0, 0.1 * 2**drops))
+                last_frame = time.monotonic()  # an outage is not the producer's silence
+                if got_any:
+                    drops = 0
                 continue
             if got_any:
-                drops = 0
+                drops, first_drop = 0, None
             if not topic:
                 if terminal and not got_any:
                     return

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import ids
-from dreamlake.lakeshore.dispatch import NATIVE_FUNCTION, Claim
+from dreamlake.lakeshore.dispatch import NATIVE_FUNCTION, Claim, error_ends_stream
 from dreamlake.lakeshore.dispatch.batching import FrameWriter
 from dreamlake.lakeshore.errors import AuthError, BadRequest, Conflict, NotFound, PlaneError
 from dreamlake.lakeshore.states import TERMINAL_STATES
@@ -116,7 +116,9 @@ class Dispatch:
         return self.store.submit(req).invocation_id
 
     def status(self, invocation_id: str) -> dict[str, Any]:
-        return self._get(invocation_id).status()
+        out = self._get(invocation_id).status()
+        out["attempts"] = self.store.attempts(invocation_id)  # each attempt's outcome, as over HTTP
+        return out
 
     def await_result(self, invocation_id: str, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + max(0.0, timeout)
@@ -156,7 +158,12 @@ class Dispatch:
             mark = self.notifier.mark()
             rows = self.store.read_frames(owner_id, since)
             for row in rows:
-                yield wire.decode_frame(row.data)
+                frame = wire.decode_frame(row.data)
+                retried = frame.kind == wire.FRAME_ERROR and not topic
+                if retried and not error_ends_stream(lambda: self.status(owner), frame, timeout):
+                    since = row.seq  # a retried attempt's failure: its restart follows
+                    continue
+                yield frame
                 since = row.seq
                 if row.final:
                     return
@@ -166,10 +173,8 @@ class Dispatch:
             if not topic and self._get(owner).state in TERMINAL_STATES:
                 # frames are journaled before the ack: one more read sees any that raced the check
                 late = self.store.read_frames(owner_id, since)
-                for row in late:
-                    yield wire.decode_frame(row.data)
-                    if row.final:
-                        return
+                if late:
+                    continue  # frames raced the check: read them as above
                 return
             if time.monotonic() >= deadline:
                 what = f"topic {owner}" if topic else f"invocation {owner}"

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -274,6 +275,50 @@ async def _expire_loop(ctx: Context) -> None:
                 ctx.wake.notify(f"inv:{inv}")
 
 
+async def sweep(ctx: Context, now: float | None = None) -> Any:
+    """One retention sweep: ``store.gc_batch`` until a batch comes back short (each batch its own
+    short transaction, so the hot path waits for one batch at most), the payloads the expired
+    exec jobs referenced deleted from S3, the counts in ``lakeshore_gc_deleted``. The totals."""
+    from dreamlake.lakeshore.store.retention import GcResult
+
+    config = ctx.config
+    total = GcResult()
+    while True:
+        when = time.time() if now is None else now
+        got = await ctx.call(
+            ctx.store.gc_batch, when, config.retention_s, dict(config.retention_queues), limit=config.gc_batch
+        )
+        total.add(got)
+        for kind in ("invocations", "frames", "attempts", "exec_jobs"):
+            ctx.metrics.gc_deleted.labels(kind=kind).inc(getattr(got, kind))
+        delete = getattr(ctx.payloads, "delete", None)  # S3; a local blob directory prunes by age
+        if got.payload_keys and delete is not None:
+            deleted = await asyncio.to_thread(delete, got.payload_keys)
+            ctx.metrics.gc_deleted.labels(kind="payloads").inc(deleted)
+        if got.rows < config.gc_batch:
+            break
+        await asyncio.sleep(0)  # the next batch after the routes that waited
+    if total.rows:
+        log.info(
+            "retention: deleted %d invocations (%d frames), %d exec jobs, %d payload keys",
+            total.invocations, total.frames, total.exec_jobs, len(total.payload_keys),
+        )  # fmt: skip
+    return total
+
+
+async def _gc_loop(ctx: Context) -> None:
+    if not (ctx.config.retention_s or ctx.config.retention_queues):
+        return  # everything is kept for ever
+    while True:
+        await asyncio.sleep(ctx.config.gc_every_s * random.uniform(0.9, 1.1))  # replicas spread out
+        try:
+            await sweep(ctx)
+            ctx.metrics.gc_runs.labels(outcome="ok").inc()
+        except Exception:
+            ctx.metrics.gc_runs.labels(outcome="failed").inc()
+            log.warning("retention sweep failed; retrying in %.0fs", ctx.config.gc_every_s, exc_info=True)
+
+
 async def _prune_loop(blobs: BlobDir, every_s: float) -> None:
     """Drop blobs past their retention from the local blob directory, as an S3 lifecycle rule would."""
     while True:
@@ -324,7 +369,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         ctx.polls.start(asyncio.get_running_loop())
-        tasks = [asyncio.create_task(_expire_loop(ctx))]
+        tasks = [asyncio.create_task(_expire_loop(ctx)), asyncio.create_task(_gc_loop(ctx))]
         if isinstance(ctx.payloads, BlobDir):
             tasks.append(asyncio.create_task(_prune_loop(ctx.payloads, BLOB_PRUNE_EVERY_S)))
         relay = _relay(ctx)

@@ -8,6 +8,36 @@ from dataclasses import dataclass
 from dreamlake.lakeshore.store.api import DEFAULT_LEASE_S
 
 MiB = 1024 * 1024
+DEFAULT_RETENTION_S = 7 * 86400.0  # finished invocations, their frames and payloads: a week
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
+
+
+def parse_duration(text: str, what: str = "retention") -> float:
+    """``30d``, ``12h``, ``90m``, ``45s``, ``2w`` or plain seconds; ``0``/``off``/``never``: 0 (keep for
+    ever). ValueError naming ``what`` and the accepted forms otherwise."""
+    raw = text.strip().lower()
+    if raw in ("off", "never", "forever", "0"):
+        return 0.0
+    unit = _UNITS.get(raw[-1:]) if raw else None
+    number = raw[:-1] if unit is not None else raw
+    try:
+        value = float(number) * (unit or 1.0)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value != value or value == float("inf"):
+        raise ValueError(f"{what} {text!r}: give a duration such as 7d, 12h, 90m, 3600 (seconds) or off")
+    return value
+
+
+def parse_queue_retention(items: tuple[str, ...] | list[str]) -> tuple[tuple[str, float], ...]:
+    """``["gpu=30d", "scratch=1h"]`` as ``(("gpu", 2592000.0), ("scratch", 3600.0))``."""
+    out: dict[str, float] = {}
+    for item in items:
+        queue, sep, duration = item.partition("=")
+        if not sep or not queue.strip():
+            raise ValueError(f"--retention-queue {item!r}: give QUEUE=DURATION, e.g. gpu=30d")
+        out[queue.strip()] = parse_duration(duration, f"--retention-queue {queue.strip()}")
+    return tuple(sorted(out.items()))
 
 
 @dataclass(frozen=True)
@@ -39,6 +69,13 @@ class ServerConfig:
     max_connections: int = 2048
     max_header_bytes: int = 64 * 1024
     task_token_ttl_s: float = 86400.0  # the longest a task token lives (it dies with its ack first)
+    # Retention (store/retention.py): finished work older than this is deleted by the sweep, every
+    # gc_every_s, gc_batch invocations per transaction; 0 keeps it for ever. A queue named in
+    # retention_queues keeps its own (``--retention-queue gpu=30d``).
+    retention_s: float = DEFAULT_RETENTION_S
+    retention_queues: tuple[tuple[str, float], ...] = ()
+    gc_every_s: float = 300.0
+    gc_batch: int = 200
 
     @classmethod
     def from_env(cls, **overrides: object) -> ServerConfig:
@@ -56,6 +93,9 @@ class ServerConfig:
                     raise ValueError(f"{name} must be a positive {kind.__name__}, got {raw!r}")
                 values[key] = value
         values.update({k: v for k, v in overrides.items() if v is not None})
+        queues = values.get("retention_queues")
+        if isinstance(queues, (list, tuple)):  # JSON (a worker's ServeSpec) makes lists of lists
+            values["retention_queues"] = tuple((str(q), float(s)) for q, s in queues)
         return cls(**values)  # type: ignore[arg-type]
 
 

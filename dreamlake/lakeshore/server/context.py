@@ -78,6 +78,22 @@ class Context:
         self.queues = QueueWatch()
         self._task_tokens: TaskTokens | None = None
 
+    @property
+    def closing(self) -> bool:
+        """The server is shutting down (:meth:`begin_shutdown`): long requests answer now."""
+        return self.wake.closing
+
+    def begin_shutdown(self) -> None:
+        """The server stops accepting: answer the long requests in flight now instead of being
+        cancelled with them (a traceback each, HTTP 500 to nymph). Waiting polls answer empty,
+        awaits answer ``pending``, streams end without a final frame (the client resumes with
+        ``since=``). Idempotent; run on the event loop."""
+        if self.wake.closing:
+            return
+        log.info("shutting down: answering %d waiting long polls", self.polls.waiting)
+        self.polls.drain()
+        self.wake.close_waits()
+
     async def task_tokens(self) -> TaskTokens:
         """The signer of task tokens, under the key every replica shares (read once)."""
         if self._task_tokens is None:

@@ -38,7 +38,7 @@ from dreamlake.lakeshore.server import http, tasks
 from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError, field
-from dreamlake.lakeshore.server.polls import EXEC, RUN, TIMEOUT, Wake
+from dreamlake.lakeshore.server.polls import EXEC, RUN, SHUTDOWN, TIMEOUT, Wake
 from dreamlake.lakeshore.store.api import (
     ACK_STATES,
     UNKNOWN,
@@ -255,7 +255,7 @@ async def poll(
             if commands or remaining <= 0:
                 break
             reason = await ticket.wait(remaining, since=mark)
-            if reason == TIMEOUT:  # nothing came for this poll: no last pass needed
+            if reason in (TIMEOUT, SHUTDOWN):  # nothing came, or the server stops: answer now
                 break
     finally:
         ticket.close()
@@ -365,7 +365,9 @@ async def _ack(
         "result_blob": result_blob or None,
         "error": None if error is None else json_safe(error, "error"),
     }
-    ctx.acks.end(invocation_id, flight, committed if result.ok and not result.duplicate else None)
+    # a failure that queued a retry (result.state "queued") is no outcome for a waiting producer
+    final = result.ok and not result.duplicate and result.state == state
+    ctx.acks.end(invocation_id, flight, committed if final else None)
     if result.ok:
         ctx.metrics.acks.labels(state=state, outcome="duplicate" if result.duplicate else "ok").inc()
         ctx.wake.notify(f"inv:{invocation_id}")
@@ -433,8 +435,9 @@ async def result_chunk(ctx: Context, caller: Caller, body: dict[str, Any]) -> tu
     ctx.metrics.frames_appended((frame.kind,))
     ctx.wake.notify(f"inv:{invocation_id}")
     if ctx.fanout is not None:
-        try:
-            await ctx.fanout.publish(invocation_id, seq, data, final)
+        try:  # at its journal position, as journaled (a later attempt's frames are restamped)
+            pos = seq if result.pos is None else result.pos
+            await ctx.fanout.publish(invocation_id, pos, result.data or data, final)
         except Exception:
             log.warning(
                 "live publish of %s seq %d failed; followers catch up from the journal",
@@ -478,7 +481,11 @@ async def result_chunks(ctx: Context, caller: Caller, body: dict[str, Any]) -> t
     assert isinstance(written, FramesResult)
     results = written.results
     kept = [r for r in results if r.ok]
-    fresh = [item for item, r in zip(batch, results, strict=False) if r.ok and not r.duplicate]
+    fresh = [  # at their journal positions, as journaled (a later attempt's frames are restamped)
+        (seq if r.pos is None else r.pos, r.data or data, final)
+        for (seq, data, final), r in zip(batch, results, strict=False)
+        if r.ok and not r.duplicate
+    ]
     ctx.metrics.chunks.labels(duplicate="false").inc(len(fresh))
     ctx.metrics.frames_appended(k for k, r in zip(kinds, results, strict=False) if r.ok and not r.duplicate)
     if len(kept) > len(fresh):

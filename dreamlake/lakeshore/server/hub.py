@@ -27,6 +27,8 @@ class Wakeups:
         found = getattr(store, "notifier", None)
         self.own = not isinstance(found, Notifier)
         self.notifier: Notifier = found if isinstance(found, Notifier) else Notifier()
+        self.closing = False  # the server is shutting down: waits end at once (``close_waits``)
+        self._closing_channel = f"closing:{id(self)}"  # this app's alone, should a store be shared
 
     def mark(self) -> int:
         return self.notifier.mark()
@@ -37,9 +39,15 @@ class Wakeups:
 
     async def wait(self, channels: list[str], timeout: float, since: int | None = None) -> bool:
         """True when one of ``channels`` was notified after ``since``; False after ``timeout``."""
-        if timeout <= 0:
+        if timeout <= 0 or self.closing:
             return False
-        return await self.notifier.wait_async(channels, timeout, since)
+        return await self.notifier.wait_async([*channels, self._closing_channel], timeout, since)
+
+    def close_waits(self) -> None:
+        """The server is stopping: end every wait now (each answers as after its timeout) and
+        every later one at once, so long requests answer before the server stops."""
+        self.closing = True
+        self.notifier.notify(self._closing_channel)
 
 
 class StoreRunner:

@@ -56,6 +56,15 @@ class Metrics:
         self.expired = Counter(
             "lakeshore_leases_expired", "Invocations whose lease lapsed", registry=self.registry
         )
+        self.gc_deleted = Counter(
+            "lakeshore_gc_deleted",
+            "Expired rows and objects the retention sweep deleted",
+            ["kind"],  # invocations, frames, attempts, exec_jobs, payloads
+            registry=self.registry,
+        )
+        self.gc_runs = Counter(
+            "lakeshore_gc_runs", "Retention sweeps run", ["outcome"], registry=self.registry
+        )
         self.poll_wait = Histogram(
             "lakeshore_poll_wait_seconds",
             "Time a daemon poll waited before answering",

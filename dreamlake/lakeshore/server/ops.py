@@ -113,28 +113,47 @@ def invocation_json(inv: Invocation) -> dict[str, Any]:
     }
 
 
-def attempts(inv: Invocation) -> list[dict[str, Any]]:
-    """Every attempt with its outcome.
-
-    The store keeps the latest attempt's worker and times only. An invocation is claimed again
-    only after its lease lapsed (an ack is final), so every earlier attempt ended ``lease_expired``;
-    the latest one ran when ``started_at`` is set (a requeue clears it)."""
-    ran = inv.attempt >= 1 and inv.started_at is not None
-    out: list[dict[str, Any]] = [
-        {"attempt": n, "outcome": "lease_expired", "worker_id": None, "started_at": None, "finished_at": None}
-        for n in range(1, inv.attempt if ran else inv.attempt + 1)
-    ]
-    if ran:
-        out.append(
-            {
-                "attempt": inv.attempt,
-                "outcome": inv.state,
-                "worker_id": inv.worker_id,
-                "started_at": inv.started_at,
-                "finished_at": inv.finished_at,
-            }
-        )
+def attempts(inv: Invocation, history: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Every attempt with its outcome, from ``history`` (``store.attempts``: the retried failures
+    and lapsed leases the store kept, then the current attempt from the row). An attempt with no
+    record (a lease that lapsed before the store kept attempts) shows as ``lease_expired``."""
+    if history is None:
+        history = [] if inv.attempt < 1 else [_current(inv)]
+    kept = {a["attempt"]: a for a in history}
+    out: list[dict[str, Any]] = []
+    for n in range(1, inv.attempt + 1):
+        a = kept.get(n)
+        out.append(_attempt_json(a) if a is not None else _attempt_json({"attempt": n, "state": "lost"}))
     return out
+
+
+def _current(inv: Invocation) -> dict[str, Any]:
+    return {
+        "attempt": inv.attempt,
+        "state": inv.state,
+        "worker_id": inv.worker_id,
+        "started_at": inv.started_at,
+        "finished_at": inv.finished_at,
+        "error": inv.error,
+    }
+
+
+def _attempt_json(a: dict[str, Any]) -> dict[str, Any]:
+    """One attempt for the detail: a lost lease (or a requeue with no record) is ``lease_expired``."""
+    lost = a["state"] == "lost" or (a["state"] == "queued" and a.get("retry_at") is None)
+    return {
+        "attempt": a["attempt"],
+        "outcome": "lease_expired" if lost else a["state"],
+        "worker_id": a.get("worker_id"),
+        "started_at": None if lost and a["state"] == "queued" else a.get("started_at"),
+        "finished_at": a.get("finished_at"),
+        "error": _brief(a.get("error")) if a["state"] not in ("running", "succeeded") else None,
+        "retry_at": a.get("retry_at"),
+    }
+
+
+def _brief(error: dict[str, Any] | None) -> dict[str, Any] | None:
+    return {"type": error.get("type"), "message": error.get("message")} if error else None
 
 
 def function_of(inv: Invocation) -> dict[str, Any] | None:
@@ -159,7 +178,9 @@ def timings(inv: Invocation, now: float) -> dict[str, float | None]:
     }
 
 
-def detail_json(inv: Invocation, frames: FrameStats, now: float) -> dict[str, Any]:
+def detail_json(
+    inv: Invocation, frames: FrameStats, now: float, history: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """``GET /v1/ops/invocations/:id``: the status, plus what an operator needs to judge a run."""
     out = inv.status()
     out.update(
@@ -168,7 +189,7 @@ def detail_json(inv: Invocation, frames: FrameStats, now: float) -> dict[str, An
         cancel_requested=inv.cancel_requested,
         lease_expires_at=inv.lease_expires_at,
         function=function_of(inv),
-        attempts=attempts(inv),
+        attempts=attempts(inv, history),
         timings=timings(inv, now),
         frames={
             "count": frames.count,
@@ -236,7 +257,8 @@ async def read_detail(ctx: Context, principal: Principal, invocation_id: str) ->
     if inv is None:
         raise HTTPError(404, f"unknown invocation '{invocation_id}'")
     frames = await ctx.call(ctx.store.frame_stats, invocation_id)
-    out = detail_json(inv, frames, time.time())
+    history = await ctx.call(ctx.store.attempts, invocation_id)
+    out = detail_json(inv, frames, time.time(), history)
     out["children"] = await producer.children(ctx, invocation_id)
     return out
 

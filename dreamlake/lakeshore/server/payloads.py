@@ -255,6 +255,22 @@ class PayloadStore:
         log.info("presigned PUT ns=%s key=%s size=%d", namespace, key, size)
         return answer
 
+    def delete(self, keys: list[str]) -> int:
+        """Delete the objects at ``keys`` (the retention sweep's: keys the store knew), one
+        ``DeleteObject`` each (S3-compatible servers differ on the checksums a batch delete needs);
+        the number deleted. A key that is not a payload key, or that S3 refuses, is logged and
+        skipped: a bucket lifecycle rule on ``payloads/`` is the backstop for those."""
+        done = 0
+        for key in keys:
+            try:
+                self.client.delete_object(Bucket=self.bucket, Key=check_key(key))
+                done += 1
+            except PayloadError:
+                log.warning("retention: not deleting %r, which is not a payload key", str(key)[:200])
+            except Exception as exc:  # botocore's errors: one object's failure is that object's
+                log.warning("retention: S3 refused to delete %s: %s", key, exc)
+        return done
+
     def presign_get(self, key: str, *, base_url: str = "") -> dict[str, str]:
         """Presign a download of ``key`` (must be under ``payloads/``) -> ``{"url", "bucket", "key", "expires_at"}``.
 

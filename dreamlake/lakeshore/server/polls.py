@@ -55,6 +55,7 @@ _ROUTED = (_RUN_QUEUE, _EXEC_QUEUE, _WORKER)  # ``queue:<q>`` keeps the notifier
 # Why a wait ended (and why the poll's next store pass runs): the ``reason`` label of the
 # ``lakeshore_poll_passes`` counter, with "first" for the pass a poll opens with.
 WOKEN, WORKER, RECHECK, TIMEOUT = "woken", "worker", "recheck", "timeout"
+SHUTDOWN = "shutdown"  # the server is stopping (:meth:`PollHub.drain`): answer empty now
 
 _K = TypeVar("_K")
 _F = TypeVar("_F", bound="dict[int, Ticket]")
@@ -120,7 +121,8 @@ class Ticket:
         """Wait for work after a fruitless pass that started at notifier position ``since``.
 
         Returns why it ended: ``woken`` (work for this poll), ``worker`` (a command for its worker),
-        ``recheck`` (the safety re-check) or ``timeout`` (``timeout`` seconds passed)."""
+        ``recheck`` (the safety re-check), ``timeout`` (``timeout`` seconds passed) or
+        ``shutdown`` (the server is stopping)."""
         return await self.hub._wait(self, timeout, since)
 
     def settle(self, claimed: list[Wake], limit: int) -> None:
@@ -164,6 +166,7 @@ class PollHub:
         self.recheck_s = recheck_s
         self.safety_recheck_s = safety_recheck_s
         self.relay: Relay | None = None
+        self.closing = False  # set by drain: every wait ends with SHUTDOWN
         self.shared_store = False  # True when other replicas may write work (PostgreSQL)
         self.active = 0  # admitted polls, waiting or not
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -188,6 +191,13 @@ class PollHub:
         if self._loop is not None:
             self.notifier.remove_listener(self._listener)
             self._loop = None
+
+    def drain(self) -> None:
+        """The server is stopping: wake every waiting poll with ``shutdown`` (its route answers
+        empty at once), and end every later wait so. The daemons poll again, elsewhere or later."""
+        self.closing = True
+        for t in list(self._waiting.values()):
+            self._wake(t, None, SHUTDOWN)
 
     @property
     def waiting(self) -> int:
@@ -311,6 +321,8 @@ class PollHub:
         return interval * random.uniform(0.5, 1.0)
 
     async def _wait(self, t: Ticket, timeout: float, since: int) -> str:
+        if self.closing:
+            return SHUTDOWN
         if timeout <= 0:
             return TIMEOUT
         loop = asyncio.get_running_loop()

@@ -108,7 +108,7 @@ async def wait_terminal(ctx: Context, caller: Caller, invocation_id: str, timeou
         if inv.state in TERMINAL_STATES:
             return inv
         remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        if remaining <= 0 or ctx.closing:  # the server stops: answer as it stands
             return inv
         await ctx.wake.wait([f"inv:{invocation_id}"], min(remaining, ctx.config.recheck_s), since=mark)
 
@@ -145,6 +145,7 @@ async def children(ctx: Context, invocation_id: str) -> list[dict[str, Any]]:
 async def status(ctx: Context, caller: Caller, invocation_id: str) -> dict[str, Any]:
     inv = authz.see_invocation(caller, invocation_id, await ctx.call(ctx.store.get, invocation_id))
     out = inv.status()
+    out["attempts"] = await ctx.call(ctx.store.attempts, invocation_id)
     out["children"] = await children(ctx, invocation_id)
     return out
 

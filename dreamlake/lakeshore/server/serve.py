@@ -166,6 +166,15 @@ class GuardedH11Protocol(H11Protocol):
         self._disarm()
         super().connection_lost(exc)
 
+    def shutdown(self) -> None:
+        """uvicorn's shutdown of this connection (the server stopped accepting): first let the
+        control plane answer its long requests now (:meth:`Context.begin_shutdown`), so a poll
+        in flight ends as an empty answer, not cancelled after the graceful timeout."""
+        ctx = plane_context(self.app)
+        if ctx is not None:
+            ctx.begin_shutdown()
+        super().shutdown()
+
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         self._rearm(fresh_body=True)
@@ -214,6 +223,19 @@ class GuardedH11Protocol(H11Protocol):
         client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
         log.debug("closing the connection of %s: its request %s did not arrive in time", client, what)
         self.transport.close()
+
+
+def plane_context(app: Any) -> Any:
+    """The control plane's :class:`Context` under ``app`` and the middleware uvicorn wraps it
+    in (each keeps the app it wraps as ``.app``); None for another app."""
+    for _ in range(8):
+        ctx = getattr(getattr(app, "state", None), "ctx", None)
+        if ctx is not None and hasattr(ctx, "begin_shutdown"):
+            return ctx
+        app = getattr(app, "app", None)
+        if app is None:
+            return None
+    return None
 
 
 def event_loop() -> str:

@@ -12,9 +12,9 @@ behind therefore never slows the writer or the other followers; it catches up fr
 A fan-out without ``subscribe`` (or a dead one) leaves the follower on the journal, woken by the
 store notifier.
 
-A stream ends on a final frame (END / ERROR), on a terminal invocation with no further frames, or
-after ``timeout`` seconds without a frame; the client tells silence from END because no final
-frame came.
+A stream ends on a final frame (END / ERROR), on a terminal invocation with no further frames,
+after ``timeout`` seconds without a frame, or when the server shuts down (within ``recheck_s``);
+the client tells silence from END because no final frame came.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ async def follow(
                     yield data
                 return
             remaining = idle_until - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or ctx.closing:  # the server stops: the client resumes elsewhere
                 return
             item = await sub.get(timeout=min(remaining, ctx.config.recheck_s))
             if item is None:  # silence, lag or a dead backend: the journal knows
@@ -158,6 +158,6 @@ async def _follow_journal(
         if cur.last != sent:
             idle_until = time.monotonic() + timeout
         remaining = idle_until - time.monotonic()
-        if remaining <= 0:
+        if remaining <= 0 or ctx.closing:
             return
         await ctx.wake.wait([channel], min(remaining, ctx.config.recheck_s), since=mark)

@@ -10,9 +10,9 @@ Times are float seconds since the epoch. Blobs are ``bytes``. ``error`` is an Er
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dreamlake.lakeshore.errors import PlaneError
 
@@ -20,6 +20,9 @@ from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.states import ACK_STATES as ACK_STATES
 from dreamlake.lakeshore.states import TERMINAL_STATES as TERMINAL_STATES
 from dreamlake.lakeshore.states import State as State
+
+if TYPE_CHECKING:
+    from .retention import GcResult
 
 DEFAULT_LEASE_S = 30.0
 DEFAULT_MAX_ATTEMPTS = 3
@@ -71,9 +74,12 @@ class Invocation:
     error: dict[str, Any] | None
     cancel_requested: bool
 
+    not_before: float | None = None  # a retry waits queued until then (None: claimable)
+
     def status(self) -> dict[str, Any]:
         """The producer's view of this row: the ``GET /v1/producer/invocations/:id`` body."""
         return {
+            "retry_at": self.not_before,
             "invocation_id": self.invocation_id,
             "state": self.state,
             "queue": self.queue,
@@ -104,6 +110,8 @@ class AckResult:
     state: str | None = None  # the row's state after the call
     reason: str | None = None  # why it was refused, for the error body
     status: int = SUPERSEDED  # the HTTP status of a refusal: UNKNOWN, ANOTHER_WORKER or SUPERSEDED
+    requeued: str | None = field(default=None, compare=False)  # a retry's queue, claimable now
+    requeued_namespace: str | None = field(default=None, compare=False)  # ... and its namespace
 
 
 @dataclass
@@ -114,6 +122,9 @@ class ChunkResult:
     reason: str | None = None
     status: int = SUPERSEDED  # of a refusal: UNKNOWN, ANOTHER_WORKER, SUPERSEDED or OUT_OF_ORDER
     expected_seq: int | None = None  # on OUT_OF_ORDER: the seq the journal takes next
+    # Where it went, for the live fan-out (not part of the answer, nor of equality):
+    pos: int | None = field(default=None, compare=False)  # its journal position (== seq on attempt 1)
+    data: bytes | None = field(default=None, compare=False)  # the bytes journaled, if not those sent
 
 
 @dataclass
@@ -350,6 +361,13 @@ class Store(Listing, Protocol):
         """``(invocation_id, parent_invocation_id, state)`` of every descendant, breadth first."""
         ...
 
+    def attempts(self, invocation_id: str) -> list[dict[str, Any]]:
+        """Each attempt's outcome, oldest first: ``{attempt, state, worker_id, started_at,
+        finished_at, error, retry_at}``, the earlier ones (retried, or lost with their lease) from
+        the store's history, the current one from the invocation row (absent while a retry waits:
+        the status's ``retry_at`` says when it becomes claimable). Empty for an unknown invocation."""
+        ...
+
     def cancel(self, invocation_id: str) -> str | None:
         """Queued -> cancelled at once; running -> cancel_requested (a cancel command is queued for
         its worker); terminal -> unchanged. Returns the state after the call, None if unknown."""
@@ -551,5 +569,31 @@ class Store(Listing, Protocol):
         ...
 
     def get_exec(self, namespace: str, exec_id: str) -> dict[str, Any] | None: ...
+
+    # -- retention (store/retention.py) --------------------------------------------------------
+    def gc_batch(
+        self,
+        now: float,
+        default_s: float | None,
+        per_queue: Mapping[str, float | None] | None = None,
+        *,
+        limit: int = 200,
+    ) -> GcResult:
+        """Delete at most ``limit`` finished invocations (with their frames and attempts) and
+        ``limit`` done exec jobs that finished more than their queue's retention ago
+        (``per_queue[queue]``, else ``default_s``; None or 0: kept), in one transaction."""
+        ...
+
+    def gc(
+        self,
+        now: float,
+        default_s: float | None,
+        per_queue: Mapping[str, float | None] | None = None,
+        *,
+        limit: int = 200,
+        max_batches: int = 1_000_000,
+    ) -> GcResult:
+        """``gc_batch`` until a batch comes back short; the totals."""
+        ...
 
     def close(self) -> None: ...

@@ -20,6 +20,22 @@ batch (the frames before it are kept, the refusal carries the expected seq); the
 ``append_frame`` refuse the whole batch. New frames are inserted with one driver-level
 ``executemany``.
 
+Attempts (issue 12): an invocation's journal is keyed by *position*, and the frames of an attempt
+carry that attempt's own seq (0, 1, ...). The first attempt to write takes positions from 0, so
+its frames are stored verbatim (position == seq). When a later attempt writes to a journal that
+holds an earlier attempt's frames, the journal records a restart: a RESTART marker (a LOG frame
+whose meta is ``{"restart": attempt, "attempt": attempt}``) at the next position, then the new
+attempt's seq ``s`` at ``base + s`` (``base`` = the marker's position + 1, kept on the invocation
+row as ``frames_base``, with ``frames_attempt``). Frames of an attempt after the first are stored
+re-encoded with their position as seq and ``meta.attempt`` / ``meta.aseq`` (the attempt and its
+own seq); a frame without ``meta.attempt`` is attempt 1's. Positions stay gap-free and monotonic,
+so ``since`` cursors keep working across restarts; results answer the attempt's own seq (what the
+sender knows), with the position in ``ChunkResult.pos``. An invocation declared resumable
+(``run_config.resumable``, ``@dls.udf(resumable=True)``: a deterministic generator) is not
+restarted: the new attempt continues at the earlier attempt's positions (its seqs already
+journaled are duplicates, the rest follow), unless the earlier attempt's part ended with a final
+frame (a retried failure's ERROR), which restarts it all the same.
+
 Topics: ``topic_append`` takes the next seq from the ``topics`` counter (an upsert, so concurrent
 posters never share a seq) and journals the frame under ``topic:<name>``, built here as plain
 msgpack (the store does not import the wire codec).
@@ -47,6 +63,33 @@ from .notify import Notifier
 
 TOPIC_PREFIX = "topic:"
 FRAME_VALUE, FRAME_END = 1, 2  # wire.FRAME_VALUE / FRAME_END; the store does not import the codec
+FRAME_LOG = 4  # wire.FRAME_LOG: the RESTART marker is a LOG frame (older readers skip it)
+
+
+def restart_marker(position: int, attempt: int, now: float) -> bytes:
+    """The encoded RESTART marker at ``position``: the frames after it come from ``attempt``."""
+    note = f"attempt {attempt} restarts the stream: the frames before this one came from an earlier attempt\n"
+    meta = {"restart": attempt, "attempt": attempt, "stream": "lakeshore", "ts": now}
+    return bytes(msgpack.packb([FRAME_LOG, position, note.encode(), meta], use_bin_type=True))
+
+
+def restamp(data: bytes, position: int, attempt: int, seq: int) -> bytes:
+    """A frame of ``attempt`` re-encoded at journal ``position``, its own ``seq`` kept as
+    ``meta.aseq``. Bytes that are not a frame (only a direct caller of the store sends those: the
+    routes decode every frame) stay as they are where the position is the seq, else are refused."""
+    try:
+        kind, _seq, body, meta = msgpack.unpackb(data, raw=False)
+        if meta is not None and not isinstance(meta, dict):
+            raise ValueError("meta is not a map")
+    except Exception as exc:
+        if position == seq:
+            return bytes(data)
+        raise PlaneError(
+            f"frame is not one encoded frame [kind, seq, body, meta]: {exc}", status=400
+        ) from None
+    meta = dict(meta or {})
+    meta.update(attempt=attempt, aseq=seq)
+    return bytes(msgpack.packb([kind, position, body, meta], use_bin_type=True))
 
 
 def frame_channel(owner_id: str) -> str:
@@ -60,8 +103,19 @@ class _Statements:
     def __init__(self, dialect: str) -> None:
         B = sa.bindparam
         f, tp, inv = t.frames, t.topics, t.invocations
-        self.lease = sa.select(inv.c.invocation_id, inv.c.state, inv.c.attempt, inv.c.worker_id).where(
-            inv.c.invocation_id == B("id")
+        self.lease = sa.select(
+            inv.c.invocation_id,
+            inv.c.state,
+            inv.c.attempt,
+            inv.c.worker_id,
+            inv.c.frames_attempt,
+            inv.c.frames_base,
+        ).where(inv.c.invocation_id == B("id"))
+        self.run_config = sa.select(inv.c.run_config).where(inv.c.invocation_id == B("id"))
+        self.restart = (
+            sa.update(inv)
+            .where(inv.c.invocation_id == B("id"))
+            .values(frames_attempt=B("b_attempt"), frames_base=B("b_base"))
         )
         self.last_frame = (
             sa.select(f.c.seq, f.c.final).where(f.c.owner_id == B("owner")).order_by(f.c.seq.desc()).limit(1)
@@ -144,31 +198,54 @@ class FrameStore(StoreBase):
         refused = lease_refusal(lease, req.attempt, req.worker_id)
         if refused is not None:
             return ChunkResult(ok=False, seq=seq, reason=refused[1], status=refused[0])
+        attempt = req.attempt if req.attempt is not None else int(lease.attempt)
+        base = self._base_in(conn, owner_id, attempt, lease, now)
+        pos = base + seq
         last = conn.execute(st.last_frame, {"owner": owner_id}).first()
         expected = 0 if last is None else int(last.seq) + 1
         why = None
-        if last is not None and last.final and seq > last.seq:
-            why = f"the stream of {owner_id} ended with final frame {last.seq}"
-        elif seq > expected:
-            why = f"frame {seq} of {owner_id} skips ahead: the next frame is {expected}"
+        if last is not None and last.final and pos > last.seq:
+            why = f"the stream of {owner_id} ended with final frame {last.seq - base}"
+        elif pos > expected:
+            why = f"frame {seq} of {owner_id} skips ahead: the next frame is {expected - base}"
         if why is not None:
             return ChunkResult(
                 ok=False,
                 seq=seq,
                 reason=f"{why}; send frames in order, each once",
                 status=OUT_OF_ORDER,
-                expected_seq=expected,
+                expected_seq=expected - base,
             )
-        params = {
-            "owner": owner_id,
-            "seq": seq,
-            "data": bytes(req.data),
-            "final": bool(req.final),
-            "now": now,
-        }
+        data = bytes(req.data) if attempt <= 1 else restamp(req.data, pos, attempt, seq)
+        params = {"owner": owner_id, "seq": pos, "data": data, "final": bool(req.final), "now": now}
         if conn.execute(st.insert_frame, params).first() is None:
-            return ChunkResult(ok=True, seq=seq, duplicate=True)
-        return ChunkResult(ok=True, seq=seq)
+            return ChunkResult(ok=True, seq=seq, duplicate=True, pos=pos)
+        return ChunkResult(ok=True, seq=seq, pos=pos, data=data if attempt > 1 else None)
+
+    def _base_in(self, conn: Connection, owner_id: str, attempt: int, lease: Any, now: float) -> int:
+        """The journal position of ``attempt``'s seq 0: the current base, or (for an attempt
+        later than the one the journal takes) a new one, after a RESTART marker when the journal
+        holds frames already. See the module docstring."""
+        current = int(lease.frames_attempt or 1)
+        if attempt <= current:
+            return int(lease.frames_base or 0)
+        st = self._frame_st
+        newest = conn.execute(st.last_frame, {"owner": owner_id}).first()
+        base = 0
+        if newest is not None and not newest.final and self._resumable_in(conn, owner_id):
+            base = int(lease.frames_base or 0)  # declared resumable: the new attempt continues
+        elif newest is not None:
+            marker = int(newest.seq) + 1
+            params = {"owner": owner_id, "seq": marker, "data": restart_marker(marker, attempt, now), "final": False, "now": now}  # fmt: skip
+            conn.execute(st.insert_frame, params)
+            base = marker + 1
+        conn.execute(st.restart, {"id": owner_id, "b_attempt": attempt, "b_base": base})
+        return base
+
+    def _resumable_in(self, conn: Connection, owner_id: str) -> bool:
+        """Whether the invocation was declared ``resumable`` (``@dls.udf(resumable=True)``)."""
+        run_config = conn.execute(self._frame_st.run_config, {"id": owner_id}).scalar_one_or_none()
+        return isinstance(run_config, dict) and run_config.get("resumable") is True
 
     @retry_on_disconnect
     def append_frames(
@@ -208,7 +285,6 @@ class FrameStore(StoreBase):
         invocation in one group commit sees the frames that one wrote."""
         st = self._frame_st
         invocation_id, frames = req.invocation_id, req.frames
-        results: list[ChunkResult] = []
         lease = conn.execute(st.lease, {"id": invocation_id}).first()
         if lease is None:
             reason, status = f"unknown invocation {invocation_id}", UNKNOWN
@@ -217,35 +293,58 @@ class FrameStore(StoreBase):
         if refused is not None:
             status, reason = refused
             return [ChunkResult(ok=False, seq=s, reason=reason, status=status) for s, _d, _f in frames]
+        base = self._base_in(conn, invocation_id, req.attempt, lease, now)
+        return self._append_positions_in(conn, invocation_id, req.attempt, base, frames, now)
+
+    def _append_positions_in(
+        self,
+        conn: Connection,
+        invocation_id: str,
+        attempt: int,
+        base: int,
+        sent: Sequence[tuple[int, bytes, bool]],
+        now: float,
+    ) -> list[ChunkResult]:
+        """Journal ``sent`` (the attempt's own seqs) at ``base + seq``, as ``append_frames`` says;
+        the results and the reasons speak the attempt's seqs (positions in ``ChunkResult.pos``)."""
+        st = self._frame_st
+        restamped = attempt > 1
         newest = conn.execute(st.last_frame, {"owner": invocation_id}).first()
         last = -1 if newest is None else int(newest.seq)
         journaled = last
         closed = newest is not None and bool(newest.final)
+        results: list[ChunkResult] = []
         fresh: list[tuple[str, int, bytes, bool, float]] = []
-        for seq, data, final in frames:
-            if seq <= journaled:  # a repeat of a journaled seq (the insert fills a legacy gap)
-                params = {"owner": invocation_id, "seq": seq, "data": bytes(data), "final": bool(final), "now": now}  # fmt: skip
+        for seq, raw, final in sent:
+            if seq < 0:
+                raise PlaneError(f"frame seq must be >= 0, got {seq}", status=400)
+            pos = base + seq
+            data = restamp(raw, pos, attempt, seq) if restamped else bytes(raw)
+            if pos <= journaled:  # a repeat of a journaled seq (the insert fills a legacy gap)
+                params = {"owner": invocation_id, "seq": pos, "data": data, "final": bool(final), "now": now}
                 added = conn.execute(st.insert_frame, params).first()
-                results.append(ChunkResult(ok=True, seq=seq, duplicate=added is None))
+                results.append(ChunkResult(ok=True, seq=seq, duplicate=added is None, pos=pos))
                 continue
-            if seq <= last:  # a repeat of a frame earlier in this batch
-                results.append(ChunkResult(ok=True, seq=seq, duplicate=True))
+            if pos <= last:  # a repeat of a frame earlier in this batch
+                results.append(ChunkResult(ok=True, seq=seq, duplicate=True, pos=pos))
                 continue
             why = None
             if closed:
-                why = f"the stream of {invocation_id} ended with final frame {last}"
-            elif seq != last + 1:
-                why = f"frame {seq} of {invocation_id} skips ahead: the next frame is {last + 1}"
+                why = f"the stream of {invocation_id} ended with final frame {last - base}"
+            elif pos != last + 1:
+                why = f"frame {seq} of {invocation_id} skips ahead: the next frame is {last + 1 - base}"
             if why is not None:  # this frame and the rest are refused; what came before is kept
                 reason = f"{why}; send frames in order, each once"
                 results.extend(
-                    ChunkResult(ok=False, seq=s, reason=reason, status=OUT_OF_ORDER, expected_seq=last + 1)
-                    for s, _d, _f in frames[len(results) :]
+                    ChunkResult(
+                        ok=False, seq=s, reason=reason, status=OUT_OF_ORDER, expected_seq=last + 1 - base
+                    )
+                    for s, _d, _f in sent[len(results) :]
                 )
                 break
-            fresh.append((invocation_id, seq, data, bool(final), now))
-            results.append(ChunkResult(ok=True, seq=seq))
-            last, closed = seq, bool(final)
+            fresh.append((invocation_id, pos, data, bool(final), now))
+            results.append(ChunkResult(ok=True, seq=seq, pos=pos, data=data if restamped else None))
+            last, closed = pos, bool(final)
         if fresh:
             conn.exec_driver_sql(st.insert_new_sql, fresh)
         return results

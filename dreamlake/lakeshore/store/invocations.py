@@ -29,8 +29,8 @@ from sqlalchemy.engine import Connection, Row
 
 from dreamlake.lakeshore.errors import PlaneError
 
+from . import retry, values
 from . import schema as t
-from . import values
 from .api import (
     ACK_STATES,
     ANOTHER_WORKER,
@@ -56,6 +56,9 @@ LEASE_EXPIRED = {
 }
 
 _inv = t.invocations
+_att = t.invocation_attempts
+LOST = "lost"  # an attempt whose lease lapsed (invocation_attempts.state)
+LEASE_LOST = {"type": "LeaseExpired", "message": "the worker stopped renewing the lease; requeued"}
 _claim_order = (_inv.c.priority.desc(), _inv.c.submitted_at.asc(), _inv.c.invocation_id.asc())
 # Claims from up to this many queues merge each queue's best rows (see claim_statement).
 MERGED_QUEUES_MAX = 16
@@ -95,6 +98,7 @@ def invocation_from(m: Mapping[str, Any]) -> Invocation:
         result_blob=bytes(result_blob) if result_blob is not None else None,
         error=m["error"],
         cancel_requested=bool(m["cancel_requested"]),
+        not_before=m.get("not_before"),
     )
 
 
@@ -179,6 +183,38 @@ class _Statements:
                 )
                 self.ack_many[by_attempt, by_worker] = update
                 self.ack[by_attempt, by_worker] = update.returning(_inv.c.invocation_id)
+        # a retry: the row back to queued (claimable at ``not_before``, NULL: now), conditional on
+        # the attempt it ends still running; and that attempt's outcome kept in the history.
+        self.retry_row = sa.select(
+            _inv.c.state,
+            _inv.c.queue,
+            _inv.c.namespace,
+            _inv.c.attempt,
+            _inv.c.max_attempts,
+            _inv.c.worker_id,
+            _inv.c.started_at,
+            _inv.c.run_config,
+            _inv.c.cancel_requested,
+        ).where(_inv.c.invocation_id == B("id"))
+        self.requeue = (
+            sa.update(_inv)
+            .where(
+                _inv.c.invocation_id == B("id"), _inv.c.state == "running", _inv.c.attempt == B("b_attempt")
+            )
+            .values(
+                state="queued",
+                worker_id=None,
+                lease_expires_at=None,
+                started_at=None,
+                error=B("b_error", type_=_inv.c.error.type),
+                not_before=B("b_not_before", type_=_inv.c.not_before.type),
+            )
+            .returning(_inv.c.invocation_id)
+        )
+        self.insert_attempt = dialect_insert(dialect, _att).on_conflict_do_nothing()
+        self.attempt_of = sa.select(_att).where(
+            _att.c.invocation_id == B("id"), _att.c.attempt == B("b_attempt")
+        )
         self.renew = (
             sa.update(_inv)
             .where(
@@ -225,7 +261,7 @@ def claim_statement(n_queues: int, by_namespace: bool = False) -> Any:
     # partial index's predicate, and knows how many rows the claim takes (for an unknown LIMIT it
     # assumes a tenth of the table, and would update them by a scan). ``limit`` is rendered into
     # the SQL at execution: one statement text per limit in use.
-    queued: Any = _inv.c.state == sa.literal_column("'queued'")
+    queued: Any = sa.and_(_inv.c.state == sa.literal_column("'queued'"), _inv.c.not_before.is_(None))
     if by_namespace:
         queued = sa.and_(queued, _inv.c.namespace == B("b_namespace"))
     limit = B("limit", type_=sa.Integer, literal_execute=True)
@@ -555,7 +591,7 @@ class InvocationStore(StoreBase):
             if conn.execute(
                 sa.update(_inv)
                 .where(_inv.c.invocation_id == invocation_id, _inv.c.state == "queued")
-                .values(state="cancelled", finished_at=now, cancel_requested=True)
+                .values(state="cancelled", finished_at=now, cancel_requested=True, not_before=None)
                 .returning(_inv.c.invocation_id)
             ).first():
                 state: str | None = "cancelled"
@@ -631,8 +667,49 @@ class InvocationStore(StoreBase):
         with self.db.tx(write=True) as conn:
             result = self._ack_in(conn, req, time.time())
         if result.ok and not result.duplicate:
-            self._notify(f"inv:{invocation_id}")
+            again = (
+                invocation_channels(result.requeued_namespace or DEFAULT_NAMESPACE, result.requeued)
+                if result.requeued
+                else ()
+            )
+            self._notify(f"inv:{invocation_id}", *again)
         return result
+
+    def attempts(self, invocation_id: str) -> list[dict[str, Any]]:
+        with self.db.tx(write=False) as conn:
+            row = conn.execute(self._inv_st.get, {"id": invocation_id}).first()
+            if row is None:
+                return []
+            kept = conn.execute(
+                sa.select(_att).where(_att.c.invocation_id == invocation_id).order_by(_att.c.attempt)
+            ).fetchall()
+        inv = row_to_invocation(row)
+        out = [
+            {
+                "attempt": r.attempt,
+                "state": r.state,
+                "worker_id": r.worker_id,
+                "started_at": r.started_at,
+                "finished_at": r.finished_at,
+                "error": r.error,
+                "retry_at": r.retry_at,
+            }
+            for r in kept
+        ]
+        done = {a["attempt"] for a in out}
+        if inv.attempt > 0 and inv.attempt not in done:  # the current attempt: the row itself
+            out.append(
+                {
+                    "attempt": inv.attempt,
+                    "state": inv.state,
+                    "worker_id": inv.worker_id,
+                    "started_at": inv.started_at,
+                    "finished_at": inv.finished_at,
+                    "error": inv.error,
+                    "retry_at": None,
+                }
+            )
+        return out
 
     @staticmethod
     def _prepare_ack(req: AckRequest) -> AckRequest:
@@ -664,23 +741,112 @@ class InvocationStore(StoreBase):
             params["worker"] = req.worker_id
         return params
 
-    def _ack_in(self, conn: Connection, req: AckRequest, now: float) -> AckResult:
-        """Apply a prepared ack in the caller's transaction: one conditional UPDATE; a refusal
-        (or a repeat) reads the row to say why, and changes nothing."""
+    def _ack_in(
+        self, conn: Connection, req: AckRequest, now: float, *, retry_first: bool = True
+    ) -> AckResult:
+        """Apply a prepared ack in the caller's transaction: a failure that queues another attempt
+        (``_retry_in``), else one conditional UPDATE; a refusal (or a repeat) reads the row to say
+        why, and changes nothing."""
+        if retry_first and req.state in retry.RETRY_STATES:
+            retried = self._retry_in(conn, req, now)
+            if retried is not None:
+                return retried
         variant = (req.attempt is not None, req.worker_id is not None)
         if conn.execute(self._inv_st.ack[variant], self._ack_params(req, now)).first():
             return AckResult(ok=True, state=req.state)
+        return self._refusal_in(conn, req)
+
+    def _refusal_in(self, conn: Connection, req: AckRequest) -> AckResult:
+        """Why ``req`` did not apply; a repeat of an outcome that queued a retry is a duplicate."""
+        if req.attempt is not None:
+            kept = conn.execute(
+                self._inv_st.attempt_of, {"id": req.invocation_id, "b_attempt": req.attempt}
+            ).first()
+            same = kept is not None and (kept.state, kept.error) == (req.state, req.error)
+            if kept is not None and same and req.worker_id in (None, kept.worker_id):
+                return AckResult(ok=True, duplicate=True, state=kept.state)
         row = conn.execute(self._inv_st.get, {"id": req.invocation_id}).first()
         return _ack_refusal(req, row_to_invocation(row) if row is not None else None)
 
-    def _ack_many_in(self, conn: Connection, reqs: Sequence[AckRequest], now: float) -> list[AckResult]:
+    def _retry_in(self, conn: Connection, req: AckRequest, now: float) -> AckResult | None:
+        """Queue another attempt instead of recording a failure, when the retry rule says so
+        (store/retry.py); None when it does not (or the ack would be refused): the caller records
+        the outcome as usual."""
+        st = self._inv_st
+        row = conn.execute(st.retry_row, {"id": req.invocation_id}).first()
+        if row is None or row.state != "running":
+            return None
+        if (req.attempt is not None and req.attempt != row.attempt) or (
+            req.worker_id is not None and req.worker_id != row.worker_id
+        ):
+            return None
+        wait = retry.delay(
+            row.run_config or {},
+            req.state,
+            req.error,
+            row.attempt,
+            row.max_attempts,
+            cancel_requested=bool(row.cancel_requested),
+        )
+        if wait is None:
+            return None
+        not_before = now + wait if wait > 0 else None
+        params = {
+            "id": req.invocation_id,
+            "b_attempt": row.attempt,
+            "b_error": req.error,
+            "b_not_before": not_before,
+        }
+        if conn.execute(st.requeue, params).first() is None:
+            return None
+        conn.execute(
+            st.insert_attempt,
+            {
+                "invocation_id": req.invocation_id,
+                "attempt": row.attempt,
+                "state": req.state,
+                "worker_id": row.worker_id,
+                "started_at": row.started_at,
+                "finished_at": now,
+                "error": req.error,
+                "retry_at": now + wait,
+            },
+        )
+        return AckResult(
+            ok=True,
+            state="queued",
+            requeued=row.queue if not_before is None else None,
+            requeued_namespace=row.namespace if not_before is None else None,
+        )
+
+    def _ack_many_in(
+        self, conn: Connection, reqs: Sequence[AckRequest], now: float, *, retry_first: bool = True
+    ) -> list[AckResult]:
         """Apply prepared acks of distinct invocations in the caller's transaction: one
         executemany per kind of ack (with or without attempt / worker), then one read of the rows.
         An ack applied iff its row now holds its state with ``finished_at == now`` (this
         transaction's time: an earlier outcome has an earlier one); the others are refused or
         repeats, told apart as ``_ack_in`` does. Acks of one invocation twice go one by one."""
         if len(reqs) < 2 or len({r.invocation_id for r in reqs}) < len(reqs):
-            return [self._ack_in(conn, r, now) for r in reqs]
+            return [self._ack_in(conn, r, now, retry_first=retry_first) for r in reqs]
+        retried: dict[int, AckResult] = {}
+        for k, r in enumerate(reqs):  # failures first: those that queue a retry answer so
+            if retry_first and r.state in retry.RETRY_STATES:
+                got = self._retry_in(conn, r, now)
+                if got is not None:
+                    retried[k] = got
+        if retried:
+            rest = [k for k in range(len(reqs)) if k not in retried]
+            answers = dict(retried)
+            if rest:
+                answers.update(
+                    zip(
+                        rest,
+                        self._ack_many_in(conn, [reqs[k] for k in rest], now, retry_first=False),
+                        strict=True,
+                    )
+                )
+            return [answers[k] for k in range(len(reqs))]
         st = self._inv_st
         by_variant: dict[tuple[bool, bool], list[dict[str, Any]]] = {}
         for r in reqs:
@@ -694,7 +860,7 @@ class InvocationStore(StoreBase):
         for r in reqs:
             inv = found.get(r.invocation_id)
             applied = inv is not None and inv.state == r.state and inv.finished_at == now
-            out.append(AckResult(ok=True, state=r.state) if applied else _ack_refusal(r, inv))
+            out.append(AckResult(ok=True, state=r.state) if applied else self._refusal_in(conn, r))
         return out
 
     def _renew_in(
@@ -722,12 +888,35 @@ class InvocationStore(StoreBase):
             .values(state="cancelled", finished_at=now, **gone)
             .returning(_inv.c.invocation_id)
         ).fetchall()
+        retries = (*lapsed, _inv.c.attempt < _inv.c.max_attempts)
+        lost = conn.execute(
+            sa.select(_inv.c.invocation_id, _inv.c.attempt, _inv.c.worker_id, _inv.c.started_at).where(
+                *retries
+            )
+        ).fetchall()
         requeued = conn.execute(
             sa.update(_inv)
-            .where(*lapsed, _inv.c.attempt < _inv.c.max_attempts)
-            .values(state="queued", started_at=None, **gone)
+            .where(*retries)
+            .values(state="queued", started_at=None, not_before=None, **gone)
             .returning(_inv.c.invocation_id, _inv.c.queue, _inv.c.namespace)
         ).fetchall()
+        back = {r.invocation_id for r in requeued}
+        history = [
+            {
+                "invocation_id": r.invocation_id,
+                "attempt": r.attempt,
+                "state": LOST,
+                "worker_id": r.worker_id,
+                "started_at": r.started_at,
+                "finished_at": now,
+                "error": LEASE_LOST,
+                "retry_at": now,
+            }
+            for r in lost
+            if r.invocation_id in back
+        ]
+        if history:
+            conn.execute(self._inv_st.insert_attempt, history)
         failed = conn.execute(
             sa.update(_inv)
             .where(*lapsed)
@@ -735,3 +924,15 @@ class InvocationStore(StoreBase):
             .returning(_inv.c.invocation_id)
         ).fetchall()
         return list(cancelled), list(requeued), list(failed)
+
+    def _release_in(self, conn: Connection, now: float) -> list[Row[Any]]:
+        """Make the retries whose backoff is over claimable (``not_before`` cleared, read off
+        ``ix_invocations_delayed``); their ``(invocation_id, queue, namespace)`` rows."""
+        return list(
+            conn.execute(
+                sa.update(_inv)
+                .where(_inv.c.not_before.isnot(None), _inv.c.not_before <= now, _inv.c.state == "queued")
+                .values(not_before=None)
+                .returning(_inv.c.invocation_id, _inv.c.queue, _inv.c.namespace)
+            ).fetchall()
+        )

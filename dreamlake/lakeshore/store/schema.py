@@ -59,20 +59,27 @@ invocations = sa.Table(
     sa.Column("result_blob", sa.LargeBinary, nullable=True),
     sa.Column("error", sa.JSON, nullable=True),
     sa.Column("cancel_requested", sa.Boolean, nullable=False),
+    # 0006: a retried invocation waits queued until then (NULL: due); see ix_invocations_queued.
+    sa.Column("not_before", TIME, nullable=True),
+    # 0006: the attempt whose frames the journal takes and the position of its seq 0 (NULL: 1, 0)
+    sa.Column("frames_attempt", sa.Integer, nullable=True),
+    sa.Column("frames_base", sa.BigInteger, nullable=True),
     sa.Index("ix_invocations_lease", "state", "lease_expires_at"),
     sa.Index("ix_invocations_root", "root_invocation_id"),
     # 0004: a key is unique within its namespace and queue.
     sa.Index("ux_invocations_queue_key", "namespace", "queue", "idempotency_key", unique=True),
 )
-# 0003: the claim order of one queue, over queued rows only (see invocations.claim_statement).
+# 0003: the claim order of one queue, over queued rows only (see invocations.claim_statement);
+# 0006: only those due (a retry waiting for its backoff is not in it: claims stay a range read).
+_DUE = sa.and_(invocations.c.state == "queued", invocations.c.not_before.is_(None))
 sa.Index(
     "ix_invocations_queued",
     invocations.c.queue,
     invocations.c.priority.desc(),
     invocations.c.submitted_at,
     invocations.c.invocation_id,
-    sqlite_where=invocations.c.state == "queued",
-    postgresql_where=invocations.c.state == "queued",
+    sqlite_where=_DUE,
+    postgresql_where=_DUE,
 )
 # 0004: the same within one namespace, for claims of daemons bound to a namespace.
 sa.Index(
@@ -82,8 +89,37 @@ sa.Index(
     invocations.c.priority.desc(),
     invocations.c.submitted_at,
     invocations.c.invocation_id,
-    sqlite_where=invocations.c.state == "queued",
-    postgresql_where=invocations.c.state == "queued",
+    sqlite_where=_DUE,
+    postgresql_where=_DUE,
+)
+
+# 0006: retries waiting for their time, and finished invocations by age (the retention sweep).
+sa.Index(
+    "ix_invocations_delayed",
+    invocations.c.not_before,
+    sqlite_where=invocations.c.not_before.isnot(None),
+    postgresql_where=invocations.c.not_before.isnot(None),
+)
+sa.Index(
+    "ix_invocations_finished",
+    invocations.c.finished_at,
+    sqlite_where=invocations.c.finished_at.isnot(None),
+    postgresql_where=invocations.c.finished_at.isnot(None),
+)
+
+# 0006: the outcome of each attempt that did not end its invocation (a retried failure, a lapsed
+# lease); the last attempt's is the invocation row's own state and error.
+invocation_attempts = sa.Table(
+    "invocation_attempts",
+    metadata,
+    sa.Column("invocation_id", ID, primary_key=True),
+    sa.Column("attempt", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("state", sa.String(16), nullable=False),  # failed | timeout | lost
+    sa.Column("worker_id", ID, nullable=True),
+    sa.Column("started_at", TIME, nullable=True),
+    sa.Column("finished_at", TIME, nullable=False),
+    sa.Column("error", sa.JSON, nullable=True),
+    sa.Column("retry_at", TIME, nullable=True),  # when the next attempt became claimable
 )
 
 frames = sa.Table(

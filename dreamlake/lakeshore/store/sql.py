@@ -8,6 +8,7 @@ concern, each whole in its module (see base.py for how they combine):
 - workers.py      workers and their commands, namespaces (pinned nymph version), tokens
 - exec_jobs.py    exec jobs (seed 003) and their leases
 - listing.py      the operators' read-only views: queues, workers, invocation pages, journal sizes
+- retention.py    expiry of finished work, in batches (the server's sweep and ``lakeshore gc``)
 
 This module holds what spans them: the daemon's one-transaction calls ``poll`` / ``poll_pass``
 (commands, then invocations, then exec jobs up to the limit; ``poll_pass`` also reads the pinned
@@ -29,6 +30,7 @@ from dreamlake.lakeshore.errors import PlaneError
 
 from .api import (
     DEFAULT_LEASE_S,
+    DEFAULT_NAMESPACE,
     AckRequest,
     Command,
     FrameRequest,
@@ -50,12 +52,13 @@ from .frames import FrameStore, frame_channel
 from .invocations import InvocationStore, _Prepared
 from .listing import ListingStore
 from .notify import Notifier, exec_queue_channel, invocation_channels
+from .retention import RetentionStore
 from .workers import WorkerStore
 
 log = logging.getLogger(__name__)
 
 
-class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingStore):
+class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingStore, RetentionStore):
     """The Store protocol over SQLite (file or ``:memory:``) or PostgreSQL."""
 
     def __init__(self, url: str, *, notifier: Notifier | None = None, migrate_schema: bool = True) -> None:
@@ -227,6 +230,7 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
         submits = [(k, p) for k, (_, p) in enumerate(batch) if isinstance(p, _Prepared)]
         results: list[WriteResult | PlaneError | None] = [None] * len(batch)
         channels: list[str] = []
+        requeued: list[str] = []
         now = time.time()
         with self.db.tx(write=True) as conn:
             preps = [p for _, p in submits]
@@ -245,6 +249,10 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
                         results[j] = ack
                         if ack.ok and not ack.duplicate:
                             channels.append(f"inv:{req.invocation_id}")
+                        if ack.requeued:  # a retry claimable now: one wake per invocation
+                            requeued.extend(
+                                invocation_channels(ack.requeued_namespace or DEFAULT_NAMESPACE, ack.requeued)
+                            )
                     acks = []
                 if isinstance(p, FrameRequest):
                     chunk = self._append_frame_in(conn, p, now)
@@ -264,13 +272,14 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
                     channels.extend(f"inv:{i.invocation_id}" for i in polled.invocations)
         if preps:
             self._submitted(preps, submitted)
-        self._notify(*dict.fromkeys(channels))
+        self._notify(*dict.fromkeys(channels), *requeued)
         return [r for r in results if r is not None]
 
     def expire_leases(self, now: float | None = None) -> list[str]:
         now = time.time() if now is None else now
         with self.db.tx(write=True) as conn:
             cancelled, requeued, failed = self._expire_in(conn, now)
+            due = self._release_in(conn, now)
             exec_requeued, exec_failed = self._expire_exec_in(conn, now)
         ids = [r.invocation_id for r in (*cancelled, *requeued, *failed)]
         exec_ids = [r.exec_id for r in (*exec_requeued, *exec_failed)]
@@ -283,9 +292,12 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
                 len(exec_requeued),
                 len(exec_failed),
             )
+        if due:
+            log.debug("%d retries due: claimable again", len(due))
         self._notify(
             # one per invocation: the poll hub wakes one poll each
-            *(c for r in requeued for c in invocation_channels(r.namespace, r.queue)),
+            *(c for r in (*requeued, *due) for c in invocation_channels(r.namespace, r.queue)),
+            *(f"inv:{r.invocation_id}" for r in due),
             *(f"inv:{i}" for i in ids),
             *(
                 f"worker:{r.worker_id}" if r.worker_id else exec_queue_channel(r.namespace, r.queue)

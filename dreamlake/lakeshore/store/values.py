@@ -90,6 +90,9 @@ def check_run_config(run_config: dict[str, Any]) -> None:
         )
     check_max_attempts(run_config.get("max_attempts"))
     check_timeout(run_config.get("timeout_s"))
+    from . import retry  # retry_on and backoff_s
+
+    retry.check(run_config)
     resources = run_config.get("resources")
     if resources is None:
         return

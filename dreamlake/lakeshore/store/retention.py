@@ -1,0 +1,192 @@
+"""Retention: finished invocations (with their frames and attempt history) and finished exec jobs
+expire after a time set per queue, and are deleted in small batches.
+
+``gc_batch`` deletes, in one transaction, at most ``limit`` invocations that finished (a terminal
+state) longer ago than their queue's retention, with their journal (``frames``, a range of the
+primary key per invocation) and their ``invocation_attempts`` rows, and at most ``limit`` exec jobs
+(``done``) likewise. It answers the counts and the payload keys (``payload_ref.key`` of an exec job
+and of its published result) the expired jobs referenced, for the caller to delete from S3. The
+candidates are read off ``ix_invocations_finished`` (finished_at, over finished rows only), so a
+batch costs the same whatever the table holds; the server's sweep (``server/app.py``) and
+``lakeshore gc`` call it until a batch comes back short, so the write lock (SQLite) or the rows
+(PostgreSQL) are held for one small batch at a time.
+
+Retention is ``default_s`` seconds, or ``per_queue[queue]`` for a queue named there; ``None`` or
+``0`` keeps that queue's work for ever. Topics are not invocations and are kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from dreamlake.lakeshore.states import TERMINAL_STATES
+
+from . import schema as t
+from .base import StoreBase
+from .engine import retry_on_disconnect
+
+DEFAULT_GC_LIMIT = 200  # invocations (and exec jobs) per batch
+
+_inv, _frames, _att, _exec = t.invocations, t.frames, t.invocation_attempts, t.exec_jobs
+
+
+@dataclass
+class GcResult:
+    """What one ``gc_batch`` deleted."""
+
+    invocations: int = 0
+    frames: int = 0
+    attempts: int = 0
+    exec_jobs: int = 0
+    payload_keys: list[str] = field(default_factory=list)  # S3 keys the expired exec jobs referenced
+
+    @property
+    def rows(self) -> int:
+        """The invocations and exec jobs deleted (what a full batch counts against its limit)."""
+        return self.invocations + self.exec_jobs
+
+    def add(self, other: GcResult) -> None:
+        self.invocations += other.invocations
+        self.frames += other.frames
+        self.attempts += other.attempts
+        self.exec_jobs += other.exec_jobs
+        self.payload_keys += other.payload_keys
+
+
+def _cutoffs(
+    now: float, default_s: float | None, per_queue: Mapping[str, float | None]
+) -> tuple[float | None, dict[str, float]]:
+    """The default cutoff time (None: kept for ever) and each named queue's (absent: kept)."""
+    default = now - default_s if default_s else None
+    named = {q: now - s for q, s in per_queue.items() if s}
+    return default, named
+
+
+def _expired(
+    table: sa.Table,
+    key: sa.Column[Any],
+    finished: Any,
+    default: float | None,
+    named: dict[str, float],
+    kept: list[str],
+) -> list[Any]:
+    """One select per named queue (its cutoff) and one for the others (the default cutoff)."""
+    selects = [
+        sa.select(key).where(finished, table.c.queue == queue, table.c.finished_at < cutoff)
+        for queue, cutoff in sorted(named.items())
+    ]
+    if default is not None:
+        others = [finished, table.c.finished_at < default]
+        if kept:
+            others.append(table.c.queue.not_in(kept))
+        selects.append(sa.select(key).where(*others))
+    return selects
+
+
+def _payload_keys(ref: Any, result: bytes | None) -> list[str]:
+    """The S3 keys an exec job references: its ``payload_ref`` and its result's, when present."""
+    keys: list[str] = []
+    refs = [ref]
+    if result:
+        try:
+            published = msgpack.unpackb(result, raw=False)
+        except Exception:  # a result that is not msgpack references nothing we know of
+            published = None
+        if isinstance(published, dict):
+            refs += [published.get("payload_ref"), published.get("payloadRef")]
+    for item in refs:
+        if isinstance(item, dict) and isinstance(item.get("key"), str):
+            keys.append(item["key"])
+    return keys
+
+
+class RetentionStore(StoreBase):
+    """Expiry of finished work (see the module docstring)."""
+
+    @retry_on_disconnect
+    def gc_batch(
+        self,
+        now: float,
+        default_s: float | None,
+        per_queue: Mapping[str, float | None] | None = None,
+        *,
+        limit: int = DEFAULT_GC_LIMIT,
+    ) -> GcResult:
+        """Delete one batch of expired work; see the module docstring."""
+        per_queue = dict(per_queue or {})
+        default, named = _cutoffs(now, default_s, per_queue)
+        kept = sorted(per_queue)  # queues with their own rule (a cutoff, or kept for ever)
+        limit = max(1, int(limit))
+        out = GcResult()
+        with self.db.tx(write=True) as conn:
+            self._gc_invocations_in(conn, default, named, kept, limit, out)
+            self._gc_exec_in(conn, default, named, kept, limit, out)
+        return out
+
+    def _gc_invocations_in(
+        self,
+        conn: Connection,
+        default: float | None,
+        named: dict[str, float],
+        kept: list[str],
+        limit: int,
+        out: GcResult,
+    ) -> None:
+        finished = sa.and_(_inv.c.finished_at.isnot(None), _inv.c.state.in_(sorted(TERMINAL_STATES)))
+        ids: list[str] = []
+        for select in _expired(_inv, _inv.c.invocation_id, finished, default, named, kept):
+            if len(ids) >= limit:
+                break
+            ids += conn.execute(select.limit(limit - len(ids))).scalars().all()
+        if not ids:
+            return
+        out.frames += conn.execute(sa.delete(_frames).where(_frames.c.owner_id.in_(ids))).rowcount or 0
+        out.attempts += conn.execute(sa.delete(_att).where(_att.c.invocation_id.in_(ids))).rowcount or 0
+        out.invocations += conn.execute(sa.delete(_inv).where(_inv.c.invocation_id.in_(ids))).rowcount or 0
+
+    def _gc_exec_in(
+        self,
+        conn: Connection,
+        default: float | None,
+        named: dict[str, float],
+        kept: list[str],
+        limit: int,
+        out: GcResult,
+    ) -> None:
+        finished = sa.and_(_exec.c.finished_at.isnot(None), _exec.c.state == "done")
+        ids: list[str] = []
+        for select in _expired(_exec, _exec.c.exec_id, finished, default, named, kept):
+            if len(ids) >= limit:
+                break
+            ids += conn.execute(select.limit(limit - len(ids))).scalars().all()
+        if not ids:
+            return
+        for ref, result in conn.execute(
+            sa.select(_exec.c.payload_ref, _exec.c.result).where(_exec.c.exec_id.in_(ids))
+        ):
+            out.payload_keys += _payload_keys(ref, bytes(result) if result is not None else None)
+        out.exec_jobs += conn.execute(sa.delete(_exec).where(_exec.c.exec_id.in_(ids))).rowcount or 0
+
+    def gc(
+        self,
+        now: float,
+        default_s: float | None,
+        per_queue: Mapping[str, float | None] | None = None,
+        *,
+        limit: int = DEFAULT_GC_LIMIT,
+        max_batches: int = 1_000_000,
+    ) -> GcResult:
+        """``gc_batch`` until a batch comes back short (everything expired is gone)."""
+        total = GcResult()
+        for _ in range(max_batches):
+            got = self.gc_batch(now, default_s, per_queue, limit=limit)
+            total.add(got)
+            if got.rows < limit:
+                break
+        return total
