@@ -36,9 +36,21 @@ def gated_count(n: int, gate: str) -> Iterator[int]:
         yield i
 
 
-def count_to(n: int) -> Iterator[int]:
-    """Yield 0..n-1 as fast as the stream takes them."""
-    yield from range(n)
+def count_to(n: int, gate: str | None = None, at: int = -1) -> Iterator[int]:
+    """Yield 0..n-1 as fast as the stream takes them; before value ``at``, wait for the file
+    ``gate`` (relative: in the workdir, which is the task's working directory)."""
+    for i in range(n):
+        if i == at and gate is not None:
+            while not Path(gate).exists():
+                time.sleep(0.02)
+        yield i
+
+
+@dls.udf(queue="docker")
+def blobs(n: int, size: int) -> Iterator[bytes]:
+    """Yield ``n`` values of ``size`` bytes each; value i is filled with the byte i % 256."""
+    for i in range(n):
+        yield bytes([i % 256]) * size
 
 
 @dls.udf(queue="docker")

@@ -9,6 +9,7 @@ replicas on PostgreSQL, a poll on one replica must be woken by LISTEN/NOTIFY fro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -101,6 +102,61 @@ def test_one_submit_wakes_one_of_200_waiting_polls_and_a_burst_wakes_each_once(s
                 claimed = [c["body"]["invocation_id"] for a in answers for c in a["commands"]]
                 assert sorted(claimed) == sorted(burst)
                 assert await asyncio.to_thread(_passes, cp) - before <= WAITERS + 4
+
+        asyncio.run(main())
+
+
+def test_daemons_bound_to_different_namespaces_share_a_queue_name(store_url: str) -> None:
+    """Each submit wakes a poll that may claim it, even when an older poll of another namespace waits
+    on the same queue name. Re-checks are 600 s away: work given to the wrong poll would wait for
+    the end of the right one's poll (80-100 s), past the 30 s this test waits for each claim."""
+    with running_control_plane(store_url, config=NO_RECHECK) as cp:
+        hub = cp.app.state.ctx.polls
+        queue = f"shared-{new_ulid()}"
+        spaces = ("team-a", "team-b")
+        daemon_tokens = {
+            ns: cp.store.create_token("daemon", f"d-{ns}-{queue}", namespace=ns) for ns in spaces
+        }
+        producer_tokens = {
+            ns: cp.store.create_token("producer", f"p-{ns}-{queue}", namespace=ns) for ns in spaces
+        }
+
+        async def main() -> None:
+            async with contextlib.AsyncExitStack() as stack:
+                daemons = {
+                    ns: await stack.enter_async_context(
+                        httpx.AsyncClient(base_url=cp.url, headers=_headers(t), timeout=POLL_S + 30)
+                    )
+                    for ns, t in daemon_tokens.items()
+                }
+                producers = {
+                    ns: await stack.enter_async_context(
+                        httpx.AsyncClient(base_url=cp.url, headers=_headers(t))
+                    )
+                    for ns, t in producer_tokens.items()
+                }
+                workers = {ns: new_ulid() for ns in spaces}
+                polls: dict[str, asyncio.Future[dict[str, Any]]] = {}
+                for ns in reversed(spaces):  # team-b's poll waits longest
+                    polls[ns] = asyncio.ensure_future(_poll(daemons[ns], workers[ns], queue))
+                    await _until(lambda: hub.waiting == len(polls), f"{ns}'s poll waiting")
+                # team-a twice with team-b's poll older, then team-b twice with team-a's older, ...
+                for ns in ("team-a", "team-a", "team-b", "team-b", "team-a", "team-b"):
+                    before = await asyncio.to_thread(_passes, cp)
+                    inv = await _submit(producers[ns], queue)
+                    answer = await asyncio.wait_for(polls[ns], timeout=30)
+                    (cmd,) = answer["commands"]
+                    assert cmd["body"]["invocation_id"] == inv
+                    assert all(not p.done() for p in polls.values() if p is not polls[ns])
+                    polls[ns] = asyncio.ensure_future(_poll(daemons[ns], workers[ns], queue))
+                    await _until(lambda: hub.waiting == 2, "both polls waiting again")
+                    # the claim, and the opening pass of the winner's next poll: no poll of the
+                    # other namespace was woken for it
+                    assert await asyncio.to_thread(_passes, cp) - before == 2
+                    row = cp.store.get(inv)
+                    assert row is not None and row.worker_id == workers[ns] and row.namespace == ns
+                for p in polls.values():
+                    p.cancel()
 
         asyncio.run(main())
 

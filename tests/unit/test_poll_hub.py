@@ -21,7 +21,7 @@ from dreamlake.lakeshore.server.polls import (
     Wake,
     parse_wake,
 )
-from dreamlake.lakeshore.store.notify import Notifier, exec_queue_channel
+from dreamlake.lakeshore.store.notify import Notifier, exec_queue_channel, run_queue_channel
 
 LONG = 600.0  # no re-check fires during a test
 
@@ -55,10 +55,20 @@ def _wait(t: Ticket, since: int, timeout: float = LONG) -> asyncio.Task[str]:
 
 
 def test_channels_parse_to_wakes() -> None:
-    assert parse_wake("queue:gpu") == Wake(RUN, "gpu")
+    assert parse_wake(run_queue_channel("team-a", "gpu")) == Wake(RUN, "gpu", "team-a")
+    assert Wake(RUN, "gpu", "team-a").channel == "run-queue:team-a:gpu"
     assert parse_wake(exec_queue_channel("team-a", "gpu")) == Wake(EXEC, "gpu", "team-a")
     assert Wake(EXEC, "gpu", "team-a").channel == "exec-queue:team-a:gpu"
-    for other in ("inv:01H", "worker:01H", "exec:01H", "exec-queue:gpu", "topic:t"):
+    # queue:<q> keeps the notifier's wake-all (in-process workers); the hub routes run-queue:
+    for other in (
+        "queue:gpu",
+        "inv:01H",
+        "worker:01H",
+        "exec:01H",
+        "exec-queue:gpu",
+        "run-queue:gpu",
+        "topic:t",
+    ):
         assert parse_wake(other) is None
 
 
@@ -69,11 +79,11 @@ def test_one_notification_wakes_the_longest_waiting_poll_only() -> None:
         waits = [_wait(t, mark) for t in tickets]
         await _settled()
         assert hub.waiting == 3
-        hub.notifier.notify("queue:q")
-        hub.notifier.notify("queue:q")
+        hub.notifier.notify(run_queue_channel("default", "q"))
+        hub.notifier.notify(run_queue_channel("default", "q"))
         await _settled()
         assert [w.done() for w in waits] == [True, True, False]
-        assert waits[0].result() == WOKEN and tickets[0].woken == [Wake(RUN, "q")]
+        assert waits[0].result() == WOKEN and tickets[0].woken == [Wake(RUN, "q", "default")]
         assert hub.waiting == 1
         waits[2].cancel()
         await _settled()
@@ -88,15 +98,15 @@ def test_a_poll_of_several_queues_is_woken_once_and_the_next_wake_is_kept() -> N
         both = hub.ticket("w1", ["a", "b"], takes_exec=False, namespace=None)
         waiting = _wait(both, mark)
         await _settled()
-        hub.notifier.notify("queue:a")
-        hub.notifier.notify("queue:b")
+        hub.notifier.notify(run_queue_channel("default", "a"))
+        hub.notifier.notify(run_queue_channel("default", "b"))
         await _settled()
-        assert waiting.result() == WOKEN and both.woken == [Wake(RUN, "a")]
+        assert waiting.result() == WOKEN and both.woken == [Wake(RUN, "a", "default")]
         # nobody waits on b: its wake is kept for a poll whose pass may have missed that work ...
         late = hub.ticket("w2", ["b"], takes_exec=False, namespace=None)
-        assert await late.wait(LONG, mark) == WOKEN and late.woken == [Wake(RUN, "b")]
+        assert await late.wait(LONG, mark) == WOKEN and late.woken == [Wake(RUN, "b", "default")]
         # ... and a poll whose fruitless pass started after it drops it rather than waking for it
-        hub.notifier.notify("queue:c")
+        hub.notifier.notify(run_queue_channel("default", "c"))
         await _settled()
         after = hub.notifier.mark()
         stale = hub.ticket("w3", ["c"], takes_exec=False, namespace=None)
@@ -126,6 +136,37 @@ def test_exec_wakes_go_to_a_poll_that_may_claim_the_job() -> None:
     run(test)
 
 
+def test_invocation_wakes_go_to_a_poll_of_their_namespace_or_an_unbound_one() -> None:
+    """Daemons bound to different namespaces may share a queue name: an invocation of namespace a
+    wakes a poll bound to a (or to none), never the older poll bound to b."""
+
+    async def test(hub: PollHub) -> None:
+        mark = hub.notifier.mark()
+        bound_b = hub.ticket("w1", ["q"], takes_exec=False, namespace="b")
+        bound_a = hub.ticket("w2", ["q"], takes_exec=False, namespace="a")
+        unbound = hub.ticket("w3", ["q"], takes_exec=False, namespace=None)
+        waits = {t.worker_id: _wait(t, mark) for t in (bound_b, bound_a, unbound)}
+        await _settled()
+        hub.notifier.notify(run_queue_channel("a", "q"))
+        await _settled()
+        assert [w for w, task in waits.items() if task.done()] == ["w2"]
+        assert bound_a.woken == [Wake(RUN, "q", "a")]
+        hub.notifier.notify(run_queue_channel("c", "q"))  # only the unbound poll may claim it
+        await _settled()
+        assert [w for w, task in waits.items() if task.done()] == ["w2", "w3"]
+        hub.notifier.notify(run_queue_channel("b", "q"))
+        await _settled()
+        assert waits["w1"].result() == WOKEN and bound_b.woken == [Wake(RUN, "q", "b")]
+        # a wake no waiting poll may claim is kept for its namespace only
+        hub.notifier.notify(run_queue_channel("a", "q"))
+        await _settled()
+        assert await hub.ticket("w4", ["q"], takes_exec=False, namespace="b").wait(0.01, mark) == TIMEOUT
+        late = hub.ticket("w5", ["q"], takes_exec=False, namespace="a")
+        assert await late.wait(LONG, mark) == WOKEN and late.woken == [Wake(RUN, "q", "a")]
+
+    run(test)
+
+
 def test_a_command_for_a_worker_wakes_its_poll_without_spending_work() -> None:
     async def test(hub: PollHub) -> None:
         mark = hub.notifier.mark()
@@ -145,10 +186,10 @@ def test_a_command_for_a_worker_wakes_its_poll_without_spending_work() -> None:
 @pytest.mark.parametrize(
     ("claimed", "limit", "handed_on"),
     [
-        ([Wake(RUN, "a")], 1, False),  # its own work: spent
+        ([Wake(RUN, "a", "default")], 1, False),  # its own work: spent
         ([], 1, False),  # room to spare and nothing found: that work is gone
-        ([Wake(RUN, "b")], 1, True),  # full of other work: a's invocation may still be queued
-        ([Wake(RUN, "b")], 2, False),  # room left, so nothing of a's was claimable
+        ([Wake(RUN, "b", "default")], 1, True),  # full of other work: a's invocation may still be queued
+        ([Wake(RUN, "b", "default")], 2, False),  # room left, so nothing of a's was claimable
     ],
 )
 def test_a_woken_poll_hands_its_wake_on_only_when_other_work_filled_it(
@@ -160,7 +201,7 @@ def test_a_woken_poll_hands_its_wake_on_only_when_other_work_filled_it(
         second = hub.ticket("w2", ["a"], takes_exec=False, namespace=None)
         waits = [_wait(first, mark), _wait(second, mark)]
         await _settled()
-        hub.notifier.notify("queue:a")
+        hub.notifier.notify(run_queue_channel("default", "a"))
         await _settled()
         assert waits[0].result() == WOKEN and not waits[1].done()
         first.settle(claimed, limit)
@@ -180,12 +221,12 @@ def test_a_poll_that_ends_without_its_pass_hands_the_wake_on() -> None:
         live = hub.ticket("w2", ["q"], takes_exec=False, namespace=None)
         waits = [_wait(gone, mark), _wait(live, mark)]
         await _settled()
-        hub.notifier.notify("queue:q")
+        hub.notifier.notify(run_queue_channel("default", "q"))
         await _settled()
         assert waits[0].result() == WOKEN
         gone.close()  # the daemon hung up before the pass
         await _settled()
-        assert waits[1].result() == WOKEN and live.woken == [Wake(RUN, "q")]
+        assert waits[1].result() == WOKEN and live.woken == [Wake(RUN, "q", "default")]
 
     run(test)
 
@@ -203,18 +244,20 @@ def test_relayed_work_is_not_sent_back_and_local_work_nobody_takes_is_relayed() 
     async def test(hub: PollHub) -> None:
         relay = Relay()
         hub.relay = relay
-        hub.notifier.notify("queue:q")
-        hub.notifier.notify("queue:r", relayed=True)
+        hub.notifier.notify(run_queue_channel("default", "q"))
+        hub.notifier.notify(run_queue_channel("default", "r"), relayed=True)
         hub.notifier.notify("worker:w9")
         await _settled()
-        assert relay.sent == ["queue:q", "worker:w9"]
+        assert relay.sent == ["run-queue:default:q", "worker:w9"]
         mark = hub.notifier.mark()
         t = hub.ticket("w1", ["q"], takes_exec=False, namespace=None)
         waiting = _wait(t, mark)
         await _settled()
-        hub.notifier.notify("queue:q")  # taken here: no other replica needs to hear of it
+        hub.notifier.notify(
+            run_queue_channel("default", "q")
+        )  # taken here: no other replica needs to hear of it
         await _settled()
-        assert waiting.result() == WOKEN and relay.sent == ["queue:q", "worker:w9"]
+        assert waiting.result() == WOKEN and relay.sent == ["run-queue:default:q", "worker:w9"]
 
     run(test)
 

@@ -205,7 +205,7 @@ async def _collect(
                 )
     if got.exec_jobs:
         ctx.metrics.claims.labels(kind="exec").inc(len(got.exec_jobs))
-    units = [Wake(RUN, inv.queue) for inv in got.invocations]
+    units = [Wake(RUN, inv.queue, inv.namespace) for inv in got.invocations]
     units.extend(Wake(EXEC, job["queue"], job["namespace"]) for job in got.exec_jobs)
     return commands, units, got.pinned_version
 

@@ -1,13 +1,14 @@
 """The daemons' long polls, woken one per unit of new work: no thundering herd.
 
 Each waiting ``POST /v1/daemon/poll`` holds a :class:`Ticket` of the :class:`PollHub`. While it
-waits, the ticket is in the FIFO of every queue it serves (invocations), in the FIFO of every
-(queue, namespace) it may claim exec jobs of (when it takes exec jobs; namespace ``None`` for a
-daemon token bound to none, which takes every namespace's), and under its worker id. The hub
-listens to the store notifier (``store/notify.py``) and routes each notification itself:
+waits, the ticket is in the FIFO of every (queue, namespace) it serves, for invocations and (when
+it takes exec jobs) for exec jobs, with namespace ``None`` for a daemon token bound to none, which
+takes every namespace's work; and under its worker id. The hub listens to the store notifier
+(``store/notify.py``) and routes each notification itself:
 
-- ``queue:<q>`` wakes the longest-waiting poll of ``q``;
-- ``exec-queue:<ns>:<q>`` wakes the longest-waiting poll that may claim that job;
+- ``run-queue:<ns>:<q>`` (an invocation) and ``exec-queue:<ns>:<q>`` (an exec job) wake the
+  longest-waiting poll that may claim that work: the older head of the ``(q, ns)`` and
+  ``(q, None)`` FIFOs, so daemons bound to different namespaces can share a queue name;
 - ``worker:<id>`` wakes the polls of that worker (a cancel, or an exec job aimed at it).
 
 A woken poll leaves every FIFO at once (a poll of several queues is woken once) and runs one store
@@ -41,15 +42,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from dreamlake.lakeshore.store.notify import Notifier, exec_queue_channel
+from dreamlake.lakeshore.store.notify import Notifier, exec_queue_channel, run_queue_channel
 
 log = logging.getLogger(__name__)
 
 RUN, EXEC = "run", "exec"
 KEPT_PER_QUEUE = 4096  # wakes kept for a queue with no waiter; older ones fall off
 KEPT_FOR_S = 120.0  # a kept wake is for a poll in the middle of its pass: none takes this long
-_QUEUE, _EXEC_QUEUE, _WORKER = "queue:", "exec-queue:", "worker:"
-_ROUTED = (_QUEUE, _EXEC_QUEUE, _WORKER)
+_RUN_QUEUE, _EXEC_QUEUE, _WORKER = "run-queue:", "exec-queue:", "worker:"
+_ROUTED = (_RUN_QUEUE, _EXEC_QUEUE, _WORKER)  # ``queue:<q>`` keeps the notifier's wake-all
 
 # Why a wait ended (and why the poll's next store pass runs): the ``reason`` label of the
 # ``lakeshore_poll_passes`` counter, with "first" for the pass a poll opens with.
@@ -62,28 +63,27 @@ _F = TypeVar("_F", bound="dict[int, Ticket]")
 
 @dataclass(frozen=True)
 class Wake:
-    """One unit of new work: an invocation on ``queue``, or an exec job of ``namespace`` on it."""
+    """One unit of new work of ``namespace`` on ``queue``: an invocation (``RUN``) or an exec job."""
 
     kind: str
     queue: str
-    namespace: str | None = None
+    namespace: str
 
     @property
     def channel(self) -> str:
         if self.kind == RUN:
-            return _QUEUE + self.queue
-        assert self.namespace is not None
+            return run_queue_channel(self.namespace, self.queue)
         return exec_queue_channel(self.namespace, self.queue)
 
 
 def parse_wake(channel: str) -> Wake | None:
-    """The work a ``queue:`` or ``exec-queue:`` channel announces; None for other channels."""
-    if channel.startswith(_QUEUE):
-        return Wake(RUN, channel[len(_QUEUE) :])
-    if channel.startswith(_EXEC_QUEUE):
-        namespace, sep, queue = channel[len(_EXEC_QUEUE) :].partition(":")
-        if sep and namespace and queue:
-            return Wake(EXEC, queue, namespace)
+    """The work a ``run-queue:`` or ``exec-queue:`` channel announces; None for other channels."""
+    for prefix, kind in ((_RUN_QUEUE, RUN), (_EXEC_QUEUE, EXEC)):
+        if channel.startswith(prefix):
+            namespace, sep, queue = channel[len(prefix) :].partition(":")
+            if sep and namespace and queue:
+                return Wake(kind, queue, namespace)
+            return None
     return None
 
 
@@ -129,10 +129,10 @@ class Ticket:
         """After a store pass that claimed ``claimed`` (one entry per invocation or exec job) of at
         most ``limit``: spend each wake this poll holds, or hand it on.
 
-        A wake is spent by a claim of its own kind (queue, and namespace for an exec job), or by a
-        pass with room to spare (nothing of its kind was left to claim). A full pass of other work
-        hands it on: a poll of several queues, or an unbound one taking another namespace's exec
-        job, may have claimed the work whose wake went to another poll, and left this one's."""
+        A wake is spent by a claim of its own kind (queue and namespace), or by a pass with room
+        to spare (nothing of its kind was left to claim). A full pass of other work hands it on: a
+        poll of several queues, or an unbound one taking another namespace's work, may have
+        claimed the work whose wake went to another poll, and left this one's."""
         wakes, self.woken = self.woken, []
         if not wakes:
             return
@@ -172,10 +172,11 @@ class PollHub:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count(1)
         self._waiting: dict[int, Ticket] = {}
-        self._run: dict[str, OrderedDict[int, Ticket]] = {}
+        # FIFOs of waiting polls by (queue, namespace), namespace None for unbound tokens
+        self._run: dict[tuple[str, str | None], OrderedDict[int, Ticket]] = {}
         self._exec: dict[tuple[str, str | None], OrderedDict[int, Ticket]] = {}
         self._workers: dict[str, dict[int, Ticket]] = {}
-        self._kept: dict[tuple[str, str], deque[tuple[int, str | None]]] = {}
+        self._kept: dict[tuple[str, str], deque[tuple[int, str]]] = {}
         self._kept_at: dict[tuple[str, str], float] = {}  # last kept, to forget idle queues
         self._next_sweep = 0.0
 
@@ -280,15 +281,18 @@ class PollHub:
             self._dispatch(wake, seq, relayed=False)
 
     def _first(self, wake: Wake) -> Ticket | None:
-        if wake.kind == RUN:
-            fifo = self._run.get(wake.queue)
-            return next(iter(fifo.values())) if fifo else None
-        heads = [
-            next(iter(fifo.values()))
-            for fifo in (self._exec.get((wake.queue, wake.namespace)), self._exec.get((wake.queue, None)))
-            if fifo
-        ]
-        return min(heads, key=lambda t: t.id) if heads else None
+        """The longest-waiting poll that may claim ``wake``: the older head of its (queue,
+        namespace) FIFO and of the queue's FIFO of unbound polls."""
+        index = self._run if wake.kind == RUN else self._exec
+        bound, unbound = index.get((wake.queue, wake.namespace)), index.get((wake.queue, None))
+        if not bound:
+            return next(iter(unbound.values())) if unbound else None
+        head = next(iter(bound.values()))
+        if unbound:
+            other = next(iter(unbound.values()))
+            if other.id < head.id:
+                return other
+        return head
 
     def _wake(self, t: Ticket, wake: Wake | None, reason: str) -> None:
         self._unregister(t)
@@ -352,9 +356,9 @@ class PollHub:
                 kept = self._kept.get((kind, queue))
                 if not kept:
                     continue
-                left: deque[tuple[int, str | None]] = deque(maxlen=KEPT_PER_QUEUE)
+                left: deque[tuple[int, str]] = deque(maxlen=KEPT_PER_QUEUE)
                 for seq, namespace in kept:
-                    mine = kind == RUN or t.namespace is None or t.namespace == namespace
+                    mine = t.namespace is None or t.namespace == namespace
                     if not mine:
                         left.append((seq, namespace))
                     elif seq > since:
@@ -373,7 +377,7 @@ class PollHub:
         t.id = next(self._ids)
         self._waiting[t.id] = t
         for queue in t.queues:
-            self._run.setdefault(queue, OrderedDict())[t.id] = t
+            self._run.setdefault((queue, t.namespace), OrderedDict())[t.id] = t
             if t.takes_exec:
                 self._exec.setdefault((queue, t.namespace), OrderedDict())[t.id] = t
         self._workers.setdefault(t.worker_id, {})[t.id] = t
@@ -382,7 +386,7 @@ class PollHub:
         if self._waiting.pop(t.id, None) is None:
             return
         for queue in t.queues:
-            _discard(self._run, queue, t.id)
+            _discard(self._run, (queue, t.namespace), t.id)
             if t.takes_exec:
                 _discard(self._exec, (queue, t.namespace), t.id)
         _discard(self._workers, t.worker_id, t.id)

@@ -29,6 +29,7 @@ from dreamlake.lakeshore.store.api import (
     SubmitRequest,
     SubmitResult,
 )
+from dreamlake.lakeshore.store.notify import invocation_channels
 from dreamlake.lakeshore.store.values import check_run_config
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,8 @@ async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str
     result = await ctx.write(req)
     assert isinstance(result, SubmitResult)
     ctx.metrics.submits.labels(duplicate=str(result.duplicate).lower()).inc()
-    ctx.wake.notify(f"queue:{result.queue}")
+    for channel in invocation_channels(req.namespace, result.queue):  # when the store notifies none
+        ctx.wake.notify(channel)
     log.debug("submitted %s to queue %s (duplicate=%s)", result.invocation_id, result.queue, result.duplicate)
     out: dict[str, Any] = {"invocation_id": result.invocation_id, "queue": result.queue}
     if result.duplicate:

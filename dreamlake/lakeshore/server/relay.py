@@ -2,7 +2,7 @@
 
 Replicas over one PostgreSQL store each run a :class:`PgRelay`: two psycopg 3 connections of its
 own, outside the store's pool. The poll hub (``server/polls.py``) publishes the wakes no local poll
-could take (``queue:<q>``, ``exec-queue:<ns>:<q>``) and commands for a worker with no poll here
+could take (``run-queue:<ns>:<q>``, ``exec-queue:<ns>:<q>``) and commands for a worker with no poll here
 (``worker:<id>``); the relay sends them, batched, with ``pg_notify`` right after the store
 committed the work, and injects what the other replicas sent into the local notifier
 (``notify(channel, relayed=True)``), where the hub wakes one local poll per wake. A payload is

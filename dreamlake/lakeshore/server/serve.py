@@ -52,6 +52,7 @@ import h11
 from uvicorn.config import Config
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from dreamlake.lakeshore.server import gctune
 from dreamlake.lakeshore.server.config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -298,7 +299,9 @@ def app_from_env() -> Any:
     GuardedH11Protocol.header_timeout_s = config.header_timeout_s
     GuardedH11Protocol.body_timeout_s = config.body_timeout_s
     GuardedH11Protocol.max_connections = config.max_connections
-    return build_app(spec)
+    app = build_app(spec)
+    gctune.tune()
+    return app
 
 
 def serve(spec: ServeSpec, *, host: str, port: int, workers: int = 1, store: Any = None) -> None:
@@ -316,7 +319,9 @@ def serve(spec: ServeSpec, *, host: str, port: int, workers: int = 1, store: Any
     }
     log.info("serving on %s:%d: %d worker(s), %s loop, guarded h11 HTTP", host, port, workers, loop)
     if workers <= 1:
-        uvicorn.Server(uvicorn_config(build_app(spec, store), config, **common)).run()
+        app = build_app(spec, store)
+        gctune.tune()
+        uvicorn.Server(uvicorn_config(app, config, **common)).run()
         return
     if store is not None:
         store.close()  # each worker opens its own

@@ -114,6 +114,7 @@ class AckResult:
     reason: str | None = None  # why it was refused, for the error body
     status: int = SUPERSEDED  # the HTTP status of a refusal: UNKNOWN, ANOTHER_WORKER or SUPERSEDED
     requeued: str | None = field(default=None, compare=False)  # a retry's queue, claimable now
+    requeued_namespace: str | None = field(default=None, compare=False)  # ... and its namespace
 
 
 @dataclass
@@ -500,14 +501,13 @@ class Store(Listing, Protocol):
         ...
 
     def write_batch(self, requests: Sequence[WriteRequest]) -> list[WriteResult | PlaneError]:
-        """Apply many writes (submits, acks, frames, frame batches, heartbeats, poll passes) in one
-        transaction:
-        the group commit. Each answers as its single call would (``submit``, ``ack``,
-        ``append_frame``, ``append_frames``, ``heartbeat`` and ``poll_pass``, the last two with the
-        pinned version), or
-        with the PlaneError that call would raise; one write's error never fails another. Submits apply first, in order, then the
-        rest in order. Returns only after the transaction committed (nothing is answered before
-        it is durable)."""
+        """Apply many writes (submits, acks, frames, frame batches, heartbeats, poll passes)
+        together: the group commit. Each answers as its single call would (``submit``, ``ack``,
+        ``append_frame``, ``append_frames``, ``heartbeat`` and ``poll_pass``, the last two with
+        the pinned version), or with the PlaneError that call would raise; one write's error never
+        fails another. Submits apply first, in order, in a transaction of their own (committed,
+        their waiters woken, before the rest), then the rest in order in one transaction. Returns
+        only after both committed (nothing is answered before it is durable)."""
         ...
 
     def expire_leases(self, now: float | None = None) -> list[str]:

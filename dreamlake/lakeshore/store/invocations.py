@@ -46,7 +46,7 @@ from .api import (
 )
 from .base import StoreBase, dialect_insert
 from .engine import Database, retry_on_disconnect
-from .notify import Notifier
+from .notify import Notifier, invocation_channels
 from .workers import queue_command
 
 CANCEL_REASON = "cancelled by producer"
@@ -192,6 +192,7 @@ class _Statements:
         self.retry_row = sa.select(
             _inv.c.state,
             _inv.c.queue,
+            _inv.c.namespace,
             _inv.c.attempt,
             _inv.c.max_attempts,
             _inv.c.worker_id,
@@ -515,8 +516,8 @@ class InvocationStore(StoreBase):
         for p, res in zip(batch, results, strict=True):
             self._known.remember(p.row["queue"], p.row["function_key"])
             if isinstance(res, SubmitResult) and not res.duplicate:
-                channels += (f"queue:{res.queue}", f"inv:{res.invocation_id}")
-        self._notify(*channels)  # one queue:<q> per new invocation: a poll hub wakes one poll each
+                channels += (*invocation_channels(p.row["namespace"], res.queue), f"inv:{res.invocation_id}")
+        self._notify(*channels)  # one run-queue:<ns>:<q> per new invocation: the poll hub wakes one poll each
 
     def _existing(self, conn: Connection, row: dict[str, Any]) -> SubmitResult | None:
         """The earlier submit a row that was not inserted repeats (same id and content, or the same
@@ -679,7 +680,12 @@ class InvocationStore(StoreBase):
         with self.db.tx(write=True) as conn:
             result = self._ack_in(conn, req, time.time())
         if result.ok and not result.duplicate:
-            self._notify(f"inv:{invocation_id}", *([f"queue:{result.requeued}"] if result.requeued else []))
+            again = (
+                invocation_channels(result.requeued_namespace or DEFAULT_NAMESPACE, result.requeued)
+                if result.requeued
+                else ()
+            )
+            self._notify(f"inv:{invocation_id}", *again)
         return result
 
     def attempts(self, invocation_id: str) -> list[dict[str, Any]]:
@@ -823,7 +829,12 @@ class InvocationStore(StoreBase):
                 "retry_at": now + wait,
             },
         )
-        return AckResult(ok=True, state="queued", requeued=row.queue if not_before is None else None)
+        return AckResult(
+            ok=True,
+            state="queued",
+            requeued=row.queue if not_before is None else None,
+            requeued_namespace=row.namespace if not_before is None else None,
+        )
 
     def _ack_many_in(
         self, conn: Connection, reqs: Sequence[AckRequest], now: float, *, retry_first: bool = True
@@ -884,7 +895,7 @@ class InvocationStore(StoreBase):
     ) -> tuple[list[Row[Any]], list[Row[Any]], list[Row[Any]]]:
         """End the running invocations whose lease lapsed: cancelled when a cancel was requested,
         else requeued while attempts remain, else failed with ``LEASE_EXPIRED``. Returns the
-        ``(invocation_id,)`` rows cancelled, the ``(invocation_id, queue)`` rows requeued and the
+        ``(invocation_id,)`` rows cancelled, the ``(invocation_id, queue, namespace)`` rows requeued and the
         ``(invocation_id,)`` rows failed."""
         lapsed = (_inv.c.state == "running", _inv.c.lease_expires_at < now)
         gone = {"worker_id": None, "lease_expires_at": None}
@@ -904,7 +915,7 @@ class InvocationStore(StoreBase):
             sa.update(_inv)
             .where(*retries)
             .values(state="queued", started_at=None, not_before=None, **gone)
-            .returning(_inv.c.invocation_id, _inv.c.queue)
+            .returning(_inv.c.invocation_id, _inv.c.queue, _inv.c.namespace)
         ).fetchall()
         back = {r.invocation_id for r in requeued}
         history = [
@@ -933,12 +944,12 @@ class InvocationStore(StoreBase):
 
     def _release_in(self, conn: Connection, now: float) -> list[Row[Any]]:
         """Make the retries whose backoff is over claimable (``not_before`` cleared, read off
-        ``ix_invocations_delayed``); their ``(invocation_id, queue)`` rows."""
+        ``ix_invocations_delayed``); their ``(invocation_id, queue, namespace)`` rows."""
         return list(
             conn.execute(
                 sa.update(_inv)
                 .where(_inv.c.not_before.isnot(None), _inv.c.not_before <= now, _inv.c.state == "queued")
                 .values(not_before=None)
-                .returning(_inv.c.invocation_id, _inv.c.queue)
+                .returning(_inv.c.invocation_id, _inv.c.queue, _inv.c.namespace)
             ).fetchall()
         )

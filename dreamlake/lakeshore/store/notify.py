@@ -3,7 +3,9 @@
 Channels the store notifies (after the transaction commits):
 
 - ``queue:<name>``        an invocation became claimable on that queue: a submit or a lease-expiry
-  requeue.
+  requeue (wakes every waiter: the in-process worker of ``dispatch/local.py``).
+- ``run-queue:<ns>:<q>``  the same invocation, with its namespace: the channel the poll hub routes,
+  one poll per invocation, to a poll that may claim it (bound to ``<ns>``, or to no namespace).
 - ``exec-queue:<ns>:<q>`` an exec job of namespace ``<ns>`` became claimable on queue ``<q>`` (one
   that targets a worker notifies ``worker:<id>`` instead: only that worker can claim it).
 - ``inv:<id>``            an invocation changed state (claim, ack, cancel, expiry) or got a frame.
@@ -35,6 +37,17 @@ Listener = Callable[[str, int, bool], None]
 """``listener(channel, seq, relayed)``: called after every notification, in the notifying thread
 (a store thread, or the event loop for a relayed one), outside the notifier's lock. It must be
 cheap and must not block; ``relayed`` is True for a notification that came from another replica."""
+
+
+def run_queue_channel(namespace: str, queue: str) -> str:
+    """The channel of a claimable invocation of ``namespace`` on ``queue`` (one notification per
+    invocation; ``queue:<q>`` is notified beside it for waiters that serve every namespace)."""
+    return f"run-queue:{namespace}:{queue}"
+
+
+def invocation_channels(namespace: str, queue: str) -> tuple[str, str]:
+    """What the store notifies for one invocation made claimable (a submit or a requeue)."""
+    return f"queue:{queue}", run_queue_channel(namespace, queue)
 
 
 def exec_queue_channel(namespace: str, queue: str) -> str:

@@ -30,6 +30,7 @@ from dreamlake.lakeshore.errors import PlaneError
 
 from .api import (
     DEFAULT_LEASE_S,
+    DEFAULT_NAMESPACE,
     AckRequest,
     Command,
     FrameRequest,
@@ -50,7 +51,7 @@ from .exec_jobs import ExecJobStore
 from .frames import FrameStore, frame_channel
 from .invocations import InvocationStore, _Prepared
 from .listing import ListingStore
-from .notify import Notifier, exec_queue_channel
+from .notify import Notifier, exec_queue_channel, invocation_channels
 from .retention import RetentionStore
 from .workers import WorkerStore
 
@@ -162,17 +163,36 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
 
     def write_batch(self, requests: Sequence[WriteRequest]) -> list[WriteResult | PlaneError]:
         """See ``api.Store.write_batch``. Each request is checked first, outside the transaction
-        (a malformed one answers its PlaneError and takes no part). The rest apply in one
-        transaction; should it fail (a value a column refuses, a lost connection), it is rolled
-        back and every request is retried alone, in a transaction of its own, so the error lands
-        on the request that caused it (as a PlaneError with status 500)."""
+        (a malformed one answers its PlaneError and takes no part). The submits apply in one
+        transaction, committed (and their waiters woken) first, the rest in a second one in
+        order; should one fail (a value a column refuses, a lost connection), it is rolled back
+        and each of its requests is retried alone, in a transaction of its own, so the error lands
+        on the request that caused it (as a PlaneError with status 500).
+
+        Submits come first anyway (one multi-row insert ahead of the other writes); their own
+        commit keeps a submit's wake-up, which a waiting poll claims on, from waiting for the
+        heartbeats of a fleet batched with it (on PostgreSQL 30 of them took 40-100 ms)."""
         out: list[WriteResult | PlaneError | None] = [None] * len(requests)
-        live: list[tuple[int, Any]] = []
+        submits: list[tuple[int, Any]] = []
+        others: list[tuple[int, Any]] = []
         for i, req in enumerate(requests):
             try:
-                live.append((i, self._prepare_write(req)))
+                prepared = self._prepare_write(req)
             except PlaneError as exc:
                 out[i] = exc
+                continue
+            (submits if isinstance(prepared, _Prepared) else others).append((i, prepared))
+        for live in (submits, others):
+            self._apply_group(requests, live, out)
+        return [r for r in out if r is not None]
+
+    def _apply_group(
+        self,
+        requests: Sequence[WriteRequest],
+        live: list[tuple[int, Any]],
+        out: list[WriteResult | PlaneError | None],
+    ) -> None:
+        """Apply ``live`` in one transaction into ``out``; each alone should that fail."""
         if len(live) > 1:
             try:
                 for i, res in zip((i for i, _ in live), self._apply_writes(live), strict=True):
@@ -188,7 +208,6 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
             except Exception as exc:
                 log.exception("a %s failed in the store", type(requests[i]).__name__)
                 out[i] = PlaneError(f"the store failed: {type(exc).__name__}", status=500)
-        return [r for r in out if r is not None]
 
     def _prepare_write(self, req: WriteRequest) -> Any:
         if isinstance(req, SubmitRequest):
@@ -231,7 +250,9 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
                         if ack.ok and not ack.duplicate:
                             channels.append(f"inv:{req.invocation_id}")
                         if ack.requeued:  # a retry claimable now: one wake per invocation
-                            requeued.append(f"queue:{ack.requeued}")
+                            requeued.extend(
+                                invocation_channels(ack.requeued_namespace or DEFAULT_NAMESPACE, ack.requeued)
+                            )
                     acks = []
                 if isinstance(p, FrameRequest):
                     chunk = self._append_frame_in(conn, p, now)
@@ -274,7 +295,8 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
         if due:
             log.debug("%d retries due: claimable again", len(due))
         self._notify(
-            *(f"queue:{r.queue}" for r in (*requeued, *due)),  # one per invocation: one poll woken each
+            # one per invocation: the poll hub wakes one poll each
+            *(c for r in (*requeued, *due) for c in invocation_channels(r.namespace, r.queue)),
             *(f"inv:{r.invocation_id}" for r in due),
             *(f"inv:{i}" for i in ids),
             *(
