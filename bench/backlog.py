@@ -95,6 +95,8 @@ def rows(start: int, count: int, queues: int, priorities: int) -> Iterator[tuple
             "result_blob": None,
             "error": None,
             "cancel_requested": False,
+            "args_ref": None,
+            "result_ref": None,
             "not_before": None,  # due: a retry waiting for its backoff is not in the claim index
             "frames_attempt": None,
             "frames_base": None,

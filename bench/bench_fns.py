@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 
 def noop() -> None:
@@ -21,6 +22,18 @@ def blobs(n: int, size: int) -> Iterator[bytes]:
     """Yield ``n`` values of ``size`` bytes (bench/streams.py)."""
     for i in range(n):
         yield bytes([i % 256]) * size
+
+
+def array_total(a: Any) -> dict[str, Any]:
+    """The sum of a (big) numpy array argument (bench/payloads.py: arguments by reference)."""
+    return {"sum": int(a.sum(dtype="uint64")), "nbytes": int(a.nbytes)}
+
+
+def make_array(n: int) -> Any:
+    """A numpy array of ``n`` bytes, all 7 (bench/payloads.py: results by reference)."""
+    import numpy as np
+
+    return np.full(n, 7, dtype=np.uint8)
 
 
 def say(lines: int, pause_s: float) -> int:

@@ -26,6 +26,7 @@ Layout (one concern per module)::
     slots.py      concurrency slots and GPU assignment
     gpus.py       the host's GPUs (NVML or nvidia-smi) and the pool they are assigned from
     workdir.py    the workdir contract on nymph's side (create, args, outputs, cleanup)
+    refs.py       arguments, results and frames by reference (seed 003 argsRef / resultRef)
     pump.py       tails the frame journal (and script logs) into the outbox as frames appear
     outbox.py     the durable outbox: acks and frames on disk until the control plane confirms
     reconcile.py  re-attach to or report what a previous life left behind

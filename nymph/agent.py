@@ -102,6 +102,7 @@ class Agent:
         self.notify = notify or SdNotify()
         self.worker_id = ""
         self.heartbeat_s = config.heartbeat_s or 10.0
+        self.inline_threshold: int | None = None  # set by the register answer
         self.outbox: Outbox | None = None
         self.registered = threading.Event()
         self.stopping = Stopping()
@@ -198,6 +199,7 @@ class Agent:
             on_done=self._job_done,
             on_unavailable=self.runner_health.unavailable,
             client=self.client,
+            inline_threshold=self.inline_threshold,
             on_disk_full=self.disk.full,
         )
 
@@ -271,6 +273,8 @@ class Agent:
             return False
         if cfg.heartbeat_s is None and answer.get("heartbeat_s"):
             self.heartbeat_s = float(answer["heartbeat_s"])
+        threshold = answer.get("inline_threshold_bytes")
+        self.inline_threshold = threshold if isinstance(threshold, int) and threshold >= 0 else None
         log.info(
             "registered as worker %s (runner %s, queues %s, %d slot(s)) with %s",
             self.worker_id,

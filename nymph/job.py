@@ -31,7 +31,7 @@ from dreamlake.lakeshore.client import retrying
 from dreamlake.lakeshore.daemon.entry import ALLOW_MODULES_ENV, CAPTURE_ENV, module_allowed, module_refusal
 from dreamlake.lakeshore.envelope import Envelope, is_pickled
 from dreamlake.lakeshore.errors import LakeshoreError, PayloadCorrupt
-from nymph import codecache, taskuser
+from nymph import codecache, refs, safeio, taskuser
 from nymph import observability as obs
 from nymph import workdir as wd
 from nymph.errors import Refused
@@ -76,6 +76,7 @@ class Job(SupervisedJob[wd.Outcome]):
         self.as_user: str | None = body.get("as_user") or self.run_config.get("as_user")
         self.run_as: str | None = self.as_user  # who the task runs as (nymph.taskuser), set by the gates
         self._pump: Pump | None = None
+        self._staged: Path | None = None  # args_ref fetched into {workdir}/.incoming, not yet moved in
         self._code: dict[str, Any] | None = None  # cfg["code"] of the Envelope: a shipped code archive
         self._code_held: str | None = None  # the sha256 this job holds in the code cache
         self._code_dirs: list[Path] = []
@@ -92,6 +93,8 @@ class Job(SupervisedJob[wd.Outcome]):
         if self._after is not None:  # the earlier attempt must be gone before this one uses the workdir
             self._after.join()
             self._after = None
+        if self.body.get("args_ref") is not None and self.script is None:
+            self._staged = refs.stage_args(self.ctx.client, self.ctx.config.workdir, self.body)
         self._gates()
         self._fetch_code()
         gpus = self.ctx.slots.acquire_gpus(gpus_requested(self.run_config), self._stop_event)
@@ -114,8 +117,14 @@ class Job(SupervisedJob[wd.Outcome]):
         meta["run_as"] = self.run_as
         meta["code_sha256"] = self._code_held  # a restarted nymph holds the archive its task runs from
         self.workdir = wd.create(
-            cfg.workdir, self.invocation_id, bytes(self.body.get("args_blob") or b""), meta, self.run_as
+            cfg.workdir,
+            self.invocation_id,
+            bytes(self.body.get("args_blob") or b""),
+            meta,
+            self.run_as,
+            args_file=self._staged,
         )
+        self._staged = None
         return Task(
             invocation_id=self.invocation_id,
             attempt=self.attempt,
@@ -209,7 +218,10 @@ class Job(SupervisedJob[wd.Outcome]):
             )
         if self.script is None:
             try:
-                header = Envelope.header(bytes(self.body.get("args_blob") or b""))
+                if self._staged is not None:
+                    header = refs.header_of(self._staged)
+                else:
+                    header = Envelope.header(bytes(self.body.get("args_blob") or b""))
             except LakeshoreError as exc:
                 raise Refused(type(exc).__name__, f"bad envelope: {exc}") from exc
             fn = header.get("fn") or {}
@@ -421,10 +433,49 @@ class Job(SupervisedJob[wd.Outcome]):
             script=self.script is not None,
             limits=self.ctx.config.stream_limits,
             on_overflow=self._overflowed,
+            ship=self._ship_frame if self.ctx.inline_threshold is not None else None,
+            inline_threshold=self.ctx.inline_threshold,
         )
         self._pump = pump
         pump.start()
         return pump
+
+    def _ship_frame(self, seq: int, body: bytes) -> dict[str, Any]:
+        """Upload a frame body over the threshold; the pump sends ``{"ref": <this>}`` instead."""
+        return refs.ship(
+            self.ctx.client, refs.namespace_of(self.body), self.invocation_id, body, f"frame-{seq}"
+        )
+
+    def _by_reference(self, outcome: wd.Outcome) -> tuple[wd.Outcome, dict[str, Any] | None]:
+        """A result over the control plane's inline threshold, uploaded -> (outcome, its ref);
+        one that cannot be uploaded fails the invocation. One left on disk by ``read_outcome``
+        streams from the workdir: it never enters nymph's memory."""
+        limit = self.ctx.inline_threshold
+        on_disk = outcome.extra.get("result_file") if self.workdir is not None else None
+        if limit is None or outcome.state != "succeeded":
+            return outcome, None
+        if not on_disk and len(outcome.result_blob) <= limit:
+            return outcome, None
+        size = outcome.extra.get("result_size", len(outcome.result_blob))
+        namespace = refs.namespace_of(self.body)
+        try:
+            if on_disk:
+                assert self.workdir is not None
+                fh = safeio.open_output(self.workdir, str(on_disk))
+                if fh is None:
+                    raise LakeshoreError(f"{on_disk} could not be opened safely")
+                with fh:
+                    ref = refs.ship(self.ctx.client, namespace, self.invocation_id, fh, "result")
+            else:
+                ref = refs.ship(self.ctx.client, namespace, self.invocation_id, outcome.result_blob, "result")
+        except (LakeshoreError, OSError) as exc:
+            log.warning("invocation %s: result upload failed: %s", self.invocation_id, exc)
+            return wd.Outcome.failed(
+                "ResultUploadFailed",
+                f"the result ({size} bytes, over the inline threshold of {limit}) "
+                f"could not be uploaded to the payload store: {exc}",
+            ), None
+        return wd.Outcome("succeeded", b"", None, {}), ref
 
     def _overflowed(self, message: str) -> None:
         """The stream passed ``stream_max_bytes``: stop the task; the invocation fails."""
@@ -435,7 +486,9 @@ class Job(SupervisedJob[wd.Outcome]):
         assert self.workdir is not None
         if status is None and self.handle is not None:
             status = self.ctx.runner.wait(self.handle, 0)
-        outcome = wd.read_outcome(self.workdir, status, script=self.script is not None)
+        outcome = wd.read_outcome(
+            self.workdir, status, script=self.script is not None, big=self.ctx.inline_threshold
+        )
         if outcome.extra.get("disk_full"):  # the task met a full disk: no claims until there is room
             self.ctx.on_disk_full(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.workdir)))
         return outcome
@@ -499,6 +552,11 @@ class Job(SupervisedJob[wd.Outcome]):
 
     def settle(self, outcome: wd.Outcome) -> None:
         """Ack through the outbox (unless lost), then keep or delete the workdir."""
+        refs.discard(self._staged)  # arguments fetched for a job that never started
+        self._staged = None
+        ref = None
+        if not self.lost:
+            outcome, ref = self._by_reference(outcome)
         self.state = "lost" if self.lost else outcome.state
         duration = time.time() - self.started_at
         if self.state == "lost":
@@ -512,6 +570,8 @@ class Job(SupervisedJob[wd.Outcome]):
                 "worker_id": self.ctx.worker_id,
                 "attempt": self.attempt,
             }
+            if ref is not None:
+                ack["result_ref"] = ref
             self.ctx.outbox.ack(ack)
         if self.workdir is not None:
             if outcome.state == "succeeded" or self.state == "lost":

@@ -109,6 +109,9 @@ class JobContext:
     # the runner said it cannot work (engine down): the agent stops claiming until check() passes
     on_unavailable: Callable[[RunnerUnavailable], None] = field(default=_ignore_unavailable)
     client: ControlPlaneClient | None = None  # exec jobs fetch their payload through it
+    # results and frames over this many bytes go to the payload store (the register answer's
+    # inline_threshold_bytes; None: the control plane has no payload store, everything inline)
+    inline_threshold: int | None = None
     # a job met a full disk (ENOSPC, EDQUOT): the agent stops claiming until there is room
     on_disk_full: Callable[[BaseException], None] = field(default=_ignore_disk_full)
 

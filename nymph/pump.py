@@ -73,6 +73,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from dreamlake.lakeshore import wire
+from dreamlake.lakeshore.errors import LakeshoreError
 from nymph import observability as obs
 from nymph import safeio
 from nymph.workdir import FRAMES, STDERR, STDOUT
@@ -202,8 +203,15 @@ class Pump:
         script: bool = False,
         limits: StreamLimits | None = None,
         on_overflow: Callable[[str], None] | None = None,
+        ship: Callable[[int, bytes], dict[str, Any]] | None = None,
+        inline_threshold: int | None = None,
     ) -> None:
         self.workdir = workdir
+        # frames whose body is over the control plane's inline threshold: the body is uploaded
+        # (``ship(seq, body) -> ref``) and the frame sent with the body ``{"ref": ref}``
+        self._ship = ship
+        self._threshold = inline_threshold
+        self._spilling = False
         self.invocation_id = invocation_id
         self.attempt = attempt
         self.worker_id = worker_id
@@ -320,6 +328,7 @@ class Pump:
                 return batches
             self._inflight = None
             self._ended = True
+            self._spilling = True  # a big frame that cannot be uploaded now is kept inline
             while (batch := self._next_batch()) is not None:
                 batches.append(batch.frames)
                 self._advance(batch)  # in memory only: pump.json keeps what was confirmed
@@ -355,7 +364,11 @@ class Pump:
             if self._halted or self.refused is not None:
                 return None
             if self._inflight is None:
-                self._inflight = self._next_batch()
+                try:
+                    self._inflight = self._next_batch()
+                except LakeshoreError as exc:  # a big frame's upload failed: try again on the next take
+                    log.warning("invocation %s: frame upload failed, retrying: %s", self.invocation_id, exc)
+                    return None
             self._check_window()
             return self._inflight
 
@@ -566,9 +579,31 @@ class Pump:
         view = memoryview(data)
         for e in taken:
             frame = view[e.start - first.start : e.end - first.start]
-            frames.append(bytes(frame) if shift == 0 else _renumbered(frame, e.seq + shift))
+            frames.append(
+                self._by_reference(bytes(frame) if shift == 0 else _renumbered(frame, e.seq + shift))
+            )
         end[FRAMES] = last.end
         return last.seq, last.final
+
+    def _by_reference(self, data: bytes) -> bytes:
+        """``data`` (one encoded frame), or when its body is over the inline threshold the same
+        frame with the body uploaded and replaced by ``{"ref": {bucket, key, size, sha256}}``."""
+        if self._ship is None or self._threshold is None or len(data) <= self._threshold:
+            return data
+        frame = wire.decode_frame(data)
+        if not isinstance(frame.body, bytes) or len(frame.body) <= self._threshold:
+            return data
+        try:
+            ref = self._ship(frame.seq, frame.body)
+        except LakeshoreError as exc:
+            if not self._spilling:
+                raise
+            log.warning(
+                "invocation %s: frame %d (%d bytes) kept inline in the outbox: its upload failed: %s",
+                self.invocation_id, frame.seq, len(frame.body), exc,
+            )  # fmt: skip
+            return data
+        return wire.encode_frame(frame.kind, frame.seq, {"ref": ref}, frame.meta)
 
     def _log_frames(
         self, frames: list[bytes], end: dict[str, int], max_frames: int, max_bytes: int

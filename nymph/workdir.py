@@ -67,11 +67,19 @@ def path_for(root: Path, invocation_id: str) -> Path:
 
 
 def create(
-    root: Path, invocation_id: str, args_blob: bytes, meta: dict[str, Any], run_as: str | None
+    root: Path,
+    invocation_id: str,
+    args_blob: bytes,
+    meta: dict[str, Any],
+    run_as: str | None,
+    *,
+    args_file: Path | None = None,
 ) -> Path:
     """Create the private workdir with args.msgpack, invocation.json and the empty logs; return its path.
 
     ``run_as``: the local user the task runs as (None: nymph's own user), who gets the directory.
+    ``args_file``: a file of nymph's on the same filesystem (arguments fetched by reference, see
+    :mod:`nymph.refs`) moved in as ``args.msgpack`` instead of writing ``args_blob``.
     """
     path = path_for(root, invocation_id)
     if os.path.lexists(path):
@@ -88,7 +96,11 @@ def create(
         os.chmod(path, 0o700)
         # No fsync: the workdir only has to survive nymph's death, not the host's (a task dies with
         # its host, and the control plane re-queues it when the lease lapses); the page cache is enough.
-        safeio.write_file(path, ARGS, bytes(args_blob))
+        if args_file is not None:
+            os.chmod(args_file, 0o600)
+            os.replace(args_file, path / ARGS)
+        else:
+            safeio.write_file(path, ARGS, bytes(args_blob))
         safeio.write_file(path, META, json.dumps(meta).encode())
         for name in (STDOUT, STDERR):
             safeio.write_file(path, name, b"", 0o644)
@@ -192,8 +204,13 @@ def tail(path: Path, limit: int = 4000) -> str:
         return ""
 
 
-def read_outcome(path: Path, status: ExitStatus | None, *, script: bool = False) -> Outcome:
-    """Turn the entry's outputs and exit status into an Outcome (seed 000 semantics)."""
+def read_outcome(
+    path: Path, status: ExitStatus | None, *, script: bool = False, big: int | None = None
+) -> Outcome:
+    """Turn the entry's outputs and exit status into an Outcome (seed 000 semantics).
+
+    A ``result.msgpack`` over ``big`` bytes is left on disk, not read: the Outcome says
+    ``extra["result_file"]`` and nymph streams it to the payload store (:mod:`nymph.refs`)."""
     code = status.exit_code if status is not None else -1
     reason = f" ({status.reason})" if status is not None and status.reason else ""
     if script:
@@ -202,6 +219,13 @@ def read_outcome(path: Path, status: ExitStatus | None, *, script: bool = False)
 
             return Outcome("succeeded", wire.pack({"exit_code": 0}))
         return Outcome.failed("ScriptFailed", f"script exited with code {code}{reason}", tail(path / STDERR))
+    if big is not None and (code == 0 or status is None):
+        fh = safeio.open_output(path, RESULT)
+        if fh is not None:
+            with fh:
+                size = os.fstat(fh.fileno()).st_size
+            if size > big:
+                return Outcome("succeeded", b"", None, {"result_file": RESULT, "result_size": size})
     result = safeio.read_output(path, RESULT) if code == 0 or status is None else None
     if code == 0 or result is not None:
         if result is None:

@@ -98,3 +98,9 @@ def where_is_the_entry() -> str:
     import dreamlake.lakeshore.daemon.entry as entry
 
     return str(entry.__file__)
+
+
+@dls.udf(queue="docker")
+def echo_bytes(data: bytes) -> bytes:
+    """Big arguments and results through the workdir (issue 13: what nymph fetched by reference)."""
+    return data[::-1]

@@ -19,7 +19,8 @@ copy), a path, an open binary file or an iterable of chunks (give ``size``) is r
 ``payload corrupt: sha256 mismatch (expected E, got G)``) when it differs from the ref's; a file
 being written is removed then, so a corrupt blob never lands where a reader would take it.
 
-Import-light on purpose: httpx and the control-plane client, no server or store code.
+Import-light on purpose: httpx and the control-plane client, no server or store code. It is in
+the entry bundle (a task that submits tasks with big arguments uses it), so it runs on Python 3.9.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ import contextlib
 import hashlib
 import os
 import re
+import secrets
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Union
 from urllib.parse import urljoin
 
 import httpx
@@ -45,6 +47,7 @@ __all__ = [
     "get",
     "is_ref",
     "presign_route",
+    "private_job_id",
     "put",
     "verify_sha256",
 ]
@@ -54,7 +57,19 @@ CHUNK = 1 << 20
 TIMEOUT_S = 60.0  # seed 003: the daemon's fetch timeout (per read / write, not for the whole body)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
-Source = bytes | bytearray | memoryview | str | os.PathLike[str] | IO[bytes] | Iterable[bytes]
+# a list of bytes-like pieces is one payload, their concatenation (read in place, re-readable)
+Source = Union[
+    bytes, bytearray, memoryview, str, "os.PathLike[str]", IO[bytes], Iterable[bytes], "list[bytes]"
+]
+
+
+def private_job_id(invocation_id: str) -> str:
+    """``<invocation_id>.<80 random bits>``: the ``jobId`` lakeshore names its own blobs with.
+
+    A payload key is the only credential a presign GET needs (seed 003: the ``payloads/`` prefix
+    is the gate, keys carry no namespace), and invocation ids are not secrets (they show in logs
+    and URLs), so the key must not be derivable from one."""
+    return f"{invocation_id}.{secrets.token_hex(10)}"
 
 
 def presign_route(namespace: str) -> str:
@@ -104,10 +119,14 @@ class _Body:
         self._iterable: Iterable[bytes] | None = None
         self._path: Path | None = None
         self._start = 0
-        if isinstance(source, bytes | bytearray | memoryview):
+        self._parts: list[memoryview] | None = None
+        if isinstance(source, list) and all(isinstance(p, (bytes, bytearray, memoryview)) for p in source):
+            self._parts = [memoryview(p).cast("B") for p in source]  # pieces of one payload, in place
+            self.size = sum(p.nbytes for p in self._parts)
+        elif isinstance(source, (bytes, bytearray, memoryview)):
             self._view = memoryview(source).cast("B") if not isinstance(source, bytes) else memoryview(source)
             self.size = self._view.nbytes
-        elif isinstance(source, str | os.PathLike):
+        elif isinstance(source, (str, os.PathLike)):
             self._path = Path(source)
             self.size = self._path.stat().st_size
         elif hasattr(source, "read"):
@@ -158,10 +177,11 @@ class _Body:
             raise ValueError(f"the source ended after {self.sent} of its {self.size} bytes")
 
     def _raw(self) -> Iterator[bytes]:
-        if self._view is not None:
-            view = self._view
-            for start in range(0, view.nbytes, CHUNK):
-                yield bytes(view[start : start + CHUNK])
+        if self._parts is not None or self._view is not None:
+            for view in self._parts if self._parts is not None else [self._view]:
+                assert view is not None
+                for start in range(0, view.nbytes, CHUNK):
+                    yield view[start : start + CHUNK]  # type: ignore[misc]  # in place: h11 joins it once
         elif self._path is not None:
             with open(self._path, "rb") as f:
                 yield from iter(lambda: f.read(CHUNK), b"")
@@ -198,9 +218,8 @@ def _reason(resp: httpx.Response) -> str:
     return text[:200] or resp.reason_phrase
 
 
-def _bare(client: PlaneClient, timeout_s: float) -> httpx.Client:
-    """An HTTP client without the bearer token (never send it to S3), on the plane's transport."""
-    return httpx.Client(transport=client.transport, timeout=httpx.Timeout(timeout_s, connect=5.0))
+def _timeout(timeout_s: float) -> httpx.Timeout:
+    return httpx.Timeout(timeout_s, connect=5.0)
 
 
 def put(
@@ -235,11 +254,10 @@ def put(
     what = f"PUT {url.split('?')[0]}"
 
     def once() -> None:
-        with _bare(client, timeout_s) as bare:
-            try:
-                resp = bare.put(url, content=body.chunks(), headers=headers)
-            except httpx.TransportError as exc:
-                raise Unavailable(f"{what}: the payload store could not be reached: {exc}") from exc
+        try:
+            resp = client.bare().put(url, content=body.chunks(), headers=headers, timeout=_timeout(timeout_s))
+        except httpx.TransportError as exc:
+            raise Unavailable(f"{what}: the payload store could not be reached: {exc}") from exc
         if resp.status_code >= 300:
             raise error_for(resp.status_code, f"{what} failed with HTTP {resp.status_code}: {_reason(resp)}")
 
@@ -274,13 +292,15 @@ def get(
     into: str | os.PathLike[str] | IO[bytes] | None = None,
     limit: int | None = None,
     timeout_s: float = TIMEOUT_S,
+    sync: bool = False,
 ) -> bytearray | None:
     """Download the blob ``ref`` names, checking its size and sha256 (when the ref has one).
 
     Without ``into`` -> the bytes (one buffer of the ref's size, filled in place). With a path ->
     written to ``<path>.part`` (0600, links not followed) and renamed to ``path`` once verified;
     with an open binary file -> written there (the caller discards it on an error). ``limit``
-    refuses (BadRequest) a ref larger than that before anything is fetched. Raises PayloadCorrupt
+    refuses (BadRequest) a ref larger than that before anything is fetched; ``sync`` flushes a path
+    to disk before the rename (off: a workdir need only outlive its process, not the host). Raises PayloadCorrupt
     on a sha256 or size mismatch, the client's errors otherwise.
     """
     ref = check_ref(ref)
@@ -294,7 +314,7 @@ def get(
     target: IO[bytes] | None = None
     part: Path | None = None
     final: Path | None = None
-    if isinstance(into, str | os.PathLike):
+    if isinstance(into, (str, os.PathLike)):
         final = Path(into)
         part = final.with_name(final.name + ".part")
         target = _open_private(part)
@@ -304,32 +324,32 @@ def get(
     got = 0
     ok = False
     try:
-        with _bare(client, timeout_s) as bare:
-            try:
-                with bare.stream("GET", url) as resp:
-                    if resp.status_code != 200:
-                        resp.read()
-                        raise error_for(
-                            resp.status_code, f"{what} failed with HTTP {resp.status_code}: {_reason(resp)}"
-                        )
-                    for chunk in resp.iter_bytes(CHUNK):
-                        if got + len(chunk) > size:
-                            raise _wrong_size(ref, f"more than its {size} bytes")
-                        digest.update(chunk)
-                        if buffer is not None:
-                            buffer[got : got + len(chunk)] = chunk
-                        else:
-                            assert target is not None
-                            target.write(chunk)
-                        got += len(chunk)
-            except httpx.TransportError as exc:
-                raise Unavailable(f"{what}: the payload store could not be reached: {exc}") from exc
+        try:
+            with client.bare().stream("GET", url, timeout=_timeout(timeout_s)) as resp:
+                if resp.status_code != 200:
+                    resp.read()
+                    raise error_for(
+                        resp.status_code, f"{what} failed with HTTP {resp.status_code}: {_reason(resp)}"
+                    )
+                for chunk in resp.iter_bytes():  # as it arrives: no re-chunking copy
+                    if got + len(chunk) > size:
+                        raise _wrong_size(ref, f"more than its {size} bytes")
+                    digest.update(chunk)
+                    if buffer is not None:
+                        buffer[got : got + len(chunk)] = chunk
+                    else:
+                        assert target is not None
+                        target.write(chunk)
+                    got += len(chunk)
+        except httpx.TransportError as exc:
+            raise Unavailable(f"{what}: the payload store could not be reached: {exc}") from exc
         verify_sha256(digest.hexdigest(), ref.get("sha256"))
         if got != size:
             raise _wrong_size(ref, f"{got} of its {size} bytes")
         if part is not None and target is not None and final is not None:
             target.flush()
-            os.fsync(target.fileno())
+            if sync:
+                os.fsync(target.fileno())
             target.close()
             os.replace(part, final)
         ok = True

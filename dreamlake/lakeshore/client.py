@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import email.utils
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -166,6 +167,8 @@ class PlaneClient:
         self.attempts = None if attempts is None else max(1, attempts)
         self.window_s = None if window_s is None else max(0.0, float(window_s))
         self._transport = transport
+        self._bare: httpx.Client | None = None
+        self._bare_lock = threading.Lock()
         headers = {"Authorization": f"Bearer {token}", "Accept": MSGPACK}
         self._timeout_s = timeout_s
         self._http = httpx.Client(
@@ -180,6 +183,16 @@ class PlaneClient:
         if self._fast is not None:
             self._fast.close()
         self._http.close()
+        if self._bare is not None:
+            self._bare.close()
+
+    def bare(self) -> httpx.Client:
+        """An HTTP client without the bearer token (presigned URLs: never send the token to S3),
+        on the same transport, made once and kept (an ``httpx.Client`` costs an SSL context)."""
+        with self._bare_lock:
+            if self._bare is None:
+                self._bare = httpx.Client(transport=self._transport, timeout=_timeout(60.0))
+            return self._bare
 
     @property
     def transport(self) -> httpx.BaseTransport | None:

@@ -142,8 +142,9 @@ class Envelope:
         """Decode ``args`` and ``kwargs`` with the value codec."""
         from dreamlake.lakeshore import wire
 
-        args = wire.unpack(self.args)
-        kwargs = wire.unpack(self.kwargs)
+        # The Envelope's own size bounded these already (MAX_PAYLOAD_BYTES when it came by reference)
+        args = wire.unpack(self.args, limits=wire.limits_for(self.args))
+        kwargs = wire.unpack(self.kwargs, limits=wire.limits_for(self.kwargs))
         if not isinstance(args, list):
             raise EnvelopeError(f"envelope {self.id}: args must pack a list, got {type(args).__name__}")
         if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
@@ -152,6 +153,39 @@ class Envelope:
 
     def to_bytes(self) -> bytes:
         """The Envelope as a msgpack map (args/kwargs as bin, extra keys after the known ones)."""
+        if len(self.args) + len(self.kwargs) >= _PARTS_FROM:
+            return b"".join(self.to_parts())
+        return self._packed()
+
+    def to_parts(self) -> list[bytes]:
+        """:meth:`to_bytes` as pieces whose concatenation is those bytes, with ``args`` and
+        ``kwargs`` themselves among them, not copied: a big Envelope streams to the payload store
+        without a second copy of its arguments in memory."""
+        body = self._body()
+        parts: list[bytes] = [msgpack.Packer().pack_map_header(len(body))]
+        try:
+            for name, value in body.items():
+                parts.append(msgpack.packb(name, use_bin_type=True))
+                if name in _USER_VALUES:
+                    parts += [_bin_header(len(value)), value]
+                else:
+                    parts.append(msgpack.packb(value, use_bin_type=True))
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise EnvelopeError(
+                f"envelope {self.id}: cannot pack ({exc}); fn and cfg must hold msgpack-native values"
+            ) from exc
+        return parts
+
+    def _packed(self) -> bytes:
+        body = self._body()
+        try:
+            return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise EnvelopeError(
+                f"envelope {self.id}: cannot pack ({exc}); fn and cfg must hold msgpack-native values"
+            ) from exc
+
+    def _body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
             "v": self.v,
             "id": self.id,
@@ -166,15 +200,10 @@ class Envelope:
         for name, value in self.extra.items():
             if name not in body:
                 body[name] = value
-        try:
-            return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise EnvelopeError(
-                f"envelope {self.id}: cannot pack ({exc}); fn and cfg must hold msgpack-native values"
-            ) from exc
+        return body
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> Envelope:
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> Envelope:
         """Decode and validate an Envelope; raises :class:`EnvelopeError` / :class:`VersionError`."""
         fields = _validate(_read_map(data, skip_user_values=False))
         extra = {k: v for k, v in fields.items() if k not in _FIELDS}
@@ -192,7 +221,7 @@ class Envelope:
         )
 
     @staticmethod
-    def header(data: bytes) -> dict[str, Any]:
+    def header(data: bytes | bytearray | memoryview) -> dict[str, Any]:
         """The validated Envelope without ``args`` / ``kwargs``, which are skipped, not decoded."""
         fields = _validate(_read_map(data, skip_user_values=True))
         for name in _USER_VALUES:
@@ -200,33 +229,100 @@ class Envelope:
         return fields
 
 
-def _read_map(data: bytes, *, skip_user_values: bool) -> dict[str, Any]:
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise EnvelopeError(f"an Envelope is bytes, got {type(data).__name__}")
-    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(data), 1), strict_map_key=True)
-    unpacker.feed(data)
+_PARTS_FROM = 1 << 20  # arguments this large are joined from parts: one copy, not two
+
+
+def _bin_header(n: int) -> bytes:
+    """msgpack's (minimal) header of a bin of ``n`` bytes, as the packer writes it."""
+    if n < 0x100:
+        return bytes((0xC4, n))
+    if n < 0x10000:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+_BIN_HEADERS = {0xC4: 1, 0xC5: 2, 0xC6: 4}  # msgpack bin 8/16/32: the width of the length
+_MAP_HEADERS = {0xDE: 2, 0xDF: 4}  # map 16/32
+_WINDOW = 64 * 1024
+
+
+def _unpack_at(view: memoryview, pos: int) -> tuple[Any, int]:
+    """One msgpack object at ``pos`` of ``view`` and the position after it, decoding only a window
+    of the buffer (grown until the object fits), never the whole of it."""
+    window = _WINDOW
+    while True:
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=max(window, 1))
+        unpacker.feed(view[pos : pos + window])
+        try:
+            return unpacker.unpack(), pos + unpacker.tell()
+        except msgpack.OutOfData:
+            if pos + window >= len(view):
+                raise
+            window *= 4
+
+
+def _skip_bin(view: memoryview, pos: int) -> int | None:
+    """The position after the bin object at ``pos`` (its length read off its header), or None when
+    the object there is not a bin."""
+    width = _BIN_HEADERS.get(view[pos]) if pos < len(view) else None
+    if width is None:
+        return None
+    end = pos + 1 + width
+    if end > len(view):
+        raise msgpack.OutOfData
+    length = int.from_bytes(view[pos + 1 : end], "big")
+    if end + length > len(view):
+        raise msgpack.OutOfData
+    return end + length
+
+
+def _read_header_map(
+    data: bytes | bytearray | memoryview, *, keep_user_values: bool = False
+) -> dict[str, Any]:
+    """The Envelope's fields with ``args`` / ``kwargs`` skipped by their bin headers: a header of a
+    big Envelope (a memory map of a staged file, say) costs its small fields, not a copy of it.
+    With ``keep_user_values`` they are copied out once each (a full decode: no buffer copy)."""
+    view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
     out: dict[str, Any] = {}
     try:
-        size = unpacker.read_map_header()
+        if not len(view):
+            raise msgpack.OutOfData
+        first = view[0]
+        if 0x80 <= first <= 0x8F:
+            size, pos = first & 0x0F, 1
+        elif first in _MAP_HEADERS:
+            pos = 1 + _MAP_HEADERS[first]
+            if pos > len(view):
+                raise msgpack.OutOfData
+            size = int.from_bytes(view[1:pos], "big")
+        else:
+            raise EnvelopeError("not an Envelope (expected a msgpack map)")
         for _ in range(size):
-            name = unpacker.unpack()
+            name, pos = _unpack_at(view, pos)
             if not isinstance(name, str):
                 raise EnvelopeError(f"envelope keys are strings, got {type(name).__name__}")
-            if skip_user_values and name in _USER_VALUES:
-                unpacker.skip()
-                out[name] = b""
+            after = _skip_bin(view, pos) if name in _USER_VALUES else None
+            if after is not None:
+                start = pos + 1 + _BIN_HEADERS[view[pos]]  # the bin's bytes, past its header
+                out[name] = bytes(view[start:after]) if keep_user_values else b""
+                pos = after
             else:
-                out[name] = unpacker.unpack()
-        trailing = unpacker.tell() != len(data)
+                out[name], pos = _unpack_at(view, pos)
     except EnvelopeError:
         raise
     except msgpack.OutOfData as exc:
-        raise EnvelopeError(f"truncated Envelope ({len(data)} bytes)") from exc
+        raise EnvelopeError(f"truncated Envelope ({len(view)} bytes)") from exc
     except Exception as exc:  # msgpack raises several unrelated types on bad input
         raise EnvelopeError(f"not an Envelope (expected a msgpack map): {exc}") from exc
-    if trailing:
-        raise EnvelopeError(f"trailing bytes after the Envelope map ({len(data)} bytes in all)")
+    if pos != len(view):
+        raise EnvelopeError(f"trailing bytes after the Envelope map ({len(view)} bytes in all)")
     return out
+
+
+def _read_map(data: bytes | bytearray | memoryview, *, skip_user_values: bool) -> dict[str, Any]:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise EnvelopeError(f"an Envelope is bytes, got {type(data).__name__}")
+    return _read_header_map(data, keep_user_values=not skip_user_values)
 
 
 def _validate(fields: dict[str, Any]) -> dict[str, Any]:

@@ -295,7 +295,7 @@ class SyncQueue:
             state = out.get("state")
             if state == "succeeded":
                 blob = out.get("result_blob")
-                return wire.unpack(blob) if blob else None
+                return wire.unpack(blob, limits=wire.limits_for(blob)) if blob else None
             if state not in (None, "pending", "queued", "running"):
                 error = out.get("error") or {
                     "type": str(state).capitalize(),

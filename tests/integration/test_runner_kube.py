@@ -293,6 +293,21 @@ def test_plain_result(runner: KubeRunner, started: TaskFactory) -> None:
     assert runner.inspect(handle) == "exited"
 
 
+@pytest.mark.parametrize("size", [1024, 300 * 1024], ids=["1KiB", "300KiB"])
+def test_big_arguments_and_results_cross_the_host_path(
+    runner: KubeRunner, started: TaskFactory, size: int
+) -> None:
+    """An args.msgpack nymph fetched by reference (args_ref) and a result it will ship back by
+    reference are plain workdir files to the pod (tests/integration/test_payload_refs.py has the
+    control-plane side)."""
+    data = os.urandom(size)
+    task = started.task(docker_fns.echo_bytes, data)
+    handle = started.start(runner, task)
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 0, status
+    assert kit.result(task) == data[::-1]
+
+
 def test_readme_module_runs_in_a_bare_image(make_runner: Callable[..., KubeRunner], tmp_path: Path) -> None:
     bare = "/usr/bin/python3"
     probe = subprocess.run([bare, "-s", "-c", "import msgpack"], capture_output=True, env={})

@@ -80,6 +80,7 @@ def test_run_command_body_is_exact(control_plane: ControlPlane) -> None:
         "invocation_id": inv,
         "function": {"module": "_native_wire", "qualname": "_native_wire.envelope", "version": "v1"},
         "args_blob": b"ENVELOPE",
+        "namespace": "default",
         "run_config": {
             "queue": "render",
             "priority": 0.0,
@@ -105,6 +106,7 @@ def test_run_command_body_is_exact(control_plane: ControlPlane) -> None:
         "function",
         "args_blob",
         "run_config",
+        "namespace",
         "attempt",
         "task_token",
     }

@@ -163,6 +163,9 @@ def test_a_child_credential_is_refused_outside_its_scope(
     inv = cp.store.get(grandchild)
     assert inv is not None and (inv.parent_invocation_id, inv.root_invocation_id) == (child, parent)
     assert _request(cp, token, "GET", f"/v1/producer/invocations/{grandchild}")[0] == 200
+    # presign in its namespace (big arguments of its children; this plane has no store: 501), not elsewhere
+    assert _presign(cp, token, "default") == 501
+    assert _presign(cp, token, "other") == 403
     assert (
         _request(cp, token, "POST", "/v1/producer/await", {"invocation_id": grandchild, "timeout_s": 0})[0]
         == 200
@@ -214,9 +217,17 @@ def test_a_child_credential_is_refused_outside_its_scope(
     assert _result(cp, child, n) == "released"
     assert _result(cp, parent, n) == {"child": child, "result": "released"}
     assert _request(cp, token, "GET", f"/v1/producer/invocations/{grandchild}")[0] == 401
+    assert _presign(cp, token, "default") == 401
     again = kit.envelope_of(udfs.square, (3,), {})
     body = submit_body(again.id, run_config={}, args_blob=again.to_bytes())
     assert _request(cp, token, "POST", "/v1/producer/submit", body)[0] == 401
+
+
+def _presign(cp: ControlPlane, token: str, namespace: str) -> int:
+    body = {"op": "put", "size": 10}
+    headers = {"Authorization": f"Bearer {token}"}
+    url = f"{cp.url}/v1/namespaces/{namespace}/payloads/presign"
+    return httpx.post(url, json=body, headers=headers, timeout=30).status_code
 
 
 def _read(path: Path) -> str:

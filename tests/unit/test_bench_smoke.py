@@ -29,6 +29,7 @@ CASES = {
         "200",
     ],
     "fleet": ["--sizes", "1,3", "--submits", "3", "--idle-s", "0.2"],
+    "payloads": ["--sizes", "0.25,0.5", "--reps", "1"],
     "logs": ["--say", "3", "--pause-ms", "5", "--lines", "200", "--values", "20"],
     "streams": ["--frames", "20", "--nymph-frames", "50", "--blobs", "2", "--first-runs", "2"],
     "store": ["--reps", "5", "--opens", "1", "--backends", "sqlite-memory"],

@@ -397,3 +397,37 @@ def test_unimportable_ref_says_what_to_do() -> None:
 def test_module_level_names_are_exported() -> None:
     assert env.INLINE_PICKLE_LIMIT == 32 * 1024
     assert env.WIRE_VERSION == 1
+
+
+# -- big Envelopes (issue 13): parts, headers and decodes that do not copy the arguments ------------
+
+
+def _big_envelope(n: int) -> Envelope:
+    return Envelope.create(
+        {"kind": "ref", "module": "m", "qualname": "f"}, [b"x" * n], {"k": 1}, cfg={"a": [1]}
+    )
+
+
+@pytest.mark.parametrize("n", [0, 200, 300, 70_000, 2_000_000])
+def test_to_parts_joins_to_the_packed_bytes(n: int) -> None:
+    env = _big_envelope(n)
+    parts = env.to_parts()
+    assert b"".join(parts) == env.to_bytes() == msgpack.packb(env._body(), use_bin_type=True)
+    assert any(p is env.args for p in parts)  # the arguments themselves, not a copy
+
+
+def test_header_and_decode_read_a_memoryview_in_place(tmp_path: Any) -> None:
+    import mmap
+
+    env = _big_envelope(3_000_000)
+    path = tmp_path / "args.msgpack"
+    path.write_bytes(env.to_bytes())
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        view = memoryview(mm)
+        assert Envelope.header(view)["id"] == env.id
+        assert Envelope.from_bytes(view) == env
+        view.release()  # nothing kept a view of the map: it closes
+    with pytest.raises(EnvelopeError, match="truncated"):
+        Envelope.header(memoryview(env.to_bytes())[:-10])
+    with pytest.raises(EnvelopeError, match="trailing"):
+        Envelope.from_bytes(env.to_bytes() + b"\x00")

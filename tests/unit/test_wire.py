@@ -507,3 +507,32 @@ def test_unpack_never_copies_array_data_itself() -> None:
     small = {"a": np.arange(4, dtype=np.float64)}  # nested: a view of the ext data msgpack hands over
     out = wire.unpack(wire.pack(small))["a"]
     assert not out.flags.owndata and isinstance(_buffer_owner(out), bytes)
+
+
+def test_a_list_of_big_arrays_packs_in_one_copy_as_the_packer_would() -> None:
+    """An Envelope's args (a list) holding big ndarrays is joined from the arrays in place (issue 13),
+    to exactly the bytes of the general path."""
+    from dreamlake.lakeshore.wire import codec
+
+    a = np.arange(300_000, dtype=np.float64)
+    f = np.ones((3, 2000, 200), dtype=np.int16, order="F")
+    value = [a, 1, "x", f, [a[:3]]]
+    fast = wire.pack(value)
+    big, codec._BIG = codec._BIG, 1 << 62
+    try:
+        assert fast == wire.pack(value)
+    finally:
+        codec._BIG = big
+    out = wire.unpack(fast)
+    assert (out[0] == a).all() and (out[3] == f).all() and out[3].flags.f_contiguous and out[1:3] == [1, "x"]
+
+
+def test_limits_for_widens_only_the_byte_bounds() -> None:
+    assert wire.limits_for(b"x" * 10) is wire.DEFAULT_LIMITS
+    big = wire.limits_for(memoryview(bytearray(200 * 1024 * 1024)))
+    assert big.max_buffer_size == big.max_bin_len == big.max_ext_len == big.max_str_len == 200 * 1024 * 1024
+    assert (big.max_array_len, big.max_map_len, big.max_depth) == (
+        wire.DEFAULT_LIMITS.max_array_len,
+        wire.DEFAULT_LIMITS.max_map_len,
+        wire.DEFAULT_LIMITS.max_depth,
+    )

@@ -69,6 +69,7 @@ SDK_FILES = (
     "dreamlake/lakeshore/settings.py",
     "dreamlake/lakeshore/states.py",
     "dreamlake/lakeshore/client.py",
+    "dreamlake/lakeshore/blobs.py",
     "dreamlake/lakeshore/keepalive.py",
     "dreamlake/lakeshore/dispatch/__init__.py",
     "dreamlake/lakeshore/dispatch/http.py",

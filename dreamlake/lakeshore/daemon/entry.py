@@ -323,6 +323,26 @@ def _drain(stream: Iterator[Any]) -> int:
     return EXIT_OK
 
 
+def _mapped(f: Any) -> Any:
+    """``args.msgpack`` as a read-only memory map (a view of it): decoding copies each argument
+    out once, never the whole file first (a 1 GiB argument is not held twice more)."""
+    import mmap
+
+    if os.fstat(f.fileno()).st_size == 0:
+        return b""
+    return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+
+
+def _unmap(data: Any) -> None:
+    if isinstance(data, memoryview):
+        owner: Any = data.obj
+        try:
+            data.release()
+            owner.close()
+        except (BufferError, AttributeError):  # a view still held (by a traceback): the GC closes it
+            pass
+
+
 def _load() -> tuple[Envelope, Callable[..., Any], list[Any], dict[str, Any]]:
     allow_pickled = os.environ.get("LAKESHORE_ALLOW_PICKLED", "").strip().lower() in _TRUE
     policy = os.environ.get("LAKESHORE_RUNTIME_POLICY", "").strip() or "minor"
@@ -333,7 +353,7 @@ def _load() -> tuple[Envelope, Callable[..., Any], list[Any], dict[str, Any]]:
         raise _Refused(str(bad)) from bad
     try:
         with open(ARGS_FILE, "rb") as f:
-            data = f.read()
+            data = _mapped(f)
     except OSError as exc:
         raise _Refused(
             f"cannot read {ARGS_FILE} in {os.getcwd()}: {exc.strerror}; run the entry with the "
@@ -341,7 +361,10 @@ def _load() -> tuple[Envelope, Callable[..., Any], list[Any], dict[str, Any]]:
         ) from exc
     patterns = allow_modules_from_env()
     try:
-        envelope = Envelope.from_bytes(data)
+        try:
+            envelope = Envelope.from_bytes(data)
+        finally:
+            _unmap(data)
         ref = envelope.fn.get("kind") == "ref" and bool(patterns)
         if ref:  # before the import: a refused module's top-level code never runs
             _check_module(str(envelope.fn.get("module")), str(envelope.fn.get("qualname")), patterns)

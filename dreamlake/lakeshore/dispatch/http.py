@@ -18,6 +18,15 @@ writer (:mod:`~dreamlake.lakeshore.dispatch.batching`); an ack waits for its fra
 Streams follow ``GET .../result/stream?since=`` and reassemble frames with ``wire.FrameReader``; a
 dropped connection resumes from the last seq seen, so a consumer never sees a gap or a duplicate.
 
+Big payloads go by reference (seed 003, docs/protocol.md "Payload refs"): an Envelope over the
+inline threshold (``INLINE_THRESHOLD_BYTES``, 256 KiB, or ``inline_threshold=``) is uploaded
+through the presign route (:mod:`~dreamlake.lakeshore.blobs`) and submitted as ``args_ref``; a
+``result_ref`` in an await answer, an ``args_ref`` in a claim and a frame whose body is ``{"ref":
+...}`` are downloaded (sha256 checked) before the caller sees them, so ``q.result(inv)`` returns
+the value either way. As a worker, results and frame bodies over the control plane's threshold
+(its register answer) go up the same way. A control plane without a payload store (presign answers
+501) keeps everything inline.
+
 An HTTP plane is outside the local trust domain: ``trusted = False``.
 """
 
@@ -34,15 +43,23 @@ from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.client import DEFAULT_RETRY_WINDOW_S, RETRY_WINDOW_ENV, PlaneClient, is_retryable
 from dreamlake.lakeshore.dispatch import NATIVE_FUNCTION, Claim, error_ends_stream
 from dreamlake.lakeshore.dispatch.batching import FrameWriter
-from dreamlake.lakeshore.errors import Conflict, PlaneError, Unavailable
+from dreamlake.lakeshore.errors import BadRequest, Conflict, PlaneError, Unavailable
 from dreamlake.lakeshore.states import TERMINAL_STATES
 
 if TYPE_CHECKING:
     import httpx
 
+    from dreamlake.lakeshore.envelope import Envelope
     from dreamlake.lakeshore.wire import Frame
 
 __all__ = ["HttpDispatch"]
+
+
+def _id_of(envelope: bytes) -> str:
+    from dreamlake.lakeshore.envelope import Envelope
+
+    return str(Envelope.header(envelope)["id"])
+
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +67,23 @@ _SLACK_S = 10.0  # read-timeout margin over a server-side long poll
 _STREAM_RECONNECTS = 5
 _KEPT_CANCELS = 1024
 _WARNED: set[tuple[str, str]] = set()  # (control plane, queue) whose no-worker warning was logged
+DEFAULT_INLINE_THRESHOLD_BYTES = 256 * 1024  # seed 003
+
+
+def inline_threshold_from_env() -> int:
+    """``INLINE_THRESHOLD_BYTES`` of this process (the SDK's side of seed 003's knob), else 256 KiB."""
+    raw = os.environ.get("INLINE_THRESHOLD_BYTES", "").strip()
+    if not raw:
+        return DEFAULT_INLINE_THRESHOLD_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(
+            f"INLINE_THRESHOLD_BYTES={raw!r} is not a whole number of bytes: fix or unset it"
+        ) from None
+    if value < 0:
+        raise ValueError(f"INLINE_THRESHOLD_BYTES={value} is negative: set it to 0 or more, or unset it")
+    return value
 
 
 def _retry_window() -> float:
@@ -102,6 +136,7 @@ class HttpDispatch:
         retries: int | None = None,
         retry_window: float | None = None,
         transport: httpx.BaseTransport | None = None,
+        inline_threshold: int | None = None,
     ) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"control plane url must start with http:// or https://, got {url!r}")
@@ -118,6 +153,53 @@ class HttpDispatch:
         self._cancels: dict[str, dict[str, bool]] = {}  # worker id -> cancels a poll delivered
         self._frames = FrameWriter(self._write_frames)
         self._later: dict[str, list[dict[str, Any]]] = {}  # worker id -> acks for its next poll
+        # payloads over this go by reference; None once the control plane said it has no store
+        self.inline_threshold: int | None = (
+            inline_threshold if inline_threshold is not None else inline_threshold_from_env()
+        )
+        self._worker_threshold: int | None = None  # the control plane's, from the register answer
+        self._namespace: str | None = None
+
+    # -- payloads by reference ----------------------------------------------------------------------
+
+    def namespace(self) -> str:
+        """The namespace this token acts in (presign routes name it): asked once, ``whoami``."""
+        if self._namespace is None:
+            who = self._client.request("GET", "/v1/ops/whoami", as_json=True)
+            self._namespace = str((who or {}).get("namespace") or "default")
+        return self._namespace
+
+    def _upload(self, data: bytes | list[bytes], job_id: str, kind: str) -> dict[str, Any] | None:
+        """``data`` uploaded through the presign route -> its ref; None when the control plane has
+        no payload store (501: it takes everything inline, and is not asked again)."""
+        from dreamlake.lakeshore import blobs
+
+        try:
+            return blobs.put(
+                self._client, self.namespace(), data, job_id=blobs.private_job_id(job_id), kind=kind
+            )
+        except PlaneError as exc:
+            if exc.status == 501:
+                log.info("%s has no payload store: payloads stay inline", self.url)
+                self.inline_threshold = None
+                self._worker_threshold = None
+                return None
+            raise
+
+    def _download(self, ref: Any, what: str) -> bytes:
+        from dreamlake.lakeshore import blobs
+
+        data = blobs.get(self._client, self.namespace(), blobs.check_ref(ref, what))
+        return bytes(data or b"")
+
+    def _resolve_frame(self, frame: Frame) -> Frame:
+        """A frame whose body is ``{"ref": ...}``, with the referenced bytes as its body."""
+        from dreamlake.lakeshore import wire
+
+        body = frame.body
+        if frame.kind in (wire.FRAME_VALUE, wire.FRAME_END) and isinstance(body, dict) and "ref" in body:
+            return frame._replace(body=self._download(body["ref"], f"frame {frame.seq}"))
+        return frame
 
     def _call(self, method: str, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
         """One request, retried on transient failures; ``timeout`` is a server-side wait to outlast."""
@@ -126,43 +208,77 @@ class HttpDispatch:
 
     # -- producer side ------------------------------------------------------------------------------
 
+    def submit_envelope(
+        self, envelope: Envelope, queue: str, run_config: dict[str, Any], parent: str | None = None
+    ) -> str:
+        """:meth:`submit` of an Envelope: one over the inline threshold goes to the payload store
+        from :meth:`Envelope.to_parts` (its arguments read in place), never joined in memory."""
+        parts = envelope.to_parts()
+        limit = self.inline_threshold
+        if limit is not None and sum(len(p) for p in parts) > limit:
+            ref = self._upload(parts, envelope.id, "args")
+            if ref is not None:
+                return self._submit(envelope.id, None, queue, run_config, parent, None, args_ref=ref)[0]
+        return self._submit(envelope.id, b"".join(parts), queue, run_config, parent, None)[0]
+
     def submit(
         self, envelope: bytes, queue: str, run_config: dict[str, Any], parent: str | None = None
     ) -> str:
-        return self._submit(envelope, queue, run_config, parent, None)[0]
+        return self._submit(_id_of(envelope), envelope, queue, run_config, parent, None)[0]
 
     def submit_and_wait(
         self, envelope: bytes, queue: str, run_config: dict[str, Any], parent: str | None, timeout: float
     ) -> tuple[str, dict[str, Any]]:
         """Submit and await in one request (``submit`` with ``wait_s``): the invocation id and the
         await answer after up to ``timeout`` s (``{state: pending}`` when not yet terminal)."""
-        inv, out = self._submit(envelope, queue, run_config, parent, max(0.0, timeout))
-        return inv, dict(out.get("outcome") or {"state": "pending"})
+        inv, out = self._submit(_id_of(envelope), envelope, queue, run_config, parent, max(0.0, timeout))
+        return inv, self._resolved(dict(out.get("outcome") or {"state": "pending"}), inv)
 
     def _submit(
         self,
-        envelope: bytes,
+        invocation_id: str,
+        envelope: bytes | None,
         queue: str,
         run_config: dict[str, Any],
         parent: str | None,
         wait_s: float | None,
+        *,
+        args_ref: dict[str, Any] | None = None,
     ) -> tuple[str, dict[str, Any]]:
-        from dreamlake.lakeshore.envelope import Envelope
-
         body: dict[str, Any] = {
-            "invocation_id": Envelope.header(envelope)["id"],
+            "invocation_id": invocation_id,
             "queue": queue,
             "function": dict(NATIVE_FUNCTION),
-            "args_blob": bytes(envelope),
             "run_config": {**run_config, "queue": queue},
             "code_context": {},
         }
+        if args_ref is not None:
+            body["args_ref"] = args_ref
+        else:
+            assert envelope is not None
+            body["args_blob"] = bytes(envelope)
         if parent:
             body["parent_invocation_id"] = parent
         if wait_s is not None:
             body["wait_s"] = wait_s
+        limit = self.inline_threshold
+        if envelope is not None and limit is not None and len(envelope) > limit:
+            self._by_reference(body, envelope)
         try:
-            out = self._call("POST", "/v1/producer/submit", body, timeout=wait_s)
+            try:
+                out = self._call("POST", "/v1/producer/submit", body, timeout=wait_s)
+            except BadRequest as exc:  # the control plane's threshold is lower than ours: go by reference
+                if (
+                    exc.status != 413
+                    or "args_ref" not in str(exc)
+                    or envelope is None
+                    or "args_blob" not in body
+                ):
+                    raise
+                self._by_reference(body, envelope)
+                if "args_ref" not in body:
+                    raise
+                out = self._call("POST", "/v1/producer/submit", body, timeout=wait_s)
         except PlaneError as exc:
             raise _submit_failed(exc, body["invocation_id"], self.retry_window) from exc
         warning = out.get("warning")
@@ -171,6 +287,20 @@ class HttpDispatch:
             log.warning("%s", warning)
         return str(out["invocation_id"]), out
 
+    def _by_reference(self, body: dict[str, Any], envelope: bytes) -> None:
+        """Move the submit's Envelope to the payload store (``args_ref``), when there is one."""
+        ref = self._upload(envelope, body["invocation_id"], "args")
+        if ref is not None:
+            body.pop("args_blob", None)
+            body["args_ref"] = ref
+
+    def _resolved(self, out: dict[str, Any], invocation_id: str) -> dict[str, Any]:
+        """An await answer with a ``result_ref`` fetched (sha256 checked) into ``result_blob``."""
+        ref = out.pop("result_ref", None)
+        if ref is not None:
+            out["result_blob"] = self._download(ref, f"result_ref of {invocation_id}")
+        return out
+
     def status(self, invocation_id: str) -> dict[str, Any]:
         inv = ids.validate(invocation_id, "invocation id")
         return dict(self._call("GET", f"/v1/producer/invocations/{inv}"))
@@ -178,7 +308,7 @@ class HttpDispatch:
     def await_result(self, invocation_id: str, timeout: float) -> dict[str, Any]:
         inv = ids.validate(invocation_id, "invocation id")
         body = {"invocation_id": inv, "timeout_s": max(0.0, timeout)}
-        return dict(self._call("POST", "/v1/producer/await", body, timeout=timeout))
+        return self._resolved(dict(self._call("POST", "/v1/producer/await", body, timeout=timeout)), inv)
 
     def cancel(self, invocation_id: str, descendants: bool = True) -> str:
         inv = ids.validate(invocation_id, "invocation id")
@@ -219,7 +349,7 @@ class HttpDispatch:
                             if retried and not error_ends_stream(lambda: self.status(owner), frame, timeout):
                                 since, skipped = frame.seq, True  # its restart follows
                                 break
-                            yield frame
+                            yield self._resolve_frame(frame)
                             since = frame.seq
                             if frame.kind in (wire.FRAME_END, wire.FRAME_ERROR):
                                 return
@@ -274,7 +404,9 @@ class HttpDispatch:
             "labels": {},
             "slots": 1,
         }
-        self._call("POST", "/v1/daemon/register", info)
+        answer = self._call("POST", "/v1/daemon/register", info)
+        threshold = (answer or {}).get("inline_threshold_bytes")
+        self._worker_threshold = threshold if isinstance(threshold, int) else None
         self._registered.add(worker_id)
 
     def claim(self, worker_id: str, queues: list[str], timeout: float) -> Claim | None:
@@ -321,10 +453,13 @@ class HttpDispatch:
             for cmd in out.get("commands") or []:
                 if cmd.get("kind") == "run":
                     b = cmd["body"]
+                    args = b.get("args_blob") or b""
+                    if b.get("args_ref") is not None:
+                        args = self._download(b["args_ref"], f"args_ref of {b['invocation_id']}")
                     claims.append(
                         Claim(
                             b["invocation_id"],
-                            b["args_blob"],
+                            args,
                             dict(b.get("run_config") or {}),
                             int(b.get("attempt") or 1),
                         )
@@ -340,7 +475,17 @@ class HttpDispatch:
         self, invocation_id: str, seq: int, data: bytes, final: bool, attempt: int, *, worker_id: str
     ) -> None:
         """Queue the frame for the frame writer: batches go to ``/v1/daemon/result-chunks`` (one
-        request each); a refusal is raised by the next ``append_frame`` of the invocation."""
+        request each); a refusal is raised by the next ``append_frame`` of the invocation. A frame
+        body over the control plane's threshold is uploaded first and sent as ``{"ref": ...}``."""
+        limit = self._worker_threshold
+        if limit is not None and len(data) > limit:
+            from dreamlake.lakeshore import wire
+
+            frame = wire.decode_frame(bytes(data))
+            if isinstance(frame.body, bytes) and len(frame.body) > limit:
+                ref = self._upload(frame.body, invocation_id, f"frame-{seq}")
+                if ref is not None:
+                    data = wire.encode_frame(frame.kind, frame.seq, {"ref": ref}, frame.meta)
         self._frames.append(invocation_id, attempt, seq, bytes(data), final, worker_id=worker_id)
 
     def _write_frames(
@@ -373,7 +518,7 @@ class HttpDispatch:
         except PlaneError as exc:
             log.warning("ack of %s refused: its frames were: %s", invocation_id, exc)
             return False
-        body = {
+        body: dict[str, Any] = {
             "invocation_id": invocation_id,
             "state": state,
             "result_blob": bytes(result_blob or b""),
@@ -381,6 +526,12 @@ class HttpDispatch:
             "worker_id": worker_id,
             "attempt": attempt,
         }
+        limit = self._worker_threshold
+        if limit is not None and result_blob and len(result_blob) > limit:
+            ref = self._upload(bytes(result_blob), invocation_id, "result")
+            if ref is not None:
+                body["result_blob"] = b""
+                body["result_ref"] = ref
         if later:
             self._later.setdefault(worker_id, []).append({k: v for k, v in body.items() if k != "worker_id"})
             return True

@@ -79,6 +79,38 @@ class Context:
         self._task_tokens: TaskTokens | None = None
 
     @property
+    def inline_threshold(self) -> int | None:
+        """``INLINE_THRESHOLD_BYTES`` when a payload store (bucket or blob directory) takes what is
+        larger; None without one: then everything stays inline (seed 003: ``bucketConfigured()``
+        false keeps the control plane on the inline-bytes wire)."""
+        config = getattr(self.payloads, "config", None)
+        return None if config is None else int(config.inline_threshold_bytes)
+
+    def check_inline(self, what: str, size: int, namespace: str, use: str) -> None:
+        """413 (:func:`~.payloads.over_threshold`) when ``size`` bytes may not ride inline."""
+        from dreamlake.lakeshore.server.payloads import over_threshold
+
+        limit = self.inline_threshold
+        if limit is not None and size > limit:
+            err = over_threshold(what, size, limit, namespace, use)
+            raise HTTPError(413, err.message, inline_threshold_bytes=limit)
+
+    def ref(self, value: object, what: str) -> dict[str, Any]:
+        """A payload ref from a body, checked (400 otherwise; 501 without a payload store)."""
+        from dreamlake.lakeshore.server.payloads import PayloadError, check_ref
+
+        if self.payloads is None:
+            raise HTTPError(
+                501,
+                f"{what}: this control plane has no payload store (set LAKESHORE_BLOBS_BUCKET or "
+                "LAKESHORE_BLOBS_DIR), so payloads ride inline: send the bytes",
+            )
+        try:
+            return check_ref(value, what)
+        except PayloadError as exc:
+            raise HTTPError(exc.status, exc.message) from None
+
+    @property
     def closing(self) -> bool:
         """The server is shutting down (:meth:`begin_shutdown`): long requests answer now."""
         return self.wake.closing

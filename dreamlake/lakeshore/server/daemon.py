@@ -116,7 +116,14 @@ async def register(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[s
         info["runner"],
         ",".join(info["queues"]),
     )
-    return {"worker_id": worker_id, "lease_s": ctx.config.lease_s, "heartbeat_s": ctx.config.heartbeat_s}
+    out: dict[str, Any] = {
+        "worker_id": worker_id,
+        "lease_s": ctx.config.lease_s,
+        "heartbeat_s": ctx.config.heartbeat_s,
+    }
+    if ctx.inline_threshold is not None:  # results and frames larger than this go by reference
+        out["inline_threshold_bytes"] = ctx.inline_threshold
+    return out
 
 
 def run_command(inv: Invocation, task_token: str | None = None) -> dict[str, Any]:
@@ -128,7 +135,10 @@ def run_command(inv: Invocation, task_token: str | None = None) -> dict[str, Any
         "function": inv.function,
         "args_blob": inv.args_blob,
         "run_config": rc,
+        "namespace": inv.namespace,  # where nymph presigns the blobs of this invocation
     }
+    if inv.args_ref is not None:
+        body["args_ref"] = inv.args_ref  # the Envelope is in the payload store: fetch it first
     if rc.get("prefix"):
         body["prefix"] = rc["prefix"]
     body["attempt"] = inv.attempt
@@ -296,10 +306,15 @@ async def ack(ctx: Context, caller: Caller, body: dict[str, Any]) -> tuple[int, 
     if state not in ACK_STATES:
         raise HTTPError(400, f"cannot ack state {state[:40]!r}: use one of {', '.join(sorted(ACK_STATES))}")
     result_blob = field(body, "result_blob", bytes, default=None, nullable=True)
+    raw_ref = field(body, "result_ref", dict, default=None, nullable=True)
+    result_ref = None if raw_ref is None else ctx.ref(raw_ref, "result_ref")
     error = _error_info(body)
     attempt = _attempt(body)
     worker_id = await _worker(ctx, caller, body)
-    return await _ack(ctx, caller, worker_id, invocation_id, state, attempt, result_blob, error)
+    if result_ref is not None and result_blob:
+        raise HTTPError(400, "send result_blob or result_ref, not both")
+    ctx.check_inline("result_blob", len(result_blob or b""), caller.namespace or ":ns", "result_ref")
+    return await _ack(ctx, caller, worker_id, invocation_id, state, attempt, result_blob, error, result_ref)
 
 
 MAX_POLL_ACKS = 256
@@ -331,8 +346,13 @@ async def _poll_acks(
                     400, f"cannot ack state {state[:40]!r}: use one of {', '.join(sorted(ACK_STATES))}"
                 )
             blob = field(item, "result_blob", bytes, default=None, nullable=True)
+            raw = field(item, "result_ref", dict, default=None, nullable=True)
+            ref = None if raw is None else ctx.ref(raw, "result_ref")
+            if ref is not None and blob:
+                raise HTTPError(400, "send result_blob or result_ref, not both")
+            ctx.check_inline("result_blob", len(blob or b""), caller.namespace or ":ns", "result_ref")
             status, out = await _ack(
-                ctx, caller, worker_id, invocation_id, state, _attempt(item), blob, _error_info(item)
+                ctx, caller, worker_id, invocation_id, state, _attempt(item), blob, _error_info(item), ref
             )
         except HTTPError as exc:
             status, out = exc.status, {"ok": False, "error": exc.message}
@@ -350,11 +370,14 @@ async def _ack(
     attempt: int,
     result_blob: bytes | None,
     error: dict[str, Any] | None,
+    result_ref: dict[str, Any] | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """Write one checked ack through the group commit and answer as the ack route does."""
     flight = ctx.acks.begin(invocation_id)
     try:
-        result = await ctx.write(AckRequest(invocation_id, state, attempt, worker_id, result_blob, error))
+        result = await ctx.write(
+            AckRequest(invocation_id, state, attempt, worker_id, result_blob, error, result_ref)
+        )
     except BaseException:
         ctx.acks.end(invocation_id, flight, None)
         raise
@@ -365,6 +388,8 @@ async def _ack(
         "result_blob": result_blob or None,
         "error": None if error is None else json_safe(error, "error"),
     }
+    if result_ref is not None:  # the result is in the payload store (producer.outcome's shape)
+        committed["result_ref"] = result_ref
     # a failure that queued a retry (result.state "queued") is no outcome for a waiting producer
     final = result.ok and not result.duplicate and result.state == state
     ctx.acks.end(invocation_id, flight, committed if final else None)
@@ -392,6 +417,18 @@ def _frame(data: bytes, what: str = "field 'bytes'") -> Frame:
         raise HTTPError(400, f"{what} is not one encoded frame [kind, seq, body, meta]: {exc}") from None
 
 
+def _check_frame(ctx: Context, caller: Caller, frame: Frame, what: str) -> None:
+    """413 for a frame whose body bytes are over the inline threshold: such a frame travels as a
+    frame whose body is ``{"ref": {bucket, key, size, sha256}}`` (docs/protocol.md, Payload refs)."""
+    body = frame.body
+    if isinstance(body, bytes | bytearray):
+        ctx.check_inline(
+            f"{what} (seq {frame.seq}) body", len(body), caller.namespace or ":ns", "a frame body {ref: ...}"
+        )
+    elif isinstance(body, dict) and "ref" in body:
+        ctx.ref(body["ref"], f"{what}.body.ref")
+
+
 async def result_chunk(ctx: Context, caller: Caller, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     """Journal one frame, then publish it live. The frame's kind decides whether it closes the
     stream (END and ERROR do, as the seed says); a ``final: true`` on a VALUE or LOG frame is
@@ -404,6 +441,7 @@ async def result_chunk(ctx: Context, caller: Caller, body: dict[str, Any]) -> tu
     attempt = _attempt(body)
     worker_id = await _worker(ctx, caller, body)
     frame = _frame(data)
+    _check_frame(ctx, caller, frame, "frame")
     if frame.seq != seq:
         raise HTTPError(
             400,
@@ -475,6 +513,7 @@ async def result_chunks(ctx: Context, caller: Caller, body: dict[str, Any]) -> t
                 400, f"frames[{i}] must be the bytes of one encoded frame, not {type(data).__name__}"
             )
         frame = _frame(data, f"frames[{i}]")
+        _check_frame(ctx, caller, frame, f"frames[{i}]")
         batch.append((frame.seq, data, frame.final))
         kinds.append(frame.kind)
     written = await ctx.write(FramesRequest(invocation_id, attempt, batch, worker_id))

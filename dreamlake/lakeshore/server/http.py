@@ -159,6 +159,7 @@ def error_answer(request: Request, exc: HTTPError) -> Response:
 # -- typed field access ------------------------------------------------------------------------
 
 _MISSING = object()
+MISSING: Any = _MISSING  # ``field(..., default=MISSING)``: required after all
 
 
 def _type_name(value: Any) -> str:

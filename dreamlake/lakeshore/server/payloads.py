@@ -336,6 +336,39 @@ def check_put(config: PayloadConfig, size: object, content_type: object) -> None
         raise PayloadError(400, f"invalid contentType {content_type!r:.60}: expected a printable MIME type")
 
 
+def check_ref(value: object, what: str) -> dict[str, Any]:
+    """A payload ref ``{bucket, key, size, sha256}`` a caller sent (``args_ref``, ``result_ref``, a
+    frame's ref) as a plain dict, else PayloadError(400): the key must be a payload key
+    (:func:`check_key`) and the sha256 is required, so the reader can check what it fetched."""
+    if not isinstance(value, dict):
+        raise PayloadError(400, f"field '{what}' must be a map {{bucket, key, size, sha256}}")
+    try:
+        check_key(value.get("key"))
+    except PayloadError as exc:
+        raise PayloadError(400, f"{what}.key: {exc.message}") from None
+    size = value.get("size")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise PayloadError(400, f"{what}.size must be a number of bytes >= 0")
+    sha = value.get("sha256")
+    if not isinstance(sha, str) or not _SHA256_RE.match(sha):
+        raise PayloadError(400, f"{what}.sha256 must be the blob's sha256, 64 lower-case hex characters")
+    bucket = value.get("bucket")
+    if bucket is not None and not isinstance(bucket, str):
+        raise PayloadError(400, f"{what}.bucket must be a string")
+    return {"bucket": bucket, "key": value["key"], "size": size, "sha256": sha}
+
+
+def over_threshold(what: str, size: int, threshold: int, namespace: str, use: str) -> PayloadError:
+    """The 413 of an inline body over ``INLINE_THRESHOLD_BYTES``: names the threshold, the presign
+    route and the ref field to send instead (``use``)."""
+    return PayloadError(
+        413,
+        f"{what} of {size} bytes is over the inline threshold of {threshold} bytes "
+        f"(INLINE_THRESHOLD_BYTES): upload it through POST /v1/namespaces/{namespace}/payloads/presign "
+        f"and send {use} {{bucket, key, size, sha256}} instead",
+    )
+
+
 def sha256_hex(data: bytes) -> str:
     """Lower-case hex sha256 of ``data``."""
     return hashlib.sha256(data).hexdigest()

@@ -44,7 +44,15 @@ async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str
         queue = run_config.get("queue") or "default"
     queue = http.name(queue, "queue")
     function = field(body, "function", dict)
-    args_blob = field(body, "args_blob", bytes)
+    namespace = caller.namespace or DEFAULT_NAMESPACE
+    raw_ref = field(body, "args_ref", dict, default=None, nullable=True)
+    args_ref = None if raw_ref is None else ctx.ref(raw_ref, "args_ref")
+    args_blob = field(body, "args_blob", bytes, default=b"" if args_ref is not None else http.MISSING)
+    if args_ref is not None and args_blob:
+        raise HTTPError(
+            400, "send args_blob or args_ref, not both (args_ref for an Envelope over the threshold)"
+        )
+    ctx.check_inline("args_blob", len(args_blob), namespace, "args_ref")
     code_context = field(body, "code_context", dict, default={})
     parent = http.ulid_field(body, "parent_invocation_id", optional=True)
     for key in run_config:
@@ -66,7 +74,8 @@ async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str
         run_config=dict(run_config),
         code_context=code_context,
         parent_invocation_id=parent,
-        namespace=caller.namespace or DEFAULT_NAMESPACE,
+        namespace=namespace,
+        args_ref=args_ref,
     )
     result = await ctx.write(req)
     assert isinstance(result, SubmitResult)
@@ -89,7 +98,12 @@ async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str
 
 
 def outcome(inv: Invocation) -> dict[str, Any]:
-    return {"state": inv.state, "result_blob": inv.result_blob, "error": inv.error}
+    """``{state, result_blob, error}``, with ``result_ref`` (and no bytes) for a result that went
+    to the payload store."""
+    out = {"state": inv.state, "result_blob": inv.result_blob, "error": inv.error}
+    if inv.result_ref is not None:
+        out["result_ref"] = inv.result_ref
+    return out
 
 
 async def wait_terminal(ctx: Context, caller: Caller, invocation_id: str, timeout: float) -> Invocation:

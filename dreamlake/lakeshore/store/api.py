@@ -40,6 +40,7 @@ class SubmitRequest:
     code_context: dict[str, Any] = field(default_factory=dict)
     parent_invocation_id: str | None = None
     namespace: str = "default"
+    args_ref: dict[str, Any] | None = None  # the Envelope in the payload store (args_blob then b"")
 
 
 @dataclass
@@ -73,6 +74,8 @@ class Invocation:
     result_blob: bytes | None
     error: dict[str, Any] | None
     cancel_requested: bool
+    args_ref: dict[str, Any] | None = None  # seed 003 argsRef: the Envelope in the payload store
+    result_ref: dict[str, Any] | None = None  # seed 003 resultRef: the result in the payload store
 
     not_before: float | None = None  # a retry waits queued until then (None: claimable)
 
@@ -137,6 +140,7 @@ class AckRequest:
     worker_id: str | None = None
     result_blob: bytes | None = None
     error: dict[str, Any] | None = None
+    result_ref: dict[str, Any] | None = None
 
 
 @dataclass
@@ -413,8 +417,9 @@ class Store(Listing, Protocol):
         worker_id: str | None,
         result_blob: bytes | None,
         error: dict[str, Any] | None,
+        result_ref: dict[str, Any] | None = None,
     ) -> AckResult:
-        """Record the outcome. Refused (ok=False, ``status`` saying why) when the row is not
+        """Record the outcome (``result_ref``: the result in the payload store, instead of bytes). Refused (ok=False, ``status`` saying why) when the row is not
         running under that attempt (when attempt is given) / that worker (when given).
         finished_at = now unconditionally on success. A repeat of an already-recorded identical
         outcome answers duplicate=True."""

@@ -98,6 +98,8 @@ def invocation_from(m: Mapping[str, Any]) -> Invocation:
         result_blob=bytes(result_blob) if result_blob is not None else None,
         error=m["error"],
         cancel_requested=bool(m["cancel_requested"]),
+        args_ref=m.get("args_ref"),
+        result_ref=m.get("result_ref"),
         not_before=m.get("not_before"),
     )
 
@@ -121,6 +123,7 @@ _SUBMIT_COLS = (
     "idempotency_key",
     "submitted_at",
     "cancel_requested",
+    "args_ref",
 )
 
 
@@ -178,6 +181,7 @@ class _Statements:
                         finished_at=B("now"),
                         result_blob=B("blob", type_=_inv.c.result_blob.type),
                         error=B("b_error", type_=_inv.c.error.type),
+                        result_ref=B("b_ref", type_=_inv.c.result_ref.type),
                         lease_expires_at=None,
                     )
                 )
@@ -359,7 +363,12 @@ def _ack_refusal(req: AckRequest, inv: Invocation | None) -> AckResult:
     refused = lease_refusal(inv, req.attempt, req.worker_id)
     if refused is not None:
         return AckResult(ok=False, state=inv.state, reason=refused[1], status=refused[0])
-    if inv.state == req.state and (inv.result_blob or None) == req.result_blob and inv.error == req.error:
+    if (
+        inv.state == req.state
+        and (inv.result_blob or None) == req.result_blob
+        and inv.error == req.error
+        and inv.result_ref == req.result_ref
+    ):
         return AckResult(ok=True, duplicate=True, state=inv.state)
     return AckResult(
         ok=False, state=inv.state, reason=f"{invocation_id} is {inv.state}, not running; outcome refused"
@@ -440,6 +449,7 @@ class InvocationStore(StoreBase):
             "idempotency_key": key,
             "submitted_at": 0.0,
             "cancel_requested": False,
+            "args_ref": values.json_safe(req.args_ref, "args_ref") if req.args_ref is not None else None,
         }
         return _Prepared(row)
 
@@ -662,8 +672,11 @@ class InvocationStore(StoreBase):
         worker_id: str | None,
         result_blob: bytes | None,
         error: dict[str, Any] | None,
+        result_ref: dict[str, Any] | None = None,
     ) -> AckResult:
-        req = self._prepare_ack(AckRequest(invocation_id, state, attempt, worker_id, result_blob, error))
+        req = self._prepare_ack(
+            AckRequest(invocation_id, state, attempt, worker_id, result_blob, error, result_ref)
+        )
         with self.db.tx(write=True) as conn:
             result = self._ack_in(conn, req, time.time())
         if result.ok and not result.duplicate:
@@ -724,7 +737,10 @@ class InvocationStore(StoreBase):
         if error is not None:
             error = values.json_safe(error, "error")
         blob = bytes(req.result_blob) if req.result_blob else None
-        return AckRequest(req.invocation_id, req.state, req.attempt, req.worker_id, blob, error)
+        ref = values.json_safe(req.result_ref, "result_ref") if req.result_ref is not None else None
+        if blob is not None and ref is not None:
+            raise PlaneError("an ack carries result_blob or result_ref, not both", status=400)
+        return AckRequest(req.invocation_id, req.state, req.attempt, req.worker_id, blob, error, ref)
 
     @staticmethod
     def _ack_params(req: AckRequest, now: float) -> dict[str, Any]:
@@ -734,6 +750,7 @@ class InvocationStore(StoreBase):
             "now": now,
             "blob": req.result_blob,
             "b_error": req.error,
+            "b_ref": req.result_ref,
         }
         if req.attempt is not None:
             params["b_attempt"] = req.attempt

@@ -64,6 +64,10 @@ invocations = sa.Table(
     # 0006: the attempt whose frames the journal takes and the position of its seq 0 (NULL: 1, 0)
     sa.Column("frames_attempt", sa.Integer, nullable=True),
     sa.Column("frames_base", sa.BigInteger, nullable=True),
+    # 0008: payload refs (seed 003) instead of inline bytes: {bucket, key, size, sha256}; with
+    # args_ref the args_blob is empty, with result_ref the result_blob is None
+    sa.Column("args_ref", sa.JSON, nullable=True),
+    sa.Column("result_ref", sa.JSON, nullable=True),
     sa.Index("ix_invocations_lease", "state", "lease_expires_at"),
     sa.Index("ix_invocations_root", "root_invocation_id"),
     # 0004: a key is unique within its namespace and queue.

@@ -153,6 +153,8 @@ def content_hash(req: SubmitRequest, queue: str, run_config: dict[str, Any]) -> 
     h.update(canonical(head).encode())
     h.update(b"\0")
     h.update(req.args_blob)
+    if req.args_ref is not None:  # the same Envelope by reference: its key and sha256 decide
+        h.update(b"\0ref\0" + canonical(req.args_ref).encode())
     return h.hexdigest()
 
 

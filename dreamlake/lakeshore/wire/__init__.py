@@ -81,7 +81,7 @@ of them loads first without a cycle. Import the names from here.
 
 from __future__ import annotations
 
-from .base import DEFAULT_LIMITS, Codec, Limits, MiB
+from .base import DEFAULT_LIMITS, Codec, Limits, MiB, limits_for
 from .codec import BUILTIN_CODES, USER_CODES, pack, register, unpack, unregister
 from .frames import (
     DEFAULT_FRAME_LIMITS,
@@ -113,6 +113,7 @@ __all__ = [
     "MiB",
     "decode_frame",
     "encode_frame",
+    "limits_for",
     "pack",
     "register",
     "unpack",

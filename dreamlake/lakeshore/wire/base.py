@@ -94,6 +94,19 @@ class Limits(_Frozen):
 
 
 DEFAULT_LIMITS = Limits()
+
+
+def limits_for(data: Any) -> Limits:
+    """DEFAULT_LIMITS, with the byte bounds widened to ``len(data)`` when that is larger: for bytes
+    whose size was already bounded and checked elsewhere (an argument or result that came by
+    reference, under ``MAX_PAYLOAD_BYTES`` and its sha256). No str, bin or ext can be longer than
+    its buffer, so this admits nothing bigger than what is held; item counts keep their bounds."""
+    n = len(data)
+    if n <= DEFAULT_LIMITS.max_buffer_size:
+        return DEFAULT_LIMITS
+    return Limits(max_buffer_size=n, max_str_len=n, max_bin_len=n, max_ext_len=n)
+
+
 # Frames are small arrays and maps around one bin body.
 
 

@@ -253,10 +253,16 @@ _DIRECT: dict[int, Callable[[Any], msgpack.ExtType]] = {5: _tuple_ext, 6: _set_e
 _BIG = 1 * MiB  # a top-level ext value this large is framed by hand: one copy instead of three
 
 
+def _is_big(value: Any) -> bool:
+    return type(value).__module__ == "numpy" and getattr(value, "nbytes", 0) >= _BIG
+
+
 def pack(value: Any) -> bytes:
     """msgpack bytes of ``value``; ``TypeError`` (with the fix) for a type nothing can pack."""
-    if type(value).__module__ == "numpy" and getattr(value, "nbytes", 0) >= _BIG:
+    if _is_big(value):
         return _pack_big(value)
+    if type(value) is list and any(_is_big(v) for v in value):  # an Envelope's args
+        return _pack_list_big(value)
     try:
         packer = _POOL.pop()
     except IndexError:
@@ -275,6 +281,21 @@ def _pack_big(value: Any) -> bytes:
     parts = _ARRAY_PARTS(value)
     size = sum(memoryview(p).nbytes for p in parts)
     return b"".join((_EXT32.pack(0xC9, size, 1), *parts))
+
+
+def _pack_list_big(items: list[Any]) -> bytes:
+    """A list holding big ndarrays, joined in one copy: the arrays' bytes are read in place (the
+    packer would copy each three times); the same bytes as the packer writes."""
+    _load_optional("numpy")
+    parts: list[Any] = [msgpack.Packer().pack_array_header(len(items))]
+    for item in items:
+        codec = _BY_TYPE.get(type(item)) if _is_big(item) else None
+        if codec is not None and codec.code == 1 and _ARRAY_PARTS is not None:
+            head, raw = _ARRAY_PARTS(item)
+            parts += [_EXT32.pack(0xC9, len(head) + memoryview(raw).nbytes, 1), head, raw]
+        else:
+            parts.append(pack(item))
+    return b"".join(parts)
 
 
 _EXT32 = struct.Struct(">BIb")
