@@ -358,6 +358,12 @@ class Job(SupervisedJob[wd.Outcome]):
             if self.workdir is not None and wd.nothing_runs(self.workdir):
                 self._release_unstarted(self.workdir)
                 return
+            if self.workdir is not None and self._outlive_unsupervised(self.workdir):
+                # the task started (its entry took the lock) but the previous life died before
+                # saving its handle: it ran, or still runs, to its end; report what it left
+                self.phase = Phase.RUNNING
+                self.conclude(lambda: self._close_stream(self._collect(None)))
+                return
             self._settle_once(self.failure("DaemonRestart", "nymph restarted before the task was started"))
             return
         if alive is None:
@@ -371,6 +377,27 @@ class Job(SupervisedJob[wd.Outcome]):
             self.conclude(lambda: self.supervise(handle))
         else:
             self.conclude(lambda: self._close_stream(self._collect(None)))
+
+    def _outlive_unsupervised(self, workdir: Path) -> bool:
+        """Wait for a task that runs with no handle saved (nymph died in the moment between its
+        start and the handle's write) to end: True once its entry released the lock and left an
+        outcome, False when a stop came first or it outlived its timeout (then it is reported as a
+        restart). The lease holds meanwhile (the job is in the heartbeat's list)."""
+        timeout_s = self.body.get("timeout_s")
+        deadline = None if not timeout_s else self.started_at + float(timeout_s) + 5.0
+        logged = False
+        while wd.entry_runs(workdir):
+            if not logged:
+                log.warning(
+                    "invocation %s: its task runs but no handle was saved before the restart; "
+                    "waiting for it to end to report its outcome",
+                    self.invocation_id,
+                )
+                logged = True
+            if self.stop_request is not None or (deadline is not None and time.time() > deadline):
+                return False
+            self._stop_event.wait(0.2)
+        return any(os.path.lexists(workdir / name) for name in (wd.RESULT, wd.ERROR, wd.FRAMES))
 
     def _release_unstarted(self, workdir: Path) -> None:
         """A previous life died between the claim and the start (or its task died with it before

@@ -153,6 +153,25 @@ ENTRY_LOCK = ".entry.lock"  # the process runner's entry lock: held by whichever
 OUTCOME_SIGNS = (RESULT, ERROR, FRAMES, HANDLE_FILE)
 
 
+def entry_runs(path: Path) -> bool:
+    """Whether an entry process holds the workdir's entry lock now (a task is running there)."""
+    if not os.path.lexists(path / ENTRY_LOCK):
+        return False
+    try:
+        fd = safeio.open_fd(path, ENTRY_LOCK, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # releases it again when it was taken
+    return False
+
+
 def nothing_runs(path: Path) -> bool:
     """Whether no task runs in the workdir now and none left anything to report: a previous life
     claimed it and died before its task started (or its task died with it, before any outcome).

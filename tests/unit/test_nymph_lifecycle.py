@@ -379,7 +379,39 @@ def test_a_claim_whose_task_never_started_is_left_to_its_lease_not_failed(
     assert job.state == "released" and not path.exists()
 
 
-def test_a_claim_whose_entry_still_holds_its_lock_is_reported_daemon_restart(
+def test_a_task_running_without_a_saved_handle_is_waited_for_and_its_outcome_reported(
+    tmp_path: Path, thread_crashes: list[BaseException]
+) -> None:
+    """nymph died between the task's start (its entry took the lock) and the handle's write: the
+    restart waits for the task to end and acks what it left, instead of failing a call that ran."""
+    import fcntl
+    import os
+    import threading
+
+    from dreamlake.lakeshore import wire
+
+    outbox = _Outbox()
+    ctx = _ctx(tmp_path, _Runner(), outbox)
+    path = _claimed_workdir(tmp_path)
+    fd = os.open(path / ".entry.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # an entry process runs there, unsupervised
+
+    def finish() -> None:  # the task ends: its result, then the lock goes
+        (path / "result.msgpack").write_bytes(wire.pack(42))
+        os.close(fd)
+
+    timer = threading.Timer(0.5, finish)
+    timer.start()
+    job = Job.attach(ctx, path, {"invocation_id": ID, "attempt": 2}, None)
+    job.start_thread(lambda: job.resume(False))
+    job.join(60)
+    timer.join()
+    [ack] = outbox.acks
+    assert ack["state"] == "succeeded", ack
+    assert wire.unpack(ack["result_blob"]) == 42
+
+
+def test_a_task_running_without_a_saved_handle_and_stopped_is_reported_daemon_restart(
     tmp_path: Path, thread_crashes: list[BaseException]
 ) -> None:
     import fcntl
@@ -389,9 +421,11 @@ def test_a_claim_whose_entry_still_holds_its_lock_is_reported_daemon_restart(
     ctx = _ctx(tmp_path, _Runner(), outbox)
     path = _claimed_workdir(tmp_path)
     fd = os.open(path / ".entry.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)  # an entry process runs there, unsupervised
+    fcntl.flock(fd, fcntl.LOCK_EX)  # an entry process runs there, unsupervised, and never ends
     try:
-        job = Job.attach(ctx, path, {"invocation_id": ID, "attempt": 2}, None)
+        job = Job.attach(ctx, path, {"invocation_id": ID, "attempt": 2, "timeout_s": 0.5}, None)
+        job.body["timeout_s"] = 0.5
+        job.started_at = 0.0  # long past its timeout: the wait gives up
         job.start_thread(lambda: job.resume(False))
         job.join(60)
     finally:

@@ -170,9 +170,11 @@ def error_ends_stream(status: Any, frame: Frame, patience_s: float = 30.0) -> bo
     while True:
         record = status()
         state = record.get("state")
+        if int(record.get("attempt") or 0) > attempt:
+            return False  # a later attempt exists (it may even have ended already): its frames follow
         if state in TERMINAL_STATES:
             return True
-        if state == "queued" or int(record.get("attempt") or 0) > attempt:
+        if state == "queued":
             return False
         if time.monotonic() >= deadline:
             return True
