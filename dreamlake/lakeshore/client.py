@@ -12,13 +12,13 @@ Every client of the control plane's HTTP routes speaks through :class:`PlaneClie
 
       failure                                    raised                    retried
       connection error, timeout, other httpx     Unavailable (status None) yes
-      5xx, an undecodable 2xx answer             Unavailable               yes
+      5xx but 501/505, an undecodable 2xx answer Unavailable               yes
       429 (waits out its Retry-After)            Unavailable               yes
       401                                        Unauthorized              no
       403                                        Forbidden                 no
       404                                        NotFound                  no
       409                                        Conflict                  no
-      another 4xx (400, 413, 422, ...), bad URL  BadRequest                no
+      another 4xx, 501, 505, a bad URL           BadRequest                no
 
 * the retry rule: :func:`is_retryable` (``Unavailable`` and nothing else) and :func:`retrying`,
   the tenacity policy built on it: exponential backoff with jitter, never sooner than the
@@ -86,6 +86,11 @@ def is_retryable(exc: BaseException) -> bool:
     return isinstance(exc, Unavailable)
 
 
+# 5xx answers that no retry changes: 501 Not Implemented (e.g. presign on a control plane without
+# a payload store) and 505 HTTP Version Not Supported. Retrying them would only spend the window.
+PERMANENT_5XX = frozenset({501, 505})
+
+
 def error_for(status: int, message: str, *, retry_after: float | None = None) -> PlaneError:
     """The error class of an HTTP ``status`` (>= 400), carrying ``message`` and the status."""
     if status == 401:
@@ -96,7 +101,7 @@ def error_for(status: int, message: str, *, retry_after: float | None = None) ->
         return NotFound(message, status)
     if status == 409:
         return Conflict(message, status)
-    if status == 429 or status >= 500:
+    if status == 429 or (status >= 500 and status not in PERMANENT_5XX):
         return Unavailable(message, status, retry_after)
     return BadRequest(message, status)
 
