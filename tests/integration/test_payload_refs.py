@@ -7,11 +7,9 @@ Sizes 1 KiB (inline), 300 KiB (over the 256 KiB threshold: ``args_ref`` / ``resu
 refused on both ends with seed 003's message; an inline body over the threshold is refused with
 413. The user code is ``tests/user_code/payload_udfs.py``.
 
-CI time: the 1 KiB and 300 KiB cases run on every runner nymph drives here (process, its warm-fork
-and process-group modes, docker, gvisor, slurm); the 100 MiB case on process and docker only (it
-costs seconds of copying per runner and adds no runner-specific path: a runner sees a workdir
-file either way). The kube runner's share is in tests/integration/test_runner_kube.py (the fake
-API runs no nymph).
+Every size runs on every runner nymph drives here (process, its warm-fork and process-group
+modes, docker, gvisor, slurm); the kube runner's share is in tests/integration/test_runner_kube.py
+(the fake API runs no nymph).
 """
 
 from __future__ import annotations
@@ -271,8 +269,9 @@ def _runner_args(kind: str) -> list[str]:
 RUNNER_SIZES = [
     (kind, size)
     for kind in ["process", "process-prefork", "process-pgroup", "docker", "gvisor", "slurm"]
-    for size in [1 * KiB, 300 * KiB]
-] + [("docker", AT_CAP)]  # and process at 100 MiB, above
+    for size in [1 * KiB, 300 * KiB, AT_CAP]
+    if (kind, size) != ("process", AT_CAP)  # process at 100 MiB has its own test, above
+]
 
 
 @pytest.mark.parametrize(
