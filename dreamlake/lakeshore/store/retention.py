@@ -17,7 +17,7 @@ Retention is ``default_s`` seconds, or ``per_queue[queue]`` for a queue named th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +106,16 @@ def _payload_keys(ref: Any, result: bytes | None) -> list[str]:
     return keys
 
 
+def _first_ids(conn: Connection, selects: Iterable[Any], limit: int) -> list[str]:
+    """Up to ``limit`` ids from the expiry selects, taken in their order (one batch's worth)."""
+    ids: list[str] = []
+    for select in selects:
+        if len(ids) >= limit:
+            break
+        ids += conn.execute(select.limit(limit - len(ids))).scalars().all()
+    return ids
+
+
 class RetentionStore(StoreBase):
     """Expiry of finished work (see the module docstring)."""
 
@@ -139,11 +149,8 @@ class RetentionStore(StoreBase):
         out: GcResult,
     ) -> None:
         finished = sa.and_(_inv.c.finished_at.isnot(None), _inv.c.state.in_(sorted(TERMINAL_STATES)))
-        ids: list[str] = []
-        for select in _expired(_inv, _inv.c.invocation_id, finished, default, named, kept):
-            if len(ids) >= limit:
-                break
-            ids += conn.execute(select.limit(limit - len(ids))).scalars().all()
+        selects = _expired(_inv, _inv.c.invocation_id, finished, default, named, kept)
+        ids = _first_ids(conn, selects, limit)
         if not ids:
             return
         out.frames += conn.execute(sa.delete(_frames).where(_frames.c.owner_id.in_(ids))).rowcount or 0
@@ -160,11 +167,7 @@ class RetentionStore(StoreBase):
         out: GcResult,
     ) -> None:
         finished = sa.and_(_exec.c.finished_at.isnot(None), _exec.c.state == "done")
-        ids: list[str] = []
-        for select in _expired(_exec, _exec.c.exec_id, finished, default, named, kept):
-            if len(ids) >= limit:
-                break
-            ids += conn.execute(select.limit(limit - len(ids))).scalars().all()
+        ids = _first_ids(conn, _expired(_exec, _exec.c.exec_id, finished, default, named, kept), limit)
         if not ids:
             return
         for ref, result in conn.execute(
