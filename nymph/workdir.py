@@ -153,23 +153,29 @@ ENTRY_LOCK = ".entry.lock"  # the process runner's entry lock: held by whichever
 OUTCOME_SIGNS = (RESULT, ERROR, FRAMES, HANDLE_FILE)
 
 
-def entry_runs(path: Path) -> bool:
-    """Whether an entry process holds the workdir's entry lock now (a task is running there)."""
+def _entry_lock_state(path: Path) -> str:
+    """The workdir's entry lock: ``"none"`` (no lock file), ``"free"``, ``"held"`` (an entry
+    process runs there) or ``"unknown"`` (it could not be opened or tried)."""
     if not os.path.lexists(path / ENTRY_LOCK):
-        return False
+        return "none"
     try:
         fd = safeio.open_fd(path, ENTRY_LOCK, os.O_RDONLY)
     except OSError:
-        return False
+        return "unknown"
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # taken: nobody holds it
     except BlockingIOError:
-        return True
+        return "held"
     except OSError:
-        return False
+        return "unknown"
     finally:
         os.close(fd)  # releases it again when it was taken
-    return False
+    return "free"
+
+
+def entry_runs(path: Path) -> bool:
+    """Whether an entry process holds the workdir's entry lock now (a task is running there)."""
+    return _entry_lock_state(path) == "held"
 
 
 def nothing_runs(path: Path) -> bool:
@@ -181,19 +187,7 @@ def nothing_runs(path: Path) -> bool:
     """
     if any(os.path.lexists(path / name) for name in OUTCOME_SIGNS):
         return False
-    if not os.path.lexists(path / ENTRY_LOCK):
-        return True
-    try:
-        fd = safeio.open_fd(path, ENTRY_LOCK, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # taken: nobody holds it, nothing runs
-    except OSError:
-        return False
-    finally:
-        os.close(fd)  # releases it again
-    return True
+    return _entry_lock_state(path) in ("none", "free")
 
 
 def remove(path: Path) -> None:
