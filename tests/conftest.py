@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["tests.integration.s3_fixture", "tests.integration.redis_fixture"]
+# tests.host_users: the system users tests run tasks as, made once a run (even across xdist workers)
+pytest_plugins = ["tests.integration.s3_fixture", "tests.integration.redis_fixture", "tests.host_users"]
 
 ROOT = Path(__file__).resolve().parent.parent
 # The suite deploys its own functions (tests/*) on every worker through PYTHONPATH, as a fleet with

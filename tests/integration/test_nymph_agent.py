@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import shutil
 import signal
 import socket
@@ -30,6 +29,7 @@ from dreamlake.lakeshore import ids, wire
 from dreamlake.lakeshore.envelope import Envelope, fn_for
 from tests import nymph_fns
 from tests.conftest import ROOT
+from tests.host_users import ensure_user
 from tests.integration.conftest import ControlPlane, submit_body
 
 LIMIT_S = 60.0
@@ -249,16 +249,7 @@ def test_as_user_not_in_the_allow_list_is_refused(
 
 
 def _ensure_user(name: str) -> bool:
-    try:
-        pwd.getpwnam(name)
-        return True
-    except KeyError:
-        pass
-    if os.geteuid() != 0 or shutil.which("useradd") is None:
-        return False
-    return (
-        subprocess.run(["useradd", "--system", "--no-create-home", name], capture_output=True).returncode == 0
-    )
+    return ensure_user(name, "--no-create-home")
 
 
 def test_script_as_an_allowed_user_streams_logs_and_runs_as_that_user(

@@ -25,6 +25,7 @@ from nymph.runner import Handle, RunnerError, RunnerUnavailable
 from tests import nymph_fns
 from tests import runner_kit as kit
 from tests.conftest import ROOT, require
+from tests.host_users import ensure_user
 from tests.runner_kit import TaskFactory
 
 if str(ROOT / "runners") not in sys.path:  # until the editable install exposes runners/
@@ -377,16 +378,7 @@ def test_gpus_on_a_cluster_without_gres_is_refused_with_slurms_message(
 
 
 def _ensure_user(name: str) -> bool:
-    try:
-        pwd.getpwnam(name)
-        return True
-    except KeyError:
-        pass
-    if os.geteuid() != 0 or shutil.which("useradd") is None:
-        return False
-    return (
-        subprocess.run(["useradd", "--system", "--no-create-home", name], capture_output=True).returncode == 0
-    )
+    return ensure_user(name, "--no-create-home")
 
 
 def test_script_as_user_runs_as_that_user(runner: SlurmRunner, tasks: TaskFactory) -> None:

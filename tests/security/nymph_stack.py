@@ -5,7 +5,7 @@ with functions shipped by reference or scripts, and assert what the attacker see
 and error) and what happened on the host. Fixtures:
 
 - :func:`task_user`: nymph's default task user ``nymph-task``, created with ``useradd --system``
-  when missing (and removed again at the end of the session);
+  when missing (and removed again at the end of the run: :mod:`tests.host_users`);
 - :func:`readable_runtime`: an interpreter and a ``PYTHONPATH`` the task user can read (the system
   ``python3``, the entry bundle, and copies of the test modules): nymph's own venv may sit under a
   0700 ``/root``; nymph gets them as the process runner's ``python`` / ``pythonpath`` options;
@@ -34,6 +34,7 @@ import pytest
 from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.envelope import Envelope
 from tests.conftest import ROOT
+from tests.host_users import ensure_user
 from tests.integration.conftest import ControlPlane, running_control_plane, submit_body
 
 TASK_USER = "nymph-task"
@@ -46,20 +47,11 @@ def require_root() -> None:
 
 
 @pytest.fixture(scope="session")
-def task_user() -> Iterator[pwd.struct_passwd]:
+def task_user() -> pwd.struct_passwd:
     require_root()
-    created = False
-    try:
-        pwd.getpwnam(TASK_USER)
-    except KeyError:
-        cmd = ["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent"]
-        subprocess.run([*cmd, "--shell", "/usr/sbin/nologin", TASK_USER], check=True, capture_output=True)
-        created = True
-    try:
-        yield pwd.getpwnam(TASK_USER)
-    finally:
-        if created:
-            subprocess.run(["userdel", TASK_USER], capture_output=True)
+    flags = ["--no-create-home", "--home-dir", "/nonexistent", "--shell", "/usr/sbin/nologin"]
+    assert ensure_user(TASK_USER, *flags), f"cannot create the task user {TASK_USER}"
+    return pwd.getpwnam(TASK_USER)
 
 
 @pytest.fixture(scope="session")

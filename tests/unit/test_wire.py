@@ -34,6 +34,16 @@ def test_seed_example() -> None:
     np.testing.assert_array_equal(out["x"], np.zeros(4))
 
 
+def _stable_id(value: Any) -> str:
+    """``repr``, with a set's members sorted: a set of strings prints in hash order, which differs
+    between interpreters (``PYTHONHASHSEED``), and pytest-xdist needs every worker to collect the
+    same test ids."""
+    if isinstance(value, (set, frozenset)) and value:
+        inner = "{" + ", ".join(sorted(map(repr, value))) + "}"
+        return inner if type(value) is set else f"{type(value).__name__}({inner})"
+    return repr(value)
+
+
 @pytest.mark.parametrize(
     "value",
     [
@@ -74,7 +84,7 @@ def test_seed_example() -> None:
         pathlib.PureWindowsPath(r"C:\Users\x"),
         pathlib.Path("rel/path"),
     ],
-    ids=repr,
+    ids=lambda value: _stable_id(value),
 )
 def test_round_trip_keeps_value_and_type(value: Any) -> None:
     out = rt(value)
