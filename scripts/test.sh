@@ -12,9 +12,9 @@ echo "== mypy"; mypy
 # pytest in parallel (pytest-xdist): LAKESHORE_TEST_WORKERS processes (default 4: most tests wait on
 # processes, sockets and leases rather than the CPU, so more workers than the CI machine's 2 cores pay
 # off), each given whole files (--dist loadfile: module fixtures are set up once, a file's tests keep
-# their order), the longest-running files first (tests/conftest.py). Arguments win over these:
+# their order), the files of slow tests first (tests/conftest.py). Arguments win over these:
 # `bash scripts/test.sh -n 0 tests/unit` runs serially; `python -m pytest tests/unit/test_x.py` by hand
 # stays serial too.
 workers="${LAKESHORE_TEST_WORKERS:-4}"
 echo "== pytest ($workers workers)"
-exec python -m pytest -n "$workers" --dist loadfile "$@"
+exec python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@"

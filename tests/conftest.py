@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 from pathlib import Path
@@ -33,3 +34,29 @@ def require(available: bool, reason: str) -> None:
 def python_exe() -> str:
     """The interpreter the tests run under (the venv's python, which sees the installed packages)."""
     return sys.executable
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``scripts/test.sh``), the files with the most ``slow`` tests go first.
+
+    Each worker is handed whole files (``--dist loadfile``) in collection order
+    (``--no-loadscope-reorder``): a long file handed out last would run on alone while the other
+    workers sit idle, so the files of slow tests (real nymphs on every runner, the benchmarks, the
+    fault suite) start first, then the rest, most tests first (small files fill the gaps at the end).
+    Every worker sorts alike, as xdist requires; a run without xdist keeps the files' own order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    slow: collections.Counter[str] = collections.Counter()
+    count: collections.Counter[str] = collections.Counter()
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        path = item.nodeid.split("::", 1)[0]
+        count[path] += 1
+        slow[path] += item.get_closest_marker("slow") is not None
+        first.setdefault(path, i)
+
+    def order(item: pytest.Item) -> tuple[int, int, int]:
+        path = item.nodeid.split("::", 1)[0]
+        return (-slow[path], -count[path], first[path])
+
+    items.sort(key=order)  # stable: a file's tests keep their order

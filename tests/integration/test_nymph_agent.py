@@ -32,6 +32,7 @@ from tests.conftest import ROOT
 from tests.host_users import ensure_user
 from tests.integration.conftest import ControlPlane, submit_body
 
+pytestmark = pytest.mark.slow  # real nymph and server processes
 LIMIT_S = 60.0
 NYMPH = [sys.executable, "-m", "nymph"]
 # These tests run nymph as whoever runs them (root in CI) and their tasks import from the checkout:

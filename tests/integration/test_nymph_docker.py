@@ -37,7 +37,7 @@ from tests.integration.test_nymph_agent import (
     submit,
 )
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 KINDS = ("docker", "gvisor")
 

@@ -35,6 +35,7 @@ from tests.integration.test_nymph_agent import (
     submit,
 )
 
+pytestmark = pytest.mark.slow  # real nymph and server processes, 100,000 values
 MiB = 1024 * 1024
 
 

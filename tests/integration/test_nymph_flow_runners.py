@@ -34,7 +34,7 @@ from tests.integration.kube_fake import KubeFake
 from tests.integration.test_nymph_agent import Nymph, Server, _until, await_result, envelope, submit
 from tests.integration.test_nymph_flow import Follower, MiB, RssPeak, _metrics, _start, _values
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 stack = test_nymph_flow.stack  # the fixture: ``lakeshore server`` and a maker of nymphs
 

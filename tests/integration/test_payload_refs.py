@@ -39,7 +39,7 @@ from tests.integration.test_nymph_agent import Nymph, _env, _until
 
 udfs = kit.user_module("payload_udfs")
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 KiB, MiB = 1024, 1024 * 1024
 LIMIT_S = 300.0

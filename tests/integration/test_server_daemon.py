@@ -489,15 +489,16 @@ def test_a_dead_daemons_exec_job_is_requeued_then_failed(tmp_path: Any) -> None:
 
 
 def test_the_heartbeat_renews_exec_leases(tmp_path: Any) -> None:
-    # a lease long enough that a heartbeat every 0.2 s renews it even on a loaded machine
-    config = ServerConfig(lease_s=1.0, expire_every_s=0.1, recheck_s=0.2)
+    # a lease long enough that a heartbeat every 0.2 s renews it even on a loaded machine (the suite
+    # runs in parallel: a heartbeat's answer can take a second there)
+    config = ServerConfig(lease_s=2.5, expire_every_s=0.1, recheck_s=0.2)
     with running_control_plane(str(tmp_path / "s.db"), config=config) as cp:
         exec_id = _exec(cp, max_attempts=1)
         worker = new_ulid()
         (_cmd,) = poll(cp, worker, ["xq"])["commands"]
         gone = new_ulid()
         beat = {"worker_id": worker, "running": [], "running_exec": [{"exec_id": exec_id, "attempt": 1}]}
-        for _ in range(15):  # 3 s: three leases' worth
+        for _ in range(38):  # 7.6 s: three leases' worth
             status, out = cp.daemon("/v1/daemon/heartbeat", beat)
             assert status == 200 and out["lost"] == []
             time.sleep(0.2)

@@ -26,7 +26,7 @@ from tests.integration.test_nymph_agent import Nymph, _call, _until, await_resul
 
 udfs = kit.user_module("tasks_udfs")
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 LIMIT_S = 300.0
 

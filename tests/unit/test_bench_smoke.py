@@ -13,6 +13,8 @@ import pytest
 
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # each benchmark runs end to end in a subprocess
+
 CASES = {
     "backlog": ["--quick", "--reps", "3", "--backends", "sqlite-memory"],
     "code_archives": ["--files", "5", "--reps", "3"],
