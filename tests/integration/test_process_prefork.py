@@ -40,7 +40,10 @@ _CALLS: list[int] = []
 
 
 def pollute() -> int:
+    import json
+
     os.environ["PREFORK_JUNK"] = "1"
+    json.PREFORK_JUNK = 1  # type: ignore[attr-defined]  # a module the zygote preloaded
     sys.modules["prefork_junk_module"] = sys
     sys.path.append("/prefork/junk")
     _CALLS.append(1)
@@ -53,6 +56,7 @@ def observe() -> dict[str, Any]:
         "env": "PREFORK_JUNK" in os.environ,
         "module": "prefork_junk_module" in sys.modules,
         "path": "/prefork/junk" in sys.path,
+        "preloaded": hasattr(sys.modules.get("json"), "PREFORK_JUNK"),
         "calls": len(_CALLS),  # 1: this module was imported fresh by this child
         "cwd": os.getcwd(),
         "sys_path0": sys.path[0],
@@ -200,6 +204,7 @@ def test_state_does_not_leak_between_invocations(runner: ProcessRunner, prepare:
     assert status.exit_code == 0, status
     seen = _result(second)
     assert (seen["env"], seen["module"], seen["path"], seen["calls"]) == (False, False, False, 1)
+    assert seen["preloaded"] is False  # a change to a module the zygote preloaded stays in its child
     runner.destroy(handle)
     # the zygote itself never imported user code
     zygote = _zygote_pids(runner)[0]
