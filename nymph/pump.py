@@ -261,8 +261,11 @@ class Pump:
     # --- lifecycle (the job's side) ---------------------------------------------------------------
 
     def start(self) -> None:
-        """Join the outbox: its sender takes batches from here; the watcher wakes it on writes."""
-        if not self._script:
+        """Join the outbox: its sender takes batches from here; the watcher wakes it on writes.
+
+        The watermark is written again only for a stream that delivered something (a restarted
+        nymph's): with no file the entry counts nothing delivered, which a fresh stream's is."""
+        if not self._script and (self.delivered_seq >= 0 or self._offsets[FRAMES] > 0):
             self._write_watermark()
         self._outbox.open_stream(self)
         self._watch = self._outbox.watcher.add(self.workdir, self._on_write)
@@ -621,6 +624,8 @@ class Pump:
                 end[name] = max(offset, self._size(name))
                 continue
             while len(frames) < max_frames and size < max_bytes:
+                if self._size(name) <= offset:  # nothing new (the common wake-up): no open, no read
+                    break
                 fh = safeio.open_output(self.workdir, name)  # never through a link the task planted
                 if fh is None:
                     break

@@ -96,14 +96,16 @@ def create(
         os.chmod(path, 0o700)
         # No fsync: the workdir only has to survive nymph's death, not the host's (a task dies with
         # its host, and the control plane re-queues it when the lease lapses); the page cache is enough.
+        # The directory is nymph's alone until hand_over: its files are written in place through
+        # one directory fd (no temporary names, no renames); a crash meanwhile leaves a workdir
+        # whose task never started, which the next life removes (nothing_runs).
+        files = [(META, json.dumps(meta).encode(), 0o600), (STDOUT, b"", 0o644), (STDERR, b"", 0o644)]
         if args_file is not None:
             os.chmod(args_file, 0o600)
             os.replace(args_file, path / ARGS)
         else:
-            safeio.write_file(path, ARGS, bytes(args_blob))
-        safeio.write_file(path, META, json.dumps(meta).encode())
-        for name in (STDOUT, STDERR):
-            safeio.write_file(path, name, b"", 0o644)
+            files.insert(0, (ARGS, bytes(args_blob), 0o600))
+        safeio.create_new(path, files)
         hand_over(path, run_as, (ARGS, STDOUT, STDERR))
     except BaseException:  # a full disk, say: leave no half-made workdir for a restart to puzzle over
         remove(path)

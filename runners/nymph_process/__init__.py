@@ -98,7 +98,7 @@ from nymph.runnerkit import (
     option_list,
     task_name,
 )
-from nymph_process.prefork import ForkedChild, ZygoteClient, ZygoteError
+from nymph_process.prefork import ForkedChild, ZygoteClient, ZygoteError, boot_time, start_time_of
 from nymph_process.zygote import ENTRY_LOCK
 
 log = logging.getLogger(__name__)
@@ -709,7 +709,7 @@ def _entry_holder(fd: int) -> tuple[int, float] | None:
     if not isinstance(raw, dict) or not isinstance(raw.get("pid"), int):
         return None
     ticks = raw.get("ticks")
-    start_time = ticks / _CLOCK_TICKS + psutil.boot_time() if isinstance(ticks, int) else 0.0
+    start_time = start_time_of(ticks) if isinstance(ticks, int) else 0.0
     return int(raw["pid"]), start_time
 
 
@@ -717,7 +717,7 @@ def _record_entry(fd: int, pid: int) -> None:
     """Say in the entry lock file that ``pid`` runs (ran) the entry: no forked child runs it after."""
     ticks = None
     with contextlib.suppress(psutil.Error):
-        ticks = round((psutil.Process(pid).create_time() - psutil.boot_time()) * _CLOCK_TICKS)
+        ticks = round((psutil.Process(pid).create_time() - boot_time()) * _CLOCK_TICKS)
     with contextlib.suppress(OSError):
         os.write(fd, json.dumps({"pid": pid, "ticks": ticks}).encode())
 

@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,27 @@ log = logging.getLogger(__name__)
 
 ZYGOTE_SCRIPT = str(Path(__file__).resolve().with_name("zygote.py"))
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_BOOT_TIME_TTL_S = 1.0
+_boot_time: tuple[float, float] = (-_BOOT_TIME_TTL_S, 0.0)  # (monotonic when read, psutil.boot_time())
+
+
+def boot_time() -> float:
+    """``psutil.boot_time()``, read from ``/proc/stat`` at most once a second (not once per fork).
+
+    Cached only briefly: the value follows the wall clock (a step of it moves the boot time), and
+    start times computed with it are compared with psutil's own ``create_time`` later."""
+    global _boot_time
+    now = time.monotonic()
+    read_at, value = _boot_time
+    if now - read_at >= _BOOT_TIME_TTL_S:
+        value = psutil.boot_time()
+        _boot_time = (now, value)
+    return value
+
+
+def start_time_of(ticks: int) -> float:
+    """A process's start time (psutil ``create_time``) from its start in clock ticks after boot."""
+    return ticks / _CLOCK_TICKS + boot_time()
 
 
 class ZygoteError(Exception):
@@ -138,7 +160,7 @@ class ZygoteClient:
         ticks = reply.get("ticks")
         start_time = 0.0
         if isinstance(ticks, int):
-            start_time = ticks / _CLOCK_TICKS + psutil.boot_time()  # as psutil computes create_time
+            start_time = start_time_of(ticks)  # as psutil computes create_time
         return child, start_time
 
     def forget(self, pid: int) -> None:
