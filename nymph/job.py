@@ -51,11 +51,13 @@ FETCH_ATTEMPTS = 4  # a code archive by reference: tries of the fetch while the 
 
 
 class Job(SupervisedJob[wd.Outcome]):
-    """One invocation in a thread of its own."""
+    """One invocation: its steps in a thread, its running task parked in the supervisor loop
+    where the runner allows (:mod:`nymph.supervisor`)."""
 
     kind: ClassVar[str] = "invocation"
     id_field: ClassVar[str] = "invocation_id"
     timeout_field: ClassVar[str] = "run_config.timeout_s"
+    parkable: ClassVar[bool] = True  # a running task waits in the supervisor loop where it can
 
     def __init__(
         self,
@@ -437,8 +439,17 @@ class Job(SupervisedJob[wd.Outcome]):
     # --- supervision -----------------------------------------------------------------------------
 
     def supervise(self, handle: Handle) -> wd.Outcome:
+        self.begin(handle)
+        return self.end(handle)
+
+    def begin(self, handle: Handle) -> None:
+        """The stream opens as the task starts (parked or not, frames flow meanwhile)."""
         assert self.workdir is not None
-        pump = self._new_pump(self.workdir)
+        self._new_pump(self.workdir)
+
+    def end(self, handle: Handle) -> wd.Outcome:
+        pump = self._pump
+        assert pump is not None
         try:
             ending = self.wait_or_stop(handle)
             pump.stop()
@@ -448,6 +459,10 @@ class Job(SupervisedJob[wd.Outcome]):
             return self._close_stream(outcome)
         finally:  # whatever failed (a pump or outbox write, the wait): the pump stops with the job
             pump.halt()
+
+    def abandon(self) -> None:
+        if self._pump is not None:
+            self._pump.halt()
 
     def _new_pump(self, workdir: Path) -> Pump:
         """The invocation's stream, opened on the outbox (its frames go before the ack)."""

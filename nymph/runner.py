@@ -22,7 +22,7 @@ can re-attach to what a previous life started; only a file nymph itself wrote is
 cannot forge one, see :mod:`nymph.safeio`). Optional features are declared in
 :class:`Capabilities` and read only from there: nymph refuses a task that needs one the runner
 lacks, before starting it, and calls an optional method (:class:`Labelling`, :class:`Reaping`) only
-when the capability says the runner has it.
+when the capability says the runner has it (:class:`Watching`: a task nymph waits for with no thread).
 
 Runners are plugins: the entry-point group ``nymph.runners`` maps a name to a class implementing
 :class:`Runner`. See :mod:`nymph.plugins` for loading and validation.
@@ -60,6 +60,7 @@ class Capabilities:
     recover: bool = True  # can re-attach after a nymph restart (else leftovers are destroyed, reported)
     list_labelled: bool = False  # lists the tasks it labelled (Labelling): reconcile adopts or sweeps them
     reap_orphans: bool = False  # reaps descendants reparented to nymph (Reaping): the agent calls it
+    exit_fd: bool = False  # gives an fd readable once the task ended (Watching): no thread waits on it
 
 
 @dataclass
@@ -162,4 +163,18 @@ class Reaping(Protocol):
 
     def reap_orphans(self) -> int:
         """Reap exited descendants reparented to nymph that are no task's leader; the count."""
+        ...
+
+
+@runtime_checkable
+class Watching(Protocol):
+    """The method of a runner whose :class:`Capabilities` say ``exit_fd=True``."""
+
+    def exit_fd(self, handle: Handle) -> int | None:
+        """An fd that becomes readable once the task of ``handle`` ended (its leader exited); None
+        when the runner has none for it (nymph then waits with :meth:`Runner.wait` in a thread).
+
+        The runner owns the fd: it stays open until :meth:`Runner.destroy` of the handle, and nymph
+        only polls it (``epoll``), then calls ``wait``, which must then answer without blocking long.
+        """
         ...

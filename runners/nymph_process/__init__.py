@@ -62,7 +62,9 @@ zygote's key, so one zygote serves every version, and the entry (in the forked c
 process alike) puts the directories first on ``sys.path`` and ``PYTHONPATH``.
 
 Optional features (:class:`~nymph.runner.Capabilities`): ``reap_orphans`` (nymph is a child
-subreaper; the agent calls :meth:`ProcessRunner.reap_orphans`). ``close`` stops the zygotes.
+subreaper; the agent calls :meth:`ProcessRunner.reap_orphans`) and ``exit_fd`` (a spawned entry's
+pidfd, a forked child's exit pipe written by the zygote's reader: a running task waits in nymph's
+supervisor loop, with no thread of its own). ``close`` stops the zygotes.
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ class ProcessRunner:
 
     name: ClassVar[str] = "process"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        as_user=True, gpus=True, recover=True, reap_orphans=True
+        as_user=True, gpus=True, recover=True, reap_orphans=True, exit_fd=True
     )
 
     def __init__(
@@ -292,6 +294,14 @@ class ProcessRunner:
                 return None
             time.sleep(_POLL_S)
         return self._status(handle, self._inferred_code(handle))
+
+    def exit_fd(self, handle: Handle) -> int | None:
+        """A spawned entry's pidfd, a forked child's exit pipe; None for a re-attached process."""
+        pid = int(handle.data["pid"])
+        forked = self._forked.get(pid)
+        if forked is not None:
+            return forked[1].exit_fd()
+        return self._pidfds.get(pid)
 
     def stop(self, handle: Handle, grace_s: float) -> None:
         cgroup = self._cgroup_of(handle)

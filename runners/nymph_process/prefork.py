@@ -66,14 +66,45 @@ class ZygoteError(Exception):
 
 
 class ForkedChild:
-    """A child of the zygote: ``done`` is set once it exited (``code``) or the zygote died (``code`` None)."""
+    """A child of the zygote: ``done`` is set once it exited (``code``) or the zygote died (``code`` None).
 
-    __slots__ = ("code", "done", "pid")
+    :meth:`exit_fd` is the same news as an fd (a pipe written when ``done`` is set), for a loop
+    that waits on many with ``epoll`` (:mod:`nymph.supervisor`) instead of a thread on each."""
+
+    __slots__ = ("_lock", "_pipe", "code", "done", "pid")
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.code: int | None = None
         self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._pipe: tuple[int, int] | None = None
+
+    def finish(self, code: int | None) -> None:
+        """The child exited with ``code`` (None: unknown, the zygote died): set ``done``, write the fd."""
+        with self._lock:
+            if code is not None:
+                self.code = code
+            self.done.set()
+            if self._pipe is not None:
+                with contextlib.suppress(OSError):
+                    os.write(self._pipe[1], b"x")
+
+    def exit_fd(self) -> int:
+        """An fd readable once ``done`` is set (made on the first call; closed by :meth:`close`)."""
+        with self._lock:
+            if self._pipe is None:
+                self._pipe = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+                if self.done.is_set():
+                    os.write(self._pipe[1], b"x")
+            return self._pipe[0]
+
+    def close(self) -> None:
+        with self._lock:
+            pipe, self._pipe = self._pipe, None
+        for fd in pipe or ():
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 class ZygoteClient:
@@ -165,7 +196,9 @@ class ZygoteClient:
 
     def forget(self, pid: int) -> None:
         with self._lock:
-            self.children.pop(pid, None)
+            child = self.children.pop(pid, None)
+        if child is not None:
+            child.close()
 
     def close(self) -> None:
         """Stop the zygote (its children carry on) and reap it."""
@@ -202,8 +235,7 @@ class ZygoteClient:
             with self._lock:
                 child = self.children.get(int(msg["exit"]))
             if child is not None:
-                child.code = int(msg["code"])
-                child.done.set()
+                child.finish(int(msg["code"]))
         elif "id" in msg:
             with self._lock:
                 if "pid" in msg:
@@ -225,7 +257,7 @@ class ZygoteClient:
         for event, _reply in pending:
             event.set()
         for child in orphans:  # exit code unknown from now on: the runner watches them via psutil
-            child.done.set()
+            child.finish(None)
         self._ready.set()
         with contextlib.suppress(OSError):
             self.sock.close()
