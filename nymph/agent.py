@@ -57,7 +57,7 @@ from nymph.recovery import Recovery
 from nymph.runner import Reaping, Runner
 from nymph.sdnotify import SdNotify
 from nymph.slots import Slots
-from nymph.supervisor import Supervisor
+from nymph.supervisor import POOL_THREADS, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class Agent:
         self.disk = DiskHealth([config.workdir, config.state_dir], config.min_free_mb * 2**20, self.notify)
         self.watchdog = Watchdog(self.notify, lambda: self.outbox.pending() if self.outbox else 0)
         # running tasks wait here, not in a thread each (runners with an exit fd: nymph.supervisor)
-        self.supervisor = Supervisor()
+        self.supervisor = Supervisor(pool_threads=max(POOL_THREADS, 2 * config.concurrency))
         self.jobs = Jobs(self.slots, self.context)
         self.recovery = Recovery(self.jobs, self.runner_health, self.context)
         self.pin = upgrade.VersionPin(

@@ -61,11 +61,15 @@ class Capabilities:
     list_labelled: bool = False  # lists the tasks it labelled (Labelling): reconcile adopts or sweeps them
     reap_orphans: bool = False  # reaps descendants reparented to nymph (Reaping): the agent calls it
     exit_fd: bool = False  # gives an fd readable once the task ended (Watching): no thread waits on it
+    # takes a Python task's arguments in Task.args (no args.msgpack written by nymph): the runner
+    # hands them to the entry, or writes args.msgpack itself before it runs the entry from the file
+    args_inline: bool = False
 
 
 @dataclass
 class Task:
-    """Everything a runner needs to start one invocation. The workdir already holds args.msgpack."""
+    """Everything a runner needs to start one invocation. The workdir already holds args.msgpack,
+    unless ``args`` is set (a runner whose capabilities say ``args_inline``)."""
 
     invocation_id: str
     attempt: int
@@ -82,6 +86,9 @@ class Task:
     # first on the task's import path: env LAKESHORE_CODE_PATH names them; a runner whose task sees
     # another filesystem (a container, a pod) mounts each read-only at the same path
     code_dirs: list[Path] = field(default_factory=list)
+    # the Envelope's bytes, not written to the workdir (Capabilities.args_inline, small inline
+    # arguments only); None: they are in args.msgpack
+    args: bytes | None = None
 
 
 @dataclass

@@ -33,7 +33,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger(__name__)
 
-POOL_THREADS = 32  # threads that run handed-back jobs (collect, deliver, ack); idle ones cost nothing
+# threads that run handed-back jobs (the ladder, collect, deliver, ack), at least: the agent gives
+# twice its concurrency, so that a shutdown's ladders all run at once; idle ones cost nothing
+POOL_THREADS = 32
 
 
 class Parked:

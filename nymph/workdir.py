@@ -74,12 +74,14 @@ def create(
     run_as: str | None,
     *,
     args_file: Path | None = None,
+    write_args: bool = True,
 ) -> Path:
     """Create the private workdir with args.msgpack, invocation.json and the empty logs; return its path.
 
     ``run_as``: the local user the task runs as (None: nymph's own user), who gets the directory.
     ``args_file``: a file of nymph's on the same filesystem (arguments fetched by reference, see
     :mod:`nymph.refs`) moved in as ``args.msgpack`` instead of writing ``args_blob``.
+    ``write_args`` False: no ``args.msgpack`` (the runner takes the arguments in ``Task.args``).
     """
     path = path_for(root, invocation_id)
     if os.path.lexists(path):
@@ -103,10 +105,11 @@ def create(
         if args_file is not None:
             os.chmod(args_file, 0o600)
             os.replace(args_file, path / ARGS)
-        else:
+        elif write_args:
             files.insert(0, (ARGS, bytes(args_blob), 0o600))
         safeio.create_new(path, files)
-        hand_over(path, run_as, (ARGS, STDOUT, STDERR))
+        has_args = args_file is not None or write_args
+        hand_over(path, run_as, (ARGS, STDOUT, STDERR) if has_args else (STDOUT, STDERR))
     except BaseException:  # a full disk, say: leave no half-made workdir for a restart to puzzle over
         remove(path)
         raise

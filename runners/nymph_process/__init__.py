@@ -103,6 +103,8 @@ from nymph.runnerkit import (
 from nymph_process.prefork import ForkedChild, ZygoteClient, ZygoteError, boot_time, start_time_of
 from nymph_process.zygote import ENTRY_LOCK
 
+ARGS_FILE = "args.msgpack"  # the workdir contract's (nymph.workdir.ARGS)
+
 log = logging.getLogger(__name__)
 
 #: run_config.resources fields a local process cannot be held to, with why (see nymph.resources).
@@ -130,7 +132,7 @@ class ProcessRunner:
 
     name: ClassVar[str] = "process"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        as_user=True, gpus=True, recover=True, reap_orphans=True, exit_fd=True
+        as_user=True, gpus=True, recover=True, reap_orphans=True, exit_fd=True, args_inline=True
     )
 
     def __init__(
@@ -216,6 +218,8 @@ class ProcessRunner:
             handle = self._start_forked(task, cgroup)
             if handle is not None:
                 return handle
+        if task.args is not None and task.script is None:  # the spawned entry reads them from the file
+            self._write_args(task)
         cmd = [self.bash, "-c", task.script] if task.script is not None else [self.python, "-m", ENTRY_MODULE]
         if task.as_user:
             cmd = [self.runuser, "-u", task.as_user, "--", *cmd]
@@ -482,7 +486,9 @@ class ProcessRunner:
             if zygote is None:
                 return None
             try:
-                child, start_time = zygote.fork(workdir, env, _ZYGOTE_TIMEOUT_S, cgroup=procs, user=user)
+                child, start_time = zygote.fork(
+                    workdir, env, _ZYGOTE_TIMEOUT_S, cgroup=procs, user=user, args=task.args
+                )
             except ZygoteError as exc:
                 log.warning("invocation %s: zygote %d: %s", task.invocation_id, zygote.pid, exc)
                 self._zygote_failed(zygote)
@@ -496,6 +502,21 @@ class ProcessRunner:
             )
             return self._handle(task, child.pid, start_time, cgroup)
         return None
+
+    @staticmethod
+    def _write_args(task: Task) -> None:
+        """``args.msgpack`` for an entry that reads it (spawned), when nymph handed the arguments
+        in the Task (``args_inline``); a file already there (a start tried again) is kept."""
+        workdir = Path(task.workdir)
+        if os.path.lexists(workdir / ARGS_FILE):
+            return
+        try:
+            safeio.write_file(workdir, ARGS_FILE, task.args or b"")
+            owner = os.stat(workdir)
+            if owner.st_uid != os.geteuid():  # the entry runs as the workdir's user: theirs, like the rest
+                os.chown(workdir / ARGS_FILE, owner.st_uid, owner.st_gid, follow_symlinks=False)
+        except OSError as exc:
+            raise RunnerError(f"process runner: cannot write {ARGS_FILE} in {workdir}: {exc}") from exc
 
     def _task_env(self, task: Task) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("NYMPH_")}

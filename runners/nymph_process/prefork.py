@@ -10,6 +10,7 @@ dead; the runner starts another or spawns the entry the normal way.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import itertools
 import json
@@ -154,11 +155,13 @@ class ZygoteClient:
         *,
         cgroup: str | None = None,
         user: Mapping[str, Any] | None = None,
+        args: bytes | None = None,
     ) -> tuple[ForkedChild, float]:
         """Fork a child for ``workdir``; returns it and its start time (psutil ``create_time``).
 
         ``cgroup``: the ``cgroup.procs`` file the child joins before anything else; ``user``: who
-        it becomes before it runs the entry (``uid``, ``gid``, ``groups``, ``name``, ``home``).
+        it becomes before it runs the entry (``uid``, ``gid``, ``groups``, ``name``, ``home``);
+        ``args``: the Envelope's bytes, handed to the child's entry (no ``args.msgpack`` read).
         """
         if not self.wait_ready(timeout):
             raise ZygoteError("the zygote is not ready" if self.alive else "the zygote is dead")
@@ -166,6 +169,8 @@ class ZygoteClient:
         event = threading.Event()
         reply: dict[str, Any] = {}
         req = {"id": req_id, "workdir": str(workdir), "env": dict(env), "cgroup": cgroup, "user": user}
+        if args is not None:
+            req["args"] = base64.b64encode(args).decode("ascii")
         line = json.dumps(req).encode() + b"\n"
         with self._lock:
             if self._dead.is_set():

@@ -20,7 +20,9 @@ workdir (the lock, the logs) are opened without following links or blocking on F
 when they are regular files of the task's user or of the zygote's own.
 
 Protocol, one JSON document per line. Runner -> zygote: ``{"id", "workdir", "env", "cgroup",
-"user"}``. Zygote ->
+"user", "args"}`` (``args``: the Envelope's bytes, base64, when nymph hands them over instead of
+writing ``args.msgpack``: the child runs the entry's ``run_args`` with them, or, with an entry from
+before it, writes the file itself first). Zygote ->
 runner: ``{"ready": pid}`` once; ``{"id", "pid", "ticks"}`` (``ticks``: the child's start time in
 clock ticks after boot, from ``/proc``, so the runner can record it even if the child is already
 gone) or ``{"id", "error"}``; ``{"exit": pid, "code"}`` when a child ends (only the zygote, its
@@ -45,6 +47,7 @@ Stdlib only besides the entry, and Python 3.9 syntax: it runs in whichever inter
 
 from __future__ import annotations
 
+import base64
 import errno
 import fcntl
 import gc
@@ -212,7 +215,30 @@ class Zygote:
 
         sys.argv = [entry.__file__ or "entry"]
         sys.modules["__main__"] = entry
-        _exit(_run(entry.main))
+        main: object = entry.main
+        if req.get("args") is not None:
+            blob = base64.b64decode(req["args"])
+            run_args = getattr(entry, "run_args", None)
+            if run_args is not None:
+
+                def main() -> int:
+                    return int(run_args(blob))
+
+            else:  # an entry from before run_args: the file it reads
+                try:
+                    fd = _open_in_workdir(
+                        getattr(entry, "ARGS_FILE", "args.msgpack"),
+                        os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                        0o600,
+                    )
+                    try:
+                        os.write(fd, blob)
+                    finally:
+                        os.close(fd)
+                except OSError as exc:
+                    sys.stderr.write(f"lakeshore zygote: cannot write the arguments in {workdir!r}: {exc}\n")
+                    return _CHILD_SETUP_FAILED
+        _exit(_run(main))
         return _CHILD_SETUP_FAILED  # not reached
 
 
