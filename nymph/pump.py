@@ -207,6 +207,8 @@ class Pump:
         inline_threshold: int | None = None,
     ) -> None:
         self.workdir = workdir
+        # the paths whose size the pump asks for on every wake-up, as strings once (not pathlib each time)
+        self._paths = {name: os.path.join(os.fspath(workdir), name) for name in (FRAMES, STDOUT, STDERR)}
         # frames whose body is over the control plane's inline threshold: the body is uploaded
         # (``ship(seq, body) -> ref``) and the frame sent with the body ``{"ref": ref}``
         self._ship = ship
@@ -481,7 +483,7 @@ class Pump:
         try:
             if name == FRAMES and self._fd is not None:
                 return os.fstat(self._fd).st_size
-            return os.lstat(self.workdir / name).st_size  # a planted link is not followed
+            return os.lstat(self._paths[name]).st_size  # a planted link is not followed
         except OSError:
             return 0
 

@@ -31,7 +31,7 @@ Runners are plugins: the entry-point group ``nymph.runners`` maps a name to a cl
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -103,7 +103,14 @@ class Handle:
 
     def save(self, workdir: Path) -> None:
         """Write ``handle.json`` (atomically, never through a link the task planted: :mod:`nymph.safeio`)."""
-        safeio.write_file(workdir, HANDLE_FILE, json.dumps(asdict(self)).encode())
+        doc = {
+            "runner": self.runner,
+            "invocation_id": self.invocation_id,
+            "attempt": self.attempt,
+            "data": self.data,  # JSON values already: json.dumps copies nothing (asdict deep-copies)
+            "version": self.version,
+        }
+        safeio.write_file(workdir, HANDLE_FILE, json.dumps(doc).encode())
 
     @classmethod
     def load(cls, workdir: Path) -> Handle | None:
