@@ -483,7 +483,7 @@ def run(
                 servers: list[Server] = []
                 try:
                     for i in range(replicas):
-                        prof = work / f"profile-n{n}-r{i}.json" if profile else None
+                        prof = _profile_path(store, n, i) if profile else None
                         servers.append(
                             _start_server(db, work / f"n{n}" / f"replica{i}", server_root, log, prof)
                         )
@@ -499,13 +499,21 @@ def run(
                 import _sampler
 
                 for i in range(replicas):
-                    print(f"\nprofile: replica {i} at N={n}, from idle fleet to the last submit")
+                    print(
+                        f"\nprofile: replica {i} at N={n}, from start-up to the last submit "
+                        f"(samples kept in {_profile_path(store, n, i)})"
+                    )
                     _sampler.report(
-                        str(work / f"profile-n{n}-r{i}.json"),
+                        str(_profile_path(store, n, i)),
                         top=25,
                         skip=("threading.py", "thread.py", "runpy", "_sampler"),
                     )
     return rows
+
+
+def _profile_path(store: str, n: int, replica: int) -> Path:
+    """Where a profiled server's samples are kept (``bench/_sampler.py`` JSON, for a closer look)."""
+    return Path(tempfile.gettempdir()) / f"lakeshore-fleet-profile-{store}-n{n}-r{replica}.json"
 
 
 def _log_errors(log: Path) -> None:

@@ -3,7 +3,9 @@
 A route hands its write to :meth:`GroupWriter.write` and awaits the answer. One writer task drains
 the queue: it takes every write that arrived while the previous transaction was committing (up to
 ``max_batch``), applies them with ``store.write_batch`` in a thread of its own, and answers each
-only after the transaction holding it committed. Durability is the store's, unchanged: nothing is
+only after the transaction holding it committed (the store commits a batch's submits, then its
+acks, frames and poll passes, then its heartbeats, and each is answered as soon as its own
+transaction has committed). Durability is the store's, unchanged: nothing is
 answered before it is written. One write's refusal (a superseded ack's 409, a submit's clash) is
 that write's answer alone; the store isolates a failing write from the others of its batch.
 
@@ -27,6 +29,12 @@ log = logging.getLogger(__name__)
 MAX_BATCH = 256  # writes per transaction at most
 
 _Item = tuple[WriteRequest, "asyncio.Future[WriteResult | PlaneError]"]
+
+
+def _answer(futures: list[asyncio.Future[Any]], pairs: list[tuple[int, Any]]) -> None:
+    for i, result in pairs:
+        if not futures[i].done():  # a caller that went away (cancelled) gets nothing
+            futures[i].set_result(result)
 
 
 class GroupWriter:
@@ -72,9 +80,16 @@ class GroupWriter:
                 batch.append(nxt)
             if self._observe is not None:
                 self._observe(len(batch))
+            futures = [fut for _, fut in batch]
+
+            def committed(pairs: list[tuple[int, Any]], futures: list[Any] = futures) -> None:
+                # in the store's thread: answer one committed transaction's writes on the loop now,
+                # ahead of the batch's later transactions (a poll's claim before the heartbeats)
+                loop.call_soon_threadsafe(_answer, futures, pairs)
+
             try:
                 results = await loop.run_in_executor(
-                    self._pool, self._store.write_batch, [req for req, _ in batch]
+                    self._pool, self._store.write_batch, [req for req, _ in batch], committed
                 )
             except Exception as exc:  # the store raised outside any one write: all of them failed
                 log.exception("a group commit of %d writes failed", len(batch))
