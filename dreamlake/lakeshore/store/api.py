@@ -512,8 +512,8 @@ class Store(Listing, Protocol):
         fails another. Submits apply first, in order, in a transaction of their own (committed,
         their waiters woken, before the rest), then the acks, frames and poll passes in order in a
         second, then the heartbeats in a third. ``on_commit`` receives each transaction's
-        ``(index, answer)`` pairs once it committed (nothing is answered before it is durable);
-        the return is every answer, in order, once all have committed."""
+        ``(index, answer)`` pairs once it committed, but the last one's (nothing is answered
+        before it is durable); the return is every answer, in order, once all have committed."""
         ...
 
     def expire_leases(self, now: float | None = None) -> list[str]:

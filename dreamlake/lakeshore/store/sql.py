@@ -198,8 +198,9 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
         fail (a value a column refuses, a lost connection), it is rolled back and each of its
         requests is retried alone, in a transaction of its own, so the error lands on the request
         that caused it (as a PlaneError with status 500). ``on_commit`` is called (in this
-        thread) with the ``(index, answer)`` pairs of each transaction once it has committed, so
-        the caller may answer them before the next ones are written.
+        thread) with the ``(index, answer)`` pairs of each transaction but the last once it has
+        committed, so the caller may answer them before the next ones are written (the last
+        transaction's answers are the return's: one wake-up of the caller fewer).
 
         The order is latency's: a submit's wake-up, which a waiting poll claims on, and a poll's
         claim, which a daemon waits for, must not wait behind the heartbeats of a fleet batched
@@ -221,11 +222,10 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
         refused = [(i, r) for i, r in enumerate(out) if r is not None]
         if refused and on_commit is not None:
             on_commit(refused)
-        for live in groups:
-            if not live:
-                continue
+        todo = [live for live in groups if live]
+        for n, live in enumerate(todo, 1):
             self._apply_group(requests, live, out)
-            if on_commit is not None:
+            if on_commit is not None and n < len(todo):  # the last ones go back with the return
                 on_commit([(i, r) for i, _ in live if (r := out[i]) is not None])
         return [r for r in out if r is not None]
 

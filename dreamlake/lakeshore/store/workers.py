@@ -168,6 +168,10 @@ class WorkerStore(StoreBase):
         """``_take_commands_in`` and ``_pinned_in`` for many ``(worker_id, namespace)`` at once
         (the polls and heartbeats of one group commit), in four statements whatever their number.
         A worker's pending commands go to its first entry; the others of that worker get none."""
+        if len(asks) == 1:  # one daemon: the plain statements (an expanding IN renders per call)
+            worker, namespace = asks[0]
+            commands = self._take_commands_in(conn, worker, now)
+            return [(commands, self._pinned_in(conn, worker, namespace))]
         st = self._worker_st
         workers = sorted({w for w, _ in asks})
         conn.execute(st.touch_workers, {"workers": workers, "now": now})
