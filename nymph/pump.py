@@ -491,6 +491,8 @@ class Pump:
         """The journal, opened through :mod:`nymph.safeio` (the workdir is the task's: no link
         followed, only the task's own regular file); writable when it can be, to punch holes."""
         if self._fd is None:
+            if self._size(FRAMES) <= self._read_off:  # no journal yet (a plain function: ever)
+                return None
             try:
                 self._fd = safeio.open_fd(self.workdir, FRAMES, os.O_RDWR)
             except FileNotFoundError:

@@ -168,7 +168,11 @@ class ZygoteClient:
         req_id = next(self._ids)
         event = threading.Event()
         reply: dict[str, Any] = {}
-        req = {"id": req_id, "workdir": str(workdir), "env": dict(env), "cgroup": cgroup, "user": user}
+        req: dict[str, Any] = {"id": req_id, "workdir": str(workdir), "cgroup": cgroup, "user": user}
+        if all(k in env for k in self.env):  # the zygote's own environment plus the task's variables
+            req["env_update"] = {k: v for k, v in env.items() if self.env.get(k) != v}
+        else:
+            req["env"] = dict(env)
         if args is not None:
             req["args"] = base64.b64encode(args).decode("ascii")
         line = json.dumps(req).encode() + b"\n"

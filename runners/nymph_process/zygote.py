@@ -19,8 +19,9 @@ becomes the task's user (``user``: ``setgroups``, ``setgid``, ``setuid``, and ``
 workdir (the lock, the logs) are opened without following links or blocking on FIFOs, and only
 when they are regular files of the task's user or of the zygote's own.
 
-Protocol, one JSON document per line. Runner -> zygote: ``{"id", "workdir", "env", "cgroup",
-"user", "args"}`` (``args``: the Envelope's bytes, base64, when nymph hands them over instead of
+Protocol, one JSON document per line. Runner -> zygote: ``{"id", "workdir", "env" or "env_update",
+"cgroup", "user", "args"}`` (``env``: the task's whole environment; ``env_update``: what it adds to
+or changes in the zygote's own, the per-task variables, so a request does not carry the rest) (``args``: the Envelope's bytes, base64, when nymph hands them over instead of
 writing ``args.msgpack``: the child runs the entry's ``run_args`` with them, or, with an entry from
 before it, writes the file itself first). Zygote ->
 runner: ``{"ready": pid}`` once; ``{"id", "pid", "ticks"}`` (``ticks``: the child's start time in
@@ -200,8 +201,11 @@ class Zygote:
             except (OSError, KeyError, TypeError) as exc:
                 sys.stderr.write(f"lakeshore zygote: cannot become user {user.get('name')!r}: {exc}\n")
                 return _CHILD_SETUP_FAILED
-        os.environ.clear()
-        os.environ.update(req["env"])
+        if "env" in req:
+            os.environ.clear()
+            os.environ.update(req["env"])
+        else:  # the zygote's environment (the task's, less its per-task variables) plus those
+            os.environ.update(req["env_update"])
         if user is not None:
             os.environ.update(
                 HOME=str(user["home"]),
