@@ -212,6 +212,7 @@ class WarmPool:
         self._lock = threading.Lock()
         self._idle: list[WarmWorker] = []
         self._by_pid: dict[int, WarmWorker] = {}  # every worker, idle or busy
+        self._starting = 0  # workers being started (not yet in _by_pid)
         self._inflight: dict[int, WarmWorker] = {}  # call number -> its worker, until destroy
         self._calls = itertools.count(1)
         self._names = itertools.count(1)
@@ -345,22 +346,28 @@ class WarmPool:
                 oldest = min(self._idle, key=lambda w: w.used)  # makes room for this key
                 self._idle.remove(oldest)
                 evict.append(oldest)
-            full = len(self._by_pid) - len(evict) >= self.workers
+            full = len(self._by_pid) + self._starting - len(evict) >= self.workers
+            if not full:
+                self._starting += 1  # counted from now on: two calls never both take the last place
         for worker in evict:
             self._retire(worker, kill=not worker.alive)
         if full:
             raise WarmError(f"all {self.workers} warm workers are busy")
-        cgroup = self._new_cgroup()
         try:
-            worker = WarmWorker(self.python, env, key, cgroup)
-            worker.wait_ready(READY_TIMEOUT_S)
-        except BaseException:
-            if cgroup is not None and self.cgroups is not None:
-                self.cgroups.remove(cgroup)
-            raise
-        worker.busy = -1  # reserved until its call is sent
-        with self._lock:
-            self._by_pid[worker.pid] = worker
+            cgroup = self._new_cgroup()
+            try:
+                worker = WarmWorker(self.python, env, key, cgroup)
+                worker.wait_ready(READY_TIMEOUT_S)
+            except BaseException:
+                if cgroup is not None and self.cgroups is not None:
+                    self.cgroups.remove(cgroup)
+                raise
+            worker.busy = -1  # reserved until its call is sent
+            with self._lock:
+                self._by_pid[worker.pid] = worker
+        finally:
+            with self._lock:
+                self._starting -= 1
         log.info("warm worker %d started (%d kept)", worker.pid, len(self._by_pid))
         return worker
 

@@ -256,3 +256,17 @@ def test_a_nymph_killed_mid_call_leaves_the_call_running_and_its_next_life_acks_
     _until(lambda: not _alive(pid), "the orphaned worker to exit after its call")
     new, calls = _count(cp, second)
     assert new != pid and calls == 1  # the new life's own worker
+
+
+def test_one_warm_worker_per_slot(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph], tmp_path: Path
+) -> None:
+    cp = sqlite_control_plane
+    n = nymph_factory(cp.url, cp.daemon_token, *WARM, "--concurrency", "2")
+    first, a, release_a = _held(cp, tmp_path)
+    second, b, release_b = _held(cp, tmp_path)
+    assert a != b  # two calls at once: two workers
+    release_a.touch()
+    release_b.touch()
+    assert {_value(await_result(cp.url, cp.producer_token, i), n) for i in (first, second)} == {a, b}
+    assert {_count(cp, n)[0] for _ in range(6)} <= {a, b}  # and no third one after
