@@ -141,11 +141,16 @@ def _options(fn: Any) -> Any:
 
 def _resolve(kwargs: dict[str, Any]) -> NymphConfig:
     config_file = kwargs.pop("config_file", None)
-    _warm_flags(kwargs)
+    warm_flags = _warm_flags(kwargs)
     try:
         cfg = resolve(kwargs, config_file=config_file)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
+    if warm_flags and cfg.runner != "process":
+        raise click.UsageError(
+            f"--warm and --warm-max-calls are modes of the process runner, not of {cfg.runner!r}; "
+            "drop them, or run with --runner process"
+        )
     opts = cfg.runner_options
     if cfg.runner == "process" and opts.get("warm") and "warm_workers" not in opts:
         # one warm worker per slot: every slot's call finds one, none is kept beyond that
@@ -153,7 +158,7 @@ def _resolve(kwargs: dict[str, Any]) -> NymphConfig:
     return cfg
 
 
-def _warm_flags(kwargs: dict[str, Any]) -> None:
+def _warm_flags(kwargs: dict[str, Any]) -> bool:
     """``--warm`` and ``--warm-max-calls N``: shorthands of the process runner's options ``warm``
     and ``warm_max_calls`` (``--runner-opt`` given for the same key still wins)."""
     warm, max_calls = kwargs.pop("warm", None), kwargs.pop("warm_max_calls", None)
@@ -164,6 +169,7 @@ def _warm_flags(kwargs: dict[str, Any]) -> None:
         extra.append(f"warm_max_calls={max_calls}")
     if extra:
         kwargs["runner_opts"] = (*extra, *(kwargs.get("runner_opts") or ()))
+    return bool(extra)
 
 
 @click.group()
