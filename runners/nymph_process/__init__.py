@@ -54,7 +54,14 @@ so ``run_config.resources`` may only name ``gpus`` (nymph assigns the devices th
 
 Options: ``python`` (the tasks' interpreter, default nymph's own), ``pythonpath`` (the tasks'
 ``PYTHONPATH`` instead of nymph's own, a list; e.g. the entry bundle and the code's directory when
-the task user cannot read nymph's environment), ``prefork``, ``cgroup``.
+the task user cannot read nymph's environment), ``prefork``, ``cgroup``, and the warm mode's
+``warm`` (off by default), ``warm_max_calls`` (recycle a worker after that many calls; 0: never)
+and ``warm_workers`` (``nymph start`` passes its slot count).
+
+``warm=True`` (:mod:`nymph_process.warm`, trusted code only): a Python ``ref`` call with no user
+to become runs in a long-lived warm worker that imports its module once and runs call after call
+in itself, with no isolation between calls; a crash, cancel or timeout kills that worker only.
+Scripts, tasks with a user to become and pickled functions take the paths above.
 
 Code a call shipped (``Task.code_dirs``, nymph's code cache) reaches the task as
 ``LAKESHORE_CODE_PATH``, a per-task variable like every ``LAKESHORE_*`` one: it is not part of a
