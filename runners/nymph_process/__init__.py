@@ -107,6 +107,7 @@ from nymph.runnerkit import (
 )
 from nymph_process.prefork import ForkedChild, ZygoteClient, ZygoteError
 from nymph_process.warm import WarmPool, WarmWorker
+from nymph_process.warm import call_over as warm_call_over
 from nymph_process.zygote import ENTRY_LOCK
 
 log = logging.getLogger(__name__)
@@ -322,7 +323,7 @@ class ProcessRunner:
             code = proc.wait()
             return self._status(handle, code)
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self._leader(handle) is not None:
+        while self._leader(handle) is not None and not self._warm_call_over(handle):
             if deadline is not None and time.monotonic() >= deadline:
                 return None
             time.sleep(_POLL_S)
@@ -370,6 +371,7 @@ class ProcessRunner:
         warm = self._warm_worker(handle)
         if warm is not None:  # the worker goes back to the pool, or is killed if the call did not end
             warm[0].done(warm[1], int(handle.data["warm"]))
+            self.reap_orphans()  # what a killed worker's calls left, reparented to nymph
             return
         cgroup = self._cgroup_of(handle)
         if cgroup is not None and cgroup[0].populated(cgroup[1]):
@@ -439,6 +441,10 @@ class ProcessRunner:
         warm = self._warm_worker(handle)
         if warm is not None:
             return "running" if warm[1].busy == handle.data["warm"] else "exited"
+        if "warm" in handle.data and (
+            self._owned_by_warm(int(handle.data["pid"])) or self._warm_call_over(handle)
+        ):
+            return "exited"  # the call ended (destroyed, or a previous life's); its worker lives on
         pid = int(handle.data["pid"])
         forked = self._forked.get(pid)
         if forked is not None and (not forked[1].done.is_set() or forked[1].code is not None):
@@ -705,6 +711,12 @@ class ProcessRunner:
             with contextlib.suppress(ChildProcessError, OSError, psutil.Error):
                 if member.status() == psutil.STATUS_ZOMBIE:
                     os.waitpid(member.pid, os.WNOHANG)
+
+    @staticmethod
+    def _warm_call_over(handle: Handle) -> bool:
+        """A warm call of a previous life whose worker lives on: over once its entry lock is free."""
+        workdir = handle_workdir(handle)
+        return "warm" in handle.data and workdir is not None and warm_call_over(workdir)
 
     def _owned_by_warm(self, pid: int) -> bool:
         return self._warm is not None and self._warm.owns(pid)

@@ -40,6 +40,7 @@ worker's) with ``warm`` set to the call's number, so recovery needs nothing of t
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import json
 import logging
@@ -179,13 +180,16 @@ class WarmWorker:
     def kill(self) -> None:
         """SIGKILL the worker (and, with a cgroup, everything its calls left) and reap it."""
         self.close()
-        if self.cgroup is not None:
+        tree = None if self.cgroup is None else TaskCgroups(self.cgroup.parent)
+        if tree is not None and self.cgroup is not None:
             with contextlib.suppress(CgroupError, OSError):
-                TaskCgroups(self.cgroup.parent).kill(self.cgroup)
+                tree.kill(self.cgroup)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.code = self.proc.wait(EXIT_WAIT_S)
+        if tree is not None and self.cgroup is not None:  # a kill is delivered asynchronously
+            tree.wait_empty(self.cgroup, EXIT_WAIT_S)
 
 
 class WarmError(Exception):
@@ -213,6 +217,7 @@ class WarmPool:
         self._idle: list[WarmWorker] = []
         self._by_pid: dict[int, WarmWorker] = {}  # every worker, idle or busy
         self._starting = 0  # workers being started (not yet in _by_pid)
+        self._closed = False
         self._inflight: dict[int, WarmWorker] = {}  # call number -> its worker, until destroy
         self._calls = itertools.count(1)
         self._names = itertools.count(1)
@@ -310,6 +315,10 @@ class WarmPool:
             del self._inflight[call]
         if worker.busy is not None or not worker.alive:  # mid-call (a stop that did not finish) or dead
             self._retire(worker, kill=True)
+            return
+        self._kill_leftovers(worker)
+        if self._closed:
+            self._retire(worker, kill=False)
         elif self.max_calls and worker.calls >= self.max_calls:
             log.info("warm worker %d: recycled after %d calls", worker.pid, worker.calls)
             self._retire(worker, kill=False)
@@ -319,21 +328,47 @@ class WarmPool:
                     self._idle.append(worker)
 
     def close(self) -> None:
-        """At nymph's shutdown: every worker gets EOF (a call in flight runs to its end)."""
+        """At nymph's shutdown: every worker gets EOF. An idle one exits now; a call in flight runs
+        to its end and is still waited for (its answer still comes), then its worker exits."""
         with self._lock:
-            workers = list(self._by_pid.values())
-            self._by_pid.clear()
+            self._closed = True
+            idle = [w for w in self._by_pid.values() if w.busy is None]
+            busy = [w for w in self._by_pid.values() if w.busy is not None]
             self._idle.clear()
-        for worker in workers:
+            for worker in idle:
+                del self._by_pid[worker.pid]
+        for worker in busy:
+            with contextlib.suppress(OSError):
+                worker.sock.shutdown(socket.SHUT_WR)  # EOF for it; its answer can still be read
+        for worker in idle:
             worker.close()
-            if worker.busy is None:
-                self._reap(worker)
+            self._reap(worker)
+
+    def _kill_leftovers(self, worker: WarmWorker) -> None:
+        """Kill the processes the call left in the worker's cgroup (every one but the worker: it
+        starts none outside its calls), so a call's descendants die with it, as a cold task's do.
+        Without a cgroup they are left (the process-group fallback cannot tell them apart cheaply)."""
+        if worker.cgroup is None or self.cgroups is None:
+            return
+        left = [pid for pid in TaskCgroups.members(worker.cgroup) if pid != worker.pid]
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        if left:
+            log.info("warm worker %d: killed %d process(es) its call left running", worker.pid, len(left))
+            deadline = time.monotonic() + EXIT_WAIT_S
+            while time.monotonic() < deadline and any(
+                p != worker.pid for p in TaskCgroups.members(worker.cgroup)
+            ):
+                time.sleep(0.01)
 
     # --- the pool --------------------------------------------------------------------------------
 
     def _checkout(self, key: tuple[Any, ...], env: Mapping[str, str]) -> WarmWorker:
         evict: list[WarmWorker] = []
         with self._lock:
+            if self._closed:
+                raise WarmError("the runner is closed")
             for worker in reversed(self._idle):  # the most recently used first: its caches are warm
                 if worker.key == key:
                     self._idle.remove(worker)
@@ -403,6 +438,28 @@ class WarmPool:
                 worker.kill()
         if worker.cgroup is not None and self.cgroups is not None:
             self.cgroups.remove(worker.cgroup)
+
+
+def call_over(workdir: Path) -> bool:
+    """Whether the warm call of ``workdir`` ended: its entry lock was taken and recorded (a
+    worker ran it), and is free again. For a previous life's warm call, whose worker may live on
+    after it (it exits only once its old socket is closed and its call is done)."""
+    from nymph import safeio
+    from nymph_process.zygote import ENTRY_LOCK
+
+    try:
+        fd = safeio.open_fd(workdir, ENTRY_LOCK, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        if os.fstat(fd).st_size == 0:
+            return False  # not yet taken (a worker never takes a recorded lock again)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:  # held: the call runs
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def _ref_call(workdir: Path) -> bool:
