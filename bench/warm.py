@@ -17,6 +17,11 @@ Rows, each beside its goal (<= 3 ms p50, >= 500/s) and the same run's baseline:
 - ``submit?wait``: one request per call (``/v1/producer/submit`` with ``wait_s``: submit and await
   in one request);
 - ``calls/s``: ``--producers`` processes calling at once (closed loop, ``submit?wait``), one worker.
+- ``nymph cold prefork``: the same nymph without ``--warm`` (a zygote forks each call), the
+  reference the warm mode is measured against;
+- ``where it goes``: for the sequential ``submit?wait`` calls, the p50 of each part of the round
+  trip, from the producer's clock and the store's ``submitted_at``, ``started_at`` (the claim) and
+  ``finished_at`` (the ack).
 
 Also printed: the CPU ms per call of the server and of the worker (psutil; for nymph, nymph
 itself and its warm workers apart).
@@ -206,13 +211,17 @@ def lakeshore_worker(port: int, token: str, prefetch: int) -> Iterator[int]:
 
 
 @contextlib.contextmanager
-def nymph_warm(port: int, admin: str, data_dir: Path, base: Path, slots: int) -> Iterator[int]:
-    """``nymph start --warm`` on the bench queue; yields its pid once its warm workers answered."""
+def nymph_warm(
+    port: int, admin: str, data_dir: Path, base: Path, slots: int, warm: bool = True
+) -> Iterator[int]:
+    """``nymph start --warm`` on the bench queue (``warm`` False: its default, cold prefork path);
+    yields its pid."""
     import json
 
     daemon = json.loads((data_dir / "tokens.json").read_text())["daemon"]
     cmd = [sys.executable, "-m", "nymph", "start", "--server", f"http://127.0.0.1:{port}", "--queue", QUEUE]
-    cmd += ["--workdir", str(base / "work"), "--state-dir", str(base / "state"), "--warm"]
+    cmd += ["--workdir", str(base / "work"), "--state-dir", str(base / "state")]
+    cmd += ["--warm"] if warm else []
     cmd += ["--concurrency", str(slots), "--log-level", "WARNING"]
     if os.geteuid() == 0:  # the bench's tasks run as whoever runs it (root in a CI container)
         cmd += ["--allow-root-tasks"]
@@ -336,19 +345,22 @@ def warm_rows(args: argparse.Namespace) -> tuple[list[float], list[Row], dict[st
             rows += measure(port, token, args, hello_p50, label, Path(tmp) / "warm.db")
             cpu["server (worker rows)"] = (cpu_seconds(pid) - s0) * 1000 / calls
             cpu["lakeshore worker"] = (cpu_seconds(wpid) - w0) * 1000 / calls
-    if only in (None, "nymph"):
+    for warm in (True, False) if only in (None, "nymph") else ():
+        if not warm and getattr(args, "no_cold", False):
+            continue
         with (
             tempfile.TemporaryDirectory() as tmp,
             lakeshore_server(str(Path(tmp) / "warm.db"), Path(tmp) / "sq", 1) as (port, token, pid),
-            nymph_warm(port, token, Path(tmp) / "sq", Path(tmp), args.nymph_slots) as npid,
+            nymph_warm(port, token, Path(tmp) / "sq", Path(tmp), args.nymph_slots, warm) as npid,
         ):
             s0, (n0, k0) = cpu_seconds(pid), _split_cpu(npid)
-            label = f"nymph --warm ({args.nymph_slots} slots)"
+            mode = "--warm" if warm else "cold prefork"
+            label = f"nymph {mode} ({args.nymph_slots} slots)"
             rows += measure(port, token, args, hello_p50, label, Path(tmp) / "warm.db")
             n1, k1 = _split_cpu(npid)
-            cpu["server (nymph rows)"] = (cpu_seconds(pid) - s0) * 1000 / calls
-            cpu["nymph"] = (n1 - n0) * 1000 / calls
-            cpu["warm workers"] = (k1 - k0) * 1000 / calls
+            cpu[f"server (nymph {mode})"] = (cpu_seconds(pid) - s0) * 1000 / calls
+            cpu[f"nymph {mode}"] = (n1 - n0) * 1000 / calls
+            cpu["warm workers" if warm else "zygote+tasks"] = (k1 - k0) * 1000 / calls
     return hello, rows, cpu
 
 
@@ -363,6 +375,7 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, default=8, help="lakeshore worker --prefetch")
     ap.add_argument("--nymph-slots", type=int, default=4, help="nymph --warm --concurrency")
     ap.add_argument("--only", choices=["worker", "nymph"], help="measure one warm path only")
+    ap.add_argument("--no-cold", action="store_true", help="leave out nymph's cold (prefork) rows")
     args = ap.parse_args()
     hello, rows, cpu = warm_rows(args)
     h50, h90 = median_p90(hello)

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from dreamlake.lakeshore import ids, wire
+from dreamlake.lakeshore.envelope import Envelope, fn_for
 from nymph.runner import Task
 from tests import warm_fns
 from tests.conftest import ROOT
@@ -270,3 +271,20 @@ def test_one_warm_worker_per_slot(
     release_b.touch()
     assert {_value(await_result(cp.url, cp.producer_token, i), n) for i in (first, second)} == {a, b}
     assert {_count(cp, n)[0] for _ in range(6)} <= {a, b}  # and no third one after
+
+
+def test_the_entry_gates_still_run_at_every_warm_call(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    """``--allow-module`` on what a reference resolved to, and ``src_hash``, are checked by the
+    entry in the warm worker at each call (the module is already imported there: no shortcut)."""
+    cp = sqlite_control_plane
+    n = nymph_factory(cp.url, cp.daemon_token, *WARM, "--allow-module", "tests.*")
+    warm, _ = _count(cp, n)
+    sneaky = {**fn_for(warm_fns.count, "ref"), "qualname": "os.getpid", "src_hash": None}
+    out = _run(cp, Envelope.create(sneaky, (), {}).to_bytes())
+    assert out["state"] == "failed" and out["error"]["type"] == "ModuleRefused", out
+    stale = {**fn_for(warm_fns.count, "ref"), "src_hash": "sha256:0000000000000000"}
+    out = _run(cp, Envelope.create(stale, (), {}).to_bytes())
+    assert out["state"] == "failed" and out["error"]["type"] == "StaleSource", out
+    assert _count(cp, n) == (warm, 2)  # refused in the same worker, which carries on
