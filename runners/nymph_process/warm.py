@@ -68,7 +68,7 @@ READY_TIMEOUT_S = 30.0  # a worker's start-up: the interpreter and the entry's i
 EXIT_WAIT_S = 10.0  # after the socket's EOF: the worker's exit status comes this soon
 _POLL_S = 0.05
 CODE_PATH_ENV = "LAKESHORE_CODE_PATH"
-_CO_GENERATOR = 0x20
+CGROUP_PREFIX = "nymph-warm-"  # + "<nymph's pid>-<n>": a worker's cgroup, under the task cgroups
 
 
 class WarmWorker:
@@ -221,6 +221,7 @@ class WarmPool:
         self._inflight: dict[int, WarmWorker] = {}  # call number -> its worker, until destroy
         self._calls = itertools.count(1)
         self._names = itertools.count(1)
+        self._sweep()
 
     # --- which calls go warm ---------------------------------------------------------------------
 
@@ -406,11 +407,24 @@ class WarmPool:
         log.info("warm worker %d started (%d kept)", worker.pid, len(self._by_pid))
         return worker
 
+    def _sweep(self) -> None:
+        """Remove the empty worker cgroups of nymphs that are gone (a nymph killed while its
+        workers were idle: they exited, their cgroups stayed). A populated one is a previous
+        life's worker still running a call: its handle's ``destroy`` removes it."""
+        if self.cgroups is None:
+            return
+        with contextlib.suppress(OSError):
+            for path in self.cgroups.base.glob(f"{CGROUP_PREFIX}*"):
+                owner = path.name[len(CGROUP_PREFIX) :].partition("-")[0]
+                if owner.isdigit() and not psutil.pid_exists(int(owner)) and not TaskCgroups.populated(path):
+                    with contextlib.suppress(OSError, CgroupError):
+                        path.rmdir()
+
     def _new_cgroup(self) -> Path | None:
         if self.cgroups is None:
             return None
         try:
-            return self.cgroups.create(f"nymph-warm-{os.getpid()}-{next(self._names)}")
+            return self.cgroups.create(f"{CGROUP_PREFIX}{os.getpid()}-{next(self._names)}")
         except CgroupError as exc:
             log.warning("warm worker: %s; tracked by its process group", exc)
             return None
