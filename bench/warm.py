@@ -239,7 +239,8 @@ def nymph_warm(
 
 
 def _split_cpu(pid: int) -> tuple[float, float]:
-    """CPU seconds of process ``pid`` itself and of its live children (nymph and its warm workers)."""
+    """CPU seconds of process ``pid`` itself and of its live children with what they reaped
+    (nymph; its warm workers, or its zygotes with the tasks they forked)."""
     import psutil
 
     proc = psutil.Process(pid)
@@ -248,7 +249,7 @@ def _split_cpu(pid: int) -> tuple[float, float]:
     for child in proc.children(recursive=True):
         with contextlib.suppress(psutil.Error):
             t = child.cpu_times()
-            kids += t.user + t.system
+            kids += t.user + t.system + t.children_user + t.children_system
     return own.user + own.system, kids
 
 
