@@ -127,6 +127,18 @@ def test_a_crash_mid_call_fails_it_like_a_cold_crash_and_the_next_call_gets_a_ne
     assert second != first and calls == 1  # a new worker, its module imported afresh
 
 
+def test_a_worker_killed_while_idle_is_replaced_at_the_next_call(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    cp = sqlite_control_plane
+    n = nymph_factory(cp.url, cp.daemon_token, *WARM)
+    first, _ = _count(cp, n)
+    os.kill(first, signal.SIGKILL)  # the OOM killer, an operator
+    _until(lambda: not _alive(first), "the worker to die")
+    second, calls = _count(cp, n)
+    assert second != first and calls == 1
+
+
 @pytest.mark.parametrize("how", ["cancel", "timeout"])
 def test_a_cancel_or_a_timeout_kills_the_warm_worker_and_the_pool_replaces_it(
     sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph], tmp_path: Path, how: str
