@@ -151,10 +151,14 @@ def _resolve(kwargs: dict[str, Any]) -> NymphConfig:
             f"--warm and --warm-max-calls are modes of the process runner, not of {cfg.runner!r}; "
             "drop them, or run with --runner process"
         )
-    opts = cfg.runner_options
-    if cfg.runner == "process" and opts.get("warm") and "warm_workers" not in opts:
+    opts = dict(cfg.runner_options)
+    if cfg.runner == "process" and opts.get("warm"):
         # one warm worker per slot: every slot's call finds one, none is kept beyond that
-        cfg = dataclasses.replace(cfg, runner_options={**opts, "warm_workers": cfg.concurrency})
+        opts.setdefault("warm_workers", cfg.concurrency)
+        # a root nymph runs its tasks as its task user: its warm workers do too (an as_user task
+        # stays cold, unless it names that same user)
+        opts.setdefault("warm_users", [cfg.task_user])
+        cfg = dataclasses.replace(cfg, runner_options=opts)
     return cfg
 
 

@@ -39,3 +39,9 @@ def hold(pid_file: str, release: str, limit_s: float = 120.0) -> int:
     while not Path(release).exists() and time.monotonic() < deadline:
         time.sleep(0.02)
     return os.getpid()
+
+
+def identity() -> tuple[int, int, int]:
+    """(pid, uid, the calls of this module this process ran so far)."""
+    _CALLS.append(1)
+    return os.getpid(), os.getuid(), len(_CALLS)

@@ -151,6 +151,7 @@ class ProcessRunner:
         warm: bool = False,
         warm_max_calls: int = 0,
         warm_workers: int = 1,
+        warm_users: Iterable[str] | str = (),
     ) -> None:
         self.python = python or default_python()
         # what tasks import from when it is not nymph's own PYTHONPATH (a task user who cannot
@@ -190,6 +191,7 @@ class ProcessRunner:
                 max_calls=int(warm_max_calls),
                 cgroups=self.cgroups,
                 env_key=_interpreter_key,
+                users=option_list(warm_users),
             )
             if _flag(warm)
             else None

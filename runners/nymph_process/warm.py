@@ -8,14 +8,14 @@ runner's part of a call is one line each way, about a tenth of a millisecond.
 
 What a warm call is, and what it is not:
 
-- **Only** a Python ``ref`` call with no user to become (``Task.as_user`` unset: neither an
-  ``as_user`` nor a root nymph's task user) goes to a warm worker. A ``script``, an ``as_user``
-  task, and a pickled function (even with ``--allow-pickled``) take the cold path (a forked or
-  spawned entry) as before. The worker-side gates run per call, in the worker, as in a cold entry:
+- **Only** a Python ``ref`` call with no user to become (``Task.as_user`` unset), or one whose
+  user is in ``users`` (a root nymph's task user: its workers start as that user) goes to a warm
+  worker. A ``script``, any other ``as_user`` task, and a pickled function (even with
+  ``--allow-pickled``) take the cold path (a forked or spawned entry) as before. The worker-side gates run per call, in the worker, as in a cold entry:
   ``--allow-module``, ``src_hash``, the runtime check; nymph's own gates (pickles, modules, scripts,
   users, version pins) ran before the runner was asked.
 - A worker is keyed by everything that shapes its interpreter: the environment (less the
-  per-call ``LAKESHORE_*`` and GPU variables), the interpreter, and the code archives the call
+  per-call ``LAKESHORE_*`` and GPU variables), the interpreter, its user, and the code archives the call
   shipped (``LAKESHORE_CODE_PATH``: one per sha256, so a call with other code never meets a module
   imported from another version). A call finds an idle worker of its key, or a new one is started
   (its interpreter start-up paid once); at most ``workers`` are kept (nymph passes its slot
@@ -45,6 +45,7 @@ import itertools
 import json
 import logging
 import os
+import pwd
 import select
 import signal
 import socket
@@ -75,7 +76,12 @@ class WarmWorker:
     """One warm worker process and nymph's end of its socket; used by one call at a time."""
 
     def __init__(
-        self, python: str, env: Mapping[str, str], key: tuple[Any, ...], cgroup: Path | None
+        self,
+        python: str,
+        env: Mapping[str, str],
+        key: tuple[Any, ...],
+        cgroup: Path | None,
+        user: Mapping[str, Any] | None = None,
     ) -> None:
         self.key = key
         self.cgroup = cgroup
@@ -87,18 +93,29 @@ class WarmWorker:
         self._buf = b""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         cmd = [python, WORKER_SCRIPT, str(theirs.fileno())]
-        if cgroup is not None:  # every process of the worker (and of its calls) is in its cgroup
+        if cgroup is not None and user is None:  # every process of the worker is in its cgroup
             cmd = [*spawn_prefix(cgroup), *cmd]
+        switch: dict[str, Any] = {}
+        env = dict(env)
+        if user is not None:  # the task user of a root nymph: dropped to before the interpreter starts
+            switch = {
+                "user": int(user["uid"]),
+                "group": int(user["gid"]),
+                "extra_groups": list(user["groups"]),
+            }
+            env.update(HOME=str(user["home"]), USER=str(user["name"]), LOGNAME=str(user["name"]))
+            env["SHELL"] = str(user["shell"])
         try:
             self.proc = subprocess.Popen(
                 cmd,
-                env=dict(env),
+                env=env,
                 cwd="/",
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 pass_fds=[theirs.fileno()],
                 close_fds=True,
                 start_new_session=True,  # its own process group: the ladder's killpg reaches it
+                **switch,
             )
         except OSError as exc:
             ours.close()
@@ -107,6 +124,16 @@ class WarmWorker:
             theirs.close()
         self.sock = ours
         self.pid = self.proc.pid
+        if cgroup is not None and user is not None:
+            # it cannot join a root-owned cgroup itself once it is the task user: moved in by nymph,
+            # before it is sent any call (until ready it only imports the entry, and starts nothing)
+            try:
+                TaskCgroups.procs_file(cgroup).write_text(str(self.pid))
+            except OSError as exc:
+                self.proc.kill()
+                self.proc.wait()
+                ours.close()
+                raise WarmError(f"cannot move warm worker {self.pid} into {cgroup}: {exc}") from exc
         self.start_time = 0.0
         with contextlib.suppress(psutil.Error):
             self.start_time = psutil.Process(self.pid).create_time()
@@ -207,8 +234,11 @@ class WarmPool:
         max_calls: int = 0,
         cgroups: TaskCgroups | None = None,
         env_key: Callable[[Mapping[str, str]], tuple[tuple[str, str], ...]],
+        users: tuple[str, ...] = (),
     ) -> None:
         self.python = python
+        # users a warm worker may run as (a root nymph's task user); any other as_user runs cold
+        self.users = frozenset(users) if os.geteuid() == 0 else frozenset()
         self.workers = max(1, int(workers))
         self.max_calls = max(0, int(max_calls))
         self.cgroups = cgroups
@@ -225,10 +255,10 @@ class WarmPool:
 
     # --- which calls go warm ---------------------------------------------------------------------
 
-    @staticmethod
-    def serves(task: Task) -> bool:
-        """A Python ``ref`` call with no user to become (see the module docstring)."""
-        if task.script is not None or task.as_user:
+    def serves(self, task: Task) -> bool:
+        """A Python ``ref`` call with no user to become, or as one of ``users`` (a root nymph's
+        task user; see the module docstring)."""
+        if task.script is not None or (task.as_user and task.as_user not in self.users):
             return False
         return _ref_call(Path(task.workdir))
 
@@ -236,10 +266,15 @@ class WarmPool:
 
     def start(self, task: Task, env: dict[str, str]) -> dict[str, Any] | None:
         """Hand ``task`` to a warm worker: the handle's data; None: take the cold path."""
-        key = (self.python, *self._env_key(env), (CODE_PATH_ENV, env.get(CODE_PATH_ENV, "")))
+        key = (
+            self.python,
+            *self._env_key(env),
+            (CODE_PATH_ENV, env.get(CODE_PATH_ENV, "")),
+            ("user", task.as_user or ""),
+        )
         for _attempt in range(2):  # an idle worker found dead is replaced once for this call
             try:
-                worker = self._checkout(key, env)
+                worker = self._checkout(key, env, task.as_user)
             except WarmError as exc:
                 log.warning("invocation %s: %s; running it cold", task.invocation_id, exc)
                 return None
@@ -365,7 +400,7 @@ class WarmPool:
 
     # --- the pool --------------------------------------------------------------------------------
 
-    def _checkout(self, key: tuple[Any, ...], env: Mapping[str, str]) -> WarmWorker:
+    def _checkout(self, key: tuple[Any, ...], env: Mapping[str, str], as_user: str | None) -> WarmWorker:
         evict: list[WarmWorker] = []
         with self._lock:
             if self._closed:
@@ -392,7 +427,8 @@ class WarmPool:
         try:
             cgroup = self._new_cgroup()
             try:
-                worker = WarmWorker(self.python, env, key, cgroup)
+                user = _user_record(as_user) if as_user else None
+                worker = WarmWorker(self.python, env, key, cgroup, user)
                 worker.wait_ready(READY_TIMEOUT_S)
             except BaseException:
                 if cgroup is not None and self.cgroups is not None:
@@ -452,6 +488,22 @@ class WarmPool:
                 worker.kill()
         if worker.cgroup is not None and self.cgroups is not None:
             self.cgroups.remove(worker.cgroup)
+
+
+def _user_record(name: str) -> dict[str, Any]:
+    """uid, gid, groups, home, shell and name of ``name`` (a warm worker runs as it)."""
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:
+        raise WarmError(f"user {name!r} is not a user on this host") from None
+    return {
+        "name": pw.pw_name,
+        "uid": pw.pw_uid,
+        "gid": pw.pw_gid,
+        "groups": os.getgrouplist(pw.pw_name, pw.pw_gid),
+        "home": pw.pw_dir,
+        "shell": pw.pw_shell,
+    }
 
 
 def call_over(workdir: Path) -> bool:

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -221,6 +223,61 @@ def test_as_user_tasks_take_the_cold_path(tmp_path: Path) -> None:
         assert _alive(int(warm.data["pid"])) and not _alive(int(cold.data["pid"]))
     finally:
         runner.close()
+
+
+def test_a_root_nymphs_task_user_gets_warm_workers_of_its_own(tmp_path: Path) -> None:
+    """A root nymph runs its tasks as its task user (``warm_users``, which ``nymph start --warm``
+    fills with ``--task-user``): warm workers run as that user, many calls each; another
+    ``as_user`` stays cold. The runtime is one the task user can read (the system python3 and the
+    entry bundle), as docs/nymph.md says to set up for a root nymph in a private venv."""
+    from dreamlake.lakeshore.daemon.bundle import build_bundle
+
+    python = shutil.which("python3", path="/usr/bin:/usr/local/bin:/bin")
+    if os.geteuid() != 0 or not _ensure_user("nymphtest") or not python:
+        pytest.skip("needs root, a user nymphtest and a system python3")
+    user = pwd.getpwnam("nymphtest")
+    base = Path(tempfile.mkdtemp(prefix="nymph-warm-user-"))
+    try:
+        os.chmod(base, 0o711)
+        runtime = base / "runtime"
+        (runtime / "tests").mkdir(parents=True)
+        bundle = build_bundle(runtime / "lakeshore-entry.zip")
+        for name in ("__init__.py", "warm_fns.py"):
+            shutil.copyfile(ROOT / "tests" / name, runtime / "tests" / name)
+        for path in [runtime, *runtime.rglob("*")]:
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        runner = ProcessRunner(
+            python=python, pythonpath=[str(bundle), str(runtime)], warm=True, warm_users=["nymphtest"]
+        )
+        try:
+            seen = []
+            for as_user in ("nymphtest", "nymphtest", None):
+                workdir = base / ids.new_ulid()
+                workdir.mkdir(mode=0o700)
+                (workdir / "args.msgpack").write_bytes(envelope(warm_fns.identity))
+                if as_user:
+                    shutil.chown(workdir, as_user, as_user)
+                    os.chown(workdir / "args.msgpack", user.pw_uid, user.pw_gid)
+                task = Task(
+                    invocation_id=workdir.name,
+                    attempt=1,
+                    workdir=workdir,
+                    env={"LAKESHORE_INVOCATION_ID": workdir.name},
+                    as_user=as_user,
+                )
+                handle = runner.start(task)
+                status = runner.wait(handle, 60)
+                assert status is not None and status.exit_code == 0, status
+                runner.destroy(handle)
+                assert "warm" in handle.data
+                seen.append(tuple(wire.unpack((workdir / "result.msgpack").read_bytes())))
+            (a, uid_a, calls_a), (b, uid_b, calls_b), (c, uid_c, calls_c) = seen
+            assert a == b and (uid_a, uid_b) == (user.pw_uid, user.pw_uid) and (calls_a, calls_b) == (1, 2)
+            assert c != a and uid_c == 0 and calls_c == 1  # nymph's own user: a worker of its own
+        finally:
+            runner.close()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_without_warm_every_call_is_a_fresh_process(
