@@ -172,6 +172,8 @@ class WarmWorker:
         """The next message; None after ``timeout``, or once the worker is gone (``code`` set)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while b"\n" not in self._buf:
+            if self.code is None and self.sock.fileno() < 0:  # closed here (killed): reap it
+                self._ended()
             if self.code is not None:
                 return None
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -357,7 +359,11 @@ class WarmPool:
             self._retire(worker, kill=False)
         elif self.max_calls and worker.calls >= self.max_calls:
             log.info("warm worker %d: recycled after %d calls", worker.pid, worker.calls)
-            self._retire(worker, kill=False)
+            self._forget(worker)
+            worker.close()  # it exits at once; reaped aside, so this call's ack does not wait for it
+            threading.Thread(
+                target=self._reap, args=(worker,), name=f"warm-{worker.pid}", daemon=True
+            ).start()
         else:
             with self._lock:
                 if worker.pid in self._by_pid:
