@@ -15,7 +15,8 @@ What a warm call is, and what it is not:
   ``--allow-module``, ``src_hash``, the runtime check; nymph's own gates (pickles, modules, scripts,
   users, version pins) ran before the runner was asked.
 - A worker is keyed by everything that shapes its interpreter: the environment (less the
-  per-call ``LAKESHORE_*`` and GPU variables), the interpreter, its user, and the code archives the call
+  per-call ``LAKESHORE_*`` variables), the GPUs the call was given (a library that initialised
+  CUDA on some cannot use others), the interpreter, its user, and the code archives the call
   shipped (``LAKESHORE_CODE_PATH``: one per sha256, so a call with other code never meets a module
   imported from another version). A call finds an idle worker of its key, or a new one is started
   (its interpreter start-up paid once); at most ``workers`` are kept (nymph passes its slot
@@ -69,6 +70,9 @@ READY_TIMEOUT_S = 30.0  # a worker's start-up: the interpreter and the entry's i
 EXIT_WAIT_S = 10.0  # after the socket's EOF: the worker's exit status comes this soon
 _POLL_S = 0.05
 CODE_PATH_ENV = "LAKESHORE_CODE_PATH"
+# the devices a call was given: a worker that initialised CUDA on some cannot serve others, so they
+# key it (a zygote reads them per child, as a fresh process does)
+GPU_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 CGROUP_PREFIX = "nymph-warm-"  # + "<nymph's pid>-<n>": a worker's cgroup, under the task cgroups
 
 
@@ -272,6 +276,7 @@ class WarmPool:
             self.python,
             *self._env_key(env),
             (CODE_PATH_ENV, env.get(CODE_PATH_ENV, "")),
+            *((name, env.get(name, "")) for name in GPU_ENV),
             ("user", task.as_user or ""),
         )
         for _attempt in range(2):  # an idle worker found dead is replaced once for this call

@@ -225,6 +225,46 @@ def test_as_user_tasks_take_the_cold_path(tmp_path: Path) -> None:
         runner.close()
 
 
+def test_calls_given_other_gpus_or_other_code_get_workers_of_their_own(tmp_path: Path) -> None:
+    """At the runner: the devices a call was given and the code it shipped key its worker (CUDA
+    initialised on one device cannot serve a call given another; one version's modules never meet
+    another's); calls alike share one."""
+    runner = ProcessRunner(warm=True, warm_workers=4)
+    try:
+
+        def run(env: dict[str, str]) -> tuple[int, int]:
+            workdir = tmp_path / ids.new_ulid()
+            workdir.mkdir(mode=0o700)
+            (workdir / "args.msgpack").write_bytes(envelope(warm_fns.count))
+            task = Task(
+                invocation_id=workdir.name,
+                attempt=1,
+                workdir=workdir,
+                env={"LAKESHORE_INVOCATION_ID": workdir.name, "PYTHONPATH": str(ROOT), **env},
+            )
+            handle = runner.start(task)
+            status = runner.wait(handle, 60)
+            assert status is not None and status.exit_code == 0, status
+            runner.destroy(handle)
+            assert "warm" in handle.data
+            pid, calls = wire.unpack((workdir / "result.msgpack").read_bytes())
+            return int(pid), int(calls)
+
+        gpu0, again, gpu1 = (
+            run({"CUDA_VISIBLE_DEVICES": "0"}),
+            run({"CUDA_VISIBLE_DEVICES": "0"}),
+            run({"CUDA_VISIBLE_DEVICES": "1"}),
+        )
+        assert gpu0[0] == again[0] and again[1] == 2
+        assert gpu1[0] != gpu0[0] and gpu1[1] == 1
+        code = tmp_path / "code"
+        code.mkdir()
+        shipped = run({"LAKESHORE_CODE_PATH": str(code)})
+        assert shipped[0] not in (gpu0[0], gpu1[0]) and shipped[1] == 1
+    finally:
+        runner.close()
+
+
 def test_a_root_nymphs_task_user_gets_warm_workers_of_its_own(tmp_path: Path) -> None:
     """A root nymph runs its tasks as its task user (``warm_users``, which ``nymph start --warm``
     fills with ``--task-user``): warm workers run as that user, many calls each; another
