@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 MAX_BATCH = 256  # writes per transaction at most
 
-_Item = tuple[WriteRequest, "asyncio.Future[WriteResult | PlaneError]"]
+# One caller's writes (one, or a batch route's many: they land in one transaction together)
+_Item = tuple[list[WriteRequest], "asyncio.Future[list[WriteResult | PlaneError]]"]
 
 
 class GroupWriter:
@@ -44,17 +45,25 @@ class GroupWriter:
     async def write(self, request: WriteRequest) -> WriteResult:
         """Queue ``request`` for the next group commit; its result once committed. Raises the
         PlaneError the store answered for this write (a refusal, or a store failure as a 500)."""
-        if self._closed:
-            raise PlaneError("the control plane is shutting down; retry", status=503)
-        if self._queue is None:
-            self._queue = asyncio.Queue()
-            self._task = asyncio.get_running_loop().create_task(self._run(self._queue))
-        fut: asyncio.Future[WriteResult | PlaneError] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((request, fut))
-        result = await fut
+        (result,) = await self.write_many([request])
         if isinstance(result, PlaneError):
             raise result
         return result
+
+    async def write_many(self, requests: list[WriteRequest]) -> list[WriteResult | PlaneError]:
+        """Queue ``requests`` for the next group commit, all in the same one (a batch may pass
+        ``max_batch`` by itself: it is never split); each one's result, or the PlaneError the store
+        answered for it, in order, once committed."""
+        if self._closed:
+            raise PlaneError("the control plane is shutting down; retry", status=503)
+        if not requests:
+            return []
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+            self._task = asyncio.get_running_loop().create_task(self._run(self._queue))
+        fut: asyncio.Future[list[WriteResult | PlaneError]] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((list(requests), fut))
+        return await fut
 
     async def _run(self, queue: asyncio.Queue[_Item | None]) -> None:
         loop = asyncio.get_running_loop()
@@ -64,25 +73,28 @@ class GroupWriter:
             if item is None:
                 break
             batch = [item]
-            while len(batch) < self._max and not queue.empty():
+            size = len(item[0])
+            while size < self._max and not queue.empty():
                 nxt = queue.get_nowait()
                 if nxt is None:
                     stopping = True
                     break
                 batch.append(nxt)
+                size += len(nxt[0])
             if self._observe is not None:
-                self._observe(len(batch))
+                self._observe(size)
+            writes = [req for reqs, _ in batch for req in reqs]
             try:
-                results = await loop.run_in_executor(
-                    self._pool, self._store.write_batch, [req for req, _ in batch]
-                )
+                results = await loop.run_in_executor(self._pool, self._store.write_batch, writes)
             except Exception as exc:  # the store raised outside any one write: all of them failed
-                log.exception("a group commit of %d writes failed", len(batch))
+                log.exception("a group commit of %d writes failed", len(writes))
                 failed = PlaneError(f"the store failed: {type(exc).__name__}", status=500)
-                results = [failed] * len(batch)
-            for (_, fut), result in zip(batch, results, strict=True):
+                results = [failed] * len(writes)
+            at = 0
+            for reqs, fut in batch:
+                mine, at = results[at : at + len(reqs)], at + len(reqs)
                 if not fut.done():  # a caller that went away (cancelled) gets nothing
-                    fut.set_result(result)
+                    fut.set_result(mine)
 
     async def aclose(self) -> None:
         """Commit and answer what is queued, then stop."""
