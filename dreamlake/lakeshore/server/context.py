@@ -152,6 +152,14 @@ class Context:
         except PlaneError as exc:
             raise _answer(exc) from None
 
+    async def write_many(self, requests: list[WriteRequest]) -> list[WriteResult | PlaneError]:
+        """Write ``requests`` in one group commit (``GroupWriter.write_many``): each one's result
+        or its refusal, in order, once committed."""
+        try:
+            return await self.writer.write_many(requests)
+        except PlaneError as exc:
+            raise _answer(exc) from None
+
     async def queue_warning(self, queue: str) -> str | None:
         """The "no worker has polled queue ..." warning, or None when a live worker serves it."""
         return await self.queues.warning(queue, lambda window: self.call(self.store.live_queues, window))
