@@ -313,8 +313,12 @@ class HttpDispatch:
             if (self.url, queue) not in _WARNED:
                 _WARNED.add((self.url, queue))
                 log.warning("%s", warning)
+        if len(answer["results"]) != len(chunk):
+            raise Unavailable(
+                f"submit-batch answered {len(answer['results'])} results for {len(chunk)} calls"
+            )
         out: list[str | PlaneError] = []
-        for (envelope, item), got in zip(chunk, answer["results"], strict=True):
+        for (envelope, item), got in zip(chunk, answer["results"]):  # noqa: B905 (Python 3.9: no strict)
             if "error" not in got:
                 out.append(str(got["invocation_id"]))
                 continue
