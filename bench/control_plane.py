@@ -13,7 +13,8 @@ msgpack bodies), so the client never shares the server's core or interpreter. Fi
   worker`` loops (``max`` as its ``--prefetch``, the acks of one poll's claims riding on the next
   poll: one request claims and acks);
 - baselines of the same run: a Starlette hello-world on the same HTTP stack (uvicorn with
-  uvloop when installed, and h11, as ``lakeshore server`` uses) under the same load processes;
+  uvloop when installed, h11 and no access log, as ``lakeshore server`` uses) under the same load
+  processes;
   raw ``sqlite3`` (WAL, ``synchronous=NORMAL``, as the store) and raw ``psycopg`` inserts, one row
   per transaction and 100 rows per transaction.
 
@@ -63,7 +64,8 @@ async def hello(request):
     return Response(b"\\x81\\xa2ok\\xc3", media_type="application/x-msgpack")
 app = Starlette(routes=[Route("/", hello, methods=["GET", "POST"])])
 loop = "uvloop" if {uvloop} else "asyncio"
-uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", loop=loop, http="h11")
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", loop=loop, http="h11",
+            access_log=False)
 """
 
 

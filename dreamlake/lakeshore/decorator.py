@@ -43,7 +43,7 @@ import types
 from collections import namedtuple
 from collections.abc import Generator
 
-from dreamlake.lakeshore.errors import PlaneError
+from dreamlake.lakeshore.errors import PlaneError, Unavailable
 
 TYPE_CHECKING = False  # typing, dataclasses, inspect and logging cost every invocation's start-up
 if TYPE_CHECKING:
@@ -527,8 +527,9 @@ class UDF:
         a sweep of 100,000 calls is 200 requests, not 100,000), each call with its own invocation
         id. Returns :class:`Calls`: the ids in input order (use them as ``submit()``'s: status,
         ``SyncQueue.result`` / ``stream``, cancel) with ``results()`` to collect the values. When
-        a call is refused the map stops after that batch and raises that call's error, with
-        ``invocation_ids`` holding every id sent (None where refused; the others were submitted)."""
+        a call is refused (or a batch stays unanswered past the retry window) the map stops after
+        that batch and raises that call's error, with ``invocation_ids`` holding every id sent
+        (None where refused, not stored; an unanswered call's id is kept: ask its status)."""
         if not iterables:
             raise TypeError("map() needs at least one iterable of arguments, e.g. f.map(range(10))")
         pairs = zip(*iterables)  # noqa: B905 (the builtin map stops at the shortest; Python 3.9 has no strict)
@@ -665,7 +666,8 @@ def _send(plane: Any, chunk: list[tuple[Any, ...]], out: Calls) -> None:
     for got in results:
         if isinstance(got, PlaneError):
             first = first or (len(out), got)
-            out.append(None)
+            # unanswered (the retry window ran out): perhaps stored, so its id stays for a status
+            out.append(got.invocation_id if isinstance(got, Unavailable) else None)
         else:
             out.append(str(got))
     if first is None:
@@ -673,9 +675,10 @@ def _send(plane: Any, chunk: list[tuple[Any, ...]], out: Calls) -> None:
     index, err = first
     refused = sum(1 for x in out[start:] if x is None)
     new = type(err)(
-        f"call {index} of the map (invocation {err.invocation_id}) was refused: {err}. "
+        f"call {index} of the map (invocation {err.invocation_id}) failed: {err}. "
         f"{refused} of the {len(chunk)} calls of its batch were refused; the others, and every "
-        f"call before the batch, were submitted: exc.invocation_ids holds their ids (None: refused)",
+        "call before the batch, were submitted (or, unanswered, perhaps stored: ask their status): "
+        "exc.invocation_ids holds their ids in input order (None: refused, not stored)",
         err.status,
     )
     new.invocation_id = err.invocation_id

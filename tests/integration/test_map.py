@@ -181,3 +181,22 @@ def test_a_plane_without_batches_gets_single_submits() -> None:
     calls = square.map(range(7), _dispatch=plane)  # type: ignore[arg-type]
     assert plane.submitted == 7 and len(set(calls)) == 7
     assert all(plane.inner.store.get(i) is not None for i in calls)
+
+
+def test_an_unanswered_batch_keeps_its_ids_for_a_status_check() -> None:
+    """A control plane that never answers (nothing listens): the batch may or may not be stored,
+    so the error keeps every call's id (never None, which means refused and not stored)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    plane = HttpDispatch(f"http://127.0.0.1:{port}", "lsk_unused", retry_window=0.2)
+    with pytest.raises(PlaneError) as caught:
+        square.map(range(3), _dispatch=plane)
+    err = caught.value
+    assert err.status is None or err.status >= 500
+    assert err.invocation_ids is not None and len(err.invocation_ids) == 3
+    assert all(isinstance(i, str) and len(i) == 26 for i in err.invocation_ids)
+    assert "perhaps stored" in str(err) and "submit batch of 3 calls" in str(err)
+    plane.close()

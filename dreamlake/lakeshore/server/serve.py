@@ -267,6 +267,9 @@ def _guard_options(config: ServerConfig) -> dict[str, Any]:
     return {
         "timeout_keep_alive": max(1, int(config.keep_alive_s)),
         "h11_max_incomplete_event_size": config.max_header_bytes,
+        # uvicorn logs at "warning", so its access lines never print; left on, every response
+        # still formatted the client address and the quoted path for them
+        "access_log": False,
     }
 
 
