@@ -88,10 +88,10 @@ class Context:
 
     def check_inline(self, what: str, size: int, namespace: str, use: str) -> None:
         """413 (:func:`~.payloads.over_threshold`) when ``size`` bytes may not ride inline."""
-        from dreamlake.lakeshore.server.payloads import over_threshold
-
         limit = self.inline_threshold
         if limit is not None and size > limit:
+            from dreamlake.lakeshore.server.payloads import over_threshold  # only when refusing
+
             err = over_threshold(what, size, limit, namespace, use)
             raise HTTPError(413, err.message, inline_threshold_bytes=limit)
 

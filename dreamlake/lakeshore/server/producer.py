@@ -35,10 +35,27 @@ from dreamlake.lakeshore.store.values import check_run_config
 log = logging.getLogger(__name__)
 
 
-def submit_request(ctx: Context, caller: Caller, body: dict[str, Any]) -> tuple[SubmitRequest, float | None]:
+def check_config(caller: Caller, run_config: dict[str, Any]) -> None:
+    """A submit's ``run_config``: string keys and limits in range (400), a script only from a
+    token that may submit one (403)."""
+    for key in run_config:
+        if not isinstance(key, str):
+            raise HTTPError(400, "run_config keys must be strings")
+    try:
+        check_run_config(run_config)
+    except PlaneError as exc:
+        raise HTTPError(400, str(exc)) from None
+    authz.check_submit(caller, run_config)
+
+
+def submit_request(
+    ctx: Context, caller: Caller, body: dict[str, Any], *, checked: object = None
+) -> tuple[SubmitRequest, float | None]:
     """A submit body checked (400, 403 for a script without ``may_script``, 413 over the inline
     threshold) into its store request and its ``wait_s`` (None: answer at once). The one check
-    of ``/v1/producer/submit`` and of each item of ``/v1/producer/submit-batch``."""
+    of ``/v1/producer/submit`` and of each item of ``/v1/producer/submit-batch``; ``checked`` is
+    a ``run_config`` object :func:`check_config` passed already (a batch's shared one, checked
+    once for all of its items)."""
     invocation_id = http.ulid_field(body, "invocation_id")
     assert invocation_id is not None
     run_config = field(body, "run_config", dict, default={})
@@ -58,14 +75,8 @@ def submit_request(ctx: Context, caller: Caller, body: dict[str, Any]) -> tuple[
     ctx.check_inline("args_blob", len(args_blob), namespace, "args_ref")
     code_context = field(body, "code_context", dict, default={})
     parent = http.ulid_field(body, "parent_invocation_id", optional=True)
-    for key in run_config:
-        if not isinstance(key, str):
-            raise HTTPError(400, "run_config keys must be strings")
-    try:
-        check_run_config(run_config)
-    except PlaneError as exc:
-        raise HTTPError(400, str(exc)) from None
-    authz.check_submit(caller, run_config)
+    if run_config is not checked:
+        check_config(caller, run_config)
     wait_s = None
     if body.get("wait_s") is not None:
         wait_s = http.number(body, "wait_s", 0.0, lo=0.0, hi=ctx.config.await_max_s)
@@ -83,9 +94,13 @@ def submit_request(ctx: Context, caller: Caller, body: dict[str, Any]) -> tuple[
     return req, wait_s
 
 
-def _submitted(ctx: Context, req: SubmitRequest, result: SubmitResult) -> dict[str, Any]:
-    """The answer of a committed submit, counted; its waiters woken when the store notifies none."""
-    ctx.metrics.submitted(result.duplicate)
+def _submitted(
+    ctx: Context, req: SubmitRequest, result: SubmitResult, *, count: bool = True
+) -> dict[str, Any]:
+    """The answer of a committed submit, counted (unless the caller counts a batch at once); its
+    waiters woken when the store notifies none."""
+    if count:
+        ctx.metrics.submitted(result.duplicate)
     if ctx.wake.own and not result.duplicate:
         for channel in invocation_channels(req.namespace, result.queue):
             ctx.wake.notify(channel)
@@ -152,6 +167,14 @@ async def submit_batch(
     answers: list[dict[str, Any] | None] = [None] * len(items)
     reqs: list[SubmitRequest] = []
     where: list[int] = []
+    shared = common.get("run_config")  # a sweep's: checked once, not per item
+    try:
+        if isinstance(shared, dict):
+            check_config(caller, shared)
+        else:
+            shared = None
+    except HTTPError:
+        shared = None  # each item that takes it answers the error
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             err = HTTPError(400, f"submits[{i}] must be a map (a submit body), got {type(item).__name__}")
@@ -167,7 +190,7 @@ async def submit_batch(
                 )
             if task is not None:
                 tasks.own_child(task, merged)
-            req, _ = submit_request(ctx, caller, merged)
+            req, _ = submit_request(ctx, caller, merged, checked=shared)
         except HTTPError as exc:
             answers[i] = _item_error(exc, merged)
             continue
@@ -175,13 +198,18 @@ async def submit_batch(
         where.append(i)
     results = await ctx.write_many(list(reqs))
     queues: dict[str, None] = {}
+    counts = [0, 0]  # new, duplicate
     for i, req, result in zip(where, reqs, results, strict=True):
         if isinstance(result, SubmitResult):
-            answers[i] = _submitted(ctx, req, result)
+            answers[i] = _submitted(ctx, req, result, count=False)
+            counts[result.duplicate] += 1
             queues[result.queue] = None
         else:
             assert isinstance(result, PlaneError)  # a submit's write answers a SubmitResult or this
             answers[i] = _item_error(result, items[i])
+    for duplicate, n in enumerate(counts):
+        if n:
+            ctx.metrics.submitted(bool(duplicate), n)
     out: dict[str, Any] = {"results": answers}
     warnings = {}
     for queue in queues:
