@@ -171,7 +171,7 @@ class Routes:
         try:
             with self.ctx.polls.admitted():
                 body = await self._msgpack(request)
-                out = await daemon.poll(self.ctx, caller, body, request.is_disconnected)
+                out = await daemon.poll(self.ctx, caller, body, request.receive)
         except PollsFull as exc:
             self.ctx.metrics.polls_refused.inc()
             after = self.ctx.config.poll_retry_after_s

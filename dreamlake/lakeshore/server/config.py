@@ -66,8 +66,8 @@ class ServerConfig:
     # may pause at most body_timeout_s; connections past max_connections are closed on accept.
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
-    keep_alive_s: float = 5.0
-    max_connections: int = 2048
+    keep_alive_s: float = 30.0  # above nymph's heartbeat period: a fleet's side connections stay
+    max_connections: int = 10240  # a nymph holds two (its long poll and a side one); max_polls 5000
     max_header_bytes: int = 64 * 1024
     task_token_ttl_s: float = 86400.0  # the longest a task token lives (it dies with its ack first)
     # Retention (store/retention.py): finished work older than this is deleted by the sweep, every

@@ -3,9 +3,15 @@
 A route hands its write to :meth:`GroupWriter.write` and awaits the answer. One writer task drains
 the queue: it takes every write that arrived while the previous transaction was committing (up to
 ``max_batch``), applies them with ``store.write_batch`` in a thread of its own, and answers each
-only after the transaction holding it committed. Durability is the store's, unchanged: nothing is
+only after the transaction holding it committed (the store commits a batch's submits, then its
+acks, frames and poll passes, then its heartbeats, and each is answered as soon as its own
+transaction has committed). Durability is the store's, unchanged: nothing is
 answered before it is written. One write's refusal (a superseded ack's 409, a submit's clash) is
 that write's answer alone; the store isolates a failing write from the others of its batch.
+
+A caller may hand several writes at once (:meth:`GroupWriter.write_many`, the submit-batch
+route): they go into the same group commit, whole even past ``max_batch``, and are answered
+together, each with its own result.
 
 Under load the batches grow by themselves (the longer a commit takes, the more writes wait for the
 next one); an idle server commits each write at once, in a batch of one.
@@ -28,6 +34,34 @@ MAX_BATCH = 256  # writes per transaction at most
 
 # One caller's writes (one, or a batch route's many: they land in one transaction together)
 _Item = tuple[list[WriteRequest], "asyncio.Future[list[WriteResult | PlaneError]]"]
+
+
+class _Answers:
+    """The answers of one group commit, by the index of each write in it: a caller's future is
+    set once all of its writes are answered (a batch route's submits commit together, so they are
+    answered together)."""
+
+    def __init__(self, batch: list[_Item]) -> None:
+        self.futures = [fut for _, fut in batch]
+        self.owner: list[int] = []  # write index -> the caller it belongs to
+        self.results: list[list[Any]] = []
+        self.left: list[int] = []
+        self.offset: list[int] = []
+        for k, (reqs, _) in enumerate(batch):
+            self.offset.append(len(self.owner))
+            self.owner += [k] * len(reqs)
+            self.results.append([None] * len(reqs))
+            self.left.append(len(reqs))
+
+    def answer(self, pairs: list[tuple[int, Any]]) -> None:
+        for i, result in pairs:
+            k = self.owner[i]
+            slot = i - self.offset[k]
+            if self.results[k][slot] is None:
+                self.results[k][slot] = result
+                self.left[k] -= 1
+            if self.left[k] == 0 and not self.futures[k].done():  # a caller that went away gets nothing
+                self.futures[k].set_result(self.results[k])
 
 
 class GroupWriter:
@@ -83,18 +117,21 @@ class GroupWriter:
                 size += len(nxt[0])
             if self._observe is not None:
                 self._observe(size)
+            answers = _Answers(batch)
             writes = [req for reqs, _ in batch for req in reqs]
+
+            def committed(pairs: list[tuple[int, Any]], answers: _Answers = answers) -> None:
+                # in the store's thread: answer one committed transaction's writes on the loop now,
+                # ahead of the batch's later transactions (a poll's claim before the heartbeats)
+                loop.call_soon_threadsafe(answers.answer, pairs)
+
             try:
-                results = await loop.run_in_executor(self._pool, self._store.write_batch, writes)
+                results = await loop.run_in_executor(self._pool, self._store.write_batch, writes, committed)
             except Exception as exc:  # the store raised outside any one write: all of them failed
                 log.exception("a group commit of %d writes failed", len(writes))
                 failed = PlaneError(f"the store failed: {type(exc).__name__}", status=500)
                 results = [failed] * len(writes)
-            at = 0
-            for reqs, fut in batch:
-                mine, at = results[at : at + len(reqs)], at + len(reqs)
-                if not fut.done():  # a caller that went away (cancelled) gets nothing
-                    fut.set_result(mine)
+            answers.answer(list(enumerate(results)))
 
     async def aclose(self) -> None:
         """Commit and answer what is queued, then stop."""
