@@ -67,6 +67,8 @@ def producer(control_plane: ControlPlane) -> Iterator[HttpDispatch]:
     plane.close()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # 10,000 round trips with the server, worker and producer in one process
 def test_a_sweep_of_10000_calls_runs_each_once_and_every_result_arrives_once(
     control_plane: ControlPlane, producer: HttpDispatch
 ) -> None:
