@@ -338,6 +338,8 @@ class Row:
     rss_per_poll: float
     refused: int
     client_cpu: float  # this process's CPU while measuring, % of one core: is the client the bottleneck?
+    # mean seconds from reaching the group commit to the answer, by kind, while measuring
+    writes: dict[str, float] = field(default_factory=dict)
 
 
 async def _measure(
@@ -364,6 +366,18 @@ async def _measure(
     async def relays_up() -> bool:
         samples = [await _metrics(a) for a in admin]
         return all(m.get("lakeshore_relay_listening", 1.0) == 1.0 for m in samples)
+
+    async def write_times() -> dict[str, tuple[float, float]]:
+        """``lakeshore_write_seconds`` (sum, count) by kind, over every replica."""
+        out: dict[str, tuple[float, float]] = {}
+        for m in [await _metrics(a) for a in admin]:
+            for kind in WRITE_KINDS:
+                total, count = out.get(kind, (0.0, 0.0))
+                out[kind] = (
+                    total + m.get(f'lakeshore_write_seconds_sum{{kind="{kind}"}}', 0.0),
+                    count + m.get(f'lakeshore_write_seconds_count{{kind="{kind}"}}', 0.0),
+                )
+        return out
 
     async def passes() -> tuple[float, float] | None:
         """Poll passes (store transactions run by polls) so far: all of them, and those woken."""
@@ -406,6 +420,7 @@ async def _measure(
     )
 
     loop = asyncio.get_running_loop()
+    writes0 = await write_times()
     passes0 = await passes()
     cpu0, t0 = sum(s.cpu_s() for s in servers), time.monotonic()
     me = psutil.Process()
@@ -428,6 +443,12 @@ async def _measure(
     client_cpu = (sum(me.cpu_times()[:2]) - client0) / elapsed * 100
     busy = sum(s.cpu_s() for s in servers) - cpu0 - idle_rate * elapsed
     passes1 = await passes()
+    writes1 = await write_times()
+    writes = {
+        kind: (writes1[kind][0] - writes0[kind][0]) / (writes1[kind][1] - writes0[kind][1])
+        for kind in WRITE_KINDS
+        if writes1[kind][1] > writes0[kind][1]
+    }
     await fleet.stop()
     for c in (*admin, producer):
         await c.close()
@@ -445,6 +466,7 @@ async def _measure(
         rss_per_poll=(rss - rss0) / n,
         refused=fleet.refused,
         client_cpu=client_cpu,
+        writes=writes,
     )
 
 
@@ -527,6 +549,9 @@ def _log_errors(log: Path) -> None:
     log.write_text("")
 
 
+WRITE_KINDS = ("submit", "poll", "heartbeat", "ack")
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms"
 
@@ -551,6 +576,9 @@ def _print_row(r: Row) -> None:
         f"{r.rss_per_poll / 1024:>9.1f} KiB | {r.client_cpu:>9.1f}%{refused}",
         flush=True,
     )
+    if r.writes:  # where a submit's and a claim's time goes: the group commit's share
+        parts = ", ".join(f"{kind} {_ms(seconds)}" for kind, seconds in r.writes.items())
+        print(f"{'':>8}   group commit, queued to answered (mean): {parts}", flush=True)
 
 
 def main() -> None:

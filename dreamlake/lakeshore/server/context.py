@@ -73,7 +73,11 @@ class Context:
         )
         self.auth = Authenticator(self._verify)
         self.acks = AcksInFlight()
-        self.writer = GroupWriter(self.store, observe=self.metrics.write_batch.observe)
+        self.writer = GroupWriter(
+            self.store,
+            observe=self.metrics.write_batch.observe,
+            timed=lambda kind, s: self.metrics.write_seconds.labels(kind=kind).observe(s),
+        )
         self.workers = WorkerBindings(lambda worker, token: self.call(self.store.bind_worker, worker, token))
         self.queues = QueueWatch()
         self._task_tokens: TaskTokens | None = None

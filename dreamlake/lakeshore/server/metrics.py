@@ -82,6 +82,14 @@ class Metrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
             registry=self.registry,
         )
+        self.write_seconds = Histogram(
+            "lakeshore_write_seconds",
+            "Time from a write reaching the group commit to its answer (queued behind other "
+            "transactions, then its own commit), by kind of write",
+            ["kind"],
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1, 5),
+            registry=self.registry,
+        )
 
         self.poll_passes = Counter(
             "lakeshore_poll_passes",

@@ -22,15 +22,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from dreamlake.lakeshore.errors import PlaneError
-from dreamlake.lakeshore.store.api import Store, WriteRequest, WriteResult
+from dreamlake.lakeshore.store.api import (
+    AckRequest,
+    FrameRequest,
+    FramesRequest,
+    HeartbeatRequest,
+    PollRequest,
+    Store,
+    SubmitRequest,
+    WriteRequest,
+    WriteResult,
+)
 
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 256  # writes per transaction at most
+_KINDS = {
+    SubmitRequest: "submit",
+    AckRequest: "ack",
+    FrameRequest: "frame",
+    FramesRequest: "frames",
+    HeartbeatRequest: "heartbeat",
+    PollRequest: "poll",
+}  # the ``kind`` label of lakeshore_write_seconds
 
 # One caller's writes (one, or a batch route's many: they land in one transaction together)
 _Item = tuple[list[WriteRequest], "asyncio.Future[list[WriteResult | PlaneError]]"]
@@ -67,10 +86,14 @@ class _Answers:
 class GroupWriter:
     """Commits the writes of one event loop in batches (see the module docstring)."""
 
-    def __init__(self, store: Store, *, max_batch: int = MAX_BATCH, observe: Any = None) -> None:
+    def __init__(
+        self, store: Store, *, max_batch: int = MAX_BATCH, observe: Any = None, timed: Any = None
+    ) -> None:
         self._store = store
         self._max = max(1, max_batch)
         self._observe = observe  # called with each batch's size (a histogram's ``observe``)
+        # called with a write's kind and its seconds from queued to answered (a labelled histogram)
+        self._timed = timed
         self._queue: asyncio.Queue[_Item | None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lakeshore-writer")
@@ -96,8 +119,14 @@ class GroupWriter:
             self._queue = asyncio.Queue()
             self._task = asyncio.get_running_loop().create_task(self._run(self._queue))
         fut: asyncio.Future[list[WriteResult | PlaneError]] = asyncio.get_running_loop().create_future()
+        queued = time.monotonic()
         self._queue.put_nowait((list(requests), fut))
-        return await fut
+        results = await fut
+        if self._timed is not None:
+            took = time.monotonic() - queued
+            for request in requests:
+                self._timed(_KINDS.get(type(request), "other"), took)
+        return results
 
     async def _run(self, queue: asyncio.Queue[_Item | None]) -> None:
         loop = asyncio.get_running_loop()
