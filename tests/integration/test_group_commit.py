@@ -414,3 +414,37 @@ def test_the_writer_batches_what_arrives_during_a_commit_and_answers_after_it() 
             await writer.write(AckRequest("g", "failed"))
 
     asyncio.run(scenario())
+
+
+def test_a_batch_of_writes_lands_whole_in_one_group_commit_past_the_cap() -> None:
+    """``write_many`` (the submit-batch route): its writes are never split across transactions,
+    even past ``max_batch``; each answers its own result, in order, after the commit."""
+
+    async def scenario() -> None:
+        store = _GatedStore()
+        writer = GroupWriter(store, max_batch=4)  # type: ignore[arg-type]
+        first = asyncio.create_task(writer.write(AckRequest("a", "succeeded")))
+        await asyncio.to_thread(store.started.wait, 10)
+        many = asyncio.create_task(
+            writer.write_many([AckRequest(x, "refuse" if x == "d" else "failed") for x in "bcdefg"])
+        )
+        after = asyncio.create_task(writer.write(AckRequest("h", "failed")))
+        await asyncio.sleep(0.05)
+        assert not many.done()
+        store.gate.set()
+        await first
+        answers = await many
+        assert [a.status if isinstance(a, PlaneError) else a.state for a in answers] == [  # type: ignore[union-attr]
+            "failed", "failed", 409, "failed", "failed", "failed",
+        ]  # fmt: skip
+        assert (await after).state == "failed"
+        # the batch of six went whole, past the cap of four; h waited for the next commit
+        assert [[r.invocation_id for r in b] for b in store.batches] == [  # type: ignore[union-attr]
+            ["a"],
+            list("bcdefg"),
+            ["h"],
+        ]
+        assert await writer.write_many([]) == []
+        await writer.aclose()
+
+    asyncio.run(scenario())

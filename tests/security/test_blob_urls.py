@@ -152,11 +152,16 @@ def _raw_get(stack: Stack, target: str) -> bytes:
 
 
 def test_an_expired_url_is_refused(tmp_path: Path) -> None:
+    # the blob goes in under the default TTL (a 1 s PUT URL can expire on a loaded machine before
+    # the upload starts); the same store and blob directory then serve with a 1 s TTL
+    with running_control_plane(str(tmp_path / "e.db"), payloads=local_blobs(tmp_path / "b")) as cp:
+        client = PlaneClient(cp.url, cp.admin_token)
+        ref = blobs.put(client, NS, b"short-lived")
+        client.close()
     with running_control_plane(
         str(tmp_path / "e.db"), payloads=local_blobs(tmp_path / "b", presign_ttl_s=1)
     ) as cp:
         client = PlaneClient(cp.url, cp.admin_token)
-        ref = blobs.put(client, NS, b"short-lived")
         url = _presign(client, {"op": "get", "key": ref["key"]})["url"]
         deadline = time.monotonic() + 10
         while (r := httpx.get(url)).status_code == 200:

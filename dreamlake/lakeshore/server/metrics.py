@@ -31,6 +31,11 @@ class Metrics:
         self.submits = Counter(
             "lakeshore_submits", "Invocations submitted", ["duplicate"], registry=self.registry
         )
+        # the children made once: ``labels()`` per submit hashed and locked its labels each time
+        self._submit_children = (
+            self.submits.labels(duplicate="false"),
+            self.submits.labels(duplicate="true"),
+        )
         self.claims = Counter(
             "lakeshore_claims", "Commands handed to daemons by poll", ["kind"], registry=self.registry
         )
@@ -155,6 +160,11 @@ class Metrics:
             for state, n in q.counts.items():
                 self.invocations.labels(queue=q.name, state=state).set(n)
         self.workers_live.set(workers_live)
+
+    def submitted(self, duplicate: bool, n: int = 1) -> None:
+        """Count ``n`` submits; the two children are made once (``labels()`` per submit hashed
+        and locked its label tuple on the hot path)."""
+        self._submit_children[duplicate].inc(n)
 
     def frames_appended(self, kinds: Iterable[int], owner: str = "invocation") -> None:
         """Count journaled frames by their kind (ints on the wire, named here)."""

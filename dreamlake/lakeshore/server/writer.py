@@ -9,6 +9,10 @@ transaction has committed). Durability is the store's, unchanged: nothing is
 answered before it is written. One write's refusal (a superseded ack's 409, a submit's clash) is
 that write's answer alone; the store isolates a failing write from the others of its batch.
 
+A caller may hand several writes at once (:meth:`GroupWriter.write_many`, the submit-batch
+route): they go into the same group commit, whole even past ``max_batch``, and are answered
+together, each with its own result.
+
 Under load the batches grow by themselves (the longer a commit takes, the more writes wait for the
 next one); an idle server commits each write at once, in a batch of one.
 """
@@ -47,13 +51,36 @@ _KINDS = {
     PollRequest: "poll",
 }  # the ``kind`` label of lakeshore_write_seconds
 
-_Item = tuple[WriteRequest, "asyncio.Future[WriteResult | PlaneError]"]
+# One caller's writes (one, or a batch route's many: they land in one transaction together)
+_Item = tuple[list[WriteRequest], "asyncio.Future[list[WriteResult | PlaneError]]"]
 
 
-def _answer(futures: list[asyncio.Future[Any]], pairs: list[tuple[int, Any]]) -> None:
-    for i, result in pairs:
-        if not futures[i].done():  # a caller that went away (cancelled) gets nothing
-            futures[i].set_result(result)
+class _Answers:
+    """The answers of one group commit, by the index of each write in it: a caller's future is
+    set once all of its writes are answered (a batch route's submits commit together, so they are
+    answered together)."""
+
+    def __init__(self, batch: list[_Item]) -> None:
+        self.futures = [fut for _, fut in batch]
+        self.owner: list[int] = []  # write index -> the caller it belongs to
+        self.results: list[list[Any]] = []
+        self.left: list[int] = []
+        self.offset: list[int] = []
+        for k, (reqs, _) in enumerate(batch):
+            self.offset.append(len(self.owner))
+            self.owner += [k] * len(reqs)
+            self.results.append([None] * len(reqs))
+            self.left.append(len(reqs))
+
+    def answer(self, pairs: list[tuple[int, Any]]) -> None:
+        for i, result in pairs:
+            k = self.owner[i]
+            slot = i - self.offset[k]
+            if self.results[k][slot] is None:
+                self.results[k][slot] = result
+                self.left[k] -= 1
+            if self.left[k] == 0 and not self.futures[k].done():  # a caller that went away gets nothing
+                self.futures[k].set_result(self.results[k])
 
 
 class GroupWriter:
@@ -75,20 +102,31 @@ class GroupWriter:
     async def write(self, request: WriteRequest) -> WriteResult:
         """Queue ``request`` for the next group commit; its result once committed. Raises the
         PlaneError the store answered for this write (a refusal, or a store failure as a 500)."""
-        if self._closed:
-            raise PlaneError("the control plane is shutting down; retry", status=503)
-        if self._queue is None:
-            self._queue = asyncio.Queue()
-            self._task = asyncio.get_running_loop().create_task(self._run(self._queue))
-        fut: asyncio.Future[WriteResult | PlaneError] = asyncio.get_running_loop().create_future()
-        queued = time.monotonic()
-        self._queue.put_nowait((request, fut))
-        result = await fut
-        if self._timed is not None:
-            self._timed(_KINDS.get(type(request), "other"), time.monotonic() - queued)
+        (result,) = await self.write_many([request])
         if isinstance(result, PlaneError):
             raise result
         return result
+
+    async def write_many(self, requests: list[WriteRequest]) -> list[WriteResult | PlaneError]:
+        """Queue ``requests`` for the next group commit, all in the same one (a batch may pass
+        ``max_batch`` by itself: it is never split); each one's result, or the PlaneError the store
+        answered for it, in order, once committed."""
+        if self._closed:
+            raise PlaneError("the control plane is shutting down; retry", status=503)
+        if not requests:
+            return []
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+            self._task = asyncio.get_running_loop().create_task(self._run(self._queue))
+        fut: asyncio.Future[list[WriteResult | PlaneError]] = asyncio.get_running_loop().create_future()
+        queued = time.monotonic()
+        self._queue.put_nowait((list(requests), fut))
+        results = await fut
+        if self._timed is not None:
+            took = time.monotonic() - queued
+            for request in requests:
+                self._timed(_KINDS.get(type(request), "other"), took)
+        return results
 
     async def _run(self, queue: asyncio.Queue[_Item | None]) -> None:
         loop = asyncio.get_running_loop()
@@ -98,32 +136,31 @@ class GroupWriter:
             if item is None:
                 break
             batch = [item]
-            while len(batch) < self._max and not queue.empty():
+            size = len(item[0])
+            while size < self._max and not queue.empty():
                 nxt = queue.get_nowait()
                 if nxt is None:
                     stopping = True
                     break
                 batch.append(nxt)
+                size += len(nxt[0])
             if self._observe is not None:
-                self._observe(len(batch))
-            futures = [fut for _, fut in batch]
+                self._observe(size)
+            answers = _Answers(batch)
+            writes = [req for reqs, _ in batch for req in reqs]
 
-            def committed(pairs: list[tuple[int, Any]], futures: list[Any] = futures) -> None:
+            def committed(pairs: list[tuple[int, Any]], answers: _Answers = answers) -> None:
                 # in the store's thread: answer one committed transaction's writes on the loop now,
                 # ahead of the batch's later transactions (a poll's claim before the heartbeats)
-                loop.call_soon_threadsafe(_answer, futures, pairs)
+                loop.call_soon_threadsafe(answers.answer, pairs)
 
             try:
-                results = await loop.run_in_executor(
-                    self._pool, self._store.write_batch, [req for req, _ in batch], committed
-                )
+                results = await loop.run_in_executor(self._pool, self._store.write_batch, writes, committed)
             except Exception as exc:  # the store raised outside any one write: all of them failed
-                log.exception("a group commit of %d writes failed", len(batch))
+                log.exception("a group commit of %d writes failed", len(writes))
                 failed = PlaneError(f"the store failed: {type(exc).__name__}", status=500)
-                results = [failed] * len(batch)
-            for (_, fut), result in zip(batch, results, strict=True):
-                if not fut.done():  # a caller that went away (cancelled) gets nothing
-                    fut.set_result(result)
+                results = [failed] * len(writes)
+            answers.answer(list(enumerate(results)))
 
     async def aclose(self) -> None:
         """Commit and answer what is queued, then stop."""
