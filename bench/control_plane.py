@@ -7,9 +7,14 @@ msgpack bodies), so the client never shares the server's core or interpreter. Fi
 
 - submit/s: ``--producers`` processes submitting ``--jobs`` invocations in all, as fast as answered;
 - claim+ack/s: ``--daemons`` processes polling (``max`` ``--poll-max``, no wait) and acking until
-  the queue is drained;
+  the queue is drained, one ack per request as nymph does;
+- the same pair through the batched paths: submits in ``--batch`` per ``POST
+  /v1/producer/submit-batch`` (as ``UDF.map`` sends a sweep; per call), drained by ``lakeshore
+  worker`` loops (``max`` as its ``--prefetch``, the acks of one poll's claims riding on the next
+  poll: one request claims and acks);
 - baselines of the same run: a Starlette hello-world on the same HTTP stack (uvicorn with
-  uvloop when installed, and h11, as ``lakeshore server`` uses) under the same load processes;
+  uvloop when installed, h11 and no access log, as ``lakeshore server`` uses) under the same load
+  processes;
   raw ``sqlite3`` (WAL, ``synchronous=NORMAL``, as the store) and raw ``psycopg`` inserts, one row
   per transaction and 100 rows per transaction.
 
@@ -59,7 +64,8 @@ async def hello(request):
     return Response(b"\\x81\\xa2ok\\xc3", media_type="application/x-msgpack")
 app = Starlette(routes=[Route("/", hello, methods=["GET", "POST"])])
 loop = "uvloop" if {uvloop} else "asyncio"
-uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", loop=loop, http="h11")
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", loop=loop, http="h11",
+            access_log=False)
 """
 
 
@@ -116,6 +122,58 @@ def _producer(port: int, token: str, n: int, queue: str, go: Any, out: Any) -> N
     out.put((t0, time.perf_counter(), n))
 
 
+def _batch_producer(port: int, token: str, n: int, queue: str, chunk: int, go: Any, out: Any) -> None:
+    """``n`` submits in requests of ``chunk`` (``POST /v1/producer/submit-batch``, as ``UDF.map``
+    sends a sweep: the fields every call shares once, in ``common``)."""
+    c = Client(port, token)
+    common = submit_body(queue)
+    for name in ("invocation_id", "args_blob"):
+        common.pop(name)
+    go.wait()
+    t0 = time.perf_counter()
+    for start in range(0, n, chunk):
+        items = [{"invocation_id": ulid(), "args_blob": b"\x90"} for _ in range(min(chunk, n - start))]
+        status, answer = c.post("/v1/producer/submit-batch", {"common": common, "submits": items})
+        if status != 200 or any("error" in r for r in answer["results"]):
+            raise RuntimeError(f"submit-batch answered {status}: {str(answer)[:300]}")
+    out.put((t0, time.perf_counter(), n))
+
+
+def _ack_body(cmd: dict[str, Any], worker: str | None) -> dict[str, Any]:
+    body = cmd["body"]
+    ack = {
+        "invocation_id": body["invocation_id"],
+        "state": "succeeded",
+        "result_blob": b"\xc0",
+        "error": None,
+        "attempt": body["attempt"],
+    }
+    if worker is not None:
+        ack["worker_id"] = worker
+    return ack
+
+
+def _worker(port: int, token: str, queue: str, poll_max: int, go: Any, out: Any) -> None:
+    """``lakeshore worker --prefetch poll_max``'s loop: each poll claims up to ``poll_max`` and
+    carries the acks of the ones run since the previous poll (``acks``), one request for both."""
+    c = Client(port, token)
+    worker, done, acks = ulid(), 0, []
+    go.wait()
+    t0 = time.perf_counter()
+    while True:
+        poll = {"worker_id": worker, "queues": [queue], "max": poll_max, "timeout_s": 0, "kinds": ["run"]}
+        if acks:
+            poll["acks"] = acks
+        status, answer = c.post("/v1/daemon/poll", poll)
+        if status != 200 or any(not a.get("ok") for a in answer.get("acked") or []):
+            raise RuntimeError(f"poll answered {status}: {str(answer)[:300]}")
+        done += len(acks)
+        acks = [_ack_body(cmd, None) for cmd in answer["commands"]]
+        if not acks:
+            break
+    out.put((t0, time.perf_counter(), done))
+
+
 def _daemon(port: int, token: str, queue: str, poll_max: int, go: Any, out: Any) -> None:
     c = Client(port, token)
     worker, done = ulid(), 0
@@ -129,16 +187,7 @@ def _daemon(port: int, token: str, queue: str, poll_max: int, go: Any, out: Any)
         if not answer["commands"]:
             break
         for cmd in answer["commands"]:
-            body = cmd["body"]
-            ack = {
-                "invocation_id": body["invocation_id"],
-                "state": "succeeded",
-                "result_blob": b"\xc0",
-                "error": None,
-                "worker_id": worker,
-                "attempt": body["attempt"],
-            }
-            status, answer = c.post("/v1/daemon/ack", ack)
+            status, answer = c.post("/v1/daemon/ack", _ack_body(cmd, worker))
             if status != 200:
                 raise RuntimeError(f"ack answered {status}: {answer}")
             done += 1
@@ -317,33 +366,62 @@ class Figures:
     submit_cpu_ms: float  # server CPU per submit
     claim_rate: float
     claim_cpu_ms: float  # server CPU per poll + ack
+    # submits through submit-batch (per call), drained by lakeshore worker's loop (acks on the poll)
+    batch_rate: float = 0.0
+    batch_cpu_ms: float = 0.0
+    worker_rate: float = 0.0
+    worker_cpu_ms: float = 0.0
+
+
+def _serve_queue(port: int, token: str, queue: str, slots: int) -> None:
+    """A registered worker serves ``queue``, as a nymph would (else each submit reads the live
+    queues to warn that nobody serves it)."""
+    register = {"worker_id": ulid(), "queues": [queue], "slots": slots}
+    status, answer = Client(port, token).post("/v1/daemon/register", register)
+    if status != 200:
+        raise RuntimeError(f"register answered {status}: {answer}")
+
+
+def _measured(
+    pid: int, target: Callable[..., None], arglists: list[tuple[Any, ...]]
+) -> tuple[float, int, float]:
+    """``run_load`` of ``target``: (rate/s, total, server CPU ms per unit)."""
+    cpu = cpu_seconds(pid)
+    rate, total = run_load(target, arglists)
+    return rate, total, (cpu_seconds(pid) - cpu) * 1000 / max(1, total)
 
 
 def control_plane(db: str, data_dir: Path, args: argparse.Namespace) -> Figures:
+    """Per rep: single submits drained by nymph-style daemons (poll ``max``, one ack per request),
+    then (``args.batch`` > 0) as many submits through submit-batch drained by ``lakeshore worker``
+    loops (``max`` as prefetch, the acks riding on the next poll)."""
     per = args.jobs // args.producers
+    batch = getattr(args, "batch", 0)
     runs: list[Figures] = []
     with lakeshore_server(db, data_dir, args.workers) as (port, token, pid):
         for rep in range(args.reps):
             queue = f"bench{rep}"
-            # a registered worker serves the queue, as a nymph would (else each submit reads the
-            # live queues to warn that nobody serves it)
-            register = {"worker_id": ulid(), "queues": [queue], "slots": args.daemons}
-            status, answer = Client(port, token).post("/v1/daemon/register", register)
-            if status != 200:
-                raise RuntimeError(f"register answered {status}: {answer}")
-            cpu = cpu_seconds(pid)
-            sub, total = run_load(_producer, [(port, token, per, queue)] * args.producers)
-            cpu_sub, cpu = (cpu_seconds(pid) - cpu) * 1000 / total, cpu_seconds(pid)
-            rate, drained = run_load(_daemon, [(port, token, queue, args.poll_max)] * args.daemons)
+            _serve_queue(port, token, queue, args.daemons)
+            sub, total, cpu_sub = _measured(pid, _producer, [(port, token, per, queue)] * args.producers)
+            rate, drained, cpu_claim = _measured(
+                pid, _daemon, [(port, token, queue, args.poll_max)] * args.daemons
+            )
             if drained != total:
                 raise RuntimeError(f"drained {drained} of {total} invocations")
-            runs.append(Figures(sub, cpu_sub, rate, (cpu_seconds(pid) - cpu) * 1000 / drained))
+            fig = Figures(sub, cpu_sub, rate, cpu_claim)
+            if batch > 0:
+                queue = f"batch{rep}"
+                _serve_queue(port, token, queue, args.daemons)
+                load = [(port, token, per, queue, batch)] * args.producers
+                fig.batch_rate, total, fig.batch_cpu_ms = _measured(pid, _batch_producer, load)
+                load = [(port, token, queue, args.poll_max)] * args.daemons
+                fig.worker_rate, drained, fig.worker_cpu_ms = _measured(pid, _worker, load)
+                if drained != total:
+                    raise RuntimeError(f"drained {drained} of {total} batch-submitted invocations")
+            runs.append(fig)
     mid = len(runs) // 2
     return Figures(
-        sorted(r.submit_rate for r in runs)[mid],
-        sorted(r.submit_cpu_ms for r in runs)[mid],
-        sorted(r.claim_rate for r in runs)[mid],
-        sorted(r.claim_cpu_ms for r in runs)[mid],
+        *(sorted(getattr(r, f) for r in runs)[mid] for f in Figures.__dataclass_fields__)  # type: ignore[arg-type]
     )
 
 
@@ -353,6 +431,7 @@ def main() -> None:
     ap.add_argument("--daemons", type=int, default=4)
     ap.add_argument("--jobs", type=int, default=2000)
     ap.add_argument("--poll-max", type=int, default=1, help="commands per poll")
+    ap.add_argument("--batch", type=int, default=500, help="submits per submit-batch request (0: skip)")
     ap.add_argument("--workers", type=int, default=1, help="lakeshore server --workers")
     ap.add_argument("--reps", type=int, default=2, help="runs per figure (median)")
     ap.add_argument("--raw-rows", type=int, default=5000)
@@ -383,6 +462,10 @@ def main() -> None:
     )
     print("  cpu ms: server CPU per submit / per claim+ack (poll + ack); 1-core/s: 1000 / cpu ms")
     print(
+        f"  <store> batch: submits through submit-batch ({args.batch} per request), drained by "
+        "lakeshore worker loops (poll max as prefetch, acks on the next poll)"
+    )
+    print(
         f"{'store':<11} {'submit/s':>9} {'goal':>6} {'cpu ms':>7} {'1-core/s':>9}"
         f" {'claim+ack/s':>12} {'goal':>6} {'cpu ms':>7} {'1-core/s':>9}"
         f" {'raw rows/s 1/tx':>16} {'100/tx':>8}"
@@ -394,11 +477,18 @@ def main() -> None:
 
 
 def _row(kind: str, f: Figures, raw1: float, raw100: float) -> str:
-    return (
+    line = (
         f"{kind:<11} {f.submit_rate:>9,.0f} {GOAL_SUBMIT[kind]:>6,} {f.submit_cpu_ms:>7.2f}"
         f" {1000 / f.submit_cpu_ms:>9,.0f} {f.claim_rate:>12,.0f} {GOAL_CLAIM_ACK[kind]:>6,}"
         f" {f.claim_cpu_ms:>7.2f} {1000 / f.claim_cpu_ms:>9,.0f} {raw1:>16,.0f} {raw100:>8,.0f}"
     )
+    if f.batch_rate:
+        line += (
+            f"\n{kind + ' batch':<11} {f.batch_rate:>9,.0f} {GOAL_SUBMIT[kind]:>6,} {f.batch_cpu_ms:>7.2f}"
+            f" {1000 / f.batch_cpu_ms:>9,.0f} {f.worker_rate:>12,.0f} {GOAL_CLAIM_ACK[kind]:>6,}"
+            f" {f.worker_cpu_ms:>7.2f} {1000 / f.worker_cpu_ms:>9,.0f}"
+        )
+    return line
 
 
 if __name__ == "__main__":

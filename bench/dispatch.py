@@ -1,8 +1,8 @@
 """Submit-to-result round trip of a noop through the README's stack, beside a bare interpreter spawn.
 
 Usage: ``.venv/bin/python bench/dispatch.py [--runner process,docker,gvisor] [--calls 50]
-[--batch 100] [--slots 1,2,4] [--idle-s 60] [--image IMAGE] [--runner-opt KEY=VALUE ...]``
-(``--runner-opt prefork=true``: the process runner's warm fork)
+[--batch 100] [--slots 1,2,4] [--idle-s 60] [--image IMAGE] [--runner-opt KEY=VALUE ...]
+[--before DIR]`` (``--runner-opt prefork=false``: the process runner without its warm fork)
 
 The stack is :class:`dreamlake.lakeshore.devstack.LocalStack`: ``lakeshore server`` (embedded SQLite)
 and ``nymph start --runner RUNNER`` as real processes on loopback. A producer submits a ref noop
@@ -22,6 +22,12 @@ Rows, all measured in the same run so a loaded machine slows them alike:
 - CPU ms per noop invocation over the throughput batch, by part: the server, nymph itself, and
   nymph's children (zygotes with the tasks they reaped; spawned tasks); beside a bare spawn's CPU;
 - nymph's idle RSS and CPU time over ``--idle-s`` seconds (psutil on the nymph process).
+
+``--before DIR``: a checkout of the code to compare with (``git archive <rev> | tar -x -C DIR``):
+every row is measured for it too, in the same run, its stack (server, nymph, runners, zygote)
+importing from ``DIR``; the throughput rows alternate between the two, and a last table gives the
+CPU per noop invocation before and after, by part, with the ratio beside the goal (nymph's own
+share, nymph + zygote + task, halved: ``<= 0.50x``).
 
 With several runners, a last table has one column per runner: bare p50, round trip p50, and the
 runner's overhead over its bare floor (aim for docker / gvisor: under 10 %).
@@ -220,50 +226,91 @@ def idle(stack: LocalStack, seconds: float) -> tuple[float, float]:
 RUNNER_OPTS: dict[str, object] = {}  # --runner-opt
 
 
-def _stack(slots: int, runner: str, image: str) -> LocalStack:
+def _stack(slots: int, runner: str, image: str, code: Path | None = None) -> LocalStack:
+    """The stack; ``code``: a checkout its processes import from instead of this one (--before)."""
+    tree = [] if code is None else [code, code / "runners"]
     return LocalStack(
         queues=[QUEUE],
         concurrency=slots,
         runner=runner,
         runner_options={**({"image": image, "pull": "never"} if runner != "process" else {}), **RUNNER_OPTS},
-        pythonpath=[BENCH],
+        pythonpath=[BENCH, *tree],
         quiet=True,
         nymph_args=["--log-level", "WARNING"],
     )
+
+
+PARTS = ("server", "nymph", "zygote+tasks")
+GOAL_RATIO = 0.5  # issue 10: CPU per noop invocation on nymph's side (nymph + zygote + task) halved
 
 
 def bench_runner(runner: str, opts: argparse.Namespace, python: str) -> tuple[float, float]:
     """Print the rows for one runner; return (bare p50, round trip p50) in seconds."""
     bare_cmd = bare_command(runner, python, opts.image)
     slot_counts = [int(s) for s in opts.slots.split(",") if s.strip()]
-    with _stack(1, runner, opts.image) as stack:
-        trips, bare = latency(stack, opts.calls, bare_cmd)
-        ratio = statistics.median(trips) / statistics.median(bare)
-        print(f"\n[{runner}] round trip, 1 slot, N={opts.calls}")
-        label = {"process": "python -c pass", "docker": "docker run", "gvisor": "docker run --runtime=runsc"}
-        print(f"  bare  {label[runner]:26}  {_ms(bare)}")
-        print(f"  submit -> result (noop)         {_ms(trips)}")
-        print(f"  ratio p50 round trip / bare: {ratio:.2f}x (overhead {(ratio - 1) * 100:+.0f} %)")
-        if opts.idle_s > 0:
-            rss, cpu = idle(stack, opts.idle_s)
-            print(f"  nymph idle over {opts.idle_s:g} s: RSS {rss:.1f} MiB, CPU {cpu * 100:.2f}% of one core")
+    trees: list[tuple[str, Path | None]] = [("", None)]
+    if opts.before is not None:
+        trees = [(" (before)", opts.before), (" (after)", None)]
+    label = {"process": "python -c pass", "docker": "docker run", "gvisor": "docker run --runtime=runsc"}
+    result = (0.0, 0.0)
+    for name, code in trees:
+        with _stack(1, runner, opts.image, code) as stack:
+            trips, bare = latency(stack, opts.calls, bare_cmd)
+            ratio = statistics.median(trips) / statistics.median(bare)
+            print(f"\n[{runner}{name}] round trip, 1 slot, N={opts.calls}")
+            print(f"  bare  {label[runner]:26}  {_ms(bare)}")
+            print(f"  submit -> result (noop)         {_ms(trips)}")
+            print(
+                f"  ratio p50 round trip / bare: {ratio:.2f}x (overhead {(ratio - 1) * 100:+.0f} %; goal <= 2x)"
+            )
+            if opts.idle_s > 0:
+                rss, cpu = idle(stack, opts.idle_s)
+                print(
+                    f"  nymph idle over {opts.idle_s:g} s: RSS {rss:.1f} MiB, CPU {cpu * 100:.2f}% of one core"
+                )
+        result = statistics.median(bare), statistics.median(trips)
     if slot_counts and opts.batch > 0:
-        print(f"\n[{runner}] throughput, batch of {opts.batch} noops")
+        print(f"\n[{runner}] throughput, batch of {opts.batch} noops (goal at 4 slots: >= 150 inv/s)")
         print(
             f"  {'slots':>5} {'nymph inv/s':>12} {'bare/s':>13} {'ratio':>7}   "
             "CPU ms per noop: server / nymph / zygote+tasks = total (bare spawn's CPU)"
         )
         bare_cpu = bare_spawn_cpu_ms(bare_cmd)
+        cpus: dict[tuple[int, str], list[dict[str, float]]] = {}
         for slots in slot_counts:
-            with _stack(slots, runner, opts.image) as stack:
-                rate, cpu = throughput_cpu(stack, opts.batch, slots)
-            floor = bare_throughput(bare_cmd, opts.batch, slots)
-            parts = " / ".join(f"{cpu[k]:.1f}" for k in ("server", "nymph", "zygote+tasks"))
-            print(
-                f"  {slots:>5} {rate:>12.1f} {floor:>13.1f} {floor / rate:>6.2f}x   "
-                f"{parts} = {sum(cpu.values()):.1f} ({bare_cpu:.1f})"
-            )
-    return statistics.median(bare), statistics.median(trips)
+            for _round in range(opts.rounds):  # alternating, so both trees see the same machine
+                for name, code in trees:
+                    with _stack(slots, runner, opts.image, code) as stack:
+                        rate, cpu = throughput_cpu(stack, opts.batch, slots)
+                    cpus.setdefault((slots, name), []).append(cpu)
+                    floor = bare_throughput(bare_cmd, opts.batch, slots)
+                    parts = " / ".join(f"{cpu[k]:.1f}" for k in PARTS)
+                    print(
+                        f"  {slots:>5} {rate:>12.1f} {floor:>13.1f} {floor / rate:>6.2f}x   "
+                        f"{parts} = {sum(cpu.values()):.1f} ({bare_cpu:.1f}){name}"
+                    )
+        if opts.before is not None:
+            _before_after(cpus, slot_counts)
+    return result
+
+
+def _before_after(cpus: dict[tuple[int, str], list[dict[str, float]]], slot_counts: list[int]) -> None:
+    """CPU ms per noop invocation, before and after (medians over the rounds), by part."""
+    print(
+        f"\nCPU ms per noop invocation, before -> after (median of rounds; goal: nymph's side <= {GOAL_RATIO:.2f}x)"
+    )
+    print(f"  {'slots':>5} {'part':>22} {'before':>8} {'after':>8} {'ratio':>7}")
+    for slots in slot_counts:
+        med = {
+            name: {k: statistics.median(c[k] for c in cpus[(slots, name)]) for k in PARTS}
+            for name in (" (before)", " (after)")
+        }
+        rows = [(k, med[" (before)"][k], med[" (after)"][k]) for k in PARTS]
+        side = ("nymph + zygote + task", *(sum(m[k] for k in PARTS[1:]) for m in med.values()))
+        total = ("total (server too)", *(sum(m.values()) for m in med.values()))
+        for part, before, after in [*rows, side, total]:
+            goal = f"  goal <= {GOAL_RATIO:.2f}x" if part == side[0] else ""
+            print(f"  {slots:>5} {part:>22} {before:>8.1f} {after:>8.1f} {after / before:>6.2f}x{goal}")
 
 
 def main() -> None:
@@ -281,6 +328,10 @@ def main() -> None:
         help="image for docker / gvisor (default LAKESHORE_TEST_IMAGE)",
     )
     parser.add_argument("--runner-opt", action="append", default=[], help="KEY=VALUE for every runner")
+    parser.add_argument(
+        "--before", type=Path, default=None, help="a checkout to compare with, measured in the same run"
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="throughput rounds per slot count (default 1)")
     opts = parser.parse_args()
     RUNNER_OPTS.update(parse_runner_opts(opts.runner_opt))
     python = default_python()

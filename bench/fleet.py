@@ -14,7 +14,7 @@ the time from sending the submit to the claiming poll's answer is recorded. Prin
   and poll renewals; ``--heartbeat-s 1e9`` leaves the renewals alone);
 - server RSS with the fleet waiting, and RSS per idle poll: the RSS growth from before the fleet
   connected to all N polls waiting, over N (it includes each daemon's worker row and its side
-  connection while open: uvicorn closes keep-alive connections idle for 5 s);
+  connection while open: the server keeps a silent connection open 30 s, past the heartbeat period);
 - this client's own CPU while measuring (% of one core): near 100 % it would be the bottleneck.
 
 The fleet is measured in its steady state: each daemon's first poll ends at a random point of the
@@ -90,7 +90,7 @@ class Conn:
         self, method: str, path: str, body: dict[str, Any] | None = None
     ) -> tuple[int, Any, dict[str, str]]:
         """One request; reconnects once when the server closed the idle connection (uvicorn does
-        after 5 s), as any keep-alive client does."""
+        after its keep-alive window), as any keep-alive client does."""
         data = msgpack.packb(body, use_bin_type=True) if body is not None else b""
         head = (
             f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: {MSGPACK}\r\n"
@@ -137,6 +137,7 @@ def _free_port() -> int:
 class Server:
     proc: subprocess.Popen[bytes]
     port: int
+    profiled: bool = False  # runs under bench/_sampler.py, which writes its samples on SIGINT
     ps: psutil.Process = field(init=False)
 
     def __post_init__(self) -> None:
@@ -150,14 +151,15 @@ class Server:
         return int(self.ps.memory_info().rss)
 
 
-def _start_server(db: str, data: Path, server_root: Path, log: Path) -> Server:
+def _start_server(db: str, data: Path, server_root: Path, log: Path, profile: Path | None = None) -> Server:
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": f"{server_root}:{server_root / 'runners'}"}
-    cmd = [sys.executable, "-m", "dreamlake.lakeshore.cli", "--log-level", "warning", "server"]
+    prof = [str(Path(__file__).with_name("_sampler.py")), str(profile)] if profile is not None else []
+    cmd = [sys.executable, *prof, "-m", "dreamlake.lakeshore.cli", "--log-level", "warning", "server"]
     cmd += ["--port", str(port), "--data-dir", str(data), "--db", db]
     with log.open("ab") as out:
         proc = subprocess.Popen(cmd, cwd=server_root, env=env, stdout=out, stderr=subprocess.STDOUT)
-    server = Server(proc, port)
+    server = Server(proc, port, profiled=profile is not None)
     deadline = time.monotonic() + 60
     while True:
         if proc.poll() is not None:
@@ -172,7 +174,10 @@ def _start_server(db: str, data: Path, server_root: Path, log: Path) -> Server:
 
 
 def _stop(server: Server) -> None:
-    server.proc.terminate()
+    if server.profiled:
+        server.proc.send_signal(signal.SIGINT)
+    else:
+        server.proc.terminate()
     try:
         server.proc.wait(15)
     except subprocess.TimeoutExpired:
@@ -333,6 +338,8 @@ class Row:
     rss_per_poll: float
     refused: int
     client_cpu: float  # this process's CPU while measuring, % of one core: is the client the bottleneck?
+    # mean seconds from reaching the group commit to the answer, by kind, while measuring
+    writes: dict[str, float] = field(default_factory=dict)
 
 
 async def _measure(
@@ -359,6 +366,18 @@ async def _measure(
     async def relays_up() -> bool:
         samples = [await _metrics(a) for a in admin]
         return all(m.get("lakeshore_relay_listening", 1.0) == 1.0 for m in samples)
+
+    async def write_times() -> dict[str, tuple[float, float]]:
+        """``lakeshore_write_seconds`` (sum, count) by kind, over every replica."""
+        out: dict[str, tuple[float, float]] = {}
+        for m in [await _metrics(a) for a in admin]:
+            for kind in WRITE_KINDS:
+                total, count = out.get(kind, (0.0, 0.0))
+                out[kind] = (
+                    total + m.get(f'lakeshore_write_seconds_sum{{kind="{kind}"}}', 0.0),
+                    count + m.get(f'lakeshore_write_seconds_count{{kind="{kind}"}}', 0.0),
+                )
+        return out
 
     async def passes() -> tuple[float, float] | None:
         """Poll passes (store transactions run by polls) so far: all of them, and those woken."""
@@ -401,6 +420,7 @@ async def _measure(
     )
 
     loop = asyncio.get_running_loop()
+    writes0 = await write_times()
     passes0 = await passes()
     cpu0, t0 = sum(s.cpu_s() for s in servers), time.monotonic()
     me = psutil.Process()
@@ -423,6 +443,12 @@ async def _measure(
     client_cpu = (sum(me.cpu_times()[:2]) - client0) / elapsed * 100
     busy = sum(s.cpu_s() for s in servers) - cpu0 - idle_rate * elapsed
     passes1 = await passes()
+    writes1 = await write_times()
+    writes = {
+        kind: (writes1[kind][0] - writes0[kind][0]) / (writes1[kind][1] - writes0[kind][1])
+        for kind in WRITE_KINDS
+        if writes1[kind][1] > writes0[kind][1]
+    }
     await fleet.stop()
     for c in (*admin, producer):
         await c.close()
@@ -440,6 +466,7 @@ async def _measure(
         rss_per_poll=(rss - rss0) / n,
         refused=fleet.refused,
         client_cpu=client_cpu,
+        writes=writes,
     )
 
 
@@ -467,6 +494,7 @@ def run(
     server_root: Path,
     idle_s: float,
     heartbeat_s: float | None,
+    profile: bool = False,
 ) -> list[Row]:
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="lakeshore-fleet-") as tmp:
@@ -477,7 +505,10 @@ def run(
                 servers: list[Server] = []
                 try:
                     for i in range(replicas):
-                        servers.append(_start_server(db, work / f"n{n}" / f"replica{i}", server_root, log))
+                        prof = _profile_path(store, n, i) if profile else None
+                        servers.append(
+                            _start_server(db, work / f"n{n}" / f"replica{i}", server_root, log, prof)
+                        )
                     tokens = json.loads((work / f"n{n}" / "replica0" / "tokens.json").read_text())
                     pg = store == "postgresql"
                     rows.append(asyncio.run(_measure(servers, tokens, n, submits, pg, idle_s, heartbeat_s)))
@@ -485,7 +516,40 @@ def run(
                     for s in servers:
                         _stop(s)
             _print_row(rows[-1])
+            _log_errors(log)
+            if profile:
+                import _sampler
+
+                for i in range(replicas):
+                    print(
+                        f"\nprofile: replica {i} at N={n}, from start-up to the last submit "
+                        f"(samples kept in {_profile_path(store, n, i)})"
+                    )
+                    _sampler.report(
+                        str(_profile_path(store, n, i)),
+                        top=25,
+                        skip=("threading.py", "thread.py", "runpy", "_sampler"),
+                    )
     return rows
+
+
+def _profile_path(store: str, n: int, replica: int) -> Path:
+    """Where a profiled server's samples are kept (``bench/_sampler.py`` JSON, for a closer look)."""
+    return Path(tempfile.gettempdir()) / f"lakeshore-fleet-profile-{store}-n{n}-r{replica}.json"
+
+
+def _log_errors(log: Path) -> None:
+    """Say so when the server logged errors (a bench over a failing server measures the failure)."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    errors = [line for line in text.splitlines() if "ERROR" in line or line.startswith("Traceback")]
+    if errors:
+        print(f"  the server logged {len(errors)} error lines; the first: {errors[0][:300]}", flush=True)
+        tail = text[text.find(errors[0]) :].splitlines()[:40]
+        print("    " + "\n    ".join(tail), flush=True)
+    log.write_text("")
+
+
+WRITE_KINDS = ("submit", "poll", "heartbeat", "ack")
 
 
 def _ms(seconds: float) -> str:
@@ -512,6 +576,9 @@ def _print_row(r: Row) -> None:
         f"{r.rss_per_poll / 1024:>9.1f} KiB | {r.client_cpu:>9.1f}%{refused}",
         flush=True,
     )
+    if r.writes:  # where a submit's and a claim's time goes: the group commit's share
+        parts = ", ".join(f"{kind} {_ms(seconds)}" for kind, seconds in r.writes.items())
+        print(f"{'':>8}   group commit, queued to answered (mean): {parts}", flush=True)
 
 
 def main() -> None:
@@ -528,6 +595,9 @@ def main() -> None:
     )
     ap.add_argument("--idle-s", type=float, default=5.0, help="window the idle CPU is measured over")
     ap.add_argument("--server-root", type=Path, default=ROOT, help="checkout the server runs from")
+    ap.add_argument(
+        "--profile", action="store_true", help="sample where each server's threads spend their CPU"
+    )
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     if args.replicas < 1 or (args.replicas > 1 and args.store != "postgresql"):
@@ -547,7 +617,16 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.1f} at start; open-file limit {soft}"
     )
     print(HEADER)
-    run(args.store, args.replicas, sizes, submits, args.server_root, args.idle_s, args.heartbeat_s)
+    run(
+        args.store,
+        args.replicas,
+        sizes,
+        submits,
+        args.server_root,
+        args.idle_s,
+        args.heartbeat_s,
+        args.profile,
+    )
 
 
 if __name__ == "__main__":

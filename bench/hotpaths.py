@@ -4,8 +4,11 @@ raw baseline, with small sizes so the whole run takes a few minutes.
 It runs the other benches' own functions, so the figures mean what they mean there:
 
 - submits/s and claim+ack/s, SQLite and PostgreSQL (``control_plane.py``: ``lakeshore server`` in
-  a subprocess, load from separate processes with ``http.client``); baselines: a Starlette
-  hello-world on the same HTTP stack, raw ``sqlite3`` / ``psycopg`` inserts (100 per transaction);
+  a subprocess, load from separate processes with ``http.client``), each two ways: one submit per
+  request and a sweep's ``--batch`` per ``POST /v1/producer/submit-batch`` (``UDF.map``; per
+  call); nymph's claim path (poll ``max``, one ack per request) and ``lakeshore worker``'s
+  (``--prefetch``, the acks riding on the next poll); baselines: a Starlette hello-world on the
+  same HTTP stack, raw ``sqlite3`` / ``psycopg`` inserts (100 per transaction);
 - frames/s nymph -> live consumer over HTTP and the first frame's latency (``streams.py``'s
   stack: ``lakeshore server`` + ``nymph start --runner process``); baseline: a bare msgpack
   pack+unpack per frame;
@@ -86,6 +89,7 @@ def control_plane_rows(args: argparse.Namespace, tmp: Path) -> list[Row]:
         poll_max=args.poll_max,
         workers=1,
         reps=1,
+        batch=args.batch,
     )
     hello, _cpu = cp.hello_rate(args.producers, max(200, args.jobs // args.producers))
     rows = []
@@ -98,8 +102,16 @@ def control_plane_rows(args: argparse.Namespace, tmp: Path) -> list[Row]:
             figures["postgresql"] = (cp.control_plane(pg, tmp / "cp-pg", ns), raw_pg)
     for kind, (f, raw) in figures.items():
         base = f"hello {_rate(hello)} req/s; raw {kind} {_rate(raw)} rows/s (100/tx)"
-        rows.append(Row(f"submits/s, {kind}", _rate(f.submit_rate), f">= {cp.GOAL_SUBMIT[kind]:,}", base))
-        rows.append(Row(f"claim+ack/s, {kind}", _rate(f.claim_rate), f">= {cp.GOAL_CLAIM_ACK[kind]:,}", base))
+        goal_s, goal_c = f">= {cp.GOAL_SUBMIT[kind]:,}", f">= {cp.GOAL_CLAIM_ACK[kind]:,}"
+        rows.append(Row(f"submits/s, {kind}, one per request", _rate(f.submit_rate), goal_s, base))
+        if f.batch_rate:
+            what = f"submits/s, {kind}, map: {args.batch} per submit-batch (per call)"
+            rows.append(Row(what, _rate(f.batch_rate), goal_s, base))
+        what = f"claim+ack/s, {kind}, nymph: poll max {args.poll_max}, one ack per request"
+        rows.append(Row(what, _rate(f.claim_rate), goal_c, base))
+        if f.worker_rate:
+            what = f"claim+ack/s, {kind}, lakeshore worker: prefetch {args.poll_max}, acks on the poll"
+            rows.append(Row(what, _rate(f.worker_rate), goal_c, base))
     if not args.pg:
         rows.append(Row("PostgreSQL rows", "skipped", "", "pass --pg URL or set LAKESHORE_TEST_PG_URL"))
     return rows
@@ -221,6 +233,7 @@ def main() -> None:
     ap.add_argument("--producers", type=int, default=4)
     ap.add_argument("--daemons", type=int, default=4)
     ap.add_argument("--poll-max", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=500, help="submits per submit-batch request (0: skip)")
     ap.add_argument("--frames", type=int, default=2000, help="frames per local-plane stream")
     ap.add_argument("--nymph-frames", type=int, default=5000)
     ap.add_argument("--first-runs", type=int, default=10)

@@ -1,9 +1,10 @@
 """The warm path for short calls: round trip and throughput of a noop through ``lakeshore worker``,
 beside the same run's raw HTTP round trip.
 
-The stack is real processes on loopback: ``lakeshore server`` over a SQLite file and ``lakeshore
-worker start --queue warm --prefetch N`` (the SDK's long-lived worker; nymph's process runner has
-no warm mode yet: ``bench/dispatch.py`` measures its prefork path). The load comes from separate processes
+The stack is real processes on loopback: ``lakeshore server`` over a SQLite file and either
+``lakeshore worker start --queue warm --prefetch N`` (the SDK's long-lived worker) or ``nymph start
+--warm --queue warm --concurrency S`` (nymph's process runner in warm mode, docs/nymph.md "Warm
+mode"; its cold prefork path is ``bench/dispatch.py``'s), each against a server of its own. The load comes from separate processes
 with a cheap client (``http.client`` on one keep-alive connection each, msgpack bodies, envelopes
 built before the clock starts). Each call is a ref noop (``bench/bench_fns.py``).
 
@@ -16,10 +17,17 @@ Rows, each beside its goal (<= 3 ms p50, >= 500/s) and the same run's baseline:
 - ``submit?wait``: one request per call (``/v1/producer/submit`` with ``wait_s``: submit and await
   in one request);
 - ``calls/s``: ``--producers`` processes calling at once (closed loop, ``submit?wait``), one worker.
+- ``nymph cold prefork``: the same nymph without ``--warm`` (a zygote forks each call), the
+  reference the warm mode is measured against;
+- ``where it goes``: for the sequential ``submit?wait`` calls, the p50 of each part of the round
+  trip, from the producer's clock and the store's ``submitted_at``, ``started_at`` (the claim) and
+  ``finished_at`` (the ack).
 
-Also printed: the CPU ms per call of the server and of the worker (psutil).
+Also printed: the CPU ms per call of the server and of the worker (psutil; for nymph, nymph
+itself and its warm workers apart).
 
-Run: ``python bench/warm.py [--calls 300] [--producers 8] [--per-producer 150] [--prefetch 8]``.
+Run: ``python bench/warm.py [--calls 300] [--producers 8] [--per-producer 150] [--prefetch 8]
+[--nymph-slots 4] [--only worker|nymph]``.
 """
 
 from __future__ import annotations
@@ -110,12 +118,13 @@ def _latency(port: int, token: str, n: int, one_request: bool, go: Any, out: Any
     go.wait()
     for inv, blob in calls[:20]:  # warm-up: connections, imports, the worker's module cache
         call(c, inv, blob, one_request)
-    times = []
+    times, stamps = [], []
     for inv, blob in calls[20:]:
-        t0 = time.perf_counter()
+        w0, t0 = time.time(), time.perf_counter()
         call(c, inv, blob, one_request)
         times.append(time.perf_counter() - t0)
-    out.put(times)
+        stamps.append((inv, w0, time.time()))
+    out.put((times, stamps))
 
 
 def _closed_loop(port: int, token: str, n: int, go: Any, out: Any) -> None:
@@ -201,13 +210,64 @@ def lakeshore_worker(port: int, token: str, prefetch: int) -> Iterator[int]:
             proc.wait()
 
 
+@contextlib.contextmanager
+def nymph_warm(
+    port: int, admin: str, data_dir: Path, base: Path, slots: int, warm: bool = True
+) -> Iterator[int]:
+    """``nymph start --warm`` on the bench queue (``warm`` False: its default, cold prefork path);
+    yields its pid."""
+    import json
+
+    daemon = json.loads((data_dir / "tokens.json").read_text())["daemon"]
+    cmd = [sys.executable, "-m", "nymph", "start", "--server", f"http://127.0.0.1:{port}", "--queue", QUEUE]
+    cmd += ["--workdir", str(base / "work"), "--state-dir", str(base / "state")]
+    cmd += ["--warm"] if warm else []
+    cmd += ["--concurrency", str(slots), "--log-level", "WARNING"]
+    if os.geteuid() == 0:  # the bench's tasks run as whoever runs it (root in a CI container)
+        cmd += ["--allow-root-tasks"]
+    env = {**_env(), "NYMPH_TOKEN": daemon}
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, cwd="/")
+    try:
+        yield proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _split_cpu(pid: int) -> tuple[float, float]:
+    """CPU seconds of process ``pid`` itself and of its live children with what they reaped
+    (nymph; its warm workers, or its zygotes with the tasks they forked)."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    own = proc.cpu_times()
+    kids = 0.0
+    for child in proc.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            t = child.cpu_times()
+            kids += t.user + t.system + t.children_user + t.children_system
+    return own.user + own.system, kids
+
+
 def ms(seconds: float) -> str:
     return f"{seconds * 1000:.2f}"
 
 
 class Row:
-    def __init__(self, name: str, times: list[float] | None, per_s: float | None, hello_p50: float) -> None:
+    def __init__(
+        self,
+        name: str,
+        times: list[float] | None,
+        per_s: float | None,
+        hello_p50: float,
+        parts: dict[str, float] | None = None,
+    ) -> None:
         self.name, self.times, self.per_s, self.hello = name, times, per_s, hello_p50
+        self.parts = parts or {}
 
     def line(self) -> str:
         if self.times:
@@ -216,18 +276,55 @@ class Row:
         else:
             lat = f"{'':>8} {'':>8} {'':>6} {'':>8}"
         rate_s = f"{self.per_s:>9,.0f} {GOAL_RATE:>6,.0f}" if self.per_s else f"{'':>9} {'':>6}"
-        return f"{self.name:<34} {lat} {rate_s}"
+        line = f"{self.name:<46} {lat} {rate_s}"
+        if self.parts:
+            line += "\n    where it goes (p50 ms): " + ", ".join(
+                f"{k} {ms(v)}" for k, v in self.parts.items()
+            )
+        return line
 
 
-def measure(port: int, token: str, args: argparse.Namespace, hello_p50: float, label: str) -> list[Row]:
+def measure(
+    port: int, token: str, args: argparse.Namespace, hello_p50: float, label: str, db: Path
+) -> list[Row]:
     rows = []
-    (two,) = in_processes(_latency, [(port, token, args.calls, False)])
+    ((two, _),) = in_processes(_latency, [(port, token, args.calls, False)])
     rows.append(Row(f"{label}: submit + await", two, None, hello_p50))
-    (one,) = in_processes(_latency, [(port, token, args.calls, True)])
+    ((one, stamps),) = in_processes(_latency, [(port, token, args.calls, True)])
     per = args.per_producer
     got = in_processes(_closed_loop, [(port, token, per)] * args.producers)
-    rows.append(Row(f"{label}: submit?wait", one, rate(got), hello_p50))
+    rows.append(Row(f"{label}: submit?wait", one, rate(got), hello_p50, split(db, stamps)))
     return rows
+
+
+SPLIT = ("producer -> submitted", "submitted -> claimed", "claimed -> acked", "acked -> producer")
+
+
+def split(db: Path, stamps: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Where a sequential call's time goes (p50 of each part, seconds), from the producer's wall
+    clock and the invocation's ``submitted_at`` / ``started_at`` (the claim) / ``finished_at``
+    (the ack) in the store: the same clock, one host."""
+    import sqlite3
+
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        known = {
+            r[0]: r[1:]
+            for r in con.execute(
+                "SELECT invocation_id, submitted_at, started_at, finished_at FROM invocations"
+            )
+        }
+    finally:
+        con.close()
+    parts: dict[str, list[float]] = {name: [] for name in SPLIT}
+    for inv, t0, t1 in stamps:
+        row = known.get(inv)
+        if row is None or None in row:
+            continue
+        points = (t0, *row, t1)
+        for name, a, b in zip(SPLIT, points, points[1:], strict=False):
+            parts[name].append(b - a)
+    return {name: median_p90(v)[0] for name, v in parts.items() if v}
 
 
 def warm_rows(args: argparse.Namespace) -> tuple[list[float], list[Row], dict[str, float]]:
@@ -236,20 +333,39 @@ def warm_rows(args: argparse.Namespace) -> tuple[list[float], list[Row], dict[st
     hello_p50 = median_p90(hello)[0]
     rows: list[Row] = []
     cpu: dict[str, float] = {}
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        lakeshore_server(str(Path(tmp) / "warm.db"), Path(tmp) / "sq", 1) as (port, token, pid),
-        lakeshore_worker(port, token, args.prefetch) as wpid,
-    ):
-        s0, w0 = cpu_seconds(pid), cpu_seconds(wpid)
-        rows += measure(port, token, args, hello_p50, f"lakeshore worker (prefetch {args.prefetch})")
-        calls = 2 * args.calls + 40 + args.producers * args.per_producer
-        cpu["server"] = (cpu_seconds(pid) - s0) * 1000 / calls
-        cpu["worker"] = (cpu_seconds(wpid) - w0) * 1000 / calls
+    calls = 2 * args.calls + 40 + args.producers * args.per_producer
+    only = getattr(args, "only", "worker")  # bench/hotpaths.py asks for the worker's rows alone
+    if only in (None, "worker"):
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            lakeshore_server(str(Path(tmp) / "warm.db"), Path(tmp) / "sq", 1) as (port, token, pid),
+            lakeshore_worker(port, token, args.prefetch) as wpid,
+        ):
+            s0, w0 = cpu_seconds(pid), cpu_seconds(wpid)
+            label = f"lakeshore worker (prefetch {args.prefetch})"
+            rows += measure(port, token, args, hello_p50, label, Path(tmp) / "warm.db")
+            cpu["server (worker rows)"] = (cpu_seconds(pid) - s0) * 1000 / calls
+            cpu["lakeshore worker"] = (cpu_seconds(wpid) - w0) * 1000 / calls
+    for warm in (True, False) if only in (None, "nymph") else ():
+        if not warm and getattr(args, "no_cold", False):
+            continue
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            lakeshore_server(str(Path(tmp) / "warm.db"), Path(tmp) / "sq", 1) as (port, token, pid),
+            nymph_warm(port, token, Path(tmp) / "sq", Path(tmp), args.nymph_slots, warm) as npid,
+        ):
+            s0, (n0, k0) = cpu_seconds(pid), _split_cpu(npid)
+            mode = "--warm" if warm else "cold prefork"
+            label = f"nymph {mode} ({args.nymph_slots} slots)"
+            rows += measure(port, token, args, hello_p50, label, Path(tmp) / "warm.db")
+            n1, k1 = _split_cpu(npid)
+            cpu[f"server (nymph {mode})"] = (cpu_seconds(pid) - s0) * 1000 / calls
+            cpu[f"nymph {mode}"] = (n1 - n0) * 1000 / calls
+            cpu["warm workers" if warm else "zygote+tasks"] = (k1 - k0) * 1000 / calls
     return hello, rows, cpu
 
 
-HEADER = f"{'path':<34} {'p50 ms':>8} {'p90 ms':>8} {'goal':>6} {'x hello':>8} {'calls/s':>9} {'goal':>6}"
+HEADER = f"{'path':<46} {'p50 ms':>8} {'p90 ms':>8} {'goal':>6} {'x hello':>8} {'calls/s':>9} {'goal':>6}"
 
 
 def main() -> None:
@@ -258,6 +374,9 @@ def main() -> None:
     ap.add_argument("--producers", type=int, default=8, help="processes calling at once (calls/s)")
     ap.add_argument("--per-producer", type=int, default=150, help="calls of each of those")
     ap.add_argument("--prefetch", type=int, default=8, help="lakeshore worker --prefetch")
+    ap.add_argument("--nymph-slots", type=int, default=4, help="nymph --warm --concurrency")
+    ap.add_argument("--only", choices=["worker", "nymph"], help="measure one warm path only")
+    ap.add_argument("--no-cold", action="store_true", help="leave out nymph's cold (prefork) rows")
     args = ap.parse_args()
     hello, rows, cpu = warm_rows(args)
     h50, h90 = median_p90(hello)

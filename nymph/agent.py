@@ -57,6 +57,7 @@ from nymph.recovery import Recovery
 from nymph.runner import Reaping, Runner
 from nymph.sdnotify import SdNotify
 from nymph.slots import Slots
+from nymph.supervisor import POOL_THREADS, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,8 @@ class Agent:
         self._next_prune = 0.0
         self.disk = DiskHealth([config.workdir, config.state_dir], config.min_free_mb * 2**20, self.notify)
         self.watchdog = Watchdog(self.notify, lambda: self.outbox.pending() if self.outbox else 0)
+        # running tasks wait here, not in a thread each (runners with an exit fd: nymph.supervisor)
+        self.supervisor = Supervisor(pool_threads=max(POOL_THREADS, 2 * config.concurrency))
         self.jobs = Jobs(self.slots, self.context)
         self.recovery = Recovery(self.jobs, self.runner_health, self.context)
         self.pin = upgrade.VersionPin(
@@ -201,6 +204,7 @@ class Agent:
             client=self.client,
             inline_threshold=self.inline_threshold,
             on_disk_full=self.disk.full,
+            supervisor=self.supervisor,
         )
 
     def _job_done(self, job: Any) -> None:
@@ -402,6 +406,7 @@ class Agent:
             self.outbox.stop()
         if health is not None:
             health.stop()
+        self.supervisor.close()  # nothing is parked any more: shutdown waited for every job
         self._close_runner()  # before a re-exec: nothing of the runner's (a zygote) outlives this life
         target = self.pin.target
         if self.exit_code == upgrade.EXIT_VERSION_MISMATCH and self.config.auto_upgrade and target:

@@ -12,6 +12,7 @@ A token given with ``--token`` is on the command line, where ``ps`` shows it to 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -46,6 +47,16 @@ def _options(fn: Any) -> Any:
             multiple=True,
             metavar="KEY=VALUE",
             help="Runner keyword option (VALUE read as TOML when it is, else a string); repeatable.",
+        ),
+        click.option(
+            "--warm/--no-warm",
+            default=None,
+            help="process runner: run trusted ref calls in long-lived warm workers (runner option warm).",
+        ),
+        click.option(
+            "--warm-max-calls",
+            type=int,
+            help="process runner, --warm: recycle a warm worker after this many calls (0: never).",
         ),
         click.option("--queue", "queues", multiple=True, help="Queue to serve; repeatable."),
         click.option("--concurrency", type=int, help="Invocations run at once (slots)."),
@@ -130,10 +141,39 @@ def _options(fn: Any) -> Any:
 
 def _resolve(kwargs: dict[str, Any]) -> NymphConfig:
     config_file = kwargs.pop("config_file", None)
+    warm_flags = _warm_flags(kwargs)
     try:
-        return resolve(kwargs, config_file=config_file)
+        cfg = resolve(kwargs, config_file=config_file)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
+    if warm_flags and cfg.runner != "process":
+        raise click.UsageError(
+            f"--warm and --warm-max-calls are modes of the process runner, not of {cfg.runner!r}; "
+            "drop them, or run with --runner process"
+        )
+    opts = dict(cfg.runner_options)
+    if cfg.runner == "process" and opts.get("warm"):
+        # one warm worker per slot: every slot's call finds one, none is kept beyond that
+        opts.setdefault("warm_workers", cfg.concurrency)
+        # a root nymph runs its tasks as its task user: its warm workers do too (an as_user task
+        # stays cold, unless it names that same user)
+        opts.setdefault("warm_users", [cfg.task_user])
+        cfg = dataclasses.replace(cfg, runner_options=opts)
+    return cfg
+
+
+def _warm_flags(kwargs: dict[str, Any]) -> bool:
+    """``--warm`` and ``--warm-max-calls N``: shorthands of the process runner's options ``warm``
+    and ``warm_max_calls`` (``--runner-opt`` given for the same key still wins)."""
+    warm, max_calls = kwargs.pop("warm", None), kwargs.pop("warm_max_calls", None)
+    extra = [] if warm is None else [f"warm={'true' if warm else 'false'}"]
+    if max_calls is not None:
+        if max_calls < 0:
+            raise click.UsageError(f"--warm-max-calls must be 0 (never recycle) or more, got {max_calls}")
+        extra.append(f"warm_max_calls={max_calls}")
+    if extra:
+        kwargs["runner_opts"] = (*extra, *(kwargs.get("runner_opts") or ()))
+    return bool(extra)
 
 
 @click.group()

@@ -47,15 +47,20 @@ log = logging.getLogger(__name__)
 
 _ERROR_TYPES = {"killed": "Cancelled", "timeout": "Timeout"}
 SPILL_AFTER_S = 2.0  # how long a finished job waits for its frames before the outbox takes them
+# arguments up to this size go to a runner that takes them in the Task (Capabilities.args_inline)
+# instead of into args.msgpack: one file less per invocation; larger ones are written as always
+ARGS_INLINE_MAX = 64 * 1024
 FETCH_ATTEMPTS = 4  # a code archive by reference: tries of the fetch while the store is unreachable
 
 
 class Job(SupervisedJob[wd.Outcome]):
-    """One invocation in a thread of its own."""
+    """One invocation: its steps in a thread, its running task parked in the supervisor loop
+    where the runner allows (:mod:`nymph.supervisor`)."""
 
     kind: ClassVar[str] = "invocation"
     id_field: ClassVar[str] = "invocation_id"
     timeout_field: ClassVar[str] = "run_config.timeout_s"
+    parkable: ClassVar[bool] = True  # a running task waits in the supervisor loop where it can
 
     def __init__(
         self,
@@ -81,6 +86,7 @@ class Job(SupervisedJob[wd.Outcome]):
         self._code_held: str | None = None  # the sha256 this job holds in the code cache
         self._code_dirs: list[Path] = []
         self._overflow: str | None = None  # why the stream overflowed (the invocation fails)
+        self._args_inline: bytes | None = None  # handed to the runner in the Task, not in args.msgpack
         self.state: str | None = None  # the settled state; "deferred": left for the next life
 
     def cancel(self, message: str = "cancelled by producer", grace_s: float | None = None) -> None:
@@ -116,13 +122,22 @@ class Job(SupervisedJob[wd.Outcome]):
         }
         meta["run_as"] = self.run_as
         meta["code_sha256"] = self._code_held  # a restarted nymph holds the archive its task runs from
+        blob = bytes(self.body.get("args_blob") or b"")
+        inline = (
+            self.ctx.runner.capabilities.args_inline
+            and self.script is None
+            and self._staged is None
+            and len(blob) <= ARGS_INLINE_MAX
+        )
+        self._args_inline = blob if inline else None
         self.workdir = wd.create(
             cfg.workdir,
             self.invocation_id,
-            bytes(self.body.get("args_blob") or b""),
+            blob,
             meta,
             self.run_as,
             args_file=self._staged,
+            write_args=not inline,
         )
         self._staged = None
         return Task(
@@ -136,6 +151,7 @@ class Job(SupervisedJob[wd.Outcome]):
             gpus=list(self._gpus),
             labels={"nymph.invocation": self.invocation_id, "nymph.worker": self.ctx.worker_id, **cfg.labels},
             code_dirs=list(self._code_dirs),
+            args=self._args_inline,
         )
 
     def _fetch_code(self) -> None:
@@ -437,8 +453,17 @@ class Job(SupervisedJob[wd.Outcome]):
     # --- supervision -----------------------------------------------------------------------------
 
     def supervise(self, handle: Handle) -> wd.Outcome:
+        self.begin(handle)
+        return self.end(handle)
+
+    def begin(self, handle: Handle) -> None:
+        """The stream opens as the task starts (parked or not, frames flow meanwhile)."""
         assert self.workdir is not None
-        pump = self._new_pump(self.workdir)
+        self._new_pump(self.workdir)
+
+    def end(self, handle: Handle) -> wd.Outcome:
+        pump = self._pump
+        assert pump is not None
         try:
             ending = self.wait_or_stop(handle)
             pump.stop()
@@ -448,6 +473,10 @@ class Job(SupervisedJob[wd.Outcome]):
             return self._close_stream(outcome)
         finally:  # whatever failed (a pump or outbox write, the wait): the pump stops with the job
             pump.halt()
+
+    def abandon(self) -> None:
+        if self._pump is not None:
+            self._pump.halt()
 
     def _new_pump(self, workdir: Path) -> Pump:
         """The invocation's stream, opened on the outbox (its frames go before the ack)."""
@@ -561,6 +590,17 @@ class Job(SupervisedJob[wd.Outcome]):
             )
         return outcome
 
+    def _keep_args(self, workdir: Path) -> None:
+        """A kept workdir holds ``args.msgpack`` even when the arguments went in the Task: the
+        failure can be looked at, and run again by hand, as from any other workdir."""
+        blob, self._args_inline = self._args_inline, None
+        if blob is None or os.path.lexists(workdir / wd.ARGS):
+            return
+        try:
+            safeio.write_file(workdir, wd.ARGS, blob)
+        except OSError as exc:
+            log.warning("invocation %s: cannot keep %s: %s", self.invocation_id, wd.ARGS, exc)
+
     def _drain_stopped(self) -> bool:
         """Stop waiting for delivery: the lease was lost, or nymph shuts down (a cancel after the
         task ended changes nothing: its outcome is known)."""
@@ -604,6 +644,7 @@ class Job(SupervisedJob[wd.Outcome]):
             if outcome.state == "succeeded" or self.state == "lost":
                 wd.remove(self.workdir)
             else:
+                self._keep_args(self.workdir)
                 wd.mark_settled(self.workdir, outcome)
         err = f" {outcome.error.get('type')}: {outcome.error.get('message')}" if outcome.error else ""
         log.info(

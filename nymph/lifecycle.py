@@ -8,10 +8,16 @@
        |  JobRefused          |  stopped before the start                        |  exit status, or
        +----------------------+---------------------------------------------------+  a stop (ladder)
 
-A :class:`SupervisedJob` lives in a thread of its own (:meth:`~SupervisedJob.start_thread`). What
+A :class:`SupervisedJob` runs its steps in a thread of its own (:meth:`~SupervisedJob.start_thread`).
+While its task runs it holds no thread when it can: a *parkable* job (invocations) whose runner has
+an exit fd (:class:`nymph.runner.Watching`: the process runner) is parked in the one supervisor loop
+(:mod:`nymph.supervisor`) once started, its thread ends, and the loop hands it back to a pool thread
+when the task ended, a stop was requested or its timeout passed; the rest of its lifecycle runs
+there, under the same guard. Other runners' jobs wait in their thread (``wait_or_stop``). What
 happens at each step is the subclass's (:meth:`~SupervisedJob.prepare` builds the task,
-:meth:`~SupervisedJob.supervise` turns the run into an outcome, :meth:`~SupervisedJob.settle`
-reports it); everything around the steps is here, once:
+:meth:`~SupervisedJob.supervise` turns the run into an outcome, or :meth:`~SupervisedJob.begin`
+and :meth:`~SupervisedJob.end` around a parked wait; :meth:`~SupervisedJob.settle` reports it);
+everything around the steps is here, once:
 
 - **stop requests**: :meth:`~SupervisedJob.cancel` (``killed``), :meth:`~SupervisedJob.lose`
   (``lost``: another attempt owns the job, nothing is reported) and the job's timeout (``timeout``,
@@ -52,11 +58,12 @@ from nymph import observability as obs
 from nymph.config import NymphConfig
 from nymph.errors import JobRefused, is_disk_full
 from nymph.outbox import Outbox
-from nymph.runner import ExitStatus, Handle, Runner, RunnerError, RunnerUnavailable, Task
+from nymph.runner import ExitStatus, Handle, Runner, RunnerError, RunnerUnavailable, Task, Watching
 from nymph.slots import Slots
 
 if TYPE_CHECKING:
     from nymph.client import ControlPlaneClient
+    from nymph.supervisor import Parked, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +121,8 @@ class JobContext:
     inline_threshold: int | None = None
     # a job met a full disk (ENOSPC, EDQUOT): the agent stops claiming until there is room
     on_disk_full: Callable[[BaseException], None] = field(default=_ignore_disk_full)
+    # the one loop running tasks wait in (nymph.supervisor); None: each job waits in its own thread
+    supervisor: Supervisor | None = None
 
 
 class Phase(enum.Enum):
@@ -133,12 +142,17 @@ class Stop:
     grace_s: float
 
 
+_PARKED = object()  # what a lifecycle body returns when it parked the job (its thread ends, not the job)
+
+
 class SupervisedJob(abc.ABC, Generic[OutcomeT]):
     """The lifecycle of one claimed job; subclasses say what each step does."""
 
     kind: ClassVar[str]  # "invocation" or "exec": log lines, thread names, the agent's table
     id_field: ClassVar[str]  # the id's name in heartbeat entries and in JSON log lines
     timeout_field: ClassVar[str]  # where the timeout came from, for the timeout message
+    # whether a running task may wait in the supervisor loop (begin / end split supervise)
+    parkable: ClassVar[bool] = False
 
     def __init__(self, ctx: JobContext, job_id: str, attempt: int | None, timeout: Any) -> None:
         self.ctx = ctx
@@ -155,6 +169,8 @@ class SupervisedJob(abc.ABC, Generic[OutcomeT]):
         self._stop_event = threading.Event()
         self._destroyed = False
         self._thread: threading.Thread | None = None
+        self._parked: Parked | None = None  # waiting in the supervisor loop, no thread of its own
+        self._finished = threading.Event()  # released: the whole lifecycle is over
 
     # --- control from other threads --------------------------------------------------------------
 
@@ -184,6 +200,9 @@ class SupervisedJob(abc.ABC, Generic[OutcomeT]):
         if self.stop_request is None or stop.reason == "lost":
             self.stop_request = stop
         self._stop_event.set()
+        parked, supervisor = self._parked, self.ctx.supervisor
+        if parked is not None and supervisor is not None:  # hand it back: its wait runs the ladder
+            supervisor.poke(parked)
 
     def start_thread(self, target: Callable[[], None] | None = None) -> None:
         """Run ``target`` (:meth:`run` by default) in the job's own thread."""
@@ -193,8 +212,9 @@ class SupervisedJob(abc.ABC, Generic[OutcomeT]):
         self._thread.start()
 
     def join(self, timeout: float | None = None) -> None:
+        """Wait until the job's lifecycle is over (released), parked time included."""
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._finished.wait(timeout)
 
     # --- the steps, the subclass's ---------------------------------------------------------------
 
@@ -223,17 +243,33 @@ class SupervisedJob(abc.ABC, Generic[OutcomeT]):
         """The outcome when the runner refuses to start the task."""
         return self.failure(type(exc).__name__, str(exc))
 
+    # a parkable job splits supervise() in two: begin() before the wait, end() waits and concludes
+
+    def begin(self, handle: Handle) -> None:
+        """running, before the wait (a parkable job: open what follows the task, e.g. its stream)."""
+
+    def end(self, handle: Handle) -> OutcomeT:
+        """running: wait for the task (:meth:`wait_or_stop`) and return its outcome (after begin)."""
+        raise NotImplementedError
+
+    def abandon(self) -> None:
+        """begin() happened but end() never will (parking failed): close what begin() opened."""
+
     # --- the lifecycle ---------------------------------------------------------------------------
 
     def run(self) -> None:
         """Thread body for a freshly claimed job."""
         self.guarded(self._run_new)
 
-    def guarded(self, body: Callable[[], None]) -> None:
-        """Run one lifecycle ``body`` under the job's log context and the one exception guard."""
+    def guarded(self, body: Callable[[], object]) -> None:
+        """Run one lifecycle ``body`` under the job's log context and the one exception guard.
+
+        A body that parked the job (returns ``_PARKED``) leaves the release to the body the
+        supervisor hands the job back to, which runs under this guard again."""
         with obs.log_context(**{self.id_field: self.job_id}):
+            parked = False
             try:
-                body()
+                parked = body() is _PARKED
             except Exception as exc:  # never leave a claimed job unsettled, never crash its thread
                 message = f"nymph failed: {type(exc).__name__}: {exc}"
                 if is_disk_full(exc):  # an outcome of a full disk, not a bug: one line, no traceback
@@ -243,34 +279,39 @@ class SupervisedJob(abc.ABC, Generic[OutcomeT]):
                     log.exception("%s %s: nymph failed while running it", self.kind, self.job_id)
                 self._settle_once(self.failure("DaemonError", message))
             finally:
-                self._release()
+                if not parked:
+                    self._release()
 
-    def _run_new(self) -> None:
+    def _run_new(self) -> object:
         try:
             task = self.prepare()
         except JobRefused as exc:
             log.warning("%s %s: refused: %s: %s", self.kind, self.job_id, exc.type, exc.message)
             self._settle_once(self.failure(exc.type, exc.message))
-            return
+            return None
         self.phase = Phase.PREPARED
         stop = self.due_stop()
         if task is None or stop is not None:
             self._settle_once(self.stopped(stop or Stop("killed", "cancelled", 0.0)))
-            return
+            return None
         try:
             handle = self.when_available("starting", lambda: self.ctx.runner.start(task), timed=True)
         except RunnerError as exc:
             log.warning("%s %s: runner %s refused it: %s", self.kind, self.job_id, self.ctx.runner.name, exc)
             self._settle_once(self.start_refused(exc))
-            return
+            return None
         if handle is None:  # stopped (cancel, shutdown, lost lease, timeout) while the runner was down
             self._settle_once(self.stopped(self.due_stop() or Stop("killed", "cancelled", 0.0)))
-            return
+            return None
         self.handle = handle
         self.phase = Phase.STARTED
+        fd = self._exit_fd(handle)
+        if fd is not None:
+            return self._park(handle, fd)
         self.conclude(lambda: self._started(handle))
+        return None
 
-    def _started(self, handle: Handle) -> OutcomeT:
+    def _running(self, handle: Handle) -> None:
         if self.workdir is not None:
             handle.save(self.workdir)
         log.info(
@@ -281,7 +322,56 @@ class SupervisedJob(abc.ABC, Generic[OutcomeT]):
             self.ctx.runner.name,
         )
         self.phase = Phase.RUNNING
+
+    def _started(self, handle: Handle) -> OutcomeT:
+        self._running(handle)
         return self.supervise(handle)
+
+    # --- parked in the supervisor loop -----------------------------------------------------------
+
+    def _exit_fd(self, handle: Handle) -> int | None:
+        """The runner's fd that says the task ended, when this job may wait in the supervisor."""
+        runner = self.ctx.runner
+        if not self.parkable or self.ctx.supervisor is None or not runner.capabilities.exit_fd:
+            return None
+        if not isinstance(runner, Watching):
+            return None
+        try:
+            return runner.exit_fd(handle)
+        except RunnerError as exc:
+            log.warning("%s %s: no exit fd, waiting in a thread: %s", self.kind, self.job_id, exc)
+            return None
+
+    def _park(self, handle: Handle, fd: int) -> object:
+        """running, with no thread: the supervisor hands the job back (:meth:`_unpark`) once the
+        task ended, a stop was requested or the timeout passed; whatever fails before the job is
+        parked frees the task, as :meth:`conclude` does."""
+        supervisor = self.ctx.supervisor
+        assert supervisor is not None
+        try:
+            self._running(handle)
+            self.begin(handle)
+            try:
+                self._parked = supervisor.park(
+                    f"{self.kind}-{self.job_id}", fd, self.deadline, lambda: self.guarded(self._unpark)
+                )
+            except BaseException:
+                self.abandon()
+                raise
+        except BaseException:
+            self.destroy()  # no process, container or pod outlives its job
+            raise
+        parked = self._parked
+        if self.stop_request is not None and parked is not None:  # requested while parking
+            supervisor.poke(parked)
+        return _PARKED
+
+    def _unpark(self) -> None:
+        """Handed back by the supervisor (on its pool): the wait returns at once, then conclude."""
+        self._parked = None
+        handle = self.handle
+        assert handle is not None
+        self.conclude(lambda: self.end(handle))
 
     def conclude(self, produce: Callable[[], OutcomeT]) -> None:
         """Produce the outcome (which may still read the task), free the task whatever happened, settle."""
@@ -310,6 +400,7 @@ class SupervisedJob(abc.ABC, Generic[OutcomeT]):
             log.exception("%s %s: releasing it failed", self.kind, self.job_id)
         finally:
             self.ctx.slots.put()
+            self._finished.set()
 
     # --- waits and stops -------------------------------------------------------------------------
 

@@ -207,6 +207,8 @@ class Pump:
         inline_threshold: int | None = None,
     ) -> None:
         self.workdir = workdir
+        # the paths whose size the pump asks for on every wake-up, as strings once (not pathlib each time)
+        self._paths = {name: os.path.join(os.fspath(workdir), name) for name in (FRAMES, STDOUT, STDERR)}
         # frames whose body is over the control plane's inline threshold: the body is uploaded
         # (``ship(seq, body) -> ref``) and the frame sent with the body ``{"ref": ref}``
         self._ship = ship
@@ -261,8 +263,11 @@ class Pump:
     # --- lifecycle (the job's side) ---------------------------------------------------------------
 
     def start(self) -> None:
-        """Join the outbox: its sender takes batches from here; the watcher wakes it on writes."""
-        if not self._script:
+        """Join the outbox: its sender takes batches from here; the watcher wakes it on writes.
+
+        The watermark is written again only for a stream that delivered something (a restarted
+        nymph's): with no file the entry counts nothing delivered, which a fresh stream's is."""
+        if not self._script and (self.delivered_seq >= 0 or self._offsets[FRAMES] > 0):
             self._write_watermark()
         self._outbox.open_stream(self)
         self._watch = self._outbox.watcher.add(self.workdir, self._on_write)
@@ -478,7 +483,7 @@ class Pump:
         try:
             if name == FRAMES and self._fd is not None:
                 return os.fstat(self._fd).st_size
-            return os.lstat(self.workdir / name).st_size  # a planted link is not followed
+            return os.lstat(self._paths[name]).st_size  # a planted link is not followed
         except OSError:
             return 0
 
@@ -486,6 +491,8 @@ class Pump:
         """The journal, opened through :mod:`nymph.safeio` (the workdir is the task's: no link
         followed, only the task's own regular file); writable when it can be, to punch holes."""
         if self._fd is None:
+            if self._size(FRAMES) <= self._read_off:  # no journal yet (a plain function: ever)
+                return None
             try:
                 self._fd = safeio.open_fd(self.workdir, FRAMES, os.O_RDWR)
             except FileNotFoundError:
@@ -621,6 +628,8 @@ class Pump:
                 end[name] = max(offset, self._size(name))
                 continue
             while len(frames) < max_frames and size < max_bytes:
+                if self._size(name) <= offset:  # nothing new (the common wake-up): no open, no read
+                    break
                 fh = safeio.open_output(self.workdir, name)  # never through a link the task planted
                 if fh is None:
                     break

@@ -22,7 +22,7 @@ can re-attach to what a previous life started; only a file nymph itself wrote is
 cannot forge one, see :mod:`nymph.safeio`). Optional features are declared in
 :class:`Capabilities` and read only from there: nymph refuses a task that needs one the runner
 lacks, before starting it, and calls an optional method (:class:`Labelling`, :class:`Reaping`) only
-when the capability says the runner has it.
+when the capability says the runner has it (:class:`Watching`: a task nymph waits for with no thread).
 
 Runners are plugins: the entry-point group ``nymph.runners`` maps a name to a class implementing
 :class:`Runner`. See :mod:`nymph.plugins` for loading and validation.
@@ -31,7 +31,7 @@ Runners are plugins: the entry-point group ``nymph.runners`` maps a name to a cl
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -60,11 +60,16 @@ class Capabilities:
     recover: bool = True  # can re-attach after a nymph restart (else leftovers are destroyed, reported)
     list_labelled: bool = False  # lists the tasks it labelled (Labelling): reconcile adopts or sweeps them
     reap_orphans: bool = False  # reaps descendants reparented to nymph (Reaping): the agent calls it
+    exit_fd: bool = False  # gives an fd readable once the task ended (Watching): no thread waits on it
+    # takes a Python task's arguments in Task.args (no args.msgpack written by nymph): the runner
+    # hands them to the entry, or writes args.msgpack itself before it runs the entry from the file
+    args_inline: bool = False
 
 
 @dataclass
 class Task:
-    """Everything a runner needs to start one invocation. The workdir already holds args.msgpack."""
+    """Everything a runner needs to start one invocation. The workdir already holds args.msgpack,
+    unless ``args`` is set (a runner whose capabilities say ``args_inline``)."""
 
     invocation_id: str
     attempt: int
@@ -81,6 +86,9 @@ class Task:
     # first on the task's import path: env LAKESHORE_CODE_PATH names them; a runner whose task sees
     # another filesystem (a container, a pod) mounts each read-only at the same path
     code_dirs: list[Path] = field(default_factory=list)
+    # the Envelope's bytes, not written to the workdir (Capabilities.args_inline, small inline
+    # arguments only); None: they are in args.msgpack
+    args: bytes | None = None
 
 
 @dataclass
@@ -95,7 +103,14 @@ class Handle:
 
     def save(self, workdir: Path) -> None:
         """Write ``handle.json`` (atomically, never through a link the task planted: :mod:`nymph.safeio`)."""
-        safeio.write_file(workdir, HANDLE_FILE, json.dumps(asdict(self)).encode())
+        doc = {
+            "runner": self.runner,
+            "invocation_id": self.invocation_id,
+            "attempt": self.attempt,
+            "data": self.data,  # JSON values already: json.dumps copies nothing (asdict deep-copies)
+            "version": self.version,
+        }
+        safeio.write_file(workdir, HANDLE_FILE, json.dumps(doc).encode())
 
     @classmethod
     def load(cls, workdir: Path) -> Handle | None:
@@ -162,4 +177,18 @@ class Reaping(Protocol):
 
     def reap_orphans(self) -> int:
         """Reap exited descendants reparented to nymph that are no task's leader; the count."""
+        ...
+
+
+@runtime_checkable
+class Watching(Protocol):
+    """The method of a runner whose :class:`Capabilities` say ``exit_fd=True``."""
+
+    def exit_fd(self, handle: Handle) -> int | None:
+        """An fd that becomes readable once the task of ``handle`` ended (its leader exited); None
+        when the runner has none for it (nymph then waits with :meth:`Runner.wait` in a thread).
+
+        The runner owns the fd: it stays open until :meth:`Runner.destroy` of the handle, and nymph
+        only polls it (``epoll``), then calls ``wait``, which must then answer without blocking long.
+        """
         ...

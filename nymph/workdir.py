@@ -74,12 +74,14 @@ def create(
     run_as: str | None,
     *,
     args_file: Path | None = None,
+    write_args: bool = True,
 ) -> Path:
     """Create the private workdir with args.msgpack, invocation.json and the empty logs; return its path.
 
     ``run_as``: the local user the task runs as (None: nymph's own user), who gets the directory.
     ``args_file``: a file of nymph's on the same filesystem (arguments fetched by reference, see
     :mod:`nymph.refs`) moved in as ``args.msgpack`` instead of writing ``args_blob``.
+    ``write_args`` False: no ``args.msgpack`` (the runner takes the arguments in ``Task.args``).
     """
     path = path_for(root, invocation_id)
     if os.path.lexists(path):
@@ -96,15 +98,18 @@ def create(
         os.chmod(path, 0o700)
         # No fsync: the workdir only has to survive nymph's death, not the host's (a task dies with
         # its host, and the control plane re-queues it when the lease lapses); the page cache is enough.
+        # The directory is nymph's alone until hand_over: its files are written in place through
+        # one directory fd (no temporary names, no renames); a crash meanwhile leaves a workdir
+        # whose task never started, which the next life removes (nothing_runs).
+        files = [(META, json.dumps(meta).encode(), 0o600), (STDOUT, b"", 0o644), (STDERR, b"", 0o644)]
         if args_file is not None:
             os.chmod(args_file, 0o600)
             os.replace(args_file, path / ARGS)
-        else:
-            safeio.write_file(path, ARGS, bytes(args_blob))
-        safeio.write_file(path, META, json.dumps(meta).encode())
-        for name in (STDOUT, STDERR):
-            safeio.write_file(path, name, b"", 0o644)
-        hand_over(path, run_as, (ARGS, STDOUT, STDERR))
+        elif write_args:
+            files.insert(0, (ARGS, bytes(args_blob), 0o600))
+        safeio.create_new(path, files)
+        has_args = args_file is not None or write_args
+        hand_over(path, run_as, (ARGS, STDOUT, STDERR) if has_args else (STDOUT, STDERR))
     except BaseException:  # a full disk, say: leave no half-made workdir for a restart to puzzle over
         remove(path)
         raise

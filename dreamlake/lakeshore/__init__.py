@@ -24,6 +24,8 @@ _LAZY = {
     "udf": "dreamlake.lakeshore.decorator",
     "UDF": "dreamlake.lakeshore.decorator",
     "Thunk": "dreamlake.lakeshore.decorator",
+    "Calls": "dreamlake.lakeshore.decorator",
+    "submit_all": "dreamlake.lakeshore.decorator",
     "scope": "dreamlake.lakeshore.decorator",
     "run": "dreamlake.lakeshore.decorator",
     "set_default_code": "dreamlake.lakeshore.decorator",

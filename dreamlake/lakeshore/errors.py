@@ -124,9 +124,14 @@ class PlaneError(LakeshoreError):
     """The dispatch plane (local store or control plane) failed or refused a request.
 
     ``invocation_id`` is set on the failure of a submit: the id the call was submitted under, whose
-    status the caller can ask for (a submit that stayed unanswered may still have been stored)."""
+    status the caller can ask for (a submit that stayed unanswered may still have been stored).
+    ``invocation_ids`` is set on the failure of a map (``UDF.map``): every id it sent, in input
+    order, ``None`` where that call was refused."""
 
     invocation_id: str | None = None
+    # the failure of a map (``UDF.map``): the id of every call it sent, in input order, None where
+    # that call was refused (the others were submitted)
+    invocation_ids: list[str | None] | None = None
 
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)

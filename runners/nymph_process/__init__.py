@@ -54,7 +54,14 @@ so ``run_config.resources`` may only name ``gpus`` (nymph assigns the devices th
 
 Options: ``python`` (the tasks' interpreter, default nymph's own), ``pythonpath`` (the tasks'
 ``PYTHONPATH`` instead of nymph's own, a list; e.g. the entry bundle and the code's directory when
-the task user cannot read nymph's environment), ``prefork``, ``cgroup``.
+the task user cannot read nymph's environment), ``prefork``, ``cgroup``, and the warm mode's
+``warm`` (off by default), ``warm_max_calls`` (recycle a worker after that many calls; 0: never)
+and ``warm_workers`` (``nymph start`` passes its slot count).
+
+``warm=True`` (:mod:`nymph_process.warm`, trusted code only): a Python ``ref`` call with no user
+to become runs in a long-lived warm worker that imports its module once and runs call after call
+in itself, with no isolation between calls; a crash, cancel or timeout kills that worker only.
+Scripts, tasks with a user to become and pickled functions take the paths above.
 
 Code a call shipped (``Task.code_dirs``, nymph's code cache) reaches the task as
 ``LAKESHORE_CODE_PATH``, a per-task variable like every ``LAKESHORE_*`` one: it is not part of a
@@ -62,7 +69,9 @@ zygote's key, so one zygote serves every version, and the entry (in the forked c
 process alike) puts the directories first on ``sys.path`` and ``PYTHONPATH``.
 
 Optional features (:class:`~nymph.runner.Capabilities`): ``reap_orphans`` (nymph is a child
-subreaper; the agent calls :meth:`ProcessRunner.reap_orphans`). ``close`` stops the zygotes.
+subreaper; the agent calls :meth:`ProcessRunner.reap_orphans`) and ``exit_fd`` (a spawned entry's
+pidfd, a forked child's exit pipe written by the zygote's reader: a running task waits in nymph's
+supervisor loop, with no thread of its own). ``close`` stops the zygotes.
 """
 
 from __future__ import annotations
@@ -79,7 +88,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import ClassVar
 
@@ -98,8 +107,12 @@ from nymph.runnerkit import (
     option_list,
     task_name,
 )
-from nymph_process.prefork import ForkedChild, ZygoteClient, ZygoteError
+from nymph_process.prefork import ForkedChild, ZygoteClient, ZygoteError, boot_time, start_time_of
+from nymph_process.warm import WarmPool, WarmWorker
+from nymph_process.warm import call_over as warm_call_over
 from nymph_process.zygote import ENTRY_LOCK
+
+ARGS_FILE = "args.msgpack"  # the workdir contract's (nymph.workdir.ARGS)
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +141,7 @@ class ProcessRunner:
 
     name: ClassVar[str] = "process"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        as_user=True, gpus=True, recover=True, reap_orphans=True
+        as_user=True, gpus=True, recover=True, reap_orphans=True, exit_fd=True, args_inline=True
     )
 
     def __init__(
@@ -139,6 +152,10 @@ class ProcessRunner:
         prefork: bool = PREFORK_DEFAULT,
         cgroup: str = "auto",
         pythonpath: Iterable[str] | str | None = None,
+        warm: bool = False,
+        warm_max_calls: int = 0,
+        warm_workers: int = 1,
+        warm_users: Iterable[str] | str = (),
     ) -> None:
         self.python = python or default_python()
         # what tasks import from when it is not nymph's own PYTHONPATH (a task user who cannot
@@ -170,6 +187,19 @@ class ProcessRunner:
         # not: an orphan sweep must never reap a leader Popen has not been told about (its exit
         # status would be lost and Popen would report 0)
         self._spawn_lock = threading.Lock()
+        # warm mode (nymph_process.warm): trusted ref calls run in long-lived workers, many each
+        self._warm = (
+            WarmPool(
+                self.python,
+                workers=int(warm_workers),
+                max_calls=int(warm_max_calls),
+                cgroups=self.cgroups,
+                env_key=_interpreter_key,
+                users=option_list(warm_users),
+            )
+            if _flag(warm)
+            else None
+        )
         become_subreaper()
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -198,9 +228,20 @@ class ProcessRunner:
             self._zygotes.clear()
         for zygote in zygotes:
             zygote.close()
+        if self._warm is not None:
+            self._warm.close()
 
     def start(self, task: Task) -> Handle:
         parse_resources(task.run_config.get("resources"), self.name, unsupported=UNSUPPORTED_RESOURCES)
+        if self._warm is not None and task.args is not None and task.script is None:
+            self._write_args(task)  # a warm worker reads the workdir's args.msgpack (and serves() too)
+        if self._warm is not None and self._warm.serves(task):
+            data = self._warm.start(task, self._task_env(task))
+            if data is not None:
+                data.update(workdir=str(task.workdir), task=task_name(task))
+                return Handle(
+                    runner=self.name, invocation_id=task.invocation_id, attempt=task.attempt, data=data
+                )
         cgroup = self._task_cgroup(task)
         try:
             return self._start(task, cgroup)
@@ -214,6 +255,8 @@ class ProcessRunner:
             handle = self._start_forked(task, cgroup)
             if handle is not None:
                 return handle
+        if task.args is not None and task.script is None:  # the spawned entry reads them from the file
+            self._write_args(task)
         cmd = [self.bash, "-c", task.script] if task.script is not None else [self.python, "-m", ENTRY_MODULE]
         if task.as_user:
             cmd = [self.runuser, "-u", task.as_user, "--", *cmd]
@@ -268,6 +311,9 @@ class ProcessRunner:
         return self._handle(task, proc.pid, start_time, cgroup)
 
     def wait(self, handle: Handle, timeout: float | None = None) -> ExitStatus | None:
+        warm = self._warm_worker(handle)
+        if warm is not None:
+            return warm[0].wait(warm[1], int(handle.data["warm"]), timeout, handle_workdir(handle))
         pid = int(handle.data["pid"])
         forked = self._forked.get(pid)
         if forked is not None:
@@ -287,13 +333,28 @@ class ProcessRunner:
             code = proc.wait()
             return self._status(handle, code)
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self._leader(handle) is not None:
+        while self._leader(handle) is not None and not self._warm_call_over(handle):
             if deadline is not None and time.monotonic() >= deadline:
                 return None
             time.sleep(_POLL_S)
         return self._status(handle, self._inferred_code(handle))
 
+    def exit_fd(self, handle: Handle) -> int | None:
+        """A spawned entry's pidfd, a forked child's exit pipe; None for a re-attached process and
+        a warm call (its worker outlives the call: the call waits in a thread)."""
+        if "warm" in handle.data:
+            return None
+        pid = int(handle.data["pid"])
+        forked = self._forked.get(pid)
+        if forked is not None:
+            return forked[1].exit_fd()
+        return self._pidfds.get(pid)
+
     def stop(self, handle: Handle, grace_s: float) -> None:
+        warm = self._warm_worker(handle)
+        if warm is not None:  # the worker dies with the call; the pool replaces it
+            warm[0].stop(warm[1], int(handle.data["warm"]), grace_s)
+            return
         cgroup = self._cgroup_of(handle)
         if cgroup is not None:  # the whole cgroup: every session and process group in it
             tree, path = cgroup
@@ -328,6 +389,11 @@ class ProcessRunner:
         self._wait_group_gone(handle)
 
     def destroy(self, handle: Handle) -> None:
+        warm = self._warm_worker(handle)
+        if warm is not None:  # the worker goes back to the pool, or is killed if the call did not end
+            warm[0].done(warm[1], int(handle.data["warm"]))
+            self.reap_orphans()  # what a killed worker's calls left, reparented to nymph
+            return
         cgroup = self._cgroup_of(handle)
         if cgroup is not None and cgroup[0].populated(cgroup[1]):
             cgroup[0].kill(cgroup[1])  # whatever the task left running, in any session
@@ -383,7 +449,7 @@ class ProcessRunner:
             except psutil.Error:
                 return 0
             for child in children:
-                if child.pid in self._children:
+                if child.pid in self._children or self._owned_by_warm(child.pid):
                     continue
                 with contextlib.suppress(ChildProcessError, OSError, psutil.Error):
                     if child.status() != psutil.STATUS_ZOMBIE or os.getpgid(child.pid) == own_group:
@@ -393,6 +459,13 @@ class ProcessRunner:
         return reaped
 
     def inspect(self, handle: Handle) -> str:
+        warm = self._warm_worker(handle)
+        if warm is not None:
+            return "running" if warm[1].busy == handle.data["warm"] else "exited"
+        if "warm" in handle.data and (
+            self._owned_by_warm(int(handle.data["pid"])) or self._warm_call_over(handle)
+        ):
+            return "exited"  # the call ended (destroyed, or a previous life's); its worker lives on
         pid = int(handle.data["pid"])
         forked = self._forked.get(pid)
         if forked is not None and (not forked[1].done.is_set() or forked[1].code is not None):
@@ -404,6 +477,14 @@ class ProcessRunner:
 
     def recover(self, handle: Handle) -> bool:
         return self._leader(handle) is not None
+
+    def _warm_worker(self, handle: Handle) -> tuple[WarmPool, WarmWorker] | None:
+        """The pool and worker of a warm call this runner started; None for any other handle (a
+        warm call of a previous life is an ordinary re-attached process)."""
+        if self._warm is None or "warm" not in handle.data:
+            return None
+        worker = self._warm.running(handle.data)
+        return None if worker is None else (self._warm, worker)
 
     # --- the entry lock -------------------------------------------------------------------------
 
@@ -472,7 +553,9 @@ class ProcessRunner:
             if zygote is None:
                 return None
             try:
-                child, start_time = zygote.fork(workdir, env, _ZYGOTE_TIMEOUT_S, cgroup=procs, user=user)
+                child, start_time = zygote.fork(
+                    workdir, env, _ZYGOTE_TIMEOUT_S, cgroup=procs, user=user, args=task.args
+                )
             except ZygoteError as exc:
                 log.warning("invocation %s: zygote %d: %s", task.invocation_id, zygote.pid, exc)
                 self._zygote_failed(zygote)
@@ -486,6 +569,21 @@ class ProcessRunner:
             )
             return self._handle(task, child.pid, start_time, cgroup)
         return None
+
+    @staticmethod
+    def _write_args(task: Task) -> None:
+        """``args.msgpack`` for an entry that reads it (spawned), when nymph handed the arguments
+        in the Task (``args_inline``); a file already there (a start tried again) is kept."""
+        workdir = Path(task.workdir)
+        if os.path.lexists(workdir / ARGS_FILE):
+            return
+        try:
+            safeio.write_file(workdir, ARGS_FILE, task.args or b"")
+            owner = os.stat(workdir)
+            if owner.st_uid != os.geteuid():  # the entry runs as the workdir's user: theirs, like the rest
+                os.chown(workdir / ARGS_FILE, owner.st_uid, owner.st_gid, follow_symlinks=False)
+        except OSError as exc:
+            raise RunnerError(f"process runner: cannot write {ARGS_FILE} in {workdir}: {exc}") from exc
 
     def _task_env(self, task: Task) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("NYMPH_")}
@@ -646,11 +744,20 @@ class ProcessRunner:
         if proc is not None:
             proc.poll()
         for member in self._group_members(int(handle.data["pgid"])):
-            if member.pid in self._children or member.pid in self._forked:
+            if member.pid in self._children or member.pid in self._forked or self._owned_by_warm(member.pid):
                 continue  # Popen (or the zygote) reaps its own child; stealing its status would hide a signal
             with contextlib.suppress(ChildProcessError, OSError, psutil.Error):
                 if member.status() == psutil.STATUS_ZOMBIE:
                     os.waitpid(member.pid, os.WNOHANG)
+
+    @staticmethod
+    def _warm_call_over(handle: Handle) -> bool:
+        """A warm call of a previous life whose worker lives on: over once its entry lock is free."""
+        workdir = handle_workdir(handle)
+        return "warm" in handle.data and workdir is not None and warm_call_over(workdir)
+
+    def _owned_by_warm(self, pid: int) -> bool:
+        return self._warm is not None and self._warm.owns(pid)
 
     def _wait_group_gone(self, handle: Handle, limit_s: float = 10.0) -> None:
         pgid = int(handle.data["pgid"])
@@ -677,6 +784,22 @@ class ProcessRunner:
         if code == -1 and not known:
             reason = "exit status unknown (re-attached after a nymph restart)"
         return ExitStatus(exit_code=code, reason=reason, logs=log_tail(handle_workdir(handle)))
+
+
+def _interpreter_key(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """What of a task's environment shapes an interpreter: all but the per-task variables."""
+    return tuple(
+        sorted(
+            (k, v) for k, v in env.items() if k not in _PER_TASK_ENV_KEYS and not k.startswith(_PER_TASK_ENV)
+        )
+    )
+
+
+def _flag(value: object) -> bool:
+    """A boolean runner option that may come as a string (``NYMPH_RUNNER_OPT_WARM=false``)."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
 
 
 def become_subreaper() -> None:
@@ -709,7 +832,7 @@ def _entry_holder(fd: int) -> tuple[int, float] | None:
     if not isinstance(raw, dict) or not isinstance(raw.get("pid"), int):
         return None
     ticks = raw.get("ticks")
-    start_time = ticks / _CLOCK_TICKS + psutil.boot_time() if isinstance(ticks, int) else 0.0
+    start_time = start_time_of(ticks) if isinstance(ticks, int) else 0.0
     return int(raw["pid"]), start_time
 
 
@@ -717,7 +840,7 @@ def _record_entry(fd: int, pid: int) -> None:
     """Say in the entry lock file that ``pid`` runs (ran) the entry: no forked child runs it after."""
     ticks = None
     with contextlib.suppress(psutil.Error):
-        ticks = round((psutil.Process(pid).create_time() - psutil.boot_time()) * _CLOCK_TICKS)
+        ticks = round((psutil.Process(pid).create_time() - boot_time()) * _CLOCK_TICKS)
     with contextlib.suppress(OSError):
         os.write(fd, json.dumps({"pid": pid, "ticks": ticks}).encode())
 

@@ -10,6 +10,7 @@ dead; the runner starts another or spawns the entry the normal way.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import itertools
 import json
@@ -18,6 +19,7 @@ import os
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,27 @@ log = logging.getLogger(__name__)
 
 ZYGOTE_SCRIPT = str(Path(__file__).resolve().with_name("zygote.py"))
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_BOOT_TIME_TTL_S = 1.0
+_boot_time: tuple[float, float] = (-_BOOT_TIME_TTL_S, 0.0)  # (monotonic when read, psutil.boot_time())
+
+
+def boot_time() -> float:
+    """``psutil.boot_time()``, read from ``/proc/stat`` at most once a second (not once per fork).
+
+    Cached only briefly: the value follows the wall clock (a step of it moves the boot time), and
+    start times computed with it are compared with psutil's own ``create_time`` later."""
+    global _boot_time
+    now = time.monotonic()
+    read_at, value = _boot_time
+    if now - read_at >= _BOOT_TIME_TTL_S:
+        value = psutil.boot_time()
+        _boot_time = (now, value)
+    return value
+
+
+def start_time_of(ticks: int) -> float:
+    """A process's start time (psutil ``create_time``) from its start in clock ticks after boot."""
+    return ticks / _CLOCK_TICKS + boot_time()
 
 
 class ZygoteError(Exception):
@@ -44,14 +67,45 @@ class ZygoteError(Exception):
 
 
 class ForkedChild:
-    """A child of the zygote: ``done`` is set once it exited (``code``) or the zygote died (``code`` None)."""
+    """A child of the zygote: ``done`` is set once it exited (``code``) or the zygote died (``code`` None).
 
-    __slots__ = ("code", "done", "pid")
+    :meth:`exit_fd` is the same news as an fd (a pipe written when ``done`` is set), for a loop
+    that waits on many with ``epoll`` (:mod:`nymph.supervisor`) instead of a thread on each."""
+
+    __slots__ = ("_lock", "_pipe", "code", "done", "pid")
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.code: int | None = None
         self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._pipe: tuple[int, int] | None = None
+
+    def finish(self, code: int | None) -> None:
+        """The child exited with ``code`` (None: unknown, the zygote died): set ``done``, write the fd."""
+        with self._lock:
+            if code is not None:
+                self.code = code
+            self.done.set()
+            if self._pipe is not None:
+                with contextlib.suppress(OSError):
+                    os.write(self._pipe[1], b"x")
+
+    def exit_fd(self) -> int:
+        """An fd readable once ``done`` is set (made on the first call; closed by :meth:`close`)."""
+        with self._lock:
+            if self._pipe is None:
+                self._pipe = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+                if self.done.is_set():
+                    os.write(self._pipe[1], b"x")
+            return self._pipe[0]
+
+    def close(self) -> None:
+        with self._lock:
+            pipe, self._pipe = self._pipe, None
+        for fd in pipe or ():
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 class ZygoteClient:
@@ -101,18 +155,26 @@ class ZygoteClient:
         *,
         cgroup: str | None = None,
         user: Mapping[str, Any] | None = None,
+        args: bytes | None = None,
     ) -> tuple[ForkedChild, float]:
         """Fork a child for ``workdir``; returns it and its start time (psutil ``create_time``).
 
         ``cgroup``: the ``cgroup.procs`` file the child joins before anything else; ``user``: who
-        it becomes before it runs the entry (``uid``, ``gid``, ``groups``, ``name``, ``home``).
+        it becomes before it runs the entry (``uid``, ``gid``, ``groups``, ``name``, ``home``);
+        ``args``: the Envelope's bytes, handed to the child's entry (no ``args.msgpack`` read).
         """
         if not self.wait_ready(timeout):
             raise ZygoteError("the zygote is not ready" if self.alive else "the zygote is dead")
         req_id = next(self._ids)
         event = threading.Event()
         reply: dict[str, Any] = {}
-        req = {"id": req_id, "workdir": str(workdir), "env": dict(env), "cgroup": cgroup, "user": user}
+        req: dict[str, Any] = {"id": req_id, "workdir": str(workdir), "cgroup": cgroup, "user": user}
+        if all(k in env for k in self.env):  # the zygote's own environment plus the task's variables
+            req["env_update"] = {k: v for k, v in env.items() if self.env.get(k) != v}
+        else:
+            req["env"] = dict(env)
+        if args is not None:
+            req["args"] = base64.b64encode(args).decode("ascii")
         line = json.dumps(req).encode() + b"\n"
         with self._lock:
             if self._dead.is_set():
@@ -138,12 +200,14 @@ class ZygoteClient:
         ticks = reply.get("ticks")
         start_time = 0.0
         if isinstance(ticks, int):
-            start_time = ticks / _CLOCK_TICKS + psutil.boot_time()  # as psutil computes create_time
+            start_time = start_time_of(ticks)  # as psutil computes create_time
         return child, start_time
 
     def forget(self, pid: int) -> None:
         with self._lock:
-            self.children.pop(pid, None)
+            child = self.children.pop(pid, None)
+        if child is not None:
+            child.close()
 
     def close(self) -> None:
         """Stop the zygote (its children carry on) and reap it."""
@@ -180,8 +244,7 @@ class ZygoteClient:
             with self._lock:
                 child = self.children.get(int(msg["exit"]))
             if child is not None:
-                child.code = int(msg["code"])
-                child.done.set()
+                child.finish(int(msg["code"]))
         elif "id" in msg:
             with self._lock:
                 if "pid" in msg:
@@ -203,7 +266,7 @@ class ZygoteClient:
         for event, _reply in pending:
             event.set()
         for child in orphans:  # exit code unknown from now on: the runner watches them via psutil
-            child.done.set()
+            child.finish(None)
         self._ready.set()
         with contextlib.suppress(OSError):
             self.sock.close()

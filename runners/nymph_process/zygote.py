@@ -19,8 +19,11 @@ becomes the task's user (``user``: ``setgroups``, ``setgid``, ``setuid``, and ``
 workdir (the lock, the logs) are opened without following links or blocking on FIFOs, and only
 when they are regular files of the task's user or of the zygote's own.
 
-Protocol, one JSON document per line. Runner -> zygote: ``{"id", "workdir", "env", "cgroup",
-"user"}``. Zygote ->
+Protocol, one JSON document per line. Runner -> zygote: ``{"id", "workdir", "env" or "env_update",
+"cgroup", "user", "args"}`` (``env``: the task's whole environment; ``env_update``: what it adds to
+or changes in the zygote's own, the per-task variables, so a request does not carry the rest) (``args``: the Envelope's bytes, base64, when nymph hands them over instead of
+writing ``args.msgpack``: the child runs the entry's ``run_args`` with them, or, with an entry from
+before it, writes the file itself first). Zygote ->
 runner: ``{"ready": pid}`` once; ``{"id", "pid", "ticks"}`` (``ticks``: the child's start time in
 clock ticks after boot, from ``/proc``, so the runner can record it even if the child is already
 gone) or ``{"id", "error"}``; ``{"exit": pid, "code"}`` when a child ends (only the zygote, its
@@ -33,13 +36,23 @@ held until it exits) and has written ``{"pid", "ticks"}`` there; it exits with
 lock before it spawns the entry itself, so a child whose fork answer never reached nymph (a
 timeout, a dying zygote) can never run the invocation a second time next to a fallback spawn.
 
+Start-up is paid once, here: besides the entry the zygote imports :data:`PRELOAD` (standard
+library modules nearly every user module imports, ``typing`` first: a child that imports them itself
+pays more for that than for the rest of a noop call), then moves every object it made into the
+garbage collector's permanent generation (``gc.freeze()``), so a child's collections neither walk
+nor touch, and so copy, the pages it shares with the zygote. Nothing of the user's is preloaded: each
+child imports the user's code fresh, and what it does to a preloaded module stays in the child.
+
 Stdlib only besides the entry, and Python 3.9 syntax: it runs in whichever interpreter runs the entry.
 """
 
 from __future__ import annotations
 
+import base64
 import errno
 import fcntl
+import gc
+import importlib
 import json
 import os
 import select
@@ -51,6 +64,23 @@ import sys
 _CHILD_SETUP_FAILED = 127
 ENTRY_LOCK = ".entry.lock"  # in the workdir; see the module docstring
 ENTRY_LOCKED = 75  # EX_TEMPFAIL: another process holds the entry lock; nothing was run
+# standard library modules imported once here rather than by every child (see the module docstring);
+# the entry's own lazy imports (mmap for the arguments, io for the logs, traceback and json for an
+# error) among them
+PRELOAD = (
+    "typing",
+    "collections.abc",
+    "contextlib",
+    "dataclasses",
+    "enum",
+    "functools",
+    "io",
+    "json",
+    "logging",
+    "mmap",
+    "re",
+    "traceback",
+)
 
 
 def _ticks(pid: int) -> int | None:
@@ -171,8 +201,11 @@ class Zygote:
             except (OSError, KeyError, TypeError) as exc:
                 sys.stderr.write(f"lakeshore zygote: cannot become user {user.get('name')!r}: {exc}\n")
                 return _CHILD_SETUP_FAILED
-        os.environ.clear()
-        os.environ.update(req["env"])
+        if "env" in req:
+            os.environ.clear()
+            os.environ.update(req["env"])
+        else:  # the zygote's environment (the task's, less its per-task variables) plus those
+            os.environ.update(req["env_update"])
         if user is not None:
             os.environ.update(
                 HOME=str(user["home"]),
@@ -186,7 +219,30 @@ class Zygote:
 
         sys.argv = [entry.__file__ or "entry"]
         sys.modules["__main__"] = entry
-        _exit(_run(entry.main))
+        main: object = entry.main
+        if req.get("args") is not None:
+            blob = base64.b64decode(req["args"])
+            run_args = getattr(entry, "run_args", None)
+            if run_args is not None:
+
+                def main() -> int:
+                    return int(run_args(blob))
+
+            else:  # an entry from before run_args: the file it reads
+                try:
+                    fd = _open_in_workdir(
+                        getattr(entry, "ARGS_FILE", "args.msgpack"),
+                        os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                        0o600,
+                    )
+                    try:
+                        os.write(fd, blob)
+                    finally:
+                        os.close(fd)
+                except OSError as exc:
+                    sys.stderr.write(f"lakeshore zygote: cannot write the arguments in {workdir!r}: {exc}\n")
+                    return _CHILD_SETUP_FAILED
+        _exit(_run(main))
         return _CHILD_SETUP_FAILED  # not reached
 
 
@@ -274,10 +330,22 @@ def _exit(code: int) -> None:
     os._exit(code & 0xFF)
 
 
+def preload() -> None:
+    """Import :data:`PRELOAD` (a module this interpreter lacks is skipped), then freeze the heap."""
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    gc.collect()
+    gc.freeze()  # a child's collections leave the zygote's objects (and their pages) alone
+
+
 def main() -> None:
     sock = socket.socket(fileno=int(sys.argv[1]))
     import dreamlake.lakeshore.daemon.entry  # noqa: F401  (and so wire, envelope, msgpack)
 
+    preload()
     try:
         Zygote(sock).serve()
     except (BrokenPipeError, ConnectionResetError):

@@ -45,7 +45,7 @@ from nymph.plugins import load_runner
 readme = kit.user_module("readme_udfs")
 
 # process-pgroup: the process runner without cgroups (its process-group fallback)
-RUNNERS = ["process", "process-prefork", "process-pgroup", "docker", "gvisor", "slurm"]
+RUNNERS = ["process", "process-prefork", "process-warm", "process-pgroup", "docker", "gvisor", "slurm"]
 LIMIT_S = 60.0
 
 
@@ -76,6 +76,8 @@ def options_for(name: str) -> dict[str, Any]:
         return {"prefork": False}
     if name == "process-prefork":  # the process runner's warm-fork (zygote) mode
         return {"prefork": True}
+    if name == "process-warm":  # the process runner's warm mode (trusted code, many calls per worker)
+        return {"warm": True, "warm_workers": 2}
     if name == "process-pgroup":  # no task cgroups: process groups and the stray walk
         return {"prefork": False, "cgroup": "off"}
     if name == "slurm":

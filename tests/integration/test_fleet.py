@@ -161,6 +161,49 @@ def test_daemons_bound_to_different_namespaces_share_a_queue_name(store_url: str
         asyncio.run(main())
 
 
+def test_a_poll_whose_daemon_hung_up_leaves_the_fifo_at_once(tmp_path: Any) -> None:
+    """A daemon killed while its poll waits (nymph kill -9, a dropped connection) must not hold
+    its place at the head of the queue's FIFO until the poll's deadline: the next submit would be
+    handed to it and passed on, and the server's shutdown would wait for it and cancel it."""
+    with running_control_plane(str(tmp_path / "s.db"), config=NO_RECHECK) as cp:
+        hub = cp.app.state.ctx.polls
+        queue = f"hangup-{new_ulid()}"
+
+        async def main() -> None:
+            async with (
+                httpx.AsyncClient(
+                    base_url=cp.url, headers=_headers(cp.daemon_token), timeout=POLL_S + 30
+                ) as live,
+                httpx.AsyncClient(base_url=cp.url, headers=_headers(cp.producer_token)) as producer,
+            ):
+                # the oldest poll, over a raw socket we then close
+                host, port = cp.url.removeprefix("http://").split(":")
+                _reader, writer = await asyncio.open_connection(host, int(port))
+                body = msgpack.packb({"worker_id": new_ulid(), "queues": [queue], "timeout_s": POLL_S})
+                head = (
+                    f"POST /v1/daemon/poll HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                    f"{cp.daemon_token}\r\nContent-Type: {MSGPACK}\r\nContent-Length: {len(body)}\r\n\r\n"
+                )
+                writer.write(head.encode() + body)
+                await writer.drain()
+                await _until(lambda: hub.waiting == 1, "the doomed poll waiting")
+                worker = new_ulid()
+                second = asyncio.ensure_future(_poll(live, worker, queue))
+                await _until(lambda: hub.waiting == 2, "a live poll waiting behind it")
+                writer.close()
+                await writer.wait_closed()
+                await _until(lambda: hub.waiting == 1, "the hung-up poll to leave the hub")
+                before = await asyncio.to_thread(_passes, cp)
+                inv = await _submit(producer, queue)
+                (cmd,) = (await asyncio.wait_for(second, SETTLE_S))["commands"]
+                assert cmd["body"]["invocation_id"] == inv
+                assert await asyncio.to_thread(_passes, cp) - before == 1  # no detour
+                row = cp.store.get(inv)
+                assert row is not None and row.worker_id == worker and row.attempt == 1
+
+        asyncio.run(main())
+
+
 def test_past_max_polls_a_poll_is_refused_503_with_retry_after(tmp_path: Any) -> None:
     config = ServerConfig(max_polls=3, poll_retry_after_s=5, **_no_recheck())
     with running_control_plane(str(tmp_path / "s.db"), config=config) as cp:

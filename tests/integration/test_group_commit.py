@@ -306,6 +306,49 @@ def test_a_heartbeat_in_a_batch_reads_the_pinned_version(store: SqlStore) -> Non
     assert store.poll_pass("w", ["q"]).pinned_version == "0.1.4"
 
 
+def test_a_fleets_polls_and_heartbeats_share_one_batch_and_each_gets_its_own_commands(
+    store: SqlStore,
+) -> None:
+    """A fleet's polls and heartbeats arrive dozens to a batch; their shared duties (touch the
+    worker, take its commands, read its pinned version) run once for the batch, and each write
+    still answers as its single call would: a worker's command goes to exactly one of its writes,
+    each reads its own namespace's pin. The transactions commit in latency's order (submits, then
+    polls, then heartbeats) and each but the last is handed to ``on_commit`` as it commits."""
+    store.register_worker("w1", {"namespace": "team-a"})
+    store.register_worker("w2", {})
+    store.pin_version("team-a", "0.1.4")
+    store.pin_version("default", "0.2.0")
+    (a, att_a), (b, att_b) = _running(store, 1, "w1") + _running(store, 1, "w2")
+    assert store.cancel(a) == "running" == store.cancel(b)  # a cancel command for each worker
+    fresh = new_ulid()
+    committed: list[list[int]] = []
+    results = store.write_batch(
+        [
+            HeartbeatRequest("w2", [(b, att_b)]),  # 0: w2's first write of the heartbeats' commit
+            PollRequest("w1", ["q"], limit=1),  # 1: w1's first write of the polls' commit
+            HeartbeatRequest("w1", [(a, att_a)]),  # 2
+            _submit(fresh, queue="other"),  # 3
+            HeartbeatRequest("w2", [(b, att_b)]),  # 4
+            PollRequest("stranger", ["nothing"], limit=1),  # 5: an unregistered worker
+        ],
+        on_commit=lambda pairs: committed.append([i for i, _ in pairs]),
+    )
+    assert committed == [[3], [1, 5]]  # the heartbeats' commit, the last, answers with the return
+    beat_w2, poll_w1, beat_w1, sub, beat_w2_again, poll_stranger = results
+    assert isinstance(sub, SubmitResult) and sub.invocation_id == fresh
+    assert isinstance(poll_w1, PollResult) and isinstance(poll_stranger, PollResult)
+    assert [(c.kind, c.body["invocation_id"]) for c in poll_w1.commands] == [("cancel", a)]
+    assert poll_w1.invocations == [] and poll_w1.pinned_version == "0.1.4"
+    assert poll_stranger.commands == [] and poll_stranger.pinned_version == "0.2.0"
+    assert isinstance(beat_w1, HeartbeatResult) and beat_w1.commands == [] and beat_w1.lost == []
+    assert beat_w1.pinned_version == "0.1.4"
+    assert isinstance(beat_w2, HeartbeatResult) and isinstance(beat_w2_again, HeartbeatResult)
+    assert [(c.kind, c.body["invocation_id"]) for c in beat_w2.commands] == [("cancel", b)]
+    assert beat_w2_again.commands == [] and beat_w2.lost == [] == beat_w2_again.lost
+    assert beat_w2.pinned_version == "0.2.0" == beat_w2_again.pinned_version
+    assert store.poll_pass("w1", ["q"]).commands == []  # taken once, for good
+
+
 def test_a_submit_remembers_its_queue_and_function_only_once_committed(store: SqlStore) -> None:
     store.submit(_submit(queue="seen"))
     assert "seen" in store._known.queues
@@ -328,7 +371,9 @@ class _GatedStore:
         self.started = threading.Event()
         self.gate = threading.Event()
 
-    def write_batch(self, requests: Sequence[WriteRequest]) -> list[WriteResult | PlaneError]:
+    def write_batch(
+        self, requests: Sequence[WriteRequest], on_commit: Any = None
+    ) -> list[WriteResult | PlaneError]:
         self.batches.append(list(requests))
         self.started.set()
         assert self.gate.wait(10)
@@ -367,5 +412,39 @@ def test_the_writer_batches_what_arrives_during_a_commit_and_answers_after_it() 
         await writer.aclose()
         with pytest.raises(PlaneError):
             await writer.write(AckRequest("g", "failed"))
+
+    asyncio.run(scenario())
+
+
+def test_a_batch_of_writes_lands_whole_in_one_group_commit_past_the_cap() -> None:
+    """``write_many`` (the submit-batch route): its writes are never split across transactions,
+    even past ``max_batch``; each answers its own result, in order, after the commit."""
+
+    async def scenario() -> None:
+        store = _GatedStore()
+        writer = GroupWriter(store, max_batch=4)  # type: ignore[arg-type]
+        first = asyncio.create_task(writer.write(AckRequest("a", "succeeded")))
+        await asyncio.to_thread(store.started.wait, 10)
+        many = asyncio.create_task(
+            writer.write_many([AckRequest(x, "refuse" if x == "d" else "failed") for x in "bcdefg"])
+        )
+        after = asyncio.create_task(writer.write(AckRequest("h", "failed")))
+        await asyncio.sleep(0.05)
+        assert not many.done()
+        store.gate.set()
+        await first
+        answers = await many
+        assert [a.status if isinstance(a, PlaneError) else a.state for a in answers] == [  # type: ignore[union-attr]
+            "failed", "failed", 409, "failed", "failed", "failed",
+        ]  # fmt: skip
+        assert (await after).state == "failed"
+        # the batch of six went whole, past the cap of four; h waited for the next commit
+        assert [[r.invocation_id for r in b] for b in store.batches] == [  # type: ignore[union-attr]
+            ["a"],
+            list("bcdefg"),
+            ["h"],
+        ]
+        assert await writer.write_many([]) == []
+        await writer.aclose()
 
     asyncio.run(scenario())

@@ -178,6 +178,35 @@ def test_plain_function_succeeds_and_its_workdir_is_removed(
     assert (n.state_dir / "worker_id").read_text().strip() != ""
 
 
+def test_running_invocations_hold_no_thread_of_nymphs(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph], tmp_path: Path
+) -> None:
+    """Running tasks of the process runner wait in the one supervisor loop, not in a thread each;
+    they still end as they would (released, cancelled, timed out)."""
+    cp = sqlite_control_plane
+    n = nymph_factory(cp.url, cp.daemon_token, "--concurrency", "4")
+    assert n.proc is not None
+    nymph = psutil.Process(n.proc.pid)
+    warm = submit(cp.url, cp.producer_token, envelope(nymph_fns.add, 1, 1))  # zygote, watcher, loop
+    assert await_result(cp.url, cp.producer_token, warm)["state"] == "succeeded"
+    time.sleep(1.0)  # the warm-up's threads wind down
+    idle = nymph.num_threads()
+    gate = tmp_path / "release"
+    invs = [submit(cp.url, cp.producer_token, envelope(nymph_fns.wait_for_file, str(gate))) for _ in range(3)]
+    slow = submit(cp.url, cp.producer_token, envelope(nymph_fns.sleep_for, 120), timeout_s=4)
+    _until(lambda: all((n.workdir / i / "handle.json").exists() for i in [*invs, slow]), "four tasks running")
+    # the threads that started them end once they are parked; four waiting tasks add none
+    _until(lambda: nymph.num_threads() <= idle, f"no thread per running task (idle: {idle})")
+    _call(cp.url, cp.producer_token, f"/v1/producer/invocations/{invs[0]}/cancel", {})
+    assert await_result(cp.url, cp.producer_token, invs[0])["error"]["type"] == "Cancelled"
+    gate.write_text("go")
+    for inv in invs[1:]:
+        out = await_result(cp.url, cp.producer_token, inv)
+        assert out["state"] == "succeeded" and wire.unpack(out["result_blob"]) == "released", out
+    out = await_result(cp.url, cp.producer_token, slow)
+    assert out["state"] == "timeout" and out["error"]["type"] == "Timeout", out
+
+
 def test_generator_frames_arrive_before_the_job_ends(
     sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
 ) -> None:

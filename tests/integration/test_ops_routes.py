@@ -276,6 +276,10 @@ def test_claim_latency_and_frames_appended_by_kind_over_http(control_plane: Cont
     assert got[("lakeshore_claim_latency_seconds_count", (("queue", "lat"),))] == 2
     assert got[("lakeshore_claim_latency_seconds_sum", (("queue", "lat"),))] >= 0.6  # both waited >= 0.3 s
     assert got[("lakeshore_claim_latency_seconds_bucket", (("le", "0.1"), ("queue", "lat")))] == 0
+    # the group commit's time per kind of write: these two submits and the polls that claimed them
+    assert got[("lakeshore_write_seconds_count", (("kind", "submit"),))] >= 2
+    assert got[("lakeshore_write_seconds_count", (("kind", "poll"),))] >= 2
+    assert got[("lakeshore_write_seconds_sum", (("kind", "submit"),))] > 0
 
     frames = [
         wire.encode_frame(wire.FRAME_LOG, 0, b"out\n", {"stream": "stdout"}),

@@ -40,7 +40,10 @@ _CALLS: list[int] = []
 
 
 def pollute() -> int:
+    import json
+
     os.environ["PREFORK_JUNK"] = "1"
+    json.PREFORK_JUNK = 1  # type: ignore[attr-defined]  # a module the zygote preloaded
     sys.modules["prefork_junk_module"] = sys
     sys.path.append("/prefork/junk")
     _CALLS.append(1)
@@ -53,6 +56,7 @@ def observe() -> dict[str, Any]:
         "env": "PREFORK_JUNK" in os.environ,
         "module": "prefork_junk_module" in sys.modules,
         "path": "/prefork/junk" in sys.path,
+        "preloaded": hasattr(sys.modules.get("json"), "PREFORK_JUNK"),
         "calls": len(_CALLS),  # 1: this module was imported fresh by this child
         "cwd": os.getcwd(),
         "sys_path0": sys.path[0],
@@ -95,18 +99,24 @@ def runner() -> Iterator[ProcessRunner]:
 
 @pytest.fixture
 def prepare(tmp_path: Path) -> Callable[..., Task]:
-    def _prepare(fn: Callable[..., Any] | None, *args: Any, script: str | None = None) -> Task:
+    def _prepare(
+        fn: Callable[..., Any] | None, *args: Any, script: str | None = None, inline: bool = False
+    ) -> Task:
         invocation_id = ids.new_ulid()
         workdir = tmp_path / invocation_id
         workdir.mkdir(mode=0o700)
+        blob = None
         if fn is not None:
-            (workdir / "args.msgpack").write_bytes(Envelope.create(fn_for(fn, "ref"), args, {}).to_bytes())
+            blob = Envelope.create(fn_for(fn, "ref"), args, {}).to_bytes()
+            if not inline:  # inline: handed over in the Task (Capabilities.args_inline), no file
+                (workdir / "args.msgpack").write_bytes(blob)
         return Task(
             invocation_id=invocation_id,
             attempt=1,
             workdir=workdir,
             env={"LAKESHORE_INVOCATION_ID": invocation_id, "PYTHONPATH": str(ROOT)},
             script=script,
+            args=blob if inline else None,
         )
 
     return _prepare
@@ -200,10 +210,34 @@ def test_state_does_not_leak_between_invocations(runner: ProcessRunner, prepare:
     assert status.exit_code == 0, status
     seen = _result(second)
     assert (seen["env"], seen["module"], seen["path"], seen["calls"]) == (False, False, False, 1)
+    assert seen["preloaded"] is False  # a change to a module the zygote preloaded stays in its child
     runner.destroy(handle)
     # the zygote itself never imported user code
     zygote = _zygote_pids(runner)[0]
     assert "PREFORK_JUNK" not in psutil.Process(zygote).environ()
+
+
+def test_arguments_in_the_task_reach_a_forked_child_over_the_socket_and_a_spawned_entry_by_file(
+    runner: ProcessRunner, prepare: Callable[..., Task]
+) -> None:
+    assert ProcessRunner.capabilities.args_inline
+    forked = prepare(say, "over the socket", inline=True)
+    handle, status = _run(runner, forked)
+    assert status.exit_code == 0, status
+    assert handle.data["pid"] in runner._forked  # the zygote forked it
+    assert _result(forked) == "over the socket"
+    assert not (forked.workdir / "args.msgpack").exists()  # one file less per invocation
+    runner.destroy(handle)
+    spawner = ProcessRunner(prefork=False)
+    try:
+        spawned = prepare(say, "from the file", inline=True)
+        handle, status = _run(spawner, spawned)
+        assert status.exit_code == 0, status
+        assert _result(spawned) == "from the file"
+        assert (spawned.workdir / "args.msgpack").read_bytes() == spawned.args  # the runner wrote it
+        spawner.destroy(handle)
+    finally:
+        spawner.close()
 
 
 def test_script_and_as_user_tasks_are_spawned(runner: ProcessRunner, prepare: Callable[..., Task]) -> None:

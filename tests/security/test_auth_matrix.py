@@ -130,6 +130,9 @@ def request_for(w: World, route: RouteAuth, kind: str, own: bool) -> Request:
             return "GET", "/metrics", None, "none"
         case "submit":
             return "POST", "/v1/producer/submit", submit_body(new_ulid(), w.queue()), "msgpack"
+        case "submit_batch":
+            items = [submit_body(new_ulid(), w.queue()) for _ in range(2)]
+            return "POST", "/v1/producer/submit-batch", {"submits": items}, "msgpack"
         case "await_":
             return (
                 "POST",

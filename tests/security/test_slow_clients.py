@@ -85,3 +85,40 @@ def test_half_open_and_slow_connections_are_dropped_and_others_still_served(tmp_
         stack.stop()
     log = stack.log.read_text()
     assert "connection cap reached (150 open)" in log
+
+
+def _get_healthz(s: socket.socket) -> bytes:
+    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: lakeshore\r\n\r\n")
+    s.settimeout(10)
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        chunk = s.recv(65536)
+        assert chunk, "the server closed the connection instead of answering"
+        answer += chunk
+    return answer
+
+
+def test_a_kept_alive_connection_outlives_the_header_deadline_but_a_trickle_does_not(
+    tmp_path: Path,
+) -> None:
+    """Between requests a connection may be silent for the keep-alive window (30 s, above
+    nymph's heartbeat period), not just the header deadline: a fleet's heartbeats reuse their
+    connections. Once a request's first byte arrives the header deadline holds again."""
+    stack = Stack(tmp_path / "data", LAKESHORE_HEADER_TIMEOUT_S="1").start()
+    try:
+        with socket.create_connection(("127.0.0.1", stack.port), timeout=5) as s:
+            assert _get_healthz(s).startswith(b"HTTP/1.1 200")
+            time.sleep(2.5)  # silent past the 1 s header deadline, inside the keep-alive window
+            assert _get_healthz(s).startswith(b"HTTP/1.1 200")
+            s.sendall(b"G")  # the next request begins, and trickles
+            s.setblocking(False)
+            deadline = time.monotonic() + BOUND_S
+            while not _closed(s):
+                assert time.monotonic() < deadline, "a trickling request outlived the header deadline"
+                try:
+                    s.send(b"E")
+                except OSError:
+                    break
+                time.sleep(0.2)
+    finally:
+        stack.stop()

@@ -179,10 +179,12 @@ def test_a_full_disk_in_prepare_is_acked_failed_saying_so_and_pauses_claims(
 
     import nymph.workdir
 
-    def full(directory: Path, name: str, data: bytes, mode: int = 0o600, *, sync: bool = False) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device", str(directory / name))
+    def full(directory: Path, files: Any) -> None:  # the first file fits, the next one does not
+        (name, _data, _mode), (second, *_) = list(files)[:2]
+        (directory / name).write_bytes(b"")
+        raise OSError(errno.ENOSPC, "No space left on device", str(directory / second))
 
-    monkeypatch.setattr(nymph.workdir.safeio, "write_file", full)
+    monkeypatch.setattr(nymph.workdir.safeio, "create_new", full)
     agent, outbox = _agent(tmp_path, _Runner())
     caplog.set_level(logging.ERROR, logger="nymph")
     agent.jobs.dispatch({"kind": "run", "body": {"invocation_id": ID, "attempt": 1, "script": "true"}})

@@ -49,6 +49,23 @@ def test_write_file_replaces_a_planted_hard_link_without_touching_its_other_name
     assert outside.read_text() == "untouched" and outside.stat().st_nlink == 1
 
 
+def test_create_new_writes_in_place_with_its_modes_and_never_through_an_existing_name(
+    workdir: Path, outside: Path
+) -> None:
+    old = os.umask(0o077)
+    try:
+        safeio.create_new(workdir, [("args.msgpack", b"\x90", 0o600), ("stdout.log", b"", 0o644)])
+    finally:
+        os.umask(old)
+    assert (workdir / "args.msgpack").read_bytes() == b"\x90"
+    assert stat.S_IMODE((workdir / "stdout.log").stat().st_mode) == 0o644  # not narrowed by the umask
+    assert sorted(p.name for p in workdir.iterdir()) == ["args.msgpack", "stdout.log"]  # no temporary
+    (workdir / "stderr.log").symlink_to(outside)
+    with pytest.raises(FileExistsError):
+        safeio.create_new(workdir, [("stderr.log", b"planted", 0o644)])
+    assert outside.read_text() == "untouched"
+
+
 def test_read_own_refuses_links_fifos_and_hard_links(workdir: Path, outside: Path) -> None:
     (workdir / "handle.json").symlink_to(outside)
     os.mkfifo(workdir / "invocation.json")

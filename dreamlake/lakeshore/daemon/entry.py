@@ -1,8 +1,8 @@
 """The in-sandbox program every runner starts: ``python3 -m dreamlake.lakeshore.daemon.entry [DIR]``.
 
 It runs one invocation per the workdir contract (docs/architecture.md). With the workdir as cwd (or
-``DIR``), it reads ``args.msgpack`` (the Envelope), resolves the function through the worker-side
-gates, calls it and leaves:
+``DIR``), it reads ``args.msgpack`` (the Envelope; a warm-forked entry may be handed its bytes
+instead, :func:`run_args`), resolves the function through the worker-side gates, calls it and leaves:
 
 - ``result.msgpack``: ``wire.pack(return value)``, exit 0 (for a generator: its return value);
 - ``error.json``: ``{"type", "message", "traceback"}``, exit 1 when the function raised, exit 2 when a
@@ -343,7 +343,7 @@ def _unmap(data: Any) -> None:
             pass
 
 
-def _load() -> tuple[Envelope, Callable[..., Any], list[Any], dict[str, Any]]:
+def _load(blob: Any = None) -> tuple[Envelope, Callable[..., Any], list[Any], dict[str, Any]]:
     allow_pickled = os.environ.get("LAKESHORE_ALLOW_PICKLED", "").strip().lower() in _TRUE
     policy = os.environ.get("LAKESHORE_RUNTIME_POLICY", "").strip() or "minor"
     if policy not in RUNTIME_POLICIES:
@@ -352,8 +352,11 @@ def _load() -> tuple[Envelope, Callable[..., Any], list[Any], dict[str, Any]]:
         )
         raise _Refused(str(bad)) from bad
     try:
-        with open(ARGS_FILE, "rb") as f:
-            data = _mapped(f)
+        if blob is not None:  # handed over in memory (a warm-forked entry: run_args)
+            data = memoryview(blob)
+        else:
+            with open(ARGS_FILE, "rb") as f:
+                data = _mapped(f)
     except OSError as exc:
         raise _Refused(
             f"cannot read {ARGS_FILE} in {os.getcwd()}: {exc.strerror}; run the entry with the "
@@ -393,11 +396,12 @@ def _ship_code_path() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([*dirs, rest] if rest else dirs)
 
 
-def run() -> int:
-    """Run the invocation in the current directory; returns the exit code."""
+def run(blob: Any = None) -> int:
+    """Run the invocation in the current directory; returns the exit code. ``blob``: the Envelope's
+    bytes when the caller has them (then ``args.msgpack`` is not read)."""
     _ship_code_path()
     try:
-        envelope, fn, args, kwargs = _load()
+        envelope, fn, args, kwargs = _load(blob)
     except _Refused as refused:
         cause = refused.__cause__ or refused
         info = _error_info(cause)
@@ -442,6 +446,15 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get(CAPTURE_ENV, "").strip().lower() in _TRUE:
         capture_output()
     return run()
+
+
+def run_args(blob: bytes) -> int:
+    """:func:`main` in the current directory with the Envelope's bytes given, not read from
+    ``args.msgpack``: what the process runner's zygote runs in a forked child when nymph handed it
+    the arguments over its socket (fewer files per invocation)."""
+    if os.environ.get(CAPTURE_ENV, "").strip().lower() in _TRUE:
+        capture_output()
+    return run(blob)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from dreamlake.lakeshore.errors import AuthError, BadRequest, Conflict, NotFound
 from dreamlake.lakeshore.states import TERMINAL_STATES
 
 if TYPE_CHECKING:
+    from dreamlake.lakeshore.envelope import Envelope
     from dreamlake.lakeshore.store.api import Invocation
     from dreamlake.lakeshore.wire import Frame
 
@@ -114,6 +115,46 @@ class Dispatch:
             namespace=self.namespace or DEFAULT_NAMESPACE,
         )
         return self.store.submit(req).invocation_id
+
+    def submit_batch(
+        self, calls: Sequence[tuple[Envelope, str, dict[str, Any], str | None]]
+    ) -> list[str | PlaneError]:
+        """Submit many calls, ``(envelope, queue, run_config, parent)`` each, in one transaction of
+        the store (``store.write_batch``); per call, in order, its invocation id or the error its
+        :meth:`submit` would raise (with ``invocation_id`` set). Idempotent per Envelope id."""
+        from dreamlake.lakeshore.store.api import DEFAULT_NAMESPACE, SubmitRequest, SubmitResult
+        from dreamlake.lakeshore.store.values import check_run_config
+
+        out: list[str | PlaneError | None] = [None] * len(calls)
+        reqs: list[SubmitRequest] = []
+        where: list[int] = []
+        for i, (envelope, queue, run_config, parent) in enumerate(calls):
+            try:
+                check_run_config(run_config)
+            except PlaneError as exc:
+                exc.invocation_id = envelope.id
+                out[i] = exc
+                continue
+            reqs.append(
+                SubmitRequest(
+                    invocation_id=envelope.id,
+                    queue=queue,
+                    function=dict(NATIVE_FUNCTION),
+                    args_blob=envelope.to_bytes(),
+                    run_config={**run_config, "queue": queue},
+                    parent_invocation_id=parent,
+                    namespace=self.namespace or DEFAULT_NAMESPACE,
+                )
+            )
+            where.append(i)
+        for i, req, result in zip(where, reqs, self.store.write_batch(reqs) if reqs else [], strict=True):
+            if isinstance(result, SubmitResult):
+                out[i] = result.invocation_id
+            else:
+                assert isinstance(result, PlaneError)
+                result.invocation_id = req.invocation_id
+                out[i] = result
+        return [r for r in out if r is not None]
 
     def status(self, invocation_id: str) -> dict[str, Any]:
         out = self._get(invocation_id).status()

@@ -108,6 +108,13 @@ class Routes:
             await tasks.check_submit(self.ctx, caller, body)
         return h.msgpack_response(await producer.submit(self.ctx, caller, body))
 
+    async def submit_batch(self, request: Request, caller: Caller) -> Response:
+        body = await self._msgpack(request)
+        task = None
+        if caller.rule is authz.Own.DESCENDANTS:  # its items are children of the task's invocation
+            task = await tasks.live(self.ctx, caller.principal)
+        return h.msgpack_response(await producer.submit_batch(self.ctx, caller, body, task))
+
     async def await_(self, request: Request, caller: Caller) -> Response:
         body = await self._msgpack(request)
         if caller.rule is authz.Own.DESCENDANTS:
@@ -164,7 +171,7 @@ class Routes:
         try:
             with self.ctx.polls.admitted():
                 body = await self._msgpack(request)
-                out = await daemon.poll(self.ctx, caller, body, request.is_disconnected)
+                out = await daemon.poll(self.ctx, caller, body, request.receive)
         except PollsFull as exc:
             self.ctx.metrics.polls_refused.inc()
             after = self.ctx.config.poll_retry_after_s

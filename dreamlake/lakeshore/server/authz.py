@@ -100,6 +100,15 @@ ROUTES: tuple[RouteAuth, ...] = (
     # producers: invocations of their own namespace only (an unbound producer token: "default");
     # a task: children of its invocation, in that invocation's namespace
     _route("submit", "POST", "/v1/producer/submit", outside=None, admin=_ANY, producer=_NS, task=_DESC),
+    _route(
+        "submit_batch",
+        "POST",
+        "/v1/producer/submit-batch",
+        outside=None,
+        admin=_ANY,
+        producer=_NS,
+        task=_DESC,
+    ),
     _route("await_", "POST", "/v1/producer/await", admin=_ANY, producer=_NS, task=_DESC),
     _route("status", "GET", _INV, admin=_ANY, producer=_NS, task=_DESC),
     _route("cancel", "POST", _INV + "/cancel", admin=_ANY, producer=_NS, task=_DESC),

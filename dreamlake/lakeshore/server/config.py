@@ -55,6 +55,7 @@ class ServerConfig:
     stream_max_s: float = 3600.0
     exec_wait_max_s: float = 300.0
     poll_max_commands: int = 64
+    submit_batch_max: int = 1000  # submits per POST /v1/producer/submit-batch; past it: 413
     recheck_s: float = 1.0  # re-check of waits that other replicas' changes may not wake
     poll_recheck_s: float = 30.0  # safety re-check of a long poll while wake-ups reach it reliably
     max_polls: int = 5000  # concurrent long polls; past it a poll is answered 503 + Retry-After
@@ -65,8 +66,8 @@ class ServerConfig:
     # may pause at most body_timeout_s; connections past max_connections are closed on accept.
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
-    keep_alive_s: float = 5.0
-    max_connections: int = 2048
+    keep_alive_s: float = 30.0  # above nymph's heartbeat period: a fleet's side connections stay
+    max_connections: int = 10240  # a nymph holds two (its long poll and a side one); max_polls 5000
     max_header_bytes: int = 64 * 1024
     task_token_ttl_s: float = 86400.0  # the longest a task token lives (it dies with its ack first)
     # Retention (store/retention.py): finished work older than this is deleted by the sweep, every
@@ -102,6 +103,7 @@ class ServerConfig:
 #: The environment variables ``ServerConfig.from_env`` reads: name -> (field, type).
 ENV: dict[str, tuple[str, type[int] | type[float]]] = {
     "LAKESHORE_MAX_BODY_BYTES": ("max_body_bytes", int),
+    "LAKESHORE_SUBMIT_BATCH_MAX": ("submit_batch_max", int),
     "LAKESHORE_LEASE_S": ("lease_s", float),
     "LAKESHORE_HEADER_TIMEOUT_S": ("header_timeout_s", float),
     "LAKESHORE_BODY_TIMEOUT_S": ("body_timeout_s", float),

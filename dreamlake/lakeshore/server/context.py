@@ -73,7 +73,11 @@ class Context:
         )
         self.auth = Authenticator(self._verify)
         self.acks = AcksInFlight()
-        self.writer = GroupWriter(self.store, observe=self.metrics.write_batch.observe)
+        self.writer = GroupWriter(
+            self.store,
+            observe=self.metrics.write_batch.observe,
+            timed=lambda kind, s: self.metrics.write_seconds.labels(kind=kind).observe(s),
+        )
         self.workers = WorkerBindings(lambda worker, token: self.call(self.store.bind_worker, worker, token))
         self.queues = QueueWatch()
         self._task_tokens: TaskTokens | None = None
@@ -88,10 +92,10 @@ class Context:
 
     def check_inline(self, what: str, size: int, namespace: str, use: str) -> None:
         """413 (:func:`~.payloads.over_threshold`) when ``size`` bytes may not ride inline."""
-        from dreamlake.lakeshore.server.payloads import over_threshold
-
         limit = self.inline_threshold
         if limit is not None and size > limit:
+            from dreamlake.lakeshore.server.payloads import over_threshold  # only when refusing
+
             err = over_threshold(what, size, limit, namespace, use)
             raise HTTPError(413, err.message, inline_threshold_bytes=limit)
 
@@ -149,6 +153,14 @@ class Context:
         that answer, as in ``call``."""
         try:
             return await self.writer.write(request)
+        except PlaneError as exc:
+            raise _answer(exc) from None
+
+    async def write_many(self, requests: list[WriteRequest]) -> list[WriteResult | PlaneError]:
+        """Write ``requests`` in one group commit (``GroupWriter.write_many``): each one's result
+        or its refusal, in order, once committed."""
+        try:
+            return await self.writer.write_many(requests)
         except PlaneError as exc:
             raise _answer(exc) from None
 

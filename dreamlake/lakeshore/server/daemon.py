@@ -30,7 +30,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import ids
@@ -210,7 +210,7 @@ async def _collect(
     return commands, units, got.pinned_version
 
 
-Disconnected = Callable[[], Awaitable[bool]]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]  # the request's ASGI ``receive``
 POLL_KINDS = ("run", "exec")
 
 
@@ -226,12 +226,21 @@ def _takes_exec(body: dict[str, Any]) -> bool:
     return "exec" in kinds
 
 
+async def _hangup(receive: Receive) -> None:
+    """Return when the daemon's connection closes: ASGI's ``http.disconnect``, which the server
+    sends once the connection is lost (its body was read before the poll began)."""
+    while (await receive()).get("type") != "http.disconnect":
+        pass
+
+
 async def poll(
-    ctx: Context, caller: Caller, body: dict[str, Any], disconnected: Disconnected | None = None
+    ctx: Context, caller: Caller, body: dict[str, Any], receive: Receive | None = None
 ) -> dict[str, Any]:
-    """The long poll (admission is the route's: ``ctx.polls.admitted()``). ``disconnected`` (the
-    request's ``is_disconnected``) is asked before every claim: a daemon that hung up claims
-    nothing, and a wake-up it was handed goes to the next poll. Work claimed just before a hang-up
+    """The long poll (admission is the route's: ``ctx.polls.admitted()``). With ``receive`` (the
+    request's, its body already read) the daemon's connection is watched: a daemon that hung up
+    claims nothing, a waiting poll whose daemon hung up leaves at once (it no longer holds a
+    place in the queue's FIFO, or a wake-up, until its deadline, nor keeps the server's shutdown
+    waiting for it), and a wake-up it was handed goes to the next poll. Work claimed just before a hang-up
     is not lost: its lease lapses and the reaper requeues it (attempt + 1). A token bound to a
     namespace claims that namespace's invocations and exec jobs only."""
     worker_id = await _worker(ctx, caller, body)
@@ -249,9 +258,10 @@ async def poll(
     commands: list[dict[str, Any]] = []
     pinned: str | None = None
     reason = "first"
+    hangup = asyncio.ensure_future(_hangup(receive)) if receive is not None else None
     try:
         while True:
-            if disconnected is not None and await disconnected():
+            if hangup is not None and hangup.done():
                 log.debug("poll of worker %s: the daemon hung up; nothing claimed", worker_id)
                 ctx.metrics.poll_wait.observe(time.monotonic() - started)
                 return {"commands": []} if acked is None else {"commands": [], "acked": acked}
@@ -264,11 +274,13 @@ async def poll(
             remaining = deadline - time.monotonic()
             if commands or remaining <= 0:
                 break
-            reason = await ticket.wait(remaining, since=mark)
+            reason = await ticket.wait(remaining, since=mark, hangup=hangup)
             if reason in (TIMEOUT, SHUTDOWN):  # nothing came, or the server stops: answer now
                 break
     finally:
         ticket.close()
+        if hangup is not None:
+            hangup.cancel()
     ctx.metrics.poll_wait.observe(time.monotonic() - started)
     out: dict[str, Any] = {"commands": commands}
     if acked is not None:

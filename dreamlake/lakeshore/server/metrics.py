@@ -31,6 +31,11 @@ class Metrics:
         self.submits = Counter(
             "lakeshore_submits", "Invocations submitted", ["duplicate"], registry=self.registry
         )
+        # the children made once: ``labels()`` per submit hashed and locked its labels each time
+        self._submit_children = (
+            self.submits.labels(duplicate="false"),
+            self.submits.labels(duplicate="true"),
+        )
         self.claims = Counter(
             "lakeshore_claims", "Commands handed to daemons by poll", ["kind"], registry=self.registry
         )
@@ -75,6 +80,14 @@ class Metrics:
             "lakeshore_write_batch_size",
             "Writes (submits, acks, frames, heartbeats) committed per group-commit transaction",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=self.registry,
+        )
+        self.write_seconds = Histogram(
+            "lakeshore_write_seconds",
+            "Time from a write reaching the group commit to its answer (queued behind other "
+            "transactions, then its own commit), by kind of write",
+            ["kind"],
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1, 5),
             registry=self.registry,
         )
 
@@ -147,6 +160,11 @@ class Metrics:
             for state, n in q.counts.items():
                 self.invocations.labels(queue=q.name, state=state).set(n)
         self.workers_live.set(workers_live)
+
+    def submitted(self, duplicate: bool, n: int = 1) -> None:
+        """Count ``n`` submits; the two children are made once (``labels()`` per submit hashed
+        and locked its label tuple on the hot path)."""
+        self._submit_children[duplicate].inc(n)
 
     def frames_appended(self, kinds: Iterable[int], owner: str = "invocation") -> None:
         """Count journaled frames by their kind (ints on the wire, named here)."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import random
@@ -40,7 +41,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from dreamlake.lakeshore.store.notify import Notifier, exec_queue_channel, run_queue_channel
 
@@ -56,6 +57,7 @@ _ROUTED = (_RUN_QUEUE, _EXEC_QUEUE, _WORKER)  # ``queue:<q>`` keeps the notifier
 # ``lakeshore_poll_passes`` counter, with "first" for the pass a poll opens with.
 WOKEN, WORKER, RECHECK, TIMEOUT = "woken", "worker", "recheck", "timeout"
 SHUTDOWN = "shutdown"  # the server is stopping (:meth:`PollHub.drain`): answer empty now
+HANGUP = "hangup"  # the daemon closed its connection: nobody will read an answer
 
 _K = TypeVar("_K")
 _F = TypeVar("_F", bound="dict[int, Ticket]")
@@ -117,13 +119,15 @@ class Ticket:
         self._timer: asyncio.TimerHandle | None = None
         self._deadline = 0.0
 
-    async def wait(self, timeout: float, since: int) -> str:
+    async def wait(self, timeout: float, since: int, hangup: asyncio.Future[Any] | None = None) -> str:
         """Wait for work after a fruitless pass that started at notifier position ``since``.
 
         Returns why it ended: ``woken`` (work for this poll), ``worker`` (a command for its worker),
-        ``recheck`` (the safety re-check), ``timeout`` (``timeout`` seconds passed) or
-        ``shutdown`` (the server is stopping)."""
-        return await self.hub._wait(self, timeout, since)
+        ``recheck`` (the safety re-check), ``timeout`` (``timeout`` seconds passed), ``shutdown``
+        (the server is stopping) or ``hangup`` (``hangup``, the watch on the daemon's connection,
+        is done: the poll leaves the hub at once instead of holding its place, and the wakes
+        handed to it, until its deadline)."""
+        return await self.hub._wait(self, timeout, since, hangup)
 
     def settle(self, claimed: list[Wake], limit: int) -> None:
         """After a store pass that claimed ``claimed`` (one entry per invocation or exec job) of at
@@ -320,9 +324,13 @@ class PollHub:
     def _jitter(interval: float) -> float:
         return interval * random.uniform(0.5, 1.0)
 
-    async def _wait(self, t: Ticket, timeout: float, since: int) -> str:
+    async def _wait(
+        self, t: Ticket, timeout: float, since: int, hangup: asyncio.Future[Any] | None = None
+    ) -> str:
         if self.closing:
             return SHUTDOWN
+        if hangup is not None and hangup.done():
+            return HANGUP
         if timeout <= 0:
             return TIMEOUT
         loop = asyncio.get_running_loop()
@@ -339,12 +347,17 @@ class PollHub:
         t._future = future
         t._deadline = loop.time() + timeout
         t._timer = loop.call_later(min(interval, timeout), _expire, future, reason)
+        hung_up = functools.partial(_hung_up, future)
+        if hangup is not None:
+            hangup.add_done_callback(hung_up)
         self._register(t)
         try:
             return await future
         finally:
             t._timer.cancel()
             t._timer = t._future = None
+            if hangup is not None:
+                hangup.remove_done_callback(hung_up)
             self._unregister(t)
 
     def _take_kept(self, t: Ticket, since: int) -> Wake | None:
@@ -404,3 +417,7 @@ def _discard(index: dict[_K, _F], key: _K, ticket_id: int) -> None:
 def _expire(future: asyncio.Future[str], reason: str) -> None:
     if not future.done():
         future.set_result(reason)
+
+
+def _hung_up(future: asyncio.Future[str], _watch: object) -> None:
+    _expire(future, HANGUP)

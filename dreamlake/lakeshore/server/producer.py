@@ -35,7 +35,27 @@ from dreamlake.lakeshore.store.values import check_run_config
 log = logging.getLogger(__name__)
 
 
-async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+def check_config(caller: Caller, run_config: dict[str, Any]) -> None:
+    """A submit's ``run_config``: string keys and limits in range (400), a script only from a
+    token that may submit one (403)."""
+    for key in run_config:
+        if not isinstance(key, str):
+            raise HTTPError(400, "run_config keys must be strings")
+    try:
+        check_run_config(run_config)
+    except PlaneError as exc:
+        raise HTTPError(400, str(exc)) from None
+    authz.check_submit(caller, run_config)
+
+
+def submit_request(
+    ctx: Context, caller: Caller, body: dict[str, Any], *, checked: object = None
+) -> tuple[SubmitRequest, float | None]:
+    """A submit body checked (400, 403 for a script without ``may_script``, 413 over the inline
+    threshold) into its store request and its ``wait_s`` (None: answer at once). The one check
+    of ``/v1/producer/submit`` and of each item of ``/v1/producer/submit-batch``; ``checked`` is
+    a ``run_config`` object :func:`check_config` passed already (a batch's shared one, checked
+    once for all of its items)."""
     invocation_id = http.ulid_field(body, "invocation_id")
     assert invocation_id is not None
     run_config = field(body, "run_config", dict, default={})
@@ -55,14 +75,8 @@ async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str
     ctx.check_inline("args_blob", len(args_blob), namespace, "args_ref")
     code_context = field(body, "code_context", dict, default={})
     parent = http.ulid_field(body, "parent_invocation_id", optional=True)
-    for key in run_config:
-        if not isinstance(key, str):
-            raise HTTPError(400, "run_config keys must be strings")
-    try:
-        check_run_config(run_config)
-    except PlaneError as exc:
-        raise HTTPError(400, str(exc)) from None
-    authz.check_submit(caller, run_config)
+    if run_config is not checked:
+        check_config(caller, run_config)
     wait_s = None
     if body.get("wait_s") is not None:
         wait_s = http.number(body, "wait_s", 0.0, lo=0.0, hi=ctx.config.await_max_s)
@@ -77,15 +91,31 @@ async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str
         namespace=namespace,
         args_ref=args_ref,
     )
-    result = await ctx.write(req)
-    assert isinstance(result, SubmitResult)
-    ctx.metrics.submits.labels(duplicate=str(result.duplicate).lower()).inc()
-    for channel in invocation_channels(req.namespace, result.queue):  # when the store notifies none
-        ctx.wake.notify(channel)
-    log.debug("submitted %s to queue %s (duplicate=%s)", result.invocation_id, result.queue, result.duplicate)
+    return req, wait_s
+
+
+def _submitted(
+    ctx: Context, req: SubmitRequest, result: SubmitResult, *, count: bool = True
+) -> dict[str, Any]:
+    """The answer of a committed submit, counted (unless the caller counts a batch at once); its
+    waiters woken when the store notifies none."""
+    if count:
+        ctx.metrics.submitted(result.duplicate)
+    if ctx.wake.own and not result.duplicate:
+        for channel in invocation_channels(req.namespace, result.queue):
+            ctx.wake.notify(channel)
     out: dict[str, Any] = {"invocation_id": result.invocation_id, "queue": result.queue}
     if result.duplicate:
         out["duplicate"] = True
+    return out
+
+
+async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+    req, wait_s = submit_request(ctx, caller, body)
+    result = await ctx.write(req)
+    assert isinstance(result, SubmitResult)
+    out = _submitted(ctx, req, result)
+    log.debug("submitted %s to queue %s (duplicate=%s)", result.invocation_id, result.queue, result.duplicate)
     warning = await ctx.queue_warning(result.queue)
     if warning:
         out["warning"] = warning
@@ -94,6 +124,102 @@ async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str
         if caller.rule is authz.Own.DESCENDANTS:  # a keyed duplicate may be no descendant of the task's
             await tasks.check_target(ctx, caller, result.invocation_id)
         out["outcome"] = await _await_answer(ctx, caller, result.invocation_id, wait_s, warning)
+    return out
+
+
+def _item_error(exc: HTTPError | PlaneError, body: Any) -> dict[str, Any]:
+    """One refused item of a submit batch: the error text (and extra fields) the single submit
+    answers, its status, and the item's invocation id when it had a readable one."""
+    if isinstance(exc, HTTPError):
+        out: dict[str, Any] = {"error": exc.message, "status": exc.status, **exc.extra}
+    else:
+        out = {"error": str(exc), "status": exc.status if isinstance(exc.status, int) else 500}
+    inv = body.get("invocation_id") if isinstance(body, dict) else None
+    if isinstance(inv, str) and len(inv) <= 64:
+        out["invocation_id"] = inv
+    return out
+
+
+async def submit_batch(
+    ctx: Context, caller: Caller, body: dict[str, Any], task: Invocation | None = None
+) -> dict[str, Any]:
+    """``POST /v1/producer/submit-batch``: many submits in one request and one group commit.
+
+    ``submits`` is a list of submit bodies (each as ``/v1/producer/submit`` takes it, less
+    ``wait_s``), ``common`` a map of fields every item takes unless it sets its own (the queue,
+    ``function``, ``run_config`` of a sweep). Each item is checked as a single submit is and
+    answers alone, in order: ``{invocation_id, queue[, duplicate]}`` or ``{error, status[,
+    invocation_id]}`` with the single submit's error text; one item's refusal never fails another.
+    The items that pass are written in one transaction, answered after its commit, and wake one
+    poll each. ``task`` is the running invocation of a task token (its items are its children)."""
+    items = field(body, "submits", list)
+    common = field(body, "common", dict, default={})
+    cap = ctx.config.submit_batch_max
+    if not items:
+        raise HTTPError(400, "field 'submits' is empty: send a list of 1 to N submit bodies")
+    if len(items) > cap:
+        raise HTTPError(
+            413,
+            f"a batch of {len(items)} submits is over the limit of {cap} per request "
+            f"(LAKESHORE_SUBMIT_BATCH_MAX); send it in chunks of at most {cap}",
+            submit_batch_max=cap,
+        )
+    answers: list[dict[str, Any] | None] = [None] * len(items)
+    reqs: list[SubmitRequest] = []
+    where: list[int] = []
+    shared = common.get("run_config")  # a sweep's: checked once, not per item
+    try:
+        if isinstance(shared, dict):
+            check_config(caller, shared)
+        else:
+            shared = None
+    except HTTPError:
+        shared = None  # each item that takes it answers the error
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            err = HTTPError(400, f"submits[{i}] must be a map (a submit body), got {type(item).__name__}")
+            answers[i] = _item_error(err, None)
+            continue
+        merged = {**common, **item} if common else item
+        try:
+            if merged.get("wait_s") is not None:
+                raise HTTPError(
+                    400,
+                    "wait_s is not taken by submit-batch: await each invocation "
+                    "(POST /v1/producer/await), or submit it alone with wait_s",
+                )
+            if task is not None:
+                tasks.own_child(task, merged)
+            req, _ = submit_request(ctx, caller, merged, checked=shared)
+        except HTTPError as exc:
+            answers[i] = _item_error(exc, merged)
+            continue
+        reqs.append(req)
+        where.append(i)
+    results = await ctx.write_many(list(reqs))
+    queues: dict[str, None] = {}
+    counts = [0, 0]  # new, duplicate
+    for i, req, result in zip(where, reqs, results, strict=True):
+        if isinstance(result, SubmitResult):
+            answers[i] = _submitted(ctx, req, result, count=False)
+            counts[result.duplicate] += 1
+            queues[result.queue] = None
+        else:
+            assert isinstance(result, PlaneError)  # a submit's write answers a SubmitResult or this
+            answers[i] = _item_error(result, items[i])
+    for duplicate, n in enumerate(counts):
+        if n:
+            ctx.metrics.submitted(bool(duplicate), n)
+    out: dict[str, Any] = {"results": answers}
+    warnings = {}
+    for queue in queues:
+        warning = await ctx.queue_warning(queue)
+        if warning:
+            warnings[queue] = warning
+    if warnings:
+        out["warnings"] = warnings
+        log.info("submitted a batch of %d: %s", len(reqs), "; ".join(warnings.values()))
+    log.debug("submitted a batch: %d of %d items passed its checks", len(reqs), len(items))
     return out
 
 

@@ -18,8 +18,11 @@ only covers the silence between requests and is reset by every byte, and an ASGI
 only once the headers are in. :class:`GuardedH11Protocol` adds, per connection:
 
 - a **header deadline** (``header_timeout_s``): the request line and headers must be complete
-  within that many seconds of the connection opening, or of the previous response (a trickle of
-  bytes does not extend it);
+  within that many seconds of the connection opening, or of the first byte of the next request on
+  a kept-alive connection (a trickle of bytes does not extend it). Between requests the silence
+  is uvicorn's ``timeout_keep_alive`` (``keep_alive_s``, 30 s): longer than nymph's heartbeat
+  period (10 s), so a fleet's heartbeats and acks reuse their connections instead of paying a TCP
+  and protocol set-up each (at 1,000 nymphs that was about 100 connections a second);
 - a **body idle timeout** (``body_timeout_s``): while a body is being received, a pause longer
   than that closes the connection (the handler sees a client that left);
 - a **connection cap** (``max_connections``): a connection beyond it is closed as soon as it is
@@ -98,6 +101,12 @@ class CoalescingTransport:
         self._loop = loop
         self._pending: list[bytes] = []
         self._armed = False
+        # the wrapped transport's methods uvicorn calls on every request, bound once: each one
+        # through ``__getattr__`` cost a failed lookup first (3 % of the loop under submit load)
+        for name in ("is_closing", "get_extra_info", "pause_reading", "resume_reading", "is_reading"):
+            method = getattr(transport, name, None)
+            if method is not None:
+                setattr(self, name, method)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not data:
@@ -141,7 +150,7 @@ class GuardedH11Protocol(H11Protocol):
 
     header_timeout_s: ClassVar[float] = 10.0
     body_timeout_s: ClassVar[float] = 30.0
-    max_connections: ClassVar[int] = 2048
+    max_connections: ClassVar[int] = 10240
     _cap_logged_at: ClassVar[float] = 0.0
 
     _timer: asyncio.TimerHandle | None = None
@@ -160,7 +169,7 @@ class GuardedH11Protocol(H11Protocol):
                 )
             self.transport.close()
             return
-        self._rearm()
+        self._rearm(request_began=True)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -177,7 +186,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        self._rearm(fresh_body=True)
+        self._rearm(fresh_body=True, request_began=True)
 
     def handle_events(self) -> None:
         super().handle_events()
@@ -187,17 +196,22 @@ class GuardedH11Protocol(H11Protocol):
         super().on_response_complete()
         self._rearm()
 
-    def _rearm(self, *, fresh_body: bool = False) -> None:
-        """Arm the timer the connection's state calls for: the header deadline while waiting for a
-        request (armed once per request), the body idle timer while receiving a body (re-armed by
-        every chunk), none otherwise."""
+    def _rearm(self, *, fresh_body: bool = False, request_began: bool = False) -> None:
+        """Arm the timer the connection's state calls for: the header deadline once a request has
+        begun (the connection opened, or a byte of the next request arrived) and until its headers
+        are in (armed once per request), the body idle timer while receiving a body (re-armed by
+        every chunk), none otherwise: a kept-alive connection's silence between requests is
+        uvicorn's keep-alive timeout, which the first byte of a request cancels."""
         if self.transport is None or self.transport.is_closing():
             self._disarm()
             return
         state = self.conn.their_state
         if state is h11.IDLE:
             if self._timer_for != "headers":
-                self._arm("headers", self.header_timeout_s)
+                if request_began:
+                    self._arm("headers", self.header_timeout_s)
+                else:
+                    self._disarm()
         elif state is h11.SEND_BODY:
             if self._timer_for != "body" or fresh_body:
                 self._arm("body", self.body_timeout_s)
@@ -261,6 +275,9 @@ def _guard_options(config: ServerConfig) -> dict[str, Any]:
     return {
         "timeout_keep_alive": max(1, int(config.keep_alive_s)),
         "h11_max_incomplete_event_size": config.max_header_bytes,
+        # uvicorn logs at "warning", so its access lines never print; left on, every response
+        # still formatted the client address and the quoted path for them
+        "access_log": False,
     }
 
 

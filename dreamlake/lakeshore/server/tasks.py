@@ -122,7 +122,12 @@ async def live(ctx: Context, principal: Principal) -> Invocation:
 
 async def check_submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> None:
     """A task submits children of its own invocation, into its namespace (set by the submit route)."""
-    inv = await live(ctx, caller.principal)
+    own_child(await live(ctx, caller.principal), body)
+
+
+def own_child(inv: Invocation, body: dict[str, Any]) -> None:
+    """Make a submit ``body`` of the task of ``inv`` a child of ``inv`` (403 for another parent);
+    the submit-batch route checks each item so, after one :func:`live`."""
     parent = body.get("parent_invocation_id")
     if parent is None:
         body["parent_invocation_id"] = inv.invocation_id

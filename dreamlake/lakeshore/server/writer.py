@@ -3,9 +3,15 @@
 A route hands its write to :meth:`GroupWriter.write` and awaits the answer. One writer task drains
 the queue: it takes every write that arrived while the previous transaction was committing (up to
 ``max_batch``), applies them with ``store.write_batch`` in a thread of its own, and answers each
-only after the transaction holding it committed. Durability is the store's, unchanged: nothing is
+only after the transaction holding it committed (the store commits a batch's submits, then its
+acks, frames and poll passes, then its heartbeats, and each is answered as soon as its own
+transaction has committed). Durability is the store's, unchanged: nothing is
 answered before it is written. One write's refusal (a superseded ack's 409, a submit's clash) is
 that write's answer alone; the store isolates a failing write from the others of its batch.
+
+A caller may hand several writes at once (:meth:`GroupWriter.write_many`, the submit-batch
+route): they go into the same group commit, whole even past ``max_batch``, and are answered
+together, each with its own result.
 
 Under load the batches grow by themselves (the longer a commit takes, the more writes wait for the
 next one); an idle server commits each write at once, in a batch of one.
@@ -16,26 +22,78 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from dreamlake.lakeshore.errors import PlaneError
-from dreamlake.lakeshore.store.api import Store, WriteRequest, WriteResult
+from dreamlake.lakeshore.store.api import (
+    AckRequest,
+    FrameRequest,
+    FramesRequest,
+    HeartbeatRequest,
+    PollRequest,
+    Store,
+    SubmitRequest,
+    WriteRequest,
+    WriteResult,
+)
 
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 256  # writes per transaction at most
+_KINDS = {
+    SubmitRequest: "submit",
+    AckRequest: "ack",
+    FrameRequest: "frame",
+    FramesRequest: "frames",
+    HeartbeatRequest: "heartbeat",
+    PollRequest: "poll",
+}  # the ``kind`` label of lakeshore_write_seconds
 
-_Item = tuple[WriteRequest, "asyncio.Future[WriteResult | PlaneError]"]
+# One caller's writes (one, or a batch route's many: they land in one transaction together)
+_Item = tuple[list[WriteRequest], "asyncio.Future[list[WriteResult | PlaneError]]"]
+
+
+class _Answers:
+    """The answers of one group commit, by the index of each write in it: a caller's future is
+    set once all of its writes are answered (a batch route's submits commit together, so they are
+    answered together)."""
+
+    def __init__(self, batch: list[_Item]) -> None:
+        self.futures = [fut for _, fut in batch]
+        self.owner: list[int] = []  # write index -> the caller it belongs to
+        self.results: list[list[Any]] = []
+        self.left: list[int] = []
+        self.offset: list[int] = []
+        for k, (reqs, _) in enumerate(batch):
+            self.offset.append(len(self.owner))
+            self.owner += [k] * len(reqs)
+            self.results.append([None] * len(reqs))
+            self.left.append(len(reqs))
+
+    def answer(self, pairs: list[tuple[int, Any]]) -> None:
+        for i, result in pairs:
+            k = self.owner[i]
+            slot = i - self.offset[k]
+            if self.results[k][slot] is None:
+                self.results[k][slot] = result
+                self.left[k] -= 1
+            if self.left[k] == 0 and not self.futures[k].done():  # a caller that went away gets nothing
+                self.futures[k].set_result(self.results[k])
 
 
 class GroupWriter:
     """Commits the writes of one event loop in batches (see the module docstring)."""
 
-    def __init__(self, store: Store, *, max_batch: int = MAX_BATCH, observe: Any = None) -> None:
+    def __init__(
+        self, store: Store, *, max_batch: int = MAX_BATCH, observe: Any = None, timed: Any = None
+    ) -> None:
         self._store = store
         self._max = max(1, max_batch)
         self._observe = observe  # called with each batch's size (a histogram's ``observe``)
+        # called with a write's kind and its seconds from queued to answered (a labelled histogram)
+        self._timed = timed
         self._queue: asyncio.Queue[_Item | None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lakeshore-writer")
@@ -44,17 +102,31 @@ class GroupWriter:
     async def write(self, request: WriteRequest) -> WriteResult:
         """Queue ``request`` for the next group commit; its result once committed. Raises the
         PlaneError the store answered for this write (a refusal, or a store failure as a 500)."""
-        if self._closed:
-            raise PlaneError("the control plane is shutting down; retry", status=503)
-        if self._queue is None:
-            self._queue = asyncio.Queue()
-            self._task = asyncio.get_running_loop().create_task(self._run(self._queue))
-        fut: asyncio.Future[WriteResult | PlaneError] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((request, fut))
-        result = await fut
+        (result,) = await self.write_many([request])
         if isinstance(result, PlaneError):
             raise result
         return result
+
+    async def write_many(self, requests: list[WriteRequest]) -> list[WriteResult | PlaneError]:
+        """Queue ``requests`` for the next group commit, all in the same one (a batch may pass
+        ``max_batch`` by itself: it is never split); each one's result, or the PlaneError the store
+        answered for it, in order, once committed."""
+        if self._closed:
+            raise PlaneError("the control plane is shutting down; retry", status=503)
+        if not requests:
+            return []
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+            self._task = asyncio.get_running_loop().create_task(self._run(self._queue))
+        fut: asyncio.Future[list[WriteResult | PlaneError]] = asyncio.get_running_loop().create_future()
+        queued = time.monotonic()
+        self._queue.put_nowait((list(requests), fut))
+        results = await fut
+        if self._timed is not None:
+            took = time.monotonic() - queued
+            for request in requests:
+                self._timed(_KINDS.get(type(request), "other"), took)
+        return results
 
     async def _run(self, queue: asyncio.Queue[_Item | None]) -> None:
         loop = asyncio.get_running_loop()
@@ -64,25 +136,31 @@ class GroupWriter:
             if item is None:
                 break
             batch = [item]
-            while len(batch) < self._max and not queue.empty():
+            size = len(item[0])
+            while size < self._max and not queue.empty():
                 nxt = queue.get_nowait()
                 if nxt is None:
                     stopping = True
                     break
                 batch.append(nxt)
+                size += len(nxt[0])
             if self._observe is not None:
-                self._observe(len(batch))
+                self._observe(size)
+            answers = _Answers(batch)
+            writes = [req for reqs, _ in batch for req in reqs]
+
+            def committed(pairs: list[tuple[int, Any]], answers: _Answers = answers) -> None:
+                # in the store's thread: answer one committed transaction's writes on the loop now,
+                # ahead of the batch's later transactions (a poll's claim before the heartbeats)
+                loop.call_soon_threadsafe(answers.answer, pairs)
+
             try:
-                results = await loop.run_in_executor(
-                    self._pool, self._store.write_batch, [req for req, _ in batch]
-                )
+                results = await loop.run_in_executor(self._pool, self._store.write_batch, writes, committed)
             except Exception as exc:  # the store raised outside any one write: all of them failed
-                log.exception("a group commit of %d writes failed", len(batch))
+                log.exception("a group commit of %d writes failed", len(writes))
                 failed = PlaneError(f"the store failed: {type(exc).__name__}", status=500)
-                results = [failed] * len(batch)
-            for (_, fut), result in zip(batch, results, strict=True):
-                if not fut.done():  # a caller that went away (cancelled) gets nothing
-                    fut.set_result(result)
+                results = [failed] * len(writes)
+            answers.answer(list(enumerate(results)))
 
     async def aclose(self) -> None:
         """Commit and answer what is queued, then stop."""

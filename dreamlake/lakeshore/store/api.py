@@ -10,7 +10,7 @@ Times are float seconds since the epoch. Blobs are ``bytes``. ``error`` is an Er
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -500,14 +500,20 @@ class Store(Listing, Protocol):
         (as ``pinned_version_for_worker``): the control plane's poll route in one store call."""
         ...
 
-    def write_batch(self, requests: Sequence[WriteRequest]) -> list[WriteResult | PlaneError]:
+    def write_batch(
+        self,
+        requests: Sequence[WriteRequest],
+        on_commit: Callable[[list[tuple[int, WriteResult | PlaneError]]], None] | None = None,
+    ) -> list[WriteResult | PlaneError]:
         """Apply many writes (submits, acks, frames, frame batches, heartbeats, poll passes)
         together: the group commit. Each answers as its single call would (``submit``, ``ack``,
         ``append_frame``, ``append_frames``, ``heartbeat`` and ``poll_pass``, the last two with
         the pinned version), or with the PlaneError that call would raise; one write's error never
         fails another. Submits apply first, in order, in a transaction of their own (committed,
-        their waiters woken, before the rest), then the rest in order in one transaction. Returns
-        only after both committed (nothing is answered before it is durable)."""
+        their waiters woken, before the rest), then the acks, frames and poll passes in order in a
+        second, then the heartbeats in a third. ``on_commit`` receives each transaction's
+        ``(index, answer)`` pairs once it committed, but the last one's (nothing is answered
+        before it is durable); the return is every answer, in order, once all have committed."""
         ...
 
     def expire_leases(self, now: float | None = None) -> list[str]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sqlalchemy.engine import Connection
@@ -56,6 +56,9 @@ from .retention import RetentionStore
 from .workers import WorkerStore
 
 log = logging.getLogger(__name__)
+
+# ``write_batch``'s callback: the (index, answer) pairs of one committed transaction.
+OnCommit = Callable[[list[tuple[int, "WriteResult | PlaneError"]]], None]
 
 
 class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingStore, RetentionStore):
@@ -109,10 +112,22 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
         self._notify(*(f"inv:{i.invocation_id}" for i in got.invocations))
         return got
 
-    def _poll_in(self, conn: Connection, req: PollRequest, now: float, *, pin: bool) -> PollResult:
+    def _poll_in(
+        self,
+        conn: Connection,
+        req: PollRequest,
+        now: float,
+        *,
+        pin: bool,
+        duties: tuple[list[Command], str | None] | None = None,
+    ) -> PollResult:
         """One poll pass in the caller's transaction (the waiters of what it claimed are the
-        caller's to notify, after the commit)."""
-        commands = self._take_commands_in(conn, req.worker_id, now)
+        caller's to notify, after the commit). ``duties``: its commands and pinned version, when
+        the caller took them for the whole batch (``_duties_in``)."""
+        if duties is not None:
+            commands, pinned = duties
+        else:
+            commands = self._take_commands_in(conn, req.worker_id, now)
         claimed: list[Invocation] = []
         jobs: list[dict[str, Any]] = []
         if req.queues and req.limit >= 1:
@@ -124,7 +139,8 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
                 jobs = self._claim_exec_in(
                     conn, req.worker_id, req.queues, left, now, req.namespace, req.lease_s
                 )
-        pinned = self._pinned_in(conn, req.worker_id, req.namespace) if pin else None
+        if duties is None:
+            pinned = self._pinned_in(conn, req.worker_id, req.namespace) if pin else None
         return PollResult(commands, claimed, jobs, pinned)
 
     @retry_on_disconnect
@@ -144,46 +160,73 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
         return got.commands, got.lost
 
     def _heartbeat_in(
-        self, conn: Connection, req: HeartbeatRequest, now: float, *, pin: bool
+        self,
+        conn: Connection,
+        req: HeartbeatRequest,
+        now: float,
+        *,
+        pin: bool,
+        duties: tuple[list[Command], str | None] | None = None,
     ) -> HeartbeatResult:
         """Renew both kinds of lease and take the worker's commands (and, with ``pin``, read its
-        pinned version) in the caller's transaction."""
+        pinned version) in the caller's transaction; ``duties`` as for ``_poll_in``. An idle
+        daemon's heartbeat (nothing running) renews nothing: with ``duties`` it runs no
+        statement of its own."""
         wanted = {(inv_id, int(att)) for inv_id, att in req.running}
         wanted_exec = None if req.running_exec is None else {(e, int(att)) for e, att in req.running_exec}
         lease = now + req.lease_s
         kept = self._renew_in(conn, req.worker_id, sorted(wanted), lease)
         exec_list = None if wanted_exec is None else sorted(wanted_exec)
         kept |= self._renew_exec_in(conn, req.worker_id, exec_list, lease)
-        commands = self._take_commands_in(conn, req.worker_id, now)
-        pinned = self._pinned_in(conn, req.worker_id, req.namespace) if pin else None
+        if duties is not None:
+            commands, pinned = duties
+        else:
+            commands = self._take_commands_in(conn, req.worker_id, now)
+            pinned = self._pinned_in(conn, req.worker_id, req.namespace) if pin else None
         lost = sorted({i for i, _ in wanted} - kept) + sorted({i for i, _ in wanted_exec or ()} - kept)
         return HeartbeatResult(commands, lost, pinned)
 
     # -- group commit ----------------------------------------------------------------------------
 
-    def write_batch(self, requests: Sequence[WriteRequest]) -> list[WriteResult | PlaneError]:
+    def write_batch(
+        self, requests: Sequence[WriteRequest], on_commit: OnCommit | None = None
+    ) -> list[WriteResult | PlaneError]:
         """See ``api.Store.write_batch``. Each request is checked first, outside the transaction
-        (a malformed one answers its PlaneError and takes no part). The submits apply in one
-        transaction, committed (and their waiters woken) first, the rest in a second one in
-        order; should one fail (a value a column refuses, a lost connection), it is rolled back
-        and each of its requests is retried alone, in a transaction of its own, so the error lands
-        on the request that caused it (as a PlaneError with status 500).
+        (a malformed one answers its PlaneError and takes no part). The writes apply in three
+        transactions, each committed (and its waiters woken) before the next begins: the
+        submits; then the acks, frames and poll passes, in order; then the heartbeats. Should one
+        fail (a value a column refuses, a lost connection), it is rolled back and each of its
+        requests is retried alone, in a transaction of its own, so the error lands on the request
+        that caused it (as a PlaneError with status 500). ``on_commit`` is called (in this
+        thread) with the ``(index, answer)`` pairs of each transaction but the last once it has
+        committed, so the caller may answer them before the next ones are written (the last
+        transaction's answers are the return's: one wake-up of the caller fewer).
 
-        Submits come first anyway (one multi-row insert ahead of the other writes); their own
-        commit keeps a submit's wake-up, which a waiting poll claims on, from waiting for the
-        heartbeats of a fleet batched with it (on PostgreSQL 30 of them took 40-100 ms)."""
+        The order is latency's: a submit's wake-up, which a waiting poll claims on, and a poll's
+        claim, which a daemon waits for, must not wait behind the heartbeats of a fleet batched
+        with them (on PostgreSQL 30 of them took 40-100 ms); a heartbeat only has to land within
+        its lease. The polls' and heartbeats' shared duties (touch the worker, take its commands,
+        read its pinned version) run once per transaction for all of them (``_duties_in``)."""
         out: list[WriteResult | PlaneError | None] = [None] * len(requests)
-        submits: list[tuple[int, Any]] = []
-        others: list[tuple[int, Any]] = []
+        groups: tuple[list[tuple[int, Any]], ...] = ([], [], [])
         for i, req in enumerate(requests):
             try:
                 prepared = self._prepare_write(req)
             except PlaneError as exc:
                 out[i] = exc
                 continue
-            (submits if isinstance(prepared, _Prepared) else others).append((i, prepared))
-        for live in (submits, others):
+            group = (
+                0 if isinstance(prepared, _Prepared) else 2 if isinstance(prepared, HeartbeatRequest) else 1
+            )
+            groups[group].append((i, prepared))
+        refused = [(i, r) for i, r in enumerate(out) if r is not None]
+        if refused and on_commit is not None:
+            on_commit(refused)
+        todo = [live for live in groups if live]
+        for n, live in enumerate(todo, 1):
             self._apply_group(requests, live, out)
+            if on_commit is not None and n < len(todo):  # the last ones go back with the return
+                on_commit([(i, r) for i, _ in live if (r := out[i]) is not None])
         return [r for r in out if r is not None]
 
     def _apply_group(
@@ -232,7 +275,17 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
         channels: list[str] = []
         requeued: list[str] = []
         now = time.time()
+        daemons = [(k, p) for k, (_, p) in enumerate(batch) if isinstance(p, (PollRequest, HeartbeatRequest))]
         with self.db.tx(write=True) as conn:
+            duties = dict(
+                zip(
+                    (k for k, _ in daemons),
+                    self._duties_in(conn, [(p.worker_id, p.namespace) for _, p in daemons], now)
+                    if daemons
+                    else (),
+                    strict=True,
+                )
+            )
             preps = [p for _, p in submits]
             submitted = self._submit_many_in(conn, preps, now) if preps else []
             for (k, _), res in zip(submits, submitted, strict=True):
@@ -265,9 +318,9 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
                     if any(c.ok and not c.duplicate for c in chunks):
                         channels.append(frame_channel(p.invocation_id))
                 elif isinstance(p, HeartbeatRequest):
-                    results[k] = self._heartbeat_in(conn, p, now, pin=True)
+                    results[k] = self._heartbeat_in(conn, p, now, pin=True, duties=duties[k])
                 elif isinstance(p, PollRequest):
-                    polled = self._poll_in(conn, p, now, pin=True)
+                    polled = self._poll_in(conn, p, now, pin=True, duties=duties[k])
                     results[k] = polled
                     channels.extend(f"inv:{i.invocation_id}" for i in polled.invocations)
         if preps:

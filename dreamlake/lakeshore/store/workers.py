@@ -29,6 +29,7 @@ import hashlib
 import hmac
 import secrets
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -38,7 +39,7 @@ from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.ids import new_ulid
 
 from . import schema as t
-from .api import TOKEN_KINDS, Command, Principal
+from .api import DEFAULT_NAMESPACE, TOKEN_KINDS, Command, Principal
 from .base import StoreBase
 from .engine import Database, retry_on_disconnect
 from .notify import Notifier
@@ -76,6 +77,21 @@ class _Statements:
             n.c.name == sa.func.coalesce(registered, "default")
         )
         self.pinned = sa.select(n.c.nymph_version).where(n.c.name == B("b_namespace"))
+        # The same for the many daemons of one group commit: one statement each, whatever their
+        # number (a fleet's heartbeats and poll renewals arrive dozens to a batch).
+        many: Any = B("workers", expanding=True)
+        self.touch_workers = sa.update(w).where(w.c.worker_id.in_(many)).values(last_seen=B("now"))
+        self.take_commands_of = (
+            sa.delete(c)
+            .where(c.c.worker_id.in_(many))
+            .returning(c.c.worker_id, c.c.command_id, c.c.kind, c.c.body, c.c.created_at)
+        )
+        self.registered_of = sa.select(
+            w.c.worker_id, sa.func.coalesce(sa.func.nullif(w.c.info["namespace"].as_string(), ""), "default")
+        ).where(w.c.worker_id.in_(many))
+        self.pinned_of_names = sa.select(n.c.name, n.c.nymph_version).where(
+            n.c.name.in_(B("names", expanding=True))
+        )
 
 
 @functools.cache
@@ -145,6 +161,36 @@ class WorkerStore(StoreBase):
             key=lambda r: (r.created_at, r.command_id),
         )
         return [Command(id=r.command_id, kind=r.kind, body=r.body) for r in rows]
+
+    def _duties_in(
+        self, conn: Connection, asks: Sequence[tuple[str, str | None]], now: float
+    ) -> list[tuple[list[Command], str | None]]:
+        """``_take_commands_in`` and ``_pinned_in`` for many ``(worker_id, namespace)`` at once
+        (the polls and heartbeats of one group commit), in four statements whatever their number.
+        A worker's pending commands go to its first entry; the others of that worker get none."""
+        if len(asks) == 1:  # one daemon: the plain statements (an expanding IN renders per call)
+            worker, namespace = asks[0]
+            commands = self._take_commands_in(conn, worker, now)
+            return [(commands, self._pinned_in(conn, worker, namespace))]
+        st = self._worker_st
+        workers = sorted({w for w, _ in asks})
+        conn.execute(st.touch_workers, {"workers": workers, "now": now})
+        pending: dict[str, list[Any]] = {}
+        for r in conn.execute(st.take_commands_of, {"workers": workers}):
+            pending.setdefault(r.worker_id, []).append(r)
+        unbound = sorted({w for w, ns in asks if ns is None})
+        registered: dict[str, str] = (
+            {w: ns for w, ns in conn.execute(st.registered_of, {"workers": unbound})} if unbound else {}
+        )
+        names = [ns if ns is not None else registered.get(w, DEFAULT_NAMESPACE) for w, ns in asks]
+        versions = dict(conn.execute(st.pinned_of_names, {"names": sorted(set(names))}).all())
+        out: list[tuple[list[Command], str | None]] = []
+        for (worker, _), name in zip(asks, names, strict=True):
+            rows = sorted(pending.pop(worker, ()), key=lambda r: (r.created_at, r.command_id))
+            out.append(
+                ([Command(id=r.command_id, kind=r.kind, body=r.body) for r in rows], versions.get(name))
+            )
+        return out
 
     # -- namespaces ------------------------------------------------------------------------------
 
