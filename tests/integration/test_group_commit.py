@@ -416,6 +416,36 @@ def test_the_writer_batches_what_arrives_during_a_commit_and_answers_after_it() 
     asyncio.run(scenario())
 
 
+def test_the_writer_commits_heartbeats_after_the_claims_and_acks_that_wait_with_them() -> None:
+    """A fleet's heartbeats must not hold the one writer while a poll's claim waits: writes that
+    are only heartbeats are set aside until nothing else is waiting, and still all land."""
+
+    async def scenario() -> None:
+        store = _GatedStore()
+        writer = GroupWriter(store)  # type: ignore[arg-type]
+        first = asyncio.create_task(writer.write(AckRequest("a", "succeeded")))
+        await asyncio.to_thread(store.started.wait, 10)
+        beats = [asyncio.create_task(writer.write(HeartbeatRequest(f"w{i}", []))) for i in range(3)]
+        await asyncio.sleep(0.02)
+        poll = asyncio.create_task(writer.write(PollRequest("p", ["q"])))
+        await asyncio.sleep(0.05)
+        store.gate.set()
+        await first
+        await poll
+        await asyncio.gather(*beats)
+        assert [[type(r).__name__ for r in b] for b in store.batches] == [
+            ["AckRequest"],
+            ["PollRequest"],  # queued after the heartbeats, committed before them
+            ["HeartbeatRequest"] * 3,
+        ]
+        late = asyncio.create_task(writer.write(HeartbeatRequest("w9", [])))
+        await asyncio.sleep(0)  # queued
+        await writer.aclose()  # what is set aside is committed before the writer stops
+        assert late.done() and store.batches[-1][0] == HeartbeatRequest("w9", [])
+
+    asyncio.run(scenario())
+
+
 def test_a_batch_of_writes_lands_whole_in_one_group_commit_past_the_cap() -> None:
     """``write_many`` (the submit-batch route): its writes are never split across transactions,
     even past ``max_batch``; each answers its own result, in order, after the commit."""

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -42,6 +43,8 @@ from dreamlake.lakeshore.store.api import (
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 256  # writes per transaction at most
+MAX_BEATS = 32  # heartbeats per transaction at most (a claim waits for at most that many)
+BEAT_PATIENCE_S = 0.5  # the longest a heartbeat is set aside while other writes keep coming
 _KINDS = {
     SubmitRequest: "submit",
     AckRequest: "ack",
@@ -129,38 +132,69 @@ class GroupWriter:
         return results
 
     async def _run(self, queue: asyncio.Queue[_Item | None]) -> None:
+        """Take what has arrived, commit it, answer it; heartbeats wait for a quiet moment.
+
+        A heartbeat only has to land within its lease (tens of seconds), while a submit's wake-up
+        and a poll's claim are what a producer and a daemon wait on: a fleet's heartbeats (100 a
+        second at 1,000 nymphs) must not hold the one writer while a claim waits. So writes that
+        are only heartbeats are set aside, committed once nothing else is waiting, at most
+        ``MAX_BEATS`` to a transaction, and never later than ``BEAT_PATIENCE_S``."""
         loop = asyncio.get_running_loop()
         stopping = False
-        while not stopping:
-            item = await queue.get()
-            if item is None:
-                break
-            batch = [item]
-            size = len(item[0])
-            while size < self._max and not queue.empty():
-                nxt = queue.get_nowait()
-                if nxt is None:
+        beats: deque[tuple[float, _Item]] = deque()  # heartbeats set aside, oldest first
+        while not stopping or beats:
+            batch: list[_Item] = []
+            if not stopping and (not beats or not queue.empty()):
+                item = await queue.get()
+                if item is None:
                     stopping = True
-                    break
-                batch.append(nxt)
-                size += len(nxt[0])
-            if self._observe is not None:
-                self._observe(size)
-            answers = _Answers(batch)
-            writes = [req for reqs, _ in batch for req in reqs]
+                else:
+                    batch.append(item)
+                    size = len(item[0])
+                    while size < self._max and not queue.empty():
+                        nxt = queue.get_nowait()
+                        if nxt is None:
+                            stopping = True
+                            break
+                        batch.append(nxt)
+                        size += len(nxt[0])
+            now = time.monotonic()
+            urgent = []
+            for item in batch:
+                if all(isinstance(req, HeartbeatRequest) for req in item[0]):
+                    beats.append((now, item))
+                else:
+                    urgent.append(item)
+            if urgent:
+                await self._commit(loop, urgent)
+                overdue = beats and now - beats[0][0] > BEAT_PATIENCE_S
+                if not queue.empty() and not stopping and not overdue:
+                    continue  # more arrived meanwhile: it goes before the heartbeats
+            if beats:
+                take = [beats.popleft()[1] for _ in range(min(MAX_BEATS, len(beats)))]
+                await self._commit(loop, take)
 
-            def committed(pairs: list[tuple[int, Any]], answers: _Answers = answers) -> None:
-                # in the store's thread: answer one committed transaction's writes on the loop now,
-                # ahead of the batch's later transactions (a poll's claim before the heartbeats)
-                loop.call_soon_threadsafe(answers.answer, pairs)
+    async def _commit(self, loop: asyncio.AbstractEventLoop, batch: list[_Item]) -> None:
+        """One ``store.write_batch`` of ``batch`` in the writer's thread; each caller answered as
+        its writes' transaction commits."""
+        size = sum(len(reqs) for reqs, _ in batch)
+        if self._observe is not None:
+            self._observe(size)
+        answers = _Answers(batch)
+        writes = [req for reqs, _ in batch for req in reqs]
 
-            try:
-                results = await loop.run_in_executor(self._pool, self._store.write_batch, writes, committed)
-            except Exception as exc:  # the store raised outside any one write: all of them failed
-                log.exception("a group commit of %d writes failed", len(writes))
-                failed = PlaneError(f"the store failed: {type(exc).__name__}", status=500)
-                results = [failed] * len(writes)
-            answers.answer(list(enumerate(results)))
+        def committed(pairs: list[tuple[int, Any]]) -> None:
+            # in the store's thread: answer one committed transaction's writes on the loop now,
+            # ahead of the batch's later transactions (a poll's claim before the heartbeats)
+            loop.call_soon_threadsafe(answers.answer, pairs)
+
+        try:
+            results = await loop.run_in_executor(self._pool, self._store.write_batch, writes, committed)
+        except Exception as exc:  # the store raised outside any one write: all of them failed
+            log.exception("a group commit of %d writes failed", len(writes))
+            failed = PlaneError(f"the store failed: {type(exc).__name__}", status=500)
+            results = [failed] * len(writes)
+        answers.answer(list(enumerate(results)))
 
     async def aclose(self) -> None:
         """Commit and answer what is queued, then stop."""
