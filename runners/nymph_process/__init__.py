@@ -82,7 +82,6 @@ import fcntl
 import json
 import logging
 import os
-import pwd
 import select
 import signal
 import subprocess
@@ -108,7 +107,7 @@ from nymph.runnerkit import (
     task_name,
 )
 from nymph_process.prefork import ForkedChild, ZygoteClient, ZygoteError, boot_time, start_time_of
-from nymph_process.warm import WarmPool, WarmWorker
+from nymph_process.warm import WarmPool, WarmWorker, passwd_record
 from nymph_process.warm import call_over as warm_call_over
 from nymph_process.zygote import ENTRY_LOCK
 
@@ -879,16 +878,8 @@ def _kill_and_wait(procs: list[psutil.Process], limit_s: float = 10.0) -> None:
 
 
 def _user_record(name: str) -> dict[str, object]:
-    """What the zygote's child needs to become ``name``: uid, gid, groups, home, name."""
-    pw = pwd.getpwnam(name)
-    return {
-        "name": pw.pw_name,
-        "uid": pw.pw_uid,
-        "gid": pw.pw_gid,
-        "groups": os.getgrouplist(pw.pw_name, pw.pw_gid),
-        "home": pw.pw_dir,
-        "shell": pw.pw_shell,
-    }
+    """What the zygote's child needs to become ``name`` (KeyError for an unknown user)."""
+    return passwd_record(name)
 
 
 def _runs_as_owner(pid: int, workdir: Path) -> bool:

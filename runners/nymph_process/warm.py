@@ -501,12 +501,10 @@ class WarmPool:
             self.cgroups.remove(worker.cgroup)
 
 
-def _user_record(name: str) -> dict[str, Any]:
-    """uid, gid, groups, home, shell and name of ``name`` (a warm worker runs as it)."""
-    try:
-        pw = pwd.getpwnam(name)
-    except KeyError:
-        raise WarmError(f"user {name!r} is not a user on this host") from None
+def passwd_record(name: str) -> dict[str, Any]:
+    """What a process needs to become ``name`` (a warm worker, the zygote's child): uid, gid,
+    groups, home, shell and name. KeyError for a user this host does not have."""
+    pw = pwd.getpwnam(name)
     return {
         "name": pw.pw_name,
         "uid": pw.pw_uid,
@@ -515,6 +513,14 @@ def _user_record(name: str) -> dict[str, Any]:
         "home": pw.pw_dir,
         "shell": pw.pw_shell,
     }
+
+
+def _user_record(name: str) -> dict[str, Any]:
+    """``passwd_record`` of the user a warm worker runs as, or a WarmError that names it."""
+    try:
+        return passwd_record(name)
+    except KeyError:
+        raise WarmError(f"user {name!r} is not a user on this host") from None
 
 
 def call_over(workdir: Path) -> bool:
