@@ -62,9 +62,13 @@ class Nymph:
         ]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None
 
+    def env(self) -> dict[str, str]:
+        """The environment ``nymph start`` runs with."""
+        return _env()
+
     def start(self) -> Nymph:
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=_env())
+            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=self.env())
         return self
 
     def signal(self, sig: int) -> None:
@@ -87,6 +91,18 @@ class Nymph:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+class UserNymph(Nymph):
+    """``nymph start`` whose PYTHONPATH also holds tests/user_code (user modules that live apart
+    from the repository, as a user's own code does)."""
+
+    def env(self) -> dict[str, str]:
+        from tests.runner_kit import USER_CODE
+
+        env = super().env()
+        env["PYTHONPATH"] = os.pathsep.join([str(USER_CODE), env["PYTHONPATH"]])
+        return env
 
 
 @pytest.fixture

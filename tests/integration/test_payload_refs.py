@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from tests import runner_kit as kit
 from tests.conftest import require
 from tests.integration.conftest import ControlPlane, local_blobs, running_control_plane
 from tests.integration.s3_fixture import S3Service
-from tests.integration.test_nymph_agent import Nymph, _env, _until
+from tests.integration.test_nymph_agent import Nymph, UserNymph, _until
 
 udfs = kit.user_module("payload_udfs")
 
@@ -43,17 +42,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 KiB, MiB = 1024, 1024 * 1024
 LIMIT_S = 300.0
-
-
-class UserNymph(Nymph):
-    """``nymph start`` whose PYTHONPATH also holds tests/user_code."""
-
-    def start(self) -> UserNymph:
-        env = _env()
-        env["PYTHONPATH"] = os.pathsep.join([str(kit.USER_CODE), env["PYTHONPATH"]])
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=env)
-        return self
 
 
 @pytest.fixture

@@ -22,28 +22,13 @@ from dreamlake.lakeshore import ids, wire
 from dreamlake.lakeshore.store.api import SubmitRequest
 from tests import runner_kit as kit
 from tests.integration.conftest import ControlPlane, submit_body
-from tests.integration.test_nymph_agent import Nymph, _call, _until, await_result
+from tests.integration.test_nymph_agent import Nymph, UserNymph, _call, _until, await_result
 
 udfs = kit.user_module("tasks_udfs")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 LIMIT_S = 300.0
-
-
-class UserNymph(Nymph):
-    """``nymph start`` whose PYTHONPATH also holds tests/user_code (the tasks' code)."""
-
-    def start(self) -> UserNymph:
-        import subprocess
-
-        from tests.integration.test_nymph_agent import _env
-
-        env = _env()
-        env["PYTHONPATH"] = os.pathsep.join([str(kit.USER_CODE), env["PYTHONPATH"]])
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=env)
-        return self
 
 
 @pytest.fixture
