@@ -138,8 +138,10 @@ def test_replicas_follow_live_over_redis_and_survive_its_death(
             assert _redis_len(private_redis.url, f"{STREAM_PREFIX}topic:{topic}") == 2
 
             # Redis dies mid-stream. Writes still succeed; followers go on from the database.
-            private_redis.kill()
+            # B re-checks its store often from here on. Set before the kill: a follower that falls
+            # back to the journal at once would otherwise wait out the old 30 s re-check.
             b_app.state.ctx.config = dataclasses.replace(b_config, recheck_s=0.3)
+            private_redis.kill()
             _chunk(a, inv, 2)
             _post(a, topic, 2)
             _chunk(a, inv, 3, wire.FRAME_END)
