@@ -3,7 +3,8 @@
 ``python bench/_sampler.py OUT -m module [args...]`` runs ``module`` as ``python -m`` would, with a
 thread that every ``SAMPLER_INTERVAL_S`` (default 1 ms) takes every thread's stack
 (``sys._current_frames``) and, at exit (SIGINT's KeyboardInterrupt, or a normal end), writes the
-counts to OUT as JSON ``{"samples": {thread kind: {stack: count}}}`` (a stack is ``file:function``
+counts to OUT as JSON (SIGUSR1 forgets the samples so far, so a bench can sample its steady state
+alone): ``{"samples": {thread kind: {stack: count}}}`` (a stack is ``file:function``
 frames joined by ``;``, outermost first). Samples whose innermost frame waits (selector, lock,
 condition, queue, uvloop's C loop) are dropped: what is left is where CPU goes, thread by thread.
 A busy thread is sampled when it lets go of the GIL (the switch interval is set to 0.5 ms), so
@@ -20,6 +21,7 @@ import collections
 import json
 import os
 import runpy
+import signal
 import sys
 import threading
 import time
@@ -90,6 +92,10 @@ class Sampler:
                     continue
                 self.counts[_kind(names.get(ident, "other"))][";".join(frames)] += 1
 
+    def reset(self) -> None:
+        """Forget the samples so far (SIGUSR1: a bench marks the start of its steady state)."""
+        self.counts.clear()
+
     def dump(self, path: str) -> None:
         self._stop.set()
         with open(path, "w") as f:
@@ -135,6 +141,7 @@ def main() -> None:
     sys.argv = [module, *sys.argv[4:]]
     sampler = Sampler(float(os.environ.get("SAMPLER_INTERVAL_S", "0.001")))
     sys.setswitchinterval(0.0005)  # the sampler gets the GIL sooner from a busy thread
+    signal.signal(signal.SIGUSR1, lambda *_: sampler.reset())
     sampler.start()
     t0 = time.monotonic()
     try:

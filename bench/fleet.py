@@ -18,7 +18,9 @@ the time from sending the submit to the claiming poll's answer is recorded. Prin
 - this client's own CPU while measuring (% of one core): near 100 % it would be the bottleneck.
 
 The fleet is measured in its steady state: each daemon's first poll ends at a random point of the
-poll period, so renewals are spread out as in a fleet that has run a while.
+poll period, so renewals are spread out as in a fleet that has run a while, and the fleet waits
+``--settle-s`` (40 s) first. An idle daemon's renewals and heartbeats are answered from memory, but
+each is still written every 30-60 s (``server/idle.py``): the window measured includes those writes.
 
 With ``--replicas 2`` the producer talks to replica 1 and every daemon to replica 2, so each wake
 crosses replicas over PostgreSQL LISTEN/NOTIFY. ``--server-root`` runs the server from another
@@ -350,6 +352,7 @@ async def _measure(
     pg: bool,
     idle_window: float,
     heartbeat_s: float | None,
+    settle_s: float,
 ) -> Row:
     host = "127.0.0.1"
     front, back = servers[0], servers[-1]
@@ -409,8 +412,16 @@ async def _measure(
         await asyncio.sleep(2.0)
     await asyncio.sleep(1.0)
     rss = back.rss()
+    if settle_s > 0:  # idle daemons are written every 30-60 s (server/idle.py): be past the first
+        _progress(
+            f"N={n}: {n} polls waiting after {time.monotonic() - started:.0f} s; settling {settle_s:g} s"
+        )
+        await asyncio.sleep(settle_s)
     _progress(f"N={n}: {n} polls waiting after {time.monotonic() - started:.0f} s; measuring")
 
+    for s in servers:  # the profile covers the steady state: the idle fleet, then the submits
+        if s.profiled:
+            s.proc.send_signal(signal.SIGUSR1)
     cpu0, idle_passes0 = sum(s.cpu_s() for s in servers), await passes()
     await asyncio.sleep(idle_window)
     idle_rate = (sum(s.cpu_s() for s in servers) - cpu0) / idle_window
@@ -495,6 +506,7 @@ def run(
     idle_s: float,
     heartbeat_s: float | None,
     profile: bool = False,
+    settle_s: float = 0.0,
 ) -> list[Row]:
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="lakeshore-fleet-") as tmp:
@@ -511,7 +523,9 @@ def run(
                         )
                     tokens = json.loads((work / f"n{n}" / "replica0" / "tokens.json").read_text())
                     pg = store == "postgresql"
-                    rows.append(asyncio.run(_measure(servers, tokens, n, submits, pg, idle_s, heartbeat_s)))
+                    rows.append(
+                        asyncio.run(_measure(servers, tokens, n, submits, pg, idle_s, heartbeat_s, settle_s))
+                    )
                 finally:
                     for s in servers:
                         _stop(s)
@@ -522,7 +536,7 @@ def run(
 
                 for i in range(replicas):
                     print(
-                        f"\nprofile: replica {i} at N={n}, from start-up to the last submit "
+                        f"\nprofile: replica {i} at N={n}, the idle fleet and the submits "
                         f"(samples kept in {_profile_path(store, n, i)})"
                     )
                     _sampler.report(
@@ -594,6 +608,13 @@ def main() -> None:
         "--heartbeat-s", type=float, default=None, help="heartbeat period (default: the server's)"
     )
     ap.add_argument("--idle-s", type=float, default=5.0, help="window the idle CPU is measured over")
+    ap.add_argument(
+        "--settle-s",
+        type=float,
+        default=None,
+        help="seconds the waiting fleet runs before it is measured (default 40; 0 with --quick): "
+        "past the first writes the server makes of each idle daemon, 30-60 s after its last",
+    )
     ap.add_argument("--server-root", type=Path, default=ROOT, help="checkout the server runs from")
     ap.add_argument(
         "--profile", action="store_true", help="sample where each server's threads spend their CPU"
@@ -604,6 +625,7 @@ def main() -> None:
         raise SystemExit("--replicas above 1 needs --store postgresql (replicas share one database)")
     sizes = [int(x) for x in (args.sizes or ("1,100" if args.quick else "1,100,1000")).split(",")]
     submits = args.submits or (40 if args.quick else 200)
+    settle_s = args.settle_s if args.settle_s is not None else (0.0 if args.quick else 40.0)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = 2 * max(sizes) + 256
     if soft < need:
@@ -613,7 +635,7 @@ def main() -> None:
         raise SystemExit(f"open-file limit {soft} is below the {need} this fleet needs: raise `ulimit -n`")
     print(
         f"fleet: store {args.store}, {args.replicas} replica(s), {submits} submits one at a time, "
-        f"polls timeout_s {POLL_TIMEOUT_S:g}; server from {args.server_root}; {os.cpu_count()} CPUs, "
+        f"polls timeout_s {POLL_TIMEOUT_S:g}, measured after {settle_s:g} s waiting; server from {args.server_root}; {os.cpu_count()} CPUs, "
         f"load average {os.getloadavg()[0]:.1f} at start; open-file limit {soft}"
     )
     print(HEADER)
@@ -626,6 +648,7 @@ def main() -> None:
         args.idle_s,
         args.heartbeat_s,
         args.profile,
+        settle_s,
     )
 
 

@@ -16,6 +16,7 @@ from dreamlake.lakeshore.server.authz import WorkerBindings
 from dreamlake.lakeshore.server.config import ServerConfig
 from dreamlake.lakeshore.server.http import HTTPError
 from dreamlake.lakeshore.server.hub import StoreRunner, Wakeups
+from dreamlake.lakeshore.server.idle import DaemonMemo
 from dreamlake.lakeshore.server.liveness import QueueWatch
 from dreamlake.lakeshore.server.metrics import Metrics
 from dreamlake.lakeshore.server.outcomes import AcksInFlight
@@ -66,6 +67,7 @@ class Context:
             safety_recheck_s=self.config.poll_recheck_s,
         )
         self.polls.shared_store = self.dialect == "postgresql"
+        self.daemons = DaemonMemo(self.polls)
         self.metrics.polls_waiting.set_function(lambda: self.polls.waiting)
         self.metrics.polls_active.set_function(lambda: self.polls.active)
         self.metrics.relay_listening.set_function(

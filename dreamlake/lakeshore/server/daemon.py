@@ -109,6 +109,7 @@ async def register(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[s
         "namespace": namespace or principal.namespace,
     }
     await ctx.call(ctx.store.register_worker, worker_id, info)
+    ctx.daemons.forget(worker_id)  # its namespace may have changed: the next poll and heartbeat read it
     log.info(
         "worker %s registered (%s, runner %s, queues %s)",
         worker_id,
@@ -177,14 +178,23 @@ def _with_pin(out: dict[str, Any], version: str | None) -> dict[str, Any]:
 
 
 async def _collect(
-    ctx: Context, worker_id: str, queues: list[str], limit: int, *, exec_jobs: bool, namespace: str | None
+    ctx: Context,
+    worker_id: str,
+    queues: list[str],
+    limit: int,
+    *,
+    exec_jobs: bool,
+    namespace: str | None,
+    duties: bool = True,
 ) -> tuple[list[dict[str, Any]], list[Wake], str | None]:
     """One poll pass, written through the group commit (a ``PollRequest``: its claims share the
     transaction of the submits and acks committed with it, ``store.poll_pass`` alone): pending
     cancels, then claimed invocations, then exec jobs (of ``namespace`` when the token is bound to
     one) for free slots, and the pinned nymph version. Returns the commands, the work claimed (for the poll hub) and
     that version."""
-    got = await ctx.write(PollRequest(worker_id, queues, limit, ctx.config.lease_s, exec_jobs, namespace))
+    got = await ctx.write(
+        PollRequest(worker_id, queues, limit, ctx.config.lease_s, exec_jobs, namespace, duties)
+    )
     assert isinstance(got, PollResult)
     commands = [command_dict(c) for c in got.commands]
     if got.invocations:
@@ -254,10 +264,16 @@ async def poll(
     # A fleet started together would renew its polls in lockstep, all at once every timeout_s: an
     # empty poll ends at a random point of its last fifth, so renewals spread out within rounds.
     deadline = started + timeout * random.uniform(0.8, 1.0)
-    ticket = ctx.polls.ticket(worker_id, queues, takes_exec=exec_jobs, namespace=caller.principal.namespace)
+    namespace = caller.principal.namespace
+    ticket = ctx.polls.ticket(worker_id, queues, takes_exec=exec_jobs, namespace=namespace)
+    key = (ticket.queues, exec_jobs, namespace)
     commands: list[dict[str, Any]] = []
     pinned: str | None = None
     reason = "first"
+    # The same daemon's next poll after an empty one waits at once, from its last pass's position
+    # (server/idle.py): the hub hands it whatever that pass would have found.
+    renewal = ctx.daemons.renewal(worker_id, key) if acked is None else None
+    waited_from: int | None = None  # the position of the last wait: its pass found nothing
     hangup = asyncio.ensure_future(_hangup(receive)) if receive is not None else None
     try:
         while True:
@@ -265,15 +281,31 @@ async def poll(
                 log.debug("poll of worker %s: the daemon hung up; nothing claimed", worker_id)
                 ctx.metrics.poll_wait.observe(time.monotonic() - started)
                 return {"commands": []} if acked is None else {"commands": [], "acked": acked}
-            mark = ctx.wake.mark()
-            ctx.metrics.poll_passes.labels(reason=reason).inc()
-            commands, claimed, pinned = await _collect(
-                ctx, worker_id, queues, limit, exec_jobs=exec_jobs, namespace=caller.principal.namespace
-            )
-            ticket.settle(claimed, limit)
+            if renewal is not None:
+                (mark, pinned), renewal = renewal, None
+                ctx.metrics.idle_answers.labels(kind="renewal").inc()
+            else:
+                mark = ctx.wake.mark()
+                ctx.metrics.poll_passes.labels(reason=reason).inc()
+                known = ctx.daemons.known(worker_id)  # then the pass only claims
+                commands, claimed, pinned = await _collect(
+                    ctx,
+                    worker_id,
+                    queues,
+                    limit,
+                    exec_jobs=exec_jobs,
+                    namespace=namespace,
+                    duties=known is None,
+                )
+                if known is None:
+                    ctx.daemons.wrote(worker_id, mark, pinned)
+                else:
+                    pinned = known[0]
+                ticket.settle(claimed, limit)
             remaining = deadline - time.monotonic()
             if commands or remaining <= 0:
                 break
+            waited_from = mark
             reason = await ticket.wait(remaining, since=mark, hangup=hangup)
             if reason in (TIMEOUT, SHUTDOWN):  # nothing came, or the server stops: answer now
                 break
@@ -281,6 +313,8 @@ async def poll(
         ticket.close()
         if hangup is not None:
             hangup.cancel()
+    if not commands and reason == TIMEOUT and waited_from is not None:
+        ctx.daemons.ended_empty(worker_id, key, waited_from)
     ctx.metrics.poll_wait.observe(time.monotonic() - started)
     out: dict[str, Any] = {"commands": commands}
     if acked is not None:
@@ -627,9 +661,18 @@ async def heartbeat(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[
         pairs.append((inv_id, attempt))
     exec_pairs = _running_exec(body)
     field(body, "free_slots", int, default=0)
+    if not pairs and not exec_pairs:  # idle, its poll waiting: nothing to write (server/idle.py)
+        quiet = ctx.daemons.quiet_heartbeat(worker_id)
+        if quiet is not None:
+            ctx.metrics.idle_answers.labels(kind="heartbeat").inc()
+            return _with_pin(
+                {"ok": True, "lease_s": ctx.config.lease_s, "commands": [], "lost": []}, quiet[0]
+            )
     beat = HeartbeatRequest(worker_id, pairs, ctx.config.lease_s, exec_pairs, caller.principal.namespace)
+    mark = ctx.wake.mark()
     result = await ctx.write(beat)
     assert isinstance(result, HeartbeatResult)
+    ctx.daemons.wrote(worker_id, mark, result.pinned_version)
     out = {
         "ok": True,
         "lease_s": ctx.config.lease_s,

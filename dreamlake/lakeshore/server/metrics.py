@@ -76,6 +76,14 @@ class Metrics:
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 120),
             registry=self.registry,
         )
+        self.gc_pause = Histogram(
+            "lakeshore_gc_pause_seconds",
+            "Pauses of the garbage collector, which stops every thread of the server "
+            "(server/gctune.py: young every 0.1 s, middle every 0.5 s, full every 300 s), by generation",
+            ["generation"],
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1),
+            registry=self.registry,
+        )
         self.write_batch = Histogram(
             "lakeshore_write_batch_size",
             "Writes (submits, acks, frames, heartbeats) committed per group-commit transaction",
@@ -97,6 +105,13 @@ class Metrics:
             "first (the poll's opening pass), woken (new work), worker (a command for the worker), "
             "recheck (the safety re-check)",
             ["reason"],
+            registry=self.registry,
+        )
+        self.idle_answers = Counter(
+            "lakeshore_idle_answers",
+            "Daemon requests answered without a store transaction (server/idle.py): renewal (a "
+            "poll renewal that skipped its opening pass), heartbeat (an idle daemon's, its poll waiting)",
+            ["kind"],
             registry=self.registry,
         )
         self.polls_refused = Counter(

@@ -207,5 +207,6 @@ async def pin(ctx: Context, namespace: str, body: dict[str, Any]) -> dict[str, A
     if (version is not None and not (0 < len(version) <= 64)) or (version and not version.isprintable()):
         raise HTTPError(400, "field 'nymph_version' must be a short version string such as '0.1.4', or null")
     await ctx.call(ctx.store.pin_version, namespace, version)
+    ctx.daemons.forget_all()  # idle daemons answered from memory read the pin with their next request
     log.info("namespace %s pinned to nymph %s", namespace, version)
     return {"namespace": namespace, "nymph_version": version}

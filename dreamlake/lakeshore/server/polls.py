@@ -183,6 +183,9 @@ class PollHub:
         self._kept: dict[tuple[str, str], deque[tuple[int, str]]] = {}
         self._kept_at: dict[tuple[str, str], float] = {}  # last kept, to forget idle queues
         self._next_sweep = 0.0
+        # the newest position of a kept wake dropped unused (full, or forgotten): a poll that
+        # skips its pass from an older position might miss that work (server/idle.py)
+        self.dropped_upto = 0
 
     # -- life cycle and admission ---------------------------------------------------------------
 
@@ -207,6 +210,10 @@ class PollHub:
     def waiting(self) -> int:
         """Polls waiting now."""
         return len(self._waiting)
+
+    def is_waiting(self, worker_id: str) -> bool:
+        """Whether a long poll of ``worker_id`` is waiting here now."""
+        return worker_id in self._workers
 
     @property
     def reliable(self) -> bool:
@@ -262,6 +269,8 @@ class PollHub:
         kept = self._kept.get(key)
         if kept is None:
             kept = self._kept[key] = deque(maxlen=KEPT_PER_QUEUE)
+        if len(kept) == KEPT_PER_QUEUE:  # the oldest falls off
+            self.dropped_upto = max(self.dropped_upto, kept[0][0])
         kept.append((seq, wake.namespace))
         self._forget_idle(key)
         if not relayed and self.relay is not None:
@@ -277,7 +286,9 @@ class PollHub:
         self._next_sweep = now + KEPT_FOR_S / 4
         for stale in [k for k, at in self._kept_at.items() if now - at > KEPT_FOR_S]:
             del self._kept_at[stale]
-            self._kept.pop(stale, None)
+            dropped = self._kept.pop(stale, None)
+            if dropped:
+                self.dropped_upto = max(self.dropped_upto, max(seq for seq, _ in dropped))
 
     def _pass_on(self, wakes: list[Wake]) -> None:
         seq = self.notifier.mark()  # a poll starting its pass after now sees that work itself

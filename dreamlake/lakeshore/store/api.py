@@ -213,6 +213,10 @@ class PollRequest:
     lease_s: float = DEFAULT_LEASE_S
     exec_jobs: bool = True
     namespace: str | None = None
+    # False: the caller knows the daemon has no command waiting and its pinned version
+    # (server/idle.py), so the pass only claims: no touch, no commands taken, no pin read (the
+    # answer's commands are empty and its pinned version None)
+    duties: bool = True
 
 
 # The writes ``Store.write_batch`` commits together, and what each answers (or the PlaneError it

@@ -62,6 +62,7 @@ class Notifier:
         self._cond = threading.Condition()
         self._seq = 0
         self._last: OrderedDict[str, int] = OrderedDict()
+        self._forgot = 0  # the position of the newest channel forgotten (past MAX_CHANNELS)
         # asyncio waiters by channel: a notification looks up its own, never scans them all
         self._async: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._listeners: tuple[Listener, ...] = ()
@@ -86,7 +87,7 @@ class Notifier:
             self._last[channel] = seq
             self._last.move_to_end(channel)
             while len(self._last) > MAX_CHANNELS:
-                self._last.popitem(last=False)
+                self._forgot = self._last.popitem(last=False)[1]
             self._cond.notify_all()
             waiters = list(self._async.get(channel, ()))
             listeners = self._listeners
@@ -99,11 +100,16 @@ class Notifier:
             listener(channel, seq, relayed)
 
     def fired(self, channels: Iterable[str], since: int) -> bool:
-        """True when one of ``channels`` was notified after ``since``."""
+        """True when one of ``channels`` was notified after ``since`` (or may have been: it is
+        no longer remembered, and a channel notified after ``since`` was forgotten)."""
         with self._cond:
             return self._fired(frozenset(channels), since)
 
     def _fired(self, channels: frozenset[str], since: int) -> bool:
+        # A channel no longer remembered may have fired after ``since`` if anything was forgotten
+        # since then: say so (a hint too many costs a re-read; one too few, a missed command).
+        if since < self._forgot and any(c not in self._last for c in channels):
+            return True
         return any(self._last.get(c, 0) > since for c in channels)
 
     def wait(self, channels: Iterable[str], timeout: float | None, since: int | None = None) -> bool:

@@ -275,7 +275,11 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
         channels: list[str] = []
         requeued: list[str] = []
         now = time.time()
-        daemons = [(k, p) for k, (_, p) in enumerate(batch) if isinstance(p, (PollRequest, HeartbeatRequest))]
+        daemons = [
+            (k, p)
+            for k, (_, p) in enumerate(batch)
+            if isinstance(p, HeartbeatRequest) or (isinstance(p, PollRequest) and p.duties)
+        ]
         with self.db.tx(write=True) as conn:
             duties = dict(
                 zip(
@@ -320,7 +324,7 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
                 elif isinstance(p, HeartbeatRequest):
                     results[k] = self._heartbeat_in(conn, p, now, pin=True, duties=duties[k])
                 elif isinstance(p, PollRequest):
-                    polled = self._poll_in(conn, p, now, pin=True, duties=duties[k])
+                    polled = self._poll_in(conn, p, now, pin=True, duties=duties.get(k, ([], None)))
                     results[k] = polled
                     channels.extend(f"inv:{i.invocation_id}" for i in polled.invocations)
         if preps:
