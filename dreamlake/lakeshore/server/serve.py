@@ -239,6 +239,15 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
+def _gc_observer(app: Any) -> Any:
+    """``lakeshore_gc_pause_seconds`` of the app's metrics, as ``gctune.tune`` reports pauses."""
+    ctx = plane_context(app)
+    if ctx is None:
+        return None
+    pause = ctx.metrics.gc_pause
+    return lambda generation, seconds: pause.labels(generation=str(generation)).observe(seconds)
+
+
 def plane_context(app: Any) -> Any:
     """The control plane's :class:`Context` under ``app`` and the middleware uvicorn wraps it
     in (each keeps the app it wraps as ``.app``); None for another app."""
@@ -317,7 +326,10 @@ def app_from_env() -> Any:
     GuardedH11Protocol.body_timeout_s = config.body_timeout_s
     GuardedH11Protocol.max_connections = config.max_connections
     app = build_app(spec)
-    gctune.tune()
+    ctx = plane_context(app)
+    if ctx is not None:  # sibling processes write work whose wake-ups this one may never hear of
+        ctx.polls.shared_store = True  # (over SQLite: polls re-check every recheck_s, none skip)
+    gctune.tune(_gc_observer(app))
     return app
 
 
@@ -337,7 +349,7 @@ def serve(spec: ServeSpec, *, host: str, port: int, workers: int = 1, store: Any
     log.info("serving on %s:%d: %d worker(s), %s loop, guarded h11 HTTP", host, port, workers, loop)
     if workers <= 1:
         app = build_app(spec, store)
-        gctune.tune()
+        gctune.tune(_gc_observer(app))
         uvicorn.Server(uvicorn_config(app, config, **common)).run()
         return
     if store is not None:
