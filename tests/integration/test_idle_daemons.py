@@ -61,8 +61,13 @@ def _poll(cp: ControlPlane, worker: str, timeout_s: float) -> dict[str, Any]:
     return dict(out)
 
 
-def _heartbeat(cp: ControlPlane, worker: str, running: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    status, out = cp.daemon("/v1/daemon/heartbeat", {"worker_id": worker, "running": running or []})
+def _heartbeat(
+    cp: ControlPlane, worker: str, running: list[dict[str, Any]] | None = None, *, exec_leases: bool = True
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"worker_id": worker, "running": running or []}
+    if exec_leases:  # as nymph sends it; without it, the heartbeat renews every exec job the worker holds
+        body["running_exec"] = []
+    status, out = cp.daemon("/v1/daemon/heartbeat", body)
     assert status == 200, out
     return dict(out)
 
@@ -91,14 +96,16 @@ def test_an_idle_daemons_renewal_and_heartbeats_run_no_transaction(cp: ControlPl
         renewal = pool.submit(_poll, cp, worker, 2.0)
         _waiting(cp)
         beats = [_heartbeat(cp, worker) for _ in range(3)]
+        # a daemon from before exec leases: written (its heartbeat renews every exec job it holds)
+        _heartbeat(cp, worker, exec_leases=False)
         assert renewal.result(timeout=SETTLE_S)["commands"] == []
     assert all(b == {"ok": True, "lease_s": 30.0, "commands": [], "lost": []} for b in beats), beats
     after = _counts(cp)
-    assert after == (passes, renewals + 1, quiet + 3, written), (after, (passes, renewals, quiet, written))
+    assert after == (passes, renewals + 1, quiet + 3, written + 1), (after, passes, renewals, quiet, written)
 
     # with nothing of its poll waiting, a heartbeat is written as before
     _heartbeat(cp, worker)
-    assert _counts(cp)[3] == written + 1
+    assert _counts(cp)[3] == written + 2
 
 
 def test_a_renewal_gets_the_work_submitted_between_its_polls(cp: ControlPlane) -> None:

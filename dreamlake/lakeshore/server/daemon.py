@@ -661,7 +661,9 @@ async def heartbeat(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[
         pairs.append((inv_id, attempt))
     exec_pairs = _running_exec(body)
     field(body, "free_slots", int, default=0)
-    if not pairs and not exec_pairs:  # idle, its poll waiting: nothing to write (server/idle.py)
+    # Idle (a daemon without running_exec renews every exec job it holds: not idle), its poll
+    # waiting: nothing to write (server/idle.py)
+    if not pairs and exec_pairs == []:
         quiet = ctx.daemons.quiet_heartbeat(worker_id)
         if quiet is not None:
             ctx.metrics.idle_answers.labels(kind="heartbeat").inc()

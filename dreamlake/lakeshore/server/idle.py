@@ -16,8 +16,9 @@ without losing anything a transaction would have found:
   the store notifies once per unit of new work (submits, requeues, retries come due), so work
   that arrived between the two polls is in a kept wake or went to another waiting poll. A kept wake
   the hub ever dropped (``PollHub.dropped_upto``) makes every renewal from before it pass again.
-- **A heartbeat with nothing running**, from a daemon whose long poll is waiting in the hub right
-  now, renews no lease and has no command to take (a command for its worker wakes that poll,
+- **A heartbeat with nothing running** (``running`` and ``running_exec`` empty: a heartbeat
+  without ``running_exec`` renews every exec job its worker holds), from a daemon whose long poll
+  is waiting in the hub right now, renews no lease and has no command to take (a command for its worker wakes that poll,
   whose pass takes it). It is answered with the pinned version its last pass read.
 - **A poll pass** of a daemon no command was notified for since its last full write only claims:
   one statement instead of four (touch, take commands, claim, read the pin) on the claim path.

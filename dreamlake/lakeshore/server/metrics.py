@@ -79,7 +79,7 @@ class Metrics:
         self.gc_pause = Histogram(
             "lakeshore_gc_pause_seconds",
             "Pauses of the garbage collector, which stops every thread of the server "
-            "(server/gctune.py: young every 0.1 s, middle every 0.5 s, full every 300 s), by generation",
+            "(server/gctune.py), by generation",
             ["generation"],
             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1),
             registry=self.registry,
