@@ -32,7 +32,8 @@ depend on the machine and its load: print them, never assert them. On a shared L
 autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``) ``nice`` only ranks processes
 of one session: to put the bench ahead of other sessions' work, give it a session of its own with
 a raised group priority, as root: ``setsid sh -c 'echo -5 > /proc/self/autogroup; exec nice -n -5
-.venv/bin/python bench/fleet.py'``.
+.venv/bin/python bench/fleet.py'``. Not with ``--store postgresql`` on a quiet machine: every
+PostgreSQL backend is a session (an autogroup) of its own, so a raised bench group outweighs them.
 """
 
 from __future__ import annotations
