@@ -25,7 +25,7 @@ def test_a_renewal_skips_its_pass_once_and_only_for_the_same_poll() -> None:
     memo = _memo()
     mark = memo.hub.notifier.mark()
     assert memo.renewal("w", KEY) is None  # never written here
-    memo.wrote("w", mark, "0.1.4")
+    memo.wrote("w", (mark, 0), "0.1.4")
     assert memo.renewal("w", KEY) is None  # its poll has not ended empty yet
     memo.ended_empty("w", KEY, mark)
     assert memo.renewal("w", (("other",), True, None)) is None  # other queues: it passes
@@ -37,23 +37,31 @@ def test_a_renewal_skips_its_pass_once_and_only_for_the_same_poll() -> None:
 def test_the_memo_stands_only_while_fresh_reliable_and_uncommanded(monkeypatch: pytest.MonkeyPatch) -> None:
     memo = _memo()
     hub = memo.hub
-    memo.wrote("w", hub.notifier.mark(), None)
+    memo.wrote("w", memo.begin(), None)
     assert memo.known("w") == (None,)
     hub.shared_store = True  # another replica's wake-ups may be missed (no relay listening)
     assert memo.known("w") is None
     hub.shared_store = False
     hub.notifier.notify("worker:w")  # a command may be waiting: a full write takes it
     assert memo.known("w") is None
-    memo.wrote("w", hub.notifier.mark(), None)
+    memo.wrote("w", memo.begin(), None)
     assert memo.known("w") == (None,)
     monkeypatch.setattr(idle, "FULL_EVERY_S", 0.0)  # past its period, an idle daemon is written
-    memo.wrote("w", hub.notifier.mark(), None)
+    memo.wrote("w", memo.begin(), None)
     assert memo.known("w") is None
     monkeypatch.undo()
-    memo.wrote("w", hub.notifier.mark(), None)
+    memo.wrote("w", memo.begin(), None)
     memo.forget_all()  # a pin
     assert memo.known("w") is None
     assert memo.quiet_heartbeat("w") is None
+    # a write that began before a pin (or a register) may have read what it replaced: not kept
+    for forget in (memo.forget_all, lambda: memo.forget("other")):
+        began = memo.begin()
+        forget()
+        memo.wrote("w", began, "old")
+        assert memo.known("w") is None
+    memo.wrote("w", memo.begin(), "new")
+    assert memo.known("w") == ("new",)
 
 
 def test_a_heartbeat_is_quiet_only_while_its_daemons_poll_waits() -> None:
@@ -61,7 +69,7 @@ def test_a_heartbeat_is_quiet_only_while_its_daemons_poll_waits() -> None:
         memo = _memo()
         hub = memo.hub
         hub.start(asyncio.get_running_loop())
-        memo.wrote("w", hub.notifier.mark(), "0.2")
+        memo.wrote("w", memo.begin(), "0.2")
         assert memo.quiet_heartbeat("w") is None
         ticket = hub.ticket("w", ["default"], takes_exec=True, namespace=None)
         waiting = asyncio.ensure_future(ticket.wait(600.0, hub.notifier.mark()))
@@ -79,7 +87,7 @@ def test_a_kept_wake_that_falls_off_makes_older_renewals_pass() -> None:
         hub = memo.hub
         hub.start(asyncio.get_running_loop())
         mark = hub.notifier.mark()
-        memo.wrote("w", mark, None)
+        memo.wrote("w", (mark, 0), None)
         for _ in range(KEPT_PER_QUEUE + 1):  # no poll waits: kept, until the oldest falls off
             hub.notifier.notify(run_queue_channel("default", "default"))
         for _ in range(5):

@@ -17,7 +17,7 @@ def test_a_worker_process_does_not_trust_its_own_wake_ups_alone(tmp_path: Path) 
         f"os.environ[SPEC_ENV] = ServeSpec(db={str(tmp_path / 'l.db')!r}).to_env()\n"
         "ctx = plane_context(app_from_env())\n"
         "assert ctx.polls.shared_store and not ctx.polls.reliable\n"
-        "ctx.daemons.wrote('w', 0, None)\n"
+        "ctx.daemons.wrote('w', ctx.daemons.begin(), None)\n"
         "assert ctx.daemons.known('w') is None\n"
     )
     # a process of its own: app_from_env tunes the garbage collector of the process it runs in

@@ -285,7 +285,8 @@ async def poll(
                 (mark, pinned), renewal = renewal, None
                 ctx.metrics.idle_answers.labels(kind="renewal").inc()
             else:
-                mark = ctx.wake.mark()
+                began = ctx.daemons.begin()
+                mark = began[0]
                 ctx.metrics.poll_passes.labels(reason=reason).inc()
                 known = ctx.daemons.known(worker_id)  # then the pass only claims
                 commands, claimed, pinned = await _collect(
@@ -298,7 +299,7 @@ async def poll(
                     duties=known is None,
                 )
                 if known is None:
-                    ctx.daemons.wrote(worker_id, mark, pinned)
+                    ctx.daemons.wrote(worker_id, began, pinned)
                 else:
                     pinned = known[0]
                 ticket.settle(claimed, limit)
@@ -671,10 +672,10 @@ async def heartbeat(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[
                 {"ok": True, "lease_s": ctx.config.lease_s, "commands": [], "lost": []}, quiet[0]
             )
     beat = HeartbeatRequest(worker_id, pairs, ctx.config.lease_s, exec_pairs, caller.principal.namespace)
-    mark = ctx.wake.mark()
+    began = ctx.daemons.begin()
     result = await ctx.write(beat)
     assert isinstance(result, HeartbeatResult)
-    ctx.daemons.wrote(worker_id, mark, result.pinned_version)
+    ctx.daemons.wrote(worker_id, began, result.pinned_version)
     out = {
         "ok": True,
         "lease_s": ctx.config.lease_s,

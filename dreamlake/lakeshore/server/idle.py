@@ -62,10 +62,20 @@ class DaemonMemo:
     def __init__(self, hub: PollHub) -> None:
         self.hub = hub
         self._daemons: OrderedDict[str, _Daemon] = OrderedDict()
+        self._epoch = 0  # advanced by every forget: a write begun before one may have read the old
 
-    def wrote(self, worker_id: str, mark: int, pinned: str | None) -> None:
+    def begin(self) -> tuple[int, int]:
+        """Taken before a full write: the notifier position and this memo's epoch."""
+        return self.hub.notifier.mark(), self._epoch
+
+    def wrote(self, worker_id: str, began: tuple[int, int], pinned: str | None) -> None:
         """The daemon's commands were taken and its pinned version read (``pinned``) by a write
-        that began after notifier position ``mark``."""
+        that began at ``began`` (:meth:`begin`). Not remembered when a pin or a register came
+        while it ran: it may have read what they replaced."""
+        mark, epoch = began
+        if epoch != self._epoch:
+            self._daemons.pop(worker_id, None)
+            return
         d = self._daemons.pop(worker_id, None)
         renew = d.renew if d is not None else None
         # jittered, so a fleet registered together does not come back for its writes together
@@ -119,10 +129,12 @@ class DaemonMemo:
 
     def forget(self, worker_id: str) -> None:
         """The daemon (re-)registered: its next requests are written."""
+        self._epoch += 1
         self._daemons.pop(worker_id, None)
 
     def forget_all(self) -> None:
         """A version was pinned: every daemon's next request is written (and reads the pin)."""
+        self._epoch += 1
         self._daemons.clear()
 
     def __len__(self) -> int:
