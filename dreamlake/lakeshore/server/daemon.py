@@ -664,18 +664,17 @@ async def heartbeat(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[
     field(body, "free_slots", int, default=0)
     # Idle (a daemon without running_exec renews every exec job it holds: not idle), its poll
     # waiting: nothing to write (server/idle.py)
-    if not pairs and exec_pairs == []:
-        quiet = ctx.daemons.quiet_heartbeat(worker_id)
-        if quiet is not None:
-            ctx.metrics.idle_answers.labels(kind="heartbeat").inc()
-            return _with_pin(
-                {"ok": True, "lease_s": ctx.config.lease_s, "commands": [], "lost": []}, quiet[0]
-            )
-    beat = HeartbeatRequest(worker_id, pairs, ctx.config.lease_s, exec_pairs, caller.principal.namespace)
-    began = ctx.daemons.begin()
-    result = await ctx.write(beat)
-    assert isinstance(result, HeartbeatResult)
-    ctx.daemons.wrote(worker_id, began, result.pinned_version)
+    quiet = ctx.daemons.quiet_heartbeat(worker_id) if not pairs and exec_pairs == [] else None
+    if quiet is not None:
+        ctx.metrics.idle_answers.labels(kind="heartbeat").inc()
+        result = HeartbeatResult([], [], quiet[0])
+    else:
+        beat = HeartbeatRequest(worker_id, pairs, ctx.config.lease_s, exec_pairs, caller.principal.namespace)
+        began = ctx.daemons.begin()
+        written = await ctx.write(beat)
+        assert isinstance(written, HeartbeatResult)
+        result = written
+        ctx.daemons.wrote(worker_id, began, result.pinned_version)
     out = {
         "ok": True,
         "lease_s": ctx.config.lease_s,

@@ -136,6 +136,3 @@ class DaemonMemo:
         """A version was pinned: every daemon's next request is written (and reads the pin)."""
         self._epoch += 1
         self._daemons.clear()
-
-    def __len__(self) -> int:
-        return len(self._daemons)
