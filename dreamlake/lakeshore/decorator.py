@@ -363,16 +363,23 @@ class Thunk(_ThunkFields):
             cfg["prefix"] = self.prefix
         return cfg
 
-    def to_envelope(self, dispatch: Plane | None = None) -> Envelope:
-        """The Envelope of this call (a fresh invocation id each time), with ``cfg["code"]`` when a
-        code archive ships (``dispatch``: the plane whose payload store takes a large one)."""
+    def code_record(self, dispatch: Plane | None = None) -> dict[str, Any] | None:
+        """The ``cfg["code"]`` record of this call's code archive, None when none ships
+        (``dispatch``: the plane whose payload store takes a large one)."""
         from dreamlake.lakeshore import codeship
+
+        return codeship.code_record(
+            self.udf, codeship.default_code() if self.code == _INHERIT else self.code, dispatch
+        )
+
+    def to_envelope(self, dispatch: Plane | None = None, *, record: Any = _INHERIT) -> Envelope:
+        """The Envelope of this call (a fresh invocation id each time), with ``cfg["code"]`` when a
+        code archive ships (``dispatch``: the plane whose payload store takes a large one;
+        ``record``: :meth:`code_record`, when the caller made it already)."""
         from dreamlake.lakeshore.envelope import Envelope, fn_for
 
-        code = self.code
-        if code == _INHERIT:
-            code = codeship.default_code()
-        record = codeship.code_record(self.udf, code, dispatch)
+        if record is _INHERIT:
+            record = self.code_record(dispatch)
         return Envelope.create(
             fn_for(self.udf, self.udf.transport),
             self.args,
@@ -608,13 +615,19 @@ def submit_all(thunks: Any, dispatch: Plane | None = None) -> Calls:
     out = Calls(dispatch=dispatch)
     chunk: list[tuple[Any, ...]] = []
     plane: Plane | None = None
+    # one code record per (udf, code, plane), each a walk of the shipped files; the udf and the
+    # plane are kept beside it, so their ids stay theirs
+    records: dict[tuple[int, Any, int], tuple[Any, Any, Any]] = {}
     for thunk in thunks:
         target = dispatch or thunk.udf.dispatch or get_default_dispatch()
         if chunk and (target is not plane or len(chunk) >= MAP_CHUNK):
             _send(plane, chunk, out)
             chunk = []
         plane = out.dispatch = target
-        envelope = thunk.to_envelope(target)
+        mine = (id(thunk.udf), thunk.code, id(target))
+        if mine not in records:
+            records[mine] = (thunk.udf, target, thunk.code_record(target))
+        envelope = thunk.to_envelope(target, record=records[mine][2])
         chunk.append((envelope, thunk.queue, thunk.run_config(), thunk.parent))
     if chunk:
         _send(plane, chunk, out)
@@ -624,12 +637,10 @@ def submit_all(thunks: Any, dispatch: Plane | None = None) -> Calls:
 def _submit_calls(plane: Plane, template: Thunk, args_of: Any) -> Calls:
     """The calls of a map: ``template`` (a thunk without arguments) with each tuple of
     ``args_of``; the function record and the code archive are made once for all of them."""
-    from dreamlake.lakeshore import codeship
     from dreamlake.lakeshore.envelope import Envelope, fn_for
 
     udf = template.udf
-    code = template.code if template.code != _INHERIT else codeship.default_code()
-    record = codeship.code_record(udf, code, plane)
+    record = template.code_record(plane)
     fn = fn_for(udf, udf.transport)
     cfg = {"code": record} if record is not None else None
     run_config = template.run_config()

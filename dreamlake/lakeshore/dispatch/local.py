@@ -30,7 +30,7 @@ from dreamlake.lakeshore.states import TERMINAL_STATES
 
 if TYPE_CHECKING:
     from dreamlake.lakeshore.envelope import Envelope
-    from dreamlake.lakeshore.store.api import Invocation
+    from dreamlake.lakeshore.store.api import Invocation, SubmitRequest
     from dreamlake.lakeshore.wire import Frame
 
 __all__ = ["Dispatch"]
@@ -100,21 +100,27 @@ class Dispatch:
         self, envelope: bytes, queue: str, run_config: dict[str, Any], parent: str | None = None
     ) -> str:
         from dreamlake.lakeshore.envelope import Envelope
+
+        req = self._request(Envelope.header(envelope)["id"], bytes(envelope), queue, run_config, parent)
+        return self.store.submit(req).invocation_id
+
+    def _request(
+        self, invocation_id: str, blob: bytes, queue: str, run_config: dict[str, Any], parent: str | None
+    ) -> SubmitRequest:
+        """The store's SubmitRequest of one call, its run config checked (PlaneError otherwise)."""
         from dreamlake.lakeshore.store.api import DEFAULT_NAMESPACE, SubmitRequest
         from dreamlake.lakeshore.store.values import check_run_config
 
-        header = Envelope.header(envelope)
         check_run_config(run_config)
-        req = SubmitRequest(
-            invocation_id=header["id"],
+        return SubmitRequest(
+            invocation_id=invocation_id,
             queue=queue,
             function=dict(NATIVE_FUNCTION),
-            args_blob=bytes(envelope),
+            args_blob=blob,
             run_config={**run_config, "queue": queue},
             parent_invocation_id=parent,
             namespace=self.namespace or DEFAULT_NAMESPACE,
         )
-        return self.store.submit(req).invocation_id
 
     def submit_batch(
         self, calls: Sequence[tuple[Envelope, str, dict[str, Any], str | None]]
@@ -122,31 +128,20 @@ class Dispatch:
         """Submit many calls, ``(envelope, queue, run_config, parent)`` each, in one transaction of
         the store (``store.write_batch``); per call, in order, its invocation id or the error its
         :meth:`submit` would raise (with ``invocation_id`` set). Idempotent per Envelope id."""
-        from dreamlake.lakeshore.store.api import DEFAULT_NAMESPACE, SubmitRequest, SubmitResult
-        from dreamlake.lakeshore.store.values import check_run_config
+        from dreamlake.lakeshore.store.api import SubmitResult
 
-        out: list[str | PlaneError | None] = [None] * len(calls)
+        out: list[str | PlaneError] = []
         reqs: list[SubmitRequest] = []
         where: list[int] = []
-        for i, (envelope, queue, run_config, parent) in enumerate(calls):
+        for envelope, queue, run_config, parent in calls:
             try:
-                check_run_config(run_config)
+                reqs.append(self._request(envelope.id, envelope.to_bytes(), queue, run_config, parent))
             except PlaneError as exc:
                 exc.invocation_id = envelope.id
-                out[i] = exc
+                out.append(exc)
                 continue
-            reqs.append(
-                SubmitRequest(
-                    invocation_id=envelope.id,
-                    queue=queue,
-                    function=dict(NATIVE_FUNCTION),
-                    args_blob=envelope.to_bytes(),
-                    run_config={**run_config, "queue": queue},
-                    parent_invocation_id=parent,
-                    namespace=self.namespace or DEFAULT_NAMESPACE,
-                )
-            )
-            where.append(i)
+            where.append(len(out))
+            out.append(envelope.id)  # until the store answers
         for i, req, result in zip(where, reqs, self.store.write_batch(reqs) if reqs else [], strict=True):
             if isinstance(result, SubmitResult):
                 out[i] = result.invocation_id
@@ -154,7 +149,7 @@ class Dispatch:
                 assert isinstance(result, PlaneError)
                 result.invocation_id = req.invocation_id
                 out[i] = result
-        return [r for r in out if r is not None]
+        return out
 
     def status(self, invocation_id: str) -> dict[str, Any]:
         out = self._get(invocation_id).status()
