@@ -30,6 +30,7 @@ Runners are plugins: the entry-point group ``nymph.runners`` maps a name to a cl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,13 +104,8 @@ class Handle:
 
     def save(self, workdir: Path) -> None:
         """Write ``handle.json`` (atomically, never through a link the task planted: :mod:`nymph.safeio`)."""
-        doc = {
-            "runner": self.runner,
-            "invocation_id": self.invocation_id,
-            "attempt": self.attempt,
-            "data": self.data,  # JSON values already: json.dumps copies nothing (asdict deep-copies)
-            "version": self.version,
-        }
+        # every field, shallow: ``data`` is JSON values already (asdict would deep-copy it)
+        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         safeio.write_file(workdir, HANDLE_FILE, json.dumps(doc).encode())
 
     @classmethod

@@ -191,16 +191,3 @@ class Supervisor:
 
 def _nothing() -> None:
     pass
-
-
-_shared: Supervisor | None = None
-_shared_lock = threading.Lock()
-
-
-def shared() -> Supervisor:
-    """The process's one supervisor."""
-    global _shared
-    with _shared_lock:
-        if _shared is None:
-            _shared = Supervisor()
-        return _shared

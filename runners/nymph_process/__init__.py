@@ -106,12 +106,11 @@ from nymph.runnerkit import (
     option_list,
     task_name,
 )
+from nymph.workdir import ARGS as ARGS_FILE
 from nymph_process.prefork import ForkedChild, ZygoteClient, ZygoteError, boot_time, start_time_of
 from nymph_process.warm import WarmPool, WarmWorker, passwd_record
 from nymph_process.warm import call_over as warm_call_over
 from nymph_process.zygote import ENTRY_LOCK
-
-ARGS_FILE = "args.msgpack"  # the workdir contract's (nymph.workdir.ARGS)
 
 log = logging.getLogger(__name__)
 
@@ -541,7 +540,7 @@ class ProcessRunner:
         env = self._task_env(task)
         workdir = Path(task.workdir)
         try:
-            user = _user_record(task.as_user) if task.as_user else None
+            user = passwd_record(task.as_user) if task.as_user else None
         except KeyError:
             raise RunnerError(
                 f"process runner: as_user {task.as_user!r} is not a user on this host"
@@ -875,11 +874,6 @@ def _kill_and_wait(procs: list[psutil.Process], limit_s: float = 10.0) -> None:
         procs = [p for p in procs if _not_zombie(p)]  # a gone process reads as not running
         if procs:
             time.sleep(_POLL_S)
-
-
-def _user_record(name: str) -> dict[str, object]:
-    """What the zygote's child needs to become ``name`` (KeyError for an unknown user)."""
-    return passwd_record(name)
 
 
 def _runs_as_owner(pid: int, workdir: Path) -> bool:
