@@ -8,7 +8,8 @@ on a second connection. With all N polls waiting, a producer submits one invocat
 the time from sending the submit to the claiming poll's answer is recorded. Printed per N:
 
 - submit -> claim p50 / p99, beside the goal (p99 <= 20 ms at N = 1,000);
-- polls woken per submit, and poll passes (store transactions run by polls, from
+- polls woken per submit (by a wake-up, or handed the submit: their pass joins its transaction),
+  and poll passes (store transactions run by polls, from
   ``lakeshore_poll_passes``) per submit less the idle fleet's rate (its polls renewing);
 - server CPU per submit (psutil, less the idle rate) and idle server CPU (the fleet's heartbeats
   and poll renewals; ``--heartbeat-s 1e9`` leaves the renewals alone);
@@ -384,13 +385,16 @@ async def _measure(
         return out
 
     async def passes() -> tuple[float, float] | None:
-        """Poll passes (store transactions run by polls) so far: all of them, and those woken."""
+        """Poll passes (store transactions run by polls) so far: all of them, and those of polls
+        woken for work (a wake-up, or a hand-off: the pass ran in the submit's transaction)."""
         samples = [await _metrics(a) for a in admin]
         found = [m for m in samples if "lakeshore_poll_passes_total" in m]
         if not found:
             return None
         return sum(m["lakeshore_poll_passes_total"] for m in found), sum(
-            m.get('lakeshore_poll_passes_total{reason="woken"}', 0.0) for m in found
+            m.get(f'lakeshore_poll_passes_total{{reason="{reason}"}}', 0.0)
+            for m in found
+            for reason in ("woken", "handed")
         )
 
     has_hub = "lakeshore_polls_waiting" in await _metrics(admin[0])

@@ -478,3 +478,55 @@ def test_a_batch_of_writes_lands_whole_in_one_group_commit_past_the_cap() -> Non
         await writer.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_handed_poll_pass_claims_in_its_submits_transaction_and_holds_their_wake(
+    store: SqlStore,
+) -> None:
+    """A pass handed a batch's submits (server/polls.py) runs in their transaction, right after
+    them: it claims what they made, commits with them, and their run-queue wake is the pass's
+    poll's, so the store does not send it (the in-process workers' ``queue:`` wake still goes)."""
+    (running, att), *_ = _running(store, 1)
+    heard: list[str] = []
+    store.notifier.add_listener(lambda channel, _seq, _relayed: heard.append(channel))
+    a, b = new_ulid(), new_ulid()
+    early: list[list[tuple[int, Any]]] = []
+    results = store.write_batch(
+        [
+            _submit(a),
+            AckRequest(running, "succeeded", attempt=att, worker_id="w"),
+            _submit(b),
+            PollRequest("handed", ["q"], limit=1, duties=False, handed=(a,)),
+        ],
+        early.append,
+    )
+    sub_a, ack, sub_b, polled = results
+    assert sub_a == SubmitResult(invocation_id=a, queue="q") and sub_b == SubmitResult(
+        invocation_id=b, queue="q"
+    )
+    assert isinstance(polled, PollResult) and [i.invocation_id for i in polled.invocations] == [a]
+    # the first transaction held the submits and the handed pass; the ack came after it
+    assert [sorted(i for i, _ in pairs) for pairs in early] == [[0, 2, 3]]
+    assert ack == AckResult(ok=True, state="succeeded")
+    claimed = store.get(a)
+    assert claimed is not None and claimed.state == "running" and claimed.worker_id == "handed"
+    wakes = [c for c in heard if c.startswith("run-queue:")]
+    assert wakes == ["run-queue:default:q"]  # b's alone: a's is the handed poll's
+    assert heard.count("queue:q") == 2 and f"inv:{a}" in heard and f"inv:{b}" in heard
+
+
+def test_a_handed_pass_of_a_repeated_submit_claims_nothing_new_and_nothing_is_silenced_wrongly(
+    store: SqlStore,
+) -> None:
+    """A repeat makes nothing: the pass handed it finds nothing of its own to claim, and a repeat
+    was never notified anyway."""
+    first = store.submit(_submit()).invocation_id
+    store.claim("w", ["q"], limit=1)
+    heard: list[str] = []
+    store.notifier.add_listener(lambda channel, _seq, _relayed: heard.append(channel))
+    again, polled = store.write_batch(
+        [_submit(first), PollRequest("handed", ["q"], limit=1, duties=False, handed=(first,))]
+    )
+    assert again == SubmitResult(invocation_id=first, queue="q", duplicate=True)
+    assert isinstance(polled, PollResult) and polled.invocations == []
+    assert heard == []

@@ -10,8 +10,11 @@ import pytest
 
 from dreamlake.lakeshore.server.polls import (
     EXEC,
+    HANDED,
+    MAX_HANDOFFS,
     RECHECK,
     RUN,
+    SHUTDOWN,
     TIMEOUT,
     WOKEN,
     WORKER,
@@ -21,6 +24,7 @@ from dreamlake.lakeshore.server.polls import (
     Wake,
     parse_wake,
 )
+from dreamlake.lakeshore.store.api import PollRequest, SubmitRequest
 from dreamlake.lakeshore.store.notify import Notifier, exec_queue_channel, run_queue_channel
 
 LONG = 600.0  # no re-check fires during a test
@@ -286,3 +290,129 @@ def test_admission_stops_at_max_polls() -> None:
         with pytest.raises(PollsFull, match="limit of 2 concurrent long polls"), hub.admitted():
             pass
     assert hub.active == 0
+
+
+def _submit(queue: str, namespace: str = "default", inv: str = "01HSUBMIT") -> SubmitRequest:
+    return SubmitRequest(inv, queue, {}, b"", {}, namespace=namespace)
+
+
+def _preparing(t: Ticket) -> list[PollRequest]:
+    """Give ``t`` a pass to be handed (as the poll route does); the list collects what it wrote."""
+    made: list[PollRequest] = []
+
+    def prepare() -> tuple[PollRequest, Any]:
+        made.append(PollRequest(t.worker_id, list(t.queues), namespace=t.namespace, duties=False))
+        return made[-1], f"back-{t.worker_id}"
+
+    t.prepare = prepare
+    return made
+
+
+def test_a_submit_is_handed_to_the_head_poll_that_may_claim_it_with_its_wake() -> None:
+    async def test(hub: PollHub) -> None:
+        mark = hub.notifier.mark()
+        other = hub.ticket("other-ns", ["q"], takes_exec=True, namespace="team-b")
+        tickets = [hub.ticket(f"w{i}", ["q"], takes_exec=True, namespace=None) for i in range(3)]
+        for t in (other, *tickets):
+            _preparing(t)
+        waits = [_wait(t, mark) for t in (other, *tickets)]
+        await _settled()
+
+        handed = hub.hand_off([_submit("q", inv="A"), _submit("q", inv="B"), _submit("elsewhere")])
+        # one pass per submit that a waiting poll may claim, in the order the polls waited; the
+        # team-b poll may not claim default's work, and nobody serves "elsewhere"
+        assert [(w.worker_id, w.handed) for w, _ in handed] == [("w0", ("A",)), ("w1", ("B",))]
+        assert hub.waiting == 2 and not hub.is_waiting("w0") and hub.is_waiting("w2")
+        assert tickets[0].woken == [Wake(RUN, "q", "default")]
+        await _settled()
+        assert not any(w.done() for w in waits)  # nothing is answered before the commit
+
+        handed[1][1]("answer-B")
+        handed[0][1]("answer-A")
+        await _settled()
+        assert waits[1].result() == waits[2].result() == HANDED
+        assert tickets[0].handed == ("back-w0", "answer-A")
+        assert tickets[1].handed == ("back-w1", "answer-B")
+        assert not waits[0].done() and not waits[3].done()
+        for w in waits:
+            w.cancel()
+
+    run(test)
+
+
+def test_a_handed_poll_has_no_recheck_or_timeout_while_its_pass_is_in_the_store() -> None:
+    async def test(hub: PollHub) -> None:
+        t = hub.ticket("w", ["q"], takes_exec=True, namespace=None)
+        _preparing(t)
+        wait = asyncio.ensure_future(t.wait(0.05, hub.notifier.mark()))
+        await _settled()
+        ((_, deliver),) = hub.hand_off([_submit("q")])
+        await asyncio.sleep(0.2)  # past the poll's own deadline
+        assert not wait.done()
+        deliver("answer")
+        assert await wait == HANDED
+
+    run(test)
+
+
+def test_no_hand_off_to_a_poll_without_a_pass_to_hand_or_while_the_server_stops() -> None:
+    async def test(hub: PollHub) -> None:
+        mark = hub.notifier.mark()
+        bare = hub.ticket("bare", ["q"], takes_exec=True, namespace=None)
+        wait = _wait(bare, mark)
+        await _settled()
+        assert hub.hand_off([_submit("q")]) == []  # the head cannot be handed: the wake will go
+        assert hub.waiting == 1
+        wait.cancel()
+
+        t = hub.ticket("w", ["q"], takes_exec=True, namespace=None)
+        _preparing(t)
+        wait = _wait(t, mark)
+        await _settled()
+        hub.drain()
+        assert await wait == SHUTDOWN
+        assert hub.hand_off([_submit("q")]) == []
+
+    run(test)
+
+
+def test_hand_offs_stop_at_their_limit_per_batch() -> None:
+    async def test(hub: PollHub) -> None:
+        mark = hub.notifier.mark()
+        tickets = [
+            hub.ticket(f"w{i}", ["q"], takes_exec=True, namespace=None) for i in range(MAX_HANDOFFS + 3)
+        ]
+        for t in tickets:
+            _preparing(t)
+        waits = [_wait(t, mark) for t in tickets]
+        await _settled()
+        handed = hub.hand_off([_submit("q", inv=f"i{k}") for k in range(len(tickets))])
+        assert len(handed) == MAX_HANDOFFS and hub.waiting == 3
+        for w in waits:
+            w.cancel()
+
+    run(test, max_polls=MAX_HANDOFFS + 10)
+
+
+def test_a_handed_poll_that_hung_up_hands_its_wake_on() -> None:
+    """The daemon left while its pass was in the store: its wake goes to the next poll (which
+    passes and finds what the first one did not take), and the late answer is dropped."""
+
+    async def test(hub: PollHub) -> None:
+        mark = hub.notifier.mark()
+        first = hub.ticket("first", ["q"], takes_exec=True, namespace=None)
+        _preparing(first)
+        hangup: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        gone = asyncio.ensure_future(first.wait(LONG, mark, hangup))
+        await _settled()
+        second = hub.ticket("second", ["q"], takes_exec=True, namespace=None)
+        nxt = _wait(second, mark)
+        await _settled()
+        ((_, deliver),) = hub.hand_off([_submit("q")])
+        hangup.set_result(None)
+        assert await gone == "hangup"
+        first.close()  # the route's finally
+        assert await nxt == WOKEN and second.woken == [Wake(RUN, "q", "default")]
+        deliver("late")  # nobody reads it, nothing breaks
+
+    run(test)

@@ -40,7 +40,7 @@ def store_dialect(store: Any) -> str:
     return "postgresql" if url.startswith("postgres") else "sqlite"
 
 
-def _answer(exc: PlaneError) -> Exception:
+def answer_of(exc: PlaneError) -> Exception:
     """A store refusal with a 4xx status as that HTTP answer; anything else unchanged (a 500)."""
     if isinstance(exc.status, int) and 400 <= exc.status < 500:
         return HTTPError(exc.status, str(exc))
@@ -79,6 +79,7 @@ class Context:
             self.store,
             observe=self.metrics.write_batch.observe,
             timed=lambda kind, s: self.metrics.write_seconds.labels(kind=kind).observe(s),
+            handoff=self.polls.hand_off,
         )
         self.workers = WorkerBindings(lambda worker, token: self.call(self.store.bind_worker, worker, token))
         self.queues = QueueWatch()
@@ -148,7 +149,7 @@ class Context:
         try:
             return await self.runner(fn, *args, **kwargs)
         except PlaneError as exc:
-            raise _answer(exc) from None
+            raise answer_of(exc) from None
 
     async def write(self, request: WriteRequest) -> WriteResult:
         """Write through the group commit (answered once committed); a 4xx PlaneError becomes
@@ -156,7 +157,7 @@ class Context:
         try:
             return await self.writer.write(request)
         except PlaneError as exc:
-            raise _answer(exc) from None
+            raise answer_of(exc) from None
 
     async def write_many(self, requests: list[WriteRequest]) -> list[WriteResult | PlaneError]:
         """Write ``requests`` in one group commit (``GroupWriter.write_many``): each one's result
@@ -164,7 +165,7 @@ class Context:
         try:
             return await self.writer.write_many(requests)
         except PlaneError as exc:
-            raise _answer(exc) from None
+            raise answer_of(exc) from None
 
     async def queue_warning(self, queue: str) -> str | None:
         """The "no worker has polled queue ..." warning, or None when a live worker serves it."""

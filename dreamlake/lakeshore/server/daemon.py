@@ -18,7 +18,8 @@ one transaction of the group commit (a ``PollRequest``, which also reads the pin
 version; its claims commit with the submits and acks of the same batch); with
 nothing to hand out it waits in the poll hub (``server/polls.py``), which wakes one waiting poll per
 unit of new work (and every poll of a worker with a command queued), so a submit costs one claim
-transaction, not one per waiting daemon. ``ack``, ``result-chunk``, ``result-chunks`` and
+transaction, not one per waiting daemon; a submit reaching a replica where such a poll waits is
+handed to it, and that poll's pass runs in the submit's own transaction (``Ticket.prepare``). ``ack``, ``result-chunk``, ``result-chunks`` and
 ``heartbeat`` write through
 the group commit (``ctx.write``), which applies the same lease and order checks per write, and are
 answered once committed.
@@ -34,11 +35,12 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import ids
+from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.server import http, tasks
 from dreamlake.lakeshore.server.authz import Caller
-from dreamlake.lakeshore.server.context import Context
+from dreamlake.lakeshore.server.context import Context, answer_of
 from dreamlake.lakeshore.server.http import HTTPError, field
-from dreamlake.lakeshore.server.polls import EXEC, RUN, SHUTDOWN, TIMEOUT, Wake
+from dreamlake.lakeshore.server.polls import EXEC, HANDED, RUN, SHUTDOWN, TIMEOUT, Wake
 from dreamlake.lakeshore.store.api import (
     ACK_STATES,
     UNKNOWN,
@@ -177,25 +179,12 @@ def _with_pin(out: dict[str, Any], version: str | None) -> dict[str, Any]:
     return out
 
 
-async def _collect(
-    ctx: Context,
-    worker_id: str,
-    queues: list[str],
-    limit: int,
-    *,
-    exec_jobs: bool,
-    namespace: str | None,
-    duties: bool = True,
-) -> tuple[list[dict[str, Any]], list[Wake], str | None]:
-    """One poll pass, written through the group commit (a ``PollRequest``: its claims share the
-    transaction of the submits and acks committed with it, ``store.poll_pass`` alone): pending
-    cancels, then claimed invocations, then exec jobs (of ``namespace`` when the token is bound to
-    one) for free slots, and the pinned nymph version. Returns the commands, the work claimed (for the poll hub) and
-    that version."""
-    got = await ctx.write(
-        PollRequest(worker_id, queues, limit, ctx.config.lease_s, exec_jobs, namespace, duties)
-    )
-    assert isinstance(got, PollResult)
+async def _commands(ctx: Context, got: PollResult) -> tuple[list[dict[str, Any]], list[Wake], str | None]:
+    """What one poll pass found (a ``PollRequest`` written through the group commit: its claims
+    share the transaction of the submits and acks committed with it, or of the submits it was
+    handed): pending cancels, then claimed invocations (each with its task token), then exec jobs
+    (of the token's namespace when it is bound to one) for free slots. Returns the commands, the
+    work claimed (for the poll hub) and the pinned nymph version."""
     commands = [command_dict(c) for c in got.commands]
     if got.invocations:
         signer, now = await ctx.task_tokens(), time.time()
@@ -275,6 +264,18 @@ async def poll(
     renewal = ctx.daemons.renewal(worker_id, key) if acked is None else None
     waited_from: int | None = None  # the position of the last wait: its pass found nothing
     hangup = asyncio.ensure_future(_hangup(receive)) if receive is not None else None
+
+    def prepare() -> tuple[PollRequest, tuple[tuple[int, int], tuple[str | None] | None]]:
+        """The next pass's write, and its notifier mark and memo state (server/idle.py): a lean
+        pass (claims only) for a daemon the memo knows."""
+        began = ctx.daemons.begin()
+        known = ctx.daemons.known(worker_id)
+        request = PollRequest(
+            worker_id, queues, limit, ctx.config.lease_s, exec_jobs, namespace, known is None
+        )
+        return request, (began, known)
+
+    ticket.prepare = prepare  # a submit may hand this poll its pass (server/polls.py)
     try:
         while True:
             if hangup is not None and hangup.done():
@@ -285,19 +286,18 @@ async def poll(
                 (mark, pinned), renewal = renewal, None
                 ctx.metrics.idle_answers.labels(kind="renewal").inc()
             else:
-                began = ctx.daemons.begin()
+                if reason == HANDED and ticket.handed is not None:
+                    (began, known), got = ticket.handed
+                    ticket.handed = None
+                    if isinstance(got, PlaneError):
+                        raise answer_of(got)
+                else:
+                    request, (began, known) = prepare()
+                    got = await ctx.write(request)
+                assert isinstance(got, PollResult)
                 mark = began[0]
                 ctx.metrics.poll_passes.labels(reason=reason).inc()
-                known = ctx.daemons.known(worker_id)  # then the pass only claims
-                commands, claimed, pinned = await _collect(
-                    ctx,
-                    worker_id,
-                    queues,
-                    limit,
-                    exec_jobs=exec_jobs,
-                    namespace=namespace,
-                    duties=known is None,
-                )
+                commands, claimed, pinned = await _commands(ctx, got)
                 if known is None:
                     ctx.daemons.wrote(worker_id, began, pinned)
                 else:

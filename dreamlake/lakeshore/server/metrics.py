@@ -102,7 +102,8 @@ class Metrics:
         self.poll_passes = Counter(
             "lakeshore_poll_passes",
             "Store transactions run by long polls (Store.poll), by what started them: "
-            "first (the poll's opening pass), woken (new work), worker (a command for the worker), "
+            "first (the poll's opening pass), woken (new work), handed (new work, the pass in its "
+            "submit's transaction), worker (a command for the worker), "
             "recheck (the safety re-check)",
             ["reason"],
             registry=self.registry,

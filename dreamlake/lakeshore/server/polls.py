@@ -24,6 +24,14 @@ pass; one that finds nothing waits again, at the back. What keeps a wake-up from
 - A woken poll that ends without a pass (the daemon hung up, the pass failed) hands it on too.
 - A wake no local poll can take goes to the relay (``server/relay.py``), for other replicas.
 
+**Hand-off.** A submit does not wait for its wake to reach a poll and that poll's pass to reach
+the writer: when the group commit takes a batch with submits, each new invocation's head waiting
+poll (as :meth:`PollHub._first` picks it) leaves the hub with the wake in hand, and its pass
+(:attr:`Ticket.prepare`) joins the submits' own transaction, right after them
+(:meth:`PollHub.hand_off`). The poll wakes with ``handed`` and the pass's answer. The store sends
+that submit no ``run-queue`` notification: its wake is the handed poll's, settled by its pass like
+any other. One transaction and one writer round trip less between a submit and its claim.
+
 Every wait also ends after a safety re-check (``poll_recheck_s``, jittered); while wake-ups from
 other replicas may be missed (PostgreSQL LISTEN not connected) the re-check is ``recheck_s``.
 Everything here runs on the event loop; only :meth:`PollHub._listener` runs in store threads.
@@ -39,10 +47,11 @@ import logging
 import random
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from dreamlake.lakeshore.store.api import PollRequest, SubmitRequest
 from dreamlake.lakeshore.store.notify import Notifier, exec_queue_channel, run_queue_channel
 
 log = logging.getLogger(__name__)
@@ -50,6 +59,7 @@ log = logging.getLogger(__name__)
 RUN, EXEC = "run", "exec"
 KEPT_PER_QUEUE = 4096  # wakes kept for a queue with no waiter; older ones fall off
 KEPT_FOR_S = 120.0  # a kept wake is for a poll in the middle of its pass: none takes this long
+MAX_HANDOFFS = 64  # passes joined to one group commit's submits at most (each is a claim statement)
 _RUN_QUEUE, _EXEC_QUEUE, _WORKER = "run-queue:", "exec-queue:", "worker:"
 _ROUTED = (_RUN_QUEUE, _EXEC_QUEUE, _WORKER)  # ``queue:<q>`` keeps the notifier's wake-all
 
@@ -57,6 +67,7 @@ _ROUTED = (_RUN_QUEUE, _EXEC_QUEUE, _WORKER)  # ``queue:<q>`` keeps the notifier
 # ``lakeshore_poll_passes`` counter, with "first" for the pass a poll opens with.
 WOKEN, WORKER, RECHECK, TIMEOUT = "woken", "worker", "recheck", "timeout"
 SHUTDOWN = "shutdown"  # the server is stopping (:meth:`PollHub.drain`): answer empty now
+HANDED = "handed"  # the poll's pass ran in a submit's transaction: its answer is ``Ticket.handed``
 HANGUP = "hangup"  # the daemon closed its connection: nobody will read an answer
 
 _K = TypeVar("_K")
@@ -115,6 +126,11 @@ class Ticket:
         self.namespace = namespace
         self.id = 0  # registration order while waiting (lower: waited longer); 0 when not waiting
         self.woken: list[Wake] = []  # wakes handed to this poll and not yet settled by a pass
+        # what its next pass writes, for a hand-off: called on the loop with nothing, it returns
+        # (the write, anything the poll needs back); None: this poll is never handed work
+        self.prepare: Callable[[], tuple[PollRequest, Any]] | None = None
+        # a hand-off's (the second of prepare's pair, the write's answer), taken by the poll
+        self.handed: tuple[Any, Any] | None = None
         self._future: asyncio.Future[str] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._deadline = 0.0
@@ -315,6 +331,43 @@ class PollHub:
             t.woken.append(wake)
         if t._future is not None and not t._future.done():
             t._future.set_result(reason)
+
+    def hand_off(self, submits: Sequence[SubmitRequest]) -> list[tuple[PollRequest, Callable[[Any], None]]]:
+        """For the submits of a group commit about to be written: take the head waiting poll of
+        each new invocation's (queue, namespace) out of the hub, its wake in hand (see the module
+        docstring), at most ``MAX_HANDOFFS``. Returns each one's pass, to write right after the
+        submits in their transaction (it ``covers`` its submit: the store sends that one no
+        ``run-queue`` notification, the poll holds its wake), and what to call with its answer."""
+        out: list[tuple[PollRequest, Callable[[Any], None]]] = []
+        if self.closing:
+            return out
+        for submit in submits:
+            if len(out) >= MAX_HANDOFFS:
+                break
+            wake = Wake(RUN, submit.queue, submit.namespace)
+            t = self._first(wake)
+            if t is None or t.prepare is None or t._future is None or t._future.done():
+                continue
+            try:
+                write, back = t.prepare()
+            except Exception:  # the poll is left waiting: the submit's wake will reach it
+                log.exception("preparing a handed pass for worker %s failed", t.worker_id)
+                continue
+            write.handed = (submit.invocation_id,)
+            self._unregister(t)
+            if t._timer is not None:  # no re-check or timeout while the pass is in the store
+                t._timer.cancel()
+            t.woken.append(wake)
+            out.append((write, functools.partial(self._deliver, t, back)))
+        return out
+
+    @staticmethod
+    def _deliver(t: Ticket, back: Any, answer: Any) -> None:
+        """A hand-off's pass has its answer: wake its poll with it (one that hung up meanwhile
+        has handed its wake on; what the pass claimed goes back to the queue with its lease)."""
+        t.handed = (back, answer)
+        if t._future is not None and not t._future.done():
+            t._future.set_result(HANDED)
 
     def degrade(self) -> None:
         """Wake-ups from other replicas may be missed from now on: bring every waiting poll's

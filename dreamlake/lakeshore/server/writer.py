@@ -13,6 +13,10 @@ A caller may hand several writes at once (:meth:`GroupWriter.write_many`, the su
 route): they go into the same group commit, whole even past ``max_batch``, and are answered
 together, each with its own result.
 
+With ``handoff`` (the poll hub's :meth:`~.polls.PollHub.hand_off`), a batch's submits take
+their waiting polls' passes along: each is written right after the submits, in their transaction,
+and its answer goes straight to its poll (no wake-up, no second trip through the writer).
+
 Under load the batches grow by themselves (the longer a commit takes, the more writes wait for the
 next one); an idle server commits each write at once, in a batch of one.
 """
@@ -21,9 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -53,6 +59,9 @@ _KINDS = {
     HeartbeatRequest: "heartbeat",
     PollRequest: "poll",
 }  # the ``kind`` label of lakeshore_write_seconds
+
+# A batch's submits -> the poll passes handed them, each with what to call with its answer
+Handoff = Callable[[Sequence[SubmitRequest]], list[tuple[PollRequest, Callable[[Any], None]]]]
 
 # One caller's writes (one, or a batch route's many: they land in one transaction together)
 _Item = tuple[list[WriteRequest], "asyncio.Future[list[WriteResult | PlaneError]]"]
@@ -90,9 +99,16 @@ class GroupWriter:
     """Commits the writes of one event loop in batches (see the module docstring)."""
 
     def __init__(
-        self, store: Store, *, max_batch: int = MAX_BATCH, observe: Any = None, timed: Any = None
+        self,
+        store: Store,
+        *,
+        max_batch: int = MAX_BATCH,
+        observe: Any = None,
+        timed: Any = None,
+        handoff: Handoff | None = None,
     ) -> None:
         self._store = store
+        self._handoff = handoff
         self._max = max(1, max_batch)
         self._observe = observe  # called with each batch's size (a histogram's ``observe``)
         # called with a write's kind and its seconds from queued to answered (a labelled histogram)
@@ -177,6 +193,12 @@ class GroupWriter:
     async def _commit(self, loop: asyncio.AbstractEventLoop, batch: list[_Item]) -> None:
         """One ``store.write_batch`` of ``batch`` in the writer's thread; each caller answered as
         its writes' transaction commits."""
+        submits = [r for reqs, _ in batch for r in reqs if isinstance(r, SubmitRequest)]
+        if self._handoff is not None and submits:
+            for request, deliver in self._handoff(submits):
+                handed: asyncio.Future[list[WriteResult | PlaneError]] = loop.create_future()
+                handed.add_done_callback(functools.partial(_handed, deliver))
+                batch = [*batch, ([request], handed)]
         size = sum(len(reqs) for reqs, _ in batch)
         if self._observe is not None:
             self._observe(size)
@@ -204,3 +226,8 @@ class GroupWriter:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._pool.shutdown(wait=True)
+
+
+def _handed(deliver: Callable[[Any], None], answered: asyncio.Future[list[Any]]) -> None:
+    """A handed poll pass was answered (committed with its submits): give its poll the answer."""
+    deliver(answered.result()[0])

@@ -217,6 +217,10 @@ class PollRequest:
     # (server/idle.py), so the pass only claims: no touch, no commands taken, no pin read (the
     # answer's commands are empty and its pinned version None)
     duties: bool = True
+    # the submits of the same group commit this pass was handed (server/polls.py): it runs in their
+    # transaction, right after them, and their run-queue notifications are not sent (its poll
+    # holds their wake)
+    handed: tuple[str, ...] = ()
 
 
 # The writes ``Store.write_batch`` commits together, and what each answers (or the PlaneError it

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 import sqlalchemy as sa
@@ -510,13 +510,23 @@ class InvocationStore(StoreBase):
             )
         return out
 
-    def _submitted(self, batch: Sequence[_Prepared], results: Sequence[SubmitResult | PlaneError]) -> None:
-        """After the commit: remember the queues and functions now in the store, wake the waiters."""
+    def _submitted(
+        self,
+        batch: Sequence[_Prepared],
+        results: Sequence[SubmitResult | PlaneError],
+        handed: Collection[str] = (),
+    ) -> None:
+        """After the commit: remember the queues and functions now in the store, wake the waiters
+        (but the polls of the ``handed`` invocations: a pass of the same transaction has their
+        wake, server/polls.py)."""
         channels: list[str] = []
         for p, res in zip(batch, results, strict=True):
             self._known.remember(p.row["queue"], p.row["function_key"])
             if isinstance(res, SubmitResult) and not res.duplicate:
-                channels += (*invocation_channels(p.row["namespace"], res.queue), f"inv:{res.invocation_id}")
+                queued = invocation_channels(p.row["namespace"], res.queue)
+                # a handed one's run-queue wake is its poll's already: the rest still hear it
+                channels += queued[:1] if res.invocation_id in handed else queued
+                channels.append(f"inv:{res.invocation_id}")
         self._notify(*channels)  # one run-queue:<ns>:<q> per new invocation: the poll hub wakes one poll each
 
     def _existing(self, conn: Connection, row: dict[str, Any]) -> SubmitResult | None:

@@ -215,9 +215,10 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
             except PlaneError as exc:
                 out[i] = exc
                 continue
-            group = (
-                0 if isinstance(prepared, _Prepared) else 2 if isinstance(prepared, HeartbeatRequest) else 1
-            )
+            if isinstance(prepared, _Prepared) or (isinstance(prepared, PollRequest) and prepared.handed):
+                group = 0  # a handed pass claims in its submits' transaction, right after them
+            else:
+                group = 2 if isinstance(prepared, HeartbeatRequest) else 1
             groups[group].append((i, prepared))
         refused = [(i, r) for i, r in enumerate(out) if r is not None]
         if refused and on_commit is not None:
@@ -328,7 +329,8 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
                     results[k] = polled
                     channels.extend(f"inv:{i.invocation_id}" for i in polled.invocations)
         if preps:
-            self._submitted(preps, submitted)
+            handed = {i for _, p in batch if isinstance(p, PollRequest) for i in p.handed}
+            self._submitted(preps, submitted, handed)
         self._notify(*dict.fromkeys(channels), *requeued)
         return [r for r in results if r is not None]
 
