@@ -54,8 +54,8 @@ def _counts(cp: ControlPlane) -> tuple[float, float, float, float]:
     )
 
 
-def _poll(cp: ControlPlane, worker: str, timeout_s: float) -> dict[str, Any]:
-    body = {"worker_id": worker, "queues": ["default"], "max": 1, "timeout_s": timeout_s}
+def _poll(cp: ControlPlane, worker: str, timeout_s: float, most: int = 1) -> dict[str, Any]:
+    body = {"worker_id": worker, "queues": ["default"], "max": most, "timeout_s": timeout_s}
     status, out = cp.daemon("/v1/daemon/poll", body)
     assert status == 200, out
     return dict(out)
@@ -119,6 +119,35 @@ def test_a_renewal_gets_the_work_submitted_between_its_polls(cp: ControlPlane) -
     assert time.monotonic() - started < 10.0  # handed over at once, not at the poll's end
     after = _counts(cp)
     assert after[1] == renewals + 1 and after[0] == passes + 1  # it waited, was woken, then claimed
+
+
+def test_a_poll_that_took_all_there_was_is_renewed_and_one_that_filled_its_max_passes_again(
+    cp: ControlPlane,
+) -> None:
+    """A pass that claimed fewer than its ``max`` left nothing for its daemon, so the daemon's
+    next poll waits without a pass, and still gets the next submit. A pass that filled its
+    ``max`` may have left work: the next poll passes and claims it at once."""
+    worker = _registered(cp)
+    _heartbeat(cp, worker)
+    first = cp.submit()
+    assert [c["body"]["invocation_id"] for c in _poll(cp, worker, 5.0, most=2)["commands"]] == [first]
+    passes, renewals, _, _ = _counts(cp)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        renewal = pool.submit(_poll, cp, worker, 20.0, 2)
+        _waiting(cp)
+        assert _counts(cp)[:2] == (passes, renewals + 1)  # waiting, and no pass ran
+        nxt = cp.submit()
+        out = renewal.result(timeout=SETTLE_S)
+    assert [c["body"]["invocation_id"] for c in out["commands"]] == [nxt]
+
+    a, b = cp.submit(), cp.submit()
+    (got,) = _poll(cp, worker, 5.0, most=1)["commands"]  # its max: the other is still queued
+    passes, renewals, _, _ = _counts(cp)
+    started = time.monotonic()
+    (then,) = _poll(cp, worker, 20.0, most=1)["commands"]
+    assert time.monotonic() - started < 10.0  # claimed by its opening pass, not at the poll's end
+    assert sorted([got["body"]["invocation_id"], then["body"]["invocation_id"]]) == sorted([a, b])
+    assert _counts(cp)[:2] == (passes + 1, renewals)
 
 
 def test_a_version_pinned_meanwhile_reaches_the_idle_daemon_at_once(cp: ControlPlane) -> None:

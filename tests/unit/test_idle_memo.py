@@ -27,9 +27,9 @@ def test_a_renewal_skips_its_pass_once_and_only_for_the_same_poll() -> None:
     assert memo.renewal("w", KEY) is None  # never written here
     memo.wrote("w", (mark, 0), "0.1.4")
     assert memo.renewal("w", KEY) is None  # its poll has not ended empty yet
-    memo.ended_empty("w", KEY, mark)
+    memo.left_nothing("w", KEY, mark)
     assert memo.renewal("w", (("other",), True, None)) is None  # other queues: it passes
-    memo.ended_empty("w", KEY, mark)
+    memo.left_nothing("w", KEY, mark)
     assert memo.renewal("w", KEY) == (mark, "0.1.4")
     assert memo.renewal("w", KEY) is None  # taken once: the next renewal needs its own empty end
 
@@ -93,7 +93,7 @@ def test_a_kept_wake_that_falls_off_makes_older_renewals_pass() -> None:
         for _ in range(5):
             await asyncio.sleep(0)
         assert hub.dropped_upto > mark
-        memo.ended_empty("w", KEY, mark)
+        memo.left_nothing("w", KEY, mark)
         assert memo.renewal("w", KEY) is None
         hub.stop()
 

@@ -259,10 +259,12 @@ async def poll(
     commands: list[dict[str, Any]] = []
     pinned: str | None = None
     reason = "first"
-    # The same daemon's next poll after an empty one waits at once, from its last pass's position
-    # (server/idle.py): the hub hands it whatever that pass would have found.
+    # The same daemon's next poll after one that left nothing (empty, or a pass with room to spare)
+    # waits at once, from its last pass's position (server/idle.py): the hub hands it whatever
+    # that pass would have found.
     renewal = ctx.daemons.renewal(worker_id, key) if acked is None else None
     waited_from: int | None = None  # the position of the last wait: its pass found nothing
+    drained_at: int | None = None  # the position of the last pass, when it had room to spare
     hangup = asyncio.ensure_future(_hangup(receive)) if receive is not None else None
 
     def prepare() -> tuple[PollRequest, tuple[tuple[int, int], tuple[str | None] | None]]:
@@ -303,6 +305,7 @@ async def poll(
                 else:
                     pinned = known[0]
                 ticket.settle(claimed, limit)
+                drained_at = mark if len(claimed) < limit else None  # it took all there was
             remaining = deadline - time.monotonic()
             if commands or remaining <= 0:
                 break
@@ -314,8 +317,11 @@ async def poll(
         ticket.close()
         if hangup is not None:
             hangup.cancel()
-    if not commands and reason == TIMEOUT and waited_from is not None:
-        ctx.daemons.ended_empty(worker_id, key, waited_from)
+    # the daemon's next poll may wait at once (server/idle.py): this one ended with nothing left for it
+    if commands and drained_at is not None:
+        ctx.daemons.left_nothing(worker_id, key, drained_at)
+    elif not commands and reason == TIMEOUT and waited_from is not None:
+        ctx.daemons.left_nothing(worker_id, key, waited_from)
     ctx.metrics.poll_wait.observe(time.monotonic() - started)
     out: dict[str, Any] = {"commands": commands}
     if acked is not None:

@@ -9,8 +9,11 @@ them, and each request cost 2-3 ms of the server's CPU. Two of them can be answe
 without losing anything a transaction would have found:
 
 - **A poll renewal** (the same daemon's next poll with the same queues, within
-  ``RENEW_WITHIN_S`` of its previous one ending empty after waiting in the hub) skips its opening
-  pass and waits at once, from the notifier position of that daemon's last fruitless pass. The
+  ``RENEW_WITHIN_S`` of its previous one ending with nothing left for it: empty after waiting in
+  the hub, or answered by a pass with room to spare, which claimed less than its ``max`` and so
+  took all there was) skips its opening pass and waits at once, from the notifier position of that
+  daemon's last pass that left nothing (a daemon that just claimed the one submit of a quiet
+  queue polls again without a transaction). The
   poll hub hands it any wake-up since then that no waiting poll took (kept wakes), and a command
   for its worker ends the wait at once (``notifier.fired``), exactly as if its pass had just run:
   the store notifies once per unit of new work (submits, requeues, retries come due), so work
@@ -53,7 +56,7 @@ class _Daemon:
     full_until: float  # monotonic time its last full write here stops standing in for the next
     full_mark: int  # the notifier position before it
     pinned: str | None  # the pinned version it read
-    renew: tuple[RenewKey, int, float] | None = None  # (key, since, ended at) of its last empty poll
+    renew: tuple[RenewKey, int, float] | None = None  # (key, since, ended at): see left_nothing
 
 
 class DaemonMemo:
@@ -84,9 +87,10 @@ class DaemonMemo:
         while len(self._daemons) > MAX_DAEMONS:
             self._daemons.popitem(last=False)
 
-    def ended_empty(self, worker_id: str, key: RenewKey, since: int) -> None:
-        """The daemon's poll with ``key`` waited in the hub from position ``since`` (after a
-        fruitless pass, or as a renewal) and ends with nothing."""
+    def left_nothing(self, worker_id: str, key: RenewKey, since: int) -> None:
+        """The daemon's poll with ``key`` ends, and from position ``since`` on nothing it could
+        claim was left: it waited in the hub from there (after a fruitless pass, or as a renewal)
+        and nothing came, or its last pass, begun there, had room to spare."""
         d = self._daemons.get(worker_id)
         if d is not None:
             d.renew = (key, since, time.monotonic())
