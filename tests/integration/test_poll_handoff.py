@@ -9,6 +9,8 @@ re-checks are 600 s away, so every pass counted was caused by the test.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -30,6 +32,16 @@ def _passes(cp: ControlPlane) -> dict[str, float]:
     raise AssertionError("no lakeshore_poll_passes counter on /metrics")
 
 
+@contextlib.asynccontextmanager
+async def _clients(cp: ControlPlane) -> AsyncIterator[tuple[httpx.AsyncClient, httpx.AsyncClient]]:
+    """A daemon's client (long polls) and a producer's."""
+    async with (
+        httpx.AsyncClient(base_url=cp.url, headers=_headers(cp.daemon_token), timeout=POLL_S + 30) as d,
+        httpx.AsyncClient(base_url=cp.url, headers=_headers(cp.producer_token)) as producer,
+    ):
+        yield d, producer
+
+
 def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
 
@@ -40,12 +52,7 @@ def test_a_submit_is_claimed_in_its_own_transaction_by_the_longest_waiting_poll(
         queue = f"handoff-{new_ulid()}"
 
         async def main() -> None:
-            async with (
-                httpx.AsyncClient(
-                    base_url=cp.url, headers=_headers(cp.daemon_token), timeout=POLL_S + 30
-                ) as d,
-                httpx.AsyncClient(base_url=cp.url, headers=_headers(cp.producer_token)) as producer,
-            ):
+            async with _clients(cp) as (d, producer):
                 workers = [new_ulid() for _ in range(3)]
                 polls: dict[str, asyncio.Future[dict[str, Any]]] = {}
                 for k, w in enumerate(workers):  # one at a time: the order they wait in is known
@@ -91,12 +98,7 @@ def test_a_batch_is_handed_to_every_waiting_poll_and_the_rest_waits_for_the_next
         queue = f"handoff-batch-{new_ulid()}"
 
         async def main() -> None:
-            async with (
-                httpx.AsyncClient(
-                    base_url=cp.url, headers=_headers(cp.daemon_token), timeout=POLL_S + 30
-                ) as d,
-                httpx.AsyncClient(base_url=cp.url, headers=_headers(cp.producer_token)) as producer,
-            ):
+            async with _clients(cp) as (d, producer):
                 first = [asyncio.ensure_future(_poll(d, new_ulid(), queue)) for _ in range(2)]
                 await _until(lambda: hub.waiting == 2, "2 polls waiting")
                 before = await asyncio.to_thread(_passes, cp)
