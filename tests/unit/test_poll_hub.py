@@ -394,9 +394,10 @@ def test_hand_offs_stop_at_their_limit_per_batch() -> None:
     run(test, max_polls=MAX_HANDOFFS + 10)
 
 
-def test_a_handed_poll_that_hung_up_hands_its_wake_on() -> None:
-    """The daemon left while its pass was in the store: its wake goes to the next poll (which
-    passes and finds what the first one did not take), and the late answer is dropped."""
+def test_a_handed_poll_that_hung_up_hands_its_wake_on_once_its_pass_committed() -> None:
+    """The daemon left while its pass was in the store: its wake goes to the next poll, but only
+    once the pass has its answer (a pass before the submit's commit would find nothing and spend
+    the wake); that poll passes and finds whatever the first one did not take."""
 
     async def test(hub: PollHub) -> None:
         mark = hub.notifier.mark()
@@ -412,7 +413,9 @@ def test_a_handed_poll_that_hung_up_hands_its_wake_on() -> None:
         hangup.set_result(None)
         assert await gone == "hangup"
         first.close()  # the route's finally
+        await _settled()
+        assert not nxt.done()  # the submit is not committed yet
+        deliver("late")  # committed: nobody reads the answer, the wake moves on
         assert await nxt == WOKEN and second.woken == [Wake(RUN, "q", "default")]
-        deliver("late")  # nobody reads it, nothing breaks
 
     run(test)

@@ -131,6 +131,10 @@ class Ticket:
         self.prepare: Callable[[], tuple[PollRequest, Any]] | None = None
         # a hand-off's (the second of prepare's pair, the write's answer), taken by the poll
         self.handed: tuple[Any, Any] | None = None
+        # its pass is in the store now (a hand-off): its wakes wait for that pass's commit, even
+        # if the daemon hangs up meanwhile (handed on earlier, a pass elsewhere could run before
+        # the submit is committed, find nothing and spend the wake)
+        self.handing = False
         self._future: asyncio.Future[str] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._deadline = 0.0
@@ -168,8 +172,11 @@ class Ticket:
             self.hub._pass_on(unused)
 
     def close(self) -> None:
-        """The poll is answering: leave the hub, handing on any wake no pass has used."""
+        """The poll is answering: leave the hub, handing on any wake no pass has used (a poll
+        whose handed pass is still in the store hands its wakes on once that commits)."""
         self.hub._unregister(self)
+        if self.handing:
+            return
         wakes, self.woken = self.woken, []
         if wakes:
             self.hub._pass_on(wakes)
@@ -358,16 +365,22 @@ class PollHub:
             if t._timer is not None:  # no re-check or timeout while the pass is in the store
                 t._timer.cancel()
             t.woken.append(wake)
+            t.handing = True
             out.append((write, functools.partial(self._deliver, t, back)))
         return out
 
-    @staticmethod
-    def _deliver(t: Ticket, back: Any, answer: Any) -> None:
-        """A hand-off's pass has its answer: wake its poll with it (one that hung up meanwhile
-        has handed its wake on; what the pass claimed goes back to the queue with its lease)."""
+    def _deliver(self, t: Ticket, back: Any, answer: Any) -> None:
+        """A hand-off's pass has its answer (committed): wake its poll with it. A poll that hung
+        up meanwhile hands its wakes on now, after the commit; what its pass claimed goes back to
+        the queue when its lease lapses."""
+        t.handing = False
         t.handed = (back, answer)
         if t._future is not None and not t._future.done():
             t._future.set_result(HANDED)
+            return
+        wakes, t.woken = t.woken, []
+        if wakes:
+            self._pass_on(wakes)
 
     def degrade(self) -> None:
         """Wake-ups from other replicas may be missed from now on: bring every waiting poll's

@@ -195,7 +195,12 @@ class GroupWriter:
         its writes' transaction commits."""
         submits = [r for reqs, _ in batch for r in reqs if isinstance(r, SubmitRequest)]
         if self._handoff is not None and submits:
-            for request, deliver in self._handoff(submits):
+            try:
+                handoffs = self._handoff(submits)
+            except Exception:  # never the writer's end: the submits' wakes go out as usual
+                log.exception("handing %d submits to waiting polls failed", len(submits))
+                handoffs = []
+            for request, deliver in handoffs:
                 handed: asyncio.Future[list[WriteResult | PlaneError]] = loop.create_future()
                 handed.add_done_callback(functools.partial(_handed, deliver))
                 batch = [*batch, ([request], handed)]

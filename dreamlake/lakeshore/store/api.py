@@ -518,8 +518,9 @@ class Store(Listing, Protocol):
         ``append_frame``, ``append_frames``, ``heartbeat`` and ``poll_pass``, the last two with
         the pinned version), or with the PlaneError that call would raise; one write's error never
         fails another. Submits apply first, in order, in a transaction of their own (committed,
-        their waiters woken, before the rest), then the acks, frames and poll passes in order in a
-        second, then the heartbeats in a third. ``on_commit`` receives each transaction's
+        their waiters woken, before the rest) with the poll passes handed them (``PollRequest.handed``:
+        right after them), then the acks, frames and other poll passes in order in a second, then
+        the heartbeats in a third. ``on_commit`` receives each transaction's
         ``(index, answer)`` pairs once it committed, but the last one's (nothing is answered
         before it is durable); the return is every answer, in order, once all have committed."""
         ...

@@ -194,7 +194,8 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
         """See ``api.Store.write_batch``. Each request is checked first, outside the transaction
         (a malformed one answers its PlaneError and takes no part). The writes apply in three
         transactions, each committed (and its waiters woken) before the next begins: the
-        submits; then the acks, frames and poll passes, in order; then the heartbeats. Should one
+        submits (and the poll passes handed them, right after them); then the acks, frames and
+        other poll passes, in order; then the heartbeats. Should one
         fail (a value a column refuses, a lost connection), it is rolled back and each of its
         requests is retried alone, in a transaction of its own, so the error lands on the request
         that caused it (as a PlaneError with status 500). ``on_commit`` is called (in this
