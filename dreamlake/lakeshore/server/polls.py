@@ -343,7 +343,7 @@ class PollHub:
         """For the submits of a group commit about to be written: take the head waiting poll of
         each new invocation's (queue, namespace) out of the hub, its wake in hand (see the module
         docstring), at most ``MAX_HANDOFFS``. Returns each one's pass, to write right after the
-        submits in their transaction (it ``covers`` its submit: the store sends that one no
+        submits in their transaction (its ``handed`` names its submit: the store sends that one no
         ``run-queue`` notification, the poll holds its wake), and what to call with its answer."""
         out: list[tuple[PollRequest, Callable[[Any], None]]] = []
         if self.closing:

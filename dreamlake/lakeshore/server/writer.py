@@ -193,7 +193,9 @@ class GroupWriter:
     async def _commit(self, loop: asyncio.AbstractEventLoop, batch: list[_Item]) -> None:
         """One ``store.write_batch`` of ``batch`` in the writer's thread; each caller answered as
         its writes' transaction commits."""
-        submits = [r for reqs, _ in batch for r in reqs if isinstance(r, SubmitRequest)]
+        submits = (
+            [r for reqs, _ in batch for r in reqs if isinstance(r, SubmitRequest)] if self._handoff else []
+        )
         if self._handoff is not None and submits:
             try:
                 handoffs = self._handoff(submits)
