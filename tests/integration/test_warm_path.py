@@ -72,6 +72,69 @@ def test_a_poll_carries_acks_each_committed_and_answered_then_claims(control_pla
     assert [x.get("duplicate") for x in out["acked"]] == [True, True]
 
 
+def test_a_polls_acks_commit_in_one_transaction_with_its_opening_pass(
+    control_plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The warm path's one transaction per call on the worker's side: the acks a poll carries and
+    the pass that claims its next work are one group commit, the acks first."""
+    cp = control_plane
+    store = cp.app.state.ctx.store
+    real = store.write_batch
+    batches: list[list[str]] = []
+
+    def recording(requests: Any, *args: Any, **kwargs: Any) -> Any:
+        batches.append([type(r).__name__ for r in requests])
+        return real(requests, *args, **kwargs)
+
+    worker = new_ulid()
+    a, b = cp.submit(), cp.submit()
+    assert sorted(_claim(cp, worker, 2)) == sorted([a, b])
+    fresh = cp.submit()
+    monkeypatch.setattr(store, "write_batch", recording)
+    acks = [_ack(a, blob=wire.pack(1)), _ack(b, blob=wire.pack(2))]
+    body = {"worker_id": worker, "queues": ["default"], "max": 2, "timeout_s": 0, "acks": acks}
+    status, out = cp.daemon(POLL, body)
+    assert status == 200
+    assert [(x["invocation_id"], x["ok"]) for x in out["acked"]] == [(a, True), (b, True)]
+    assert [cmd["body"]["invocation_id"] for cmd in out["commands"]] == [fresh]
+    assert batches == [["AckRequest", "AckRequest", "PollRequest"]]
+    assert {cp.store.get(i).state for i in (a, b)} == {"succeeded"}  # type: ignore[union-attr]
+
+
+def test_an_ack_the_store_failed_is_answered_500_and_the_worker_sends_it_again(
+    control_plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One ack of a poll that the store fails (5xx) costs neither the poll's claims nor the ack:
+    it is answered with its status, and ``HttpDispatch.claim_batch`` sends it with the next poll."""
+    cp = control_plane
+    store = cp.app.state.ctx.store
+    worker = new_ulid()
+    plane = HttpDispatch(cp.url, token=cp.daemon_token)
+    try:
+        inv = cp.submit()
+        (claim,) = plane.claim_batch(worker, ["default"], 5, 1)
+        assert claim.invocation_id == inv
+        plane.ack(inv, "succeeded", attempt=1, worker_id=worker, result_blob=wire.pack(5), later=True)
+        nxt = cp.submit()
+        real = store._apply_writes
+
+        def failing(batch: Any) -> Any:  # any write but a poll pass fails, alone or with others
+            if any(type(p).__name__ != "PollRequest" for _, p in batch):
+                raise RuntimeError("the disk hiccuped")
+            return real(batch)
+
+        monkeypatch.setattr(store, "_apply_writes", failing)
+        (claim2,) = plane.claim_batch(worker, ["default"], 5, 1)
+        assert claim2.invocation_id == nxt  # the pass committed, the ack did not
+        assert cp.store.get(inv).state == "running"  # type: ignore[union-attr]
+        monkeypatch.setattr(store, "_apply_writes", real)
+        plane.ack(nxt, "succeeded", attempt=1, worker_id=worker, result_blob=wire.pack(6), later=True)
+        assert plane.claim_batch(worker, ["default"], 0.2, 1) == []
+        assert {cp.store.get(i).state for i in (inv, nxt)} == {"succeeded"}  # type: ignore[union-attr]
+    finally:
+        plane.close()
+
+
 def test_acks_on_another_workers_poll_are_refused(control_plane: ControlPlane) -> None:
     cp = control_plane
     holder, other = new_ulid(), new_ulid()
@@ -153,6 +216,44 @@ def test_an_await_woken_by_an_ack_takes_the_committed_outcome_from_memory(
     assert status == 200
     assert answer == {"state": "failed", "result_blob": None, "error": error}
     assert terminal_reads == []
+
+
+def test_a_submit_and_wait_claimed_at_once_takes_its_outcome_from_the_ack(
+    control_plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The warm path's producer side: a submit with ``wait_s``, handed to a waiting poll in its
+    own commit and acked, is answered with the ack's committed outcome and reads no row of the
+    store meanwhile; a repeat of it (a duplicate) reads the store as ``await`` does."""
+    cp = control_plane
+    ctx = cp.app.state.ctx
+    real_get = ctx.store.get
+    reads: list[str] = []
+
+    def counting_get(invocation_id: str) -> Any:
+        reads.append(invocation_id)
+        return real_get(invocation_id)
+
+    monkeypatch.setattr(ctx.store, "get", counting_get)
+    worker, inv, queue = new_ulid(), new_ulid(), f"q{new_ulid()}"
+    with ThreadPoolExecutor(2) as pool:
+        polled = pool.submit(
+            cp.daemon, POLL, {"worker_id": worker, "queues": [queue], "max": 1, "timeout_s": 20}
+        )
+        while ctx.polls.waiting < 1:
+            threading.Event().wait(0.01)
+        waiting = pool.submit(cp.producer, "/v1/producer/submit", {**submit_body(inv, queue), "wait_s": 20})
+        status, out = polled.result(30)
+        assert status == 200 and [c["body"]["invocation_id"] for c in out["commands"]] == [inv]
+        status, _ = cp.daemon("/v1/daemon/ack", {**_ack(inv, blob=wire.pack(9)), "worker_id": worker})
+        assert status == 200
+        status, answer = waiting.result(30)
+    assert status == 200 and answer["outcome"]["state"] == "succeeded"
+    assert wire.unpack(answer["outcome"]["result_blob"]) == 9
+    assert inv not in reads
+    status, again = cp.producer("/v1/producer/submit", {**submit_body(inv, queue), "wait_s": 5})
+    assert status == 200 and again["duplicate"] is True
+    assert again["outcome"]["state"] == "succeeded" and wire.unpack(again["outcome"]["result_blob"]) == 9
+    assert reads.count(inv) == 1
 
 
 def test_udf_call_runs_on_a_warm_worker_over_http(sqlite_control_plane: ControlPlane) -> None:

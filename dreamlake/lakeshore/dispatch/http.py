@@ -555,14 +555,20 @@ class HttpDispatch:
                 if acks:  # not known to have landed: they go again, first (an ack is idempotent)
                     self._later.setdefault(worker_id, [])[:0] = acks
                 raise
-            for answer in out.get("acked") or []:
-                if not answer.get("ok"):
+            again = []
+            for sent, answer in zip(acks, out.get("acked") or [], strict=False):
+                status = answer.get("status")
+                if not answer.get("ok") and isinstance(status, int) and status >= 500:
+                    again.append(sent)  # the store failed it: it goes again with the next poll
+                elif not answer.get("ok"):
                     log.warning(
                         "ack of %s refused (%s): %s",
                         answer.get("invocation_id"),
                         answer.get("status"),
                         answer.get("error"),
                     )
+            if again:
+                self._later.setdefault(worker_id, [])[:0] = again
             claims: list[Claim] = []
             for cmd in out.get("commands") or []:
                 if cmd.get("kind") == "run":

@@ -28,6 +28,7 @@ answered once committed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
@@ -56,6 +57,7 @@ from dreamlake.lakeshore.store.api import (
     Invocation,
     PollRequest,
     PollResult,
+    WriteResult,
 )
 from dreamlake.lakeshore.store.values import json_safe
 
@@ -248,7 +250,8 @@ async def poll(
     timeout = http.number(body, "timeout_s", ctx.config.poll_default_s, lo=0.0, hi=ctx.config.poll_max_s)
     field(body, "version", str, default="")
     exec_jobs = _takes_exec(body)
-    acked = await _poll_acks(ctx, caller, worker_id, body) if body.get("acks") else None
+    acks = _poll_acks(ctx, caller, worker_id, body) if body.get("acks") else None
+    acked: list[dict[str, Any]] | None = None
     started = time.monotonic()
     # A fleet started together would renew its polls in lockstep, all at once every timeout_s: an
     # empty poll ends at a random point of its last fifth, so renewals spread out within rounds.
@@ -262,7 +265,7 @@ async def poll(
     # The same daemon's next poll after one that left nothing (empty, or a pass with room to spare)
     # waits at once, from its last pass's position (server/idle.py): the hub hands it whatever
     # that pass would have found.
-    renewal = ctx.daemons.renewal(worker_id, key) if acked is None else None
+    renewal = ctx.daemons.renewal(worker_id, key) if acks is None else None
     waited_from: int | None = None  # the position of the last wait: its pass found nothing
     drained_at: int | None = None  # the position of the last pass, when it had room to spare
     hangup = asyncio.ensure_future(_hangup(receive)) if receive is not None else None
@@ -278,7 +281,22 @@ async def poll(
         return request, (began, known)
 
     ticket.prepare = prepare  # a submit may hand this poll its pass (server/polls.py)
+    opening: tuple[Any, WriteResult | PlaneError] | None = None
     try:
+        if acks is not None:
+            # the acks and the opening pass in one group commit, the acks first: one transaction
+            # answers the acked work's producers and hands out the next
+            request, marks = prepare()
+            writes = [a.request for a in acks if a.request is not None]
+            flights = [ctx.acks.begin(w.invocation_id) for w in writes]
+            try:
+                results = await ctx.write_many([*writes, request])
+            except BaseException:
+                for w, flight in zip(writes, flights, strict=True):
+                    ctx.acks.end(w.invocation_id, flight, None)
+                raise
+            acked = await _answer_acks(ctx, caller, acks, results[:-1], flights)
+            opening = (marks, results[-1])
         while True:
             if hangup is not None and hangup.done():
                 log.debug("poll of worker %s: the daemon hung up; nothing claimed", worker_id)
@@ -288,7 +306,11 @@ async def poll(
                 (mark, pinned), renewal = renewal, None
                 ctx.metrics.idle_answers.labels(kind="renewal").inc()
             else:
-                if reason == HANDED and ticket.handed is not None:
+                if opening is not None:  # written with the acks
+                    ((began, known), got), opening = opening, None
+                    if isinstance(got, PlaneError):
+                        raise answer_of(got)
+                elif reason == HANDED and ticket.handed is not None:
                     (began, known), got = ticket.handed
                     ticket.handed = None
                     if isinstance(got, PlaneError):
@@ -373,18 +395,15 @@ async def ack(ctx: Context, caller: Caller, body: dict[str, Any]) -> tuple[int, 
 MAX_POLL_ACKS = 256
 
 
-async def _poll_acks(
-    ctx: Context, caller: Caller, worker_id: str, body: dict[str, Any]
-) -> list[dict[str, Any]]:
+def _poll_acks(ctx: Context, caller: Caller, worker_id: str, body: dict[str, Any]) -> list[_PollAck]:
     """The ``acks`` a poll carries (``[{invocation_id, state, attempt, result_blob?, error?}]``,
-    each of ``worker_id``'s leases), written together through the group commit before the poll
-    claims, each checked as the ack route checks it; one answer per ack, in the order sent:
-    ``{invocation_id, status, ok, duplicate?, error?}`` (status: the ack route's)."""
+    each of ``worker_id``'s leases), each checked as the ack route checks it: an ack to write, or
+    the answer of one that failed its check (:func:`_answer_acks` answers them all, in order)."""
     acks = field(body, "acks", list, default=[])
     if len(acks) > MAX_POLL_ACKS:
         raise HTTPError(400, f"field 'acks' lists {len(acks)} acks; the limit is {MAX_POLL_ACKS}")
-
-    async def one(item: Any) -> dict[str, Any]:
+    out = []
+    for item in acks:
         inv = str(item.get("invocation_id", ""))[:64] if isinstance(item, dict) else ""
         try:
             if not isinstance(item, dict):
@@ -404,14 +423,53 @@ async def _poll_acks(
             if ref is not None and blob:
                 raise HTTPError(400, "send result_blob or result_ref, not both")
             ctx.check_inline("result_blob", len(blob or b""), caller.namespace or ":ns", "result_ref")
-            status, out = await _ack(
-                ctx, caller, worker_id, invocation_id, state, _attempt(item), blob, _error_info(item), ref
+            request = AckRequest(
+                invocation_id, state, _attempt(item), worker_id, blob, _error_info(item), ref
             )
         except HTTPError as exc:
-            status, out = exc.status, {"ok": False, "error": exc.message}
-        return {"invocation_id": inv, "status": status, **out}
+            out.append(_PollAck(inv, None, {"status": exc.status, "ok": False, "error": exc.message}))
+        else:
+            out.append(_PollAck(inv, request, None))
+    return out
 
-    return list(await asyncio.gather(*(one(a) for a in acks)))
+
+@dataclasses.dataclass
+class _PollAck:
+    """One ack a poll carries: the write it makes (None when it failed its check) or its answer."""
+
+    invocation_id: str
+    request: AckRequest | None
+    answer: dict[str, Any] | None
+
+
+async def _answer_acks(
+    ctx: Context,
+    caller: Caller,
+    acks: list[_PollAck],
+    results: list[WriteResult | PlaneError],
+    flights: list[asyncio.Future[Any]],
+) -> list[dict[str, Any]]:
+    """The answers of a poll's acks, whose writes committed with ``results`` (those of the acks
+    that passed their checks, in order, each with its ``ctx.acks.begin`` in ``flights``):
+    ``{invocation_id, status, ok, duplicate?, error?}`` (status: the ack route's) per ack sent.
+    An ack the store failed (5xx) is answered with its status, to be sent again
+    (``HttpDispatch.claim_batch`` does)."""
+    out = []
+    written = iter(zip(results, flights, strict=True))
+    for ack in acks:
+        if ack.request is None:
+            assert ack.answer is not None
+            out.append({"invocation_id": ack.invocation_id, **ack.answer})
+            continue
+        result, flight = next(written)
+        try:
+            status, answer = await _ack_answered(ctx, caller, ack.request, result, flight)
+        except HTTPError as exc:
+            status, answer = exc.status, {"ok": False, "error": exc.message}
+        except PlaneError as exc:
+            status, answer = 500, {"ok": False, "error": f"{exc}; send the ack again"}
+        out.append({"invocation_id": ack.invocation_id, "status": status, **answer})
+    return out
 
 
 async def _ack(
@@ -426,23 +484,40 @@ async def _ack(
     result_ref: dict[str, Any] | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """Write one checked ack through the group commit and answer as the ack route does."""
+    request = AckRequest(invocation_id, state, attempt, worker_id, result_blob, error, result_ref)
     flight = ctx.acks.begin(invocation_id)
     try:
-        result = await ctx.write(
-            AckRequest(invocation_id, state, attempt, worker_id, result_blob, error, result_ref)
-        )
+        (result,) = await ctx.write_many([request])
     except BaseException:
         ctx.acks.end(invocation_id, flight, None)
         raise
+    return await _ack_answered(ctx, caller, request, result, flight)
+
+
+async def _ack_answered(
+    ctx: Context,
+    caller: Caller,
+    request: AckRequest,
+    result: WriteResult | PlaneError,
+    flight: asyncio.Future[Any] | None = None,
+) -> tuple[int, dict[str, Any]]:
+    """Answer one committed ack as the ack route does, and hand its outcome to the producers
+    waiting on it (``flight``: the ``ctx.acks.begin`` made before its write; None: one now)."""
+    invocation_id, state = request.invocation_id, request.state
+    if flight is None:
+        flight = ctx.acks.begin(invocation_id)
+    if isinstance(result, PlaneError):
+        ctx.acks.end(invocation_id, flight, None)
+        raise answer_of(result)
     assert isinstance(result, AckResult)
     # as the store keeps it (an empty blob is None, the error JSON-safe), for a waiting producer
     committed = {
         "state": state,
-        "result_blob": result_blob or None,
-        "error": None if error is None else json_safe(error, "error"),
+        "result_blob": request.result_blob or None,
+        "error": None if request.error is None else json_safe(request.error, "error"),
     }
-    if result_ref is not None:  # the result is in the payload store (producer.outcome's shape)
-        committed["result_ref"] = result_ref
+    if request.result_ref is not None:  # the result is in the payload store (producer.outcome's shape)
+        committed["result_ref"] = request.result_ref
     # a failure that queued a retry (result.state "queued") is no outcome for a waiting producer
     final = result.ok and not result.duplicate and result.state == state
     ctx.acks.end(invocation_id, flight, committed if final else None)
@@ -450,7 +525,7 @@ async def _ack(
         ctx.metrics.acks.labels(state=state, outcome="duplicate" if result.duplicate else "ok").inc()
         ctx.wake.notify(f"inv:{invocation_id}")
         await _poke(ctx, invocation_id)
-        log.debug("ack %s %s (attempt %s)", invocation_id, state, attempt)
+        log.debug("ack %s %s (attempt %s)", invocation_id, state, request.attempt)
         return 200, ({"ok": True, "duplicate": True} if result.duplicate else {"ok": True})
     if result.status == UNKNOWN:
         ctx.metrics.acks.labels(state=state, outcome="unknown").inc()

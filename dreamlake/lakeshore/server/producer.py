@@ -112,6 +112,7 @@ def _submitted(
 
 async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
     req, wait_s = submit_request(ctx, caller, body)
+    mark = ctx.wake.mark()  # before the write: a submit-and-wait misses no wake-up after its commit
     result = await ctx.write(req)
     assert isinstance(result, SubmitResult)
     out = _submitted(ctx, req, result)
@@ -123,8 +124,35 @@ async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str
     if wait_s is not None:
         if caller.rule is authz.Own.DESCENDANTS:  # a keyed duplicate may be no descendant of the task's
             await tasks.check_target(ctx, caller, result.invocation_id)
-        out["outcome"] = await _await_answer(ctx, caller, result.invocation_id, wait_s, warning)
+        deadline = time.monotonic() + wait_s
+        acked = None if result.duplicate else await _acked(ctx, result.invocation_id, wait_s, mark)
+        if acked is not None:
+            out["outcome"] = dict(acked)
+        else:
+            left = max(0.0, deadline - time.monotonic())
+            out["outcome"] = await _await_answer(ctx, caller, result.invocation_id, left, warning)
     return out
+
+
+async def _acked(ctx: Context, invocation_id: str, timeout: float, mark: int) -> dict[str, Any] | None:
+    """The outcome of an invocation this request just made, when an ack of this process ends it
+    soon (the warm path: claimed in the submit's own commit, run, acked): taken from the ack
+    (``server/outcomes.py``: committed outcomes only), without reading the store. Waits for the
+    first two wake-ups of ``inv:`` since ``mark`` (the submit's and its claim's, or the ack's);
+    None when neither brought an ack's outcome: the caller then waits as ``await`` does (a
+    cancel, a lapsed lease, an ack on another replica, a long run)."""
+    deadline = time.monotonic() + timeout
+    for _ in range(2):
+        acked = await ctx.acks.outcome(invocation_id, 0.0)
+        remaining = deadline - time.monotonic()
+        if acked is not None or remaining <= 0 or ctx.closing:
+            return acked
+        since, mark = mark, ctx.wake.mark()
+        if not await ctx.wake.wait(
+            [f"inv:{invocation_id}"], min(remaining, ctx.config.recheck_s), since=since
+        ):
+            return None
+    return await ctx.acks.outcome(invocation_id, max(0.0, deadline - time.monotonic()))
 
 
 def _item_error(exc: HTTPError | PlaneError, body: Any) -> dict[str, Any]:
