@@ -373,6 +373,33 @@ def test_gate3_stale_source_fails_loud() -> None:
     assert isinstance(info.value, GateError)
 
 
+def test_gate3_hashes_a_loaded_functions_source_once_and_refuses_every_stale_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A long-lived worker runs the same function again and again: its source is sliced and
+    hashed once per submitter's hash, and a stale hash is refused on every call all the same."""
+    import dreamlake.lakeshore.envelope as env
+
+    env._LOCAL_HASHES.clear()
+    sliced: list[Any] = []
+    real = env._sliced_source
+
+    def counting(fn: Any) -> Any:
+        sliced.append(fn)
+        return real(fn)
+
+    monkeypatch.setattr(env, "_sliced_source", counting)
+    record = fn_for(ff.add)
+    assert record["src_hash"]
+    for _ in range(3):
+        assert resolve_fn(record, allow_pickled=False)(2, 3) == 5
+    assert len(sliced) == 1
+    for _ in range(2):
+        with pytest.raises(StaleSource, match="different code"):
+            resolve_fn({**record, "src_hash": STALE}, allow_pickled=False)
+    assert len(sliced) == 2
+
+
 @pytest.mark.parametrize(
     ("record", "policy"),
     [
