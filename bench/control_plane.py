@@ -93,7 +93,8 @@ def free_port() -> int:
 
 
 class Client:
-    """One keep-alive HTTP/1.1 connection; msgpack in, msgpack out."""
+    """One keep-alive HTTP/1.1 connection; msgpack in, msgpack out. Each request's head and body
+    leave in one segment (corked, as the SDK's client sends them: ``dreamlake.lakeshore.keepalive``)."""
 
     def __init__(self, port: int, token: str | None) -> None:
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
@@ -102,7 +103,17 @@ class Client:
             self.headers["Authorization"] = f"Bearer {token}"
 
     def post(self, path: str, body: Any) -> tuple[int, Any]:
-        self.conn.request("POST", path, msgpack.packb(body, use_bin_type=True), self.headers)
+        if self.conn.sock is None:
+            self.conn.connect()
+            self.conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        cork = getattr(socket, "TCP_CORK", None)
+        if cork is not None:
+            self.conn.sock.setsockopt(socket.IPPROTO_TCP, cork, 1)
+        try:
+            self.conn.request("POST", path, msgpack.packb(body, use_bin_type=True), self.headers)
+        finally:
+            if cork is not None and self.conn.sock is not None:
+                self.conn.sock.setsockopt(socket.IPPROTO_TCP, cork, 0)
         resp = self.conn.getresponse()
         data = resp.read()
         return resp.status, msgpack.unpackb(data, raw=False) if data else None

@@ -36,6 +36,10 @@ import httpx
 __all__ = ["KeepAlive", "KeepAliveError", "usable"]
 
 MAX_IDLE = 16  # idle connections kept per client
+# Linux's TCP_CORK: http.client writes a request's head and body in two sends, which with
+# TCP_NODELAY leave as two segments, and the server reads (and wakes for) each; corked around the
+# two sends, they leave as one. None where the platform has no such option.
+_CORK: int | None = getattr(socket, "TCP_CORK", None)
 
 
 class KeepAliveError(Exception):
@@ -112,7 +116,14 @@ class KeepAlive:
                 conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             assert conn.sock is not None
             conn.sock.settimeout(read_timeout_s)
-            conn.request(method, target, body=content, headers=sent)
+            cork = _CORK if content else None
+            if cork is not None:  # the head and the body in one segment (http.client sends them apart)
+                conn.sock.setsockopt(socket.IPPROTO_TCP, cork, 1)
+            try:
+                conn.request(method, target, body=content, headers=sent)
+            finally:
+                if cork is not None and conn.sock is not None:
+                    conn.sock.setsockopt(socket.IPPROTO_TCP, cork, 0)  # uncorked: sent now
             resp = conn.getresponse()
             body = resp.read()
         except (OSError, http.client.HTTPException) as exc:

@@ -5,6 +5,7 @@ server closed while idle replaced, errors translated the same way, and when it s
 from __future__ import annotations
 
 import http.server
+import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -129,3 +130,38 @@ def test_https_and_proxies_stay_on_httpx(monkeypatch: pytest.MonkeyPatch) -> Non
     assert not usable("http://cp.example:8470")
     monkeypatch.setenv("NO_PROXY", "cp.example")
     assert usable("http://cp.example:8470")
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_CORK"), reason="TCP_CORK is Linux's")
+def test_a_requests_head_and_body_leave_in_one_segment() -> None:
+    """http.client writes the head and the body apart; corked, they reach the server's first read
+    together (one wake-up of the server per request, not two)."""
+    from dreamlake.lakeshore.keepalive import KeepAlive
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    first: list[bytes] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            first.append(conn.recv(65536))  # returns as soon as the first segment is in
+            answer = b"\x81\xa2ok\xc3"
+            head = f"HTTP/1.1 200 OK\r\nContent-Type: application/x-msgpack\r\nContent-Length: {len(answer)}\r\n\r\n"
+            conn.sendall(head.encode() + answer)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    client = KeepAlive(f"http://127.0.0.1:{port}", {"Authorization": "Bearer t"}, connect_timeout_s=5)
+    try:
+        body = msgpack.packb({"x": "y" * 300})
+        resp = client.request(
+            "POST", "/v1/daemon/poll", content=body, headers={"Content-Type": "application/x-msgpack"},
+            params=None, read_timeout_s=5,
+        )  # fmt: skip
+    finally:
+        client.close()
+        thread.join(5)
+        listener.close()
+    assert resp.status_code == 200 and msgpack.unpackb(resp.content) == {"ok": True}
+    assert first and first[0].startswith(b"POST /v1/daemon/poll ") and first[0].endswith(body)
