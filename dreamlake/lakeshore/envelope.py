@@ -462,26 +462,27 @@ def _local_src_hash(fn: Callable[..., Any], expected: str) -> str | None:
     """
     code = getattr(_underlying(fn), "__code__", None)
     key = (code, expected) if code is not None else None
-    if key is not None and key in _LOCAL_HASHES:
-        return _LOCAL_HASHES[key]
+    if key is not None and _MATCHED.get(key):
+        return expected
     local: str | None = None
     fast = _sliced_source(fn)
     if fast is not None:
         local = "sha256:" + _sha256_hex(fast.encode("utf-8"))[:16]
     if local != expected:
         local = src_hash(fn)
-    if key is not None:
-        if len(_LOCAL_HASHES) >= _LOCAL_HASHES_MAX:
-            _LOCAL_HASHES.clear()
-        _LOCAL_HASHES[key] = local
+    if key is not None and local == expected:
+        if len(_MATCHED) >= _MATCHED_MAX:
+            _MATCHED.clear()
+        _MATCHED[key] = True
     return local
 
 
-# The staleness gate's answer per loaded function (its code object) and submitter's hash: a
-# long-lived worker (``lakeshore worker``, nymph's warm workers) runs the same functions again and
-# again, and their loaded code does not change; without it each call read and hashed the file.
-_LOCAL_HASHES: dict[tuple[Any, str], str | None] = {}
-_LOCAL_HASHES_MAX = 4096
+# The loaded functions (by code object) whose source matched a submitter's hash: a long-lived
+# worker (``lakeshore worker``, nymph's warm workers) runs the same functions again and again, and
+# their loaded code does not change; without it each call read and hashed the file. Mismatches are
+# not kept (each is read again: after the reload a StaleSource asks for, the file decides).
+_MATCHED: dict[tuple[Any, str], bool] = {}
+_MATCHED_MAX = 4096
 
 
 def _sliced_source(fn: Callable[..., Any]) -> str | None:

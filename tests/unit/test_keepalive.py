@@ -159,6 +159,8 @@ def test_a_requests_head_and_body_leave_in_one_segment() -> None:
             "POST", "/v1/daemon/poll", content=body, headers={"Content-Type": "application/x-msgpack"},
             params=None, read_timeout_s=5,
         )  # fmt: skip
+        (kept,) = client._idle  # back in the pool, uncorked for the next request
+        assert kept.sock is not None and kept.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CORK) == 0
     finally:
         client.close()
         thread.join(5)

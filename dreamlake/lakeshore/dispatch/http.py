@@ -72,6 +72,8 @@ log = logging.getLogger(__name__)
 _SLACK_S = 10.0  # read-timeout margin over a server-side long poll
 _STREAM_RECONNECTS = 5
 _KEPT_CANCELS = 1024
+POLL_ACKS_MAX = 256  # acks one poll carries at most (the control plane's limit)
+ACK_TRIES = 3  # polls an ack the store failed (5xx) rides before it is given up
 _WARNED: set[tuple[str, str]] = set()  # (control plane, queue) whose no-worker warning was logged
 DEFAULT_INLINE_THRESHOLD_BYTES = 256 * 1024  # seed 003
 # A submit batch (POST /v1/producer/submit-batch) holds at most this many calls and about this many
@@ -172,6 +174,7 @@ class HttpDispatch:
         self._cancels: dict[str, dict[str, bool]] = {}  # worker id -> cancels a poll delivered
         self._frames = FrameWriter(self._write_frames)
         self._later: dict[str, list[dict[str, Any]]] = {}  # worker id -> acks for its next poll
+        self._ack_tries: dict[str, int] = {}  # invocation id -> polls its ack rode and the store failed
         # payloads over this go by reference; None once the control plane said it has no store
         self.inline_threshold: int | None = (
             inline_threshold if inline_threshold is not None else inline_threshold_from_env()
@@ -547,6 +550,8 @@ class HttpDispatch:
                 "version": __version__,
             }
             acks = self._later.pop(worker_id, [])
+            if len(acks) > POLL_ACKS_MAX:  # the rest go with the next polls
+                self._later[worker_id], acks = acks[POLL_ACKS_MAX:], acks[:POLL_ACKS_MAX]
             if acks:
                 body["acks"] = acks
             try:
@@ -557,9 +562,17 @@ class HttpDispatch:
                 raise
             again = []
             for sent, answer in zip(acks, out.get("acked") or [], strict=False):
-                status = answer.get("status")
-                if not answer.get("ok") and isinstance(status, int) and status >= 500:
+                status, inv = answer.get("status"), str(sent.get("invocation_id"))
+                failed = not answer.get("ok") and isinstance(status, int) and status >= 500
+                tries = self._ack_tries.pop(inv, 0) + 1 if failed else self._ack_tries.pop(inv, 0)
+                if failed and tries < ACK_TRIES:
+                    self._ack_tries[inv] = tries
                     again.append(sent)  # the store failed it: it goes again with the next poll
+                elif failed:
+                    log.error(
+                        "ack of %s failed in the store %d times, given up: its lease lapses and "
+                        "it runs again (%s)", inv, tries, answer.get("error"),
+                    )  # fmt: skip
                 elif not answer.get("ok"):
                     log.warning(
                         "ack of %s refused (%s): %s",

@@ -57,6 +57,7 @@ from dreamlake.lakeshore.store.api import (
     Invocation,
     PollRequest,
     PollResult,
+    WriteRequest,
     WriteResult,
 )
 from dreamlake.lakeshore.store.values import json_safe
@@ -285,18 +286,24 @@ async def poll(
     try:
         if acks is not None:
             # the acks and the opening pass in one group commit, the acks first: one transaction
-            # answers the acked work's producers and hands out the next
+            # answers the acked work's producers and hands out the next (a daemon that already
+            # hung up gets its acks written, and no claim)
+            gone = hangup is not None and hangup.done()
             request, marks = prepare()
             writes = [a.request for a in acks if a.request is not None]
             flights = [ctx.acks.begin(w.invocation_id) for w in writes]
             try:
-                results = await ctx.write_many([*writes, request])
-            except BaseException:
+                batch: list[WriteRequest] = [*writes] if gone else [*writes, request]
+                results = await ctx.write_many(batch)
+                acked, failed = _answer_acks(ctx, caller, acks, results[: len(writes)], flights)
+            finally:  # every flight ends (settled ones are left as they are)
                 for w, flight in zip(writes, flights, strict=True):
                     ctx.acks.end(w.invocation_id, flight, None)
-                raise
-            acked = await _answer_acks(ctx, caller, acks, results[:-1], flights)
-            opening = (marks, results[-1])
+            await _poke_all(ctx, acks, acked)
+            if not gone:
+                opening = (marks, results[-1])
+                if failed is not None and _empty(results[-1]):
+                    raise failed  # as before: nothing was handed out, the daemon sends all again
         while True:
             if hangup is not None and hangup.done():
                 log.debug("poll of worker %s: the daemon hung up; nothing claimed", worker_id)
@@ -442,19 +449,20 @@ class _PollAck:
     answer: dict[str, Any] | None
 
 
-async def _answer_acks(
+def _answer_acks(
     ctx: Context,
     caller: Caller,
     acks: list[_PollAck],
     results: list[WriteResult | PlaneError],
     flights: list[asyncio.Future[Any]],
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], PlaneError | None]:
     """The answers of a poll's acks, whose writes committed with ``results`` (those of the acks
-    that passed their checks, in order, each with its ``ctx.acks.begin`` in ``flights``):
-    ``{invocation_id, status, ok, duplicate?, error?}`` (status: the ack route's) per ack sent.
-    An ack the store failed (5xx) is answered with its status, to be sent again
-    (``HttpDispatch.claim_batch`` does)."""
+    that passed their checks, in order, each with its ``ctx.acks.begin`` in ``flights``, all
+    ended here): ``{invocation_id, status, ok, duplicate?, error?}`` (status: the ack route's)
+    per ack sent; and the first store failure (5xx) among them, None when none failed. An ack
+    the store failed is answered 500, to be sent again (``HttpDispatch.claim_batch`` does)."""
     out = []
+    failed: PlaneError | None = None
     written = iter(zip(results, flights, strict=True))
     for ack in acks:
         if ack.request is None:
@@ -463,13 +471,26 @@ async def _answer_acks(
             continue
         result, flight = next(written)
         try:
-            status, answer = await _ack_answered(ctx, caller, ack.request, result, flight)
+            status, answer = _ack_settled(ctx, caller, ack.request, result, flight)
         except HTTPError as exc:
             status, answer = exc.status, {"ok": False, "error": exc.message}
         except PlaneError as exc:
+            failed = failed or exc
             status, answer = 500, {"ok": False, "error": f"{exc}; send the ack again"}
         out.append({"invocation_id": ack.invocation_id, "status": status, **answer})
-    return out
+    return out, failed
+
+
+async def _poke_all(ctx: Context, acks: list[_PollAck], answers: list[dict[str, Any]]) -> None:
+    """The live followers of every invocation a poll's acks ended, told at once."""
+    done = [a.invocation_id for a, out in zip(acks, answers, strict=True) if out.get("ok")]
+    if done:
+        await asyncio.gather(*(_poke(ctx, inv) for inv in done))
+
+
+def _empty(got: WriteResult | PlaneError) -> bool:
+    """Whether a pass handed nothing out (no claim, no exec job, no command taken)."""
+    return isinstance(got, PollResult) and not (got.invocations or got.exec_jobs or got.commands)
 
 
 async def _ack(
@@ -491,21 +512,23 @@ async def _ack(
     except BaseException:
         ctx.acks.end(invocation_id, flight, None)
         raise
-    return await _ack_answered(ctx, caller, request, result, flight)
+    status, answer = _ack_settled(ctx, caller, request, result, flight)
+    if answer.get("ok"):
+        await _poke(ctx, invocation_id)
+    return status, answer
 
 
-async def _ack_answered(
+def _ack_settled(
     ctx: Context,
     caller: Caller,
     request: AckRequest,
     result: WriteResult | PlaneError,
-    flight: asyncio.Future[Any] | None = None,
+    flight: asyncio.Future[Any],
 ) -> tuple[int, dict[str, Any]]:
     """Answer one committed ack as the ack route does, and hand its outcome to the producers
-    waiting on it (``flight``: the ``ctx.acks.begin`` made before its write; None: one now)."""
+    waiting on it (``flight``: the ``ctx.acks.begin`` made before its write, ended here). The
+    live followers are the caller's to poke (``_poke``)."""
     invocation_id, state = request.invocation_id, request.state
-    if flight is None:
-        flight = ctx.acks.begin(invocation_id)
     if isinstance(result, PlaneError):
         ctx.acks.end(invocation_id, flight, None)
         raise answer_of(result)
@@ -524,7 +547,6 @@ async def _ack_answered(
     if result.ok:
         ctx.metrics.acks.labels(state=state, outcome="duplicate" if result.duplicate else "ok").inc()
         ctx.wake.notify(f"inv:{invocation_id}")
-        await _poke(ctx, invocation_id)
         log.debug("ack %s %s (attempt %s)", invocation_id, state, request.attempt)
         return 200, ({"ok": True, "duplicate": True} if result.duplicate else {"ok": True})
     if result.status == UNKNOWN:
