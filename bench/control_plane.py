@@ -94,7 +94,8 @@ def free_port() -> int:
 
 class Client:
     """One keep-alive HTTP/1.1 connection; msgpack in, msgpack out. Each request's head and body
-    leave in one segment (corked, as the SDK's client sends them: ``dreamlake.lakeshore.keepalive``)."""
+    leave in one segment (corked, as the SDK's client sends them: ``dreamlake.lakeshore.keepalive``,
+    written out here because the load must not change with the ``--tree`` under test)."""
 
     def __init__(self, port: int, token: str | None) -> None:
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)

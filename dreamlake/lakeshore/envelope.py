@@ -462,7 +462,7 @@ def _local_src_hash(fn: Callable[..., Any], expected: str) -> str | None:
     """
     code = getattr(_underlying(fn), "__code__", None)
     key = (code, expected) if code is not None else None
-    if key is not None and _MATCHED.get(key):
+    if key is not None and key in _MATCHED:
         return expected
     local: str | None = None
     fast = _sliced_source(fn)
@@ -473,7 +473,7 @@ def _local_src_hash(fn: Callable[..., Any], expected: str) -> str | None:
     if key is not None and local == expected:
         if len(_MATCHED) >= _MATCHED_MAX:
             _MATCHED.clear()
-        _MATCHED[key] = True
+        _MATCHED.add(key)
     return local
 
 
@@ -481,7 +481,7 @@ def _local_src_hash(fn: Callable[..., Any], expected: str) -> str | None:
 # worker (``lakeshore worker``, nymph's warm workers) runs the same functions again and again, and
 # their loaded code does not change; without it each call read and hashed the file. Mismatches are
 # not kept (each is read again: after the reload a StaleSource asks for, the file decides).
-_MATCHED: dict[tuple[Any, str], bool] = {}
+_MATCHED: set[tuple[Any, str]] = set()
 _MATCHED_MAX = 4096
 
 

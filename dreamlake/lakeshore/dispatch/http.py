@@ -564,7 +564,7 @@ class HttpDispatch:
             for sent, answer in zip(acks, out.get("acked") or [], strict=False):
                 status, inv = answer.get("status"), str(sent.get("invocation_id"))
                 failed = not answer.get("ok") and isinstance(status, int) and status >= 500
-                tries = self._ack_tries.pop(inv, 0) + 1 if failed else self._ack_tries.pop(inv, 0)
+                tries = self._ack_tries.pop(inv, 0) + 1  # polls it rode that the store failed
                 if failed and tries < ACK_TRIES:
                     self._ack_tries[inv] = tries
                     again.append(sent)  # the store failed it: it goes again with the next poll

@@ -315,16 +315,13 @@ async def poll(
             else:
                 if opening is not None:  # written with the acks
                     ((began, known), got), opening = opening, None
-                    if isinstance(got, PlaneError):
-                        raise answer_of(got)
-                elif reason == HANDED and ticket.handed is not None:
-                    (began, known), got = ticket.handed
-                    ticket.handed = None
-                    if isinstance(got, PlaneError):
-                        raise answer_of(got)
+                elif reason == HANDED and ticket.handed is not None:  # written with a submit
+                    ((began, known), got), ticket.handed = ticket.handed, None
                 else:
                     request, (began, known) = prepare()
                     got = await ctx.write(request)
+                if isinstance(got, PlaneError):
+                    raise answer_of(got)
                 assert isinstance(got, PollResult)
                 mark = began[0]
                 ctx.metrics.poll_passes.labels(reason=reason).inc()

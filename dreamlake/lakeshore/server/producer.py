@@ -125,7 +125,7 @@ async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str
         if caller.rule is authz.Own.DESCENDANTS:  # a keyed duplicate may be no descendant of the task's
             await tasks.check_target(ctx, caller, result.invocation_id)
         deadline = time.monotonic() + wait_s
-        acked = None if result.duplicate else await _acked(ctx, result.invocation_id, wait_s, mark)
+        acked = None if result.duplicate else await _acked(ctx, result.invocation_id, deadline, mark)
         if acked is not None:
             out["outcome"] = dict(acked)
         else:
@@ -134,14 +134,13 @@ async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str
     return out
 
 
-async def _acked(ctx: Context, invocation_id: str, timeout: float, mark: int) -> dict[str, Any] | None:
+async def _acked(ctx: Context, invocation_id: str, deadline: float, mark: int) -> dict[str, Any] | None:
     """The outcome of an invocation this request just made, when an ack of this process ends it
     soon (the warm path: claimed in the submit's own commit, run, acked): taken from the ack
     (``server/outcomes.py``: committed outcomes only), without reading the store. Waits for the
     first two wake-ups of ``inv:`` since ``mark`` (the submit's and its claim's, or the ack's);
     None when neither brought an ack's outcome: the caller then waits as ``await`` does (a
-    cancel, a lapsed lease, an ack on another replica, a long run)."""
-    deadline = time.monotonic() + timeout
+    cancel, a lapsed lease, an ack on another replica, a long run). ``deadline``: monotonic."""
     for _ in range(2):
         acked = await ctx.acks.outcome(invocation_id, 0.0)
         remaining = deadline - time.monotonic()

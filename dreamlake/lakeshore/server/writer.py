@@ -196,7 +196,8 @@ class GroupWriter:
         submits = (
             [r for reqs, _ in batch for r in reqs if isinstance(r, SubmitRequest)] if self._handoff else []
         )
-        if self._handoff is not None and submits:
+        if submits:
+            assert self._handoff is not None
             try:
                 handoffs = self._handoff(submits)
             except Exception:  # never the writer's end: the submits' wakes go out as usual
