@@ -8,7 +8,10 @@
   attempt is a duplicate and ignored;
 - ``exec``: an :class:`~nymph.execjob.ExecJob` in a slot; a newer claim of one running here is
   adopted by it, a duplicate ignored;
-- ``cancel``: the invocation's job stops with the ladder and acks ``killed``.
+- ``cancel``: the invocation's job stops with the ladder and acks ``killed``. A cancel for an
+  invocation not (yet) running here is remembered for a while (``EARLY_CANCELS``, at most
+  ``EARLY_CANCEL_S``): the heartbeat thread can be handed one before the poll thread has entered
+  the job of the run command it was just handed, which then starts stopped.
 
 A command that is malformed is logged and skipped, never fatal and never holding a slot. Heartbeat
 answers name ``lost`` ids (:meth:`Jobs.lose`): a job loses only if the beat reported its attempt,
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +40,9 @@ log = logging.getLogger(__name__)
 
 AnyJob = SupervisedJob[Any]
 
+EARLY_CANCELS = 1024  # cancels remembered for invocations not running here (the oldest go first)
+EARLY_CANCEL_S = 300.0  # how long one is remembered
+
 
 class Jobs:
     """Every job running here (thread-safe); ``context()`` gives a new job what it shares."""
@@ -44,6 +52,7 @@ class Jobs:
         self._context = context
         self._table: dict[tuple[str, str], AnyJob] = {}
         self._changed = threading.Condition()
+        self._early: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id -> (reason, when)
 
     # --- the table -------------------------------------------------------------------------------
 
@@ -155,6 +164,11 @@ class Jobs:
             after = earlier if isinstance(earlier, Job) else None
             job = Job(self._context(), invocation_id, attempt, body, after=after)
             self.launch(job)
+            with self._changed:  # a cancel that came before the job was entered (see cancel)
+                early = self._early.pop(invocation_id, None)
+            if early is not None and time.monotonic() - early[1] < EARLY_CANCEL_S:
+                log.info("invocation %s: cancelled before it started: %s", invocation_id, early[0])
+                job.cancel(early[0])
 
     def start_exec(self, body: dict[str, Any]) -> None:
         job = ExecJob(self._context(), body)
@@ -171,12 +185,25 @@ class Jobs:
             self.launch(job)
 
     def cancel(self, invocation_id: str, reason: str) -> None:
+        """Stop the invocation's job; one not running here is remembered, in the same lock that
+        enters a job in the table, so a run command for it handled meanwhile starts stopped."""
         with obs.log_context(invocation_id=invocation_id):
-            job = self.get(Job.kind, invocation_id)
+            with self._changed:
+                job = self._table.get((Job.kind, invocation_id))
+                if job is None:
+                    self._early.pop(invocation_id, None)
+                    self._early[invocation_id] = (reason, time.monotonic())
+                    while len(self._early) > EARLY_CANCELS:
+                        self._early.popitem(last=False)
             if job is None:
-                log.info("invocation %s: cancel for an invocation not running here; ignored", invocation_id)
+                log.info(
+                    "invocation %s: cancel for an invocation not running here; remembered for a "
+                    "run command still on its way",
+                    invocation_id,
+                )
                 return
-            log.info("invocation %s: cancel requested: %s", invocation_id, reason)
+            if job.stop_request is None:  # the heartbeat asks again until the ack lands
+                log.info("invocation %s: cancel requested: %s", invocation_id, reason)
             job.cancel(reason)
 
     def lose(self, lost: list[Any], reported: list[dict[str, Any]]) -> None:

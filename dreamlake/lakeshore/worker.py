@@ -122,7 +122,7 @@ class _Heartbeat:
                 continue
             with self._lock:
                 for inv in cancels:
-                    if inv in self._held:
+                    if inv in self._held and inv not in self._cancelled:  # asked on every beat
                         log.info("cancel received for %s", inv)
                         self._cancelled.add(inv)
 

@@ -370,7 +370,13 @@ def test_cancel_queued_running_terminal_unknown(store: SqlStore) -> None:
     assert [(c.kind, c.body["invocation_id"]) for c in commands] == [("cancel", running)]
     assert commands[0].body["reason"] == "cancelled by producer"
     assert lost == []
-    assert store.heartbeat("w", [(running, 1)]) == ([], [])  # delivered once
+    assert store.poll("w", ["q"], limit=1, lease_s=60)[0] == []  # the queued command goes out once
+    # ...but a beat that still reports the invocation running is asked again (its answer may have
+    # been lost, or reached nymph before the job did), with a command of its own
+    again, lost = store.heartbeat("w", [(running, 1)])
+    assert [(c.kind, c.body["invocation_id"]) for c in again] == [("cancel", running)] and lost == []
+    assert again[0].body["reason"] == "cancelled by producer" and again[0].id != commands[0].id
+    assert store.heartbeat("w", []) == ([], [])  # a beat without it is asked nothing
     ack(store, running, "killed", error={"type": "Cancelled", "message": "cancelled by producer"})
     assert store.cancel(running) == "killed"
     assert store.cancel(new_ulid()) is None

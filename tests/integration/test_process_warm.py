@@ -355,6 +355,10 @@ def test_a_nymph_killed_mid_call_leaves_the_call_running_and_its_next_life_acks_
     warm, _ = _count(cp, first)
     inv, pid, release = _held(cp, tmp_path)
     assert pid == warm
+    # killed once the call's handle is saved (the moment before it is the no-handle path, which
+    # waits for the task unsupervised: tests/unit/test_nymph_lifecycle.py)
+    handle = first.workdir / inv / "handle.json"
+    _until(lambda: handle.exists() and "warm" in json.loads(handle.read_text())["data"], "the handle")
     first.signal(signal.SIGKILL)
     first.wait()
     assert _alive(pid), "the warm call must survive nymph's death, as a cold one does"

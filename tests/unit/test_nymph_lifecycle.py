@@ -215,6 +215,24 @@ def test_an_unexpected_exception_in_start_frees_the_job_and_the_agent_keeps_work
     assert agent.slots.free() == 1 and not agent.jobs.busy()
 
 
+def test_a_cancel_that_comes_before_its_run_command_stops_the_run_before_it_starts(
+    tmp_path: Path, thread_crashes: list[BaseException]
+) -> None:
+    # the heartbeat's answer can carry the cancel of an invocation the poll thread was just handed
+    # and has not yet entered: it is remembered, and the run starts stopped (it used to run to its end)
+    runner = _Runner()
+    agent, outbox = _agent(tmp_path, runner)
+    agent.jobs.dispatch({"kind": "cancel", "body": {"invocation_id": ID, "reason": "cancelled by producer"}})
+    agent.jobs.dispatch({"kind": "run", "body": {"invocation_id": ID, "attempt": 1, "script": "true"}})
+    agent.jobs.dispatch({"kind": "run", "body": {"invocation_id": ID2, "attempt": 1, "script": "true"}})
+    assert agent.jobs.wait_idle(60)
+    assert thread_crashes == []
+    acks = {a["invocation_id"]: a for a in outbox.acks}
+    assert (acks[ID]["state"], acks[ID]["error"]["type"]) == ("killed", "Cancelled"), acks[ID]
+    assert acks[ID2]["state"] == "succeeded"  # only the invocation it names
+    assert [t.invocation_id for t in runner.started] == [ID2]
+
+
 def test_a_failure_while_reporting_is_logged_not_reported_twice_nor_raised(
     tmp_path: Path, thread_crashes: list[BaseException], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -227,7 +227,7 @@ class _Statements:
                 _inv.c.worker_id == B("worker"),
             )
             .values(lease_expires_at=B("lease"))
-            .returning(_inv.c.invocation_id)
+            .returning(_inv.c.invocation_id, _inv.c.cancel_requested)
         )
 
 
@@ -892,13 +892,14 @@ class InvocationStore(StoreBase):
 
     def _renew_in(
         self, conn: Connection, worker_id: str, running: Sequence[tuple[str, int]], lease: float
-    ) -> set[str]:
+    ) -> dict[str, bool]:
         """Renew the worker's leases of ``running`` ``(invocation_id, attempt)`` pairs; the ids it
-        still holds (the others were lost: superseded, expired or cancelled)."""
+        still holds (the others were lost: superseded, expired or cancelled), each with whether a
+        cancel was requested for it."""
         if not running:
-            return set()
+            return {}
         params = {"pairs": sorted(running), "worker": worker_id, "lease": lease}
-        return set(conn.execute(self._inv_st.renew, params).scalars())
+        return {r.invocation_id: bool(r.cancel_requested) for r in conn.execute(self._inv_st.renew, params)}
 
     def _expire_in(
         self, conn: Connection, now: float

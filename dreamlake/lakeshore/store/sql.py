@@ -27,6 +27,7 @@ from typing import Any
 from sqlalchemy.engine import Connection
 
 from dreamlake.lakeshore.errors import PlaneError
+from dreamlake.lakeshore.ids import new_ulid
 
 from .api import (
     DEFAULT_LEASE_S,
@@ -49,13 +50,28 @@ from .api import (
 from .engine import Database, migrate, retry_on_disconnect
 from .exec_jobs import ExecJobStore
 from .frames import FrameStore, frame_channel
-from .invocations import InvocationStore, _Prepared
+from .invocations import CANCEL_REASON, InvocationStore, _Prepared
 from .listing import ListingStore
 from .notify import Notifier, exec_queue_channel, invocation_channels
 from .retention import RetentionStore
 from .workers import WorkerStore
 
 log = logging.getLogger(__name__)
+
+
+def _cancels_again(renewed: dict[str, bool], taken: list[Command]) -> list[Command]:
+    """A cancel for every invocation the heartbeat still reports running whose cancel was
+    requested, unless one was taken with it. The queued cancel command goes out once (``DELETE ...
+    RETURNING``), and an answer can be lost on its way (a poll whose daemon hung up, a nymph that
+    had not yet entered the job it was just handed): the running invocation is asked again on
+    every beat until its ack lands. nymph's cancel is idempotent."""
+    asked = {c.body.get("invocation_id") for c in taken if c.kind == "cancel"}
+    return [
+        Command(new_ulid(), "cancel", {"invocation_id": inv, "reason": CANCEL_REASON})
+        for inv, cancelling in sorted(renewed.items())
+        if cancelling and inv not in asked
+    ]
+
 
 # ``write_batch``'s callback: the (index, answer) pairs of one committed transaction.
 OnCommit = Callable[[list[tuple[int, "WriteResult | PlaneError"]]], None]
@@ -175,16 +191,16 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
         wanted = {(inv_id, int(att)) for inv_id, att in req.running}
         wanted_exec = None if req.running_exec is None else {(e, int(att)) for e, att in req.running_exec}
         lease = now + req.lease_s
-        kept = self._renew_in(conn, req.worker_id, sorted(wanted), lease)
+        renewed = self._renew_in(conn, req.worker_id, sorted(wanted), lease)
         exec_list = None if wanted_exec is None else sorted(wanted_exec)
-        kept |= self._renew_exec_in(conn, req.worker_id, exec_list, lease)
+        kept = set(renewed) | self._renew_exec_in(conn, req.worker_id, exec_list, lease)
         if duties is not None:
             commands, pinned = duties
         else:
             commands = self._take_commands_in(conn, req.worker_id, now)
             pinned = self._pinned_in(conn, req.worker_id, req.namespace) if pin else None
         lost = sorted({i for i, _ in wanted} - kept) + sorted({i for i, _ in wanted_exec or ()} - kept)
-        return HeartbeatResult(commands, lost, pinned)
+        return HeartbeatResult(commands + _cancels_again(renewed, commands), lost, pinned)
 
     # -- group commit ----------------------------------------------------------------------------
 
