@@ -278,7 +278,9 @@ class KubeFake:
 
     def _kubelet(self, ns: str, name: str, run: _Run) -> None:
         with self.lock:
-            pod = self.pods[(ns, name)]
+            pod = self.pods.get((ns, name))
+            if pod is None:  # deleted before its kubelet ran, as a pod can be
+                return
             spec = pod["spec"]
             container = spec["containers"][0]
             mounts = _mount_map(spec, container)

@@ -123,8 +123,10 @@ def test_cancel_of_a_running_plain_call_acks_killed(plane: Plane, monkeypatch: p
 
 
 def test_a_cancel_delivered_by_an_idle_poll_reaches_the_next_heartbeat(plane: Plane) -> None:
-    """The control plane hands each command out once, by poll or by heartbeat: a cancel that an
-    idle poll received must still be reported for the invocation by the worker's next heartbeat."""
+    """The control plane hands a queued command out once, by poll or by heartbeat: a cancel that
+    an idle poll received must still be reported for the invocation by the worker's next
+    heartbeat; and every beat that reports the invocation running is asked again until the ack
+    (an answer can be lost on its way)."""
     q = dls.SyncQueue("long", dispatch=plane)
     inv = ticker.submit(3, _dispatch=plane)
     wid = ids.new_ulid()
@@ -133,9 +135,10 @@ def test_a_cancel_delivered_by_an_idle_poll_reaches_the_next_heartbeat(plane: Pl
     assert q.cancel(inv) == "running"
     assert plane.claim(wid, ["long"], 0.3) is None  # idle: nothing to run, the cancel rides along
     assert plane.heartbeat(wid, [(inv, claim.attempt)]) == [inv]
-    assert plane.heartbeat(wid, [(inv, claim.attempt)]) == []  # reported once
+    assert plane.heartbeat(wid, [(inv, claim.attempt)]) == [inv]  # once per beat, never twice
     assert plane.ack(inv, "killed", attempt=claim.attempt, worker_id=wid, error={"type": "Cancelled"})
     assert q.status(inv)["state"] == "killed"
+    assert plane.heartbeat(wid, [(inv, claim.attempt)]) == []  # acked: nothing more to ask
 
 
 def test_pickle_gate_can_be_closed_on_the_local_plane() -> None:
