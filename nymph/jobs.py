@@ -90,6 +90,11 @@ class Jobs:
         with self._changed:
             self._table[job.key] = job
             obs.RUNNING.set(len(self._table))
+            # a cancel that came before the job was entered (see cancel): it starts stopped
+            early = self._early.pop(job.job_id, None) if job.kind == Job.kind else None
+        if early is not None and time.monotonic() - early[1] < EARLY_CANCEL_S:
+            log.info("%s %s: cancelled before it started: %s", job.kind, job.job_id, early[0])
+            job.cancel(early[0])
         job.start_thread(target)
 
     def done(self, job: AnyJob) -> None:
@@ -164,11 +169,6 @@ class Jobs:
             after = earlier if isinstance(earlier, Job) else None
             job = Job(self._context(), invocation_id, attempt, body, after=after)
             self.launch(job)
-            with self._changed:  # a cancel that came before the job was entered (see cancel)
-                early = self._early.pop(invocation_id, None)
-            if early is not None and time.monotonic() - early[1] < EARLY_CANCEL_S:
-                log.info("invocation %s: cancelled before it started: %s", invocation_id, early[0])
-                job.cancel(early[0])
 
     def start_exec(self, body: dict[str, Any]) -> None:
         job = ExecJob(self._context(), body)
@@ -185,18 +185,25 @@ class Jobs:
             self.launch(job)
 
     def cancel(self, invocation_id: str, reason: str) -> None:
-        """Stop the invocation's job; one not running here is remembered, in the same lock that
-        enters a job in the table, so a run command for it handled meanwhile starts stopped."""
+        """Stop the invocation's job. One not running here (or only as a copy that lost to a newer
+        attempt) is remembered, in the same lock that enters a job in the table (:meth:`launch`),
+        so a run command for it handled meanwhile starts stopped."""
+        try:
+            invocation_id = ids.validate(invocation_id, "invocation_id")
+        except InvalidId as exc:
+            log.error("cancel command ignored: %s", exc)
+            return
         with obs.log_context(invocation_id=invocation_id):
             with self._changed:
                 job = self._table.get((Job.kind, invocation_id))
-                if job is None:
+                if job is None or job.lost:
                     self._early.pop(invocation_id, None)
                     self._early[invocation_id] = (reason, time.monotonic())
                     while len(self._early) > EARLY_CANCELS:
                         self._early.popitem(last=False)
             if job is None:
-                log.info(
+                # also every beat's for an ack still in the outbox: not worth a line each time
+                log.debug(
                     "invocation %s: cancel for an invocation not running here; remembered for a "
                     "run command still on its way",
                     invocation_id,

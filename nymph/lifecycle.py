@@ -283,6 +283,10 @@ class SupervisedJob(abc.ABC, Generic[OutcomeT]):
                     self._release()
 
     def _run_new(self) -> object:
+        stop = self.due_stop()
+        if stop is not None:  # cancelled before it began (nymph had the cancel before the run command)
+            self._settle_once(self.stopped(stop))
+            return None
         try:
             task = self.prepare()
         except JobRefused as exc:

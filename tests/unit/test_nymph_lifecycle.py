@@ -357,7 +357,7 @@ def test_lines_the_agent_logs_about_a_job_from_its_own_threads_carry_the_id(
     tmp_path: Path, json_log: io.StringIO
 ) -> None:
     agent, _ = _agent(tmp_path, _Runner())
-    agent.jobs.cancel(ID, "no longer wanted")  # not running here: logged and ignored
+    agent.jobs.cancel(ID, "no longer wanted")  # not running here: remembered (a debug line)
     agent.jobs.dispatch({"kind": "run", "body": {"invocation_id": ID, "attempt": "two"}})
     lines = _lines(json_log)
     assert len(lines) == 2 and all(x["invocation_id"] == ID for x in lines)

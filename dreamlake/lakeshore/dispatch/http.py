@@ -699,8 +699,10 @@ class HttpDispatch:
         return cancels
 
     def _keep_cancel(self, worker_id: str, invocation_id: str) -> None:
-        """A cancel a poll delivered: the server hands each command out once, so keep it for the
-        next heartbeat that reports that invocation running (bounded: old ones are stale)."""
+        """A cancel a poll delivered: the server hands each queued command out once, so keep it
+        for the next heartbeat that reports that invocation running (bounded: old ones are
+        stale). The server also asks again on every beat until the ack (an older one does not):
+        either way it is reported once per beat."""
         kept = self._cancels.setdefault(worker_id, {})
         kept[invocation_id] = True
         while len(kept) > _KEPT_CANCELS:

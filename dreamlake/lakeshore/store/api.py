@@ -473,8 +473,10 @@ class Store(Listing, Protocol):
         running_exec: list[tuple[str, int]] | None = None,
     ) -> tuple[list[Command], list[str]]:
         """Renew the leases of (invocation_id, attempt) and of exec jobs (exec_id, attempt) still
-        claimed by this worker; return the pending commands for it (cancels, each returned once)
-        and the ids (invocations and exec jobs) it no longer owns. ``running_exec=None`` (a daemon
+        claimed by this worker; return the pending commands for it (cancels: each queued one
+        returned once, by this or a poll, and a cancel again for every invocation of ``running``
+        whose cancel was requested, until its ack) and the ids (invocations and exec jobs) it no
+        longer owns. ``running_exec=None`` (a daemon
         that does not report its exec jobs) renews every exec job the worker holds."""
         ...
 
@@ -489,7 +491,7 @@ class Store(Listing, Protocol):
         namespace: str | None = None,
     ) -> tuple[list[Command], list[Invocation], list[dict[str, Any]]]:
         """One daemon poll pass in one transaction: take the worker's pending commands (cancels,
-        each returned once, as ``heartbeat`` does), then ``claim`` up to ``limit`` invocations,
+        each queued one returned once, by this or a heartbeat), then ``claim`` up to ``limit`` invocations,
         then (``exec_jobs``) ``claim_exec`` exec jobs for the slots left, both of ``namespace``
         (None: any). Returns (commands, invocations, exec command bodies)."""
         ...
