@@ -353,6 +353,31 @@ def test_cancel_reaches_a_job_while_every_slot_is_busy(
     _until(lambda: not any(_alive(p) for p in pids), "the whole tree to be gone")
 
 
+def test_a_cancel_whose_answer_was_lost_reaches_the_job_on_a_later_heartbeat(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    """The queued cancel command goes out once; should its answer be lost on the way (a poll
+    whose daemon hung up, here another caller takes it while nymph is stopped), the heartbeats
+    that go on reporting the invocation running are asked again, and the job is killed."""
+    cp = sqlite_control_plane
+    n = nymph_factory(cp.url, cp.daemon_token, "--concurrency", "1")
+    inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.sleep_for, 300.0))
+    _until(lambda: (n.workdir / inv / "handle.json").exists(), "the job to start")
+    row = cp.store.get(inv)
+    assert row is not None and row.worker_id
+    n.signal(signal.SIGSTOP)
+    try:
+        time.sleep(1.0)  # a beat nymph sent just before it stopped is answered (without the cancel)
+        _call(cp.url, cp.producer_token, f"/v1/producer/invocations/{inv}/cancel", {})
+        beat = {"worker_id": row.worker_id, "running": [], "free_slots": 0}
+        taken = _call(cp.url, cp.daemon_token, "/v1/daemon/heartbeat", beat)
+        assert [(c["kind"], c["body"]["invocation_id"]) for c in taken["commands"]] == [("cancel", inv)]
+    finally:
+        n.signal(signal.SIGCONT)
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert (out["state"], out["error"]["type"]) == ("killed", "Cancelled"), out
+
+
 def _alive(pid: int) -> bool:
     try:
         return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
