@@ -9,8 +9,8 @@ the local SQLite plane, False on any HTTP plane). A refused pickle is acked ``fa
 A generator job appends a VALUE frame per yield while it runs, then END with the return value (or
 ERROR with ``{type, message, traceback}``), and then acks. One heartbeat thread, for the worker's
 life, renews the leases it holds (a long job's, and those claimed ahead of it) and collects cancels, the same way on both planes: heartbeat answers carry them
-(``Plane.heartbeat``), and a cancel an HTTP poll delivered while the worker was idle is kept by
-the plane for the next heartbeat, never dropped. A cancel stops a generator job at its next yield
+(``Plane.heartbeat``): the control plane asks again on every beat that reports a cancelled
+invocation running, so a cancel an HTTP poll delivered while the worker was idle reaches it there. A cancel stops a generator job at its next yield
 (ERROR frame ``{type: "Cancelled"}``); a plain call cannot be interrupted in process, so when a
 cancel arrived while it ran its result is discarded. Either way the outcome is acked ``killed``
 with ``{type: "Cancelled", message: "cancelled by producer"}``. On the local plane the heartbeat

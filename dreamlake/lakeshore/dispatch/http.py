@@ -71,7 +71,6 @@ log = logging.getLogger(__name__)
 
 _SLACK_S = 10.0  # read-timeout margin over a server-side long poll
 _STREAM_RECONNECTS = 5
-_KEPT_CANCELS = 1024
 POLL_ACKS_MAX = 256  # acks one poll carries at most (the control plane's limit)
 ACK_TRIES = 3  # polls an ack the store failed (5xx) rides before it is given up
 _WARNED: set[tuple[str, str]] = set()  # (control plane, queue) whose no-worker warning was logged
@@ -171,7 +170,6 @@ class HttpDispatch:
         self.retries = self._client.attempts
         self.retry_window = window
         self._registered: set[str] = set()
-        self._cancels: dict[str, dict[str, bool]] = {}  # worker id -> cancels a poll delivered
         self._frames = FrameWriter(self._write_frames)
         self._later: dict[str, list[dict[str, Any]]] = {}  # worker id -> acks for its next poll
         self._ack_tries: dict[str, int] = {}  # invocation id -> polls its ack rode and the store failed
@@ -598,7 +596,8 @@ class HttpDispatch:
                         )
                     )
                 elif cmd.get("kind") == "cancel":
-                    self._keep_cancel(worker_id, str((cmd.get("body") or {}).get("invocation_id", "")))
+                    # the control plane asks again on every heartbeat that reports it running
+                    log.debug("worker %s: cancel by poll, left to the heartbeat: %s", worker_id, cmd)
                 else:
                     log.warning("worker %s ignoring a %s command", worker_id, cmd.get("kind"))
             if claims or time.monotonic() >= deadline:
@@ -690,26 +689,7 @@ class HttpDispatch:
             "free_slots": 0,
         }
         out = self._call("POST", "/v1/daemon/heartbeat", body)
-        cancels = [c["body"]["invocation_id"] for c in out.get("commands") or [] if c.get("kind") == "cancel"]
-        kept = self._cancels.get(worker_id)
-        if kept:
-            for inv, _attempt in running:
-                if kept.pop(inv, False) and inv not in cancels:
-                    cancels.append(inv)
-        return cancels
-
-    def _keep_cancel(self, worker_id: str, invocation_id: str) -> None:
-        """A cancel a poll delivered: the server hands each queued command out once, so keep it
-        for the next heartbeat that reports that invocation running (bounded: old ones are
-        stale). The server also asks again on every beat until the ack (an older one does not):
-        either way it is reported once per beat."""
-        kept = self._cancels.setdefault(worker_id, {})
-        kept[invocation_id] = True
-        while len(kept) > _KEPT_CANCELS:
-            kept.pop(next(iter(kept)))
-        log.info(
-            "worker %s: cancel for %s arrived by poll; kept for the next heartbeat", worker_id, invocation_id
-        )
+        return [c["body"]["invocation_id"] for c in out.get("commands") or [] if c.get("kind") == "cancel"]
 
     def close(self) -> None:
         self._frames.close()
