@@ -66,8 +66,11 @@ ENTRY_LOCK = ".entry.lock"  # in the workdir; see the module docstring
 ENTRY_LOCKED = 75  # EX_TEMPFAIL: another process holds the entry lock; nothing was run
 # standard library modules imported once here rather than by every child (see the module docstring);
 # the entry's own lazy imports (mmap for the arguments, io for the logs, traceback and json for an
-# error) among them
+# error, the built-in SHA-256 its source-hash gate reads every ref function's source with: a shared
+# library each child would otherwise load, ``_sha256`` up to Python 3.11, ``_sha2`` after) among them
 PRELOAD = (
+    "_sha256",
+    "_sha2",
     "typing",
     "collections.abc",
     "contextlib",

@@ -1,5 +1,8 @@
 """Slow and half-open clients cannot hold the control plane's connections (issue 11).
 
+Every test runs against both HTTP parsers the server can serve with (``LAKESHORE_HTTP_PARSER``):
+httptools, its default, and h11; the guard of ``server/serve.py`` is written once per parser.
+
 ``lakeshore server`` runs with a 1 s header deadline, a 1 s body pause limit and a cap of 150
 connections. The attacker opens 200 sockets on loopback: some send half a request line and
 headers and stop, some trickle a byte every 0.2 s (a trickle must not extend the deadline), some
@@ -15,8 +18,11 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.security.conftest import Stack
+
+PARSERS = ["httptools", "h11"]
 
 HALF_HEADERS = (
     b"POST /v1/producer/submit HTTP/1.1\r\nHost: lakeshore\r\nContent-Type: application/x-msgpack\r\n"
@@ -49,9 +55,13 @@ def _closed(s: socket.socket) -> bool:
         return True
 
 
-def test_half_open_and_slow_connections_are_dropped_and_others_still_served(tmp_path: Path) -> None:
+@pytest.mark.parametrize("parser", PARSERS)
+def test_half_open_and_slow_connections_are_dropped_and_others_still_served(
+    tmp_path: Path, parser: str
+) -> None:
     stack = Stack(
         tmp_path / "data",
+        LAKESHORE_HTTP_PARSER=parser,
         LAKESHORE_HEADER_TIMEOUT_S="1",
         LAKESHORE_BODY_TIMEOUT_S="1",
         LAKESHORE_MAX_CONNECTIONS="150",
@@ -85,6 +95,7 @@ def test_half_open_and_slow_connections_are_dropped_and_others_still_served(tmp_
         stack.stop()
     log = stack.log.read_text()
     assert "connection cap reached (150 open)" in log
+    assert f"guarded {parser} HTTP" in log
 
 
 def _get_healthz(s: socket.socket) -> bytes:
@@ -98,13 +109,14 @@ def _get_healthz(s: socket.socket) -> bytes:
     return answer
 
 
+@pytest.mark.parametrize("parser", PARSERS)
 def test_a_kept_alive_connection_outlives_the_header_deadline_but_a_trickle_does_not(
-    tmp_path: Path,
+    tmp_path: Path, parser: str
 ) -> None:
     """Between requests a connection may be silent for the keep-alive window (30 s, above
     nymph's heartbeat period), not just the header deadline: a fleet's heartbeats reuse their
     connections. Once a request's first byte arrives the header deadline holds again."""
-    stack = Stack(tmp_path / "data", LAKESHORE_HEADER_TIMEOUT_S="1").start()
+    stack = Stack(tmp_path / "data", LAKESHORE_HEADER_TIMEOUT_S="1", LAKESHORE_HTTP_PARSER=parser).start()
     try:
         with socket.create_connection(("127.0.0.1", stack.port), timeout=5) as s:
             assert _get_healthz(s).startswith(b"HTTP/1.1 200")
@@ -120,5 +132,64 @@ def test_a_kept_alive_connection_outlives_the_header_deadline_but_a_trickle_does
                 except OSError:
                     break
                 time.sleep(0.2)
+    finally:
+        stack.stop()
+
+
+def _answer_then_close(s: socket.socket) -> bytes:
+    """Everything the server sends on ``s`` until it closes it (bounded)."""
+    s.settimeout(BOUND_S)
+    answer = b""
+    while True:
+        try:
+            chunk = s.recv(65536)
+        except ConnectionResetError:
+            return answer
+        if not chunk:
+            return answer
+        answer += chunk
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_headers_that_pile_up_past_the_bound_are_refused_and_the_connection_closed(
+    tmp_path: Path, parser: str
+) -> None:
+    """``LAKESHORE_MAX_HEADER_BYTES`` bounds what a request's unfinished headers may hold in the
+    server's memory: a client that keeps sending headers and never ends them is refused (431 from
+    httptools, 400 from h11) and closed as soon as they pass the bound, long before the header
+    deadline (60 s here); a request under the bound, and the next connection, are served."""
+    stack = Stack(
+        tmp_path / "data",
+        LAKESHORE_MAX_HEADER_BYTES="4096",
+        LAKESHORE_HEADER_TIMEOUT_S="60",
+        LAKESHORE_HTTP_PARSER=parser,
+    ).start()
+    try:
+        with socket.create_connection(("127.0.0.1", stack.port), timeout=5) as s:
+            began = time.monotonic()
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: lakeshore\r\n")
+            for _ in range(40):  # 40 headers of 200 bytes (8,000 in all), and never the blank line
+                try:
+                    s.sendall(b"X-More: " + b"b" * 190 + b"\r\n")
+                except OSError:
+                    break  # closed under us: what the bound is for
+                time.sleep(0.01)
+            answer = _answer_then_close(s)
+            assert time.monotonic() - began < 30, "the connection was closed by the deadline, not the bound"
+        assert answer.split(b"\r\n", 1)[0] in (
+            b"HTTP/1.1 431 Request Header Fields Too Large",
+            b"HTTP/1.1 400 Bad Request",
+        ), answer[:200]
+
+        with socket.create_connection(("127.0.0.1", stack.port), timeout=5) as s:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: lakeshore\r\nX-Pad: " + b"c" * 3000 + b"\r\n\r\n")
+            s.settimeout(10)
+            got = b""
+            while b"\r\n\r\n" not in got:
+                chunk = s.recv(65536)
+                assert chunk, "a request under the bound was not answered"
+                got += chunk
+            assert got.startswith(b"HTTP/1.1 200")
+        assert httpx.get(stack.url + "/healthz", timeout=10).status_code == 200
     finally:
         stack.stop()

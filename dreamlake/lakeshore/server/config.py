@@ -108,4 +108,5 @@ ENV: dict[str, tuple[str, type[int] | type[float]]] = {
     "LAKESHORE_HEADER_TIMEOUT_S": ("header_timeout_s", float),
     "LAKESHORE_BODY_TIMEOUT_S": ("body_timeout_s", float),
     "LAKESHORE_MAX_CONNECTIONS": ("max_connections", int),
+    "LAKESHORE_MAX_HEADER_BYTES": ("max_header_bytes", int),
 }

@@ -15,7 +15,8 @@ safety re-check (``poll_recheck_s``), so it is allowed but rarely worth it.
 
 uvicorn alone holds a connection that sends part of a request for ever: its ``timeout_keep_alive``
 only covers the silence between requests and is reset by every byte, and an ASGI middleware runs
-only once the headers are in. :class:`GuardedH11Protocol` adds, per connection:
+only once the headers are in. The guard (:class:`GuardedHttpToolsProtocol`, or
+:class:`GuardedH11Protocol` when serving with h11) adds, per connection:
 
 - a **header deadline** (``header_timeout_s``): the request line and headers must be complete
   within that many seconds of the connection opening, or of the first byte of the next request on
@@ -28,15 +29,17 @@ only once the headers are in. :class:`GuardedH11Protocol` adds, per connection:
 - a **connection cap** (``max_connections``): a connection beyond it is closed as soon as it is
   accepted, before it costs a buffer or a task.
 
-Headers are bounded by h11's ``max_incomplete_event_size`` (``max_header_bytes``). Nothing is
-armed while the app works on a request, so long polls and streams are never cut.
+Unfinished headers are bounded (``max_header_bytes``, ``LAKESHORE_MAX_HEADER_BYTES``): a request
+whose headers pile up past it is refused (httptools: 431; h11: uvicorn's 400) and its connection
+closed. Nothing is armed while the app works on a request, so long polls and streams are never cut.
 
-The HTTP parser stays h11 on every path, also where ``httptools`` is installed: the guard reads
-h11's connection state, and httptools has no bound on incomplete headers to set, so the faster
-parser would drop two of the limits above. The event loop is ``uvloop`` when installed (the
-``server`` extra installs it), else asyncio (:func:`event_loop`). Each connection writes through
-a :class:`CoalescingTransport`: a response's pieces leave in one write per turn of the loop. ``uvicorn_config`` builds the
-uvicorn Config a single process (and the tests) serve with.
+The parser is httptools when installed (the ``server`` extra installs it; about half the CPU of
+h11 per request here), else h11; ``LAKESHORE_HTTP_PARSER=h11`` (or ``httptools``) picks one
+(:func:`http_parser`). The guard follows h11's connection state, and httptools' callbacks (which
+keep no state and set no bound of their own), so both parsers hold the same limits. The event
+loop is ``uvloop`` when installed, else asyncio (:func:`event_loop`). Each connection writes
+through a :class:`CoalescingTransport`: a response's pieces leave in one write per turn of the
+loop. ``uvicorn_config`` builds the uvicorn Config a single process (and the tests) serve with.
 """
 
 from __future__ import annotations
@@ -49,11 +52,16 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import h11
 from uvicorn.config import Config
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # httptools is not installed (the ``server`` extra installs it)
+    HttpToolsProtocol = None  # type: ignore[assignment,misc]
 
 from dreamlake.lakeshore.server import gctune
 from dreamlake.lakeshore.server.config import ServerConfig
@@ -61,6 +69,7 @@ from dreamlake.lakeshore.server.config import ServerConfig
 log = logging.getLogger(__name__)
 
 SPEC_ENV = "LAKESHORE_SERVE_SPEC"
+PARSER_ENV = "LAKESHORE_HTTP_PARSER"
 
 
 @dataclass(frozen=True)
@@ -145,35 +154,43 @@ class CoalescingTransport:
         return getattr(self._transport, name)
 
 
-class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with the deadlines and the cap of the module docstring."""
+class _Guard(asyncio.Protocol):
+    """The guard of the module docstring, less what depends on the parser: the connection cap,
+    the two timers, and the shutdown that lets long requests answer first. Mixed in before
+    uvicorn's protocol class (which gives ``loop``, ``transport``, ``app``, ``client`` and
+    ``connections``)."""
 
     header_timeout_s: ClassVar[float] = 10.0
     body_timeout_s: ClassVar[float] = 30.0
     max_connections: ClassVar[int] = 10240
+    max_header_bytes: ClassVar[int] = 64 * 1024  # httptools (h11 is handed it by uvicorn)
     _cap_logged_at: ClassVar[float] = 0.0
 
     _timer: asyncio.TimerHandle | None = None
     _timer_for: str | None = None  # "headers" or "body": what the armed timer waits for
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+    if TYPE_CHECKING:
+        loop: asyncio.AbstractEventLoop
+        transport: Any
+        app: Any
+        client: tuple[str, int] | None
+        connections: set[Any]
+
+    def _accept(self, transport: asyncio.Transport) -> bool:
+        """Right after uvicorn's ``connection_made``: write through a :class:`CoalescingTransport`,
+        and close a connection past the cap (False)."""
         # every request cycle of the connection writes through it (they take self.transport)
-        self.transport = CoalescingTransport(transport, self.loop)  # type: ignore[assignment]
+        self.transport = CoalescingTransport(transport, self.loop)
         if len(self.connections) > self.max_connections:
             now = time.monotonic()
-            if now - GuardedH11Protocol._cap_logged_at > _CAP_LOG_EVERY_S:
-                GuardedH11Protocol._cap_logged_at = now
+            if now - _Guard._cap_logged_at > _CAP_LOG_EVERY_S:
+                _Guard._cap_logged_at = now
                 log.warning(
                     "connection cap reached (%d open): closing new connections at once", self.max_connections
                 )
             self.transport.close()
-            return
-        self._rearm(request_began=True)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
+            return False
+        return True
 
     def shutdown(self) -> None:
         """uvicorn's shutdown of this connection (the server stopped accepting): first let the
@@ -182,7 +199,40 @@ class GuardedH11Protocol(H11Protocol):
         ctx = plane_context(self.app)
         if ctx is not None:
             ctx.begin_shutdown()
-        super().shutdown()
+        super().shutdown()  # type: ignore[misc]
+
+    def _arm(self, what: str, seconds: float) -> None:
+        self._disarm()
+        self._timer_for = what
+        self._timer = self.loop.call_later(seconds, self._expired, what)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None
+        self._timer_for = None
+
+    def _expired(self, what: str) -> None:
+        self._timer = None
+        self._timer_for = None
+        if self.transport.is_closing():
+            return
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+        log.debug("closing the connection of %s: its request %s did not arrive in time", client, what)
+        self.transport.close()
+
+
+class GuardedH11Protocol(_Guard, H11Protocol):
+    """uvicorn's h11 protocol with the guard; the timers follow h11's connection state."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if self._accept(transport):
+            self._rearm(request_began=True)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -218,25 +268,75 @@ class GuardedH11Protocol(H11Protocol):
         else:
             self._disarm()
 
-    def _arm(self, what: str, seconds: float) -> None:
-        self._disarm()
-        self._timer_for = what
-        self._timer = self.loop.call_later(seconds, self._expired, what)
 
-    def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = None
-        self._timer_for = None
+if HttpToolsProtocol is not None:
 
-    def _expired(self, what: str) -> None:
-        self._timer = None
-        self._timer_for = None
-        if self.transport.is_closing():
-            return
-        client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
-        log.debug("closing the connection of %s: its request %s did not arrive in time", client, what)
-        self.transport.close()
+    class GuardedHttpToolsProtocol(_Guard, HttpToolsProtocol):
+        """uvicorn's httptools protocol with the guard. httptools keeps no state to read and no
+        bound on headers, so this one follows the parser's callbacks: ``_phase`` is "headers"
+        from a request's first byte (or the connection's opening) until its headers are in,
+        "body" until its message is complete, "idle" between requests. The header bound counts
+        every byte received while a request's headers are incomplete; a request over it is
+        answered 431 and its connection closed (at most one read past the bound is parsed)."""
+
+        _phase = "headers"
+        _head_bytes = 0
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if self._accept(transport):
+                self._arm("headers", self.header_timeout_s)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._phase == "idle":  # the first byte of the next request
+                self._begin()
+            if self._phase == "headers":
+                self._head_bytes += len(data)
+            super().data_received(data)
+            if self.transport.is_closing():
+                self._disarm()
+            elif self._phase == "headers":
+                if self._head_bytes > self.max_header_bytes:
+                    self._refuse_headers()
+            elif self._phase == "body":
+                self._arm("body", self.body_timeout_s)  # every chunk of the body re-arms it
+
+        def on_message_begin(self) -> None:
+            if self._phase != "headers":  # a request pipelined behind the last one
+                self._begin()
+            super().on_message_begin()
+
+        def on_headers_complete(self) -> None:
+            self._phase = "body"
+            self._disarm()
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._phase = "idle"  # nothing armed while the app answers; then uvicorn's keep-alive
+            self._disarm()
+            super().on_message_complete()
+
+        def _begin(self) -> None:
+            self._phase = "headers"
+            self._head_bytes = 0
+            self._arm("headers", self.header_timeout_s)
+
+        def _refuse_headers(self) -> None:
+            self._disarm()
+            body = (
+                f"request headers over {self.max_header_bytes} bytes: send fewer or shorter headers "
+                "(the server's limit is LAKESHORE_MAX_HEADER_BYTES)"
+            ).encode()
+            head = (
+                "HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+            ).encode()
+            self.transport.write(head + body)
+            self.transport.close()
 
 
 def _gc_observer(app: Any) -> Any:
@@ -266,17 +366,42 @@ def event_loop() -> str:
     return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
 
 
-def guarded_protocol(config: ServerConfig) -> type[GuardedH11Protocol]:
-    """:class:`GuardedH11Protocol` with ``config``'s limits (uvicorn builds protocols by class)."""
-    return type(
-        "GuardedH11Protocol",
-        (GuardedH11Protocol,),
-        {
-            "header_timeout_s": config.header_timeout_s,
-            "body_timeout_s": config.body_timeout_s,
-            "max_connections": config.max_connections,
-        },
-    )
+def http_parser() -> str:
+    """The HTTP parser to serve with: ``httptools`` when installed (the ``server`` extra installs
+    it), else ``h11``; ``LAKESHORE_HTTP_PARSER=h11`` (or ``httptools``) picks one."""
+    wanted = os.environ.get(PARSER_ENV, "").strip().lower()
+    if wanted not in ("", "h11", "httptools"):
+        raise ValueError(f"{PARSER_ENV}={wanted!r} is not an HTTP parser: use 'httptools' or 'h11'")
+    if HttpToolsProtocol is None:
+        if wanted == "httptools":
+            raise ValueError(
+                f"{PARSER_ENV}=httptools, but httptools is not installed: "
+                "pip install 'dreamlake-lakeshore[server]' (or unset the variable to serve with h11)"
+            )
+        return "h11"
+    return wanted or "httptools"
+
+
+def protocol_class(parser: str | None = None) -> type[_Guard]:
+    """The guarded protocol class of ``parser`` (default :func:`http_parser`)."""
+    if (parser or http_parser()) == "httptools":
+        return GuardedHttpToolsProtocol
+    return GuardedH11Protocol
+
+
+def _limits(config: ServerConfig) -> dict[str, Any]:
+    return {
+        "header_timeout_s": config.header_timeout_s,
+        "body_timeout_s": config.body_timeout_s,
+        "max_connections": config.max_connections,
+        "max_header_bytes": config.max_header_bytes,
+    }
+
+
+def guarded_protocol(config: ServerConfig, parser: str | None = None) -> type[_Guard]:
+    """The guarded protocol of ``parser`` with ``config``'s limits (uvicorn builds protocols by class)."""
+    base = protocol_class(parser)
+    return type(base.__name__, (base,), _limits(config))
 
 
 def _guard_options(config: ServerConfig) -> dict[str, Any]:
@@ -290,10 +415,11 @@ def _guard_options(config: ServerConfig) -> dict[str, Any]:
     }
 
 
-def uvicorn_config(app: Any, config: ServerConfig, **options: Any) -> Config:
-    """The uvicorn Config that serves ``app`` with ``config``'s read deadlines, cap and header bound;
-    ``options`` (host, port, log_level, loop, ...) go to uvicorn as given."""
-    return Config(app, http=guarded_protocol(config), **_guard_options(config), **options)
+def uvicorn_config(app: Any, config: ServerConfig, *, parser: str | None = None, **options: Any) -> Config:
+    """The uvicorn Config that serves ``app`` with ``config``'s read deadlines, cap and header bound,
+    parsing with ``parser`` (default :func:`http_parser`); ``options`` (host, port, log_level,
+    loop, ...) go to uvicorn as given."""
+    return Config(app, http=guarded_protocol(config, parser), **_guard_options(config), **options)
 
 
 def _config(spec: ServeSpec) -> ServerConfig:
@@ -318,13 +444,12 @@ def build_app(spec: ServeSpec, store: Any = None) -> Any:
 
 def app_from_env() -> Any:
     """The uvicorn factory of a worker process (``--workers N``): the app ``LAKESHORE_SERVE_SPEC``
-    describes. It also sets :class:`GuardedH11Protocol`'s limits in this process, as the parent
-    hands the class down by name (a class made by :func:`guarded_protocol` cannot be)."""
+    describes. It also sets the guard's limits in this process, as the parent hands the protocol
+    class down by name (a class made by :func:`guarded_protocol` cannot be)."""
     spec = ServeSpec.from_env(os.environ)
     config = _config(spec)
-    GuardedH11Protocol.header_timeout_s = config.header_timeout_s
-    GuardedH11Protocol.body_timeout_s = config.body_timeout_s
-    GuardedH11Protocol.max_connections = config.max_connections
+    for name, value in _limits(config).items():
+        setattr(_Guard, name, value)
     app = build_app(spec)
     ctx = plane_context(app)
     if ctx is not None:  # sibling processes write work whose wake-ups this one may never hear of
@@ -339,6 +464,7 @@ def serve(spec: ServeSpec, *, host: str, port: int, workers: int = 1, store: Any
 
     config = _config(spec)
     loop = event_loop()
+    parser = http_parser()
     common: dict[str, Any] = {
         "host": host,
         "port": port,
@@ -346,11 +472,11 @@ def serve(spec: ServeSpec, *, host: str, port: int, workers: int = 1, store: Any
         "timeout_graceful_shutdown": 5,
         "loop": loop,
     }
-    log.info("serving on %s:%d: %d worker(s), %s loop, guarded h11 HTTP", host, port, workers, loop)
+    log.info("serving on %s:%d: %d worker(s), %s loop, guarded %s HTTP", host, port, workers, loop, parser)
     if workers <= 1:
         app = build_app(spec, store)
         gctune.tune(_gc_observer(app))
-        uvicorn.Server(uvicorn_config(app, config, **common)).run()
+        uvicorn.Server(uvicorn_config(app, config, parser=parser, **common)).run()
         return
     if store is not None:
         store.close()  # each worker opens its own
@@ -360,7 +486,7 @@ def serve(spec: ServeSpec, *, host: str, port: int, workers: int = 1, store: Any
         f"{__name__}:app_from_env",
         factory=True,
         workers=workers,
-        http=GuardedH11Protocol,
+        http=protocol_class(parser),
         **_guard_options(config),
         **common,
     )
