@@ -136,6 +136,10 @@ class Agent:
             on_answer=self.pin.check,
             on_auth=self._auth_failed,
             pet=self.watchdog.pet,
+            take_acks=lambda wid, n: self.outbox.take_acks(wid, n) if self.outbox is not None else [],
+            acks_answered=lambda msgs, answers: (
+                self.outbox.acks_answered(msgs, answers) if self.outbox is not None else None
+            ),
         )
 
     # --- public ----------------------------------------------------------------------------------
@@ -153,6 +157,7 @@ class Agent:
             watcher=Watcher(inotify=cfg.stream_inotify, poll_s=cfg.stream_poll_s),
             max_bytes=cfg.stream_max_bytes,
             on_full=self.disk.full,
+            poll_imminent=self.poller.poll_soon,
         )
         self.outbox.start()
         health = None

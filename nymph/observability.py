@@ -142,6 +142,12 @@ POLLS = Counter(
     ["outcome"],
     registry=REGISTRY,
 )
+ACKS = Counter(
+    "nymph_acks_delivered",
+    "Acks the control plane settled, by how they went: carried by a poll, or a request of their own.",
+    ["via"],
+    registry=REGISTRY,
+)
 CODE_ARCHIVES = Counter(
     "nymph_code_archives",
     "Code archives calls shipped, by how the cache answered (hit, fetched, refused).",

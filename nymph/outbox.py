@@ -26,12 +26,24 @@ here: the heartbeat keeps renewing their leases (a lease is given up only by the
 messages pending and their bytes on disk (and the peak), undelivered stream frames and bytes (and
 the peak of one stream's bytes), and the outbox age: how long the lane that waits longest has gone
 without delivering anything.
+
+Acks on the poll. An ack at the head of its lane (its frames all delivered) may instead ride on
+the poller's next ``/v1/daemon/poll`` (:meth:`Outbox.take_acks`), which writes it in the same
+group commit as the claim that refills the slot: one request per invocation, not two. While it
+rides, the sender leaves it alone; the poll's answer (``acked``, one per ack, in order) settles it
+as the sender would (:meth:`Outbox.acks_answered`): 2xx and final refusals end it, a retryable
+answer or a failed poll hands it back to the sender. The message stays on disk until then, so a
+crash meanwhile replays it (the control plane answers ``duplicate``). An ack put while a poll is
+imminent (``poll_imminent``, the poller's :meth:`~nymph.poller.Poller.poll_soon`) is held back
+from the sender for :data:`HOLD_S` so that poll can take it; a poll that does not come in time
+leaves it to the sender.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import random
 import threading
@@ -44,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from dreamlake.lakeshore.client import error_for
 from nymph import observability as obs
 from nymph.client import ClientError, ControlPlaneClient, FatalError, is_retryable
 from nymph.errors import is_disk_full
@@ -59,6 +72,7 @@ CHUNKS = "/v1/daemon/result-chunks"
 NAMESPACE_ROUTES = "/v1/namespaces/"
 _SUFFIX = ".msg"
 _IDLE_S = 1.0
+HOLD_S = 0.05  # how long an ack put while a poll is imminent waits for that poll before the sender takes it
 
 
 @dataclass(frozen=True)
@@ -87,6 +101,14 @@ class _Lane:
         return not self.messages and self.stream is None
 
 
+def _retryable(status: Any) -> bool:
+    """Whether an ack a poll carried, answered not ok with ``status``, goes again: a retryable
+    status (5xx, 429), or none the sender could act on; a final refusal (4xx) does not."""
+    if not isinstance(status, int) or status < 400:
+        return True
+    return is_retryable(error_for(status, ""))
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -108,6 +130,7 @@ class Outbox:
         watcher: Watcher | None = None,
         max_bytes: int = 1024 * 1024 * 1024,
         on_full: Callable[[BaseException], None] | None = None,
+        poll_imminent: Callable[[], bool] | None = None,
     ) -> None:
         from nymph.pump import Watcher
 
@@ -126,7 +149,11 @@ class Outbox:
         self._woken = False
         self._paused_until = 0.0
         self._failures = 0
-        self._busy: str | None = None  # the lane whose request is in flight
+        self._sending: Message | None = None  # the message the sender's request carries
+        self._riding: set[Path] = set()  # acks a poll carries (by path): the sender leaves them alone
+        self._held: dict[Path, float] = {}  # acks held for an imminent poll: until then (monotonic)
+        self._poll_imminent = poll_imminent
+        self._hold_until = math.inf  # the earliest hold the sender's last pass skipped
         self._next_lane: str | None = None  # round robin: serve this lane first
         self._peak_bytes = 0
         self.max_bytes = max_bytes
@@ -167,6 +194,8 @@ class Outbox:
                 msg = Message(path, route, body, size=len(data))
                 self._count_disk(len(data))
             self._lane(msg.invocation_id).messages.append(msg)
+            if route == ACK and self._poll_imminent is not None and self._poll_imminent():
+                self._held[path] = time.monotonic() + HOLD_S
             self._wake_locked()
 
     def _write(self, path: Path, data: bytes) -> None:
@@ -200,6 +229,60 @@ class Outbox:
             lane = self._lane(pump.invocation_id)
             lane.stream = pump
             self._wake_locked()
+
+    def take_acks(self, worker_id: str, limit: int) -> list[Message]:
+        """Up to ``limit`` acks for a poll to carry (see the module docstring): each at the head of
+        its lane, with no stream before it, not being sent, and of ``worker_id``'s (an ack of an
+        earlier worker id goes its own way). They ride until :meth:`acks_answered`."""
+        out: list[Message] = []
+        with self._cond:
+            for lane in self._lanes.values():
+                if len(out) >= limit:
+                    break
+                if lane.stream is not None or not lane.messages:
+                    continue
+                msg = lane.messages[0]
+                if msg.route != ACK or msg.path in self._riding or msg is self._sending:
+                    continue
+                if msg.body.get("worker_id") not in (None, worker_id):
+                    continue
+                self._riding.add(msg.path)
+                self._held.pop(msg.path, None)
+                out.append(msg)
+        return out
+
+    def acks_answered(self, msgs: list[Message], answers: list[Any] | None) -> None:
+        """The poll that carried ``msgs`` was answered with ``answers`` (its ``acked``: one per ack,
+        in order), or failed (None). Settled acks end, as the sender ends them; the others (a
+        retryable answer, none at all) go back to the sender."""
+        answered = list(answers or [])
+        settled = False
+        for i, msg in enumerate(msgs):
+            answer = answered[i] if i < len(answered) and isinstance(answered[i], dict) else None
+            status = answer.get("status") if answer is not None else None
+            if answer is None or (not answer.get("ok") and _retryable(status)):
+                with self._cond:
+                    self._riding.discard(msg.path)
+                    self._wake_locked()
+                continue
+            if answer.get("ok"):
+                if answer.get("duplicate"):
+                    log.debug("invocation %s: %s was a duplicate", msg.invocation_id, msg.route)
+            else:
+                log.warning(
+                    "invocation %s: %s refused, dropped: %s (%s)",
+                    msg.invocation_id, msg.route, answer.get("error"), status,
+                )  # fmt: skip
+            with self._cond:
+                lane = self._lanes.get(msg.invocation_id)
+            if lane is not None:
+                self._done(lane, msg)
+            with self._cond:
+                self._riding.discard(msg.path)
+            obs.ACKS.labels(via="poll").inc()
+            settled = True
+        if settled and self._on_sent is not None:
+            self._on_sent(True)
 
     def has_room(self) -> bool:
         """Whether the messages on disk stay below ``max_bytes`` (a finished job may spill its
@@ -317,12 +400,15 @@ class Outbox:
 
     def _idle(self) -> None:
         with self._cond:
+            hold_until, self._hold_until = self._hold_until, math.inf
             if self._woken:
                 self._woken = False
                 return
             wait = _IDLE_S
             if self._paused_until:
                 wait = max(0.0, min(wait, self._paused_until - time.monotonic()))
+            if hold_until < math.inf:  # a held ack is the sender's once its poll did not come
+                wait = max(0.0, min(wait, hold_until - time.monotonic()))
             self._cond.wait(wait)
             self._woken = False
 
@@ -362,7 +448,20 @@ class Outbox:
                 if msg is None:
                     self._drop_if_empty(lane)
                     continue
-            self._send_message(lane, msg)
+                if msg.path in self._riding:
+                    continue  # a poll carries it
+                until = self._held.get(msg.path)
+                if until is not None:
+                    if time.monotonic() < until:
+                        self._hold_until = min(self._hold_until, until)
+                        continue  # held for the poll about to start
+                    del self._held[msg.path]
+                self._sending = msg
+            try:
+                self._send_message(lane, msg)
+            finally:
+                with self._cond:
+                    self._sending = None
             return True
         return False
 
@@ -434,6 +533,8 @@ class Outbox:
         if answer.get("duplicate"):
             log.debug("invocation %s: %s was a duplicate", msg.invocation_id, msg.route)
         self._done(lane, msg)
+        if msg.route == ACK:
+            obs.ACKS.labels(via="request").inc()
         if self._on_sent is not None:
             self._on_sent(True)
 

@@ -7,6 +7,14 @@ calls). Before each poll it waits until ``ready()`` (the runner works, the previ
 reconciled); it stops when ``claiming_stopped()`` (shutdown, a pinned version) or the token is
 rejected (``on_auth``). Each answer's commands go to ``dispatch``, and the answer itself to
 ``on_answer`` (version pinning).
+
+A poll carries the acks the outbox has ready (``take_acks``; see :mod:`nymph.outbox`): they are
+written with the claim that refills the slots, so a busy node spends one request per invocation.
+Such a poll does not wait (``timeout_s`` 0: its acks are answered at once, and the next poll
+waits); its answer's ``acked`` (or its failure) goes back to ``acks_answered``.
+:meth:`Poller.poll_soon` says when another poll is about to start, so the outbox holds an ack put
+meanwhile for it: while every slot is busy (the next release starts a poll at once), and while a
+poll is in flight after one that claimed work (the queue has a backlog, so it comes back at once).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from nymph.slots import Slots
 log = logging.getLogger(__name__)
 
 REFUSED_PAUSE_S = 5.0  # after a poll the control plane refused (not retryable, not auth)
+POLL_ACKS_MAX = 64  # acks one poll carries (the control plane takes up to 256)
 
 
 def retrying(stop: threading.Event) -> tenacity.Retrying:
@@ -70,6 +79,8 @@ class Poller:
         on_answer: Callable[[dict[str, Any]], None],
         on_auth: Callable[[AuthRejected], None],
         pet: Callable[[], None],
+        take_acks: Callable[[str, int], list[Any]] | None = None,
+        acks_answered: Callable[[list[Any], list[Any] | None], None] | None = None,
     ) -> None:
         self._client = client
         self._config = config
@@ -82,7 +93,12 @@ class Poller:
         self._on_answer = on_answer
         self._on_auth = on_auth
         self._pet = pet
+        self._take_acks = take_acks
+        self._acks_answered = acks_answered
         self.last_ok = False
+        self.waiting_for_slot = False  # every slot busy: the next release starts a poll at once
+        self._in_flight = False  # a poll request is out
+        self._claimed = False  # the last poll's answer had commands
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -96,13 +112,21 @@ class Poller:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def poll_soon(self) -> bool:
+        """Whether a poll (which will carry the acks ready then) is about to start."""
+        return self.waiting_for_slot or (self._in_flight and self._claimed)
+
     def loop(self) -> None:
         while not self._claiming_stopped():
             if not self._ready():
                 break
             free = self._slots.free()
             if free <= 0:
-                self._slots.wait_free(1.0)
+                self.waiting_for_slot = True
+                try:
+                    self._slots.wait_free(1.0)
+                finally:
+                    self.waiting_for_slot = False
                 continue
             if not self._poll_once(free):
                 return
@@ -111,33 +135,56 @@ class Poller:
     def _poll_once(self, free: int) -> bool:
         """One long poll and its commands; False when polling must end (token rejected)."""
         timeout_s = self._config.poll_timeout_s
-        body = {
-            "worker_id": self._worker_id(),
+        worker_id = self._worker_id()
+        body: dict[str, Any] = {
+            "worker_id": worker_id,
             "queues": list(self._config.queues),
             "max": free,
             "timeout_s": timeout_s,
             "version": __version__,
         }
+        acks = self._take_acks(worker_id, POLL_ACKS_MAX) if self._take_acks is not None else []
+        if acks:
+            body["acks"] = [msg.body for msg in acks]
+            body["timeout_s"] = 0.0  # answered at once: its acks are settled without a wait
+        self._in_flight = True
         try:
             answer = retrying(self._stopping)(self._client.poll, body, timeout_s=timeout_s)
-        except AuthRejected as exc:
-            obs.POLLS.labels(outcome="auth").inc()
-            self._on_auth(exc)
-            return False
-        except ClientError as exc:
+        except BaseException as exc:
+            self._in_flight = self._claimed = False
+            if acks:
+                self._answered(acks, None)  # back to the outbox's sender
+            if isinstance(exc, AuthRejected):
+                obs.POLLS.labels(outcome="auth").inc()
+                self._on_auth(exc)
+                return False
+            if not isinstance(exc, ClientError):
+                raise
             obs.POLLS.labels(outcome="error").inc()
             if not self._stopping.is_set():
                 log.error("poll refused: %s", exc)
                 self._stopping.wait(REFUSED_PAUSE_S)
             return True
+        if acks:
+            acked = answer.get("acked")
+            self._answered(acks, acked if isinstance(acked, list) else None)
         self.last_ok = True
         commands = answer.get("commands") or []
+        self._in_flight, self._claimed = False, bool(commands)
         obs.POLLS.labels(outcome="claimed" if commands else "empty").inc()
         self._pet()
         for command in commands:
             self._dispatch(command)
         self._on_answer(answer)
-        if not commands:
+        if not commands and not acks:
             # jitter between empty long polls, so a fleet does not poll in lockstep
             self._stopping.wait(random.uniform(0.0, 0.05))
         return True
+
+    def _answered(self, acks: list[Any], answers: list[Any] | None) -> None:
+        if self._acks_answered is None:
+            return
+        try:
+            self._acks_answered(acks, answers)
+        except Exception:  # the poll loop must not die of it: the acks are still on disk
+            log.exception("poll: settling the %d ack(s) it carried failed", len(acks))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from nymph.client import (
     TransientError,
     is_retryable,
 )
-from nymph.outbox import Outbox
+from nymph.outbox import HOLD_S, Outbox
 
 
 class FakePlane:
@@ -173,3 +174,98 @@ def test_pending_for_counts_the_message_being_sent(tmp_path: Path) -> None:
     assert box.flush(10.0)
     box.stop()
     assert not box.pending_for("inv7")
+
+
+# --- acks on the poll (the poller takes them; see nymph/outbox.py) ---------------------------------
+
+
+def test_a_poll_takes_acks_at_the_head_of_their_lanes_and_the_sender_leaves_them_alone(
+    tmp_path: Path,
+) -> None:
+    plane = FakePlane()
+    box = Outbox(tmp_path, plane.client(), max_backoff_s=0.05)  # not started: no sender yet
+    box.chunk({"invocation_id": "inv1", "seq": 0, "bytes": b"f", "final": True})
+    box.ack(_ack(1))  # behind its lane's chunk: not the poll's to take
+    box.ack(_ack(2))
+    box.ack({**_ack(3), "worker_id": "an-earlier-worker"})  # another worker id's: goes its own way
+    riding = box.take_acks("me", 64)
+    assert [m.body["invocation_id"] for m in riding] == ["inv2"]
+    assert box.take_acks("me", 64) == []  # taken once
+    box.start()
+    deadline = time.monotonic() + 10
+    while len(plane.received) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    sent = [(route, body["invocation_id"]) for route, body in plane.received]
+    assert sorted(sent) == [
+        ("/v1/daemon/ack", "inv1"),
+        ("/v1/daemon/ack", "inv3"),
+        ("/v1/daemon/result-chunk", "inv1"),
+    ]
+    assert sent.index(("/v1/daemon/result-chunk", "inv1")) < sent.index(("/v1/daemon/ack", "inv1"))
+    assert box.pending_for("inv2")  # still on disk while the poll carries it
+    assert len(list((tmp_path / "outbox").glob("*.msg"))) == 1
+
+    box.acks_answered(riding, [{"invocation_id": "inv2", "status": 200, "ok": True}])
+    assert box.flush(5.0)
+    box.stop()
+    assert list((tmp_path / "outbox").glob("*.msg")) == []
+    assert ("/v1/daemon/ack", "inv2") not in [(r, b["invocation_id"]) for r, b in plane.received]
+
+
+@pytest.mark.parametrize(
+    ("answers", "sent_again"),
+    [
+        (None, True),  # the poll failed: the sender sends it
+        ([], True),  # no answer for it
+        ([{"invocation_id": "inv0", "status": 500, "ok": False, "error": "store"}], True),
+        ([{"invocation_id": "inv0", "status": 409, "ok": False, "error": "superseded"}], False),
+        ([{"invocation_id": "inv0", "status": 200, "ok": True, "duplicate": True}], False),
+    ],
+)
+def test_an_ack_a_poll_did_not_settle_goes_back_to_the_sender(
+    tmp_path: Path, answers: list[dict[str, Any]] | None, sent_again: bool
+) -> None:
+    plane = FakePlane()
+    box = Outbox(tmp_path, plane.client(), max_backoff_s=0.05)
+    box.ack(_ack(0))
+    riding = box.take_acks("me", 64)
+    assert len(riding) == 1
+    box.start()
+    box.acks_answered(riding, answers)
+    assert box.flush(10.0)
+    box.stop()
+    assert [body["invocation_id"] for _, body in plane.received] == (["inv0"] if sent_again else [])
+    assert list((tmp_path / "outbox").glob("*.msg")) == []
+
+
+def test_an_ack_put_while_a_poll_is_imminent_waits_for_it_briefly_then_goes_by_itself(
+    tmp_path: Path,
+) -> None:
+    plane = FakePlane()
+    soon = threading.Event()
+    soon.set()
+    box = Outbox(tmp_path, plane.client(), max_backoff_s=0.05, poll_imminent=soon.is_set)
+    box.start()
+    box.ack(_ack(0))  # held for the poll
+    time.sleep(HOLD_S / 5)
+    assert plane.received == []
+    riding = box.take_acks("me", 64)
+    assert [m.body["invocation_id"] for m in riding] == ["inv0"]
+    box.acks_answered(riding, [{"invocation_id": "inv0", "status": 200, "ok": True}])
+
+    box.ack(_ack(1))  # held too, but no poll comes: the sender takes it once the hold is over
+    began = time.monotonic()
+    assert box.flush(5.0)
+    waited = time.monotonic() - began
+    box.stop()
+    assert [body["invocation_id"] for _, body in plane.received] == ["inv1"]
+    assert waited < HOLD_S + 1.0
+
+    soon.clear()
+    box = Outbox(tmp_path, plane.client(), max_backoff_s=0.05, poll_imminent=soon.is_set)
+    box.start()
+    box.ack(_ack(2))  # no poll imminent: sent at once
+    assert box.flush(5.0)
+    box.stop()
+    assert [body["invocation_id"] for _, body in plane.received] == ["inv1", "inv2"]
