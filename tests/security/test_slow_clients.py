@@ -18,8 +18,10 @@ import time
 from pathlib import Path
 
 import httpx
+import msgpack
 import pytest
 
+from dreamlake.lakeshore import ids
 from tests.security.conftest import Stack
 
 PARSERS = ["httptools", "h11"]
@@ -191,5 +193,88 @@ def test_headers_that_pile_up_past_the_bound_are_refused_and_the_connection_clos
                 got += chunk
             assert got.startswith(b"HTTP/1.1 200")
         assert httpx.get(stack.url + "/healthz", timeout=10).status_code == 200
+    finally:
+        stack.stop()
+
+
+def _first_answer(s: socket.socket, limit_s: float) -> bytes:
+    """The first whole answer on ``s`` (head and Content-Length body); what came if it closed."""
+    s.settimeout(limit_s)
+    got = b""
+    while True:
+        head, sep, rest = got.partition(b"\r\n\r\n")
+        if sep:
+            length = next(
+                (
+                    int(v)
+                    for k, _, v in (h.partition(b":") for h in head.split(b"\r\n")[1:])
+                    if k.strip().lower() == b"content-length"
+                ),
+                0,
+            )
+            if len(rest) >= length:
+                return head + sep + rest[:length]
+        try:
+            chunk = s.recv(65536)
+        except (TimeoutError, ConnectionResetError):
+            return got
+        if not chunk:
+            return got
+        got += chunk
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_a_long_poll_is_not_cut_by_a_request_pipelined_behind_it(tmp_path: Path, parser: str) -> None:
+    """The deadlines are for the request being read: a request pipelined behind a 4 s long poll,
+    its body never complete, waits its turn (the server reads it only once the poll is answered),
+    so the 1 s body and header limits cannot close the connection under the poll."""
+    stack = Stack(
+        tmp_path / "data",
+        LAKESHORE_HEADER_TIMEOUT_S="1",
+        LAKESHORE_BODY_TIMEOUT_S="1",
+        LAKESHORE_HTTP_PARSER=parser,
+    ).start()
+    try:
+        poll = msgpack.packb(
+            {"worker_id": ids.new_ulid(), "queues": ["nothing-here"], "max": 1, "timeout_s": 4}
+        )
+        head = (
+            f"POST /v1/daemon/poll HTTP/1.1\r\nHost: lakeshore\r\nAuthorization: Bearer {stack.daemon}\r\n"
+            f"Content-Type: application/x-msgpack\r\nContent-Length: {len(poll)}\r\n\r\n"
+        ).encode()
+        with socket.create_connection(("127.0.0.1", stack.port), timeout=5) as s:
+            began = time.monotonic()
+            s.sendall(head + poll)
+            time.sleep(0.3)
+            s.sendall(b"POST /v1/producer/submit HTTP/1.1\r\nHost: lakeshore\r\nContent-Length: 100\r\n\r\n{")
+            answer = _first_answer(s, 20)
+            waited = time.monotonic() - began
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+        assert waited >= 3.0  # the poll ran its course
+    finally:
+        stack.stop()
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+def test_a_connection_answered_before_its_body_came_still_times_out(tmp_path: Path, parser: str) -> None:
+    """A request refused before its body was read (401 here) leaves the connection to the
+    keep-alive timeout (2 s) once the body is in: it is not held open for ever."""
+    stack = Stack(
+        tmp_path / "data",
+        LAKESHORE_HEADER_TIMEOUT_S="1",
+        LAKESHORE_BODY_TIMEOUT_S="1",
+        LAKESHORE_KEEP_ALIVE_S="2",
+        LAKESHORE_HTTP_PARSER=parser,
+    ).start()
+    try:
+        with socket.create_connection(("127.0.0.1", stack.port), timeout=5) as s:
+            s.sendall(b"POST /v1/producer/submit HTTP/1.1\r\nHost: lakeshore\r\nContent-Length: 5\r\n\r\n")
+            assert _first_answer(s, 10).startswith(b"HTTP/1.1 401")
+            s.sendall(b"abcde")
+            s.setblocking(False)
+            deadline = time.monotonic() + BOUND_S
+            while not _closed(s):
+                assert time.monotonic() < deadline, "the connection outlived its keep-alive timeout"
+                time.sleep(0.2)
     finally:
         stack.stop()

@@ -109,4 +109,5 @@ ENV: dict[str, tuple[str, type[int] | type[float]]] = {
     "LAKESHORE_BODY_TIMEOUT_S": ("body_timeout_s", float),
     "LAKESHORE_MAX_CONNECTIONS": ("max_connections", int),
     "LAKESHORE_MAX_HEADER_BYTES": ("max_header_bytes", int),
+    "LAKESHORE_KEEP_ALIVE_S": ("keep_alive_s", float),
 }

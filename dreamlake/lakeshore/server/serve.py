@@ -277,7 +277,13 @@ if HttpToolsProtocol is not None:
         from a request's first byte (or the connection's opening) until its headers are in,
         "body" until its message is complete, "idle" between requests. The header bound counts
         every byte received while a request's headers are incomplete; a request over it is
-        answered 431 and its connection closed (at most one read past the bound is parsed)."""
+        answered 431 and its connection closed (at most one read past the bound is parsed).
+
+        As with h11, nothing is armed for a request while an earlier one of the connection is
+        still being answered (uvicorn queues a pipelined request and stops reading until then):
+        its deadline starts when the answer is complete. And a request whose answer went out
+        before its body was read (a 401, a 413) gets uvicorn's keep-alive timeout once the body
+        is in, which uvicorn itself would not start again."""
 
         _phase = "headers"
         _head_bytes = 0
@@ -285,7 +291,7 @@ if HttpToolsProtocol is not None:
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             if self._accept(transport):
-                self._arm("headers", self.header_timeout_s)
+                self._rearm()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
@@ -293,21 +299,20 @@ if HttpToolsProtocol is not None:
 
         def data_received(self, data: bytes) -> None:
             if self._phase == "idle":  # the first byte of the next request
-                self._begin()
+                self._phase, self._head_bytes = "headers", 0
             if self._phase == "headers":
                 self._head_bytes += len(data)
             super().data_received(data)
             if self.transport.is_closing():
                 self._disarm()
-            elif self._phase == "headers":
-                if self._head_bytes > self.max_header_bytes:
-                    self._refuse_headers()
-            elif self._phase == "body":
-                self._arm("body", self.body_timeout_s)  # every chunk of the body re-arms it
+            elif self._phase == "headers" and self._head_bytes > self.max_header_bytes:
+                self._refuse_headers()
+            else:
+                self._rearm(fresh_body=True)
 
         def on_message_begin(self) -> None:
             if self._phase != "headers":  # a request pipelined behind the last one
-                self._begin()
+                self._phase, self._head_bytes = "headers", 0
             super().on_message_begin()
 
         def on_headers_complete(self) -> None:
@@ -319,11 +324,41 @@ if HttpToolsProtocol is not None:
             self._phase = "idle"  # nothing armed while the app answers; then uvicorn's keep-alive
             self._disarm()
             super().on_message_complete()
+            cycle = self.cycle
+            answered = cycle is not None and cycle.response_complete and not self.pipeline
+            if answered and not self.transport.is_closing():
+                # answered before its body was all in: the body's bytes cancelled the keep-alive
+                # timeout uvicorn started with the answer, and it starts none again
+                self._unset_keepalive_if_required()
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    self.timeout_keep_alive, self.timeout_keep_alive_handler
+                )
 
-        def _begin(self) -> None:
-            self._phase = "headers"
-            self._head_bytes = 0
-            self._arm("headers", self.header_timeout_s)
+        def on_response_complete(self) -> None:
+            super().on_response_complete()  # may start a queued request and read again
+            self._rearm()
+
+        def _rearm(self, *, fresh_body: bool = False) -> None:
+            """Arm the timer the phase calls for: the header deadline (once per request) while a
+            request's headers come in, the body idle timer (re-armed by every chunk) while its
+            body does; none while an earlier request is still being answered, none between
+            requests."""
+            if self.transport is None or self.transport.is_closing():
+                self._disarm()
+                return
+            cycle = self.cycle  # the last request whose headers were in
+            if self._phase == "headers":
+                if cycle is not None and not cycle.response_complete:
+                    self._disarm()  # the request before it is still being answered
+                elif self._timer_for != "headers":
+                    self._arm("headers", self.header_timeout_s)
+            elif self._phase == "body":
+                if self.pipeline:
+                    self._disarm()  # queued behind an earlier request: not read until its turn
+                elif fresh_body or self._timer_for != "body":
+                    self._arm("body", self.body_timeout_s)
+            else:
+                self._disarm()
 
         def _refuse_headers(self) -> None:
             self._disarm()
