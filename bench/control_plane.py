@@ -6,15 +6,16 @@ from separate processes with a cheap client (``http.client`` on one keep-alive c
 msgpack bodies), so the client never shares the server's core or interpreter. Figures:
 
 - submit/s: ``--producers`` processes submitting ``--jobs`` invocations in all, as fast as answered;
-- claim+ack/s: ``--daemons`` processes polling (``max`` ``--poll-max``, no wait) and acking until
-  the queue is drained, one ack per request as nymph does;
+- claim+ack/s: ``--daemons`` processes draining the queue as a busy nymph with ``--poll-max``
+  slots does: a first poll claims that many, then each call's ack rides on the poll that refills
+  its slot (``max`` 1, no wait): one request per call;
 - the same pair through the batched paths: submits in ``--batch`` per ``POST
   /v1/producer/submit-batch`` (as ``UDF.map`` sends a sweep; per call), drained by ``lakeshore
   worker`` loops (``max`` as its ``--prefetch``, the acks of one poll's claims riding on the next
   poll: one request claims and acks);
 - baselines of the same run: a Starlette hello-world on the same HTTP stack (uvicorn with
-  uvloop when installed, h11 and no access log, as ``lakeshore server`` uses) under the same load
-  processes;
+  uvloop and httptools when installed, else asyncio and h11, no access log, as ``lakeshore
+  server`` uses) under the same load processes;
   raw ``sqlite3`` (WAL, ``synchronous=NORMAL``, as the store) and raw ``psycopg`` inserts, one row
   per transaction and 100 rows per transaction.
 
@@ -64,7 +65,7 @@ async def hello(request):
     return Response(b"\\x81\\xa2ok\\xc3", media_type="application/x-msgpack")
 app = Starlette(routes=[Route("/", hello, methods=["GET", "POST"])])
 loop = "uvloop" if {uvloop} else "asyncio"
-uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", loop=loop, http="h11",
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", loop=loop, http="{http}",
             access_log=False)
 """
 
@@ -187,22 +188,26 @@ def _worker(port: int, token: str, queue: str, poll_max: int, go: Any, out: Any)
 
 
 def _daemon(port: int, token: str, queue: str, poll_max: int, go: Any, out: Any) -> None:
+    """A busy nymph's loop with ``poll_max`` slots: a first poll claims that many; each call, once
+    run, frees its slot, and the poll that refills it carries its ack (``max`` 1, no wait)."""
     c = Client(port, token)
     worker, done = ulid(), 0
     go.wait()
     t0 = time.perf_counter()
-    while True:
-        poll = {"worker_id": worker, "queues": [queue], "max": poll_max, "timeout_s": 0}
+    poll: dict[str, Any] = {"worker_id": worker, "queues": [queue], "max": poll_max, "timeout_s": 0}
+    status, answer = c.post("/v1/daemon/poll", poll)
+    if status != 200:
+        raise RuntimeError(f"poll answered {status}: {answer}")
+    running = list(answer["commands"])
+    while running:
+        cmd = running.pop(0)
+        poll = {"worker_id": worker, "queues": [queue], "max": 1, "timeout_s": 0}
+        poll["acks"] = [_ack_body(cmd, worker)]
         status, answer = c.post("/v1/daemon/poll", poll)
-        if status != 200:
-            raise RuntimeError(f"poll answered {status}: {answer}")
-        if not answer["commands"]:
-            break
-        for cmd in answer["commands"]:
-            status, answer = c.post("/v1/daemon/ack", _ack_body(cmd, worker))
-            if status != 200:
-                raise RuntimeError(f"ack answered {status}: {answer}")
-            done += 1
+        if status != 200 or any(not a.get("ok") for a in answer.get("acked") or []):
+            raise RuntimeError(f"poll answered {status}: {str(answer)[:300]}")
+        done += 1
+        running += answer["commands"]
     out.put((t0, time.perf_counter(), done))
 
 
@@ -301,10 +306,17 @@ def has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+def hello_parser() -> str:
+    """The HTTP parser ``lakeshore server`` serves with here (httptools when installed), for the
+    hello-world baseline to use the same stack."""
+    wanted = os.environ.get("LAKESHORE_HTTP_PARSER", "").strip().lower()
+    return wanted if wanted in ("h11", "httptools") else ("httptools" if has("httptools") else "h11")
+
+
 def hello_rate(clients: int, n: int) -> tuple[float, float]:
     """Requests/s and server CPU ms per request of the hello-world."""
     port = free_port()
-    code = HELLO.format(uvloop=has("uvloop"))
+    code = HELLO.format(uvloop=has("uvloop"), http=hello_parser())
     with _process([sys.executable, "-c", code, str(port)], port) as pid:
         cpu = cpu_seconds(pid)
         rate, total = run_load(_hello, [(port, n)] * clients)
@@ -404,7 +416,7 @@ def _measured(
 
 
 def control_plane(db: str, data_dir: Path, args: argparse.Namespace) -> Figures:
-    """Per rep: single submits drained by nymph-style daemons (poll ``max``, one ack per request),
+    """Per rep: single submits drained by busy-nymph-style daemons (each ack on the next poll),
     then (``args.batch`` > 0) as many submits through submit-batch drained by ``lakeshore worker``
     loops (``max`` as prefetch, the acks riding on the next poll)."""
     per = args.jobs // args.producers

@@ -6,7 +6,8 @@ It runs the other benches' own functions, so the figures mean what they mean the
 - submits/s and claim+ack/s, SQLite and PostgreSQL (``control_plane.py``: ``lakeshore server`` in
   a subprocess, load from separate processes with ``http.client``), each two ways: one submit per
   request and a sweep's ``--batch`` per ``POST /v1/producer/submit-batch`` (``UDF.map``; per
-  call); nymph's claim path (poll ``max``, one ack per request) and ``lakeshore worker``'s
+  call); a busy nymph's claim path (``max`` slots, each ack on the poll that refills its slot)
+  and ``lakeshore worker``'s
   (``--prefetch``, the acks riding on the next poll); baselines: a Starlette hello-world on the
   same HTTP stack, raw ``sqlite3`` / ``psycopg`` inserts (100 per transaction);
 - frames/s nymph -> live consumer over HTTP and the first frame's latency (``streams.py``'s
@@ -107,7 +108,7 @@ def control_plane_rows(args: argparse.Namespace, tmp: Path) -> list[Row]:
         if f.batch_rate:
             what = f"submits/s, {kind}, map: {args.batch} per submit-batch (per call)"
             rows.append(Row(what, _rate(f.batch_rate), goal_s, base))
-        what = f"claim+ack/s, {kind}, nymph: poll max {args.poll_max}, one ack per request"
+        what = f"claim+ack/s, {kind}, nymph: {args.poll_max} slots, each ack on the poll refilling it"
         rows.append(Row(what, _rate(f.claim_rate), goal_c, base))
         if f.worker_rate:
             what = f"claim+ack/s, {kind}, lakeshore worker: prefetch {args.poll_max}, acks on the poll"

@@ -57,6 +57,7 @@ from control_plane import (  # noqa: E402
     cpu_seconds,
     free_port,
     has,
+    hello_parser,
     lakeshore_server,
 )
 
@@ -174,7 +175,7 @@ def rate(results: list[tuple[float, float, int]]) -> float:
 
 def hello_round_trip(n: int) -> list[float]:
     port = free_port()
-    code = HELLO.format(uvloop=has("uvloop"))
+    code = HELLO.format(uvloop=has("uvloop"), http=hello_parser())
     with _process([sys.executable, "-c", code, str(port)], port):
         (times,) = in_processes(_hello, [(port, n)])
     return list(times)
