@@ -32,7 +32,7 @@ the poller's next ``/v1/daemon/poll`` (:meth:`Outbox.take_acks`), which writes i
 group commit as the claim that refills the slot: one request per invocation, not two. While it
 rides, the sender leaves it alone; the poll's answer (``acked``, one per ack, in order) settles it
 as the sender would (:meth:`Outbox.acks_answered`): 2xx and final refusals end it, a retryable
-answer or a failed poll hands it back to the sender. The message stays on disk until then, so a
+answer or a failed poll hands it back to the sender, whose it stays (no poll takes it again). The message stays on disk until then, so a
 crash meanwhile replays it (the control plane answers ``duplicate``). An ack put while a poll is
 imminent (``poll_imminent``, the poller's :meth:`~nymph.poller.Poller.poll_soon`) is held back
 from the sender for :data:`HOLD_S` so that poll can take it; a poll that does not come in time
@@ -152,6 +152,7 @@ class Outbox:
         self._sending: Message | None = None  # the message the sender's request carries
         self._riding: set[Path] = set()  # acks a poll carries (by path): the sender leaves them alone
         self._held: dict[Path, float] = {}  # acks held for an imminent poll: until then (monotonic)
+        self._senders: set[Path] = set()  # acks a poll handed back: the sender's from then on
         self._poll_imminent = poll_imminent
         self._hold_until = math.inf  # the earliest hold the sender's last pass skipped
         self._next_lane: str | None = None  # round robin: serve this lane first
@@ -242,7 +243,7 @@ class Outbox:
                 if lane.stream is not None or not lane.messages:
                     continue
                 msg = lane.messages[0]
-                if msg.route != ACK or msg.path in self._riding or msg is self._sending:
+                if msg.route != ACK or msg is self._sending or msg.path in self._riding | self._senders:
                     continue
                 if msg.body.get("worker_id") not in (None, worker_id):
                     continue
@@ -261,9 +262,7 @@ class Outbox:
             answer = answered[i] if i < len(answered) and isinstance(answered[i], dict) else None
             status = answer.get("status") if answer is not None else None
             if answer is None or (not answer.get("ok") and _retryable(status)):
-                with self._cond:
-                    self._riding.discard(msg.path)
-                    self._wake_locked()
+                self._hand_back(msg)
                 continue
             if answer.get("ok"):
                 if answer.get("duplicate"):
@@ -275,14 +274,27 @@ class Outbox:
                 )  # fmt: skip
             with self._cond:
                 lane = self._lanes.get(msg.invocation_id)
-            if lane is not None:
-                self._done(lane, msg)
+            try:
+                if lane is not None:
+                    self._done(lane, msg)
+            except OSError as exc:  # settled, but still on disk: the sender deals with it
+                log.warning("invocation %s: settling its ack failed: %s", msg.invocation_id, exc)
+                self._hand_back(msg)
+                continue
             with self._cond:
                 self._riding.discard(msg.path)
-            obs.ACKS.labels(via="poll").inc()
+            if answer.get("ok"):
+                obs.ACKS.labels(via="poll").inc()
             settled = True
         if settled and self._on_sent is not None:
             self._on_sent(True)
+
+    def _hand_back(self, msg: Message) -> None:
+        """An ack a poll carried but did not settle: the sender's (no poll takes it again)."""
+        with self._cond:
+            self._riding.discard(msg.path)
+            self._senders.add(msg.path)
+            self._wake_locked()
 
     def has_room(self) -> bool:
         """Whether the messages on disk stay below ``max_bytes`` (a finished job may spill its
@@ -563,6 +575,8 @@ class Outbox:
             if lane.messages and lane.messages[0] is msg:
                 lane.messages.popleft()
                 self._count_disk(-msg.size)
+            self._senders.discard(msg.path)
+            self._held.pop(msg.path, None)
         self._served(lane)
 
     def _replay(self) -> None:

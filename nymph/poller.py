@@ -11,7 +11,8 @@ rejected (``on_auth``). Each answer's commands go to ``dispatch``, and the answe
 A poll carries the acks the outbox has ready (``take_acks``; see :mod:`nymph.outbox`): they are
 written with the claim that refills the slots, so a busy node spends one request per invocation.
 Such a poll does not wait (``timeout_s`` 0: its acks are answered at once, and the next poll
-waits); its answer's ``acked`` (or its failure) goes back to ``acks_answered``.
+waits) and is tried once; its answer's ``acked``, or its failure, goes back to ``acks_answered``
+(a failed one hands them to the outbox's sender, and the usual poll follows).
 :meth:`Poller.poll_soon` says when another poll is about to start, so the outbox holds an ack put
 meanwhile for it: while every slot is busy (the next release starts a poll at once), and while a
 poll is in flight after one that claimed work (the queue has a backlog, so it comes back at once).
@@ -143,43 +144,64 @@ class Poller:
             "timeout_s": timeout_s,
             "version": __version__,
         }
-        acks = self._take_acks(worker_id, POLL_ACKS_MAX) if self._take_acks is not None else []
-        if acks:
-            body["acks"] = [msg.body for msg in acks]
-            body["timeout_s"] = 0.0  # answered at once: its acks are settled without a wait
         self._in_flight = True
         try:
-            answer = retrying(self._stopping)(self._client.poll, body, timeout_s=timeout_s)
-        except BaseException as exc:
-            self._in_flight = self._claimed = False
-            if acks:
-                self._answered(acks, None)  # back to the outbox's sender
-            if isinstance(exc, AuthRejected):
-                obs.POLLS.labels(outcome="auth").inc()
-                self._on_auth(exc)
-                return False
-            if not isinstance(exc, ClientError):
-                raise
+            answer = self._poll_with_acks(body, timeout_s)
+            if answer is None:  # no acks to carry, or their poll failed: the usual poll, with retries
+                answer = retrying(self._stopping)(self._client.poll, body, timeout_s=timeout_s)
+        except AuthRejected as exc:
+            self._claimed = False
+            obs.POLLS.labels(outcome="auth").inc()
+            self._on_auth(exc)
+            return False
+        except ClientError as exc:
+            self._claimed = False
             obs.POLLS.labels(outcome="error").inc()
             if not self._stopping.is_set():
                 log.error("poll refused: %s", exc)
                 self._stopping.wait(REFUSED_PAUSE_S)
             return True
-        if acks:
-            acked = answer.get("acked")
-            self._answered(acks, acked if isinstance(acked, list) else None)
+        except BaseException:
+            self._claimed = False
+            raise
+        finally:
+            self._in_flight = False
+        carried = bool(answer.get("acked"))
         self.last_ok = True
         commands = answer.get("commands") or []
-        self._in_flight, self._claimed = False, bool(commands)
+        self._claimed = bool(commands)
         obs.POLLS.labels(outcome="claimed" if commands else "empty").inc()
         self._pet()
         for command in commands:
             self._dispatch(command)
         self._on_answer(answer)
-        if not commands and not acks:
+        if not commands and not carried:
             # jitter between empty long polls, so a fleet does not poll in lockstep
             self._stopping.wait(random.uniform(0.0, 0.05))
         return True
+
+    def _poll_with_acks(self, body: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
+        """One poll carrying the acks the outbox has ready, answered at once (``timeout_s`` 0):
+        its answer, or None when there were none or it failed. Tried once: a failure hands the
+        acks back to the outbox's sender (their route has its own retries; a refused poll must not
+        hold them) and the caller polls as usual."""
+        if self._take_acks is None:
+            return None
+        acks = self._take_acks(str(body["worker_id"]), POLL_ACKS_MAX)
+        if not acks:
+            return None
+        carrying = {**body, "acks": [msg.body for msg in acks], "timeout_s": 0.0}
+        try:
+            answer = self._client.poll(carrying, timeout_s=timeout_s)
+        except BaseException as exc:
+            self._answered(acks, None)
+            if not isinstance(exc, ClientError):
+                raise
+            log.debug("a poll carrying %d ack(s) failed; they go on their own: %s", len(acks), exc)
+            return None
+        acked = answer.get("acked")
+        self._answered(acks, acked if isinstance(acked, list) else None)
+        return answer
 
     def _answered(self, acks: list[Any], answers: list[Any] | None) -> None:
         if self._acks_answered is None:
