@@ -60,6 +60,7 @@ from dreamlake.lakeshore.client import error_for
 from nymph import observability as obs
 from nymph.client import ClientError, ControlPlaneClient, FatalError, is_retryable
 from nymph.errors import is_disk_full
+from nymph.safeio import write_all
 
 if TYPE_CHECKING:
     from nymph.pump import Batch, Pump, Watcher
@@ -204,10 +205,11 @@ class Outbox:
         tmp = path.with_name(path.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            with open(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
+            try:
+                write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)

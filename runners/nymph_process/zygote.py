@@ -87,9 +87,12 @@ PRELOAD = (
 
 
 def _ticks(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+    try:  # os.read, not open(): no file object per fork (and per child: the entry lock)
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            stat = os.read(fd, 4096)  # a few hundred bytes: comm is at most 16
+        finally:
+            os.close(fd)
         return int(stat[stat.rindex(b")") + 2 :].split()[19])  # field 22 (starttime)
     except (OSError, ValueError, IndexError):
         return None
