@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import random
 import threading
@@ -155,7 +154,6 @@ class Outbox:
         self._held: dict[Path, float] = {}  # acks held for an imminent poll: until then (monotonic)
         self._senders: set[Path] = set()  # acks a poll handed back: the sender's from then on
         self._poll_imminent = poll_imminent
-        self._hold_until = math.inf  # the earliest hold the sender's last pass skipped
         self._next_lane: str | None = None  # round robin: serve this lane first
         self._peak_bytes = 0
         self.max_bytes = max_bytes
@@ -414,15 +412,14 @@ class Outbox:
 
     def _idle(self) -> None:
         with self._cond:
-            hold_until, self._hold_until = self._hold_until, math.inf
             if self._woken:
                 self._woken = False
                 return
             wait = _IDLE_S
             if self._paused_until:
                 wait = max(0.0, min(wait, self._paused_until - time.monotonic()))
-            if hold_until < math.inf:  # a held ack is the sender's once its poll did not come
-                wait = max(0.0, min(wait, hold_until - time.monotonic()))
+            if self._held:  # a held ack is the sender's once its poll did not come
+                wait = max(0.0, min(wait, min(self._held.values()) - time.monotonic()))
             self._cond.wait(wait)
             self._woken = False
 
@@ -467,7 +464,6 @@ class Outbox:
                 until = self._held.get(msg.path)
                 if until is not None:
                     if time.monotonic() < until:
-                        self._hold_until = min(self._hold_until, until)
                         continue  # held for the poll about to start
                     del self._held[msg.path]
                 self._sending = msg

@@ -144,28 +144,18 @@ class Poller:
             "timeout_s": timeout_s,
             "version": __version__,
         }
-        self._in_flight = True
         try:
-            answer = self._poll_with_acks(body, timeout_s)
-            if answer is None:  # no acks to carry, or their poll failed: the usual poll, with retries
-                answer = retrying(self._stopping)(self._client.poll, body, timeout_s=timeout_s)
+            answer = self._request(body, timeout_s)
         except AuthRejected as exc:
-            self._claimed = False
             obs.POLLS.labels(outcome="auth").inc()
             self._on_auth(exc)
             return False
         except ClientError as exc:
-            self._claimed = False
             obs.POLLS.labels(outcome="error").inc()
             if not self._stopping.is_set():
                 log.error("poll refused: %s", exc)
                 self._stopping.wait(REFUSED_PAUSE_S)
             return True
-        except BaseException:
-            self._claimed = False
-            raise
-        finally:
-            self._in_flight = False
         carried = bool(answer.get("acked"))
         self.last_ok = True
         commands = answer.get("commands") or []
@@ -179,6 +169,21 @@ class Poller:
             # jitter between empty long polls, so a fleet does not poll in lockstep
             self._stopping.wait(random.uniform(0.0, 0.05))
         return True
+
+    def _request(self, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """The poll's answer: carrying the ready acks (:meth:`_poll_with_acks`), else the usual
+        poll with retries; :meth:`poll_soon` sees it in flight meanwhile."""
+        self._in_flight = True
+        answer: dict[str, Any] | None = None
+        try:
+            answer = self._poll_with_acks(body, timeout_s)
+            if answer is None:  # no acks to carry, or their poll failed
+                answer = retrying(self._stopping)(self._client.poll, body, timeout_s=timeout_s)
+            return answer
+        finally:
+            self._in_flight = False
+            if answer is None:
+                self._claimed = False
 
     def _poll_with_acks(self, body: dict[str, Any], timeout_s: float) -> dict[str, Any] | None:
         """One poll carrying the acks the outbox has ready, answered at once (``timeout_s`` 0):
