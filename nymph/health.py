@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -83,6 +84,10 @@ class RunnerHealth:
 
 
 DISK_CHECK_S = 1.0  # while space is short: how often free space is looked at again
+# while there is room: a check this soon after one that passed (at the same floor) passes without
+# looking again (a busy nymph polls, and so checked, once per invocation: two statfs calls each); a
+# write that meets ENOSPC in between still pauses claims at once (DiskHealth.full)
+DISK_RECHECK_S = 0.25
 RESUME_MIN_BYTES = 1024 * 1024  # after a full disk, claims resume above this even with a floor of 0
 
 
@@ -104,10 +109,18 @@ class DiskHealth:
         self.ok.set()
         self.problem: str | None = None
         self._full_seen = False  # a write failed with ENOSPC: stay paused until there is room again
+        self._passed: tuple[float, int] | None = None  # (monotonic time, floor) of the last check that passed
+        self._problems = 0  # problems so far: a check that began before one cannot clear it
 
     def check(self) -> bool:
         """Look at free space now; True when every filesystem is above the floor. Never raises."""
-        floor = max(self.min_free_bytes, RESUME_MIN_BYTES if self._full_seen else 0)
+        with self._lock:
+            floor = max(self.min_free_bytes, RESUME_MIN_BYTES if self._full_seen else 0)
+            problems = self._problems
+        now = time.monotonic()
+        passed = self._passed
+        if passed is not None and passed[1] == floor and now - passed[0] < DISK_RECHECK_S:
+            return True
         short: list[str] = []
         for path in self._paths:
             try:
@@ -121,8 +134,12 @@ class DiskHealth:
             self._set_problem("; ".join(short))
             return False
         with self._lock:
+            if self._problems != problems:  # a write met a full disk while this one looked: it stands
+                return False
             was, self.problem, self._full_seen = self.problem, None, False
-            self.ok.set()
+            if not self.ok.is_set():
+                self.ok.set()
+            self._passed = (now, floor)
         if was is not None:
             log.warning("disk space is back (%s); claiming work again", ", ".join(map(str, self._paths)))
             self._notify.status("disk space ok")
@@ -139,6 +156,8 @@ class DiskHealth:
             first = self.problem is None
             self.ok.clear()
             self.problem = problem
+            self._passed = None
+            self._problems += 1
         if first:
             log.error(
                 "disk full: %s -- no new claims until there is room (free space on %s, or lower "

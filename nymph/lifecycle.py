@@ -8,7 +8,8 @@
        |  JobRefused          |  stopped before the start                        |  exit status, or
        +----------------------+---------------------------------------------------+  a stop (ladder)
 
-A :class:`SupervisedJob` runs its steps in a thread of its own (:meth:`~SupervisedJob.start_thread`).
+A :class:`SupervisedJob` runs its steps in a thread of its own (:meth:`~SupervisedJob.start_thread`:
+an idle one of :data:`JOB_THREADS`, which outlive their jobs, or a new one when none is idle).
 While its task runs it holds no thread when it can: a *parkable* job (invocations) whose runner has
 an exit fd (:class:`nymph.runner.Watching`: the process runner) is parked in the one supervisor loop
 (:mod:`nymph.supervisor`) once started, its thread ends, and the loop hands it back to a pool thread
@@ -45,7 +46,9 @@ from __future__ import annotations
 
 import abc
 import enum
+import itertools
 import logging
+import queue
 import random
 import threading
 import time
@@ -145,6 +148,55 @@ class Stop:
 _PARKED = object()  # what a lifecycle body returns when it parked the job (its thread ends, not the job)
 
 
+class JobThreads:
+    """Daemon threads for job bodies, one body at a time each: a body goes to an idle thread when
+    there is one, else to a new thread; a thread idle for ``idle_s`` ends. A busy nymph so starts
+    no thread per job (a thread's start and end cost about twice a hand-over to one that waits),
+    and a body never waits for a thread (each may block for its task's whole run)."""
+
+    def __init__(self, idle_s: float = 30.0) -> None:
+        self.idle_s = idle_s
+        self._lock = threading.Lock()
+        self._idle = 0  # threads waiting for a body that no run() has counted on yet
+        self._bodies: queue.SimpleQueue[tuple[Callable[[], None], str]] = queue.SimpleQueue()
+        self._names = itertools.count(1)
+
+    def run(self, body: Callable[[], None], name: str) -> None:
+        with self._lock:
+            handed = self._idle > 0
+            if handed:
+                self._idle -= 1
+        if handed:
+            self._bodies.put((body, name))
+        else:
+            threading.Thread(target=self._serve, args=(body, name), name=name, daemon=True).start()
+
+    def _serve(self, body: Callable[[], None], name: str) -> None:
+        me = threading.current_thread()
+        while True:
+            me.name = name
+            try:
+                body()
+            except BaseException:  # a body guards itself (SupervisedJob.guarded); this thread goes on
+                log.exception("job thread: %s raised", name)
+            me.name = f"nymph-job-idle-{next(self._names)}"
+            with self._lock:
+                self._idle += 1
+            while True:
+                try:
+                    body, name = self._bodies.get(timeout=self.idle_s)
+                    break
+                except queue.Empty:
+                    with self._lock:
+                        if self._idle > 0:  # no run() counts on a waiting thread: one of them ends
+                            self._idle -= 1
+                            return
+                    # every waiting thread was counted on: a body is on its way
+
+
+JOB_THREADS = JobThreads()
+
+
 class SupervisedJob(abc.ABC, Generic[OutcomeT]):
     """The lifecycle of one claimed job; subclasses say what each step does."""
 
@@ -168,7 +220,7 @@ class SupervisedJob(abc.ABC, Generic[OutcomeT]):
         self._gpus: list[str] = []
         self._stop_event = threading.Event()
         self._destroyed = False
-        self._thread: threading.Thread | None = None
+        self._launched = False  # start_thread() was called
         self._parked: Parked | None = None  # waiting in the supervisor loop, no thread of its own
         self._finished = threading.Event()  # released: the whole lifecycle is over
 
@@ -205,15 +257,13 @@ class SupervisedJob(abc.ABC, Generic[OutcomeT]):
             supervisor.poke(parked)
 
     def start_thread(self, target: Callable[[], None] | None = None) -> None:
-        """Run ``target`` (:meth:`run` by default) in the job's own thread."""
-        self._thread = threading.Thread(
-            target=target or self.run, name=f"nymph-{self.kind}-{self.job_id}", daemon=True
-        )
-        self._thread.start()
+        """Run ``target`` (:meth:`run` by default) in a thread of the job's own (:data:`JOB_THREADS`)."""
+        self._launched = True
+        JOB_THREADS.run(target or self.run, f"nymph-{self.kind}-{self.job_id}")
 
     def join(self, timeout: float | None = None) -> None:
         """Wait until the job's lifecycle is over (released), parked time included."""
-        if self._thread is not None:
+        if self._launched:
             self._finished.wait(timeout)
 
     # --- the steps, the subclass's ---------------------------------------------------------------

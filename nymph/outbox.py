@@ -141,7 +141,9 @@ class Outbox:
         self._on_full = on_full
         self._max_backoff_s = max_backoff_s
         self.watcher = watcher or Watcher()
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)  # the sender waits on it: something may be ready to send
+        self._settled = threading.Condition(lock)  # flush() waits on it: a lane was settled or emptied
         self._lanes: OrderedDict[str, _Lane] = OrderedDict()
         self._seq = 0
         self._stop = threading.Event()
@@ -224,12 +226,28 @@ class Outbox:
         """One frame as a durable message (``/v1/daemon/result-chunk``); streams use open_stream."""
         self.put(CHUNK, body)
 
-    def open_stream(self, pump: Pump) -> None:
-        """Deliver ``pump``'s frames ahead of any message of its invocation put after this call."""
+    def open_stream(self, pump: Pump, *, wake: bool = True) -> None:
+        """Deliver ``pump``'s frames ahead of any message of its invocation put after this call;
+        ``wake``: whether the sender has something to send already (a fresh stream has nothing
+        until its pump wakes it)."""
         with self._cond:
             lane = self._lane(pump.invocation_id)
             lane.stream = pump
-            self._wake_locked()
+            if wake:
+                self._wake_locked()
+
+    def close_stream(self, pump: Pump) -> None:
+        """``pump`` is done (delivered, refused or halted): the messages behind it may go, and the
+        sender is woken only when there are some."""
+        with self._cond:
+            lane = self._lanes.get(pump.invocation_id)
+            if lane is None or lane.stream is not pump:
+                return
+            lane.stream = None
+            if lane.messages:
+                self._wake_locked()
+            else:
+                self._drop_if_empty(lane)
 
     def take_acks(self, worker_id: str, limit: int) -> list[Message]:
         """Up to ``limit`` acks for a poll to carry (see the module docstring): each at the head of
@@ -380,13 +398,14 @@ class Outbox:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                self._cond.wait(min(left, 0.1))
+                self._settled.wait(min(left, 0.1))
         return True
 
     def stop(self) -> None:
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
+            self._settled.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
         self.watcher.close()
@@ -478,7 +497,7 @@ class Outbox:
     def _drop_if_empty(self, lane: _Lane) -> None:
         if lane.empty and self._lanes.get(lane.key) is lane:
             del self._lanes[lane.key]
-            self._cond.notify_all()
+            self._settled.notify_all()
 
     def _served(self, lane: _Lane) -> None:
         """A request of ``lane`` was settled: reset the backoff, let the next lane go first."""
@@ -491,7 +510,7 @@ class Outbox:
                 self._next_lane = keys[(i + 1) % len(keys)]
             lane.since = time.time()
             self._drop_if_empty(lane)
-            self._cond.notify_all()
+            self._settled.notify_all()
 
     def _send_batch(self, lane: _Lane, stream: Pump, batch: Batch) -> None:
         body = {

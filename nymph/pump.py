@@ -65,7 +65,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -269,8 +269,10 @@ class Pump:
         nymph's): with no file the entry counts nothing delivered, which a fresh stream's is."""
         if not self._script and (self.delivered_seq >= 0 or self._offsets[FRAMES] > 0):
             self._write_watermark()
-        self._outbox.open_stream(self)
-        self._watch = self._outbox.watcher.add(self.workdir, self._on_write)
+        self._watch = self._outbox.watcher.add(self.workdir, self._on_write, names=(FRAMES, STDOUT, STDERR))
+        # the sender is woken only when there is something to send: a write from now on is heard by
+        # the watcher; what the task wrote before the watch (it started first) is seen here
+        self._outbox.open_stream(self, wake=self.has_frames)
 
     def _on_write(self) -> None:
         """The watcher saw a write (or ticked): account the window, then wake the sender."""
@@ -282,10 +284,13 @@ class Pump:
         self._outbox.wake()
 
     def stop(self) -> None:
-        """The task ended: what is in the files now is all there will be."""
+        """The task ended: what is in the files now is all there will be (the sender is woken
+        when some of it is still to be sent; a stream with nothing left ends with its drain)."""
         with self._lock:
             self._ended = True
-        self._outbox.wake()
+            done = self.done
+        if not done:
+            self._outbox.wake()
 
     def finish(self, kind: int, body: bytes | dict[str, Any]) -> None:
         """Close the stream with END or ERROR after the journal, unless it holds a final frame."""
@@ -771,7 +776,7 @@ class Pump:
                 self._fd = None
         if watch is not None:
             self._outbox.watcher.remove(watch)
-        self._outbox.wake()
+        self._outbox.close_stream(self)
 
     def _load_state(self) -> dict[str, Any]:
         try:
@@ -830,8 +835,11 @@ def _header(head: bytes | bytearray) -> tuple[int, int]:
 
 # --- the watcher ------------------------------------------------------------------------------------
 
+# what a pump needs to hear of: bytes written to a file (``write``, ``truncate``, ``splice``: a task's
+# output, the entry's journal; the same from a container or a Slurm step through a bind mount), a
+# file created, or one renamed into place. Not IN_CLOSE_WRITE: closing adds no bytes, and every
+# task's exit closes its logs (and its entry lock), which woke the sender for nothing on every call.
 _IN_MODIFY = 0x002
-_IN_CLOSE_WRITE = 0x008
 _IN_MOVED_TO = 0x080
 _IN_CREATE = 0x100
 _IN_NONBLOCK = 0o4000
@@ -841,10 +849,17 @@ TICK_S = 1.0  # with inotify: a safety re-check of every watched workdir
 
 
 class _Watch:
-    def __init__(self, path: Path, callback: Callable[[], None], wd: int | None) -> None:
+    def __init__(
+        self, path: Path, callback: Callable[[], None], wd: int | None, names: frozenset[bytes] | None
+    ) -> None:
         self.path = path
         self.callback = callback
         self.wd = wd  # None: polled
+        self.names = names  # the files whose events fire it; None: any
+
+    def hears(self, name: bytes) -> bool:
+        """Whether an event on ``name`` (empty: the directory itself, as ``IN_IGNORED``) fires it."""
+        return self.names is None or not name or name in self.names
 
 
 class Watcher:
@@ -878,17 +893,23 @@ class Watcher:
     def inotify(self) -> bool:
         return self._fd >= 0
 
-    def add(self, path: Path, callback: Callable[[], None]) -> _Watch:
+    def add(self, path: Path, callback: Callable[[], None], names: Iterable[str] | None = None) -> _Watch:
+        """Call ``callback`` (on the watcher's thread) when a file in ``path`` is written, created or
+        renamed into place, or only one of ``names`` when they are given (a task's own files, such as
+        its entry lock or a temporary result, then wake nobody); and once a tick (:data:`TICK_S`)
+        whatever happened, in case an event was missed."""
         wd: int | None = None
         if self._fd >= 0:
-            mask = _IN_MODIFY | _IN_CLOSE_WRITE | _IN_MOVED_TO | _IN_CREATE
+            mask = _IN_MODIFY | _IN_MOVED_TO | _IN_CREATE
             got = int(_LIBC.inotify_add_watch(self._fd, os.fsencode(path), mask))
             if got >= 0:
                 wd = got
             else:
                 log.warning("cannot watch %s with inotify (%s); polling it every %gs",
                             path, os.strerror(ctypes.get_errno()), self._poll_s)  # fmt: skip
-        watch = _Watch(path, callback, wd)
+        watch = _Watch(
+            path, callback, wd, None if names is None else frozenset(os.fsencode(n) for n in names)
+        )
         with self._lock:
             self._watches[id(watch)] = watch
             if wd is not None:
@@ -896,7 +917,8 @@ class Watcher:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="nymph-watcher", daemon=True)
                 self._thread.start()
-        self._poke()
+        if wd is None:  # a polled watch changes the loop's timeout; an inotify one needs no wake-up
+            self._poke()
         return watch
 
     def remove(self, watch: _Watch) -> None:
@@ -968,7 +990,8 @@ class Watcher:
             with self._lock:
                 while pos + _EVENT.size <= len(buf):
                     wd, _mask, _cookie, length = _EVENT.unpack_from(buf, pos)
+                    name = buf[pos + _EVENT.size : pos + _EVENT.size + length].rstrip(b"\0")
                     pos += _EVENT.size + length
                     watch = self._by_wd.get(wd)
-                    if watch is not None:
+                    if watch is not None and watch.hears(name):
                         fired[id(watch)] = watch

@@ -31,7 +31,7 @@ ID2 = "01HZZZZZZZZZZZZZZZZZZZZZZY"
 
 
 class _NoWatcher:
-    def add(self, path: Path, callback: Any) -> object:
+    def add(self, path: Path, callback: Any, names: Any = None) -> object:
         return object()
 
     def remove(self, watch: object) -> None:
@@ -61,8 +61,13 @@ class _Outbox:
     # the stream side: a pump's frames are "delivered" at once, whenever it wakes the outbox
     watcher = _NoWatcher()
 
-    def open_stream(self, pump: Any) -> None:
+    def open_stream(self, pump: Any, *, wake: bool = True) -> None:
         self.streams = [*getattr(self, "streams", []), pump]
+        if wake:
+            self.wake()
+
+    def close_stream(self, pump: Any) -> None:
+        pass
 
     def wake(self) -> None:
         for pump in getattr(self, "streams", []):

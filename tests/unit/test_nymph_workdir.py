@@ -110,6 +110,9 @@ class _Recorder:
     def wake(self) -> None:
         pass
 
+    def close_stream(self, pump: Pump) -> None:
+        pass
+
     def note_undelivered(self, nbytes: int) -> None:
         pass
 
