@@ -56,6 +56,23 @@ def _directory(directory: Path) -> Iterator[int]:
         os.close(fd)
 
 
+def read_all(fd: int, limit: int | None = None) -> bytes:
+    """``os.read`` from ``fd``'s position to its end, or ``limit`` bytes (no file object, as in
+    :func:`write_all`)."""
+    chunks: list[bytes] = []
+    total = 0
+    while limit is None or total < limit:
+        chunk = os.read(fd, _READ_CHUNK if limit is None else min(_READ_CHUNK, limit - total))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+_READ_CHUNK = 1 << 20
+
+
 def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
     """``os.write`` until all of ``data`` is written (no file object: its set-up costs an fstat,
     an ioctl and an lseek per file, on paths every invocation takes)."""
@@ -125,8 +142,8 @@ def _open_checked(directory: Path, name: str, flags: int, mode: int, *, own: boo
             why = _refusal(st, owner, own=own)
             if why is not None:
                 raise UnsafeFile(f"{directory / name}: {why}; not used")
-            if flags & os.O_NONBLOCK:
-                os.set_blocking(fd, True)
+            # O_NONBLOCK only kept the open from blocking on a FIFO; a regular file (all that passes
+            # the rule) reads and writes the same with it, so it is not cleared (one ioctl less)
         except BaseException:
             os.close(fd)
             raise
@@ -160,8 +177,10 @@ def read_own(directory: Path, name: str, limit: int = 1 << 20) -> bytes | None:
     except OSError as exc:  # ELOOP: a symbolic link; ENOTDIR, EACCES ...
         log.warning("%s: cannot open safely (%s); not used", directory / name, exc.strerror or exc)
         return None
-    with os.fdopen(fd, "rb") as fh:
-        return fh.read(limit)
+    try:
+        return read_all(fd, limit)
+    finally:
+        os.close(fd)
 
 
 def exists_own(directory: Path, name: str) -> bool:
@@ -187,13 +206,25 @@ def open_output(directory: Path, name: str) -> BinaryIO | None:
     return os.fdopen(fd, "rb")
 
 
-def read_output(directory: Path, name: str) -> bytes | None:
-    """All of ``directory/name`` (see :func:`open_output`); None when absent or refused."""
-    fh = open_output(directory, name)
-    if fh is None:
+def read_output(directory: Path, name: str, tail: int | None = None) -> bytes | None:
+    """All of ``directory/name`` (see :func:`open_output`), or its last ``tail`` bytes; None when
+    absent or refused."""
+    try:
+        fd = _open_checked(directory, name, _READ_FLAGS, 0, own=False)
+    except FileNotFoundError:
         return None
-    with fh:
-        return fh.read()
+    except UnsafeFile as exc:
+        log.warning("%s", exc)
+        return None
+    except OSError as exc:
+        log.warning("%s: cannot open safely (%s); not read", directory / name, exc.strerror or exc)
+        return None
+    try:
+        if tail is not None:
+            os.lseek(fd, max(0, os.fstat(fd).st_size - tail), os.SEEK_SET)
+        return read_all(fd)
+    finally:
+        os.close(fd)
 
 
 def open_fd(directory: Path, name: str, flags: int, mode: int = 0o600) -> int:

@@ -210,16 +210,11 @@ def leftovers(root: Path) -> list[Path]:
 def tail(path: Path, limit: int = 4000) -> str:
     """The last ``limit`` bytes of a file the task wrote, decoded as UTF-8; empty when it cannot be
     read (or is not the task's to show: see :func:`nymph.safeio.open_output`)."""
-    fh = safeio.open_output(path.parent, path.name)
-    if fh is None:
-        return ""
     try:
-        with fh:
-            fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - limit))
-            return fh.read().decode("utf-8", "replace")
+        data = safeio.read_output(path.parent, path.name, tail=limit)
     except OSError:
         return ""
+    return "" if data is None else data.decode("utf-8", "replace")
 
 
 def read_outcome(

@@ -781,7 +781,10 @@ class ProcessRunner:
             reason = f"signal {-code}" if code != -1 or known else None
         if code == -1 and not known:
             reason = "exit status unknown (re-attached after a nymph restart)"
-        return ExitStatus(exit_code=code, reason=reason, logs=log_tail(handle_workdir(handle)))
+        # the tail of the logs says why a task failed; a task that exited 0 needs none
+        return ExitStatus(
+            exit_code=code, reason=reason, logs=log_tail(handle_workdir(handle)) if code else None
+        )
 
 
 def _interpreter_key(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:

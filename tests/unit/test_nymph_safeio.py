@@ -158,3 +158,15 @@ def test_strip_token_removes_the_token_and_nothing_else() -> None:
         "--token",
     ]
     assert strip_token(argv) == ["/py", "-m", "nymph", "start", "--queue", "q", "--", "--token"]
+
+
+def test_reads_give_the_whole_file_its_tail_or_its_head(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 5000  # past one read's chunk
+    (tmp_path / "result.msgpack").write_bytes(data)
+    assert safeio.read_output(tmp_path, "result.msgpack") == data
+    assert safeio.read_output(tmp_path, "result.msgpack", tail=300) == data[-300:]
+    assert safeio.read_output(tmp_path, "result.msgpack", tail=len(data) * 2) == data
+    assert safeio.read_own(tmp_path, "result.msgpack", limit=10) == data[:10]
+    (tmp_path / "empty.log").touch()
+    assert safeio.read_output(tmp_path, "empty.log") == b""
+    assert safeio.read_output(tmp_path, "absent.log") is None
