@@ -208,6 +208,19 @@ class TaskCgroups:
             time.sleep(_POLL_S)
         return True
 
+    @staticmethod
+    def try_remove(path: Path) -> bool:
+        """Remove the cgroup if it is empty (no live process left: the common end of a task, and
+        one ``rmdir`` where a look at ``cgroup.events`` first would read a file twice); True when it
+        is gone, False when something is still in it (``EBUSY``) or it cannot be removed now."""
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return True
+
     def remove(self, path: Path, limit_s: float = 10.0) -> None:
         """Kill what is left and remove the cgroup; a gone cgroup is fine."""
         if not path.exists():

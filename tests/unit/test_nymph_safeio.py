@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -170,3 +172,28 @@ def test_reads_give_the_whole_file_its_tail_or_its_head(tmp_path: Path) -> None:
     (tmp_path / "empty.log").touch()
     assert safeio.read_output(tmp_path, "empty.log") == b""
     assert safeio.read_output(tmp_path, "absent.log") is None
+
+
+def test_try_remove_removes_an_empty_task_cgroup_and_leaves_a_busy_one(tmp_path: Path) -> None:
+    mount, own = cgroup2_mount(), own_cgroup()
+    if mount is None or own is None:
+        pytest.skip("no cgroup v2 here")
+    base = mount / own.lstrip("/") / "nymph-tasks"
+    try:
+        tree = TaskCgroups(base)
+        path = tree.create(f"nymph-test-try-remove-{os.getpid()}")
+    except OSError as exc:
+        pytest.skip(f"cannot create task cgroups here: {exc}")
+    proc = subprocess.Popen(["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec sleep 30', str(path)])
+    try:
+        deadline = time.monotonic() + 10
+        while not tree.populated(path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tree.populated(path)
+        assert tree.try_remove(path) is False and path.exists()  # busy: left for the kill
+    finally:
+        proc.kill()
+        proc.wait()
+    assert tree.wait_empty(path, 10.0)
+    assert tree.try_remove(path) is True and not path.exists()
+    assert tree.try_remove(path) is True  # gone already: fine
