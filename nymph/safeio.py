@@ -209,8 +209,37 @@ def open_output(directory: Path, name: str) -> BinaryIO | None:
 def read_output(directory: Path, name: str, tail: int | None = None) -> bytes | None:
     """All of ``directory/name`` (see :func:`open_output`), or its last ``tail`` bytes; None when
     absent or refused."""
+    fd = _output_fd(directory, name)
+    if fd is None:
+        return None
     try:
-        fd = _open_checked(directory, name, _READ_FLAGS, 0, own=False)
+        if tail is not None:
+            os.lseek(fd, max(0, os.fstat(fd).st_size - tail), os.SEEK_SET)
+        return read_all(fd)
+    finally:
+        os.close(fd)
+
+
+def read_output_within(directory: Path, name: str, limit: int | None) -> tuple[bytes | None, int]:
+    """``(all of directory/name, its size)`` when it holds at most ``limit`` bytes (None: any),
+    ``(None, its size)`` when it holds more (left on disk, not read), ``(None, -1)`` when absent or
+    refused (see :func:`open_output`): one open for both the size and the bytes."""
+    fd = _output_fd(directory, name)
+    if fd is None:
+        return None, -1
+    try:
+        size = os.fstat(fd).st_size
+        if limit is not None and size > limit:
+            return None, size
+        data = read_all(fd)
+        return data, len(data)
+    finally:
+        os.close(fd)
+
+
+def _output_fd(directory: Path, name: str) -> int | None:
+    try:
+        return _open_checked(directory, name, _READ_FLAGS, 0, own=False)
     except FileNotFoundError:
         return None
     except UnsafeFile as exc:
@@ -219,12 +248,6 @@ def read_output(directory: Path, name: str, tail: int | None = None) -> bytes | 
     except OSError as exc:
         log.warning("%s: cannot open safely (%s); not read", directory / name, exc.strerror or exc)
         return None
-    try:
-        if tail is not None:
-            os.lseek(fd, max(0, os.fstat(fd).st_size - tail), os.SEEK_SET)
-        return read_all(fd)
-    finally:
-        os.close(fd)
 
 
 def open_fd(directory: Path, name: str, flags: int, mode: int = 0o600) -> int:

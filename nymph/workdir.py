@@ -232,14 +232,11 @@ def read_outcome(
 
             return Outcome("succeeded", wire.pack({"exit_code": 0}))
         return Outcome.failed("ScriptFailed", f"script exited with code {code}{reason}", tail(path / STDERR))
-    if big is not None and (code == 0 or status is None):
-        fh = safeio.open_output(path, RESULT)
-        if fh is not None:
-            with fh:
-                size = os.fstat(fh.fileno()).st_size
-            if size > big:
-                return Outcome("succeeded", b"", None, {"result_file": RESULT, "result_size": size})
-    result = safeio.read_output(path, RESULT) if code == 0 or status is None else None
+    result = None
+    if code == 0 or status is None:
+        result, size = safeio.read_output_within(path, RESULT, big)
+        if result is None and size >= 0:  # over ``big``: left on disk
+            return Outcome("succeeded", b"", None, {"result_file": RESULT, "result_size": size})
     if code == 0 or result is not None:
         if result is None:
             return Outcome.failed("MissingResult", "the entry exited 0 but left no result.msgpack")
