@@ -233,6 +233,9 @@ class PlaneClient:
             request["headers"] = {"Content-Type": MSGPACK}
         if timeout_s is not None:
             request["timeout_s"] = timeout_s
+        tries = self.attempts if attempts is None else attempts
+        if tries is not None and tries <= 1:  # one try (nymph's every call): no policy to build and run
+            return self._once(method, path, request)
         return self.policy(attempts)(self._once, method, path, request)
 
     def policy(self, attempts: int | None = None) -> tenacity.Retrying:
