@@ -230,9 +230,12 @@ class Zygote:
             blob = base64.b64decode(req["args"])
             run_args = getattr(entry, "run_args", None)
             if run_args is not None:
+                # fds 1 and 2 append to the workdir's logs already (above): an entry that can be told
+                # so does not open them again
+                captured = "captured" in getattr(getattr(run_args, "__code__", None), "co_varnames", ())
 
                 def main() -> int:
-                    return int(run_args(blob))
+                    return int(run_args(blob, captured=True) if captured else run_args(blob))
 
             else:  # an entry from before run_args: the file it reads
                 try:

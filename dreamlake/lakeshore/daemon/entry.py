@@ -18,7 +18,8 @@ again with a short sleep (1 ms, doubling to 20 ms) until the window drains. With
 
 Output: with ``LAKESHORE_CAPTURE_OUTPUT=1`` (nymph sets it for every invocation) the entry first
 appends its own fd 1 and fd 2 to the workdir's ``stdout.log`` / ``stderr.log`` (``O_APPEND``, no
-link followed) and makes ``sys.stdout`` / ``sys.stderr`` line-buffered (each line reaches the file
+link followed; a child of the process runner's zygote has them so already) and makes
+``sys.stdout`` / ``sys.stderr`` line-buffered (each line reaches the file
 in one write as it is printed, as on a terminal; ``flush=True`` sends a partial line; a warm-forked
 entry's interpreter started long before any ``PYTHONUNBUFFERED`` could apply), so
 every runner, a container's or a Slurm job's as much as a spawned process, leaves the task's output
@@ -175,8 +176,13 @@ def _run_context(envelope: Envelope) -> ContextManager[Any]:
 
 def _write_atomic(name: str, data: bytes) -> None:
     tmp = f".{name}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)  # as open("wb")
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
     os.replace(tmp, name)
 
 
@@ -258,10 +264,11 @@ def _read_delivered(known: tuple[int, int]) -> tuple[int, int]:
         return known
 
 
-def capture_output() -> None:
+def capture_output(reopen: bool = True) -> None:
     """Append fd 1 / fd 2 to ``stdout.log`` / ``stderr.log`` of the cwd (the workdir) and make
     ``sys.stdout`` / ``sys.stderr`` line-buffered (see the module docstring). A file that
-    cannot be opened leaves that fd as it was, with one line on the old stderr."""
+    cannot be opened leaves that fd as it was, with one line on the old stderr. ``reopen=False``:
+    fd 1 and fd 2 are those files already (the zygote's child opened them): only the streams."""
     import io
 
     for fd, name, attr in ((1, STDOUT_FILE, "stdout"), (2, STDERR_FILE, "stderr")):
@@ -271,22 +278,28 @@ def capture_output() -> None:
                 old.flush()
         except (OSError, ValueError):
             pass
-        try:
-            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-            target = os.open(name, flags, 0o644)
-        except OSError as exc:
-            sys.stderr.write(f"lakeshore entry: cannot append {attr} to {name}: {exc.strerror}\n")
-            continue
-        try:
-            os.set_blocking(target, True)
-            os.dup2(target, fd)  # the copy at fd is inheritable: child processes write there too
-        finally:
-            os.close(target)
+        if reopen:
+            try:
+                _append_fd(fd, name)
+            except OSError as exc:
+                sys.stderr.write(f"lakeshore entry: cannot append {attr} to {name}: {exc.strerror}\n")
+                continue
         encoding = getattr(old, "encoding", None) or "utf-8"
         errors = "backslashreplace" if attr == "stderr" else (getattr(old, "errors", None) or "strict")
         buffer = io.BufferedWriter(io.FileIO(fd, "w", closefd=False))
         stream = io.TextIOWrapper(buffer, encoding=encoding, errors=errors, line_buffering=True)
         setattr(sys, attr, stream)
+
+
+def _append_fd(fd: int, name: str) -> None:
+    """Make ``fd`` append to ``name`` in the cwd (no link followed, no FIFO waited for)."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    target = os.open(name, flags, 0o644)
+    try:
+        os.set_blocking(target, True)
+        os.dup2(target, fd)  # the copy at fd is inheritable: child processes write there too
+    finally:
+        os.close(target)
 
 
 def _is_stream(fn: Callable[..., Any], result: Any) -> bool:
@@ -448,12 +461,13 @@ def main(argv: list[str] | None = None) -> int:
     return run()
 
 
-def run_args(blob: bytes) -> int:
+def run_args(blob: bytes, captured: bool = False) -> int:
     """:func:`main` in the current directory with the Envelope's bytes given, not read from
     ``args.msgpack``: what the process runner's zygote runs in a forked child when nymph handed it
-    the arguments over its socket (fewer files per invocation)."""
+    the arguments over its socket (fewer files per invocation). ``captured``: fd 1 and fd 2 append
+    to the workdir's logs already (the zygote's child opened them), so they are not opened again."""
     if os.environ.get(CAPTURE_ENV, "").strip().lower() in _TRUE:
-        capture_output()
+        capture_output(reopen=not captured)
     return run(blob)
 
 
