@@ -511,6 +511,8 @@ class Outbox:
             lane.since = time.time()
             self._drop_if_empty(lane)
             self._settled.notify_all()
+            if not lane.empty:  # settled by a poll (not the sender): what waits behind it goes now
+                self._wake_locked()
 
     def _send_batch(self, lane: _Lane, stream: Pump, batch: Batch) -> None:
         body = {

@@ -293,12 +293,20 @@ class Pump:
             self._outbox.wake()
 
     def finish(self, kind: int, body: bytes | dict[str, Any]) -> None:
-        """Close the stream with END or ERROR after the journal, unless it holds a final frame."""
+        """Close the stream with END or ERROR after the journal, unless it holds a final frame.
+
+        The stream goes (back) on its lane: after :meth:`stop` a stream with nothing left looks
+        done, and a pass of the sender in between lets go of it; its final frame must not then
+        wait for a spill."""
         with self._lock:
             self._ended = True
+            tail = not self.final_sent and not self._halted and self.refused is None
             if not self.final_sent:
                 self._tail = (kind, body)
-        self._outbox.wake()
+        if tail:
+            self._outbox.open_stream(self)
+        else:
+            self._outbox.wake()
 
     def halt(self) -> None:
         """Stop delivering (the job failed, was lost, or shuts down): the rest is left on disk."""

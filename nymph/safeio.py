@@ -142,8 +142,9 @@ def _open_checked(directory: Path, name: str, flags: int, mode: int, *, own: boo
             why = _refusal(st, owner, own=own)
             if why is not None:
                 raise UnsafeFile(f"{directory / name}: {why}; not used")
-            # O_NONBLOCK only kept the open from blocking on a FIFO; a regular file (all that passes
-            # the rule) reads and writes the same with it, so it is not cleared (one ioctl less)
+            # O_NONBLOCK only kept the open from blocking on a FIFO; nymph's own reads and writes of
+            # a regular file (all that passes the rule) are the same with it, so it stays (one ioctl
+            # less); an fd a task inherits is made blocking (open_append)
         except BaseException:
             os.close(fd)
             raise
@@ -266,8 +267,11 @@ def open_fd(directory: Path, name: str, flags: int, mode: int = 0o600) -> int:
 
 
 def open_append(directory: Path, name: str, mode: int = 0o644) -> int:
-    """An ``O_APPEND`` fd on ``directory/name`` (created if missing) for the task's output."""
-    return open_fd(directory, name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, mode)
+    """An ``O_APPEND`` fd on ``directory/name`` (created if missing) for the task's output: blocking,
+    as a task (and whatever it hands it to: io_uring, a FUSE server) expects its stdout to be."""
+    fd = open_fd(directory, name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, mode)
+    os.set_blocking(fd, True)
+    return fd
 
 
 def append_stream(directory: Path, name: str, chunks: Iterable[bytes], mode: int = 0o644) -> int:

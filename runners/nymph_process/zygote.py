@@ -232,7 +232,9 @@ class Zygote:
             if run_args is not None:
                 # fds 1 and 2 append to the workdir's logs already (above): an entry that can be told
                 # so does not open them again
-                captured = "captured" in getattr(getattr(run_args, "__code__", None), "co_varnames", ())
+                code = getattr(run_args, "__code__", None)
+                params = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount] if code else ()
+                captured = "captured" in params
 
                 def main() -> int:
                     return int(run_args(blob, captured=True) if captured else run_args(blob))

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from dreamlake.lakeshore import wire
 from nymph import health, pump
 from nymph.health import DiskHealth
 from nymph.outbox import Outbox
@@ -174,3 +175,25 @@ def test_a_check_that_began_before_a_write_met_a_full_disk_does_not_clear_it(
     assert not disk.ok.is_set() and "No space left on device" in (disk.problem or "")
     monkeypatch.setattr(health, "free_bytes", lambda path: 2**40)
     assert disk.check() is True and disk.ok.is_set()  # the next look finds room: claims resume
+
+
+def test_a_final_frame_after_a_sender_pass_let_go_of_a_done_looking_stream_is_still_streamed(
+    tmp_path: Path,
+) -> None:
+    """A script that wrote nothing: after stop() its stream looks done; a pass of the sender in
+    that moment (a watcher tick, another lane's write) lets go of it; the END frame finish() then
+    adds goes on the stream anyway, not only through a spill once the drain's patience ran out."""
+    plane = FakePlane()
+    box = Outbox(tmp_path / "state", plane.client(), max_backoff_s=0.05)
+    box.start()
+    try:
+        stream = Pump(_workdir(tmp_path), "inv1", 1, box, worker_id="me", script=True)
+        stream.start()
+        stream.stop()
+        box.wake()
+        time.sleep(0.2)  # the sender passes
+        stream.finish(wire.FRAME_END, wire.pack({"exit_code": 0}))
+        assert stream.drain(lambda: False, patience_s=1.0)
+        assert [route for route, _ in plane.received] == ["/v1/daemon/result-chunks"]
+    finally:
+        box.stop()

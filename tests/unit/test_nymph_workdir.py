@@ -110,6 +110,9 @@ class _Recorder:
     def wake(self) -> None:
         pass
 
+    def open_stream(self, pump: Pump, *, wake: bool = True) -> None:
+        pass
+
     def close_stream(self, pump: Pump) -> None:
         pass
 
