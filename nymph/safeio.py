@@ -194,17 +194,8 @@ def open_output(directory: Path, name: str) -> BinaryIO | None:
 
     Raises nothing: a missing file is None, a refused one is None and logged.
     """
-    try:
-        fd = _open_checked(directory, name, _READ_FLAGS, 0, own=False)
-    except FileNotFoundError:
-        return None
-    except UnsafeFile as exc:
-        log.warning("%s", exc)
-        return None
-    except OSError as exc:
-        log.warning("%s: cannot open safely (%s); not read", directory / name, exc.strerror or exc)
-        return None
-    return os.fdopen(fd, "rb")
+    fd = _output_fd(directory, name)
+    return None if fd is None else os.fdopen(fd, "rb")
 
 
 def read_output(directory: Path, name: str, tail: int | None = None) -> bytes | None:
@@ -239,6 +230,7 @@ def read_output_within(directory: Path, name: str, limit: int | None) -> tuple[b
 
 
 def _output_fd(directory: Path, name: str) -> int | None:
+    """An fd on ``directory/name`` under the rule of :func:`open_output`, or None (logged if refused)."""
     try:
         return _open_checked(directory, name, _READ_FLAGS, 0, own=False)
     except FileNotFoundError:
