@@ -223,7 +223,7 @@ class TaskCgroups:
 
     def remove(self, path: Path, limit_s: float = 10.0) -> None:
         """Kill what is left and remove the cgroup; a gone cgroup is fine."""
-        if not path.exists():
+        if self.try_remove(path):  # empty (or gone already): the common case, one rmdir
             return
         if self.populated(path):
             self.kill(path)

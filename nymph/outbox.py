@@ -509,8 +509,7 @@ class Outbox:
                 i = keys.index(lane.key)
                 self._next_lane = keys[(i + 1) % len(keys)]
             lane.since = time.time()
-            self._drop_if_empty(lane)
-            self._settled.notify_all()
+            self._drop_if_empty(lane)  # flush() is told when that emptied the outbox's last lane
             if not lane.empty:  # settled by a poll (not the sender): what waits behind it goes now
                 self._wake_locked()
 

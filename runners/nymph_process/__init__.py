@@ -393,13 +393,11 @@ class ProcessRunner:
             self.reap_orphans()  # what a killed worker's calls left, reparented to nymph
             return
         cgroup = self._cgroup_of(handle)
-        if cgroup is not None and cgroup[0].try_remove(cgroup[1]):
-            pass  # it was empty, and is gone: nothing of the task's is left in any session
-        elif cgroup is not None and cgroup[0].populated(cgroup[1]):
+        if cgroup is None:
+            _kill_and_wait(self._strays(handle))
+        elif not cgroup[0].try_remove(cgroup[1]) and cgroup[0].populated(cgroup[1]):
             cgroup[0].kill(cgroup[1])  # whatever the task left running, in any session
             cgroup[0].wait_empty(cgroup[1], 10.0)
-        elif cgroup is None:
-            _kill_and_wait(self._strays(handle))
         pgid = int(handle.data["pgid"])
         pid = int(handle.data["pid"])
         proc = self._children.get(pid)

@@ -174,13 +174,18 @@ def _run_context(envelope: Envelope) -> ContextManager[Any]:
     return hook(envelope)  # type: ignore[no-any-return]
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until all of ``data`` is written (no file object)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 def _write_atomic(name: str, data: bytes) -> None:
     tmp = f".{name}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)  # as open("wb")
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        _write_all(fd, data)
     finally:
         os.close(fd)
     os.replace(tmp, name)
@@ -227,9 +232,7 @@ class _Journal:
 
     def append(self, kind: int, body: Any) -> None:
         frame = wire.encode_frame(kind, self.seq, body, {"ts": time.time()})
-        view = memoryview(frame)
-        while view:
-            view = view[os.write(self._fd, view) :]
+        _write_all(self._fd, frame)
         self.seq += 1
         self.offset += len(frame)
 
