@@ -500,17 +500,23 @@ def main() -> None:
         print("(PostgreSQL skipped: pass --pg URL or set LAKESHORE_TEST_PG_URL)")
 
 
+def _per_core(cpu_ms: float) -> str:
+    """Operations per second one core could serve at ``cpu_ms`` each; ``-`` when too little CPU was
+    used to be measured (a run too short for the clock's ticks, as in the smoke test)."""
+    return f"{1000 / cpu_ms:>9,.0f}" if cpu_ms > 0 else f"{'-':>9}"
+
+
 def _row(kind: str, f: Figures, raw1: float, raw100: float) -> str:
     line = (
         f"{kind:<11} {f.submit_rate:>9,.0f} {GOAL_SUBMIT[kind]:>6,} {f.submit_cpu_ms:>7.2f}"
-        f" {1000 / f.submit_cpu_ms:>9,.0f} {f.claim_rate:>12,.0f} {GOAL_CLAIM_ACK[kind]:>6,}"
-        f" {f.claim_cpu_ms:>7.2f} {1000 / f.claim_cpu_ms:>9,.0f} {raw1:>16,.0f} {raw100:>8,.0f}"
+        f" {_per_core(f.submit_cpu_ms)} {f.claim_rate:>12,.0f} {GOAL_CLAIM_ACK[kind]:>6,}"
+        f" {f.claim_cpu_ms:>7.2f} {_per_core(f.claim_cpu_ms)} {raw1:>16,.0f} {raw100:>8,.0f}"
     )
     if f.batch_rate:
         line += (
             f"\n{kind + ' batch':<11} {f.batch_rate:>9,.0f} {GOAL_SUBMIT[kind]:>6,} {f.batch_cpu_ms:>7.2f}"
-            f" {1000 / f.batch_cpu_ms:>9,.0f} {f.worker_rate:>12,.0f} {GOAL_CLAIM_ACK[kind]:>6,}"
-            f" {f.worker_cpu_ms:>7.2f} {1000 / f.worker_cpu_ms:>9,.0f}"
+            f" {_per_core(f.batch_cpu_ms)} {f.worker_rate:>12,.0f} {GOAL_CLAIM_ACK[kind]:>6,}"
+            f" {f.worker_cpu_ms:>7.2f} {_per_core(f.worker_cpu_ms)}"
         )
     return line
 
