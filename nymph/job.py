@@ -88,6 +88,7 @@ class Job(SupervisedJob[wd.Outcome]):
         self._overflow: str | None = None  # why the stream overflowed (the invocation fails)
         self._args_inline: bytes | None = None  # handed to the runner in the Task, not in args.msgpack
         self.state: str | None = None  # the settled state; "deferred": left for the next life
+        self._made_workdir = False  # this life made the workdir (prepare): no stream state there yet
 
     def cancel(self, message: str = "cancelled by producer", grace_s: float | None = None) -> None:
         """Stop the task with the ladder and ack ``killed`` ``{type: Cancelled, message}``."""
@@ -139,6 +140,7 @@ class Job(SupervisedJob[wd.Outcome]):
             args_file=self._staged,
             write_args=not inline,
         )
+        self._made_workdir = True
         self._staged = None
         return Task(
             invocation_id=self.invocation_id,
@@ -491,6 +493,7 @@ class Job(SupervisedJob[wd.Outcome]):
             on_overflow=self._overflowed,
             ship=self._ship_frame if self.ctx.inline_threshold is not None else None,
             inline_threshold=self.ctx.inline_threshold,
+            fresh=self._made_workdir,
         )
         self._pump = pump
         pump.start()

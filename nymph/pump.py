@@ -205,7 +205,10 @@ class Pump:
         on_overflow: Callable[[str], None] | None = None,
         ship: Callable[[int, bytes], dict[str, Any]] | None = None,
         inline_threshold: int | None = None,
+        fresh: bool = False,
     ) -> None:
+        """``fresh``: the workdir was made in this life of nymph's, so no stream state of an
+        earlier life (``pump.json``) can be there to resume from (it is not looked for)."""
         self.workdir = workdir
         # the paths whose size the pump asks for on every wake-up, as strings once (not pathlib each time)
         self._paths = {name: os.path.join(os.fspath(workdir), name) for name in (FRAMES, STDOUT, STDERR)}
@@ -222,7 +225,7 @@ class Pump:
         self._script = script
         self._on_overflow = on_overflow
         self._lock = threading.Condition()
-        state = self._load_state()
+        state = {} if fresh else self._load_state()
         self.delivered_seq: int = int(state.get("sent_seq", -1))  # last seq the control plane confirmed
         # the entry's seq of the last journal frame confirmed (a state from before LOG frames of
         # Python invocations: the two seq spaces were one)

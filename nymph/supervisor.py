@@ -59,7 +59,7 @@ class Supervisor:
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-        self._incoming: list[Parked] = []  # parked, not yet registered (the loop registers)
+        self._incoming: list[Parked] = []  # parked with a deadline the loop has not taken yet
         self._poked: list[Parked] = []
         self._deadlines: list[tuple[float, int, Parked]] = []
         self._order = itertools.count()
@@ -69,9 +69,9 @@ class Supervisor:
 
     @property
     def parked(self) -> int:
-        """How many jobs wait here now (registered or about to be)."""
+        """How many jobs wait here now."""
         with self._lock:
-            return len(self._selector.get_map()) - 1 + len(self._incoming)
+            return len(self._selector.get_map()) - 1
 
     def park(self, name: str, fd: int, deadline: float | None, on_ready: Callable[[], None]) -> Parked:
         """Wait for ``fd`` (or a poke, or ``deadline``), then run ``on_ready()`` on the pool, once."""
@@ -79,11 +79,21 @@ class Supervisor:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the supervisor is closed")
-            self._incoming.append(parked)
+            try:  # registered here: epoll takes an fd from any thread, and the loop need not wake
+                self._selector.register(fd, selectors.EVENT_READ, parked)
+                failed = None
+            except (OSError, ValueError, KeyError) as exc:  # a bad or duplicate fd
+                failed = exc
+            if failed is None and deadline is not None:
+                self._incoming.append(parked)  # the loop keeps the deadlines (and wakes for them)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="nymph-supervisor", daemon=True)
                 self._thread.start()
-        self._wake()
+        if failed is not None:  # its job waits in a thread instead
+            log.warning("supervisor: cannot watch %s (fd %d): %s", name, fd, failed)
+            self._fire(parked)
+        elif deadline is not None:
+            self._wake()
         return parked
 
     def poke(self, parked: Parked) -> None:
@@ -129,7 +139,7 @@ class Supervisor:
                 incoming, self._incoming = self._incoming, []
                 poked, self._poked = self._poked, []
             for parked in incoming:
-                self._register(parked)
+                self._add_deadline(parked)
             for parked in poked:
                 self._fire(parked)
             timeout = None
@@ -152,26 +162,15 @@ class Supervisor:
             while self._deadlines and self._deadlines[0][0] <= now:
                 self._fire(heapq.heappop(self._deadlines)[2])
 
-    def _register(self, parked: Parked) -> None:
-        with self._lock:
-            if parked.fired:
-                return
-            try:
-                self._selector.register(parked.fd, selectors.EVENT_READ, parked)
-                failed = None
-            except (OSError, ValueError, KeyError) as exc:  # a bad or duplicate fd
-                failed = exc
-        if failed is not None:  # its job waits in a thread instead
-            log.warning("supervisor: cannot watch %s (fd %d): %s", parked.name, parked.fd, failed)
-            self._fire(parked)
+    def _add_deadline(self, parked: Parked) -> None:
+        if parked.fired or parked.deadline is None:
             return
-        if parked.deadline is not None:
-            heapq.heappush(self._deadlines, (parked.deadline, next(self._order), parked))
-            if len(self._deadlines) > 64:  # drop the deadlines of jobs handed back meanwhile
-                live = [d for d in self._deadlines if not d[2].fired]
-                if len(live) * 2 < len(self._deadlines):
-                    heapq.heapify(live)
-                    self._deadlines = live
+        heapq.heappush(self._deadlines, (parked.deadline, next(self._order), parked))
+        if len(self._deadlines) > 64:  # drop the deadlines of jobs handed back meanwhile
+            live = [d for d in self._deadlines if not d[2].fired]
+            if len(live) * 2 < len(self._deadlines):
+                heapq.heapify(live)
+                self._deadlines = live
 
     def _fire(self, parked: Parked) -> None:
         with self._lock:

@@ -283,6 +283,10 @@ def _read_header_map(
     big Envelope (a memory map of a staged file, say) costs its small fields, not a copy of it.
     With ``keep_user_values`` they are copied out once each (a full decode: no buffer copy)."""
     view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
+    if len(view) <= _WINDOW:  # small: one decode (of what a field-by-field read decodes anyway)
+        small = _read_small_map(view, keep_user_values)
+        if small is not None:
+            return small
     out: dict[str, Any] = {}
     try:
         if not len(view):
@@ -316,6 +320,27 @@ def _read_header_map(
         raise EnvelopeError(f"not an Envelope (expected a msgpack map): {exc}") from exc
     if pos != len(view):
         raise EnvelopeError(f"trailing bytes after the Envelope map ({len(view)} bytes in all)")
+    return out
+
+
+def _read_small_map(view: memoryview, keep_user_values: bool) -> dict[str, Any] | None:
+    """:func:`_read_header_map` of an Envelope of at most :data:`_WINDOW` bytes, in one decode
+    (one unpacker instead of one per field); None for anything but a well-formed map of string
+    keys, whose error the field-by-field reader then names (the same words as for a big one)."""
+    if not len(view) or not (0x80 <= view[0] <= 0x8F or view[0] in _MAP_HEADERS):
+        return None
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=len(view))
+    try:
+        unpacker.feed(view)
+        out: dict[str, Any] = unpacker.unpack()
+    except Exception:  # msgpack raises several unrelated types on bad input
+        return None
+    if unpacker.tell() != len(view) or not all(isinstance(name, str) for name in out):
+        return None
+    if not keep_user_values:
+        for name in _USER_VALUES:
+            if type(out.get(name)) is bytes:
+                out[name] = b""
     return out
 
 

@@ -584,7 +584,7 @@ class ProcessRunner:
             raise RunnerError(f"process runner: cannot write {ARGS_FILE} in {workdir}: {exc}") from exc
 
     def _task_env(self, task: Task) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("NYMPH_")}
+        env = dict(_own_environ())
         env.update(task.env)
         if self.pythonpath is not None:
             env["PYTHONPATH"] = self.pythonpath
@@ -657,13 +657,7 @@ class ProcessRunner:
 
     def _zygote(self, env: dict[str, str]) -> ZygoteClient | None:
         """The live zygote for this interpreter environment, started if needed; None: spawn instead."""
-        key = tuple(
-            sorted(
-                (k, v)
-                for k, v in env.items()
-                if k not in _PER_TASK_ENV_KEYS and not k.startswith(_PER_TASK_ENV)
-            )
-        )
+        key = _interpreter_key(env)
         with self._zygote_lock:
             if self._zygote_failures >= _ZYGOTE_MAX_FAILURES:
                 return None
@@ -794,6 +788,24 @@ def _interpreter_key(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
             (k, v) for k, v in env.items() if k not in _PER_TASK_ENV_KEYS and not k.startswith(_PER_TASK_ENV)
         )
     )
+
+
+_own_env: tuple[dict[bytes, bytes], dict[str, str]] | None = None  # (os.environ's bytes, decoded)
+
+
+def _own_environ() -> dict[str, str]:
+    """nymph's environment less its ``NYMPH_`` settings: what every task's environment starts
+    from. Decoded again only when ``os.environ`` changed (compared as its bytes, at C speed: a
+    decode of every variable cost more than the rest of the task's environment)."""
+    global _own_env
+    raw = getattr(os.environ, "_data", None)  # CPython's mapping under os.environ
+    seen = _own_env
+    if seen is not None and raw is not None and seen[0] == raw:
+        return seen[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NYMPH_")}
+    if isinstance(raw, dict):
+        _own_env = (dict(raw), env)
+    return env
 
 
 def _flag(value: object) -> bool:

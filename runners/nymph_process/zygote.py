@@ -48,6 +48,7 @@ Stdlib only besides the entry, and Python 3.9 syntax: it runs in whichever inter
 
 from __future__ import annotations
 
+import _signal
 import base64
 import errno
 import fcntl
@@ -93,7 +94,7 @@ def _ticks(pid: int) -> int | None:
             stat = os.read(fd, 4096)  # a few hundred bytes: comm is at most 16
         finally:
             os.close(fd)
-        return int(stat[stat.rindex(b")") + 2 :].split()[19])  # field 22 (starttime)
+        return int(stat[stat.rindex(b")") + 2 :].split(None, 20)[19])  # field 22 (starttime)
     except (OSError, ValueError, IndexError):
         return None
 
@@ -105,7 +106,7 @@ class Zygote:
         self.safe_path = bool(getattr(sys.flags, "safe_path", False))
         if not self.safe_path and sys.path:
             del sys.path[0]  # this script's directory; a child puts its workdir there, as -m does
-        self.handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGCHLD)}
+        self.handlers = {int(sig): _signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGCHLD)}
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
@@ -178,23 +179,26 @@ class Zygote:
                 sys.stderr.write(f"lakeshore zygote: cannot join cgroup {cgroup!r}: {exc}\n")
                 return _CHILD_SETUP_FAILED
         os.setsid()
-        signal.set_wakeup_fd(-1)
+        # the C functions, not the signal module's wrappers: those map every value through an
+        # enum, which in a fresh child touches (and so copies) pages of the zygote's for nothing
+        _signal.set_wakeup_fd(-1)
         for sig, handler in self.handlers.items():
-            signal.signal(sig, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, [])
-        self.sock.close()
+            _signal.signal(sig, handler)
+        _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
+        os.close(self.sock.detach())
         os.close(self.wake_r)
         os.close(self.wake_w)
         workdir = req["workdir"]
         user = req.get("user") or None
         try:
             os.chdir(workdir)
-            if not _take_entry_lock():
+            owner = os.stat(".").st_uid
+            if not _take_entry_lock(owner):
                 return ENTRY_LOCKED  # the runner (or another child) runs this entry: never twice
             null = os.open(os.devnull, os.O_RDONLY)
             append = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-            out = _open_in_workdir("stdout.log", append, 0o644)
-            err = _open_in_workdir("stderr.log", append, 0o644)
+            out = _open_in_workdir("stdout.log", append, 0o644, owner)
+            err = _open_in_workdir("stderr.log", append, 0o644, owner)
         except OSError as exc:
             sys.stderr.write(f"lakeshore zygote: cannot set up workdir {workdir!r}: {exc}\n")
             return _CHILD_SETUP_FAILED
@@ -257,13 +261,15 @@ class Zygote:
         return _CHILD_SETUP_FAILED  # not reached
 
 
-def _open_in_workdir(name: str, flags: int, mode: int) -> int:
+def _open_in_workdir(name: str, flags: int, mode: int, owner: int | None = None) -> int:
     """``os.open(name)`` in the cwd (the task's workdir) that follows no link and blocks on no FIFO,
-    for a regular file of the workdir's owner or one of the zygote's own with a single link."""
+    for a regular file of the workdir's owner (``owner``, when the caller looked already) or one of
+    the zygote's own with a single link."""
     fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY, mode)
     st = os.fstat(fd)
     me = os.geteuid()
-    owner = os.stat(".").st_uid
+    if owner is None:
+        owner = os.stat(".").st_uid
     if not stat.S_ISREG(st.st_mode) or not (
         (st.st_uid == me and (st.st_nlink == 1 or owner == me)) or st.st_uid == owner
     ):
@@ -283,9 +289,9 @@ def _become(user: dict) -> None:  # type: ignore[type-arg]
     os.setuid(uid)
 
 
-def _take_entry_lock() -> bool:
+def _take_entry_lock(owner: int) -> bool:
     """Hold the cwd's entry lock for the rest of this process's life and record who holds it."""
-    fd = _open_in_workdir(ENTRY_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = _open_in_workdir(ENTRY_LOCK, os.O_RDWR | os.O_CREAT, 0o600, owner)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -295,7 +301,8 @@ def _take_entry_lock() -> bool:
         os.close(fd)
         return False
     pid = os.getpid()
-    os.write(fd, json.dumps({"pid": pid, "ticks": _ticks(pid)}).encode())
+    ticks = _ticks(pid)  # the JSON the runner reads (_entry_holder), written without the json module
+    os.write(fd, b'{"pid": %d, "ticks": %s}' % (pid, b"null" if ticks is None else b"%d" % ticks))
     return True  # fd stays open (close-on-exec): released when this process exits
 
 

@@ -167,6 +167,36 @@ def test_mutated_envelopes_only_raise_envelope_error(transport: str) -> None:
                 pass
 
 
+def _decoded(decode: Any, data: bytes) -> Any:
+    try:
+        out = decode(data)
+    except EnvelopeError as exc:
+        return ("error", str(exc))
+    return out.to_bytes() if isinstance(out, Envelope) else out
+
+
+def test_a_small_envelope_read_in_one_decode_reads_as_the_field_by_field_reader(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # an Envelope of at most 64 KiB is decoded at once; a bigger one field by field (its arguments
+    # skipped by their headers): both readers give the same fields, or the same kind of error
+    fn = fn_for(ff.add, transport="ref")
+    base = Envelope.create(fn, [1, (2, 3)], {"b": 4}, prefix="p", key="k", cfg={"code": {"x": 1}}).to_bytes()
+    rng = random.Random(7)
+    cases = [base, _raw(), b"", b"\x93\x01\x02\x03", base + b"\x00", base[:-3], msgpack.packb({1: 2})]
+    for _ in range(500):
+        data = bytearray(base)
+        i = rng.randrange(len(data))
+        data[i] ^= 1 << rng.randrange(8)
+        cases.append(bytes(data))
+    small = [(_decoded(Envelope.from_bytes, c), _decoded(Envelope.header, c)) for c in cases]
+    monkeypatch.setattr(env, "_WINDOW", 64)  # each of these is "big" now: the field-by-field reader
+    big = [(_decoded(Envelope.from_bytes, c), _decoded(Envelope.header, c)) for c in cases]
+    for case, a, b in zip(cases, small, big, strict=True):
+        assert a == b, case
+    assert "args" not in small[0][1] and Envelope.from_bytes(base).unpack_args() == ([1, (2, 3)], {"b": 4})
+
+
 def test_trailing_bytes_are_refused() -> None:
     with pytest.raises(EnvelopeError, match="trailing"):
         Envelope.from_bytes(_envelope().to_bytes() + b"\x00")

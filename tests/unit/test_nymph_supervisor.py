@@ -128,3 +128,28 @@ def test_close_hands_back_what_is_still_parked() -> None:
         os.close(r)
         os.close(w)
     assert sup._thread is not None and not sup._thread.is_alive()  # the loop ended
+
+
+def test_parking_without_a_deadline_wakes_no_loop_and_is_still_handed_back(supervisor: Supervisor) -> None:
+    # the fd goes into epoll from the parking thread: the loop thread sleeps on until a task ends
+    wakes: list[int] = []
+    real_wake = supervisor._wake
+    supervisor._wake = lambda: (wakes.append(1), real_wake())  # type: ignore[method-assign]
+    pipes = [os.pipe() for _ in range(3)]
+    calls = [Calls() for _ in pipes]
+    try:
+        for i, (r, _w) in enumerate(pipes):
+            supervisor.park(f"task-{i}", r, None, calls[i])
+        assert wakes == [] and supervisor.parked == 3
+        os.write(pipes[1][1], b"x")  # the task behind the second fd ended
+        assert calls[1].event.wait(LIMIT_S)
+        time.sleep(0.1)
+        assert [c.count for c in calls] == [0, 1, 0] and supervisor.parked == 2
+        pipes.append(os.pipe())
+        supervisor.park("timed", pipes[3][0], time.time() + 0.2, calls[2])
+        assert wakes == [1]  # a deadline is the loop's to keep: it is told
+        assert calls[2].event.wait(LIMIT_S)
+    finally:
+        for r, w in pipes:
+            os.close(r)
+            os.close(w)

@@ -287,11 +287,28 @@ def capture_output(reopen: bool = True) -> None:
             except OSError as exc:
                 sys.stderr.write(f"lakeshore entry: cannot append {attr} to {name}: {exc.strerror}\n")
                 continue
-        encoding = getattr(old, "encoding", None) or "utf-8"
         errors = "backslashreplace" if attr == "stderr" else (getattr(old, "errors", None) or "strict")
+        if not reopen and old is not None and _writes_to(old, fd):  # the zygote's own: line-buffer it
+            try:
+                old.reconfigure(errors=errors, line_buffering=True)
+                continue
+            except (AttributeError, OSError, ValueError):
+                pass
+        encoding = getattr(old, "encoding", None) or "utf-8"
         buffer = io.BufferedWriter(io.FileIO(fd, "w", closefd=False))
         stream = io.TextIOWrapper(buffer, encoding=encoding, errors=errors, line_buffering=True)
         setattr(sys, attr, stream)
+
+
+def _writes_to(stream: Any, fd: int) -> bool:
+    """Whether ``stream`` is the interpreter's own text stream on ``fd`` (a forked child's inherited
+    ``sys.stdout`` or ``sys.stderr``: reconfigured, it costs no new objects)."""
+    import io
+
+    try:
+        return type(stream) is io.TextIOWrapper and stream.writable() and stream.fileno() == fd
+    except (OSError, ValueError):
+        return False
 
 
 def _append_fd(fd: int, name: str) -> None:
