@@ -1,29 +1,33 @@
-"""The control-plane client's fast path: keep-alive ``http.client`` connections.
+"""The control-plane client's fast path: keep-alive HTTP/1.1 connections, one exchange each.
 
 Measured on this project's 2-core machine against a hello-world on the server's HTTP stack, one
 msgpack POST costs the client about 0.9-1.0 ms of CPU through ``httpx.Client`` and 0.22 ms through
-``http.client``: for the short calls of a warm
-worker and a waiting producer, httpx's request building was most of the client's cost. So
+``http.client``; most of what was left was ``http.client``'s own (a file object per answer, every
+header checked by a regular expression, the answer's head parsed by the ``email`` package). So
 :class:`~dreamlake.lakeshore.client.PlaneClient` sends its ordinary requests (``request``) here
 when it can: a plain ``http://`` control plane, no transport injected (tests inject
 ``httpx.MockTransport``), and no proxy set for that host in the environment (httpx honours
 ``HTTP_PROXY`` / ``ALL_PROXY`` / ``NO_PROXY``; this path does not speak to proxies, so it steps
 aside). Streams, downloads, ``https://`` and everything else stay on httpx.
 
+One exchange is a request written in one ``sendall`` (its head and a body of up to 64 KiB in one
+segment: the server reads, and wakes, once) and the answer read off the socket: a status line,
+headers, then a body of ``Content-Length`` bytes, chunked, or up to the end of the connection;
+``1xx`` answers are skipped. Names and values with a CR or LF are refused before anything is sent.
+
 Connections are pooled (a request takes an idle one, or opens one, and puts it back once the
 answer was read whole), at most ``MAX_IDLE`` kept idle.
 
 The answer comes back as an ``httpx.Response`` (status, headers, body), so the client's error tree
-and decoding are the same on both paths. A failure to connect, send or read raises
-:class:`KeepAliveError` (the client translates it as it does httpx's transport errors). A
-connection the server closed while idle is noticed before reuse (readable with nothing to read)
-and replaced, as httpcore does; a request is never sent twice here (the client's retry rule
-decides that).
+and decoding are the same on both paths. A failure to connect, send or read, or an answer that is
+not HTTP/1.x, raises :class:`KeepAliveError` (the client translates it as it does httpx's transport
+errors). A connection the server closed while idle is noticed before reuse (readable with nothing
+to read) and replaced, as httpcore does; a request is never sent twice here (the client's retry
+rule decides that).
 """
 
 from __future__ import annotations
 
-import http.client
 import select
 import socket
 import threading
@@ -36,10 +40,9 @@ import httpx
 __all__ = ["KeepAlive", "KeepAliveError", "usable"]
 
 MAX_IDLE = 16  # idle connections kept per client
-# Linux's TCP_CORK: http.client writes a request's head and body in two sends, which with
-# TCP_NODELAY leave as two segments, and the server reads (and wakes for) each; corked around the
-# two sends, they leave as one. None where the platform has no such option.
-_CORK: int | None = getattr(socket, "TCP_CORK", None)
+MAX_HEAD = 64 * 1024  # an answer's status line and headers, at most
+_JOINED = 64 * 1024  # a body up to this size is sent in the same sendall as the head
+_NO_BODY = frozenset({204, 304})
 
 
 class KeepAliveError(Exception):
@@ -57,6 +60,87 @@ def usable(url: str) -> bool:
     return bool(urllib.request.proxy_bypass(parts.hostname))
 
 
+class _Conn:
+    """One keep-alive connection and what of the server's bytes it read past the last answer."""
+
+    __slots__ = ("buf", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def _fill(self) -> None:
+        data = self.sock.recv(65536)
+        if not data:
+            raise ConnectionResetError("the server closed the connection")
+        self.buf += data
+
+    def read_head(self) -> tuple[int, str, list[tuple[str, str]]]:
+        """The next answer's status, version and headers (the buffer keeps what follows)."""
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end >= 0:
+                break
+            if len(self.buf) > MAX_HEAD:
+                raise ValueError(f"an answer's head over {MAX_HEAD} bytes")
+            self._fill()
+        head = bytes(self.buf[:end]).decode("latin-1")
+        del self.buf[: end + 4]
+        status_line, *lines = head.split("\r\n")
+        version, _, rest = status_line.partition(" ")
+        if not version.startswith("HTTP/1."):
+            raise ValueError(f"not an HTTP/1.x answer: {status_line[:80]!r}")
+        headers = []
+        for line in lines:
+            name, sep, value = line.partition(":")
+            if not sep:
+                raise ValueError(f"a malformed header line: {line[:80]!r}")
+            headers.append((name.strip(), value.strip()))
+        return int(rest.partition(" ")[0]), version, headers
+
+    def read_exactly(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            self._fill()
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
+
+    def read_chunked(self) -> bytes:
+        body = bytearray()
+        while True:
+            while b"\r\n" not in self.buf:
+                if len(self.buf) > MAX_HEAD:
+                    raise ValueError("a malformed chunk size line")
+                self._fill()
+            line, _, _ = bytes(self.buf[: self.buf.index(b"\r\n")]).partition(b";")
+            del self.buf[: self.buf.index(b"\r\n") + 2]
+            size = int(line.strip(), 16)
+            if size == 0:  # the trailer, up to an empty line
+                while True:
+                    while b"\r\n" not in self.buf:
+                        self._fill()
+                    at = self.buf.index(b"\r\n")
+                    del self.buf[: at + 2]
+                    if at == 0:
+                        return bytes(body)
+            body += self.read_exactly(size + 2)[:-2]
+
+    def read_to_end(self) -> bytes:
+        body = bytearray(self.buf)
+        self.buf.clear()
+        while True:
+            data = self.sock.recv(65536)
+            if not data:
+                return bytes(body)
+            body += data
+
+
 class KeepAlive:
     """Requests to one ``http://host:port`` base URL over a pool of keep-alive connections: a
     request takes an idle one (or opens one) and puts it back when the answer was read whole, so
@@ -67,30 +151,43 @@ class KeepAlive:
         self._host = parts.hostname or "127.0.0.1"
         self._port = parts.port or 80
         self._prefix = parts.path.rstrip("/")
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        self._host_header = host if self._port == 80 else f"{host}:{self._port}"
         self._headers = dict(headers)
         self._connect_s = connect_timeout_s
-        self._idle: list[http.client.HTTPConnection] = []
+        self._idle: list[_Conn] = []
         self._lock = threading.Lock()
         self._closed = False
 
-    def _take(self) -> http.client.HTTPConnection:
+    def _take(self) -> _Conn | None:
+        """An idle connection still open; None: open a new one."""
         while True:
             with self._lock:
                 if self._closed:
                     raise KeepAliveError("the client is closed")
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
-                return http.client.HTTPConnection(self._host, self._port, timeout=self._connect_s)
-            if conn.sock is not None and not _dropped(conn.sock):
+                return None
+            if not conn.buf and not _dropped(conn.sock):
                 return conn
             conn.close()
 
-    def _give_back(self, conn: http.client.HTTPConnection) -> None:
+    def _give_back(self, conn: _Conn) -> None:
         with self._lock:
             if not self._closed and len(self._idle) < MAX_IDLE:
                 self._idle.append(conn)
                 return
         conn.close()
+
+    def _head(self, method: str, target: str, headers: dict[str, str] | None, length: int | None) -> bytes:
+        sent = {**self._headers, **(headers or {})}
+        lines = [f"{method} {target} HTTP/1.1", f"Host: {self._host_header}", "Accept-Encoding: identity"]
+        lines += [f"{name}: {value}" for name, value in sent.items()]
+        if length is not None:
+            lines.append(f"Content-Length: {length}")
+        if any("\r" in line or "\n" in line for line in lines):
+            raise KeepAliveError("a request header or its target holds a line break; not sent")
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
     def request(
         self,
@@ -106,34 +203,48 @@ class KeepAlive:
         if params:
             query = {k: ("true" if v is True else "false" if v is False else v) for k, v in params.items()}
             target += "?" + urllib.parse.urlencode(query)
-        sent = {**self._headers, **(headers or {})}
+        length = len(content) if content is not None else (0 if method in ("POST", "PUT", "PATCH") else None)
+        try:
+            head = self._head(method, target, headers, length)
+        except UnicodeEncodeError as exc:
+            raise KeepAliveError(f"a request header is not latin-1: {exc}") from exc
         conn = self._take()
         try:
-            if conn.sock is None:
-                conn.connect()
-                assert conn.sock is not None
-                # http.client sends the headers and the body apart: no Nagle wait for the body
-                conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            assert conn.sock is not None
+            if conn is None:
+                sock = socket.create_connection((self._host, self._port), timeout=self._connect_s)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn = _Conn(sock)
             conn.sock.settimeout(read_timeout_s)
-            cork = _CORK if content else None
-            if cork is not None:  # the head and the body in one segment (http.client sends them apart)
-                conn.sock.setsockopt(socket.IPPROTO_TCP, cork, 1)
-            try:
-                conn.request(method, target, body=content, headers=sent)
-            finally:
-                if cork is not None and conn.sock is not None:
-                    conn.sock.setsockopt(socket.IPPROTO_TCP, cork, 0)  # uncorked: sent now
-            resp = conn.getresponse()
-            body = resp.read()
-        except (OSError, http.client.HTTPException) as exc:
-            conn.close()
+            if content and len(content) > _JOINED:
+                conn.sock.sendall(head)
+                conn.sock.sendall(content)
+            else:
+                conn.sock.sendall(head + content if content else head)
+            status, version, answer = conn.read_head()
+            while 100 <= status < 200:  # 100 Continue and the like: the answer follows
+                status, version, answer = conn.read_head()
+            fields = {name.lower(): value for name, value in answer}
+            will_close = "close" in fields.get("connection", "").lower() or (
+                version == "HTTP/1.0" and "keep-alive" not in fields.get("connection", "").lower()
+            )
+            if method == "HEAD" or status in _NO_BODY:
+                body = b""
+            elif "chunked" in fields.get("transfer-encoding", "").lower():
+                body = conn.read_chunked()
+            elif "content-length" in fields:
+                body = conn.read_exactly(int(fields["content-length"]))
+            else:
+                body = conn.read_to_end()
+                will_close = True
+        except (OSError, ValueError) as exc:
+            if conn is not None:
+                conn.close()
             raise KeepAliveError(f"{type(exc).__name__}: {exc}") from exc
-        if resp.will_close:
+        if will_close:
             conn.close()
         else:
             self._give_back(conn)
-        return httpx.Response(resp.status, headers=resp.getheaders(), content=body)
+        return httpx.Response(status, headers=answer, content=body)
 
     def close(self) -> None:
         with self._lock:

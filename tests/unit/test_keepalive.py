@@ -134,8 +134,8 @@ def test_https_and_proxies_stay_on_httpx(monkeypatch: pytest.MonkeyPatch) -> Non
 
 @pytest.mark.skipif(not hasattr(socket, "TCP_CORK"), reason="TCP_CORK is Linux's")
 def test_a_requests_head_and_body_leave_in_one_segment() -> None:
-    """http.client writes the head and the body apart; corked, they reach the server's first read
-    together (one wake-up of the server per request, not two)."""
+    """A request's head and body go in one write: they reach the server's first read together (one
+    wake-up of the server per request, not two), and the socket is never left corked."""
     from dreamlake.lakeshore.keepalive import KeepAlive
 
     listener = socket.create_server(("127.0.0.1", 0))
@@ -159,7 +159,7 @@ def test_a_requests_head_and_body_leave_in_one_segment() -> None:
             "POST", "/v1/daemon/poll", content=body, headers={"Content-Type": "application/x-msgpack"},
             params=None, read_timeout_s=5,
         )  # fmt: skip
-        (kept,) = client._idle  # back in the pool, uncorked for the next request
+        (kept,) = client._idle  # back in the pool, not corked
         assert kept.sock is not None and kept.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CORK) == 0
     finally:
         client.close()
@@ -167,3 +167,88 @@ def test_a_requests_head_and_body_leave_in_one_segment() -> None:
         listener.close()
     assert resp.status_code == 200 and msgpack.unpackb(resp.content) == {"ok": True}
     assert first and first[0].startswith(b"POST /v1/daemon/poll ") and first[0].endswith(body)
+
+
+def _one_answer(answer: bytes) -> tuple[str, list[bytes]]:
+    """A server that reads one request and writes ``answer`` (raw bytes), then closes."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    seen: list[bytes] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn, listener:
+            seen.append(conn.recv(65536))
+            conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{port}", seen
+
+
+@pytest.mark.parametrize(
+    ("answer", "body", "kept"),
+    [
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3;x=y\r\nabc\r\n2\r\nde\r\n0\r\nT: 1\r\n\r\n",
+            b"abcde",
+            True,
+        ),
+        (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", b"ok", True),
+        (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok", b"ok", False),
+        (b"HTTP/1.0 200 OK\r\n\r\nup to the end", b"up to the end", False),
+        (b"HTTP/1.1 204 No Content\r\n\r\n", b"", True),
+    ],
+)
+def test_answers_are_read_as_http_frames_them(answer: bytes, body: bytes, kept: bool) -> None:
+    from dreamlake.lakeshore.keepalive import KeepAlive
+
+    url, seen = _one_answer(answer)
+    client = KeepAlive(url, {"Authorization": "Bearer t"}, connect_timeout_s=5)
+    try:
+        resp = client.request(
+            "GET", "/v1/x", content=None, headers=None, params={"a": True}, read_timeout_s=5
+        )
+        assert resp.content == body and len(client._idle) == (1 if kept else 0)
+    finally:
+        client.close()
+    head = seen[0].decode()
+    assert head.startswith("GET /v1/x?a=true HTTP/1.1\r\n") and "\r\nAuthorization: Bearer t\r\n" in head
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"SSH-2.0-OpenSSH\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nbroken header\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nshort",
+    ],
+)
+def test_an_answer_that_is_not_http_or_stops_short_is_a_keepalive_error(answer: bytes) -> None:
+    from dreamlake.lakeshore.keepalive import KeepAlive, KeepAliveError
+
+    url, _seen = _one_answer(answer)
+    client = KeepAlive(url, {}, connect_timeout_s=5)
+    try:
+        with pytest.raises(KeepAliveError):
+            client.request("POST", "/v1/x", content=b"x", headers=None, params=None, read_timeout_s=5)
+        assert client._idle == []  # a broken connection is not kept
+    finally:
+        client.close()
+
+
+def test_a_header_with_a_line_break_is_refused_before_anything_is_sent() -> None:
+    from dreamlake.lakeshore.keepalive import KeepAlive, KeepAliveError
+
+    client = KeepAlive("http://127.0.0.1:9", {"Authorization": "Bearer t"}, connect_timeout_s=1)
+    try:
+        with pytest.raises(KeepAliveError, match="line break"):
+            client.request(
+                "POST",
+                "/v1/x",
+                content=b"",
+                headers={"X-Evil": "a\r\nInjected: yes"},
+                params=None,
+                read_timeout_s=1,
+            )
+    finally:
+        client.close()
