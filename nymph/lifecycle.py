@@ -72,6 +72,9 @@ log = logging.getLogger(__name__)
 
 WAIT_STEP_S = 0.2  # one runner.wait step: how soon a stop request reaches a running task
 STOP_WAIT_S = 5.0  # after the ladder, how long to wait for the task's exit
+# a started task that ends within this is concluded on the thread that started it, not parked: a
+# short call saves the supervisor's hand-over (an epoll registration, a wake-up, a pool thread)
+PARK_AFTER_S = 0.05
 RETRY_MAX_S = 10.0  # the longest pause between two tries of an unavailable runner
 SHUTDOWN_MESSAGE = "daemon shutdown grace expired"
 
@@ -405,20 +408,35 @@ class SupervisedJob(abc.ABC, Generic[OutcomeT]):
         try:
             self._running(handle)
             self.begin(handle)
-            try:
-                self._parked = supervisor.park(
-                    f"{self.kind}-{self.job_id}", fd, self.deadline, lambda: self.guarded(self._unpark)
-                )
-            except BaseException:
-                self.abandon()
-                raise
+            ended = self._ended_soon(handle)
+            if not ended:
+                try:
+                    self._parked = supervisor.park(
+                        f"{self.kind}-{self.job_id}", fd, self.deadline, lambda: self.guarded(self._unpark)
+                    )
+                except BaseException:
+                    self.abandon()
+                    raise
         except BaseException:
             self.destroy()  # no process, container or pod outlives its job
             raise
+        if ended:  # a short task: its outcome on this thread, as the supervisor would hand it back
+            self.conclude(lambda: self.end(handle))
+            return None
         parked = self._parked
         if self.stop_request is not None and parked is not None:  # requested while parking
             supervisor.poke(parked)
         return _PARKED
+
+    def _ended_soon(self, handle: Handle) -> bool:
+        """Whether the task ended within :data:`PARK_AFTER_S` (no stop requested meanwhile)."""
+        if self.stop_request is not None:
+            return False
+        try:
+            ended = self.ctx.runner.wait(handle, PARK_AFTER_S) is not None
+        except RunnerError:  # the supervisor's wait (and its error handling) takes it from here
+            return False
+        return ended and self.stop_request is None
 
     def _unpark(self) -> None:
         """Handed back by the supervisor (on its pool): the wait returns at once, then conclude."""

@@ -203,8 +203,10 @@ def test_running_invocations_hold_no_thread_of_nymphs(
     n = nymph_factory(cp.url, cp.daemon_token, "--concurrency", "4")
     assert n.proc is not None
     nymph = psutil.Process(n.proc.pid)
-    warm = submit(cp.url, cp.producer_token, envelope(nymph_fns.add, 1, 1))  # zygote, watcher, loop
-    assert await_result(cp.url, cp.producer_token, warm)["state"] == "succeeded"
+    # the warm-up: four tasks at once that outlast PARK_AFTER_S (a shorter one ends on the thread
+    # that started it), so the zygote, the watcher, the loop and the job threads are all there
+    warm = [submit(cp.url, cp.producer_token, envelope(nymph_fns.sleep_for, 0.5)) for _ in range(4)]
+    assert all(await_result(cp.url, cp.producer_token, w)["state"] == "succeeded" for w in warm)
     time.sleep(1.0)  # the warm-up's threads wind down
     idle = nymph.num_threads()
     gate = tmp_path / "release"
