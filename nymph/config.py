@@ -24,6 +24,7 @@ table) and as a plain string otherwise (``image=python:3.11-slim``, ``memory=512
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import stat
 import tomllib
@@ -105,7 +106,7 @@ class NymphConfig:
         """Where code archives are unpacked: ``code_cache``, else ``{workdir}/.code``."""
         return self.code_cache if self.code_cache is not None else self.workdir / ".code"
 
-    @property
+    @functools.cached_property
     def stream_limits(self) -> StreamLimits:
         """The ``stream_*`` settings as one value (raises ValueError when they do not fit together)."""
         from nymph.pump import StreamLimits

@@ -55,7 +55,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, cast
 
 from nymph import observability as obs
 from nymph.config import NymphConfig
@@ -99,6 +99,17 @@ def parse_timeout(value: Any, what: str) -> tuple[float | None, str | None]:
 
 def _ignore_unavailable(exc: RunnerUnavailable) -> None:
     pass
+
+
+_WATCHING: dict[type, bool] = {}  # runner class -> whether it is Watching (a Protocol check is slow)
+
+
+def _watching(runner: Runner) -> bool:
+    kind = type(runner)
+    known = _WATCHING.get(kind)
+    if known is None:
+        known = _WATCHING[kind] = isinstance(runner, Watching)
+    return known
 
 
 def _forget(job: SupervisedJob[Any]) -> None:
@@ -391,10 +402,10 @@ class SupervisedJob(abc.ABC, Generic[OutcomeT]):
         runner = self.ctx.runner
         if not self.parkable or self.ctx.supervisor is None or not runner.capabilities.exit_fd:
             return None
-        if not isinstance(runner, Watching):
+        if not _watching(runner):
             return None
         try:
-            return runner.exit_fd(handle)
+            return cast(Watching, runner).exit_fd(handle)
         except RunnerError as exc:
             log.warning("%s %s: no exit fd, waiting in a thread: %s", self.kind, self.job_id, exc)
             return None

@@ -32,3 +32,25 @@ def test_a_task_sees_nymphs_environment_as_it_is_now(tmp_path: Path, monkeypatch
         assert "LAKESHORE_INVOCATION_ID" not in again  # nothing of the last task's
     finally:
         runner.close()
+
+
+def test_the_zygote_key_is_the_task_environments_less_its_per_task_variables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nymph_process import _interpreter_key
+
+    runner = ProcessRunner(prefork=False)
+    try:
+        monkeypatch.setenv("LAKESHORE_TEST_KEYED", "a")
+        tasks = [
+            _task(tmp_path, LAKESHORE_INVOCATION_ID="x", CUDA_VISIBLE_DEVICES="0"),
+            _task(tmp_path, LAKESHORE_INVOCATION_ID="y", CUDA_VISIBLE_DEVICES="1"),  # the same interpreter
+            _task(tmp_path, LAKESHORE_INVOCATION_ID="z", SOME_SETTING="on"),  # another one
+        ]
+        keys = [runner._task_key(t) for t in tasks]
+        assert keys == [_interpreter_key(runner._task_env(t)) for t in tasks]
+        assert keys[0] == keys[1] != keys[2]
+        monkeypatch.setenv("OTHER_SETTING", "1")  # nymph's environment changed: so does every key
+        assert runner._task_key(tasks[0]) == _interpreter_key(runner._task_env(tasks[0])) != keys[0]
+    finally:
+        runner.close()
