@@ -445,7 +445,8 @@ class SupervisedJob(abc.ABC, Generic[OutcomeT]):
             return False
         try:
             ended = self.ctx.runner.wait(handle, PARK_AFTER_S) is not None
-        except RunnerError:  # the supervisor's wait (and its error handling) takes it from here
+        except Exception as exc:  # the parked wait meets it again, in end(), which closes the stream
+            log.debug("%s %s: a first wait failed (%s); parked", self.kind, self.job_id, exc)
             return False
         return ended and self.stop_request is None
 

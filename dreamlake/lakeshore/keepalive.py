@@ -28,6 +28,7 @@ rule decides that).
 
 from __future__ import annotations
 
+import re
 import select
 import socket
 import threading
@@ -43,6 +44,8 @@ MAX_IDLE = 16  # idle connections kept per client
 MAX_HEAD = 64 * 1024  # an answer's status line and headers, at most
 _JOINED = 64 * 1024  # a body up to this size is sent in the same sendall as the head
 _NO_BODY = frozenset({204, 304})
+_BAD_TARGET = re.compile(r"[\x00-\x20\x7f]")  # as http.client refuses them in a request target
+_BAD_NAME = re.compile(r"[\x00-\x20\x7f:]|^$")  # in a header name (a token)
 
 
 class KeepAliveError(Exception):
@@ -124,6 +127,8 @@ class _Conn:
             if size == 0:  # the trailer, up to an empty line
                 while True:
                     while b"\r\n" not in self.buf:
+                        if len(self.buf) > MAX_HEAD:
+                            raise ValueError("a chunked answer's trailer line is too long")
                         self._fill()
                     at = self.buf.index(b"\r\n")
                     del self.buf[: at + 2]
@@ -187,6 +192,11 @@ class KeepAlive:
             lines.append(f"Content-Length: {length}")
         if any("\r" in line or "\n" in line for line in lines):
             raise KeepAliveError("a request header or its target holds a line break; not sent")
+        if _BAD_TARGET.search(target) or any(_BAD_NAME.search(name) for name in sent):
+            raise KeepAliveError(
+                f"a request target or header name with a control character, space or colon ({target[:80]!r}); "
+                "not sent: quote it (urllib.parse.quote)"
+            )
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
     def request(
@@ -221,18 +231,26 @@ class KeepAlive:
             else:
                 conn.sock.sendall(head + content if content else head)
             status, version, answer = conn.read_head()
-            while 100 <= status < 200:  # 100 Continue and the like: the answer follows
+            while status == 100:  # Continue: the answer follows (as http.client skips it)
                 status, version, answer = conn.read_head()
-            fields = {name.lower(): value for name, value in answer}
+            fields: dict[str, str] = {}
+            for name, value in answer:
+                key = name.lower()
+                if key == "content-length" and fields.get(key, value) != value:
+                    raise ValueError(f"two different Content-Length headers: {fields[key]!r}, {value!r}")
+                fields[key] = value
             will_close = "close" in fields.get("connection", "").lower() or (
                 version == "HTTP/1.0" and "keep-alive" not in fields.get("connection", "").lower()
             )
-            if method == "HEAD" or status in _NO_BODY:
+            if method == "HEAD" or status in _NO_BODY or 100 <= status < 200:
                 body = b""
             elif "chunked" in fields.get("transfer-encoding", "").lower():
                 body = conn.read_chunked()
             elif "content-length" in fields:
-                body = conn.read_exactly(int(fields["content-length"]))
+                length_text = fields["content-length"]
+                if not length_text.isdigit():
+                    raise ValueError(f"a bad Content-Length: {length_text[:40]!r}")
+                body = conn.read_exactly(int(length_text))
             else:
                 body = conn.read_to_end()
                 will_close = True

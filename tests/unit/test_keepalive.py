@@ -252,3 +252,41 @@ def test_a_header_with_a_line_break_is_refused_before_anything_is_sent() -> None
             )
     finally:
         client.close()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: -3\r\n\r\nabcdefgh",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 5\r\n\r\nabcde",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n" + b"x" * (70 * 1024),
+    ],
+)
+def test_an_answer_with_a_bad_length_or_an_endless_trailer_is_an_error_not_a_short_body(
+    answer: bytes,
+) -> None:
+    from dreamlake.lakeshore.keepalive import KeepAlive, KeepAliveError
+
+    url, _seen = _one_answer(answer)
+    client = KeepAlive(url, {}, connect_timeout_s=5)
+    try:
+        with pytest.raises(KeepAliveError):
+            client.request("GET", "/v1/x", content=None, headers=None, params=None, read_timeout_s=5)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(
+    ("path", "headers"), [("/v1/topics/a b/post", {}), ("/v1/x\x00", {}), ("/v1/x", {"Bad:Name": "v"})]
+)
+def test_a_target_or_header_name_http_client_refuses_is_refused_before_sending(
+    path: str, headers: dict[str, str]
+) -> None:
+    from dreamlake.lakeshore.keepalive import KeepAlive, KeepAliveError
+
+    client = KeepAlive("http://127.0.0.1:9", {}, connect_timeout_s=1)
+    try:
+        with pytest.raises(KeepAliveError, match="not sent"):
+            client.request("GET", path, content=None, headers=headers, params=None, read_timeout_s=1)
+    finally:
+        client.close()
