@@ -180,9 +180,6 @@ class ProcessRunner:
         self._forked: dict[int, tuple[ZygoteClient, ForkedChild]] = {}
         self._zygotes: dict[tuple[tuple[str, str], ...], ZygoteClient] = {}
         self._zygote_lock = threading.Lock()
-        # interpreter keys by a task's own non-per-task variables, for one state of nymph's environment
-        self._keys_of: dict[str, str] | None = None
-        self._keys: dict[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]] = {}
         self._zygote_failures = 0
         # held from spawning a leader until it is in _children, and while reaping anything that is
         # not: an orphan sweep must never reap a leader Popen has not been told about (its exit
@@ -541,7 +538,6 @@ class ProcessRunner:
     def _start_forked(self, task: Task, cgroup: Path | None) -> Handle | None:
         """Start ``task`` through a zygote; None when prefork cannot serve it (spawn it instead)."""
         env = self._task_env(task)
-        key = self._task_key(task)
         workdir = Path(task.workdir)
         try:
             user = passwd_record(task.as_user) if task.as_user else None
@@ -551,7 +547,7 @@ class ProcessRunner:
             ) from None
         procs = None if cgroup is None else str(TaskCgroups.procs_file(cgroup))
         for _attempt in range(2):  # a zygote found dead is restarted once for this task
-            zygote = self._zygote(env, key)
+            zygote = self._zygote(env)
             if zygote is None:
                 return None
             try:
@@ -659,32 +655,9 @@ class ProcessRunner:
                     strays.append(proc)
         return strays
 
-    def _task_key(self, task: Task) -> tuple[tuple[str, str], ...]:
-        """``_interpreter_key(self._task_env(task))``, remembered while nymph's environment stays
-        the same (a task adds per-task variables only, as a rule: its key is then the last one's)."""
-        base = _own_environ()
-        extra = {
-            k: v
-            for k, v in task.env.items()
-            if k not in _PER_TASK_ENV_KEYS and not k.startswith(_PER_TASK_ENV)
-        }
-        if self.pythonpath is not None:
-            extra["PYTHONPATH"] = self.pythonpath
-        with self._zygote_lock:
-            if self._keys_of is not base:
-                self._keys_of, self._keys = base, {}
-            found = self._keys.get(tuple(sorted(extra.items())))
-        if found is not None:
-            return found
-        key = _interpreter_key({**base, **extra})
-        with self._zygote_lock:
-            if self._keys_of is base and len(self._keys) < _ZYGOTE_MAX * 4:
-                self._keys[tuple(sorted(extra.items()))] = key
-        return key
-
-    def _zygote(self, env: dict[str, str], key: tuple[tuple[str, str], ...]) -> ZygoteClient | None:
-        """The live zygote for this interpreter environment (``key``: :func:`_interpreter_key` of
-        ``env``), started if needed; None: spawn instead."""
+    def _zygote(self, env: dict[str, str]) -> ZygoteClient | None:
+        """The live zygote for this interpreter environment, started if needed; None: spawn instead."""
+        key = _interpreter_key(env)
         with self._zygote_lock:
             if self._zygote_failures >= _ZYGOTE_MAX_FAILURES:
                 return None

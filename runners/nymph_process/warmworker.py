@@ -28,7 +28,6 @@ Python 3.9 syntax: it runs in whichever interpreter runs the entry.
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import json
 import os
@@ -113,19 +112,7 @@ class Worker:
     def _entry_lock(self) -> int:
         """The cwd's entry lock, taken and recorded (as a forked child does); -1 when it is held or
         an entry already ran here."""
-        z = self.z
-        fd = z._open_in_workdir(z.ENTRY_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return -1
-        if os.fstat(fd).st_size:
-            os.close(fd)
-            return -1
-        pid = os.getpid()
-        os.write(fd, json.dumps({"pid": pid, "ticks": z._ticks(pid)}).encode())
-        return int(fd)
+        return int(self.z._take_entry_lock())
 
     def _restore_output(self) -> None:
         """fd 1 / fd 2 and sys.stdout / sys.stderr back to the worker's own (the entry pointed them

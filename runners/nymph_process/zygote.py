@@ -193,7 +193,7 @@ class Zygote:
         try:
             os.chdir(workdir)
             owner = os.stat(".").st_uid
-            if not _take_entry_lock(owner):
+            if _take_entry_lock(owner) < 0:  # held (the fd stays open) for the child's life
                 return ENTRY_LOCKED  # the runner (or another child) runs this entry: never twice
             null = os.open(os.devnull, os.O_RDONLY)
             append = os.O_WRONLY | os.O_CREAT | os.O_APPEND
@@ -289,21 +289,23 @@ def _become(user: dict) -> None:  # type: ignore[type-arg]
     os.setuid(uid)
 
 
-def _take_entry_lock(owner: int) -> bool:
-    """Hold the cwd's entry lock for the rest of this process's life and record who holds it."""
+def _take_entry_lock(owner: int | None = None) -> int:
+    """Take the cwd's entry lock and record who holds it: its fd (close-on-exec; the lock is held
+    until it is closed or this process exits), or -1 when another process holds it or an entry
+    already ran here. ``owner``: the workdir's owner, when the caller looked already."""
     fd = _open_in_workdir(ENTRY_LOCK, os.O_RDWR | os.O_CREAT, 0o600, owner)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        return False
+        return -1
     if os.fstat(fd).st_size:  # an entry already ran here (and ended): not again
         os.close(fd)
-        return False
+        return -1
     pid = os.getpid()
     ticks = _ticks(pid)  # the JSON the runner reads (_entry_holder), written without the json module
     os.write(fd, b'{"pid": %d, "ticks": %s}' % (pid, b"null" if ticks is None else b"%d" % ticks))
-    return True  # fd stays open (close-on-exec): released when this process exits
+    return fd
 
 
 def _run(main: object) -> int:
