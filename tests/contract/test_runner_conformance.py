@@ -318,7 +318,9 @@ def test_output_reaches_the_workdir_logs_while_the_function_runs(
     handle = kit.start_saved(runner, task)
     kit.until(
         lambda: (
-            "from a child process" in _text(task, "stdout.log") and "careful" in _text(task, "stderr.log")
+            # whole lines: an unbuffered child writes a line's text and its newline separately
+            "from a child process\n" in _text(task, "stdout.log")
+            and "careful, stderr\n" in _text(task, "stderr.log")
         ),
         "the output in the workdir logs",
     )
