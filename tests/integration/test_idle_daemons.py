@@ -30,6 +30,12 @@ SETTLE_S = 30.0  # a deadline for conditions the tests wait for, never a measure
 @pytest.fixture
 def cp(store_url: str) -> Iterator[ControlPlane]:
     with running_control_plane(store_url, config=NO_RECHECK) as plane:
+        # on PostgreSQL the memo stands in for a pass only while the wake-up relay listens (it
+        # connects in the background after start-up; a loaded machine can take a while)
+        deadline = time.monotonic() + SETTLE_S
+        while not plane.app.state.ctx.polls.reliable:
+            assert time.monotonic() < deadline, "the wake-up relay never started listening"
+            time.sleep(0.01)
         yield plane
 
 
