@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import py_compile
 import statistics
 import subprocess
 import sys
@@ -226,8 +227,18 @@ def idle(stack: LocalStack, seconds: float) -> tuple[float, float]:
 RUNNER_OPTS: dict[str, object] = {}  # --runner-opt
 
 
+def task_bytecode() -> None:
+    """Write the bytecode of the noop's module (``bench/__pycache__``), so that each task imports it
+    as it would on any machine that caches bytecode. Where nothing writes it (``PYTHONDONTWRITEBYTECODE``,
+    as on the CI machines, or a read-only tree) every task compiles the module from source: about
+    1-2 ms of CPU in a zygote's child here (the compiler's pages are copied on write), neither
+    nymph's cost nor a user's usual one, and it would blur what the rows measure."""
+    py_compile.compile(str(BENCH / "bench_fns.py"), doraise=True)
+
+
 def _stack(slots: int, runner: str, image: str, code: Path | None = None) -> LocalStack:
     """The stack; ``code``: a checkout its processes import from instead of this one (--before)."""
+    task_bytecode()
     tree = [] if code is None else [code, code / "runners"]
     return LocalStack(
         queues=[QUEUE],
