@@ -245,6 +245,7 @@ def test_prune_drops_old_and_least_recent_but_never_what_a_task_holds(tmp_path: 
     records = [_zip({"m/__init__.py": bytes([i]) * 4000}) for i in range(3)]
     for i, record in enumerate(records):
         path = cache.acquire(record)
+        assert cache.compiled(record["sha256"], 60)  # an archive whose bytecode is being written stays
         os.utime(path, (time.time() - 100 + i, time.time() - 100 + i))
         if i != 0:
             cache.release(record["sha256"])
@@ -280,6 +281,43 @@ def test_shipped_modules_lists_what_the_archive_makes_importable(tmp_path: Path)
     )
     path = CodeCache(tmp_path / "cache").acquire(record)
     assert shipped_modules(path) == ["pkg", "pkg.fast", "pkg.sub", "pkg.sub.mod", "tool"]
+
+
+def test_the_cache_holds_the_bytecode_a_task_imports_instead_of_compiling(tmp_path: Path) -> None:
+    """The sealed copy is no task's to write, so nymph writes its bytecode after the unpack: a task imports
+    it (even with PYTHONDONTWRITEBYTECODE), its tracebacks name the cached path, and a file that
+    does not compile is still there, to fail at its import as before."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    record = _zip(
+        {
+            "m/__init__.py": b"X = 1\n",
+            "m/bad.py": b"raise ValueError('at import')\n",
+            "m/broken.py": b"def (\n",
+        }
+    )
+    cache = CodeCache(tmp_path / "cache")
+    path = cache.acquire(record)
+    assert cache.compiled(record["sha256"], 60)  # written in the background, then sealed again
+    pyc = Path(importlib.util.cache_from_source(str(path / "m" / "__init__.py")))
+    assert pyc.is_file() and stat.S_IMODE(pyc.stat().st_mode) == 0o444
+    assert stat.S_IMODE(pyc.parent.stat().st_mode) == 0o555
+    assert not Path(importlib.util.cache_from_source(str(path / "m" / "broken.py"))).exists()
+    assert (path / "m" / "broken.py").read_bytes() == b"def (\n"
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(path), "PYTHONDONTWRITEBYTECODE": "1"}
+    run = subprocess.run(
+        [sys.executable, "-v", "-c", "import m; assert m.X == 1; import m.bad"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert f"code object from '{pyc}'" in run.stderr  # imported from the bytecode, not compiled
+    assert f'File "{path / "m" / "bad.py"}"' in run.stderr  # the final path, not the staging one
+    assert "ValueError: at import" in run.stderr
+    assert shipped_modules(path) == ["m", "m.bad", "m.broken"]
 
 
 def _entry(workdir: Path, envelope: Envelope, code_dir: Path) -> dict[str, Any]:
