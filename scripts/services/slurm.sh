@@ -10,7 +10,8 @@
 #   takes the whole node), batch_sched_delay=0 (else batch jobs wait up to 3 s), ReturnToService=2,
 #   MailProg=/bin/true, no accounting, KillWait=2 (default 30: a cancelled job that ignores SIGTERM
 #   would hold on for 30 s; with 2 it is gone about 5 s after scancel). See INFRA.md "Slurm, single node".
-# - Ready when `sinfo -h -N -o %T` says idle (mixed / allocated when jobs already run).
+# - Ready when `sinfo -h -N -o %T` says idle (mixed / allocated when jobs already run); a node that
+#   does not answer after 3 s (a slurmd that outlived its slurmctld) gets slurmd restarted once.
 # Stop: `scontrol shutdown` (slurmctld and slurmd); munged: kill "$(cat /run/munge/munged.pid)".
 # On success prints `export LAKESHORE_TEST_SLURM=1` on stdout; everything else goes to stderr.
 set -euo pipefail
@@ -109,7 +110,17 @@ if [ ! -f "$conf" ] || [ "$(cat "$conf")" != "$want" ]; then
 fi
 
 # --- 3. slurmctld and slurmd ---------------------------------------------------------------------
-alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# A pid file names a live daemon only when that pid runs the daemon: a pid file left by a machine
+# image or a killed run can name a pid that now belongs to something else.
+alive() {
+  local pid
+  [ -f "$1" ] || return 1
+  pid="$(cat "$1" 2>/dev/null)"
+  [ -n "$pid" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$(basename "$1" .pid)" ]
+}
+start_slurmd() {
+  slurmd >&2 || { say "slurmd failed to start; see $log_dir/slurmd.log"; exit 1; }
+}
 ctld_up() { scontrol ping 2>/dev/null | grep -q 'is UP'; }
 if [ "$changed" = yes ] && { alive "$run_dir/slurmctld.pid" || alive "$run_dir/slurmd.pid"; }; then
   say "configuration changed: restarting slurmctld and slurmd"
@@ -130,20 +141,33 @@ ctld_up || { say "slurmctld does not answer \`scontrol ping\`; see $log_dir/slur
 if alive "$run_dir/slurmd.pid"; then
   say "slurmd already running"
 else
-  slurmd >&2 || { say "slurmd failed to start; see $log_dir/slurmd.log"; exit 1; }
+  start_slurmd
   say "started slurmd"
 fi
 
 # --- 4. wait for the node ------------------------------------------------------------------------
 node_state() { sinfo -h -N -n "$host" -o %T 2>/dev/null | head -n 1; }
 state=""
-for i in $(seq 200); do
+# A trailing * means the node does not answer slurmctld. A slurmd that outlived its slurmctld (a past
+# run, a restarted controller) registers again only when the controller pings it, every 100 s by
+# default: after 3 s without an answer it is restarted once, so it registers at once.
+restarted=no
+for i in $(seq 300); do
   state="$(node_state)"
   case "$state" in
     idle | mixed | allocated) break ;;
-    down* | drain* | drained*)
+  esac
+  if [ "$i" = 30 ] && [ "$restarted" = no ] && { [ -z "$state" ] || [[ "$state" == unknown* ]] || [[ "$state" == *'*' ]]; }; then
+    say "node $host is '${state:-unknown}' after 3 s: restarting slurmd"
+    pkill -x slurmd 2>/dev/null || true
+    for _ in $(seq 50); do pgrep -x slurmd >/dev/null || break; sleep 0.1; done
+    start_slurmd
+    restarted=yes
+  fi
+  case "$state" in
+    down* | drain* | drained* | unknown*)
       # ReturnToService=2 brings a registered node back; a node drained by a past run needs this
-      [ "$i" = 20 ] && scontrol update NodeName="$host" State=RESUME >&2 2>/dev/null || true
+      { [ "$i" = 20 ] || [ "$i" = 60 ]; } && scontrol update NodeName="$host" State=RESUME >&2 2>/dev/null || true
       ;;
   esac
   sleep 0.1
