@@ -49,6 +49,7 @@ MAX_ENTRIES = 20_000
 MAX_FETCH_BYTES = 256 * 1024 * 1024  # an archive fetched by reference larger than this is refused
 MAX_UNPACKED_BYTES = 512 * 1024 * 1024
 PRECOMPILE_MAX_BYTES = 32 * 1024 * 1024  # Python source compiled to bytecode at unpack, at most
+PRECOMPILE_TIMEOUT_S = 600.0  # a compile still running then is killed (the tasks compile from source)
 DEFAULT_MAX_BYTES = 2 * 1024**3
 DEFAULT_MAX_AGE_S = 7 * 24 * 3600.0
 _STAGING = ".staging-"
@@ -109,10 +110,16 @@ class CodeCache:
         try:
             with gate:
                 target = self.path_for(sha)
-                if target.is_dir():
+                try:
+                    mode = os.stat(target).st_mode
+                except FileNotFoundError:
+                    mode = 0
+                if stat.S_ISDIR(mode):
                     if record.get("inline") is not None:  # cheap to check: a tampered one is refused
                         self._bytes(record, fetch or self.fetch)  # whether the cache has it or not
                     _touch(target)
+                    if stat.S_IMODE(mode) != 0o555:  # a compile cut off (nymph killed): again, then sealed
+                        self._compile_later(sha, target)
                     obs.CODE_ARCHIVES.labels(result="hit").inc()
                     return target
                 data = self._bytes(record, fetch or self.fetch)
@@ -190,19 +197,24 @@ class CodeCache:
         return True
 
     def _compile_later(self, sha: str, target: Path) -> None:
-        """Write the copy's bytecode in a thread of its own (:func:`_precompile`): the task that
-        asked for the archive starts at once (compiling what it imports, as before), the later
-        ones import the bytecode."""
+        """Write the copy's bytecode in the background (:func:`_precompile`, a thread waiting on a
+        child process): the task that asked for the archive starts at once (compiling what it
+        imports, as before), the later ones import the bytecode. Once per archive at a time."""
 
         def work() -> None:
             try:
                 _precompile(target)
+            except Exception:  # the tasks compile what they import, as without it
+                log.exception("code archive %s: bytecode not written", sha)
             finally:
                 with self._lock:
-                    self._compiling.pop(sha, None)
+                    if self._compiling.get(sha) is thread:
+                        del self._compiling[sha]
 
         thread = threading.Thread(target=work, name=f"nymph-code-compile-{sha[:12]}", daemon=True)
         with self._lock:
+            if sha in self._compiling:
+                return
             self._compiling[sha] = thread
         thread.start()
 
@@ -342,31 +354,49 @@ def _makedirs(dest_fd: int, parts: list[str]) -> int:
     return fd
 
 
-def _precompile(root: Path) -> None:
+def _precompile(root: Path, timeout: float = PRECOMPILE_TIMEOUT_S) -> None:
     """Write the bytecode of an unpacked copy's Python files (``__pycache__``, this interpreter's
     tag), then seal it again. No task can write it into the read-only copy, so without it every
     task compiled each shipped module it imports from source, every time (a 60-module package:
     about 85 ms a task here). A task on another Python ignores it; a file that does not compile
     is left to fail at its import, as before. The directories are nymph's to write meanwhile, as
     before the seal, and no task user's; what is written appears whole (written aside, renamed).
-    Skipped over :data:`PRECOMPILE_MAX_BYTES` of source."""
-    import compileall
+
+    The compile runs in a child process (``python -I -m compileall``): compiling a module holds
+    the interpreter lock until it is done, seconds for a large generated one, and nymph's
+    heartbeat and loop must not wait on that; ``-I`` leaves out nymph's ``PYTHONPYCACHEPREFIX``
+    (the bytecode would go elsewhere) and ``PYTHONOPTIMIZE``. Skipped over
+    :data:`PRECOMPILE_MAX_BYTES` of source; killed after ``timeout``."""
+    import subprocess
+    import sys
 
     total = 0
     for here, _dirs, files in os.walk(root):
         for name in files:
             if name.endswith(".py"):
-                total += os.lstat(os.path.join(here, name)).st_size
-    if not total:
-        return
+                try:
+                    total += os.lstat(os.path.join(here, name)).st_size
+                except OSError:
+                    pass
     if total > PRECOMPILE_MAX_BYTES:
         log.info("code archive %s: %d bytes of Python source, not precompiled", root.name, total)
-        return
     try:
-        for here, _dirs, _files in os.walk(root):
-            os.chmod(here, 0o755)
-        compileall.compile_dir(str(root), quiet=2, workers=1)
-    except Exception as exc:  # the tasks compile what they import, as without it
+        if total and total <= PRECOMPILE_MAX_BYTES:
+            for here, _dirs, _files in os.walk(root):
+                os.chmod(here, 0o755)
+            run = subprocess.run(
+                [sys.executable, "-I", "-m", "compileall", "-q", str(root)],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                errors="replace",
+                timeout=timeout,
+            )
+            if run.returncode:  # a file that does not compile: its import fails in the task, as before
+                log.debug("code archive %s: not all compiled:\n%s", root.name, run.stdout[-2000:])
+    except subprocess.TimeoutExpired:
+        log.warning("code archive %s: bytecode not written in %.0f s, left out", root.name, timeout)
+    except OSError as exc:
         log.warning("code archive %s: bytecode not written: %s", root.name, exc)
     finally:
         try:
@@ -402,6 +432,19 @@ def _size(path: Path) -> int:
 
 
 def _remove(path: Path) -> None:
+    """Remove an unpacked copy (or a staging directory). A copy is first renamed aside, so that a
+    removal cut off (a crash, another process writing into it) leaves a staging directory, which a
+    later prune removes, and never part of a tree under its sha256 that would pass for a hit."""
+    if not path.name.startswith(_STAGING):
+        aside = path.with_name(f"{_STAGING}{path.name[:16]}-removed-{os.urandom(6).hex()}")
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return
+        except OSError:
+            pass  # removed in place, as before
+        else:
+            path = aside
     for here, dirs, _ in os.walk(path):
         for name in dirs:
             try:
@@ -422,13 +465,14 @@ def shipped_modules(path: Path) -> list[str]:
 
     suffixes = tuple(importlib.machinery.all_suffixes())
     found = set()
-    for here, dirs, files in os.walk(path):
-        dirs[:] = [d for d in dirs if d != "__pycache__"]  # the bytecode of what is listed already
+    for here, _dirs, files in os.walk(path):
         rel = Path(here).relative_to(path).parts
         for name in files:
             suffix = next((s for s in suffixes if name.endswith(s)), None)
             if suffix is None:
                 continue
+            if suffix in importlib.machinery.BYTECODE_SUFFIXES and "." in name[: -len(suffix)]:
+                continue  # __pycache__/mod.cpython-311.pyc: the bytecode of mod.py, no module of its own
             stem = name[: -len(suffix)].partition(".")[0]  # mod.cpython-311-x86_64-linux-gnu.so -> mod
             found.add(".".join(rel if stem == "__init__" else (*rel, stem)))
     return sorted(m for m in found if m)

@@ -182,6 +182,8 @@ def test_cache_unpacks_once_read_only_and_refuses_a_tampered_archive(tmp_path: P
     path = cache.acquire(record)
     assert (path / "m" / "__init__.py").read_bytes() == b"X = 1\n"
     assert stat.S_IMODE((path / "m" / "__init__.py").stat().st_mode) == 0o444
+    assert stat.S_IMODE((path / "m").stat().st_mode) & 0o022 == 0  # no task user's, ever
+    assert cache.compiled(record["sha256"], 60)  # nymph's to write while it adds the bytecode, then:
     assert stat.S_IMODE((path / "m").stat().st_mode) == 0o555
     hits = obs.REGISTRY.get_sample_value("nymph_code_archives_total", {"result": "hit"}) or 0
     assert cache.acquire(record) == path and cache.fetches == 1  # the cache hit: not unpacked again
@@ -273,14 +275,27 @@ def test_shipped_modules_lists_what_the_archive_makes_importable(tmp_path: Path)
         {
             "pkg/__init__.py": b"",
             "pkg/sub/__init__.py": b"",
-            "pkg/sub/mod.py": b"",
+            "pkg/sub/mod.py": b"Z = 3\n",
             "pkg/fast.cpython-311-x86_64-linux-gnu.so": b"",
             "pkg/data.json": b"{}",
+            "pkg/__pycache__/hidden.py": b"",  # importable as pkg.__pycache__.hidden: listed
+            "old.pyc": b"",  # a sourceless module
             "tool.py": b"",
         }
     )
-    path = CodeCache(tmp_path / "cache").acquire(record)
-    assert shipped_modules(path) == ["pkg", "pkg.fast", "pkg.sub", "pkg.sub.mod", "tool"]
+    cache = CodeCache(tmp_path / "cache")
+    path = cache.acquire(record)
+    assert cache.compiled(record["sha256"], 60)
+    assert (path / "pkg" / "sub" / "__pycache__").is_dir()  # the bytecode nymph wrote is no module
+    assert shipped_modules(path) == [
+        "old",
+        "pkg",
+        "pkg.__pycache__.hidden",
+        "pkg.fast",
+        "pkg.sub",
+        "pkg.sub.mod",
+        "tool",
+    ]
 
 
 def test_the_cache_holds_the_bytecode_a_task_imports_instead_of_compiling(tmp_path: Path) -> None:
@@ -318,6 +333,69 @@ def test_the_cache_holds_the_bytecode_a_task_imports_instead_of_compiling(tmp_pa
     assert f'File "{path / "m" / "bad.py"}"' in run.stderr  # the final path, not the staging one
     assert "ValueError: at import" in run.stderr
     assert shipped_modules(path) == ["m", "m.bad", "m.broken"]
+
+
+def test_a_compile_cut_off_is_done_again_at_the_next_hit_and_sealed(tmp_path: Path) -> None:
+    """nymph killed while it wrote an archive's bytecode leaves the copy writable by nymph and
+    part-compiled: the next task that uses it has it compiled again and sealed."""
+    import importlib.util
+
+    record = _zip({"m/__init__.py": b"X = 1\n", "m/sub.py": b"Y = 2\n"})
+    first = CodeCache(tmp_path / "cache")
+    path = first.acquire(record)
+    assert first.compiled(record["sha256"], 60)
+    pyc = Path(importlib.util.cache_from_source(str(path / "m" / "sub.py")))
+    for here, _dirs, _files in os.walk(path):
+        os.chmod(here, 0o755)
+    pyc.unlink()  # as a kill -9 between two files leaves it
+    restarted = CodeCache(tmp_path / "cache")
+    assert restarted.acquire(record) == path
+    assert restarted.compiled(record["sha256"], 60)
+    assert pyc.is_file()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o555
+    assert stat.S_IMODE(pyc.parent.stat().st_mode) == 0o555
+    assert restarted.fetches == 0  # a hit: not unpacked again
+
+
+def test_an_archive_over_the_precompile_limit_is_sealed_without_bytecode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    from nymph import codecache
+
+    monkeypatch.setattr(codecache, "PRECOMPILE_MAX_BYTES", 10)
+    record = _zip({"m/__init__.py": b"X = 'more than ten bytes of source'\n"})
+    cache = CodeCache(tmp_path / "cache")
+    path = cache.acquire(record)
+    assert cache.compiled(record["sha256"], 60)
+    assert not Path(importlib.util.cache_from_source(str(path / "m" / "__init__.py"))).exists()
+    assert stat.S_IMODE((path / "m").stat().st_mode) == 0o555
+
+
+def test_prune_removes_a_copy_aside_first(tmp_path: Path) -> None:
+    """A removal renames the copy to a staging name before it deletes it: one cut off never leaves a
+    partial tree under the sha256, which the next acquire would take for a hit."""
+    record = _zip({"m/__init__.py": b"X = 1\n"})
+    cache = CodeCache(tmp_path / "cache", max_age_s=10)
+    path = cache.acquire(record)
+    assert cache.compiled(record["sha256"], 60)
+    cache.release(record["sha256"])
+    os.utime(path, (time.time() - 100, time.time() - 100))
+    renamed: list[tuple[str, str]] = []
+    real_rename = os.rename
+
+    def rename(src: Any, dst: Any) -> None:
+        renamed.append((Path(src).name, Path(dst).name))
+        real_rename(src, dst)
+
+    import unittest.mock
+
+    with unittest.mock.patch("nymph.codecache.os.rename", rename):
+        assert cache.prune() == [record["sha256"]]
+    assert [src for src, _ in renamed] == [record["sha256"]]
+    assert renamed[0][1].startswith(".staging-")
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == []
 
 
 def _entry(workdir: Path, envelope: Envelope, code_dir: Path) -> dict[str, Any]:
