@@ -97,9 +97,15 @@ class Sampler:
         self.counts.clear()
 
     def dump(self, path: str) -> None:
+        """Stop sampling (the sampler's last pass ends first: the counts must not change while
+        they are written), then write them, whole or not at all."""
         self._stop.set()
-        with open(path, "w") as f:
+        if self._thread.is_alive():
+            self._thread.join(5.0)
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
             json.dump({"interval_s": self.interval, "samples": self.counts}, f)
+        os.replace(tmp, path)
 
 
 def report(path: str, top: int = 25, skip: tuple[str, ...] = ()) -> None:
