@@ -46,9 +46,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
-import httpx
-import msgpack
 import psutil
 from _stats import percentile
 
@@ -59,6 +58,7 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(ROOT / "runners"))
 
 import bench_fns  # noqa: E402
+import control_plane as cp  # noqa: E402
 
 from dreamlake.lakeshore import ids, wire  # noqa: E402
 from dreamlake.lakeshore.devstack import LocalStack  # noqa: E402
@@ -67,7 +67,6 @@ from nymph.config import parse_runner_opts  # noqa: E402
 from nymph_process import default_python  # noqa: E402
 
 QUEUE = "bench"
-MSGPACK = "application/x-msgpack"
 
 
 def _ms(times: list[float]) -> str:
@@ -75,30 +74,23 @@ def _ms(times: list[float]) -> str:
 
 
 class Producer:
-    """Submit and await over the producer routes, one keep-alive connection per thread."""
+    """Submit and await over the producer routes with a cheap client (``control_plane.Client``:
+    ``http.client``, one keep-alive connection per thread), so the producer's own cost is small
+    beside what it measures."""
 
     def __init__(self, url: str, token: str) -> None:
-        self.url = url
+        self.port = int(url.rstrip("/").rsplit(":", 1)[1])
         self.token = token
         self.blob = Envelope.create(fn_for(bench_fns.noop, "ref"), (), {}).to_bytes()
         self._local = threading.local()
 
-    def _client(self) -> httpx.Client:
+    def _post(self, path: str, body: dict[str, object]) -> dict[str, object]:
         client = getattr(self._local, "client", None)
         if client is None:
-            client = httpx.Client(
-                base_url=self.url,
-                timeout=120,
-                headers={"Authorization": f"Bearer {self.token}", "Content-Type": MSGPACK},
-            )
-            self._local.client = client
-        return client
-
-    def _post(self, path: str, body: dict[str, object]) -> dict[str, object]:
-        resp = self._client().post(path, content=msgpack.packb(body, use_bin_type=True))
-        if resp.status_code != 200:
-            raise SystemExit(f"{path}: HTTP {resp.status_code}: {resp.content[:300]!r}")
-        out = msgpack.unpackb(resp.content, raw=False)
+            client = self._local.client = cp.Client(self.port, self.token)
+        status, out = client.post(path, body)
+        if status != 200:
+            raise SystemExit(f"{path}: HTTP {status}: {str(out)[:300]}")
         assert isinstance(out, dict)
         return out
 
@@ -179,17 +171,28 @@ def cpu_parts(stack: LocalStack) -> dict[str, float]:
     return {"server": _cpu_s(server, reaped=False), "nymph": own.user + own.system, "zygote+tasks": kids}
 
 
+def _load(url: str, token: str, n: int, go: Any, out: Any) -> None:
+    """A load process: submit ``n`` noops, then await each (``control_plane.run_load``)."""
+    producer = Producer(url, token)
+    go.wait()
+    t0 = time.perf_counter()
+    invs = [producer.submit() for _ in range(n)]
+    for inv in invs:
+        producer.await_(inv)
+    out.put((t0, time.perf_counter(), n))
+
+
 def throughput_cpu(stack: LocalStack, batch: int, slots: int) -> tuple[float, dict[str, float]]:
     """Invocations/s of a batch submitted at once, and the CPU ms per invocation of each part
-    (``cpu_parts``) over the batch (the producer's threads are this process, not counted)."""
+    (``cpu_parts``) over the batch. The load comes from ``2 x slots`` (at least 2) separate
+    processes with a cheap client, each submitting its share and then awaiting it: not counted,
+    and not in the measured processes' way more than it must be."""
     producer = Producer(stack.url, stack.tokens["admin"])
     producer.round_trip()  # warm-up
+    procs = max(2, slots * 2)
+    shares = [batch // procs + (1 if i < batch % procs else 0) for i in range(procs)]
     before = cpu_parts(stack)
-    with ThreadPoolExecutor(max(2, slots * 2)) as pool:
-        t0 = time.perf_counter()
-        invs = list(pool.map(lambda _: producer.submit(), range(batch)))
-        list(pool.map(producer.await_, invs))
-        rate = batch / (time.perf_counter() - t0)
+    rate, _total = cp.run_load(_load, [(stack.url, stack.tokens["admin"], n) for n in shares if n])
     after = cpu_parts(stack)
     return rate, {k: (after[k] - before[k]) * 1000 / batch for k in before}
 
