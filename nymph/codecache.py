@@ -365,7 +365,8 @@ def _precompile(root: Path, timeout: float = PRECOMPILE_TIMEOUT_S) -> None:
     The compile runs in a child process (``python -I -m compileall``): compiling a module holds
     the interpreter lock until it is done, seconds for a large generated one, and nymph's
     heartbeat and loop must not wait on that; ``-I`` leaves out nymph's ``PYTHONPYCACHEPREFIX``
-    (the bytecode would go elsewhere) and ``PYTHONOPTIMIZE``. Skipped over
+    (the bytecode would go elsewhere) and ``PYTHONOPTIMIZE``; the bytecode is checked by the
+    source's mtime even where ``SOURCE_DATE_EPOCH`` is set (else each import hashes the source). Skipped over
     :data:`PRECOMPILE_MAX_BYTES` of source; killed after ``timeout``."""
     import subprocess
     import sys
@@ -385,7 +386,16 @@ def _precompile(root: Path, timeout: float = PRECOMPILE_TIMEOUT_S) -> None:
             for here, _dirs, _files in os.walk(root):
                 os.chmod(here, 0o755)
             run = subprocess.run(
-                [sys.executable, "-I", "-m", "compileall", "-q", str(root)],
+                [
+                    sys.executable,
+                    "-I",
+                    "-m",
+                    "compileall",
+                    "-q",
+                    "--invalidation-mode",
+                    "timestamp",
+                    str(root),
+                ],
                 stdin=subprocess.DEVNULL,
                 capture_output=True,
                 text=True,
@@ -406,8 +416,9 @@ def _precompile(root: Path, timeout: float = PRECOMPILE_TIMEOUT_S) -> None:
 
 
 def _seal(root: Path) -> None:
-    """Files 0444 and directories 0555: readable by any task user, written by none."""
-    for here, _dirs, files in os.walk(root):
+    """Files 0444 and directories 0555: readable by any task user, written by none. Bottom up, so
+    the top directory is sealed last: a seal cut off leaves it writable, which the next use sees."""
+    for here, _dirs, files in os.walk(root, topdown=False):
         for name in files:
             os.chmod(os.path.join(here, name), 0o444, follow_symlinks=False)
         os.chmod(here, 0o555)
