@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from queue import Empty
 from typing import Any
 
 import msgpack
@@ -229,7 +230,19 @@ def run_load(target: Callable[..., None], arglists: list[tuple[Any, ...]]) -> tu
         p.start()
     time.sleep(0.2)  # every process has connected and waits
     go.set()
-    results = [out.get(timeout=600) for _ in procs]
+    results = []
+    deadline = time.monotonic() + 600
+    while len(results) < len(procs):
+        try:
+            results.append(out.get(timeout=1.0))
+        except Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                for p in procs:
+                    p.terminate()
+                raise RuntimeError(
+                    f"a load process failed (exit {failed}) or the load took over 600 s"
+                ) from None
     for p in procs:
         p.join(30)
         if p.exitcode != 0:

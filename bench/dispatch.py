@@ -106,7 +106,7 @@ class Producer:
         return str(self._post("/v1/producer/submit", body)["invocation_id"])
 
     def await_(self, invocation_id: str) -> None:
-        out = self._post("/v1/producer/await", {"invocation_id": invocation_id, "timeout_s": 60})
+        out = self._post("/v1/producer/await", {"invocation_id": invocation_id, "timeout_s": 50})
         if out.get("state") != "succeeded":
             raise SystemExit(f"noop {invocation_id} ended {out.get('state')}: {out.get('error')}")
         assert wire.unpack(out["result_blob"]) is None  # type: ignore[arg-type]

@@ -146,7 +146,7 @@ else
 fi
 
 # --- 4. wait for the node ------------------------------------------------------------------------
-node_state() { sinfo -h -N -n "$host" -o %T 2>/dev/null | head -n 1; }
+node_state() { sinfo -h -N -n "$host" -o %T 2>/dev/null | head -n 1 || true; }  # a busy controller: try again
 state=""
 # A trailing * means the node does not answer slurmctld. A slurmd that outlived its slurmctld (a past
 # run, a restarted controller) registers again only when the controller pings it, every 100 s by
