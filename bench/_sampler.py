@@ -1,16 +1,20 @@
 """A sampling profiler for the benches: where a server's threads spend their time, by stack.
 
-``python bench/_sampler.py OUT -m module [args...]`` runs ``module`` as ``python -m`` would, with a
-thread that every ``SAMPLER_INTERVAL_S`` (default 1 ms) takes every thread's stack
-(``sys._current_frames``) and, at exit (SIGINT's KeyboardInterrupt, or a normal end), writes the
-counts to OUT as JSON (SIGUSR1 forgets the samples so far, so a bench can sample its steady state
-alone): ``{"samples": {thread kind: {stack: count}}}`` (a stack is ``file:function``
-frames joined by ``;``, outermost first). Samples whose innermost frame waits (selector, lock,
-condition, queue, uvloop's C loop) are dropped: what is left is where CPU goes, thread by thread.
-A busy thread is sampled when it lets go of the GIL (the switch interval is set to 0.5 ms), so
-the busy total is a lower bound and the split within it is what to read. C code shows as the
-Python frame that called it (SQLite's work as ``do_execute``, h11's as its Python callers). cProfile is no use
-here: it charges a coroutine with the time it sits suspended, and sees one thread only.
+``python bench/_sampler.py OUT -m module [args...]`` runs ``module`` as ``python -m`` would, taking
+every thread's stack (``sys._current_frames``) each time the process has used another
+``SAMPLER_INTERVAL_S`` (default 1 ms) of CPU (``ITIMER_PROF``: its SIGPROF handler runs in the main
+thread, between two bytecodes of whatever it was running), and at exit (SIGINT's
+KeyboardInterrupt, or a normal end) writes the counts to OUT as JSON (SIGUSR1 forgets the samples
+so far, so a bench can sample its steady state alone): ``{"samples": {thread kind: {stack:
+count}}}`` (a stack is ``file:function`` frames joined by ``;``, outermost first). Samples whose
+innermost frame waits (selector, lock, condition, queue, uvloop's C loop) are dropped: what is left
+is where CPU goes, thread by thread, in proportion to it. A thread that was busy when the signal
+came shows where it let go of the GIL (the switch interval is set to 0.5 ms), so the split within
+a thread is what to read. C code shows as the Python frame that called it (SQLite's work as
+``do_execute``, a parser's as its Python callers). cProfile is no use here: it charges a coroutine
+with the time it sits suspended, and sees one thread only. (A sampling *thread* saw almost nothing
+of an event loop run by uvloop with httptools: it got the GIL mostly while that thread sat in
+``epoll``.)
 
 ``report(path, top)`` prints the heaviest functions (self and inclusive) per thread kind.
 """
@@ -71,37 +75,37 @@ def _idle(frames: list[str]) -> bool:
 
 
 class Sampler:
+    """Samples on the process's CPU clock (see the module docstring); call from the main thread."""
+
     def __init__(self, interval: float) -> None:
         self.interval = interval
         self.counts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        signal.signal(signal.SIGPROF, self._sample)
+        signal.setitimer(signal.ITIMER_PROF, self.interval, self.interval)
 
-    def _run(self) -> None:
-        me = threading.get_ident()
-        while not self._stop.wait(self.interval):
-            names = {t.ident: t.name for t in threading.enumerate()}
-            for ident, frame in sys._current_frames().items():
-                if ident == me:
-                    continue
-                frames = _stack(frame)
-                if _idle(frames):
-                    continue
-                self.counts[_kind(names.get(ident, "other"))][";".join(frames)] += 1
+    def stop(self) -> None:
+        signal.setitimer(signal.ITIMER_PROF, 0, 0)
+        signal.signal(signal.SIGPROF, signal.SIG_IGN)
+
+    def _sample(self, _signum: int, interrupted: Any) -> None:
+        names = {t.ident: t.name for t in threading.enumerate()}
+        current = sys._current_frames()
+        current[threading.main_thread().ident or 0] = interrupted  # not this handler's own frame
+        for ident, frame in current.items():
+            frames = _stack(frame)
+            if _idle(frames):
+                continue
+            self.counts[_kind(names.get(ident, "other"))][";".join(frames)] += 1
 
     def reset(self) -> None:
         """Forget the samples so far (SIGUSR1: a bench marks the start of its steady state)."""
         self.counts.clear()
 
     def dump(self, path: str) -> None:
-        """Stop sampling (the sampler's last pass ends first: the counts must not change while
-        they are written), then write them, whole or not at all."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(5.0)
+        """Stop sampling, then write the counts, whole or not at all."""
+        self.stop()
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             json.dump({"interval_s": self.interval, "samples": self.counts}, f)

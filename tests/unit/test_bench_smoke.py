@@ -40,6 +40,9 @@ CASES = {
     "hotpaths": [
         "--only",
         "warm,streams",
+        "--profile",
+        "--jobs",
+        "40",
         "--pg",
         "",
         "--warm-calls",
@@ -69,3 +72,5 @@ def test_benchmark_runs_and_prints_its_table(name: str) -> None:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip(), "the benchmark printed no figures"
+    if "--profile" in CASES[name]:  # the sampled server wrote its samples and they were read back
+        assert "profile: lakeshore server" in out.stdout and "busy samples" in out.stdout, out.stdout[-2000:]
