@@ -357,6 +357,36 @@ def test_a_compile_cut_off_is_done_again_at_the_next_hit_and_sealed(tmp_path: Pa
     assert restarted.fetches == 0  # a hit: not unpacked again
 
 
+def test_a_hit_during_the_compile_starts_no_second_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While an archive's bytecode is written its top directory is nymph's to write (not sealed):
+    a task using the archive meanwhile does not take that for a compile cut off."""
+    from nymph import codecache
+
+    writing, done = threading.Event(), threading.Event()
+    calls: list[Path] = []
+
+    def slow_precompile(root: Path) -> None:
+        calls.append(root)
+        os.chmod(root, 0o755)
+        writing.set()
+        done.wait(30)
+        os.chmod(root, 0o555)
+
+    monkeypatch.setattr(codecache, "_precompile", slow_precompile)
+    record = _zip({"m/__init__.py": b"X = 1\n"})
+    cache = CodeCache(tmp_path / "cache")
+    path = cache.acquire(record)
+    assert writing.wait(30)
+    assert cache.acquire(record) == path  # a hit while the copy is writable: the compile runs already
+    assert not cache.compiled(record["sha256"], 0.1)
+    done.set()
+    assert cache.compiled(record["sha256"], 30)
+    assert cache.acquire(record) == path
+    assert calls == [path]
+
+
 def test_an_archive_over_the_precompile_limit_is_sealed_without_bytecode(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
