@@ -341,9 +341,13 @@ class KubeFake:
             run.deleted = True
             proc = run.proc
         if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
+            # the group can be gone between the poll and a signal (SIGTERM ended it at once): as a
+            # kubelet, the delete goes on, else the pod would never leave the listing
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
             if not run.done.wait(grace):
-                os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
             run.done.wait()
         with self.lock:
             self.pods.pop((ns, name), None)
