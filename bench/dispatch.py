@@ -78,8 +78,8 @@ class Producer:
     ``http.client``, one keep-alive connection per thread), so the producer's own cost is small
     beside what it measures."""
 
-    def __init__(self, url: str, token: str) -> None:
-        self.port = int(url.rstrip("/").rsplit(":", 1)[1])
+    def __init__(self, port: int, token: str) -> None:
+        self.port = port
         self.token = token
         self.blob = Envelope.create(fn_for(bench_fns.noop, "ref"), (), {}).to_bytes()
         self._local = threading.local()
@@ -132,7 +132,7 @@ def bare_spawn(cmd: list[str]) -> float:
 
 
 def latency(stack: LocalStack, calls: int, bare_cmd: list[str]) -> tuple[list[float], list[float]]:
-    producer = Producer(stack.url, stack.tokens["admin"])
+    producer = Producer(stack.port, stack.tokens["admin"])
     for _ in range(3):  # warm-up: page cache, bytecode, connections
         producer.round_trip()
         bare_spawn(bare_cmd)
@@ -171,9 +171,9 @@ def cpu_parts(stack: LocalStack) -> dict[str, float]:
     return {"server": _cpu_s(server, reaped=False), "nymph": own.user + own.system, "zygote+tasks": kids}
 
 
-def _load(url: str, token: str, n: int, go: Any, out: Any) -> None:
+def _load(port: int, token: str, n: int, go: Any, out: Any) -> None:
     """A load process: submit ``n`` noops, then await each (``control_plane.run_load``)."""
-    producer = Producer(url, token)
+    producer = Producer(port, token)
     go.wait()
     t0 = time.perf_counter()
     invs = [producer.submit() for _ in range(n)]
@@ -187,12 +187,12 @@ def throughput_cpu(stack: LocalStack, batch: int, slots: int) -> tuple[float, di
     (``cpu_parts``) over the batch. The load comes from ``2 x slots`` (at least 2) separate
     processes with a cheap client, each submitting its share and then awaiting it: not counted,
     and not in the measured processes' way more than it must be."""
-    producer = Producer(stack.url, stack.tokens["admin"])
+    producer = Producer(stack.port, stack.tokens["admin"])
     producer.round_trip()  # warm-up
     procs = max(2, slots * 2)
     shares = [batch // procs + (1 if i < batch % procs else 0) for i in range(procs)]
     before = cpu_parts(stack)
-    rate, _total = cp.run_load(_load, [(stack.url, stack.tokens["admin"], n) for n in shares if n])
+    rate, _total = cp.run_load(_load, [(stack.port, stack.tokens["admin"], n) for n in shares if n])
     after = cpu_parts(stack)
     return rate, {k: (after[k] - before[k]) * 1000 / batch for k in before}
 

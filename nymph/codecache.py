@@ -366,8 +366,8 @@ def _precompile(root: Path, timeout: float = PRECOMPILE_TIMEOUT_S) -> None:
     the interpreter lock until it is done, seconds for a large generated one, and nymph's
     heartbeat and loop must not wait on that; ``-I`` leaves out nymph's ``PYTHONPYCACHEPREFIX``
     (the bytecode would go elsewhere) and ``PYTHONOPTIMIZE``; the bytecode is checked by the
-    source's mtime even where ``SOURCE_DATE_EPOCH`` is set (else each import hashes the source). Skipped over
-    :data:`PRECOMPILE_MAX_BYTES` of source; killed after ``timeout``."""
+    source's mtime even where ``SOURCE_DATE_EPOCH`` is set (else each import hashes the source).
+    Skipped over :data:`PRECOMPILE_MAX_BYTES` of source; killed after ``timeout``."""
     import subprocess
     import sys
 
@@ -381,8 +381,8 @@ def _precompile(root: Path, timeout: float = PRECOMPILE_TIMEOUT_S) -> None:
                     pass
     if total > PRECOMPILE_MAX_BYTES:
         log.info("code archive %s: %d bytes of Python source, not precompiled", root.name, total)
-    try:
-        if total and total <= PRECOMPILE_MAX_BYTES:
+    try:  # with nothing to compile, only sealed (again: a seal cut off is finished here)
+        if 0 < total <= PRECOMPILE_MAX_BYTES:
             for here, _dirs, _files in os.walk(root):
                 os.chmod(here, 0o755)
             run = subprocess.run(

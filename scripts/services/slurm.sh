@@ -151,23 +151,21 @@ state=""
 # A trailing * means the node does not answer slurmctld. A slurmd that outlived its slurmctld (a past
 # run, a restarted controller) registers again only when the controller pings it, every 100 s by
 # default: after 3 s without an answer it is restarted once, so it registers at once.
-restarted=no
 for i in $(seq 300); do
   state="$(node_state)"
   case "$state" in
     idle | mixed | allocated) break ;;
   esac
-  if [ "$i" = 30 ] && [ "$restarted" = no ] && { [ -z "$state" ] || [[ "$state" == unknown* ]] || [[ "$state" == *'*' ]]; }; then
+  if [ "$i" = 30 ] && { [ -z "$state" ] || [[ "$state" == unknown* ]] || [[ "$state" == *'*' ]]; }; then
     say "node $host is '${state:-unknown}' after 3 s: restarting slurmd"
     pkill -x slurmd 2>/dev/null || true
     for _ in $(seq 50); do pgrep -x slurmd >/dev/null || break; sleep 0.1; done
     start_slurmd
-    restarted=yes
   fi
   case "$state" in
-    down* | drain* | drained* | unknown*)
+    down* | drain* | drained*)
       # ReturnToService=2 brings a registered node back; a node drained by a past run needs this
-      { [ "$i" = 20 ] || [ "$i" = 60 ]; } && scontrol update NodeName="$host" State=RESUME >&2 2>/dev/null || true
+      [ "$i" = 20 ] && scontrol update NodeName="$host" State=RESUME >&2 2>/dev/null || true
       ;;
   esac
   sleep 0.1
