@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import subprocess
 import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
+
+from packaging.version import InvalidVersion, Version
 
 from dreamlake.lakeshore import __version__
 from nymph.errors import UpgradeError as UpgradeError  # re-exported: raised here
@@ -47,15 +48,25 @@ INSTALL_TIMEOUT_S = 600.0
 STDERR_TAIL = 2000
 _DRAIN_STEP_S = 0.2
 
-# PEP 440 public versions (what a pin may name); anything else is refused before pip sees it.
-_VERSION_RE = re.compile(r"^\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?$")
-
 
 def validate_version(version: str) -> str:
-    """Return ``version`` if it is a plain PEP 440 public version ("0.1.4", "1.0rc1"); else raise."""
-    if not isinstance(version, str) or not _VERSION_RE.match(version):
+    """Return ``version`` normalised if it is a PEP 440 public version ("0.1.4", "1.0rc1",
+    "2!1.0.post1.dev3"); else raise. Parsed by ``packaging.version`` (the rule pip itself applies);
+    a local version ("1.0+abc") or anything with spaces or options is refused before pip sees it."""
+    if not isinstance(version, str) or version != version.strip():
         raise UpgradeError(f"refusing to install {DISTRIBUTION} version {version!r}: not a PEP 440 version")
-    return version
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        raise UpgradeError(
+            f"refusing to install {DISTRIBUTION} version {version!r}: not a PEP 440 version"
+        ) from None
+    if parsed.local is not None:
+        raise UpgradeError(
+            f"refusing to install {DISTRIBUTION} version {version!r}: not a PEP 440 version (a local version "
+            "cannot be pinned from an index)"
+        )
+    return str(parsed)
 
 
 def install_command(
@@ -127,6 +138,14 @@ def installed_version(python: str = sys.executable) -> str | None:
     return proc.stdout.strip() or None
 
 
+def _same_version(a: str, b: str) -> bool:
+    """Whether two version strings name one version (``1.0`` is ``1.0.0``, ``1.0RC1`` is ``1.0rc1``)."""
+    try:
+        return Version(a) == Version(b)
+    except InvalidVersion:
+        return a == b
+
+
 def upgrade_and_reexec(
     version: str,
     index_url: str | None = None,
@@ -141,7 +160,7 @@ def upgrade_and_reexec(
     """
     install(version, index_url=index_url, wheelhouse=wheelhouse, python=python)
     got = installed_version(python)
-    if got != version:
+    if got is None or not _same_version(got, version):
         raise UpgradeError(
             f"installed {DISTRIBUTION}=={version} but {python} sees {got!r} "
             "(an editable install or another path earlier on sys.path shadows it)"
@@ -188,7 +207,12 @@ class VersionPin:
     def check(self, answer: dict[str, Any]) -> None:
         """Start draining when ``answer`` pins another version (once)."""
         target = answer.get("target_nymph_version")
-        if not target or target == __version__ or self.target is not None:
+        if (
+            not isinstance(target, str)
+            or not target
+            or _same_version(target, __version__)
+            or self.target is not None
+        ):
             return
         log.warning(
             "the control plane pins nymph %s (this is %s): no new claims, draining %d running job(s)",

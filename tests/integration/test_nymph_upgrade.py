@@ -53,7 +53,28 @@ def test_install_from_an_index() -> None:
     assert cmd[-1] == "dreamlake-lakeshore==1.2.0rc1"
 
 
-@pytest.mark.parametrize("bad", ["", "latest", "1.0; rm -rf /", "--pre", "1.0 --index-url=http://x", ">=1.0"])
+@pytest.mark.parametrize(
+    ("pin", "normalised"),
+    [
+        ("0.1.4", "0.1.4"),
+        ("1.0rc1", "1.0rc1"),
+        ("1.0RC1", "1.0rc1"),
+        ("2!1.0", "2!1.0"),
+        ("1.0.post1.dev3", "1.0.post1.dev3"),
+        ("1.0a1.post2", "1.0a1.post2"),
+        ("1.0-1", "1.0.post1"),
+    ],
+)
+def test_any_pep440_public_version_may_be_pinned(pin: str, normalised: str) -> None:
+    # packaging.version's rule (pip's own): the old hand-written subset refused epochs, "-1" posts, "a1.post2"
+    assert validate_version(pin) == normalised
+    assert install_command(pin)[-1] == f"dreamlake-lakeshore=={normalised}"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["", "latest", "1.0; rm -rf /", "--pre", "1.0 --index-url=http://x", ">=1.0", " 1.0", "1.0+local.7"],
+)
 def test_a_pin_that_is_not_a_version_is_refused(bad: str) -> None:
     with pytest.raises(UpgradeError, match="not a PEP 440 version"):
         validate_version(bad)

@@ -40,6 +40,11 @@ keep no state and set no bound of their own), so both parsers hold the same limi
 loop is ``uvloop`` when installed, else asyncio (:func:`event_loop`). Each connection writes
 through a :class:`CoalescingTransport`: a response's pieces leave in one write per turn of the
 loop. ``uvicorn_config`` builds the uvicorn Config a single process (and the tests) serve with.
+
+The guard subclasses uvicorn's protocol classes, which are not uvicorn's public API, so
+pyproject.toml pins uvicorn to the one minor range the slow-client tests
+(tests/security/test_slow_clients.py, tests/unit/test_coalescing_transport.py) pass on; a new uvicorn minor moves the pin
+together with a run of those tests.
 """
 
 from __future__ import annotations
