@@ -144,6 +144,8 @@ class Poller:
             "timeout_s": timeout_s,
             "version": __version__,
         }
+        if not self._config.allow_exec:  # exec jobs are an opt-in (--allow-exec): never claimed here
+            body["kinds"] = ["run"]
         try:
             answer = self._request(body, timeout_s)
         except AuthRejected as exc:

@@ -429,10 +429,23 @@ def _ship_code_path() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([*dirs, rest] if rest else dirs)
 
 
+# settings.TOKEN_FILE_ENV, spelled here: importing settings (dataclasses ...) would cost every task
+TOKEN_FILE_ENV = "LAKESHORE_TOKEN_FILE"
+
+
+def _token_file_absolute() -> None:
+    """``LAKESHORE_TOKEN_FILE`` (the task's credential, nymph names it relative to the workdir)
+    made absolute before the user's code runs, so a ``chdir`` or a child elsewhere still finds it."""
+    path = os.environ.get(TOKEN_FILE_ENV, "")
+    if path and not os.path.isabs(path):
+        os.environ[TOKEN_FILE_ENV] = os.path.abspath(path)
+
+
 def run(blob: Any = None) -> int:
     """Run the invocation in the current directory; returns the exit code. ``blob``: the Envelope's
     bytes when the caller has them (then ``args.msgpack`` is not read)."""
     _ship_code_path()
+    _token_file_absolute()
     try:
         envelope, fn, args, kwargs = _load(blob)
     except _Refused as refused:
