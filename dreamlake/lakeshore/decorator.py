@@ -474,6 +474,27 @@ class UDF:
             self.options["backoff_s"] = float(backoff_s)
         if resumable:  # a deterministic generator: a new attempt continues its stream
             self.options["resumable"] = True
+        self._two_way(fn)
+
+    def _two_way(self, fn: Callable[..., Any]) -> None:
+        """``options["two_way"]`` for a generator body that reads what is sent into it (twoway.py),
+        unless ``two_way=False`` said otherwise; ``send_timeout_s`` checked."""
+        from dreamlake.lakeshore import twoway
+
+        two_way = self.options.pop("two_way", None)
+        if two_way is not None and not isinstance(two_way, bool):
+            raise ValueError(f"two_way must be True, False or None (decided from the body), got {two_way!r}")
+        if two_way and not self.is_generator:
+            raise ValueError(f"two_way=True needs a generator body; {self.__qualname__} is a plain function")
+        if two_way is None:
+            two_way = self.is_generator and twoway.takes_sends(fn)
+        if two_way:
+            self.options["two_way"] = True
+        timeout = self.options.get("send_timeout_s")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
+        ):
+            raise ValueError(f"send_timeout_s must be a positive number of seconds, got {timeout!r}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run locally. A generator body returns a lazy iterator; nothing runs until pulled."""
@@ -747,6 +768,9 @@ def udf(fn: Callable[..., Any] | None = None, /, **config: Any) -> Any:
     or when the task's process died. docs/protocol.md "Retries" says what retries and what never.
     A generator's new attempt restarts its stream (``StreamRestarted``); ``resumable=True`` declares
     it deterministic, and the new attempt continues the stream where the journal stands instead.
+    A generator whose ``yield`` expressions are used (``x = yield v``) is two-way: a remote
+    consumer's ``stream.send(value)`` reaches it (``two_way=`` overrides the detection;
+    ``send_timeout_s`` bounds each wait, see :mod:`dreamlake.lakeshore.twoway`).
 
     ``code`` is what a submitted call ships with it: ``"auto"`` (the default) the local,
     non-installed package the function comes from, a list of paths those, ``None`` nothing (see

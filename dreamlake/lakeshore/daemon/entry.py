@@ -30,7 +30,9 @@ files when it ends).
 
 Environment: ``LAKESHORE_ALLOW_PICKLED=1`` allows pickled functions, ``LAKESHORE_RUNTIME_POLICY``
 (``strict`` | ``minor`` | ``off``, default ``minor``), ``LAKESHORE_INVOCATION_ID`` (for messages),
-``LAKESHORE_STREAM_WINDOW`` and ``LAKESHORE_CAPTURE_OUTPUT`` (above), ``LAKESHORE_ALLOW_MODULES`` (nymph's ``--allow-module``
+``LAKESHORE_STREAM_WINDOW`` and ``LAKESHORE_CAPTURE_OUTPUT`` (above), ``LAKESHORE_SENDS`` (a
+two-way generator, :mod:`dreamlake.lakeshore.twoway`: the seconds each yield waits for the answer
+nymph appends to ``sends.msgpack``; its VALUE frames carry ``meta.send``, the yield's index), ``LAKESHORE_ALLOW_MODULES`` (nymph's ``--allow-module``
 patterns, comma separated; see :func:`module_allowed`): when set, a ``ref`` function is refused
 (exit 2, ``ModuleRefused``) unless its module matches, checked before the module is imported, and
 again on the callable it resolved to (its ``__module__``), so ``allowed_module:os.system`` does not
@@ -70,6 +72,8 @@ CAPTURE_ENV = "LAKESHORE_CAPTURE_OUTPUT"
 STDOUT_FILE = "stdout.log"
 STDERR_FILE = "stderr.log"
 CODE_PATH_ENV = "LAKESHORE_CODE_PATH"
+SENDS_FILE = "sends.msgpack"  # twoway.SENDS_FILE (not imported before a two-way body runs)
+SENDS_ENV = "LAKESHORE_SENDS"  # twoway.SENDS_ENV
 _PAUSE_MIN_S = 0.001
 _PAUSE_MAX_S = 0.02
 
@@ -230,8 +234,11 @@ class _Journal:
         self._window = window
         self._delivered = (-1, 0)  # the last (seq, offset) nymph said it delivered
 
-    def append(self, kind: int, body: Any) -> None:
-        frame = wire.encode_frame(kind, self.seq, body, {"ts": time.time()})
+    def append(self, kind: int, body: Any, send: int | None = None) -> None:
+        meta: Dict[str, Any] = {"ts": time.time()}
+        if send is not None:  # a two-way body's yield: the index its answer is sent to
+            meta["send"] = send
+        frame = wire.encode_frame(kind, self.seq, body, meta)
         _write_all(self._fd, frame)
         self.seq += 1
         self.offset += len(frame)
@@ -356,6 +363,84 @@ def _drain(stream: Iterator[Any]) -> int:
     return EXIT_OK
 
 
+class _Sends:
+    """``sends.msgpack``: the answers to a two-way body's yields (one frame each, its seq the
+    yield's index), appended by nymph; read on from where the last read stopped. A wait looks again
+    after 1 ms, doubling to 5 ms, and after two seconds every 50 ms."""
+
+    def __init__(self) -> None:
+        self._offset = 0
+        self._reader = wire.FrameReader()
+        self._frames: Dict[int, wire.Frame] = {}
+
+    def _read(self) -> None:
+        try:
+            fd = os.open(SENDS_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return  # nothing sent yet
+        try:
+            os.lseek(fd, self._offset, os.SEEK_SET)
+            while True:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    return
+                self._offset += len(chunk)
+                for frame in self._reader.feed(chunk):
+                    self._frames[frame.seq] = frame
+        finally:
+            os.close(fd)
+
+    def wait(self, index: int, timeout_s: float) -> wire.Frame | None:
+        start = time.monotonic()
+        pause = _PAUSE_MIN_S
+        while True:
+            self._read()
+            if index in self._frames:
+                return self._frames.pop(index)
+            waited = time.monotonic() - start
+            if waited >= timeout_s:
+                return None
+            time.sleep(min(pause if waited < 2.0 else 0.05, timeout_s - waited))
+            pause = min(pause * 2, 0.005)
+
+
+def _drain_two_way(gen: Any, timeout_s: float) -> int:
+    """:func:`_drain` for a two-way body: each yield's VALUE frame names its index (``meta.send``),
+    and the body waits there for the answer nymph puts in ``sends.msgpack`` (twoway.py)."""
+    from dreamlake.lakeshore import twoway
+
+    journal = _Journal(FRAMES_FILE)
+    sends = _Sends()
+    try:
+        try:
+            returned = wire.pack(
+                twoway.drive(
+                    gen,
+                    lambda value, index: journal.append(wire.FRAME_VALUE, wire.pack(value), send=index),
+                    lambda index: sends.wait(index, timeout_s),
+                    timeout_s,
+                )
+            )
+        except BaseException as exc:
+            info = _error_info(exc)
+            journal.append(wire.FRAME_ERROR, info)
+            return _fail(info, EXIT_RAISED)
+        journal.append(wire.FRAME_END, returned)
+    finally:
+        journal.close()
+    _write_atomic(RESULT_FILE, returned)
+    return EXIT_OK
+
+
+def _sends_timeout() -> float | None:
+    """The seconds a two-way body waits at a yield (``LAKESHORE_SENDS``); None: not two-way."""
+    try:
+        value = float(os.environ.get(SENDS_ENV, ""))
+    except ValueError:
+        return None
+    return value if value > 0 else None
+
+
 def _mapped(f: Any) -> Any:
     """``args.msgpack`` as a read-only memory map (a view of it): decoding copies each argument
     out once, never the whole file first (a 1 GiB argument is not held twice more)."""
@@ -446,6 +531,9 @@ def run(blob: Any = None) -> int:
         try:
             result = fn(*args, **kwargs)
             if _is_stream(fn, result):
+                two_way = _sends_timeout()
+                if two_way is not None and hasattr(result, "send"):
+                    return _drain_two_way(result, two_way)
                 return _drain(result)
             packed = wire.pack(result)
         except BaseException as exc:

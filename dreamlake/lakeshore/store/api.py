@@ -464,6 +464,10 @@ class Store(Listing, Protocol):
         ...
 
     def read_frames(self, owner_id: str, since: int = -1, limit: int = 1000) -> list[Frame]: ...
+    def send_append(self, invocation_id: str, index: int, data: bytes, final: bool) -> ChunkResult:
+        """Journal a consumer's send into yield ``index`` of a two-way body (store/frames.py)."""
+        ...
+
     def heartbeat(
         self,
         worker_id: str,
