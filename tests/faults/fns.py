@@ -53,3 +53,12 @@ def fail(tally: str, key: str, stderr_bytes: int = 0) -> None:
     sys.stderr.write("e" * stderr_bytes)
     sys.stderr.flush()
     raise ValueError(f"{key} failed on purpose")
+
+
+def hold_then_fail(tally: str, key: str, gate: str, limit_s: float = 120.0) -> None:
+    """Raise ValueError once the file ``gate`` exists (an error.json the test decides the time of)."""
+    _mark(tally, key)
+    deadline = time.monotonic() + limit_s
+    while not Path(gate).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    raise ValueError(f"{key} failed on purpose")
