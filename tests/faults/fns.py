@@ -20,8 +20,9 @@ def _mark(tally: str, key: str) -> None:
         os.close(fd)
 
 
-def double(tally: str, key: str, value: int, delay_s: float = 0.0) -> int:
-    """``2 * value``, after ``delay_s``; each run marked under ``tally/key``."""
+def double(tally: str, key: str, value: int, delay_s: float = 0.0, pad: str = "") -> int:
+    """``2 * value``, after ``delay_s``; each run marked under ``tally/key`` (``pad``: bulk for
+    the arguments, unused)."""
     _mark(tally, key)
     time.sleep(delay_s)
     return 2 * value
