@@ -10,6 +10,12 @@ instead, :func:`run_args`), resolves the function through the worker-side gates,
 - ``frames.msgpack`` for a generator result: one VALUE frame per yield, appended and flushed one by
   one, then END (body ``wire.pack(return value)``) or ERROR.
 
+``result.msgpack`` and ``error.json`` are written to a temporary name, fsynced and renamed, and the
+journal is fsynced after its last frame (before the result or error names the end): a host crash
+leaves either a whole output or none, never a truncated one (nymph checks anyway:
+``nymph/outputcheck.py``). Nothing else is fsynced (no directory, no per-frame sync): it is the
+invocation's hot path.
+
 Backpressure: with ``LAKESHORE_STREAM_WINDOW=<frames>:<bytes>`` set (nymph sets it), the generator
 is paused at its next ``yield`` while that many of its frames (or bytes) are not yet delivered. The
 delivered position is the file ``frames.delivered`` (``"<seq> <offset>"``, written by nymph), read
@@ -186,10 +192,15 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _write_atomic(name: str, data: bytes) -> None:
+    """``name`` replaced by ``data``: written to a temporary name, fsynced, renamed. The fsync is
+    what keeps a host crash (a power loss) from leaving the new name with data not yet on disk (a
+    truncated result nymph would otherwise find); the directory is not fsynced: a rename lost with
+    the host leaves no output at all, which reads as a crash and is retried."""
     tmp = f".{name}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)  # as open("wb")
     try:
         _write_all(fd, data)
+        os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, name)
@@ -261,8 +272,13 @@ class _Journal:
             time.sleep(pause)
             pause = min(pause * 2, _PAUSE_MAX_S)
 
-    def close(self) -> None:
-        os.close(self._fd)
+    def close(self, sync: bool = False) -> None:
+        """Close the journal; ``sync``: its last frame (END or ERROR) is on disk first."""
+        try:
+            if sync:
+                os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
 
 
 def _read_delivered(known: tuple[int, int]) -> tuple[int, int]:
@@ -342,6 +358,7 @@ def _is_stream(fn: Callable[..., Any], result: Any) -> bool:
 def _drain(stream: Iterator[Any]) -> int:
     """Journal every yield, then END; on a raise, ERROR frame + error.json. Returns the exit code."""
     journal = _Journal(FRAMES_FILE, _window())
+    ended = False
     try:
         try:
             while True:
@@ -355,10 +372,15 @@ def _drain(stream: Iterator[Any]) -> int:
         except BaseException as exc:
             info = _error_info(exc)
             journal.append(wire.FRAME_ERROR, info)
+            ended = True
+            journal.close(sync=True)
             return _fail(info, EXIT_RAISED)
         journal.append(wire.FRAME_END, returned)
+        ended = True
+        journal.close(sync=True)  # the END frame on disk before result.msgpack names it done
     finally:
-        journal.close()
+        if not ended:
+            journal.close()
     _write_atomic(RESULT_FILE, returned)
     return EXIT_OK
 
