@@ -27,7 +27,17 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from dreamlake.lakeshore.server import authz, blobroutes, daemon, namespaces, ops, producer, streams, tasks
+from dreamlake.lakeshore.server import (
+    authz,
+    blobroutes,
+    bulk,
+    daemon,
+    namespaces,
+    ops,
+    producer,
+    streams,
+    tasks,
+)
 from dreamlake.lakeshore.server import http as h
 from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.blobdir import BlobDir
@@ -122,6 +132,10 @@ class Routes:
             assert target is not None
             await self._reach(caller, target)
         return h.msgpack_response(await producer.await_(self.ctx, caller, body))
+
+    async def await_batch(self, request: Request, caller: Caller) -> Response:
+        body = await self._msgpack(request)
+        return h.msgpack_response(await bulk.await_batch(self.ctx, caller, body))
 
     async def status(self, request: Request, caller: Caller) -> Response:
         inv = producer.request_id(request, "id", "invocation_id")
