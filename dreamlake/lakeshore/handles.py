@@ -49,6 +49,10 @@ FIRST_EXCEPTION = "FIRST_EXCEPTION"
 ALL_COMPLETED = "ALL_COMPLETED"
 AWAIT_BATCH_MAX = 1000  # ids per await_batch request (the control plane's limit)
 POLL_S = 30.0  # the longest one await_batch request waits on the server
+# After an answer that ended few of the calls asked, the next request waits this long since the
+# last: a sweep's reader asks about 10 times a second, not once per result (each ask reads up to
+# 1,000 rows, and a reader in a tight loop slows the workers writing them).
+PACE_S = 0.1
 _UNKNOWN = {"state": "unknown"}
 
 DoneAndNotDone = namedtuple("DoneAndNotDone", ("done", "not_done"))
@@ -191,6 +195,7 @@ class Tracker:
         self.states: dict[str, str] = {}
         self.done = 0
         self.failed = 0
+        self._paced_until = 0.0
 
     @property
     def running(self) -> int:
@@ -199,6 +204,11 @@ class Tracker:
     def step(self, timeout: float) -> list[Invocation]:
         if not self.pending:
             return []
+        pause = min(self._paced_until - time.monotonic(), timeout)
+        if pause > 0:
+            time.sleep(pause)
+            timeout -= pause
+        asked = 0
         groups: dict[int, tuple[Any, list[Invocation]]] = {}
         for inv in self.pending.values():
             plane = inv.dispatch
@@ -208,6 +218,7 @@ class Tracker:
         wait = timeout if len(groups) == 1 else min(timeout, 0.2)
         ended: list[Invocation] = []
         for plane, invs in groups.values():
+            asked += len(invs)
             answer = _await_batch(plane, invs, max(0.0, wait))
             for inv_id, outcome in answer["results"].items():
                 ended += self._end(inv_id, outcome)
@@ -218,6 +229,8 @@ class Tracker:
                     self.states[inv_id] = state
             if ended:
                 wait = 0.0  # the other planes: only what already ended
+        small = len(ended) * 4 < asked  # most of the window still pending: ask again a bit later
+        self._paced_until = time.monotonic() + PACE_S if small else 0.0
         return ended
 
     def _end(self, inv_id: str, outcome: dict[str, Any]) -> list[Invocation]:
