@@ -198,18 +198,19 @@ class _Job:
 
     def _call(self, fn: Any, args: Any, kwargs: Any, heartbeat: _Heartbeat) -> str:
         from dreamlake.lakeshore import wire
+        from dreamlake.lakeshore.daemon.entry import settled
 
         inv = self.claim.invocation_id
-        is_gen = inspect.isgeneratorfunction(fn)
+        is_gen = inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn)
         try:
             if not is_gen:
-                blob = wire.pack(fn(*args, **kwargs))
+                blob = wire.pack(settled(fn(*args, **kwargs)))  # an async def: run to completion
                 if heartbeat.cancelled(inv):
                     raise _Cancelled()  # the producer no longer wants this result
             elif self.claim.run_config.get("two_way"):
                 blob = self._drain_two_way(fn(*args, **kwargs), heartbeat)
             else:
-                blob = self._drain(fn(*args, **kwargs), heartbeat)
+                blob = self._drain(settled(fn(*args, **kwargs)), heartbeat)
         except _Cancelled:
             log.info("invocation %s cancelled", inv)
             if is_gen:

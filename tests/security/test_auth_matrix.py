@@ -144,6 +144,13 @@ def request_for(w: World, route: RouteAuth, kind: str, own: bool) -> Request:
                 {"invocation_id": target(), "timeout_s": 0},
                 "msgpack",
             )
+        case "await_batch":
+            return (
+                "POST",
+                "/v1/producer/await-batch",
+                {"invocation_ids": [target(), target()], "timeout_s": 0},
+                "msgpack",
+            )
         case "status":
             return "GET", inv_path.format(target()), None, "msgpack"
         case "cancel":

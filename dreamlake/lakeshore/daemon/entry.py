@@ -345,6 +345,43 @@ def _append_fd(fd: int, name: str) -> None:
         os.close(target)
 
 
+def settled(result: Any) -> Any:
+    """What an ``async def`` body's call comes to: a coroutine run to completion (``asyncio.run``:
+    its value, or its exception raised), an async generator as a generator that streams its
+    values (on one event loop of its own); anything else as it is. The entry and the SDK's worker
+    both run bodies through this, so an async body runs on every runner."""
+    import types
+
+    if isinstance(result, types.CoroutineType):
+        import asyncio
+
+        return asyncio.run(result)
+    if isinstance(result, types.AsyncGeneratorType):
+        return _sync_stream(result)
+    return result
+
+
+def _sync_stream(agen: Any) -> Iterator[Any]:
+    """The values of async generator ``agen``, pulled one by one on an event loop of their own;
+    closing this generator closes ``agen`` (its ``finally`` blocks run)."""
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    try:
+        while True:
+            try:
+                value = loop.run_until_complete(agen.__anext__())
+            except StopAsyncIteration:
+                return
+            yield value
+    finally:
+        try:
+            loop.run_until_complete(agen.aclose())
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+
+
 def _is_stream(fn: Callable[..., Any], result: Any) -> bool:
     import types
     from collections.abc import Iterator
@@ -551,7 +588,7 @@ def run(blob: Any = None) -> int:
         return _fail(_error_info(exc), EXIT_RAISED)
     with _run_context(envelope):
         try:
-            result = fn(*args, **kwargs)
+            result = settled(fn(*args, **kwargs))
             if _is_stream(fn, result):
                 two_way = _sends_timeout()
                 if two_way is not None and hasattr(result, "send"):

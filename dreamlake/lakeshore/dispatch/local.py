@@ -52,6 +52,7 @@ class Dispatch:
     """The local plane: ``Dispatch(":memory:")`` for one process, ``Dispatch("jobs.db")`` to share."""
 
     trusted = True
+    runs_async = True  # run_worker runs an async def to completion (asyncio.run)
 
     def __init__(
         self,
@@ -168,6 +169,36 @@ class Dispatch:
             if time.monotonic() >= deadline:
                 return {"state": "pending"}
             self._wait(channel, deadline, mark)
+
+    def await_batch(self, invocation_ids: Sequence[str], timeout: float) -> dict[str, Any]:
+        """The outcomes of many invocations in one read, waiting up to ``timeout`` for any of
+        them to end (as ``HttpDispatch.await_batch`` answers)."""
+        from dreamlake.lakeshore.store.api import visible
+
+        wanted = list(dict.fromkeys(ids.validate(i, "invocation id") for i in invocation_ids))
+        deadline = time.monotonic() + max(0.0, timeout)
+        channels = [f"inv:{i}" for i in wanted]
+        while True:
+            mark = self.notifier.mark()
+            found = {
+                inv.invocation_id: inv for inv in self.store.get_many(wanted) if visible(self.namespace, inv)
+            }
+            out: dict[str, Any] = {"results": {}, "states": {}, "unknown": []}
+            for i in wanted:
+                inv = found.get(i)
+                if inv is None:
+                    out["unknown"].append(i)
+                elif inv.state in TERMINAL_STATES:
+                    out["results"][i] = {
+                        "state": inv.state,
+                        "result_blob": inv.result_blob or b"",
+                        "error": inv.error,
+                    }
+                else:
+                    out["states"][i] = inv.state
+            if out["results"] or not out["states"] or time.monotonic() >= deadline:
+                return out
+            self._wait(channels, deadline, mark)
 
     def cancel(self, invocation_id: str, descendants: bool = True) -> str:
         self._get(invocation_id)

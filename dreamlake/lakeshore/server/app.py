@@ -33,6 +33,7 @@ from starlette.routing import BaseRoute, Route
 from dreamlake.lakeshore.server import (
     authz,
     blobroutes,
+    bulk,
     daemon,
     namespaces,
     ops,
@@ -160,6 +161,10 @@ class Routes:
             assert target is not None
             await self._reach(caller, target)
         return h.msgpack_response(await producer.await_(self.ctx, caller, body))
+
+    async def await_batch(self, request: Request, caller: Caller) -> Response:
+        body = await self._msgpack(request)
+        return h.msgpack_response(await bulk.await_batch(self.ctx, caller, body))
 
     async def status(self, request: Request, caller: Caller) -> Response:
         inv = producer.request_id(request, "id", "invocation_id")

@@ -110,6 +110,17 @@ ROUTES: tuple[RouteAuth, ...] = (
         task=_DESC,
     ),
     _route("await_", "POST", "/v1/producer/await", admin=_ANY, producer=_NS, task=_DESC),
+    # many ids at once (server/bulk.py): an id outside the rule is answered as an unknown one, in
+    # the answer's "unknown" list (the request itself succeeds), never disclosed
+    _route(
+        "await_batch",
+        "POST",
+        "/v1/producer/await-batch",
+        outside=None,
+        admin=_ANY,
+        producer=_NS,
+        task=_DESC,
+    ),
     _route("status", "GET", _INV, admin=_ANY, producer=_NS, task=_DESC),
     _route("cancel", "POST", _INV + "/cancel", admin=_ANY, producer=_NS, task=_DESC),
     _route("result_stream", "GET", _INV + "/result/stream", admin=_ANY, producer=_NS, task=_DESC),
