@@ -60,6 +60,7 @@ from dreamlake.lakeshore.store.api import (
     WriteRequest,
     WriteResult,
 )
+from dreamlake.lakeshore.store.outage import StoreOutage
 from dreamlake.lakeshore.store.placement import parse_offer
 from dreamlake.lakeshore.store.values import json_safe
 
@@ -481,7 +482,8 @@ def _answer_acks(
             status, answer = exc.status, {"ok": False, "error": exc.message}
         except PlaneError as exc:
             failed = failed or exc
-            status, answer = 500, {"ok": False, "error": f"{exc}; send the ack again"}
+            status = 503 if isinstance(exc, StoreOutage) else 500  # the store is down, or a bug
+            answer = {"ok": False, "error": f"{exc}; send the ack again"}
         out.append({"invocation_id": ack.invocation_id, "status": status, **answer})
     return out, failed
 

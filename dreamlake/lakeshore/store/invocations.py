@@ -520,6 +520,15 @@ class InvocationStore(StoreBase):
             r = conn.execute(self._inv_st.get, {"id": invocation_id}).first()
         return row_to_invocation(r) if r is not None else None
 
+    @retry_on_disconnect
+    def get_many(self, invocation_ids: Sequence[str]) -> list[Invocation]:
+        """The invocations of ``invocation_ids`` that exist, in one read (any order)."""
+        if not invocation_ids:
+            return []
+        with self.db.tx(write=False) as conn:
+            rows = conn.execute(self._inv_st.get_many, {"ids": list(invocation_ids)}).fetchall()
+        return [row_to_invocation(r) for r in rows]
+
     # -- lineage: parent_invocation_id / root_invocation_id ----------------------------------------
 
     def lineage(self, invocation_id: str, limit: int = 64) -> list[str]:

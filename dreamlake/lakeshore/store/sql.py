@@ -53,6 +53,7 @@ from .frames import FrameStore, frame_channel
 from .invocations import CANCEL_REASON, InvocationStore, _Prepared
 from .listing import ListingStore
 from .notify import Notifier, exec_queue_channel, invocation_channels
+from .outage import classify
 from .placement import NO_OFFER, Offer
 from .retention import RetentionStore
 from .workers import WorkerStore
@@ -262,7 +263,12 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
                 for i, res in zip((i for i, _ in live), self._apply_writes(live), strict=True):
                     out[i] = res
                 live = []
-            except Exception:  # a value a column refuses, a lost connection: find whose it is
+            except Exception as exc:  # a value a column refuses, a lost connection: find whose it is
+                outage = classify(exc)
+                if outage is not None:  # the store is down: no write of it can be applied alone
+                    for i, _ in live:
+                        out[i] = outage
+                    return
                 log.warning(
                     "a group commit of %d writes failed; retrying each alone", len(live), exc_info=True
                 )
@@ -270,8 +276,10 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
             try:
                 out[i] = self._apply_writes([(i, prepared)])[0]
             except Exception as exc:
-                log.exception("a %s failed in the store", type(requests[i]).__name__)
-                out[i] = PlaneError(f"the store failed: {type(exc).__name__}", status=500)
+                outage = classify(exc)
+                if outage is None:
+                    log.exception("a %s failed in the store", type(requests[i]).__name__)
+                out[i] = outage or PlaneError(f"the store failed: {type(exc).__name__}", status=500)
 
     def _prepare_write(self, req: WriteRequest) -> Any:
         if isinstance(req, SubmitRequest):
