@@ -106,10 +106,11 @@ class Job(SupervisedJob[wd.Outcome]):
             self._staged = refs.stage_args(self.ctx.client, self.ctx.config.workdir, self.body)
         self._gates()
         self._fetch_code()
-        gpus = self.ctx.slots.acquire_gpus(gpus_requested(self.run_config), self._stop_event)
-        if gpus is None:  # stopped while waiting for devices
-            return None
-        self._gpus = gpus
+        wanted = gpus_requested(self.run_config)
+        if len(self._gpus) != wanted:  # taken when the run command came (Jobs.start_run), else now
+            self.ctx.slots.release_gpus(self._gpus)
+            self._gpus = []
+            self._gpus = self.ctx.slots.acquire_gpus(wanted)
         if self.due_stop() is not None:
             return None
         cfg = self.ctx.config

@@ -69,6 +69,9 @@ class Context:
             safety_recheck_s=self.config.poll_recheck_s,
         )
         self.polls.shared_store = self.dialect == "postgresql"
+        shape_needs = getattr(self.store, "shape_needs", None)
+        if shape_needs is not None:
+            self.polls.needs_of = shape_needs
         self.daemons = DaemonMemo(self.polls)
         self.metrics.polls_waiting.set_function(lambda: self.polls.waiting)
         self.metrics.polls_active.set_function(lambda: self.polls.active)

@@ -54,6 +54,7 @@ from .invocations import CANCEL_REASON, InvocationStore, _Prepared
 from .listing import ListingStore
 from .notify import Notifier, exec_queue_channel, invocation_channels
 from .outage import classify
+from .placement import NO_OFFER, Offer
 from .retention import RetentionStore
 from .workers import WorkerStore
 
@@ -108,8 +109,9 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
         *,
         exec_jobs: bool = True,
         namespace: str | None = None,
+        offer: Offer = NO_OFFER,
     ) -> PollResult:
-        return self._poll(worker_id, queues, limit, lease_s, exec_jobs, namespace, pin=True)
+        return self._poll(worker_id, queues, limit, lease_s, exec_jobs, namespace, pin=True, offer=offer)
 
     @retry_on_disconnect
     def _poll(
@@ -122,8 +124,9 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
         namespace: str | None,
         *,
         pin: bool,
+        offer: Offer = NO_OFFER,
     ) -> PollResult:
-        req = PollRequest(worker_id, queues, limit, lease_s, exec_jobs, namespace)
+        req = PollRequest(worker_id, queues, limit, lease_s, exec_jobs, namespace, offer=offer)
         with self.db.tx(write=True) as conn:
             got = self._poll_in(conn, req, time.time(), pin=pin)
         self._notify(*(f"inv:{i.invocation_id}" for i in got.invocations))
@@ -149,7 +152,7 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
         jobs: list[dict[str, Any]] = []
         if req.queues and req.limit >= 1:
             claimed = self._claim_in(
-                conn, req.worker_id, req.queues, req.limit, req.lease_s, now, req.namespace
+                conn, req.worker_id, req.queues, req.limit, req.lease_s, now, req.namespace, req.offer
             )
             if req.exec_jobs and len(claimed) < req.limit:
                 left = req.limit - len(claimed)
@@ -380,7 +383,8 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
             log.debug("%d retries due: claimable again", len(due))
         self._notify(
             # one per invocation: the poll hub wakes one poll each
-            *(c for r in (*requeued, *due) for c in invocation_channels(r.namespace, r.queue)),
+            *(c for r in requeued for c in invocation_channels(r.namespace, r.queue)),
+            *(c for r in due for c in invocation_channels(r.namespace, r.queue, r.shape)),
             *(f"inv:{r.invocation_id}" for r in due),
             *(f"inv:{i}" for i in ids),
             *(
