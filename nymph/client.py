@@ -176,5 +176,9 @@ class ControlPlaneClient(PlaneClient):
     def ack(self, body: dict[str, Any]) -> dict[str, Any]:
         return self.call("/v1/daemon/ack", body, timeout_s=30.0)
 
+    def sends(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+        """The sends into a two-way invocation this worker holds (a long poll: nymph.sends)."""
+        return self.call("/v1/daemon/sends", body, timeout_s=timeout_s)
+
     def result_chunk(self, body: dict[str, Any]) -> dict[str, Any]:
         return self.call("/v1/daemon/result-chunk", body, timeout_s=30.0)

@@ -29,7 +29,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from dreamlake.lakeshore.store import schema
-from dreamlake.lakeshore.store.invocations import claim_params
+from dreamlake.lakeshore.store.claims import claim_params
 from dreamlake.lakeshore.store.sql import SqlStore
 
 QUEUED_ROWS = 20_000

@@ -30,7 +30,18 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from dreamlake.lakeshore.server import authz, blobroutes, daemon, namespaces, ops, producer, streams, tasks
+from dreamlake.lakeshore.server import (
+    authz,
+    blobroutes,
+    bulk,
+    daemon,
+    namespaces,
+    ops,
+    producer,
+    sends,
+    streams,
+    tasks,
+)
 from dreamlake.lakeshore.server import http as h
 from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.blobdir import BlobDir
@@ -151,6 +162,10 @@ class Routes:
             await self._reach(caller, target)
         return h.msgpack_response(await producer.await_(self.ctx, caller, body))
 
+    async def await_batch(self, request: Request, caller: Caller) -> Response:
+        body = await self._msgpack(request)
+        return h.msgpack_response(await bulk.await_batch(self.ctx, caller, body))
+
     async def status(self, request: Request, caller: Caller) -> Response:
         inv = producer.request_id(request, "id", "invocation_id")
         await self._reach(caller, inv)
@@ -178,6 +193,12 @@ class Routes:
         authz.see_invocation(caller, inv, await self.ctx.call(self.ctx.store.get, inv))
         body = streams.follow(self.ctx, inv, f"inv:{inv}", since, timeout, invocation=True)
         return StreamingResponse(body, media_type=h.MSGPACK_STREAM)
+
+    async def send(self, request: Request, caller: Caller) -> Response:
+        inv = producer.request_id(request, "id", "invocation_id")
+        await self._reach(caller, inv)
+        status, out = await sends.send(self.ctx, caller, inv, await self._msgpack(request))
+        return h.msgpack_response(out, status)
 
     async def topic_post(self, request: Request, caller: Caller) -> Response:
         topic = h.name(request.path_params["name"], "topic name")
@@ -219,6 +240,10 @@ class Routes:
 
     async def result_chunks(self, request: Request, caller: Caller) -> Response:
         status, out = await daemon.result_chunks(self.ctx, caller, await self._msgpack(request))
+        return h.msgpack_response(out, status)
+
+    async def sends_fetch(self, request: Request, caller: Caller) -> Response:
+        status, out = await sends.fetch(self.ctx, caller, await self._msgpack(request))
         return h.msgpack_response(out, status)
 
     async def heartbeat(self, request: Request, caller: Caller) -> Response:

@@ -73,7 +73,7 @@ invocations = sa.Table(
     # 0004: a key is unique within its namespace and queue.
     sa.Index("ux_invocations_queue_key", "namespace", "queue", "idempotency_key", unique=True),
 )
-# 0003: the claim order of one queue, over queued rows only (see invocations.claim_statement);
+# 0003: the claim order of one queue, over queued rows only (see claims.claim_statement);
 # 0006: only those due (a retry waiting for its backoff is not in it: claims stay a range read).
 _DUE = sa.and_(invocations.c.state == "queued", invocations.c.not_before.is_(None))
 sa.Index(
