@@ -23,6 +23,7 @@ import json
 import os
 import pwd
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -37,10 +38,13 @@ from dreamlake.lakeshore import ids, wire
 from tests.integration.conftest import submit_body
 from tests.security.attack_fns import RELEASE, VICTIM
 from tests.security.nymph_stack import (  # noqa: F401  (fixtures)
+    LIMIT_S,
     ControlPlane,
     RootNymph,
+    _env,
     await_result,
     call,
+    nymph_args,
     plane,
     pool_uids,
     readable_runtime,
@@ -230,6 +234,47 @@ def test_exec_jobs_are_claimed_only_by_a_nymph_started_with_allow_exec(
     assert status == 200 and out["exit_code"] == 0, (out, opted_in.output()[-3000:])
     assert marker.exists()
     shutil.rmtree(where)
+
+
+# --- the pool: said at start, shared only with the operator's leave ----------------------------------
+
+
+def test_a_pool_smaller_than_the_slots_refuses_the_start_unless_sharing_is_allowed(
+    plane: ControlPlane, root_nymph: Callable[..., RootNymph], readable_runtime: tuple[str, list[str]]
+) -> None:
+    base = Path(tempfile.mkdtemp(prefix="nymph-sec-"))
+    try:  # the tests made nymph-task-0 .. nymph-task-3: eight slots need eight
+        args = nymph_args(plane, base, readable_runtime, "--concurrency", "8")
+        out = subprocess.run(args, capture_output=True, text=True, env=_env(), timeout=LIMIT_S)
+        assert out.returncode != 0
+        assert "4 of nymph-task-0 .. nymph-task-63 exist and --concurrency 8 needs 8" in out.stderr
+        assert "nymph doctor --fix" in out.stderr and "--shared-task-user" in out.stderr
+        assert not (base / "state" / "worker_id").exists()  # never registered
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    n = root_nymph("--concurrency", "8", "--shared-task-user")
+    inv = _submit(plane, _producer(plane, "team-a"), ref("tests.security.attack_fns", "ids"))
+    assert await_result(plane, inv)["state"] == "succeeded", n.output()[-3000:]
+    assert "tasks beyond the pool run as the shared task user 'nymph-task'" in n.output()
+
+
+def test_doctor_fix_creates_the_task_user_pool(
+    plane: ControlPlane, readable_runtime: tuple[str, list[str]]
+) -> None:
+    prefix = f"nymph-fix{os.getpid() % 100000}"
+    base = Path(tempfile.mkdtemp(prefix="nymph-sec-"))
+    names = [f"{prefix}-{i}" for i in range(2)]
+    try:
+        args = nymph_args(plane, base, readable_runtime, "--task-user", prefix, "--task-user-pool", "2")
+        doctor = [*args[:3], "doctor", "--fix", *args[4:]]  # python -m nymph doctor --fix <the same>
+        out = subprocess.run(doctor, capture_output=True, text=True, env=_env(), timeout=LIMIT_S)
+        assert f"[fix] task users: created 2 ({', '.join(names)})" in out.stdout, out.stdout + out.stderr
+        assert "[ok] task-user: nymph runs as root; each task runs as a user of its own" in out.stdout
+        assert all(pwd.getpwnam(name).pw_uid != 0 for name in names)
+    finally:
+        for name in names:
+            subprocess.run(["userdel", name], capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 # --- the same cross-task attacks on the container runners -----------------------------------------
