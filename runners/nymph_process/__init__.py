@@ -99,6 +99,7 @@ from typing import ClassVar
 
 import psutil
 
+from dreamlake.lakeshore.daemon.entry import RESULT_MAX_ENV
 from nymph import limits, safeio
 from nymph.cgroup import CgroupError, TaskCgroups, detect, join_list, spawn_prefix
 from nymph.resources import ResourceError, Resources, parse_defaults, parse_resources
@@ -251,6 +252,10 @@ class ProcessRunner:
 
     def start(self, task: Task) -> Handle:
         asked = self._resources(task)
+        if asked.memory is not None and "memory" in self.controllers.available:
+            # packing a result takes as much memory again: the entry refuses one past half the
+            # limit before it packs it (ResultTooLarge), rather than dying at the limit
+            task.env[RESULT_MAX_ENV] = str(asked.memory // 2)
         if self._warm is not None and task.args is not None and task.script is None:
             self._write_args(task)  # a warm worker reads the workdir's args.msgpack (and serves() too)
         if self._warm is not None and self._warm.serves(task):

@@ -191,3 +191,8 @@ def fork_bomb(tries: int) -> dict[str, object]:
             os._exit(0)
         forked += 1
     return {"forked": forked, "errno": None}
+
+
+def big_result(mib: int) -> bytes:
+    """A result of ``mib`` MiB: fits the task's memory once, not twice (packing copies it)."""
+    return bytes(mib << 20)

@@ -186,6 +186,26 @@ def test_a_memory_limit_above_nymphs_cap_is_refused_before_it_runs(
     assert "--task-memory-max" in out["error"]["message"]
 
 
+def test_a_result_too_big_to_serialise_within_the_limit_is_refused_before_it_is_packed(
+    plane: ControlPlane, root_nymph: Callable[..., RootNymph]
+) -> None:
+    """Packing a result copies it: 160 MiB under a 256 MiB limit fits once, not twice. Refused
+    before packing (half the limit), it is a clear failure, not an OOM kill in the middle."""
+    n = root_nymph("--task-memory-max", "256m")
+    inv = _submit(
+        plane, _producer(plane, "team-a"), ref("tests.security.attack_fns", "big_result", 160), max_attempts=3
+    )
+    out = await_result(plane, inv, limit_s=120)
+    assert out["state"] == "failed", (out, n.output()[-3000:])
+    assert out["error"]["type"] == "ResultTooLarge", out["error"]
+    assert f"more than the {128 << 20} this task may serialise" in out["error"]["message"]
+    stored = plane.store.get(inv)
+    assert stored is not None and stored.attempt == 1
+    small = _submit(plane, _producer(plane, "team-a"), ref("tests.security.attack_fns", "big_result", 16))
+    done = await_result(plane, small, limit_s=120)
+    assert done["state"] == "succeeded" and len(wire.unpack(done["result_blob"])) == 16 << 20, done["state"]
+
+
 def test_a_fork_bomb_stops_at_the_tasks_pids_max(
     plane: ControlPlane, root_nymph: Callable[..., RootNymph]
 ) -> None:
