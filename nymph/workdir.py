@@ -272,7 +272,7 @@ def read_outcome(
             error["mro"] = [str(n)[:200] for n in mro]
         return Outcome("failed", b"", error)
     logs = status.logs if status is not None and status.logs else tail(path / STDERR)
-    if status is not None and (status.oom is not None or status.reason == "OOMKilled"):
+    if status is not None and (status.oom is not None or (status.reason or "").startswith("OOMKilled")):
         return out_of_memory(status, logs)
     message = f"the entry exited with code {code}{reason} and left no error.json"
     full = _full(path)

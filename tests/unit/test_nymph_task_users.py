@@ -93,6 +93,8 @@ def test_an_oom_kill_is_acked_out_of_memory_with_the_limit_and_the_peak(tmp_path
     docker = wd.read_outcome(tmp_path, ExitStatus(137, "OOMKilled"))
     assert docker.error is not None and docker.error["type"] == "OutOfMemory"
     assert docker.error["memory_limit"] is None
+    slurm = wd.read_outcome(tmp_path, ExitStatus(-125, "OOMKilled; Slurm reason: OutOfMemory"))
+    assert slurm.error is not None and slurm.error["type"] == "OutOfMemory"
 
 
 def test_sizes_read_as_people_write_them() -> None:
