@@ -10,6 +10,11 @@ durable outbox (the control plane takes it only from the worker of the latest cl
    GET (``POST /v1/namespaces/:ns/payloads/presign {"op": "get", "key"}``, 60 s fetch timeout); when
    the ref carries ``sha256`` the bytes are verified, and a mismatch publishes exit code -1 with
    ``payload corrupt: sha256 mismatch (expected …, got …)`` and never spawns the command;
+Exec jobs are an opt-in: only a nymph started with ``--allow-exec`` (``allow_exec``) claims them (its
+poll asks for ``kinds: ["run", "exec"]``, every other nymph's for ``["run"]``), and one that reaches
+a nymph without it anyway is refused (exit code -1, ``exec jobs are refused ...``) before anything
+runs.
+
 2. ``{workdir}/exec/{exec_id}/`` (0700) holds ``exec.json`` ({exec_id, namespace, attempt}),
    ``payload.msgpack`` (when there is a payload) and the runner's ``handle.json``; the
    command runs as ``bash -c COMMAND`` as nymph's user, or its task user when nymph runs as root
@@ -181,7 +186,16 @@ class ExecJob(SupervisedJob[ExecResult]):
         if not self.command:
             raise JobRefused("NoCommand", "exec job without a command")
         cfg = self.ctx.config
-        run_as = taskuser.run_as(cfg, None)  # nymph's own user, or its task user when nymph is root
+        if not cfg.allow_exec:  # never claimed without the flag (the poll asks for runs only)
+            raise JobRefused(
+                "ExecRefused",
+                "exec jobs are refused: this nymph runs only invocations; start it with --allow-exec "
+                "to run namespace exec jobs (that is running any shell command its producers send)",
+            )
+        try:  # nymph's own user, or (nymph is root) a pool user of its own, or the shared task user
+            run_as = taskuser.task_users(cfg).acquire(self)
+        except taskuser.TaskUserError as exc:
+            raise JobRefused("TaskUserPoolExhausted", str(exc)) from None
         payload = self._payload()
         workdir = cfg.workdir / EXEC_DIR / self.exec_id
         workdir.parent.mkdir(mode=0o711, exist_ok=True)

@@ -306,6 +306,10 @@ class Routes:
                 caller = authz.Caller(authz.ANONYMOUS, authz.Own.ANY, route)
             else:
                 caller = authz.authorize(route, await self.ctx.auth.principal(request))
+                if caller.principal.kind == "task" and caller.rule is not authz.Own.DESCENDANTS:
+                    # a task token lives while its attempt runs, on every route (whoami too): the
+                    # "own descendants" routes check that with their target, the others here
+                    await tasks.live(self.ctx, caller.principal)
             return await handler(request, caller)
 
         return _guard(endpoint, self.ctx.outages)
