@@ -36,6 +36,7 @@ CASES = {
     "logs": ["--say", "3", "--pause-ms", "5", "--lines", "200", "--values", "20"],
     "streams": ["--frames", "20", "--nymph-frames", "50", "--blobs", "2", "--first-runs", "2"],
     "store": ["--reps", "5", "--opens", "1", "--backends", "sqlite-memory"],
+    "sweep": ["--calls", "300", "--reps", "1", "--local", "200"],
     "warm": ["--calls", "5", "--producers", "2", "--per-producer", "5"],
     "hotpaths": [
         "--only",
