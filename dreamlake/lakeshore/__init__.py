@@ -68,6 +68,7 @@ _LAZY = {
     "HttpDispatch": "dreamlake.lakeshore.dispatch",
     "DispatchError": "dreamlake.lakeshore.errors",
     "StreamRestarted": "dreamlake.lakeshore.errors",
+    "SendTimeout": "dreamlake.lakeshore.errors",
 }
 
 __all__ = ["__version__", *sorted(_LAZY)]

@@ -355,13 +355,53 @@ if TYPE_CHECKING:
         prefix: str
         parent: str | None
         code: Any = _INHERIT
+        selector: dict[str, str] | None = None
+        not_before: float | None = None
 
 else:
     _ThunkFields = namedtuple(
         "_ThunkFields",
-        ("udf", "args", "kwargs", "queue", "priority", "key", "prefix", "parent", "code"),
-        defaults=(_INHERIT,),
+        (
+            "udf",
+            "args",
+            "kwargs",
+            "queue",
+            "priority",
+            "key",
+            "prefix",
+            "parent",
+            "code",
+            "selector",
+            "not_before",
+        ),
+        defaults=(_INHERIT, None, None),
     )
+
+
+def _check_selector(selector: Any) -> dict[str, str] | None:
+    if selector is None:
+        return None
+    if not isinstance(selector, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in selector.items()
+    ):
+        raise ValueError(
+            f"selector must map label names to values, e.g. {{'pool': 'a'}}; got {selector!r:.60}"
+        )
+    return dict(selector)
+
+
+def _check_not_before(when: Any) -> float | None:
+    """``_not_before``: a datetime (naive: local time) or seconds from now, as epoch seconds."""
+    import datetime
+    import time
+
+    if when is None:
+        return None
+    if isinstance(when, datetime.datetime):
+        return when.timestamp()
+    if isinstance(when, bool) or not isinstance(when, (int, float)) or not when == when:
+        raise ValueError(f"_not_before must be a datetime or seconds from now, got {when!r:.40}")
+    return time.time() + float(when)
 
 
 class Thunk(_ThunkFields):
@@ -379,6 +419,10 @@ class Thunk(_ThunkFields):
         cfg.update({"queue": self.queue, "priority": self.priority, "key": self.key})
         if self.prefix:
             cfg["prefix"] = self.prefix
+        if self.selector is not None:
+            cfg["selector"] = self.selector
+        if self.not_before is not None:
+            cfg["not_before"] = self.not_before
         return cfg
 
     def code_record(self, dispatch: Plane | None = None) -> dict[str, Any] | None:
@@ -490,6 +534,8 @@ class UDF:
             check_async_plane(self, dispatch)  # refused here, at decoration, not on the worker
         self.code = _check_code(code)  # "auto", None, paths, or _INHERIT: the scope's or the default
         self.options: dict[str, Any] = dict(options)
+        if "selector" in self.options:
+            self.options["selector"] = _check_selector(self.options["selector"])
         if timeout_s is not None:
             self.options["timeout_s"] = float(timeout_s)
         if max_attempts is not None:
@@ -502,6 +548,27 @@ class UDF:
             self.options["backoff_s"] = float(backoff_s)
         if resumable:  # a deterministic generator: a new attempt continues its stream
             self.options["resumable"] = True
+        self._two_way(fn)
+
+    def _two_way(self, fn: Callable[..., Any]) -> None:
+        """``options["two_way"]`` for a generator body that reads what is sent into it (twoway.py),
+        unless ``two_way=False`` said otherwise; ``send_timeout_s`` checked."""
+        from dreamlake.lakeshore import twoway
+
+        two_way = self.options.pop("two_way", None)
+        if two_way is not None and not isinstance(two_way, bool):
+            raise ValueError(f"two_way must be True, False or None (decided from the body), got {two_way!r}")
+        if two_way and not self.is_generator:
+            raise ValueError(f"two_way=True needs a generator body; {self.__qualname__} is a plain function")
+        if two_way is None:
+            two_way = self.is_generator and twoway.takes_sends(fn)
+        if two_way:
+            self.options["two_way"] = True
+        timeout = self.options.get("send_timeout_s")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
+        ):
+            raise ValueError(f"send_timeout_s must be a positive number of seconds, got {timeout!r}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run locally. A generator body returns a lazy iterator; nothing runs until pulled."""
@@ -522,9 +589,13 @@ class UDF:
         _queue: str | None = None,
         _priority: float | None = None,
         _key: str | None = None,
+        _selector: dict[str, str] | None = None,
+        _not_before: Any = None,
         **kwargs: Any,
     ) -> Thunk:
-        """Capture a call (and the current ``scope`` prefix and parent invocation) without sending."""
+        """Capture a call (and the current ``scope`` prefix and parent invocation) without sending.
+        ``_selector``: labels the nymph must have (over the udf's ``selector``); ``_not_before``: a
+        datetime, or seconds from now, before which the call is not claimed."""
         state = _STATE.get()
         return Thunk(
             udf=self,
@@ -536,6 +607,8 @@ class UDF:
             prefix=state.prefix,
             parent=state.id,
             code=self.code if self.code != _INHERIT else _CODE.get(),
+            selector=_check_selector(_selector),
+            not_before=_check_not_before(_not_before),
         )
 
     def submit(
@@ -545,12 +618,23 @@ class UDF:
         _queue: str | None = None,
         _priority: float | None = None,
         _key: str | None = None,
+        _selector: dict[str, str] | None = None,
+        _not_before: Any = None,
         **kwargs: Any,
     ) -> Invocation:
         """Send a call to a plane; returns its :class:`~dreamlake.lakeshore.handles.Invocation`:
         the invocation id (a ULID ``str``) with ``.result()``, ``.stream()``, ``.logs()``,
-        ``.status()`` and ``.cancel()``."""
-        return self.thunk(*args, _queue=_queue, _priority=_priority, _key=_key, **kwargs).submit(_dispatch)
+        ``.status()`` and ``.cancel()``. ``_selector`` and ``_not_before`` as :meth:`thunk`'s."""
+        thunk = self.thunk(
+            *args,
+            _queue=_queue,
+            _priority=_priority,
+            _key=_key,
+            _selector=_selector,
+            _not_before=_not_before,
+            **kwargs,
+        )
+        return thunk.submit(_dispatch)
 
     async def submit_async(self, *args: Any, **kwargs: Any) -> Invocation:
         """``await f.submit_async(...)``: :meth:`submit` without blocking the event loop."""
@@ -571,6 +655,8 @@ class UDF:
         _dispatch: Plane | None = None,
         _queue: str | None = None,
         _priority: float | None = None,
+        _selector: dict[str, str] | None = None,
+        _not_before: Any = None,
     ) -> Calls:
         """Submit one call per element, as the builtin ``map`` would call: ``f.map(xs)`` calls
         ``f(x)`` for each ``x``, ``f.map(xs, ys)`` calls ``f(x, y)`` (shortest input wins).
@@ -585,7 +671,14 @@ class UDF:
         if not iterables:
             raise TypeError("map() needs at least one iterable of arguments, e.g. f.map(range(10))")
         pairs = zip(*iterables)  # noqa: B905 (the builtin map stops at the shortest; Python 3.9 has no strict)
-        return self.starmap(pairs, _dispatch=_dispatch, _queue=_queue, _priority=_priority)
+        return self.starmap(
+            pairs,
+            _dispatch=_dispatch,
+            _queue=_queue,
+            _priority=_priority,
+            _selector=_selector,
+            _not_before=_not_before,
+        )
 
     def starmap(
         self,
@@ -594,6 +687,8 @@ class UDF:
         _dispatch: Plane | None = None,
         _queue: str | None = None,
         _priority: float | None = None,
+        _selector: dict[str, str] | None = None,
+        _not_before: Any = None,
     ) -> Calls:
         """:meth:`map` of argument tuples: ``f.starmap([(1, 2), (3, 4)])`` calls ``f(1, 2)`` and
         ``f(3, 4)``."""
@@ -603,7 +698,9 @@ class UDF:
                 "(idempotent) call. Give each call its own key: "
                 "dls.submit_all(f.thunk(x, _key=f'...{x}') for x in xs)"
             )
-        template = self.thunk(_queue=_queue, _priority=_priority)
+        template = self.thunk(
+            _queue=_queue, _priority=_priority, _selector=_selector, _not_before=_not_before
+        )
         plane = _dispatch or self.dispatch or get_default_dispatch()
         check_async_plane(self, plane)
         return _submit_calls(plane, template, (tuple(args) for args in iterable))
@@ -616,11 +713,21 @@ class UDF:
         _priority: float | None = None,
         _key: str | None = None,
         _timeout: float = 60.0,
+        _selector: dict[str, str] | None = None,
+        _not_before: Any = None,
         **kwargs: Any,
     ) -> Any:
         """Send a call to a plane and wait for its value (a generator's: its return value); over
         HTTP one request submits and waits (the warm path's short calls)."""
-        thunk = self.thunk(*args, _queue=_queue, _priority=_priority, _key=_key, **kwargs)
+        thunk = self.thunk(
+            *args,
+            _queue=_queue,
+            _priority=_priority,
+            _key=_key,
+            _selector=_selector,
+            _not_before=_not_before,
+            **kwargs,
+        )
         return thunk.call(_dispatch, _timeout)
 
     def __repr__(self) -> str:
@@ -794,6 +901,9 @@ def udf(fn: Callable[..., Any] | None = None, /, **config: Any) -> Any:
     or when the task's process died. docs/protocol.md "Retries" says what retries and what never.
     A generator's new attempt restarts its stream (``StreamRestarted``); ``resumable=True`` declares
     it deterministic, and the new attempt continues the stream where the journal stands instead.
+    A generator whose ``yield`` expressions are used (``x = yield v``) is two-way: a remote
+    consumer's ``stream.send(value)`` reaches it (``two_way=`` overrides the detection;
+    ``send_timeout_s`` bounds each wait, see :mod:`dreamlake.lakeshore.twoway`).
 
     ``code`` is what a submitted call ships with it: ``"auto"`` (the default) the local,
     non-installed package the function comes from, a list of paths those, ``None`` nothing (see

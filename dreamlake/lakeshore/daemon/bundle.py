@@ -57,6 +57,7 @@ RUNTIME_FILES = (
     "dreamlake/lakeshore/wire/arrays.py",
     "dreamlake/lakeshore/wire/frames.py",
     "dreamlake/lakeshore/envelope.py",
+    "dreamlake/lakeshore/twoway.py",
     "dreamlake/lakeshore/daemon/__init__.py",
     "dreamlake/lakeshore/daemon/entry.py",
 )

@@ -546,6 +546,13 @@ class HttpDispatch:
         out = self._call("POST", f"/v1/producer/topics/{name}/post", {"body": bytes(body), "final": final})
         return int(out["seq"])
 
+    def send(self, invocation_id: str, index: int, kind: str, body: Any = None) -> bool:
+        inv = ids.validate(invocation_id, "invocation id")
+        out = self._call(
+            "POST", f"/v1/producer/invocations/{inv}/send", {"index": index, "kind": kind, "body": body}
+        )
+        return bool(out.get("duplicate"))
+
     # -- worker side --------------------------------------------------------------------------------
 
     def _register(self, worker_id: str, queues: list[str]) -> None:
@@ -731,6 +738,21 @@ class HttpDispatch:
         }
         out = self._call("POST", "/v1/daemon/heartbeat", body)
         return [c["body"]["invocation_id"] for c in out.get("commands") or [] if c.get("kind") == "cancel"]
+
+    def sends(
+        self, invocation_id: str, attempt: int, *, worker_id: str, since: int, timeout: float
+    ) -> list[Frame]:
+        from dreamlake.lakeshore import wire
+
+        body = {
+            "invocation_id": invocation_id,
+            "attempt": attempt,
+            "worker_id": worker_id,
+            "since": since,
+            "wait_s": max(0.0, timeout),
+        }
+        out = self._call("POST", "/v1/daemon/sends", body, timeout=timeout)
+        return [wire.decode_frame(bytes(f)) for f in out.get("frames") or []]
 
     def close(self) -> None:
         self._frames.close()

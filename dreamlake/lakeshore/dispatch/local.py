@@ -45,6 +45,7 @@ def _refusal(message: str, status: int) -> PlaneError:
 log = logging.getLogger(__name__)
 
 TOPIC_PREFIX = "topic:"  # the store journals topic frames under this owner prefix
+SEND_PREFIX = "send:"  # and what consumers send into a two-way body under this one
 
 
 class Dispatch:
@@ -256,6 +257,19 @@ class Dispatch:
     def topic_post(self, name: str, body: bytes, final: bool = False) -> int:
         return self.store.topic_post(name, body, final)
 
+    def send(self, invocation_id: str, index: int, kind: str, body: Any = None) -> bool:
+        from dreamlake.lakeshore import twoway
+
+        inv = self._get(invocation_id).invocation_id
+        try:
+            data = twoway.encode_send(index, kind, body)
+        except ValueError as exc:
+            raise BadRequest(str(exc), 400) from None
+        result = self.store.send_append(inv, index, data, kind == "close")
+        if not result.ok:
+            raise _refusal(result.reason or f"send {index} into {inv} refused", result.status)
+        return result.duplicate
+
     # -- worker side --------------------------------------------------------------------------------
 
     def claim(self, worker_id: str, queues: list[str], timeout: float) -> Claim | None:
@@ -274,6 +288,20 @@ class Dispatch:
             if time.monotonic() >= deadline:
                 return None
             self._wait(channels, deadline, mark)
+
+    def sends(
+        self, invocation_id: str, attempt: int, *, worker_id: str, since: int, timeout: float
+    ) -> list[Frame]:
+        from dreamlake.lakeshore import wire
+
+        owner = SEND_PREFIX + invocation_id
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            mark = self.notifier.mark()
+            rows = self.store.read_frames(owner, since, 64)
+            if rows or time.monotonic() >= deadline:
+                return [wire.decode_frame(row.data) for row in rows]
+            self._wait([owner], deadline, mark)
 
     def append_frame(
         self, invocation_id: str, seq: int, data: bytes, final: bool, attempt: int, *, worker_id: str
