@@ -118,6 +118,9 @@ async def register(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[s
     capacity = field(body, "capacity", dict, default=None, nullable=True)
     if capacity is not None:  # what the host has (docs/protocol.md "Placement"): shown, not matched
         info["capacity"] = json_safe(capacity, "field 'capacity'")
+    allow_pickled = field(body, "allow_pickled", bool, default=None, nullable=True)
+    if allow_pickled is not None:  # whether it runs pickled functions: the SDK's submit warning
+        info["allow_pickled"] = allow_pickled
     await ctx.call(ctx.store.register_worker, worker_id, info)
     ctx.daemons.forget(worker_id)  # its namespace may have changed: the next poll and heartbeat read it
     log.info(
