@@ -53,6 +53,8 @@ def _guard(fn: Handler) -> Handler:
         try:
             return await fn(request)
         except HTTPError as exc:
+            if exc.status in (400, 413, 429):  # the caller's mistake or limit: one line, no traceback
+                log.info("%s %s: %d %s", request.method, request.url.path, exc.status, exc.message[:200])
             return h.error_answer(request, exc)
         except ClientDisconnect:
             # The client hung up (or the server's body read timeout closed it) mid-body: nobody
