@@ -68,7 +68,9 @@ def submit_request(
     function = http.document(body, "function")
     namespace = caller.namespace or DEFAULT_NAMESPACE
     raw_ref = field(body, "args_ref", dict, default=None, nullable=True)
-    args_ref = None if raw_ref is None else ctx.ref(raw_ref, "args_ref")
+    args_ref = (
+        None if raw_ref is None else ctx.ref(raw_ref, "args_ref", namespace, legacy=caller.namespace is None)
+    )
     args_blob = field(body, "args_blob", bytes, default=b"" if args_ref is not None else http.MISSING)
     if args_ref is not None and args_blob:
         raise HTTPError(
