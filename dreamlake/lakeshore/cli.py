@@ -168,6 +168,12 @@ def server(
             "PostgreSQL (and --redis) is the way past one core",
             err=True,
         )
+    from dreamlake.lakeshore.store.keys import KeyConfigError
+
+    try:  # the keys live outside the store (store/keys.py): refuse to start without them
+        store.server_key("task-token")
+    except KeyConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
     shown_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     url = f"http://{shown_host}:{port}"
     for line in [*(bootstrap_tokens(store, data, url) or ()), start_line(url, data)]:

@@ -111,7 +111,7 @@ async def register(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[s
         "version": field(body, "version", str, default=""),
         "runner": field(body, "runner", str, default=""),
         "queues": _queues(body, default=["default"]),
-        "labels": field(body, "labels", dict, default={}),
+        "labels": http.document(body, "labels", default={}),
         "slots": http.integer(body, "slots", hi=http.I32_MAX, default=1),
         "namespace": namespace or principal.namespace,
     }
