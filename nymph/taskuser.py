@@ -63,6 +63,15 @@ def check_task_user(cfg: NymphConfig, runner: Runner | None = None) -> None:
         )
 
 
+def task_users(cfg: NymphConfig) -> list[str]:
+    """The local users tasks without ``as_user`` run as on this nymph; empty when they run as
+    nymph's own user (a nymph not run as root, or one with ``--allow-root-tasks``). The one place
+    that says so: the set-up checks (:mod:`nymph.selfcheck`) go through it."""
+    if nymph_is_root() and not cfg.allow_root_tasks:
+        return [cfg.task_user]
+    return []
+
+
 def run_as(cfg: NymphConfig, as_user: str | None) -> str | None:
     """The local user a task runs as: ``as_user``, the task user, or None (nymph's own user)."""
     if as_user:

@@ -559,7 +559,11 @@ def test_doctor_passes_on_a_good_setup_and_names_what_to_fix(
     assert bad.returncode == 1
     assert "[FAIL] token" in bad.stdout and "lakeshore token create --kind daemon" in bad.stdout
     assert "[FAIL] runner" in bad.stdout and "nosuch" in bad.stdout
-    assert "[FAIL] workdir" in bad.stdout and "chmod o-rwx" in bad.stdout
+    # a listable workdir is a warning (0711 is right: task users must still enter it), never a
+    # failure whose fix (o-rwx) would break shipped code
+    assert "[warn] workdir" in bad.stdout and "chmod 711" in bad.stdout
+    status, listed = cp.json("GET", "/v1/ops/workers", None, cp.admin_token)
+    assert status == 200 and listed["workers"] == []  # the doctor registered no (phantom) worker
 
     down = _doctor("--server", f"http://127.0.0.1:{_free_port()}", "--token", "t", *dirs)
     assert down.returncode == 1 and "[FAIL] server" in down.stdout
