@@ -23,6 +23,7 @@ from typing import Any
 
 import click
 
+from dreamlake.lakeshore import __version__
 from nymph.config import NymphConfig, resolve
 from nymph.errors import ConfigError, RunnerLoadError
 
@@ -180,6 +181,7 @@ def _warm_flags(kwargs: dict[str, Any]) -> bool:
 
 
 @click.group()
+@click.version_option(__version__, "--version", "-V", prog_name="nymph", message="%(prog)s %(version)s")
 def main() -> None:
     """nymph: the node agent that runs lakeshore invocations on this machine."""
 

@@ -194,7 +194,8 @@ def workers(url: str | None, token: str | None, live: bool, as_json: bool) -> No
                     w["runner"],
                     ",".join(w["queues"]),
                     f"{w['busy']}/{w['slots'] if w['slots'] is not None else '?'}",
-                    age(w["last_seen_age_s"]) + ("" if w["live"] else " (gone)"),
+                    age(w["last_seen_age_s"])
+                    + ("" if w["live"] else " (stopped)" if w.get("stopped_at") else " (gone)"),
                     w["version"],
                     ",".join(f"{k}={v}" for k, v in sorted(w["labels"].items())) or "-",
                 ]

@@ -172,8 +172,9 @@ def test_worker_start_cli_runs_one_job(sqlite_control_plane: Any) -> None:
     plane = HttpDispatch(cp.url, cp.producer_token)
     q = dls.SyncQueue("cli", dispatch=plane)
     inv = square.submit(7, _dispatch=plane)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LAKESHORE_TOKEN": cp.daemon_token}
-    cmd = [sys.executable, "-m", "dreamlake.lakeshore.cli", "worker", "start", "--server", cp.url]
+    # found as every lakeshore command finds the plane: LAKESHORE_URL / LAKESHORE_TOKEN, no flags
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LAKESHORE_URL": cp.url, "LAKESHORE_TOKEN": cp.daemon_token}
+    cmd = [sys.executable, "-m", "dreamlake.lakeshore.cli", "worker", "start"]
     out = subprocess.run(
         [*cmd, "--queue", "cli", "--once", "--poll-timeout", "10"],
         capture_output=True,

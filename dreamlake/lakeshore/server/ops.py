@@ -84,7 +84,8 @@ def worker_json(w: WorkerRow, now: float, live_within: float = LIVE_WINDOW_S) ->
         "registered_at": w.registered_at,
         "last_seen": w.last_seen,
         "last_seen_age_s": round(max(0.0, now - w.last_seen), 3),
-        "live": now - w.last_seen <= live_within,
+        "live": now - w.last_seen <= live_within and w.stopped_at is None,
+        "stopped_at": w.stopped_at,  # a clean stop deregistered it then (not live since)
     }
 
 

@@ -291,6 +291,7 @@ class WorkerRow:
     registered_at: float
     last_seen: float  # the latest register, poll or heartbeat
     busy: int  # invocations and exec jobs it holds running
+    stopped_at: float | None = None  # when it deregistered (a clean stop); a stopped worker is not live
 
 
 @dataclass
@@ -387,6 +388,10 @@ class Store(Listing, Protocol):
 
     # -- daemon side --------------------------------------------------------------------------
     def register_worker(self, worker_id: str, info: dict[str, Any]) -> None: ...
+    def deregister_worker(self, worker_id: str) -> None:
+        """Mark the worker stopped (a clean stop): not live from now until it registers again."""
+        ...
+
     def worker_info(self, worker_id: str) -> dict[str, Any] | None:
         """The info of the worker's latest register; None for a worker that never registered."""
         ...

@@ -95,7 +95,9 @@ class ListingStore(StoreBase):
     def _live_infos(self, conn: Any, namespace: str | None, live_within: float) -> list[Any]:
         w = t.workers
         cutoff = time.time() - live_within
-        stmt = sa.select(w.c.info).where(w.c.last_seen >= cutoff, _visible_to(namespace))
+        stmt = sa.select(w.c.info).where(
+            w.c.last_seen >= cutoff, w.c.stopped_at.is_(None), _visible_to(namespace)
+        )
         return list(conn.execute(stmt).scalars())
 
     def live_queues(self, live_within: float = LIVE_WINDOW_S) -> dict[str, int]:
@@ -111,7 +113,7 @@ class ListingStore(StoreBase):
         w = t.workers
         stmt = sa.select(sa.func.count()).select_from(w)
         if live_within is not None:
-            stmt = stmt.where(w.c.last_seen >= time.time() - live_within)
+            stmt = stmt.where(w.c.last_seen >= time.time() - live_within, w.c.stopped_at.is_(None))
         with self.db.tx(write=False) as conn:
             return int(conn.execute(stmt).scalar_one())
 
@@ -126,7 +128,7 @@ class ListingStore(StoreBase):
         w, e = t.workers, t.exec_jobs
         limit = max(1, min(int(limit), LIST_LIMIT_MAX))
         stmt = (
-            sa.select(w.c.worker_id, w.c.info, w.c.registered_at, w.c.last_seen)
+            sa.select(w.c.worker_id, w.c.info, w.c.registered_at, w.c.last_seen, w.c.stopped_at)
             .where(_visible_to(namespace))
             .order_by(w.c.worker_id)
             .limit(limit + 1)
@@ -134,7 +136,7 @@ class ListingStore(StoreBase):
         if cursor is not None:
             stmt = stmt.where(w.c.worker_id > cursor)
         if live_within is not None:
-            stmt = stmt.where(w.c.last_seen >= time.time() - live_within)
+            stmt = stmt.where(w.c.last_seen >= time.time() - live_within, w.c.stopped_at.is_(None))
         with self.db.tx(write=False) as conn:
             rows = conn.execute(stmt).all()
             more = len(rows) > limit
@@ -161,6 +163,7 @@ class ListingStore(StoreBase):
                 registered_at=float(r.registered_at),
                 last_seen=float(r.last_seen),
                 busy=busy.get(r.worker_id, 0),
+                stopped_at=None if r.stopped_at is None else float(r.stopped_at),
             )
             for r in rows
         ]
