@@ -158,16 +158,27 @@ def _brief(error: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def function_of(inv: Invocation) -> dict[str, Any] | None:
-    """``{kind, module, qualname}`` of the Envelope's function, when the arguments are an Envelope."""
+    """``{kind, module, qualname, hash, code}`` of the Envelope's function, when the arguments are
+    an Envelope: ``hash`` is the source hash of a function shipped by reference (``src_hash``,
+    None when the submitter had no source) or the pickle's blob hash; ``code`` the sha256 of a
+    code archive shipped with the call (None when none)."""
     from dreamlake.lakeshore.envelope import Envelope
 
     try:
-        fn = Envelope.header(inv.args_blob).get("fn")
+        header = Envelope.header(inv.args_blob)
     except Exception:
         return None
+    fn = header.get("fn")
     if not isinstance(fn, dict):
         return None
-    return {k: fn.get(k) for k in ("kind", "module", "qualname") if isinstance(fn.get(k), str)}
+    out: dict[str, Any] = {k: fn.get(k) for k in ("kind", "module", "qualname") if isinstance(fn.get(k), str)}
+    digest = fn.get("src_hash") if fn.get("kind") == "ref" else fn.get("hash")
+    out["hash"] = digest if isinstance(digest, str) else None
+    code = (header.get("cfg") or {}).get("code")
+    out["code"] = (
+        code.get("sha256") if isinstance(code, dict) and isinstance(code.get("sha256"), str) else None
+    )
+    return out
 
 
 def timings(inv: Invocation, now: float) -> dict[str, float | None]:
