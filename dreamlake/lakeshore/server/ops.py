@@ -111,7 +111,13 @@ def invocation_json(inv: Invocation) -> dict[str, Any]:
         "finished_at": inv.finished_at,
         "cancel_requested": inv.cancel_requested,
         "error": _error_summary(inv.error),
+        "sweep": _sweep(inv.run_config),  # the map it belongs to (store/activity.py), if any
     }
+
+
+def _sweep(run_config: Any) -> str | None:
+    sweep = run_config.get("sweep") if isinstance(run_config, dict) else None
+    return sweep if isinstance(sweep, str) else None
 
 
 def attempts(inv: Invocation, history: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
@@ -251,6 +257,7 @@ async def read_invocations(
     since: float | None = None,
     limit: int = 50,
     cursor: str | None = None,
+    sweep: str | None = None,
 ) -> tuple[list[dict[str, Any]], str | None]:
     page = await ctx.call(
         ctx.store.list_invocations,
@@ -260,6 +267,7 @@ async def read_invocations(
         since=since,
         limit=limit,
         cursor=cursor,
+        sweep=sweep,
     )
     return [invocation_json(i) for i in page.invocations], page.next_cursor
 

@@ -22,6 +22,7 @@ from dreamlake.lakeshore.states import TERMINAL_STATES as TERMINAL_STATES
 from dreamlake.lakeshore.states import State as State
 
 if TYPE_CHECKING:
+    from .activity import Activity, Sweep
     from .retention import GcResult
 
 DEFAULT_LEASE_S = 30.0
@@ -354,12 +355,23 @@ class Listing(Protocol):
         since: float | None = None,
         limit: int = 50,
         cursor: str | None = None,
+        sweep: str | None = None,
     ) -> InvocationPage:
         """Invocations newest first (by id, a ULID), submitted at or after ``since``, with ids
-        before ``cursor``; at most ``limit`` (clamped to 1..LIST_LIMIT_MAX)."""
+        before ``cursor``; at most ``limit`` (clamped to 1..LIST_LIMIT_MAX); only the calls of one
+        ``map`` when ``sweep`` names it (``run_config.sweep``)."""
         ...
 
     def frame_stats(self, owner_id: str) -> FrameStats: ...
+
+    def activity(self, namespace: str | None, since: float) -> list[Activity]:
+        """Submit, start and finish times of what waited, ran or finished since ``since`` (the
+        dashboard's charts; store/activity.py)."""
+        ...
+
+    def sweeps(self, namespace: str | None, since: float, limit: int = 20) -> list[Sweep]:
+        """The ``map`` sweeps submitted since ``since``, newest first, with counts by state."""
+        ...
 
 
 class Store(Listing, Protocol):

@@ -178,6 +178,7 @@ class ListingStore(StoreBase):
         since: float | None = None,
         limit: int = 50,
         cursor: str | None = None,
+        sweep: str | None = None,
     ) -> InvocationPage:
         limit = max(1, min(int(limit), LIST_LIMIT_MAX))
         stmt = sa.select(*_SUMMARY_COLS).order_by(_inv.c.invocation_id.desc()).limit(limit + 1)
@@ -191,6 +192,10 @@ class ListingStore(StoreBase):
             stmt = stmt.where(_inv.c.submitted_at >= since)
         if cursor is not None:
             stmt = stmt.where(_inv.c.invocation_id < cursor)
+        if sweep is not None:  # the calls of one map (store/activity.py)
+            from .activity import sweep_of
+
+            stmt = stmt.where(sweep_of(sweep))
         with self.db.tx(write=False) as conn:
             rows = conn.execute(stmt).all()
         page = [_summary(r) for r in rows[:limit]]
