@@ -6,7 +6,7 @@ register of that worker id clears it. Nullable: every worker written before this
 the live window as its only rule.
 
 Revision ID: 0016_worker_stopped
-Revises: 0008_shipdata
+Revises: 0009_placement
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0016_worker_stopped"
-down_revision = "0008_shipdata"
+down_revision = "0009_placement"
 branch_labels = None
 depends_on = None
 
