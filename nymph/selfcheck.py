@@ -8,8 +8,9 @@ fails, every task would fail later with a misleading error (an unreadable standa
 ``cloudpickle is not installed``, an unreachable workdir as ``cannot import module``). So
 :func:`task_setup_problems`, called by ``nymph start`` before it registers and by ``nymph doctor``:
 
-- walks each path the task user needs, component by component, with the user's uid and groups
-  against each directory's owner, group and mode bits, and names the first it cannot enter;
+- walks each path the task user needs (for the runners whose tasks use host paths: process,
+  slurm), component by component, with the user's uid and groups against each directory's owner,
+  group and mode bits, and names the first it cannot enter;
 - runs the runner's interpreter as the task user (``runuser -u USER -- python -c ...``) with the
   tasks' ``PYTHONPATH``, importing the standard library, the entry and (with ``--allow-pickled``)
   cloudpickle; when that fails, the path it could not read is named (the interpreter's own
@@ -34,6 +35,9 @@ from nymph.runner import Runner
 from nymph.taskuser import task_users
 
 PROBE_TIMEOUT_S = 60.0
+# Runners whose tasks reach the workdir and the code cache by their host paths, every directory on
+# the way (a container runner mounts the task's own directories: the parents do not matter there).
+HOST_PATH_RUNNERS = ("process", "slurm")
 ENTRY_MODULE = "dreamlake.lakeshore.daemon.entry"
 # Modules of the standard library every task imports (the entry's own imports, a sample of them).
 STDLIB_PROBE = ("encodings", "json", "traceback", "importlib.util", "zipfile")
@@ -196,10 +200,12 @@ def task_setup_problems(cfg: NymphConfig, runner: Runner) -> list[str]:
             pw = pwd.getpwnam(name)
         except KeyError:
             continue  # check_task_user says so, with the useradd command
-        checks: list[Any] = [
-            _directory_problem("workdir", cfg.workdir, pw),
-            _directory_problem("code cache", cfg.code_cache_dir, pw),
-        ]
+        checks: list[Any] = []
+        if runner.name in HOST_PATH_RUNNERS:
+            checks += [
+                _directory_problem("workdir", cfg.workdir, pw),
+                _directory_problem("code cache", cfg.code_cache_dir, pw),
+            ]
         if not any(checks):
             checks.append(_interpreter_problem(cfg, runner, pw))
         problems += [c for c in checks if c]

@@ -118,3 +118,37 @@ def test_start_refuses_a_workdir_the_task_user_cannot_enter_and_doctor_agrees(
     assert "[ok] task-setup" in listable.stdout
     assert "[warn] workdir" in listable.stdout and "chmod 711" in listable.stdout
     assert _workers(plane) == []
+
+
+def test_a_task_that_cannot_read_its_sys_path_is_told_so_not_that_a_module_is_missing(
+    task_user: pwd.struct_passwd,  # noqa: F811
+    readable_runtime: tuple[str, list[str]],  # noqa: F811
+) -> None:
+    """The entry's import error names an unreadable sys.path entry (the real cause) instead of
+    'install it or add it to PYTHONPATH'; with every entry readable it says the module is missing."""
+    python, pythonpath = readable_runtime
+    closed = Path(tempfile.mkdtemp(prefix="lakeshore-closed-", dir="/root"))  # under a 0700 home
+    script = (
+        "import sys\n"
+        "sys.path += sys.argv[1:]\n"
+        "from dreamlake.lakeshore.envelope import resolve_fn\n"
+        "try:\n"
+        "    resolve_fn({'kind': 'ref', 'module': 'mylib_nowhere', 'qualname': 'f'}, allow_pickled=False)\n"
+        "except Exception as exc:\n"
+        "    print(exc)\n"
+    )
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": os.pathsep.join(pythonpath)}
+
+    def run(*extra: str) -> str:
+        runuser = shutil.which("runuser") or "runuser"
+        cmd = [runuser, "-u", task_user.pw_name, "--", python, "-c", script, *extra]
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=LIMIT_S, cwd="/")
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    try:
+        said = run(str(closed))
+        assert f"cannot reach {closed} on sys.path" in said and "install it" not in said, said
+        assert "install it or add it to PYTHONPATH" in run()
+    finally:
+        shutil.rmtree(closed, ignore_errors=True)
