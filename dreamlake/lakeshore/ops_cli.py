@@ -155,6 +155,12 @@ def attempt_label(inv: dict[str, Any], long: bool = False) -> str:
     return f"{n} final"
 
 
+def _sweep_of(d: dict[str, Any]) -> str | None:
+    rc = d.get("run_config")
+    sweep = rc.get("sweep") if isinstance(rc, dict) else None
+    return sweep if isinstance(sweep, str) else None
+
+
 def function_line(fn: dict[str, Any]) -> str:
     """``show``'s function: its name, how it travelled, and the hash that identifies its code:
     ``mod.topk  (by reference, source sha256:1a2b...)``, ``topk  (pickled, sha256:...)``."""
@@ -270,6 +276,7 @@ def workers(url: str | None, token: str | None, live: bool, as_json: bool) -> No
 @click.option("--since", default=None, help="Submitted since: 10m, 2h, 1d, an ISO date-time or epoch s.")
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 500))
 @click.option("--cursor", default=None, help="Continue a listing: the id printed after the last page.")
+@click.option("--sweep", default=None, help="Only the calls of one map (the sweep id `show` prints).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON ({invocations, next_cursor}).")
 @guarded
 def ls(
@@ -280,12 +287,18 @@ def ls(
     since: str | None,
     limit: int,
     cursor: str | None,
+    sweep: str | None,
     as_json: bool,
 ) -> None:
     """Invocations, newest first."""
     with _client(url, token) as client:
         page = client.invocations(
-            queue=queue, states=list(states) or None, since=parse_since(since), limit=limit, cursor=cursor
+            queue=queue,
+            states=list(states) or None,
+            since=parse_since(since),
+            limit=limit,
+            cursor=cursor,
+            sweep=sweep,
         )
     if as_json:
         _echo_json(page)
@@ -333,6 +346,7 @@ def show(url: str | None, token: str | None, invocation_id: str, as_json: bool) 
         f"worker      {d['worker_id'] or '-'}",
         f"frames      {frames['count']}" + (f" (last seq {frames['last_seq']})" if frames["count"] else ""),
         f"attempts    {attempt_label(d, long=True)}",
+        *([f"sweep       {sweep}  (lakeshore ls --sweep {sweep})"] if (sweep := _sweep_of(d)) else []),
     ]  # fmt: skip
     for a in d["attempts"]:
         where = f" on {a['worker_id']}" if a["worker_id"] else ""

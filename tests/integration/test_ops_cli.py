@@ -294,3 +294,21 @@ def test_show_names_a_pickled_function_by_its_hash(cp: ControlPlane) -> None:
     assert cp.call("/v1/producer/submit", submit_body(inv, "p", args_blob=blob), cp.producer_token)[0] == 200
     line = next(ln for ln in run(cp, "show", inv).stdout.splitlines() if ln.startswith("function"))
     assert line.startswith("function    ") and "topk  (pickled, sha256:" in line and "None" not in line
+
+
+def test_ls_and_show_name_the_sweep_of_a_map(cp: ControlPlane) -> None:
+    sweep = new_ulid()
+    calls = []
+    for _ in range(3):
+        inv = new_ulid()
+        body = submit_body(inv, "sw", run_config={"sweep": sweep})
+        assert cp.call("/v1/producer/submit", body, cp.producer_token)[0] == 200
+        calls.append(inv)
+    _submit(cp, "sw")  # not of the sweep
+    listed = run(cp, "ls", "--sweep", sweep, "--json").stdout
+    page = json.loads(listed)
+    assert sorted(i["invocation_id"] for i in page["invocations"]) == sorted(calls)
+    assert {i["sweep"] for i in page["invocations"]} == {sweep}
+    assert f"sweep       {sweep}" in run(cp, "show", calls[0]).stdout
+    bad = run(cp, "ls", "--sweep", "nope")
+    assert bad.exit_code != 0 and "sweep" in bad.stderr

@@ -314,6 +314,12 @@ def limit_param(request: Request, default: int) -> int:
     return int(h.query_number(request, "limit", default, lo=1, hi=LIST_LIMIT_MAX))
 
 
+def sweep_param(request: Request) -> str | None:
+    """``?sweep=<id>``: the calls of one ``map`` (``run_config.sweep``, a ULID)."""
+    raw = request.query_params.get("sweep")
+    return h.ulid(raw, "sweep") if raw else None
+
+
 def cursor_param(request: Request, what: str) -> str | None:
     raw = request.query_params.get("cursor")
     return h.ulid(raw, f"{what} cursor") if raw else None
@@ -386,6 +392,7 @@ class OpsRoutes:
             since=since_param(request),
             limit=limit_param(request, 50),
             cursor=cursor_param(request, "invocation"),
+            sweep=sweep_param(request),
         )
         return h.json_response({"invocations": rows, "next_cursor": cursor})
 

@@ -291,8 +291,7 @@ class Dashboard:
             raise HTTPError(400, f"since must be one of {', '.join(SINCE_CHOICES)}")
         since = time.time() - SINCE_CHOICES[since_key] if since_key else None
         cursor = ops.cursor_param(request, "invocation")
-        raw_sweep = request.query_params.get("sweep")
-        sweep = h.ulid(raw_sweep, "sweep") if raw_sweep else None
+        sweep = ops.sweep_param(request)
         rows, next_cursor = await ops.read_invocations(
             self.ctx,
             session.namespace,
