@@ -251,6 +251,9 @@ class Routes:
     async def heartbeat(self, request: Request, caller: Caller) -> Response:
         return h.msgpack_response(await daemon.heartbeat(self.ctx, caller, await self._msgpack(request)))
 
+    async def deregister(self, request: Request, caller: Caller) -> Response:
+        return h.msgpack_response(await daemon.deregister(self.ctx, caller, await self._msgpack(request)))
+
     # -- namespaces (JSON) ---------------------------------------------------------------------
 
     def _ns(self, request: Request, caller: Caller) -> str:
