@@ -7,7 +7,10 @@ for settings.
 A token given with ``--token`` is on the command line, where ``ps`` shows it to every local user:
 ``nymph start`` then re-executes itself at once (same PID) with the token moved to ``NYMPH_TOKEN``
 (readable only by nymph's own user and root, and never passed to tasks) and a warning to use
-``--token-file``. ``nymph start`` as root checks its task user first (:mod:`nymph.taskuser`).
+``--token-file``. ``nymph start`` as root checks its task user first (:mod:`nymph.taskuser`), and
+that the task user can run its tasks (:mod:`nymph.selfcheck`: the interpreter, the workdir, the
+code cache); a problem stops it before it registers. ``nymph doctor`` runs the same checks and
+registers nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 import click
 
+from dreamlake.lakeshore import __version__
 from nymph.config import NymphConfig, resolve
 from nymph.errors import ConfigError, RunnerLoadError
 
@@ -209,6 +213,7 @@ def _warm_flags(kwargs: dict[str, Any]) -> bool:
 
 
 @click.group()
+@click.version_option(__version__, "--version", "-V", prog_name="nymph", message="%(prog)s %(version)s")
 def main() -> None:
     """nymph: the node agent that runs lakeshore invocations on this machine."""
 
@@ -223,6 +228,7 @@ def start(**kwargs: Any) -> None:
     from nymph.agent import Agent
     from nymph.observability import configure_logging
     from nymph.plugins import load_runner
+    from nymph.selfcheck import task_setup_problems
     from nymph.taskuser import TaskUserError, check_task_user, nymph_is_root
 
     configure_logging(cfg.log_format, cfg.log_level)
@@ -239,6 +245,10 @@ def start(**kwargs: Any) -> None:
     except TaskUserError as exc:
         runner.close()
         raise click.ClickException(str(exc)) from exc
+    problems = task_setup_problems(cfg, runner)
+    if problems:  # every task would fail later, with a misleading error: say it now, register nothing
+        runner.close()
+        raise click.ClickException("; ".join(problems) + " (`nymph doctor` runs the same checks)")
     if cfg.allow_root_tasks and nymph_is_root():
         logging.getLogger("nymph").warning(
             "--allow-root-tasks: tasks without as_user run as root on this host"
