@@ -1,6 +1,7 @@
 """nymph checks its own set-up before it registers (issue 35, item 2), and ``nymph doctor`` agrees.
 
-A root nymph runs its tasks as its task user. Started with an interpreter that user cannot run (this
+A root nymph runs its tasks as its task users (the process runner: the pool, whose first user,
+``nymph-task-0``, is the one checked and named). Started with an interpreter that user cannot run (this
 machine's own: a venv whose python lives under root's 0700 home, the pyenv trap) or a workdir it
 cannot enter (0700), every task would fail later with a misleading error. ``nymph start`` refuses at
 once, naming the path and the fix, and registers nothing; ``nymph doctor`` says the same and
@@ -76,7 +77,7 @@ def test_start_refuses_an_interpreter_the_task_user_cannot_run_and_doctor_agrees
     started = _run(args)
     assert started.returncode != 0, started.stdout + started.stderr
     said = started.stderr
-    assert f"task user nymph-task cannot enter {closed}" in said, said
+    assert f"task user nymph-task-0 cannot enter {closed}" in said, said
     assert "install nymph system-wide, or give the runner an interpreter it can run" in said
     assert "registered as worker" not in started.stdout + said
     assert _workers(plane) == []
@@ -84,7 +85,7 @@ def test_start_refuses_an_interpreter_the_task_user_cannot_run_and_doctor_agrees
     doctor = _run(_doctor(args))
     assert doctor.returncode == 1, doctor.stdout
     line = next(ln for ln in doctor.stdout.splitlines() if "task-setup" in ln)
-    assert line.startswith("[FAIL] task-setup") and f"task user nymph-task cannot enter {closed}" in line
+    assert line.startswith("[FAIL] task-setup") and f"task user nymph-task-0 cannot enter {closed}" in line
     assert _workers(plane) == []  # the doctor registered nothing either
 
 
@@ -100,13 +101,13 @@ def test_start_refuses_a_workdir_the_task_user_cannot_enter_and_doctor_agrees(
     args = nymph_args(plane, base, readable_runtime)
     started = _run(args)
     assert started.returncode != 0, started.stdout + started.stderr
-    assert f"task user nymph-task cannot enter {work} (mode 0700, owner root:root)" in started.stderr
+    assert f"task user nymph-task-0 cannot enter {work} (mode 0700, owner root:root)" in started.stderr
     assert "chmod 711" in started.stderr
     assert _workers(plane) == []
 
     doctor = _run(_doctor(args))
     assert doctor.returncode == 1
-    assert f"[FAIL] task-setup: task user nymph-task cannot enter {work}" in doctor.stdout
+    assert f"[FAIL] task-setup: task user nymph-task-0 cannot enter {work}" in doctor.stdout
 
     # what doctor and start accept: 0711 (enterable, not listable) passes with no warning; 0755
     # passes with a warning (others can list the ids), never a failure that breaks shipped code
