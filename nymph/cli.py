@@ -76,6 +76,38 @@ def _options(fn: Any) -> Any:
             help="Only run ref functions of modules matching PATTERN (fnmatch); repeatable.",
         ),
         click.option("--allow-user", "allow_users", multiple=True, help="User as_user may name; repeatable."),
+        click.option(
+            "--allow-pip/--no-allow-pip",
+            default=None,
+            help="Build the pip environments calls ask for (pip=..., with uv, as the task user); off by default.",
+        ),
+        click.option("--pip-index-url", help="Package index for pip environments (uv --index-url)."),
+        click.option(
+            "--pip-find-links",
+            "pip_find_links",
+            multiple=True,
+            metavar="DIR|URL",
+            help="Wheels for pip environments (uv --find-links); repeatable.",
+        ),
+        click.option(
+            "--env-cache",
+            type=click.Path(path_type=Path),
+            help="Where pip environments are built (default {workdir}/.envs).",
+        ),
+        click.option(
+            "--pass-env",
+            "pass_env",
+            multiple=True,
+            metavar="NAME",
+            help="Pass nymph's variable NAME to every task (tasks get a clean environment); repeatable.",
+        ),
+        click.option(
+            "--mount",
+            "mounts",
+            multiple=True,
+            metavar="NAME=/host/path[:ro]",
+            help="A directory calls may ask for with mounts=[NAME]; repeatable.",
+        ),
         click.option("--task-user", help="User tasks run as when nymph runs as root (default nymph-task)."),
         click.option(
             "--allow-root-tasks/--no-allow-root-tasks",

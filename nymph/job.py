@@ -31,7 +31,7 @@ from dreamlake.lakeshore.client import retrying
 from dreamlake.lakeshore.daemon.entry import ALLOW_MODULES_ENV, CAPTURE_ENV, module_allowed, module_refusal
 from dreamlake.lakeshore.envelope import Envelope, is_pickled
 from dreamlake.lakeshore.errors import LakeshoreError, PayloadCorrupt
-from nymph import codecache, refs, safeio, taskuser
+from nymph import codecache, envcache, refs, safeio, taskenv, taskuser
 from nymph import observability as obs
 from nymph import workdir as wd
 from nymph.errors import Refused
@@ -85,6 +85,10 @@ class Job(SupervisedJob[wd.Outcome]):
         self._code: dict[str, Any] | None = None  # cfg["code"] of the Envelope: a shipped code archive
         self._code_held: str | None = None  # the sha256 this job holds in the code cache
         self._code_dirs: list[Path] = []
+        self._pip: dict[str, Any] | None = None  # cfg["pip"] of the Envelope: a pip environment (envcache)
+        self._env_held: str | None = None  # the sha256 of the pip environment this job holds
+        self._call_env: dict[str, str] = {}  # run_config.env and the secrets' values (nymph.taskenv)
+        self._mounts: dict[str, tuple[str, bool]] = {}  # the operator's mounts the call asked for
         self._overflow: str | None = None  # why the stream overflowed (the invocation fails)
         self._args_inline: bytes | None = None  # handed to the runner in the Task, not in args.msgpack
         self.state: str | None = None  # the settled state; "deferred": left for the next life
@@ -104,6 +108,7 @@ class Job(SupervisedJob[wd.Outcome]):
             self._staged = refs.stage_args(self.ctx.client, self.ctx.config.workdir, self.body)
         self._gates()
         self._fetch_code()
+        self._build_env()
         gpus = self.ctx.slots.acquire_gpus(gpus_requested(self.run_config), self._stop_event)
         if gpus is None:  # stopped while waiting for devices
             return None
@@ -123,6 +128,7 @@ class Job(SupervisedJob[wd.Outcome]):
         }
         meta["run_as"] = self.run_as
         meta["code_sha256"] = self._code_held  # a restarted nymph holds the archive its task runs from
+        meta["env_sha256"] = self._env_held  # and the pip environment
         blob = bytes(self.body.get("args_blob") or b"")
         inline = (
             self.ctx.runner.capabilities.args_inline
@@ -153,6 +159,7 @@ class Job(SupervisedJob[wd.Outcome]):
             gpus=list(self._gpus),
             labels={"nymph.invocation": self.invocation_id, "nymph.worker": self.ctx.worker_id, **cfg.labels},
             code_dirs=list(self._code_dirs),
+            mounts=dict(self._mounts),
             args=self._args_inline,
         )
 
@@ -185,6 +192,27 @@ class Job(SupervisedJob[wd.Outcome]):
                     f"--allow-module matching {refused[0]!r}",
                 )
         self._code_dirs = [path]
+
+    def _build_env(self) -> None:
+        """The pip environment the call asked for (``cfg["pip"]``), built once per lock on this
+        host as the task's user (nymph.envcache) and held while the task runs: after the shipped
+        code on its import path. A failed build refuses the invocation (EnvBuildFailed, final)."""
+        if self._pip is None:
+            return
+        interp = self.ctx.runner.pip_interpreter(self.run_config)  # type: ignore[attr-defined]
+        path = self._env_cache().acquire(self._pip, interp, self.run_as)
+        self._env_held = path.name
+        self._code_dirs.append(path)
+
+    def _env_cache(self) -> envcache.EnvCache:
+        cfg = self.ctx.config
+        return envcache.shared(
+            cfg.env_cache_dir,
+            max_bytes=cfg.env_cache_max_bytes,
+            max_age_s=cfg.env_cache_max_age_s,
+            index_url=cfg.pip_index_url,
+            find_links=cfg.pip_find_links,
+        )
 
     def _fetch_code_ref(self, code: dict[str, Any], ref: Any) -> bytes:
         """An archive shipped by reference, through the presign route of the namespace it was
@@ -220,6 +248,9 @@ class Job(SupervisedJob[wd.Outcome]):
 
     def _release(self) -> None:
         self._release_code()
+        if self._env_held is not None:
+            self._env_cache().release(self._env_held)
+            self._env_held = None
         super()._release()
 
     def _gates(self) -> None:
@@ -247,6 +278,7 @@ class Job(SupervisedJob[wd.Outcome]):
             if code is not None and not isinstance(code, dict):
                 raise Refused("CodeArchiveRefused", f"cfg.code must be a map, got {type(code).__name__}")
             self._code = code
+            self._pip_gate((header.get("cfg") or {}).get("pip"))
             if is_pickled(fn) and not cfg.allow_pickled:
                 raise Refused(
                     "PickleRefused",
@@ -278,6 +310,7 @@ class Job(SupervisedJob[wd.Outcome]):
                     f"as_user {self.as_user!r} is allowed but is not a user on this host (its workdir is "
                     f"owned by that user); create it with useradd",
                 ) from None
+        self._call_env, self._mounts = taskenv.call_env(cfg, self.run_config)
         self.run_as = taskuser.run_as(cfg, self.as_user)
         refusal = taskuser.root_refusal(cfg, self.run_as)
         if refusal is not None:
@@ -313,19 +346,44 @@ class Job(SupervisedJob[wd.Outcome]):
                 f"runner {self.ctx.runner.name!r} does not enforce resource limits ({', '.join(sorted(limits))})",
             )
 
+    def _pip_gate(self, pip: Any) -> None:
+        if pip is None:
+            return
+        if not self.ctx.config.allow_pip:
+            raise Refused(
+                "PipRefused",
+                "the call asks for a pip environment (pip=... / requirements=...) but this worker builds "
+                "none: run it where nymph was started with --allow-pip, or use an image that has the "
+                "packages (image=...)",
+            )
+        if not callable(getattr(self.ctx.runner, "pip_interpreter", None)):
+            raise Refused(
+                "RunnerCapabilityMissing",
+                f"runner {self.ctx.runner.name!r} cannot give a task a pip environment; use an image "
+                "that has the packages",
+            )
+        self._pip = pip
+
     def _env(self) -> dict[str, str]:
+        """The task's variables (nymph.taskenv: never nymph's whole environment): the passed ones,
+        the call's env and secrets, then nymph's own for the invocation (a call cannot override them)."""
         cfg = self.ctx.config
-        env = {
-            "LAKESHORE_ALLOW_PICKLED": "1" if cfg.allow_pickled else "0",
-            ALLOW_MODULES_ENV: ",".join(cfg.allow_modules),
-            "LAKESHORE_RUNTIME_POLICY": cfg.runtime_policy,
-            "LAKESHORE_INVOCATION_ID": self.invocation_id,
-            WINDOW_ENV: cfg.stream_limits.env,
-            # the entry appends its fd 1/2 to the workdir's logs (every runner: the pump streams
-            # them live as LOG frames); Python processes the task starts write through too
-            CAPTURE_ENV: "1",
-            "PYTHONUNBUFFERED": "1",
-        }
+        env = dict(taskenv.passed(cfg.pass_env))
+        env.update(self._call_env)
+        env.update(taskenv.mounts_env(self._mounts))
+        env.update(
+            {
+                "LAKESHORE_ALLOW_PICKLED": "1" if cfg.allow_pickled else "0",
+                ALLOW_MODULES_ENV: ",".join(cfg.allow_modules),
+                "LAKESHORE_RUNTIME_POLICY": cfg.runtime_policy,
+                "LAKESHORE_INVOCATION_ID": self.invocation_id,
+                WINDOW_ENV: cfg.stream_limits.env,
+                # the entry appends its fd 1/2 to the workdir's logs (every runner: the pump streams
+                # them live as LOG frames); Python processes the task starts write through too
+                CAPTURE_ENV: "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         token = self.body.get("task_token")
         if isinstance(token, str) and token:
             # the task's own credential (submit children, read and cancel its descendants; it dies
@@ -358,6 +416,9 @@ class Job(SupervisedJob[wd.Outcome]):
         code = meta.get("code_sha256")
         if handle is not None and isinstance(code, str) and job._code_cache().hold(code):
             job._code_held = code  # the task still runs from it: pruning leaves it until the job ends
+        pip_env = meta.get("env_sha256")
+        if handle is not None and isinstance(pip_env, str) and job._env_cache().hold(pip_env):
+            job._env_held = pip_env
         gpus = [str(g) for g in meta.get("gpus") or []]
         if handle is not None and gpus and ctx.slots.claim_gpus(gpus):
             job._gpus = gpus

@@ -41,7 +41,7 @@ import functools
 import math
 import types
 from collections import namedtuple
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 
 from dreamlake.lakeshore.errors import PlaneError, Unavailable
 
@@ -337,12 +337,13 @@ if TYPE_CHECKING:
         prefix: str
         parent: str | None
         code: Any = _INHERIT
+        env: dict[str, str] | None = None
 
 else:
     _ThunkFields = namedtuple(
         "_ThunkFields",
-        ("udf", "args", "kwargs", "queue", "priority", "key", "prefix", "parent", "code"),
-        defaults=(_INHERIT,),
+        ("udf", "args", "kwargs", "queue", "priority", "key", "prefix", "parent", "code", "env"),
+        defaults=(_INHERIT, None),
     )
 
 
@@ -361,6 +362,8 @@ class Thunk(_ThunkFields):
         cfg.update({"queue": self.queue, "priority": self.priority, "key": self.key})
         if self.prefix:
             cfg["prefix"] = self.prefix
+        if self.env:  # per call _env= over the udf's env=
+            cfg["env"] = {**(cfg.get("env") or {}), **self.env}
         return cfg
 
     def code_record(self, dispatch: Plane | None = None) -> dict[str, Any] | None:
@@ -386,7 +389,7 @@ class Thunk(_ThunkFields):
             self.kwargs,
             prefix=self.prefix,
             key=self.key,
-            cfg={"code": record} if record is not None else None,
+            cfg=_cfg(self.udf, record),
             parent=self.parent,
         )
 
@@ -437,8 +440,15 @@ class UDF:
         resumable: bool = False,
         dispatch: Plane | None = None,
         code: Any = _INHERIT,
+        pip: Any = None,
+        requirements: Any = None,
+        env: Mapping[str, str] | None = None,
+        secrets: Any = None,
+        mounts: Any = None,
         **options: Any,
     ) -> None:
+        from dreamlake.lakeshore import runenv
+
         if not callable(fn):
             raise TypeError(f"@dls.udf decorates a function, got {type(fn).__name__}")
         if transport not in TRANSPORTS:
@@ -462,6 +472,15 @@ class UDF:
         self.dispatch = dispatch
         self.code = _check_code(code)  # "auto", None, paths, or _INHERIT: the scope's or the default
         self.options: dict[str, Any] = dict(options)
+        # what the call's environment needs (docs/nymph.md "Environments"): the pip environment
+        # rides in the Envelope's cfg, the rest (names and plain values, never a secret's) in run_config
+        self.pip = runenv.pip_record(pip, requirements)
+        if env is not None:
+            self.options["env"] = runenv.user_env(env, "env")
+        if secrets is not None:
+            self.options["secrets"] = runenv.secret_names(secrets, "secrets")
+        if mounts is not None:
+            self.options["mounts"] = runenv.names(mounts, "mounts")
         if timeout_s is not None:
             self.options["timeout_s"] = float(timeout_s)
         if max_attempts is not None:
@@ -492,10 +511,16 @@ class UDF:
         _queue: str | None = None,
         _priority: float | None = None,
         _key: str | None = None,
+        _env: Mapping[str, str] | None = None,
         **kwargs: Any,
     ) -> Thunk:
-        """Capture a call (and the current ``scope`` prefix and parent invocation) without sending."""
+        """Capture a call (and the current ``scope`` prefix and parent invocation) without sending;
+        ``_env``: environment variables of this call, over the udf's ``env``."""
         state = _STATE.get()
+        if _env is not None:
+            from dreamlake.lakeshore import runenv
+
+            _env = runenv.user_env(_env, "_env")
         return Thunk(
             udf=self,
             args=args,
@@ -506,6 +531,7 @@ class UDF:
             prefix=state.prefix,
             parent=state.id,
             code=self.code if self.code != _INHERIT else _CODE.get(),
+            env=_env or None,
         )
 
     def submit(
@@ -515,10 +541,12 @@ class UDF:
         _queue: str | None = None,
         _priority: float | None = None,
         _key: str | None = None,
+        _env: Mapping[str, str] | None = None,
         **kwargs: Any,
     ) -> str:
         """Send a call to a plane; returns the invocation id (a ULID string)."""
-        return self.thunk(*args, _queue=_queue, _priority=_priority, _key=_key, **kwargs).submit(_dispatch)
+        thunk = self.thunk(*args, _queue=_queue, _priority=_priority, _key=_key, _env=_env, **kwargs)
+        return thunk.submit(_dispatch)
 
     def map(
         self,
@@ -570,11 +598,12 @@ class UDF:
         _priority: float | None = None,
         _key: str | None = None,
         _timeout: float = 60.0,
+        _env: Mapping[str, str] | None = None,
         **kwargs: Any,
     ) -> Any:
         """Send a call to a plane and wait for its value (a generator's: its return value); over
         HTTP one request submits and waits (the warm path's short calls)."""
-        thunk = self.thunk(*args, _queue=_queue, _priority=_priority, _key=_key, **kwargs)
+        thunk = self.thunk(*args, _queue=_queue, _priority=_priority, _key=_key, _env=_env, **kwargs)
         return thunk.call(_dispatch, _timeout)
 
     def __repr__(self) -> str:
@@ -642,7 +671,7 @@ def _submit_calls(plane: Plane, template: Thunk, args_of: Any) -> Calls:
     udf = template.udf
     record = template.code_record(plane)
     fn = fn_for(udf, udf.transport)
-    cfg = {"code": record} if record is not None else None
+    cfg = _cfg(udf, record)
     run_config = template.run_config()
     out = Calls(dispatch=plane)
     chunk: list[tuple[Any, ...]] = []
@@ -697,6 +726,16 @@ def _send(plane: Any, chunk: list[tuple[Any, ...]], out: Calls) -> None:
     raise new
 
 
+def _cfg(udf: UDF, record: Any) -> dict[str, Any] | None:
+    """The Envelope's ``cfg``: the code archive's record and the pip environment, when there are."""
+    cfg: dict[str, Any] = {}
+    if record is not None:
+        cfg["code"] = record
+    if udf.pip is not None:
+        cfg["pip"] = udf.pip
+    return cfg or None
+
+
 def _retry_names(retry_on: Any) -> list[str]:
     """``retry_on`` (exception classes or their names) as the names run_config carries: the
     control plane matches them against the failure's type and its base classes."""
@@ -733,6 +772,11 @@ if TYPE_CHECKING:
         resumable: bool = ...,
         dispatch: Plane | None = ...,
         code: Any = ...,
+        pip: Any = ...,
+        requirements: Any = ...,
+        env: Mapping[str, str] | None = ...,
+        secrets: Any = ...,
+        mounts: Any = ...,
         **options: Any,
     ) -> Callable[[Callable[..., Any]], UDF]: ...
 
@@ -751,6 +795,13 @@ def udf(fn: Callable[..., Any] | None = None, /, **config: Any) -> Any:
     ``code`` is what a submitted call ships with it: ``"auto"`` (the default) the local,
     non-installed package the function comes from, a list of paths those, ``None`` nothing (see
     :mod:`dreamlake.lakeshore.codeship`).
+
+    The call's environment (docs/nymph.md "Environments"): ``pip=["numpy==2.1.*"]`` or
+    ``requirements="reqs.txt"`` (a requirements file, a ``pylock.toml`` or a ``uv.lock``) is built
+    once per lock on each worker; ``env={"OMP_NUM_THREADS": "4"}`` (per call ``_env=``) are
+    variables; ``secrets=["HF_TOKEN"]`` puts this namespace's secret of that name in the task's
+    environment (``lakeshore secret set``); ``mounts=["datasets"]`` asks for a directory the
+    worker's operator offers (``nymph start --mount datasets=/srv/datasets:ro``).
 
     Extra keywords (``image``, ``resources``, ``network``, ...) ride in the Submit ``run_config``.
     """

@@ -95,6 +95,7 @@ import psutil
 
 from nymph import safeio
 from nymph.cgroup import CgroupError, TaskCgroups, detect, spawn_prefix
+from nymph.envcache import Interpreter, host_interpreter
 from nymph.resources import parse_resources
 from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, RunnerUnavailable, Task
 from nymph.runnerkit import (
@@ -106,6 +107,7 @@ from nymph.runnerkit import (
     option_list,
     task_name,
 )
+from nymph.taskenv import host_base
 from nymph.workdir import ARGS as ARGS_FILE
 from nymph_process.prefork import ForkedChild, ZygoteClient, ZygoteError, boot_time, start_time_of
 from nymph_process.warm import WarmPool, WarmWorker, passwd_record
@@ -583,8 +585,14 @@ class ProcessRunner:
         except OSError as exc:
             raise RunnerError(f"process runner: cannot write {ARGS_FILE} in {workdir}: {exc}") from exc
 
+    def pip_interpreter(self, run_config: Mapping[str, object]) -> Interpreter:
+        """What a pip environment is built for: this runner's python (nymph.envcache)."""
+        return host_interpreter(self.python)
+
     def _task_env(self, task: Task) -> dict[str, str]:
-        env = dict(_own_environ())
+        """The host base (nymph.taskenv: PATH, HOME, LANG, TZ, ...; never nymph's whole
+        environment), then the task's own variables."""
+        env = dict(host_base())
         env.update(task.env)
         if self.pythonpath is not None:
             env["PYTHONPATH"] = self.pythonpath
@@ -788,24 +796,6 @@ def _interpreter_key(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
             (k, v) for k, v in env.items() if k not in _PER_TASK_ENV_KEYS and not k.startswith(_PER_TASK_ENV)
         )
     )
-
-
-_own_env: tuple[dict[bytes, bytes], dict[str, str]] | None = None  # (os.environ's bytes, decoded)
-
-
-def _own_environ() -> dict[str, str]:
-    """nymph's environment less its ``NYMPH_`` settings: what every task's environment starts
-    from. Decoded again only when ``os.environ`` changed (compared as its bytes, at C speed: a
-    decode of every variable cost more than the rest of the task's environment)."""
-    global _own_env
-    raw = getattr(os.environ, "_data", None)  # CPython's mapping under os.environ
-    seen = _own_env
-    if seen is not None and raw is not None and seen[0] == raw:
-        return seen[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NYMPH_")}
-    if isinstance(raw, dict):
-        _own_env = (dict(raw), env)
-    return env
 
 
 def _flag(value: object) -> bool:

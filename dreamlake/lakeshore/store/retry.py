@@ -47,6 +47,10 @@ NEVER = frozenset(
         "ModuleNotFoundError",
         "InvalidRunConfig",
         "Cancelled",
+        "EnvBuildFailed",  # a pip environment uv could not resolve or build (nymph.envcache)
+        "PipRefused",
+        "MountRefused",
+        "SecretRefused",
     }
 )
 CRASHES = frozenset({"ProcessExited"})  # the task's process died without reporting: retried by default

@@ -1,0 +1,178 @@
+"""Each call brings its environment (issue 33), end to end over real HTTP with ``nymph start``
+(process runner) as a real subprocess: a pip environment built once per lock with uv from a local
+find-links directory of hand-made wheels (no network), reused, built once for concurrent first
+calls, a bad requirement one final ``EnvBuildFailed``; the call's ``env``; nymph's own variables
+kept from tasks unless ``--pass-env`` names them; an operator's mount by name, an unknown one
+refused before anything runs."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import dreamlake.lakeshore as dls
+from dreamlake.lakeshore.dispatch import HttpDispatch
+from tests import env_fns, pip_kit
+from tests.integration.conftest import ControlPlane
+from tests.integration.load import free_port
+from tests.integration.test_nymph_agent import Nymph, _until, await_result, nymph_factory
+
+__all__ = ["nymph_factory"]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+CANARY = "LS_CANARY_SECRET_X"
+
+
+def _metrics(port: int) -> dict[tuple[str, str], float]:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return {
+        (s.name, s.labels.get("result", "")): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def _up(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _pip_nymph(
+    factory: Callable[..., Nymph], cp: ControlPlane, tmp_path: Path, *extra: str
+) -> tuple[Nymph, int]:
+    wheels = pip_kit.wheelhouse(tmp_path / "wheels")
+    (tmp_path / "no-index").mkdir()
+    port = free_port()
+    n = factory(
+        cp.url, cp.daemon_token, "--allow-pip", "--pip-find-links", str(wheels),
+        "--pip-index-url", (tmp_path / "no-index").as_uri(), "--metrics-port", str(port), *extra,
+    )  # fmt: skip
+    _until(lambda: _up(port), "nymph's metrics")
+    return n, port
+
+
+def test_a_pip_environment_is_built_once_reused_and_shared_by_concurrent_first_calls(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph], tmp_path: Path
+) -> None:
+    cp = sqlite_control_plane
+    n, port = _pip_nymph(nymph_factory, cp, tmp_path, "--concurrency", "8")
+    plane = HttpDispatch(cp.url, cp.producer_token)
+    q = dls.SyncQueue("default", plane)
+    with pytest.raises(ImportError):
+        __import__("lsdemo")  # absent from the host: only the environment has it
+    first = q.result(env_fns.uses_lsdemo.submit(_dispatch=plane), timeout=180)
+    assert first["value"] == 42, n.output()[-3000:]
+    env_dir = Path(first["file"]).parent.parent
+    assert env_dir.parent == n.workdir / ".envs"
+    assert not os.access(first["file"], os.W_OK) or os.geteuid() == 0  # sealed (root ignores modes)
+    assert os.stat(first["file"]).st_mode & 0o777 == 0o444
+    assert "site-packages" in first["msgpack"]  # the SDK's own dependencies stay visible
+    built = _metrics(port)
+    assert built[("nymph_pip_envs_total", "built")] == 1
+
+    again = q.result(env_fns.uses_lsdemo.submit(_dispatch=plane), timeout=120)
+    assert again["file"] == first["file"]
+    after = _metrics(port)
+    assert after[("nymph_pip_envs_total", "built")] == 1  # no second build
+    assert after[("nymph_pip_envs_total", "hit")] >= 1
+
+    calls = [env_fns.uses_lsdep.submit(_dispatch=plane) for _ in range(8)]  # 8 first calls at once
+    files = {q.result(inv, timeout=180) for inv in calls}
+    assert len(files) == 1, files
+    final = _metrics(port)
+    assert final[("nymph_pip_envs_total", "built")] == 2  # one build for all eight
+    assert final[("nymph_pip_envs_total", "hit")] >= 8
+    assert final[("nymph_pip_env_build_seconds_count", "")] == 2
+
+
+def test_a_bad_requirement_is_one_final_env_build_failed(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph], tmp_path: Path
+) -> None:
+    cp = sqlite_control_plane
+    n, port = _pip_nymph(nymph_factory, cp, tmp_path)
+    plane = HttpDispatch(cp.url, cp.producer_token)
+    inv = env_fns.needs_a_missing_package.submit(_dispatch=plane)
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert out["state"] == "failed", out
+    assert out["error"]["type"] == "EnvBuildFailed", out
+    assert "nosuchpkg-lakeshore-zz" in out["error"]["message"], out  # uv's own words
+    assert plane.status(inv)["attempt"] == 1  # max_attempts=3, yet never retried
+    assert _metrics(port)[("nymph_pip_envs_total", "failed")] == 1
+    assert "nosuchpkg-lakeshore-zz" in n.output()
+
+
+def test_pip_is_refused_without_allow_pip(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    cp = sqlite_control_plane
+    nymph_factory(cp.url, cp.daemon_token)
+    out = await_result(
+        cp.url,
+        cp.producer_token,
+        env_fns.uses_lsdemo.submit(_dispatch=HttpDispatch(cp.url, cp.producer_token)),
+    )
+    assert out["state"] == "failed" and out["error"]["type"] == "PipRefused", out
+    assert "--allow-pip" in out["error"]["message"]
+
+
+class _CanaryNymph(Nymph):
+    """nymph with variables of its own that tasks must not see (and one it passes)."""
+
+    def env(self) -> dict[str, str]:
+        env = super().env()
+        env[CANARY] = "nymph-only"
+        env["LS_PASSED"] = "passed-on"
+        env["LAKESHORE_TOKEN"] = "nymphs-own-token"  # never a task's: it gets its own or none
+        return env
+
+
+def test_tasks_get_a_clean_environment_the_calls_env_and_passed_variables(
+    sqlite_control_plane: ControlPlane, tmp_path: Path
+) -> None:
+    cp = sqlite_control_plane
+    data = tmp_path / "datasets"
+    data.mkdir()
+    (data / "hello.txt").write_text("from the operator")
+    n = _CanaryNymph(
+        cp.url, cp.daemon_token, tmp_path, "--pass-env", "LS_PASSED", "--mount", f"datasets={data}:ro"
+    )
+    n.start()
+    try:
+        plane = HttpDispatch(cp.url, cp.producer_token)
+        q = dls.SyncQueue("default", plane)
+        names = (
+            CANARY,
+            "LS_PASSED",
+            "OMP_NUM_THREADS",
+            "LS_FROM_UDF",
+            "LS_PER_CALL",
+            "PATH",
+            "LAKESHORE_TOKEN",
+        )
+        got: dict[str, Any] = q.result(
+            env_fns.env_of.submit(
+                *names, _dispatch=plane, _env={"LS_PER_CALL": "call", "LS_FROM_UDF": "call"}
+            ),
+            timeout=120,
+        )
+        assert got[CANARY] is None, (got, n.output()[-2000:])
+        assert got["LS_PASSED"] == "passed-on"
+        assert got["OMP_NUM_THREADS"] == "4" and got["LS_PER_CALL"] == "call"
+        assert got["LS_FROM_UDF"] == "call"  # per call over the udf's
+        assert got["PATH"]  # the documented base
+        assert got["LAKESHORE_TOKEN"] != "nymphs-own-token"
+        mounted = q.result(env_fns.read_mount.submit("hello.txt", _dispatch=plane), timeout=120)
+        assert mounted == {"path": str(data), "text": "from the operator"}
+        out = await_result(cp.url, cp.producer_token, env_fns.wants_unknown_mount.submit(_dispatch=plane))
+        assert out["state"] == "failed" and out["error"]["type"] == "MountRefused", out
+        assert "nosuchmount" in out["error"]["message"] and "datasets" in out["error"]["message"]
+    finally:
+        n.stop()
