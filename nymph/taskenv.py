@@ -48,7 +48,7 @@ __all__ = [
     "user_env",
 ]
 
-BASE_NAMES = frozenset(("PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR"))
+BASE_NAMES = frozenset(("PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "PYTHONPATH"))
 BASE_PREFIXES = ("LC_",)
 PASSED_PREFIXES = ("LAKESHORE_", "CUDA_", "NVIDIA_")
 NEVER_PASSED = frozenset(("LAKESHORE_TOKEN",))  # the task gets its own credential, never nymph's

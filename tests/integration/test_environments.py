@@ -8,7 +8,7 @@ refused before anything runs."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +17,16 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import dreamlake.lakeshore as dls
+from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.dispatch import HttpDispatch
 from tests import env_fns, pip_kit
 from tests.integration.conftest import ControlPlane
 from tests.integration.load import free_port
-from tests.integration.test_nymph_agent import Nymph, _until, await_result, nymph_factory
+from tests.integration.test_nymph_agent import Nymph, _until, await_result, envelope, nymph_factory, submit
+from tests.integration.test_nymph_docker import _labelled, _read, _require_kind, image
+from tests.integration.test_nymph_flow_runners import runner_for
 
-__all__ = ["nymph_factory"]
+__all__ = ["image", "nymph_factory", "runner_for"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 CANARY = "LS_CANARY_SECRET_X"
@@ -174,5 +177,94 @@ def test_tasks_get_a_clean_environment_the_calls_env_and_passed_variables(
         out = await_result(cp.url, cp.producer_token, env_fns.wants_unknown_mount.submit(_dispatch=plane))
         assert out["state"] == "failed" and out["error"]["type"] == "MountRefused", out
         assert "nosuchmount" in out["error"]["message"] and "datasets" in out["error"]["message"]
+    finally:
+        n.stop()
+
+
+# --- the container runners: an image with python3 and nothing else ---------------------------------
+
+
+@pytest.fixture
+def container_nymph(image: str, tmp_path: Path) -> Iterator[Callable[..., Nymph]]:
+    """``nymph start --runner docker|gvisor`` with canary variables of its own; no container left."""
+    started: list[Nymph] = []
+
+    def make(cp: ControlPlane, kind: str, *extra: str) -> Nymph:
+        _require_kind(kind)
+        n = _CanaryNymph(
+            cp.url, cp.daemon_token, tmp_path, "--runner", kind, "--runner-opt", f"image={image}",
+            "--runner-opt", "pull=never", *extra,
+        )  # fmt: skip
+        started.append(n)
+        return n.start()
+
+    yield make
+    for n in started:
+        n.stop()
+    for worker in {_read(n.state_dir / "worker_id") for n in started} - {""}:
+        leftovers = _labelled(worker)
+        assert not leftovers, f"containers left behind by nymph: {leftovers}"
+
+
+@pytest.mark.parametrize("kind", ["docker", "gvisor"])
+def test_a_pip_environment_and_a_clean_environment_in_a_bare_image(
+    kind: str, sqlite_control_plane: ControlPlane, container_nymph: Callable[..., Nymph], tmp_path: Path
+) -> None:
+    cp = sqlite_control_plane
+    wheels = pip_kit.wheelhouse(tmp_path / "wheels")
+    (tmp_path / "no-index").mkdir()
+    data = tmp_path / "datasets"
+    data.mkdir()
+    (data / "hello.txt").write_text("from the operator")
+    port = free_port()
+    n = container_nymph(
+        cp, kind, "--allow-pip", "--pip-find-links", str(wheels), "--pip-index-url",
+        (tmp_path / "no-index").as_uri(), "--metrics-port", str(port), "--concurrency", "4",
+        "--pass-env", "LS_PASSED", "--mount", f"datasets={data}:ro",
+    )  # fmt: skip
+    _until(lambda: _up(port), "nymph's metrics")
+    plane = HttpDispatch(cp.url, cp.producer_token)
+    q = dls.SyncQueue("default", plane)
+    first = q.result(env_fns.uses_lsdemo.submit(_dispatch=plane), timeout=180)
+    assert first["value"] == 42, n.output()[-3000:]
+    assert first["file"].startswith("/opt/lakeshore/code/"), first  # the env, mounted read-only
+    calls = [env_fns.uses_lsdemo.submit(_dispatch=plane) for _ in range(4)]
+    assert {q.result(inv, timeout=180)["file"] for inv in calls} == {first["file"]}
+    counts = _metrics(port)
+    assert counts[("nymph_pip_envs_total", "built")] == 1 and counts[("nymph_pip_envs_total", "hit")] >= 4
+
+    out = await_result(cp.url, cp.producer_token, env_fns.needs_a_missing_package.submit(_dispatch=plane))
+    assert out["state"] == "failed" and out["error"]["type"] == "EnvBuildFailed", out
+
+    names = (CANARY, "LS_PASSED", "OMP_NUM_THREADS", "LAKESHORE_TOKEN")
+    got = q.result(env_fns.env_of.submit(*names, _dispatch=plane), timeout=120)
+    assert got.pop("LAKESHORE_TOKEN") != "nymphs-own-token"  # the task's own credential, if any
+    assert got == {CANARY: None, "LS_PASSED": "passed-on", "OMP_NUM_THREADS": "4"}
+    mounted = q.result(env_fns.read_mount.submit("hello.txt", _dispatch=plane), timeout=120)
+    assert mounted == {"path": "/mnt/lakeshore/datasets", "text": "from the operator"}
+
+
+# --- every runner: nymph's variables never reach a task ------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["process", "process-spawn", "slurm", "kube"])
+def test_a_canary_set_for_nymph_is_absent_from_tasks_on_every_runner(
+    name: str, sqlite_control_plane: ControlPlane, runner_for: Callable[[str], Any], tmp_path: Path
+) -> None:
+    """(docker and gvisor: test_a_pip_environment_and_a_clean_environment_in_a_bare_image)"""
+    cp = sqlite_control_plane
+    flags, _fns, run_config = runner_for(name) if name != "process" else ([], None, {})
+    n = _CanaryNymph(cp.url, cp.daemon_token, tmp_path, *flags, "--pass-env", "LS_PASSED")
+    n.start()
+    try:
+        names = (CANARY, "LS_PASSED", "OMP_NUM_THREADS", "LAKESHORE_TOKEN", "PATH")
+        blob = envelope(env_fns.env_of, *names)
+        inv = submit(cp.url, cp.producer_token, blob, env={"OMP_NUM_THREADS": "4"}, **run_config)
+        out = await_result(cp.url, cp.producer_token, inv, limit_s=120)
+        assert out["state"] == "succeeded", (out, n.output()[-3000:])
+        got = wire.unpack(out["result_blob"])
+        assert got[CANARY] is None, got
+        assert got["LS_PASSED"] == "passed-on" and got["OMP_NUM_THREADS"] == "4", got
+        assert got["LAKESHORE_TOKEN"] != "nymphs-own-token"
     finally:
         n.stop()
