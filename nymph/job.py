@@ -107,6 +107,7 @@ class Job(SupervisedJob[wd.Outcome]):
         if self.body.get("args_ref") is not None and self.script is None:
             self._staged = refs.stage_args(self.ctx.client, self.ctx.config.workdir, self.body)
         self._gates()
+        self._fetch_secrets()
         self._fetch_code()
         self._build_env()
         gpus = self.ctx.slots.acquire_gpus(gpus_requested(self.run_config), self._stop_event)
@@ -192,6 +193,24 @@ class Job(SupervisedJob[wd.Outcome]):
                     f"--allow-module matching {refused[0]!r}",
                 )
         self._code_dirs = [path]
+
+    def _fetch_secrets(self) -> None:
+        """The values of the secrets the call names (``run_config.secrets``), read with the daemon
+        token for the attempt this worker holds, into the task's environment only (never logged)."""
+        names = self.run_config.get("secrets")
+        if not names:
+            return
+        client = self.ctx.client
+        if client is None:
+            raise Refused("SecretRefused", "the call names secrets but this nymph has no control plane")
+        body = {"invocation_id": self.invocation_id, "attempt": self.attempt, "worker_id": self.ctx.worker_id}
+        try:
+            values = retrying(attempts=FETCH_ATTEMPTS, initial_s=0.5)(client.secrets, body)
+        except LakeshoreError as exc:
+            raise Refused(
+                "SecretRefused", f"the secrets {', '.join(map(str, names))} could not be read: {exc}"
+            ) from exc
+        self._call_env.update(values)
 
     def _build_env(self) -> None:
         """The pip environment the call asked for (``cfg["pip"]``), built once per lock on this

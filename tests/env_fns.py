@@ -44,3 +44,16 @@ def read_mount(name: str) -> dict[str, Any]:
 @dls.udf(mounts=["nosuchmount"])
 def wants_unknown_mount() -> None:
     raise AssertionError("never runs: the mount is not offered")
+
+
+@dls.udf(secrets=["LS_TEST_SECRET"])
+def secret_digest() -> dict[str, Any]:
+    """The secret's sha256 (never the value: a result is stored) and the task's own credential."""
+    import hashlib
+
+    value = os.environ.get("LS_TEST_SECRET")
+    return {
+        "sha256": None if value is None else hashlib.sha256(value.encode()).hexdigest(),
+        "token": os.environ.get("LAKESHORE_TOKEN"),
+        "invocation_id": os.environ.get("LAKESHORE_INVOCATION_ID"),
+    }

@@ -348,6 +348,10 @@ from dreamlake.lakeshore.ops_cli import COMMANDS as _OPS_COMMANDS  # noqa: E402
 for _command in _OPS_COMMANDS:
     main.add_command(_command)
 
+from dreamlake.lakeshore.secret_cli import secret as _secret_group  # noqa: E402
+
+main.add_command(_secret_group)
+
 
 if __name__ == "__main__":  # pragma: no cover
     main()

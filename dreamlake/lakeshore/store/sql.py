@@ -54,6 +54,7 @@ from .invocations import CANCEL_REASON, InvocationStore, _Prepared
 from .listing import ListingStore
 from .notify import Notifier, exec_queue_channel, invocation_channels
 from .retention import RetentionStore
+from .secrets import SecretStore
 from .workers import WorkerStore
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,9 @@ def _cancels_again(renewed: dict[str, bool], taken: list[Command]) -> list[Comma
 OnCommit = Callable[[list[tuple[int, "WriteResult | PlaneError"]]], None]
 
 
-class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingStore, RetentionStore):
+class SqlStore(
+    InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingStore, RetentionStore, SecretStore
+):
     """The Store protocol over SQLite (file or ``:memory:``) or PostgreSQL."""
 
     def __init__(self, url: str, *, notifier: Notifier | None = None, migrate_schema: bool = True) -> None:
