@@ -62,6 +62,10 @@ ENV_MARKER = ".lakeshore-env"  # in every built environment: the entry processes
 BUILD_TIMEOUT_S = 900.0
 MESSAGE_TAIL = 4000  # characters of uv's message kept in the error
 DEFAULT_MAX_BYTES = 10 * 1024**3
+_NETWORK_ENV = frozenset(
+    {"SSL_CERT_FILE", "SSL_CERT_DIR", "HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "NO_PROXY", "UV_NATIVE_TLS"}
+    | {"https_proxy", "http_proxy", "all_proxy", "no_proxy"}
+)
 DEFAULT_MAX_AGE_S = 7 * 24 * 3600.0
 _PROBE = (
     "import json, platform, sys; print(json.dumps({'version': '%d.%d' % sys.version_info[:2], "
@@ -361,6 +365,8 @@ class EnvCache:
                 os.chown(path, uid, gid)
         os.chmod(cache, 0o700)
         env = dict(host_base())
+        # nymph's own network settings (a proxy, a private CA): uv is nymph's tool, not the task's
+        env.update({k: v for k, v in os.environ.items() if k in _NETWORK_ENV})
         env.update(
             {
                 "HOME": home,

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from dreamlake.lakeshore import blobs, wire
+from dreamlake.lakeshore import blobs, twoway, wire
 from dreamlake.lakeshore.client import retrying
 from dreamlake.lakeshore.daemon.entry import ALLOW_MODULES_ENV, CAPTURE_ENV, module_allowed, module_refusal
 from dreamlake.lakeshore.envelope import Envelope, is_pickled
@@ -39,6 +39,7 @@ from nymph.lifecycle import SHUTDOWN_MESSAGE, JobContext, Phase, Stop, Supervise
 from nymph.outbox import CHUNKS
 from nymph.pump import WINDOW_ENV, Pump
 from nymph.runner import ExitStatus, Handle, Task
+from nymph.sends import SendRelay
 from nymph.slots import gpus_requested
 
 __all__ = ["SHUTDOWN_MESSAGE", "Job", "JobContext", "Refused", "backoff_s"]
@@ -93,6 +94,7 @@ class Job(SupervisedJob[wd.Outcome]):
         self._args_inline: bytes | None = None  # handed to the runner in the Task, not in args.msgpack
         self.state: str | None = None  # the settled state; "deferred": left for the next life
         self._made_workdir = False  # this life made the workdir (prepare): no stream state there yet
+        self._sends: SendRelay | None = None  # a two-way call's sends, fetched into the workdir
 
     def cancel(self, message: str = "cancelled by producer", grace_s: float | None = None) -> None:
         """Stop the task with the ladder and ack ``killed`` ``{type: Cancelled, message}``."""
@@ -110,10 +112,11 @@ class Job(SupervisedJob[wd.Outcome]):
         self._fetch_secrets()
         self._fetch_code()
         self._build_env()
-        gpus = self.ctx.slots.acquire_gpus(gpus_requested(self.run_config), self._stop_event)
-        if gpus is None:  # stopped while waiting for devices
-            return None
-        self._gpus = gpus
+        wanted = gpus_requested(self.run_config)
+        if len(self._gpus) != wanted:  # taken when the run command came (Jobs.start_run), else now
+            self.ctx.slots.release_gpus(self._gpus)
+            self._gpus = []
+            self._gpus = self.ctx.slots.acquire_gpus(wanted)
         if self.due_stop() is not None:
             return None
         cfg = self.ctx.config
@@ -130,6 +133,8 @@ class Job(SupervisedJob[wd.Outcome]):
         meta["run_as"] = self.run_as
         meta["code_sha256"] = self._code_held  # a restarted nymph holds the archive its task runs from
         meta["env_sha256"] = self._env_held  # and the pip environment
+        if self.run_config.get("two_way"):  # a restarted nymph fetches its sends again
+            meta["two_way"] = True
         blob = bytes(self.body.get("args_blob") or b"")
         inline = (
             self.ctx.runner.capabilities.args_inline
@@ -270,6 +275,8 @@ class Job(SupervisedJob[wd.Outcome]):
         if self._env_held is not None:
             self._env_cache().release(self._env_held)
             self._env_held = None
+        if self._sends is not None:
+            self._sends.stop()
         super()._release()
 
     def _gates(self) -> None:
@@ -415,6 +422,8 @@ class Job(SupervisedJob[wd.Outcome]):
         env.update(codecache.code_env(self._code_dirs))  # first on the task's import path
         if self._gpus or self.ctx.slots.gpu_total:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self._gpus)
+        if self.run_config.get("two_way"):  # the entry waits at each yield for its send
+            env[twoway.SENDS_ENV] = f"{twoway.timeout_of(self.run_config):g}"
         return env
 
     # --- a recovered invocation ------------------------------------------------------------------
@@ -423,7 +432,7 @@ class Job(SupervisedJob[wd.Outcome]):
     def attach(cls, ctx: JobContext, workdir: Path, meta: dict[str, Any], handle: Handle | None) -> Job:
         """A Job for a task a previous life started (``handle`` None: it never started)."""
         body: dict[str, Any] = {
-            "run_config": {},
+            "run_config": {"two_way": True} if meta.get("two_way") else {},
             "script": meta.get("script"),
             "as_user": meta.get("as_user"),
             "timeout_s": meta.get("timeout_s"),
@@ -539,9 +548,14 @@ class Job(SupervisedJob[wd.Outcome]):
         return self.end(handle)
 
     def begin(self, handle: Handle) -> None:
-        """The stream opens as the task starts (parked or not, frames flow meanwhile)."""
+        """The stream opens as the task starts (parked or not, frames flow meanwhile); a two-way
+        call's sends start to flow into the workdir (nymph.sends)."""
         assert self.workdir is not None
         self._new_pump(self.workdir)
+        if self.run_config.get("two_way") and self.ctx.client is not None and self._sends is None:
+            self._sends = SendRelay(
+                self.ctx.client, self.workdir, self.invocation_id, self.attempt, self.ctx.worker_id
+            ).start()
 
     def end(self, handle: Handle) -> wd.Outcome:
         pump = self._pump

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dreamlake.lakeshore import ids
-from nymph import safeio
+from nymph import outputcheck, safeio
 from nymph.runner import HANDLE_FILE, ExitStatus
 
 log = logging.getLogger(__name__)
@@ -236,25 +236,33 @@ def read_outcome(
     if code == 0 or status is None:
         result, size = safeio.read_output_within(path, RESULT, big)
         if result is None and size >= 0:  # over ``big``: left on disk
+            damage = _result_file_damage(path)
+            if damage is not None:
+                return _damaged(path, RESULT, damage, status)
             return Outcome("succeeded", b"", None, {"result_file": RESULT, "result_size": size})
     if code == 0 or result is not None:
         if result is None:
             return Outcome.failed("MissingResult", "the entry exited 0 but left no result.msgpack")
+        damage = outputcheck.result_damage(result)
+        if damage is not None:
+            return _damaged(path, RESULT, damage, status)
         return Outcome("succeeded", result)
     try:
-        err = json.loads(safeio.read_output(path, ERROR) or b"")
-        if isinstance(err, dict) and "type" in err:
-            error: dict[str, Any] = {
-                "type": str(err.get("type")),
-                "message": str(err.get("message", "")),
-                "traceback": str(err.get("traceback") or ""),
-            }
-            mro = err.get("mro")
-            if isinstance(mro, list) and len(mro) <= 64:  # the base classes retry_on may name
-                error["mro"] = [str(n)[:200] for n in mro]
-            return Outcome("failed", b"", error)
-    except (OSError, ValueError):
-        pass
+        err, damage = outputcheck.error_damage(safeio.read_output(path, ERROR))
+    except OSError:
+        err, damage = None, None
+    if damage is not None:
+        return _damaged(path, ERROR, damage, status)
+    if err is not None:
+        error: dict[str, Any] = {
+            "type": str(err.get("type")),
+            "message": str(err.get("message", "")),
+            "traceback": str(err.get("traceback") or ""),
+        }
+        mro = err.get("mro")
+        if isinstance(mro, list) and len(mro) <= 64:  # the base classes retry_on may name
+            error["mro"] = [str(n)[:200] for n in mro]
+        return Outcome("failed", b"", error)
     logs = status.logs if status is not None and status.logs else tail(path / STDERR)
     message = f"the entry exited with code {code}{reason} and left no error.json"
     full = _full(path)
@@ -266,6 +274,26 @@ def read_outcome(
         if outcome.error is not None:  # the control plane does not retry such a crash by default
             outcome.error["disk_full"] = True
     return outcome
+
+
+def _result_file_damage(path: Path) -> str | None:
+    fh = safeio.open_output(path, RESULT)
+    if fh is None:
+        return "it could not be opened again to be checked"
+    with fh:
+        return outputcheck.result_file_damage(fh)
+
+
+def _damaged(path: Path, name: str, damage: str, status: ExitStatus | None) -> Outcome:
+    """The failure of a task whose ``name`` is damaged: ``DamagedOutput``, retried by default (a
+    crash's rule), never a success; the file stays in the kept workdir to be looked at."""
+    code = "unknown (collected after a restart)" if status is None else str(status.exit_code)
+    message = (
+        f"the task's {name} is damaged: {damage}; the entry exited with code {code}. "
+        "Its output cannot be trusted, so it was not reported as the task's outcome"
+    )
+    log.warning("workdir %s: %s", path, message)
+    return Outcome.failed(outputcheck.DAMAGED, message)
 
 
 FULL_BELOW_BYTES = 1024 * 1024  # a workdir filesystem with less free space than this counts as full

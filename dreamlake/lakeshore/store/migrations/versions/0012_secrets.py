@@ -6,7 +6,7 @@ associated data, so a row moved to another name or namespace does not open. The 
 never stored (docs/security.md "Secrets").
 
 Revision ID: 0012_secrets
-Revises: 0008_shipdata
+Revises: 0009_placement
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0012_secrets"
-down_revision = "0008_shipdata"
+down_revision = "0009_placement"
 branch_labels = None
 depends_on = None
 
