@@ -8,6 +8,8 @@ refused before anything runs."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -268,3 +270,21 @@ def test_a_canary_set_for_nymph_is_absent_from_tasks_on_every_runner(
         assert got["LAKESHORE_TOKEN"] != "nymphs-own-token"
     finally:
         n.stop()
+
+
+def test_example_07_builds_pyfiglet_from_pypi_with_a_secret_and_env() -> None:
+    """``examples/07_environments.py`` as a user runs it (the one test that reaches PyPI: a real
+    package, pyfiglet, absent from the host, resolved and built by uv on the first call)."""
+    from tests.conftest import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "LAKESHORE_CODE"}  # envlib ships with the call
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "runners")])
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "07_environments.py")],
+        capture_output=True, text=True, timeout=200, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "second call (cached)" in out.stdout and "OMP_NUM_THREADS=4" in out.stdout
+    assert "secret length seen by the task: 17\n" in out.stdout
+    assert "pyfiglet came from nymph's env cache: True" in out.stdout
+    assert "not-a-real-key-42" not in out.stdout + out.stderr
