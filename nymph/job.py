@@ -31,9 +31,10 @@ from dreamlake.lakeshore.client import retrying
 from dreamlake.lakeshore.daemon.entry import ALLOW_MODULES_ENV, CAPTURE_ENV, module_allowed, module_refusal
 from dreamlake.lakeshore.envelope import Envelope, is_pickled
 from dreamlake.lakeshore.errors import LakeshoreError, PayloadCorrupt
-from nymph import codecache, envcache, refs, safeio, taskenv, taskuser
+from nymph import codecache, refs, safeio, taskuser
 from nymph import observability as obs
 from nymph import workdir as wd
+from nymph.callenv import CallEnv
 from nymph.errors import Refused
 from nymph.lifecycle import SHUTDOWN_MESSAGE, JobContext, Phase, Stop, SupervisedJob, backoff_s
 from nymph.outbox import CHUNKS
@@ -86,10 +87,7 @@ class Job(SupervisedJob[wd.Outcome]):
         self._code: dict[str, Any] | None = None  # cfg["code"] of the Envelope: a shipped code archive
         self._code_held: str | None = None  # the sha256 this job holds in the code cache
         self._code_dirs: list[Path] = []
-        self._pip: dict[str, Any] | None = None  # cfg["pip"] of the Envelope: a pip environment (envcache)
-        self._env_held: str | None = None  # the sha256 of the pip environment this job holds
-        self._call_env: dict[str, str] = {}  # run_config.env and the secrets' values (nymph.taskenv)
-        self._mounts: dict[str, tuple[str, bool]] = {}  # the operator's mounts the call asked for
+        self._callenv = CallEnv()  # its pip environment, secrets, variables and mounts (nymph.callenv)
         self._overflow: str | None = None  # why the stream overflowed (the invocation fails)
         self._args_inline: bytes | None = None  # handed to the runner in the Task, not in args.msgpack
         self.state: str | None = None  # the settled state; "deferred": left for the next life
@@ -109,9 +107,13 @@ class Job(SupervisedJob[wd.Outcome]):
         if self.body.get("args_ref") is not None and self.script is None:
             self._staged = refs.stage_args(self.ctx.client, self.ctx.config.workdir, self.body)
         self._gates()
-        self._fetch_secrets()
+        self._callenv.fetch_secrets(
+            self.ctx, self.invocation_id, self.attempt, self.run_config.get("secrets")
+        )
         self._fetch_code()
-        self._build_env()
+        pip_env = self._callenv.build(self.ctx, self.run_config, self.run_as)
+        if pip_env is not None:  # after the shipped code on the task's import path
+            self._code_dirs.append(pip_env)
         wanted = gpus_requested(self.run_config)
         if len(self._gpus) != wanted:  # taken when the run command came (Jobs.start_run), else now
             self.ctx.slots.release_gpus(self._gpus)
@@ -132,7 +134,7 @@ class Job(SupervisedJob[wd.Outcome]):
         }
         meta["run_as"] = self.run_as
         meta["code_sha256"] = self._code_held  # a restarted nymph holds the archive its task runs from
-        meta["env_sha256"] = self._env_held  # and the pip environment
+        meta["env_sha256"] = self._callenv.held  # and the pip environment
         if self.run_config.get("two_way"):  # a restarted nymph fetches its sends again
             meta["two_way"] = True
         blob = bytes(self.body.get("args_blob") or b"")
@@ -165,7 +167,7 @@ class Job(SupervisedJob[wd.Outcome]):
             gpus=list(self._gpus),
             labels={"nymph.invocation": self.invocation_id, "nymph.worker": self.ctx.worker_id, **cfg.labels},
             code_dirs=list(self._code_dirs),
-            mounts=dict(self._mounts),
+            mounts=dict(self._callenv.mounts),
             args=self._args_inline,
         )
 
@@ -198,45 +200,6 @@ class Job(SupervisedJob[wd.Outcome]):
                     f"--allow-module matching {refused[0]!r}",
                 )
         self._code_dirs = [path]
-
-    def _fetch_secrets(self) -> None:
-        """The values of the secrets the call names (``run_config.secrets``), read with the daemon
-        token for the attempt this worker holds, into the task's environment only (never logged)."""
-        names = self.run_config.get("secrets")
-        if not names:
-            return
-        client = self.ctx.client
-        if client is None:
-            raise Refused("SecretRefused", "the call names secrets but this nymph has no control plane")
-        body = {"invocation_id": self.invocation_id, "attempt": self.attempt, "worker_id": self.ctx.worker_id}
-        try:
-            values = retrying(attempts=FETCH_ATTEMPTS, initial_s=0.5)(client.secrets, body)
-        except LakeshoreError as exc:
-            raise Refused(
-                "SecretRefused", f"the secrets {', '.join(map(str, names))} could not be read: {exc}"
-            ) from exc
-        self._call_env.update(values)
-
-    def _build_env(self) -> None:
-        """The pip environment the call asked for (``cfg["pip"]``), built once per lock on this
-        host as the task's user (nymph.envcache) and held while the task runs: after the shipped
-        code on its import path. A failed build refuses the invocation (EnvBuildFailed, final)."""
-        if self._pip is None:
-            return
-        interp = self.ctx.runner.pip_interpreter(self.run_config)  # type: ignore[attr-defined]
-        path = self._env_cache().acquire(self._pip, interp, self.run_as)
-        self._env_held = path.name
-        self._code_dirs.append(path)
-
-    def _env_cache(self) -> envcache.EnvCache:
-        cfg = self.ctx.config
-        return envcache.shared(
-            cfg.env_cache_dir,
-            max_bytes=cfg.env_cache_max_bytes,
-            max_age_s=cfg.env_cache_max_age_s,
-            index_url=cfg.pip_index_url,
-            find_links=cfg.pip_find_links,
-        )
 
     def _fetch_code_ref(self, code: dict[str, Any], ref: Any) -> bytes:
         """An archive shipped by reference, through the presign route of the namespace it was
@@ -272,9 +235,7 @@ class Job(SupervisedJob[wd.Outcome]):
 
     def _release(self) -> None:
         self._release_code()
-        if self._env_held is not None:
-            self._env_cache().release(self._env_held)
-            self._env_held = None
+        self._callenv.release(self.ctx.config)
         if self._sends is not None:
             self._sends.stop()
         super()._release()
@@ -291,6 +252,7 @@ class Job(SupervisedJob[wd.Outcome]):
                 "--allow-script to run run_config.script with bash (that is running any shell command "
                 "its producers send)",
             )
+        pip = None  # cfg["pip"]: a pip environment (nymph.callenv)
         if self.script is None:
             try:
                 if self._staged is not None:
@@ -304,7 +266,7 @@ class Job(SupervisedJob[wd.Outcome]):
             if code is not None and not isinstance(code, dict):
                 raise Refused("CodeArchiveRefused", f"cfg.code must be a map, got {type(code).__name__}")
             self._code = code
-            self._pip_gate((header.get("cfg") or {}).get("pip"))
+            pip = (header.get("cfg") or {}).get("pip")
             if is_pickled(fn) and not cfg.allow_pickled:
                 raise Refused(
                     "PickleRefused",
@@ -336,7 +298,7 @@ class Job(SupervisedJob[wd.Outcome]):
                     f"as_user {self.as_user!r} is allowed but is not a user on this host (its workdir is "
                     f"owned by that user); create it with useradd",
                 ) from None
-        self._call_env, self._mounts = taskenv.call_env(cfg, self.run_config)
+        self._callenv.gate(self.ctx, pip, self.run_config)
         self.run_as = taskuser.run_as(cfg, self.as_user)
         refusal = taskuser.root_refusal(cfg, self.run_as)
         if refusal is not None:
@@ -372,31 +334,11 @@ class Job(SupervisedJob[wd.Outcome]):
                 f"runner {self.ctx.runner.name!r} does not enforce resource limits ({', '.join(sorted(limits))})",
             )
 
-    def _pip_gate(self, pip: Any) -> None:
-        if pip is None:
-            return
-        if not self.ctx.config.allow_pip:
-            raise Refused(
-                "PipRefused",
-                "the call asks for a pip environment (pip=... / requirements=...) but this worker builds "
-                "none: run it where nymph was started with --allow-pip, or use an image that has the "
-                "packages (image=...)",
-            )
-        if not callable(getattr(self.ctx.runner, "pip_interpreter", None)):
-            raise Refused(
-                "RunnerCapabilityMissing",
-                f"runner {self.ctx.runner.name!r} cannot give a task a pip environment; use an image "
-                "that has the packages",
-            )
-        self._pip = pip
-
     def _env(self) -> dict[str, str]:
         """The task's variables (nymph.taskenv: never nymph's whole environment): the passed ones,
         the call's env and secrets, then nymph's own for the invocation (a call cannot override them)."""
         cfg = self.ctx.config
-        env = dict(taskenv.passed(cfg.pass_env))
-        env.update(self._call_env)
-        env.update(taskenv.mounts_env(self._mounts))
+        env = self._callenv.variables(cfg)
         env.update(
             {
                 "LAKESHORE_ALLOW_PICKLED": "1" if cfg.allow_pickled else "0",
@@ -444,9 +386,8 @@ class Job(SupervisedJob[wd.Outcome]):
         code = meta.get("code_sha256")
         if handle is not None and isinstance(code, str) and job._code_cache().hold(code):
             job._code_held = code  # the task still runs from it: pruning leaves it until the job ends
-        pip_env = meta.get("env_sha256")
-        if handle is not None and isinstance(pip_env, str) and job._env_cache().hold(pip_env):
-            job._env_held = pip_env
+        if handle is not None:
+            job._callenv.hold(ctx.config, meta.get("env_sha256"))
         gpus = [str(g) for g in meta.get("gpus") or []]
         if handle is not None and gpus and ctx.slots.claim_gpus(gpus):
             job._gpus = gpus

@@ -63,6 +63,11 @@ to become runs in a long-lived warm worker that imports its module once and runs
 in itself, with no isolation between calls; a crash, cancel or timeout kills that worker only.
 Scripts, tasks with a user to become and pickled functions take the paths above.
 
+The task's environment is the documented host base (``PATH``, ``HOME``, ``LANG``, ``TZ``, ...:
+:func:`nymph.taskenv.host_base`, cached and recomputed only when nymph's own environment changed)
+plus ``Task.env``; never nymph's whole environment. A pip environment (nymph.envcache) is built for
+the runner's ``python`` (:meth:`ProcessRunner.pip_interpreter`) and comes in ``Task.code_dirs``.
+
 Code a call shipped (``Task.code_dirs``, nymph's code cache) reaches the task as
 ``LAKESHORE_CODE_PATH``, a per-task variable like every ``LAKESHORE_*`` one: it is not part of a
 zygote's key, so one zygote serves every version, and the entry (in the forked child or the spawned

@@ -288,3 +288,23 @@ def test_example_07_builds_pyfiglet_from_pypi_with_a_secret_and_env() -> None:
     assert "secret length seen by the task: 17\n" in out.stdout
     assert "pyfiglet came from nymph's env cache: True" in out.stdout
     assert "not-a-real-key-42" not in out.stdout + out.stderr
+
+
+def test_a_pip_environment_on_slurm_is_built_on_the_shared_workdir(
+    sqlite_control_plane: ControlPlane,
+    nymph_factory: Callable[..., Nymph],
+    runner_for: Callable[[str], Any],
+    tmp_path: Path,
+) -> None:
+    cp = sqlite_control_plane
+    flags, _fns, _rc = runner_for("slurm")
+    n, port = _pip_nymph(nymph_factory, cp, tmp_path, *flags)
+    plane = HttpDispatch(cp.url, cp.producer_token)
+    q = dls.SyncQueue("default", plane)
+    first = q.result(env_fns.uses_lsdemo.submit(_dispatch=plane), timeout=180)
+    assert first["value"] == 42, n.output()[-3000:]
+    assert Path(first["file"]).is_relative_to(n.workdir / ".envs")  # where the job's node sees it
+    again = q.result(env_fns.uses_lsdemo.submit(_dispatch=plane), timeout=180)
+    assert again["file"] == first["file"]
+    counts = _metrics(port)
+    assert counts[("nymph_pip_envs_total", "built")] == 1 and counts[("nymph_pip_envs_total", "hit")] == 1
