@@ -86,6 +86,38 @@ def _options(fn: Any) -> Any:
         ),
         click.option("--allow-user", "allow_users", multiple=True, help="User as_user may name; repeatable."),
         click.option(
+            "--allow-pip/--no-allow-pip",
+            default=None,
+            help="Build the pip environments calls ask for (pip=..., with uv, as the task user); off by default.",
+        ),
+        click.option("--pip-index-url", help="Package index for pip environments (uv --index-url)."),
+        click.option(
+            "--pip-find-links",
+            "pip_find_links",
+            multiple=True,
+            metavar="DIR|URL",
+            help="Wheels for pip environments (uv --find-links); repeatable.",
+        ),
+        click.option(
+            "--env-cache",
+            type=click.Path(path_type=Path),
+            help="Where pip environments are built (default {workdir}/.envs).",
+        ),
+        click.option(
+            "--pass-env",
+            "pass_env",
+            multiple=True,
+            metavar="NAME",
+            help="Pass nymph's variable NAME to every task (tasks get a clean environment); repeatable.",
+        ),
+        click.option(
+            "--mount",
+            "mounts",
+            multiple=True,
+            metavar="NAME=/host/path[:ro]",
+            help="A directory calls may ask for with mounts=[NAME]; repeatable.",
+        ),
+        click.option(
             "--task-user",
             help="Shared task user, and the prefix of the task user pool, of a root nymph (default nymph-task).",
         ),

@@ -35,6 +35,7 @@ from dreamlake.lakeshore.settings import TOKEN_FILE_ENV
 from nymph import codecache, refs, safeio, taskuser
 from nymph import observability as obs
 from nymph import workdir as wd
+from nymph.callenv import CallEnv
 from nymph.errors import Refused
 from nymph.lifecycle import SHUTDOWN_MESSAGE, JobContext, Phase, Stop, SupervisedJob, backoff_s
 from nymph.outbox import CHUNKS
@@ -87,6 +88,7 @@ class Job(SupervisedJob[wd.Outcome]):
         self._code: dict[str, Any] | None = None  # cfg["code"] of the Envelope: a shipped code archive
         self._code_held: str | None = None  # the sha256 this job holds in the code cache
         self._code_dirs: list[Path] = []
+        self._callenv = CallEnv()  # its pip environment, secrets, variables and mounts (nymph.callenv)
         self._overflow: str | None = None  # why the stream overflowed (the invocation fails)
         self._args_inline: bytes | None = None  # handed to the runner in the Task, not in args.msgpack
         self.state: str | None = None  # the settled state; "deferred": left for the next life
@@ -106,7 +108,13 @@ class Job(SupervisedJob[wd.Outcome]):
         if self.body.get("args_ref") is not None and self.script is None:
             self._staged = refs.stage_args(self.ctx.client, self.ctx.config.workdir, self.body)
         self._gates()
+        self._callenv.fetch_secrets(
+            self.ctx, self.invocation_id, self.attempt, self.run_config.get("secrets")
+        )
         self._fetch_code()
+        pip_env = self._callenv.build(self.ctx, self.run_config, self.run_as)
+        if pip_env is not None:  # after the shipped code on the task's import path
+            self._code_dirs.append(pip_env)
         wanted = gpus_requested(self.run_config)
         if len(self._gpus) != wanted:  # taken when the run command came (Jobs.start_run), else now
             self.ctx.slots.release_gpus(self._gpus)
@@ -127,6 +135,7 @@ class Job(SupervisedJob[wd.Outcome]):
         }
         meta["run_as"] = self.run_as
         meta["code_sha256"] = self._code_held  # a restarted nymph holds the archive its task runs from
+        meta["env_sha256"] = self._callenv.held  # and the pip environment
         if self.run_config.get("two_way"):  # a restarted nymph fetches its sends again
             meta["two_way"] = True
         blob = bytes(self.body.get("args_blob") or b"")
@@ -160,6 +169,7 @@ class Job(SupervisedJob[wd.Outcome]):
             gpus=list(self._gpus),
             labels={"nymph.invocation": self.invocation_id, "nymph.worker": self.ctx.worker_id, **cfg.labels},
             code_dirs=list(self._code_dirs),
+            mounts=dict(self._callenv.mounts),
             args=self._args_inline,
         )
 
@@ -227,6 +237,7 @@ class Job(SupervisedJob[wd.Outcome]):
 
     def _release(self) -> None:
         self._release_code()
+        self._callenv.release(self.ctx.config)
         if self._sends is not None:
             self._sends.stop()
         super()._release()
@@ -243,6 +254,7 @@ class Job(SupervisedJob[wd.Outcome]):
                 "--allow-script to run run_config.script with bash (that is running any shell command "
                 "its producers send)",
             )
+        pip = None  # cfg["pip"]: a pip environment (nymph.callenv)
         if self.script is None:
             try:
                 if self._staged is not None:
@@ -256,6 +268,7 @@ class Job(SupervisedJob[wd.Outcome]):
             if code is not None and not isinstance(code, dict):
                 raise Refused("CodeArchiveRefused", f"cfg.code must be a map, got {type(code).__name__}")
             self._code = code
+            pip = (header.get("cfg") or {}).get("pip")
             if is_pickled(fn) and not cfg.allow_pickled:
                 raise Refused(
                     "PickleRefused",
@@ -287,6 +300,7 @@ class Job(SupervisedJob[wd.Outcome]):
                     f"as_user {self.as_user!r} is allowed but is not a user on this host (its workdir is "
                     f"owned by that user); create it with useradd",
                 ) from None
+        self._callenv.gate(self.ctx, pip, self.run_config)
         if self.as_user:
             self.run_as = self.as_user
         else:  # a user of its own from the pool (nymph.taskuser), the shared task user, or nymph's
@@ -333,18 +347,23 @@ class Job(SupervisedJob[wd.Outcome]):
         return token if isinstance(token, str) and token else None
 
     def _env(self) -> dict[str, str]:
+        """The task's variables (nymph.taskenv: never nymph's whole environment): the passed ones,
+        the call's env and secrets, then nymph's own for the invocation (a call cannot override them)."""
         cfg = self.ctx.config
-        env = {
-            "LAKESHORE_ALLOW_PICKLED": "1" if cfg.allow_pickled else "0",
-            ALLOW_MODULES_ENV: ",".join(cfg.allow_modules),
-            "LAKESHORE_RUNTIME_POLICY": cfg.runtime_policy,
-            "LAKESHORE_INVOCATION_ID": self.invocation_id,
-            WINDOW_ENV: cfg.stream_limits.env,
-            # the entry appends its fd 1/2 to the workdir's logs (every runner: the pump streams
-            # them live as LOG frames); Python processes the task starts write through too
-            CAPTURE_ENV: "1",
-            "PYTHONUNBUFFERED": "1",
-        }
+        env = self._callenv.variables(cfg)
+        env.update(
+            {
+                "LAKESHORE_ALLOW_PICKLED": "1" if cfg.allow_pickled else "0",
+                ALLOW_MODULES_ENV: ",".join(cfg.allow_modules),
+                "LAKESHORE_RUNTIME_POLICY": cfg.runtime_policy,
+                "LAKESHORE_INVOCATION_ID": self.invocation_id,
+                WINDOW_ENV: cfg.stream_limits.env,
+                # the entry appends its fd 1/2 to the workdir's logs (every runner: the pump streams
+                # them live as LOG frames); Python processes the task starts write through too
+                CAPTURE_ENV: "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         if self._token():
             # the task's own credential (submit children, read and cancel its descendants; it dies
             # with this attempt's ack): dls .submit() / SyncQueue inside the task use these two. The
@@ -384,6 +403,8 @@ class Job(SupervisedJob[wd.Outcome]):
         code = meta.get("code_sha256")
         if handle is not None and isinstance(code, str) and job._code_cache().hold(code):
             job._code_held = code  # the task still runs from it: pruning leaves it until the job ends
+        if handle is not None:
+            job._callenv.hold(ctx.config, meta.get("env_sha256"))
         gpus = [str(g) for g in meta.get("gpus") or []]
         if handle is not None and gpus and ctx.slots.claim_gpus(gpus):
             job._gpus = gpus

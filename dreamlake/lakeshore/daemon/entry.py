@@ -569,6 +569,11 @@ def _ship_code_path() -> None:
     if not dirs:
         return
     sys.path[:0] = dirs
+    for d in dirs:  # a pip environment nymph built (nymph.envcache): its .pth files count
+        if os.path.exists(os.path.join(d, ".lakeshore-env")):
+            import site
+
+            site.addsitedir(d)
     rest = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = os.pathsep.join([*dirs, rest] if rest else dirs)
 

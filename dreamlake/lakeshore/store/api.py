@@ -10,7 +10,7 @@ Times are float seconds since the epoch. Blobs are ``bytes``. ``error`` is an Er
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -591,6 +591,12 @@ class Store(Listing, Protocol):
         ...
 
     def count_tokens(self) -> int: ...
+
+    # -- secrets (sealed bytes only: server/secrets.py seals and opens them) ------------------
+    def put_secret(self, namespace: str, name: str, sealed: bytes) -> None: ...
+    def secret_names(self, namespace: str) -> list[tuple[str, float]]: ...
+    def sealed_secrets(self, namespace: str, names: Iterable[str]) -> dict[str, bytes]: ...
+    def delete_secret(self, namespace: str, name: str) -> bool: ...
     def create_exec(
         self,
         namespace: str,

@@ -215,6 +215,15 @@ server_keys = sa.Table(  # secrets the control plane's replicas share (the task-
     sa.Column("created_at", TIME, nullable=False),
 )
 
+secrets = sa.Table(  # 0012: a namespace's secrets, sealed by the control plane (server/secrets.py)
+    "secrets",
+    metadata,
+    sa.Column("namespace", NAME, primary_key=True),
+    sa.Column("name", sa.String(128), primary_key=True),
+    sa.Column("sealed", sa.LargeBinary, nullable=False),  # AES-GCM under a key kept outside this table
+    sa.Column("updated_at", TIME, nullable=False),
+)
+
 namespaces = sa.Table(
     "namespaces",
     metadata,

@@ -57,6 +57,7 @@ from .notify import Notifier, exec_queue_channel, invocation_channels
 from .outage import classify
 from .placement import NO_OFFER, Offer
 from .retention import RetentionStore
+from .secrets import SecretStore
 from .workers import WorkerStore
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,14 @@ OnCommit = Callable[[list[tuple[int, "WriteResult | PlaneError"]]], None]
 
 
 class SqlStore(
-    InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingStore, RetentionStore, ActivityStore
+    InvocationStore,
+    FrameStore,
+    WorkerStore,
+    ExecJobStore,
+    ListingStore,
+    RetentionStore,
+    ActivityStore,
+    SecretStore,
 ):
     """The Store protocol over SQLite (file or ``:memory:``) or PostgreSQL."""
 
