@@ -78,6 +78,7 @@ class Invocation:
     result_ref: dict[str, Any] | None = None  # seed 003 resultRef: the result in the payload store
 
     not_before: float | None = None  # a retry waits queued until then (None: claimable)
+    preemptions: int = 0  # attempts that ended preempted: they spend no max_attempts
 
     def status(self) -> dict[str, Any]:
         """The producer's view of this row: the ``GET /v1/producer/invocations/:id`` body."""
@@ -89,6 +90,7 @@ class Invocation:
             "priority": self.priority,
             "attempt": self.attempt,
             "max_attempts": self.max_attempts,
+            "preemptions": self.preemptions,
             "worker_id": self.worker_id,
             "submitted_at": self.submitted_at,
             "started_at": self.started_at,

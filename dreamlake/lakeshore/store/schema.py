@@ -68,6 +68,9 @@ invocations = sa.Table(
     # args_ref the args_blob is empty, with result_ref the result_blob is None
     sa.Column("args_ref", sa.JSON, nullable=True),
     sa.Column("result_ref", sa.JSON, nullable=True),
+    # 0010: attempts that ended ``preempted`` (the host stopped): they spend no max_attempts, so
+    # the attempts spent are ``attempt - preemptions``; run_config.max_preemptions bounds them
+    sa.Column("preemptions", sa.Integer, nullable=False, server_default="0"),
     sa.Index("ix_invocations_lease", "state", "lease_expires_at"),
     sa.Index("ix_invocations_root", "root_invocation_id"),
     # 0004: a key is unique within its namespace and queue.
@@ -118,7 +121,7 @@ invocation_attempts = sa.Table(
     metadata,
     sa.Column("invocation_id", ID, primary_key=True),
     sa.Column("attempt", sa.Integer, primary_key=True, autoincrement=False),
-    sa.Column("state", sa.String(16), nullable=False),  # failed | timeout | lost
+    sa.Column("state", sa.String(16), nullable=False),  # failed | timeout | lost | preempted
     sa.Column("worker_id", ID, nullable=True),
     sa.Column("started_at", TIME, nullable=True),
     sa.Column("finished_at", TIME, nullable=False),

@@ -1,0 +1,29 @@
+"""invocations.preemptions: attempts that ended ``preempted`` (issue 30).
+
+A preempted attempt (its host stopped: nymph's shutdown or drain grace expired) requeues the call
+at once without spending one of its ``max_attempts``: the attempts spent are ``attempt -
+preemptions``, and ``run_config.max_preemptions`` (default 10) bounds the count. Rows written
+before this revision were never preempted (0).
+
+Revision ID: 0010_preemptions
+Revises: 0008_shipdata
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0010_preemptions"
+down_revision = "0008_shipdata"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.add_column("invocations", sa.Column("preemptions", sa.Integer, nullable=False, server_default="0"))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("invocations") as batch:
+        batch.drop_column("preemptions")
