@@ -37,6 +37,8 @@ _LAZY = {
     "HttpDispatch": "dreamlake.lakeshore.dispatch",
     "DispatchError": "dreamlake.lakeshore.errors",
     "StreamRestarted": "dreamlake.lakeshore.errors",
+    "Interrupted": "dreamlake.lakeshore.errors",
+    "attempt": "dreamlake.lakeshore.task",
 }
 
 __all__ = ["__version__", *sorted(_LAZY)]
