@@ -19,6 +19,8 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
+
 from nymph import safeio
 
 PID_FILE = "nymph.pid"
@@ -52,13 +54,11 @@ def read_pid(state_dir: Path) -> int | None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (an exited process its parent has not reaped yet does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
-        return True
-    return True
 
 
 def request(state_dir: Path, timeout_s: float | None) -> int:
