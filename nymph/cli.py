@@ -88,6 +88,11 @@ def _options(fn: Any) -> Any:
             "--grace-s", type=float, help="Shutdown grace for running work; then it is acked preempted."
         ),
         click.option(
+            "--checkpoint-max-mb",
+            type=float,
+            help="A task's dls.checkpoint_dir() is carried to the next attempt up to this size (default 1024).",
+        ),
+        click.option(
             "--drain-timeout",
             "drain_timeout_s",
             type=float,

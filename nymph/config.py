@@ -68,6 +68,8 @@ class NymphConfig:
     grace_s: float = 30.0  # shutdown: how long running work may finish after SIGTERM
     # drain (SIGUSR1, ``nymph drain``): how long running work may finish; None: as long as it takes
     drain_timeout_s: float | None = None
+    # dls.checkpoint_dir() carried to the next attempt up to this size (nymph.checkpoints)
+    checkpoint_max_mb: float = 1024.0
     stop_grace_s: float = 10.0  # cancel / timeout ladder: SIGTERM, this grace, SIGKILL
     heartbeat_s: float | None = None  # None: what the control plane says at registration
     poll_timeout_s: float = 30.0
@@ -206,7 +208,7 @@ def _coerce(name: str, value: Any) -> Any:
             return None if value in (None, "") else int(value)
         if name in (
             "grace_s", "stop_grace_s", "heartbeat_s", "poll_timeout_s", "stream_poll_s", "keep_failed_s",
-            "keep_failed_mb", "code_cache_max_age_s", "drain_timeout_s",
+            "keep_failed_mb", "code_cache_max_age_s", "drain_timeout_s", "checkpoint_max_mb",
         ):  # fmt: skip
             return None if value in (None, "") else float(value)
         if name in ("workdir", "state_dir"):

@@ -40,7 +40,7 @@ from dreamlake.lakeshore.daemon.entry import (
 )
 from dreamlake.lakeshore.envelope import Envelope, is_pickled
 from dreamlake.lakeshore.errors import LakeshoreError, PayloadCorrupt
-from nymph import codecache, refs, safeio, taskuser
+from nymph import checkpoints, codecache, refs, safeio, taskuser
 from nymph import observability as obs
 from nymph import workdir as wd
 from nymph.errors import Refused
@@ -158,6 +158,7 @@ class Job(SupervisedJob[wd.Outcome]):
         )
         self._made_workdir = True
         self._staged = None
+        checkpoints.restore(self.ctx.client, self.workdir, self.body)  # an earlier attempt's
         return Task(
             invocation_id=self.invocation_id,
             attempt=self.attempt,
@@ -610,6 +611,21 @@ class Job(SupervisedJob[wd.Outcome]):
             )
         return outcome
 
+    def _carry_checkpoint(self, outcome: wd.Outcome) -> None:
+        """An attempt that may be followed by another one leaves its ``dls.checkpoint_dir()`` to
+        it (nymph.checkpoints), recorded before the ack, while the lease is still this attempt's."""
+        if self.workdir is None or outcome.state not in ("failed", "timeout", "preempted"):
+            return
+        checkpoints.save(
+            self.ctx.client,
+            self.workdir,
+            invocation_id=self.invocation_id,
+            attempt=self.attempt,
+            worker_id=self.ctx.worker_id,
+            namespace=refs.namespace_of(self.body),
+            max_bytes=int(self.ctx.config.checkpoint_max_mb * 2**20),
+        )
+
     def _keep_args(self, workdir: Path) -> None:
         """A kept workdir holds ``args.msgpack`` even when the arguments went in the Task: the
         failure can be looked at, and run again by hand, as from any other workdir."""
@@ -672,6 +688,7 @@ class Job(SupervisedJob[wd.Outcome]):
             }
             if ref is not None:
                 ack["result_ref"] = ref
+            self._carry_checkpoint(outcome)
             self.ctx.outbox.ack(ack)
         if self.workdir is not None:
             if outcome.state == "succeeded" or self.state == "lost":

@@ -39,6 +39,7 @@ _LAZY = {
     "StreamRestarted": "dreamlake.lakeshore.errors",
     "Interrupted": "dreamlake.lakeshore.errors",
     "attempt": "dreamlake.lakeshore.task",
+    "checkpoint_dir": "dreamlake.lakeshore.task",
 }
 
 __all__ = ["__version__", *sorted(_LAZY)]

@@ -145,3 +145,38 @@ def test_a_malformed_max_preemptions_is_refused_at_submit(value: Any) -> None:
     with pytest.raises(PlaneError, match="max_preemptions must be a whole number from 0 to 1000") as refused:
         check_run_config({"max_preemptions": value})
     assert refused.value.status == 400
+
+
+REF = {"bucket": None, "key": "payloads/2026/12/04/x.1/checkpoint", "size": 10, "sha256": "0" * 64}
+
+
+def test_a_checkpoint_is_kept_for_the_next_attempt_and_a_stale_attempts_is_refused(store: SqlStore) -> None:
+    inv = submit(store)
+    store.claim("a", ["q"])
+    assert store.set_checkpoint(inv, 1, "a", REF) is None
+    _preempt(store, inv, 1, "a")
+    (again,) = store.claim("b", ["q"])
+    assert again.checkpoint_ref == REF  # the run command of attempt 2 carries it
+    newer = {**REF, "key": "payloads/2026/12/04/x.2/checkpoint"}
+    stale = store.set_checkpoint(inv, 1, "a", newer)  # attempt 1, after attempt 2 started
+    assert stale is not None and stale[0] == 409 and "superseded" in stale[1]
+    other = store.set_checkpoint(inv, 2, "a", newer)  # attempt 2 is b's
+    assert other is not None and other[0] == 403
+    assert store.get(inv).checkpoint_ref == REF  # type: ignore[union-attr]
+    assert store.set_checkpoint(inv, 2, "b", newer) is None
+    ack(store, inv, "succeeded", attempt=2, worker_id="b", result_blob=b"\xc0")
+    done = store.set_checkpoint(inv, 2, "b", REF)  # finished: nothing to carry it to
+    assert done is not None and done[0] == 409
+    assert store.set_checkpoint("01" + "0" * 24, 1, "a", REF) == (
+        404,
+        f"unknown invocation {'01' + '0' * 24}",
+    )
+
+
+def test_retention_deletes_a_finished_calls_checkpoint(store: SqlStore) -> None:
+    inv = submit(store)
+    store.claim("a", ["q"])
+    store.set_checkpoint(inv, 1, "a", REF)
+    ack(store, inv, "succeeded", attempt=1, worker_id="a", result_blob=b"\xc0")
+    got = store.gc(now=10**10, default_s=1)
+    assert got.invocations == 1 and REF["key"] in got.payload_keys

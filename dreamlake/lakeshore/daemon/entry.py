@@ -79,6 +79,8 @@ STDOUT_FILE = "stdout.log"
 STDERR_FILE = "stderr.log"
 CODE_PATH_ENV = "LAKESHORE_CODE_PATH"
 STOP_REASON_FILE = "stop.reason"  # nymph writes why it stops the task before the SIGTERM
+CHECKPOINT_ENV = "LAKESHORE_CHECKPOINT_DIR"  # dls.checkpoint_dir(): carried to the next attempt
+CHECKPOINT_DIR = "checkpoint"
 _PAUSE_MIN_S = 0.001
 _PAUSE_MAX_S = 0.02
 
@@ -507,6 +509,8 @@ def run(blob: Any = None) -> int:
     except BaseException as exc:  # the user's module raised while importing
         return _fail(_error_info(exc), EXIT_RAISED)
     interrupts = _Interrupts()
+    if CHECKPOINT_ENV not in os.environ:  # dls.checkpoint_dir(), as this task sees its workdir
+        os.environ[CHECKPOINT_ENV] = os.path.join(interrupts.cwd, CHECKPOINT_DIR)
     with _run_context(envelope):
         try:
             try:

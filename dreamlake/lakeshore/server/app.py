@@ -27,7 +27,17 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from dreamlake.lakeshore.server import authz, blobroutes, daemon, namespaces, ops, producer, streams, tasks
+from dreamlake.lakeshore.server import (
+    authz,
+    blobroutes,
+    checkpoints,
+    daemon,
+    namespaces,
+    ops,
+    producer,
+    streams,
+    tasks,
+)
 from dreamlake.lakeshore.server import http as h
 from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.blobdir import BlobDir
@@ -183,6 +193,10 @@ class Routes:
 
     async def ack(self, request: Request, caller: Caller) -> Response:
         status, out = await daemon.ack(self.ctx, caller, await self._msgpack(request))
+        return h.msgpack_response(out, status)
+
+    async def checkpoint(self, request: Request, caller: Caller) -> Response:
+        status, out = await checkpoints.checkpoint(self.ctx, caller, await self._msgpack(request))
         return h.msgpack_response(out, status)
 
     async def result_chunk(self, request: Request, caller: Caller) -> Response:

@@ -79,6 +79,7 @@ class Invocation:
 
     not_before: float | None = None  # a retry waits queued until then (None: claimable)
     preemptions: int = 0  # attempts that ended preempted: they spend no max_attempts
+    checkpoint_ref: dict[str, Any] | None = None  # what the next attempt starts from (issue 30)
 
     def status(self) -> dict[str, Any]:
         """The producer's view of this row: the ``GET /v1/producer/invocations/:id`` body."""
@@ -433,6 +434,14 @@ class Store(Listing, Protocol):
         running under that attempt (when attempt is given) / that worker (when given).
         finished_at = now unconditionally on success. A repeat of an already-recorded identical
         outcome answers duplicate=True."""
+        ...
+
+    def set_checkpoint(
+        self, invocation_id: str, attempt: int, worker_id: str, ref: dict[str, Any]
+    ) -> tuple[int, str] | None:
+        """Record ``ref`` as the checkpoint the next attempt starts from, when ``worker_id`` holds
+        ``attempt`` of the running invocation; else ``(status, reason)`` (a stale attempt's
+        checkpoint never overwrites the current one's)."""
         ...
 
     def append_frame(

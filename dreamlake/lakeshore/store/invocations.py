@@ -103,6 +103,7 @@ def invocation_from(m: Mapping[str, Any]) -> Invocation:
         result_ref=m.get("result_ref"),
         not_before=m.get("not_before"),
         preemptions=int(m.get("preemptions") or 0),
+        checkpoint_ref=m.get("checkpoint_ref"),
     )
 
 
@@ -867,6 +868,35 @@ class InvocationStore(StoreBase):
             requeued=row.queue if not_before is None else None,
             requeued_namespace=row.namespace if not_before is None else None,
         )
+
+    @retry_on_disconnect
+    def set_checkpoint(
+        self, invocation_id: str, attempt: int, worker_id: str, ref: dict[str, Any]
+    ) -> tuple[int, str] | None:
+        """Record ``ref`` as the checkpoint the next attempt starts from, when ``worker_id`` holds
+        ``attempt`` of the running invocation; else ``(status, reason)``: unknown (404), a
+        superseded attempt or a lapsed lease (409), another worker's (403), not running (409). A
+        stale attempt's checkpoint never overwrites the current one's."""
+        with self.db.tx(write=True) as conn:
+            done = conn.execute(
+                sa.update(_inv)
+                .where(
+                    _inv.c.invocation_id == invocation_id,
+                    _inv.c.state == "running",
+                    _inv.c.attempt == attempt,
+                    _inv.c.worker_id == worker_id,
+                )
+                .values(checkpoint_ref=ref)
+                .returning(_inv.c.invocation_id)
+            ).first()
+            if done is not None:
+                return None
+            row = conn.execute(self._inv_st.get, {"id": invocation_id}).first()
+        if row is None:
+            return UNKNOWN, f"unknown invocation {invocation_id}"
+        inv = row_to_invocation(row)
+        refused = lease_refusal(inv, attempt, worker_id)
+        return refused or (SUPERSEDED, f"{invocation_id} is {inv.state}, not running; checkpoint refused")
 
     def _preempt_in(self, conn: Connection, req: AckRequest, now: float) -> AckResult:
         """A ``preempted`` ack (the host stopped under the attempt): the call goes back to the

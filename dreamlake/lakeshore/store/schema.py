@@ -71,6 +71,9 @@ invocations = sa.Table(
     # 0010: attempts that ended ``preempted`` (the host stopped): they spend no max_attempts, so
     # the attempts spent are ``attempt - preemptions``; run_config.max_preemptions bounds them
     sa.Column("preemptions", sa.Integer, nullable=False, server_default="0"),
+    # 0010: the checkpoint the next attempt starts from ({bucket, key, size, sha256}, a tar of the
+    # task's dls.checkpoint_dir() in the payload store), set by the attempt that held the lease
+    sa.Column("checkpoint_ref", sa.JSON, nullable=True),
     sa.Index("ix_invocations_lease", "state", "lease_expires_at"),
     sa.Index("ix_invocations_root", "root_invocation_id"),
     # 0004: a key is unique within its namespace and queue.
