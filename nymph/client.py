@@ -191,3 +191,6 @@ class ControlPlaneClient(PlaneClient):
 
     def result_chunk(self, body: dict[str, Any]) -> dict[str, Any]:
         return self.call("/v1/daemon/result-chunk", body, timeout_s=30.0)
+
+    def checkpoint(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self.call("/v1/daemon/checkpoint", body, timeout_s=30.0)

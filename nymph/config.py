@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     from nymph.pump import StreamLimits
 
 
+DEFAULT_STATE_DIR = Path("/var/lib/nymph/state")
+
+
 @dataclass(frozen=True)
 class NymphConfig:
     server: str
@@ -48,7 +51,7 @@ class NymphConfig:
     queues: tuple[str, ...] = ("default",)
     concurrency: int = 1
     workdir: Path = Path("/var/lib/nymph/work")
-    state_dir: Path = Path("/var/lib/nymph/state")
+    state_dir: Path = DEFAULT_STATE_DIR
     # code archives shipped with calls (nymph.codecache), unpacked once per sha256; None: {workdir}/.code
     code_cache: Path | None = None
     code_cache_max_bytes: int = 2 * 1024**3
@@ -85,6 +88,10 @@ class NymphConfig:
     labels: Mapping[str, str] = field(default_factory=dict)
     namespace: str | None = None
     grace_s: float = 30.0  # shutdown: how long running work may finish after SIGTERM
+    # drain (SIGUSR1, ``nymph drain``): how long running work may finish; None: as long as it takes
+    drain_timeout_s: float | None = None
+    # dls.checkpoint_dir() carried to the next attempt up to this size (nymph.checkpoints)
+    checkpoint_max_mb: float = 1024.0
     stop_grace_s: float = 10.0  # cancel / timeout ladder: SIGTERM, this grace, SIGKILL
     heartbeat_s: float | None = None  # None: what the control plane says at registration
     poll_timeout_s: float = 30.0
@@ -251,7 +258,8 @@ def _coerce(name: str, value: Any) -> Any:
             return None if value in (None, "") else int(value)
         if name in (
             "grace_s", "stop_grace_s", "heartbeat_s", "poll_timeout_s", "stream_poll_s", "keep_failed_s",
-            "keep_failed_mb", "code_cache_max_age_s", "env_cache_max_age_s",
+            "keep_failed_mb", "code_cache_max_age_s", "env_cache_max_age_s", "drain_timeout_s",
+            "checkpoint_max_mb",
         ):  # fmt: skip
             return None if value in (None, "") else float(value)
         if name in ("workdir", "state_dir"):

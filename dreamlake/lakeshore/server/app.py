@@ -34,6 +34,7 @@ from dreamlake.lakeshore.server import (
     authz,
     blobroutes,
     bulk,
+    checkpoints,
     daemon,
     namespaces,
     ops,
@@ -235,6 +236,10 @@ class Routes:
 
     async def ack(self, request: Request, caller: Caller) -> Response:
         status, out = await daemon.ack(self.ctx, caller, await self._msgpack(request))
+        return h.msgpack_response(out, status)
+
+    async def checkpoint(self, request: Request, caller: Caller) -> Response:
+        status, out = await checkpoints.checkpoint(self.ctx, caller, await self._msgpack(request))
         return h.msgpack_response(out, status)
 
     async def result_chunk(self, request: Request, caller: Caller) -> Response:

@@ -82,6 +82,8 @@ class Invocation:
 
     not_before: float | None = None  # a retry waits queued until then (None: claimable)
     shape: str = ""  # its placement shape (store/placement.py); '' needs nothing
+    preemptions: int = 0  # attempts that ended preempted: they spend no max_attempts
+    checkpoint_ref: dict[str, Any] | None = None  # what the next attempt starts from (issue 30)
 
     def status(self) -> dict[str, Any]:
         """The producer's view of this row: the ``GET /v1/producer/invocations/:id`` body."""
@@ -93,6 +95,7 @@ class Invocation:
             "priority": self.priority,
             "attempt": self.attempt,
             "max_attempts": self.max_attempts,
+            "preemptions": self.preemptions,
             "worker_id": self.worker_id,
             "submitted_at": self.submitted_at,
             "started_at": self.started_at,
@@ -463,6 +466,14 @@ class Store(Listing, Protocol):
         running under that attempt (when attempt is given) / that worker (when given).
         finished_at = now unconditionally on success. A repeat of an already-recorded identical
         outcome answers duplicate=True."""
+        ...
+
+    def set_checkpoint(
+        self, invocation_id: str, attempt: int, worker_id: str, ref: dict[str, Any]
+    ) -> tuple[int, str] | None:
+        """Record ``ref`` as the checkpoint the next attempt starts from, when ``worker_id`` holds
+        ``attempt`` of the running invocation; else ``(status, reason)`` (a stale attempt's
+        checkpoint never overwrites the current one's)."""
         ...
 
     def append_frame(
