@@ -50,15 +50,16 @@ def worker_thread(q: dls.SyncQueue) -> Iterator[None]:
         assert not t.is_alive(), "worker thread did not stop"
 
 
-@pytest.fixture(params=["local", "http-sqlite"])
+@pytest.fixture(params=["local", "http-sqlite", "http-postgresql"])
 def plane(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Plane]:
-    """The local plane, or the control plane over HTTP (the SDK worker's path) on SQLite."""
+    """The local plane, or the control plane over HTTP (the SDK worker's path) on either store."""
     if request.param == "local":
         p = Dispatch(":memory:")
         yield p
         p.close()
         return
-    with running_control_plane(str(tmp_path / "cp.db")) as cp:
+    store = str(tmp_path / "cp.db") if request.param == "http-sqlite" else request.getfixturevalue("_pg_url")
+    with running_control_plane(store) as cp:
         http = HttpDispatch(cp.url, cp.admin_token)
         yield http
         http.close()
@@ -245,3 +246,17 @@ def test_a_consumer_killed_after_its_second_send_resumes_from_its_cursor(stack: 
     with pytest.raises(StopIteration):
         s.send("e")
     assert q.result(inv, timeout=30) == ["a", "b", "c", "d", "e"]  # none lost, none repeated
+
+
+@pytest.mark.parametrize("where", ["local", "nymph"])
+def test_the_example_runs_as_written(where: str, tmp_path: Path) -> None:
+    """examples/08_two_way.py, seed 004's tuner with @dls.udf added, as a user runs it."""
+    args = [
+        sys.executable,
+        str(ROOT / "examples" / "08_two_way.py"),
+        *(["--nymph"] if where == "nymph" else []),
+    ]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    want = ", ".join(f"{lr:.4f}" for lr in local_tuner()[:4])
+    assert out.stdout.strip() == f"learning rates: {want}"

@@ -48,6 +48,10 @@ NEVER = frozenset(
         "ModuleNotFoundError",
         "InvalidRunConfig",
         "Cancelled",
+        "EnvBuildFailed",  # a pip environment uv could not resolve or build (nymph.envcache)
+        "PipRefused",
+        "MountRefused",
+        "SecretRefused",
     }
 )
 # the task's process died without reporting, or what it reported was damaged (nymph found its
