@@ -50,6 +50,7 @@ from nymph.identity import load_or_create_worker_id
 from nymph.jobs import Jobs
 from nymph.lifecycle import SHUTDOWN_MESSAGE, JobContext
 from nymph.outbox import Outbox
+from nymph.placement import auto_labels, host_capacity
 from nymph.poller import Poller, retrying
 from nymph.prune import PRUNE_EVERY_S, prune
 from nymph.pump import Watcher
@@ -100,6 +101,8 @@ class Agent:
         self.runner = runner
         self.client = client or ControlPlaneClient(config.server, config.token)
         self.slots = Slots(config.concurrency, gpu_pool, gpu_total)
+        self.capacity = host_capacity(gpu_pool)
+        self.labels = {**auto_labels(self.capacity), **dict(config.labels)}
         self.notify = notify or SdNotify()
         self.worker_id = ""
         self.heartbeat_s = config.heartbeat_s or 10.0
@@ -140,6 +143,7 @@ class Agent:
             acks_answered=lambda msgs, answers: (
                 self.outbox.acks_answered(msgs, answers) if self.outbox is not None else None
             ),
+            labels=self.labels,
         )
 
     # --- public ----------------------------------------------------------------------------------
@@ -265,8 +269,10 @@ class Agent:
             "version": __version__,
             "runner": self.runner.name,
             "queues": list(cfg.queues),
-            "labels": dict(cfg.labels),
+            "labels": self.labels,
             "slots": cfg.concurrency,
+            "capacity": self.capacity,
+            "allow_pickled": cfg.allow_pickled,  # the SDK warns at a pickled submit nobody here takes
         }
         if cfg.namespace:
             body["namespace"] = cfg.namespace

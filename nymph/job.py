@@ -26,11 +26,12 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from dreamlake.lakeshore import blobs, wire
+from dreamlake.lakeshore import blobs, twoway, wire
 from dreamlake.lakeshore.client import retrying
 from dreamlake.lakeshore.daemon.entry import ALLOW_MODULES_ENV, CAPTURE_ENV, module_allowed, module_refusal
 from dreamlake.lakeshore.envelope import Envelope, is_pickled
 from dreamlake.lakeshore.errors import LakeshoreError, PayloadCorrupt
+from dreamlake.lakeshore.settings import TOKEN_FILE_ENV
 from nymph import codecache, refs, safeio, taskuser
 from nymph import observability as obs
 from nymph import workdir as wd
@@ -39,6 +40,7 @@ from nymph.lifecycle import SHUTDOWN_MESSAGE, JobContext, Phase, Stop, Supervise
 from nymph.outbox import CHUNKS
 from nymph.pump import WINDOW_ENV, Pump
 from nymph.runner import ExitStatus, Handle, Task
+from nymph.sends import SendRelay
 from nymph.slots import gpus_requested
 
 __all__ = ["SHUTDOWN_MESSAGE", "Job", "JobContext", "Refused", "backoff_s"]
@@ -89,6 +91,7 @@ class Job(SupervisedJob[wd.Outcome]):
         self._args_inline: bytes | None = None  # handed to the runner in the Task, not in args.msgpack
         self.state: str | None = None  # the settled state; "deferred": left for the next life
         self._made_workdir = False  # this life made the workdir (prepare): no stream state there yet
+        self._sends: SendRelay | None = None  # a two-way call's sends, fetched into the workdir
 
     def cancel(self, message: str = "cancelled by producer", grace_s: float | None = None) -> None:
         """Stop the task with the ladder and ack ``killed`` ``{type: Cancelled, message}``."""
@@ -104,10 +107,11 @@ class Job(SupervisedJob[wd.Outcome]):
             self._staged = refs.stage_args(self.ctx.client, self.ctx.config.workdir, self.body)
         self._gates()
         self._fetch_code()
-        gpus = self.ctx.slots.acquire_gpus(gpus_requested(self.run_config), self._stop_event)
-        if gpus is None:  # stopped while waiting for devices
-            return None
-        self._gpus = gpus
+        wanted = gpus_requested(self.run_config)
+        if len(self._gpus) != wanted:  # taken when the run command came (Jobs.start_run), else now
+            self.ctx.slots.release_gpus(self._gpus)
+            self._gpus = []
+            self._gpus = self.ctx.slots.acquire_gpus(wanted)
         if self.due_stop() is not None:
             return None
         cfg = self.ctx.config
@@ -123,6 +127,8 @@ class Job(SupervisedJob[wd.Outcome]):
         }
         meta["run_as"] = self.run_as
         meta["code_sha256"] = self._code_held  # a restarted nymph holds the archive its task runs from
+        if self.run_config.get("two_way"):  # a restarted nymph fetches its sends again
+            meta["two_way"] = True
         blob = bytes(self.body.get("args_blob") or b"")
         inline = (
             self.ctx.runner.capabilities.args_inline
@@ -139,6 +145,7 @@ class Job(SupervisedJob[wd.Outcome]):
             self.run_as,
             args_file=self._staged,
             write_args=not inline,
+            token=self._token(),
         )
         self._made_workdir = True
         self._staged = None
@@ -220,6 +227,8 @@ class Job(SupervisedJob[wd.Outcome]):
 
     def _release(self) -> None:
         self._release_code()
+        if self._sends is not None:
+            self._sends.stop()
         super()._release()
 
     def _gates(self) -> None:
@@ -278,7 +287,13 @@ class Job(SupervisedJob[wd.Outcome]):
                     f"as_user {self.as_user!r} is allowed but is not a user on this host (its workdir is "
                     f"owned by that user); create it with useradd",
                 ) from None
-        self.run_as = taskuser.run_as(cfg, self.as_user)
+        if self.as_user:
+            self.run_as = self.as_user
+        else:  # a user of its own from the pool (nymph.taskuser), the shared task user, or nymph's
+            try:
+                self.run_as = taskuser.task_users(cfg).acquire(self)
+            except taskuser.TaskUserError as exc:
+                raise Refused("TaskUserPoolExhausted", str(exc)) from None
         refusal = taskuser.root_refusal(cfg, self.run_as)
         if refusal is not None:
             raise Refused("RootRefused", refusal)
@@ -313,6 +328,10 @@ class Job(SupervisedJob[wd.Outcome]):
                 f"runner {self.ctx.runner.name!r} does not enforce resource limits ({', '.join(sorted(limits))})",
             )
 
+    def _token(self) -> str | None:
+        token = self.body.get("task_token")
+        return token if isinstance(token, str) and token else None
+
     def _env(self) -> dict[str, str]:
         cfg = self.ctx.config
         env = {
@@ -326,18 +345,22 @@ class Job(SupervisedJob[wd.Outcome]):
             CAPTURE_ENV: "1",
             "PYTHONUNBUFFERED": "1",
         }
-        token = self.body.get("task_token")
-        if isinstance(token, str) and token:
+        if self._token():
             # the task's own credential (submit children, read and cancel its descendants; it dies
-            # with this attempt's ack): dls .submit() / SyncQueue inside the task use these two
+            # with this attempt's ack): dls .submit() / SyncQueue inside the task use these two. The
+            # token is in a file only the task's user reads (workdir.TOKEN), not in the environment
+            # every child inherits; the variable names it relative to the workdir, the task's cwd
+            # (the entry makes it absolute before the user's code runs)
             env["LAKESHORE_URL"] = cfg.task_url or cfg.server
-            env["LAKESHORE_TOKEN"] = token
+            env[TOKEN_FILE_ENV] = wd.TOKEN
         if os.environ.get("PYTHONPATH"):  # absolute: the task's cwd is not nymph's (a zygote runs in /)
             parts = os.environ["PYTHONPATH"].split(os.pathsep)
             env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p for p in parts)
         env.update(codecache.code_env(self._code_dirs))  # first on the task's import path
         if self._gpus or self.ctx.slots.gpu_total:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self._gpus)
+        if self.run_config.get("two_way"):  # the entry waits at each yield for its send
+            env[twoway.SENDS_ENV] = f"{twoway.timeout_of(self.run_config):g}"
         return env
 
     # --- a recovered invocation ------------------------------------------------------------------
@@ -346,7 +369,7 @@ class Job(SupervisedJob[wd.Outcome]):
     def attach(cls, ctx: JobContext, workdir: Path, meta: dict[str, Any], handle: Handle | None) -> Job:
         """A Job for a task a previous life started (``handle`` None: it never started)."""
         body: dict[str, Any] = {
-            "run_config": {},
+            "run_config": {"two_way": True} if meta.get("two_way") else {},
             "script": meta.get("script"),
             "as_user": meta.get("as_user"),
             "timeout_s": meta.get("timeout_s"),
@@ -355,6 +378,9 @@ class Job(SupervisedJob[wd.Outcome]):
         job.workdir = workdir
         job.handle = handle
         job.started_at = float(meta.get("started_at") or time.time())
+        if not job.as_user:  # its pool user runs it still (or ran it): not leased to another task
+            taskuser.task_users(ctx.config).hold(job, meta.get("run_as"))
+            job.run_as = meta.get("run_as")
         code = meta.get("code_sha256")
         if handle is not None and isinstance(code, str) and job._code_cache().hold(code):
             job._code_held = code  # the task still runs from it: pruning leaves it until the job ends
@@ -459,9 +485,14 @@ class Job(SupervisedJob[wd.Outcome]):
         return self.end(handle)
 
     def begin(self, handle: Handle) -> None:
-        """The stream opens as the task starts (parked or not, frames flow meanwhile)."""
+        """The stream opens as the task starts (parked or not, frames flow meanwhile); a two-way
+        call's sends start to flow into the workdir (nymph.sends)."""
         assert self.workdir is not None
         self._new_pump(self.workdir)
+        if self.run_config.get("two_way") and self.ctx.client is not None and self._sends is None:
+            self._sends = SendRelay(
+                self.ctx.client, self.workdir, self.invocation_id, self.attempt, self.ctx.worker_id
+            ).start()
 
     def end(self, handle: Handle) -> wd.Outcome:
         pump = self._pump

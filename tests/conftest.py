@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,6 +36,34 @@ def require(available: bool, reason: str) -> None:
     if REQUIRE_SERVICES:
         pytest.fail(f"required service missing in CI: {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+def run_owned(cmd: list[str], *, timeout: float, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` that owns what it started: the
+    command runs in a session of its own, and whatever it leaves (its process group, and any
+    descendant that made a session of its own: a ``lakeshore server`` a benchmark started) is
+    killed when it ends, times out, or the test is interrupted (pytest-timeout)."""
+    import psutil
+
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    finally:
+        try:
+            family = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.Error:
+            family = []
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        for child in family:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
 
 
 @pytest.fixture(scope="session")

@@ -354,6 +354,11 @@ from dreamlake.lakeshore.ops_cli import COMMANDS as _OPS_COMMANDS  # noqa: E402
 for _command in _OPS_COMMANDS:
     main.add_command(_command)
 
+# -- `lakeshore exec` (dreamlake/lakeshore/exec_cli.py) ---------------------------------------------
+from dreamlake.lakeshore.exec_cli import exec_command as _exec_command  # noqa: E402
+
+main.add_command(_exec_command)
+
 
 if __name__ == "__main__":  # pragma: no cover
     main()

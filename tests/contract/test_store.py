@@ -13,7 +13,7 @@ import pytest
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.store.api import SubmitRequest
-from dreamlake.lakeshore.store.invocations import MERGED_QUEUES_MAX
+from dreamlake.lakeshore.store.claims import MERGED_QUEUES_MAX
 from dreamlake.lakeshore.store.notify import exec_queue_channel
 from dreamlake.lakeshore.store.sql import SqlStore
 from dreamlake.lakeshore.store.values import normalize_max_attempts, normalize_priority

@@ -51,11 +51,13 @@ class World:
     def queue(self) -> str:
         return f"m{next(_queue_ids)}"
 
-    def invocation(self, ns: str, parent: str | None = None) -> str:
+    def invocation(self, ns: str, parent: str | None = None, run_config: dict[str, Any] | None = None) -> str:
         inv = new_ulid()
         fn = {"module": "m", "qualname": "f"}
         self.cp.store.submit(
-            SubmitRequest(inv, self.queue(), fn, b"\x90", {}, parent_invocation_id=parent, namespace=ns)
+            SubmitRequest(
+                inv, self.queue(), fn, b"\x90", run_config or {}, parent_invocation_id=parent, namespace=ns
+            )
         )
         return inv
 
@@ -121,9 +123,11 @@ def request_for(w: World, route: RouteAuth, kind: str, own: bool) -> Request:
     daemon = w.other_daemon if not own else w.tokens[kind if kind in ("daemon", "admin") else "admin"]
     inv_path = "/v1/producer/invocations/{}"
 
-    def target() -> str:
+    def target(run_config: dict[str, Any] | None = None) -> str:
         """An invocation of ``ns``; a task's own ones are children of its invocation."""
-        return w.invocation(ns, parent=w.task_invocation if kind == "task" and own else None)
+        return w.invocation(
+            ns, parent=w.task_invocation if kind == "task" and own else None, run_config=run_config
+        )
 
     match route.handler:
         case "metrics":
@@ -140,12 +144,26 @@ def request_for(w: World, route: RouteAuth, kind: str, own: bool) -> Request:
                 {"invocation_id": target(), "timeout_s": 0},
                 "msgpack",
             )
+        case "await_batch":
+            return (
+                "POST",
+                "/v1/producer/await-batch",
+                {"invocation_ids": [target(), target()], "timeout_s": 0},
+                "msgpack",
+            )
         case "status":
             return "GET", inv_path.format(target()), None, "msgpack"
         case "cancel":
             return "POST", inv_path.format(target()) + "/cancel", {}, "msgpack"
         case "result_stream":
             return "GET", inv_path.format(target()) + "/result/stream?timeout=0", None, "msgpack"
+        case "send":
+            body = {"index": 0, "kind": "value", "body": wire.pack(1)}
+            return "POST", inv_path.format(target({"two_way": True})) + "/send", body, "msgpack"
+        case "sends_fetch":
+            inv, worker, attempt = w.lease(ns, daemon)
+            body = {"invocation_id": inv, "worker_id": worker, "attempt": attempt, "since": -1, "wait_s": 0}
+            return "POST", "/v1/daemon/sends", body, "msgpack"
         case "topic_post":
             return "POST", "/v1/producer/topics/matrix/post", {"body": wire.pack(1)}, "msgpack"
         case "topic_stream":

@@ -110,9 +110,22 @@ ROUTES: tuple[RouteAuth, ...] = (
         task=_DESC,
     ),
     _route("await_", "POST", "/v1/producer/await", admin=_ANY, producer=_NS, task=_DESC),
+    # many ids at once (server/bulk.py): an id outside the rule is answered as an unknown one, in
+    # the answer's "unknown" list (the request itself succeeds), never disclosed
+    _route(
+        "await_batch",
+        "POST",
+        "/v1/producer/await-batch",
+        outside=None,
+        admin=_ANY,
+        producer=_NS,
+        task=_DESC,
+    ),
     _route("status", "GET", _INV, admin=_ANY, producer=_NS, task=_DESC),
     _route("cancel", "POST", _INV + "/cancel", admin=_ANY, producer=_NS, task=_DESC),
     _route("result_stream", "GET", _INV + "/result/stream", admin=_ANY, producer=_NS, task=_DESC),
+    # two-way generators: the invocation's owner sends into its paused body (server/sends.py)
+    _route("send", "POST", _INV + "/send", admin=_ANY, producer=_NS, task=_DESC),
     # topics are one space shared by every producer (see docs/security.md)
     _route("topic_post", "POST", "/v1/producer/topics/{name}/post", admin=_ANY, producer=_ANY),
     _route("topic_stream", "GET", "/v1/producer/topics/{name}/stream", admin=_ANY, producer=_ANY),
@@ -123,6 +136,7 @@ ROUTES: tuple[RouteAuth, ...] = (
     _route("ack", "POST", "/v1/daemon/ack", outside=403, admin=_ANY, daemon=_LEASE),
     _route("result_chunk", "POST", "/v1/daemon/result-chunk", outside=403, admin=_ANY, daemon=_LEASE),
     _route("result_chunks", "POST", "/v1/daemon/result-chunks", outside=403, admin=_ANY, daemon=_LEASE),
+    _route("sends_fetch", "POST", "/v1/daemon/sends", outside=403, admin=_ANY, daemon=_LEASE),
     # namespaces (seed 003): the path names the namespace, so another one answers 403
     _route("exec_", "POST", "/v1/namespaces/{ns}/exec", outside=403, admin=_ANY, namespace=_NS),
     _route(

@@ -22,6 +22,7 @@ from dreamlake.lakeshore.server import authz, http, tasks
 from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError, field
+from dreamlake.lakeshore.server.liveness import placement_warning
 from dreamlake.lakeshore.store.api import (
     DEFAULT_NAMESPACE,
     TERMINAL_STATES,
@@ -31,6 +32,7 @@ from dreamlake.lakeshore.store.api import (
     visible,
 )
 from dreamlake.lakeshore.store.notify import invocation_channels
+from dreamlake.lakeshore.store.placement import needs_of
 from dreamlake.lakeshore.store.values import check_run_config
 
 log = logging.getLogger(__name__)
@@ -106,12 +108,21 @@ def _submitted(
     if count:
         ctx.metrics.submitted(result.duplicate)
     if ctx.wake.own and not result.duplicate:
-        for channel in invocation_channels(req.namespace, result.queue):
+        for channel in invocation_channels(req.namespace, result.queue, needs_of(req.run_config).key()):
             ctx.wake.notify(channel)
     out: dict[str, Any] = {"invocation_id": result.invocation_id, "queue": result.queue}
     if result.duplicate:
         out["duplicate"] = True
     return out
+
+
+async def _placement_warning(ctx: Context, queue: str, req: SubmitRequest) -> str | None:
+    """The warning for a call no live worker of ``queue`` could take (server/liveness.py)."""
+    needs = needs_of(req.run_config)
+    if not needs.gpus and not needs.selector:
+        return None
+    infos = await ctx.call(ctx.store.live_workers_of, queue)
+    return placement_warning(queue, needs, infos)
 
 
 async def check_parent(ctx: Context, caller: Caller, parent: str | None) -> None:
@@ -138,7 +149,7 @@ async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str
     assert isinstance(result, SubmitResult)
     out = _submitted(ctx, req, result)
     log.debug("submitted %s to queue %s (duplicate=%s)", result.invocation_id, result.queue, result.duplicate)
-    warning = await ctx.queue_warning(result.queue)
+    warning = await ctx.queue_warning(result.queue) or await _placement_warning(ctx, result.queue, req)
     if warning:
         out["warning"] = warning
         log.info("submitted %s: %s", result.invocation_id, warning)

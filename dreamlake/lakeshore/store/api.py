@@ -21,6 +21,8 @@ from dreamlake.lakeshore.states import ACK_STATES as ACK_STATES
 from dreamlake.lakeshore.states import TERMINAL_STATES as TERMINAL_STATES
 from dreamlake.lakeshore.states import State as State
 
+from .placement import NO_OFFER, Offer
+
 if TYPE_CHECKING:
     from .retention import GcResult
 
@@ -78,6 +80,7 @@ class Invocation:
     result_ref: dict[str, Any] | None = None  # seed 003 resultRef: the result in the payload store
 
     not_before: float | None = None  # a retry waits queued until then (None: claimable)
+    shape: str = ""  # its placement shape (store/placement.py); '' needs nothing
 
     def status(self) -> dict[str, Any]:
         """The producer's view of this row: the ``GET /v1/producer/invocations/:id`` body."""
@@ -221,6 +224,8 @@ class PollRequest:
     # transaction, right after them, and their run-queue notifications are not sent (its poll
     # holds their wake)
     handed: tuple[str, ...] = ()
+    # what the poller has free now (store/placement.py): it claims only what this fits
+    offer: Offer = NO_OFFER
 
 
 # The writes ``Store.write_batch`` commits together, and what each answers (or the PlaneError it
@@ -340,6 +345,10 @@ class Listing(Protocol):
         """Queue name -> number of workers serving it that were seen within ``live_within`` s."""
         ...
 
+    def live_workers_of(self, queue: str, live_within: float = LIVE_WINDOW_S) -> list[dict[str, Any]]:
+        """The registered infos (labels, capacity) of the live workers serving ``queue``."""
+        ...
+
     def count_workers(self, live_within: float | None = LIVE_WINDOW_S) -> int:
         """Workers seen within ``live_within`` seconds (None: every worker ever registered)."""
         ...
@@ -365,6 +374,11 @@ class Store(Listing, Protocol):
     # -- producer side ------------------------------------------------------------------------
     def submit(self, req: SubmitRequest) -> SubmitResult: ...
     def get(self, invocation_id: str) -> Invocation | None: ...
+    def get_many(self, invocation_ids: Sequence[str], *, args: bool = True) -> list[Invocation]:
+        """The invocations of ``invocation_ids`` that exist, in one read (any order); without
+        ``args`` their arguments are not read (``args_blob`` empty)."""
+        ...
+
     def lineage(self, invocation_id: str, limit: int = 64) -> list[str]:
         """``invocation_id`` and its ancestors by ``parent_invocation_id``, nearest first."""
         ...
@@ -405,6 +419,7 @@ class Store(Listing, Protocol):
         lease_s: float = DEFAULT_LEASE_S,
         *,
         namespace: str | None = None,
+        offer: Offer = NO_OFFER,
     ) -> list[Invocation]:
         """Atomically flip up to ``limit`` queued invocations whose queue is in ``queues`` (and, when
         given, whose namespace is ``namespace``) to running, best first (priority desc,
@@ -464,6 +479,10 @@ class Store(Listing, Protocol):
         ...
 
     def read_frames(self, owner_id: str, since: int = -1, limit: int = 1000) -> list[Frame]: ...
+    def send_append(self, invocation_id: str, index: int, data: bytes, final: bool) -> ChunkResult:
+        """Journal a consumer's send into yield ``index`` of a two-way body (store/frames.py)."""
+        ...
+
     def heartbeat(
         self,
         worker_id: str,
@@ -505,6 +524,7 @@ class Store(Listing, Protocol):
         *,
         exec_jobs: bool = True,
         namespace: str | None = None,
+        offer: Offer = NO_OFFER,
     ) -> PollResult:
         """``poll`` plus, in the same transaction, the version pinned for the worker's namespace
         (as ``pinned_version_for_worker``): the control plane's poll route in one store call."""

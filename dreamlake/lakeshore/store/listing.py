@@ -107,6 +107,12 @@ class ListingStore(StoreBase):
                 serving[q] = serving.get(q, 0) + 1
         return serving
 
+    def live_workers_of(self, queue: str, live_within: float = LIVE_WINDOW_S) -> list[dict[str, Any]]:
+        """The registered infos (labels, capacity) of the live workers serving ``queue``."""
+        with self.db.tx(write=False) as conn:
+            infos = self._live_infos(conn, None, live_within)
+        return [i for i in infos if isinstance(i, dict) and queue in _worker_queues(i)]
+
     def count_workers(self, live_within: float | None = LIVE_WINDOW_S) -> int:
         w = t.workers
         stmt = sa.select(sa.func.count()).select_from(w)

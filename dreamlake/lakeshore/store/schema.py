@@ -68,17 +68,22 @@ invocations = sa.Table(
     # args_ref the args_blob is empty, with result_ref the result_blob is None
     sa.Column("args_ref", sa.JSON, nullable=True),
     sa.Column("result_ref", sa.JSON, nullable=True),
+    # 0009: the call's placement shape (store/placement.py): '' needs nothing, else a hash of its
+    # needs (GPUs, selector, concurrency key) named in ``shapes``
+    sa.Column("shape", sa.String(16), nullable=False, server_default=""),
     sa.Index("ix_invocations_lease", "state", "lease_expires_at"),
     sa.Index("ix_invocations_root", "root_invocation_id"),
     # 0004: a key is unique within its namespace and queue.
     sa.Index("ux_invocations_queue_key", "namespace", "queue", "idempotency_key", unique=True),
 )
-# 0003: the claim order of one queue, over queued rows only (see invocations.claim_statement);
-# 0006: only those due (a retry waiting for its backoff is not in it: claims stay a range read).
+# 0003: the claim order of one queue, over queued rows only (see claims.claim_statement);
+# 0006: only those due (a retry waiting for its backoff is not in it: claims stay a range read);
+# 0009: per (queue, shape): a claim reads the head of each shape its poller may take.
 _DUE = sa.and_(invocations.c.state == "queued", invocations.c.not_before.is_(None))
 sa.Index(
     "ix_invocations_queued",
     invocations.c.queue,
+    invocations.c.shape,
     invocations.c.priority.desc(),
     invocations.c.submitted_at,
     invocations.c.invocation_id,
@@ -90,6 +95,7 @@ sa.Index(
     "ix_invocations_queued_ns",
     invocations.c.namespace,
     invocations.c.queue,
+    invocations.c.shape,
     invocations.c.priority.desc(),
     invocations.c.submitted_at,
     invocations.c.invocation_id,
@@ -109,6 +115,37 @@ sa.Index(
     invocations.c.finished_at,
     sqlite_where=invocations.c.finished_at.isnot(None),
     postgresql_where=invocations.c.finished_at.isnot(None),
+)
+
+# 0009: running invocations by queue and shape: what a fleet-wide limit counts in the claim.
+_RUNNING = invocations.c.state == "running"
+sa.Index(
+    "ix_invocations_running",
+    invocations.c.queue,
+    invocations.c.shape,
+    sqlite_where=_RUNNING,
+    postgresql_where=_RUNNING,
+)
+
+# 0009: the placement shapes submitted to each queue (store/placement.py): few rows, which the
+# claim reads (cached) to know which heads of ix_invocations_queued a poller may take.
+shapes = sa.Table(
+    "shapes",
+    metadata,
+    sa.Column("queue", NAME, primary_key=True),
+    sa.Column("shape", sa.String(16), primary_key=True),
+    sa.Column("needs", sa.JSON, nullable=False),
+    sa.Column("created_at", TIME, nullable=False),
+)
+
+# 0009: fleet-wide limits on running invocations: ``queue:<name>`` (lakeshore queue limit) and
+# ``key:<concurrency_key>`` (@dls.udf max_concurrency). The claim locks the rows it counts against.
+limits = sa.Table(
+    "limits",
+    metadata,
+    sa.Column("name", sa.String(300), primary_key=True),
+    sa.Column("max_running", sa.Integer, nullable=False),
+    sa.Column("updated_at", TIME, nullable=False),
 )
 
 # 0006: the outcome of each attempt that did not end its invocation (a retried failure, a lapsed
