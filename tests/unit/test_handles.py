@@ -210,3 +210,26 @@ def test_an_async_udf_on_a_plane_that_cannot_run_it_is_refused_at_decoration() -
     dls.udf(dispatch=Dispatch(":memory:"))(body)  # the SDK's planes run it
     with pytest.raises(TypeError, match="async def"):
         dls.udf(body).submit(_dispatch=OldPlane())  # type: ignore[arg-type]
+
+
+def test_example_09_runs_zero_infra() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "09_handles_async.py")],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "submitted 26 char id; result 49 succeeded",
+        "first done: True",
+        "failed: 1",
+        "in order: [121, 144, DispatchError('ValueError: unlucky')]",
+        "async call: LAKESHORE",
+        "async stream: [0, 1, 2]",
+    ]
+    assert out.stderr.splitlines()[-1] == "calls: 20/20 done, 1 failed, 0 running"
