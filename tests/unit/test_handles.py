@@ -177,6 +177,17 @@ def test_calls_results_are_read_in_batches_with_progress(
     assert max(plane.batches) == 1000 and len(plane.batches) - before < 1200  # batches, not one per call
 
 
+def test_progress_shows_a_tqdm_bar_with_the_counts(
+    plane: CountingPlane, capsys: pytest.CaptureFixture[str]
+) -> None:
+    calls = square.map(range(20), _dispatch=plane)
+    with Worker(plane):
+        ended = list(dls.as_completed(calls, timeout=60, progress=True))  # tqdm is installed here
+    assert sorted(ended) == sorted(calls)
+    err = capsys.readouterr().err
+    assert "calls: 100%" in err and "20/20" in err and "failed=1" in err, err
+
+
 def test_an_unknown_id_is_not_found(plane: CountingPlane) -> None:
     (inv,) = dls.as_completed([dls.Invocation(new_ulid(), plane)], timeout=5)
     with pytest.raises(NotFound):
