@@ -149,3 +149,21 @@ def test_a_pickled_submit_warns_when_every_live_worker_refuses_pickles(
         else:
             assert warned == [], (queue, warned)
     plane.close()
+
+
+def test_a_task_token_reads_only_its_descendants(sqlite_control_plane: ControlPlane) -> None:
+    cp = sqlite_control_plane
+    parent = _submit_in(cp, "default")
+    body = {"worker_id": new_ulid(), "queues": ["q"], "timeout_s": 0, "kinds": ["run"]}
+    status, out = cp.daemon("/v1/daemon/poll", body)
+    assert status == 200 and out["commands"][0]["body"]["invocation_id"] == parent, out
+    task_token = out["commands"][0]["body"]["task_token"]
+    child = new_ulid()
+    cp.store.submit(
+        SubmitRequest(child, "q", {"module": "m", "qualname": "f"}, b"\x90", {}, parent_invocation_id=parent)
+    )
+    stranger = _submit_in(cp, "default")  # same namespace, not the task's descendant
+    ids = [child, stranger, parent]
+    status, out = cp.call("/v1/producer/await-batch", {"invocation_ids": ids, "timeout_s": 0}, task_token)
+    assert status == 200, out
+    assert out == {"results": [], "states": {child: "queued"}, "unknown": [stranger, parent]}
