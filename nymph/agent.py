@@ -190,6 +190,7 @@ class Agent:
             self._prune()
         self._shutdown()
         hb.stop()
+        self._deregister()
         return self._finish(health)
 
     def request_stop(self, immediate: bool = False) -> None:
@@ -411,6 +412,20 @@ class Agent:
             )
         if upgrading:
             self.exit_code = upgrade.EXIT_VERSION_MISMATCH
+
+    def _deregister(self) -> None:
+        """Tell the control plane this worker stopped (not live from now), once shutdown is done;
+        a control plane that cannot be told finds out when the live window lapses."""
+        try:
+            self.client.deregister(self.worker_id)
+        except ClientError as exc:
+            log.warning(
+                "could not deregister worker %s (%s); it shows as live until it is not seen",
+                self.worker_id,
+                exc,
+            )
+            return
+        log.info("deregistered worker %s", self.worker_id)
 
     def _finish(self, health: Any) -> int:
         if self.outbox is not None:

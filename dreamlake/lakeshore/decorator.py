@@ -798,7 +798,10 @@ def _submit_calls(plane: Plane, template: Thunk, args_of: Any) -> Calls:
     fn = fn_for(udf, udf.transport)
     _warn_if_pickled(plane, fn, template.queue, udf)
     cfg = {"code": record} if record is not None else None
-    run_config = template.run_config()
+    from dreamlake.lakeshore.ids import new_ulid
+
+    # one id for the calls of this map: the dashboard shows them as one group with its progress
+    run_config = {**template.run_config(), "sweep": new_ulid()}
     out = Calls(dispatch=plane)
     chunk: list[tuple[Any, ...]] = []
     for args in args_of:

@@ -182,6 +182,9 @@ def request_for(w: World, route: RouteAuth, kind: str, own: bool) -> Request:
         case "heartbeat":
             worker = new_ulid() if own else w.worker(daemon)
             return "POST", "/v1/daemon/heartbeat", {"worker_id": worker, "running": []}, "msgpack"
+        case "deregister":  # another token's worker: 403, and it stays live (test_nymph_deregister)
+            worker = new_ulid() if own else w.worker(daemon)
+            return "POST", "/v1/daemon/deregister", {"worker_id": worker}, "msgpack"
         case "ack" | "result_chunk" | "result_chunks":
             inv, worker, attempt = w.lease(ns, daemon)
             lease = {"invocation_id": inv, "worker_id": worker, "attempt": attempt}

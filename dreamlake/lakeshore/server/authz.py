@@ -133,6 +133,7 @@ ROUTES: tuple[RouteAuth, ...] = (
     _route("register", "POST", "/v1/daemon/register", outside=403, admin=_ANY, daemon=_WORKER),
     _route("poll", "POST", "/v1/daemon/poll", outside=403, admin=_ANY, daemon=_WORKER),
     _route("heartbeat", "POST", "/v1/daemon/heartbeat", outside=403, admin=_ANY, daemon=_WORKER),
+    _route("deregister", "POST", "/v1/daemon/deregister", outside=403, admin=_ANY, daemon=_WORKER),
     _route("ack", "POST", "/v1/daemon/ack", outside=403, admin=_ANY, daemon=_LEASE),
     _route("result_chunk", "POST", "/v1/daemon/result-chunk", outside=403, admin=_ANY, daemon=_LEASE),
     _route("result_chunks", "POST", "/v1/daemon/result-chunks", outside=403, admin=_ANY, daemon=_LEASE),

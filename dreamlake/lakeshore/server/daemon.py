@@ -111,7 +111,7 @@ async def register(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[s
         "version": field(body, "version", str, default=""),
         "runner": field(body, "runner", str, default=""),
         "queues": _queues(body, default=["default"]),
-        "labels": field(body, "labels", dict, default={}),
+        "labels": http.document(body, "labels", default={}),
         "slots": http.integer(body, "slots", hi=http.I32_MAX, default=1),
         "namespace": namespace or principal.namespace,
     }
@@ -755,6 +755,17 @@ def _running_exec(body: dict[str, Any]) -> list[tuple[str, int]] | None:
             )
         pairs.append((exec_id, attempt))
     return pairs
+
+
+async def deregister(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+    """A nymph that stops cleanly says so: its worker is not live from now (``lakeshore workers``
+    says ``stopped``; queues count it no more) until it registers again. Only the token the worker
+    id is bound to may (``own worker``); leases it still holds lapse as usual."""
+    worker_id = await _worker(ctx, caller, body)
+    await ctx.call(ctx.store.deregister_worker, worker_id)
+    ctx.daemons.forget(worker_id)
+    log.info("worker %s deregistered (a clean stop)", worker_id)
+    return {"ok": True}
 
 
 async def heartbeat(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from dreamlake.lakeshore.states import State as State
 from .placement import NO_OFFER, Offer
 
 if TYPE_CHECKING:
+    from .activity import Activity, Sweep
     from .retention import GcResult
 
 DEFAULT_LEASE_S = 30.0
@@ -296,6 +297,7 @@ class WorkerRow:
     registered_at: float
     last_seen: float  # the latest register, poll or heartbeat
     busy: int  # invocations and exec jobs it holds running
+    stopped_at: float | None = None  # when it deregistered (a clean stop); a stopped worker is not live
 
 
 @dataclass
@@ -362,12 +364,23 @@ class Listing(Protocol):
         since: float | None = None,
         limit: int = 50,
         cursor: str | None = None,
+        sweep: str | None = None,
     ) -> InvocationPage:
         """Invocations newest first (by id, a ULID), submitted at or after ``since``, with ids
-        before ``cursor``; at most ``limit`` (clamped to 1..LIST_LIMIT_MAX)."""
+        before ``cursor``; at most ``limit`` (clamped to 1..LIST_LIMIT_MAX); only the calls of one
+        ``map`` when ``sweep`` names it (``run_config.sweep``)."""
         ...
 
     def frame_stats(self, owner_id: str) -> FrameStats: ...
+
+    def activity(self, namespace: str | None, since: float) -> list[Activity]:
+        """Submit, start and finish times of what waited, ran or finished since ``since`` (the
+        dashboard's charts; store/activity.py)."""
+        ...
+
+    def sweeps(self, namespace: str | None, since: float, limit: int = 20) -> list[Sweep]:
+        """The ``map`` sweeps submitted since ``since``, newest first, with counts by state."""
+        ...
 
 
 class Store(Listing, Protocol):
@@ -401,6 +414,10 @@ class Store(Listing, Protocol):
 
     # -- daemon side --------------------------------------------------------------------------
     def register_worker(self, worker_id: str, info: dict[str, Any]) -> None: ...
+    def deregister_worker(self, worker_id: str) -> None:
+        """Mark the worker stopped (a clean stop): not live from now until it registers again."""
+        ...
+
     def worker_info(self, worker_id: str) -> dict[str, Any] | None:
         """The info of the worker's latest register; None for a worker that never registered."""
         ...

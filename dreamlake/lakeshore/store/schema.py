@@ -190,6 +190,8 @@ workers = sa.Table(
     sa.Column("last_seen", TIME, nullable=False),
     # 0004: the token this worker id is bound to (its first register binds it); None: unbound.
     sa.Column("token_id", ID, nullable=True),
+    # 0016: when it deregistered (a clean stop); None: it has not. A stopped worker is not live.
+    sa.Column("stopped_at", TIME, nullable=True),
 )
 
 tokens = sa.Table(

@@ -29,6 +29,7 @@ from sqlalchemy.engine import Connection
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.ids import new_ulid
 
+from .activity import ActivityStore
 from .api import (
     DEFAULT_LEASE_S,
     DEFAULT_NAMESPACE,
@@ -79,7 +80,9 @@ def _cancels_again(renewed: dict[str, bool], taken: list[Command]) -> list[Comma
 OnCommit = Callable[[list[tuple[int, "WriteResult | PlaneError"]]], None]
 
 
-class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingStore, RetentionStore):
+class SqlStore(
+    InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingStore, RetentionStore, ActivityStore
+):
     """The Store protocol over SQLite (file or ``:memory:``) or PostgreSQL."""
 
     def __init__(self, url: str, *, notifier: Notifier | None = None, migrate_schema: bool = True) -> None:
@@ -235,6 +238,10 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
                 prepared = self._prepare_write(req)
             except PlaneError as exc:
                 out[i] = exc
+                continue
+            except Exception as exc:  # a bug met by this write alone: its 500, never its neighbours'
+                log.exception("preparing a %s failed", type(req).__name__)
+                out[i] = PlaneError(f"the store failed: {type(exc).__name__}", status=500)
                 continue
             if isinstance(prepared, _Prepared) or (isinstance(prepared, PollRequest) and prepared.handed):
                 group = 0  # a handed pass claims in its submits' transaction, right after them
