@@ -213,6 +213,24 @@ def test_plain_function_succeeds_and_its_workdir_is_removed(
     assert (n.state_dir / "worker_id").read_text().strip() != ""
 
 
+def test_async_bodies_run_through_nymph(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    """An ``async def`` runs to completion and an async generator streams, on nymph's process
+    runner (the warm fork; every runner runs the same entry)."""
+    cp = sqlite_control_plane
+    n = nymph_factory(cp.url, cp.daemon_token)
+    inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.async_add, 2, 3))
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert out["state"] == "succeeded", (out, n.output()[-3000:])
+    assert wire.unpack(out["result_blob"]) == 5
+    inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.async_count, 3))
+    assert await_result(cp.url, cp.producer_token, inv)["state"] == "succeeded"
+    frames = frames_of(cp.url, cp.producer_token, inv)
+    assert [f.kind for f in frames] == [wire.FRAME_VALUE] * 3 + [wire.FRAME_END]
+    assert [wire.unpack(f.body) for f in frames[:3]] == [0, 1, 2]  # type: ignore[arg-type]
+
+
 def test_running_invocations_hold_no_thread_of_nymphs(
     sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph], tmp_path: Path
 ) -> None:
