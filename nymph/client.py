@@ -173,6 +173,9 @@ class ControlPlaneClient(PlaneClient):
     def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
         return self.call("/v1/daemon/heartbeat", body, timeout_s=15.0)
 
+    def deregister(self, worker_id: str) -> dict[str, Any]:
+        return self.call("/v1/daemon/deregister", {"worker_id": worker_id}, timeout_s=10.0)
+
     def ack(self, body: dict[str, Any]) -> dict[str, Any]:
         return self.call("/v1/daemon/ack", body, timeout_s=30.0)
 
@@ -188,3 +191,6 @@ class ControlPlaneClient(PlaneClient):
 
     def result_chunk(self, body: dict[str, Any]) -> dict[str, Any]:
         return self.call("/v1/daemon/result-chunk", body, timeout_s=30.0)
+
+    def checkpoint(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self.call("/v1/daemon/checkpoint", body, timeout_s=30.0)

@@ -89,14 +89,17 @@ class OpsClient:
         since: float | None = None,
         limit: int = 50,
         cursor: str | None = None,
+        sweep: str | None = None,
     ) -> dict[str, Any]:
-        """One page: ``{"invocations": [...], "next_cursor": id | None}``, newest first."""
+        """One page: ``{"invocations": [...], "next_cursor": id | None}``, newest first (only the
+        calls of one ``map`` with ``sweep``)."""
         params = {
             "queue": queue,
             "state": ",".join(states) if states else None,
             "since": since,
             "limit": limit,
             "cursor": cursor,
+            "sweep": sweep,
         }
         return self._request("GET", "/v1/ops/invocations", params)
 

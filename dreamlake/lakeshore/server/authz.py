@@ -133,10 +133,13 @@ ROUTES: tuple[RouteAuth, ...] = (
     _route("register", "POST", "/v1/daemon/register", outside=403, admin=_ANY, daemon=_WORKER),
     _route("poll", "POST", "/v1/daemon/poll", outside=403, admin=_ANY, daemon=_WORKER),
     _route("heartbeat", "POST", "/v1/daemon/heartbeat", outside=403, admin=_ANY, daemon=_WORKER),
+    _route("deregister", "POST", "/v1/daemon/deregister", outside=403, admin=_ANY, daemon=_WORKER),
     _route("ack", "POST", "/v1/daemon/ack", outside=403, admin=_ANY, daemon=_LEASE),
     _route("result_chunk", "POST", "/v1/daemon/result-chunk", outside=403, admin=_ANY, daemon=_LEASE),
     _route("result_chunks", "POST", "/v1/daemon/result-chunks", outside=403, admin=_ANY, daemon=_LEASE),
     _route("sends_fetch", "POST", "/v1/daemon/sends", outside=403, admin=_ANY, daemon=_LEASE),
+    # an attempt's checkpoint for the next attempt (server/checkpoints.py), while it holds the lease
+    _route("checkpoint", "POST", "/v1/daemon/checkpoint", outside=403, admin=_ANY, daemon=_LEASE),
     # namespaces (seed 003): the path names the namespace, so another one answers 403
     _route("exec_", "POST", "/v1/namespaces/{ns}/exec", outside=403, admin=_ANY, namespace=_NS),
     _route(

@@ -29,6 +29,7 @@ from sqlalchemy.engine import Connection
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.ids import new_ulid
 
+from .activity import ActivityStore
 from .api import (
     DEFAULT_LEASE_S,
     DEFAULT_NAMESPACE,
@@ -81,7 +82,14 @@ OnCommit = Callable[[list[tuple[int, "WriteResult | PlaneError"]]], None]
 
 
 class SqlStore(
-    InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingStore, RetentionStore, SecretStore
+    InvocationStore,
+    FrameStore,
+    WorkerStore,
+    ExecJobStore,
+    ListingStore,
+    RetentionStore,
+    ActivityStore,
+    SecretStore,
 ):
     """The Store protocol over SQLite (file or ``:memory:``) or PostgreSQL."""
 
@@ -239,6 +247,10 @@ class SqlStore(
             except PlaneError as exc:
                 out[i] = exc
                 continue
+            except Exception as exc:  # a bug met by this write alone: its 500, never its neighbours'
+                log.exception("preparing a %s failed", type(req).__name__)
+                out[i] = PlaneError(f"the store failed: {type(exc).__name__}", status=500)
+                continue
             if isinstance(prepared, _Prepared) or (isinstance(prepared, PollRequest) and prepared.handed):
                 group = 0  # a handed pass claims in its submits' transaction, right after them
             else:
@@ -340,7 +352,11 @@ class SqlStore(
                             channels.append(f"inv:{req.invocation_id}")
                         if ack.requeued:  # a retry claimable now: one wake per invocation
                             requeued.extend(
-                                invocation_channels(ack.requeued_namespace or DEFAULT_NAMESPACE, ack.requeued)
+                                invocation_channels(
+                                    ack.requeued_namespace or DEFAULT_NAMESPACE,
+                                    ack.requeued,
+                                    ack.requeued_shape,
+                                )
                             )
                     acks = []
                 if isinstance(p, FrameRequest):
@@ -386,7 +402,7 @@ class SqlStore(
             log.debug("%d retries due: claimable again", len(due))
         self._notify(
             # one per invocation: the poll hub wakes one poll each
-            *(c for r in requeued for c in invocation_channels(r.namespace, r.queue)),
+            *(c for r in requeued for c in invocation_channels(r.namespace, r.queue, r.shape)),
             *(c for r in due for c in invocation_channels(r.namespace, r.queue, r.shape)),
             *(f"inv:{r.invocation_id}" for r in due),
             *(f"inv:{i}" for i in ids),

@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0012_secrets"
-down_revision = "0009_placement"
+down_revision = "0016_worker_stopped"
 branch_labels = None
 depends_on = None
 
