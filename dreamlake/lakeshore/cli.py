@@ -348,6 +348,11 @@ from dreamlake.lakeshore.ops_cli import COMMANDS as _OPS_COMMANDS  # noqa: E402
 for _command in _OPS_COMMANDS:
     main.add_command(_command)
 
+# -- `lakeshore queue limit` (dreamlake/lakeshore/limits_cli.py) -------------------------------
+from dreamlake.lakeshore.limits_cli import queue as _queue_group  # noqa: E402
+
+main.add_command(_queue_group)
+
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -146,7 +146,7 @@ def guarded(fn: Callable[..., None]) -> Callable[..., None]:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @guarded
 def queues(url: str | None, token: str | None, as_json: bool) -> None:
-    """Queues: depth by state, oldest queued age, live workers serving each."""
+    """Queues: depth by state, fleet-wide limit, oldest queued age, live workers serving each."""
     with _client(url, token) as client:
         rows = client.queues()
     if as_json:
@@ -154,12 +154,23 @@ def queues(url: str | None, token: str | None, as_json: bool) -> None:
         return
     click.echo(
         table(
-            ["QUEUE", "QUEUED", "RUNNING", "OLDEST QUEUED", "WORKERS", "SUCCEEDED", "FAILED", "CANCELLED"],
+            [
+                "QUEUE",
+                "QUEUED",
+                "RUNNING",
+                "LIMIT",
+                "OLDEST QUEUED",
+                "WORKERS",
+                "SUCCEEDED",
+                "FAILED",
+                "CANCELLED",
+            ],
             [
                 [
                     q["name"],
                     q["queued"],
                     q["running"],
+                    "-" if q.get("max_running") is None else q["max_running"],  # lakeshore queue limit
                     age(q["oldest_queued_age_s"]),
                     q["workers_live"],
                     q["counts"].get("succeeded", 0),

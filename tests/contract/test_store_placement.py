@@ -93,6 +93,24 @@ def test_a_requeued_gpu_call_wakes_the_channel_of_its_shape(store: SqlStore) -> 
     assert shaped in heard and run_queue_channel("default", "gpu") not in heard
 
 
+def test_a_call_ending_under_a_limit_wakes_a_poll_for_the_room_it_freed(store: SqlStore) -> None:
+    first, held = submit(store, "lim"), submit(store, "lim")
+    store.set_queue_limit("lim", 1)
+    assert [i.invocation_id for i in store.claim("w", ["lim"], limit=2)] == [first]
+    heard = _heard(store)
+    ack(store, first, "succeeded", attempt=1, worker_id="w")
+    assert run_queue_channel("default", "lim") in heard  # the held-back call is claimable now
+    assert [i.invocation_id for i in store.claim("w2", ["lim"], limit=2)] == [held]
+    free = submit(store, "free")
+    store.claim("w", ["free"])
+    heard.clear()
+    ack(store, free, "succeeded", attempt=1, worker_id="w")
+    assert run_queue_channel("default", "free") not in heard  # no limit there: no wake-up spent
+    assert store.limits() == {"queues": {"lim": 1}, "keys": {}}
+    store.set_queue_limit("lim", None)
+    assert store.limits()["queues"] == {}
+
+
 @pytest.mark.parametrize(
     ("run_config", "message"),
     [

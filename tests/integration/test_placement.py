@@ -218,3 +218,48 @@ def test_not_before_holds_a_call_until_its_time(plane: PlacedServer, nymphs: Cal
     st = _until(lambda: _done(plane, inv), "the call after its time")
     assert st["state"] == "succeeded"
     assert at <= st["started_at"] <= at + 1.0 + 0.5  # claimed within a second (a loaded machine's slack)
+
+
+def _queue_row(plane: PlacedServer, name: str) -> dict[str, Any]:
+    token = plane.tokens()["admin"]
+    resp = httpx.get(f"{plane.url}/v1/ops/queues", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    assert resp.status_code == 200, resp.text
+    return next(q for q in resp.json()["queues"] if q["name"] == name)
+
+
+def _lakeshore(plane: PlacedServer, *args: str) -> str:
+    import subprocess
+
+    from tests.integration.test_nymph_agent import _env
+
+    cmd = [sys.executable, "-m", "dreamlake.lakeshore.cli", *args, "--url", plane.url,
+           "--token", plane.tokens()["admin"]]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_a_queue_limit_holds_across_the_fleet(plane: PlacedServer, nymphs: Callable[..., GpuNymph]) -> None:
+    """``lakeshore queue limit batch --max-running 2`` over 3 nymphs of 4 slots: never more than 2
+    running at once (sampled), every call finishes, and ``lakeshore queues`` shows the limit."""
+    assert "at most 2 running" in _lakeshore(plane, "queue", "limit", "batch", "--max-running", "2")
+    fleet = [nymphs(f"n{i}", "none", queue="batch", slots=4) for i in range(3)]
+    invs = [_submit(plane, nymph_fns.sleep_for, 0.6, queue="batch")["invocation_id"] for _ in range(12)]
+    seen: list[int] = []
+
+    def finished() -> bool:
+        row = _queue_row(plane, "batch")
+        seen.append(row["running"])
+        return row["counts"]["succeeded"] == len(invs)
+
+    _until(finished, "all 12 calls to finish under the limit", LIMIT_S * 2)
+    assert max(seen) <= 2, seen
+    assert 2 in seen  # the limit, not a single slot, is what held them back
+    assert {_status(plane, inv)["state"] for inv in invs} == {"succeeded"}
+    assert {_status(plane, inv)["worker_id"] for inv in invs} <= {n.worker_id for n in fleet}
+    assert _queue_row(plane, "batch")["max_running"] == 2
+    head, *lines = _lakeshore(plane, "queues").splitlines()
+    row = next(line.split() for line in lines if line.split()[0] == "batch")
+    assert row[head.split().index("LIMIT")] == "2", (head, lines)
+    _lakeshore(plane, "queue", "limit", "batch", "--clear")
+    assert _queue_row(plane, "batch")["max_running"] is None

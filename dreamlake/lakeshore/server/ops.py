@@ -57,7 +57,7 @@ def visible(principal: Principal, inv: Invocation | None) -> Invocation | None:
 # -- JSON shapes -----------------------------------------------------------------------------------
 
 
-def queue_json(q: QueueStats, now: float) -> dict[str, Any]:
+def queue_json(q: QueueStats, now: float, max_running: int | None = None) -> dict[str, Any]:
     return {
         "name": q.name,
         "counts": q.counts,
@@ -65,6 +65,7 @@ def queue_json(q: QueueStats, now: float) -> dict[str, Any]:
         "running": q.counts.get("running", 0),
         "oldest_queued_age_s": round(now - q.oldest_queued_at, 3) if q.oldest_queued_at else None,
         "workers_live": q.workers_live,
+        "max_running": max_running,  # the fleet-wide limit (lakeshore queue limit); None: none
     }
 
 
@@ -207,8 +208,9 @@ def detail_json(
 
 async def read_queues(ctx: Context, namespace: str | None) -> list[dict[str, Any]]:
     stats = await ctx.call(ctx.store.queue_stats, namespace)
+    limits = (await ctx.call(ctx.store.limits))["queues"]
     now = time.time()
-    return [queue_json(q, now) for q in stats]
+    return [queue_json(q, now, limits.get(q.name)) for q in stats]
 
 
 async def read_workers(
@@ -376,3 +378,19 @@ class OpsRoutes:
     async def cancel(self, request: Request, caller: Caller) -> Response:
         inv = producer.request_id(request, "id", "invocation_id")
         return h.json_response(await cancel(self.ctx, caller.principal, inv))
+
+    async def queue_limit(self, request: Request, caller: Caller) -> Response:
+        """``PUT /v1/ops/queues/:name/limit {"max_running": N}``: cap the calls of the queue
+        running at once across the fleet (admins only: a queue's limit covers every namespace)."""
+        queue = h.name(request.path_params["name"], "queue")
+        body = h.decode_json(await h.read_body(request, self.ctx.config.max_body_bytes))
+        if "max_running" not in body:
+            raise HTTPError(400, "missing field 'max_running' (clear a limit with DELETE)")
+        await self.ctx.call(self.ctx.store.set_queue_limit, queue, body["max_running"])
+        return h.json_response({"queue": queue, "max_running": body["max_running"]})
+
+    async def queue_limit_clear(self, request: Request, caller: Caller) -> Response:
+        """``DELETE /v1/ops/queues/:name/limit``: no limit on the queue."""
+        queue = h.name(request.path_params["name"], "queue")
+        await self.ctx.call(self.ctx.store.set_queue_limit, queue, None)
+        return h.json_response({"queue": queue, "max_running": None})

@@ -119,6 +119,8 @@ class AckResult:
     requeued: str | None = field(default=None, compare=False)  # a retry's queue, claimable now
     requeued_namespace: str | None = field(default=None, compare=False)  # ... and its namespace
     requeued_shape: str = field(default="", compare=False)  # ... and its placement shape
+    # (namespace, queue, shape) of a call whose end freed room under a fleet-wide limit
+    freed: tuple[str, str, str] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -370,6 +372,10 @@ class Listing(Protocol):
 
     def frame_stats(self, owner_id: str) -> FrameStats: ...
 
+    def limits(self) -> dict[str, dict[str, int]]:
+        """Every fleet-wide limit: ``{"queues": {name: max_running}, "keys": {key: max}}``."""
+        ...
+
 
 class Store(Listing, Protocol):
     # -- producer side ------------------------------------------------------------------------
@@ -397,6 +403,11 @@ class Store(Listing, Protocol):
     def cancel(self, invocation_id: str) -> str | None:
         """Queued -> cancelled at once; running -> cancel_requested (a cancel command is queued for
         its worker); terminal -> unchanged. Returns the state after the call, None if unknown."""
+        ...
+
+    def set_queue_limit(self, queue: str, max_running: int | None) -> None:
+        """Cap the calls of ``queue`` running at once across the fleet (None: clear the cap);
+        PlaneError(400) for a value that is not a whole number from 0 (store/limits.py)."""
         ...
 
     # -- daemon side --------------------------------------------------------------------------

@@ -50,7 +50,8 @@ from .api import (
 from .engine import Database, migrate, retry_on_disconnect
 from .exec_jobs import ExecJobStore
 from .frames import FrameStore, frame_channel
-from .invocations import CANCEL_REASON, InvocationStore, _Prepared
+from .invocations import CANCEL_REASON, InvocationStore, _Prepared, freed_channels
+from .limits import LimitStore
 from .listing import ListingStore
 from .notify import Notifier, exec_queue_channel, invocation_channels
 from .outage import classify
@@ -79,7 +80,9 @@ def _cancels_again(renewed: dict[str, bool], taken: list[Command]) -> list[Comma
 OnCommit = Callable[[list[tuple[int, "WriteResult | PlaneError"]]], None]
 
 
-class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingStore, RetentionStore):
+class SqlStore(
+    InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingStore, RetentionStore, LimitStore
+):
     """The Store protocol over SQLite (file or ``:memory:``) or PostgreSQL."""
 
     def __init__(self, url: str, *, notifier: Notifier | None = None, migrate_schema: bool = True) -> None:
@@ -335,6 +338,7 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
                         results[j] = ack
                         if ack.ok and not ack.duplicate:
                             channels.append(f"inv:{req.invocation_id}")
+                            requeued.extend(freed_channels(ack.freed))  # room under a limit
                         if ack.requeued:  # a retry claimable now: one wake per invocation
                             requeued.extend(
                                 invocation_channels(
