@@ -34,10 +34,12 @@ from dreamlake.lakeshore.server import (
     authz,
     blobroutes,
     bulk,
+    checkpoints,
     daemon,
     namespaces,
     ops,
     producer,
+    secrets,
     sends,
     streams,
     tasks,
@@ -70,6 +72,8 @@ def _guard(fn: Handler, outages: Outages | None = None) -> Handler:
         try:
             return await fn(request)
         except HTTPError as exc:
+            if exc.status in (400, 413, 429):  # the caller's mistake or limit: one line, no traceback
+                log.info("%s %s: %d %s", request.method, request.url.path, exc.status, exc.message[:200])
             return h.error_answer(request, exc)
         except ClientDisconnect:
             # The client hung up (or the server's body read timeout closed it) mid-body: nobody
@@ -234,6 +238,10 @@ class Routes:
         status, out = await daemon.ack(self.ctx, caller, await self._msgpack(request))
         return h.msgpack_response(out, status)
 
+    async def checkpoint(self, request: Request, caller: Caller) -> Response:
+        status, out = await checkpoints.checkpoint(self.ctx, caller, await self._msgpack(request))
+        return h.msgpack_response(out, status)
+
     async def result_chunk(self, request: Request, caller: Caller) -> Response:
         status, out = await daemon.result_chunk(self.ctx, caller, await self._msgpack(request))
         return h.msgpack_response(out, status)
@@ -249,6 +257,9 @@ class Routes:
     async def heartbeat(self, request: Request, caller: Caller) -> Response:
         return h.msgpack_response(await daemon.heartbeat(self.ctx, caller, await self._msgpack(request)))
 
+    async def deregister(self, request: Request, caller: Caller) -> Response:
+        return h.msgpack_response(await daemon.deregister(self.ctx, caller, await self._msgpack(request)))
+
     # -- namespaces (JSON) ---------------------------------------------------------------------
 
     def _ns(self, request: Request, caller: Caller) -> str:
@@ -258,7 +269,8 @@ class Routes:
 
     async def exec_(self, request: Request, caller: Caller) -> Response:
         ns = self._ns(request, caller)
-        status, out = await namespaces.exec_(self.ctx, ns, await self._json(request))
+        body = await self._json(request)
+        status, out = await namespaces.exec_(self.ctx, ns, body, legacy=caller.namespace is None)
         return h.json_response(out, status)
 
     async def job_result(self, request: Request, caller: Caller) -> Response:
@@ -280,7 +292,9 @@ class Routes:
         if caller.rule is authz.Own.DESCENDANTS:
             await tasks.live(self.ctx, caller.principal)  # a task presigns while its attempt runs
         body = await self._json(request)
-        return h.json_response(await namespaces.presign(self.ctx, ns, body, str(request.base_url)))
+        legacy = caller.namespace is None  # an admin, an unbound nymph: keys minted before namespaces too
+        answer = await namespaces.presign(self.ctx, ns, body, str(request.base_url), legacy=legacy)
+        return h.json_response(answer)
 
     # -- the local blob directory (no bucket): presigned URLs onto the control plane itself ------
 
@@ -294,6 +308,23 @@ class Routes:
         ns = self._ns(request, caller)
         return h.json_response(await namespaces.pin(self.ctx, ns, await self._json(request)))
 
+    # -- secrets (server/secrets.py) ---------------------------------------------------------
+
+    async def secret_list(self, request: Request, caller: Caller) -> Response:
+        return h.json_response(await secrets.listing(self.ctx, self._ns(request, caller)))
+
+    async def secret_put(self, request: Request, caller: Caller) -> Response:
+        ns = self._ns(request, caller)
+        name = request.path_params["name"]
+        return h.json_response(await secrets.put(self.ctx, ns, name, await self._json(request)))
+
+    async def secret_delete(self, request: Request, caller: Caller) -> Response:
+        ns = self._ns(request, caller)
+        return h.json_response(await secrets.delete(self.ctx, ns, request.path_params["name"]))
+
+    async def secrets_fetch(self, request: Request, caller: Caller) -> Response:
+        return h.msgpack_response(await secrets.fetch(self.ctx, caller, await self._msgpack(request)))
+
     def _endpoint(self, route: authz.RouteAuth) -> Handler:
         """The route's handler behind its gate: authenticate (401), then authorize (403)."""
         owner: Any = self.ops if route.handler.startswith("ops.") else self
@@ -306,6 +337,10 @@ class Routes:
                 caller = authz.Caller(authz.ANONYMOUS, authz.Own.ANY, route)
             else:
                 caller = authz.authorize(route, await self.ctx.auth.principal(request))
+                if caller.principal.kind == "task" and caller.rule is not authz.Own.DESCENDANTS:
+                    # a task token lives while its attempt runs, on every route (whoami too): the
+                    # "own descendants" routes check that with their target, the others here
+                    await tasks.live(self.ctx, caller.principal)
             return await handler(request, caller)
 
         return _guard(endpoint, self.ctx.outages)

@@ -111,13 +111,16 @@ async def register(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[s
         "version": field(body, "version", str, default=""),
         "runner": field(body, "runner", str, default=""),
         "queues": _queues(body, default=["default"]),
-        "labels": field(body, "labels", dict, default={}),
+        "labels": http.document(body, "labels", default={}),
         "slots": http.integer(body, "slots", hi=http.I32_MAX, default=1),
         "namespace": namespace or principal.namespace,
     }
     capacity = field(body, "capacity", dict, default=None, nullable=True)
     if capacity is not None:  # what the host has (docs/protocol.md "Placement"): shown, not matched
         info["capacity"] = json_safe(capacity, "field 'capacity'")
+    allow_pickled = field(body, "allow_pickled", bool, default=None, nullable=True)
+    if allow_pickled is not None:  # whether it runs pickled functions: the SDK's submit warning
+        info["allow_pickled"] = allow_pickled
     await ctx.call(ctx.store.register_worker, worker_id, info)
     ctx.daemons.forget(worker_id)  # its namespace may have changed: the next poll and heartbeat read it
     log.info(
@@ -150,6 +153,8 @@ def run_command(inv: Invocation, task_token: str | None = None) -> dict[str, Any
     }
     if inv.args_ref is not None:
         body["args_ref"] = inv.args_ref  # the Envelope is in the payload store: fetch it first
+    if inv.checkpoint_ref is not None:
+        body["checkpoint_ref"] = inv.checkpoint_ref  # an earlier attempt's dls.checkpoint_dir()
     if rc.get("prefix"):
         body["prefix"] = rc["prefix"]
     body["attempt"] = inv.attempt
@@ -752,6 +757,17 @@ def _running_exec(body: dict[str, Any]) -> list[tuple[str, int]] | None:
             )
         pairs.append((exec_id, attempt))
     return pairs
+
+
+async def deregister(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+    """A nymph that stops cleanly says so: its worker is not live from now (``lakeshore workers``
+    says ``stopped``; queues count it no more) until it registers again. Only the token the worker
+    id is bound to may (``own worker``); leases it still holds lapse as usual."""
+    worker_id = await _worker(ctx, caller, body)
+    await ctx.call(ctx.store.deregister_worker, worker_id)
+    ctx.daemons.forget(worker_id)
+    log.info("worker %s deregistered (a clean stop)", worker_id)
+    return {"ok": True}
 
 
 async def heartbeat(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:

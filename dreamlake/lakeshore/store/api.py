@@ -10,7 +10,7 @@ Times are float seconds since the epoch. Blobs are ``bytes``. ``error`` is an Er
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -24,6 +24,7 @@ from dreamlake.lakeshore.states import State as State
 from .placement import NO_OFFER, Offer
 
 if TYPE_CHECKING:
+    from .activity import Activity, Sweep
     from .retention import GcResult
 
 DEFAULT_LEASE_S = 30.0
@@ -81,6 +82,8 @@ class Invocation:
 
     not_before: float | None = None  # a retry waits queued until then (None: claimable)
     shape: str = ""  # its placement shape (store/placement.py); '' needs nothing
+    preemptions: int = 0  # attempts that ended preempted: they spend no max_attempts
+    checkpoint_ref: dict[str, Any] | None = None  # what the next attempt starts from (issue 30)
 
     def status(self) -> dict[str, Any]:
         """The producer's view of this row: the ``GET /v1/producer/invocations/:id`` body."""
@@ -92,6 +95,7 @@ class Invocation:
             "priority": self.priority,
             "attempt": self.attempt,
             "max_attempts": self.max_attempts,
+            "preemptions": self.preemptions,
             "worker_id": self.worker_id,
             "submitted_at": self.submitted_at,
             "started_at": self.started_at,
@@ -299,6 +303,7 @@ class WorkerRow:
     registered_at: float
     last_seen: float  # the latest register, poll or heartbeat
     busy: int  # invocations and exec jobs it holds running
+    stopped_at: float | None = None  # when it deregistered (a clean stop); a stopped worker is not live
 
 
 @dataclass
@@ -365,12 +370,23 @@ class Listing(Protocol):
         since: float | None = None,
         limit: int = 50,
         cursor: str | None = None,
+        sweep: str | None = None,
     ) -> InvocationPage:
         """Invocations newest first (by id, a ULID), submitted at or after ``since``, with ids
-        before ``cursor``; at most ``limit`` (clamped to 1..LIST_LIMIT_MAX)."""
+        before ``cursor``; at most ``limit`` (clamped to 1..LIST_LIMIT_MAX); only the calls of one
+        ``map`` when ``sweep`` names it (``run_config.sweep``)."""
         ...
 
     def frame_stats(self, owner_id: str) -> FrameStats: ...
+
+    def activity(self, namespace: str | None, since: float) -> list[Activity]:
+        """Submit, start and finish times of what waited, ran or finished since ``since`` (the
+        dashboard's charts; store/activity.py)."""
+        ...
+
+    def sweeps(self, namespace: str | None, since: float, limit: int = 20) -> list[Sweep]:
+        """The ``map`` sweeps submitted since ``since``, newest first, with counts by state."""
+        ...
 
     def limits(self) -> dict[str, dict[str, int]]:
         """Every fleet-wide limit: ``{"queues": {name: max_running}, "keys": {key: max}}``."""
@@ -381,8 +397,9 @@ class Store(Listing, Protocol):
     # -- producer side ------------------------------------------------------------------------
     def submit(self, req: SubmitRequest) -> SubmitResult: ...
     def get(self, invocation_id: str) -> Invocation | None: ...
-    def get_many(self, invocation_ids: Sequence[str]) -> list[Invocation]:
-        """The invocations of ``invocation_ids`` that exist, in one read (any order)."""
+    def get_many(self, invocation_ids: Sequence[str], *, args: bool = True) -> list[Invocation]:
+        """The invocations of ``invocation_ids`` that exist, in one read (any order); without
+        ``args`` their arguments are not read (``args_blob`` empty)."""
         ...
 
     def lineage(self, invocation_id: str, limit: int = 64) -> list[str]:
@@ -412,6 +429,10 @@ class Store(Listing, Protocol):
 
     # -- daemon side --------------------------------------------------------------------------
     def register_worker(self, worker_id: str, info: dict[str, Any]) -> None: ...
+    def deregister_worker(self, worker_id: str) -> None:
+        """Mark the worker stopped (a clean stop): not live from now until it registers again."""
+        ...
+
     def worker_info(self, worker_id: str) -> dict[str, Any] | None:
         """The info of the worker's latest register; None for a worker that never registered."""
         ...
@@ -457,6 +478,14 @@ class Store(Listing, Protocol):
         running under that attempt (when attempt is given) / that worker (when given).
         finished_at = now unconditionally on success. A repeat of an already-recorded identical
         outcome answers duplicate=True."""
+        ...
+
+    def set_checkpoint(
+        self, invocation_id: str, attempt: int, worker_id: str, ref: dict[str, Any]
+    ) -> tuple[int, str] | None:
+        """Record ``ref`` as the checkpoint the next attempt starts from, when ``worker_id`` holds
+        ``attempt`` of the running invocation; else ``(status, reason)`` (a stale attempt's
+        checkpoint never overwrites the current one's)."""
         ...
 
     def append_frame(
@@ -585,6 +614,12 @@ class Store(Listing, Protocol):
         ...
 
     def count_tokens(self) -> int: ...
+
+    # -- secrets (sealed bytes only: server/secrets.py seals and opens them) ------------------
+    def put_secret(self, namespace: str, name: str, sealed: bytes) -> None: ...
+    def secret_names(self, namespace: str) -> list[tuple[str, float]]: ...
+    def sealed_secrets(self, namespace: str, names: Iterable[str]) -> dict[str, bytes]: ...
+    def delete_secret(self, namespace: str, name: str) -> bool: ...
     def create_exec(
         self,
         namespace: str,

@@ -29,6 +29,7 @@ from sqlalchemy.engine import Connection
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.ids import new_ulid
 
+from .activity import ActivityStore
 from .api import (
     DEFAULT_LEASE_S,
     DEFAULT_NAMESPACE,
@@ -57,6 +58,7 @@ from .notify import Notifier, exec_queue_channel, invocation_channels
 from .outage import classify
 from .placement import NO_OFFER, Offer
 from .retention import RetentionStore
+from .secrets import SecretStore
 from .workers import WorkerStore
 
 log = logging.getLogger(__name__)
@@ -81,7 +83,15 @@ OnCommit = Callable[[list[tuple[int, "WriteResult | PlaneError"]]], None]
 
 
 class SqlStore(
-    InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingStore, RetentionStore, LimitStore
+    InvocationStore,
+    FrameStore,
+    WorkerStore,
+    ExecJobStore,
+    ListingStore,
+    RetentionStore,
+    ActivityStore,
+    SecretStore,
+    LimitStore,
 ):
     """The Store protocol over SQLite (file or ``:memory:``) or PostgreSQL."""
 
@@ -238,6 +248,10 @@ class SqlStore(
                 prepared = self._prepare_write(req)
             except PlaneError as exc:
                 out[i] = exc
+                continue
+            except Exception as exc:  # a bug met by this write alone: its 500, never its neighbours'
+                log.exception("preparing a %s failed", type(req).__name__)
+                out[i] = PlaneError(f"the store failed: {type(exc).__name__}", status=500)
                 continue
             if isinstance(prepared, _Prepared) or (isinstance(prepared, PollRequest) and prepared.handed):
                 group = 0  # a handed pass claims in its submits' transaction, right after them
