@@ -72,7 +72,7 @@ def _heard(store: SqlStore) -> list[str]:
 
 
 def test_a_requeued_gpu_call_wakes_the_channel_of_its_shape(store: SqlStore) -> None:
-    """A retry, a lapsed lease and a retry of the group commit notify ``run-queue:<ns>:<q>:<shape>``
+    """A retry, a retry of the group commit, a preemption and a lapsed lease notify ``run-queue:<ns>:<q>:<shape>``
     (the poll hub then wakes a poll whose offer fits it), not the plain channel no GPU poll hears."""
     rc = {"resources": {"gpus": 2}, "max_attempts": 5, "retry_on": ["TimeoutError"], "backoff_s": 0}
     inv = submit(store, "gpu", **rc)
@@ -87,6 +87,10 @@ def test_a_requeued_gpu_call_wakes_the_channel_of_its_shape(store: SqlStore) -> 
     store.claim("w", ["gpu"], offer=Offer.of(2))
     store.write_batch([AckRequest(inv, "failed", 2, "w", None, TIMEOUT_ERR)])
     assert shaped in heard
+    heard.clear()
+    (claimed,) = store.claim("w", ["gpu"], offer=Offer.of(2))
+    assert ack(store, inv, "preempted", attempt=claimed.attempt, worker_id="w").state == "queued"
+    assert shaped in heard and run_queue_channel("default", "gpu") not in heard
     heard.clear()
     store.claim("w", ["gpu"], offer=Offer.of(2))
     assert store.expire_leases(now=time.time() + 10**6) == [inv]
