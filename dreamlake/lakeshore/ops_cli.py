@@ -365,6 +365,7 @@ def show(url: str | None, token: str | None, invocation_id: str, as_json: bool, 
         f"worker      {d['worker_id'] or '-'}",
         f"frames      {frames['count']}" + (f" (last seq {frames['last_seq']})" if frames["count"] else ""),
         f"attempts    {attempt_label(d, long=True)}",
+        *([f"waits       {d['waiting']['message']}"] if d.get("waiting") else []),  # a queued call: why
         *([f"sweep       {sweep}  (lakeshore ls --sweep {sweep})"] if (sweep := _sweep_of(d)) else []),
     ]  # fmt: skip
     for a in d["attempts"]:

@@ -21,7 +21,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from dreamlake.lakeshore.server import authz, producer
+from dreamlake.lakeshore.server import authz, producer, waiting
 from dreamlake.lakeshore.server import http as h
 from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.context import Context
@@ -283,6 +283,7 @@ async def read_detail(ctx: Context, principal: Principal, invocation_id: str) ->
     history = await ctx.call(ctx.store.attempts, invocation_id)
     out = detail_json(inv, frames, time.time(), history)
     out["children"] = await producer.children(ctx, invocation_id)
+    out["waiting"] = await waiting.why_waiting(ctx, inv)  # a queued call: why (server/waiting.py)
     return out
 
 

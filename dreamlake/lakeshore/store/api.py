@@ -392,6 +392,11 @@ class Listing(Protocol):
         """Every fleet-wide limit: ``{"queues": {name: max_running}, "keys": {key: max}}``."""
         ...
 
+    def limit_use(self, queue: str, concurrency_key: str | None) -> list[tuple[str, int, int]]:
+        """``(name, max_running, running now)`` of each limit covering a call of ``queue`` (and of
+        ``concurrency_key``)."""
+        ...
+
 
 class Store(Listing, Protocol):
     # -- producer side ------------------------------------------------------------------------

@@ -59,6 +59,37 @@ class LimitStore(StoreBase):
         self._notify(*invocation_channels(DEFAULT_NAMESPACE, queue))  # more room, maybe: a pass
 
     @retry_on_disconnect
+    def limit_use(self, queue: str, concurrency_key: str | None) -> list[tuple[str, int, int]]:
+        """``(limits row name, max_running, running now)`` of each limit that covers a call of
+        ``queue`` (and of ``concurrency_key``): what ``lakeshore show`` says a queued call waits on.
+        A key's running calls are counted over the shapes naming it (the ``shapes`` table)."""
+        names = [queue_limit(queue)] + ([KEY_PREFIX + concurrency_key] if concurrency_key else [])
+        lim, inv, sh = t.limits, t.invocations, t.shapes
+        running = sa.select(sa.func.count()).select_from(inv).where(inv.c.state == "running")
+        out: list[tuple[str, int, int]] = []
+        with self.db.tx(write=False) as conn:
+            found = conn.execute(sa.select(lim.c.name, lim.c.max_running).where(lim.c.name.in_(names)))
+            for name, most in sorted(found):
+                if name.startswith(QUEUE_PREFIX):
+                    n = conn.execute(running.where(inv.c.queue == queue)).scalar_one()
+                else:
+                    key = name.removeprefix(KEY_PREFIX)
+                    pairs = [
+                        (q, s)
+                        for q, s, needs in conn.execute(sa.select(sh.c.queue, sh.c.shape, sh.c.needs))
+                        if isinstance(needs, dict) and needs.get("concurrency_key") == key
+                    ]
+                    n = (
+                        conn.execute(
+                            running.where(sa.tuple_(inv.c.queue, inv.c.shape).in_(pairs))
+                        ).scalar_one()
+                        if pairs
+                        else 0
+                    )
+                out.append((name, int(most), int(n)))
+        return out
+
+    @retry_on_disconnect
     def limits(self) -> dict[str, dict[str, int]]:
         """Every limit: ``{"queues": {name: max_running}, "keys": {concurrency_key: max}}``."""
         lim = t.limits
