@@ -252,7 +252,8 @@ def queues(url: str | None, token: str | None, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @guarded
 def workers(url: str | None, token: str | None, live: bool, as_json: bool) -> None:
-    """Workers: id, host, runner, queues, slots busy/total, last heartbeat, version, labels."""
+    """Workers: id, host, runner, queues, slots busy/total, GPUs free/total (model), CPUs and
+    memory, last heartbeat, version, labels."""
     with _client(url, token) as client:
         rows = list(client.all_workers(live=live))
     if as_json:
@@ -260,7 +261,18 @@ def workers(url: str | None, token: str | None, live: bool, as_json: bool) -> No
         return
     click.echo(
         table(
-            ["WORKER", "HOST", "RUNNER", "QUEUES", "SLOTS", "LAST SEEN", "VERSION", "LABELS"],
+            [
+                "WORKER",
+                "HOST",
+                "RUNNER",
+                "QUEUES",
+                "SLOTS",
+                "GPUS FREE",
+                "CPUS/MEMORY",
+                "LAST SEEN",
+                "VERSION",
+                "LABELS",
+            ],
             [
                 [
                     w["worker_id"],
@@ -268,6 +280,7 @@ def workers(url: str | None, token: str | None, live: bool, as_json: bool) -> No
                     w["runner"],
                     ",".join(w["queues"]),
                     f"{w['busy']}/{w['slots'] if w['slots'] is not None else '?'}",
+                    *capacity_cells(w),
                     age(w["last_seen_age_s"])
                     + ("" if w["live"] else " (stopped)" if w.get("stopped_at") else " (gone)"),
                     w["version"],
@@ -277,6 +290,19 @@ def workers(url: str | None, token: str | None, live: bool, as_json: bool) -> No
             ],
         )
     )
+
+
+def capacity_cells(w: dict[str, Any]) -> list[str]:
+    """``GPUS FREE`` (free/total and model, free from the worker's latest poll) and
+    ``CPUS/MEMORY`` (as it registered them) of a worker row; ``-`` for what it did not say."""
+    cap = w.get("capacity") or {}
+    free = (w.get("free") or {}).get("gpus")
+    total = cap.get("gpus") or 0
+    models = "+".join(cap.get("gpu_models") or [])
+    gpus = f"{'?' if free is None else free}/{total}" + (f" {models}" if models else "") if total else "-"
+    cpus, mem = cap.get("cpus"), cap.get("memory_mb")
+    size = f"{cpus}/{mem / 1024:.0f}G" if isinstance(cpus, int) and isinstance(mem, (int, float)) else "-"
+    return [gpus, size]
 
 
 @click.command("ls")

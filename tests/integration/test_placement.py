@@ -263,3 +263,31 @@ def test_a_queue_limit_holds_across_the_fleet(plane: PlacedServer, nymphs: Calla
     assert row[head.split().index("LIMIT")] == "2", (head, lines)
     _lakeshore(plane, "queue", "limit", "batch", "--clear")
     assert _queue_row(plane, "batch")["max_running"] is None
+
+
+def test_workers_show_capacity_and_what_is_free(
+    plane: PlacedServer, nymphs: Callable[..., GpuNymph], tmp_path: Path
+) -> None:
+    """``lakeshore workers`` and ``/v1/ops/workers``: each nymph's GPUs (count, model), CPUs,
+    memory and labels as it registered them, and the GPUs and slots free as of its latest poll."""
+    big = nymphs("big", "0,1,2,3", "--label", "pool=a", slots=3)
+    gate = tmp_path / "gate"
+    holder = _submit(plane, nymph_fns.wait_for_file, str(gate), resources={"gpus": 3})["invocation_id"]
+    _until(lambda: _status(plane, holder)["state"] == "running", "the call to hold three GPUs")
+
+    def row() -> dict[str, Any] | None:
+        (w,) = [w for w in _workers(plane) if w["worker_id"] == big.worker_id]
+        return w if w["free"]["gpus"] == 1 else None
+
+    w = _until(row, "the free GPUs of its poll after the claim")
+    assert w["capacity"]["gpus"] == 4 and w["capacity"]["cpus"] >= 1 and w["capacity"]["memory_mb"] > 0
+    assert w["free"]["slots"] == 2 and w["labels"]["pool"] == "a"
+    head, *lines = _lakeshore(plane, "workers").splitlines()
+    (line,) = [x for x in lines if x.startswith(big.worker_id)]
+    assert "GPUS FREE" in head and " 1/4" in line and "pool=a" in line, (head, line)
+    gate.write_text("go")
+    _until(lambda: _done(plane, holder), "the call to finish")
+    _until(
+        lambda: next(w for w in _workers(plane) if w["worker_id"] == big.worker_id)["free"]["gpus"] == 4,
+        "its next poll to offer all four GPUs again",
+    )

@@ -88,6 +88,27 @@ def worker_json(w: WorkerRow, now: float, live_within: float = LIVE_WINDOW_S) ->
         "last_seen_age_s": round(max(0.0, now - w.last_seen), 3),
         "live": now - w.last_seen <= live_within and w.stopped_at is None,
         "stopped_at": w.stopped_at,  # a clean stop deregistered it then (not live since)
+        "capacity": capacity_json(info.get("capacity")),
+        "free": {  # what it has free now: slots from what it runs, GPUs from its latest poll's offer
+            "slots": max(0, slots - w.busy) if isinstance(slots, int) else None,
+            "gpus": w.free_gpus,
+        },
+    }
+
+
+def capacity_json(capacity: Any) -> dict[str, Any] | None:
+    """What a worker registered it has (docs/protocol.md "Placement"); None: it said nothing."""
+    if not isinstance(capacity, dict):
+        return None
+    gpus = [g for g in capacity.get("gpus") or [] if isinstance(g, dict)]
+    return {
+        "cpus": capacity.get("cpus"),
+        "memory_mb": capacity.get("memory_mb"),
+        "gpus": len(gpus),
+        "gpu_models": sorted({str(g.get("model")) for g in gpus if g.get("model")}),
+        "gpu_memory_mib": [g.get("memory_mib") for g in gpus],
+        "arch": capacity.get("arch"),
+        "os": capacity.get("os"),
     }
 
 

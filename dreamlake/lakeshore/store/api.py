@@ -304,6 +304,7 @@ class WorkerRow:
     last_seen: float  # the latest register, poll or heartbeat
     busy: int  # invocations and exec jobs it holds running
     stopped_at: float | None = None  # when it deregistered (a clean stop); a stopped worker is not live
+    free_gpus: int | None = None  # the GPUs its latest poll offered free; None: not known
 
 
 @dataclass

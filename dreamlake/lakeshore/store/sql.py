@@ -172,6 +172,8 @@ class SqlStore(
                 jobs = self._claim_exec_in(
                     conn, req.worker_id, req.queues, left, now, req.namespace, req.lease_s
                 )
+        taken = sum(n.gpus for i in claimed if i.shape and (n := self.shape_needs(i.queue, i.shape)))
+        self._offered_in(conn, req.worker_id, max(0, req.offer.gpus - taken))  # free after this pass
         if duties is None:
             pinned = self._pinned_in(conn, req.worker_id, req.namespace) if pin else None
         return PollResult(commands, claimed, jobs, pinned)
