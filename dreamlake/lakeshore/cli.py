@@ -366,6 +366,11 @@ from dreamlake.lakeshore.secret_cli import secret as _secret_group  # noqa: E402
 
 main.add_command(_secret_group)
 
+# -- `lakeshore queue limit` (dreamlake/lakeshore/limits_cli.py) -------------------------------
+from dreamlake.lakeshore.limits_cli import queue as _queue_group  # noqa: E402
+
+main.add_command(_queue_group)
+
 
 if __name__ == "__main__":  # pragma: no cover
     main()
