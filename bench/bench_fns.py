@@ -18,6 +18,13 @@ def ticks(n: int) -> Iterator[dict[str, float]]:
         yield {"i": i, "t": time.time()}
 
 
+def echo_back(n: int) -> Iterator[int]:
+    """Two-way (it uses its yields): yield 0, then each value sent in, ``n`` times."""
+    got = 0
+    for _ in range(n):
+        got = yield got
+
+
 def blobs(n: int, size: int) -> Iterator[bytes]:
     """Yield ``n`` values of ``size`` bytes (bench/streams.py)."""
     for i in range(n):
@@ -59,3 +66,10 @@ def noisy_ticks(n: int, lines: int) -> Iterator[dict[str, float]]:
         for j in range(lines):
             print(f"value {i} line {j}")
         yield {"i": i, "t": time.time()}
+
+
+def import_probe(module: str | None = None) -> str:
+    """Import ``module`` (from the call's pip environment, bench/pip_envs.py) and say where from."""
+    if module is None:
+        return ""
+    return str(__import__(module).__file__)

@@ -67,6 +67,9 @@ sys.path.insert(0, str(ROOT))
 from dreamlake.lakeshore.ids import new_ulid  # noqa: E402
 from tests.integration.conftest import submit_body  # noqa: E402
 
+# a daemon's capacity and poll offer as nymph sends them (no GPUs, its automatic labels)
+CAPACITY = {"cpus": 8, "memory_mb": 32768, "gpus": [], "arch": "x86_64", "os": "linux"}
+OFFER = {"gpus": 0, "labels": {"arch": "x86_64", "os": "linux"}}
 POLL_TIMEOUT_S = 20.0
 GOAL_P99_S = 0.020
 GOAL_N = 1000
@@ -239,7 +242,7 @@ class Fleet:
             status, out, _ = await side.request(
                 "POST",
                 "/v1/daemon/register",
-                {"worker_id": worker, "queues": [self.queue], "runner": "bench"},
+                {"worker_id": worker, "queues": [self.queue], "runner": "bench", "capacity": CAPACITY},
             )
         assert status == 200, out
         period = self.heartbeat_s or float(out.get("heartbeat_s", 10.0))
@@ -251,6 +254,7 @@ class Fleet:
             "max": 1,
             "timeout_s": POLL_TIMEOUT_S,
             "version": "bench",
+            "offer": OFFER,  # what nymph's polls carry (docs/protocol.md "Placement")
         }
         # A fleet in its steady state renews its polls at random moments: the first poll of each
         # daemon ends at a random point of the period, as if it had been running for a while (a

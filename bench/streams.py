@@ -12,7 +12,10 @@ nymph: ``LocalStack`` (``lakeshore server`` and ``nymph start`` with the process
 processes on loopback); ``bench_fns.ticks`` (``t`` is the wall clock, the processes differ) is
 followed live over HTTP by this process. Rows: frames/s and per-frame latency for
 ``--nymph-frames`` values; the first frame's latency (yield to consumer) over ``--first-runs``
-invocations (p50 / p90); and 200 values of 1 MiB (``--blobs``). For the two long generators:
+invocations (p50 / p90); and 200 values of 1 MiB (``--blobs``). Two-way (``bench_fns.echo_back``, a
+generator that uses its yields, ``--two-way`` round trips): the send -> next-yield round trip,
+``s.send(i)`` until the value it returned arrived (p50 / p90; goal: p50 <= 2x the first frame's p50
+of the same run), and the sustained two-way rate (round trips per second). For the two long generators:
 nymph's peak RSS and the peak size of its outbox directory (sampled every 50 ms), and nymph's own
 peak of undelivered stream bytes (``nymph_stream_undelivered_bytes_peak``, when it has it).
 
@@ -183,7 +186,32 @@ def _follow(plane: HttpDispatch, fn: Any, *args: Any) -> list[tuple[float, Any]]
     return out
 
 
-def nymph_rows(frames: int, blobs: int, first_runs: int) -> list[tuple[str, str]]:
+def _two_way(plane: HttpDispatch, rounds: int, first_p50_ms: float) -> str:
+    """``rounds`` send -> next-yield round trips into ``bench_fns.echo_back`` (module docstring)."""
+    import bench_fns
+
+    envelope = Envelope.create(fn_for(bench_fns.echo_back, "ref"), (rounds + 1,), {}).to_bytes()
+    inv = plane.submit(envelope, "bench", {"two_way": True})
+    s = dls.SyncQueue("bench", dispatch=plane).stream(inv, timeout=60)
+    next(s)
+    for i in range(5):  # warm: the relay and the entry's wait are running
+        s.send(i)
+    trips = []
+    start = time.perf_counter()
+    for i in range(rounds - 5):
+        t0 = time.perf_counter()
+        assert s.send(i) == i
+        trips.append((time.perf_counter() - t0) * 1e3)
+    span = time.perf_counter() - start
+    s.close()
+    p50 = percentile(trips, 0.5)
+    return (
+        f"p50 {p50:.2f} ms  p90 {percentile(trips, 0.9):.2f} ms  ({p50 / first_p50_ms:.1f}x the first frame; "
+        f"goal <= 2x)  sustained {len(trips) / span:.0f} round trips/s"
+    )
+
+
+def nymph_rows(frames: int, blobs: int, first_runs: int, two_way: int = 200) -> list[tuple[str, str]]:
     """The nymph rows (see the module docstring), as (label, figures) pairs."""
     import bench_fns
 
@@ -209,6 +237,7 @@ def nymph_rows(frames: int, blobs: int, first_runs: int) -> list[tuple[str, str]
                 f"p50 {percentile(firsts, 0.5):.2f} ms  p90 {percentile(firsts, 0.9):.2f} ms  (goal <= {GOAL_FIRST_MS:g} ms p50)",
             )
         )
+        rows.append(("two-way send -> yield", _two_way(plane, two_way, percentile(firsts, 0.5))))
         outbox = stack.dir / "state" / "outbox"
         for label, fn, args, size in (
             (f"{frames} small values", bench_fns.ticks, (frames,), 0),
@@ -246,6 +275,7 @@ def main() -> None:
     parser.add_argument("--nymph-frames", type=int, default=20_000)
     parser.add_argument("--blobs", type=int, default=200)
     parser.add_argument("--first-runs", type=int, default=20)
+    parser.add_argument("--two-way", type=int, default=200, help="send -> yield round trips through nymph")
     parser.add_argument("--no-nymph", action="store_true", help="only the in-process planes")
     args = parser.parse_args()
     sys.path.insert(0, str(BENCH))
@@ -271,7 +301,7 @@ def main() -> None:
         )
     if not args.no_nymph:
         print(f"\nnymph (process runner) -> live consumer over HTTP (goal >= {GOAL_FPS} frames/s):")
-        for label, figures in nymph_rows(args.nymph_frames, args.blobs, args.first_runs):
+        for label, figures in nymph_rows(args.nymph_frames, args.blobs, args.first_runs, args.two_way):
             print(f"  {label:<24} {figures}")
 
 

@@ -53,6 +53,7 @@ from nymph.identity import load_or_create_worker_id
 from nymph.jobs import Jobs
 from nymph.lifecycle import SHUTDOWN_MESSAGE, JobContext
 from nymph.outbox import Outbox
+from nymph.placement import auto_labels, host_capacity
 from nymph.poller import Poller, retrying
 from nymph.prune import PRUNE_EVERY_S, prune
 from nymph.pump import Watcher
@@ -113,6 +114,8 @@ class Agent:
         self.runner = runner
         self.client = client or ControlPlaneClient(config.server, config.token)
         self.slots = Slots(config.concurrency, gpu_pool, gpu_total)
+        self.capacity = host_capacity(gpu_pool)
+        self.labels = {**auto_labels(self.capacity), **dict(config.labels)}
         self.notify = notify or SdNotify()
         self.worker_id = ""
         self.heartbeat_s = config.heartbeat_s or 10.0
@@ -153,6 +156,7 @@ class Agent:
             acks_answered=lambda msgs, answers: (
                 self.outbox.acks_answered(msgs, answers) if self.outbox is not None else None
             ),
+            labels=self.labels,
         )
 
     # --- public ----------------------------------------------------------------------------------
@@ -200,6 +204,7 @@ class Agent:
             self._prune()
         self._shutdown()
         hb.stop()
+        self._deregister()
         return self._finish(health)
 
     def request_stop(self, immediate: bool = False) -> None:
@@ -280,8 +285,10 @@ class Agent:
             "version": __version__,
             "runner": self.runner.name,
             "queues": list(cfg.queues),
-            "labels": dict(cfg.labels),
+            "labels": self.labels,
             "slots": cfg.concurrency,
+            "capacity": self.capacity,
+            "allow_pickled": cfg.allow_pickled,  # the SDK warns at a pickled submit nobody here takes
         }
         if cfg.namespace:
             body["namespace"] = cfg.namespace
@@ -441,6 +448,20 @@ class Agent:
             )
         if upgrading:
             self.exit_code = upgrade.EXIT_VERSION_MISMATCH
+
+    def _deregister(self) -> None:
+        """Tell the control plane this worker stopped (not live from now), once shutdown is done;
+        a control plane that cannot be told finds out when the live window lapses."""
+        try:
+            self.client.deregister(self.worker_id)
+        except ClientError as exc:
+            log.warning(
+                "could not deregister worker %s (%s); it shows as live until it is not seen",
+                self.worker_id,
+                exc,
+            )
+            return
+        log.info("deregistered worker %s", self.worker_id)
 
     def _finish(self, health: Any) -> int:
         drain.clear_pid(self.config.state_dir)

@@ -7,7 +7,10 @@ for settings.
 A token given with ``--token`` is on the command line, where ``ps`` shows it to every local user:
 ``nymph start`` then re-executes itself at once (same PID) with the token moved to ``NYMPH_TOKEN``
 (readable only by nymph's own user and root, and never passed to tasks) and a warning to use
-``--token-file``. ``nymph start`` as root checks its task user first (:mod:`nymph.taskuser`).
+``--token-file``. ``nymph start`` as root checks its task user first (:mod:`nymph.taskuser`), and
+that the task user can run its tasks (:mod:`nymph.selfcheck`: the interpreter, the workdir, the
+code cache); a problem stops it before it registers. ``nymph doctor`` runs the same checks and
+registers nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 import click
 
+from dreamlake.lakeshore import __version__
 from nymph.config import NymphConfig, resolve
 from nymph.errors import ConfigError, RunnerLoadError
 
@@ -69,6 +73,11 @@ def _options(fn: Any) -> Any:
             help="Run run_config.script (bash -c) invocations; off by default.",
         ),
         click.option(
+            "--allow-exec/--no-allow-exec",
+            default=None,
+            help="Claim and run namespace exec jobs (bash -c, any command a producer sends); off by default.",
+        ),
+        click.option(
             "--allow-module",
             "allow_modules",
             multiple=True,
@@ -76,11 +85,66 @@ def _options(fn: Any) -> Any:
             help="Only run ref functions of modules matching PATTERN (fnmatch); repeatable.",
         ),
         click.option("--allow-user", "allow_users", multiple=True, help="User as_user may name; repeatable."),
-        click.option("--task-user", help="User tasks run as when nymph runs as root (default nymph-task)."),
+        click.option(
+            "--allow-pip/--no-allow-pip",
+            default=None,
+            help="Build the pip environments calls ask for (pip=..., with uv, as the task user); off by default.",
+        ),
+        click.option("--pip-index-url", help="Package index for pip environments (uv --index-url)."),
+        click.option(
+            "--pip-find-links",
+            "pip_find_links",
+            multiple=True,
+            metavar="DIR|URL",
+            help="Wheels for pip environments (uv --find-links); repeatable.",
+        ),
+        click.option(
+            "--env-cache",
+            type=click.Path(path_type=Path),
+            help="Where pip environments are built (default {workdir}/.envs).",
+        ),
+        click.option(
+            "--pass-env",
+            "pass_env",
+            multiple=True,
+            metavar="NAME",
+            help="Pass nymph's variable NAME to every task (tasks get a clean environment); repeatable.",
+        ),
+        click.option(
+            "--mount",
+            "mounts",
+            multiple=True,
+            metavar="NAME=/host/path[:ro]",
+            help="A directory calls may ask for with mounts=[NAME]; repeatable.",
+        ),
+        click.option(
+            "--task-user",
+            help="Shared task user, and the prefix of the task user pool, of a root nymph (default nymph-task).",
+        ),
+        click.option(
+            "--task-user-pool",
+            type=int,
+            help="process runner, root nymph: each task runs as its own user TASK_USER-0..N-1 (default 64; 0: none).",
+        ),
+        click.option(
+            "--shared-task-user/--no-shared-task-user",
+            default=None,
+            help="Let tasks share the task user when the pool is missing or used up (no boundary between them).",
+        ),
         click.option(
             "--allow-root-tasks/--no-allow-root-tasks",
             default=None,
             help="Let tasks run as root (nymph's own root, or as_user root); off by default.",
+        ),
+        click.option(
+            "--task-memory-max",
+            help="process runner: each task's memory.max unless it asks for less: a size or a share "
+            "of the host ('90%', the default); 0: no cap.",
+        ),
+        click.option(
+            "--task-pids-max",
+            type=int,
+            help="process runner: each task's pids.max unless it asks for less (default 4096; 0: no cap).",
         ),
         click.option("--label", "labels", multiple=True, help="k=v label of this worker; repeatable."),
         click.option("--namespace", help="Namespace this worker belongs to."),
@@ -165,6 +229,10 @@ def _resolve(kwargs: dict[str, Any]) -> NymphConfig:
             "drop them, or run with --runner process"
         )
     opts = dict(cfg.runner_options)
+    if cfg.runner == "process":  # the task cgroups' caps (nymph.limits); a runner option still wins
+        opts.setdefault("memory", None if cfg.task_memory_max in ("", "0") else cfg.task_memory_max)
+        opts.setdefault("pids", cfg.task_pids_max or None)
+        cfg = dataclasses.replace(cfg, runner_options=opts)
     if cfg.runner == "process" and opts.get("warm"):
         # one warm worker per slot: every slot's call finds one, none is kept beyond that
         opts.setdefault("warm_workers", cfg.concurrency)
@@ -190,6 +258,7 @@ def _warm_flags(kwargs: dict[str, Any]) -> bool:
 
 
 @click.group()
+@click.version_option(__version__, "--version", "-V", prog_name="nymph", message="%(prog)s %(version)s")
 def main() -> None:
     """nymph: the node agent that runs lakeshore invocations on this machine."""
 
@@ -204,6 +273,7 @@ def start(**kwargs: Any) -> None:
     from nymph.agent import Agent
     from nymph.observability import configure_logging
     from nymph.plugins import load_runner
+    from nymph.selfcheck import task_setup_problems
     from nymph.taskuser import TaskUserError, check_task_user, nymph_is_root
 
     configure_logging(cfg.log_format, cfg.log_level)
@@ -220,6 +290,10 @@ def start(**kwargs: Any) -> None:
     except TaskUserError as exc:
         runner.close()
         raise click.ClickException(str(exc)) from exc
+    problems = task_setup_problems(cfg, runner)
+    if problems:  # every task would fail later, with a misleading error: say it now, register nothing
+        runner.close()
+        raise click.ClickException("; ".join(problems) + " (`nymph doctor` runs the same checks)")
     if cfg.allow_root_tasks and nymph_is_root():
         logging.getLogger("nymph").warning(
             "--allow-root-tasks: tasks without as_user run as root on this host"
@@ -280,10 +354,16 @@ def _gpus() -> tuple[Any, int]:
 
 @main.command()
 @_options
-def doctor(**kwargs: Any) -> None:
+@click.option(
+    "--fix", is_flag=True, help="Create what is missing that nymph can create (the task user pool)."
+)
+def doctor(fix: bool, **kwargs: Any) -> None:
     """Check the server, the token, the runner and the directories; say what to fix."""
     cfg = _resolve(kwargs)
-    from nymph.doctor import report, run_checks
+    from nymph.doctor import fix_task_users, report, run_checks
+
+    if fix:
+        click.echo(fix_task_users(cfg))
 
     ok = report(run_checks(cfg), click.echo)
     sys.exit(0 if ok else 1)

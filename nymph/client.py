@@ -57,6 +57,15 @@ __all__ = [
 log = logging.getLogger("nymph.client")
 
 
+STORE_OUTAGE_TEXTS = ("store unavailable: ", "store full: ")  # the control plane's 503 when its store is down
+
+
+def store_outage(exc: BaseException) -> bool:
+    """Whether ``exc`` is the control plane's answer that its store is down (an outage to wait out)."""
+    text = str(exc)
+    return any(t in text for t in STORE_OUTAGE_TEXTS)
+
+
 class PlaneLink:
     """Whether the control plane answers, as seen by every call: one line when it stops, one when
     it answers again."""
@@ -136,8 +145,11 @@ class ControlPlaneClient(PlaneClient):
             answer = send()
         except ClientError as exc:
             # gone: no connection, a timeout, a 5xx; a 429 / 503 with Retry-After is a server that
-            # is there and asks for patience (poll admission control), not an outage
-            asked_to_wait = exc.status == 429 or (exc.status == 503 and getattr(exc, "retry_after", None))
+            # is there and asks for patience (poll admission control), not an outage, unless it
+            # says its store is down ("store unavailable: ...", "store full: ...")
+            asked_to_wait = exc.status == 429 or (
+                exc.status == 503 and getattr(exc, "retry_after", None) and not store_outage(exc)
+            )
             if is_retryable(exc) and not asked_to_wait:
                 self.link.failed(route, exc)
             else:
@@ -161,8 +173,21 @@ class ControlPlaneClient(PlaneClient):
     def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
         return self.call("/v1/daemon/heartbeat", body, timeout_s=15.0)
 
+    def deregister(self, worker_id: str) -> dict[str, Any]:
+        return self.call("/v1/daemon/deregister", {"worker_id": worker_id}, timeout_s=10.0)
+
     def ack(self, body: dict[str, Any]) -> dict[str, Any]:
         return self.call("/v1/daemon/ack", body, timeout_s=30.0)
+
+    def secrets(self, body: dict[str, Any]) -> dict[str, str]:
+        """The values of the secrets a claimed invocation names (``POST /v1/daemon/secrets``,
+        ``{invocation_id, attempt, worker_id}``): for its task's environment, never to be logged."""
+        answer = self.call("/v1/daemon/secrets", body, timeout_s=30.0).get("secrets") or {}
+        return {str(k): str(v) for k, v in answer.items()}
+
+    def sends(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+        """The sends into a two-way invocation this worker holds (a long poll: nymph.sends)."""
+        return self.call("/v1/daemon/sends", body, timeout_s=timeout_s)
 
     def result_chunk(self, body: dict[str, Any]) -> dict[str, Any]:
         return self.call("/v1/daemon/result-chunk", body, timeout_s=30.0)

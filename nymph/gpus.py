@@ -175,7 +175,8 @@ class GpuPool:
     """Whole devices handed to invocations; thread-safe. Ids are the devices' index strings."""
 
     def __init__(self, gpus: Iterable[Gpu]) -> None:
-        self._all = [g.id for g in sorted(gpus, key=lambda g: g.index)]
+        self.devices = sorted(gpus, key=lambda g: g.index)  # what registration reports
+        self._all = [g.id for g in self.devices]
         self._free = list(self._all)
         self._lock = threading.Lock()
 
@@ -224,3 +225,10 @@ class GpuPool:
             raise ValueError(
                 f"GPU(s) {', '.join(unknown)} are not in this pool ({', '.join(self._all) or 'empty'})"
             )
+
+
+def capacity(pool: GpuPool | None) -> list[dict[str, Any]]:
+    """The devices of ``pool`` as registration reports them (index, model, memory)."""
+    if pool is None:
+        return []
+    return [{"index": g.index, "model": g.name, "memory_mib": g.memory_mib} for g in pool.devices]

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from dreamlake.lakeshore import blobs, wire
+from dreamlake.lakeshore import blobs, twoway, wire
 from dreamlake.lakeshore.client import retrying
 from dreamlake.lakeshore.daemon.entry import (
     ALLOW_MODULES_ENV,
@@ -40,14 +40,17 @@ from dreamlake.lakeshore.daemon.entry import (
 )
 from dreamlake.lakeshore.envelope import Envelope, is_pickled
 from dreamlake.lakeshore.errors import LakeshoreError, PayloadCorrupt
+from dreamlake.lakeshore.settings import TOKEN_FILE_ENV
 from nymph import checkpoints, codecache, refs, safeio, taskuser
 from nymph import observability as obs
 from nymph import workdir as wd
+from nymph.callenv import CallEnv
 from nymph.errors import Refused
 from nymph.lifecycle import SHUTDOWN_MESSAGE, JobContext, Phase, Stop, SupervisedJob, backoff_s
 from nymph.outbox import CHUNKS
 from nymph.pump import WINDOW_ENV, Pump
 from nymph.runner import ExitStatus, Handle, Task
+from nymph.sends import SendRelay
 from nymph.slots import gpus_requested
 
 __all__ = ["SHUTDOWN_MESSAGE", "Job", "JobContext", "Refused", "backoff_s"]
@@ -101,10 +104,12 @@ class Job(SupervisedJob[wd.Outcome]):
         self._code: dict[str, Any] | None = None  # cfg["code"] of the Envelope: a shipped code archive
         self._code_held: str | None = None  # the sha256 this job holds in the code cache
         self._code_dirs: list[Path] = []
+        self._callenv = CallEnv()  # its pip environment, secrets, variables and mounts (nymph.callenv)
         self._overflow: str | None = None  # why the stream overflowed (the invocation fails)
         self._args_inline: bytes | None = None  # handed to the runner in the Task, not in args.msgpack
         self.state: str | None = None  # the settled state; "deferred": left for the next life
         self._made_workdir = False  # this life made the workdir (prepare): no stream state there yet
+        self._sends: SendRelay | None = None  # a two-way call's sends, fetched into the workdir
 
     def cancel(self, message: str = "cancelled by producer", grace_s: float | None = None) -> None:
         """Stop the task with the ladder and ack ``killed`` ``{type: Cancelled, message}``."""
@@ -119,11 +124,18 @@ class Job(SupervisedJob[wd.Outcome]):
         if self.body.get("args_ref") is not None and self.script is None:
             self._staged = refs.stage_args(self.ctx.client, self.ctx.config.workdir, self.body)
         self._gates()
+        self._callenv.fetch_secrets(
+            self.ctx, self.invocation_id, self.attempt, self.run_config.get("secrets")
+        )
         self._fetch_code()
-        gpus = self.ctx.slots.acquire_gpus(gpus_requested(self.run_config), self._stop_event)
-        if gpus is None:  # stopped while waiting for devices
-            return None
-        self._gpus = gpus
+        pip_env = self._callenv.build(self.ctx, self.run_config, self.run_as)
+        if pip_env is not None:  # after the shipped code on the task's import path
+            self._code_dirs.append(pip_env)
+        wanted = gpus_requested(self.run_config)
+        if len(self._gpus) != wanted:  # taken when the run command came (Jobs.start_run), else now
+            self.ctx.slots.release_gpus(self._gpus)
+            self._gpus = []
+            self._gpus = self.ctx.slots.acquire_gpus(wanted)
         if self.due_stop() is not None:
             return None
         cfg = self.ctx.config
@@ -139,6 +151,9 @@ class Job(SupervisedJob[wd.Outcome]):
         }
         meta["run_as"] = self.run_as
         meta["code_sha256"] = self._code_held  # a restarted nymph holds the archive its task runs from
+        meta["env_sha256"] = self._callenv.held  # and the pip environment
+        if self.run_config.get("two_way"):  # a restarted nymph fetches its sends again
+            meta["two_way"] = True
         blob = bytes(self.body.get("args_blob") or b"")
         inline = (
             self.ctx.runner.capabilities.args_inline
@@ -155,6 +170,7 @@ class Job(SupervisedJob[wd.Outcome]):
             self.run_as,
             args_file=self._staged,
             write_args=not inline,
+            token=self._token(),
         )
         self._made_workdir = True
         self._staged = None
@@ -170,6 +186,7 @@ class Job(SupervisedJob[wd.Outcome]):
             gpus=list(self._gpus),
             labels={"nymph.invocation": self.invocation_id, "nymph.worker": self.ctx.worker_id, **cfg.labels},
             code_dirs=list(self._code_dirs),
+            mounts=dict(self._callenv.mounts),
             args=self._args_inline,
         )
 
@@ -237,6 +254,9 @@ class Job(SupervisedJob[wd.Outcome]):
 
     def _release(self) -> None:
         self._release_code()
+        self._callenv.release(self.ctx.config)
+        if self._sends is not None:
+            self._sends.stop()
         super()._release()
 
     def _gates(self) -> None:
@@ -251,6 +271,7 @@ class Job(SupervisedJob[wd.Outcome]):
                 "--allow-script to run run_config.script with bash (that is running any shell command "
                 "its producers send)",
             )
+        pip = None  # cfg["pip"]: a pip environment (nymph.callenv)
         if self.script is None:
             try:
                 if self._staged is not None:
@@ -264,6 +285,7 @@ class Job(SupervisedJob[wd.Outcome]):
             if code is not None and not isinstance(code, dict):
                 raise Refused("CodeArchiveRefused", f"cfg.code must be a map, got {type(code).__name__}")
             self._code = code
+            pip = (header.get("cfg") or {}).get("pip")
             if is_pickled(fn) and not cfg.allow_pickled:
                 raise Refused(
                     "PickleRefused",
@@ -295,7 +317,14 @@ class Job(SupervisedJob[wd.Outcome]):
                     f"as_user {self.as_user!r} is allowed but is not a user on this host (its workdir is "
                     f"owned by that user); create it with useradd",
                 ) from None
-        self.run_as = taskuser.run_as(cfg, self.as_user)
+        self._callenv.gate(self.ctx, pip, self.run_config)
+        if self.as_user:
+            self.run_as = self.as_user
+        else:  # a user of its own from the pool (nymph.taskuser), the shared task user, or nymph's
+            try:
+                self.run_as = taskuser.task_users(cfg).acquire(self)
+            except taskuser.TaskUserError as exc:
+                raise Refused("TaskUserPoolExhausted", str(exc)) from None
         refusal = taskuser.root_refusal(cfg, self.run_as)
         if refusal is not None:
             raise Refused("RootRefused", refusal)
@@ -330,32 +359,45 @@ class Job(SupervisedJob[wd.Outcome]):
                 f"runner {self.ctx.runner.name!r} does not enforce resource limits ({', '.join(sorted(limits))})",
             )
 
-    def _env(self) -> dict[str, str]:
-        cfg = self.ctx.config
-        env = {
-            "LAKESHORE_ALLOW_PICKLED": "1" if cfg.allow_pickled else "0",
-            ALLOW_MODULES_ENV: ",".join(cfg.allow_modules),
-            "LAKESHORE_RUNTIME_POLICY": cfg.runtime_policy,
-            "LAKESHORE_INVOCATION_ID": self.invocation_id,
-            "LAKESHORE_ATTEMPT": str(self.attempt),  # dls.attempt()
-            WINDOW_ENV: cfg.stream_limits.env,
-            # the entry appends its fd 1/2 to the workdir's logs (every runner: the pump streams
-            # them live as LOG frames); Python processes the task starts write through too
-            CAPTURE_ENV: "1",
-            "PYTHONUNBUFFERED": "1",
-        }
+    def _token(self) -> str | None:
         token = self.body.get("task_token")
-        if isinstance(token, str) and token:
+        return token if isinstance(token, str) and token else None
+
+    def _env(self) -> dict[str, str]:
+        """The task's variables (nymph.taskenv: never nymph's whole environment): the passed ones,
+        the call's env and secrets, then nymph's own for the invocation (a call cannot override them)."""
+        cfg = self.ctx.config
+        env = self._callenv.variables(cfg)
+        env.update(
+            {
+                "LAKESHORE_ALLOW_PICKLED": "1" if cfg.allow_pickled else "0",
+                ALLOW_MODULES_ENV: ",".join(cfg.allow_modules),
+                "LAKESHORE_RUNTIME_POLICY": cfg.runtime_policy,
+                "LAKESHORE_INVOCATION_ID": self.invocation_id,
+                "LAKESHORE_ATTEMPT": str(self.attempt),  # dls.attempt()
+                WINDOW_ENV: cfg.stream_limits.env,
+                # the entry appends its fd 1/2 to the workdir's logs (every runner: the pump streams
+                # them live as LOG frames); Python processes the task starts write through too
+                CAPTURE_ENV: "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        if self._token():
             # the task's own credential (submit children, read and cancel its descendants; it dies
-            # with this attempt's ack): dls .submit() / SyncQueue inside the task use these two
+            # with this attempt's ack): dls .submit() / SyncQueue inside the task use these two. The
+            # token is in a file only the task's user reads (workdir.TOKEN), not in the environment
+            # every child inherits; the variable names it relative to the workdir, the task's cwd
+            # (the entry makes it absolute before the user's code runs)
             env["LAKESHORE_URL"] = cfg.task_url or cfg.server
-            env["LAKESHORE_TOKEN"] = token
+            env[TOKEN_FILE_ENV] = wd.TOKEN
         if os.environ.get("PYTHONPATH"):  # absolute: the task's cwd is not nymph's (a zygote runs in /)
             parts = os.environ["PYTHONPATH"].split(os.pathsep)
             env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p for p in parts)
         env.update(codecache.code_env(self._code_dirs))  # first on the task's import path
         if self._gpus or self.ctx.slots.gpu_total:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self._gpus)
+        if self.run_config.get("two_way"):  # the entry waits at each yield for its send
+            env[twoway.SENDS_ENV] = f"{twoway.timeout_of(self.run_config):g}"
         return env
 
     # --- a recovered invocation ------------------------------------------------------------------
@@ -364,7 +406,7 @@ class Job(SupervisedJob[wd.Outcome]):
     def attach(cls, ctx: JobContext, workdir: Path, meta: dict[str, Any], handle: Handle | None) -> Job:
         """A Job for a task a previous life started (``handle`` None: it never started)."""
         body: dict[str, Any] = {
-            "run_config": {},
+            "run_config": {"two_way": True} if meta.get("two_way") else {},
             "script": meta.get("script"),
             "as_user": meta.get("as_user"),
             "timeout_s": meta.get("timeout_s"),
@@ -373,9 +415,14 @@ class Job(SupervisedJob[wd.Outcome]):
         job.workdir = workdir
         job.handle = handle
         job.started_at = float(meta.get("started_at") or time.time())
+        if not job.as_user:  # its pool user runs it still (or ran it): not leased to another task
+            taskuser.task_users(ctx.config).hold(job, meta.get("run_as"))
+            job.run_as = meta.get("run_as")
         code = meta.get("code_sha256")
         if handle is not None and isinstance(code, str) and job._code_cache().hold(code):
             job._code_held = code  # the task still runs from it: pruning leaves it until the job ends
+        if handle is not None:
+            job._callenv.hold(ctx.config, meta.get("env_sha256"))
         gpus = [str(g) for g in meta.get("gpus") or []]
         if handle is not None and gpus and ctx.slots.claim_gpus(gpus):
             job._gpus = gpus
@@ -477,9 +524,14 @@ class Job(SupervisedJob[wd.Outcome]):
         return self.end(handle)
 
     def begin(self, handle: Handle) -> None:
-        """The stream opens as the task starts (parked or not, frames flow meanwhile)."""
+        """The stream opens as the task starts (parked or not, frames flow meanwhile); a two-way
+        call's sends start to flow into the workdir (nymph.sends)."""
         assert self.workdir is not None
         self._new_pump(self.workdir)
+        if self.run_config.get("two_way") and self.ctx.client is not None and self._sends is None:
+            self._sends = SendRelay(
+                self.ctx.client, self.workdir, self.invocation_id, self.attempt, self.ctx.worker_id
+            ).start()
 
     def end(self, handle: Handle) -> wd.Outcome:
         pump = self._pump

@@ -34,7 +34,7 @@ from nymph import observability as obs
 from nymph.execjob import ExecJob
 from nymph.job import Job
 from nymph.lifecycle import JobContext, SupervisedJob
-from nymph.slots import Slots
+from nymph.slots import Slots, gpus_requested
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +168,11 @@ class Jobs:
                 earlier.lose()
             after = earlier if isinstance(earlier, Job) else None
             job = Job(self._context(), invocation_id, attempt, body, after=after)
+            # its devices now, before the next poll offers them again (nymph/slots.py)
+            rc = body.get("run_config")
+            gpus = self._slots.take_gpus(gpus_requested(rc if isinstance(rc, dict) else {}))
+            if gpus:
+                job._gpus = gpus
             self.launch(job)
 
     def start_exec(self, body: dict[str, Any]) -> None:

@@ -37,6 +37,7 @@ from nymph.slots import Slots
 
 log = logging.getLogger(__name__)
 
+GPUS_BUSY_POLL_S = 2.0  # the longest poll while some GPUs are busy: freed ones are offered soon
 REFUSED_PAUSE_S = 5.0  # after a poll the control plane refused (not retryable, not auth)
 POLL_ACKS_MAX = 64  # acks one poll carries (the control plane takes up to 256)
 
@@ -82,6 +83,7 @@ class Poller:
         pet: Callable[[], None],
         take_acks: Callable[[str, int], list[Any]] | None = None,
         acks_answered: Callable[[list[Any], list[Any] | None], None] | None = None,
+        labels: dict[str, str] | None = None,
     ) -> None:
         self._client = client
         self._config = config
@@ -96,6 +98,7 @@ class Poller:
         self._pet = pet
         self._take_acks = take_acks
         self._acks_answered = acks_answered
+        self._labels = dict(labels or {})
         self.last_ok = False
         self.waiting_for_slot = False  # every slot busy: the next release starts a poll at once
         self._in_flight = False  # a poll request is out
@@ -136,6 +139,11 @@ class Poller:
     def _poll_once(self, free: int) -> bool:
         """One long poll and its commands; False when polling must end (token rejected)."""
         timeout_s = self._config.poll_timeout_s
+        gpus = self._slots.free_gpus()
+        if gpus < self._slots.gpu_total:
+            # the offer is what is free now: a poll waiting while GPUs are busy would not offer
+            # the ones that free up meanwhile, so it comes back soon (docs/protocol.md "Placement")
+            timeout_s = min(timeout_s, GPUS_BUSY_POLL_S)
         worker_id = self._worker_id()
         body: dict[str, Any] = {
             "worker_id": worker_id,
@@ -143,7 +151,10 @@ class Poller:
             "max": free,
             "timeout_s": timeout_s,
             "version": __version__,
+            "offer": {"gpus": gpus, "labels": self._labels},
         }
+        if not self._config.allow_exec:  # exec jobs are an opt-in (--allow-exec): never claimed here
+            body["kinds"] = ["run"]
         try:
             answer = self._request(body, timeout_s)
         except AuthRejected as exc:

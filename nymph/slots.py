@@ -2,9 +2,12 @@
 
 nymph claims work only while a slot is free: the poll asks for at most :meth:`Slots.free`
 invocations, and each claimed invocation holds one slot until it is acked. GPUs are a second,
-finer resource: an invocation whose ``run_config.resources.gpus`` is N waits (holding its slot)
-until N devices of the :class:`nymph.gpus.GpuPool` are free, and gets them as
-``CUDA_VISIBLE_DEVICES``. A request for more GPUs than the host has fails at once.
+finer resource: each poll offers the devices free now (:meth:`Slots.free_gpus`) and the control
+plane hands out only calls that fit (docs/protocol.md "Placement"), so an invocation whose
+``run_config.resources.gpus`` is N takes N devices of the :class:`nymph.gpus.GpuPool` when its
+run command arrives (:meth:`Slots.take_gpus`, before the next poll offers them again) and gets
+them as ``CUDA_VISIBLE_DEVICES``. It never waits for devices another call holds: one that finds
+too few free (a control plane older than placement) fails at once with NotEnoughGpus.
 """
 
 from __future__ import annotations
@@ -68,19 +71,34 @@ class Slots:
         with self._cond:
             return self._cond.wait_for(lambda: self._busy < self.concurrency, timeout_s)
 
-    def acquire_gpus(self, n: int, stop: threading.Event) -> list[str] | None:
-        """N device ids, waiting for them to free up; None if ``stop`` was set first."""
+    def free_gpus(self) -> int:
+        """Devices free now (what a poll offers)."""
+        if self._gpus is None:
+            return 0
+        with self._cond:
+            return int(getattr(self._gpus, "free", 0))
+
+    def take_gpus(self, n: int) -> list[str] | None:
+        """N free device ids now, or None when fewer are free (nothing taken)."""
+        if n <= 0:
+            return []
+        if self._gpus is None:
+            return None
+        with self._cond:
+            return self._gpus.acquire(n)
+
+    def acquire_gpus(self, n: int) -> list[str]:
+        """N device ids free now; NotEnoughGpus when the host has fewer, or they are held."""
         if n == 0:
             return []
         if self._gpus is None or n > self.gpu_total:
             raise NotEnoughGpus(f"asks for {n} GPU(s), this host offers {self.gpu_total}")
-        while not stop.is_set():
-            with self._cond:
-                got = self._gpus.acquire(n)
-                if got is not None:
-                    return got
-                self._cond.wait(0.5)
-        return None
+        got = self.take_gpus(n)
+        if got is None:
+            raise NotEnoughGpus(
+                f"asks for {n} GPU(s); {self.free_gpus()} of this host's {self.gpu_total} are free"
+            )
+        return got
 
     def claim_gpus(self, ids: list[str]) -> bool:
         """Take exactly ``ids`` again (a task re-attached after a restart keeps its devices)."""

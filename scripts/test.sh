@@ -17,4 +17,12 @@ echo "== mypy"; mypy
 # stays serial too.
 workers="${LAKESHORE_TEST_WORKERS:-4}"
 echo "== pytest ($workers workers)"
-exec python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
+# Every process the suite starts inherits this id; scripts/leftovers.py then fails the run, listing
+# them, when any outlived pytest (a fixture that did not kill what it started).
+LAKESHORE_SUITE_RUN="$(python -c 'import secrets; print(secrets.token_hex(8))')"
+export LAKESHORE_SUITE_RUN
+rc=0
+python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@" || rc=$?
+echo "== leftover processes"
+python scripts/leftovers.py || { [ "$rc" -ne 0 ] || rc=1; }
+exit "$rc"

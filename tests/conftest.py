@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,6 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # subprocesses (README examples, producers) inherit the same default.
 os.environ.setdefault("LAKESHORE_CODE", "none")
 REQUIRE_SERVICES = os.environ.get("LAKESHORE_REQUIRE_SERVICES") == "1"
+# The master of the control plane's keys (store/keys.py) as a PostgreSQL deployment sets it: every
+# in-process replica and ``lakeshore server`` subprocess of the suite shares it. Tests of the key
+# file (tests/security/test_tenant_attacks.py) unset it for their own stack.
+os.environ.setdefault("LAKESHORE_SERVER_KEY", "suite-only-server-key-" + "0123456789abcdef" * 2)
 
 
 def require(available: bool, reason: str) -> None:
@@ -28,6 +36,34 @@ def require(available: bool, reason: str) -> None:
     if REQUIRE_SERVICES:
         pytest.fail(f"required service missing in CI: {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+def run_owned(cmd: list[str], *, timeout: float, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` that owns what it started: the
+    command runs in a session of its own, and whatever it leaves (its process group, and any
+    descendant that made a session of its own: a ``lakeshore server`` a benchmark started) is
+    killed when it ends, times out, or the test is interrupted (pytest-timeout)."""
+    import psutil
+
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    finally:
+        try:
+            family = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.Error:
+            family = []
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        for child in family:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
 
 
 @pytest.fixture(scope="session")

@@ -113,3 +113,25 @@ def yield_then_wait(flag: str) -> Iterator[str]:
     while not os.path.exists(flag) and time.monotonic() < deadline:
         time.sleep(0.01)
     yield "second"
+
+
+async def async_add(a: int, b: int = 0) -> int:
+    import asyncio
+
+    await asyncio.sleep(0)
+    return a + b
+
+
+async def async_boom(message: str = "async kaboom") -> None:
+    import asyncio
+
+    await asyncio.sleep(0)
+    raise ValueError(message)
+
+
+async def async_count(n: int) -> Any:
+    import asyncio
+
+    for i in range(n):
+        await asyncio.sleep(0)
+        yield i * i

@@ -1,13 +1,15 @@
 """dreamlake.lakeshore: run Python functions remotely.
 
 The SDK surface (``udf``, ``SyncQueue``, ``Topic``, ``run_worker``, ``scope``, ``run``, ``Dispatch``,
-``HttpDispatch``) is imported lazily, so that the runtime modules (``wire``, ``envelope``,
-``daemon.entry``) start without pulling in the SDK, an HTTP client or a database driver.
+``HttpDispatch``, ``Invocation``, ``wait``, ``as_completed``) is imported lazily (PEP 562), so that
+the runtime modules (``wire``, ``envelope``, ``daemon.entry``) start without pulling in the SDK, an
+HTTP client or a database driver. Type checkers and IDEs read the ``TYPE_CHECKING`` imports below
+instead: every lazy name resolves to its real type (the package ships ``py.typed``).
 
 Inside a task with a bring-your-own image, the entry bundle carries this package with the SDK's
 import-time surface (``udf``, ``UDF``, ``Thunk``, ``scope``, ``run``, ``SyncQueue``, ``Topic``, the
-planes' protocol and ``HttpDispatch``); a name whose module it lacks (``run_worker``) raises a
-``ModuleNotFoundError`` saying to install dreamlake-lakeshore in the image.
+handles, the planes' protocol and ``HttpDispatch``); a name whose module it lacks (``run_worker``)
+raises a ``ModuleNotFoundError`` saying to install dreamlake-lakeshore in the image.
 """
 
 from __future__ import annotations
@@ -17,6 +19,29 @@ import importlib
 TYPE_CHECKING = False  # typing costs start-up time; this package is imported by every invocation
 if TYPE_CHECKING:
     from typing import Any
+
+    from dreamlake.lakeshore.decorator import UDF as UDF
+    from dreamlake.lakeshore.decorator import Calls as Calls
+    from dreamlake.lakeshore.decorator import Thunk as Thunk
+    from dreamlake.lakeshore.decorator import run as run
+    from dreamlake.lakeshore.decorator import scope as scope
+    from dreamlake.lakeshore.decorator import set_default_code as set_default_code
+    from dreamlake.lakeshore.decorator import set_default_dispatch as set_default_dispatch
+    from dreamlake.lakeshore.decorator import submit_all as submit_all
+    from dreamlake.lakeshore.decorator import udf as udf
+    from dreamlake.lakeshore.dispatch import Dispatch as Dispatch
+    from dreamlake.lakeshore.dispatch import HttpDispatch as HttpDispatch
+    from dreamlake.lakeshore.errors import DispatchError as DispatchError
+    from dreamlake.lakeshore.errors import StreamRestarted as StreamRestarted
+    from dreamlake.lakeshore.handles import ALL_COMPLETED as ALL_COMPLETED
+    from dreamlake.lakeshore.handles import FIRST_COMPLETED as FIRST_COMPLETED
+    from dreamlake.lakeshore.handles import FIRST_EXCEPTION as FIRST_EXCEPTION
+    from dreamlake.lakeshore.handles import Invocation as Invocation
+    from dreamlake.lakeshore.handles import as_completed as as_completed
+    from dreamlake.lakeshore.handles import wait as wait
+    from dreamlake.lakeshore.queue import SyncQueue as SyncQueue
+    from dreamlake.lakeshore.queue import Topic as Topic
+    from dreamlake.lakeshore.worker import run_worker as run_worker
 
 __version__ = "0.1.0"
 
@@ -30,6 +55,12 @@ _LAZY = {
     "run": "dreamlake.lakeshore.decorator",
     "set_default_code": "dreamlake.lakeshore.decorator",
     "set_default_dispatch": "dreamlake.lakeshore.decorator",
+    "Invocation": "dreamlake.lakeshore.handles",
+    "wait": "dreamlake.lakeshore.handles",
+    "as_completed": "dreamlake.lakeshore.handles",
+    "FIRST_COMPLETED": "dreamlake.lakeshore.handles",
+    "FIRST_EXCEPTION": "dreamlake.lakeshore.handles",
+    "ALL_COMPLETED": "dreamlake.lakeshore.handles",
     "SyncQueue": "dreamlake.lakeshore.queue",
     "Topic": "dreamlake.lakeshore.queue",
     "run_worker": "dreamlake.lakeshore.worker",
@@ -37,6 +68,7 @@ _LAZY = {
     "HttpDispatch": "dreamlake.lakeshore.dispatch",
     "DispatchError": "dreamlake.lakeshore.errors",
     "StreamRestarted": "dreamlake.lakeshore.errors",
+    "SendTimeout": "dreamlake.lakeshore.errors",
     "Interrupted": "dreamlake.lakeshore.errors",
     "attempt": "dreamlake.lakeshore.task",
     "checkpoint_dir": "dreamlake.lakeshore.task",

@@ -41,7 +41,7 @@ import functools
 import math
 import types
 from collections import namedtuple
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 
 from dreamlake.lakeshore.errors import PlaneError, Unavailable
 
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 
     from dreamlake.lakeshore.dispatch import Plane
     from dreamlake.lakeshore.envelope import Envelope
+    from dreamlake.lakeshore.handles import Invocation
 
 __all__ = [
     "UDF",
@@ -72,6 +73,8 @@ TRANSPORTS = ("auto", "ref", "pickle")
 DEFAULT_QUEUE = "default"
 MAP_CHUNK = 500  # calls of a map built and sent together (one submit-batch request over HTTP)
 _CO_GENERATOR = 0x20
+_CO_COROUTINE = 0x80
+_CO_ASYNC_GENERATOR = 0x200
 
 
 # --- run context ----------------------------------------------------------------------------------
@@ -313,8 +316,9 @@ def _check_key(key: object) -> str | None:
     return key
 
 
-def _is_generator_function(fn: object) -> bool:
-    """``inspect.isgeneratorfunction`` without importing inspect: bound methods and partials unwrap."""
+def _code_flags(fn: object) -> int:
+    """The code flags of ``fn`` (0 for a callable that is not a function): bound methods and
+    partials unwrap, as ``inspect.isgeneratorfunction`` would, without importing inspect."""
     while True:
         if isinstance(fn, functools.partial):
             fn = fn.func
@@ -322,7 +326,21 @@ def _is_generator_function(fn: object) -> bool:
             fn = fn.__func__
         else:
             break
-    return isinstance(fn, types.FunctionType) and bool(fn.__code__.co_flags & _CO_GENERATOR)
+    return fn.__code__.co_flags if isinstance(fn, types.FunctionType) else 0
+
+
+def _is_generator_function(fn: object) -> bool:
+    return bool(_code_flags(fn) & _CO_GENERATOR)
+
+
+def check_async_plane(udf: UDF, plane: object) -> None:
+    """TypeError when ``udf`` is an ``async def`` and ``plane`` cannot run one (a plane says it
+    can with ``runs_async = True``: both of the SDK's planes, and every runner of nymph)."""
+    if udf.is_async and not getattr(plane, "runs_async", False):
+        raise TypeError(
+            f"{udf.__qualname__} is an async def, and the plane {plane!r} cannot run one (it does "
+            "not declare runs_async = True): use Dispatch or HttpDispatch, or make it a plain def"
+        )
 
 
 if TYPE_CHECKING:
@@ -337,13 +355,55 @@ if TYPE_CHECKING:
         prefix: str
         parent: str | None
         code: Any = _INHERIT
+        selector: dict[str, str] | None = None
+        not_before: float | None = None
+        env: dict[str, str] | None = None
 
 else:
     _ThunkFields = namedtuple(
         "_ThunkFields",
-        ("udf", "args", "kwargs", "queue", "priority", "key", "prefix", "parent", "code"),
-        defaults=(_INHERIT,),
+        (
+            "udf",
+            "args",
+            "kwargs",
+            "queue",
+            "priority",
+            "key",
+            "prefix",
+            "parent",
+            "code",
+            "selector",
+            "not_before",
+            "env",
+        ),
+        defaults=(_INHERIT, None, None, None),
     )
+
+
+def _check_selector(selector: Any) -> dict[str, str] | None:
+    if selector is None:
+        return None
+    if not isinstance(selector, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in selector.items()
+    ):
+        raise ValueError(
+            f"selector must map label names to values, e.g. {{'pool': 'a'}}; got {selector!r:.60}"
+        )
+    return dict(selector)
+
+
+def _check_not_before(when: Any) -> float | None:
+    """``_not_before``: a datetime (naive: local time) or seconds from now, as epoch seconds."""
+    import datetime
+    import time
+
+    if when is None:
+        return None
+    if isinstance(when, datetime.datetime):
+        return when.timestamp()
+    if isinstance(when, bool) or not isinstance(when, (int, float)) or not when == when:
+        raise ValueError(f"_not_before must be a datetime or seconds from now, got {when!r:.40}")
+    return time.time() + float(when)
 
 
 class Thunk(_ThunkFields):
@@ -361,6 +421,12 @@ class Thunk(_ThunkFields):
         cfg.update({"queue": self.queue, "priority": self.priority, "key": self.key})
         if self.prefix:
             cfg["prefix"] = self.prefix
+        if self.selector is not None:
+            cfg["selector"] = self.selector
+        if self.not_before is not None:
+            cfg["not_before"] = self.not_before
+        if self.env:  # per call _env= over the udf's env=
+            cfg["env"] = {**(cfg.get("env") or {}), **self.env}
         return cfg
 
     def code_record(self, dispatch: Plane | None = None) -> dict[str, Any] | None:
@@ -386,14 +452,19 @@ class Thunk(_ThunkFields):
             self.kwargs,
             prefix=self.prefix,
             key=self.key,
-            cfg={"code": record} if record is not None else None,
+            cfg=_cfg(self.udf, record),
             parent=self.parent,
         )
 
-    def submit(self, dispatch: Plane | None = None) -> str:
-        """Send the call; returns its invocation id (the existing one when ``key`` matched)."""
+    def submit(self, dispatch: Plane | None = None) -> Invocation:
+        """Send the call; returns its handle, the invocation id (the existing one when ``key``
+        matched)."""
+        from dreamlake.lakeshore.handles import Invocation
+
         plane = dispatch or self.udf.dispatch or get_default_dispatch()
+        check_async_plane(self.udf, plane)
         envelope = self.to_envelope(plane)
+        _warn_if_pickled(plane, envelope.fn, self.queue, self.udf)
         # A plane that takes the Envelope itself (HttpDispatch) streams a big one to the payload
         # store from its parts: the arguments are never copied a second time.
         by_parts = getattr(plane, "submit_envelope", None)
@@ -406,7 +477,7 @@ class Thunk(_ThunkFields):
         logging.getLogger(__name__).debug(
             "submitted %s to queue %s as %s", self.udf.__qualname__, self.queue, inv
         )
-        return inv
+        return Invocation(inv, plane, self.queue)
 
     def call(self, dispatch: Plane | None = None, timeout: float = 60.0) -> Any:
         """Send the call and wait for its value (DispatchError when it failed, TimeoutError when
@@ -414,7 +485,9 @@ class Thunk(_ThunkFields):
         from dreamlake.lakeshore.queue import SyncQueue
 
         plane = dispatch or self.udf.dispatch or get_default_dispatch()
+        check_async_plane(self.udf, plane)
         envelope = self.to_envelope(plane)
+        _warn_if_pickled(plane, envelope.fn, self.queue, self.udf)
         q = SyncQueue(self.queue, dispatch=plane)
         return q.call(envelope.to_bytes(), self.run_config(), self.parent, timeout)
 
@@ -437,8 +510,15 @@ class UDF:
         resumable: bool = False,
         dispatch: Plane | None = None,
         code: Any = _INHERIT,
+        pip: Any = None,
+        requirements: Any = None,
+        env: Mapping[str, str] | None = None,
+        secrets: Any = None,
+        mounts: Any = None,
         **options: Any,
     ) -> None:
+        from dreamlake.lakeshore import runenv
+
         if not callable(fn):
             raise TypeError(f"@dls.udf decorates a function, got {type(fn).__name__}")
         if transport not in TRANSPORTS:
@@ -454,14 +534,30 @@ class UDF:
         functools.update_wrapper(self, fn)
         self.__qualname__: str = getattr(fn, "__qualname__", type(fn).__qualname__)
         self.__lakeshore_fn__ = fn
-        self.is_generator = _is_generator_function(fn)
+        flags = _code_flags(fn)
+        # an async def runs to completion on the worker (asyncio.run); an async generator streams
+        self.is_async = bool(flags & (_CO_COROUTINE | _CO_ASYNC_GENERATOR))
+        self.is_generator = bool(flags & (_CO_GENERATOR | _CO_ASYNC_GENERATOR))
         self.queue = _check_queue(queue)
         self.transport = transport
         self.priority = _check_priority(priority)
         self.key = _check_key(key)
         self.dispatch = dispatch
+        if dispatch is not None:
+            check_async_plane(self, dispatch)  # refused here, at decoration, not on the worker
         self.code = _check_code(code)  # "auto", None, paths, or _INHERIT: the scope's or the default
         self.options: dict[str, Any] = dict(options)
+        # what the call's environment needs (docs/nymph.md "Environments"): the pip environment
+        # rides in the Envelope's cfg, the rest (names and plain values, never a secret's) in run_config
+        self.pip = runenv.pip_record(pip, requirements)
+        if env is not None:
+            self.options["env"] = runenv.user_env(env, "env")
+        if secrets is not None:
+            self.options["secrets"] = runenv.secret_names(secrets, "secrets")
+        if mounts is not None:
+            self.options["mounts"] = runenv.names(mounts, "mounts")
+        if "selector" in self.options:
+            self.options["selector"] = _check_selector(self.options["selector"])
         if timeout_s is not None:
             self.options["timeout_s"] = float(timeout_s)
         if max_attempts is not None:
@@ -474,10 +570,33 @@ class UDF:
             self.options["backoff_s"] = float(backoff_s)
         if resumable:  # a deterministic generator: a new attempt continues its stream
             self.options["resumable"] = True
+        self._two_way(fn)
+
+    def _two_way(self, fn: Callable[..., Any]) -> None:
+        """``options["two_way"]`` for a generator body that reads what is sent into it (twoway.py),
+        unless ``two_way=False`` said otherwise; ``send_timeout_s`` checked."""
+        from dreamlake.lakeshore import twoway
+
+        two_way = self.options.pop("two_way", None)
+        if two_way is not None and not isinstance(two_way, bool):
+            raise ValueError(f"two_way must be True, False or None (decided from the body), got {two_way!r}")
+        if two_way and not self.is_generator:
+            raise ValueError(f"two_way=True needs a generator body; {self.__qualname__} is a plain function")
+        if two_way is None:
+            two_way = self.is_generator and twoway.takes_sends(fn)
+        if two_way:
+            self.options["two_way"] = True
+        timeout = self.options.get("send_timeout_s")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
+        ):
+            raise ValueError(f"send_timeout_s must be a positive number of seconds, got {timeout!r}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run locally. A generator body returns a lazy iterator; nothing runs until pulled."""
         fn = self.__lakeshore_fn__
+        if self.is_async:  # a coroutine or an async generator, as the plain function returns it
+            return fn(*args, **kwargs)
         if self.is_generator:
             return LocalGenerator(fn, self.__qualname__, args, kwargs)
         token = _STATE.set(_STATE.get()._replace(name=self.__qualname__))
@@ -492,10 +611,20 @@ class UDF:
         _queue: str | None = None,
         _priority: float | None = None,
         _key: str | None = None,
+        _selector: dict[str, str] | None = None,
+        _not_before: Any = None,
+        _env: Mapping[str, str] | None = None,
         **kwargs: Any,
     ) -> Thunk:
-        """Capture a call (and the current ``scope`` prefix and parent invocation) without sending."""
+        """Capture a call (and the current ``scope`` prefix and parent invocation) without sending.
+        ``_selector``: labels the nymph must have (over the udf's ``selector``); ``_not_before``: a
+        datetime, or seconds from now, before which the call is not claimed; ``_env``: environment
+        variables of this call, over the udf's ``env``."""
         state = _STATE.get()
+        if _env is not None:
+            from dreamlake.lakeshore import runenv
+
+            _env = runenv.user_env(_env, "_env")
         return Thunk(
             udf=self,
             args=args,
@@ -506,6 +635,9 @@ class UDF:
             prefix=state.prefix,
             parent=state.id,
             code=self.code if self.code != _INHERIT else _CODE.get(),
+            selector=_check_selector(_selector),
+            not_before=_check_not_before(_not_before),
+            env=_env or None,
         )
 
     def submit(
@@ -515,10 +647,38 @@ class UDF:
         _queue: str | None = None,
         _priority: float | None = None,
         _key: str | None = None,
+        _selector: dict[str, str] | None = None,
+        _not_before: Any = None,
+        _env: Mapping[str, str] | None = None,
         **kwargs: Any,
-    ) -> str:
-        """Send a call to a plane; returns the invocation id (a ULID string)."""
-        return self.thunk(*args, _queue=_queue, _priority=_priority, _key=_key, **kwargs).submit(_dispatch)
+    ) -> Invocation:
+        """Send a call to a plane; returns its :class:`~dreamlake.lakeshore.handles.Invocation`:
+        the invocation id (a ULID ``str``) with ``.result()``, ``.stream()``, ``.logs()``,
+        ``.status()`` and ``.cancel()``. ``_selector``, ``_not_before`` and ``_env`` as :meth:`thunk`'s."""
+        thunk = self.thunk(
+            *args,
+            _queue=_queue,
+            _priority=_priority,
+            _key=_key,
+            _selector=_selector,
+            _not_before=_not_before,
+            _env=_env,
+            **kwargs,
+        )
+        return thunk.submit(_dispatch)
+
+    async def submit_async(self, *args: Any, **kwargs: Any) -> Invocation:
+        """``await f.submit_async(...)``: :meth:`submit` without blocking the event loop."""
+        import asyncio
+
+        return await asyncio.to_thread(functools.partial(self.submit, *args, **kwargs))
+
+    async def call_async(self, *args: Any, **kwargs: Any) -> Any:
+        """``await f.call_async(...)``: :meth:`call` without blocking the event loop (the same
+        client, in a worker thread)."""
+        import asyncio
+
+        return await asyncio.to_thread(functools.partial(self.call, *args, **kwargs))
 
     def map(
         self,
@@ -526,6 +686,8 @@ class UDF:
         _dispatch: Plane | None = None,
         _queue: str | None = None,
         _priority: float | None = None,
+        _selector: dict[str, str] | None = None,
+        _not_before: Any = None,
     ) -> Calls:
         """Submit one call per element, as the builtin ``map`` would call: ``f.map(xs)`` calls
         ``f(x)`` for each ``x``, ``f.map(xs, ys)`` calls ``f(x, y)`` (shortest input wins).
@@ -540,7 +702,14 @@ class UDF:
         if not iterables:
             raise TypeError("map() needs at least one iterable of arguments, e.g. f.map(range(10))")
         pairs = zip(*iterables)  # noqa: B905 (the builtin map stops at the shortest; Python 3.9 has no strict)
-        return self.starmap(pairs, _dispatch=_dispatch, _queue=_queue, _priority=_priority)
+        return self.starmap(
+            pairs,
+            _dispatch=_dispatch,
+            _queue=_queue,
+            _priority=_priority,
+            _selector=_selector,
+            _not_before=_not_before,
+        )
 
     def starmap(
         self,
@@ -549,6 +718,8 @@ class UDF:
         _dispatch: Plane | None = None,
         _queue: str | None = None,
         _priority: float | None = None,
+        _selector: dict[str, str] | None = None,
+        _not_before: Any = None,
     ) -> Calls:
         """:meth:`map` of argument tuples: ``f.starmap([(1, 2), (3, 4)])`` calls ``f(1, 2)`` and
         ``f(3, 4)``."""
@@ -558,8 +729,11 @@ class UDF:
                 "(idempotent) call. Give each call its own key: "
                 "dls.submit_all(f.thunk(x, _key=f'...{x}') for x in xs)"
             )
-        template = self.thunk(_queue=_queue, _priority=_priority)
+        template = self.thunk(
+            _queue=_queue, _priority=_priority, _selector=_selector, _not_before=_not_before
+        )
         plane = _dispatch or self.dispatch or get_default_dispatch()
+        check_async_plane(self, plane)
         return _submit_calls(plane, template, (tuple(args) for args in iterable))
 
     def call(
@@ -570,11 +744,23 @@ class UDF:
         _priority: float | None = None,
         _key: str | None = None,
         _timeout: float = 60.0,
+        _selector: dict[str, str] | None = None,
+        _not_before: Any = None,
+        _env: Mapping[str, str] | None = None,
         **kwargs: Any,
     ) -> Any:
         """Send a call to a plane and wait for its value (a generator's: its return value); over
         HTTP one request submits and waits (the warm path's short calls)."""
-        thunk = self.thunk(*args, _queue=_queue, _priority=_priority, _key=_key, **kwargs)
+        thunk = self.thunk(
+            *args,
+            _queue=_queue,
+            _priority=_priority,
+            _key=_key,
+            _selector=_selector,
+            _not_before=_not_before,
+            _env=_env,
+            **kwargs,
+        )
         return thunk.call(_dispatch, _timeout)
 
     def __repr__(self) -> str:
@@ -582,29 +768,26 @@ class UDF:
         return f"<dls.udf {kind}{self.__module__}.{self.__qualname__} queue={self.queue!r}>"
 
 
-class Calls(list):  # type: ignore[type-arg]  # list[str], subclassed at runtime on Python 3.9
-    """The invocation ids of a :meth:`UDF.map` (or :func:`submit_all`), in input order: a list of
-    str, as ``submit()`` returns them one by one, and the plane they went to."""
+class Calls(list):  # type: ignore[type-arg]  # list[Invocation], subclassed at runtime on Python 3.9
+    """The calls of a :meth:`UDF.map` (or :func:`submit_all`), in input order: a list of
+    :class:`~dreamlake.lakeshore.handles.Invocation` s (invocation ids, as ``submit()`` returns
+    them one by one; None where a call was refused), and the plane they went to."""
 
     def __init__(self, ids: Any = (), dispatch: Plane | None = None) -> None:
         super().__init__(ids)
         self.dispatch = dispatch
 
-    def results(self, timeout: float = 60.0, *, return_exceptions: bool = False) -> Iterator[Any]:
-        """Each call's value, in input order, as ``SyncQueue.result`` gives it (``timeout`` is the
-        wait for each one; TimeoutError past it). A failed call raises its DispatchError, or with
-        ``return_exceptions`` is yielded as it, in its place."""
-        from dreamlake.lakeshore.errors import DispatchError
-        from dreamlake.lakeshore.queue import SyncQueue
+    def results(
+        self, timeout: float = 60.0, *, return_exceptions: bool = False, progress: bool | str = False
+    ) -> Iterator[Any]:
+        """Each call's value, in input order (``timeout`` is the wait for the next one;
+        TimeoutError past it). The outcomes are read in batches of up to 1,000 calls per request
+        (``dls.as_completed`` has them in the order they end). A failed call raises its
+        DispatchError, or with ``return_exceptions`` is yielded as it, in its place.
+        ``progress``: a bar with done / failed / running counts (True: tqdm, rich or text)."""
+        from dreamlake.lakeshore.handles import handles, results_in_order
 
-        q = SyncQueue(DEFAULT_QUEUE, dispatch=self.dispatch)  # a result is found by id, whatever its queue
-        for inv in self:
-            try:
-                yield q.result(inv, timeout)
-            except DispatchError as exc:
-                if not return_exceptions:
-                    raise
-                yield exc
+        return results_in_order(handles(self, self.dispatch), timeout, return_exceptions, progress)
 
 
 def submit_all(thunks: Any, dispatch: Plane | None = None) -> Calls:
@@ -620,6 +803,7 @@ def submit_all(thunks: Any, dispatch: Plane | None = None) -> Calls:
     records: dict[tuple[int, Any, int], tuple[Any, Any, Any]] = {}
     for thunk in thunks:
         target = dispatch or thunk.udf.dispatch or get_default_dispatch()
+        check_async_plane(thunk.udf, target)
         if chunk and (target is not plane or len(chunk) >= MAP_CHUNK):
             _send(plane, chunk, out)
             chunk = []
@@ -628,6 +812,7 @@ def submit_all(thunks: Any, dispatch: Plane | None = None) -> Calls:
         if mine not in records:
             records[mine] = (thunk.udf, target, thunk.code_record(target))
         envelope = thunk.to_envelope(target, record=records[mine][2])
+        _warn_if_pickled(target, envelope.fn, thunk.queue, thunk.udf)
         chunk.append((envelope, thunk.queue, thunk.run_config(), thunk.parent))
     if chunk:
         _send(plane, chunk, out)
@@ -642,8 +827,12 @@ def _submit_calls(plane: Plane, template: Thunk, args_of: Any) -> Calls:
     udf = template.udf
     record = template.code_record(plane)
     fn = fn_for(udf, udf.transport)
-    cfg = {"code": record} if record is not None else None
-    run_config = template.run_config()
+    _warn_if_pickled(plane, fn, template.queue, udf)
+    cfg = _cfg(udf, record)
+    from dreamlake.lakeshore.ids import new_ulid
+
+    # one id for the calls of this map: the dashboard shows them as one group with its progress
+    run_config = {**template.run_config(), "sweep": new_ulid()}
     out = Calls(dispatch=plane)
     chunk: list[tuple[Any, ...]] = []
     for args in args_of:
@@ -672,15 +861,18 @@ def _send(plane: Any, chunk: list[tuple[Any, ...]], out: Calls) -> None:
             except PlaneError as exc:
                 exc.invocation_id = envelope.id
                 results.append(exc)
+    from dreamlake.lakeshore.handles import Invocation
+
     first = None
     start = len(out)
-    for got in results:
+    for got, call in zip(results, chunk):  # noqa: B905 (Python 3.9 has no strict; one result per call)
         if isinstance(got, PlaneError):
             first = first or (len(out), got)
             # unanswered (the retry window ran out): perhaps stored, so its id stays for a status
-            out.append(got.invocation_id if isinstance(got, Unavailable) else None)
+            kept = got.invocation_id if isinstance(got, Unavailable) else None
+            out.append(Invocation(kept, plane, call[1]) if kept else None)
         else:
-            out.append(str(got))
+            out.append(Invocation(got, plane, call[1]))
     if first is None:
         return
     index, err = first
@@ -695,6 +887,23 @@ def _send(plane: Any, chunk: list[tuple[Any, ...]], out: Calls) -> None:
     new.invocation_id = err.invocation_id
     new.invocation_ids = list(out)
     raise new
+
+
+def _warn_if_pickled(plane: Any, fn: Any, queue: str, udf: UDF) -> None:
+    """A pickled call to a plane that can tell whether the queue's workers take pickles."""
+    warn = getattr(plane, "warn_if_pickles_refused", None)
+    if warn is not None and isinstance(fn, dict) and fn.get("kind") == "pickle":
+        warn(queue, udf.__qualname__)
+
+
+def _cfg(udf: UDF, record: Any) -> dict[str, Any] | None:
+    """The Envelope's ``cfg``: the code archive's record and the pip environment, when there are."""
+    cfg: dict[str, Any] = {}
+    if record is not None:
+        cfg["code"] = record
+    if udf.pip is not None:
+        cfg["pip"] = udf.pip
+    return cfg or None
 
 
 def _retry_names(retry_on: Any) -> list[str]:
@@ -733,6 +942,11 @@ if TYPE_CHECKING:
         resumable: bool = ...,
         dispatch: Plane | None = ...,
         code: Any = ...,
+        pip: Any = ...,
+        requirements: Any = ...,
+        env: Mapping[str, str] | None = ...,
+        secrets: Any = ...,
+        mounts: Any = ...,
         **options: Any,
     ) -> Callable[[Callable[..., Any]], UDF]: ...
 
@@ -747,10 +961,20 @@ def udf(fn: Callable[..., Any] | None = None, /, **config: Any) -> Any:
     or when the task's process died. docs/protocol.md "Retries" says what retries and what never.
     A generator's new attempt restarts its stream (``StreamRestarted``); ``resumable=True`` declares
     it deterministic, and the new attempt continues the stream where the journal stands instead.
+    A generator whose ``yield`` expressions are used (``x = yield v``) is two-way: a remote
+    consumer's ``stream.send(value)`` reaches it (``two_way=`` overrides the detection;
+    ``send_timeout_s`` bounds each wait, see :mod:`dreamlake.lakeshore.twoway`).
 
     ``code`` is what a submitted call ships with it: ``"auto"`` (the default) the local,
     non-installed package the function comes from, a list of paths those, ``None`` nothing (see
     :mod:`dreamlake.lakeshore.codeship`).
+
+    The call's environment (docs/nymph.md "Environments"): ``pip=["numpy==2.1.*"]`` or
+    ``requirements="reqs.txt"`` (a requirements file, a ``pylock.toml`` or a ``uv.lock``) is built
+    once per lock on each worker; ``env={"OMP_NUM_THREADS": "4"}`` (per call ``_env=``) are
+    variables; ``secrets=["HF_TOKEN"]`` puts this namespace's secret of that name in the task's
+    environment (``lakeshore secret set``); ``mounts=["datasets"]`` asks for a directory the
+    worker's operator offers (``nymph start --mount datasets=/srv/datasets:ro``).
 
     Extra keywords (``image``, ``resources``, ``network``, ...) ride in the Submit ``run_config``.
     """

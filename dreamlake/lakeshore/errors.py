@@ -15,6 +15,8 @@
      |         +-- StaleSource       src_hash differs from the worker's source
      +-- DispatchError               a remote failure seen by the producer (.type, .message, .traceback)
      +-- StreamRestarted             a new attempt restarted an invocation's stream (.attempt, .seq)
+     +-- SendTimeout                 (also a TimeoutError) raised in a two-way body at a yield no
+     |                               send answered in time (twoway.py)
      +-- PlaneError                  the dispatch plane failed or refused a request (.status)
           +-- Unavailable            unreachable, timed out, 5xx, 429: worth retrying (.retry_after)
           +-- Refused                will not succeed as sent: never retried
@@ -138,6 +140,12 @@ class StreamRestarted(LakeshoreError):
         self.invocation_id = invocation_id
         self.attempt = attempt
         self.seq = seq
+
+
+class SendTimeout(LakeshoreError, TimeoutError):
+    """Raised inside a remote two-way generator body at a ``yield`` that no consumer's ``send()``
+    (or ``next()``) answered within ``@dls.udf(send_timeout_s=...)`` (default 600 s). Catch it in
+    the body to yield again or finish; uncaught it fails the call."""
 
 
 class PlaneError(LakeshoreError):

@@ -22,6 +22,7 @@ import click
 from dreamlake.lakeshore.errors import LakeshoreError, NotFound
 from dreamlake.lakeshore.humanize import age, duration, when
 from dreamlake.lakeshore.states import STATES
+from dreamlake.lakeshore.termsafe import for_terminal
 
 if TYPE_CHECKING:
     from dreamlake.lakeshore.dispatch.http import HttpDispatch
@@ -68,6 +69,19 @@ def parse_since(value: str | None, now: float | None = None) -> float | None:
 
 def _echo_json(value: Any) -> None:
     click.echo(json.dumps(value, indent=2, sort_keys=True))
+
+
+def _echo(text: str, *, raw: bool = False, err: bool = False) -> None:
+    """``click.echo`` of text that holds what tenants wrote: control sequences escaped on a
+    terminal unless ``raw`` (``termsafe``)."""
+    click.echo(for_terminal(text, sys.stderr if err else sys.stdout, raw=raw), err=err)
+
+
+_raw_option = click.option(
+    "--raw",
+    is_flag=True,
+    help="Write the bytes as they are, control sequences included (escaped on a terminal).",
+)
 
 
 # -- connection ------------------------------------------------------------------------------------
@@ -141,6 +155,51 @@ def guarded(fn: Callable[..., None]) -> Callable[..., None]:
 # -- commands --------------------------------------------------------------------------------------
 
 
+_TERMINAL = ("succeeded", "failed", "killed", "timeout", "cancelled")
+
+
+def attempt_label(inv: dict[str, Any], long: bool = False) -> str:
+    """The attempt as an operator should read it: ``1/3`` while more may come; once the call is
+    over, no ``/3`` that reads as retries still coming (``1 final``, or ``1 of up to 3, final``)."""
+    n, most = inv["attempt"], inv["max_attempts"]
+    if inv["state"] not in _TERMINAL:
+        return f"{n} of {most}" if long else f"{n}/{most}"
+    if long:
+        return f"{n} of up to {most}, final" if n < most else f"{n} of {most}, final"
+    return f"{n} final"
+
+
+def _sweep_of(d: dict[str, Any]) -> str | None:
+    rc = d.get("run_config")
+    sweep = rc.get("sweep") if isinstance(rc, dict) else None
+    return sweep if isinstance(sweep, str) else None
+
+
+def function_line(fn: dict[str, Any]) -> str:
+    """``show``'s function: its name, how it travelled, and the hash that identifies its code:
+    ``mod.topk  (by reference, source sha256:1a2b...)``, ``topk  (pickled, sha256:...)``."""
+    if not fn.get("qualname"):
+        return "-"
+    kind = fn.get("kind")
+    name = f"{fn['module']}.{fn['qualname']}" if kind == "ref" and fn.get("module") else fn["qualname"]
+    digest = fn.get("hash")
+    if kind == "ref":
+        how = "by reference, " + (f"source {digest}" if digest else "no source hash (source unavailable)")
+    elif kind == "pickle":
+        how = "pickled" + (f", {_short(digest)}" if digest else "")
+    else:
+        return name
+    if fn.get("code"):
+        how += f"; code archive sha256:{fn['code'][:16]}"
+    return f"{name}  ({how})"
+
+
+def _short(digest: str) -> str:
+    """``sha256:`` and 16 hex digits (a source hash's own length), for a full blob hash."""
+    head, _, hexits = digest.partition(":")
+    return f"{head}:{hexits[:16]}" if hexits else digest[:23]
+
+
 @click.command()
 @connection_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -154,7 +213,18 @@ def queues(url: str | None, token: str | None, as_json: bool) -> None:
         return
     click.echo(
         table(
-            ["QUEUE", "QUEUED", "RUNNING", "OLDEST QUEUED", "WORKERS", "SUCCEEDED", "FAILED", "CANCELLED"],
+            [
+                "QUEUE",
+                "QUEUED",
+                "RUNNING",
+                "OLDEST QUEUED",
+                "WORKERS",
+                "SUCCEEDED",
+                "FAILED",
+                "KILLED",
+                "TIMEOUT",
+                "CANCELLED",
+            ],
             [
                 [
                     q["name"],
@@ -163,7 +233,9 @@ def queues(url: str | None, token: str | None, as_json: bool) -> None:
                     age(q["oldest_queued_age_s"]),
                     q["workers_live"],
                     q["counts"].get("succeeded", 0),
-                    sum(q["counts"].get(s, 0) for s in ("failed", "killed", "timeout")),
+                    q["counts"].get("failed", 0),
+                    q["counts"].get("killed", 0),  # a cancelled running call ends killed
+                    q["counts"].get("timeout", 0),
                     q["counts"].get("cancelled", 0),
                 ]
                 for q in rows
@@ -194,7 +266,8 @@ def workers(url: str | None, token: str | None, live: bool, as_json: bool) -> No
                     w["runner"],
                     ",".join(w["queues"]),
                     f"{w['busy']}/{w['slots'] if w['slots'] is not None else '?'}",
-                    age(w["last_seen_age_s"]) + ("" if w["live"] else " (gone)"),
+                    age(w["last_seen_age_s"])
+                    + ("" if w["live"] else " (stopped)" if w.get("stopped_at") else " (gone)"),
                     w["version"],
                     ",".join(f"{k}={v}" for k, v in sorted(w["labels"].items())) or "-",
                 ]
@@ -217,7 +290,9 @@ def workers(url: str | None, token: str | None, live: bool, as_json: bool) -> No
 @click.option("--since", default=None, help="Submitted since: 10m, 2h, 1d, an ISO date-time or epoch s.")
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 500))
 @click.option("--cursor", default=None, help="Continue a listing: the id printed after the last page.")
+@click.option("--sweep", default=None, help="Only the calls of one map (the sweep id `show` prints).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON ({invocations, next_cursor}).")
+@_raw_option
 @guarded
 def ls(
     url: str | None,
@@ -227,12 +302,19 @@ def ls(
     since: str | None,
     limit: int,
     cursor: str | None,
+    sweep: str | None,
     as_json: bool,
+    raw: bool,
 ) -> None:
     """Invocations, newest first."""
     with _client(url, token) as client:
         page = client.invocations(
-            queue=queue, states=list(states) or None, since=parse_since(since), limit=limit, cursor=cursor
+            queue=queue,
+            states=list(states) or None,
+            since=parse_since(since),
+            limit=limit,
+            cursor=cursor,
+            sweep=sweep,
         )
     if as_json:
         _echo_json(page)
@@ -242,14 +324,14 @@ def ls(
             i["invocation_id"],
             i["queue"],
             i["state"],
-            f"{i['attempt']}/{i['max_attempts']}",
+            attempt_label(i),
             when(i["submitted_at"]),
             duration(i["started_at"], i["finished_at"]),
             (f"{i['error']['type']}: {i['error']['message']}"[:80] if i["error"] else ""),
         ]
         for i in page["invocations"]
     ]
-    click.echo(table(["INVOCATION", "QUEUE", "STATE", "ATTEMPT", "SUBMITTED", "RAN", "ERROR"], rows))
+    _echo(table(["INVOCATION", "QUEUE", "STATE", "ATTEMPT", "SUBMITTED", "RAN", "ERROR"], rows), raw=raw)
     if page.get("next_cursor"):
         click.echo(f"more: lakeshore ls --cursor {page['next_cursor']}", err=True)
 
@@ -258,8 +340,9 @@ def ls(
 @connection_options
 @click.argument("invocation_id")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@_raw_option
 @guarded
-def show(url: str | None, token: str | None, invocation_id: str, as_json: bool) -> None:
+def show(url: str | None, token: str | None, invocation_id: str, as_json: bool, raw: bool) -> None:
     """One invocation: status, attempts and their outcomes, timings, children, error with traceback."""
     with _client(url, token) as client:
         d = client.invocation(invocation_id)
@@ -273,13 +356,14 @@ def show(url: str | None, token: str | None, invocation_id: str, as_json: bool) 
         f"invocation  {d['invocation_id']}",
         f"state       {d['state']}" + ("  (cancel requested)" if d["cancel_requested"] and not d["terminal"] else ""),
         f"queue       {d['queue']}   namespace {d['namespace']}   priority {d['priority']}",
-        f"function    {fn.get('qualname') or '-'}" + (f"  ({fn['kind']}, {fn.get('module')})" if fn.get("kind") else ""),
+        f"function    {function_line(fn)}",
         f"submitted   {when(d['submitted_at'])}",
         f"started     {when(d['started_at'])}   (waited {age(t['wait_s']) if t['wait_s'] is not None else '-'})",
         f"finished    {when(d['finished_at'])}   (ran {duration(d['started_at'], d['finished_at'])})",
         f"worker      {d['worker_id'] or '-'}",
         f"frames      {frames['count']}" + (f" (last seq {frames['last_seq']})" if frames["count"] else ""),
-        f"attempts    {d['attempt']} of {d['max_attempts']}",
+        f"attempts    {attempt_label(d, long=True)}",
+        *([f"sweep       {sweep}  (lakeshore ls --sweep {sweep})"] if (sweep := _sweep_of(d)) else []),
     ]  # fmt: skip
     for a in d["attempts"]:
         where = f" on {a['worker_id']}" if a["worker_id"] else ""
@@ -303,7 +387,7 @@ def show(url: str | None, token: str | None, invocation_id: str, as_json: bool) 
         if error.get("traceback"):
             lines.append("traceback:")
             lines += ["  " + line for line in str(error["traceback"]).rstrip().splitlines()]
-    click.echo("\n".join(lines))
+    _echo("\n".join(lines), raw=raw)
 
 
 @click.command()
@@ -361,9 +445,16 @@ def _jsonable(value: Any) -> Any:
 )
 @click.option("--timeout", default=30.0, show_default=True, type=float, help="Seconds of silence to wait.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per frame.")
+@_raw_option
 @guarded
 def stream(
-    url: str | None, token: str | None, invocation_id: str, since: int, timeout: float, as_json: bool
+    url: str | None,
+    token: str | None,
+    invocation_id: str,
+    since: int,
+    timeout: float,
+    as_json: bool,
+    raw: bool,
 ) -> None:
     """Follow an invocation's frames (the values it yields), from --since, until it ends."""
     with _plane(url, token) as plane:
@@ -374,10 +465,11 @@ def stream(
                     click.echo(json.dumps(f, sort_keys=True))
                     continue
                 shown = f.get("text", f.get("value", ""))
-                click.echo(
+                _echo(
                     f"{f['seq']:>6}  {f['kind']:<5}  {shown!r}"
                     if shown != ""
-                    else f"{f['seq']:>6}  {f['kind']}"
+                    else f"{f['seq']:>6}  {f['kind']}",
+                    raw=raw,
                 )
         except TimeoutError as exc:
             _fail(exc)
@@ -387,16 +479,18 @@ def stream(
 @connection_options
 @click.argument("invocation_id")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new output until the invocation ends.")
+@_raw_option
 @guarded
-def logs(url: str | None, token: str | None, invocation_id: str, follow: bool) -> None:
+def logs(url: str | None, token: str | None, invocation_id: str, follow: bool, raw: bool) -> None:
     """An invocation's stdout and stderr (stderr lines go to stderr), while it runs and after it
-    ended; with -f, follow it until it ends."""
+    ended; with -f, follow it until it ends. On a terminal, control sequences the task printed are
+    shown escaped (\\x1b...); --raw writes them as they are."""
     from dreamlake.lakeshore.queue import log_chunks
 
     with _plane(url, token) as plane:
         for chunk in log_chunks(plane, invocation_id, follow=follow):
             out = sys.stderr if chunk.stream == "stderr" else sys.stdout
-            out.write(chunk.text)
+            out.write(for_terminal(chunk.text, out, raw=raw))
             out.flush()
 
 

@@ -22,11 +22,15 @@ same journal as LOG frames: ``SyncQueue.stream`` skips them, ``SyncQueue.logs`` 
 :class:`LogChunk` s (text as it was written, chunk by chunk: a chunk holds whole lines where it can),
 while the invocation runs (``follow=True``) and after it ended, for as long as the invocation is kept.
 
-Streams are one-way. ``SyncQueue.stream`` and ``Topic.stream`` return a :class:`Stream`, a generator
-whose ``send(None)`` pulls like ``next()`` and whose ``send(value)`` raises ``NotImplementedError``:
-a remote generator cannot receive values (the journal carries frames from the producer to
-consumers only; seed 004 names this gap). Two-way flow is two one-way channels: the invocation
-stream out, a :class:`Topic` back in.
+``SyncQueue.stream`` and ``Topic.stream`` return a :class:`Stream`, a generator. The stream of a
+two-way body (one that uses its ``yield`` expressions, :mod:`dreamlake.lakeshore.twoway`) is two-way
+like a local generator: ``next(s)`` primes it, ``s.send(v)`` delivers ``v`` into the paused body (the
+value of its ``yield``) and returns the next value, ``s.throw(exc)`` raises ``exc`` at that yield
+(the builtin exception of that name; another type as ``RuntimeError``) and ``s.close()`` raises
+``GeneratorExit`` there. Each answer is journaled (``send:<id>``, by the yield's index), so a
+consumer that resumes from a cursor (``since``) sends into the yield at that cursor, and a repeat
+of an answer already delivered is ignored. Other streams are one-way: ``send(None)`` pulls like
+``next()``, ``send(value)`` raises ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from __future__ import annotations
 import codecs
 import logging
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -111,6 +115,21 @@ def log_chunks(
                 return
 
 
+class _Paused:
+    """A value of a two-way body, with the index of the yield it paused at (``meta.send``)."""
+
+    __slots__ = ("index", "value")
+
+    def __init__(self, value: Any, index: int) -> None:
+        self.value, self.index = value, index
+
+
+def send_index(frame: Frame) -> int | None:
+    """The yield index a two-way body's VALUE frame waits at (``meta.send``); None otherwise."""
+    index = frame.meta.get("send") if isinstance(frame.meta, dict) else None
+    return index if isinstance(index, int) and not isinstance(index, bool) else None
+
+
 class _Restart:
     """A RESTART marker, yielded by :func:`_values` for :class:`Stream` to raise (the generator
     behind the stream stays alive, so the consumer can keep iterating)."""
@@ -143,7 +162,8 @@ def _values(frames: Iterator[Frame], what: str) -> Generator[Any, None, bool]:
         if restart is not None:
             yield _Restart(restart, frame.seq)
         elif frame.kind == wire.FRAME_VALUE and isinstance(frame.body, bytes):
-            yield wire.unpack(frame.body)
+            index = send_index(frame)
+            yield wire.unpack(frame.body) if index is None else _Paused(wire.unpack(frame.body), index)
         elif frame.kind == wire.FRAME_END:
             return True
         elif frame.kind == wire.FRAME_ERROR:
@@ -154,50 +174,128 @@ def _values(frames: Iterator[Frame], what: str) -> Generator[Any, None, bool]:
     return False
 
 
-class Stream(Generator[Any, None, None]):
+class _Cursor(Iterator["Frame"]):
+    """A stream's frames, remembering the seq of the last one read: the stream's cursor."""
+
+    __slots__ = ("_frames", "seq")
+
+    def __init__(self, frames: Iterator[Frame], since: int) -> None:
+        self._frames = frames
+        self.seq = since
+
+    def __next__(self) -> Frame:
+        frame = next(self._frames)
+        self.seq = frame.seq
+        return frame
+
+
+Sender = Callable[[int, str, Any], Any]  # (yield index, kind, body): Plane.send of one invocation
+
+
+class Stream(Generator[Any, Any, None]):
     """The values of an invocation or topic stream, pulled with ``next()`` / ``for``.
 
-    One-way: ``send(None)`` is ``next()``, ``send(value)`` raises ``NotImplementedError`` (see the
-    module docstring) and the stream stays where it was. ``close()`` stops following it.
+    Two-way for a two-way body (see the module docstring): ``send``, ``throw`` and ``close`` reach
+    the paused remote body. One-way otherwise: ``send(None)`` is ``next()``, ``send(value)`` raises
+    ``NotImplementedError`` and the stream stays where it was. ``close()`` stops following it.
     """
 
-    __slots__ = ("_gen", "_what")
+    __slots__ = ("_at", "_gen", "_paused", "_pulled", "_resume", "_sender", "_what")
 
-    def __init__(self, gen: Generator[Any, None, Any], what: str) -> None:
+    def __init__(
+        self,
+        gen: Generator[Any, None, Any],
+        what: str,
+        sender: Sender | None = None,
+        resume: Callable[[], int | None] | None = None,
+        at: _Cursor | None = None,
+    ) -> None:
         self._gen = gen
+        self._at = at
         self._what = what
+        self._sender = sender
+        self._resume = resume  # the yield index at the cursor the stream resumed from, if any
+        self._paused: int | None = None  # the yield index the body waits at for our answer
+        self._pulled = resume is not None  # a value was pulled (or the stream resumed mid-way)
 
     def __iter__(self) -> Stream:
         return self
 
+    @property
+    def cursor(self) -> int:
+        """The seq of the last frame this stream read (its ``since`` when none yet): resume with
+        ``stream(inv, since=cursor)``, in any process."""
+        return -1 if self._at is None else self._at.seq
+
     def __next__(self) -> Any:
+        if self._pause_point():  # next() is send(None): the body waits for an answer first
+            self._answer("value", _packed(None))
         return self._surface(next(self._gen))
 
     def _surface(self, value: Any) -> Any:
         if isinstance(value, _Restart):
             raise StreamRestarted(self._what.removeprefix("invocation "), value.attempt, value.seq)
+        self._pulled = True
+        if isinstance(value, _Paused):
+            self._paused = value.index
+            return value.value
         return value
 
-    def send(self, value: None) -> Any:
-        if value is not None:
+    def _answer(self, kind: str, body: Any) -> None:
+        index, self._paused = self._paused, None
+        assert index is not None and self._sender is not None
+        self._sender(index, kind, body)
+
+    def _pause_point(self) -> bool:
+        """Whether the body waits for our answer (at the value last pulled, or, for a stream that
+        resumed from a cursor and pulled nothing yet, at the yield at that cursor)."""
+        if self._paused is None and self._resume is not None:
+            resume, self._resume = self._resume, None
+            self._paused = resume()
+        return self._paused is not None
+
+    def send(self, value: Any) -> Any:
+        if value is None:
+            return next(self)
+        if self._sender is None or not self._pause_point():
+            if self._sender is not None and not self._pulled:
+                raise TypeError(
+                    f"can't send a value into {self._what} before it yielded one: prime it with "
+                    "next() first (that runs the body to its first yield), as with a local generator"
+                )
             raise NotImplementedError(
-                f"the stream of {self._what} is one-way: .send() cannot deliver a value into a remote "
-                "generator (seed 004's named gap: the journal carries frames from the producer to "
-                "consumers only). Send values back over a Topic instead: topic.post(value) on this "
-                "side, Topic(name).stream() in the body; use next() or send(None) to pull"
+                f"the stream of {self._what} is one-way: its body does not read what is sent (a "
+                "generator that uses its yields, `x = yield v`, is two-way; or declare "
+                "@dls.udf(two_way=True)). Use next() or send(None) to pull, or send values back "
+                "over a Topic: topic.post(value) here, Topic(name).stream() in the body"
             )
+        self._answer("value", _packed(value))
         return self._surface(next(self._gen))
 
     def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        if self._sender is not None and self._pause_point():
+            exc = typ if isinstance(typ, BaseException) else (val if isinstance(val, BaseException) else None)
+            if exc is None:
+                exc = typ() if val is None else typ(val)
+            self._answer("throw", {"type": type(exc).__name__, "message": str(exc)})
+            return self._surface(next(self._gen))
         if val is None and tb is None:
             return self._gen.throw(typ)
         return self._gen.throw(typ, val, tb)
 
     def close(self) -> None:
+        if self._sender is not None and self._paused is not None:
+            self._answer("close", None)
         self._gen.close()
 
     def __repr__(self) -> str:
         return f"<lakeshore Stream of {self._what}>"
+
+
+def _packed(value: Any) -> bytes:
+    from dreamlake.lakeshore import wire
+
+    return wire.pack(value)
 
 
 def _check_since(since: object) -> int:
@@ -233,8 +331,23 @@ class SyncQueue:
     def stream(self, inv: str, since: int = -1, timeout: float = STREAM_TIMEOUT_S) -> Stream:
         """The values an invocation yields, with ``seq > since``: replay, then follow live."""
         inv = ids.validate(inv, "invocation id")
-        frames = self.dispatch.frames(inv, _check_since(since), _check_timeout(timeout))
-        return Stream(self._follow(inv, frames), f"invocation {inv}")
+        plane = self.dispatch
+        since = _check_since(since)
+        frames = _Cursor(plane.frames(inv, since, _check_timeout(timeout)), since)
+
+        def sender(index: int, kind: str, body: Any) -> None:
+            plane.send(inv, index, kind, body)
+
+        def resume() -> int | None:  # the yield at the cursor: its frame is the one at ``since``
+            frames = plane.frames(inv, since - 1, _check_timeout(timeout))
+            try:
+                at = next(iter(frames), None)
+            finally:
+                getattr(frames, "close", lambda: None)()
+            return None if at is None or at.seq != since else send_index(at)
+
+        resumed = resume if since >= 0 else None
+        return Stream(self._follow(inv, frames), f"invocation {inv}", sender, resumed, frames)
 
     def _follow(self, inv: str, frames: Iterator[Frame]) -> Generator[Any, None, None]:
         closed = yield from _values(frames, f"invocation {inv}")
@@ -358,7 +471,8 @@ class Topic:
     def stream(self, since: int = -1, timeout: float = TOPIC_TIMEOUT_S) -> Stream:
         """Values with ``seq > since`` until END; TimeoutError after ``timeout`` s of silence."""
         frames = self.dispatch.frames(self.name, _check_since(since), _check_timeout(timeout), topic=True)
-        return Stream(_values(frames, f"topic {self.name}"), f"topic {self.name}")
+        at = _Cursor(frames, since)
+        return Stream(_values(at, f"topic {self.name}"), f"topic {self.name}", at=at)
 
     def listen(self, since: int = -1, timeout: float = TOPIC_TIMEOUT_S) -> Any:
         """The next value after ``since``, or None on timeout (or when the topic ended)."""

@@ -39,6 +39,7 @@ from dreamlake.lakeshore.errors import EnvelopeError, PlaneError
 if TYPE_CHECKING:
     from dreamlake.lakeshore.dispatch import Claim, Plane
     from dreamlake.lakeshore.queue import SyncQueue
+    from dreamlake.lakeshore.wire import Frame
 
 __all__ = ["run_worker"]
 
@@ -159,7 +160,9 @@ class _Job:
     def frame(self, kind: int, body: Any, final: bool = False) -> None:
         from dreamlake.lakeshore import wire
 
-        data = wire.encode_frame(kind, self.seq, body, {"ts": time.time()})
+        self._append(wire.encode_frame(kind, self.seq, body, {"ts": time.time()}), final)
+
+    def _append(self, data: bytes, final: bool) -> None:
         try:
             self.plane.append_frame(
                 self.claim.invocation_id, self.seq, data, final, self.claim.attempt, worker_id=self.worker_id
@@ -195,16 +198,19 @@ class _Job:
 
     def _call(self, fn: Any, args: Any, kwargs: Any, heartbeat: _Heartbeat) -> str:
         from dreamlake.lakeshore import wire
+        from dreamlake.lakeshore.daemon.entry import settled
 
         inv = self.claim.invocation_id
-        is_gen = inspect.isgeneratorfunction(fn)
+        is_gen = inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn)
         try:
             if not is_gen:
-                blob = wire.pack(fn(*args, **kwargs))
+                blob = wire.pack(settled(fn(*args, **kwargs)))  # an async def: run to completion
                 if heartbeat.cancelled(inv):
                     raise _Cancelled()  # the producer no longer wants this result
+            elif self.claim.run_config.get("two_way"):
+                blob = self._drain_two_way(fn(*args, **kwargs), heartbeat)
             else:
-                blob = self._drain(fn(*args, **kwargs), heartbeat)
+                blob = self._drain(settled(fn(*args, **kwargs)), heartbeat)
         except _Cancelled:
             log.info("invocation %s cancelled", inv)
             if is_gen:
@@ -237,6 +243,41 @@ class _Job:
                 self.frame(wire.FRAME_VALUE, wire.pack(value))
         except StopIteration as stop:
             blob = wire.pack(stop.value)
+        self.frame(wire.FRAME_END, blob, final=True)
+        return blob
+
+    def _drain_two_way(self, gen: Any, heartbeat: _Heartbeat) -> bytes:
+        """:meth:`_drain` for a two-way body: each VALUE frame names its index (``meta.send``) and
+        the body waits at that yield for the send answering it, read from the plane (twoway.py)."""
+        from dreamlake.lakeshore import twoway, wire
+
+        inv = self.claim.invocation_id
+        timeout_s = twoway.timeout_of(self.claim.run_config)
+        answers: dict[int, Frame] = {}
+
+        def emit(value: Any, index: int) -> None:
+            data = wire.encode_frame(
+                wire.FRAME_VALUE, self.seq, wire.pack(value), {"ts": time.time(), "send": index}
+            )
+            self._append(data, False)
+
+        def receive(index: int) -> Frame | None:
+            deadline = time.monotonic() + timeout_s
+            while index not in answers:
+                if heartbeat.cancelled(inv):
+                    gen.close()
+                    raise _Cancelled()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                since = max(answers, default=index - 1)
+                got = self.plane.sends(
+                    inv, self.claim.attempt, worker_id=self.worker_id, since=since, timeout=min(left, 1.0)
+                )
+                answers.update((frame.seq, frame) for frame in got)
+            return answers.pop(index)
+
+        blob = wire.pack(twoway.drive(gen, emit, receive, timeout_s))
         self.frame(wire.FRAME_END, blob, final=True)
         return blob
 

@@ -29,7 +29,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from dreamlake.lakeshore.store import schema
-from dreamlake.lakeshore.store.invocations import claim_params
+from dreamlake.lakeshore.store.claims import claim_params
 from dreamlake.lakeshore.store.sql import SqlStore
 
 QUEUED_ROWS = 20_000
@@ -123,7 +123,7 @@ def _check_sqlite(plan: list[tuple[int, int, str]], queues: list[str], namespace
     text = "\n".join(detail for _, _, detail in plan)
     on_table = [d for _, _, d in plan if d.startswith(("SCAN invocations", "SEARCH invocations"))]
     assert not [d for d in on_table if d.startswith("SCAN")], text
-    search = "(namespace=? AND queue=?)" if namespace else "(queue=?)"
+    search = "(namespace=? AND queue=? AND shape=?)" if namespace else "(queue=? AND shape=?)"
     picks = [d for d in on_table if f"USING INDEX {INDEX[namespace]} {search}" in d]
     assert len(picks) == len(queues), text
     by_key = [d for d in on_table if "(invocation_id=?)" in d]

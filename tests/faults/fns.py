@@ -20,8 +20,9 @@ def _mark(tally: str, key: str) -> None:
         os.close(fd)
 
 
-def double(tally: str, key: str, value: int, delay_s: float = 0.0) -> int:
-    """``2 * value``, after ``delay_s``; each run marked under ``tally/key``."""
+def double(tally: str, key: str, value: int, delay_s: float = 0.0, pad: str = "") -> int:
+    """``2 * value``, after ``delay_s``; each run marked under ``tally/key`` (``pad``: bulk for
+    the arguments, unused)."""
     _mark(tally, key)
     time.sleep(delay_s)
     return 2 * value
@@ -52,4 +53,13 @@ def fail(tally: str, key: str, stderr_bytes: int = 0) -> None:
     _mark(tally, key)
     sys.stderr.write("e" * stderr_bytes)
     sys.stderr.flush()
+    raise ValueError(f"{key} failed on purpose")
+
+
+def hold_then_fail(tally: str, key: str, gate: str, limit_s: float = 120.0) -> None:
+    """Raise ValueError once the file ``gate`` exists (an error.json the test decides the time of)."""
+    _mark(tally, key)
+    deadline = time.monotonic() + limit_s
+    while not Path(gate).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     raise ValueError(f"{key} failed on purpose")

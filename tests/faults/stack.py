@@ -198,6 +198,8 @@ class Producer:
         self.token = token or server.tokens()["admin"]
         self.client = httpx.Client(headers={"Authorization": f"Bearer {self.token}"}, timeout=60)
         self.retries = 0
+        self.statuses: collections.Counter[int] = collections.Counter()  # every answer's status
+        self.errors: dict[int, bytes] = {}  # the first body of each 5xx status seen
 
     def close(self) -> None:
         self.client.close()
@@ -207,6 +209,9 @@ class Producer:
         while True:
             try:
                 resp = send()
+                self.statuses[resp.status_code] += 1
+                if resp.status_code >= 500:
+                    self.errors.setdefault(resp.status_code, resp.content[:300])
                 if resp.status_code < 500:
                     assert resp.status_code == 200, (resp.status_code, resp.content[:300])
                     return msgpack.unpackb(resp.content, raw=False)
@@ -249,7 +254,17 @@ class Producer:
         """The frames after ``since`` (one stream request; its cursor is the last seq read)."""
         url = f"{self.server.url}/v1/producer/invocations/{invocation_id}/result/stream"
         params = {"since": since, "timeout": timeout}
-        resp = self.client.get(url, params=params, timeout=timeout + 30)
+        try:
+            resp = self.client.get(url, params=params, timeout=timeout + 30)
+        except httpx.TransportError:  # cut off (the server went away): resume from the cursor
+            self.retries += 1
+            time.sleep(0.2)
+            return []
+        self.statuses[resp.status_code] += 1
+        if resp.status_code == 503:  # the control plane's store is away: nothing new yet
+            self.errors.setdefault(503, resp.content[:300])
+            time.sleep(0.2)
+            return []
         assert resp.status_code == 200, (resp.status_code, resp.content[:300])
         return wire.FrameReader().feed(resp.content)
 

@@ -144,3 +144,102 @@ def test_acks_written_before_the_disk_filled_and_acks_that_could_not_be_written_
         until(lambda: not list(outbox.glob("*.msg")), "the outbox to drain")
         filler.unlink()
         producer.close()
+
+
+def test_the_sqlite_stores_disk_full_is_a_503_store_full_and_a_generator_finishes_on_attempt_1(
+    tmp_path: Path,
+) -> None:
+    """The control plane's SQLite file on a small tmpfs that fills up (issue 32, items 2-4): a
+    write meets ``503 store full: ...`` (not a 500), ``/healthz`` says so, the heartbeats that
+    cannot be stored cost no lease (a generator streaming through finishes on attempt 1), and
+    once space is back everything carries on over an intact database."""
+    import sqlite3
+
+    import httpx
+    import msgpack
+
+    from dreamlake.lakeshore import errors, ids, wire
+    from dreamlake.lakeshore.dispatch.http import HttpDispatch
+    from tests.faults.stack import Server, kill_leftovers
+    from tests.integration.conftest import submit_body
+
+    with small_tmpfs(tmp_path / "disk", "16m") as disk:
+        db = disk / "lakeshore.db"
+        server = Server(tmp_path / "cp", "--db", str(db))
+        nymph: Nymph | None = None
+        try:
+            server.start()
+            marks = tmp_path / "marks"
+            marks.mkdir()
+            os.chmod(marks, 0o777)
+            nymph = Nymph(server, tmp_path / "n", "--concurrency", "2").start()
+            producer = Producer(server)
+            warm = producer.submit(ref("double", str(marks), "warm", 1))
+            assert producer.await_(warm, 60.0)["state"] == "succeeded", nymph.output()[-3000:]
+            stream = producer.submit(ref("count", str(marks), "stream", 30, 0.5))
+            until(lambda: producer.frames(stream, -1, 1.0), "the generator's first frame")
+
+            with sqlite3.connect(db, timeout=10) as conn:  # the WAL emptied: writes need new room
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            filler = fill(disk)
+            # submits of 200 KB arguments until one needs room the WAL does not have
+            url = server.url + "/v1/producer/submit"
+            headers = {"Authorization": f"Bearer {producer.token}", "Content-Type": "application/x-msgpack"}
+            stored: list[str] = []
+            for i in range(60):
+                inv = ids.new_ulid()
+                args = ref("double", str(marks), f"big{i}", i, 0.0, "x" * 200_000)
+                body = submit_body(inv, "default", args_blob=args)
+                resp = httpx.post(
+                    url, content=msgpack.packb(body, use_bin_type=True), headers=headers, timeout=60
+                )
+                if resp.status_code != 200:
+                    break
+                stored.append(inv)
+            assert resp.status_code == 503, (resp.status_code, resp.content[:300])
+            assert resp.headers.get("retry-after"), resp.headers
+            error = msgpack.unpackb(resp.content)["error"]
+            assert error.startswith("store full: "), error
+            # the SDK retries it as an outage, and its final error names the cause
+            sdk = HttpDispatch(server.url, producer.token, retry_window=3.0)
+            with pytest.raises(errors.Unavailable) as raised:
+                sdk.submit(ref("double", str(marks), "sdk", 1, 0.0, "x" * 200_000), "default", {})
+            assert "retry window" in str(raised.value) and "store full: " in str(raised.value), raised.value
+            answer = httpx.get(server.url + "/healthz", timeout=10)
+            assert answer.status_code == 503 and answer.json()["error"].startswith("store full: "), (
+                answer.text
+            )
+            time.sleep(3 * 2.0)  # three leases' worth while heartbeats and frames cannot be stored
+
+            filler.unlink()
+            until(lambda: httpx.get(server.url + "/healthz", timeout=10).status_code == 200, "/healthz 200")
+            assert producer.post("/v1/producer/submit", body)["invocation_id"] == inv  # now stored
+            for each in [*stored, inv]:  # every answered submit was stored, and runs
+                assert producer.await_(each, 60.0)["state"] == "succeeded"
+            frames: list[wire.Frame] = []
+            deadline = time.monotonic() + 60
+            while (not frames or frames[-1].kind == wire.FRAME_VALUE) and time.monotonic() < deadline:
+                got = producer.frames(stream, frames[-1].seq if frames else -1, 2.0)
+                frames.extend(f for f in got if f.kind != wire.FRAME_LOG)
+            assert [wire.unpack(f.body) for f in frames if f.kind == wire.FRAME_VALUE] == list(range(30))
+            out = until(
+                lambda: (o := producer.status(stream))["state"] != "running" and o, "the stream's ack"
+            )
+            assert out["state"] == "succeeded" and out["attempt"] == 1, out
+            assert len((marks / "stream").read_text().splitlines()) == 1  # ran once
+            assert 500 not in producer.statuses, producer.errors
+
+            until(lambda: "store is back after" in server.output(), "the end of the outage logged", 30)
+            log = server.output()
+            assert "Traceback" not in log, log[-6000:]
+            assert log.count("store full:") == 1, log[-6000:]
+            producer.close()
+            nymph.stop()
+            server.stop()
+            with sqlite3.connect(db) as conn:
+                assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+        finally:
+            if nymph is not None:
+                nymph.stop()
+            server.stop()
+            kill_leftovers(tmp_path)

@@ -85,6 +85,30 @@ def test_generator_frames_then_end(tmp_path: Path) -> None:
     assert _result(workdir) == "done"
 
 
+def test_an_async_def_runs_to_completion(tmp_path: Path) -> None:
+    workdir = _workdir(tmp_path, ff.async_add, 2, b=3)
+    proc = _run(workdir)
+    assert proc.returncode == 0, proc.stderr
+    assert _result(workdir) == 5
+
+
+def test_an_async_def_that_raises_is_a_failure(tmp_path: Path) -> None:
+    workdir = _workdir(tmp_path, ff.async_boom)
+    proc = _run(workdir)
+    assert proc.returncode == 1
+    assert _error(workdir)["type"] == "ValueError" and _error(workdir)["message"] == "async kaboom"
+
+
+def test_an_async_generator_streams_like_a_generator(tmp_path: Path) -> None:
+    workdir = _workdir(tmp_path, ff.async_count, 3)
+    proc = _run(workdir)
+    assert proc.returncode == 0, proc.stderr
+    frames = _frames(workdir)
+    assert [(f.kind, f.seq) for f in frames] == [(1, 0), (1, 1), (1, 2), (2, 3)]
+    assert [wire.unpack(f.body) for f in frames[:3]] == [0, 1, 4]  # type: ignore[arg-type]
+    assert _result(workdir) is None
+
+
 def test_frames_are_on_disk_while_the_body_still_runs(tmp_path: Path) -> None:
     flag = tmp_path / "go"
     workdir = _workdir(tmp_path, ff.yield_then_wait, str(flag))

@@ -213,6 +213,24 @@ def test_plain_function_succeeds_and_its_workdir_is_removed(
     assert (n.state_dir / "worker_id").read_text().strip() != ""
 
 
+def test_async_bodies_run_through_nymph(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    """An ``async def`` runs to completion and an async generator streams, on nymph's process
+    runner (the warm fork; every runner runs the same entry)."""
+    cp = sqlite_control_plane
+    n = nymph_factory(cp.url, cp.daemon_token)
+    inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.async_add, 2, 3))
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert out["state"] == "succeeded", (out, n.output()[-3000:])
+    assert wire.unpack(out["result_blob"]) == 5
+    inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.async_count, 3))
+    assert await_result(cp.url, cp.producer_token, inv)["state"] == "succeeded"
+    frames = frames_of(cp.url, cp.producer_token, inv)
+    assert [f.kind for f in frames] == [wire.FRAME_VALUE] * 3 + [wire.FRAME_END]
+    assert [wire.unpack(f.body) for f in frames[:3]] == [0, 1, 2]  # type: ignore[arg-type]
+
+
 def test_running_invocations_hold_no_thread_of_nymphs(
     sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph], tmp_path: Path
 ) -> None:
@@ -582,10 +600,48 @@ def test_doctor_passes_on_a_good_setup_and_names_what_to_fix(
     assert bad.returncode == 1
     assert "[FAIL] token" in bad.stdout and "lakeshore token create --kind daemon" in bad.stdout
     assert "[FAIL] runner" in bad.stdout and "nosuch" in bad.stdout
-    assert "[FAIL] workdir" in bad.stdout and "chmod o-rwx" in bad.stdout
+    # a listable workdir is a warning (0711 is right: task users must still enter it), never a
+    # failure whose fix (o-rwx) would break shipped code
+    assert "[warn] workdir" in bad.stdout and "chmod 711" in bad.stdout
+    status, listed = cp.json("GET", "/v1/ops/workers", None, cp.admin_token)
+    assert status == 200 and listed["workers"] == []  # the doctor registered no (phantom) worker
 
     down = _doctor("--server", f"http://127.0.0.1:{_free_port()}", "--token", "t", *dirs)
     assert down.returncode == 1 and "[FAIL] server" in down.stdout
+
+
+def _worker_row(cp: ControlPlane, worker_id: str) -> dict[str, Any]:
+    status, listed = cp.json("GET", "/v1/ops/workers", None, cp.admin_token)
+    assert status == 200, listed
+    return next(w for w in listed["workers"] if w["worker_id"] == worker_id)
+
+
+def test_a_cleanly_stopped_nymph_deregisters_at_once(
+    control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    cp = control_plane
+    n = nymph_factory(cp.url, cp.daemon_token)
+    _until(lambda: "registered as worker" in n.output(), "nymph to register")
+    worker = (n.state_dir / "worker_id").read_text().strip()
+    assert _worker_row(cp, worker)["live"] is True
+
+    # another daemon token cannot take it off the list (the id is bound to nymph's token)
+    other = cp.store.create_token("daemon", "intruder")
+    status, out = cp.call("/v1/daemon/deregister", {"worker_id": worker}, other)
+    assert status == 403 and "another daemon token" in out["error"]
+    assert _worker_row(cp, worker)["live"] is True
+
+    n.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    assert n.wait() == 0
+    row = _worker_row(cp, worker)  # at once, not after the 5-minute live window
+    assert row["live"] is False and row["stopped_at"] is not None, row
+    status, queues = cp.json("GET", "/v1/ops/queues", None, cp.admin_token)
+    assert all(q["workers_live"] == 0 for q in queues["queues"] if q["name"] == "default")
+
+    again = nymph_factory(cp.url, cp.daemon_token)  # the same state dir: the same worker id
+    _until(lambda: again.output().count("registered as worker") >= 2, "nymph to register again")
+    row = _worker_row(cp, worker)
+    assert row["live"] is True and row["stopped_at"] is None
 
 
 def test_runners_lists_the_process_runner_as_usable() -> None:

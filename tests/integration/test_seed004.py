@@ -249,15 +249,16 @@ def test_two_way_flow_as_two_one_way_channels(plane: Plane) -> None:
     assert list(q.stream(inv, timeout=5.0)) == pytest.approx([0.1, 0.05, 0.055])
 
 
-def test_send_into_a_remote_stream_names_the_gap(plane: Plane) -> None:
-    """L3's system-level row does not exist: .send(x) says so instead of dropping x."""
+def test_send_into_a_one_way_stream_says_so(plane: Plane) -> None:
+    """A body whose yields are statements is one-way: .send(x) says so instead of dropping x
+    (two-way bodies: tests/integration/test_two_way.py)."""
     q = dls.SyncQueue("render", dispatch=plane)
     inv = render.submit(3, _dispatch=plane)
     assert dls.run_worker(q, once=True, poll_timeout=5.0) == "succeeded"
     stream = q.stream(inv, timeout=5.0)
     assert next(stream)["frame"] == 0
     assert stream.send(None)["frame"] == 1  # send(None) pulls, as next() does
-    with pytest.raises(NotImplementedError, match=r"one-way.*seed 004.*Topic"):
+    with pytest.raises(NotImplementedError, match=r"one-way.*two_way=True.*Topic"):
         stream.send(0.5)
     assert [f["frame"] for f in stream] == [2]  # the refused send consumed nothing
 

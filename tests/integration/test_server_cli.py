@@ -47,18 +47,19 @@ def test_server_first_start_mints_tokens_and_serves(tmp_path: Path) -> None:
         assert stat.S_IMODE((data / "tokens.json").stat().st_mode) == 0o600
         assert set(tokens) == {"admin", "daemon"}
         start = next(line for line in lines if "nymph start" in line).split()
+        # the token in nymph's environment (ps shows a command line), for the README's queue
         assert start == [
+            f"NYMPH_TOKEN={tokens['daemon']}",
             "nymph",
             "start",
             "--server",
             f"http://127.0.0.1:{port}",
-            "--token",
-            tokens["daemon"],
             "--runner",
             "process",
             "--queue",
-            "default",
+            "gpu",
         ]
+        assert "--token" not in " ".join(lines)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 20
         while True:

@@ -51,11 +51,13 @@ class World:
     def queue(self) -> str:
         return f"m{next(_queue_ids)}"
 
-    def invocation(self, ns: str, parent: str | None = None) -> str:
+    def invocation(self, ns: str, parent: str | None = None, run_config: dict[str, Any] | None = None) -> str:
         inv = new_ulid()
         fn = {"module": "m", "qualname": "f"}
         self.cp.store.submit(
-            SubmitRequest(inv, self.queue(), fn, b"\x90", {}, parent_invocation_id=parent, namespace=ns)
+            SubmitRequest(
+                inv, self.queue(), fn, b"\x90", run_config or {}, parent_invocation_id=parent, namespace=ns
+            )
         )
         return inv
 
@@ -121,9 +123,11 @@ def request_for(w: World, route: RouteAuth, kind: str, own: bool) -> Request:
     daemon = w.other_daemon if not own else w.tokens[kind if kind in ("daemon", "admin") else "admin"]
     inv_path = "/v1/producer/invocations/{}"
 
-    def target() -> str:
+    def target(run_config: dict[str, Any] | None = None) -> str:
         """An invocation of ``ns``; a task's own ones are children of its invocation."""
-        return w.invocation(ns, parent=w.task_invocation if kind == "task" and own else None)
+        return w.invocation(
+            ns, parent=w.task_invocation if kind == "task" and own else None, run_config=run_config
+        )
 
     match route.handler:
         case "metrics":
@@ -140,12 +144,26 @@ def request_for(w: World, route: RouteAuth, kind: str, own: bool) -> Request:
                 {"invocation_id": target(), "timeout_s": 0},
                 "msgpack",
             )
+        case "await_batch":
+            return (
+                "POST",
+                "/v1/producer/await-batch",
+                {"invocation_ids": [target(), target()], "timeout_s": 0},
+                "msgpack",
+            )
         case "status":
             return "GET", inv_path.format(target()), None, "msgpack"
         case "cancel":
             return "POST", inv_path.format(target()) + "/cancel", {}, "msgpack"
         case "result_stream":
             return "GET", inv_path.format(target()) + "/result/stream?timeout=0", None, "msgpack"
+        case "send":
+            body = {"index": 0, "kind": "value", "body": wire.pack(1)}
+            return "POST", inv_path.format(target({"two_way": True})) + "/send", body, "msgpack"
+        case "sends_fetch":
+            inv, worker, attempt = w.lease(ns, daemon)
+            body = {"invocation_id": inv, "worker_id": worker, "attempt": attempt, "since": -1, "wait_s": 0}
+            return "POST", "/v1/daemon/sends", body, "msgpack"
         case "topic_post":
             return "POST", "/v1/producer/topics/matrix/post", {"body": wire.pack(1)}, "msgpack"
         case "topic_stream":
@@ -164,6 +182,9 @@ def request_for(w: World, route: RouteAuth, kind: str, own: bool) -> Request:
         case "heartbeat":
             worker = new_ulid() if own else w.worker(daemon)
             return "POST", "/v1/daemon/heartbeat", {"worker_id": worker, "running": []}, "msgpack"
+        case "deregister":  # another token's worker: 403, and it stays live (test_nymph_deregister)
+            worker = new_ulid() if own else w.worker(daemon)
+            return "POST", "/v1/daemon/deregister", {"worker_id": worker}, "msgpack"
         case "ack" | "result_chunk" | "result_chunks":
             inv, worker, attempt = w.lease(ns, daemon)
             lease = {"invocation_id": inv, "worker_id": worker, "attempt": attempt}
@@ -205,6 +226,22 @@ def request_for(w: World, route: RouteAuth, kind: str, own: bool) -> Request:
             return "POST", f"/v1/namespaces/{ns}/payloads/presign", {"op": "put", "size": 1}, "json"
         case "pin":
             return "PUT", f"/v1/namespaces/{ns}/pin", {"nymph_version": "1.0"}, "json"
+        case "secret_list":
+            return "GET", f"/v1/namespaces/{ns}/secrets", None, "json"
+        case "secret_put" | "secret_delete":
+            path = f"/v1/namespaces/{ns}/secrets/MATRIX_{next(_queue_ids)}"
+            if route.handler == "secret_put":
+                return "PUT", path, {"value": "x"}, "json"
+            status, out = w.cp.json("PUT", path, {"value": "x"}, w.tokens["admin"])  # one to remove
+            assert status == 200, out
+            return "DELETE", path, None, "json"
+        case "secrets_fetch":
+            if kind == "task":  # its own invocation's (running), or another's
+                inv = w.task_invocation if own else w.invocation(ns)
+                return "POST", "/v1/daemon/secrets", {"invocation_id": inv, "attempt": 1}, "msgpack"
+            inv, worker, attempt = w.lease(ns, daemon)
+            body = {"invocation_id": inv, "worker_id": worker, "attempt": attempt}
+            return "POST", "/v1/daemon/secrets", body, "msgpack"
         case "ops.whoami":
             return route.method, "/v1/ops/whoami", None if route.method == "GET" else {}, "json"
         case "ops.queues" | "ops.workers" | "ops.invocations":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -82,7 +81,7 @@ def test_reattached_task_keeps_its_gpus(tmp_path: Path) -> None:
     [(job, _)] = recover_all(_ctx(tmp_path, {inv}, set(), slots))
     assert isinstance(job, Job) and job._gpus == ["1"]
     assert job._env()["CUDA_VISIBLE_DEVICES"] == "1"
-    assert slots.acquire_gpus(1, threading.Event()) == ["0"]  # device 1 stays with the re-attached task
+    assert slots.acquire_gpus(1) == ["0"]  # device 1 stays with the re-attached task
 
 
 class _LabellingRunner(_Runner):

@@ -13,6 +13,7 @@ import pytest
 from dreamlake.lakeshore import ids, wire
 from dreamlake.lakeshore.envelope import Envelope, fn_for
 from dreamlake.lakeshore.errors import InvalidId
+from dreamlake.lakeshore.store import retry
 from nymph import workdir as wd
 from nymph.config import resolve
 from nymph.job import Job, JobContext, Refused
@@ -56,6 +57,58 @@ def test_outcome_reading_follows_the_seed(tmp_path: Path) -> None:
 
     script = wd.read_outcome(tmp_path, ExitStatus(0), script=True)
     assert wire.unpack(script.result_blob) == {"exit_code": 0}
+
+
+_GOOD = wire.pack({"rows": [1, 2.5, "x" * 40, b"\0" * 300], "t": (1, None, True)})
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (_GOOD[:-7], "truncated"),
+        (_GOOD[:1], "truncated"),
+        (b"", "empty"),
+        (b"\xc1" + _GOOD, "not msgpack"),
+        (_GOOD + b"\x00junk", "garbage after"),
+    ],
+)
+@pytest.mark.parametrize("status", [ExitStatus(0), None])  # None: collected after a restart
+@pytest.mark.parametrize("big", [None, 16])  # in memory, or over the inline threshold: left on disk
+def test_a_damaged_result_is_a_retryable_failure_never_a_success(
+    tmp_path: Path, data: bytes, says: str, status: ExitStatus | None, big: int | None
+) -> None:
+    (tmp_path / "result.msgpack").write_bytes(data)
+    out = wd.read_outcome(tmp_path, status, big=big)
+    assert out.state == "failed" and out.error is not None, out
+    assert out.error["type"] == "DamagedOutput"
+    assert "result.msgpack is damaged" in out.error["message"] and says in out.error["message"], out
+    assert retry.delay({}, out.state, out.error, 1, 3) is not None  # the control plane retries it
+
+
+@pytest.mark.parametrize("big", [None, 16])
+def test_a_sound_result_passes_the_check_in_memory_and_on_disk(tmp_path: Path, big: int | None) -> None:
+    (tmp_path / "result.msgpack").write_bytes(_GOOD)
+    out = wd.read_outcome(tmp_path, ExitStatus(0), big=big)
+    assert out.state == "succeeded", out
+    if big is None:
+        assert wire.unpack(out.result_blob) == wire.unpack(_GOOD)
+    else:
+        assert out.extra == {"result_file": "result.msgpack", "result_size": len(_GOOD)}
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [(b'{"type": "KeyErr', "not JSON"), (b"\xff\xfe", "not JSON"), (b"[1]", "not an error object")],
+)
+def test_a_damaged_error_json_is_named_not_taken_for_a_missing_one(
+    tmp_path: Path, data: bytes, says: str
+) -> None:
+    (tmp_path / "error.json").write_bytes(data)
+    out = wd.read_outcome(tmp_path, ExitStatus(1))
+    assert out.error is not None and out.error["type"] == "DamagedOutput", out
+    assert "error.json is damaged" in out.error["message"] and says in out.error["message"], out
+    assert "left no error.json" not in out.error["message"]
+    assert retry.delay({}, out.state, out.error, 1, 3) is not None
 
 
 class _Caps:

@@ -57,6 +57,7 @@ RUNTIME_FILES = (
     "dreamlake/lakeshore/wire/arrays.py",
     "dreamlake/lakeshore/wire/frames.py",
     "dreamlake/lakeshore/envelope.py",
+    "dreamlake/lakeshore/twoway.py",
     "dreamlake/lakeshore/daemon/__init__.py",
     "dreamlake/lakeshore/daemon/entry.py",
 )
@@ -64,6 +65,7 @@ RUNTIME_FILES = (
 #: (the HTTP plane; its httpx and tenacity come from the image, imported on first use).
 SDK_FILES = (
     "dreamlake/lakeshore/decorator.py",
+    "dreamlake/lakeshore/handles.py",
     "dreamlake/lakeshore/codeship.py",
     "dreamlake/lakeshore/queue.py",
     "dreamlake/lakeshore/settings.py",

@@ -10,6 +10,12 @@ instead, :func:`run_args`), resolves the function through the worker-side gates,
 - ``frames.msgpack`` for a generator result: one VALUE frame per yield, appended and flushed one by
   one, then END (body ``wire.pack(return value)``) or ERROR.
 
+``result.msgpack`` and ``error.json`` are written to a temporary name, fsynced and renamed, and the
+journal is fsynced after its last frame (before the result or error names the end): a host crash
+leaves either a whole output or none, never a truncated one (nymph checks anyway:
+``nymph/outputcheck.py``). Nothing else is fsynced (no directory, no per-frame sync): it is the
+invocation's hot path.
+
 Backpressure: with ``LAKESHORE_STREAM_WINDOW=<frames>:<bytes>`` set (nymph sets it), the generator
 is paused at its next ``yield`` while that many of its frames (or bytes) are not yet delivered. The
 delivered position is the file ``frames.delivered`` (``"<seq> <offset>"``, written by nymph), read
@@ -38,7 +44,9 @@ handler is ``_signal``'s (a builtin: no import at start-up).
 
 Environment: ``LAKESHORE_ALLOW_PICKLED=1`` allows pickled functions, ``LAKESHORE_RUNTIME_POLICY``
 (``strict`` | ``minor`` | ``off``, default ``minor``), ``LAKESHORE_INVOCATION_ID`` (for messages),
-``LAKESHORE_STREAM_WINDOW`` and ``LAKESHORE_CAPTURE_OUTPUT`` (above), ``LAKESHORE_ALLOW_MODULES`` (nymph's ``--allow-module``
+``LAKESHORE_STREAM_WINDOW`` and ``LAKESHORE_CAPTURE_OUTPUT`` (above), ``LAKESHORE_SENDS`` (a
+two-way generator, :mod:`dreamlake.lakeshore.twoway`: the seconds each yield waits for the answer
+nymph appends to ``sends.msgpack``; its VALUE frames carry ``meta.send``, the yield's index), ``LAKESHORE_ALLOW_MODULES`` (nymph's ``--allow-module``
 patterns, comma separated; see :func:`module_allowed`): when set, a ``ref`` function is refused
 (exit 2, ``ModuleRefused``) unless its module matches, checked before the module is imported, and
 again on the callable it resolved to (its ``__module__``), so ``allowed_module:os.system`` does not
@@ -78,6 +86,8 @@ CAPTURE_ENV = "LAKESHORE_CAPTURE_OUTPUT"
 STDOUT_FILE = "stdout.log"
 STDERR_FILE = "stderr.log"
 CODE_PATH_ENV = "LAKESHORE_CODE_PATH"
+SENDS_FILE = "sends.msgpack"  # twoway.SENDS_FILE (not imported before a two-way body runs)
+SENDS_ENV = "LAKESHORE_SENDS"  # twoway.SENDS_ENV
 STOP_REASON_FILE = "stop.reason"  # nymph writes why it stops the task before the SIGTERM
 CHECKPOINT_ENV = "LAKESHORE_CHECKPOINT_DIR"  # dls.checkpoint_dir(): carried to the next attempt
 CHECKPOINT_DIR = "checkpoint"
@@ -193,10 +203,15 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _write_atomic(name: str, data: bytes) -> None:
+    """``name`` replaced by ``data``: written to a temporary name, fsynced, renamed. The fsync is
+    what keeps a host crash (a power loss) from leaving the new name with data not yet on disk (a
+    truncated result nymph would otherwise find); the directory is not fsynced: a rename lost with
+    the host leaves no output at all, which reads as a crash and is retried."""
     tmp = f".{name}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)  # as open("wb")
     try:
         _write_all(fd, data)
+        os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, name)
@@ -241,8 +256,11 @@ class _Journal:
         self._window = window
         self._delivered = (-1, 0)  # the last (seq, offset) nymph said it delivered
 
-    def append(self, kind: int, body: Any) -> None:
-        frame = wire.encode_frame(kind, self.seq, body, {"ts": time.time()})
+    def append(self, kind: int, body: Any, send: int | None = None) -> None:
+        meta: Dict[str, Any] = {"ts": time.time()}
+        if send is not None:  # a two-way body's yield: the index its answer is sent to
+            meta["send"] = send
+        frame = wire.encode_frame(kind, self.seq, body, meta)
         _write_all(self._fd, frame)
         self.seq += 1
         self.offset += len(frame)
@@ -265,8 +283,13 @@ class _Journal:
             time.sleep(pause)
             pause = min(pause * 2, _PAUSE_MAX_S)
 
-    def close(self) -> None:
-        os.close(self._fd)
+    def close(self, sync: bool = False) -> None:
+        """Close the journal; ``sync``: its last frame (END or ERROR) is on disk first."""
+        try:
+            if sync:
+                os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
 
 
 def _read_delivered(known: tuple[int, int]) -> tuple[int, int]:
@@ -333,6 +356,43 @@ def _append_fd(fd: int, name: str) -> None:
         os.close(target)
 
 
+def settled(result: Any) -> Any:
+    """What an ``async def`` body's call comes to: a coroutine run to completion (``asyncio.run``:
+    its value, or its exception raised), an async generator as a generator that streams its
+    values (on one event loop of its own); anything else as it is. The entry and the SDK's worker
+    both run bodies through this, so an async body runs on every runner."""
+    import types
+
+    if isinstance(result, types.CoroutineType):
+        import asyncio
+
+        return asyncio.run(result)
+    if isinstance(result, types.AsyncGeneratorType):
+        return _sync_stream(result)
+    return result
+
+
+def _sync_stream(agen: Any) -> Iterator[Any]:
+    """The values of async generator ``agen``, pulled one by one on an event loop of their own;
+    closing this generator closes ``agen`` (its ``finally`` blocks run)."""
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    try:
+        while True:
+            try:
+                value = loop.run_until_complete(agen.__anext__())
+            except StopAsyncIteration:
+                return
+            yield value
+    finally:
+        try:
+            loop.run_until_complete(agen.aclose())
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+
+
 def _is_stream(fn: Callable[..., Any], result: Any) -> bool:
     import types
     from collections.abc import Iterator
@@ -388,6 +448,7 @@ def _drain(stream: Iterator[Any], interrupts: _Interrupts | None = None) -> int:
     """Journal every yield, then END; on a raise, ERROR frame + error.json. Returns the exit code.
     An Interrupted that arrives while the generator is paused at its yield is thrown in there."""
     journal = _Journal(FRAMES_FILE, _window())
+    ended = False
     inside = False
     try:
         try:
@@ -414,12 +475,106 @@ def _drain(stream: Iterator[Any], interrupts: _Interrupts | None = None) -> int:
                     exc = thrown
             info = _error_info(exc)
             journal.append(wire.FRAME_ERROR, info)
+            ended = True
+            journal.close(sync=True)
             return _fail(info, EXIT_RAISED)
         journal.append(wire.FRAME_END, returned)
+        ended = True
+        journal.close(sync=True)  # the END frame on disk before result.msgpack names it done
     finally:
-        journal.close()
+        if not ended:
+            journal.close()
     _write_atomic(RESULT_FILE, returned)
     return EXIT_OK
+
+
+class _Sends:
+    """``sends.msgpack``: the answers to a two-way body's yields (one frame each, its seq the
+    yield's index), appended by nymph; read on from where the last read stopped. A wait looks again
+    after 1 ms, doubling to 5 ms, and after two seconds every 50 ms."""
+
+    def __init__(self) -> None:
+        self._offset = 0
+        self._reader = wire.FrameReader()
+        self._frames: Dict[int, wire.Frame] = {}
+
+    def _read(self) -> None:
+        try:
+            fd = os.open(SENDS_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return  # nothing sent yet
+        try:
+            os.lseek(fd, self._offset, os.SEEK_SET)
+            while True:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    return
+                self._offset += len(chunk)
+                for frame in self._reader.feed(chunk):
+                    self._frames[frame.seq] = frame
+        finally:
+            os.close(fd)
+
+    def wait(self, index: int, timeout_s: float) -> wire.Frame | None:
+        start = time.monotonic()
+        pause = _PAUSE_MIN_S
+        while True:
+            self._read()
+            if index in self._frames:
+                return self._frames.pop(index)
+            waited = time.monotonic() - start
+            if waited >= timeout_s:
+                return None
+            time.sleep(min(pause if waited < 2.0 else 0.05, timeout_s - waited))
+            pause = min(pause * 2, 0.005)
+
+
+def _drain_two_way(gen: Any, timeout_s: float, interrupts: _Interrupts | None = None) -> int:
+    """:func:`_drain` for a two-way body: each yield's VALUE frame names its index (``meta.send``),
+    and the body waits there for the answer nymph puts in ``sends.msgpack`` (twoway.py). An
+    Interrupted that arrives while it waits is raised at that yield (twoway.drive)."""
+    from dreamlake.lakeshore import twoway
+
+    journal = _Journal(FRAMES_FILE)
+    sends = _Sends()
+    ended = False
+    try:
+        try:
+            returned = wire.pack(
+                twoway.drive(
+                    gen,
+                    lambda value, index: journal.append(wire.FRAME_VALUE, wire.pack(value), send=index),
+                    lambda index: sends.wait(index, timeout_s),
+                    timeout_s,
+                )
+            )
+            if interrupts is not None:
+                interrupts.close()
+        except BaseException as exc:
+            if interrupts is not None:
+                interrupts.close()
+            info = _error_info(exc)
+            journal.append(wire.FRAME_ERROR, info)
+            ended = True
+            journal.close(sync=True)
+            return _fail(info, EXIT_RAISED)
+        journal.append(wire.FRAME_END, returned)
+        ended = True
+        journal.close(sync=True)  # the END frame on disk before result.msgpack names it done
+    finally:
+        if not ended:
+            journal.close()
+    _write_atomic(RESULT_FILE, returned)
+    return EXIT_OK
+
+
+def _sends_timeout() -> float | None:
+    """The seconds a two-way body waits at a yield (``LAKESHORE_SENDS``); None: not two-way."""
+    try:
+        value = float(os.environ.get(SENDS_ENV, ""))
+    except ValueError:
+        return None
+    return value if value > 0 else None
 
 
 def _mapped(f: Any) -> Any:
@@ -491,14 +646,81 @@ def _ship_code_path() -> None:
     if not dirs:
         return
     sys.path[:0] = dirs
+    for d in dirs:  # a pip environment nymph built (nymph.envcache): its .pth files count
+        if os.path.exists(os.path.join(d, ".lakeshore-env")):
+            import site
+
+            site.addsitedir(d)
     rest = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = os.pathsep.join([*dirs, rest] if rest else dirs)
+
+
+# A result bigger than this is refused before it is serialised (the process runner sets half the
+# task's memory limit: packing takes as much memory again, and an OOM kill would say less)
+RESULT_MAX_ENV = "LAKESHORE_RESULT_MAX_BYTES"
+_SIZE_WALK_MAX = 100_000  # values looked at; past it the estimate stops (it is a lower bound)
+
+
+class ResultTooLarge(Exception):
+    """The function's result is too big to serialise within the task's limits."""
+
+
+def _check_result_size(result: Any) -> None:
+    raw = os.environ.get(RESULT_MAX_ENV, "").strip()
+    if not raw.isdigit():
+        return
+    cap = int(raw)
+    size = _approx_size(result, cap)
+    if size > cap:
+        raise ResultTooLarge(
+            f"the result holds at least {size} bytes, more than the {cap} this task may serialise "
+            f"({RESULT_MAX_ENV}: packing it takes as much memory again, and the task's memory limit "
+            "leaves room for no more); return less (a generator streams values one at a time), or "
+            "write it to a file and return its path"
+        )
+
+
+def _approx_size(value: Any, cap: int) -> int:
+    """A lower bound of ``value``'s packed size: its buffers' bytes (bytes, str, arrays' ``nbytes``)
+    plus a few bytes per other value; stops once past ``cap``."""
+    total, seen, stack = 0, 0, [value]
+    while stack and total <= cap and seen < _SIZE_WALK_MAX:
+        item = stack.pop()
+        seen += 1
+        if isinstance(item, (bytes, bytearray, str)):
+            total += len(item)
+        elif isinstance(item, memoryview):
+            total += item.nbytes
+        elif isinstance(item, dict):
+            total += 1
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            total += 1
+            stack.extend(item)
+        else:
+            nbytes = getattr(item, "nbytes", None)  # numpy, torch (through wire's array codec)
+            total += nbytes if isinstance(nbytes, int) else 1
+    return total
+
+
+# settings.TOKEN_FILE_ENV, spelled here: importing settings (dataclasses ...) would cost every task
+TOKEN_FILE_ENV = "LAKESHORE_TOKEN_FILE"
+
+
+def _token_file_absolute() -> None:
+    """``LAKESHORE_TOKEN_FILE`` (the task's credential, nymph names it relative to the workdir)
+    made absolute before the user's code runs, so a ``chdir`` or a child elsewhere still finds it."""
+    path = os.environ.get(TOKEN_FILE_ENV, "")
+    if path and not os.path.isabs(path):
+        os.environ[TOKEN_FILE_ENV] = os.path.abspath(path)
 
 
 def run(blob: Any = None) -> int:
     """Run the invocation in the current directory; returns the exit code. ``blob``: the Envelope's
     bytes when the caller has them (then ``args.msgpack`` is not read)."""
     _ship_code_path()
+    _token_file_absolute()
     try:
         envelope, fn, args, kwargs = _load(blob)
     except _Refused as refused:
@@ -514,9 +736,13 @@ def run(blob: Any = None) -> int:
     with _run_context(envelope):
         try:
             try:
-                result = fn(*args, **kwargs)
+                result = settled(fn(*args, **kwargs))
                 if _is_stream(fn, result):
+                    two_way = _sends_timeout()
+                    if two_way is not None and hasattr(result, "send"):
+                        return _drain_two_way(result, two_way, interrupts)
                     return _drain(result, interrupts)
+                _check_result_size(result)
             finally:
                 interrupts.close()
             packed = wire.pack(result)

@@ -48,7 +48,13 @@ class Claim:
 
 @runtime_checkable
 class Plane(Protocol):
-    """What the SDK needs from a dispatch plane."""
+    """What the SDK needs from a dispatch plane.
+
+    Optional, found with ``getattr``: ``runs_async = True`` (its workers run an ``async def`` body;
+    an async udf is refused on a plane without it), ``await_batch(ids, timeout)`` (the outcomes of
+    many invocations at once, waiting on any: ``dls.wait``, ``dls.as_completed`` and
+    ``Calls.results()`` read through it, else one ``await_result`` at a time), ``submit_batch``,
+    ``submit_envelope`` and ``submit_and_wait`` (see the two planes)."""
 
     trusted: bool  # True: the pickle trust domain of this plane allows pickled functions
 
@@ -86,7 +92,21 @@ class Plane(Protocol):
         """Append ``body`` (``wire.pack(value)``) to a topic as VALUE (END when final); its seq."""
         ...
 
+    def send(self, invocation_id: str, index: int, kind: str, body: Any = None) -> bool:
+        """Answer yield ``index`` of a running two-way generator (twoway.py): ``kind`` ``value``
+        (``body``: ``wire.pack(value)``), ``throw`` (``body``: ``{type, message}``) or ``close``.
+        True when that index was answered with the same already; Conflict (409) when it is out of
+        order, past the window, answered otherwise, or the call is not two-way or has ended."""
+        ...
+
     # -- worker side ----------------------------------------------------------------------------
+    def sends(
+        self, invocation_id: str, attempt: int, *, worker_id: str, since: int, timeout: float
+    ) -> list[Frame]:
+        """The sends into a two-way invocation ``worker_id`` holds under ``attempt`` with index >
+        ``since``, waiting up to ``timeout`` for the first (an empty list after it)."""
+        ...
+
     def claim(self, worker_id: str, queues: list[str], timeout: float) -> Claim | None:
         """Claim the best queued invocation of ``queues``, waiting up to ``timeout`` for one."""
         ...

@@ -74,11 +74,15 @@ _STREAM_RECONNECTS = 5
 POLL_ACKS_MAX = 256  # acks one poll carries at most (the control plane's limit)
 ACK_TRIES = 3  # polls an ack the store failed (5xx) rides before it is given up
 _WARNED: set[tuple[str, str]] = set()  # (control plane, queue) whose no-worker warning was logged
+# (control plane, queue) -> when its workers were last asked whether they run pickled functions
+_PICKLES_ASKED: dict[tuple[str, str], float] = {}
+PICKLES_ASK_EVERY_S = 30.0  # while no live worker serves the queue, ask again at most this often
 DEFAULT_INLINE_THRESHOLD_BYTES = 256 * 1024  # seed 003
 # A submit batch (POST /v1/producer/submit-batch) holds at most this many calls and about this many
 # bytes of Envelopes: well under the server's caps (1,000 items, 110 MiB), big enough that a sweep
 # pays one request and one transaction per few hundred calls.
 SUBMIT_BATCH_ITEMS = 500
+AWAIT_BATCH_MAX = 1000  # ids one await-batch request asks for at most (the control plane's limit)
 SUBMIT_BATCH_BYTES = 8 * 1024 * 1024
 
 
@@ -146,6 +150,7 @@ class HttpDispatch:
     """
 
     trusted = False
+    runs_async = True  # every runner of nymph and `lakeshore worker` runs an async def (asyncio.run)
 
     def __init__(
         self,
@@ -416,6 +421,38 @@ class HttpDispatch:
             out["result_blob"] = self._download(ref, f"result_ref of {invocation_id}")
         return out
 
+    def warn_if_pickles_refused(self, queue: str, what: str) -> None:
+        """Before a pickled call of ``what`` goes to ``queue``: log a warning naming the fix when
+        every live worker serving the queue said (at register) that it refuses pickled functions,
+        as ``nymph start`` without ``--allow-pickled`` does. Asked once per queue (while no live
+        worker serves it, again every ``PICKLES_ASK_EVERY_S``); never fails the submit."""
+        key = (self.url, queue)
+        asked = _PICKLES_ASKED.get(key)
+        if asked is not None and (asked == float("inf") or time.monotonic() - asked < PICKLES_ASK_EVERY_S):
+            return
+        _PICKLES_ASKED[key] = time.monotonic()
+        try:
+            out = self._client.request(
+                "GET", "/v1/ops/workers", as_json=True, params={"live": "1", "limit": 500}, attempts=1
+            )
+        except PlaneError as exc:  # e.g. a task's token, which may not list workers: no warning
+            log.debug("cannot ask which workers run pickled functions: %s", exc)
+            return
+        serving = [w for w in (out or {}).get("workers") or [] if queue in (w.get("queues") or [])]
+        if not serving:
+            return
+        _PICKLES_ASKED[key] = float("inf")  # asked and answered: once per queue
+        if all(w.get("allow_pickled") is False for w in serving):
+            log.warning(
+                "%s travels pickled (it is not importable by module: defined in __main__, a notebook "
+                "or a closure), and every live worker of queue %r refuses pickled functions, so it "
+                "will fail with PickleRefused. Define it in a module next to your script (it then "
+                "ships by reference), or start the nymph with --allow-pickled "
+                "(`lakeshore worker start --allow-pickled`)",
+                what,
+                queue,
+            )
+
     def status(self, invocation_id: str) -> dict[str, Any]:
         inv = ids.validate(invocation_id, "invocation id")
         return dict(self._call("GET", f"/v1/producer/invocations/{inv}"))
@@ -424,6 +461,45 @@ class HttpDispatch:
         inv = ids.validate(invocation_id, "invocation id")
         body = {"invocation_id": inv, "timeout_s": max(0.0, timeout)}
         return self._resolved(dict(self._call("POST", "/v1/producer/await", body, timeout=timeout)), inv)
+
+    def await_batch(self, invocation_ids: Sequence[str], timeout: float) -> dict[str, Any]:
+        """The outcomes of many invocations in one request (``POST /v1/producer/await-batch``,
+        up to ``AWAIT_BATCH_MAX`` ids), waiting up to ``timeout`` for any of them to end:
+        ``{"results": {id: {state, result_blob, error}}, "states": {id: state}, "unknown": [id]}``
+        (``results``: the terminal ones, result refs fetched; ``states``: the others). A control
+        plane without the route gets one await per id (the first waits)."""
+        wanted = [ids.validate(i, "invocation id") for i in invocation_ids][:AWAIT_BATCH_MAX]
+        body = {"invocation_ids": wanted, "timeout_s": max(0.0, timeout)}
+        try:
+            out = self._call("POST", "/v1/producer/await-batch", body, timeout=timeout)
+        except NotFound as exc:
+            if "no route" not in str(exc):
+                raise
+            return self._await_each(wanted, timeout)
+        results = {
+            str(r["invocation_id"]): self._resolved(dict(r), str(r["invocation_id"]))
+            for r in out.get("results") or []
+        }
+        return {
+            "results": results,
+            "states": dict(out.get("states") or {}),
+            "unknown": list(out.get("unknown") or []),
+        }
+
+    def _await_each(self, wanted: list[str], timeout: float) -> dict[str, Any]:
+        """``await_batch`` on a control plane without the route (an older one)."""
+        out: dict[str, Any] = {"results": {}, "states": {}, "unknown": []}
+        for n, inv in enumerate(wanted):
+            try:
+                got = self.await_result(inv, timeout if n == 0 else 0.0)
+            except NotFound:
+                out["unknown"].append(inv)
+                continue
+            if got.get("state") in TERMINAL_STATES:
+                out["results"][inv] = got
+            else:
+                out["states"][inv] = str(got.get("state") or "pending")
+        return out
 
     def cancel(self, invocation_id: str, descendants: bool = True) -> str:
         inv = ids.validate(invocation_id, "invocation id")
@@ -504,6 +580,13 @@ class HttpDispatch:
     def topic_post(self, name: str, body: bytes, final: bool = False) -> int:
         out = self._call("POST", f"/v1/producer/topics/{name}/post", {"body": bytes(body), "final": final})
         return int(out["seq"])
+
+    def send(self, invocation_id: str, index: int, kind: str, body: Any = None) -> bool:
+        inv = ids.validate(invocation_id, "invocation id")
+        out = self._call(
+            "POST", f"/v1/producer/invocations/{inv}/send", {"index": index, "kind": kind, "body": body}
+        )
+        return bool(out.get("duplicate"))
 
     # -- worker side --------------------------------------------------------------------------------
 
@@ -690,6 +773,21 @@ class HttpDispatch:
         }
         out = self._call("POST", "/v1/daemon/heartbeat", body)
         return [c["body"]["invocation_id"] for c in out.get("commands") or [] if c.get("kind") == "cancel"]
+
+    def sends(
+        self, invocation_id: str, attempt: int, *, worker_id: str, since: int, timeout: float
+    ) -> list[Frame]:
+        from dreamlake.lakeshore import wire
+
+        body = {
+            "invocation_id": invocation_id,
+            "attempt": attempt,
+            "worker_id": worker_id,
+            "since": since,
+            "wait_s": max(0.0, timeout),
+        }
+        out = self._call("POST", "/v1/daemon/sends", body, timeout=timeout)
+        return [wire.decode_frame(bytes(f)) for f in out.get("frames") or []]
 
     def close(self) -> None:
         self._frames.close()

@@ -45,12 +45,14 @@ def _refusal(message: str, status: int) -> PlaneError:
 log = logging.getLogger(__name__)
 
 TOPIC_PREFIX = "topic:"  # the store journals topic frames under this owner prefix
+SEND_PREFIX = "send:"  # and what consumers send into a two-way body under this one
 
 
 class Dispatch:
     """The local plane: ``Dispatch(":memory:")`` for one process, ``Dispatch("jobs.db")`` to share."""
 
     trusted = True
+    runs_async = True  # run_worker runs an async def to completion (asyncio.run)
 
     def __init__(
         self,
@@ -168,6 +170,38 @@ class Dispatch:
                 return {"state": "pending"}
             self._wait(channel, deadline, mark)
 
+    def await_batch(self, invocation_ids: Sequence[str], timeout: float) -> dict[str, Any]:
+        """The outcomes of many invocations in one read, waiting up to ``timeout`` for any of
+        them to end (as ``HttpDispatch.await_batch`` answers)."""
+        from dreamlake.lakeshore.store.api import visible
+
+        wanted = list(dict.fromkeys(ids.validate(i, "invocation id") for i in invocation_ids))
+        deadline = time.monotonic() + max(0.0, timeout)
+        channels = [f"inv:{i}" for i in wanted]
+        while True:
+            mark = self.notifier.mark()
+            found = {
+                inv.invocation_id: inv
+                for inv in self.store.get_many(wanted, args=False)
+                if visible(self.namespace, inv)
+            }
+            out: dict[str, Any] = {"results": {}, "states": {}, "unknown": []}
+            for i in wanted:
+                inv = found.get(i)
+                if inv is None:
+                    out["unknown"].append(i)
+                elif inv.state in TERMINAL_STATES:
+                    out["results"][i] = {
+                        "state": inv.state,
+                        "result_blob": inv.result_blob or b"",
+                        "error": inv.error,
+                    }
+                else:
+                    out["states"][i] = inv.state
+            if out["results"] or not out["states"] or time.monotonic() >= deadline:
+                return out
+            self._wait(channels, deadline, mark)
+
     def cancel(self, invocation_id: str, descendants: bool = True) -> str:
         self._get(invocation_id)
         inv = ids.validate(invocation_id, "invocation id")
@@ -223,6 +257,19 @@ class Dispatch:
     def topic_post(self, name: str, body: bytes, final: bool = False) -> int:
         return self.store.topic_post(name, body, final)
 
+    def send(self, invocation_id: str, index: int, kind: str, body: Any = None) -> bool:
+        from dreamlake.lakeshore import twoway
+
+        inv = self._get(invocation_id).invocation_id
+        try:
+            data = twoway.encode_send(index, kind, body)
+        except ValueError as exc:
+            raise BadRequest(str(exc), 400) from None
+        result = self.store.send_append(inv, index, data, kind == "close")
+        if not result.ok:
+            raise _refusal(result.reason or f"send {index} into {inv} refused", result.status)
+        return result.duplicate
+
     # -- worker side --------------------------------------------------------------------------------
 
     def claim(self, worker_id: str, queues: list[str], timeout: float) -> Claim | None:
@@ -241,6 +288,20 @@ class Dispatch:
             if time.monotonic() >= deadline:
                 return None
             self._wait(channels, deadline, mark)
+
+    def sends(
+        self, invocation_id: str, attempt: int, *, worker_id: str, since: int, timeout: float
+    ) -> list[Frame]:
+        from dreamlake.lakeshore import wire
+
+        owner = SEND_PREFIX + invocation_id
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            mark = self.notifier.mark()
+            rows = self.store.read_frames(owner, since, 64)
+            if rows or time.monotonic() >= deadline:
+                return [wire.decode_frame(row.data) for row in rows]
+            self._wait([owner], deadline, mark)
 
     def append_frame(
         self, invocation_id: str, seq: int, data: bytes, final: bool, attempt: int, *, worker_id: str

@@ -7,8 +7,11 @@ entry). This module does what is common to all of them: authentication (401) and
 verdict (403) first, then ids (400), then the bounded body (413/400), then the handler, which
 applies the caller's ownership rule; an :class:`~.http.HTTPError` becomes ``{"error": ...}`` in
 the route's encoding, a client that hung up mid-body nothing, anything unexpected a logged 500. Long polls
-are admitted up to ``max_polls`` (past it: 503 with ``Retry-After``). Background tasks expire lapsed
-leases every second and, over PostgreSQL, relay wake-ups between replicas (``server/relay.py``).
+are admitted up to ``max_polls`` (past it: 503 with ``Retry-After``). A store that is down (store/outage.py)
+is a 503 with ``Retry-After`` and its cause, logged once per outage; ``/healthz`` reads the store and
+says 503 while it cannot. Background tasks expire lapsed leases every second (paused while writes
+fail and for a lease's length after: a heartbeat the store could not take costs no attempt) and,
+over PostgreSQL, relay wake-ups between replicas (``server/relay.py``).
 """
 
 from __future__ import annotations
@@ -30,11 +33,14 @@ from starlette.routing import BaseRoute, Route
 from dreamlake.lakeshore.server import (
     authz,
     blobroutes,
+    bulk,
     checkpoints,
     daemon,
     namespaces,
     ops,
     producer,
+    secrets,
+    sends,
     streams,
     tasks,
 )
@@ -49,20 +55,25 @@ from dreamlake.lakeshore.server.polls import PollsFull
 from dreamlake.lakeshore.server.relay import PgRelay, libpq_dsn
 from dreamlake.lakeshore.server.ui import Dashboard
 from dreamlake.lakeshore.store.api import Store
+from dreamlake.lakeshore.store.outage import Outages, StoreOutage, classify, probe
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Request], Awaitable[Response]]
 BLOB_PRUNE_EVERY_S = 3600.0
+HEALTH_READ_S = 5.0  # /healthz's store read: longer is an outage
 
 
-def _guard(fn: Handler) -> Handler:
-    """Turn HTTPError into an error answer and anything unexpected into a logged 500."""
+def _guard(fn: Handler, outages: Outages | None = None) -> Handler:
+    """Turn HTTPError into an error answer, a store outage into a 503 with ``Retry-After`` (logged
+    once per outage by ``outages``, store/outage.py) and anything unexpected into a logged 500."""
 
     async def wrapped(request: Request) -> Response:
         try:
             return await fn(request)
         except HTTPError as exc:
+            if exc.status in (400, 413, 429):  # the caller's mistake or limit: one line, no traceback
+                log.info("%s %s: %d %s", request.method, request.url.path, exc.status, exc.message[:200])
             return h.error_answer(request, exc)
         except ClientDisconnect:
             # The client hung up (or the server's body read timeout closed it) mid-body: nobody
@@ -71,12 +82,24 @@ def _guard(fn: Handler) -> Handler:
                 "%s %s: the client left before sending its whole body", request.method, request.url.path
             )
             return Response(status_code=400)
-        except Exception:
-            log.exception("%s %s failed", request.method, request.url.path)
-            err = HTTPError(500, "internal error in the control plane; see its log")
-            return h.error_answer(request, err)
+        except Exception as exc:
+            outage = classify(exc)
+            if outage is None:
+                log.exception("%s %s failed", request.method, request.url.path)
+                err = HTTPError(500, "internal error in the control plane; see its log")
+                return h.error_answer(request, err)
+            if outages is not None and outage is not exc:  # (one raised as such was counted)
+                outages.failed(outage)
+            return outage_answer(request, outage)
 
     return wrapped
+
+
+def outage_answer(request: Request, outage: StoreOutage) -> Response:
+    """The 503 of a store outage: its one-line cause, ``Retry-After``."""
+    response = h.error_answer(request, HTTPError(503, str(outage)))
+    response.headers["Retry-After"] = str(outage.retry_after)
+    return response
 
 
 class Routes:
@@ -97,7 +120,17 @@ class Routes:
     # -- health --------------------------------------------------------------------------------
 
     async def healthz(self, request: Request, caller: Caller) -> Response:
-        return h.json_response({"ok": True, "store": self.ctx.dialect})
+        """200 ``{"ok": true, "store"}`` while the store answers a cheap read (and a SQLite file's
+        disk has room); else 503 ``{"ok": false, "store", "error": "store unavailable: ..."}``."""
+        try:
+            outage = await asyncio.wait_for(asyncio.to_thread(probe, self.ctx.store), HEALTH_READ_S)
+        except TimeoutError:
+            outage = StoreOutage("unavailable", f"a read took over {HEALTH_READ_S:g} s")
+        if outage is None:
+            return h.json_response({"ok": True, "store": self.ctx.dialect})
+        response = h.json_response({"ok": False, "store": self.ctx.dialect, "error": str(outage)}, 503)
+        response.headers["Retry-After"] = str(outage.retry_after)
+        return response
 
     async def metrics(self, request: Request, caller: Caller) -> Response:
         await ops.observe_store(self.ctx)
@@ -133,6 +166,10 @@ class Routes:
             await self._reach(caller, target)
         return h.msgpack_response(await producer.await_(self.ctx, caller, body))
 
+    async def await_batch(self, request: Request, caller: Caller) -> Response:
+        body = await self._msgpack(request)
+        return h.msgpack_response(await bulk.await_batch(self.ctx, caller, body))
+
     async def status(self, request: Request, caller: Caller) -> Response:
         inv = producer.request_id(request, "id", "invocation_id")
         await self._reach(caller, inv)
@@ -160,6 +197,12 @@ class Routes:
         authz.see_invocation(caller, inv, await self.ctx.call(self.ctx.store.get, inv))
         body = streams.follow(self.ctx, inv, f"inv:{inv}", since, timeout, invocation=True)
         return StreamingResponse(body, media_type=h.MSGPACK_STREAM)
+
+    async def send(self, request: Request, caller: Caller) -> Response:
+        inv = producer.request_id(request, "id", "invocation_id")
+        await self._reach(caller, inv)
+        status, out = await sends.send(self.ctx, caller, inv, await self._msgpack(request))
+        return h.msgpack_response(out, status)
 
     async def topic_post(self, request: Request, caller: Caller) -> Response:
         topic = h.name(request.path_params["name"], "topic name")
@@ -207,8 +250,15 @@ class Routes:
         status, out = await daemon.result_chunks(self.ctx, caller, await self._msgpack(request))
         return h.msgpack_response(out, status)
 
+    async def sends_fetch(self, request: Request, caller: Caller) -> Response:
+        status, out = await sends.fetch(self.ctx, caller, await self._msgpack(request))
+        return h.msgpack_response(out, status)
+
     async def heartbeat(self, request: Request, caller: Caller) -> Response:
         return h.msgpack_response(await daemon.heartbeat(self.ctx, caller, await self._msgpack(request)))
+
+    async def deregister(self, request: Request, caller: Caller) -> Response:
+        return h.msgpack_response(await daemon.deregister(self.ctx, caller, await self._msgpack(request)))
 
     # -- namespaces (JSON) ---------------------------------------------------------------------
 
@@ -219,7 +269,8 @@ class Routes:
 
     async def exec_(self, request: Request, caller: Caller) -> Response:
         ns = self._ns(request, caller)
-        status, out = await namespaces.exec_(self.ctx, ns, await self._json(request))
+        body = await self._json(request)
+        status, out = await namespaces.exec_(self.ctx, ns, body, legacy=caller.namespace is None)
         return h.json_response(out, status)
 
     async def job_result(self, request: Request, caller: Caller) -> Response:
@@ -241,7 +292,9 @@ class Routes:
         if caller.rule is authz.Own.DESCENDANTS:
             await tasks.live(self.ctx, caller.principal)  # a task presigns while its attempt runs
         body = await self._json(request)
-        return h.json_response(await namespaces.presign(self.ctx, ns, body, str(request.base_url)))
+        legacy = caller.namespace is None  # an admin, an unbound nymph: keys minted before namespaces too
+        answer = await namespaces.presign(self.ctx, ns, body, str(request.base_url), legacy=legacy)
+        return h.json_response(answer)
 
     # -- the local blob directory (no bucket): presigned URLs onto the control plane itself ------
 
@@ -255,6 +308,23 @@ class Routes:
         ns = self._ns(request, caller)
         return h.json_response(await namespaces.pin(self.ctx, ns, await self._json(request)))
 
+    # -- secrets (server/secrets.py) ---------------------------------------------------------
+
+    async def secret_list(self, request: Request, caller: Caller) -> Response:
+        return h.json_response(await secrets.listing(self.ctx, self._ns(request, caller)))
+
+    async def secret_put(self, request: Request, caller: Caller) -> Response:
+        ns = self._ns(request, caller)
+        name = request.path_params["name"]
+        return h.json_response(await secrets.put(self.ctx, ns, name, await self._json(request)))
+
+    async def secret_delete(self, request: Request, caller: Caller) -> Response:
+        ns = self._ns(request, caller)
+        return h.json_response(await secrets.delete(self.ctx, ns, request.path_params["name"]))
+
+    async def secrets_fetch(self, request: Request, caller: Caller) -> Response:
+        return h.msgpack_response(await secrets.fetch(self.ctx, caller, await self._msgpack(request)))
+
     def _endpoint(self, route: authz.RouteAuth) -> Handler:
         """The route's handler behind its gate: authenticate (401), then authorize (403)."""
         owner: Any = self.ops if route.handler.startswith("ops.") else self
@@ -267,9 +337,13 @@ class Routes:
                 caller = authz.Caller(authz.ANONYMOUS, authz.Own.ANY, route)
             else:
                 caller = authz.authorize(route, await self.ctx.auth.principal(request))
+                if caller.principal.kind == "task" and caller.rule is not authz.Own.DESCENDANTS:
+                    # a task token lives while its attempt runs, on every route (whoami too): the
+                    # "own descendants" routes check that with their target, the others here
+                    await tasks.live(self.ctx, caller.principal)
             return await handler(request, caller)
 
-        return _guard(endpoint)
+        return _guard(endpoint, self.ctx.outages)
 
     def table(self) -> list[BaseRoute]:
         """One Starlette route per entry of :data:`~.authz.ROUTES`, in its order, then the
@@ -283,8 +357,12 @@ class Routes:
 async def _expire_loop(ctx: Context) -> None:
     while True:
         await asyncio.sleep(ctx.config.expire_every_s)
+        if ctx.outages.expiry_paused():  # heartbeats could not be written: no lease lapses for it
+            continue
         try:
             expired = await ctx.call(ctx.store.expire_leases)
+        except StoreOutage:
+            continue  # logged once by ctx.outages; expiry pauses from now
         except Exception:
             log.warning(
                 "lease expiry pass failed; retrying in %.1fs", ctx.config.expire_every_s, exc_info=True

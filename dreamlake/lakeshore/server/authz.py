@@ -110,9 +110,22 @@ ROUTES: tuple[RouteAuth, ...] = (
         task=_DESC,
     ),
     _route("await_", "POST", "/v1/producer/await", admin=_ANY, producer=_NS, task=_DESC),
+    # many ids at once (server/bulk.py): an id outside the rule is answered as an unknown one, in
+    # the answer's "unknown" list (the request itself succeeds), never disclosed
+    _route(
+        "await_batch",
+        "POST",
+        "/v1/producer/await-batch",
+        outside=None,
+        admin=_ANY,
+        producer=_NS,
+        task=_DESC,
+    ),
     _route("status", "GET", _INV, admin=_ANY, producer=_NS, task=_DESC),
     _route("cancel", "POST", _INV + "/cancel", admin=_ANY, producer=_NS, task=_DESC),
     _route("result_stream", "GET", _INV + "/result/stream", admin=_ANY, producer=_NS, task=_DESC),
+    # two-way generators: the invocation's owner sends into its paused body (server/sends.py)
+    _route("send", "POST", _INV + "/send", admin=_ANY, producer=_NS, task=_DESC),
     # topics are one space shared by every producer (see docs/security.md)
     _route("topic_post", "POST", "/v1/producer/topics/{name}/post", admin=_ANY, producer=_ANY),
     _route("topic_stream", "GET", "/v1/producer/topics/{name}/stream", admin=_ANY, producer=_ANY),
@@ -120,9 +133,11 @@ ROUTES: tuple[RouteAuth, ...] = (
     _route("register", "POST", "/v1/daemon/register", outside=403, admin=_ANY, daemon=_WORKER),
     _route("poll", "POST", "/v1/daemon/poll", outside=403, admin=_ANY, daemon=_WORKER),
     _route("heartbeat", "POST", "/v1/daemon/heartbeat", outside=403, admin=_ANY, daemon=_WORKER),
+    _route("deregister", "POST", "/v1/daemon/deregister", outside=403, admin=_ANY, daemon=_WORKER),
     _route("ack", "POST", "/v1/daemon/ack", outside=403, admin=_ANY, daemon=_LEASE),
     _route("result_chunk", "POST", "/v1/daemon/result-chunk", outside=403, admin=_ANY, daemon=_LEASE),
     _route("result_chunks", "POST", "/v1/daemon/result-chunks", outside=403, admin=_ANY, daemon=_LEASE),
+    _route("sends_fetch", "POST", "/v1/daemon/sends", outside=403, admin=_ANY, daemon=_LEASE),
     # an attempt's checkpoint for the next attempt (server/checkpoints.py), while it holds the lease
     _route("checkpoint", "POST", "/v1/daemon/checkpoint", outside=403, admin=_ANY, daemon=_LEASE),
     # namespaces (seed 003): the path names the namespace, so another one answers 403
@@ -147,6 +162,13 @@ ROUTES: tuple[RouteAuth, ...] = (
         task=_DESC,
     ),
     _route("pin", "PUT", "/v1/namespaces/{ns}/pin", outside=403, admin=_ANY),
+    # secrets (server/secrets.py): set, listed (names only) and removed in the token's namespace,
+    # another namespace's answering 404 as an unknown one does; their values go only to the worker
+    # holding a running attempt's lease or to that attempt's own task credential, never an admin
+    _route("secret_list", "GET", "/v1/namespaces/{ns}/secrets", _OPS),
+    _route("secret_put", "PUT", "/v1/namespaces/{ns}/secrets/{name}", _OPS),
+    _route("secret_delete", "DELETE", "/v1/namespaces/{ns}/secrets/{name}", _OPS),
+    _route("secrets_fetch", "POST", "/v1/daemon/secrets", outside=403, daemon=_LEASE, task=_DESC),
     # the local blob directory (server/blobdir.py, no bucket configured): the presigned URL's
     # signature is the credential, as an S3 URL's is; presign itself is namespace-gated above
     RouteAuth("blob_put", "PUT", "/v1/blobs/{key:path}", public=True),

@@ -3,7 +3,8 @@
 On a store with no tokens, ``bootstrap_tokens`` creates both, writes ``{"admin", "daemon"}`` to
 ``<data-dir>/tokens.json`` (mode 0600, created that way, never world-readable for a moment) and
 returns the lines to print: the tokens, the ``export LAKESHORE_URL=... LAKESHORE_TOKEN=...`` lines
-the SDK and the CLI read, and a ready ``nymph start`` command. ``start_line`` is what every start
+the SDK and the CLI read, and a ready ``NYMPH_TOKEN=... nymph start`` command for the README's
+queue (the daemon token in nymph's environment: on its command line ``ps`` would show it). ``start_line`` is what every start
 prints: where the server listens and where its tokens are.
 """
 
@@ -19,6 +20,7 @@ from dreamlake.lakeshore.store.api import Store
 log = logging.getLogger(__name__)
 
 TOKENS_FILE = "tokens.json"
+NYMPH_QUEUE = "gpu"  # the queue of the printed nymph line: the README's example uses it
 
 
 def write_private(path: Path, text: str) -> None:
@@ -50,8 +52,9 @@ def bootstrap_tokens(store: Store, data_dir: Path, server_url: str) -> list[str]
         "use it from Python and the lakeshore CLI (lakeshore queues, ls, show ...):",
         f"  export LAKESHORE_URL={server_url}",
         f"  export LAKESHORE_TOKEN={admin}",
-        "start a node agent for @dls.udf functions (queue 'default'; add --queue NAME per queue):",
-        f"  nymph start --server {server_url} --token {daemon} --runner process --queue default",
+        f"start a node agent for @dls.udf functions on queue '{NYMPH_QUEUE}' (the README's; add --queue "
+        "NAME per queue; the token goes in the environment, never on nymph's command line):",
+        f"  NYMPH_TOKEN={daemon} nymph start --server {server_url} --runner process --queue {NYMPH_QUEUE}",
     ]
 
 

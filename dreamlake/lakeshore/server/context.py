@@ -24,6 +24,7 @@ from dreamlake.lakeshore.server.polls import PollHub
 from dreamlake.lakeshore.server.tasks import TaskTokens
 from dreamlake.lakeshore.server.writer import GroupWriter
 from dreamlake.lakeshore.store.api import Principal, Store, WriteRequest, WriteResult
+from dreamlake.lakeshore.store.outage import Outages, classify
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,8 @@ def store_dialect(store: Any) -> str:
 
 
 def answer_of(exc: PlaneError) -> Exception:
-    """A store refusal with a 4xx status as that HTTP answer; anything else unchanged (a 500)."""
+    """A store refusal with a 4xx status as that HTTP answer; anything else unchanged (a 500, or
+    a store outage's 503: the app's guard answers it)."""
     if isinstance(exc.status, int) and 400 <= exc.status < 500:
         return HTTPError(exc.status, str(exc))
     return exc
@@ -67,6 +69,9 @@ class Context:
             safety_recheck_s=self.config.poll_recheck_s,
         )
         self.polls.shared_store = self.dialect == "postgresql"
+        shape_needs = getattr(self.store, "shape_needs", None)
+        if shape_needs is not None:
+            self.polls.needs_of = shape_needs
         self.daemons = DaemonMemo(self.polls)
         self.metrics.polls_waiting.set_function(lambda: self.polls.waiting)
         self.metrics.polls_active.set_function(lambda: self.polls.active)
@@ -75,8 +80,10 @@ class Context:
         )
         self.auth = Authenticator(self._verify)
         self.acks = AcksInFlight()
+        self.outages = Outages(hold_s=self.config.lease_s)
         self.writer = GroupWriter(
             self.store,
+            outages=self.outages,
             observe=self.metrics.write_batch.observe,
             timed=lambda kind, s: self.metrics.write_seconds.labels(kind=kind).observe(s),
             handoff=self.polls.hand_off,
@@ -84,6 +91,7 @@ class Context:
         self.workers = WorkerBindings(lambda worker, token: self.call(self.store.bind_worker, worker, token))
         self.queues = QueueWatch()
         self._task_tokens: TaskTokens | None = None
+        self.secret_sealer: Any = None  # server.secrets.Sealer, made on first use (server/secrets.py)
 
     @property
     def inline_threshold(self) -> int | None:
@@ -102,9 +110,13 @@ class Context:
             err = over_threshold(what, size, limit, namespace, use)
             raise HTTPError(413, err.message, inline_threshold_bytes=limit)
 
-    def ref(self, value: object, what: str) -> dict[str, Any]:
-        """A payload ref from a body, checked (400 otherwise; 501 without a payload store)."""
-        from dreamlake.lakeshore.server.payloads import PayloadError, check_ref
+    def ref(
+        self, value: object, what: str, namespace: str | None = None, *, legacy: bool = False
+    ) -> dict[str, Any]:
+        """A payload ref from a body, checked (400 otherwise; 501 without a payload store); with
+        ``namespace``, its key must be one presigned there (404 otherwise; ``legacy``: or one
+        minted before keys carried their namespace)."""
+        from dreamlake.lakeshore.server.payloads import PayloadError, check_key_in, check_ref
 
         if self.payloads is None:
             raise HTTPError(
@@ -113,7 +125,13 @@ class Context:
                 "LAKESHORE_BLOBS_DIR), so payloads ride inline: send the bytes",
             )
         try:
-            return check_ref(value, what)
+            ref = check_ref(value, what)
+            if namespace is not None:
+                try:
+                    check_key_in(ref["key"], namespace, legacy=legacy)
+                except PayloadError as exc:
+                    raise PayloadError(exc.status, f"{what}.key: {exc.message}") from None
+            return ref
         except PayloadError as exc:
             raise HTTPError(exc.status, exc.message) from None
 
@@ -150,6 +168,12 @@ class Context:
             return await self.runner(fn, *args, **kwargs)
         except PlaneError as exc:
             raise answer_of(exc) from None
+        except Exception as exc:  # the store is down (503), or a bug (500: the guard logs it)
+            outage = classify(exc)
+            if outage is None:
+                raise
+            self.outages.failed(outage)
+            raise outage from None
 
     async def write(self, request: WriteRequest) -> WriteResult:
         """Write through the group commit (answered once committed); a 4xx PlaneError becomes

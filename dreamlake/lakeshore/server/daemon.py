@@ -60,6 +60,8 @@ from dreamlake.lakeshore.store.api import (
     WriteRequest,
     WriteResult,
 )
+from dreamlake.lakeshore.store.outage import StoreOutage
+from dreamlake.lakeshore.store.placement import parse_offer
 from dreamlake.lakeshore.store.values import json_safe
 
 if TYPE_CHECKING:
@@ -109,10 +111,16 @@ async def register(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[s
         "version": field(body, "version", str, default=""),
         "runner": field(body, "runner", str, default=""),
         "queues": _queues(body, default=["default"]),
-        "labels": field(body, "labels", dict, default={}),
+        "labels": http.document(body, "labels", default={}),
         "slots": http.integer(body, "slots", hi=http.I32_MAX, default=1),
         "namespace": namespace or principal.namespace,
     }
+    capacity = field(body, "capacity", dict, default=None, nullable=True)
+    if capacity is not None:  # what the host has (docs/protocol.md "Placement"): shown, not matched
+        info["capacity"] = json_safe(capacity, "field 'capacity'")
+    allow_pickled = field(body, "allow_pickled", bool, default=None, nullable=True)
+    if allow_pickled is not None:  # whether it runs pickled functions: the SDK's submit warning
+        info["allow_pickled"] = allow_pickled
     await ctx.call(ctx.store.register_worker, worker_id, info)
     ctx.daemons.forget(worker_id)  # its namespace may have changed: the next poll and heartbeat read it
     log.info(
@@ -209,7 +217,7 @@ async def _commands(ctx: Context, got: PollResult) -> tuple[list[dict[str, Any]]
                 )
     if got.exec_jobs:
         ctx.metrics.claims.labels(kind="exec").inc(len(got.exec_jobs))
-    units = [Wake(RUN, inv.queue, inv.namespace) for inv in got.invocations]
+    units = [Wake(RUN, inv.queue, inv.namespace, inv.shape) for inv in got.invocations]
     units.extend(Wake(EXEC, job["queue"], job["namespace"]) for job in got.exec_jobs)
     return commands, units, got.pinned_version
 
@@ -253,6 +261,10 @@ async def poll(
     timeout = http.number(body, "timeout_s", ctx.config.poll_default_s, lo=0.0, hi=ctx.config.poll_max_s)
     field(body, "version", str, default="")
     exec_jobs = _takes_exec(body)
+    try:
+        offer = parse_offer(body.get("offer"))
+    except ValueError as exc:
+        raise HTTPError(400, str(exc)) from None
     acks = _poll_acks(ctx, caller, worker_id, body) if body.get("acks") else None
     acked: list[dict[str, Any]] | None = None
     started = time.monotonic()
@@ -260,8 +272,8 @@ async def poll(
     # empty poll ends at a random point of its last fifth, so renewals spread out within rounds.
     deadline = started + timeout * random.uniform(0.8, 1.0)
     namespace = caller.principal.namespace
-    ticket = ctx.polls.ticket(worker_id, queues, takes_exec=exec_jobs, namespace=namespace)
-    key = (ticket.queues, exec_jobs, namespace)
+    ticket = ctx.polls.ticket(worker_id, queues, takes_exec=exec_jobs, namespace=namespace, offer=offer)
+    key = (ticket.queues, exec_jobs, namespace, offer)
     commands: list[dict[str, Any]] = []
     pinned: str | None = None
     reason = "first"
@@ -279,7 +291,7 @@ async def poll(
         began = ctx.daemons.begin()
         known = ctx.daemons.known(worker_id)
         request = PollRequest(
-            worker_id, queues, limit, ctx.config.lease_s, exec_jobs, namespace, known is None
+            worker_id, queues, limit, ctx.config.lease_s, exec_jobs, namespace, known is None, offer=offer
         )
         return request, (began, known)
 
@@ -475,7 +487,8 @@ def _answer_acks(
             status, answer = exc.status, {"ok": False, "error": exc.message}
         except PlaneError as exc:
             failed = failed or exc
-            status, answer = 500, {"ok": False, "error": f"{exc}; send the ack again"}
+            status = 503 if isinstance(exc, StoreOutage) else 500  # the store is down, or a bug
+            answer = {"ok": False, "error": f"{exc}; send the ack again"}
         out.append({"invocation_id": ack.invocation_id, "status": status, **answer})
     return out, failed
 
@@ -744,6 +757,17 @@ def _running_exec(body: dict[str, Any]) -> list[tuple[str, int]] | None:
             )
         pairs.append((exec_id, attempt))
     return pairs
+
+
+async def deregister(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+    """A nymph that stops cleanly says so: its worker is not live from now (``lakeshore workers``
+    says ``stopped``; queues count it no more) until it registers again. Only the token the worker
+    id is bound to may (``own worker``); leases it still holds lapse as usual."""
+    worker_id = await _worker(ctx, caller, body)
+    await ctx.call(ctx.store.deregister_worker, worker_id)
+    ctx.daemons.forget(worker_id)
+    log.info("worker %s deregistered (a clean stop)", worker_id)
+    return {"ok": True}
 
 
 async def heartbeat(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:

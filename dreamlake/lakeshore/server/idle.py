@@ -43,12 +43,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from dreamlake.lakeshore.server.polls import PollHub
+from dreamlake.lakeshore.store.placement import Offer
 
 RENEW_WITHIN_S = 5.0  # a poll that follows its daemon's empty one this soon is its renewal
 FULL_EVERY_S = 60.0  # the longest an idle daemon goes without a write of its own (jittered down to half)
 MAX_DAEMONS = 100_000  # daemons remembered at most (the oldest are forgotten first)
 
-RenewKey = tuple[tuple[str, ...], bool, str | None]  # a poll's queues, exec jobs, namespace
+RenewKey = tuple[tuple[str, ...], bool, str | None, Offer]  # queues, exec jobs, namespace, offer
 
 
 @dataclass

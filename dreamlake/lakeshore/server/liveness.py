@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from dreamlake.lakeshore.store.api import LIVE_WINDOW_S
+from dreamlake.lakeshore.store.placement import Needs, Offer
 
 _SHOWN = 10  # queue names a warning lists at most
 
@@ -49,3 +51,26 @@ class QueueWatch:
         if self._live.get(queue):
             return None
         return no_worker_warning(queue, self._live, self.window_s)
+
+
+def placement_warning(queue: str, needs: Needs, infos: list[dict[str, Any]]) -> str | None:
+    """Why no live worker of ``queue`` (``infos``: their registered infos) could ever take a call
+    of ``needs``: ``no live worker of queue 'gpu' offers 4 GPUs (largest: 2)``, or one naming the
+    selector no worker's labels satisfy; None when one could (or none is live: the no-worker
+    warning says so)."""
+    if not infos:
+        return None
+    offers = [
+        Offer.of(len((i.get("capacity") or {}).get("gpus") or []), _labels(i.get("labels"))) for i in infos
+    ]
+    if any(o.fits(needs) for o in offers):
+        return None
+    largest = max(o.gpus for o in offers)
+    if needs.gpus > largest:
+        return f"no live worker of queue {queue!r} offers {needs.gpus} GPUs (largest: {largest})"
+    wanted = ", ".join(f"{k}={v}" for k, v in needs.selector)
+    return f"no live worker of queue {queue!r} has the labels {wanted} with {needs.gpus} GPU(s)"
+
+
+def _labels(value: Any) -> dict[str, str]:
+    return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}

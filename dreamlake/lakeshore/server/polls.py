@@ -32,6 +32,11 @@ poll (as :meth:`PollHub._first` picks it) leaves the hub with the wake in hand, 
 that submit no ``run-queue`` notification: its wake is the handed poll's, settled by its pass like
 any other. One transaction and one writer round trip less between a submit and its claim.
 
+**Placement.** A call that needs something (GPUs, labels: store/placement.py) is announced on
+``run-queue:<ns>:<q>:<shape>``; the hub wakes the longest-waiting poll of the queue whose
+offer fits that shape (:attr:`PollHub.needs_of` names the shape's needs), so a wake is not spent
+by a pass that could not have claimed the call.
+
 Every wait also ends after a safety re-check (``poll_recheck_s``, jittered); while wake-ups from
 other replicas may be missed (PostgreSQL LISTEN not connected) the re-check is ``recheck_s``.
 Everything here runs on the event loop; only :meth:`PollHub._listener` runs in store threads.
@@ -51,8 +56,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.store.api import PollRequest, SubmitRequest
 from dreamlake.lakeshore.store.notify import Notifier, exec_queue_channel, run_queue_channel
+from dreamlake.lakeshore.store.placement import NO_OFFER, PLAIN, Needs, Offer, needs_of
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +88,12 @@ class Wake:
     kind: str
     queue: str
     namespace: str
+    shape: str = PLAIN  # an invocation's placement shape
 
     @property
     def channel(self) -> str:
         if self.kind == RUN:
-            return run_queue_channel(self.namespace, self.queue)
+            return run_queue_channel(self.namespace, self.queue, self.shape)
         return exec_queue_channel(self.namespace, self.queue)
 
 
@@ -94,8 +102,9 @@ def parse_wake(channel: str) -> Wake | None:
     for prefix, kind in ((_RUN_QUEUE, RUN), (_EXEC_QUEUE, EXEC)):
         if channel.startswith(prefix):
             namespace, sep, queue = channel[len(prefix) :].partition(":")
+            queue, _, shape = queue.partition(":")
             if sep and namespace and queue:
-                return Wake(kind, queue, namespace)
+                return Wake(kind, queue, namespace, shape if kind == RUN else PLAIN)
             return None
     return None
 
@@ -117,9 +126,17 @@ class Ticket:
     """One long poll's place in the hub, for the lifetime of its request."""
 
     def __init__(
-        self, hub: PollHub, worker_id: str, queues: list[str], *, takes_exec: bool, namespace: str | None
+        self,
+        hub: PollHub,
+        worker_id: str,
+        queues: list[str],
+        *,
+        takes_exec: bool,
+        namespace: str | None,
+        offer: Offer = NO_OFFER,
     ) -> None:
         self.hub = hub
+        self.offer = offer
         self.worker_id = worker_id
         self.queues = tuple(dict.fromkeys(queues))
         self.takes_exec = takes_exec
@@ -193,6 +210,8 @@ class PollHub:
         self.recheck_s = recheck_s
         self.safety_recheck_s = safety_recheck_s
         self.relay: Relay | None = None
+        # the needs of a (queue, shape) (the store's cache); None: unknown, any poll may take it
+        self.needs_of: Callable[[str, str], Needs | None] = lambda queue, shape: None
         self.closing = False  # set by drain: every wait ends with SHUTDOWN
         self.shared_store = False  # True when other replicas may write work (PostgreSQL)
         self.active = 0  # admitted polls, waiting or not
@@ -203,7 +222,7 @@ class PollHub:
         self._run: dict[tuple[str, str | None], OrderedDict[int, Ticket]] = {}
         self._exec: dict[tuple[str, str | None], OrderedDict[int, Ticket]] = {}
         self._workers: dict[str, dict[int, Ticket]] = {}
-        self._kept: dict[tuple[str, str], deque[tuple[int, str]]] = {}
+        self._kept: dict[tuple[str, str], deque[tuple[int, str, str]]] = {}
         self._kept_at: dict[tuple[str, str], float] = {}  # last kept, to forget idle queues
         self._next_sweep = 0.0
         # the newest position of a kept wake dropped unused (full, or forgotten): a poll that
@@ -257,8 +276,23 @@ class PollHub:
         finally:
             self.active -= 1
 
-    def ticket(self, worker_id: str, queues: list[str], *, takes_exec: bool, namespace: str | None) -> Ticket:
-        return Ticket(self, worker_id, queues, takes_exec=takes_exec, namespace=namespace)
+    def ticket(
+        self,
+        worker_id: str,
+        queues: list[str],
+        *,
+        takes_exec: bool,
+        namespace: str | None,
+        offer: Offer = NO_OFFER,
+    ) -> Ticket:
+        return Ticket(self, worker_id, queues, takes_exec=takes_exec, namespace=namespace, offer=offer)
+
+    def _fits(self, t: Ticket, wake: Wake) -> bool:
+        """Whether ``t``'s offer fits ``wake``'s shape (an unknown shape: any poll may try)."""
+        if wake.shape == PLAIN:
+            return True
+        needs = self.needs_of(wake.queue, wake.shape)
+        return needs is None or t.offer.fits(needs)
 
     # -- routing --------------------------------------------------------------------------------
 
@@ -294,7 +328,7 @@ class PollHub:
             kept = self._kept[key] = deque(maxlen=KEPT_PER_QUEUE)
         if len(kept) == KEPT_PER_QUEUE:  # the oldest falls off
             self.dropped_upto = max(self.dropped_upto, kept[0][0])
-        kept.append((seq, wake.namespace))
+        kept.append((seq, wake.namespace, wake.shape))
         self._forget_idle(key)
         if not relayed and self.relay is not None:
             self.relay.publish(wake.channel)
@@ -311,7 +345,7 @@ class PollHub:
             del self._kept_at[stale]
             dropped = self._kept.pop(stale, None)
             if dropped:
-                self.dropped_upto = max(self.dropped_upto, max(seq for seq, _ in dropped))
+                self.dropped_upto = max(self.dropped_upto, max(k[0] for k in dropped))
 
     def _pass_on(self, wakes: list[Wake]) -> None:
         seq = self.notifier.mark()  # a poll starting its pass after now sees that work itself
@@ -323,14 +357,16 @@ class PollHub:
         namespace) FIFO and of the queue's FIFO of unbound polls."""
         index = self._run if wake.kind == RUN else self._exec
         bound, unbound = index.get((wake.queue, wake.namespace)), index.get((wake.queue, None))
-        if not bound:
-            return next(iter(unbound.values())) if unbound else None
-        head = next(iter(bound.values()))
-        if unbound:
-            other = next(iter(unbound.values()))
-            if other.id < head.id:
-                return other
-        return head
+        found = [t for t in (self._fitting(bound, wake), self._fitting(unbound, wake)) if t is not None]
+        return min(found, key=lambda t: t.id) if found else None
+
+    def _fitting(self, fifo: OrderedDict[int, Ticket] | None, wake: Wake) -> Ticket | None:
+        """The longest-waiting poll of ``fifo`` whose offer fits ``wake``."""
+        if not fifo:
+            return None
+        if wake.shape == PLAIN:
+            return next(iter(fifo.values()))
+        return next((t for t in fifo.values() if self._fits(t, wake)), None)
 
     def _wake(self, t: Ticket, wake: Wake | None, reason: str) -> None:
         self._unregister(t)
@@ -351,7 +387,11 @@ class PollHub:
         for submit in submits:
             if len(out) >= MAX_HANDOFFS:
                 break
-            wake = Wake(RUN, submit.queue, submit.namespace)
+            try:
+                shape = needs_of(submit.run_config).key()
+            except PlaneError:  # the submit is refused: nothing to hand
+                continue
+            wake = Wake(RUN, submit.queue, submit.namespace, shape)
             t = self._first(wake)
             if t is None or t.prepare is None or t._future is None or t._future.done():
                 continue
@@ -446,16 +486,17 @@ class PollHub:
                 kept = self._kept.get((kind, queue))
                 if not kept:
                     continue
-                left: deque[tuple[int, str]] = deque(maxlen=KEPT_PER_QUEUE)
-                for seq, namespace in kept:
-                    mine = t.namespace is None or t.namespace == namespace
+                left: deque[tuple[int, str, str]] = deque(maxlen=KEPT_PER_QUEUE)
+                for seq, namespace, shape in kept:
+                    wake = Wake(kind, queue, namespace, shape)
+                    mine = (t.namespace is None or t.namespace == namespace) and self._fits(t, wake)
                     if not mine:
-                        left.append((seq, namespace))
+                        left.append((seq, namespace, shape))
                     elif seq > since:
                         if found is None:
-                            found = Wake(kind, queue, namespace)
+                            found = wake
                         else:
-                            left.append((seq, namespace))
+                            left.append((seq, namespace, shape))
                 if left:
                     self._kept[(kind, queue)] = left
                 else:

@@ -18,18 +18,21 @@ from starlette.requests import Request
 
 from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.errors import PlaneError
-from dreamlake.lakeshore.server import authz, http, tasks
+from dreamlake.lakeshore.server import authz, http, secrets, tasks
 from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError, field
+from dreamlake.lakeshore.server.liveness import placement_warning
 from dreamlake.lakeshore.store.api import (
     DEFAULT_NAMESPACE,
     TERMINAL_STATES,
     Invocation,
     SubmitRequest,
     SubmitResult,
+    visible,
 )
 from dreamlake.lakeshore.store.notify import invocation_channels
+from dreamlake.lakeshore.store.placement import needs_of
 from dreamlake.lakeshore.store.values import check_run_config
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,7 @@ def check_config(caller: Caller, run_config: dict[str, Any]) -> None:
     for key in run_config:
         if not isinstance(key, str):
             raise HTTPError(400, "run_config keys must be strings")
+    http.bound_document(run_config, "run_config")
     try:
         check_run_config(run_config)
     except PlaneError as exc:
@@ -63,17 +67,19 @@ def submit_request(
     if queue is None:
         queue = run_config.get("queue") or "default"
     queue = http.name(queue, "queue")
-    function = field(body, "function", dict)
+    function = http.document(body, "function")
     namespace = caller.namespace or DEFAULT_NAMESPACE
     raw_ref = field(body, "args_ref", dict, default=None, nullable=True)
-    args_ref = None if raw_ref is None else ctx.ref(raw_ref, "args_ref")
+    args_ref = (
+        None if raw_ref is None else ctx.ref(raw_ref, "args_ref", namespace, legacy=caller.namespace is None)
+    )
     args_blob = field(body, "args_blob", bytes, default=b"" if args_ref is not None else http.MISSING)
     if args_ref is not None and args_blob:
         raise HTTPError(
             400, "send args_blob or args_ref, not both (args_ref for an Envelope over the threshold)"
         )
     ctx.check_inline("args_blob", len(args_blob), namespace, "args_ref")
-    code_context = field(body, "code_context", dict, default={})
+    code_context = http.document(body, "code_context", default={})
     parent = http.ulid_field(body, "parent_invocation_id", optional=True)
     if run_config is not checked:
         check_config(caller, run_config)
@@ -102,7 +108,7 @@ def _submitted(
     if count:
         ctx.metrics.submitted(result.duplicate)
     if ctx.wake.own and not result.duplicate:
-        for channel in invocation_channels(req.namespace, result.queue):
+        for channel in invocation_channels(req.namespace, result.queue, needs_of(req.run_config).key()):
             ctx.wake.notify(channel)
     out: dict[str, Any] = {"invocation_id": result.invocation_id, "queue": result.queue}
     if result.duplicate:
@@ -110,14 +116,46 @@ def _submitted(
     return out
 
 
+async def _placement_warning(ctx: Context, queue: str, req: SubmitRequest) -> str | None:
+    """The warning for a call no live worker of ``queue`` could take (server/liveness.py)."""
+    needs = needs_of(req.run_config)
+    if not needs.gpus and not needs.selector:
+        return None
+    infos = await ctx.call(ctx.store.live_workers_of, queue)
+    return placement_warning(queue, needs, infos)
+
+
+async def check_parent(ctx: Context, caller: Caller, parent: str | None) -> None:
+    """404 unless ``parent`` (a submit's ``parent_invocation_id``) is an invocation the caller
+    sees: a producer cannot hang its call under another namespace's invocation (where the other
+    tenant's status would list it and its cancel would cancel it). Unknown and foreign answer
+    alike. A task's parent is its own invocation (``tasks.own_child``); an admin's is unchecked."""
+    if parent is None or caller.rule is not authz.Own.NAMESPACE:
+        return
+    inv = await ctx.call(ctx.store.get, parent)
+    if inv is None or not visible(caller.namespace, inv):
+        raise HTTPError(
+            404,
+            f"unknown parent_invocation_id '{parent}' (a parent must be an invocation of namespace "
+            f"'{caller.namespace}')",
+        )
+
+
 async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
     req, wait_s = submit_request(ctx, caller, body)
+    await check_parent(ctx, caller, req.parent_invocation_id)
+    if req.run_config.get("secrets"):  # every name must be a secret of its namespace (400 naming it)
+        refused = secrets.unknown_secret(
+            req.namespace, req.run_config, await secrets.missing(ctx, req.namespace, [req.run_config])
+        )
+        if refused is not None:
+            raise refused
     mark = ctx.wake.mark()  # before the write: a submit-and-wait misses no wake-up after its commit
     result = await ctx.write(req)
     assert isinstance(result, SubmitResult)
     out = _submitted(ctx, req, result)
     log.debug("submitted %s to queue %s (duplicate=%s)", result.invocation_id, result.queue, result.duplicate)
-    warning = await ctx.queue_warning(result.queue)
+    warning = await ctx.queue_warning(result.queue) or await _placement_warning(ctx, result.queue, req)
     if warning:
         out["warning"] = warning
         log.info("submitted %s: %s", result.invocation_id, warning)
@@ -180,7 +218,7 @@ async def submit_batch(
     The items that pass are written in one transaction, answered after its commit, and wake one
     poll each. ``task`` is the running invocation of a task token (its items are its children)."""
     items = field(body, "submits", list)
-    common = field(body, "common", dict, default={})
+    common = http.document(body, "common", default={})
     cap = ctx.config.submit_batch_max
     if not items:
         raise HTTPError(400, "field 'submits' is empty: send a list of 1 to N submit bodies")
@@ -194,6 +232,7 @@ async def submit_batch(
     answers: list[dict[str, Any] | None] = [None] * len(items)
     reqs: list[SubmitRequest] = []
     where: list[int] = []
+    parents_seen: set[str | None] = {None}  # each parent checked once (a sweep's all share one)
     shared = common.get("run_config")  # a sweep's: checked once, not per item
     try:
         if isinstance(shared, dict):
@@ -218,11 +257,24 @@ async def submit_batch(
             if task is not None:
                 tasks.own_child(task, merged)
             req, _ = submit_request(ctx, caller, merged, checked=shared)
+            if req.parent_invocation_id not in parents_seen:
+                await check_parent(ctx, caller, req.parent_invocation_id)
+                parents_seen.add(req.parent_invocation_id)
         except HTTPError as exc:
             answers[i] = _item_error(exc, merged)
             continue
         reqs.append(req)
         where.append(i)
+    lacking = await secrets.missing(ctx, caller.namespace or DEFAULT_NAMESPACE, [r.run_config for r in reqs])
+    if lacking:  # the items naming a secret their namespace lacks answer 400, the others go on
+        kept = []
+        for i, req in zip(where, reqs, strict=True):
+            refused = secrets.unknown_secret(req.namespace, req.run_config, lacking)
+            if refused is not None:
+                answers[i] = _item_error(refused, items[i])
+            else:
+                kept.append((i, req))
+        where, reqs = [i for i, _ in kept], [r for _, r in kept]
     results = await ctx.write_many(list(reqs))
     queues: dict[str, None] = {}
     counts = [0, 0]  # new, duplicate

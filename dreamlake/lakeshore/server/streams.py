@@ -14,7 +14,8 @@ store notifier.
 
 A stream ends on a final frame (END / ERROR), on a terminal invocation with no further frames,
 after ``timeout`` seconds without a frame, or when the server shuts down (within ``recheck_s``);
-the client tells silence from END because no final frame came.
+the client tells silence from END because no final frame came. A store outage mid-stream ends it
+the same way (the client's next request meets the outage's 503).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import AsyncIterator
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.fanout import POKE
 from dreamlake.lakeshore.store.api import TERMINAL_STATES
+from dreamlake.lakeshore.store.outage import StoreOutage
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +91,19 @@ async def _catch_up(ctx: Context, owner_id: str, cur: _Cursor, invocation: bool)
 async def follow(
     ctx: Context, owner_id: str, channel: str, since: int, timeout: float, *, invocation: bool
 ) -> AsyncIterator[bytes]:
-    """Yield the encoded frames of ``owner_id`` with seq > ``since``, as the module docstring says."""
+    """Yield the encoded frames of ``owner_id`` with seq > ``since``, as the module docstring says.
+    A store outage met once the answer has begun ends the stream there, as silence does (no final
+    frame: the client resumes from its last seq, and its next request meets the outage's 503)."""
+    try:
+        async for data in _follow(ctx, owner_id, channel, since, timeout, invocation=invocation):
+            yield data
+    except StoreOutage:
+        return  # counted and logged once by ctx.outages
+
+
+async def _follow(
+    ctx: Context, owner_id: str, channel: str, since: int, timeout: float, *, invocation: bool
+) -> AsyncIterator[bytes]:
     fanout = ctx.fanout
     if fanout is None or not hasattr(fanout, "subscribe"):
         async for data in _follow_journal(ctx, owner_id, channel, since, timeout, invocation=invocation):

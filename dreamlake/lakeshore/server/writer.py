@@ -8,6 +8,9 @@ acks, frames and poll passes, then its heartbeats, and each is answered as soon 
 transaction has committed). Durability is the store's, unchanged: nothing is
 answered before it is written. One write's refusal (a superseded ack's 409, a submit's clash) is
 that write's answer alone; the store isolates a failing write from the others of its batch.
+A store outage (store/outage.py) is every write's 503, not a 500 and a traceback: the writer
+tells :class:`~dreamlake.lakeshore.store.outage.Outages` of each commit that met one, and of each
+that succeeded (which ends the outage).
 
 A caller may hand several writes at once (:meth:`GroupWriter.write_many`, the submit-batch
 route): they go into the same group commit, whole even past ``max_batch``, and are answered
@@ -45,6 +48,7 @@ from dreamlake.lakeshore.store.api import (
     WriteRequest,
     WriteResult,
 )
+from dreamlake.lakeshore.store.outage import Outages, StoreOutage, classify
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +110,10 @@ class GroupWriter:
         observe: Any = None,
         timed: Any = None,
         handoff: Handoff | None = None,
+        outages: Outages | None = None,
     ) -> None:
         self._store = store
+        self._outages = outages  # told of each commit that failed for a store outage, or succeeded
         self._handoff = handoff
         self._max = max(1, max_batch)
         self._observe = observe  # called with each batch's size (a histogram's ``observe``)
@@ -210,6 +216,12 @@ class GroupWriter:
         size = sum(len(reqs) for reqs, _ in batch)
         if self._observe is not None:
             self._observe(size)
+        await self._write(loop, batch)
+
+    async def _write(self, loop: asyncio.AbstractEventLoop, batch: list[_Item]) -> None:
+        """``store.write_batch`` of ``batch``; should the store raise outside any one write (a
+        bug a hostile value met), each caller not answered yet is written again alone, so the
+        error is its own and never its neighbours' (the store isolates the writes it knows fail)."""
         answers = _Answers(batch)
         writes = [req for reqs, _ in batch for req in reqs]
 
@@ -220,11 +232,29 @@ class GroupWriter:
 
         try:
             results = await loop.run_in_executor(self._pool, self._store.write_batch, writes, committed)
-        except Exception as exc:  # the store raised outside any one write: all of them failed
-            log.exception("a group commit of %d writes failed", len(writes))
-            failed = PlaneError(f"the store failed: {type(exc).__name__}", status=500)
+        except Exception as exc:  # the store raised outside any one write
+            failed: PlaneError | None = classify(exc)  # an outage: all fail, 503 (Outages logs it once)
+            if failed is None and len(batch) > 1:  # one write's fault: each caller's again, alone
+                log.warning(
+                    "a group commit of %d writes failed (%s); writing each caller's alone",
+                    len(writes),
+                    type(exc).__name__,
+                )
+                for item in batch:
+                    if not item[1].done():  # answered already: its transaction committed
+                        await self._write(loop, [item])
+                return
+            if failed is None:
+                log.exception("a group commit of %d writes failed", len(writes))
+                failed = PlaneError(f"the store failed: {type(exc).__name__}", status=500)
             results = [failed] * len(writes)
         answers.answer(list(enumerate(results)))
+        if self._outages is not None:
+            down = [r for r in results if isinstance(r, StoreOutage)]
+            if down:
+                self._outages.failed(down[-1], len(down))
+            else:
+                self._outages.succeeded()
 
     async def aclose(self) -> None:
         """Commit and answer what is queued, then stop."""

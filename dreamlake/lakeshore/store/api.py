@@ -10,7 +10,7 @@ Times are float seconds since the epoch. Blobs are ``bytes``. ``error`` is an Er
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -21,7 +21,10 @@ from dreamlake.lakeshore.states import ACK_STATES as ACK_STATES
 from dreamlake.lakeshore.states import TERMINAL_STATES as TERMINAL_STATES
 from dreamlake.lakeshore.states import State as State
 
+from .placement import NO_OFFER, Offer
+
 if TYPE_CHECKING:
+    from .activity import Activity, Sweep
     from .retention import GcResult
 
 DEFAULT_LEASE_S = 30.0
@@ -78,6 +81,7 @@ class Invocation:
     result_ref: dict[str, Any] | None = None  # seed 003 resultRef: the result in the payload store
 
     not_before: float | None = None  # a retry waits queued until then (None: claimable)
+    shape: str = ""  # its placement shape (store/placement.py); '' needs nothing
     preemptions: int = 0  # attempts that ended preempted: they spend no max_attempts
     checkpoint_ref: dict[str, Any] | None = None  # what the next attempt starts from (issue 30)
 
@@ -224,6 +228,8 @@ class PollRequest:
     # transaction, right after them, and their run-queue notifications are not sent (its poll
     # holds their wake)
     handed: tuple[str, ...] = ()
+    # what the poller has free now (store/placement.py): it claims only what this fits
+    offer: Offer = NO_OFFER
 
 
 # The writes ``Store.write_batch`` commits together, and what each answers (or the PlaneError it
@@ -294,6 +300,7 @@ class WorkerRow:
     registered_at: float
     last_seen: float  # the latest register, poll or heartbeat
     busy: int  # invocations and exec jobs it holds running
+    stopped_at: float | None = None  # when it deregistered (a clean stop); a stopped worker is not live
 
 
 @dataclass
@@ -343,6 +350,10 @@ class Listing(Protocol):
         """Queue name -> number of workers serving it that were seen within ``live_within`` s."""
         ...
 
+    def live_workers_of(self, queue: str, live_within: float = LIVE_WINDOW_S) -> list[dict[str, Any]]:
+        """The registered infos (labels, capacity) of the live workers serving ``queue``."""
+        ...
+
     def count_workers(self, live_within: float | None = LIVE_WINDOW_S) -> int:
         """Workers seen within ``live_within`` seconds (None: every worker ever registered)."""
         ...
@@ -356,18 +367,34 @@ class Listing(Protocol):
         since: float | None = None,
         limit: int = 50,
         cursor: str | None = None,
+        sweep: str | None = None,
     ) -> InvocationPage:
         """Invocations newest first (by id, a ULID), submitted at or after ``since``, with ids
-        before ``cursor``; at most ``limit`` (clamped to 1..LIST_LIMIT_MAX)."""
+        before ``cursor``; at most ``limit`` (clamped to 1..LIST_LIMIT_MAX); only the calls of one
+        ``map`` when ``sweep`` names it (``run_config.sweep``)."""
         ...
 
     def frame_stats(self, owner_id: str) -> FrameStats: ...
+
+    def activity(self, namespace: str | None, since: float) -> list[Activity]:
+        """Submit, start and finish times of what waited, ran or finished since ``since`` (the
+        dashboard's charts; store/activity.py)."""
+        ...
+
+    def sweeps(self, namespace: str | None, since: float, limit: int = 20) -> list[Sweep]:
+        """The ``map`` sweeps submitted since ``since``, newest first, with counts by state."""
+        ...
 
 
 class Store(Listing, Protocol):
     # -- producer side ------------------------------------------------------------------------
     def submit(self, req: SubmitRequest) -> SubmitResult: ...
     def get(self, invocation_id: str) -> Invocation | None: ...
+    def get_many(self, invocation_ids: Sequence[str], *, args: bool = True) -> list[Invocation]:
+        """The invocations of ``invocation_ids`` that exist, in one read (any order); without
+        ``args`` their arguments are not read (``args_blob`` empty)."""
+        ...
+
     def lineage(self, invocation_id: str, limit: int = 64) -> list[str]:
         """``invocation_id`` and its ancestors by ``parent_invocation_id``, nearest first."""
         ...
@@ -390,6 +417,10 @@ class Store(Listing, Protocol):
 
     # -- daemon side --------------------------------------------------------------------------
     def register_worker(self, worker_id: str, info: dict[str, Any]) -> None: ...
+    def deregister_worker(self, worker_id: str) -> None:
+        """Mark the worker stopped (a clean stop): not live from now until it registers again."""
+        ...
+
     def worker_info(self, worker_id: str) -> dict[str, Any] | None:
         """The info of the worker's latest register; None for a worker that never registered."""
         ...
@@ -408,6 +439,7 @@ class Store(Listing, Protocol):
         lease_s: float = DEFAULT_LEASE_S,
         *,
         namespace: str | None = None,
+        offer: Offer = NO_OFFER,
     ) -> list[Invocation]:
         """Atomically flip up to ``limit`` queued invocations whose queue is in ``queues`` (and, when
         given, whose namespace is ``namespace``) to running, best first (priority desc,
@@ -475,6 +507,10 @@ class Store(Listing, Protocol):
         ...
 
     def read_frames(self, owner_id: str, since: int = -1, limit: int = 1000) -> list[Frame]: ...
+    def send_append(self, invocation_id: str, index: int, data: bytes, final: bool) -> ChunkResult:
+        """Journal a consumer's send into yield ``index`` of a two-way body (store/frames.py)."""
+        ...
+
     def heartbeat(
         self,
         worker_id: str,
@@ -516,6 +552,7 @@ class Store(Listing, Protocol):
         *,
         exec_jobs: bool = True,
         namespace: str | None = None,
+        offer: Offer = NO_OFFER,
     ) -> PollResult:
         """``poll`` plus, in the same transaction, the version pinned for the worker's namespace
         (as ``pinned_version_for_worker``): the control plane's poll route in one store call."""
@@ -565,6 +602,12 @@ class Store(Listing, Protocol):
         ...
 
     def count_tokens(self) -> int: ...
+
+    # -- secrets (sealed bytes only: server/secrets.py seals and opens them) ------------------
+    def put_secret(self, namespace: str, name: str, sealed: bytes) -> None: ...
+    def secret_names(self, namespace: str) -> list[tuple[str, float]]: ...
+    def sealed_secrets(self, namespace: str, names: Iterable[str]) -> dict[str, bytes]: ...
+    def delete_secret(self, namespace: str, name: str) -> bool: ...
     def create_exec(
         self,
         namespace: str,

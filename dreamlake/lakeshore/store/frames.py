@@ -36,6 +36,14 @@ restarted: the new attempt continues at the earlier attempt's positions (its seq
 journaled are duplicates, the rest follow), unless the earlier attempt's part ended with a final
 frame (a retried failure's ERROR), which restarts it all the same.
 
+Sends (two-way generators, docs/protocol.md "Two-way streams"): what a consumer sends into a paused
+two-way body is journaled under ``send:<invocation id>``, one frame per yield it answers, keyed by
+that yield's index in the body's attempt (``send_append``). The journal is gap-free like an
+invocation's; a repeat of an index with the same bytes is a ``duplicate`` (a consumer that resumes
+re-sends safely), with other bytes a 409; an index past the window (the invocation's journal
+position + :data:`SEND_WINDOW`) is refused until the body got that far; nothing is taken once the
+invocation ended or its sends were closed (an END frame).
+
 Topics: ``topic_append`` takes the next seq from the ``topics`` counter (an upsert, so concurrent
 posters never share a seq) and journals the frame under ``topic:<name>``, built here as plain
 msgpack (the store does not import the wire codec).
@@ -62,6 +70,8 @@ from .invocations import lease_refusal
 from .notify import Notifier
 
 TOPIC_PREFIX = "topic:"
+SEND_PREFIX = "send:"
+SEND_WINDOW = 16  # sends may run this many yields ahead of the body's journal
 FRAME_VALUE, FRAME_END = 1, 2  # wire.FRAME_VALUE / FRAME_END; the store does not import the codec
 FRAME_LOG = 4  # wire.FRAME_LOG: the RESTART marker is a LOG frame (older readers skip it)
 
@@ -93,8 +103,9 @@ def restamp(data: bytes, position: int, attempt: int, seq: int) -> bytes:
 
 
 def frame_channel(owner_id: str) -> str:
-    """The notifier channel of a frame's owner: ``topic:<name>`` as is, ``inv:<id>`` otherwise."""
-    return owner_id if owner_id.startswith(TOPIC_PREFIX) else f"inv:{owner_id}"
+    """The notifier channel of a frame's owner: ``topic:<name>`` and ``send:<id>`` as they are,
+    ``inv:<id>`` otherwise."""
+    return owner_id if owner_id.startswith((TOPIC_PREFIX, SEND_PREFIX)) else f"inv:{owner_id}"
 
 
 class _Statements:
@@ -355,6 +366,70 @@ class FrameStore(StoreBase):
         with self.db.tx(write=False) as conn:
             rows = conn.execute(self._frame_st.read_frames, params).fetchall()
         return [Frame(seq=int(seq), data=bytes(data), final=bool(final)) for seq, data, final in rows]
+
+    # -- sends into two-way generators -----------------------------------------------------------
+
+    @retry_on_disconnect
+    def send_append(self, invocation_id: str, index: int, data: bytes, final: bool) -> ChunkResult:
+        """Journal ``data`` (an encoded frame) as the send answering yield ``index`` of the two-way
+        body of ``invocation_id`` (see the module docstring); ``final``: the consumer closed it."""
+        if index < 0:
+            raise PlaneError(f"send index must be >= 0, got {index}", status=400)
+        st = self._frame_st
+        owner = SEND_PREFIX + invocation_id
+        with self.db.tx(write=True) as conn:
+            lease = conn.execute(st.lease, {"id": invocation_id}).first()
+            if lease is None:
+                return ChunkResult(
+                    ok=False, seq=index, reason=f"unknown invocation {invocation_id}", status=UNKNOWN
+                )
+            run_config = conn.execute(st.run_config, {"id": invocation_id}).scalar_one_or_none()
+            if not (isinstance(run_config, dict) and run_config.get("two_way")):
+                one_way = (
+                    f"invocation {invocation_id} is not a two-way generator: its body never reads a sent "
+                    "value (a generator that uses its yields, `x = yield v`, is one; or declare "
+                    "@dls.udf(two_way=True)); use next() to pull its values"
+                )
+                return ChunkResult(ok=False, seq=index, reason=one_way, status=OUT_OF_ORDER)
+            last = conn.execute(st.last_frame, {"owner": owner}).first()
+            expected = 0 if last is None else int(last.seq) + 1
+            if index < expected:
+                kept = conn.execute(st.read_frames, {"owner": owner, "since": index - 1, "limit": 1}).first()
+                if kept is not None and bytes(kept.data) == bytes(data):
+                    return ChunkResult(ok=True, seq=index, duplicate=True)
+                other = f"yield {index} of {invocation_id} was already sent a different value"
+                return ChunkResult(
+                    ok=False, seq=index, reason=other, status=OUT_OF_ORDER, expected_seq=expected
+                )
+            why: str | None = None
+            if lease.state not in ("queued", "running"):
+                why = f"invocation {invocation_id} has ended ({lease.state}): its body takes no more sends"
+            elif last is not None and last.final:
+                why = f"the sends into {invocation_id} were closed"
+            elif index > expected:
+                why = f"send {index} into {invocation_id} skips ahead: the next is {expected}; send in order, each once"
+            else:
+                newest = conn.execute(st.last_frame, {"owner": invocation_id}).first()
+                reach = (-1 if newest is None else int(newest.seq)) + SEND_WINDOW
+                if index > reach:
+                    why = (
+                        f"send window full: {invocation_id} has not yielded far enough to take send "
+                        f"{index} (at most {SEND_WINDOW} ahead of its stream); read its next value first"
+                    )
+            if why is not None:
+                return ChunkResult(
+                    ok=False, seq=index, reason=why, status=OUT_OF_ORDER, expected_seq=expected
+                )
+            params = {
+                "owner": owner,
+                "seq": index,
+                "data": bytes(data),
+                "final": bool(final),
+                "now": time.time(),
+            }
+            conn.execute(st.insert_frame, params)
+        self._notify(owner)
+        return ChunkResult(ok=True, seq=index)
 
     # -- topics ----------------------------------------------------------------------------------
 

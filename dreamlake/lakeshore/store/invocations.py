@@ -9,7 +9,7 @@ applied in the caller's transaction (``_submit_many_in``: many submits, one mult
 - a running invocation whose lease lapses after a cancel was requested becomes ``cancelled``
   instead of being requeued.
 
-Claims (see docs/architecture.md and :func:`claim_statement`): the order is priority desc,
+Claims (see docs/architecture.md and :func:`claims.claim_statement`): the order is priority desc,
 submitted_at asc, invocation_id asc, read straight off an index of queued rows, so a claim costs the
 same at any backlog; ``FOR UPDATE SKIP LOCKED`` (ignored by SQLite, where ``BEGIN IMMEDIATE``
 serialises writers) in a ``MATERIALIZED`` CTE picks the rows, and the claim updates them by primary
@@ -46,8 +46,10 @@ from .api import (
     SubmitResult,
 )
 from .base import StoreBase, dialect_insert
+from .claims import Placer, claim_params, head_params, key_limit, pick_statement, take_statement
 from .engine import Database, retry_on_disconnect
 from .notify import Notifier, invocation_channels
+from .placement import NO_OFFER, Needs, Offer, needs_of, not_before_of
 from .workers import queue_command
 
 CANCEL_REASON = "cancelled by producer"
@@ -60,9 +62,6 @@ _inv = t.invocations
 _att = t.invocation_attempts
 LOST = "lost"  # an attempt whose lease lapsed (invocation_attempts.state)
 LEASE_LOST = {"type": "LeaseExpired", "message": "the worker stopped renewing the lease; requeued"}
-_claim_order = (_inv.c.priority.desc(), _inv.c.submitted_at.asc(), _inv.c.invocation_id.asc())
-# Claims from up to this many queues merge each queue's best rows (see claim_statement).
-MERGED_QUEUES_MAX = 16
 KNOWN_MAX = 10_000  # queues and functions remembered as already in the store
 _INV_COLS = tuple(c.name for c in _inv.c)
 
@@ -102,6 +101,7 @@ def invocation_from(m: Mapping[str, Any]) -> Invocation:
         args_ref=m.get("args_ref"),
         result_ref=m.get("result_ref"),
         not_before=m.get("not_before"),
+        shape=m.get("shape") or "",
         preemptions=int(m.get("preemptions") or 0),
         checkpoint_ref=m.get("checkpoint_ref"),
     )
@@ -127,6 +127,8 @@ _SUBMIT_COLS = (
     "submitted_at",
     "cancel_requested",
     "args_ref",
+    "shape",
+    "not_before",
 )
 
 
@@ -165,6 +167,10 @@ class _Statements:
         )
         self.get = sa.select(_inv).where(_inv.c.invocation_id == B("id"))
         self.get_many = sa.select(_inv).where(_inv.c.invocation_id.in_(B("ids", expanding=True)))
+        # the same without the arguments (a sweep's reader asks for outcomes: await-batch)
+        self.outcomes_many = sa.select(*(c for c in _inv.c if c.name != "args_blob")).where(
+            _inv.c.invocation_id.in_(B("ids", expanding=True))
+        )
         # ``ack``: one ack, RETURNING whether it applied; ``ack_many``: the same without RETURNING,
         # for an executemany of many acks (one round trip: psycopg pipelines it).
         self.ack: dict[tuple[bool, bool], Any] = {}
@@ -257,100 +263,6 @@ def _statements(dialect: str) -> _Statements:
     return _Statements(dialect)
 
 
-@functools.cache
-def claim_statement(n_queues: int, by_namespace: bool = False) -> Any:
-    """The claim of up to ``:limit`` queued invocations of ``n_queues`` queues, best first.
-
-    Parameters: ``q0`` .. ``q<n-1>`` (distinct queue names), ``limit``, ``worker``, ``now``,
-    ``lease``; past ``MERGED_QUEUES_MAX`` queues, ``queues`` (a list) instead of ``q<i>``; with
-    ``by_namespace``, ``b_namespace``: only that namespace's invocations, read off
-    ``ix_invocations_queued_ns`` (namespace, queue, then the same order) the same way.
-
-    The pick reads ``ix_invocations_queued`` (queue, priority DESC, submitted_at, invocation_id,
-    over queued rows only), which yields one queue's rows in claim order: one queue is one index
-    range read up to ``limit`` rows, no sort. Several queues take the first ``limit`` rows of each
-    (each locked ``FOR UPDATE SKIP LOCKED`` on PostgreSQL) and keep the best ``limit`` of those, so
-    the sort is over at most ``n_queues * limit`` rows whatever the backlog; the rows picked but
-    not kept stay locked until the claim commits, and a concurrent claim skips them meanwhile.
-    Past ``MERGED_QUEUES_MAX`` queues (SQLite caps a compound SELECT at 500 terms) the pick reads
-    every queued row of those queues and sorts them.
-
-    The update finds the picked rows by primary key only: no ``state`` test there, which SQLite
-    would plan as a scan of queued rows by a state index. None is needed: on SQLite the statement
-    runs under the write lock, and on PostgreSQL every picked row is locked, re-checked as queued,
-    until the transaction ends.
-    """
-    B = sa.bindparam
-    # Literals, not bind parameters, where the plan depends on them: a generic plan (PostgreSQL
-    # prepares a statement run often, and may keep one plan for any values) can then prove the
-    # partial index's predicate, and knows how many rows the claim takes (for an unknown LIMIT it
-    # assumes a tenth of the table, and would update them by a scan). ``limit`` is rendered into
-    # the SQL at execution: one statement text per limit in use.
-    queued: Any = sa.and_(_inv.c.state == sa.literal_column("'queued'"), _inv.c.not_before.is_(None))
-    if by_namespace:
-        queued = sa.and_(queued, _inv.c.namespace == B("b_namespace"))
-    limit = B("limit", type_=sa.Integer, literal_execute=True)
-    pick: Any
-    if n_queues > MERGED_QUEUES_MAX:
-        pick = sa.select(_inv.c.invocation_id).where(queued, _inv.c.queue.in_(B("queues", expanding=True)))
-    elif n_queues == 1:
-        pick = sa.select(_inv.c.invocation_id).where(queued, _inv.c.queue == B("q0"))
-    else:
-        cols = (_inv.c.invocation_id, _inv.c.priority, _inv.c.submitted_at)
-        firsts = [
-            sa.select(*cols)
-            .where(queued, _inv.c.queue == B(f"q{i}"))
-            .order_by(*_claim_order)
-            .limit(limit)
-            .with_for_update(skip_locked=True)
-            .subquery(f"q{i}")
-            for i in range(n_queues)
-        ]
-        merged = sa.union_all(*(sa.select(*sub.c) for sub in firsts))
-        best = merged.selected_columns
-        pick = merged.order_by(best.priority.desc(), best.submitted_at.asc(), best.invocation_id.asc())
-    if n_queues == 1 or n_queues > MERGED_QUEUES_MAX:
-        pick = pick.order_by(*_claim_order).with_for_update(skip_locked=True)
-    picked = (
-        pick.limit(limit)
-        .cte("picked")
-        .prefix_with("MATERIALIZED")  # evaluated once: a bare IN (subquery) may run it per row
-    )
-    return (
-        sa.update(_inv)
-        .where(_inv.c.invocation_id.in_(sa.select(picked.c.invocation_id)))
-        .values(
-            state="running",
-            worker_id=B("worker"),
-            attempt=_inv.c.attempt + 1,
-            started_at=B("now"),
-            lease_expires_at=B("lease"),
-        )
-        .returning(*_inv.c)
-    )
-
-
-def claim_params(
-    queues: Sequence[str],
-    limit: int,
-    worker_id: str,
-    now: float,
-    lease_s: float,
-    namespace: str | None = None,
-) -> tuple[Any, dict[str, Any]]:
-    """The claim statement for ``queues`` (of ``namespace`` when given; see
-    :func:`claim_statement`) and its parameters."""
-    names = sorted(set(queues))  # a queue named twice must not be picked twice
-    params: dict[str, Any] = {"limit": int(limit), "worker": worker_id, "now": now, "lease": now + lease_s}
-    if len(names) > MERGED_QUEUES_MAX:
-        params["queues"] = names
-    else:
-        params.update((f"q{i}", name) for i, name in enumerate(names))
-    if namespace is not None:
-        params["b_namespace"] = namespace
-    return claim_statement(len(names), namespace is not None), params
-
-
 class Lease(Protocol):
     """What a lease check reads of an invocation (an :class:`Invocation`, or a row of those columns)."""
 
@@ -399,10 +311,11 @@ def _ack_refusal(req: AckRequest, inv: Invocation | None) -> AckResult:
 class _Prepared:
     """A validated submit: its invocations row, less the root and the time (set in the batch)."""
 
-    __slots__ = ("row",)
+    __slots__ = ("needs", "row")
 
-    def __init__(self, row: dict[str, Any]) -> None:
+    def __init__(self, row: dict[str, Any], needs: Needs | None = None) -> None:
         self.row = row
+        self.needs = needs or Needs()
 
 
 class _Known:
@@ -430,6 +343,7 @@ class InvocationStore(StoreBase):
         super().__init__(db, notifier)
         self._inv_st = _statements(db.dialect)
         self._known = _Known()
+        self._placer = Placer()
 
     # -- producer side ---------------------------------------------------------------------------
 
@@ -451,6 +365,7 @@ class InvocationStore(StoreBase):
         function = values.json_safe(req.function, "function")
         code_context = values.json_safe(req.code_context or {}, "code_context")
         key = values.idempotency_key(run_config)
+        needs = needs_of(run_config)
         row = {
             "invocation_id": req.invocation_id,
             "queue": queue,
@@ -471,8 +386,10 @@ class InvocationStore(StoreBase):
             "submitted_at": 0.0,
             "cancel_requested": False,
             "args_ref": values.json_safe(req.args_ref, "args_ref") if req.args_ref is not None else None,
+            "shape": needs.key(),
+            "not_before": not_before_of(run_config),
         }
-        return _Prepared(row)
+        return _Prepared(row, needs)
 
     def _submit_many_in(
         self, conn: Connection, batch: Sequence[_Prepared], now: float
@@ -498,6 +415,7 @@ class InvocationStore(StoreBase):
                 st.insert_function,
                 [{"fkey": k, "function": f, "now": now} for k, f in sorted(functions.items())],
             )
+        self._shapes_in(conn, batch, now)
         parents = {r["parent_invocation_id"] for r in rows if r["parent_invocation_id"]}
         roots: dict[str, str | None] = {}
         if parents:
@@ -531,6 +449,51 @@ class InvocationStore(StoreBase):
             )
         return out
 
+    def _shapes_in(self, conn: Connection, batch: Sequence[_Prepared], now: float) -> None:
+        """Name the batch's new placement shapes in ``shapes``, and the ``max_concurrency`` of its
+        concurrency keys in ``limits`` (the latest submit's value wins)."""
+        new: dict[tuple[str, str], Needs] = {}
+        keys: dict[str, int] = {}
+        for p in batch:
+            shape = p.row["shape"]
+            if self._placer.learn(p.row["queue"], shape, p.needs):
+                new[(p.row["queue"], shape)] = p.needs
+            n = p.needs
+            if (
+                n.concurrency_key is not None
+                and n.max_concurrency is not None
+                and not self._placer.knows_limit(key_limit(n.concurrency_key), n.max_concurrency)
+            ):
+                keys[key_limit(n.concurrency_key)] = n.max_concurrency
+        if new:
+            conn.execute(
+                dialect_insert(self.db.dialect, t.shapes).on_conflict_do_nothing(),
+                [
+                    {"queue": q, "shape": s, "needs": n.as_json(), "created_at": now}
+                    for (q, s), n in new.items()
+                ],
+            )
+        for name, most in sorted(keys.items()):
+            self.set_limit_in(conn, name, most, now)
+
+    def shape_needs(self, queue: str, shape: str) -> Needs | None:
+        """The needs of a shape this store knows (cached); None when unknown."""
+        return self._placer.shapes(queue).get(shape)
+
+    def set_limit_in(self, conn: Connection, name: str, most: int | None, now: float) -> None:
+        """Set (``most`` None: clear) the fleet-wide limit ``name`` in the caller's transaction."""
+        lim = t.limits
+        if most is None:
+            conn.execute(sa.delete(lim).where(lim.c.name == name))
+        else:
+            ins = dialect_insert(self.db.dialect, lim).values(name=name, max_running=most, updated_at=now)
+            conn.execute(
+                ins.on_conflict_do_update(
+                    index_elements=[lim.c.name], set_={"max_running": most, "updated_at": now}
+                )
+            )
+        self._placer.set_limit(name, most)
+
     def _submitted(
         self,
         batch: Sequence[_Prepared],
@@ -544,7 +507,7 @@ class InvocationStore(StoreBase):
         for p, res in zip(batch, results, strict=True):
             self._known.remember(p.row["queue"], p.row["function_key"])
             if isinstance(res, SubmitResult) and not res.duplicate:
-                queued = invocation_channels(p.row["namespace"], res.queue)
+                queued = invocation_channels(p.row["namespace"], res.queue, p.row["shape"])
                 # a handed one's run-queue wake is its poll's already: the rest still hear it
                 channels += queued[:1] if res.invocation_id in handed else queued
                 channels.append(f"inv:{res.invocation_id}")
@@ -581,6 +544,19 @@ class InvocationStore(StoreBase):
         with self.db.tx(write=False) as conn:
             r = conn.execute(self._inv_st.get, {"id": invocation_id}).first()
         return row_to_invocation(r) if r is not None else None
+
+    @retry_on_disconnect
+    def get_many(self, invocation_ids: Sequence[str], *, args: bool = True) -> list[Invocation]:
+        """The invocations of ``invocation_ids`` that exist, in one read (any order); without
+        ``args`` their arguments are not read (``args_blob`` empty)."""
+        if not invocation_ids:
+            return []
+        st = self._inv_st.get_many if args else self._inv_st.outcomes_many
+        with self.db.tx(write=False) as conn:
+            rows = conn.execute(st, {"ids": list(invocation_ids)}).fetchall()
+        if args:
+            return [row_to_invocation(r) for r in rows]
+        return [invocation_from(dict(r._mapping)) for r in rows]
 
     # -- lineage: parent_invocation_id / root_invocation_id ----------------------------------------
 
@@ -668,11 +644,12 @@ class InvocationStore(StoreBase):
         lease_s: float = DEFAULT_LEASE_S,
         *,
         namespace: str | None = None,
+        offer: Offer = NO_OFFER,
     ) -> list[Invocation]:
         if not queues or limit < 1:
             return []
         with self.db.tx(write=True) as conn:
-            got = self._claim_in(conn, worker_id, queues, limit, lease_s, time.time(), namespace)
+            got = self._claim_in(conn, worker_id, queues, limit, lease_s, time.time(), namespace, offer)
         self._notify(*(f"inv:{i.invocation_id}" for i in got))
         return got
 
@@ -685,9 +662,25 @@ class InvocationStore(StoreBase):
         lease_s: float,
         now: float,
         namespace: str | None = None,
+        offer: Offer = NO_OFFER,
     ) -> list[Invocation]:
-        stmt, params = claim_params(queues, limit, worker_id, now, lease_s, namespace)
-        rows = conn.execute(stmt, params).fetchall()
+        """Claim up to ``limit`` of what ``offer`` fits (store/claims.py)."""
+        plan = self._placer.plan(conn, queues, offer, namespace, self.db.dialect)
+        if not plan.heads:
+            return []
+        if not plan.placed:
+            stmt, params = claim_params(queues, limit, worker_id, now, lease_s, namespace, plan.heads)
+            rows = conn.execute(stmt, params).fetchall()
+        else:
+            picked = conn.execute(
+                pick_statement(len(plan.heads), namespace is not None),
+                {"limit": int(limit), **head_params(plan.heads, namespace)},
+            ).fetchall()
+            chosen = plan.choose(picked, limit, offer)
+            if not chosen:
+                return []
+            params = {"ids": chosen, "worker": worker_id, "now": now, "lease": now + lease_s}
+            rows = conn.execute(take_statement(), params).fetchall()
         return sorted(
             (row_to_invocation(r) for r in rows),
             key=lambda i: (-i.priority, i.submitted_at, i.invocation_id),
@@ -1069,6 +1062,6 @@ class InvocationStore(StoreBase):
                 sa.update(_inv)
                 .where(_inv.c.not_before.isnot(None), _inv.c.not_before <= now, _inv.c.state == "queued")
                 .values(not_before=None)
-                .returning(_inv.c.invocation_id, _inv.c.queue, _inv.c.namespace)
+                .returning(_inv.c.invocation_id, _inv.c.queue, _inv.c.namespace, _inv.c.shape)
             ).fetchall()
         )

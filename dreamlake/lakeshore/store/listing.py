@@ -95,7 +95,9 @@ class ListingStore(StoreBase):
     def _live_infos(self, conn: Any, namespace: str | None, live_within: float) -> list[Any]:
         w = t.workers
         cutoff = time.time() - live_within
-        stmt = sa.select(w.c.info).where(w.c.last_seen >= cutoff, _visible_to(namespace))
+        stmt = sa.select(w.c.info).where(
+            w.c.last_seen >= cutoff, w.c.stopped_at.is_(None), _visible_to(namespace)
+        )
         return list(conn.execute(stmt).scalars())
 
     def live_queues(self, live_within: float = LIVE_WINDOW_S) -> dict[str, int]:
@@ -107,11 +109,17 @@ class ListingStore(StoreBase):
                 serving[q] = serving.get(q, 0) + 1
         return serving
 
+    def live_workers_of(self, queue: str, live_within: float = LIVE_WINDOW_S) -> list[dict[str, Any]]:
+        """The registered infos (labels, capacity) of the live workers serving ``queue``."""
+        with self.db.tx(write=False) as conn:
+            infos = self._live_infos(conn, None, live_within)
+        return [i for i in infos if isinstance(i, dict) and queue in _worker_queues(i)]
+
     def count_workers(self, live_within: float | None = LIVE_WINDOW_S) -> int:
         w = t.workers
         stmt = sa.select(sa.func.count()).select_from(w)
         if live_within is not None:
-            stmt = stmt.where(w.c.last_seen >= time.time() - live_within)
+            stmt = stmt.where(w.c.last_seen >= time.time() - live_within, w.c.stopped_at.is_(None))
         with self.db.tx(write=False) as conn:
             return int(conn.execute(stmt).scalar_one())
 
@@ -126,7 +134,7 @@ class ListingStore(StoreBase):
         w, e = t.workers, t.exec_jobs
         limit = max(1, min(int(limit), LIST_LIMIT_MAX))
         stmt = (
-            sa.select(w.c.worker_id, w.c.info, w.c.registered_at, w.c.last_seen)
+            sa.select(w.c.worker_id, w.c.info, w.c.registered_at, w.c.last_seen, w.c.stopped_at)
             .where(_visible_to(namespace))
             .order_by(w.c.worker_id)
             .limit(limit + 1)
@@ -134,7 +142,7 @@ class ListingStore(StoreBase):
         if cursor is not None:
             stmt = stmt.where(w.c.worker_id > cursor)
         if live_within is not None:
-            stmt = stmt.where(w.c.last_seen >= time.time() - live_within)
+            stmt = stmt.where(w.c.last_seen >= time.time() - live_within, w.c.stopped_at.is_(None))
         with self.db.tx(write=False) as conn:
             rows = conn.execute(stmt).all()
             more = len(rows) > limit
@@ -161,6 +169,7 @@ class ListingStore(StoreBase):
                 registered_at=float(r.registered_at),
                 last_seen=float(r.last_seen),
                 busy=busy.get(r.worker_id, 0),
+                stopped_at=None if r.stopped_at is None else float(r.stopped_at),
             )
             for r in rows
         ]
@@ -175,6 +184,7 @@ class ListingStore(StoreBase):
         since: float | None = None,
         limit: int = 50,
         cursor: str | None = None,
+        sweep: str | None = None,
     ) -> InvocationPage:
         limit = max(1, min(int(limit), LIST_LIMIT_MAX))
         stmt = sa.select(*_SUMMARY_COLS).order_by(_inv.c.invocation_id.desc()).limit(limit + 1)
@@ -188,6 +198,10 @@ class ListingStore(StoreBase):
             stmt = stmt.where(_inv.c.submitted_at >= since)
         if cursor is not None:
             stmt = stmt.where(_inv.c.invocation_id < cursor)
+        if sweep is not None:  # the calls of one map (store/activity.py)
+            from .activity import sweep_of
+
+            stmt = stmt.where(sweep_of(sweep))
         with self.db.tx(write=False) as conn:
             rows = conn.execute(stmt).all()
         page = [_summary(r) for r in rows[:limit]]

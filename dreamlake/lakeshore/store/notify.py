@@ -39,15 +39,16 @@ Listener = Callable[[str, int, bool], None]
 cheap and must not block; ``relayed`` is True for a notification that came from another replica."""
 
 
-def run_queue_channel(namespace: str, queue: str) -> str:
+def run_queue_channel(namespace: str, queue: str, shape: str = "") -> str:
     """The channel of a claimable invocation of ``namespace`` on ``queue`` (one notification per
-    invocation; ``queue:<q>`` is notified beside it for waiters that serve every namespace)."""
-    return f"run-queue:{namespace}:{queue}"
+    invocation; ``queue:<q>`` is notified beside it for waiters that serve every namespace), with
+    ``:<shape>`` for one that needs something placement matches (store/placement.py)."""
+    return f"run-queue:{namespace}:{queue}:{shape}" if shape else f"run-queue:{namespace}:{queue}"
 
 
-def invocation_channels(namespace: str, queue: str) -> tuple[str, str]:
+def invocation_channels(namespace: str, queue: str, shape: str = "") -> tuple[str, str]:
     """What the store notifies for one invocation made claimable (a submit or a requeue)."""
-    return f"queue:{queue}", run_queue_channel(namespace, queue)
+    return f"queue:{queue}", run_queue_channel(namespace, queue, shape)
 
 
 def exec_queue_channel(namespace: str, queue: str) -> str:

@@ -161,7 +161,8 @@ class RetentionStore(StoreBase):
             key = checkpoint.get("key") if isinstance(checkpoint, dict) else None
             if isinstance(key, str):
                 out.payload_keys.append(key)
-        out.frames += conn.execute(sa.delete(_frames).where(_frames.c.owner_id.in_(ids))).rowcount or 0
+        owners = [*ids, *(f"send:{i}" for i in ids)]  # the journal and what was sent into the body
+        out.frames += conn.execute(sa.delete(_frames).where(_frames.c.owner_id.in_(owners))).rowcount or 0
         out.attempts += conn.execute(sa.delete(_att).where(_att.c.invocation_id.in_(ids))).rowcount or 0
         out.invocations += conn.execute(sa.delete(_inv).where(_inv.c.invocation_id.in_(ids))).rowcount or 0
 

@@ -7,7 +7,8 @@ outcome. Another attempt is queued (``delay`` is not None) when all of these hol
 - the outcome is not one that cannot change by running again (:data:`NEVER`: a gate refused the
   function, it could not be imported or decoded, the run config was refused, a cancel);
 - it is a death of the task's process (:data:`CRASHES`: ``ProcessExited``, e.g. ``os._exit(17)``,
-  an OOM kill; retried like a lapsed lease, the way Ray retries a dead worker) that nymph did not
+  an OOM kill; ``DamagedOutput``, an output nymph found truncated or garbled; retried like a
+  lapsed lease, the way Ray retries a dead worker) that nymph did not
   mark ``disk_full`` (the task could not write its result on a full disk: resource exhaustion is
   the outcome the caller is told at once, issue 12 item 1), or its error type
   is listed in ``run_config.retry_on`` (``@dls.udf(retry_on=(TimeoutError,))``). A name matches
@@ -53,9 +54,15 @@ NEVER = frozenset(
         "ModuleNotFoundError",
         "InvalidRunConfig",
         "Cancelled",
+        "EnvBuildFailed",  # a pip environment uv could not resolve or build (nymph.envcache)
+        "PipRefused",
+        "MountRefused",
+        "SecretRefused",
     }
 )
-CRASHES = frozenset({"ProcessExited"})  # the task's process died without reporting: retried by default
+# the task's process died without reporting, or what it reported was damaged (nymph found its
+# result.msgpack or error.json truncated or garbled: issue 32): retried by default
+CRASHES = frozenset({"ProcessExited", "DamagedOutput"})
 DEFAULT_BACKOFF_S = 1.0
 DEFAULT_MAX_PREEMPTIONS = 10
 MAX_PREEMPTIONS_CAP = 1000

@@ -68,6 +68,9 @@ invocations = sa.Table(
     # args_ref the args_blob is empty, with result_ref the result_blob is None
     sa.Column("args_ref", sa.JSON, nullable=True),
     sa.Column("result_ref", sa.JSON, nullable=True),
+    # 0009: the call's placement shape (store/placement.py): '' needs nothing, else a hash of its
+    # needs (GPUs, selector, concurrency key) named in ``shapes``
+    sa.Column("shape", sa.String(16), nullable=False, server_default=""),
     # 0010: attempts that ended ``preempted`` (the host stopped): they spend no max_attempts, so
     # the attempts spent are ``attempt - preemptions``; run_config.max_preemptions bounds them
     sa.Column("preemptions", sa.Integer, nullable=False, server_default="0"),
@@ -79,12 +82,14 @@ invocations = sa.Table(
     # 0004: a key is unique within its namespace and queue.
     sa.Index("ux_invocations_queue_key", "namespace", "queue", "idempotency_key", unique=True),
 )
-# 0003: the claim order of one queue, over queued rows only (see invocations.claim_statement);
-# 0006: only those due (a retry waiting for its backoff is not in it: claims stay a range read).
+# 0003: the claim order of one queue, over queued rows only (see claims.claim_statement);
+# 0006: only those due (a retry waiting for its backoff is not in it: claims stay a range read);
+# 0009: per (queue, shape): a claim reads the head of each shape its poller may take.
 _DUE = sa.and_(invocations.c.state == "queued", invocations.c.not_before.is_(None))
 sa.Index(
     "ix_invocations_queued",
     invocations.c.queue,
+    invocations.c.shape,
     invocations.c.priority.desc(),
     invocations.c.submitted_at,
     invocations.c.invocation_id,
@@ -96,6 +101,7 @@ sa.Index(
     "ix_invocations_queued_ns",
     invocations.c.namespace,
     invocations.c.queue,
+    invocations.c.shape,
     invocations.c.priority.desc(),
     invocations.c.submitted_at,
     invocations.c.invocation_id,
@@ -115,6 +121,37 @@ sa.Index(
     invocations.c.finished_at,
     sqlite_where=invocations.c.finished_at.isnot(None),
     postgresql_where=invocations.c.finished_at.isnot(None),
+)
+
+# 0009: running invocations by queue and shape: what a fleet-wide limit counts in the claim.
+_RUNNING = invocations.c.state == "running"
+sa.Index(
+    "ix_invocations_running",
+    invocations.c.queue,
+    invocations.c.shape,
+    sqlite_where=_RUNNING,
+    postgresql_where=_RUNNING,
+)
+
+# 0009: the placement shapes submitted to each queue (store/placement.py): few rows, which the
+# claim reads (cached) to know which heads of ix_invocations_queued a poller may take.
+shapes = sa.Table(
+    "shapes",
+    metadata,
+    sa.Column("queue", NAME, primary_key=True),
+    sa.Column("shape", sa.String(16), primary_key=True),
+    sa.Column("needs", sa.JSON, nullable=False),
+    sa.Column("created_at", TIME, nullable=False),
+)
+
+# 0009: fleet-wide limits on running invocations: ``queue:<name>`` (lakeshore queue limit) and
+# ``key:<concurrency_key>`` (@dls.udf max_concurrency). The claim locks the rows it counts against.
+limits = sa.Table(
+    "limits",
+    metadata,
+    sa.Column("name", sa.String(300), primary_key=True),
+    sa.Column("max_running", sa.Integer, nullable=False),
+    sa.Column("updated_at", TIME, nullable=False),
 )
 
 # 0006: the outcome of each attempt that did not end its invocation (a retried failure, a lapsed
@@ -159,6 +196,8 @@ workers = sa.Table(
     sa.Column("last_seen", TIME, nullable=False),
     # 0004: the token this worker id is bound to (its first register binds it); None: unbound.
     sa.Column("token_id", ID, nullable=True),
+    # 0016: when it deregistered (a clean stop); None: it has not. A stopped worker is not live.
+    sa.Column("stopped_at", TIME, nullable=True),
 )
 
 tokens = sa.Table(
@@ -180,6 +219,15 @@ server_keys = sa.Table(  # secrets the control plane's replicas share (the task-
     sa.Column("name", NAME, primary_key=True),
     sa.Column("secret", sa.LargeBinary, nullable=False),
     sa.Column("created_at", TIME, nullable=False),
+)
+
+secrets = sa.Table(  # 0012: a namespace's secrets, sealed by the control plane (server/secrets.py)
+    "secrets",
+    metadata,
+    sa.Column("namespace", NAME, primary_key=True),
+    sa.Column("name", sa.String(128), primary_key=True),
+    sa.Column("sealed", sa.LargeBinary, nullable=False),  # AES-GCM under a key kept outside this table
+    sa.Column("updated_at", TIME, nullable=False),
 )
 
 namespaces = sa.Table(

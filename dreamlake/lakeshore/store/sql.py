@@ -29,6 +29,7 @@ from sqlalchemy.engine import Connection
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.ids import new_ulid
 
+from .activity import ActivityStore
 from .api import (
     DEFAULT_LEASE_S,
     DEFAULT_NAMESPACE,
@@ -53,7 +54,10 @@ from .frames import FrameStore, frame_channel
 from .invocations import CANCEL_REASON, InvocationStore, _Prepared
 from .listing import ListingStore
 from .notify import Notifier, exec_queue_channel, invocation_channels
+from .outage import classify
+from .placement import NO_OFFER, Offer
 from .retention import RetentionStore
+from .secrets import SecretStore
 from .workers import WorkerStore
 
 log = logging.getLogger(__name__)
@@ -77,7 +81,16 @@ def _cancels_again(renewed: dict[str, bool], taken: list[Command]) -> list[Comma
 OnCommit = Callable[[list[tuple[int, "WriteResult | PlaneError"]]], None]
 
 
-class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingStore, RetentionStore):
+class SqlStore(
+    InvocationStore,
+    FrameStore,
+    WorkerStore,
+    ExecJobStore,
+    ListingStore,
+    RetentionStore,
+    ActivityStore,
+    SecretStore,
+):
     """The Store protocol over SQLite (file or ``:memory:``) or PostgreSQL."""
 
     def __init__(self, url: str, *, notifier: Notifier | None = None, migrate_schema: bool = True) -> None:
@@ -107,8 +120,9 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
         *,
         exec_jobs: bool = True,
         namespace: str | None = None,
+        offer: Offer = NO_OFFER,
     ) -> PollResult:
-        return self._poll(worker_id, queues, limit, lease_s, exec_jobs, namespace, pin=True)
+        return self._poll(worker_id, queues, limit, lease_s, exec_jobs, namespace, pin=True, offer=offer)
 
     @retry_on_disconnect
     def _poll(
@@ -121,8 +135,9 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
         namespace: str | None,
         *,
         pin: bool,
+        offer: Offer = NO_OFFER,
     ) -> PollResult:
-        req = PollRequest(worker_id, queues, limit, lease_s, exec_jobs, namespace)
+        req = PollRequest(worker_id, queues, limit, lease_s, exec_jobs, namespace, offer=offer)
         with self.db.tx(write=True) as conn:
             got = self._poll_in(conn, req, time.time(), pin=pin)
         self._notify(*(f"inv:{i.invocation_id}" for i in got.invocations))
@@ -148,7 +163,7 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
         jobs: list[dict[str, Any]] = []
         if req.queues and req.limit >= 1:
             claimed = self._claim_in(
-                conn, req.worker_id, req.queues, req.limit, req.lease_s, now, req.namespace
+                conn, req.worker_id, req.queues, req.limit, req.lease_s, now, req.namespace, req.offer
             )
             if req.exec_jobs and len(claimed) < req.limit:
                 left = req.limit - len(claimed)
@@ -232,6 +247,10 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
             except PlaneError as exc:
                 out[i] = exc
                 continue
+            except Exception as exc:  # a bug met by this write alone: its 500, never its neighbours'
+                log.exception("preparing a %s failed", type(req).__name__)
+                out[i] = PlaneError(f"the store failed: {type(exc).__name__}", status=500)
+                continue
             if isinstance(prepared, _Prepared) or (isinstance(prepared, PollRequest) and prepared.handed):
                 group = 0  # a handed pass claims in its submits' transaction, right after them
             else:
@@ -259,7 +278,12 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
                 for i, res in zip((i for i, _ in live), self._apply_writes(live), strict=True):
                     out[i] = res
                 live = []
-            except Exception:  # a value a column refuses, a lost connection: find whose it is
+            except Exception as exc:  # a value a column refuses, a lost connection: find whose it is
+                outage = classify(exc)
+                if outage is not None:  # the store is down: no write of it can be applied alone
+                    for i, _ in live:
+                        out[i] = outage
+                    return
                 log.warning(
                     "a group commit of %d writes failed; retrying each alone", len(live), exc_info=True
                 )
@@ -267,8 +291,10 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
             try:
                 out[i] = self._apply_writes([(i, prepared)])[0]
             except Exception as exc:
-                log.exception("a %s failed in the store", type(requests[i]).__name__)
-                out[i] = PlaneError(f"the store failed: {type(exc).__name__}", status=500)
+                outage = classify(exc)
+                if outage is None:
+                    log.exception("a %s failed in the store", type(requests[i]).__name__)
+                out[i] = outage or PlaneError(f"the store failed: {type(exc).__name__}", status=500)
 
     def _prepare_write(self, req: WriteRequest) -> Any:
         if isinstance(req, SubmitRequest):
@@ -372,7 +398,8 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
             log.debug("%d retries due: claimable again", len(due))
         self._notify(
             # one per invocation: the poll hub wakes one poll each
-            *(c for r in (*requeued, *due) for c in invocation_channels(r.namespace, r.queue)),
+            *(c for r in requeued for c in invocation_channels(r.namespace, r.queue)),
+            *(c for r in due for c in invocation_channels(r.namespace, r.queue, r.shape)),
             *(f"inv:{r.invocation_id}" for r in due),
             *(f"inv:{i}" for i in ids),
             *(

@@ -4,7 +4,7 @@
 ``ORDER BY priority DESC, submitted_at, invocation_id``: every claim sorted all queued rows of its
 queues, so its cost grew with the backlog. ``ix_invocations_queued`` is (queue, priority DESC,
 submitted_at, invocation_id) over queued rows only (a partial index on both dialects): one queue's
-rows in claim order, so a claim reads its first rows and stops (see invocations.claim_statement).
+rows in claim order, so a claim reads its first rows and stops (see claims.claim_statement).
 
 The index is built inside the migration's transaction (no ``CONCURRENTLY``): on PostgreSQL it
 blocks writes to ``invocations`` while it builds, seconds for millions of queued rows.

@@ -9,7 +9,7 @@ is the tar of the task's ``dls.checkpoint_dir()`` an attempt left in the payload
 the worker holding that attempt's lease; NULL: no checkpoint.
 
 Revision ID: 0010_preemptions
-Revises: 0008_shipdata
+Revises: 0012_secrets
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0010_preemptions"
-down_revision = "0008_shipdata"
+down_revision = "0012_secrets"
 branch_labels = None
 depends_on = None
 

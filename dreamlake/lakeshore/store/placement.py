@@ -1,0 +1,179 @@
+"""Placement: what a call needs, what a poller offers, and whether the one fits the other.
+
+A call's needs come from its ``run_config`` (:func:`needs_of`): ``resources.gpus`` (a whole
+number; alias ``nvidia.com/gpu``), ``selector`` (label -> value, every one of which the poller's
+labels must equal; a key the poller has no label for never matches) and ``concurrency_key``
+(calls sharing it count against one fleet-wide ``max_concurrency``). Calls with the same needs
+share a *shape*: :meth:`Needs.key`, a short hash ('' for a call with none, the plain shape), stored
+on the row and indexed, so a claim reads the heads of the shapes its poller may take, each one a
+range read (store/claims.py).
+
+A poller's :class:`Offer` is what it has free now: its free GPUs and its labels (an old daemon that
+sends none offers no GPUs and no labels: it takes plain calls and calls that need neither).
+``resources.cpus`` and ``resources.memory`` are the runner's to enforce and are not matched here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dreamlake.lakeshore.errors import PlaneError
+
+PLAIN = ""  # the shape of a call that needs nothing placement matches on
+MAX_SELECTOR = 16  # labels one selector may name
+MAX_LABEL = 128  # characters of a label's key or value
+MAX_GPUS = 1024
+MAX_NOT_BEFORE_S = 366 * 86400.0  # a not_before further ahead than this is refused
+SHAPE_LEN = 16
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What placement matches of one call."""
+
+    gpus: int = 0
+    selector: tuple[tuple[str, str], ...] = ()
+    concurrency_key: str | None = None
+    max_concurrency: int | None = None  # not part of the shape: the limit of its key (latest wins)
+
+    def key(self) -> str:
+        """The shape: '' when the call needs nothing, else a hash of the needs."""
+        if not self.gpus and not self.selector and self.concurrency_key is None:
+            return PLAIN
+        return hashlib.sha256(json.dumps(self.as_json(), sort_keys=True).encode()).hexdigest()[:SHAPE_LEN]
+
+    def as_json(self) -> dict[str, Any]:
+        return {"gpus": self.gpus, "selector": dict(self.selector), "concurrency_key": self.concurrency_key}
+
+    @classmethod
+    def from_json(cls, data: Any) -> Needs:
+        data = data if isinstance(data, dict) else {}
+        selector = data.get("selector") or {}
+        return cls(
+            gpus=int(data.get("gpus") or 0),
+            selector=tuple(sorted((str(k), str(v)) for k, v in selector.items())),
+            concurrency_key=data.get("concurrency_key"),
+        )
+
+    def describe(self) -> str:
+        parts = []
+        if self.gpus:
+            parts.append(f"{self.gpus} GPU{'s' if self.gpus != 1 else ''}")
+        parts += [f"{k}={v}" for k, v in self.selector]
+        if self.concurrency_key is not None:
+            parts.append(f"concurrency_key={self.concurrency_key}")
+        return ", ".join(parts) or "nothing"
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What one poller has free now (the poll's ``offer``)."""
+
+    gpus: int = 0
+    labels: tuple[tuple[str, str], ...] = field(default=())
+
+    @classmethod
+    def of(cls, gpus: int = 0, labels: dict[str, str] | None = None) -> Offer:
+        return cls(int(gpus), tuple(sorted((labels or {}).items())))
+
+    def fits(self, needs: Needs, gpus_left: int | None = None) -> bool:
+        """Whether a call of ``needs`` may run here (with ``gpus_left`` free, default all offered)."""
+        free = self.gpus if gpus_left is None else gpus_left
+        if needs.gpus > free:
+            return False
+        if needs.selector:
+            labels = dict(self.labels)
+            return all(labels.get(k) == v for k, v in needs.selector)
+        return True
+
+
+NO_OFFER = Offer()
+
+
+def _gpus(resources: Any) -> int:
+    if not isinstance(resources, dict):
+        return 0
+    value = resources.get("gpus", resources.get("nvidia.com/gpu"))
+    if value is None:
+        return 0
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise PlaneError(f"run_config.resources.gpus must be a whole number of GPUs, got {value!r:.40}", 400)
+    if not 0 <= value <= MAX_GPUS:
+        raise PlaneError(f"run_config.resources.gpus must be from 0 to {MAX_GPUS}, got {value!r}", 400)
+    return int(value)
+
+
+def _label_text(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_LABEL:
+        raise PlaneError(f"{what} must be a string of 1 to {MAX_LABEL} characters, got {value!r:.60}", 400)
+    return value
+
+
+def needs_of(run_config: dict[str, Any]) -> Needs:
+    """The call's needs; PlaneError(400) for a malformed ``selector``, ``resources.gpus``,
+    ``concurrency_key`` or ``max_concurrency``."""
+    selector = run_config.get("selector")
+    pairs: list[tuple[str, str]] = []
+    if selector is not None:
+        if not isinstance(selector, dict) or len(selector) > MAX_SELECTOR:
+            raise PlaneError(
+                f"run_config.selector must be a map of at most {MAX_SELECTOR} labels such as "
+                f"{{'pool': 'a'}}, got {selector!r:.60}",
+                400,
+            )
+        for k, v in selector.items():
+            pairs.append((_label_text(k, "a selector's label"), _label_text(v, f"run_config.selector.{k}")))
+    key = run_config.get("concurrency_key")
+    if key is not None:
+        key = _label_text(key, "run_config.concurrency_key")
+    limit = run_config.get("max_concurrency")
+    if limit is not None:
+        if key is None:
+            raise PlaneError("run_config.max_concurrency needs a concurrency_key", 400)
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 2**31 - 1:
+            raise PlaneError(
+                f"run_config.max_concurrency must be a whole number >= 1, got {limit!r:.40}", 400
+            )
+    return Needs(_gpus(run_config.get("resources")), tuple(sorted(pairs)), key, limit)
+
+
+def not_before_of(run_config: dict[str, Any], now: float | None = None) -> float | None:
+    """``run_config.not_before`` (epoch seconds) when it is still ahead; None when absent or past;
+    PlaneError(400) when it is not a time or more than a year ahead."""
+    value = run_config.get("not_before")
+    if value is None:
+        return None
+    now = time.time() if now is None else now
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise PlaneError(f"run_config.not_before must be a time in epoch seconds, got {value!r:.40}", 400)
+    if value > now + MAX_NOT_BEFORE_S:
+        raise PlaneError("run_config.not_before must be at most a year ahead", 400)
+    return float(value) if value > now else None
+
+
+def parse_offer(value: Any) -> Offer:
+    """A poll's ``offer`` field (``{"gpus": N, "labels": {k: v}}``); None or absent: no GPUs, no
+    labels. ValueError naming what is wrong."""
+    if value is None:
+        return NO_OFFER
+    if not isinstance(value, dict):
+        raise ValueError("field 'offer' must be a map such as {'gpus': 2, 'labels': {'pool': 'a'}}")
+    gpus = value.get("gpus", 0)
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or not 0 <= gpus <= MAX_GPUS:
+        raise ValueError(f"field 'offer.gpus' must be a whole number from 0 to {MAX_GPUS}")
+    labels = value.get("labels") or {}
+    if not isinstance(labels, dict) or len(labels) > 64:
+        raise ValueError("field 'offer.labels' must be a map of at most 64 labels")
+    for k, v in labels.items():
+        if not isinstance(k, str) or not isinstance(v, str) or len(k) > MAX_LABEL or len(v) > MAX_LABEL:
+            raise ValueError(
+                f"field 'offer.labels' must map strings to strings of at most {MAX_LABEL} characters"
+            )
+    return Offer.of(gpus, labels)

@@ -1,0 +1,37 @@
+"""What this host has, as registration reports it, and the labels placement matches on.
+
+Registration carries ``capacity`` (CPUs, memory, each GPU's index, model and memory, the
+architecture and OS) for ``lakeshore workers`` and the dashboard; the labels are the operator's
+``--label k=v`` over automatic ones: ``arch``, ``os`` and, when known, ``gpu_model``. Each poll
+then offers the GPUs free now and these labels (nymph/poller.py; docs/protocol.md "Placement").
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import Any
+
+import psutil
+
+from nymph.gpus import capacity as gpu_capacity
+
+
+def host_capacity(gpu_pool: Any) -> dict[str, Any]:
+    """This host's capacity, as registration reports it."""
+    return {
+        "cpus": os.cpu_count() or 1,
+        "memory_mb": psutil.virtual_memory().total // 2**20,
+        "gpus": gpu_capacity(gpu_pool),
+        "arch": platform.machine().lower(),
+        "os": platform.system().lower(),
+    }
+
+
+def auto_labels(capacity: dict[str, Any]) -> dict[str, str]:
+    """``arch``, ``os`` and (when the GPUs' model is known, and one) ``gpu_model``."""
+    labels = {"arch": str(capacity.get("arch") or ""), "os": str(capacity.get("os") or "")}
+    models = {g.get("model") for g in capacity.get("gpus") or []} - {"", "unknown", None}
+    if len(models) == 1:
+        labels["gpu_model"] = str(models.pop())
+    return {k: v for k, v in labels.items() if v}

@@ -1,0 +1,78 @@
+"""Placement in the store (issue 29), on SQLite and PostgreSQL: a claim takes only what the
+poller's offer fits (free GPUs, labels), greedily within its free GPUs, in claim order among what
+fits; fleet-wide limits (a queue's ``max_running``, a concurrency key's ``max_concurrency``) hold
+in the claim; a call with ``not_before`` ahead is not claimed before it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dreamlake.lakeshore.errors import PlaneError
+from dreamlake.lakeshore.store.claims import queue_limit
+from dreamlake.lakeshore.store.placement import Offer
+from dreamlake.lakeshore.store.sql import SqlStore
+from tests.contract.test_store import submit
+
+
+def test_a_claim_takes_only_what_the_offer_fits_greedily_in_claim_order(store: SqlStore) -> None:
+    big = [submit(store, "gpu", resources={"gpus": 2}, priority=5) for _ in range(3)]
+    one = submit(store, "gpu", resources={"gpus": 1}, priority=1)
+    plain = submit(store, "gpu")
+    # no GPUs offered (an old daemon): only the plain call
+    assert [i.invocation_id for i in store.claim("w0", ["gpu"], limit=10)] == [plain]
+    # 3 free: one gpus=2 (the best), then the gpus=1 that still fits; never two gpus=2
+    got = store.claim("w1", ["gpu"], limit=10, offer=Offer.of(3))
+    assert [i.invocation_id for i in got] == [big[0], one]
+    got = store.claim("w2", ["gpu"], limit=10, offer=Offer.of(4))
+    assert [i.invocation_id for i in got] == big[1:]
+    assert {store.get(i).state for i in big} == {"running"}  # type: ignore[union-attr]
+
+
+def test_a_selector_matches_only_equal_labels_and_an_unknown_key_never(store: SqlStore) -> None:
+    a = submit(store, "q", selector={"pool": "a"})
+    rack = submit(store, "q", selector={"rack": "7"})
+    assert store.claim("w", ["q"], limit=5, offer=Offer.of(0, {"pool": "b"})) == []
+    got = store.claim("w", ["q"], limit=5, offer=Offer.of(0, {"pool": "a", "os": "linux"}))
+    assert [i.invocation_id for i in got] == [a]
+    assert store.get(rack).state == "queued"  # type: ignore[union-attr]
+
+
+def test_fleet_wide_limits_hold_in_the_claim(store: SqlStore) -> None:
+    for _ in range(4):
+        submit(store, "lim")
+    with store.db.tx(write=True) as conn:
+        store.set_limit_in(conn, queue_limit("lim"), 2, time.time())
+    assert len(store.claim("w1", ["lim"], limit=4)) == 2
+    assert store.claim("w2", ["lim"], limit=4) == []
+    keyed = [submit(store, "k", concurrency_key="db", max_concurrency=1) for _ in range(3)]
+    assert [i.invocation_id for i in store.claim("w3", ["k"], limit=3)] == keyed[:1]
+    assert store.claim("w4", ["k"], limit=3) == []
+    with store.db.tx(write=True) as conn:
+        store.set_limit_in(conn, queue_limit("lim"), None, time.time())
+    assert len(store.claim("w5", ["lim"], limit=4)) == 2
+
+
+def test_not_before_keeps_a_call_queued_until_its_time(store: SqlStore) -> None:
+    inv = submit(store, "q", not_before=time.time() + 60)
+    assert store.claim("w", ["q"], limit=1) == []
+    store.expire_leases(time.time() + 61)  # the expiry pass releases what is due
+    assert [i.invocation_id for i in store.claim("w", ["q"], limit=1)] == [inv]
+
+
+@pytest.mark.parametrize(
+    ("run_config", "message"),
+    [
+        ({"selector": ["pool"]}, "run_config.selector must be a map"),
+        ({"resources": {"gpus": 1.5}}, "run_config.resources.gpus must be a whole number"),
+        ({"max_concurrency": 2}, "run_config.max_concurrency needs a concurrency_key"),
+        ({"not_before": "soon"}, "run_config.not_before must be a time"),
+    ],
+)
+def test_bad_placement_fields_are_refused_naming_the_field(
+    store: SqlStore, run_config: dict[str, object], message: str
+) -> None:
+    with pytest.raises(PlaneError, match=message) as err:
+        submit(store, "q", **run_config)
+    assert err.value.status == 400

@@ -1,0 +1,220 @@
+"""Placement end to end (issue 29): real ``lakeshore server`` and ``nymph start`` processes (process
+runner, fake GPUs through ``NYMPH_GPUS``), on SQLite and PostgreSQL.
+
+A call runs only on a nymph that offers what it needs (free GPUs, the labels of its selector); one
+that fits no live nymph stays ``queued`` (never claimed and failed, never parked inside a nymph
+waiting for devices another call holds); ``_not_before`` holds a call until its time.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgpack
+import pytest
+
+from dreamlake.lakeshore import ids
+from tests import nymph_fns
+from tests.integration.conftest import submit_body
+from tests.integration.test_nymph_agent import LIMIT_S, Nymph, Server, _call, _until, envelope
+
+pytestmark = pytest.mark.slow
+
+
+class PlacedServer(Server):
+    """``lakeshore server`` over ``--db`` (SQLite in its data dir, or a fresh PostgreSQL database)."""
+
+    def __init__(self, data_dir: Path, db: str | None) -> None:
+        super().__init__(data_dir)
+        self.db = db
+
+    def start(self) -> None:
+        if self.db is None:
+            return super().start()
+        import subprocess
+
+        from tests.integration.test_nymph_agent import _env
+
+        cmd = [sys.executable, "-m", "dreamlake.lakeshore.cli", "server", "--port", str(self.port),
+               "--data-dir", str(self.data_dir), "--db", self.db]  # fmt: skip
+        with open(self.data_dir / "server.log", "ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env())
+
+        def up() -> bool:
+            try:
+                return httpx.get(self.url + "/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        _until(up, "the control plane to answer")
+
+
+class GpuNymph(Nymph):
+    """``nymph start`` offering the fake devices ``gpus`` (``NYMPH_GPUS``)."""
+
+    def __init__(self, server: str, token: str, base: Path, gpus: str, *extra: str, queue: str) -> None:
+        super().__init__(server, token, base, *extra, queue=queue)
+        self.gpus = gpus
+
+    def env(self) -> dict[str, str]:
+        return {**super().env(), "NYMPH_GPUS": self.gpus}
+
+    @property
+    def worker_id(self) -> str:
+        return (self.state_dir / "worker_id").read_text().strip()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def plane(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[PlacedServer]:
+    data = tmp_path / "cp"
+    data.mkdir()
+    if request.param == "sqlite":
+        srv = PlacedServer(data, None)
+        srv.start()
+        try:
+            yield srv
+        finally:
+            srv.stop()
+        return
+    from tests.contract.conftest import pg_database
+
+    with pg_database() as url:
+        srv = PlacedServer(data, url)
+        srv.start()
+        try:
+            yield srv
+        finally:
+            srv.stop()
+
+
+@pytest.fixture
+def nymphs(plane: PlacedServer, tmp_path: Path) -> Iterator[Callable[..., GpuNymph]]:
+    started: list[GpuNymph] = []
+
+    def make(name: str, gpus: str = "none", *extra: str, queue: str = "gpu", slots: int = 4) -> GpuNymph:
+        base = tmp_path / name
+        base.mkdir()
+        token = plane.tokens()["daemon"]
+        n = GpuNymph(plane.url, token, base, gpus, "--concurrency", str(slots), *extra, queue=queue)
+        started.append(n)
+        n.start()
+        _until(lambda: (n.state_dir / "worker_id").exists(), f"nymph {name} to start")
+        _until(lambda: _registered(plane, n.worker_id), f"nymph {name} to register")
+        return n
+
+    yield make
+    for n in started:
+        n.stop()
+
+
+def _workers(plane: PlacedServer) -> list[dict[str, Any]]:
+    token = plane.tokens()["admin"]
+    resp = httpx.get(f"{plane.url}/v1/ops/workers", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    return list(body["workers"] if isinstance(body, dict) else body)
+
+
+def _registered(plane: PlacedServer, worker_id: str) -> bool:
+    return any(w.get("worker_id") == worker_id for w in _workers(plane))
+
+
+def _submit(
+    plane: PlacedServer, fn: Callable[..., Any], *args: Any, queue: str = "gpu", **rc: Any
+) -> dict[str, Any]:
+    token = plane.tokens()["admin"]
+    body = submit_body(
+        ids.new_ulid(), queue, run_config={"queue": queue, **rc}, args_blob=envelope(fn, *args)
+    )
+    return dict(_call(plane.url, token, "/v1/producer/submit", body))
+
+
+def _status(plane: PlacedServer, inv: str) -> dict[str, Any]:
+    token = plane.tokens()["admin"]
+    resp = httpx.get(
+        f"{plane.url}/v1/producer/invocations/{inv}", headers={"Authorization": f"Bearer {token}"}, timeout=10
+    )
+    return dict(msgpack.unpackb(resp.content, raw=False))
+
+
+def _done(plane: PlacedServer, inv: str) -> dict[str, Any] | None:
+    st = _status(plane, inv)
+    return st if st["state"] in ("succeeded", "failed", "cancelled", "timeout") else None
+
+
+def _stays_queued(plane: PlacedServer, inv: str, for_s: float) -> None:
+    deadline = time.monotonic() + for_s
+    while time.monotonic() < deadline:
+        assert _status(plane, inv)["state"] == "queued"
+        time.sleep(0.1)
+
+
+def test_gpu_calls_run_only_where_the_gpus_are_and_wait_queued_otherwise(
+    plane: PlacedServer, nymphs: Callable[..., GpuNymph]
+) -> None:
+    small = nymphs("small", "0,1")
+    # with only the two-GPU nymph alive a gpus=4 call stays queued, and the submit said why
+    first = _submit(plane, nymph_fns.add, 1, 1, resources={"gpus": 4}, max_attempts=3)
+    assert "offers 4 GPUs (largest: 2)" in first.get("warning", ""), first
+    _stays_queued(plane, first["invocation_id"], 3.0)
+    big = nymphs("big", "0,1,2,3")
+    invs = [first["invocation_id"]] + [
+        _submit(plane, nymph_fns.add, i, 1, resources={"gpus": 4}, max_attempts=3)["invocation_id"]
+        for i in range(19)
+    ]
+    outcomes = [_until(lambda inv=inv: _done(plane, inv), f"{inv} to finish", LIMIT_S * 2) for inv in invs]
+    assert [o["state"] for o in outcomes] == ["succeeded"] * 20, [o.get("error") for o in outcomes]
+    assert {o["worker_id"] for o in outcomes} == {big.worker_id}
+    assert [o["attempt"] for o in outcomes] == [1] * 20  # none was ever claimed and failed elsewhere
+    assert "NotEnoughGpus" not in small.output() + big.output()
+
+
+def test_a_call_behind_one_holding_the_gpus_waits_queued_for_another_nymph(
+    plane: PlacedServer, nymphs: Callable[..., GpuNymph], tmp_path: Path
+) -> None:
+    a = nymphs("a", "0,1")
+    gate = tmp_path / "gate"
+    holder = _submit(plane, nymph_fns.wait_for_file, str(gate), resources={"gpus": 2})["invocation_id"]
+    _until(lambda: _status(plane, holder)["state"] == "running", "the first call to hold both GPUs")
+    waiting = _submit(plane, nymph_fns.add, 2, 2, resources={"gpus": 2})["invocation_id"]
+    _stays_queued(plane, waiting, 3.0)  # not claimed by nymph A: it has no GPU free
+    b = nymphs("b", "0,1")
+    st = _until(lambda: _done(plane, waiting), "the second call to run on nymph B")
+    assert st["state"] == "succeeded" and st["worker_id"] == b.worker_id
+    assert _status(plane, holder)["state"] == "running"
+    gate.write_text("go")
+    assert _until(lambda: _done(plane, holder), "the first call")["worker_id"] == a.worker_id
+
+
+def test_a_selector_runs_only_on_the_nymph_with_that_label(
+    plane: PlacedServer, nymphs: Callable[..., GpuNymph]
+) -> None:
+    other = nymphs("other", "none", "--label", "pool=b")
+    pinned = _submit(plane, nymph_fns.add, 1, 2, selector={"pool": "a"})["invocation_id"]
+    unknown = _submit(plane, nymph_fns.add, 1, 3, selector={"rack": "7"})["invocation_id"]
+    _stays_queued(plane, pinned, 2.0)
+    a = nymphs("a", "none", "--label", "pool=a")
+    invs = [pinned] + [
+        _submit(plane, nymph_fns.add, i, 0, selector={"pool": "a"})["invocation_id"] for i in range(5)
+    ]
+    outcomes = [_until(lambda inv=inv: _done(plane, inv), f"{inv}") for inv in invs]
+    assert {o["state"] for o in outcomes} == {"succeeded"}
+    assert {o["worker_id"] for o in outcomes} == {a.worker_id} != {other.worker_id}
+    assert _status(plane, unknown)["state"] == "queued"  # a label no nymph has never matches
+
+
+def test_not_before_holds_a_call_until_its_time(plane: PlacedServer, nymphs: Callable[..., GpuNymph]) -> None:
+    nymphs("any", "none")
+    at = time.time() + 3.0
+    inv = _submit(plane, nymph_fns.add, 1, 1, not_before=at)["invocation_id"]
+    while time.time() < at - 0.2:
+        assert _status(plane, inv)["state"] == "queued"
+        time.sleep(0.1)
+    st = _until(lambda: _done(plane, inv), "the call after its time")
+    assert st["state"] == "succeeded"
+    assert at <= st["started_at"] <= at + 1.0 + 0.5  # claimed within a second (a loaded machine's slack)
