@@ -122,6 +122,7 @@ class AckResult:
     status: int = SUPERSEDED  # the HTTP status of a refusal: UNKNOWN, ANOTHER_WORKER or SUPERSEDED
     requeued: str | None = field(default=None, compare=False)  # a retry's queue, claimable now
     requeued_namespace: str | None = field(default=None, compare=False)  # ... and its namespace
+    requeued_shape: str = field(default="", compare=False)  # ... and its placement shape
 
 
 @dataclass

@@ -209,6 +209,7 @@ class _Statements:
             _inv.c.run_config,
             _inv.c.cancel_requested,
             _inv.c.preemptions,
+            _inv.c.shape,
         ).where(_inv.c.invocation_id == B("id"))
         self.requeue = (
             sa.update(_inv)
@@ -705,7 +706,9 @@ class InvocationStore(StoreBase):
             result = self._ack_in(conn, req, time.time())
         if result.ok and not result.duplicate:
             again = (
-                invocation_channels(result.requeued_namespace or DEFAULT_NAMESPACE, result.requeued)
+                invocation_channels(
+                    result.requeued_namespace or DEFAULT_NAMESPACE, result.requeued, result.requeued_shape
+                )
                 if result.requeued
                 else ()
             )
@@ -860,6 +863,7 @@ class InvocationStore(StoreBase):
             state="queued",
             requeued=row.queue if not_before is None else None,
             requeued_namespace=row.namespace if not_before is None else None,
+            requeued_shape=row.shape if not_before is None else "",
         )
 
     @retry_on_disconnect
@@ -1006,7 +1010,7 @@ class InvocationStore(StoreBase):
     ) -> tuple[list[Row[Any]], list[Row[Any]], list[Row[Any]]]:
         """End the running invocations whose lease lapsed: cancelled when a cancel was requested,
         else requeued while attempts remain, else failed with ``LEASE_EXPIRED``. Returns the
-        ``(invocation_id,)`` rows cancelled, the ``(invocation_id, queue, namespace)`` rows requeued and the
+        ``(invocation_id,)`` rows cancelled, the ``(invocation_id, queue, namespace, shape)`` rows requeued and the
         ``(invocation_id,)`` rows failed."""
         lapsed = (_inv.c.state == "running", _inv.c.lease_expires_at < now)
         gone = {"worker_id": None, "lease_expires_at": None}
@@ -1027,7 +1031,7 @@ class InvocationStore(StoreBase):
             sa.update(_inv)
             .where(*retries)
             .values(state="queued", started_at=None, not_before=None, **gone)
-            .returning(_inv.c.invocation_id, _inv.c.queue, _inv.c.namespace)
+            .returning(_inv.c.invocation_id, _inv.c.queue, _inv.c.namespace, _inv.c.shape)
         ).fetchall()
         back = {r.invocation_id for r in requeued}
         history = [
