@@ -946,7 +946,13 @@ class InvocationStore(StoreBase):
                 "retry_at": now,
             },
         )
-        return AckResult(ok=True, state="queued", requeued=row.queue, requeued_namespace=row.namespace)
+        return AckResult(
+            ok=True,
+            state="queued",
+            requeued=row.queue,
+            requeued_namespace=row.namespace,
+            requeued_shape=row.shape,
+        )
 
     def _ack_many_in(
         self, conn: Connection, reqs: Sequence[AckRequest], now: float, *, retry_first: bool = True
