@@ -100,6 +100,7 @@ def rows(start: int, count: int, queues: int, priorities: int) -> Iterator[tuple
             "not_before": None,  # due: a retry waiting for its backoff is not in the claim index
             "frames_attempt": None,
             "frames_base": None,
+            "shape": "",  # the plain shape: needs no GPUs, selector or concurrency key
         }
         yield tuple(values[c] for c in COLUMNS)
 

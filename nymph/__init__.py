@@ -38,6 +38,9 @@ Layout (one concern per module)::
     plugins.py    loading runner plugins (entry-point group ``nymph.runners``) and validating them
     runnerkit.py  helpers runners share (image allow-list, log tails, the entry's interpreter)
     resources.py  ``run_config.resources`` sizes, read one way for every runner
+    taskuser.py   who tasks run as: never root; a user of its own from the task user pool on the
+                  process runner (task_users(cfg) is the one accessor), else the task user
+    limits.py     memory.max / pids.max in each process-runner task's cgroup, and OOM kills
     doctor.py     ``nymph doctor``: checks with what to fix
     observability.py  logs (text or JSON lines, the job's id on each), metrics, /healthz
 """

@@ -273,6 +273,7 @@ class Agent:
             "labels": self.labels,
             "slots": cfg.concurrency,
             "capacity": self.capacity,
+            "allow_pickled": cfg.allow_pickled,  # the SDK warns at a pickled submit nobody here takes
         }
         if cfg.namespace:
             body["namespace"] = cfg.namespace

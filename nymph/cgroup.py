@@ -42,9 +42,10 @@ TASKS_DIR = "nymph-tasks"
 MOUNTINFO = Path("/proc/self/mountinfo")
 SELF_CGROUP = Path("/proc/self/cgroup")
 _POLL_S = 0.02
-# Joins the cgroup named by $0 (its cgroup.procs), then becomes the command: nothing of the task's
-# runs before it is in. A failed write exits 125 without running the command.
-_JOIN = 'echo $$ > "$0" || exit 125; exec "$@"'
+# Joins the cgroups named by $0 (their cgroup.procs, one a line: the cgroup2 one, then a cgroup v1
+# hierarchy's where limits live there, nymph.limits), then becomes the command: nothing of the
+# task's runs before it is in. A failed write exits 125 without running the command.
+_JOIN = 'set -f; IFS="\n"; for f in $0; do echo $$ > "$f" || exit 125; done; unset IFS; exec "$@"'
 
 
 class CgroupError(OSError):
@@ -243,6 +244,13 @@ class TaskCgroups:
                 time.sleep(_POLL_S)
 
 
-def spawn_prefix(path: Path) -> list[str]:
-    """The argv prefix that runs a command inside cgroup ``path`` from its first instruction on."""
-    return ["/bin/sh", "-c", _JOIN, str(TaskCgroups.procs_file(path))]
+def spawn_prefix(path: Path, *also: Path) -> list[str]:
+    """The argv prefix that runs a command inside cgroup ``path`` (and the ``cgroup.procs`` files
+    ``also``) from its first instruction on."""
+    return ["/bin/sh", "-c", _JOIN, join_list(path, *also)]
+
+
+def join_list(path: Path, *also: Path) -> str:
+    """The ``cgroup.procs`` files a task joins, one a line: what the spawn prefix and the zygote's
+    child take (a cgroup path never holds a newline: nymph names the task's part)."""
+    return "\n".join([str(TaskCgroups.procs_file(path)), *(str(p) for p in also)])

@@ -73,6 +73,11 @@ def _options(fn: Any) -> Any:
             help="Run run_config.script (bash -c) invocations; off by default.",
         ),
         click.option(
+            "--allow-exec/--no-allow-exec",
+            default=None,
+            help="Claim and run namespace exec jobs (bash -c, any command a producer sends); off by default.",
+        ),
+        click.option(
             "--allow-module",
             "allow_modules",
             multiple=True,
@@ -80,11 +85,34 @@ def _options(fn: Any) -> Any:
             help="Only run ref functions of modules matching PATTERN (fnmatch); repeatable.",
         ),
         click.option("--allow-user", "allow_users", multiple=True, help="User as_user may name; repeatable."),
-        click.option("--task-user", help="User tasks run as when nymph runs as root (default nymph-task)."),
+        click.option(
+            "--task-user",
+            help="Shared task user, and the prefix of the task user pool, of a root nymph (default nymph-task).",
+        ),
+        click.option(
+            "--task-user-pool",
+            type=int,
+            help="process runner, root nymph: each task runs as its own user TASK_USER-0..N-1 (default 64; 0: none).",
+        ),
+        click.option(
+            "--shared-task-user/--no-shared-task-user",
+            default=None,
+            help="Let tasks share the task user when the pool is missing or used up (no boundary between them).",
+        ),
         click.option(
             "--allow-root-tasks/--no-allow-root-tasks",
             default=None,
             help="Let tasks run as root (nymph's own root, or as_user root); off by default.",
+        ),
+        click.option(
+            "--task-memory-max",
+            help="process runner: each task's memory.max unless it asks for less: a size or a share "
+            "of the host ('90%', the default); 0: no cap.",
+        ),
+        click.option(
+            "--task-pids-max",
+            type=int,
+            help="process runner: each task's pids.max unless it asks for less (default 4096; 0: no cap).",
         ),
         click.option("--label", "labels", multiple=True, help="k=v label of this worker; repeatable."),
         click.option("--namespace", help="Namespace this worker belongs to."),
@@ -156,6 +184,10 @@ def _resolve(kwargs: dict[str, Any]) -> NymphConfig:
             "drop them, or run with --runner process"
         )
     opts = dict(cfg.runner_options)
+    if cfg.runner == "process":  # the task cgroups' caps (nymph.limits); a runner option still wins
+        opts.setdefault("memory", None if cfg.task_memory_max in ("", "0") else cfg.task_memory_max)
+        opts.setdefault("pids", cfg.task_pids_max or None)
+        cfg = dataclasses.replace(cfg, runner_options=opts)
     if cfg.runner == "process" and opts.get("warm"):
         # one warm worker per slot: every slot's call finds one, none is kept beyond that
         opts.setdefault("warm_workers", cfg.concurrency)
@@ -277,10 +309,16 @@ def _gpus() -> tuple[Any, int]:
 
 @main.command()
 @_options
-def doctor(**kwargs: Any) -> None:
+@click.option(
+    "--fix", is_flag=True, help="Create what is missing that nymph can create (the task user pool)."
+)
+def doctor(fix: bool, **kwargs: Any) -> None:
     """Check the server, the token, the runner and the directories; say what to fix."""
     cfg = _resolve(kwargs)
-    from nymph.doctor import report, run_checks
+    from nymph.doctor import fix_task_users, report, run_checks
+
+    if fix:
+        click.echo(fix_task_users(cfg))
 
     ok = report(run_checks(cfg), click.echo)
     sys.exit(0 if ok else 1)

@@ -55,9 +55,20 @@ class NymphConfig:
     code_cache_max_age_s: float = 7 * 24 * 3600.0
     allow_pickled: bool = False
     allow_script: bool = False  # run_config.script (bash -c) invocations; off: refused before spawning
+    allow_exec: bool = (
+        False  # namespace exec jobs (bash -c); off: never claimed (the poll asks for runs only)
+    )
     allow_modules: tuple[str, ...] = ()  # fnmatch patterns a ref's module must match; empty: any module
     allow_users: tuple[str, ...] = ()
     task_user: str = "nymph-task"  # who tasks without as_user run as when nymph runs as root
+    # process runner, root nymph: each task runs as its own user of the pool {task_user}-0..N-1
+    # (nymph.taskuser); 0: no pool, every task runs as task_user
+    task_user_pool: int = 64
+    shared_task_user: bool = False  # tasks may share task_user when the pool is missing or used up
+    # process runner: each task cgroup's memory.max / pids.max (nymph.limits) unless the task asks
+    # for less; a size ("8g") or a share of the host's memory ("90%"); 0 / "": no cap
+    task_memory_max: str = "90%"
+    task_pids_max: int = 4096
     allow_root_tasks: bool = False  # tasks may run as uid 0 (as nymph's own root, or as_user root)
     token_file: Path | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
@@ -195,9 +206,20 @@ def _coerce(name: str, value: Any) -> Any:
             return tuple(str(i).strip() for i in items if str(i).strip())
         if name == "labels":
             return _parse_labels(name, value)
-        if name in ("allow_pickled", "allow_script", "allow_root_tasks", "auto_upgrade", "stream_inotify"):
+        if name in (
+            "allow_pickled",
+            "allow_script",
+            "allow_exec",
+            "allow_root_tasks",
+            "shared_task_user",
+            "auto_upgrade",
+            "stream_inotify",
+        ):
             return _parse_bool(name, value)
-        if name in ("concurrency", "metrics_port", "code_cache_max_bytes") or name in _STREAM_INTS:
+        if (
+            name in ("concurrency", "metrics_port", "code_cache_max_bytes", "task_user_pool", "task_pids_max")
+            or name in _STREAM_INTS
+        ):
             return None if value in (None, "") else int(value)
         if name in (
             "grace_s", "stop_grace_s", "heartbeat_s", "poll_timeout_s", "stream_poll_s", "keep_failed_s",
@@ -363,6 +385,8 @@ def resolve(
         raise ConfigError("runtime_policy must be strict, minor or off")
     if merged.get("log_format", "text") not in ("text", "json"):
         raise ConfigError("log_format must be text or json")
+    if merged.get("task_user_pool", 0) < 0:
+        raise ConfigError("task_user_pool must be 0 (no pool) or more (--task-user-pool N)")
     if not merged.get("task_user", "nymph-task"):
         raise ConfigError("task_user must name a local user (--task-user NAME)")
     if not merged.get("queues", ("default",)):

@@ -4,12 +4,14 @@ Checks, in order: the control plane answers ``/healthz``; the token is accepted 
 (``/v1/ops/whoami`` names its kind: an admin token works but is flagged; nothing is registered, so
 the doctor leaves no worker behind); the runner loads and its ``check()`` passes; who tasks run as
 (:mod:`nymph.taskuser`: a root nymph without its task user fails, one with ``--allow-root-tasks``
-warns); whether that user can run the tasks (:mod:`nymph.selfcheck`, the very checks ``nymph
+warns); whether those users can run the tasks (:mod:`nymph.selfcheck`, the very checks ``nymph
 start`` makes before it registers: the interpreter, the workdir, the code cache); for the process
 runner, whether each task gets its own cgroup (:mod:`nymph.cgroup`; where not, a warning that says
-why and that nymph falls back to the process group); the work and state directories exist (or can
-be created) and are writable; the state directory is not readable by others, and the work
-directory not listable by them (a warning: 0711 is right, task users must enter it).
+why and that nymph falls back to the process group) and which controllers limit each task's memory
+and processes (:mod:`nymph.limits`: a warning without them); with ``--fix``, the missing users of
+the task user pool are created first; the work and state directories exist (or can be created) and
+are writable; the state directory is not readable by others, and the work directory not listable
+by them (a warning: 0711 is right, task users must enter it).
 
 A warning (``[warn]``) does not fail the doctor; a failure (``[FAIL]``) does.
 """
@@ -105,7 +107,7 @@ def _task_setup(cfg: NymphConfig, runner: Runner | None) -> Check:
 
 
 def _task_user(cfg: NymphConfig) -> Check:
-    from nymph.taskuser import TaskUserError, check_task_user, nymph_is_root
+    from nymph.taskuser import TaskUserError, check_task_user, nymph_is_root, task_users
 
     if not nymph_is_root():
         return Check("task-user", True, f"tasks run as nymph's own user (uid {os.geteuid()}), never root")
@@ -121,8 +123,39 @@ def _task_user(cfg: NymphConfig) -> Check:
         check_task_user(cfg)
     except TaskUserError as exc:
         return Check("task-user", False, str(exc))
+    users = task_users(cfg)
+    if users.pooled and len(users.pool) >= cfg.concurrency:
+        return Check(
+            "task-user",
+            True,
+            f"nymph runs as root; each task runs as a user of its own from the pool of {len(users.pool)} "
+            f"({users.pool[0]} ..)",
+        )
     uid = pwd.getpwnam(cfg.task_user).pw_uid
+    if users.pooled:  # allowed to share (--shared-task-user)
+        return Check(
+            "task-user",
+            True,
+            f"{users.pool_problem(cfg, short=True)}; tasks share the task user {cfg.task_user!r} (uid "
+            f"{uid}), which does not keep them apart: run `nymph doctor --fix`",
+            warn=True,
+        )
     return Check("task-user", True, f"nymph runs as root; tasks run as {cfg.task_user!r} (uid {uid})")
+
+
+def fix_task_users(cfg: NymphConfig) -> str:
+    """``nymph doctor --fix``: create the missing users of the task user pool (root only)."""
+    from nymph.taskuser import TaskUserError, create_pool, nymph_is_root, uses_pool
+
+    if not nymph_is_root():
+        return "[fix] task users: not root, nothing to create (tasks run as nymph's own user)"
+    if not uses_pool(cfg):
+        return "[fix] task users: this configuration runs no task user pool"
+    try:
+        made = create_pool(cfg)
+    except TaskUserError as exc:
+        return f"[fix] task users: {exc}"
+    return f"[fix] task users: created {len(made)} ({', '.join(made) or 'none missing'})"
 
 
 def _cgroups(cfg: NymphConfig) -> Check:
@@ -140,7 +173,12 @@ def _cgroups(cfg: NymphConfig) -> Check:
     found = detect(None if mode == "auto" else mode)
     if found.tree is None:
         return Check("cgroups", mode == "auto", f"no task cgroups: {found.problem}; {fallback}", warn=True)
-    return Check("cgroups", True, f"each task gets its own cgroup v2 under {found.tree.base}")
+    from nymph.limits import detect as controllers
+
+    held = controllers(found.tree.base)
+    detail = f"each task gets its own cgroup v2 under {found.tree.base}; {held.describe()}"
+    # no memory / pids controller: works, but a task can take the host's memory or process table
+    return Check("cgroups", True, detail, warn=len(held.available) < 2)
 
 
 def _directory(name: str, path: Path, private: str, min_free_mb: int = 0) -> Check:

@@ -10,6 +10,11 @@ durable outbox (the control plane takes it only from the worker of the latest cl
    GET (``POST /v1/namespaces/:ns/payloads/presign {"op": "get", "key"}``, 60 s fetch timeout); when
    the ref carries ``sha256`` the bytes are verified, and a mismatch publishes exit code -1 with
    ``payload corrupt: sha256 mismatch (expected …, got …)`` and never spawns the command;
+Exec jobs are an opt-in: only a nymph started with ``--allow-exec`` (``allow_exec``) claims them (its
+poll asks for ``kinds: ["run", "exec"]``, every other nymph's for ``["run"]``), and one that reaches
+a nymph without it anyway is refused (exit code -1, ``exec jobs are refused ...``) before anything
+runs.
+
 2. ``{workdir}/exec/{exec_id}/`` (0700) holds ``exec.json`` ({exec_id, namespace, attempt}),
    ``payload.msgpack`` (when there is a payload) and the runner's ``handle.json``; the
    command runs as ``bash -c COMMAND`` as nymph's user, or its task user when nymph runs as root
@@ -17,7 +22,13 @@ durable outbox (the control plane takes it only from the worker of the latest cl
    read and written through :mod:`nymph.safeio`), with that directory as cwd and ``LAKESHORE_EXEC_ID``,
    ``LAKESHORE_NAMESPACE`` and ``LAKESHORE_PAYLOAD`` (``payload.msgpack`` or empty) set;
 3. stdout and stderr (their last :data:`OUTPUT_LIMIT` bytes each, decoded as UTF-8) and the exit
-   code are published; a command past ``timeout_s`` is stopped with the cancellation ladder and
+   code are published, with a typed result when the command left one (seed 003's "not wired yet",
+   wired): ``LAKESHORE_RESULT`` names ``result.msgpack`` in its cwd; a command that writes that file
+   (msgpack, decoded with the SDK's codec to check it), or ``result.json`` beside it (JSON, packed
+   to msgpack here), gets it back as ``resultInline`` (base64 msgpack, up to the control plane's
+   inline threshold) or ``resultRef`` (uploaded to the payload store, checked by sha256 on the way
+   back); a result that does not decode, or is over :data:`RESULT_LIMIT`, is dropped with a line on
+   stderr saying why (the exit code stands); a command past ``timeout_s`` is stopped with the cancellation ladder and
    published with exit code 124 (the ``timeout(1)`` convention) and a note on stderr; a command
    stopped by a nymph shutdown is published with exit code -1 and a note.
 
@@ -37,6 +48,7 @@ stops what is left of it and publishes exit code -1 (see :func:`recover_execs`).
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
@@ -46,9 +58,9 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
-from dreamlake.lakeshore import ids
-from dreamlake.lakeshore.errors import InvalidId
-from nymph import safeio, taskuser
+from dreamlake.lakeshore import ids, wire
+from dreamlake.lakeshore.errors import InvalidId, LakeshoreError
+from nymph import refs, safeio, taskuser
 from nymph.client import ClientError, ControlPlaneClient
 from nymph.errors import JobRefused, PayloadError
 from nymph.lifecycle import JobContext, Stop, SupervisedJob
@@ -64,6 +76,9 @@ EXEC_DIR = "exec"
 PAYLOAD = "payload.msgpack"
 META = "exec.json"
 OUTPUT_LIMIT = 1 << 20
+RESULT = "result.msgpack"  # $LAKESHORE_RESULT: a typed result, msgpack ...
+RESULT_JSON = "result.json"  # ... or JSON
+RESULT_LIMIT = 100 << 20  # the payload store's MAX_PAYLOAD_BYTES
 EXIT_TIMEOUT = 124
 EXIT_NOT_RUN = -1
 FETCH_TIMEOUT_S = 60.0
@@ -71,11 +86,12 @@ _NAMESPACE = re.compile(r"[A-Za-z0-9._-]{1,128}")  # the control plane's name ru
 
 
 class ExecResult(NamedTuple):
-    """What an exec job publishes besides who claimed it."""
+    """What an exec job publishes besides who claimed it (``result``: the typed result's msgpack)."""
 
     exit_code: int
     stdout: str
     stderr: str
+    result: bytes | None = None
 
 
 def valid_namespace(namespace: str) -> bool:
@@ -170,7 +186,16 @@ class ExecJob(SupervisedJob[ExecResult]):
         if not self.command:
             raise JobRefused("NoCommand", "exec job without a command")
         cfg = self.ctx.config
-        run_as = taskuser.run_as(cfg, None)  # nymph's own user, or its task user when nymph is root
+        if not cfg.allow_exec:  # never claimed without the flag (the poll asks for runs only)
+            raise JobRefused(
+                "ExecRefused",
+                "exec jobs are refused: this nymph runs only invocations; start it with --allow-exec "
+                "to run namespace exec jobs (that is running any shell command its producers send)",
+            )
+        try:  # nymph's own user, or (nymph is root) a pool user of its own, or the shared task user
+            run_as = taskuser.task_users(cfg).acquire(self)
+        except taskuser.TaskUserError as exc:
+            raise JobRefused("TaskUserPoolExhausted", str(exc)) from None
         payload = self._payload()
         workdir = cfg.workdir / EXEC_DIR / self.exec_id
         workdir.parent.mkdir(mode=0o711, exist_ok=True)
@@ -196,6 +221,7 @@ class ExecJob(SupervisedJob[ExecResult]):
             "LAKESHORE_EXEC_ID": self.exec_id,
             "LAKESHORE_NAMESPACE": self.namespace,
             "LAKESHORE_PAYLOAD": PAYLOAD if payload is not None else "",
+            "LAKESHORE_RESULT": RESULT,
         }
         return Task(
             invocation_id=self.exec_id,
@@ -230,13 +256,17 @@ class ExecJob(SupervisedJob[ExecResult]):
         return self._result(ending.exit_code, "")
 
     def _result(self, exit_code: int, note: str) -> ExecResult:
-        """The exit code with the task's output tails (and ``note`` appended to stderr)."""
+        """The exit code with the task's output tails and its typed result (and ``note`` appended
+        to stderr)."""
         stdout = stderr = ""
+        result = None
         if self.workdir is not None:
             stdout, stderr = _tail_text(self.workdir / STDOUT), _tail_text(self.workdir / STDERR)
+            result, why = typed_result(self.workdir)
+            note = "; ".join(n for n in (note, why) if n)
         if note:
             stderr += ("" if not stderr or stderr.endswith("\n") else "\n") + f"nymph: {note}\n"
-        return ExecResult(exit_code, stdout, stderr)
+        return ExecResult(exit_code, stdout, stderr, result)
 
     # --- outcomes ------------------------------------------------------------------------------
 
@@ -259,15 +289,15 @@ class ExecJob(SupervisedJob[ExecResult]):
             if self.workdir is not None:
                 shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def publish(self, exit_code: int, stdout: str, stderr: str) -> None:
+    def publish(self, exit_code: int, stdout: str, stderr: str, result: bytes | None = None) -> None:
         if self.lost:
             log.warning("exec %s: lease lost to another claim; its result is not published", self.exec_id)
             return
         if self.namespace and self.exec_id:
-            self.ctx.outbox.put(
-                result_route(self.namespace, self.exec_id),
-                result_body(self.exec_id, self.ctx.worker_id, self.attempt, exit_code, stdout, stderr),
-            )
+            body = result_body(self.exec_id, self.ctx.worker_id, self.attempt, exit_code, stdout, stderr)
+            if result is not None:
+                self._add_typed(body, result)
+            self.ctx.outbox.put(result_route(self.namespace, self.exec_id), body)
         log.info(
             "exec %s: done namespace=%s exit_code=%d duration=%.3fs",
             self.exec_id,
@@ -275,6 +305,41 @@ class ExecJob(SupervisedJob[ExecResult]):
             exit_code,
             time.time() - self.started_at,
         )
+
+    def _add_typed(self, body: dict[str, Any], result: bytes) -> None:
+        """``resultInline`` (base64) within the inline threshold, else ``resultRef`` (uploaded);
+        an upload that fails leaves a line on stderr instead."""
+        limit = self.ctx.inline_threshold
+        if limit is None or len(result) <= limit:
+            body["resultInline"] = base64.b64encode(result).decode("ascii")
+            return
+        try:
+            body["resultRef"] = refs.ship(self.ctx.client, self.namespace, self.exec_id, result, "result")
+        except LakeshoreError as exc:
+            log.warning("exec %s: typed result upload failed: %s", self.exec_id, exc)
+            body["stderr"] += f"nymph: the typed result ({len(result)} bytes) could not be uploaded: {exc}\n"
+
+
+def typed_result(workdir: Path) -> tuple[bytes | None, str]:
+    """The typed result the command left in ``workdir`` as msgpack (None when none), and why one
+    was dropped ("" when not): ``result.msgpack`` checked to decode, or ``result.json`` packed."""
+    for name in (RESULT, RESULT_JSON):
+        data, size = safeio.read_output_within(workdir, name, RESULT_LIMIT)
+        if data is None and size <= RESULT_LIMIT:
+            continue  # not there (or not the command's own regular file)
+        if data is None:
+            return (
+                None,
+                f"{name} is {size} bytes, over the {RESULT_LIMIT}-byte limit of a typed result; dropped",
+            )
+        try:
+            if name == RESULT_JSON:
+                return wire.pack(json.loads(data)), ""
+            wire.unpack(data)
+            return bytes(data), ""
+        except (ValueError, TypeError, LakeshoreError) as exc:
+            return None, f"{name} does not decode ({exc}); dropped"
+    return None, ""
 
 
 def result_body(

@@ -31,6 +31,7 @@ from dreamlake.lakeshore.client import retrying
 from dreamlake.lakeshore.daemon.entry import ALLOW_MODULES_ENV, CAPTURE_ENV, module_allowed, module_refusal
 from dreamlake.lakeshore.envelope import Envelope, is_pickled
 from dreamlake.lakeshore.errors import LakeshoreError, PayloadCorrupt
+from dreamlake.lakeshore.settings import TOKEN_FILE_ENV
 from nymph import codecache, refs, safeio, taskuser
 from nymph import observability as obs
 from nymph import workdir as wd
@@ -144,6 +145,7 @@ class Job(SupervisedJob[wd.Outcome]):
             self.run_as,
             args_file=self._staged,
             write_args=not inline,
+            token=self._token(),
         )
         self._made_workdir = True
         self._staged = None
@@ -285,7 +287,13 @@ class Job(SupervisedJob[wd.Outcome]):
                     f"as_user {self.as_user!r} is allowed but is not a user on this host (its workdir is "
                     f"owned by that user); create it with useradd",
                 ) from None
-        self.run_as = taskuser.run_as(cfg, self.as_user)
+        if self.as_user:
+            self.run_as = self.as_user
+        else:  # a user of its own from the pool (nymph.taskuser), the shared task user, or nymph's
+            try:
+                self.run_as = taskuser.task_users(cfg).acquire(self)
+            except taskuser.TaskUserError as exc:
+                raise Refused("TaskUserPoolExhausted", str(exc)) from None
         refusal = taskuser.root_refusal(cfg, self.run_as)
         if refusal is not None:
             raise Refused("RootRefused", refusal)
@@ -320,6 +328,10 @@ class Job(SupervisedJob[wd.Outcome]):
                 f"runner {self.ctx.runner.name!r} does not enforce resource limits ({', '.join(sorted(limits))})",
             )
 
+    def _token(self) -> str | None:
+        token = self.body.get("task_token")
+        return token if isinstance(token, str) and token else None
+
     def _env(self) -> dict[str, str]:
         cfg = self.ctx.config
         env = {
@@ -333,12 +345,14 @@ class Job(SupervisedJob[wd.Outcome]):
             CAPTURE_ENV: "1",
             "PYTHONUNBUFFERED": "1",
         }
-        token = self.body.get("task_token")
-        if isinstance(token, str) and token:
+        if self._token():
             # the task's own credential (submit children, read and cancel its descendants; it dies
-            # with this attempt's ack): dls .submit() / SyncQueue inside the task use these two
+            # with this attempt's ack): dls .submit() / SyncQueue inside the task use these two. The
+            # token is in a file only the task's user reads (workdir.TOKEN), not in the environment
+            # every child inherits; the variable names it relative to the workdir, the task's cwd
+            # (the entry makes it absolute before the user's code runs)
             env["LAKESHORE_URL"] = cfg.task_url or cfg.server
-            env["LAKESHORE_TOKEN"] = token
+            env[TOKEN_FILE_ENV] = wd.TOKEN
         if os.environ.get("PYTHONPATH"):  # absolute: the task's cwd is not nymph's (a zygote runs in /)
             parts = os.environ["PYTHONPATH"].split(os.pathsep)
             env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p for p in parts)
@@ -364,6 +378,9 @@ class Job(SupervisedJob[wd.Outcome]):
         job.workdir = workdir
         job.handle = handle
         job.started_at = float(meta.get("started_at") or time.time())
+        if not job.as_user:  # its pool user runs it still (or ran it): not leased to another task
+            taskuser.task_users(ctx.config).hold(job, meta.get("run_as"))
+            job.run_as = meta.get("run_as")
         code = meta.get("code_sha256")
         if handle is not None and isinstance(code, str) and job._code_cache().hold(code):
             job._code_held = code  # the task still runs from it: pruning leaves it until the job ends

@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, cast
 
 from nymph import observability as obs
+from nymph import taskuser
 from nymph.config import NymphConfig
 from nymph.errors import JobRefused, is_disk_full
 from nymph.outbox import Outbox
@@ -478,6 +479,7 @@ class SupervisedJob(abc.ABC, Generic[OutcomeT]):
         try:
             self.ctx.slots.release_gpus(self._gpus)
             self._gpus = []
+            taskuser.task_users(self.ctx.config).release(self)  # its pool user, for the next task
             # forget the job before freeing its slot: a poll woken by the slot may claim its next attempt
             self.ctx.on_done(self)
         except Exception:

@@ -153,6 +153,8 @@ class Poller:
             "version": __version__,
             "offer": {"gpus": gpus, "labels": self._labels},
         }
+        if not self._config.allow_exec:  # exec jobs are an opt-in (--allow-exec): never claimed here
+            body["kinds"] = ["run"]
         try:
             answer = self._request(body, timeout_s)
         except AuthRejected as exc:

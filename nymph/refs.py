@@ -9,7 +9,7 @@ the workdir takes the file as its ``args.msgpack``, so every runner works unchan
 On the way back, a result (``result.msgpack``) or a frame body larger than the control plane's
 ``inline_threshold_bytes`` (its register answer) is uploaded before the ack or the frame is sent:
 the ack carries ``result_ref`` instead of ``result_blob``, the frame a body ``{"ref": {...}}``.
-The keys are ``payloads/<date>/<invocation_id>.<random>/result`` and ``.../frame-<seq>``
+The keys are ``payloads/<namespace>/<date>/<invocation_id>.<random>/result`` and ``.../frame-<seq>``
 (:func:`~dreamlake.lakeshore.blobs.private_job_id`).
 
 Failures: a blob that cannot be had or fails its sha256 refuses the invocation before it runs
@@ -99,7 +99,7 @@ def discard(path: Path | None) -> None:
 def ship(
     client: ControlPlaneClient | None, namespace: str, invocation_id: str, data: bytes | BinaryIO, kind: str
 ) -> dict[str, Any]:
-    """Upload ``data`` (bytes, or a file) as ``payloads/<date>/<invocation_id>/<kind>`` -> its ref.
+    """Upload ``data`` (bytes, or a file) as ``payloads/<namespace>/<date>/<invocation_id>/<kind>`` -> its ref.
     Raises LakeshoreError (the client's errors) when it cannot."""
     if client is None:
         raise LakeshoreError("no control-plane client to upload through")

@@ -129,6 +129,8 @@ class ExitStatus:
     exit_code: int  # the entry's exit code; negative for a signal
     reason: str | None = None  # e.g. "OOMKilled", "signal 9", "NodeFail": shown in the failure
     logs: str | None = None  # captured stdout/stderr tail, kept with a failed invocation
+    # the kernel killed the task at its memory limit (nymph.limits): {"limit": bytes, "peak": bytes}
+    oom: dict[str, int | None] | None = None
 
 
 @runtime_checkable

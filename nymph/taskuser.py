@@ -14,18 +14,47 @@
 :func:`check_task_user` runs once before ``nymph start`` registers: a root nymph without the flag
 refuses to start when the task user does not exist (the error names the ``useradd`` command and
 both flags), is itself uid 0, or the runner cannot run tasks as another user.
+
+**One uid per running task (the pool).** On the process runner, tasks share the host: two tasks as
+one uid could write each other's workdir (forge ``result.msgpack`` / ``error.json``), read each
+other's ``/proc/PID/environ`` and signal each other's processes. So a root nymph runs each task
+without ``as_user`` as a user of its own, leased for the task's life from the **pool**
+``{task_user}-0`` .. ``{task_user}-{N-1}`` (``--task-user-pool N``, default 64; the packaging
+creates them: ``systemd/nymph-sysusers.conf``, the Dockerfile, ``nymph doctor --fix``). Each
+workdir is chowned to its task's uid (0700), so nothing of one task is reachable from another; a
+task's outputs are read without following links and only when they belong to that uid
+(:mod:`nymph.safeio`). :class:`TaskUsers` (:func:`task_users`) is the one place that says which
+user(s) nymph runs tasks as.
+
+The pool needs at least ``concurrency`` users (one per slot). When it has fewer (not set up, or
+too small), ``nymph start`` says so and refuses, unless the operator allows the fallback with
+``--shared-task-user``: then tasks beyond the pool (all of them, without a pool) run as the one
+shared ``task_user``, as before the pool, with no boundary between them (logged once at start).
+
+The pool is for the process runner. The container runners (docker, gvisor, kube) keep the task
+user: each task is a container of its own (own PID and mount namespaces, only its own workdir
+mounted), so a task neither sees another's files nor its processes whatever the uid. The Slurm
+runner keeps it too (a pool would have to exist on every node). ``--warm`` (trusted code, many
+calls per worker, no isolation between calls by design) runs as the shared task user.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pwd
+import shutil
+import subprocess
+import threading
 
 from nymph.config import NymphConfig
 from nymph.errors import TaskUserError as TaskUserError  # re-exported: raised here
 from nymph.runner import Runner
 
+log = logging.getLogger(__name__)
+
 ROOT_FLAG = "--allow-root-tasks"
+SHARED_FLAG = "--shared-task-user"
 
 
 def nymph_is_root() -> bool:
@@ -38,9 +67,26 @@ def useradd_command(name: str) -> str:
 
 
 def check_task_user(cfg: NymphConfig, runner: Runner | None = None) -> None:
-    """Raise :class:`TaskUserError` when this nymph would have to run its tasks as root."""
+    """Raise :class:`TaskUserError` when this nymph would have to run its tasks as root, or share
+    one uid between them without the operator's leave (:func:`task_users`)."""
     if not nymph_is_root() or cfg.allow_root_tasks:
         return
+    users = task_users(cfg)
+    if users.pooled:
+        if len(users.pool) >= cfg.concurrency:
+            return
+        if not cfg.shared_task_user:
+            raise TaskUserError(users.pool_problem(cfg))
+        log.warning(
+            "%s; %s: tasks beyond the pool run as the shared task user %r, which does not keep them apart",
+            users.pool_problem(cfg, short=True),
+            SHARED_FLAG,
+            cfg.task_user,
+        )
+    _check_shared(cfg, runner)
+
+
+def _check_shared(cfg: NymphConfig, runner: Runner | None) -> None:
     name = cfg.task_user
     try:
         pw = pwd.getpwnam(name)
@@ -63,17 +109,140 @@ def check_task_user(cfg: NymphConfig, runner: Runner | None = None) -> None:
         )
 
 
-def task_users(cfg: NymphConfig) -> list[str]:
-    """The local users tasks without ``as_user`` run as on this nymph; empty when they run as
-    nymph's own user (a nymph not run as root, or one with ``--allow-root-tasks``). The one place
-    that says so: the set-up checks (:mod:`nymph.selfcheck`) go through it."""
-    if nymph_is_root() and not cfg.allow_root_tasks:
-        return [cfg.task_user]
-    return []
+def pool_names(cfg: NymphConfig) -> list[str]:
+    """The names of the task user pool: ``{task_user}-0`` .. ``{task_user}-{task_user_pool - 1}``."""
+    return [f"{cfg.task_user}-{i}" for i in range(cfg.task_user_pool)]
+
+
+def _unprivileged(name: str) -> bool:
+    try:
+        return pwd.getpwnam(name).pw_uid != 0
+    except KeyError:
+        return False
+
+
+class TaskUsers:
+    """Who this nymph runs its tasks as: a user of the pool per running task (``pooled``), or the
+    one ``shared`` task user (None: nymph's own user). Thread-safe: jobs lease and release users
+    from their own threads."""
+
+    def __init__(self, shared: str | None, pool: list[str], *, pooled: bool, fallback: bool) -> None:
+        self.shared = shared
+        self.pool = pool  # the pool's users that exist here
+        self.pooled = pooled
+        self.fallback = fallback  # the operator allows the shared user when the pool is used up
+        self._lock = threading.Lock()
+        self._leased: dict[int, str] = {}  # id(holder) -> user
+
+    def users(self) -> list[str]:
+        """Every user tasks without ``as_user`` may run as here (the pool's, then the shared one)."""
+        out = list(self.pool) if self.pooled else []
+        if self.shared and (not self.pooled or self.fallback):
+            out.append(self.shared)
+        return out
+
+    def acquire(self, holder: object) -> str | None:
+        """A user for ``holder``'s task: a free user of the pool, else the shared one when allowed.
+
+        Raises :class:`TaskUserError` when the pool is used up and the fallback is not allowed."""
+        if not self.pooled:
+            return self.shared
+        with self._lock:
+            if id(holder) in self._leased:
+                return self._leased[id(holder)]
+            busy = set(self._leased.values())
+            for name in self.pool:
+                if name not in busy:
+                    self._leased[id(holder)] = name
+                    return name
+        if self.fallback:
+            return self.shared
+        raise TaskUserError(
+            f"every user of the task user pool ({len(self.pool)}) runs a task: make the pool bigger "
+            f"(--task-user-pool, `nymph doctor --fix`), lower --concurrency, or pass {SHARED_FLAG}"
+        )
+
+    def hold(self, holder: object, name: str | None) -> None:
+        """``holder`` is a recovered task that runs as ``name``: its user stays leased to it."""
+        if self.pooled and name in self.pool:
+            with self._lock:
+                self._leased[id(holder)] = name
+
+    def release(self, holder: object) -> None:
+        with self._lock:
+            self._leased.pop(id(holder), None)
+
+    def pool_problem(self, cfg: NymphConfig, *, short: bool = False) -> str:
+        """What is wrong with the pool (fewer users than ``concurrency``), and what to do."""
+        names = pool_names(cfg)
+        have = f"{len(self.pool)} of {names[0]} .. {names[-1]} exist" if names else "the pool is empty"
+        why = (
+            f"nymph runs as root and runs each task as a user of its own from the task user pool, but "
+            f"{have} and --concurrency {cfg.concurrency} needs {cfg.concurrency}"
+        )
+        if short:
+            return why
+        return (
+            f"{why}: create them with `nymph doctor --fix` (or systemd-sysusers with nymph's "
+            f"sysusers.d file, or `{useradd_command(names[0] if names else cfg.task_user)}` for each), "
+            f"name another prefix with --task-user NAME, pass {SHARED_FLAG} to let tasks share the one "
+            f"task user {cfg.task_user!r} (no boundary between them), or pass {ROOT_FLAG} to run "
+            "tasks as root"
+        )
+
+
+_USERS: dict[tuple[object, ...], TaskUsers] = {}
+_USERS_LOCK = threading.Lock()
+
+
+def uses_pool(cfg: NymphConfig) -> bool:
+    """Whether tasks without ``as_user`` get a pool user each: a root nymph (without
+    ``--allow-root-tasks``) on the process runner, not in warm mode, with a pool configured."""
+    if not nymph_is_root() or cfg.allow_root_tasks or cfg.task_user_pool <= 0:
+        return False
+    warm = str(cfg.runner_options.get("warm", "")).lower() in ("1", "true", "yes", "on")
+    return cfg.runner == "process" and not warm
+
+
+def task_users(cfg: NymphConfig) -> TaskUsers:
+    """The one :class:`TaskUsers` of this configuration (one per nymph process)."""
+    key = (cfg.task_user, cfg.task_user_pool, cfg.shared_task_user, cfg.allow_root_tasks, uses_pool(cfg))
+    with _USERS_LOCK:
+        found = _USERS.get(key)
+        if found is None:
+            shared = run_as(cfg, None)
+            if uses_pool(cfg):
+                pool = [name for name in pool_names(cfg) if _unprivileged(name)]
+                found = TaskUsers(shared, pool, pooled=True, fallback=cfg.shared_task_user)
+            else:
+                found = TaskUsers(shared, [], pooled=False, fallback=True)
+            _USERS[key] = found
+        return found
+
+
+def create_pool(cfg: NymphConfig) -> list[str]:
+    """Create the pool's missing users (``nymph doctor --fix``) as the packaging does; the names made."""
+    if shutil.which("useradd") is None:
+        raise TaskUserError("useradd is not installed: create the task user pool with systemd-sysusers")
+    made = []
+    for name in pool_names(cfg):
+        try:
+            pwd.getpwnam(name)
+            continue
+        except KeyError:
+            pass
+        out = subprocess.run(useradd_command(name).split(), capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise TaskUserError(f"`{useradd_command(name)}` failed: {out.stderr.strip() or out.returncode}")
+        made.append(name)
+    with _USERS_LOCK:
+        _USERS.clear()  # the next task_users() sees them
+    return made
 
 
 def run_as(cfg: NymphConfig, as_user: str | None) -> str | None:
-    """The local user a task runs as: ``as_user``, the task user, or None (nymph's own user)."""
+    """The local user a task runs as when no pool applies: ``as_user``, the shared task user, or
+    None (nymph's own user). A pooled task's user comes from :meth:`TaskUsers.acquire`."""
     if as_user:
         return as_user
     if nymph_is_root() and not cfg.allow_root_tasks:

@@ -3,9 +3,11 @@
 ``{workdir}/{invocation_id}/`` is created mode 0700 only after the id was validated as a ULID, so an
 id from the network never becomes an arbitrary path. It holds ``args.msgpack`` (the Envelope,
 verbatim), nymph's own ``invocation.json`` (what a restarted nymph needs to ack: attempt, script,
-timeout), the empty ``stdout.log`` / ``stderr.log`` and, once settled, ``outcome.json``. Everything
-is written while the directory is still nymph's; then the directory, ``args.msgpack`` and the logs
-are handed to the user the task runs as (``run_as``: ``as_user`` or nymph's task user, see
+timeout), the empty ``stdout.log`` / ``stderr.log``, the attempt's credential ``task.token``
+(mode 0400: the task finds it through ``LAKESHORE_TOKEN_FILE``, not in an environment every child
+inherits and ``/proc/PID/environ`` shows) and, once settled, ``outcome.json``. Everything
+is written while the directory is still nymph's; then the directory, ``args.msgpack``, the token and
+the logs are handed to the user the task runs as (``run_as``: ``as_user`` or nymph's task user, see
 :mod:`nymph.taskuser`), so every runner finds that user as the workdir's owner.
 
 From then on the task's user can write the directory, so nymph reads and writes in it only through
@@ -41,6 +43,7 @@ META = "invocation.json"
 OUTCOME = "outcome.json"
 STDOUT = "stdout.log"
 STDERR = "stderr.log"
+TOKEN = "task.token"  # the attempt's task token, 0400, the task's user's (LAKESHORE_TOKEN_FILE)
 OLD_MARK = ".old-"  # ``{invocation_id}.old-{unix time}``: an earlier attempt's workdir, moved aside
 
 
@@ -75,6 +78,7 @@ def create(
     *,
     args_file: Path | None = None,
     write_args: bool = True,
+    token: str | None = None,
 ) -> Path:
     """Create the private workdir with args.msgpack, invocation.json and the empty logs; return its path.
 
@@ -82,6 +86,7 @@ def create(
     ``args_file``: a file of nymph's on the same filesystem (arguments fetched by reference, see
     :mod:`nymph.refs`) moved in as ``args.msgpack`` instead of writing ``args_blob``.
     ``write_args`` False: no ``args.msgpack`` (the runner takes the arguments in ``Task.args``).
+    ``token``: the attempt's task token, written to ``task.token`` (0400, the task's user's).
     """
     path = path_for(root, invocation_id)
     if os.path.lexists(path):
@@ -107,9 +112,12 @@ def create(
             os.replace(args_file, path / ARGS)
         elif write_args:
             files.insert(0, (ARGS, bytes(args_blob), 0o600))
+        if token:
+            files.append((TOKEN, token.encode(), 0o400))
         safeio.create_new(path, files)
         has_args = args_file is not None or write_args
-        hand_over(path, run_as, (ARGS, STDOUT, STDERR) if has_args else (STDOUT, STDERR))
+        names = (ARGS, STDOUT, STDERR) if has_args else (STDOUT, STDERR)
+        hand_over(path, run_as, (*names, TOKEN) if token else names)
     except BaseException:  # a full disk, say: leave no half-made workdir for a restart to puzzle over
         remove(path)
         raise
@@ -264,6 +272,8 @@ def read_outcome(
             error["mro"] = [str(n)[:200] for n in mro]
         return Outcome("failed", b"", error)
     logs = status.logs if status is not None and status.logs else tail(path / STDERR)
+    if status is not None and (status.oom is not None or (status.reason or "").startswith("OOMKilled")):
+        return out_of_memory(status, logs)
     message = f"the entry exited with code {code}{reason} and left no error.json"
     full = _full(path)
     if full is not None:  # most likely why: it could not write its result, nor its error
@@ -273,6 +283,20 @@ def read_outcome(
         outcome.extra["disk_full"] = True
         if outcome.error is not None:  # the control plane does not retry such a crash by default
             outcome.error["disk_full"] = True
+    return outcome
+
+
+def out_of_memory(status: ExitStatus, logs: str | None) -> Outcome:
+    """``OutOfMemory``: the kernel killed the task at its memory limit (the runner saw it: the
+    cgroup's OOM count, a container's ``OOMKilled``). Not retried unless ``retry_on`` names it."""
+    from nymph.limits import OomKill
+
+    oom = status.oom or {}
+    kill = OomKill(oom.get("limit"), oom.get("peak"))
+    outcome = Outcome.failed("OutOfMemory", kill.message(), logs)
+    assert outcome.error is not None
+    outcome.error["memory_limit"] = kill.limit
+    outcome.error["memory_peak"] = kill.peak
     return outcome
 
 

@@ -23,6 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # subprocesses (README examples, producers) inherit the same default.
 os.environ.setdefault("LAKESHORE_CODE", "none")
 REQUIRE_SERVICES = os.environ.get("LAKESHORE_REQUIRE_SERVICES") == "1"
+# The master of the control plane's keys (store/keys.py) as a PostgreSQL deployment sets it: every
+# in-process replica and ``lakeshore server`` subprocess of the suite shares it. Tests of the key
+# file (tests/security/test_tenant_attacks.py) unset it for their own stack.
+os.environ.setdefault("LAKESHORE_SERVER_KEY", "suite-only-server-key-" + "0123456789abcdef" * 2)
 
 
 def require(available: bool, reason: str) -> None:

@@ -66,9 +66,9 @@ Source = Union[
 def private_job_id(invocation_id: str) -> str:
     """``<invocation_id>.<80 random bits>``: the ``jobId`` lakeshore names its own blobs with.
 
-    A payload key is the only credential a presign GET needs (seed 003: the ``payloads/`` prefix
-    is the gate, keys carry no namespace), and invocation ids are not secrets (they show in logs
-    and URLs), so the key must not be derivable from one."""
+    A payload key is the credential a presign GET needs within its namespace (the key carries
+    the namespace, and only that namespace's tokens presign it), and invocation ids are not
+    secrets (they show in logs and URLs), so the key must not be derivable from one."""
     return f"{invocation_id}.{secrets.token_hex(10)}"
 
 
@@ -161,6 +161,14 @@ class _Body:
             return bool(getattr(self._file, "seekable", lambda: False)())
         return self._iterable is None
 
+    def digests(self) -> tuple[str, str]:
+        """(sha256, md5) of the bytes, hex, read once ahead of the upload (a replayable source)."""
+        sha, md5 = hashlib.sha256(), hashlib.md5(usedforsecurity=False)
+        for chunk in self._raw():
+            sha.update(chunk)
+            md5.update(chunk)
+        return sha.hexdigest(), md5.hexdigest()
+
     def chunks(self) -> Iterator[bytes]:
         """The bytes, hashed on the way; a second call starts again from the beginning."""
         self.digest = hashlib.sha256()
@@ -235,7 +243,7 @@ def put(
 ) -> dict[str, Any]:
     """Upload ``source`` through the presign route -> the ref ``{"bucket", "key", "size", "sha256"}``.
 
-    ``job_id`` and ``kind`` name the key (``payloads/<date>/<job_id>/<kind>``: see the presign rules
+    ``job_id`` and ``kind`` name the key (``payloads/<namespace>/<date>/<job_id>/<kind>``: see the presign rules
     in docs/protocol.md). A failure to reach the store is retried (``client.attempts`` times) when
     the source can be read again (bytes, a path, a seekable file). Raises the client's errors: a
     413 (``BadRequest``) when the control plane's ``MAX_PAYLOAD_BYTES`` is smaller than the payload.
@@ -246,11 +254,16 @@ def put(
         ask["jobId"] = job_id
     if content_type is not None:
         ask["contentType"] = content_type
+    if body.replayable:  # the URL is bound to these bytes: a replay of it with others is refused
+        ask["sha256"], ask["md5"] = body.digests()
     answer = client.request("POST", presign_route(namespace), ask, as_json=True)
     url = _absolute(client, str(answer.get("url") or ""))
     headers = {"Content-Length": str(body.size)}
     if content_type is not None:
         headers["Content-Type"] = content_type
+    signed = answer.get("headers")
+    if isinstance(signed, dict):  # the digests the store checks (S3: x-amz-checksum-sha256, Content-MD5)
+        headers.update({str(k): str(v) for k, v in signed.items()})
     what = f"PUT {url.split('?')[0]}"
 
     def once() -> None:

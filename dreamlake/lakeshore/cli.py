@@ -183,6 +183,12 @@ def server(
             "PostgreSQL (and --redis) is the way past one core",
             err=True,
         )
+    from dreamlake.lakeshore.store.keys import KeyConfigError
+
+    try:  # the keys live outside the store (store/keys.py): refuse to start without them
+        store.server_key("task-token")
+    except KeyConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
     shown_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     url = f"http://{shown_host}:{port}"
     for line in [*(bootstrap_tokens(store, data, url) or ()), start_line(url, data)]:
@@ -362,6 +368,11 @@ from dreamlake.lakeshore.ops_cli import COMMANDS as _OPS_COMMANDS  # noqa: E402
 
 for _command in _OPS_COMMANDS:
     main.add_command(_command)
+
+# -- `lakeshore exec` (dreamlake/lakeshore/exec_cli.py) ---------------------------------------------
+from dreamlake.lakeshore.exec_cli import exec_command as _exec_command  # noqa: E402
+
+main.add_command(_exec_command)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -460,6 +460,7 @@ class Thunk(_ThunkFields):
         plane = dispatch or self.udf.dispatch or get_default_dispatch()
         check_async_plane(self.udf, plane)
         envelope = self.to_envelope(plane)
+        _warn_if_pickled(plane, envelope.fn, self.queue, self.udf)
         # A plane that takes the Envelope itself (HttpDispatch) streams a big one to the payload
         # store from its parts: the arguments are never copied a second time.
         by_parts = getattr(plane, "submit_envelope", None)
@@ -482,6 +483,7 @@ class Thunk(_ThunkFields):
         plane = dispatch or self.udf.dispatch or get_default_dispatch()
         check_async_plane(self.udf, plane)
         envelope = self.to_envelope(plane)
+        _warn_if_pickled(plane, envelope.fn, self.queue, self.udf)
         q = SyncQueue(self.queue, dispatch=plane)
         return q.call(envelope.to_bytes(), self.run_config(), self.parent, timeout)
 
@@ -779,6 +781,7 @@ def submit_all(thunks: Any, dispatch: Plane | None = None) -> Calls:
         if mine not in records:
             records[mine] = (thunk.udf, target, thunk.code_record(target))
         envelope = thunk.to_envelope(target, record=records[mine][2])
+        _warn_if_pickled(target, envelope.fn, thunk.queue, thunk.udf)
         chunk.append((envelope, thunk.queue, thunk.run_config(), thunk.parent))
     if chunk:
         _send(plane, chunk, out)
@@ -793,6 +796,7 @@ def _submit_calls(plane: Plane, template: Thunk, args_of: Any) -> Calls:
     udf = template.udf
     record = template.code_record(plane)
     fn = fn_for(udf, udf.transport)
+    _warn_if_pickled(plane, fn, template.queue, udf)
     cfg = {"code": record} if record is not None else None
     from dreamlake.lakeshore.ids import new_ulid
 
@@ -852,6 +856,13 @@ def _send(plane: Any, chunk: list[tuple[Any, ...]], out: Calls) -> None:
     new.invocation_id = err.invocation_id
     new.invocation_ids = list(out)
     raise new
+
+
+def _warn_if_pickled(plane: Any, fn: Any, queue: str, udf: UDF) -> None:
+    """A pickled call to a plane that can tell whether the queue's workers take pickles."""
+    warn = getattr(plane, "warn_if_pickles_refused", None)
+    if warn is not None and isinstance(fn, dict) and fn.get("kind") == "pickle":
+        warn(queue, udf.__qualname__)
 
 
 def _retry_names(retry_on: Any) -> list[str]:

@@ -22,6 +22,7 @@ same as the blocking call's. This module is part of the entry bundle (Python >= 
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from collections import namedtuple
@@ -53,9 +54,18 @@ POLL_S = 30.0  # the longest one await_batch request waits on the server
 # last: a sweep's reader asks about 10 times a second, not once per result (each ask reads up to
 # 1,000 rows, and a reader in a tight loop slows the workers writing them).
 PACE_S = 0.1
+WINDOW_MIN = 64
 _UNKNOWN = {"state": "unknown"}
 
-DoneAndNotDone = namedtuple("DoneAndNotDone", ("done", "not_done"))
+if TYPE_CHECKING:
+    from typing import NamedTuple
+
+    class DoneAndNotDone(NamedTuple):
+        done: set[Invocation]
+        not_done: set[Invocation]
+
+else:
+    DoneAndNotDone = namedtuple("DoneAndNotDone", ("done", "not_done"))
 
 
 class Invocation(str):
@@ -196,6 +206,7 @@ class Tracker:
         self.done = 0
         self.failed = 0
         self._paced_until = 0.0
+        self._window = AWAIT_BATCH_MAX  # calls asked about per request; follows the pace they end
 
     @property
     def running(self) -> int:
@@ -210,11 +221,10 @@ class Tracker:
             timeout -= pause
         asked = 0
         groups: dict[int, tuple[Any, list[Invocation]]] = {}
-        for inv in self.pending.values():
+        # the window: the first AWAIT_BATCH_MAX pending calls in input order, by plane
+        for inv in itertools.islice(self.pending.values(), self._window):
             plane = inv.dispatch
-            group = groups.setdefault(id(plane), (plane, []))[1]
-            if len(group) < AWAIT_BATCH_MAX:
-                group.append(inv)
+            groups.setdefault(id(plane), (plane, []))[1].append(inv)
         wait = timeout if len(groups) == 1 else min(timeout, 0.2)
         ended: list[Invocation] = []
         for plane, invs in groups.values():
@@ -231,6 +241,9 @@ class Tracker:
                 wait = 0.0  # the other planes: only what already ended
         small = len(ended) * 4 < asked  # most of the window still pending: ask again a bit later
         self._paced_until = time.monotonic() + PACE_S if small else 0.0
+        # the next window: four times what ended (what ends in order is near the front), so a
+        # request reads a few rows per result, not 1,000 rows for a few results
+        self._window = max(WINDOW_MIN, min(AWAIT_BATCH_MAX, 4 * len(ended)))
         return ended
 
     def _end(self, inv_id: str, outcome: dict[str, Any]) -> list[Invocation]:

@@ -9,8 +9,11 @@ Resolved on first use, never at import: explicit values (CLI flags) over the ``L
 
 ``lakeshore server`` prints the two ``export`` lines on its first start. With them set,
 ``topk.submit(...)`` and ``dls.SyncQueue("q")`` use an ``HttpDispatch(url, token)`` without
-``set_default_dispatch`` (see ``decorator.get_default_dispatch``). Inside a task, nymph sets both
-variables: the control plane's URL and a credential scoped to that invocation.
+``set_default_dispatch`` (see ``decorator.get_default_dispatch``). Inside a task, nymph sets
+``LAKESHORE_URL`` and ``LAKESHORE_TOKEN_FILE``: the control plane's URL and the path of a file only
+the task's user can read, holding a credential scoped to that invocation's attempt (not the token
+itself, which every child process would inherit and ``/proc/PID/environ`` would show). A relative
+path is read from the task's workdir (the entry makes it absolute before the user's code runs).
 
 Part of the entry bundle (a task's ``.submit()`` comes through here), so it runs on Python 3.9:
 the config file is parsed with ``tomllib`` (3.11+) or ``tomli``, imported only when the file exists.
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
 
 URL_ENV = "LAKESHORE_URL"
 TOKEN_ENV = "LAKESHORE_TOKEN"
+TOKEN_FILE_ENV = "LAKESHORE_TOKEN_FILE"  # inside a task: the file holding its credential
 CONFIG_ENV = "LAKESHORE_CONFIG"
 
 
@@ -99,6 +103,21 @@ def _read_file(path: Path) -> dict[str, str]:
     return out
 
 
+def token_from_file(env: Mapping[str, str] | None = None) -> str | None:
+    """The token in the file ``LAKESHORE_TOKEN_FILE`` names (a task's credential); None without one.
+
+    Raises PlaneError when the variable names a file that cannot be read (said, not ignored)."""
+    env = os.environ if env is None else env
+    path = env.get(TOKEN_FILE_ENV)
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read(64 * 1024).strip() or None
+    except OSError as exc:
+        raise PlaneError(f"{TOKEN_FILE_ENV}={path}: cannot read the task's credential: {exc}") from exc
+
+
 def load(
     url: str | None = None, token: str | None = None, env: Mapping[str, str] | None = None
 ) -> ClientSettings:
@@ -106,7 +125,7 @@ def load(
     env = os.environ if env is None else env
     path = config_path(env)
     url = url or env.get(URL_ENV) or None
-    token = token or env.get(TOKEN_ENV) or None
+    token = token or env.get(TOKEN_ENV) or token_from_file(env) or None
     if not (url and token):
         found = _read_file(path)
         url = url or found.get("url")

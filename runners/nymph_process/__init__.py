@@ -47,14 +47,20 @@ file says an entry already ran), adopts that child like a re-attached process. T
 ``start`` idempotent under retry: a second start of a Python task finds the entry the first one
 started and adopts it.
 
-Limits: a process runs on the host with no resource limits (its cgroup enables no controller),
-so ``run_config.resources`` may only name ``gpus`` (nymph assigns the devices through
-``CUDA_VISIBLE_DEVICES``); any other field is refused with
-:class:`~nymph.resources.ResourceError` (see :mod:`nymph.resources`).
+Limits (:mod:`nymph.limits`): each task cgroup gets ``memory.max`` and ``pids.max`` where the
+controllers exist (cgroup v2 under ``nymph-tasks``, or the v1 ``memory`` / ``pids`` hierarchies of a
+hybrid host, joined with the cgroup2 one before the task runs): ``run_config.resources``'
+``memory`` / ``pids``, else the runner's caps (options ``memory``, default ``"90%"`` of the host,
+and ``pids``, default 4096: ``nymph start --task-memory-max`` / ``--task-pids-max``); a task
+asking above a cap, or for a field no controller here holds (``cpus``, ``shm``, and ``memory`` /
+``pids`` without their controller), is refused with :class:`~nymph.resources.ResourceError`. A
+task the kernel killed at its memory limit exits with ``ExitStatus.oom`` set (the limit and the
+peak), reported as ``OutOfMemory``. ``gpus`` is assigned through ``CUDA_VISIBLE_DEVICES``. Warm
+workers (below) get no limits of their own.
 
 Options: ``python`` (the tasks' interpreter, default nymph's own), ``pythonpath`` (the tasks'
 ``PYTHONPATH`` instead of nymph's own, a list; e.g. the entry bundle and the code's directory when
-the task user cannot read nymph's environment), ``prefork``, ``cgroup``, and the warm mode's
+the task user cannot read nymph's environment), ``prefork``, ``cgroup``, ``memory``, ``pids``, and the warm mode's
 ``warm`` (off by default), ``warm_max_calls`` (recycle a worker after that many calls; 0: never)
 and ``warm_workers`` (``nymph start`` passes its slot count).
 
@@ -93,9 +99,10 @@ from typing import ClassVar
 
 import psutil
 
-from nymph import safeio
-from nymph.cgroup import CgroupError, TaskCgroups, detect, spawn_prefix
-from nymph.resources import parse_resources
+from dreamlake.lakeshore.daemon.entry import RESULT_MAX_ENV
+from nymph import limits, safeio
+from nymph.cgroup import CgroupError, TaskCgroups, detect, join_list, spawn_prefix
+from nymph.resources import ResourceError, Resources, parse_defaults, parse_resources
 from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, RunnerUnavailable, Task
 from nymph.runnerkit import (
     ENTRY_MODULE,
@@ -114,10 +121,12 @@ from nymph_process.zygote import ENTRY_LOCK
 
 log = logging.getLogger(__name__)
 
-#: run_config.resources fields a local process cannot be held to, with why (see nymph.resources).
-UNSUPPORTED_RESOURCES = dict.fromkeys(
-    ("cpus", "memory", "pids", "shm"), "a local process runs unconfined on the host"
-)
+#: run_config.resources fields a local process cannot be held to, with why (see nymph.resources);
+#: memory and pids are held where the task cgroups have those controllers (nymph.limits)
+UNSUPPORTED_RESOURCES = dict.fromkeys(("cpus", "shm"), "the process runner does not limit it")
+_NO_CONTROLLER = "this host's task cgroups have no {} controller (`nymph doctor` says why)"
+PIDS_MAX_DEFAULT = 4096  # nymph start --task-pids-max
+MEMORY_MAX_DEFAULT = "90%"  # of the host's memory: nymph start --task-memory-max
 _POLL_S = 0.05
 _START_TIME_SLACK_S = 0.01
 _PR_SET_CHILD_SUBREAPER = 36
@@ -139,7 +148,13 @@ class ProcessRunner:
 
     name: ClassVar[str] = "process"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        as_user=True, gpus=True, recover=True, reap_orphans=True, exit_fd=True, args_inline=True
+        as_user=True,
+        gpus=True,
+        recover=True,
+        reap_orphans=True,
+        exit_fd=True,
+        args_inline=True,
+        resources=True,  # memory and pids where the controllers are (start() refuses the rest)
     )
 
     def __init__(
@@ -154,6 +169,8 @@ class ProcessRunner:
         warm_max_calls: int = 0,
         warm_workers: int = 1,
         warm_users: Iterable[str] | str = (),
+        memory: int | str | None = MEMORY_MAX_DEFAULT,
+        pids: int | str | None = PIDS_MAX_DEFAULT,
     ) -> None:
         self.python = python or default_python()
         # what tasks import from when it is not nymph's own PYTHONPATH (a task user who cannot
@@ -175,6 +192,10 @@ class ProcessRunner:
                     "tree, best effort",
                     found.problem,
                 )
+        # memory.max / pids.max of each task cgroup (nymph.limits): the caps, and where they live
+        self.controllers = limits.detect(None if self.cgroups is None else self.cgroups.base)
+        self.caps = parse_defaults(self.name, memory=_memory_cap(memory), pids=pids or None)
+        self._joins: dict[Path, list[Path]] = {}  # a task cgroup -> the v1 cgroups it joins too
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._pidfds: dict[int, int] = {}
         self._forked: dict[int, tuple[ZygoteClient, ForkedChild]] = {}
@@ -230,7 +251,11 @@ class ProcessRunner:
             self._warm.close()
 
     def start(self, task: Task) -> Handle:
-        parse_resources(task.run_config.get("resources"), self.name, unsupported=UNSUPPORTED_RESOURCES)
+        asked = self._resources(task)
+        if asked.memory is not None and "memory" in self.controllers.available:
+            # packing a result takes as much memory again: the entry refuses one past half the
+            # limit before it packs it (ResultTooLarge), rather than dying at the limit
+            task.env[RESULT_MAX_ENV] = str(asked.memory // 2)
         if self._warm is not None and task.args is not None and task.script is None:
             self._write_args(task)  # a warm worker reads the workdir's args.msgpack (and serves() too)
         if self._warm is not None and self._warm.serves(task):
@@ -242,11 +267,46 @@ class ProcessRunner:
                 )
         cgroup = self._task_cgroup(task)
         try:
+            if cgroup is not None:
+                self._limit(task, cgroup, asked)
             return self._start(task, cgroup)
         except BaseException:
             if cgroup is not None and self.cgroups is not None and not self.cgroups.populated(cgroup):
                 self.cgroups.remove(cgroup)  # nothing started in it: no empty cgroup left behind
+                self.controllers.remove([p.parent for p in self._joins.pop(cgroup, [])])
             raise
+
+    def _resources(self, task: Task) -> Resources:
+        """The task's memory and pids limits: what it asks for (refused above nymph's caps, or
+        where no controller holds it), else the caps."""
+        unsupported = dict(UNSUPPORTED_RESOURCES)
+        for name in limits.CONTROLLERS:
+            if name not in self.controllers.available:
+                unsupported[name] = _NO_CONTROLLER.format(name)
+        asked = parse_resources(task.run_config.get("resources"), self.name, unsupported=unsupported)
+        for name, flag in (("memory", "--task-memory-max"), ("pids", "--task-pids-max")):
+            value, cap = getattr(asked, name), getattr(self.caps, name)
+            if value is not None and cap is not None and value > cap:
+                shown = limits.size(value) if name == "memory" else str(value)
+                capped = limits.size(cap) if name == "memory" else str(cap)
+                raise ResourceError(
+                    self.name,
+                    name,
+                    f"asks for {shown}, above this nymph's cap of {capped} ({flag})",
+                    f"ask for {capped} or less, or raise {flag} on the nymph",
+                )
+        return asked.over(self.caps)
+
+    def _limit(self, task: Task, cgroup: Path, asked: Resources) -> None:
+        """Set ``asked``'s memory and pids limits on the task's cgroup(s) (nymph.limits)."""
+        if not self.controllers.available:
+            return
+        memory = asked.memory if "memory" in self.controllers.available else None
+        pids = asked.pids if "pids" in self.controllers.available else None
+        try:
+            self._joins[cgroup] = self.controllers.apply(cgroup, task_name(task), memory, pids)
+        except OSError as exc:
+            raise RunnerError(f"process runner: cannot set the task's limits in {cgroup}: {exc}") from exc
 
     def _start(self, task: Task, cgroup: Path | None) -> Handle:
         if self.prefork and task.script is None and (not task.as_user or os.geteuid() == 0):
@@ -259,7 +319,7 @@ class ProcessRunner:
         if task.as_user:
             cmd = [self.runuser, "-u", task.as_user, "--", *cmd]
         if cgroup is not None:  # joins its cgroup before anything of the task's runs
-            cmd = [*spawn_prefix(cgroup), *cmd]
+            cmd = [*spawn_prefix(cgroup, *self._joins.get(cgroup, ())), *cmd]
         env = self._task_env(task)
         workdir = Path(task.workdir)
         lock: int | None = None
@@ -423,6 +483,7 @@ class ProcessRunner:
             os.close(fd)
         if cgroup is not None:
             cgroup[0].remove(cgroup[1])
+        self.controllers.remove(self._v1_of(handle))
         self.reap_orphans()
 
     def reap_orphans(self) -> int:
@@ -545,7 +606,7 @@ class ProcessRunner:
             raise RunnerError(
                 f"process runner: as_user {task.as_user!r} is not a user on this host"
             ) from None
-        procs = None if cgroup is None else str(TaskCgroups.procs_file(cgroup))
+        procs = None if cgroup is None else join_list(cgroup, *self._joins.get(cgroup, ()))
         for _attempt in range(2):  # a zygote found dead is restarted once for this task
             zygote = self._zygote(env)
             if zygote is None:
@@ -601,6 +662,9 @@ class ProcessRunner:
         }
         if cgroup is not None:
             data["cgroup"] = str(cgroup)
+            joins = self._joins.pop(cgroup, None)
+            if joins:  # the v1 cgroups its limits live in (nymph.limits): removed with the task
+                data["limits"] = [str(p.parent) for p in joins]
         return Handle(runner=self.name, invocation_id=task.invocation_id, attempt=task.attempt, data=data)
 
     # --- cgroups and the process-group fallback -------------------------------------------------
@@ -775,10 +839,50 @@ class ProcessRunner:
             reason = f"signal {-code}" if code != -1 or known else None
         if code == -1 and not known:
             reason = "exit status unknown (re-attached after a nymph restart)"
+        oom = self._oom(handle) if code else None
+        if oom is not None:
+            reason = "OOMKilled"
         # the tail of the logs says why a task failed; a task that exited 0 needs none
         return ExitStatus(
-            exit_code=code, reason=reason, logs=log_tail(handle_workdir(handle)) if code else None
+            exit_code=code,
+            reason=reason,
+            logs=log_tail(handle_workdir(handle)) if code else None,
+            oom=None if oom is None else {"limit": oom.limit, "peak": oom.peak},
         )
+
+    def _oom(self, handle: Handle) -> limits.OomKill | None:
+        """The OOM kill of an ended task, read from its cgroups before they are removed."""
+        cgroup = self._cgroup_of(handle)
+        return self.controllers.oom(None if cgroup is None else cgroup[1], self._v1_of(handle))
+
+    def _v1_of(self, handle: Handle) -> list[Path]:
+        """The v1 cgroups a handle records, if they are task cgroups of this runner's hierarchies."""
+        raw = handle.data.get("limits")
+        if not isinstance(raw, list):
+            return []
+        bases = set(self.controllers.v1.values())
+        paths = [Path(str(p)) for p in raw]
+        return [p for p in paths if p.parent in bases and p.name and not p.name.startswith(".")]
+
+
+def _memory_cap(value: int | str | None) -> int | str | None:
+    """``--task-memory-max``: a size, or a share of the host's memory (``"90%"``); None: no cap."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            share = float(value.strip()[:-1])
+        except ValueError:
+            share = -1.0
+        if not 0 < share <= 100:
+            raise ResourceError(
+                "process",
+                "memory",
+                f"not a share of the host's memory: {value!r}",
+                "give a size (512m, 8g) or a share between 1% and 100%",
+                source="runner_options",
+            )
+        total = limits.host_memory()
+        return None if total is None else int(total * share / 100)
+    return value
 
 
 def _interpreter_key(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:

@@ -168,15 +168,17 @@ class Zygote:
     def child(self, req: dict) -> int:  # type: ignore[type-arg]
         """In the forked child: become the entry in the workdir; returns only if setup failed."""
         cgroup = req.get("cgroup")
-        if cgroup:  # first of all: nothing the task starts can be outside its cgroup
+        # first of all: nothing the task starts can be outside its cgroup (and, one a line after
+        # it, the cgroup v1 ones its limits live in: nymph.limits)
+        for procs in cgroup.split("\n") if cgroup else ():
             try:
-                fd = os.open(cgroup, os.O_WRONLY | os.O_CLOEXEC)
+                fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
                 try:
                     os.write(fd, str(os.getpid()).encode())
                 finally:
                     os.close(fd)
             except OSError as exc:
-                sys.stderr.write(f"lakeshore zygote: cannot join cgroup {cgroup!r}: {exc}\n")
+                sys.stderr.write(f"lakeshore zygote: cannot join cgroup {procs!r}: {exc}\n")
                 return _CHILD_SETUP_FAILED
         os.setsid()
         # the C functions, not the signal module's wrappers: those map every value through an

@@ -536,3 +536,55 @@ def test_a_handed_pass_of_a_repeated_submit_claims_nothing_new_and_nothing_is_si
     assert again == SubmitResult(invocation_id=first, queue="q", duplicate=True)
     assert isinstance(polled, PollResult) and polled.invocations == []
     assert heard == []
+
+
+def test_a_write_that_breaks_its_preparation_fails_alone(store: SqlStore) -> None:
+    """A submit whose run_config breaks the store's own checks (nested past the interpreter's
+    recursion limit, as a hostile producer sent it before the decode bound) answers its 500; the
+    other tenant's submits of the same group commit are written and answered."""
+    deep: dict[str, Any] = {}
+    cur = deep
+    for _ in range(5000):
+        cur["x"] = {}
+        cur = cur["x"]
+    others = [new_ulid() for _ in range(5)]
+    results = store.write_batch([_submit(others[0]), _submit(run_config=deep), *map(_submit, others[1:])])
+    assert isinstance(results[1], PlaneError) and results[1].status == 500
+    good = [results[0], *results[2:]]
+    assert good == [SubmitResult(invocation_id=i, queue="q") for i in others]
+    assert all(store.get(i) is not None for i in others)
+
+
+class _PoisonStore:
+    """A store whose ``write_batch`` raises outside any one write when the batch holds the ack
+    of ``poison`` (a bug one write's value triggers)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+
+    def write_batch(
+        self, requests: Sequence[WriteRequest], on_commit: Any = None
+    ) -> list[WriteResult | PlaneError]:
+        ids = [r.invocation_id for r in requests if isinstance(r, AckRequest)]
+        self.batches.append(ids)
+        if "poison" in ids:
+            raise RecursionError("maximum recursion depth exceeded")
+        return [AckResult(ok=True, state="succeeded") for _ in requests]
+
+
+def test_the_writer_answers_a_batch_that_raised_caller_by_caller() -> None:
+    async def scenario() -> None:
+        store = _PoisonStore()
+        writer = GroupWriter(store)  # type: ignore[arg-type]
+        names = ["a", "b", "poison", "c", "d"]
+        answers = await asyncio.gather(
+            *(writer.write(AckRequest(x, "succeeded")) for x in names), return_exceptions=True
+        )
+        await writer.aclose()
+        by_name = dict(zip(names, answers, strict=True))
+        bad = by_name.pop("poison")
+        assert isinstance(bad, PlaneError) and bad.status == 500
+        assert all(isinstance(a, AckResult) and a.ok for a in by_name.values())
+        assert len(store.batches[0]) > 1  # they did share a group commit first
+
+    asyncio.run(scenario())

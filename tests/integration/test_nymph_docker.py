@@ -338,7 +338,12 @@ def test_an_exec_container_is_labelled_with_the_worker_and_listed_for_start_up_c
     runner = DockerRunner(image=image, pull="never")
     worker = f"W-exec-{ids.new_ulid()}"
     config = NymphConfig(  # run as root in CI: the container as root too, not as a task user
-        server="http://cp", token="t", workdir=tmp_path, stop_grace_s=0.5, allow_root_tasks=True
+        server="http://cp",
+        token="t",
+        workdir=tmp_path,
+        stop_grace_s=0.5,
+        allow_root_tasks=True,
+        allow_exec=True,
     )
     job = ExecJob(
         JobContext(config, runner, _Outbox(), Slots(1), worker),  # type: ignore[arg-type]

@@ -55,7 +55,7 @@ def test_exec_job_runs_its_command_with_the_inline_payload_and_publishes_the_res
     sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
 ) -> None:
     cp = sqlite_control_plane
-    n = nymph_factory(cp.url, cp.daemon_token)
+    n = nymph_factory(cp.url, cp.daemon_token, "--allow-exec")
     payload = msgpack.packb({"x": [1, 2, 3]})
     exec_id = _exec(
         cp,
@@ -76,7 +76,7 @@ def test_exec_job_whose_payload_ref_cannot_be_fetched_is_minus_one_and_never_spa
     sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph], tmp_path: Path
 ) -> None:
     cp = sqlite_control_plane  # no payload store configured: presign answers 501
-    n = nymph_factory(cp.url, cp.daemon_token)
+    n = nymph_factory(cp.url, cp.daemon_token, "--allow-exec")
     marker = tmp_path / "spawned"
     ref = {"bucket": "b", "key": "payloads/2024/01/01/x/args", "size": 3, "sha256": "0" * 64}
     exec_id = _exec(cp, {"command": f"touch {marker}", "payloadRef": ref})
@@ -92,7 +92,7 @@ def test_exec_job_past_its_timeout_is_stopped_and_reported_124(
     sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
 ) -> None:
     cp = sqlite_control_plane
-    nymph_factory(cp.url, cp.daemon_token)
+    nymph_factory(cp.url, cp.daemon_token, "--allow-exec")
     exec_id = _exec(cp, {"command": "echo started; exec sleep 120", "timeout_s": 1})
     out = _exec_result(cp, exec_id)
     assert out["exit_code"] == 124
@@ -108,7 +108,7 @@ def test_the_heartbeat_keeps_a_long_exec_job_leased_and_a_lost_one_is_stopped_un
     and publishes nothing, and only the new claimer's result counts."""
     config = ServerConfig(lease_s=1.0, expire_every_s=0.1, recheck_s=0.2)
     with running_control_plane(str(tmp_path / "cp.db"), config=config) as cp:
-        n = nymph_factory(cp.url, cp.daemon_token, "--concurrency", "1")
+        n = nymph_factory(cp.url, cp.daemon_token, "--concurrency", "1", "--allow-exec")
         long_one = _exec(cp, {"command": "sleep 3; echo finished", "max_attempts": 1})
         out = _exec_result(cp, long_one)
         assert (out["exit_code"], out["stdout"]) == (0, "finished\n"), n.output()[-3000:]

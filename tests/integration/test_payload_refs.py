@@ -103,9 +103,11 @@ def _round_trip(cp: ControlPlane, n: Nymph, size: int) -> None:
     assert (row.result_ref is not None) is big and (row.result_blob is None) is big
     if big:
         # payloads/<date>/<invocation id>.<80 random bits>/<kind>: not derivable from the id
-        assert re.fullmatch(rf"payloads/\d{{4}}/\d\d/\d\d/{inv}\.[0-9a-f]{{20}}/args", row.args_ref["key"])
         assert re.fullmatch(
-            rf"payloads/\d{{4}}/\d\d/\d\d/{inv}\.[0-9a-f]{{20}}/result", row.result_ref["key"]
+            rf"payloads/[A-Za-z0-9._-]+/\d{{4}}/\d\d/\d\d/{inv}\.[0-9a-f]{{20}}/args", row.args_ref["key"]
+        )
+        assert re.fullmatch(
+            rf"payloads/[A-Za-z0-9._-]+/\d{{4}}/\d\d/\d\d/{inv}\.[0-9a-f]{{20}}/result", row.result_ref["key"]
         )
 
 
@@ -294,7 +296,7 @@ def test_a_ref_must_be_a_payload_key_with_its_sha256(blob_plane: ControlPlane) -
     from tests.integration.conftest import submit_body
 
     cp = blob_plane
-    good = {"bucket": "local", "key": "payloads/2026/01/01/x/args", "size": 3, "sha256": "0" * 64}
+    good = {"bucket": "local", "key": "payloads/default/2026/01/01/x/args", "size": 3, "sha256": "0" * 64}
     cases = [
         ({**good, "key": "exec/2026/01/01/x/out"}, "outside 'payloads/'"),
         ({**good, "key": "payloads/../tokens.json"}, "'..'"),

@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, urlsplit
 
+import httpx
 import pytest
 
 from dreamlake.lakeshore import ids
@@ -126,12 +127,12 @@ def test_key_scheme_and_expires_at(store: PayloadStore) -> None:
     before = datetime.now(UTC).replace(microsecond=0)
     signed = store.presign_put("ns1", 5, job_id=job, kind="result")
     today = datetime.now(UTC)
-    assert signed["key"] == f"payloads/{today:%Y}/{today:%m}/{today:%d}/{job}/result"
+    assert signed["key"] == f"payloads/ns1/{today:%Y}/{today:%m}/{today:%d}/{job}/result"
     expires = datetime.strptime(signed["expires_at"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
     assert before + timedelta(seconds=900) <= expires <= before + timedelta(seconds=902)
 
     minted = store.presign_put("ns1", 5)["key"]
-    match = re.fullmatch(r"payloads/\d{4}/\d{2}/\d{2}/([0-9A-Z]{26})/args", minted)
+    match = re.fullmatch(r"payloads/ns1/\d{4}/\d{2}/\d{2}/([0-9A-Z]{26})/args", minted)
     assert match is not None and ids.is_ulid(match.group(1))
 
 
@@ -225,3 +226,19 @@ def test_config_defaults_and_bad_values() -> None:
         PayloadConfig.from_env({"PAYLOAD_PRESIGN_TTL_S": "0"})
     with pytest.raises(ValueError, match="half set"):
         PayloadConfig.from_env({"LAKESHORE_S3_ACCESS_KEY": "a"})
+
+
+def test_a_url_bound_to_its_bytes_refuses_a_replay_with_others(store: PayloadStore) -> None:
+    """A presign that names the bytes' digests signs them (x-amz-checksum-sha256, Content-MD5):
+    the upload succeeds with those bytes, and a replay of the URL with other bytes of the same
+    size is refused by S3 itself; the key keeps the first bytes."""
+    data, other = b"a" * 64, b"b" * 64
+    signed = store.presign_put(
+        "ns1", len(data), sha256=hashlib.sha256(data).hexdigest(), md5=hashlib.md5(data).hexdigest()
+    )
+    headers = dict(signed["headers"])
+    assert set(headers) == {"x-amz-checksum-sha256", "Content-MD5"}
+    assert httpx.put(signed["url"], content=data, headers=headers).status_code == 200
+    assert httpx.put(signed["url"], content=other, headers=headers).status_code in (400, 403)
+    assert httpx.put(signed["url"], content=other).status_code in (400, 403)  # headers are signed
+    assert download(store.presign_get(signed["key"])["url"]) == data

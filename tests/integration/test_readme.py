@@ -1,11 +1,15 @@
-"""The README's "Using it" works as written: start ``lakeshore server``, export the two lines it
-prints, run the snippet; and every start (also a restart) says where it listens and where its
-tokens are, with no library noise."""
+"""The README's "Using it" works as written: its blocks run as printed, in a fresh shell, against a
+fresh ``lakeshore server`` and the lines it printed (the ``nymph start`` line and the two
+``export`` lines), and print the result; a pickled submit to a queue whose nymphs refuse pickles
+warns at once, naming the flag; and every start (also a restart) says where it listens and where
+its tokens are, with no library noise."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -13,18 +17,31 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
 
 from dreamlake.lakeshore.devstack import free_port
 from tests.conftest import ROOT
 
 LISTENING = re.compile(r"^lakeshore server: listening on (http://\S+) \(dashboard \S+/ui\); tokens in (\S+)$")
+BLOCK = re.compile(r"^```(bash|python)\n(.*?)^```", re.M | re.S)
+PRINTED = ("export LAKESHORE_URL=", "export LAKESHORE_TOKEN=")  # README lines the server prints
 
 
-def _snippet() -> str:
+def quick_start() -> list[tuple[str, str]]:
+    """The fenced blocks of README's "Using it", before its first subsection, in order."""
     readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Using it", 1)[1]
-    return section.split("```python\n", 1)[1].split("```", 1)[0]
+    section = readme.split("\n## Using it\n", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
+    return BLOCK.findall(section)
+
+
+def fresh_env(home: Path) -> dict[str, str]:
+    """A new login's environment: PATH and HOME (and the code under test on the import path,
+    as an installed dreamlake-lakeshore would be); nothing of this test process's settings."""
+    return {
+        "PATH": os.environ["PATH"],
+        "HOME": str(home),
+        "LANG": "C.UTF-8",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "runners")]),
+    }
 
 
 class Server:
@@ -52,41 +69,121 @@ class Server:
         self.proc.wait(10)
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
-    s = Server(tmp_path / "data")
+@contextlib.contextmanager
+def shell(command: str, env: dict[str, str], cwd: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``command`` in a new bash, in its own process group (killed, all of it, at the end)."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            ["bash", "-c", command], env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
     try:
-        yield s
+        yield proc
     finally:
-        s.stop()
-
-
-def test_the_snippet_runs_as_written_with_the_printed_exports(server: Server, tmp_path: Path) -> None:
-    m = server.read_until(LISTENING)
-    url, tokens_path = m.group(1), m.group(2)
-    assert url == f"http://127.0.0.1:{server.port}" and tokens_path == str(tmp_path / "data" / "tokens.json")
-    exports = dict(re.findall(r"^\s+export (LAKESHORE_\w+)=(\S+)$", "".join(server.lines), re.M))
-    assert set(exports) == {"LAKESHORE_URL", "LAKESHORE_TOKEN"} and exports["LAKESHORE_URL"] == url
-    assert not [line for line in server.lines if "alembic" in line or " INFO " in line]  # no library noise
-
-    script = tmp_path / "snippet.py"
-    script.write_text(_snippet() + "\nprint(inv)\n")
-    env = {**os.environ, **exports, "LAKESHORE_CONFIG": str(tmp_path / "none.toml")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    for _ in range(100):  # the listening line comes just before uvicorn binds
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
-            httpx.get(url + "/healthz", timeout=1)
-            break
-        except httpx.TransportError:
-            time.sleep(0.05)
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60)
-    assert run.returncode == 0, run.stderr
-    inv = run.stdout.strip().splitlines()[-1]
-    assert "no worker has polled queue 'gpu' in the last 5 min" in run.stderr
-    headers = {"Authorization": f"Bearer {exports['LAKESHORE_TOKEN']}"}
-    detail = httpx.get(f"{url}/v1/ops/invocations/{inv}", headers=headers).json()
-    assert detail["state"] == "queued" and detail["queue"] == "gpu"
-    assert detail["function"]["qualname"] == "topk"
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def printed_line(lines: list[str], marker: str) -> str:
+    """The last line the server printed that starts with ``marker`` (leading spaces aside)."""
+    found = [line.strip() for line in lines if line.strip().startswith(marker)]
+    assert found, f"the server printed no line starting {marker!r}:\n" + "".join(lines)
+    return found[-1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, "lakeshore server exited:\n" + log.read_text()
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                return
+        assert time.monotonic() < deadline, "lakeshore server did not answer /healthz:\n" + log.read_text()
+        time.sleep(0.1)
+
+
+def test_using_it_runs_as_written_against_the_printed_lines(tmp_path: Path) -> None:
+    blocks = quick_start()
+    server_blocks = [b for kind, b in blocks if kind == "bash" and b.lstrip().startswith("lakeshore server")]
+    nymph_blocks = [b for kind, b in blocks if kind == "bash" and "nymph start" in b]
+    files = [b for kind, b in blocks if kind == "python"]
+    user = [b for kind, b in blocks if kind == "bash" and b not in server_blocks + nymph_blocks]
+    assert len(server_blocks) == 1 and len(nymph_blocks) == 1 and user and files, blocks
+    assert len(server_blocks) + len(nymph_blocks) + len(files) + len(user) == len(blocks)
+
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    env = fresh_env(home)
+    port = free_port()
+    # shell 1: the README's server command, on a free port (tests run side by side)
+    server_cmd = server_blocks[0].split("#", 1)[0].strip() + f" --port {port}"
+    with shell(server_cmd, env, work, tmp_path / "server.log") as server:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, server, tmp_path / "server.log")
+        lines = (tmp_path / "server.log").read_text().splitlines(keepends=True)
+        exports = {m: printed_line(lines, m) for m in PRINTED}
+        nymph_line = printed_line(lines, "NYMPH_TOKEN=")
+
+        # shell 2: the nymph line as the server printed it (the README shows that line)
+        (readme_nymph,) = [ln for ln in nymph_blocks[0].splitlines() if "nymph start" in ln]
+        assert readme_nymph.split("--server")[1].split()[1:] == nymph_line.split("--server")[1].split()[1:]
+        nymph_env = {
+            **env,
+            "NYMPH_WORKDIR": str(tmp_path / "nymph-work"),
+            "NYMPH_STATE_DIR": str(tmp_path / "nymph-state"),
+        }
+        if os.geteuid() == 0:  # CI runs as root, and nymph runs no task as root unless allowed
+            nymph_env["NYMPH_ALLOW_ROOT_TASKS"] = "1"
+        with shell(nymph_line, nymph_env, work, tmp_path / "nymph.log"):
+            for block in files:  # each python block names its file on its first line
+                name = block.splitlines()[0].removeprefix("# ").strip()
+                assert re.fullmatch(r"\w+\.py", name), f"a python block starts with '# NAME.py': {block!r}"
+                (work / name).write_text(block)
+            script = []
+            for line in "".join(user).splitlines():
+                marker = next((m for m in PRINTED if line.startswith(m)), None)
+                script.append(exports[marker] if marker else line)  # a line the server printed
+            run = subprocess.run(
+                ["bash", "-euo", "pipefail", "-c", "\n".join(script)], env=env, cwd=work,
+                capture_output=True, text=True, timeout=150,
+            )  # fmt: skip
+            assert run.returncode == 0, run.stdout + run.stderr + (tmp_path / "nymph.log").read_text()[-3000:]
+            out = run.stdout.splitlines()
+            assert out[0] == "[2, 3]"  # the local call
+            assert re.fullmatch(r"[0-9A-HJKMNP-TV-Z]{26} \[2, 3\]", out[-1]), run.stdout  # id, then the value
+
+            # the same function in the script itself travels pickled: the submit warns, naming the flag
+            (work / "pickled.py").write_text(
+                "import dreamlake.lakeshore as dls\n\n\n"
+                '@dls.udf(queue="gpu")\n'
+                "def topk(xs, k):\n"
+                "    return sorted(xs)[-k:]\n\n\n"
+                "inv = topk.submit([3, 1, 2], 2)\n"
+                "try:\n"
+                "    inv.result(timeout=60)\n"
+                "except dls.DispatchError as exc:\n"
+                "    print(exc)\n"
+            )
+            exports_sh = "\n".join(exports.values())
+            run = subprocess.run(
+                ["bash", "-euc", f"{exports_sh}\npython pickled.py"], env=env, cwd=work,
+                capture_output=True, text=True, timeout=150,
+            )  # fmt: skip
+            assert run.returncode == 0, run.stderr
+            assert "every live worker of queue 'gpu' refuses pickled functions" in run.stderr, run.stderr
+            assert "--allow-pickled" in run.stderr
+            assert "PickleRefused" in run.stdout, run.stdout
+
+
+def test_no_token_goes_on_a_command_line_in_the_quick_start() -> None:
+    for _kind, block in quick_start():
+        assert "--token " not in block and "--token=" not in block, block
 
 
 def test_a_restarted_server_says_where_it_listens_and_where_its_tokens_are(tmp_path: Path) -> None:

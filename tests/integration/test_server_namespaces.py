@@ -127,7 +127,8 @@ def test_exec_max_attempts_is_checked(sqlite_control_plane: ControlPlane, ns_tok
 def test_exec_with_payload_ref_and_target_worker(sqlite_control_plane: ControlPlane, ns_token: str) -> None:
     cp = sqlite_control_plane
     worker = new_ulid()
-    ref = {"bucket": "b", "key": "payloads/2026/01/02/" + new_ulid() + "/args", "size": 10}
+    key = "payloads/ns-a/2026/01/02/" + new_ulid() + "/args"
+    ref = {"bucket": "b", "key": key, "size": 10, "sha256": "0" * 64}
     status, out = cp.json(
         "POST",
         "/v1/namespaces/ns-a/exec",
@@ -248,7 +249,7 @@ def test_presign_route_against_a_signature_checking_s3(tmp_path: Any, s3_service
         assert httpx.put(put["url"], content=data + b"x").status_code == 403  # signed Content-Length
         assert httpx.put(put["url"].replace("Signature=", "Signature=0"), content=data).status_code == 403
         assert httpx.put(put["url"], content=data).status_code == 200
-        ref = {"bucket": put["bucket"], "key": put["key"], "size": len(data)}
+        ref = {"bucket": put["bucket"], "key": put["key"], "size": len(data), "sha256": "0" * 64}
         status, out = cp.json(
             "POST", "/v1/namespaces/ns-s3/exec", {"command": "true", "payloadRef": ref}, ns_tok
         )

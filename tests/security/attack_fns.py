@@ -94,3 +94,105 @@ def token_seen(token: str) -> dict[str, object]:
     while not Path("release").exists():
         time.sleep(0.02)
     return {"environ": any(token in value for value in os.environ.values()), "cmdlines": cmdlines}
+
+
+# --- issue 31: one task against another on the same host ------------------------------------------
+
+VICTIM = "victim.json"  # what the victim tells the test: its pid and its child's
+RELEASE = "release"  # the test creates it in the victim's workdir once the attacker is done
+
+
+def victim(value: str) -> str:
+    """A task with a child process (the kind that inherits its environment: the attacker's target),
+    that waits for ``release`` in its workdir, then returns ``value`` (unless someone forged it)."""
+    import json
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "300"])
+    Path(".victim.tmp").write_text(json.dumps({"pid": os.getpid(), "child": child.pid}))
+    os.replace(".victim.tmp", VICTIM)
+    while not Path(RELEASE).exists():
+        time.sleep(0.02)
+    child.kill()
+    child.wait()
+    return value
+
+
+def _try(fn: object) -> str:
+    """``done`` when ``fn()`` worked, else ``refused: <exception type>``."""
+    try:
+        fn()  # type: ignore[operator]
+    except OSError as exc:
+        return f"refused: {type(exc).__name__}"
+    return "done"
+
+
+def attack_sibling(workdir: str, victim_pid: int, child_pid: int) -> dict[str, str]:
+    """What a hostile task tries against a sibling task it knows everything about (its workdir,
+    its pid and its child's): forge its result and its error, read its child's environment (the
+    credential) and its token file, signal it. Each: ``done``, or ``refused: <why>``."""
+    import signal
+
+    from dreamlake.lakeshore import wire
+
+    found: dict[str, str] = {}
+
+    def forge(name: str, data: bytes) -> None:
+        tmp = Path(workdir) / f".forged-{os.getpid()}"
+        tmp.write_bytes(data)
+        os.replace(tmp, Path(workdir) / name)
+
+    found["forge_result"] = _try(lambda: forge("result.msgpack", wire.pack("forged by the sibling")))
+    found["forge_error"] = _try(
+        lambda: forge("error.json", b'{"type": "Forged", "message": "forged by the sibling"}')
+    )
+
+    def environ() -> None:
+        data = Path(f"/proc/{child_pid}/environ").read_bytes()
+        found["environ_has_token"] = str(b"LAKESHORE_TOKEN" in data)
+
+    found["read_environ"] = _try(environ)
+    found["read_token_file"] = _try(lambda: (Path(workdir) / "task.token").read_bytes())
+    found["signal_child"] = _try(lambda: os.kill(child_pid, signal.SIGKILL))
+    found["signal_victim"] = _try(lambda: os.kill(victim_pid, signal.SIGTERM))
+    return found
+
+
+def leak_token(gate: str) -> str:
+    """Copy this task's credential (from the file LAKESHORE_TOKEN_FILE names) to ``token`` in the
+    workdir, say whether the token itself is in the environment, wait for ``gate``."""
+    path = os.environ["LAKESHORE_TOKEN_FILE"]
+    Path(".token.tmp").write_text(Path(path).read_text())
+    os.replace(".token.tmp", "token")
+    while not Path(gate).exists():
+        time.sleep(0.02)
+    return "in environment" if "LAKESHORE_TOKEN" in os.environ else "file only"
+
+
+def hog(step_mib: int = 16) -> int:
+    """Allocate (and touch) memory without bound; returns only if nothing stops it (it must not)."""
+    held = []
+    while True:
+        held.append(bytearray(step_mib << 20))  # zeroed, so every page is touched
+        if len(held) * step_mib > 64 << 10:  # 64 GiB: no limit held it, give up
+            return len(held) * step_mib
+
+
+def fork_bomb(tries: int) -> dict[str, object]:
+    """Fork children that sleep, up to ``tries``; stop at the first refusal and say why."""
+    forked = 0
+    for _ in range(tries):
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            return {"forked": forked, "errno": exc.errno}
+        if pid == 0:
+            time.sleep(120)
+            os._exit(0)
+        forked += 1
+    return {"forked": forked, "errno": None}
+
+
+def big_result(mib: int) -> bytes:
+    """A result of ``mib`` MiB: fits the task's memory once, not twice (packing copies it)."""
+    return bytes(mib << 20)

@@ -5,7 +5,9 @@ with functions shipped by reference or scripts, and assert what the attacker see
 and error) and what happened on the host. Fixtures:
 
 - :func:`task_user`: nymph's default task user ``nymph-task``, created with ``useradd --system``
-  when missing (and removed again at the end of the run: :mod:`tests.host_users`);
+  when missing (and removed again at the end of the run: :mod:`tests.host_users`), with the first
+  :data:`POOL` users of its pool ``nymph-task-0`` .. (:func:`pool_uids`: the process runner runs
+  each task as one of them, :mod:`nymph.taskuser`);
 - :func:`readable_runtime`: an interpreter and a ``PYTHONPATH`` the task user can read (the system
   ``python3``, the entry bundle, and copies of the test modules): nymph's own venv may sit under a
   0700 ``/root``; nymph gets them as the process runner's ``python`` / ``pythonpath`` options;
@@ -38,6 +40,8 @@ from tests.host_users import ensure_user
 from tests.integration.conftest import ControlPlane, running_control_plane, submit_body
 
 TASK_USER = "nymph-task"
+POOL = 4  # pool users the tests make: nymph-task-0 .. nymph-task-3 (concurrency 4 at most)
+USER_FLAGS = ("--no-create-home", "--home-dir", "/nonexistent", "--shell", "/usr/sbin/nologin")
 LIMIT_S = 60.0
 
 
@@ -49,9 +53,15 @@ def require_root() -> None:
 @pytest.fixture(scope="session")
 def task_user() -> pwd.struct_passwd:
     require_root()
-    flags = ["--no-create-home", "--home-dir", "/nonexistent", "--shell", "/usr/sbin/nologin"]
-    assert ensure_user(TASK_USER, *flags), f"cannot create the task user {TASK_USER}"
+    for name in [TASK_USER, *(f"{TASK_USER}-{i}" for i in range(POOL))]:
+        assert ensure_user(name, *USER_FLAGS), f"cannot create the task user {name}"
     return pwd.getpwnam(TASK_USER)
+
+
+@pytest.fixture(scope="session")
+def pool_uids(task_user: pwd.struct_passwd) -> set[int]:
+    """The uids of the task user pool the tests made (a root nymph's process-runner tasks)."""
+    return {pwd.getpwnam(f"{TASK_USER}-{i}").pw_uid for i in range(POOL)}
 
 
 @pytest.fixture(scope="session")

@@ -47,6 +47,7 @@ def victims(task_user: pwd.struct_passwd) -> Iterator[tuple[Path, Path]]:
     root_dir.mkdir(mode=0o755)
     mine.mkdir(mode=0o755)
     os.chown(mine, task_user.pw_uid, task_user.pw_gid)
+    os.chmod(mine, 0o1777)  # the task runs as a pool user (nymph.taskuser), whichever is free
     for name in PLANTED:
         victim = root_dir / f"victim-{name}"
         victim.write_text("untouched")
@@ -105,7 +106,7 @@ def test_links_planted_by_the_task_never_make_nymph_write_or_read_outside_the_wo
     for name in ("outcome.json", "pump.json"):
         st = (workdir / name).lstat()
         assert stat.S_ISREG(st.st_mode) and st.st_uid == 0 and st.st_nlink == 1, name
-    assert (workdir / "planted.txt").stat().st_uid == task_user.pw_uid
+    assert (workdir / "planted.txt").stat().st_uid == workdir.stat().st_uid != 0  # its pool user's
 
 
 def _marked(marker: str) -> list[int]:

@@ -51,6 +51,7 @@ CASES = {
         "10",
     ],
     "store": ["--reps", "5", "--opens", "1", "--backends", "sqlite-memory"],
+    "sweep": ["--calls", "300", "--reps", "1", "--local", "200"],
     "warm": ["--calls", "5", "--producers", "2", "--per-producer", "5"],
     "hotpaths": [
         "--only",

@@ -89,6 +89,7 @@ def _exec_ctx(tmp_path: Path, runner: Any, outbox: Any, worker_id: str = "", **c
     config.setdefault(
         "allow_root_tasks", True
     )  # the tests run as root in CI: tasks as root, not as a task user
+    config.setdefault("allow_exec", True)  # exec jobs are an opt-in (--allow-exec)
     cfg = NymphConfig(
         server="http://cp", token="t", workdir=tmp_path, state_dir=tmp_path / "s", stop_grace_s=0.1, **config
     )

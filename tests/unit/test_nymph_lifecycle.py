@@ -119,6 +119,7 @@ def _ctx(tmp_path: Path, runner: Any, outbox: _Outbox, **kwargs: Any) -> JobCont
         state_dir=tmp_path / "s",
         allow_root_tasks=True,
         allow_script=True,
+        allow_exec=True,
     )
     (tmp_path / "w").mkdir(exist_ok=True)
     slots = Slots(2)
@@ -135,6 +136,7 @@ def _agent(tmp_path: Path, runner: Any) -> tuple[Agent, _Outbox]:
         state_dir=tmp_path / "s",
         allow_root_tasks=True,
         allow_script=True,
+        allow_exec=True,
     )
     (tmp_path / "w").mkdir(exist_ok=True)
     client = ControlPlaneClient(

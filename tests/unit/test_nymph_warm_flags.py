@@ -18,24 +18,38 @@ def _opts(**flags: Any) -> dict[str, Any]:
 
 
 TASK_USER = {"warm_users": ["nymph-task"]}  # a root nymph's tasks (and so its warm workers) run as it
+CAPS = {"memory": "90%", "pids": 4096}  # the task cgroups' caps (--task-memory-max, --task-pids-max)
 
 
 def test_warm_turns_the_mode_on_with_one_worker_per_slot() -> None:
-    assert _opts(warm=True, concurrency=4) == {"warm": True, "warm_workers": 4, **TASK_USER}
+    assert _opts(warm=True, concurrency=4) == {"warm": True, "warm_workers": 4, **TASK_USER, **CAPS}
     assert _opts(warm=True, warm_max_calls=100) == {
         "warm": True,
         "warm_max_calls": 100,
         "warm_workers": 1,
         **TASK_USER,
+        **CAPS,
     }
     assert _opts(warm=True, task_user="svc")["warm_users"] == ["svc"]
 
 
 def test_off_by_default_and_runner_opts_still_win() -> None:
-    assert _opts() == {}
-    assert _opts(warm=False) == {"warm": False}
+    assert _opts() == CAPS
+    assert _opts(warm=False) == {"warm": False, **CAPS}
     assert _opts(warm=True, runner_opts=("warm_workers=2",), concurrency=8)["warm_workers"] == 2
-    assert _opts(runner_opts=("warm=true",), concurrency=3) == {"warm": True, "warm_workers": 3, **TASK_USER}
+    assert _opts(runner_opts=("warm=true",), concurrency=3) == {
+        "warm": True,
+        "warm_workers": 3,
+        **TASK_USER,
+        **CAPS,
+    }
+
+
+def test_the_task_caps_reach_the_process_runner_and_a_runner_opt_still_wins() -> None:
+    assert _opts(task_memory_max="2g", task_pids_max=64) == {"memory": "2g", "pids": 64}
+    assert _opts(task_memory_max="0", task_pids_max=0) == {"memory": None, "pids": None}
+    assert _opts(task_memory_max="2g", runner_opts=("memory=1g",))["memory"] == "1g"
+    assert _opts(runner="docker") == {}  # a container runner has limits of its own
 
 
 def test_bad_values_and_other_runners_are_refused_with_what_to_do() -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from nymph.config import NymphConfig, from_env, resolve
+from nymph.taskuser import pool_names
 from nymph.upgrade import EXIT_VERSION_MISMATCH
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,13 +113,17 @@ def test_hardening_keeps_runuser_and_gpus_working(service: dict[str, list[str]])
     assert one(service, "StateDirectory") == "nymph"
 
 
-def test_tasks_run_as_the_sysusers_task_user_in_delegated_cgroups(service: dict[str, list[str]]) -> None:
+def test_tasks_run_as_the_sysusers_task_users_in_delegated_cgroups(service: dict[str, list[str]]) -> None:
     assert one(service, "Delegate") == "yes"  # nymph-tasks/<task> below the unit's cgroup is nymph's
     sysusers = (ROOT / "systemd" / "nymph-sysusers.conf").read_text()
     entries = [line.split() for line in sysusers.splitlines() if line.strip() and not line.startswith("#")]
-    assert [e[:3] for e in entries] == [["u", NymphConfig(server="x", token="x").task_user, "-"]]
+    cfg = NymphConfig(server="x", token="x")
+    # the shared task user, then the pool: one user per running task (nymph.taskuser)
+    assert [e[:3] for e in entries] == [["u", name, "-"] for name in [cfg.task_user, *pool_names(cfg)]]
+    assert len(pool_names(cfg)) == 64
     example = resolve({}, {"NYMPH_TOKEN": "x"}, TOML)
     assert example.task_user == "nymph-task" and not example.allow_root_tasks and not example.allow_script
+    assert not example.allow_exec and not example.shared_task_user
 
 
 def test_example_config_resolves_with_nymphs_loader(service: dict[str, list[str]], tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """Tasks that submit tasks, written as a user writes them (tests/integration/test_task_submit.py).
 
-Inside a task, nymph sets ``LAKESHORE_URL`` and ``LAKESHORE_TOKEN`` (the invocation's own task
+Inside a task, nymph sets ``LAKESHORE_URL`` and ``LAKESHORE_TOKEN_FILE`` (the invocation's own task
 token), so ``.submit()``, ``SyncQueue.result`` and ``.stream`` need no plane. Lives beside the
 README's module in ``tests/user_code`` (no dreamlake there: containers use the entry bundle's).
 """
@@ -51,7 +51,7 @@ def parent_of_sleepers(n):
 @dls.udf
 def hold_token(gate):
     """Leave this task's credential in ``token`` (its workdir) and wait for ``gate`` to appear."""
-    Path("token.tmp").write_text(os.environ["LAKESHORE_TOKEN"])
+    Path("token.tmp").write_text(Path(os.environ["LAKESHORE_TOKEN_FILE"]).read_text())
     os.replace("token.tmp", "token")
     while not Path(gate).exists():
         time.sleep(0.02)

@@ -573,10 +573,72 @@ def _ship_code_path() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([*dirs, rest] if rest else dirs)
 
 
+# A result bigger than this is refused before it is serialised (the process runner sets half the
+# task's memory limit: packing takes as much memory again, and an OOM kill would say less)
+RESULT_MAX_ENV = "LAKESHORE_RESULT_MAX_BYTES"
+_SIZE_WALK_MAX = 100_000  # values looked at; past it the estimate stops (it is a lower bound)
+
+
+class ResultTooLarge(Exception):
+    """The function's result is too big to serialise within the task's limits."""
+
+
+def _check_result_size(result: Any) -> None:
+    raw = os.environ.get(RESULT_MAX_ENV, "").strip()
+    if not raw.isdigit():
+        return
+    cap = int(raw)
+    size = _approx_size(result, cap)
+    if size > cap:
+        raise ResultTooLarge(
+            f"the result holds at least {size} bytes, more than the {cap} this task may serialise "
+            f"({RESULT_MAX_ENV}: packing it takes as much memory again, and the task's memory limit "
+            "leaves room for no more); return less (a generator streams values one at a time), or "
+            "write it to a file and return its path"
+        )
+
+
+def _approx_size(value: Any, cap: int) -> int:
+    """A lower bound of ``value``'s packed size: its buffers' bytes (bytes, str, arrays' ``nbytes``)
+    plus a few bytes per other value; stops once past ``cap``."""
+    total, seen, stack = 0, 0, [value]
+    while stack and total <= cap and seen < _SIZE_WALK_MAX:
+        item = stack.pop()
+        seen += 1
+        if isinstance(item, (bytes, bytearray, str)):
+            total += len(item)
+        elif isinstance(item, memoryview):
+            total += item.nbytes
+        elif isinstance(item, dict):
+            total += 1
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            total += 1
+            stack.extend(item)
+        else:
+            nbytes = getattr(item, "nbytes", None)  # numpy, torch (through wire's array codec)
+            total += nbytes if isinstance(nbytes, int) else 1
+    return total
+
+
+# settings.TOKEN_FILE_ENV, spelled here: importing settings (dataclasses ...) would cost every task
+TOKEN_FILE_ENV = "LAKESHORE_TOKEN_FILE"
+
+
+def _token_file_absolute() -> None:
+    """``LAKESHORE_TOKEN_FILE`` (the task's credential, nymph names it relative to the workdir)
+    made absolute before the user's code runs, so a ``chdir`` or a child elsewhere still finds it."""
+    path = os.environ.get(TOKEN_FILE_ENV, "")
+    if path and not os.path.isabs(path):
+        os.environ[TOKEN_FILE_ENV] = os.path.abspath(path)
+
+
 def run(blob: Any = None) -> int:
     """Run the invocation in the current directory; returns the exit code. ``blob``: the Envelope's
     bytes when the caller has them (then ``args.msgpack`` is not read)."""
     _ship_code_path()
+    _token_file_absolute()
     try:
         envelope, fn, args, kwargs = _load(blob)
     except _Refused as refused:
@@ -594,6 +656,7 @@ def run(blob: Any = None) -> int:
                 if two_way is not None and hasattr(result, "send"):
                     return _drain_two_way(result, two_way)
                 return _drain(result)
+            _check_result_size(result)
             packed = wire.pack(result)
         except BaseException as exc:
             return _fail(_error_info(exc), EXIT_RAISED)

@@ -74,6 +74,9 @@ _STREAM_RECONNECTS = 5
 POLL_ACKS_MAX = 256  # acks one poll carries at most (the control plane's limit)
 ACK_TRIES = 3  # polls an ack the store failed (5xx) rides before it is given up
 _WARNED: set[tuple[str, str]] = set()  # (control plane, queue) whose no-worker warning was logged
+# (control plane, queue) -> when its workers were last asked whether they run pickled functions
+_PICKLES_ASKED: dict[tuple[str, str], float] = {}
+PICKLES_ASK_EVERY_S = 30.0  # while no live worker serves the queue, ask again at most this often
 DEFAULT_INLINE_THRESHOLD_BYTES = 256 * 1024  # seed 003
 # A submit batch (POST /v1/producer/submit-batch) holds at most this many calls and about this many
 # bytes of Envelopes: well under the server's caps (1,000 items, 110 MiB), big enough that a sweep
@@ -417,6 +420,38 @@ class HttpDispatch:
         if ref is not None:
             out["result_blob"] = self._download(ref, f"result_ref of {invocation_id}")
         return out
+
+    def warn_if_pickles_refused(self, queue: str, what: str) -> None:
+        """Before a pickled call of ``what`` goes to ``queue``: log a warning naming the fix when
+        every live worker serving the queue said (at register) that it refuses pickled functions,
+        as ``nymph start`` without ``--allow-pickled`` does. Asked once per queue (while no live
+        worker serves it, again every ``PICKLES_ASK_EVERY_S``); never fails the submit."""
+        key = (self.url, queue)
+        asked = _PICKLES_ASKED.get(key)
+        if asked is not None and (asked == float("inf") or time.monotonic() - asked < PICKLES_ASK_EVERY_S):
+            return
+        _PICKLES_ASKED[key] = time.monotonic()
+        try:
+            out = self._client.request(
+                "GET", "/v1/ops/workers", as_json=True, params={"live": "1", "limit": 500}, attempts=1
+            )
+        except PlaneError as exc:  # e.g. a task's token, which may not list workers: no warning
+            log.debug("cannot ask which workers run pickled functions: %s", exc)
+            return
+        serving = [w for w in (out or {}).get("workers") or [] if queue in (w.get("queues") or [])]
+        if not serving:
+            return
+        _PICKLES_ASKED[key] = float("inf")  # asked and answered: once per queue
+        if all(w.get("allow_pickled") is False for w in serving):
+            log.warning(
+                "%s travels pickled (it is not importable by module: defined in __main__, a notebook "
+                "or a closure), and every live worker of queue %r refuses pickled functions, so it "
+                "will fail with PickleRefused. Define it in a module next to your script (it then "
+                "ships by reference), or start the nymph with --allow-pickled "
+                "(`lakeshore worker start --allow-pickled`)",
+                what,
+                queue,
+            )
 
     def status(self, invocation_id: str) -> dict[str, Any]:
         inv = ids.validate(invocation_id, "invocation id")

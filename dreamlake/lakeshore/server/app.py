@@ -70,6 +70,8 @@ def _guard(fn: Handler, outages: Outages | None = None) -> Handler:
         try:
             return await fn(request)
         except HTTPError as exc:
+            if exc.status in (400, 413, 429):  # the caller's mistake or limit: one line, no traceback
+                log.info("%s %s: %d %s", request.method, request.url.path, exc.status, exc.message[:200])
             return h.error_answer(request, exc)
         except ClientDisconnect:
             # The client hung up (or the server's body read timeout closed it) mid-body: nobody
@@ -261,7 +263,8 @@ class Routes:
 
     async def exec_(self, request: Request, caller: Caller) -> Response:
         ns = self._ns(request, caller)
-        status, out = await namespaces.exec_(self.ctx, ns, await self._json(request))
+        body = await self._json(request)
+        status, out = await namespaces.exec_(self.ctx, ns, body, legacy=caller.namespace is None)
         return h.json_response(out, status)
 
     async def job_result(self, request: Request, caller: Caller) -> Response:
@@ -283,7 +286,9 @@ class Routes:
         if caller.rule is authz.Own.DESCENDANTS:
             await tasks.live(self.ctx, caller.principal)  # a task presigns while its attempt runs
         body = await self._json(request)
-        return h.json_response(await namespaces.presign(self.ctx, ns, body, str(request.base_url)))
+        legacy = caller.namespace is None  # an admin, an unbound nymph: keys minted before namespaces too
+        answer = await namespaces.presign(self.ctx, ns, body, str(request.base_url), legacy=legacy)
+        return h.json_response(answer)
 
     # -- the local blob directory (no bucket): presigned URLs onto the control plane itself ------
 
@@ -309,6 +314,10 @@ class Routes:
                 caller = authz.Caller(authz.ANONYMOUS, authz.Own.ANY, route)
             else:
                 caller = authz.authorize(route, await self.ctx.auth.principal(request))
+                if caller.principal.kind == "task" and caller.rule is not authz.Own.DESCENDANTS:
+                    # a task token lives while its attempt runs, on every route (whoami too): the
+                    # "own descendants" routes check that with their target, the others here
+                    await tasks.live(self.ctx, caller.principal)
             return await handler(request, caller)
 
         return _guard(endpoint, self.ctx.outages)

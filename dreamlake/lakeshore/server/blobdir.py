@@ -7,15 +7,18 @@ so :class:`BlobDir` plays the bucket's part with the same wire: the presign rout
 control plane's own ``PUT`` / ``GET /v1/blobs/<key>``. Clients (``dreamlake.lakeshore.blobs``)
 therefore use one flow for both tiers.
 
-The URLs are signed like S3's: ``?expires=<unix s>&size=<n>&sig=<hex>`` where ``sig`` is
-HMAC-SHA256, under a key every replica shares (the ``server_keys`` row :data:`KEY_NAME`), of the
-method, the key, the expiry and (for a PUT) the exact size and content type. The route refuses
-(403) a URL whose signature does not match, one past its expiry (``PAYLOAD_PRESIGN_TTL_S``,
-900 s), and an upload whose ``Content-Length`` differs from the signed size (411 without one), so
-the size cap of seed 003 holds twice here too. The bytes stream to a temp file and are renamed
-into place once complete and flushed: a reader never sees half a blob.
+The URLs are signed like S3's: ``?expires=<unix s>&size=<n>[&sha256=<hex>]&sig=<hex>`` where
+``sig`` is HMAC-SHA256, under a key every replica shares (``server_key(KEY_NAME)``, see
+``server/keys.py``), of the method, the key, the expiry and (for a PUT) the exact size, content
+type and, when the presign named it, the sha256 of the bytes. The route refuses (403) a URL whose
+signature does not match, one past its expiry (``PAYLOAD_PRESIGN_TTL_S``, 900 s), an upload whose
+``Content-Length`` differs from the signed size (411 without one), and one whose bytes do not hash
+to the signed sha256, so the size cap of seed 003 holds twice here too. A key once uploaded is
+never overwritten with other bytes (409; the same bytes again answer 200): a URL replayed later
+changes nothing. The bytes stream to a temp file and are renamed into place once complete and
+flushed: a reader never sees half a blob.
 
-Layout: ``<root>/payloads/<YYYY>/<MM>/<DD>/<job_id>/<kind>`` (the key, checked by
+Layout: ``<root>/payloads/<namespace>/<YYYY>/<MM>/<DD>/<job_id>/<kind>`` (the key, checked by
 :func:`~.payloads.check_key`), directories 0700 and files 0600, owned by the control plane's user;
 the default root is ``blobs/`` next to the SQLite file (``LAKESHORE_BLOBS_DIR`` sets another).
 Blobs older than ``LAKESHORE_BLOBS_RETENTION_S`` (default 7 days) are removed by :meth:`prune`,
@@ -39,6 +42,7 @@ from urllib.parse import quote, urlencode
 from dreamlake.lakeshore.server.payloads import (
     PayloadConfig,
     PayloadError,
+    check_digests,
     check_key,
     check_put,
     mint_key,
@@ -115,13 +119,29 @@ class BlobDir:
 
     # -- presign -----------------------------------------------------------------------------------
 
-    def _sign(self, method: str, key: str, expires: int, size: int | None, content_type: str | None) -> str:
+    def _sign(
+        self,
+        method: str,
+        key: str,
+        expires: int,
+        size: int | None,
+        content_type: str | None,
+        sha256: str | None = None,
+    ) -> str:
         message = "\n".join([_VERSION, method, key, str(expires), "" if size is None else str(size)])
         message += "\n" + (content_type or "")
+        if sha256 is not None:  # (a URL without one signs exactly what it signed before)
+            message += "\nsha256:" + sha256
         return hmac.new(self._secret, message.encode(), hashlib.sha256).hexdigest()
 
     def _url(
-        self, base_url: str, method: str, key: str, size: int | None = None, content_type: str | None = None
+        self,
+        base_url: str,
+        method: str,
+        key: str,
+        size: int | None = None,
+        content_type: str | None = None,
+        sha256: str | None = None,
     ) -> dict[str, str]:
         expires = int(time.time()) + self.config.presign_ttl_s
         query: dict[str, str] = {"expires": str(expires)}
@@ -129,7 +149,9 @@ class BlobDir:
             query["size"] = str(size)
         if content_type is not None:
             query["type"] = content_type
-        query["sig"] = self._sign(method, key, expires, size, content_type)
+        if sha256 is not None:
+            query["sha256"] = sha256
+        query["sig"] = self._sign(method, key, expires, size, content_type, sha256)
         url = f"{base_url.rstrip('/')}{ROUTE}{quote(key)}?{urlencode(query)}"
         return {"url": url, "bucket": BUCKET, "key": key, "expires_at": _iso_utc(expires)}
 
@@ -142,12 +164,17 @@ class BlobDir:
         kind: str = "args",
         *,
         base_url: str = "",
+        sha256: str | None = None,
+        md5: str | None = None,
     ) -> dict[str, str]:
-        """A URL that accepts one upload of exactly ``size`` bytes to a freshly minted key."""
+        """A URL that accepts one upload of exactly ``size`` bytes (of ``sha256``, when given) to
+        a freshly minted key of ``namespace``; ``md5`` is checked as S3 would, then not signed
+        (the sha256 binds the bytes here)."""
         check_put(self.config, size, content_type)
-        key = mint_key(job_id, kind)
+        check_digests(sha256, md5)
+        key = mint_key(namespace, job_id, kind)
         log.info("presigned local PUT ns=%s key=%s size=%d", namespace, key, size)
-        return self._url(base_url, "PUT", key, size, content_type)
+        return self._url(base_url, "PUT", key, size, content_type, sha256)
 
     def presign_get(self, key: str, *, base_url: str = "") -> dict[str, str]:
         """A URL that downloads ``key`` (under ``payloads/``) until it expires."""
@@ -155,8 +182,11 @@ class BlobDir:
 
     # -- the blob route's side -----------------------------------------------------------------------
 
-    def verify(self, method: str, key: str, query: Mapping[str, str]) -> tuple[int | None, str | None]:
-        """Check a request's signed query -> (signed size or None, signed content type or None).
+    def verify(
+        self, method: str, key: str, query: Mapping[str, str]
+    ) -> tuple[int | None, str | None, str | None]:
+        """Check a request's signed query -> (signed size or None, signed content type or None,
+        signed sha256 or None).
 
         PayloadError 403 for a missing, malformed, mismatched or expired signature; 400 for a key
         outside ``payloads/``."""
@@ -169,12 +199,13 @@ class BlobDir:
         except (KeyError, ValueError):
             raise PayloadError(403, f"blob URL is not presigned (expires, sig): {again}") from None
         content_type = query.get("type")
-        want = self._sign(method, key, expires, size, content_type)
+        sha256 = query.get("sha256")
+        want = self._sign(method, key, expires, size, content_type, sha256)
         if not hmac.compare_digest(want, sig):
             raise PayloadError(403, f"blob URL signature does not match this request: {again}")
         if time.time() >= expires:
             raise PayloadError(403, f"blob URL expired at {_iso_utc(expires)}: {again}")
-        return size, content_type
+        return size, content_type, sha256
 
     def path(self, key: str) -> Path:
         """Where ``key``'s bytes live (the key is checked: no way out of the root)."""
@@ -188,15 +219,27 @@ class BlobDir:
         )
         return os.open(tmp, flags, 0o600), tmp
 
-    def commit(self, fd: int, tmp: Path, key: str) -> None:
-        """Flush ``fd``, close it and move the temp file to ``key`` (atomically: all or nothing)."""
+    def commit(self, fd: int, tmp: Path, key: str, sha256: str) -> None:
+        """Flush ``fd``, close it and move the temp file (whose bytes hash to ``sha256``) to
+        ``key``, atomically: all or nothing. A key that holds other bytes already is not
+        overwritten (PayloadError 409); the same bytes again change nothing."""
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
         final = self.path(key)
         _private_dir(final.parent)
-        os.replace(tmp, final)
+        try:
+            os.link(tmp, final)  # never replaces: the first upload of a key is the one
+        except FileExistsError:
+            with open(final, "rb") as f:
+                same = hashlib.file_digest(f, "sha256").hexdigest() == sha256
+            if not same:
+                raise PayloadError(
+                    409, f"{key} was uploaded already, with other bytes: presign a new key to upload"
+                ) from None
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def prune(self, now: float | None = None) -> int:
         """Remove blobs (and stale temp files) older than the retention; the number removed."""

@@ -4,12 +4,14 @@ Only served when the app's payload store is a :class:`~.blobdir.BlobDir` (no buc
 over S3 the URLs point at S3 and these routes answer 404. No bearer token: the URL's signature is
 the credential (``BlobDir.verify``), as with S3. An upload streams to a private temp file, never
 buffered whole in memory, and is renamed into place only once all of its signed size arrived and
-was flushed; anything else leaves no blob behind.
+was flushed (and hashed to the signed sha256, when the presign named one); anything else leaves no
+blob behind, and a key once uploaded keeps its first bytes (409 for others).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -42,14 +44,16 @@ def _blobs(ctx: Context) -> BlobDir:
     return ctx.payloads
 
 
-def _verified(ctx: Context, request: Request, method: str) -> tuple[BlobDir, str, int | None, str | None]:
+def _verified(
+    ctx: Context, request: Request, method: str
+) -> tuple[BlobDir, str, int | None, str | None, str | None]:
     blobs = _blobs(ctx)
     key = str(request.path_params["key"])
     try:
-        size, content_type = blobs.verify(method, key, request.query_params)
+        size, content_type, sha256 = blobs.verify(method, key, request.query_params)
     except PayloadError as exc:
         raise HTTPError(exc.status, exc.message) from None
-    return blobs, key, size, content_type
+    return blobs, key, size, content_type, sha256
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -59,7 +63,7 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 async def put(ctx: Context, request: Request) -> Response:
-    blobs, key, size, content_type = _verified(ctx, request, "PUT")
+    blobs, key, size, content_type, signed_sha = _verified(ctx, request, "PUT")
     if size is None:
         raise HTTPError(403, "blob URL was presigned for GET, not PUT: presign a put")
     declared = request.headers.get("content-length")
@@ -74,17 +78,28 @@ async def put(ctx: Context, request: Request) -> Response:
         raise HTTPError(403, f"send Content-Type: {content_type}, as presigned")
     fd, tmp = blobs.open_upload()
     done = False
+    digest = hashlib.sha256()
     try:
         got = 0
         async for chunk in request.stream():
             got += len(chunk)
             if got > size:
                 raise HTTPError(400, f"upload is longer than its presigned size of {size} bytes")
+            digest.update(chunk)
             _write_all(fd, chunk)
         if got != size:
             raise HTTPError(400, f"upload ended after {got} of its {size} bytes: send it again")
-        await run_in_threadpool(blobs.commit, fd, tmp, key)
-        done = True
+        sha = digest.hexdigest()
+        if signed_sha is not None and sha != signed_sha:
+            raise HTTPError(
+                403, f"upload's sha256 {sha} differs from the presigned {signed_sha}: presign these bytes"
+            )
+        try:
+            await run_in_threadpool(blobs.commit, fd, tmp, key, sha)
+        except PayloadError as exc:
+            raise HTTPError(exc.status, exc.message) from None
+        finally:
+            done = True  # commit closed the fd and removed the temp file, whatever it answered
     finally:
         if not done:
             with contextlib.suppress(OSError):
@@ -96,7 +111,7 @@ async def put(ctx: Context, request: Request) -> Response:
 
 
 async def get(ctx: Context, request: Request) -> Response:
-    blobs, key, _, _ = _verified(ctx, request, "GET")
+    blobs, key, _, _, _ = _verified(ctx, request, "GET")
     path = blobs.path(key)
     if not path.is_file():
         raise HTTPError(404, f"no blob at {key[:200]!r}: it was never uploaded, or has expired")

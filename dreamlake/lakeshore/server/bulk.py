@@ -99,7 +99,7 @@ async def await_batch(ctx: Context, caller: Caller, body: dict[str, Any]) -> dic
     channels = [f"inv:{inv_id}" for inv_id in ids]
     while True:
         mark = ctx.wake.mark()
-        seen = await _visible(ctx, caller, await ctx.call(ctx.store.get_many, ids))
+        seen = await _visible(ctx, caller, await ctx.call(ctx.store.get_many, ids, args=False))
         answer, ended = _answer(ids, seen)
         remaining = deadline - time.monotonic()
         if ended or not answer["states"] or remaining <= 0 or ctx.closing:

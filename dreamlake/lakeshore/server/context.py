@@ -109,9 +109,13 @@ class Context:
             err = over_threshold(what, size, limit, namespace, use)
             raise HTTPError(413, err.message, inline_threshold_bytes=limit)
 
-    def ref(self, value: object, what: str) -> dict[str, Any]:
-        """A payload ref from a body, checked (400 otherwise; 501 without a payload store)."""
-        from dreamlake.lakeshore.server.payloads import PayloadError, check_ref
+    def ref(
+        self, value: object, what: str, namespace: str | None = None, *, legacy: bool = False
+    ) -> dict[str, Any]:
+        """A payload ref from a body, checked (400 otherwise; 501 without a payload store); with
+        ``namespace``, its key must be one presigned there (404 otherwise; ``legacy``: or one
+        minted before keys carried their namespace)."""
+        from dreamlake.lakeshore.server.payloads import PayloadError, check_key_in, check_ref
 
         if self.payloads is None:
             raise HTTPError(
@@ -120,7 +124,13 @@ class Context:
                 "LAKESHORE_BLOBS_DIR), so payloads ride inline: send the bytes",
             )
         try:
-            return check_ref(value, what)
+            ref = check_ref(value, what)
+            if namespace is not None:
+                try:
+                    check_key_in(ref["key"], namespace, legacy=legacy)
+                except PayloadError as exc:
+                    raise PayloadError(exc.status, f"{what}.key: {exc.message}") from None
+            return ref
         except PayloadError as exc:
             raise HTTPError(exc.status, exc.message) from None
 

@@ -111,13 +111,16 @@ async def register(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[s
         "version": field(body, "version", str, default=""),
         "runner": field(body, "runner", str, default=""),
         "queues": _queues(body, default=["default"]),
-        "labels": field(body, "labels", dict, default={}),
+        "labels": http.document(body, "labels", default={}),
         "slots": http.integer(body, "slots", hi=http.I32_MAX, default=1),
         "namespace": namespace or principal.namespace,
     }
     capacity = field(body, "capacity", dict, default=None, nullable=True)
     if capacity is not None:  # what the host has (docs/protocol.md "Placement"): shown, not matched
         info["capacity"] = json_safe(capacity, "field 'capacity'")
+    allow_pickled = field(body, "allow_pickled", bool, default=None, nullable=True)
+    if allow_pickled is not None:  # whether it runs pickled functions: the SDK's submit warning
+        info["allow_pickled"] = allow_pickled
     await ctx.call(ctx.store.register_worker, worker_id, info)
     ctx.daemons.forget(worker_id)  # its namespace may have changed: the next poll and heartbeat read it
     log.info(

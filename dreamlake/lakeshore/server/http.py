@@ -191,6 +191,50 @@ def field(
     return value
 
 
+# Bounds of a JSON-ish field (run_config, resources, code_context, function, labels): checked at
+# decode, so a hostile document fails its own request with a 400 and never reaches the store
+# (where a recursive encoder met it in the group commit shared with other tenants' writes).
+MAX_DOC_DEPTH = 32
+MAX_DOC_BYTES = 256 * 1024
+
+
+def bound_document(value: Any, what: str, *, depth: int = MAX_DOC_DEPTH, size: int = MAX_DOC_BYTES) -> Any:
+    """``value`` when it nests at most ``depth`` containers and weighs at most ``size`` bytes
+    (strings, bytes and keys at their length, every other item 8); 400 naming the field (and the
+    first-level key where it went too deep) otherwise. Iterative: any depth is safe to check."""
+    total = 0
+    stack: list[tuple[Any, int, str]] = [(value, 0, what)]
+    while stack:
+        item, level, where = stack.pop()
+        if isinstance(item, dict):
+            items: Any = item.items()
+        elif isinstance(item, (list, tuple)):
+            items = enumerate(item)
+        else:
+            total += len(item) if isinstance(item, (str, bytes)) else 8
+            if total > size:
+                raise HTTPError(400, f"field '{what}' is over the limit of {size} bytes: send less")
+            continue
+        if level >= depth:
+            raise HTTPError(
+                400,
+                f"field '{where}' nests deeper than {depth} levels: send a flatter document",
+            )
+        total += 8
+        for key, child in items:
+            total += len(key) if isinstance(key, str) else 8
+            stack.append((child, level + 1, f"{what}.{key}" if level == 0 else where))
+        if total > size:
+            raise HTTPError(400, f"field '{what}' is over the limit of {size} bytes: send less")
+    return value
+
+
+def document(body: dict[str, Any], name: str, *, default: Any = _MISSING, nullable: bool = False) -> Any:
+    """``field(body, name, dict)`` within the document bounds (:func:`bound_document`)."""
+    value = field(body, name, dict, default=default, nullable=nullable)
+    return value if value is None else bound_document(value, name)
+
+
 def _kinds(kinds: tuple[type, ...]) -> str:
     return " or ".join(k.__name__ for k in kinds)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import logging
 import time
 from typing import Any
@@ -15,12 +16,11 @@ from dreamlake.lakeshore.server import http
 from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError, field
+from dreamlake.lakeshore.server.payloads import PayloadError, check_key_in
 from dreamlake.lakeshore.store.notify import exec_queue_channel
 from dreamlake.lakeshore.store.values import check_max_attempts, check_timeout
 
 log = logging.getLogger(__name__)
-
-PAYLOAD_PREFIX = "payloads/"
 
 
 def _b64(value: Any, what: str) -> bytes:
@@ -36,30 +36,39 @@ def _b64(value: Any, what: str) -> bytes:
         ) from None
 
 
-def _payload_ref(value: Any) -> dict[str, Any]:
+def _payload_ref(value: Any, namespace: str, *, legacy: bool) -> dict[str, Any]:
+    """An exec's ``payloadRef``: a key presigned in ``namespace`` (404 as for an unknown key
+    otherwise: a job cannot be pointed at another namespace's payload) and its sha256, which the
+    daemon checks after the download (required: a ref without one could be swapped unnoticed)."""
     if not isinstance(value, dict):
-        raise HTTPError(400, "field 'payloadRef' must be an object {bucket, key, size, sha256?}")
-    key = value.get("key")
-    if not isinstance(key, str) or not key.startswith(PAYLOAD_PREFIX):
+        raise HTTPError(400, "field 'payloadRef' must be an object {bucket, key, size, sha256}")
+    try:
+        check_key_in(value.get("key"), namespace, legacy=legacy)
+    except PayloadError as exc:
         raise HTTPError(
-            400,
-            f"payloadRef.key {str(key)[:80]!r} is outside 'payloads/': upload through "
-            "POST /v1/namespaces/:ns/payloads/presign and pass the key it returns",
-        )
-    segments = key.split("/")
-    if any(seg in ("", ".", "..") for seg in segments[1:]) or "\\" in key or len(key) > 1024:
-        raise HTTPError(400, f"payloadRef.key {key[:80]!r} is not a minted payload key")
+            exc.status,
+            f"payloadRef.key: {exc.message}; upload through POST /v1/namespaces/{namespace}/payloads/presign "
+            "and pass the key it returns",
+        ) from None
     field(value, "bucket", str)
     size = field(value, "size", int)
     if size < 0:
         raise HTTPError(400, "payloadRef.size must be >= 0")
-    sha = field(value, "sha256", str, default=None, nullable=True)
-    if sha is not None and (len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha)):
-        raise HTTPError(400, "payloadRef.sha256 must be 64 lower-case hex characters")
+    sha = value.get("sha256")
+    if not isinstance(sha, str) or len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+        raise HTTPError(
+            400,
+            "payloadRef.sha256 is required: the sha256 of the uploaded bytes, 64 lower-case hex "
+            "characters (the daemon checks the download against it)",
+        )
     return dict(value)
 
 
-async def exec_(ctx: Context, namespace: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+async def exec_(
+    ctx: Context, namespace: str, body: dict[str, Any], *, legacy: bool = False
+) -> tuple[int, dict[str, Any]]:
+    """Seed 003's enqueue; ``legacy``: a payloadRef minted before keys carried their namespace is
+    taken (a caller bound to no namespace)."""
     command = field(body, "command", str)
     if not command:
         raise HTTPError(400, "field 'command' must not be empty")
@@ -72,7 +81,7 @@ async def exec_(ctx: Context, namespace: str, body: dict[str, Any]) -> tuple[int
             "(payloadRef for payloads over the inline threshold)",
         )
     inline = _b64(inline_raw, "payloadInline") if inline_raw is not None else None
-    ref = _payload_ref(ref_raw) if ref_raw is not None else None
+    ref = _payload_ref(ref_raw, namespace, legacy=legacy) if ref_raw is not None else None
     queue = http.name(field(body, "queue", str, default="default"), "queue")
     worker_id = http.ulid_field(body, "worker_id", optional=True)
     try:
@@ -152,7 +161,7 @@ async def result_post(
         result["resultInline"] = inline
     ref = body.get("resultRef")
     if ref is not None:
-        result["resultRef"] = _payload_ref(ref)
+        result["resultRef"] = _payload_ref(ref, namespace, legacy=caller.namespace is None)
     done = await ctx.call(
         ctx.store.publish_exec_result, namespace, exec_id, result, worker_id=worker_id, attempt=attempt
     )
@@ -165,9 +174,13 @@ async def result_post(
     return 200, ({"ok": True, "duplicate": True} if done.duplicate else {"ok": True})
 
 
-async def presign(ctx: Context, namespace: str, body: dict[str, Any], base_url: str = "") -> dict[str, Any]:
+async def presign(
+    ctx: Context, namespace: str, body: dict[str, Any], base_url: str = "", *, legacy: bool = False
+) -> dict[str, Any]:
     """Seed 003's presign: an S3 URL, or one onto this control plane's blob directory (``base_url``,
-    the address the caller reached it at) when no bucket is configured."""
+    the address the caller reached it at) when no bucket is configured. A put mints a key of
+    ``namespace`` (optionally bound to the bytes' ``sha256`` / ``md5``); a get names a key of
+    ``namespace`` (404 otherwise), or, with ``legacy``, one minted before keys carried it."""
     if ctx.payloads is None:
         raise HTTPError(
             501,
@@ -182,11 +195,23 @@ async def presign(ctx: Context, namespace: str, body: dict[str, Any], base_url: 
             content_type = field(body, "contentType", str, default=None, nullable=True)
             job_id = field(body, "jobId", str, default=None, nullable=True)
             kind = field(body, "kind", str, default="args")
+            sha256 = field(body, "sha256", str, default=None, nullable=True)
+            md5 = field(body, "md5", str, default=None, nullable=True)
             answer = await run_in_threadpool(
-                ctx.payloads.presign_put, namespace, size, content_type, job_id, kind, base_url=base_url
+                functools.partial(
+                    ctx.payloads.presign_put,
+                    namespace,
+                    size,
+                    content_type,
+                    job_id,
+                    kind,
+                    base_url=base_url,
+                    sha256=sha256,
+                    md5=md5,
+                )
             )
         elif op == "get":
-            key = field(body, "key", str)
+            key = check_key_in(field(body, "key", str), namespace, legacy=legacy)
             answer = await run_in_threadpool(ctx.payloads.presign_get, key, base_url=base_url)
         else:
             raise HTTPError(400, f"field 'op' must be 'put' or 'get', got {op[:20]!r}")

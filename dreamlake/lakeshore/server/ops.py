@@ -81,6 +81,7 @@ def worker_json(w: WorkerRow, now: float, live_within: float = LIVE_WINDOW_S) ->
         "version": info.get("version", ""),
         "labels": info.get("labels", {}),
         "namespace": info.get("namespace"),
+        "allow_pickled": info.get("allow_pickled"),  # None: it did not say (an SDK worker, an old nymph)
         "registered_at": w.registered_at,
         "last_seen": w.last_seen,
         "last_seen_age_s": round(max(0.0, now - w.last_seen), 3),

@@ -4,9 +4,16 @@ Bytes never pass through the control plane. It mints short-lived presigned URLs
 (:class:`PayloadStore`, boto3, any S3-compatible endpoint) and clients move the bytes
 themselves (:func:`upload`, :func:`download`, httpx).
 
-Keys are minted by the server, never chosen by the caller::
+Keys are minted by the server, never chosen by the caller, and carry the namespace the presign
+was made in (seed 003's follow-up, per-namespace prefixing)::
 
-    payloads/<YYYY>/<MM>/<DD>/<job_id or a new ULID>/<kind>
+    payloads/<namespace>/<YYYY>/<MM>/<DD>/<job_id or a new ULID>/<kind>
+
+A presign ``get`` (and a ref a submit or exec names) must lie under its own namespace's prefix
+(:func:`check_key_in`): a caller of namespace B can neither read nor point a job at A's payloads,
+and the same ``jobId`` in two namespaces names two keys. Keys minted before the prefix
+(``payloads/<YYYY>/...``, six segments) are read only by callers bound to no namespace (an admin,
+an unbound nymph) so work queued before an upgrade still runs.
 
 Configuration (:meth:`PayloadConfig.from_env`, given an explicit mapping, read once):
 
@@ -27,7 +34,11 @@ variable                    meaning                                             
 
 A presigned PUT signs ``Content-Length``: the upload must carry exactly the size that was
 presigned, so S3 itself refuses an oversized (or undersized) body. When a ``content_type`` is
-presigned, the upload must send that ``Content-Type`` too.
+presigned, the upload must send that ``Content-Type`` too. A presign may name the bytes' ``sha256``
+(hex) and ``md5`` (hex): they are signed into the URL (``x-amz-checksum-sha256`` and
+``Content-MD5``, which the answer's ``headers`` lists for the upload to send), so the store refuses
+a replay of the URL with other bytes (S3 checks both; MinIO-based gateways check ``Content-MD5``).
+The SDK sends both whenever it can read its source twice.
 
 ``expires_at`` in a presign answer is an ISO-8601 UTC timestamp with second precision and a
 ``Z`` suffix (``2026-01-31T12:00:00Z``); the URL stops working at or slightly after it.
@@ -35,6 +46,7 @@ presigned, the upload must send that ``Content-Type`` too.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import logging
 import re
@@ -66,6 +78,8 @@ PREFIX = "payloads/"
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _KIND_RE = re.compile(r"^[a-z0-9_-]{1,32}$")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_MD5_RE = re.compile(r"^[0-9a-f]{32}$")
+_LEGACY_SEGMENTS = 6  # payloads/<YYYY>/<MM>/<DD>/<job_id>/<kind>: a key minted before namespaces
 _MAX_KEY_LEN = 1024
 
 
@@ -184,6 +198,38 @@ def check_key(key: object) -> str:
     return key
 
 
+def key_namespace(key: str) -> str | None:
+    """The namespace a checked payload key was minted in; None for a key minted before keys
+    carried one (six segments)."""
+    segments = key.split("/")
+    return None if len(segments) <= _LEGACY_SEGMENTS else segments[1]
+
+
+def check_key_in(key: object, namespace: str, *, legacy: bool = False) -> str:
+    """``key`` checked (:func:`check_key`) and under ``payloads/<namespace>/``, else
+    PayloadError(404, as for a key that does not exist: another namespace's keys are not
+    disclosed). ``legacy``: a key minted before the prefix is accepted too (callers bound to no
+    namespace)."""
+    key = check_key(key)
+    owner = key_namespace(key)
+    if owner == namespace or (owner is None and legacy):
+        return key
+    raise PayloadError(
+        404,
+        f"no payload {key[:120]!r} in namespace '{namespace}': a namespace reads the payloads "
+        f"presigned in it (keys under 'payloads/{namespace}/')",
+    )
+
+
+def check_digests(sha256: object, md5: object) -> tuple[str | None, str | None]:
+    """A presign put's optional ``sha256`` and ``md5`` (lower-case hex), else PayloadError(400)."""
+    if sha256 is not None and not (isinstance(sha256, str) and _SHA256_RE.match(sha256)):
+        raise PayloadError(400, f"invalid sha256 {sha256!r:.80}: expected 64 lower-case hex characters")
+    if md5 is not None and not (isinstance(md5, str) and _MD5_RE.match(md5)):
+        raise PayloadError(400, f"invalid md5 {md5!r:.60}: expected 32 lower-case hex characters")
+    return sha256, md5
+
+
 class PayloadStore:
     """Mints presigned PUT/GET URLs for one bucket. Presigning is local: it makes no network call."""
 
@@ -227,9 +273,11 @@ class PayloadStore:
         """The boto3 S3 client (for operators and tests: bucket creation, listing)."""
         return self._client
 
-    def mint_key(self, job_id: str | None = None, kind: str = "args", *, now: datetime | None = None) -> str:
-        """``payloads/<YYYY>/<MM>/<DD>/<job_id or a new ULID>/<kind>``, validating both parts."""
-        return mint_key(job_id, kind, now=now)
+    def mint_key(
+        self, namespace: str, job_id: str | None = None, kind: str = "args", *, now: datetime | None = None
+    ) -> str:
+        """``payloads/<namespace>/<YYYY>/<MM>/<DD>/<job_id or a new ULID>/<kind>``, validated."""
+        return mint_key(namespace, job_id, kind, now=now)
 
     def presign_put(
         self,
@@ -240,18 +288,29 @@ class PayloadStore:
         kind: str = "args",
         *,
         base_url: str = "",
-    ) -> dict[str, str]:
-        """Presign an upload of exactly ``size`` bytes -> ``{"url", "bucket", "key", "expires_at"}``.
+        sha256: str | None = None,
+        md5: str | None = None,
+    ) -> dict[str, Any]:
+        """Presign an upload of exactly ``size`` bytes (and, when given, exactly the bytes of
+        ``sha256`` / ``md5``) -> ``{"url", "bucket", "key", "expires_at"[, "headers"]}``.
 
-        Raises PayloadError: 400 for a bad size, jobId, kind or contentType; 413 over the limit.
-        ``base_url`` is unused (see :meth:`presign_get`).
+        Raises PayloadError: 400 for a bad size, jobId, kind, contentType or digest; 413 over the
+        limit. ``base_url`` is unused (see :meth:`presign_get`).
         """
         check_put(self.config, size, content_type)
-        key = self.mint_key(job_id, kind)
+        check_digests(sha256, md5)
+        key = self.mint_key(namespace, job_id, kind)
         params: dict[str, Any] = {"Bucket": self.bucket, "Key": key, "ContentLength": size}
         if content_type is not None:
             params["ContentType"] = content_type
-        answer = self._presign("put_object", params)
+        headers: dict[str, str] = {}
+        if sha256 is not None:
+            params["ChecksumSHA256"] = headers["x-amz-checksum-sha256"] = _b64_hex(sha256)
+        if md5 is not None:
+            params["ContentMD5"] = headers["Content-MD5"] = _b64_hex(md5)
+        answer: dict[str, Any] = dict(self._presign("put_object", params))
+        if headers:
+            answer["headers"] = headers
         log.info("presigned PUT ns=%s key=%s size=%d", namespace, key, size)
         return answer
 
@@ -293,9 +352,18 @@ class PayloadStore:
         }
 
 
-def mint_key(job_id: str | None = None, kind: str = "args", *, now: datetime | None = None) -> str:
-    """``payloads/<YYYY>/<MM>/<DD>/<job_id or a new ULID>/<kind>`` (seed 003), validating both parts:
-    ``jobId`` by :data:`JOB_ID_RE`, ``kind`` 1-32 characters of ``a-z0-9_-``; else PayloadError(400)."""
+def _b64_hex(digest: str) -> str:
+    return base64.b64encode(bytes.fromhex(digest)).decode()
+
+
+def mint_key(
+    namespace: str, job_id: str | None = None, kind: str = "args", *, now: datetime | None = None
+) -> str:
+    """``payloads/<namespace>/<YYYY>/<MM>/<DD>/<job_id or a new ULID>/<kind>`` (seed 003, with its
+    per-namespace prefix), validating the parts: ``jobId`` by :data:`JOB_ID_RE`, ``kind`` 1-32
+    characters of ``a-z0-9_-``; else PayloadError(400)."""
+    if not isinstance(namespace, str) or not JOB_ID_RE.match(namespace):
+        raise PayloadError(400, f"invalid namespace {namespace!r:.60} for a payload key")
     if job_id is None:
         job_id = ids.new_ulid()
     elif not isinstance(job_id, str) or not JOB_ID_RE.match(job_id):
@@ -310,7 +378,7 @@ def mint_key(job_id: str | None = None, kind: str = "args", *, now: datetime | N
             f"invalid kind {kind!r:.60}: expected 1-32 characters of a-z, 0-9, '_' or '-' (e.g. 'args')",
         )
     day = (now or datetime.now(UTC)).astimezone(UTC)
-    return f"{PREFIX}{day:%Y}/{day:%m}/{day:%d}/{job_id}/{kind}"
+    return f"{PREFIX}{namespace}/{day:%Y}/{day:%m}/{day:%d}/{job_id}/{kind}"
 
 
 def check_put(config: PayloadConfig, size: object, content_type: object) -> None:

@@ -29,6 +29,7 @@ from dreamlake.lakeshore.store.api import (
     Invocation,
     SubmitRequest,
     SubmitResult,
+    visible,
 )
 from dreamlake.lakeshore.store.notify import invocation_channels
 from dreamlake.lakeshore.store.placement import needs_of
@@ -43,6 +44,7 @@ def check_config(caller: Caller, run_config: dict[str, Any]) -> None:
     for key in run_config:
         if not isinstance(key, str):
             raise HTTPError(400, "run_config keys must be strings")
+    http.bound_document(run_config, "run_config")
     try:
         check_run_config(run_config)
     except PlaneError as exc:
@@ -65,17 +67,19 @@ def submit_request(
     if queue is None:
         queue = run_config.get("queue") or "default"
     queue = http.name(queue, "queue")
-    function = field(body, "function", dict)
+    function = http.document(body, "function")
     namespace = caller.namespace or DEFAULT_NAMESPACE
     raw_ref = field(body, "args_ref", dict, default=None, nullable=True)
-    args_ref = None if raw_ref is None else ctx.ref(raw_ref, "args_ref")
+    args_ref = (
+        None if raw_ref is None else ctx.ref(raw_ref, "args_ref", namespace, legacy=caller.namespace is None)
+    )
     args_blob = field(body, "args_blob", bytes, default=b"" if args_ref is not None else http.MISSING)
     if args_ref is not None and args_blob:
         raise HTTPError(
             400, "send args_blob or args_ref, not both (args_ref for an Envelope over the threshold)"
         )
     ctx.check_inline("args_blob", len(args_blob), namespace, "args_ref")
-    code_context = field(body, "code_context", dict, default={})
+    code_context = http.document(body, "code_context", default={})
     parent = http.ulid_field(body, "parent_invocation_id", optional=True)
     if run_config is not checked:
         check_config(caller, run_config)
@@ -121,8 +125,25 @@ async def _placement_warning(ctx: Context, queue: str, req: SubmitRequest) -> st
     return placement_warning(queue, needs, infos)
 
 
+async def check_parent(ctx: Context, caller: Caller, parent: str | None) -> None:
+    """404 unless ``parent`` (a submit's ``parent_invocation_id``) is an invocation the caller
+    sees: a producer cannot hang its call under another namespace's invocation (where the other
+    tenant's status would list it and its cancel would cancel it). Unknown and foreign answer
+    alike. A task's parent is its own invocation (``tasks.own_child``); an admin's is unchecked."""
+    if parent is None or caller.rule is not authz.Own.NAMESPACE:
+        return
+    inv = await ctx.call(ctx.store.get, parent)
+    if inv is None or not visible(caller.namespace, inv):
+        raise HTTPError(
+            404,
+            f"unknown parent_invocation_id '{parent}' (a parent must be an invocation of namespace "
+            f"'{caller.namespace}')",
+        )
+
+
 async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
     req, wait_s = submit_request(ctx, caller, body)
+    await check_parent(ctx, caller, req.parent_invocation_id)
     mark = ctx.wake.mark()  # before the write: a submit-and-wait misses no wake-up after its commit
     result = await ctx.write(req)
     assert isinstance(result, SubmitResult)
@@ -191,7 +212,7 @@ async def submit_batch(
     The items that pass are written in one transaction, answered after its commit, and wake one
     poll each. ``task`` is the running invocation of a task token (its items are its children)."""
     items = field(body, "submits", list)
-    common = field(body, "common", dict, default={})
+    common = http.document(body, "common", default={})
     cap = ctx.config.submit_batch_max
     if not items:
         raise HTTPError(400, "field 'submits' is empty: send a list of 1 to N submit bodies")
@@ -205,6 +226,7 @@ async def submit_batch(
     answers: list[dict[str, Any] | None] = [None] * len(items)
     reqs: list[SubmitRequest] = []
     where: list[int] = []
+    parents_seen: set[str | None] = {None}  # each parent checked once (a sweep's all share one)
     shared = common.get("run_config")  # a sweep's: checked once, not per item
     try:
         if isinstance(shared, dict):
@@ -229,6 +251,9 @@ async def submit_batch(
             if task is not None:
                 tasks.own_child(task, merged)
             req, _ = submit_request(ctx, caller, merged, checked=shared)
+            if req.parent_invocation_id not in parents_seen:
+                await check_parent(ctx, caller, req.parent_invocation_id)
+                parents_seen.add(req.parent_invocation_id)
         except HTTPError as exc:
             answers[i] = _item_error(exc, merged)
             continue

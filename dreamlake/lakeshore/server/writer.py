@@ -216,6 +216,12 @@ class GroupWriter:
         size = sum(len(reqs) for reqs, _ in batch)
         if self._observe is not None:
             self._observe(size)
+        await self._write(loop, batch)
+
+    async def _write(self, loop: asyncio.AbstractEventLoop, batch: list[_Item]) -> None:
+        """``store.write_batch`` of ``batch``; should the store raise outside any one write (a
+        bug a hostile value met), each caller not answered yet is written again alone, so the
+        error is its own and never its neighbours' (the store isolates the writes it knows fail)."""
         answers = _Answers(batch)
         writes = [req for reqs, _ in batch for req in reqs]
 
@@ -226,8 +232,18 @@ class GroupWriter:
 
         try:
             results = await loop.run_in_executor(self._pool, self._store.write_batch, writes, committed)
-        except Exception as exc:  # the store raised outside any one write: all of them failed
-            failed: PlaneError | None = classify(exc)  # an outage: 503, logged once (Outages)
+        except Exception as exc:  # the store raised outside any one write
+            failed: PlaneError | None = classify(exc)  # an outage: all fail, 503 (Outages logs it once)
+            if failed is None and len(batch) > 1:  # one write's fault: each caller's again, alone
+                log.warning(
+                    "a group commit of %d writes failed (%s); writing each caller's alone",
+                    len(writes),
+                    type(exc).__name__,
+                )
+                for item in batch:
+                    if not item[1].done():  # answered already: its transaction committed
+                        await self._write(loop, [item])
+                return
             if failed is None:
                 log.exception("a group commit of %d writes failed", len(writes))
                 failed = PlaneError(f"the store failed: {type(exc).__name__}", status=500)

@@ -239,6 +239,10 @@ class SqlStore(
             except PlaneError as exc:
                 out[i] = exc
                 continue
+            except Exception as exc:  # a bug met by this write alone: its 500, never its neighbours'
+                log.exception("preparing a %s failed", type(req).__name__)
+                out[i] = PlaneError(f"the store failed: {type(exc).__name__}", status=500)
+                continue
             if isinstance(prepared, _Prepared) or (isinstance(prepared, PollRequest) and prepared.handed):
                 group = 0  # a handed pass claims in its submits' transaction, right after them
             else:

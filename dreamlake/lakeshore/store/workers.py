@@ -18,18 +18,23 @@ Tokens: ``create_token`` returns ``"lsk_" + secrets.token_urlsafe(32)`` once; on
 stored, and ``verify_token`` looks the hash up (no secret ever compared byte by byte). A token
 carries its kind, the namespace it is bound to (if any) and ``may_script``.
 
-Server keys: ``server_key(name)`` returns a 32-byte secret every replica shares, made on first use
-(the first insert wins a race; the others read it back). The task-token HMAC key is one.
+Server keys: ``server_key(name)`` returns a 32-byte secret every replica shares, from the key ring
+of ``store/keys.py`` (a file next to the store, or a secret in the environment; never the
+database). The task-token and blob-URL HMAC keys are two.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import hmac
+import os
 import secrets
+import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -42,8 +47,11 @@ from . import schema as t
 from .api import DEFAULT_NAMESPACE, TOKEN_KINDS, Command, Principal
 from .base import StoreBase
 from .engine import Database, retry_on_disconnect
+from .keys import KeyRing
 from .notify import Notifier
 from .values import json_safe
+
+_RING_LOCK = threading.Lock()  # the key ring is opened once per store
 
 TOKEN_PREFIX = "lsk_"
 
@@ -287,17 +295,40 @@ class WorkerStore(StoreBase):
     # -- server keys -----------------------------------------------------------------------------
 
     def server_key(self, name: str) -> bytes:
+        """The key ``name`` from the key ring (``store/keys.py``: a file next to the store or a
+        secret in the environment, never the database). The first call moves keys an older
+        version kept in the ``server_keys`` table out of it."""
+        ring = self._keyring
+        if ring is None:
+            with _RING_LOCK:
+                ring = self._keyring
+                if ring is None:
+                    ring = self._open_keyring()
+                    self._keyring = ring
+        return ring.key(name)
+
+    _keyring: KeyRing | None = None
+
+    def _open_keyring(self) -> KeyRing:
+        db_file = None
+        if self.db.dialect == "sqlite" and not self.db.memory:
+            db_file = Path(self.db.url[len("sqlite:///") :])
+        ring = KeyRing.resolve(os.environ, dialect=self.db.dialect, db_file=db_file)
         k = t.server_keys
-        with self.db.tx(write=True) as conn:
-            found = conn.execute(sa.select(k.c.secret).where(k.c.name == name)).scalar_one_or_none()
-            if found is None:
-                conn.execute(
-                    self._insert(k)
-                    .values(name=name, secret=secrets.token_bytes(32), created_at=time.time())
-                    .on_conflict_do_nothing()
-                )
-                found = conn.execute(sa.select(k.c.secret).where(k.c.name == name)).scalar_one()
-        return bytes(found)
+        with self.db.tx(write=False) as conn:
+            legacy = {str(n): bytes(v) for n, v in conn.execute(sa.select(k.c.name, k.c.secret))}
+        if legacy:
+            ring.adopt(legacy)
+            with self.db.tx(write=True) as conn:
+                if self.db.dialect == "sqlite":  # overwrite the freed pages, not only unlink them
+                    conn.exec_driver_sql("PRAGMA secure_delete = ON")
+                conn.execute(sa.delete(k).where(k.c.name.in_(list(legacy))))
+            if db_file is not None:  # and the write-ahead log's old copies of those pages
+                import sqlite3
+
+                with contextlib.closing(sqlite3.connect(db_file, timeout=5)) as raw:
+                    raw.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        return ring
 
     def count_tokens(self) -> int:
         with self.db.tx(write=False) as conn:
