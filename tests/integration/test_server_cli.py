@@ -141,3 +141,15 @@ def test_the_extras_map_agrees_with_pyproject() -> None:
     for module, extra in EXTRA_OF.items():
         names = {re.split(r"[<>=\[; ]", req, maxsplit=1)[0].lower() for req in extras[extra]}
         assert module in names, f"{module} is not a requirement of the {extra!r} extra"
+
+
+def test_both_clis_say_their_version() -> None:
+    from dreamlake.lakeshore import __version__
+
+    for cmd, name in (
+        ([sys.executable, "-m", "dreamlake.lakeshore.cli"], "lakeshore"),
+        ([sys.executable, "-m", "nymph"], "nymph"),
+    ):
+        for flag in ("--version", "-V"):
+            out = subprocess.run([*cmd, flag], capture_output=True, text=True, timeout=60)
+            assert (out.returncode, out.stdout.strip()) == (0, f"{name} {__version__}"), out.stderr
