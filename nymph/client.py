@@ -179,9 +179,18 @@ class ControlPlaneClient(PlaneClient):
     def ack(self, body: dict[str, Any]) -> dict[str, Any]:
         return self.call("/v1/daemon/ack", body, timeout_s=30.0)
 
+    def secrets(self, body: dict[str, Any]) -> dict[str, str]:
+        """The values of the secrets a claimed invocation names (``POST /v1/daemon/secrets``,
+        ``{invocation_id, attempt, worker_id}``): for its task's environment, never to be logged."""
+        answer = self.call("/v1/daemon/secrets", body, timeout_s=30.0).get("secrets") or {}
+        return {str(k): str(v) for k, v in answer.items()}
+
     def sends(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
         """The sends into a two-way invocation this worker holds (a long poll: nymph.sends)."""
         return self.call("/v1/daemon/sends", body, timeout_s=timeout_s)
 
     def result_chunk(self, body: dict[str, Any]) -> dict[str, Any]:
         return self.call("/v1/daemon/result-chunk", body, timeout_s=30.0)
+
+    def checkpoint(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self.call("/v1/daemon/checkpoint", body, timeout_s=30.0)

@@ -4,14 +4,14 @@ Checks, in order: the control plane answers ``/healthz``; the token is accepted 
 (``/v1/ops/whoami`` names its kind: an admin token works but is flagged; nothing is registered, so
 the doctor leaves no worker behind); the runner loads and its ``check()`` passes; who tasks run as
 (:mod:`nymph.taskuser`: a root nymph without its task user fails, one with ``--allow-root-tasks``
-warns); whether those users can run the tasks (:mod:`nymph.selfcheck`, the very checks ``nymph
-start`` makes before it registers: the interpreter, the workdir, the code cache); for the process
-runner, whether each task gets its own cgroup (:mod:`nymph.cgroup`; where not, a warning that says
-why and that nymph falls back to the process group) and which controllers limit each task's memory
-and processes (:mod:`nymph.limits`: a warning without them); with ``--fix``, the missing users of
-the task user pool are created first; the work and state directories exist (or can be created) and
-are writable; the state directory is not readable by others, and the work directory not listable
-by them (a warning: 0711 is right, task users must enter it).
+warns; with ``--fix``, the missing users of the task user pool are created first); whether those
+users can run the tasks (:mod:`nymph.selfcheck`, the very checks ``nymph start`` makes before it
+registers: the interpreter, the workdir, the code cache); for the process runner, whether each task
+gets its own cgroup (:mod:`nymph.cgroup`; where not, a warning that says why and that nymph falls
+back to the process group) and which controllers limit each task's memory and processes
+(:mod:`nymph.limits`: a warning without them); the work and state directories exist (or can be
+created) and are writable; the state directory is not readable by others, and the work directory
+not listable by them (a warning: 0711 is right, task users must enter it).
 
 A warning (``[warn]``) does not fail the doctor; a failure (``[FAIL]``) does.
 """

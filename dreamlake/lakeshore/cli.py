@@ -374,6 +374,10 @@ from dreamlake.lakeshore.exec_cli import exec_command as _exec_command  # noqa: 
 
 main.add_command(_exec_command)
 
+from dreamlake.lakeshore.secret_cli import secret as _secret_group  # noqa: E402
+
+main.add_command(_secret_group)
+
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -22,6 +22,7 @@ import click
 from dreamlake.lakeshore.errors import LakeshoreError, NotFound
 from dreamlake.lakeshore.humanize import age, duration, when
 from dreamlake.lakeshore.states import STATES
+from dreamlake.lakeshore.termsafe import for_terminal
 
 if TYPE_CHECKING:
     from dreamlake.lakeshore.dispatch.http import HttpDispatch
@@ -68,6 +69,19 @@ def parse_since(value: str | None, now: float | None = None) -> float | None:
 
 def _echo_json(value: Any) -> None:
     click.echo(json.dumps(value, indent=2, sort_keys=True))
+
+
+def _echo(text: str, *, raw: bool = False, err: bool = False) -> None:
+    """``click.echo`` of text that holds what tenants wrote: control sequences escaped on a
+    terminal unless ``raw`` (``termsafe``)."""
+    click.echo(for_terminal(text, sys.stderr if err else sys.stdout, raw=raw), err=err)
+
+
+_raw_option = click.option(
+    "--raw",
+    is_flag=True,
+    help="Write the bytes as they are, control sequences included (escaped on a terminal).",
+)
 
 
 # -- connection ------------------------------------------------------------------------------------
@@ -278,6 +292,7 @@ def workers(url: str | None, token: str | None, live: bool, as_json: bool) -> No
 @click.option("--cursor", default=None, help="Continue a listing: the id printed after the last page.")
 @click.option("--sweep", default=None, help="Only the calls of one map (the sweep id `show` prints).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON ({invocations, next_cursor}).")
+@_raw_option
 @guarded
 def ls(
     url: str | None,
@@ -289,6 +304,7 @@ def ls(
     cursor: str | None,
     sweep: str | None,
     as_json: bool,
+    raw: bool,
 ) -> None:
     """Invocations, newest first."""
     with _client(url, token) as client:
@@ -315,7 +331,7 @@ def ls(
         ]
         for i in page["invocations"]
     ]
-    click.echo(table(["INVOCATION", "QUEUE", "STATE", "ATTEMPT", "SUBMITTED", "RAN", "ERROR"], rows))
+    _echo(table(["INVOCATION", "QUEUE", "STATE", "ATTEMPT", "SUBMITTED", "RAN", "ERROR"], rows), raw=raw)
     if page.get("next_cursor"):
         click.echo(f"more: lakeshore ls --cursor {page['next_cursor']}", err=True)
 
@@ -324,8 +340,9 @@ def ls(
 @connection_options
 @click.argument("invocation_id")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@_raw_option
 @guarded
-def show(url: str | None, token: str | None, invocation_id: str, as_json: bool) -> None:
+def show(url: str | None, token: str | None, invocation_id: str, as_json: bool, raw: bool) -> None:
     """One invocation: status, attempts and their outcomes, timings, children, error with traceback."""
     with _client(url, token) as client:
         d = client.invocation(invocation_id)
@@ -370,7 +387,7 @@ def show(url: str | None, token: str | None, invocation_id: str, as_json: bool) 
         if error.get("traceback"):
             lines.append("traceback:")
             lines += ["  " + line for line in str(error["traceback"]).rstrip().splitlines()]
-    click.echo("\n".join(lines))
+    _echo("\n".join(lines), raw=raw)
 
 
 @click.command()
@@ -428,9 +445,16 @@ def _jsonable(value: Any) -> Any:
 )
 @click.option("--timeout", default=30.0, show_default=True, type=float, help="Seconds of silence to wait.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per frame.")
+@_raw_option
 @guarded
 def stream(
-    url: str | None, token: str | None, invocation_id: str, since: int, timeout: float, as_json: bool
+    url: str | None,
+    token: str | None,
+    invocation_id: str,
+    since: int,
+    timeout: float,
+    as_json: bool,
+    raw: bool,
 ) -> None:
     """Follow an invocation's frames (the values it yields), from --since, until it ends."""
     with _plane(url, token) as plane:
@@ -441,10 +465,11 @@ def stream(
                     click.echo(json.dumps(f, sort_keys=True))
                     continue
                 shown = f.get("text", f.get("value", ""))
-                click.echo(
+                _echo(
                     f"{f['seq']:>6}  {f['kind']:<5}  {shown!r}"
                     if shown != ""
-                    else f"{f['seq']:>6}  {f['kind']}"
+                    else f"{f['seq']:>6}  {f['kind']}",
+                    raw=raw,
                 )
         except TimeoutError as exc:
             _fail(exc)
@@ -454,16 +479,18 @@ def stream(
 @connection_options
 @click.argument("invocation_id")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new output until the invocation ends.")
+@_raw_option
 @guarded
-def logs(url: str | None, token: str | None, invocation_id: str, follow: bool) -> None:
+def logs(url: str | None, token: str | None, invocation_id: str, follow: bool, raw: bool) -> None:
     """An invocation's stdout and stderr (stderr lines go to stderr), while it runs and after it
-    ended; with -f, follow it until it ends."""
+    ended; with -f, follow it until it ends. On a terminal, control sequences the task printed are
+    shown escaped (\\x1b...); --raw writes them as they are."""
     from dreamlake.lakeshore.queue import log_chunks
 
     with _plane(url, token) as plane:
         for chunk in log_chunks(plane, invocation_id, follow=follow):
             out = sys.stderr if chunk.stream == "stderr" else sys.stdout
-            out.write(chunk.text)
+            out.write(for_terminal(chunk.text, out, raw=raw))
             out.flush()
 
 

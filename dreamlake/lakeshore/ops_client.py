@@ -49,6 +49,19 @@ class OpsClient:
         out = self._client.request(method, path, body, as_json=True, params=query)
         return out if isinstance(out, dict) else {}
 
+    # -- secrets (server/secrets.py): names and times only come back, never a value -------------
+
+    def secret_set(self, namespace: str, name: str, value: str) -> None:
+        self._client.request(
+            "PUT", f"/v1/namespaces/{namespace}/secrets/{name}", {"value": value}, as_json=True
+        )
+
+    def secret_names(self, namespace: str) -> list[dict[str, Any]]:
+        return list(self._request("GET", f"/v1/namespaces/{namespace}/secrets")["secrets"])
+
+    def secret_remove(self, namespace: str, name: str) -> None:
+        self._request("DELETE", f"/v1/namespaces/{namespace}/secrets/{name}")
+
     def whoami(self) -> dict[str, Any]:
         return self._request("GET", "/v1/ops/whoami")
 

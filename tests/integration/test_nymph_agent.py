@@ -159,13 +159,32 @@ def await_result(url: str, token: str, invocation_id: str, limit_s: float = LIMI
     return dict(out)
 
 
-def state_of(url: str, token: str, invocation_id: str) -> str:
+def status_of(url: str, token: str, invocation_id: str) -> dict[str, Any]:
+    """The status route's body (``GET /v1/producer/invocations/:id``)."""
     resp = httpx.get(
         f"{url}/v1/producer/invocations/{invocation_id}",
         headers={"Authorization": f"Bearer {token}"},
         timeout=10,
     )
-    return str(msgpack.unpackb(resp.content, raw=False)["state"])
+    return dict(msgpack.unpackb(resp.content, raw=False))
+
+
+def state_of(url: str, token: str, invocation_id: str) -> str:
+    return str(status_of(url, token, invocation_id)["state"])
+
+
+def preempted_back_in_queue(url: str, token: str, invocation_id: str) -> dict[str, Any]:
+    """Wait until the call is queued again after a preempted attempt; its status."""
+    return dict(
+        _until(
+            lambda: (
+                (s := status_of(url, token, invocation_id))["state"] == "queued"
+                and s["preemptions"] >= 1
+                and s
+            ),
+            f"{invocation_id} to be requeued as preempted",
+        )
+    )
 
 
 def frames_of(url: str, token: str, invocation_id: str, timeout: float = 5.0) -> list[wire.Frame]:
@@ -192,6 +211,24 @@ def test_plain_function_succeeds_and_its_workdir_is_removed(
     assert wire.unpack(out["result_blob"]) == 5
     _until(lambda: not (n.workdir / inv).exists(), "the workdir to be removed")
     assert (n.state_dir / "worker_id").read_text().strip() != ""
+
+
+def test_async_bodies_run_through_nymph(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    """An ``async def`` runs to completion and an async generator streams, on nymph's process
+    runner (the warm fork; every runner runs the same entry)."""
+    cp = sqlite_control_plane
+    n = nymph_factory(cp.url, cp.daemon_token)
+    inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.async_add, 2, 3))
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert out["state"] == "succeeded", (out, n.output()[-3000:])
+    assert wire.unpack(out["result_blob"]) == 5
+    inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.async_count, 3))
+    assert await_result(cp.url, cp.producer_token, inv)["state"] == "succeeded"
+    frames = frames_of(cp.url, cp.producer_token, inv)
+    assert [f.kind for f in frames] == [wire.FRAME_VALUE] * 3 + [wire.FRAME_END]
+    assert [wire.unpack(f.body) for f in frames[:3]] == [0, 1, 2]  # type: ignore[arg-type]
 
 
 def test_running_invocations_hold_no_thread_of_nymphs(
@@ -398,18 +435,22 @@ def test_timeout_stops_the_job_and_acks_timeout(
     assert out["error"]["type"] == "Timeout"
 
 
-def test_sigterm_lets_work_finish_within_grace_then_kills_with_the_exact_message(
+def test_sigterm_lets_work_finish_within_grace_then_preempts_with_the_exact_message(
     sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
 ) -> None:
     cp = sqlite_control_plane
     n = nymph_factory(cp.url, cp.daemon_token, "--grace-s", "1", "--concurrency", "2")
-    stuck = submit(cp.url, cp.producer_token, envelope(nymph_fns.wait_for_file, "never"))
+    stuck = submit(cp.url, cp.producer_token, envelope(nymph_fns.wait_for_file, "never"), max_attempts=1)
     _until(lambda: (n.workdir / stuck / "handle.json").exists(), "the job to start")
     n.signal(signal.SIGTERM)
     assert n.wait() == 0
-    out = await_result(cp.url, cp.producer_token, stuck)
-    assert out["state"] == "killed"
-    assert out["error"] == {"type": "Cancelled", "message": "daemon shutdown grace expired"}
+    out = preempted_back_in_queue(cp.url, cp.producer_token, stuck)  # runs again elsewhere, attempt 2
+    assert (out["attempt"], out["max_attempts"], out["preemptions"]) == (1, 1, 1)
+    assert out["error"] == {
+        "type": "Preempted",
+        "message": "daemon shutdown grace expired",
+        "reason": "nymph stopped (SIGTERM, grace 1s)",
+    }
 
 
 def test_bad_token_stops_nymph_with_a_clear_message(

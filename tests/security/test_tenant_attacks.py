@@ -196,3 +196,101 @@ def test_a_payload_ref_without_its_sha256_is_refused(stack: Stack, tenants: Tena
         "POST", "/v1/namespaces/team-a/exec", {"command": "cat", "payloadRef": ref}, tenants.a_ns
     )
     assert status == 400 and "payloadRef.sha256 is required" in out["error"]
+
+
+# -- terminals: what a task prints reaches the operator's terminal escaped ----------------------
+
+EVIL = (
+    "before "
+    "\x1b]52;c;ZWNobyBwd25lZA==\x07"  # OSC 52: write the clipboard
+    "\x1b[2J\x1b[H"  # CSI: clear the screen, home the cursor
+    "\x1b]8;;https://evil.example/\x1b\\click me\x1b]8;;\x1b\\"  # OSC 8: a link that lies
+    "\x9b31m"  # an 8-bit CSI (C1)
+    " after\n"
+)
+
+
+def _run_on_a_terminal(stack: Stack, *args: str) -> bytes:
+    """Run the ``lakeshore`` CLI with its stdout on a pseudo-terminal; all it wrote there."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    from tests.security.conftest import ROOT
+
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dreamlake.lakeshore.cli", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=follower,
+            stderr=follower,
+            env={**stack.env, "LAKESHORE_URL": stack.url, "LAKESHORE_TOKEN": stack.admin},
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        os.close(follower)
+        follower = -1
+        out = b""
+        while True:
+            try:
+                data = os.read(leader, 65536)
+            except OSError:  # EIO: the terminal's other side closed
+                break
+            if not data:
+                break
+            out += data
+        assert proc.wait(60) == 0, out
+        return out
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)
+
+
+def _printed_by_a_task(stack: Stack, tenants: Tenants) -> str:
+    """A team-a invocation whose task printed EVIL (LOG frames, as nymph journals a task's
+    stdout), then failed with EVIL as its error; its id."""
+    from dreamlake.lakeshore import wire
+
+    queue = f"q{new_ulid().lower()[-8:]}"
+    inv, status, _ = _submit(stack, tenants.a, queue=queue)
+    assert status == 200
+    worker = {"worker_id": new_ulid(), "queues": [queue], "timeout_s": 5}
+    assert stack.call("/v1/daemon/register", worker, stack.daemon)[0] == 200
+    _, out = stack.call("/v1/daemon/poll", worker, stack.daemon)
+    attempt = out["commands"][0]["body"]["attempt"]
+    lease = {"worker_id": worker["worker_id"], "attempt": attempt}
+    frames = [
+        wire.encode_frame(wire.FRAME_LOG, 0, EVIL.encode(), {"stream": "stdout", "ts": 0.0}),
+        wire.encode_frame(wire.FRAME_END, 1, wire.pack(None), {"ts": 0.0}),
+    ]
+    for seq, data in enumerate(frames):
+        body = {"invocation_id": inv, "seq": seq, "bytes": data, **lease}
+        assert stack.call("/v1/daemon/result-chunk", body, stack.daemon)[0] == 200
+    error = {"type": "Boom", "message": EVIL, "traceback": EVIL}
+    ack = {"invocation_id": inv, "state": "failed", "error": error, **lease}
+    assert stack.call("/v1/daemon/ack", ack, stack.daemon)[0] == 200
+    return inv
+
+
+def test_control_sequences_a_task_printed_reach_the_terminal_escaped(stack: Stack, tenants: Tenants) -> None:
+    """`lakeshore logs` on a terminal shows OSC 52, CSI, OSC 8 and C1 as visible escapes; with
+    --raw the bytes are kept."""
+    inv = _printed_by_a_task(stack, tenants)
+    shown = _run_on_a_terminal(stack, "logs", inv)
+    assert (
+        b"\x1b" not in shown
+        and b"\x9b" not in shown.replace(b"\xc2\x9b", b"")
+        and "\x9b" not in shown.decode()
+    )
+    assert b"before \\x1b]52;c;ZWNobyBwd25lZA==\\x07\\x1b[2J" in shown
+    assert b"\\x1b]8;;https://evil.example/" in shown and b"\\x9b31m after" in shown
+    raw = _run_on_a_terminal(stack, "logs", "--raw", inv)
+    assert b"\x1b]52;c;ZWNobyBwd25lZA==\x07" in raw and b"\x1b[2J" in raw and "\x9b".encode() in raw
+    for command in (("show", inv), ("ls", "--limit", "5")):  # the task's error message
+        shown = _run_on_a_terminal(stack, *command)
+        assert b"\x1b" not in shown and b"\\x1b]52" in shown, command
+        assert b"\x1b]52" in _run_on_a_terminal(stack, *command, "--raw"), command
+    assert b"\x1b" not in _run_on_a_terminal(stack, "stream", inv)

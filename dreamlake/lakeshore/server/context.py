@@ -91,6 +91,7 @@ class Context:
         self.workers = WorkerBindings(lambda worker, token: self.call(self.store.bind_worker, worker, token))
         self.queues = QueueWatch()
         self._task_tokens: TaskTokens | None = None
+        self.secret_sealer: Any = None  # server.secrets.Sealer, made on first use (server/secrets.py)
 
     @property
     def inline_threshold(self) -> int | None:

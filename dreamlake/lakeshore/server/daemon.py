@@ -153,6 +153,8 @@ def run_command(inv: Invocation, task_token: str | None = None) -> dict[str, Any
     }
     if inv.args_ref is not None:
         body["args_ref"] = inv.args_ref  # the Envelope is in the payload store: fetch it first
+    if inv.checkpoint_ref is not None:
+        body["checkpoint_ref"] = inv.checkpoint_ref  # an earlier attempt's dls.checkpoint_dir()
     if rc.get("prefix"):
         body["prefix"] = rc["prefix"]
     body["attempt"] = inv.attempt

@@ -10,7 +10,7 @@ Times are float seconds since the epoch. Blobs are ``bytes``. ``error`` is an Er
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -82,6 +82,8 @@ class Invocation:
 
     not_before: float | None = None  # a retry waits queued until then (None: claimable)
     shape: str = ""  # its placement shape (store/placement.py); '' needs nothing
+    preemptions: int = 0  # attempts that ended preempted: they spend no max_attempts
+    checkpoint_ref: dict[str, Any] | None = None  # what the next attempt starts from (issue 30)
 
     def status(self) -> dict[str, Any]:
         """The producer's view of this row: the ``GET /v1/producer/invocations/:id`` body."""
@@ -93,6 +95,7 @@ class Invocation:
             "priority": self.priority,
             "attempt": self.attempt,
             "max_attempts": self.max_attempts,
+            "preemptions": self.preemptions,
             "worker_id": self.worker_id,
             "submitted_at": self.submitted_at,
             "started_at": self.started_at,
@@ -119,6 +122,7 @@ class AckResult:
     status: int = SUPERSEDED  # the HTTP status of a refusal: UNKNOWN, ANOTHER_WORKER or SUPERSEDED
     requeued: str | None = field(default=None, compare=False)  # a retry's queue, claimable now
     requeued_namespace: str | None = field(default=None, compare=False)  # ... and its namespace
+    requeued_shape: str = field(default="", compare=False)  # ... and its placement shape
 
 
 @dataclass
@@ -465,6 +469,14 @@ class Store(Listing, Protocol):
         outcome answers duplicate=True."""
         ...
 
+    def set_checkpoint(
+        self, invocation_id: str, attempt: int, worker_id: str, ref: dict[str, Any]
+    ) -> tuple[int, str] | None:
+        """Record ``ref`` as the checkpoint the next attempt starts from, when ``worker_id`` holds
+        ``attempt`` of the running invocation; else ``(status, reason)`` (a stale attempt's
+        checkpoint never overwrites the current one's)."""
+        ...
+
     def append_frame(
         self,
         owner_id: str,
@@ -591,6 +603,12 @@ class Store(Listing, Protocol):
         ...
 
     def count_tokens(self) -> int: ...
+
+    # -- secrets (sealed bytes only: server/secrets.py seals and opens them) ------------------
+    def put_secret(self, namespace: str, name: str, sealed: bytes) -> None: ...
+    def secret_names(self, namespace: str) -> list[tuple[str, float]]: ...
+    def sealed_secrets(self, namespace: str, names: Iterable[str]) -> dict[str, bytes]: ...
+    def delete_secret(self, namespace: str, name: str) -> bool: ...
     def create_exec(
         self,
         namespace: str,

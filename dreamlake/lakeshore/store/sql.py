@@ -57,6 +57,7 @@ from .notify import Notifier, exec_queue_channel, invocation_channels
 from .outage import classify
 from .placement import NO_OFFER, Offer
 from .retention import RetentionStore
+from .secrets import SecretStore
 from .workers import WorkerStore
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,14 @@ OnCommit = Callable[[list[tuple[int, "WriteResult | PlaneError"]]], None]
 
 
 class SqlStore(
-    InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingStore, RetentionStore, ActivityStore
+    InvocationStore,
+    FrameStore,
+    WorkerStore,
+    ExecJobStore,
+    ListingStore,
+    RetentionStore,
+    ActivityStore,
+    SecretStore,
 ):
     """The Store protocol over SQLite (file or ``:memory:``) or PostgreSQL."""
 
@@ -344,7 +352,11 @@ class SqlStore(
                             channels.append(f"inv:{req.invocation_id}")
                         if ack.requeued:  # a retry claimable now: one wake per invocation
                             requeued.extend(
-                                invocation_channels(ack.requeued_namespace or DEFAULT_NAMESPACE, ack.requeued)
+                                invocation_channels(
+                                    ack.requeued_namespace or DEFAULT_NAMESPACE,
+                                    ack.requeued,
+                                    ack.requeued_shape,
+                                )
                             )
                     acks = []
                 if isinstance(p, FrameRequest):
@@ -390,7 +402,7 @@ class SqlStore(
             log.debug("%d retries due: claimable again", len(due))
         self._notify(
             # one per invocation: the poll hub wakes one poll each
-            *(c for r in requeued for c in invocation_channels(r.namespace, r.queue)),
+            *(c for r in requeued for c in invocation_channels(r.namespace, r.queue, r.shape)),
             *(c for r in due for c in invocation_channels(r.namespace, r.queue, r.shape)),
             *(f"inv:{r.invocation_id}" for r in due),
             *(f"inv:{i}" for i in ids),
