@@ -154,10 +154,22 @@ def server(
     retention_queue: tuple[str, ...],
 ) -> None:
     """Run the control plane (HTTP) over the store."""
-    from dreamlake.lakeshore.server.bootstrap import bootstrap_tokens, start_line
-    from dreamlake.lakeshore.server.config import ServerConfig
-    from dreamlake.lakeshore.server.payloads import PayloadStore
-    from dreamlake.lakeshore.server.serve import ServeSpec, serve
+    import importlib
+
+    try:  # the server extra, before anything is printed or opened
+        for module in ("starlette.applications", "uvicorn", "jinja2"):
+            importlib.import_module(module)
+        from dreamlake.lakeshore.server.bootstrap import bootstrap_tokens, start_line
+        from dreamlake.lakeshore.server.config import ServerConfig
+        from dreamlake.lakeshore.server.payloads import PayloadStore
+        from dreamlake.lakeshore.server.serve import ServeSpec, serve
+    except ModuleNotFoundError as exc:
+        from dreamlake.lakeshore.extras import install_hint
+
+        name = (exc.name or "").split(".")[0] or None
+        raise click.ClickException(
+            f"lakeshore server needs {name!r}, which is not installed: {install_hint(name)}"
+        ) from exc
 
     if lease_s is not None and lease_s <= 0:
         raise click.UsageError("--lease-s must be a positive number of seconds")
