@@ -294,3 +294,43 @@ def test_control_sequences_a_task_printed_reach_the_terminal_escaped(stack: Stac
         assert b"\x1b" not in shown and b"\\x1b]52" in shown, command
         assert b"\x1b]52" in _run_on_a_terminal(stack, *command, "--raw"), command
     assert b"\x1b" not in _run_on_a_terminal(stack, "stream", inv)
+
+
+# -- the dashboard ---------------------------------------------------------------------------------
+
+
+def test_the_dashboard_refuses_a_foreign_login_and_keeps_the_token_out_of_its_cookie(
+    stack: Stack, tenants: Tenants
+) -> None:
+    """A sign-in posted from another site is refused (login CSRF); a session's cookie is an
+    opaque id (not the token, no API credential), ended by signing out; every /ui answer forbids
+    framing and sniffing and carries a CSP."""
+    form = {"token": tenants.a}
+    for headers in ({"Origin": "https://evil.example"}, {"Origin": "null"}, {"Sec-Fetch-Site": "cross-site"}):
+        r = httpx.post(stack.url + "/ui/login", data=form, headers=headers, follow_redirects=False)
+        assert r.status_code == 403 and "another site" in r.text, headers
+        assert "set-cookie" not in r.headers
+    with httpx.Client(base_url=stack.url, follow_redirects=False) as browser:
+        r = browser.post(
+            "/ui/login", data=form, headers={"Origin": stack.url, "Sec-Fetch-Site": "same-origin"}
+        )
+        assert r.status_code == 303
+        session = browser.cookies["lakeshore_session"]
+        assert session.startswith("lss_") and tenants.a not in r.headers["set-cookie"]
+        assert stack.json("GET", "/v1/ops/whoami", None, session)[0] == 401  # not an API credential
+        for path in ("/ui", "/ui/login", "/ui/invocations", "/ui/static/htmx.min.js"):
+            r = browser.get(path)
+            assert r.status_code == 200, path
+            assert r.headers["x-frame-options"] == "DENY", path
+            assert r.headers["x-content-type-options"] == "nosniff", path
+            csp = r.headers["content-security-policy"]
+            assert "frame-ancestors 'none'" in csp and "script-src 'self'" in csp, path
+        page = browser.get("/ui").text
+        csrf = page.split('name="csrf" value="')[1].split('"')[0]
+        assert (
+            browser.post("/ui/logout", data={"csrf": csrf}, headers={"Origin": stack.url}).status_code == 303
+        )
+    with httpx.Client(base_url=stack.url, follow_redirects=False) as replay:
+        replay.cookies.set("lakeshore_session", session, path="/ui")
+        r = replay.get("/ui")
+        assert r.status_code == 303 and r.headers["location"] == "/ui/login"  # signed out everywhere

@@ -51,6 +51,7 @@ from .keys import KeyRing
 from .notify import Notifier
 from .values import json_safe
 
+SESSION_PREFIX = "lss_"  # a dashboard session id (the cookie's value), never an API token
 _RING_LOCK = threading.Lock()  # the key ring is opened once per store
 
 TOKEN_PREFIX = "lsk_"
@@ -282,6 +283,53 @@ class WorkerStore(StoreBase):
             name=r.name,
             may_script=bool(r.may_script),
         )
+
+    # -- dashboard sessions ----------------------------------------------------------------------
+
+    def create_session(self, token_id: str, ttl_s: float) -> str:
+        """A new dashboard session of the API token ``token_id`` for ``ttl_s``: its id (``lss_`` +
+        32 random bytes), returned once; only its sha256 is stored. Expired ones are swept here."""
+        secret = SESSION_PREFIX + secrets.token_urlsafe(32)
+        now = time.time()
+        s = t.ui_sessions
+        with self.db.tx(write=True) as conn:
+            conn.execute(sa.delete(s).where(s.c.expires_at < now))
+            conn.execute(
+                sa.insert(s).values(
+                    session_sha256=_sha256(secret), token_id=token_id, created_at=now, expires_at=now + ttl_s
+                )
+            )
+        return secret
+
+    def session_principal(self, secret: str) -> Principal | None:
+        """The principal of the token a live session signed in with; None for an unknown,
+        expired or malformed id, or a token since deleted."""
+        if not isinstance(secret, str) or not secret.startswith(SESSION_PREFIX) or len(secret) > 128:
+            return None
+        s, tk = t.ui_sessions, t.tokens
+        with self.db.tx(write=False) as conn:
+            r = conn.execute(
+                sa.select(tk)
+                .join(s, s.c.token_id == tk.c.token_id)
+                .where(s.c.session_sha256 == _sha256(secret), s.c.expires_at > time.time())
+            ).first()
+        if r is None:
+            return None
+        return Principal(
+            token_id=r.token_id,
+            kind=r.kind,
+            namespace=r.namespace,
+            name=r.name,
+            may_script=bool(r.may_script),
+        )
+
+    def end_session(self, secret: str) -> None:
+        """Forget a session (sign out): its id opens nothing from now on, on every replica."""
+        if isinstance(secret, str):
+            with self.db.tx(write=True) as conn:
+                conn.execute(
+                    sa.delete(t.ui_sessions).where(t.ui_sessions.c.session_sha256 == _sha256(secret))
+                )
 
     # -- server keys -----------------------------------------------------------------------------
 
