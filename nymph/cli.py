@@ -20,6 +20,7 @@ from typing import Any
 
 import click
 
+from dreamlake.lakeshore import tls
 from nymph.config import NymphConfig, resolve
 from nymph.errors import ConfigError, RunnerLoadError
 
@@ -36,6 +37,7 @@ def _options(fn: Any) -> Any:
             type=click.Path(path_type=Path),
             help="File holding the daemon token (mode 0600 or 0400; NYMPH_TOKEN_FILE).",
         ),
+        *tls.cli_options(),  # --ca-file, --client-cert, --client-key (LAKESHORE_CA_FILE, ...)
         click.option(
             "--task-url",
             help="The control plane's URL as tasks reach it: LAKESHORE_URL inside a task (default: --server).",

@@ -138,6 +138,20 @@ def main(log_level: str) -> None:
     metavar="QUEUE=DURATION",
     help="A queue's own retention, e.g. gpu=30d or scratch=1h or audit=off (repeatable).",
 )
+@click.option(
+    "--tls-cert",
+    envvar="LAKESHORE_TLS_CERT",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Serve HTTPS with this certificate (PEM; with --tls-key). Plain HTTP is for loopback only.",
+)
+@click.option(
+    "--tls-key",
+    envvar="LAKESHORE_TLS_KEY",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="The private key of --tls-cert (PEM).",
+)
 def server(
     host: str,
     port: int,
@@ -149,8 +163,16 @@ def server(
     max_polls: int | None,
     retention: str | None,
     retention_queue: tuple[str, ...],
+    tls_cert: str | None,
+    tls_key: str | None,
 ) -> None:
-    """Run the control plane (HTTP) over the store."""
+    """Run the control plane (HTTP, or HTTPS with --tls-cert/--tls-key) over the store."""
+    from dreamlake.lakeshore import tls
+
+    try:
+        tls_options = tls.server_options(tls_cert, tls_key)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
     from dreamlake.lakeshore.server.bootstrap import bootstrap_tokens, start_line
     from dreamlake.lakeshore.server.config import ServerConfig
     from dreamlake.lakeshore.server.payloads import PayloadStore
@@ -175,7 +197,14 @@ def server(
     except KeyConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     shown_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    url = f"http://{shown_host}:{port}"
+    url = f"{'https' if tls_options else 'http'}://{shown_host}:{port}"
+    if not tls_options and not tls.loopback(host):
+        click.echo(
+            f"lakeshore: WARNING: listening on {host} without TLS: tokens cross the network in plain "
+            "text. Serve HTTPS (--tls-cert/--tls-key) or put a TLS proxy in front (docs/security.md); "
+            "plain HTTP is for loopback only",
+            err=True,
+        )
     for line in [*(bootstrap_tokens(store, data, url) or ()), start_line(url, data)]:
         click.echo(line)
     overrides: dict[str, Any] = {"lease_s": lease_s, "max_polls": max_polls}
@@ -191,7 +220,7 @@ def server(
         raise click.UsageError(str(exc)) from exc
     _raise_open_files(config.max_polls)
     spec = ServeSpec(db=db or str(data / DB_FILE), redis_url=redis_url, config=overrides)
-    serve(spec, host=host, port=port, workers=workers, store=store)
+    serve(spec, host=host, port=port, workers=workers, store=store, tls=tls_options)
 
 
 def _retention_overrides(retention: str | None, queues: tuple[str, ...]) -> dict[str, Any]:
