@@ -366,6 +366,41 @@ def namespace_pin(ns: str, version: str | None, clear: bool, data_dir: str, db: 
     click.echo(f"namespace {ns}: " + ("pin cleared" if clear else f"pinned to nymph {version}"))
 
 
+@namespace.command("quota")
+@click.argument("ns", required=False)
+@click.option(
+    "--max-queued",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Queued invocations NS may hold; a submit past it answers 429 with Retry-After.",
+)
+@click.option("--clear", is_flag=True, help="Lift NS's quota.")
+@store_options
+def namespace_quota(
+    ns: str | None, max_queued: int | None, clear: bool, data_dir: str, db: str | None
+) -> None:
+    """Set (--max-queued N), lift (--clear) or show the quota of namespace NS; without NS, list
+    every namespace's quota. Replicas apply a change within 5 s."""
+    from dreamlake.lakeshore.server.http import NAME_RE
+
+    if ns is not None and not NAME_RE.match(ns):
+        raise click.UsageError(f"namespace {ns!r}: expected 1-128 characters of [A-Za-z0-9._-]")
+    if (max_queued is not None or clear) and ns is None:
+        raise click.UsageError("name the namespace: lakeshore namespace quota NS --max-queued N")
+    if max_queued is not None and clear:
+        raise click.UsageError("give either --max-queued N or --clear")
+    store = _open_store(db, data_dir)
+    try:
+        if max_queued is not None or clear:
+            store.set_quota(ns, None if clear else max_queued)
+        quotas = store.quotas()
+    finally:
+        store.close()
+    for name in [ns] if ns is not None else sorted(quotas):
+        limit = quotas.get(name)
+        click.echo(f"namespace {name}: " + (f"max_queued {limit}" if limit is not None else "no quota"))
+
+
 # -- `lakeshore worker ...` ---------------------------------------------------------------------
 # The SDK's worker commands live in dreamlake/lakeshore/worker_cli.py (a click group named
 # `worker`); they are attached here when that module exists.

@@ -144,6 +144,7 @@ async def check_parent(ctx: Context, caller: Caller, parent: str | None) -> None
 async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
     req, wait_s = submit_request(ctx, caller, body)
     await check_parent(ctx, caller, req.parent_invocation_id)
+    await ctx.quotas.check_queued(ctx, req.namespace, 1)
     mark = ctx.wake.mark()  # before the write: a submit-and-wait misses no wake-up after its commit
     result = await ctx.write(req)
     assert isinstance(result, SubmitResult)
@@ -259,6 +260,8 @@ async def submit_batch(
             continue
         reqs.append(req)
         where.append(i)
+    if reqs:  # the batch is queued whole or not at all past the namespace's quota
+        await ctx.quotas.check_queued(ctx, reqs[0].namespace, len(reqs))
     results = await ctx.write_many(list(reqs))
     queues: dict[str, None] = {}
     counts = [0, 0]  # new, duplicate

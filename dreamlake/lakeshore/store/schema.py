@@ -228,8 +228,6 @@ namespace_quotas = sa.Table(  # 0011: per-namespace limits (``lakeshore namespac
     metadata,
     sa.Column("namespace", NAME, primary_key=True),
     sa.Column("max_queued", sa.BigInteger, nullable=True),
-    sa.Column("max_topics", sa.BigInteger, nullable=True),
-    sa.Column("max_payload_bytes", sa.BigInteger, nullable=True),
     sa.Column("updated_at", TIME, nullable=False),
 )
 

@@ -33,8 +33,6 @@ def upgrade() -> None:
         "namespace_quotas",
         sa.Column("namespace", sa.String(255), primary_key=True),
         sa.Column("max_queued", sa.BigInteger(), nullable=True),
-        sa.Column("max_topics", sa.BigInteger(), nullable=True),
-        sa.Column("max_payload_bytes", sa.BigInteger(), nullable=True),
         sa.Column("updated_at", sa.Double(), nullable=False),
     )
 
