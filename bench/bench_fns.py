@@ -66,3 +66,10 @@ def noisy_ticks(n: int, lines: int) -> Iterator[dict[str, float]]:
         for j in range(lines):
             print(f"value {i} line {j}")
         yield {"i": i, "t": time.time()}
+
+
+def import_probe(module: str | None = None) -> str:
+    """Import ``module`` (from the call's pip environment, bench/pip_envs.py) and say where from."""
+    if module is None:
+        return ""
+    return str(__import__(module).__file__)

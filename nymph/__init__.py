@@ -33,6 +33,11 @@ Layout (one concern per module)::
     prune.py      removes kept failed workdirs by age and total size, and ``*.old-*`` directories
     codecache.py  code archives calls ship: fetched once per sha256, verified, unpacked read-only,
                   pruned by age and size
+    envcache.py   pip environments calls ask for: resolved and built once per lock with uv, as the
+                  task user, sealed read-only, pruned by age and size
+    cachedir.py   what the two caches share: sealed directories, removal, pruning
+    callenv.py    an invocation's environment beyond its code: pip, secrets, variables, mounts
+    taskenv.py    what a task's environment is made of, the same on every runner (never nymph's)
 
     runner.py     the Runner contract that runner plugins implement
     plugins.py    loading runner plugins (entry-point group ``nymph.runners``) and validating them

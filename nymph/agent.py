@@ -22,9 +22,12 @@ rejects the token (401/403); ``upgrade.EXIT_VERSION_MISMATCH`` (75) after draini
 version other than ours (or the upgrade re-execs).
 
 Shutdown (SIGTERM, or the first SIGINT): stop polling, let running work finish within
-``grace_s``, then stop what remains with the ladder and ack it ``killed`` with exactly
-``{type: "Cancelled", message: "daemon shutdown grace expired"}``; a second SIGINT skips the
-grace. The outbox is flushed best-effort; what it keeps is replayed by the next start. The
+``grace_s``, then stop what remains with the ladder and ack it ``preempted`` with
+``{type: "Preempted", message: "daemon shutdown grace expired", reason: <why nymph stopped>}``
+(the control plane runs it again elsewhere at once); a second SIGINT skips the grace. Drain
+(SIGUSR1, ``nymph drain``: :mod:`nymph.drain`) is the same with ``drain_timeout_s`` (unbounded by
+default) as the grace. A call a poll in flight claims after the stop began is preempted before it
+starts. The outbox is flushed best-effort; what it keeps is replayed by the next start. The
 runner is closed last.
 """
 
@@ -39,8 +42,8 @@ from types import FrameType
 from typing import Any, cast
 
 from dreamlake.lakeshore import __version__
+from nymph import drain, upgrade
 from nymph import observability as obs
-from nymph import upgrade
 from nymph.client import AuthRejected, ClientError, ControlPlaneClient
 from nymph.config import NymphConfig
 from nymph.errors import UpgradeError
@@ -76,11 +79,21 @@ class Stopping:
         self.event = threading.Event()
         self.immediate = threading.Event()
         self.since: float | None = None
+        self.deadline: float | None = None  # monotonic; None: running work may take as long as it needs
+        self.why = "nymph stopped"
         self.sigints = 0
 
-    def request(self, immediate: bool = False) -> None:
+    def request(self, immediate: bool = False, grace_s: float | None = None, why: str | None = None) -> None:
+        """Stop; running work has ``grace_s`` (None: no bound); the earliest deadline asked wins."""
+        now = time.monotonic()
         if self.since is None:
-            self.since = time.monotonic()
+            self.since = now
+        if grace_s is not None and (self.deadline is None or now + grace_s < self.deadline):
+            self.deadline = now + grace_s
+            if why:
+                self.why = why
+        elif why and self.deadline is None:
+            self.why = why
         if immediate:
             self.immediate.set()
         self.event.set()
@@ -135,7 +148,7 @@ class Agent:
             stopping=self.stopping.event,
             claiming_stopped=self._claiming_stopped,
             ready=self._ready_to_claim,
-            dispatch=self.jobs.dispatch,
+            dispatch=self._dispatch_claimed,
             on_answer=self.pin.check,
             on_auth=self._auth_failed,
             pet=self.watchdog.pet,
@@ -154,6 +167,7 @@ class Agent:
         cfg.workdir.mkdir(parents=True, exist_ok=True, mode=0o711)
         cfg.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.worker_id = load_or_create_worker_id(cfg.state_dir)
+        drain.write_pid(cfg.state_dir)  # `nymph drain` finds this process
         self.outbox = Outbox(
             cfg.state_dir,
             self.client,
@@ -190,14 +204,16 @@ class Agent:
             self._prune()
         self._shutdown()
         hb.stop()
+        self._deregister()
         return self._finish(health)
 
     def request_stop(self, immediate: bool = False) -> None:
-        self.stopping.request(immediate)
+        self.stopping.request(immediate, self.config.grace_s, "nymph stopped")
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGUSR1, self._on_signal)
 
     def context(self) -> JobContext:
         """What a new job shares with the agent (the outbox exists once :meth:`run` started)."""
@@ -371,7 +387,22 @@ class Agent:
 
     # --- shutdown --------------------------------------------------------------------------------
 
+    def _dispatch_claimed(self, command: Any) -> None:
+        """A poll's command; a run claimed as nymph stops (the poll was in flight) is preempted
+        before it starts: the control plane hands it to another nymph at once."""
+        self.jobs.dispatch(command)
+        if self.stopping.event.is_set() and isinstance(command, dict) and command.get("kind") == "run":
+            body = command.get("body") or {}
+            if isinstance(body, dict):
+                self.jobs.preempt(str(body.get("invocation_id", "")), SHUTDOWN_MESSAGE, self.stopping.why)
+
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGUSR1:
+            timeout = drain.take_timeout(self.config.state_dir, self.config.drain_timeout_s)
+            bound = "as long as it takes" if timeout is None else f"{timeout:g}s"
+            log.warning("SIGUSR1: draining: no new claims; running work has %s to finish", bound)
+            self.stopping.request(grace_s=timeout, why=f"nymph drained (drain timeout {bound})")
+            return
         if signum == signal.SIGINT:
             self.stopping.sigints += 1
         immediate = self.stopping.sigints >= 2
@@ -382,25 +413,31 @@ class Agent:
             if immediate
             else f"no new claims; running work has {self.config.grace_s:g}s to finish",
         )
-        self.request_stop(immediate=immediate)
+        name = signal.Signals(signum).name
+        self.stopping.request(
+            immediate, self.config.grace_s, f"nymph stopped ({name}, grace {self.config.grace_s:g}s)"
+        )
 
     def _shutdown(self) -> None:
         self.notify.stopping("shutting down")
         upgrading = self.pin.target is not None and self.exit_code == EXIT_OK
         start = self.stopping.since or time.monotonic()
         killed = False
+        settle_by = start + self.config.poll_timeout_s + POLL_SETTLE_S
         while True:
+            # An in-flight long poll is waited for (it ends within poll_timeout_s): what it still
+            # claims is preempted before it starts (_dispatch_claimed) and its ack sent before nymph
+            # exits; left behind, its lease would lapse and spend one of the call's attempts.
+            # Read before ``busy``: a poller seen ended dispatched all it claimed.
+            poll_settled = not self.poller.is_alive() or time.monotonic() >= settle_by
             busy = self.jobs.busy()
-            # An in-flight long poll is not waited for on SIGTERM: whatever it might still claim
-            # comes back to the queue when its lease lapses (at-least-once), so shutdown stays
-            # prompt. Draining for a pinned version waits for it (see VersionPin).
-            poll_settled = not self.poller.is_alive() or time.monotonic() >= start + POLL_SETTLE_S
             if not busy and poll_settled:
                 break
-            expired = time.monotonic() >= start + self.config.grace_s and not upgrading
+            deadline = self.stopping.deadline
+            expired = deadline is not None and time.monotonic() >= deadline and not upgrading
             if (expired or self.stopping.immediate.is_set()) and busy:
                 grace = 0.0 if self.stopping.immediate.is_set() else min(self.config.stop_grace_s, 2.0)
-                count = self.jobs.stop_all(SHUTDOWN_MESSAGE, grace)
+                count = self.jobs.stop_all(SHUTDOWN_MESSAGE, grace, self.stopping.why)
                 if not killed:
                     log.warning("shutdown grace expired: stopping %d job(s)", count)
                 killed = True
@@ -412,7 +449,22 @@ class Agent:
         if upgrading:
             self.exit_code = upgrade.EXIT_VERSION_MISMATCH
 
+    def _deregister(self) -> None:
+        """Tell the control plane this worker stopped (not live from now), once shutdown is done;
+        a control plane that cannot be told finds out when the live window lapses."""
+        try:
+            self.client.deregister(self.worker_id)
+        except ClientError as exc:
+            log.warning(
+                "could not deregister worker %s (%s); it shows as live until it is not seen",
+                self.worker_id,
+                exc,
+            )
+            return
+        log.info("deregistered worker %s", self.worker_id)
+
     def _finish(self, health: Any) -> int:
+        drain.clear_pid(self.config.state_dir)
         if self.outbox is not None:
             self.outbox.stop()
         if health is not None:

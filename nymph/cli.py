@@ -7,7 +7,10 @@ for settings.
 A token given with ``--token`` is on the command line, where ``ps`` shows it to every local user:
 ``nymph start`` then re-executes itself at once (same PID) with the token moved to ``NYMPH_TOKEN``
 (readable only by nymph's own user and root, and never passed to tasks) and a warning to use
-``--token-file``. ``nymph start`` as root checks its task user first (:mod:`nymph.taskuser`).
+``--token-file``. ``nymph start`` as root checks its task user first (:mod:`nymph.taskuser`), and
+that the task user can run its tasks (:mod:`nymph.selfcheck`: the interpreter, the workdir, the
+code cache); a problem stops it before it registers. ``nymph doctor`` runs the same checks and
+registers nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 
 import click
 
-from dreamlake.lakeshore import tls
+from dreamlake.lakeshore import __version__, tls
 from nymph.config import NymphConfig, resolve
 from nymph.errors import ConfigError, RunnerLoadError
 
@@ -84,6 +87,38 @@ def _options(fn: Any) -> Any:
         ),
         click.option("--allow-user", "allow_users", multiple=True, help="User as_user may name; repeatable."),
         click.option(
+            "--allow-pip/--no-allow-pip",
+            default=None,
+            help="Build the pip environments calls ask for (pip=..., with uv, as the task user); off by default.",
+        ),
+        click.option("--pip-index-url", help="Package index for pip environments (uv --index-url)."),
+        click.option(
+            "--pip-find-links",
+            "pip_find_links",
+            multiple=True,
+            metavar="DIR|URL",
+            help="Wheels for pip environments (uv --find-links); repeatable.",
+        ),
+        click.option(
+            "--env-cache",
+            type=click.Path(path_type=Path),
+            help="Where pip environments are built (default {workdir}/.envs).",
+        ),
+        click.option(
+            "--pass-env",
+            "pass_env",
+            multiple=True,
+            metavar="NAME",
+            help="Pass nymph's variable NAME to every task (tasks get a clean environment); repeatable.",
+        ),
+        click.option(
+            "--mount",
+            "mounts",
+            multiple=True,
+            metavar="NAME=/host/path[:ro]",
+            help="A directory calls may ask for with mounts=[NAME]; repeatable.",
+        ),
+        click.option(
             "--task-user",
             help="Shared task user, and the prefix of the task user pool, of a root nymph (default nymph-task).",
         ),
@@ -114,7 +149,20 @@ def _options(fn: Any) -> Any:
         ),
         click.option("--label", "labels", multiple=True, help="k=v label of this worker; repeatable."),
         click.option("--namespace", help="Namespace this worker belongs to."),
-        click.option("--grace-s", type=float, help="Shutdown grace for running work."),
+        click.option(
+            "--grace-s", type=float, help="Shutdown grace for running work; then it is acked preempted."
+        ),
+        click.option(
+            "--checkpoint-max-mb",
+            type=float,
+            help="A task's dls.checkpoint_dir() is carried to the next attempt up to this size (default 1024).",
+        ),
+        click.option(
+            "--drain-timeout",
+            "drain_timeout_s",
+            type=float,
+            help="Drain (SIGUSR1, `nymph drain`): how long running work may finish (default: no bound).",
+        ),
         click.option(
             "--stop-grace-s", type=float, help="Grace between SIGTERM and SIGKILL on cancel/timeout."
         ),
@@ -211,6 +259,7 @@ def _warm_flags(kwargs: dict[str, Any]) -> bool:
 
 
 @click.group()
+@click.version_option(__version__, "--version", "-V", prog_name="nymph", message="%(prog)s %(version)s")
 def main() -> None:
     """nymph: the node agent that runs lakeshore invocations on this machine."""
 
@@ -225,6 +274,7 @@ def start(**kwargs: Any) -> None:
     from nymph.agent import Agent
     from nymph.observability import configure_logging
     from nymph.plugins import load_runner
+    from nymph.selfcheck import task_setup_problems
     from nymph.taskuser import TaskUserError, check_task_user, nymph_is_root
 
     configure_logging(cfg.log_format, cfg.log_level)
@@ -241,6 +291,10 @@ def start(**kwargs: Any) -> None:
     except TaskUserError as exc:
         runner.close()
         raise click.ClickException(str(exc)) from exc
+    problems = task_setup_problems(cfg, runner)
+    if problems:  # every task would fail later, with a misleading error: say it now, register nothing
+        runner.close()
+        raise click.ClickException("; ".join(problems) + " (`nymph doctor` runs the same checks)")
     if cfg.allow_root_tasks and nymph_is_root():
         logging.getLogger("nymph").warning(
             "--allow-root-tasks: tasks without as_user run as root on this host"
@@ -314,6 +368,42 @@ def doctor(fix: bool, **kwargs: Any) -> None:
 
     ok = report(run_checks(cfg), click.echo)
     sys.exit(0 if ok else 1)
+
+
+@main.command()
+@click.option(
+    "--config", "config_file", type=click.Path(path_type=Path), help="TOML config file (its state_dir)."
+)
+@click.option("--state-dir", type=click.Path(path_type=Path), help="The running nymph's --state-dir.")
+@click.option(
+    "--drain-timeout",
+    type=float,
+    help="Running calls may finish for this long, then they are preempted (default: nymph's drain_timeout_s).",
+)
+@click.option("--wait/--no-wait", default=True, help="Wait until nymph exited (default) or return at once.")
+def drain(config_file: Path | None, state_dir: Path | None, drain_timeout: float | None, wait: bool) -> None:
+    """Drain this host's nymph: no new claims, running calls finish, then it exits 0."""
+    from nymph import drain as draining
+    from nymph.config import DEFAULT_STATE_DIR, load_file
+
+    if drain_timeout is not None and not drain_timeout >= 0:
+        raise click.UsageError(f"--drain-timeout must be a number of seconds >= 0, got {drain_timeout}")
+    if state_dir is None:
+        import os
+
+        raw = os.environ.get("NYMPH_STATE_DIR") or (
+            load_file(config_file).get("state_dir") if config_file else None
+        )
+        state_dir = Path(raw) if raw else DEFAULT_STATE_DIR
+    assert state_dir is not None
+    try:
+        pid = draining.request(state_dir.absolute(), drain_timeout)
+    except (draining.DrainError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"nymph (pid {pid}) is draining: no new claims; running calls finish")
+    if wait:
+        draining.wait_exit(pid, None)
+        click.echo(f"nymph (pid {pid}) exited")
 
 
 @main.command()

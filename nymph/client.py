@@ -173,8 +173,17 @@ class ControlPlaneClient(PlaneClient):
     def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
         return self.call("/v1/daemon/heartbeat", body, timeout_s=15.0)
 
+    def deregister(self, worker_id: str) -> dict[str, Any]:
+        return self.call("/v1/daemon/deregister", {"worker_id": worker_id}, timeout_s=10.0)
+
     def ack(self, body: dict[str, Any]) -> dict[str, Any]:
         return self.call("/v1/daemon/ack", body, timeout_s=30.0)
+
+    def secrets(self, body: dict[str, Any]) -> dict[str, str]:
+        """The values of the secrets a claimed invocation names (``POST /v1/daemon/secrets``,
+        ``{invocation_id, attempt, worker_id}``): for its task's environment, never to be logged."""
+        answer = self.call("/v1/daemon/secrets", body, timeout_s=30.0).get("secrets") or {}
+        return {str(k): str(v) for k, v in answer.items()}
 
     def sends(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
         """The sends into a two-way invocation this worker holds (a long poll: nymph.sends)."""
@@ -182,3 +191,6 @@ class ControlPlaneClient(PlaneClient):
 
     def result_chunk(self, body: dict[str, Any]) -> dict[str, Any]:
         return self.call("/v1/daemon/result-chunk", body, timeout_s=30.0)
+
+    def checkpoint(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self.call("/v1/daemon/checkpoint", body, timeout_s=30.0)

@@ -30,16 +30,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 import stat
 import threading
-import time
 import zipfile
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from nymph import cachedir
 from nymph import observability as obs
 from nymph.errors import NymphError
 
@@ -52,7 +51,7 @@ PRECOMPILE_MAX_BYTES = 32 * 1024 * 1024  # Python source compiled to bytecode at
 PRECOMPILE_TIMEOUT_S = 600.0  # a compile still running then is killed (the tasks compile from source)
 DEFAULT_MAX_BYTES = 2 * 1024**3
 DEFAULT_MAX_AGE_S = 7 * 24 * 3600.0
-_STAGING = ".staging-"
+_STAGING = cachedir.STAGING
 
 
 class CodeArchiveError(NymphError):
@@ -68,8 +67,7 @@ def _no_fetch(ref: Mapping[str, Any]) -> bytes:
     )
 
 
-def _is_sha256(value: object) -> bool:
-    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+_is_sha256 = cachedir.is_sha256
 
 
 class CodeCache:
@@ -235,40 +233,17 @@ class CodeCache:
 
     def prune(self, now: float | None = None) -> list[str]:
         """Remove archives unused for ``max_age_s``, then the least recently used over ``max_bytes``;
-        never one a task holds. Returns the sha256s removed."""
-        now = time.time() if now is None else now
-        try:
-            entries = [p for p in self.root.iterdir() if p.is_dir() and _is_sha256(p.name)]
-        except OSError:
-            return []
+        never one a task holds (:func:`nymph.cachedir.prune`). Returns the sha256s removed."""
         with self._lock:
             held = set(self._held) | set(self._compiling)
-        aged: list[tuple[float, int, Path]] = []
-        for path in entries:
-            try:
-                used = path.stat().st_mtime
-            except OSError:
-                continue
-            aged.append((used, _size(path), path))
-        aged.sort()
-        total = sum(size for _, size, _ in aged)
-        removed = []
-        for used, size, path in aged:
-            if path.name in held:
-                continue
-            if now - used > self.max_age_s or total > self.max_bytes:
-                _remove(path)
-                total -= size
-                removed.append(path.name)
-        for stale in self.root.glob(_STAGING + "*"):  # a staging directory left by a crash
-            try:
-                if now - stale.stat().st_mtime > 3600:
-                    _remove(stale)
-            except OSError:
-                pass
-        if removed:
-            log.info("code cache: pruned %d archive(s) from %s", len(removed), self.root)
-        return removed
+        return cachedir.prune(
+            self.root,
+            max_age_s=self.max_age_s,
+            max_bytes=self.max_bytes,
+            held=held,
+            what="code cache",
+            now=now,
+        )
 
 
 def _check_name(name: str) -> str:
@@ -415,58 +390,10 @@ def _precompile(root: Path, timeout: float = PRECOMPILE_TIMEOUT_S) -> None:
             log.warning("code archive %s: not sealed again: %s", root.name, exc)
 
 
-def _seal(root: Path) -> None:
-    """Files 0444 and directories 0555: readable by any task user, written by none. Bottom up, so
-    the top directory is sealed last: a seal cut off leaves it writable, which the next use sees."""
-    for here, _dirs, files in os.walk(root, topdown=False):
-        for name in files:
-            os.chmod(os.path.join(here, name), 0o444, follow_symlinks=False)
-        os.chmod(here, 0o555)
-
-
-def _touch(path: Path) -> None:
-    try:
-        os.utime(path)
-    except OSError:  # read-only: the age rule then counts from the unpack
-        pass
-
-
-def _size(path: Path) -> int:
-    total = 0
-    for here, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(here, name)).st_size
-            except OSError:
-                pass
-    return total
-
-
-def _remove(path: Path) -> None:
-    """Remove an unpacked copy (or a staging directory). A copy is first renamed aside, so that a
-    removal cut off (a crash, another process writing into it) leaves a staging directory, which a
-    later prune removes, and never part of a tree under its sha256 that would pass for a hit."""
-    if not path.name.startswith(_STAGING):
-        aside = path.with_name(f"{_STAGING}{path.name[:16]}-removed-{os.urandom(6).hex()}")
-        try:
-            os.rename(path, aside)
-        except FileNotFoundError:
-            return
-        except OSError:
-            pass  # removed in place, as before
-        else:
-            path = aside
-    for here, dirs, _ in os.walk(path):
-        for name in dirs:
-            try:
-                os.chmod(os.path.join(here, name), 0o700, follow_symlinks=False)
-            except OSError:
-                pass
-    try:
-        os.chmod(path, 0o700)
-    except OSError:
-        pass
-    shutil.rmtree(path, ignore_errors=True)
+_seal = cachedir.seal
+_touch = cachedir.touch
+_size = cachedir.tree_size
+_remove = cachedir.remove
 
 
 def shipped_modules(path: Path) -> list[str]:

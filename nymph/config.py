@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     from nymph.pump import StreamLimits
 
 
+DEFAULT_STATE_DIR = Path("/var/lib/nymph/state")
+
+
 @dataclass(frozen=True)
 class NymphConfig:
     server: str
@@ -48,11 +51,22 @@ class NymphConfig:
     queues: tuple[str, ...] = ("default",)
     concurrency: int = 1
     workdir: Path = Path("/var/lib/nymph/work")
-    state_dir: Path = Path("/var/lib/nymph/state")
+    state_dir: Path = DEFAULT_STATE_DIR
     # code archives shipped with calls (nymph.codecache), unpacked once per sha256; None: {workdir}/.code
     code_cache: Path | None = None
     code_cache_max_bytes: int = 2 * 1024**3
     code_cache_max_age_s: float = 7 * 24 * 3600.0
+    # pip environments calls ask for (nymph.envcache), built once per lock; None: {workdir}/.envs
+    allow_pip: bool = False  # build them at all (off: a call with pip=... is refused)
+    env_cache: Path | None = None
+    env_cache_max_bytes: int = 10 * 1024**3
+    env_cache_max_age_s: float = 7 * 24 * 3600.0
+    pip_index_url: str | None = None  # uv's --index-url (None: uv's default, PyPI)
+    pip_find_links: tuple[str, ...] = ()  # uv's --find-links: directories or URLs of wheels
+    # the task environment (nymph.taskenv): nymph's variables tasks get beside the documented base
+    pass_env: tuple[str, ...] = ()
+    # mounts users ask for by name (@dls.udf(mounts=[...])): name -> (host path or pvc:CLAIM, read_only)
+    mounts: Mapping[str, tuple[str, bool]] = field(default_factory=dict)
     allow_pickled: bool = False
     allow_script: bool = False  # run_config.script (bash -c) invocations; off: refused before spawning
     allow_exec: bool = (
@@ -74,6 +88,10 @@ class NymphConfig:
     labels: Mapping[str, str] = field(default_factory=dict)
     namespace: str | None = None
     grace_s: float = 30.0  # shutdown: how long running work may finish after SIGTERM
+    # drain (SIGUSR1, ``nymph drain``): how long running work may finish; None: as long as it takes
+    drain_timeout_s: float | None = None
+    # dls.checkpoint_dir() carried to the next attempt up to this size (nymph.checkpoints)
+    checkpoint_max_mb: float = 1024.0
     stop_grace_s: float = 10.0  # cancel / timeout ladder: SIGTERM, this grace, SIGKILL
     heartbeat_s: float | None = None  # None: what the control plane says at registration
     poll_timeout_s: float = 30.0
@@ -107,7 +125,7 @@ class NymphConfig:
 
     def __post_init__(self) -> None:
         # a config built in code (tests, embedders) gets the same absolute paths as one resolved
-        for name in ("workdir", "state_dir", "token_file", "code_cache"):
+        for name in ("workdir", "state_dir", "token_file", "code_cache", "env_cache"):
             value = getattr(self, name)
             if value is not None and not Path(value).is_absolute():
                 object.__setattr__(self, name, absolute(value))
@@ -116,6 +134,11 @@ class NymphConfig:
     def code_cache_dir(self) -> Path:
         """Where code archives are unpacked: ``code_cache``, else ``{workdir}/.code``."""
         return self.code_cache if self.code_cache is not None else self.workdir / ".code"
+
+    @property
+    def env_cache_dir(self) -> Path:
+        """Where pip environments are built: ``env_cache``, else ``{workdir}/.envs``."""
+        return self.env_cache if self.env_cache is not None else self.workdir / ".envs"
 
     @functools.cached_property
     def stream_limits(self) -> StreamLimits:
@@ -163,6 +186,7 @@ _ALIASES = {
     "allow_user": "allow_users",
     "label": "labels",
     "allow_module": "allow_modules",
+    "mount": "mounts",
 }
 
 
@@ -201,7 +225,9 @@ def _parse_labels(name: str, value: Any) -> dict[str, str]:
 def _coerce(name: str, value: Any) -> Any:
     """Convert a raw (string, TOML or flag) value to the type of field ``name``."""
     try:
-        if name in ("queues", "allow_users", "allow_modules"):
+        if name == "mounts":
+            return _parse_mounts(value)
+        if name in ("queues", "allow_users", "allow_modules", "pass_env", "pip_find_links"):
             items = value.split(",") if isinstance(value, str) else list(value)
             return tuple(str(i).strip() for i in items if str(i).strip())
         if name == "labels":
@@ -214,21 +240,31 @@ def _coerce(name: str, value: Any) -> Any:
             "shared_task_user",
             "auto_upgrade",
             "stream_inotify",
+            "allow_pip",
         ):
             return _parse_bool(name, value)
         if (
-            name in ("concurrency", "metrics_port", "code_cache_max_bytes", "task_user_pool", "task_pids_max")
+            name
+            in (
+                "concurrency",
+                "metrics_port",
+                "code_cache_max_bytes",
+                "task_user_pool",
+                "task_pids_max",
+                "env_cache_max_bytes",
+            )
             or name in _STREAM_INTS
         ):
             return None if value in (None, "") else int(value)
         if name in (
             "grace_s", "stop_grace_s", "heartbeat_s", "poll_timeout_s", "stream_poll_s", "keep_failed_s",
-            "keep_failed_mb", "code_cache_max_age_s",
+            "keep_failed_mb", "code_cache_max_age_s", "env_cache_max_age_s", "drain_timeout_s",
+            "checkpoint_max_mb",
         ):  # fmt: skip
             return None if value in (None, "") else float(value)
         if name in ("workdir", "state_dir"):
             return absolute(value)
-        if name == "code_cache":
+        if name in ("code_cache", "env_cache"):
             return None if value in (None, "") else absolute(value)
         if name in ("token_file", "upgrade_wheelhouse"):
             if value in (None, ""):
@@ -241,6 +277,25 @@ def _coerce(name: str, value: Any) -> Any:
         return None if value is None else str(value)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{name}: invalid value {value!r} ({exc})") from exc
+
+
+def _parse_mounts(value: Any) -> dict[str, tuple[str, bool]]:
+    """``["data=/srv/data:ro", ...]`` (or a TOML table ``{data = "/srv/data:ro"}``, or one
+    comma-separated string) -> ``{name: (path, read_only)}`` (see :func:`nymph.taskenv.parse_mount`)."""
+    from nymph.taskenv import parse_mount
+
+    if isinstance(value, Mapping):
+        if all(isinstance(v, (tuple, list)) and len(v) == 2 for v in value.values()):
+            return {str(k): (str(v[0]), bool(v[1])) for k, v in value.items()}
+        items = [f"{k}={v}" for k, v in value.items()]
+    else:
+        items = value.split(",") if isinstance(value, str) else [str(v) for v in value]
+    out: dict[str, tuple[str, bool]] = {}
+    for item in items:
+        if item.strip():
+            name, path, read_only = parse_mount(item.strip())
+            out[name] = (path, read_only)
+    return out
 
 
 def absolute(value: Any) -> Path:

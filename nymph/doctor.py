@@ -1,14 +1,17 @@
 """``nymph doctor``: check that this nymph can work, and say what to fix when it cannot.
 
 Checks, in order: the control plane answers ``/healthz``; the token is accepted as a daemon token
-(a heartbeat for an unregistered worker id must not answer 401/403, and ``/v1/ops/whoami`` names
-its kind: an admin token works but is flagged); the runner loads and its ``check()`` passes; who
-tasks run as (:mod:`nymph.taskuser`: a root nymph without its task user fails, one with
-``--allow-root-tasks`` warns); for the process runner, whether each task gets its own cgroup
-(:mod:`nymph.cgroup`; where not, a warning that says why and that nymph falls back to the process
-group) and which controllers limit each task's memory and processes (:mod:`nymph.limits`: a warning
-without them); with ``--fix``, the missing users of the task user pool are created first; the work and state directories exist (or can be created), are writable, and
-the work directory is not readable by others (each invocation's files are private).
+(``/v1/ops/whoami`` names its kind: an admin token works but is flagged; nothing is registered, so
+the doctor leaves no worker behind); the runner loads and its ``check()`` passes; who tasks run as
+(:mod:`nymph.taskuser`: a root nymph without its task user fails, one with ``--allow-root-tasks``
+warns; with ``--fix``, the missing users of the task user pool are created first); whether those
+users can run the tasks (:mod:`nymph.selfcheck`, the very checks ``nymph start`` makes before it
+registers: the interpreter, the workdir, the code cache); for the process runner, whether each task
+gets its own cgroup (:mod:`nymph.cgroup`; where not, a warning that says why and that nymph falls
+back to the process group) and which controllers limit each task's memory and processes
+(:mod:`nymph.limits`: a warning without them); the work and state directories exist (or can be
+created) and are writable; the state directory is not readable by others, and the work directory
+not listable by them (a warning: 0711 is right, task users must enter it).
 
 A warning (``[warn]``) does not fail the doctor; a failure (``[FAIL]``) does.
 """
@@ -23,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dreamlake.lakeshore import ids
 from nymph.client import AuthRejected, ClientError, ControlPlaneClient
 from nymph.config import NymphConfig
+from nymph.runner import Runner
 
 
 @dataclass(frozen=True)
@@ -47,22 +50,18 @@ def _server(cfg: NymphConfig, client: ControlPlaneClient) -> Check:
 
 
 def _token(cfg: NymphConfig, client: ControlPlaneClient) -> Check:
+    """The token's kind, from ``/v1/ops/whoami`` (every kind may ask; nothing is registered)."""
     try:
-        client.heartbeat({"worker_id": ids.new_ulid(), "running": [], "free_slots": 0})
+        kind = client.call_json("/v1/ops/whoami", {}).get("kind")
     except AuthRejected as exc:
         return Check(
             "token",
             False,
             f"the control plane rejects the token ({exc}); mint one with "
-            "`lakeshore token create --kind daemon --name <host>` and pass it with --token / NYMPH_TOKEN",
+            "`lakeshore token create --kind daemon --name <host>` and pass it with --token-file / NYMPH_TOKEN",
         )
     except ClientError as exc:
-        if exc.status is None:
-            return Check("token", False, f"could not check the token: {exc}")
-    try:
-        kind = client.call_json("/v1/ops/whoami", {}).get("kind")
-    except ClientError:
-        kind = None  # a control plane without /v1/ops/whoami: the heartbeat's answer is all we know
+        return Check("token", False, f"could not check the token: {exc}")
     if kind == "admin":
         return Check(
             "token",
@@ -70,26 +69,41 @@ def _token(cfg: NymphConfig, client: ControlPlaneClient) -> Check:
             "accepted, but it is an admin token (it may do anything, anywhere); give nymph a daemon "
             "token: `lakeshore token create --kind daemon --name <host>`",
         )
-    if kind not in (None, "daemon"):
+    if kind != "daemon":
         return Check("token", False, f"a {kind} token, not a daemon token")
-    return Check("token", True, "accepted as a daemon token" if kind else "accepted for the daemon routes")
+    return Check("token", True, "accepted as a daemon token")
 
 
-def _runner(cfg: NymphConfig) -> Check:
+def _runner(cfg: NymphConfig) -> tuple[Check, Runner | None]:
+    """The runner's check, and the runner when it loads (the task set-up check runs through it)."""
     from nymph.errors import RunnerLoadError
     from nymph.plugins import load_runner
     from nymph.runner import RunnerUnavailable
 
+    runner: Runner | None = None
     try:
         runner = load_runner(cfg.runner)(**dict(cfg.runner_options))
         runner.check()
     except RunnerLoadError as exc:
-        return Check("runner", False, str(exc))
+        return Check("runner", False, str(exc)), runner
     except RunnerUnavailable as exc:
-        return Check("runner", False, f"runner {cfg.runner!r} cannot work here: {exc}")
+        return Check("runner", False, f"runner {cfg.runner!r} cannot work here: {exc}"), runner
     except Exception as exc:
-        return Check("runner", False, f"runner {cfg.runner!r} failed its check: {type(exc).__name__}: {exc}")
-    return Check("runner", True, f"{cfg.runner!r} loads and its check passes")
+        check = Check("runner", False, f"runner {cfg.runner!r} failed its check: {type(exc).__name__}: {exc}")
+        return check, runner
+    return Check("runner", True, f"{cfg.runner!r} loads and its check passes"), runner
+
+
+def _task_setup(cfg: NymphConfig, runner: Runner | None) -> Check:
+    """What ``nymph start`` checks before it registers (:mod:`nymph.selfcheck`): the same function."""
+    from nymph.selfcheck import task_setup_problems
+
+    if runner is None:
+        return Check("task-setup", False, "not checked: the runner does not load")
+    problems = task_setup_problems(cfg, runner)
+    if problems:
+        return Check("task-setup", False, "; ".join(problems))
+    return Check("task-setup", True, "tasks can run their interpreter and reach the workdir and code cache")
 
 
 def _task_user(cfg: NymphConfig) -> Check:
@@ -167,7 +181,7 @@ def _cgroups(cfg: NymphConfig) -> Check:
     return Check("cgroups", True, detail, warn=len(held.available) < 2)
 
 
-def _directory(name: str, path: Path, private: bool, min_free_mb: int = 0) -> Check:
+def _directory(name: str, path: Path, private: str, min_free_mb: int = 0) -> Check:
     check = _directory_access(name, path, private)
     if not check.ok or not path.exists():
         return check
@@ -180,10 +194,12 @@ def _directory(name: str, path: Path, private: bool, min_free_mb: int = 0) -> Ch
             f"{path} has {free_mb:.0f} MiB free, below --min-free-mb {min_free_mb}: nymph claims nothing "
             "until there is room; free some space or lower --min-free-mb",
         )
-    return Check(name, True, f"{check.detail}, {free_mb:.0f} MiB free")
+    return Check(name, True, f"{check.detail}, {free_mb:.0f} MiB free", warn=check.warn)
 
 
-def _directory_access(name: str, path: Path, private: bool) -> Check:
+def _directory_access(name: str, path: Path, private: str) -> Check:
+    """``private``: ``"traversable"`` (the workdir: 0711, task users enter it, nobody else lists
+    it; readable by others is a warning) or ``"closed"`` (the state dir: 0700)."""
     if not path.exists():
         parent = next((p for p in path.parents if p.exists()), Path("/"))
         if os.access(parent, os.W_OK):
@@ -194,8 +210,17 @@ def _directory_access(name: str, path: Path, private: bool) -> Check:
     if not os.access(path, os.W_OK | os.X_OK):
         return Check(name, False, f"{path} is not writable by uid {os.getuid()}; fix its owner or mode")
     mode = stat.S_IMODE(path.stat().st_mode)
-    if private and mode & stat.S_IROTH:
+    if private == "closed" and mode & stat.S_IROTH:
         return Check(name, False, f"{path} is readable by others (mode {mode:o}); run `chmod o-rwx {path}`")
+    if private == "traversable" and mode & stat.S_IROTH:
+        # each invocation's own directory is 0700: others can list the invocation ids, no more
+        return Check(
+            name,
+            True,
+            f"{path} (mode {mode:o}): other users can list its invocation ids; `chmod 711 {path}` "
+            "keeps it enterable by task users and unlistable (never o-x: tasks must enter it)",
+            warn=True,
+        )
     return Check(name, True, f"{path} (mode {mode:o})")
 
 
@@ -207,15 +232,25 @@ def run_checks(cfg: NymphConfig, client: ControlPlaneClient | None = None) -> li
         checks.append(
             _token(cfg, client) if checks[0].ok else Check("token", False, "not checked: server unreachable")
         )
-        checks.append(_runner(cfg))
-        checks.append(_task_user(cfg))
+        runner_check, runner = _runner(cfg)
+        checks.append(runner_check)
+        try:
+            checks.append(_task_user(cfg))
+            checks.append(_task_setup(cfg, runner) if checks[-1].ok else _not_checked("task user"))
+        finally:
+            if runner is not None:
+                runner.close()
         checks.append(_cgroups(cfg))
-        checks.append(_directory("workdir", cfg.workdir, private=True, min_free_mb=cfg.min_free_mb))
-        checks.append(_directory("state-dir", cfg.state_dir, private=True, min_free_mb=cfg.min_free_mb))
+        checks.append(_directory("workdir", cfg.workdir, "traversable", min_free_mb=cfg.min_free_mb))
+        checks.append(_directory("state-dir", cfg.state_dir, "closed", min_free_mb=cfg.min_free_mb))
         return checks
     finally:
         if own:
             client.close()
+
+
+def _not_checked(why: str) -> Check:
+    return Check("task-setup", False, f"not checked: the {why} check failed")
 
 
 def report(checks: list[Check], echo: Callable[[str], Any] = print) -> bool:

@@ -11,7 +11,10 @@ lost lease stop it with the ladder) and settles into the durable outbox, after i
 supervises it the same way (:meth:`Job.resume`).
 
 Outcomes: ``succeeded`` (workdir deleted), ``failed`` (workdir kept with its logs), ``killed``
-(``{type: "Cancelled", message: <why>}``) and ``timeout`` (``{type: "Timeout", ...}``).
+(``{type: "Cancelled", message: <why>}``), ``timeout`` (``{type: "Timeout", ...}``) and
+``preempted`` (nymph stopped under it: ``{type: "Preempted", message: "daemon shutdown grace
+expired"}``; the control plane requeues it). Before the ladder signals the task, ``stop.reason``
+in the workdir says why (the entry's ``dls.Interrupted`` carries it).
 A ``script`` run ends its LOG stream with END whose body is ``wire.pack({"exit_code": 0})`` (the
 same bytes are the ack's ``result_blob``), or with ERROR ``{type: "ScriptFailed", ...}``.
 """
@@ -28,13 +31,20 @@ from typing import Any, ClassVar
 
 from dreamlake.lakeshore import blobs, twoway, wire
 from dreamlake.lakeshore.client import retrying
-from dreamlake.lakeshore.daemon.entry import ALLOW_MODULES_ENV, CAPTURE_ENV, module_allowed, module_refusal
+from dreamlake.lakeshore.daemon.entry import (
+    ALLOW_MODULES_ENV,
+    CAPTURE_ENV,
+    STOP_REASON_FILE,
+    module_allowed,
+    module_refusal,
+)
 from dreamlake.lakeshore.envelope import Envelope, is_pickled
 from dreamlake.lakeshore.errors import LakeshoreError, PayloadCorrupt
 from dreamlake.lakeshore.settings import TOKEN_FILE_ENV
-from nymph import codecache, refs, safeio, taskuser
+from nymph import checkpoints, codecache, refs, safeio, taskuser
 from nymph import observability as obs
 from nymph import workdir as wd
+from nymph.callenv import CallEnv
 from nymph.errors import Refused
 from nymph.lifecycle import SHUTDOWN_MESSAGE, JobContext, Phase, Stop, SupervisedJob, backoff_s
 from nymph.outbox import CHUNKS
@@ -47,7 +57,14 @@ __all__ = ["SHUTDOWN_MESSAGE", "Job", "JobContext", "Refused", "backoff_s"]
 
 log = logging.getLogger(__name__)
 
-_ERROR_TYPES = {"killed": "Cancelled", "timeout": "Timeout"}
+_ERROR_TYPES = {"killed": "Cancelled", "timeout": "Timeout", "preempted": "Preempted"}
+# what the entry's Interrupted says (entry.STOP_REASON_FILE), by Stop.reason
+_INTERRUPT_REASONS = {
+    "killed": "cancelled",
+    "timeout": "timeout",
+    "preempted": "preempted",
+    "lost": "cancelled",
+}
 SPILL_AFTER_S = 2.0  # how long a finished job waits for its frames before the outbox takes them
 # arguments up to this size go to a runner that takes them in the Task (Capabilities.args_inline)
 # instead of into args.msgpack: one file less per invocation; larger ones are written as always
@@ -87,6 +104,7 @@ class Job(SupervisedJob[wd.Outcome]):
         self._code: dict[str, Any] | None = None  # cfg["code"] of the Envelope: a shipped code archive
         self._code_held: str | None = None  # the sha256 this job holds in the code cache
         self._code_dirs: list[Path] = []
+        self._callenv = CallEnv()  # its pip environment, secrets, variables and mounts (nymph.callenv)
         self._overflow: str | None = None  # why the stream overflowed (the invocation fails)
         self._args_inline: bytes | None = None  # handed to the runner in the Task, not in args.msgpack
         self.state: str | None = None  # the settled state; "deferred": left for the next life
@@ -106,7 +124,13 @@ class Job(SupervisedJob[wd.Outcome]):
         if self.body.get("args_ref") is not None and self.script is None:
             self._staged = refs.stage_args(self.ctx.client, self.ctx.config.workdir, self.body)
         self._gates()
+        self._callenv.fetch_secrets(
+            self.ctx, self.invocation_id, self.attempt, self.run_config.get("secrets")
+        )
         self._fetch_code()
+        pip_env = self._callenv.build(self.ctx, self.run_config, self.run_as)
+        if pip_env is not None:  # after the shipped code on the task's import path
+            self._code_dirs.append(pip_env)
         wanted = gpus_requested(self.run_config)
         if len(self._gpus) != wanted:  # taken when the run command came (Jobs.start_run), else now
             self.ctx.slots.release_gpus(self._gpus)
@@ -127,6 +151,7 @@ class Job(SupervisedJob[wd.Outcome]):
         }
         meta["run_as"] = self.run_as
         meta["code_sha256"] = self._code_held  # a restarted nymph holds the archive its task runs from
+        meta["env_sha256"] = self._callenv.held  # and the pip environment
         if self.run_config.get("two_way"):  # a restarted nymph fetches its sends again
             meta["two_way"] = True
         blob = bytes(self.body.get("args_blob") or b"")
@@ -149,6 +174,7 @@ class Job(SupervisedJob[wd.Outcome]):
         )
         self._made_workdir = True
         self._staged = None
+        checkpoints.restore(self.ctx.client, self.workdir, self.body)  # an earlier attempt's
         return Task(
             invocation_id=self.invocation_id,
             attempt=self.attempt,
@@ -160,6 +186,7 @@ class Job(SupervisedJob[wd.Outcome]):
             gpus=list(self._gpus),
             labels={"nymph.invocation": self.invocation_id, "nymph.worker": self.ctx.worker_id, **cfg.labels},
             code_dirs=list(self._code_dirs),
+            mounts=dict(self._callenv.mounts),
             args=self._args_inline,
         )
 
@@ -227,6 +254,7 @@ class Job(SupervisedJob[wd.Outcome]):
 
     def _release(self) -> None:
         self._release_code()
+        self._callenv.release(self.ctx.config)
         if self._sends is not None:
             self._sends.stop()
         super()._release()
@@ -243,6 +271,7 @@ class Job(SupervisedJob[wd.Outcome]):
                 "--allow-script to run run_config.script with bash (that is running any shell command "
                 "its producers send)",
             )
+        pip = None  # cfg["pip"]: a pip environment (nymph.callenv)
         if self.script is None:
             try:
                 if self._staged is not None:
@@ -256,6 +285,7 @@ class Job(SupervisedJob[wd.Outcome]):
             if code is not None and not isinstance(code, dict):
                 raise Refused("CodeArchiveRefused", f"cfg.code must be a map, got {type(code).__name__}")
             self._code = code
+            pip = (header.get("cfg") or {}).get("pip")
             if is_pickled(fn) and not cfg.allow_pickled:
                 raise Refused(
                     "PickleRefused",
@@ -287,6 +317,7 @@ class Job(SupervisedJob[wd.Outcome]):
                     f"as_user {self.as_user!r} is allowed but is not a user on this host (its workdir is "
                     f"owned by that user); create it with useradd",
                 ) from None
+        self._callenv.gate(self.ctx, pip, self.run_config)
         if self.as_user:
             self.run_as = self.as_user
         else:  # a user of its own from the pool (nymph.taskuser), the shared task user, or nymph's
@@ -333,18 +364,24 @@ class Job(SupervisedJob[wd.Outcome]):
         return token if isinstance(token, str) and token else None
 
     def _env(self) -> dict[str, str]:
+        """The task's variables (nymph.taskenv: never nymph's whole environment): the passed ones,
+        the call's env and secrets, then nymph's own for the invocation (a call cannot override them)."""
         cfg = self.ctx.config
-        env = {
-            "LAKESHORE_ALLOW_PICKLED": "1" if cfg.allow_pickled else "0",
-            ALLOW_MODULES_ENV: ",".join(cfg.allow_modules),
-            "LAKESHORE_RUNTIME_POLICY": cfg.runtime_policy,
-            "LAKESHORE_INVOCATION_ID": self.invocation_id,
-            WINDOW_ENV: cfg.stream_limits.env,
-            # the entry appends its fd 1/2 to the workdir's logs (every runner: the pump streams
-            # them live as LOG frames); Python processes the task starts write through too
-            CAPTURE_ENV: "1",
-            "PYTHONUNBUFFERED": "1",
-        }
+        env = self._callenv.variables(cfg)
+        env.update(
+            {
+                "LAKESHORE_ALLOW_PICKLED": "1" if cfg.allow_pickled else "0",
+                ALLOW_MODULES_ENV: ",".join(cfg.allow_modules),
+                "LAKESHORE_RUNTIME_POLICY": cfg.runtime_policy,
+                "LAKESHORE_INVOCATION_ID": self.invocation_id,
+                "LAKESHORE_ATTEMPT": str(self.attempt),  # dls.attempt()
+                WINDOW_ENV: cfg.stream_limits.env,
+                # the entry appends its fd 1/2 to the workdir's logs (every runner: the pump streams
+                # them live as LOG frames); Python processes the task starts write through too
+                CAPTURE_ENV: "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         if self._token():
             # the task's own credential (submit children, read and cancel its descendants; it dies
             # with this attempt's ack): dls .submit() / SyncQueue inside the task use these two. The
@@ -384,6 +421,8 @@ class Job(SupervisedJob[wd.Outcome]):
         code = meta.get("code_sha256")
         if handle is not None and isinstance(code, str) and job._code_cache().hold(code):
             job._code_held = code  # the task still runs from it: pruning leaves it until the job ends
+        if handle is not None:
+            job._callenv.hold(ctx.config, meta.get("env_sha256"))
         gpus = [str(g) for g in meta.get("gpus") or []]
         if handle is not None and gpus and ctx.slots.claim_gpus(gpus):
             job._gpus = gpus
@@ -465,7 +504,7 @@ class Job(SupervisedJob[wd.Outcome]):
     def _deferred_stop(self) -> None:
         """Stopped before the runner came back: on shutdown leave everything to the next life."""
         stop = self.stop_request
-        if stop is not None and stop.reason == "killed" and stop.message == SHUTDOWN_MESSAGE:
+        if stop is not None and stop.reason in ("killed", "preempted") and stop.message == SHUTDOWN_MESSAGE:
             log.warning(
                 "invocation %s: runner still unavailable at shutdown; left for the next start",
                 self.invocation_id,
@@ -624,6 +663,21 @@ class Job(SupervisedJob[wd.Outcome]):
             )
         return outcome
 
+    def _carry_checkpoint(self, outcome: wd.Outcome) -> None:
+        """An attempt that may be followed by another one leaves its ``dls.checkpoint_dir()`` to
+        it (nymph.checkpoints), recorded before the ack, while the lease is still this attempt's."""
+        if self.workdir is None or outcome.state not in ("failed", "timeout", "preempted"):
+            return
+        checkpoints.save(
+            self.ctx.client,
+            self.workdir,
+            invocation_id=self.invocation_id,
+            attempt=self.attempt,
+            worker_id=self.ctx.worker_id,
+            namespace=refs.namespace_of(self.body),
+            max_bytes=int(self.ctx.config.checkpoint_max_mb * 2**20),
+        )
+
     def _keep_args(self, workdir: Path) -> None:
         """A kept workdir holds ``args.msgpack`` even when the arguments went in the Task: the
         failure can be looked at, and run again by hand, as from any other workdir."""
@@ -641,6 +695,16 @@ class Job(SupervisedJob[wd.Outcome]):
         stop = self.stop_request
         return self.lost or (stop is not None and stop.message == SHUTDOWN_MESSAGE)
 
+    def before_stop(self, stop: Stop) -> None:
+        """Tell the entry why (``stop.reason`` in the workdir: its Interrupted carries it)."""
+        if self.workdir is None:
+            return
+        try:
+            reason = _INTERRUPT_REASONS.get(stop.reason, "shutdown")
+            safeio.write_file(self.workdir, STOP_REASON_FILE, reason.encode(), 0o644)
+        except OSError as exc:  # the task is stopped all the same; Interrupted says "shutdown"
+            log.warning("invocation %s: cannot write %s: %s", self.invocation_id, STOP_REASON_FILE, exc)
+
     # --- outcomes --------------------------------------------------------------------------------
 
     def failure(self, type_: str, message: str) -> wd.Outcome:
@@ -649,7 +713,10 @@ class Job(SupervisedJob[wd.Outcome]):
     def stopped(self, stop: Stop) -> wd.Outcome:
         if stop.reason == "lost":
             return wd.Outcome("lost", b"", None)
-        return wd.Outcome(stop.reason, b"", {"type": _ERROR_TYPES[stop.reason], "message": stop.message})
+        error = {"type": _ERROR_TYPES[stop.reason], "message": stop.message}
+        if stop.detail:
+            error["reason"] = stop.detail
+        return wd.Outcome(stop.reason, b"", error)
 
     def settle(self, outcome: wd.Outcome) -> None:
         """Ack through the outbox (unless lost), then keep or delete the workdir."""
@@ -673,6 +740,7 @@ class Job(SupervisedJob[wd.Outcome]):
             }
             if ref is not None:
                 ack["result_ref"] = ref
+            self._carry_checkpoint(outcome)
             self.ctx.outbox.ack(ack)
         if self.workdir is not None:
             if outcome.state == "succeeded" or self.state == "lost":

@@ -235,9 +235,18 @@ class Jobs:
                         log.warning("%s %s: lease lost to another claim; stopping it", kind, lost_id)
                     job.lose()
 
-    def stop_all(self, message: str, grace_s: float) -> int:
-        """Cancel every job (shutdown): the ladder with ``grace_s``; the number of jobs."""
+    def stop_all(self, message: str, grace_s: float, detail: str = "") -> int:
+        """Preempt every job (shutdown, drain): the ladder with ``grace_s``, each settles
+        ``preempted`` (``detail``: why nymph stops); the number of jobs."""
         jobs = self.snapshot()
         for job in jobs:
-            job.cancel(message, grace_s=grace_s)
+            job.preempt(message, grace_s, detail)
         return len(jobs)
+
+    def preempt(self, invocation_id: str, message: str, detail: str = "") -> None:
+        """Preempt one invocation's job at once (claimed as nymph stops: it never starts)."""
+        with self._changed:
+            job = self._table.get((Job.kind, invocation_id))
+        if job is not None and not job.lost:
+            log.warning("invocation %s: claimed as nymph stops; handed back (preempted)", invocation_id)
+            job.preempt(message, 0.0, detail)

@@ -20,7 +20,8 @@ happens at each step is the subclass's (:meth:`~SupervisedJob.prepare` builds th
 and :meth:`~SupervisedJob.end` around a parked wait; :meth:`~SupervisedJob.settle` reports it);
 everything around the steps is here, once:
 
-- **stop requests**: :meth:`~SupervisedJob.cancel` (``killed``), :meth:`~SupervisedJob.lose`
+- **stop requests**: :meth:`~SupervisedJob.cancel` (``killed``), :meth:`~SupervisedJob.preempt`
+  (``preempted``: nymph stops, its grace expired), :meth:`~SupervisedJob.lose`
   (``lost``: another attempt owns the job, nothing is reported) and the job's timeout (``timeout``,
   counted from the claim) become one :class:`Stop`; a request sets a :class:`threading.Event` that
   wakes every wait of the job, and a running task is stopped with the runner's ladder;
@@ -153,11 +154,13 @@ class Phase(enum.Enum):
 
 @dataclass(frozen=True)
 class Stop:
-    """Why a job stops before its task ends: ``killed`` (cancel, shutdown), ``timeout``, ``lost``."""
+    """Why a job stops before its task ends: ``killed`` (cancel), ``timeout``, ``preempted`` (nymph
+    stops: its shutdown or drain grace expired), ``lost``."""
 
     reason: str
     message: str
     grace_s: float
+    detail: str = ""  # a preemption's cause (the ack's error.reason): SIGTERM, drain
 
 
 _PARKED = object()  # what a lifecycle body returns when it parked the job (its thread ends, not the job)
@@ -257,6 +260,13 @@ class SupervisedJob(abc.ABC, Generic[OutcomeT]):
         """Stop the job (the ladder, with ``grace_s``); it settles as stopped with ``message``."""
         grace = self.ctx.config.stop_grace_s if grace_s is None else grace_s
         self._request(Stop("killed", message, grace))
+
+    def preempt(self, message: str, grace_s: float, detail: str = "") -> None:
+        """nymph stops under the job: the ladder with ``grace_s``; it settles ``preempted``."""
+        self._request(Stop("preempted", message, grace_s, detail))
+
+    def before_stop(self, stop: Stop) -> None:
+        """Just before the ladder stops the task (a job tells its task why)."""
 
     def lose(self) -> None:
         """Another attempt owns the job: stop it at once and report nothing."""
@@ -539,6 +549,7 @@ class SupervisedJob(abc.ABC, Generic[OutcomeT]):
                     "%s %s: stopping (%s), grace %.1fs", self.kind, self.job_id, stop.reason, stop.grace_s
                 )
                 try:
+                    self.before_stop(stop)
                     runner.stop(handle, stop.grace_s)
                     runner.wait(handle, STOP_WAIT_S)
                 except RunnerUnavailable as exc:  # the labelled task is collected by a later start

@@ -154,6 +154,18 @@ CODE_ARCHIVES = Counter(
     ["result"],
     registry=REGISTRY,
 )
+PIP_ENVS = Counter(
+    "nymph_pip_envs",
+    "Pip environments calls asked for, by how the cache answered (hit, built, failed).",
+    ["result"],
+    registry=REGISTRY,
+)
+PIP_ENV_BUILD_SECONDS = Histogram(
+    "nymph_pip_env_build_seconds",
+    "Time to resolve and build a pip environment (uv), per build.",
+    buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900),
+    registry=REGISTRY,
+)
 RUNNING = Gauge("nymph_running", "Invocations running now.", registry=REGISTRY)
 OUTBOX_PENDING = Gauge(
     "nymph_outbox_pending",

@@ -137,11 +137,38 @@ def _noop(self: object) -> None:
     """Nothing to release (the plugin predates ``close()``)."""
 
 
+def install_hint(ep: EntryPoint, missing: str | None) -> str:
+    """``; install it: pip install 'DIST[EXTRA]'`` when ``missing`` (a top-level module) is a
+    requirement of an extra of the plugin's distribution (``docker`` of ``dreamlake-lakeshore``);
+    ``; install it: pip install NAME`` otherwise; empty when nothing is known to be missing."""
+    if not missing:
+        return ""
+    top = missing.split(".")[0]
+    dist = getattr(ep, "dist", None)
+    try:
+        from packaging.requirements import Requirement
+
+        name = dist.metadata["Name"] if dist is not None else None
+        extras = []
+        for line in (dist.requires or []) if dist is not None else []:
+            req = Requirement(line)
+            marker = str(req.marker or "")
+            if req.name.lower().replace("-", "_") == top.lower() and "extra ==" in marker:
+                extras.append(marker.split("extra ==", 1)[1].strip().strip("'\")"))
+        if extras:  # the extra made for it, rather than 'all'
+            extra = sorted(extras, key=lambda e: (e == "all", e))[0]
+            return f"; install it: pip install '{name}[{extra}]'"
+    except Exception:  # a damaged dist-info: the plain hint below
+        pass
+    return f"; install it: pip install {top}"
+
+
 def _load(ep: EntryPoint) -> type[Runner]:
     try:
         obj = ep.load()
     except (Exception, SystemExit) as exc:
-        raise RunnerLoadError(f"{_origin(ep)} failed to import: {type(exc).__name__}: {exc}") from exc
+        hint = install_hint(ep, exc.name) if isinstance(exc, ModuleNotFoundError) else ""
+        raise RunnerLoadError(f"{_origin(ep)} failed to import: {type(exc).__name__}: {exc}{hint}") from exc
     problem = _shape_problem(obj, ep.name)
     if problem is not None:
         raise RunnerLoadError(f"{_origin(ep)} is not a runner: it {problem}")

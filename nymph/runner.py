@@ -75,7 +75,9 @@ class Task:
     invocation_id: str
     attempt: int
     workdir: Path  # {workdir}/{invocation_id}, private to this invocation
-    env: dict[str, str]  # LAKESHORE_* variables, CUDA_VISIBLE_DEVICES, ...
+    # LAKESHORE_* variables, CUDA_VISIBLE_DEVICES, the call's env and secrets, --pass-env: never the
+    # host's PATH / HOME / LANG (nymph.taskenv.host_base: a runner whose task runs on the host adds them)
+    env: dict[str, str]
     script: str | None = None  # run `bash -c script` instead of the Python entry
     # the local user the task runs as: as_user (checked against the allow-list) or, when nymph runs
     # as root, its task user (nymph.taskuser); the workdir is theirs. None: nymph's own user
@@ -87,6 +89,10 @@ class Task:
     # first on the task's import path: env LAKESHORE_CODE_PATH names them; a runner whose task sees
     # another filesystem (a container, a pod) mounts each read-only at the same path
     code_dirs: list[Path] = field(default_factory=list)
+    # the operator's mounts the call asked for (--mount NAME=PATH[:ro]): name -> (host path or
+    # "pvc:CLAIM", read_only). env LAKESHORE_MOUNT_<NAME> names the host path; a runner whose task
+    # sees another filesystem mounts each (at MOUNT_TARGET/<name>) and rewrites the variable
+    mounts: dict[str, tuple[str, bool]] = field(default_factory=dict)
     # the Envelope's bytes, not written to the workdir (Capabilities.args_inline, small inline
     # arguments only); None: they are in args.msgpack
     args: bytes | None = None

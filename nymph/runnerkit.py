@@ -33,6 +33,7 @@ ENTRY_MODULE = "dreamlake.lakeshore.daemon.entry"
 WORKDIR_TARGET = "/work/inv"
 BUNDLE_TARGET = "/opt/lakeshore/entry.zip"
 CODE_TARGET = "/opt/lakeshore/code"  # + "/<sha256>": one read-only mount per shipped code archive
+MOUNT_TARGET = "/mnt/lakeshore"  # + "/<name>": an operator's mount (--mount) the call asked for
 # Run the script with bash when the image has it, else with sh: one container, no separate probe.
 # Its output is appended to the workdir's logs (the cwd) as it is written, so it streams live; a
 # log that cannot be written leaves the output in the container's own log (collected at the end).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import dreamlake.lakeshore as dls
@@ -158,3 +158,18 @@ def env_value(name: str) -> str | None:
 @dls.udf(queue="nymph")
 def whoami() -> int:
     return os.getuid()
+
+
+async def async_add(a: int, b: int) -> int:
+    import asyncio
+
+    await asyncio.sleep(0.01)
+    return a + b
+
+
+async def async_count(n: int) -> AsyncIterator[int]:
+    import asyncio
+
+    for i in range(n):
+        await asyncio.sleep(0)
+        yield i

@@ -69,6 +69,9 @@ _LAZY = {
     "DispatchError": "dreamlake.lakeshore.errors",
     "StreamRestarted": "dreamlake.lakeshore.errors",
     "SendTimeout": "dreamlake.lakeshore.errors",
+    "Interrupted": "dreamlake.lakeshore.errors",
+    "attempt": "dreamlake.lakeshore.task",
+    "checkpoint_dir": "dreamlake.lakeshore.task",
 }
 
 __all__ = ["__version__", *sorted(_LAZY)]

@@ -15,6 +15,8 @@ from typing import Any
 
 import click
 
+from dreamlake.lakeshore import __version__
+
 DEFAULT_DATA_DIR = "~/.local/share/lakeshore"
 DB_FILE = "lakeshore.db"
 
@@ -71,6 +73,7 @@ def store_options(fn: Any) -> Any:
 
 
 @click.group()
+@click.version_option(__version__, "--version", "-V", prog_name="lakeshore", message="%(prog)s %(version)s")
 @click.option(
     "--log-level",
     envvar="LAKESHORE_LOG_LEVEL",
@@ -422,6 +425,10 @@ for _command in _OPS_COMMANDS:
 from dreamlake.lakeshore.exec_cli import exec_command as _exec_command  # noqa: E402
 
 main.add_command(_exec_command)
+
+from dreamlake.lakeshore.secret_cli import secret as _secret_group  # noqa: E402
+
+main.add_command(_secret_group)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -41,7 +41,7 @@ import functools
 import math
 import types
 from collections import namedtuple
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 
 from dreamlake.lakeshore.errors import PlaneError, Unavailable
 
@@ -357,6 +357,7 @@ if TYPE_CHECKING:
         code: Any = _INHERIT
         selector: dict[str, str] | None = None
         not_before: float | None = None
+        env: dict[str, str] | None = None
 
 else:
     _ThunkFields = namedtuple(
@@ -373,8 +374,9 @@ else:
             "code",
             "selector",
             "not_before",
+            "env",
         ),
-        defaults=(_INHERIT, None, None),
+        defaults=(_INHERIT, None, None, None),
     )
 
 
@@ -423,6 +425,8 @@ class Thunk(_ThunkFields):
             cfg["selector"] = self.selector
         if self.not_before is not None:
             cfg["not_before"] = self.not_before
+        if self.env:  # per call _env= over the udf's env=
+            cfg["env"] = {**(cfg.get("env") or {}), **self.env}
         return cfg
 
     def code_record(self, dispatch: Plane | None = None) -> dict[str, Any] | None:
@@ -448,7 +452,7 @@ class Thunk(_ThunkFields):
             self.kwargs,
             prefix=self.prefix,
             key=self.key,
-            cfg={"code": record} if record is not None else None,
+            cfg=_cfg(self.udf, record),
             parent=self.parent,
         )
 
@@ -506,8 +510,15 @@ class UDF:
         resumable: bool = False,
         dispatch: Plane | None = None,
         code: Any = _INHERIT,
+        pip: Any = None,
+        requirements: Any = None,
+        env: Mapping[str, str] | None = None,
+        secrets: Any = None,
+        mounts: Any = None,
         **options: Any,
     ) -> None:
+        from dreamlake.lakeshore import runenv
+
         if not callable(fn):
             raise TypeError(f"@dls.udf decorates a function, got {type(fn).__name__}")
         if transport not in TRANSPORTS:
@@ -536,6 +547,15 @@ class UDF:
             check_async_plane(self, dispatch)  # refused here, at decoration, not on the worker
         self.code = _check_code(code)  # "auto", None, paths, or _INHERIT: the scope's or the default
         self.options: dict[str, Any] = dict(options)
+        # what the call's environment needs (docs/nymph.md "Environments"): the pip environment
+        # rides in the Envelope's cfg, the rest (names and plain values, never a secret's) in run_config
+        self.pip = runenv.pip_record(pip, requirements)
+        if env is not None:
+            self.options["env"] = runenv.user_env(env, "env")
+        if secrets is not None:
+            self.options["secrets"] = runenv.secret_names(secrets, "secrets")
+        if mounts is not None:
+            self.options["mounts"] = runenv.names(mounts, "mounts")
         if "selector" in self.options:
             self.options["selector"] = _check_selector(self.options["selector"])
         if timeout_s is not None:
@@ -593,12 +613,18 @@ class UDF:
         _key: str | None = None,
         _selector: dict[str, str] | None = None,
         _not_before: Any = None,
+        _env: Mapping[str, str] | None = None,
         **kwargs: Any,
     ) -> Thunk:
         """Capture a call (and the current ``scope`` prefix and parent invocation) without sending.
         ``_selector``: labels the nymph must have (over the udf's ``selector``); ``_not_before``: a
-        datetime, or seconds from now, before which the call is not claimed."""
+        datetime, or seconds from now, before which the call is not claimed; ``_env``: environment
+        variables of this call, over the udf's ``env``."""
         state = _STATE.get()
+        if _env is not None:
+            from dreamlake.lakeshore import runenv
+
+            _env = runenv.user_env(_env, "_env")
         return Thunk(
             udf=self,
             args=args,
@@ -611,6 +637,7 @@ class UDF:
             code=self.code if self.code != _INHERIT else _CODE.get(),
             selector=_check_selector(_selector),
             not_before=_check_not_before(_not_before),
+            env=_env or None,
         )
 
     def submit(
@@ -622,11 +649,12 @@ class UDF:
         _key: str | None = None,
         _selector: dict[str, str] | None = None,
         _not_before: Any = None,
+        _env: Mapping[str, str] | None = None,
         **kwargs: Any,
     ) -> Invocation:
         """Send a call to a plane; returns its :class:`~dreamlake.lakeshore.handles.Invocation`:
         the invocation id (a ULID ``str``) with ``.result()``, ``.stream()``, ``.logs()``,
-        ``.status()`` and ``.cancel()``. ``_selector`` and ``_not_before`` as :meth:`thunk`'s."""
+        ``.status()`` and ``.cancel()``. ``_selector``, ``_not_before`` and ``_env`` as :meth:`thunk`'s."""
         thunk = self.thunk(
             *args,
             _queue=_queue,
@@ -634,6 +662,7 @@ class UDF:
             _key=_key,
             _selector=_selector,
             _not_before=_not_before,
+            _env=_env,
             **kwargs,
         )
         return thunk.submit(_dispatch)
@@ -717,6 +746,7 @@ class UDF:
         _timeout: float = 60.0,
         _selector: dict[str, str] | None = None,
         _not_before: Any = None,
+        _env: Mapping[str, str] | None = None,
         **kwargs: Any,
     ) -> Any:
         """Send a call to a plane and wait for its value (a generator's: its return value); over
@@ -728,6 +758,7 @@ class UDF:
             _key=_key,
             _selector=_selector,
             _not_before=_not_before,
+            _env=_env,
             **kwargs,
         )
         return thunk.call(_dispatch, _timeout)
@@ -797,8 +828,11 @@ def _submit_calls(plane: Plane, template: Thunk, args_of: Any) -> Calls:
     record = template.code_record(plane)
     fn = fn_for(udf, udf.transport)
     _warn_if_pickled(plane, fn, template.queue, udf)
-    cfg = {"code": record} if record is not None else None
-    run_config = template.run_config()
+    cfg = _cfg(udf, record)
+    from dreamlake.lakeshore.ids import new_ulid
+
+    # one id for the calls of this map: the dashboard shows them as one group with its progress
+    run_config = {**template.run_config(), "sweep": new_ulid()}
     out = Calls(dispatch=plane)
     chunk: list[tuple[Any, ...]] = []
     for args in args_of:
@@ -862,6 +896,16 @@ def _warn_if_pickled(plane: Any, fn: Any, queue: str, udf: UDF) -> None:
         warn(queue, udf.__qualname__)
 
 
+def _cfg(udf: UDF, record: Any) -> dict[str, Any] | None:
+    """The Envelope's ``cfg``: the code archive's record and the pip environment, when there are."""
+    cfg: dict[str, Any] = {}
+    if record is not None:
+        cfg["code"] = record
+    if udf.pip is not None:
+        cfg["pip"] = udf.pip
+    return cfg or None
+
+
 def _retry_names(retry_on: Any) -> list[str]:
     """``retry_on`` (exception classes or their names) as the names run_config carries: the
     control plane matches them against the failure's type and its base classes."""
@@ -898,6 +942,11 @@ if TYPE_CHECKING:
         resumable: bool = ...,
         dispatch: Plane | None = ...,
         code: Any = ...,
+        pip: Any = ...,
+        requirements: Any = ...,
+        env: Mapping[str, str] | None = ...,
+        secrets: Any = ...,
+        mounts: Any = ...,
         **options: Any,
     ) -> Callable[[Callable[..., Any]], UDF]: ...
 
@@ -919,6 +968,13 @@ def udf(fn: Callable[..., Any] | None = None, /, **config: Any) -> Any:
     ``code`` is what a submitted call ships with it: ``"auto"`` (the default) the local,
     non-installed package the function comes from, a list of paths those, ``None`` nothing (see
     :mod:`dreamlake.lakeshore.codeship`).
+
+    The call's environment (docs/nymph.md "Environments"): ``pip=["numpy==2.1.*"]`` or
+    ``requirements="reqs.txt"`` (a requirements file, a ``pylock.toml`` or a ``uv.lock``) is built
+    once per lock on each worker; ``env={"OMP_NUM_THREADS": "4"}`` (per call ``_env=``) are
+    variables; ``secrets=["HF_TOKEN"]`` puts this namespace's secret of that name in the task's
+    environment (``lakeshore secret set``); ``mounts=["datasets"]`` asks for a directory the
+    worker's operator offers (``nymph start --mount datasets=/srv/datasets:ro``).
 
     Extra keywords (``image``, ``resources``, ``network``, ...) ride in the Submit ``run_config``.
     """

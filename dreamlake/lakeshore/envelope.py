@@ -653,6 +653,12 @@ def check_runtime(runtime: Mapping[str, Any], policy: str = "minor") -> None:
     try:
         import cloudpickle
     except ImportError as exc:
+        blocked = unreadable_path()
+        if blocked:  # not a missing package: this process cannot read where it is
+            raise RuntimeMismatch(
+                f"cloudpickle cannot be imported: {blocked}; give the task user an interpreter and "
+                "PYTHONPATH it can read (nymph start checks this: run `nymph doctor`)"
+            ) from exc
         raise RuntimeMismatch(
             "cloudpickle is not installed in this runtime, so a pickled function cannot run here: "
             "install cloudpickle or put the lakeshore entry bundle on PYTHONPATH"
@@ -715,6 +721,33 @@ def _unpickle(record: FnRecord, *, allow_pickled: bool, policy: str) -> Callable
     return obj  # type: ignore[no-any-return]
 
 
+def unreadable_path() -> str | None:
+    """What of this process's ``sys.path`` it cannot read (a directory its user may not enter or
+    list, e.g. an interpreter under a 0700 home run by another user), said as a sentence; None when
+    all of it is readable. An import that fails for that reason is not a missing package."""
+    import os
+
+    for entry in sys.path:
+        if not entry:
+            continue
+        try:
+            st = os.stat(entry)
+        except FileNotFoundError:
+            continue
+        except PermissionError:
+            return (
+                f"uid {os.getuid()} cannot reach {entry} on sys.path (a directory on the way is closed to it)"
+            )
+        except OSError:
+            continue
+        import stat as _stat
+
+        need = os.R_OK | os.X_OK if _stat.S_ISDIR(st.st_mode) else os.R_OK
+        if not os.access(entry, need):
+            return f"uid {os.getuid()} cannot read {entry} on sys.path"
+    return None
+
+
 def _shipped(module: Any) -> bool:
     """Whether ``module`` was imported from a code archive shipped with the call (LAKESHORE_CODE_PATH)."""
     import os
@@ -733,9 +766,16 @@ def _resolve_ref(record: FnRecord, *, policy: str) -> Callable[..., Any]:
     except ModuleNotFoundError as exc:
         if exc.name is None or not (module_name + ".").startswith(exc.name + "."):
             raise
+        blocked = unreadable_path()
+        why = (
+            f"{blocked}, so the module may be there and unreadable; give the task user an interpreter "
+            "and PYTHONPATH it can read (nymph start checks this: run `nymph doctor`)"
+            if blocked
+            else "the function's module must be importable in the worker's runtime (install it or add "
+            "it to PYTHONPATH)"
+        )
         raise EnvelopeError(
-            f"cannot import module {module_name!r} for {module_name}.{qualname}: the function's module "
-            "must be importable in the worker's runtime (install it or add it to PYTHONPATH)"
+            f"cannot import module {module_name!r} for {module_name}.{qualname}: {why}"
         ) from exc
     try:
         obj = _getattr_chain(module, qualname)

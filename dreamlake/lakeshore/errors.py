@@ -28,6 +28,10 @@
                +-- BadRequest        another 4xx (400, 413, 422, ...): malformed on one side
                     +-- PayloadCorrupt  a referenced blob whose sha256 is not the ref's (422)
 
+    Interrupted (BaseException)     raised in a task's function by the entry on the first SIGTERM:
+                                    the call is being stopped (.reason: cancelled | timeout |
+                                    preempted | shutdown); finally blocks and with blocks run
+
 ``TypeError`` is raised (not wrapped) for an unpackable value, as the seed says. A part of the SDK
 whose dependency the runtime lacks (a bring-your-own image has only what the entry bundle carries)
 raises ``ModuleNotFoundError`` from :func:`missing_module`, naming the feature, the module and the fix. The control-plane
@@ -40,6 +44,22 @@ from __future__ import annotations
 TYPE_CHECKING = False  # no typing at runtime: the entry imports this module
 if TYPE_CHECKING:
     from typing import Any
+
+
+class Interrupted(BaseException):
+    """The task is being stopped: raised by the entry in the function's thread on the first
+    SIGTERM (the runner's ladder: interrupt, grace, kill), so ``try/finally`` and ``with`` blocks
+    run; a generator gets it at its current ``yield``. ``reason``: ``cancelled`` (the producer
+    cancelled), ``timeout`` (``timeout_s`` passed), ``preempted`` (the host stops: nymph's shutdown
+    or drain), ``shutdown`` (a SIGTERM nymph did not explain). A BaseException, like
+    KeyboardInterrupt, so ``except Exception`` does not swallow it; after the grace the task is
+    killed whatever it does."""
+
+    REASONS = ("cancelled", "timeout", "preempted", "shutdown")
+
+    def __init__(self, reason: str = "shutdown") -> None:
+        self.reason = reason if reason in self.REASONS else "shutdown"
+        super().__init__(f"the call is being stopped ({self.reason})")
 
 
 class LakeshoreError(Exception):

@@ -157,6 +157,51 @@ def guarded(fn: Callable[..., None]) -> Callable[..., None]:
 # -- commands --------------------------------------------------------------------------------------
 
 
+_TERMINAL = ("succeeded", "failed", "killed", "timeout", "cancelled")
+
+
+def attempt_label(inv: dict[str, Any], long: bool = False) -> str:
+    """The attempt as an operator should read it: ``1/3`` while more may come; once the call is
+    over, no ``/3`` that reads as retries still coming (``1 final``, or ``1 of up to 3, final``)."""
+    n, most = inv["attempt"], inv["max_attempts"]
+    if inv["state"] not in _TERMINAL:
+        return f"{n} of {most}" if long else f"{n}/{most}"
+    if long:
+        return f"{n} of up to {most}, final" if n < most else f"{n} of {most}, final"
+    return f"{n} final"
+
+
+def _sweep_of(d: dict[str, Any]) -> str | None:
+    rc = d.get("run_config")
+    sweep = rc.get("sweep") if isinstance(rc, dict) else None
+    return sweep if isinstance(sweep, str) else None
+
+
+def function_line(fn: dict[str, Any]) -> str:
+    """``show``'s function: its name, how it travelled, and the hash that identifies its code:
+    ``mod.topk  (by reference, source sha256:1a2b...)``, ``topk  (pickled, sha256:...)``."""
+    if not fn.get("qualname"):
+        return "-"
+    kind = fn.get("kind")
+    name = f"{fn['module']}.{fn['qualname']}" if kind == "ref" and fn.get("module") else fn["qualname"]
+    digest = fn.get("hash")
+    if kind == "ref":
+        how = "by reference, " + (f"source {digest}" if digest else "no source hash (source unavailable)")
+    elif kind == "pickle":
+        how = "pickled" + (f", {_short(digest)}" if digest else "")
+    else:
+        return name
+    if fn.get("code"):
+        how += f"; code archive sha256:{fn['code'][:16]}"
+    return f"{name}  ({how})"
+
+
+def _short(digest: str) -> str:
+    """``sha256:`` and 16 hex digits (a source hash's own length), for a full blob hash."""
+    head, _, hexits = digest.partition(":")
+    return f"{head}:{hexits[:16]}" if hexits else digest[:23]
+
+
 @click.command()
 @connection_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -170,7 +215,18 @@ def queues(url: str | None, token: str | None, as_json: bool) -> None:
         return
     click.echo(
         table(
-            ["QUEUE", "QUEUED", "RUNNING", "OLDEST QUEUED", "WORKERS", "SUCCEEDED", "FAILED", "CANCELLED"],
+            [
+                "QUEUE",
+                "QUEUED",
+                "RUNNING",
+                "OLDEST QUEUED",
+                "WORKERS",
+                "SUCCEEDED",
+                "FAILED",
+                "KILLED",
+                "TIMEOUT",
+                "CANCELLED",
+            ],
             [
                 [
                     q["name"],
@@ -179,7 +235,9 @@ def queues(url: str | None, token: str | None, as_json: bool) -> None:
                     age(q["oldest_queued_age_s"]),
                     q["workers_live"],
                     q["counts"].get("succeeded", 0),
-                    sum(q["counts"].get(s, 0) for s in ("failed", "killed", "timeout")),
+                    q["counts"].get("failed", 0),
+                    q["counts"].get("killed", 0),  # a cancelled running call ends killed
+                    q["counts"].get("timeout", 0),
                     q["counts"].get("cancelled", 0),
                 ]
                 for q in rows
@@ -210,7 +268,8 @@ def workers(url: str | None, token: str | None, live: bool, as_json: bool) -> No
                     w["runner"],
                     ",".join(w["queues"]),
                     f"{w['busy']}/{w['slots'] if w['slots'] is not None else '?'}",
-                    age(w["last_seen_age_s"]) + ("" if w["live"] else " (gone)"),
+                    age(w["last_seen_age_s"])
+                    + ("" if w["live"] else " (stopped)" if w.get("stopped_at") else " (gone)"),
                     w["version"],
                     ",".join(f"{k}={v}" for k, v in sorted(w["labels"].items())) or "-",
                 ]
@@ -233,6 +292,7 @@ def workers(url: str | None, token: str | None, live: bool, as_json: bool) -> No
 @click.option("--since", default=None, help="Submitted since: 10m, 2h, 1d, an ISO date-time or epoch s.")
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 500))
 @click.option("--cursor", default=None, help="Continue a listing: the id printed after the last page.")
+@click.option("--sweep", default=None, help="Only the calls of one map (the sweep id `show` prints).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON ({invocations, next_cursor}).")
 @_raw_option
 @guarded
@@ -244,13 +304,19 @@ def ls(
     since: str | None,
     limit: int,
     cursor: str | None,
+    sweep: str | None,
     as_json: bool,
     raw: bool,
 ) -> None:
     """Invocations, newest first."""
     with _client(url, token) as client:
         page = client.invocations(
-            queue=queue, states=list(states) or None, since=parse_since(since), limit=limit, cursor=cursor
+            queue=queue,
+            states=list(states) or None,
+            since=parse_since(since),
+            limit=limit,
+            cursor=cursor,
+            sweep=sweep,
         )
     if as_json:
         _echo_json(page)
@@ -260,7 +326,7 @@ def ls(
             i["invocation_id"],
             i["queue"],
             i["state"],
-            f"{i['attempt']}/{i['max_attempts']}",
+            attempt_label(i),
             when(i["submitted_at"]),
             duration(i["started_at"], i["finished_at"]),
             (f"{i['error']['type']}: {i['error']['message']}"[:80] if i["error"] else ""),
@@ -292,13 +358,14 @@ def show(url: str | None, token: str | None, invocation_id: str, as_json: bool, 
         f"invocation  {d['invocation_id']}",
         f"state       {d['state']}" + ("  (cancel requested)" if d["cancel_requested"] and not d["terminal"] else ""),
         f"queue       {d['queue']}   namespace {d['namespace']}   priority {d['priority']}",
-        f"function    {fn.get('qualname') or '-'}" + (f"  ({fn['kind']}, {fn.get('module')})" if fn.get("kind") else ""),
+        f"function    {function_line(fn)}",
         f"submitted   {when(d['submitted_at'])}",
         f"started     {when(d['started_at'])}   (waited {age(t['wait_s']) if t['wait_s'] is not None else '-'})",
         f"finished    {when(d['finished_at'])}   (ran {duration(d['started_at'], d['finished_at'])})",
         f"worker      {d['worker_id'] or '-'}",
         f"frames      {frames['count']}" + (f" (last seq {frames['last_seq']})" if frames["count"] else ""),
-        f"attempts    {d['attempt']} of {d['max_attempts']}",
+        f"attempts    {attempt_label(d, long=True)}",
+        *([f"sweep       {sweep}  (lakeshore ls --sweep {sweep})"] if (sweep := _sweep_of(d)) else []),
     ]  # fmt: skip
     for a in d["attempts"]:
         where = f" on {a['worker_id']}" if a["worker_id"] else ""

@@ -49,6 +49,19 @@ class OpsClient:
         out = self._client.request(method, path, body, as_json=True, params=query)
         return out if isinstance(out, dict) else {}
 
+    # -- secrets (server/secrets.py): names and times only come back, never a value -------------
+
+    def secret_set(self, namespace: str, name: str, value: str) -> None:
+        self._client.request(
+            "PUT", f"/v1/namespaces/{namespace}/secrets/{name}", {"value": value}, as_json=True
+        )
+
+    def secret_names(self, namespace: str) -> list[dict[str, Any]]:
+        return list(self._request("GET", f"/v1/namespaces/{namespace}/secrets")["secrets"])
+
+    def secret_remove(self, namespace: str, name: str) -> None:
+        self._request("DELETE", f"/v1/namespaces/{namespace}/secrets/{name}")
+
     def whoami(self) -> dict[str, Any]:
         return self._request("GET", "/v1/ops/whoami")
 
@@ -76,14 +89,17 @@ class OpsClient:
         since: float | None = None,
         limit: int = 50,
         cursor: str | None = None,
+        sweep: str | None = None,
     ) -> dict[str, Any]:
-        """One page: ``{"invocations": [...], "next_cursor": id | None}``, newest first."""
+        """One page: ``{"invocations": [...], "next_cursor": id | None}``, newest first (only the
+        calls of one ``map`` with ``sweep``)."""
         params = {
             "queue": queue,
             "state": ",".join(states) if states else None,
             "since": since,
             "limit": limit,
             "cursor": cursor,
+            "sweep": sweep,
         }
         return self._request("GET", "/v1/ops/invocations", params)
 

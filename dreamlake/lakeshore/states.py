@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-__all__ = ["ACK_STATES", "STATES", "TERMINAL_STATES", "State"]
+__all__ = ["ACK_STATES", "PREEMPTED", "STATES", "TERMINAL_STATES", "State"]
 
 State = Literal["queued", "running", "succeeded", "failed", "killed", "timeout", "cancelled"]
 
@@ -18,5 +18,10 @@ STATES: tuple[str, ...] = get_args(State)
 TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "killed", "timeout", "cancelled"})
 """States an invocation never leaves."""
 
-ACK_STATES: frozenset[str] = frozenset({"succeeded", "failed", "killed", "timeout"})
+PREEMPTED = "preempted"
+"""The outcome of an attempt whose host stopped under it (nymph's shutdown or drain grace expired).
+Never a row's state: the store requeues the call at once (attempt + 1) without spending one of its
+``max_attempts``, and keeps ``preempted`` in the attempts history (store/invocations.py)."""
+
+ACK_STATES: frozenset[str] = frozenset({"succeeded", "failed", "killed", "timeout", PREEMPTED})
 """The outcomes a worker may report (``cancelled`` is the producer's, never a worker's)."""

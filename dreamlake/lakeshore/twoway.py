@@ -111,7 +111,12 @@ def drive(
         value = next(gen)
         while True:
             emit(value, index)
-            answer = receive(index)
+            try:
+                answer = receive(index)
+            except BaseException as exc:  # an interrupt while the body waits: raised at its yield
+                value = gen.throw(exc)
+                index += 1
+                continue
             if answer is None:
                 value = gen.throw(
                     SendTimeout(

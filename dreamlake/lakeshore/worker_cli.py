@@ -1,7 +1,9 @@
 """``lakeshore worker start``: run invocations of one queue in this process, against a control plane.
 
-The click group ``worker`` is attached to the ``lakeshore`` console script by ``cli.py``. Options
-are resolved here, once: flags over ``LAKESHORE_SERVER`` / ``LAKESHORE_TOKEN``.
+The click group ``worker`` is attached to the ``lakeshore`` console script by ``cli.py``. The
+control plane is found as every ``lakeshore`` command finds it (``dreamlake.lakeshore.settings``):
+``--url`` (``--server``) / ``--token`` over ``LAKESHORE_URL`` / ``LAKESHORE_TOKEN`` over the config
+file; ``LAKESHORE_SERVER``, the variable of earlier versions, is read when ``LAKESHORE_URL`` is unset.
 """
 
 from __future__ import annotations
@@ -17,14 +19,34 @@ __all__ = ["worker"]
 log = logging.getLogger(__name__)
 
 
+def _environ() -> dict[str, str]:
+    """The environment, with the older ``LAKESHORE_SERVER`` standing in for an unset ``LAKESHORE_URL``."""
+    import os
+
+    env = dict(os.environ)
+    if not env.get("LAKESHORE_URL") and env.get("LAKESHORE_SERVER"):
+        env["LAKESHORE_URL"] = env["LAKESHORE_SERVER"]
+    return env
+
+
 @click.group()
 def worker() -> None:
     """Run invocations in this process (the SDK's worker; nymph is the production agent)."""
 
 
 @worker.command("start")
-@click.option("--server", "server", envvar="LAKESHORE_SERVER", required=True, help="Control plane URL.")
-@click.option("--token", envvar="LAKESHORE_TOKEN", required=True, help="A daemon (or admin) token.")
+@click.option(
+    "--url",
+    "--server",
+    "server",
+    default=None,
+    help="Control plane URL (default: $LAKESHORE_URL, then the config file, as every lakeshore command).",
+)
+@click.option(
+    "--token",
+    default=None,
+    help="A daemon (or admin) token (default: $LAKESHORE_TOKEN, then the config file).",
+)
 @click.option("--queue", "queue", default="default", show_default=True, help="The queue to claim from.")
 @click.option(
     "--allow-pickled",
@@ -55,8 +77,8 @@ def worker() -> None:
     help="Invocations claimed per poll and run one after another (more for many short calls).",
 )
 def start(
-    server: str,
-    token: str,
+    server: str | None,
+    token: str | None,
     queue: str,
     allow_pickled: bool,
     runtime_policy: str,
@@ -68,8 +90,13 @@ def start(
     from dreamlake.lakeshore.dispatch.http import HttpDispatch
     from dreamlake.lakeshore.errors import LakeshoreError
     from dreamlake.lakeshore.queue import SyncQueue
+    from dreamlake.lakeshore.settings import load
     from dreamlake.lakeshore.worker import run_worker
 
+    try:
+        server, token = load(server, token, env=_environ()).require()
+    except LakeshoreError as exc:
+        raise click.UsageError(str(exc)) from exc
     try:
         plane = HttpDispatch(server, token)
     except ValueError as exc:

@@ -15,8 +15,12 @@ The container::
     code_dirs    host directories of user code, read-only at the same path, on PYTHONPATH; with
                  mount_pythonpath (default) also the existing entries of the task's PYTHONPATH (the
                  operator's code on nymph's own PYTHONPATH, as the process runner sees it)
-    /opt/lakeshore/code/<sha256>   each code archive the call shipped (nymph's code cache),
-                 read-only, first on the import path (LAKESHORE_CODE_PATH; the entry puts it there)
+    /opt/lakeshore/code/<sha256>   each code archive the call shipped (nymph's code cache), and
+                 its pip environment (nymph.envcache, built for the image's python3), read-only,
+                 first on the import path (LAKESHORE_CODE_PATH; the entry puts it there)
+    /mnt/lakeshore/<name>   each operator mount the call asked for (--mount NAME=PATH[:ro]), its
+                 path in LAKESHORE_MOUNT_<NAME>
+    environment  only the task's variables (nymph.taskenv): the image's own PATH, HOME, ...
     user         as_user mapped to uid:gid (users option, else the host's passwd); else the owner of
                  the workdir, so the bind-mounted workdir stays writable
     security     cap_drop ALL, no-new-privileges, never privileged, network "none" by default,
@@ -52,11 +56,13 @@ import docker
 import docker.errors
 from docker.types import DeviceRequest, Mount
 
+from nymph.envcache import Interpreter, probe_source
 from nymph.resources import Resources, parse_defaults, parse_resources
 from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, RunnerUnavailable, Task
 from nymph.runnerkit import (
     BUNDLE_TARGET,
     ENTRY_MODULE,
+    MOUNT_TARGET,
     SCRIPT_SHIM,
     WORKDIR_TARGET,
     code_mounts,
@@ -67,6 +73,7 @@ from nymph.runnerkit import (
     option_mapping,
     task_name,
 )
+from nymph.taskenv import mount_env_name
 from nymph_docker import engine, policy
 from nymph_docker.logs import collect_logs
 
@@ -120,6 +127,7 @@ class DockerRunner:
         if pull not in PULL_POLICIES:
             raise RunnerError(f"{self.name} runner: pull must be one of {PULL_POLICIES}, got {pull!r}")
         self.image = image
+        self._interpreters: dict[str, Interpreter] = {}  # image id -> its python (pip environments)
         self.allowed_images = option_list(allowed_images)
         self.pull = pull
         self.network = network
@@ -333,6 +341,40 @@ class DockerRunner:
 
     _runtime_hint = "register it in /etc/docker/daemon.json and reload dockerd"
 
+    def pip_interpreter(self, run_config: Mapping[str, Any]) -> Interpreter:
+        """The image's ``python3`` a pip environment is built for (nymph.envcache): asked once
+        per image id, in a throwaway container with no network, no capabilities, as nobody."""
+        image = str(run_config.get("image") or self.image)
+        if not policy.image_allowed(image, self.image, self.allowed_images):
+            raise RunnerError(f"{self.name} runner: image {image!r} is not allowed on this node")
+        self._ensure_image(image)
+        client = self._engine()
+        what = f"{self.name} runner: image {image!r}: asking its python"
+        with engine.translated(what, self.docker_host):
+            image_id = str(client.api.inspect_image(image)["Id"])
+            found = self._interpreters.get(image_id)
+            if found is not None:
+                return found
+            out = client.containers.run(
+                image,
+                ["-I", "-c", probe_source()],
+                entrypoint=[self.python],
+                remove=True,
+                network_mode="none",
+                user="65534:65534",
+                cap_drop=["ALL"],
+                security_opt=["no-new-privileges"],
+                **({"runtime": self.runtime} if self.runtime else {}),
+            )
+        import json
+
+        try:
+            found = Interpreter.from_probe(json.loads(bytes(out).decode()))
+        except (ValueError, KeyError) as exc:
+            raise RunnerError(f"{what}: no answer it could read ({exc}): {bytes(out)[:200]!r}") from exc
+        self._interpreters[image_id] = found
+        return found
+
     def _check_runtime(self, client: docker.DockerClient) -> None:
         """Raise RunnerUnavailable when ``self.runtime`` is not registered with the engine."""
         if self.runtime is None:
@@ -422,6 +464,16 @@ class DockerRunner:
         shipped = code_mounts(task)  # the code archives the call shipped, first on the import path
         mounts += [Mount(target=target, source=host, type="bind", read_only=True) for host, target in shipped]
         env.update(code_path_env(shipped))
+        for name, (source, read_only) in task.mounts.items():  # the operator's, asked for by name
+            if source.startswith("pvc:"):
+                raise RunnerError(
+                    f"{self.name} runner: mount {name!r} is a PersistentVolumeClaim ({source}), which only "
+                    "the kube runner mounts; declare a host path for it on this worker"
+                )
+            mounts.append(
+                Mount(target=f"{MOUNT_TARGET}/{name}", source=source, type="bind", read_only=read_only)
+            )
+            env[mount_env_name(name)] = f"{MOUNT_TARGET}/{name}"
         kwargs: dict[str, Any] = {
             "environment": env,
             "working_dir": WORKDIR_TARGET,

@@ -55,6 +55,7 @@ from nymph import safeio
 from nymph.resources import parse_defaults, parse_resources
 from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, RunnerUnavailable, Task
 from nymph.runnerkit import (
+    MOUNT_TARGET,
     code_mounts,
     code_path_env,
     handle_workdir,
@@ -64,6 +65,7 @@ from nymph.runnerkit import (
     option_mapping,
     task_name,
 )
+from nymph.taskenv import mount_env_name
 from nymph_kube import api, podspec
 
 log = logging.getLogger(__name__)
@@ -224,6 +226,7 @@ class KubeRunner:
         # the shipped code at the paths the pod sees (the entry puts them first on sys.path)
         code = [(self._code_host_path(root, Path(host)), target) for host, target in code_mounts(task)]
         env.update(code_path_env(code))
+        env.update({mount_env_name(m): f"{MOUNT_TARGET}/{m}" for m in task.mounts})  # the pod's paths
         name = task_name(task)
         worker = str(task.labels.get("nymph.worker", ""))
         manifest = podspec.pod_manifest(
@@ -244,6 +247,7 @@ class KubeRunner:
             container_resources=res,
             shm_bytes=shm,
             code_dirs=code,
+            user_mounts=task.mounts,
         )
         if self.workdir_volume == "persistentVolumeClaim":
             subs = [self._code_sub_path(root, d) for d in task.code_dirs]

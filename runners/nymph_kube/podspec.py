@@ -23,7 +23,7 @@ from typing import Any
 
 from nymph.resources import Resources
 from nymph.runner import ExitStatus, RunnerError
-from nymph.runnerkit import BUNDLE_TARGET, ENTRY_MODULE, SCRIPT_SHIM, WORKDIR_TARGET
+from nymph.runnerkit import BUNDLE_TARGET, ENTRY_MODULE, MOUNT_TARGET, SCRIPT_SHIM, WORKDIR_TARGET
 
 __all__ = [
     "BUNDLE_TARGET",
@@ -176,11 +176,14 @@ def pod_manifest(
     container_resources: Mapping[str, Any],
     shm_bytes: int | None,
     code_dirs: Sequence[tuple[str, str]] = (),
+    user_mounts: Mapping[str, tuple[str, bool]] | None = None,
 ) -> dict[str, Any]:
     """The Pod: one container, the workdir and the bundle as hostPath volumes, locked down.
 
     ``code_dirs``: ``(node path, mount path)`` of each code archive the call shipped (nymph's code
-    cache), mounted read-only as volume ``code-<n>``."""
+    cache), mounted read-only as volume ``code-<n>``. ``user_mounts``: the operator's mounts the
+    call asked for, ``{name: (node path or "pvc:CLAIM", read_only)}``, as volume ``mount-<n>`` (a
+    hostPath, or the PersistentVolumeClaim) at ``MOUNT_TARGET/<name>``."""
     volumes: list[dict[str, Any]] = [
         {"name": "workdir", "hostPath": {"path": host_workdir, "type": "Directory"}},
         {"name": "entry-bundle", "hostPath": {"path": host_bundle, "type": "File"}},
@@ -194,6 +197,15 @@ def pod_manifest(
     for n, (host, target) in enumerate(code_dirs):
         volumes.append({"name": f"code-{n}", "hostPath": {"path": host, "type": "Directory"}})
         mounts.append({"name": f"code-{n}", "mountPath": target, "readOnly": True})
+    for n, (mount, (source, read_only)) in enumerate(sorted((user_mounts or {}).items())):
+        if source.startswith("pvc:"):
+            volume: dict[str, Any] = {
+                "persistentVolumeClaim": {"claimName": source[4:], "readOnly": read_only}
+            }
+        else:
+            volume = {"hostPath": {"path": source, "type": "Directory"}}
+        volumes.append({"name": f"mount-{n}", **volume})
+        mounts.append({"name": f"mount-{n}", "mountPath": f"{MOUNT_TARGET}/{mount}", "readOnly": read_only})
     if shm_bytes is not None:
         volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": str(shm_bytes)}})
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})

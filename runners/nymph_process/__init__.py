@@ -69,6 +69,11 @@ to become runs in a long-lived warm worker that imports its module once and runs
 in itself, with no isolation between calls; a crash, cancel or timeout kills that worker only.
 Scripts, tasks with a user to become and pickled functions take the paths above.
 
+The task's environment is the documented host base (``PATH``, ``HOME``, ``LANG``, ``TZ``, ...:
+:func:`nymph.taskenv.host_base`, cached and recomputed only when nymph's own environment changed)
+plus ``Task.env``; never nymph's whole environment. A pip environment (nymph.envcache) is built for
+the runner's ``python`` (:meth:`ProcessRunner.pip_interpreter`) and comes in ``Task.code_dirs``.
+
 Code a call shipped (``Task.code_dirs``, nymph's code cache) reaches the task as
 ``LAKESHORE_CODE_PATH``, a per-task variable like every ``LAKESHORE_*`` one: it is not part of a
 zygote's key, so one zygote serves every version, and the entry (in the forked child or the spawned
@@ -102,6 +107,7 @@ import psutil
 from dreamlake.lakeshore.daemon.entry import RESULT_MAX_ENV
 from nymph import limits, safeio
 from nymph.cgroup import CgroupError, TaskCgroups, detect, join_list, spawn_prefix
+from nymph.envcache import Interpreter, host_interpreter
 from nymph.resources import ResourceError, Resources, parse_defaults, parse_resources
 from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, RunnerUnavailable, Task
 from nymph.runnerkit import (
@@ -113,6 +119,7 @@ from nymph.runnerkit import (
     option_list,
     task_name,
 )
+from nymph.taskenv import host_base
 from nymph.workdir import ARGS as ARGS_FILE
 from nymph_process.prefork import ForkedChild, ZygoteClient, ZygoteError, boot_time, start_time_of
 from nymph_process.warm import WarmPool, WarmWorker, passwd_record
@@ -644,8 +651,14 @@ class ProcessRunner:
         except OSError as exc:
             raise RunnerError(f"process runner: cannot write {ARGS_FILE} in {workdir}: {exc}") from exc
 
+    def pip_interpreter(self, run_config: Mapping[str, object]) -> Interpreter:
+        """What a pip environment is built for: this runner's python (nymph.envcache)."""
+        return host_interpreter(self.python)
+
     def _task_env(self, task: Task) -> dict[str, str]:
-        env = dict(_own_environ())
+        """The host base (nymph.taskenv: PATH, HOME, LANG, TZ, ...; never nymph's whole
+        environment), then the task's own variables."""
+        env = dict(host_base())
         env.update(task.env)
         if self.pythonpath is not None:
             env["PYTHONPATH"] = self.pythonpath
@@ -892,24 +905,6 @@ def _interpreter_key(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
             (k, v) for k, v in env.items() if k not in _PER_TASK_ENV_KEYS and not k.startswith(_PER_TASK_ENV)
         )
     )
-
-
-_own_env: tuple[dict[bytes, bytes], dict[str, str]] | None = None  # (os.environ's bytes, decoded)
-
-
-def _own_environ() -> dict[str, str]:
-    """nymph's environment less its ``NYMPH_`` settings: what every task's environment starts
-    from. Decoded again only when ``os.environ`` changed (compared as its bytes, at C speed: a
-    decode of every variable cost more than the rest of the task's environment)."""
-    global _own_env
-    raw = getattr(os.environ, "_data", None)  # CPython's mapping under os.environ
-    seen = _own_env
-    if seen is not None and raw is not None and seen[0] == raw:
-        return seen[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NYMPH_")}
-    if isinstance(raw, dict):
-        _own_env = (dict(raw), env)
-    return env
 
 
 def _flag(value: object) -> bool:

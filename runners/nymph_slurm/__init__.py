@@ -55,11 +55,12 @@ import shlex
 import shutil
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from nymph import safeio
+from nymph.envcache import Interpreter, host_interpreter
 from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, RunnerUnavailable, Task
 from nymph.runnerkit import (
     ENTRY_MODULE,
@@ -68,6 +69,7 @@ from nymph.runnerkit import (
     inferred_exit_code,
     log_tail,
 )
+from nymph.taskenv import host_base
 from nymph_slurm.jobs import GPU_ENV, JobRecord, batch_script, exit_status, parse_record, resource_args
 
 log = logging.getLogger(__name__)
@@ -172,7 +174,7 @@ class SlurmRunner:
                 )
                 self._unanswered.discard(key)
                 return self._handle(task, job_id, job_name, workdir)
-        env = dict(task.env)
+        env = {**host_base(), **task.env}  # the documented base and the task's own (nymph.taskenv)
         if any(a.startswith("--gres=gpu") for a in res_args):
             env = {k: v for k, v in env.items() if k not in GPU_ENV}  # Slurm sets them for its GPUs
         command = (
@@ -352,6 +354,12 @@ class SlurmRunner:
                 "(finished more than MinJobAge ago)"
             )
         return ExitStatus(exit_code=code, reason=reason, logs=log_tail(workdir))
+
+    def pip_interpreter(self, run_config: Mapping[str, Any]) -> Interpreter:
+        """What a pip environment is built for: ``python`` as this host has it (nymph.envcache).
+        The environment is built on nymph's host under ``{workdir}/.envs``: the compute nodes see
+        it at the same path on the shared workdir, and must run the same interpreter."""
+        return host_interpreter(self.python)
 
     @staticmethod
     def _submit_env(task: Task) -> dict[str, str]:

@@ -163,6 +163,16 @@ def resource_args(resources: Any, gpus_assigned: int) -> list[str]:
 REAPER_SOURCE = (Path(__file__).with_name("reaper.py")).read_text()
 
 
+# The job starts with the submitter's environment (sbatch exports it): the script keeps only what
+# Slurm set for the job (SLURM_*, and the GPU variables of its --gres) and then exports the task's
+# own (nymph.taskenv), so nothing of nymph's environment reaches the task. ``env`` and ``sed`` run
+# before the loop (the command substitution); the loop uses builtins only.
+CLEAN_ENV = (
+    "for _v in $(env | sed -n 's/^\\([A-Za-z_][A-Za-z0-9_]*\\)=.*/\\1/p'); do case $_v in "
+    "SLURM_*|" + "|".join(sorted(GPU_ENV)) + "|GPU_DEVICE_ORDINAL) ;; *) unset $_v ;; esac; done; unset _v"
+)
+
+
 def batch_script(
     workdir: str, env: Mapping[str, str], command: list[str], header: str, python: str | None = None
 ) -> str:
@@ -172,7 +182,7 @@ def batch_script(
     interpreter), so no process the task starts outlives the job; when the job's user cannot run
     that interpreter on the node (a script needs none otherwise), the command runs without it.
     """
-    lines = ["#!/bin/sh", f"# {header}"]
+    lines = ["#!/bin/sh", f"# {header}", CLEAN_ENV]
     for key, value in sorted(env.items()):
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
             raise RunnerError(f"slurm runner: environment variable name {key!r} cannot be exported")

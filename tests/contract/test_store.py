@@ -760,3 +760,25 @@ def test_the_pinned_version_of_a_worker_comes_from_its_register(store: SqlStore)
     store.pin_version("default", "0.2.0")
     assert store.pinned_version_for_worker("plain") == "0.2.0"
     assert store.pinned_version_for_worker("w", "default") == "0.2.0"
+
+
+def test_activity_and_sweeps_for_the_dashboard(store: SqlStore) -> None:
+    """The calls of one map carry run_config.sweep: counted by state per sweep (a JSON path, on
+    both dialects), listed apart; activity gives the times the charts bin."""
+    since = time.time() - 5
+    sweep = new_ulid()
+    calls = [submit(store, "m", sweep=sweep) for _ in range(3)]
+    loose = submit(store, "m")
+    _, claimed, _ = store.poll("w", ["m"], limit=1, lease_s=60)
+    (first,) = claimed
+    store.ack(first.invocation_id, "succeeded", attempt=1, worker_id="w", result_blob=b"\xc0", error=None)
+
+    (found,) = store.sweeps(None, since)
+    assert (found.sweep, found.queue, found.total) == (sweep, "m", 3)
+    assert found.counts == {"succeeded": 1, "queued": 2}
+    assert store.sweeps("other-namespace", since) == []
+    page = store.list_invocations(None, sweep=sweep)
+    assert sorted(i.invocation_id for i in page.invocations) == sorted(calls) and loose not in calls
+
+    rows = {(r.state, r.finished_at is not None) for r in store.activity(None, since)}
+    assert rows == {("succeeded", True), ("queued", False)}

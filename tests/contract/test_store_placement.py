@@ -10,10 +10,14 @@ import time
 import pytest
 
 from dreamlake.lakeshore.errors import PlaneError
+from dreamlake.lakeshore.store.api import AckRequest
 from dreamlake.lakeshore.store.claims import queue_limit
+from dreamlake.lakeshore.store.notify import run_queue_channel
 from dreamlake.lakeshore.store.placement import Offer
 from dreamlake.lakeshore.store.sql import SqlStore
-from tests.contract.test_store import submit
+from tests.contract.test_store import ack, submit
+
+TIMEOUT_ERR = {"type": "TimeoutError", "message": "the backend did not answer"}
 
 
 def test_a_claim_takes_only_what_the_offer_fits_greedily_in_claim_order(store: SqlStore) -> None:
@@ -59,6 +63,34 @@ def test_not_before_keeps_a_call_queued_until_its_time(store: SqlStore) -> None:
     assert store.claim("w", ["q"], limit=1) == []
     store.expire_leases(time.time() + 61)  # the expiry pass releases what is due
     assert [i.invocation_id for i in store.claim("w", ["q"], limit=1)] == [inv]
+
+
+def _heard(store: SqlStore) -> list[str]:
+    channels: list[str] = []
+    store.notifier.add_listener(lambda channel, seq, relayed: channels.append(channel))
+    return channels
+
+
+def test_a_requeued_gpu_call_wakes_the_channel_of_its_shape(store: SqlStore) -> None:
+    """A retry, a lapsed lease and a retry of the group commit notify ``run-queue:<ns>:<q>:<shape>``
+    (the poll hub then wakes a poll whose offer fits it), not the plain channel no GPU poll hears."""
+    rc = {"resources": {"gpus": 2}, "max_attempts": 5, "retry_on": ["TimeoutError"], "backoff_s": 0}
+    inv = submit(store, "gpu", **rc)
+    shape = store.get(inv).shape  # type: ignore[union-attr]
+    assert shape
+    shaped = run_queue_channel("default", "gpu", shape)
+    heard = _heard(store)
+    assert len(store.claim("w", ["gpu"], offer=Offer.of(2))) == 1
+    assert ack(store, inv, "failed", attempt=1, worker_id="w", error=TIMEOUT_ERR).state == "queued"
+    assert shaped in heard and run_queue_channel("default", "gpu") not in heard
+    heard.clear()
+    store.claim("w", ["gpu"], offer=Offer.of(2))
+    store.write_batch([AckRequest(inv, "failed", 2, "w", None, TIMEOUT_ERR)])
+    assert shaped in heard
+    heard.clear()
+    store.claim("w", ["gpu"], offer=Offer.of(2))
+    assert store.expire_leases(now=time.time() + 10**6) == [inv]
+    assert shaped in heard and run_queue_channel("default", "gpu") not in heard
 
 
 @pytest.mark.parametrize(

@@ -21,16 +21,19 @@ pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def test_truncated_and_garbled_outputs_found_after_a_nymph_kill_are_retried(tmp_path: Path) -> None:
-    with stack(tmp_path) as (server, nymphs, marks):
+    # a lease long enough for the restart to find the attempts still its own (the damage is the
+    # subject here, not a lapsed lease: test_nymph_kill.py covers that)
+    with stack(tmp_path, "--lease-s", "30") as (server, nymphs, marks):
         first = Nymph(server, tmp_path / "n", "--concurrency", "4")
         nymphs.append(first.start())
         producer = Producer(server)
         gate = tmp_path / "gate"
         tally = Tally("damaged-outputs", marks)
         calls = {}
+        big = 2**40  # a result of several bytes (a uint64), so that a truncated one is not empty
         for key in ("intact", "truncated", "garbled"):
-            calls[key] = producer.submit(ref("hold", str(marks), key, 21, str(gate)))
-            tally.add(calls[key], key, 42)
+            calls[key] = producer.submit(ref("hold", str(marks), key, big, str(gate)))
+            tally.add(calls[key], key, 2 * big)
         calls["error"] = producer.submit(ref("hold_then_fail", str(marks), "error", str(gate)))
         tally.keys[calls["error"]] = "error"
         runs = [*tally.expected, calls["error"]]
@@ -42,7 +45,7 @@ def test_truncated_and_garbled_outputs_found_after_a_nymph_kill_are_retried(tmp_
                           if k != "error"), "the results on disk")  # fmt: skip
         until(lambda: (work / calls["error"] / "error.json").exists(), "the error on disk")
         result = (work / calls["truncated"] / "result.msgpack").read_bytes()
-        assert wire.unpack(result) == 42
+        assert wire.unpack(result) == 2 * big and len(result) == 9
         (work / calls["truncated"] / "result.msgpack").write_bytes(result[:-1])
         (work / calls["garbled"] / "result.msgpack").write_bytes(b"\xc1" + result[1:])
         (work / calls["error"] / "error.json").write_bytes(b'{"type": "ValueError", "mess\x00\xff')

@@ -158,7 +158,8 @@ def test_the_sqlite_stores_disk_full_is_a_503_store_full_and_a_generator_finishe
     import httpx
     import msgpack
 
-    from dreamlake.lakeshore import ids, wire
+    from dreamlake.lakeshore import errors, ids, wire
+    from dreamlake.lakeshore.dispatch.http import HttpDispatch
     from tests.faults.stack import Server, kill_leftovers
     from tests.integration.conftest import submit_body
 
@@ -178,6 +179,8 @@ def test_the_sqlite_stores_disk_full_is_a_503_store_full_and_a_generator_finishe
             stream = producer.submit(ref("count", str(marks), "stream", 30, 0.5))
             until(lambda: producer.frames(stream, -1, 1.0), "the generator's first frame")
 
+            with sqlite3.connect(db, timeout=10) as conn:  # the WAL emptied: writes need new room
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
             filler = fill(disk)
             # submits of 200 KB arguments until one needs room the WAL does not have
             url = server.url + "/v1/producer/submit"
@@ -197,6 +200,11 @@ def test_the_sqlite_stores_disk_full_is_a_503_store_full_and_a_generator_finishe
             assert resp.headers.get("retry-after"), resp.headers
             error = msgpack.unpackb(resp.content)["error"]
             assert error.startswith("store full: "), error
+            # the SDK retries it as an outage, and its final error names the cause
+            sdk = HttpDispatch(server.url, producer.token, retry_window=3.0)
+            with pytest.raises(errors.Unavailable) as raised:
+                sdk.submit(ref("double", str(marks), "sdk", 1, 0.0, "x" * 200_000), "default", {})
+            assert "retry window" in str(raised.value) and "store full: " in str(raised.value), raised.value
             answer = httpx.get(server.url + "/healthz", timeout=10)
             assert answer.status_code == 503 and answer.json()["error"].startswith("store full: "), (
                 answer.text
@@ -214,14 +222,17 @@ def test_the_sqlite_stores_disk_full_is_a_503_store_full_and_a_generator_finishe
                 got = producer.frames(stream, frames[-1].seq if frames else -1, 2.0)
                 frames.extend(f for f in got if f.kind != wire.FRAME_LOG)
             assert [wire.unpack(f.body) for f in frames if f.kind == wire.FRAME_VALUE] == list(range(30))
-            out = producer.status(stream)
+            out = until(
+                lambda: (o := producer.status(stream))["state"] != "running" and o, "the stream's ack"
+            )
             assert out["state"] == "succeeded" and out["attempt"] == 1, out
             assert len((marks / "stream").read_text().splitlines()) == 1  # ran once
             assert 500 not in producer.statuses, producer.errors
 
+            until(lambda: "store is back after" in server.output(), "the end of the outage logged", 30)
             log = server.output()
             assert "Traceback" not in log, log[-6000:]
-            assert log.count("store full:") == 1 and "store is back after" in log, log[-6000:]
+            assert log.count("store full:") == 1, log[-6000:]
             producer.close()
             nymph.stop()
             server.stop()

@@ -96,7 +96,12 @@ def health(server: Server) -> tuple[int, dict[str, object]]:
     return resp.status_code, resp.json()
 
 
-def test_postgres_stopped_for_30s_under_load_is_a_503_and_costs_no_attempt(tmp_path: Path) -> None:
+def test_postgres_stopped_for_30s_under_load_is_a_503_and_costs_no_attempt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the expiry sweep ten times a second: once the store is back it would expire every lease that
+    # lapsed meanwhile before a heartbeat lands, unless expiry waits (a lease's length) for them
+    monkeypatch.setenv("LAKESHORE_EXPIRE_EVERY_S", "0.1")
     with private_postgres() as pg:
         server = Server(tmp_path / "cp", "--db", pg.url)
         nymph: Nymph | None = None
@@ -106,7 +111,7 @@ def test_postgres_stopped_for_30s_under_load_is_a_503_and_costs_no_attempt(tmp_p
             marks = tmp_path / "marks"
             marks.mkdir()
             os.chmod(marks, 0o777)
-            nymph = Nymph(server, tmp_path / "n", "--concurrency", "4").start()
+            nymph = Nymph(server, tmp_path / "n", "--concurrency", "4", "--heartbeat-s", "1.0").start()
             producer = Producer(server)
             tally = Tally("postgres-outage", marks)
             warm = producer.submit(ref("double", str(marks), "warm", 1))
@@ -164,14 +169,19 @@ def test_postgres_stopped_for_30s_under_load_is_a_503_and_costs_no_attempt(tmp_p
             values = [f for f in frames if f.kind == wire.FRAME_VALUE]
             assert [wire.unpack(f.body) for f in values] == list(range(45)), frames[-3:]
             assert frames[-1].kind == wire.FRAME_END, frames[-1]
-            out = producer.status(stream)
+            out = until(
+                lambda: (o := producer.status(stream))["state"] != "running" and o, "the stream's ack"
+            )
             assert out["state"] == "succeeded" and out["attempt"] == 1, out
             assert tally.executions(stream) == 1
 
+            until(lambda: "store is back after" in server.output(), "the end of the outage logged", 30)
             log = server.output()
             assert "Traceback" not in log, log[-6000:]
             assert 1 <= log.count("store unavailable:") <= 3, log[-6000:]
             assert "store is back after" in log, log[-6000:]
+            assert log.count("wake-up relay: NOTIFY failed") <= 1, log[-6000:]  # once, not per retry
+            assert log.count("wake-up relay: LISTEN connection failed") <= 1, log[-6000:]
             nlog = nymph.output()
             assert "HTTP 500" not in nlog and "Traceback" not in nlog, nlog[-6000:]
             assert "store unavailable" in nlog, nlog[-6000:]  # its one "went away" line names the cause

@@ -118,3 +118,52 @@ def test_bad_requests_say_what_to_send(sqlite_control_plane: ControlPlane) -> No
     assert status == 400 and "empty" in out["error"]
     status, out = cp.call("/v1/producer/await-batch", {"invocation_ids": [new_ulid()]}, cp.daemon_token)
     assert status == 403
+
+
+def test_a_pickled_submit_warns_when_every_live_worker_refuses_pickles(
+    sqlite_control_plane: ControlPlane, caplog: pytest.LogCaptureFixture
+) -> None:
+    cp = sqlite_control_plane
+    for queue, says in (("refuse", [False]), ("mixed", [False, True]), ("silent", [None]), ("idle", [])):
+        for allow in says:
+            body: dict[str, Any] = {"worker_id": new_ulid(), "queues": [queue]}
+            if allow is not None:
+                body["allow_pickled"] = allow
+            status, out = cp.daemon("/v1/daemon/register", body)
+            assert status == 200, out
+    status, out = cp.json("GET", "/v1/ops/workers", None, cp.producer_token)
+    assert sorted(str(w["allow_pickled"]) for w in out["workers"]) == ["False", "False", "None", "True"]
+
+    def local(x: int) -> int:  # a closure: not importable by module, so it travels pickled
+        return x
+
+    plane = HttpDispatch(cp.url, cp.producer_token)
+    for queue in ("refuse", "mixed", "silent", "idle"):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="dreamlake.lakeshore.dispatch.http"):
+            dls.udf(queue=queue, code=None)(local).submit(1, _dispatch=plane)
+            dls.udf(queue=queue, code=None)(local).map([1, 2], _dispatch=plane)
+        warned = [r.getMessage() for r in caplog.records if "refuses pickled functions" in r.getMessage()]
+        if queue == "refuse":  # once per queue, with the flag that fixes it
+            assert len(warned) == 1 and "--allow-pickled" in warned[0] and "local" in warned[0], warned
+        else:
+            assert warned == [], (queue, warned)
+    plane.close()
+
+
+def test_a_task_token_reads_only_its_descendants(sqlite_control_plane: ControlPlane) -> None:
+    cp = sqlite_control_plane
+    parent = _submit_in(cp, "default")
+    body = {"worker_id": new_ulid(), "queues": ["q"], "timeout_s": 0, "kinds": ["run"]}
+    status, out = cp.daemon("/v1/daemon/poll", body)
+    assert status == 200 and out["commands"][0]["body"]["invocation_id"] == parent, out
+    task_token = out["commands"][0]["body"]["task_token"]
+    child = new_ulid()
+    cp.store.submit(
+        SubmitRequest(child, "q", {"module": "m", "qualname": "f"}, b"\x90", {}, parent_invocation_id=parent)
+    )
+    stranger = _submit_in(cp, "default")  # same namespace, not the task's descendant
+    ids = [child, stranger, parent]
+    status, out = cp.call("/v1/producer/await-batch", {"invocation_ids": ids, "timeout_s": 0}, task_token)
+    assert status == 200, out
+    assert out == {"results": [], "states": {child: "queued"}, "unknown": [stranger, parent]}

@@ -159,13 +159,32 @@ def await_result(url: str, token: str, invocation_id: str, limit_s: float = LIMI
     return dict(out)
 
 
-def state_of(url: str, token: str, invocation_id: str) -> str:
+def status_of(url: str, token: str, invocation_id: str) -> dict[str, Any]:
+    """The status route's body (``GET /v1/producer/invocations/:id``)."""
     resp = httpx.get(
         f"{url}/v1/producer/invocations/{invocation_id}",
         headers={"Authorization": f"Bearer {token}"},
         timeout=10,
     )
-    return str(msgpack.unpackb(resp.content, raw=False)["state"])
+    return dict(msgpack.unpackb(resp.content, raw=False))
+
+
+def state_of(url: str, token: str, invocation_id: str) -> str:
+    return str(status_of(url, token, invocation_id)["state"])
+
+
+def preempted_back_in_queue(url: str, token: str, invocation_id: str) -> dict[str, Any]:
+    """Wait until the call is queued again after a preempted attempt; its status."""
+    return dict(
+        _until(
+            lambda: (
+                (s := status_of(url, token, invocation_id))["state"] == "queued"
+                and s["preemptions"] >= 1
+                and s
+            ),
+            f"{invocation_id} to be requeued as preempted",
+        )
+    )
 
 
 def frames_of(url: str, token: str, invocation_id: str, timeout: float = 5.0) -> list[wire.Frame]:
@@ -192,6 +211,24 @@ def test_plain_function_succeeds_and_its_workdir_is_removed(
     assert wire.unpack(out["result_blob"]) == 5
     _until(lambda: not (n.workdir / inv).exists(), "the workdir to be removed")
     assert (n.state_dir / "worker_id").read_text().strip() != ""
+
+
+def test_async_bodies_run_through_nymph(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    """An ``async def`` runs to completion and an async generator streams, on nymph's process
+    runner (the warm fork; every runner runs the same entry)."""
+    cp = sqlite_control_plane
+    n = nymph_factory(cp.url, cp.daemon_token)
+    inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.async_add, 2, 3))
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert out["state"] == "succeeded", (out, n.output()[-3000:])
+    assert wire.unpack(out["result_blob"]) == 5
+    inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.async_count, 3))
+    assert await_result(cp.url, cp.producer_token, inv)["state"] == "succeeded"
+    frames = frames_of(cp.url, cp.producer_token, inv)
+    assert [f.kind for f in frames] == [wire.FRAME_VALUE] * 3 + [wire.FRAME_END]
+    assert [wire.unpack(f.body) for f in frames[:3]] == [0, 1, 2]  # type: ignore[arg-type]
 
 
 def test_running_invocations_hold_no_thread_of_nymphs(
@@ -398,18 +435,22 @@ def test_timeout_stops_the_job_and_acks_timeout(
     assert out["error"]["type"] == "Timeout"
 
 
-def test_sigterm_lets_work_finish_within_grace_then_kills_with_the_exact_message(
+def test_sigterm_lets_work_finish_within_grace_then_preempts_with_the_exact_message(
     sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
 ) -> None:
     cp = sqlite_control_plane
     n = nymph_factory(cp.url, cp.daemon_token, "--grace-s", "1", "--concurrency", "2")
-    stuck = submit(cp.url, cp.producer_token, envelope(nymph_fns.wait_for_file, "never"))
+    stuck = submit(cp.url, cp.producer_token, envelope(nymph_fns.wait_for_file, "never"), max_attempts=1)
     _until(lambda: (n.workdir / stuck / "handle.json").exists(), "the job to start")
     n.signal(signal.SIGTERM)
     assert n.wait() == 0
-    out = await_result(cp.url, cp.producer_token, stuck)
-    assert out["state"] == "killed"
-    assert out["error"] == {"type": "Cancelled", "message": "daemon shutdown grace expired"}
+    out = preempted_back_in_queue(cp.url, cp.producer_token, stuck)  # runs again elsewhere, attempt 2
+    assert (out["attempt"], out["max_attempts"], out["preemptions"]) == (1, 1, 1)
+    assert out["error"] == {
+        "type": "Preempted",
+        "message": "daemon shutdown grace expired",
+        "reason": "nymph stopped (SIGTERM, grace 1s)",
+    }
 
 
 def test_bad_token_stops_nymph_with_a_clear_message(
@@ -559,10 +600,48 @@ def test_doctor_passes_on_a_good_setup_and_names_what_to_fix(
     assert bad.returncode == 1
     assert "[FAIL] token" in bad.stdout and "lakeshore token create --kind daemon" in bad.stdout
     assert "[FAIL] runner" in bad.stdout and "nosuch" in bad.stdout
-    assert "[FAIL] workdir" in bad.stdout and "chmod o-rwx" in bad.stdout
+    # a listable workdir is a warning (0711 is right: task users must still enter it), never a
+    # failure whose fix (o-rwx) would break shipped code
+    assert "[warn] workdir" in bad.stdout and "chmod 711" in bad.stdout
+    status, listed = cp.json("GET", "/v1/ops/workers", None, cp.admin_token)
+    assert status == 200 and listed["workers"] == []  # the doctor registered no (phantom) worker
 
     down = _doctor("--server", f"http://127.0.0.1:{_free_port()}", "--token", "t", *dirs)
     assert down.returncode == 1 and "[FAIL] server" in down.stdout
+
+
+def _worker_row(cp: ControlPlane, worker_id: str) -> dict[str, Any]:
+    status, listed = cp.json("GET", "/v1/ops/workers", None, cp.admin_token)
+    assert status == 200, listed
+    return next(w for w in listed["workers"] if w["worker_id"] == worker_id)
+
+
+def test_a_cleanly_stopped_nymph_deregisters_at_once(
+    control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    cp = control_plane
+    n = nymph_factory(cp.url, cp.daemon_token)
+    _until(lambda: "registered as worker" in n.output(), "nymph to register")
+    worker = (n.state_dir / "worker_id").read_text().strip()
+    assert _worker_row(cp, worker)["live"] is True
+
+    # another daemon token cannot take it off the list (the id is bound to nymph's token)
+    other = cp.store.create_token("daemon", "intruder")
+    status, out = cp.call("/v1/daemon/deregister", {"worker_id": worker}, other)
+    assert status == 403 and "another daemon token" in out["error"]
+    assert _worker_row(cp, worker)["live"] is True
+
+    n.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    assert n.wait() == 0
+    row = _worker_row(cp, worker)  # at once, not after the 5-minute live window
+    assert row["live"] is False and row["stopped_at"] is not None, row
+    status, queues = cp.json("GET", "/v1/ops/queues", None, cp.admin_token)
+    assert all(q["workers_live"] == 0 for q in queues["queues"] if q["name"] == "default")
+
+    again = nymph_factory(cp.url, cp.daemon_token)  # the same state dir: the same worker id
+    _until(lambda: again.output().count("registered as worker") >= 2, "nymph to register again")
+    row = _worker_row(cp, worker)
+    assert row["live"] is True and row["stopped_at"] is None
 
 
 def test_runners_lists_the_process_runner_as_usable() -> None:

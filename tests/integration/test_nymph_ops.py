@@ -30,6 +30,7 @@ from tests.integration.test_nymph_agent import (  # noqa: F401  (nymph_factory i
     await_result,
     envelope,
     nymph_factory,
+    preempted_back_in_queue,
     state_of,
     submit,
 )
@@ -184,9 +185,9 @@ def test_second_sigint_stops_at_once_without_waiting_for_the_grace(
     _until(lambda: "running work has 3600s to finish" in n.output(), "the first SIGINT to be handled")
     n.signal(signal.SIGINT)
     assert n.wait() == 0
-    out = await_result(cp.url, cp.producer_token, stuck)
-    assert out["state"] == "killed"
-    assert out["error"] == {"type": "Cancelled", "message": "daemon shutdown grace expired"}
+    out = preempted_back_in_queue(cp.url, cp.producer_token, stuck)
+    assert out["error"]["type"] == "Preempted"
+    assert out["error"]["message"] == "daemon shutdown grace expired"
 
 
 def test_metrics_port_serves_healthz_and_metrics_and_each_invocation_logs_one_summary_line(

@@ -82,9 +82,9 @@ def test_queues_workers_ls_show_in_tables_and_json(cp: ControlPlane) -> None:
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert lines[0].split() == ["QUEUE", "QUEUED", "RUNNING", "OLDEST", "QUEUED", "WORKERS", "SUCCEEDED",
-                                "FAILED", "CANCELLED"]  # fmt: skip
+                                "FAILED", "KILLED", "TIMEOUT", "CANCELLED"]  # fmt: skip
     rows = {line.split()[0]: line.split() for line in lines[1:]}
-    assert rows["q"] == ["q", "0", "0", "-", "1", "1", "0", "0"]
+    assert rows["q"] == ["q", "0", "0", "-", "1", "1", "0", "0", "0", "0"]
     assert rows["backlog"][:2] == ["backlog", "1"] and rows["backlog"][4] == "0"
     out = json.loads(run(cp, "queues", "--json").stdout)
     assert {q["name"]: q["queued"] for q in out} == {"backlog": 1, "q": 0}
@@ -238,3 +238,77 @@ def test_show_lists_the_children_an_invocation_submitted(cp: ControlPlane) -> No
     detail = json.loads(run(cp, "show", parent, "--json").stdout)
     assert detail["children"] == [{"invocation_id": kid, "state": "queued"} for kid in sorted(kids)]
     assert "children" not in run(cp, "show", kids[0]).output
+
+
+def _claim_and_ack(cp: ControlPlane, inv: str, queue: str, state: str, error: dict[str, Any] | None) -> None:
+    worker = new_ulid()
+    cp.daemon("/v1/daemon/register", {"worker_id": worker, "queues": [queue]})
+    _, out = cp.daemon("/v1/daemon/poll", {"worker_id": worker, "queues": [queue], "timeout_s": 0})
+    assert [c["body"]["invocation_id"] for c in out["commands"]] == [inv]
+    ack = {"invocation_id": inv, "state": state, "result_blob": b"", "error": error,
+           "worker_id": worker, "attempt": 1}  # fmt: skip
+    assert cp.daemon("/v1/daemon/ack", ack)[0] == 200
+
+
+def test_queues_count_killed_and_timed_out_calls_and_a_final_failure_reads_final(cp: ControlPlane) -> None:
+    """Issue 35: a cancelled running call (acked killed) and a timed-out one each have a column;
+    a failure that is not retried (attempt 1 of up to 3) does not read as if retries were coming."""
+    from dreamlake.lakeshore.envelope import Envelope
+
+    outcomes = {"killed": "Cancelled", "timeout": "Timeout", "failed": "ValueError"}
+    ids = {}
+    for state, kind in outcomes.items():
+        fn = {
+            "kind": "ref",
+            "module": "mylib.rank",
+            "qualname": "topk",
+            "src_hash": "sha256:0123456789abcdef",
+        }
+        blob = Envelope.create(fn, (1,), {}).to_bytes()
+        inv = new_ulid()
+        body = submit_body(inv, "ops", run_config={"max_attempts": 3}, args_blob=blob)
+        status, out = cp.call("/v1/producer/submit", body, cp.producer_token)
+        assert status == 200, out
+        _claim_and_ack(cp, inv, "ops", state, {"type": kind, "message": "m"})
+        ids[state] = inv
+    lines = run(cp, "queues").stdout.splitlines()
+    header = lines[0].replace("OLDEST QUEUED", "OLDEST_QUEUED").split()
+    row = dict(zip(header, next(ln for ln in lines if ln.startswith("ops ")).split(), strict=True))
+    assert (row["FAILED"], row["KILLED"], row["TIMEOUT"], row["CANCELLED"]) == ("1", "1", "1", "0")
+
+    listed = {ln.split()[0]: ln.split() for ln in run(cp, "ls", "--queue", "ops").stdout.splitlines()[1:]}
+    assert listed[ids["failed"]][2:5] == ["failed", "1", "final"]  # not "1/3"
+    shown = run(cp, "show", ids["failed"]).stdout
+    assert "attempts    1 of up to 3, final" in shown
+    assert "function    mylib.rank.topk  (by reference, source sha256:0123456789abcdef)" in shown
+
+
+def test_show_names_a_pickled_function_by_its_hash(cp: ControlPlane) -> None:
+    from dreamlake.lakeshore.envelope import Envelope, fn_for
+
+    def topk(x: int) -> int:
+        return x
+
+    blob = Envelope.create(fn_for(topk, "pickle"), (1,), {}).to_bytes()
+    inv = new_ulid()
+    assert cp.call("/v1/producer/submit", submit_body(inv, "p", args_blob=blob), cp.producer_token)[0] == 200
+    line = next(ln for ln in run(cp, "show", inv).stdout.splitlines() if ln.startswith("function"))
+    assert line.startswith("function    ") and "topk  (pickled, sha256:" in line and "None" not in line
+
+
+def test_ls_and_show_name_the_sweep_of_a_map(cp: ControlPlane) -> None:
+    sweep = new_ulid()
+    calls = []
+    for _ in range(3):
+        inv = new_ulid()
+        body = submit_body(inv, "sw", run_config={"sweep": sweep})
+        assert cp.call("/v1/producer/submit", body, cp.producer_token)[0] == 200
+        calls.append(inv)
+    _submit(cp, "sw")  # not of the sweep
+    listed = run(cp, "ls", "--sweep", sweep, "--json").stdout
+    page = json.loads(listed)
+    assert sorted(i["invocation_id"] for i in page["invocations"]) == sorted(calls)
+    assert {i["sweep"] for i in page["invocations"]} == {sweep}
+    assert f"sweep       {sweep}" in run(cp, "show", calls[0]).stdout
+    bad = run(cp, "ls", "--sweep", "nope")
+    assert bad.exit_code != 0 and "sweep" in bad.stderr

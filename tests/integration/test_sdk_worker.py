@@ -167,13 +167,14 @@ def test_once_returns_none_when_no_job_arrives() -> None:
         dls.run_worker(dls.SyncQueue("empty", dispatch=plane), once=True, runtime_policy="loose")
 
 
-def test_worker_start_cli_runs_one_job(sqlite_control_plane: Any) -> None:
+def test_worker_start_cli_runs_one_job(sqlite_control_plane: Any, tmp_path: Path) -> None:
     cp = sqlite_control_plane
     plane = HttpDispatch(cp.url, cp.producer_token)
     q = dls.SyncQueue("cli", dispatch=plane)
     inv = square.submit(7, _dispatch=plane)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LAKESHORE_TOKEN": cp.daemon_token}
-    cmd = [sys.executable, "-m", "dreamlake.lakeshore.cli", "worker", "start", "--server", cp.url]
+    # found as every lakeshore command finds the plane: LAKESHORE_URL / LAKESHORE_TOKEN, no flags
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LAKESHORE_URL": cp.url, "LAKESHORE_TOKEN": cp.daemon_token}
+    cmd = [sys.executable, "-m", "dreamlake.lakeshore.cli", "worker", "start"]
     out = subprocess.run(
         [*cmd, "--queue", "cli", "--once", "--poll-timeout", "10"],
         capture_output=True,
@@ -184,6 +185,21 @@ def test_worker_start_cli_runs_one_job(sqlite_control_plane: Any) -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "succeeded"
     assert q.result(inv, timeout=5.0) == 49
+    # and from the config file, as every lakeshore command: url and token in config.toml
+    config = tmp_path / "config.toml"
+    config.write_text(f'url = "{cp.url}"\ntoken = "{cp.daemon_token}"\n')
+    env = {k: v for k, v in env.items() if not k.startswith("LAKESHORE_")}
+    env["LAKESHORE_CONFIG"] = str(config)
+    inv = square.submit(8, _dispatch=plane)
+    out = subprocess.run(
+        [*cmd, "--queue", "cli", "--once", "--poll-timeout", "10"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert (out.returncode, out.stdout.strip()) == (0, "succeeded"), out.stderr
+    assert q.result(inv, timeout=5.0) == 64
     plane.close()
 
 

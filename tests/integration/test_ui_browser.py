@@ -3,12 +3,17 @@ against a real ``lakeshore server`` + ``nymph`` (LocalStack): sign in, watch a s
 invocation appear and finish, follow a live stream and a function's live output, cancel a running
 invocation.
 
-Screenshots go to ``$LAKESHORE_ARTIFACTS`` (CI keeps them) or ``tests/artifacts``; two of them are
-the README's pictures (``docs/img``).
+Also (issue 35) the overview's charts (queue depth and throughput over the last hour, drawn by
+the vendored uPlot), an invocation's arguments and result, the live output following its tail, and
+a ``map`` shown as one sweep with its progress.
+
+Screenshots go to ``$LAKESHORE_ARTIFACTS`` (CI keeps them) or ``tests/artifacts``; the README's
+and docs' pictures are saved in ``docs/img`` (``dashboard-*.png``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -22,6 +27,7 @@ from tests.conftest import require
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
+DOCS_IMG = ROOT / "docs" / "img"
 CHROME_FLAGS = (
     "--headless",
     "--no-sandbox",
@@ -126,6 +132,31 @@ def test_dashboard_in_a_real_browser(
     _wait(browser, "it to succeed", lambda d: _css(d, f'tr[data-id="{inv}"][data-state="succeeded"]'))
     browser.save_screenshot(str(shots / "invocations.png"))
 
+    # Its page shows its arguments and its result, decoded (plain values), and how it travelled.
+    browser.get(f"{url}/ui/invocations/{inv}")
+    _wait(browser, "its arguments and result", lambda d: _css(d, "#arguments") and _css(d, "#result"))
+    assert browser.find_element(By.ID, "arguments").text.startswith("args\n[2, 3]")
+    assert browser.find_element(By.ID, "result").text == "5"
+    assert "by reference" in browser.find_element(By.ID, "live").text
+
+    # A map is one sweep: one row with its progress, filled as its calls finish; its own list
+    # shows its calls.
+    calls = workload.add.map(range(40), range(40), _dispatch=plane)
+    browser.get(url + "/ui/invocations")
+    _wait(
+        browser,
+        "the sweep to finish",
+        lambda d: _css(d, '#sweeps tr[data-finished="40"][data-total="40"]'),
+        timeout=90,
+    )
+    (sweep,) = [r.get_attribute("data-sweep") for r in _css(browser, "#sweeps tr[data-sweep]")]
+    groups = _css(browser, f'#invocation-list tr.group[data-group="{sweep}"]')
+    assert len(groups) == 1 and "40 succeeded" in groups[0].text  # one line, not 40
+    assert not any(_css(browser, f'#invocation-list tr[data-id="{c}"]') for c in calls)
+    browser.save_screenshot(str(DOCS_IMG / "dashboard-sweep.png"))
+    browser.get(f"{url}/ui/invocations?sweep={sweep}")
+    _wait(browser, "the sweep's own list", lambda d: len(_css(d, "#invocation-list tr[data-id]")) == 40)
+
     # A live stream: frames arrive while the generator runs, then END and the final state.
     inv = workload.countdown.submit(8, 0.5, _dispatch=plane)
     browser.get(f"{url}/ui/invocations/{inv}")
@@ -165,6 +196,30 @@ def test_dashboard_in_a_real_browser(
         f"step {i} of 12" for i in range(1, 13)
     ]
 
+    # The live output follows its tail: more lines than the pane holds, and the newest in view.
+    inv = workload.chatter.submit(90, 0.05, _dispatch=plane)
+    browser.get(f"{url}/ui/invocations/{inv}")
+    tail = (
+        "var o = document.getElementById('output');"
+        "return o ? [o.scrollHeight > o.clientHeight, o.scrollHeight - o.scrollTop - o.clientHeight] : null;"
+    )
+    _wait(
+        browser,
+        "a long live output",
+        lambda d: (
+            _css(d, '#live[data-state="running"]')
+            and (d.execute_script(tail) or [False])[0]
+            and "step 40 of 90" in d.find_element(By.ID, "output").text
+        ),
+        timeout=60,
+    )
+    overflowing, below = browser.execute_script(tail)
+    assert overflowing and below <= 24, below  # at its tail while it grows
+    browser.save_screenshot(str(DOCS_IMG / "dashboard-invocation.png"))
+    _wait(browser, "the end of the long output", lambda d: _css(d, '#live[data-state="succeeded"]'))
+    overflowing, below = browser.execute_script(tail)
+    assert "step 90 of 90" in browser.find_element(By.ID, "output").text and below <= 24
+
     # Cancel a running invocation from its page.
     inv = workload.countdown.submit(1000, 0.5, _dispatch=plane)
     browser.get(f"{url}/ui/invocations/{inv}")
@@ -178,4 +233,18 @@ def test_dashboard_in_a_real_browser(
     _wait(browser, "the demo queue", lambda d: _css(d, '#queues tr[data-queue="demo"]'))
     row = browser.find_element(By.CSS_SELECTOR, '#queues tr[data-queue="demo"]').text.split()
     assert row[:3] == ["demo", "0", "0"]
+    # killed (the cancel above) has a column of its own: succeeded, failed, killed, timed out
+    assert row[-5:-1] == ["44", "0", "1", "0"], row
+
+    # The charts: drawn by uPlot from the page's data, depth and throughput over the last hour;
+    # the throughput chart's data counts every call this test finished.
+    _wait(browser, "the charts", lambda d: len(_css(d, ".chart .uplot canvas")) == 2)
+    spec = json.loads(browser.find_element(By.ID, "chart-throughput").get_attribute("data-chart"))
+    finished = sum(sum(s["values"]) for s in spec["series"])
+    assert finished == 45, spec  # 44 succeeded (add, the map's 40, countdown, 2 chatters) + 1 killed
+    depth = json.loads(browser.find_element(By.ID, "chart-depth").get_attribute("data-chart"))
+    assert [s["label"] for s in depth["series"]] == ["demo"]  # the map's calls waited in it
+    assert max(depth["series"][0]["values"]) >= 2
+    assert browser.find_element(By.CSS_SELECTOR, "#chart-depth .u-legend").text.count("demo") == 1
     browser.save_screenshot(str(shots / "overview.png"))
+    browser.save_screenshot(str(DOCS_IMG / "dashboard-overview.png"))

@@ -268,3 +268,28 @@ def test_nymph_names_are_the_lakeshore_errors() -> None:
     assert nymph.client.NotFound is errors.NotFound
     assert nymph.client.BadRequest is errors.BadRequest
     assert nymph.client.is_retryable is is_retryable
+
+
+@pytest.mark.parametrize(
+    ("error", "outage"),
+    [
+        (
+            'store unavailable: cannot reach PostgreSQL (Connection refused at "db", port 5432); retry later',
+            True,
+        ),
+        ("store full: the SQLite store's disk is full (database or disk is full); retry later", True),
+        ("the control plane is serving its limit of 5000 concurrent long polls; retry after 7 s", False),
+    ],
+)
+def test_nymph_counts_a_store_outage_503_as_the_control_plane_gone(error: str, outage: bool) -> None:
+    """A 503 with Retry-After is a server asking for patience (poll admission), unless it says its
+    store is down: then nymph's link goes down (one "went away" line naming the cause, claims stop)."""
+    client = nymph.client.ControlPlaneClient(
+        "http://cp.test/",
+        "t",
+        transport=httpx.MockTransport(lambda r: _answer(503, {"error": error}, **{"Retry-After": "1"})),
+    )
+    with pytest.raises(errors.Unavailable) as raised:
+        client.heartbeat({"worker_id": "w", "running": []})
+    assert error in str(raised.value)
+    assert client.link.up is (not outage)

@@ -177,6 +177,17 @@ def test_calls_results_are_read_in_batches_with_progress(
     assert max(plane.batches) == 1000 and len(plane.batches) - before < 1200  # batches, not one per call
 
 
+def test_progress_shows_a_tqdm_bar_with_the_counts(
+    plane: CountingPlane, capsys: pytest.CaptureFixture[str]
+) -> None:
+    calls = square.map(range(20), _dispatch=plane)
+    with Worker(plane):
+        ended = list(dls.as_completed(calls, timeout=60, progress=True))  # tqdm is installed here
+    assert sorted(ended) == sorted(calls)
+    err = capsys.readouterr().err
+    assert "calls: 100%" in err and "20/20" in err and "failed=1" in err, err
+
+
 def test_an_unknown_id_is_not_found(plane: CountingPlane) -> None:
     (inv,) = dls.as_completed([dls.Invocation(new_ulid(), plane)], timeout=5)
     with pytest.raises(NotFound):
@@ -210,3 +221,26 @@ def test_an_async_udf_on_a_plane_that_cannot_run_it_is_refused_at_decoration() -
     dls.udf(dispatch=Dispatch(":memory:"))(body)  # the SDK's planes run it
     with pytest.raises(TypeError, match="async def"):
         dls.udf(body).submit(_dispatch=OldPlane())  # type: ignore[arg-type]
+
+
+def test_example_09_runs_zero_infra() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "09_handles_async.py")],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "submitted 26 char id; result 49 succeeded",
+        "first done: True",
+        "failed: 1",
+        "in order: [121, 144, DispatchError('ValueError: unlucky')]",
+        "async call: LAKESHORE",
+        "async stream: [0, 1, 2]",
+    ]
+    assert out.stderr.splitlines()[-1] == "calls: 20/20 done, 1 failed, 0 running"

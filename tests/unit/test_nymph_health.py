@@ -110,7 +110,7 @@ def test_doctor_names_a_directory_below_the_free_space_floor(tmp_path: Path) -> 
     from nymph.doctor import _directory
 
     tmp_path.chmod(0o700)
-    ok = _directory("workdir", tmp_path, private=True, min_free_mb=0)
+    ok = _directory("workdir", tmp_path, "traversable", min_free_mb=0)
     assert ok.ok and "MiB free" in ok.detail
-    short = _directory("workdir", tmp_path, private=True, min_free_mb=2**40)
+    short = _directory("workdir", tmp_path, "traversable", min_free_mb=2**40)
     assert not short.ok and "below --min-free-mb" in short.detail

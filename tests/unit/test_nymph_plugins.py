@@ -106,7 +106,10 @@ def fakeplug(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     (root / "fakeplug_broken.py").write_text("import fakeplug_dependency_that_is_not_installed\n")
     info = root / "fakeplug-0.1.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fakeplug\nVersion: 0.1\n")
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: fakeplug\nVersion: 0.1\nProvides-Extra: engine\n"
+        'Requires-Dist: fakeplug_dependency_that_is_not_installed; extra == "engine"\n'
+    )
     (info / "entry_points.txt").write_text(textwrap.dedent(ENTRY_POINTS))
     sys.path.insert(0, str(root))
     try:
@@ -146,6 +149,8 @@ def test_import_error_names_plugin_distribution_and_problem(fakeplug: Path) -> N
     assert "fakeplug 0.1" in msg
     assert "fakeplug_broken:Runner" in msg
     assert "fakeplug_dependency_that_is_not_installed" in msg
+    # the missing module is a requirement of an extra: the message names the pip command
+    assert "install it: pip install 'fakeplug[engine]'" in msg
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,10 @@ _ENUMS = {
         # hostPath types, update strategies, seccomp profile types
         "", "DirectoryOrCreate", "Directory", "FileOrCreate", "File", "Socket", "CharDevice", "BlockDevice",
         "RollingUpdate", "OnDelete", "RuntimeDefault", "Localhost", "Unconfined",
+        # Service types and the Deployment's Recreate strategy (the control plane's chart)
+        "ClusterIP", "NodePort", "LoadBalancer", "Recreate",
     },
+    "pathType": {"Prefix", "Exact", "ImplementationSpecific"},
 }  # fmt: skip
 _CAPABILITIES = {"ALL", "CHOWN", "NET_BIND_SERVICE", "DAC_OVERRIDE", "FOWNER", "SETUID", "SETGID", "KILL"}
 

@@ -50,12 +50,16 @@ def test_a_bug_is_no_outage() -> None:
 
 
 def test_an_outage_is_logged_once_and_its_end_once_with_the_count(caplog: pytest.LogCaptureFixture) -> None:
-    outages = Outages(hold_s=0.3)
+    outages = Outages(hold_s=0.3, quiet_s=0.2)
     assert not outages.expiry_paused()
     caplog.set_level(logging.WARNING, "dreamlake.lakeshore.store.outage")
-    for _ in range(50):
+    for _ in range(25):
+        outages.failed(StoreOutage("unavailable", "cannot reach PostgreSQL"))
+        outages.succeeded()  # a write that fits between failures (a full disk's WAL room): no end
+    for _ in range(25):
         outages.failed(StoreOutage("unavailable", "cannot reach PostgreSQL"))
     assert outages.expiry_paused()
+    time.sleep(0.25)
     outages.succeeded()
     outages.succeeded()
     lines = [r.getMessage() for r in caplog.records]
@@ -63,7 +67,7 @@ def test_an_outage_is_logged_once_and_its_end_once_with_the_count(caplog: pytest
     assert lines[0].startswith("store unavailable: cannot reach PostgreSQL; answering 503")
     assert "store is back after" in lines[1] and "50 requests were answered 503" in lines[1]
     assert outages.expiry_paused()  # for hold_s after the last failure: heartbeats land first
-    time.sleep(0.35)
+    time.sleep(0.1)
     assert not outages.expiry_paused()
 
 

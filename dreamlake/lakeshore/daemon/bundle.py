@@ -70,6 +70,7 @@ SDK_FILES = (
     "dreamlake/lakeshore/queue.py",
     "dreamlake/lakeshore/settings.py",
     "dreamlake/lakeshore/states.py",
+    "dreamlake/lakeshore/task.py",
     "dreamlake/lakeshore/client.py",
     "dreamlake/lakeshore/blobs.py",
     "dreamlake/lakeshore/keepalive.py",

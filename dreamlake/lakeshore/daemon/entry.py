@@ -34,6 +34,14 @@ starts inherit the same fds. What a process writes before the entry runs (the in
 start) stays where the runner put fd 1/2 (for a container: its log, which the runner appends to the
 files when it ends).
 
+Stops: while the function runs, the first SIGTERM (the runners' ladder: interrupt, grace, kill)
+raises :class:`~dreamlake.lakeshore.errors.Interrupted` in the function's thread, with the reason
+nymph wrote to ``stop.reason`` in the workdir before signalling (``cancelled``, ``timeout``,
+``preempted``; ``shutdown`` without the file), so ``try/finally`` and ``with`` blocks run; a
+generator gets it at its current ``yield``. Later SIGTERMs are ignored (the grace is the
+function's), and once the function returned the handler is gone: its result is written whole. The
+handler is ``_signal``'s (a builtin: no import at start-up).
+
 Environment: ``LAKESHORE_ALLOW_PICKLED=1`` allows pickled functions, ``LAKESHORE_RUNTIME_POLICY``
 (``strict`` | ``minor`` | ``off``, default ``minor``), ``LAKESHORE_INVOCATION_ID`` (for messages),
 ``LAKESHORE_STREAM_WINDOW`` and ``LAKESHORE_CAPTURE_OUTPUT`` (above), ``LAKESHORE_SENDS`` (a
@@ -62,7 +70,7 @@ import time
 
 from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.envelope import RUNTIME_POLICIES, Envelope, resolve_fn
-from dreamlake.lakeshore.errors import EnvelopeError, WireError
+from dreamlake.lakeshore.errors import EnvelopeError, Interrupted, WireError
 
 TYPE_CHECKING = False  # no typing at runtime: start-up is what a noop invocation costs
 if TYPE_CHECKING:
@@ -80,6 +88,9 @@ STDERR_FILE = "stderr.log"
 CODE_PATH_ENV = "LAKESHORE_CODE_PATH"
 SENDS_FILE = "sends.msgpack"  # twoway.SENDS_FILE (not imported before a two-way body runs)
 SENDS_ENV = "LAKESHORE_SENDS"  # twoway.SENDS_ENV
+STOP_REASON_FILE = "stop.reason"  # nymph writes why it stops the task before the SIGTERM
+CHECKPOINT_ENV = "LAKESHORE_CHECKPOINT_DIR"  # dls.checkpoint_dir(): carried to the next attempt
+CHECKPOINT_DIR = "checkpoint"
 _PAUSE_MIN_S = 0.001
 _PAUSE_MAX_S = 0.02
 
@@ -392,21 +403,76 @@ def _is_stream(fn: Callable[..., Any], result: Any) -> bool:
     return bool(flags & _CO_GENERATOR) and isinstance(result, Iterator)
 
 
-def _drain(stream: Iterator[Any]) -> int:
-    """Journal every yield, then END; on a raise, ERROR frame + error.json. Returns the exit code."""
+class _Interrupts:
+    """The SIGTERM handler of a running function: the first SIGTERM raises Interrupted (with the
+    reason nymph left in ``stop.reason``), later ones are ignored; :meth:`close` puts back the
+    handler there was (a warm worker runs many calls in one process)."""
+
+    def __init__(self) -> None:
+        import _signal
+
+        self.fired = False
+        self.cwd = os.getcwd()  # the function may chdir; the reason file is the workdir's
+        try:
+            self.previous: Any = _signal.signal(_signal.SIGTERM, self._on_sigterm)
+        except ValueError:  # not the main thread (an embedding that runs the entry in a thread)
+            self.previous = None
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self.fired:
+            return
+        self.fired = True
+        raise Interrupted(_stop_reason(self.cwd))
+
+    def close(self) -> None:
+        """Stop raising: the function is done (its result is written whole whatever comes)."""
+        import _signal
+
+        if self.previous is not None:
+            _signal.signal(_signal.SIGTERM, self.previous)
+            self.previous = None
+
+
+def _stop_reason(cwd: str) -> str:
+    try:
+        fd = os.open(os.path.join(cwd, STOP_REASON_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return "shutdown"
+    try:
+        return os.read(fd, 32).decode("ascii", "replace").strip()
+    finally:
+        os.close(fd)
+
+
+def _drain(stream: Iterator[Any], interrupts: _Interrupts | None = None) -> int:
+    """Journal every yield, then END; on a raise, ERROR frame + error.json. Returns the exit code.
+    An Interrupted that arrives while the generator is paused at its yield is thrown in there."""
     journal = _Journal(FRAMES_FILE, _window())
     ended = False
+    inside = False
     try:
         try:
             while True:
                 try:
+                    inside = True
                     value = next(stream)
+                    inside = False
                 except StopIteration as stop:
+                    inside = False
                     returned = wire.pack(stop.value)
                     break
                 journal.append(wire.FRAME_VALUE, wire.pack(value))
                 journal.wait_window()  # the generator stays paused at its yield meanwhile
+            if interrupts is not None:
+                interrupts.close()
         except BaseException as exc:
+            if interrupts is not None:
+                interrupts.close()
+            if isinstance(exc, Interrupted) and not inside and hasattr(stream, "throw"):
+                try:  # at its current yield: its finally and with blocks run
+                    stream.throw(exc)
+                except BaseException as thrown:
+                    exc = thrown
             info = _error_info(exc)
             journal.append(wire.FRAME_ERROR, info)
             ended = True
@@ -463,13 +529,15 @@ class _Sends:
             pause = min(pause * 2, 0.005)
 
 
-def _drain_two_way(gen: Any, timeout_s: float) -> int:
+def _drain_two_way(gen: Any, timeout_s: float, interrupts: _Interrupts | None = None) -> int:
     """:func:`_drain` for a two-way body: each yield's VALUE frame names its index (``meta.send``),
-    and the body waits there for the answer nymph puts in ``sends.msgpack`` (twoway.py)."""
+    and the body waits there for the answer nymph puts in ``sends.msgpack`` (twoway.py). An
+    Interrupted that arrives while it waits is raised at that yield (twoway.drive)."""
     from dreamlake.lakeshore import twoway
 
     journal = _Journal(FRAMES_FILE)
     sends = _Sends()
+    ended = False
     try:
         try:
             returned = wire.pack(
@@ -480,13 +548,22 @@ def _drain_two_way(gen: Any, timeout_s: float) -> int:
                     timeout_s,
                 )
             )
+            if interrupts is not None:
+                interrupts.close()
         except BaseException as exc:
+            if interrupts is not None:
+                interrupts.close()
             info = _error_info(exc)
             journal.append(wire.FRAME_ERROR, info)
+            ended = True
+            journal.close(sync=True)
             return _fail(info, EXIT_RAISED)
         journal.append(wire.FRAME_END, returned)
+        ended = True
+        journal.close(sync=True)  # the END frame on disk before result.msgpack names it done
     finally:
-        journal.close()
+        if not ended:
+            journal.close()
     _write_atomic(RESULT_FILE, returned)
     return EXIT_OK
 
@@ -569,6 +646,11 @@ def _ship_code_path() -> None:
     if not dirs:
         return
     sys.path[:0] = dirs
+    for d in dirs:  # a pip environment nymph built (nymph.envcache): its .pth files count
+        if os.path.exists(os.path.join(d, ".lakeshore-env")):
+            import site
+
+            site.addsitedir(d)
     rest = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = os.pathsep.join([*dirs, rest] if rest else dirs)
 
@@ -648,17 +730,24 @@ def run(blob: Any = None) -> int:
         return _fail(info, EXIT_REFUSED)
     except BaseException as exc:  # the user's module raised while importing
         return _fail(_error_info(exc), EXIT_RAISED)
+    interrupts = _Interrupts()
+    if CHECKPOINT_ENV not in os.environ:  # dls.checkpoint_dir(), as this task sees its workdir
+        os.environ[CHECKPOINT_ENV] = os.path.join(interrupts.cwd, CHECKPOINT_DIR)
     with _run_context(envelope):
         try:
-            result = settled(fn(*args, **kwargs))
-            if _is_stream(fn, result):
-                two_way = _sends_timeout()
-                if two_way is not None and hasattr(result, "send"):
-                    return _drain_two_way(result, two_way)
-                return _drain(result)
-            _check_result_size(result)
+            try:
+                result = settled(fn(*args, **kwargs))
+                if _is_stream(fn, result):
+                    two_way = _sends_timeout()
+                    if two_way is not None and hasattr(result, "send"):
+                        return _drain_two_way(result, two_way, interrupts)
+                    return _drain(result, interrupts)
+                _check_result_size(result)
+            finally:
+                interrupts.close()
             packed = wire.pack(result)
         except BaseException as exc:
+            interrupts.close()
             return _fail(_error_info(exc), EXIT_RAISED)
     _write_atomic(RESULT_FILE, packed)
     return EXIT_OK

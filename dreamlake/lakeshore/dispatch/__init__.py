@@ -48,7 +48,13 @@ class Claim:
 
 @runtime_checkable
 class Plane(Protocol):
-    """What the SDK needs from a dispatch plane."""
+    """What the SDK needs from a dispatch plane.
+
+    Optional, found with ``getattr``: ``runs_async = True`` (its workers run an ``async def`` body;
+    an async udf is refused on a plane without it), ``await_batch(ids, timeout)`` (the outcomes of
+    many invocations at once, waiting on any: ``dls.wait``, ``dls.as_completed`` and
+    ``Calls.results()`` read through it, else one ``await_result`` at a time), ``submit_batch``,
+    ``submit_envelope`` and ``submit_and_wait`` (see the two planes)."""
 
     trusted: bool  # True: the pickle trust domain of this plane allows pickled functions
 

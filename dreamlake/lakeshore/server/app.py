@@ -34,10 +34,12 @@ from dreamlake.lakeshore.server import (
     authz,
     blobroutes,
     bulk,
+    checkpoints,
     daemon,
     namespaces,
     ops,
     producer,
+    secrets,
     sends,
     streams,
     tasks,
@@ -239,6 +241,10 @@ class Routes:
         status, out = await daemon.ack(self.ctx, caller, await self._msgpack(request))
         return h.msgpack_response(out, status)
 
+    async def checkpoint(self, request: Request, caller: Caller) -> Response:
+        status, out = await checkpoints.checkpoint(self.ctx, caller, await self._msgpack(request))
+        return h.msgpack_response(out, status)
+
     async def result_chunk(self, request: Request, caller: Caller) -> Response:
         status, out = await daemon.result_chunk(self.ctx, caller, await self._msgpack(request))
         return h.msgpack_response(out, status)
@@ -253,6 +259,9 @@ class Routes:
 
     async def heartbeat(self, request: Request, caller: Caller) -> Response:
         return h.msgpack_response(await daemon.heartbeat(self.ctx, caller, await self._msgpack(request)))
+
+    async def deregister(self, request: Request, caller: Caller) -> Response:
+        return h.msgpack_response(await daemon.deregister(self.ctx, caller, await self._msgpack(request)))
 
     # -- namespaces (JSON) ---------------------------------------------------------------------
 
@@ -301,6 +310,23 @@ class Routes:
     async def pin(self, request: Request, caller: Caller) -> Response:
         ns = self._ns(request, caller)
         return h.json_response(await namespaces.pin(self.ctx, ns, await self._json(request)))
+
+    # -- secrets (server/secrets.py) ---------------------------------------------------------
+
+    async def secret_list(self, request: Request, caller: Caller) -> Response:
+        return h.json_response(await secrets.listing(self.ctx, self._ns(request, caller)))
+
+    async def secret_put(self, request: Request, caller: Caller) -> Response:
+        ns = self._ns(request, caller)
+        name = request.path_params["name"]
+        return h.json_response(await secrets.put(self.ctx, ns, name, await self._json(request)))
+
+    async def secret_delete(self, request: Request, caller: Caller) -> Response:
+        ns = self._ns(request, caller)
+        return h.json_response(await secrets.delete(self.ctx, ns, request.path_params["name"]))
+
+    async def secrets_fetch(self, request: Request, caller: Caller) -> Response:
+        return h.msgpack_response(await secrets.fetch(self.ctx, caller, await self._msgpack(request)))
 
     def _endpoint(self, route: authz.RouteAuth) -> Handler:
         """The route's handler behind its gate: authenticate (401), then authorize (403)."""

@@ -133,10 +133,13 @@ ROUTES: tuple[RouteAuth, ...] = (
     _route("register", "POST", "/v1/daemon/register", outside=403, admin=_ANY, daemon=_WORKER),
     _route("poll", "POST", "/v1/daemon/poll", outside=403, admin=_ANY, daemon=_WORKER),
     _route("heartbeat", "POST", "/v1/daemon/heartbeat", outside=403, admin=_ANY, daemon=_WORKER),
+    _route("deregister", "POST", "/v1/daemon/deregister", outside=403, admin=_ANY, daemon=_WORKER),
     _route("ack", "POST", "/v1/daemon/ack", outside=403, admin=_ANY, daemon=_LEASE),
     _route("result_chunk", "POST", "/v1/daemon/result-chunk", outside=403, admin=_ANY, daemon=_LEASE),
     _route("result_chunks", "POST", "/v1/daemon/result-chunks", outside=403, admin=_ANY, daemon=_LEASE),
     _route("sends_fetch", "POST", "/v1/daemon/sends", outside=403, admin=_ANY, daemon=_LEASE),
+    # an attempt's checkpoint for the next attempt (server/checkpoints.py), while it holds the lease
+    _route("checkpoint", "POST", "/v1/daemon/checkpoint", outside=403, admin=_ANY, daemon=_LEASE),
     # namespaces (seed 003): the path names the namespace, so another one answers 403
     _route("exec_", "POST", "/v1/namespaces/{ns}/exec", outside=403, admin=_ANY, namespace=_NS),
     _route(
@@ -159,6 +162,13 @@ ROUTES: tuple[RouteAuth, ...] = (
         task=_DESC,
     ),
     _route("pin", "PUT", "/v1/namespaces/{ns}/pin", outside=403, admin=_ANY),
+    # secrets (server/secrets.py): set, listed (names only) and removed in the token's namespace,
+    # another namespace's answering 404 as an unknown one does; their values go only to the worker
+    # holding a running attempt's lease or to that attempt's own task credential, never an admin
+    _route("secret_list", "GET", "/v1/namespaces/{ns}/secrets", _OPS),
+    _route("secret_put", "PUT", "/v1/namespaces/{ns}/secrets/{name}", _OPS),
+    _route("secret_delete", "DELETE", "/v1/namespaces/{ns}/secrets/{name}", _OPS),
+    _route("secrets_fetch", "POST", "/v1/daemon/secrets", outside=403, daemon=_LEASE, task=_DESC),
     # the local blob directory (server/blobdir.py, no bucket configured): the presigned URL's
     # signature is the credential, as an S3 URL's is; presign itself is namespace-gated above
     RouteAuth("blob_put", "PUT", "/v1/blobs/{key:path}", public=True),

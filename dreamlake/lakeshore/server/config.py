@@ -105,6 +105,7 @@ ENV: dict[str, tuple[str, type[int] | type[float]]] = {
     "LAKESHORE_MAX_BODY_BYTES": ("max_body_bytes", int),
     "LAKESHORE_SUBMIT_BATCH_MAX": ("submit_batch_max", int),
     "LAKESHORE_LEASE_S": ("lease_s", float),
+    "LAKESHORE_EXPIRE_EVERY_S": ("expire_every_s", float),
     "LAKESHORE_HEADER_TIMEOUT_S": ("header_timeout_s", float),
     "LAKESHORE_BODY_TIMEOUT_S": ("body_timeout_s", float),
     "LAKESHORE_MAX_CONNECTIONS": ("max_connections", int),

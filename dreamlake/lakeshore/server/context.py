@@ -93,6 +93,7 @@ class Context:
         self.queues = QueueWatch()
         self._task_tokens: TaskTokens | None = None
         self.quotas = Quotas()  # per-namespace limits (server/quotas.py)
+        self.secret_sealer: Any = None  # server.secrets.Sealer, made on first use (server/secrets.py)
 
     @property
     def inline_threshold(self) -> int | None:

@@ -153,6 +153,8 @@ def run_command(inv: Invocation, task_token: str | None = None) -> dict[str, Any
     }
     if inv.args_ref is not None:
         body["args_ref"] = inv.args_ref  # the Envelope is in the payload store: fetch it first
+    if inv.checkpoint_ref is not None:
+        body["checkpoint_ref"] = inv.checkpoint_ref  # an earlier attempt's dls.checkpoint_dir()
     if rc.get("prefix"):
         body["prefix"] = rc["prefix"]
     body["attempt"] = inv.attempt
@@ -755,6 +757,17 @@ def _running_exec(body: dict[str, Any]) -> list[tuple[str, int]] | None:
             )
         pairs.append((exec_id, attempt))
     return pairs
+
+
+async def deregister(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
+    """A nymph that stops cleanly says so: its worker is not live from now (``lakeshore workers``
+    says ``stopped``; queues count it no more) until it registers again. Only the token the worker
+    id is bound to may (``own worker``); leases it still holds lapse as usual."""
+    worker_id = await _worker(ctx, caller, body)
+    await ctx.call(ctx.store.deregister_worker, worker_id)
+    ctx.daemons.forget(worker_id)
+    log.info("worker %s deregistered (a clean stop)", worker_id)
+    return {"ok": True}
 
 
 async def heartbeat(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:

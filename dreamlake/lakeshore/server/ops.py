@@ -85,7 +85,8 @@ def worker_json(w: WorkerRow, now: float, live_within: float = LIVE_WINDOW_S) ->
         "registered_at": w.registered_at,
         "last_seen": w.last_seen,
         "last_seen_age_s": round(max(0.0, now - w.last_seen), 3),
-        "live": now - w.last_seen <= live_within,
+        "live": now - w.last_seen <= live_within and w.stopped_at is None,
+        "stopped_at": w.stopped_at,  # a clean stop deregistered it then (not live since)
     }
 
 
@@ -111,7 +112,13 @@ def invocation_json(inv: Invocation) -> dict[str, Any]:
         "finished_at": inv.finished_at,
         "cancel_requested": inv.cancel_requested,
         "error": _error_summary(inv.error),
+        "sweep": _sweep(inv.run_config),  # the map it belongs to (store/activity.py), if any
     }
+
+
+def _sweep(run_config: Any) -> str | None:
+    sweep = run_config.get("sweep") if isinstance(run_config, dict) else None
+    return sweep if isinstance(sweep, str) else None
 
 
 def attempts(inv: Invocation, history: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
@@ -158,16 +165,27 @@ def _brief(error: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def function_of(inv: Invocation) -> dict[str, Any] | None:
-    """``{kind, module, qualname}`` of the Envelope's function, when the arguments are an Envelope."""
+    """``{kind, module, qualname, hash, code}`` of the Envelope's function, when the arguments are
+    an Envelope: ``hash`` is the source hash of a function shipped by reference (``src_hash``,
+    None when the submitter had no source) or the pickle's blob hash; ``code`` the sha256 of a
+    code archive shipped with the call (None when none)."""
     from dreamlake.lakeshore.envelope import Envelope
 
     try:
-        fn = Envelope.header(inv.args_blob).get("fn")
+        header = Envelope.header(inv.args_blob)
     except Exception:
         return None
+    fn = header.get("fn")
     if not isinstance(fn, dict):
         return None
-    return {k: fn.get(k) for k in ("kind", "module", "qualname") if isinstance(fn.get(k), str)}
+    out: dict[str, Any] = {k: fn.get(k) for k in ("kind", "module", "qualname") if isinstance(fn.get(k), str)}
+    digest = fn.get("src_hash") if fn.get("kind") == "ref" else fn.get("hash")
+    out["hash"] = digest if isinstance(digest, str) else None
+    code = (header.get("cfg") or {}).get("code")
+    out["code"] = (
+        code.get("sha256") if isinstance(code, dict) and isinstance(code.get("sha256"), str) else None
+    )
+    return out
 
 
 def timings(inv: Invocation, now: float) -> dict[str, float | None]:
@@ -240,6 +258,7 @@ async def read_invocations(
     since: float | None = None,
     limit: int = 50,
     cursor: str | None = None,
+    sweep: str | None = None,
 ) -> tuple[list[dict[str, Any]], str | None]:
     page = await ctx.call(
         ctx.store.list_invocations,
@@ -249,6 +268,7 @@ async def read_invocations(
         since=since,
         limit=limit,
         cursor=cursor,
+        sweep=sweep,
     )
     return [invocation_json(i) for i in page.invocations], page.next_cursor
 
@@ -293,6 +313,12 @@ def states_param(request: Request) -> list[str] | None:
 
 def limit_param(request: Request, default: int) -> int:
     return int(h.query_number(request, "limit", default, lo=1, hi=LIST_LIMIT_MAX))
+
+
+def sweep_param(request: Request) -> str | None:
+    """``?sweep=<id>``: the calls of one ``map`` (``run_config.sweep``, a ULID)."""
+    raw = request.query_params.get("sweep")
+    return h.ulid(raw, "sweep") if raw else None
 
 
 def cursor_param(request: Request, what: str) -> str | None:
@@ -367,6 +393,7 @@ class OpsRoutes:
             since=since_param(request),
             limit=limit_param(request, 50),
             cursor=cursor_param(request, "invocation"),
+            sweep=sweep_param(request),
         )
         return h.json_response({"invocations": rows, "next_cursor": cursor})
 

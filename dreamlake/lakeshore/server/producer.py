@@ -18,7 +18,7 @@ from starlette.requests import Request
 
 from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.errors import PlaneError
-from dreamlake.lakeshore.server import authz, http, tasks
+from dreamlake.lakeshore.server import authz, http, secrets, tasks
 from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError, field
@@ -144,6 +144,12 @@ async def check_parent(ctx: Context, caller: Caller, parent: str | None) -> None
 async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str, Any]:
     req, wait_s = submit_request(ctx, caller, body)
     await check_parent(ctx, caller, req.parent_invocation_id)
+    if req.run_config.get("secrets"):  # every name must be a secret of its namespace (400 naming it)
+        refused = secrets.unknown_secret(
+            req.namespace, req.run_config, await secrets.missing(ctx, req.namespace, [req.run_config])
+        )
+        if refused is not None:
+            raise refused
     await ctx.quotas.check_queued(ctx, req.namespace, 1)
     mark = ctx.wake.mark()  # before the write: a submit-and-wait misses no wake-up after its commit
     result = await ctx.write(req)
@@ -260,6 +266,16 @@ async def submit_batch(
             continue
         reqs.append(req)
         where.append(i)
+    lacking = await secrets.missing(ctx, caller.namespace or DEFAULT_NAMESPACE, [r.run_config for r in reqs])
+    if lacking:  # the items naming a secret their namespace lacks answer 400, the others go on
+        kept = []
+        for i, req in zip(where, reqs, strict=True):
+            refused = secrets.unknown_secret(req.namespace, req.run_config, lacking)
+            if refused is not None:
+                answers[i] = _item_error(refused, items[i])
+            else:
+                kept.append((i, req))
+        where, reqs = [i for i, _ in kept], [r for _, r in kept]
     if reqs:  # the batch is queued whole or not at all past the namespace's quota
         await ctx.quotas.check_queued(ctx, reqs[0].namespace, len(reqs))
     results = await ctx.write_many(list(reqs))

@@ -107,13 +107,14 @@ class PgRelay:
                     await conn.execute(f"LISTEN {CHANNEL}")
                     self._set_listening(True)
                     if tries:
-                        log.info("wake-up relay: listening again on PostgreSQL")
+                        log.info("wake-up relay: listening again on PostgreSQL after %d tries", tries)
                     tries = 0
                     async for note in conn.notifies():
                         self._receive(note.payload)
             except (psycopg.Error, OSError) as exc:
                 tries += 1
-                log.warning(
+                log.log(  # once per outage; the retries meanwhile are DEBUG lines
+                    logging.WARNING if tries == 1 else logging.DEBUG,
                     "wake-up relay: LISTEN connection failed (%s); polls re-check the store until it is back",
                     exc,
                 )
@@ -157,13 +158,19 @@ class PgRelay:
                         await conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, payload))
                     except (psycopg.Error, OSError) as exc:
                         tries += 1
-                        log.warning("wake-up relay: NOTIFY failed (%s); retrying", exc)
+                        log.log(  # once per outage; the retries meanwhile are DEBUG lines
+                            logging.WARNING if tries == 1 else logging.DEBUG,
+                            "wake-up relay: NOTIFY failed (%s); retrying",
+                            exc,
+                        )
                         if conn is not None:
                             with contextlib.suppress(Exception):
                                 await conn.close()
                         conn = None
                         await asyncio.sleep(_backoff(tries))
                         continue
+                    if tries:
+                        log.info("wake-up relay: NOTIFY works again after %d tries", tries)
                     tries = 0
                     self.sent += n
                     del self._outbox[:n]

@@ -10,7 +10,7 @@ Times are float seconds since the epoch. Blobs are ``bytes``. ``error`` is an Er
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -24,6 +24,7 @@ from dreamlake.lakeshore.states import State as State
 from .placement import NO_OFFER, Offer
 
 if TYPE_CHECKING:
+    from .activity import Activity, Sweep
     from .retention import GcResult
 
 DEFAULT_LEASE_S = 30.0
@@ -81,6 +82,8 @@ class Invocation:
 
     not_before: float | None = None  # a retry waits queued until then (None: claimable)
     shape: str = ""  # its placement shape (store/placement.py); '' needs nothing
+    preemptions: int = 0  # attempts that ended preempted: they spend no max_attempts
+    checkpoint_ref: dict[str, Any] | None = None  # what the next attempt starts from (issue 30)
 
     def status(self) -> dict[str, Any]:
         """The producer's view of this row: the ``GET /v1/producer/invocations/:id`` body."""
@@ -92,6 +95,7 @@ class Invocation:
             "priority": self.priority,
             "attempt": self.attempt,
             "max_attempts": self.max_attempts,
+            "preemptions": self.preemptions,
             "worker_id": self.worker_id,
             "submitted_at": self.submitted_at,
             "started_at": self.started_at,
@@ -118,6 +122,7 @@ class AckResult:
     status: int = SUPERSEDED  # the HTTP status of a refusal: UNKNOWN, ANOTHER_WORKER or SUPERSEDED
     requeued: str | None = field(default=None, compare=False)  # a retry's queue, claimable now
     requeued_namespace: str | None = field(default=None, compare=False)  # ... and its namespace
+    requeued_shape: str = field(default="", compare=False)  # ... and its placement shape
 
 
 @dataclass
@@ -296,6 +301,7 @@ class WorkerRow:
     registered_at: float
     last_seen: float  # the latest register, poll or heartbeat
     busy: int  # invocations and exec jobs it holds running
+    stopped_at: float | None = None  # when it deregistered (a clean stop); a stopped worker is not live
 
 
 @dataclass
@@ -362,12 +368,23 @@ class Listing(Protocol):
         since: float | None = None,
         limit: int = 50,
         cursor: str | None = None,
+        sweep: str | None = None,
     ) -> InvocationPage:
         """Invocations newest first (by id, a ULID), submitted at or after ``since``, with ids
-        before ``cursor``; at most ``limit`` (clamped to 1..LIST_LIMIT_MAX)."""
+        before ``cursor``; at most ``limit`` (clamped to 1..LIST_LIMIT_MAX); only the calls of one
+        ``map`` when ``sweep`` names it (``run_config.sweep``)."""
         ...
 
     def frame_stats(self, owner_id: str) -> FrameStats: ...
+
+    def activity(self, namespace: str | None, since: float) -> list[Activity]:
+        """Submit, start and finish times of what waited, ran or finished since ``since`` (the
+        dashboard's charts; store/activity.py)."""
+        ...
+
+    def sweeps(self, namespace: str | None, since: float, limit: int = 20) -> list[Sweep]:
+        """The ``map`` sweeps submitted since ``since``, newest first, with counts by state."""
+        ...
 
 
 class Store(Listing, Protocol):
@@ -401,6 +418,10 @@ class Store(Listing, Protocol):
 
     # -- daemon side --------------------------------------------------------------------------
     def register_worker(self, worker_id: str, info: dict[str, Any]) -> None: ...
+    def deregister_worker(self, worker_id: str) -> None:
+        """Mark the worker stopped (a clean stop): not live from now until it registers again."""
+        ...
+
     def worker_info(self, worker_id: str) -> dict[str, Any] | None:
         """The info of the worker's latest register; None for a worker that never registered."""
         ...
@@ -446,6 +467,14 @@ class Store(Listing, Protocol):
         running under that attempt (when attempt is given) / that worker (when given).
         finished_at = now unconditionally on success. A repeat of an already-recorded identical
         outcome answers duplicate=True."""
+        ...
+
+    def set_checkpoint(
+        self, invocation_id: str, attempt: int, worker_id: str, ref: dict[str, Any]
+    ) -> tuple[int, str] | None:
+        """Record ``ref`` as the checkpoint the next attempt starts from, when ``worker_id`` holds
+        ``attempt`` of the running invocation; else ``(status, reason)`` (a stale attempt's
+        checkpoint never overwrites the current one's)."""
         ...
 
     def append_frame(
@@ -583,6 +612,12 @@ class Store(Listing, Protocol):
     def session_principal(self, secret: str) -> Principal | None: ...
     def end_session(self, secret: str) -> None: ...
     def count_tokens(self) -> int: ...
+
+    # -- secrets (sealed bytes only: server/secrets.py seals and opens them) ------------------
+    def put_secret(self, namespace: str, name: str, sealed: bytes) -> None: ...
+    def secret_names(self, namespace: str) -> list[tuple[str, float]]: ...
+    def sealed_secrets(self, namespace: str, names: Iterable[str]) -> dict[str, bytes]: ...
+    def delete_secret(self, namespace: str, name: str) -> bool: ...
     def create_exec(
         self,
         namespace: str,

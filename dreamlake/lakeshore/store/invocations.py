@@ -28,6 +28,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Row
 
 from dreamlake.lakeshore.errors import PlaneError
+from dreamlake.lakeshore.states import PREEMPTED
 
 from . import retry, values
 from . import schema as t
@@ -101,6 +102,8 @@ def invocation_from(m: Mapping[str, Any]) -> Invocation:
         result_ref=m.get("result_ref"),
         not_before=m.get("not_before"),
         shape=m.get("shape") or "",
+        preemptions=int(m.get("preemptions") or 0),
+        checkpoint_ref=m.get("checkpoint_ref"),
     )
 
 
@@ -205,6 +208,8 @@ class _Statements:
             _inv.c.started_at,
             _inv.c.run_config,
             _inv.c.cancel_requested,
+            _inv.c.preemptions,
+            _inv.c.shape,
         ).where(_inv.c.invocation_id == B("id"))
         self.requeue = (
             sa.update(_inv)
@@ -218,6 +223,23 @@ class _Statements:
                 started_at=None,
                 error=B("b_error", type_=_inv.c.error.type),
                 not_before=B("b_not_before", type_=_inv.c.not_before.type),
+            )
+            .returning(_inv.c.invocation_id)
+        )
+        # a preempted attempt: back to queued at once, one more preemption (spends no attempt)
+        self.preempt = (
+            sa.update(_inv)
+            .where(
+                _inv.c.invocation_id == B("id"), _inv.c.state == "running", _inv.c.attempt == B("b_attempt")
+            )
+            .values(
+                state="queued",
+                worker_id=None,
+                lease_expires_at=None,
+                started_at=None,
+                error=B("b_error", type_=_inv.c.error.type),
+                not_before=None,
+                preemptions=_inv.c.preemptions + 1,
             )
             .returning(_inv.c.invocation_id)
         )
@@ -684,7 +706,9 @@ class InvocationStore(StoreBase):
             result = self._ack_in(conn, req, time.time())
         if result.ok and not result.duplicate:
             again = (
-                invocation_channels(result.requeued_namespace or DEFAULT_NAMESPACE, result.requeued)
+                invocation_channels(
+                    result.requeued_namespace or DEFAULT_NAMESPACE, result.requeued, result.requeued_shape
+                )
                 if result.requeued
                 else ()
             )
@@ -767,6 +791,8 @@ class InvocationStore(StoreBase):
         """Apply a prepared ack in the caller's transaction: a failure that queues another attempt
         (``_retry_in``), else one conditional UPDATE; a refusal (or a repeat) reads the row to say
         why, and changes nothing."""
+        if req.state == PREEMPTED:
+            return self._preempt_in(conn, req, now)
         if retry_first and req.state in retry.RETRY_STATES:
             retried = self._retry_in(conn, req, now)
             if retried is not None:
@@ -804,7 +830,7 @@ class InvocationStore(StoreBase):
             row.run_config or {},
             req.state,
             req.error,
-            row.attempt,
+            row.attempt - row.preemptions,  # preempted attempts spend none of max_attempts
             row.max_attempts,
             cancel_requested=bool(row.cancel_requested),
         )
@@ -837,7 +863,90 @@ class InvocationStore(StoreBase):
             state="queued",
             requeued=row.queue if not_before is None else None,
             requeued_namespace=row.namespace if not_before is None else None,
+            requeued_shape=row.shape if not_before is None else "",
         )
+
+    @retry_on_disconnect
+    def set_checkpoint(
+        self, invocation_id: str, attempt: int, worker_id: str, ref: dict[str, Any]
+    ) -> tuple[int, str] | None:
+        """Record ``ref`` as the checkpoint the next attempt starts from, when ``worker_id`` holds
+        ``attempt`` of the running invocation; else ``(status, reason)``: unknown (404), a
+        superseded attempt or a lapsed lease (409), another worker's (403), not running (409). A
+        stale attempt's checkpoint never overwrites the current one's."""
+        with self.db.tx(write=True) as conn:
+            done = conn.execute(
+                sa.update(_inv)
+                .where(
+                    _inv.c.invocation_id == invocation_id,
+                    _inv.c.state == "running",
+                    _inv.c.attempt == attempt,
+                    _inv.c.worker_id == worker_id,
+                )
+                .values(checkpoint_ref=ref)
+                .returning(_inv.c.invocation_id)
+            ).first()
+            if done is not None:
+                return None
+            row = conn.execute(self._inv_st.get, {"id": invocation_id}).first()
+        if row is None:
+            return UNKNOWN, f"unknown invocation {invocation_id}"
+        inv = row_to_invocation(row)
+        refused = lease_refusal(inv, attempt, worker_id)
+        return refused or (SUPERSEDED, f"{invocation_id} is {inv.state}, not running; checkpoint refused")
+
+    def _preempt_in(self, conn: Connection, req: AckRequest, now: float) -> AckResult:
+        """A ``preempted`` ack (the host stopped under the attempt): the call goes back to the
+        queue at once, ``preemptions`` + 1, and the attempt is kept in the history as
+        ``preempted``; past ``run_config.max_preemptions`` it fails ``{type: "Preempted"}``, and
+        with a cancel requested it ends ``cancelled``. A refusal (superseded, another worker's, a
+        repeat) is told as for any ack; nothing of a superseded attempt changes the row."""
+        st = self._inv_st
+        row = conn.execute(st.retry_row, {"id": req.invocation_id}).first()
+        if (
+            row is None
+            or row.state != "running"
+            or (req.attempt is not None and req.attempt != row.attempt)
+            or (req.worker_id is not None and req.worker_id != row.worker_id)
+        ):
+            return self._refusal_in(conn, req)
+        error = dict(req.error or {"type": retry.PREEMPTED_TYPE, "message": "the host stopped"})
+        run_config = row.run_config or {}
+        cancel = bool(row.cancel_requested)
+        if not retry.may_requeue_preempted(run_config, row.preemptions, cancel_requested=cancel):
+            if cancel:
+                final, error = "cancelled", {"type": "Cancelled", "message": CANCEL_REASON}
+            else:
+                final = "failed"
+                limit = retry.max_preemptions(run_config)
+                error = {
+                    **error,
+                    "type": retry.PREEMPTED_TYPE,
+                    "message": f"{error.get('message') or 'preempted'}; preempted {row.preemptions + 1} "
+                    f"times, over run_config.max_preemptions ({limit})",
+                }
+            ended = AckRequest(req.invocation_id, final, row.attempt, row.worker_id, None, error, None)
+            params = self._ack_params(ended, now)
+            if conn.execute(st.ack[True, True], params).first() is None:
+                return self._refusal_in(conn, req)
+            return AckResult(ok=True, state=final)
+        params = {"id": req.invocation_id, "b_attempt": row.attempt, "b_error": error}
+        if conn.execute(st.preempt, params).first() is None:
+            return self._refusal_in(conn, req)
+        conn.execute(
+            st.insert_attempt,
+            {
+                "invocation_id": req.invocation_id,
+                "attempt": row.attempt,
+                "state": PREEMPTED,
+                "worker_id": row.worker_id,
+                "started_at": row.started_at,
+                "finished_at": now,
+                "error": req.error,
+                "retry_at": now,
+            },
+        )
+        return AckResult(ok=True, state="queued", requeued=row.queue, requeued_namespace=row.namespace)
 
     def _ack_many_in(
         self, conn: Connection, reqs: Sequence[AckRequest], now: float, *, retry_first: bool = True
@@ -851,7 +960,9 @@ class InvocationStore(StoreBase):
             return [self._ack_in(conn, r, now, retry_first=retry_first) for r in reqs]
         retried: dict[int, AckResult] = {}
         for k, r in enumerate(reqs):  # failures first: those that queue a retry answer so
-            if retry_first and r.state in retry.RETRY_STATES:
+            if r.state == PREEMPTED:
+                retried[k] = self._preempt_in(conn, r, now)
+            elif retry_first and r.state in retry.RETRY_STATES:
                 got = self._retry_in(conn, r, now)
                 if got is not None:
                     retried[k] = got
@@ -899,7 +1010,7 @@ class InvocationStore(StoreBase):
     ) -> tuple[list[Row[Any]], list[Row[Any]], list[Row[Any]]]:
         """End the running invocations whose lease lapsed: cancelled when a cancel was requested,
         else requeued while attempts remain, else failed with ``LEASE_EXPIRED``. Returns the
-        ``(invocation_id,)`` rows cancelled, the ``(invocation_id, queue, namespace)`` rows requeued and the
+        ``(invocation_id,)`` rows cancelled, the ``(invocation_id, queue, namespace, shape)`` rows requeued and the
         ``(invocation_id,)`` rows failed."""
         lapsed = (_inv.c.state == "running", _inv.c.lease_expires_at < now)
         gone = {"worker_id": None, "lease_expires_at": None}
@@ -909,7 +1020,8 @@ class InvocationStore(StoreBase):
             .values(state="cancelled", finished_at=now, **gone)
             .returning(_inv.c.invocation_id)
         ).fetchall()
-        retries = (*lapsed, _inv.c.attempt < _inv.c.max_attempts)
+        # attempts spent: preempted ones are not (``preemptions``)
+        retries = (*lapsed, _inv.c.attempt - _inv.c.preemptions < _inv.c.max_attempts)
         lost = conn.execute(
             sa.select(_inv.c.invocation_id, _inv.c.attempt, _inv.c.worker_id, _inv.c.started_at).where(
                 *retries
@@ -919,7 +1031,7 @@ class InvocationStore(StoreBase):
             sa.update(_inv)
             .where(*retries)
             .values(state="queued", started_at=None, not_before=None, **gone)
-            .returning(_inv.c.invocation_id, _inv.c.queue, _inv.c.namespace)
+            .returning(_inv.c.invocation_id, _inv.c.queue, _inv.c.namespace, _inv.c.shape)
         ).fetchall()
         back = {r.invocation_id for r in requeued}
         history = [

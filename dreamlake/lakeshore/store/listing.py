@@ -95,7 +95,9 @@ class ListingStore(StoreBase):
     def _live_infos(self, conn: Any, namespace: str | None, live_within: float) -> list[Any]:
         w = t.workers
         cutoff = time.time() - live_within
-        stmt = sa.select(w.c.info).where(w.c.last_seen >= cutoff, _visible_to(namespace))
+        stmt = sa.select(w.c.info).where(
+            w.c.last_seen >= cutoff, w.c.stopped_at.is_(None), _visible_to(namespace)
+        )
         return list(conn.execute(stmt).scalars())
 
     def live_queues(self, live_within: float = LIVE_WINDOW_S) -> dict[str, int]:
@@ -117,7 +119,7 @@ class ListingStore(StoreBase):
         w = t.workers
         stmt = sa.select(sa.func.count()).select_from(w)
         if live_within is not None:
-            stmt = stmt.where(w.c.last_seen >= time.time() - live_within)
+            stmt = stmt.where(w.c.last_seen >= time.time() - live_within, w.c.stopped_at.is_(None))
         with self.db.tx(write=False) as conn:
             return int(conn.execute(stmt).scalar_one())
 
@@ -132,7 +134,7 @@ class ListingStore(StoreBase):
         w, e = t.workers, t.exec_jobs
         limit = max(1, min(int(limit), LIST_LIMIT_MAX))
         stmt = (
-            sa.select(w.c.worker_id, w.c.info, w.c.registered_at, w.c.last_seen)
+            sa.select(w.c.worker_id, w.c.info, w.c.registered_at, w.c.last_seen, w.c.stopped_at)
             .where(_visible_to(namespace))
             .order_by(w.c.worker_id)
             .limit(limit + 1)
@@ -140,7 +142,7 @@ class ListingStore(StoreBase):
         if cursor is not None:
             stmt = stmt.where(w.c.worker_id > cursor)
         if live_within is not None:
-            stmt = stmt.where(w.c.last_seen >= time.time() - live_within)
+            stmt = stmt.where(w.c.last_seen >= time.time() - live_within, w.c.stopped_at.is_(None))
         with self.db.tx(write=False) as conn:
             rows = conn.execute(stmt).all()
             more = len(rows) > limit
@@ -167,6 +169,7 @@ class ListingStore(StoreBase):
                 registered_at=float(r.registered_at),
                 last_seen=float(r.last_seen),
                 busy=busy.get(r.worker_id, 0),
+                stopped_at=None if r.stopped_at is None else float(r.stopped_at),
             )
             for r in rows
         ]
@@ -181,6 +184,7 @@ class ListingStore(StoreBase):
         since: float | None = None,
         limit: int = 50,
         cursor: str | None = None,
+        sweep: str | None = None,
     ) -> InvocationPage:
         limit = max(1, min(int(limit), LIST_LIMIT_MAX))
         stmt = sa.select(*_SUMMARY_COLS).order_by(_inv.c.invocation_id.desc()).limit(limit + 1)
@@ -194,6 +198,10 @@ class ListingStore(StoreBase):
             stmt = stmt.where(_inv.c.submitted_at >= since)
         if cursor is not None:
             stmt = stmt.where(_inv.c.invocation_id < cursor)
+        if sweep is not None:  # the calls of one map (store/activity.py)
+            from .activity import sweep_of
+
+            stmt = stmt.where(sweep_of(sweep))
         with self.db.tx(write=False) as conn:
             rows = conn.execute(stmt).all()
         page = [_summary(r) for r in rows[:limit]]

@@ -10,8 +10,8 @@ bugs.
 - :func:`classify` turns an exception into a :class:`StoreOutage` (a ``PlaneError`` with status
   503) when it is one of those, else None;
 - :class:`Outages` is the server's record of the current outage: logged once when it starts (with
-  its cause) and once when a write succeeds again (with how long it lasted and how many answers
-  were 503 meanwhile), never a traceback per request; it also pauses lease expiry while writes
+  its cause) and once when writes succeed again with none failing for ``QUIET_S`` (with how long
+  it lasted and how many answers were 503 meanwhile), never a traceback per request; it also pauses lease expiry while writes
   fail and for ``hold_s`` after the last failure (see :meth:`Outages.expiry_paused`), so no lease
   lapses for want of a heartbeat the store could not take;
 - :func:`probe` is ``/healthz``'s check: a cheap read, and for a SQLite file its disk's free space.
@@ -34,6 +34,9 @@ from dreamlake.lakeshore.errors import PlaneError
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # the Retry-After of a 503 for a store outage
+# An outage ends once writes succeed with no failure for this long: on a full disk small writes
+# may fit the room SQLite's WAL has while larger ones fail, which is one outage, not many
+QUIET_S = 5.0
 FULL_BELOW_BYTES = 1 << 20  # a SQLite store's disk with less free space than this is full
 
 # SQLSTATE classes and codes of PostgreSQL that mean "not now", not "wrong"
@@ -136,8 +139,9 @@ def _short_pg(exc: BaseException) -> str:
 class Outages:
     """The current store outage as the server saw it (see the module docstring). Thread-safe."""
 
-    def __init__(self, hold_s: float) -> None:
+    def __init__(self, hold_s: float, quiet_s: float = QUIET_S) -> None:
         self.hold_s = hold_s  # lease expiry stays paused this long after the last failure
+        self.quiet_s = quiet_s  # an outage ends at a success this long after its last failure
         self._lock = threading.Lock()
         self.current: StoreOutage | None = None
         self._since = 0.0
@@ -163,10 +167,12 @@ class Outages:
         )
 
     def succeeded(self) -> None:
-        """A write committed: the outage, if any, is over."""
+        """A write committed: the outage, if any, is over once no write failed for ``quiet_s``."""
         if self.current is None:  # the hot path: one attribute read
             return
         with self._lock:
+            if time.monotonic() - self.last_failure < self.quiet_s:
+                return
             outage, self.current = self.current, None
             answers, self._answers = self._answers, 0
             took = time.monotonic() - self._since

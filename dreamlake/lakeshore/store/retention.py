@@ -153,6 +153,14 @@ class RetentionStore(StoreBase):
         ids = _first_ids(conn, selects, limit)
         if not ids:
             return
+        for (checkpoint,) in conn.execute(  # a finished call's checkpoint goes with it (issue 30)
+            sa.select(_inv.c.checkpoint_ref).where(
+                _inv.c.invocation_id.in_(ids), _inv.c.checkpoint_ref.isnot(None)
+            )
+        ):
+            key = checkpoint.get("key") if isinstance(checkpoint, dict) else None
+            if isinstance(key, str):
+                out.payload_keys.append(key)
         owners = [*ids, *(f"send:{i}" for i in ids)]  # the journal and what was sent into the body
         out.frames += conn.execute(sa.delete(_frames).where(_frames.c.owner_id.in_(owners))).rowcount or 0
         out.attempts += conn.execute(sa.delete(_att).where(_att.c.invocation_id.in_(ids))).rowcount or 0

@@ -17,6 +17,12 @@ outcome. Another attempt is queued (``delay`` is not None) when all of these hol
   ``ConnectionError``. ``"Timeout"`` in ``retry_on`` retries a ``timeout`` outcome (run_config.
   timeout_s passed), which is never retried otherwise.
 
+A ``preempted`` ack (the host stopped under the attempt: nymph's shutdown or drain grace expired)
+is not a failure: the call is requeued at once and the attempt is not counted against
+``max_attempts`` (the attempts spent are ``attempt - preemptions``), while ``preemptions <
+run_config.max_preemptions`` (default :data:`DEFAULT_MAX_PREEMPTIONS`); past that the call fails
+``{type: "Preempted"}`` (:func:`may_requeue_preempted`), so a host that keeps stopping ends no loop.
+
 The next attempt becomes claimable ``backoff_s * 2**(attempt - 1)`` seconds after the failure
 (``run_config.backoff_s``, default :data:`DEFAULT_BACKOFF_S`; at most :data:`MAX_BACKOFF_S`). A
 lapsed lease keeps its own rule (store/invocations.py ``_expire_in``): requeued at once while
@@ -48,12 +54,19 @@ NEVER = frozenset(
         "ModuleNotFoundError",
         "InvalidRunConfig",
         "Cancelled",
+        "EnvBuildFailed",  # a pip environment uv could not resolve or build (nymph.envcache)
+        "PipRefused",
+        "MountRefused",
+        "SecretRefused",
     }
 )
 # the task's process died without reporting, or what it reported was damaged (nymph found its
 # result.msgpack or error.json truncated or garbled: issue 32): retried by default
 CRASHES = frozenset({"ProcessExited", "DamagedOutput"})
 DEFAULT_BACKOFF_S = 1.0
+DEFAULT_MAX_PREEMPTIONS = 10
+MAX_PREEMPTIONS_CAP = 1000
+PREEMPTED_TYPE = "Preempted"  # the error type of a preempted attempt (and of a call out of preemptions)
 MAX_BACKOFF_S = 3600.0
 MAX_RETRY_ON = 32  # names in run_config.retry_on at most
 
@@ -70,6 +83,15 @@ def check(run_config: Mapping[str, Any]) -> None:
         raise PlaneError(
             f"run_config.retry_on must be a list of at most {MAX_RETRY_ON} exception type names "
             f"such as ['TimeoutError', 'ConnectionError'], got {str(names)[:80]}",
+            status=400,
+        )
+    preempt = run_config.get("max_preemptions")
+    if preempt is not None and (
+        isinstance(preempt, bool) or not isinstance(preempt, int) or not 0 <= preempt <= MAX_PREEMPTIONS_CAP
+    ):
+        raise PlaneError(
+            f"run_config.max_preemptions must be a whole number from 0 to {MAX_PREEMPTIONS_CAP} "
+            f"(default {DEFAULT_MAX_PREEMPTIONS}), got {str(preempt)[:40]}",
             status=400,
         )
     backoff = run_config.get("backoff_s")
@@ -124,3 +146,16 @@ def delay(
     if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base < 0:
         base = DEFAULT_BACKOFF_S
     return float(min(MAX_BACKOFF_S, base * 2 ** max(0, attempt - 1)))
+
+
+def max_preemptions(run_config: Mapping[str, Any]) -> int:
+    """``run_config.max_preemptions``, or :data:`DEFAULT_MAX_PREEMPTIONS` when absent or unusable."""
+    value = run_config.get("max_preemptions")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return DEFAULT_MAX_PREEMPTIONS
+    return min(value, MAX_PREEMPTIONS_CAP)
+
+
+def may_requeue_preempted(run_config: Mapping[str, Any], preemptions: int, *, cancel_requested: bool) -> bool:
+    """Whether a preempted attempt queues the next one (``preemptions`` before this one)."""
+    return not cancel_requested and preemptions < max_preemptions(run_config)

@@ -71,6 +71,12 @@ invocations = sa.Table(
     # 0009: the call's placement shape (store/placement.py): '' needs nothing, else a hash of its
     # needs (GPUs, selector, concurrency key) named in ``shapes``
     sa.Column("shape", sa.String(16), nullable=False, server_default=""),
+    # 0010: attempts that ended ``preempted`` (the host stopped): they spend no max_attempts, so
+    # the attempts spent are ``attempt - preemptions``; run_config.max_preemptions bounds them
+    sa.Column("preemptions", sa.Integer, nullable=False, server_default="0"),
+    # 0010: the checkpoint the next attempt starts from ({bucket, key, size, sha256}, a tar of the
+    # task's dls.checkpoint_dir() in the payload store), set by the attempt that held the lease
+    sa.Column("checkpoint_ref", sa.JSON, nullable=True),
     sa.Index("ix_invocations_lease", "state", "lease_expires_at"),
     sa.Index("ix_invocations_root", "root_invocation_id"),
     # 0004: a key is unique within its namespace and queue.
@@ -155,7 +161,7 @@ invocation_attempts = sa.Table(
     metadata,
     sa.Column("invocation_id", ID, primary_key=True),
     sa.Column("attempt", sa.Integer, primary_key=True, autoincrement=False),
-    sa.Column("state", sa.String(16), nullable=False),  # failed | timeout | lost
+    sa.Column("state", sa.String(16), nullable=False),  # failed | timeout | lost | preempted
     sa.Column("worker_id", ID, nullable=True),
     sa.Column("started_at", TIME, nullable=True),
     sa.Column("finished_at", TIME, nullable=False),
@@ -190,6 +196,8 @@ workers = sa.Table(
     sa.Column("last_seen", TIME, nullable=False),
     # 0004: the token this worker id is bound to (its first register binds it); None: unbound.
     sa.Column("token_id", ID, nullable=True),
+    # 0016: when it deregistered (a clean stop); None: it has not. A stopped worker is not live.
+    sa.Column("stopped_at", TIME, nullable=True),
 )
 
 tokens = sa.Table(
@@ -228,6 +236,15 @@ namespace_quotas = sa.Table(  # 0011: per-namespace limits (``lakeshore namespac
     metadata,
     sa.Column("namespace", NAME, primary_key=True),
     sa.Column("max_queued", sa.BigInteger, nullable=True),
+    sa.Column("updated_at", TIME, nullable=False),
+)
+
+secrets = sa.Table(  # 0012: a namespace's secrets, sealed by the control plane (server/secrets.py)
+    "secrets",
+    metadata,
+    sa.Column("namespace", NAME, primary_key=True),
+    sa.Column("name", sa.String(128), primary_key=True),
+    sa.Column("sealed", sa.LargeBinary, nullable=False),  # AES-GCM under a key kept outside this table
     sa.Column("updated_at", TIME, nullable=False),
 )
 

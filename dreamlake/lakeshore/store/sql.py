@@ -29,6 +29,7 @@ from sqlalchemy.engine import Connection
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.ids import new_ulid
 
+from .activity import ActivityStore
 from .api import (
     DEFAULT_LEASE_S,
     DEFAULT_NAMESPACE,
@@ -56,6 +57,7 @@ from .notify import Notifier, exec_queue_channel, invocation_channels
 from .outage import classify
 from .placement import NO_OFFER, Offer
 from .retention import RetentionStore
+from .secrets import SecretStore
 from .workers import WorkerStore
 
 log = logging.getLogger(__name__)
@@ -79,7 +81,16 @@ def _cancels_again(renewed: dict[str, bool], taken: list[Command]) -> list[Comma
 OnCommit = Callable[[list[tuple[int, "WriteResult | PlaneError"]]], None]
 
 
-class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingStore, RetentionStore):
+class SqlStore(
+    InvocationStore,
+    FrameStore,
+    WorkerStore,
+    ExecJobStore,
+    ListingStore,
+    RetentionStore,
+    ActivityStore,
+    SecretStore,
+):
     """The Store protocol over SQLite (file or ``:memory:``) or PostgreSQL."""
 
     def __init__(self, url: str, *, notifier: Notifier | None = None, migrate_schema: bool = True) -> None:
@@ -341,7 +352,11 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
                             channels.append(f"inv:{req.invocation_id}")
                         if ack.requeued:  # a retry claimable now: one wake per invocation
                             requeued.extend(
-                                invocation_channels(ack.requeued_namespace or DEFAULT_NAMESPACE, ack.requeued)
+                                invocation_channels(
+                                    ack.requeued_namespace or DEFAULT_NAMESPACE,
+                                    ack.requeued,
+                                    ack.requeued_shape,
+                                )
                             )
                     acks = []
                 if isinstance(p, FrameRequest):
@@ -387,7 +402,7 @@ class SqlStore(InvocationStore, FrameStore, WorkerStore, ExecJobStore, ListingSt
             log.debug("%d retries due: claimable again", len(due))
         self._notify(
             # one per invocation: the poll hub wakes one poll each
-            *(c for r in requeued for c in invocation_channels(r.namespace, r.queue)),
+            *(c for r in requeued for c in invocation_channels(r.namespace, r.queue, r.shape)),
             *(c for r in due for c in invocation_channels(r.namespace, r.queue, r.shape)),
             *(f"inv:{r.invocation_id}" for r in due),
             *(f"inv:{i}" for i in ids),

@@ -93,6 +93,7 @@ def check_run_config(run_config: dict[str, Any]) -> None:
     from . import retry  # retry_on and backoff_s
 
     retry.check(run_config)
+    _check_environment(run_config)
     resources = run_config.get("resources")
     if resources is None:
         return
@@ -113,6 +114,18 @@ def check_run_config(run_config: dict[str, Any]) -> None:
                 f"a finite number >= 0 or a size such as '512Mi' (at most {MAX_RESOURCE_TEXT} characters)",
                 limit,
             )
+
+
+def _check_environment(run_config: dict[str, Any]) -> None:
+    """``env``, ``secrets`` and ``mounts`` (docs/nymph.md "Environments") of the right shape."""
+    from dreamlake.lakeshore import runenv
+
+    try:
+        runenv.user_env(run_config.get("env"))
+        runenv.secret_names(run_config.get("secrets"))
+        runenv.names(run_config.get("mounts"), "run_config.mounts")
+    except ValueError as exc:
+        raise PlaneError(str(exc), status=400) from None
 
 
 def json_safe(value: Any, what: str) -> Any:

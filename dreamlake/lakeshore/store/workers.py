@@ -134,8 +134,17 @@ class WorkerStore(StoreBase):
             conn.execute(
                 self._insert(w)
                 .values(worker_id=worker_id, info=info, registered_at=now, last_seen=now)
-                .on_conflict_do_update(index_elements=[w.c.worker_id], set_={"info": info, "last_seen": now})
+                .on_conflict_do_update(
+                    index_elements=[w.c.worker_id], set_={"info": info, "last_seen": now, "stopped_at": None}
+                )
             )
+
+    def deregister_worker(self, worker_id: str) -> None:
+        """Mark the worker stopped now (a clean stop): not live from this moment; its next
+        register clears the mark. Its token binding stays (the id stays its token's)."""
+        w = t.workers
+        with self.db.tx(write=True) as conn:
+            conn.execute(sa.update(w).where(w.c.worker_id == worker_id).values(stopped_at=time.time()))
 
     def bind_worker(self, worker_id: str, token_id: str) -> str:
         now = time.time()

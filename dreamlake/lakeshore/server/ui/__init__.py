@@ -7,7 +7,12 @@ operator routes (``server.ops``), so the scoping is the same: an admin sees ever
 producer or namespace token its own. The live parts are fragments under ``/ui/parts/`` that htmx
 (``static/htmx.min.js``, htmx.org 2.0.11 vendored as published on npm, 0BSD licence in
 ``static/htmx.LICENSE``; no Node build step) re-fetches every second or two; a fragment for a
-finished invocation stops polling.
+finished invocation stops polling. ``static/dashboard.js`` keeps the live output at its tail (unless
+the reader scrolled up) and draws the overview's charts (queue depth and throughput over the last
+hour, ``charts.py``) with uPlot (``static/uPlot.iife.min.js``, vendored from npm, MIT); every
+script is a file (no inline script). An invocation page shows its arguments and result
+(``views.py``: decoded when plain values, size-capped); the calls of one ``map`` (a sweep) are one
+group with its progress in the invocation list.
 
 Sessions: ``POST /ui/login`` checks the token and opens a server-side session (``store.
 create_session``: a random id whose sha256 the store keeps with the token's id, 12 h); the
@@ -47,6 +52,7 @@ from dreamlake.lakeshore.server import authz, ops
 from dreamlake.lakeshore.server import http as h
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError
+from dreamlake.lakeshore.server.ui import charts, views
 from dreamlake.lakeshore.states import STATES
 from dreamlake.lakeshore.store.api import LIVE_WINDOW_S, Principal
 
@@ -59,6 +65,7 @@ LOG_KINDS = ("log", "stderr")  # LOG frames: the Output panel, not the stream ta
 OUTPUT_SHOWN = 64 * 1024  # characters of one LOG frame the Output panel shows
 HEALTHY_S = 30.0  # seen this recently: "ok" (nymph heartbeats every 10 s); then "late", then "gone"
 SINCE_CHOICES = {"10m": 600, "1h": 3600, "1d": 86400, "7d": 7 * 86400}
+SWEEPS_SINCE_S = 86400.0  # the invocation list's first page shows the sweeps of the last day
 _CSRF_CONTEXT = b"lakeshore-ui-csrf-v1"
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -161,6 +168,21 @@ def _preview_value(body: bytes) -> str:
     except Exception:
         return f"<{len(body)} bytes>"
     return repr(value)
+
+
+def _grouped(rows: list[dict[str, Any]], keep_sweeps: bool) -> list[dict[str, Any]]:
+    """The list's rows, with consecutive calls of one sweep (a ``map``) folded into one group
+    (``{"sweep", "rows"}``): a 2,000-call map is one line, not 2,000 (unless its own list is shown)."""
+    out: list[dict[str, Any]] = []
+    for row in rows:
+        sweep = None if keep_sweeps else row.get("sweep")
+        if sweep and out and out[-1].get("sweep") == sweep:
+            out[-1]["rows"].append(row)
+        elif sweep:
+            out.append({"sweep": sweep, "rows": [row]})
+        else:
+            out.append({"sweep": None, "rows": [row]})
+    return out
 
 
 def _health(worker: dict[str, Any]) -> str:
@@ -283,10 +305,19 @@ class Dashboard:
         return {"queues": queues, "workers": workers, "session": session}
 
     async def overview(self, request: Request, session: Session) -> Response:
-        return self._page(request, "overview.html", **await self._overview_values(session))
+        values = {**await self._overview_values(session), **await self._chart_values(session)}
+        return self._page(request, "overview.html", **values)
 
     async def overview_part(self, request: Request, session: Session) -> Response:
         return self._page(request, "_overview.html", **await self._overview_values(session))
+
+    async def _chart_values(self, session: Session) -> dict[str, Any]:
+        now = time.time()
+        rows = await self.ctx.call(self.ctx.store.activity, session.namespace, now - charts.WINDOW_S)
+        return {"charts": charts.charts(rows, now), "session": session}
+
+    async def charts_part(self, request: Request, session: Session) -> Response:
+        return self._page(request, "_charts.html", **await self._chart_values(session))
 
     async def _list_values(self, request: Request, session: Session) -> dict[str, Any]:
         queue = ops.queue_param(request)
@@ -296,10 +327,29 @@ class Dashboard:
             raise HTTPError(400, f"since must be one of {', '.join(SINCE_CHOICES)}")
         since = time.time() - SINCE_CHOICES[since_key] if since_key else None
         cursor = ops.cursor_param(request, "invocation")
+        sweep = ops.sweep_param(request)
         rows, next_cursor = await ops.read_invocations(
-            self.ctx, session.namespace, queue=queue, states=states, since=since, limit=50, cursor=cursor
+            self.ctx,
+            session.namespace,
+            queue=queue,
+            states=states,
+            since=since,
+            limit=50,
+            cursor=cursor,
+            sweep=sweep,
         )
-        filters = {"queue": queue or "", "state": states[0] if states else "", "since": since_key}
+        filters = {
+            "queue": queue or "",
+            "state": states[0] if states else "",
+            "since": since_key,
+            "sweep": sweep or "",
+        }
+        sweeps = []
+        if not cursor and not sweep:  # the first page: recent sweeps, one row each, with progress
+            found = await self.ctx.call(
+                self.ctx.store.sweeps, session.namespace, time.time() - SWEEPS_SINCE_S
+            )
+            sweeps = [views.sweep_view(s) for s in found if not queue or s.queue == queue]
         query = urlencode({k: v for k, v in filters.items() if v})
         older = (
             urlencode({**{k: v for k, v in filters.items() if v}, "cursor": next_cursor})
@@ -308,6 +358,8 @@ class Dashboard:
         )
         return {
             "rows": rows,
+            "groups": _grouped(rows, keep_sweeps=bool(sweep)),
+            "sweeps": sweeps,
             "filters": filters,
             "query": query,
             "older": older,
@@ -328,12 +380,15 @@ class Dashboard:
         last = detail["frames"]["last_seq"]
         since = -1 if last is None else max(-1, last - FRAMES_SHOWN)
         frames = await self.ctx.call(self.ctx.store.read_frames, inv, since, FRAMES_SHOWN + 1)
-        views = [frame_view(f.data) for f in frames]
+        shown = [frame_view(f.data) for f in frames]
+        row = await self.ctx.call(self.ctx.store.get, inv)
         return {
             "d": detail,
-            "frames": [v for v in views if v["kind"] not in LOG_KINDS],
-            "output": _runs([v for v in views if v["kind"] in LOG_KINDS]),
-            "hidden": max(0, detail["frames"]["count"] - len(views)),
+            "arguments": views.arguments(row) if row is not None else None,
+            "result": views.result(row) if row is not None else None,
+            "frames": [v for v in shown if v["kind"] not in LOG_KINDS],
+            "output": _runs([v for v in shown if v["kind"] in LOG_KINDS]),
+            "hidden": max(0, detail["frames"]["count"] - len(shown)),
             "frames_shown": FRAMES_SHOWN,
             "session": session,
         }
@@ -362,6 +417,7 @@ class Dashboard:
             Route("/ui/invocations/{id}", g(self.invocation), methods=["GET"]),
             Route("/ui/invocations/{id}/cancel", g(self.cancel), methods=["POST"]),
             Route("/ui/parts/overview", g(self.overview_part), methods=["GET"]),
+            Route("/ui/parts/charts", g(self.charts_part), methods=["GET"]),
             Route("/ui/parts/invocations", g(self.invocations_part), methods=["GET"]),
             Route("/ui/parts/invocations/{id}", g(self.invocation_part), methods=["GET"]),
             Mount(

@@ -6,7 +6,7 @@ token and signing out ends the session everywhere. ``namespace_quotas``: the lim
 set with ``lakeshore namespace quota`` (NULL: no limit).
 
 Revision ID: 0011_sessions_quotas
-Revises: 0009_placement
+Revises: 0010_preemptions
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0011_sessions_quotas"
-down_revision = "0009_placement"
+down_revision = "0010_preemptions"
 branch_labels = None
 depends_on = None
 

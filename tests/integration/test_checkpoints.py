@@ -1,0 +1,130 @@
+"""Checkpoints carried from one attempt to the next (issue 30 item 4), with real ``nymph start``
+processes and a control plane with a payload store (the local blob directory), on SQLite and
+PostgreSQL; and the checkpoint route played from the attacker's side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from dreamlake.lakeshore import wire
+from dreamlake.lakeshore.ids import new_ulid
+from dreamlake.lakeshore.server.config import ServerConfig
+from tests import preempt_fns
+from tests.integration import test_nymph_agent
+from tests.integration.conftest import ControlPlane, local_blobs, running_control_plane, submit_body
+from tests.integration.test_nymph_agent import Nymph, _until, await_result, envelope, status_of, submit
+
+nymph_factory = test_nymph_agent.nymph_factory  # the fixture
+ROUTE = "/v1/daemon/checkpoint"
+
+
+@pytest.fixture
+def blob_plane(store_url: str, tmp_path: Path) -> Iterator[ControlPlane]:
+    config = ServerConfig(expire_every_s=0.2, recheck_s=0.5)
+    with running_control_plane(store_url, config=config, payloads=local_blobs(tmp_path / "blobs")) as cp:
+        yield cp
+
+
+def _base(path: Path) -> Path:
+    path.mkdir()
+    return path
+
+
+def _lines(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_a_ten_step_loop_preempted_twice_does_each_step_once(
+    blob_plane: ControlPlane, nymph_factory: Callable[..., Nymph], tmp_path: Path
+) -> None:
+    cp = blob_plane
+    log = tmp_path / "steps.log"
+    inv = submit(cp.url, cp.producer_token, envelope(preempt_fns.stepper, str(log), 10, 0.3), max_attempts=1)
+    for n, (name, after) in enumerate((("a", 2), ("b", 5))):
+        node = nymph_factory(cp.url, cp.daemon_token, "--grace-s", "0.5", base=_base(tmp_path / name))
+        _until(lambda after=after: len(_lines(log)) >= after, f"{after} steps on nymph {name}")
+        node.signal(15)
+        assert node.wait() == 0
+        _until(
+            lambda n=n: status_of(cp.url, cp.producer_token, inv)["preemptions"] == n + 1,
+            f"attempt {n + 1} to be preempted",
+        )
+        assert f"checkpoint of attempt {n + 1} carried" in node.output(), node.output()[-3000:]
+    last = nymph_factory(cp.url, cp.daemon_token, base=_base(tmp_path / "c"))
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert out["state"] == "succeeded", last.output()[-3000:]
+    assert wire.unpack(out["result_blob"]) == 10
+    steps = [int(line.split()[0]) for line in _lines(log)]
+    assert steps == list(range(10)), _lines(log)  # each step once, in order, across 3 attempts
+    attempts = [int(line.split()[1]) for line in _lines(log)]
+    assert attempts[0] == 1 and attempts[-1] == 3 and sorted(attempts) == attempts
+    assert "restored" in last.output()
+    history = status_of(cp.url, cp.producer_token, inv)["attempts"]
+    assert [a["state"] for a in history] == ["preempted", "preempted", "succeeded"]
+
+
+def _claimed(cp: ControlPlane, token: str, queue: str, worker: str) -> dict[str, object]:
+    body = {"worker_id": worker, "queues": [queue], "timeout_s": 5}
+    assert cp.call("/v1/daemon/register", body, token)[0] == 200
+    status, out = cp.call("/v1/daemon/poll", body, token)
+    assert status == 200 and out["commands"], out
+    return dict(out["commands"][0]["body"])
+
+
+def _ref(inv: str, tag: str = "abc") -> dict[str, object]:
+    return {
+        "bucket": None,
+        "key": f"payloads/2026/12/04/{inv}.{tag}/checkpoint",
+        "size": 1,
+        "sha256": "0" * 64,
+    }
+
+
+def test_the_checkpoint_route_takes_only_the_lease_holders_checkpoint(blob_plane: ControlPlane) -> None:
+    cp = blob_plane
+    queue = f"q{new_ulid().lower()[-8:]}"
+    inv = new_ulid()
+    assert cp.call("/v1/producer/submit", submit_body(inv, queue), cp.producer_token)[0] == 200
+    worker = new_ulid()
+    run = _claimed(cp, cp.daemon_token, queue, worker)
+    mine = {"invocation_id": inv, "attempt": 1, "worker_id": worker, "checkpoint_ref": _ref(inv)}
+    # the wrong kinds of token: a producer, the task's own credential
+    assert cp.call(ROUTE, mine, cp.producer_token)[0] == 403
+    assert cp.call(ROUTE, mine, str(run["task_token"]))[0] == 403
+    # another daemon token claiming the victim's worker id
+    rogue = cp.store.create_token("daemon", "rogue")
+    status, out = cp.call(ROUTE, mine, rogue)
+    assert status == 403 and "registered by another daemon token" in out["error"]
+    # a blob that is not this invocation's checkpoint
+    other = {**mine, "checkpoint_ref": _ref(new_ulid())}
+    status, out = cp.call(ROUTE, other, cp.daemon_token)
+    assert status == 400 and "minted for" in out["error"]
+    wrong_kind = {**mine, "checkpoint_ref": {**_ref(inv), "key": f"payloads/2026/12/04/{inv}.abc/result"}}
+    assert cp.call(ROUTE, wrong_kind, cp.daemon_token)[0] == 400
+    assert cp.call(ROUTE, mine, cp.daemon_token) == (200, {"ok": True})
+    # attempt 1 is preempted; attempt 2 runs on another worker: attempt 1's upload is stale
+    preempted = {"invocation_id": inv, "state": "preempted", "attempt": 1, "worker_id": worker}
+    assert cp.call("/v1/daemon/ack", preempted, cp.daemon_token)[0] == 200
+    second = new_ulid()
+    again = _claimed(cp, cp.daemon_token, queue, second)
+    assert again["attempt"] == 2 and again["checkpoint_ref"] == _ref(inv)
+    stale = {**mine, "checkpoint_ref": _ref(inv, "stale")}
+    status, out = cp.call(ROUTE, stale, cp.daemon_token)
+    assert status == 409 and "superseded" in out["error"]
+    assert cp.store.get(inv).checkpoint_ref == _ref(inv)  # type: ignore[union-attr]
+    # the finished attempt's task credential and its worker: refused once the call is done
+    done = {
+        "invocation_id": inv,
+        "state": "succeeded",
+        "attempt": 2,
+        "worker_id": second,
+        "result_blob": b"\xc0",
+    }
+    assert cp.call("/v1/daemon/ack", done, cp.daemon_token)[0] == 200
+    late = {"invocation_id": inv, "attempt": 2, "worker_id": second, "checkpoint_ref": _ref(inv, "late")}
+    assert cp.call(ROUTE, late, cp.daemon_token)[0] == 409
+    assert cp.call(ROUTE, late, str(again["task_token"]))[0] == 403

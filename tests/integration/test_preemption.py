@@ -1,0 +1,156 @@
+"""Hosts come and go (issue 30): real ``lakeshore server`` and ``nymph start`` processes, on SQLite
+and PostgreSQL.
+
+- SIGTERM to nymph A under a running call (``max_attempts=1``, ``--grace-s 2``): the attempt is
+  acked ``preempted``, the call runs again on nymph B (attempt 2) and succeeds; ``lakeshore show``
+  lists attempt 1 as preempted. The time from the SIGTERM to the call running on B is printed.
+- ``nymph drain`` with 3 running calls: all 3 succeed on attempt 1, nymph exits 0, nothing submitted
+  after the drain began runs there.
+- A function's ``finally`` runs when its call is cancelled, timed out or preempted, and
+  ``dls.Interrupted`` says which.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from dreamlake.lakeshore.cli import main as lakeshore_main
+from tests import preempt_fns
+from tests.integration import test_nymph_agent
+from tests.integration.conftest import ControlPlane
+from tests.integration.test_nymph_agent import (
+    LIMIT_S,
+    NYMPH,
+    Nymph,
+    _call,
+    _env,
+    _until,
+    await_result,
+    envelope,
+    status_of,
+    submit,
+)
+
+nymph_factory = test_nymph_agent.nymph_factory  # the fixture
+
+
+def _base(path: Path) -> Path:
+    path.mkdir()
+    return path
+
+
+def _show(cp: ControlPlane, invocation_id: str) -> str:
+    env = {
+        "LAKESHORE_URL": cp.url,
+        "LAKESHORE_TOKEN": cp.admin_token,
+        "LAKESHORE_CONFIG": "/nonexistent.toml",
+    }
+    result = CliRunner().invoke(lakeshore_main, ["show", invocation_id], env=env, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_sigterm_preempts_the_call_and_another_nymph_runs_it_on_attempt_2(
+    control_plane: ControlPlane, nymph_factory: Callable[..., Nymph], tmp_path: Path
+) -> None:
+    cp = control_plane
+    a = nymph_factory(cp.url, cp.daemon_token, "--grace-s", "2", base=_base(tmp_path / "a"))
+    inv = submit(cp.url, cp.producer_token, envelope(preempt_fns.sleepy, 20), max_attempts=1)
+    _until(lambda: (a.workdir / inv / "handle.json").exists(), "attempt 1 to start on nymph A")
+    b = nymph_factory(cp.url, cp.daemon_token, base=_base(tmp_path / "b"))
+    _until(lambda: "registered as worker" in b.output(), "nymph B to register")
+    sent = time.monotonic()
+    a.signal(15)
+    _until(
+        lambda: (s := status_of(cp.url, cp.producer_token, inv))["attempt"] == 2 and s["state"] == "running",
+        "attempt 2 to run on nymph B",
+    )
+    again = time.monotonic() - sent
+    print(f"\nSIGTERM to the call running again elsewhere: {again:.2f}s (grace 2s; figure, not a bound)")
+    assert a.wait() == 0
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert out["state"] == "succeeded", b.output()[-3000:]
+    status = status_of(cp.url, cp.producer_token, inv)
+    (first, second) = status["attempts"]
+    assert (first["attempt"], first["state"], first["error"]["type"]) == (1, "preempted", "Preempted")
+    assert (second["attempt"], second["state"]) == (2, "succeeded")
+    assert first["worker_id"] != second["worker_id"]
+    assert (status["max_attempts"], status["preemptions"]) == (1, 1)
+    shown = _show(cp, inv)
+    assert "#1: preempted (Preempted: daemon shutdown grace expired)" in shown, shown
+    assert "#2: succeeded" in shown, shown
+
+
+def test_nymph_drain_lets_running_calls_finish_claims_nothing_new_and_exits_0(
+    control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    cp = control_plane
+    n = nymph_factory(cp.url, cp.daemon_token, "--concurrency", "3", "--grace-s", "1")
+    calls = [submit(cp.url, cp.producer_token, envelope(preempt_fns.sleepy, 4)) for _ in range(3)]
+    for inv in calls:
+        _until(lambda inv=inv: (n.workdir / inv / "handle.json").exists(), f"{inv} to start")
+    drain = subprocess.Popen(
+        [*NYMPH, "drain", "--state-dir", str(n.state_dir), "--drain-timeout", "60"],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        _until(lambda: "draining" in n.output(), "nymph to start draining")
+        late = submit(cp.url, cp.producer_token, envelope(preempt_fns.sleepy, 0))
+        out, _ = drain.communicate(timeout=LIMIT_S)
+    except subprocess.TimeoutExpired:
+        print(n.output()[-5000:])
+        raise
+    finally:
+        drain.kill()
+        drain.wait()
+    assert drain.returncode == 0, (out, n.output()[-4000:])
+    assert b"exited" in out
+    assert n.wait() == 0
+    for inv in calls:
+        result = await_result(cp.url, cp.producer_token, inv)
+        assert result["state"] == "succeeded"
+        assert status_of(cp.url, cp.producer_token, inv)["attempt"] == 1
+    late_status = status_of(cp.url, cp.producer_token, late)
+    assert late_status["state"] == "queued" and late_status["attempt"] == 0, late_status  # never claimed
+    assert not (n.workdir / late).exists()
+
+
+def test_finally_runs_when_the_call_is_cancelled_timed_out_or_preempted(
+    control_plane: ControlPlane, nymph_factory: Callable[..., Nymph], tmp_path: Path
+) -> None:
+    cp = control_plane
+    n = nymph_factory(
+        cp.url, cp.daemon_token, "--concurrency", "2", "--stop-grace-s", "5", base=_base(tmp_path / "a")
+    )
+    marks = {k: tmp_path / f"{k}.marker" for k in ("cancelled", "timeout", "preempted")}
+    cancelled = submit(
+        cp.url, cp.producer_token, envelope(preempt_fns.interruptible, str(marks["cancelled"]))
+    )
+    _until(lambda: (n.workdir / cancelled / "handle.json").exists(), "the call to start")
+    _call(cp.url, cp.producer_token, f"/v1/producer/invocations/{cancelled}/cancel", {})
+    assert await_result(cp.url, cp.producer_token, cancelled)["state"] == "killed"
+    assert marks["cancelled"].read_text() == "cancelled"
+    timed = submit(
+        cp.url, cp.producer_token, envelope(preempt_fns.interruptible, str(marks["timeout"])), timeout_s=1
+    )
+    assert await_result(cp.url, cp.producer_token, timed)["state"] == "timeout"
+    assert marks["timeout"].read_text() == "timeout"
+    pre = submit(
+        cp.url,
+        cp.producer_token,
+        envelope(preempt_fns.interruptible, str(marks["preempted"])),
+        max_attempts=1,
+    )
+    _until(lambda: (n.workdir / pre / "handle.json").exists(), "the call to start")
+    n.signal(15)
+    assert n.wait() == 0
+    _until(lambda: marks["preempted"].exists(), "the preempted call's finally")
+    assert marks["preempted"].read_text() == "preempted"
+    assert status_of(cp.url, cp.producer_token, pre)["attempts"][0]["state"] == "preempted"

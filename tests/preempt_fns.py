@@ -1,0 +1,52 @@
+"""Functions the preemption tests (issue 30) ship by reference; the spawned entry imports this
+module (PYTHONPATH = repo root)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import dreamlake.lakeshore as dls
+
+
+@dls.udf(queue="nymph")
+def sleepy(seconds: float) -> str:
+    time.sleep(seconds)
+    return f"slept on attempt {dls.attempt()}"
+
+
+@dls.udf(queue="nymph")
+def interruptible(marker: str, seconds: float = 120.0) -> str:
+    """Sleep; ``finally`` writes ``marker`` with the Interrupted's reason (``none`` without one)."""
+    reason = "none"
+    try:
+        time.sleep(seconds)
+    except dls.Interrupted as exc:
+        reason = exc.reason
+        raise
+    finally:
+        Path(marker).write_text(reason)
+    return "slept"
+
+
+@dls.udf(queue="nymph")
+def stepper(log: str, steps: int = 10, delay_s: float = 0.3) -> int:
+    """``steps`` steps, each logged once (``<step> <attempt>`` per line in ``log``) and then
+    checkpointed; a new attempt resumes after the last checkpointed step. The log line and the
+    checkpoint are written with SIGTERM blocked, as one step (what a careful user does)."""
+    ckpt = Path(dls.checkpoint_dir()) / "step"
+    start = int(ckpt.read_text()) if ckpt.exists() else 0
+    for step in range(start, steps):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            with open(log, "a") as f:
+                f.write(f"{step} {dls.attempt()}\n")
+            tmp = ckpt.with_name("step.tmp")
+            tmp.write_text(str(step + 1))
+            os.replace(tmp, ckpt)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        time.sleep(delay_s)
+    return steps
