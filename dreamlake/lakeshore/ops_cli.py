@@ -97,7 +97,9 @@ _connection_options = [
 
 
 def connection_options(fn: Any) -> Any:
-    for option in reversed(_connection_options):
+    from dreamlake.lakeshore import tls
+
+    for option in reversed([*_connection_options, *tls.cli_options()]):
         fn = option(fn)
     return fn
 

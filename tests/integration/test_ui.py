@@ -59,7 +59,9 @@ def test_login_sets_a_strict_httponly_cookie_and_refuses_other_kinds(
     r = client.post("/ui/login", data={"token": cp.producer_token})
     cookie = r.headers["set-cookie"]
     assert r.status_code == 303
-    assert cookie.startswith(f"lakeshore_session={cp.producer_token};")
+    assert (
+        cookie.startswith("lakeshore_session=lss_") and cp.producer_token not in cookie
+    )  # an id, not the token
     flags = {part.strip().lower() for part in cookie.split(";")[1:]}
     assert {"httponly", "path=/ui", "samesite=strict"} <= flags and "secure" not in flags
     r = client.post("/ui/login", data={"token": cp.producer_token}, headers={"X-Forwarded-Proto": "https"})
@@ -80,12 +82,15 @@ def test_cancel_needs_the_sessions_csrf_token_and_a_same_site_origin(control_pla
     page = client.get(f"/ui/invocations/{inv}")
     assert page.status_code == 200 and 'id="cancel"' in page.text
     good = _csrf(page.text)
-    assert good == csrf_token(cp.admin_token)
+    assert good == csrf_token(client.cookies["lakeshore_session"])
     url = f"/ui/invocations/{inv}/cancel"
     for data, headers in (
         ({}, {}),
         ({"csrf": "0" * 64}, {}),
-        ({"csrf": csrf_token(cp.producer_token)}, {}),  # another session's token
+        (
+            {"csrf": csrf_token(_login(cp, cp.producer_token).cookies["lakeshore_session"])},
+            {},
+        ),  # another session's
         ({"csrf": good}, {"Origin": "https://evil.example"}),
     ):
         r = client.post(url, data=data, headers=headers)

@@ -223,6 +223,24 @@ server_keys = sa.Table(  # secrets the control plane's replicas share (the task-
     sa.Column("created_at", TIME, nullable=False),
 )
 
+ui_sessions = sa.Table(  # 0011: the dashboard's sessions (the cookie holds an id, this its sha256)
+    "ui_sessions",
+    metadata,
+    sa.Column("session_sha256", sa.String(64), primary_key=True),
+    sa.Column("token_id", ID, nullable=False),
+    sa.Column("created_at", TIME, nullable=False),
+    sa.Column("expires_at", TIME, nullable=False),
+    sa.Index("ix_ui_sessions_expires", "expires_at"),
+)
+
+namespace_quotas = sa.Table(  # 0011: per-namespace limits (``lakeshore namespace quota``); NULL: none
+    "namespace_quotas",
+    metadata,
+    sa.Column("namespace", NAME, primary_key=True),
+    sa.Column("max_queued", sa.BigInteger, nullable=True),
+    sa.Column("updated_at", TIME, nullable=False),
+)
+
 secrets = sa.Table(  # 0012: a namespace's secrets, sealed by the control plane (server/secrets.py)
     "secrets",
     metadata,

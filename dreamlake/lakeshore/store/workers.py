@@ -51,6 +51,7 @@ from .keys import KeyRing
 from .notify import Notifier
 from .values import json_safe
 
+SESSION_PREFIX = "lss_"  # a dashboard session id (the cookie's value), never an API token
 _RING_LOCK = threading.Lock()  # the key ring is opened once per store
 
 TOKEN_PREFIX = "lsk_"
@@ -239,6 +240,37 @@ class WorkerStore(StoreBase):
             return conn.execute(st.pinned, {"b_namespace": namespace}).scalar_one_or_none()
         return conn.execute(st.pinned_of_worker, {"worker": worker_id}).scalar_one_or_none()
 
+    # -- quotas (issue 31) -------------------------------------------------------------------------
+
+    def set_quota(self, namespace: str, max_queued: int | None) -> None:
+        """Set (None: lift) the limit of queued invocations of ``namespace``."""
+        q = t.namespace_quotas
+        with self.db.tx(write=True) as conn:
+            conn.execute(sa.delete(q).where(q.c.namespace == namespace))
+            if max_queued is not None:
+                conn.execute(
+                    sa.insert(q).values(namespace=namespace, max_queued=max_queued, updated_at=time.time())
+                )
+
+    def quotas(self) -> dict[str, int]:
+        """Every namespace's limit of queued invocations (namespaces without one are absent)."""
+        q = t.namespace_quotas
+        with self.db.tx(write=False) as conn:
+            rows = conn.execute(sa.select(q.c.namespace, q.c.max_queued).where(q.c.max_queued.is_not(None)))
+            return {str(ns): int(n) for ns, n in rows}
+
+    def count_queued(self, namespace: str, up_to: int) -> int:
+        """How many invocations of ``namespace`` are queued and due, counted up to ``up_to`` at most
+        (off the ``ix_invocations_queued_ns`` index: the cost is bounded by the quota, not the table)."""
+        i = t.invocations
+        due = sa.select(sa.literal(1)).where(
+            i.c.namespace == namespace, i.c.state == "queued", i.c.not_before.is_(None)
+        )
+        with self.db.tx(write=False) as conn:
+            return int(
+                conn.execute(sa.select(sa.func.count()).select_from(due.limit(up_to).subquery())).scalar_one()
+            )
+
     def pin_version(self, namespace: str, version: str | None) -> None:
         now = time.time()
         n = t.namespaces
@@ -306,6 +338,53 @@ class WorkerStore(StoreBase):
             name=r.name,
             may_script=bool(r.may_script),
         )
+
+    # -- dashboard sessions ----------------------------------------------------------------------
+
+    def create_session(self, token_id: str, ttl_s: float) -> str:
+        """A new dashboard session of the API token ``token_id`` for ``ttl_s``: its id (``lss_`` +
+        32 random bytes), returned once; only its sha256 is stored. Expired ones are swept here."""
+        secret = SESSION_PREFIX + secrets.token_urlsafe(32)
+        now = time.time()
+        s = t.ui_sessions
+        with self.db.tx(write=True) as conn:
+            conn.execute(sa.delete(s).where(s.c.expires_at < now))
+            conn.execute(
+                sa.insert(s).values(
+                    session_sha256=_sha256(secret), token_id=token_id, created_at=now, expires_at=now + ttl_s
+                )
+            )
+        return secret
+
+    def session_principal(self, secret: str) -> Principal | None:
+        """The principal of the token a live session signed in with; None for an unknown,
+        expired or malformed id, or a token since deleted."""
+        if not isinstance(secret, str) or not secret.startswith(SESSION_PREFIX) or len(secret) > 128:
+            return None
+        s, tk = t.ui_sessions, t.tokens
+        with self.db.tx(write=False) as conn:
+            r = conn.execute(
+                sa.select(tk)
+                .join(s, s.c.token_id == tk.c.token_id)
+                .where(s.c.session_sha256 == _sha256(secret), s.c.expires_at > time.time())
+            ).first()
+        if r is None:
+            return None
+        return Principal(
+            token_id=r.token_id,
+            kind=r.kind,
+            namespace=r.namespace,
+            name=r.name,
+            may_script=bool(r.may_script),
+        )
+
+    def end_session(self, secret: str) -> None:
+        """Forget a session (sign out): its id opens nothing from now on, on every replica."""
+        if isinstance(secret, str):
+            with self.db.tx(write=True) as conn:
+                conn.execute(
+                    sa.delete(t.ui_sessions).where(t.ui_sessions.c.session_sha256 == _sha256(secret))
+                )
 
     # -- server keys -----------------------------------------------------------------------------
 
