@@ -148,6 +148,23 @@ ROUTES: tuple[RouteAuth, ...] = (
     _route(
         "job_publish", "POST", "/v1/namespaces/{ns}/jobs/{id}/result", outside=403, admin=_ANY, daemon=_LEASE
     ),
+    # the exec output archive (server/execout.py): the claimer writes it, the namespace reads it
+    _route(
+        "job_output_put",
+        "PUT",
+        "/v1/namespaces/{ns}/jobs/{id}/output/{stream}",
+        outside=403,
+        admin=_ANY,
+        daemon=_LEASE,
+    ),
+    _route(
+        "job_output",
+        "GET",
+        "/v1/namespaces/{ns}/jobs/{id}/output/{stream}",
+        outside=403,
+        admin=_ANY,
+        namespace=_NS,
+    ),
     # presign: producers and tasks upload big arguments (argsRef) and read big results, nymph
     # the other way round; a task only while its attempt runs
     _route(
