@@ -23,7 +23,7 @@ from typing import Any
 
 import click
 
-from dreamlake.lakeshore import __version__
+from dreamlake.lakeshore import __version__, tls
 from nymph.config import NymphConfig, resolve
 from nymph.errors import ConfigError, RunnerLoadError
 
@@ -40,6 +40,7 @@ def _options(fn: Any) -> Any:
             type=click.Path(path_type=Path),
             help="File holding the daemon token (mode 0600 or 0400; NYMPH_TOKEN_FILE).",
         ),
+        *tls.cli_options(),  # --ca-file, --client-cert, --client-key (LAKESHORE_CA_FILE, ...)
         click.option(
             "--task-url",
             help="The control plane's URL as tasks reach it: LAKESHORE_URL inside a task (default: --server).",

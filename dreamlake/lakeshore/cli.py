@@ -141,6 +141,20 @@ def main(log_level: str) -> None:
     metavar="QUEUE=DURATION",
     help="A queue's own retention, e.g. gpu=30d or scratch=1h or audit=off (repeatable).",
 )
+@click.option(
+    "--tls-cert",
+    envvar="LAKESHORE_TLS_CERT",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Serve HTTPS with this certificate (PEM; with --tls-key). Plain HTTP is for loopback only.",
+)
+@click.option(
+    "--tls-key",
+    envvar="LAKESHORE_TLS_KEY",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="The private key of --tls-cert (PEM).",
+)
 def server(
     host: str,
     port: int,
@@ -152,12 +166,32 @@ def server(
     max_polls: int | None,
     retention: str | None,
     retention_queue: tuple[str, ...],
+    tls_cert: str | None,
+    tls_key: str | None,
 ) -> None:
-    """Run the control plane (HTTP) over the store."""
-    from dreamlake.lakeshore.server.bootstrap import bootstrap_tokens, start_line
-    from dreamlake.lakeshore.server.config import ServerConfig
-    from dreamlake.lakeshore.server.payloads import PayloadStore
-    from dreamlake.lakeshore.server.serve import ServeSpec, serve
+    """Run the control plane (HTTP, or HTTPS with --tls-cert/--tls-key) over the store."""
+    import importlib
+
+    try:  # the server extra, before anything is printed or opened
+        for module in ("starlette.applications", "uvicorn", "jinja2"):
+            importlib.import_module(module)
+        from dreamlake.lakeshore.server.bootstrap import bootstrap_tokens, start_line
+        from dreamlake.lakeshore.server.config import ServerConfig
+        from dreamlake.lakeshore.server.payloads import PayloadStore
+        from dreamlake.lakeshore.server.serve import ServeSpec, serve
+    except ModuleNotFoundError as exc:
+        from dreamlake.lakeshore.extras import install_hint
+
+        name = (exc.name or "").split(".")[0] or None
+        raise click.ClickException(
+            f"lakeshore server needs {name!r}, which is not installed: {install_hint(name)}"
+        ) from exc
+    from dreamlake.lakeshore import tls
+
+    try:
+        tls_options = tls.server_options(tls_cert, tls_key)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
 
     if lease_s is not None and lease_s <= 0:
         raise click.UsageError("--lease-s must be a positive number of seconds")
@@ -178,7 +212,14 @@ def server(
     except KeyConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     shown_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    url = f"http://{shown_host}:{port}"
+    url = f"{'https' if tls_options else 'http'}://{shown_host}:{port}"
+    if not tls_options and not tls.loopback(host):
+        click.echo(
+            f"lakeshore: WARNING: listening on {host} without TLS: tokens cross the network in plain "
+            "text. Serve HTTPS (--tls-cert/--tls-key) or put a TLS proxy in front (docs/security.md); "
+            "plain HTTP is for loopback only",
+            err=True,
+        )
     for line in [*(bootstrap_tokens(store, data, url) or ()), start_line(url, data)]:
         click.echo(line)
     overrides: dict[str, Any] = {"lease_s": lease_s, "max_polls": max_polls}
@@ -194,7 +235,7 @@ def server(
         raise click.UsageError(str(exc)) from exc
     _raise_open_files(config.max_polls)
     spec = ServeSpec(db=db or str(data / DB_FILE), redis_url=redis_url, config=overrides)
-    serve(spec, host=host, port=port, workers=workers, store=store)
+    serve(spec, host=host, port=port, workers=workers, store=store, tls=tls_options)
 
 
 def _retention_overrides(retention: str | None, queues: tuple[str, ...]) -> dict[str, Any]:
@@ -340,6 +381,41 @@ def namespace_pin(ns: str, version: str | None, clear: bool, data_dir: str, db: 
     click.echo(f"namespace {ns}: " + ("pin cleared" if clear else f"pinned to nymph {version}"))
 
 
+@namespace.command("quota")
+@click.argument("ns", required=False)
+@click.option(
+    "--max-queued",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Queued invocations NS may hold; a submit past it answers 429 with Retry-After.",
+)
+@click.option("--clear", is_flag=True, help="Lift NS's quota.")
+@store_options
+def namespace_quota(
+    ns: str | None, max_queued: int | None, clear: bool, data_dir: str, db: str | None
+) -> None:
+    """Set (--max-queued N), lift (--clear) or show the quota of namespace NS; without NS, list
+    every namespace's quota. Replicas apply a change within 5 s."""
+    from dreamlake.lakeshore.server.http import NAME_RE
+
+    if ns is not None and not NAME_RE.match(ns):
+        raise click.UsageError(f"namespace {ns!r}: expected 1-128 characters of [A-Za-z0-9._-]")
+    if (max_queued is not None or clear) and ns is None:
+        raise click.UsageError("name the namespace: lakeshore namespace quota NS --max-queued N")
+    if max_queued is not None and clear:
+        raise click.UsageError("give either --max-queued N or --clear")
+    store = _open_store(db, data_dir)
+    try:
+        if max_queued is not None or clear:
+            store.set_quota(ns, None if clear else max_queued)
+        quotas = store.quotas()
+    finally:
+        store.close()
+    for name in [ns] if ns is not None else sorted(quotas):
+        limit = quotas.get(name)
+        click.echo(f"namespace {name}: " + (f"max_queued {limit}" if limit is not None else "no quota"))
+
+
 # -- `lakeshore worker ...` ---------------------------------------------------------------------
 # The SDK's worker commands live in dreamlake/lakeshore/worker_cli.py (a click group named
 # `worker`); they are attached here when that module exists.
@@ -365,6 +441,11 @@ main.add_command(_exec_command)
 from dreamlake.lakeshore.secret_cli import secret as _secret_group  # noqa: E402
 
 main.add_command(_secret_group)
+
+# -- `lakeshore queue limit` (dreamlake/lakeshore/limits_cli.py) -------------------------------
+from dreamlake.lakeshore.limits_cli import queue as _queue_group  # noqa: E402
+
+main.add_command(_queue_group)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -44,10 +44,12 @@ import httpx
 import msgpack
 import tenacity
 
+from dreamlake.lakeshore import tls
 from dreamlake.lakeshore.errors import (
     BadRequest,
     Conflict,
     Forbidden,
+    LakeshoreError,
     NotFound,
     PlaneError,
     Unauthorized,
@@ -167,8 +169,16 @@ class PlaneClient:
         attempts: int | None = 1,
         window_s: float | None = None,
         transport: httpx.BaseTransport | None = None,
+        ca_file: str | None = None,
+        client_cert: str | None = None,
+        client_key: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        # TLS (tls.py): the system's CAs plus --ca-file / LAKESHORE_CA_FILE, an optional client cert
+        self._ssl = (
+            tls.client_context(ca_file, client_cert, client_key) if self.url.startswith("https") else None
+        )
+        verify: Any = self._ssl if self._ssl is not None else True
         self.attempts = None if attempts is None else max(1, attempts)
         self.window_s = None if window_s is None else max(0.0, float(window_s))
         self._transport = transport
@@ -177,12 +187,18 @@ class PlaneClient:
         headers = {"Authorization": f"Bearer {token}", "Accept": MSGPACK}
         self._timeout_s = timeout_s
         self._http = httpx.Client(
-            base_url=self.url, headers=headers, timeout=_timeout(timeout_s), transport=transport
+            base_url=self.url,
+            headers=headers,
+            timeout=_timeout(timeout_s),
+            transport=transport,
+            verify=verify,
         )
         # ordinary requests over keep-alive http.client connections where they can (keepalive.py)
         self._fast: KeepAlive | None = None
         if transport is None and usable(self.url):
-            self._fast = KeepAlive(self.url, headers, connect_timeout_s=CONNECT_TIMEOUT_S)
+            self._fast = KeepAlive(
+                self.url, headers, connect_timeout_s=CONNECT_TIMEOUT_S, ssl_context=self._ssl
+            )
 
     def close(self) -> None:
         if self._fast is not None:
@@ -196,7 +212,9 @@ class PlaneClient:
         on the same transport, made once and kept (an ``httpx.Client`` costs an SSL context)."""
         with self._bare_lock:
             if self._bare is None:
-                self._bare = httpx.Client(transport=self._transport, timeout=_timeout(60.0))
+                self._bare = httpx.Client(
+                    transport=self._transport, timeout=_timeout(60.0), verify=self._ssl or True
+                )
             return self._bare
 
     @property
@@ -299,7 +317,9 @@ class PlaneClient:
         More than ``limit`` bytes is a :class:`BadRequest`."""
         what = f"GET {url.split('?')[0]}"
         with (
-            httpx.Client(transport=self._transport, timeout=_timeout(timeout_s)) as bare,
+            httpx.Client(
+                transport=self._transport, timeout=_timeout(timeout_s), verify=self._ssl or True
+            ) as bare,
             self._translated(what),
             bare.stream("GET", url) as resp,
         ):
@@ -342,7 +362,9 @@ class PlaneClient:
         except httpx.InvalidURL as exc:  # e.g. a path built from a bad name: never retried
             raise BadRequest(f"{what}: invalid URL: {exc}") from exc
 
-    def _unreachable(self, what: str, exc: BaseException) -> Unavailable:
+    def _unreachable(self, what: str, exc: BaseException) -> LakeshoreError:
+        if tls.untrusted(exc):  # not a transient failure: retrying cannot help, the message says what to do
+            return BadRequest(f"{what}: {tls.untrusted_message(self.url, exc)}")
         return Unavailable(
             f"cannot reach the control plane at {self.url} ({what}): {type(exc).__name__}: {exc}. "
             + (

@@ -31,6 +31,7 @@ from __future__ import annotations
 import re
 import select
 import socket
+import ssl
 import threading
 import urllib.parse
 import urllib.request
@@ -53,12 +54,12 @@ class KeepAliveError(Exception):
 
 
 def usable(url: str) -> bool:
-    """Whether ``url`` (the control plane's base URL) can go through this path."""
+    """Whether ``url`` (the control plane's base URL, http or https) can go through this path."""
     parts = urllib.parse.urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
+    if parts.scheme not in ("http", "https") or not parts.hostname:
         return False
     proxies = urllib.request.getproxies()
-    if not ({"http", "all"} & set(proxies)):
+    if not ({parts.scheme, "all"} & set(proxies)):
         return True
     return bool(urllib.request.proxy_bypass(parts.hostname))
 
@@ -151,13 +152,25 @@ class KeepAlive:
     request takes an idle one (or opens one) and puts it back when the answer was read whole, so
     threads share a few connections and none outlives :meth:`close`."""
 
-    def __init__(self, base_url: str, headers: dict[str, str], *, connect_timeout_s: float) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        headers: dict[str, str],
+        *,
+        connect_timeout_s: float,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         parts = urllib.parse.urlsplit(base_url)
         self._host = parts.hostname or "127.0.0.1"
-        self._port = parts.port or 80
+        secure = parts.scheme == "https"
+        # https: each connection is wrapped in ``ssl_context`` (the client's CA file and client
+        # certificate, tls.py), the server's name checked against its certificate
+        self._ssl = (ssl_context or ssl.create_default_context()) if secure else None
+        default = 443 if secure else 80
+        self._port = parts.port or default
         self._prefix = parts.path.rstrip("/")
         host = f"[{self._host}]" if ":" in self._host else self._host
-        self._host_header = host if self._port == 80 else f"{host}:{self._port}"
+        self._host_header = host if self._port == default else f"{host}:{self._port}"
         self._headers = dict(headers)
         self._connect_s = connect_timeout_s
         self._idle: list[_Conn] = []
@@ -223,6 +236,12 @@ class KeepAlive:
             if conn is None:
                 sock = socket.create_connection((self._host, self._port), timeout=self._connect_s)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self._ssl is not None:
+                    try:
+                        sock = self._ssl.wrap_socket(sock, server_hostname=self._host)
+                    except BaseException:
+                        sock.close()
+                        raise
                 conn = _Conn(sock)
             conn.sock.settimeout(read_timeout_s)
             if content and len(content) > _JOINED:
@@ -274,6 +293,8 @@ class KeepAlive:
 
 def _dropped(sock: Any) -> bool:
     """An idle keep-alive socket that is readable has been closed by the server (or sent junk)."""
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True  # decrypted bytes nobody asked for
     try:
         readable, _, _ = select.select([sock], [], [], 0)
     except (OSError, ValueError):

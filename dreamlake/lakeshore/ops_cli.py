@@ -97,7 +97,9 @@ _connection_options = [
 
 
 def connection_options(fn: Any) -> Any:
-    for option in reversed(_connection_options):
+    from dreamlake.lakeshore import tls
+
+    for option in reversed([*_connection_options, *tls.cli_options()]):
         fn = option(fn)
     return fn
 
@@ -208,7 +210,7 @@ def _short(digest: str) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @guarded
 def queues(url: str | None, token: str | None, as_json: bool) -> None:
-    """Queues: depth by state, oldest queued age, live workers serving each."""
+    """Queues: depth by state, fleet-wide limit, oldest queued age, live workers serving each."""
     with _client(url, token) as client:
         rows = client.queues()
     if as_json:
@@ -220,6 +222,7 @@ def queues(url: str | None, token: str | None, as_json: bool) -> None:
                 "QUEUE",
                 "QUEUED",
                 "RUNNING",
+                "LIMIT",
                 "OLDEST QUEUED",
                 "WORKERS",
                 "SUCCEEDED",
@@ -233,6 +236,7 @@ def queues(url: str | None, token: str | None, as_json: bool) -> None:
                     q["name"],
                     q["queued"],
                     q["running"],
+                    "-" if q.get("max_running") is None else q["max_running"],  # lakeshore queue limit
                     age(q["oldest_queued_age_s"]),
                     q["workers_live"],
                     q["counts"].get("succeeded", 0),
@@ -253,7 +257,8 @@ def queues(url: str | None, token: str | None, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @guarded
 def workers(url: str | None, token: str | None, live: bool, as_json: bool) -> None:
-    """Workers: id, host, runner, queues, slots busy/total, last heartbeat, version, labels."""
+    """Workers: id, host, runner, queues, slots busy/total, GPUs free/total (model), CPUs and
+    memory, last heartbeat, version, labels."""
     with _client(url, token) as client:
         rows = list(client.all_workers(live=live))
     if as_json:
@@ -261,7 +266,18 @@ def workers(url: str | None, token: str | None, live: bool, as_json: bool) -> No
         return
     click.echo(
         table(
-            ["WORKER", "HOST", "RUNNER", "QUEUES", "SLOTS", "LAST SEEN", "VERSION", "LABELS"],
+            [
+                "WORKER",
+                "HOST",
+                "RUNNER",
+                "QUEUES",
+                "SLOTS",
+                "GPUS FREE",
+                "CPUS/MEMORY",
+                "LAST SEEN",
+                "VERSION",
+                "LABELS",
+            ],
             [
                 [
                     w["worker_id"],
@@ -269,6 +285,7 @@ def workers(url: str | None, token: str | None, live: bool, as_json: bool) -> No
                     w["runner"],
                     ",".join(w["queues"]),
                     f"{w['busy']}/{w['slots'] if w['slots'] is not None else '?'}",
+                    *capacity_cells(w),
                     age(w["last_seen_age_s"])
                     + ("" if w["live"] else " (stopped)" if w.get("stopped_at") else " (gone)"),
                     w["version"],
@@ -278,6 +295,19 @@ def workers(url: str | None, token: str | None, live: bool, as_json: bool) -> No
             ],
         )
     )
+
+
+def capacity_cells(w: dict[str, Any]) -> list[str]:
+    """``GPUS FREE`` (free/total and model, free from the worker's latest poll) and
+    ``CPUS/MEMORY`` (as it registered them) of a worker row; ``-`` for what it did not say."""
+    cap = w.get("capacity") or {}
+    free = (w.get("free") or {}).get("gpus")
+    total = cap.get("gpus") or 0
+    models = "+".join(cap.get("gpu_models") or [])
+    gpus = f"{'?' if free is None else free}/{total}" + (f" {models}" if models else "") if total else "-"
+    cpus, mem = cap.get("cpus"), cap.get("memory_mb")
+    size = f"{cpus}/{mem / 1024:.0f}G" if isinstance(cpus, int) and isinstance(mem, (int, float)) else "-"
+    return [gpus, size]
 
 
 @click.command("ls")
@@ -366,6 +396,7 @@ def show(url: str | None, token: str | None, invocation_id: str, as_json: bool, 
         f"worker      {d['worker_id'] or '-'}",
         f"frames      {frames['count']}" + (f" (last seq {frames['last_seq']})" if frames["count"] else ""),
         f"attempts    {attempt_label(d, long=True)}",
+        *([f"waits       {d['waiting']['message']}"] if d.get("waiting") else []),  # a queued call: why
         *([f"sweep       {sweep}  (lakeshore ls --sweep {sweep})"] if (sweep := _sweep_of(d)) else []),
     ]  # fmt: skip
     for a in d["attempts"]:

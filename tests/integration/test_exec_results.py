@@ -25,7 +25,9 @@ PACK = (
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    with LocalStack(queues=["default"], quiet=True, data_dir=tmp_path_factory.mktemp("stack")) as s:
+    with LocalStack(
+        queues=["default"], quiet=True, data_dir=tmp_path_factory.mktemp("stack"), nymph_args=["--allow-exec"]
+    ) as s:
         yield s
 
 

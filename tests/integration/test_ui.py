@@ -59,7 +59,9 @@ def test_login_sets_a_strict_httponly_cookie_and_refuses_other_kinds(
     r = client.post("/ui/login", data={"token": cp.producer_token})
     cookie = r.headers["set-cookie"]
     assert r.status_code == 303
-    assert cookie.startswith(f"lakeshore_session={cp.producer_token};")
+    assert (
+        cookie.startswith("lakeshore_session=lss_") and cp.producer_token not in cookie
+    )  # an id, not the token
     flags = {part.strip().lower() for part in cookie.split(";")[1:]}
     assert {"httponly", "path=/ui", "samesite=strict"} <= flags and "secure" not in flags
     r = client.post("/ui/login", data={"token": cp.producer_token}, headers={"X-Forwarded-Proto": "https"})
@@ -80,12 +82,15 @@ def test_cancel_needs_the_sessions_csrf_token_and_a_same_site_origin(control_pla
     page = client.get(f"/ui/invocations/{inv}")
     assert page.status_code == 200 and 'id="cancel"' in page.text
     good = _csrf(page.text)
-    assert good == csrf_token(cp.admin_token)
+    assert good == csrf_token(client.cookies["lakeshore_session"])
     url = f"/ui/invocations/{inv}/cancel"
     for data, headers in (
         ({}, {}),
         ({"csrf": "0" * 64}, {}),
-        ({"csrf": csrf_token(cp.producer_token)}, {}),  # another session's token
+        (
+            {"csrf": csrf_token(_login(cp, cp.producer_token).cookies["lakeshore_session"])},
+            {},
+        ),  # another session's
         ({"csrf": good}, {"Origin": "https://evil.example"}),
     ):
         r = client.post(url, data=data, headers=headers)
@@ -196,3 +201,22 @@ def test_the_output_panel_shows_stdout_and_stderr_apart_from_the_stream(
 def test_frames_are_previewed_without_the_wire_codecs(frame: bytes, kind: str, preview: str) -> None:
     view = frame_view(frame)
     assert view["kind"] == kind and view["preview"].startswith(preview)
+
+
+def test_the_dashboard_shows_a_deregistered_worker_as_stopped_and_the_charts_data(
+    sqlite_control_plane: ControlPlane,
+) -> None:
+    cp = sqlite_control_plane
+    worker = new_ulid()
+    assert cp.daemon("/v1/daemon/register", {"worker_id": worker, "queues": ["q"]})[0] == 200
+    client = _login(cp, cp.admin_token)
+    assert re.search(rf'data-worker="{worker}">.*?badge ok', client.get("/ui/parts/overview").text, re.S)
+    assert cp.daemon("/v1/daemon/deregister", {"worker_id": worker})[0] == 200
+    assert re.search(rf'data-worker="{worker}">.*?badge stopped', client.get("/ui/parts/overview").text, re.S)
+    # the charts come as data for the vendored script (no inline script on the page)
+    _submit(cp, cp.producer_token, "q")
+    page = client.get("/ui").text
+    assert 'id="chart-depth" data-chart="' in page and 'src="/ui/static/uPlot.iife.min.js"' in page
+    assert not re.search(r"<script(?![^>]*\bsrc=)[^>]*>", page)  # every script is a file
+    charts = client.get("/ui/parts/charts").text
+    assert "Queue depth" in charts and "Throughput" in charts

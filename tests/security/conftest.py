@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -59,10 +60,14 @@ def lakeshore(*args: str, env: dict[str, str] | None = None) -> str:
 class Stack:
     """``lakeshore server`` in a subprocess over ``data_dir`` (see the module docstring)."""
 
-    def __init__(self, data_dir: Path, **env: str) -> None:
+    def __init__(self, data_dir: Path, *, ca_file: str | None = None, **env: str) -> None:
+        """``ca_file``: the server serves HTTPS (``LAKESHORE_TLS_CERT`` / ``_KEY`` in ``env``) with a
+        certificate this CA signed; the stack's own requests trust it."""
         self.data_dir = data_dir
         self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if ca_file else 'http'}://127.0.0.1:{self.port}"
+        self.ca_file = ca_file
+        self.verify: Any = ssl.create_default_context(cafile=ca_file) if ca_file else True
         self.env = {**os.environ, "LAKESHORE_DATA_DIR": str(data_dir), **env}
         self.env.pop("LAKESHORE_DB", None)
         self.log = data_dir.parent / f"server-{self.port}.log"
@@ -81,7 +86,7 @@ class Stack:
         deadline = time.monotonic() + 60
         while True:
             try:
-                if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/healthz", timeout=2, verify=self.verify).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
@@ -109,13 +114,15 @@ class Stack:
         """A msgpack request; (status, decoded answer)."""
         headers = {"Content-Type": MSGPACK, **({"Authorization": f"Bearer {token}"} if token else {})}
         content = None if method == "GET" else msgpack.packb(body, use_bin_type=True)
-        r = httpx.request(method, self.url + path, content=content, headers=headers, timeout=30)
+        r = httpx.request(
+            method, self.url + path, content=content, headers=headers, timeout=30, verify=self.verify
+        )
         return r.status_code, msgpack.unpackb(r.content, raw=False) if r.content else None
 
     def json(self, method: str, path: str, body: Any, token: str | None) -> tuple[int, Any]:
         """A JSON request; (status, decoded answer)."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        r = httpx.request(method, self.url + path, json=body, headers=headers, timeout=30)
+        r = httpx.request(method, self.url + path, json=body, headers=headers, timeout=30, verify=self.verify)
         return r.status_code, r.json() if r.content else None
 
 

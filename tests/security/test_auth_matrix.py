@@ -250,6 +250,10 @@ def request_for(w: World, route: RouteAuth, kind: str, own: bool) -> Request:
             return "GET", f"/v1/ops/invocations/{w.invocation(ns)}", None, "json"
         case "ops.cancel":
             return "POST", f"/v1/ops/invocations/{w.invocation(ns)}/cancel", {}, "json"
+        case "ops.queue_limit":
+            return "PUT", f"/v1/ops/queues/{w.queue()}/limit", {"max_running": 3}, "json"
+        case "ops.queue_limit_clear":
+            return "DELETE", f"/v1/ops/queues/{w.queue()}/limit", None, "json"
     raise AssertionError(f"no request for route {route.handler}: add one when adding a route to ROUTES")
 
 

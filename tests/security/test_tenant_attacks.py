@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import msgpack
 import pytest
 
 from dreamlake.lakeshore.ids import new_ulid
@@ -294,3 +295,82 @@ def test_control_sequences_a_task_printed_reach_the_terminal_escaped(stack: Stac
         assert b"\x1b" not in shown and b"\\x1b]52" in shown, command
         assert b"\x1b]52" in _run_on_a_terminal(stack, *command, "--raw"), command
     assert b"\x1b" not in _run_on_a_terminal(stack, "stream", inv)
+
+
+# -- the dashboard ---------------------------------------------------------------------------------
+
+
+def test_the_dashboard_refuses_a_foreign_login_and_keeps_the_token_out_of_its_cookie(
+    stack: Stack, tenants: Tenants
+) -> None:
+    """A sign-in posted from another site is refused (login CSRF); a session's cookie is an
+    opaque id (not the token, no API credential), ended by signing out; every /ui answer forbids
+    framing and sniffing and carries a CSP."""
+    form = {"token": tenants.a}
+    for headers in ({"Origin": "https://evil.example"}, {"Origin": "null"}, {"Sec-Fetch-Site": "cross-site"}):
+        r = httpx.post(stack.url + "/ui/login", data=form, headers=headers, follow_redirects=False)
+        assert r.status_code == 403 and "another site" in r.text, headers
+        assert "set-cookie" not in r.headers
+    with httpx.Client(base_url=stack.url, follow_redirects=False) as browser:
+        r = browser.post(
+            "/ui/login", data=form, headers={"Origin": stack.url, "Sec-Fetch-Site": "same-origin"}
+        )
+        assert r.status_code == 303
+        session = browser.cookies["lakeshore_session"]
+        assert session.startswith("lss_") and tenants.a not in r.headers["set-cookie"]
+        assert stack.json("GET", "/v1/ops/whoami", None, session)[0] == 401  # not an API credential
+        for path in ("/ui", "/ui/login", "/ui/invocations", "/ui/static/htmx.min.js"):
+            r = browser.get(path)
+            assert r.status_code == 200, path
+            assert r.headers["x-frame-options"] == "DENY", path
+            assert r.headers["x-content-type-options"] == "nosniff", path
+            csp = r.headers["content-security-policy"]
+            assert "frame-ancestors 'none'" in csp and "script-src 'self'" in csp, path
+        page = browser.get("/ui").text
+        csrf = page.split('name="csrf" value="')[1].split('"')[0]
+        assert (
+            browser.post("/ui/logout", data={"csrf": csrf}, headers={"Origin": stack.url}).status_code == 303
+        )
+    with httpx.Client(base_url=stack.url, follow_redirects=False) as replay:
+        replay.cookies.set("lakeshore_session", session, path="/ui")
+        r = replay.get("/ui")
+        assert r.status_code == 303 and r.headers["location"] == "/ui/login"  # signed out everywhere
+
+
+# -- quotas ----------------------------------------------------------------------------------------
+
+
+def test_a_namespace_past_its_quota_gets_429_and_the_other_tenant_is_unaffected(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """B floods its namespace: past `lakeshore namespace quota team-b --max-queued 3` each submit
+    (and a batch) answers 429 with Retry-After and a message naming the quota, nothing of it is
+    queued; A, without a quota, submits on."""
+    from tests.security.conftest import lakeshore
+
+    s = Stack(tmp_path_factory.mktemp("quota") / "data")
+    assert "max_queued 3" in lakeshore("namespace", "quota", "team-b", "--max-queued", "3", env=s.env)
+    assert "team-b: max_queued 3" in lakeshore("namespace", "quota", env=s.env)
+    s.start()
+    try:
+        a = s.token("producer", "qa", "--namespace", "team-a")
+        b = s.token("producer", "qb", "--namespace", "team-b")
+        for _ in range(3):
+            assert _submit(s, b)[1] == 200
+        inv = new_ulid()
+        r = httpx.post(
+            s.url + "/v1/producer/submit",
+            content=msgpack.packb(submit_body(inv, "q-tenants"), use_bin_type=True),
+            headers={"Authorization": f"Bearer {b}", "Content-Type": "application/x-msgpack"},
+        )
+        assert r.status_code == 429 and int(r.headers["retry-after"]) > 0
+        error = msgpack.unpackb(r.content)["error"]
+        assert "quota of 3 queued invocations" in error and "max_queued" in error
+        assert s.call(f"/v1/producer/invocations/{inv}", None, b, method="GET")[0] == 404  # not queued
+        batch = {"submits": [submit_body(new_ulid(), "q-tenants") for _ in range(2)]}
+        assert s.call("/v1/producer/submit-batch", batch, b)[0] == 429
+        for _ in range(5):
+            assert _submit(s, a)[1] == 200
+        lakeshore("namespace", "quota", "team-b", "--clear", env=s.env)
+    finally:
+        s.stop()

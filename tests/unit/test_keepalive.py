@@ -121,11 +121,24 @@ def test_a_refusal_and_an_unreachable_server_raise_the_same_errors(
     gone.close()
 
 
-def test_https_and_proxies_stay_on_httpx(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy"):
+def test_proxies_stay_on_httpx_and_https_takes_the_fast_path_over_tls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in (
+        "HTTP_PROXY",
+        "http_proxy",
+        "HTTPS_PROXY",
+        "https_proxy",
+        "ALL_PROXY",
+        "all_proxy",
+        "NO_PROXY",
+        "no_proxy",
+    ):
         monkeypatch.delenv(name, raising=False)
     assert usable("http://cp.example:8470")
-    assert not usable("https://cp.example:8470")
+    assert usable("https://cp.example:8470")  # ssl-wrapped sockets (tests/security/test_tls.py)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
+    assert not usable("https://cp.example:8470") and usable("http://cp.example:8470")
     monkeypatch.setenv("HTTP_PROXY", "http://proxy:3128")
     assert not usable("http://cp.example:8470")
     monkeypatch.setenv("NO_PROXY", "cp.example")

@@ -74,7 +74,10 @@ def _guard(fn: Handler, outages: Outages | None = None) -> Handler:
         except HTTPError as exc:
             if exc.status in (400, 413, 429):  # the caller's mistake or limit: one line, no traceback
                 log.info("%s %s: %d %s", request.method, request.url.path, exc.status, exc.message[:200])
-            return h.error_answer(request, exc)
+            response = h.error_answer(request, exc)
+            if "retry_after_s" in exc.extra:  # a quota's 429 (server/quotas.py)
+                response.headers["Retry-After"] = str(exc.extra["retry_after_s"])
+            return response
         except ClientDisconnect:
             # The client hung up (or the server's body read timeout closed it) mid-body: nobody
             # reads this answer.

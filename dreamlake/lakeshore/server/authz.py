@@ -177,6 +177,9 @@ ROUTES: tuple[RouteAuth, ...] = (
     _route("ops.whoami", "GET", "/v1/ops/whoami", _EVERY),
     _route("ops.whoami", "POST", "/v1/ops/whoami", _EVERY),
     _route("ops.queues", "GET", "/v1/ops/queues", _OPS, outside=403),
+    # a queue's fleet-wide limit covers every namespace's calls of it: admins only
+    _route("ops.queue_limit", "PUT", "/v1/ops/queues/{name}/limit", admin=_ANY),
+    _route("ops.queue_limit_clear", "DELETE", "/v1/ops/queues/{name}/limit", admin=_ANY),
     _route("ops.workers", "GET", "/v1/ops/workers", _OPS, outside=403),
     _route("ops.invocations", "GET", "/v1/ops/invocations", _OPS, outside=403),
     _route("ops.invocation", "GET", "/v1/ops/invocations/{id}", _OPS),

@@ -21,6 +21,7 @@ from dreamlake.lakeshore.server.liveness import QueueWatch
 from dreamlake.lakeshore.server.metrics import Metrics
 from dreamlake.lakeshore.server.outcomes import AcksInFlight
 from dreamlake.lakeshore.server.polls import PollHub
+from dreamlake.lakeshore.server.quotas import Quotas
 from dreamlake.lakeshore.server.tasks import TaskTokens
 from dreamlake.lakeshore.server.writer import GroupWriter
 from dreamlake.lakeshore.store.api import Principal, Store, WriteRequest, WriteResult
@@ -91,6 +92,7 @@ class Context:
         self.workers = WorkerBindings(lambda worker, token: self.call(self.store.bind_worker, worker, token))
         self.queues = QueueWatch()
         self._task_tokens: TaskTokens | None = None
+        self.quotas = Quotas()  # per-namespace limits (server/quotas.py)
         self.secret_sealer: Any = None  # server.secrets.Sealer, made on first use (server/secrets.py)
 
     @property

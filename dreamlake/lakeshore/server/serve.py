@@ -498,8 +498,17 @@ def app_from_env() -> Any:
     return app
 
 
-def serve(spec: ServeSpec, *, host: str, port: int, workers: int = 1, store: Any = None) -> None:
-    """Serve the control plane on ``host:port`` with ``workers`` processes (see the module docstring)."""
+def serve(
+    spec: ServeSpec,
+    *,
+    host: str,
+    port: int,
+    workers: int = 1,
+    store: Any = None,
+    tls: dict[str, Any] | None = None,
+) -> None:
+    """Serve the control plane on ``host:port`` with ``workers`` processes (see the module
+    docstring); ``tls``: uvicorn's ``ssl_certfile`` / ``ssl_keyfile`` (HTTPS; ``tls.server_options``)."""
     import uvicorn
 
     config = _config(spec)
@@ -511,6 +520,7 @@ def serve(spec: ServeSpec, *, host: str, port: int, workers: int = 1, store: Any
         "log_level": "warning",
         "timeout_graceful_shutdown": 5,
         "loop": loop,
+        **(tls or {}),
     }
     log.info("serving on %s:%d: %d worker(s), %s loop, guarded %s HTTP", host, port, workers, loop, parser)
     if workers <= 1:

@@ -198,6 +198,8 @@ workers = sa.Table(
     sa.Column("token_id", ID, nullable=True),
     # 0016: when it deregistered (a clean stop); None: it has not. A stopped worker is not live.
     sa.Column("stopped_at", TIME, nullable=True),
+    # 0017: the GPUs it offered free in its latest poll (placement); None: it has not polled since.
+    sa.Column("free_gpus", sa.Integer, nullable=True),
 )
 
 tokens = sa.Table(
@@ -219,6 +221,24 @@ server_keys = sa.Table(  # secrets the control plane's replicas share (the task-
     sa.Column("name", NAME, primary_key=True),
     sa.Column("secret", sa.LargeBinary, nullable=False),
     sa.Column("created_at", TIME, nullable=False),
+)
+
+ui_sessions = sa.Table(  # 0011: the dashboard's sessions (the cookie holds an id, this its sha256)
+    "ui_sessions",
+    metadata,
+    sa.Column("session_sha256", sa.String(64), primary_key=True),
+    sa.Column("token_id", ID, nullable=False),
+    sa.Column("created_at", TIME, nullable=False),
+    sa.Column("expires_at", TIME, nullable=False),
+    sa.Index("ix_ui_sessions_expires", "expires_at"),
+)
+
+namespace_quotas = sa.Table(  # 0011: per-namespace limits (``lakeshore namespace quota``); NULL: none
+    "namespace_quotas",
+    metadata,
+    sa.Column("namespace", NAME, primary_key=True),
+    sa.Column("max_queued", sa.BigInteger, nullable=True),
+    sa.Column("updated_at", TIME, nullable=False),
 )
 
 secrets = sa.Table(  # 0012: a namespace's secrets, sealed by the control plane (server/secrets.py)

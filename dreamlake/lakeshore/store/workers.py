@@ -51,6 +51,7 @@ from .keys import KeyRing
 from .notify import Notifier
 from .values import json_safe
 
+SESSION_PREFIX = "lss_"  # a dashboard session id (the cookie's value), never an API token
 _RING_LOCK = threading.Lock()  # the key ring is opened once per store
 
 TOKEN_PREFIX = "lsk_"
@@ -68,6 +69,9 @@ class _Statements:
         c = t.commands
         self.touch_worker = (
             sa.update(t.workers).where(t.workers.c.worker_id == B("worker")).values(last_seen=B("now"))
+        )
+        self.set_free_gpus = (
+            sa.update(t.workers).where(t.workers.c.worker_id == B("worker")).values(free_gpus=B("gpus"))
         )
         self.take_commands = (
             sa.delete(c)
@@ -122,10 +126,12 @@ class WorkerStore(StoreBase):
     def __init__(self, db: Database, notifier: Notifier) -> None:
         super().__init__(db, notifier)
         self._worker_st = _statements()
+        self._offered: dict[str, int] = {}  # worker -> the free GPUs this store last wrote for it
 
     # -- workers and their commands --------------------------------------------------------------
 
     def register_worker(self, worker_id: str, info: dict[str, Any]) -> None:
+        self._offered.pop(worker_id, None)  # its next poll writes what it offers
         now = time.time()
         info = json_safe(info, "worker info")
         w = t.workers
@@ -167,6 +173,16 @@ class WorkerStore(StoreBase):
         with self.db.tx(write=False) as conn:
             info = conn.execute(sa.select(w.c.info).where(w.c.worker_id == worker_id)).scalar_one_or_none()
         return dict(info) if isinstance(info, dict) else None
+
+    def _offered_in(self, conn: Connection, worker_id: str, gpus: int) -> None:
+        """Keep the free GPUs a poll offered on its worker's row (``lakeshore workers``), written
+        only when they differ from what this store last wrote for it: an idle fleet writes none."""
+        if self._offered.get(worker_id) == gpus:
+            return
+        conn.execute(self._worker_st.set_free_gpus, {"worker": worker_id, "gpus": gpus})
+        if len(self._offered) >= 100_000:
+            self._offered.clear()
+        self._offered[worker_id] = gpus
 
     def _take_commands_in(self, conn: Connection, worker_id: str, now: float) -> list[Command]:
         """Touch the worker's ``last_seen`` and take its pending commands, oldest first."""
@@ -223,6 +239,37 @@ class WorkerStore(StoreBase):
         if namespace is not None:
             return conn.execute(st.pinned, {"b_namespace": namespace}).scalar_one_or_none()
         return conn.execute(st.pinned_of_worker, {"worker": worker_id}).scalar_one_or_none()
+
+    # -- quotas (issue 31) -------------------------------------------------------------------------
+
+    def set_quota(self, namespace: str, max_queued: int | None) -> None:
+        """Set (None: lift) the limit of queued invocations of ``namespace``."""
+        q = t.namespace_quotas
+        with self.db.tx(write=True) as conn:
+            conn.execute(sa.delete(q).where(q.c.namespace == namespace))
+            if max_queued is not None:
+                conn.execute(
+                    sa.insert(q).values(namespace=namespace, max_queued=max_queued, updated_at=time.time())
+                )
+
+    def quotas(self) -> dict[str, int]:
+        """Every namespace's limit of queued invocations (namespaces without one are absent)."""
+        q = t.namespace_quotas
+        with self.db.tx(write=False) as conn:
+            rows = conn.execute(sa.select(q.c.namespace, q.c.max_queued).where(q.c.max_queued.is_not(None)))
+            return {str(ns): int(n) for ns, n in rows}
+
+    def count_queued(self, namespace: str, up_to: int) -> int:
+        """How many invocations of ``namespace`` are queued and due, counted up to ``up_to`` at most
+        (off the ``ix_invocations_queued_ns`` index: the cost is bounded by the quota, not the table)."""
+        i = t.invocations
+        due = sa.select(sa.literal(1)).where(
+            i.c.namespace == namespace, i.c.state == "queued", i.c.not_before.is_(None)
+        )
+        with self.db.tx(write=False) as conn:
+            return int(
+                conn.execute(sa.select(sa.func.count()).select_from(due.limit(up_to).subquery())).scalar_one()
+            )
 
     def pin_version(self, namespace: str, version: str | None) -> None:
         now = time.time()
@@ -291,6 +338,53 @@ class WorkerStore(StoreBase):
             name=r.name,
             may_script=bool(r.may_script),
         )
+
+    # -- dashboard sessions ----------------------------------------------------------------------
+
+    def create_session(self, token_id: str, ttl_s: float) -> str:
+        """A new dashboard session of the API token ``token_id`` for ``ttl_s``: its id (``lss_`` +
+        32 random bytes), returned once; only its sha256 is stored. Expired ones are swept here."""
+        secret = SESSION_PREFIX + secrets.token_urlsafe(32)
+        now = time.time()
+        s = t.ui_sessions
+        with self.db.tx(write=True) as conn:
+            conn.execute(sa.delete(s).where(s.c.expires_at < now))
+            conn.execute(
+                sa.insert(s).values(
+                    session_sha256=_sha256(secret), token_id=token_id, created_at=now, expires_at=now + ttl_s
+                )
+            )
+        return secret
+
+    def session_principal(self, secret: str) -> Principal | None:
+        """The principal of the token a live session signed in with; None for an unknown,
+        expired or malformed id, or a token since deleted."""
+        if not isinstance(secret, str) or not secret.startswith(SESSION_PREFIX) or len(secret) > 128:
+            return None
+        s, tk = t.ui_sessions, t.tokens
+        with self.db.tx(write=False) as conn:
+            r = conn.execute(
+                sa.select(tk)
+                .join(s, s.c.token_id == tk.c.token_id)
+                .where(s.c.session_sha256 == _sha256(secret), s.c.expires_at > time.time())
+            ).first()
+        if r is None:
+            return None
+        return Principal(
+            token_id=r.token_id,
+            kind=r.kind,
+            namespace=r.namespace,
+            name=r.name,
+            may_script=bool(r.may_script),
+        )
+
+    def end_session(self, secret: str) -> None:
+        """Forget a session (sign out): its id opens nothing from now on, on every replica."""
+        if isinstance(secret, str):
+            with self.db.tx(write=True) as conn:
+                conn.execute(
+                    sa.delete(t.ui_sessions).where(t.ui_sessions.c.session_sha256 == _sha256(secret))
+                )
 
     # -- server keys -----------------------------------------------------------------------------
 

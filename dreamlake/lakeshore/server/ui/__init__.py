@@ -14,12 +14,19 @@ script is a file (no inline script). An invocation page shows its arguments and 
 (``views.py``: decoded when plain values, size-capped); the calls of one ``map`` (a sweep) are one
 group with its progress in the invocation list.
 
-Sessions: ``POST /ui/login`` checks the token and keeps it in the ``lakeshore_session`` cookie
-(HttpOnly, ``SameSite=Strict``, ``Path=/ui``, ``Secure`` behind https, 12 h), so scripts on the
-page never see it and no other site's request carries it. Every state-changing form (cancel, sign
-out) also carries a CSRF token, an HMAC of the session token, and a POST whose ``Origin`` names
-another host is refused. A request without a valid session is sent to the login page (an htmx
-fragment request gets 401 with ``HX-Redirect``).
+Sessions: ``POST /ui/login`` checks the token and opens a server-side session (``store.
+create_session``: a random id whose sha256 the store keeps with the token's id, 12 h); the
+``lakeshore_session`` cookie holds that opaque id, never the token (HttpOnly, ``SameSite=Strict``,
+``Path=/ui``, ``Secure`` behind https), so scripts on the page never see it, no other site's request
+carries it, and signing out ends it on every replica. A login whose ``Origin`` (or
+``Sec-Fetch-Site``) names another site is refused (login CSRF: signing the operator in as someone
+else). Every state-changing form (cancel, sign out) also carries a CSRF token, an HMAC of the
+session id, and a POST whose ``Origin`` names another host is refused. A request without a valid
+session is sent to the login page (an htmx fragment request gets 401 with ``HX-Redirect``).
+
+Every ``/ui`` answer carries ``X-Frame-Options: DENY``, ``Content-Security-Policy`` (:data:`CSP`:
+scripts, styles and requests from this origin only, no framing, forms post here only),
+``X-Content-Type-Options: nosniff`` and ``Referrer-Policy: same-origin``.
 """
 
 from __future__ import annotations
@@ -60,6 +67,17 @@ HEALTHY_S = 30.0  # seen this recently: "ok" (nymph heartbeats every 10 s); then
 SINCE_CHOICES = {"10m": 600, "1h": 3600, "1d": 86400, "7d": 7 * 86400}
 SWEEPS_SINCE_S = 86400.0  # the invocation list's first page shows the sweeps of the last day
 _CSRF_CONTEXT = b"lakeshore-ui-csrf-v1"
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+HEADERS = {
+    "X-Frame-Options": "DENY",
+    "Content-Security-Policy": CSP,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+}
+_RAW_HEADERS = [(k.lower().encode(), v.encode()) for k, v in HEADERS.items()]
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -79,7 +97,7 @@ class Session:
 
 
 def csrf_token(secret: str) -> str:
-    """The CSRF token of a session: an HMAC of its token, so it is unknowable without the token."""
+    """The CSRF token of a session: an HMAC of its id, so it is unknowable without the cookie."""
     key = hashlib.sha256(secret.encode("utf-8", "surrogateescape")).digest()
     return hmac.new(key, _CSRF_CONTEXT, hashlib.sha256).hexdigest()
 
@@ -168,6 +186,8 @@ def _grouped(rows: list[dict[str, Any]], keep_sweeps: bool) -> list[dict[str, An
 
 
 def _health(worker: dict[str, Any]) -> str:
+    if worker.get("stopped_at"):  # deregistered: a clean stop, not a lost worker
+        return "stopped"
     age = worker["last_seen_age_s"]
     return "ok" if age <= HEALTHY_S else "late" if age <= LIVE_WINDOW_S else "gone"
 
@@ -186,10 +206,22 @@ class Dashboard:
 
     async def _session(self, request: Request) -> Session:
         secret = request.cookies.get(COOKIE, "")
-        principal = await self.ctx.auth.verify(secret) if secret else None
+        principal = await self.ctx.call(self.ctx.store.session_principal, secret) if secret else None
         if principal is None or principal.kind not in authz.UI.grants:
             raise _LoginNeeded
         return Session(principal, csrf_token(secret))
+
+    @staticmethod
+    def _foreign(request: Request) -> str | None:
+        """The other site a browser says this request came from; None for this one (or a client
+        that says nothing, as curl)."""
+        origin = request.headers.get("origin")
+        if origin is not None and (origin == "null" or urlsplit(origin).netloc != request.url.netloc):
+            return origin[:100]
+        site = request.headers.get("sec-fetch-site")
+        if site is not None and site not in ("same-origin", "none"):
+            return f"a {site[:20]} page"
+        return None
 
     def _check_post(self, request: Request, session: Session, form: dict[str, str]) -> None:
         origin = request.headers.get("origin")
@@ -230,6 +262,10 @@ class Dashboard:
     async def login(self, request: Request) -> Response:
         if request.method == "GET":
             return self._page(request, "login.html", error=None, session=None)
+        foreign = self._foreign(request)
+        if foreign is not None:
+            error = f"refused a sign-in posted from another site ({foreign}): open this page and sign in here"
+            return self._page(request, "login.html", 403, error=error, session=None)
         try:
             form = await self._form(request)
         except HTTPError as exc:
@@ -241,10 +277,11 @@ class Dashboard:
         if principal.kind not in authz.UI.grants:
             error = f"a {principal.kind} token cannot open the dashboard: use an admin, producer or namespace token"
             return self._page(request, "login.html", 403, error=error, session=None)
+        session = await self.ctx.call(self.ctx.store.create_session, principal.token_id, SESSION_S)
         response = RedirectResponse("/ui", status_code=303)
         response.set_cookie(
             COOKIE,
-            secret,
+            session,
             max_age=SESSION_S,
             path="/ui",
             httponly=True,
@@ -255,6 +292,7 @@ class Dashboard:
 
     async def logout(self, request: Request, session: Session) -> Response:
         self._check_post(request, session, await self._form(request))
+        await self.ctx.call(self.ctx.store.end_session, request.cookies.get(COOKIE, ""))
         response = RedirectResponse("/ui/login", status_code=303)
         response.delete_cookie(COOKIE, path="/ui")
         return response
@@ -370,10 +408,12 @@ class Dashboard:
         return RedirectResponse(f"/ui/invocations/{inv}", status_code=303)
 
     def table(self) -> list[BaseRoute]:
-        g = self.guard
+        def g(fn: Callable[[Request, Session], Awaitable[Response]]) -> Handler:
+            return _hardened(self.guard(fn))
+
         return [
             Route("/ui", g(self.overview), methods=["GET"]),
-            Route("/ui/login", self.login, methods=["GET", "POST"]),
+            Route("/ui/login", _hardened(self.login), methods=["GET", "POST"]),
             Route("/ui/logout", g(self.logout), methods=["POST"]),
             Route("/ui/invocations", g(self.invocations), methods=["GET"]),
             Route("/ui/invocations/{id}", g(self.invocation), methods=["GET"]),
@@ -382,5 +422,33 @@ class Dashboard:
             Route("/ui/parts/charts", g(self.charts_part), methods=["GET"]),
             Route("/ui/parts/invocations", g(self.invocations_part), methods=["GET"]),
             Route("/ui/parts/invocations/{id}", g(self.invocation_part), methods=["GET"]),
-            Mount("/ui/static", app=StaticFiles(directory=str(HERE / "static")), name="ui-static"),
+            Mount(
+                "/ui/static", app=_HardenedApp(StaticFiles(directory=str(HERE / "static"))), name="ui-static"
+            ),
         ]
+
+
+def _hardened(fn: Handler) -> Handler:
+    """``fn`` with the dashboard's security headers (:data:`HEADERS`) on every answer."""
+
+    async def wrapped(request: Request) -> Response:
+        response = await fn(request)
+        response.headers.update(HEADERS)
+        return response
+
+    return wrapped
+
+
+class _HardenedApp:
+    """An ASGI app (the static files) whose answers carry :data:`HEADERS`."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def send_hardened(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *_RAW_HEADERS]}
+            await send(message)
+
+        await self.app(scope, receive, send_hardened)
