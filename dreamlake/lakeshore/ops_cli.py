@@ -164,10 +164,13 @@ def attempt_label(inv: dict[str, Any], long: bool = False) -> str:
     """The attempt as an operator should read it: ``1/3`` while more may come; once the call is
     over, no ``/3`` that reads as retries still coming (``1 final``, or ``1 of up to 3, final``)."""
     n, most = inv["attempt"], inv["max_attempts"]
+    preempted = int(inv.get("preemptions") or 0)  # attempts that spent none of max_attempts
+    note = f" (+{preempted} preempted, not counted)" if long and preempted else ""
     if inv["state"] not in _TERMINAL:
-        return f"{n} of {most}" if long else f"{n}/{most}"
+        return (f"{n} of {most + preempted}{note}") if long else f"{n}/{most + preempted}"
     if long:
-        return f"{n} of up to {most}, final" if n < most else f"{n} of {most}, final"
+        spent = n - preempted
+        return (f"{n} of up to {most}, final" if spent < most else f"{n} of {most + preempted}, final") + note
     return f"{n} final"
 
 
