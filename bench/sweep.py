@@ -12,6 +12,7 @@ Rows, each beside the goal (>= 1,500 calls/s, issue 32):
 
 - ``sweep``: calls / (last result read - first submit), per rep, with its median and p90 over reps,
   and the split: how long the submits took (``map``) and how long after them the last result came;
+  the server's CPU per call (psutil), whose inverse bounds the rate while the server has one core;
 - ``local plane``: the same sweep on ``Dispatch(":memory:")`` with two ``run_worker`` threads
   (``--local N`` calls; 0 skips it);
 - ``ray.get(list)``: 2,000 ``@ray.remote`` noops on a 2-CPU local Ray, when ray is installed.
@@ -39,7 +40,7 @@ sys.path.insert(0, str(BENCH))
 os.environ.setdefault("LAKESHORE_CODE", "none")  # the noop is importable on the workers: ship nothing
 
 import bench_fns  # noqa: E402
-from control_plane import has, lakeshore_server  # noqa: E402
+from control_plane import cpu_seconds, has, lakeshore_server  # noqa: E402
 from warm import QUEUE, lakeshore_worker  # noqa: E402
 
 import dreamlake.lakeshore as dls  # noqa: E402
@@ -62,11 +63,11 @@ def sweep(plane: object, n: int) -> tuple[float, float]:
 
 
 @contextlib.contextmanager
-def http_stack(prefetch: int) -> Iterator[HttpDispatch]:
+def http_stack(prefetch: int) -> Iterator[tuple[HttpDispatch, int]]:
     with tempfile.TemporaryDirectory(prefix="lakeshore-sweep-") as tmp:
         data = Path(tmp)
         with (
-            lakeshore_server(str(data / "sweep.db"), data, 1) as (port, token, _pid),
+            lakeshore_server(str(data / "sweep.db"), data, 1) as (port, token, pid),
             lakeshore_worker(port, token, prefetch),
             lakeshore_worker(port, token, prefetch),
         ):
@@ -76,7 +77,7 @@ def http_stack(prefetch: int) -> Iterator[HttpDispatch]:
                 quiet.setLevel(logging.ERROR)  # the warm-up may beat the workers' first poll
                 sweep(plane, 50)  # both workers polling, connections open
                 quiet.setLevel(logging.NOTSET)
-                yield plane
+                yield plane, pid
             finally:
                 plane.close()
 
@@ -134,9 +135,12 @@ def main() -> None:
 
     rates: list[float] = []
     splits: list[tuple[float, float]] = []
-    with http_stack(args.prefetch) as plane:
+    server_ms: list[float] = []
+    with http_stack(args.prefetch) as (plane, pid):
         for _ in range(args.reps):
+            cpu = cpu_seconds(pid)
             total, submitted = sweep(plane, args.calls)
+            server_ms.append((cpu_seconds(pid) - cpu) * 1000 / args.calls)
             rates.append(args.calls / total)
             splits.append((submitted, total - submitted))
     med, p90 = median_p90(rates)
@@ -149,6 +153,8 @@ def main() -> None:
     sub = median_p90([s for s, _ in splits])[0]
     rest = median_p90([r for _, r in splits])[0]
     print(f"  split (median): submits {sub:.1f} s, then last result {rest:.1f} s later")
+    print(f"  server CPU per call (median): {median_p90(server_ms)[0]:.2f} ms (the rate's ceiling on one core: "
+          f"{1000 / median_p90(server_ms)[0]:,.0f}/s)")  # fmt: skip
     print(f"  {'meets the goal' if low >= GOAL_RATE else 'BELOW THE GOAL'} (worst of {args.reps} rep(s))")
     if args.local:
         print(f"local plane (Dispatch(':memory:'), two run_worker threads), {args.local:,} calls: "

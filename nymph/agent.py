@@ -41,7 +41,8 @@ import time
 from types import FrameType
 from typing import Any, cast
 
-from dreamlake.lakeshore import __version__
+from dreamlake.lakeshore import __version__, ids
+from dreamlake.lakeshore.errors import InvalidId
 from nymph import drain, upgrade
 from nymph import observability as obs
 from nymph.client import AuthRejected, ClientError, ControlPlaneClient
@@ -388,13 +389,36 @@ class Agent:
     # --- shutdown --------------------------------------------------------------------------------
 
     def _dispatch_claimed(self, command: Any) -> None:
-        """A poll's command; a run claimed as nymph stops (the poll was in flight) is preempted
-        before it starts: the control plane hands it to another nymph at once."""
+        """A poll's command; a run claimed as nymph stops (the poll was in flight) is acked
+        ``preempted`` at once, never started (no workdir, no task): the control plane hands it to
+        another nymph."""
+        body = command.get("body") if isinstance(command, dict) else None
+        if (
+            self.stopping.event.is_set()
+            and command.get("kind") == "run"
+            and isinstance(body, dict)
+            and self.outbox is not None
+        ):
+            try:
+                invocation_id = ids.validate(body.get("invocation_id"), "invocation_id")
+                attempt = int(body.get("attempt") or 1)
+            except (InvalidId, TypeError, ValueError):
+                self.jobs.dispatch(command)  # malformed: refused there, as any other
+                return
+            log.warning("invocation %s: claimed as nymph stops; handed back (preempted)", invocation_id)
+            error = {"type": "Preempted", "message": SHUTDOWN_MESSAGE, "reason": self.stopping.why}
+            self.outbox.ack(
+                {
+                    "invocation_id": invocation_id,
+                    "state": "preempted",
+                    "result_blob": b"",
+                    "error": error,
+                    "worker_id": self.worker_id,
+                    "attempt": attempt,
+                }
+            )
+            return
         self.jobs.dispatch(command)
-        if self.stopping.event.is_set() and isinstance(command, dict) and command.get("kind") == "run":
-            body = command.get("body") or {}
-            if isinstance(body, dict):
-                self.jobs.preempt(str(body.get("invocation_id", "")), SHUTDOWN_MESSAGE, self.stopping.why)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGUSR1:

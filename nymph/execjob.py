@@ -28,7 +28,8 @@ runs.
    to msgpack here), gets it back as ``resultInline`` (base64 msgpack, up to the control plane's
    inline threshold) or ``resultRef`` (uploaded to the payload store, checked by sha256 on the way
    back); a result that does not decode, or is over :data:`RESULT_LIMIT`, is dropped with a line on
-   stderr saying why (the exit code stands); a command past ``timeout_s`` is stopped with the cancellation ladder and
+   stderr saying why (the exit code stands); before that, each stream is uploaded whole to the exec
+   output archive (``PUT .../jobs/:id/output/:stream``, server/execout.py); a command past ``timeout_s`` is stopped with the cancellation ladder and
    published with exit code 124 (the ``timeout(1)`` convention) and a note on stderr; a command
    stopped by a nymph shutdown is published with exit code -1 and a note.
 
@@ -52,6 +53,7 @@ import base64
 import hashlib
 import json
 import logging
+import os
 import re
 import shutil
 import time
@@ -79,6 +81,7 @@ OUTPUT_LIMIT = 1 << 20
 RESULT = "result.msgpack"  # $LAKESHORE_RESULT: a typed result, msgpack ...
 RESULT_JSON = "result.json"  # ... or JSON
 RESULT_LIMIT = 100 << 20  # the payload store's MAX_PAYLOAD_BYTES
+ARCHIVE_LIMIT = 100 << 20  # the end of a longer output is archived (MAX_PAYLOAD_BYTES)
 EXIT_TIMEOUT = 124
 EXIT_NOT_RUN = -1
 FETCH_TIMEOUT_S = 60.0
@@ -282,8 +285,12 @@ class ExecJob(SupervisedJob[ExecResult]):
         return self._result(EXIT_TIMEOUT if stop.reason == "timeout" else EXIT_NOT_RUN, stop.message)
 
     def settle(self, outcome: ExecResult) -> None:
-        """Publish the result through the outbox (unless lost), then remove the workdir."""
+        """Archive the full output and publish the result through the outbox (unless lost), then
+        remove the workdir."""
         try:
+            note = self._archive()
+            if note:
+                outcome = outcome._replace(stderr=outcome.stderr + f"nymph: {note}\n")
             self.publish(*outcome)
         finally:
             if self.workdir is not None:
@@ -305,6 +312,38 @@ class ExecJob(SupervisedJob[ExecResult]):
             exit_code,
             time.time() - self.started_at,
         )
+
+    def _archive(self) -> str:
+        """Upload the whole stdout and stderr to the exec output archive (server/execout.py): the
+        last :data:`ARCHIVE_LIMIT` bytes of each; what could not be archived, as a note ("": all)."""
+        client, workdir = self.ctx.client, self.workdir
+        if client is None or workdir is None or self.lost or not (self.namespace and self.exec_id):
+            return ""
+        notes = []
+        for name, stream in ((STDOUT, "stdout"), (STDERR, "stderr")):
+            fh = safeio.open_output(workdir, name)
+            if fh is None:
+                continue
+            with fh:
+                size = os.fstat(fh.fileno()).st_size
+                if size > ARCHIVE_LIMIT:
+                    fh.seek(size - ARCHIVE_LIMIT)
+                    notes.append(
+                        f"{stream} archived from byte {size - ARCHIVE_LIMIT} of {size} (its last {ARCHIVE_LIMIT})"
+                    )
+                    size = ARCHIVE_LIMIT
+                if size == 0:
+                    continue
+                route = f"/v1/namespaces/{self.namespace}/jobs/{self.exec_id}/output/{stream}"
+                params = {"worker_id": self.ctx.worker_id, "attempt": self.attempt or 0}
+                try:
+                    client.put_file(route, fh, size, params=params)
+                except ClientError as exc:
+                    if exc.status == 501:  # the control plane keeps no archive (no payload store)
+                        return ""
+                    log.warning("exec %s: %s not archived: %s", self.exec_id, stream, exc)
+                    notes.append(f"{stream} not archived: {exc}")
+        return "; ".join(notes)
 
     def _add_typed(self, body: dict[str, Any], result: bytes) -> None:
         """``resultInline`` (base64) within the inline threshold, else ``resultRef`` (uploaded);

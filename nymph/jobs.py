@@ -242,11 +242,3 @@ class Jobs:
         for job in jobs:
             job.preempt(message, grace_s, detail)
         return len(jobs)
-
-    def preempt(self, invocation_id: str, message: str, detail: str = "") -> None:
-        """Preempt one invocation's job at once (claimed as nymph stops: it never starts)."""
-        with self._changed:
-            job = self._table.get((Job.kind, invocation_id))
-        if job is not None and not job.lost:
-            log.warning("invocation %s: claimed as nymph stops; handed back (preempted)", invocation_id)
-            job.preempt(message, 0.0, detail)

@@ -1,6 +1,7 @@
 """What nymph checks of its own set-up before it registers; ``nymph doctor`` runs the same checks.
 
-A root nymph runs its tasks as its task user(s) (:func:`nymph.taskuser.task_users`). Every task
+A root nymph runs its tasks as its task user(s) (:func:`nymph.taskuser.task_users`: a user of the
+task user pool per task, or the one shared task user). Every task
 then needs, as that user: to enter the workdir (``{workdir}/{invocation_id}`` is the task's, but
 its parent is nymph's) and the code cache (code shipped with a call), and, for the process runner,
 to run the tasks' interpreter, read its standard library and import the entry. When any of that
@@ -28,7 +29,6 @@ import stat
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from nymph.config import NymphConfig
 from nymph.runner import Runner
@@ -193,21 +193,27 @@ def _interpreter_problem(cfg: NymphConfig, runner: Runner, pw: pwd.struct_passwd
 
 def task_setup_problems(cfg: NymphConfig, runner: Runner) -> list[str]:
     """What keeps this nymph's task user(s) from running its tasks (empty: nothing); see the module
-    docstring. Tasks that run as nymph's own user (a nymph not run as root) need no check."""
-    problems: list[str] = []
-    users = task_users(cfg).users()
-    for name in dict.fromkeys(users[:1] + users[-1:]):  # the pool's users are made alike: its first
+    docstring. Tasks that run as nymph's own user (a nymph not run as root) need no check. Every
+    user of a pool is walked; the interpreter runs once per set of groups (users alike, as a pool
+    made by one rule is, read the same files: a pool of 32 starts no 32 interpreters); the first
+    user with a problem is reported (the fix is the same for the others)."""
+    probed: set[frozenset[int]] = set()
+    for name in task_users(cfg).users():  # the pool's users, and the shared one
         try:
             pw = pwd.getpwnam(name)
         except KeyError:
             continue  # check_task_user says so, with the useradd command
-        checks: list[Any] = []
+        checks: list[str | None] = []
         if runner.name in HOST_PATH_RUNNERS:
             checks += [
                 _directory_problem("workdir", cfg.workdir, pw),
                 _directory_problem("code cache", cfg.code_cache_dir, pw),
             ]
-        if not any(checks):
+        groups = frozenset(os.getgrouplist(pw.pw_name, pw.pw_gid))
+        if not any(checks) and groups not in probed:
+            probed.add(groups)
             checks.append(_interpreter_problem(cfg, runner, pw))
-        problems += [c for c in checks if c]
-    return problems
+        problems = [c for c in checks if c]
+        if problems:
+            return problems
+    return []

@@ -104,3 +104,19 @@ def where_is_the_entry() -> str:
 def echo_bytes(data: bytes) -> bytes:
     """Big arguments and results through the workdir (issue 13: what nymph fetched by reference)."""
     return data[::-1]
+
+
+@dls.udf(queue="docker")
+def interrupted_marker(seconds: float = 120.0) -> str:
+    """Touch ``started`` in the workdir, sleep; ``finally`` writes ``marker`` there with the
+    Interrupted's reason (issue 30; the workdir of a stopped call is kept)."""
+    reason = "none"
+    Path("started").touch()
+    try:
+        time.sleep(seconds)
+    except dls.Interrupted as exc:
+        reason = exc.reason
+        raise
+    finally:
+        Path("marker").write_text(reason)
+    return "slept"

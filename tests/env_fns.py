@@ -52,8 +52,12 @@ def secret_digest() -> dict[str, Any]:
     import hashlib
 
     value = os.environ.get("LS_TEST_SECRET")
+    token = os.environ.get("LAKESHORE_TOKEN")
+    if token is None and os.environ.get("LAKESHORE_TOKEN_FILE"):  # the credential in its file
+        with open(os.environ["LAKESHORE_TOKEN_FILE"]) as fh:
+            token = fh.read().strip()
     return {
         "sha256": None if value is None else hashlib.sha256(value.encode()).hexdigest(),
-        "token": os.environ.get("LAKESHORE_TOKEN"),
+        "token": token,
         "invocation_id": os.environ.get("LAKESHORE_INVOCATION_ID"),
     }

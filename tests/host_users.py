@@ -4,8 +4,10 @@ The suite runs in parallel (pytest-xdist, ``scripts/test.sh``), and several file
 workers want the same user. So the check-and-create is serialised across processes by a lock file
 (two ``useradd`` of one name at once: the second fails, and its test would skip), and a user this
 run created is removed once, by the controlling process when the whole run is over, never by a
-worker whose neighbours may still be running tasks as that user. Users that existed before the run
-are left alone. A plugin (``tests/conftest.py``'s ``pytest_plugins``) for its two hooks.
+worker whose neighbours may still be running tasks as that user; and while another run on this host
+is still going (several runs share one machine, and one run's nymph may run tasks as a user another
+made), the users are handed over to be removed by the last run to end (:data:`RUNS`, :data:`PENDING`).
+Users that existed before the run are left alone. A plugin (``tests/conftest.py``'s ``pytest_plugins``) for its two hooks.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ LOCK = Path(tempfile.gettempdir()) / "lakeshore-tests-users.lock"
 # the xdist workers it spawns.
 MADE_ENV = "LAKESHORE_TEST_USERS_MADE"
 _owned: Path | None = None  # the list this process set up, and so removes at the end
+RUNS = Path(tempfile.gettempdir()) / "lakeshore-tests-users.runs"  # one file per live run: its pid
+PENDING = Path(tempfile.gettempdir()) / "lakeshore-tests-users.pending"  # made by runs now ended
 
 
 @contextlib.contextmanager
@@ -73,6 +77,9 @@ def pytest_configure(config: pytest.Config) -> None:
     os.close(fd)
     _owned = Path(path)
     os.environ[MADE_ENV] = path
+    with _locked():
+        RUNS.mkdir(exist_ok=True)
+        (RUNS / str(os.getpid())).touch()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -81,8 +88,29 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         return
     with _locked():
         names = _owned.read_text().split() if _owned.exists() else []
-        for name in dict.fromkeys(names):
-            subprocess.run(["userdel", name], capture_output=True)
+        (RUNS / str(os.getpid())).unlink(missing_ok=True)
+        if _other_runs():  # their tasks may run as these users: the last run to end removes them
+            with open(PENDING, "a") as fh:
+                fh.writelines(name + "\n" for name in names)
+        else:
+            names += PENDING.read_text().split() if PENDING.exists() else []
+            for name in dict.fromkeys(names):
+                subprocess.run(["userdel", name], capture_output=True)
+            PENDING.unlink(missing_ok=True)
     _owned.unlink(missing_ok=True)
     os.environ.pop(MADE_ENV, None)
     _owned = None
+
+
+def _other_runs() -> bool:
+    """Whether another test run on this host is still alive (its pid file in :data:`RUNS`)."""
+    alive = False
+    for entry in RUNS.iterdir() if RUNS.is_dir() else ():
+        try:
+            os.kill(int(entry.name), 0)
+            alive = True
+        except (ValueError, ProcessLookupError):
+            entry.unlink(missing_ok=True)  # a run that died without its unconfigure
+        except PermissionError:
+            alive = True
+    return alive

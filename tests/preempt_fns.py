@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import dreamlake.lakeshore as dls
@@ -18,10 +19,13 @@ def sleepy(seconds: float) -> str:
 
 
 @dls.udf(queue="nymph")
-def interruptible(marker: str, seconds: float = 120.0) -> str:
-    """Sleep; ``finally`` writes ``marker`` with the Interrupted's reason (``none`` without one)."""
+def interruptible(marker: str, seconds: float = 120.0, started: str | None = None) -> str:
+    """Sleep; ``finally`` writes ``marker`` with the Interrupted's reason (``none`` without one);
+    ``started`` is touched first."""
     reason = "none"
     try:
+        if started is not None:
+            Path(started).touch()
         time.sleep(seconds)
     except dls.Interrupted as exc:
         reason = exc.reason
@@ -50,3 +54,27 @@ def stepper(log: str, steps: int = 10, delay_s: float = 0.3) -> int:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         time.sleep(delay_s)
     return steps
+
+
+@dls.udf(queue="nymph")
+def paused_gen(marker: str) -> Iterator[int]:
+    """Yield 0, 1, ...; an Interrupted records where it reached the generator."""
+    i = -1
+    try:
+        for i in range(1000):
+            yield i
+    except dls.Interrupted as exc:
+        Path(marker).write_text(f"{exc.reason} at yield {i}")
+        raise
+
+
+@dls.udf(queue="nymph")
+def slow_finally(marker: str, started: str) -> str:
+    """Its finally takes a while (a second SIGTERM meanwhile must not cut it short)."""
+    try:
+        Path(started).touch()
+        time.sleep(60)
+    finally:
+        time.sleep(0.5)
+        Path(marker).write_text("cleaned up")
+    return "slept"

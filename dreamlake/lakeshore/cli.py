@@ -170,16 +170,28 @@ def server(
     tls_key: str | None,
 ) -> None:
     """Run the control plane (HTTP, or HTTPS with --tls-cert/--tls-key) over the store."""
+    import importlib
+
+    try:  # the server extra, before anything is printed or opened
+        for module in ("starlette.applications", "uvicorn", "jinja2"):
+            importlib.import_module(module)
+        from dreamlake.lakeshore.server.bootstrap import bootstrap_tokens, start_line
+        from dreamlake.lakeshore.server.config import ServerConfig
+        from dreamlake.lakeshore.server.payloads import PayloadStore
+        from dreamlake.lakeshore.server.serve import ServeSpec, serve
+    except ModuleNotFoundError as exc:
+        from dreamlake.lakeshore.extras import install_hint
+
+        name = (exc.name or "").split(".")[0] or None
+        raise click.ClickException(
+            f"lakeshore server needs {name!r}, which is not installed: {install_hint(name)}"
+        ) from exc
     from dreamlake.lakeshore import tls
 
     try:
         tls_options = tls.server_options(tls_cert, tls_key)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    from dreamlake.lakeshore.server.bootstrap import bootstrap_tokens, start_line
-    from dreamlake.lakeshore.server.config import ServerConfig
-    from dreamlake.lakeshore.server.payloads import PayloadStore
-    from dreamlake.lakeshore.server.serve import ServeSpec, serve
 
     if lease_s is not None and lease_s <= 0:
         raise click.UsageError("--lease-s must be a positive number of seconds")
@@ -429,6 +441,11 @@ main.add_command(_exec_command)
 from dreamlake.lakeshore.secret_cli import secret as _secret_group  # noqa: E402
 
 main.add_command(_secret_group)
+
+# -- `lakeshore queue limit` (dreamlake/lakeshore/limits_cli.py) -------------------------------
+from dreamlake.lakeshore.limits_cli import queue as _queue_group  # noqa: E402
+
+main.add_command(_queue_group)
 
 
 if __name__ == "__main__":  # pragma: no cover

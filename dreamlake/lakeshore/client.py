@@ -295,6 +295,31 @@ class PlaneClient:
                 resp.status_code,
             ) from exc
 
+    def put_file(
+        self, path: str, fh: Any, size: int, *, params: dict[str, Any] | None = None, timeout_s: float = 120.0
+    ) -> Any:
+        """``PUT path`` with the token and ``size`` raw bytes read from ``fh`` (streamed, not held
+        in memory); the decoded answer. Never retried here (the file would have to be read again)."""
+        what = f"PUT {path}"
+
+        def body() -> Iterator[bytes]:
+            left = size
+            while left > 0:
+                piece = fh.read(min(left, 1 << 20))
+                if not piece:
+                    return
+                left -= len(piece)
+                yield piece
+
+        headers = {"Content-Type": "application/octet-stream", "Content-Length": str(size)}
+        with self._translated(what):
+            resp = self._http.put(
+                path, content=body(), params=params, headers=headers, timeout=_timeout(timeout_s)
+            )
+        if resp.status_code >= 400:
+            raise self._refusal(resp, what)
+        return _decode(resp) if resp.content else {}
+
     @contextlib.contextmanager
     def stream(
         self, path: str, *, params: dict[str, Any] | None = None, timeout_s: float | None = None

@@ -105,6 +105,17 @@ class Execs:
                     f"exec job {exec_id} is not done after {wait:g} s; ask again with a longer wait"
                 )
 
+    def output(self, exec_id: str, stream: str = "stdout") -> bytes:
+        """The whole ``stream`` (``stdout`` or ``stderr``) of a done exec job, from the exec output
+        archive (the result's ``stdout`` / ``stderr`` hold only their last 1 MiB); NotFound when
+        it printed nothing."""
+        route = self._route(f"jobs/{exec_id}/output/{stream}")
+        chunks = []
+        with self._client.stream(route, timeout_s=120.0) as resp:
+            for piece in resp.iter_bytes():
+                chunks.append(piece)
+        return b"".join(chunks)
+
     def run(self, command: str, *, wait: float = 60.0, **kwargs: Any) -> ExecOutcome:
         """:meth:`submit` then :meth:`result`."""
         return self.result(self.submit(command, **kwargs), wait=wait)

@@ -191,13 +191,13 @@ def handles(calls: Iterable[Any], dispatch: Plane | None = None) -> list[Invocat
 class Tracker:
     """The outcomes of many handles, read in batches from their planes (``await_batch``).
 
-    ``step(timeout)`` asks for the first ``AWAIT_BATCH_MAX`` pending handles of each plane (in
-    input order) and returns the ones that ended, their outcome set; ``running`` counts the asked
-    handles the last answers said were running."""
+    ``step(timeout)`` asks about a window of the first pending handles in input order (grouped
+    by plane; 4x what ended last time, ``WINDOW_MIN`` to ``AWAIT_BATCH_MAX``) and returns the ones
+    that ended, their outcome set; ``running`` counts the pending handles the last answers said
+    were running."""
 
     def __init__(self, invs: list[Invocation]) -> None:
         self.pending: dict[str, Invocation] = {}
-        self.total = 0
         for inv in invs:
             if inv._outcome is not None:
                 continue
@@ -221,7 +221,7 @@ class Tracker:
             timeout -= pause
         asked = 0
         groups: dict[int, tuple[Any, list[Invocation]]] = {}
-        # the window: the first AWAIT_BATCH_MAX pending calls in input order, by plane
+        # the window: the first pending calls in input order, by plane
         for inv in itertools.islice(self.pending.values(), self._window):
             plane = inv.dispatch
             groups.setdefault(id(plane), (plane, []))[1].append(inv)

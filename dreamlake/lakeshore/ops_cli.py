@@ -164,10 +164,13 @@ def attempt_label(inv: dict[str, Any], long: bool = False) -> str:
     """The attempt as an operator should read it: ``1/3`` while more may come; once the call is
     over, no ``/3`` that reads as retries still coming (``1 final``, or ``1 of up to 3, final``)."""
     n, most = inv["attempt"], inv["max_attempts"]
+    preempted = int(inv.get("preemptions") or 0)  # attempts that spent none of max_attempts
+    note = f" (+{preempted} preempted, not counted)" if long and preempted else ""
     if inv["state"] not in _TERMINAL:
-        return f"{n} of {most}" if long else f"{n}/{most}"
+        return (f"{n} of {most + preempted}{note}") if long else f"{n}/{most + preempted}"
     if long:
-        return f"{n} of up to {most}, final" if n < most else f"{n} of {most}, final"
+        spent = n - preempted
+        return (f"{n} of up to {most}, final" if spent < most else f"{n} of {most + preempted}, final") + note
     return f"{n} final"
 
 
@@ -207,7 +210,7 @@ def _short(digest: str) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @guarded
 def queues(url: str | None, token: str | None, as_json: bool) -> None:
-    """Queues: depth by state, oldest queued age, live workers serving each."""
+    """Queues: depth by state, fleet-wide limit, oldest queued age, live workers serving each."""
     with _client(url, token) as client:
         rows = client.queues()
     if as_json:
@@ -219,6 +222,7 @@ def queues(url: str | None, token: str | None, as_json: bool) -> None:
                 "QUEUE",
                 "QUEUED",
                 "RUNNING",
+                "LIMIT",
                 "OLDEST QUEUED",
                 "WORKERS",
                 "SUCCEEDED",
@@ -232,6 +236,7 @@ def queues(url: str | None, token: str | None, as_json: bool) -> None:
                     q["name"],
                     q["queued"],
                     q["running"],
+                    "-" if q.get("max_running") is None else q["max_running"],  # lakeshore queue limit
                     age(q["oldest_queued_age_s"]),
                     q["workers_live"],
                     q["counts"].get("succeeded", 0),
@@ -252,7 +257,8 @@ def queues(url: str | None, token: str | None, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @guarded
 def workers(url: str | None, token: str | None, live: bool, as_json: bool) -> None:
-    """Workers: id, host, runner, queues, slots busy/total, last heartbeat, version, labels."""
+    """Workers: id, host, runner, queues, slots busy/total, GPUs free/total (model), CPUs and
+    memory, last heartbeat, version, labels."""
     with _client(url, token) as client:
         rows = list(client.all_workers(live=live))
     if as_json:
@@ -260,7 +266,18 @@ def workers(url: str | None, token: str | None, live: bool, as_json: bool) -> No
         return
     click.echo(
         table(
-            ["WORKER", "HOST", "RUNNER", "QUEUES", "SLOTS", "LAST SEEN", "VERSION", "LABELS"],
+            [
+                "WORKER",
+                "HOST",
+                "RUNNER",
+                "QUEUES",
+                "SLOTS",
+                "GPUS FREE",
+                "CPUS/MEMORY",
+                "LAST SEEN",
+                "VERSION",
+                "LABELS",
+            ],
             [
                 [
                     w["worker_id"],
@@ -268,6 +285,7 @@ def workers(url: str | None, token: str | None, live: bool, as_json: bool) -> No
                     w["runner"],
                     ",".join(w["queues"]),
                     f"{w['busy']}/{w['slots'] if w['slots'] is not None else '?'}",
+                    *capacity_cells(w),
                     age(w["last_seen_age_s"])
                     + ("" if w["live"] else " (stopped)" if w.get("stopped_at") else " (gone)"),
                     w["version"],
@@ -277,6 +295,19 @@ def workers(url: str | None, token: str | None, live: bool, as_json: bool) -> No
             ],
         )
     )
+
+
+def capacity_cells(w: dict[str, Any]) -> list[str]:
+    """``GPUS FREE`` (free/total and model, free from the worker's latest poll) and
+    ``CPUS/MEMORY`` (as it registered them) of a worker row; ``-`` for what it did not say."""
+    cap = w.get("capacity") or {}
+    free = (w.get("free") or {}).get("gpus")
+    total = cap.get("gpus") or 0
+    models = "+".join(cap.get("gpu_models") or [])
+    gpus = f"{'?' if free is None else free}/{total}" + (f" {models}" if models else "") if total else "-"
+    cpus, mem = cap.get("cpus"), cap.get("memory_mb")
+    size = f"{cpus}/{mem / 1024:.0f}G" if isinstance(cpus, int) and isinstance(mem, (int, float)) else "-"
+    return [gpus, size]
 
 
 @click.command("ls")
@@ -365,6 +396,7 @@ def show(url: str | None, token: str | None, invocation_id: str, as_json: bool, 
         f"worker      {d['worker_id'] or '-'}",
         f"frames      {frames['count']}" + (f" (last seq {frames['last_seq']})" if frames["count"] else ""),
         f"attempts    {attempt_label(d, long=True)}",
+        *([f"waits       {d['waiting']['message']}"] if d.get("waiting") else []),  # a queued call: why
         *([f"sweep       {sweep}  (lakeshore ls --sweep {sweep})"] if (sweep := _sweep_of(d)) else []),
     ]  # fmt: skip
     for a in d["attempts"]:

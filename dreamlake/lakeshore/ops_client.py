@@ -110,3 +110,12 @@ class OpsClient:
     def cancel(self, invocation_id: str) -> str:
         inv = ids.validate(invocation_id, "invocation id")
         return str(self._request("POST", f"/v1/ops/invocations/{inv}/cancel")["state"])
+
+    def set_queue_limit(self, queue: str, max_running: int | None) -> dict[str, Any]:
+        """Cap the calls of ``queue`` running at once across the fleet (None: clear); admin only."""
+        path = f"/v1/ops/queues/{queue}/limit"
+        if max_running is None:
+            out = self._client.request("DELETE", path, as_json=True)
+        else:
+            out = self._client.request("PUT", path, {"max_running": max_running}, as_json=True)
+        return out if isinstance(out, dict) else {}

@@ -72,7 +72,7 @@ def _heard(store: SqlStore) -> list[str]:
 
 
 def test_a_requeued_gpu_call_wakes_the_channel_of_its_shape(store: SqlStore) -> None:
-    """A retry, a lapsed lease and a retry of the group commit notify ``run-queue:<ns>:<q>:<shape>``
+    """A retry, a retry of the group commit, a preemption and a lapsed lease notify ``run-queue:<ns>:<q>:<shape>``
     (the poll hub then wakes a poll whose offer fits it), not the plain channel no GPU poll hears."""
     rc = {"resources": {"gpus": 2}, "max_attempts": 5, "retry_on": ["TimeoutError"], "backoff_s": 0}
     inv = submit(store, "gpu", **rc)
@@ -88,9 +88,31 @@ def test_a_requeued_gpu_call_wakes_the_channel_of_its_shape(store: SqlStore) -> 
     store.write_batch([AckRequest(inv, "failed", 2, "w", None, TIMEOUT_ERR)])
     assert shaped in heard
     heard.clear()
+    (claimed,) = store.claim("w", ["gpu"], offer=Offer.of(2))
+    assert ack(store, inv, "preempted", attempt=claimed.attempt, worker_id="w").state == "queued"
+    assert shaped in heard and run_queue_channel("default", "gpu") not in heard
+    heard.clear()
     store.claim("w", ["gpu"], offer=Offer.of(2))
     assert store.expire_leases(now=time.time() + 10**6) == [inv]
     assert shaped in heard and run_queue_channel("default", "gpu") not in heard
+
+
+def test_a_call_ending_under_a_limit_wakes_a_poll_for_the_room_it_freed(store: SqlStore) -> None:
+    first, held = submit(store, "lim"), submit(store, "lim")
+    store.set_queue_limit("lim", 1)
+    assert [i.invocation_id for i in store.claim("w", ["lim"], limit=2)] == [first]
+    heard = _heard(store)
+    ack(store, first, "succeeded", attempt=1, worker_id="w")
+    assert run_queue_channel("default", "lim") in heard  # the held-back call is claimable now
+    assert [i.invocation_id for i in store.claim("w2", ["lim"], limit=2)] == [held]
+    free = submit(store, "free")
+    store.claim("w", ["free"])
+    heard.clear()
+    ack(store, free, "succeeded", attempt=1, worker_id="w")
+    assert run_queue_channel("default", "free") not in heard  # no limit there: no wake-up spent
+    assert store.limits() == {"queues": {"lim": 1}, "keys": {}}
+    store.set_queue_limit("lim", None)
+    assert store.limits()["queues"] == {}
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,7 +26,9 @@ PACK = (
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    with LocalStack(queues=["default"], quiet=True, data_dir=tmp_path_factory.mktemp("stack")) as s:
+    with LocalStack(
+        queues=["default"], quiet=True, data_dir=tmp_path_factory.mktemp("stack"), nymph_args=["--allow-exec"]
+    ) as s:
         yield s
 
 
@@ -80,3 +83,62 @@ def test_lakeshore_exec_prints_the_result(stack: LocalStack, tmp_path: Path) -> 
     done = subprocess.run(cli, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"ok": True, "rows": 3}
+
+
+def test_a_5_mib_output_is_archived_whole_under_the_seeds_prefix(stack: LocalStack, execs: Execs) -> None:
+    """The result keeps the last 1 MiB inline; the archive (exec/<YYYY>/<MM>/<DD>/<id>/out) all of it."""
+    write = (
+        f"{sys.executable} -c \"import sys; [sys.stdout.write(f'{{i:07d}}' + 'x' * 56 + chr(10)) "
+        'for i in range(5 * 16384)]"; ' + PACK
+    )
+    exec_id = execs.submit(write)
+    out = execs.result(exec_id, wait=120)
+    assert out.exit_code == 0, out.stderr
+    assert out.result == {"rows": 3, "ok": True}
+    whole = execs.output(exec_id)
+    assert len(whole) == 5 * 2**20  # 81,920 lines of 64 bytes
+    assert whole.splitlines()[-1].startswith(b"0081919") and whole.startswith(b"0000000")
+    tail = out.stdout.encode()
+    assert len(tail) == 2**20 and whole.endswith(tail)  # the inline tail: the last 1 MiB
+    archived = list((stack.dir / "cp" / "blobs" / "exec").glob(f"*/*/*/{exec_id}/out/stdout"))
+    assert len(archived) == 1 and archived[0].stat().st_size == 5 * 2**20, archived
+
+
+def test_the_archive_is_the_namespaces_own(stack: LocalStack, execs: Execs) -> None:
+    import httpx
+
+    exec_id = execs.submit("echo secret-output")
+    execs.result(exec_id, wait=90)
+    assert execs.output(exec_id) == b"secret-output\n"
+    with httpx.Client(base_url=stack.url, timeout=30) as http:
+        other = http.get(
+            f"/v1/namespaces/default/jobs/{exec_id}/output/stdout",
+            headers={"Authorization": f"Bearer {stack.tokens['daemon']}"},  # a daemon reads nothing
+        )
+        assert other.status_code == 403
+        elsewhere = http.get(
+            f"/v1/namespaces/team-b/jobs/{exec_id}/output/stdout",
+            headers={"Authorization": f"Bearer {stack.tokens['admin']}"},
+        )
+        assert elsewhere.status_code == 404  # not a job of that namespace
+
+
+def test_the_archive_in_an_s3_bucket(
+    s3_service: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a bucket the archive is an object under exec/<YYYY>/<MM>/<DD>/<id>/out, read back whole."""
+    for name, value in s3_service.env().items():
+        monkeypatch.setenv(name, value)
+    with (
+        LocalStack(queues=["default"], quiet=True, data_dir=tmp_path, nymph_args=["--allow-exec"]) as s3stack,
+        Execs(s3stack.url, s3stack.tokens["admin"], "default") as execs,
+    ):
+        exec_id = execs.submit("seq 1 200000; echo oops >&2")
+        out = execs.result(exec_id, wait=120)
+        assert out.exit_code == 0, out.stderr
+        whole = execs.output(exec_id)
+        assert whole == b"".join(b"%d\n" % i for i in range(1, 200001))
+        assert execs.output(exec_id, "stderr") == b"oops\n"
+        listed = s3_service.client().list_objects_v2(Bucket=s3_service.bucket, Prefix="exec/")
+        keys = [o["Key"] for o in listed.get("Contents", []) if f"/{exec_id}/out/" in o["Key"]]
+        assert sorted(k.rsplit("/", 1)[1] for k in keys) == ["stderr", "stdout"], keys

@@ -445,7 +445,8 @@ def test_sigterm_lets_work_finish_within_grace_then_preempts_with_the_exact_mess
     n.signal(signal.SIGTERM)
     assert n.wait() == 0
     out = preempted_back_in_queue(cp.url, cp.producer_token, stuck)  # runs again elsewhere, attempt 2
-    assert (out["attempt"], out["max_attempts"], out["preemptions"]) == (1, 1, 1)
+    # (a long poll in flight as nymph stopped may claim it once more: handed back at once, preempted)
+    assert out["max_attempts"] == 1 and out["preemptions"] == out["attempt"] >= 1  # no attempt spent
     assert out["error"] == {
         "type": "Preempted",
         "message": "daemon shutdown grace expired",

@@ -81,11 +81,11 @@ def test_queues_workers_ls_show_in_tables_and_json(cp: ControlPlane) -> None:
     result = run(cp, "queues")
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
-    assert lines[0].split() == ["QUEUE", "QUEUED", "RUNNING", "OLDEST", "QUEUED", "WORKERS", "SUCCEEDED",
-                                "FAILED", "KILLED", "TIMEOUT", "CANCELLED"]  # fmt: skip
+    assert lines[0].split() == ["QUEUE", "QUEUED", "RUNNING", "LIMIT", "OLDEST", "QUEUED", "WORKERS",
+                                "SUCCEEDED", "FAILED", "KILLED", "TIMEOUT", "CANCELLED"]  # fmt: skip
     rows = {line.split()[0]: line.split() for line in lines[1:]}
-    assert rows["q"] == ["q", "0", "0", "-", "1", "1", "0", "0", "0", "0"]
-    assert rows["backlog"][:2] == ["backlog", "1"] and rows["backlog"][4] == "0"
+    assert rows["q"] == ["q", "0", "0", "-", "-", "1", "1", "0", "0", "0", "0"]
+    assert rows["backlog"][:2] == ["backlog", "1"] and rows["backlog"][5] == "0"
     out = json.loads(run(cp, "queues", "--json").stdout)
     assert {q["name"]: q["queued"] for q in out} == {"backlog": 1, "q": 0}
 

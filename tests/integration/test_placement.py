@@ -218,3 +218,76 @@ def test_not_before_holds_a_call_until_its_time(plane: PlacedServer, nymphs: Cal
     st = _until(lambda: _done(plane, inv), "the call after its time")
     assert st["state"] == "succeeded"
     assert at <= st["started_at"] <= at + 1.0 + 0.5  # claimed within a second (a loaded machine's slack)
+
+
+def _queue_row(plane: PlacedServer, name: str) -> dict[str, Any]:
+    token = plane.tokens()["admin"]
+    resp = httpx.get(f"{plane.url}/v1/ops/queues", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    assert resp.status_code == 200, resp.text
+    return next(q for q in resp.json()["queues"] if q["name"] == name)
+
+
+def _lakeshore(plane: PlacedServer, *args: str) -> str:
+    import subprocess
+
+    from tests.integration.test_nymph_agent import _env
+
+    cmd = [sys.executable, "-m", "dreamlake.lakeshore.cli", *args, "--url", plane.url,
+           "--token", plane.tokens()["admin"]]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_a_queue_limit_holds_across_the_fleet(plane: PlacedServer, nymphs: Callable[..., GpuNymph]) -> None:
+    """``lakeshore queue limit batch --max-running 2`` over 3 nymphs of 4 slots: never more than 2
+    running at once (sampled), every call finishes, and ``lakeshore queues`` shows the limit."""
+    assert "at most 2 running" in _lakeshore(plane, "queue", "limit", "batch", "--max-running", "2")
+    fleet = [nymphs(f"n{i}", "none", queue="batch", slots=4) for i in range(3)]
+    invs = [_submit(plane, nymph_fns.sleep_for, 0.6, queue="batch")["invocation_id"] for _ in range(12)]
+    seen: list[int] = []
+
+    def finished() -> bool:
+        row = _queue_row(plane, "batch")
+        seen.append(row["running"])
+        return row["counts"]["succeeded"] == len(invs)
+
+    _until(finished, "all 12 calls to finish under the limit", LIMIT_S * 2)
+    assert max(seen) <= 2, seen
+    assert 2 in seen  # the limit, not a single slot, is what held them back
+    assert {_status(plane, inv)["state"] for inv in invs} == {"succeeded"}
+    assert {_status(plane, inv)["worker_id"] for inv in invs} <= {n.worker_id for n in fleet}
+    assert _queue_row(plane, "batch")["max_running"] == 2
+    head, *lines = _lakeshore(plane, "queues").splitlines()
+    row = next(line.split() for line in lines if line.split()[0] == "batch")
+    assert row[head.split().index("LIMIT")] == "2", (head, lines)
+    _lakeshore(plane, "queue", "limit", "batch", "--clear")
+    assert _queue_row(plane, "batch")["max_running"] is None
+
+
+def test_workers_show_capacity_and_what_is_free(
+    plane: PlacedServer, nymphs: Callable[..., GpuNymph], tmp_path: Path
+) -> None:
+    """``lakeshore workers`` and ``/v1/ops/workers``: each nymph's GPUs (count, model), CPUs,
+    memory and labels as it registered them, and the GPUs and slots free as of its latest poll."""
+    big = nymphs("big", "0,1,2,3", "--label", "pool=a", slots=3)
+    gate = tmp_path / "gate"
+    holder = _submit(plane, nymph_fns.wait_for_file, str(gate), resources={"gpus": 3})["invocation_id"]
+    _until(lambda: _status(plane, holder)["state"] == "running", "the call to hold three GPUs")
+
+    def row() -> dict[str, Any] | None:
+        (w,) = [w for w in _workers(plane) if w["worker_id"] == big.worker_id]
+        return w if w["free"]["gpus"] == 1 else None
+
+    w = _until(row, "the free GPUs of its poll after the claim")
+    assert w["capacity"]["gpus"] == 4 and w["capacity"]["cpus"] >= 1 and w["capacity"]["memory_mb"] > 0
+    assert w["free"]["slots"] == 2 and w["labels"]["pool"] == "a"
+    head, *lines = _lakeshore(plane, "workers").splitlines()
+    (line,) = [x for x in lines if x.startswith(big.worker_id)]
+    assert "GPUS FREE" in head and " 1/4" in line and "pool=a" in line, (head, line)
+    gate.write_text("go")
+    _until(lambda: _done(plane, holder), "the call to finish")
+    _until(
+        lambda: next(w for w in _workers(plane) if w["worker_id"] == big.worker_id)["free"]["gpus"] == 4,
+        "its next poll to offer all four GPUs again",
+    )

@@ -84,6 +84,7 @@ def test_sigterm_preempts_the_call_and_another_nymph_runs_it_on_attempt_2(
     shown = _show(cp, inv)
     assert "#1: preempted (Preempted: daemon shutdown grace expired)" in shown, shown
     assert "#2: succeeded" in shown, shown
+    assert "attempts    2 of 2, final (+1 preempted, not counted)" in shown, shown
 
 
 def test_nymph_drain_lets_running_calls_finish_claims_nothing_new_and_exits_0(

@@ -129,6 +129,7 @@ def test_using_it_runs_as_written_against_the_printed_lines(tmp_path: Path) -> N
         lines = (tmp_path / "server.log").read_text().splitlines(keepends=True)
         exports = {m: printed_line(lines, m) for m in PRINTED}
         nymph_line = printed_line(lines, "NYMPH_TOKEN=")
+        assert not [line for line in lines if "alembic" in line]  # no library noise (migrations are quiet)
 
         # shell 2: the nymph line as the server printed it (the README shows that line)
         (readme_nymph,) = [ln for ln in nymph_blocks[0].splitlines() if "nymph start" in ln]

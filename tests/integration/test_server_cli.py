@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import stat
 import subprocess
@@ -111,3 +112,44 @@ def test_token_create_and_namespace_pin(tmp_path: Path) -> None:
     assert result.exit_code == 0
     result = runner.invoke(main, ["namespace", "pin", "ns1", *args])
     assert result.exit_code != 0
+
+
+def test_a_missing_server_extra_is_named_with_its_pip_command(tmp_path: Path) -> None:
+    """Without the server extra (starlette made unimportable), lakeshore server says which pip
+    command brings it, before it opens or prints anything."""
+    code = (
+        "import sys; sys.modules['starlette'] = None\n"
+        "from dreamlake.lakeshore.cli import main\n"
+        f"main(['server', '--port', '0', '--data-dir', {str(tmp_path / 'data')!r}])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert (
+        "needs 'starlette', which is not installed: pip install 'dreamlake-lakeshore[server]'" in out.stderr
+    )
+    assert not (tmp_path / "data").exists()
+
+
+def test_the_extras_map_agrees_with_pyproject() -> None:
+    import tomllib
+
+    from dreamlake.lakeshore.extras import EXTRA_OF
+
+    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    for module, extra in EXTRA_OF.items():
+        names = {re.split(r"[<>=\[; ]", req, maxsplit=1)[0].lower() for req in extras[extra]}
+        assert module in names, f"{module} is not a requirement of the {extra!r} extra"
+
+
+def test_both_clis_say_their_version() -> None:
+    from dreamlake.lakeshore import __version__
+
+    for cmd, name in (
+        ([sys.executable, "-m", "dreamlake.lakeshore.cli"], "lakeshore"),
+        ([sys.executable, "-m", "nymph"], "nymph"),
+    ):
+        for flag in ("--version", "-V"):
+            out = subprocess.run([*cmd, flag], capture_output=True, text=True, timeout=60)
+            assert (out.returncode, out.stdout.strip()) == (0, f"{name} {__version__}"), out.stderr

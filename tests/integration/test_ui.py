@@ -201,3 +201,22 @@ def test_the_output_panel_shows_stdout_and_stderr_apart_from_the_stream(
 def test_frames_are_previewed_without_the_wire_codecs(frame: bytes, kind: str, preview: str) -> None:
     view = frame_view(frame)
     assert view["kind"] == kind and view["preview"].startswith(preview)
+
+
+def test_the_dashboard_shows_a_deregistered_worker_as_stopped_and_the_charts_data(
+    sqlite_control_plane: ControlPlane,
+) -> None:
+    cp = sqlite_control_plane
+    worker = new_ulid()
+    assert cp.daemon("/v1/daemon/register", {"worker_id": worker, "queues": ["q"]})[0] == 200
+    client = _login(cp, cp.admin_token)
+    assert re.search(rf'data-worker="{worker}">.*?badge ok', client.get("/ui/parts/overview").text, re.S)
+    assert cp.daemon("/v1/daemon/deregister", {"worker_id": worker})[0] == 200
+    assert re.search(rf'data-worker="{worker}">.*?badge stopped', client.get("/ui/parts/overview").text, re.S)
+    # the charts come as data for the vendored script (no inline script on the page)
+    _submit(cp, cp.producer_token, "q")
+    page = client.get("/ui").text
+    assert 'id="chart-depth" data-chart="' in page and 'src="/ui/static/uPlot.iife.min.js"' in page
+    assert not re.search(r"<script(?![^>]*\bsrc=)[^>]*>", page)  # every script is a file
+    charts = client.get("/ui/parts/charts").text
+    assert "Queue depth" in charts and "Throughput" in charts

@@ -243,4 +243,5 @@ def test_example_09_runs_zero_infra() -> None:
         "async call: LAKESHORE",
         "async stream: [0, 1, 2]",
     ]
-    assert out.stderr.splitlines()[-1] == "calls: 20/20 done, 1 failed, 0 running"
+    # the bar: tqdm's when it is installed, else the text line
+    assert "20/20" in out.stderr and ("failed=1" in out.stderr or "1 failed" in out.stderr), out.stderr

@@ -65,6 +65,7 @@ RUNTIME_FILES = (
 #: (the HTTP plane; its httpx and tenacity come from the image, imported on first use).
 SDK_FILES = (
     "dreamlake/lakeshore/decorator.py",
+    "dreamlake/lakeshore/runenv.py",
     "dreamlake/lakeshore/handles.py",
     "dreamlake/lakeshore/codeship.py",
     "dreamlake/lakeshore/queue.py",

@@ -36,6 +36,7 @@ from dreamlake.lakeshore.server import (
     bulk,
     checkpoints,
     daemon,
+    execout,
     namespaces,
     ops,
     producer,
@@ -289,6 +290,16 @@ class Routes:
         body = await self._json(request)
         status, out = await namespaces.result_post(self.ctx, caller, ns, exec_id, body)
         return h.json_response(out, status)
+
+    async def job_output_put(self, request: Request, caller: Caller) -> Response:
+        ns = self._ns(request, caller)
+        exec_id = h.ulid(request.path_params["id"], "exec_id")
+        return h.json_response(await execout.put(self.ctx, caller, ns, exec_id, request))
+
+    async def job_output(self, request: Request, caller: Caller) -> Response:
+        ns = self._ns(request, caller)
+        exec_id = h.ulid(request.path_params["id"], "exec_id")
+        return await execout.get(self.ctx, ns, exec_id, request)
 
     async def presign(self, request: Request, caller: Caller) -> Response:
         ns = self._ns(request, caller)

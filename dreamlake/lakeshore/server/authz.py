@@ -148,6 +148,23 @@ ROUTES: tuple[RouteAuth, ...] = (
     _route(
         "job_publish", "POST", "/v1/namespaces/{ns}/jobs/{id}/result", outside=403, admin=_ANY, daemon=_LEASE
     ),
+    # the exec output archive (server/execout.py): the claimer writes it, the namespace reads it
+    _route(
+        "job_output_put",
+        "PUT",
+        "/v1/namespaces/{ns}/jobs/{id}/output/{stream}",
+        outside=403,
+        admin=_ANY,
+        daemon=_LEASE,
+    ),
+    _route(
+        "job_output",
+        "GET",
+        "/v1/namespaces/{ns}/jobs/{id}/output/{stream}",
+        outside=403,
+        admin=_ANY,
+        namespace=_NS,
+    ),
     # presign: producers and tasks upload big arguments (argsRef) and read big results, nymph
     # the other way round; a task only while its attempt runs
     _route(
@@ -177,6 +194,9 @@ ROUTES: tuple[RouteAuth, ...] = (
     _route("ops.whoami", "GET", "/v1/ops/whoami", _EVERY),
     _route("ops.whoami", "POST", "/v1/ops/whoami", _EVERY),
     _route("ops.queues", "GET", "/v1/ops/queues", _OPS, outside=403),
+    # a queue's fleet-wide limit covers every namespace's calls of it: admins only
+    _route("ops.queue_limit", "PUT", "/v1/ops/queues/{name}/limit", admin=_ANY),
+    _route("ops.queue_limit_clear", "DELETE", "/v1/ops/queues/{name}/limit", admin=_ANY),
     _route("ops.workers", "GET", "/v1/ops/workers", _OPS, outside=403),
     _route("ops.invocations", "GET", "/v1/ops/invocations", _OPS, outside=403),
     _route("ops.invocation", "GET", "/v1/ops/invocations/{id}", _OPS),

@@ -60,9 +60,7 @@ def placement_warning(queue: str, needs: Needs, infos: list[dict[str, Any]]) -> 
     warning says so)."""
     if not infos:
         return None
-    offers = [
-        Offer.of(len((i.get("capacity") or {}).get("gpus") or []), _labels(i.get("labels"))) for i in infos
-    ]
+    offers = _offers(infos)
     if any(o.fits(needs) for o in offers):
         return None
     largest = max(o.gpus for o in offers)
@@ -74,3 +72,15 @@ def placement_warning(queue: str, needs: Needs, infos: list[dict[str, Any]]) -> 
 
 def _labels(value: Any) -> dict[str, str]:
     return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
+
+
+def _offers(infos: list[dict[str, Any]]) -> list[Offer]:
+    """What each worker could ever offer: all its GPUs, and its labels."""
+    return [
+        Offer.of(len((i.get("capacity") or {}).get("gpus") or []), _labels(i.get("labels"))) for i in infos
+    ]
+
+
+def fitting(needs: Needs, infos: list[dict[str, Any]]) -> int:
+    """How many of the workers (``infos``: their registered infos) could ever take a call of ``needs``."""
+    return sum(1 for o in _offers(infos) if o.fits(needs))

@@ -21,7 +21,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from dreamlake.lakeshore.server import authz, producer
+from dreamlake.lakeshore.server import authz, producer, waiting
 from dreamlake.lakeshore.server import http as h
 from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.context import Context
@@ -57,7 +57,7 @@ def visible(principal: Principal, inv: Invocation | None) -> Invocation | None:
 # -- JSON shapes -----------------------------------------------------------------------------------
 
 
-def queue_json(q: QueueStats, now: float) -> dict[str, Any]:
+def queue_json(q: QueueStats, now: float, max_running: int | None = None) -> dict[str, Any]:
     return {
         "name": q.name,
         "counts": q.counts,
@@ -65,6 +65,7 @@ def queue_json(q: QueueStats, now: float) -> dict[str, Any]:
         "running": q.counts.get("running", 0),
         "oldest_queued_age_s": round(now - q.oldest_queued_at, 3) if q.oldest_queued_at else None,
         "workers_live": q.workers_live,
+        "max_running": max_running,  # the fleet-wide limit (lakeshore queue limit); None: none
     }
 
 
@@ -87,6 +88,27 @@ def worker_json(w: WorkerRow, now: float, live_within: float = LIVE_WINDOW_S) ->
         "last_seen_age_s": round(max(0.0, now - w.last_seen), 3),
         "live": now - w.last_seen <= live_within and w.stopped_at is None,
         "stopped_at": w.stopped_at,  # a clean stop deregistered it then (not live since)
+        "capacity": capacity_json(info.get("capacity")),
+        "free": {  # what it has free now: slots from what it runs, GPUs from its latest poll's offer
+            "slots": max(0, slots - w.busy) if isinstance(slots, int) else None,
+            "gpus": w.free_gpus,
+        },
+    }
+
+
+def capacity_json(capacity: Any) -> dict[str, Any] | None:
+    """What a worker registered it has (docs/protocol.md "Placement"); None: it said nothing."""
+    if not isinstance(capacity, dict):
+        return None
+    gpus = [g for g in capacity.get("gpus") or [] if isinstance(g, dict)]
+    return {
+        "cpus": capacity.get("cpus"),
+        "memory_mb": capacity.get("memory_mb"),
+        "gpus": len(gpus),
+        "gpu_models": sorted({str(g.get("model")) for g in gpus if g.get("model")}),
+        "gpu_memory_mib": [g.get("memory_mib") for g in gpus],
+        "arch": capacity.get("arch"),
+        "os": capacity.get("os"),
     }
 
 
@@ -226,8 +248,9 @@ def detail_json(
 
 async def read_queues(ctx: Context, namespace: str | None) -> list[dict[str, Any]]:
     stats = await ctx.call(ctx.store.queue_stats, namespace)
+    limits = (await ctx.call(ctx.store.limits))["queues"]
     now = time.time()
-    return [queue_json(q, now) for q in stats]
+    return [queue_json(q, now, limits.get(q.name)) for q in stats]
 
 
 async def read_workers(
@@ -281,6 +304,7 @@ async def read_detail(ctx: Context, principal: Principal, invocation_id: str) ->
     history = await ctx.call(ctx.store.attempts, invocation_id)
     out = detail_json(inv, frames, time.time(), history)
     out["children"] = await producer.children(ctx, invocation_id)
+    out["waiting"] = await waiting.why_waiting(ctx, inv)  # a queued call: why (server/waiting.py)
     return out
 
 
@@ -404,3 +428,19 @@ class OpsRoutes:
     async def cancel(self, request: Request, caller: Caller) -> Response:
         inv = producer.request_id(request, "id", "invocation_id")
         return h.json_response(await cancel(self.ctx, caller.principal, inv))
+
+    async def queue_limit(self, request: Request, caller: Caller) -> Response:
+        """``PUT /v1/ops/queues/:name/limit {"max_running": N}``: cap the calls of the queue
+        running at once across the fleet (admins only: a queue's limit covers every namespace)."""
+        queue = h.name(request.path_params["name"], "queue")
+        body = h.decode_json(await h.read_body(request, self.ctx.config.max_body_bytes))
+        if "max_running" not in body:
+            raise HTTPError(400, "missing field 'max_running' (clear a limit with DELETE)")
+        await self.ctx.call(self.ctx.store.set_queue_limit, queue, body["max_running"])
+        return h.json_response({"queue": queue, "max_running": body["max_running"]})
+
+    async def queue_limit_clear(self, request: Request, caller: Caller) -> Response:
+        """``DELETE /v1/ops/queues/:name/limit``: no limit on the queue."""
+        queue = h.name(request.path_params["name"], "queue")
+        await self.ctx.call(self.ctx.store.set_queue_limit, queue, None)
+        return h.json_response({"queue": queue, "max_running": None})

@@ -59,6 +59,7 @@ import httpx
 
 from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.errors import LakeshoreError
+from dreamlake.lakeshore.store.exec_jobs import ARCHIVE_KEY_RE
 
 log = logging.getLogger(__name__)
 
@@ -322,7 +323,8 @@ class PayloadStore:
         done = 0
         for key in keys:
             try:
-                self.client.delete_object(Bucket=self.bucket, Key=check_key(key))
+                archived = isinstance(key, str) and ARCHIVE_KEY_RE.match(key)  # an exec job's output
+                self.client.delete_object(Bucket=self.bucket, Key=key if archived else check_key(key))
                 done += 1
             except PayloadError:
                 log.warning("retention: not deleting %r, which is not a payload key", str(key)[:200])

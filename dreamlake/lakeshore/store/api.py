@@ -123,6 +123,8 @@ class AckResult:
     requeued: str | None = field(default=None, compare=False)  # a retry's queue, claimable now
     requeued_namespace: str | None = field(default=None, compare=False)  # ... and its namespace
     requeued_shape: str = field(default="", compare=False)  # ... and its placement shape
+    # (namespace, queue, shape) of a call whose end freed room under a fleet-wide limit
+    freed: tuple[str, str, str] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -302,6 +304,7 @@ class WorkerRow:
     last_seen: float  # the latest register, poll or heartbeat
     busy: int  # invocations and exec jobs it holds running
     stopped_at: float | None = None  # when it deregistered (a clean stop); a stopped worker is not live
+    free_gpus: int | None = None  # the GPUs its latest poll offered free; None: not known
 
 
 @dataclass
@@ -386,6 +389,15 @@ class Listing(Protocol):
         """The ``map`` sweeps submitted since ``since``, newest first, with counts by state."""
         ...
 
+    def limits(self) -> dict[str, dict[str, int]]:
+        """Every fleet-wide limit: ``{"queues": {name: max_running}, "keys": {key: max}}``."""
+        ...
+
+    def limit_use(self, queue: str, concurrency_key: str | None) -> list[tuple[str, int, int]]:
+        """``(name, max_running, running now)`` of each limit covering a call of ``queue`` (and of
+        ``concurrency_key``)."""
+        ...
+
 
 class Store(Listing, Protocol):
     # -- producer side ------------------------------------------------------------------------
@@ -414,6 +426,11 @@ class Store(Listing, Protocol):
     def cancel(self, invocation_id: str) -> str | None:
         """Queued -> cancelled at once; running -> cancel_requested (a cancel command is queued for
         its worker); terminal -> unchanged. Returns the state after the call, None if unknown."""
+        ...
+
+    def set_queue_limit(self, queue: str, max_running: int | None) -> None:
+        """Cap the calls of ``queue`` running at once across the fleet (None: clear the cap);
+        PlaneError(400) for a value that is not a whole number from 0 (store/limits.py)."""
         ...
 
     # -- daemon side --------------------------------------------------------------------------

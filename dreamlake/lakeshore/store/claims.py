@@ -174,14 +174,17 @@ def claim_params(
     return claim_statement(len(heads), namespace is not None), params
 
 
+QUEUE_PREFIX, KEY_PREFIX = "queue:", "key:"
+
+
 def queue_limit(queue: str) -> str:
     """The ``limits`` row of a queue's ``--max-running``."""
-    return f"queue:{queue}"
+    return QUEUE_PREFIX + queue
 
 
 def key_limit(key: str) -> str:
     """The ``limits`` row of a concurrency key's ``max_concurrency``."""
-    return f"key:{key}"
+    return KEY_PREFIX + key
 
 
 @dataclass
@@ -252,6 +255,17 @@ class Placer:
                 self._limits.pop(name, None)
             else:
                 self._limits[name] = value
+
+    def limited(self, queue: str, shape: str) -> bool:
+        """Whether a limit (as cached) covers calls of ``(queue, shape)``: one ending frees room."""
+        with self._lock:
+            if not self._limits:
+                return False
+            if queue_limit(queue) in self._limits:
+                return True
+            needs = self._shapes.get(queue, {}).get(shape)
+            key = _key_name(needs) if needs is not None else None
+            return key is not None and key in self._limits
 
     def shapes(self, queue: str) -> dict[str, Needs]:
         with self._lock:

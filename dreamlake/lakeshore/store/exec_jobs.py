@@ -19,8 +19,10 @@ where ``result`` is the published dict or None.
 from __future__ import annotations
 
 import functools
+import re
 import time
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 import msgpack
@@ -53,6 +55,21 @@ EXEC_LEASE_EXPIRED: bytes = msgpack.packb(
 )
 
 _e = t.exec_jobs
+
+
+OUTPUT_STREAMS = ("stdout", "stderr")
+ARCHIVE_KEY_RE = re.compile(r"^exec/\d{4}/\d{2}/\d{2}/[0-9A-HJKMNP-TV-Z]{26}/out/(stdout|stderr)$")
+
+
+def archive_key(exec_id: str, created_at: float, stream: str) -> str:
+    """Where an exec job's ``stream`` is archived in the payload store (seed 003's
+    ``exec/<YYYY>/<MM>/<DD>/<exec_id>/out`` prefix, the UTC day the job was created; server/execout.py)."""
+    day = datetime.fromtimestamp(created_at, UTC)
+    return f"exec/{day:%Y}/{day:%m}/{day:%d}/{exec_id}/out/{stream}"
+
+
+def archive_keys(exec_id: str, created_at: float) -> list[str]:
+    return [archive_key(exec_id, created_at, stream) for stream in OUTPUT_STREAMS]
 
 
 class _Statements:

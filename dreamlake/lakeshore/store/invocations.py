@@ -48,7 +48,7 @@ from .api import (
 from .base import StoreBase, dialect_insert
 from .claims import Placer, claim_params, head_params, key_limit, pick_statement, take_statement
 from .engine import Database, retry_on_disconnect
-from .notify import Notifier, invocation_channels
+from .notify import Notifier, invocation_channels, run_queue_channel
 from .placement import NO_OFFER, Needs, Offer, needs_of, not_before_of
 from .workers import queue_command
 
@@ -195,7 +195,9 @@ class _Statements:
                     )
                 )
                 self.ack_many[by_attempt, by_worker] = update
-                self.ack[by_attempt, by_worker] = update.returning(_inv.c.invocation_id)
+                self.ack[by_attempt, by_worker] = update.returning(
+                    _inv.c.invocation_id, _inv.c.queue, _inv.c.namespace, _inv.c.shape
+                )
         # a retry: the row back to queued (claimable at ``not_before``, NULL: now), conditional on
         # the attempt it ends still running; and that attempt's outcome kept in the history.
         self.retry_row = sa.select(
@@ -271,6 +273,16 @@ class Lease(Protocol):
     state: str
     attempt: int
     worker_id: str | None
+
+
+def freed_channels(freed: tuple[str, str, str] | None) -> tuple[str, ...]:
+    """The wake-up for the room a call's end freed under a limit (``AckResult.freed``): a poll
+    that fits its shape, and one of the queue's plain calls (a queue's limit covers both)."""
+    if freed is None:
+        return ()
+    namespace, queue, shape = freed
+    plain = invocation_channels(namespace, queue)
+    return (*plain, run_queue_channel(namespace, queue, shape)) if shape else plain
 
 
 def lease_refusal(inv: Lease, attempt: int | None, worker_id: str | None) -> tuple[int, str] | None:
@@ -712,7 +724,7 @@ class InvocationStore(StoreBase):
                 if result.requeued
                 else ()
             )
-            self._notify(f"inv:{invocation_id}", *again)
+            self._notify(f"inv:{invocation_id}", *again, *freed_channels(result.freed))
         return result
 
     def attempts(self, invocation_id: str) -> list[dict[str, Any]]:
@@ -798,9 +810,15 @@ class InvocationStore(StoreBase):
             if retried is not None:
                 return retried
         variant = (req.attempt is not None, req.worker_id is not None)
-        if conn.execute(self._inv_st.ack[variant], self._ack_params(req, now)).first():
-            return AckResult(ok=True, state=req.state)
+        done = conn.execute(self._inv_st.ack[variant], self._ack_params(req, now)).first()
+        if done is not None:
+            return AckResult(ok=True, state=req.state, freed=self._freed(done))
         return self._refusal_in(conn, req)
+
+    def _freed(self, row: Any) -> tuple[str, str, str] | None:
+        """``(namespace, queue, shape)`` of a call that stopped running under a fleet-wide limit
+        (its end frees room: a poll is woken, ``freed_channels``); None when no limit covers it."""
+        return (row.namespace, row.queue, row.shape) if self._placer.limited(row.queue, row.shape) else None
 
     def _refusal_in(self, conn: Connection, req: AckRequest) -> AckResult:
         """Why ``req`` did not apply; a repeat of an outcome that queued a retry is a duplicate."""
@@ -946,7 +964,13 @@ class InvocationStore(StoreBase):
                 "retry_at": now,
             },
         )
-        return AckResult(ok=True, state="queued", requeued=row.queue, requeued_namespace=row.namespace)
+        return AckResult(
+            ok=True,
+            state="queued",
+            requeued=row.queue,
+            requeued_namespace=row.namespace,
+            requeued_shape=row.shape,
+        )
 
     def _ack_many_in(
         self, conn: Connection, reqs: Sequence[AckRequest], now: float, *, retry_first: bool = True
@@ -991,7 +1015,11 @@ class InvocationStore(StoreBase):
         for r in reqs:
             inv = found.get(r.invocation_id)
             applied = inv is not None and inv.state == r.state and inv.finished_at == now
-            out.append(AckResult(ok=True, state=r.state) if applied else self._refusal_in(conn, r))
+            out.append(
+                AckResult(ok=True, state=r.state, freed=self._freed(inv))
+                if applied
+                else self._refusal_in(conn, r)
+            )
         return out
 
     def _renew_in(

@@ -134,7 +134,9 @@ class ListingStore(StoreBase):
         w, e = t.workers, t.exec_jobs
         limit = max(1, min(int(limit), LIST_LIMIT_MAX))
         stmt = (
-            sa.select(w.c.worker_id, w.c.info, w.c.registered_at, w.c.last_seen, w.c.stopped_at)
+            sa.select(
+                w.c.worker_id, w.c.info, w.c.registered_at, w.c.last_seen, w.c.stopped_at, w.c.free_gpus
+            )
             .where(_visible_to(namespace))
             .order_by(w.c.worker_id)
             .limit(limit + 1)
@@ -170,6 +172,7 @@ class ListingStore(StoreBase):
                 last_seen=float(r.last_seen),
                 busy=busy.get(r.worker_id, 0),
                 stopped_at=None if r.stopped_at is None else float(r.stopped_at),
+                free_gpus=r.free_gpus,
             )
             for r in rows
         ]

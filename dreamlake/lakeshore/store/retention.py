@@ -30,6 +30,7 @@ from dreamlake.lakeshore.states import TERMINAL_STATES
 from . import schema as t
 from .base import StoreBase
 from .engine import retry_on_disconnect
+from .exec_jobs import archive_keys
 
 DEFAULT_GC_LIMIT = 200  # invocations (and exec jobs) per batch
 
@@ -179,10 +180,13 @@ class RetentionStore(StoreBase):
         ids = _first_ids(conn, _expired(_exec, _exec.c.exec_id, finished, default, named, kept), limit)
         if not ids:
             return
-        for ref, result in conn.execute(
-            sa.select(_exec.c.payload_ref, _exec.c.result).where(_exec.c.exec_id.in_(ids))
+        for exec_id, created_at, ref, result in conn.execute(
+            sa.select(_exec.c.exec_id, _exec.c.created_at, _exec.c.payload_ref, _exec.c.result).where(
+                _exec.c.exec_id.in_(ids)
+            )
         ):
             out.payload_keys += _payload_keys(ref, bytes(result) if result is not None else None)
+            out.payload_keys += archive_keys(exec_id, float(created_at))  # its output archive
         out.exec_jobs += conn.execute(sa.delete(_exec).where(_exec.c.exec_id.in_(ids))).rowcount or 0
 
     def gc(

@@ -198,6 +198,8 @@ workers = sa.Table(
     sa.Column("token_id", ID, nullable=True),
     # 0016: when it deregistered (a clean stop); None: it has not. A stopped worker is not live.
     sa.Column("stopped_at", TIME, nullable=True),
+    # 0017: the GPUs it offered free in its latest poll (placement); None: it has not polled since.
+    sa.Column("free_gpus", sa.Integer, nullable=True),
 )
 
 tokens = sa.Table(

@@ -51,7 +51,8 @@ from .api import (
 from .engine import Database, migrate, retry_on_disconnect
 from .exec_jobs import ExecJobStore
 from .frames import FrameStore, frame_channel
-from .invocations import CANCEL_REASON, InvocationStore, _Prepared
+from .invocations import CANCEL_REASON, InvocationStore, _Prepared, freed_channels
+from .limits import LimitStore
 from .listing import ListingStore
 from .notify import Notifier, exec_queue_channel, invocation_channels
 from .outage import classify
@@ -90,6 +91,7 @@ class SqlStore(
     RetentionStore,
     ActivityStore,
     SecretStore,
+    LimitStore,
 ):
     """The Store protocol over SQLite (file or ``:memory:``) or PostgreSQL."""
 
@@ -170,6 +172,8 @@ class SqlStore(
                 jobs = self._claim_exec_in(
                     conn, req.worker_id, req.queues, left, now, req.namespace, req.lease_s
                 )
+        taken = sum(n.gpus for i in claimed if i.shape and (n := self.shape_needs(i.queue, i.shape)))
+        self._offered_in(conn, req.worker_id, max(0, req.offer.gpus - taken))  # free after this pass
         if duties is None:
             pinned = self._pinned_in(conn, req.worker_id, req.namespace) if pin else None
         return PollResult(commands, claimed, jobs, pinned)
@@ -350,6 +354,7 @@ class SqlStore(
                         results[j] = ack
                         if ack.ok and not ack.duplicate:
                             channels.append(f"inv:{req.invocation_id}")
+                            requeued.extend(freed_channels(ack.freed))  # room under a limit
                         if ack.requeued:  # a retry claimable now: one wake per invocation
                             requeued.extend(
                                 invocation_channels(

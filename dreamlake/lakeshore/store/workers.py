@@ -70,6 +70,9 @@ class _Statements:
         self.touch_worker = (
             sa.update(t.workers).where(t.workers.c.worker_id == B("worker")).values(last_seen=B("now"))
         )
+        self.set_free_gpus = (
+            sa.update(t.workers).where(t.workers.c.worker_id == B("worker")).values(free_gpus=B("gpus"))
+        )
         self.take_commands = (
             sa.delete(c)
             .where(c.c.worker_id == B("worker"))
@@ -123,10 +126,12 @@ class WorkerStore(StoreBase):
     def __init__(self, db: Database, notifier: Notifier) -> None:
         super().__init__(db, notifier)
         self._worker_st = _statements()
+        self._offered: dict[str, int] = {}  # worker -> the free GPUs this store last wrote for it
 
     # -- workers and their commands --------------------------------------------------------------
 
     def register_worker(self, worker_id: str, info: dict[str, Any]) -> None:
+        self._offered.pop(worker_id, None)  # its next poll writes what it offers
         now = time.time()
         info = json_safe(info, "worker info")
         w = t.workers
@@ -168,6 +173,16 @@ class WorkerStore(StoreBase):
         with self.db.tx(write=False) as conn:
             info = conn.execute(sa.select(w.c.info).where(w.c.worker_id == worker_id)).scalar_one_or_none()
         return dict(info) if isinstance(info, dict) else None
+
+    def _offered_in(self, conn: Connection, worker_id: str, gpus: int) -> None:
+        """Keep the free GPUs a poll offered on its worker's row (``lakeshore workers``), written
+        only when they differ from what this store last wrote for it: an idle fleet writes none."""
+        if self._offered.get(worker_id) == gpus:
+            return
+        conn.execute(self._worker_st.set_free_gpus, {"worker": worker_id, "gpus": gpus})
+        if len(self._offered) >= 100_000:
+            self._offered.clear()
+        self._offered[worker_id] = gpus
 
     def _take_commands_in(self, conn: Connection, worker_id: str, now: float) -> list[Command]:
         """Touch the worker's ``last_seen`` and take its pending commands, oldest first."""

@@ -186,6 +186,8 @@ def _grouped(rows: list[dict[str, Any]], keep_sweeps: bool) -> list[dict[str, An
 
 
 def _health(worker: dict[str, Any]) -> str:
+    if worker.get("stopped_at"):  # deregistered: a clean stop, not a lost worker
+        return "stopped"
     age = worker["last_seen_age_s"]
     return "ok" if age <= HEALTHY_S else "late" if age <= LIVE_WINDOW_S else "gone"
 

@@ -9,7 +9,7 @@ is the tar of the task's ``dls.checkpoint_dir()`` an attempt left in the payload
 the worker holding that attempt's lease; NULL: no checkpoint.
 
 Revision ID: 0010_preemptions
-Revises: 0008_shipdata
+Revises: 0012_secrets
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0011_sessions_quotas"
-down_revision = "0010_preemptions"
+down_revision = "0017_worker_free_gpus"
 branch_labels = None
 depends_on = None
 
