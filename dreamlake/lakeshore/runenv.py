@@ -11,7 +11,9 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-TYPE_CHECKING = False  # no typing at runtime: a decorated module imports this (tests/unit/test_entry_imports.py)
+TYPE_CHECKING = (
+    False  # no typing at runtime: a decorated module imports this (tests/unit/test_entry_imports.py)
+)
 if TYPE_CHECKING:
     from typing import Any
 
