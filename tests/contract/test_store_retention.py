@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from dreamlake.lakeshore import wire
+from dreamlake.lakeshore.store.exec_jobs import archive_keys
 from dreamlake.lakeshore.store.sql import SqlStore
 from tests.contract.test_store import ack, submit
 
@@ -63,6 +64,7 @@ def test_expired_exec_jobs_name_the_payload_keys_they_referenced(store: SqlStore
     job = store.create_exec(
         "ns", "cat", payload_inline=None, payload_ref=ref, queue="q", worker_id=None, timeout_s=None
     )
+    created_at = store.get_exec("ns", job)["created_at"]  # type: ignore[index]
     store.claim_exec("w", ["q"])
     result = {"exit_code": 0, "payload_ref": {"key": "payloads/2026/01/01/job/stdout"}}
     assert store.publish_exec_result("ns", job, result, worker_id="w").ok
@@ -71,5 +73,8 @@ def test_expired_exec_jobs_name_the_payload_keys_they_referenced(store: SqlStore
     )
     got = store.gc(time.time() + 8 * DAY, 7 * DAY)
     assert got.exec_jobs == 1 and store.get_exec("ns", job) is None
-    assert sorted(got.payload_keys) == ["payloads/2026/01/01/job/args", "payloads/2026/01/01/job/stdout"]
+    archived = archive_keys(job, float(created_at))  # its output archive (issue 36) goes too
+    assert sorted(got.payload_keys) == sorted(
+        ["payloads/2026/01/01/job/args", "payloads/2026/01/01/job/stdout", *archived]
+    )
     assert store.get_exec("ns", running) is not None  # not done: kept
