@@ -57,12 +57,12 @@ from nymph.outbox import Outbox
 from nymph.placement import auto_labels, host_capacity
 from nymph.poller import Poller, retrying
 from nymph.prune import PRUNE_EVERY_S, prune
-from nymph.pump import Watcher
 from nymph.recovery import Recovery
 from nymph.runner import Reaping, Runner
 from nymph.sdnotify import SdNotify
 from nymph.slots import Slots
 from nymph.supervisor import POOL_THREADS, Supervisor
+from nymph.watcher import Watcher
 
 log = logging.getLogger(__name__)
 

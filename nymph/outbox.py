@@ -60,9 +60,10 @@ from nymph import observability as obs
 from nymph.client import ClientError, ControlPlaneClient, FatalError, is_retryable
 from nymph.errors import is_disk_full
 from nymph.safeio import write_all
+from nymph.watcher import Watcher
 
 if TYPE_CHECKING:
-    from nymph.pump import Batch, Pump, Watcher
+    from nymph.pump import Batch, Pump
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +133,6 @@ class Outbox:
         on_full: Callable[[BaseException], None] | None = None,
         poll_imminent: Callable[[], bool] | None = None,
     ) -> None:
-        from nymph.pump import Watcher
-
         self.dir = state_dir / "outbox"
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._client = client

@@ -43,6 +43,8 @@ import types
 from collections import namedtuple
 from collections.abc import Generator, Mapping
 
+from dreamlake.lakeshore.default_dispatch import get_default_dispatch as get_default_dispatch
+from dreamlake.lakeshore.default_dispatch import set_default_dispatch as set_default_dispatch
 from dreamlake.lakeshore.errors import PlaneError, Unavailable
 
 TYPE_CHECKING = False  # typing, dataclasses, inspect and logging cost every invocation's start-up
@@ -214,36 +216,6 @@ def invocation_context(envelope: Envelope) -> Iterator[RunState]:
         yield state
     finally:
         _STATE.reset(token)
-
-
-# --- the default plane ----------------------------------------------------------------------------
-
-_default_plane: Plane | None = None
-
-
-def set_default_dispatch(plane: Plane | None) -> None:
-    """Set (or clear, with ``None``) the plane ``.submit()`` and ``SyncQueue`` use by default."""
-    global _default_plane
-    _default_plane = plane
-
-
-def get_default_dispatch() -> Plane:
-    """The process default plane: the one set, else an ``HttpDispatch`` from ``LAKESHORE_URL`` /
-    ``LAKESHORE_TOKEN`` or the config file (``dreamlake.lakeshore.settings``), made once;
-    :class:`PlaneError` naming the fixes when there is none."""
-    global _default_plane
-    if _default_plane is None:
-        from dreamlake.lakeshore.settings import default_plane
-
-        _default_plane = default_plane()
-    if _default_plane is None:
-        raise PlaneError(
-            "no dispatch plane: export LAKESHORE_URL and LAKESHORE_TOKEN (`lakeshore server` prints "
-            "both), pass _dispatch=plane to submit(), give @dls.udf(dispatch=plane), "
-            "or call dls.set_default_dispatch(plane) once at start-up "
-            '(plane = Dispatch(":memory:") in process, or HttpDispatch(url, token))'
-        )
-    return _default_plane
 
 
 # --- local generator calls ------------------------------------------------------------------------

@@ -95,7 +95,7 @@ class Invocation(str):
         """The plane the call went to, else the process default."""
         if self._dispatch is not None:
             return self._dispatch
-        from dreamlake.lakeshore.decorator import get_default_dispatch
+        from dreamlake.lakeshore.default_dispatch import get_default_dispatch
 
         return get_default_dispatch()
 

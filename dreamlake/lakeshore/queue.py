@@ -324,7 +324,7 @@ class SyncQueue:
         """The plane given to the queue, else the process default (``dls.set_default_dispatch``)."""
         if self._dispatch is not None:
             return self._dispatch
-        from dreamlake.lakeshore.decorator import get_default_dispatch
+        from dreamlake.lakeshore.default_dispatch import get_default_dispatch
 
         return get_default_dispatch()
 
@@ -458,7 +458,7 @@ class Topic:
     def dispatch(self) -> Plane:
         if self._dispatch is not None:
             return self._dispatch
-        from dreamlake.lakeshore.decorator import get_default_dispatch
+        from dreamlake.lakeshore.default_dispatch import get_default_dispatch
 
         return get_default_dispatch()
 

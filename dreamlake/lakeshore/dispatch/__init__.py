@@ -21,9 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    from dreamlake.lakeshore.dispatch.http import HttpDispatch
-    from dreamlake.lakeshore.dispatch.local import Dispatch
+if TYPE_CHECKING:  # not the two planes: they import this module (a type checker reads them there)
     from dreamlake.lakeshore.wire import Frame
 
 __all__ = ["NATIVE_FUNCTION", "Claim", "Dispatch", "HttpDispatch", "Plane"]

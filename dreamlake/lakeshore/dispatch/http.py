@@ -591,7 +591,7 @@ class HttpDispatch:
     # -- worker side --------------------------------------------------------------------------------
 
     def _register(self, worker_id: str, queues: list[str]) -> None:
-        from dreamlake.lakeshore import __version__
+        from dreamlake.lakeshore.version import __version__
 
         info = {
             "worker_id": worker_id,
@@ -615,7 +615,7 @@ class HttpDispatch:
         """Up to ``limit`` invocations in one long poll (waiting up to ``timeout`` for the first),
         carrying the acks queued by ``ack(..., later=True)``: one request answers those acks (each
         committed with the poll's first pass) and hands out the next work."""
-        from dreamlake.lakeshore import __version__
+        from dreamlake.lakeshore.version import __version__
 
         if worker_id not in self._registered:
             self._register(worker_id, queues)
