@@ -385,7 +385,8 @@ def code_record(
     if len(data) <= _threshold():
         record["inline"] = data
         return record
-    where = (digest, getattr(getattr(plane, "_client", None), "url", None))  # per control plane
+    client = plane.payload_client() if plane is not None else None
+    where = (digest, client.url if client is not None else None)  # per control plane
     with _SHIPPED.lock:
         known_ref = _SHIPPED.stored.get(where)
     if known_ref is None or time.monotonic() - known_ref[0] > STORED_FOR_S:
@@ -401,7 +402,7 @@ def _store_archive(data: bytes, digest: str, plane: Any) -> dict[str, Any]:
     the namespace the plane's token acts in, kind ``code``); the record's ``ref`` and ``namespace``."""
     from dreamlake.lakeshore.client import PlaneClient
 
-    client = getattr(plane, "_client", None)
+    client = plane.payload_client() if plane is not None else None
     if not isinstance(client, PlaneClient):
         raise TransportError(
             f"code archive is {len(data)} bytes, over the {_threshold()}-byte inline threshold, and "
