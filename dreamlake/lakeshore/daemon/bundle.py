@@ -70,6 +70,7 @@ SDK_FILES = (
     "dreamlake/lakeshore/runenv.py",
     "dreamlake/lakeshore/handles.py",
     "dreamlake/lakeshore/codeship.py",
+    "dreamlake/lakeshore/envvars.py",  # codeship.py's and dispatch/http.py's inline threshold
     "dreamlake/lakeshore/queue.py",
     "dreamlake/lakeshore/settings.py",
     "dreamlake/lakeshore/states.py",

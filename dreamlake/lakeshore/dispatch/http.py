@@ -39,7 +39,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from dreamlake.lakeshore import ids
+from dreamlake.lakeshore import envvars, ids
 from dreamlake.lakeshore.client import (
     DEFAULT_RETRY_WINDOW_S,
     RETRY_WINDOW_ENV,
@@ -79,7 +79,7 @@ _WARNED: set[tuple[str, str]] = set()  # (control plane, queue) whose no-worker 
 # (control plane, queue) -> when its workers were last asked whether they run pickled functions
 _PICKLES_ASKED: dict[tuple[str, str], float] = {}
 PICKLES_ASK_EVERY_S = 30.0  # while no live worker serves the queue, ask again at most this often
-DEFAULT_INLINE_THRESHOLD_BYTES = 256 * 1024  # seed 003
+DEFAULT_INLINE_THRESHOLD_BYTES = envvars.DEFAULT_INLINE_THRESHOLD_BYTES  # seed 003
 # A submit batch (POST /v1/producer/submit-batch) holds at most this many calls and about this many
 # bytes of Envelopes: well under the server's caps (1,000 items, 110 MiB), big enough that a sweep
 # pays one request and one transaction per few hundred calls.
@@ -90,18 +90,7 @@ SUBMIT_BATCH_BYTES = 8 * 1024 * 1024
 
 def inline_threshold_from_env() -> int:
     """``INLINE_THRESHOLD_BYTES`` of this process (the SDK's side of seed 003's knob), else 256 KiB."""
-    raw = os.environ.get("INLINE_THRESHOLD_BYTES", "").strip()
-    if not raw:
-        return DEFAULT_INLINE_THRESHOLD_BYTES
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(
-            f"INLINE_THRESHOLD_BYTES={raw!r} is not a whole number of bytes: fix or unset it"
-        ) from None
-    if value < 0:
-        raise ValueError(f"INLINE_THRESHOLD_BYTES={value} is negative: set it to 0 or more, or unset it")
-    return value
+    return envvars.inline_threshold()
 
 
 def _retry_window() -> float:
