@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore.runenv import names, user_env
-from nymph.errors import Refused
+from nymph.errors import GateRefused
 from nymph.mounts import parse_mount as parse_mount  # re-exported: the mount syntax lives there
 
 if TYPE_CHECKING:
@@ -94,17 +94,17 @@ def call_env(
     config: NymphConfig, run_config: Mapping[str, Any]
 ) -> tuple[dict[str, str], dict[str, tuple[str, bool]]]:
     """A call's ``run_config.env`` checked and the mounts it asks for, resolved against this
-    nymph's ``--mount`` declarations: ``(env, {name: (path, read_only)})``. Refused
+    nymph's ``--mount`` declarations: ``(env, {name: (path, read_only)})``. GateRefused
     (``InvalidRunConfig``, ``MountRefused``) before anything runs, with what to do."""
     try:
         env = user_env(run_config.get("env"))
         wanted = names(run_config.get("mounts"), "run_config.mounts")
     except ValueError as exc:
-        raise Refused("InvalidRunConfig", str(exc)) from None
+        raise GateRefused("InvalidRunConfig", str(exc)) from None
     unknown = [m for m in wanted if m not in config.mounts]
     if unknown:
         offered = ", ".join(sorted(config.mounts)) or "none"
-        raise Refused(
+        raise GateRefused(
             "MountRefused",
             f"mount {unknown[0]!r} is not offered by this worker (its mounts: {offered}); ask for one "
             f"of those, or have the operator start nymph with --mount {unknown[0]}=/host/path[:ro]",
