@@ -115,7 +115,7 @@ class Agent:
         self.runner = runner
         self.client = client or ControlPlaneClient(config.server, config.token)
         self.slots = Slots(config.concurrency, gpu_pool, gpu_total)
-        self.capacity = host_capacity(gpu_pool)
+        self.capacity = host_capacity(gpu_pool, runner)
         self.labels = {**auto_labels(self.capacity), **dict(config.labels)}
         self.notify = notify or SdNotify()
         self.worker_id = ""
@@ -158,6 +158,7 @@ class Agent:
                 self.outbox.acks_answered(msgs, answers) if self.outbox is not None else None
             ),
             labels=self.labels,
+            task_offer=self.capacity.get("task"),
         )
 
     # --- public ----------------------------------------------------------------------------------

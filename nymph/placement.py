@@ -15,17 +15,22 @@ from typing import Any
 import psutil
 
 from nymph.gpus import capacity as gpu_capacity
+from nymph.runner import Offering
 
 
-def host_capacity(gpu_pool: Any) -> dict[str, Any]:
-    """This host's capacity, as registration reports it."""
-    return {
+def host_capacity(gpu_pool: Any, runner: Any = None) -> dict[str, Any]:
+    """This host's capacity, as registration reports it; ``task``: what one task may be given
+    here (memory, CPUs), when the runner says (``Capabilities.task_offer``: nymph.runner.Offering)."""
+    capacity: dict[str, Any] = {
         "cpus": os.cpu_count() or 1,
         "memory_mb": psutil.virtual_memory().total // 2**20,
         "gpus": gpu_capacity(gpu_pool),
         "arch": platform.machine().lower(),
         "os": platform.system().lower(),
     }
+    if runner is not None and runner.capabilities.task_offer and isinstance(runner, Offering):
+        capacity["task"] = dict(runner.task_offer())
+    return capacity
 
 
 def auto_labels(capacity: dict[str, Any]) -> dict[str, str]:

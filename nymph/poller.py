@@ -85,6 +85,7 @@ class Poller:
         take_acks: Callable[[str, int], list[Any]] | None = None,
         acks_answered: Callable[[list[Any], list[Any] | None], None] | None = None,
         labels: dict[str, str] | None = None,
+        task_offer: dict[str, Any] | None = None,
     ) -> None:
         self._client = client
         self._config = config
@@ -100,6 +101,7 @@ class Poller:
         self._take_acks = take_acks
         self._acks_answered = acks_answered
         self._labels = dict(labels or {})
+        self._task_offer = dict(task_offer or {})  # memory / CPUs one task may have (the runner's)
         self.last_ok = False
         self.waiting_for_slot = False  # every slot busy: the next release starts a poll at once
         self._in_flight = False  # a poll request is out
@@ -152,7 +154,7 @@ class Poller:
             "max": free,
             "timeout_s": timeout_s,
             "version": __version__,
-            "offer": {"gpus": gpus, "labels": self._labels},
+            "offer": {"gpus": gpus, "labels": self._labels, **self._task_offer},
         }
         if not self._config.allow_exec:  # exec jobs are an opt-in (--allow-exec): never claimed here
             body["kinds"] = ["run"]

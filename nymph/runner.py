@@ -65,6 +65,9 @@ class Capabilities:
     # takes a Python task's arguments in Task.args (no args.msgpack written by nymph): the runner
     # hands them to the entry, or writes args.msgpack itself before it runs the entry from the file
     args_inline: bool = False
+    # says what one task may be given here (Offering: memory, CPUs): the claim matches calls'
+    # resources against it (docs/protocol.md "Placement"); False: not matched on them
+    task_offer: bool = False
 
 
 @dataclass
@@ -181,6 +184,17 @@ class Reaping(Protocol):
 
     def reap_orphans(self) -> int:
         """Reap exited descendants reparented to nymph that are no task's leader; the count."""
+        ...
+
+
+@runtime_checkable
+class Offering(Protocol):
+    """The method of a runner whose :class:`Capabilities` say ``task_offer=True``."""
+
+    def task_offer(self) -> dict[str, Any]:
+        """What one task may be given here, as the poll's offer says it: ``memory`` (bytes: the
+        most one task's limit may be; 0 where no limit can be held, so calls asking for memory
+        are not claimed here) and ``cpus`` (likewise); a key left out is not matched on."""
         ...
 
 

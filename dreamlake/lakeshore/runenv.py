@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+
+TYPE_CHECKING = (
+    False  # no typing at runtime: a decorated module imports this (tests/unit/test_entry_imports.py)
+)
+if TYPE_CHECKING:
+    from typing import Any
 
 RESERVED_PREFIX = "LAKESHORE_"  # a call's env may not set these: nymph's own variables for the task
 MAX_ENV_VARS = 256

@@ -47,6 +47,7 @@ its :class:`~nymph.resources.ResourceError`. ``close`` closes the engine client.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -98,7 +99,14 @@ class DockerRunner:
 
     name: ClassVar[str] = "docker"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        as_user=True, gpus=True, resources=True, image=True, network=True, recover=True, list_labelled=True
+        as_user=True,
+        gpus=True,
+        resources=True,
+        image=True,
+        network=True,
+        recover=True,
+        list_labelled=True,
+        task_offer=True,
     )
 
     def __init__(
@@ -147,6 +155,12 @@ class DockerRunner:
         self._lock = threading.Lock()
 
     # --- lifecycle ------------------------------------------------------------------------------
+
+    def task_offer(self) -> dict[str, Any]:
+        """The engine holds a container's memory and CPU limits: up to the host's."""
+        import psutil
+
+        return {"memory": int(psutil.virtual_memory().total), "cpus": os.cpu_count() or 1}
 
     def check(self) -> None:
         """Engine reachable, runtime registered, default image present (or pulled), bundle built."""

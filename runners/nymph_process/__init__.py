@@ -100,7 +100,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import psutil
 
@@ -162,6 +162,7 @@ class ProcessRunner:
         exit_fd=True,
         args_inline=True,
         resources=True,  # memory and pids where the controllers are (start() refuses the rest)
+        task_offer=True,
     )
 
     def __init__(
@@ -229,6 +230,12 @@ class ProcessRunner:
         become_subreaper()
 
     # --- lifecycle ------------------------------------------------------------------------------
+
+    def task_offer(self) -> dict[str, Any]:
+        """One task's memory cap where the memory controller holds it (0 where none does: a task
+        asking for memory would be refused here), and no CPUs (no controller holds ``cpus``)."""
+        memory = self.caps.memory if "memory" in self.controllers.available else None
+        return {"memory": int(memory or 0), "cpus": 0}
 
     def check(self) -> None:
         if self.cgroups is None and self.cgroup not in ("auto", "off"):

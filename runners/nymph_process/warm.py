@@ -266,6 +266,9 @@ class WarmPool:
         task user; see the module docstring)."""
         if task.script is not None or (task.as_user and task.as_user not in self.users):
             return False
+        resources = (task.run_config or {}).get("resources")
+        if isinstance(resources, dict) and ({"memory", "pids"} & set(resources)):
+            return False  # a warm worker has no cgroup of its own to hold a limit: the cold path does
         return _ref_call(Path(task.workdir))
 
     # --- the runner's calls ----------------------------------------------------------------------

@@ -43,6 +43,17 @@ def test_a_selector_matches_only_equal_labels_and_an_unknown_key_never(store: Sq
     assert store.get(rack).state == "queued"  # type: ignore[union-attr]
 
 
+def test_memory_and_cpus_are_matched_against_what_one_task_may_have_there(store: SqlStore) -> None:
+    big = submit(store, "mem", resources={"memory": "16g"})
+    cpus = submit(store, "mem", resources={"cpus": 4})
+    # a runner whose tasks may have 8 GiB and no CPU limit (the process runner): neither call
+    assert store.claim("w1", ["mem"], limit=5, offer=Offer.of(0, memory=8 * 2**30, cpus=0)) == []
+    got = store.claim("w2", ["mem"], limit=5, offer=Offer.of(0, memory=64 * 2**30, cpus=2))
+    assert [i.invocation_id for i in got] == [big]  # 64 GiB fits, 2 CPUs do not
+    # a runner that says nothing of memory or CPUs (kube, slurm) is not matched on them
+    assert [i.invocation_id for i in store.claim("w3", ["mem"], limit=5, offer=Offer.of(0))] == [cpus]
+
+
 def test_fleet_wide_limits_hold_in_the_claim(store: SqlStore) -> None:
     for _ in range(4):
         submit(store, "lim")

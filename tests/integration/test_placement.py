@@ -291,3 +291,18 @@ def test_workers_show_capacity_and_what_is_free(
         lambda: next(w for w in _workers(plane) if w["worker_id"] == big.worker_id)["free"]["gpus"] == 4,
         "its next poll to offer all four GPUs again",
     )
+
+
+def test_a_memory_call_waits_for_a_nymph_whose_tasks_may_have_that_much(
+    plane: PlacedServer, nymphs: Callable[..., GpuNymph]
+) -> None:
+    """resources.memory is matched against what one task may have on a nymph (the process runner's
+    --task-memory-max, held by its memory controller): never claimed by one that would refuse it."""
+    small = nymphs("small", "none", "--task-memory-max", "256m")
+    first = _submit(plane, nymph_fns.add, 2, 2, resources={"memory": "1g"}, max_attempts=1)
+    assert "gives one task 1 GiB of memory (largest: 268435456 bytes)" in first.get("warning", ""), first
+    inv = first["invocation_id"]
+    _stays_queued(plane, inv, 2.0)
+    big = nymphs("big", "none", "--task-memory-max", "2g")
+    done = _until(lambda: _done(plane, inv), f"{inv} to finish")
+    assert (done["state"], done["worker_id"]) == ("succeeded", big.worker_id) != (None, small.worker_id)

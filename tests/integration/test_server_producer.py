@@ -90,8 +90,9 @@ def test_submit_answers_seed_body_and_status_shows_row(control_plane: ControlPla
         "retry_at",  # issue 12: when a retry waiting for its backoff becomes claimable
         "attempts",  # issue 12: each attempt's outcome
         "children",
+        "preemptions",  # issue 30: attempts a stopping host handed back (they spend no max_attempts)
     }
-    assert row["children"] == []
+    assert row["children"] == [] and row["preemptions"] == 0
 
 
 def test_submit_with_same_key_is_duplicate(control_plane: ControlPlane) -> None:

@@ -53,3 +53,9 @@ def test_the_bundle_holds_what_its_modules_import_at_load() -> None:
         if (target := _file_of(name)) is not None and target not in bundled
     }
     assert missing == set(), f"bundled modules import modules the bundle lacks: {sorted(missing)}"
+
+
+def test_the_bundle_lists_each_file_once() -> None:
+    # a file named twice (a merge that added it on both sides) is one more zip entry to dedupe
+    twice = sorted({f for f in BUNDLED_FILES if BUNDLED_FILES.count(f) > 1})
+    assert twice == [], f"listed more than once in bundle.py: {twice}"

@@ -77,7 +77,6 @@ SDK_FILES = (
     "dreamlake/lakeshore/task.py",
     "dreamlake/lakeshore/client.py",
     "dreamlake/lakeshore/tls.py",  # client.py's TLS context (LAKESHORE_CA_FILE inside a task)
-    "dreamlake/lakeshore/runenv.py",  # decorator.py's run environments
     "dreamlake/lakeshore/blobs.py",
     "dreamlake/lakeshore/keepalive.py",
     "dreamlake/lakeshore/dispatch/__init__.py",

@@ -444,36 +444,25 @@ def _stop_reason(cwd: str) -> str:
         os.close(fd)
 
 
-def _drain(stream: Iterator[Any], interrupts: _Interrupts | None = None) -> int:
-    """Journal every yield, then END; on a raise, ERROR frame + error.json. Returns the exit code.
-    An Interrupted that arrives while the generator is paused at its yield is thrown in there."""
-    journal = _Journal(FRAMES_FILE, _window())
+def _journaled(
+    journal: _Journal,
+    body: Callable[[], bytes],
+    interrupts: _Interrupts | None,
+    settle: Callable[[BaseException], BaseException] | None = None,
+) -> int:
+    """Run ``body`` (it journals a generator's values and returns its packed return value), then
+    END; on a raise, ERROR frame + error.json (``settle`` may turn the exception first). The journal
+    is synced before result.msgpack names the call done. Returns the exit code."""
     ended = False
-    inside = False
     try:
         try:
-            while True:
-                try:
-                    inside = True
-                    value = next(stream)
-                    inside = False
-                except StopIteration as stop:
-                    inside = False
-                    returned = wire.pack(stop.value)
-                    break
-                journal.append(wire.FRAME_VALUE, wire.pack(value))
-                journal.wait_window()  # the generator stays paused at its yield meanwhile
+            returned = body()
             if interrupts is not None:
                 interrupts.close()
         except BaseException as exc:
             if interrupts is not None:
                 interrupts.close()
-            if isinstance(exc, Interrupted) and not inside and hasattr(stream, "throw"):
-                try:  # at its current yield: its finally and with blocks run
-                    stream.throw(exc)
-                except BaseException as thrown:
-                    exc = thrown
-            info = _error_info(exc)
+            info = _error_info(exc if settle is None else settle(exc))
             journal.append(wire.FRAME_ERROR, info)
             ended = True
             journal.close(sync=True)
@@ -486,6 +475,36 @@ def _drain(stream: Iterator[Any], interrupts: _Interrupts | None = None) -> int:
             journal.close()
     _write_atomic(RESULT_FILE, returned)
     return EXIT_OK
+
+
+def _drain(stream: Iterator[Any], interrupts: _Interrupts | None = None) -> int:
+    """Journal every yield, then END; on a raise, ERROR frame + error.json. Returns the exit code.
+    An Interrupted that arrives while the generator is paused at its yield is thrown in there."""
+    journal = _Journal(FRAMES_FILE, _window())
+    inside = False
+
+    def body() -> bytes:
+        nonlocal inside
+        while True:
+            try:
+                inside = True
+                value = next(stream)
+                inside = False
+            except StopIteration as stop:
+                inside = False
+                return wire.pack(stop.value)
+            journal.append(wire.FRAME_VALUE, wire.pack(value))
+            journal.wait_window()  # the generator stays paused at its yield meanwhile
+
+    def settle(exc: BaseException) -> BaseException:
+        if isinstance(exc, Interrupted) and not inside and hasattr(stream, "throw"):
+            try:  # at its current yield: its finally and with blocks run
+                stream.throw(exc)
+            except BaseException as thrown:
+                return thrown
+        return exc
+
+    return _journaled(journal, body, interrupts, settle)
 
 
 class _Sends:
@@ -539,36 +558,18 @@ def _drain_two_way(gen: Any, timeout_s: float, interrupts: _Interrupts | None = 
 
     journal = _Journal(FRAMES_FILE)
     sends = _Sends()
-    ended = False
+
+    def emit(value: Any, index: int) -> None:
+        journal.append(wire.FRAME_VALUE, wire.pack(value), send=index)
+
     try:
-        try:
-            returned = wire.pack(
-                twoway.drive(
-                    gen,
-                    lambda value, index: journal.append(wire.FRAME_VALUE, wire.pack(value), send=index),
-                    lambda index: sends.wait(index, timeout_s),
-                    timeout_s,
-                )
-            )
-            if interrupts is not None:
-                interrupts.close()
-        except BaseException as exc:
-            if interrupts is not None:
-                interrupts.close()
-            info = _error_info(exc)
-            journal.append(wire.FRAME_ERROR, info)
-            ended = True
-            journal.close(sync=True)
-            return _fail(info, EXIT_RAISED)
-        journal.append(wire.FRAME_END, returned)
-        ended = True
-        journal.close(sync=True)  # the END frame on disk before result.msgpack names it done
+        return _journaled(
+            journal,
+            lambda: wire.pack(twoway.drive(gen, emit, lambda index: sends.wait(index, timeout_s), timeout_s)),
+            interrupts,
+        )
     finally:
         sends.close()
-        if not ended:
-            journal.close()
-    _write_atomic(RESULT_FILE, returned)
-    return EXIT_OK
 
 
 def _sends_timeout() -> float | None:

@@ -66,6 +66,12 @@ def placement_warning(queue: str, needs: Needs, infos: list[dict[str, Any]]) -> 
     largest = max(o.gpus for o in offers)
     if needs.gpus > largest:
         return f"no live worker of queue {queue!r} offers {needs.gpus} GPUs (largest: {largest})"
+    memories = [o.memory for o in offers if o.memory is not None]
+    if needs.memory and memories and needs.memory > max(memories):
+        return (
+            f"no live worker of queue {queue!r} gives one task {needs.describe()} "
+            f"(largest: {max(memories)} bytes)"
+        )
     wanted = ", ".join(f"{k}={v}" for k, v in needs.selector)
     return f"no live worker of queue {queue!r} has the labels {wanted} with {needs.gpus} GPU(s)"
 
@@ -75,10 +81,23 @@ def _labels(value: Any) -> dict[str, str]:
 
 
 def _offers(infos: list[dict[str, Any]]) -> list[Offer]:
-    """What each worker could ever offer: all its GPUs, and its labels."""
-    return [
-        Offer.of(len((i.get("capacity") or {}).get("gpus") or []), _labels(i.get("labels"))) for i in infos
-    ]
+    """What each worker could ever offer: all its GPUs, its labels, and what one task may have
+    (``capacity.task``: the memory and CPUs its runner gives one task, when it says)."""
+    out = []
+    for i in infos:
+        capacity = i.get("capacity") or {}
+        task = capacity.get("task")
+        task = task if isinstance(task, dict) else {}
+        memory, cpus = task.get("memory"), task.get("cpus")
+        out.append(
+            Offer.of(
+                len(capacity.get("gpus") or []),
+                _labels(i.get("labels")),
+                memory if isinstance(memory, int) and not isinstance(memory, bool) else None,
+                float(cpus) if isinstance(cpus, (int, float)) and not isinstance(cpus, bool) else None,
+            )
+        )
+    return out
 
 
 def fitting(needs: Needs, infos: list[dict[str, Any]]) -> int:

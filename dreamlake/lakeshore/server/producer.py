@@ -119,7 +119,7 @@ def _submitted(
 async def _placement_warning(ctx: Context, queue: str, req: SubmitRequest) -> str | None:
     """The warning for a call no live worker of ``queue`` could take (server/liveness.py)."""
     needs = needs_of(req.run_config)
-    if not needs.gpus and not needs.selector:
+    if not (needs.gpus or needs.selector or needs.memory or needs.cpus):
         return None
     infos = await ctx.call(ctx.store.live_workers_of, queue)
     return placement_warning(queue, needs, infos)

@@ -253,8 +253,8 @@ class GroupWriter:
             down = [r for r in results if isinstance(r, StoreOutage)]
             if down:
                 self._outages.failed(down[-1], len(down))
-            else:
-                self._outages.succeeded()
+            elif not any(isinstance(r, PlaneError) and (r.status or 500) >= 500 for r in results):
+                self._outages.succeeded()  # a bug's 500 says nothing about the store coming back
 
     async def aclose(self) -> None:
         """Commit and answer what is queued, then stop."""

@@ -8,9 +8,15 @@ share a *shape*: :meth:`Needs.key`, a short hash ('' for a call with none, the p
 on the row and indexed, so a claim reads the heads of the shapes its poller may take, each one a
 range read (store/claims.py).
 
+``resources.memory`` (bytes, or a size such as ``"16g"`` / ``"512Mi"``) and ``resources.cpus``
+are part of the needs too.
+
 A poller's :class:`Offer` is what it has free now: its free GPUs and its labels (an old daemon that
-sends none offers no GPUs and no labels: it takes plain calls and calls that need neither).
-``resources.cpus`` and ``resources.memory`` are the runner's to enforce and are not matched here.
+sends none offers no GPUs and no labels: it takes plain calls and calls that need neither), and
+what one task may be given there: ``memory`` (the most its runner lets one task have: the process
+runner's cap where its memory controller holds it, 0 where none does, so a call that asks for
+memory is never claimed by a host that would refuse it) and ``cpus``. A poller that sends neither
+(a runner that does not say: kube, slurm) is not matched on them.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +37,9 @@ MAX_LABEL = 128  # characters of a label's key or value
 MAX_GPUS = 1024
 MAX_NOT_BEFORE_S = 366 * 86400.0  # a not_before further ahead than this is refused
 SHAPE_LEN = 16
+MAX_CPUS = 4096
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 
 
 @dataclass(frozen=True)
@@ -40,15 +50,26 @@ class Needs:
     selector: tuple[tuple[str, str], ...] = ()
     concurrency_key: str | None = None
     max_concurrency: int | None = None  # not part of the shape: the limit of its key (latest wins)
+    memory: int = 0  # bytes one task needs (0: not asked)
+    cpus: float = 0.0  # CPUs one task needs (0: not asked)
 
     def key(self) -> str:
         """The shape: '' when the call needs nothing, else a hash of the needs."""
-        if not self.gpus and not self.selector and self.concurrency_key is None:
+        if not (self.gpus or self.selector or self.memory or self.cpus) and self.concurrency_key is None:
             return PLAIN
         return hashlib.sha256(json.dumps(self.as_json(), sort_keys=True).encode()).hexdigest()[:SHAPE_LEN]
 
     def as_json(self) -> dict[str, Any]:
-        return {"gpus": self.gpus, "selector": dict(self.selector), "concurrency_key": self.concurrency_key}
+        out: dict[str, Any] = {
+            "gpus": self.gpus,
+            "selector": dict(self.selector),
+            "concurrency_key": self.concurrency_key,
+        }
+        if self.memory:  # only when asked: the shapes of calls that ask neither keep their keys
+            out["memory"] = self.memory
+        if self.cpus:
+            out["cpus"] = self.cpus
+        return out
 
     @classmethod
     def from_json(cls, data: Any) -> Needs:
@@ -58,12 +79,18 @@ class Needs:
             gpus=int(data.get("gpus") or 0),
             selector=tuple(sorted((str(k), str(v)) for k, v in selector.items())),
             concurrency_key=data.get("concurrency_key"),
+            memory=int(data.get("memory") or 0),
+            cpus=float(data.get("cpus") or 0.0),
         )
 
     def describe(self) -> str:
         parts = []
         if self.gpus:
             parts.append(f"{self.gpus} GPU{'s' if self.gpus != 1 else ''}")
+        if self.memory:
+            parts.append(f"{_shown(self.memory)} of memory")
+        if self.cpus:
+            parts.append(f"{self.cpus:g} CPUs")
         parts += [f"{k}={v}" for k, v in self.selector]
         if self.concurrency_key is not None:
             parts.append(f"concurrency_key={self.concurrency_key}")
@@ -76,15 +103,27 @@ class Offer:
 
     gpus: int = 0
     labels: tuple[tuple[str, str], ...] = field(default=())
+    memory: int | None = None  # the most memory one task may have here; None: not said (not matched)
+    cpus: float | None = None  # the CPUs one task may use here; None: not said
 
     @classmethod
-    def of(cls, gpus: int = 0, labels: dict[str, str] | None = None) -> Offer:
-        return cls(int(gpus), tuple(sorted((labels or {}).items())))
+    def of(
+        cls,
+        gpus: int = 0,
+        labels: dict[str, str] | None = None,
+        memory: int | None = None,
+        cpus: float | None = None,
+    ) -> Offer:
+        return cls(int(gpus), tuple(sorted((labels or {}).items())), memory, cpus)
 
     def fits(self, needs: Needs, gpus_left: int | None = None) -> bool:
         """Whether a call of ``needs`` may run here (with ``gpus_left`` free, default all offered)."""
         free = self.gpus if gpus_left is None else gpus_left
         if needs.gpus > free:
+            return False
+        if needs.memory and self.memory is not None and needs.memory > self.memory:
+            return False
+        if needs.cpus and self.cpus is not None and needs.cpus > self.cpus:
             return False
         if needs.selector:
             labels = dict(self.labels)
@@ -108,6 +147,47 @@ def _gpus(resources: Any) -> int:
     if not 0 <= value <= MAX_GPUS:
         raise PlaneError(f"run_config.resources.gpus must be from 0 to {MAX_GPUS}, got {value!r}", 400)
     return int(value)
+
+
+def _shown(n: int) -> str:
+    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} B"
+
+
+def _memory(resources: Any) -> int:
+    """``resources.memory`` in bytes (a number, or a size such as ``"16g"``, ``"512Mi"``); 0: none."""
+    value = resources.get("memory") if isinstance(resources, dict) else None
+    if value is None:
+        return 0
+    if isinstance(value, str) and (match := _SIZE.match(value)):
+        number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        number = float(value)
+    else:
+        raise PlaneError(
+            f"run_config.resources.memory must be bytes or a size such as '16g' or '512Mi', got {value!r:.40}",
+            400,
+        )
+    return max(0, int(number))
+
+
+def _cpus(resources: Any) -> float:
+    """``resources.cpus`` (a number, or millicpus such as ``"500m"``); 0: none."""
+    value = resources.get("cpus") if isinstance(resources, dict) else None
+    if value is None:
+        return 0.0
+    if isinstance(value, str) and value.strip().endswith("m") and value.strip()[:-1].isdigit():
+        return int(value.strip()[:-1]) / 1000
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            value = None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_CPUS:
+        raise PlaneError(f"run_config.resources.cpus must be a number of CPUs from 0 to {MAX_CPUS}", 400)
+    return float(value)
 
 
 def _label_text(value: Any, what: str) -> str:
@@ -141,7 +221,10 @@ def needs_of(run_config: dict[str, Any]) -> Needs:
             raise PlaneError(
                 f"run_config.max_concurrency must be a whole number >= 1, got {limit!r:.40}", 400
             )
-    return Needs(_gpus(run_config.get("resources")), tuple(sorted(pairs)), key, limit)
+    resources = run_config.get("resources")
+    return Needs(
+        _gpus(resources), tuple(sorted(pairs)), key, limit, memory=_memory(resources), cpus=_cpus(resources)
+    )
 
 
 def not_before_of(run_config: dict[str, Any], now: float | None = None) -> float | None:
@@ -176,4 +259,12 @@ def parse_offer(value: Any) -> Offer:
             raise ValueError(
                 f"field 'offer.labels' must map strings to strings of at most {MAX_LABEL} characters"
             )
-    return Offer.of(gpus, labels)
+    memory = value.get("memory")
+    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 0):
+        raise ValueError("field 'offer.memory' must be the bytes one task may have (a whole number >= 0)")
+    cpus = value.get("cpus")
+    if cpus is not None and (
+        isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not 0 <= cpus <= MAX_CPUS
+    ):
+        raise ValueError(f"field 'offer.cpus' must be a number of CPUs from 0 to {MAX_CPUS}")
+    return Offer.of(gpus, labels, memory, None if cpus is None else float(cpus))
