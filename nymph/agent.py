@@ -42,10 +42,10 @@ from types import FrameType
 from typing import Any, cast
 
 from dreamlake.lakeshore import __version__, ids
-from dreamlake.lakeshore.errors import InvalidId
+from dreamlake.lakeshore.errors import AuthError, InvalidId, PlaneError
 from nymph import drain, upgrade
 from nymph import observability as obs
-from nymph.client import AuthRejected, ClientError, ControlPlaneClient
+from nymph.client import ControlPlaneClient
 from nymph.config import NymphConfig
 from nymph.errors import UpgradeError
 from nymph.health import DiskHealth, RunnerHealth, Watchdog
@@ -57,12 +57,12 @@ from nymph.outbox import Outbox
 from nymph.placement import auto_labels, host_capacity
 from nymph.poller import Poller, retrying
 from nymph.prune import PRUNE_EVERY_S, prune
-from nymph.pump import Watcher
 from nymph.recovery import Recovery
 from nymph.runner import Reaping, Runner
 from nymph.sdnotify import SdNotify
 from nymph.slots import Slots
 from nymph.supervisor import POOL_THREADS, Supervisor
+from nymph.watcher import Watcher
 
 log = logging.getLogger(__name__)
 
@@ -296,10 +296,10 @@ class Agent:
             body["namespace"] = cfg.namespace
         try:
             answer = retrying(self.stopping.event)(self.client.register, body)
-        except AuthRejected as exc:
+        except AuthError as exc:
             self._auth_failed(exc)
             return False
-        except ClientError as exc:
+        except PlaneError as exc:
             if not self.stopping.event.is_set():
                 log.error("registration failed: %s", exc)
                 self.exit_code = 1
@@ -320,7 +320,7 @@ class Agent:
         self.notify.ready(f"worker {self.worker_id} registered")
         return True
 
-    def _auth_failed(self, exc: AuthRejected) -> None:
+    def _auth_failed(self, exc: AuthError) -> None:
         log.error(
             "the control plane rejected nymph's token (%s); create a daemon token with "
             "`lakeshore token create --kind daemon` and run `nymph doctor`",
@@ -479,7 +479,7 @@ class Agent:
         a control plane that cannot be told finds out when the live window lapses."""
         try:
             self.client.deregister(self.worker_id)
-        except ClientError as exc:
+        except PlaneError as exc:
             log.warning(
                 "could not deregister worker %s (%s); it shows as live until it is not seen",
                 self.worker_id,

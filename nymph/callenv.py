@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from dreamlake.lakeshore.client import retrying
 from dreamlake.lakeshore.errors import LakeshoreError
 from nymph import envcache, taskenv
-from nymph.errors import Refused
+from nymph.errors import GateRefused
 
 if TYPE_CHECKING:
     from nymph.config import NymphConfig
@@ -47,14 +47,14 @@ class CallEnv:
         """Refuse what this worker cannot give the call; ``pip`` is ``cfg["pip"]`` (None for a script)."""
         if pip is not None:
             if not ctx.config.allow_pip:
-                raise Refused(
+                raise GateRefused(
                     "PipRefused",
                     "the call asks for a pip environment (pip=... / requirements=...) but this worker "
                     "builds none: run it where nymph was started with --allow-pip, or use an image "
                     "that has the packages (image=...)",
                 )
             if not callable(getattr(ctx.runner, "pip_interpreter", None)):
-                raise Refused(
+                raise GateRefused(
                     "RunnerCapabilityMissing",
                     f"runner {ctx.runner.name!r} cannot give a task a pip environment; use an image "
                     "that has the packages",
@@ -67,12 +67,12 @@ class CallEnv:
             return
         client = ctx.client
         if client is None:
-            raise Refused("SecretRefused", "the call names secrets but this nymph has no control plane")
+            raise GateRefused("SecretRefused", "the call names secrets but this nymph has no control plane")
         body = {"invocation_id": invocation_id, "attempt": attempt, "worker_id": ctx.worker_id}
         try:
             values = retrying(attempts=FETCH_ATTEMPTS, initial_s=0.5)(client.secrets, body)
         except LakeshoreError as exc:
-            raise Refused(
+            raise GateRefused(
                 "SecretRefused", f"the secrets {', '.join(map(str, names))} could not be read: {exc}"
             ) from exc
         self.values.update(values)

@@ -2,17 +2,18 @@
 
 Transport, token, retry rule and error tree are the one control-plane client's
 (:mod:`dreamlake.lakeshore.client`); this module adds the daemon routes with their timeouts and
-keeps nymph's names for the lakeshore errors it raises::
+raises the lakeshore errors under their own names (:mod:`dreamlake.lakeshore.errors`, one name per
+error)::
 
-    ClientError     = PlaneError     any control-plane failure (.status: the HTTP status or None)
-    TransientError  = Unavailable    connection errors, timeouts, 5xx, 429: retry with backoff + jitter
-    FatalError      = Refused        the request will never succeed as sent
-    AuthRejected    = AuthError      401 / 403: the token is wrong or lacks the daemon kind (stop)
-    Superseded      = Conflict       409: another attempt owns the invocation (drop the message)
-    NotFound        = NotFound       404: the control plane does not know the id
-    BadRequest      = BadRequest     another 4xx (a bug on one side)
+    PlaneError      any control-plane failure (.status: the HTTP status or None)
+    Unavailable     connection errors, timeouts, 5xx, 429: retry with backoff + jitter
+    Refused         the request will never succeed as sent
+    AuthError       401 / 403: the token is wrong or lacks the daemon kind (stop)
+    Conflict        409: another attempt owns the invocation (drop the message)
+    NotFound        404: the control plane does not know the id
+    BadRequest      another 4xx (a bug on one side)
 
-Callers retry only what :func:`is_retryable` accepts (``TransientError``).
+Callers retry only what :func:`is_retryable` accepts (``Unavailable``).
 
 Every call goes through one :class:`PlaneLink`: the poll, the heartbeat and the outbox all meet an
 outage at once, and the operator reads one ``control plane went away`` line when the first of them
@@ -28,12 +29,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore.client import MSGPACK, PlaneClient, is_retryable
-from dreamlake.lakeshore.errors import AuthError as AuthRejected
-from dreamlake.lakeshore.errors import BadRequest, NotFound
-from dreamlake.lakeshore.errors import Conflict as Superseded
-from dreamlake.lakeshore.errors import PlaneError as ClientError
-from dreamlake.lakeshore.errors import Refused as FatalError
-from dreamlake.lakeshore.errors import Unavailable as TransientError
+from dreamlake.lakeshore.errors import PlaneError, Unavailable
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -42,15 +38,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MSGPACK",
-    "AuthRejected",
-    "BadRequest",
-    "ClientError",
     "ControlPlaneClient",
-    "FatalError",
-    "NotFound",
     "PlaneLink",
-    "Superseded",
-    "TransientError",
     "is_retryable",
 ]
 
@@ -125,10 +114,10 @@ class ControlPlaneClient(PlaneClient):
         return self.url
 
     def call(self, route: str, body: dict[str, Any], *, timeout_s: float | None = None) -> dict[str, Any]:
-        """POST ``body`` as msgpack to ``route``; the decoded answer, or a :class:`ClientError`."""
+        """POST ``body`` as msgpack to ``route``; the decoded answer, or a :class:`PlaneError`."""
         answer = self._linked(route, lambda: self.request("POST", route, body, timeout_s=timeout_s))
         if not isinstance(answer, dict):
-            raise TransientError(f"POST {route}: unexpected answer {answer!r:.80}")
+            raise Unavailable(f"POST {route}: unexpected answer {answer!r:.80}")
         return answer
 
     def call_json(self, route: str, body: dict[str, Any], *, timeout_s: float = 30.0) -> dict[str, Any]:
@@ -143,7 +132,7 @@ class ControlPlaneClient(PlaneClient):
         sent_at = time.monotonic()
         try:
             answer = send()
-        except ClientError as exc:
+        except PlaneError as exc:
             # gone: no connection, a timeout, a 5xx; a 429 / 503 with Retry-After is a server that
             # is there and asks for patience (poll admission control), not an outage, unless it
             # says its store is down ("store unavailable: ...", "store full: ...")

@@ -281,8 +281,8 @@ def _coerce(name: str, value: Any) -> Any:
 
 def _parse_mounts(value: Any) -> dict[str, tuple[str, bool]]:
     """``["data=/srv/data:ro", ...]`` (or a TOML table ``{data = "/srv/data:ro"}``, or one
-    comma-separated string) -> ``{name: (path, read_only)}`` (see :func:`nymph.taskenv.parse_mount`)."""
-    from nymph.taskenv import parse_mount
+    comma-separated string) -> ``{name: (path, read_only)}`` (see :func:`nymph.mounts.parse_mount`)."""
+    from nymph.mounts import parse_mount
 
     if isinstance(value, Mapping):
         if all(isinstance(v, (tuple, list)) and len(v) == 2 for v in value.values()):

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nymph.client import AuthRejected, ClientError, ControlPlaneClient
+from dreamlake.lakeshore.errors import AuthError, PlaneError
+from nymph.client import ControlPlaneClient
 from nymph.config import NymphConfig
 from nymph.runner import Runner
 
@@ -42,7 +43,7 @@ class Check:
 def _server(cfg: NymphConfig, client: ControlPlaneClient) -> Check:
     try:
         info = client.healthz()
-    except ClientError as exc:
+    except PlaneError as exc:
         return Check(
             "server", False, f"{cfg.server} is not reachable ({exc}); check --server and the network"
         )
@@ -53,14 +54,14 @@ def _token(cfg: NymphConfig, client: ControlPlaneClient) -> Check:
     """The token's kind, from ``/v1/ops/whoami`` (every kind may ask; nothing is registered)."""
     try:
         kind = client.call_json("/v1/ops/whoami", {}).get("kind")
-    except AuthRejected as exc:
+    except AuthError as exc:
         return Check(
             "token",
             False,
             f"the control plane rejects the token ({exc}); mint one with "
             "`lakeshore token create --kind daemon --name <host>` and pass it with --token-file / NYMPH_TOKEN",
         )
-    except ClientError as exc:
+    except PlaneError as exc:
         return Check("token", False, f"could not check the token: {exc}")
     if kind == "admin":
         return Check(

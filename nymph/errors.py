@@ -9,7 +9,7 @@
      +-- RunnerError                 a runner could not do what was asked (nymph.runner)
      |    +-- RunnerUnavailable      the runner cannot work here now: engine down, binary missing
      +-- JobRefused                  a job refused before anything was spawned
-     |    +-- Refused                a gate refused an invocation (.type: the acked error type)
+     |    +-- GateRefused            a gate refused an invocation (.type: the acked error type)
      |    +-- NotEnoughGpus          more GPUs asked for than this host has
      |    +-- PayloadError           an exec payload that cannot be fetched or fails its sha256
      +-- UpgradeError                the pinned version could not be installed; the running one stays
@@ -18,7 +18,9 @@ Every class is defined here and re-exported by the module that raises it (``nymp
 ``nymph.taskuser``, ``nymph.plugins``, ``nymph.job``, ``nymph.slots``, ``nymph.execjob``, ``nymph.upgrade``), except
 ``RunnerError`` and ``RunnerUnavailable``: they are defined in :mod:`nymph.runner`, beside the
 contract runner plugins implement (which imports this module, never the other way round). The control-plane client's errors
-(``ClientError`` and its subclasses) live with the client in :mod:`nymph.client`.
+(``PlaneError`` and its subclasses) are :mod:`dreamlake.lakeshore.errors`' own: nymph.client raises
+them under those names (no aliases), and this module's gate refusal is ``GateRefused``, not a second
+``Refused``.
 
 A job never lets an exception escape its thread: the lifecycle's one guard
 (:meth:`nymph.lifecycle.SupervisedJob.run`) settles it ``failed`` with the exception's type and
@@ -69,7 +71,7 @@ class JobRefused(NymphError):
         self.message = message
 
 
-class Refused(JobRefused):
+class GateRefused(JobRefused):
     """A worker-side gate refused the invocation (pickle, ``as_user``, capabilities, run_config)."""
 
 
@@ -93,11 +95,11 @@ class UpgradeError(NymphError):
 
 __all__ = [
     "ConfigError",
+    "GateRefused",
     "JobRefused",
     "NotEnoughGpus",
     "NymphError",
     "PayloadError",
-    "Refused",
     "RunnerLoadError",
     "TaskUserError",
     "UpgradeError",

@@ -61,9 +61,9 @@ from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
 from dreamlake.lakeshore import ids, wire
-from dreamlake.lakeshore.errors import InvalidId, LakeshoreError
+from dreamlake.lakeshore.errors import InvalidId, LakeshoreError, PlaneError
 from nymph import refs, safeio, taskuser
-from nymph.client import ClientError, ControlPlaneClient
+from nymph.client import ControlPlaneClient
 from nymph.errors import JobRefused, PayloadError
 from nymph.lifecycle import JobContext, Stop, SupervisedJob
 from nymph.outbox import Outbox
@@ -124,7 +124,7 @@ def fetch_payload(client: ControlPlaneClient, namespace: str, ref: dict[str, Any
         if not url:
             raise PayloadError(f"payload {key!r}: the control plane minted no URL")
         data = client.fetch(url, timeout_s=FETCH_TIMEOUT_S)
-    except ClientError as exc:
+    except PlaneError as exc:
         raise PayloadError(f"payload {key!r} could not be fetched: {exc}") from exc
     verify_sha256(data, ref.get("sha256"))
     return data
@@ -338,7 +338,7 @@ class ExecJob(SupervisedJob[ExecResult]):
                 params = {"worker_id": self.ctx.worker_id, "attempt": self.attempt or 0}
                 try:
                     client.put_file(route, fh, size, params=params)
-                except ClientError as exc:
+                except PlaneError as exc:
                     if exc.status == 501:  # the control plane keeps no archive (no payload store)
                         return ""
                     log.warning("exec %s: %s not archived: %s", self.exec_id, stream, exc)

@@ -20,7 +20,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from nymph.client import ClientError, ControlPlaneClient, is_retryable
+from dreamlake.lakeshore.errors import PlaneError
+from nymph.client import ControlPlaneClient, is_retryable
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class Heartbeat:
         free_slots: Callable[[], int],
         running_exec: Callable[[], list[dict[str, Any]]] | None = None,
         on_answer: Callable[[dict[str, Any], list[dict[str, Any]]], None],
-        on_error: Callable[[ClientError], None] = lambda exc: None,
+        on_error: Callable[[PlaneError], None] = lambda exc: None,
     ) -> None:
         self._client = client
         self._worker_id = worker_id
@@ -69,7 +70,7 @@ class Heartbeat:
         body["free_slots"] = self._free_slots()
         try:
             answer = self._client.heartbeat(body)
-        except ClientError as exc:
+        except PlaneError as exc:
             # an outage is the client's one "control plane went away" line, not one per beat
             log.log(logging.DEBUG if is_retryable(exc) else logging.WARNING, "heartbeat failed: %s", exc)
             self._on_error(exc)

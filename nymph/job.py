@@ -45,7 +45,7 @@ from nymph import checkpoints, codecache, refs, safeio, taskuser
 from nymph import observability as obs
 from nymph import workdir as wd
 from nymph.callenv import CallEnv
-from nymph.errors import Refused
+from nymph.errors import GateRefused
 from nymph.lifecycle import SHUTDOWN_MESSAGE, JobContext, Phase, Stop, SupervisedJob, backoff_s
 from nymph.outbox import CHUNKS
 from nymph.pump import WINDOW_ENV, Pump
@@ -53,7 +53,7 @@ from nymph.runner import ExitStatus, Handle, Task
 from nymph.sends import SendRelay
 from nymph.slots import gpus_requested
 
-__all__ = ["SHUTDOWN_MESSAGE", "Job", "JobContext", "Refused", "backoff_s"]
+__all__ = ["SHUTDOWN_MESSAGE", "GateRefused", "Job", "JobContext", "backoff_s"]
 
 log = logging.getLogger(__name__)
 
@@ -200,9 +200,9 @@ class Job(SupervisedJob[wd.Outcome]):
         try:
             path = cache.acquire(code, fetch=lambda ref: self._fetch_code_ref(code, ref))
         except codecache.CodeArchiveError as exc:
-            raise Refused("CodeArchiveRefused", str(exc)) from exc
+            raise GateRefused("CodeArchiveRefused", str(exc)) from exc
         except OSError as exc:
-            raise Refused(
+            raise GateRefused(
                 "CodeArchiveRefused", f"code archive: cannot unpack into {cache.root}: {exc}"
             ) from exc
         self._code_held = str(code["sha256"])
@@ -211,7 +211,7 @@ class Job(SupervisedJob[wd.Outcome]):
             refused = [m for m in codecache.shipped_modules(path) if not module_allowed(m, patterns)]
             if refused:
                 self._release_code()
-                raise Refused(
+                raise GateRefused(
                     "ModuleRefused",
                     f"the call ships code with module {refused[0]!r} (of {len(refused)} refused) but this "
                     f"worker runs only modules matching {' / '.join(patterns)}; ship only allowed "
@@ -263,9 +263,9 @@ class Job(SupervisedJob[wd.Outcome]):
         cfg = self.ctx.config
         caps = self.ctx.runner.capabilities
         if self.bad_timeout:
-            raise Refused("InvalidRunConfig", self.bad_timeout)
+            raise GateRefused("InvalidRunConfig", self.bad_timeout)
         if self.script is not None and not cfg.allow_script:
-            raise Refused(
+            raise GateRefused(
                 "ScriptRefused",
                 "script invocations are refused: this nymph runs only Python functions; start it with "
                 "--allow-script to run run_config.script with bash (that is running any shell command "
@@ -279,15 +279,15 @@ class Job(SupervisedJob[wd.Outcome]):
                 else:
                     header = Envelope.header(bytes(self.body.get("args_blob") or b""))
             except LakeshoreError as exc:
-                raise Refused(type(exc).__name__, f"bad envelope: {exc}") from exc
+                raise GateRefused(type(exc).__name__, f"bad envelope: {exc}") from exc
             fn = header.get("fn") or {}
             code = (header.get("cfg") or {}).get("code")
             if code is not None and not isinstance(code, dict):
-                raise Refused("CodeArchiveRefused", f"cfg.code must be a map, got {type(code).__name__}")
+                raise GateRefused("CodeArchiveRefused", f"cfg.code must be a map, got {type(code).__name__}")
             self._code = code
             pip = (header.get("cfg") or {}).get("pip")
             if is_pickled(fn) and not cfg.allow_pickled:
-                raise Refused(
+                raise GateRefused(
                     "PickleRefused",
                     f"pickled function {fn.get('where') or fn.get('qualname')!r} refused: "
                     "this nymph runs only functions shipped by reference; start it with --allow-pickled "
@@ -295,24 +295,24 @@ class Job(SupervisedJob[wd.Outcome]):
                 )
             module = str(fn.get("module") or "")
             if not is_pickled(fn) and cfg.allow_modules and not module_allowed(module, cfg.allow_modules):
-                raise Refused(
+                raise GateRefused(
                     "ModuleRefused", module_refusal(module, str(fn.get("qualname")), list(cfg.allow_modules))
                 )
         if self.as_user:
             if self.as_user not in cfg.allow_users:
-                raise Refused(
+                raise GateRefused(
                     "UserNotAllowed",
                     f"as_user {self.as_user!r} is not allowed on this nymph (allowed: "
                     f"{', '.join(cfg.allow_users) or 'none'}); start it with --allow-user {self.as_user}",
                 )
             if not caps.as_user:
-                raise Refused(
+                raise GateRefused(
                     "RunnerCapabilityMissing", f"runner {self.ctx.runner.name!r} cannot run as another user"
                 )
             try:
                 pwd.getpwnam(self.as_user)
             except KeyError:
-                raise Refused(
+                raise GateRefused(
                     "UserNotAllowed",
                     f"as_user {self.as_user!r} is allowed but is not a user on this host (its workdir is "
                     f"owned by that user); create it with useradd",
@@ -324,13 +324,13 @@ class Job(SupervisedJob[wd.Outcome]):
             try:
                 self.run_as = taskuser.task_users(cfg).acquire(self)
             except taskuser.TaskUserError as exc:
-                raise Refused("TaskUserPoolExhausted", str(exc)) from None
+                raise GateRefused("TaskUserPoolExhausted", str(exc)) from None
         refusal = taskuser.root_refusal(cfg, self.run_as)
         if refusal is not None:
-            raise Refused("RootRefused", refusal)
+            raise GateRefused("RootRefused", refusal)
         if self.run_as and not self.as_user:  # nymph is root: the task runs as its task user
             if not caps.as_user:
-                raise Refused(
+                raise GateRefused(
                     "RunnerCapabilityMissing",
                     f"runner {self.ctx.runner.name!r} cannot run the task as the task user "
                     f"{self.run_as!r}; start nymph with {taskuser.ROOT_FLAG} to run tasks as root",
@@ -338,23 +338,25 @@ class Job(SupervisedJob[wd.Outcome]):
             try:
                 pwd.getpwnam(self.run_as)
             except KeyError:
-                raise Refused(
+                raise GateRefused(
                     "TaskUserMissing",
                     f"task user {self.run_as!r} is not a user on this host (any more); create it with "
                     f"`{taskuser.useradd_command(self.run_as)}`",
                 ) from None
         if gpus_requested(self.run_config) and not caps.gpus:
-            raise Refused("RunnerCapabilityMissing", f"runner {self.ctx.runner.name!r} cannot expose GPUs")
+            raise GateRefused(
+                "RunnerCapabilityMissing", f"runner {self.ctx.runner.name!r} cannot expose GPUs"
+            )
         for key, needed in (("image", caps.image), ("network", caps.network)):
             if self.run_config.get(key) and not needed:
-                raise Refused(
+                raise GateRefused(
                     "RunnerCapabilityMissing",
                     f"runner {self.ctx.runner.name!r} does not honour run_config.{key}",
                 )
         resources = self.run_config.get("resources") or {}
         limits = [k for k in resources if k != "gpus"] if isinstance(resources, dict) else []
         if limits and not caps.resources:
-            raise Refused(
+            raise GateRefused(
                 "RunnerCapabilityMissing",
                 f"runner {self.ctx.runner.name!r} does not enforce resource limits ({', '.join(sorted(limits))})",
             )

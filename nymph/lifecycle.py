@@ -50,7 +50,6 @@ import enum
 import itertools
 import logging
 import queue
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -58,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, cast
 
+from dreamlake.lakeshore import backoff
 from nymph import observability as obs
 from nymph import taskuser
 from nymph.config import NymphConfig
@@ -86,7 +86,7 @@ OutcomeT = TypeVar("OutcomeT")  # what a job settles with: a workdir Outcome, an
 
 def backoff_s(tries: int, cap: float = RETRY_MAX_S) -> float:
     """Exponential backoff with full jitter: the pause before try ``tries + 1`` (0.5 s, 1 s, 2 s ...)."""
-    return float(random.uniform(0.5, 1.0) * min(cap, 0.5 * 2 ** min(tries, 10)))
+    return backoff.backoff_s(tries, base=0.5, cap=cap, doublings=10)
 
 
 def parse_timeout(value: Any, what: str) -> tuple[float | None, str | None]:

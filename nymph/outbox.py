@@ -44,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import random
 import threading
 import time
 from collections import OrderedDict, deque
@@ -55,14 +54,17 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from dreamlake.lakeshore.backoff import backoff_s
 from dreamlake.lakeshore.client import error_for
+from dreamlake.lakeshore.errors import PlaneError, Refused
 from nymph import observability as obs
-from nymph.client import ClientError, ControlPlaneClient, FatalError, is_retryable
+from nymph.client import ControlPlaneClient, is_retryable
 from nymph.errors import is_disk_full
 from nymph.safeio import write_all
+from nymph.watcher import Watcher
 
 if TYPE_CHECKING:
-    from nymph.pump import Batch, Pump, Watcher
+    from nymph.pump import Batch, Pump
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +134,6 @@ class Outbox:
         on_full: Callable[[BaseException], None] | None = None,
         poll_imminent: Callable[[], bool] | None = None,
     ) -> None:
-        from nymph.pump import Watcher
-
         self.dir = state_dir / "outbox"
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._client = client
@@ -523,12 +523,12 @@ class Outbox:
         what = f"frames {batch.first_seq}..{batch.last_seq}"
         try:
             self._client.call(CHUNKS, body)
-        except FatalError as exc:
+        except Refused as exc:
             log.warning("invocation %s: %s refused, the stream ends here: %s", lane.key, what, exc)
             stream.refuse(str(exc))
             self._served(lane)
             return
-        except ClientError as exc:
+        except PlaneError as exc:
             self._failed(lane, what, exc)
             return
         stream.confirm(batch)
@@ -544,11 +544,11 @@ class Outbox:
                 answer = self._client.call_json(msg.route, body)
             else:
                 answer = self._client.call(msg.route, msg.body)
-        except FatalError as exc:
+        except Refused as exc:
             log.warning("invocation %s: %s refused, dropped: %s", msg.invocation_id, msg.route, exc)
             self._done(lane, msg)
             return
-        except ClientError as exc:
+        except PlaneError as exc:
             self._failed(lane, msg.route, exc)
             return
         except Exception:  # a poison message must not stop every later ack (nor the next start)
@@ -568,14 +568,13 @@ class Outbox:
         if self._on_sent is not None:
             self._on_sent(True)
 
-    def _failed(self, lane: _Lane, what: str, exc: ClientError) -> None:
+    def _failed(self, lane: _Lane, what: str, exc: PlaneError) -> None:
         """A transient failure (or a refused token): pause the sender; the same lane goes first
         on the next try."""
         with self._cond:
             self._failures += 1
             tries = self._failures
-            delay = min(self._max_backoff_s, 0.1 * 2 ** min(tries - 1, 16))
-            delay += random.uniform(0, min(0.5, self._max_backoff_s))
+            delay = backoff_s(tries - 1, base=0.1, cap=self._max_backoff_s, doublings=16, jitter="add")
             self._paused_until = time.monotonic() + delay
             self._next_lane = lane.key
         # an outage is the client's one "control plane went away" line, not one per try

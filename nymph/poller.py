@@ -30,8 +30,9 @@ import tenacity
 
 from dreamlake.lakeshore import __version__
 from dreamlake.lakeshore.client import retrying as plane_retrying
+from dreamlake.lakeshore.errors import AuthError, PlaneError
 from nymph import observability as obs
-from nymph.client import AuthRejected, ClientError, ControlPlaneClient
+from nymph.client import ControlPlaneClient
 from nymph.config import NymphConfig
 from nymph.slots import Slots
 
@@ -79,7 +80,7 @@ class Poller:
         ready: Callable[[], bool],
         dispatch: Callable[[Any], None],
         on_answer: Callable[[dict[str, Any]], None],
-        on_auth: Callable[[AuthRejected], None],
+        on_auth: Callable[[AuthError], None],
         pet: Callable[[], None],
         take_acks: Callable[[str, int], list[Any]] | None = None,
         acks_answered: Callable[[list[Any], list[Any] | None], None] | None = None,
@@ -159,11 +160,11 @@ class Poller:
             body["kinds"] = ["run"]
         try:
             answer = self._request(body, timeout_s)
-        except AuthRejected as exc:
+        except AuthError as exc:
             obs.POLLS.labels(outcome="auth").inc()
             self._on_auth(exc)
             return False
-        except ClientError as exc:
+        except PlaneError as exc:
             obs.POLLS.labels(outcome="error").inc()
             if not self._stopping.is_set():
                 log.error("poll refused: %s", exc)
@@ -213,7 +214,7 @@ class Poller:
             answer = self._client.poll(carrying, timeout_s=timeout_s)
         except BaseException as exc:
             self._answered(acks, None)
-            if not isinstance(exc, ClientError):
+            if not isinstance(exc, PlaneError):
                 raise
             log.debug("a poll carrying %d ack(s) failed; they go on their own: %s", len(acks), exc)
             return None

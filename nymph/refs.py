@@ -32,7 +32,7 @@ from dreamlake.lakeshore.client import retrying
 from dreamlake.lakeshore.envelope import Envelope
 from dreamlake.lakeshore.errors import LakeshoreError, PayloadCorrupt, PlaneError
 from nymph.client import ControlPlaneClient
-from nymph.errors import Refused
+from nymph.errors import GateRefused
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +48,13 @@ def namespace_of(body: dict[str, Any]) -> str:
 
 def stage_args(client: ControlPlaneClient | None, root: Path, body: dict[str, Any]) -> Path:
     """Download the run command's ``args_ref`` into ``root/.incoming/<invocation_id>.args`` (0600,
-    nymph's) and return its path; Refused when it cannot be had or is corrupt."""
+    nymph's) and return its path; GateRefused when it cannot be had or is corrupt."""
     invocation_id = ids.validate(body.get("invocation_id"), "invocation_id")
     ref = body.get("args_ref")
     if client is None:
-        raise Refused("PayloadUnavailable", "this nymph has no control-plane client to fetch args_ref with")
+        raise GateRefused(
+            "PayloadUnavailable", "this nymph has no control-plane client to fetch args_ref with"
+        )
     incoming = root / INCOMING
     incoming.mkdir(mode=0o700, parents=True, exist_ok=True)
     _prune(incoming)
@@ -61,9 +63,9 @@ def stage_args(client: ControlPlaneClient | None, root: Path, body: dict[str, An
         assert isinstance(ref, dict)
         retrying(attempts=ATTEMPTS)(blobs.get, client, namespace_of(body), ref, into=path)
     except PayloadCorrupt as exc:
-        raise Refused("PayloadCorrupt", str(exc)) from exc
+        raise GateRefused("PayloadCorrupt", str(exc)) from exc
     except (PlaneError, OSError, AssertionError) as exc:
-        raise Refused(
+        raise GateRefused(
             "PayloadUnavailable",
             f"the arguments (args_ref {str((ref or {}).get('key'))!r}) could not be fetched: {exc}",
         ) from exc

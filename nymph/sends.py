@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dreamlake.lakeshore import wire
-from dreamlake.lakeshore.errors import DecodeError
+from dreamlake.lakeshore.errors import DecodeError, PlaneError
 from dreamlake.lakeshore.twoway import SENDS_FILE
 from nymph import safeio
-from nymph.client import ClientError
 
 if TYPE_CHECKING:
     from nymph.client import ControlPlaneClient
@@ -70,7 +69,7 @@ class SendRelay:
                 answer = self._client.sends(
                     {**self._body, "since": since, "wait_s": WAIT_S}, timeout_s=WAIT_S + 10
                 )
-            except ClientError as exc:
+            except PlaneError as exc:
                 if exc.status in (403, 404, 409):  # the lease is gone: nothing more is ours to fetch
                     log.info("sends of %s: %s; relay stops", self._body["invocation_id"], exc)
                     return

@@ -27,12 +27,12 @@ Mounts (``--mount NAME=/host/path[:ro]``): :func:`parse_mount` reads one declara
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore.runenv import names, user_env
-from nymph.errors import ConfigError, Refused
+from nymph.errors import GateRefused
+from nymph.mounts import parse_mount as parse_mount  # re-exported: the mount syntax lives there
 
 if TYPE_CHECKING:
     from nymph.config import NymphConfig
@@ -53,7 +53,6 @@ BASE_PREFIXES = ("LC_",)
 PASSED_PREFIXES = ("LAKESHORE_", "CUDA_", "NVIDIA_")
 NEVER_PASSED = frozenset(("LAKESHORE_TOKEN",))  # the task gets its own credential, never nymph's
 MOUNT_ENV = "LAKESHORE_MOUNT_"
-_MOUNT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
 
 _cache: dict[Any, tuple[dict[bytes, bytes], dict[str, str]]] = {}
 
@@ -91,44 +90,21 @@ def mount_env_name(name: str) -> str:
     return MOUNT_ENV + name.upper().replace("-", "_")
 
 
-def parse_mount(spec: str) -> tuple[str, str, bool]:
-    """``NAME=/host/path[:ro|:rw]`` -> ``(name, path, read_only)``; ConfigError says what is wrong.
-
-    A mount is read-write unless it says ``:ro``. ``NAME=pvc:CLAIM[:ro]`` names a
-    PersistentVolumeClaim (the kube runner only)."""
-    name, sep, rest = str(spec).partition("=")
-    name = name.strip()
-    if not sep or not _MOUNT_NAME.fullmatch(name):
-        raise ConfigError(
-            f"--mount: expected NAME=/host/path[:ro] with NAME of letters, digits, _ and -, got {spec!r}"
-        )
-    read_only = False
-    for suffix, ro in ((":ro", True), (":rw", False)):
-        if rest.endswith(suffix):
-            rest, read_only = rest[: -len(suffix)], ro
-            break
-    if rest.startswith("pvc:") and len(rest) > 4:
-        return name, rest, read_only
-    if not os.path.isabs(rest):
-        raise ConfigError(f"--mount {name}: the host path must be absolute, got {rest!r}")
-    return name, os.path.normpath(rest), read_only
-
-
 def call_env(
     config: NymphConfig, run_config: Mapping[str, Any]
 ) -> tuple[dict[str, str], dict[str, tuple[str, bool]]]:
     """A call's ``run_config.env`` checked and the mounts it asks for, resolved against this
-    nymph's ``--mount`` declarations: ``(env, {name: (path, read_only)})``. Refused
+    nymph's ``--mount`` declarations: ``(env, {name: (path, read_only)})``. GateRefused
     (``InvalidRunConfig``, ``MountRefused``) before anything runs, with what to do."""
     try:
         env = user_env(run_config.get("env"))
         wanted = names(run_config.get("mounts"), "run_config.mounts")
     except ValueError as exc:
-        raise Refused("InvalidRunConfig", str(exc)) from None
+        raise GateRefused("InvalidRunConfig", str(exc)) from None
     unknown = [m for m in wanted if m not in config.mounts]
     if unknown:
         offered = ", ".join(sorted(config.mounts)) or "none"
-        raise Refused(
+        raise GateRefused(
             "MountRefused",
             f"mount {unknown[0]!r} is not offered by this worker (its mounts: {offered}); ask for one "
             f"of those, or have the operator start nymph with --mount {unknown[0]}=/host/path[:ro]",

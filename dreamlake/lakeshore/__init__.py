@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import importlib
 
+from dreamlake.lakeshore.version import __version__ as __version__
+
 TYPE_CHECKING = False  # typing costs start-up time; this package is imported by every invocation
 if TYPE_CHECKING:
     from typing import Any
@@ -26,11 +28,11 @@ if TYPE_CHECKING:
     from dreamlake.lakeshore.decorator import run as run
     from dreamlake.lakeshore.decorator import scope as scope
     from dreamlake.lakeshore.decorator import set_default_code as set_default_code
-    from dreamlake.lakeshore.decorator import set_default_dispatch as set_default_dispatch
     from dreamlake.lakeshore.decorator import submit_all as submit_all
     from dreamlake.lakeshore.decorator import udf as udf
-    from dreamlake.lakeshore.dispatch import Dispatch as Dispatch
-    from dreamlake.lakeshore.dispatch import HttpDispatch as HttpDispatch
+    from dreamlake.lakeshore.default_dispatch import set_default_dispatch as set_default_dispatch
+    from dreamlake.lakeshore.dispatch.http import HttpDispatch as HttpDispatch
+    from dreamlake.lakeshore.dispatch.local import Dispatch as Dispatch
     from dreamlake.lakeshore.errors import DispatchError as DispatchError
     from dreamlake.lakeshore.errors import StreamRestarted as StreamRestarted
     from dreamlake.lakeshore.handles import ALL_COMPLETED as ALL_COMPLETED
@@ -43,7 +45,6 @@ if TYPE_CHECKING:
     from dreamlake.lakeshore.queue import Topic as Topic
     from dreamlake.lakeshore.worker import run_worker as run_worker
 
-__version__ = "0.1.0"
 
 _LAZY = {
     "udf": "dreamlake.lakeshore.decorator",
@@ -54,7 +55,7 @@ _LAZY = {
     "scope": "dreamlake.lakeshore.decorator",
     "run": "dreamlake.lakeshore.decorator",
     "set_default_code": "dreamlake.lakeshore.decorator",
-    "set_default_dispatch": "dreamlake.lakeshore.decorator",
+    "set_default_dispatch": "dreamlake.lakeshore.default_dispatch",
     "Invocation": "dreamlake.lakeshore.handles",
     "wait": "dreamlake.lakeshore.handles",
     "as_completed": "dreamlake.lakeshore.handles",

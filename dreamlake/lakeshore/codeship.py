@@ -19,7 +19,7 @@ The archive is a deterministic zip: entries sorted, timestamps fixed (1980-01-01
 (``pathspec``'s gitignore rules). It is content-addressed by sha256, refused over
 ``LAKESHORE_CODE_MAX_BYTES`` (default 32 MiB) with what to exclude, and built again only when a
 file changed (a stat of every packed file per submit: an edit is picked up by the next call).
-Archives up to ``LAKESHORE_INLINE_THRESHOLD_BYTES`` (seed 003: 256 KiB) travel inline in the
+Archives up to ``INLINE_THRESHOLD_BYTES`` (seed 003: 256 KiB) travel inline in the
 Envelope; larger ones go through the payload store once per content and control plane per
 process (:func:`_store_archive`: ``dreamlake.lakeshore.blobs`` through the presign route, kind
 ``code``). The record (docs/protocol.md "Code archives")::
@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from dreamlake.lakeshore import envvars
 from dreamlake.lakeshore.errors import TransportError
 
 __all__ = [
@@ -65,9 +66,9 @@ __all__ = [
 AUTO = "auto"
 CODE_ENV = "LAKESHORE_CODE"  # auto | none: the process default when neither udf nor scope says
 MAX_ENV = "LAKESHORE_CODE_MAX_BYTES"
-THRESHOLD_ENV = "LAKESHORE_INLINE_THRESHOLD_BYTES"
+THRESHOLD_ENV = "INLINE_THRESHOLD_BYTES"  # envvars.py (LAKESHORE_INLINE_THRESHOLD_BYTES: deprecated)
 CODE_MAX_BYTES = 32 * 1024 * 1024
-INLINE_THRESHOLD_BYTES = 256 * 1024  # seed 003's default; the server enforces its own
+INLINE_THRESHOLD_BYTES = envvars.DEFAULT_INLINE_THRESHOLD_BYTES  # seed 003's; the server enforces its own
 STORED_FOR_S = 24 * 3600.0  # a stored archive is uploaded again after this (the store prunes old blobs)
 FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # the zip epoch: the same bytes whenever the files are the same
 ALWAYS_DROPPED = ("__pycache__", ".git", ".hg", ".svn", ".mypy_cache", ".pytest_cache", ".ruff_cache")
@@ -288,24 +289,11 @@ def _files(root: Path) -> list[tuple[str, str, os.stat_result]]:
 
 
 def _limit() -> int:
-    return _env_int(MAX_ENV, CODE_MAX_BYTES)
+    return envvars.env_int(MAX_ENV, CODE_MAX_BYTES)
 
 
 def _threshold() -> int:
-    return _env_int(THRESHOLD_ENV, INLINE_THRESHOLD_BYTES)
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of bytes") from None
-    if value < 0:
-        raise ValueError(f"{name}={raw!r} must be >= 0")
-    return value
+    return envvars.inline_threshold()
 
 
 def _too_big(roots: Sequence[Path], size: int, limit: int) -> TransportError:
@@ -385,7 +373,8 @@ def code_record(
     if len(data) <= _threshold():
         record["inline"] = data
         return record
-    where = (digest, getattr(getattr(plane, "_client", None), "url", None))  # per control plane
+    client = plane.payload_client() if plane is not None else None
+    where = (digest, client.url if client is not None else None)  # per control plane
     with _SHIPPED.lock:
         known_ref = _SHIPPED.stored.get(where)
     if known_ref is None or time.monotonic() - known_ref[0] > STORED_FOR_S:
@@ -401,7 +390,7 @@ def _store_archive(data: bytes, digest: str, plane: Any) -> dict[str, Any]:
     the namespace the plane's token acts in, kind ``code``); the record's ``ref`` and ``namespace``."""
     from dreamlake.lakeshore.client import PlaneClient
 
-    client = getattr(plane, "_client", None)
+    client = plane.payload_client() if plane is not None else None
     if not isinstance(client, PlaneClient):
         raise TransportError(
             f"code archive is {len(data)} bytes, over the {_threshold()}-byte inline threshold, and "

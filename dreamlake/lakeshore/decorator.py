@@ -43,6 +43,8 @@ import types
 from collections import namedtuple
 from collections.abc import Generator, Mapping
 
+from dreamlake.lakeshore.default_dispatch import get_default_dispatch as get_default_dispatch
+from dreamlake.lakeshore.default_dispatch import set_default_dispatch as set_default_dispatch
 from dreamlake.lakeshore.errors import PlaneError, Unavailable
 
 TYPE_CHECKING = False  # typing, dataclasses, inspect and logging cost every invocation's start-up
@@ -216,36 +218,6 @@ def invocation_context(envelope: Envelope) -> Iterator[RunState]:
         _STATE.reset(token)
 
 
-# --- the default plane ----------------------------------------------------------------------------
-
-_default_plane: Plane | None = None
-
-
-def set_default_dispatch(plane: Plane | None) -> None:
-    """Set (or clear, with ``None``) the plane ``.submit()`` and ``SyncQueue`` use by default."""
-    global _default_plane
-    _default_plane = plane
-
-
-def get_default_dispatch() -> Plane:
-    """The process default plane: the one set, else an ``HttpDispatch`` from ``LAKESHORE_URL`` /
-    ``LAKESHORE_TOKEN`` or the config file (``dreamlake.lakeshore.settings``), made once;
-    :class:`PlaneError` naming the fixes when there is none."""
-    global _default_plane
-    if _default_plane is None:
-        from dreamlake.lakeshore.settings import default_plane
-
-        _default_plane = default_plane()
-    if _default_plane is None:
-        raise PlaneError(
-            "no dispatch plane: export LAKESHORE_URL and LAKESHORE_TOKEN (`lakeshore server` prints "
-            "both), pass _dispatch=plane to submit(), give @dls.udf(dispatch=plane), "
-            "or call dls.set_default_dispatch(plane) once at start-up "
-            '(plane = Dispatch(":memory:") in process, or HttpDispatch(url, token))'
-        )
-    return _default_plane
-
-
 # --- local generator calls ------------------------------------------------------------------------
 
 
@@ -333,10 +305,10 @@ def _is_generator_function(fn: object) -> bool:
     return bool(_code_flags(fn) & _CO_GENERATOR)
 
 
-def check_async_plane(udf: UDF, plane: object) -> None:
+def check_async_plane(udf: UDF, plane: Plane) -> None:
     """TypeError when ``udf`` is an ``async def`` and ``plane`` cannot run one (a plane says it
     can with ``runs_async = True``: both of the SDK's planes, and every runner of nymph)."""
-    if udf.is_async and not getattr(plane, "runs_async", False):
+    if udf.is_async and not plane.runs_async:
         raise TypeError(
             f"{udf.__qualname__} is an async def, and the plane {plane!r} cannot run one (it does "
             "not declare runs_async = True): use Dispatch or HttpDispatch, or make it a plain def"
@@ -465,13 +437,9 @@ class Thunk(_ThunkFields):
         check_async_plane(self.udf, plane)
         envelope = self.to_envelope(plane)
         _warn_if_pickled(plane, envelope.fn, self.queue, self.udf)
-        # A plane that takes the Envelope itself (HttpDispatch) streams a big one to the payload
-        # store from its parts: the arguments are never copied a second time.
-        by_parts = getattr(plane, "submit_envelope", None)
-        if by_parts is not None:
-            inv = str(by_parts(envelope, self.queue, self.run_config(), self.parent))
-        else:
-            inv = plane.submit(envelope.to_bytes(), self.queue, self.run_config(), self.parent)
+        # The plane takes the Envelope itself: HttpDispatch streams a big one to the payload store
+        # from its parts, so the arguments are never copied a second time.
+        inv = str(plane.submit(envelope, self.queue, self.run_config(), self.parent))
         import logging
 
         logging.getLogger(__name__).debug(
@@ -489,7 +457,7 @@ class Thunk(_ThunkFields):
         envelope = self.to_envelope(plane)
         _warn_if_pickled(plane, envelope.fn, self.queue, self.udf)
         q = SyncQueue(self.queue, dispatch=plane)
-        return q.call(envelope.to_bytes(), self.run_config(), self.parent, timeout)
+        return q.call(envelope, self.run_config(), self.parent, timeout)
 
 
 class UDF:
@@ -804,7 +772,7 @@ def submit_all(thunks: Any, dispatch: Plane | None = None) -> Calls:
     for thunk in thunks:
         target = dispatch or thunk.udf.dispatch or get_default_dispatch()
         check_async_plane(thunk.udf, target)
-        if chunk and (target is not plane or len(chunk) >= MAP_CHUNK):
+        if plane is not None and chunk and (target is not plane or len(chunk) >= MAP_CHUNK):
             _send(plane, chunk, out)
             chunk = []
         plane = out.dispatch = target
@@ -814,7 +782,7 @@ def submit_all(thunks: Any, dispatch: Plane | None = None) -> Calls:
         envelope = thunk.to_envelope(target, record=records[mine][2])
         _warn_if_pickled(target, envelope.fn, thunk.queue, thunk.udf)
         chunk.append((envelope, thunk.queue, thunk.run_config(), thunk.parent))
-    if chunk:
+    if plane is not None and chunk:
         _send(plane, chunk, out)
     return out
 
@@ -846,21 +814,11 @@ def _submit_calls(plane: Plane, template: Thunk, args_of: Any) -> Calls:
     return out
 
 
-def _send(plane: Any, chunk: list[tuple[Any, ...]], out: Calls) -> None:
+def _send(plane: Plane, chunk: list[tuple[Any, ...]], out: Calls) -> None:
     """Submit ``chunk`` (``(envelope, queue, run_config, parent)`` each) to ``plane`` in one batch
-    (one call each on a plane without ``submit_batch``); the ids onto ``out``, or raise the first
-    refusal (see :meth:`UDF.map`)."""
-    batch = getattr(plane, "submit_batch", None)
-    if batch is not None:
-        results = batch(chunk)
-    else:
-        results = []
-        for envelope, queue, run_config, parent in chunk:
-            try:
-                results.append(plane.submit(envelope.to_bytes(), queue, run_config, parent))
-            except PlaneError as exc:
-                exc.invocation_id = envelope.id
-                results.append(exc)
+    (``Plane.submit_batch``: one call each on a plane that keeps the default); the ids onto ``out``,
+    or raise the first refusal (see :meth:`UDF.map`)."""
+    results = plane.submit_batch(chunk)
     from dreamlake.lakeshore.handles import Invocation
 
     first = None
@@ -889,11 +847,10 @@ def _send(plane: Any, chunk: list[tuple[Any, ...]], out: Calls) -> None:
     raise new
 
 
-def _warn_if_pickled(plane: Any, fn: Any, queue: str, udf: UDF) -> None:
-    """A pickled call to a plane that can tell whether the queue's workers take pickles."""
-    warn = getattr(plane, "warn_if_pickles_refused", None)
-    if warn is not None and isinstance(fn, dict) and fn.get("kind") == "pickle":
-        warn(queue, udf.__qualname__)
+def _warn_if_pickled(plane: Plane, fn: Any, queue: str, udf: UDF) -> None:
+    """A pickled call: the plane warns when it knows the queue's workers refuse pickles."""
+    if isinstance(fn, dict) and fn.get("kind") == "pickle":
+        plane.warn_if_pickles_refused(queue, udf.__qualname__)
 
 
 def _cfg(udf: UDF, record: Any) -> dict[str, Any] | None:

@@ -95,7 +95,7 @@ class Invocation(str):
         """The plane the call went to, else the process default."""
         if self._dispatch is not None:
             return self._dispatch
-        from dreamlake.lakeshore.decorator import get_default_dispatch
+        from dreamlake.lakeshore.default_dispatch import get_default_dispatch
 
         return get_default_dispatch()
 
@@ -258,21 +258,9 @@ class Tracker:
 
 
 def _await_batch(plane: Any, invs: list[Invocation], timeout: float) -> dict[str, Any]:
-    """``plane.await_batch``; on a plane without it, one await of the first handle."""
-    batch = getattr(plane, "await_batch", None)
-    ids = [str(i) for i in invs]
-    if batch is not None:
-        return batch(ids, timeout)  # type: ignore[no-any-return]
-    from dreamlake.lakeshore.errors import NotFound
-    from dreamlake.lakeshore.states import TERMINAL_STATES
-
-    try:
-        got = plane.await_result(ids[0], timeout)
-    except NotFound:
-        return {"results": {}, "states": {}, "unknown": [ids[0]]}
-    if got.get("state") in TERMINAL_STATES:
-        return {"results": {ids[0]: got}, "states": {}, "unknown": []}
-    return {"results": {}, "states": {}, "unknown": []}
+    """``plane.await_batch`` of the handles (one await of the first on a plane that keeps the
+    protocol's default)."""
+    return plane.await_batch([str(i) for i in invs], timeout)  # type: ignore[no-any-return]
 
 
 def _deadline(timeout: float | None) -> float | None:

@@ -47,6 +47,7 @@ from dreamlake.lakeshore.errors import DispatchError, StreamRestarted
 
 if TYPE_CHECKING:
     from dreamlake.lakeshore.dispatch import Plane
+    from dreamlake.lakeshore.envelope import Envelope
     from dreamlake.lakeshore.wire import Frame
 
 __all__ = ["LogChunk", "Stream", "SyncQueue", "Topic", "log_chunks"]
@@ -324,7 +325,7 @@ class SyncQueue:
         """The plane given to the queue, else the process default (``dls.set_default_dispatch``)."""
         if self._dispatch is not None:
             return self._dispatch
-        from dreamlake.lakeshore.decorator import get_default_dispatch
+        from dreamlake.lakeshore.default_dispatch import get_default_dispatch
 
         return get_default_dispatch()
 
@@ -384,17 +385,14 @@ class SyncQueue:
         deadline = time.monotonic() + _check_timeout(timeout)
         return self._settle(inv, None, deadline, timeout)
 
-    def call(self, envelope: bytes, run_config: dict[str, Any], parent: str | None, timeout: float) -> Any:
+    def call(
+        self, envelope: Envelope | bytes, run_config: dict[str, Any], parent: str | None, timeout: float
+    ) -> Any:
         """Submit ``envelope`` to this queue and wait for its value (``Thunk.call``): one request
         on a plane that submits and waits at once (the HTTP plane's ``submit_and_wait``), else a
         submit, then ``result``."""
         deadline = time.monotonic() + _check_timeout(timeout)
-        plane = self.dispatch
-        submit_and_wait = getattr(plane, "submit_and_wait", None)
-        if submit_and_wait is None:
-            inv = plane.submit(envelope, self.name, run_config, parent)
-            return self._settle(inv, None, deadline, timeout)
-        inv, out = submit_and_wait(envelope, self.name, run_config, parent, timeout)
+        inv, out = self.dispatch.submit_and_wait(envelope, self.name, run_config, parent, timeout)
         return self._settle(inv, out, deadline, timeout)
 
     def _settle(self, inv: str, out: dict[str, Any] | None, deadline: float, timeout: float) -> Any:
@@ -458,7 +456,7 @@ class Topic:
     def dispatch(self) -> Plane:
         if self._dispatch is not None:
             return self._dispatch
-        from dreamlake.lakeshore.decorator import get_default_dispatch
+        from dreamlake.lakeshore.default_dispatch import get_default_dispatch
 
         return get_default_dispatch()
 

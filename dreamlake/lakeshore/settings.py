@@ -9,7 +9,7 @@ Resolved on first use, never at import: explicit values (CLI flags) over the ``L
 
 ``lakeshore server`` prints the two ``export`` lines on its first start. With them set,
 ``topk.submit(...)`` and ``dls.SyncQueue("q")`` use an ``HttpDispatch(url, token)`` without
-``set_default_dispatch`` (see ``decorator.get_default_dispatch``). Inside a task, nymph sets
+``set_default_dispatch`` (see ``default_dispatch.get_default_dispatch``). Inside a task, nymph sets
 ``LAKESHORE_URL`` and ``LAKESHORE_TOKEN_FILE``: the control plane's URL and the path of a file only
 the task's user can read, holding a credential scoped to that invocation's attempt (not the token
 itself, which every child process would inherit and ``/proc/PID/environ`` would show). A relative
@@ -139,9 +139,10 @@ def default_plane(env: Mapping[str, str] | None = None) -> HttpDispatch | None:
     if not settings.url and not settings.token:
         return None
     url, token = settings.require()
-    from dreamlake.lakeshore.dispatch import HttpDispatch
+    from dreamlake.lakeshore.dispatch import HttpDispatch as Http  # its missing-module error
 
     try:
-        return HttpDispatch(url, token)
+        plane: HttpDispatch = Http(url, token)
     except ValueError as exc:
         raise PlaneError(f"{URL_ENV}/{TOKEN_ENV} (or {settings.config_file}): {exc}") from exc
+    return plane

@@ -99,13 +99,12 @@ class _Heartbeat:
     def _wait(self) -> bool:
         """Wait for the next beat (or, on a plane that can say so, a queued command); True: stop."""
         plane, worker_id, every_s = self._args
-        wait_commands = getattr(plane, "wait_commands", None)
-        if wait_commands is None:
+        if not plane.wakes_on_commands:
             return self._stop.wait(every_s)
         deadline = time.monotonic() + every_s
         while not self._stop.is_set():
             left = deadline - time.monotonic()
-            if left <= 0 or wait_commands(worker_id, min(left, _WAKE_SLICE_S)):
+            if left <= 0 or plane.wait_commands(worker_id, min(left, _WAKE_SLICE_S)):
                 return False
         return True
 
@@ -319,17 +318,12 @@ def run_worker(
         raise ValueError(f"prefetch must be an int >= 1, got {prefetch!r}")
     allow = plane.trusted if allow_pickled is None else bool(allow_pickled)
     wid = worker_id or ids.new_ulid()
-    claim_batch = getattr(plane, "claim_batch", None)
-    later = claim_batch is not None and not once
+    later = plane.acks_ride_polls and not once
     log.info("worker %s on queue %s (allow_pickled=%s, policy=%s)", wid, q.name, allow, runtime_policy)
     heartbeat = _Heartbeat(plane, wid, heartbeat_s)
     try:
         while stop is None or not stop.is_set():
-            if claim_batch is not None:
-                claims = claim_batch(wid, [q.name], poll_timeout, 1 if once else prefetch)
-            else:
-                one = plane.claim(wid, [q.name], poll_timeout)
-                claims = [] if one is None else [one]
+            claims = plane.claim_batch(wid, [q.name], poll_timeout, 1 if once else prefetch)
             if not claims:
                 if once:
                     return None
@@ -347,9 +341,8 @@ def run_worker(
         return None
     finally:
         heartbeat.stop()
-        flush = getattr(plane, "flush_acks", None)
-        if later and flush is not None:
+        if later:
             try:
-                flush(wid)
+                plane.flush_acks(wid)
             except Exception as exc:  # the plane is gone: the leases lapse and the jobs run again
                 log.warning("worker %s: the acks queued for the next poll were not sent: %s", wid, exc)

@@ -170,7 +170,7 @@ def test_an_archive_over_the_threshold_goes_by_ref_once_and_a_tampered_blob_is_r
 ) -> None:
     cp = tier.cp
     src, name = user_package
-    monkeypatch.setenv("LAKESHORE_INLINE_THRESHOLD_BYTES", "256")  # every archive goes by reference
+    monkeypatch.setenv("INLINE_THRESHOLD_BYTES", "256")  # every archive goes by reference
     n = nymph_factory(cp.url, cp.daemon_token)
     plane = HttpDispatch(cp.url, cp.producer_token)
     q = dls.SyncQueue("default", plane)

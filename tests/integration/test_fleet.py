@@ -19,11 +19,12 @@ import msgpack
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from dreamlake.lakeshore.errors import Unavailable
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.server.app import create_app
 from dreamlake.lakeshore.server.config import ServerConfig
 from dreamlake.lakeshore.store import open_store
-from nymph.client import ControlPlaneClient, TransientError
+from nymph.client import ControlPlaneClient
 from tests.integration.conftest import MSGPACK, ControlPlane, ServerThread, running_control_plane, submit_body
 
 WAITERS = 200
@@ -225,7 +226,7 @@ def test_past_max_polls_a_poll_is_refused_503_with_retry_after(tmp_path: Any) ->
                 )
                 client = ControlPlaneClient(cp.url, cp.daemon_token)
                 try:
-                    with pytest.raises(TransientError) as err:
+                    with pytest.raises(Unavailable) as err:
                         await asyncio.to_thread(client.poll, body, timeout_s=1)
                 finally:
                     client.close()

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 import dreamlake.lakeshore as dls
-from dreamlake.lakeshore.dispatch import Dispatch, HttpDispatch
+from dreamlake.lakeshore.dispatch import Dispatch, HttpDispatch, Plane
+from dreamlake.lakeshore.envelope import Envelope
 from dreamlake.lakeshore.errors import BadRequest, DispatchError, PlaneError
 from tests.integration.conftest import ControlPlane
 
@@ -164,9 +165,10 @@ def test_the_local_plane_maps_in_one_transaction_per_batch(tmp_path: Any) -> Non
 
 
 def test_a_plane_without_batches_gets_single_submits() -> None:
-    """A plane of the protocol without ``submit_batch`` (a user's own) still maps, call by call."""
+    """A plane of the protocol without a ``submit_batch`` of its own (a user's, subclassing
+    ``Plane``) still maps, call by call: the protocol's default sends one submit each."""
 
-    class Plain:
+    class Plain(Plane):
         trusted = True
 
         def __init__(self) -> None:
@@ -174,13 +176,17 @@ def test_a_plane_without_batches_gets_single_submits() -> None:
             self.submitted = 0
 
         def submit(
-            self, envelope: bytes, queue: str, run_config: dict[str, Any], parent: str | None = None
+            self,
+            envelope: Envelope | bytes,
+            queue: str,
+            run_config: dict[str, Any],
+            parent: str | None = None,
         ) -> str:
             self.submitted += 1
             return self.inner.submit(envelope, queue, run_config, parent)
 
     plane = Plain()
-    calls = square.map(range(7), _dispatch=plane)  # type: ignore[arg-type]
+    calls = square.map(range(7), _dispatch=plane)
     assert plane.submitted == 7 and len(set(calls)) == 7
     assert all(plane.inner.store.get(i) is not None for i in calls)
 

@@ -16,7 +16,7 @@ from click.testing import CliRunner, Result
 import dreamlake.lakeshore as dls
 from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.cli import main
-from dreamlake.lakeshore.decorator import set_default_dispatch
+from dreamlake.lakeshore.default_dispatch import set_default_dispatch
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.ops_cli import parse_since, table
 from tests.integration.conftest import ControlPlane, submit_body

@@ -21,7 +21,7 @@ import pytest
 
 import dreamlake.lakeshore as dls
 from dreamlake.lakeshore import ids
-from dreamlake.lakeshore.decorator import set_default_dispatch
+from dreamlake.lakeshore.default_dispatch import set_default_dispatch
 from dreamlake.lakeshore.dispatch import Dispatch, HttpDispatch, Plane
 from dreamlake.lakeshore.errors import DispatchError
 from tests.conftest import ROOT

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from dreamlake.lakeshore.ids import new_ulid
-from dreamlake.lakeshore.server.tasks import KEY_NAME, TaskTokens
+from dreamlake.lakeshore.server.task_tokens import KEY_NAME, TaskTokens
 from dreamlake.lakeshore.store import open_store
 from dreamlake.lakeshore.store.keys import ENV_KEY, FILE_NAME, KeyConfigError, KeyRing
 from tests.integration.conftest import submit_body

@@ -259,14 +259,16 @@ def test_healthz_reads_json_and_is_tried_once() -> None:
     assert calls == [1]
 
 
-def test_nymph_names_are_the_lakeshore_errors() -> None:
-    assert nymph.client.ClientError is errors.PlaneError
-    assert nymph.client.TransientError is errors.Unavailable
-    assert nymph.client.FatalError is errors.Refused
-    assert nymph.client.AuthRejected is errors.AuthError
-    assert nymph.client.Superseded is errors.Conflict
-    assert nymph.client.NotFound is errors.NotFound
-    assert nymph.client.BadRequest is errors.BadRequest
+def test_one_name_per_error_in_one_process() -> None:
+    """nymph raises the lakeshore errors under their own names (no aliases such as ``FatalError``),
+    and its gate refusal is ``GateRefused``: one ``Refused`` class in the process."""
+    import nymph.errors
+
+    for alias in ("ClientError", "TransientError", "FatalError", "AuthRejected", "Superseded"):
+        assert not hasattr(nymph.client, alias), alias
+    assert not hasattr(nymph.errors, "Refused")
+    assert issubclass(nymph.errors.GateRefused, nymph.errors.JobRefused)
+    assert not issubclass(nymph.errors.GateRefused, errors.PlaneError)
     assert nymph.client.is_retryable is is_retryable
 
 

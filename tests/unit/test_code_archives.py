@@ -138,7 +138,7 @@ def test_the_size_cap_refuses_with_what_to_exclude(pkg: Any, monkeypatch: pytest
 def test_over_the_inline_threshold_goes_through_the_payload_store(
     pkg: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("LAKESHORE_INLINE_THRESHOLD_BYTES", "100")
+    monkeypatch.setenv("INLINE_THRESHOLD_BYTES", "100")
     stored: list[tuple[bytes, str]] = []
 
     def store(data: bytes, digest: str, plane: Any) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from dreamlake.lakeshore import runenv
 from dreamlake.lakeshore.envelope import Envelope
 from nymph import envcache, taskenv
 from nymph.config import resolve
-from nymph.errors import ConfigError, Refused
+from nymph.errors import ConfigError, GateRefused
 from tests import pip_kit
 from tests.host_users import ensure_user
 
@@ -103,7 +103,7 @@ def test_mounts_are_declared_by_the_operator_and_asked_for_by_name(tmp_path: Pat
     assert env == {"A": "1"} and mounts == {"datasets": (str(tmp_path), True)}
     assert taskenv.mounts_env(mounts) == {"LAKESHORE_MOUNT_DATASETS": str(tmp_path)}
     with pytest.raises(
-        Refused, match=r"'models' is not offered by this worker .*datasets, scratch.*--mount models="
+        GateRefused, match=r"'models' is not offered by this worker .*datasets, scratch.*--mount models="
     ):
         taskenv.call_env(cfg, {"mounts": ["models"]})
     for bad in ("noequals", "x=relative/path", "bad name=/x"):

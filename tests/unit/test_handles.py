@@ -14,7 +14,7 @@ import pytest
 
 import dreamlake.lakeshore as dls
 from dreamlake.lakeshore import wire
-from dreamlake.lakeshore.dispatch import Dispatch
+from dreamlake.lakeshore.dispatch import Dispatch, Plane
 from dreamlake.lakeshore.errors import DispatchError, NotFound
 from dreamlake.lakeshore.ids import new_ulid
 
@@ -210,7 +210,7 @@ def test_async_bodies_run_on_the_worker_and_the_sdk_awaits(plane: CountingPlane)
 
 
 def test_an_async_udf_on_a_plane_that_cannot_run_it_is_refused_at_decoration() -> None:
-    class OldPlane:
+    class OldPlane(Plane):  # keeps the protocol's runs_async = False
         trusted = False
 
     async def body() -> int:

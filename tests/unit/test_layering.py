@@ -1,7 +1,11 @@
 """The import graph holds its layers: runners -> nymph -> dreamlake.lakeshore, server -> store, no cycles.
 
-Walks every module's top-level imports (``if TYPE_CHECKING:`` blocks and imports inside functions are
-lazy and do not count) with :mod:`ast`, so it sees the code as written, not as a test happens to load it.
+Walks every module's imports with :mod:`ast`, so it sees the code as written, not as a test happens to
+load it: the top-level ones, and for the cycle test also the lazy ones (inside functions) and the
+type-only ones (``if TYPE_CHECKING:``). A circle of lazy imports still ties its modules into one
+(neither can be read, tested or moved without the other), so none is allowed. A module importing
+its own package (``from dreamlake.lakeshore import x``) counts as importing the package's
+``__init__``; a package's ``__init__`` must not import back the modules that import it.
 """
 
 from __future__ import annotations
@@ -112,6 +116,22 @@ def _imports_anywhere(path: Path) -> Iterator[str]:
             yield from _targets(module, path, node)
 
 
+def _full_graph() -> dict[str, set[str]]:
+    """Every import, lazy (inside a function) and type-only (``if TYPE_CHECKING:``) ones included."""
+    graph: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        edges = graph.setdefault(module, set())
+        for target in _imports_anywhere(path):
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                edges.add(target)
+    return graph
+
+
+FULL_GRAPH = _full_graph()
+
+
 def test_the_graph_sees_the_project() -> None:
     assert {"dreamlake.lakeshore.wire", "nymph.agent", "nymph_process"} <= set(GRAPH)
     assert any(GRAPH.values())
@@ -158,8 +178,27 @@ def test_the_cycle_finder_finds_cycles() -> None:
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
+def _describe(graph: dict[str, set[str]], cycle: list[str]) -> str:
+    members = set(cycle)
+    return "; ".join(f"{m} -> {', '.join(sorted(graph[m] & members))}" for m in cycle)
+
+
 def test_no_import_cycles() -> None:
-    assert _cycles(GRAPH) == [], "import cycles (module-level imports)"
+    found = [_describe(GRAPH, c) for c in _cycles(GRAPH)]
+    assert found == [], f"import cycles (module-level imports): {found}"
+
+
+def test_no_import_cycles_lazy_or_type_only_imports_included() -> None:
+    """Moving an import into a function or under ``TYPE_CHECKING`` hides a circle; it does not
+    break it. Break one by moving the shared piece to a module both import."""
+    found = [_describe(FULL_GRAPH, c) for c in _cycles(FULL_GRAPH)]
+    assert found == [], f"import cycles (lazy and type-only imports included): {found}"
+
+
+def test_the_full_graph_sees_lazy_and_type_only_imports() -> None:
+    # decorator.py imports handles only inside functions and under TYPE_CHECKING
+    assert "dreamlake.lakeshore.handles" not in GRAPH["dreamlake.lakeshore.decorator"]
+    assert "dreamlake.lakeshore.handles" in FULL_GRAPH["dreamlake.lakeshore.decorator"]
 
 
 ORDER = {"lakeshore": 0, "nymph": 1, "runners": 2}

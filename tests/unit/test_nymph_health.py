@@ -13,7 +13,8 @@ import httpx
 import msgpack
 import pytest
 
-from nymph.client import ControlPlaneClient, TransientError
+from dreamlake.lakeshore.errors import Unavailable
+from nymph.client import ControlPlaneClient
 from nymph.errors import is_disk_full
 from nymph.health import DiskHealth, free_bytes
 from nymph.sdnotify import SdNotify
@@ -78,7 +79,7 @@ def test_an_outage_is_one_went_away_line_and_one_reconnected_line(caplog: pytest
     assert plane.held.wait(5)
     plane.down.set()
     for _ in range(5):
-        with pytest.raises(TransientError):
+        with pytest.raises(Unavailable):
             client.heartbeat({})
     plane.down.clear()
     plane.hold.clear()
@@ -101,7 +102,7 @@ def test_a_server_that_asks_to_wait_is_not_an_outage() -> None:
         )
 
     client = ControlPlaneClient("http://cp", "tok", transport=httpx.MockTransport(busy))
-    with pytest.raises(TransientError):
+    with pytest.raises(Unavailable):
         client.poll({}, timeout_s=1)
     assert client.link.up is True  # poll admission control: the server is there
 

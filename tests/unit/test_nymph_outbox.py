@@ -11,15 +11,8 @@ import httpx
 import msgpack
 import pytest
 
-from nymph.client import (
-    AuthRejected,
-    BadRequest,
-    ControlPlaneClient,
-    NotFound,
-    Superseded,
-    TransientError,
-    is_retryable,
-)
+from dreamlake.lakeshore.errors import AuthError, BadRequest, Conflict, NotFound, Unavailable
+from nymph.client import ControlPlaneClient, is_retryable
 from nymph.outbox import HOLD_S, Outbox
 
 
@@ -51,12 +44,12 @@ class FakePlane:
 @pytest.mark.parametrize(
     ("status", "error", "retryable"),
     [
-        (500, TransientError, True),
-        (503, TransientError, True),
-        (429, TransientError, True),
-        (401, AuthRejected, False),
-        (403, AuthRejected, False),
-        (409, Superseded, False),
+        (500, Unavailable, True),
+        (503, Unavailable, True),
+        (429, Unavailable, True),
+        (401, AuthError, False),
+        (403, AuthError, False),
+        (409, Conflict, False),
         (404, NotFound, False),
         (400, BadRequest, False),
     ],
@@ -72,7 +65,7 @@ def test_client_classifies_statuses(status: int, error: type[Exception], retryab
 def test_connection_error_is_transient_and_chained() -> None:
     plane = FakePlane()
     plane.down.set()
-    with pytest.raises(TransientError) as info:
+    with pytest.raises(Unavailable) as info:
         plane.client().heartbeat({})
     assert isinstance(info.value.__cause__, httpx.ConnectError)
 
@@ -129,7 +122,7 @@ def test_final_refusals_are_dropped_not_retried(tmp_path: Path) -> None:
 
 
 def test_a_message_that_cannot_be_sent_is_moved_aside_and_later_ones_still_go(tmp_path: Path) -> None:
-    # Before the fix an exception outside ClientError (here a bug in the transport) killed the
+    # Before the fix an exception outside PlaneError (here a bug in the transport) killed the
     # sender thread: every later ack stayed on disk until a restart, which died the same way.
     plane = FakePlane()
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from nymph.client import AuthRejected, TransientError
+from dreamlake.lakeshore.errors import AuthError, Unavailable
 from nymph.config import NymphConfig
 from nymph.poller import Poller
 from nymph.slots import Slots
@@ -87,7 +87,7 @@ def test_without_acks_the_poll_waits_as_usual(tmp_path: Path) -> None:
     assert "acks" not in body and body["timeout_s"] == poller._config.poll_timeout_s > 0
 
 
-@pytest.mark.parametrize("failure", [TransientError("down", 503), AuthRejected("bad token", 401)])
+@pytest.mark.parametrize("failure", [Unavailable("down", 503), AuthError("bad token", 401)])
 def test_a_failed_poll_with_acks_hands_them_back_and_polls_again_without_them(
     tmp_path: Path, failure: Exception
 ) -> None:

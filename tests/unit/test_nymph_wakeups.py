@@ -15,11 +15,13 @@ from typing import Any
 import pytest
 
 from dreamlake.lakeshore import wire
-from nymph import health, pump
+from nymph import health
+from nymph import watcher as watcher_module
 from nymph.health import DiskHealth
 from nymph.outbox import Outbox
-from nymph.pump import Pump, Watcher
+from nymph.pump import Pump
 from nymph.sdnotify import SdNotify
+from nymph.watcher import Watcher
 
 from .test_nymph_outbox import FakePlane
 
@@ -76,7 +78,7 @@ def test_a_stream_with_output_still_waits_for_its_frames_before_the_ack(tmp_path
 def test_the_watcher_hears_writes_to_a_streams_files_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(pump, "TICK_S", 600.0)  # no safety tick inside the test
+    monkeypatch.setattr(watcher_module, "TICK_S", 600.0)  # no safety tick inside the test
     (tmp_path / "stdout.log").touch()  # nymph creates the logs before the task starts
     heard = threading.Event()
     watcher = Watcher()

@@ -16,7 +16,7 @@ from dreamlake.lakeshore.errors import InvalidId
 from dreamlake.lakeshore.store import retry
 from nymph import workdir as wd
 from nymph.config import resolve
-from nymph.job import Job, JobContext, Refused
+from nymph.job import GateRefused, Job, JobContext
 from nymph.outbox import Outbox
 from nymph.pump import Pump
 from nymph.runner import Capabilities, ExitStatus
@@ -144,7 +144,7 @@ def _ref() -> bytes:
 def test_gates_refuse_before_anything_is_spawned(
     tmp_path: Path, body: dict[str, Any], cfg: dict[str, Any], refusal: str
 ) -> None:
-    with pytest.raises(Refused) as info:
+    with pytest.raises(GateRefused) as info:
         _job(tmp_path, body, **cfg)._gates()
     assert info.value.type == refusal
 

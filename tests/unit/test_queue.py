@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import dreamlake.lakeshore as dls
-from dreamlake.lakeshore.decorator import set_default_dispatch
+from dreamlake.lakeshore.default_dispatch import set_default_dispatch
 from dreamlake.lakeshore.dispatch import Dispatch
 from dreamlake.lakeshore.errors import InvalidId, PlaneError
 

@@ -1,11 +1,11 @@
-"""Task tokens (server/tasks.py): minted under one key, refused when forged, expired or re-keyed."""
+"""Task tokens (server/task_tokens.py): minted under one key, refused when forged, expired or re-keyed."""
 
 from __future__ import annotations
 
 import pytest
 
 from dreamlake.lakeshore.ids import new_ulid
-from dreamlake.lakeshore.server.tasks import PREFIX, TaskTokens
+from dreamlake.lakeshore.server.task_tokens import PREFIX, TaskTokens
 
 KEY = b"k" * 32
 

@@ -9,7 +9,8 @@ import pytest
 
 import dreamlake.lakeshore as dls
 from dreamlake.lakeshore import envelope, wire
-from dreamlake.lakeshore.decorator import UDF, get_default_dispatch, invocation_context, set_default_dispatch
+from dreamlake.lakeshore.decorator import UDF, invocation_context
+from dreamlake.lakeshore.default_dispatch import get_default_dispatch, set_default_dispatch
 from dreamlake.lakeshore.errors import PlaneError, TransportError
 
 

@@ -49,6 +49,7 @@ MANIFEST_NAME = "lakeshore-entry-manifest.json"
 RUNTIME_FILES = (
     "dreamlake/__init__.py",
     "dreamlake/lakeshore/__init__.py",
+    "dreamlake/lakeshore/version.py",
     "dreamlake/lakeshore/ids.py",
     "dreamlake/lakeshore/errors.py",
     "dreamlake/lakeshore/wire/__init__.py",
@@ -65,9 +66,11 @@ RUNTIME_FILES = (
 #: (the HTTP plane; its httpx and tenacity come from the image, imported on first use).
 SDK_FILES = (
     "dreamlake/lakeshore/decorator.py",
+    "dreamlake/lakeshore/default_dispatch.py",
     "dreamlake/lakeshore/runenv.py",
     "dreamlake/lakeshore/handles.py",
     "dreamlake/lakeshore/codeship.py",
+    "dreamlake/lakeshore/envvars.py",  # codeship.py's and dispatch/http.py's inline threshold
     "dreamlake/lakeshore/queue.py",
     "dreamlake/lakeshore/settings.py",
     "dreamlake/lakeshore/states.py",

@@ -1,6 +1,6 @@
 """Dispatch planes: where ``.submit()`` sends a call and where workers claim it.
 
-Two planes implement one :class:`Plane` protocol:
+Two planes implement one :class:`Plane` protocol (a :class:`Producer` and a :class:`Worker`):
 
 * :class:`Dispatch` (``dispatch/local.py``) -- in process, over the store (SQLite file or
   ``":memory:"``). Trusted: ``run_worker`` allows pickled functions on it by default.
@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    from dreamlake.lakeshore.dispatch.http import HttpDispatch
-    from dreamlake.lakeshore.dispatch.local import Dispatch
+if TYPE_CHECKING:  # not the two planes: they import this module (a type checker reads them there)
+    from dreamlake.lakeshore.client import PlaneClient
+    from dreamlake.lakeshore.envelope import Envelope
+    from dreamlake.lakeshore.errors import PlaneError
     from dreamlake.lakeshore.wire import Frame
 
-__all__ = ["NATIVE_FUNCTION", "Claim", "Dispatch", "HttpDispatch", "Plane"]
+__all__ = ["NATIVE_FUNCTION", "Claim", "Dispatch", "HttpDispatch", "Plane", "Producer", "Worker"]
 
 NATIVE_FUNCTION: dict[str, str] = {
     "module": "_native_wire",
@@ -46,25 +47,55 @@ class Claim:
     attempt: int = 1
 
 
-@runtime_checkable
-class Plane(Protocol):
-    """What the SDK needs from a dispatch plane.
+class Producer(Protocol):
+    """What the SDK's producer side (``.submit()``, ``SyncQueue``, the handles) needs of a plane.
 
-    Optional, found with ``getattr``: ``runs_async = True`` (its workers run an ``async def`` body;
-    an async udf is refused on a plane without it), ``await_batch(ids, timeout)`` (the outcomes of
-    many invocations at once, waiting on any: ``dls.wait``, ``dls.as_completed`` and
-    ``Calls.results()`` read through it, else one ``await_result`` at a time), ``submit_batch``,
-    ``submit_envelope`` and ``submit_and_wait`` (see the two planes)."""
+    Every method a caller uses is declared here. The ones with a body are defaults a plane may
+    override (both of the SDK's planes do where they can do better): a plane of your own that
+    subclasses :class:`Plane` gets them; one that does not must define them all."""
 
     trusted: bool  # True: the pickle trust domain of this plane allows pickled functions
+    runs_async: bool = False  # True: its workers run an ``async def`` body (else an async udf is refused)
 
-    # -- producer side --------------------------------------------------------------------------
     def submit(
-        self, envelope: bytes, queue: str, run_config: dict[str, Any], parent: str | None = None
+        self,
+        envelope: Envelope | bytes,
+        queue: str,
+        run_config: dict[str, Any],
+        parent: str | None = None,
     ) -> str:
-        """Queue an invocation (``envelope`` is the Envelope bytes); returns its id, or the id of
-        the existing invocation when ``run_config["key"]`` matched one on the same queue."""
+        """Queue an invocation (``envelope``: the Envelope, or its bytes); returns its id, or the id
+        of the existing invocation when ``run_config["key"]`` matched one on the same queue."""
         ...
+
+    def submit_batch(
+        self, calls: Sequence[tuple[Envelope, str, dict[str, Any], str | None]]
+    ) -> list[str | PlaneError]:
+        """Submit many calls, ``(envelope, queue, run_config, parent)`` each; per call, in order,
+        its id or the error its :meth:`submit` raised (``invocation_id`` set). Default: one
+        :meth:`submit` each."""
+        from dreamlake.lakeshore.errors import PlaneError
+
+        results: list[str | PlaneError] = []
+        for envelope, queue, run_config, parent in calls:
+            try:
+                results.append(self.submit(envelope, queue, run_config, parent))
+            except PlaneError as exc:
+                exc.invocation_id = envelope.id
+                results.append(exc)
+        return results
+
+    def submit_and_wait(
+        self,
+        envelope: Envelope | bytes,
+        queue: str,
+        run_config: dict[str, Any],
+        parent: str | None,
+        timeout: float,
+    ) -> tuple[str, dict[str, Any] | None]:
+        """Submit, and the await answer after up to ``timeout`` s when the plane does both in one
+        request (``HttpDispatch``); default: :meth:`submit`, and None (not awaited yet)."""
+        return self.submit(envelope, queue, run_config, parent), None
 
     def status(self, invocation_id: str) -> dict[str, Any]:
         """``{invocation_id, state, queue, priority, attempt, ..., error}``; NotFound if unknown."""
@@ -73,6 +104,22 @@ class Plane(Protocol):
     def await_result(self, invocation_id: str, timeout: float) -> dict[str, Any]:
         """``{state, result_blob, error}`` once terminal, or ``{"state": "pending"}`` after timeout."""
         ...
+
+    def await_batch(self, invocation_ids: Sequence[str], timeout: float) -> dict[str, Any]:
+        """The outcomes of many invocations at once, waiting on any (``dls.wait``,
+        ``dls.as_completed``, ``Calls.results()``): ``{results: {id: outcome}, states, unknown}``.
+        Default: one :meth:`await_result` of the first id."""
+        from dreamlake.lakeshore.errors import NotFound
+        from dreamlake.lakeshore.states import TERMINAL_STATES
+
+        first = invocation_ids[0]
+        try:
+            got = self.await_result(first, timeout)
+        except NotFound:
+            return {"results": {}, "states": {}, "unknown": [first]}
+        if got.get("state") in TERMINAL_STATES:
+            return {"results": {first: got}, "states": {}, "unknown": []}
+        return {"results": {}, "states": {}, "unknown": []}
 
     def cancel(self, invocation_id: str, descendants: bool = True) -> str:
         """Cancel; returns the state after the call. With ``descendants`` (the default) every
@@ -99,16 +146,41 @@ class Plane(Protocol):
         order, past the window, answered otherwise, or the call is not two-way or has ended."""
         ...
 
-    # -- worker side ----------------------------------------------------------------------------
+    def warn_if_pickles_refused(self, queue: str, what: str) -> None:
+        """Before a pickled call of ``what`` goes to ``queue``: warn when the queue's workers are
+        known to refuse pickled functions (``HttpDispatch`` asks the control plane). Default: no-op."""
+        return None
+
+    def payload_client(self) -> PlaneClient | None:
+        """The control-plane client whose payload store takes what is over the inline threshold (a
+        code archive: codeship.py); None (the default) when the plane has none."""
+        return None
+
+    def close(self) -> None: ...
+
+
+class Worker(Protocol):
+    """What a worker (``run_worker``, ``lakeshore worker``) needs of a plane."""
+
+    trusted: bool
+    acks_ride_polls: bool = False  # True: ``ack(later=True)`` queues an ack for the next claim_batch
+    wakes_on_commands: bool = False  # True: :meth:`wait_commands` works (the local plane)
+
+    def claim(self, worker_id: str, queues: list[str], timeout: float) -> Claim | None:
+        """Claim the best queued invocation of ``queues``, waiting up to ``timeout`` for one."""
+        ...
+
+    def claim_batch(self, worker_id: str, queues: list[str], timeout: float, limit: int) -> list[Claim]:
+        """Claim up to ``limit`` invocations in one wait (over HTTP one poll, which also carries the
+        acks queued with ``later``). Default: one :meth:`claim`."""
+        one = self.claim(worker_id, queues, timeout)
+        return [] if one is None else [one]
+
     def sends(
         self, invocation_id: str, attempt: int, *, worker_id: str, since: int, timeout: float
     ) -> list[Frame]:
         """The sends into a two-way invocation ``worker_id`` holds under ``attempt`` with index >
         ``since``, waiting up to ``timeout`` for the first (an empty list after it)."""
-        ...
-
-    def claim(self, worker_id: str, queues: list[str], timeout: float) -> Claim | None:
-        """Claim the best queued invocation of ``queues``, waiting up to ``timeout`` for one."""
         ...
 
     def append_frame(
@@ -132,20 +204,38 @@ class Plane(Protocol):
         worker_id: str,
         result_blob: bytes | None = None,
         error: dict[str, Any] | None = None,
+        later: bool = False,
     ) -> bool:
-        """Record the outcome; False when the plane refused it (superseded attempt, not running)."""
+        """Record the outcome; False when the plane refused it (superseded attempt, not running).
+        ``later`` (only where ``acks_ride_polls``): queue it for the worker's next claim_batch."""
         ...
+
+    def flush_acks(self, worker_id: str) -> None:
+        """Send the acks queued with ``later`` for ``worker_id``. Default: nothing is queued."""
+        return None
 
     def heartbeat(self, worker_id: str, running: list[tuple[str, int]]) -> list[str]:
         """Renew leases of running (invocation_id, attempt); returns ids with a cancel pending,
-        including a cancel that an earlier ``claim`` (an HTTP poll) received: none is dropped.
-
-        A plane may also offer ``wait_commands(worker_id, timeout) -> bool`` (the local plane does):
-        block until a command may be queued for the worker since its last heartbeat, so that the
-        worker's heartbeat thread picks a cancel up at once instead of at its next beat."""
+        including a cancel that an earlier ``claim`` (an HTTP poll) received: none is dropped."""
         ...
 
+    def wait_commands(self, worker_id: str, timeout: float) -> bool:
+        """Where ``wakes_on_commands``: block until a command may be queued for the worker since
+        its last heartbeat (its heartbeat thread then picks a cancel up at once)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot wait for commands (wakes_on_commands is False): "
+            "the worker heartbeats on its interval instead"
+        )
+
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class Plane(Producer, Worker, Protocol):
+    """A dispatch plane: both sides. The SDK's two planes (``Dispatch``, ``HttpDispatch``)
+    subclass it, so every method here is theirs, overridden or the default."""
+
+    trusted: bool
 
 
 _LAZY = {

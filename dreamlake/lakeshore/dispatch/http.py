@@ -39,7 +39,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from dreamlake.lakeshore import ids
+from dreamlake.lakeshore import envvars, ids
 from dreamlake.lakeshore.client import (
     DEFAULT_RETRY_WINDOW_S,
     RETRY_WINDOW_ENV,
@@ -47,7 +47,7 @@ from dreamlake.lakeshore.client import (
     error_for,
     is_retryable,
 )
-from dreamlake.lakeshore.dispatch import NATIVE_FUNCTION, Claim, error_ends_stream
+from dreamlake.lakeshore.dispatch import NATIVE_FUNCTION, Claim, Plane, error_ends_stream
 from dreamlake.lakeshore.dispatch.batching import FrameWriter
 from dreamlake.lakeshore.errors import BadRequest, Conflict, NotFound, PlaneError, Unavailable
 from dreamlake.lakeshore.states import TERMINAL_STATES
@@ -61,13 +61,15 @@ if TYPE_CHECKING:
 __all__ = ["HttpDispatch"]
 
 
-def _id_of(envelope: bytes) -> str:
+log = logging.getLogger(__name__)
+
+
+def _header_id(data: bytes | bytearray | memoryview) -> str:
+    """The invocation id in the header of Envelope bytes (submitted as bytes, not as an Envelope)."""
     from dreamlake.lakeshore.envelope import Envelope
 
-    return str(Envelope.header(envelope)["id"])
+    return str(Envelope.header(bytes(data))["id"])
 
-
-log = logging.getLogger(__name__)
 
 _SLACK_S = 10.0  # read-timeout margin over a server-side long poll
 _STREAM_RECONNECTS = 5
@@ -77,7 +79,7 @@ _WARNED: set[tuple[str, str]] = set()  # (control plane, queue) whose no-worker 
 # (control plane, queue) -> when its workers were last asked whether they run pickled functions
 _PICKLES_ASKED: dict[tuple[str, str], float] = {}
 PICKLES_ASK_EVERY_S = 30.0  # while no live worker serves the queue, ask again at most this often
-DEFAULT_INLINE_THRESHOLD_BYTES = 256 * 1024  # seed 003
+DEFAULT_INLINE_THRESHOLD_BYTES = envvars.DEFAULT_INLINE_THRESHOLD_BYTES  # seed 003
 # A submit batch (POST /v1/producer/submit-batch) holds at most this many calls and about this many
 # bytes of Envelopes: well under the server's caps (1,000 items, 110 MiB), big enough that a sweep
 # pays one request and one transaction per few hundred calls.
@@ -88,18 +90,7 @@ SUBMIT_BATCH_BYTES = 8 * 1024 * 1024
 
 def inline_threshold_from_env() -> int:
     """``INLINE_THRESHOLD_BYTES`` of this process (the SDK's side of seed 003's knob), else 256 KiB."""
-    raw = os.environ.get("INLINE_THRESHOLD_BYTES", "").strip()
-    if not raw:
-        return DEFAULT_INLINE_THRESHOLD_BYTES
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(
-            f"INLINE_THRESHOLD_BYTES={raw!r} is not a whole number of bytes: fix or unset it"
-        ) from None
-    if value < 0:
-        raise ValueError(f"INLINE_THRESHOLD_BYTES={value} is negative: set it to 0 or more, or unset it")
-    return value
+    return envvars.inline_threshold()
 
 
 def _retry_window() -> float:
@@ -142,7 +133,7 @@ def _batch_failed(err: PlaneError, invocation_id: str, n: int) -> PlaneError:
     return new
 
 
-class HttpDispatch:
+class HttpDispatch(Plane):
     """A control plane at ``url`` (``http://host:8470``), authenticated with a bearer ``token``.
 
     A transient failure is retried for ``retry_window`` seconds (default ``$LAKESHORE_RETRY_WINDOW``,
@@ -151,6 +142,7 @@ class HttpDispatch:
 
     trusted = False
     runs_async = True  # every runner of nymph and `lakeshore worker` runs an async def (asyncio.run)
+    acks_ride_polls = True  # ack(later=True) rides the worker's next claim_batch (one request fewer)
 
     def __init__(
         self,
@@ -233,11 +225,15 @@ class HttpDispatch:
 
     # -- producer side ------------------------------------------------------------------------------
 
-    def submit_envelope(
-        self, envelope: Envelope, queue: str, run_config: dict[str, Any], parent: str | None = None
+    def submit(
+        self, envelope: Envelope | bytes, queue: str, run_config: dict[str, Any], parent: str | None = None
     ) -> str:
-        """:meth:`submit` of an Envelope: one over the inline threshold goes to the payload store
-        from :meth:`Envelope.to_parts` (its arguments read in place), never joined in memory."""
+        """Queue a call. An Envelope over the inline threshold goes to the payload store from
+        :meth:`Envelope.to_parts` (its arguments read in place), never joined in memory; Envelope
+        bytes are sent as they are (the id read from their header)."""
+        if isinstance(envelope, (bytes, bytearray, memoryview)):
+            data = bytes(envelope)
+            return self._submit(_header_id(data), data, queue, run_config, parent, None)[0]
         parts = envelope.to_parts()
         limit = self.inline_threshold
         if limit is not None and sum(len(p) for p in parts) > limit:
@@ -245,11 +241,6 @@ class HttpDispatch:
             if ref is not None:
                 return self._submit(envelope.id, None, queue, run_config, parent, None, args_ref=ref)[0]
         return self._submit(envelope.id, b"".join(parts), queue, run_config, parent, None)[0]
-
-    def submit(
-        self, envelope: bytes, queue: str, run_config: dict[str, Any], parent: str | None = None
-    ) -> str:
-        return self._submit(_id_of(envelope), envelope, queue, run_config, parent, None)[0]
 
     def submit_batch(
         self, calls: Sequence[tuple[Envelope, str, dict[str, Any], str | None]]
@@ -340,18 +331,25 @@ class HttpDispatch:
     def _submit_one(self, envelope: Envelope, item: dict[str, Any]) -> str | PlaneError:
         """One call of a batch through the single submit route (its error, not raised)."""
         try:
-            return self.submit_envelope(
-                envelope, item["queue"], item["run_config"], item.get("parent_invocation_id")
-            )
+            return self.submit(envelope, item["queue"], item["run_config"], item.get("parent_invocation_id"))
         except PlaneError as exc:
             return exc
 
     def submit_and_wait(
-        self, envelope: bytes, queue: str, run_config: dict[str, Any], parent: str | None, timeout: float
-    ) -> tuple[str, dict[str, Any]]:
+        self,
+        envelope: Envelope | bytes,
+        queue: str,
+        run_config: dict[str, Any],
+        parent: str | None,
+        timeout: float,
+    ) -> tuple[str, dict[str, Any] | None]:
         """Submit and await in one request (``submit`` with ``wait_s``): the invocation id and the
         await answer after up to ``timeout`` s (``{state: pending}`` when not yet terminal)."""
-        inv, out = self._submit(_id_of(envelope), envelope, queue, run_config, parent, max(0.0, timeout))
+        if isinstance(envelope, (bytes, bytearray, memoryview)):
+            data, invocation_id = bytes(envelope), _header_id(envelope)
+        else:
+            data, invocation_id = envelope.to_bytes(), envelope.id
+        inv, out = self._submit(invocation_id, data, queue, run_config, parent, max(0.0, timeout))
         return inv, self._resolved(dict(out.get("outcome") or {"state": "pending"}), inv)
 
     def _submit(
@@ -591,7 +589,7 @@ class HttpDispatch:
     # -- worker side --------------------------------------------------------------------------------
 
     def _register(self, worker_id: str, queues: list[str]) -> None:
-        from dreamlake.lakeshore import __version__
+        from dreamlake.lakeshore.version import __version__
 
         info = {
             "worker_id": worker_id,
@@ -615,7 +613,7 @@ class HttpDispatch:
         """Up to ``limit`` invocations in one long poll (waiting up to ``timeout`` for the first),
         carrying the acks queued by ``ack(..., later=True)``: one request answers those acks (each
         committed with the poll's first pass) and hands out the next work."""
-        from dreamlake.lakeshore import __version__
+        from dreamlake.lakeshore.version import __version__
 
         if worker_id not in self._registered:
             self._register(worker_id, queues)
@@ -756,6 +754,17 @@ class HttpDispatch:
             log.warning("ack of %s refused: %s", invocation_id, exc)
             return False
         return True
+
+    def wait_commands(self, worker_id: str, timeout: float) -> bool:
+        """Not here (``wakes_on_commands`` is False): a cancel comes back in a heartbeat's answer
+        or with the next poll, so the worker heartbeats on its interval."""
+        raise NotImplementedError(
+            "HttpDispatch cannot wait for commands (wakes_on_commands is False): "
+            "cancels come back in heartbeat and poll answers"
+        )
+
+    def payload_client(self) -> PlaneClient:
+        return self._client
 
     def flush_acks(self, worker_id: str) -> None:
         """Send the acks ``ack(..., later=True)`` queued for ``worker_id``, each in its own request."""

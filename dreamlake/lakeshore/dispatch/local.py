@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import ids
-from dreamlake.lakeshore.dispatch import NATIVE_FUNCTION, Claim, error_ends_stream
+from dreamlake.lakeshore.dispatch import NATIVE_FUNCTION, Claim, Plane, error_ends_stream
 from dreamlake.lakeshore.dispatch.batching import FrameWriter
 from dreamlake.lakeshore.errors import AuthError, BadRequest, Conflict, NotFound, PlaneError
 from dreamlake.lakeshore.states import TERMINAL_STATES
@@ -48,11 +48,12 @@ TOPIC_PREFIX = "topic:"  # the store journals topic frames under this owner pref
 SEND_PREFIX = "send:"  # and what consumers send into a two-way body under this one
 
 
-class Dispatch:
+class Dispatch(Plane):
     """The local plane: ``Dispatch(":memory:")`` for one process, ``Dispatch("jobs.db")`` to share."""
 
     trusted = True
     runs_async = True  # run_worker runs an async def to completion (asyncio.run)
+    wakes_on_commands = True  # wait_commands: a cancel reaches the worker's heartbeat at once
 
     def __init__(
         self,
@@ -99,11 +100,15 @@ class Dispatch:
     # -- producer side ------------------------------------------------------------------------------
 
     def submit(
-        self, envelope: bytes, queue: str, run_config: dict[str, Any], parent: str | None = None
+        self, envelope: Envelope | bytes, queue: str, run_config: dict[str, Any], parent: str | None = None
     ) -> str:
-        from dreamlake.lakeshore.envelope import Envelope
+        if isinstance(envelope, (bytes, bytearray, memoryview)):
+            from dreamlake.lakeshore.envelope import Envelope
 
-        req = self._request(Envelope.header(envelope)["id"], bytes(envelope), queue, run_config, parent)
+            data = bytes(envelope)
+            req = self._request(Envelope.header(data)["id"], data, queue, run_config, parent)
+        else:
+            req = self._request(envelope.id, envelope.to_bytes(), queue, run_config, parent)
         return self.store.submit(req).invocation_id
 
     def _request(
@@ -340,6 +345,7 @@ class Dispatch:
         worker_id: str,
         result_blob: bytes | None = None,
         error: dict[str, Any] | None = None,
+        later: bool = False,  # acks do not ride polls here (acks_ride_polls is False): ignored
     ) -> bool:
         try:
             self._frames.flush(invocation_id)  # the ack follows its frames

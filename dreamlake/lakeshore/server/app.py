@@ -392,7 +392,7 @@ async def sweep(ctx: Context, now: float | None = None) -> Any:
     """One retention sweep: ``store.gc_batch`` until a batch comes back short (each batch its own
     short transaction, so the hot path waits for one batch at most), the payloads the expired
     exec jobs referenced deleted from S3, the counts in ``lakeshore_gc_deleted``. The totals."""
-    from dreamlake.lakeshore.store.retention import GcResult
+    from dreamlake.lakeshore.store.api import GcResult
 
     config = ctx.config
     total = GcResult()

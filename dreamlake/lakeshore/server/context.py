@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from dreamlake.lakeshore.errors import PlaneError
-from dreamlake.lakeshore.server import tasks
+from dreamlake.lakeshore.server import task_tokens
 from dreamlake.lakeshore.server.auth import Authenticator
 from dreamlake.lakeshore.server.authz import WorkerBindings
 from dreamlake.lakeshore.server.config import ServerConfig
@@ -22,7 +22,7 @@ from dreamlake.lakeshore.server.metrics import Metrics
 from dreamlake.lakeshore.server.outcomes import AcksInFlight
 from dreamlake.lakeshore.server.polls import PollHub
 from dreamlake.lakeshore.server.quotas import Quotas
-from dreamlake.lakeshore.server.tasks import TaskTokens
+from dreamlake.lakeshore.server.task_tokens import TaskTokens
 from dreamlake.lakeshore.server.writer import GroupWriter
 from dreamlake.lakeshore.store.api import Principal, Store, WriteRequest, WriteResult
 from dreamlake.lakeshore.store.outage import Outages, classify
@@ -92,7 +92,7 @@ class Context:
         self.workers = WorkerBindings(lambda worker, token: self.call(self.store.bind_worker, worker, token))
         self.queues = QueueWatch()
         self._task_tokens: TaskTokens | None = None
-        self.quotas = Quotas()  # per-namespace limits (server/quotas.py)
+        self.quotas = Quotas(self.call, self.store)  # per-namespace limits (server/quotas.py)
         self.secret_sealer: Any = None  # server.secrets.Sealer, made on first use (server/secrets.py)
 
     @property
@@ -156,11 +156,11 @@ class Context:
     async def task_tokens(self) -> TaskTokens:
         """The signer of task tokens, under the key every replica shares (read once)."""
         if self._task_tokens is None:
-            self._task_tokens = TaskTokens(await self.call(self.store.server_key, tasks.KEY_NAME))
+            self._task_tokens = TaskTokens(await self.call(self.store.server_key, task_tokens.KEY_NAME))
         return self._task_tokens
 
     async def _verify(self, secret: str) -> Principal | None:
-        if secret.startswith(tasks.PREFIX):
+        if secret.startswith(task_tokens.PREFIX):
             return (await self.task_tokens()).verify(secret)
         return await self.call(self.store.verify_token, secret)
 

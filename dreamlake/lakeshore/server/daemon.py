@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.errors import PlaneError
-from dreamlake.lakeshore.server import http, tasks
+from dreamlake.lakeshore.server import http, task_tokens
 from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.context import Context, answer_of
 from dreamlake.lakeshore.server.http import HTTPError, field
@@ -142,7 +142,7 @@ async def register(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[s
 
 def run_command(inv: Invocation, task_token: str | None = None) -> dict[str, Any]:
     """The run command of docs/protocol.md and seed 000 "Dispatch" for a claimed invocation, with
-    the invocation's task token (``LAKESHORE_TOKEN`` inside the task: server/tasks.py)."""
+    the invocation's task token (``LAKESHORE_TOKEN`` inside the task: server/task_tokens.py)."""
     rc = inv.run_config or {}
     body: dict[str, Any] = {
         "invocation_id": inv.invocation_id,
@@ -204,7 +204,7 @@ async def _commands(ctx: Context, got: PollResult) -> tuple[list[dict[str, Any]]
         ttl, lease = ctx.config.task_token_ttl_s, ctx.config.lease_s
         for inv in got.invocations:
             token = signer.mint(
-                inv.invocation_id, inv.attempt, inv.namespace, tasks.expires_at(inv, ttl, lease, now)
+                inv.invocation_id, inv.attempt, inv.namespace, task_tokens.expires_at(inv, ttl, lease, now)
             )
             commands.append(run_command(inv, token))
     commands.extend(exec_command(job) for job in got.exec_jobs)

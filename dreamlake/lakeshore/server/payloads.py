@@ -57,7 +57,8 @@ from typing import Any
 
 import httpx
 
-from dreamlake.lakeshore import ids
+from dreamlake.lakeshore import envvars, ids
+from dreamlake.lakeshore.envvars import env_int
 from dreamlake.lakeshore.errors import LakeshoreError
 from dreamlake.lakeshore.store.exec_jobs import ARCHIVE_KEY_RE
 
@@ -102,19 +103,6 @@ class PayloadCorrupt(PayloadError):
         self.got = got
 
 
-def _env_int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer: set it to a whole number or unset it") from None
-    if value < minimum:
-        raise ValueError(f"{name}={value} is below {minimum}: set it to at least {minimum} or unset it")
-    return value
-
-
 def _first(env: Mapping[str, str], *names: str) -> str | None:
     for name in names:
         value = env.get(name)
@@ -154,9 +142,9 @@ class PayloadConfig:
             access_key=access,
             secret_key=secret,
             session_token=None if env.get("LAKESHORE_S3_ACCESS_KEY") else _first(env, "AWS_SESSION_TOKEN"),
-            inline_threshold_bytes=_env_int(env, "INLINE_THRESHOLD_BYTES", DEFAULT_INLINE_THRESHOLD_BYTES, 0),
-            max_payload_bytes=_env_int(env, "MAX_PAYLOAD_BYTES", DEFAULT_MAX_PAYLOAD_BYTES, 1),
-            presign_ttl_s=_env_int(env, "PAYLOAD_PRESIGN_TTL_S", DEFAULT_PRESIGN_TTL_S, 1),
+            inline_threshold_bytes=envvars.inline_threshold(env),
+            max_payload_bytes=env_int("MAX_PAYLOAD_BYTES", DEFAULT_MAX_PAYLOAD_BYTES, minimum=1, env=env),
+            presign_ttl_s=env_int("PAYLOAD_PRESIGN_TTL_S", DEFAULT_PRESIGN_TTL_S, minimum=1, env=env),
         )
 
     @property

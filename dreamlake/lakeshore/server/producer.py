@@ -150,7 +150,7 @@ async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str
         )
         if refused is not None:
             raise refused
-    await ctx.quotas.check_queued(ctx, req.namespace, 1)
+    await ctx.quotas.check_queued(req.namespace, 1)
     mark = ctx.wake.mark()  # before the write: a submit-and-wait misses no wake-up after its commit
     result = await ctx.write(req)
     assert isinstance(result, SubmitResult)
@@ -277,7 +277,7 @@ async def submit_batch(
                 kept.append((i, req))
         where, reqs = [i for i, _ in kept], [r for _, r in kept]
     if reqs:  # the batch is queued whole or not at all past the namespace's quota
-        await ctx.quotas.check_queued(ctx, reqs[0].namespace, len(reqs))
+        await ctx.quotas.check_queued(reqs[0].namespace, len(reqs))
     results = await ctx.write_many(list(reqs))
     queues: dict[str, None] = {}
     counts = [0, 0]  # new, duplicate

@@ -15,12 +15,10 @@ overshoot the quota by the number in flight; delayed retries (``not_before``) ar
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from dreamlake.lakeshore.server.http import HTTPError
-
-if TYPE_CHECKING:
-    from dreamlake.lakeshore.server.context import Context
 
 REFRESH_S = 5.0  # how stale a quota the operator just set may be (every replica re-reads it)
 RETRY_AFTER_S = 5
@@ -29,20 +27,22 @@ RETRY_AFTER_S = 5
 class Quotas:
     """The quotas of every namespace, re-read every :data:`REFRESH_S`."""
 
-    def __init__(self) -> None:
+    def __init__(self, call: Callable[..., Awaitable[Any]], store: Any) -> None:
+        self._call = call  # runs a store method off the loop (Context.call)
+        self._store = store
         self._limits: dict[str, int] = {}
         self._read_at = float("-inf")
 
-    async def check_queued(self, ctx: Context, namespace: str, adding: int) -> None:
+    async def check_queued(self, namespace: str, adding: int) -> None:
         """429 (``Retry-After``) when ``adding`` more queued invocations would take ``namespace``
         past its quota."""
         if time.monotonic() - self._read_at > REFRESH_S:
-            self._limits = await ctx.call(ctx.store.quotas)
+            self._limits = await self._call(self._store.quotas)
             self._read_at = time.monotonic()
         limit = self._limits.get(namespace)
         if limit is None or adding <= 0:
             return
-        queued = await ctx.call(ctx.store.count_queued, namespace, limit)
+        queued = await self._call(self._store.count_queued, namespace, limit)
         if queued + adding > limit:
             raise HTTPError(
                 429,

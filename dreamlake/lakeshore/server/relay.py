@@ -19,11 +19,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import secrets
 from collections.abc import Callable
 from typing import Any
 
+from dreamlake.lakeshore.backoff import backoff_s
 from dreamlake.lakeshore.store.notify import Notifier
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def libpq_dsn(url: str) -> str:
 
 
 def _backoff(tries: int) -> float:
-    return float(random.uniform(0.5, 1.0) * min(10.0, 0.25 * 2 ** min(tries, 8)))
+    return backoff_s(tries, base=0.25, cap=10.0, doublings=8)
 
 
 class PgRelay:

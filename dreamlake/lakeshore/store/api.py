@@ -25,7 +25,30 @@ from .placement import NO_OFFER, Offer
 
 if TYPE_CHECKING:
     from .activity import Activity, Sweep
-    from .retention import GcResult
+
+
+@dataclass
+class GcResult:
+    """What one ``gc_batch`` deleted."""
+
+    invocations: int = 0
+    frames: int = 0
+    attempts: int = 0
+    exec_jobs: int = 0
+    payload_keys: list[str] = field(default_factory=list)  # S3 keys the expired exec jobs referenced
+
+    @property
+    def rows(self) -> int:
+        """The invocations and exec jobs deleted (what a full batch counts against its limit)."""
+        return self.invocations + self.exec_jobs
+
+    def add(self, other: GcResult) -> None:
+        self.invocations += other.invocations
+        self.frames += other.frames
+        self.attempts += other.attempts
+        self.exec_jobs += other.exec_jobs
+        self.payload_keys += other.payload_keys
+
 
 DEFAULT_LEASE_S = 30.0
 DEFAULT_MAX_ATTEMPTS = 3

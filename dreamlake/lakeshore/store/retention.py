@@ -18,7 +18,6 @@ Retention is ``default_s`` seconds, or ``per_queue[queue]`` for a queue named th
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -28,6 +27,7 @@ from sqlalchemy.engine import Connection
 from dreamlake.lakeshore.states import TERMINAL_STATES
 
 from . import schema as t
+from .api import GcResult as GcResult  # re-exported: gc_batch's answer
 from .base import StoreBase
 from .engine import retry_on_disconnect
 from .exec_jobs import archive_keys
@@ -35,29 +35,6 @@ from .exec_jobs import archive_keys
 DEFAULT_GC_LIMIT = 200  # invocations (and exec jobs) per batch
 
 _inv, _frames, _att, _exec = t.invocations, t.frames, t.invocation_attempts, t.exec_jobs
-
-
-@dataclass
-class GcResult:
-    """What one ``gc_batch`` deleted."""
-
-    invocations: int = 0
-    frames: int = 0
-    attempts: int = 0
-    exec_jobs: int = 0
-    payload_keys: list[str] = field(default_factory=list)  # S3 keys the expired exec jobs referenced
-
-    @property
-    def rows(self) -> int:
-        """The invocations and exec jobs deleted (what a full batch counts against its limit)."""
-        return self.invocations + self.exec_jobs
-
-    def add(self, other: GcResult) -> None:
-        self.invocations += other.invocations
-        self.frames += other.frames
-        self.attempts += other.attempts
-        self.exec_jobs += other.exec_jobs
-        self.payload_keys += other.payload_keys
 
 
 def _cutoffs(
