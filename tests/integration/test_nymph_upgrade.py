@@ -126,10 +126,11 @@ def _bumped_copy(dst: Path) -> Path:
     pyproject.write_text(
         re.sub(r'(?m)^version = ".*"$', f'version = "{TARGET}"', pyproject.read_text(), count=1)
     )
-    init = dst / "dreamlake" / "lakeshore" / "__init__.py"
-    init.write_text(
-        re.sub(r'(?m)^__version__ = ".*"$', f'__version__ = "{TARGET}"', init.read_text(), count=1)
-    )
+    version = dst / "dreamlake" / "lakeshore" / "version.py"  # the package's one __version__
+    text = version.read_text()
+    bumped = re.sub(r'(?m)^__version__ = ".*"$', f'__version__ = "{TARGET}"', text, count=1)
+    assert bumped != text, "no __version__ line in dreamlake/lakeshore/version.py"
+    version.write_text(bumped)
     return dst
 
 
