@@ -210,9 +210,11 @@ def _short(digest: str) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @guarded
 def queues(url: str | None, token: str | None, as_json: bool) -> None:
-    """Queues: depth by state, fleet-wide limit, oldest queued age, live workers serving each."""
+    """Queues: depth by state, fleet-wide limit, oldest queued age, live workers serving each; then
+    the concurrency keys' limits (max_concurrency) with their calls running now."""
     with _client(url, token) as client:
-        rows = client.queues()
+        listing = client.queue_listing()
+    rows, keys = listing["queues"], listing.get("key_limits") or []
     if as_json:
         _echo_json(rows)
         return
@@ -249,6 +251,14 @@ def queues(url: str | None, token: str | None, as_json: bool) -> None:
             ],
         )
     )
+    if keys:
+        click.echo()
+        click.echo(
+            table(
+                ["CONCURRENCY KEY", "LIMIT", "RUNNING"],
+                [[k["key"], k["max_concurrency"], k["running"]] for k in keys],
+            )
+        )
 
 
 @click.command()

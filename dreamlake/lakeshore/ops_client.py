@@ -66,7 +66,11 @@ class OpsClient:
         return self._request("GET", "/v1/ops/whoami")
 
     def queues(self) -> list[dict[str, Any]]:
-        return list(self._request("GET", "/v1/ops/queues")["queues"])
+        return list(self.queue_listing()["queues"])
+
+    def queue_listing(self) -> dict[str, Any]:
+        """``{"queues": [...], "key_limits": [{key, max_concurrency, running}], ...}``."""
+        return self._request("GET", "/v1/ops/queues")
 
     def workers(self, *, live: bool = False, limit: int = 100, cursor: str | None = None) -> dict[str, Any]:
         params = {"live": "1" if live else None, "limit": limit, "cursor": cursor}

@@ -6,6 +6,7 @@ PostgreSQL, through a real control plane over HTTP."""
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -80,3 +81,32 @@ def test_show_says_why_a_queued_call_waits(control_plane: ControlPlane) -> None:
     assert "waits" not in run(cp, "show", running).stdout
     page = _login(cp, cp.admin_token).get(f"/ui/parts/invocations/{held}").text
     assert 'data-reason="limit"' in page and "1 of 1 running" in page
+
+
+def test_concurrency_limits_are_visible_in_queues_and_the_dashboard(control_plane: ControlPlane) -> None:
+    """``@dls.udf(concurrency_key=, max_concurrency=)`` limits sit beside the queues' own: ``lakeshore
+    queues``, ``GET /v1/ops/queues`` (``key_limits``) and the dashboard's overview list each key's
+    limit and its calls running now. Keys are fleet-wide names, so only fleet-wide callers see them:
+    a namespace's token gets none (it sees its own waiting call's key in ``lakeshore show``)."""
+    cp = control_plane
+    keyed = [_submit(cp, "keyed2", concurrency_key="gpu-db", max_concurrency=2) for _ in range(3)]
+    _register(cp, "keyed2")
+    claimed = cp.store.claim("w-key2", ["keyed2"], limit=3)
+    assert [i.invocation_id for i in claimed] == keyed[:2]
+
+    listed = cp.client(cp.admin_token).get("/v1/ops/queues").json()["key_limits"]
+    assert {"key": "gpu-db", "max_concurrency": 2, "running": 2} in listed
+    assert cp.client(cp.producer_token).get("/v1/ops/queues").json()["key_limits"] == []
+
+    out = run(cp, "queues")
+    assert out.exit_code == 0, out.output
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("gpu-db"))
+    assert line.split() == ["gpu-db", "2", "2"], out.stdout
+    assert "CONCURRENCY KEY" in out.stdout
+
+    page = _login(cp, cp.admin_token).get("/ui/parts/overview").text
+    m = re.search(r'<tr data-key="gpu-db" class="([^"]*)">(.*?)</tr>', page, re.S)
+    assert m, page
+    assert m.group(1) == "warn"  # at its limit
+    cells = [re.sub(r"<[^>]+>", "", c).strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", m.group(2), re.S)]
+    assert cells == ["gpu-db", "2", "2"]

@@ -253,6 +253,13 @@ async def read_queues(ctx: Context, namespace: str | None) -> list[dict[str, Any
     return [queue_json(q, now, limits.get(q.name)) for q in stats]
 
 
+async def read_key_limits(ctx: Context) -> list[dict[str, Any]]:
+    """Every concurrency key's limit (``@dls.udf(concurrency_key=, max_concurrency=)``) and its
+    calls running now, fleet-wide like the limit itself."""
+    use = await ctx.call(ctx.store.key_limit_use)
+    return [{"key": key, "max_concurrency": most, "running": n} for key, most, n in use]
+
+
 async def read_workers(
     ctx: Context,
     namespace: str | None,
@@ -393,7 +400,15 @@ class OpsRoutes:
 
     async def queues(self, request: Request, caller: Caller) -> Response:
         ns = self._scope(request, caller)
-        return h.json_response({"queues": await read_queues(self.ctx, ns), "live_window_s": LIVE_WINDOW_S})
+        return h.json_response(
+            {
+                "queues": await read_queues(self.ctx, ns),
+                # concurrency keys are fleet-wide names: listed to fleet-wide callers only (a
+                # namespace's token sees its own waiting calls' key limits in lakeshore show)
+                "key_limits": await read_key_limits(self.ctx) if caller.namespace is None else [],
+                "live_window_s": LIVE_WINDOW_S,
+            }
+        )
 
     async def workers(self, request: Request, caller: Caller) -> Response:
         ns = self._scope(request, caller)

@@ -421,6 +421,10 @@ class Listing(Protocol):
         ``concurrency_key``)."""
         ...
 
+    def key_limit_use(self) -> list[tuple[str, int, int]]:
+        """``(concurrency_key, max_concurrency, running now)`` of every key limit, by key."""
+        ...
+
 
 class Store(Listing, Protocol):
     # -- producer side ------------------------------------------------------------------------

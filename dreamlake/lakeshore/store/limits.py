@@ -64,7 +64,7 @@ class LimitStore(StoreBase):
         ``queue`` (and of ``concurrency_key``): what ``lakeshore show`` says a queued call waits on.
         A key's running calls are counted over the shapes naming it (the ``shapes`` table)."""
         names = [queue_limit(queue)] + ([KEY_PREFIX + concurrency_key] if concurrency_key else [])
-        lim, inv, sh = t.limits, t.invocations, t.shapes
+        lim, inv = t.limits, t.invocations
         running = sa.select(sa.func.count()).select_from(inv).where(inv.c.state == "running")
         out: list[tuple[str, int, int]] = []
         with self.db.tx(write=False) as conn:
@@ -73,20 +73,25 @@ class LimitStore(StoreBase):
                 if name.startswith(QUEUE_PREFIX):
                     n = conn.execute(running.where(inv.c.queue == queue)).scalar_one()
                 else:
-                    key = name.removeprefix(KEY_PREFIX)
-                    pairs = [
-                        (q, s)
-                        for q, s, needs in conn.execute(sa.select(sh.c.queue, sh.c.shape, sh.c.needs))
-                        if isinstance(needs, dict) and needs.get("concurrency_key") == key
-                    ]
-                    n = (
-                        conn.execute(
-                            running.where(sa.tuple_(inv.c.queue, inv.c.shape).in_(pairs))
-                        ).scalar_one()
-                        if pairs
-                        else 0
-                    )
+                    n = _key_running(conn, name.removeprefix(KEY_PREFIX))
                 out.append((name, int(most), int(n)))
+        return out
+
+    @retry_on_disconnect
+    def key_limit_use(self) -> list[tuple[str, int, int]]:
+        """``(concurrency_key, max_concurrency, running now)`` of every key limit, by key: what
+        ``lakeshore queues`` and the dashboard show beside the queues' own limits."""
+        lim = t.limits
+        out: list[tuple[str, int, int]] = []
+        with self.db.tx(write=False) as conn:
+            found = conn.execute(
+                sa.select(lim.c.name, lim.c.max_running).where(
+                    lim.c.name.startswith(KEY_PREFIX, autoescape=True)
+                )
+            )
+            for name, most in sorted(found):
+                key = name.removeprefix(KEY_PREFIX)
+                out.append((key, int(most), _key_running(conn, key)))
         return out
 
     @retry_on_disconnect
@@ -101,3 +106,18 @@ class LimitStore(StoreBase):
                 elif name.startswith(KEY_PREFIX):
                     out["keys"][name.removeprefix(KEY_PREFIX)] = int(most)
         return out
+
+
+def _key_running(conn: Connection, key: str) -> int:
+    """The calls running now whose shape names ``concurrency_key`` ``key`` (over the ``shapes``
+    table: a key's calls may be of many shapes and queues)."""
+    inv, sh = t.invocations, t.shapes
+    pairs = [
+        (q, s)
+        for q, s, needs in conn.execute(sa.select(sh.c.queue, sh.c.shape, sh.c.needs))
+        if isinstance(needs, dict) and needs.get("concurrency_key") == key
+    ]
+    if not pairs:
+        return 0
+    running = sa.select(sa.func.count()).select_from(inv).where(inv.c.state == "running")
+    return int(conn.execute(running.where(sa.tuple_(inv.c.queue, inv.c.shape).in_(pairs))).scalar_one())

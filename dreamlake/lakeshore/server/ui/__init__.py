@@ -304,7 +304,8 @@ class Dashboard:
         workers, _ = await ops.read_workers(self.ctx, session.namespace, limit=500)
         for w in workers:
             w["health"] = _health(w)
-        return {"queues": queues, "workers": workers, "session": session}
+        keys = await ops.read_key_limits(self.ctx) if session.namespace is None else []
+        return {"queues": queues, "key_limits": keys, "workers": workers, "session": session}
 
     async def overview(self, request: Request, session: Session) -> Response:
         values = {**await self._overview_values(session), **await self._chart_values(session)}
