@@ -229,7 +229,7 @@ def server(
         raise click.UsageError(str(exc)) from exc
     overrides = {k: v for k, v in overrides.items() if v is not None}
     try:
-        PayloadStore.from_env(os.environ)  # fail here, once, on a bad payload configuration
+        PayloadStore.from_env()  # fail here, once, on a bad payload configuration
         config = ServerConfig.from_env(**overrides)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
@@ -272,7 +272,7 @@ def gc(
 
     try:
         rules = _retention_overrides(retention, retention_queue)
-        payloads = PayloadStore.from_env(os.environ)
+        payloads = PayloadStore.from_env()
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     store = _open_store(db, data_dir)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import email.utils
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,7 +43,7 @@ import httpx
 import msgpack
 import tenacity
 
-from dreamlake.lakeshore import tls
+from dreamlake.lakeshore import envvars, tls
 from dreamlake.lakeshore.errors import (
     BadRequest,
     Conflict,
@@ -394,7 +393,7 @@ class PlaneClient:
             f"cannot reach the control plane at {self.url} ({what}): {type(exc).__name__}: {exc}. "
             + (
                 _IN_TASK_HINT
-                if os.environ.get("LAKESHORE_INVOCATION_ID")
+                if envvars.is_set("LAKESHORE_INVOCATION_ID")
                 else "Is `lakeshore server` running there?"
             )
         )

@@ -95,8 +95,8 @@ def default_code() -> str | None:
     """The process default: :func:`set_default_code`, else ``LAKESHORE_CODE`` (auto | none), else auto."""
     if _default is not _UNSET:
         return _default  # type: ignore[return-value]
-    raw = os.environ.get(CODE_ENV, "").strip().lower()
-    if raw in ("", AUTO):
+    raw = (envvars.string(CODE_ENV) or AUTO).lower()
+    if raw == AUTO:
         return AUTO
     if raw in ("none", "off", "0", "false"):
         return None
@@ -289,7 +289,7 @@ def _files(root: Path) -> list[tuple[str, str, os.stat_result]]:
 
 
 def _limit() -> int:
-    return envvars.env_int(MAX_ENV, CODE_MAX_BYTES)
+    return envvars.integer(MAX_ENV, default=CODE_MAX_BYTES)
 
 
 def _threshold() -> int:

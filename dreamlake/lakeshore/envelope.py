@@ -752,8 +752,10 @@ def _shipped(module: Any) -> bool:
     """Whether ``module`` was imported from a code archive shipped with the call (LAKESHORE_CODE_PATH)."""
     import os
 
+    from dreamlake.lakeshore import envvars
+
     file = getattr(module, "__file__", None) or ""
-    dirs = [d for d in os.environ.get("LAKESHORE_CODE_PATH", "").split(os.pathsep) if d]
+    dirs = [d for d in (envvars.string("LAKESHORE_CODE_PATH") or "").split(os.pathsep) if d]
     return any(file.startswith(d.rstrip(os.sep) + os.sep) for d in dirs)
 
 

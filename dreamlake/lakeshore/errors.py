@@ -219,10 +219,10 @@ def missing_module(feature: str, exc: ModuleNotFoundError, needs: str, pip: str)
     Inside a task (``LAKESHORE_INVOCATION_ID`` set) it says that the image lacks it: the entry bundle
     carries the SDK's import-time surface with msgpack and cloudpickle, nothing more.
     """
-    import os
+    from dreamlake.lakeshore import envvars
 
     missing = exc.name or "?"
-    if os.environ.get("LAKESHORE_INVOCATION_ID"):
+    if envvars.is_set("LAKESHORE_INVOCATION_ID"):
         other = "" if pip == "dreamlake-lakeshore" else ", or install dreamlake-lakeshore there"
         message = (
             f"{feature} needs {needs} in the image; this task's runtime has no module {missing!r} "

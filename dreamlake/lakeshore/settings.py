@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dreamlake.lakeshore import envvars
 from dreamlake.lakeshore.errors import PlaneError
 
 if TYPE_CHECKING:
@@ -57,10 +58,11 @@ class ClientSettings:
 
 
 def config_path(env: Mapping[str, str] | None = None) -> Path:
-    env = os.environ if env is None else env
-    if env.get(CONFIG_ENV):
-        return Path(env[CONFIG_ENV]).expanduser()
-    base = env.get("XDG_CONFIG_HOME") or str(Path("~/.config").expanduser())
+    named = envvars.string(CONFIG_ENV, env, None)
+    if named:
+        return Path(named).expanduser()
+    xdg = os.environ.get("XDG_CONFIG_HOME") if env is None else env.get("XDG_CONFIG_HOME")
+    base = xdg or str(Path("~/.config").expanduser())
     return Path(base) / "lakeshore" / "config.toml"
 
 
@@ -107,8 +109,7 @@ def token_from_file(env: Mapping[str, str] | None = None) -> str | None:
     """The token in the file ``LAKESHORE_TOKEN_FILE`` names (a task's credential); None without one.
 
     Raises PlaneError when the variable names a file that cannot be read (said, not ignored)."""
-    env = os.environ if env is None else env
-    path = env.get(TOKEN_FILE_ENV)
+    path = envvars.string(TOKEN_FILE_ENV, env)
     if not path:
         return None
     try:
@@ -122,10 +123,9 @@ def load(
     url: str | None = None, token: str | None = None, env: Mapping[str, str] | None = None
 ) -> ClientSettings:
     """Resolve url and token: the arguments, else the environment, else the config file."""
-    env = os.environ if env is None else env
     path = config_path(env)
-    url = url or env.get(URL_ENV) or None
-    token = token or env.get(TOKEN_ENV) or token_from_file(env) or None
+    url = url or envvars.string(URL_ENV, env)  # LAKESHORE_SERVER: its deprecated alias
+    token = token or envvars.string(TOKEN_ENV, env) or token_from_file(env)
     if not (url and token):
         found = _read_file(path)
         url = url or found.get("url")

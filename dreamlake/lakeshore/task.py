@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import os
 
+from dreamlake.lakeshore import envvars
+
 ATTEMPT_ENV = "LAKESHORE_ATTEMPT"
 CHECKPOINT_ENV = "LAKESHORE_CHECKPOINT_DIR"  # set by the entry (daemon/entry.py)
 
 
 def attempt() -> int:
     """Which attempt of the call this is (1-based)."""
-    raw = os.environ.get(ATTEMPT_ENV, "")
-    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
+    return envvars.integer(ATTEMPT_ENV, minimum=1)
 
 
 def checkpoint_dir() -> str:
@@ -25,6 +26,6 @@ def checkpoint_dir() -> str:
     is ``./checkpoint``. Write what resuming needs (a step number, model weights) and read it at the
     start; keep it small (nymph's ``checkpoint_max_mb``, default 1 GiB) and write files atomically
     (write a temporary name, then ``os.replace``), as the attempt may be stopped at any moment."""
-    path = os.environ.get(CHECKPOINT_ENV) or os.path.abspath("checkpoint")
+    path = envvars.string(CHECKPOINT_ENV, None, None) or os.path.abspath("checkpoint")
     os.makedirs(path, mode=0o700, exist_ok=True)
     return path

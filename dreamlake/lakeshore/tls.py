@@ -17,6 +17,8 @@ import ssl
 from collections.abc import Mapping
 from typing import Any
 
+from dreamlake.lakeshore import envvars
+
 ENV_CA = "LAKESHORE_CA_FILE"
 ENV_CERT = "LAKESHORE_CLIENT_CERT"
 ENV_KEY = "LAKESHORE_CLIENT_KEY"
@@ -32,10 +34,9 @@ def client_context(
     """The client side's SSL context: the system's CAs plus ``ca_file`` (else ``$LAKESHORE_CA_FILE``),
     with the client certificate ``client_cert`` / ``client_key`` (else their variables) when given.
     A file that cannot be read raises ValueError naming it."""
-    env = os.environ if env is None else env
-    ca_file = ca_file or env.get(ENV_CA) or None
-    client_cert = client_cert or env.get(ENV_CERT) or None
-    client_key = client_key or env.get(ENV_KEY) or None
+    ca_file = ca_file or envvars.string(ENV_CA, env)
+    client_cert = client_cert or envvars.string(ENV_CERT, env)
+    client_key = client_key or envvars.string(ENV_KEY, env)
     ctx = ssl.create_default_context()
     if ca_file:
         try:

@@ -3,7 +3,8 @@
 The click group ``worker`` is attached to the ``lakeshore`` console script by ``cli.py``. The
 control plane is found as every ``lakeshore`` command finds it (``dreamlake.lakeshore.settings``):
 ``--url`` (``--server``) / ``--token`` over ``LAKESHORE_URL`` / ``LAKESHORE_TOKEN`` over the config
-file; ``LAKESHORE_SERVER``, the variable of earlier versions, is read when ``LAKESHORE_URL`` is unset.
+file; ``LAKESHORE_SERVER``, the variable of earlier versions, is read (with a deprecation warning)
+when ``LAKESHORE_URL`` is unset (``envvars.DEPRECATED``).
 """
 
 from __future__ import annotations
@@ -17,16 +18,6 @@ import click
 __all__ = ["worker"]
 
 log = logging.getLogger(__name__)
-
-
-def _environ() -> dict[str, str]:
-    """The environment, with the older ``LAKESHORE_SERVER`` standing in for an unset ``LAKESHORE_URL``."""
-    import os
-
-    env = dict(os.environ)
-    if not env.get("LAKESHORE_URL") and env.get("LAKESHORE_SERVER"):
-        env["LAKESHORE_URL"] = env["LAKESHORE_SERVER"]
-    return env
 
 
 @click.group()
@@ -94,7 +85,7 @@ def start(
     from dreamlake.lakeshore.worker import run_worker
 
     try:
-        server, token = load(server, token, env=_environ()).require()
+        server, token = load(server, token).require()
     except LakeshoreError as exc:
         raise click.UsageError(str(exc)) from exc
     try:

@@ -58,6 +58,7 @@ RUNTIME_FILES = (
     "dreamlake/lakeshore/wire/arrays.py",
     "dreamlake/lakeshore/wire/frames.py",
     "dreamlake/lakeshore/envelope.py",
+    "dreamlake/lakeshore/envvars.py",  # every setting the entry and the SDK read
     "dreamlake/lakeshore/twoway.py",
     "dreamlake/lakeshore/daemon/__init__.py",
     "dreamlake/lakeshore/daemon/entry.py",
@@ -70,7 +71,6 @@ SDK_FILES = (
     "dreamlake/lakeshore/runenv.py",
     "dreamlake/lakeshore/handles.py",
     "dreamlake/lakeshore/codeship.py",
-    "dreamlake/lakeshore/envvars.py",  # codeship.py's and dispatch/http.py's inline threshold
     "dreamlake/lakeshore/queue.py",
     "dreamlake/lakeshore/settings.py",
     "dreamlake/lakeshore/states.py",

@@ -68,8 +68,8 @@ import os
 import sys
 import time
 
-from dreamlake.lakeshore import wire
-from dreamlake.lakeshore.envelope import RUNTIME_POLICIES, Envelope, resolve_fn
+from dreamlake.lakeshore import envvars, wire
+from dreamlake.lakeshore.envelope import Envelope, resolve_fn
 from dreamlake.lakeshore.errors import EnvelopeError, Interrupted, WireError
 
 TYPE_CHECKING = False  # no typing at runtime: start-up is what a noop invocation costs
@@ -99,7 +99,6 @@ EXIT_RAISED = 1
 EXIT_REFUSED = 2
 
 _CO_GENERATOR = 0x20
-_TRUE = ("1", "true", "yes", "on")
 ALLOW_MODULES_ENV = "LAKESHORE_ALLOW_MODULES"
 ALLOW_MODULE_FLAG = "--allow-module"
 # Never matched by a wildcard when Python < 3.10 has no sys.stdlib_module_names (with it, every
@@ -164,7 +163,7 @@ def module_allowed(module: str, patterns: Iterable[str]) -> bool:
 
 def allow_modules_from_env() -> List[str]:
     """The ``LAKESHORE_ALLOW_MODULES`` patterns; empty: every module is allowed."""
-    raw = os.environ.get(ALLOW_MODULES_ENV, "")
+    raw = envvars.string(ALLOW_MODULES_ENV) or ""
     return [p.strip() for p in raw.split(",") if p.strip()]
 
 
@@ -237,7 +236,7 @@ def _write_error(info: Dict[str, Any]) -> None:
 
 def _window() -> tuple[int, int] | None:
     """``(frames, bytes)`` of ``LAKESHORE_STREAM_WINDOW``; None: never pause."""
-    raw = os.environ.get(WINDOW_ENV, "")
+    raw = envvars.string(WINDOW_ENV) or ""
     frames, _, nbytes = raw.partition(":")
     try:
         window = int(frames), int(nbytes)
@@ -574,10 +573,7 @@ def _drain_two_way(gen: Any, timeout_s: float, interrupts: _Interrupts | None = 
 
 def _sends_timeout() -> float | None:
     """The seconds a two-way body waits at a yield (``LAKESHORE_SENDS``); None: not two-way."""
-    try:
-        value = float(os.environ.get(SENDS_ENV, ""))
-    except ValueError:
-        return None
+    value = envvars.number(SENDS_ENV, default=0.0)
     return value if value > 0 else None
 
 
@@ -602,12 +598,10 @@ def _unmap(data: Any) -> None:
 
 
 def _load(blob: Any = None) -> tuple[Envelope, Callable[..., Any], list[Any], dict[str, Any]]:
-    allow_pickled = os.environ.get("LAKESHORE_ALLOW_PICKLED", "").strip().lower() in _TRUE
-    policy = os.environ.get("LAKESHORE_RUNTIME_POLICY", "").strip() or "minor"
-    if policy not in RUNTIME_POLICIES:
-        bad = ValueError(
-            f"LAKESHORE_RUNTIME_POLICY={policy!r} is not a runtime policy: use 'strict', 'minor' or 'off'"
-        )
+    try:
+        allow_pickled = envvars.flag("LAKESHORE_ALLOW_PICKLED")
+        policy = envvars.choice("LAKESHORE_RUNTIME_POLICY") or "minor"  # strict | minor | off
+    except ValueError as bad:
         raise _Refused(str(bad)) from bad
     try:
         if blob is not None:  # handed over in memory (a warm-forked entry: run_args)
@@ -646,7 +640,7 @@ def _check_module(module: str, qualname: str, patterns: List[str]) -> None:
 
 def _ship_code_path() -> None:
     """Put the shipped code's directories (``LAKESHORE_CODE_PATH``) first on the import path."""
-    dirs = [d for d in os.environ.get(CODE_PATH_ENV, "").split(os.pathsep) if d]
+    dirs = [d for d in (envvars.string(CODE_PATH_ENV) or "").split(os.pathsep) if d]
     if not dirs:
         return
     sys.path[:0] = dirs
@@ -670,10 +664,9 @@ class ResultTooLarge(Exception):
 
 
 def _check_result_size(result: Any) -> None:
-    raw = os.environ.get(RESULT_MAX_ENV, "").strip()
-    if not raw.isdigit():
+    if not envvars.is_set(RESULT_MAX_ENV):
         return
-    cap = int(raw)
+    cap = envvars.integer(RESULT_MAX_ENV)
     size = _approx_size(result, cap)
     if size > cap:
         raise ResultTooLarge(
@@ -715,7 +708,7 @@ TOKEN_FILE_ENV = "LAKESHORE_TOKEN_FILE"
 def _token_file_absolute() -> None:
     """``LAKESHORE_TOKEN_FILE`` (the task's credential, nymph names it relative to the workdir)
     made absolute before the user's code runs, so a ``chdir`` or a child elsewhere still finds it."""
-    path = os.environ.get(TOKEN_FILE_ENV, "")
+    path = envvars.string(TOKEN_FILE_ENV)
     if path and not os.path.isabs(path):
         os.environ[TOKEN_FILE_ENV] = os.path.abspath(path)
 
@@ -735,7 +728,7 @@ def run(blob: Any = None) -> int:
     except BaseException as exc:  # the user's module raised while importing
         return _fail(_error_info(exc), EXIT_RAISED)
     interrupts = _Interrupts()
-    if CHECKPOINT_ENV not in os.environ:  # dls.checkpoint_dir(), as this task sees its workdir
+    if not envvars.is_set(CHECKPOINT_ENV):  # dls.checkpoint_dir(), as this task sees its workdir
         os.environ[CHECKPOINT_ENV] = os.path.join(interrupts.cwd, CHECKPOINT_DIR)
     with _run_context(envelope):
         try:
@@ -760,7 +753,7 @@ def run(blob: Any = None) -> int:
 def _fail(info: Dict[str, Any], code: int) -> int:
     """Write error.json, say one line on stderr (nymph keeps stderr.log), return ``code``."""
     _write_error(info)
-    invocation = os.environ.get("LAKESHORE_INVOCATION_ID", "?")
+    invocation = envvars.string("LAKESHORE_INVOCATION_ID", None, "?")
     sys.stderr.write(
         f"lakeshore entry: invocation {invocation} exit {code}: {info['type']}: {info['message']}\n"
     )
@@ -779,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:
             sys.stderr.write(f"lakeshore entry: cannot enter workdir {argv[0]!r}: {exc.strerror}\n")
             return EXIT_REFUSED
-    if os.environ.get(CAPTURE_ENV, "").strip().lower() in _TRUE:
+    if envvars.flag(CAPTURE_ENV):
         capture_output()
     return run()
 
@@ -789,7 +782,7 @@ def run_args(blob: bytes, captured: bool = False) -> int:
     ``args.msgpack``: what the process runner's zygote runs in a forked child when nymph handed it
     the arguments over its socket (fewer files per invocation). ``captured``: fd 1 and fd 2 append
     to the workdir's logs already (the zygote's child opened them), so they are not opened again."""
-    if os.environ.get(CAPTURE_ENV, "").strip().lower() in _TRUE:
+    if envvars.flag(CAPTURE_ENV):
         capture_output(reopen=not captured)
     return run(blob)
 

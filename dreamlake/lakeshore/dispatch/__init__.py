@@ -16,7 +16,6 @@ first use. This package and ``dispatch/http.py`` are part of the entry bundle (P
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -299,10 +298,11 @@ def __getattr__(name: str) -> Any:
     try:
         loaded = importlib.import_module(module)
     except ModuleNotFoundError as exc:
+        from dreamlake.lakeshore import envvars
         from dreamlake.lakeshore.errors import missing_module
 
         feature, needs, pip = _NEEDS[name]
-        if name == "HttpDispatch" and not os.environ.get("LAKESHORE_INVOCATION_ID"):
+        if name == "HttpDispatch" and not envvars.is_set("LAKESHORE_INVOCATION_ID"):
             feature = "HttpDispatch (the control plane's client)"
         raise missing_module(feature, exc, needs, pip) from exc
     value = getattr(loaded, name)

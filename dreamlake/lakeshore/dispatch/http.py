@@ -33,7 +33,6 @@ An HTTP plane is outside the local trust domain: ``trusted = False``.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 from collections.abc import Iterator, Sequence
@@ -95,16 +94,7 @@ def inline_threshold_from_env() -> int:
 
 def _retry_window() -> float:
     """``$LAKESHORE_RETRY_WINDOW`` (seconds), else the default; a bad value says what to set."""
-    raw = os.environ.get(RETRY_WINDOW_ENV, "").strip()
-    if not raw:
-        return DEFAULT_RETRY_WINDOW_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise ValueError(f"{RETRY_WINDOW_ENV}={raw!r}: give a number of seconds >= 0, e.g. 60")
-    return value
+    return envvars.number(RETRY_WINDOW_ENV, default=DEFAULT_RETRY_WINDOW_S)
 
 
 def _submit_failed(exc: PlaneError, invocation_id: str, window: float) -> PlaneError:

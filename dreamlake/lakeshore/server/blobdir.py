@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
+from dreamlake.lakeshore import envvars
 from dreamlake.lakeshore.server.payloads import (
     PayloadConfig,
     PayloadError,
@@ -99,14 +100,14 @@ class BlobDir:
         _private_dir(self.root / TMP_DIR)
 
     @classmethod
-    def for_store(cls, store: Any, env: Mapping[str, str], config: PayloadConfig) -> BlobDir | None:
+    def for_store(cls, store: Any, env: Mapping[str, str] | None, config: PayloadConfig) -> BlobDir | None:
         """The blob directory of ``store``: ``LAKESHORE_BLOBS_DIR`` when set, else ``blobs/`` next to
         a SQLite file; None for an in-memory store or PostgreSQL without ``LAKESHORE_BLOBS_DIR``
         (replicas share no directory: configure a bucket)."""
-        raw = env.get("LAKESHORE_BLOBS_DIR")
-        retention = float(env.get("LAKESHORE_BLOBS_RETENTION_S") or DEFAULT_RETENTION_S)
-        if retention <= 0:
-            raise ValueError("LAKESHORE_BLOBS_RETENTION_S must be a positive number of seconds")
+        raw = envvars.string("LAKESHORE_BLOBS_DIR", env)
+        retention = envvars.number(
+            "LAKESHORE_BLOBS_RETENTION_S", env, default=float(DEFAULT_RETENTION_S), positive=True
+        )
         db = getattr(store, "db", None)
         url = str(getattr(db, "url", ""))
         if raw:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from dreamlake.lakeshore import envvars
 from dreamlake.lakeshore.store.api import DEFAULT_LEASE_S
 
 MiB = 1024 * 1024
@@ -84,15 +84,10 @@ class ServerConfig:
         A value that is not a positive number raises ValueError naming the variable."""
         values: dict[str, object] = {}
         for name, (key, kind) in ENV.items():
-            raw = os.environ.get(name)
-            if raw:
-                try:
-                    value = kind(raw)
-                except ValueError:
-                    value = 0
-                if not value > 0:
-                    raise ValueError(f"{name} must be a positive {kind.__name__}, got {raw!r}")
-                values[key] = value
+            if envvars.is_set(name):
+                values[key] = (
+                    envvars.integer(name, minimum=1) if kind is int else envvars.number(name, positive=True)
+                )
         values.update({k: v for k, v in overrides.items() if v is not None})
         queues = values.get("retention_queues")
         if isinstance(queues, (list, tuple)):  # JSON (a worker's ServeSpec) makes lists of lists

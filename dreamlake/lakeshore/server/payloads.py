@@ -58,7 +58,6 @@ from typing import Any
 import httpx
 
 from dreamlake.lakeshore import envvars, ids
-from dreamlake.lakeshore.envvars import env_int
 from dreamlake.lakeshore.errors import LakeshoreError
 from dreamlake.lakeshore.store.exec_jobs import ARCHIVE_KEY_RE
 
@@ -103,14 +102,6 @@ class PayloadCorrupt(PayloadError):
         self.got = got
 
 
-def _first(env: Mapping[str, str], *names: str) -> str | None:
-    for name in names:
-        value = env.get(name)
-        if value:
-            return value
-    return None
-
-
 @dataclass(frozen=True)
 class PayloadConfig:
     """Where payloads live and the limits on them. See the module docstring for the variables."""
@@ -126,25 +117,33 @@ class PayloadConfig:
     presign_ttl_s: int = DEFAULT_PRESIGN_TTL_S
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> PayloadConfig:
-        """Resolve the configuration from ``env`` (pass ``os.environ`` from the CLI)."""
-        access = _first(env, "LAKESHORE_S3_ACCESS_KEY", "AWS_ACCESS_KEY_ID")
-        secret = _first(env, "LAKESHORE_S3_SECRET_KEY", "AWS_SECRET_ACCESS_KEY")
+    def from_env(cls, env: Mapping[str, str] | None = None) -> PayloadConfig:
+        """Resolve the configuration from ``env`` (default ``os.environ``; envvars.py reads it)."""
+        access = envvars.string("LAKESHORE_S3_ACCESS_KEY", env)  # else AWS_ACCESS_KEY_ID
+        secret = envvars.string("LAKESHORE_S3_SECRET_KEY", env)  # else AWS_SECRET_ACCESS_KEY
         if (access is None) != (secret is None):
             raise ValueError(
                 "S3 credentials are half set: give both LAKESHORE_S3_ACCESS_KEY and LAKESHORE_S3_SECRET_KEY "
                 "(or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY), or neither to use boto3's credential chain"
             )
         return cls(
-            bucket=_first(env, "LAKESHORE_BLOBS_BUCKET"),
-            endpoint=_first(env, "LAKESHORE_S3_ENDPOINT"),
-            region=_first(env, "LAKESHORE_S3_REGION", "AWS_REGION", "AWS_DEFAULT_REGION") or DEFAULT_REGION,
+            bucket=envvars.string("LAKESHORE_BLOBS_BUCKET", env),
+            endpoint=envvars.string("LAKESHORE_S3_ENDPOINT", env),
+            region=envvars.string("LAKESHORE_S3_REGION", env) or DEFAULT_REGION,  # else AWS_REGION, ...
             access_key=access,
             secret_key=secret,
-            session_token=None if env.get("LAKESHORE_S3_ACCESS_KEY") else _first(env, "AWS_SESSION_TOKEN"),
+            session_token=(
+                None
+                if envvars.source("LAKESHORE_S3_ACCESS_KEY", env) == "LAKESHORE_S3_ACCESS_KEY"
+                else envvars.string("AWS_SESSION_TOKEN", env)
+            ),
             inline_threshold_bytes=envvars.inline_threshold(env),
-            max_payload_bytes=env_int("MAX_PAYLOAD_BYTES", DEFAULT_MAX_PAYLOAD_BYTES, minimum=1, env=env),
-            presign_ttl_s=env_int("PAYLOAD_PRESIGN_TTL_S", DEFAULT_PRESIGN_TTL_S, minimum=1, env=env),
+            max_payload_bytes=envvars.integer(
+                "MAX_PAYLOAD_BYTES", env, default=DEFAULT_MAX_PAYLOAD_BYTES, minimum=1
+            ),
+            presign_ttl_s=envvars.integer(
+                "PAYLOAD_PRESIGN_TTL_S", env, default=DEFAULT_PRESIGN_TTL_S, minimum=1
+            ),
         )
 
     @property
@@ -153,9 +152,9 @@ class PayloadConfig:
         return bool(self.bucket)
 
 
-def bucket_configured(env: Mapping[str, str]) -> bool:
+def bucket_configured(env: Mapping[str, str] | None = None) -> bool:
     """Seed 003's ``bucketConfigured()``: is ``LAKESHORE_BLOBS_BUCKET`` set in ``env``?"""
-    return bool(env.get("LAKESHORE_BLOBS_BUCKET"))
+    return envvars.is_set("LAKESHORE_BLOBS_BUCKET", env)
 
 
 def _iso_utc(moment: datetime) -> str:
@@ -230,7 +229,7 @@ class PayloadStore:
         self._client = client if client is not None else self._make_client(config)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> PayloadStore | None:
+    def from_env(cls, env: Mapping[str, str] | None = None) -> PayloadStore | None:
         """The store ``env`` configures, or None when ``LAKESHORE_BLOBS_BUCKET`` is unset (inline only)."""
         config = PayloadConfig.from_env(env)
         if not config.bucket_configured:

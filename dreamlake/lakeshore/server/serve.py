@@ -56,6 +56,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -68,6 +69,7 @@ try:
 except ImportError:  # httptools is not installed (the ``server`` extra installs it)
     HttpToolsProtocol = None  # type: ignore[assignment,misc]
 
+from dreamlake.lakeshore import envvars
 from dreamlake.lakeshore.server import gctune
 from dreamlake.lakeshore.server.config import ServerConfig
 
@@ -89,8 +91,8 @@ class ServeSpec:
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | os._Environ[str]) -> ServeSpec:
-        raw = env.get(SPEC_ENV)
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ServeSpec:
+        raw = envvars.string(SPEC_ENV, env)
         if not raw:
             raise RuntimeError(f"{SPEC_ENV} is not set: start workers with 'lakeshore server --workers N'")
         return cls(**json.loads(raw))
@@ -409,9 +411,7 @@ def event_loop() -> str:
 def http_parser() -> str:
     """The HTTP parser to serve with: ``httptools`` when installed (the ``server`` extra installs
     it), else ``h11``; ``LAKESHORE_HTTP_PARSER=h11`` (or ``httptools``) picks one."""
-    wanted = os.environ.get(PARSER_ENV, "").strip().lower()
-    if wanted not in ("", "h11", "httptools"):
-        raise ValueError(f"{PARSER_ENV}={wanted!r} is not an HTTP parser: use 'httptools' or 'h11'")
+    wanted = envvars.choice(PARSER_ENV)  # httptools | h11 | None; another value is a ValueError
     if HttpToolsProtocol is None:
         if wanted == "httptools":
             raise ValueError(
@@ -474,11 +474,11 @@ def build_app(spec: ServeSpec, store: Any = None) -> Any:
     from dreamlake.lakeshore.server.payloads import PayloadConfig, PayloadStore
     from dreamlake.lakeshore.store import open_store
 
-    payloads: Any = PayloadStore.from_env(os.environ)
+    payloads: Any = PayloadStore.from_env()
     config = _config(spec)
     store = store if store is not None else open_store(spec.db)
     if payloads is None:  # no bucket: the blob directory next to a SQLite file (or LAKESHORE_BLOBS_DIR)
-        payloads = BlobDir.for_store(store, os.environ, PayloadConfig.from_env(os.environ))
+        payloads = BlobDir.for_store(store, None, PayloadConfig.from_env())
     return create_app(store, fanout=make_fanout(spec.redis_url), payloads=payloads, config=config)
 
 
@@ -486,7 +486,7 @@ def app_from_env() -> Any:
     """The uvicorn factory of a worker process (``--workers N``): the app ``LAKESHORE_SERVE_SPEC``
     describes. It also sets the guard's limits in this process, as the parent hands the protocol
     class down by name (a class made by :func:`guarded_protocol` cannot be)."""
-    spec = ServeSpec.from_env(os.environ)
+    spec = ServeSpec.from_env()
     config = _config(spec)
     for name, value in _limits(config).items():
         setattr(_Guard, name, value)

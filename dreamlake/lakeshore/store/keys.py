@@ -39,6 +39,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dreamlake.lakeshore import envvars
 from dreamlake.lakeshore.errors import LakeshoreError
 
 log = logging.getLogger(__name__)
@@ -101,9 +102,10 @@ class KeyRing:
             log.info("moved %d server key(s) out of the database into %s", len(fresh), self.path)
 
     @classmethod
-    def resolve(cls, env: Mapping[str, str], *, dialect: str, db_file: Path | None) -> KeyRing:
-        """The key ring the environment and the store's kind call for (the module's table)."""
-        text = env.get(ENV_KEY)
+    def resolve(cls, env: Mapping[str, str] | None = None, *, dialect: str, db_file: Path | None) -> KeyRing:
+        """The key ring the environment (``env``, default ``os.environ``) and the store's kind call for
+        (the module's table)."""
+        text = envvars.raw(ENV_KEY, env)
         if text:
             if len(text.strip()) < MIN_SECRET:
                 raise KeyConfigError(
@@ -111,7 +113,7 @@ class KeyRing:
                     "characters (e.g. the output of: openssl rand -hex 32), the same on every replica"
                 )
             return cls(hashlib.sha256(text.strip().encode()).digest())
-        raw = env.get(ENV_FILE)
+        raw = envvars.string(ENV_FILE, env)
         if raw:
             return cls.from_file(Path(raw).expanduser())
         if db_file is not None:

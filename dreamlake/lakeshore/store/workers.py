@@ -29,7 +29,6 @@ import contextlib
 import functools
 import hashlib
 import hmac
-import os
 import secrets
 import threading
 import time
@@ -407,7 +406,7 @@ class WorkerStore(StoreBase):
         db_file = None
         if self.db.dialect == "sqlite" and not self.db.memory:
             db_file = Path(self.db.url[len("sqlite:///") :])
-        ring = KeyRing.resolve(os.environ, dialect=self.db.dialect, db_file=db_file)
+        ring = KeyRing.resolve(dialect=self.db.dialect, db_file=db_file)
         k = t.server_keys
         with self.db.tx(write=False) as conn:
             legacy = {str(n): bytes(v) for n, v in conn.execute(sa.select(k.c.name, k.c.secret))}
