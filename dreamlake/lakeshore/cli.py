@@ -429,8 +429,8 @@ def _quota_text(quota: Any) -> str:
     callback=_size_option,
     default=None,
     metavar="SIZE",
-    help="Bytes NS may presign for upload within the payload retention (LAKESHORE_BLOBS_RETENTION_S, "
-    "7 days by default), e.g. 10g; a presign past it answers 429.",
+    help="Bytes NS may presign for upload within the payload window (the blob directory's "
+    "LAKESHORE_BLOBS_RETENTION_S; 7 days with a bucket), e.g. 10g; a presign past it answers 429.",
 )
 @click.option(
     "--lift",

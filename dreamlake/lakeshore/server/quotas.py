@@ -6,19 +6,15 @@ An operator sets a namespace's limits with ``lakeshore namespace quota NS --queu
 ``max_queued``, ``max_topics`` or ``max_payload_bytes``, which the SDK raises as
 :class:`~dreamlake.lakeshore.errors.QuotaExceeded`); nothing of it is stored:
 
-=================== ==================================================================== =========
-quota               what counts                                                          checked at
-=================== ==================================================================== =========
-``max_queued``      the namespace's queued, due invocations (delayed retries are not)    submit,
-                                                                                         batch
-``max_topics``      the topics the namespace's producers made (a topic belongs to the    a post
-                    namespace of the post that made it; posts to an existing topic are   that
-                    never refused)                                                        makes one
-``max_payload_bytes`` the bytes presigned for upload in the namespace within the payload  presign
-                    retention (``LAKESHORE_BLOBS_RETENTION_S``, default 7 days): a       put
-                    presigned PUT is bound to its size, so this bounds what the payload
-                    store can hold for it
-=================== ==================================================================== =========
+* ``max_queued``: the namespace's queued, due invocations (delayed retries are not), checked at
+  submit and submit-batch (``Retry-After`` 5 s: they run and leave);
+* ``max_topics``: the topics the namespace's producers made (a topic belongs to the namespace of
+  the post that made it), checked at a post that would make one; posts to a made topic go on;
+* ``max_payload_bytes``: the bytes presigned for upload in the namespace within the payload window
+  (the blob directory's retention, ``LAKESHORE_BLOBS_RETENTION_S``; 7 days with a bucket, whose
+  lifecycle rule is the operator's), checked at a presign ``put``. A presigned PUT is bound to its
+  size, so this bounds what the payload store can take for the namespace; the arguments, results
+  and checkpoints nymph uploads for the namespace's calls count too.
 
 Cheap on the hot path: the limits of every namespace are read once per :data:`REFRESH_S` (one
 small query for all of them), a namespace without a quota costs a dict lookup, and one with a
@@ -41,6 +37,7 @@ REFRESH_S = 5.0  # how stale a quota the operator just set may be (every replica
 RETRY_AFTER_S = 5  # queued invocations run and leave: worth asking again soon
 RETRY_AFTER_LONG_S = 3600  # topics and payload bytes free up with retention or the operator
 DEFAULT_PAYLOAD_WINDOW_S = 7 * 86400.0  # the blob directory's default retention (server/blobdir.py)
+MADE_TOPICS_KEPT = 10_000  # topics remembered as made (a post to one then costs no store read)
 _ASK = "or ask the operator to raise it (lakeshore namespace quota)"
 
 
@@ -70,6 +67,7 @@ class Quotas:
         self._limits: dict[str, Quota] = {}
         self._read_at = float("-inf")
         self._payload_window = payload_window  # the payload store's retention, when it has one
+        self._made: set[str] = set()  # topics seen to exist: their posts skip the store read
 
     @property
     def payload_window_s(self) -> float:
@@ -103,7 +101,12 @@ class Quotas:
         """429 when a post would make a new topic in ``namespace`` past its topic quota."""
         quota = await self._quota(namespace)
         limit = None if quota is None else quota.max_topics
-        if limit is None or await self._call(self._store.topic_exists, topic):
+        if limit is None or topic in self._made:
+            return
+        if await self._call(self._store.topic_exists, topic):
+            if len(self._made) >= MADE_TOPICS_KEPT:
+                self._made.clear()
+            self._made.add(topic)
             return
         made = await self._call(self._store.count_topics, namespace, limit)
         if made >= limit:
