@@ -712,15 +712,22 @@ def _approx_size(value: Any, cap: int) -> int:
 TOKEN_FILE_ENV = "LAKESHORE_TOKEN_FILE"
 
 
-# ... and the TLS files nymph copies into the workdir (nymph/tasktls.py: tls.ENV_CA, ENV_CERT, ENV_KEY)
-_WORKDIR_FILE_ENVS = (TOKEN_FILE_ENV, "LAKESHORE_CA_FILE", "LAKESHORE_CLIENT_CERT", "LAKESHORE_CLIENT_KEY")
-
-
 def _token_file_absolute() -> None:
-    """``LAKESHORE_TOKEN_FILE`` (the task's credential) and the TLS files (the control plane's CA),
-    which nymph names relative to the workdir, made absolute before the user's code runs, so a
-    ``chdir`` or a child elsewhere still finds them."""
-    for name in _WORKDIR_FILE_ENVS:
+    """``LAKESHORE_TOKEN_FILE`` (the task's credential, nymph names it relative to the workdir)
+    made absolute before the user's code runs, so a ``chdir`` or a child elsewhere still finds it."""
+    path = os.environ.get(TOKEN_FILE_ENV, "")
+    if path and not os.path.isabs(path):
+        os.environ[TOKEN_FILE_ENV] = os.path.abspath(path)
+
+
+# The TLS files nymph copies into the workdir (nymph/tasktls.py), named relative to it like the token
+TLS_FILE_ENVS = ("LAKESHORE_CA_FILE", "LAKESHORE_CLIENT_CERT", "LAKESHORE_CLIENT_KEY")
+
+
+def _tls_files_absolute() -> None:
+    """The control plane's CA (and client certificate) nymph handed the task, made absolute as
+    ``LAKESHORE_TOKEN_FILE`` is, so the SDK's client finds them after a ``chdir`` too."""
+    for name in TLS_FILE_ENVS:
         path = os.environ.get(name, "")
         if path and not os.path.isabs(path):
             os.environ[name] = os.path.abspath(path)
@@ -731,6 +738,7 @@ def run(blob: Any = None) -> int:
     bytes when the caller has them (then ``args.msgpack`` is not read)."""
     _ship_code_path()
     _token_file_absolute()
+    _tls_files_absolute()
     try:
         envelope, fn, args, kwargs = _load(blob)
     except _Refused as refused:
