@@ -5,7 +5,7 @@ Layout (one concern per module)::
     cli.py        the ``nymph`` console script (start, doctor, runners); resolves config once
     __main__.py   ``python -m nymph``: the console script
     config.py     NymphConfig: flags over NYMPH_* environment over a TOML file; paths made absolute
-    errors.py     the exception hierarchy (drawn in its docstring)
+    errors.py     the exception hierarchy (drawn in its docstring); redact() for URLs and messages
     client.py     the typed control-plane client; the one place that decides what is retryable,
                   and the one "control plane went away" / "reconnected" line of an outage
     identity.py   the worker id (a ULID kept in the state directory)
@@ -38,6 +38,7 @@ Layout (one concern per module)::
     cachedir.py   what the two caches share: sealed directories, removal, pruning
     callenv.py    an invocation's environment beyond its code: pip, secrets, variables, mounts
     taskenv.py    what a task's environment is made of, the same on every runner (never nymph's)
+    tasktls.py    the control plane's CA (and client certificate) copied into each workdir for the task
 
     runner.py     the Runner contract that runner plugins implement
     plugins.py    loading runner plugins (entry-point group ``nymph.runners``) and validating them

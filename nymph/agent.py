@@ -47,7 +47,7 @@ from nymph import drain, upgrade
 from nymph import observability as obs
 from nymph.client import ControlPlaneClient
 from nymph.config import NymphConfig
-from nymph.errors import UpgradeError
+from nymph.errors import UpgradeError, redact
 from nymph.health import DiskHealth, RunnerHealth, Watchdog
 from nymph.heartbeat import Heartbeat
 from nymph.identity import load_or_create_worker_id
@@ -314,7 +314,7 @@ class Agent:
             self.runner.name,
             ",".join(cfg.queues),
             cfg.concurrency,
-            cfg.server,
+            redact(cfg.server),
         )
         self.registered.set()
         self.notify.ready(f"worker {self.worker_id} registered")

@@ -3,8 +3,9 @@
 Inside a task ``dls.checkpoint_dir()`` is ``{workdir}/checkpoint`` (the entry exports its absolute
 path as ``LAKESHORE_CHECKPOINT_DIR``; every runner shares the workdir with the task, so this works
 on each). When an attempt ends without succeeding (failed, timed out, preempted, also after an
-``Interrupted``), :func:`save` tars that directory (regular files and directories only: links and
-devices are left out, nothing is followed), uploads the tar through the payload store (key
+``Interrupted``), :func:`save` tars that directory (regular files and directories the task owns
+only: links, devices and other users' files are left out, nothing is followed, every name opened
+relative to its parent's descriptor, see :func:`_pack_tree`), uploads the tar through the payload store (key
 ``payloads/<date>/<invocation_id>.<random>/checkpoint``) and records it with ``POST
 /v1/daemon/checkpoint`` before the ack, while the lease is still this attempt's: the control plane
 refuses a stale attempt's. A checkpoint over ``checkpoint_max_mb`` (default 1024) is not carried
@@ -41,46 +42,101 @@ KIND = "checkpoint"
 ENV = "LAKESHORE_CHECKPOINT_DIR"
 
 
-def _regular_tree(root: Path, limit: int) -> tuple[list[tuple[str, os.stat_result]], int] | None:
-    """The directories and regular files under ``root`` (relative names, lstat), not following
-    links, with their total size; None when over ``limit``."""
-    out: list[tuple[str, os.stat_result]] = []
-    total = 0
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        for name in [*dirnames, *filenames]:
-            path = os.path.join(dirpath, name)
-            st = os.lstat(path)
-            if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
-                continue  # links, fifos, devices: never carried
-            if stat.S_ISREG(st.st_mode):
-                total += st.st_size
-                if total > limit:
-                    return None
-            out.append((os.path.relpath(path, root), st))
-    return out, total
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+MAX_DEPTH = 64  # directories deeper than this are left out
 
 
-def _pack(root: Path, members: list[tuple[str, os.stat_result]], into: Any) -> None:
-    with tarfile.open(fileobj=into, mode="w") as tar:
-        for name, st in members:
-            info = tarfile.TarInfo(name)
+class _TooBig(Exception):
+    pass
+
+
+def _listing(dfd: int) -> list[str]:
+    """The names in the directory open at ``dfd``, sorted (a tar that packs the same tree alike)."""
+    return sorted(os.listdir(dfd))
+
+
+def _owned(st: os.stat_result, owner: int) -> bool:
+    """Whether a checkpoint entry may be carried: the task's own (the workdir's owner), or nymph's
+    with one link (a hard link the task made to one of nymph's files has two)."""
+    if st.st_uid == owner:
+        return True
+    return st.st_uid == os.geteuid() and (stat.S_ISDIR(st.st_mode) or st.st_nlink == 1)
+
+
+def _pack_tree(workdir: Path, into: Any, limit: int) -> tuple[int, int] | None:
+    """Tar ``workdir/checkpoint`` into ``into``: ``(members, bytes)``, or None when over ``limit``
+    bytes. The task owns that tree and may change it while nymph (root) reads it, so every name is
+    opened relative to its parent's descriptor with ``O_NOFOLLOW`` (a directory with
+    ``O_DIRECTORY`` too) and checked on the descriptor (``fstat``), never by path: a link planted
+    anywhere in it, even swapped in for a directory between the listing and the open, fails the
+    open (ELOOP) and is left out, as are FIFOs, devices and files owned by anyone but the task (or
+    nymph), e.g. a hard link to a file the task cannot read. Raises OSError when ``checkpoint``
+    itself is not such a directory."""
+    wfd = os.open(workdir, _DIR_FLAGS)
+    try:
+        owner = os.fstat(wfd).st_uid
+        rfd = os.open(DIR, _DIR_FLAGS, dir_fd=wfd)
+    finally:
+        os.close(wfd)
+    counts = [0, 0]  # members, bytes
+    try:
+        st = os.fstat(rfd)
+        if not _owned(st, owner):
+            raise PermissionError(f"{workdir / DIR} is owned by uid {st.st_uid}, not the task's")
+        with tarfile.open(fileobj=into, mode="w") as tar:
+            _pack_dir(tar, rfd, "", owner, limit, counts, 0)
+    except _TooBig:
+        return None
+    finally:
+        os.close(rfd)
+    return counts[0], counts[1]
+
+
+def _pack_dir(
+    tar: tarfile.TarFile, dfd: int, prefix: str, owner: int, limit: int, counts: list[int], depth: int
+) -> None:
+    for name in _listing(dfd):
+        member = prefix + name
+        try:
+            seen = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if not (stat.S_ISDIR(seen.st_mode) or stat.S_ISREG(seen.st_mode)):
+                continue  # links, FIFOs, devices, sockets: never opened, never carried
+            fd = os.open(name, _FILE_FLAGS, dir_fd=dfd)
+        except OSError as exc:  # ELOOP: a link; ENOENT: gone since the listing; EACCES ...
+            log.debug("checkpoint: %s left out (%s)", member, exc.strerror or exc)
+            continue
+        try:
+            st = os.fstat(fd)
+            if not _owned(st, owner) or not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+                log.warning("checkpoint: %s left out (not the task's own file or directory)", member)
+                continue
+            info = tarfile.TarInfo(member)
             info.mtime = int(st.st_mtime)
             info.mode = stat.S_IMODE(st.st_mode) & 0o755 | 0o600
             if stat.S_ISDIR(st.st_mode):
+                if depth >= MAX_DEPTH:
+                    continue
                 info.type = tarfile.DIRTYPE
                 info.mode |= 0o700
                 tar.addfile(info)
+                counts[0] += 1
+                sub = os.open(".", _DIR_FLAGS, dir_fd=fd)  # the very directory checked above
+                try:
+                    _pack_dir(tar, sub, member + "/", owner, limit, counts, depth + 1)
+                finally:
+                    os.close(sub)
                 continue
-            try:
-                fd = os.open(root / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-            except OSError:
-                continue  # replaced by a link (or gone) since the walk: left out
-            with os.fdopen(fd, "rb") as fh:
-                now = os.fstat(fh.fileno())
-                if not stat.S_ISREG(now.st_mode):
-                    continue
-                info.size = now.st_size
+            counts[1] += st.st_size
+            if counts[1] > limit:
+                raise _TooBig
+            info.size = st.st_size
+            os.set_blocking(fd, True)
+            with os.fdopen(os.dup(fd), "rb") as fh:
                 tar.addfile(info, fh)
+            counts[0] += 1
+        finally:
+            os.close(fd)
 
 
 def save(
@@ -94,28 +150,28 @@ def save(
     max_bytes: int,
 ) -> bool:
     """Carry ``{workdir}/checkpoint`` to the next attempt (see the module docstring); whether it was."""
-    root = workdir / DIR
     try:
-        st = os.lstat(root)
+        st = os.lstat(workdir / DIR)
     except OSError:
         return False  # the task left no checkpoint
     if not stat.S_ISDIR(st.st_mode):
-        log.warning("invocation %s: %s is not a directory; no checkpoint carried", invocation_id, root)
+        log.warning(
+            "invocation %s: %s is not a directory; no checkpoint carried", invocation_id, workdir / DIR
+        )
         return False
     try:
-        tree = _regular_tree(root, max_bytes)
-        if tree is None:
-            log.warning(
-                "invocation %s: checkpoint over %d MiB (checkpoint_max_mb); not carried to the next attempt",
-                invocation_id,
-                max_bytes // 2**20,
-            )
-            return False
-        members, total = tree
-        if not members:
-            return False
         with tempfile.TemporaryFile(dir=workdir.parent) as tmp:
-            _pack(root, members, tmp)
+            packed = _pack_tree(workdir, tmp, max_bytes)
+            if packed is None:
+                log.warning(
+                    "invocation %s: checkpoint over %d MiB (checkpoint_max_mb); not carried to the next attempt",
+                    invocation_id,
+                    max_bytes // 2**20,
+                )
+                return False
+            members, total = packed
+            if not members:
+                return False
             ref = refs.ship(client, namespace, invocation_id, tmp, KIND)
         assert client is not None
         client.checkpoint(

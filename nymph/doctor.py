@@ -29,6 +29,7 @@ from typing import Any
 from dreamlake.lakeshore.errors import AuthError, PlaneError
 from nymph.client import ControlPlaneClient
 from nymph.config import NymphConfig
+from nymph.errors import redact
 from nymph.runner import Runner
 
 
@@ -45,9 +46,11 @@ def _server(cfg: NymphConfig, client: ControlPlaneClient) -> Check:
         info = client.healthz()
     except PlaneError as exc:
         return Check(
-            "server", False, f"{cfg.server} is not reachable ({exc}); check --server and the network"
+            "server",
+            False,
+            redact(f"{cfg.server} is not reachable ({exc}); check --server and the network"),
         )
-    return Check("server", True, f"{cfg.server} answers (store: {info.get('store', '?')})")
+    return Check("server", True, f"{redact(cfg.server)} answers (store: {info.get('store', '?')})")
 
 
 def _token(cfg: NymphConfig, client: ControlPlaneClient) -> Check:

@@ -14,6 +14,10 @@
      |    +-- PayloadError           an exec payload that cannot be fetched or fails its sha256
      +-- UpgradeError                the pinned version could not be installed; the running one stays
 
+:func:`redact` masks the credentials in a URL or a message (``user:password@``, token query
+parameters, ``lsk_`` tokens) before nymph logs or prints it; nymph's log handler applies it to
+every line (``nymph.observability.RedactFilter``).
+
 Every class is defined here and re-exported by the module that raises it (``nymph.config``,
 ``nymph.taskuser``, ``nymph.plugins``, ``nymph.job``, ``nymph.slots``, ``nymph.execjob``, ``nymph.upgrade``), except
 ``RunnerError`` and ``RunnerUnavailable``: they are defined in :mod:`nymph.runner`, beside the
@@ -30,8 +34,38 @@ message; :class:`JobRefused` is the expected way to say no before anything runs.
 from __future__ import annotations
 
 import errno
+import re
 
 DISK_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT))
+
+# ``scheme://user:password@host`` (or ``scheme://token@host``): the whole user part goes
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)[^/\s@'\"<>]+@")
+# a query parameter that carries a credential: ?token=, &access_token=, X-Amz-Signature=, sig= ...
+_SECRET_PARAM = re.compile(
+    r"(?P<name>[?&;](?:[\w.-]*(?:token|secret|passw(?:or)?d|signature|credential|api[_-]?key)[\w.-]*"
+    r"|sig|key|pwd|auth)=)[^&#\s'\"<>]*",
+    re.IGNORECASE,
+)
+# a lakeshore token (``lsk_...``) or a bearer credential written out in a message
+_TOKEN = re.compile(r"\b(?P<name>lsk_|Bearer\s+)[A-Za-z0-9._~+/=-]{6,}")
+REDACTED = "***"
+
+
+def redact(text: object) -> str:
+    """``text`` (a URL, an error message, a log line) with its credentials masked: the user part of
+    every ``scheme://user:password@host`` URL, the value of every query parameter that carries a
+    credential (``token``, ``access_token``, ``sig``, ``X-Amz-Signature``, ``password`` ...), and
+    lakeshore tokens (``lsk_...``) or ``Bearer`` values written out. What nymph logs or prints about
+    the control plane's URL and its errors goes through it (``--server`` may embed a credential;
+    presigned URLs carry signatures)."""
+    out = str(text)
+    if "://" in out:
+        out = _USERINFO.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", out)
+    if "=" in out:
+        out = _SECRET_PARAM.sub(lambda m: m.group("name") + REDACTED, out)
+    if "lsk_" in out or "earer" in out:
+        out = _TOKEN.sub(lambda m: m.group("name") + REDACTED, out)
+    return out
 
 
 def is_disk_full(exc: BaseException) -> bool:
@@ -103,4 +137,5 @@ __all__ = [
     "RunnerLoadError",
     "TaskUserError",
     "UpgradeError",
+    "redact",
 ]

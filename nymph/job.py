@@ -41,7 +41,7 @@ from dreamlake.lakeshore.daemon.entry import (
 from dreamlake.lakeshore.envelope import Envelope, is_pickled
 from dreamlake.lakeshore.errors import LakeshoreError, PayloadCorrupt
 from dreamlake.lakeshore.settings import TOKEN_FILE_ENV
-from nymph import checkpoints, codecache, refs, safeio, taskuser
+from nymph import checkpoints, codecache, refs, safeio, tasktls, taskuser
 from nymph import observability as obs
 from nymph import workdir as wd
 from nymph.callenv import CallEnv
@@ -110,6 +110,7 @@ class Job(SupervisedJob[wd.Outcome]):
         self.state: str | None = None  # the settled state; "deferred": left for the next life
         self._made_workdir = False  # this life made the workdir (prepare): no stream state there yet
         self._sends: SendRelay | None = None  # a two-way call's sends, fetched into the workdir
+        self._tls: list[tuple[str, bytes, int]] = []  # the TLS files handed to the task (nymph.tasktls)
 
     def cancel(self, message: str = "cancelled by producer", grace_s: float | None = None) -> None:
         """Stop the task with the ladder and ack ``killed`` ``{type: Cancelled, message}``."""
@@ -162,6 +163,7 @@ class Job(SupervisedJob[wd.Outcome]):
             and len(blob) <= ARGS_INLINE_MAX
         )
         self._args_inline = blob if inline else None
+        self._tls = tasktls.workdir_files()
         self.workdir = wd.create(
             cfg.workdir,
             self.invocation_id,
@@ -171,6 +173,7 @@ class Job(SupervisedJob[wd.Outcome]):
             args_file=self._staged,
             write_args=not inline,
             token=self._token(),
+            extra=self._tls,
         )
         self._made_workdir = True
         self._staged = None
@@ -392,6 +395,9 @@ class Job(SupervisedJob[wd.Outcome]):
             # (the entry makes it absolute before the user's code runs)
             env["LAKESHORE_URL"] = cfg.task_url or cfg.server
             env[TOKEN_FILE_ENV] = wd.TOKEN
+        # the control plane's CA (and client certificate) as nymph has them, copied into the
+        # workdir for the task's user alone (nymph.tasktls); nymph's own paths never reach the task
+        env.update(tasktls.task_env(self._tls))
         if os.environ.get("PYTHONPATH"):  # absolute: the task's cwd is not nymph's (a zygote runs in /)
             parts = os.environ["PYTHONPATH"].split(os.pathsep)
             env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p for p in parts)

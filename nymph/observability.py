@@ -36,6 +36,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from nymph.errors import redact
+
 log = logging.getLogger(__name__)
 
 # --- logging ---------------------------------------------------------------------------------------
@@ -74,6 +76,25 @@ class JobContextFilter(logging.Filter):
         return True
 
 
+class RedactFilter(logging.Filter):
+    """Mask credentials (:func:`nymph.errors.redact`) in each record's message and traceback before
+    a handler writes it: a ``--server`` URL with ``user:password@``, a presigned URL's signature, a
+    token in an error message never reach the log."""
+
+    _formatter = logging.Formatter()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = redact(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self._formatter.formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact(record.exc_text)
+        return True
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: ts (epoch seconds), level, logger, msg, invocation_id?, exec_id?, exc?."""
 
@@ -88,7 +109,9 @@ class JsonFormatter(logging.Formatter):
             value = getattr(record, name, None)
             if value is not None:
                 doc[name] = value
-        if record.exc_info:
+        if record.exc_text:  # already formatted (and redacted: RedactFilter)
+            doc["exc"] = record.exc_text
+        elif record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
         return json.dumps(doc, default=str)
 
@@ -100,6 +123,7 @@ def configure_logging(fmt: str = "text", level: str | int = "INFO", stream: Any 
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     handler.addFilter(JobContextFilter())
+    handler.addFilter(RedactFilter())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

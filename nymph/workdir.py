@@ -25,6 +25,7 @@ import os
 import pwd
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,7 @@ def create(
     args_file: Path | None = None,
     write_args: bool = True,
     token: str | None = None,
+    extra: Sequence[tuple[str, bytes, int]] = (),
 ) -> Path:
     """Create the private workdir with args.msgpack, invocation.json and the empty logs; return its path.
 
@@ -87,6 +89,8 @@ def create(
     :mod:`nymph.refs`) moved in as ``args.msgpack`` instead of writing ``args_blob``.
     ``write_args`` False: no ``args.msgpack`` (the runner takes the arguments in ``Task.args``).
     ``token``: the attempt's task token, written to ``task.token`` (0400, the task's user's).
+    ``extra``: more ``(name, bytes, mode)`` files handed to the task's user likewise (the control
+    plane's CA for the task, :mod:`nymph.tasktls`).
     """
     path = path_for(root, invocation_id)
     if os.path.lexists(path):
@@ -114,10 +118,12 @@ def create(
             files.insert(0, (ARGS, bytes(args_blob), 0o600))
         if token:
             files.append((TOKEN, token.encode(), 0o400))
+        files.extend(extra)
         safeio.create_new(path, files)
         has_args = args_file is not None or write_args
         names = (ARGS, STDOUT, STDERR) if has_args else (STDOUT, STDERR)
-        hand_over(path, run_as, (*names, TOKEN) if token else names)
+        names = (*names, TOKEN) if token else names
+        hand_over(path, run_as, (*names, *(name for name, _, _ in extra)))
     except BaseException:  # a full disk, say: leave no half-made workdir for a restart to puzzle over
         remove(path)
         raise

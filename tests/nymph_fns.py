@@ -18,6 +18,14 @@ def add(a: int, b: int = 0) -> int:
 
 
 @dls.udf(queue="nymph")
+def add_nested(a: int, b: int = 0) -> dict[str, object]:
+    """Submit ``add(a, b)`` from inside the task (its own credential, the plane nymph names in
+    LAKESHORE_URL) and return its result with what the task was told about TLS."""
+    ca = os.environ.get("LAKESHORE_CA_FILE", "")
+    return {"sum": add.submit(a, b).result(timeout=60), "ca_file": ca, "ca_mode": os.stat(ca).st_mode & 0o777}
+
+
+@dls.udf(queue="nymph")
 def slow_count(n: int, delay_s: float = 0.2, gate: str | None = None) -> Iterator[int]:
     """Yield 0..n-1; before the last value, wait until the file ``gate`` exists (when given)."""
     for i in range(n):

@@ -381,39 +381,110 @@ def namespace_pin(ns: str, version: str | None, clear: bool, data_dir: str, db: 
     click.echo(f"namespace {ns}: " + ("pin cleared" if clear else f"pinned to nymph {version}"))
 
 
+_QUOTA_NAMES = {"queued": "max_queued", "topics": "max_topics", "payload-bytes": "max_payload_bytes"}
+
+
+def _size_option(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    from dreamlake.lakeshore.humanize import parse_size
+
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _quota_text(quota: Any) -> str:
+    from dreamlake.lakeshore.humanize import size
+
+    parts = []
+    if quota is not None and quota.max_queued is not None:
+        parts.append(f"max_queued {quota.max_queued}")
+    if quota is not None and quota.max_topics is not None:
+        parts.append(f"max_topics {quota.max_topics}")
+    if quota is not None and quota.max_payload_bytes is not None:
+        parts.append(f"max_payload_bytes {quota.max_payload_bytes} ({size(quota.max_payload_bytes)})")
+    return ", ".join(parts) or "no quota"
+
+
 @namespace.command("quota")
 @click.argument("ns", required=False)
 @click.option(
+    "--queued",
     "--max-queued",
+    "queued",
     type=click.IntRange(min=0),
     default=None,
     help="Queued invocations NS may hold; a submit past it answers 429 with Retry-After.",
 )
-@click.option("--clear", is_flag=True, help="Lift NS's quota.")
+@click.option(
+    "--topics",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Topics NS's producers may make; a post that would make one more answers 429.",
+)
+@click.option(
+    "--payload-bytes",
+    callback=_size_option,
+    default=None,
+    metavar="SIZE",
+    help="Bytes NS may presign for upload within the payload window (the blob directory's "
+    "LAKESHORE_BLOBS_RETENTION_S; 7 days with a bucket), e.g. 10g; a presign past it answers 429.",
+)
+@click.option(
+    "--lift",
+    type=click.Choice(sorted(_QUOTA_NAMES)),
+    multiple=True,
+    help="Lift one of NS's quotas, keeping the others (repeatable).",
+)
+@click.option("--clear", is_flag=True, help="Lift all of NS's quotas.")
 @store_options
 def namespace_quota(
-    ns: str | None, max_queued: int | None, clear: bool, data_dir: str, db: str | None
+    ns: str | None,
+    queued: int | None,
+    topics: int | None,
+    payload_bytes: int | None,
+    lift: tuple[str, ...],
+    clear: bool,
+    data_dir: str,
+    db: str | None,
 ) -> None:
-    """Set (--max-queued N), lift (--clear) or show the quota of namespace NS; without NS, list
-    every namespace's quota. Replicas apply a change within 5 s."""
-    from dreamlake.lakeshore.server.http import NAME_RE
+    """Set, lift or show the quotas of namespace NS; without NS, list every namespace's quotas.
 
+    Each of --queued, --topics and --payload-bytes sets one quota and keeps the others; --lift
+    NAME removes one, --clear all. Past a quota the control plane answers 429 with Retry-After and
+    a message naming it (the SDK raises QuotaExceeded). Replicas apply a change within 5 s."""
+    import dataclasses
+
+    from dreamlake.lakeshore.server.http import NAME_RE
+    from dreamlake.lakeshore.store.api import Quota
+
+    setting = {"max_queued": queued, "max_topics": topics, "max_payload_bytes": payload_bytes}
+    setting = {k: v for k, v in setting.items() if v is not None}
+    changes = bool(setting or lift or clear)
     if ns is not None and not NAME_RE.match(ns):
         raise click.UsageError(f"namespace {ns!r}: expected 1-128 characters of [A-Za-z0-9._-]")
-    if (max_queued is not None or clear) and ns is None:
-        raise click.UsageError("name the namespace: lakeshore namespace quota NS --max-queued N")
-    if max_queued is not None and clear:
-        raise click.UsageError("give either --max-queued N or --clear")
+    if changes and ns is None:
+        raise click.UsageError("name the namespace: lakeshore namespace quota NS --queued N")
+    if clear and (setting or lift):
+        raise click.UsageError("--clear lifts every quota: give it alone")
+    for name in lift:
+        if _QUOTA_NAMES[name] in setting:
+            raise click.UsageError(f"--{name} and --lift {name}: give one")
     store = _open_store(db, data_dir)
     try:
-        if max_queued is not None or clear:
-            store.set_quota(ns, None if clear else max_queued)
         quotas = store.quotas()
+        if changes:
+            assert ns is not None
+            current = quotas.get(ns, Quota())
+            lifted = {_QUOTA_NAMES[name]: None for name in lift}
+            store.set_quota(ns, None if clear else dataclasses.replace(current, **setting, **lifted))
+            quotas = store.quotas()
     finally:
         store.close()
     for name in [ns] if ns is not None else sorted(quotas):
-        limit = quotas.get(name)
-        click.echo(f"namespace {name}: " + (f"max_queued {limit}" if limit is not None else "no quota"))
+        click.echo(f"namespace {name}: {_quota_text(quotas.get(name))}")
 
 
 # -- `lakeshore worker ...` ---------------------------------------------------------------------

@@ -14,6 +14,7 @@ Every client of the control plane's HTTP routes speaks through :class:`PlaneClie
       connection error, timeout, other httpx     Unavailable (status None) yes
       5xx but 501/505, an undecodable 2xx answer Unavailable               yes
       429 (waits out its Retry-After)            Unavailable               yes
+      429 naming a quota (``quota`` in the body) QuotaExceeded             no
       401                                        Unauthorized              no
       403                                        Forbidden                 no
       404                                        NotFound                  no
@@ -51,6 +52,7 @@ from dreamlake.lakeshore.errors import (
     LakeshoreError,
     NotFound,
     PlaneError,
+    QuotaExceeded,
     Unauthorized,
     Unavailable,
 )
@@ -92,8 +94,15 @@ def is_retryable(exc: BaseException) -> bool:
 PERMANENT_5XX = frozenset({501, 505})
 
 
-def error_for(status: int, message: str, *, retry_after: float | None = None) -> PlaneError:
-    """The error class of an HTTP ``status`` (>= 400), carrying ``message`` and the status."""
+def error_for(
+    status: int, message: str, *, retry_after: float | None = None, quota: Any = None, limit: Any = None
+) -> PlaneError:
+    """The error class of an HTTP ``status`` (>= 400), carrying ``message`` and the status; a 429
+    whose answer names a ``quota`` (server/quotas.py) is a :class:`QuotaExceeded`."""
+    if status == 429 and isinstance(quota, str):
+        return QuotaExceeded(
+            message, status, retry_after, quota=quota, limit=limit if isinstance(limit, int) else None
+        )
     if status == 401:
         return Unauthorized(message, status)
     if status == 403:
@@ -408,7 +417,14 @@ class PlaneClient:
             )
         else:
             message = f"{what} failed with HTTP {status}: {reason}"
-        return error_for(status, message, retry_after=_retry_after(resp))
+        quota = _answer(resp) if status == 429 else {}
+        return error_for(
+            status,
+            message,
+            retry_after=_retry_after(resp),
+            quota=quota.get("quota"),
+            limit=quota.get("limit"),
+        )
 
 
 def _httpx_request(request: dict[str, Any]) -> dict[str, Any]:
@@ -434,6 +450,15 @@ def _decode(resp: httpx.Response) -> Any:
         return msgpack.unpackb(resp.content, raw=False)
     except msgpack.UnpackException as exc:  # msgpack's other failures are ValueErrors already
         raise ValueError(str(exc)) from exc
+
+
+def _answer(resp: httpx.Response) -> dict[str, Any]:
+    """An error answer's fields (``{}`` when it is not a decodable map)."""
+    try:
+        detail = _decode(resp) if resp.content else {}
+    except ValueError:
+        return {}
+    return detail if isinstance(detail, dict) else {}
 
 
 def _reason(resp: httpx.Response) -> str:

@@ -23,6 +23,8 @@
                +-- AuthError         the token was refused
                |    +-- Unauthorized 401: unknown, expired or revoked token
                |    +-- Forbidden    403: the token lacks the kind or the scope
+               +-- QuotaExceeded     429 naming a namespace quota (.quota, .limit, .retry_after):
+               |                     not retried; lakeshore namespace quota raises it
                +-- NotFound          404: unknown invocation / job / topic
                +-- Conflict          409: a superseded attempt, an invocation no longer running
                +-- BadRequest        another 4xx (400, 413, 422, ...): malformed on one side
@@ -189,6 +191,29 @@ class Unauthorized(AuthError):
 
 class Forbidden(AuthError):
     """403: the token is valid but lacks the kind or the scope the route needs."""
+
+
+class QuotaExceeded(Refused):
+    """429 naming a quota: the caller's namespace is at one of the limits an operator set with
+    ``lakeshore namespace quota`` (``quota``: ``max_queued``, ``max_topics`` or
+    ``max_payload_bytes``; ``limit``: its value). The message says which and what to do. Not
+    retried by the client: a queued-invocations quota frees up as calls run (``retry_after``, the
+    server's ``Retry-After`` in seconds, says when to ask again); the others need the operator or
+    the payload retention."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int | None = 429,
+        retry_after: float | None = None,
+        *,
+        quota: str | None = None,
+        limit: int | None = None,
+    ) -> None:
+        super().__init__(message, status)
+        self.retry_after = retry_after
+        self.quota = quota
+        self.limit = limit
 
 
 class NotFound(Refused):

@@ -1,4 +1,5 @@
-"""Times for people: ages (``45s``, ``12m``, ``3h``, ``2d``), local date-times and durations.
+"""Times and sizes for people: ages (``45s``, ``12m``, ``3h``, ``2d``), local date-times,
+durations and byte counts (``10 GiB``; ``parse_size`` reads ``10g``).
 
 Shared by the ``lakeshore`` CLI and the ``/ui`` dashboard, so both say the same thing.
 """
@@ -33,3 +34,35 @@ def duration(start: float | None, end: float | None, now: float | None = None) -
         return "-"
     span = (end if end is not None else (time.time() if now is None else now)) - start
     return f"{span:.2f}s" if span < 60 else age(span)
+
+
+_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+def size(n: int) -> str:
+    """``n`` bytes for a person: ``512 B``, ``1.5 KiB``, ``10 GiB``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
+        value /= 1024
+    return f"{value:.3g} TiB"
+
+
+def parse_size(text: str) -> int:
+    """A byte count as an operator writes it: ``1048576``, ``512k``, ``10g``, ``1.5GiB`` (powers
+    of 1024). ValueError, saying what is accepted, for anything else."""
+    raw = text.strip().lower().replace(" ", "")
+    for suffix in ("ib", "b"):
+        if raw.endswith(suffix) and raw[: -len(suffix)][-1:] in "kmgt" and len(raw) > len(suffix):
+            raw = raw[: -len(suffix)]
+            break
+    unit = raw[-1:] if raw[-1:] in "kmgtb" else ""
+    number = raw[: len(raw) - len(unit)]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if not number or not value >= 0 or value != value or value == float("inf"):
+        raise ValueError(f"{text!r}: give a number of bytes, e.g. 1048576, 512k, 10g or 1.5GiB")
+    return int(value * _UNITS[unit])

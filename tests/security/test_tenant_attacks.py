@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-import msgpack
 import pytest
 
 from dreamlake.lakeshore.ids import new_ulid
@@ -335,42 +334,3 @@ def test_the_dashboard_refuses_a_foreign_login_and_keeps_the_token_out_of_its_co
         replay.cookies.set("lakeshore_session", session, path="/ui")
         r = replay.get("/ui")
         assert r.status_code == 303 and r.headers["location"] == "/ui/login"  # signed out everywhere
-
-
-# -- quotas ----------------------------------------------------------------------------------------
-
-
-def test_a_namespace_past_its_quota_gets_429_and_the_other_tenant_is_unaffected(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> None:
-    """B floods its namespace: past `lakeshore namespace quota team-b --max-queued 3` each submit
-    (and a batch) answers 429 with Retry-After and a message naming the quota, nothing of it is
-    queued; A, without a quota, submits on."""
-    from tests.security.conftest import lakeshore
-
-    s = Stack(tmp_path_factory.mktemp("quota") / "data")
-    assert "max_queued 3" in lakeshore("namespace", "quota", "team-b", "--max-queued", "3", env=s.env)
-    assert "team-b: max_queued 3" in lakeshore("namespace", "quota", env=s.env)
-    s.start()
-    try:
-        a = s.token("producer", "qa", "--namespace", "team-a")
-        b = s.token("producer", "qb", "--namespace", "team-b")
-        for _ in range(3):
-            assert _submit(s, b)[1] == 200
-        inv = new_ulid()
-        r = httpx.post(
-            s.url + "/v1/producer/submit",
-            content=msgpack.packb(submit_body(inv, "q-tenants"), use_bin_type=True),
-            headers={"Authorization": f"Bearer {b}", "Content-Type": "application/x-msgpack"},
-        )
-        assert r.status_code == 429 and int(r.headers["retry-after"]) > 0
-        error = msgpack.unpackb(r.content)["error"]
-        assert "quota of 3 queued invocations" in error and "max_queued" in error
-        assert s.call(f"/v1/producer/invocations/{inv}", None, b, method="GET")[0] == 404  # not queued
-        batch = {"submits": [submit_body(new_ulid(), "q-tenants") for _ in range(2)]}
-        assert s.call("/v1/producer/submit-batch", batch, b)[0] == 429
-        for _ in range(5):
-            assert _submit(s, a)[1] == 200
-        lakeshore("namespace", "quota", "team-b", "--clear", env=s.env)
-    finally:
-        s.stop()

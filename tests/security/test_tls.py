@@ -115,6 +115,82 @@ def test_a_call_runs_end_to_end_over_tls_with_the_ca_file(
     assert "CERTIFICATE_VERIFY_FAILED" not in log
 
 
+def _http_client_packages(into: Path) -> str:
+    """A directory the task user reads holding the SDK's HTTP client packages (pure Python, copied
+    from this interpreter's): a task that submits needs them, the entry bundle does not carry them."""
+    import importlib.util
+
+    into.mkdir(mode=0o755)
+    names = (
+        "httpx",
+        "httpcore",
+        "h11",
+        "anyio",
+        "sniffio",
+        "idna",
+        "certifi",
+        "tenacity",
+        "typing_extensions",
+    )
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            continue
+        origin = Path(spec.origin)
+        if origin.name == "__init__.py":
+            shutil.copytree(origin.parent, into / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copyfile(origin, into / origin.name)
+    for path in [into, *into.rglob("*")]:
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    return str(into)
+
+
+def test_a_task_trusts_the_control_planes_ca_without_being_told(
+    tls_stack: tuple[Stack, str],
+    task_user: pwd.struct_passwd,  # noqa: F811
+    readable_runtime: tuple[str, list[str]],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """nymph got ``--ca-file`` at a path only root reads; a task running as a pool user submits a
+    nested call over HTTPS with nothing but what nymph handed it: the CA copied into its workdir,
+    0400 and its own (nymph/tasktls.py), named by LAKESHORE_CA_FILE."""
+    stack, cert = tls_stack
+    producer = stack.token("producer", "tls-nested", "--namespace", "default")
+    base = Path(tempfile.mkdtemp(prefix="nymph-tls-task-"))
+    os.chmod(base, 0o711)
+    private = base / "pki"
+    private.mkdir(mode=0o700)  # root's: no task user reads nymph's own copy
+    ca = private / "ca.pem"
+    shutil.copyfile(cert, ca)
+    os.chmod(ca, 0o600)
+
+    python, pythonpath = readable_runtime
+    runtime = (python, [*pythonpath, _http_client_packages(base / "site")])
+
+    class _Plane:
+        url, daemon_token = stack.url, stack.daemon
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NYMPH_") and k != "LAKESHORE_CA_FILE"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "runners")])
+    extra = ("--queue", "nymph", "--concurrency", "2", "--ca-file", str(ca))
+    args = nymph_args(_Plane, base, runtime, *extra)  # type: ignore[arg-type]
+    nymph = RootNymph(base, args)
+    nymph.start(env)
+    try:
+        monkeypatch.setenv("LAKESHORE_CA_FILE", cert)  # the producer's own trust, outside the task
+        plane = HttpDispatch(stack.url, producer)
+        out = nymph_fns.add_nested.submit(2, 3, _dispatch=plane).result(timeout=90)
+        assert out["sum"] == 5, nymph.output()[-3000:]
+        assert out["ca_file"].endswith("/tls-ca.pem") and out["ca_file"] != str(ca)
+        assert out["ca_mode"] == 0o400
+    finally:
+        nymph.stop()
+        log = nymph.output()
+        shutil.rmtree(base, ignore_errors=True)
+    assert "CERTIFICATE_VERIFY_FAILED" not in log
+
+
 def test_without_the_ca_file_a_client_refuses_the_server_and_says_what_to_do(
     tls_stack: tuple[Stack, str],
 ) -> None:

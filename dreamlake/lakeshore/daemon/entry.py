@@ -713,11 +713,25 @@ def _token_file_absolute() -> None:
         os.environ[TOKEN_FILE_ENV] = os.path.abspath(path)
 
 
+# The TLS files nymph copies into the workdir (nymph/tasktls.py), named relative to it like the token
+TLS_FILE_ENVS = ("LAKESHORE_CA_FILE", "LAKESHORE_CLIENT_CERT", "LAKESHORE_CLIENT_KEY")
+
+
+def _tls_files_absolute() -> None:
+    """The control plane's CA (and client certificate) nymph handed the task, made absolute as
+    ``LAKESHORE_TOKEN_FILE`` is, so the SDK's client finds them after a ``chdir`` too."""
+    for name in TLS_FILE_ENVS:
+        path = os.environ.get(name, "")
+        if path and not os.path.isabs(path):
+            os.environ[name] = os.path.abspath(path)
+
+
 def run(blob: Any = None) -> int:
     """Run the invocation in the current directory; returns the exit code. ``blob``: the Envelope's
     bytes when the caller has them (then ``args.msgpack`` is not read)."""
     _ship_code_path()
     _token_file_absolute()
+    _tls_files_absolute()
     try:
         envelope, fn, args, kwargs = _load(blob)
     except _Refused as refused:

@@ -111,6 +111,7 @@ def _submit_failed(exc: PlaneError, invocation_id: str, window: float) -> PlaneE
         )
     else:
         new = type(exc)(str(exc), exc.status)
+        new.__dict__.update(vars(exc))  # e.g. a QuotaExceeded's quota, limit and retry_after
     new.invocation_id = invocation_id
     return new
 
@@ -119,6 +120,7 @@ def _batch_failed(err: PlaneError, invocation_id: str, n: int) -> PlaneError:
     """The error of one call whose submit batch (of ``n``) failed as a whole: ``err``'s kind and
     text, with the call's own ``invocation_id``."""
     new = type(err)(f"the submit batch of {n} calls holding {invocation_id} failed: {err}", err.status)
+    new.__dict__.update({k: v for k, v in vars(err).items() if k != "invocation_ids"})
     new.invocation_id = invocation_id
     return new
 

@@ -210,7 +210,9 @@ class Routes:
 
     async def topic_post(self, request: Request, caller: Caller) -> Response:
         topic = h.name(request.path_params["name"], "topic name")
-        return h.msgpack_response(await producer.topic_post(self.ctx, topic, await self._msgpack(request)))
+        return h.msgpack_response(
+            await producer.topic_post(self.ctx, caller, topic, await self._msgpack(request))
+        )
 
     async def topic_stream(self, request: Request, caller: Caller) -> Response:
         topic = h.name(request.path_params["name"], "topic name")

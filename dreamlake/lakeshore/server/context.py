@@ -92,7 +92,9 @@ class Context:
         self.workers = WorkerBindings(lambda worker, token: self.call(self.store.bind_worker, worker, token))
         self.queues = QueueWatch()
         self._task_tokens: TaskTokens | None = None
-        self.quotas = Quotas(self.call, self.store)  # per-namespace limits (server/quotas.py)
+        self.quotas = Quotas(  # per-namespace limits (server/quotas.py)
+            self.call, self.store, payload_window=lambda: getattr(self.payloads, "retention_s", None)
+        )
         self.secret_sealer: Any = None  # server.secrets.Sealer, made on first use (server/secrets.py)
 
     @property

@@ -197,6 +197,8 @@ async def presign(
             kind = field(body, "kind", str, default="args")
             sha256 = field(body, "sha256", str, default=None, nullable=True)
             md5 = field(body, "md5", str, default=None, nullable=True)
+            if isinstance(size, int) and size > 0:
+                await ctx.quotas.check_payload(namespace, size)  # 429 past max_payload_bytes
             answer = await run_in_threadpool(
                 functools.partial(
                     ctx.payloads.presign_put,
@@ -210,6 +212,7 @@ async def presign(
                     md5=md5,
                 )
             )
+            await ctx.quotas.record_payload(namespace, str(answer["key"]), size)
         elif op == "get":
             key = check_key_in(field(body, "key", str), namespace, legacy=legacy)
             answer = await run_in_threadpool(ctx.payloads.presign_get, key, base_url=base_url)

@@ -411,10 +411,14 @@ async def request_cancel(ctx: Context, invocation_id: str, *, descendants: bool 
     return out
 
 
-async def topic_post(ctx: Context, topic: str, body: dict[str, Any]) -> dict[str, Any]:
+async def topic_post(ctx: Context, caller: Caller, topic: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Append to ``topic``; a post that makes it records the caller's namespace as the topic's
+    (429 past that namespace's ``max_topics``, server/quotas.py)."""
     payload = field(body, "body", bytes)
     final = field(body, "final", bool, default=False)
-    frame = await ctx.call(ctx.store.topic_append, topic, payload, final)
+    namespace = caller.namespace or DEFAULT_NAMESPACE
+    await ctx.quotas.check_topic(namespace, topic)
+    frame = await ctx.call(ctx.store.topic_append, topic, payload, final, namespace=namespace)
     ctx.wake.notify(f"topic:{topic}")
     ctx.metrics.frames_appended((wire.FRAME_END if frame.final else wire.FRAME_VALUE,), owner="topic")
     if ctx.fanout is not None:

@@ -271,6 +271,19 @@ class Frame:
     final: bool
 
 
+@dataclass(frozen=True)
+class Quota:
+    """A namespace's limits (``lakeshore namespace quota``); None: no limit on that one."""
+
+    max_queued: int | None = None  # queued (due) invocations
+    max_topics: int | None = None  # topics its producers made
+    max_payload_bytes: int | None = None  # bytes presigned for upload within the payload retention
+
+    @property
+    def empty(self) -> bool:
+        return self.max_queued is None and self.max_topics is None and self.max_payload_bytes is None
+
+
 @dataclass
 class Command:
     """A command for a daemon: ``run`` (from claim), ``cancel`` (from heartbeat), ``exec``."""
@@ -631,8 +644,11 @@ class Store(Listing, Protocol):
         """Append a VALUE (or END when final) frame to topic ``name``; returns its seq."""
         ...
 
-    def topic_append(self, name: str, body: bytes, final: bool = False) -> Frame:
-        """``topic_post`` that returns the journaled frame (seq and encoded bytes), for live fan-out."""
+    def topic_append(
+        self, name: str, body: bytes, final: bool = False, *, namespace: str | None = None
+    ) -> Frame:
+        """``topic_post`` that returns the journaled frame (seq and encoded bytes), for live fan-out.
+        A post that makes the topic records ``namespace`` as the topic's (for its quota)."""
         ...
 
     # -- namespaces, tokens, exec jobs --------------------------------------------------------
@@ -646,9 +662,14 @@ class Store(Listing, Protocol):
         """A 32-byte secret shared by every replica, made on first use (the task-token HMAC key)."""
         ...
 
-    def set_quota(self, namespace: str, max_queued: int | None) -> None: ...
-    def quotas(self) -> dict[str, int]: ...
+    # -- quotas (store/quotas.py) ----------------------------------------------------------
+    def set_quota(self, namespace: str, quota: Quota | None) -> None: ...
+    def quotas(self) -> dict[str, Quota]: ...
     def count_queued(self, namespace: str, up_to: int) -> int: ...
+    def count_topics(self, namespace: str, up_to: int) -> int: ...
+    def topic_exists(self, name: str) -> bool: ...
+    def record_payload(self, namespace: str, key: str, size: int, *, keep_s: float) -> None: ...
+    def payload_bytes(self, namespace: str, since: float) -> int: ...
     def create_session(self, token_id: str, ttl_s: float) -> str:
         """A dashboard session id of the token ``token_id`` (only its sha256 is stored)."""
         ...

@@ -66,7 +66,7 @@ MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 _PG_MIGRATION_LOCK = 0x6C616B65  # pg_advisory_xact_lock key: "lake"
 # The newest revision in migrations/versions; a test checks it against Alembic's script head.
 # Bump it with every new migration, or opens will skip the upgrade.
-HEAD_REVISION = "0011_sessions_quotas"
+HEAD_REVISION = "0018_quota_topics_bytes"
 
 
 P = ParamSpec("P")

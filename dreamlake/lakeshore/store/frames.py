@@ -152,7 +152,7 @@ class _Statements:
         )
         self.topic_next = (
             dialect_insert(dialect, tp)
-            .values(name=B("name"), next_seq=1, created_at=B("now"))
+            .values(name=B("name"), next_seq=1, created_at=B("now"), namespace=B("namespace"))
             .on_conflict_do_update(index_elements=[tp.c.name], set_={"next_seq": tp.c.next_seq + 1})
             .returning(tp.c.next_seq)
         )
@@ -436,11 +436,20 @@ class FrameStore(StoreBase):
     def topic_post(self, name: str, body: bytes, final: bool = False) -> int:
         return self.topic_append(name, body, final).seq
 
-    def topic_append(self, name: str, body: bytes, final: bool = False) -> Frame:
+    def topic_append(
+        self, name: str, body: bytes, final: bool = False, *, namespace: str | None = None
+    ) -> Frame:
         now = time.time()
         st = self._frame_st
         with self.db.tx(write=True) as conn:
-            seq = int(conn.execute(st.topic_next, {"name": name, "now": now}).scalar_one()) - 1
+            seq = (
+                int(
+                    conn.execute(
+                        st.topic_next, {"name": name, "now": now, "namespace": namespace}
+                    ).scalar_one()
+                )
+                - 1
+            )
             data = msgpack.packb([FRAME_END if final else FRAME_VALUE, seq, bytes(body), {"ts": now}])
             params: dict[str, Any] = {
                 "owner": TOPIC_PREFIX + name,

@@ -185,6 +185,9 @@ topics = sa.Table(
     sa.Column("name", NAME, primary_key=True),
     sa.Column("next_seq", sa.BigInteger, nullable=False),
     sa.Column("created_at", TIME, nullable=False),
+    # 0018: the namespace of the producer whose post made the topic (None: made before 0018)
+    sa.Column("namespace", NAME, nullable=True),
+    sa.Index("ix_topics_namespace", "namespace"),
 )
 
 workers = sa.Table(
@@ -239,6 +242,18 @@ namespace_quotas = sa.Table(  # 0011: per-namespace limits (``lakeshore namespac
     sa.Column("namespace", NAME, primary_key=True),
     sa.Column("max_queued", sa.BigInteger, nullable=True),
     sa.Column("updated_at", TIME, nullable=False),
+    sa.Column("max_topics", sa.BigInteger, nullable=True),  # 0018
+    sa.Column("max_payload_bytes", sa.BigInteger, nullable=True),  # 0018
+)
+
+payload_usage = sa.Table(  # 0018: one row per presigned upload, for the payload-bytes quota
+    "payload_usage",
+    metadata,
+    sa.Column("key", sa.String(1024), primary_key=True),
+    sa.Column("namespace", NAME, nullable=False),
+    sa.Column("size", sa.BigInteger, nullable=False),  # the size the presigned PUT is bound to
+    sa.Column("created_at", TIME, nullable=False),
+    sa.Index("ix_payload_usage_ns", "namespace", "created_at"),
 )
 
 secrets = sa.Table(  # 0012: a namespace's secrets, sealed by the control plane (server/secrets.py)

@@ -57,6 +57,7 @@ from .listing import ListingStore
 from .notify import Notifier, exec_queue_channel, invocation_channels
 from .outage import classify
 from .placement import NO_OFFER, Offer
+from .quotas import QuotaStore
 from .retention import RetentionStore
 from .secrets import SecretStore
 from .workers import WorkerStore
@@ -92,6 +93,7 @@ class SqlStore(
     ActivityStore,
     SecretStore,
     LimitStore,
+    QuotaStore,
 ):
     """The Store protocol over SQLite (file or ``:memory:``) or PostgreSQL."""
 

@@ -239,37 +239,6 @@ class WorkerStore(StoreBase):
             return conn.execute(st.pinned, {"b_namespace": namespace}).scalar_one_or_none()
         return conn.execute(st.pinned_of_worker, {"worker": worker_id}).scalar_one_or_none()
 
-    # -- quotas (issue 31) -------------------------------------------------------------------------
-
-    def set_quota(self, namespace: str, max_queued: int | None) -> None:
-        """Set (None: lift) the limit of queued invocations of ``namespace``."""
-        q = t.namespace_quotas
-        with self.db.tx(write=True) as conn:
-            conn.execute(sa.delete(q).where(q.c.namespace == namespace))
-            if max_queued is not None:
-                conn.execute(
-                    sa.insert(q).values(namespace=namespace, max_queued=max_queued, updated_at=time.time())
-                )
-
-    def quotas(self) -> dict[str, int]:
-        """Every namespace's limit of queued invocations (namespaces without one are absent)."""
-        q = t.namespace_quotas
-        with self.db.tx(write=False) as conn:
-            rows = conn.execute(sa.select(q.c.namespace, q.c.max_queued).where(q.c.max_queued.is_not(None)))
-            return {str(ns): int(n) for ns, n in rows}
-
-    def count_queued(self, namespace: str, up_to: int) -> int:
-        """How many invocations of ``namespace`` are queued and due, counted up to ``up_to`` at most
-        (off the ``ix_invocations_queued_ns`` index: the cost is bounded by the quota, not the table)."""
-        i = t.invocations
-        due = sa.select(sa.literal(1)).where(
-            i.c.namespace == namespace, i.c.state == "queued", i.c.not_before.is_(None)
-        )
-        with self.db.tx(write=False) as conn:
-            return int(
-                conn.execute(sa.select(sa.func.count()).select_from(due.limit(up_to).subquery())).scalar_one()
-            )
-
     def pin_version(self, namespace: str, version: str | None) -> None:
         now = time.time()
         n = t.namespaces

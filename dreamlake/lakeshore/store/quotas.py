@@ -1,0 +1,121 @@
+"""Per-namespace quotas as the store keeps and counts them (issue 31; the server enforces them in
+``server/quotas.py``).
+
+``namespace_quotas`` holds one row per namespace with a quota: ``max_queued`` (queued invocations),
+``max_topics`` (topics the namespace's producers made) and ``max_payload_bytes`` (bytes presigned
+for upload within the payload retention); NULL is no limit, and a namespace without a row has none.
+``set_quota`` replaces a namespace's three limits at once (all None: the row goes).
+
+The counts each read one index and stop early where they can: ``count_queued`` and
+``count_topics`` count at most ``up_to`` rows (the quota), so their cost is bounded by the quota
+and never by the table; ``payload_bytes`` sums the namespace's presigns since a moment off
+``ix_payload_usage_ns``. ``record_payload`` adds one presigned upload (an upsert on its key: the
+same key presigned again is counted once, at its latest size) and drops that namespace's rows
+older than the window it is given, so the ledger holds at most one retention's presigns.
+"""
+
+from __future__ import annotations
+
+import time
+
+import sqlalchemy as sa
+
+from . import schema as t
+from .api import Quota
+from .base import StoreBase
+from .engine import retry_on_disconnect
+
+
+class QuotaStore(StoreBase):
+    def set_quota(self, namespace: str, quota: Quota | None) -> None:
+        """Set ``namespace``'s limits to ``quota`` (None, or one with no limit: lift them all)."""
+        q = t.namespace_quotas
+        with self.db.tx(write=True) as conn:
+            conn.execute(sa.delete(q).where(q.c.namespace == namespace))
+            if quota is not None and not quota.empty:
+                conn.execute(
+                    sa.insert(q).values(
+                        namespace=namespace,
+                        max_queued=quota.max_queued,
+                        max_topics=quota.max_topics,
+                        max_payload_bytes=quota.max_payload_bytes,
+                        updated_at=time.time(),
+                    )
+                )
+
+    @retry_on_disconnect
+    def quotas(self) -> dict[str, Quota]:
+        """Every namespace's limits (namespaces without any are absent)."""
+        q = t.namespace_quotas
+        with self.db.tx(write=False) as conn:
+            rows = conn.execute(
+                sa.select(q.c.namespace, q.c.max_queued, q.c.max_topics, q.c.max_payload_bytes)
+            ).all()
+        out = {}
+        for ns, queued, topics, size in rows:
+            quota = Quota(
+                max_queued=None if queued is None else int(queued),
+                max_topics=None if topics is None else int(topics),
+                max_payload_bytes=None if size is None else int(size),
+            )
+            if not quota.empty:
+                out[str(ns)] = quota
+        return out
+
+    @retry_on_disconnect
+    def count_queued(self, namespace: str, up_to: int) -> int:
+        """How many invocations of ``namespace`` are queued and due, counted up to ``up_to`` at most
+        (off the ``ix_invocations_queued_ns`` index: the cost is bounded by the quota, not the table)."""
+        i = t.invocations
+        due = sa.select(sa.literal(1)).where(
+            i.c.namespace == namespace, i.c.state == "queued", i.c.not_before.is_(None)
+        )
+        with self.db.tx(write=False) as conn:
+            return int(
+                conn.execute(sa.select(sa.func.count()).select_from(due.limit(up_to).subquery())).scalar_one()
+            )
+
+    @retry_on_disconnect
+    def count_topics(self, namespace: str, up_to: int) -> int:
+        """How many topics ``namespace`` made, counted up to ``up_to`` at most (``ix_topics_namespace``)."""
+        tp = t.topics
+        made = sa.select(sa.literal(1)).where(tp.c.namespace == namespace)
+        with self.db.tx(write=False) as conn:
+            return int(
+                conn.execute(
+                    sa.select(sa.func.count()).select_from(made.limit(up_to).subquery())
+                ).scalar_one()
+            )
+
+    @retry_on_disconnect
+    def topic_exists(self, name: str) -> bool:
+        tp = t.topics
+        with self.db.tx(write=False) as conn:
+            return conn.execute(sa.select(tp.c.name).where(tp.c.name == name)).first() is not None
+
+    def record_payload(self, namespace: str, key: str, size: int, *, keep_s: float) -> None:
+        """Count a presigned upload of ``size`` bytes at ``key`` against ``namespace``; forget the
+        namespace's presigns older than ``keep_s`` seconds (past the payload retention)."""
+        u = t.payload_usage
+        now = time.time()
+        with self.db.tx(write=True) as conn:
+            conn.execute(sa.delete(u).where(u.c.namespace == namespace, u.c.created_at < now - keep_s))
+            conn.execute(
+                self._insert(u)
+                .values(key=key, namespace=namespace, size=size, created_at=now)
+                .on_conflict_do_update(
+                    index_elements=[u.c.key], set_={"namespace": namespace, "size": size, "created_at": now}
+                )
+            )
+
+    @retry_on_disconnect
+    def payload_bytes(self, namespace: str, since: float) -> int:
+        """The bytes presigned for upload in ``namespace`` since ``since`` (epoch seconds)."""
+        u = t.payload_usage
+        with self.db.tx(write=False) as conn:
+            got = conn.execute(
+                sa.select(sa.func.coalesce(sa.func.sum(u.c.size), 0)).where(
+                    u.c.namespace == namespace, u.c.created_at >= since
+                )
+            ).scalar_one()
+        return int(got)
