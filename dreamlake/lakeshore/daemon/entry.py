@@ -721,7 +721,7 @@ def _tls_files_absolute() -> None:
     """The control plane's CA (and client certificate) nymph handed the task, made absolute as
     ``LAKESHORE_TOKEN_FILE`` is, so the SDK's client finds them after a ``chdir`` too."""
     for name in TLS_FILE_ENVS:
-        path = os.environ.get(name, "")
+        path = envvars.string(name)
         if path and not os.path.isabs(path):
             os.environ[name] = os.path.abspath(path)
 
