@@ -976,10 +976,13 @@ class InvocationStore(StoreBase):
         self, conn: Connection, reqs: Sequence[AckRequest], now: float, *, retry_first: bool = True
     ) -> list[AckResult]:
         """Apply prepared acks of distinct invocations in the caller's transaction: one
-        executemany per kind of ack (with or without attempt / worker), then one read of the rows.
-        An ack applied iff its row now holds its state with ``finished_at == now`` (this
-        transaction's time: an earlier outcome has an earlier one); the others are refused or
-        repeats, told apart as ``_ack_in`` does. Acks of one invocation twice go one by one."""
+        executemany per kind of ack (with or without attempt / worker). When the updates matched
+        one row per ack (each UPDATE names one invocation id and holds the lease conditions: state
+        running, the attempt, the worker) and no fleet limit is cached (no ack frees room), every
+        ack applied and nothing is read back. Otherwise one read of the rows: an ack applied iff
+        its row now holds its state with ``finished_at == now`` (this transaction's time: an
+        earlier outcome has an earlier one); the others are refused or repeats, told apart as
+        ``_ack_in`` does. Acks of one invocation twice go one by one."""
         if len(reqs) < 2 or len({r.invocation_id for r in reqs}) < len(reqs):
             return [self._ack_in(conn, r, now, retry_first=retry_first) for r in reqs]
         retried: dict[int, AckResult] = {}
@@ -1007,8 +1010,15 @@ class InvocationStore(StoreBase):
         for r in reqs:
             variant = (r.attempt is not None, r.worker_id is not None)
             by_variant.setdefault(variant, []).append(self._ack_params(r, now))
+        matched = 0
         for variant, params in by_variant.items():
-            conn.execute(st.ack_many[variant], params)
+            matched += conn.execute(st.ack_many[variant], params).rowcount
+        if (
+            matched == len(reqs)
+            and conn.dialect.supports_sane_multi_rowcount
+            and not self._placer.any_limits()
+        ):
+            return [AckResult(ok=True, state=r.state) for r in reqs]
         rows = conn.execute(st.get_many, {"ids": [r.invocation_id for r in reqs]}).fetchall()
         found = {inv.invocation_id: inv for inv in map(row_to_invocation, rows)}
         out: list[AckResult] = []
