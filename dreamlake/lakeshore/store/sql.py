@@ -56,6 +56,7 @@ from .limits import LimitStore
 from .listing import ListingStore
 from .notify import Notifier, exec_queue_channel, invocation_channels
 from .outage import classify
+from .outcomes import OutcomeStore
 from .placement import NO_OFFER, Offer
 from .retention import RetentionStore
 from .secrets import SecretStore
@@ -92,6 +93,7 @@ class SqlStore(
     ActivityStore,
     SecretStore,
     LimitStore,
+    OutcomeStore,
 ):
     """The Store protocol over SQLite (file or ``:memory:``) or PostgreSQL."""
 
