@@ -439,9 +439,8 @@ class Store(Listing, Protocol):
     # -- producer side ------------------------------------------------------------------------
     def submit(self, req: SubmitRequest) -> SubmitResult: ...
     def get(self, invocation_id: str) -> Invocation | None: ...
-    def get_many(self, invocation_ids: Sequence[str], *, args: bool = True) -> list[Invocation]:
-        """The invocations of ``invocation_ids`` that exist, in one read (any order); without
-        ``args`` their arguments are not read (``args_blob`` empty)."""
+    def get_many(self, invocation_ids: Sequence[str]) -> list[Invocation]:
+        """The invocations of ``invocation_ids`` that exist, in one read (any order)."""
         ...
 
     def outcomes(self, invocation_ids: Sequence[str]) -> list[Outcome]:

@@ -167,10 +167,6 @@ class _Statements:
         )
         self.get = sa.select(_inv).where(_inv.c.invocation_id == B("id"))
         self.get_many = sa.select(_inv).where(_inv.c.invocation_id.in_(B("ids", expanding=True)))
-        # the same without the arguments (a sweep's reader asks for outcomes: await-batch)
-        self.outcomes_many = sa.select(*(c for c in _inv.c if c.name != "args_blob")).where(
-            _inv.c.invocation_id.in_(B("ids", expanding=True))
-        )
         # ``ack``: one ack, RETURNING whether it applied; ``ack_many``: the same without RETURNING,
         # for an executemany of many acks (one round trip: psycopg pipelines it).
         self.ack: dict[tuple[bool, bool], Any] = {}
@@ -559,17 +555,14 @@ class InvocationStore(StoreBase):
         return row_to_invocation(r) if r is not None else None
 
     @retry_on_disconnect
-    def get_many(self, invocation_ids: Sequence[str], *, args: bool = True) -> list[Invocation]:
-        """The invocations of ``invocation_ids`` that exist, in one read (any order); without
-        ``args`` their arguments are not read (``args_blob`` empty)."""
+    def get_many(self, invocation_ids: Sequence[str]) -> list[Invocation]:
+        """The invocations of ``invocation_ids`` that exist, in one read (any order). A reader of
+        outcomes only reads ``outcomes`` (store/outcomes.py), narrower."""
         if not invocation_ids:
             return []
-        st = self._inv_st.get_many if args else self._inv_st.outcomes_many
         with self.db.tx(write=False) as conn:
-            rows = conn.execute(st, {"ids": list(invocation_ids)}).fetchall()
-        if args:
-            return [row_to_invocation(r) for r in rows]
-        return [invocation_from(dict(r._mapping)) for r in rows]
+            rows = conn.execute(self._inv_st.get_many, {"ids": list(invocation_ids)}).fetchall()
+        return [row_to_invocation(r) for r in rows]
 
     # -- lineage: parent_invocation_id / root_invocation_id ----------------------------------------
 
