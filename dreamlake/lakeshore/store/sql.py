@@ -89,11 +89,11 @@ class SqlStore(
     WorkerStore,
     ExecJobStore,
     ListingStore,
+    OutcomeStore,
     RetentionStore,
     ActivityStore,
     SecretStore,
     LimitStore,
-    OutcomeStore,
 ):
     """The Store protocol over SQLite (file or ``:memory:``) or PostgreSQL."""
 
