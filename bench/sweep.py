@@ -133,6 +133,7 @@ def main() -> None:
     parser.add_argument("--local", type=int, default=5000, help="calls of the local-plane sweep (0: skip)")
     args = parser.parse_args()
 
+    load0 = os.getloadavg()[0]
     rates: list[float] = []
     splits: list[tuple[float, float]] = []
     server_ms: list[float] = []
@@ -145,7 +146,10 @@ def main() -> None:
             splits.append((submitted, total - submitted))
     med, p90 = median_p90(rates)
     low = min(rates)
-    print(f"sweep of {args.calls:,} noop calls, two `lakeshore worker --prefetch {args.prefetch}`, SQLite:")
+    print(
+        f"sweep of {args.calls:,} noop calls, two `lakeshore worker --prefetch {args.prefetch}`, SQLite; "
+        f"{os.cpu_count()} cores, load average {load0:.1f} before, {os.getloadavg()[0]:.1f} after:"
+    )
     print(f"  {'':34}{'median':>12}{'p90':>12}{'worst':>12}{'goal':>12}")
     print(
         f"  {'first submit -> last result /s':34}{med:>12,.0f}{p90:>12,.0f}{low:>12,.0f}{GOAL_RATE:>12,.0f}"

@@ -196,9 +196,16 @@ def _env() -> dict[str, str]:
 def lakeshore_worker(port: int, token: str, prefetch: int) -> Iterator[int]:
     cmd = [sys.executable, "-m", "dreamlake.lakeshore.cli", "--log-level", "warning", "worker", "start"]
     cmd += ["--server", f"http://127.0.0.1:{port}", "--token", token, "--queue", QUEUE]
-    helped = subprocess.run([*cmd[:6], "--help"], env=_env(), capture_output=True, text=True, cwd="/")
-    if "--prefetch" in helped.stdout:  # a tree from before the warm path has no --prefetch
+    # ``worker start --help`` (not ``worker --help``, the group's, which lists no options): a tree
+    # from before the warm path has no --prefetch
+    helped = subprocess.run([*cmd, "--help"], env=_env(), capture_output=True, text=True, cwd="/")
+    if "--prefetch" in helped.stdout:
         cmd += ["--prefetch", str(prefetch)]
+    elif prefetch != 1:
+        print(
+            f"note: this tree's `lakeshore worker start` has no --prefetch: it runs 1, not {prefetch}",
+            file=sys.stderr,
+        )
     proc = subprocess.Popen(cmd, env=_env(), start_new_session=True, cwd="/")
     try:
         yield proc.pid

@@ -7,11 +7,13 @@ Durability under ``kill -9`` is tested in test_group_commit_crash.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.ids import new_ulid
@@ -37,6 +39,7 @@ from dreamlake.lakeshore.store.api import (
     WriteRequest,
     WriteResult,
 )
+from dreamlake.lakeshore.store.notify import run_queue_channel
 from dreamlake.lakeshore.store.sql import SqlStore
 
 FUNCTION = {"module": "m", "qualname": "f", "version": "v1"}
@@ -135,6 +138,94 @@ def test_a_run_of_acks_applies_together_and_answers_each(store: SqlStore) -> Non
     assert results[5] == AckResult(ok=False, reason=f"unknown invocation {unknown}", status=UNKNOWN)
     states = {i: getattr(store.get(i), "state", None) for i in (a, b, c, d, e)}
     assert states == {a: "succeeded", b: "failed", c: "running", d: "running", e: "failed"}
+
+
+@contextlib.contextmanager
+def _reads_of_invocations(store: SqlStore) -> Iterator[list[str]]:
+    """The SELECTs on ``invocations`` the store runs inside the block."""
+    seen: list[str] = []
+
+    def on_execute(*args: Any) -> None:
+        sql = " ".join(str(args[2]).split())
+        if sql.upper().startswith("SELECT") and "FROM invocations" in sql:
+            seen.append(sql)
+
+    sa.event.listen(store.db.engine, "before_cursor_execute", on_execute)
+    try:
+        yield seen
+    finally:
+        sa.event.remove(store.db.engine, "before_cursor_execute", on_execute)
+
+
+def test_acks_that_all_hold_their_leases_apply_without_a_read_back(store: SqlStore) -> None:
+    """A run of acks whose every update applied (one row each: the lease conditions held) and no
+    fleet limit: each answers applied, the rows hold their outcomes, and the store reads nothing
+    back (the updates' row count is the proof)."""
+    (a, att), (b, _), (c, _) = _running(store, 3)
+    with _reads_of_invocations(store) as reads:
+        results = store.write_batch(
+            [
+                AckRequest(a, "succeeded", attempt=att, worker_id="w", result_blob=b"ra"),
+                AckRequest(b, "succeeded", attempt=att, worker_id="w", result_ref={"key": "k"}),
+                AckRequest(c, "succeeded", result_blob=b"rc"),  # neither attempt nor worker
+            ]
+        )
+    assert results == [AckResult(ok=True, state="succeeded")] * 3
+    assert reads == []
+    got = [store.get(i) for i in (a, b, c)]
+    assert [(g.state, g.result_blob, g.result_ref) for g in got if g is not None] == [
+        ("succeeded", b"ra", None),
+        ("succeeded", None, {"key": "k"}),
+        ("succeeded", b"rc", None),
+    ]
+
+
+def test_in_a_run_of_acks_the_ack_of_a_lost_lease_is_still_refused(store: SqlStore) -> None:
+    """Beside acks that apply: an attempt superseded after its lease lapsed, and a lapsed lease
+    not yet claimed again, are each refused (409, nothing changed); the others apply."""
+    running = _running(store, 3)
+    store.expire_leases(now=1e12)  # every lease lapses: all three back to queued
+    again = {i.invocation_id: i.attempt for i in store.claim("w", ["q"], limit=2)}
+    (now_held, new_attempt), (superseded, _) = list(again.items())
+    (lapsed,) = [i for i, _ in running if i not in again]
+    old = running[0][1]
+    results = store.write_batch(
+        [
+            AckRequest(now_held, "succeeded", attempt=new_attempt, worker_id="w", result_blob=b"ok"),
+            AckRequest(superseded, "succeeded", attempt=old, worker_id="w", result_blob=b"stale"),
+            AckRequest(lapsed, "succeeded", attempt=old, worker_id="w", result_blob=b"stale"),
+        ]
+    )
+    held_ack, superseded_ack, lapsed_ack = results
+    assert held_ack == AckResult(ok=True, state="succeeded")
+    assert isinstance(superseded_ack, AckResult) and (superseded_ack.ok, superseded_ack.status) == (
+        False,
+        SUPERSEDED,
+    )
+    assert "superseded" in (superseded_ack.reason or "")
+    assert isinstance(lapsed_ack, AckResult) and (lapsed_ack.ok, lapsed_ack.status) == (False, SUPERSEDED)
+    assert "lapsed" in (lapsed_ack.reason or "") or "superseded" in (lapsed_ack.reason or "")
+    states = {i: getattr(store.get(i), "state", None) for i in (now_held, superseded, lapsed)}
+    assert states == {now_held: "succeeded", superseded: "running", lapsed: "queued"}
+    assert all(getattr(store.get(i), "result_blob", None) is None for i in (superseded, lapsed))
+
+
+def test_a_run_of_acks_under_a_fleet_limit_still_frees_its_room(store: SqlStore) -> None:
+    """With a fleet-wide limit on the queue, each applied ack of a run says the room it freed and
+    the batch wakes the polls held back by the limit."""
+    store.set_queue_limit("q", 2)
+    (a, att), (b, _) = _running(store, 2)
+    heard: list[str] = []
+    store.notifier.add_listener(lambda channel, seq, relayed: heard.append(channel))
+    results = store.write_batch(
+        [
+            AckRequest(a, "succeeded", attempt=att, worker_id="w"),
+            AckRequest(b, "succeeded", attempt=att, worker_id="w"),
+        ]
+    )
+    assert results == [AckResult(ok=True, state="succeeded")] * 2
+    assert [getattr(r, "freed", None) for r in results] == [("default", "q", "")] * 2
+    assert run_queue_channel("default", "q") in heard
 
 
 def test_a_write_that_fails_in_the_transaction_fails_alone(store: SqlStore) -> None:

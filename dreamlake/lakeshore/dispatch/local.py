@@ -186,9 +186,7 @@ class Dispatch(Plane):
         while True:
             mark = self.notifier.mark()
             found = {
-                inv.invocation_id: inv
-                for inv in self.store.get_many(wanted, args=False)
-                if visible(self.namespace, inv)
+                inv.invocation_id: inv for inv in self.store.outcomes(wanted) if visible(self.namespace, inv)
             }
             out: dict[str, Any] = {"results": {}, "states": {}, "unknown": []}
             for i in wanted:

@@ -26,14 +26,13 @@ from dreamlake.lakeshore.server import authz, http, tasks
 from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError, field
-from dreamlake.lakeshore.server.producer import outcome
-from dreamlake.lakeshore.store.api import TERMINAL_STATES, Invocation, visible
+from dreamlake.lakeshore.store.api import TERMINAL_STATES, Outcome, visible
 
 AWAIT_BATCH_MAX = 1000  # ids per request; past it: 413
 AWAIT_BATCH_BYTES = 16 * 1024 * 1024  # inline result bytes one answer carries at most
 
 
-async def _visible(ctx: Context, caller: Caller, found: list[Invocation]) -> list[Invocation]:
+async def _visible(ctx: Context, caller: Caller, found: list[Outcome]) -> list[Outcome]:
     """The invocations the caller may see: its namespace's; a task's descendants only."""
     if caller.rule is authz.Own.ANY:
         return found
@@ -53,8 +52,22 @@ async def _visible(ctx: Context, caller: Caller, found: list[Invocation]) -> lis
     return out
 
 
-def _answer(ids: list[str], seen: list[Invocation]) -> tuple[dict[str, Any], bool]:
-    """The route's answer for ``ids`` from the invocations the caller may see; and whether any is
+def _result(inv: Outcome) -> dict[str, Any]:
+    """One terminal outcome as the answer lists it (as ``producer.outcome`` writes an
+    invocation's: ``result_ref``, and no bytes, for a result that went to the payload store)."""
+    out: dict[str, Any] = {
+        "invocation_id": inv.invocation_id,
+        "state": inv.state,
+        "result_blob": inv.result_blob,
+        "error": inv.error,
+    }
+    if inv.result_ref is not None:
+        out["result_ref"] = inv.result_ref
+    return out
+
+
+def _answer(ids: list[str], seen: list[Outcome]) -> tuple[dict[str, Any], bool]:
+    """The route's answer for ``ids`` from the outcomes the caller may see; and whether any is
     terminal."""
     by_id = {inv.invocation_id: inv for inv in seen}
     results: list[dict[str, Any]] = []
@@ -73,7 +86,7 @@ def _answer(ids: list[str], seen: list[Invocation]) -> tuple[dict[str, Any], boo
                 states[inv_id] = inv.state  # next request: this answer is full
                 continue
             budget -= size
-            results.append({"invocation_id": inv_id, **outcome(inv)})
+            results.append(_result(inv))
     return {"results": results, "states": states, "unknown": unknown}, bool(results)
 
 
@@ -99,7 +112,7 @@ async def await_batch(ctx: Context, caller: Caller, body: dict[str, Any]) -> dic
     channels = [f"inv:{inv_id}" for inv_id in ids]
     while True:
         mark = ctx.wake.mark()
-        seen = await _visible(ctx, caller, await ctx.call(ctx.store.get_many, ids, args=False))
+        seen = await _visible(ctx, caller, await ctx.call(ctx.store.outcomes, ids))
         answer, ended = _answer(ids, seen)
         remaining = deadline - time.monotonic()
         if ended or not answer["states"] or remaining <= 0 or ctx.closing:

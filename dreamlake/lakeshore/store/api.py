@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from dreamlake.lakeshore.errors import PlaneError
 
@@ -134,6 +134,19 @@ UNKNOWN = 404  # no such invocation
 ANOTHER_WORKER = 403  # the current lease is held by another worker
 SUPERSEDED = 409  # a later attempt owns the invocation, its lease lapsed, or it is not running
 OUT_OF_ORDER = 409  # a frame past the next expected seq, or after the final frame
+
+
+class Outcome(NamedTuple):
+    """An invocation's outcome as it stands (``Store.outcomes``): what a reader of many results
+    needs (its state; once terminal, its result or error) and the namespace its visibility is
+    checked against; none of the row's other columns."""
+
+    invocation_id: str
+    namespace: str
+    state: str
+    result_blob: bytes | None
+    result_ref: dict[str, Any] | None
+    error: dict[str, Any] | None
 
 
 @dataclass
@@ -310,7 +323,7 @@ DEFAULT_NAMESPACE = "default"
 TOKEN_KINDS = ("admin", "producer", "daemon", "namespace", "metrics", "task")
 
 
-def visible(namespace: str | None, inv: Invocation) -> bool:
+def visible(namespace: str | None, inv: Invocation | Outcome) -> bool:
     """Whether a caller confined to ``namespace`` (None: not confined) may see ``inv``. The one
     rule behind the 404s of both planes: a producer sees its namespace's invocations only."""
     return namespace is None or inv.namespace == namespace
@@ -443,9 +456,13 @@ class Store(Listing, Protocol):
     # -- producer side ------------------------------------------------------------------------
     def submit(self, req: SubmitRequest) -> SubmitResult: ...
     def get(self, invocation_id: str) -> Invocation | None: ...
-    def get_many(self, invocation_ids: Sequence[str], *, args: bool = True) -> list[Invocation]:
-        """The invocations of ``invocation_ids`` that exist, in one read (any order); without
-        ``args`` their arguments are not read (``args_blob`` empty)."""
+    def get_many(self, invocation_ids: Sequence[str]) -> list[Invocation]:
+        """The invocations of ``invocation_ids`` that exist, in one read (any order)."""
+        ...
+
+    def outcomes(self, invocation_ids: Sequence[str]) -> list[Outcome]:
+        """The outcomes of the invocations of ``invocation_ids`` that exist, in one narrow read
+        (state, result, error, namespace; any order): the batch await of a sweep's reader."""
         ...
 
     def lineage(self, invocation_id: str, limit: int = 64) -> list[str]:

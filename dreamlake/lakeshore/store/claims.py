@@ -256,6 +256,12 @@ class Placer:
             else:
                 self._limits[name] = value
 
+    def any_limits(self) -> bool:
+        """Whether any limit is cached: when not, ``limited`` is False for every call (an ack of
+        many skips reading its rows back for ``freed``). One read of a dict the lock replaces or
+        changes whole: no lock needed."""
+        return bool(self._limits)
+
     def limited(self, queue: str, shape: str) -> bool:
         """Whether a limit (as cached) covers calls of ``(queue, shape)``: one ending frees room."""
         with self._lock:

@@ -167,10 +167,6 @@ class _Statements:
         )
         self.get = sa.select(_inv).where(_inv.c.invocation_id == B("id"))
         self.get_many = sa.select(_inv).where(_inv.c.invocation_id.in_(B("ids", expanding=True)))
-        # the same without the arguments (a sweep's reader asks for outcomes: await-batch)
-        self.outcomes_many = sa.select(*(c for c in _inv.c if c.name != "args_blob")).where(
-            _inv.c.invocation_id.in_(B("ids", expanding=True))
-        )
         # ``ack``: one ack, RETURNING whether it applied; ``ack_many``: the same without RETURNING,
         # for an executemany of many acks (one round trip: psycopg pipelines it).
         self.ack: dict[tuple[bool, bool], Any] = {}
@@ -559,17 +555,14 @@ class InvocationStore(StoreBase):
         return row_to_invocation(r) if r is not None else None
 
     @retry_on_disconnect
-    def get_many(self, invocation_ids: Sequence[str], *, args: bool = True) -> list[Invocation]:
-        """The invocations of ``invocation_ids`` that exist, in one read (any order); without
-        ``args`` their arguments are not read (``args_blob`` empty)."""
+    def get_many(self, invocation_ids: Sequence[str]) -> list[Invocation]:
+        """The invocations of ``invocation_ids`` that exist, in one read (any order). A reader of
+        outcomes only reads ``outcomes`` (store/outcomes.py), narrower."""
         if not invocation_ids:
             return []
-        st = self._inv_st.get_many if args else self._inv_st.outcomes_many
         with self.db.tx(write=False) as conn:
-            rows = conn.execute(st, {"ids": list(invocation_ids)}).fetchall()
-        if args:
-            return [row_to_invocation(r) for r in rows]
-        return [invocation_from(dict(r._mapping)) for r in rows]
+            rows = conn.execute(self._inv_st.get_many, {"ids": list(invocation_ids)}).fetchall()
+        return [row_to_invocation(r) for r in rows]
 
     # -- lineage: parent_invocation_id / root_invocation_id ----------------------------------------
 
@@ -976,10 +969,13 @@ class InvocationStore(StoreBase):
         self, conn: Connection, reqs: Sequence[AckRequest], now: float, *, retry_first: bool = True
     ) -> list[AckResult]:
         """Apply prepared acks of distinct invocations in the caller's transaction: one
-        executemany per kind of ack (with or without attempt / worker), then one read of the rows.
-        An ack applied iff its row now holds its state with ``finished_at == now`` (this
-        transaction's time: an earlier outcome has an earlier one); the others are refused or
-        repeats, told apart as ``_ack_in`` does. Acks of one invocation twice go one by one."""
+        executemany per kind of ack (with or without attempt / worker). When the updates matched
+        one row per ack (each UPDATE names one invocation id and holds the lease conditions: state
+        running, the attempt, the worker) and no fleet limit is cached (no ack frees room), every
+        ack applied and nothing is read back. Otherwise one read of the rows: an ack applied iff
+        its row now holds its state with ``finished_at == now`` (this transaction's time: an
+        earlier outcome has an earlier one); the others are refused or repeats, told apart as
+        ``_ack_in`` does. Acks of one invocation twice go one by one."""
         if len(reqs) < 2 or len({r.invocation_id for r in reqs}) < len(reqs):
             return [self._ack_in(conn, r, now, retry_first=retry_first) for r in reqs]
         retried: dict[int, AckResult] = {}
@@ -1007,8 +1003,15 @@ class InvocationStore(StoreBase):
         for r in reqs:
             variant = (r.attempt is not None, r.worker_id is not None)
             by_variant.setdefault(variant, []).append(self._ack_params(r, now))
+        matched = 0
         for variant, params in by_variant.items():
-            conn.execute(st.ack_many[variant], params)
+            matched += conn.execute(st.ack_many[variant], params).rowcount
+        if (
+            matched == len(reqs)
+            and conn.dialect.supports_sane_multi_rowcount
+            and not self._placer.any_limits()
+        ):
+            return [AckResult(ok=True, state=r.state) for r in reqs]
         rows = conn.execute(st.get_many, {"ids": [r.invocation_id for r in reqs]}).fetchall()
         found = {inv.invocation_id: inv for inv in map(row_to_invocation, rows)}
         out: list[AckResult] = []

@@ -56,6 +56,7 @@ from .limits import LimitStore
 from .listing import ListingStore
 from .notify import Notifier, exec_queue_channel, invocation_channels
 from .outage import classify
+from .outcomes import OutcomeStore
 from .placement import NO_OFFER, Offer
 from .quotas import QuotaStore
 from .retention import RetentionStore
@@ -89,6 +90,7 @@ class SqlStore(
     WorkerStore,
     ExecJobStore,
     ListingStore,
+    OutcomeStore,
     RetentionStore,
     ActivityStore,
     SecretStore,
