@@ -46,9 +46,10 @@ from nymph import observability as obs
 from nymph import workdir as wd
 from nymph.callenv import CallEnv
 from nymph.errors import GateRefused
+from nymph.flow import WINDOW_ENV
 from nymph.lifecycle import SHUTDOWN_MESSAGE, JobContext, Phase, Stop, SupervisedJob, backoff_s
 from nymph.outbox import CHUNKS
-from nymph.pump import WINDOW_ENV, Pump
+from nymph.pump import Pump
 from nymph.runner import ExitStatus, Handle, Task
 from nymph.sends import SendRelay
 from nymph.slots import gpus_requested
