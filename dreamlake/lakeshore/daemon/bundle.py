@@ -65,6 +65,11 @@ RUNTIME_FILES = (
     "dreamlake/lakeshore/twoway.py",
     "dreamlake/lakeshore/daemon/__init__.py",
     "dreamlake/lakeshore/daemon/entry.py",
+    "dreamlake/lakeshore/daemon/entry_allow.py",
+    "dreamlake/lakeshore/daemon/entry_capture.py",
+    "dreamlake/lakeshore/daemon/entry_interrupts.py",
+    "dreamlake/lakeshore/daemon/entry_outputs.py",
+    "dreamlake/lakeshore/daemon/entry_streams.py",
 )
 #: What a user's module touches when it imports the SDK, and what a task needs to submit tasks
 #: (the HTTP plane; its httpx and tenacity come from the image, imported on first use).
