@@ -55,6 +55,7 @@ RUNTIME_FILES = (
     "dreamlake/lakeshore/wire/__init__.py",
     "dreamlake/lakeshore/wire/base.py",
     "dreamlake/lakeshore/wire/codec.py",
+    "dreamlake/lakeshore/wire/stdtypes.py",
     "dreamlake/lakeshore/wire/arrays.py",
     "dreamlake/lakeshore/wire/frames.py",
     "dreamlake/lakeshore/envelope.py",
