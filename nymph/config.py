@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from nymph.errors import ConfigError as ConfigError  # re-exported: raised here
 
 if TYPE_CHECKING:
-    from nymph.pump import StreamLimits
+    from nymph.flow import StreamLimits
 
 
 DEFAULT_STATE_DIR = Path("/var/lib/nymph/state")
@@ -143,7 +143,7 @@ class NymphConfig:
     @functools.cached_property
     def stream_limits(self) -> StreamLimits:
         """The ``stream_*`` settings as one value (raises ValueError when they do not fit together)."""
-        from nymph.pump import StreamLimits
+        from nymph.flow import StreamLimits
 
         return StreamLimits(
             window_frames=self.stream_window_frames,

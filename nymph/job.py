@@ -24,31 +24,21 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import pwd
 import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from dreamlake.lakeshore import blobs, twoway, wire
-from dreamlake.lakeshore.client import retrying
-from dreamlake.lakeshore.daemon.entry import (
-    ALLOW_MODULES_ENV,
-    CAPTURE_ENV,
-    STOP_REASON_FILE,
-    module_allowed,
-    module_refusal,
-)
-from dreamlake.lakeshore.envelope import Envelope, is_pickled
-from dreamlake.lakeshore.errors import LakeshoreError, PayloadCorrupt
-from dreamlake.lakeshore.settings import TOKEN_FILE_ENV
-from nymph import checkpoints, codecache, refs, safeio, tasktls, taskuser
+from dreamlake.lakeshore import wire
+from dreamlake.lakeshore.daemon.entry import STOP_REASON_FILE
+from dreamlake.lakeshore.errors import LakeshoreError
+from nymph import checkpoints, codecache, gates, jobcode, refs, safeio, taskenv, tasktls, taskuser
 from nymph import observability as obs
 from nymph import workdir as wd
 from nymph.callenv import CallEnv
 from nymph.errors import GateRefused
 from nymph.lifecycle import SHUTDOWN_MESSAGE, JobContext, Phase, Stop, SupervisedJob, backoff_s
 from nymph.outbox import CHUNKS
-from nymph.pump import WINDOW_ENV, Pump
+from nymph.pump import Pump
 from nymph.runner import ExitStatus, Handle, Task
 from nymph.sends import SendRelay
 from nymph.slots import gpus_requested
@@ -69,7 +59,6 @@ SPILL_AFTER_S = 2.0  # how long a finished job waits for its frames before the o
 # arguments up to this size go to a runner that takes them in the Task (Capabilities.args_inline)
 # instead of into args.msgpack: one file less per invocation; larger ones are written as always
 ARGS_INLINE_MAX = 64 * 1024
-FETCH_ATTEMPTS = 4  # a code archive by reference: tries of the fetch while the store is unreachable
 
 
 class Job(SupervisedJob[wd.Outcome]):
@@ -194,61 +183,13 @@ class Job(SupervisedJob[wd.Outcome]):
         )
 
     def _fetch_code(self) -> None:
-        """The code archive the call shipped, fetched once per sha256 into the cache (nymph.codecache)
-        and held while the task runs; a corrupt or unsafe one refuses the invocation here."""
-        code = self._code
-        if code is None:
-            return
-        cache = self._code_cache()
-        try:
-            path = cache.acquire(code, fetch=lambda ref: self._fetch_code_ref(code, ref))
-        except codecache.CodeArchiveError as exc:
-            raise GateRefused("CodeArchiveRefused", str(exc)) from exc
-        except OSError as exc:
-            raise GateRefused(
-                "CodeArchiveRefused", f"code archive: cannot unpack into {cache.root}: {exc}"
-            ) from exc
-        self._code_held = str(code["sha256"])
-        patterns = list(self.ctx.config.allow_modules)
-        if patterns:  # the policy sees the shipped code: every module it ships must be allowed
-            refused = [m for m in codecache.shipped_modules(path) if not module_allowed(m, patterns)]
-            if refused:
-                self._release_code()
-                raise GateRefused(
-                    "ModuleRefused",
-                    f"the call ships code with module {refused[0]!r} (of {len(refused)} refused) but this "
-                    f"worker runs only modules matching {' / '.join(patterns)}; ship only allowed "
-                    f"packages (code=[...]), deploy the code instead (code=None), or start nymph with "
-                    f"--allow-module matching {refused[0]!r}",
-                )
-        self._code_dirs = [path]
-
-    def _fetch_code_ref(self, code: dict[str, Any], ref: Any) -> bytes:
-        """An archive shipped by reference, through the presign route of the namespace it was
-        uploaded to (``dreamlake.lakeshore.blobs``: size and sha256 checked on the way)."""
-        client = self.ctx.client
-        if client is None:
-            raise codecache.CodeArchiveError(
-                "code archive by reference: this nymph has no control-plane client"
-            )
-        namespace = str(code.get("namespace") or self.ctx.config.namespace or "default")
-        try:  # a control plane or store away for a moment costs a few retries, not the invocation
-            policy = retrying(attempts=FETCH_ATTEMPTS, initial_s=0.5)
-            data = policy(blobs.get, client, namespace, dict(ref), limit=codecache.MAX_FETCH_BYTES)
-        except PayloadCorrupt as exc:
-            raise codecache.CodeArchiveError(f"code archive: {exc}") from exc
-        except LakeshoreError as exc:
-            raise codecache.CodeArchiveError(
-                f"code archive: cannot fetch {ref.get('key')!r} from the payload store: {exc}"
-            ) from exc
-        assert data is not None
-        return bytes(data)
+        """The code archive the call shipped, held while the task runs (:mod:`nymph.jobcode`)."""
+        if self._code is not None:
+            self._code_dirs = [jobcode.acquire(self.ctx, self._code)]
+            self._code_held = str(self._code["sha256"])
 
     def _code_cache(self) -> codecache.CodeCache:
-        cfg = self.ctx.config
-        return codecache.shared(
-            cfg.code_cache_dir, max_bytes=cfg.code_cache_max_bytes, max_age_s=cfg.code_cache_max_age_s
-        )
+        return jobcode.cache_of(self.ctx.config)
 
     def _release_code(self) -> None:
         if self._code_held is not None:
@@ -263,63 +204,14 @@ class Job(SupervisedJob[wd.Outcome]):
         super()._release()
 
     def _gates(self) -> None:
+        """The worker-side gates (:mod:`nymph.gates`), in order; who the task runs as is set here."""
         cfg = self.ctx.config
-        caps = self.ctx.runner.capabilities
-        if self.bad_timeout:
-            raise GateRefused("InvalidRunConfig", self.bad_timeout)
-        if self.script is not None and not cfg.allow_script:
-            raise GateRefused(
-                "ScriptRefused",
-                "script invocations are refused: this nymph runs only Python functions; start it with "
-                "--allow-script to run run_config.script with bash (that is running any shell command "
-                "its producers send)",
-            )
+        gates.check_run_config(cfg, self.bad_timeout, self.script)
         pip = None  # cfg["pip"]: a pip environment (nymph.callenv)
         if self.script is None:
-            try:
-                if self._staged is not None:
-                    header = refs.header_of(self._staged)
-                else:
-                    header = Envelope.header(bytes(self.body.get("args_blob") or b""))
-            except LakeshoreError as exc:
-                raise GateRefused(type(exc).__name__, f"bad envelope: {exc}") from exc
-            fn = header.get("fn") or {}
-            code = (header.get("cfg") or {}).get("code")
-            if code is not None and not isinstance(code, dict):
-                raise GateRefused("CodeArchiveRefused", f"cfg.code must be a map, got {type(code).__name__}")
-            self._code = code
-            pip = (header.get("cfg") or {}).get("pip")
-            if is_pickled(fn) and not cfg.allow_pickled:
-                raise GateRefused(
-                    "PickleRefused",
-                    f"pickled function {fn.get('where') or fn.get('qualname')!r} refused: "
-                    "this nymph runs only functions shipped by reference; start it with --allow-pickled "
-                    "to accept pickled functions (that is code execution)",
-                )
-            module = str(fn.get("module") or "")
-            if not is_pickled(fn) and cfg.allow_modules and not module_allowed(module, cfg.allow_modules):
-                raise GateRefused(
-                    "ModuleRefused", module_refusal(module, str(fn.get("qualname")), list(cfg.allow_modules))
-                )
+            self._code, pip = gates.check_function(cfg, self._staged, self.body)
         if self.as_user:
-            if self.as_user not in cfg.allow_users:
-                raise GateRefused(
-                    "UserNotAllowed",
-                    f"as_user {self.as_user!r} is not allowed on this nymph (allowed: "
-                    f"{', '.join(cfg.allow_users) or 'none'}); start it with --allow-user {self.as_user}",
-                )
-            if not caps.as_user:
-                raise GateRefused(
-                    "RunnerCapabilityMissing", f"runner {self.ctx.runner.name!r} cannot run as another user"
-                )
-            try:
-                pwd.getpwnam(self.as_user)
-            except KeyError:
-                raise GateRefused(
-                    "UserNotAllowed",
-                    f"as_user {self.as_user!r} is allowed but is not a user on this host (its workdir is "
-                    f"owned by that user); create it with useradd",
-                ) from None
+            gates.check_as_user(cfg, self.ctx.runner, self.as_user)
         self._callenv.gate(self.ctx, pip, self.run_config)
         if self.as_user:
             self.run_as = self.as_user
@@ -328,41 +220,8 @@ class Job(SupervisedJob[wd.Outcome]):
                 self.run_as = taskuser.task_users(cfg).acquire(self)
             except taskuser.TaskUserError as exc:
                 raise GateRefused("TaskUserPoolExhausted", str(exc)) from None
-        refusal = taskuser.root_refusal(cfg, self.run_as)
-        if refusal is not None:
-            raise GateRefused("RootRefused", refusal)
-        if self.run_as and not self.as_user:  # nymph is root: the task runs as its task user
-            if not caps.as_user:
-                raise GateRefused(
-                    "RunnerCapabilityMissing",
-                    f"runner {self.ctx.runner.name!r} cannot run the task as the task user "
-                    f"{self.run_as!r}; start nymph with {taskuser.ROOT_FLAG} to run tasks as root",
-                )
-            try:
-                pwd.getpwnam(self.run_as)
-            except KeyError:
-                raise GateRefused(
-                    "TaskUserMissing",
-                    f"task user {self.run_as!r} is not a user on this host (any more); create it with "
-                    f"`{taskuser.useradd_command(self.run_as)}`",
-                ) from None
-        if gpus_requested(self.run_config) and not caps.gpus:
-            raise GateRefused(
-                "RunnerCapabilityMissing", f"runner {self.ctx.runner.name!r} cannot expose GPUs"
-            )
-        for key, needed in (("image", caps.image), ("network", caps.network)):
-            if self.run_config.get(key) and not needed:
-                raise GateRefused(
-                    "RunnerCapabilityMissing",
-                    f"runner {self.ctx.runner.name!r} does not honour run_config.{key}",
-                )
-        resources = self.run_config.get("resources") or {}
-        limits = [k for k in resources if k != "gpus"] if isinstance(resources, dict) else []
-        if limits and not caps.resources:
-            raise GateRefused(
-                "RunnerCapabilityMissing",
-                f"runner {self.ctx.runner.name!r} does not enforce resource limits ({', '.join(sorted(limits))})",
-            )
+        gates.check_run_as(cfg, self.ctx.runner, self.run_as, self.as_user)
+        gates.check_runner(self.ctx.runner, self.run_config)
 
     def _token(self) -> str | None:
         token = self.body.get("task_token")
@@ -371,41 +230,17 @@ class Job(SupervisedJob[wd.Outcome]):
     def _env(self) -> dict[str, str]:
         """The task's variables (nymph.taskenv: never nymph's whole environment): the passed ones,
         the call's env and secrets, then nymph's own for the invocation (a call cannot override them)."""
-        cfg = self.ctx.config
-        env = self._callenv.variables(cfg)
+        env = self._callenv.variables(self.ctx.config)
+        gpus = self._gpus if self._gpus or self.ctx.slots.gpu_total else None
         env.update(
-            {
-                "LAKESHORE_ALLOW_PICKLED": "1" if cfg.allow_pickled else "0",
-                ALLOW_MODULES_ENV: ",".join(cfg.allow_modules),
-                "LAKESHORE_RUNTIME_POLICY": cfg.runtime_policy,
-                "LAKESHORE_INVOCATION_ID": self.invocation_id,
-                "LAKESHORE_ATTEMPT": str(self.attempt),  # dls.attempt()
-                WINDOW_ENV: cfg.stream_limits.env,
-                # the entry appends its fd 1/2 to the workdir's logs (every runner: the pump streams
-                # them live as LOG frames); Python processes the task starts write through too
-                CAPTURE_ENV: "1",
-                "PYTHONUNBUFFERED": "1",
-            }
-        )
-        if self._token():
-            # the task's own credential (submit children, read and cancel its descendants; it dies
-            # with this attempt's ack): dls .submit() / SyncQueue inside the task use these two. The
-            # token is in a file only the task's user reads (workdir.TOKEN), not in the environment
-            # every child inherits; the variable names it relative to the workdir, the task's cwd
-            # (the entry makes it absolute before the user's code runs)
-            env["LAKESHORE_URL"] = cfg.task_url or cfg.server
-            env[TOKEN_FILE_ENV] = wd.TOKEN
+            taskenv.invocation_env(
+                self.ctx.config, self.invocation_id, self.attempt, self.run_config,
+                token=bool(self._token()), code_dirs=self._code_dirs, gpus=gpus,
+            )
+        )  # fmt: skip
         # the control plane's CA (and client certificate) as nymph has them, copied into the
         # workdir for the task's user alone (nymph.tasktls); nymph's own paths never reach the task
         env.update(tasktls.task_env(self._tls))
-        if os.environ.get("PYTHONPATH"):  # absolute: the task's cwd is not nymph's (a zygote runs in /)
-            parts = os.environ["PYTHONPATH"].split(os.pathsep)
-            env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p for p in parts)
-        env.update(codecache.code_env(self._code_dirs))  # first on the task's import path
-        if self._gpus or self.ctx.slots.gpu_total:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(self._gpus)
-        if self.run_config.get("two_way"):  # the entry waits at each yield for its send
-            env[twoway.SENDS_ENV] = f"{twoway.timeout_of(self.run_config):g}"
         return env
 
     # --- a recovered invocation ------------------------------------------------------------------

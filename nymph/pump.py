@@ -22,29 +22,15 @@ while the task runs on. The cap counts bytes taken, so the output never counts t
 ``max_bytes`` beyond it. Output already taken (or skipped) is punched out of the log files (but
 their last 64 KiB), so a task that prints without end does not fill nymph's disk either.
 
-The outbox's sender asks the pump for a batch
-(:meth:`Pump.take`: every complete frame that built up since the last request, up to
-``batch_frames`` / ``batch_bytes``; the first frame goes alone, at once) and posts it to
-``/v1/daemon/result-chunks``; a batch is taken again, identical, until the control plane confirmed
-it (:meth:`Pump.confirm`). Nothing of the journal is copied to the outbox directory: the journal is
-the durable copy, and ``pump.json`` (the delivered seq and offsets, saved after each confirmed
-batch) lets a restarted nymph resume exactly there (at worst it re-sends a batch: the control
-plane answers duplicates).
-
-Flow control. After each confirmed batch the pump writes ``frames.delivered`` (``"<seq>
-<offset>"``: the last delivered seq and the journal offset just past it) in the workdir; the entry,
-told the window by ``LAKESHORE_STREAM_WINDOW=<frames>:<bytes>``, pauses at its next ``yield``
-while its undelivered frames reach the window and resumes when this file says they drained (see
-:mod:`dreamlake.lakeshore.daemon.entry`). That works on every runner: the workdir is all the task
-shares with nymph. The delivered prefix of the journal is released with
-``fallocate(PUNCH_HOLE)`` where the filesystem supports it, so the journal's disk use stays near
-the window. Undelivered journal bytes beyond ``max_bytes`` (a task that ignores the window, e.g.
-one writing the journal itself) call ``on_overflow`` once: the job stops the task and fails it with
-``StreamOverflow``; no frame is dropped silently. Output never does that: past its cap it is cut
-with a line that says so.
-
-The workdir is the task's: every file in it is opened through :mod:`nymph.safeio` (no link
-followed, only the task's or nymph's own regular files).
+The outbox's sender asks the pump for a batch (:meth:`Pump.take`: every complete frame that built
+up since the last request, up to ``batch_frames`` / ``batch_bytes``; the first frame goes alone, at
+once) and posts it; the same batch is taken again until the control plane confirmed it
+(:meth:`Pump.confirm`). The journal (read through :class:`nymph.journal.Journal`) is the durable
+copy, never copied to the outbox; the cursor, watermark and hole punching are :mod:`nymph.flow`'s.
+Undelivered journal bytes beyond ``max_bytes`` (a task that ignores the window) call
+``on_overflow`` once: the job stops the task and fails it with ``StreamOverflow``; no frame is
+dropped silently. Output never does that: past its cap it is cut with a line that says so. Every
+file of the workdir (the task's) is opened through :mod:`nymph.safeio`.
 
 New frames are noticed without polling: the outbox's :class:`nymph.watcher.Watcher` wakes it on
 each write in a watched workdir.
@@ -52,26 +38,21 @@ each write in a watched workdir.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import errno
-import json
 import logging
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-import msgpack
-
 from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.errors import LakeshoreError
 from nymph import observability as obs
 from nymph import safeio
+from nymph.flow import StreamLimits, load_state, release_logs, save_state, write_watermark
+from nymph.journal import Journal, renumbered
 from nymph.workdir import FRAMES, STDERR, STDOUT
 
 if TYPE_CHECKING:
@@ -79,54 +60,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STATE = "pump.json"
-WATERMARK = "frames.delivered"
-WINDOW_ENV = "LAKESHORE_STREAM_WINDOW"
-MiB = 1024 * 1024
 _LOG_READ = 64 * 1024
 PARTIAL_HOLD_S = 0.1  # a line without its newline yet waits this long (after the last write) for it
-LOG_PUNCH_STEP = MiB  # taken output is released from the logs' disk in steps of this much
-LOG_TAIL_KEEP = 64 * 1024  # ... but for their last bytes
-_READ = 256 * 1024
-_PAGE = 4096
-
-
-@dataclass(frozen=True)
-class StreamLimits:
-    """Flow-control settings of every stream (nymph's ``stream_*`` settings; docs/nymph.md)."""
-
-    window_frames: int = 4096  # the task pauses while this many of its frames are undelivered
-    window_bytes: int = 32 * MiB  # ... or this many bytes
-    max_bytes: int = 1024 * MiB  # undelivered bytes on disk that fail the invocation (hard cap)
-    batch_frames: int = 1000  # frames per request at most
-    batch_bytes: int = MiB  # bytes per request at most (one larger frame goes alone)
-    log_max_bytes: int = 16 * MiB  # stdout + stderr sent per attempt; past it, one "truncated" line
-    inotify: bool = True  # False: poll every poll_s (a workdir written from other hosts)
-    poll_s: float = 0.05
-
-    def __post_init__(self) -> None:
-        for name in (
-            "window_frames",
-            "window_bytes",
-            "max_bytes",
-            "batch_frames",
-            "batch_bytes",
-            "log_max_bytes",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"stream_{name} must be >= 1, got {getattr(self, name)}")
-        if self.window_bytes >= self.max_bytes:
-            raise ValueError(
-                f"stream_window_bytes ({self.window_bytes}) must be below stream_max_bytes "
-                f"({self.max_bytes}): the window is where the task pauses, the cap where it fails"
-            )
-        if not self.poll_s > 0:
-            raise ValueError(f"stream_poll_s must be > 0, got {self.poll_s}")
-
-    @property
-    def env(self) -> str:
-        """The value of ``LAKESHORE_STREAM_WINDOW`` for the entry."""
-        return f"{self.window_frames}:{self.window_bytes}"
 
 
 @dataclass
@@ -146,40 +81,6 @@ class Batch:
     @property
     def nbytes(self) -> int:
         return sum(len(f) for f in self.frames)
-
-
-@dataclass
-class _Entry:
-    seq: int
-    start: int  # journal offset of the frame
-    end: int  # journal offset just past it
-    final: bool
-
-
-# --- punching holes ---------------------------------------------------------------------------------
-
-_FALLOC_FL_KEEP_SIZE = 0x01
-_FALLOC_FL_PUNCH_HOLE = 0x02
-
-
-def _libc() -> Any:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-    except OSError:  # pragma: no cover - no libc
-        return None
-
-
-_LIBC = _libc()
-
-
-def punch_hole(fd: int, length: int) -> bool:
-    """Release the disk blocks of ``[0, length)`` of ``fd`` (the size is kept); False when unsupported."""
-    fallocate = getattr(_LIBC, "fallocate", None)
-    if fallocate is None or length <= 0:
-        return False
-    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    rc = fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, length)
-    return bool(rc == 0)
 
 
 class Outlet(Protocol):
@@ -236,11 +137,8 @@ class Pump:
         self._script = script
         self._on_overflow = on_overflow
         self._lock = threading.Condition()
-        state = {} if fresh else self._load_state()
+        state = {} if fresh else load_state(workdir)
         self.delivered_seq: int = int(state.get("sent_seq", -1))  # last seq the control plane confirmed
-        # the entry's seq of the last journal frame confirmed (a state from before LOG frames of
-        # Python invocations: the two seq spaces were one)
-        self._journal_seq: int = int(state.get("journal_seq", self.delivered_seq))
         self._log_bytes: int = int(state.get("log_bytes", 0))  # output sent, toward log_max_bytes
         self._truncated: bool = bool(state.get("truncated", False))  # the cap was hit, said so
         self.final_sent: bool = bool(state.get("final", False))
@@ -249,21 +147,16 @@ class Pump:
             STDOUT: int(state.get(STDOUT, 0)),
             STDERR: int(state.get(STDERR, 0)),
         }
-        # journal reading: the index of the frames read and not yet confirmed, the parser's position
-        self._entries: deque[_Entry] = deque()
-        self._read_off = self._offsets[FRAMES]  # bytes fed to the parser end here
-        self._parsed_off = self._read_off  # the last complete frame ends here
-        self._unpacker_base = self._read_off  # the parser's tell() counts from here
-        self._raw = bytearray()  # the bytes fed since the last complete frame (from _raw_off)
-        self._raw_off = self._read_off
-        self._unpacker = msgpack.Unpacker(raw=False, max_buffer_size=self.limits.max_bytes)
-        self._fd: int | None = None
-        self._punched = 0
-        self._punch_ok = True
+        # the journal's index of the frames read and not yet confirmed; the entry's seq of the last
+        # journal frame confirmed (a state from before LOG frames of Python invocations: the two
+        # seq spaces were one)
+        journal_seq = int(state.get("journal_seq", self.delivered_seq))
+        self._journal = Journal(
+            workdir, invocation_id, self._offsets[FRAMES], journal_seq,
+            max_bytes=self.limits.max_bytes, final_seen=self.final_sent,
+        )  # fmt: skip
         self._log_punched: dict[str, int] = {}  # output released (punched out) up to here, per file
         self._log_punch_ok = True
-        self._final_seen = self.final_sent
-        self._broken = False
         # lifecycle
         self._inflight: Batch | None = None
         self._ended = False  # the task ended: nothing more will be written
@@ -375,7 +268,7 @@ class Pump:
         """Nothing more to deliver: all confirmed (final frame or ended), refused or halted."""
         if self._halted or self.refused is not None:
             return True
-        if self._inflight is not None or self._entries:
+        if self._inflight is not None or self._journal.entries:
             return False
         if self.final_sent:
             return True
@@ -384,7 +277,7 @@ class Pump:
     @property
     def has_frames(self) -> bool:
         """Whether the stream has any frame (delivered or in the journal)."""
-        if self._script or self.delivered_seq >= 0 or self._entries:
+        if self._script or self.delivered_seq >= 0 or self._journal.entries:
             return True
         return any(self._size(name) > 0 for name in (FRAMES, STDOUT, STDERR))
 
@@ -431,9 +324,7 @@ class Pump:
         if batch.truncated:
             obs.OUTPUT_TRUNCATED.inc()
         if batch.journal_seq is not None:
-            self._journal_seq = batch.journal_seq
-            while self._entries and self._entries[0].seq <= batch.journal_seq:
-                self._entries.popleft()
+            self._journal.confirm(batch.journal_seq)
         if batch.final:
             self._tail = None
 
@@ -449,7 +340,7 @@ class Pump:
         """``(frames, bytes)`` not yet confirmed: the frames read from the journal (for a script,
         the batch in flight) and the bytes on disk past the delivered offset."""
         with self._lock:
-            frames = len(self._entries) + (self._inflight.log_frames if self._inflight else 0)
+            frames = len(self._journal.entries) + (self._inflight.log_frames if self._inflight else 0)
             return frames, self._undelivered_bytes()
 
     # --- reading ----------------------------------------------------------------------------------
@@ -458,21 +349,21 @@ class Pump:
         if self.final_sent:  # the stream is closed: nothing goes after its END or ERROR
             return None
         if not self._script:
-            self._read_journal()
+            self._journal.read()
         limits = self.limits
         frames: list[bytes] = []
         end: dict[str, int] = {}
         # output first (what the task printed before the frames it yielded, mostly), but only half
         # a batch of it while journal frames wait
-        share = 2 if self._entries else 1
+        share = 2 if self._journal.entries else 1
         size, log_bytes, truncated = self._log_frames(
             frames, end, max(1, limits.batch_frames // share), max(1, limits.batch_bytes // share)
         )
         journal_seq = None
         final = False
         log_frames = len(frames)
-        if self._entries:
-            shift = self.delivered_seq + 1 + len(frames) - self._entries[0].seq
+        if self._journal.entries:
+            shift = self.delivered_seq + 1 + len(frames) - self._journal.entries[0].seq
             taken = self._journal_frames(frames, end, size, shift)
             if taken is not None:
                 journal_seq, final = taken
@@ -482,16 +373,12 @@ class Pump:
             return Batch(frames, first, last, final, end, journal_seq, log_bytes, truncated, log_frames)
         if self._ended and self._tail is not None and self._drained_files():
             kind, body = self._tail
-            if not self.final_sent and not self._final_seen:
+            if not self.final_sent and not self._journal.final_seen:
                 seq = self.delivered_seq + 1
                 data = wire.encode_frame(kind, seq, body, {"ts": time.time()})
                 return Batch([data], seq, seq, True, {})
             self._tail = None
         return None
-
-    def _last_seq(self) -> int:
-        """The entry's seq of the last journal frame read."""
-        return self._entries[-1].seq if self._entries else self._journal_seq
 
     def _logs_drained(self, end: dict[str, int] | None = None) -> bool:
         """Every byte of output was taken (delivered, or in a batch whose offsets ``end`` holds)."""
@@ -504,83 +391,15 @@ class Pump:
         """Every byte written to the journal and the logs was turned into frames."""
         if self._script:
             return self._logs_drained()
-        return self._logs_drained() and (self._broken or self._size(FRAMES) <= self._parsed_off)
+        return self._logs_drained() and self._journal.drained()
 
     def _size(self, name: str) -> int:
         try:
-            if name == FRAMES and self._fd is not None:
-                return os.fstat(self._fd).st_size
+            if name == FRAMES:
+                return self._journal.size()
             return os.lstat(self._paths[name]).st_size  # a planted link is not followed
         except OSError:
             return 0
-
-    def _open(self) -> int | None:
-        """The journal, opened through :mod:`nymph.safeio` (the workdir is the task's: no link
-        followed, only the task's own regular file); writable when it can be, to punch holes."""
-        if self._fd is None:
-            if self._size(FRAMES) <= self._read_off:  # no journal yet (a plain function: ever)
-                return None
-            try:
-                self._fd = safeio.open_fd(self.workdir, FRAMES, os.O_RDWR)
-            except FileNotFoundError:
-                return None
-            except PermissionError:  # not ours to write: read it, release nothing
-                try:
-                    self._fd = safeio.open_fd(self.workdir, FRAMES, os.O_RDONLY)
-                except OSError:
-                    return None
-                self._punch_ok = False
-            except OSError as exc:
-                if not self._broken:
-                    log.warning("invocation %s: journal not read: %s", self.invocation_id, exc)
-                return None
-        return self._fd
-
-    def _read_journal(self) -> None:
-        """Index every complete frame the entry appended (its window bounds how many). Frames are
-        skipped, not decoded: only their kind and seq are read, from the first bytes."""
-        if self._broken:
-            return
-        fd = self._open()
-        if fd is None:
-            return
-        while True:
-            data = os.pread(fd, _READ, self._read_off)
-            if not data:
-                return
-            self._read_off += len(data)
-            self._raw += data
-            self._unpacker.feed(data)
-            try:
-                self._parse()
-            except Exception as exc:
-                log.error("invocation %s: frame journal is corrupt after offset %d, stop reading it: %s",
-                          self.invocation_id, self._parsed_off, exc)  # fmt: skip
-                self._broken = True
-                return
-            if self._broken:  # a final frame: nothing after it belongs to the stream
-                return
-
-    def _parse(self) -> None:
-        while True:
-            try:
-                self._unpacker.skip()
-            except msgpack.OutOfData:
-                break
-            end = self._unpacker_base + self._unpacker.tell()
-            at = self._parsed_off - self._raw_off
-            kind, seq = _header(self._raw[at : at + _HEAD])
-            if seq != self._last_seq() + 1:
-                raise ValueError(f"frame seq {seq} where seq {self._last_seq() + 1} was next")
-            final = kind in (wire.FRAME_END, wire.FRAME_ERROR)
-            self._entries.append(_Entry(seq, self._parsed_off, end, final))
-            self._parsed_off = end
-            if final:
-                self._final_seen = True
-                self._broken = True
-                break
-        del self._raw[: self._parsed_off - self._raw_off]
-        self._raw_off = self._parsed_off
 
     def _journal_frames(
         self, frames: list[bytes], end: dict[str, int], size: int, shift: int
@@ -588,34 +407,21 @@ class Pump:
         """Append the next journal frames to ``frames`` (renumbered by ``shift``) within the batch
         limits; ``(the entry's seq of the last one, whether it is final)``, None when none fit.
         The final frame waits until the task ended and its output is all in frames."""
-        if self._fd is None:
-            return None
         limits = self.limits
-        first = self._entries[0]
-        taken: list[_Entry] = []
-        for entry in self._entries:
-            if (frames or taken) and (
-                len(frames) + len(taken) >= limits.batch_frames
-                or size + entry.end - first.start > limits.batch_bytes
-            ):
-                break
-            if entry.final and not (self._ended and self._logs_drained(end)):
-                break
-            taken.append(entry)
-            if entry.final:
-                break
+        taken = self._journal.take(
+            len(frames),
+            size,
+            limits.batch_frames,
+            limits.batch_bytes,
+            lambda: self._ended and self._logs_drained(end),
+        )
+        for entry, frame in taken:
+            frames.append(
+                self._by_reference(bytes(frame) if shift == 0 else renumbered(frame, entry.seq + shift))
+            )
         if not taken:
             return None
-        last = taken[-1]
-        data = os.pread(self._fd, last.end - first.start, first.start)
-        if len(data) != last.end - first.start:
-            raise OSError(f"journal of {self.invocation_id} shrank under the pump")
-        view = memoryview(data)
-        for e in taken:
-            frame = view[e.start - first.start : e.end - first.start]
-            frames.append(
-                self._by_reference(bytes(frame) if shift == 0 else _renumbered(frame, e.seq + shift))
-            )
+        last = taken[-1][0]
         end[FRAMES] = last.end
         return last.seq, last.final
 
@@ -729,7 +535,7 @@ class Pump:
         limits = self.limits
         nbytes = self._undelivered_journal()  # output is bounded by its own cap, never fails the task
         self._outbox.note_undelivered(nbytes + self._undelivered_output())
-        full = nbytes >= limits.window_bytes or len(self._entries) >= limits.window_frames
+        full = nbytes >= limits.window_bytes or len(self._journal.entries) >= limits.window_frames
         now = time.monotonic()
         if full and self._full_since is None:
             self._full_since = now
@@ -747,42 +553,18 @@ class Pump:
                 self._on_overflow(message)
 
     def _release(self) -> None:
-        """Punch out the delivered prefix of the journal (whole pages)."""
-        upto = self._offsets[FRAMES] // _PAGE * _PAGE
-        if not self._punch_ok or upto <= self._punched or self._fd is None:
-            return
-        if punch_hole(self._fd, upto):
-            self._punched = upto
-        else:
-            err = ctypes.get_errno()
-            self._punch_ok = False
-            log.info("invocation %s: the journal's filesystem cannot punch holes (%s); it keeps its "
-                     "delivered frames until the workdir goes", self.invocation_id, errno.errorcode.get(err, err))  # fmt: skip
+        """Punch out the delivered prefix of the journal."""
+        self._journal.release(self._offsets[FRAMES])
 
     def _release_logs(self) -> None:
-        """Punch out the output already taken (sent, or skipped past the cap) but its last
-        ``LOG_TAIL_KEEP`` bytes (failure records quote the tail), once a ``LOG_PUNCH_STEP`` of it
-        built up: a task printing without end never fills nymph's disk. Best effort: a log nymph
-        cannot write, or a filesystem that cannot punch holes, keeps its bytes."""
-        if not self._log_punch_ok:
-            return
-        for name in (STDOUT, STDERR):
-            done = max(self._offsets[name], self._size(name) if self._truncated else 0)
-            upto = (done - LOG_TAIL_KEEP) // _PAGE * _PAGE
-            if upto - self._log_punched.get(name, 0) < LOG_PUNCH_STEP:
-                continue
-            try:
-                fd = safeio.open_fd(self.workdir, name, os.O_WRONLY)
-            except OSError:
-                self._log_punch_ok = False
-                return
-            try:
-                if punch_hole(fd, upto):
-                    self._log_punched[name] = upto
-                else:
-                    self._log_punch_ok = False
-            finally:
-                os.close(fd)
+        """Punch out the output already taken (sent, or skipped past the cap) but its tail
+        (:func:`nymph.flow.release_logs`): a task printing without end never fills nymph's disk.
+        Best effort: a log nymph cannot write, or a filesystem that cannot punch holes, keeps it."""
+        if self._log_punch_ok:
+            done = {
+                n: max(self._offsets[n], self._size(n) if self._truncated else 0) for n in (STDOUT, STDERR)
+            }
+            self._log_punch_ok = release_logs(self.workdir, done, self._log_punched)
 
     # --- progress ---------------------------------------------------------------------------------
 
@@ -793,63 +575,21 @@ class Pump:
             if self._full_since is not None:
                 obs.STREAM_PAUSED.inc(time.monotonic() - self._full_since)
                 self._full_since = None
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+            self._journal.close()
         if watch is not None:
             self._outbox.watcher.remove(watch)
         self._outbox.close_stream(self)
 
-    def _load_state(self) -> dict[str, Any]:
-        try:
-            raw = json.loads(safeio.read_own(self.workdir, STATE) or b"{}")
-        except ValueError:
-            return {}
-        return raw if isinstance(raw, dict) else {}
-
     def _save_state(self) -> None:
         state = {
             "sent_seq": self.delivered_seq,
-            "journal_seq": self._journal_seq,
+            "journal_seq": self._journal.confirmed_seq,
             "log_bytes": self._log_bytes,
             "truncated": self._truncated,
             "final": self.final_sent,
             **self._offsets,
         }
-        try:
-            safeio.write_file(self.workdir, STATE, json.dumps(state).encode())
-        except OSError as exc:
-            log.warning("invocation %s: cannot save pump progress: %s", self.invocation_id, exc)
+        save_state(self.workdir, self.invocation_id, state)
 
     def _write_watermark(self) -> None:
-        text = f"{self._journal_seq} {self._offsets[FRAMES]}\n".encode()
-        try:  # readable by the task, which runs as another user
-            safeio.write_file(self.workdir, WATERMARK, text, 0o644)
-        except OSError as exc:
-            log.warning("invocation %s: cannot write %s: %s", self.invocation_id, WATERMARK, exc)
-
-
-_HEAD = 11  # a frame's first bytes: fixarray(4), kind, seq (up to uint64)
-_UINT = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
-
-
-def _renumbered(frame: memoryview, seq: int) -> bytes:
-    """The encoded ``frame`` with its seq replaced by ``seq`` (body and meta bytes kept as they are)."""
-    tag = frame[2]
-    width = 0 if tag < 0x80 else _UINT[tag]
-    packed: bytes = msgpack.packb(seq)
-    return b"\x94" + bytes(frame[1:2]) + packed + bytes(frame[3 + width :])
-
-
-def _header(head: bytes | bytearray) -> tuple[int, int]:
-    """``(kind, seq)`` from the first bytes of an encoded frame (``[kind, seq, body, meta]``, as
-    ``wire.encode_frame`` packs it); ValueError for anything else."""
-    if len(head) < 3 or head[0] != 0x94 or head[1] not in wire.FRAME_KINDS:
-        raise ValueError(f"not a frame header: {bytes(head[:3])!r}")
-    tag = head[2]
-    if tag < 0x80:
-        return head[1], tag
-    width = _UINT.get(tag)
-    if width is None or len(head) < 3 + width:
-        raise ValueError(f"frame seq of type 0x{tag:02x}: not an unsigned integer")
-    return head[1], int.from_bytes(head[3 : 3 + width], "big")
+        write_watermark(self.workdir, self.invocation_id, self._journal.confirmed_seq, self._offsets[FRAMES])

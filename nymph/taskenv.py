@@ -28,11 +28,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dreamlake.lakeshore import twoway
+from dreamlake.lakeshore.daemon.entry import ALLOW_MODULES_ENV, CAPTURE_ENV
 from dreamlake.lakeshore.runenv import names, user_env
+from dreamlake.lakeshore.settings import TOKEN_FILE_ENV
+from nymph import codecache
 from nymph.errors import GateRefused
+from nymph.flow import WINDOW_ENV
 from nymph.mounts import parse_mount as parse_mount  # re-exported: the mount syntax lives there
+from nymph.workdir import TOKEN
 
 if TYPE_CHECKING:
     from nymph.config import NymphConfig
@@ -40,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = [
     "call_env",
     "host_base",
+    "invocation_env",
     "mount_env_name",
     "mounts_env",
     "names",
@@ -115,3 +123,47 @@ def call_env(
 def mounts_env(mounts: Mapping[str, tuple[str, bool]]) -> dict[str, str]:
     """``LAKESHORE_MOUNT_<NAME>``: each mount's host path (a container runner rewrites it)."""
     return {mount_env_name(name): path for name, (path, _ro) in mounts.items()}
+
+
+def invocation_env(
+    cfg: NymphConfig,
+    invocation_id: str,
+    attempt: int,
+    run_config: dict[str, Any],
+    *,
+    token: bool,
+    code_dirs: list[Path],
+    gpus: list[str] | None,
+) -> dict[str, str]:
+    """What nymph sets for the invocation (the top layer: a call cannot override it). ``token``:
+    the task has its own credential in the workdir; ``gpus``: its ``CUDA_VISIBLE_DEVICES`` (None:
+    leave it unset, a host with no GPUs nymph manages)."""
+    env = {
+        "LAKESHORE_ALLOW_PICKLED": "1" if cfg.allow_pickled else "0",
+        ALLOW_MODULES_ENV: ",".join(cfg.allow_modules),
+        "LAKESHORE_RUNTIME_POLICY": cfg.runtime_policy,
+        "LAKESHORE_INVOCATION_ID": invocation_id,
+        "LAKESHORE_ATTEMPT": str(attempt),  # dls.attempt()
+        WINDOW_ENV: cfg.stream_limits.env,
+        # the entry appends its fd 1/2 to the workdir's logs (every runner: the pump streams
+        # them live as LOG frames); Python processes the task starts write through too
+        CAPTURE_ENV: "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    if token:
+        # the task's own credential (submit children, read and cancel its descendants; it dies
+        # with this attempt's ack): dls .submit() / SyncQueue inside the task use these two. The
+        # token is in a file only the task's user reads (workdir.TOKEN), not in the environment
+        # every child inherits; the variable names it relative to the workdir, the task's cwd
+        # (the entry makes it absolute before the user's code runs)
+        env["LAKESHORE_URL"] = cfg.task_url or cfg.server
+        env[TOKEN_FILE_ENV] = TOKEN
+    if os.environ.get("PYTHONPATH"):  # absolute: the task's cwd is not nymph's (a zygote runs in /)
+        parts = os.environ["PYTHONPATH"].split(os.pathsep)
+        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p for p in parts)
+    env.update(codecache.code_env(code_dirs))  # first on the task's import path
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    if run_config.get("two_way"):  # the entry waits at each yield for its send
+        env[twoway.SENDS_ENV] = f"{twoway.timeout_of(run_config):g}"
+    return env

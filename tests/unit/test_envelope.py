@@ -15,6 +15,7 @@ import msgpack
 import pytest
 
 from dreamlake.lakeshore import envelope as env
+from dreamlake.lakeshore import envelope_reader, fn_record
 from dreamlake.lakeshore.envelope import (
     INLINE_PICKLE_LIMIT,
     WIRE_VERSION,
@@ -190,7 +191,9 @@ def test_a_small_envelope_read_in_one_decode_reads_as_the_field_by_field_reader(
         data[i] ^= 1 << rng.randrange(8)
         cases.append(bytes(data))
     small = [(_decoded(Envelope.from_bytes, c), _decoded(Envelope.header, c)) for c in cases]
-    monkeypatch.setattr(env, "_WINDOW", 64)  # each of these is "big" now: the field-by-field reader
+    monkeypatch.setattr(
+        envelope_reader, "_WINDOW", 64
+    )  # each of these is "big" now: the field-by-field reader
     big = [(_decoded(Envelope.from_bytes, c), _decoded(Envelope.header, c)) for c in cases]
     for case, a, b in zip(cases, small, big, strict=True):
         assert a == b, case
@@ -409,17 +412,16 @@ def test_gate3_hashes_a_loaded_functions_source_once_and_refuses_every_stale_cal
     """A long-lived worker runs the same function again and again: a source that matched the
     submitter's hash is not sliced and hashed again, and a stale hash is refused (and read) on
     every call."""
-    import dreamlake.lakeshore.envelope as env
 
-    env._MATCHED.clear()
+    fn_record._MATCHED.clear()
     sliced: list[Any] = []
-    real = env._sliced_source
+    real = fn_record._sliced_source
 
     def counting(fn: Any) -> Any:
         sliced.append(fn)
         return real(fn)
 
-    monkeypatch.setattr(env, "_sliced_source", counting)
+    monkeypatch.setattr(fn_record, "_sliced_source", counting)
     record = fn_for(ff.add)
     assert record["src_hash"]
     for _ in range(3):
@@ -429,7 +431,7 @@ def test_gate3_hashes_a_loaded_functions_source_once_and_refuses_every_stale_cal
         with pytest.raises(StaleSource, match="different code"):
             resolve_fn({**record, "src_hash": STALE}, allow_pickled=False)
     assert len(sliced) == 3
-    env._MATCHED.clear()
+    fn_record._MATCHED.clear()
 
 
 @pytest.mark.parametrize(

@@ -213,7 +213,7 @@ def test_pump_forwards_complete_frames_in_order_and_resumes_after_restart(tmp_pa
 
 
 def test_pump_batches_what_built_up_and_adds_the_final_frame(tmp_path: Path) -> None:
-    from nymph.pump import StreamLimits
+    from nymph.flow import StreamLimits
 
     frames = [wire.encode_frame(wire.FRAME_VALUE, i, wire.pack(i), None) for i in range(7)]
     (tmp_path / "frames.msgpack").write_bytes(b"".join(frames))
@@ -356,7 +356,7 @@ def test_a_line_written_in_two_writes_goes_as_one_frame(tmp_path: Path) -> None:
 
 
 def test_output_past_the_cap_is_cut_with_one_line_and_the_task_runs_on(tmp_path: Path) -> None:
-    from nymph.pump import StreamLimits
+    from nymph.flow import StreamLimits
 
     (tmp_path / "stdout.log").write_bytes(b"x" * 700)
     (tmp_path / "stderr.log").write_bytes(b"")
@@ -387,7 +387,7 @@ def test_output_past_the_cap_is_cut_with_one_line_and_the_task_runs_on(tmp_path:
 
 def test_a_flood_of_output_never_starves_the_values(tmp_path: Path) -> None:
     """While journal frames wait, output takes at most half of each batch."""
-    from nymph.pump import StreamLimits
+    from nymph.flow import StreamLimits
 
     (tmp_path / "stdout.log").write_bytes(b"line\n" * 200_000)  # 1 MB of prints, 16 reads of it
     (tmp_path / "stderr.log").write_bytes(b"")
@@ -407,7 +407,7 @@ def test_a_flood_of_output_never_starves_the_values(tmp_path: Path) -> None:
 def test_output_taken_or_skipped_is_released_from_the_disk(tmp_path: Path) -> None:
     """A task that prints past the cap without end: the logs' blocks are punched out as the pump
     goes, but for their last 64 KiB (what a failure record quotes)."""
-    from nymph.pump import LOG_TAIL_KEEP, StreamLimits, punch_hole
+    from nymph.flow import LOG_TAIL_KEEP, StreamLimits, punch_hole
 
     probe = tmp_path / "probe"
     probe.write_bytes(b"x" * 8192)

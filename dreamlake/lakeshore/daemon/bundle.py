@@ -55,13 +55,23 @@ RUNTIME_FILES = (
     "dreamlake/lakeshore/wire/__init__.py",
     "dreamlake/lakeshore/wire/base.py",
     "dreamlake/lakeshore/wire/codec.py",
+    "dreamlake/lakeshore/wire/stdtypes.py",
     "dreamlake/lakeshore/wire/arrays.py",
     "dreamlake/lakeshore/wire/frames.py",
     "dreamlake/lakeshore/envelope.py",
     "dreamlake/lakeshore/envvars.py",  # every setting the entry and the SDK read
+    "dreamlake/lakeshore/envelope_reader.py",
+    "dreamlake/lakeshore/fn_record.py",
+    "dreamlake/lakeshore/fn_transport.py",
+    "dreamlake/lakeshore/fn_gates.py",
     "dreamlake/lakeshore/twoway.py",
     "dreamlake/lakeshore/daemon/__init__.py",
     "dreamlake/lakeshore/daemon/entry.py",
+    "dreamlake/lakeshore/daemon/entry_allow.py",
+    "dreamlake/lakeshore/daemon/entry_capture.py",
+    "dreamlake/lakeshore/daemon/entry_interrupts.py",
+    "dreamlake/lakeshore/daemon/entry_outputs.py",
+    "dreamlake/lakeshore/daemon/entry_streams.py",
 )
 #: What a user's module touches when it imports the SDK, and what a task needs to submit tasks
 #: (the HTTP plane; its httpx and tenacity come from the image, imported on first use).

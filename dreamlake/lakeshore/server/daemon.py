@@ -1,17 +1,9 @@
-"""Daemon routes (msgpack): register, poll, ack, result-chunk, result-chunks and heartbeat.
+"""Daemon routes (msgpack): register, poll, heartbeat and deregister; ack (:mod:`.daemon_acks`),
+result-chunk and result-chunks (:mod:`.daemon_frames`) live beside it and are importable from here.
 
-``result-chunks`` takes many frames of one attempt in one request and journals them through the
-group commit (a ``FramesRequest``: many requests' batches in one transaction), answering per seq (stored or duplicate); the frames that
-were new are then published to the live fan-out in one call. ``result-chunk`` is the seed's
-one-frame form. The ack pokes the invocation's live followers, so a stream that ends without a
-final frame (a plain call, a failure before the first frame) ends at once.
-
-A daemon acts as the workers its token registered (``authz.WorkerBindings``: the first call naming
-a worker id binds it; any other token naming it is refused 403) and reports only on the leases
-those workers hold: ack and result-chunk require ``worker_id`` and ``attempt``, and the store
-refuses a superseded attempt or lapsed lease (409) and another worker's lease (403); every refusal
-is logged. Frames must come in order (the store refuses a gap, or a frame after the final one, 409
-with ``expected_seq``). A daemon token bound to a namespace registers and claims in it only.
+A daemon acts as the workers its token registered (``authz.WorkerBindings``, checked by
+:mod:`.daemon_checks`) and reports only on the leases those workers hold. A daemon token bound to
+a namespace registers and claims in it only.
 
 ``poll`` is a long poll: each pass collects pending cancels, claims invocations and exec jobs in
 one transaction of the group commit (a ``PollRequest``, which also reads the pinned nymph
@@ -28,30 +20,29 @@ answered once committed.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.server import http, task_tokens
 from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.context import Context, answer_of
+from dreamlake.lakeshore.server.daemon_acks import MAX_POLL_ACKS as MAX_POLL_ACKS
+from dreamlake.lakeshore.server.daemon_acks import _answer_acks, _poke_all, _poll_acks
+from dreamlake.lakeshore.server.daemon_acks import ack as ack  # the routes app.py names here
+from dreamlake.lakeshore.server.daemon_checks import _attempt as _attempt  # checkpoints.py imports it
+from dreamlake.lakeshore.server.daemon_checks import _worker as _worker
+from dreamlake.lakeshore.server.daemon_frames import MAX_BATCH_FRAMES as MAX_BATCH_FRAMES
+from dreamlake.lakeshore.server.daemon_frames import result_chunk as result_chunk
+from dreamlake.lakeshore.server.daemon_frames import result_chunks as result_chunks
 from dreamlake.lakeshore.server.http import HTTPError, field
 from dreamlake.lakeshore.server.polls import EXEC, HANDED, RUN, SHUTDOWN, TIMEOUT, Wake
 from dreamlake.lakeshore.store.api import (
-    ACK_STATES,
-    UNKNOWN,
-    AckRequest,
-    AckResult,
-    ChunkResult,
     Command,
-    FrameRequest,
-    FramesRequest,
-    FramesResult,
     HeartbeatRequest,
     HeartbeatResult,
     Invocation,
@@ -60,30 +51,13 @@ from dreamlake.lakeshore.store.api import (
     WriteRequest,
     WriteResult,
 )
-from dreamlake.lakeshore.store.outage import StoreOutage
 from dreamlake.lakeshore.store.placement import parse_offer
 from dreamlake.lakeshore.store.values import json_safe
-
-if TYPE_CHECKING:
-    from dreamlake.lakeshore.wire import Frame
 
 log = logging.getLogger(__name__)
 
 MAX_QUEUES = 64
 MAX_RUNNING = 4096  # entries of a heartbeat's ``running`` (and ``running_exec``): one statement each
-
-
-async def _worker(ctx: Context, caller: Caller, body: dict[str, Any]) -> str:
-    """The body's ``worker_id`` (required), once the caller's token is known to act as it."""
-    worker_id = http.ulid_field(body, "worker_id")
-    assert worker_id is not None
-    await ctx.workers.check(caller, worker_id)
-    return worker_id
-
-
-def _attempt(body: dict[str, Any]) -> int:
-    attempt: int = http.integer(body, "attempt", hi=http.I32_MAX)
-    return attempt
 
 
 def _queues(body: dict[str, Any], default: list[str] | None = None) -> list[str]:
@@ -369,370 +343,9 @@ async def poll(
     return _with_pin(out, pinned)
 
 
-def _error_info(body: dict[str, Any]) -> dict[str, Any] | None:
-    error = body.get("error")
-    if error is None or error == "":
-        return None
-    if isinstance(error, str):
-        return {"type": "DaemonError", "message": error}
-    if not isinstance(error, dict):
-        raise HTTPError(
-            400,
-            f"field 'error' must be a map {{type, message, traceback?}} or a string, "
-            f"got {type(error).__name__}",
-        )
-    if not all(isinstance(k, str) for k in error):
-        raise HTTPError(400, "field 'error' must have string keys")
-    return error
-
-
-def _refused(caller: Caller, what: str, invocation_id: str, status: int, reason: str) -> None:
-    log.warning(
-        "%s of %s refused (%d) for token %r: %s", what, invocation_id, status, caller.principal.name, reason
-    )
-
-
-async def ack(ctx: Context, caller: Caller, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    invocation_id = http.ulid_field(body, "invocation_id")
-    assert invocation_id is not None
-    state = field(body, "state", str)
-    if state not in ACK_STATES:
-        raise HTTPError(400, f"cannot ack state {state[:40]!r}: use one of {', '.join(sorted(ACK_STATES))}")
-    result_blob = field(body, "result_blob", bytes, default=None, nullable=True)
-    raw_ref = field(body, "result_ref", dict, default=None, nullable=True)
-    result_ref = None if raw_ref is None else ctx.ref(raw_ref, "result_ref")
-    error = _error_info(body)
-    attempt = _attempt(body)
-    worker_id = await _worker(ctx, caller, body)
-    if result_ref is not None and result_blob:
-        raise HTTPError(400, "send result_blob or result_ref, not both")
-    ctx.check_inline("result_blob", len(result_blob or b""), caller.namespace or ":ns", "result_ref")
-    return await _ack(ctx, caller, worker_id, invocation_id, state, attempt, result_blob, error, result_ref)
-
-
-MAX_POLL_ACKS = 256
-
-
-def _poll_acks(ctx: Context, caller: Caller, worker_id: str, body: dict[str, Any]) -> list[_PollAck]:
-    """The ``acks`` a poll carries (``[{invocation_id, state, attempt, result_blob?, error?}]``,
-    each of ``worker_id``'s leases), each checked as the ack route checks it: an ack to write, or
-    the answer of one that failed its check (:func:`_answer_acks` answers them all, in order)."""
-    acks = field(body, "acks", list, default=[])
-    if len(acks) > MAX_POLL_ACKS:
-        raise HTTPError(400, f"field 'acks' lists {len(acks)} acks; the limit is {MAX_POLL_ACKS}")
-    out = []
-    for item in acks:
-        inv = str(item.get("invocation_id", ""))[:64] if isinstance(item, dict) else ""
-        try:
-            if not isinstance(item, dict):
-                raise HTTPError(
-                    400, "field 'acks' must list maps {invocation_id, state, attempt, result_blob?, error?}"
-                )
-            invocation_id = http.ulid_field(item, "invocation_id")
-            assert invocation_id is not None
-            state = field(item, "state", str)
-            if state not in ACK_STATES:
-                raise HTTPError(
-                    400, f"cannot ack state {state[:40]!r}: use one of {', '.join(sorted(ACK_STATES))}"
-                )
-            blob = field(item, "result_blob", bytes, default=None, nullable=True)
-            raw = field(item, "result_ref", dict, default=None, nullable=True)
-            ref = None if raw is None else ctx.ref(raw, "result_ref")
-            if ref is not None and blob:
-                raise HTTPError(400, "send result_blob or result_ref, not both")
-            ctx.check_inline("result_blob", len(blob or b""), caller.namespace or ":ns", "result_ref")
-            request = AckRequest(
-                invocation_id, state, _attempt(item), worker_id, blob, _error_info(item), ref
-            )
-        except HTTPError as exc:
-            out.append(_PollAck(inv, None, {"status": exc.status, "ok": False, "error": exc.message}))
-        else:
-            out.append(_PollAck(inv, request, None))
-    return out
-
-
-@dataclasses.dataclass
-class _PollAck:
-    """One ack a poll carries: the write it makes (None when it failed its check) or its answer."""
-
-    invocation_id: str
-    request: AckRequest | None
-    answer: dict[str, Any] | None
-
-
-def _answer_acks(
-    ctx: Context,
-    caller: Caller,
-    acks: list[_PollAck],
-    results: list[WriteResult | PlaneError],
-    flights: list[asyncio.Future[Any]],
-) -> tuple[list[dict[str, Any]], PlaneError | None]:
-    """The answers of a poll's acks, whose writes committed with ``results`` (those of the acks
-    that passed their checks, in order, each with its ``ctx.acks.begin`` in ``flights``, all
-    ended here): ``{invocation_id, status, ok, duplicate?, error?}`` (status: the ack route's)
-    per ack sent; and the first store failure (5xx) among them, None when none failed. An ack
-    the store failed is answered 500, to be sent again (``HttpDispatch.claim_batch`` does)."""
-    out = []
-    failed: PlaneError | None = None
-    written = iter(zip(results, flights, strict=True))
-    for ack in acks:
-        if ack.request is None:
-            assert ack.answer is not None
-            out.append({"invocation_id": ack.invocation_id, **ack.answer})
-            continue
-        result, flight = next(written)
-        try:
-            status, answer = _ack_settled(ctx, caller, ack.request, result, flight)
-        except HTTPError as exc:
-            status, answer = exc.status, {"ok": False, "error": exc.message}
-        except PlaneError as exc:
-            failed = failed or exc
-            status = 503 if isinstance(exc, StoreOutage) else 500  # the store is down, or a bug
-            answer = {"ok": False, "error": f"{exc}; send the ack again"}
-        out.append({"invocation_id": ack.invocation_id, "status": status, **answer})
-    return out, failed
-
-
-async def _poke_all(ctx: Context, acks: list[_PollAck], answers: list[dict[str, Any]]) -> None:
-    """The live followers of every invocation a poll's acks ended, told at once."""
-    done = [a.invocation_id for a, out in zip(acks, answers, strict=True) if out.get("ok")]
-    if done:
-        await asyncio.gather(*(_poke(ctx, inv) for inv in done))
-
-
 def _empty(got: WriteResult | PlaneError) -> bool:
     """Whether a pass handed nothing out (no claim, no exec job, no command taken)."""
     return isinstance(got, PollResult) and not (got.invocations or got.exec_jobs or got.commands)
-
-
-async def _ack(
-    ctx: Context,
-    caller: Caller,
-    worker_id: str,
-    invocation_id: str,
-    state: str,
-    attempt: int,
-    result_blob: bytes | None,
-    error: dict[str, Any] | None,
-    result_ref: dict[str, Any] | None = None,
-) -> tuple[int, dict[str, Any]]:
-    """Write one checked ack through the group commit and answer as the ack route does."""
-    request = AckRequest(invocation_id, state, attempt, worker_id, result_blob, error, result_ref)
-    flight = ctx.acks.begin(invocation_id)
-    try:
-        (result,) = await ctx.write_many([request])
-    except BaseException:
-        ctx.acks.end(invocation_id, flight, None)
-        raise
-    status, answer = _ack_settled(ctx, caller, request, result, flight)
-    if answer.get("ok"):
-        await _poke(ctx, invocation_id)
-    return status, answer
-
-
-def _ack_settled(
-    ctx: Context,
-    caller: Caller,
-    request: AckRequest,
-    result: WriteResult | PlaneError,
-    flight: asyncio.Future[Any],
-) -> tuple[int, dict[str, Any]]:
-    """Answer one committed ack as the ack route does, and hand its outcome to the producers
-    waiting on it (``flight``: the ``ctx.acks.begin`` made before its write, ended here). The
-    live followers are the caller's to poke (``_poke``)."""
-    invocation_id, state = request.invocation_id, request.state
-    if isinstance(result, PlaneError):
-        ctx.acks.end(invocation_id, flight, None)
-        raise answer_of(result)
-    assert isinstance(result, AckResult)
-    # as the store keeps it (an empty blob is None, the error JSON-safe), for a waiting producer
-    committed = {
-        "state": state,
-        "result_blob": request.result_blob or None,
-        "error": None if request.error is None else json_safe(request.error, "error"),
-    }
-    if request.result_ref is not None:  # the result is in the payload store (producer.outcome's shape)
-        committed["result_ref"] = request.result_ref
-    # a failure that queued a retry (result.state "queued") is no outcome for a waiting producer
-    final = result.ok and not result.duplicate and result.state == state
-    ctx.acks.end(invocation_id, flight, committed if final else None)
-    if result.ok:
-        ctx.metrics.acks.labels(state=state, outcome="duplicate" if result.duplicate else "ok").inc()
-        ctx.wake.notify(f"inv:{invocation_id}")
-        log.debug("ack %s %s (attempt %s)", invocation_id, state, request.attempt)
-        return 200, ({"ok": True, "duplicate": True} if result.duplicate else {"ok": True})
-    if result.status == UNKNOWN:
-        ctx.metrics.acks.labels(state=state, outcome="unknown").inc()
-        raise HTTPError(404, result.reason or f"unknown invocation '{invocation_id}'", ok=False)
-    ctx.metrics.acks.labels(state=state, outcome="refused").inc()
-    reason = result.reason or "ack refused: the attempt was superseded"
-    _refused(caller, "ack", invocation_id, result.status, reason)
-    return result.status, {"ok": False, "error": reason}
-
-
-def _frame(data: bytes, what: str = "field 'bytes'") -> Frame:
-    from dreamlake.lakeshore.wire import decode_frame
-
-    try:
-        return decode_frame(data)
-    except Exception as exc:
-        raise HTTPError(400, f"{what} is not one encoded frame [kind, seq, body, meta]: {exc}") from None
-
-
-def _check_frame(ctx: Context, caller: Caller, frame: Frame, what: str) -> None:
-    """413 for a frame whose body bytes are over the inline threshold: such a frame travels as a
-    frame whose body is ``{"ref": {bucket, key, size, sha256}}`` (docs/protocol.md, Payload refs)."""
-    body = frame.body
-    if isinstance(body, bytes | bytearray):
-        ctx.check_inline(
-            f"{what} (seq {frame.seq}) body", len(body), caller.namespace or ":ns", "a frame body {ref: ...}"
-        )
-    elif isinstance(body, dict) and "ref" in body:
-        ctx.ref(body["ref"], f"{what}.body.ref")
-
-
-async def result_chunk(ctx: Context, caller: Caller, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    """Journal one frame, then publish it live. The frame's kind decides whether it closes the
-    stream (END and ERROR do, as the seed says); a ``final: true`` on a VALUE or LOG frame is
-    logged and ignored. Only the worker holding the current lease posts frames, in seq order."""
-    invocation_id = http.ulid_field(body, "invocation_id")
-    assert invocation_id is not None
-    seq = http.integer(body, "seq", hi=http.I64_MAX)
-    data = field(body, "bytes", bytes)
-    said_final = field(body, "final", bool, default=False)
-    attempt = _attempt(body)
-    worker_id = await _worker(ctx, caller, body)
-    frame = _frame(data)
-    _check_frame(ctx, caller, frame, "frame")
-    if frame.seq != seq:
-        raise HTTPError(
-            400,
-            f"the frame's own seq {frame.seq} differs from the body's seq {seq}: "
-            "send the frame with the seq it was encoded with",
-        )
-    final = frame.final
-    if said_final and not final:
-        log.warning(
-            "result chunk %s seq %d says final but is a frame of kind %d: only END and ERROR close a stream",
-            invocation_id,
-            seq,
-            frame.kind,
-        )
-    result = await ctx.write(FrameRequest(invocation_id, seq, data, final, attempt, worker_id))
-    assert isinstance(result, ChunkResult)
-    if not result.ok:
-        reason = result.reason or "frame refused"
-        if result.status == UNKNOWN:
-            raise HTTPError(404, reason, ok=False)
-        _refused(caller, f"frame {seq}", invocation_id, result.status, reason)
-        out: dict[str, Any] = {"ok": False, "error": reason}
-        if result.expected_seq is not None:
-            out["expected_seq"] = result.expected_seq
-        return result.status, out
-    ctx.metrics.chunks.labels(duplicate=str(result.duplicate).lower()).inc()
-    if result.duplicate:
-        return 200, {"ok": True, "seq": seq, "duplicate": True}
-    ctx.metrics.frames_appended((frame.kind,))
-    ctx.wake.notify(f"inv:{invocation_id}")
-    if ctx.fanout is not None:
-        try:  # at its journal position, as journaled (a later attempt's frames are restamped)
-            pos = seq if result.pos is None else result.pos
-            await ctx.fanout.publish(invocation_id, pos, result.data or data, final)
-        except Exception:
-            log.warning(
-                "live publish of %s seq %d failed; followers catch up from the journal",
-                invocation_id,
-                seq,
-                exc_info=True,
-            )
-    return 200, {"ok": True, "seq": seq}
-
-
-MAX_BATCH_FRAMES = 10_000
-
-
-async def result_chunks(ctx: Context, caller: Caller, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    """Journal a batch ``{invocation_id, attempt, worker_id, frames: [bytes, ...]}`` of one attempt
-    through the group commit (one transaction, shared with the other writes committed with it;
-    the lease and order checks run per batch, inside it) and answer, once committed, ``{ok, results: [{seq, duplicate}]}`` in the order sent. Each
-    frame is a repeat of a seq already journaled (``duplicate``) or the next seq. A gap or a frame
-    after the final one is refused with the rest of the batch: 409 ``{ok: false, error,
-    expected_seq, results}`` with the results of the frames kept before it. Only the worker holding
-    the current lease posts frames (403 another worker, 409 superseded, nothing journaled); an
-    unknown invocation is a 404. Frames whose kind is END or ERROR close the stream."""
-    invocation_id = http.ulid_field(body, "invocation_id")
-    assert invocation_id is not None
-    attempt = _attempt(body)
-    worker_id = await _worker(ctx, caller, body)
-    raw = field(body, "frames", list)
-    if not raw or len(raw) > MAX_BATCH_FRAMES:
-        raise HTTPError(400, f"field 'frames' must list 1 to {MAX_BATCH_FRAMES} encoded frames")
-    batch: list[tuple[int, bytes, bool]] = []
-    kinds: list[int] = []
-    for i, data in enumerate(raw):
-        if not isinstance(data, bytes):
-            raise HTTPError(
-                400, f"frames[{i}] must be the bytes of one encoded frame, not {type(data).__name__}"
-            )
-        frame = _frame(data, f"frames[{i}]")
-        _check_frame(ctx, caller, frame, f"frames[{i}]")
-        batch.append((frame.seq, data, frame.final))
-        kinds.append(frame.kind)
-    written = await ctx.write(FramesRequest(invocation_id, attempt, batch, worker_id))
-    assert isinstance(written, FramesResult)
-    results = written.results
-    kept = [r for r in results if r.ok]
-    fresh = [  # at their journal positions, as journaled (a later attempt's frames are restamped)
-        (seq if r.pos is None else r.pos, r.data or data, final)
-        for (seq, data, final), r in zip(batch, results, strict=False)
-        if r.ok and not r.duplicate
-    ]
-    ctx.metrics.chunks.labels(duplicate="false").inc(len(fresh))
-    ctx.metrics.frames_appended(k for k, r in zip(kinds, results, strict=False) if r.ok and not r.duplicate)
-    if len(kept) > len(fresh):
-        ctx.metrics.chunks.labels(duplicate="true").inc(len(kept) - len(fresh))
-    if fresh:
-        ctx.wake.notify(f"inv:{invocation_id}")
-        await _publish(ctx, invocation_id, fresh)
-    answers = [{"seq": r.seq, "duplicate": r.duplicate} for r in kept]
-    if len(kept) == len(results):
-        return 200, {"ok": True, "results": answers}
-    refused = results[len(kept)]
-    reason = refused.reason or "frames refused"
-    if refused.status == UNKNOWN:
-        raise HTTPError(404, reason, ok=False)
-    _refused(caller, f"frames from {refused.seq}", invocation_id, refused.status, reason)
-    out: dict[str, Any] = {"ok": False, "error": reason, "results": answers}
-    if refused.expected_seq is not None:
-        out["expected_seq"] = refused.expected_seq
-    return refused.status, out
-
-
-async def _publish(ctx: Context, invocation_id: str, items: list[tuple[int, bytes, bool]]) -> None:
-    """Hand new frames to the live fan-out; a failure is logged (followers read the journal)."""
-    fanout = ctx.fanout
-    if fanout is None:
-        return
-    try:
-        if hasattr(fanout, "publish_many"):
-            await fanout.publish_many(invocation_id, items)
-        else:
-            for seq, data, final in items:
-                await fanout.publish(invocation_id, seq, data, final)
-    except Exception:
-        log.warning("live publish of %s (%d frame(s)) failed; followers catch up from the journal",
-                    invocation_id, len(items), exc_info=True)  # fmt: skip
-
-
-async def _poke(ctx: Context, invocation_id: str) -> None:
-    """Tell the live followers of ``invocation_id`` to re-read the store (its state changed)."""
-    poke = getattr(ctx.fanout, "poke", None)
-    if poke is None:
-        return
-    try:
-        await poke(invocation_id)
-    except Exception:
-        log.warning("live poke of %s failed", invocation_id, exc_info=True)
 
 
 def _running_exec(body: dict[str, Any]) -> list[tuple[str, int]] | None:

@@ -1,4 +1,4 @@
-"""The value codec: ``pack`` / ``unpack``, the codec registry and the built-in stdlib codecs.
+"""The value codec: ``pack`` / ``unpack`` and the codec registry (the stdlib codecs: :mod:`.stdtypes`).
 
 What travels and how (the ext code table, limits, lossy cases) is documented in
 :mod:`dreamlake.lakeshore.wire`; import the names from there, not from here. This module needs
@@ -13,16 +13,16 @@ from __future__ import annotations
 # Start-up matters (every invocation's entry imports this module): no typing, dataclasses or
 # inspect at runtime; logging only to log.
 import contextvars
-import datetime as _dt
-import os
 import struct
 
 import msgpack
 
 from dreamlake.lakeshore.errors import DecodeError
 
+from . import stdtypes
 from .base import DEFAULT_LIMITS, Codec, Limits, MiB
 from .base import why as _why
+from .stdtypes import sorted_if_possible as _sorted_if_possible
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -434,142 +434,19 @@ _HDR_BE = struct.Struct(">I")
 
 # ---------------------------------------------------------------- built-in codecs (stdlib)
 
-_COMPLEX = struct.Struct("<dd")
-
-
-def _nested(data: bytes) -> list[Any]:
-    items = unpack(data)
-    if type(items) is not list:
-        raise DecodeError(f"expected a msgpack array inside the ext value, got {type(items).__name__}")
-    return items
-
-
-def _sorted_if_possible(items: set[Any] | frozenset[Any]) -> list[Any]:
-    try:
-        return sorted(items)
-    except TypeError:
-        return list(items)
-
-
-def _int_encode(i: int) -> bytes:
-    return int(i).to_bytes((int(i).bit_length() + 8) // 8, "big", signed=True)
-
-
-def _int_decode(data: bytes) -> int:
-    if not data:
-        raise ValueError("empty big-int")
-    return int.from_bytes(data, "big", signed=True)
-
-
-def _td_decode(data: bytes) -> _dt.timedelta:
-    days, seconds, micros = unpack(data)
-    if not all(type(x) is int for x in (days, seconds, micros)):
-        raise ValueError("timedelta fields must be ints")
-    return _dt.timedelta(days=days, seconds=seconds, microseconds=micros)
-
-
-def _iso_decode(cls: Any, data: bytes) -> Any:
-    """``cls.fromisoformat`` that keeps a sub-second UTC offset (CPython 3.11 silently drops it)."""
-    text = data.decode("ascii")
-    value = cls.fromisoformat(text)
-    sign_at = max(text.rfind("+"), text.rfind("-"))
-    offset = text[sign_at + 1 :] if sign_at > text.find(":") - 3 else ""
-    if "." in offset and value.tzinfo is not None:
-        hh, mm, rest = offset.split(":")
-        ss, us = rest.split(".")
-        delta = _dt.timedelta(
-            hours=int(hh), minutes=int(mm), seconds=int(ss), microseconds=int(us.ljust(6, "0"))
-        )
-        value = value.replace(tzinfo=_dt.timezone(-delta if text[sign_at] == "-" else delta))
-    return value
-
-
-for _codec in (
-    Codec(5, tuple, lambda t: _pack_items(list(t)), lambda b: tuple(_nested(b)), "tuple"),
-    Codec(6, set, lambda s: _pack_items(_sorted_if_possible(s)), lambda b: set(_nested(b)), "set"),
-    Codec(
-        7,
-        frozenset,
-        lambda s: _pack_items(_sorted_if_possible(s)),
-        lambda b: frozenset(_nested(b)),
-        "frozenset",
-    ),
-    Codec(
-        8, complex, lambda c: _COMPLEX.pack(c.real, c.imag), lambda b: complex(*_COMPLEX.unpack(b)), "complex"
-    ),
-    Codec(
-        9,
-        _dt.datetime,
-        lambda d: d.isoformat().encode(),
-        lambda b: _iso_decode(_dt.datetime, b),
-        "datetime",
-    ),
-    Codec(
-        10,
-        _dt.date,
-        lambda d: d.isoformat().encode(),
-        lambda b: _dt.date.fromisoformat(b.decode("ascii")),
-        "date",
-    ),
-    Codec(
-        11,
-        _dt.time,
-        lambda d: d.isoformat().encode(),
-        lambda b: _iso_decode(_dt.time, b),
-        "time",
-    ),
-    Codec(
-        12, _dt.timedelta, lambda d: _pack_items([d.days, d.seconds, d.microseconds]), _td_decode, "timedelta"
-    ),
-):
+for _codec in stdtypes.builtin_codecs(_pack_items, unpack):
     _add(_codec)
 # Only ints beyond 64 bits reach the codec (msgpack packs the rest); the type slot is int's own.
-_BY_CODE[19] = Codec(19, int, _int_encode, _int_decode, "bigint")
+_BY_CODE[19] = stdtypes.BIGINT
 
 
 def _bigint(i: int) -> Any:
     """``i`` itself when msgpack packs it (an int subclass reaches here), else the ext of code 19."""
-    return i if -(2**63) <= i < 2**64 else _ext(19, _int_encode(i))
+    return i if -(2**63) <= i < 2**64 else _ext(19, stdtypes.int_encode(i))
 
 
-def _register_uuid() -> None:
-    import uuid
-
-    _add(Codec(13, uuid.UUID, lambda u: u.bytes, lambda b: uuid.UUID(bytes=b), "uuid"))
-
-
-def _register_decimal() -> None:
-    import decimal
-
-    def decode(data: bytes) -> decimal.Decimal:
-        text = data.decode("ascii")
-        with decimal.localcontext() as ctx:
-            ctx.traps[decimal.InvalidOperation] = True
-            return decimal.Decimal(text)
-
-    _add(Codec(14, decimal.Decimal, lambda d: str(d).encode(), decode, "decimal"))
-
-
-def _register_pathlib() -> None:
-    import pathlib
-
-    def path_bytes(p: pathlib.PurePath) -> bytes:
-        return str(p).encode("utf-8", "surrogateescape")
-
-    def decoder(cls: type[pathlib.PurePath]) -> Callable[[bytes], pathlib.PurePath]:
-        def decode(data: bytes) -> pathlib.PurePath:
-            return cls(data.decode("utf-8", "surrogateescape"))
-
-        return decode
-
-    posix_cls: type[pathlib.PurePath] = pathlib.PurePosixPath if os.name == "nt" else pathlib.Path
-    windows_cls: type[pathlib.PurePath] = pathlib.Path if os.name == "nt" else pathlib.PureWindowsPath
-    for codec in (
-        Codec(15, pathlib.PurePosixPath, path_bytes, decoder(pathlib.PurePosixPath), "pure-posix-path"),
-        Codec(16, pathlib.PureWindowsPath, path_bytes, decoder(pathlib.PureWindowsPath), "pure-windows-path"),
-        Codec(17, pathlib.PosixPath, path_bytes, decoder(posix_cls), "posix-path"),
-        Codec(18, pathlib.WindowsPath, path_bytes, decoder(windows_cls), "windows-path"),
-    ):
+def _add_all(codecs: list[Codec]) -> None:
+    for codec in codecs:
         _add(codec)
 
 
@@ -618,7 +495,7 @@ _LOADERS: dict[str, Callable[[], None]] = {
     "numpy": _register_numpy,
     "torch": _register_torch,
     "PIL": _register_pil,
-    "uuid": _register_uuid,
-    "decimal": _register_decimal,
-    "pathlib": _register_pathlib,
+    "uuid": lambda: _add_all(stdtypes.uuid_codecs()),
+    "decimal": lambda: _add_all(stdtypes.decimal_codecs()),
+    "pathlib": lambda: _add_all(stdtypes.pathlib_codecs()),
 }

@@ -1,0 +1,127 @@
+"""What the entry leaves in the workdir when the function ends: ``result.msgpack`` or ``error.json``.
+
+Both are written to a temporary name, fsynced and renamed (:func:`_write_atomic`): a host crash
+leaves either a whole output or none, never a truncated one (nymph checks anyway:
+``nymph/outputcheck.py``). The directory is not fsynced: it is the invocation's hot path. A result
+too big to pack within the task's memory (``LAKESHORE_RESULT_MAX_BYTES``, which the process runner
+sets to half the task's memory limit) is refused before it is packed (:class:`ResultTooLarge`).
+
+Part of the entry bundle, like :mod:`dreamlake.lakeshore.daemon.entry`: importable on Python
+3.9, no ``typing`` at runtime.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from dreamlake.lakeshore import envvars
+
+TYPE_CHECKING = False  # no typing at runtime: start-up is what a noop invocation costs
+if TYPE_CHECKING:
+    from typing import Any, Dict
+
+RESULT_FILE = "result.msgpack"
+ERROR_FILE = "error.json"
+
+EXIT_OK = 0
+EXIT_RAISED = 1
+EXIT_REFUSED = 2
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until all of ``data`` is written (no file object)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _write_atomic(name: str, data: bytes) -> None:
+    """``name`` replaced by ``data``: written to a temporary name, fsynced, renamed. The fsync is
+    what keeps a host crash (a power loss) from leaving the new name with data not yet on disk (a
+    truncated result nymph would otherwise find); the directory is not fsynced: a rename lost with
+    the host leaves no output at all, which reads as a crash and is retried."""
+    tmp = f".{name}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)  # as open("wb")
+    try:
+        _write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, name)
+
+
+def _error_info(exc: BaseException) -> Dict[str, Any]:
+    import traceback
+
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        # the class names of its MRO (less object): retry_on names a base class as well
+        "mro": [c.__name__ for c in type(exc).__mro__ if c is not object],
+    }
+
+
+def _write_error(info: Dict[str, Any]) -> None:
+    import json
+
+    _write_atomic(ERROR_FILE, json.dumps(info).encode("utf-8"))
+
+
+def _fail(info: Dict[str, Any], code: int) -> int:
+    """Write error.json, say one line on stderr (nymph keeps stderr.log), return ``code``."""
+    _write_error(info)
+    invocation = envvars.string("LAKESHORE_INVOCATION_ID", None, "?")
+    sys.stderr.write(
+        f"lakeshore entry: invocation {invocation} exit {code}: {info['type']}: {info['message']}\n"
+    )
+    return code
+
+
+# A result bigger than this is refused before it is serialised (the process runner sets half the
+# task's memory limit: packing takes as much memory again, and an OOM kill would say less)
+RESULT_MAX_ENV = "LAKESHORE_RESULT_MAX_BYTES"
+_SIZE_WALK_MAX = 100_000  # values looked at; past it the estimate stops (it is a lower bound)
+
+
+class ResultTooLarge(Exception):
+    """The function's result is too big to serialise within the task's limits."""
+
+
+def _check_result_size(result: Any) -> None:
+    if not envvars.is_set(RESULT_MAX_ENV):
+        return
+    cap = envvars.integer(RESULT_MAX_ENV)
+    size = _approx_size(result, cap)
+    if size > cap:
+        raise ResultTooLarge(
+            f"the result holds at least {size} bytes, more than the {cap} this task may serialise "
+            f"({RESULT_MAX_ENV}: packing it takes as much memory again, and the task's memory limit "
+            "leaves room for no more); return less (a generator streams values one at a time), or "
+            "write it to a file and return its path"
+        )
+
+
+def _approx_size(value: Any, cap: int) -> int:
+    """A lower bound of ``value``'s packed size: its buffers' bytes (bytes, str, arrays' ``nbytes``)
+    plus a few bytes per other value; stops once past ``cap``."""
+    total, seen, stack = 0, 0, [value]
+    while stack and total <= cap and seen < _SIZE_WALK_MAX:
+        item = stack.pop()
+        seen += 1
+        if isinstance(item, (bytes, bytearray, str)):
+            total += len(item)
+        elif isinstance(item, memoryview):
+            total += item.nbytes
+        elif isinstance(item, dict):
+            total += 1
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            total += 1
+            stack.extend(item)
+        else:
+            nbytes = getattr(item, "nbytes", None)  # numpy, torch (through wire's array codec)
+            total += nbytes if isinstance(nbytes, int) else 1
+    return total
