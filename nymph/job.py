@@ -40,6 +40,7 @@ from dreamlake.lakeshore.daemon.entry import (
 )
 from dreamlake.lakeshore.envelope import Envelope, is_pickled
 from dreamlake.lakeshore.errors import LakeshoreError, PayloadCorrupt
+from dreamlake.lakeshore.protocol.limits import by_reference
 from dreamlake.lakeshore.settings import TOKEN_FILE_ENV
 from nymph import checkpoints, codecache, refs, safeio, taskuser
 from nymph import observability as obs
@@ -585,7 +586,7 @@ class Job(SupervisedJob[wd.Outcome]):
         on_disk = outcome.extra.get("result_file") if self.workdir is not None else None
         if limit is None or outcome.state != "succeeded":
             return outcome, None
-        if not on_disk and len(outcome.result_blob) <= limit:
+        if not on_disk and not by_reference(len(outcome.result_blob), limit):
             return outcome, None
         size = outcome.extra.get("result_size", len(outcome.result_blob))
         namespace = refs.namespace_of(self.body)

@@ -76,10 +76,10 @@ class Execs:
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
         if payload is not NO_RESULT:
-            from dreamlake.lakeshore.dispatch.http import inline_threshold_from_env
+            from dreamlake.lakeshore.protocol.limits import by_reference, inline_threshold_from_env
 
             data = wire.pack(payload)
-            if len(data) <= inline_threshold_from_env():
+            if not by_reference(len(data), inline_threshold_from_env()):
                 body["payloadInline"] = base64.b64encode(data).decode("ascii")
             else:
                 body["payloadRef"] = blobs.put(self._client, self.namespace, data)

@@ -291,7 +291,7 @@ def test_end_or_error_closes_the_stream_whatever_final_says(
 
     # the local plane agrees
     with Dispatch(":memory:") as local:
-        inv = local.submit(Envelope.create(fn_for(len)).to_bytes(), "default", {})
+        inv = local.submit(Envelope.create(fn_for(len)), "default", {})
         local_worker = new_ulid()
         claim = local.claim(local_worker, ["default"], 5.0)
         assert claim is not None
