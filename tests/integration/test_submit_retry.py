@@ -122,9 +122,9 @@ def test_a_retried_submit_returns_the_same_invocation_and_queues_no_second(tmp_p
 def test_the_local_plane_takes_a_retried_submit_once() -> None:
     plane = dls.Dispatch(":memory:")
     thunk = square.thunk(3)
-    data = thunk.to_envelope().to_bytes()
-    first = plane.submit(data, QUEUE, thunk.run_config())
-    assert plane.submit(data, QUEUE, thunk.run_config()) == first
+    envelope = thunk.to_envelope()
+    first = plane.submit(envelope, QUEUE, thunk.run_config())
+    assert plane.submit(envelope, QUEUE, thunk.run_config()) == first
     assert [i.invocation_id for i in plane.store.list_invocations(None, queue=QUEUE).invocations] == [first]
 
 
@@ -132,12 +132,12 @@ def test_a_submit_that_outlasts_the_window_carries_its_invocation_id() -> None:
     port = free_port()  # nothing listens there
     plane = HttpDispatch(f"http://127.0.0.1:{port}", "lsk_test", retry_window=1.0)
     thunk = square.thunk(5)
-    data = thunk.to_envelope().to_bytes()
+    envelope = thunk.to_envelope()
     started = time.monotonic()
     with pytest.raises(Unavailable) as caught:
-        plane.submit(data, QUEUE, thunk.run_config())
+        plane.submit(envelope, QUEUE, thunk.run_config())
     waited = time.monotonic() - started
-    inv = Envelope.header(data)["id"]
+    inv = envelope.id
     assert caught.value.invocation_id == inv
     assert inv in str(caught.value) and "status" in str(caught.value)
     assert 1.0 <= waited < 10.0  # it retried for its window, then gave up

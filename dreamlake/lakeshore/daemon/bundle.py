@@ -66,6 +66,8 @@ RUNTIME_FILES = (
 #: (the HTTP plane; its httpx and tenacity come from the image, imported on first use).
 SDK_FILES = (
     "dreamlake/lakeshore/decorator.py",
+    "dreamlake/lakeshore/scopes.py",
+    "dreamlake/lakeshore/calls.py",
     "dreamlake/lakeshore/default_dispatch.py",
     "dreamlake/lakeshore/runenv.py",
     "dreamlake/lakeshore/handles.py",
