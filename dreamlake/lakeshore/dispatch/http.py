@@ -169,9 +169,17 @@ class HttpDispatch(HttpWorkerPlane, Plane):
 
     def server_limits(self) -> ServerLimits:
         """The control plane's limits (``GET /v1/ops/info``), asked once; a worker's register
-        answer says them too."""
+        answer says them too. While it cannot be asked, :class:`ServerLimits`' defaults: the
+        request that follows meets the same outage and reports it as its own."""
         if self._info is None:
-            self._info = self._limits if self._limits is not None else self._client.info()
+            if self._limits is not None:
+                self._info = self._limits
+            else:
+                try:
+                    self._info = self._client.info()
+                except PlaneError as exc:  # unreachable now: the defaults, and ask again next time
+                    log.debug("cannot ask %s for its limits (%s): the defaults for now", self.url, exc)
+                    return ServerLimits()
         return self._info
 
     # -- producer side ------------------------------------------------------------------------------
