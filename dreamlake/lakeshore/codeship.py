@@ -418,7 +418,9 @@ def _namespace(client: Any) -> str:
     known = _NAMESPACES.get(id(client))
     if known is not None and known[0] is client:
         return known[1]
-    who = client.request("GET", "/v1/ops/whoami", as_json=True)
+    from dreamlake.lakeshore.protocol.routes import WHOAMI
+
+    who = client.request("GET", WHOAMI, as_json=True)
     namespace = str((who or {}).get("namespace") or "default")
     _NAMESPACES[id(client)] = (client, namespace)
     return namespace

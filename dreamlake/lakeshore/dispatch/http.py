@@ -54,7 +54,6 @@ from dreamlake.lakeshore.errors import BadRequest, NotFound, PlaneError, Unavail
 from dreamlake.lakeshore.protocol import routes
 from dreamlake.lakeshore.protocol.daemon import SLACK_S
 from dreamlake.lakeshore.protocol.limits import (
-    DEFAULT_INLINE_THRESHOLD,
     ServerLimits,
     by_reference,
     inline_threshold_from_env,
@@ -68,7 +67,7 @@ if TYPE_CHECKING:
     from dreamlake.lakeshore.envelope import Envelope
     from dreamlake.lakeshore.wire import Frame
 
-__all__ = ["ACK_TRIES", "DEFAULT_INLINE_THRESHOLD_BYTES", "HttpDispatch", "inline_threshold_from_env"]
+__all__ = ["ACK_TRIES", "HttpDispatch", "inline_threshold_from_env"]
 
 
 log = logging.getLogger(__name__)
@@ -78,7 +77,6 @@ _WARNED: set[tuple[str, str]] = set()  # (control plane, queue) whose no-worker 
 # (control plane, queue) -> when its workers were last asked whether they run pickled functions
 _PICKLES_ASKED: dict[tuple[str, str], float] = {}
 PICKLES_ASK_EVERY_S = 30.0  # while no live worker serves the queue, ask again at most this often
-DEFAULT_INLINE_THRESHOLD_BYTES = DEFAULT_INLINE_THRESHOLD  # the name this module had for it
 # A submit batch (POST /v1/producer/submit-batch) holds at most this many calls and about this many
 # bytes of Envelopes (fewer where the control plane allows fewer): big enough that a sweep pays one
 # request and one transaction per few hundred calls, small enough that one is quick to retry.

@@ -1,7 +1,8 @@
 """Every control-plane route the client side calls, by name: the one place a path is spelled.
 
 The server's side of the same paths is its one auth table (``server/authz.py``); this module is
-the clients' (``HttpDispatch``, ``lakeshore worker``, nymph and its outbox). A path with an object
+the clients' (``HttpDispatch``, ``lakeshore worker``, nymph and its outbox, the operators' CLI
+client ``ops_client``, ``Execs``). A path with an object
 in it is a function of that object. The strings are part of the wire: nymph's outbox writes a
 message's route to disk and replays it after an upgrade, so a path here changes only together
 with the server's.
@@ -18,8 +19,10 @@ __all__ = [
     "DEREGISTER",
     "HEARTBEAT",
     "INFO",
+    "INVOCATIONS",
     "NAMESPACE_ROUTES",
     "POLL",
+    "QUEUES",
     "REGISTER",
     "RESULT_CHUNK",
     "RESULT_CHUNKS",
@@ -30,11 +33,17 @@ __all__ = [
     "WHOAMI",
     "WORKERS",
     "cancel",
+    "exec_",
     "invocation",
     "job_output",
     "job_result",
+    "ops_cancel",
+    "ops_invocation",
     "presign",
+    "queue_limit",
     "result_stream",
+    "secret",
+    "secrets",
     "send",
     "topic_post",
     "topic_stream",
@@ -111,10 +120,39 @@ def job_result(namespace: str, exec_id: str) -> str:
     return f"{NAMESPACE_ROUTES}{namespace}/jobs/{exec_id}/result"
 
 
+def exec_(namespace: str) -> str:
+    """Queue an exec job (a shell command) in the namespace."""
+    return f"{NAMESPACE_ROUTES}{namespace}/exec"
+
+
+def secrets(namespace: str) -> str:
+    """The namespace's secrets (names and times only come back)."""
+    return f"{NAMESPACE_ROUTES}{namespace}/secrets"
+
+
+def secret(namespace: str, name: str) -> str:
+    return f"{secrets(namespace)}/{name}"
+
+
 # -- operators (JSON) -------------------------------------------------------------------------------
 WHOAMI = "/v1/ops/whoami"
 WORKERS = "/v1/ops/workers"
+QUEUES = "/v1/ops/queues"
+INVOCATIONS = "/v1/ops/invocations"
 INFO = "/v1/ops/info"  # the limits the control plane decides (ServerLimits), for every token kind
+
+
+def ops_invocation(invocation_id: str) -> str:
+    return f"{INVOCATIONS}/{invocation_id}"
+
+
+def ops_cancel(invocation_id: str) -> str:
+    return f"{ops_invocation(invocation_id)}/cancel"
+
+
+def queue_limit(queue: str) -> str:
+    """A queue's fleet-wide limit of running calls (admins)."""
+    return f"{QUEUES}/{queue}/limit"
 
 
 def job_output(namespace: str, exec_id: str, stream: str) -> str:
