@@ -168,7 +168,7 @@ class HttpWorkerPlane:
     def _settle_acks(self, worker_id: str, acks: list[dict[str, Any]], answers: list[Any]) -> None:
         """A poll's ``acked`` answers to the acks it carried: one the store failed goes again."""
         again = []
-        for sent, answer in zip(acks, answers, strict=False):
+        for sent, answer in zip(acks, answers):  # noqa: B905 (Python 3.9 has no strict)
             status, inv = answer.get("status"), str(sent.get("invocation_id"))
             failed = not answer.get("ok") and isinstance(status, int) and status >= 500
             tries = self._ack_tries.pop(inv, 0) + 1  # polls it rode that the store failed
