@@ -57,7 +57,7 @@ def main() -> None:
         q = SyncQueue("bench", plane)
 
         def submit(fn: Any, *a: Any) -> str:
-            return plane.submit(Envelope.create(fn_for(fn, "ref"), a, {}).to_bytes(), "bench", {})
+            return plane.submit(Envelope.create(fn_for(fn, "ref"), a, {}), "bench", {})
 
         q.result(submit(bench_fns.noop))  # warm: the first spawn, imports
 

@@ -174,7 +174,7 @@ def _follow(plane: HttpDispatch, fn: Any, *args: Any) -> list[tuple[float, Any]]
     """Submit ``fn(*args)`` to the stack and follow its stream: ``(arrival wall time, value)``."""
     import bench_fns  # noqa: F401 - the entry imports it by reference
 
-    envelope = Envelope.create(fn_for(fn, "ref"), args, {}).to_bytes()
+    envelope = Envelope.create(fn_for(fn, "ref"), args, {})
     inv = plane.submit(envelope, "bench", {})
     out: list[tuple[float, Any]] = []
     for frame in plane.frames(inv, timeout=120):
@@ -190,7 +190,7 @@ def _two_way(plane: HttpDispatch, rounds: int, first_p50_ms: float) -> str:
     """``rounds`` send -> next-yield round trips into ``bench_fns.echo_back`` (module docstring)."""
     import bench_fns
 
-    envelope = Envelope.create(fn_for(bench_fns.echo_back, "ref"), (rounds + 1,), {}).to_bytes()
+    envelope = Envelope.create(fn_for(bench_fns.echo_back, "ref"), (rounds + 1,), {})
     inv = plane.submit(envelope, "bench", {"two_way": True})
     s = dls.SyncQueue("bench", dispatch=plane).stream(inv, timeout=60)
     next(s)

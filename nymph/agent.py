@@ -306,8 +306,9 @@ class Agent:
             return False
         if cfg.heartbeat_s is None and answer.get("heartbeat_s"):
             self.heartbeat_s = float(answer["heartbeat_s"])
-        threshold = answer.get("inline_threshold_bytes")
-        self.inline_threshold = threshold if isinstance(threshold, int) and threshold >= 0 else None
+        limits = self.client.limits_of(answer)  # what the control plane allows (ServerLimits)
+        self.inline_threshold = limits.inline_threshold_bytes
+        self.poller.limits = limits
         log.info(
             "registered as worker %s (runner %s, queues %s, %d slot(s)) with %s",
             self.worker_id,

@@ -1,8 +1,9 @@
 """The typed control-plane client nymph speaks: the ``/v1/daemon/*`` routes over msgpack.
 
-Transport, token, retry rule and error tree are the one control-plane client's
-(:mod:`dreamlake.lakeshore.client`); this module adds the daemon routes with their timeouts and
-raises the lakeshore errors under their own names (:mod:`dreamlake.lakeshore.errors`, one name per
+Routes, bodies and timeouts are the protocol package's
+(:class:`~dreamlake.lakeshore.protocol.daemon.DaemonClient`); transport, token, retry rule and
+error tree the one control-plane client's (:mod:`dreamlake.lakeshore.client`). This module adds
+the link (below) and raises the lakeshore errors under their own names (:mod:`dreamlake.lakeshore.errors`, one name per
 error)::
 
     PlaneError      any control-plane failure (.status: the HTTP status or None)
@@ -28,8 +29,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from dreamlake.lakeshore.client import MSGPACK, PlaneClient, is_retryable
-from dreamlake.lakeshore.errors import PlaneError, Unavailable
+from dreamlake.lakeshore.client import MSGPACK, is_retryable
+from dreamlake.lakeshore.errors import PlaneError
+from dreamlake.lakeshore.protocol.daemon import DaemonClient
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -94,9 +96,10 @@ class PlaneLink:
         log.warning("reconnected to the control plane at %s after %.1fs", self._server, gone)
 
 
-class ControlPlaneClient(PlaneClient):
-    """The daemon routes over one :class:`PlaneClient`; each call is tried once (the agent and the
-    outbox retry, with loops that end when nymph stops). Thread-safe."""
+class ControlPlaneClient(DaemonClient):
+    """nymph's :class:`~dreamlake.lakeshore.protocol.daemon.DaemonClient`: the daemon routes, each
+    tried once (the agent and the outbox retry, with loops that end when nymph stops), every call
+    telling :attr:`link` whether the control plane answered. Thread-safe."""
 
     def __init__(
         self,
@@ -113,19 +116,19 @@ class ControlPlaneClient(PlaneClient):
     def server(self) -> str:
         return self.url
 
-    def call(self, route: str, body: dict[str, Any], *, timeout_s: float | None = None) -> dict[str, Any]:
+    def call(self, route: str, body: Any, *, timeout_s: float | None = None) -> dict[str, Any]:
         """POST ``body`` as msgpack to ``route``; the decoded answer, or a :class:`PlaneError`."""
-        answer = self._linked(route, lambda: self.request("POST", route, body, timeout_s=timeout_s))
-        if not isinstance(answer, dict):
-            raise Unavailable(f"POST {route}: unexpected answer {answer!r:.80}")
+        answer: dict[str, Any] = self._linked(
+            route, lambda: super(ControlPlaneClient, self).call(route, body, timeout_s=timeout_s)
+        )
         return answer
 
     def call_json(self, route: str, body: dict[str, Any], *, timeout_s: float = 30.0) -> dict[str, Any]:
         """POST ``body`` as JSON (the ``/v1/namespaces/*`` routes speak JSON); same errors as call."""
-        answer = self._linked(
-            route, lambda: self.request("POST", route, body, as_json=True, timeout_s=timeout_s)
+        answer: dict[str, Any] = self._linked(
+            route, lambda: super(ControlPlaneClient, self).call_json(route, body, timeout_s=timeout_s)
         )
-        return answer if isinstance(answer, dict) else {}
+        return answer
 
     def _linked(self, route: str, send: Callable[[], Any]) -> Any:
         """``send()``, telling :attr:`link` whether the control plane answered."""
@@ -150,36 +153,3 @@ class ControlPlaneClient(PlaneClient):
     def fetch(self, url: str, *, timeout_s: float = 60.0, limit: int = 100 * 2**20) -> bytes:
         """GET a presigned URL (no bearer token: the signature is the credential)."""
         return self.download(url, timeout_s=timeout_s, limit=limit)
-
-    # --- routes --------------------------------------------------------------------------------
-
-    def register(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self.call("/v1/daemon/register", body)
-
-    def poll(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
-        return self.call("/v1/daemon/poll", body, timeout_s=timeout_s + 10.0)
-
-    def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self.call("/v1/daemon/heartbeat", body, timeout_s=15.0)
-
-    def deregister(self, worker_id: str) -> dict[str, Any]:
-        return self.call("/v1/daemon/deregister", {"worker_id": worker_id}, timeout_s=10.0)
-
-    def ack(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self.call("/v1/daemon/ack", body, timeout_s=30.0)
-
-    def secrets(self, body: dict[str, Any]) -> dict[str, str]:
-        """The values of the secrets a claimed invocation names (``POST /v1/daemon/secrets``,
-        ``{invocation_id, attempt, worker_id}``): for its task's environment, never to be logged."""
-        answer = self.call("/v1/daemon/secrets", body, timeout_s=30.0).get("secrets") or {}
-        return {str(k): str(v) for k, v in answer.items()}
-
-    def sends(self, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
-        """The sends into a two-way invocation this worker holds (a long poll: nymph.sends)."""
-        return self.call("/v1/daemon/sends", body, timeout_s=timeout_s)
-
-    def result_chunk(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self.call("/v1/daemon/result-chunk", body, timeout_s=30.0)
-
-    def checkpoint(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self.call("/v1/daemon/checkpoint", body, timeout_s=30.0)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dreamlake.lakeshore.errors import AuthError, PlaneError
+from dreamlake.lakeshore.protocol import routes
 from nymph.client import ControlPlaneClient
 from nymph.config import NymphConfig
 from nymph.errors import redact
@@ -56,7 +57,7 @@ def _server(cfg: NymphConfig, client: ControlPlaneClient) -> Check:
 def _token(cfg: NymphConfig, client: ControlPlaneClient) -> Check:
     """The token's kind, from ``/v1/ops/whoami`` (every kind may ask; nothing is registered)."""
     try:
-        kind = client.call_json("/v1/ops/whoami", {}).get("kind")
+        kind = client.call_json(routes.WHOAMI, {}).get("kind")
     except AuthError as exc:
         return Check(
             "token",

@@ -62,6 +62,8 @@ from typing import Any, ClassVar, NamedTuple
 
 from dreamlake.lakeshore import ids, wire
 from dreamlake.lakeshore.errors import InvalidId, LakeshoreError, PlaneError
+from dreamlake.lakeshore.protocol import routes
+from dreamlake.lakeshore.protocol.limits import by_reference
 from nymph import refs, safeio, taskuser
 from nymph.client import ControlPlaneClient
 from nymph.errors import JobRefused, PayloadError
@@ -103,7 +105,7 @@ def valid_namespace(namespace: str) -> bool:
 
 
 def result_route(namespace: str, exec_id: str) -> str:
-    return f"/v1/namespaces/{namespace}/jobs/{exec_id}/result"
+    return routes.job_result(namespace, exec_id)
 
 
 def verify_sha256(data: bytes, expected: str | None) -> None:
@@ -119,7 +121,7 @@ def fetch_payload(client: ControlPlaneClient, namespace: str, ref: dict[str, Any
     """Flow 3: presign a GET for ``ref['key']``, download it, verify ``ref['sha256']`` if present."""
     key = str(ref.get("key") or "")
     try:
-        answer = client.call_json(f"/v1/namespaces/{namespace}/payloads/presign", {"op": "get", "key": key})
+        answer = client.call_json(routes.presign(namespace), {"op": "get", "key": key})
         url = str(answer.get("url") or "")
         if not url:
             raise PayloadError(f"payload {key!r}: the control plane minted no URL")
@@ -334,7 +336,7 @@ class ExecJob(SupervisedJob[ExecResult]):
                     size = ARCHIVE_LIMIT
                 if size == 0:
                     continue
-                route = f"/v1/namespaces/{self.namespace}/jobs/{self.exec_id}/output/{stream}"
+                route = routes.job_output(self.namespace, self.exec_id, stream)
                 params = {"worker_id": self.ctx.worker_id, "attempt": self.attempt or 0}
                 try:
                     client.put_file(route, fh, size, params=params)
@@ -348,8 +350,7 @@ class ExecJob(SupervisedJob[ExecResult]):
     def _add_typed(self, body: dict[str, Any], result: bytes) -> None:
         """``resultInline`` (base64) within the inline threshold, else ``resultRef`` (uploaded);
         an upload that fails leaves a line on stderr instead."""
-        limit = self.ctx.inline_threshold
-        if limit is None or len(result) <= limit:
+        if not by_reference(len(result), self.ctx.inline_threshold):
             body["resultInline"] = base64.b64encode(result).decode("ascii")
             return
         try:

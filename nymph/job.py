@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.daemon.entry import STOP_REASON_FILE
 from dreamlake.lakeshore.errors import LakeshoreError
+from dreamlake.lakeshore.protocol.limits import by_reference
 from nymph import checkpoints, codecache, gates, jobcode, refs, safeio, taskenv, tasktls, taskuser
 from nymph import observability as obs
 from nymph import workdir as wd
@@ -426,7 +427,7 @@ class Job(SupervisedJob[wd.Outcome]):
         on_disk = outcome.extra.get("result_file") if self.workdir is not None else None
         if limit is None or outcome.state != "succeeded":
             return outcome, None
-        if not on_disk and len(outcome.result_blob) <= limit:
+        if not on_disk and not by_reference(len(outcome.result_blob), limit):
             return outcome, None
         size = outcome.extra.get("result_size", len(outcome.result_blob))
         namespace = refs.namespace_of(self.body)

@@ -57,6 +57,7 @@ import msgpack
 from dreamlake.lakeshore.backoff import backoff_s
 from dreamlake.lakeshore.client import error_for
 from dreamlake.lakeshore.errors import PlaneError, Refused
+from dreamlake.lakeshore.protocol import routes
 from nymph import observability as obs
 from nymph.client import ControlPlaneClient, is_retryable
 from nymph.errors import is_disk_full
@@ -68,10 +69,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ACK = "/v1/daemon/ack"
-CHUNK = "/v1/daemon/result-chunk"
-CHUNKS = "/v1/daemon/result-chunks"
-NAMESPACE_ROUTES = "/v1/namespaces/"
+# the routes a message names (written to disk with it, replayed after a restart)
+ACK = routes.ACK
+CHUNK = routes.RESULT_CHUNK
+CHUNKS = routes.RESULT_CHUNKS
+NAMESPACE_ROUTES = routes.NAMESPACE_ROUTES
 _SUFFIX = ".msg"
 _IDLE_S = 1.0
 HOLD_S = 0.05  # how long an ack put while a poll is imminent waits for that poll before the sender takes it
@@ -522,7 +524,7 @@ class Outbox:
         }
         what = f"frames {batch.first_seq}..{batch.last_seq}"
         try:
-            self._client.call(CHUNKS, body)
+            self._client.result_chunks(body)
         except Refused as exc:
             log.warning("invocation %s: %s refused, the stream ends here: %s", lane.key, what, exc)
             stream.refuse(str(exc))

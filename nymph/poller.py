@@ -31,6 +31,7 @@ import tenacity
 from dreamlake.lakeshore import __version__
 from dreamlake.lakeshore.client import retrying as plane_retrying
 from dreamlake.lakeshore.errors import AuthError, PlaneError
+from dreamlake.lakeshore.protocol.limits import ServerLimits
 from nymph import observability as obs
 from nymph.client import ControlPlaneClient
 from nymph.config import NymphConfig
@@ -40,7 +41,6 @@ log = logging.getLogger(__name__)
 
 GPUS_BUSY_POLL_S = 2.0  # the longest poll while some GPUs are busy: freed ones are offered soon
 REFUSED_PAUSE_S = 5.0  # after a poll the control plane refused (not retryable, not auth)
-POLL_ACKS_MAX = 64  # acks one poll carries (the control plane takes up to 256)
 
 
 def retrying(stop: threading.Event) -> tenacity.Retrying:
@@ -102,6 +102,8 @@ class Poller:
         self._acks_answered = acks_answered
         self._labels = dict(labels or {})
         self._task_offer = dict(task_offer or {})  # memory / CPUs one task may have (the runner's)
+        # what the control plane allows (acks one poll carries): its register answer's, set by the agent
+        self.limits = ServerLimits()
         self.last_ok = False
         self.waiting_for_slot = False  # every slot busy: the next release starts a poll at once
         self._in_flight = False  # a poll request is out
@@ -206,7 +208,7 @@ class Poller:
         hold them) and the caller polls as usual."""
         if self._take_acks is None:
             return None
-        acks = self._take_acks(str(body["worker_id"]), POLL_ACKS_MAX)
+        acks = self._take_acks(str(body["worker_id"]), self.limits.acks_per_poll)
         if not acks:
             return None
         carrying = {**body, "acks": [msg.body for msg in acks], "timeout_s": 0.0}

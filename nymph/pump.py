@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.errors import LakeshoreError
+from dreamlake.lakeshore.protocol.limits import by_reference
 from nymph import observability as obs
 from nymph import safeio
 from nymph.flow import StreamLimits, load_state, release_logs, save_state, write_watermark
@@ -428,10 +429,10 @@ class Pump:
     def _by_reference(self, data: bytes) -> bytes:
         """``data`` (one encoded frame), or when its body is over the inline threshold the same
         frame with the body uploaded and replaced by ``{"ref": {bucket, key, size, sha256}}``."""
-        if self._ship is None or self._threshold is None or len(data) <= self._threshold:
+        if self._ship is None or not by_reference(len(data), self._threshold):
             return data
         frame = wire.decode_frame(data)
-        if not isinstance(frame.body, bytes) or len(frame.body) <= self._threshold:
+        if not isinstance(frame.body, bytes) or not by_reference(len(frame.body), self._threshold):
             return data
         try:
             ref = self._ship(frame.seq, frame.body)

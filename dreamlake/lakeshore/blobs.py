@@ -73,7 +73,9 @@ def private_job_id(invocation_id: str) -> str:
 
 
 def presign_route(namespace: str) -> str:
-    return f"/v1/namespaces/{namespace}/payloads/presign"
+    from dreamlake.lakeshore.protocol.routes import presign
+
+    return presign(namespace)
 
 
 def is_ref(value: object) -> bool:

@@ -56,7 +56,6 @@ __all__ = [
     "AUTO",
     "CODE_ENV",
     "CODE_MAX_BYTES",
-    "INLINE_THRESHOLD_BYTES",
     "code_record",
     "local_root",
     "normalize_code",
@@ -68,7 +67,6 @@ CODE_ENV = "LAKESHORE_CODE"  # auto | none: the process default when neither udf
 MAX_ENV = "LAKESHORE_CODE_MAX_BYTES"
 THRESHOLD_ENV = "INLINE_THRESHOLD_BYTES"  # envvars.py (LAKESHORE_INLINE_THRESHOLD_BYTES: deprecated)
 CODE_MAX_BYTES = 32 * 1024 * 1024
-INLINE_THRESHOLD_BYTES = envvars.DEFAULT_INLINE_THRESHOLD_BYTES  # seed 003's; the server enforces its own
 STORED_FOR_S = 24 * 3600.0  # a stored archive is uploaded again after this (the store prunes old blobs)
 FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # the zip epoch: the same bytes whenever the files are the same
 ALWAYS_DROPPED = ("__pycache__", ".git", ".hg", ".svn", ".mypy_cache", ".pytest_cache", ".ruff_cache")
@@ -293,7 +291,9 @@ def _limit() -> int:
 
 
 def _threshold() -> int:
-    return envvars.inline_threshold()
+    from dreamlake.lakeshore.protocol.limits import inline_threshold_from_env
+
+    return inline_threshold_from_env()
 
 
 def _too_big(roots: Sequence[Path], size: int, limit: int) -> TransportError:
@@ -370,7 +370,9 @@ def code_record(
         with _SHIPPED.lock:
             _SHIPPED.built[key] = (fingerprint, data, digest)
     record: dict[str, Any] = {"sha256": digest, "size": len(data), "roots": [r.name for r in roots]}
-    if len(data) <= _threshold():
+    from dreamlake.lakeshore.protocol.limits import by_reference
+
+    if not by_reference(len(data), _threshold()):
         record["inline"] = data
         return record
     client = plane.payload_client() if plane is not None else None
@@ -416,7 +418,9 @@ def _namespace(client: Any) -> str:
     known = _NAMESPACES.get(id(client))
     if known is not None and known[0] is client:
         return known[1]
-    who = client.request("GET", "/v1/ops/whoami", as_json=True)
+    from dreamlake.lakeshore.protocol.routes import WHOAMI
+
+    who = client.request("GET", WHOAMI, as_json=True)
     namespace = str((who or {}).get("namespace") or "default")
     _NAMESPACES[id(client)] = (client, namespace)
     return namespace

@@ -4,23 +4,9 @@ A decorated function stays an ordinary function locally: calling it runs it in t
 builds no Envelope. Whether the function is a generator function is decided once, at decoration: a
 call returns a value or a lazy iterator; a generator call runs nothing until it is pulled.
 
-Run context. Every call carries a small, immutable :class:`RunState` in a context variable: the
-invocation id (``None`` for a local call outside any invocation), the key prefix built by
-``scope`` blocks, and the name of the UDF whose body is executing. For a generator call the state
-lives in a private :class:`contextvars.Context` captured at call time, and that context is entered
-only around each ``next()`` / ``send()`` / ``throw()`` / ``close()`` (and the close of a generator
-dropped mid-iteration): a ``scope`` opened inside the body never leaks into the consumer between
-two pulls, and a scope the consumer opens later does not reach into the body.
-
-``run`` (exported as ``dls.run``) reads that state:
-
-* ``run.id`` -- the invocation id inside a remote invocation (worker or entry), else ``None``.
-* ``run.prefix`` -- the current key prefix: the submitter's ``scope`` prefix carried by the
-  Envelope, joined with every ``scope`` opened since; ``""`` when there is none.
-* ``run.key(name)`` -- ``"<prefix>/<name>"`` (just ``name`` without a prefix): the one way a body
-  names the objects it writes, so the same code writes under ``scenes/0007/...`` when submitted
-  inside ``dls.scope("scenes/0007")`` and at the top level otherwise.
-* ``run.name`` -- the qualified name of the UDF body executing, else ``None``.
+Run context and key scopes (``scope``, ``run``, :class:`RunState`) are :mod:`.scopes`; sending
+calls in batches (``UDF.map``, ``submit_all``, :class:`Calls`) and the checks of a call's routing
+options are :mod:`.calls`. Both are re-exported here under their old names.
 
 ``.submit()`` sends a call to a dispatch plane (``.call()`` sends it and waits for its value: one
 request over HTTP): the ``_dispatch`` argument, else the plane given to
@@ -35,21 +21,43 @@ This module is what a user's module imports inside a sandbox, so it is part of t
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-import math
 import types
 from collections import namedtuple
-from collections.abc import Generator, Mapping
+from collections.abc import Mapping
 
+from dreamlake.lakeshore.calls import (
+    Calls,
+    _cfg,
+    _check_key,
+    _check_not_before,
+    _check_priority,
+    _check_queue,
+    _check_selector,
+    _retry_names,
+    _submit_calls,
+    _warn_if_pickled,
+    check_async_plane,
+    submit_all,
+)
 from dreamlake.lakeshore.default_dispatch import get_default_dispatch as get_default_dispatch
 from dreamlake.lakeshore.default_dispatch import set_default_dispatch as set_default_dispatch
-from dreamlake.lakeshore.errors import PlaneError, Unavailable
+from dreamlake.lakeshore.scopes import (
+    _CODE,
+    _INHERIT,
+    _STATE,
+    LocalGenerator,
+    RunState,
+    _check_code,
+    invocation_context,
+    run,
+    scope,
+    set_default_code,
+)
 
 TYPE_CHECKING = False  # typing, dataclasses, inspect and logging cost every invocation's start-up
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable
     from typing import Any, NamedTuple, overload
 
     from dreamlake.lakeshore.dispatch import Plane
@@ -73,219 +81,12 @@ __all__ = [
 
 TRANSPORTS = ("auto", "ref", "pickle")
 DEFAULT_QUEUE = "default"
-MAP_CHUNK = 500  # calls of a map built and sent together (one submit-batch request over HTTP)
 _CO_GENERATOR = 0x20
 _CO_COROUTINE = 0x80
 _CO_ASYNC_GENERATOR = 0x200
 
 
-# --- run context ----------------------------------------------------------------------------------
-
-
-if TYPE_CHECKING:
-
-    class _RunFields(NamedTuple):
-        id: str | None = None
-        prefix: str = ""
-        name: str | None = None
-
-else:
-    _RunFields = namedtuple("_RunFields", ("id", "prefix", "name"), defaults=(None, "", None))
-
-
-class RunState(_RunFields):
-    """What ``dls.run`` reports: invocation id, key prefix, executing UDF name (immutable)."""
-
-    __slots__ = ()
-
-
-_STATE: contextvars.ContextVar[RunState] = contextvars.ContextVar(
-    "lakeshore_run",
-    default=RunState(),  # noqa: B039 (RunState is immutable)
-)
-
-
-def _check_segment_path(value: object, what: str) -> str:
-    """A ``/``-separated relative path without empty, ``.`` or ``..`` segments."""
-    if not isinstance(value, str):
-        raise TypeError(f"{what} must be a str like 'scenes/0007', got {type(value).__name__}")
-    path = value.strip("/")
-    if not path:
-        raise ValueError(f"{what} {value!r} is empty: pass a name like 'scenes/0007'")
-    for part in path.split("/"):
-        if part in ("", ".", ".."):
-            raise ValueError(
-                f"{what} {value!r} has an empty, '.' or '..' segment: use plain names joined by '/'"
-            )
-    return path
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}/{name}" if prefix else name
-
-
-_INHERIT = "<inherit>"  # a udf or scope that does not say what code it ships
-# What the calls captured inside ``scope(code=...)`` ship, unless their udf says: "auto", None or paths.
-_CODE: contextvars.ContextVar[Any] = contextvars.ContextVar("lakeshore_code", default=_INHERIT)
-
-
-def _check_code(code: object) -> Any:
-    if code == _INHERIT:
-        return code
-    from dreamlake.lakeshore.codeship import normalize_code
-
-    return normalize_code(code)
-
-
-def set_default_code(code: Any = _INHERIT) -> None:
-    """The code every call ships when neither its udf nor a scope says: ``"auto"`` (the default),
-    ``None`` or a list of paths (see :mod:`dreamlake.lakeshore.codeship`); no argument: back to
-    ``LAKESHORE_CODE``."""
-    from dreamlake.lakeshore import codeship
-
-    if code == _INHERIT:
-        codeship.set_default_code()
-    else:
-        codeship.set_default_code(code)
-
-
-@contextlib.contextmanager
-def scope(prefix: str | None = None, *, code: Any = _INHERIT) -> Iterator[str]:
-    """Open a key scope: ``run.key(name)`` and submitted calls inside it resolve under ``prefix``.
-
-    Scopes nest by joining: ``scope("scenes")`` then ``scope("0007")`` gives ``"scenes/0007"``.
-    Yields the full prefix. ``code=`` (``"auto"``, ``None`` or a list of paths) is what the calls
-    submitted inside ship, unless their ``@udf(code=...)`` says; ``scope(code=...)`` alone keeps
-    the prefix.
-    """
-    state = _STATE.get()
-    full = (
-        state.prefix if prefix is None else _join(state.prefix, _check_segment_path(prefix, "scope prefix"))
-    )
-    if prefix is None and code == _INHERIT:
-        raise ValueError("scope() needs a prefix like 'scenes/0007', code=..., or both")
-    token = _STATE.set(state._replace(prefix=full))
-    code_token = _CODE.set(_check_code(code)) if code != _INHERIT else None
-    try:
-        yield full
-    finally:
-        if code_token is not None:
-            _CODE.reset(code_token)
-        _STATE.reset(token)
-
-
-class _Run:
-    """``dls.run``: the state of the call executing now (see the module docstring)."""
-
-    __slots__ = ()
-
-    @property
-    def id(self) -> str | None:
-        """The invocation id inside a remote invocation; ``None`` for a local call."""
-        return _STATE.get().id
-
-    @property
-    def prefix(self) -> str:
-        """The key prefix in force: Envelope prefix joined with open ``scope`` blocks, or ``""``."""
-        return _STATE.get().prefix
-
-    @property
-    def name(self) -> str | None:
-        """The qualified name of the UDF whose body is executing, else ``None``."""
-        return _STATE.get().name
-
-    def key(self, name: str) -> str:
-        """``"<prefix>/<name>"`` (``name`` alone without a prefix); ``name`` is a relative path."""
-        return _join(_STATE.get().prefix, _check_segment_path(name, "run key"))
-
-    def __repr__(self) -> str:
-        state = _STATE.get()
-        return f"<dls.run id={state.id!r} prefix={state.prefix!r} name={state.name!r}>"
-
-
-run = _Run()
-
-
-@contextlib.contextmanager
-def invocation_context(envelope: Envelope) -> Iterator[RunState]:
-    """The run state of a remote invocation, around its call (used by workers and the entry)."""
-    fn = envelope.fn if isinstance(envelope.fn, dict) else {}
-    state = RunState(id=envelope.id, prefix=envelope.prefix or "", name=fn.get("qualname"))
-    token = _STATE.set(state)
-    try:
-        yield state
-    finally:
-        _STATE.reset(token)
-
-
-# --- local generator calls ------------------------------------------------------------------------
-
-
-if TYPE_CHECKING:
-    _GeneratorBase = Generator[Any, Any, Any]
-else:
-    _GeneratorBase = Generator
-
-
-class LocalGenerator(_GeneratorBase):
-    """A local generator call: the body runs in its own context, entered only around each pull."""
-
-    __slots__ = ("_ctx", "_gen")
-
-    def __init__(self, fn: Callable[..., Generator[Any, Any, Any]], name: str, args: Any, kwargs: Any):
-        ctx = contextvars.copy_context()
-        ctx.run(_STATE.set, ctx.run(_STATE.get)._replace(name=name))
-        self._ctx = ctx
-        self._gen = fn(*args, **kwargs)  # creating a generator object runs none of its body
-
-    def __iter__(self) -> LocalGenerator:
-        return self
-
-    def __next__(self) -> Any:
-        return self._ctx.run(next, self._gen)
-
-    def send(self, value: Any) -> Any:
-        return self._ctx.run(self._gen.send, value)
-
-    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
-        if val is None and tb is None:
-            return self._ctx.run(self._gen.throw, typ)
-        return self._ctx.run(self._gen.throw, typ, val, tb)
-
-    def close(self) -> None:
-        self._ctx.run(self._gen.close)
-
-    def __del__(self) -> None:
-        # Dropped while paused: close the body here, inside its own context. Left to the body's own
-        # finaliser it would run in whatever context collects it, and every ``scope`` still open in
-        # the body would fail to reset its token ("created in a different Context").
-        gen = getattr(self, "_gen", None)  # absent when the call itself raised
-        if gen is not None and gen.gi_frame is not None and not gen.gi_running:
-            self._ctx.run(gen.close)
-
-    def __repr__(self) -> str:
-        return f"<lakeshore local generator {getattr(self._gen, '__qualname__', '?')}>"
-
-
 # --- UDF and Thunk --------------------------------------------------------------------------------
-
-
-def _check_queue(queue: object) -> str:
-    if not isinstance(queue, str) or not queue:
-        raise ValueError(f"queue must be a non-empty str like 'gpu', got {queue!r}")
-    return queue
-
-
-def _check_priority(priority: object) -> float:
-    if isinstance(priority, bool) or not isinstance(priority, (int, float)) or not math.isfinite(priority):
-        raise ValueError(f"priority must be a finite number (higher runs first), got {priority!r}")
-    return float(priority)
-
-
-def _check_key(key: object) -> str | None:
-    if key is not None and (not isinstance(key, str) or not key):
-        raise ValueError(f"key (the idempotency key) must be a non-empty str or None, got {key!r}")
-    return key
 
 
 def _code_flags(fn: object) -> int:
@@ -303,16 +104,6 @@ def _code_flags(fn: object) -> int:
 
 def _is_generator_function(fn: object) -> bool:
     return bool(_code_flags(fn) & _CO_GENERATOR)
-
-
-def check_async_plane(udf: UDF, plane: Plane) -> None:
-    """TypeError when ``udf`` is an ``async def`` and ``plane`` cannot run one (a plane says it
-    can with ``runs_async = True``: both of the SDK's planes, and every runner of nymph)."""
-    if udf.is_async and not plane.runs_async:
-        raise TypeError(
-            f"{udf.__qualname__} is an async def, and the plane {plane!r} cannot run one (it does "
-            "not declare runs_async = True): use Dispatch or HttpDispatch, or make it a plain def"
-        )
 
 
 if TYPE_CHECKING:
@@ -350,32 +141,6 @@ else:
         ),
         defaults=(_INHERIT, None, None, None),
     )
-
-
-def _check_selector(selector: Any) -> dict[str, str] | None:
-    if selector is None:
-        return None
-    if not isinstance(selector, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in selector.items()
-    ):
-        raise ValueError(
-            f"selector must map label names to values, e.g. {{'pool': 'a'}}; got {selector!r:.60}"
-        )
-    return dict(selector)
-
-
-def _check_not_before(when: Any) -> float | None:
-    """``_not_before``: a datetime (naive: local time) or seconds from now, as epoch seconds."""
-    import datetime
-    import time
-
-    if when is None:
-        return None
-    if isinstance(when, datetime.datetime):
-        return when.timestamp()
-    if isinstance(when, bool) or not isinstance(when, (int, float)) or not when == when:
-        raise ValueError(f"_not_before must be a datetime or seconds from now, got {when!r:.40}")
-    return time.time() + float(when)
 
 
 class Thunk(_ThunkFields):
@@ -734,151 +499,6 @@ class UDF:
     def __repr__(self) -> str:
         kind = "generator " if self.is_generator else ""
         return f"<dls.udf {kind}{self.__module__}.{self.__qualname__} queue={self.queue!r}>"
-
-
-class Calls(list):  # type: ignore[type-arg]  # list[Invocation], subclassed at runtime on Python 3.9
-    """The calls of a :meth:`UDF.map` (or :func:`submit_all`), in input order: a list of
-    :class:`~dreamlake.lakeshore.handles.Invocation` s (invocation ids, as ``submit()`` returns
-    them one by one; None where a call was refused), and the plane they went to."""
-
-    def __init__(self, ids: Any = (), dispatch: Plane | None = None) -> None:
-        super().__init__(ids)
-        self.dispatch = dispatch
-
-    def results(
-        self, timeout: float = 60.0, *, return_exceptions: bool = False, progress: bool | str = False
-    ) -> Iterator[Any]:
-        """Each call's value, in input order (``timeout`` is the wait for the next one;
-        TimeoutError past it). The outcomes are read in batches of up to 1,000 calls per request
-        (``dls.as_completed`` has them in the order they end). A failed call raises its
-        DispatchError, or with ``return_exceptions`` is yielded as it, in its place.
-        ``progress``: a bar with done / failed / running counts (True: tqdm, rich or text)."""
-        from dreamlake.lakeshore.handles import handles, results_in_order
-
-        return results_in_order(handles(self, self.dispatch), timeout, return_exceptions, progress)
-
-
-def submit_all(thunks: Any, dispatch: Plane | None = None) -> Calls:
-    """Submit many captured calls (``f.thunk(...)``, of any udfs) together: in batches of
-    ``MAP_CHUNK`` as :meth:`UDF.map` does, each call with its own queue, priority, key and code.
-    Returns :class:`Calls`; a refusal raises as in :meth:`UDF.map`. ``dispatch``: the plane for
-    every call, else each udf's own, else the default."""
-    out = Calls(dispatch=dispatch)
-    chunk: list[tuple[Any, ...]] = []
-    plane: Plane | None = None
-    # one code record per (udf, code, plane), each a walk of the shipped files; the udf and the
-    # plane are kept beside it, so their ids stay theirs
-    records: dict[tuple[int, Any, int], tuple[Any, Any, Any]] = {}
-    for thunk in thunks:
-        target = dispatch or thunk.udf.dispatch or get_default_dispatch()
-        check_async_plane(thunk.udf, target)
-        if plane is not None and chunk and (target is not plane or len(chunk) >= MAP_CHUNK):
-            _send(plane, chunk, out)
-            chunk = []
-        plane = out.dispatch = target
-        mine = (id(thunk.udf), thunk.code, id(target))
-        if mine not in records:
-            records[mine] = (thunk.udf, target, thunk.code_record(target))
-        envelope = thunk.to_envelope(target, record=records[mine][2])
-        _warn_if_pickled(target, envelope.fn, thunk.queue, thunk.udf)
-        chunk.append((envelope, thunk.queue, thunk.run_config(), thunk.parent))
-    if plane is not None and chunk:
-        _send(plane, chunk, out)
-    return out
-
-
-def _submit_calls(plane: Plane, template: Thunk, args_of: Any) -> Calls:
-    """The calls of a map: ``template`` (a thunk without arguments) with each tuple of
-    ``args_of``; the function record and the code archive are made once for all of them."""
-    from dreamlake.lakeshore.envelope import Envelope, fn_for
-
-    udf = template.udf
-    record = template.code_record(plane)
-    fn = fn_for(udf, udf.transport)
-    _warn_if_pickled(plane, fn, template.queue, udf)
-    cfg = _cfg(udf, record)
-    from dreamlake.lakeshore.ids import new_ulid
-
-    # one id for the calls of this map: the dashboard shows them as one group with its progress
-    run_config = {**template.run_config(), "sweep": new_ulid()}
-    out = Calls(dispatch=plane)
-    chunk: list[tuple[Any, ...]] = []
-    for args in args_of:
-        envelope = Envelope.create(fn, args, prefix=template.prefix, cfg=cfg, parent=template.parent)
-        chunk.append((envelope, template.queue, run_config, template.parent))
-        if len(chunk) >= MAP_CHUNK:
-            _send(plane, chunk, out)
-            chunk = []
-    if chunk:
-        _send(plane, chunk, out)
-    return out
-
-
-def _send(plane: Plane, chunk: list[tuple[Any, ...]], out: Calls) -> None:
-    """Submit ``chunk`` (``(envelope, queue, run_config, parent)`` each) to ``plane`` in one batch
-    (``Plane.submit_batch``: one call each on a plane that keeps the default); the ids onto ``out``,
-    or raise the first refusal (see :meth:`UDF.map`)."""
-    results = plane.submit_batch(chunk)
-    from dreamlake.lakeshore.handles import Invocation
-
-    first = None
-    start = len(out)
-    for got, call in zip(results, chunk):  # noqa: B905 (Python 3.9 has no strict; one result per call)
-        if isinstance(got, PlaneError):
-            first = first or (len(out), got)
-            # unanswered (the retry window ran out): perhaps stored, so its id stays for a status
-            kept = got.invocation_id if isinstance(got, Unavailable) else None
-            out.append(Invocation(kept, plane, call[1]) if kept else None)
-        else:
-            out.append(Invocation(got, plane, call[1]))
-    if first is None:
-        return
-    index, err = first
-    refused = sum(1 for x in out[start:] if x is None)
-    new = type(err)(
-        f"call {index} of the map (invocation {err.invocation_id}) failed: {err}. "
-        f"{refused} of the {len(chunk)} calls of its batch were refused; the others, and every "
-        "call before the batch, were submitted (or, unanswered, perhaps stored: ask their status): "
-        "exc.invocation_ids holds their ids in input order (None: refused, not stored)",
-        err.status,
-    )
-    new.invocation_id = err.invocation_id
-    new.invocation_ids = list(out)
-    raise new
-
-
-def _warn_if_pickled(plane: Plane, fn: Any, queue: str, udf: UDF) -> None:
-    """A pickled call: the plane warns when it knows the queue's workers refuse pickles."""
-    if isinstance(fn, dict) and fn.get("kind") == "pickle":
-        plane.warn_if_pickles_refused(queue, udf.__qualname__)
-
-
-def _cfg(udf: UDF, record: Any) -> dict[str, Any] | None:
-    """The Envelope's ``cfg``: the code archive's record and the pip environment, when there are."""
-    cfg: dict[str, Any] = {}
-    if record is not None:
-        cfg["code"] = record
-    if udf.pip is not None:
-        cfg["pip"] = udf.pip
-    return cfg or None
-
-
-def _retry_names(retry_on: Any) -> list[str]:
-    """``retry_on`` (exception classes or their names) as the names run_config carries: the
-    control plane matches them against the failure's type and its base classes."""
-    if isinstance(retry_on, (str, type)):
-        retry_on = (retry_on,)
-    names: list[str] = []
-    for item in retry_on:
-        if isinstance(item, type) and issubclass(item, BaseException):
-            names.append(item.__name__)
-        elif isinstance(item, str) and item:
-            names.append(item)
-        else:
-            raise ValueError(
-                f"retry_on takes exception classes or their names, e.g. (TimeoutError, 'Timeout'), got {item!r}"
-            )
-    return names
 
 
 if TYPE_CHECKING:

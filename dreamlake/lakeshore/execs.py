@@ -20,6 +20,7 @@ from typing import Any
 
 from dreamlake.lakeshore import blobs, wire
 from dreamlake.lakeshore.client import PlaneClient
+from dreamlake.lakeshore.protocol import routes
 
 __all__ = ["ExecOutcome", "Execs"]
 
@@ -59,9 +60,6 @@ class Execs:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _route(self, tail: str) -> str:
-        return f"/v1/namespaces/{self.namespace}/{tail}"
-
     def submit(
         self,
         command: str,
@@ -76,14 +74,14 @@ class Execs:
         if timeout_s is not None:
             body["timeout_s"] = timeout_s
         if payload is not NO_RESULT:
-            from dreamlake.lakeshore.dispatch.http import inline_threshold_from_env
+            from dreamlake.lakeshore.protocol.limits import by_reference, inline_threshold_from_env
 
             data = wire.pack(payload)
-            if len(data) <= inline_threshold_from_env():
+            if not by_reference(len(data), inline_threshold_from_env()):
                 body["payloadInline"] = base64.b64encode(data).decode("ascii")
             else:
                 body["payloadRef"] = blobs.put(self._client, self.namespace, data)
-        out = self._client.request("POST", self._route("exec"), body, as_json=True)
+        out = self._client.request("POST", routes.exec_(self.namespace), body, as_json=True)
         return str(out["exec_id"])
 
     def result(self, exec_id: str, *, wait: float = 60.0) -> ExecOutcome:
@@ -93,7 +91,7 @@ class Execs:
             left = max(0.0, deadline - time.monotonic())
             out = self._client.request(
                 "GET",
-                self._route(f"jobs/{exec_id}/result"),
+                routes.job_result(self.namespace, exec_id),
                 as_json=True,
                 params={"wait": min(left, WAIT_S)},
                 timeout_s=min(left, WAIT_S) + 10.0,
@@ -109,7 +107,7 @@ class Execs:
         """The whole ``stream`` (``stdout`` or ``stderr``) of a done exec job, from the exec output
         archive (the result's ``stdout`` / ``stderr`` hold only their last 1 MiB); NotFound when
         it printed nothing."""
-        route = self._route(f"jobs/{exec_id}/output/{stream}")
+        route = routes.job_output(self.namespace, exec_id, stream)
         chunks = []
         with self._client.stream(route, timeout_s=120.0) as resp:
             for piece in resp.iter_bytes():

@@ -15,6 +15,7 @@ import httpx
 
 from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.client import PlaneClient
+from dreamlake.lakeshore.protocol import routes
 
 
 class OpsClient:
@@ -52,29 +53,27 @@ class OpsClient:
     # -- secrets (server/secrets.py): names and times only come back, never a value -------------
 
     def secret_set(self, namespace: str, name: str, value: str) -> None:
-        self._client.request(
-            "PUT", f"/v1/namespaces/{namespace}/secrets/{name}", {"value": value}, as_json=True
-        )
+        self._client.request("PUT", routes.secret(namespace, name), {"value": value}, as_json=True)
 
     def secret_names(self, namespace: str) -> list[dict[str, Any]]:
-        return list(self._request("GET", f"/v1/namespaces/{namespace}/secrets")["secrets"])
+        return list(self._request("GET", routes.secrets(namespace))["secrets"])
 
     def secret_remove(self, namespace: str, name: str) -> None:
-        self._request("DELETE", f"/v1/namespaces/{namespace}/secrets/{name}")
+        self._request("DELETE", routes.secret(namespace, name))
 
     def whoami(self) -> dict[str, Any]:
-        return self._request("GET", "/v1/ops/whoami")
+        return self._request("GET", routes.WHOAMI)
 
     def queues(self) -> list[dict[str, Any]]:
         return list(self.queue_listing()["queues"])
 
     def queue_listing(self) -> dict[str, Any]:
         """``{"queues": [...], "key_limits": [{key, max_concurrency, running}], ...}``."""
-        return self._request("GET", "/v1/ops/queues")
+        return self._request("GET", routes.QUEUES)
 
     def workers(self, *, live: bool = False, limit: int = 100, cursor: str | None = None) -> dict[str, Any]:
         params = {"live": "1" if live else None, "limit": limit, "cursor": cursor}
-        return self._request("GET", "/v1/ops/workers", params)
+        return self._request("GET", routes.WORKERS, params)
 
     def all_workers(self, *, live: bool = False) -> Iterator[dict[str, Any]]:
         cursor: str | None = None
@@ -105,19 +104,19 @@ class OpsClient:
             "cursor": cursor,
             "sweep": sweep,
         }
-        return self._request("GET", "/v1/ops/invocations", params)
+        return self._request("GET", routes.INVOCATIONS, params)
 
     def invocation(self, invocation_id: str) -> dict[str, Any]:
         inv = ids.validate(invocation_id, "invocation id")
-        return self._request("GET", f"/v1/ops/invocations/{inv}")
+        return self._request("GET", routes.ops_invocation(inv))
 
     def cancel(self, invocation_id: str) -> str:
         inv = ids.validate(invocation_id, "invocation id")
-        return str(self._request("POST", f"/v1/ops/invocations/{inv}/cancel")["state"])
+        return str(self._request("POST", routes.ops_cancel(inv))["state"])
 
     def set_queue_limit(self, queue: str, max_running: int | None) -> dict[str, Any]:
         """Cap the calls of ``queue`` running at once across the fleet (None: clear); admin only."""
-        path = f"/v1/ops/queues/{queue}/limit"
+        path = routes.queue_limit(queue)
         if max_running is None:
             out = self._client.request("DELETE", path, as_json=True)
         else:

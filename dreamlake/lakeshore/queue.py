@@ -385,9 +385,7 @@ class SyncQueue:
         deadline = time.monotonic() + _check_timeout(timeout)
         return self._settle(inv, None, deadline, timeout)
 
-    def call(
-        self, envelope: Envelope | bytes, run_config: dict[str, Any], parent: str | None, timeout: float
-    ) -> Any:
+    def call(self, envelope: Envelope, run_config: dict[str, Any], parent: str | None, timeout: float) -> Any:
         """Submit ``envelope`` to this queue and wait for its value (``Thunk.call``): one request
         on a plane that submits and waits at once (the HTTP plane's ``submit_and_wait``), else a
         submit, then ``result``."""

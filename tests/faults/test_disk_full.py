@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from dreamlake.lakeshore.envelope import Envelope
 from tests.conftest import REQUIRE_SERVICES
 from tests.faults.stack import Nymph, Producer, Tally, ref, stack, until, wait_all
 
@@ -203,7 +204,11 @@ def test_the_sqlite_stores_disk_full_is_a_503_store_full_and_a_generator_finishe
             # the SDK retries it as an outage, and its final error names the cause
             sdk = HttpDispatch(server.url, producer.token, retry_window=3.0)
             with pytest.raises(errors.Unavailable) as raised:
-                sdk.submit(ref("double", str(marks), "sdk", 1, 0.0, "x" * 200_000), "default", {})
+                sdk.submit(
+                    Envelope.from_bytes(ref("double", str(marks), "sdk", 1, 0.0, "x" * 200_000)),
+                    "default",
+                    {},
+                )
             assert "retry window" in str(raised.value) and "store full: " in str(raised.value), raised.value
             answer = httpx.get(server.url + "/healthz", timeout=10)
             assert answer.status_code == 503 and answer.json()["error"].startswith("store full: "), (

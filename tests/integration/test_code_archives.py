@@ -190,7 +190,7 @@ def test_an_archive_over_the_threshold_goes_by_ref_once_and_a_tampered_blob_is_r
         record = envelope.cfg["code"]
         assert "inline" not in record and record["ref"]["sha256"] == record["sha256"]
         tier.tamper(record["ref"]["key"], b"\0" * record["size"])
-        inv = plane.submit(envelope.to_bytes(), "default", {"queue": "default"}, None)
+        inv = plane.submit(envelope, "default", {"queue": "default"}, None)
         out = await_result(cp.url, cp.producer_token, inv)
         assert out["state"] == "failed", (out, n.output()[-3000:])
         assert out["error"]["type"] == "CodeArchiveRefused"

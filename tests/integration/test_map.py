@@ -75,13 +75,13 @@ def test_a_sweep_of_10000_calls_runs_each_once_and_every_result_arrives_once(
 ) -> None:
     cp = control_plane
     requests: list[str] = []
-    send = producer._call
+    send = producer._client.request  # every request of the plane goes through its one client
 
     def counting(method: str, path: str, body: Any = None, **kw: Any) -> Any:
         requests.append(path)
         return send(method, path, body, **kw)
 
-    producer._call = counting  # type: ignore[method-assign]
+    producer._client.request = counting  # type: ignore[method-assign]
     calls = square.map(range(SWEEP), _dispatch=producer)
     assert len(calls) == SWEEP and len(set(calls)) == SWEEP
     # 500 calls per request: 20 requests for the whole sweep, none of them a single submit

@@ -53,7 +53,9 @@ def test_register_answers_lease_and_heartbeat(control_plane: ControlPlane) -> No
             "slots": 2,
         },
     )
+    limits = out.pop("limits")  # what the control plane allows, as GET /v1/ops/info says it
     assert (status, out) == (200, {"worker_id": worker, "lease_s": 30.0, "heartbeat_s": 10.0})
+    assert limits["acks_per_poll"] == 256 and limits["inline_threshold_bytes"] is None  # no payload store
 
 
 def test_run_command_body_is_exact(control_plane: ControlPlane) -> None:
@@ -291,7 +293,7 @@ def test_end_or_error_closes_the_stream_whatever_final_says(
 
     # the local plane agrees
     with Dispatch(":memory:") as local:
-        inv = local.submit(Envelope.create(fn_for(len)).to_bytes(), "default", {})
+        inv = local.submit(Envelope.create(fn_for(len)), "default", {})
         local_worker = new_ulid()
         claim = local.claim(local_worker, ["default"], 5.0)
         assert claim is not None

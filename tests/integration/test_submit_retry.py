@@ -78,7 +78,7 @@ def test_submits_outlast_a_kill_9_and_restart_and_each_call_is_stored_once(kind:
                 envelope = thunk.to_envelope()
                 envelope_ids.append(envelope.id)
                 try:
-                    returned.append(plane.submit(envelope.to_bytes(), QUEUE, thunk.run_config()))
+                    returned.append(plane.submit(envelope, QUEUE, thunk.run_config()))
                 except PlaneError as exc:
                     errors.append(exc)
                 time.sleep(0.02)
@@ -105,16 +105,16 @@ def test_a_retried_submit_returns_the_same_invocation_and_queues_no_second(tmp_p
     db = str(tmp_path / "plane.db")
     with server_process(db, tmp_path) as (_proc, url, token), HttpDispatch(url, token) as plane:
         thunk = square.thunk(7)
-        data = thunk.to_envelope().to_bytes()
-        first = plane.submit(data, QUEUE, thunk.run_config())
-        again = plane.submit(data, QUEUE, thunk.run_config())  # the answer was lost: the SDK retries
-        assert again == first == Envelope.header(data)["id"]
+        envelope = thunk.to_envelope()
+        first = plane.submit(envelope, QUEUE, thunk.run_config())
+        again = plane.submit(envelope, QUEUE, thunk.run_config())  # the answer was lost: the SDK retries
+        assert again == first == envelope.id
         # the same id with other content is refused, naming the id: never a silent second call
         other = square.thunk(8).to_envelope()
         forged = Envelope.from_bytes(other.to_bytes())
         forged.id = first
         with pytest.raises(Conflict, match=first) as caught:
-            plane.submit(forged.to_bytes(), QUEUE, thunk.run_config())
+            plane.submit(forged, QUEUE, thunk.run_config())
         assert caught.value.invocation_id == first
     assert _stored(db) == {first: 1}
 
@@ -122,9 +122,9 @@ def test_a_retried_submit_returns_the_same_invocation_and_queues_no_second(tmp_p
 def test_the_local_plane_takes_a_retried_submit_once() -> None:
     plane = dls.Dispatch(":memory:")
     thunk = square.thunk(3)
-    data = thunk.to_envelope().to_bytes()
-    first = plane.submit(data, QUEUE, thunk.run_config())
-    assert plane.submit(data, QUEUE, thunk.run_config()) == first
+    envelope = thunk.to_envelope()
+    first = plane.submit(envelope, QUEUE, thunk.run_config())
+    assert plane.submit(envelope, QUEUE, thunk.run_config()) == first
     assert [i.invocation_id for i in plane.store.list_invocations(None, queue=QUEUE).invocations] == [first]
 
 
@@ -132,12 +132,12 @@ def test_a_submit_that_outlasts_the_window_carries_its_invocation_id() -> None:
     port = free_port()  # nothing listens there
     plane = HttpDispatch(f"http://127.0.0.1:{port}", "lsk_test", retry_window=1.0)
     thunk = square.thunk(5)
-    data = thunk.to_envelope().to_bytes()
+    envelope = thunk.to_envelope()
     started = time.monotonic()
     with pytest.raises(Unavailable) as caught:
-        plane.submit(data, QUEUE, thunk.run_config())
+        plane.submit(envelope, QUEUE, thunk.run_config())
     waited = time.monotonic() - started
-    inv = Envelope.header(data)["id"]
+    inv = envelope.id
     assert caught.value.invocation_id == inv
     assert inv in str(caught.value) and "status" in str(caught.value)
     assert 1.0 <= waited < 10.0  # it retried for its window, then gave up

@@ -259,6 +259,8 @@ def request_for(w: World, route: RouteAuth, kind: str, own: bool) -> Request:
             return "POST", "/v1/daemon/secrets", body, "msgpack"
         case "ops.whoami":
             return route.method, "/v1/ops/whoami", None if route.method == "GET" else {}, "json"
+        case "ops.info":
+            return "GET", "/v1/ops/info", None, "json"
         case "ops.queues" | "ops.workers" | "ops.invocations":
             return "GET", "/v1/ops/" + route.handler.removeprefix("ops.") + f"?namespace={ns}", None, "json"
         case "ops.invocation":

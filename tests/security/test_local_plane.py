@@ -24,7 +24,7 @@ def planes(tmp_path: Path) -> Iterator[tuple[Dispatch, Dispatch]]:
 
 
 def _submit(plane: Dispatch, queue: str = "q", **run_config: object) -> str:
-    return plane.submit(Envelope.create(fn_for(len)).to_bytes(), queue, dict(run_config))
+    return plane.submit(Envelope.create(fn_for(len)), queue, dict(run_config))
 
 
 def test_a_plane_sees_and_claims_its_namespace_only(planes: tuple[Dispatch, Dispatch]) -> None:

@@ -222,6 +222,7 @@ CLIENT_SIDE = (
     "dreamlake.lakeshore.blobs",
     "dreamlake.lakeshore.codeship",
     "dreamlake.lakeshore.dispatch.http",
+    "dreamlake.lakeshore.protocol",
     "dreamlake.lakeshore.decorator",
     "dreamlake.lakeshore.queue",
     "dreamlake.lakeshore.envelope",

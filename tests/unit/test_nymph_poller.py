@@ -120,3 +120,19 @@ def test_poll_soon_while_every_slot_is_busy_or_a_poll_follows_a_claim(tmp_path: 
     poller._poll_once(1)  # it claimed: the next poll in flight will be answered at once
     poller._in_flight = True
     assert poller.poll_soon()
+
+
+def test_a_poll_carries_as_many_acks_as_the_control_plane_says_it_takes(tmp_path: Path) -> None:
+    from dreamlake.lakeshore.protocol.limits import ServerLimits
+
+    acks = [{**ACK, "invocation_id": f"01J{n:023d}"} for n in range(300)]
+    outbox = FakeOutbox(acks)
+    client = FakeClient([])
+    poller = _poller(tmp_path, client, outbox)
+    # the register answer's limits (a control plane that says nothing: the default, 256)
+    poller.limits = ServerLimits.from_answer({"limits": {"acks_per_poll": 256}})
+    poller._poll_once(1)
+    assert len(client.bodies[0]["acks"]) == 256  # the server's limit, not a smaller one of nymph's
+    poller.limits = ServerLimits.from_answer({"limits": {"acks_per_poll": 10}})
+    poller._poll_once(1)
+    assert len(client.bodies[-1]["acks"]) == 10  # a control plane that takes fewer gets fewer

@@ -64,7 +64,7 @@ def test_cancel_reaches_descendants_unless_told_not_to(q: dls.SyncQueue) -> None
 
     def submit(parent: str | None = None) -> str:
         env = Envelope.create({"kind": "ref", "module": "m", "qualname": "f", "src_hash": None}, ())
-        return plane.submit(env.to_bytes(), "render", {"queue": "render"}, parent)
+        return plane.submit(env, "render", {"queue": "render"}, parent)
 
     root = submit()
     child = submit(root)

@@ -47,7 +47,7 @@ def test_the_lazy_exports_resolve_to_their_real_types(tmp_path: Path) -> None:
         "dreamlake.lakeshore.handles.Invocation",
         "Any",  # a udf's value: the SDK does not track the body's return type
         "dreamlake.lakeshore.queue.SyncQueue",
-        "dreamlake.lakeshore.decorator.Calls",
+        "dreamlake.lakeshore.calls.Calls",
         "set[dreamlake.lakeshore.handles.Invocation]",
         "typing.Iterator[dreamlake.lakeshore.handles.Invocation]",
         "dreamlake.lakeshore.dispatch.local.Dispatch",

@@ -77,6 +77,8 @@ RUNTIME_FILES = (
 #: (the HTTP plane; its httpx and tenacity come from the image, imported on first use).
 SDK_FILES = (
     "dreamlake/lakeshore/decorator.py",
+    "dreamlake/lakeshore/scopes.py",
+    "dreamlake/lakeshore/calls.py",
     "dreamlake/lakeshore/default_dispatch.py",
     "dreamlake/lakeshore/runenv.py",
     "dreamlake/lakeshore/handles.py",
@@ -91,6 +93,13 @@ SDK_FILES = (
     "dreamlake/lakeshore/keepalive.py",
     "dreamlake/lakeshore/dispatch/__init__.py",
     "dreamlake/lakeshore/dispatch/http.py",
+    "dreamlake/lakeshore/dispatch/http_worker.py",
+    "dreamlake/lakeshore/protocol/__init__.py",
+    "dreamlake/lakeshore/protocol/routes.py",
+    "dreamlake/lakeshore/protocol/limits.py",
+    "dreamlake/lakeshore/protocol/shapes.py",
+    "dreamlake/lakeshore/protocol/daemon.py",
+    "dreamlake/lakeshore/protocol/producer.py",
     "dreamlake/lakeshore/dispatch/batching.py",
 )
 BUNDLED_FILES = RUNTIME_FILES + SDK_FILES

@@ -58,12 +58,12 @@ class Producer(Protocol):
 
     def submit(
         self,
-        envelope: Envelope | bytes,
+        envelope: Envelope,
         queue: str,
         run_config: dict[str, Any],
         parent: str | None = None,
     ) -> str:
-        """Queue an invocation (``envelope``: the Envelope, or its bytes); returns its id, or the id
+        """Queue an invocation (its id is the Envelope's); returns its id, or the id
         of the existing invocation when ``run_config["key"]`` matched one on the same queue."""
         ...
 
@@ -86,7 +86,7 @@ class Producer(Protocol):
 
     def submit_and_wait(
         self,
-        envelope: Envelope | bytes,
+        envelope: Envelope,
         queue: str,
         run_config: dict[str, Any],
         parent: str | None,

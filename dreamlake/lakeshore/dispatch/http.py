@@ -12,20 +12,27 @@ the first one stored, never a second), chunks their seq, acks their attempt. A s
 outlasts the window raises with ``invocation_id`` set: the call may have been stored, so ask for its
 status, or submit the same Envelope again (never a new one, which would run the call twice).
 
-Frames go in batches (``POST /v1/daemon/result-chunks``, one request per batch) through a frame
-writer (:mod:`~dreamlake.lakeshore.dispatch.batching`); an ack waits for its frames.
+Every route, body and timeout is the protocol package's (:mod:`dreamlake.lakeshore.protocol`):
+the plane's one client is a :class:`~dreamlake.lakeshore.protocol.producer.ProducerClient` and a
+:class:`~dreamlake.lakeshore.protocol.daemon.DaemonClient` over one connection. This module is the
+producer plane; the worker plane (claims, frames, acks, heartbeats) and the payload store both
+share are ``dispatch/http_worker.py``.
 
 Streams follow ``GET .../result/stream?since=`` and reassemble frames with ``wire.FrameReader``; a
 dropped connection resumes from the last seq seen, so a consumer never sees a gap or a duplicate.
 
-Big payloads go by reference (seed 003, docs/protocol.md "Payload refs"): an Envelope over the
-inline threshold (``INLINE_THRESHOLD_BYTES``, 256 KiB, or ``inline_threshold=``) is uploaded
-through the presign route (:mod:`~dreamlake.lakeshore.blobs`) and submitted as ``args_ref``; a
-``result_ref`` in an await answer, an ``args_ref`` in a claim and a frame whose body is ``{"ref":
-...}`` are downloaded (sha256 checked) before the caller sees them, so ``q.result(inv)`` returns
-the value either way. As a worker, results and frame bodies over the control plane's threshold
-(its register answer) go up the same way. A control plane without a payload store (presign answers
-501) keeps everything inline.
+Big payloads go by reference (seed 003, docs/protocol.md "Payload refs", the one rule
+:func:`~dreamlake.lakeshore.protocol.limits.by_reference`): an Envelope over the inline threshold
+(``INLINE_THRESHOLD_BYTES``, 256 KiB, or ``inline_threshold=``; a control plane with a lower one
+answers 413 and the call goes again by reference) is uploaded through the presign route
+(:mod:`~dreamlake.lakeshore.blobs`) and submitted as ``args_ref``; a ``result_ref`` in an await
+answer, an ``args_ref`` in a claim and a frame whose body is ``{"ref": ...}`` are downloaded
+(sha256 checked) before the caller sees them, so ``q.result(inv)`` returns the value either way.
+A control plane without a payload store (presign answers 501) keeps everything inline.
+
+Batch sizes are bounded by the control plane's limits (``GET /v1/ops/info``, asked once, on the
+first batch): a submit batch holds at most ``SUBMIT_BATCH_ITEMS`` calls and ``SUBMIT_BATCH_BYTES``
+of Envelopes, fewer where the control plane allows fewer.
 
 An HTTP plane is outside the local trust domain: ``trusted = False``.
 """
@@ -33,63 +40,47 @@ An HTTP plane is outside the local trust domain: ``trusted = False``.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import envvars, ids
-from dreamlake.lakeshore.client import (
-    DEFAULT_RETRY_WINDOW_S,
-    RETRY_WINDOW_ENV,
-    PlaneClient,
-    error_for,
-    is_retryable,
-)
-from dreamlake.lakeshore.dispatch import NATIVE_FUNCTION, Claim, Plane, error_ends_stream
+from dreamlake.lakeshore.client import DEFAULT_RETRY_WINDOW_S, RETRY_WINDOW_ENV, error_for, is_retryable
+from dreamlake.lakeshore.dispatch import NATIVE_FUNCTION, Plane, error_ends_stream
 from dreamlake.lakeshore.dispatch.batching import FrameWriter
-from dreamlake.lakeshore.errors import BadRequest, Conflict, NotFound, PlaneError, Unavailable
+from dreamlake.lakeshore.dispatch.http_worker import ACK_TRIES, HttpWorkerPlane, PlaneRoutes
+from dreamlake.lakeshore.errors import BadRequest, NotFound, PlaneError, Unavailable
+from dreamlake.lakeshore.protocol import routes
+from dreamlake.lakeshore.protocol.daemon import SLACK_S
+from dreamlake.lakeshore.protocol.limits import (
+    ServerLimits,
+    by_reference,
+    inline_threshold_from_env,
+)
 from dreamlake.lakeshore.states import TERMINAL_STATES
 
 if TYPE_CHECKING:
     import httpx
 
+    from dreamlake.lakeshore.client import PlaneClient
     from dreamlake.lakeshore.envelope import Envelope
     from dreamlake.lakeshore.wire import Frame
 
-__all__ = ["HttpDispatch"]
+__all__ = ["ACK_TRIES", "HttpDispatch", "inline_threshold_from_env"]
 
 
 log = logging.getLogger(__name__)
 
-
-def _header_id(data: bytes | bytearray | memoryview) -> str:
-    """The invocation id in the header of Envelope bytes (submitted as bytes, not as an Envelope)."""
-    from dreamlake.lakeshore.envelope import Envelope
-
-    return str(Envelope.header(bytes(data))["id"])
-
-
-_SLACK_S = 10.0  # read-timeout margin over a server-side long poll
 _STREAM_RECONNECTS = 5
-POLL_ACKS_MAX = 256  # acks one poll carries at most (the control plane's limit)
-ACK_TRIES = 3  # polls an ack the store failed (5xx) rides before it is given up
 _WARNED: set[tuple[str, str]] = set()  # (control plane, queue) whose no-worker warning was logged
 # (control plane, queue) -> when its workers were last asked whether they run pickled functions
 _PICKLES_ASKED: dict[tuple[str, str], float] = {}
 PICKLES_ASK_EVERY_S = 30.0  # while no live worker serves the queue, ask again at most this often
-DEFAULT_INLINE_THRESHOLD_BYTES = envvars.DEFAULT_INLINE_THRESHOLD_BYTES  # seed 003
 # A submit batch (POST /v1/producer/submit-batch) holds at most this many calls and about this many
-# bytes of Envelopes: well under the server's caps (1,000 items, 110 MiB), big enough that a sweep
-# pays one request and one transaction per few hundred calls.
+# bytes of Envelopes (fewer where the control plane allows fewer): big enough that a sweep pays one
+# request and one transaction per few hundred calls, small enough that one is quick to retry.
 SUBMIT_BATCH_ITEMS = 500
-AWAIT_BATCH_MAX = 1000  # ids one await-batch request asks for at most (the control plane's limit)
 SUBMIT_BATCH_BYTES = 8 * 1024 * 1024
-
-
-def inline_threshold_from_env() -> int:
-    """``INLINE_THRESHOLD_BYTES`` of this process (the SDK's side of seed 003's knob), else 256 KiB."""
-    return envvars.inline_threshold()
 
 
 def _retry_window() -> float:
@@ -125,7 +116,7 @@ def _batch_failed(err: PlaneError, invocation_id: str, n: int) -> PlaneError:
     return new
 
 
-class HttpDispatch(Plane):
+class HttpDispatch(HttpWorkerPlane, Plane):
     """A control plane at ``url`` (``http://host:8470``), authenticated with a bearer ``token``.
 
     A transient failure is retried for ``retry_window`` seconds (default ``$LAKESHORE_RETRY_WINDOW``,
@@ -152,87 +143,44 @@ class HttpDispatch(Plane):
         if not isinstance(token, str) or not token:
             raise ValueError("a token is required: mint one with `lakeshore token create --kind producer`")
         window = _retry_window() if retry_window is None else float(retry_window)
-        self._client = PlaneClient(
+        self._client = PlaneRoutes(
             url, token, timeout_s=timeout, attempts=retries, window_s=window, transport=transport
         )
         self.url = self._client.url
         self.retries = self._client.attempts
         self.retry_window = window
-        self._registered: set[str] = set()
         self._frames = FrameWriter(self._write_frames)
-        self._later: dict[str, list[dict[str, Any]]] = {}  # worker id -> acks for its next poll
-        self._ack_tries: dict[str, int] = {}  # invocation id -> polls its ack rode and the store failed
+        self._init_worker()
         # payloads over this go by reference; None once the control plane said it has no store
         self.inline_threshold: int | None = (
             inline_threshold if inline_threshold is not None else inline_threshold_from_env()
         )
-        self._worker_threshold: int | None = None  # the control plane's, from the register answer
-        self._namespace: str | None = None
+        self._info: ServerLimits | None = None  # GET /v1/ops/info, asked on the first batch
 
-    # -- payloads by reference ----------------------------------------------------------------------
-
-    def namespace(self) -> str:
-        """The namespace this token acts in (presign routes name it): asked once, ``whoami``."""
-        if self._namespace is None:
-            who = self._client.request("GET", "/v1/ops/whoami", as_json=True)
-            self._namespace = str((who or {}).get("namespace") or "default")
-        return self._namespace
-
-    def _upload(self, data: bytes | list[bytes], job_id: str, kind: str) -> dict[str, Any] | None:
-        """``data`` uploaded through the presign route -> its ref; None when the control plane has
-        no payload store (501: it takes everything inline, and is not asked again)."""
-        from dreamlake.lakeshore import blobs
-
-        try:
-            return blobs.put(
-                self._client, self.namespace(), data, job_id=blobs.private_job_id(job_id), kind=kind
-            )
-        except PlaneError as exc:
-            if exc.status == 501:
-                log.info("%s has no payload store: payloads stay inline", self.url)
-                self.inline_threshold = None
-                self._worker_threshold = None
-                return None
-            raise
-
-    def _download(self, ref: Any, what: str) -> bytes:
-        from dreamlake.lakeshore import blobs
-
-        data = blobs.get(self._client, self.namespace(), blobs.check_ref(ref, what))
-        return bytes(data or b"")
-
-    def _resolve_frame(self, frame: Frame) -> Frame:
-        """A frame whose body is ``{"ref": ...}``, with the referenced bytes as its body."""
-        from dreamlake.lakeshore import wire
-
-        body = frame.body
-        if frame.kind in (wire.FRAME_VALUE, wire.FRAME_END) and isinstance(body, dict) and "ref" in body:
-            return frame._replace(body=self._download(body["ref"], f"frame {frame.seq}"))
-        return frame
-
-    def _call(self, method: str, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
-        """One request, retried on transient failures; ``timeout`` is a server-side wait to outlast."""
-        timeout_s = None if timeout is None else timeout + _SLACK_S
-        return self._client.request(method, path, body, timeout_s=timeout_s)
+    def server_limits(self) -> ServerLimits:
+        """The control plane's limits (``GET /v1/ops/info``), asked once; a worker's register
+        answer says them too. While it cannot be asked, :class:`ServerLimits`' defaults: the
+        request that follows meets the same outage and reports it as its own."""
+        if self._info is None:
+            if self._limits is not None:
+                self._info = self._limits
+            else:
+                try:
+                    self._info = self._client.info()
+                except PlaneError as exc:  # unreachable now: the defaults, and ask again next time
+                    log.debug("cannot ask %s for its limits (%s): the defaults for now", self.url, exc)
+                    return ServerLimits()
+        return self._info
 
     # -- producer side ------------------------------------------------------------------------------
 
     def submit(
-        self, envelope: Envelope | bytes, queue: str, run_config: dict[str, Any], parent: str | None = None
+        self, envelope: Envelope, queue: str, run_config: dict[str, Any], parent: str | None = None
     ) -> str:
         """Queue a call. An Envelope over the inline threshold goes to the payload store from
-        :meth:`Envelope.to_parts` (its arguments read in place), never joined in memory; Envelope
-        bytes are sent as they are (the id read from their header)."""
-        if isinstance(envelope, (bytes, bytearray, memoryview)):
-            data = bytes(envelope)
-            return self._submit(_header_id(data), data, queue, run_config, parent, None)[0]
-        parts = envelope.to_parts()
-        limit = self.inline_threshold
-        if limit is not None and sum(len(p) for p in parts) > limit:
-            ref = self._upload(parts, envelope.id, "args")
-            if ref is not None:
-                return self._submit(envelope.id, None, queue, run_config, parent, None, args_ref=ref)[0]
-        return self._submit(envelope.id, b"".join(parts), queue, run_config, parent, None)[0]
+        :meth:`Envelope.to_parts` (its arguments read in place), never joined in memory."""
+        item = self._item(envelope, queue, run_config, parent)
+        return self._submit(item, envelope, None)[0]
 
     def submit_batch(
         self, calls: Sequence[tuple[Envelope, str, dict[str, Any], str | None]]
@@ -243,14 +191,17 @@ class HttpDispatch(Plane):
         ``invocation_id`` set). An Envelope over the inline threshold goes to the payload store
         first, as with :meth:`submit`. A request retried after a lost answer is harmless: every
         call carries its Envelope's id. A control plane without the route gets single submits."""
+        limits = self.server_limits()
+        most_items = max(1, min(SUBMIT_BATCH_ITEMS, limits.submit_batch_max))
+        most_bytes = max(1, min(SUBMIT_BATCH_BYTES, limits.max_body_bytes // 2))
         out: list[str | PlaneError] = []
         chunk: list[tuple[Envelope, dict[str, Any]]] = []
         size = 0
         for envelope, queue, run_config, parent in calls:
-            item = self._batch_item(envelope, queue, run_config, parent)
+            item = self._item(envelope, queue, run_config, parent)
             blob = item.get("args_blob")
             n = len(blob) if isinstance(blob, bytes) else 512
-            if chunk and (len(chunk) >= SUBMIT_BATCH_ITEMS or size + n > SUBMIT_BATCH_BYTES):
+            if chunk and (len(chunk) >= most_items or size + n > most_bytes):
                 out += self._submit_chunk(chunk)
                 chunk, size = [], 0
             chunk.append((envelope, item))
@@ -259,19 +210,19 @@ class HttpDispatch(Plane):
             out += self._submit_chunk(chunk)
         return out
 
-    def _batch_item(
+    def _item(
         self, envelope: Envelope, queue: str, run_config: dict[str, Any], parent: str | None
     ) -> dict[str, Any]:
-        """One call's submit body, less what every call of a batch shares (``function``)."""
+        """One call's submit body, less what every call of a batch shares (``function``); over the
+        inline threshold, its Envelope uploaded (``args_ref``)."""
         item: dict[str, Any] = {
             "invocation_id": envelope.id,
             "queue": queue,
             "run_config": {**run_config, "queue": queue},
         }
         parts = envelope.to_parts()
-        limit = self.inline_threshold
         ref = None
-        if limit is not None and sum(len(p) for p in parts) > limit:
+        if by_reference(sum(len(p) for p in parts), self.inline_threshold):
             ref = self._upload(parts, envelope.id, "args")
         if ref is not None:
             item["args_ref"] = ref
@@ -289,7 +240,7 @@ class HttpDispatch(Plane):
             common.update(queue=first["queue"], run_config=first["run_config"])  # a sweep's: sent once
             items = [{k: v for k, v in i.items() if k not in ("queue", "run_config")} for i in items]
         try:
-            answer = self._call("POST", "/v1/producer/submit-batch", {"common": common, "submits": items})
+            answer = self._client.submit_batch(common, items)
         except NotFound as exc:
             if "no route" not in str(exc):
                 raise
@@ -302,12 +253,11 @@ class HttpDispatch(Plane):
             if (self.url, queue) not in _WARNED:
                 _WARNED.add((self.url, queue))
                 log.warning("%s", warning)
-        if len(answer["results"]) != len(chunk):
-            raise Unavailable(
-                f"submit-batch answered {len(answer['results'])} results for {len(chunk)} calls"
-            )
+        results = answer.get("results") or []
+        if len(results) != len(chunk):
+            raise Unavailable(f"submit-batch answered {len(results)} results for {len(chunk)} calls")
         out: list[str | PlaneError] = []
-        for (envelope, item), got in zip(chunk, answer["results"]):  # noqa: B905 (Python 3.9: no strict)
+        for (envelope, item), got in zip(chunk, results):  # noqa: B905 (Python 3.9: no strict)
             if "error" not in got:
                 out.append(str(got["invocation_id"]))
                 continue
@@ -323,13 +273,13 @@ class HttpDispatch(Plane):
     def _submit_one(self, envelope: Envelope, item: dict[str, Any]) -> str | PlaneError:
         """One call of a batch through the single submit route (its error, not raised)."""
         try:
-            return self.submit(envelope, item["queue"], item["run_config"], item.get("parent_invocation_id"))
+            return self._submit(dict(item), envelope, None)[0]
         except PlaneError as exc:
             return exc
 
     def submit_and_wait(
         self,
-        envelope: Envelope | bytes,
+        envelope: Envelope,
         queue: str,
         run_config: dict[str, Any],
         parent: str | None,
@@ -337,72 +287,36 @@ class HttpDispatch(Plane):
     ) -> tuple[str, dict[str, Any] | None]:
         """Submit and await in one request (``submit`` with ``wait_s``): the invocation id and the
         await answer after up to ``timeout`` s (``{state: pending}`` when not yet terminal)."""
-        if isinstance(envelope, (bytes, bytearray, memoryview)):
-            data, invocation_id = bytes(envelope), _header_id(envelope)
-        else:
-            data, invocation_id = envelope.to_bytes(), envelope.id
-        inv, out = self._submit(invocation_id, data, queue, run_config, parent, max(0.0, timeout))
+        item = self._item(envelope, queue, run_config, parent)
+        inv, out = self._submit(item, envelope, max(0.0, timeout))
         return inv, self._resolved(dict(out.get("outcome") or {"state": "pending"}), inv)
 
     def _submit(
-        self,
-        invocation_id: str,
-        envelope: bytes | None,
-        queue: str,
-        run_config: dict[str, Any],
-        parent: str | None,
-        wait_s: float | None,
-        *,
-        args_ref: dict[str, Any] | None = None,
+        self, item: dict[str, Any], envelope: Envelope, wait_s: float | None
     ) -> tuple[str, dict[str, Any]]:
-        body: dict[str, Any] = {
-            "invocation_id": invocation_id,
-            "queue": queue,
-            "function": dict(NATIVE_FUNCTION),
-            "run_config": {**run_config, "queue": queue},
-            "code_context": {},
-        }
-        if args_ref is not None:
-            body["args_ref"] = args_ref
-        else:
-            assert envelope is not None
-            body["args_blob"] = bytes(envelope)
-        if parent:
-            body["parent_invocation_id"] = parent
-        if wait_s is not None:
-            body["wait_s"] = wait_s
-        limit = self.inline_threshold
-        if envelope is not None and limit is not None and len(envelope) > limit:
-            self._by_reference(body, envelope)
+        """``POST /v1/producer/submit`` of one call's ``item`` (:meth:`_item`); a 413 naming
+        ``args_ref`` (the control plane's threshold is lower than ours) sends it again by reference."""
+        body: dict[str, Any] = {**item, "function": dict(NATIVE_FUNCTION), "code_context": {}}
         try:
             try:
-                out = self._call("POST", "/v1/producer/submit", body, timeout=wait_s)
-            except BadRequest as exc:  # the control plane's threshold is lower than ours: go by reference
-                if (
-                    exc.status != 413
-                    or "args_ref" not in str(exc)
-                    or envelope is None
-                    or "args_blob" not in body
-                ):
+                out = self._client.submit(body, wait_s=wait_s)
+            except BadRequest as exc:
+                if exc.status != 413 or "args_ref" not in str(exc) or "args_blob" not in body:
                     raise
-                self._by_reference(body, envelope)
-                if "args_ref" not in body:
+                ref = self._upload(envelope.to_parts(), envelope.id, "args")
+                if ref is None:
                     raise
-                out = self._call("POST", "/v1/producer/submit", body, timeout=wait_s)
+                body.pop("args_blob")
+                body["args_ref"] = ref
+                out = self._client.submit(body, wait_s=wait_s)
         except PlaneError as exc:
             raise _submit_failed(exc, body["invocation_id"], self.retry_window) from exc
         warning = out.get("warning")
+        queue = str(body["queue"])
         if warning and (self.url, queue) not in _WARNED:  # "no worker has polled queue ...": once
             _WARNED.add((self.url, queue))
             log.warning("%s", warning)
-        return str(out["invocation_id"]), out
-
-    def _by_reference(self, body: dict[str, Any], envelope: bytes) -> None:
-        """Move the submit's Envelope to the payload store (``args_ref``), when there is one."""
-        ref = self._upload(envelope, body["invocation_id"], "args")
-        if ref is not None:
-            body.pop("args_blob", None)
-            body["args_ref"] = ref
+        return str(out["invocation_id"]), dict(out)
 
     def _resolved(self, out: dict[str, Any], invocation_id: str) -> dict[str, Any]:
         """An await answer with a ``result_ref`` fetched (sha256 checked) into ``result_blob``."""
@@ -422,13 +336,11 @@ class HttpDispatch(Plane):
             return
         _PICKLES_ASKED[key] = time.monotonic()
         try:
-            out = self._client.request(
-                "GET", "/v1/ops/workers", as_json=True, params={"live": "1", "limit": 500}, attempts=1
-            )
+            workers = self._client.live_workers(limit=500)
         except PlaneError as exc:  # e.g. a task's token, which may not list workers: no warning
             log.debug("cannot ask which workers run pickled functions: %s", exc)
             return
-        serving = [w for w in (out or {}).get("workers") or [] if queue in (w.get("queues") or [])]
+        serving = [w for w in workers if queue in (w.get("queues") or [])]
         if not serving:
             return
         _PICKLES_ASKED[key] = float("inf")  # asked and answered: once per queue
@@ -445,23 +357,23 @@ class HttpDispatch(Plane):
 
     def status(self, invocation_id: str) -> dict[str, Any]:
         inv = ids.validate(invocation_id, "invocation id")
-        return dict(self._call("GET", f"/v1/producer/invocations/{inv}"))
+        return self._client.status(inv)
 
     def await_result(self, invocation_id: str, timeout: float) -> dict[str, Any]:
         inv = ids.validate(invocation_id, "invocation id")
-        body = {"invocation_id": inv, "timeout_s": max(0.0, timeout)}
-        return self._resolved(dict(self._call("POST", "/v1/producer/await", body, timeout=timeout)), inv)
+        return self._resolved(dict(self._client.await_result(inv, timeout)), inv)
 
     def await_batch(self, invocation_ids: Sequence[str], timeout: float) -> dict[str, Any]:
         """The outcomes of many invocations in one request (``POST /v1/producer/await-batch``,
-        up to ``AWAIT_BATCH_MAX`` ids), waiting up to ``timeout`` for any of them to end:
+        up to the control plane's ``await_batch_max`` ids), waiting up to ``timeout`` for any of them to end:
         ``{"results": {id: {state, result_blob, error}}, "states": {id: state}, "unknown": [id]}``
         (``results``: the terminal ones, result refs fetched; ``states``: the others). A control
         plane without the route gets one await per id (the first waits)."""
-        wanted = [ids.validate(i, "invocation id") for i in invocation_ids][:AWAIT_BATCH_MAX]
-        body = {"invocation_ids": wanted, "timeout_s": max(0.0, timeout)}
+        wanted = [ids.validate(i, "invocation id") for i in invocation_ids][
+            : self.server_limits().await_batch_max
+        ]
         try:
-            out = self._call("POST", "/v1/producer/await-batch", body, timeout=timeout)
+            out = self._client.await_batch(wanted, timeout)
         except NotFound as exc:
             if "no route" not in str(exc):
                 raise
@@ -493,8 +405,7 @@ class HttpDispatch(Plane):
 
     def cancel(self, invocation_id: str, descendants: bool = True) -> str:
         inv = ids.validate(invocation_id, "invocation id")
-        body = {"descendants": bool(descendants)}
-        return str(self._call("POST", f"/v1/producer/invocations/{inv}/cancel", body)["state"])
+        return str(self._client.cancel(inv, descendants)["state"])
 
     def frames(
         self, owner: str, since: int = -1, timeout: float = 30.0, *, topic: bool = False
@@ -502,9 +413,9 @@ class HttpDispatch(Plane):
         from dreamlake.lakeshore import wire
 
         if topic:
-            path = f"/v1/producer/topics/{owner}/stream"
+            path = routes.topic_stream(owner)
         else:
-            path = f"/v1/producer/invocations/{ids.validate(owner, 'invocation id')}/result/stream"
+            path = routes.result_stream(ids.validate(owner, "invocation id"))
         last_frame = time.monotonic()
         drops = 0
         first_drop: float | None = None  # when the current run of reconnects began
@@ -514,7 +425,7 @@ class HttpDispatch(Plane):
             got_any = False
             try:
                 with self._client.stream(
-                    path, params={"since": since, "timeout": patience}, timeout_s=patience + _SLACK_S
+                    path, params={"since": since, "timeout": patience}, timeout_s=patience + SLACK_S
                 ) as resp:
                     reader = wire.FrameReader()
                     skipped = False  # a retried attempt's ERROR: reconnect after it
@@ -568,227 +479,15 @@ class HttpDispatch(Plane):
                 )
 
     def topic_post(self, name: str, body: bytes, final: bool = False) -> int:
-        out = self._call("POST", f"/v1/producer/topics/{name}/post", {"body": bytes(body), "final": final})
+        out = self._client.topic_post(name, body, final)
         return int(out["seq"])
 
     def send(self, invocation_id: str, index: int, kind: str, body: Any = None) -> bool:
         inv = ids.validate(invocation_id, "invocation id")
-        out = self._call(
-            "POST", f"/v1/producer/invocations/{inv}/send", {"index": index, "kind": kind, "body": body}
-        )
-        return bool(out.get("duplicate"))
-
-    # -- worker side --------------------------------------------------------------------------------
-
-    def _register(self, worker_id: str, queues: list[str]) -> None:
-        from dreamlake.lakeshore.version import __version__
-
-        info = {
-            "worker_id": worker_id,
-            "hostname": socket.gethostname(),
-            "version": __version__,
-            "runner": "in-process",
-            "queues": list(queues),
-            "labels": {},
-            "slots": 1,
-        }
-        answer = self._call("POST", "/v1/daemon/register", info)
-        threshold = (answer or {}).get("inline_threshold_bytes")
-        self._worker_threshold = threshold if isinstance(threshold, int) else None
-        self._registered.add(worker_id)
-
-    def claim(self, worker_id: str, queues: list[str], timeout: float) -> Claim | None:
-        got = self.claim_batch(worker_id, queues, timeout, 1)
-        return got[0] if got else None
-
-    def claim_batch(self, worker_id: str, queues: list[str], timeout: float, limit: int) -> list[Claim]:
-        """Up to ``limit`` invocations in one long poll (waiting up to ``timeout`` for the first),
-        carrying the acks queued by ``ack(..., later=True)``: one request answers those acks (each
-        committed with the poll's first pass) and hands out the next work."""
-        from dreamlake.lakeshore.version import __version__
-
-        if worker_id not in self._registered:
-            self._register(worker_id, queues)
-        deadline = time.monotonic() + max(0.0, timeout)
-        while True:
-            left = max(0.0, deadline - time.monotonic())
-            body: dict[str, Any] = {
-                "worker_id": worker_id,
-                "queues": list(queues),
-                "max": max(1, int(limit)),
-                "kinds": ["run"],  # this worker cannot run exec jobs: never claim one
-                "timeout_s": left,
-                "version": __version__,
-            }
-            acks = self._later.pop(worker_id, [])
-            if len(acks) > POLL_ACKS_MAX:  # the rest go with the next polls
-                self._later[worker_id], acks = acks[POLL_ACKS_MAX:], acks[:POLL_ACKS_MAX]
-            if acks:
-                body["acks"] = acks
-            try:
-                out = self._call("POST", "/v1/daemon/poll", body, timeout=left)
-            except BaseException:
-                if acks:  # not known to have landed: they go again, first (an ack is idempotent)
-                    self._later.setdefault(worker_id, [])[:0] = acks
-                raise
-            again = []
-            for sent, answer in zip(acks, out.get("acked") or [], strict=False):
-                status, inv = answer.get("status"), str(sent.get("invocation_id"))
-                failed = not answer.get("ok") and isinstance(status, int) and status >= 500
-                tries = self._ack_tries.pop(inv, 0) + 1  # polls it rode that the store failed
-                if failed and tries < ACK_TRIES:
-                    self._ack_tries[inv] = tries
-                    again.append(sent)  # the store failed it: it goes again with the next poll
-                elif failed:
-                    log.error(
-                        "ack of %s failed in the store %d times, given up: its lease lapses and "
-                        "it runs again (%s)", inv, tries, answer.get("error"),
-                    )  # fmt: skip
-                elif not answer.get("ok"):
-                    log.warning(
-                        "ack of %s refused (%s): %s",
-                        answer.get("invocation_id"),
-                        answer.get("status"),
-                        answer.get("error"),
-                    )
-            if again:
-                self._later.setdefault(worker_id, [])[:0] = again
-            claims: list[Claim] = []
-            for cmd in out.get("commands") or []:
-                if cmd.get("kind") == "run":
-                    b = cmd["body"]
-                    args = b.get("args_blob") or b""
-                    if b.get("args_ref") is not None:
-                        args = self._download(b["args_ref"], f"args_ref of {b['invocation_id']}")
-                    claims.append(
-                        Claim(
-                            b["invocation_id"],
-                            args,
-                            dict(b.get("run_config") or {}),
-                            int(b.get("attempt") or 1),
-                        )
-                    )
-                elif cmd.get("kind") == "cancel":
-                    # the control plane asks again on every heartbeat that reports it running
-                    log.debug("worker %s: cancel by poll, left to the heartbeat: %s", worker_id, cmd)
-                else:
-                    log.warning("worker %s ignoring a %s command", worker_id, cmd.get("kind"))
-            if claims or time.monotonic() >= deadline:
-                return claims
-
-    def append_frame(
-        self, invocation_id: str, seq: int, data: bytes, final: bool, attempt: int, *, worker_id: str
-    ) -> None:
-        """Queue the frame for the frame writer: batches go to ``/v1/daemon/result-chunks`` (one
-        request each); a refusal is raised by the next ``append_frame`` of the invocation. A frame
-        body over the control plane's threshold is uploaded first and sent as ``{"ref": ...}``."""
-        limit = self._worker_threshold
-        if limit is not None and len(data) > limit:
-            from dreamlake.lakeshore import wire
-
-            frame = wire.decode_frame(bytes(data))
-            if isinstance(frame.body, bytes) and len(frame.body) > limit:
-                ref = self._upload(frame.body, invocation_id, f"frame-{seq}")
-                if ref is not None:
-                    data = wire.encode_frame(frame.kind, frame.seq, {"ref": ref}, frame.meta)
-        self._frames.append(invocation_id, attempt, seq, bytes(data), final, worker_id=worker_id)
-
-    def _write_frames(
-        self, invocation_id: str, attempt: int, worker_id: str, frames: Sequence[tuple[int, bytes, bool]]
-    ) -> None:
-        body = {
-            "invocation_id": invocation_id,
-            "attempt": attempt,
-            "worker_id": worker_id,
-            "frames": [data for _seq, data, _final in frames],
-        }
-        self._call("POST", "/v1/daemon/result-chunks", body)
-
-    def ack(
-        self,
-        invocation_id: str,
-        state: str,
-        *,
-        attempt: int,
-        worker_id: str,
-        result_blob: bytes | None = None,
-        error: dict[str, Any] | None = None,
-        later: bool = False,
-    ) -> bool:
-        """Record the outcome (after the invocation's frames). ``later``: queue it for the
-        worker's next ``claim_batch`` instead of a request of its own (True: queued; a refusal
-        is logged when that poll answers); ``flush_acks`` sends what is queued."""
-        try:
-            self._frames.flush(invocation_id)  # the ack follows its frames
-        except PlaneError as exc:
-            log.warning("ack of %s refused: its frames were: %s", invocation_id, exc)
-            return False
-        body: dict[str, Any] = {
-            "invocation_id": invocation_id,
-            "state": state,
-            "result_blob": bytes(result_blob or b""),
-            "error": error,
-            "worker_id": worker_id,
-            "attempt": attempt,
-        }
-        limit = self._worker_threshold
-        if limit is not None and result_blob and len(result_blob) > limit:
-            ref = self._upload(bytes(result_blob), invocation_id, "result")
-            if ref is not None:
-                body["result_blob"] = b""
-                body["result_ref"] = ref
-        if later:
-            self._later.setdefault(worker_id, []).append({k: v for k, v in body.items() if k != "worker_id"})
-            return True
-        try:
-            self._call("POST", "/v1/daemon/ack", body)
-        except Conflict as exc:
-            log.warning("ack of %s refused: %s", invocation_id, exc)
-            return False
-        return True
-
-    def wait_commands(self, worker_id: str, timeout: float) -> bool:
-        """Not here (``wakes_on_commands`` is False): a cancel comes back in a heartbeat's answer
-        or with the next poll, so the worker heartbeats on its interval."""
-        raise NotImplementedError(
-            "HttpDispatch cannot wait for commands (wakes_on_commands is False): "
-            "cancels come back in heartbeat and poll answers"
-        )
+        return bool(self._client.send(inv, index, kind, body).get("duplicate"))
 
     def payload_client(self) -> PlaneClient:
         return self._client
-
-    def flush_acks(self, worker_id: str) -> None:
-        """Send the acks ``ack(..., later=True)`` queued for ``worker_id``, each in its own request."""
-        for body in self._later.pop(worker_id, []):
-            try:
-                self._call("POST", "/v1/daemon/ack", {**body, "worker_id": worker_id})
-            except Conflict as exc:
-                log.warning("ack of %s refused: %s", body["invocation_id"], exc)
-
-    def heartbeat(self, worker_id: str, running: list[tuple[str, int]]) -> list[str]:
-        body = {
-            "worker_id": worker_id,
-            "running": [{"invocation_id": i, "attempt": a} for i, a in running],
-            "free_slots": 0,
-        }
-        out = self._call("POST", "/v1/daemon/heartbeat", body)
-        return [c["body"]["invocation_id"] for c in out.get("commands") or [] if c.get("kind") == "cancel"]
-
-    def sends(
-        self, invocation_id: str, attempt: int, *, worker_id: str, since: int, timeout: float
-    ) -> list[Frame]:
-        from dreamlake.lakeshore import wire
-
-        body = {
-            "invocation_id": invocation_id,
-            "attempt": attempt,
-            "worker_id": worker_id,
-            "since": since,
-            "wait_s": max(0.0, timeout),
-        }
-        out = self._call("POST", "/v1/daemon/sends", body, timeout=timeout)
-        return [wire.decode_frame(bytes(f)) for f in out.get("frames") or []]
 
     def close(self) -> None:
         self._frames.close()

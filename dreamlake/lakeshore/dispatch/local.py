@@ -100,15 +100,9 @@ class Dispatch(Plane):
     # -- producer side ------------------------------------------------------------------------------
 
     def submit(
-        self, envelope: Envelope | bytes, queue: str, run_config: dict[str, Any], parent: str | None = None
+        self, envelope: Envelope, queue: str, run_config: dict[str, Any], parent: str | None = None
     ) -> str:
-        if isinstance(envelope, (bytes, bytearray, memoryview)):
-            from dreamlake.lakeshore.envelope import Envelope
-
-            data = bytes(envelope)
-            req = self._request(Envelope.header(data)["id"], data, queue, run_config, parent)
-        else:
-            req = self._request(envelope.id, envelope.to_bytes(), queue, run_config, parent)
+        req = self._request(envelope.id, envelope.to_bytes(), queue, run_config, parent)
         return self.store.submit(req).invocation_id
 
     def _request(

@@ -193,6 +193,8 @@ ROUTES: tuple[RouteAuth, ...] = (
     # operators (server.ops): an admin sees every namespace, the others their own
     _route("ops.whoami", "GET", "/v1/ops/whoami", _EVERY),
     _route("ops.whoami", "POST", "/v1/ops/whoami", _EVERY),
+    # the limits the control plane decides (acks per poll, inline threshold, batch sizes): any token
+    _route("ops.info", "GET", "/v1/ops/info", _EVERY),
     _route("ops.queues", "GET", "/v1/ops/queues", _OPS, outside=403),
     # a queue's fleet-wide limit covers every namespace's calls of it: admins only
     _route("ops.queue_limit", "PUT", "/v1/ops/queues/{name}/limit", admin=_ANY),

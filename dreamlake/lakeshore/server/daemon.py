@@ -111,7 +111,25 @@ async def register(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[s
     }
     if ctx.inline_threshold is not None:  # results and frames larger than this go by reference
         out["inline_threshold_bytes"] = ctx.inline_threshold
+    out["limits"] = server_limits(ctx)  # what this control plane allows (protocol.limits.ServerLimits)
     return out
+
+
+def server_limits(ctx: Context) -> dict[str, Any]:
+    """The limits this control plane decides, as clients read them (``GET /v1/ops/info`` and the
+    register answer's ``limits``; the client side's ``protocol.limits.ServerLimits``). Each number
+    is the one this server enforces, read from where it is defined."""
+    from dreamlake.lakeshore.server.bulk import AWAIT_BATCH_MAX
+
+    return {
+        "acks_per_poll": MAX_POLL_ACKS,
+        "inline_threshold_bytes": ctx.inline_threshold,  # None: no payload store, all inline
+        "submit_batch_max": ctx.config.submit_batch_max,
+        "max_body_bytes": ctx.config.max_body_bytes,
+        "await_batch_max": AWAIT_BATCH_MAX,
+        "poll_max_commands": ctx.config.poll_max_commands,
+        "result_chunks_max": MAX_BATCH_FRAMES,
+    }
 
 
 def run_command(inv: Invocation, task_token: str | None = None) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from dreamlake.lakeshore.server import authz, producer, waiting
 from dreamlake.lakeshore.server import http as h
 from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.context import Context
+from dreamlake.lakeshore.server.daemon import server_limits
 from dreamlake.lakeshore.server.http import HTTPError
 from dreamlake.lakeshore.states import STATES
 from dreamlake.lakeshore.store.api import (
@@ -38,6 +39,7 @@ from dreamlake.lakeshore.store.api import (
     WorkerRow,
 )
 from dreamlake.lakeshore.store.api import visible as store_visible
+from dreamlake.lakeshore.version import __version__
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -397,6 +399,12 @@ class OpsRoutes:
         return h.json_response(
             {"kind": principal.kind, "name": principal.name, "namespace": principal.namespace}
         )
+
+    async def info(self, request: Request, caller: Caller) -> Response:
+        """``GET /v1/ops/info``: the version and the limits this control plane decides (acks per
+        poll, inline threshold, batch sizes), for any token: nothing here is a secret, and a
+        client sizes its requests by it (``protocol.limits.ServerLimits``)."""
+        return h.json_response({"version": __version__, "limits": server_limits(self.ctx)})
 
     async def queues(self, request: Request, caller: Caller) -> Response:
         ns = self._scope(request, caller)
