@@ -243,9 +243,10 @@ class Stream(Generator[Any, Any, None]):
         return value
 
     def _answer(self, kind: str, body: Any) -> None:
-        index, self._paused = self._paused, None
+        index = self._paused
         assert index is not None and self._sender is not None
-        self._sender(index, kind, body)
+        self._sender(index, kind, body)  # refused (a 409, the plane away): the body still waits there
+        self._paused = None
 
     def _pause_point(self) -> bool:
         """Whether the body waits for our answer (at the value last pulled, or, for a stream that

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 
 def _mark(tally: str, key: str) -> None:
@@ -63,3 +64,13 @@ def hold_then_fail(tally: str, key: str, gate: str, limit_s: float = 120.0) -> N
     while not Path(gate).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     raise ValueError(f"{key} failed on purpose")
+
+
+def accumulate(tally: str, key: str, steps: int) -> Generator[list[Any], Any, list[Any]]:
+    """A deterministic two-way body: yield, ``steps`` times, every value sent in so far (in the
+    order the body received them); return them all. Each run (attempt) marked under ``tally/key``."""
+    _mark(tally, key)
+    got: list[Any] = []
+    for _ in range(steps):
+        got.append((yield list(got)))
+    return got

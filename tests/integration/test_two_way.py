@@ -149,6 +149,28 @@ def test_sends_are_ordered_windowed_and_idempotent() -> None:
         plane.close()
 
 
+def test_a_refused_send_leaves_the_stream_at_its_yield() -> None:
+    """A send the plane refuses (here that yield already has another answer, as a replayed yield
+    has after a restart) raises Conflict and leaves the stream waiting at the same yield: the
+    right answer then goes on, as the consumer of a restarted stream needs."""
+    plane = Dispatch(":memory:")
+    try:
+        inv = echo.submit(2, _dispatch=plane)
+        plane.send(inv, 0, "value", dls_pack("first"))
+        q = dls.SyncQueue("tune", dispatch=plane)
+        with worker_thread(q):
+            s = q.stream(inv, timeout=20)
+            assert next(s) == 0
+            with pytest.raises(Conflict, match="already sent a different value"):
+                s.send("other")
+            assert s.send("first") == 1  # the same answer again: a no-op, and the body goes on
+            with pytest.raises(StopIteration):
+                s.send("second")
+        assert q.result(inv, timeout=20) == ["first", "second"]
+    finally:
+        plane.close()
+
+
 def dls_pack(value: Any) -> bytes:
     from dreamlake.lakeshore import wire
 
