@@ -1,0 +1,191 @@
+"""Hot statements straight through the DB-API driver: SQLAlchemy builds and compiles them once,
+each execution is the driver's alone.
+
+The group-commit writer runs a few statements thousands of times a second (a submit's insert, an
+ack's update). Through SQLAlchemy Core each execution still pays for its Python: the compiled
+cache's key and lookup, an execution context, the parameters' processing, a result wrapper, about
+two thirds of the writer's time per write on this project's machine. :class:`Direct` wraps such a
+statement: it is compiled once per dialect (the SQL text, the order of its parameters, each
+parameter's bind processor: a JSON column's serializer, psycopg's JSON wrapper, exactly what
+SQLAlchemy would apply) and then executed on the raw driver connection of the caller's SQLAlchemy
+:class:`~sqlalchemy.engine.Connection`, inside the caller's transaction:
+
+- ``conn.execute(direct, params)`` works as for any statement (``Direct`` implements the hook
+  ``Connection.execute`` dispatches on), so a call site does not change, and a statement that
+  ``Direct`` cannot take (an ``expanding`` list, escaped bind names) raises at import, not later;
+- the driver prepares it: ``sqlite3`` keeps each statement text prepared per connection, and
+  psycopg prepares one server-side from its fifth execution on a connection (``prepare_threshold``);
+- several parameter sets go as one ``executemany`` (psycopg pipelines it: one round trip), with
+  ``RETURNING`` rows collected set by set (SQLite: one ``execute`` per row, in C);
+- a driver error is handed to SQLAlchemy's own handler, so it is raised wrapped in
+  :class:`sqlalchemy.exc.DBAPIError` with ``connection_invalidated`` set on a lost connection,
+  exactly as from ``conn.execute`` of the statement itself (``retry_on_disconnect`` and
+  store/outage.py rely on that).
+
+The transaction, its ``BEGIN`` and commit, stay SQLAlchemy's (``Database.tx``): ``Direct`` changes
+how a statement is executed, never when it commits, so durability before an answer is untouched.
+The rows it returns are named tuples of the ``RETURNING`` columns (result processors applied).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Dialect
+
+
+class _Compiled:
+    """One statement compiled for one dialect."""
+
+    def __init__(self, stmt: Any, dialect: Dialect) -> None:
+        compiled = stmt.compile(dialect=dialect)
+        if getattr(compiled, "escaped_bind_names", None):
+            raise TypeError("Direct: a statement with escaped bind names")
+        self.sql: str = compiled.string
+        by_name = {name: bp for bp, name in compiled.bind_names.items()}  # the names in the SQL
+        if any(bp.expanding for bp in by_name.values()):
+            raise TypeError("Direct: a statement with an expanding parameter")
+        self.positional = dialect.paramstyle in ("qmark", "numeric", "format")
+        names = list(compiled.positiontup or ()) if self.positional else list(by_name)
+        # (name, bind processor or None, default: None when the caller must give it)
+        self.binds: list[tuple[str, Any, tuple[Any] | None]] = []
+        for name in names:
+            bp = by_name[name]
+            proc = bp.type.dialect_impl(dialect).bind_processor(dialect)
+            default = None if bp.required else (bp.effective_value,)
+            self.binds.append((name, proc, default))
+        # the RETURNING columns, as SQLAlchemy's own result would read them (name, type)
+        returning = [(r.keyname, r.type) for r in compiled._result_columns]
+        self.returns = bool(returning)
+        self.row: Any = collections.namedtuple("Row", [name for name, _ in returning], rename=True)  # type: ignore[misc]
+        self.result_procs = [
+            type_.dialect_impl(dialect).result_processor(dialect, None) for _, type_ in returning
+        ]
+        self.plain = all(p is None for p in self.result_procs)
+
+    def params(self, given: Mapping[str, Any]) -> Any:
+        out = []
+        for name, proc, default in self.binds:
+            if name in given:
+                value = given[name]
+            elif default is not None:
+                value = default[0]
+            else:
+                raise sa.exc.ArgumentError(f"a value is required for bind parameter {name!r}")
+            out.append(proc(value) if proc is not None else value)  # None too, as SQLAlchemy does
+        if self.positional:
+            return out
+        return dict(zip((b[0] for b in self.binds), out, strict=True))
+
+    def rows(self, raw: Sequence[Sequence[Any]]) -> list[Any]:
+        make = self.row._make
+        if self.plain:
+            return [make(r) for r in raw]
+        procs = self.result_procs
+        return [make(v if p is None else p(v) for p, v in zip(procs, r, strict=True)) for r in raw]
+
+
+class DirectResult:
+    """What :class:`Direct` answers: the ``RETURNING`` rows (``first``, ``fetchall``, ``all``,
+    ``scalars``, iteration) and ``rowcount``."""
+
+    def __init__(self, rows: list[Any], rowcount: int) -> None:
+        self._rows = rows
+        self.rowcount = rowcount
+
+    def first(self) -> Any:
+        return self._rows[0] if self._rows else None
+
+    def fetchall(self) -> list[Any]:
+        return list(self._rows)
+
+    all = fetchall
+
+    def scalars(self) -> list[Any]:
+        return [r[0] for r in self._rows]
+
+    def scalar(self) -> Any:
+        return self._rows[0][0] if self._rows else None
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._rows)
+
+
+class Direct:
+    """A SQLAlchemy Core statement executed through the DB-API driver (see the module docstring)."""
+
+    def __init__(self, stmt: Any, dialect: str) -> None:
+        self.stmt = stmt
+        self._by_dialect: dict[int, tuple[Dialect, _Compiled]] = {}
+        _Compiled(stmt, _DIALECTS[dialect]())  # checked now: one Direct cannot take fails here
+
+    def _compiled(self, dialect: Dialect) -> _Compiled:
+        """The statement compiled for ``dialect`` (an engine's: its options count), once."""
+        got = self._by_dialect.get(id(dialect))
+        if got is None or got[0] is not dialect:
+            got = self._by_dialect[id(dialect)] = (dialect, _Compiled(self.stmt, dialect))
+        return got[1]
+
+    def __str__(self) -> str:
+        return str(self.stmt)
+
+    # ``Connection.execute(statement, parameters)`` calls this hook of the statement
+    def _execute_on_connection(
+        self, connection: Connection, distilled_params: Sequence[Mapping[str, Any]], execution_options: Any
+    ) -> DirectResult:
+        return self.run(connection, distilled_params)
+
+    def run(self, connection: Connection, param_sets: Sequence[Mapping[str, Any]]) -> DirectResult:
+        c = self._compiled(connection.dialect)
+        sets = [c.params(p) for p in param_sets] if param_sets else [c.params({})]
+        raw = connection.connection.dbapi_connection
+        assert raw is not None
+        cursor: Any = raw.cursor()
+        try:
+            rows: list[Any] = []
+            count = 0
+            if len(sets) == 1:
+                cursor.execute(c.sql, sets[0])
+                if c.returns:
+                    rows = cursor.fetchall()
+                count = cursor.rowcount
+            elif not c.returns:
+                cursor.executemany(c.sql, sets)
+                count = cursor.rowcount
+            elif connection.dialect.name == "postgresql":
+                cursor.executemany(c.sql, sets, returning=True)
+                while True:
+                    rows += cursor.fetchall()
+                    count += max(0, cursor.rowcount)
+                    if not cursor.nextset():
+                        break
+            else:  # sqlite3's executemany takes no RETURNING: one execute per set, in C
+                for one in sets:
+                    cursor.execute(c.sql, one)
+                    rows += cursor.fetchall()
+                    count += max(0, cursor.rowcount)
+        except Exception as exc:
+            # SQLAlchemy's own handling: wrapped in DBAPIError, a lost connection invalidated
+            connection._handle_dbapi_exception(exc, c.sql, sets, cursor, None)
+            raise  # (the handler always raises)
+        finally:
+            cursor.close()
+        return DirectResult(c.rows(rows) if rows else [], count)
+
+
+def _sqlite() -> Dialect:
+    from sqlalchemy.dialects import sqlite
+
+    return sqlite.dialect()
+
+
+def _postgresql() -> Dialect:
+    from sqlalchemy.dialects.postgresql import psycopg
+
+    return psycopg.dialect()  # type: ignore[no-untyped-call]
+
+
+_DIALECTS = {"sqlite": _sqlite, "postgresql": _postgresql}
