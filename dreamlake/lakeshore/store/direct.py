@@ -31,10 +31,15 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Dialect
+
+if TYPE_CHECKING:  # to the type checker a Direct is a statement conn.execute takes (it is, by duck)
+    from sqlalchemy.sql.base import Executable as _Statement
+else:
+    _Statement = object
 
 
 class _Compiled:
@@ -61,10 +66,11 @@ class _Compiled:
         returning = [(r.keyname, r.type) for r in compiled._result_columns]
         self.returns = bool(returning)
         self.row: Any = collections.namedtuple("Row", [name for name, _ in returning], rename=True)  # type: ignore[misc]
-        self.result_procs = [
-            type_.dialect_impl(dialect).result_processor(dialect, None) for _, type_ in returning
-        ]
-        self.plain = all(p is None for p in self.result_procs)
+        self.types = [type_.dialect_impl(dialect) for _, type_ in returning]
+        self.dialect = dialect
+        # each column's result processor, made on the first rows (it may need the driver's
+        # type code of the column, from the cursor's description, as SQLAlchemy's does)
+        self.result_procs: list[Any] | None = None
 
     def params(self, given: Mapping[str, Any]) -> Any:
         out = []
@@ -80,11 +86,16 @@ class _Compiled:
             return out
         return dict(zip((b[0] for b in self.binds), out, strict=True))
 
-    def rows(self, raw: Sequence[Sequence[Any]]) -> list[Any]:
+    def rows(self, raw: Sequence[Sequence[Any]], description: Sequence[Any] | None) -> list[Any]:
+        if self.result_procs is None:
+            codes = [d[1] for d in description] if description else [None] * len(self.types)
+            self.result_procs = [
+                t.result_processor(self.dialect, code) for t, code in zip(self.types, codes, strict=True)
+            ]
         make = self.row._make
-        if self.plain:
-            return [make(r) for r in raw]
         procs = self.result_procs
+        if all(p is None for p in procs):
+            return [make(r) for r in raw]
         return [make(v if p is None else p(v) for p, v in zip(procs, r, strict=True)) for r in raw]
 
 
@@ -110,17 +121,32 @@ class DirectResult:
     def scalar(self) -> Any:
         return self._rows[0][0] if self._rows else None
 
+    def scalar_one_or_none(self) -> Any:
+        if len(self._rows) > 1:
+            raise sa.exc.MultipleResultsFound("multiple rows were found when one or none was required")
+        return self.scalar()
+
+    def scalar_one(self) -> Any:
+        if len(self._rows) != 1:
+            raise (sa.exc.NoResultFound if not self._rows else sa.exc.MultipleResultsFound)(
+                "exactly one row was required"
+            )
+        return self._rows[0][0]
+
     def __iter__(self) -> Iterator[Any]:
         return iter(self._rows)
 
 
-class Direct:
+class Direct(_Statement):
     """A SQLAlchemy Core statement executed through the DB-API driver (see the module docstring)."""
 
-    def __init__(self, stmt: Any, dialect: str) -> None:
+    def __init__(self, stmt: Any, dialect: str | None = None) -> None:
+        """``dialect``: the one ``stmt`` was built for (``sqlite`` / ``postgresql``); None for a
+        statement of both. Compiled for it now: a statement Direct cannot take fails here."""
         self.stmt = stmt
         self._by_dialect: dict[int, tuple[Dialect, _Compiled]] = {}
-        _Compiled(stmt, _DIALECTS[dialect]())  # checked now: one Direct cannot take fails here
+        for name in [dialect] if dialect is not None else list(_DIALECTS):
+            _Compiled(stmt, _DIALECTS[name]())
 
     def _compiled(self, dialect: Dialect) -> _Compiled:
         """The statement compiled for ``dialect`` (an engine's: its options count), once."""
@@ -133,7 +159,7 @@ class Direct:
         return str(self.stmt)
 
     # ``Connection.execute(statement, parameters)`` calls this hook of the statement
-    def _execute_on_connection(
+    def _execute_on_connection(  # type: ignore[override]
         self, connection: Connection, distilled_params: Sequence[Mapping[str, Any]], execution_options: Any
     ) -> DirectResult:
         return self.run(connection, distilled_params)
@@ -147,9 +173,11 @@ class Direct:
         try:
             rows: list[Any] = []
             count = 0
+            description = None
             if len(sets) == 1:
                 cursor.execute(c.sql, sets[0])
                 if c.returns:
+                    description = cursor.description
                     rows = cursor.fetchall()
                 count = cursor.rowcount
             elif not c.returns:
@@ -158,6 +186,7 @@ class Direct:
             elif connection.dialect.name == "postgresql":
                 cursor.executemany(c.sql, sets, returning=True)
                 while True:
+                    description = description or cursor.description
                     rows += cursor.fetchall()
                     count += max(0, cursor.rowcount)
                     if not cursor.nextset():
@@ -165,6 +194,7 @@ class Direct:
             else:  # sqlite3's executemany takes no RETURNING: one execute per set, in C
                 for one in sets:
                     cursor.execute(c.sql, one)
+                    description = description or cursor.description
                     rows += cursor.fetchall()
                     count += max(0, cursor.rowcount)
         except Exception as exc:
@@ -173,7 +203,7 @@ class Direct:
             raise  # (the handler always raises)
         finally:
             cursor.close()
-        return DirectResult(c.rows(rows) if rows else [], count)
+        return DirectResult(c.rows(rows, description) if rows else [], count)
 
 
 def _sqlite() -> Dialect:

@@ -153,7 +153,7 @@ class _Statements:
             .values(function_key=B("fkey"), function=B("function", type_=sa.JSON), created_at=B("now"))
             .on_conflict_do_nothing()
         )
-        self.insert_invocation: Any = Direct(  # the writer's hottest statements: store/direct.py
+        self.insert_invocation = Direct(  # the writer's hottest statements: store/direct.py
             dialect_insert(dialect, _inv)
             .values({col: B(col, type_=_inv.c[col].type) for col in _SUBMIT_COLS})
             .on_conflict_do_nothing()
