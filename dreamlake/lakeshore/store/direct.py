@@ -45,16 +45,22 @@ else:
 class _Compiled:
     """One statement compiled for one dialect."""
 
-    def __init__(self, stmt: Any, dialect: Dialect) -> None:
+    def __init__(self, stmt: Any, dialect: Dialect, literal: Mapping[str, Any] | None = None) -> None:
         compiled = stmt.compile(dialect=dialect)
         if getattr(compiled, "escaped_bind_names", None):
             raise TypeError("Direct: a statement with escaped bind names")
         self.sql: str = compiled.string
+        positiontup = compiled.positiontup
         by_name = {name: bp for bp, name in compiled.bind_names.items()}  # the names in the SQL
+        if literal:  # ``literal_execute`` parameters: their values rendered into the SQL text
+            given = {name: None for name in by_name} | dict(literal)
+            state = compiled.construct_expanded_state(given)
+            self.sql, positiontup = state.statement, state.positiontup
+            by_name = {n: bp for n, bp in by_name.items() if not bp.literal_execute}
         if any(bp.expanding for bp in by_name.values()):
             raise TypeError("Direct: a statement with an expanding parameter")
         self.positional = dialect.paramstyle in ("qmark", "numeric", "format")
-        names = list(compiled.positiontup or ()) if self.positional else list(by_name)
+        names = list(positiontup or ()) if self.positional else list(by_name)
         # (name, bind processor or None, default: None when the caller must give it)
         self.binds: list[tuple[str, Any, tuple[Any] | None]] = []
         for name in names:
@@ -144,15 +150,31 @@ class Direct(_Statement):
         """``dialect``: the one ``stmt`` was built for (``sqlite`` / ``postgresql``); None for a
         statement of both. Compiled for it now: a statement Direct cannot take fails here."""
         self.stmt = stmt
-        self._by_dialect: dict[int, tuple[Dialect, _Compiled]] = {}
+        self._by_dialect: dict[tuple[int, tuple[Any, ...]], tuple[Dialect, _Compiled]] = {}
+        # ``literal_execute`` parameters (a claim's limit): one SQL text per value, each compiled
+        # once with the value in it, as SQLAlchemy renders them at execution
+        self._literal: tuple[str, ...] = ()
         for name in [dialect] if dialect is not None else list(_DIALECTS):
-            _Compiled(stmt, _DIALECTS[name]())
+            compiled = stmt.compile(dialect=_DIALECTS[name]())
+            self._literal = tuple(n for bp, n in compiled.bind_names.items() if bp.literal_execute)
+            probe = {n: 1 for n in self._literal}
+            _Compiled(stmt, _DIALECTS[name](), probe)
 
-    def _compiled(self, dialect: Dialect) -> _Compiled:
-        """The statement compiled for ``dialect`` (an engine's: its options count), once."""
-        got = self._by_dialect.get(id(dialect))
+    def compile(self, *args: Any, **kwargs: Any) -> Any:
+        """The statement's own ``compile`` (what SQLAlchemy would run)."""
+        return self.stmt.compile(*args, **kwargs)
+
+    def _compiled(self, dialect: Dialect, params: Mapping[str, Any]) -> _Compiled:
+        """The statement compiled for ``dialect`` (an engine's: its options count) and the
+        values of its literal parameters in ``params``, once."""
+        values = tuple(params.get(n) for n in self._literal)
+        key = (id(dialect), values)
+        got = self._by_dialect.get(key)
         if got is None or got[0] is not dialect:
-            got = self._by_dialect[id(dialect)] = (dialect, _Compiled(self.stmt, dialect))
+            literal = dict(zip(self._literal, values, strict=True))
+            if any(v is None for v in values):
+                raise sa.exc.ArgumentError(f"a value is required for bind parameters {self._literal}")
+            got = self._by_dialect[key] = (dialect, _Compiled(self.stmt, dialect, literal))
         return got[1]
 
     def __str__(self) -> str:
@@ -165,7 +187,10 @@ class Direct(_Statement):
         return self.run(connection, distilled_params)
 
     def run(self, connection: Connection, param_sets: Sequence[Mapping[str, Any]]) -> DirectResult:
-        c = self._compiled(connection.dialect)
+        first: Mapping[str, Any] = param_sets[0] if param_sets else {}
+        c = self._compiled(connection.dialect, first)
+        if self._literal and any(p.get(n) != first.get(n) for p in param_sets for n in self._literal):
+            raise sa.exc.ArgumentError(f"an executemany with different {self._literal} values")
         sets = [c.params(p) for p in param_sets] if param_sets else [c.params({})]
         raw = connection.connection.dbapi_connection
         assert raw is not None
