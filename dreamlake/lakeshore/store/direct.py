@@ -25,6 +25,13 @@ SQLAlchemy would apply) and then executed on the raw driver connection of the ca
 The transaction, its ``BEGIN`` and commit, stay SQLAlchemy's (``Database.tx``): ``Direct`` changes
 how a statement is executed, never when it commits, so durability before an answer is untouched.
 The rows it returns are named tuples of the ``RETURNING`` columns (result processors applied).
+A ``literal_execute`` parameter (a claim's limit) is rendered into the text as SQLAlchemy does at
+execution: one compiled text per value in use.
+
+What it gives up: SQLAlchemy's cursor events (``before_cursor_execute``; the store listens to none)
+and its statement logging (``echo``). It leans on three SQLAlchemy internals, each covered by
+tests/unit/test_direct_statements.py on both dialects: the ``_execute_on_connection`` hook,
+``Connection._handle_dbapi_exception`` and the compiled statement's ``_result_columns``.
 """
 
 from __future__ import annotations
