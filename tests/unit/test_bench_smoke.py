@@ -54,9 +54,13 @@ CASES = {
     "store": ["--reps", "5", "--opens", "1", "--backends", "sqlite-memory"],
     "sweep": ["--calls", "300", "--reps", "1", "--local", "200"],
     "warm": ["--calls", "5", "--producers", "2", "--per-producer", "5"],
+    "peers": ["--calls", "3"],  # a skip line per peer not installed
+    "writer": ["--n", "16", "--pg", ""],
     "hotpaths": [
         "--only",
-        "warm,streams",
+        "peers,writer,warm,streams",
+        "--writer-n",
+        "16",
         "--profile",
         "--jobs",
         "40",

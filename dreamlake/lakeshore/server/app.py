@@ -37,6 +37,7 @@ from dreamlake.lakeshore.server import (
     checkpoints,
     daemon,
     execout,
+    hotroutes,
     namespaces,
     ops,
     producer,
@@ -511,8 +512,18 @@ def create_app(
                     log.warning("closing the live fan-out failed", exc_info=True)
             ctx.close()
 
-    app = Starlette(
-        routes=Routes(ctx).table(), lifespan=lifespan, exception_handlers={HTTPException: _http_error}
+    table = Routes(ctx).table()
+    # the hot routes' own endpoints (the same gate and guard), dispatched without Starlette's
+    # middleware and routing (server/hotroutes.py)
+    hot = {
+        (method, r.path): r.endpoint
+        for r in table
+        if isinstance(r, Route)
+        for method in r.methods or ()
+        if (method, r.path) in hotroutes.HOT
+    }
+    app = hotroutes.HotStarlette(
+        routes=table, lifespan=lifespan, exception_handlers={HTTPException: _http_error}, hot=hot
     )
     app.state.ctx = ctx
     return app

@@ -30,6 +30,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from . import schema as t
+from .direct import Direct
 from .placement import PLAIN, Needs, Offer
 
 _inv = t.invocations
@@ -127,7 +128,9 @@ def claim_statement(n_heads: int, by_namespace: bool = False) -> Any:
         .cte("picked")
         .prefix_with("MATERIALIZED")  # evaluated once: a bare IN (subquery) may run it per row
     )
-    return _claimed(_inv.c.invocation_id.in_(sa.select(picked.c.invocation_id)))
+    claim = _claimed(_inv.c.invocation_id.in_(sa.select(picked.c.invocation_id)))
+    # through the driver (store/direct.py), but past MERGED_QUEUES_MAX (an expanding list)
+    return claim if n_heads > MERGED_QUEUES_MAX else Direct(claim)
 
 
 @functools.cache

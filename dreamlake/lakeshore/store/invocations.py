@@ -47,6 +47,7 @@ from .api import (
 )
 from .base import StoreBase, dialect_insert
 from .claims import Placer, claim_params, head_params, key_limit, pick_statement, take_statement
+from .direct import Direct
 from .engine import Database, retry_on_disconnect
 from .notify import Notifier, invocation_channels, run_queue_channel
 from .placement import NO_OFFER, Needs, Offer, needs_of, not_before_of
@@ -152,11 +153,12 @@ class _Statements:
             .values(function_key=B("fkey"), function=B("function", type_=sa.JSON), created_at=B("now"))
             .on_conflict_do_nothing()
         )
-        self.insert_invocation = (
+        self.insert_invocation = Direct(  # the writer's hottest statements: store/direct.py
             dialect_insert(dialect, _inv)
             .values({col: B(col, type_=_inv.c[col].type) for col in _SUBMIT_COLS})
             .on_conflict_do_nothing()
-            .returning(_inv.c.invocation_id)
+            .returning(_inv.c.invocation_id),
+            dialect,
         )
         self.roots_of = sa.select(_inv.c.invocation_id, _inv.c.root_invocation_id).where(
             _inv.c.invocation_id.in_(B("ids", expanding=True))
@@ -190,9 +192,10 @@ class _Statements:
                         lease_expires_at=None,
                     )
                 )
-                self.ack_many[by_attempt, by_worker] = update
-                self.ack[by_attempt, by_worker] = update.returning(
-                    _inv.c.invocation_id, _inv.c.queue, _inv.c.namespace, _inv.c.shape
+                self.ack_many[by_attempt, by_worker] = Direct(update, dialect)
+                self.ack[by_attempt, by_worker] = Direct(
+                    update.returning(_inv.c.invocation_id, _inv.c.queue, _inv.c.namespace, _inv.c.shape),
+                    dialect,
                 )
         # a retry: the row back to queued (claimable at ``not_before``, NULL: now), conditional on
         # the attempt it ends still running; and that attempt's outcome kept in the history.

@@ -45,6 +45,7 @@ from dreamlake.lakeshore.ids import new_ulid
 from . import schema as t
 from .api import DEFAULT_NAMESPACE, TOKEN_KINDS, Command, Principal
 from .base import StoreBase
+from .direct import Direct
 from .engine import Database, retry_on_disconnect
 from .keys import KeyRing
 from .notify import Notifier
@@ -66,13 +67,14 @@ class _Statements:
     def __init__(self) -> None:
         B = sa.bindparam
         c = t.commands
-        self.touch_worker = (
+        # a poll's and a heartbeat's own statements run through the driver (store/direct.py)
+        self.touch_worker = Direct(
             sa.update(t.workers).where(t.workers.c.worker_id == B("worker")).values(last_seen=B("now"))
         )
         self.set_free_gpus = (
             sa.update(t.workers).where(t.workers.c.worker_id == B("worker")).values(free_gpus=B("gpus"))
         )
-        self.take_commands = (
+        self.take_commands = Direct(
             sa.delete(c)
             .where(c.c.worker_id == B("worker"))
             .returning(c.c.command_id, c.c.kind, c.c.body, c.c.created_at)
@@ -84,10 +86,10 @@ class _Statements:
             .where(w.c.worker_id == B("worker"))
             .scalar_subquery()
         )
-        self.pinned_of_worker = sa.select(n.c.nymph_version).where(
-            n.c.name == sa.func.coalesce(registered, "default")
+        self.pinned_of_worker = Direct(
+            sa.select(n.c.nymph_version).where(n.c.name == sa.func.coalesce(registered, "default"))
         )
-        self.pinned = sa.select(n.c.nymph_version).where(n.c.name == B("b_namespace"))
+        self.pinned = Direct(sa.select(n.c.nymph_version).where(n.c.name == B("b_namespace")))
         # The same for the many daemons of one group commit: one statement each, whatever their
         # number (a fleet's heartbeats and poll renewals arrive dozens to a batch).
         many: Any = B("workers", expanding=True)

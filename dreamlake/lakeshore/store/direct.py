@@ -1,0 +1,253 @@
+"""Hot statements straight through the DB-API driver: SQLAlchemy builds and compiles them once,
+each execution is the driver's alone.
+
+The group-commit writer runs a few statements thousands of times a second (a submit's insert, an
+ack's update). Through SQLAlchemy Core each execution still pays for its Python: the compiled
+cache's key and lookup, an execution context, the parameters' processing, a result wrapper, about
+two thirds of the writer's time per write on this project's machine. :class:`Direct` wraps such a
+statement: it is compiled once per dialect (the SQL text, the order of its parameters, each
+parameter's bind processor: a JSON column's serializer, psycopg's JSON wrapper, exactly what
+SQLAlchemy would apply) and then executed on the raw driver connection of the caller's SQLAlchemy
+:class:`~sqlalchemy.engine.Connection`, inside the caller's transaction:
+
+- ``conn.execute(direct, params)`` works as for any statement (``Direct`` implements the hook
+  ``Connection.execute`` dispatches on), so a call site does not change, and a statement that
+  ``Direct`` cannot take (an ``expanding`` list, escaped bind names) raises at import, not later;
+- the driver prepares it: ``sqlite3`` keeps each statement text prepared per connection, and
+  psycopg prepares one server-side from its fifth execution on a connection (``prepare_threshold``);
+- several parameter sets go as one ``executemany`` (psycopg pipelines it: one round trip), with
+  ``RETURNING`` rows collected set by set (SQLite: one ``execute`` per row, in C);
+- a driver error is handed to SQLAlchemy's own handler, so it is raised wrapped in
+  :class:`sqlalchemy.exc.DBAPIError` with ``connection_invalidated`` set on a lost connection,
+  exactly as from ``conn.execute`` of the statement itself (``retry_on_disconnect`` and
+  store/outage.py rely on that).
+
+The transaction, its ``BEGIN`` and commit, stay SQLAlchemy's (``Database.tx``): ``Direct`` changes
+how a statement is executed, never when it commits, so durability before an answer is untouched.
+The rows it returns are named tuples of the ``RETURNING`` columns (result processors applied).
+A ``literal_execute`` parameter (a claim's limit) is rendered into the text as SQLAlchemy does at
+execution: one compiled text per value in use.
+
+What it gives up: SQLAlchemy's cursor events (``before_cursor_execute``; the store listens to none)
+and its statement logging (``echo``). It leans on three SQLAlchemy internals, each covered by
+tests/unit/test_direct_statements.py on both dialects: the ``_execute_on_connection`` hook,
+``Connection._handle_dbapi_exception`` and the compiled statement's ``_result_columns``.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Dialect
+
+if TYPE_CHECKING:  # to the type checker a Direct is a statement conn.execute takes (it is, by duck)
+    from sqlalchemy.sql.base import Executable as _Statement
+else:
+    _Statement = object
+
+
+class _Compiled:
+    """One statement compiled for one dialect."""
+
+    def __init__(self, stmt: Any, dialect: Dialect, literal: Mapping[str, Any] | None = None) -> None:
+        compiled = stmt.compile(dialect=dialect)
+        if getattr(compiled, "escaped_bind_names", None):
+            raise TypeError("Direct: a statement with escaped bind names")
+        self.sql: str = compiled.string
+        positiontup = compiled.positiontup
+        by_name = {name: bp for bp, name in compiled.bind_names.items()}  # the names in the SQL
+        if literal:  # ``literal_execute`` parameters: their values rendered into the SQL text
+            given = {name: None for name in by_name} | dict(literal)
+            state = compiled.construct_expanded_state(given)
+            self.sql, positiontup = state.statement, state.positiontup
+            by_name = {n: bp for n, bp in by_name.items() if not bp.literal_execute}
+        if any(bp.expanding for bp in by_name.values()):
+            raise TypeError("Direct: a statement with an expanding parameter")
+        self.positional = dialect.paramstyle in ("qmark", "numeric", "format")
+        names = list(positiontup or ()) if self.positional else list(by_name)
+        # (name, bind processor or None, default: None when the caller must give it)
+        self.binds: list[tuple[str, Any, tuple[Any] | None]] = []
+        for name in names:
+            bp = by_name[name]
+            proc = bp.type.dialect_impl(dialect).bind_processor(dialect)
+            default = None if bp.required else (bp.effective_value,)
+            self.binds.append((name, proc, default))
+        # the RETURNING columns, as SQLAlchemy's own result would read them (name, type)
+        returning = [(r.keyname, r.type) for r in compiled._result_columns]
+        self.returns = bool(returning)
+        self.row: Any = collections.namedtuple("Row", [name for name, _ in returning], rename=True)  # type: ignore[misc]
+        self.types = [type_.dialect_impl(dialect) for _, type_ in returning]
+        self.dialect = dialect
+        # each column's result processor, made on the first rows (it may need the driver's
+        # type code of the column, from the cursor's description, as SQLAlchemy's does)
+        self.result_procs: list[Any] | None = None
+
+    def params(self, given: Mapping[str, Any]) -> Any:
+        out = []
+        for name, proc, default in self.binds:
+            if name in given:
+                value = given[name]
+            elif default is not None:
+                value = default[0]
+            else:
+                raise sa.exc.ArgumentError(f"a value is required for bind parameter {name!r}")
+            out.append(proc(value) if proc is not None else value)  # None too, as SQLAlchemy does
+        if self.positional:
+            return out
+        return dict(zip((b[0] for b in self.binds), out, strict=True))
+
+    def rows(self, raw: Sequence[Sequence[Any]], description: Sequence[Any] | None) -> list[Any]:
+        if self.result_procs is None:
+            codes = [d[1] for d in description] if description else [None] * len(self.types)
+            self.result_procs = [
+                t.result_processor(self.dialect, code) for t, code in zip(self.types, codes, strict=True)
+            ]
+        make = self.row._make
+        procs = self.result_procs
+        if all(p is None for p in procs):
+            return [make(r) for r in raw]
+        return [make(v if p is None else p(v) for p, v in zip(procs, r, strict=True)) for r in raw]
+
+
+class DirectResult:
+    """What :class:`Direct` answers: the ``RETURNING`` rows (``first``, ``fetchall``, ``all``,
+    ``scalars``, iteration) and ``rowcount``."""
+
+    def __init__(self, rows: list[Any], rowcount: int) -> None:
+        self._rows = rows
+        self.rowcount = rowcount
+
+    def first(self) -> Any:
+        return self._rows[0] if self._rows else None
+
+    def fetchall(self) -> list[Any]:
+        return list(self._rows)
+
+    all = fetchall
+
+    def scalars(self) -> list[Any]:
+        return [r[0] for r in self._rows]
+
+    def scalar(self) -> Any:
+        return self._rows[0][0] if self._rows else None
+
+    def scalar_one_or_none(self) -> Any:
+        if len(self._rows) > 1:
+            raise sa.exc.MultipleResultsFound("multiple rows were found when one or none was required")
+        return self.scalar()
+
+    def scalar_one(self) -> Any:
+        if len(self._rows) != 1:
+            raise (sa.exc.NoResultFound if not self._rows else sa.exc.MultipleResultsFound)(
+                "exactly one row was required"
+            )
+        return self._rows[0][0]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._rows)
+
+
+class Direct(_Statement):
+    """A SQLAlchemy Core statement executed through the DB-API driver (see the module docstring)."""
+
+    def __init__(self, stmt: Any, dialect: str | None = None) -> None:
+        """``dialect``: the one ``stmt`` was built for (``sqlite`` / ``postgresql``); None for a
+        statement of both. Compiled for it now: a statement Direct cannot take fails here."""
+        self.stmt = stmt
+        self._by_dialect: dict[tuple[int, tuple[Any, ...]], tuple[Dialect, _Compiled]] = {}
+        # ``literal_execute`` parameters (a claim's limit): one SQL text per value, each compiled
+        # once with the value in it, as SQLAlchemy renders them at execution
+        self._literal: tuple[str, ...] = ()
+        for name in [dialect] if dialect is not None else list(_DIALECTS):
+            compiled = stmt.compile(dialect=_DIALECTS[name]())
+            self._literal = tuple(n for bp, n in compiled.bind_names.items() if bp.literal_execute)
+            probe = {n: 1 for n in self._literal}
+            _Compiled(stmt, _DIALECTS[name](), probe)
+
+    def compile(self, *args: Any, **kwargs: Any) -> Any:
+        """The statement's own ``compile`` (what SQLAlchemy would run)."""
+        return self.stmt.compile(*args, **kwargs)
+
+    def _compiled(self, dialect: Dialect, params: Mapping[str, Any]) -> _Compiled:
+        """The statement compiled for ``dialect`` (an engine's: its options count) and the
+        values of its literal parameters in ``params``, once."""
+        values = tuple(params.get(n) for n in self._literal)
+        key = (id(dialect), values)
+        got = self._by_dialect.get(key)
+        if got is None or got[0] is not dialect:
+            literal = dict(zip(self._literal, values, strict=True))
+            if any(v is None for v in values):
+                raise sa.exc.ArgumentError(f"a value is required for bind parameters {self._literal}")
+            got = self._by_dialect[key] = (dialect, _Compiled(self.stmt, dialect, literal))
+        return got[1]
+
+    def __str__(self) -> str:
+        return str(self.stmt)
+
+    # ``Connection.execute(statement, parameters)`` calls this hook of the statement
+    def _execute_on_connection(  # type: ignore[override]
+        self, connection: Connection, distilled_params: Sequence[Mapping[str, Any]], execution_options: Any
+    ) -> DirectResult:
+        return self.run(connection, distilled_params)
+
+    def run(self, connection: Connection, param_sets: Sequence[Mapping[str, Any]]) -> DirectResult:
+        first: Mapping[str, Any] = param_sets[0] if param_sets else {}
+        c = self._compiled(connection.dialect, first)
+        if self._literal and any(p.get(n) != first.get(n) for p in param_sets for n in self._literal):
+            raise sa.exc.ArgumentError(f"an executemany with different {self._literal} values")
+        sets = [c.params(p) for p in param_sets] if param_sets else [c.params({})]
+        raw = connection.connection.dbapi_connection
+        assert raw is not None
+        cursor: Any = raw.cursor()
+        try:
+            rows: list[Any] = []
+            count = 0
+            description = None
+            if len(sets) == 1:
+                cursor.execute(c.sql, sets[0])
+                if c.returns:
+                    description = cursor.description
+                    rows = cursor.fetchall()
+                count = cursor.rowcount
+            elif not c.returns:
+                cursor.executemany(c.sql, sets)
+                count = cursor.rowcount
+            elif connection.dialect.name == "postgresql":
+                cursor.executemany(c.sql, sets, returning=True)
+                while True:
+                    description = description or cursor.description
+                    rows += cursor.fetchall()
+                    count += max(0, cursor.rowcount)
+                    if not cursor.nextset():
+                        break
+            else:  # sqlite3's executemany takes no RETURNING: one execute per set, in C
+                for one in sets:
+                    cursor.execute(c.sql, one)
+                    description = description or cursor.description
+                    rows += cursor.fetchall()
+                    count += max(0, cursor.rowcount)
+        except Exception as exc:
+            # SQLAlchemy's own handling: wrapped in DBAPIError, a lost connection invalidated
+            connection._handle_dbapi_exception(exc, c.sql, sets, cursor, None)
+            raise  # (the handler always raises)
+        finally:
+            cursor.close()
+        return DirectResult(c.rows(rows, description) if rows else [], count)
+
+
+def _sqlite() -> Dialect:
+    from sqlalchemy.dialects import sqlite
+
+    return sqlite.dialect()
+
+
+def _postgresql() -> Dialect:
+    from sqlalchemy.dialects.postgresql import psycopg
+
+    return psycopg.dialect()  # type: ignore[no-untyped-call]
+
+
+_DIALECTS = {"sqlite": _sqlite, "postgresql": _postgresql}

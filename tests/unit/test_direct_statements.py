@@ -1,0 +1,88 @@
+"""store/direct.py: a hot statement run through the driver writes what SQLAlchemy would, and fails
+as SQLAlchemy would (a DBAPIError the store's outage and retry logic know)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from dreamlake.lakeshore.store.direct import Direct
+from dreamlake.lakeshore.store.engine import Database
+
+META = sa.MetaData()
+T = sa.Table(
+    "t",
+    META,
+    sa.Column("id", sa.String(16), primary_key=True),
+    sa.Column("doc", sa.JSON, nullable=True),
+    sa.Column("n", sa.Integer, nullable=False),
+    sa.Column("at", sa.Double, nullable=True),
+)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
+    if request.param == "sqlite":
+        database = Database(tmp_path / "d.db")
+    else:
+        from tests.contract.conftest import pg_database
+
+        ctx = pg_database()
+        url = ctx.__enter__()
+        database = Database(url)
+        request.addfinalizer(lambda: ctx.__exit__(None, None, None))
+    META.create_all(database.engine)
+    yield database
+    database.dispose()
+
+
+def _insert(dialect: str) -> Direct:
+    B = sa.bindparam
+    stmt = (
+        sa.insert(T)
+        .values(id=B("id"), doc=B("doc", type_=sa.JSON), n=B("n"), at=B("at"))
+        .returning(T.c.id, T.c.n)
+    )
+    return Direct(stmt, dialect)
+
+
+def test_rows_match_what_sqlalchemy_writes(db: Database) -> None:
+    direct = _insert(db.dialect)
+    rows = [{"id": f"d{k}", "doc": {"k": [k, None]} if k else None, "n": k, "at": 1.5} for k in range(3)]
+    with db.tx(write=True) as conn:
+        got = conn.execute(direct, rows)  # several sets: executemany with RETURNING
+        assert sorted(got.scalars()) == ["d0", "d1", "d2"]
+        one = conn.execute(direct, {"id": "e0", "doc": {"a": 1}, "n": 7, "at": None}).first()
+        assert (one.id, one.n) == ("e0", 7)
+        conn.execute(direct.stmt, {"id": "s0", "doc": None, "n": 0, "at": 1.5})  # SQLAlchemy's own
+    with db.tx(write=False) as conn:
+        back = {r.id: (r.doc, r.n, r.at) for r in conn.execute(sa.select(T))}
+        raw_docs = dict(conn.execute(sa.select(T.c.id, sa.cast(T.c.doc, sa.Text))).all())
+    assert back["d1"] == ({"k": [1, None]}, 1, 1.5)
+    assert back["e0"] == ({"a": 1}, 7, None)
+    assert raw_docs["d0"] == raw_docs["s0"]  # a None JSON stored exactly as SQLAlchemy stores it
+
+
+def test_a_refused_row_is_sqlalchemys_error_and_rolls_back(db: Database) -> None:
+    direct = _insert(db.dialect)
+    with db.tx(write=True) as conn:
+        conn.execute(direct, {"id": "x", "doc": None, "n": 1, "at": None})
+    with pytest.raises(sa.exc.IntegrityError), db.tx(write=True) as conn:
+        conn.execute(direct, {"id": "y", "doc": None, "n": 1, "at": None})
+        conn.execute(direct, {"id": "x", "doc": None, "n": 2, "at": None})  # the key again
+    with db.tx(write=False) as conn:
+        assert [r.id for r in conn.execute(sa.select(T.c.id))] == ["x"]  # "y" went with it
+
+
+def test_a_missing_parameter_is_a_clear_error(db: Database) -> None:
+    with pytest.raises(sa.exc.ArgumentError, match="'n'"), db.tx(write=True) as conn:
+        conn.execute(_insert(db.dialect), {"id": "z", "doc": None, "at": None})
+
+
+def test_a_statement_it_cannot_take_fails_when_built() -> None:
+    stmt = sa.select(T.c.id).where(T.c.id.in_(sa.bindparam("ids", expanding=True)))
+    with pytest.raises(TypeError, match="expanding"):
+        Direct(stmt, "sqlite")
