@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,14 +24,9 @@ import msgpack
 
 from dreamlake.lakeshore.ids import new_ulid
 from tests.integration.conftest import submit_body
+from tests.stack.ports import free_port
 
 MSGPACK = {"Content-Type": "application/x-msgpack"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

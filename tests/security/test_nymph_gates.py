@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (the fixtures are imported from tests.security.nymph_stack)
 """Issue 11, attack 1: a producer token is code execution on the nymphs serving its queue. Bound it.
 
 Before: ``run_config={"script": "id > owned.txt"}`` ran under ``bash -c`` as uid 0 (the pickle gate
@@ -23,21 +22,16 @@ from pathlib import Path
 import dreamlake.lakeshore as dls
 from dreamlake.lakeshore import wire
 from tests import code_kit
-from tests.security.nymph_stack import (  # noqa: F401  (fixtures)
+from tests.security.nymph_stack import (
     LIMIT_S,
     ControlPlane,
     RootNymph,
-    _env,
     await_result,
     nymph_args,
-    plane,
-    pool_uids,
-    readable_runtime,
     ref,
-    root_nymph,
     submit,
-    task_user,
 )
+from tests.stack.procs import child_env
 
 
 def _no_workdir(n: RootNymph, inv: str) -> bool:
@@ -145,7 +139,7 @@ def test_nymph_refuses_to_start_as_root_without_its_task_user(
 ) -> None:
     base = Path(tempfile.mkdtemp(prefix="nymph-sec-"))
     args = nymph_args(plane, base, readable_runtime, "--task-user", "nymph-no-such-user")
-    out = subprocess.run(args, capture_output=True, text=True, env=_env(), timeout=LIMIT_S)
+    out = subprocess.run(args, capture_output=True, text=True, env=child_env(), timeout=LIMIT_S)
     assert out.returncode != 0
     assert "useradd --system" in out.stderr and "nymph-no-such-user" in out.stderr
     assert "--task-user" in out.stderr and "--allow-root-tasks" in out.stderr
@@ -158,7 +152,7 @@ def test_a_container_runs_as_the_task_user_not_root(
     plane: ControlPlane, root_nymph: Callable[..., RootNymph], task_user: pwd.struct_passwd
 ) -> None:
     """The docker runner runs the container as the workdir's owner: the task user's uid, not 0."""
-    from tests.contract.test_runner_conformance import options_for
+    from tests.runner_kit import options_for
 
     image = options_for("docker")["image"]  # skips without an engine and a test image
     n = root_nymph(

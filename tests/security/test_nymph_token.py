@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (the fixtures are imported from tests.security.nymph_stack)
 """Issue 11, attack 6 (nymph's part): the daemon token was visible in ``ps`` through ``--token``.
 
 After: the token comes from ``--token-file`` (or ``token_file``, or ``NYMPH_TOKEN``) and never needs
@@ -20,20 +19,16 @@ from pathlib import Path
 import psutil
 
 from dreamlake.lakeshore import wire
-from tests.security.nymph_stack import (  # noqa: F401  (fixtures)
+from tests.security.nymph_stack import (
     LIMIT_S,
     ControlPlane,
     RootNymph,
-    _env,
     await_result,
     nymph_args,
-    plane,
-    readable_runtime,
     ref,
-    root_nymph,
     submit,
-    task_user,
 )
+from tests.stack.procs import child_env
 
 
 def _shown_by_ps(token: str) -> list[str]:
@@ -98,7 +93,7 @@ def test_a_token_file_others_can_read_is_refused(plane: ControlPlane) -> None:
         token_file.write_text(plane.daemon_token)
         os.chmod(token_file, 0o644)
         cmd = [sys.executable, "-m", "nymph", "start", "--server", plane.url, "--token-file", str(token_file)]
-        out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=LIMIT_S)
+        out = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=LIMIT_S)
     assert out.returncode != 0
     assert "readable or writable by every local user" in out.stderr and "chmod 600" in out.stderr
     assert plane.daemon_token not in out.stderr + out.stdout

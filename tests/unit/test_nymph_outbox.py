@@ -14,31 +14,7 @@ import pytest
 from dreamlake.lakeshore.errors import AuthError, BadRequest, Conflict, NotFound, Unavailable
 from nymph.client import ControlPlaneClient, is_retryable
 from nymph.outbox import HOLD_S, Outbox
-
-
-class FakePlane:
-    """A control plane at the transport seam: answers from a script of status codes, then 200."""
-
-    def __init__(self, statuses: list[int] | None = None) -> None:
-        self.statuses = list(statuses or [])
-        self.received: list[tuple[str, dict[str, Any]]] = []
-        self.down = threading.Event()
-        self.lock = threading.Lock()
-
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        if self.down.is_set():
-            raise httpx.ConnectError("connection refused", request=request)
-        with self.lock:
-            status = self.statuses.pop(0) if self.statuses else 200
-            if status == 200:
-                self.received.append((request.url.path, msgpack.unpackb(request.content)))
-        body = {"ok": status == 200} if status == 200 else {"error": f"status {status}"}
-        return httpx.Response(
-            status, content=msgpack.packb(body), headers={"content-type": "application/x-msgpack"}
-        )
-
-    def client(self) -> ControlPlaneClient:
-        return ControlPlaneClient("http://cp", "tok", transport=httpx.MockTransport(self))
+from tests.unit.outbox_kit import FakePlane
 
 
 @pytest.mark.parametrize(

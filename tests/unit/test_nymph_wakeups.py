@@ -22,8 +22,7 @@ from nymph.outbox import Outbox
 from nymph.pump import Pump
 from nymph.sdnotify import SdNotify
 from nymph.watcher import Watcher
-
-from .test_nymph_outbox import FakePlane
+from tests.unit.outbox_kit import FakePlane
 
 
 def _ack(invocation_id: str) -> dict[str, Any]:
