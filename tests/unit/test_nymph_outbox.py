@@ -14,6 +14,7 @@ import pytest
 from dreamlake.lakeshore.errors import AuthError, BadRequest, Conflict, NotFound, Unavailable
 from nymph.client import ControlPlaneClient, is_retryable
 from nymph.outbox import HOLD_S, Outbox
+from tests.stack.wait import until
 from tests.unit.outbox_kit import FakePlane
 
 
@@ -161,10 +162,9 @@ def test_a_poll_takes_acks_at_the_head_of_their_lanes_and_the_sender_leaves_them
     assert [m.body["invocation_id"] for m in riding] == ["inv2"]
     assert box.take_acks("me", 64) == []  # taken once
     box.start()
-    deadline = time.monotonic() + 10
-    while len(plane.received) < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)
+    until(lambda: len(plane.received) >= 3, "the sender to send inv1's chunk and ack, and inv3's ack", 10.0)
+    box.wake()  # one more pass of the sender, which must leave the riding ack alone
+    until(lambda: box.pending() == 1, "the sender to settle all but the riding ack", 10.0)
     sent = [(route, body["invocation_id"]) for route, body in plane.received]
     assert sorted(sent) == [
         ("/v1/daemon/ack", "inv1"),
