@@ -33,28 +33,8 @@ class PlacedServer(Server):
     """``lakeshore server`` over ``--db`` (SQLite in its data dir, or a fresh PostgreSQL database)."""
 
     def __init__(self, data_dir: Path, db: str | None) -> None:
-        super().__init__(data_dir)
+        super().__init__(data_dir, *(["--db", db] if db is not None else []))
         self.db = db
-
-    def start(self) -> None:
-        if self.db is None:
-            return super().start()
-        import subprocess
-
-        from tests.stack.procs import child_env
-
-        cmd = [sys.executable, "-m", "dreamlake.lakeshore.cli", "server", "--port", str(self.port),
-               "--data-dir", str(self.data_dir), "--db", self.db]  # fmt: skip
-        with open(self.data_dir / "server.log", "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env())
-
-        def up() -> bool:
-            try:
-                return httpx.get(self.url + "/healthz", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        until(up, "the control plane to answer")
 
 
 class GpuNymph(Nymph):

@@ -25,7 +25,7 @@ class Server:
     first start mints the admin and daemon tokens into ``tokens.json`` (:meth:`tokens`).
     ``extra``: more ``lakeshore server`` flags; ``env``: the environment (:func:`child_env` when
     None); ``ca_file``: the server serves HTTPS with a certificate this CA signed (its certificate
-    and key come in ``env``), and :meth:`up` trusts it.
+    and key come in ``env``), and :meth:`up` trusts it; ``port``: a given port (a free one when None).
     """
 
     def __init__(
@@ -35,11 +35,12 @@ class Server:
         env: dict[str, str] | None = None,
         log: Path | None = None,
         ca_file: str | None = None,
+        port: int | None = None,
     ) -> None:
         self.data_dir = data_dir
         if log is None:  # the log's home; otherwise the server makes its data directory itself
             data_dir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"{'https' if ca_file else 'http'}://127.0.0.1:{self.port}"
         self.ca_file = ca_file
         self.verify: Any = ssl.create_default_context(cafile=ca_file) if ca_file else True
@@ -94,9 +95,8 @@ class Server:
         kill_group(self.proc)  # whatever the server's session still holds
 
     def kill(self) -> None:
-        """``kill -9`` of the server and every process of its session."""
-        if self.proc is not None and self.proc.poll() is None:
-            kill_group(self.proc, signal.SIGKILL)
+        """``kill -9`` of the server and every process of its session (its leader gone or not)."""
+        kill_group(self.proc, signal.SIGKILL)
 
     def tokens(self) -> dict[str, str]:
         """The tokens the first start minted (``admin``, ``daemon``)."""
