@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the fixtures are imported from tests.security.nymph_stack)
 """Issue 11, attack 1: a producer token is code execution on the nymphs serving its queue. Bound it.
 
 Before: ``run_config={"script": "id > owned.txt"}`` ran under ``bash -c`` as uid 0 (the pickle gate
@@ -22,14 +23,19 @@ from pathlib import Path
 import dreamlake.lakeshore as dls
 from dreamlake.lakeshore import wire
 from tests import code_kit
-from tests.security.nymph_stack import (
+from tests.security.nymph_stack import (  # noqa: F401  (fixtures)
     LIMIT_S,
     ControlPlane,
     RootNymph,
     await_result,
     nymph_args,
+    plane,
+    pool_uids,
+    readable_runtime,
     ref,
+    root_nymph,
     submit,
+    task_user,
 )
 from tests.stack.procs import child_env
 

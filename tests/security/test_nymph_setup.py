@@ -23,7 +23,12 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import ControlPlane
-from tests.security.nymph_stack import nymph_args
+from tests.security.nymph_stack import (  # noqa: F401  (fixtures)
+    nymph_args,
+    plane,
+    readable_runtime,
+    task_user,
+)
 from tests.stack.procs import child_env
 
 LIMIT_S = 120
@@ -64,8 +69,8 @@ def _unreadable_interpreter() -> str:
 
 
 def test_start_refuses_an_interpreter_the_task_user_cannot_run_and_doctor_agrees(
-    plane: ControlPlane,
-    task_user: pwd.struct_passwd,
+    plane: ControlPlane,  # noqa: F811
+    task_user: pwd.struct_passwd,  # noqa: F811
     base: Path,
 ) -> None:
     closed = _unreadable_interpreter()  # e.g. /root (0700), above /root/.pyenv/versions/...
@@ -89,9 +94,9 @@ def test_start_refuses_an_interpreter_the_task_user_cannot_run_and_doctor_agrees
 
 
 def test_start_refuses_a_workdir_the_task_user_cannot_enter_and_doctor_agrees(
-    plane: ControlPlane,
-    task_user: pwd.struct_passwd,
-    readable_runtime: tuple[str, list[str]],
+    plane: ControlPlane,  # noqa: F811
+    task_user: pwd.struct_passwd,  # noqa: F811
+    readable_runtime: tuple[str, list[str]],  # noqa: F811
     base: Path,
 ) -> None:
     work = base / "work"
@@ -126,8 +131,8 @@ def test_start_refuses_a_workdir_the_task_user_cannot_enter_and_doctor_agrees(
 
 
 def test_a_task_that_cannot_read_its_sys_path_is_told_so_not_that_a_module_is_missing(
-    task_user: pwd.struct_passwd,
-    readable_runtime: tuple[str, list[str]],
+    task_user: pwd.struct_passwd,  # noqa: F811
+    readable_runtime: tuple[str, list[str]],  # noqa: F811
 ) -> None:
     """The entry's import error names an unreadable sys.path entry (the real cause) instead of
     'install it or add it to PYTHONPATH'; with every entry readable it says the module is missing."""

@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the fixtures are imported from tests.security.nymph_stack)
 """Issue 11, attack 6 (nymph's part): the daemon token was visible in ``ps`` through ``--token``.
 
 After: the token comes from ``--token-file`` (or ``token_file``, or ``NYMPH_TOKEN``) and never needs
@@ -19,14 +20,18 @@ from pathlib import Path
 import psutil
 
 from dreamlake.lakeshore import wire
-from tests.security.nymph_stack import (
+from tests.security.nymph_stack import (  # noqa: F401  (fixtures)
     LIMIT_S,
     ControlPlane,
     RootNymph,
     await_result,
     nymph_args,
+    plane,
+    readable_runtime,
     ref,
+    root_nymph,
     submit,
+    task_user,
 )
 from tests.stack.procs import child_env
 

@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the fixtures are imported from tests.security.nymph_stack)
 """Issue 31, the host side: one tenant's task against another's, on one root nymph.
 
 The stack is the one an operator runs: ``nymph start`` as root (no ``--namespace``: it serves every
@@ -35,14 +36,19 @@ import pytest
 from dreamlake.lakeshore import ids, wire
 from tests.integration.conftest import submit_body
 from tests.security.attack_fns import RELEASE, VICTIM
-from tests.security.nymph_stack import (
+from tests.security.nymph_stack import (  # noqa: F401  (fixtures)
     LIMIT_S,
     ControlPlane,
     RootNymph,
     await_result,
     call,
     nymph_args,
+    plane,
+    pool_uids,
+    readable_runtime,
     ref,
+    root_nymph,
+    task_user,
 )
 from tests.stack.procs import child_env
 from tests.stack.wait import within
