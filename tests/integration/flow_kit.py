@@ -1,5 +1,6 @@
 """Flow control as the stream tests watch it: nymph's metrics, a live follower of a result stream,
-nymph's memory peak, and the stack fixture (lakeshore server and a maker of nymphs)."""
+nymph's memory peak, and the ``stack`` fixture (``lakeshore server`` and a maker of nymphs), and ``runner_for``
+(nymph's flags per runner)."""
 
 from __future__ import annotations
 

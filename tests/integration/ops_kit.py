@@ -1,4 +1,4 @@
-"""The ops surface as an operator reaches it: the lakeshore CLI against a control plane, the web UI's login."""
+"""The ops surface as an operator reaches it: the ``lakeshore`` CLI against a control plane, the web UI's login."""
 
 from __future__ import annotations
 
