@@ -66,6 +66,8 @@ sys.path.insert(0, str(ROOT))
 
 from dreamlake.lakeshore.ids import new_ulid  # noqa: E402
 from tests.integration.conftest import submit_body  # noqa: E402
+from tests.stack.ports import free_port  # noqa: E402
+from tests.stack.wait import until_async  # noqa: E402
 
 # a daemon's capacity and poll offer as nymph sends them (no GPUs, its automatic labels)
 CAPACITY = {"cpus": 8, "memory_mb": 32768, "gpus": [], "arch": "x86_64", "os": "linux"}
@@ -134,12 +136,6 @@ class Conn:
 # -- servers ----------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Server:
     proc: subprocess.Popen[bytes]
@@ -159,7 +155,7 @@ class Server:
 
 
 def _start_server(db: str, data: Path, server_root: Path, log: Path, profile: Path | None = None) -> Server:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": f"{server_root}:{server_root / 'runners'}"}
     prof = [str(Path(__file__).with_name("_sampler.py")), str(profile)] if profile is not None else []
     cmd = [sys.executable, *prof, "-m", "dreamlake.lakeshore.cli", "--log-level", "warning", "server"]
@@ -325,14 +321,6 @@ class Fleet:
         await asyncio.gather(*(c.close() for c in self.conns), return_exceptions=True)
 
 
-async def _until(probe: Any, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await probe():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"gave up waiting for {what}")
-        await asyncio.sleep(0.1)
-
-
 @dataclass
 class Row:
     n: int
@@ -403,21 +391,26 @@ async def _measure(
 
     has_hub = "lakeshore_polls_waiting" in await _metrics(admin[0])
     if has_hub and pg:
-        await _until(relays_up, "every replica to LISTEN")
+        await until_async(relays_up, "every replica to LISTEN", limit_s=120.0, step_s=0.1)
     rss0 = back.rss()
     fleet = Fleet(host, back.port, tokens["daemon"], queue)
     fleet.heartbeat_s = heartbeat_s
     ready = asyncio.Event()
     started = time.monotonic()
     await fleet.start(n, ready)
-    await _until(lambda: _ready(fleet, n), f"{n} daemons registered")
+    await until_async(lambda: _ready(fleet, n), f"{n} daemons registered", limit_s=120.0, step_s=0.1)
     _progress(f"N={n}: {n} daemons registered after {time.monotonic() - started:.0f} s")
     ready.set()
     if has_hub:
         # polls renew every ~20 s, each with a pass: at any moment a few are not waiting
-        await _until(lambda: _equals(waiting, n - n // 50), f"{n - n // 50} of {n} polls waiting")
+        await until_async(
+            lambda: _equals(waiting, n - n // 50),
+            f"{n - n // 50} of {n} polls waiting",
+            limit_s=120.0,
+            step_s=0.1,
+        )
     else:
-        await _until(lambda: _const(fleet.in_poll == n), f"{n} polls sent")
+        await until_async(lambda: _const(fleet.in_poll == n), f"{n} polls sent", limit_s=120.0, step_s=0.1)
         await asyncio.sleep(2.0)
     await asyncio.sleep(1.0)
     rss = back.rss()

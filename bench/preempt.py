@@ -24,15 +24,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests import preempt_fns  # noqa: E402
-from tests.integration.test_nymph_agent import (  # noqa: E402
-    Nymph,
-    Server,
-    _call,
-    _until,
-    envelope,
-    status_of,
-    submit,
-)
+from tests.stack.nymph import Nymph  # noqa: E402
+from tests.stack.producer import call, envelope, status_of, submit  # noqa: E402
+from tests.stack.server import Server  # noqa: E402
+from tests.stack.wait import until  # noqa: E402
 
 
 def one_round(srv: Server, base: Path, grace_s: float) -> float:
@@ -44,19 +39,19 @@ def one_round(srv: Server, base: Path, grace_s: float) -> float:
     b: Nymph | None = None
     try:
         inv = submit(srv.url, tokens["admin"], envelope(preempt_fns.sleepy, 60), max_attempts=1)
-        _until(lambda: (a.workdir / inv / "handle.json").exists(), "attempt 1 on nymph A")
+        until(lambda: (a.workdir / inv / "handle.json").exists(), "attempt 1 on nymph A")
         b = Nymph(srv.url, tokens["daemon"], dirs[1]).start()
-        _until(lambda: "registered as worker" in b.output(), "nymph B to register")
+        until(lambda: "registered as worker" in b.output(), "nymph B to register")
         sent = time.monotonic()
         a.signal(15)
-        _until(
+        until(
             lambda: (
                 (s := status_of(srv.url, tokens["admin"], inv))["attempt"] >= 2 and s["state"] == "running"
             ),
             "the call to run again on nymph B",
         )
         away = time.monotonic() - sent
-        _call(srv.url, tokens["admin"], f"/v1/producer/invocations/{inv}/cancel", {})
+        call(srv.url, tokens["admin"], f"/v1/producer/invocations/{inv}/cancel", {})
         return away
     finally:
         for n in (a, b):

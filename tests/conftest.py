@@ -14,7 +14,12 @@ from typing import Any
 import pytest
 
 # tests.host_users: the system users tests run tasks as, made once a run (even across xdist workers)
-pytest_plugins = ["tests.integration.s3_fixture", "tests.integration.redis_fixture", "tests.host_users"]
+pytest_plugins = [
+    "tests.integration.s3_fixture",
+    "tests.integration.redis_fixture",
+    "tests.host_users",
+    "tests.stack.fixtures",  # the one test stack: nymph_factory, server
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 # The suite deploys its own functions (tests/*) on every worker through PYTHONPATH, as a fleet with

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import os
 import pwd
+import shutil
+import subprocess
 import sys
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,11 @@ from dreamlake.lakeshore import ids, wire
 from dreamlake.lakeshore.decorator import UDF
 from dreamlake.lakeshore.envelope import Envelope, fn_for
 from nymph.runner import Handle, Runner, Task
+from tests.conftest import require
+from tests.stack.wait import until
 
 LIMIT_S = 60.0
+__all__ = ["until"]  # the stack's wait, for the runner tests that take it from here
 USER_CODE = Path(__file__).resolve().parent / "user_code"
 if str(USER_CODE) not in sys.path:
     sys.path.append(str(USER_CODE))
@@ -139,14 +143,6 @@ def start_saved(runner: Runner, task: Task) -> Handle:
     return handle
 
 
-def until(predicate: Callable[[], bool], what: str, limit_s: float = LIMIT_S) -> None:
-    """Poll ``predicate`` every 20 ms; fail the test after ``limit_s`` seconds."""
-    deadline = time.monotonic() + limit_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.02)
-
-
 def frames(workdir: Path) -> list[wire.Frame]:
     """The frames journal so far; empty when the task has written none yet."""
     try:
@@ -158,3 +154,46 @@ def frames(workdir: Path) -> list[wire.Frame]:
 def result(task: Task) -> Any:
     """The unpacked result.msgpack of a finished task."""
     return wire.unpack((task.workdir / "result.msgpack").read_bytes())
+
+
+def docker_runtimes() -> str | None:
+    if shutil.which("docker") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["docker", "info", "--format", "{{json .Runtimes}}"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def slurm_answers() -> bool:
+    if shutil.which("sbatch") is None or shutil.which("scontrol") is None:
+        return False
+    try:
+        return subprocess.run(["scontrol", "ping"], capture_output=True, timeout=15).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def options_for(name: str) -> dict[str, Any]:
+    """Keyword options each runner is constructed with in this suite."""
+    if name == "process":
+        return {"prefork": False}
+    if name == "process-prefork":  # the process runner's warm-fork (zygote) mode
+        return {"prefork": True}
+    if name == "process-warm":  # the process runner's warm mode (trusted code, many calls per worker)
+        return {"warm": True, "warm_workers": 2}
+    if name == "process-pgroup":  # no task cgroups: process groups and the stray walk
+        return {"prefork": False, "cgroup": "off"}
+    if name == "slurm":
+        require(slurm_answers(), 'needs a Slurm controller: eval "$(scripts/services/slurm.sh)"')
+        return {}
+    runtimes = docker_runtimes()
+    require(runtimes is not None, "needs a reachable Docker engine")
+    if name == "gvisor":
+        require("runsc" in (runtimes or ""), "needs the runsc runtime registered with Docker")
+    image = os.environ.get("LAKESHORE_TEST_IMAGE")
+    require(bool(image), "needs LAKESHORE_TEST_IMAGE (an image with python3 and msgpack)")
+    return {"image": image}

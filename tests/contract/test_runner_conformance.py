@@ -17,8 +17,6 @@ bundle's; host runners also get the repository (their installed copy).
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,61 +33,19 @@ from nymph.runner import Handle, Runner, Task
 from nymph.runnerkit import BUNDLE_TARGET, CODE_TARGET
 from tests import code_kit, nymph_fns
 from tests import runner_kit as kit
-from tests.conftest import ROOT, require
+from tests.conftest import ROOT
 
 if str(ROOT / "runners") not in sys.path:  # until the editable install exposes runners/
     sys.path.insert(0, str(ROOT / "runners"))
 
 from nymph.plugins import load_runner
+from tests.runner_kit import options_for
 
 readme = kit.user_module("readme_udfs")
 
 # process-pgroup: the process runner without cgroups (its process-group fallback)
 RUNNERS = ["process", "process-prefork", "process-warm", "process-pgroup", "docker", "gvisor", "slurm"]
 LIMIT_S = 60.0
-
-
-def _docker_runtimes() -> str | None:
-    if shutil.which("docker") is None:
-        return None
-    try:
-        out = subprocess.run(
-            ["docker", "info", "--format", "{{json .Runtimes}}"], capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout if out.returncode == 0 else None
-
-
-def _slurm_answers() -> bool:
-    if shutil.which("sbatch") is None or shutil.which("scontrol") is None:
-        return False
-    try:
-        return subprocess.run(["scontrol", "ping"], capture_output=True, timeout=15).returncode == 0
-    except subprocess.TimeoutExpired:
-        return False
-
-
-def options_for(name: str) -> dict[str, Any]:
-    """Keyword options each runner is constructed with in this suite."""
-    if name == "process":
-        return {"prefork": False}
-    if name == "process-prefork":  # the process runner's warm-fork (zygote) mode
-        return {"prefork": True}
-    if name == "process-warm":  # the process runner's warm mode (trusted code, many calls per worker)
-        return {"warm": True, "warm_workers": 2}
-    if name == "process-pgroup":  # no task cgroups: process groups and the stray walk
-        return {"prefork": False, "cgroup": "off"}
-    if name == "slurm":
-        require(_slurm_answers(), 'needs a Slurm controller: eval "$(scripts/services/slurm.sh)"')
-        return {}
-    runtimes = _docker_runtimes()
-    require(runtimes is not None, "needs a reachable Docker engine")
-    if name == "gvisor":
-        require("runsc" in (runtimes or ""), "needs the runsc runtime registered with Docker")
-    image = os.environ.get("LAKESHORE_TEST_IMAGE")
-    require(bool(image), "needs LAKESHORE_TEST_IMAGE (an image with python3 and msgpack)")
-    return {"image": image}
 
 
 @pytest.fixture(params=RUNNERS)

@@ -17,32 +17,7 @@ from dreamlake.lakeshore.store.claims import MERGED_QUEUES_MAX
 from dreamlake.lakeshore.store.notify import exec_queue_channel
 from dreamlake.lakeshore.store.sql import SqlStore
 from dreamlake.lakeshore.store.values import normalize_max_attempts, normalize_priority
-
-FN = {"module": "_native_wire", "qualname": "_native_wire.envelope", "version": "v1"}
-FUTURE = 10**10  # an expire_leases "now" after every lease
-
-
-def submit(store: SqlStore, queue: str = "q", **run_config: Any) -> str:
-    inv = str(run_config.pop("invocation_id", None) or new_ulid())
-    parent = run_config.pop("parent", None)
-    store.submit(
-        SubmitRequest(
-            invocation_id=inv,
-            queue=queue,
-            function=FN,
-            args_blob=b"env-" + inv.encode(),
-            run_config=run_config,
-            parent_invocation_id=parent,
-        )
-    )
-    return inv
-
-
-def ack(store: SqlStore, inv: str, state: str = "succeeded", **kw: Any) -> Any:
-    args: dict[str, Any] = {"attempt": None, "worker_id": None, "result_blob": None, "error": None}
-    args.update(kw)
-    return store.ack(inv, state, **args)
-
+from tests.contract.store_kit import FN, FUTURE, ack, submit
 
 # -- submit -----------------------------------------------------------------------------------
 

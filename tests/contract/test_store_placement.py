@@ -15,7 +15,7 @@ from dreamlake.lakeshore.store.claims import queue_limit
 from dreamlake.lakeshore.store.notify import run_queue_channel
 from dreamlake.lakeshore.store.placement import Offer
 from dreamlake.lakeshore.store.sql import SqlStore
-from tests.contract.test_store import ack, submit
+from tests.contract.store_kit import ack, submit
 
 TIMEOUT_ERR = {"type": "TimeoutError", "message": "the backend did not answer"}
 

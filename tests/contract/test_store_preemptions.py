@@ -15,7 +15,7 @@ import pytest
 
 from dreamlake.lakeshore.store.api import AckRequest, AckResult
 from dreamlake.lakeshore.store.sql import SqlStore
-from tests.contract.test_store import ack, submit
+from tests.contract.store_kit import ack, submit
 
 PREEMPTED = {"type": "Preempted", "message": "daemon shutdown grace expired", "reason": "shutdown"}
 

@@ -15,7 +15,7 @@ import msgpack
 
 from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.store.sql import SqlStore
-from tests.contract.test_store import FUTURE, ack, submit
+from tests.contract.store_kit import FUTURE, ack, submit
 
 
 def _value(seq: int, value: Any) -> tuple[int, bytes, bool]:

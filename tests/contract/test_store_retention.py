@@ -11,7 +11,7 @@ import time
 from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.store.exec_jobs import archive_keys
 from dreamlake.lakeshore.store.sql import SqlStore
-from tests.contract.test_store import ack, submit
+from tests.contract.store_kit import ack, submit
 
 DAY = 86400.0
 

@@ -16,7 +16,7 @@ import pytest
 
 from dreamlake.lakeshore.store.api import AckRequest, AckResult
 from dreamlake.lakeshore.store.sql import SqlStore
-from tests.contract.test_store import ack, submit
+from tests.contract.store_kit import ack, submit
 
 TIMEOUT_ERR = {"type": "TimeoutError", "message": "the backend did not answer"}
 MRO = ["ConnectionRefusedError", "ConnectionError", "OSError", "Exception", "BaseException"]

@@ -1,5 +1,7 @@
 """Real processes on loopback for the fault suite: ``lakeshore server`` and ``nymph start``.
 
+Built on the one test stack (:mod:`tests.stack`):
+
 - :class:`Server`: ``lakeshore server`` as a subprocess on one port and one data directory (SQLite),
   with a short lease, that a test stops, kills with ``kill -9`` and starts again;
 - :class:`Nymph`: ``nymph start`` as a subprocess (its own session, so ``kill -9`` reaches nymph
@@ -17,12 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -35,93 +32,31 @@ import psutil
 
 from dreamlake.lakeshore import ids, wire
 from dreamlake.lakeshore.envelope import Envelope
-from tests.conftest import ROOT
-from tests.integration.conftest import submit_body
+from tests.stack import server as stack_server
+from tests.stack.nymph import NYMPH, ROOT_TASKS, NymphProcess
+from tests.stack.ports import free_port
+from tests.stack.producer import submit_body
+from tests.stack.wait import until
+
+__all__ = ["free_port", "until"]  # the stack's, for the fault tests that take them from here
 
 LEASE_S = 2.0  # the server's lease: a dead nymph's work comes back this soon
 LIMIT_S = 90.0
 FNS = "tests.faults.fns"
-# tasks run as nymph's own user, which for root (CI) takes the operator's flag
-ROOT_TASKS = ["--allow-root-tasks"] if os.geteuid() == 0 else []
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def until(predicate: Callable[[], Any], what: str, limit_s: float = LIMIT_S, step_s: float = 0.05) -> Any:
-    deadline = time.monotonic() + limit_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"gave up after {limit_s:g}s waiting for {what}"
-        time.sleep(step_s)
-
-
-def env() -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items() if not k.startswith("NYMPH_")}
-    out["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "runners")])
-    return out
 
 
 def ref(qualname: str, *args: Any) -> bytes:
     return Envelope.create({"kind": "ref", "module": FNS, "qualname": qualname}, args, {}).to_bytes()
 
 
-class Server:
-    """``lakeshore server`` on a fixed port and data directory, stopped, killed and restarted."""
+class Server(stack_server.Server):
+    """``lakeshore server`` (:class:`tests.stack.server.Server`) with the suite's short lease."""
 
     def __init__(self, data_dir: Path, *extra: str) -> None:
-        self.data_dir = data_dir
-        data_dir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.extra = ["--lease-s", str(LEASE_S), *extra]
-        self.log = data_dir / "server.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> Server:
-        cmd = [sys.executable, "-m", "dreamlake.lakeshore.cli", "server", "--port", str(self.port),
-               "--data-dir", str(self.data_dir), *self.extra]  # fmt: skip
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=env(), start_new_session=True
-            )
-        until(self.up, "the control plane to answer")
-        return self
-
-    def up(self) -> bool:
-        try:
-            return httpx.get(self.url + "/healthz", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def kill(self) -> None:
-        """``kill -9`` of the server and every process of its session."""
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(20)
-
-    def tokens(self) -> dict[str, str]:
-        return dict(json.loads((self.data_dir / "tokens.json").read_text()))
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
+        super().__init__(data_dir, "--lease-s", str(LEASE_S), *extra)
 
 
-class Nymph:
+class Nymph(NymphProcess):
     """``nymph start`` in its own session; its log in a file, ``/healthz`` on :attr:`health_url`."""
 
     def __init__(
@@ -134,50 +69,24 @@ class Nymph:
     ) -> None:
         self.base = base
         base.mkdir(parents=True, exist_ok=True)
-        self.workdir = workdir or base / "work"
-        self.state_dir = state_dir or base / "state"
-        self.log = base / "nymph.log"
+        workdir = workdir or base / "work"
+        state_dir = state_dir or base / "state"
         self.port = free_port()
         self.health_url = f"http://127.0.0.1:{self.port}/healthz"
         token_file = base / "token"
         token_file.write_text(server.tokens()["daemon"] + "\n")
         os.chmod(token_file, 0o600)
-        self.args = [
-            sys.executable, "-m", "nymph", "start", "--server", server.url, "--token-file", str(token_file),
-            "--queue", "default", "--workdir", str(self.workdir), "--state-dir", str(self.state_dir),
+        args = [
+            *NYMPH, "start", "--server", server.url, "--token-file", str(token_file),
+            "--queue", "default", "--workdir", str(workdir), "--state-dir", str(state_dir),
             "--heartbeat-s", "0.5", "--poll-timeout-s", "2", "--stop-grace-s", "0.5", "--grace-s", "5",
             "--metrics-port", str(self.port), "--log-level", "INFO", *ROOT_TASKS, *extra,
         ]  # fmt: skip
-        self.cwd: Path | None = None
-        self.proc: subprocess.Popen[bytes] | None = None
+        super().__init__(args, base / "nymph.log", workdir, state_dir)
 
-    def start(self) -> Nymph:
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                self.args,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env(),
-                cwd=self.cwd,
-                start_new_session=True,
-            )
+    def start(self, env: dict[str, str] | None = None) -> Nymph:
+        super().start(env)
         return self
-
-    def kill(self) -> None:
-        """``kill -9`` of nymph alone: its tasks live on, as after a crash."""
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait(20)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
     def health(self) -> tuple[int, dict[str, Any]]:
         try:
@@ -185,9 +94,6 @@ class Nymph:
         except httpx.HTTPError:
             return 0, {}
         return resp.status_code, resp.json()
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
 class Producer:

@@ -24,6 +24,9 @@ from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.server.config import ServerConfig
 from dreamlake.lakeshore.store import open_store
 from dreamlake.lakeshore.store.sql import SqlStore
+from tests.stack.producer import submit_body
+
+__all__ = ["ControlPlane", "running_control_plane", "submit_body"]  # submit_body: shared with the suite
 
 MSGPACK = "application/x-msgpack"
 
@@ -141,27 +144,6 @@ class ControlPlane:
     def close(self) -> None:
         for c in self.clients:
             c.close()
-
-
-def submit_body(
-    invocation_id: str,
-    queue: str = "default",
-    *,
-    run_config: dict[str, Any] | None = None,
-    args_blob: bytes = b"\x90",
-    **extra: Any,
-) -> dict[str, Any]:
-    """The seed's Submit body."""
-    rc = {"queue": queue, "priority": 0.0, "key": None, **(run_config or {})}
-    return {
-        "invocation_id": invocation_id,
-        "queue": queue,
-        "function": {"module": "_native_wire", "qualname": "_native_wire.envelope", "version": "v1"},
-        "args_blob": args_blob,
-        "run_config": rc,
-        "code_context": {},
-        **extra,
-    }
 
 
 @contextlib.contextmanager

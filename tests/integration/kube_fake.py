@@ -41,7 +41,6 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -419,10 +418,3 @@ def _translate(value: str, mounts: list[tuple[str, str]]) -> str:
                 break
         parts.append(piece)
     return ":".join(parts)
-
-
-def wait_until(predicate: Any, what: str, limit_s: float = 60.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.02)

@@ -8,12 +8,7 @@ submit, ack (and, with ``frames``, batch of frames) the server confirmed with a 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,14 +20,9 @@ import msgpack
 
 from dreamlake.lakeshore.ids import new_ulid
 from tests.integration.conftest import submit_body
+from tests.stack.server import Server
 
 MSGPACK = {"Content-Type": "application/x-msgpack"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -41,31 +31,14 @@ def server_process(
 ) -> Iterator[tuple[subprocess.Popen[bytes], str, str]]:
     """``lakeshore server`` over ``db`` in a subprocess (its own process group); yields the
     process, its URL and the admin token it minted (or found) in ``data_dir``; killed after."""
-    port = port or free_port()
-    cmd = [sys.executable, "-m", "dreamlake.lakeshore.cli", "server", "--port", str(port)]
-    cmd += ["--data-dir", str(data_dir), "--db", db, *extra]
-    log = open(data_dir / f"server-{port}.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    server = Server(data_dir, "--db", db, *extra, port=port)
+    server.log = data_dir / f"server-{server.port}.log"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {(data_dir / f'server-{port}.log').read_text()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not answer /healthz")
-            time.sleep(0.1)
-        admin = json.loads((data_dir / "tokens.json").read_text())["admin"]
-        yield proc, url, admin
+        server.start()
+        assert server.proc is not None
+        yield server.proc, server.url, server.tokens()["admin"]
     finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-        log.close()
+        server.kill()
 
 
 class Load:

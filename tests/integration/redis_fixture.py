@@ -21,15 +21,9 @@ from dataclasses import dataclass
 import pytest
 
 from tests.conftest import require
+from tests.stack.ports import free_port
 
 _START_TIMEOUT_S = 10.0
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _ping(port: int) -> bool:

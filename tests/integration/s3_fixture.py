@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import require
+from tests.stack.ports import free_port
 
 BUCKET = "lakeshore-test"
 _START_TIMEOUT_S = 20.0
@@ -64,13 +64,6 @@ class S3Service:
             aws_secret_access_key=secret_key or self.secret_key,
             config=Config(signature_version="s3v4", s3={"addressing_style": "path"}),
         )
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def juicefs_binary() -> str | None:

@@ -14,7 +14,7 @@ from dreamlake.lakeshore.errors import DispatchError, NotFound
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.store.api import SubmitRequest
 from tests.integration.conftest import ControlPlane
-from tests.integration.test_map import _Worker, odd_fails, square
+from tests.integration.map_kit import Worker, odd_fails, square
 
 
 class CountingHttp(HttpDispatch):
@@ -35,7 +35,7 @@ class CountingHttp(HttpDispatch):
 def test_a_sweep_reads_its_results_in_batches(control_plane: ControlPlane) -> None:
     plane = CountingHttp(control_plane.url, control_plane.producer_token)
     calls = square.map(range(2100), _dispatch=plane)
-    with _Worker(control_plane, "sweep"):
+    with Worker(control_plane, "sweep"):
         done, not_done = dls.wait(calls, timeout=120)
         assert len(done) == 2100 and not not_done
         before = len(plane.batches)
@@ -54,7 +54,7 @@ def test_a_sweep_reads_its_results_in_batches(control_plane: ControlPlane) -> No
 def test_the_wait_ends_when_any_call_ends(control_plane: ControlPlane) -> None:
     plane = HttpDispatch(control_plane.url, control_plane.producer_token)
     never = square.submit(1, _dispatch=plane, _queue="nobody")
-    with _Worker(control_plane, "sweep"):
+    with Worker(control_plane, "sweep"):
         ran = square.submit(3, _dispatch=plane)
         done, not_done = dls.wait([never, ran], timeout=30, return_when=dls.FIRST_COMPLETED)
         assert done == {ran} and not_done == {never} and ran.result() == 9

@@ -9,7 +9,6 @@ import io
 import os
 import socket
 import stat
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from dreamlake.lakeshore.server.payloads import PayloadConfig, PayloadStore
 from dreamlake.lakeshore.server.serve import ServeSpec, build_app
 from tests.integration.conftest import ControlPlane, local_blobs, running_control_plane
 from tests.integration.s3_fixture import S3Service
+from tests.stack.wait import until
 
 NS = "team-a"
 KiB, MiB = 1024, 1024 * 1024
@@ -171,17 +171,10 @@ def test_the_blob_directory_is_private_and_atomic(tmp_path: Path) -> None:
             target = url.raw_path.decode()
             sock.sendall(f"PUT {target} HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n".encode())
             sock.sendall(b"x" * 400)
-            _wait_for(lambda: any((root / ".tmp").iterdir()))  # the upload is under way
-        _wait_for(lambda: not any((root / ".tmp").iterdir()))  # ... and gone once the client left
+            until(lambda: any((root / ".tmp").iterdir()), "the upload's temp file", 20.0)  # under way
+        until(lambda: not any((root / ".tmp").iterdir()), "the temp file to go", 20.0)  # once the client left
         assert not (root / answer["key"]).exists()
         client.close()
-
-
-def _wait_for(condition: Any, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
 
 
 def test_prune_drops_blobs_past_their_retention(tmp_path: Path) -> None:

@@ -14,11 +14,11 @@ from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.server.config import ServerConfig
 from tests import preempt_fns
-from tests.integration import test_nymph_agent
 from tests.integration.conftest import ControlPlane, local_blobs, running_control_plane, submit_body
-from tests.integration.test_nymph_agent import Nymph, _until, await_result, envelope, status_of, submit
+from tests.stack.nymph import Nymph
+from tests.stack.producer import await_result, envelope, status_of, submit
+from tests.stack.wait import until
 
-nymph_factory = test_nymph_agent.nymph_factory  # the fixture
 ROUTE = "/v1/daemon/checkpoint"
 
 
@@ -46,10 +46,10 @@ def test_a_ten_step_loop_preempted_twice_does_each_step_once(
     inv = submit(cp.url, cp.producer_token, envelope(preempt_fns.stepper, str(log), 10, 0.3), max_attempts=1)
     for n, (name, after) in enumerate((("a", 2), ("b", 5))):
         node = nymph_factory(cp.url, cp.daemon_token, "--grace-s", "0.5", base=_base(tmp_path / name))
-        _until(lambda after=after: len(_lines(log)) >= after, f"{after} steps on nymph {name}")
+        until(lambda after=after: len(_lines(log)) >= after, f"{after} steps on nymph {name}")
         node.signal(15)
         assert node.wait() == 0
-        _until(
+        until(
             lambda n=n: status_of(cp.url, cp.producer_token, inv)["preemptions"] == n + 1,
             f"attempt {n + 1} to be preempted",
         )

@@ -27,9 +27,9 @@ from tests import code_kit
 from tests.conftest import ROOT
 from tests.integration.conftest import ControlPlane, local_blobs, running_control_plane
 from tests.integration.s3_fixture import S3Service
-from tests.integration.test_nymph_agent import Nymph, _until, await_result, nymph_factory, submit
-
-__all__ = ["nymph_factory"]  # the fixture, shared with the agent's tests
+from tests.stack.nymph import Nymph
+from tests.stack.producer import await_result, submit
+from tests.stack.wait import until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -73,10 +73,10 @@ def test_a_local_package_ships_with_the_call(
 
         # an edit while version one runs: both in flight at once, each runs its own
         old = v1.which.submit("release", _dispatch=plane)
-        _until(lambda: _workdir_of(n, old).is_dir() and plane.status(old)["state"] == "running", "v1 to run")
+        until(lambda: _workdir_of(n, old).is_dir() and plane.status(old)["state"] == "running", "v1 to run")
         code_kit.write_package(src, name, "second")
         new = code_kit.load(src, name).which.submit("release", _dispatch=plane)
-        _until(lambda: _workdir_of(n, new).is_dir() and plane.status(new)["state"] == "running", "v2 to run")
+        until(lambda: _workdir_of(n, new).is_dir() and plane.status(new)["state"] == "running", "v2 to run")
         for inv in (old, new):
             (_workdir_of(n, inv) / "release").touch()
         outs = [q.result(inv, timeout=120) for inv in (old, new)]

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.envelope import Envelope, fn_for
 from tests import preempt_fns
 from tests.conftest import ROOT
+from tests.stack.wait import until
 
 LIMIT_S = 30.0
 
@@ -36,18 +36,11 @@ def _start(
     return workdir, proc
 
 
-def _until(predicate: Callable[[], Any], what: str) -> None:
-    deadline = time.monotonic() + LIMIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.02)
-
-
 def test_a_sigterm_is_interrupted_with_nymphs_reason_and_the_finally_runs(tmp_path: Path) -> None:
     marker, started = tmp_path / "marker", tmp_path / "started"
     workdir, proc = _start(tmp_path, preempt_fns.interruptible, str(marker), 60.0, str(started))
     try:
-        _until(started.exists, "the function to start")
+        until(started.exists, "the function to start")
         (workdir / "stop.reason").write_text("timeout")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(LIMIT_S) == 1
@@ -66,7 +59,7 @@ def test_a_generator_paused_at_its_yield_gets_interrupted_there(tmp_path: Path) 
         tmp_path, preempt_fns.paused_gen, str(marker), env={"LAKESHORE_STREAM_WINDOW": "1:1000000"}
     )
     try:
-        _until(
+        until(
             lambda: (workdir / "frames.msgpack").exists() and (workdir / "frames.msgpack").stat().st_size > 0,
             "the first yield",
         )
@@ -84,7 +77,7 @@ def test_a_second_sigterm_does_not_cut_the_cleanup_short_and_no_reason_says_shut
     marker, started = tmp_path / "marker", tmp_path / "started"
     workdir, proc = _start(tmp_path, preempt_fns.slow_finally, str(marker), str(started))
     try:
-        _until(started.exists, "the function to start")
+        until(started.exists, "the function to start")
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)  # during the finally: ignored

@@ -23,12 +23,14 @@ from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.dispatch import HttpDispatch
 from tests import env_fns, pip_kit
 from tests.integration.conftest import ControlPlane
-from tests.integration.load import free_port
-from tests.integration.test_nymph_agent import Nymph, _until, await_result, envelope, nymph_factory, submit
-from tests.integration.test_nymph_docker import _labelled, _read, _require_kind, image
-from tests.integration.test_nymph_flow_runners import runner_for
+from tests.integration.docker_kit import image, labelled, read_stripped, require_kind
+from tests.integration.flow_kit import runner_for
+from tests.stack.nymph import Nymph
+from tests.stack.ports import free_port
+from tests.stack.producer import await_result, envelope, submit
+from tests.stack.wait import until
 
-__all__ = ["image", "nymph_factory", "runner_for"]
+__all__ = ["image", "runner_for"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 CANARY = "LS_CANARY_SECRET_X"
@@ -60,7 +62,7 @@ def _pip_nymph(
         cp.url, cp.daemon_token, "--allow-pip", "--pip-find-links", str(wheels),
         "--pip-index-url", (tmp_path / "no-index").as_uri(), "--metrics-port", str(port), *extra,
     )  # fmt: skip
-    _until(lambda: _up(port), "nymph's metrics")
+    until(lambda: _up(port), "nymph's metrics")
     return n, port
 
 
@@ -192,7 +194,7 @@ def container_nymph(image: str, tmp_path: Path) -> Iterator[Callable[..., Nymph]
     started: list[Nymph] = []
 
     def make(cp: ControlPlane, kind: str, *extra: str) -> Nymph:
-        _require_kind(kind)
+        require_kind(kind)
         n = _CanaryNymph(
             cp.url, cp.daemon_token, tmp_path, "--runner", kind, "--runner-opt", f"image={image}",
             "--runner-opt", "pull=never", *extra,
@@ -203,8 +205,8 @@ def container_nymph(image: str, tmp_path: Path) -> Iterator[Callable[..., Nymph]
     yield make
     for n in started:
         n.stop()
-    for worker in {_read(n.state_dir / "worker_id") for n in started} - {""}:
-        leftovers = _labelled(worker)
+    for worker in {read_stripped(n.state_dir / "worker_id") for n in started} - {""}:
+        leftovers = labelled(worker)
         assert not leftovers, f"containers left behind by nymph: {leftovers}"
 
 
@@ -224,7 +226,7 @@ def test_a_pip_environment_and_a_clean_environment_in_a_bare_image(
         (tmp_path / "no-index").as_uri(), "--metrics-port", str(port), "--concurrency", "4",
         "--pass-env", "LS_PASSED", "--mount", f"datasets={data}:ro",
     )  # fmt: skip
-    _until(lambda: _up(port), "nymph's metrics")
+    until(lambda: _up(port), "nymph's metrics")
     plane = HttpDispatch(cp.url, cp.producer_token)
     q = dls.SyncQueue("default", plane)
     first = q.result(env_fns.uses_lsdemo.submit(_dispatch=plane), timeout=180)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -25,31 +24,12 @@ from dreamlake.lakeshore.server.app import create_app
 from dreamlake.lakeshore.server.config import ServerConfig
 from dreamlake.lakeshore.store import open_store
 from nymph.client import ControlPlaneClient
-from tests.integration.conftest import MSGPACK, ControlPlane, ServerThread, running_control_plane, submit_body
+from tests.integration.conftest import MSGPACK, ControlPlane, ServerThread, running_control_plane
+from tests.integration.fleet_kit import NO_RECHECK, POLL_S, headers, poll_once, submit_one
+from tests.stack.wait import until_async
 
 WAITERS = 200
-NO_RECHECK = ServerConfig(recheck_s=600.0, poll_recheck_s=600.0)
-POLL_S = 100.0
 SETTLE_S = 60.0  # a deadline for conditions the test waits for, never a measured bound
-
-
-def _headers(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}", "Content-Type": MSGPACK}
-
-
-async def _poll(client: httpx.AsyncClient, worker: str, queue: str) -> dict[str, Any]:
-    body = {"worker_id": worker, "queues": [queue], "max": 1, "timeout_s": POLL_S}
-    resp = await client.post("/v1/daemon/poll", content=msgpack.packb(body))
-    assert resp.status_code == 200, resp.content
-    out: dict[str, Any] = msgpack.unpackb(resp.content)
-    return out
-
-
-async def _until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + SETTLE_S
-    while not condition():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 def _passes(cp: ControlPlane) -> float:
@@ -61,13 +41,6 @@ def _passes(cp: ControlPlane) -> float:
     raise AssertionError("no lakeshore_poll_passes counter on /metrics")
 
 
-async def _submit(client: httpx.AsyncClient, queue: str) -> str:
-    inv = new_ulid()
-    resp = await client.post("/v1/producer/submit", content=msgpack.packb(submit_body(inv, queue)))
-    assert resp.status_code == 200, resp.content
-    return inv
-
-
 def test_one_submit_wakes_one_of_200_waiting_polls_and_a_burst_wakes_each_once(store_url: str) -> None:
     with running_control_plane(store_url, config=NO_RECHECK) as cp:
         hub = cp.app.state.ctx.polls
@@ -77,28 +50,30 @@ def test_one_submit_wakes_one_of_200_waiting_polls_and_a_burst_wakes_each_once(s
             limits = httpx.Limits(max_connections=WAITERS + 8, max_keepalive_connections=WAITERS + 8)
             async with (
                 httpx.AsyncClient(
-                    base_url=cp.url, headers=_headers(cp.daemon_token), limits=limits, timeout=POLL_S + 30
+                    base_url=cp.url, headers=headers(cp.daemon_token), limits=limits, timeout=POLL_S + 30
                 ) as daemons,
-                httpx.AsyncClient(base_url=cp.url, headers=_headers(cp.producer_token)) as producer,
+                httpx.AsyncClient(base_url=cp.url, headers=headers(cp.producer_token)) as producer,
             ):
                 workers = [new_ulid() for _ in range(WAITERS)]
-                polls = {asyncio.ensure_future(_poll(daemons, w, queue)): w for w in workers}
-                await _until(lambda: hub.waiting == WAITERS, f"{WAITERS} polls waiting")
+                polls = {asyncio.ensure_future(poll_once(daemons, w, queue)): w for w in workers}
+                await until_async(lambda: hub.waiting == WAITERS, f"{WAITERS} polls waiting", SETTLE_S)
                 before = await asyncio.to_thread(_passes, cp)
 
-                inv = await _submit(producer, queue)
+                inv = await submit_one(producer, queue)
                 done, pending = await asyncio.wait(polls, return_when=asyncio.FIRST_COMPLETED)
                 (winner,) = done
                 (cmd,) = winner.result()["commands"]
                 assert cmd["body"]["invocation_id"] == inv
-                await _until(lambda: hub.waiting == WAITERS - 1, "the other polls to wait again")
+                await until_async(
+                    lambda: hub.waiting == WAITERS - 1, "the other polls to wait again", SETTLE_S
+                )
                 assert all(not p.done() for p in pending)  # nobody else answered
                 assert await asyncio.to_thread(_passes, cp) - before <= 2
                 row = cp.store.get(inv)
                 assert row is not None and row.worker_id == polls[winner] and row.attempt == 1
 
                 # a burst: each waiting poll is woken once and claims one invocation
-                burst = set(await asyncio.gather(*(_submit(producer, queue) for _ in pending)))
+                burst = set(await asyncio.gather(*(submit_one(producer, queue) for _ in pending)))
                 answers = await asyncio.gather(*pending)
                 claimed = [c["body"]["invocation_id"] for a in answers for c in a["commands"]]
                 assert sorted(claimed) == sorted(burst)
@@ -126,31 +101,31 @@ def test_daemons_bound_to_different_namespaces_share_a_queue_name(store_url: str
             async with contextlib.AsyncExitStack() as stack:
                 daemons = {
                     ns: await stack.enter_async_context(
-                        httpx.AsyncClient(base_url=cp.url, headers=_headers(t), timeout=POLL_S + 30)
+                        httpx.AsyncClient(base_url=cp.url, headers=headers(t), timeout=POLL_S + 30)
                     )
                     for ns, t in daemon_tokens.items()
                 }
                 producers = {
                     ns: await stack.enter_async_context(
-                        httpx.AsyncClient(base_url=cp.url, headers=_headers(t))
+                        httpx.AsyncClient(base_url=cp.url, headers=headers(t))
                     )
                     for ns, t in producer_tokens.items()
                 }
                 workers = {ns: new_ulid() for ns in spaces}
                 polls: dict[str, asyncio.Future[dict[str, Any]]] = {}
                 for ns in reversed(spaces):  # team-b's poll waits longest
-                    polls[ns] = asyncio.ensure_future(_poll(daemons[ns], workers[ns], queue))
-                    await _until(lambda: hub.waiting == len(polls), f"{ns}'s poll waiting")
+                    polls[ns] = asyncio.ensure_future(poll_once(daemons[ns], workers[ns], queue))
+                    await until_async(lambda: hub.waiting == len(polls), f"{ns}'s poll waiting", SETTLE_S)
                 # team-a twice with team-b's poll older, then team-b twice with team-a's older, ...
                 for ns in ("team-a", "team-a", "team-b", "team-b", "team-a", "team-b"):
                     before = await asyncio.to_thread(_passes, cp)
-                    inv = await _submit(producers[ns], queue)
+                    inv = await submit_one(producers[ns], queue)
                     answer = await asyncio.wait_for(polls[ns], timeout=30)
                     (cmd,) = answer["commands"]
                     assert cmd["body"]["invocation_id"] == inv
                     assert all(not p.done() for p in polls.values() if p is not polls[ns])
-                    polls[ns] = asyncio.ensure_future(_poll(daemons[ns], workers[ns], queue))
-                    await _until(lambda: hub.waiting == 2, "both polls waiting again")
+                    polls[ns] = asyncio.ensure_future(poll_once(daemons[ns], workers[ns], queue))
+                    await until_async(lambda: hub.waiting == 2, "both polls waiting again", SETTLE_S)
                     # the claim, and the opening pass of the winner's next poll: no poll of the
                     # other namespace was woken for it
                     assert await asyncio.to_thread(_passes, cp) - before == 2
@@ -173,9 +148,9 @@ def test_a_poll_whose_daemon_hung_up_leaves_the_fifo_at_once(tmp_path: Any) -> N
         async def main() -> None:
             async with (
                 httpx.AsyncClient(
-                    base_url=cp.url, headers=_headers(cp.daemon_token), timeout=POLL_S + 30
+                    base_url=cp.url, headers=headers(cp.daemon_token), timeout=POLL_S + 30
                 ) as live,
-                httpx.AsyncClient(base_url=cp.url, headers=_headers(cp.producer_token)) as producer,
+                httpx.AsyncClient(base_url=cp.url, headers=headers(cp.producer_token)) as producer,
             ):
                 # the oldest poll, over a raw socket we then close
                 host, port = cp.url.removeprefix("http://").split(":")
@@ -187,15 +162,15 @@ def test_a_poll_whose_daemon_hung_up_leaves_the_fifo_at_once(tmp_path: Any) -> N
                 )
                 writer.write(head.encode() + body)
                 await writer.drain()
-                await _until(lambda: hub.waiting == 1, "the doomed poll waiting")
+                await until_async(lambda: hub.waiting == 1, "the doomed poll waiting", SETTLE_S)
                 worker = new_ulid()
-                second = asyncio.ensure_future(_poll(live, worker, queue))
-                await _until(lambda: hub.waiting == 2, "a live poll waiting behind it")
+                second = asyncio.ensure_future(poll_once(live, worker, queue))
+                await until_async(lambda: hub.waiting == 2, "a live poll waiting behind it", SETTLE_S)
                 writer.close()
                 await writer.wait_closed()
-                await _until(lambda: hub.waiting == 1, "the hung-up poll to leave the hub")
+                await until_async(lambda: hub.waiting == 1, "the hung-up poll to leave the hub", SETTLE_S)
                 before = await asyncio.to_thread(_passes, cp)
-                inv = await _submit(producer, queue)
+                inv = await submit_one(producer, queue)
                 (cmd,) = (await asyncio.wait_for(second, SETTLE_S))["commands"]
                 assert cmd["body"]["invocation_id"] == inv
                 assert await asyncio.to_thread(_passes, cp) - before == 1  # no detour
@@ -212,10 +187,10 @@ def test_past_max_polls_a_poll_is_refused_503_with_retry_after(tmp_path: Any) ->
 
         async def main() -> None:
             async with httpx.AsyncClient(
-                base_url=cp.url, headers=_headers(cp.daemon_token), timeout=POLL_S + 30
+                base_url=cp.url, headers=headers(cp.daemon_token), timeout=POLL_S + 30
             ) as daemons:
-                held = [asyncio.ensure_future(_poll(daemons, new_ulid(), "full")) for _ in range(3)]
-                await _until(lambda: hub.waiting == 3, "3 polls waiting")
+                held = [asyncio.ensure_future(poll_once(daemons, new_ulid(), "full")) for _ in range(3)]
+                await until_async(lambda: hub.waiting == 3, "3 polls waiting", SETTLE_S)
                 body = {"worker_id": new_ulid(), "queues": ["full"], "timeout_s": 1}
                 resp = await daemons.post("/v1/daemon/poll", content=msgpack.packb(body))
                 assert resp.status_code == 503
@@ -232,10 +207,8 @@ def test_past_max_polls_a_poll_is_refused_503_with_retry_after(tmp_path: Any) ->
                     client.close()
                 assert err.value.status == 503 and err.value.retry_after in {5.0, 6.0, 7.0, 8.0, 9.0, 10.0}
                 # the held polls still get their work
-                async with httpx.AsyncClient(
-                    base_url=cp.url, headers=_headers(cp.producer_token)
-                ) as producer:
-                    invs = {await _submit(producer, "full") for _ in range(3)}
+                async with httpx.AsyncClient(base_url=cp.url, headers=headers(cp.producer_token)) as producer:
+                    invs = {await submit_one(producer, "full") for _ in range(3)}
                 answers = await asyncio.gather(*held)
                 assert {a["commands"][0]["body"]["invocation_id"] for a in answers} == invs
 
@@ -257,25 +230,29 @@ def test_a_submit_on_one_replica_wakes_a_poll_waiting_on_the_other(_pg_url: str)
         try:
 
             async def main() -> None:
-                await _until(lambda: b_polls.relay is not None and b_polls.relay.listening, "B to LISTEN")
+                await until_async(
+                    lambda: b_polls.relay is not None and b_polls.relay.listening, "B to LISTEN", SETTLE_S
+                )
                 queue, worker = f"replicas-{new_ulid()}", new_ulid()
                 async with (
                     httpx.AsyncClient(
-                        base_url=b.url, headers=_headers(a.daemon_token), timeout=POLL_S + 30
+                        base_url=b.url, headers=headers(a.daemon_token), timeout=POLL_S + 30
                     ) as on_b,
-                    httpx.AsyncClient(base_url=a.url, headers=_headers(a.producer_token)) as on_a,
+                    httpx.AsyncClient(base_url=a.url, headers=headers(a.producer_token)) as on_a,
                 ):
-                    waiting = asyncio.ensure_future(_poll(on_b, worker, queue))
-                    await _until(lambda: b_polls.waiting == 1, "a poll waiting on B")
+                    waiting = asyncio.ensure_future(poll_once(on_b, worker, queue))
+                    await until_async(lambda: b_polls.waiting == 1, "a poll waiting on B", SETTLE_S)
                     started = time.monotonic()
-                    inv = await _submit(on_a, queue)
+                    inv = await submit_one(on_a, queue)
                     (cmd,) = (await waiting)["commands"]
                     woken_after = time.monotonic() - started
                     assert cmd["body"]["invocation_id"] == inv
                     assert woken_after < 0.9  # B re-checks every 600 s: the wake came by NOTIFY
 
-                    waiting = asyncio.ensure_future(_poll(on_b, worker, queue))
-                    await _until(lambda: b_polls.waiting == 1, "the worker's next poll waiting on B")
+                    waiting = asyncio.ensure_future(poll_once(on_b, worker, queue))
+                    await until_async(
+                        lambda: b_polls.waiting == 1, "the worker's next poll waiting on B", SETTLE_S
+                    )
                     resp = await on_a.post(f"/v1/producer/invocations/{inv}/cancel")
                     assert resp.status_code == 200
                     (cancel,) = (await waiting)["commands"]

@@ -16,7 +16,7 @@ from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.server.fanout import POKE, LocalFanout
 from tests.integration.conftest import ControlPlane, running_control_plane
-from tests.integration.test_server_daemon import _follow, frame, poll
+from tests.integration.daemon_kit import follow, frame, poll
 
 CHUNKS = "/v1/daemon/result-chunks"
 
@@ -177,7 +177,7 @@ def test_live_followers_get_batches_from_memory_and_end_on_the_ack(tmp_path: Any
         inv, worker = _claimed(cp)
         started = threading.Event()
         with ThreadPoolExecutor(2) as pool:
-            live = [pool.submit(_follow, cp, inv, 30.0, started) for _ in range(2)]
+            live = [pool.submit(follow, cp, inv, 30.0, started) for _ in range(2)]
             assert started.wait(30)
             _until_subscribed(fanout, inv, 2)
             for first in range(0, 300, 100):
@@ -209,7 +209,7 @@ def test_a_follower_that_lags_catches_up_from_the_journal(tmp_path: Any) -> None
         inv, worker = _claimed(cp)
         started = threading.Event()
         with ThreadPoolExecutor(1) as pool:
-            live = pool.submit(_follow, cp, inv, 30.0, started)
+            live = pool.submit(follow, cp, inv, 30.0, started)
             assert started.wait(30)
             _until_subscribed(fanout, inv, 1)
             seqs = list(range(300))

@@ -10,13 +10,15 @@ from typing import Any
 import pytest
 
 from tests import docker_fns
-from tests.integration import test_nymph_flow, test_nymph_flow_runners
-from tests.integration.test_nymph_agent import Nymph, Server, _call, _until, await_result, envelope, submit
+from tests.integration.flow_kit import runner_for, stack
+from tests.stack.nymph import Nymph
+from tests.stack.producer import await_result, call, envelope, submit
+from tests.stack.server import Server
+from tests.stack.wait import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-stack = test_nymph_flow.stack  # the fixture: ``lakeshore server`` and a maker of nymphs
-runner_for = test_nymph_flow_runners.runner_for  # the fixture: nymph's flags per runner
+__all__ = ["runner_for", "stack"]  # the fixtures (flow_kit)
 
 
 @pytest.mark.parametrize("name", ["process-spawn", "docker", "slurm"])
@@ -31,14 +33,14 @@ def test_finally_runs_on_cancel_timeout_and_preemption(
     )
 
     def started(inv: str) -> None:
-        _until(lambda: (n.workdir / inv / "started").exists(), f"{inv} to start on {name}")
+        until(lambda: (n.workdir / inv / "started").exists(), f"{inv} to start on {name}")
 
     def marker(inv: str) -> str:
         return (n.workdir / inv / "marker").read_text()
 
     cancelled = submit(srv.url, token, envelope(docker_fns.interrupted_marker), **run_config)
     started(cancelled)
-    _call(srv.url, token, f"/v1/producer/invocations/{cancelled}/cancel", {})
+    call(srv.url, token, f"/v1/producer/invocations/{cancelled}/cancel", {})
     assert await_result(srv.url, token, cancelled)["state"] == "killed", n.output()[-3000:]
     assert marker(cancelled) == "cancelled"
 

@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,35 +28,12 @@ from dreamlake.lakeshore.queue import LogChunk, SyncQueue
 from tests import nymph_fns
 from tests.conftest import ROOT
 from tests.integration.conftest import ControlPlane
-from tests.integration.test_nymph_agent import (
-    Nymph,
-    _free_port,
-    _until,
-    await_result,
-    envelope,
-    frames_of,
-    state_of,
-    submit,
-)
+from tests.stack.nymph import Nymph
+from tests.stack.ports import free_port
+from tests.stack.producer import await_result, envelope, frames_of, state_of, submit
+from tests.stack.wait import until
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture
-def nymph_factory(tmp_path: Path) -> Iterator[Callable[..., Nymph]]:
-    """``nymph start`` (process runner) processes, stopped at the end (their log shown on failure)."""
-    started: list[Nymph] = []
-
-    def make(server: str, token: str, *extra: str) -> Nymph:
-        n = Nymph(server, token, tmp_path, *extra)
-        started.append(n)
-        return n.start()
-
-    yield make
-    for n in started:
-        n.stop()
-        if n.proc is not None and n.proc.returncode not in (0, None):
-            print(n.output()[-5000:])
 
 
 @pytest.fixture
@@ -86,7 +62,7 @@ def test_print_is_readable_while_the_function_runs_and_after_it_ended(
     inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.chatty, "release"))
 
     # live: the function waits for its release file; its output is already on the control plane
-    _until(lambda: "from a child process" in _text(queue.logs(inv)), "the output while it runs", 90)
+    until(lambda: "from a child process" in _text(queue.logs(inv)), "the output while it runs", 90)
     assert state_of(cp.url, cp.producer_token, inv) == "running"
     chunks = list(queue.logs(inv))
     assert _text(chunks) == "hello from print\nfrom a child process\n"
@@ -125,7 +101,7 @@ def test_print_is_readable_while_the_function_runs_and_after_it_ended(
     assert [f.seq for f in frames] == list(range(len(frames)))
     assert {f.kind for f in frames} == {wire.FRAME_LOG}
     # after the end, for as long as the invocation is kept (the workdir is gone: this is the journal)
-    _until(lambda: not (n.workdir / inv).exists(), "the workdir to be removed")
+    until(lambda: not (n.workdir / inv).exists(), "the workdir to be removed")
     assert _text(queue.logs(inv)) == "hello from print\nfrom a child process\nafter the gate\n"
     follow = list(queue.logs(inv, follow=True))
     assert _text(follow) == "hello from print\nfrom a child process\nafter the gate\n"
@@ -164,7 +140,7 @@ def test_a_flood_of_prints_is_cut_at_the_cap_and_never_starves_the_values(
     says so; the task ran to its end; nymph's undelivered bytes stay within window + cap."""
     cp = sqlite_control_plane
     cap, window = 256 * 1024, 100
-    port = _free_port()
+    port = free_port()
     n = nymph_factory(
         cp.url, cp.daemon_token, "--stream-window-frames", str(window),
         "--stream-log-max-bytes", str(cap), "--metrics-port", str(port),

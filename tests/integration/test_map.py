@@ -15,50 +15,9 @@ from dreamlake.lakeshore.dispatch import Dispatch, HttpDispatch, Plane
 from dreamlake.lakeshore.envelope import Envelope
 from dreamlake.lakeshore.errors import BadRequest, DispatchError, PlaneError
 from tests.integration.conftest import ControlPlane
+from tests.integration.map_kit import Worker, odd_fails, square
 
 SWEEP = 10_000
-
-
-@dls.udf(queue="sweep")
-def square(x: int, plus: int = 0) -> int:
-    return x * x + plus
-
-
-@dls.udf(queue="sweep")
-def odd_fails(x: int) -> int:
-    if x % 2:
-        raise ValueError(f"odd {x}")
-    return x
-
-
-class _Worker:
-    """``run_worker`` over HTTP in a thread: the warm path, many claims per poll."""
-
-    def __init__(self, cp: ControlPlane, queue: str, prefetch: int = 64) -> None:
-        self.stop = threading.Event()
-        self.plane = HttpDispatch(cp.url, cp.daemon_token)
-        self.thread = threading.Thread(
-            target=dls.run_worker,
-            args=(queue,),
-            kwargs={
-                "dispatch": self.plane,
-                "allow_pickled": False,
-                "poll_timeout": 0.5,
-                "stop": self.stop,
-                "prefetch": prefetch,
-            },
-            daemon=True,
-        )
-
-    def __enter__(self) -> _Worker:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(60)
-        self.plane.close()
-        assert not self.thread.is_alive()
 
 
 @pytest.fixture
@@ -87,7 +46,7 @@ def test_a_sweep_of_10000_calls_runs_each_once_and_every_result_arrives_once(
     # 500 calls per request: 20 requests for the whole sweep, none of them a single submit
     assert requests.count("/v1/producer/submit-batch") == SWEEP // 500
     assert "/v1/producer/submit" not in requests
-    with _Worker(cp, "sweep"):
+    with Worker(cp, "sweep"):
         values = list(calls.results(timeout=120))
     assert values == [x * x for x in range(SWEEP)]
     (sweep,) = [q for q in cp.store.queue_stats() if q.name == "sweep"]
@@ -103,7 +62,7 @@ def test_map_takes_several_iterables_and_starmap_tuples(
     mixed = dls.submit_all([square.thunk(6), odd_fails.thunk(8), square.thunk(7, _key="seven")], producer)
     again = dls.submit_all([square.thunk(7, _key="seven")], producer)  # its key: the same call
     assert again == mixed[2:]
-    with _Worker(control_plane, "sweep", prefetch=8):
+    with Worker(control_plane, "sweep", prefetch=8):
         assert list(calls.results(30)) == [11, 24]
         assert list(star.results(30)) == [17, 25]
         assert list(mixed.results(30)) == [36, 8, 49]

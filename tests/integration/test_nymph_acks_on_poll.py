@@ -17,8 +17,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests import nymph_fns
-from tests.integration.test_nymph_agent import Nymph, Server, _until, await_result, envelope, submit
-from tests.integration.test_nymph_flow import _start
+from tests.integration.flow_kit import start_with_metrics
+from tests.stack.nymph import Nymph
+from tests.stack.producer import await_result, envelope, submit
+from tests.stack.server import Server
+from tests.stack.wait import until
 
 pytestmark = pytest.mark.slow  # real nymph and server processes
 
@@ -57,7 +60,7 @@ def test_a_busy_nymph_acks_on_its_polls_and_loses_nothing(server: Server, tmp_pa
         return n.start()
 
     invs = [submit(server.url, tokens["admin"], envelope(nymph_fns.add, i, 1)) for i in range(CALLS)]
-    nymph, port = _start(factory, server, "--concurrency", "2")  # a backlog waits for it
+    nymph, port = start_with_metrics(factory, server, "--concurrency", "2")  # a backlog waits for it
     try:
         with ThreadPoolExecutor(8) as pool:
             outs = list(pool.map(lambda inv: await_result(server.url, tokens["admin"], inv), invs))
@@ -73,18 +76,18 @@ def test_a_busy_nymph_acks_on_its_polls_and_loses_nothing(server: Server, tmp_pa
                 raw=False,
             )
             assert info["attempt"] == 1, info
-        _until(lambda: sum(_by_via(port).values()) >= CALLS, "every ack to be settled")
+        until(lambda: sum(_by_via(port).values()) >= CALLS, "every ack to be settled")
         via = _by_via(port)
         assert sum(via.values()) == CALLS, via  # each once
         # most ride on the poll that refills the slot (34 to 38 of 40 here); a loaded machine
         # can miss the outbox's 50 ms hold now and then, so the bar is lower than that
         assert via.get("poll", 0) >= CALLS // 4, via
-        _until(lambda: not list((nymph.state_dir / "outbox").glob("*.msg")), "the outbox to empty")
+        until(lambda: not list((nymph.state_dir / "outbox").glob("*.msg")), "the outbox to empty")
 
         time.sleep(1.0)  # idle now: the poller waits in a long poll
         inv = submit(server.url, tokens["admin"], envelope(nymph_fns.add, 2, 3))
         assert await_result(server.url, tokens["admin"], inv)["state"] == "succeeded"
-        _until(lambda: sum(_by_via(port).values()) >= CALLS + 1, "the idle ack to be settled")
+        until(lambda: sum(_by_via(port).values()) >= CALLS + 1, "the idle ack to be settled")
     finally:
         for n in made:
             n.stop()

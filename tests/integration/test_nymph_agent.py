@@ -11,190 +11,36 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
-import msgpack
 import psutil
 import pytest
 
-from dreamlake.lakeshore import ids, wire
-from dreamlake.lakeshore.envelope import Envelope, fn_for
+from dreamlake.lakeshore import wire
 from tests import nymph_fns
-from tests.conftest import ROOT
 from tests.host_users import ensure_user
-from tests.integration.conftest import ControlPlane, submit_body
+from tests.integration.conftest import ControlPlane
+from tests.stack.nymph import NYMPH, ROOT_TASKS, Nymph
+from tests.stack.ports import free_port
+from tests.stack.procs import alive, child_env
+from tests.stack.producer import (
+    await_result,
+    call,
+    envelope,
+    frames_of,
+    preempted_back_in_queue,
+    state_of,
+    submit,
+)
+from tests.stack.server import Server
+from tests.stack.wait import until
 
 pytestmark = pytest.mark.slow  # real nymph and server processes
-LIMIT_S = 60.0
-NYMPH = [sys.executable, "-m", "nymph"]
-# These tests run nymph as whoever runs them (root in CI) and their tasks import from the checkout:
-# tasks run as nymph's own user, which for root takes the operator's flag (tests/security/ runs
-# nymph as root with a task user instead).
-ROOT_TASKS = ["--allow-root-tasks"] if os.geteuid() == 0 else []
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NYMPH_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "runners")])
-    return env
-
-
-class Nymph:
-    """``nymph start`` in a subprocess, with its log in a file the test can show on failure."""
-
-    def __init__(self, server: str, token: str, base: Path, *extra: str, queue: str = "default") -> None:
-        self.workdir = base / "work"
-        self.state_dir = base / "state"
-        self.log = base / "nymph.log"
-        self.args = [
-            *NYMPH, "start", "--server", server, "--token", token, "--queue", queue,
-            "--workdir", str(self.workdir), "--state-dir", str(self.state_dir),
-            "--heartbeat-s", "0.5", "--poll-timeout-s", "2", "--stop-grace-s", "0.5",
-            "--log-level", "INFO", *ROOT_TASKS, *extra,
-        ]  # fmt: skip
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def env(self) -> dict[str, str]:
-        """The environment ``nymph start`` runs with."""
-        return _env()
-
-    def start(self) -> Nymph:
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=self.env())
-        return self
-
-    def signal(self, sig: int) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(sig)
-
-    def wait(self, timeout: float = LIMIT_S) -> int:
-        assert self.proc is not None
-        return self.proc.wait(timeout)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-
-class UserNymph(Nymph):
-    """``nymph start`` whose PYTHONPATH also holds tests/user_code (user modules that live apart
-    from the repository, as a user's own code does)."""
-
-    def env(self) -> dict[str, str]:
-        from tests.runner_kit import USER_CODE
-
-        env = super().env()
-        env["PYTHONPATH"] = os.pathsep.join([str(USER_CODE), env["PYTHONPATH"]])
-        return env
-
-
-@pytest.fixture
-def nymph_factory(tmp_path: Path) -> Iterator[Callable[..., Nymph]]:
-    started: list[Nymph] = []
-
-    def make(server: str, token: str, *extra: str, base: Path | None = None) -> Nymph:
-        n = Nymph(server, token, base or tmp_path, *extra)
-        started.append(n)
-        return n.start()
-
-    yield make
-    for n in started:
-        n.stop()
-    for n in started:
-        if n.proc is not None and n.proc.returncode not in (0, None):
-            print(n.output()[-5000:])
-
-
-def _until(predicate: Callable[[], Any], what: str, limit_s: float = LIMIT_S) -> Any:
-    deadline = time.monotonic() + limit_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.05)
-
-
-def envelope(fn: Callable[..., Any], *args: Any, transport: str = "ref", **kwargs: Any) -> bytes:
-    return Envelope.create(fn_for(fn, transport), args, kwargs).to_bytes()
-
-
-def submit(url: str, token: str, args_blob: bytes = b"", **run_config: Any) -> str:
-    body = submit_body(ids.new_ulid(), "default", run_config=run_config, args_blob=args_blob)
-    out = _call(url, token, "/v1/producer/submit", body)
-    return str(out["invocation_id"])
-
-
-def _call(url: str, token: str, path: str, body: Any, timeout: float = 90.0) -> Any:
-    resp = httpx.post(
-        url + path,
-        content=msgpack.packb(body, use_bin_type=True),
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/x-msgpack"},
-        timeout=timeout,
-    )
-    assert resp.status_code == 200, (resp.status_code, resp.content[:300])
-    return msgpack.unpackb(resp.content, raw=False)
-
-
-def await_result(url: str, token: str, invocation_id: str, limit_s: float = LIMIT_S) -> dict[str, Any]:
-    out = _call(url, token, "/v1/producer/await", {"invocation_id": invocation_id, "timeout_s": limit_s})
-    assert out["state"] != "pending", f"invocation {invocation_id} did not finish"
-    return dict(out)
-
-
-def status_of(url: str, token: str, invocation_id: str) -> dict[str, Any]:
-    """The status route's body (``GET /v1/producer/invocations/:id``)."""
-    resp = httpx.get(
-        f"{url}/v1/producer/invocations/{invocation_id}",
-        headers={"Authorization": f"Bearer {token}"},
-        timeout=10,
-    )
-    return dict(msgpack.unpackb(resp.content, raw=False))
-
-
-def state_of(url: str, token: str, invocation_id: str) -> str:
-    return str(status_of(url, token, invocation_id)["state"])
-
-
-def preempted_back_in_queue(url: str, token: str, invocation_id: str) -> dict[str, Any]:
-    """Wait until the call is queued again after a preempted attempt; its status."""
-    return dict(
-        _until(
-            lambda: (
-                (s := status_of(url, token, invocation_id))["state"] == "queued"
-                and s["preemptions"] >= 1
-                and s
-            ),
-            f"{invocation_id} to be requeued as preempted",
-        )
-    )
-
-
-def frames_of(url: str, token: str, invocation_id: str, timeout: float = 5.0) -> list[wire.Frame]:
-    resp = httpx.get(
-        f"{url}/v1/producer/invocations/{invocation_id}/result/stream",
-        params={"since": -1, "timeout": timeout},
-        headers={"Authorization": f"Bearer {token}"},
-        timeout=timeout + 30,
-    )
-    return wire.FrameReader().feed(resp.content)
 
 
 # --- the basic outcomes ----------------------------------------------------------------------------
@@ -209,7 +55,7 @@ def test_plain_function_succeeds_and_its_workdir_is_removed(
     out = await_result(cp.url, cp.producer_token, inv)
     assert out["state"] == "succeeded", (out, n.output()[-3000:])
     assert wire.unpack(out["result_blob"]) == 5
-    _until(lambda: not (n.workdir / inv).exists(), "the workdir to be removed")
+    until(lambda: not (n.workdir / inv).exists(), "the workdir to be removed")
     assert (n.state_dir / "worker_id").read_text().strip() != ""
 
 
@@ -249,10 +95,10 @@ def test_running_invocations_hold_no_thread_of_nymphs(
     gate = tmp_path / "release"
     invs = [submit(cp.url, cp.producer_token, envelope(nymph_fns.wait_for_file, str(gate))) for _ in range(3)]
     slow = submit(cp.url, cp.producer_token, envelope(nymph_fns.sleep_for, 120), timeout_s=4)
-    _until(lambda: all((n.workdir / i / "handle.json").exists() for i in [*invs, slow]), "four tasks running")
+    until(lambda: all((n.workdir / i / "handle.json").exists() for i in [*invs, slow]), "four tasks running")
     # the threads that started them end once they are parked; four waiting tasks add none
-    _until(lambda: nymph.num_threads() <= idle, f"no thread per running task (idle: {idle})")
-    _call(cp.url, cp.producer_token, f"/v1/producer/invocations/{invs[0]}/cancel", {})
+    until(lambda: nymph.num_threads() <= idle, f"no thread per running task (idle: {idle})")
+    call(cp.url, cp.producer_token, f"/v1/producer/invocations/{invs[0]}/cancel", {})
     assert await_result(cp.url, cp.producer_token, invs[0])["error"]["type"] == "Cancelled"
     gate.write_text("go")
     for inv in invs[1:]:
@@ -269,7 +115,7 @@ def test_generator_frames_arrive_before_the_job_ends(
     n = nymph_factory(cp.url, cp.daemon_token)
     inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.slow_count, 3, 0.0, "release"))
     # the body holds its last value until the release file appears in its workdir
-    seen = _until(lambda: len(frames_of(cp.url, cp.producer_token, inv, 0.5)) >= 2 or None, "two frames")
+    seen = until(lambda: len(frames_of(cp.url, cp.producer_token, inv, 0.5)) >= 2 or None, "two frames")
     assert seen
     assert state_of(cp.url, cp.producer_token, inv) == "running"
     (n.workdir / inv / "release").touch()
@@ -292,7 +138,7 @@ def test_failure_is_acked_with_traceback_and_the_workdir_is_kept(
     assert out["error"]["type"] == "ValueError" and out["error"]["message"] == "no luck"
     assert "boom" in out["error"]["traceback"]
     kept = n.workdir / inv
-    _until(lambda: (kept / "outcome.json").exists(), "the failed workdir to be settled")
+    until(lambda: (kept / "outcome.json").exists(), "the failed workdir to be settled")
     assert {"args.msgpack", "error.json", "stdout.log", "stderr.log"} <= {p.name for p in kept.iterdir()}
     assert kept.stat().st_mode & 0o777 == 0o700
 
@@ -383,13 +229,13 @@ def test_cancel_reaches_a_job_while_every_slot_is_busy(
     n = nymph_factory(cp.url, cp.daemon_token, "--concurrency", "1")
     inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.stubborn_tree, 2))
     pids_file = n.workdir / inv / "pids.txt"
-    _until(pids_file.exists, "the job to start")
+    until(pids_file.exists, "the job to start")
     pids = [int(p) for p in pids_file.read_text().split()]
-    _call(cp.url, cp.producer_token, f"/v1/producer/invocations/{inv}/cancel", {})
+    call(cp.url, cp.producer_token, f"/v1/producer/invocations/{inv}/cancel", {})
     out = await_result(cp.url, cp.producer_token, inv)
     assert out["state"] == "killed"
     assert out["error"]["type"] == "Cancelled"
-    _until(lambda: not any(_alive(p) for p in pids), "the whole tree to be gone")
+    until(lambda: not any(alive(p) for p in pids), "the whole tree to be gone")
 
 
 def test_a_cancel_whose_answer_was_lost_reaches_the_job_on_a_later_heartbeat(
@@ -401,27 +247,20 @@ def test_a_cancel_whose_answer_was_lost_reaches_the_job_on_a_later_heartbeat(
     cp = sqlite_control_plane
     n = nymph_factory(cp.url, cp.daemon_token, "--concurrency", "1")
     inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.sleep_for, 300.0))
-    _until(lambda: (n.workdir / inv / "handle.json").exists(), "the job to start")
+    until(lambda: (n.workdir / inv / "handle.json").exists(), "the job to start")
     row = cp.store.get(inv)
     assert row is not None and row.worker_id
     n.signal(signal.SIGSTOP)
     try:
         time.sleep(1.0)  # a beat nymph sent just before it stopped is answered (without the cancel)
-        _call(cp.url, cp.producer_token, f"/v1/producer/invocations/{inv}/cancel", {})
+        call(cp.url, cp.producer_token, f"/v1/producer/invocations/{inv}/cancel", {})
         beat = {"worker_id": row.worker_id, "running": [], "free_slots": 0}
-        taken = _call(cp.url, cp.daemon_token, "/v1/daemon/heartbeat", beat)
+        taken = call(cp.url, cp.daemon_token, "/v1/daemon/heartbeat", beat)
         assert [(c["kind"], c["body"]["invocation_id"]) for c in taken["commands"]] == [("cancel", inv)]
     finally:
         n.signal(signal.SIGCONT)
     out = await_result(cp.url, cp.producer_token, inv)
     assert (out["state"], out["error"]["type"]) == ("killed", "Cancelled"), out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_timeout_stops_the_job_and_acks_timeout(
@@ -441,7 +280,7 @@ def test_sigterm_lets_work_finish_within_grace_then_preempts_with_the_exact_mess
     cp = sqlite_control_plane
     n = nymph_factory(cp.url, cp.daemon_token, "--grace-s", "1", "--concurrency", "2")
     stuck = submit(cp.url, cp.producer_token, envelope(nymph_fns.wait_for_file, "never"), max_attempts=1)
-    _until(lambda: (n.workdir / stuck / "handle.json").exists(), "the job to start")
+    until(lambda: (n.workdir / stuck / "handle.json").exists(), "the job to start")
     n.signal(signal.SIGTERM)
     assert n.wait() == 0
     out = preempted_back_in_queue(cp.url, cp.producer_token, stuck)  # runs again elsewhere, attempt 2
@@ -465,72 +304,24 @@ def test_bad_token_stops_nymph_with_a_clear_message(
 # --- outages and restarts --------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """``lakeshore server`` as a subprocess that can be stopped and restarted on the same port and DB."""
-
-    def __init__(self, data_dir: Path) -> None:
-        self.data_dir = data_dir
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        cmd = [sys.executable, "-m", "dreamlake.lakeshore.cli", "server", "--port", str(self.port),
-               "--data-dir", str(self.data_dir)]  # fmt: skip
-        with open(self.data_dir / "server.log", "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env())
-
-        def up() -> bool:
-            try:
-                return httpx.get(self.url + "/healthz", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        _until(up, "the control plane to answer")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(20)
-
-    def tokens(self) -> dict[str, str]:
-        return dict(json.loads((self.data_dir / "tokens.json").read_text()))
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
-    data = tmp_path / "cp"
-    data.mkdir()
-    s = Server(data)
-    s.start()
-    yield s
-    s.stop()
-
-
 def test_control_plane_outage_mid_run_costs_latency_not_results(
     server: Server, nymph_factory: Callable[..., Nymph]
 ) -> None:
     tokens = server.tokens()
     n = nymph_factory(server.url, tokens["daemon"])
     inv = submit(server.url, tokens["admin"], envelope(nymph_fns.slow_count, 3, 0.0, "release"))
-    _until(lambda: (n.workdir / inv / "handle.json").exists(), "the job to start")
+    until(lambda: (n.workdir / inv / "handle.json").exists(), "the job to start")
     server.stop()
     (n.workdir / inv / "release").touch()
     # the job finishes while the control plane is away: its frames and ack wait in the outbox
-    _until(lambda: not (n.workdir / inv).exists(), "the job to finish")
+    until(lambda: not (n.workdir / inv).exists(), "the job to finish")
     assert list((n.state_dir / "outbox").glob("*.msg")), "nothing waits in the outbox"
     server.start()
     out = await_result(server.url, tokens["admin"], inv)
     assert out["state"] == "succeeded", n.output()[-3000:]
     frames = frames_of(server.url, tokens["admin"], inv)
     assert [f.seq for f in frames] == [0, 1, 2, 3] and frames[-1].kind == wire.FRAME_END
-    _until(lambda: not list((n.state_dir / "outbox").glob("*.msg")), "the outbox to drain")
+    until(lambda: not list((n.state_dir / "outbox").glob("*.msg")), "the outbox to drain")
 
 
 def test_nymph_killed_mid_run_reattaches_after_restart(
@@ -540,20 +331,20 @@ def test_nymph_killed_mid_run_reattaches_after_restart(
     first = nymph_factory(cp.url, cp.daemon_token)
     inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.slow_count, 3, 0.0, "release"))
     handle_file = first.workdir / inv / "handle.json"
-    _until(handle_file.exists, "the job to start")
+    until(handle_file.exists, "the job to start")
     pid = int(json.loads(handle_file.read_text())["data"]["pid"])
-    _until(lambda: len(frames_of(cp.url, cp.producer_token, inv, 0.5)) >= 2, "frames before the kill")
+    until(lambda: len(frames_of(cp.url, cp.producer_token, inv, 0.5)) >= 2, "frames before the kill")
     first.signal(signal.SIGKILL)
     first.wait()
-    assert _alive(pid), "the task must survive nymph's death"
+    assert alive(pid), "the task must survive nymph's death"
     second = nymph_factory(cp.url, cp.daemon_token)
-    _until(lambda: "re-attached" in second.output(), "the new nymph to re-attach")
+    until(lambda: "re-attached" in second.output(), "the new nymph to re-attach")
     (second.workdir / inv / "release").touch()
     out = await_result(cp.url, cp.producer_token, inv)
     assert out["state"] == "succeeded", second.output()[-3000:]
     frames = frames_of(cp.url, cp.producer_token, inv)
     assert [f.seq for f in frames] == [0, 1, 2, 3] and frames[-1].kind == wire.FRAME_END
-    _until(lambda: not _alive(pid), "the task process to be gone")
+    until(lambda: not alive(pid), "the task process to be gone")
 
 
 # --- version pinning, doctor, runners --------------------------------------------------------------
@@ -565,11 +356,11 @@ def test_pinned_version_drains_running_work_then_exits_75(
     cp = sqlite_control_plane
     n = nymph_factory(cp.url, cp.daemon_token, "--namespace", "team", "--concurrency", "2")
     inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.wait_for_file, "release"))
-    _until(lambda: (n.workdir / inv / "handle.json").exists(), "the job to start")
+    until(lambda: (n.workdir / inv / "handle.json").exists(), "the job to start")
     status, _ = cp.json("PUT", "/v1/namespaces/team/pin", {"nymph_version": "9.9.9"}, cp.admin_token)
     assert status == 200
-    _until(lambda: "pins nymph 9.9.9" in n.output(), "nymph to see the pin")
-    _until(lambda: "poll loop stopped" in n.output(), "the poll in flight to return")
+    until(lambda: "pins nymph 9.9.9" in n.output(), "nymph to see the pin")
+    until(lambda: "poll loop stopped" in n.output(), "the poll in flight to return")
     later = submit(cp.url, cp.producer_token, envelope(nymph_fns.add, 1, 1))
     (n.workdir / inv / "release").touch()
     assert n.wait() == 75
@@ -579,7 +370,7 @@ def test_pinned_version_drains_running_work_then_exits_75(
 
 def _doctor(*args: str) -> subprocess.CompletedProcess[str]:
     cmd = [*NYMPH, "doctor", *ROOT_TASKS, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=120)
+    return subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=120)
 
 
 def test_doctor_passes_on_a_good_setup_and_names_what_to_fix(
@@ -607,7 +398,7 @@ def test_doctor_passes_on_a_good_setup_and_names_what_to_fix(
     status, listed = cp.json("GET", "/v1/ops/workers", None, cp.admin_token)
     assert status == 200 and listed["workers"] == []  # the doctor registered no (phantom) worker
 
-    down = _doctor("--server", f"http://127.0.0.1:{_free_port()}", "--token", "t", *dirs)
+    down = _doctor("--server", f"http://127.0.0.1:{free_port()}", "--token", "t", *dirs)
     assert down.returncode == 1 and "[FAIL] server" in down.stdout
 
 
@@ -622,7 +413,7 @@ def test_a_cleanly_stopped_nymph_deregisters_at_once(
 ) -> None:
     cp = control_plane
     n = nymph_factory(cp.url, cp.daemon_token)
-    _until(lambda: "registered as worker" in n.output(), "nymph to register")
+    until(lambda: "registered as worker" in n.output(), "nymph to register")
     worker = (n.state_dir / "worker_id").read_text().strip()
     assert _worker_row(cp, worker)["live"] is True
 
@@ -640,13 +431,13 @@ def test_a_cleanly_stopped_nymph_deregisters_at_once(
     assert all(q["workers_live"] == 0 for q in queues["queues"] if q["name"] == "default")
 
     again = nymph_factory(cp.url, cp.daemon_token)  # the same state dir: the same worker id
-    _until(lambda: again.output().count("registered as worker") >= 2, "nymph to register again")
+    until(lambda: again.output().count("registered as worker") >= 2, "nymph to register again")
     row = _worker_row(cp, worker)
     assert row["live"] is True and row["stopped_at"] is None
 
 
 def test_runners_lists_the_process_runner_as_usable() -> None:
-    out = subprocess.run([*NYMPH, "runners"], capture_output=True, text=True, env=_env(), timeout=120)
+    out = subprocess.run([*NYMPH, "runners"], capture_output=True, text=True, env=child_env(), timeout=120)
     assert out.returncode == 0
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("process"))
     assert "dreamlake-lakeshore" in line and "usable" in line and "NOT" not in line

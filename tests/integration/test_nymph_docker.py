@@ -26,65 +26,21 @@ import pytest
 from dreamlake.lakeshore import wire
 from tests import docker_fns, nymph_fns
 from tests.integration.conftest import ControlPlane
-from tests.integration.test_nymph_agent import (
-    Nymph,
-    _free_port,
-    _until,
-    await_result,
-    envelope,
-    frames_of,
-    state_of,
-    submit,
-)
+from tests.integration.docker_kit import docker, image, labelled, read_stripped, require_kind
+from tests.stack.nymph import Nymph
+from tests.stack.ports import free_port
+from tests.stack.producer import await_result, envelope, frames_of, state_of, submit
+from tests.stack.wait import until
+
+__all__ = ["image"]  # the fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 KINDS = ("docker", "gvisor")
 
 
-def _docker(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def _runtimes() -> dict[str, object] | None:
-    if shutil.which("docker") is None:
-        return None
-    try:
-        out = _docker("info", "--format", "{{json .Runtimes}}", timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return dict(json.loads(out.stdout)) if out.returncode == 0 else None
-
-
-@pytest.fixture(scope="module")
-def image() -> str:
-    if _runtimes() is None:
-        pytest.skip("needs a reachable Docker engine (scripts/services/docker.sh)")
-    name = os.environ.get("LAKESHORE_TEST_IMAGE", "")
-    if not name or _docker("image", "inspect", name).returncode != 0:
-        pytest.skip("needs LAKESHORE_TEST_IMAGE on the engine (scripts/services/docker.sh builds one)")
-    return name
-
-
-def _require_kind(kind: str) -> None:
-    if kind == "gvisor" and "runsc" not in (_runtimes() or {}):
-        pytest.skip("needs the runsc runtime registered with the engine")
-
-
-def _labelled(worker_id: str) -> list[str]:
-    out = _docker("ps", "-a", "-q", "--filter", f"label=nymph.worker={worker_id}")
-    return out.stdout.split()
-
-
 def _worker_id(n: Nymph) -> str:
-    return str(_until(lambda: _read(n.state_dir / "worker_id"), "nymph's worker id"))
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return ""
+    return str(until(lambda: read_stripped(n.state_dir / "worker_id"), "nymph's worker id"))
 
 
 @pytest.fixture
@@ -92,7 +48,7 @@ def start_nymph(image: str, tmp_path: Path) -> Iterator[Callable[..., Nymph]]:
     started: list[Nymph] = []
 
     def make(cp_url: str, token: str, kind: str, *extra: str) -> Nymph:
-        _require_kind(kind)
+        require_kind(kind)
         n = Nymph(
             cp_url, token, tmp_path, "--runner", kind, "--runner-opt", f"image={image}",
             "--runner-opt", "pull=never", *extra,
@@ -105,10 +61,10 @@ def start_nymph(image: str, tmp_path: Path) -> Iterator[Callable[..., Nymph]]:
         n.stop()
         if n.proc is not None and n.proc.returncode not in (0, None, -signal.SIGKILL):
             print(n.output()[-5000:])
-    for worker in {_read(n.state_dir / "worker_id") for n in started} - {""}:
-        leftovers = _labelled(worker)
+    for worker in {read_stripped(n.state_dir / "worker_id") for n in started} - {""}:
+        leftovers = labelled(worker)
         if leftovers:
-            _docker("rm", "-f", *leftovers)
+            docker("rm", "-f", *leftovers)
         assert not leftovers, f"containers left behind by nymph: {leftovers}"
 
 
@@ -127,7 +83,7 @@ def test_plain_result_and_live_generator_through_nymph_start(
     assert wire.unpack(out["result_blob"]) == 5
 
     gen = submit(cp.url, cp.producer_token, envelope(docker_fns.gated_count, 3, "release"))
-    _until(lambda: len(frames_of(cp.url, cp.producer_token, gen, 0.5)) >= 2, "two frames while it runs")
+    until(lambda: len(frames_of(cp.url, cp.producer_token, gen, 0.5)) >= 2, "two frames while it runs")
     assert state_of(cp.url, cp.producer_token, gen) == "running"
     (n.workdir / gen / "release").touch()
     out = await_result(cp.url, cp.producer_token, gen)
@@ -135,7 +91,7 @@ def test_plain_result_and_live_generator_through_nymph_start(
     frames = frames_of(cp.url, cp.producer_token, gen)
     assert [f.kind for f in frames] == [wire.FRAME_VALUE] * 3 + [wire.FRAME_END]
     assert [wire.unpack(f.body) for f in frames[:3]] == [0, 1, 2]  # type: ignore[arg-type]
-    _until(lambda: not _labelled(_worker_id(n)), "every container to be removed")
+    until(lambda: not labelled(_worker_id(n)), "every container to be removed")
 
 
 def _output(frames: list[wire.Frame], stream: str) -> str:
@@ -155,7 +111,7 @@ def test_a_container_s_output_streams_live_as_log_frames(
     cp = sqlite_control_plane
     n = start_nymph(cp.url, cp.daemon_token, kind)
     inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.chatty, "release"))
-    _until(
+    until(
         lambda: "from a child process" in _output(frames_of(cp.url, cp.producer_token, inv, 0.5), "stdout"),
         "the output while the container runs",
     )
@@ -168,7 +124,7 @@ def test_a_container_s_output_streams_live_as_log_frames(
     assert [f.seq for f in frames] == list(range(len(frames)))
     assert _output(frames, "stdout") == "hello from print\nfrom a child process\nafter the gate\n"
     assert _output(frames, "stderr") == "careful, stderr\n"
-    _until(lambda: not _labelled(_worker_id(n)), "every container to be removed")
+    until(lambda: not labelled(_worker_id(n)), "every container to be removed")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -179,7 +135,7 @@ def test_a_fast_generator_is_paused_by_the_window_inside_the_container(
     at the window (``frames.delivered``), and every value arrives once, in order, on attempt 1."""
     cp = sqlite_control_plane
     window, count = 300, 20_000
-    metrics_port = _free_port()
+    metrics_port = free_port()
     n = start_nymph(
         cp.url,
         cp.daemon_token,
@@ -228,30 +184,30 @@ def test_sigkill_nymph_while_a_container_runs_then_restart_acks_it_and_removes_i
     first = start_nymph(cp.url, cp.daemon_token, "docker")
     inv = submit(cp.url, cp.producer_token, envelope(docker_fns.gated_count, 3, "release"))
     handle_file = first.workdir / inv / "handle.json"
-    _until(handle_file.exists, "the container to start")
+    until(handle_file.exists, "the container to start")
     cid = str(json.loads(handle_file.read_text())["data"]["container_id"])
-    _until(lambda: len(frames_of(cp.url, cp.producer_token, inv, 0.5)) >= 2, "frames before the kill")
+    until(lambda: len(frames_of(cp.url, cp.producer_token, inv, 0.5)) >= 2, "frames before the kill")
     first.signal(signal.SIGKILL)
     first.wait()
-    assert _docker("inspect", "-f", "{{.State.Running}}", cid).stdout.strip() == "true"
+    assert docker("inspect", "-f", "{{.State.Running}}", cid).stdout.strip() == "true"
     # a container of a previous life whose workdir is gone: the restart must collect it too
     worker = _worker_id(first)
-    stray = _docker(
+    stray = docker(
         "run", "-d", "--network", "none", "--label", "nymph.runner=docker", "--label", "nymph.invocation=STRAY",
         "--label", f"nymph.worker={worker}", "--entrypoint", "sleep", image, "300",
     ).stdout.strip()  # fmt: skip
     assert stray
 
     second = start_nymph(cp.url, cp.daemon_token, "docker")
-    _until(lambda: "re-attached" in second.output(), "the new nymph to re-attach")
+    until(lambda: "re-attached" in second.output(), "the new nymph to re-attach")
     (second.workdir / inv / "release").touch()
     out = await_result(cp.url, cp.producer_token, inv)
     assert out["state"] == "succeeded", second.output()[-3000:]
     frames = frames_of(cp.url, cp.producer_token, inv)
     assert [f.seq for f in frames] == [0, 1, 2, 3] and frames[-1].kind == wire.FRAME_END
-    _until(lambda: _docker("inspect", cid).returncode != 0, "the re-attached container to be removed")
-    assert _docker("inspect", stray).returncode != 0, "the stray labelled container was not collected"
-    assert not _labelled(worker)
+    until(lambda: docker("inspect", cid).returncode != 0, "the re-attached container to be removed")
+    assert docker("inspect", stray).returncode != 0, "the stray labelled container was not collected"
+    assert not labelled(worker)
 
 
 # --- the engine down at start -------------------------------------------------------------------------
@@ -278,10 +234,10 @@ def test_engine_down_at_start_is_reported_and_nymph_runs_the_work_once_it_is_bac
             cp.url, cp.daemon_token, "docker", "--runner-opt", f"docker_host=unix://{sock}",
             "--metrics-port", str(port),
         )  # fmt: skip
-        health = _until(lambda: (h := _health(port)) and h.get("runner_problem") and h, "not-ready health")
+        health = until(lambda: (h := _health(port)) and h.get("runner_problem") and h, "not-ready health")
         assert health["ok"] is False and health["runner_ok"] is False
         assert "not reachable" in str(health["runner_problem"])
-        _until(lambda: "cannot work" in n.output(), "a clear log line")
+        until(lambda: "cannot work" in n.output(), "a clear log line")
         inv = submit(cp.url, cp.producer_token, envelope(docker_fns.add, 20, 22))
         assert n.proc is not None and n.proc.poll() is None  # alive, retrying
         assert state_of(cp.url, cp.producer_token, inv) == "queued"  # nothing claimed meanwhile
@@ -289,7 +245,7 @@ def test_engine_down_at_start_is_reported_and_nymph_runs_the_work_once_it_is_bac
         out = await_result(cp.url, cp.producer_token, inv, 90.0)
         assert out["state"] == "succeeded", n.output()[-3000:]
         assert wire.unpack(out["result_blob"]) == 42
-        _until(lambda: (h := _health(port)) and h.get("ok") is True, "ready health")
+        until(lambda: (h := _health(port)) and h.get("ok") is True, "ready health")
         assert "available again" in n.output()
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)
@@ -351,12 +307,12 @@ def test_an_exec_container_is_labelled_with_the_worker_and_listed_for_start_up_c
     )
     job.start_thread()
     try:
-        listed = _until(lambda: runner.list_labelled(worker_id=worker), "the exec container to be listed")
+        listed = until(lambda: runner.list_labelled(worker_id=worker), "the exec container to be listed")
         assert [h.invocation_id for h in listed] == [job.exec_id]
         cid = str(listed[0].data["container_id"])
-        labels = json.loads(_docker("inspect", "--format", "{{json .Config.Labels}}", cid).stdout)
+        labels = json.loads(docker("inspect", "--format", "{{json .Config.Labels}}", cid).stdout)
         assert labels["nymph.worker"] == worker and labels["nymph.exec"] == job.exec_id
     finally:
         job.cancel("test over", 0.5)
         job.join(60)
-    assert _labelled(worker) == []
+    assert labelled(worker) == []

@@ -13,12 +13,8 @@ attempt 1, on every runner.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -26,67 +22,30 @@ import msgpack
 import pytest
 
 from dreamlake.lakeshore import wire
-from tests import docker_fns, nymph_fns
-from tests.conftest import ROOT, require
-from tests.contract.test_runner_conformance import _docker_runtimes, _slurm_answers
-from tests.integration import test_nymph_flow
-from tests.integration.kube_fake import KubeFake
-from tests.integration.test_nymph_agent import Nymph, Server, _until, await_result, envelope, submit
-from tests.integration.test_nymph_flow import Follower, MiB, RssPeak, _metrics, _start, _values
+from tests.integration.flow_kit import (
+    Follower,
+    MiB,
+    RssPeak,
+    nymph_metrics,
+    runner_for,
+    stack,
+    start_with_metrics,
+    values,
+)
+from tests.stack.nymph import Nymph
+from tests.stack.producer import await_result, envelope, submit
+from tests.stack.server import Server
+from tests.stack.wait import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-stack = test_nymph_flow.stack  # the fixture: ``lakeshore server`` and a maker of nymphs
+__all__ = ["runner_for", "stack"]  # the fixtures (flow_kit)
 
 RUNNERS = ("process-spawn", "docker", "gvisor", "slurm", "kube")
-KUBE_NS = "lakeshore"
-TASK_USER = "nobody"  # pods run as non-root: the kube runner maps as_user to a uid
 COUNT = 100_000
 WINDOW_FRAMES = 2000
 BLOBS, BLOB = 200, MiB
 WINDOW_BYTES = 8 * MiB
-
-
-@pytest.fixture
-def runner_for(tmp_path: Path) -> Iterator[Callable[[str], tuple[list[str], Any, dict[str, Any]]]]:
-    """nymph's flags for a runner, the module its tasks import and the run_config to submit with."""
-    with contextlib.ExitStack() as exits:
-
-        def make(name: str) -> tuple[list[str], Any, dict[str, Any]]:
-            if name == "process-spawn":
-                return ["--runner-opt", "prefork=false"], nymph_fns, {}
-            if name == "slurm":
-                require(_slurm_answers(), 'needs a Slurm controller: eval "$(scripts/services/slurm.sh)"')
-                return ["--runner", "slurm"], nymph_fns, {}
-            if name == "kube":
-                return _kube(exits, tmp_path), nymph_fns, {"as_user": TASK_USER}
-            runtimes = _docker_runtimes()
-            require(runtimes is not None, "needs a reachable Docker engine")
-            if name == "gvisor":
-                require("runsc" in (runtimes or ""), "needs the runsc runtime registered with Docker")
-            image = os.environ.get("LAKESHORE_TEST_IMAGE", "")
-            require(bool(image), "needs LAKESHORE_TEST_IMAGE (an image with python3 and msgpack)")
-            flags = ["--runner", name, "--runner-opt", f"image={image}", "--runner-opt", "pull=never"]
-            return flags, docker_fns, {}
-
-        yield make
-
-
-def _kube(exits: contextlib.ExitStack, tmp_path: Path) -> list[str]:
-    """A fake Kubernetes API whose kubelet runs pods as local processes of this interpreter, with
-    the repository importable (the "image"), and nymph's flags for it."""
-    python = tmp_path / "image-python3"
-    python.write_text(f'#!/bin/sh\nPYTHONPATH="${{PYTHONPATH}}:{ROOT}" exec {sys.executable} "$@"\n')
-    python.chmod(0o755)
-    scratch = tmp_path / "kubelet"
-    scratch.mkdir()
-    fake = exits.enter_context(KubeFake(namespaces={KUBE_NS}, python=str(python), scratch=scratch))
-    config = fake.kubeconfig(tmp_path / "kubeconfig")
-    return [
-        "--runner", "kube", "--runner-opt", f"namespace={KUBE_NS}", "--runner-opt", "node_name=node-1",
-        "--runner-opt", f"kubeconfig={config}", "--allow-user", TASK_USER,
-        "--runner-opt", f'users={{{TASK_USER}="65534:65534"}}',
-    ]  # fmt: skip
 
 
 def _run_stream(
@@ -103,7 +62,7 @@ def _run_stream(
     attempt 1, every frame once and in order); nymph's metrics after."""
     tokens = srv.tokens()
     inv = submit(srv.url, tokens["admin"], envelope(fn, *args), **run_config)
-    follower = Follower(srv.url, tokens["admin"], inv, _values(expect))
+    follower = Follower(srv.url, tokens["admin"], inv, values(expect))
     end = follower.result(limit_s=300)
     assert end.kind == wire.FRAME_END and end.seq == count, n.output()[-3000:]
     assert follower.count == count + 1  # every value once, in order, then END
@@ -116,8 +75,8 @@ def _run_stream(
     )
     info = msgpack.unpackb(status.content, raw=False)
     assert info["attempt"] == 1, info
-    _until(lambda: not (n.workdir / inv).exists(), "the workdir to go")
-    return _metrics(port)
+    until(lambda: not (n.workdir / inv).exists(), "the workdir to go")
+    return nymph_metrics(port)
 
 
 @pytest.mark.parametrize("name", RUNNERS)
@@ -126,7 +85,7 @@ def test_a_hundred_thousand_values_arrive_once_in_order_on_attempt_1(
 ) -> None:
     srv, factory = stack
     flags, fns, run_config = runner_for(name)
-    n, port = _start(factory, srv, *flags, "--stream-window-frames", str(WINDOW_FRAMES))
+    n, port = start_with_metrics(factory, srv, *flags, "--stream-window-frames", str(WINDOW_FRAMES))
     started = time.monotonic()
     metrics = _run_stream(srv, n, port, fns.count_to, (COUNT,), lambda i: i, COUNT, run_config)
     took = time.monotonic() - started
@@ -146,7 +105,7 @@ def test_two_hundred_values_of_one_mib_stay_within_the_window(
 ) -> None:
     srv, factory = stack
     flags, fns, run_config = runner_for(name)
-    n, port = _start(
+    n, port = start_with_metrics(
         factory,
         srv,
         *flags,
@@ -186,18 +145,18 @@ def test_a_control_plane_outage_mid_stream_ends_in_one_success_on_attempt_1(
     control plane is back, on the same attempt."""
     srv, factory = stack
     flags, fns, run_config = runner_for(name)
-    n, port = _start(factory, srv, *flags, "--stream-window-frames", str(WINDOW_FRAMES))
+    n, port = start_with_metrics(factory, srv, *flags, "--stream-window-frames", str(WINDOW_FRAMES))
     tokens = srv.tokens()
     gate = "gate"  # in the workdir: the task's working directory on every runner
     args = envelope(fns.count_to, COUNT, gate, COUNT // 2)
     inv = submit(srv.url, tokens["admin"], args, **run_config)
     started = time.monotonic()
-    follower = Follower(srv.url, tokens["admin"], inv, _values(lambda i: i))
-    _until(lambda: follower.last >= COUNT // 2 - 1, "the first half to arrive")
+    follower = Follower(srv.url, tokens["admin"], inv, values(lambda i: i))
+    until(lambda: follower.last >= COUNT // 2 - 1, "the first half to arrive")
     srv.stop()  # the control plane goes away in the middle of the stream
     (n.workdir / inv / gate).touch()
     # the task runs on until its window is full, then waits at its yield
-    _until(lambda: _metrics(port)["nymph_stream_undelivered_bytes"] > 0, "frames to pile up")
+    until(lambda: nymph_metrics(port)["nymph_stream_undelivered_bytes"] > 0, "frames to pile up")
     time.sleep(1.0)
     srv.start()
     end = follower.result(limit_s=300)
@@ -211,7 +170,7 @@ def test_a_control_plane_outage_mid_stream_ends_in_one_success_on_attempt_1(
         timeout=10,
     )
     assert msgpack.unpackb(info.content, raw=False)["attempt"] == 1
-    metrics = _metrics(port)
+    metrics = nymph_metrics(port)
     undelivered, outbox = metrics["nymph_stream_undelivered_bytes_peak"], metrics["nymph_outbox_bytes_peak"]
     assert undelivered <= WINDOW_FRAMES * 64
     assert outbox < WINDOW_FRAMES * 64 + 64 * 1024

@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (the nymph_factory fixture is imported from test_nymph_agent)
 """nymph end to end, continued: namespace exec jobs, a lost lease, double SIGINT, health/metrics.
 
 Same rules as test_nymph_agent.py: a real control plane over HTTP, ``nymph start`` as a real
@@ -22,18 +21,11 @@ from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.server.config import ServerConfig
 from tests import nymph_fns
 from tests.integration.conftest import ControlPlane, running_control_plane
-from tests.integration.test_nymph_agent import (  # noqa: F401  (nymph_factory is a fixture)
-    Nymph,
-    _alive,
-    _free_port,
-    _until,
-    await_result,
-    envelope,
-    nymph_factory,
-    preempted_back_in_queue,
-    state_of,
-    submit,
-)
+from tests.stack.nymph import Nymph
+from tests.stack.ports import free_port
+from tests.stack.procs import alive
+from tests.stack.producer import await_result, envelope, preempted_back_in_queue, state_of, submit
+from tests.stack.wait import until
 
 # --- namespace exec jobs (seed 003, flows 1-4) ------------------------------------------------------
 
@@ -70,7 +62,7 @@ def test_exec_job_runs_its_command_with_the_inline_payload_and_publishes_the_res
     assert out["stdout"] == hashlib.sha256(payload).hexdigest() + "\n"  # the very bytes sent
     assert out["stderr"] == f"to stderr {exec_id}\n"
     assert out["resultInline"] is None and out["resultRef"] is None
-    _until(lambda: not (n.workdir / "exec" / exec_id).exists(), "the exec workdir to be removed")
+    until(lambda: not (n.workdir / "exec" / exec_id).exists(), "the exec workdir to be removed")
 
 
 def test_exec_job_whose_payload_ref_cannot_be_fetched_is_minus_one_and_never_spawns(
@@ -117,7 +109,7 @@ def test_the_heartbeat_keeps_a_long_exec_job_leased_and_a_lost_one_is_stopped_un
 
         marker = tmp_path / "still-running"
         stolen = _exec(cp, {"command": f"sleep 1; while true; do touch {marker}; sleep 0.2; done"})
-        _until(marker.exists, "the exec command to start under nymph")
+        until(marker.exists, "the exec command to start under nymph")
         # its lease lapses (as if the heartbeats had not arrived) and another daemon claims it first
         # (a heartbeat in between takes a job nobody claimed yet back: then try again)
         other = ids.new_ulid()
@@ -126,10 +118,10 @@ def test_the_heartbeat_keeps_a_long_exec_job_leased_and_a_lost_one_is_stopped_un
             cp.store.expire_leases(now=time.time() + 3600)
             return cp.store.claim_exec(other, ["default"])
 
-        (claimed,) = _until(steal, "another daemon to claim the exec job")
+        (claimed,) = until(steal, "another daemon to claim the exec job")
         assert claimed["exec_id"] == stolen and claimed["attempt"] == 2
-        _until(lambda: "lease lost to another claim" in n.output(), "nymph to hear its exec lease is lost")
-        _until(lambda: time.time() - marker.stat().st_mtime > 2, "nymph to stop its copy")
+        until(lambda: "lease lost to another claim" in n.output(), "nymph to hear its exec lease is lost")
+        until(lambda: time.time() - marker.stat().st_mtime > 2, "nymph to stop its copy")
         route = f"/v1/namespaces/team/jobs/{stolen}/result"
         mine = {"exit_code": 0, "stdout": "other", "stderr": "", "worker_id": other, "attempt": 2}
         assert cp.json("POST", route, mine, cp.daemon_token) == (200, {"ok": True})
@@ -147,12 +139,12 @@ def test_lost_lease_kills_the_local_copy_without_an_ack_and_the_next_attempt_run
     n = nymph_factory(cp.url, cp.daemon_token, "--concurrency", "1")
     inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.wait_for_file, "release"), max_attempts=3)
     handle = n.workdir / inv / "handle.json"
-    _until(handle.exists, "attempt 1 to start")
+    until(handle.exists, "attempt 1 to start")
     first_pid = int(json.loads(handle.read_text())["data"]["pid"])
     # the lease lapses (as if the heartbeats had not arrived): the control plane requeues attempt 2
     assert inv in cp.store.expire_leases(now=time.time() + 3600)
-    _until(lambda: "lost to another attempt" in n.output(), "nymph to hear its lease is lost")
-    _until(lambda: not _alive(first_pid), "attempt 1 to be killed")
+    until(lambda: "lost to another attempt" in n.output(), "nymph to hear its lease is lost")
+    until(lambda: not alive(first_pid), "attempt 1 to be killed")
 
     def attempt_two_started() -> bool:
         try:
@@ -160,7 +152,7 @@ def test_lost_lease_kills_the_local_copy_without_an_ack_and_the_next_attempt_run
         except (OSError, ValueError):
             return False
 
-    _until(attempt_two_started, "attempt 2 to start here")
+    until(attempt_two_started, "attempt 2 to start here")
     (n.workdir / inv / "release").touch()
     out = await_result(cp.url, cp.producer_token, inv)
     assert out["state"] == "succeeded", n.output()[-3000:]
@@ -180,9 +172,9 @@ def test_second_sigint_stops_at_once_without_waiting_for_the_grace(
     # a grace far longer than the wait below: only the immediate path can end nymph in time
     n = nymph_factory(cp.url, cp.daemon_token, "--grace-s", "3600")
     stuck = submit(cp.url, cp.producer_token, envelope(nymph_fns.wait_for_file, "never", 3600))
-    _until(lambda: (n.workdir / stuck / "handle.json").exists(), "the job to start")
+    until(lambda: (n.workdir / stuck / "handle.json").exists(), "the job to start")
     n.signal(signal.SIGINT)
-    _until(lambda: "running work has 3600s to finish" in n.output(), "the first SIGINT to be handled")
+    until(lambda: "running work has 3600s to finish" in n.output(), "the first SIGINT to be handled")
     n.signal(signal.SIGINT)
     assert n.wait() == 0
     out = preempted_back_in_queue(cp.url, cp.producer_token, stuck)
@@ -194,7 +186,7 @@ def test_metrics_port_serves_healthz_and_metrics_and_each_invocation_logs_one_su
     sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
 ) -> None:
     cp = sqlite_control_plane
-    port = _free_port()
+    port = free_port()
     n = nymph_factory(cp.url, cp.daemon_token, "--metrics-port", str(port))
     base = f"http://127.0.0.1:{port}"
 
@@ -205,7 +197,7 @@ def test_metrics_port_serves_healthz_and_metrics_and_each_invocation_logs_one_su
             return None
         return dict(resp.json()) if resp.status_code == 200 else None
 
-    health = _until(healthy, "nymph's /healthz to answer 200")
+    health = until(healthy, "nymph's /healthz to answer 200")
     assert health["ok"] is True and health["runner"] == "process" and health["worker_id"]
     inv = submit(cp.url, cp.producer_token, envelope(nymph_fns.add, 2, 3))
     assert await_result(cp.url, cp.producer_token, inv)["state"] == "succeeded"
@@ -217,9 +209,9 @@ def test_metrics_port_serves_healthz_and_metrics_and_each_invocation_logs_one_su
         ok = 'nymph_invocations_total{runner="process",state="succeeded"} 1.0' in text
         return text if ok and 'state="failed"} 1.0' in text else None
 
-    metrics = _until(counted, "the invocations to be counted")
+    metrics = until(counted, "the invocations to be counted")
     assert "nymph_polls_total" in metrics and "nymph_invocation_seconds_bucket" in metrics
-    _until(lambda: f"invocation {bad}: failed" in n.output(), "the failure's summary line")
+    until(lambda: f"invocation {bad}: failed" in n.output(), "the failure's summary line")
     lines = n.output().splitlines()
     summary = [ln for ln in lines if f"invocation {inv}: succeeded " in ln]
     assert len(summary) == 1 and "runner=process" in summary[0] and "duration=" in summary[0]

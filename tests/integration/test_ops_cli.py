@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner, Result
+from click.testing import CliRunner
 
 import dreamlake.lakeshore as dls
 from dreamlake.lakeshore import wire
@@ -20,21 +20,12 @@ from dreamlake.lakeshore.default_dispatch import set_default_dispatch
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.ops_cli import parse_since, table
 from tests.integration.conftest import ControlPlane, submit_body
+from tests.integration.ops_kit import run
 
 
 @pytest.fixture
 def cp(sqlite_control_plane: ControlPlane) -> ControlPlane:
     return sqlite_control_plane
-
-
-def run(cp: ControlPlane, *args: str, token: str | None = None, env: dict[str, Any] | None = None) -> Result:
-    environment = {
-        "LAKESHORE_URL": cp.url,
-        "LAKESHORE_TOKEN": token or cp.admin_token,
-        "LAKESHORE_CONFIG": "/nonexistent/config.toml",
-        **(env or {}),
-    }
-    return CliRunner().invoke(main, list(args), env=environment, catch_exceptions=False)
 
 
 def _submit(cp: ControlPlane, queue: str = "q", token: str | None = None) -> str:

@@ -34,7 +34,8 @@ from tests import runner_kit as kit
 from tests.conftest import require
 from tests.integration.conftest import ControlPlane, local_blobs, running_control_plane
 from tests.integration.s3_fixture import S3Service
-from tests.integration.test_nymph_agent import Nymph, UserNymph, _until
+from tests.stack.nymph import Nymph, UserNymph
+from tests.stack.wait import until
 
 udfs = kit.user_module("payload_udfs")
 
@@ -207,7 +208,7 @@ def test_a_tampered_result_blob_is_refused_by_the_sdk(
     n = start_nymph(cp)
     plane = _sdk(cp)
     inv = udfs.sized.submit(500 * KiB, _dispatch=plane)
-    _until(lambda: (r := cp.store.get(inv)) is not None and r.state == "succeeded", "the result", LIMIT_S)
+    until(lambda: (r := cp.store.get(inv)) is not None and r.state == "succeeded", "the result", LIMIT_S)
     row = cp.store.get(inv)
     assert row is not None and row.result_ref is not None, n.output()[-3000:]
     (cp.blob_root / row.result_ref["key"]).write_bytes(b"x" * row.result_ref["size"])  # type: ignore[attr-defined]
@@ -241,15 +242,14 @@ def _runner_args(kind: str) -> list[str]:
     if kind == "process-pgroup":
         return ["--runner", "process", "--runner-opt", "prefork=false", "--runner-opt", "cgroup=off"]
     if kind == "slurm":
-        from tests.contract.test_runner_conformance import _slurm_answers
+        from tests.runner_kit import slurm_answers
 
-        require(_slurm_answers(), 'needs a Slurm controller: eval "$(scripts/services/slurm.sh)"')
+        require(slurm_answers(), 'needs a Slurm controller: eval "$(scripts/services/slurm.sh)"')
         return ["--runner", "slurm"]
-    from tests.integration.test_nymph_docker import _require_kind
-    from tests.integration.test_task_submit import _image
+    from tests.integration.docker_kit import require_kind, suite_image
 
-    image = _image()
-    _require_kind(kind)
+    image = suite_image()
+    require_kind(kind)
     return [
         "--runner", kind, "--runner-opt", f"image={image}", "--runner-opt", "pull=never",
         "--runner-opt", "mount_pythonpath=false", "--runner-opt", f"code_dirs={kit.USER_CODE}",

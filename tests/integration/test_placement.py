@@ -21,7 +21,10 @@ import pytest
 from dreamlake.lakeshore import ids
 from tests import nymph_fns
 from tests.integration.conftest import submit_body
-from tests.integration.test_nymph_agent import LIMIT_S, Nymph, Server, _call, _until, envelope
+from tests.stack.nymph import Nymph
+from tests.stack.producer import call, envelope
+from tests.stack.server import Server
+from tests.stack.wait import LIMIT_S, until
 
 pytestmark = pytest.mark.slow
 
@@ -30,28 +33,8 @@ class PlacedServer(Server):
     """``lakeshore server`` over ``--db`` (SQLite in its data dir, or a fresh PostgreSQL database)."""
 
     def __init__(self, data_dir: Path, db: str | None) -> None:
-        super().__init__(data_dir)
+        super().__init__(data_dir, *(["--db", db] if db is not None else []))
         self.db = db
-
-    def start(self) -> None:
-        if self.db is None:
-            return super().start()
-        import subprocess
-
-        from tests.integration.test_nymph_agent import _env
-
-        cmd = [sys.executable, "-m", "dreamlake.lakeshore.cli", "server", "--port", str(self.port),
-               "--data-dir", str(self.data_dir), "--db", self.db]  # fmt: skip
-        with open(self.data_dir / "server.log", "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env())
-
-        def up() -> bool:
-            try:
-                return httpx.get(self.url + "/healthz", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        _until(up, "the control plane to answer")
 
 
 class GpuNymph(Nymph):
@@ -103,8 +86,8 @@ def nymphs(plane: PlacedServer, tmp_path: Path) -> Iterator[Callable[..., GpuNym
         n = GpuNymph(plane.url, token, base, gpus, "--concurrency", str(slots), *extra, queue=queue)
         started.append(n)
         n.start()
-        _until(lambda: (n.state_dir / "worker_id").exists(), f"nymph {name} to start")
-        _until(lambda: _registered(plane, n.worker_id), f"nymph {name} to register")
+        until(lambda: (n.state_dir / "worker_id").exists(), f"nymph {name} to start")
+        until(lambda: _registered(plane, n.worker_id), f"nymph {name} to register")
         return n
 
     yield make
@@ -131,7 +114,7 @@ def _submit(
     body = submit_body(
         ids.new_ulid(), queue, run_config={"queue": queue, **rc}, args_blob=envelope(fn, *args)
     )
-    return dict(_call(plane.url, token, "/v1/producer/submit", body))
+    return dict(call(plane.url, token, "/v1/producer/submit", body))
 
 
 def _status(plane: PlacedServer, inv: str) -> dict[str, Any]:
@@ -167,7 +150,7 @@ def test_gpu_calls_run_only_where_the_gpus_are_and_wait_queued_otherwise(
         _submit(plane, nymph_fns.add, i, 1, resources={"gpus": 4}, max_attempts=3)["invocation_id"]
         for i in range(19)
     ]
-    outcomes = [_until(lambda inv=inv: _done(plane, inv), f"{inv} to finish", LIMIT_S * 2) for inv in invs]
+    outcomes = [until(lambda inv=inv: _done(plane, inv), f"{inv} to finish", LIMIT_S * 2) for inv in invs]
     assert [o["state"] for o in outcomes] == ["succeeded"] * 20, [o.get("error") for o in outcomes]
     assert {o["worker_id"] for o in outcomes} == {big.worker_id}
     assert [o["attempt"] for o in outcomes] == [1] * 20  # none was ever claimed and failed elsewhere
@@ -180,15 +163,15 @@ def test_a_call_behind_one_holding_the_gpus_waits_queued_for_another_nymph(
     a = nymphs("a", "0,1")
     gate = tmp_path / "gate"
     holder = _submit(plane, nymph_fns.wait_for_file, str(gate), resources={"gpus": 2})["invocation_id"]
-    _until(lambda: _status(plane, holder)["state"] == "running", "the first call to hold both GPUs")
+    until(lambda: _status(plane, holder)["state"] == "running", "the first call to hold both GPUs")
     waiting = _submit(plane, nymph_fns.add, 2, 2, resources={"gpus": 2})["invocation_id"]
     _stays_queued(plane, waiting, 3.0)  # not claimed by nymph A: it has no GPU free
     b = nymphs("b", "0,1")
-    st = _until(lambda: _done(plane, waiting), "the second call to run on nymph B")
+    st = until(lambda: _done(plane, waiting), "the second call to run on nymph B")
     assert st["state"] == "succeeded" and st["worker_id"] == b.worker_id
     assert _status(plane, holder)["state"] == "running"
     gate.write_text("go")
-    assert _until(lambda: _done(plane, holder), "the first call")["worker_id"] == a.worker_id
+    assert until(lambda: _done(plane, holder), "the first call")["worker_id"] == a.worker_id
 
 
 def test_a_selector_runs_only_on_the_nymph_with_that_label(
@@ -202,7 +185,7 @@ def test_a_selector_runs_only_on_the_nymph_with_that_label(
     invs = [pinned] + [
         _submit(plane, nymph_fns.add, i, 0, selector={"pool": "a"})["invocation_id"] for i in range(5)
     ]
-    outcomes = [_until(lambda inv=inv: _done(plane, inv), f"{inv}") for inv in invs]
+    outcomes = [until(lambda inv=inv: _done(plane, inv), f"{inv}") for inv in invs]
     assert {o["state"] for o in outcomes} == {"succeeded"}
     assert {o["worker_id"] for o in outcomes} == {a.worker_id} != {other.worker_id}
     assert _status(plane, unknown)["state"] == "queued"  # a label no nymph has never matches
@@ -215,7 +198,7 @@ def test_not_before_holds_a_call_until_its_time(plane: PlacedServer, nymphs: Cal
     while time.time() < at - 0.2:
         assert _status(plane, inv)["state"] == "queued"
         time.sleep(0.1)
-    st = _until(lambda: _done(plane, inv), "the call after its time")
+    st = until(lambda: _done(plane, inv), "the call after its time")
     assert st["state"] == "succeeded"
     assert at <= st["started_at"] <= at + 1.0 + 0.5  # claimed within a second (a loaded machine's slack)
 
@@ -230,11 +213,11 @@ def _queue_row(plane: PlacedServer, name: str) -> dict[str, Any]:
 def _lakeshore(plane: PlacedServer, *args: str) -> str:
     import subprocess
 
-    from tests.integration.test_nymph_agent import _env
+    from tests.stack.procs import child_env
 
     cmd = [sys.executable, "-m", "dreamlake.lakeshore.cli", *args, "--url", plane.url,
            "--token", plane.tokens()["admin"]]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=60)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=60)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -252,7 +235,7 @@ def test_a_queue_limit_holds_across_the_fleet(plane: PlacedServer, nymphs: Calla
         seen.append(row["running"])
         return row["counts"]["succeeded"] == len(invs)
 
-    _until(finished, "all 12 calls to finish under the limit", LIMIT_S * 2)
+    until(finished, "all 12 calls to finish under the limit", LIMIT_S * 2)
     assert max(seen) <= 2, seen
     assert 2 in seen  # the limit, not a single slot, is what held them back
     assert {_status(plane, inv)["state"] for inv in invs} == {"succeeded"}
@@ -273,21 +256,21 @@ def test_workers_show_capacity_and_what_is_free(
     big = nymphs("big", "0,1,2,3", "--label", "pool=a", slots=3)
     gate = tmp_path / "gate"
     holder = _submit(plane, nymph_fns.wait_for_file, str(gate), resources={"gpus": 3})["invocation_id"]
-    _until(lambda: _status(plane, holder)["state"] == "running", "the call to hold three GPUs")
+    until(lambda: _status(plane, holder)["state"] == "running", "the call to hold three GPUs")
 
     def row() -> dict[str, Any] | None:
         (w,) = [w for w in _workers(plane) if w["worker_id"] == big.worker_id]
         return w if w["free"]["gpus"] == 1 else None
 
-    w = _until(row, "the free GPUs of its poll after the claim")
+    w = until(row, "the free GPUs of its poll after the claim")
     assert w["capacity"]["gpus"] == 4 and w["capacity"]["cpus"] >= 1 and w["capacity"]["memory_mb"] > 0
     assert w["free"]["slots"] == 2 and w["labels"]["pool"] == "a"
     head, *lines = _lakeshore(plane, "workers").splitlines()
     (line,) = [x for x in lines if x.startswith(big.worker_id)]
     assert "GPUS FREE" in head and " 1/4" in line and "pool=a" in line, (head, line)
     gate.write_text("go")
-    _until(lambda: _done(plane, holder), "the call to finish")
-    _until(
+    until(lambda: _done(plane, holder), "the call to finish")
+    until(
         lambda: next(w for w in _workers(plane) if w["worker_id"] == big.worker_id)["free"]["gpus"] == 4,
         "its next poll to offer all four GPUs again",
     )
@@ -304,5 +287,5 @@ def test_a_memory_call_waits_for_a_nymph_whose_tasks_may_have_that_much(
     inv = first["invocation_id"]
     _stays_queued(plane, inv, 2.0)
     big = nymphs("big", "none", "--task-memory-max", "2g")
-    done = _until(lambda: _done(plane, inv), f"{inv} to finish")
+    done = until(lambda: _done(plane, inv), f"{inv} to finish")
     assert (done["state"], done["worker_id"]) == ("succeeded", big.worker_id) != (None, small.worker_id)

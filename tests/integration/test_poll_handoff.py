@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dreamlake.lakeshore.ids import new_ulid
 from tests.integration.conftest import ControlPlane, running_control_plane, submit_body
-from tests.integration.test_fleet import NO_RECHECK, POLL_S, _headers, _poll, _submit, _until
+from tests.integration.fleet_kit import NO_RECHECK, POLL_S, headers, poll_once, submit_one
+from tests.stack.wait import until_async
 
 
 def _passes(cp: ControlPlane) -> dict[str, float]:
@@ -36,8 +37,8 @@ def _passes(cp: ControlPlane) -> dict[str, float]:
 async def _clients(cp: ControlPlane) -> AsyncIterator[tuple[httpx.AsyncClient, httpx.AsyncClient]]:
     """A daemon's client (long polls) and a producer's."""
     async with (
-        httpx.AsyncClient(base_url=cp.url, headers=_headers(cp.daemon_token), timeout=POLL_S + 30) as d,
-        httpx.AsyncClient(base_url=cp.url, headers=_headers(cp.producer_token)) as producer,
+        httpx.AsyncClient(base_url=cp.url, headers=headers(cp.daemon_token), timeout=POLL_S + 30) as d,
+        httpx.AsyncClient(base_url=cp.url, headers=headers(cp.producer_token)) as producer,
     ):
         yield d, producer
 
@@ -56,11 +57,11 @@ def test_a_submit_is_claimed_in_its_own_transaction_by_the_longest_waiting_poll(
                 workers = [new_ulid() for _ in range(3)]
                 polls: dict[str, asyncio.Future[dict[str, Any]]] = {}
                 for k, w in enumerate(workers):  # one at a time: the order they wait in is known
-                    polls[w] = asyncio.ensure_future(_poll(d, w, queue))
-                    await _until(lambda k=k: hub.waiting == k + 1, f"{k + 1} polls waiting")
+                    polls[w] = asyncio.ensure_future(poll_once(d, w, queue))
+                    await until_async(lambda k=k: hub.waiting == k + 1, f"{k + 1} polls waiting")
                 before = await asyncio.to_thread(_passes, cp)
 
-                inv = await _submit(producer, queue)
+                inv = await submit_one(producer, queue)
                 answer = await asyncio.wait_for(polls[workers[0]], 30)
                 assert [c["body"]["invocation_id"] for c in answer["commands"]] == [inv]
                 row = cp.store.get(inv)
@@ -76,12 +77,12 @@ def test_a_submit_is_claimed_in_its_own_transaction_by_the_longest_waiting_poll(
                     "/v1/producer/submit", content=msgpack.packb(submit_body(inv, queue))
                 )
                 assert resp.status_code == 200, resp.content
-                await _until(lambda: _delta(before, _passes(cp)) == {"handed": 1.0}, "the repeat's pass")
-                await _until(lambda: hub.waiting == 2, "the handed poll to wait again")
+                await until_async(lambda: _delta(before, _passes(cp)) == {"handed": 1.0}, "the repeat's pass")
+                await until_async(lambda: hub.waiting == 2, "the handed poll to wait again")
                 assert not polls[workers[1]].done() and not polls[workers[2]].done()
 
                 # so the next submit goes to the poll that has now waited longest
-                nxt = await _submit(producer, queue)
+                nxt = await submit_one(producer, queue)
                 answer = await asyncio.wait_for(polls[workers[2]], 30)
                 assert [c["body"]["invocation_id"] for c in answer["commands"]] == [nxt]
                 assert not polls[workers[1]].done()
@@ -99,8 +100,8 @@ def test_a_batch_is_handed_to_every_waiting_poll_and_the_rest_waits_for_the_next
 
         async def main() -> None:
             async with _clients(cp) as (d, producer):
-                first = [asyncio.ensure_future(_poll(d, new_ulid(), queue)) for _ in range(2)]
-                await _until(lambda: hub.waiting == 2, "2 polls waiting")
+                first = [asyncio.ensure_future(poll_once(d, new_ulid(), queue)) for _ in range(2)]
+                await until_async(lambda: hub.waiting == 2, "2 polls waiting")
                 before = await asyncio.to_thread(_passes, cp)
                 ids = [new_ulid() for _ in range(5)]
                 body = {"submits": [submit_body(i, queue) for i in ids]}
@@ -111,7 +112,7 @@ def test_a_batch_is_handed_to_every_waiting_poll_and_the_rest_waits_for_the_next
                 assert len(claimed) == 2 and set(claimed) <= set(ids)
                 assert _delta(before, await asyncio.to_thread(_passes, cp)) == {"handed": 2.0}
 
-                more = [await _poll(d, new_ulid(), queue) for _ in range(3)]
+                more = [await poll_once(d, new_ulid(), queue) for _ in range(3)]
                 claimed += [c["body"]["invocation_id"] for a in more for c in a["commands"]]
                 assert sorted(claimed) == sorted(ids)
 

@@ -21,22 +21,11 @@ from click.testing import CliRunner
 
 from dreamlake.lakeshore.cli import main as lakeshore_main
 from tests import preempt_fns
-from tests.integration import test_nymph_agent
 from tests.integration.conftest import ControlPlane
-from tests.integration.test_nymph_agent import (
-    LIMIT_S,
-    NYMPH,
-    Nymph,
-    _call,
-    _env,
-    _until,
-    await_result,
-    envelope,
-    status_of,
-    submit,
-)
-
-nymph_factory = test_nymph_agent.nymph_factory  # the fixture
+from tests.stack.nymph import NYMPH, Nymph
+from tests.stack.procs import child_env
+from tests.stack.producer import await_result, call, envelope, status_of, submit
+from tests.stack.wait import LIMIT_S, until
 
 
 def _base(path: Path) -> Path:
@@ -61,12 +50,12 @@ def test_sigterm_preempts_the_call_and_another_nymph_runs_it_on_attempt_2(
     cp = control_plane
     a = nymph_factory(cp.url, cp.daemon_token, "--grace-s", "2", base=_base(tmp_path / "a"))
     inv = submit(cp.url, cp.producer_token, envelope(preempt_fns.sleepy, 20), max_attempts=1)
-    _until(lambda: (a.workdir / inv / "handle.json").exists(), "attempt 1 to start on nymph A")
+    until(lambda: (a.workdir / inv / "handle.json").exists(), "attempt 1 to start on nymph A")
     b = nymph_factory(cp.url, cp.daemon_token, base=_base(tmp_path / "b"))
-    _until(lambda: "registered as worker" in b.output(), "nymph B to register")
+    until(lambda: "registered as worker" in b.output(), "nymph B to register")
     sent = time.monotonic()
     a.signal(15)
-    _until(
+    until(
         lambda: (s := status_of(cp.url, cp.producer_token, inv))["attempt"] == 2 and s["state"] == "running",
         "attempt 2 to run on nymph B",
     )
@@ -94,15 +83,15 @@ def test_nymph_drain_lets_running_calls_finish_claims_nothing_new_and_exits_0(
     n = nymph_factory(cp.url, cp.daemon_token, "--concurrency", "3", "--grace-s", "1")
     calls = [submit(cp.url, cp.producer_token, envelope(preempt_fns.sleepy, 4)) for _ in range(3)]
     for inv in calls:
-        _until(lambda inv=inv: (n.workdir / inv / "handle.json").exists(), f"{inv} to start")
+        until(lambda inv=inv: (n.workdir / inv / "handle.json").exists(), f"{inv} to start")
     drain = subprocess.Popen(
         [*NYMPH, "drain", "--state-dir", str(n.state_dir), "--drain-timeout", "60"],
-        env=_env(),
+        env=child_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
     try:
-        _until(lambda: "draining" in n.output(), "nymph to start draining")
+        until(lambda: "draining" in n.output(), "nymph to start draining")
         late = submit(cp.url, cp.producer_token, envelope(preempt_fns.sleepy, 0))
         out, _ = drain.communicate(timeout=LIMIT_S)
     except subprocess.TimeoutExpired:
@@ -134,8 +123,8 @@ def test_finally_runs_when_the_call_is_cancelled_timed_out_or_preempted(
     cancelled = submit(
         cp.url, cp.producer_token, envelope(preempt_fns.interruptible, str(marks["cancelled"]))
     )
-    _until(lambda: (n.workdir / cancelled / "handle.json").exists(), "the call to start")
-    _call(cp.url, cp.producer_token, f"/v1/producer/invocations/{cancelled}/cancel", {})
+    until(lambda: (n.workdir / cancelled / "handle.json").exists(), "the call to start")
+    call(cp.url, cp.producer_token, f"/v1/producer/invocations/{cancelled}/cancel", {})
     assert await_result(cp.url, cp.producer_token, cancelled)["state"] == "killed"
     assert marks["cancelled"].read_text() == "cancelled"
     timed = submit(
@@ -149,9 +138,9 @@ def test_finally_runs_when_the_call_is_cancelled_timed_out_or_preempted(
         envelope(preempt_fns.interruptible, str(marks["preempted"])),
         max_attempts=1,
     )
-    _until(lambda: (n.workdir / pre / "handle.json").exists(), "the call to start")
+    until(lambda: (n.workdir / pre / "handle.json").exists(), "the call to start")
     n.signal(15)
     assert n.wait() == 0
-    _until(lambda: marks["preempted"].exists(), "the preempted call's finally")
+    until(lambda: marks["preempted"].exists(), "the preempted call's finally")
     assert marks["preempted"].read_text() == "preempted"
     assert status_of(cp.url, cp.producer_token, pre)["attempts"][0]["state"] == "preempted"

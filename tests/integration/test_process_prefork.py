@@ -31,6 +31,7 @@ import nymph_process.prefork
 from nymph_process import ProcessRunner
 from nymph_process.prefork import ZygoteClient
 from nymph_process.zygote import ENTRY_LOCK, ENTRY_LOCKED
+from tests.stack.wait import until
 
 LIMIT_S = 60.0
 _CALLS: list[int] = []
@@ -131,13 +132,6 @@ def _run(runner: ProcessRunner, task: Task) -> tuple[Handle, ExitStatus]:
 
 def _result(task: Task) -> Any:
     return wire.unpack((task.workdir / "result.msgpack").read_bytes())
-
-
-def _until(predicate: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + LIMIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.02)
 
 
 def _zygote_pids(runner: ProcessRunner) -> list[int]:
@@ -257,7 +251,7 @@ def test_zygote_killed_next_task_still_runs_and_running_one_completes(
     assert fresh.recover(handle) and fresh.inspect(handle) == "running"
     (zygote,) = _zygote_pids(runner)
     os.kill(zygote, signal.SIGKILL)
-    _until(lambda: not _zygote_pids(runner), "the runner to notice the zygote died")
+    until(lambda: not _zygote_pids(runner), "the runner to notice the zygote died")
 
     task = prepare(observe)
     after, status = _run(runner, task)
@@ -298,7 +292,7 @@ def test_no_zombies_left_behind(runner: ProcessRunner, prepare: Callable[..., Ta
         task = prepare(fn, *args)
         handles.append((task, runner.start(task)))
     stubborn_task, stubborn = handles[-1]
-    _until(lambda: (stubborn_task.workdir / "pids.txt").exists(), "the tree to start")
+    until(lambda: (stubborn_task.workdir / "pids.txt").exists(), "the tree to start")
     runner.stop(stubborn, 0.1)
     for _task, handle in handles:
         assert runner.wait(handle, LIMIT_S) is not None
@@ -337,7 +331,7 @@ def test_fork_answer_lost_the_child_is_adopted_never_run_twice(
     runs, release = tmp_path / "runs.txt", tmp_path / "release"
     task = prepare(record_run, str(runs), str(release))
     handle = runner.start(task)
-    _until(lambda: _runs(runs), "the entry to run")
+    until(lambda: _runs(runs), "the entry to run")
     time.sleep(1.0)  # a second run (the bug) would have started by now
     assert _runs(runs) == [handle.data["pid"]]  # the one run is the adopted child
     assert runner.inspect(handle) == "running"
@@ -357,7 +351,7 @@ def test_a_late_forked_child_never_runs_an_entry_the_runner_spawned(
     runs, release = tmp_path / "runs.txt", tmp_path / "release"
     task = prepare(record_run, str(runs), str(release))
     handle = spawner.start(task)
-    _until(lambda: _runs(runs), "the spawned entry to run")
+    until(lambda: _runs(runs), "the spawned entry to run")
     assert (task.workdir / ENTRY_LOCK).exists()
     if spawned_one == "finished":  # the lock is free again, but the file says the entry ran
         release.touch()
@@ -409,8 +403,8 @@ os.kill(os.getpid(), signal.SIGKILL)
         except psutil.NoSuchProcess:
             return True
 
-    _until(lambda: gone(zygote), "the zygote to exit")
+    until(lambda: gone(zygote), "the zygote to exit")
     assert not gone(child)  # the task survives nymph (and its zygote)
     release.touch()
-    _until(lambda: gone(child), "the task to finish")
+    until(lambda: gone(child), "the task to finish")
     assert wire.unpack((workdir / "result.msgpack").read_bytes()) == "released"

@@ -30,26 +30,17 @@ from dreamlake.lakeshore.envelope import Envelope, fn_for
 from nymph.runner import Task
 from tests import warm_fns
 from tests.conftest import ROOT
+from tests.host_users import ensure_user
 from tests.integration.conftest import ControlPlane
-from tests.integration.test_nymph_agent import (
-    Nymph,
-    _alive,
-    _call,
-    _ensure_user,
-    _until,
-    await_result,
-    envelope,
-    frames_of,
-    nymph_factory,
-    submit,
-)
+from tests.stack.nymph import Nymph
+from tests.stack.procs import alive
+from tests.stack.producer import await_result, call, envelope, frames_of, submit
+from tests.stack.wait import until
 
 if str(ROOT / "runners") not in sys.path:
     sys.path.insert(0, str(ROOT / "runners"))
 
 from nymph_process import ProcessRunner
-
-__all__ = ["nymph_factory"]  # the fixture, used by name below
 
 WARM = ("--warm",)
 
@@ -75,7 +66,7 @@ def _held(cp: ControlPlane, tmp_path: Path, **run_config: Any) -> tuple[str, int
     inv = submit(
         cp.url, cp.producer_token, envelope(warm_fns.hold, str(pid_file), str(release)), **run_config
     )
-    _until(lambda: pid_file.exists() and pid_file.read_text(), "the call to start")
+    until(lambda: pid_file.exists() and pid_file.read_text(), "the call to start")
     return inv, int(pid_file.read_text()), release
 
 
@@ -90,7 +81,7 @@ def test_many_calls_run_in_one_worker_process_that_keeps_its_module_state(
     (pid,) = pids
     assert n.proc is not None and pid != n.proc.pid
     assert [calls for _, calls in results] == list(range(1, 13))  # the module was imported once
-    assert _alive(pid), "the warm worker stays for the next call"
+    assert alive(pid), "the warm worker stays for the next call"
     # the output of each call still reaches its own LOG frames
     inv = submit(cp.url, cp.producer_token, envelope(warm_fns.count))
     out = await_result(cp.url, cp.producer_token, inv)
@@ -124,7 +115,7 @@ def test_a_crash_mid_call_fails_it_like_a_cold_crash_and_the_next_call_gets_a_ne
     assert out["state"] == "failed", out
     assert out["error"]["type"] == "ProcessExited"
     assert "code 3" in out["error"]["message"] and "warm worker" in out["error"]["message"]
-    _until(lambda: not _alive(first), "the crashed worker to be gone")
+    until(lambda: not alive(first), "the crashed worker to be gone")
     second, calls = _count(cp, n)
     assert second != first and calls == 1  # a new worker, its module imported afresh
 
@@ -136,7 +127,7 @@ def test_a_worker_killed_while_idle_is_replaced_at_the_next_call(
     n = nymph_factory(cp.url, cp.daemon_token, *WARM)
     first, _ = _count(cp, n)
     os.kill(first, signal.SIGKILL)  # the OOM killer, an operator
-    _until(lambda: not _alive(first), "the worker to die")
+    until(lambda: not alive(first), "the worker to die")
     second, calls = _count(cp, n)
     assert second != first and calls == 1
 
@@ -151,11 +142,11 @@ def test_a_cancel_or_a_timeout_kills_the_warm_worker_and_the_pool_replaces_it(
     inv, pid, _release = _held(cp, tmp_path, **({"timeout_s": 2} if how == "timeout" else {}))
     assert pid == before  # the held call runs in the warm worker
     if how == "cancel":
-        _call(cp.url, cp.producer_token, f"/v1/producer/invocations/{inv}/cancel", {})
+        call(cp.url, cp.producer_token, f"/v1/producer/invocations/{inv}/cancel", {})
     out = await_result(cp.url, cp.producer_token, inv)
     assert out["state"] == ("killed" if how == "cancel" else "timeout"), out
     assert out["error"]["type"] == ("Cancelled" if how == "cancel" else "Timeout")
-    _until(lambda: not _alive(pid), "the warm worker to be killed")
+    until(lambda: not alive(pid), "the warm worker to be killed")
     after, calls = _count(cp, n)
     assert after != pid and calls == 1
 
@@ -195,7 +186,7 @@ def test_scripts_take_the_cold_path(
 def test_as_user_tasks_take_the_cold_path(tmp_path: Path) -> None:
     """At the runner (as_user needs a second user, which only root can make): a ref call with a
     user to become is started cold (a process of its own, no warm handle), one without goes warm."""
-    if not _ensure_user("nymphtest"):
+    if not ensure_user("nymphtest", "--no-create-home"):
         pytest.skip("needs root (or an existing user nymphtest) to run as another user")
     runner = ProcessRunner(warm=True, warm_workers=2)
     try:
@@ -220,7 +211,7 @@ def test_as_user_tasks_take_the_cold_path(tmp_path: Path) -> None:
         warm, cold = handles
         assert "warm" in warm.data and "warm" not in cold.data
         assert cold.data["pid"] != warm.data["pid"]
-        assert _alive(int(warm.data["pid"])) and not _alive(int(cold.data["pid"]))
+        assert alive(int(warm.data["pid"])) and not alive(int(cold.data["pid"]))
     finally:
         runner.close()
 
@@ -273,7 +264,7 @@ def test_a_root_nymphs_task_user_gets_warm_workers_of_its_own(tmp_path: Path) ->
     from dreamlake.lakeshore.daemon.bundle import build_bundle
 
     python = shutil.which("python3", path="/usr/bin:/usr/local/bin:/bin")
-    if os.geteuid() != 0 or not _ensure_user("nymphtest") or not python:
+    if os.geteuid() != 0 or not ensure_user("nymphtest", "--no-create-home") or not python:
         pytest.skip("needs root, a user nymphtest and a system python3")
     user = pwd.getpwnam("nymphtest")
     base = Path(tempfile.mkdtemp(prefix="nymph-warm-user-"))
@@ -332,7 +323,7 @@ def test_without_warm_every_call_is_a_fresh_process(
     assert "warm" not in handle["data"]
     release.touch()
     assert _value(await_result(cp.url, cp.producer_token, inv), n) == pid
-    _until(lambda: not _alive(pid), "the cold entry to exit")
+    until(lambda: not alive(pid), "the cold entry to exit")
 
 
 def test_warm_max_calls_recycles_the_worker(
@@ -344,7 +335,7 @@ def test_warm_max_calls_recycles_the_worker(
     a, b, c = results[0][0], results[2][0], results[4][0]
     assert [r[0] for r in results] == [a, a, b, b, c] and len({a, b, c}) == 3, results
     assert [r[1] for r in results] == [1, 2, 1, 2, 1]
-    _until(lambda: not _alive(a) and not _alive(b), "the recycled workers to exit")
+    until(lambda: not alive(a) and not alive(b), "the recycled workers to exit")
 
 
 def test_a_nymph_killed_mid_call_leaves_the_call_running_and_its_next_life_acks_it(
@@ -358,16 +349,16 @@ def test_a_nymph_killed_mid_call_leaves_the_call_running_and_its_next_life_acks_
     # killed once the call's handle is saved (the moment before it is the no-handle path, which
     # waits for the task unsupervised: tests/unit/test_nymph_lifecycle.py)
     handle = first.workdir / inv / "handle.json"
-    _until(lambda: handle.exists() and "warm" in json.loads(handle.read_text())["data"], "the handle")
+    until(lambda: handle.exists() and "warm" in json.loads(handle.read_text())["data"], "the handle")
     first.signal(signal.SIGKILL)
     first.wait()
-    assert _alive(pid), "the warm call must survive nymph's death, as a cold one does"
+    assert alive(pid), "the warm call must survive nymph's death, as a cold one does"
     second = nymph_factory(cp.url, cp.daemon_token, *WARM)
-    _until(lambda: "re-attached" in second.output(), "the new nymph to re-attach")
+    until(lambda: "re-attached" in second.output(), "the new nymph to re-attach")
     release.touch()
     out = await_result(cp.url, cp.producer_token, inv)
     assert _value(out, second) == pid
-    _until(lambda: not _alive(pid), "the orphaned worker to exit after its call")
+    until(lambda: not alive(pid), "the orphaned worker to exit after its call")
     new, calls = _count(cp, second)
     assert new != pid and calls == 1  # the new life's own worker
 

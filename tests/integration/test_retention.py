@@ -25,8 +25,9 @@ from dreamlake.lakeshore.server.config import ServerConfig, parse_duration, pars
 from dreamlake.lakeshore.server.payloads import PayloadStore
 from dreamlake.lakeshore.store import open_store
 from tests.integration.conftest import ControlPlane, running_control_plane
+from tests.integration.daemon_kit import poll
 from tests.integration.s3_fixture import S3Service, s3_service  # noqa: F401 - the fixture
-from tests.integration.test_server_daemon import poll
+from tests.stack.wait import until
 
 
 @pytest.fixture
@@ -45,13 +46,6 @@ def _deleted(cp: ControlPlane) -> dict[str, float]:
         for s in fam.samples
         if s.name == "lakeshore_gc_deleted_total"
     }
-
-
-def _until(predicate: object, what: str, limit_s: float = 30.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.1)
 
 
 def _run(cp: ControlPlane, queue: str) -> str:
@@ -94,8 +88,8 @@ def test_the_sweep_deletes_expired_work_its_frames_and_its_payloads(
     )
     cp.store.claim_exec("w", ["q"])
     assert cp.store.publish_exec_result("default", job, {"exit_code": 0}, worker_id="w").ok
-    _until(lambda: all(cp.store.get(i) is None for i in done), "the finished invocations to expire")
-    _until(lambda: cp.store.get_exec("default", job) is None, "the exec job to expire")
+    until(lambda: all(cp.store.get(i) is None for i in done), "the finished invocations to expire", 30.0)
+    until(lambda: cp.store.get_exec("default", job) is None, "the exec job to expire", 30.0)
     assert all(cp.store.read_frames(i) == [] for i in done)
     assert cp.store.get(kept) is not None and cp.store.get(waiting) is not None
 
@@ -107,7 +101,7 @@ def test_the_sweep_deletes_expired_work_its_frames_and_its_payloads(
             return True
         return False
 
-    _until(gone, "the exec job's payload to be deleted from S3")
+    until(gone, "the exec job's payload to be deleted from S3", 30.0)
     counts = _deleted(cp)
     print(f"retention sweep: {counts}")
     assert counts["invocations"] >= 3 and counts["frames"] >= 9
@@ -118,7 +112,7 @@ def test_lakeshore_gc_deletes_expired_work_once(tmp_path: Path) -> None:
     db = str(tmp_path / "plane.db")
     store = open_store(db)
     try:
-        from tests.contract.test_store import ack, submit
+        from tests.contract.store_kit import ack, submit
 
         inv = submit(store)
         store.claim("w", ["q"])

@@ -18,7 +18,9 @@ import msgpack
 import pytest
 
 from tests import retry_fns
-from tests.integration.test_nymph_agent import Nymph, Server, await_result, envelope, submit
+from tests.stack.nymph import Nymph
+from tests.stack.producer import await_result, envelope, submit
+from tests.stack.server import Server
 
 
 @pytest.fixture

@@ -32,8 +32,9 @@ from nymph_kube import KubeRunner, podspec
 from tests import code_kit, docker_fns, nymph_fns
 from tests import runner_kit as kit
 from tests.conftest import ROOT, require
-from tests.integration.kube_fake import KubeFake, wait_until
+from tests.integration.kube_fake import KubeFake
 from tests.runner_kit import TaskFactory
+from tests.stack.wait import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -385,7 +386,7 @@ def _read(task: Any, name: str) -> str:
 def test_wait_with_a_timeout_returns_none_while_running(runner: KubeRunner, started: TaskFactory) -> None:
     task = started.task(docker_fns.hang, False)
     handle = started.start(runner, task)
-    wait_until(lambda: (task.workdir / "started").exists(), "the task to start")
+    until(lambda: (task.workdir / "started").exists(), "the task to start")
     assert runner.wait(handle, 0) is None
     assert runner.wait(handle, 0.3) is None
     assert runner.inspect(handle) == "running"
@@ -394,7 +395,7 @@ def test_wait_with_a_timeout_returns_none_while_running(runner: KubeRunner, star
 def test_oom_killed_reason(runner: KubeRunner, started: TaskFactory, fake: KubeFake) -> None:
     task = started.task(docker_fns.hang, False)
     handle = started.start(runner, task)
-    wait_until(lambda: (task.workdir / "started").exists(), "the task to start")
+    until(lambda: (task.workdir / "started").exists(), "the task to start")
     fake.oom_kill(NS, handle.data["pod"])
     status = runner.wait(handle, LIMIT_S)
     assert status is not None and status.exit_code == 137 and status.reason == "OOMKilled", status
@@ -406,11 +407,11 @@ def test_stop_deletes_with_the_grace(
 ) -> None:
     task = started.task(docker_fns.hang, deaf)
     handle = started.start(runner, task)
-    wait_until(lambda: (task.workdir / "started").exists(), "the task to start")
+    until(lambda: (task.workdir / "started").exists(), "the task to start")
     runner.stop(handle, 1.2)
     (delete,) = fake.calls("DELETE", "/pods/" + handle.data["pod"])
     assert delete.query["gracePeriodSeconds"] == ["2"]  # whole seconds, rounded up
-    wait_until(lambda: runner.inspect(handle) == "gone", "the pod to go")
+    until(lambda: runner.inspect(handle) == "gone", "the pod to go")
     status = runner.wait(handle, LIMIT_S)
     assert status is not None and status.exit_code == -1 and status.reason == "pod deleted by stop"
 
@@ -418,7 +419,7 @@ def test_stop_deletes_with_the_grace(
 def test_destroy_is_idempotent(runner: KubeRunner, started: TaskFactory, fake: KubeFake) -> None:
     handle = started.start(runner, started.task(docker_fns.hang, False))
     runner.destroy(handle)
-    wait_until(lambda: runner.inspect(handle) == "gone", "the pod to go")
+    until(lambda: runner.inspect(handle) == "gone", "the pod to go")
     runner.destroy(handle)  # 404: fine
     never = Handle(runner="kube", invocation_id=ids.new_ulid(), attempt=1, data={"pod": "nymph-never"})
     runner.destroy(never)
@@ -431,7 +432,7 @@ def test_recover_and_list_labelled_after_a_restart(
 ) -> None:
     task = started.task(docker_fns.hang, False)
     handle = started.start(make_runner(), task)
-    wait_until(lambda: (task.workdir / "started").exists(), "the task to start")
+    until(lambda: (task.workdir / "started").exists(), "the task to start")
     reborn = make_runner()  # a restarted nymph: a new runner, the handle from the workdir
     loaded = Handle.load(task.workdir)
     assert loaded is not None and reborn.recover(loaded)
@@ -441,7 +442,7 @@ def test_recover_and_list_labelled_after_a_restart(
     assert listed.data["pod"] == handle.data["pod"] and listed.data["workdir"] == str(task.workdir.resolve())
     assert reborn.list_labelled("someone-else") == []
     reborn.destroy(loaded)
-    wait_until(lambda: not reborn.recover(loaded), "the pod to go")
+    until(lambda: not reborn.recover(loaded), "the pod to go")
 
 
 # --- check and the API's failures -----------------------------------------------------------------

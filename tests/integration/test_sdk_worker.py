@@ -18,7 +18,7 @@ from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.dispatch import Dispatch, HttpDispatch, Plane
 from dreamlake.lakeshore.errors import DispatchError
 from tests.conftest import ROOT
-from tests.integration.test_seed004 import PLANES, open_plane
+from tests.integration.planes_kit import PLANES, open_plane
 
 
 @dls.udf(queue="long")

@@ -7,11 +7,9 @@ control plane served on a loopback port, over SQLite and over PostgreSQL (``PLAN
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,10 +20,10 @@ import pytest
 import dreamlake.lakeshore as dls
 from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.default_dispatch import set_default_dispatch
-from dreamlake.lakeshore.dispatch import Dispatch, HttpDispatch, Plane
+from dreamlake.lakeshore.dispatch import Dispatch, Plane
 from dreamlake.lakeshore.errors import DispatchError
 from tests.conftest import ROOT
-from tests.integration.conftest import running_control_plane
+from tests.integration.planes_kit import PLANES, open_plane, worker_thread
 
 # Bodies the HTTP plane runs by ref (it refuses pickles by default): module-level, importable.
 
@@ -51,31 +49,6 @@ def explodes(after: int):
 
 # -- planes -----------------------------------------------------------------------------------------
 
-# The local plane, and the HTTP plane over a real control plane on each store it supports.
-PLANES = ["local", "http-sqlite", "http-postgresql"]
-
-
-@contextlib.contextmanager
-def open_plane(
-    kind: str, request: pytest.FixtureRequest, tmp_path: Path
-) -> Iterator[tuple[Plane, list[str]]]:
-    """A plane of ``kind``, with the arguments another process needs to open the same plane."""
-    if kind == "local":
-        path = str(tmp_path / "jobs.db")
-        local = Dispatch(path)
-        try:
-            yield local, ["local", path]
-        finally:
-            local.close()
-        return
-    store = str(tmp_path / "lakeshore.db") if kind == "http-sqlite" else request.getfixturevalue("_pg_url")
-    with running_control_plane(store) as cp:
-        http = HttpDispatch(cp.url, cp.admin_token)
-        try:
-            yield http, ["http", cp.url, cp.admin_token]
-        finally:
-            http.close()
-
 
 @pytest.fixture(params=PLANES)
 def plane(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Plane]:
@@ -97,22 +70,6 @@ def shared_plane(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tup
     """A plane another process can open too, with the arguments to open it there."""
     with open_plane(request.param, request, tmp_path) as opened:
         yield opened
-
-
-@contextlib.contextmanager
-def worker_thread(q: dls.SyncQueue, **kw: Any) -> Iterator[None]:
-    """run_worker looping in a background thread until the block ends."""
-    stop = threading.Event()
-    t = threading.Thread(
-        target=dls.run_worker, args=(q,), kwargs={"stop": stop, "poll_timeout": 0.5, **kw}, daemon=True
-    )
-    t.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        t.join(timeout=15)
-        assert not t.is_alive(), "worker thread did not stop"
 
 
 # -- L1: yields become journal frames ---------------------------------------------------------------

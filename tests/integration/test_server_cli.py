@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import stat
 import subprocess
 import sys
@@ -18,16 +17,11 @@ from click.testing import CliRunner
 
 from dreamlake.lakeshore.cli import main
 from dreamlake.lakeshore.store import open_store
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.stack.ports import free_port
 
 
 def test_server_first_start_mints_tokens_and_serves(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     data = tmp_path / "data"
     env = {**os.environ, "LAKESHORE_DATA_DIR": str(data)}
     proc = subprocess.Popen(

@@ -16,27 +16,7 @@ from dreamlake.lakeshore.errors import Conflict
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.server.config import ServerConfig
 from tests.integration.conftest import ControlPlane, running_control_plane
-
-
-def poll(
-    cp: ControlPlane, worker: str, queues: list[str] | None = None, timeout_s: float = 2, limit: int = 1
-) -> dict[str, Any]:
-    status, out = cp.daemon(
-        "/v1/daemon/poll",
-        {
-            "worker_id": worker,
-            "queues": queues or ["default"],
-            "max": limit,
-            "timeout_s": timeout_s,
-            "version": "0.1.0",
-        },
-    )
-    assert status == 200, out
-    return out  # type: ignore[no-any-return]
-
-
-def frame(seq: int, kind: int = wire.FRAME_VALUE) -> bytes:
-    return wire.encode_frame(kind, seq, wire.pack(seq), {"ts": 0.0})
+from tests.integration.daemon_kit import follow, frame, poll
 
 
 def test_register_answers_lease_and_heartbeat(control_plane: ControlPlane) -> None:
@@ -240,20 +220,6 @@ def test_result_chunk_journals_once_and_publishes_once(tmp_path: Any) -> None:
         assert fanout.published == [(inv, 0, False)]
 
 
-def _follow(cp: ControlPlane, inv: str, timeout: float, started: threading.Event | None = None) -> list[Any]:
-    """``(seq, kind)`` of each frame the result stream sends, until the server ends the body."""
-    url = f"/v1/producer/invocations/{inv}/result/stream?since=-1&timeout={timeout}"
-    reader = wire.FrameReader()
-    seen: list[Any] = []
-    with cp.client(cp.producer_token, timeout=timeout + 30).stream("GET", url) as resp:
-        assert resp.status_code == 200
-        if started is not None:
-            started.set()
-        for chunk in resp.iter_bytes():
-            seen += [(f.seq, f.kind) for f in reader.feed(chunk)]
-    return seen
-
-
 @pytest.mark.parametrize("closing", [wire.FRAME_END, wire.FRAME_ERROR])
 def test_end_or_error_closes_the_stream_whatever_final_says(
     control_plane: ControlPlane, closing: int
@@ -271,7 +237,7 @@ def test_end_or_error_closes_the_stream_whatever_final_says(
     poll(cp, worker)  # running, and stays so: no ack ends the stream for it
     started = threading.Event()
     with ThreadPoolExecutor(1) as pool:
-        live = pool.submit(_follow, cp, inv, 20.0, started)  # a follower waiting for the frames
+        live = pool.submit(follow, cp, inv, 20.0, started)  # a follower waiting for the frames
         assert started.wait(30)
         for seq, kind in enumerate(kinds[:2]):
             body = {"invocation_id": inv, "seq": seq, "bytes": frame(seq, kind), "final": False, "attempt": 1}
@@ -288,7 +254,7 @@ def test_end_or_error_closes_the_stream_whatever_final_says(
         status, out = cp.daemon("/v1/daemon/result-chunk", body)
         assert status == 409 and "ended with final frame 1" in out["error"]
         assert live.result() == closed
-    assert _follow(cp, inv, 20.0) == closed  # a replay stops there too
+    assert follow(cp, inv, 20.0) == closed  # a replay stops there too
     assert [f.final for f in cp.store.read_frames(inv)] == [False, True]
 
     # the local plane agrees

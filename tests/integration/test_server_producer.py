@@ -11,6 +11,7 @@ import httpx
 from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.ids import new_ulid
 from tests.integration.conftest import ControlPlane, submit_body
+from tests.stack.wait import until
 
 
 def _claim(cp: ControlPlane, worker_id: str, queue: str = "default") -> dict[str, Any]:
@@ -130,7 +131,7 @@ def test_await_answers_pending_on_timeout_then_outcome(control_plane: ControlPla
 
     t = threading.Thread(target=wait)
     t.start()
-    time.sleep(0.2)
+    until(lambda: _awaiting(control_plane, inv), "the await to be waiting")
     status, _ = control_plane.daemon(
         "/v1/daemon/ack",
         {
@@ -199,7 +200,7 @@ def test_stream_replays_then_follows_and_ends_on_end(control_plane: ControlPlane
         )
     )
     t.start()
-    time.sleep(0.3)
+    until(lambda: _subscribers(control_plane, inv), "the stream to follow")
     assert _chunk(control_plane, inv, 2)[0] == 200
     assert _chunk(control_plane, inv, 3, wire.FRAME_END, "done")[0] == 200
     t.join(25)
@@ -237,8 +238,18 @@ def test_topic_stream_follows_live_posts(control_plane: ControlPlane) -> None:
         target=lambda: got.extend(_read_stream(control_plane, "/v1/producer/topics/live.1/stream?timeout=20"))
     )
     t.start()
-    time.sleep(0.3)
+    until(lambda: _subscribers(control_plane, "topic:live.1"), "the topic's stream to follow")
     control_plane.producer("/v1/producer/topics/live.1/post", {"body": wire.pack("a")})
     control_plane.producer("/v1/producer/topics/live.1/post", {"body": wire.pack(None), "final": True})
     t.join(25)
     assert [f.kind for f in got] == [wire.FRAME_VALUE, wire.FRAME_END]
+
+
+def _awaiting(cp: ControlPlane, invocation_id: str) -> bool:
+    """Whether an ``/await`` of ``invocation_id`` waits on the server's wake-ups now."""
+    return bool(cp.app.state.ctx.wake.notifier._async.get(f"inv:{invocation_id}"))
+
+
+def _subscribers(cp: ControlPlane, owner_id: str) -> int:
+    """How many streams follow ``owner_id`` live (an invocation id, or ``topic:<name>``)."""
+    return int(cp.app.state.ctx.fanout.subscriber_count(owner_id))

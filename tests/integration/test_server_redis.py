@@ -31,7 +31,8 @@ from dreamlake.lakeshore.server.config import ServerConfig
 from dreamlake.lakeshore.server.fanout import STREAM_PREFIX, RedisFanout, make_fanout
 from dreamlake.lakeshore.store import open_store
 from tests.integration.conftest import ControlPlane, ServerThread, running_control_plane
-from tests.integration.redis_fixture import RedisServer, free_port
+from tests.integration.redis_fixture import RedisServer
+from tests.stack.ports import free_port
 
 FOLLOW_TIMEOUT_S = 20.0  # a client read timeout; the live path answers in milliseconds
 

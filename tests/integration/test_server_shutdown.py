@@ -22,7 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dreamlake.lakeshore.ids import new_ulid
 from tests.integration.conftest import submit_body
-from tests.integration.load import free_port, server_process
+from tests.integration.load import server_process
+from tests.stack.ports import free_port
 
 MSGPACK = {"Content-Type": "application/x-msgpack"}
 

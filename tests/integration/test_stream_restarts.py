@@ -20,8 +20,8 @@ from dreamlake.lakeshore.errors import StreamRestarted
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.queue import Stream
 from tests.integration.conftest import ControlPlane
-from tests.integration.test_seed004 import worker_thread
-from tests.integration.test_server_daemon import poll
+from tests.integration.daemon_kit import poll
+from tests.integration.planes_kit import worker_thread
 
 CHUNKS = "/v1/daemon/result-chunks"
 FUTURE = 10**10

@@ -25,7 +25,8 @@ from dreamlake.lakeshore.dispatch import HttpDispatch
 from dreamlake.lakeshore.envelope import Envelope
 from dreamlake.lakeshore.errors import Conflict, PlaneError, Unavailable
 from dreamlake.lakeshore.store import open_store
-from tests.integration.load import free_port, server_process
+from tests.integration.load import server_process
+from tests.stack.ports import free_port
 
 QUEUE = "restarts"
 

@@ -9,7 +9,6 @@ code is ``tests/user_code/tasks_udfs.py``.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,10 @@ from dreamlake.lakeshore import ids, wire
 from dreamlake.lakeshore.store.api import SubmitRequest
 from tests import runner_kit as kit
 from tests.integration.conftest import ControlPlane, submit_body
-from tests.integration.test_nymph_agent import Nymph, UserNymph, _call, _until, await_result
+from tests.integration.docker_kit import require_kind, suite_image
+from tests.stack.nymph import Nymph, UserNymph
+from tests.stack.producer import await_result, call
+from tests.stack.wait import until
 
 udfs = kit.user_module("tasks_udfs")
 
@@ -54,7 +56,7 @@ def submit(cp: ControlPlane, fn: Any, *args: Any, token: str | None = None, **ex
     """Submit ``fn(*args)`` as ``.submit()`` does: the invocation id is the Envelope's."""
     envelope = kit.envelope_of(fn, args, {})
     body = submit_body(envelope.id, run_config={}, args_blob=envelope.to_bytes(), **extra)
-    return str(_call(cp.url, token or cp.producer_token, "/v1/producer/submit", body)["invocation_id"])
+    return str(call(cp.url, token or cp.producer_token, "/v1/producer/submit", body)["invocation_id"])
 
 
 def _request(cp: ControlPlane, token: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
@@ -120,8 +122,8 @@ def test_cancelling_the_parent_cancels_its_running_children(
         kids: list[dict[str, Any]] = _status(cp, parent)["children"]
         return kids if len(kids) == 3 else None
 
-    children = _until(three, "three children submitted by the parent")
-    _until(
+    children = until(three, "three children submitted by the parent")
+    until(
         lambda: all(_status(cp, c["invocation_id"])["state"] == "running" for c in children),
         "the three children running beside their parent (4 slots)",
     )
@@ -139,8 +141,8 @@ def test_a_child_credential_is_refused_outside_its_scope(
     cp = sqlite_control_plane
     n = start_nymph(cp)
     parent = submit(cp, udfs.spawn_holder, "gate")
-    child = _until(lambda: (_status(cp, parent)["children"] or [{}])[0].get("invocation_id"), "the child")
-    token = _until(lambda: _read(n.workdir / child / "token"), "the child's credential")
+    child = until(lambda: (_status(cp, parent)["children"] or [{}])[0].get("invocation_id"), "the child")
+    token = until(lambda: _read(n.workdir / child / "token"), "the child's credential")
     assert token.startswith("lst_")
 
     # its own scope: submit (a grandchild, recorded under it), then read and cancel that
@@ -243,17 +245,6 @@ def _client_deps(root: Path) -> Path:
     return out
 
 
-def _image() -> str:
-    from tests.integration.test_nymph_docker import _docker, _runtimes
-
-    if _runtimes() is None:
-        pytest.skip("needs a reachable Docker engine (scripts/services/docker.sh)")
-    name = os.environ.get("LAKESHORE_TEST_IMAGE", "")
-    if not name or _docker("image", "inspect", name).returncode != 0:
-        pytest.skip("needs LAKESHORE_TEST_IMAGE on the engine (scripts/services/docker.sh builds one)")
-    return name
-
-
 def _failure(cp: ControlPlane, inv: str, n: Nymph) -> dict[str, Any]:
     out = await_result(cp.url, cp.producer_token, inv, LIMIT_S)
     assert out["state"] == "failed", (out, n.output()[-3000:])
@@ -267,10 +258,8 @@ def test_the_readme_module_and_tasks_that_submit_in_a_bare_image(
     """The bare image (python3 and msgpack; no repository mounted): the README's module runs; a task
     that submits is told what the image lacks; with httpx mounted and the host's network allowed it
     fans out (docker), or is told its sandbox has no route (gvisor: runsc's own network is off here)."""
-    from tests.integration.test_nymph_docker import _require_kind
-
-    image = _image()
-    _require_kind(kind)
+    image = suite_image()
+    require_kind(kind)
     cp = sqlite_control_plane
     readme = kit.user_module("readme_udfs")
     deps = _client_deps(tmp_path)
@@ -313,9 +302,9 @@ def test_tasks_submit_tasks_on_slurm(
     sqlite_control_plane: ControlPlane, start_nymph: Callable[..., UserNymph], tmp_path: Path
 ) -> None:
     from tests.conftest import require
-    from tests.contract.test_runner_conformance import _slurm_answers
+    from tests.runner_kit import slurm_answers
 
-    require(_slurm_answers(), 'needs a Slurm controller: eval "$(scripts/services/slurm.sh)"')
+    require(slurm_answers(), 'needs a Slurm controller: eval "$(scripts/services/slurm.sh)"')
     cp = sqlite_control_plane
     n = start_nymph(cp, "--runner", "slurm", base=tmp_path / "slurm")
     parent = submit(cp, udfs.fan_out, 3)

@@ -5,34 +5,20 @@ from __future__ import annotations
 
 import re
 
-import httpx
 import msgpack
 import pytest
 
 from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.server.ui import csrf_token, frame_view
-from tests.integration.conftest import ControlPlane, submit_body
-
-
-def _login(cp: ControlPlane, token: str) -> httpx.Client:
-    client = cp.client()
-    r = client.post("/ui/login", data={"token": token})
-    assert r.status_code == 303 and r.headers["location"] == "/ui", r.text
-    return client
+from tests.integration.conftest import ControlPlane
+from tests.integration.ops_kit import login, ui_submit
 
 
 def _csrf(page: str) -> str:
     m = re.search(r'name="csrf" value="([0-9a-f]+)"', page)
     assert m, page
     return m.group(1)
-
-
-def _submit(cp: ControlPlane, token: str, queue: str = "q") -> str:
-    inv = new_ulid()
-    status, out = cp.call("/v1/producer/submit", submit_body(inv, queue), token)
-    assert status == 200, out
-    return inv
 
 
 def test_without_a_session_every_page_sends_to_login(sqlite_control_plane: ControlPlane) -> None:
@@ -77,8 +63,8 @@ def test_login_sets_a_strict_httponly_cookie_and_refuses_other_kinds(
 
 def test_cancel_needs_the_sessions_csrf_token_and_a_same_site_origin(control_plane: ControlPlane) -> None:
     cp = control_plane
-    inv = _submit(cp, cp.producer_token)
-    client = _login(cp, cp.admin_token)
+    inv = ui_submit(cp, cp.producer_token)
+    client = login(cp, cp.admin_token)
     page = client.get(f"/ui/invocations/{inv}")
     assert page.status_code == 200 and 'id="cancel"' in page.text
     good = _csrf(page.text)
@@ -88,7 +74,7 @@ def test_cancel_needs_the_sessions_csrf_token_and_a_same_site_origin(control_pla
         ({}, {}),
         ({"csrf": "0" * 64}, {}),
         (
-            {"csrf": csrf_token(_login(cp, cp.producer_token).cookies["lakeshore_session"])},
+            {"csrf": csrf_token(login(cp, cp.producer_token).cookies["lakeshore_session"])},
             {},
         ),  # another session's
         ({"csrf": good}, {"Origin": "https://evil.example"}),
@@ -106,10 +92,10 @@ def test_cancel_needs_the_sessions_csrf_token_and_a_same_site_origin(control_pla
 
 def test_a_namespace_session_sees_only_its_namespace(sqlite_control_plane: ControlPlane) -> None:
     cp = sqlite_control_plane
-    theirs = _submit(cp, cp.producer_token, "secret-queue")
+    theirs = ui_submit(cp, cp.producer_token, "secret-queue")
     token_a = cp.store.create_token("namespace", "team-a", "team-a")
-    mine = _submit(cp, cp.store.create_token("producer", "prod-a", "team-a"), "a-queue")
-    client = _login(cp, token_a)
+    mine = ui_submit(cp, cp.store.create_token("producer", "prod-a", "team-a"), "a-queue")
+    client = login(cp, token_a)
     overview = client.get("/ui").text
     assert 'data-queue="a-queue"' in overview and "secret-queue" not in overview
     listing = client.get("/ui/invocations").text
@@ -125,9 +111,9 @@ def test_a_namespace_session_sees_only_its_namespace(sqlite_control_plane: Contr
 
 def test_filters_and_the_live_parts(sqlite_control_plane: ControlPlane) -> None:
     cp = sqlite_control_plane
-    a = _submit(cp, cp.producer_token, "qa")
-    b = _submit(cp, cp.producer_token, "qb")
-    client = _login(cp, cp.admin_token)
+    a = ui_submit(cp, cp.producer_token, "qa")
+    b = ui_submit(cp, cp.producer_token, "qb")
+    client = login(cp, cp.admin_token)
     page = client.get("/ui/invocations", params={"queue": "qa"}).text
     assert a in page and b not in page and 'hx-get="/ui/parts/invocations?queue=qa"' in page
     part = client.get("/ui/parts/invocations", params={"queue": "qb", "since": "10m"}).text
@@ -141,7 +127,7 @@ def test_filters_and_the_live_parts(sqlite_control_plane: ControlPlane) -> None:
 
 def test_logout_needs_csrf_and_clears_the_cookie(sqlite_control_plane: ControlPlane) -> None:
     cp = sqlite_control_plane
-    client = _login(cp, cp.admin_token)
+    client = login(cp, cp.admin_token)
     assert client.post("/ui/logout", data={}).status_code == 403
     r = client.post("/ui/logout", data={"csrf": _csrf(client.get("/ui").text)})
     assert r.status_code == 303 and 'lakeshore_session=""' in r.headers["set-cookie"]
@@ -153,12 +139,12 @@ def test_the_output_panel_shows_stdout_and_stderr_apart_from_the_stream(
 ) -> None:
     """LOG frames go to the Output panel (escaped, stderr marked), the others to the stream table."""
     cp = sqlite_control_plane
-    inv = _submit(cp, cp.producer_token)
+    inv = ui_submit(cp, cp.producer_token)
     worker = new_ulid()
     body = {"worker_id": worker, "hostname": "h", "runner": "process", "queues": ["q"], "slots": 1}
     assert cp.daemon("/v1/daemon/register", body)[0] == 200
     assert cp.daemon("/v1/daemon/poll", {"worker_id": worker, "queues": ["q"], "timeout_s": 0})[0] == 200
-    client = _login(cp, cp.admin_token)
+    client = login(cp, cp.admin_token)
     assert 'id="output-empty"' in client.get(f"/ui/parts/invocations/{inv}").text
     frames = [
         wire.encode_frame(wire.FRAME_LOG, 0, b"step 1 <b>bold</b>\n", {"stream": "stdout", "ts": 1.0}),
@@ -209,12 +195,12 @@ def test_the_dashboard_shows_a_deregistered_worker_as_stopped_and_the_charts_dat
     cp = sqlite_control_plane
     worker = new_ulid()
     assert cp.daemon("/v1/daemon/register", {"worker_id": worker, "queues": ["q"]})[0] == 200
-    client = _login(cp, cp.admin_token)
+    client = login(cp, cp.admin_token)
     assert re.search(rf'data-worker="{worker}">.*?badge ok', client.get("/ui/parts/overview").text, re.S)
     assert cp.daemon("/v1/daemon/deregister", {"worker_id": worker})[0] == 200
     assert re.search(rf'data-worker="{worker}">.*?badge stopped', client.get("/ui/parts/overview").text, re.S)
     # the charts come as data for the vendored script (no inline script on the page)
-    _submit(cp, cp.producer_token, "q")
+    ui_submit(cp, cp.producer_token, "q")
     page = client.get("/ui").text
     assert 'id="chart-depth" data-chart="' in page and 'src="/ui/static/uPlot.iife.min.js"' in page
     assert not re.search(r"<script(?![^>]*\bsrc=)[^>]*>", page)  # every script is a file

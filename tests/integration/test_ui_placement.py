@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from tests.integration.conftest import ControlPlane
-from tests.integration.test_ui import _login, _submit
+from tests.integration.ops_kit import login, ui_submit
 
 
 def _row(page: str, attr: str, value: str) -> str:
@@ -17,10 +17,10 @@ def _row(page: str, attr: str, value: str) -> str:
 
 def test_the_overview_shows_a_queues_limit(sqlite_control_plane: ControlPlane) -> None:
     cp = sqlite_control_plane
-    _submit(cp, cp.producer_token, "limited")
-    _submit(cp, cp.producer_token, "free")
+    ui_submit(cp, cp.producer_token, "limited")
+    ui_submit(cp, cp.producer_token, "free")
     cp.store.set_queue_limit("limited", 3)
-    page = _login(cp, cp.admin_token).get("/ui/parts/overview").text
+    page = login(cp, cp.admin_token).get("/ui/parts/overview").text
     cells = re.findall(r"<td[^>]*>(.*?)</td>", _row(page, "data-queue", "limited"), re.S)
     assert re.sub(r"<[^>]+>", "", cells[3]) == "3"
     cells = re.findall(r"<td[^>]*>(.*?)</td>", _row(page, "data-queue", "free"), re.S)
@@ -38,6 +38,6 @@ def test_the_overview_shows_a_workers_capacity_and_free_gpus(sqlite_control_plan
     assert cp.call("/v1/daemon/register", body, cp.daemon_token)[0] == 200
     poll = {"worker_id": worker, "queues": ["gpu"], "timeout_s": 0, "offer": {"gpus": 3, "labels": {}}}
     assert cp.call("/v1/daemon/poll", poll, cp.daemon_token)[0] == 200
-    row = _row(_login(cp, cp.admin_token).get("/ui/parts/overview").text, "data-worker", worker)
+    row = _row(login(cp, cp.admin_token).get("/ui/parts/overview").text, "data-worker", worker)
     assert re.search(r'class="num gpus">3/4 H100<', row), row
     assert "16 CPUs / 64.0 GiB" in row

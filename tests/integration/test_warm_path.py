@@ -16,7 +16,7 @@ from dreamlake.lakeshore.dispatch import Dispatch, HttpDispatch
 from dreamlake.lakeshore.errors import DispatchError
 from dreamlake.lakeshore.ids import new_ulid
 from tests.integration.conftest import ControlPlane, submit_body
-from tests.integration.test_server_daemon import poll
+from tests.integration.daemon_kit import poll
 
 POLL = "/v1/daemon/poll"
 

@@ -12,8 +12,7 @@ from typing import Any
 
 from dreamlake.lakeshore.ids import new_ulid
 from tests.integration.conftest import ControlPlane, submit_body
-from tests.integration.test_ops_cli import run
-from tests.integration.test_ui import _login
+from tests.integration.ops_kit import login, run
 
 
 def _register(cp: ControlPlane, queue: str, gpus: int = 0, labels: dict[str, str] | None = None) -> str:
@@ -79,7 +78,7 @@ def test_show_says_why_a_queued_call_waits(control_plane: ControlPlane) -> None:
     assert "waits       no live worker of queue 'gpu' offers 4 GPUs (largest: 2)" in shown.stdout
     assert "not before " in run(cp, "show", later).stdout
     assert "waits" not in run(cp, "show", running).stdout
-    page = _login(cp, cp.admin_token).get(f"/ui/parts/invocations/{held}").text
+    page = login(cp, cp.admin_token).get(f"/ui/parts/invocations/{held}").text
     assert 'data-reason="limit"' in page and "1 of 1 running" in page
 
 

@@ -11,13 +11,9 @@ serves the auth-matrix and fuzz tests, which make hundreds of requests.
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import ssl
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,15 +28,11 @@ from tests.integration.conftest import (  # noqa: F401  (fixtures shared with te
     sqlite_control_plane,
     store_url,
 )
+from tests.stack.ports import free_port
+from tests.stack.server import Server
 
 MSGPACK = "application/x-msgpack"
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def lakeshore(*args: str, env: dict[str, str] | None = None) -> str:
@@ -57,54 +49,29 @@ def lakeshore(*args: str, env: dict[str, str] | None = None) -> str:
     return out.stdout.strip()
 
 
-class Stack:
-    """``lakeshore server`` in a subprocess over ``data_dir`` (see the module docstring)."""
+class Stack(Server):
+    """``lakeshore server`` (:class:`tests.stack.server.Server`) over ``data_dir``, configured through
+    its environment as an operator's unit does (see the module docstring)."""
 
     def __init__(self, data_dir: Path, *, ca_file: str | None = None, **env: str) -> None:
         """``ca_file``: the server serves HTTPS (``LAKESHORE_TLS_CERT`` / ``_KEY`` in ``env``) with a
         certificate this CA signed; the stack's own requests trust it."""
-        self.data_dir = data_dir
-        self.port = _free_port()
-        self.url = f"{'https' if ca_file else 'http'}://127.0.0.1:{self.port}"
-        self.ca_file = ca_file
-        self.verify: Any = ssl.create_default_context(cafile=ca_file) if ca_file else True
-        self.env = {**os.environ, "LAKESHORE_DATA_DIR": str(data_dir), **env}
-        self.env.pop("LAKESHORE_DB", None)
-        self.log = data_dir.parent / f"server-{self.port}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        environ = {**os.environ, "LAKESHORE_DATA_DIR": str(data_dir), **env}
+        environ.pop("LAKESHORE_DB", None)
+        port = free_port()
+        super().__init__(data_dir, env=environ, log=data_dir.parent / f"server-{port}.log", ca_file=ca_file)
+        self.port = port
+        self.url = f"{'https' if ca_file else 'http'}://127.0.0.1:{port}"
         self.admin = self.daemon = ""
 
-    def start(self) -> Stack:
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dreamlake.lakeshore.cli", "server", "--port", str(self.port)],
-                env=self.env,
-                cwd=ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(self.url + "/healthz", timeout=2, verify=self.verify).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"lakeshore server did not start:\n{self.log.read_text()}")
-            time.sleep(0.1)
-        tokens = json.loads((self.data_dir / "tokens.json").read_text())
+    def command(self) -> list[str]:  # the data directory comes from LAKESHORE_DATA_DIR
+        return [sys.executable, "-m", "dreamlake.lakeshore.cli", "server", "--port", str(self.port)]
+
+    def start(self, limit_s: float = 60.0) -> Stack:
+        super().start(limit_s)
+        tokens = self.tokens()
         self.admin, self.daemon = tokens["admin"], tokens["daemon"]
         return self
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
 
     def token(self, kind: str, name: str, *flags: str) -> str:
         """Mint a token with ``lakeshore token create`` (the operator's way)."""

@@ -21,8 +21,6 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -38,6 +36,7 @@ from dreamlake.lakeshore.envelope import Envelope
 from tests.conftest import ROOT
 from tests.host_users import ensure_user
 from tests.integration.conftest import ControlPlane, running_control_plane, submit_body
+from tests.stack.nymph import NymphProcess
 
 TASK_USER = "nymph-task"
 POOL = 4  # pool users the tests make: nymph-task-0 .. nymph-task-3 (concurrency 4 at most)
@@ -97,39 +96,16 @@ def plane(tmp_path: Path) -> Iterator[ControlPlane]:
         yield cp
 
 
-class RootNymph:
-    """``nymph start`` as root in a subprocess; its log in a file shown when a test fails."""
+class RootNymph(NymphProcess):
+    """``nymph start`` as root in a subprocess (its own session); its log in a file shown when a test fails."""
 
     def __init__(self, base: Path, args: list[str]) -> None:
+        super().__init__(args, base / "nymph.log", base / "work", base / "state")
         self.base = base
-        self.workdir = base / "work"
-        self.log = base / "nymph.log"
-        self.args = args
-        self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, env: dict[str, str] | None = None) -> RootNymph:
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT, env=env or _env())
+        super().start(env)
         return self
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NYMPH_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "runners")])
-    return env
 
 
 def nymph_args(cp: ControlPlane, base: Path, runtime: tuple[str, list[str]] | None, *extra: str) -> list[str]:

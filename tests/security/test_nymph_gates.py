@@ -27,7 +27,6 @@ from tests.security.nymph_stack import (  # noqa: F401  (fixtures)
     LIMIT_S,
     ControlPlane,
     RootNymph,
-    _env,
     await_result,
     nymph_args,
     plane,
@@ -38,6 +37,7 @@ from tests.security.nymph_stack import (  # noqa: F401  (fixtures)
     submit,
     task_user,
 )
+from tests.stack.procs import child_env
 
 
 def _no_workdir(n: RootNymph, inv: str) -> bool:
@@ -145,7 +145,7 @@ def test_nymph_refuses_to_start_as_root_without_its_task_user(
 ) -> None:
     base = Path(tempfile.mkdtemp(prefix="nymph-sec-"))
     args = nymph_args(plane, base, readable_runtime, "--task-user", "nymph-no-such-user")
-    out = subprocess.run(args, capture_output=True, text=True, env=_env(), timeout=LIMIT_S)
+    out = subprocess.run(args, capture_output=True, text=True, env=child_env(), timeout=LIMIT_S)
     assert out.returncode != 0
     assert "useradd --system" in out.stderr and "nymph-no-such-user" in out.stderr
     assert "--task-user" in out.stderr and "--allow-root-tasks" in out.stderr
@@ -158,7 +158,7 @@ def test_a_container_runs_as_the_task_user_not_root(
     plane: ControlPlane, root_nymph: Callable[..., RootNymph], task_user: pwd.struct_passwd
 ) -> None:
     """The docker runner runs the container as the workdir's owner: the task user's uid, not 0."""
-    from tests.contract.test_runner_conformance import options_for
+    from tests.runner_kit import options_for
 
     image = options_for("docker")["image"]  # skips without an engine and a test image
     n = root_nymph(

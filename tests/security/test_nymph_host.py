@@ -34,6 +34,7 @@ from tests.security.nymph_stack import (  # noqa: F401  (fixtures)
     submit,
     task_user,
 )
+from tests.stack.wait import within
 
 SECRET = "root-only secret " + uuid.uuid4().hex
 
@@ -102,7 +103,7 @@ def test_links_planted_by_the_task_never_make_nymph_write_or_read_outside_the_wo
     assert SECRET not in repr(out)
     # nymph's own records are regular files of its own, beside (not through) what was planted;
     # outcome.json is written once the ack is handed to the outbox, which may deliver it first
-    assert _until(lambda: stat.S_ISREG((workdir / "outcome.json").lstat().st_mode), 30), "outcome.json"
+    assert within(lambda: stat.S_ISREG((workdir / "outcome.json").lstat().st_mode), 30), "outcome.json"
     for name in ("outcome.json", "pump.json"):
         st = (workdir / name).lstat()
         assert stat.S_ISREG(st.st_mode) and st.st_uid == 0 and st.st_nlink == 1, name
@@ -125,7 +126,7 @@ def test_setsid_daemons_die_on_cancel_timeout_and_shutdown(
     marker = f"nymph-sec-daemon-{uuid.uuid4().hex}"
     timeout = {"timeout_s": 15} if how == "timeout" else {}
     inv = submit(plane, ref("tests.nymph_fns", "setsid_daemons", 2, marker, None), **timeout)
-    deadline_ok = _until(lambda: len(_marked(marker)) == 2)
+    deadline_ok = within(lambda: len(_marked(marker)) == 2)
     assert deadline_ok, ("the daemons never started", n.output()[-3000:])
     daemons = _marked(marker)
     assert all(psutil.Process(p).uids().real != 0 for p in daemons)  # the task user's, not root's
@@ -139,14 +140,3 @@ def test_setsid_daemons_die_on_cancel_timeout_and_shutdown(
         n.stop()  # SIGINT: the shutdown grace, then the ladder on what is left
         assert n.proc.returncode is not None
     assert _marked(marker) == [], n.output()[-3000:]
-
-
-def _until(predicate: Callable[[], bool], limit_s: float = 60.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False

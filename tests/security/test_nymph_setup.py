@@ -24,12 +24,12 @@ import pytest
 
 from tests.integration.conftest import ControlPlane
 from tests.security.nymph_stack import (  # noqa: F401  (fixtures)
-    _env,
     nymph_args,
     plane,
     readable_runtime,
     task_user,
 )
+from tests.stack.procs import child_env
 
 LIMIT_S = 120
 USER = r"nymph-task(-\d+)?"  # the shared task user, or a user of the task user pool (one accessor)
@@ -44,7 +44,7 @@ def base() -> Iterator[Path]:
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, capture_output=True, text=True, env=_env(), timeout=LIMIT_S)
+    return subprocess.run(args, capture_output=True, text=True, env=child_env(), timeout=LIMIT_S)
 
 
 def _doctor(args: list[str]) -> list[str]:

@@ -24,7 +24,6 @@ from tests.security.nymph_stack import (  # noqa: F401  (fixtures)
     LIMIT_S,
     ControlPlane,
     RootNymph,
-    _env,
     await_result,
     nymph_args,
     plane,
@@ -34,6 +33,7 @@ from tests.security.nymph_stack import (  # noqa: F401  (fixtures)
     submit,
     task_user,
 )
+from tests.stack.procs import child_env
 
 
 def _shown_by_ps(token: str) -> list[str]:
@@ -98,7 +98,7 @@ def test_a_token_file_others_can_read_is_refused(plane: ControlPlane) -> None:
         token_file.write_text(plane.daemon_token)
         os.chmod(token_file, 0o644)
         cmd = [sys.executable, "-m", "nymph", "start", "--server", plane.url, "--token-file", str(token_file)]
-        out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=LIMIT_S)
+        out = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=LIMIT_S)
     assert out.returncode != 0
     assert "readable or writable by every local user" in out.stderr and "chmod 600" in out.stderr
     assert plane.daemon_token not in out.stderr + out.stdout

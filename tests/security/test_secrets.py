@@ -29,9 +29,8 @@ from dreamlake.lakeshore.dispatch import HttpDispatch
 from dreamlake.lakeshore.errors import PlaneError
 from tests import env_fns
 from tests.integration.conftest import ControlPlane, running_control_plane, submit_body
-from tests.integration.test_nymph_agent import Nymph, await_result, nymph_factory
-
-__all__ = ["nymph_factory"]
+from tests.stack.nymph import Nymph
+from tests.stack.producer import await_result
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 VALUE = "s3cr3t-" + hashlib.sha256(os.urandom(16)).hexdigest()[:24]  # unique: any hit is a leak

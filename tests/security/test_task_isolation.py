@@ -25,7 +25,6 @@ import pwd
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,6 @@ from tests.security.nymph_stack import (  # noqa: F401  (fixtures)
     LIMIT_S,
     ControlPlane,
     RootNymph,
-    _env,
     await_result,
     call,
     nymph_args,
@@ -52,18 +50,10 @@ from tests.security.nymph_stack import (  # noqa: F401  (fixtures)
     root_nymph,
     task_user,
 )
+from tests.stack.procs import child_env
+from tests.stack.wait import within
 
 REFUSED = "refused: PermissionError"
-
-
-def _until(predicate: Callable[[], Any], limit_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(0.05)
-    return None
 
 
 def _producer(cp: ControlPlane, namespace: str) -> str:
@@ -77,7 +67,7 @@ def _submit(cp: ControlPlane, token: str, args_blob: bytes, **run_config: Any) -
 
 def _victim_started(n: RootNymph, inv: str) -> dict[str, int]:
     path = n.workdir / inv / VICTIM
-    told = _until(lambda: path.exists() and json.loads(path.read_text()), 90)
+    told = within(lambda: path.exists() and json.loads(path.read_text()), 90)
     assert told, ("the victim never started", n.output()[-3000:])
     return dict(told)
 
@@ -128,7 +118,7 @@ def test_the_credential_is_a_file_of_the_task_not_its_environment_and_dies_with_
     n = root_nymph()
     inv = _submit(plane, _producer(plane, "team-a"), ref("tests.security.attack_fns", "leak_token", "gate"))
     token_path = n.workdir / inv / "token"
-    token = _until(lambda: token_path.exists() and token_path.read_text(), 90)
+    token = within(lambda: token_path.exists() and token_path.read_text(), 90)
     assert token, n.output()[-3000:]
     st = (n.workdir / inv / "task.token").stat()
     assert st.st_mode & 0o777 == 0o400 and st.st_uid == (n.workdir / inv).stat().st_uid != 0
@@ -225,7 +215,7 @@ def test_a_fork_bomb_stops_at_the_tasks_pids_max(
     got = wire.unpack(out["result_blob"])
     assert got["errno"] == errno.EAGAIN and 0 < got["forked"] < 48, got
     # what it forked died with it (the cgroup is killed whole)
-    assert _until(lambda: not _sleepers(n.workdir / inv), 30), _sleepers(n.workdir / inv)
+    assert within(lambda: not _sleepers(n.workdir / inv), 30), _sleepers(n.workdir / inv)
 
 
 def _sleepers(workdir: Path) -> list[int]:
@@ -274,7 +264,7 @@ def test_a_pool_smaller_than_the_slots_refuses_the_start_unless_sharing_is_allow
     base = Path(tempfile.mkdtemp(prefix="nymph-sec-"))
     try:  # the tests made nymph-task-0 .. nymph-task-3: eight slots need eight
         args = nymph_args(plane, base, readable_runtime, "--concurrency", "8")
-        out = subprocess.run(args, capture_output=True, text=True, env=_env(), timeout=LIMIT_S)
+        out = subprocess.run(args, capture_output=True, text=True, env=child_env(), timeout=LIMIT_S)
         assert out.returncode != 0
         assert "4 of nymph-task-0 .. nymph-task-63 exist and --concurrency 8 needs 8" in out.stderr
         assert "nymph doctor --fix" in out.stderr and "--shared-task-user" in out.stderr
@@ -296,7 +286,7 @@ def test_doctor_fix_creates_the_task_user_pool(
     try:
         args = nymph_args(plane, base, readable_runtime, "--task-user", prefix, "--task-user-pool", "2")
         doctor = [*args[:3], "doctor", "--fix", *args[4:]]  # python -m nymph doctor --fix <the same>
-        out = subprocess.run(doctor, capture_output=True, text=True, env=_env(), timeout=LIMIT_S)
+        out = subprocess.run(doctor, capture_output=True, text=True, env=child_env(), timeout=LIMIT_S)
         assert f"[fix] task users: created 2 ({', '.join(names)})" in out.stdout, out.stdout + out.stderr
         assert "[ok] task-user: nymph runs as root; each task runs as a user of its own" in out.stdout
         assert all(pwd.getpwnam(name).pw_uid != 0 for name in names)
@@ -316,7 +306,7 @@ def test_a_container_task_cannot_reach_a_sibling_container_task(
     """Each task is a container of its own (own PID and mount namespaces, only its workdir
     mounted): the sibling's workdir is not there to write, its processes not there to read or
     signal, whatever the uid (the container runners run every task as the one task user)."""
-    from tests.contract.test_runner_conformance import options_for
+    from tests.runner_kit import options_for
 
     image = options_for(runner)["image"]  # requires an engine, runsc and the test image
     n = root_nymph(

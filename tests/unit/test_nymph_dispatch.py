@@ -5,60 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from nymph.agent import Agent
-from nymph.client import ControlPlaneClient
 from nymph.config import NymphConfig
 from nymph.execjob import ExecJob
-from nymph.lifecycle import JobContext
-from nymph.runner import Capabilities, ExitStatus, Handle, RunnerError, Task
+from nymph.runner import Capabilities
 from nymph.slots import Slots
+from tests.unit.dispatch_kit import FakeOutbox, FakeRunner, exec_ctx, make_agent
 
 ID = "01HZZZZZZZZZZZZZZZZZZZZZZZ"
-
-
-class _Runner:
-    name = "fake"
-    capabilities = Capabilities()
-
-    def __init__(self, wait_raises: bool = False) -> None:
-        self.wait_raises = wait_raises
-        self.started: list[Task] = []
-        self.destroyed: list[Handle] = []
-
-    def check(self) -> None:
-        pass
-
-    def start(self, task: Task) -> Handle:
-        self.started.append(task)
-        return Handle(self.name, task.invocation_id, task.attempt, {})
-
-    def wait(self, handle: Handle, timeout: float | None = None) -> ExitStatus | None:
-        if self.wait_raises:  # a failure, not an unavailable runner (that is retried)
-            raise RunnerError("engine broke")
-        return ExitStatus(0)
-
-    def stop(self, handle: Handle, grace_s: float) -> None:
-        pass
-
-    def destroy(self, handle: Handle) -> None:
-        self.destroyed.append(handle)
-
-    def inspect(self, handle: Handle) -> str:
-        return "gone"
-
-    def recover(self, handle: Handle) -> bool:
-        return False
-
-
-class _Outbox:
-    def __init__(self) -> None:
-        self.put_calls: list[tuple[str, dict[str, Any]]] = []
-
-    def put(self, route: str, body: dict[str, Any]) -> None:
-        self.put_calls.append((route, body))
 
 
 class _Job:
@@ -74,36 +29,14 @@ class _Job:
         self.lost = True
 
 
-def _agent(tmp_path: Path) -> Agent:
-    cfg = NymphConfig(
-        server="http://cp", token="t", workdir=tmp_path / "w", state_dir=tmp_path / "s", allow_root_tasks=True
-    )
-    client = ControlPlaneClient(
-        "http://cp", "t", transport=httpx.MockTransport(lambda r: httpx.Response(500))
-    )
-    return Agent(cfg, _Runner(), client=client)  # type: ignore[arg-type]
-
-
-def _exec_ctx(tmp_path: Path, runner: Any, outbox: Any, worker_id: str = "", **config: Any) -> JobContext:
-    """What an exec job shares with the agent: its workdir root is ``tmp_path``, no client."""
-    config.setdefault(
-        "allow_root_tasks", True
-    )  # the tests run as root in CI: tasks as root, not as a task user
-    config.setdefault("allow_exec", True)  # exec jobs are an opt-in (--allow-exec)
-    cfg = NymphConfig(
-        server="http://cp", token="t", workdir=tmp_path, state_dir=tmp_path / "s", stop_grace_s=0.1, **config
-    )
-    return JobContext(cfg, runner, outbox, Slots(1), worker_id)
-
-
-def _exec(tmp_path: Path, runner: _Runner, outbox: _Outbox, **body: Any) -> ExecJob:
+def _exec(tmp_path: Path, runner: FakeRunner, outbox: FakeOutbox, **body: Any) -> ExecJob:
     return ExecJob(
-        _exec_ctx(tmp_path, runner, outbox), {"exec_id": ID, "namespace": "ns", "command": "true", **body}
+        exec_ctx(tmp_path, runner, outbox), {"exec_id": ID, "namespace": "ns", "command": "true", **body}
     )
 
 
 def test_lost_names_the_reported_attempt_not_a_newer_one_claimed_since(tmp_path: Path) -> None:
-    agent = _agent(tmp_path)
+    agent = make_agent(tmp_path)
     newer = _Job(attempt=2)
     agent.jobs._table[("invocation", ID)] = newer  # type: ignore[assignment]
     agent._on_heartbeat({"lost": [ID]}, [{"invocation_id": ID, "attempt": 1}])
@@ -122,14 +55,14 @@ def test_lost_names_the_reported_attempt_not_a_newer_one_claimed_since(tmp_path:
     ],
 )
 def test_a_malformed_command_is_logged_not_fatal_and_takes_no_slot(tmp_path: Path, command: Any) -> None:
-    agent = _agent(tmp_path)
+    agent = make_agent(tmp_path)
     agent.jobs.dispatch(command)
     assert agent.slots.free() == 1
     assert not agent.jobs.busy()
 
 
 def test_exec_with_a_bad_namespace_or_timeout_never_runs(tmp_path: Path) -> None:
-    runner, outbox = _Runner(), _Outbox()
+    runner, outbox = FakeRunner(), FakeOutbox()
     _exec(tmp_path, runner, outbox, namespace="../admin").run()
     _exec(tmp_path, runner, outbox, timeout_s="soon").run()
     assert runner.started == []
@@ -139,26 +72,25 @@ def test_exec_with_a_bad_namespace_or_timeout_never_runs(tmp_path: Path) -> None
 
 
 def test_exec_destroys_its_task_even_when_the_wait_fails(tmp_path: Path) -> None:
-    runner, outbox = _Runner(wait_raises=True), _Outbox()
+    runner, outbox = FakeRunner(wait_raises=True), FakeOutbox()
     _exec(tmp_path, runner, outbox).run()
     assert len(runner.destroyed) == 1  # before the fix the container outlived the exec job
     assert outbox.put_calls[0][1]["exit_code"] == -1
 
 
-class _AckOutbox(_Outbox):
+class _AckOutbox(FakeOutbox):
     def ack(self, body: dict[str, Any]) -> None:
         self.put("/v1/daemon/ack", body)
 
 
-def _run_job(tmp_path: Path, body: dict[str, Any], **config: Any) -> tuple[_Runner, dict[str, Any]]:
+def _run_job(tmp_path: Path, body: dict[str, Any], **config: Any) -> tuple[FakeRunner, dict[str, Any]]:
     from nymph.job import Job, JobContext
-    from nymph.slots import Slots
 
     config = {"allow_script": True, "allow_root_tasks": True, **config}  # a script task, run as root
     cfg = NymphConfig(
         server="http://cp", token="t", workdir=tmp_path / "w", state_dir=tmp_path / "s", **config
     )
-    runner, outbox = _Runner(), _AckOutbox()
+    runner, outbox = FakeRunner(), _AckOutbox()
     slots = Slots(1)
     slots.take()
     ctx = JobContext(cfg, runner, outbox, slots, "worker")  # type: ignore[arg-type]
@@ -175,10 +107,10 @@ def test_a_bad_timeout_is_acked_failed_before_anything_runs(tmp_path: Path) -> N
 
 
 def test_an_allowed_user_that_does_not_exist_is_refused_clearly(tmp_path: Path) -> None:
-    _Runner.capabilities = Capabilities(as_user=True)
+    FakeRunner.capabilities = Capabilities(as_user=True)
     try:
         runner, ack = _run_job(tmp_path, {"as_user": "no-such-user-x"}, allow_users=("no-such-user-x",))
     finally:
-        _Runner.capabilities = Capabilities()
+        FakeRunner.capabilities = Capabilities()
     assert runner.started == [] and ack["error"]["type"] == "UserNotAllowed"
     assert "not a user on this host" in ack["error"]["message"]

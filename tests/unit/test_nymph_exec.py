@@ -36,16 +36,16 @@ WORKER = "01HYYYYYYYYYYYYYYYYYYYYYYY"
 
 
 def _fakes() -> tuple[Any, Any]:
-    from tests.unit.test_nymph_dispatch import _Outbox, _Runner
+    from tests.unit.dispatch_kit import FakeOutbox, FakeRunner
 
-    return _Runner(), _Outbox()
+    return FakeRunner(), FakeOutbox()
 
 
 def _job(tmp_path: Path, runner: Any, outbox: Any, **body: Any) -> ExecJob:
-    from tests.unit.test_nymph_dispatch import _exec_ctx
+    from tests.unit.dispatch_kit import exec_ctx
 
     return ExecJob(
-        _exec_ctx(tmp_path, runner, outbox, WORKER),
+        exec_ctx(tmp_path, runner, outbox, WORKER),
         {"exec_id": ID, "namespace": "ns", "command": "true", **body},
     )
 
@@ -125,10 +125,10 @@ def test_the_heartbeat_reports_exec_jobs_and_hands_them_to_on_answer() -> None:
 
 
 def test_the_agent_reports_its_exec_jobs_and_stops_one_whose_lease_is_lost(tmp_path: Path) -> None:
-    from tests.unit.test_nymph_dispatch import _agent
+    from tests.unit.dispatch_kit import make_agent
 
     runner, outbox = _fakes()
-    agent = _agent(tmp_path)
+    agent = make_agent(tmp_path)
     job = _job(tmp_path, runner, outbox, attempt=2)
     agent.jobs._table[job.key] = job
     assert agent.running_exec() == [{"exec_id": ID, "attempt": 2}]

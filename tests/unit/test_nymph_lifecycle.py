@@ -24,7 +24,7 @@ from nymph.lifecycle import JobContext, Phase
 from nymph.observability import configure_logging, log_context
 from nymph.runner import Handle, RunnerUnavailable, Task
 from nymph.slots import Slots
-from tests.unit.test_nymph_dispatch import _Runner
+from tests.unit.dispatch_kit import FakeRunner
 
 ID = "01HZZZZZZZZZZZZZZZZZZZZZZZ"
 ID2 = "01HZZZZZZZZZZZZZZZZZZZZZZY"
@@ -85,7 +85,7 @@ class _Outbox:
         return True
 
 
-class _FlakyRunner(_Runner):
+class _FlakyRunner(FakeRunner):
     """``start`` raises each of ``failures`` in turn, then starts."""
 
     def __init__(self, *failures: BaseException) -> None:
@@ -164,7 +164,7 @@ def test_an_unexpected_exception_in_prepare_is_acked_failed_with_its_type_and_me
         raise KeyError("no such gate")
 
     monkeypatch.setattr(Job, "_gates", broken_gates)
-    runner, outbox, done = _Runner(), _Outbox(), []
+    runner, outbox, done = FakeRunner(), _Outbox(), []
     ctx = _ctx(tmp_path, runner, outbox, on_done=done.append)
     job = Job(ctx, ID, 1, {"script": "true"})
     _run_in_thread(job)
@@ -192,7 +192,7 @@ def test_a_full_disk_in_prepare_is_acked_failed_saying_so_and_pauses_claims(
         raise OSError(errno.ENOSPC, "No space left on device", str(directory / second))
 
     monkeypatch.setattr(nymph.workdir.safeio, "create_new", full)
-    agent, outbox = _agent(tmp_path, _Runner())
+    agent, outbox = _agent(tmp_path, FakeRunner())
     caplog.set_level(logging.ERROR, logger="nymph")
     agent.jobs.dispatch({"kind": "run", "body": {"invocation_id": ID, "attempt": 1, "script": "true"}})
     assert agent.jobs.wait_idle(60)
@@ -227,7 +227,7 @@ def test_a_cancel_that_comes_before_its_run_command_stops_the_run_before_it_star
 ) -> None:
     # the heartbeat's answer can carry the cancel of an invocation the poll thread was just handed
     # and has not yet entered: it is remembered, and the run starts stopped (it used to run to its end)
-    runner = _Runner()
+    runner = FakeRunner()
     agent, outbox = _agent(tmp_path, runner)
     agent.jobs.dispatch({"kind": "cancel", "body": {"invocation_id": ID, "reason": "cancelled by producer"}})
     agent.jobs.dispatch({"kind": "run", "body": {"invocation_id": ID, "attempt": 1, "script": "true"}})
@@ -249,7 +249,7 @@ def test_a_failure_while_reporting_is_logged_not_reported_twice_nor_raised(
             raise OSError(28, "No space left on device")
 
     outbox, done = _BrokenOutbox(), []
-    ctx = _ctx(tmp_path, _Runner(), outbox, on_done=done.append)
+    ctx = _ctx(tmp_path, FakeRunner(), outbox, on_done=done.append)
     job = Job(ctx, ID, 1, {"script": "true"})
     _run_in_thread(job)
     assert thread_crashes == [] and done == [job] and ctx.slots.free() == 2
@@ -346,9 +346,9 @@ def _lines(out: io.StringIO) -> list[dict[str, Any]]:
 
 def test_every_json_line_a_job_logs_carries_its_id(tmp_path: Path, json_log: io.StringIO) -> None:
     outbox = _Outbox()
-    _run_in_thread(Job(_ctx(tmp_path, _Runner(), outbox), ID, 1, {"script": "true"}))
+    _run_in_thread(Job(_ctx(tmp_path, FakeRunner(), outbox), ID, 1, {"script": "true"}))
     _run_in_thread(
-        ExecJob(_ctx(tmp_path, _Runner(), outbox), {"exec_id": ID2, "namespace": "ns", "command": "true"})
+        ExecJob(_ctx(tmp_path, FakeRunner(), outbox), {"exec_id": ID2, "namespace": "ns", "command": "true"})
     )
     logging.getLogger("nymph.test").info("about nothing in particular")
     lines = _lines(json_log)
@@ -363,7 +363,7 @@ def test_every_json_line_a_job_logs_carries_its_id(tmp_path: Path, json_log: io.
 def test_lines_the_agent_logs_about_a_job_from_its_own_threads_carry_the_id(
     tmp_path: Path, json_log: io.StringIO
 ) -> None:
-    agent, _ = _agent(tmp_path, _Runner())
+    agent, _ = _agent(tmp_path, FakeRunner())
     agent.jobs.cancel(ID, "no longer wanted")  # not running here: remembered (a debug line)
     agent.jobs.dispatch({"kind": "run", "body": {"invocation_id": ID, "attempt": "two"}})
     lines = _lines(json_log)
@@ -397,7 +397,7 @@ def test_a_claim_whose_task_never_started_is_left_to_its_lease_not_failed(
     tmp_path: Path, thread_crashes: list[BaseException]
 ) -> None:
     outbox = _Outbox()
-    ctx = _ctx(tmp_path, _Runner(), outbox)
+    ctx = _ctx(tmp_path, FakeRunner(), outbox)
     path = _claimed_workdir(tmp_path)
     job = Job.attach(ctx, path, {"invocation_id": ID, "attempt": 2}, None)
     job.start_thread(lambda: job.resume(False))
@@ -418,7 +418,7 @@ def test_a_task_running_without_a_saved_handle_is_waited_for_and_its_outcome_rep
     from dreamlake.lakeshore import wire
 
     outbox = _Outbox()
-    ctx = _ctx(tmp_path, _Runner(), outbox)
+    ctx = _ctx(tmp_path, FakeRunner(), outbox)
     path = _claimed_workdir(tmp_path)
     fd = os.open(path / ".entry.lock", os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)  # an entry process runs there, unsupervised
@@ -445,7 +445,7 @@ def test_a_task_running_without_a_saved_handle_and_stopped_is_reported_daemon_re
     import os
 
     outbox = _Outbox()
-    ctx = _ctx(tmp_path, _Runner(), outbox)
+    ctx = _ctx(tmp_path, FakeRunner(), outbox)
     path = _claimed_workdir(tmp_path)
     fd = os.open(path / ".entry.lock", os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)  # an entry process runs there, unsupervised, and never ends

@@ -14,31 +14,8 @@ import pytest
 from dreamlake.lakeshore.errors import AuthError, BadRequest, Conflict, NotFound, Unavailable
 from nymph.client import ControlPlaneClient, is_retryable
 from nymph.outbox import HOLD_S, Outbox
-
-
-class FakePlane:
-    """A control plane at the transport seam: answers from a script of status codes, then 200."""
-
-    def __init__(self, statuses: list[int] | None = None) -> None:
-        self.statuses = list(statuses or [])
-        self.received: list[tuple[str, dict[str, Any]]] = []
-        self.down = threading.Event()
-        self.lock = threading.Lock()
-
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        if self.down.is_set():
-            raise httpx.ConnectError("connection refused", request=request)
-        with self.lock:
-            status = self.statuses.pop(0) if self.statuses else 200
-            if status == 200:
-                self.received.append((request.url.path, msgpack.unpackb(request.content)))
-        body = {"ok": status == 200} if status == 200 else {"error": f"status {status}"}
-        return httpx.Response(
-            status, content=msgpack.packb(body), headers={"content-type": "application/x-msgpack"}
-        )
-
-    def client(self) -> ControlPlaneClient:
-        return ControlPlaneClient("http://cp", "tok", transport=httpx.MockTransport(self))
+from tests.stack.wait import until
+from tests.unit.outbox_kit import FakePlane
 
 
 @pytest.mark.parametrize(
@@ -185,10 +162,9 @@ def test_a_poll_takes_acks_at_the_head_of_their_lanes_and_the_sender_leaves_them
     assert [m.body["invocation_id"] for m in riding] == ["inv2"]
     assert box.take_acks("me", 64) == []  # taken once
     box.start()
-    deadline = time.monotonic() + 10
-    while len(plane.received) < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.2)
+    until(lambda: len(plane.received) >= 3, "the sender to send inv1's chunk and ack, and inv3's ack", 10.0)
+    box.wake()  # one more pass of the sender, which must leave the riding ack alone
+    until(lambda: box.pending() == 1, "the sender to settle all but the riding ack", 10.0)
     sent = [(route, body["invocation_id"]) for route, body in plane.received]
     assert sorted(sent) == [
         ("/v1/daemon/ack", "inv1"),

@@ -53,14 +53,13 @@ def test_a_task_that_exits_is_handed_back_once_and_many_wait_in_one_thread(super
         before = threading.active_count()
         for i, fd in enumerate(fds):
             supervisor.park(f"task-{i}", fd, None, calls[i])
-        time.sleep(0.2)
-        assert supervisor.parked == 8
+        assert supervisor.parked == 8  # registered by park() itself
         assert threading.active_count() - before == 1  # eight waiting tasks, one loop thread
         assert all(c.count == 0 for c in calls)  # nothing ended: nothing handed back
         procs[3].stdin.close()  # type: ignore[union-attr]
         assert calls[3].event.wait(LIMIT_S)
         assert procs[3].wait(LIMIT_S) == 0
-        time.sleep(0.2)
+        # a job is taken off the loop before it is handed back: the seven others are still parked
         assert [c.count for c in calls] == [0, 0, 0, 1, 0, 0, 0, 0]
         assert calls[3].threads[0].startswith("nymph-job")  # on the pool, not the loop
         assert supervisor.parked == 7
@@ -73,6 +72,19 @@ def test_a_task_that_exits_is_handed_back_once_and_many_wait_in_one_thread(super
             os.close(fd)
 
 
+def _one_more_pass(supervisor: Supervisor) -> None:
+    """Return once the loop has made a pass after this call: a sentinel job is poked, and the loop
+    serves pokes in order, so everything asked of it before has been dealt with."""
+    r, w = os.pipe()
+    done = Calls()
+    try:
+        supervisor.poke(supervisor.park("sentinel", r, None, done))
+        assert done.event.wait(LIMIT_S), "the supervisor loop made no pass"
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def test_a_poke_hands_back_at_once_and_only_once(supervisor: Supervisor) -> None:
     r, w = os.pipe()
     calls = Calls()
@@ -82,7 +94,7 @@ def test_a_poke_hands_back_at_once_and_only_once(supervisor: Supervisor) -> None
         assert calls.event.wait(LIMIT_S)
         supervisor.poke(parked)  # a second stop request, then the fd: still handed back once
         os.write(w, b"x")
-        time.sleep(0.3)
+        _one_more_pass(supervisor)
         assert calls.count == 1
         assert supervisor.parked == 0
     finally:
@@ -119,7 +131,6 @@ def test_close_hands_back_what_is_still_parked() -> None:
     calls = Calls()
     try:
         sup.park("job", r, None, calls)
-        time.sleep(0.1)
         sup.close()
         assert calls.event.wait(LIMIT_S) and calls.count == 1
         with pytest.raises(RuntimeError):
@@ -142,8 +153,7 @@ def test_parking_without_a_deadline_wakes_no_loop_and_is_still_handed_back(super
             supervisor.park(f"task-{i}", r, None, calls[i])
         assert wakes == [] and supervisor.parked == 3
         os.write(pipes[1][1], b"x")  # the task behind the second fd ended
-        assert calls[1].event.wait(LIMIT_S)
-        time.sleep(0.1)
+        assert calls[1].event.wait(LIMIT_S)  # taken off the loop before it was handed back
         assert [c.count for c in calls] == [0, 1, 0] and supervisor.parked == 2
         pipes.append(os.pipe())
         supervisor.park("timed", pipes[3][0], time.time() + 0.2, calls[2])

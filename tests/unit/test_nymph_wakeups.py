@@ -22,8 +22,8 @@ from nymph.outbox import Outbox
 from nymph.pump import Pump
 from nymph.sdnotify import SdNotify
 from nymph.watcher import Watcher
-
-from .test_nymph_outbox import FakePlane
+from tests.stack.wait import until
+from tests.unit.outbox_kit import FakePlane
 
 
 def _ack(invocation_id: str) -> dict[str, Any]:
@@ -159,8 +159,7 @@ def test_job_threads_reuse_an_idle_thread_and_never_make_a_body_wait() -> None:
     assert done.acquire(timeout=5)
     before = threading.active_count()
     release.set()
-    time.sleep(1.5)  # idle past idle_s: they end
-    assert threading.active_count() <= before - 5
+    until(lambda: threading.active_count() <= before - 5, "the idle threads to end (idle_s 0.3)", 10.0)
 
 
 def test_a_check_that_began_before_a_write_met_a_full_disk_does_not_clear_it(
@@ -193,7 +192,7 @@ def test_a_final_frame_after_a_sender_pass_let_go_of_a_done_looking_stream_is_st
         stream.start()
         stream.stop()
         box.wake()
-        time.sleep(0.2)  # the sender passes
+        until(lambda: "inv1" not in box._lanes, "a pass of the sender to let go of the stream", 10.0)
         stream.finish(wire.FRAME_END, wire.pack({"exit_code": 0}))
         assert stream.drain(lambda: False, patience_s=1.0)
         assert [route for route, _ in plane.received] == ["/v1/daemon/result-chunks"]

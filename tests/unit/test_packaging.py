@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -25,29 +24,14 @@ import yaml
 from nymph import config as nymph_config
 from nymph_kube import KubeRunner
 from tests.conftest import ROOT, require
+from tests.unit.deploy_kit import KUBE_VERSION, by_kind, helm, validate
+
+__all__ = ["helm"]  # the fixture (deploy_kit)
 
 K8S = ROOT / "packaging" / "k8s"
 CHART = ROOT / "packaging" / "helm" / "nymph"
-KUBE_VERSION = "1.30"
 RELEASE, NAMESPACE = "nymph", "lakeshore"
 _LINT_WARNING = 2  # helm lint severities: 1 info, 2 warning, 3 error
-
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
-_ENUMS = {
-    "imagePullPolicy": {"Always", "IfNotPresent", "Never"},
-    "protocol": {"TCP", "UDP", "SCTP"},
-    "restartPolicy": {"Always", "OnFailure", "Never"},
-    "type": {
-        # hostPath types, update strategies, seccomp profile types
-        "", "DirectoryOrCreate", "Directory", "FileOrCreate", "File", "Socket", "CharDevice", "BlockDevice",
-        "RollingUpdate", "OnDelete", "RuntimeDefault", "Localhost", "Unconfined",
-        # Service types and the Deployment's Recreate strategy (the control plane's chart)
-        "ClusterIP", "NodePort", "LoadBalancer", "Recreate",
-    },
-    "pathType": {"Prefix", "Exact", "ImplementationSpecific"},
-}  # fmt: skip
-_CAPABILITIES = {"ALL", "CHOWN", "NET_BIND_SERVICE", "DAC_OVERRIDE", "FOWNER", "SETUID", "SETGID", "KILL"}
 
 
 # --- the plain manifests --------------------------------------------------------------------------
@@ -63,16 +47,6 @@ def plain() -> list[dict[str, Any]]:
     out = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
-
-
-@pytest.fixture(scope="module")
-def helm() -> Any:
-    """helm-python-sdk: Helm v4 itself (its Go SDK as a shared library), no helm binary needed."""
-    try:
-        import helm_python
-    except ImportError:
-        require(False, "helm-python-sdk is not installed (pip install -e '.[test]' brings it)")
-    return helm_python
 
 
 def _render(helm: Any, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -93,50 +67,18 @@ def chart(helm: Any) -> list[dict[str, Any]]:
     return _render(helm)
 
 
-def _validate(docs: list[dict[str, Any]]) -> None:
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
-    for doc in docs:
-        kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
-        _check_names_and_enums(doc, f"{doc['kind']}/{doc['metadata']['name']}")
-
-
-def _check_names_and_enums(node: Any, where: str, key: str = "") -> None:
-    """What the JSON schemas leave out: DNS-1123 names, enum values, label syntax, capabilities."""
-    if isinstance(node, dict):
-        for k, v in node.items():
-            if k in ("name", "namespace", "serviceAccountName") and isinstance(v, str) and key != "env":
-                assert len(v) <= 63 and _DNS_LABEL.match(v), f"{where}: {k} {v!r} is not a DNS label"
-            elif k in _ENUMS and isinstance(v, str):
-                assert v in _ENUMS[k], f"{where}: {k} {v!r} is not one of {sorted(_ENUMS[k])}"
-            elif k in ("labels", "matchLabels") and isinstance(v, dict):
-                for lk, lv in v.items():
-                    assert _LABEL_VALUE.match(str(lv)) and len(str(lv)) <= 63, f"{where}: label {lk}={lv!r}"
-            elif k in ("add", "drop") and key == "capabilities":
-                assert set(v) <= _CAPABILITIES, f"{where}: capabilities {v}"
-            _check_names_and_enums(v, where, k)
-    elif isinstance(node, list):
-        for item in node:
-            _check_names_and_enums(item, where, key)
-
-
-def _by_kind(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    out = {d["kind"]: d for d in docs}
-    assert len(out) == len(docs), "one object of each kind"
-    return out
-
-
 def test_plain_manifests_render_and_validate(plain: list[dict[str, Any]]) -> None:
     assert sorted(d["kind"] for d in plain) == [
         "ConfigMap", "DaemonSet", "Namespace", "Role", "RoleBinding", "ServiceAccount",
     ]  # fmt: skip
-    _validate(plain)
+    validate(plain)
     for doc in plain:
         if doc["kind"] != "Namespace":
             assert doc["metadata"]["namespace"] == "lakeshore", doc["kind"]
 
 
 def test_the_daemonset_runs_nymph_as_the_kube_runner_needs(plain: list[dict[str, Any]]) -> None:
-    ds = _by_kind(plain)["DaemonSet"]
+    ds = by_kind(plain)["DaemonSet"]
     pod = ds["spec"]["template"]["spec"]
     (nymph,) = pod["containers"]
     assert nymph["command"] == ["nymph", "start", "--config", "/etc/nymph/nymph.toml"]
@@ -163,7 +105,7 @@ def test_the_daemonset_runs_nymph_as_the_kube_runner_needs(plain: list[dict[str,
     assert nymph["securityContext"]["allowPrivilegeEscalation"] is False
     assert nymph["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
-    toml_text = _by_kind(plain)["ConfigMap"]["data"]["nymph.toml"]
+    toml_text = by_kind(plain)["ConfigMap"]["data"]["nymph.toml"]
     cfg = _nymph_config(toml_text)
     assert nymph["ports"][0]["containerPort"] == cfg.metrics_port
     assert cfg.workdir == Path("/var/lib/nymph/work") and cfg.runner == "kube"
@@ -172,7 +114,7 @@ def test_the_daemonset_runs_nymph_as_the_kube_runner_needs(plain: list[dict[str,
 
 
 def test_rbac_grants_pods_in_the_namespace_only(plain: list[dict[str, Any]]) -> None:
-    kinds = _by_kind(plain)
+    kinds = by_kind(plain)
     rules = kinds["Role"]["rules"]
     assert {
         "apiGroups": [""],
@@ -200,7 +142,7 @@ def _nymph_config(toml_text: str) -> nymph_config.NymphConfig:
 
 
 def test_the_config_builds_a_kube_runner(plain: list[dict[str, Any]]) -> None:
-    cfg = _nymph_config(_by_kind(plain)["ConfigMap"]["data"]["nymph.toml"])
+    cfg = _nymph_config(by_kind(plain)["ConfigMap"]["data"]["nymph.toml"])
     runner = KubeRunner(**cfg.runner_options)
     assert runner.namespace == "lakeshore" and runner.options.node_name == "n1"
     assert runner.workdir_volume == "hostPath"
@@ -218,8 +160,8 @@ def test_helm_lint_strict_passes(helm: Any) -> None:
 def test_chart_renders_validates_and_agrees_with_the_plain_manifests(
     chart: list[dict[str, Any]], plain: list[dict[str, Any]]
 ) -> None:
-    _validate(chart)
-    ours, theirs = _by_kind(chart), _by_kind(plain)
+    validate(chart)
+    ours, theirs = by_kind(chart), by_kind(plain)
     assert set(ours) == set(theirs) - {"Namespace"}  # helm install --create-namespace makes that one
     for kind in ours:
         assert ours[kind]["metadata"]["name"] == theirs[kind]["metadata"]["name"], kind
@@ -239,7 +181,7 @@ def test_chart_renders_validates_and_agrees_with_the_plain_manifests(
 
 
 def _images(docs: list[dict[str, Any]]) -> set[str]:
-    pod = _by_kind(docs)["DaemonSet"]["spec"]["template"]["spec"]
+    pod = by_kind(docs)["DaemonSet"]["spec"]["template"]["spec"]
     return {c["image"] for c in pod["containers"] + pod["initContainers"]}
 
 
@@ -270,17 +212,17 @@ def test_optional_values_reach_the_pod_and_a_config_change_rolls_it(helm: Any) -
             "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
         },
     )
-    _validate(placed)
-    pod = _by_kind(placed)["DaemonSet"]["spec"]["template"]
+    validate(placed)
+    pod = by_kind(placed)["DaemonSet"]["spec"]["template"]
     assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert pod["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
 
-    unlimited = _by_kind(_render(helm, {"resources": None}))["DaemonSet"]  # null drops the default
+    unlimited = by_kind(_render(helm, {"resources": None}))["DaemonSet"]  # null drops the default
     (bare,) = unlimited["spec"]["template"]["spec"]["containers"]
     assert "resources" not in bare
 
     def checksum(docs: list[dict[str, Any]]) -> str:
-        annotations = _by_kind(docs)["DaemonSet"]["spec"]["template"]["metadata"]["annotations"]
+        annotations = by_kind(docs)["DaemonSet"]["spec"]["template"]["metadata"]["annotations"]
         return str(annotations["checksum/config"])
 
     default_config = yaml.safe_load((CHART / "values.yaml").read_text())["config"]

@@ -15,8 +15,9 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT
-from tests.unit.test_packaging import KUBE_VERSION, _by_kind, _validate, helm  # noqa: F401 (fixture)
-from tests.unit.test_systemd_unit import parse_unit, seconds
+from tests.unit.deploy_kit import KUBE_VERSION, by_kind, helm, parse_unit, seconds, validate
+
+__all__ = ["helm"]  # the fixture (deploy_kit)
 
 CHART = ROOT / "packaging" / "helm" / "lakeshore-server"
 UNIT = ROOT / "systemd" / "lakeshore-server.service"
@@ -64,7 +65,7 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
 # --- the Helm chart -------------------------------------------------------------------------------
 
 
-def _render(helm: Any, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:  # noqa: F811
+def _render(helm: Any, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     with helm.Chart.load(CHART) as loaded:
         manifests = loaded.render(values, name="lakeshore", namespace=NAMESPACE, is_install=True)
     return [
@@ -77,20 +78,20 @@ def _render(helm: Any, values: dict[str, Any] | None = None) -> list[dict[str, A
 
 
 def _env(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    (container,) = _by_kind(docs)["Deployment"]["spec"]["template"]["spec"]["containers"]
+    (container,) = by_kind(docs)["Deployment"]["spec"]["template"]["spec"]["containers"]
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
 
 
-def test_helm_lint_strict_passes(helm: Any) -> None:  # noqa: F811
+def test_helm_lint_strict_passes(helm: Any) -> None:
     report = helm.lint(CHART, strict=True, namespace=NAMESPACE, kube_version=f"v{KUBE_VERSION}.0")
     assert report["errors"] == [], report
     assert [m for m in report["messages"] if m["severity"] >= _LINT_WARNING] == [], report
 
 
-def test_defaults_render_a_postgresql_server_with_a_blob_volume(helm: Any) -> None:  # noqa: F811
+def test_defaults_render_a_postgresql_server_with_a_blob_volume(helm: Any) -> None:
     docs = _render(helm)
-    _validate(docs)
-    kinds = _by_kind(docs)
+    validate(docs)
+    kinds = by_kind(docs)
     assert set(kinds) == {"Deployment", "Service", "PersistentVolumeClaim"}
     env = _env(docs)
     assert env["LAKESHORE_DB"] == {"secretKeyRef": {"name": "lakeshore-db", "key": "url"}}  # never a value
@@ -101,7 +102,7 @@ def test_defaults_render_a_postgresql_server_with_a_blob_volume(helm: Any) -> No
     assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "lakeshore-blobs"
 
 
-def test_ingress_terminates_tls_and_several_processes_need_redis(helm: Any) -> None:  # noqa: F811
+def test_ingress_terminates_tls_and_several_processes_need_redis(helm: Any) -> None:
     values = {
         "ingress": {"enabled": True, "host": "ls.example.org", "tls": {"secretName": "ls-tls"}},
         "blobs": {
@@ -113,8 +114,8 @@ def test_ingress_terminates_tls_and_several_processes_need_redis(helm: Any) -> N
         "redis": {"url": "redis://redis:6379/0"},
     }
     docs = _render(helm, values)
-    _validate(docs)
-    kinds = _by_kind(docs)
+    validate(docs)
+    kinds = by_kind(docs)
     assert "PersistentVolumeClaim" not in kinds  # a bucket: no blob volume
     ingress = kinds["Ingress"]["spec"]
     assert ingress["tls"] == [{"hosts": ["ls.example.org"], "secretName": "ls-tls"}]

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 from dreamlake.lakeshore.store import open_store
 from dreamlake.lakeshore.store.outage import Outages, StoreOutage, classify, probe
-from tests.faults.stack import free_port
+from tests.stack.ports import free_port
 
 
 def test_postgres_refusing_connections_is_store_unavailable_naming_where() -> None:

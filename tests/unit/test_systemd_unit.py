@@ -17,46 +17,13 @@ import pytest
 from nymph.config import NymphConfig, from_env, resolve
 from nymph.taskuser import pool_names
 from nymph.upgrade import EXIT_VERSION_MISMATCH
+from tests.unit.deploy_kit import parse_unit, seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "systemd" / "nymph.service"
 TOML = ROOT / "systemd" / "nymph.toml.example"
 ENV = ROOT / "systemd" / "nymph.env.example"
 EXIT_AUTH = 77  # nymph.agent.EXIT_AUTH: a rejected token; restarting cannot help
-
-Unit = dict[str, dict[str, list[str]]]
-
-
-def parse_unit(text: str) -> Unit:
-    """Sections -> key -> every value (systemd keys may repeat), with continuation lines joined."""
-    unit: Unit = {}
-    section: dict[str, list[str]] | None = None
-    pending = ""
-    for raw in text.splitlines():
-        line = pending + raw.strip()
-        pending = ""
-        if line.endswith("\\"):
-            pending = line[:-1] + " "
-            continue
-        if not line or line[0] in "#;":
-            continue
-        if line.startswith("[") and line.endswith("]"):
-            section = unit.setdefault(line[1:-1], {})
-            continue
-        assert section is not None, f"assignment outside a section: {line!r}"
-        key, sep, value = line.partition("=")
-        assert sep, f"not an assignment: {line!r}"
-        section.setdefault(key.strip(), []).append(value.strip())
-    return unit
-
-
-def seconds(value: str) -> float:
-    """A systemd time span ("30", "30s", "1min 30s", "2m") in seconds."""
-    units = {"": 1, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "ms": 0.001}
-    total = 0.0
-    for number, unit in re.findall(r"(\d+(?:\.\d+)?)\s*([a-z]*)", value):
-        total += float(number) * units[unit]
-    return total
 
 
 @pytest.fixture(scope="module")

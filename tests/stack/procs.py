@@ -1,0 +1,41 @@
+"""The environment of the checkout's subprocesses, and owning them by process group."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def child_env() -> dict[str, str]:
+    """This environment without nymph's own settings (``NYMPH_*``), with the checkout and its
+    runner plugins on ``PYTHONPATH``: how the suite starts ``lakeshore`` and ``nymph``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NYMPH_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "runners")])
+    return env
+
+
+def kill_group(proc: subprocess.Popen[bytes] | None, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to the process group ``proc`` leads (started with ``start_new_session=True``),
+    and reap ``proc``; what its group left (a task in a session of its own) is the caller's."""
+    if proc is None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+    if sig == signal.SIGKILL:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(20)
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    import psutil
+
+    try:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
