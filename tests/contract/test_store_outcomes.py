@@ -9,7 +9,7 @@ from __future__ import annotations
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.store.api import Outcome, SubmitRequest
 from dreamlake.lakeshore.store.sql import SqlStore
-from tests.contract.test_store import FN, ack, submit
+from tests.contract.store_kit import FN, ack, submit
 
 ERR = {"type": "ValueError", "message": "bad input"}
 

@@ -103,7 +103,7 @@ def test_concurrency_limits_are_visible_in_queues_and_the_dashboard(control_plan
     assert line.split() == ["gpu-db", "2", "2"], out.stdout
     assert "CONCURRENCY KEY" in out.stdout
 
-    page = _login(cp, cp.admin_token).get("/ui/parts/overview").text
+    page = login(cp, cp.admin_token).get("/ui/parts/overview").text
     m = re.search(r'<tr data-key="gpu-db" class="([^"]*)">(.*?)</tr>', page, re.S)
     assert m, page
     assert m.group(1) == "warn"  # at its limit

@@ -25,7 +25,7 @@ from dreamlake.lakeshore.dispatch import HttpDispatch
 from dreamlake.lakeshore.errors import QuotaExceeded
 from dreamlake.lakeshore.ids import new_ulid
 from tests.integration.conftest import submit_body
-from tests.integration.test_map import square
+from tests.integration.map_kit import square
 from tests.security.conftest import Stack, lakeshore
 
 
