@@ -27,6 +27,7 @@ if str(ROOT / "runners") not in sys.path:
     sys.path.insert(0, str(ROOT / "runners"))
 
 import nymph_process
+import nymph_process.forking
 import nymph_process.prefork
 from nymph_process import ProcessRunner
 from nymph_process.prefork import ZygoteClient
@@ -327,7 +328,8 @@ def test_fork_answer_lost_the_child_is_adopted_never_run_twice(
         real_dispatch(self, msg)
 
     monkeypatch.setattr(ZygoteClient, "_dispatch", lose_fork_answers)
-    monkeypatch.setattr(nymph_process, "_ZYGOTE_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(nymph_process, "ZYGOTE_TIMEOUT_S", 2.0)  # the entry lock's wait
+    monkeypatch.setattr(nymph_process.forking, "ZYGOTE_TIMEOUT_S", 2.0)  # the fork answer's
     runs, release = tmp_path / "runs.txt", tmp_path / "release"
     task = prepare(record_run, str(runs), str(release))
     handle = runner.start(task)

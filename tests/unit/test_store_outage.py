@@ -71,6 +71,20 @@ def test_an_outage_is_logged_once_and_its_end_once_with_the_count(caplog: pytest
     assert not outages.expiry_paused()
 
 
+
+def test_a_quiet_plane_resumes_expiry_a_lease_after_the_last_failure() -> None:
+    """No write comes after the outage (an idle fleet): expiry still resumes ``hold_s`` after
+    the last failure, and its own committed pass is the write that ends the outage."""
+    outages = Outages(hold_s=0.2, quiet_s=0.1)
+    outages.failed(StoreOutage("full", "no space left on device"))
+    assert outages.expiry_paused()
+    time.sleep(0.25)
+    assert outages.current is not None  # declared still: nothing has been written since
+    assert not outages.expiry_paused()  # so the expiry pass runs ...
+    outages.succeeded()  # ... and commits
+    assert outages.current is None
+
+
 def test_probe_reads_a_sound_store(tmp_path: Path) -> None:
     store = open_store(str(tmp_path / "s.db"))
     try:

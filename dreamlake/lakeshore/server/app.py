@@ -385,6 +385,7 @@ async def _expire_loop(ctx: Context) -> None:
                 "lease expiry pass failed; retrying in %.1fs", ctx.config.expire_every_s, exc_info=True
             )
             continue
+        ctx.outages.succeeded()  # a write committed: on a quiet plane this is what ends an outage
         if expired:
             ctx.metrics.expired.inc(len(expired))
             for inv in expired:

@@ -188,8 +188,10 @@ class Outages:
 
     def expiry_paused(self) -> bool:
         """Whether lease expiry must wait: writes failed within the last ``hold_s`` seconds (a
-        heartbeat refused meanwhile must get a lease's time to land before its lease may lapse)."""
-        return self.current is not None or time.monotonic() - self.last_failure < self.hold_s
+        heartbeat refused meanwhile must get a lease's time to land before its lease may lapse).
+        Not while an outage is merely still declared: on a quiet plane the expiry pass is the
+        write that ends it (see ``_expire_loop``), so it must run once no write failed for a lease."""
+        return time.monotonic() - self.last_failure < self.hold_s
 
 
 def probe(store: Any) -> StoreOutage | None:
