@@ -71,7 +71,6 @@ def test_an_outage_is_logged_once_and_its_end_once_with_the_count(caplog: pytest
     assert not outages.expiry_paused()
 
 
-
 def test_a_quiet_plane_resumes_expiry_a_lease_after_the_last_failure() -> None:
     """No write comes after the outage (an idle fleet): expiry still resumes ``hold_s`` after
     the last failure, and its own committed pass is the write that ends the outage."""
