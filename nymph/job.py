@@ -17,6 +17,10 @@ expired"}``; the control plane requeues it). Before the ladder signals the task,
 in the workdir says why (the entry's ``dls.Interrupted`` carries it).
 A ``script`` run ends its LOG stream with END whose body is ``wire.pack({"exit_code": 0})`` (the
 same bytes are the ack's ``result_blob``), or with ERROR ``{type: "ScriptFailed", ...}``.
+
+One idea: one invocation's steps (prepare, supervise, settle) over one :class:`Job`, whose
+attributes every step reads and writes; the pieces that stand alone already live apart (gates,
+workdir, taskenv, callenv, checkpoints, the pump), so what is left is over 600 lines as one class.
 """
 
 from __future__ import annotations

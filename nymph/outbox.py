@@ -37,6 +37,11 @@ crash meanwhile replays it (the control plane answers ``duplicate``). An ack put
 imminent (``poll_imminent``, the poller's :meth:`~nymph.poller.Poller.poll_soon`) is held back
 from the sender for :data:`HOLD_S` so that poll can take it; a poll that does not come in time
 leaves it to the sender.
+
+One idea: durable, in-order delivery per lane through one :class:`Outbox`. Its disk side (put,
+replay), its lanes and sender, and the acks that ride on a poll share one lock, one set of lanes
+and one message's life (written, sent or taken by a poll, settled, unlinked); split apart, each
+piece would reach into the others' state.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 One SQLAlchemy Core code path serves both dialects. The store is assembled from one class per
 concern, each whole in its module (see base.py for how they combine):
 
-- invocations.py  submit, get, cancel, claim, ack, invocation leases
+- invocations.py  submit, get, cancel, claim; composed with acks.py (ack, retry, preemption,
+                  checkpoint) and leases.py (renewal, expiry); the row and its statements:
+                  invocation_rows.py
 - frames.py       the frame journal of invocations and topics
 - workers.py      workers and their commands, namespaces (pinned nymph version), tokens
 - exec_jobs.py    exec jobs (seed 003) and their leases

@@ -1,0 +1,221 @@
+"""An invocation's row: its columns, its conversion to :class:`Invocation`, and the hot statements
+that read and write it, built once per dialect; shared by submit and claim (invocations.py), acks
+(acks.py) and leases (leases.py)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Row
+
+from . import schema as t
+from .api import Invocation
+from .base import dialect_insert
+from .direct import Direct
+
+CANCEL_REASON = "cancelled by producer"
+
+_inv = t.invocations
+_att = t.invocation_attempts
+_INV_COLS = tuple(c.name for c in _inv.c)
+
+
+def row_to_invocation(r: Row[Any]) -> Invocation:
+    """An Invocation from a row holding every invocations column (``select(_inv)`` / returning)."""
+    return invocation_from(dict(zip(_INV_COLS, r, strict=True)))
+
+
+def invocation_from(m: Mapping[str, Any]) -> Invocation:
+    """An Invocation from a mapping of invocations columns; the two blobs may be left out (a
+    listing reads neither): the arguments are then empty and the result None."""
+    args_blob, result_blob = m.get("args_blob"), m.get("result_blob")
+    return Invocation(
+        invocation_id=m["invocation_id"],
+        queue=m["queue"],
+        state=m["state"],
+        priority=int(m["priority"]),
+        function=m["function"],
+        args_blob=bytes(args_blob) if args_blob is not None else b"",
+        run_config=m["run_config"],
+        code_context=m["code_context"],
+        namespace=m["namespace"],
+        attempt=m["attempt"],
+        max_attempts=m["max_attempts"],
+        parent_invocation_id=m["parent_invocation_id"],
+        root_invocation_id=m["root_invocation_id"],
+        idempotency_key=m["idempotency_key"],
+        worker_id=m["worker_id"],
+        submitted_at=m["submitted_at"],
+        started_at=m["started_at"],
+        finished_at=m["finished_at"],
+        lease_expires_at=m["lease_expires_at"],
+        result_blob=bytes(result_blob) if result_blob is not None else None,
+        error=m["error"],
+        cancel_requested=bool(m["cancel_requested"]),
+        args_ref=m.get("args_ref"),
+        result_ref=m.get("result_ref"),
+        not_before=m.get("not_before"),
+        shape=m.get("shape") or "",
+        preemptions=int(m.get("preemptions") or 0),
+        checkpoint_ref=m.get("checkpoint_ref"),
+    )
+
+
+_SUBMIT_COLS = (
+    "invocation_id",
+    "queue",
+    "state",
+    "priority",
+    "function_key",
+    "function",
+    "args_blob",
+    "run_config",
+    "code_context",
+    "namespace",
+    "content_hash",
+    "attempt",
+    "max_attempts",
+    "parent_invocation_id",
+    "root_invocation_id",
+    "idempotency_key",
+    "submitted_at",
+    "cancel_requested",
+    "args_ref",
+    "shape",
+    "not_before",
+)
+
+
+class _Statements:
+    """The hot paths' statements, built once per dialect with bind parameters.
+
+    Reusing one statement object lets SQLAlchemy memoize its cache key and reuse the compiled SQL
+    from the engine's compiled cache, so a call pays for executing, not for building and compiling.
+    Lists (queues of a claim, leases of a heartbeat) are ``expanding`` parameters.
+    """
+
+    def __init__(self, dialect: str) -> None:
+        B = sa.bindparam
+        self.insert_queue = (
+            dialect_insert(dialect, t.queues)
+            .values(name=B("queue"), created_at=B("now"))
+            .on_conflict_do_nothing()
+        )
+        self.insert_function = (
+            dialect_insert(dialect, t.functions)
+            .values(function_key=B("fkey"), function=B("function", type_=sa.JSON), created_at=B("now"))
+            .on_conflict_do_nothing()
+        )
+        self.insert_invocation = Direct(  # the writer's hottest statements: store/direct.py
+            dialect_insert(dialect, _inv)
+            .values({col: B(col, type_=_inv.c[col].type) for col in _SUBMIT_COLS})
+            .on_conflict_do_nothing()
+            .returning(_inv.c.invocation_id),
+            dialect,
+        )
+        self.roots_of = sa.select(_inv.c.invocation_id, _inv.c.root_invocation_id).where(
+            _inv.c.invocation_id.in_(B("ids", expanding=True))
+        )
+        self.same_id = sa.select(_inv.c.queue, _inv.c.content_hash).where(_inv.c.invocation_id == B("id"))
+        self.same_key = sa.select(_inv.c.invocation_id).where(
+            _inv.c.namespace == B("namespace"), _inv.c.queue == B("queue"), _inv.c.idempotency_key == B("key")
+        )
+        self.get = sa.select(_inv).where(_inv.c.invocation_id == B("id"))
+        self.get_many = sa.select(_inv).where(_inv.c.invocation_id.in_(B("ids", expanding=True)))
+        # ``ack``: one ack, RETURNING whether it applied; ``ack_many``: the same without RETURNING,
+        # for an executemany of many acks (one round trip: psycopg pipelines it).
+        self.ack: dict[tuple[bool, bool], Any] = {}
+        self.ack_many: dict[tuple[bool, bool], Any] = {}
+        for by_attempt in (False, True):
+            for by_worker in (False, True):
+                conds = [_inv.c.invocation_id == B("id"), _inv.c.state == "running"]
+                if by_attempt:
+                    conds.append(_inv.c.attempt == B("b_attempt"))
+                if by_worker:
+                    conds.append(_inv.c.worker_id == B("worker"))
+                update = (
+                    sa.update(_inv)
+                    .where(*conds)
+                    .values(
+                        state=B("b_state"),
+                        finished_at=B("now"),
+                        result_blob=B("blob", type_=_inv.c.result_blob.type),
+                        error=B("b_error", type_=_inv.c.error.type),
+                        result_ref=B("b_ref", type_=_inv.c.result_ref.type),
+                        lease_expires_at=None,
+                    )
+                )
+                self.ack_many[by_attempt, by_worker] = Direct(update, dialect)
+                self.ack[by_attempt, by_worker] = Direct(
+                    update.returning(_inv.c.invocation_id, _inv.c.queue, _inv.c.namespace, _inv.c.shape),
+                    dialect,
+                )
+        # a retry: the row back to queued (claimable at ``not_before``, NULL: now), conditional on
+        # the attempt it ends still running; and that attempt's outcome kept in the history.
+        self.retry_row = sa.select(
+            _inv.c.state,
+            _inv.c.queue,
+            _inv.c.namespace,
+            _inv.c.attempt,
+            _inv.c.max_attempts,
+            _inv.c.worker_id,
+            _inv.c.started_at,
+            _inv.c.run_config,
+            _inv.c.cancel_requested,
+            _inv.c.preemptions,
+            _inv.c.shape,
+        ).where(_inv.c.invocation_id == B("id"))
+        self.requeue = (
+            sa.update(_inv)
+            .where(
+                _inv.c.invocation_id == B("id"), _inv.c.state == "running", _inv.c.attempt == B("b_attempt")
+            )
+            .values(
+                state="queued",
+                worker_id=None,
+                lease_expires_at=None,
+                started_at=None,
+                error=B("b_error", type_=_inv.c.error.type),
+                not_before=B("b_not_before", type_=_inv.c.not_before.type),
+            )
+            .returning(_inv.c.invocation_id)
+        )
+        # a preempted attempt: back to queued at once, one more preemption (spends no attempt)
+        self.preempt = (
+            sa.update(_inv)
+            .where(
+                _inv.c.invocation_id == B("id"), _inv.c.state == "running", _inv.c.attempt == B("b_attempt")
+            )
+            .values(
+                state="queued",
+                worker_id=None,
+                lease_expires_at=None,
+                started_at=None,
+                error=B("b_error", type_=_inv.c.error.type),
+                not_before=None,
+                preemptions=_inv.c.preemptions + 1,
+            )
+            .returning(_inv.c.invocation_id)
+        )
+        self.insert_attempt = dialect_insert(dialect, _att).on_conflict_do_nothing()
+        self.attempt_of = sa.select(_att).where(
+            _att.c.invocation_id == B("id"), _att.c.attempt == B("b_attempt")
+        )
+        self.renew = (
+            sa.update(_inv)
+            .where(
+                sa.tuple_(_inv.c.invocation_id, _inv.c.attempt).in_(B("pairs", expanding=True)),
+                _inv.c.state == "running",
+                _inv.c.worker_id == B("worker"),
+            )
+            .values(lease_expires_at=B("lease"))
+            .returning(_inv.c.invocation_id, _inv.c.cancel_requested)
+        )
+
+
+@functools.cache
+def _statements(dialect: str) -> _Statements:
+    return _Statements(dialect)
