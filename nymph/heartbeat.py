@@ -9,24 +9,30 @@ answer carries cancel commands (so a cancel reaches a job even when every slot i
 is not polling), ``lost`` ids (another attempt owns them: kill, do not ack or publish) and, when
 the namespace pins one, ``target_nymph_version``. ``on_answer`` gets the answer and the entries
 reported (those of ``running``, then those of ``running_exec``), since ``lost`` is about those. Failures are logged and the
-next beat tries again; the poll loop decides when the agent must stop.
+next beat tries again; the poll loop decides when the agent must stop. The loop around the beat
+(cadence, jitter, stop) is the daemons' one: ``protocol/beats.py``, which ``lakeshore worker``
+uses too.
 """
 
 from __future__ import annotations
 
 import logging
-import random
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from dreamlake.lakeshore.errors import PlaneError
+from dreamlake.lakeshore.protocol.beats import Beats
 from nymph.client import ControlPlaneClient, is_retryable
 
 log = logging.getLogger(__name__)
 
+JITTER = 0.1  # each wait in [0.9, 1.0] x interval_s: a fleet started at once spreads out
+
 
 class Heartbeat:
+    """nymph's beat (see the module docstring) on the daemons' one cadence
+    (:class:`~dreamlake.lakeshore.protocol.beats.Beats`)."""
+
     def __init__(
         self,
         client: ControlPlaneClient,
@@ -47,17 +53,13 @@ class Heartbeat:
         self._free_slots = free_slots
         self._on_answer = on_answer
         self._on_error = on_error
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._beats = Beats("nymph-heartbeat", interval_s, self.beat, jitter=JITTER)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="nymph-heartbeat", daemon=True)
-        self._thread.start()
+        self._beats.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=20.0)
+        self._beats.stop(timeout_s=20.0)
 
     def beat(self) -> None:
         """One heartbeat, now."""
@@ -77,10 +79,3 @@ class Heartbeat:
             return
         # with what was reported: an answer is about those attempts
         self._on_answer(answer, running + execs)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s * random.uniform(0.9, 1.0)):
-            try:
-                self.beat()
-            except Exception:
-                log.exception("heartbeat: unexpected failure")

@@ -31,10 +31,12 @@ import logging
 import threading
 import time
 import traceback
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import ids
 from dreamlake.lakeshore.errors import EnvelopeError, PlaneError
+from dreamlake.lakeshore.protocol.beats import Beats
 
 if TYPE_CHECKING:
     from dreamlake.lakeshore.dispatch import Claim, Plane
@@ -46,7 +48,6 @@ __all__ = ["run_worker"]
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 10.0
-_WAKE_SLICE_S = 0.1  # how often a heartbeat thread waiting on the plane rechecks its stop flag
 CANCELLED = {"type": "Cancelled", "message": "cancelled by producer"}
 
 
@@ -70,17 +71,20 @@ def _error_info(exc: BaseException) -> dict[str, Any]:
 
 class _Heartbeat:
     """Renews the leases the worker holds and notices cancels, on one daemon thread for the
-    worker's life (a short call pays no thread of its own). ``hold`` adds claims (the one running
-    and those claimed ahead of it), ``release`` drops one once acked."""
+    worker's life (a short call pays no thread of its own), on the daemons' one cadence
+    (:class:`~dreamlake.lakeshore.protocol.beats.Beats`; woken at once by a queued command on a
+    plane that can say so). ``hold`` adds claims (the one running and those claimed ahead of
+    it), ``release`` drops one once acked."""
 
     def __init__(self, plane: Plane, worker_id: str, every_s: float) -> None:
         self._held: dict[str, Claim] = {}
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._args = (plane, worker_id, every_s)
-        self._thread = threading.Thread(target=self._loop, name=f"heartbeat-{worker_id}", daemon=True)
-        self._thread.start()
+        self._plane, self._worker_id = plane, worker_id
+        wake = None
+        if plane.wakes_on_commands:
+            wake = partial(plane.wait_commands, worker_id)
+        self._beats = Beats(f"heartbeat-{worker_id}", every_s, self._beat, wake=wake).start()
 
     def hold(self, *claims: Claim) -> None:
         with self._lock:
@@ -96,39 +100,24 @@ class _Heartbeat:
         with self._lock:
             return invocation_id in self._cancelled
 
-    def _wait(self) -> bool:
-        """Wait for the next beat (or, on a plane that can say so, a queued command); True: stop."""
-        plane, worker_id, every_s = self._args
-        if not plane.wakes_on_commands:
-            return self._stop.wait(every_s)
-        deadline = time.monotonic() + every_s
-        while not self._stop.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0 or plane.wait_commands(worker_id, min(left, _WAKE_SLICE_S)):
-                return False
-        return True
-
-    def _loop(self) -> None:
-        plane, worker_id, _every_s = self._args
-        while not self._wait():
-            with self._lock:
-                running = [(c.invocation_id, c.attempt) for c in self._held.values()]
-            if not running:
-                continue
-            try:
-                cancels = plane.heartbeat(worker_id, running)
-            except Exception as exc:  # a missed beat is retried on the next one
-                log.warning("heartbeat for %s failed: %s", ", ".join(i for i, _ in running), exc)
-                continue
-            with self._lock:
-                for inv in cancels:
-                    if inv in self._held and inv not in self._cancelled:  # asked on every beat
-                        log.info("cancel received for %s", inv)
-                        self._cancelled.add(inv)
+    def _beat(self) -> None:
+        with self._lock:
+            running = [(c.invocation_id, c.attempt) for c in self._held.values()]
+        if not running:
+            return
+        try:
+            cancels = self._plane.heartbeat(self._worker_id, running)
+        except Exception as exc:  # a missed beat is retried on the next one
+            log.warning("heartbeat for %s failed: %s", ", ".join(i for i, _ in running), exc)
+            return
+        with self._lock:
+            for inv in cancels:
+                if inv in self._held and inv not in self._cancelled:  # asked on every beat
+                    log.info("cancel received for %s", inv)
+                    self._cancelled.add(inv)
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+        self._beats.stop(timeout_s=5)
 
 
 class _Job:

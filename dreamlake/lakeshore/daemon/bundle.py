@@ -100,6 +100,7 @@ SDK_FILES = (
     "dreamlake/lakeshore/protocol/shapes.py",
     "dreamlake/lakeshore/protocol/daemon.py",
     "dreamlake/lakeshore/protocol/producer.py",
+    "dreamlake/lakeshore/protocol/beats.py",
     "dreamlake/lakeshore/dispatch/batching.py",
 )
 BUNDLED_FILES = RUNTIME_FILES + SDK_FILES
