@@ -303,6 +303,9 @@ def lakeshore_server(
 ) -> Iterator[tuple[int, str, int]]:
     """``lakeshore server`` in a subprocess; yields (port, admin token, pid). With ``profile``, the
     server runs under ``bench/_sampler.py``, whose stack samples land in that file at exit."""
+    # a PostgreSQL control plane seals secrets under a key kept outside the database: every server
+    # this bench starts shares one, made for the run (its scratch database is dropped after)
+    os.environ.setdefault("LAKESHORE_SERVER_KEY", secrets.token_hex(32))
     port = free_port()
     prof = [str(Path(__file__).with_name("_sampler.py")), str(profile)] if profile is not None else []
     cmd = [sys.executable, *prof, "-m", "dreamlake.lakeshore.cli", "--log-level", "warning", "server"]

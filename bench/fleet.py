@@ -46,6 +46,7 @@ import json
 import os
 import random
 import resource
+import secrets
 import signal
 import socket
 import subprocess
@@ -155,6 +156,9 @@ class Server:
 
 
 def _start_server(db: str, data: Path, server_root: Path, log: Path, profile: Path | None = None) -> Server:
+    # a PostgreSQL control plane seals secrets under a key kept outside the database: every server
+    # this bench starts shares one, made for the run (its scratch database is dropped after)
+    os.environ.setdefault("LAKESHORE_SERVER_KEY", secrets.token_hex(32))
     port = free_port()
     env = {**os.environ, "PYTHONPATH": f"{server_root}:{server_root / 'runners'}"}
     prof = [str(Path(__file__).with_name("_sampler.py")), str(profile)] if profile is not None else []
