@@ -30,11 +30,11 @@ import inspect
 import logging
 import threading
 import time
-import traceback
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import ids
+from dreamlake.lakeshore.daemon.entry_outputs import error_info  # the error shape the entry acks too
 from dreamlake.lakeshore.errors import EnvelopeError, PlaneError
 from dreamlake.lakeshore.protocol.beats import Beats
 
@@ -57,16 +57,6 @@ class _Cancelled(Exception):
 
 class _Superseded(Exception):
     """The plane refused a frame (409): this attempt's lease lapsed and another one owns the job."""
-
-
-def _error_info(exc: BaseException) -> dict[str, Any]:
-    return {
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        # the class names of its MRO (less object): retry_on names a base class as well
-        "mro": [c.__name__ for c in type(exc).__mro__ if c is not object],
-    }
 
 
 class _Heartbeat:
@@ -173,7 +163,7 @@ class _Job:
             args, kwargs = envelope.unpack_args()
         except (EnvelopeError, ValueError, TypeError) as exc:
             log.warning("refusing %s: %s: %s", inv, type(exc).__name__, exc)
-            self.ack("failed", error=_error_info(exc))
+            self.ack("failed", error=error_info(exc))
             return "failed"
         with invocation_context(envelope):
             try:
@@ -209,7 +199,7 @@ class _Job:
             raise
         except Exception as exc:
             log.info("invocation %s raised %s: %s", inv, type(exc).__name__, exc)
-            info = _error_info(exc)
+            info = error_info(exc)
             if is_gen:
                 self.frame(wire.FRAME_ERROR, info, final=True)
             self.ack("failed", error=info)

@@ -65,9 +65,9 @@ from dreamlake.lakeshore.daemon.entry_outputs import (
     RESULT_MAX_ENV,
     ResultTooLarge,
     _check_result_size,
-    _error_info,
     _fail,
     _write_atomic,
+    error_info,
 )
 from dreamlake.lakeshore.daemon.entry_streams import (
     DELIVERED_FILE,
@@ -259,11 +259,11 @@ def run(blob: Any = None) -> int:
         envelope, fn, args, kwargs = _load(blob)
     except _Refused as refused:
         cause = refused.__cause__ or refused
-        info = _error_info(cause)
+        info = error_info(cause)
         info["message"] = str(refused)  # the same text, or the cause with what to do about it
         return _fail(info, EXIT_REFUSED)
     except BaseException as exc:  # the user's module raised while importing
-        return _fail(_error_info(exc), EXIT_RAISED)
+        return _fail(error_info(exc), EXIT_RAISED)
     interrupts = _Interrupts()
     if not envvars.is_set(CHECKPOINT_ENV):  # dls.checkpoint_dir(), as this task sees its workdir
         os.environ[CHECKPOINT_ENV] = os.path.join(interrupts.cwd, CHECKPOINT_DIR)
@@ -282,7 +282,7 @@ def run(blob: Any = None) -> int:
             packed = wire.pack(result)
         except BaseException as exc:
             interrupts.close()
-            return _fail(_error_info(exc), EXIT_RAISED)
+            return _fail(error_info(exc), EXIT_RAISED)
     _write_atomic(RESULT_FILE, packed)
     return EXIT_OK
 

@@ -51,7 +51,9 @@ def _write_atomic(name: str, data: bytes) -> None:
     os.replace(tmp, name)
 
 
-def _error_info(exc: BaseException) -> Dict[str, Any]:
+def error_info(exc: BaseException) -> Dict[str, Any]:
+    """An exception as an ack or ERROR frame carries it: type, message, traceback, and the class
+    names of its MRO. The entry and `lakeshore worker` both ack with it."""
     import traceback
 
     return {

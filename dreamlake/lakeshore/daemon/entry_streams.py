@@ -29,10 +29,10 @@ from dreamlake.lakeshore.daemon.entry_outputs import (
     EXIT_OK,
     EXIT_RAISED,
     RESULT_FILE,
-    _error_info,
     _fail,
     _write_all,
     _write_atomic,
+    error_info,
 )
 from dreamlake.lakeshore.errors import Interrupted
 
@@ -183,7 +183,7 @@ def _journaled(
         except BaseException as exc:
             if interrupts is not None:
                 interrupts.close()
-            info = _error_info(exc if settle is None else settle(exc))
+            info = error_info(exc if settle is None else settle(exc))
             journal.append(wire.FRAME_ERROR, info)
             ended = True
             journal.close(sync=True)
