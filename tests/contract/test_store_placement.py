@@ -64,7 +64,7 @@ def test_fleet_wide_limits_hold_in_the_claim(store: SqlStore) -> None:
     keyed = [submit(store, "k", concurrency_key="db", max_concurrency=1) for _ in range(3)]
     assert [i.invocation_id for i in store.claim("w3", ["k"], limit=3)] == keyed[:1]
     assert store.claim("w4", ["k"], limit=3) == []
-    assert store.key_limit_use() == [("db", 1, 1)]  # what lakeshore queues lists beside the queues
+    assert store.key_limit_use() == [("default/db", 1, 1)]  # what lakeshore queues lists beside the queues
     with store.db.tx(write=True) as conn:
         store.set_limit_in(conn, queue_limit("lim"), None, time.time())
     assert len(store.claim("w5", ["lim"], limit=4)) == 2

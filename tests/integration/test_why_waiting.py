@@ -85,8 +85,9 @@ def test_show_says_why_a_queued_call_waits(control_plane: ControlPlane) -> None:
 def test_concurrency_limits_are_visible_in_queues_and_the_dashboard(control_plane: ControlPlane) -> None:
     """``@dls.udf(concurrency_key=, max_concurrency=)`` limits sit beside the queues' own: ``lakeshore
     queues``, ``GET /v1/ops/queues`` (``key_limits``) and the dashboard's overview list each key's
-    limit and its calls running now. Keys are fleet-wide names, so only fleet-wide callers see them:
-    a namespace's token gets none (it sees its own waiting call's key in ``lakeshore show``)."""
+    limit and its calls running now. A key belongs to the namespace that submits it: the admin sees
+    it as ``<namespace>/<key>``, a token of that namespace by its own name, another namespace not
+    at all."""
     cp = control_plane
     keyed = [_submit(cp, "keyed2", concurrency_key="gpu-db", max_concurrency=2) for _ in range(3)]
     _register(cp, "keyed2")
@@ -94,18 +95,23 @@ def test_concurrency_limits_are_visible_in_queues_and_the_dashboard(control_plan
     assert [i.invocation_id for i in claimed] == keyed[:2]
 
     listed = cp.client(cp.admin_token).get("/v1/ops/queues").json()["key_limits"]
-    assert {"key": "gpu-db", "max_concurrency": 2, "running": 2} in listed
-    assert cp.client(cp.producer_token).get("/v1/ops/queues").json()["key_limits"] == []
+    assert {"key": "default/gpu-db", "max_concurrency": 2, "running": 2} in listed
+    own = cp.client(cp.store.create_token("namespace", "n-default", "default"))
+    assert {"key": "gpu-db", "max_concurrency": 2, "running": 2} in own.get("/v1/ops/queues").json()[
+        "key_limits"
+    ]
+    other = cp.client(cp.store.create_token("namespace", "n-other", "other"))
+    assert other.get("/v1/ops/queues").json()["key_limits"] == []
 
     out = run(cp, "queues")
     assert out.exit_code == 0, out.output
-    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("gpu-db"))
-    assert line.split() == ["gpu-db", "2", "2"], out.stdout
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("default/gpu-db"))
+    assert line.split() == ["default/gpu-db", "2", "2"], out.stdout
     assert "CONCURRENCY KEY" in out.stdout
 
     page = login(cp, cp.admin_token).get("/ui/parts/overview").text
-    m = re.search(r'<tr data-key="gpu-db" class="([^"]*)">(.*?)</tr>', page, re.S)
+    m = re.search(r'<tr data-key="default/gpu-db" class="([^"]*)">(.*?)</tr>', page, re.S)
     assert m, page
     assert m.group(1) == "warn"  # at its limit
     cells = [re.sub(r"<[^>]+>", "", c).strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", m.group(2), re.S)]
-    assert cells == ["gpu-db", "2", "2"]
+    assert cells == ["default/gpu-db", "2", "2"]

@@ -39,6 +39,7 @@ from dreamlake.lakeshore.store.api import (
     WorkerRow,
 )
 from dreamlake.lakeshore.store.api import visible as store_visible
+from dreamlake.lakeshore.store.placement import shown_key
 from dreamlake.lakeshore.version import __version__
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -255,11 +256,18 @@ async def read_queues(ctx: Context, namespace: str | None) -> list[dict[str, Any
     return [queue_json(q, now, limits.get(q.name)) for q in stats]
 
 
-async def read_key_limits(ctx: Context) -> list[dict[str, Any]]:
-    """Every concurrency key's limit (``@dls.udf(concurrency_key=, max_concurrency=)``) and its
-    calls running now, fleet-wide like the limit itself."""
+async def read_key_limits(ctx: Context, namespace: str | None) -> list[dict[str, Any]]:
+    """The concurrency keys' limits (``@dls.udf(concurrency_key=, max_concurrency=)``) and their
+    calls running now. Keys belong to namespaces (``placement.scoped_key``): a namespace's caller
+    sees its own keys by the names it gave them; a fleet-wide caller (None) sees every key as
+    ``<namespace>/<key>``."""
     use = await ctx.call(ctx.store.key_limit_use)
-    return [{"key": key, "max_concurrency": most, "running": n} for key, most, n in use]
+    own = f"{namespace}/"
+    return [
+        {"key": shown_key(namespace, key), "max_concurrency": most, "running": n}
+        for key, most, n in use
+        if namespace is None or key.startswith(own)
+    ]
 
 
 async def read_workers(
@@ -411,9 +419,8 @@ class OpsRoutes:
         return h.json_response(
             {
                 "queues": await read_queues(self.ctx, ns),
-                # concurrency keys are fleet-wide names: listed to fleet-wide callers only (a
-                # namespace's token sees its own waiting calls' key limits in lakeshore show)
-                "key_limits": await read_key_limits(self.ctx) if caller.namespace is None else [],
+                # a concurrency key is its namespace's: the namespace's own keys, by their names
+                "key_limits": await read_key_limits(self.ctx, ns),
                 "live_window_s": LIVE_WINDOW_S,
             }
         )

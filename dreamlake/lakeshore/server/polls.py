@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from dreamlake.lakeshore.errors import PlaneError
-from dreamlake.lakeshore.store.api import PollRequest, SubmitRequest
+from dreamlake.lakeshore.store.api import DEFAULT_NAMESPACE, PollRequest, SubmitRequest
 from dreamlake.lakeshore.store.notify import Notifier, exec_queue_channel, run_queue_channel
 from dreamlake.lakeshore.store.placement import NO_OFFER, PLAIN, Needs, Offer, needs_of
 
@@ -388,7 +388,7 @@ class PollHub:
             if len(out) >= MAX_HANDOFFS:
                 break
             try:
-                shape = needs_of(submit.run_config).key()
+                shape = needs_of(submit.run_config, submit.namespace or DEFAULT_NAMESPACE).key()
             except PlaneError:  # the submit is refused: nothing to hand
                 continue
             wake = Wake(RUN, submit.queue, submit.namespace, shape)

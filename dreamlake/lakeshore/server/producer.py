@@ -108,7 +108,9 @@ def _submitted(
     if count:
         ctx.metrics.submitted(result.duplicate)
     if ctx.wake.own and not result.duplicate:
-        for channel in invocation_channels(req.namespace, result.queue, needs_of(req.run_config).key()):
+        for channel in invocation_channels(
+            req.namespace, result.queue, needs_of(req.run_config, req.namespace or DEFAULT_NAMESPACE).key()
+        ):
             ctx.wake.notify(channel)
     out: dict[str, Any] = {"invocation_id": result.invocation_id, "queue": result.queue}
     if result.duplicate:
@@ -118,7 +120,7 @@ def _submitted(
 
 async def _placement_warning(ctx: Context, queue: str, req: SubmitRequest) -> str | None:
     """The warning for a call no live worker of ``queue`` could take (server/liveness.py)."""
-    needs = needs_of(req.run_config)
+    needs = needs_of(req.run_config, req.namespace or DEFAULT_NAMESPACE)
     if not (needs.gpus or needs.selector or needs.memory or needs.cpus):
         return None
     infos = await ctx.call(ctx.store.live_workers_of, queue)

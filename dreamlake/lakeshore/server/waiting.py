@@ -18,7 +18,7 @@ from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.liveness import fitting, placement_warning
 from dreamlake.lakeshore.store.api import Invocation
 from dreamlake.lakeshore.store.claims import KEY_PREFIX
-from dreamlake.lakeshore.store.placement import needs_of
+from dreamlake.lakeshore.store.placement import needs_of, shown_key
 
 
 def _at(epoch: float) -> str:
@@ -37,16 +37,17 @@ async def why_waiting(ctx: Context, inv: Invocation, now: float | None = None) -
     if not infos:
         return {"reason": "no_worker", "message": f"no live worker serves queue {inv.queue!r}"}
     try:
-        needs = needs_of(inv.run_config or {})
+        needs = needs_of(inv.run_config or {}, inv.namespace)
     except PlaneError:  # written before the rule it breaks: nothing placement matches
-        needs = needs_of({})
+        needs = needs_of({}, inv.namespace)
     unfit = placement_warning(inv.queue, needs, infos)
     if unfit:
         return {"reason": "no_fit", "message": unfit}
     for name, most, running in await ctx.call(ctx.store.limit_use, inv.queue, needs.concurrency_key):
         if running >= most:
             what = (
-                f"concurrency key {name.removeprefix(KEY_PREFIX)!r} is at its max_concurrency"
+                f"concurrency key {shown_key(inv.namespace, name.removeprefix(KEY_PREFIX))!r} "
+                "is at its max_concurrency"
                 if name.startswith(KEY_PREFIX)
                 else f"queue {inv.queue!r} is at its limit (lakeshore queue limit)"
             )

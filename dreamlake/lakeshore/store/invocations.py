@@ -116,7 +116,8 @@ class InvocationStore(AckStore, LeaseStore):
         function = values.json_safe(req.function, "function")
         code_context = values.json_safe(req.code_context or {}, "code_context")
         key = values.idempotency_key(run_config)
-        needs = needs_of(run_config)
+        namespace = req.namespace or DEFAULT_NAMESPACE
+        needs = needs_of(run_config, namespace)
         row = {
             "invocation_id": req.invocation_id,
             "queue": queue,
@@ -127,7 +128,7 @@ class InvocationStore(AckStore, LeaseStore):
             "args_blob": bytes(req.args_blob),
             "run_config": run_config,
             "code_context": code_context,
-            "namespace": req.namespace or DEFAULT_NAMESPACE,
+            "namespace": namespace,
             "content_hash": values.content_hash(req, queue, run_config),
             "attempt": 0,
             "max_attempts": values.normalize_max_attempts(run_config.get("max_attempts")),

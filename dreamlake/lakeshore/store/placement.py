@@ -196,8 +196,23 @@ def _label_text(value: Any, what: str) -> str:
     return value
 
 
-def needs_of(run_config: dict[str, Any]) -> Needs:
-    """The call's needs; PlaneError(400) for a malformed ``selector``, ``resources.gpus``,
+def scoped_key(namespace: str, key: str) -> str:
+    """A concurrency key as placement holds it: ``<namespace>/<key>`` (a namespace name has no
+    ``/``). Keys belong to the namespace that submits them: a tenant naming another tenant's key
+    gets a key of its own by that name, never a share of that key's room or a say over its
+    ``max_concurrency``."""
+    return f"{namespace}/{key}"
+
+
+def shown_key(namespace: str | None, key: str) -> str:
+    """``key`` as a caller of ``namespace`` knows it (its own prefix off); a fleet-wide caller
+    (None) sees the whole ``<namespace>/<key>``."""
+    return key.removeprefix(f"{namespace}/") if namespace is not None else key
+
+
+def needs_of(run_config: dict[str, Any], namespace: str) -> Needs:
+    """The needs of a call submitted in ``namespace`` (its concurrency key scoped to it:
+    :func:`scoped_key`); PlaneError(400) for a malformed ``selector``, ``resources.gpus``,
     ``concurrency_key`` or ``max_concurrency``."""
     selector = run_config.get("selector")
     pairs: list[tuple[str, str]] = []
@@ -222,6 +237,8 @@ def needs_of(run_config: dict[str, Any]) -> Needs:
                 f"run_config.max_concurrency must be a whole number >= 1, got {limit!r:.40}", 400
             )
     resources = run_config.get("resources")
+    if key is not None:
+        key = scoped_key(namespace, key)
     return Needs(
         _gpus(resources), tuple(sorted(pairs)), key, limit, memory=_memory(resources), cpus=_cpus(resources)
     )

@@ -304,7 +304,7 @@ class Dashboard:
         workers, _ = await ops.read_workers(self.ctx, session.namespace, limit=500)
         for w in workers:
             w["health"] = _health(w)
-        keys = await ops.read_key_limits(self.ctx) if session.namespace is None else []
+        keys = await ops.read_key_limits(self.ctx, session.namespace)
         return {"queues": queues, "key_limits": keys, "workers": workers, "session": session}
 
     async def overview(self, request: Request, session: Session) -> Response:
