@@ -44,7 +44,7 @@ class ServerThread:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        from dreamlake.lakeshore.server.serve import uvicorn_config
+        from dreamlake.lakeshore.server.guard import uvicorn_config
 
         limits = getattr(getattr(app.state, "ctx", None), "config", None) or ServerConfig()
         config = uvicorn_config(app, limits, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)

@@ -1,7 +1,7 @@
 """Slow and half-open clients cannot hold the control plane's connections (issue 11).
 
 Every test runs against both HTTP parsers the server can serve with (``LAKESHORE_HTTP_PARSER``):
-httptools, its default, and h11; the guard of ``server/serve.py`` is written once per parser.
+httptools, its default, and h11; the guard of ``server/guard.py`` is written once per parser.
 
 ``lakeshore server`` runs with a 1 s header deadline, a 1 s body pause limit and a cap of 150
 connections. The attacker opens 200 sockets on loopback: some send half a request line and

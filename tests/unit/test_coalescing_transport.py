@@ -1,4 +1,4 @@
-"""``serve.CoalescingTransport`` over a real socket pair: a response's pieces written in one turn of
+"""``guard.CoalescingTransport`` over a real socket pair: a response's pieces written in one turn of
 the loop arrive whole and in order, a piece written in a later turn leaves at the end of that turn
 (a streamed body is not held back), ``close`` writes what is pending first, ``abort`` drops it."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from dreamlake.lakeshore.server.serve import CoalescingTransport
+from dreamlake.lakeshore.server.guard import CoalescingTransport
 
 
 async def _pair() -> tuple[CoalescingTransport, socket.socket, asyncio.AbstractEventLoop]:

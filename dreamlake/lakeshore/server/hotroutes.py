@@ -11,7 +11,7 @@ callable the Starlette route holds, built by ``app.Routes._endpoint`` from the r
 authentication (401) and the table's verdict (403), a task token's liveness, the bounded body
 (413/400), the handler's ownership rule, and ``_guard``'s mapping of errors (an HTTPError to its
 answer, a store outage to a 503 with ``Retry-After``, anything else to a logged 500). The
-slow-client guards are the HTTP protocol's (server/serve.py), below any ASGI app, and unchanged.
+slow-client guards are the HTTP protocol's (server/guard.py), below any ASGI app, and unchanged.
 
 Everything else (another method on a hot path, every other route, the dashboard, lifespan) goes
 through Starlette as before, so a 404 or 405 is Starlette's answer, and a route moved out of
