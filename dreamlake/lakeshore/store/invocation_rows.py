@@ -168,38 +168,25 @@ class _Statements:
             _inv.c.preemptions,
             _inv.c.shape,
         ).where(_inv.c.invocation_id == B("id"))
-        self.requeue = (
-            sa.update(_inv)
-            .where(
-                _inv.c.invocation_id == B("id"), _inv.c.state == "running", _inv.c.attempt == B("b_attempt")
-            )
-            .values(
-                state="queued",
-                worker_id=None,
-                lease_expires_at=None,
-                started_at=None,
-                error=B("b_error", type_=_inv.c.error.type),
-                not_before=B("b_not_before", type_=_inv.c.not_before.type),
-            )
-            .returning(_inv.c.invocation_id)
+        # a running attempt back to queued (a retry, a lapsed lease, a preemption): which row, and
+        # what every way back clears; each statement below adds its own not_before (and count)
+        running_attempt = sa.update(_inv).where(
+            _inv.c.invocation_id == B("id"), _inv.c.state == "running", _inv.c.attempt == B("b_attempt")
         )
+        queued_again: dict[str, Any] = {
+            "state": "queued",
+            "worker_id": None,
+            "lease_expires_at": None,
+            "started_at": None,
+            "error": B("b_error", type_=_inv.c.error.type),
+        }
+        self.requeue = running_attempt.values(
+            **queued_again, not_before=B("b_not_before", type_=_inv.c.not_before.type)
+        ).returning(_inv.c.invocation_id)
         # a preempted attempt: back to queued at once, one more preemption (spends no attempt)
-        self.preempt = (
-            sa.update(_inv)
-            .where(
-                _inv.c.invocation_id == B("id"), _inv.c.state == "running", _inv.c.attempt == B("b_attempt")
-            )
-            .values(
-                state="queued",
-                worker_id=None,
-                lease_expires_at=None,
-                started_at=None,
-                error=B("b_error", type_=_inv.c.error.type),
-                not_before=None,
-                preemptions=_inv.c.preemptions + 1,
-            )
-            .returning(_inv.c.invocation_id)
-        )
+        self.preempt = running_attempt.values(
+            **queued_again, not_before=None, preemptions=_inv.c.preemptions + 1
+        ).returning(_inv.c.invocation_id)
         self.insert_attempt = dialect_insert(dialect, _att).on_conflict_do_nothing()
         self.attempt_of = sa.select(_att).where(
             _att.c.invocation_id == B("id"), _att.c.attempt == B("b_attempt")
