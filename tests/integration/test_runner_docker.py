@@ -14,7 +14,6 @@ import os
 import pwd
 import secrets
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ from nymph.runner import Handle, RunnerError, RunnerUnavailable, Task
 from tests import docker_fns
 from tests import runner_kit as kit
 from tests.conftest import ROOT, require
+from tests.integration.docker_kit import docker, runtimes
 from tests.runner_kit import TaskFactory
 
 if str(ROOT / "runners") not in sys.path:  # until the editable install exposes runners/
@@ -43,22 +43,8 @@ RUN_LABEL = "lakeshore.test.run"
 KINDS: dict[str, type[DockerRunner]] = {"docker": DockerRunner, "gvisor": GVisorRunner}
 
 
-def _docker(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def _runtimes() -> str | None:
-    if shutil.which("docker") is None:
-        return None
-    try:
-        out = _docker("info", "--format", "{{json .Runtimes}}", timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout if out.returncode == 0 else None
-
-
 def _our_containers() -> list[str]:
-    out = _docker(
+    out = docker(
         "ps", "-a", "-q", "--filter", f"label={RUN_LABEL}={RUN_ID}", "--filter", "label=nymph.invocation"
     )
     return out.stdout.split()
@@ -66,21 +52,21 @@ def _our_containers() -> list[str]:
 
 @pytest.fixture(scope="module")
 def image() -> Iterator[str]:
-    require(_runtimes() is not None, "needs a reachable Docker engine (scripts/services/docker.sh)")
+    require(runtimes() is not None, "needs a reachable Docker engine (scripts/services/docker.sh)")
     name = os.environ.get("LAKESHORE_TEST_IMAGE", "")
     require(bool(name), "needs LAKESHORE_TEST_IMAGE (scripts/services/docker.sh builds one)")
-    require(_docker("image", "inspect", name).returncode == 0, f"image {name} is not on the engine")
+    require(docker("image", "inspect", name).returncode == 0, f"image {name} is not on the engine")
     yield name
     leftovers = _our_containers()
     if leftovers:
-        _docker("rm", "-f", *leftovers)
+        docker("rm", "-f", *leftovers)
     assert not leftovers, f"containers left behind by the runner tests: {leftovers}"
 
 
 @pytest.fixture(params=sorted(KINDS))
 def kind(request: pytest.FixtureRequest, image: str) -> str:
     if request.param == "gvisor":
-        require("runsc" in (_runtimes() or ""), "needs the runsc runtime registered with Docker")
+        require("runsc" in (runtimes() or {}), "needs the runsc runtime registered with Docker")
     return str(request.param)
 
 
@@ -247,13 +233,13 @@ def image_without_bash(image: str) -> Iterator[str]:
     """``image`` with bash removed (run + commit: no registry, no build context)."""
     name = f"lakeshore-python:nobash-{RUN_ID}"
     box = f"lakeshore-nobash-{RUN_ID}"
-    made = _docker("run", "--name", box, "--network", "none", image, "rm", "-f", "/usr/bin/bash", "/bin/bash")
+    made = docker("run", "--name", box, "--network", "none", image, "rm", "-f", "/usr/bin/bash", "/bin/bash")
     assert made.returncode == 0, made.stderr
-    committed = _docker("commit", box, name)
-    _docker("rm", "-f", box)
+    committed = docker("commit", box, name)
+    docker("rm", "-f", box)
     assert committed.returncode == 0, committed.stderr
     yield name
-    _docker("rmi", "-f", name)
+    docker("rmi", "-f", name)
 
 
 def test_script_runs_under_bash_or_falls_back_to_sh(
@@ -349,7 +335,7 @@ def test_gvisor_check_says_how_to_register_a_missing_runtime(image: str) -> None
 
 @pytest.fixture
 def gvisor(image: str) -> GVisorRunner:
-    require("runsc" in (_runtimes() or ""), "needs the runsc runtime registered with Docker")
+    require("runsc" in (runtimes() or {}), "needs the runsc runtime registered with Docker")
     return GVisorRunner(image=image, pull="never", code_dirs=[str(ROOT)])
 
 
@@ -366,7 +352,7 @@ def test_gvisor_low_pids_limit_is_raised_not_fatal(gvisor: GVisorRunner, started
 
 
 def _containers_of(task: Task) -> list[str]:
-    out = _docker("ps", "-a", "-q", "--no-trunc", "--filter", f"label=nymph.invocation={task.invocation_id}")
+    out = docker("ps", "-a", "-q", "--no-trunc", "--filter", f"label=nymph.invocation={task.invocation_id}")
     return out.stdout.split()
 
 
@@ -411,10 +397,10 @@ def test_a_container_of_the_same_name_that_is_not_this_tasks_is_refused(
 
     task = started.task(docker_fns.add, 1, 1)
     name = task_name(task)
-    made = _docker("create", "--name", name, "--label", f"{RUN_LABEL}={RUN_ID}", image, "true")
+    made = docker("create", "--name", name, "--label", f"{RUN_LABEL}={RUN_ID}", image, "true")
     assert made.returncode == 0, made.stderr
     try:
         with pytest.raises(RunnerError, match="not this task's"):
             runner.start(task)
     finally:
-        _docker("rm", "-f", name)
+        docker("rm", "-f", name)

@@ -5,11 +5,9 @@ cursor loses and repeats nothing in the body; only the invocation's owner may se
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ from dreamlake.lakeshore.errors import Conflict, DispatchError, NotFound
 from dreamlake.lakeshore.twoway import takes_sends
 from tests.conftest import ROOT
 from tests.integration.conftest import running_control_plane
+from tests.integration.planes_kit import worker_thread
 from tests.twoway_fns import echo, impatient, one_way, resilient, tuner
 
 LOSSES = [2.0, 0.8, 0.5, 3.0]
@@ -33,21 +32,6 @@ def local_tuner() -> list[float]:
     out = [next(g)] + [g.send(loss) for loss in LOSSES]
     g.close()
     return out
-
-
-@contextlib.contextmanager
-def worker_thread(q: dls.SyncQueue) -> Iterator[None]:
-    stop = threading.Event()
-    t = threading.Thread(
-        target=dls.run_worker, args=(q,), kwargs={"stop": stop, "poll_timeout": 0.5}, daemon=True
-    )
-    t.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        t.join(timeout=15)
-        assert not t.is_alive(), "worker thread did not stop"
 
 
 @pytest.fixture(params=["local", "http-sqlite", "http-postgresql"])
