@@ -88,6 +88,7 @@ class Context:
             observe=self.metrics.write_batch.observe,
             timed=lambda kind, s: self.metrics.write_seconds.labels(kind=kind).observe(s),
             handoff=self.polls.hand_off,
+            inline_lock=self.store.inline_write_lock(),
         )
         self.workers = WorkerBindings(lambda worker, token: self.call(self.store.bind_worker, worker, token))
         self.queues = QueueWatch()

@@ -104,6 +104,7 @@ def app_from_env() -> Any:
     ctx = plane_context(app)
     if ctx is not None:  # sibling processes write work whose wake-ups this one may never hear of
         ctx.polls.shared_store = True  # (over SQLite: polls re-check every recheck_s, none skip)
+        ctx.writer.inline_lock = None  # a sibling may hold SQLite's file lock: never wait on the loop
     gctune.tune(_gc_observer(app))
     return app
 

@@ -20,6 +20,15 @@ With ``handoff`` (the poll hub's :meth:`~.polls.PollHub.hand_off`), a batch's su
 their waiting polls' passes along: each is written right after the submits, in their transaction,
 and its answer goes straight to its poll (no wake-up, no second trip through the writer).
 
+Where the store offers an inline lock (:meth:`~dreamlake.lakeshore.store.api.Store.inline_write_lock`:
+SQLite's, whose commit is a few hundred microseconds of CPU with no network or flush to wait on), a
+batch is written on the event loop itself when that lock is free: the hop to the writer's thread
+and back (two wake-ups, the GIL handed over twice) cost as much CPU as the write. When the lock is
+held (a lease sweep or a checkpoint writing in another thread) the batch goes to the writer's
+thread as before, so the loop never waits on a lock. PostgreSQL offers none, and a server of
+several worker processes (``--workers``) turns it off: there SQLite's file lock, held by a
+sibling, could stall the loop.
+
 Under load the batches grow by themselves (the longer a commit takes, the more writes wait for the
 next one); an idle server commits each write at once, in a batch of one.
 """
@@ -30,6 +39,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -111,8 +121,11 @@ class GroupWriter:
         timed: Any = None,
         handoff: Handoff | None = None,
         outages: Outages | None = None,
+        inline_lock: threading.RLock | None = None,
     ) -> None:
         self._store = store
+        # taken without waiting: held, the batch is written on the loop (see the module docstring)
+        self.inline_lock = inline_lock
         self._outages = outages  # told of each commit that failed for a store outage, or succeeded
         self._handoff = handoff
         self._max = max(1, max_batch)
@@ -231,7 +244,14 @@ class GroupWriter:
             loop.call_soon_threadsafe(answers.answer, pairs)
 
         try:
-            results = await loop.run_in_executor(self._pool, self._store.write_batch, writes, committed)
+            lock = self.inline_lock
+            if lock is not None and lock.acquire(blocking=False):
+                try:  # on the loop: each transaction's answers as it commits, no thread hop
+                    results = self._store.write_batch(writes, answers.answer)
+                finally:
+                    lock.release()
+            else:
+                results = await loop.run_in_executor(self._pool, self._store.write_batch, writes, committed)
         except Exception as exc:  # the store raised outside any one write
             failed: PlaneError | None = classify(exc)  # an outage: all fail, 503 (Outages logs it once)
             if failed is None and len(batch) > 1:  # one write's fault: each caller's again, alone

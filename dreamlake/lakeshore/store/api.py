@@ -13,6 +13,7 @@ The records the calls take and answer are in records.py, the operators' read-onl
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -322,6 +323,15 @@ class Store(Listing, Protocol):
     ) -> PollResult:
         """``poll`` plus, in the same transaction, the version pinned for the worker's namespace
         (as ``pinned_version_for_worker``): the control plane's poll route in one store call."""
+        ...
+
+    def inline_write_lock(self) -> threading.RLock | None:
+        """The lock under which a group commit may run on the caller's own thread (the event
+        loop): SQLite's in-process write lock, as a local write there is a few hundred
+        microseconds of CPU that a hop to the writer's thread and back costs as much again. The
+        group writer takes it without waiting, and hands the batch to its thread when it is held
+        (a sweep or a checkpoint writing). None where writes wait on the network or a disk flush
+        (PostgreSQL): those never run on the loop."""
         ...
 
     def write_batch(

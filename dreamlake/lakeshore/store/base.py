@@ -11,6 +11,7 @@ expire_leases) and the group commit (write_batch).
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import sqlalchemy as sa
@@ -41,6 +42,10 @@ class StoreBase:
     def kind(self) -> str:
         """``"sqlite"`` or ``"postgresql"`` (for /healthz)."""
         return self.db.dialect
+
+    def inline_write_lock(self) -> threading.RLock | None:
+        """See :meth:`~.api.Store.inline_write_lock`: SQLite's write lock; None on PostgreSQL."""
+        return self.db.write_lock
 
     def close(self) -> None:
         self.db.dispose()

@@ -192,6 +192,12 @@ class Database:
 
         return engine
 
+    @property
+    def write_lock(self) -> threading.RLock | None:
+        """The lock every write transaction of this process takes on SQLite (its writes are one at
+        a time anyway); None on PostgreSQL, whose writers run side by side."""
+        return self._lock
+
     @contextlib.contextmanager
     def tx(self, *, write: bool) -> Iterator[Connection]:
         """A transaction: committed on normal exit, rolled back on an exception."""
