@@ -21,6 +21,27 @@ DEFAULT_DATA_DIR = "~/.local/share/lakeshore"
 DB_FILE = "lakeshore.db"
 
 
+class _WorkersType(click.ParamType):  # type: ignore[type-arg]  # generic only from click 8.2
+    """``--workers``: a number of processes (1 to 256), or ``auto`` (None: chosen once the store is
+    known, ``server.serve.auto_workers``)."""
+
+    name = "N|auto"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int | None:
+        if value is None:
+            return None
+        text = str(value).strip().lower()
+        if text == "auto":
+            return None
+        try:
+            number = int(text)
+        except ValueError:
+            number = 0
+        if not 1 <= number <= 256:
+            self.fail(f"{value!r} is not a number of processes from 1 to 256, or 'auto'", param, ctx)
+        return number
+
+
 def _data_dir(value: str) -> Path:
     """The data directory, private: created 0700; an existing one of ours that others can enter is
     narrowed to 0700 (it holds the store and tokens.json)."""
@@ -112,11 +133,12 @@ def main(log_level: str) -> None:
 @click.option(
     "--workers",
     envvar="LAKESHORE_WORKERS",
-    default=1,
+    default="auto",
     show_default=True,
-    type=click.IntRange(1, 256),
+    type=_WorkersType(),
     help="Server processes on the one port: the way past one core, over PostgreSQL (with --redis "
-    "for live frames). See docs/architecture.md.",
+    "for live frames). 'auto': one per core, up to 4, over PostgreSQL with --redis; one otherwise. "
+    "See docs/performance.md.",
 )
 @click.option(
     "--max-polls",
@@ -162,7 +184,7 @@ def server(
     db: str | None,
     redis_url: str | None,
     lease_s: float | None,
-    workers: int,
+    workers: int | None,
     max_polls: int | None,
     retention: str | None,
     retention_queue: tuple[str, ...],
@@ -197,6 +219,10 @@ def server(
         raise click.UsageError("--lease-s must be a positive number of seconds")
     data = _data_dir(data_dir)
     store = _open_store(db, data_dir)
+    if workers is None:  # --workers auto
+        from dreamlake.lakeshore.server.serve import auto_workers
+
+        workers = auto_workers(store.kind, redis_url)
     if workers > 1 and store.db.memory:
         raise click.UsageError("--workers needs a store the processes share: a SQLite file or PostgreSQL")
     if workers > 1 and store.kind == "sqlite":

@@ -110,8 +110,9 @@ SETTINGS: tuple[Setting, ...] = (
       "The store: a SQLite path or `postgresql://...` (`--db`; default `<data-dir>/lakeshore.db`)."),
     S("LAKESHORE_REDIS_URL", "url", None, "cli",
       "Redis for live frame fan-out across replicas (`--redis`; default in process)."),
-    S("LAKESHORE_WORKERS", "int", 1, "cli",
-      "Server processes on the one port (`--workers`)."),
+    S("LAKESHORE_WORKERS", "str", "auto", "cli",
+      "Server processes on the one port (`--workers`): a number, or `auto`: one per core, up to 4, "
+      "over PostgreSQL with Redis; one otherwise."),
     S("LAKESHORE_MAX_POLLS", "int", 5000, "cli",
       "Concurrent daemon long polls; past it a poll is answered 503 with Retry-After (`--max-polls`)."),
     S("LAKESHORE_RETENTION", "str", "7d", "cli",

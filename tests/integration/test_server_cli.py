@@ -10,9 +10,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgpack
+import pytest
 from click.testing import CliRunner
 
 from dreamlake.lakeshore.cli import main
@@ -147,3 +149,46 @@ def test_both_clis_say_their_version() -> None:
         for flag in ("--version", "-V"):
             out = subprocess.run([*cmd, flag], capture_output=True, text=True, timeout=60)
             assert (out.returncode, out.stdout.strip()) == (0, f"{name} {__version__}"), out.stderr
+
+
+def _served_workers(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> int:
+    """The ``workers`` ``lakeshore server ARGS`` would serve with (serving itself replaced)."""
+    from dreamlake.lakeshore.server import serve as serving
+
+    served: dict[str, Any] = {}
+
+    def fake_serve(spec: Any, *, workers: int = 1, store: Any = None, **_: Any) -> None:
+        served["workers"] = workers
+        if store is not None:
+            store.close()
+
+    monkeypatch.setattr(serving, "serve", fake_serve)
+    result = CliRunner().invoke(main, ["server", "--port", str(free_port()), *args])
+    assert result.exit_code == 0, result.output
+    return int(served["workers"])
+
+
+def test_workers_auto_is_a_process_per_core_only_over_postgresql_with_redis(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, _pg_url: str
+) -> None:
+    from dreamlake.lakeshore.server.serve import AUTO_WORKERS_MAX, auto_workers, usable_cores
+
+    monkeypatch.delenv("LAKESHORE_WORKERS", raising=False)
+    data = ["--data-dir", str(tmp_path)]
+    redis = ["--redis", "redis://127.0.0.1:1/0"]  # never dialled: serving is replaced
+    expected = min(usable_cores(), AUTO_WORKERS_MAX)
+    assert _served_workers(monkeypatch, [*data, "--db", _pg_url, *redis]) == expected
+    assert _served_workers(monkeypatch, [*data, "--db", _pg_url]) == 1  # no Redis: frames stay in one process
+    assert _served_workers(monkeypatch, [*data, *redis]) == 1  # SQLite: one writer anyway
+    assert _served_workers(monkeypatch, [*data, "--workers", "3"]) == 3  # a number is taken as given
+    monkeypatch.setenv("LAKESHORE_WORKERS", "2")
+    assert _served_workers(monkeypatch, [*data, "--db", _pg_url, *redis]) == 2
+    assert [auto_workers("postgresql", "redis://r", cores) for cores in (1, 2, 3, 64)] == [1, 2, 3, 4]
+
+
+def test_workers_refuses_what_is_not_a_count_and_says_what_is(tmp_path: Path) -> None:
+    for bad in ("0", "257", "many", "-1"):
+        result = CliRunner().invoke(main, ["server", "--data-dir", str(tmp_path), "--workers", bad])
+        assert result.exit_code == 2, result.output
+        assert "from 1 to 256, or 'auto'" in result.output
+    assert not (tmp_path / "lakeshore.db").exists()  # refused before anything was opened

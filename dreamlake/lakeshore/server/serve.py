@@ -13,6 +13,11 @@ PostgreSQL, with ``--redis`` so live frames reach followers on every process. Ov
 processes serialise on the file's write lock and see each other's submits only at the poll hub's
 safety re-check (``poll_recheck_s``), so it is allowed but rarely worth it.
 
+``--workers auto`` (the default) is :func:`auto_workers`: a process per core, up to
+``AUTO_WORKERS_MAX``, over PostgreSQL with Redis; one process otherwise (over SQLite a second
+process only adds lock waits; without Redis a follower on one process would not hear the frames of
+a call another process serves).
+
 The connections' guard (read deadlines, the connection cap, the header bound, coalesced writes)
 is ``server/guard.py``'s.
 """
@@ -43,6 +48,23 @@ from dreamlake.lakeshore.server.guard import (
 log = logging.getLogger(__name__)
 
 SPEC_ENV = "LAKESHORE_SERVE_SPEC"
+AUTO_WORKERS_MAX = 4  # past it the processes mostly contend for PostgreSQL's connections and locks
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which a container's cpuset narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity call on this platform
+        return os.cpu_count() or 1
+
+
+def auto_workers(store_kind: str, redis_url: str | None, cores: int | None = None) -> int:
+    """``--workers auto``: ``min(cores, AUTO_WORKERS_MAX)`` processes over PostgreSQL with Redis,
+    one otherwise (see the module docstring; docs/performance.md has what each buys on 2 cores)."""
+    if store_kind != "postgresql" or not redis_url:
+        return 1
+    return max(1, min(cores if cores is not None else usable_cores(), AUTO_WORKERS_MAX))
 
 
 @dataclass(frozen=True)
