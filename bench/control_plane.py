@@ -310,8 +310,7 @@ def lakeshore_server(
     prof = [str(Path(__file__).with_name("_sampler.py")), str(profile)] if profile is not None else []
     cmd = [sys.executable, *prof, "-m", "dreamlake.lakeshore.cli", "--log-level", "warning", "server"]
     cmd += ["--port", str(port), "--data-dir", str(data_dir), "--db", db]
-    if workers > 1:
-        cmd += ["--workers", str(workers)]
+    cmd += ["--workers", str(workers)]  # as measured, whatever --workers auto would pick
     # uvicorn re-raises the signal it stopped on: SIGINT's KeyboardInterrupt lets the sampler write
     with _process(cmd, port, signal.SIGINT if profile is not None else signal.SIGTERM) as pid:
         time.sleep(0.5 if workers == 1 else 2.0)  # every worker accepts

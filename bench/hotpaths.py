@@ -331,7 +331,9 @@ def _peers(args: argparse.Namespace) -> list[Row]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pg", default=os.environ.get("LAKESHORE_TEST_PG_URL"))
-    ap.add_argument("--jobs", type=int, default=1200, help="invocations per control-plane figure")
+    ap.add_argument(
+        "--jobs", type=int, default=6000, help="invocations per control-plane figure (fewer: noisier rates)"
+    )
     ap.add_argument("--producers", type=int, default=4)
     ap.add_argument("--daemons", type=int, default=4)
     ap.add_argument("--poll-max", type=int, default=8)

@@ -166,8 +166,16 @@ def _celery(calls: int, redis_url: str, out: PeerFigures) -> None:
         proc.wait(timeout=30)
 
 
-def celery_app():  # type: ignore[no-untyped-def]
-    """The app a Celery worker started by ``_celery`` loads (``-A peers:celery_app``)."""
+def __getattr__(name: str) -> object:
+    """``peers.celery_app``: the app a Celery worker started by ``_celery`` loads (``-A
+    peers:celery_app``; Celery wants the app itself, not a factory), made on first access so that
+    importing this module needs no Celery."""
+    if name == "celery_app":
+        return _celery_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _celery_app():  # type: ignore[no-untyped-def]
     import celery
 
     url = os.environ.get("LAKESHORE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")

@@ -27,7 +27,8 @@ Also printed: the CPU ms per call of the server and of the worker (psutil; for n
 itself and its warm workers apart).
 
 Run: ``python bench/warm.py [--calls 300] [--producers 8] [--per-producer 150] [--prefetch 8]
-[--nymph-slots 4] [--only worker|nymph]``.
+[--nymph-slots 4] [--only worker|nymph] [--profile]`` (``--profile``: the server's stack samples
+under the worker rows, ``bench/_sampler.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import _sampler
 from _stats import median_p90
 
 BENCH = Path(__file__).resolve().parent
@@ -343,10 +345,11 @@ def warm_rows(args: argparse.Namespace) -> tuple[list[float], list[Row], dict[st
     cpu: dict[str, float] = {}
     calls = 2 * args.calls + 40 + args.producers * args.per_producer
     only = getattr(args, "only", "worker")  # bench/hotpaths.py asks for the worker's rows alone
+    profile = Path(tempfile.mkdtemp()) / "server-samples.json" if getattr(args, "profile", False) else None
     if only in (None, "worker"):
         with (
             tempfile.TemporaryDirectory() as tmp,
-            lakeshore_server(str(Path(tmp) / "warm.db"), Path(tmp) / "sq", 1) as (port, token, pid),
+            lakeshore_server(str(Path(tmp) / "warm.db"), Path(tmp) / "sq", 1, profile) as (port, token, pid),
             lakeshore_worker(port, token, args.prefetch) as wpid,
         ):
             s0, w0 = cpu_seconds(pid), cpu_seconds(wpid)
@@ -354,6 +357,9 @@ def warm_rows(args: argparse.Namespace) -> tuple[list[float], list[Row], dict[st
             rows += measure(port, token, args, hello_p50, label, Path(tmp) / "warm.db")
             cpu["server (worker rows)"] = (cpu_seconds(pid) - s0) * 1000 / calls
             cpu["lakeshore worker"] = (cpu_seconds(wpid) - w0) * 1000 / calls
+        if profile is not None:  # written by the sampler as the server stopped
+            print(f"profile: lakeshore server under the worker rows ({calls} calls)")
+            _sampler.report(str(profile), skip=("threading.py", "thread.py", "runpy", "_sampler"))
     for warm in (True, False) if only in (None, "nymph") else ():
         if not warm and getattr(args, "no_cold", False):
             continue
@@ -385,6 +391,7 @@ def main() -> None:
     ap.add_argument("--nymph-slots", type=int, default=4, help="nymph --warm --concurrency")
     ap.add_argument("--only", choices=["worker", "nymph"], help="measure one warm path only")
     ap.add_argument("--no-cold", action="store_true", help="leave out nymph's cold (prefork) rows")
+    ap.add_argument("--profile", action="store_true", help="sample the server under the worker rows")
     args = ap.parse_args()
     hello, rows, cpu = warm_rows(args)
     h50, h90 = median_p90(hello)

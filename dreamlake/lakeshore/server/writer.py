@@ -27,7 +27,8 @@ and back (two wake-ups, the GIL handed over twice) cost as much CPU as the write
 held (a lease sweep or a checkpoint writing in another thread) the batch goes to the writer's
 thread as before, so the loop never waits on a lock. PostgreSQL offers none, and a server of
 several worker processes (``--workers``) turns it off: there SQLite's file lock, held by a
-sibling, could stall the loop.
+sibling, could stall the loop. (Another process writing the same file, an admin command's token
+or pin, holds a single server's loop for as long as its one short write.)
 
 Under load the batches grow by themselves (the longer a commit takes, the more writes wait for the
 next one); an idle server commits each write at once, in a batch of one.
