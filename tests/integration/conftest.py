@@ -207,6 +207,20 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 @pytest.fixture
+def store(store_url: str) -> Iterator[SqlStore]:
+    """The store of ``store_url``, opened in this process (PostgreSQL's emptied first)."""
+    s = open_store(store_url)
+    if s.kind == "postgresql":
+        from tests.contract.conftest import _truncate_all
+
+        _truncate_all(s)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture
 def control_plane(store_url: str) -> Iterator[ControlPlane]:
     """A control plane over HTTP; lease expiry checked every 0.2 s so lease tests stay short."""
     config = ServerConfig(expire_every_s=0.2, recheck_s=0.5)

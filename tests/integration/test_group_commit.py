@@ -18,7 +18,6 @@ import sqlalchemy as sa
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.server.writer import GroupWriter
-from dreamlake.lakeshore.store import open_store
 from dreamlake.lakeshore.store.api import (
     ANOTHER_WORKER,
     OUT_OF_ORDER,
@@ -43,19 +42,6 @@ from dreamlake.lakeshore.store.notify import run_queue_channel
 from dreamlake.lakeshore.store.sql import SqlStore
 
 FUNCTION = {"module": "m", "qualname": "f", "version": "v1"}
-
-
-@pytest.fixture
-def store(store_url: str) -> Iterator[SqlStore]:
-    s = open_store(store_url)
-    if s.kind == "postgresql":
-        from tests.contract.conftest import _truncate_all
-
-        _truncate_all(s)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def _submit(inv: str | None = None, queue: str = "q", **run_config: Any) -> SubmitRequest:

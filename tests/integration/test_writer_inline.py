@@ -20,19 +20,6 @@ from dreamlake.lakeshore.store.sql import SqlStore
 
 
 @pytest.fixture
-def store(store_url: str) -> Iterator[SqlStore]:
-    s = open_store(store_url)
-    if s.kind == "postgresql":
-        from tests.contract.conftest import _truncate_all
-
-        _truncate_all(s)
-    try:
-        yield s
-    finally:
-        s.close()
-
-
-@pytest.fixture
 def sqlite_store(tmp_path: Any) -> Iterator[SqlStore]:
     s = open_store(str(tmp_path / "lakeshore.db"))
     try:
