@@ -24,6 +24,7 @@ from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.server.config import ServerConfig
 from dreamlake.lakeshore.store import open_store
 from dreamlake.lakeshore.store.sql import SqlStore
+from tests.contract.conftest import store as store  # the store of this folder's store_url (re-used)
 from tests.stack.producer import submit_body
 
 __all__ = ["ControlPlane", "running_control_plane", "submit_body"]  # submit_body: shared with the suite
@@ -204,20 +205,6 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return str(tmp_path / "lakeshore.db")
     return str(request.getfixturevalue("_pg_url"))
-
-
-@pytest.fixture
-def store(store_url: str) -> Iterator[SqlStore]:
-    """The store of ``store_url``, opened in this process (PostgreSQL's emptied first)."""
-    s = open_store(store_url)
-    if s.kind == "postgresql":
-        from tests.contract.conftest import _truncate_all
-
-        _truncate_all(s)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture
