@@ -111,6 +111,31 @@ def test_file_store_keeps_rows_across_restart(tmp_path: Path) -> None:
         again.close()
 
 
+def test_a_file_stores_writes_survive_their_kept_connection_breaking(tmp_path: Path) -> None:
+    """A SQLite file's writes keep one connection (no pool round per transaction); should it break
+    (closed under the store), the write that meets it fails over to a fresh one, as a pooled write
+    does: nothing is lost, and every write after it lands."""
+    s = open_store(tmp_path / "store.db")
+    try:
+        first = new_ulid()
+        s.submit(SubmitRequest(first, "q", FN, b"a", {}))
+        kept = s.db._writer
+        assert kept is not None
+        s.submit(SubmitRequest(new_ulid(), "q", FN, b"b", {}))
+        assert s.db._writer is kept  # the same connection, not a pool checkout per write
+
+        kept.connection.driver_connection.close()  # type: ignore[union-attr]
+        after = [new_ulid() for _ in range(3)]
+        for inv in after:
+            s.submit(SubmitRequest(inv, "q", FN, b"c", {}))
+        assert s.db._writer is not None and s.db._writer is not kept
+        assert all(s.get(inv) is not None for inv in [first, *after])
+        claimed = s.claim("w", ["q"], limit=10)
+        assert len(claimed) == 5
+    finally:
+        s.close()
+
+
 def test_a_file_stores_wal_is_checkpointed_off_the_commit_path(tmp_path: Path) -> None:
     """Commits do not run SQLite's checkpoint themselves (it made one commit in a thousand take
     10-40 ms): the automatic one is pushed back to a backstop, and the store's own thread
