@@ -156,6 +156,51 @@ def test_a_poll_that_took_all_there_was_is_renewed_and_one_that_filled_its_max_p
     assert _counts(cp)[:2] == (passes + 1, renewals)
 
 
+def _acking(
+    cp: ControlPlane, worker: str, inv: str, state: str, attempt: int, most: int = 2
+) -> tuple[int, dict[str, Any]]:
+    ack = {"invocation_id": inv, "state": state, "attempt": attempt, "result_blob": b"\xc0"}
+    body = {"worker_id": worker, "queues": ["default"], "max": most, "timeout_s": 20.0, "acks": [ack]}
+    status, out = cp.daemon("/v1/daemon/poll", body)
+    return status, dict(out)
+
+
+def test_a_poll_carrying_acks_after_one_that_took_all_there_was_writes_them_without_a_pass(
+    cp: ControlPlane,
+) -> None:
+    """``lakeshore worker``'s warm path: its next poll carries the ack of the call its last poll
+    took, and that poll had room to spare, so this one writes the acks alone and waits at once (no
+    claim pass in their transaction). The ack is committed and answered all the same, the next
+    submit reaches it, and what an ack puts back (a preempted call, queued again at once) wakes it."""
+    worker = _registered(cp)
+    _heartbeat(cp, worker)
+    first = cp.submit()
+    (cmd,) = _poll(cp, worker, 5.0, most=2)["commands"]  # fewer than its max: it took all there was
+    assert cmd["body"]["invocation_id"] == first
+    passes, renewals, _, _ = _counts(cp)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        polled = pool.submit(_acking, cp, worker, first, "succeeded", cmd["body"]["attempt"])
+        _waiting(cp)
+        assert _counts(cp)[:2] == (passes, renewals + 1)  # waiting, and no pass ran
+        status, got = cp.producer("/v1/producer/await", {"invocation_id": first, "timeout_s": 0})
+        assert status == 200 and got["state"] == "succeeded", got  # the ack is committed already
+        nxt = cp.submit()
+        status, out = polled.result(timeout=SETTLE_S)
+    assert status == 200, out
+    assert out["acked"] == [{"invocation_id": first, "status": 200, "ok": True}]
+    (then,) = out["commands"]
+    assert then["body"]["invocation_id"] == nxt
+
+    # a preempted ack queues its call again at once: the waiting poll is woken and claims it
+    passes, renewals, _, _ = _counts(cp)
+    status, out = _acking(cp, worker, nxt, "preempted", then["body"]["attempt"])
+    assert status == 200, out
+    assert out["acked"] == [{"invocation_id": nxt, "status": 200, "ok": True}]
+    (again,) = out["commands"]
+    assert (again["body"]["invocation_id"], again["body"]["attempt"]) == (nxt, then["body"]["attempt"] + 1)
+    assert _counts(cp)[:2] == (passes + 1, renewals + 1)  # it waited, was woken, then claimed
+
+
 def test_a_version_pinned_meanwhile_reaches_the_idle_daemon_at_once(cp: ControlPlane) -> None:
     worker = _registered(cp, namespace="team-a")
     assert "target_nymph_version" not in _poll(cp, worker, 0.3)

@@ -271,8 +271,9 @@ async def poll(
     reason = "first"
     # The same daemon's next poll after one that left nothing (empty, or a pass with room to spare)
     # waits at once, from its last pass's position (server/idle.py): the hub hands it whatever
-    # that pass would have found.
-    renewal = ctx.daemons.renewal(worker_id, key) if acks is None else None
+    # that pass would have found. Its acks are written all the same, alone: what they put back
+    # (a retry, room under a limit) is notified after that position, so it wakes this poll.
+    renewal = ctx.daemons.renewal(worker_id, key)
     waited_from: int | None = None  # the position of the last wait: its pass found nothing
     drained_at: int | None = None  # the position of the last pass, when it had room to spare
     hangup = asyncio.ensure_future(_hangup(receive)) if receive is not None else None
@@ -293,23 +294,24 @@ async def poll(
         if acks is not None:
             # the acks and the opening pass in one group commit, the acks first: one transaction
             # answers the acked work's producers and hands out the next (a daemon that already
-            # hung up gets its acks written, and no claim)
+            # hung up, or whose poll is a renewal, gets its acks written, and no pass)
             gone = hangup is not None and hangup.done()
-            request, marks = prepare()
+            passes = not gone and renewal is None
+            request, marks = prepare() if passes else (None, None)
             writes = [a.request for a in acks if a.request is not None]
             flights = [ctx.acks.begin(w.invocation_id) for w in writes]
             try:
-                batch: list[WriteRequest] = [*writes] if gone else [*writes, request]
+                batch: list[WriteRequest] = [*writes, request] if request is not None else [*writes]
                 results = await ctx.write_many(batch)
                 acked, failed = _answer_acks(ctx, caller, acks, results[: len(writes)], flights)
             finally:  # every flight ends (settled ones are left as they are)
                 for w, flight in zip(writes, flights, strict=True):
                     ctx.acks.end(w.invocation_id, flight, None)
             await _poke_all(ctx, acks, acked)
-            if not gone:
+            if passes:
                 opening = (marks, results[-1])
-                if failed is not None and _empty(results[-1]):
-                    raise failed  # as before: nothing was handed out, the daemon sends all again
+            if failed is not None and not gone and (not passes or _empty(results[-1])):
+                raise failed  # as before: nothing was handed out, the daemon sends all again
         while True:
             if hangup is not None and hangup.done():
                 log.debug("poll of worker %s: the daemon hung up; nothing claimed", worker_id)

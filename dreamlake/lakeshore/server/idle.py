@@ -19,6 +19,9 @@ without losing anything a transaction would have found:
   the store notifies once per unit of new work (submits, requeues, retries come due), so work
   that arrived between the two polls is in a kept wake or went to another waiting poll. A kept wake
   the hub ever dropped (``PollHub.dropped_upto``) makes every renewal from before it pass again.
+  A renewal that carries acks (``lakeshore worker`` acking the call its last poll took) writes
+  them alone, then waits: what they put back (a retry queued at once, room under a limit) is
+  notified after that position, so it wakes the poll like any other new work.
 - **A heartbeat with nothing running** (``running`` and ``running_exec`` empty: a heartbeat
   without ``running_exec`` renews every exec job its worker holds), from a daemon whose long poll
   is waiting in the hub right now, renews no lease and has no command to take (a command for its worker wakes that poll,
