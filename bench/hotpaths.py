@@ -26,7 +26,9 @@ It runs the other benches' own functions, so the figures mean what they mean the
   pack+unpack per frame;
 - frames/s on the local plane, ``:memory:`` and a SQLite file (``streams.run_stream``);
 - the warm path (``warm.py``: ``lakeshore worker --prefetch``, producers in separate processes,
-  submit with ``wait_s``): round trip p50 and calls/s; baseline: one hello-world POST;
+  submit with ``wait_s``): round trip p50 and calls/s; baseline: one hello-world POST; beside it
+  the same design's floor in Python (``floor.py``: a bare ASGI app over raw ``sqlite3``, the same
+  HTTP stack, messages and two durable commits per call, none of the product's checks);
 - nymph's prefork noop round trip (``dispatch.py``): p50 and its ratio to a bare ``python -c
   pass``, and invocations/s at 4 slots beside 4 bare spawns in parallel.
 
@@ -275,13 +277,23 @@ def warm_rows(args: argparse.Namespace) -> list[Row]:
     one = next(r for r in rows if r.name.endswith("submit?wait"))
     assert one.times is not None and one.per_s is not None
     p50, p90 = median_p90(one.times)
+    import floor
+
+    low, low_cpu = floor.floor_round_trip(args.warm_calls)
+    f50, f90 = median_p90(low)
     return [
         Row(
             "warm round trip, one call at a time (lakeshore worker, submit?wait)",
             f"{p50 * 1e3:.2f} ms p50 (p90 {p90 * 1e3:.1f}), {one.per_s:,.0f}/s",
             f"<= 0.8x Ray's p50: {_peer(PEERS.ray_p50_ms, ISSUE_RAY_P50_MS, 'ms')}",
             f"hello-world POST p50 {h50 * 1e3:.2f} ms",
-        )
+        ),
+        Row(
+            "  the same design's floor in Python (bench/floor.py: bare ASGI + sqlite3, 2 commits)",
+            f"{f50 * 1e3:.2f} ms p50 (p90 {f90 * 1e3:.1f}); server {low_cpu:.2f} cpu ms",
+            f"lakeshore: {p50 / f50:.1f}x the floor",
+            f"hello-world POST p50 {h50 * 1e3:.2f} ms",
+        ),
     ]
 
 

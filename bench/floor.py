@@ -1,0 +1,359 @@
+"""The floor of the warm round trip: the same design with none of the product, measured beside the
+same run's raw HTTP round trip.
+
+The warm round trip (``bench/warm.py``'s ``submit?wait`` row): a producer submits a call and holds
+its request open; a long-lived worker, long-polling, claims it, runs a noop, and acks it on its
+next poll; the producer's request is answered with the outcome. Here that design runs with nothing
+else: a bare ASGI callable (no Starlette, no auth, no metrics, no validation) on the same HTTP stack
+as ``lakeshore server`` (uvicorn, uvloop when installed, the parser of ``hello_parser()``, no
+access log) over one raw ``sqlite3`` connection with the store's durability (a WAL file,
+``synchronous = NORMAL``, ``BEGIN IMMEDIATE`` ... ``COMMIT``), everything on the event loop. Per
+call: four messages on the wire (submit in, claim out as a parked poll's answer, ack in on the next
+poll, outcome out) and two durable commits (the submit, which claims the row for the parked poll
+in the same transaction; the ack, which commits before the producer is answered). Whatever
+``lakeshore server`` spends above this is its features; this is the least the design costs in
+Python on this machine.
+
+The server is this file (``--serve PORT DB``) in a subprocess; the load comes from separate
+processes with ``control_plane.Client`` (``http.client``, one keep-alive connection each, msgpack
+bodies): one producer (``--calls`` sequential ``POST /submit`` with ``wait_s``, timed after
+``WARMUP`` untimed calls) and one worker (``POST /poll`` with the previous call's ack, a noop
+between). Rows:
+
+- ``hello``: one POST to ``warm.py``'s Starlette hello-world on the same stack, the floor of one
+  request: ``x hello`` is printed beside the round trip;
+- ``floor (bare ASGI + sqlite3, 2 commits)``: p50 and p90 of the round trip, and the floor
+  server's CPU ms per call (psutil, over the timed calls);
+- ``where it goes``: the p50 of each part of the round trip, from the producer's wall clock and
+  the row's ``submitted``, ``started`` (the claim) and ``finished`` (the ack).
+
+``floor_round_trip(calls)`` is the measurement alone, for ``bench/hotpaths.py``.
+
+Run: ``python bench/floor.py [--calls 2000]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sqlite3
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+from _stats import median_p90  # noqa: E402
+from control_plane import Client, _process, cpu_seconds, free_port, has, hello_parser, ulid  # noqa: E402
+from warm import hello_round_trip, in_processes, ms  # noqa: E402
+
+QUEUE = "floor"
+WARMUP = 200
+LEASE_S = 60.0
+NOOP_ARGS = b"\x90"  # msgpack []
+NOOP_RESULT = b"\xc0"  # msgpack None
+STOP = b"stop"  # the args of the last submit: the worker acks it and exits
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS calls (
+    id TEXT PRIMARY KEY, queue TEXT NOT NULL, state TEXT NOT NULL, args BLOB, result BLOB,
+    worker TEXT, started REAL, finished REAL, lease REAL, submitted REAL
+);
+CREATE INDEX IF NOT EXISTS calls_queue_state ON calls (queue, state, submitted);
+"""
+CLAIM_ONE = "UPDATE calls SET state = 'running', worker = ?, started = ?, lease = ? WHERE id = ?"
+CLAIM_OLDEST = (
+    "UPDATE calls SET state = 'running', worker = ?, started = ?, lease = ? WHERE id = "
+    "(SELECT id FROM calls WHERE queue = ? AND state = 'queued' ORDER BY submitted LIMIT 1) "
+    "RETURNING id, args"
+)
+ACK = (
+    "UPDATE calls SET state = 'succeeded', result = ?, finished = ? "
+    "WHERE id = ? AND worker = ? AND state = 'running'"
+)
+_EXPIRED = object()  # what a wait's timer hands its future
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+# -- the floor server ----------------------------------------------------------------------------
+
+
+def _expire(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_result(_EXPIRED)
+
+
+class Floor:
+    """The bare ASGI app: ``POST /submit`` and ``POST /poll`` over one ``sqlite3`` connection."""
+
+    def __init__(self, db_path: str) -> None:
+        self.db = sqlite3.connect(db_path, isolation_level=None)
+        # the store's PRAGMAs (dreamlake/lakeshore/store/engine.py, Database._create)
+        self.db.execute("PRAGMA busy_timeout = 30000")
+        self.db.execute("PRAGMA journal_mode = WAL")
+        self.db.execute("PRAGMA synchronous = NORMAL")
+        self.db.execute("PRAGMA wal_autocheckpoint = 16384")
+        self.db.execute("PRAGMA foreign_keys = ON")
+        self.db.executescript(SCHEMA)
+        self.parked: dict[str, list[tuple[str, asyncio.Future[Any]]]] = {}  # queue -> polls waiting
+        self.outcomes: dict[str, asyncio.Future[Any]] = {}  # call id -> its producer's future
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        message = await receive()
+        body = message.get("body", b"")
+        while message.get("more_body"):
+            message = await receive()
+            body += message.get("body", b"")
+        path = scope["path"]
+        try:
+            request = msgpack.unpackb(body, raw=False)
+            if path == "/submit":
+                status, answer = 200, await self.submit(request)
+            elif path == "/poll":
+                status, answer = 200, await self.poll(request)
+            else:
+                status, answer = 404, {"error": path}
+        except Exception as exc:
+            status, answer = 500, {"error": repr(exc)}
+        data = msgpack.packb(answer, use_bin_type=True)
+        headers = [(b"content-type", b"application/x-msgpack"), (b"content-length", b"%d" % len(data))]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
+
+    def _rollback(self) -> None:
+        if self.db.in_transaction:
+            self.db.execute("ROLLBACK")
+
+    async def submit(self, req: dict[str, Any]) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        call_id, queue = req["id"], req["queue"]
+        outcome = loop.create_future()
+        waiting = self.parked.get(queue)
+        poll = None
+        while waiting and poll is None:
+            worker, fut = waiting.pop(0)
+            if not fut.done():
+                poll = worker, fut
+        now = time.time()
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+            self.db.execute(
+                "INSERT INTO calls (id, queue, state, args, submitted) VALUES (?, ?, 'queued', ?, ?)",
+                (call_id, queue, req["args"], now),
+            )
+            if poll is not None:
+                self.db.execute(CLAIM_ONE, (poll[0], now, now + LEASE_S, call_id))
+            self.db.execute("COMMIT")
+        except BaseException:
+            self._rollback()
+            if poll is not None:  # the poll stays parked
+                waiting = self.parked.setdefault(queue, [])
+                waiting.insert(0, poll)
+            raise
+        self.outcomes[call_id] = outcome
+        if poll is not None:
+            poll[1].set_result([{"id": call_id, "args": req["args"]}])
+        timer = loop.call_later(float(req.get("wait_s") or 0.0), _expire, outcome)
+        try:
+            result = await outcome
+        finally:
+            timer.cancel()
+            self.outcomes.pop(call_id, None)
+        if result is not _EXPIRED:
+            return {"id": call_id, "state": "succeeded", "result": result}
+        row = self.db.execute("SELECT state, result FROM calls WHERE id = ?", (call_id,)).fetchone()
+        return {"id": call_id, "state": row[0], "result": row[1]}
+
+    async def poll(self, req: dict[str, Any]) -> dict[str, Any]:
+        worker, queue = req["worker"], req["queue"]
+        acked = []
+        now = time.time()
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+            for ack in req.get("acks") or ():
+                cur = self.db.execute(ACK, (ack["result"], now, ack["id"], worker))
+                if cur.rowcount == 1:
+                    acked.append((ack["id"], ack["result"]))
+            row = self.db.execute(CLAIM_OLDEST, (worker, now, now + LEASE_S, queue)).fetchone()
+            self.db.execute("COMMIT")
+        except BaseException:
+            self._rollback()
+            raise
+        for call_id, result in acked:  # durable now: their producers may be answered
+            fut = self.outcomes.get(call_id)
+            if fut is not None and not fut.done():
+                fut.set_result(result)
+        if row is not None:
+            return {"calls": [{"id": row[0], "args": row[1]}]}
+        wait_s = float(req.get("wait_s") or 0.0)
+        if wait_s <= 0:
+            return {"calls": []}
+        loop = asyncio.get_running_loop()
+        parked = loop.create_future()
+        entry = (worker, parked)
+        self.parked.setdefault(queue, []).append(entry)
+        timer = loop.call_later(wait_s, _expire, parked)
+        try:
+            calls = await parked
+        finally:
+            timer.cancel()
+            waiting = self.parked.get(queue)
+            if waiting and entry in waiting:
+                waiting.remove(entry)
+        return {"calls": [] if calls is _EXPIRED else calls}
+
+
+def serve(port: int, db_path: str) -> None:
+    import uvicorn
+
+    loop = "uvloop" if has("uvloop") else "asyncio"
+    uvicorn.run(
+        Floor(db_path),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        loop=loop,
+        http=hello_parser(),
+        access_log=False,
+        lifespan="off",
+    )
+
+
+# -- load processes ------------------------------------------------------------------------------
+
+
+def _worker(c: Client) -> int:
+    """Long-poll, take a call, run the noop, ack it on the next poll; until the STOP call."""
+    worker, done = ulid(), 0
+    acks: list[dict[str, Any]] = []
+    while True:
+        status, answer = c.post("/poll", {"worker": worker, "queue": QUEUE, "acks": acks, "wait_s": 5.0})
+        if status != 200:
+            raise RuntimeError(f"poll answered {status}: {answer}")
+        done += len(acks)
+        calls = answer["calls"]
+        acks = [{"id": call["id"], "result": NOOP_RESULT} for call in calls]  # the noop
+        if any(call["args"] == STOP for call in calls):
+            c.post("/poll", {"worker": worker, "queue": QUEUE, "acks": acks, "wait_s": 0})
+            return done
+
+
+def _submit(c: Client, call_id: str, args: bytes) -> None:
+    status, answer = c.post("/submit", {"id": call_id, "queue": QUEUE, "args": args, "wait_s": 60.0})
+    if status != 200 or answer.get("state") != "succeeded" or answer.get("result") != NOOP_RESULT:
+        raise RuntimeError(f"submit {call_id} answered {status}: {answer}")
+
+
+def _producer(
+    c: Client, n: int, server_pid: int
+) -> tuple[list[float], list[tuple[str, float, float]], float]:
+    """``n`` timed calls after ``WARMUP``; their seconds, (id, sent, answered) wall stamps, and the
+    server's CPU ms per timed call; then the STOP call."""
+    ids = [ulid() for _ in range(WARMUP + n)]
+    for call_id in ids[:WARMUP]:
+        _submit(c, call_id, NOOP_ARGS)
+    times, stamps = [], []
+    cpu0 = cpu_seconds(server_pid)
+    for call_id in ids[WARMUP:]:
+        w0, t0 = time.time(), time.perf_counter()
+        _submit(c, call_id, NOOP_ARGS)
+        times.append(time.perf_counter() - t0)
+        stamps.append((call_id, w0, time.time()))
+    cpu = (cpu_seconds(server_pid) - cpu0) * 1000 / n
+    _submit(c, ulid(), STOP)
+    return times, stamps, cpu
+
+
+def _load(role: str, port: int, n: int, server_pid: int, go: Any, out: Any) -> None:
+    c = Client(port, None)
+    go.wait()
+    out.put((role, _worker(c) if role == "worker" else _producer(c, n, server_pid)))
+
+
+# -- the measurement -----------------------------------------------------------------------------
+
+SPLIT = ("producer -> submitted", "submitted -> claimed", "claimed -> acked", "acked -> producer")
+
+
+def _split(db: Path, stamps: list[tuple[str, float, float]]) -> dict[str, float]:
+    """The p50 (seconds) of each part of a call, from the producer's stamps and the row's times."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        known = {r[0]: r[1:] for r in con.execute("SELECT id, submitted, started, finished FROM calls")}
+    finally:
+        con.close()
+    parts: dict[str, list[float]] = {name: [] for name in SPLIT}
+    for call_id, w0, w1 in stamps:
+        row = known.get(call_id)
+        if row is None or None in row:
+            continue
+        points = (w0, *row, w1)
+        for name, a, b in zip(SPLIT, points, points[1:], strict=False):
+            parts[name].append(b - a)
+    return {name: median_p90(v)[0] for name, v in parts.items() if v}
+
+
+def _measure(calls: int) -> tuple[list[float], float, dict[str, float]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        db = Path(tmp) / "floor.db"
+        port = free_port()
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", str(port), str(db)]
+        with _process(cmd, port) as pid:
+            outputs = dict(in_processes(_load, [("worker", port, 0, pid), ("producer", port, calls, pid)]))
+            times, stamps, cpu = outputs["producer"]
+            if outputs["worker"] != WARMUP + calls:
+                raise RuntimeError(f"the worker acked {outputs['worker']} of {WARMUP + calls} calls")
+            parts = _split(db, stamps)
+    return times, cpu, parts
+
+
+def floor_round_trip(calls: int) -> tuple[list[float], float]:
+    """``calls`` sequential round trips through the floor server (seconds each, after a warm-up),
+    and the floor server's CPU ms per call over them."""
+    times, cpu, _parts = _measure(calls)
+    return times, cpu
+
+
+HEADER = f"{'path':<42} {'p50 ms':>8} {'p90 ms':>8} {'x hello':>8} {'server cpu ms/call':>19}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--calls", type=int, default=2000, help="sequential timed calls")
+    ap.add_argument("--serve", nargs=2, metavar=("PORT", "DB"), help="run the floor server (internal)")
+    args = ap.parse_args()
+    if args.serve:
+        serve(int(args.serve[0]), args.serve[1])
+        return
+    hello = hello_round_trip(args.calls)
+    times, cpu, parts = _measure(args.calls)
+    h50, h90 = median_p90(hello)
+    p50, p90 = median_p90(times)
+    print(
+        f"floor of the warm round trip, noop, loopback, SQLite file; {os.cpu_count()} cores, load average "
+        f"{os.getloadavg()[0]:.1f}; {args.calls} sequential calls after {WARMUP} untimed; "
+        f"uvicorn ({'uvloop' if has('uvloop') else 'asyncio'}, {hello_parser()})"
+    )
+    print(f"baseline: Starlette hello-world on the same stack, one POST: p50 {ms(h50)} ms, p90 {ms(h90)} ms")
+    print(HEADER)
+    name = "floor (bare ASGI + sqlite3, 2 commits)"
+    print(f"{name:<42} {ms(p50):>8} {ms(p90):>8} {p50 / h50:>7.1f}x {cpu:>19.2f}")
+    print("    where it goes (p50 ms): " + ", ".join(f"{k} {ms(v)}" for k, v in parts.items()))
+    print(
+        "the floor: the least this design (submit?wait, a long-polling worker, its ack on the next poll; "
+        "two durable commits per call) costs in Python on this machine, with none of lakeshore's features"
+    )
+
+
+if __name__ == "__main__":
+    main()
