@@ -56,7 +56,7 @@ from dreamlake.lakeshore.errors import (
     Unauthorized,
     Unavailable,
 )
-from dreamlake.lakeshore.keepalive import KeepAlive, KeepAliveError, usable
+from dreamlake.lakeshore.keepalive import KeepAlive, KeepAliveError, Reply, usable
 
 __all__ = ["DEFAULT_RETRY_WINDOW_S", "MSGPACK", "PlaneClient", "error_for", "is_retryable", "retrying"]
 
@@ -277,7 +277,7 @@ class PlaneClient:
         what = f"{method} {path}"
         if self._fast is not None and "json" not in request:
             try:
-                resp = self._fast.request(
+                reply = self._fast.request(
                     method,
                     path,
                     content=request.get("content"),
@@ -287,11 +287,15 @@ class PlaneClient:
                 )
             except KeepAliveError as exc:
                 raise self._unreachable(what, exc) from exc
+            if reply.status_code >= 400:
+                raise self._refusal(reply.response(), what)
+            resp: httpx.Response | Reply = reply
         else:
             with self._translated(what):
-                resp = self._http.request(method, path, **_httpx_request(request))
-        if resp.status_code >= 400:
-            raise self._refusal(resp, what)
+                answer = self._http.request(method, path, **_httpx_request(request))
+            if answer.status_code >= 400:
+                raise self._refusal(answer, what)
+            resp = answer
         if not resp.content:
             return {}
         try:
@@ -439,7 +443,7 @@ def _timeout(read_s: float) -> httpx.Timeout:
     return httpx.Timeout(read_s, connect=CONNECT_TIMEOUT_S)
 
 
-def _decode(resp: httpx.Response) -> Any:
+def _decode(resp: httpx.Response | Reply) -> Any:
     """A body by its content type: JSON, or msgpack (also when untyped). ValueError otherwise."""
     ctype = resp.headers.get("content-type", "")
     if "json" in ctype:
