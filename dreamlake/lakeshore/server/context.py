@@ -86,7 +86,7 @@ class Context:
             self.store,
             outages=self.outages,
             observe=self.metrics.write_batch.observe,
-            timed=lambda kind, s: self.metrics.write_seconds.labels(kind=kind).observe(s),
+            timed=lambda kind, s: self.metrics.child(self.metrics.write_seconds, kind).observe(s),
             handoff=self.polls.hand_off,
             inline_lock=self.store.inline_write_lock(),
         )

@@ -201,10 +201,10 @@ async def _commands(ctx: Context, got: PollResult) -> tuple[list[dict[str, Any]]
             commands.append(run_command(inv, token))
     commands.extend(exec_command(job) for job in got.exec_jobs)
     if got.invocations:
-        ctx.metrics.claims.labels(kind="run").inc(len(got.invocations))
+        ctx.metrics.child(ctx.metrics.claims, "run").inc(len(got.invocations))
         for inv in got.invocations:
             if inv.attempt == 1 and inv.started_at is not None:
-                ctx.metrics.claim_latency.labels(queue=inv.queue).observe(
+                ctx.metrics.child(ctx.metrics.claim_latency, inv.queue).observe(
                     max(0.0, inv.started_at - inv.submitted_at)
                 )
     if got.exec_jobs:
@@ -319,7 +319,7 @@ async def poll(
                 return {"commands": []} if acked is None else {"commands": [], "acked": acked}
             if renewal is not None:
                 (mark, pinned), renewal = renewal, None
-                ctx.metrics.idle_answers.labels(kind="renewal").inc()
+                ctx.metrics.child(ctx.metrics.idle_answers, "renewal").inc()
             else:
                 if opening is not None:  # written with the acks
                     ((began, known), got), opening = opening, None
@@ -332,7 +332,7 @@ async def poll(
                     raise answer_of(got)
                 assert isinstance(got, PollResult)
                 mark = began[0]
-                ctx.metrics.poll_passes.labels(reason=reason).inc()
+                ctx.metrics.child(ctx.metrics.poll_passes, reason).inc()
                 commands, claimed, pinned = await _commands(ctx, got)
                 if known is None:
                     ctx.daemons.wrote(worker_id, began, pinned)
@@ -425,7 +425,7 @@ async def heartbeat(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[
     # waiting: nothing to write (server/idle.py)
     quiet = ctx.daemons.quiet_heartbeat(worker_id) if not pairs and exec_pairs == [] else None
     if quiet is not None:
-        ctx.metrics.idle_answers.labels(kind="heartbeat").inc()
+        ctx.metrics.child(ctx.metrics.idle_answers, "heartbeat").inc()
         result = HeartbeatResult([], [], quiet[0])
     else:
         beat = HeartbeatRequest(worker_id, pairs, ctx.config.lease_s, exec_pairs, caller.principal.namespace)

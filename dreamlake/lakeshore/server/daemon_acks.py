@@ -148,7 +148,9 @@ def _answer_acks(
 async def _poke_all(ctx: Context, acks: list[_PollAck], answers: list[dict[str, Any]]) -> None:
     """The live followers of every invocation a poll's acks ended, told at once."""
     done = [a.invocation_id for a, out in zip(acks, answers, strict=True) if out.get("ok")]
-    if done:
+    if len(done) == 1:  # the warm path's one ack: no task to gather
+        await _poke(ctx, done[0])
+    elif done:
         await asyncio.gather(*(_poke(ctx, inv) for inv in done))
 
 
@@ -204,7 +206,7 @@ def _ack_settled(
     final = result.ok and not result.duplicate and result.state == state
     ctx.acks.end(invocation_id, flight, committed if final else None)
     if result.ok:
-        ctx.metrics.acks.labels(state=state, outcome="duplicate" if result.duplicate else "ok").inc()
+        ctx.metrics.child(ctx.metrics.acks, state, "duplicate" if result.duplicate else "ok").inc()
         ctx.wake.notify(f"inv:{invocation_id}")
         log.debug("ack %s %s (attempt %s)", invocation_id, state, request.attempt)
         return 200, ({"ok": True, "duplicate": True} if result.duplicate else {"ok": True})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -31,6 +32,7 @@ class Metrics:
         self.submits = Counter(
             "lakeshore_submits", "Invocations submitted", ["duplicate"], registry=self.registry
         )
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}  # see child()
         # the children made once: ``labels()`` per submit hashed and locked its labels each time
         self._submit_children = (
             self.submits.labels(duplicate="false"),
@@ -176,6 +178,16 @@ class Metrics:
             for state, n in q.counts.items():
                 self.invocations.labels(queue=q.name, state=state).set(n)
         self.workers_live.set(workers_live)
+
+    def child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)`` (the values in the order of its label names), made once:
+        ``labels()`` checks, hashes and locks its values on every call, and a warm call made
+        eight of them (the hot routes' counters and histograms use this)."""
+        key = (id(metric), values)
+        got = self._children.get(key)
+        if got is None:
+            got = self._children[key] = metric.labels(*values)
+        return got
 
     def submitted(self, duplicate: bool, n: int = 1) -> None:
         """Count ``n`` submits; the two children are made once (``labels()`` per submit hashed
