@@ -52,7 +52,7 @@ sys.path.insert(0, str(BENCH))
 
 from _stats import median_p90  # noqa: E402
 from control_plane import Client, _process, cpu_seconds, free_port, has, hello_parser, ulid  # noqa: E402
-from warm import hello_round_trip, in_processes, ms  # noqa: E402
+from warm import hello_round_trip, in_processes, ms, split  # noqa: E402
 
 QUEUE = "floor"
 WARMUP = 200
@@ -282,26 +282,6 @@ def _load(role: str, port: int, n: int, server_pid: int, go: Any, out: Any) -> N
 
 # -- the measurement -----------------------------------------------------------------------------
 
-SPLIT = ("producer -> submitted", "submitted -> claimed", "claimed -> acked", "acked -> producer")
-
-
-def _split(db: Path, stamps: list[tuple[str, float, float]]) -> dict[str, float]:
-    """The p50 (seconds) of each part of a call, from the producer's stamps and the row's times."""
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        known = {r[0]: r[1:] for r in con.execute("SELECT id, submitted, started, finished FROM calls")}
-    finally:
-        con.close()
-    parts: dict[str, list[float]] = {name: [] for name in SPLIT}
-    for call_id, w0, w1 in stamps:
-        row = known.get(call_id)
-        if row is None or None in row:
-            continue
-        points = (w0, *row, w1)
-        for name, a, b in zip(SPLIT, points, points[1:], strict=False):
-            parts[name].append(b - a)
-    return {name: median_p90(v)[0] for name, v in parts.items() if v}
-
 
 def _measure(calls: int) -> tuple[list[float], float, dict[str, float]]:
     with tempfile.TemporaryDirectory() as tmp:
@@ -313,7 +293,7 @@ def _measure(calls: int) -> tuple[list[float], float, dict[str, float]]:
             times, stamps, cpu = outputs["producer"]
             if outputs["worker"] != WARMUP + calls:
                 raise RuntimeError(f"the worker acked {outputs['worker']} of {WARMUP + calls} calls")
-            parts = _split(db, stamps)
+            parts = split(db, stamps, "SELECT id, submitted, started, finished FROM calls")
     return times, cpu, parts
 
 

@@ -310,20 +310,18 @@ def measure(
 SPLIT = ("producer -> submitted", "submitted -> claimed", "claimed -> acked", "acked -> producer")
 
 
-def split(db: Path, stamps: list[tuple[str, float, float]]) -> dict[str, float]:
+STAMPS = "SELECT invocation_id, submitted_at, started_at, finished_at FROM invocations"
+
+
+def split(db: Path, stamps: list[tuple[str, float, float]], query: str = STAMPS) -> dict[str, float]:
     """Where a sequential call's time goes (p50 of each part, seconds), from the producer's wall
     clock and the invocation's ``submitted_at`` / ``started_at`` (the claim) / ``finished_at``
-    (the ack) in the store: the same clock, one host."""
+    (the ack) in the store (``query``: those four columns of each call): the same clock, one host."""
     import sqlite3
 
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
-        known = {
-            r[0]: r[1:]
-            for r in con.execute(
-                "SELECT invocation_id, submitted_at, started_at, finished_at FROM invocations"
-            )
-        }
+        known = {r[0]: r[1:] for r in con.execute(query)}
     finally:
         con.close()
     parts: dict[str, list[float]] = {name: [] for name in SPLIT}

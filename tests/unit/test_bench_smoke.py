@@ -36,6 +36,7 @@ CASES = {
     ],
     "dispatch": ["--calls", "2", "--batch", "6", "--slots", "2", "--idle-s", "0"],
     "fleet": ["--sizes", "1,2", "--submits", "3", "--idle-s", "0.2"],
+    "floor": ["--calls", "5"],
     "payloads": ["--sizes", "0.25,0.5", "--reps", "1"],
     "preempt": ["--rounds", "1", "--grace-s", "0.5"],
     "logs": ["--say", "3", "--pause-ms", "5", "--lines", "200", "--values", "20"],
