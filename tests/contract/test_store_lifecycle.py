@@ -136,6 +136,51 @@ def test_a_file_stores_writes_survive_their_kept_connection_breaking(tmp_path: P
         s.close()
 
 
+CLOSE_MID_WRITE = """
+import sqlite3, sys, threading
+from dreamlake.lakeshore.store import open_store
+s = open_store(sys.argv[1])
+started, out = threading.Event(), []
+
+def sweep():  # a write transaction of a background thread, busy in SQLite when the store closes
+    try:
+        with s.db.tx(write=True) as conn:
+            conn.exec_driver_sql("CREATE TABLE probe (x INTEGER)")
+            conn.exec_driver_sql("INSERT INTO probe VALUES (1)")
+            started.set()
+            conn.exec_driver_sql(
+                "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 3000000) "
+                "SELECT count(*) FROM n"
+            ).scalar_one()
+        out.append("committed")
+    except Exception as exc:
+        out.append(repr(exc))
+        started.set()
+
+t = threading.Thread(target=sweep)
+t.start()
+started.wait()
+s.close()
+t.join()
+print(out, sqlite3.connect(sys.argv[1]).execute("SELECT count(*) FROM probe").fetchone()[0])
+"""
+
+
+def test_closing_a_file_store_waits_for_a_write_in_flight(tmp_path: Path) -> None:
+    """The kept write connection is closed between transactions, never under one: a lease sweep
+    writing as the control plane stops commits, and nothing else shares its connection meanwhile
+    (a sqlite3 connection used by two threads at once can crash the process). Run apart, so a
+    crash fails this test and nothing else."""
+    done = subprocess.run(
+        [PYTHON, "-c", CLOSE_MID_WRITE, str(tmp_path / "store.db")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "['committed'] 1", done.stdout + done.stderr[-2000:]
+
+
 def test_a_file_stores_wal_is_checkpointed_off_the_commit_path(tmp_path: Path) -> None:
     """Commits do not run SQLite's checkpoint themselves (it made one commit in a thousand take
     10-40 ms): the automatic one is pushed back to a backstop, and the store's own thread

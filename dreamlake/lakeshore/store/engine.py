@@ -254,10 +254,17 @@ class Database:
     def dispose(self) -> None:
         if self._checkpointer is not None:
             self._checkpointer.close()
-        writer, self._writer = self._writer, None
-        if writer is not None:
-            with contextlib.suppress(Exception):
-                writer.close()
+        # the kept write connection closes only between transactions: closing a sqlite3
+        # connection that another thread is executing on (a lease sweep when the store closes)
+        # crashes the process; one still busy after the wait is left to the garbage collector
+        if self._writer is not None and self._lock is not None and self._lock.acquire(timeout=5.0):
+            try:
+                writer, self._writer = self._writer, None
+                if writer is not None:
+                    with contextlib.suppress(Exception):
+                        writer.close()
+            finally:
+                self._lock.release()
         self.engine.dispose()
 
 
