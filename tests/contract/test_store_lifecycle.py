@@ -132,6 +132,15 @@ def test_a_file_stores_writes_survive_their_kept_connection_breaking(tmp_path: P
         assert all(s.get(inv) is not None for inv in [first, *after])
         claimed = s.claim("w", ["q"], limit=10)
         assert len(claimed) == 5
+
+        # a transaction left open on it (a commit and its rollback that both failed): the next
+        # write does not inherit it, and lands
+        left = s.db._writer
+        assert left is not None
+        left.connection.driver_connection.execute("BEGIN")  # type: ignore[union-attr]
+        last = new_ulid()
+        s.submit(SubmitRequest(last, "q", FN, b"d", {}))
+        assert s.db._writer is not left and s.get(last) is not None
     finally:
         s.close()
 

@@ -236,7 +236,10 @@ class Database:
         self._writer_free = False
         conn = self._writer
         try:
-            if conn is None or conn.invalidated:
+            if conn is None or not _settled(conn):
+                if conn is not None:
+                    with contextlib.suppress(Exception):
+                        conn.close()
                 conn = self._writer = self.engine.connect()
             try:
                 conn.connection.driver_connection.execute("BEGIN IMMEDIATE")  # type: ignore[union-attr]
@@ -266,6 +269,19 @@ class Database:
             finally:
                 self._lock.release()
         self.engine.dispose()
+
+
+def _settled(conn: Connection) -> bool:
+    """Whether a kept write connection may take the next transaction: not invalidated, and no
+    transaction left open on it, SQLAlchemy's or the driver's (after a commit and its rollback
+    both failed, every later ``BEGIN`` on it would fail; a pooled connection was reset on return)."""
+    if conn.invalidated or conn.closed or conn.in_transaction():
+        return False
+    try:
+        raw = conn.connection.driver_connection
+        return raw is not None and not raw.in_transaction
+    except Exception:  # a closed driver connection: not reusable
+        return False
 
 
 class _Checkpointer:
