@@ -19,10 +19,10 @@ Connections are pooled (a request takes an idle one, or opens one, and puts it b
 answer was read whole), at most ``MAX_IDLE`` kept idle.
 
 The answer comes back as a :class:`Reply` (status, headers, body): building an ``httpx.Response``
-for every answer cost the client more than reading it (about 60 us of a warm worker's 250 per
-call), so the client takes the reply's body as it is and makes the ``httpx.Response``
-(:meth:`Reply.response`) only for a refusal, whose error tree is then the same on both paths. A
-failure to connect, send or read, or an answer that is not HTTP/1.x, raises
+for every answer cost the client more than reading it (a warm worker's CPU per call fell from
+0.41 to 0.33 ms without it), so the client takes the reply's body as it is and makes the
+``httpx.Response`` (:meth:`Reply.response`) only for a refusal, whose error tree is then the same
+on both paths. A failure to connect, send or read, or an answer that is not HTTP/1.x, raises
 :class:`KeepAliveError` (the client translates it as it does httpx's transport errors). A
 connection the server closed while idle is noticed before reuse (readable with nothing to read)
 and replaced, as httpcore does; a request is never sent twice here (the client's retry rule
