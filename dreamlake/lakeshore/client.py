@@ -277,7 +277,7 @@ class PlaneClient:
         what = f"{method} {path}"
         if self._fast is not None and "json" not in request:
             try:
-                reply = self._fast.request(
+                resp: httpx.Response | Reply = self._fast.request(
                     method,
                     path,
                     content=request.get("content"),
@@ -287,15 +287,11 @@ class PlaneClient:
                 )
             except KeepAliveError as exc:
                 raise self._unreachable(what, exc) from exc
-            if reply.status_code >= 400:
-                raise self._refusal(reply.response(), what)
-            resp: httpx.Response | Reply = reply
         else:
             with self._translated(what):
-                answer = self._http.request(method, path, **_httpx_request(request))
-            if answer.status_code >= 400:
-                raise self._refusal(answer, what)
-            resp = answer
+                resp = self._http.request(method, path, **_httpx_request(request))
+        if resp.status_code >= 400:  # a refusal: its error tree reads an httpx.Response
+            raise self._refusal(resp.response() if isinstance(resp, Reply) else resp, what)
         if not resp.content:
             return {}
         try:

@@ -86,7 +86,7 @@ async def result_chunk(ctx: Context, caller: Caller, body: dict[str, Any]) -> tu
         if result.expected_seq is not None:
             out["expected_seq"] = result.expected_seq
         return result.status, out
-    ctx.metrics.chunks.labels(duplicate=str(result.duplicate).lower()).inc()
+    ctx.metrics.child(ctx.metrics.chunks, str(result.duplicate).lower()).inc()
     if result.duplicate:
         return 200, {"ok": True, "seq": seq, "duplicate": True}
     ctx.metrics.frames_appended((frame.kind,))
@@ -144,10 +144,10 @@ async def result_chunks(ctx: Context, caller: Caller, body: dict[str, Any]) -> t
         for (seq, data, final), r in zip(batch, results, strict=False)
         if r.ok and not r.duplicate
     ]
-    ctx.metrics.chunks.labels(duplicate="false").inc(len(fresh))
+    ctx.metrics.child(ctx.metrics.chunks, "false").inc(len(fresh))
     ctx.metrics.frames_appended(k for k, r in zip(kinds, results, strict=False) if r.ok and not r.duplicate)
     if len(kept) > len(fresh):
-        ctx.metrics.chunks.labels(duplicate="true").inc(len(kept) - len(fresh))
+        ctx.metrics.child(ctx.metrics.chunks, "true").inc(len(kept) - len(fresh))
     if fresh:
         ctx.wake.notify(f"inv:{invocation_id}")
         await _publish(ctx, invocation_id, fresh)

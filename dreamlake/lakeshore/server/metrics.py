@@ -33,11 +33,6 @@ class Metrics:
             "lakeshore_submits", "Invocations submitted", ["duplicate"], registry=self.registry
         )
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}  # see child()
-        # the children made once: ``labels()`` per submit hashed and locked its labels each time
-        self._submit_children = (
-            self.submits.labels(duplicate="false"),
-            self.submits.labels(duplicate="true"),
-        )
         self.claims = Counter(
             "lakeshore_claims", "Commands handed to daemons by poll", ["kind"], registry=self.registry
         )
@@ -190,9 +185,8 @@ class Metrics:
         return got
 
     def submitted(self, duplicate: bool, n: int = 1) -> None:
-        """Count ``n`` submits; the two children are made once (``labels()`` per submit hashed
-        and locked its label tuple on the hot path)."""
-        self._submit_children[duplicate].inc(n)
+        """Count ``n`` submits."""
+        self.child(self.submits, "true" if duplicate else "false").inc(n)
 
     def frames_appended(self, kinds: Iterable[int], owner: str = "invocation") -> None:
         """Count journaled frames by their kind (ints on the wire, named here)."""
@@ -201,7 +195,7 @@ class Metrics:
             name = FRAME_KIND_NAMES.get(kind, str(kind))
             counts[name] = counts.get(name, 0) + 1
         for name, n in counts.items():
-            self.frames.labels(kind=name, owner=owner).inc(n)
+            self.child(self.frames, name, owner).inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

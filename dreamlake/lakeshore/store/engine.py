@@ -249,11 +249,7 @@ class Database:
             with conn.begin():
                 yield conn
         finally:
-            self._writer_free = True
-            if conn is not None and conn.invalidated and conn is self._writer:
-                self._writer = None
-                with contextlib.suppress(Exception):
-                    conn.close()
+            self._writer_free = True  # a broken one is replaced by the next transaction (_settled)
 
     def dispose(self) -> None:
         if self._checkpointer is not None:
