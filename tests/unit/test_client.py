@@ -148,6 +148,38 @@ def test_the_client_retries_its_own_requests_up_to_attempts() -> None:
     assert len(calls) == 2  # every attempt used, then the last failure
 
 
+def test_the_clients_window_counts_its_first_try() -> None:
+    """A client that retries for ``window_s`` counts the time its first try took: a try that used
+    the whole window is not followed by another; within the window, failures are retried with the
+    backoff until one succeeds."""
+    calls: list[float] = []
+
+    def slow(request: httpx.Request) -> httpx.Response:
+        calls.append(time.monotonic())
+        time.sleep(0.3)
+        return _answer(503, {"error": "down"})
+
+    window = PlaneClient(
+        "http://cp.test/", "lsk_tok", attempts=None, window_s=0.25, transport=httpx.MockTransport(slow)
+    )
+    with pytest.raises(errors.Unavailable, match="down"):
+        window.request("GET", "/x")
+    assert len(calls) == 1
+
+    calls.clear()
+
+    def flaky(request: httpx.Request) -> httpx.Response:
+        calls.append(time.monotonic())
+        return _answer(200, {"ok": True}) if len(calls) == 3 else _answer(503, {"error": "down"})
+
+    window = PlaneClient(
+        "http://cp.test/", "lsk_tok", attempts=None, window_s=30, transport=httpx.MockTransport(flaky)
+    )
+    assert window.request("GET", "/x") == {"ok": True}
+    assert len(calls) == 3
+    assert calls[1] - calls[0] >= 0.1 and calls[2] - calls[1] >= 0.2  # the backoff between tries
+
+
 @pytest.mark.parametrize("status", [400, 401, 403, 404, 409, 413])
 def test_a_refusal_is_raised_at_once(status: int) -> None:
     calls: list[int] = []

@@ -434,6 +434,33 @@ def test_gate3_hashes_a_loaded_functions_source_once_and_refuses_every_stale_cal
     fn_record._MATCHED.clear()
 
 
+def test_a_submitters_source_hash_is_made_once_and_follows_an_edit_of_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every submit of a function by reference carries its source hash: it is read and hashed
+    once while the file stays as it was, and hashed again from the edited file (what ships)."""
+    import importlib
+    import inspect
+
+    mod = tmp_path / "edited_fns.py"
+    mod.write_text("def f(x):\n    return x + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = importlib.import_module("edited_fns").f
+    read: list[Any] = []
+    real = inspect.getsource
+    monkeypatch.setattr(inspect, "getsource", lambda obj: read.append(obj) or real(obj))
+
+    def sha(text: str) -> str:
+        return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    for _ in range(3):
+        assert fn_for(fn)["src_hash"] == sha("def f(x):\n    return x + 1\n")
+    assert len(read) == 1
+    mod.write_text("def f(x):\n    return x + 2  # edited\n")
+    assert fn_for(fn)["src_hash"] == sha("def f(x):\n    return x + 2  # edited\n")
+    assert len(read) == 2
+
+
 @pytest.mark.parametrize(
     ("record", "policy"),
     [
