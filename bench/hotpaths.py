@@ -277,6 +277,7 @@ def warm_rows(args: argparse.Namespace) -> list[Row]:
     one = next(r for r in rows if r.name.endswith("submit?wait"))
     assert one.times is not None and one.per_s is not None
     p50, p90 = median_p90(one.times)
+    user = next((r for r in rows if r.name.endswith("SDK f.call()")), None)
     import floor
 
     low, low_cpu = floor.floor_round_trip(args.warm_calls)
@@ -288,6 +289,18 @@ def warm_rows(args: argparse.Namespace) -> list[Row]:
             f"<= {0.8 * (PEERS.ray_p50_ms or ISSUE_RAY_P50_MS):.2f} ms = 0.8x Ray's p50, "
             f"{_peer(PEERS.ray_p50_ms, ISSUE_RAY_P50_MS, 'ms')}",
             f"hello-world POST p50 {h50 * 1e3:.2f} ms",
+        ),
+        *(
+            [
+                Row(
+                    "  a user's f.call() through the SDK, the same worker",
+                    f"{median_p90(user.times)[0] * 1e3:.2f} ms p50 (p90 {median_p90(user.times)[1] * 1e3:.1f})",
+                    "(the row above is the bench's cheap client)",
+                    f"hello-world POST p50 {h50 * 1e3:.2f} ms",
+                )
+            ]
+            if user is not None and user.times
+            else []
         ),
         Row(
             "  the same design's floor in Python (bench/floor.py: bare ASGI + sqlite3, 2 commits)",

@@ -17,6 +17,8 @@ Rows, each beside its goal (<= 3 ms p50, >= 500/s) and the same run's baseline:
 - ``submit?wait``: one request per call (``/v1/producer/submit`` with ``wait_s``: submit and await
   in one request);
 - ``calls/s``: ``--producers`` processes calling at once (closed loop, ``submit?wait``), one worker.
+- ``SDK f.call()`` (``lakeshore worker`` only): what a user's call takes, from a process of its own
+  through the SDK (``dls.udf(queue="warm")`` on the same noop: its Envelope, code record, client);
 - ``nymph cold prefork``: the same nymph without ``--warm`` (a zygote forks each call), the
   reference the warm mode is measured against;
 - ``where it goes``: for the sequential ``submit?wait`` calls, the p50 of each part of the round
@@ -128,6 +130,26 @@ def _latency(port: int, token: str, n: int, one_request: bool, go: Any, out: Any
         times.append(time.perf_counter() - t0)
         stamps.append((inv, w0, time.time()))
     out.put((times, stamps))
+
+
+def _sdk_latency(port: int, token: str, n: int, go: Any, out: Any) -> None:
+    """What a user's ``f.call()`` takes: the SDK's own client, Envelope, code record and all."""
+    os.environ["LAKESHORE_URL"] = f"http://127.0.0.1:{port}"
+    os.environ["LAKESHORE_TOKEN"] = token
+    import bench_fns
+
+    import dreamlake.lakeshore as dls
+
+    f = dls.udf(queue=QUEUE)(bench_fns.noop)
+    go.wait()
+    for _ in range(20):  # warm-up, as _latency's
+        f.call()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        f.call()
+        times.append(time.perf_counter() - t0)
+    out.put((times, []))
 
 
 def _closed_loop(port: int, token: str, n: int, go: Any, out: Any) -> None:
@@ -355,6 +377,10 @@ def warm_rows(args: argparse.Namespace) -> tuple[list[float], list[Row], dict[st
             rows += measure(port, token, args, hello_p50, label, Path(tmp) / "warm.db")
             cpu["server (worker rows)"] = (cpu_seconds(pid) - s0) * 1000 / calls
             cpu["lakeshore worker"] = (cpu_seconds(wpid) - w0) * 1000 / calls
+            # what a user's f.call() takes through the same worker (after the CPU figures: they
+            # are the cheap client's)
+            ((user, _),) = in_processes(_sdk_latency, [(port, token, args.calls)])
+            rows.append(Row(f"{label}: SDK f.call()", user, None, hello_p50))
         if profile is not None:  # written by the sampler as the server stopped
             print(f"profile: lakeshore server under the worker rows ({calls} calls)")
             _sampler.report(str(profile), skip=("threading.py", "thread.py", "runpy", "_sampler"))

@@ -92,3 +92,5 @@ def test_benchmark_runs_and_prints_its_table(name: str) -> None:
     assert out.stdout.strip(), "the benchmark printed no figures"
     if "--profile" in CASES[name]:  # the sampled server wrote its samples and they were read back
         assert "profile: lakeshore server" in out.stdout and "busy samples" in out.stdout, out.stdout[-2000:]
+    if name in ("warm", "hotpaths"):  # a user's f.call() is measured beside the cheap client's
+        assert "f.call()" in out.stdout, out.stdout[-2000:]
