@@ -15,7 +15,7 @@ import pytest
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.server.writer import GroupWriter
 from dreamlake.lakeshore.store import open_store
-from dreamlake.lakeshore.store.api import SubmitRequest, SubmitResult
+from dreamlake.lakeshore.store.api import PollRequest, SubmitRequest, SubmitResult
 from dreamlake.lakeshore.store.sql import SqlStore
 
 
@@ -121,3 +121,38 @@ def test_a_held_lock_sends_the_batch_to_the_writer_thread_and_the_loop_keeps_run
     assert len(threads) == 1 and threads[0] != loop_thread
     row = sqlite_store.get(result.invocation_id)
     assert row is not None and row.state == "queued"
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["on-the-loop", "writer-thread"])
+def test_a_handed_poll_pass_is_delivered_before_its_submits_caller_goes_on(
+    sqlite_store: SqlStore, inline: bool
+) -> None:
+    """A submit that a waiting poll is handed (``handoff``) commits with that poll's pass, and the
+    poll gets its claim before the submit's caller goes on: the daemon is what the call waits for
+    next (a submit-and-wait only goes on to wait for the daemon's ack)."""
+    order: list[str] = []
+    claimed: list[Any] = []
+
+    def handoff(submits: Sequence[SubmitRequest]) -> list[tuple[PollRequest, Any]]:
+        def deliver(answer: Any) -> None:
+            claimed.append(answer)
+            order.append("poll answered")
+
+        return [(PollRequest("w", ["q"], handed=(submits[0].invocation_id,)), deliver)]
+
+    async def main() -> SubmitResult:
+        lock = sqlite_store.inline_write_lock() if inline else None
+        writer = GroupWriter(sqlite_store, inline_lock=lock, handoff=handoff)
+        try:
+            result = await writer.write(_submit())
+            order.append("submit's caller goes on")
+        finally:
+            await writer.aclose()
+        return result  # type: ignore[return-value]
+
+    result = asyncio.run(main())
+    assert order == ["poll answered", "submit's caller goes on"]
+    (answer,) = claimed
+    assert [i.invocation_id for i in answer.invocations] == [result.invocation_id]
+    row = sqlite_store.get(result.invocation_id)
+    assert row is not None and row.state == "running" and row.worker_id == "w"

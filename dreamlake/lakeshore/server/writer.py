@@ -18,7 +18,8 @@ together, each with its own result.
 
 With ``handoff`` (the poll hub's :meth:`~.polls.PollHub.hand_off`), a batch's submits take
 their waiting polls' passes along: each is written right after the submits, in their transaction,
-and its answer goes straight to its poll (no wake-up, no second trip through the writer).
+and its answer goes straight to its poll (no wake-up, no second trip through the writer), ahead of
+the submits' callers: the daemon's claim is what the call waits for next.
 
 Where the store offers an inline lock (:meth:`~dreamlake.lakeshore.store.api.Store.inline_write_lock`:
 SQLite's, whose commit is a few hundred microseconds of CPU with no network or flush to wait on), a
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -78,8 +78,32 @@ _KINDS = {
 # A batch's submits -> the poll passes handed them, each with what to call with its answer
 Handoff = Callable[[Sequence[SubmitRequest]], list[tuple[PollRequest, Callable[[Any], None]]]]
 
-# One caller's writes (one, or a batch route's many: they land in one transaction together)
-_Item = tuple[list[WriteRequest], "asyncio.Future[list[WriteResult | PlaneError]]"]
+
+class _Handed:
+    """Where a handed poll pass's answer goes: to its poll the moment the answer is set, with no
+    future and no callback a loop turn later. It stands in a batch where a caller's future does
+    (``done``, ``set_result``), ahead of the batch's callers (see ``GroupWriter._commit``)."""
+
+    __slots__ = ("_deliver", "_done")
+
+    def __init__(self, deliver: Callable[[Any], None]) -> None:
+        self._deliver = deliver
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, results: list[Any]) -> None:
+        self._done = True
+        try:
+            self._deliver(results[0])
+        except Exception:  # the poll's own failure, never the writer's or its batch's
+            log.exception("delivering a handed poll pass failed")
+
+
+# One caller's writes (one, or a batch route's many: they land in one transaction together), and
+# where their answers go
+_Item = tuple[list[WriteRequest], "asyncio.Future[list[WriteResult | PlaneError]] | _Handed"]
 
 
 class _Answers:
@@ -223,10 +247,12 @@ class GroupWriter:
             except Exception:  # never the writer's end: the submits' wakes go out as usual
                 log.exception("handing %d submits to waiting polls failed", len(submits))
                 handoffs = []
-            for request, deliver in handoffs:
-                handed: asyncio.Future[list[WriteResult | PlaneError]] = loop.create_future()
-                handed.add_done_callback(functools.partial(_handed, deliver))
-                batch = [*batch, ([request], handed)]
+            # first in the batch: answered before its submits' callers, so the daemon waiting on
+            # a claim gets it before the submit routes go on (a submit-and-wait goes on to wait for
+            # the very call the daemon is about to run). The store still writes the passes after
+            # the submits (each group's submits go first).
+            handed: list[_Item] = [([request], _Handed(deliver)) for request, deliver in handoffs]
+            batch = [*handed, *batch]
         size = sum(len(reqs) for reqs, _ in batch)
         if self._observe is not None:
             self._observe(size)
@@ -285,8 +311,3 @@ class GroupWriter:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._pool.shutdown(wait=True)
-
-
-def _handed(deliver: Callable[[Any], None], answered: asyncio.Future[list[Any]]) -> None:
-    """A handed poll pass was answered (committed with its submits): give its poll the answer."""
-    deliver(answered.result()[0])
