@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -300,6 +301,31 @@ def test_notifier_async_wait_is_woken_from_another_thread() -> None:
         return woken, quiet
 
     assert asyncio.run(main()) == (True, False)
+
+
+def test_notifier_async_waits_are_woken_from_their_own_loop_and_leave_nothing_behind() -> None:
+    """The inline group commit notifies on the waiters' own loop: every waiter of the channel
+    wakes, and a waiter that timed out or was cancelled is no longer registered (a notification
+    after it finds nobody and raises nothing)."""
+    n = Notifier()
+
+    async def main() -> tuple[list[bool], bool]:
+        waits = [asyncio.ensure_future(n.wait_async(["inv:a"], timeout=10)) for _ in range(2)]
+        other = asyncio.ensure_future(n.wait_async(["inv:b"], timeout=10))
+        await asyncio.sleep(0)  # all three registered
+        n.notify("inv:a")  # from this loop, as the inline writer does
+        woken = [await asyncio.wait_for(w, 5) for w in waits]
+        assert not other.done()
+        other.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await other
+        quiet = await n.wait_async(["inv:c"], timeout=0.01)
+        n.notify("inv:b")
+        n.notify("inv:c")
+        return woken, quiet
+
+    assert asyncio.run(main()) == ([True, True], False)
+    assert n._async == {}
 
 
 def test_concurrent_opens_of_a_fresh_postgres_database_migrate_once() -> None:

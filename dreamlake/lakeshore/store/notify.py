@@ -65,7 +65,7 @@ class Notifier:
         self._last: OrderedDict[str, int] = OrderedDict()
         self._forgot = 0  # the position of the newest channel forgotten (past MAX_CHANNELS)
         # asyncio waiters by channel: a notification looks up its own, never scans them all
-        self._async: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+        self._async: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Future[bool]]]] = {}
         self._listeners: tuple[Listener, ...] = ()
 
     def mark(self) -> int:
@@ -92,11 +92,16 @@ class Notifier:
             self._cond.notify_all()
             waiters = list(self._async.get(channel, ()))
             listeners = self._listeners
-        for loop, ev in waiters:
-            try:
-                loop.call_soon_threadsafe(ev.set)
-            except RuntimeError:  # the waiter's loop is closed; nothing to wake
-                pass
+        if waiters:
+            here = asyncio._get_running_loop()
+            for loop, fut in waiters:
+                if loop is here:  # notified on the waiter's own loop (the inline group commit)
+                    _wake(fut)
+                    continue
+                try:
+                    loop.call_soon_threadsafe(_wake, fut)
+                except RuntimeError:  # the waiter's loop is closed; nothing to wake
+                    pass
         for listener in listeners:
             listener(channel, seq, relayed)
 
@@ -125,20 +130,27 @@ class Notifier:
     async def wait_async(
         self, channels: Iterable[str], timeout: float | None, since: int | None = None
     ) -> bool:
-        """The asyncio form of ``wait``: the event loop is never blocked."""
+        """The asyncio form of ``wait``: the event loop is never blocked.
+
+        One future per wait, set by the notification (at once when it comes from the waiter's own
+        loop, else through ``call_soon_threadsafe``) or by a timer: a submit-and-wait waits twice
+        per call, and ``asyncio.wait_for`` over an ``Event`` cost a task and three loop turns
+        (and, from the loop's own thread, a write to its wake-up pipe) per wake."""
         chans = frozenset(channels)
-        entry = (asyncio.get_running_loop(), asyncio.Event())
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[bool] = loop.create_future()
+        entry = (loop, fut)
         with self._cond:
             if since is not None and self._fired(chans, since):
                 return True
             for c in chans:
                 self._async.setdefault(c, set()).add(entry)
+        timer = loop.call_later(timeout, _expire, fut) if timeout is not None else None
         try:
-            await asyncio.wait_for(entry[1].wait(), timeout)
-            return True
-        except TimeoutError:
-            return False
+            return await fut
         finally:
+            if timer is not None:
+                timer.cancel()
             with self._cond:
                 for c in chans:
                     waiting = self._async.get(c)
@@ -146,3 +158,13 @@ class Notifier:
                         waiting.discard(entry)
                         if not waiting:
                             del self._async[c]
+
+
+def _wake(fut: asyncio.Future[bool]) -> None:
+    if not fut.done():
+        fut.set_result(True)
+
+
+def _expire(fut: asyncio.Future[bool]) -> None:
+    if not fut.done():
+        fut.set_result(False)
