@@ -25,6 +25,8 @@ from typing import Any
 Outcome = dict[str, Any]  # {state, result_blob, error}, as ``producer.outcome`` answers
 
 
+_NOTHING: Any = object()  # what the timer of a wait on a flight passes: no outcome
+
 RECENT_MAX = 4096  # committed outcomes kept for waiters that wake just after the ack's answer
 RECENT_S = 10.0
 
@@ -70,7 +72,22 @@ class AcksInFlight:
         futs = self._flight.get(invocation_id)
         if not futs or timeout <= 0:
             return None
+        flight = futs[-1]
+        # the commit's notification wakes a waiter before the ack route has ended its flight (the
+        # route goes on after its write's answer, a turn later): one future of this waiter's own,
+        # set by the flight's end or a timer (asyncio.wait_for over a shield cost a task and two
+        # more loop turns, on the path of every submit-and-wait's answer)
+        loop = asyncio.get_running_loop()
+        got: asyncio.Future[Outcome | None] = loop.create_future()
+
+        def ended(f: asyncio.Future[Outcome | None]) -> None:  # the flight's, or _NOTHING at the timeout
+            if not got.done():
+                got.set_result(None if f is _NOTHING or f.cancelled() else f.result())
+
+        flight.add_done_callback(ended)
+        timer = loop.call_later(timeout, ended, _NOTHING)
         try:
-            return await asyncio.wait_for(asyncio.shield(futs[-1]), timeout)
-        except TimeoutError:
-            return None
+            return await got
+        finally:
+            timer.cancel()
+            flight.remove_done_callback(ended)
