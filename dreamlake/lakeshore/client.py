@@ -26,9 +26,10 @@ Every client of the control plane's HTTP routes speaks through :class:`PlaneClie
   server's ``Retry-After``.
 
 A :class:`PlaneClient` retries its own requests ``attempts`` times, or for ``window_s`` seconds
-(the SDK's plane retries for ``DEFAULT_RETRY_WINDOW_S``, long enough to outlast a server restart);
-nymph keeps ``attempts=1`` and retries in its agent and outbox, whose loops stop with the agent.
-Nothing here imports the server or the store.
+from the first try, which runs before any policy is built (the SDK's plane retries for
+``DEFAULT_RETRY_WINDOW_S``, long enough to outlast a server restart); nymph keeps
+``attempts=1`` and retries in its agent and outbox, whose loops stop with the agent. Nothing
+here imports the server or the store.
 """
 
 from __future__ import annotations

@@ -97,8 +97,9 @@ def src_hash(fn: Callable[..., Any]) -> str | None:
 
     target = _underlying(fn)
     key = _hash_key(target)
-    if key is not None and key in _HASHED:
-        return _HASHED[key]
+    kept = _HASHED.get(key) if key is not None else None  # one lookup: another thread may clear it
+    if kept is not None:
+        return kept
     try:
         source = inspect.getsource(target)
     except (OSError, TypeError):

@@ -271,6 +271,11 @@ def test_stop_of_a_pending_job_cancels_it(runner: SlurmRunner, tasks: TaskFactor
     hold = subprocess.run(["scontrol", "hold", handle.data["job_id"]], capture_output=True, text=True)
     if hold.returncode != 0:  # it started already: nothing pending to test on this run
         pytest.skip(f"job started before it could be held: {hold.stderr.strip()}")
+    # a hold that lands while the scheduler is launching the job succeeds, and the job runs anyway
+    # (seen once under a full parallel run): only a job still pending after it is one to test
+    record = runner._record(handle)
+    if record is None or record.state != "PENDING":
+        pytest.skip(f"job left PENDING before its hold took: {record.state if record else 'gone'}")
     assert runner.inspect(handle) == "running"  # pending counts as running: it will run
     runner.stop(handle, 1.0)
     status = runner.wait(handle, LIMIT_S)
