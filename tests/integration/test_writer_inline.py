@@ -156,3 +156,36 @@ def test_a_handed_poll_pass_is_delivered_before_its_submits_caller_goes_on(
     assert [i.invocation_id for i in answer.invocations] == [result.invocation_id]
     row = sqlite_store.get(result.invocation_id)
     assert row is not None and row.state == "running" and row.worker_id == "w"
+
+
+def test_a_batch_written_again_caller_by_caller_writes_a_handed_pass_after_its_submit(
+    sqlite_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the store fails a whole batch outside any one write, each caller's writes go again
+    alone; a handed poll pass goes after the submit it was handed, so it still claims it."""
+    real = sqlite_store.write_batch
+    failed: list[int] = []
+
+    def failing_once(requests: Sequence[Any], on_commit: Any = None) -> Any:
+        if len(requests) > 1 and not failed:
+            failed.append(len(requests))
+            raise RuntimeError("a bug a value met, outside any one write")
+        return real(requests, on_commit)
+
+    monkeypatch.setattr(sqlite_store, "write_batch", failing_once)
+    claimed: list[Any] = []
+
+    def handoff(submits: Sequence[SubmitRequest]) -> list[tuple[PollRequest, Any]]:
+        return [(PollRequest("w", ["q"], handed=(submits[0].invocation_id,)), claimed.append)]
+
+    async def main() -> SubmitResult:
+        writer = GroupWriter(sqlite_store, inline_lock=sqlite_store.inline_write_lock(), handoff=handoff)
+        try:
+            return await writer.write(_submit())  # type: ignore[return-value]
+        finally:
+            await writer.aclose()
+
+    result = asyncio.run(main())
+    assert failed == [2]
+    (answer,) = claimed
+    assert [i.invocation_id for i in answer.invocations] == [result.invocation_id]

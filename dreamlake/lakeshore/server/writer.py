@@ -287,7 +287,9 @@ class GroupWriter:
                     len(writes),
                     type(exc).__name__,
                 )
-                for item in batch:
+                # the callers first, then the handed passes (first in the batch, to be answered
+                # first): a pass written alone before its submit would find nothing to claim
+                for item in sorted(batch, key=lambda it: isinstance(it[1], _Handed)):
                     if not item[1].done():  # answered already: its transaction committed
                         await self._write(loop, [item])
                 return
