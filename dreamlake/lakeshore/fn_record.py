@@ -118,11 +118,11 @@ def src_hash(fn: Callable[..., Any]) -> str | None:
 # so a hash kept under them is the one ``inspect`` would give: an edited file is hashed again
 # (shipped code follows the edit), an unchanged one is not tokenized again on every call (that
 # was about 0.1 ms of each ``f.call()``).
-_HASHED: dict[tuple[Any, str, int, float], str] = {}
+_HASHED: dict[tuple[Any, int, float], str] = {}
 _HASHED_MAX = 4096
 
 
-def _hash_key(target: Any) -> tuple[Any, str, int, float] | None:
+def _hash_key(target: Any) -> tuple[Any, int, float] | None:
     import os
 
     code = getattr(target, "__code__", None)
@@ -132,7 +132,7 @@ def _hash_key(target: Any) -> tuple[Any, str, int, float] | None:
         st = os.stat(code.co_filename)
     except (OSError, TypeError, ValueError):  # no file (an interactive cell): inspect decides
         return None
-    return (code, code.co_filename, st.st_size, st.st_mtime)
+    return (code, st.st_size, st.st_mtime)  # the code names its file
 
 
 def _local_src_hash(fn: Callable[..., Any], expected: str) -> str | None:
