@@ -288,7 +288,38 @@ def test_notifier_wait_since_mark_sees_earlier_notify() -> None:
     assert n.wait(["queue:a", "queue:b"], timeout=5, since=mark) is True
     assert n.wait(["queue:a"], timeout=0.01) is False  # nothing new since now
     threading.Timer(0.05, n.notify, args=("inv:x",)).start()
-    assert n.wait(["inv:x"], timeout=10) is True
+    t0 = time.monotonic()
+    assert n.wait(["inv:x"], timeout=60) is True
+    assert time.monotonic() - t0 < 30  # woken by the notification, not by the end of its timeout
+
+
+def test_notifier_wakes_each_blocked_wait_of_the_channel() -> None:
+    """Threads blocked in ``wait`` are woken by a notification from another thread (the
+    condition is notified only while one waits: ``_blocked``), and only for their channels."""
+    n = Notifier()
+    woken: list[str] = []
+    start = threading.Barrier(4)
+
+    def waiter(channel: str) -> None:
+        start.wait()
+        if n.wait([channel], timeout=60):
+            woken.append(channel)
+
+    threads = [threading.Thread(target=waiter, args=(c,)) for c in ("inv:a", "inv:a", "inv:b")]
+    for th in threads:
+        th.start()
+    start.wait()
+    deadline = time.monotonic() + 10
+    while n._blocked < 3 and time.monotonic() < deadline:  # all three inside ``wait``
+        time.sleep(0.01)
+    n.notify("inv:a")
+    for th in threads[:2]:
+        th.join(30)
+        assert not th.is_alive()  # woken long before its 60 s
+    assert woken == ["inv:a", "inv:a"] and threads[2].is_alive()
+    n.notify("inv:b")
+    threads[2].join(30)
+    assert woken == ["inv:a", "inv:a", "inv:b"] and n._blocked == 0
 
 
 def test_notifier_async_wait_is_woken_from_another_thread() -> None:

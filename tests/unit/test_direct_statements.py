@@ -86,3 +86,27 @@ def test_a_statement_it_cannot_take_fails_when_built() -> None:
     stmt = sa.select(T.c.id).where(T.c.id.in_(sa.bindparam("ids", expanding=True)))
     with pytest.raises(TypeError, match="expanding"):
         Direct(stmt, "sqlite")
+
+
+def test_defaults_and_returned_json_read_as_sqlalchemy_reads_them(db: Database) -> None:
+    """A parameter left to its bound default takes it (one set, several sets, and beside sets that
+    give it), and a JSON column in ``RETURNING`` comes back decoded, as SQLAlchemy's own result."""
+    B = sa.bindparam
+    stmt = (
+        sa.insert(T)
+        .values(id=B("id"), doc=B("doc", type_=sa.JSON), n=B("n", value=5), at=B("at", value=None))
+        .returning(T.c.id, T.c.doc, T.c.n, T.c.at)
+    )
+    direct = Direct(stmt, db.dialect)
+    with db.tx(write=True) as conn:
+        one = conn.execute(direct, {"id": "a", "doc": {"x": [1, 2.5, None]}}).first()
+        many = conn.execute(
+            direct, [{"id": "b", "doc": None}, {"id": "c", "doc": ["y"], "n": 9, "at": 0.5}]
+        ).fetchall()
+        full = conn.execute(direct, {"id": "d", "doc": {"z": {}}, "n": 1, "at": 2.0}).first()
+    assert tuple(one) == ("a", {"x": [1, 2.5, None]}, 5, None)
+    assert [tuple(r) for r in many] == [("b", None, 5, None), ("c", ["y"], 9, 0.5)]
+    assert (full.id, full.doc, full.n, full.at) == ("d", {"z": {}}, 1, 2.0)
+    with db.tx(write=False) as conn:
+        back = {r.id: (r.doc, r.n, r.at) for r in conn.execute(sa.select(T))}
+    assert back == {r[0]: tuple(r[1:]) for r in [one, *many, full]}

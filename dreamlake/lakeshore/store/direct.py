@@ -37,6 +37,7 @@ tests/unit/test_direct_statements.py on both dialects: the ``_execute_on_connect
 from __future__ import annotations
 
 import collections
+import operator
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +76,10 @@ class _Compiled:
             proc = bp.type.dialect_impl(dialect).bind_processor(dialect)
             default = None if bp.required else (bp.effective_value,)
             self.binds.append((name, proc, default))
+        # the common case, every value given: one C ``itemgetter`` for all, then the processors
+        self._names = [b[0] for b in self.binds]
+        self._get = operator.itemgetter(*self._names) if len(self._names) > 1 else None
+        self._procs = [(k, b[1]) for k, b in enumerate(self.binds) if b[1] is not None]
         # the RETURNING columns, as SQLAlchemy's own result would read them (name, type)
         returning = [(r.keyname, r.type) for r in compiled._result_columns]
         self.returns = bool(returning)
@@ -82,10 +87,20 @@ class _Compiled:
         self.types = [type_.dialect_impl(dialect) for _, type_ in returning]
         self.dialect = dialect
         # each column's result processor, made on the first rows (it may need the driver's
-        # type code of the column, from the cursor's description, as SQLAlchemy's does)
-        self.result_procs: list[Any] | None = None
+        # type code of the column, from the cursor's description, as SQLAlchemy's does): the
+        # (index, processor) pairs of the columns that have one
+        self.result_procs: list[tuple[int, Any]] | None = None
 
     def params(self, given: Mapping[str, Any]) -> Any:
+        if self._get is not None:
+            try:
+                out = list(self._get(given))
+            except KeyError:  # a value left to its default (or missing: the loop below says so)
+                pass
+            else:
+                for k, proc in self._procs:
+                    out[k] = proc(out[k])  # None too, as SQLAlchemy does
+                return out if self.positional else dict(zip(self._names, out, strict=True))
         out = []
         for name, proc, default in self.binds:
             if name in given:
@@ -102,14 +117,19 @@ class _Compiled:
     def rows(self, raw: Sequence[Sequence[Any]], description: Sequence[Any] | None) -> list[Any]:
         if self.result_procs is None:
             codes = [d[1] for d in description] if description else [None] * len(self.types)
-            self.result_procs = [
-                t.result_processor(self.dialect, code) for t, code in zip(self.types, codes, strict=True)
-            ]
+            procs = [t.result_processor(self.dialect, code) for t, code in zip(self.types, codes, strict=True)]
+            self.result_procs = [(k, p) for k, p in enumerate(procs) if p is not None]
         make = self.row._make
-        procs = self.result_procs
-        if all(p is None for p in procs):
+        pairs = self.result_procs
+        if not pairs:
             return [make(r) for r in raw]
-        return [make(v if p is None else p(v) for p, v in zip(procs, r, strict=True)) for r in raw]
+        out = []
+        for r in raw:
+            values = list(r)
+            for k, proc in pairs:
+                values[k] = proc(values[k])
+            out.append(make(values))
+        return out
 
 
 class DirectResult:

@@ -60,7 +60,12 @@ class Notifier:
     """Thread-safe channel notifications with blocking and asyncio waits, and listeners."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        # one plain lock, taken directly (a ``Condition``'s ``with`` runs two Python calls around
+        # it, and a notify_all with no thread waiting still walks its waiters in Python): the
+        # condition over it is for blocking ``wait``s alone, notified only while one waits
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._blocked = 0  # threads in ``wait``
         self._seq = 0
         self._last: OrderedDict[str, int] = OrderedDict()
         self._forgot = 0  # the position of the newest channel forgotten (past MAX_CHANNELS)
@@ -70,26 +75,27 @@ class Notifier:
 
     def mark(self) -> int:
         """The current position; pass it as ``since`` to a later wait."""
-        with self._cond:
+        with self._lock:
             return self._seq
 
     def add_listener(self, listener: Listener) -> None:
-        with self._cond:
+        with self._lock:
             self._listeners = (*self._listeners, listener)
 
     def remove_listener(self, listener: Listener) -> None:
-        with self._cond:
+        with self._lock:
             self._listeners = tuple(x for x in self._listeners if x is not listener)
 
     def notify(self, channel: str, *, relayed: bool = False) -> None:
-        with self._cond:
+        with self._lock:
             self._seq += 1
             seq = self._seq
             self._last[channel] = seq
             self._last.move_to_end(channel)
             while len(self._last) > MAX_CHANNELS:
                 self._forgot = self._last.popitem(last=False)[1]
-            self._cond.notify_all()
+            if self._blocked:
+                self._cond.notify_all()
             waiters = list(self._async.get(channel, ()))
             listeners = self._listeners
         if waiters:
@@ -108,7 +114,7 @@ class Notifier:
     def fired(self, channels: Iterable[str], since: int) -> bool:
         """True when one of ``channels`` was notified after ``since`` (or may have been: it is
         no longer remembered, and a channel notified after ``since`` was forgotten)."""
-        with self._cond:
+        with self._lock:
             return self._fired(frozenset(channels), since)
 
     def _fired(self, channels: frozenset[str], since: int) -> bool:
@@ -125,7 +131,11 @@ class Notifier:
         chans = frozenset(channels)
         with self._cond:
             mark = self._seq if since is None else since
-            return self._cond.wait_for(lambda: self._fired(chans, mark), timeout)
+            self._blocked += 1
+            try:
+                return self._cond.wait_for(lambda: self._fired(chans, mark), timeout)
+            finally:
+                self._blocked -= 1
 
     async def wait_async(
         self, channels: Iterable[str], timeout: float | None, since: int | None = None
@@ -140,7 +150,7 @@ class Notifier:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[bool] = loop.create_future()
         entry = (loop, fut)
-        with self._cond:
+        with self._lock:
             if since is not None and self._fired(chans, since):
                 return True
             for c in chans:
@@ -151,7 +161,7 @@ class Notifier:
         finally:
             if timer is not None:
                 timer.cancel()
-            with self._cond:
+            with self._lock:
                 for c in chans:
                     waiting = self._async.get(c)
                     if waiting is not None:

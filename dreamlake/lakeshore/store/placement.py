@@ -210,10 +210,16 @@ def shown_key(namespace: str | None, key: str) -> str:
     return key.removeprefix(f"{namespace}/") if namespace is not None else key
 
 
+NO_NEEDS = Needs()
+_NEEDS_KEYS = frozenset(("selector", "concurrency_key", "max_concurrency", "resources"))
+
+
 def needs_of(run_config: dict[str, Any], namespace: str) -> Needs:
     """The needs of a call submitted in ``namespace`` (its concurrency key scoped to it:
     :func:`scoped_key`); PlaneError(400) for a malformed ``selector``, ``resources.gpus``,
     ``concurrency_key`` or ``max_concurrency``."""
+    if _NEEDS_KEYS.isdisjoint(run_config):  # most calls ask nothing placement matches
+        return NO_NEEDS
     selector = run_config.get("selector")
     pairs: list[tuple[str, str]] = []
     if selector is not None:

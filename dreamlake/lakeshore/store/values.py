@@ -129,7 +129,15 @@ def _check_environment(run_config: dict[str, Any]) -> None:
 
 
 def json_safe(value: Any, what: str) -> Any:
-    """``value`` with non-finite floats spelled as strings; PlaneError(400) if not JSON data."""
+    """``value`` with non-finite floats spelled as strings; PlaneError(400) if not JSON data.
+
+    Most values have no such float: one encoding (in C) says so, and they are returned as they
+    are; the walk that spells them runs only for a value the encoder refused."""
+    try:
+        json.dumps(value, allow_nan=False)
+        return value
+    except (TypeError, ValueError):
+        pass
 
     def fix(v: Any) -> Any:
         if isinstance(v, float) and not math.isfinite(v):
