@@ -4,6 +4,7 @@ from memory at its commit, and the SDK's ``.call()`` against ``run_worker`` with
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -15,6 +16,7 @@ from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.dispatch import Dispatch, HttpDispatch
 from dreamlake.lakeshore.errors import DispatchError
 from dreamlake.lakeshore.ids import new_ulid
+from dreamlake.lakeshore.store.api import AckRequest
 from tests.integration.conftest import ControlPlane, submit_body
 from tests.integration.daemon_kit import poll
 
@@ -262,6 +264,42 @@ def test_a_submit_and_wait_claimed_at_once_takes_its_outcome_from_the_ack(
     assert status == 200 and again["duplicate"] is True
     assert again["outcome"]["state"] == "succeeded" and wire.unpack(again["outcome"]["result_blob"]) == 9
     assert reads.count(inv) == 1
+
+
+def test_a_submit_and_wait_is_answered_at_the_acks_commit_not_after_the_acking_poll_goes_on(
+    control_plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ack's outcome is handed to the waiting producer as the group commit answers it
+    (``write_many``'s ``settle``): a poll route that is slow to go on after its acks committed
+    (held here for seconds) does not hold back the producer's answer."""
+    cp = control_plane
+    ctx = cp.app.state.ctx
+    real_write_many = ctx.write_many
+
+    async def slow_after_acks(requests: list[Any], settle: Any = None) -> Any:
+        results = await real_write_many(requests, settle)
+        if any(isinstance(r, AckRequest) for r in requests):
+            await asyncio.sleep(3)  # the acking route, slow to go on
+        return results
+
+    monkeypatch.setattr(ctx, "write_many", slow_after_acks)
+    worker, inv, queue = new_ulid(), new_ulid(), f"q{new_ulid()}"
+    with ThreadPoolExecutor(2) as pool:
+        polled = pool.submit(
+            cp.daemon, POLL, {"worker_id": worker, "queues": [queue], "max": 1, "timeout_s": 20}
+        )
+        while ctx.polls.waiting < 1:
+            threading.Event().wait(0.01)
+        waiting = pool.submit(cp.producer, "/v1/producer/submit", {**submit_body(inv, queue), "wait_s": 20})
+        status, out = polled.result(30)
+        assert status == 200 and [c["body"]["invocation_id"] for c in out["commands"]] == [inv]
+        body = {"worker_id": worker, "queues": [queue], "max": 1, "timeout_s": 0}
+        acking = pool.submit(cp.daemon, POLL, {**body, "acks": [_ack(inv, blob=wire.pack(4))]})
+        status, answer = waiting.result(30)
+        assert not acking.done()  # answered while the acking poll is still held
+        assert status == 200 and wire.unpack(answer["outcome"]["result_blob"]) == 4
+        status, out = acking.result(30)
+    assert status == 200 and [a["ok"] for a in out["acked"]] == [True]
 
 
 def test_udf_call_runs_on_a_warm_worker_over_http(sqlite_control_plane: ControlPlane) -> None:

@@ -189,3 +189,39 @@ def test_a_batch_written_again_caller_by_caller_writes_a_handed_pass_after_its_s
     assert failed == [2]
     (answer,) = claimed
     assert [i.invocation_id for i in answer.invocations] == [result.invocation_id]
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["on-the-loop", "writer-thread"])
+def test_settle_sees_the_committed_results_before_the_caller_goes_on(
+    sqlite_store: SqlStore, inline: bool
+) -> None:
+    """``write_many(..., settle)``: called with the caller's results as the writer answers them,
+    before the caller's continuation (an ack's outcome reaches a waiting producer at the commit,
+    not after the acking route has gone on); a settle that raises costs neither the caller its
+    answer nor the writer its next batch."""
+    order: list[str] = []
+    seen: list[list[Any]] = []
+
+    def settle(results: list[Any]) -> None:
+        rows = [sqlite_store.get(r.invocation_id) for r in results]  # committed: readable by anyone
+        assert all(row is not None and row.state == "queued" for row in rows)
+        seen.append(results)
+        order.append("settled")
+
+    def broken(results: list[Any]) -> None:
+        raise RuntimeError("a settle's own bug")
+
+    async def main() -> tuple[list[Any], Any]:
+        lock = sqlite_store.inline_write_lock() if inline else None
+        writer = GroupWriter(sqlite_store, inline_lock=lock)
+        try:
+            results = await writer.write_many([_submit(), _submit()], settle)
+            order.append("caller goes on")
+            after = await writer.write_many([_submit()], broken)
+        finally:
+            await writer.aclose()
+        return results, after[0]
+
+    results, after = asyncio.run(main())
+    assert order == ["settled", "caller goes on"] and seen == [results]
+    assert isinstance(after, SubmitResult) and sqlite_store.get(after.invocation_id) is not None

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
+import time
+from typing import Any
+
+import pytest
 
 from dreamlake.lakeshore.server.guard import CoalescingTransport
 
@@ -60,3 +65,54 @@ def test_abort_drops_what_is_pending() -> None:
         peer.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_a_complete_response_leaves_before_the_rest_of_its_loop_turn(parser: str) -> None:
+    """The guarded protocols write a response the moment it is complete: what the loop runs next
+    in the same turn (here an app that goes on, blocking, after its answer; in the server the
+    route that handed this response its answer) does not hold it back."""
+    import uvicorn
+
+    from dreamlake.lakeshore.server.config import ServerConfig
+    from dreamlake.lakeshore.server.guard import uvicorn_config
+
+    if parser == "httptools":
+        pytest.importorskip("httptools")
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+        time.sleep(3)  # goes on after answering, in the same turn of the loop
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn_config(app, ServerConfig(), parser=parser, log_level="warning", lifespan="off")
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+            began = time.monotonic()
+            c.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            got = b""
+            while not got.endswith(b"ok"):
+                chunk = c.recv(1000)
+                if not chunk:
+                    break
+                got += chunk
+            took = time.monotonic() - began
+        assert got.startswith(b"HTTP/1.1 200") and got.endswith(b"ok")
+        assert took < 2.0  # not after the 3 s the app went on for
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()

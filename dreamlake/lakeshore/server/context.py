@@ -188,11 +188,13 @@ class Context:
         except PlaneError as exc:
             raise answer_of(exc) from None
 
-    async def write_many(self, requests: list[WriteRequest]) -> list[WriteResult | PlaneError]:
+    async def write_many(
+        self, requests: list[WriteRequest], settle: Callable[[list[Any]], None] | None = None
+    ) -> list[WriteResult | PlaneError]:
         """Write ``requests`` in one group commit (``GroupWriter.write_many``): each one's result
-        or its refusal, in order, once committed."""
+        or its refusal, in order, once committed (``settle`` called with them first, at once)."""
         try:
-            return await self.writer.write_many(requests)
+            return await self.writer.write_many(requests, settle)
         except PlaneError as exc:
             raise answer_of(exc) from None
 

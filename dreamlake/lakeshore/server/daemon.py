@@ -32,7 +32,7 @@ from dreamlake.lakeshore.server import http, task_tokens
 from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.context import Context, answer_of
 from dreamlake.lakeshore.server.daemon_acks import MAX_POLL_ACKS as MAX_POLL_ACKS
-from dreamlake.lakeshore.server.daemon_acks import _answer_acks, _poke_all, _poll_acks
+from dreamlake.lakeshore.server.daemon_acks import _answer_acks, _poke_all, _poll_acks, settle_flights
 from dreamlake.lakeshore.server.daemon_acks import ack as ack  # the routes app.py names here
 from dreamlake.lakeshore.server.daemon_checks import _attempt as _attempt  # checkpoints.py imports it
 from dreamlake.lakeshore.server.daemon_checks import _worker as _worker
@@ -302,7 +302,7 @@ async def poll(
             flights = [ctx.acks.begin(w.invocation_id) for w in writes]
             try:
                 batch: list[WriteRequest] = [*writes, request] if request is not None else [*writes]
-                results = await ctx.write_many(batch)
+                results = await ctx.write_many(batch, settle_flights(ctx, writes, flights))
                 acked, failed = _answer_acks(ctx, caller, acks, results[: len(writes)], flights)
             finally:  # every flight ends (settled ones are left as they are)
                 for w, flight in zip(writes, flights, strict=True):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from dreamlake.lakeshore.errors import PlaneError
@@ -169,7 +170,7 @@ async def _ack(
     request = AckRequest(invocation_id, state, attempt, worker_id, result_blob, error, result_ref)
     flight = ctx.acks.begin(invocation_id)
     try:
-        (result,) = await ctx.write_many([request])
+        (result,) = await ctx.write_many([request], settle_flights(ctx, [request], [flight]))
     except BaseException:
         ctx.acks.end(invocation_id, flight, None)
         raise
@@ -177,6 +178,43 @@ async def _ack(
     if answer.get("ok"):
         await _poke(ctx, invocation_id)
     return status, answer
+
+
+def _outcome(request: AckRequest, result: WriteResult | PlaneError) -> dict[str, Any] | None:
+    """What a producer waiting on the acked invocation gets from memory: the outcome as the store
+    keeps it (an empty blob is None, the error JSON-safe); None when the ack was refused or
+    failed, or is no outcome (a failure that queued a retry: ``result.state`` "queued")."""
+    if (
+        not isinstance(result, AckResult)
+        or not result.ok
+        or result.duplicate
+        or result.state != request.state
+    ):
+        return None
+    committed = {
+        "state": request.state,
+        "result_blob": request.result_blob or None,
+        "error": None if request.error is None else json_safe(request.error, "error"),
+    }
+    if request.result_ref is not None:  # the result is in the payload store (producer.outcome's shape)
+        committed["result_ref"] = request.result_ref
+    return committed
+
+
+def settle_flights(
+    ctx: Context, writes: list[AckRequest], flights: list[asyncio.Future[Any]]
+) -> Callable[[list[Any]], None]:
+    """What the group commit calls with the results of ``writes`` (and of any write after them)
+    the moment it answers them: each ack's flight ended with its outcome, so a producer waiting on
+    it is answered at the commit, not after the acking route has gone on (the route's
+    ``_ack_settled`` finds its flight ended)."""
+
+    def settle(results: list[Any]) -> None:
+        for request, result, flight in zip(writes, results, flights, strict=False):  # then the pass
+            if not flight.done():
+                ctx.acks.end(request.invocation_id, flight, _outcome(request, result))
+
+    return settle
 
 
 def _ack_settled(
@@ -190,21 +228,11 @@ def _ack_settled(
     waiting on it (``flight``: the ``ctx.acks.begin`` made before its write, ended here). The
     live followers are the caller's to poke (``_poke``)."""
     invocation_id, state = request.invocation_id, request.state
+    if not flight.done():  # not ended at the commit already (``settle_flights``)
+        ctx.acks.end(invocation_id, flight, _outcome(request, result))
     if isinstance(result, PlaneError):
-        ctx.acks.end(invocation_id, flight, None)
         raise answer_of(result)
     assert isinstance(result, AckResult)
-    # as the store keeps it (an empty blob is None, the error JSON-safe), for a waiting producer
-    committed = {
-        "state": state,
-        "result_blob": request.result_blob or None,
-        "error": None if request.error is None else json_safe(request.error, "error"),
-    }
-    if request.result_ref is not None:  # the result is in the payload store (producer.outcome's shape)
-        committed["result_ref"] = request.result_ref
-    # a failure that queued a retry (result.state "queued") is no outcome for a waiting producer
-    final = result.ok and not result.duplicate and result.state == state
-    ctx.acks.end(invocation_id, flight, committed if final else None)
     if result.ok:
         ctx.metrics.child(ctx.metrics.acks, state, "duplicate" if result.duplicate else "ok").inc()
         ctx.wake.notify(f"inv:{invocation_id}")

@@ -25,8 +25,9 @@ h11 per request here), else h11; ``LAKESHORE_HTTP_PARSER=h11`` (or ``httptools``
 (:func:`http_parser`). The guard follows h11's connection state, and httptools' callbacks (which
 keep no state and set no bound of their own), so both parsers hold the same limits. The event
 loop is ``uvloop`` when installed, else asyncio (:func:`event_loop`). Each connection writes
-through a :class:`CoalescingTransport`: a response's pieces leave in one write per turn of the
-loop. ``uvicorn_config`` builds the uvicorn Config a single process (and the tests) serve with.
+through a :class:`CoalescingTransport`: a response's pieces leave in one write, as soon as the
+response is complete (a streamed body's chunks at the end of each turn of the loop).
+``uvicorn_config`` builds the uvicorn Config a single process (and the tests) serve with.
 
 The guard subclasses uvicorn's protocol classes, which are not uvicorn's public API, so
 pyproject.toml pins uvicorn to the one minor range the slow-client tests
@@ -143,6 +144,14 @@ class _Guard(asyncio.Protocol):
         client: tuple[str, int] | None
         connections: set[Any]
 
+    def _answered(self) -> None:
+        """A response is complete: its pieces leave now, in one write, rather than at the end of
+        the loop's turn. The callbacks that turn runs after this one (the route that handed this
+        response its answer going on: a submit-and-wait that handed a waiting poll its claim, a
+        poll whose acks answered a waiting producer) no longer hold the answer back."""
+        if isinstance(self.transport, CoalescingTransport):
+            self.transport.flush()
+
     def _accept(self, transport: asyncio.Transport) -> bool:
         """Right after uvicorn's ``connection_made``: write through a :class:`CoalescingTransport`,
         and close a connection past the cap (False)."""
@@ -210,6 +219,7 @@ class GuardedH11Protocol(_Guard, H11Protocol):
         self._rearm()
 
     def on_response_complete(self) -> None:
+        self._answered()
         super().on_response_complete()
         self._rearm()
 
@@ -302,6 +312,7 @@ if HttpToolsProtocol is not None:
                 )
 
         def on_response_complete(self) -> None:
+            self._answered()
             super().on_response_complete()  # may start a queued request and read again
             self._rearm()
 

@@ -101,9 +101,31 @@ class _Handed:
             log.exception("delivering a handed poll pass failed")
 
 
+class _Settling:
+    """A caller's future with ``settle`` called on its writes' results first, the moment the
+    writer answers them (on the loop, before the caller's own continuation, a loop turn later):
+    an ack's outcome goes to the producers waiting on it at its commit (``daemon_acks``)."""
+
+    __slots__ = ("_fut", "_settle")
+
+    def __init__(self, fut: asyncio.Future[list[Any]], settle: Callable[[list[Any]], None]) -> None:
+        self._fut = fut
+        self._settle = settle
+
+    def done(self) -> bool:
+        return self._fut.done()
+
+    def set_result(self, results: list[Any]) -> None:
+        try:
+            self._settle(results)
+        except Exception:  # the caller's own failure, never the writer's or its batch's
+            log.exception("settling a write's results failed")
+        self._fut.set_result(results)
+
+
 # One caller's writes (one, or a batch route's many: they land in one transaction together), and
 # where their answers go
-_Item = tuple[list[WriteRequest], "asyncio.Future[list[WriteResult | PlaneError]] | _Handed"]
+_Item = tuple[list[WriteRequest], "asyncio.Future[list[WriteResult | PlaneError]] | _Handed | _Settling"]
 
 
 class _Answers:
@@ -170,10 +192,13 @@ class GroupWriter:
             raise result
         return result
 
-    async def write_many(self, requests: list[WriteRequest]) -> list[WriteResult | PlaneError]:
+    async def write_many(
+        self, requests: list[WriteRequest], settle: Callable[[list[Any]], None] | None = None
+    ) -> list[WriteResult | PlaneError]:
         """Queue ``requests`` for the next group commit, all in the same one (a batch may pass
         ``max_batch`` by itself: it is never split); each one's result, or the PlaneError the store
-        answered for it, in order, once committed."""
+        answered for it, in order, once committed. ``settle``, when given, is called with those
+        results on the loop as the writer answers them, before this returns (a loop turn later)."""
         if self._closed:
             raise PlaneError("the control plane is shutting down; retry", status=503)
         if not requests:
@@ -183,7 +208,7 @@ class GroupWriter:
             self._task = asyncio.get_running_loop().create_task(self._run(self._queue))
         fut: asyncio.Future[list[WriteResult | PlaneError]] = asyncio.get_running_loop().create_future()
         queued = time.monotonic()
-        self._queue.put_nowait((list(requests), fut))
+        self._queue.put_nowait((list(requests), fut if settle is None else _Settling(fut, settle)))
         results = await fut
         if self._timed is not None:
             took = time.monotonic() - queued

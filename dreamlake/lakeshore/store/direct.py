@@ -117,7 +117,9 @@ class _Compiled:
     def rows(self, raw: Sequence[Sequence[Any]], description: Sequence[Any] | None) -> list[Any]:
         if self.result_procs is None:
             codes = [d[1] for d in description] if description else [None] * len(self.types)
-            procs = [t.result_processor(self.dialect, code) for t, code in zip(self.types, codes, strict=True)]
+            procs = [
+                t.result_processor(self.dialect, code) for t, code in zip(self.types, codes, strict=True)
+            ]
             self.result_procs = [(k, p) for k, p in enumerate(procs) if p is not None]
         make = self.row._make
         pairs = self.result_procs
