@@ -276,7 +276,9 @@ async def poll(
     renewal = ctx.daemons.renewal(worker_id, key)
     waited_from: int | None = None  # the position of the last wait: its pass found nothing
     drained_at: int | None = None  # the position of the last pass, when it had room to spare
-    hangup = asyncio.ensure_future(_hangup(receive)) if receive is not None else None
+    # watched from the first wait on: made here, its task's first step ran ahead of this poll's
+    # write (a daemon that hung up meanwhile is seen all the same: its wait ends at once)
+    hangup: asyncio.Future[None] | None = None
 
     def prepare() -> tuple[PollRequest, tuple[tuple[int, int], tuple[str | None] | None]]:
         """The next pass's write, and its notifier mark and memo state (server/idle.py): a lean
@@ -344,6 +346,8 @@ async def poll(
             if commands or remaining <= 0:
                 break
             waited_from = mark
+            if hangup is None and receive is not None:
+                hangup = asyncio.ensure_future(_hangup(receive))
             reason = await ticket.wait(remaining, since=mark, hangup=hangup)
             if reason in (TIMEOUT, SHUTDOWN):  # nothing came, or the server stops: answer now
                 break

@@ -50,6 +50,17 @@ else:
     _Statement = object
 
 
+_UNKNOWN: Any = object()
+
+
+def _of_none(proc: Any) -> Any:
+    """``proc(None)``, computed once; ``_UNKNOWN`` when it raises (then it runs per value)."""
+    try:
+        return proc(None)
+    except Exception:
+        return _UNKNOWN
+
+
 class _Compiled:
     """One statement compiled for one dialect."""
 
@@ -79,7 +90,9 @@ class _Compiled:
         # the common case, every value given: one C ``itemgetter`` for all, then the processors
         self._names = [b[0] for b in self.binds]
         self._get = operator.itemgetter(*self._names) if len(self._names) > 1 else None
-        self._procs = [(k, b[1]) for k, b in enumerate(self.binds) if b[1] is not None]
+        # (index, processor, what it makes of None): a JSON column's None is the same text (or
+        # wrapper) every time, serialised once here rather than per execution
+        self._procs = [(k, b[1], _of_none(b[1])) for k, b in enumerate(self.binds) if b[1] is not None]
         # the RETURNING columns, as SQLAlchemy's own result would read them (name, type)
         returning = [(r.keyname, r.type) for r in compiled._result_columns]
         self.returns = bool(returning)
@@ -98,8 +111,11 @@ class _Compiled:
             except KeyError:  # a value left to its default (or missing: the loop below says so)
                 pass
             else:
-                for k, proc in self._procs:
-                    out[k] = proc(out[k])  # None too, as SQLAlchemy does
+                for k, proc, none in self._procs:
+                    value = out[k]
+                    out[k] = (
+                        proc(value) if value is not None or none is _UNKNOWN else none
+                    )  # as SQLAlchemy does
                 return out if self.positional else dict(zip(self._names, out, strict=True))
         out = []
         for name, proc, default in self.binds:
