@@ -416,3 +416,42 @@ def test_upgrade_to_0002_gives_running_exec_jobs_a_lease(tmp_path: Path) -> None
         assert s.get_exec("ns", "r")["state"] == "queued"  # type: ignore[index]
     finally:
         s.close()
+
+
+def test_a_kept_write_transaction_commits_or_rolls_back_all_that_ran_in_it(tmp_path: Path) -> None:
+    """The kept write connection's transaction is the driver's (``BEGIN IMMEDIATE`` .. ``COMMIT``);
+    a statement through SQLAlchemy inside it joins it. What ran commits together, or rolls back
+    together on an exception; a commit the database refuses is raised as SQLAlchemy raises it
+    (a ``DBAPIError``), rolled back, and the next write lands."""
+    s = open_store(tmp_path / "store.db")
+    db = s.db
+    try:
+        with db.tx(write=True) as conn:
+            conn.exec_driver_sql("CREATE TABLE parent (k INTEGER PRIMARY KEY)")
+            conn.exec_driver_sql("CREATE TABLE child (k INTEGER PRIMARY KEY, p INTEGER REFERENCES parent(k))")
+        with db.tx(write=True) as conn:  # SQLAlchemy's statement, then the driver's: one transaction
+            conn.execute(sa.text("INSERT INTO parent VALUES (1)"))
+            conn.connection.driver_connection.execute("INSERT INTO parent VALUES (2)")  # type: ignore[union-attr]
+        with db.tx(write=True) as conn:  # the driver's alone
+            conn.connection.driver_connection.execute("INSERT INTO parent VALUES (3)")  # type: ignore[union-attr]
+        for through_sqlalchemy in (True, False):
+            with pytest.raises(RuntimeError), db.tx(write=True) as conn:
+                conn.connection.driver_connection.execute("INSERT INTO parent VALUES (4)")  # type: ignore[union-attr]
+                if through_sqlalchemy:
+                    conn.execute(sa.text("INSERT INTO parent VALUES (5)"))
+                raise RuntimeError("the write's caller failed")
+        with pytest.raises(sa.exc.IntegrityError), db.tx(write=True) as conn:
+            raw = conn.connection.driver_connection
+            raw.execute("PRAGMA defer_foreign_keys = ON")  # type: ignore[union-attr]
+            raw.execute("INSERT INTO child VALUES (1, 99)")  # type: ignore[union-attr]  # refused at COMMIT
+        with db.tx(write=True) as conn:
+            conn.connection.driver_connection.execute("INSERT INTO child VALUES (2, 1)")  # type: ignore[union-attr]
+        with db.tx(write=False) as conn:
+            parents = [r[0] for r in conn.exec_driver_sql("SELECT k FROM parent ORDER BY k")]
+            children = [r[0] for r in conn.exec_driver_sql("SELECT k FROM child")]
+        assert parents == [1, 2, 3] and children == [2]
+        kept = db._writer
+        assert kept is not None and not kept.in_transaction()
+        assert not kept.connection.driver_connection.in_transaction  # type: ignore[union-attr]
+    finally:
+        s.close()
