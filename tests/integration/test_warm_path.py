@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -40,6 +40,20 @@ def _ack(inv: str, attempt: int = 1, state: str = "succeeded", blob: bytes = b"\
 def _claim(cp: ControlPlane, worker: str, n: int) -> list[str]:
     out = poll(cp, worker, limit=n, timeout_s=0)
     return [c["body"]["invocation_id"] for c in out["commands"]]
+
+
+def _submit_and_wait_to_a_waiting_poll(
+    cp: ControlPlane, pool: ThreadPoolExecutor, worker: str, inv: str, queue: str
+) -> Future[tuple[int, Any]]:
+    """A submit with ``wait_s`` of ``inv`` to ``queue``, made once a poll of ``worker`` waits
+    there, and that poll's answer: the claim of ``inv`` (asserted). The producer's answer, to come."""
+    polled = pool.submit(cp.daemon, POLL, {"worker_id": worker, "queues": [queue], "max": 1, "timeout_s": 20})
+    while cp.app.state.ctx.polls.waiting < 1:
+        threading.Event().wait(0.01)
+    waiting = pool.submit(cp.producer, "/v1/producer/submit", {**submit_body(inv, queue), "wait_s": 20})
+    status, out = polled.result(30)
+    assert status == 200 and [c["body"]["invocation_id"] for c in out["commands"]] == [inv]
+    return waiting
 
 
 def test_a_poll_carries_acks_each_committed_and_answered_then_claims(control_plane: ControlPlane) -> None:
@@ -246,14 +260,7 @@ def test_a_submit_and_wait_claimed_at_once_takes_its_outcome_from_the_ack(
     monkeypatch.setattr(ctx.store, "get", counting_get)
     worker, inv, queue = new_ulid(), new_ulid(), f"q{new_ulid()}"
     with ThreadPoolExecutor(2) as pool:
-        polled = pool.submit(
-            cp.daemon, POLL, {"worker_id": worker, "queues": [queue], "max": 1, "timeout_s": 20}
-        )
-        while ctx.polls.waiting < 1:
-            threading.Event().wait(0.01)
-        waiting = pool.submit(cp.producer, "/v1/producer/submit", {**submit_body(inv, queue), "wait_s": 20})
-        status, out = polled.result(30)
-        assert status == 200 and [c["body"]["invocation_id"] for c in out["commands"]] == [inv]
+        waiting = _submit_and_wait_to_a_waiting_poll(cp, pool, worker, inv, queue)
         status, _ = cp.daemon("/v1/daemon/ack", {**_ack(inv, blob=wire.pack(9)), "worker_id": worker})
         assert status == 200
         status, answer = waiting.result(30)
@@ -285,14 +292,7 @@ def test_a_submit_and_wait_is_answered_at_the_acks_commit_not_after_the_acking_p
     monkeypatch.setattr(ctx, "write_many", slow_after_acks)
     worker, inv, queue = new_ulid(), new_ulid(), f"q{new_ulid()}"
     with ThreadPoolExecutor(2) as pool:
-        polled = pool.submit(
-            cp.daemon, POLL, {"worker_id": worker, "queues": [queue], "max": 1, "timeout_s": 20}
-        )
-        while ctx.polls.waiting < 1:
-            threading.Event().wait(0.01)
-        waiting = pool.submit(cp.producer, "/v1/producer/submit", {**submit_body(inv, queue), "wait_s": 20})
-        status, out = polled.result(30)
-        assert status == 200 and [c["body"]["invocation_id"] for c in out["commands"]] == [inv]
+        waiting = _submit_and_wait_to_a_waiting_poll(cp, pool, worker, inv, queue)
         body = {"worker_id": worker, "queues": [queue], "max": 1, "timeout_s": 0}
         acking = pool.submit(cp.daemon, POLL, {**body, "acks": [_ack(inv, blob=wire.pack(4))]})
         status, answer = waiting.result(30)
