@@ -90,6 +90,9 @@ class _Compiled:
         # the common case, every value given: one C ``itemgetter`` for all, then the processors
         self._names = [b[0] for b in self.binds]
         self._get = operator.itemgetter(*self._names) if len(self._names) > 1 else None
+        # the binds with a default (a literal's value, a parameter left to its bound value): few,
+        # merged into the given values when absent, so the one itemgetter reads them all
+        self._defaults = [(name, default[0]) for name, _, default in self.binds if default is not None]
         # (index, processor, what it makes of None): a JSON column's None is the same text (or
         # wrapper) every time, serialised once here rather than per execution
         self._procs = [(k, b[1], _of_none(b[1])) for k, b in enumerate(self.binds) if b[1] is not None]
@@ -106,9 +109,13 @@ class _Compiled:
 
     def params(self, given: Mapping[str, Any]) -> Any:
         if self._get is not None:
+            if self._defaults:
+                absent = [(name, value) for name, value in self._defaults if name not in given]
+                if absent:
+                    given = {**given, **dict(absent)}
             try:
                 out = list(self._get(given))
-            except KeyError:  # a value left to its default (or missing: the loop below says so)
+            except KeyError:  # a value missing: the loop below says which
                 pass
             else:
                 for k, proc, none in self._procs:
