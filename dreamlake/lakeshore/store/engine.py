@@ -9,8 +9,8 @@ the store opens a transaction:
   on a lock upgrade; ``busy_timeout`` makes them wait. Writes in one process also take a lock, and
   ``:memory:`` (one connection shared by every thread) takes it for reads too. A file's writes,
   one at a time under that lock anyway, run on one connection kept for them (``_held_tx``: a
-  pool checkout, check-in and reset per transaction cost more than a small write itself);
-  reads take pooled connections.
+  pool checkout, check-in and reset per transaction cost more than a small write itself), in
+  the driver's transaction (its ``COMMIT`` too); reads take pooled connections.
 - PostgreSQL uses the pool and READ COMMITTED; claims rely on ``FOR UPDATE SKIP LOCKED``. A
   checkout is not pinged (no extra round trip per transaction): a connection that died while
   pooled (a database restart) fails its first statement, SQLAlchemy then invalidates the whole
