@@ -446,10 +446,19 @@ def test_a_kept_write_transaction_commits_or_rolls_back_all_that_ran_in_it(tmp_p
             raw.execute("INSERT INTO child VALUES (1, 99)")  # type: ignore[union-attr]  # refused at COMMIT
         with db.tx(write=True) as conn:
             conn.connection.driver_connection.execute("INSERT INTO child VALUES (2, 1)")  # type: ignore[union-attr]
+        # the same refusal of a transaction SQLAlchemy began: rolled back through it, so its failed
+        # transaction does not block the kept connection's next statements (PendingRollbackError)
+        kept = db._writer
+        with pytest.raises(sa.exc.IntegrityError), db.tx(write=True) as conn:
+            conn.execute(sa.text("PRAGMA defer_foreign_keys = ON"))
+            conn.execute(sa.text("INSERT INTO child VALUES (3, 98)"))
+        with db.tx(write=True) as conn:
+            conn.execute(sa.text("INSERT INTO child VALUES (4, 1)"))
+        assert db._writer is kept
         with db.tx(write=False) as conn:
             parents = [r[0] for r in conn.exec_driver_sql("SELECT k FROM parent ORDER BY k")]
-            children = [r[0] for r in conn.exec_driver_sql("SELECT k FROM child")]
-        assert parents == [1, 2, 3] and children == [2]
+            children = [r[0] for r in conn.exec_driver_sql("SELECT k FROM child ORDER BY k")]
+        assert parents == [1, 2, 3] and children == [2, 4]
         kept = db._writer
         assert kept is not None and not kept.in_transaction()
         assert not kept.connection.driver_connection.in_transaction  # type: ignore[union-attr]

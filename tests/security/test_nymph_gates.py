@@ -38,6 +38,7 @@ from tests.security.nymph_stack import (  # noqa: F401  (fixtures)
     task_user,
 )
 from tests.stack.procs import child_env
+from tests.stack.wait import until
 
 
 def _no_workdir(n: RootNymph, inv: str) -> bool:
@@ -193,7 +194,9 @@ def test_shipped_code_runs_as_the_task_user_and_allow_module_sees_every_shipped_
         assert shipped.is_relative_to(n.workdir / ".code")
         st = shipped.stat()
         assert st.st_uid == 0 and stat.S_IMODE(st.st_mode) == 0o444  # the task user reads, never writes
-        assert stat.S_IMODE(shipped.parent.stat().st_mode) == 0o555
+        # its directories are sealed 0555 once its bytecode is written, on a thread of nymph's
+        # after the unpack (root's 0755 until then: no task user writes there either way)
+        until(lambda: stat.S_IMODE(shipped.parent.stat().st_mode) == 0o555, "the archive sealed", 60)
         assert stat.S_IMODE((n.workdir / ".code").stat().st_mode) == 0o711  # not listable by tasks
 
         smuggled = dls.udf(code=[str(src / name), str(src / evil)])(which.__wrapped__)

@@ -254,8 +254,12 @@ class Database:
             except BaseException:
                 _rollback(conn, raw)
                 raise
-            if conn.in_transaction():  # a statement through SQLAlchemy began one over the driver's
-                conn.commit()
+            if conn.get_transaction() is not None:  # a statement through SQLAlchemy began one
+                try:
+                    conn.commit()
+                except BaseException:  # its transaction is left invalid: rolled back, or none works
+                    _rollback(conn, raw)
+                    raise
             else:
                 try:
                     raw.commit()
@@ -287,9 +291,10 @@ def _rollback(conn: Connection, raw: Any) -> None:
     """Roll a held write transaction back, SQLAlchemy's when a statement through it began one; a
     rollback that fails leaves the transaction open, and ``_settled`` replaces the connection."""
     with contextlib.suppress(Exception):
-        if conn.in_transaction():
-            conn.rollback()
-        else:
+        if conn.get_transaction() is not None:  # active or not: an invalid one blocks every statement
+            conn.rollback()  # (after a failed commit it ends SQLAlchemy's, not always the driver's)
+    with contextlib.suppress(Exception):
+        if raw.in_transaction:
             raw.rollback()
 
 
@@ -297,7 +302,7 @@ def _settled(conn: Connection) -> bool:
     """Whether a kept write connection may take the next transaction: not invalidated, and no
     transaction left open on it, SQLAlchemy's or the driver's (after a commit and its rollback
     both failed, every later ``BEGIN`` on it would fail; a pooled connection was reset on return)."""
-    if conn.invalidated or conn.closed or conn.in_transaction():
+    if conn.invalidated or conn.closed or conn.get_transaction() is not None:
         return False
     try:
         raw = conn.connection.driver_connection
