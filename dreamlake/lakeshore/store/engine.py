@@ -233,9 +233,10 @@ class Database:
         transaction is the driver's: ``BEGIN IMMEDIATE``, then ``COMMIT`` (or ``ROLLBACK`` on an
         exception), its errors raised as SQLAlchemy raises them. SQLAlchemy's own begin and commit
         around it cost about 17 us a transaction in the control plane, on every write; it begins
-        one only when a statement goes through it (not a ``Direct`` one), and then commits it. A connection SQLAlchemy found broken (invalidated), or
-        one left with a transaction open, is closed and the next transaction opens a fresh one
-        (``retry_on_disconnect`` sees the same error as before)."""
+        one only when a statement goes through it (not a ``Direct`` one), and then commits it. A
+        connection SQLAlchemy found broken (invalidated), or one left with a transaction open, is
+        closed and the next transaction opens a fresh one (``retry_on_disconnect`` sees the same
+        error as before)."""
         self._writer_free = False
         conn = self._writer
         try:
