@@ -402,6 +402,11 @@ def migrate(db: Database) -> None:
     with db.tx(write=True) as conn:
         if db.dialect == "postgresql":
             conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_MIGRATION_LOCK})
+        if not conn.in_transaction():
+            # the kept SQLite write connection's transaction is the driver's (``_held_tx``): begun
+            # on SQLAlchemy too, Alembic runs every step in it instead of committing its own, so
+            # the write lock is held until the last step (a second process waits, then finds head)
+            conn.begin()
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
     log.debug("store schema at head (%s)", db.dialect)
