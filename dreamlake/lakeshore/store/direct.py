@@ -81,21 +81,21 @@ class _Compiled:
         self.positional = dialect.paramstyle in ("qmark", "numeric", "format")
         names = list(positiontup or ()) if self.positional else list(by_name)
         # (name, bind processor or None, default: None when the caller must give it)
-        self.binds: list[tuple[str, Any, tuple[Any] | None]] = []
+        binds: list[tuple[str, Any, tuple[Any] | None]] = []
         for name in names:
             bp = by_name[name]
             proc = bp.type.dialect_impl(dialect).bind_processor(dialect)
             default = None if bp.required else (bp.effective_value,)
-            self.binds.append((name, proc, default))
-        # the common case, every value given: one C ``itemgetter`` for all, then the processors
-        self._names = [b[0] for b in self.binds]
-        self._get = operator.itemgetter(*self._names) if len(self._names) > 1 else None
+            binds.append((name, proc, default))
+        # every value read with one C ``itemgetter``, then only the binds with a processor
+        self._names = [b[0] for b in binds]
+        self._get: Any = operator.itemgetter(*self._names) if self._names else (lambda _given: ())
         # the binds with a default (a literal's value, a parameter left to its bound value): few,
         # merged into the given values when absent, so the one itemgetter reads them all
-        self._defaults = [(name, default[0]) for name, _, default in self.binds if default is not None]
+        self._defaults = [(name, default[0]) for name, _, default in binds if default is not None]
         # (index, processor, what it makes of None): a JSON column's None is the same text (or
         # wrapper) every time, serialised once here rather than per execution
-        self._procs = [(k, b[1], _of_none(b[1])) for k, b in enumerate(self.binds) if b[1] is not None]
+        self._procs = [(k, b[1], _of_none(b[1])) for k, b in enumerate(binds) if b[1] is not None]
         # the RETURNING columns, as SQLAlchemy's own result would read them (name, type)
         returning = [(r.keyname, r.type) for r in compiled._result_columns]
         self.returns = bool(returning)
@@ -108,34 +108,18 @@ class _Compiled:
         self.result_procs: list[tuple[int, Any]] | None = None
 
     def params(self, given: Mapping[str, Any]) -> Any:
-        if self._get is not None:
-            if self._defaults:
-                absent = [(name, value) for name, value in self._defaults if name not in given]
-                if absent:
-                    given = {**given, **dict(absent)}
-            try:
-                out = list(self._get(given))
-            except KeyError:  # a value missing: the loop below says which
-                pass
-            else:
-                for k, proc, none in self._procs:
-                    value = out[k]
-                    out[k] = (
-                        proc(value) if value is not None or none is _UNKNOWN else none
-                    )  # as SQLAlchemy does
-                return out if self.positional else dict(zip(self._names, out, strict=True))
-        out = []
-        for name, proc, default in self.binds:
-            if name in given:
-                value = given[name]
-            elif default is not None:
-                value = default[0]
-            else:
-                raise sa.exc.ArgumentError(f"a value is required for bind parameter {name!r}")
-            out.append(proc(value) if proc is not None else value)  # None too, as SQLAlchemy does
-        if self.positional:
-            return out
-        return dict(zip((b[0] for b in self.binds), out, strict=True))
+        if self._defaults:
+            absent = [(name, value) for name, value in self._defaults if name not in given]
+            if absent:
+                given = {**given, **dict(absent)}
+        try:
+            out = [given[self._names[0]]] if len(self._names) == 1 else list(self._get(given))
+        except KeyError as exc:
+            raise sa.exc.ArgumentError(f"a value is required for bind parameter {exc.args[0]!r}") from None
+        for k, proc, none in self._procs:  # None too, as SQLAlchemy does
+            value = out[k]
+            out[k] = none if value is None and none is not _UNKNOWN else proc(value)
+        return out if self.positional else dict(zip(self._names, out, strict=True))
 
     def rows(self, raw: Sequence[Sequence[Any]], description: Sequence[Any] | None) -> list[Any]:
         if self.result_procs is None:
