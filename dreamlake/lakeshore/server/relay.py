@@ -12,6 +12,16 @@ While the ``LISTEN`` connection is down (at start, or after PostgreSQL went away
 from other replicas are missed: :attr:`PgRelay.listening` is False, the hub re-checks waiting polls
 every ``recheck_s``, and the relay reconnects with jittered backoff. Wakes that could not be sent
 stay queued (at most ``MAX_OUTBOX``, duplicates merged past that) and go out on reconnect.
+
+**A lone replica sends nothing.** Every ``LISTEN`` connection holds a shared advisory lock
+(``PRESENCE_KEYS``) for its life, so ``pg_locks`` counts the replicas listening, whatever their
+role (no privilege is needed to read it). Before it sends, the relay reads that count, at most
+``PEERS_FRESH_S`` old; with no other holder it drops the batch: nobody would hear it but this
+replica, which drops its own anyway. A submit burst on one replica (every wake unclaimed locally)
+sent a ``pg_notify`` and received it back per group commit: a fifth of the loop's CPU per submit.
+A replica that just started listening says so (:attr:`PgRelay.listening`) only ``ANNOUNCE_S``
+after its lock is held, more than twice ``PEERS_FRESH_S``: until then its hub re-checks waiting
+polls as when it is not listening, and by then every other replica's count includes it.
 """
 
 from __future__ import annotations
@@ -31,6 +41,16 @@ log = logging.getLogger(__name__)
 CHANNEL = "lakeshore_wakeups"
 MAX_PAYLOAD = 7900  # PostgreSQL refuses NOTIFY payloads of 8000 bytes and more
 MAX_OUTBOX = 10_000
+# pg_advisory_lock_shared(int, int) of each LISTEN connection: "lake", "wake" (the two-key space
+# does not overlap the one-key locks, such as the migration's in store/engine.py)
+PRESENCE_KEYS = (0x6C616B65, 0x77616B65)
+PEERS_FRESH_S = 1.0  # how old the count of listening replicas may be when it drops a batch
+ANNOUNCE_S = 2.5  # from holding the lock to claiming to listen: > 2 x PEERS_FRESH_S
+_PEERS_SQL = (
+    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = %s AND objid = %s"
+    " AND objsubid = 2 AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    " AND pid <> %s"
+)
 _KEEPALIVE: dict[str, Any] = {
     "keepalives": 1,
     "keepalives_idle": 10,
@@ -65,6 +85,11 @@ class PgRelay:
         self._kick = asyncio.Event()
         self.sent = 0  # channels sent and received, for tests and /metrics
         self.received = 0
+        self.dropped = 0  # channels not sent: no other replica was listening
+        self._listener_pid = 0  # the backend of this replica's LISTEN connection (0: none)
+        self._listens = 0  # LISTEN connections made: a stale announcement is not made
+        self._peers = True  # another replica may be listening (as of _peers_at)
+        self._peers_at = float("-inf")  # loop time the count was asked for
 
     @property
     def listening(self) -> bool:
@@ -105,7 +130,10 @@ class PgRelay:
             try:
                 async with await self._connect() as conn:
                     await conn.execute(f"LISTEN {CHANNEL}")
-                    self._set_listening(True)
+                    await conn.execute("SELECT pg_advisory_lock_shared(%s, %s)", PRESENCE_KEYS)
+                    self._listener_pid = conn.info.backend_pid
+                    self._listens += 1
+                    asyncio.get_running_loop().call_later(ANNOUNCE_S, self._announce, self._listens)
                     if tries:
                         log.info("wake-up relay: listening again on PostgreSQL after %d tries", tries)
                     tries = 0
@@ -119,8 +147,26 @@ class PgRelay:
                     exc,
                 )
             finally:
+                self._listens += 1  # the pending announcement (if any) is this connection's
+                self._listener_pid = 0
                 self._set_listening(False)
             await asyncio.sleep(_backoff(tries))
+
+    def _announce(self, listens: int) -> None:
+        """``ANNOUNCE_S`` after the LISTEN connection ``listens`` took its lock: every other
+        replica's count includes it now, so what they send reaches this one."""
+        if listens == self._listens:
+            self._set_listening(True)
+
+    async def _alone(self, conn: Any) -> bool:
+        """Whether no other replica listens, from a count at most ``PEERS_FRESH_S`` old."""
+        loop = asyncio.get_running_loop()
+        asked = loop.time()
+        if asked - self._peers_at >= PEERS_FRESH_S:
+            cur = await conn.execute(_PEERS_SQL, (*PRESENCE_KEYS, self._listener_pid))
+            row = await cur.fetchone()
+            self._peers, self._peers_at = bool(row and row[0]), asked
+        return not self._peers
 
     def _receive(self, payload: str) -> None:
         origin, _, body = payload.partition("\n")
@@ -155,7 +201,9 @@ class PgRelay:
                     try:
                         if conn is None or conn.closed:
                             conn = await self._connect()
-                        await conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, payload))
+                        alone = await self._alone(conn)
+                        if not alone:
+                            await conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, payload))
                     except (psycopg.Error, OSError) as exc:
                         tries += 1
                         log.log(  # once per outage; the retries meanwhile are DEBUG lines
@@ -172,7 +220,10 @@ class PgRelay:
                     if tries:
                         log.info("wake-up relay: NOTIFY works again after %d tries", tries)
                     tries = 0
-                    self.sent += n
+                    if alone:
+                        self.dropped += n
+                    else:
+                        self.sent += n
                     del self._outbox[:n]
         finally:
             if conn is not None:
