@@ -432,6 +432,33 @@ def test_a_fleets_polls_and_heartbeats_share_one_batch_and_each_gets_its_own_com
     assert store.poll_pass("w1", ["q"]).commands == []  # taken once, for good
 
 
+def test_one_daemons_write_takes_its_commands_oldest_first_touches_it_and_reads_its_pin(
+    store: SqlStore,
+) -> None:
+    """A batch with one daemon's write (a warm poll, alone in its group commit) takes that
+    daemon's duties by the one-daemon statements (on PostgreSQL one statement for the three):
+    every pending command of it, oldest first and once, its ``last_seen`` moved on, and the pin of
+    its token's namespace, else of the namespace it registered with, else of ``default``."""
+    store.register_worker("w", {"namespace": "team-a"})
+    store.pin_version("team-a", "0.1.4")
+    store.pin_version("default", "0.2.0")
+    (a, _), (b, _) = _running(store, 2)
+    assert store.cancel(b) == "running" == store.cancel(a)  # b's command first, then a's
+    (seen_before,) = [w.last_seen for w in store.list_workers().workers if w.worker_id == "w"]
+    (polled,) = store.write_batch([PollRequest("w", ["q"], limit=1)])
+    assert isinstance(polled, PollResult) and polled.pinned_version == "0.1.4"
+    assert [(c.kind, c.body["invocation_id"]) for c in polled.commands] == [("cancel", b), ("cancel", a)]
+    (seen_after,) = [w.last_seen for w in store.list_workers().workers if w.worker_id == "w"]
+    assert seen_after > seen_before
+    (again,) = store.write_batch([PollRequest("w", ["q"], limit=1, namespace="default")])
+    assert isinstance(again, PollResult) and again.commands == [] and again.pinned_version == "0.2.0"
+    (beat,) = store.write_batch([HeartbeatRequest("stranger", [])])  # never registered
+    assert isinstance(beat, HeartbeatResult) and beat.commands == [] and beat.pinned_version == "0.2.0"
+    store.pin_version("default", None)
+    (bare,) = store.write_batch([HeartbeatRequest("stranger", [])])
+    assert isinstance(bare, HeartbeatResult) and bare.pinned_version is None
+
+
 def test_a_submit_remembers_its_queue_and_function_only_once_committed(store: SqlStore) -> None:
     store.submit(_submit(queue="seen"))
     assert "seen" in store._known.queues

@@ -90,6 +90,29 @@ class _Statements:
             sa.select(n.c.nymph_version).where(n.c.name == sa.func.coalesce(registered, "default"))
         )
         self.pinned = Direct(sa.select(n.c.nymph_version).where(n.c.name == B("b_namespace")))
+        # PostgreSQL: one daemon's touch, take and pinned version in one statement, one round trip
+        # for three (data-modifying CTEs run whether or not the query reads them, all on the
+        # query's snapshot, which is all the version needs: neither changes what it reads). One
+        # row at least: the version, with each taken command's columns (NULL when none was).
+        touched = sa.update(w).where(w.c.worker_id == B("worker")).values(last_seen=B("now"))
+        touched_cte = touched.returning(w.c.worker_id).cte("touched")
+        taken = (
+            sa.delete(c)
+            .where(c.c.worker_id == B("worker"))
+            .returning(c.c.command_id, c.c.kind, c.c.body, c.c.created_at)
+            .cte("taken")
+        )
+
+        def duties(version: Any) -> Direct:
+            v = sa.select(version.scalar_subquery().label("version")).subquery("v")
+            cols = (v.c.version, taken.c.command_id, taken.c.kind, taken.c.body, taken.c.created_at)
+            query = sa.select(*cols).select_from(v.outerjoin(taken, sa.true())).add_cte(touched_cte)
+            return Direct(query, "postgresql")
+
+        self.pg_duties_of_worker = duties(
+            sa.select(n.c.nymph_version).where(n.c.name == sa.func.coalesce(registered, "default"))
+        )
+        self.pg_duties = duties(sa.select(n.c.nymph_version).where(n.c.name == B("b_namespace")))
         # The same for the many daemons of one group commit: one statement each, whatever their
         # number (a fleet's heartbeats and poll renewals arrive dozens to a batch).
         many: Any = B("workers", expanding=True)
@@ -204,6 +227,8 @@ class WorkerStore(StoreBase):
         A worker's pending commands go to its first entry; the others of that worker get none."""
         if len(asks) == 1:  # one daemon: the plain statements (an expanding IN renders per call)
             worker, namespace = asks[0]
+            if self.db.dialect == "postgresql":  # the three in one round trip
+                return [self._pg_duties_in(conn, worker, namespace, now)]
             commands = self._take_commands_in(conn, worker, now)
             return [(commands, self._pinned_in(conn, worker, namespace))]
         st = self._worker_st
@@ -225,6 +250,21 @@ class WorkerStore(StoreBase):
                 ([Command(id=r.command_id, kind=r.kind, body=r.body) for r in rows], versions.get(name))
             )
         return out
+
+    def _pg_duties_in(
+        self, conn: Connection, worker_id: str, namespace: str | None, now: float
+    ) -> tuple[list[Command], str | None]:
+        """``_take_commands_in`` and ``_pinned_in`` of one daemon in one PostgreSQL statement."""
+        st = self._worker_st
+        if namespace is not None:
+            params = {"worker": worker_id, "now": now, "b_namespace": namespace}
+            rows = conn.execute(st.pg_duties, params).all()
+        else:
+            rows = conn.execute(st.pg_duties_of_worker, {"worker": worker_id, "now": now}).all()
+        taken = sorted(
+            (r for r in rows if r.command_id is not None), key=lambda r: (r.created_at, r.command_id)
+        )
+        return [Command(id=r.command_id, kind=r.kind, body=r.body) for r in taken], rows[0].version
 
     # -- namespaces ------------------------------------------------------------------------------
 
