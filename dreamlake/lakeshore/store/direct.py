@@ -231,6 +231,9 @@ class Direct(_Statement):
         raw = connection.connection.dbapi_connection
         assert raw is not None
         cursor: Any = raw.cursor()
+        # the columns' description only until the result processors are made from it: psycopg
+        # builds it anew on every read, an object per column (a claim's row has 37)
+        described = c.result_procs is not None
         try:
             rows: list[Any] = []
             count = 0
@@ -238,7 +241,7 @@ class Direct(_Statement):
             if len(sets) == 1:
                 cursor.execute(c.sql, sets[0])
                 if c.returns:
-                    description = cursor.description
+                    description = None if described else cursor.description
                     rows = cursor.fetchall()
                 count = cursor.rowcount
             elif not c.returns:
@@ -247,7 +250,7 @@ class Direct(_Statement):
             elif connection.dialect.name == "postgresql":
                 cursor.executemany(c.sql, sets, returning=True)
                 while True:
-                    description = description or cursor.description
+                    description = description or (None if described else cursor.description)
                     rows += cursor.fetchall()
                     count += max(0, cursor.rowcount)
                     if not cursor.nextset():
@@ -255,7 +258,7 @@ class Direct(_Statement):
             else:  # sqlite3's executemany takes no RETURNING: one execute per set, in C
                 for one in sets:
                     cursor.execute(c.sql, one)
-                    description = description or cursor.description
+                    description = description or (None if described else cursor.description)
                     rows += cursor.fetchall()
                     count += max(0, cursor.rowcount)
         except Exception as exc:
