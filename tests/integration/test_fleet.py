@@ -221,8 +221,21 @@ def _no_recheck() -> dict[str, float]:
 
 def test_a_submit_on_one_replica_wakes_a_poll_waiting_on_the_other(_pg_url: str) -> None:
     """Replica B never re-checks within the test: its poll can only learn of A's submit (and of a
-    cancel for its worker) through PostgreSQL LISTEN/NOTIFY."""
+    cancel for its worker) through PostgreSQL LISTEN/NOTIFY. Before B listens, A is alone: a wake
+    nobody local takes is dropped, not sent (nobody else would hear it; its own echo it drops
+    anyway); once B says it listens, A sends."""
     with running_control_plane(_pg_url, config=NO_RECHECK) as a:
+        relay = a.app.state.ctx.polls.relay
+        assert relay is not None
+
+        async def alone() -> None:
+            await until_async(lambda: relay.listening, "A to LISTEN", SETTLE_S)
+            async with httpx.AsyncClient(base_url=a.url, headers=headers(a.producer_token)) as on_a:
+                await submit_one(on_a, f"nobody-{new_ulid()}")  # no poll waits for it anywhere
+            await until_async(lambda: relay.dropped >= 1, "A to drop the wake", SETTLE_S)
+            assert relay.sent == 0
+
+        asyncio.run(alone())
         b_app = create_app(open_store(_pg_url), config=NO_RECHECK)
         b = ServerThread(b_app)
         b.start()
@@ -248,6 +261,7 @@ def test_a_submit_on_one_replica_wakes_a_poll_waiting_on_the_other(_pg_url: str)
                     woken_after = time.monotonic() - started
                     assert cmd["body"]["invocation_id"] == inv
                     assert woken_after < 0.9  # B re-checks every 600 s: the wake came by NOTIFY
+                    assert relay.sent >= 1
 
                     waiting = asyncio.ensure_future(poll_once(on_b, worker, queue))
                     await until_async(
@@ -259,52 +273,6 @@ def test_a_submit_on_one_replica_wakes_a_poll_waiting_on_the_other(_pg_url: str)
                     assert cancel["kind"] == "cancel" and cancel["body"]["invocation_id"] == inv
 
             asyncio.run(main())
-        finally:
-            b.stop()
-            b_app.state.ctx.store.close()
-
-
-def test_a_lone_replica_sends_no_wake_ups_until_a_second_one_listens(_pg_url: str) -> None:
-    """A wake nobody local takes goes to PostgreSQL only when another replica listens: alone, a
-    replica drops it (nobody else would hear it; its own echo it drops anyway); once a second
-    replica says it listens, the same kind of wake is sent, and reaches that replica's poll."""
-    with running_control_plane(_pg_url, config=NO_RECHECK) as a:
-        relay = a.app.state.ctx.polls.relay
-        assert relay is not None
-
-        async def alone() -> None:
-            await until_async(lambda: relay.listening, "A to LISTEN", SETTLE_S)
-            async with httpx.AsyncClient(base_url=a.url, headers=headers(a.producer_token)) as on_a:
-                await submit_one(on_a, f"nobody-{new_ulid()}")  # no poll waits for it anywhere
-            await until_async(lambda: relay.dropped >= 1, "A to drop the wake", SETTLE_S)
-            assert relay.sent == 0
-
-        asyncio.run(alone())
-        b_app = create_app(open_store(_pg_url), config=NO_RECHECK)
-        b = ServerThread(b_app)
-        b.start()
-        b_polls = b_app.state.ctx.polls
-        try:
-
-            async def two() -> None:
-                await until_async(
-                    lambda: b_polls.relay is not None and b_polls.relay.listening, "B to LISTEN", SETTLE_S
-                )
-                queue, worker = f"replicas-{new_ulid()}", new_ulid()
-                async with (
-                    httpx.AsyncClient(
-                        base_url=b.url, headers=headers(a.daemon_token), timeout=POLL_S + 30
-                    ) as on_b,
-                    httpx.AsyncClient(base_url=a.url, headers=headers(a.producer_token)) as on_a,
-                ):
-                    waiting = asyncio.ensure_future(poll_once(on_b, worker, queue))
-                    await until_async(lambda: b_polls.waiting == 1, "a poll waiting on B", SETTLE_S)
-                    inv = await submit_one(on_a, queue)
-                    (cmd,) = (await waiting)["commands"]
-                    assert cmd["body"]["invocation_id"] == inv  # B re-checks every 600 s: by NOTIFY
-                assert relay.sent >= 1
-
-            asyncio.run(two())
         finally:
             b.stop()
             b_app.state.ctx.store.close()

@@ -18,7 +18,8 @@ stay queued (at most ``MAX_OUTBOX``, duplicates merged past that) and go out on 
 role (no privilege is needed to read it). Before it sends, the relay reads that count, at most
 ``PEERS_FRESH_S`` old; with no other holder it drops the batch: nobody would hear it but this
 replica, which drops its own anyway. A submit burst on one replica (every wake unclaimed locally)
-sent a ``pg_notify`` and received it back per group commit: a fifth of the loop's CPU per submit.
+sent a ``pg_notify`` and received it back per group commit: sampled, about a fifth of the event
+loop's busy time.
 A replica that just started listening says so (:attr:`PgRelay.listening`) only ``ANNOUNCE_S``
 after its lock is held, more than twice ``PEERS_FRESH_S``: until then its hub re-checks waiting
 polls as when it is not listening, and by then every other replica's count includes it.
