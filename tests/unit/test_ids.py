@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -51,3 +52,24 @@ def test_validate_returns_a_valid_id_unchanged() -> None:
 def test_validate_names_what_was_invalid() -> None:
     with pytest.raises(InvalidId, match=r"invalid invocation id '\.\./x'"):
         ids.validate("../x", "invocation id")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_makes_ids_of_its_own() -> None:
+    """Parent and child, right after a fork, make different ids: the child does not go on with the
+    parent's random pool or last id (prefork runners and uvicorn's workers fork)."""
+    ids.new_ulid()  # the parent's pool and sequence are in use
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        os.close(r)
+        os.write(w, "\n".join(ids.new_ulid() for _ in range(50)).encode())
+        os._exit(0)
+    os.close(w)
+    mine = [ids.new_ulid() for _ in range(50)]
+    with os.fdopen(r) as f:
+        theirs = f.read().split("\n")
+    os.waitpid(pid, 0)
+    assert len(theirs) == 50 and all(ids.is_ulid(u) for u in theirs)
+    assert not set(mine) & set(theirs)
+    assert not {u[10:] for u in mine} & {u[10:] for u in theirs}  # nor the same random parts
