@@ -120,25 +120,35 @@ def test_finally_runs_when_the_call_is_cancelled_timed_out_or_preempted(
         cp.url, cp.daemon_token, "--concurrency", "2", "--stop-grace-s", "5", base=_base(tmp_path / "a")
     )
     marks = {k: tmp_path / f"{k}.marker" for k in ("cancelled", "timeout", "preempted")}
+    # each stop comes once the function runs (it touches ``started`` inside its try): the runner's
+    # handle is written as the process starts, and a stop before the function began has no
+    # finally to run (on a loaded machine the entry's start-up took that long)
+    began = {k: tmp_path / f"{k}.started" for k in marks}
     cancelled = submit(
-        cp.url, cp.producer_token, envelope(preempt_fns.interruptible, str(marks["cancelled"]))
+        cp.url,
+        cp.producer_token,
+        envelope(preempt_fns.interruptible, str(marks["cancelled"]), started=str(began["cancelled"])),
     )
-    until(lambda: (n.workdir / cancelled / "handle.json").exists(), "the call to start")
+    until(began["cancelled"].exists, "the cancelled call's function to start")
     call(cp.url, cp.producer_token, f"/v1/producer/invocations/{cancelled}/cancel", {})
     assert await_result(cp.url, cp.producer_token, cancelled)["state"] == "killed"
     assert marks["cancelled"].read_text() == "cancelled"
     timed = submit(
-        cp.url, cp.producer_token, envelope(preempt_fns.interruptible, str(marks["timeout"])), timeout_s=1
+        cp.url,
+        cp.producer_token,
+        envelope(preempt_fns.interruptible, str(marks["timeout"]), started=str(began["timeout"])),
+        timeout_s=5,  # from the start of the process: room for the entry's start-up on a loaded machine
     )
     assert await_result(cp.url, cp.producer_token, timed)["state"] == "timeout"
+    assert began["timeout"].exists()  # the function ran, so its finally did
     assert marks["timeout"].read_text() == "timeout"
     pre = submit(
         cp.url,
         cp.producer_token,
-        envelope(preempt_fns.interruptible, str(marks["preempted"])),
+        envelope(preempt_fns.interruptible, str(marks["preempted"]), started=str(began["preempted"])),
         max_attempts=1,
     )
-    until(lambda: (n.workdir / pre / "handle.json").exists(), "the call to start")
+    until(began["preempted"].exists, "the preempted call's function to start")
     n.signal(15)
     assert n.wait() == 0
     until(lambda: marks["preempted"].exists(), "the preempted call's finally")
