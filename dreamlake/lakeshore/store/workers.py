@@ -32,7 +32,7 @@ import hmac
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +130,14 @@ class _Statements:
         )
 
 
+def _commands(rows: Iterable[Any]) -> list[Command]:
+    """Taken command rows as Commands, oldest first."""
+    return [
+        Command(id=r.command_id, kind=r.kind, body=r.body)
+        for r in sorted(rows, key=lambda r: (r.created_at, r.command_id))
+    ]
+
+
 @functools.cache
 def _statements() -> _Statements:
     return _Statements()
@@ -213,11 +221,7 @@ class WorkerStore(StoreBase):
         st = self._worker_st
         conn.execute(st.touch_worker, {"worker": worker_id, "now": now})
         # DELETE ... RETURNING: each pending command goes to exactly one caller.
-        rows = sorted(
-            conn.execute(st.take_commands, {"worker": worker_id}),
-            key=lambda r: (r.created_at, r.command_id),
-        )
-        return [Command(id=r.command_id, kind=r.kind, body=r.body) for r in rows]
+        return _commands(conn.execute(st.take_commands, {"worker": worker_id}))
 
     def _duties_in(
         self, conn: Connection, asks: Sequence[tuple[str, str | None]], now: float
@@ -245,10 +249,7 @@ class WorkerStore(StoreBase):
         versions = dict(conn.execute(st.pinned_of_names, {"names": sorted(set(names))}).all())
         out: list[tuple[list[Command], str | None]] = []
         for (worker, _), name in zip(asks, names, strict=True):
-            rows = sorted(pending.pop(worker, ()), key=lambda r: (r.created_at, r.command_id))
-            out.append(
-                ([Command(id=r.command_id, kind=r.kind, body=r.body) for r in rows], versions.get(name))
-            )
+            out.append((_commands(pending.pop(worker, ())), versions.get(name)))
         return out
 
     def _pg_duties_in(
@@ -261,10 +262,7 @@ class WorkerStore(StoreBase):
             rows = conn.execute(st.pg_duties, params).all()
         else:
             rows = conn.execute(st.pg_duties_of_worker, {"worker": worker_id, "now": now}).all()
-        taken = sorted(
-            (r for r in rows if r.command_id is not None), key=lambda r: (r.created_at, r.command_id)
-        )
-        return [Command(id=r.command_id, kind=r.kind, body=r.body) for r in taken], rows[0].version
+        return _commands(r for r in rows if r.command_id is not None), rows[0].version
 
     # -- namespaces ------------------------------------------------------------------------------
 
