@@ -20,7 +20,7 @@ from alembic.migration import MigrationContext
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.store import engine, open_store, schema
-from dreamlake.lakeshore.store.api import SubmitRequest
+from dreamlake.lakeshore.store.api import AckRequest, AckResult, SubmitRequest
 from dreamlake.lakeshore.store.engine import HEAD_REVISION, MIGRATIONS_DIR, normalize_url
 from dreamlake.lakeshore.store.notify import Notifier
 from dreamlake.lakeshore.store.sql import SqlStore
@@ -34,7 +34,7 @@ WORKER = """
 import json, sys
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.store import open_store
-from dreamlake.lakeshore.store.api import SubmitRequest
+from dreamlake.lakeshore.store.api import AckRequest, AckResult, SubmitRequest
 s = open_store(sys.argv[1])  # the processes race to migrate the fresh file
 mine = [new_ulid() for _ in range(15)]
 for inv in mine:
@@ -144,6 +144,90 @@ def test_a_file_stores_writes_survive_their_kept_connection_breaking(tmp_path: P
         assert s.db._writer is not left and s.get(last) is not None
     finally:
         s.close()
+
+
+REFUSE_BAD_ARGS = """
+CREATE FUNCTION refuse_bad() RETURNS trigger AS $$
+BEGIN
+  IF NEW.args_blob = '\\x626164'::bytea THEN RAISE EXCEPTION 'refused by the test'; END IF;
+  RETURN NEW;
+END $$ LANGUAGE plpgsql;
+CREATE TRIGGER refuse_bad BEFORE INSERT ON invocations FOR EACH ROW EXECUTE FUNCTION refuse_bad();
+"""
+
+
+def test_postgresql_writes_stay_whole_on_their_kept_connection_and_survive_it_breaking() -> None:
+    """PostgreSQL's writes keep one connection, and a lone submit whose row is all it writes runs as
+    its own transaction (one round trip, not three). What a user relies on stays: a submit that
+    writes more (a new queue, a new function) is all or nothing; a lone submit is visible to every
+    other connection once answered, and one the database refuses leaves nothing; the writes after
+    it are whole transactions again; and should the kept connection die (a database restart), the
+    next write lands on a fresh one and nothing is lost."""
+    import psycopg
+
+    with pg_database() as url:
+        s = open_store(url)
+        try:
+            with s.db.tx(write=True) as conn:
+                conn.exec_driver_sql(REFUSE_BAD_ARGS)
+            other_fn = {"module": "m", "qualname": "other", "version": "v1"}
+            # a new queue and a new function, then the invocation's insert refused: none of it lands
+            (refused,) = s.write_batch([SubmitRequest(new_ulid(), "fresh", other_fn, b"bad", {})])
+            assert isinstance(refused, PlaneError) and refused.status == 500
+            with psycopg.connect(url) as probe:
+                assert probe.execute("SELECT count(*) FROM queues WHERE name = 'fresh'").fetchone() == (0,)
+                assert probe.execute("SELECT count(*) FROM functions").fetchone() == (0,)
+
+            ids = [new_ulid() for _ in range(3)]
+            for inv in ids:  # the first writes its queue and function; the next two are lone inserts
+                (done,) = s.write_batch([SubmitRequest(inv, "q", FN, b"ok", {})])
+                assert not isinstance(done, PlaneError)
+                with psycopg.connect(url) as probe:  # committed once answered, seen by anyone
+                    assert probe.execute(
+                        "SELECT state FROM invocations WHERE invocation_id = %s", (inv,)
+                    ).fetchone() == ("queued",)
+            kept = s.db._writer
+            assert kept is not None
+            raw = kept.connection.driver_connection
+            (refused,) = s.write_batch([SubmitRequest(new_ulid(), "q", FN, b"bad", {})])
+            assert isinstance(refused, PlaneError) and refused.status == 500
+            (again,) = s.write_batch([SubmitRequest(ids[0], "q", FN, b"other args", {})])
+            assert isinstance(again, PlaneError) and again.status == 409  # the same id, other content
+            assert s.db._writer is kept and raw.autocommit is False  # type: ignore[union-attr]
+
+            # a write of several statements on it after those is one transaction again
+            with pytest.raises(RuntimeError), s.db.tx(write=True) as conn:
+                conn.exec_driver_sql("CREATE TABLE probe (x INTEGER)")
+                conn.exec_driver_sql("INSERT INTO probe VALUES (1)")
+                raise RuntimeError("the write's caller failed")
+            assert s.db._writer is kept
+            with psycopg.connect(url) as probe:
+                assert probe.execute("SELECT to_regclass('probe')").fetchone() == (None,)
+
+            # its backend killed (a restart, an admin's pg_terminate_backend): the next writes land
+            dead = raw.info.backend_pid  # type: ignore[union-attr]
+            with psycopg.connect(url, autocommit=True) as admin:
+                admin.execute("SELECT pg_terminate_backend(%s)", (dead,))
+            after = [new_ulid() for _ in range(3)]
+            for inv in after:
+                (done,) = s.write_batch([SubmitRequest(inv, "q", FN, b"ok", {})])
+                assert not isinstance(done, PlaneError)
+            writer = s.db._writer
+            assert writer is not None
+            assert writer.connection.driver_connection.info.backend_pid != dead  # type: ignore[union-attr]
+            assert sorted(i.invocation_id for i in s.claim("w", ["q"], limit=10)) == sorted(ids + after)
+            # a lone ack is its conditional update alone; a repeat, or another worker's, changes nothing
+            (acked,) = s.write_batch([AckRequest(ids[0], "succeeded", 1, "w", b"result")])
+            assert isinstance(acked, AckResult) and acked.ok and not acked.duplicate
+            (repeat,) = s.write_batch([AckRequest(ids[0], "succeeded", 1, "w", b"result")])
+            assert isinstance(repeat, AckResult) and repeat.ok and repeat.duplicate
+            (stranger,) = s.write_batch([AckRequest(ids[1], "succeeded", 1, "intruder", b"forged")])
+            assert isinstance(stranger, AckResult) and not stranger.ok
+            done, running = s.get(ids[0]), s.get(ids[1])
+            assert done is not None and (done.state, done.result_blob) == ("succeeded", b"result")
+            assert running is not None and (running.state, running.result_blob) == ("running", None)
+        finally:
+            s.close()
 
 
 CLOSE_MID_WRITE = """

@@ -219,6 +219,16 @@ class AckStore(StoreBase):
             return AckResult(ok=True, state=req.state, freed=self._freed(done))
         return self._refusal_in(conn, req)
 
+    def _lone_ack(self, prepared: Any) -> bool:
+        """Whether ``prepared`` (a batch's one write) is an ack that ``_ack_in`` writes with one
+        statement, its conditional UPDATE (a refusal then reads why): not a preemption, not a
+        failure the retry rule may turn into another attempt."""
+        return (
+            isinstance(prepared, AckRequest)
+            and prepared.state != PREEMPTED
+            and prepared.state not in retry.RETRY_STATES
+        )
+
     def _freed(self, row: Any) -> tuple[str, str, str] | None:
         """``(namespace, queue, shape)`` of a call that stopped running under a fleet-wide limit
         (its end frees room: a poll is woken, ``freed_channels``); None when no limit covers it."""

@@ -248,6 +248,13 @@ class Placer:
             known[shape] = needs
             return True
 
+    def knows_shape(self, queue: str, shape: str) -> bool:
+        """Whether ``learn`` of this shape would find it known (a plain call's: always)."""
+        if shape == PLAIN:
+            return True
+        with self._lock:
+            return shape in self._shapes.get(queue, {})
+
     def knows_limit(self, name: str, value: int) -> bool:
         with self._lock:
             return self._limits.get(name) == value

@@ -11,8 +11,11 @@ the store opens a transaction:
   one at a time under that lock anyway, run on one connection kept for them (``_held_tx``: a
   pool checkout, check-in and reset per transaction cost more than a small write itself), in
   the driver's transaction (its ``COMMIT`` too); reads take pooled connections.
-- PostgreSQL uses the pool and READ COMMITTED; claims rely on ``FOR UPDATE SKIP LOCKED``. A
-  checkout is not pinged (no extra round trip per transaction): a connection that died while
+- PostgreSQL uses READ COMMITTED; claims rely on ``FOR UPDATE SKIP LOCKED``. Its writes run side
+  by side: the one that finds the kept write connection free (the group commit's writer, mostly)
+  runs on it, the others on pooled connections. A write of one statement (a lone submit) runs as
+  its own transaction (``tx``'s ``single``): one round trip where ``BEGIN``, the statement and
+  ``COMMIT`` were three. A checkout is not pinged (no extra round trip per transaction): a connection that died while
   pooled (a database restart) fails its first statement, SQLAlchemy then invalidates the whole
   pool, and the hot paths, wrapped in :func:`retry_on_disconnect`, run once more on a fresh
   connection.
@@ -66,6 +69,7 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 SQLITE_BACKSTOP_PAGES = 16_384  # SQLite checkpoints in a commit only past this (64 MiB of WAL)
 CHECKPOINT_EVERY_S = 1.0  # the checkpointer's period while commits come in
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+_PG_IDLE = 0  # psycopg.pq.TransactionStatus.IDLE (psycopg is imported only for PostgreSQL)
 _PG_MIGRATION_LOCK = 0x6C616B65  # pg_advisory_xact_lock key: "lake"
 # The newest revision in migrations/versions; a test checks it against Alembic's script head.
 # Bump it with every new migration, or opens will skip the upgrade.
@@ -156,9 +160,13 @@ class Database:
         self._lock: threading.RLock | None = threading.RLock() if self.dialect == "sqlite" else None
         self.engine = self._create()
         self._checkpointer: _Checkpointer | None = None
-        # a SQLite file's writes run on one connection kept for them (``_held_tx``), under _lock
+        # a SQLite file's writes run on one connection kept for them (``_held_tx``), under _lock;
+        # PostgreSQL's, one at a time, under _pg_writer_lock
         self._writer: Connection | None = None
         self._writer_free = True  # False while a write transaction uses it (a nested one: the pool)
+        # PostgreSQL's writes run side by side: the first to take this (the group writer, mostly)
+        # runs on the kept connection, the others on pooled ones
+        self._pg_writer_lock = threading.Lock()
         if self.dialect == "sqlite" and not self.memory:
             self._checkpointer = _Checkpointer(self.url[len("sqlite:///") :])
 
@@ -205,9 +213,22 @@ class Database:
         return self._lock
 
     @contextlib.contextmanager
-    def tx(self, *, write: bool) -> Iterator[Connection]:
-        """A transaction: committed on normal exit, rolled back on an exception."""
+    def tx(self, *, write: bool, single: bool = False) -> Iterator[Connection]:
+        """A transaction: committed on normal exit, rolled back on an exception.
+
+        ``single``: the caller writes with one statement (reads may follow it). On PostgreSQL that
+        statement then runs as its own transaction (the driver in autocommit), without a ``BEGIN``
+        and a ``COMMIT`` of two round trips more: durable when it returns, all or nothing, as the
+        transaction would be. Ignored on SQLite (its ``BEGIN`` and commit are calls, not trips)
+        and when the kept write connection is busy."""
         if self.dialect != "sqlite":
+            if write and self._pg_writer_lock.acquire(blocking=False):
+                try:
+                    with self._held_tx(autocommit=single) as conn:
+                        yield conn
+                finally:
+                    self._pg_writer_lock.release()
+                return
             with self.engine.connect() as conn, conn.begin():
                 yield conn
             return
@@ -226,11 +247,14 @@ class Database:
             self._checkpointer.committed()
 
     @contextlib.contextmanager
-    def _held_tx(self) -> Iterator[Connection]:
-        """A write transaction of a SQLite file on the connection its writes keep (under the write
-        lock, which the caller holds): no pool checkout, check-in and reset per transaction (they
-        took half of what a small write transaction spent outside SQLite: 55 -> 28 us). The
-        transaction is the driver's: ``BEGIN IMMEDIATE``, then ``COMMIT`` (or ``ROLLBACK`` on an
+    def _held_tx(self, *, autocommit: bool = False) -> Iterator[Connection]:
+        """A write transaction on the connection the writes keep: a SQLite file's (under the
+        write lock, which the caller holds), or PostgreSQL's (under ``_pg_writer_lock``, taken
+        without waiting by the caller: a write that finds it busy takes a pooled connection). No
+        pool checkout, check-in and reset per transaction (they took half of what a small SQLite
+        write transaction spent outside SQLite: 55 -> 28 us). The transaction is the driver's:
+        SQLite's ``BEGIN IMMEDIATE``, psycopg's own ``BEGIN`` before the first statement (none in
+        ``autocommit``: see ``tx``'s ``single``), then ``COMMIT`` (or ``ROLLBACK`` on an
         exception), its errors raised as SQLAlchemy raises them. SQLAlchemy's own begin and commit
         around it cost about 17 us a transaction in the control plane, on every write; it begins
         one only when a statement goes through it (not a ``Direct`` one), and then commits it. A
@@ -246,10 +270,13 @@ class Database:
                         conn.close()
                 conn = self._writer = self.engine.connect()
             raw: Any = conn.connection.driver_connection
-            try:
-                raw.execute("BEGIN IMMEDIATE")
-            except Exception as exc:  # as SQLAlchemy raises it: a closed connection is invalidated
-                conn._handle_dbapi_exception(exc, "BEGIN IMMEDIATE", (), None, None)
+            if self.dialect == "sqlite":
+                try:
+                    raw.execute("BEGIN IMMEDIATE")
+                except Exception as exc:  # as SQLAlchemy raises it: a closed connection is invalidated
+                    conn._handle_dbapi_exception(exc, "BEGIN IMMEDIATE", (), None, None)
+            elif autocommit:
+                raw.autocommit = True  # idle (``_settled``): no round trip
             try:
                 yield conn
             except BaseException:
@@ -263,11 +290,16 @@ class Database:
                     raise
             else:
                 try:
-                    raw.commit()
+                    raw.commit()  # (psycopg, in autocommit or with nothing begun: none to send)
                 except Exception as exc:  # rolled back, then raised as SQLAlchemy raises it
                     _rollback(conn, raw)
                     conn._handle_dbapi_exception(exc, "COMMIT", (), None, None)
         finally:
+            if autocommit and conn is not None:
+                try:
+                    conn.connection.driver_connection.autocommit = False  # type: ignore[union-attr]
+                except Exception:  # a broken connection: ``_settled`` replaces it
+                    pass
             self._writer_free = True  # a broken one is replaced by the next transaction (_settled)
 
     def dispose(self) -> None:
@@ -277,14 +309,15 @@ class Database:
         # still writing on it, it went back to the pool, where another thread could take it while
         # the sweep ran (two threads on one sqlite3 connection crashed the process); one still
         # busy after the wait is left to the garbage collector
-        if self._writer is not None and self._lock is not None and self._lock.acquire(timeout=5.0):
+        lock = self._lock if self._lock is not None else self._pg_writer_lock
+        if self._writer is not None and lock.acquire(timeout=5.0):
             try:
                 writer, self._writer = self._writer, None
                 if writer is not None:
                     with contextlib.suppress(Exception):
                         writer.close()
             finally:
-                self._lock.release()
+                lock.release()
         self.engine.dispose()
 
 
@@ -295,8 +328,16 @@ def _rollback(conn: Connection, raw: Any) -> None:
         if conn.get_transaction() is not None:  # active or not: an invalid one blocks every statement
             conn.rollback()  # (after a failed commit it ends SQLAlchemy's, not always the driver's)
     with contextlib.suppress(Exception):
-        if raw.in_transaction:
+        if _in_transaction(raw):
             raw.rollback()
+
+
+def _in_transaction(raw: Any) -> bool:
+    """Whether a driver connection (sqlite3's or psycopg's) has a transaction open, or, for
+    psycopg, is anything but idle (a failed transaction, a lost connection)."""
+    if hasattr(raw, "in_transaction"):
+        return bool(raw.in_transaction)
+    return bool(raw.closed or raw.autocommit or raw.info.transaction_status != _PG_IDLE)
 
 
 def _settled(conn: Connection) -> bool:
@@ -307,7 +348,7 @@ def _settled(conn: Connection) -> bool:
         return False
     try:
         raw = conn.connection.driver_connection
-        return raw is not None and not raw.in_transaction
+        return raw is not None and not _in_transaction(raw)
     except Exception:  # a closed driver connection: not reusable
         return False
 

@@ -201,6 +201,23 @@ class InvocationStore(AckStore, LeaseStore):
             )
         return out
 
+    def _lone_insert(self, p: _Prepared) -> bool:
+        """Whether ``_submit_many_in`` of ``p`` alone writes with one statement, the invocation's
+        insert: its queue and function known, no parent to look up, no new shape or limit to
+        name (then its lookups, should the insert meet a conflict, are reads)."""
+        row, needs = p.row, p.needs
+        return (
+            row["queue"] in self._known.queues
+            and row["function_key"] in self._known.functions
+            and not row["parent_invocation_id"]
+            and self._placer.knows_shape(row["queue"], row["shape"])
+            and (
+                needs.concurrency_key is None
+                or needs.max_concurrency is None
+                or self._placer.knows_limit(key_limit(needs.concurrency_key), needs.max_concurrency)
+            )
+        )
+
     def _shapes_in(self, conn: Connection, batch: Sequence[_Prepared], now: float) -> None:
         """Name the batch's new placement shapes in ``shapes``, and the ``max_concurrency`` of its
         concurrency keys in ``limits`` (the latest submit's value wins)."""

@@ -334,7 +334,12 @@ class SqlStore(
             for k, (_, p) in enumerate(batch)
             if isinstance(p, HeartbeatRequest) or (isinstance(p, PollRequest) and p.duties)
         ]
-        with self.db.tx(write=True) as conn:
+        # a lone submit or ack that writes with one statement: its own transaction (PostgreSQL:
+        # one round trip, not three)
+        single = len(batch) == 1 and (
+            self._lone_insert(submits[0][1]) if submits else self._lone_ack(batch[0][1])
+        )
+        with self.db.tx(write=True, single=single) as conn:
             duties = dict(
                 zip(
                     (k for k, _ in daemons),
