@@ -110,3 +110,52 @@ def test_defaults_and_returned_json_read_as_sqlalchemy_reads_them(db: Database) 
     with db.tx(write=False) as conn:
         back = {r.id: (r.doc, r.n, r.at) for r in conn.execute(sa.select(T))}
     assert back == {r[0]: tuple(r[1:]) for r in [one, *many, full]}
+
+
+def test_many_rows_as_one_statement_write_what_one_row_statements_write(db: Database) -> None:
+    """``run_rows``: a one-row ``INSERT ... VALUES`` of many sets (PostgreSQL: one statement per
+    ``ROWS_MAX`` rows, its parameters numbered) writes and returns what one-row statements would,
+    in order; a key conflict is the whole statement's error (all or nothing); an ``ON CONFLICT DO
+    NOTHING`` skips a row repeated in the same statement, and returns only what it inserted."""
+    from dreamlake.lakeshore.store.direct import ROWS_MAX
+
+    direct = _insert(db.dialect)
+    rows = [
+        {"id": f"m{k:03}", "doc": {"k": k, "s": "50% off"} if k % 2 else None, "n": k, "at": k / 4}
+        for k in range(ROWS_MAX * 2 + 3)
+    ]
+    with db.tx(write=True) as conn:
+        got = direct.run_rows(conn, rows)
+    assert [r.id for r in got] == [r["id"] for r in rows] and got.rowcount == len(rows)
+    with db.tx(write=False) as conn:
+        back = {r.id: (r.doc, r.n, r.at) for r in conn.execute(sa.select(T))}
+    assert back == {r["id"]: (r["doc"], r["n"], r["at"]) for r in rows}
+
+    with pytest.raises(sa.exc.IntegrityError), db.tx(write=True) as conn:
+        direct.run_rows(conn, [{"id": "new", "doc": None, "n": 0, "at": None}, rows[5]])
+    with db.tx(write=False) as conn:
+        assert conn.execute(sa.select(T.c.id).where(T.c.id == "new")).first() is None
+
+    B = sa.bindparam
+    dialect_insert = __import__(f"sqlalchemy.dialects.{db.dialect}", fromlist=["insert"]).insert
+    skip = Direct(
+        dialect_insert(T)
+        .values(id=B("id"), doc=B("doc", type_=sa.JSON), n=B("n"), at=B("at"))
+        .on_conflict_do_nothing()
+        .returning(T.c.id),
+        db.dialect,
+    )
+    again = [{"id": i, "doc": None, "n": 1, "at": None} for i in ("m001", "fresh", "fresh", "other")]
+    with db.tx(write=True) as conn:
+        assert skip.run_rows(conn, again).scalars() == ["fresh", "other"]
+
+
+def test_many_rows_need_an_insert_of_one_values_group() -> None:
+    from sqlalchemy.dialects import postgresql
+
+    update = Direct(
+        sa.update(T).where(T.c.id == sa.bindparam("b_id")).values(n=sa.bindparam("n")), "postgresql"
+    )
+    compiled = update._compiled(postgresql.psycopg.dialect(), {})  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match="one VALUES group"):
+        compiled.rows_sql(2)

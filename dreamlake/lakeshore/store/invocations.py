@@ -181,7 +181,7 @@ class InvocationStore(AckStore, LeaseStore):
                 root = roots.get(parent) or batch_roots.get(parent) or parent
             batch_roots.setdefault(r["invocation_id"], root)
             params.append({**r, "root_invocation_id": root, "submitted_at": now})
-        inserted = set(conn.execute(st.insert_invocation, params).scalars())
+        inserted = set(st.insert_invocation.run_rows(conn, params).scalars())
         out: list[SubmitResult | PlaneError] = []
         for r in rows:
             inv_id = r["invocation_id"]

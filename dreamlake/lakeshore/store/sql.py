@@ -50,6 +50,7 @@ from .api import (
     WriteRequest,
     WriteResult,
 )
+from .direct import ROWS_MAX
 from .engine import Database, migrate, retry_on_disconnect
 from .exec_jobs import ExecJobStore
 from .frames import FrameStore, frame_channel
@@ -334,11 +335,12 @@ class SqlStore(
             for k, (_, p) in enumerate(batch)
             if isinstance(p, HeartbeatRequest) or (isinstance(p, PollRequest) and p.duties)
         ]
-        # a lone submit or ack that writes with one statement: its own transaction (PostgreSQL:
-        # one round trip, not three)
-        single = len(batch) == 1 and (
-            self._lone_insert(submits[0][1]) if submits else self._lone_ack(batch[0][1])
-        )
+        # submits whose rows are all they write (one statement: ``_submit_many_in``), or a lone
+        # ack that is one UPDATE: their own transaction (PostgreSQL: one round trip, not three)
+        if submits:
+            single = len(submits) == len(batch) <= ROWS_MAX and all(self._lone_insert(p) for _, p in submits)
+        else:
+            single = len(batch) == 1 and self._lone_ack(batch[0][1])
         with self.db.tx(write=True, single=single) as conn:
             duties = dict(
                 zip(
