@@ -399,6 +399,7 @@ def test_a_fleets_polls_and_heartbeats_share_one_batch_and_each_gets_its_own_com
     assert store.cancel(a) == "running" == store.cancel(b)  # a cancel command for each worker
     fresh = new_ulid()
     committed: list[list[int]] = []
+    seen_before = {w.worker_id: w.last_seen for w in store.list_workers().workers}
     results = store.write_batch(
         [
             HeartbeatRequest("w2", [(b, att_b)]),  # 0: w2's first write of the heartbeats' commit
@@ -429,6 +430,8 @@ def test_a_fleets_polls_and_heartbeats_share_one_batch_and_each_gets_its_own_com
         assert [(c.kind, c.body["invocation_id"]) for c in beat.commands] == [("cancel", inv)]
         assert beat.commands[0].id not in queued
     assert beat_w2.pinned_version == "0.2.0" == beat_w2_again.pinned_version
+    seen_after = {w.worker_id: w.last_seen for w in store.list_workers().workers}
+    assert all(seen_after[w] > seen_before[w] for w in ("w1", "w2"))  # each touched by the batch
     assert store.poll_pass("w1", ["q"]).commands == []  # taken once, for good
 
 

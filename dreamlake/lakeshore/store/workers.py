@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
 
 from dreamlake.lakeshore.errors import PlaneError
@@ -127,6 +128,52 @@ class _Statements:
         ).where(w.c.worker_id.in_(many))
         self.pinned_of_names = sa.select(n.c.name, n.c.nymph_version).where(
             n.c.name.in_(B("names", expanding=True))
+        )
+        # PostgreSQL: the four in one statement, the lists as arrays. Its rows: each taken command
+        # (``worker_id`` and the command's columns), each unbound worker's registered namespace
+        # (``worker_id`` and ``name``), each pinned version asked for (``name`` and ``version``).
+        some = postgresql.ARRAY(sa.String)
+        workers, unbound, names = B("workers", type_=some), B("unbound", type_=some), B("names", type_=some)
+        touched_all = (
+            sa.update(w)
+            .where(w.c.worker_id == sa.any_(workers))
+            .values(last_seen=B("now"))
+            .returning(w.c.worker_id)
+        ).cte("touched")
+        taken_all = (
+            sa.delete(c)
+            .where(c.c.worker_id == sa.any_(workers))
+            .returning(c.c.worker_id, c.c.command_id, c.c.kind, c.c.body, c.c.created_at)
+            .cte("taken")
+        )
+        reg = (
+            sa.select(
+                w.c.worker_id,
+                sa.func.coalesce(sa.func.nullif(w.c.info["namespace"].as_string(), ""), "default").label(
+                    "name"
+                ),
+            )
+            .where(w.c.worker_id == sa.any_(unbound))
+            .cte("reg")
+        )
+        text, null = sa.String(), sa.null()
+        self.pg_duties_many = Direct(
+            sa.union_all(
+                sa.select(
+                    taken_all.c.worker_id,
+                    taken_all.c.command_id,
+                    taken_all.c.kind,
+                    taken_all.c.body,
+                    taken_all.c.created_at,
+                    sa.cast(null, text).label("name"),
+                    sa.cast(null, text).label("version"),
+                ),
+                sa.select(reg.c.worker_id, null, null, null, null, reg.c.name, sa.cast(null, text)),
+                sa.select(sa.cast(null, text), null, null, null, null, n.c.name, n.c.nymph_version).where(
+                    sa.or_(n.c.name == sa.any_(names), n.c.name.in_(sa.select(reg.c.name)))
+                ),
+            ).add_cte(touched_all),
+            "postgresql",
         )
 
 
@@ -227,7 +274,8 @@ class WorkerStore(StoreBase):
         self, conn: Connection, asks: Sequence[tuple[str, str | None]], now: float
     ) -> list[tuple[list[Command], str | None]]:
         """``_take_commands_in`` and ``_pinned_in`` for many ``(worker_id, namespace)`` at once
-        (the polls and heartbeats of one group commit), in four statements whatever their number.
+        (the polls and heartbeats of one group commit), in four statements whatever their number
+        (PostgreSQL: one, ``pg_duties_many``; a SQLite statement is a call, not a round trip).
         A worker's pending commands go to its first entry; the others of that worker get none."""
         if len(asks) == 1:  # one daemon: the plain statements (an expanding IN renders per call)
             worker, namespace = asks[0]
@@ -237,6 +285,8 @@ class WorkerStore(StoreBase):
             return [(commands, self._pinned_in(conn, worker, namespace))]
         st = self._worker_st
         workers = sorted({w for w, _ in asks})
+        if self.db.dialect == "postgresql":
+            return self._pg_duties_many_in(conn, asks, workers, now)
         conn.execute(st.touch_workers, {"workers": workers, "now": now})
         pending: dict[str, list[Any]] = {}
         for r in conn.execute(st.take_commands_of, {"workers": workers}):
@@ -249,6 +299,29 @@ class WorkerStore(StoreBase):
         versions = dict(conn.execute(st.pinned_of_names, {"names": sorted(set(names))}).all())
         out: list[tuple[list[Command], str | None]] = []
         for (worker, _), name in zip(asks, names, strict=True):
+            out.append((_commands(pending.pop(worker, ())), versions.get(name)))
+        return out
+
+    def _pg_duties_many_in(
+        self, conn: Connection, asks: Sequence[tuple[str, str | None]], workers: list[str], now: float
+    ) -> list[tuple[list[Command], str | None]]:
+        """``_duties_in`` of many daemons in one PostgreSQL statement (``pg_duties_many``)."""
+        unbound = sorted({w for w, ns in asks if ns is None})
+        names = sorted({ns for _, ns in asks if ns is not None} | ({DEFAULT_NAMESPACE} if unbound else set()))
+        params = {"workers": workers, "unbound": unbound, "names": names, "now": now}
+        pending: dict[str, list[Any]] = {}
+        registered: dict[str, str] = {}
+        versions: dict[str, str | None] = {}
+        for r in conn.execute(self._worker_st.pg_duties_many, params):
+            if r.command_id is not None:
+                pending.setdefault(r.worker_id, []).append(r)
+            elif r.worker_id is not None:
+                registered[r.worker_id] = r.name
+            else:
+                versions[r.name] = r.version
+        out: list[tuple[list[Command], str | None]] = []
+        for worker, ns in asks:
+            name = ns if ns is not None else registered.get(worker, DEFAULT_NAMESPACE)
             out.append((_commands(pending.pop(worker, ())), versions.get(name)))
         return out
 
