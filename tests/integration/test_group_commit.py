@@ -462,6 +462,38 @@ def test_one_daemons_write_takes_its_commands_oldest_first_touches_it_and_reads_
     assert isinstance(bare, HeartbeatResult) and bare.pinned_version is None
 
 
+def test_busy_nymphs_polls_each_with_its_ack_land_together_and_each_claims_its_own(
+    store: SqlStore,
+) -> None:
+    """A batch of busy nymphs' polls, each carrying the ack of the call that freed its slot: the
+    acks apply together (on PostgreSQL one statement, the other workers' polls after them), each
+    answered as its own ack would be (one naming another worker's call refused, the rest landed
+    with their results), and each poll claims its own call, none twice."""
+    workers = ["w1", "w2", "w3"]
+    running = {w: _running(store, 1, w)[0] for w in workers}
+    queued = {store.submit(_submit()).invocation_id for _ in range(3)}
+    batch: list[WriteRequest] = []
+    for w in workers:
+        inv, attempt = running[w]
+        batch.append(AckRequest(inv, "succeeded", attempt, w, f"result of {w}".encode()))
+        batch.append(PollRequest(w, ["q"], limit=1))
+    w3_inv, w3_attempt = running["w3"]
+    # not their calls: w9's joins the run (the read-back tells it apart), w1's ends the run
+    batch.append(AckRequest(w3_inv, "succeeded", w3_attempt, "w9", b"forged by w9"))
+    batch.insert(5, AckRequest(w3_inv, "succeeded", w3_attempt, "w1", b"forged by w1"))
+    results = store.write_batch(batch)
+    acks, polls = [results[k] for k in (0, 2, 4, 5, 7)], [results[k] for k in (1, 3, 6)]
+    assert [(a.ok, a.duplicate) for a in acks if isinstance(a, AckResult)][:3] == [(True, False)] * 3
+    assert all(isinstance(a, AckResult) and not a.ok for a in acks[3:])
+    claimed = [i.invocation_id for poll in polls if isinstance(poll, PollResult) for i in poll.invocations]
+    assert sorted(claimed) == sorted(queued)  # one each, none twice
+    for w in workers:
+        got = store.get(running[w][0])
+        assert got is not None and (got.state, got.result_blob) == ("succeeded", f"result of {w}".encode())
+    again = store.write_batch([batch[0], batch[2], batch[4]])  # the same acks again: repeats
+    assert all(isinstance(a, AckResult) and a.ok and a.duplicate for a in again)
+
+
 def test_a_submit_remembers_its_queue_and_function_only_once_committed(store: SqlStore) -> None:
     store.submit(_submit(queue="seen"))
     assert "seen" in store._known.queues

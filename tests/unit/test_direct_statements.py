@@ -159,3 +159,40 @@ def test_many_rows_need_an_insert_of_one_values_group() -> None:
     compiled = update._compiled(postgresql.psycopg.dialect(), {})  # type: ignore[attr-defined]
     with pytest.raises(TypeError, match="one VALUES group"):
         compiled.rows_sql(2)
+
+
+def test_an_update_from_values_of_many_rows_is_one_statement() -> None:
+    """``run_rows`` of PostgreSQL's ``UPDATE ... FROM (VALUES (...)) AS v`` (SQLite has no column
+    list on a ``VALUES`` alias): each set's values in a row of the ``VALUES``, the parameters
+    outside it (here ``at``) given once; sets that differ outside the group are refused, not
+    half-applied."""
+    from tests.contract.conftest import pg_database
+
+    B = sa.bindparam
+    with pg_database() as url:
+        db = Database(url)
+        try:
+            META.create_all(db.engine)
+            with db.tx(write=True) as conn:
+                conn.execute(
+                    sa.insert(T), [{"id": f"u{k}", "doc": None, "n": 0, "at": None} for k in range(5)]
+                )
+            v = sa.values(sa.column("id", sa.String), sa.column("n", sa.Integer), name="v").data(
+                [
+                    (
+                        sa.cast(B("id", type_=sa.String), sa.String),
+                        sa.cast(B("n", type_=sa.Integer), sa.Integer),
+                    )
+                ]
+            )
+            update = Direct(sa.update(T).where(T.c.id == v.c.id).values(n=v.c.n, at=B("at")), "postgresql")
+            sets = [{"id": f"u{k}", "n": 10 + k, "at": 2.5} for k in (0, 2, 4)]
+            with db.tx(write=True) as conn:
+                assert update.run_rows(conn, sets).rowcount == 3
+            with pytest.raises(sa.exc.ArgumentError, match="outside"), db.tx(write=True) as conn:
+                update.run_rows(conn, [{"id": "u1", "n": 1, "at": 1.0}, {"id": "u3", "n": 3, "at": 9.0}])
+            with db.tx(write=False) as conn:
+                back = {r.id: (r.n, r.at) for r in conn.execute(sa.select(T))}
+        finally:
+            db.dispose()
+    assert back == {"u0": (10, 2.5), "u1": (0, None), "u2": (12, 2.5), "u3": (0, None), "u4": (14, 2.5)}

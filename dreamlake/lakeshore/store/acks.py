@@ -426,7 +426,10 @@ class AckStore(StoreBase):
             by_variant.setdefault(variant, []).append(self._ack_params(r, now))
         matched = 0
         for variant, params in by_variant.items():
-            matched += conn.execute(st.ack_many[variant], params).rowcount
+            if st.ack_rows:  # PostgreSQL: one statement for them all
+                matched += st.ack_rows[variant].run_rows(conn, params).rowcount
+            else:
+                matched += conn.execute(st.ack_many[variant], params).rowcount
         if (
             matched == len(reqs)
             and conn.dialect.supports_sane_multi_rowcount

@@ -17,10 +17,11 @@ SQLAlchemy would apply) and then executed on the raw driver connection of the ca
   psycopg prepares one server-side from its fifth execution on a connection (``prepare_threshold``);
 - several parameter sets go as one ``executemany`` (psycopg pipelines it: one round trip), with
   ``RETURNING`` rows collected set by set (SQLite: one ``execute`` per row, in C);
-- an ``INSERT ... VALUES`` of one row may take several as one statement (``run_rows``: the
-  ``VALUES`` group repeated, up to ``ROWS_MAX`` to a statement): on PostgreSQL a third of an
-  ``executemany``'s CPU for 8 rows (psycopg's pipeline is costly in Python), and one statement,
-  so all or nothing even outside a transaction;
+- a statement of one ``VALUES`` row (an ``INSERT``'s, an ``UPDATE ... FROM (VALUES ...)``'s)
+  may take several sets as one statement (``run_rows``: the ``VALUES`` group repeated, up to
+  ``ROWS_MAX`` to a statement): on PostgreSQL a third of an ``executemany``'s CPU for 8 rows
+  (psycopg's pipeline is costly in Python), and one statement, so all or nothing even outside a
+  transaction;
 - a driver error is handed to SQLAlchemy's own handler, so it is raised wrapped in
   :class:`sqlalchemy.exc.DBAPIError` with ``connection_invalidated`` set on a lost connection,
   exactly as from ``conn.execute`` of the statement itself (``retry_on_disconnect`` and
@@ -113,27 +114,45 @@ class _Compiled:
         # type code of the column, from the cursor's description, as SQLAlchemy's does): the
         # (index, processor) pairs of the columns that have one
         self.result_procs: list[tuple[int, Any]] | None = None
-        self._rows_sql: dict[int, tuple[bytes, list[int]]] = {}  # rows -> (SQL, value order)
+        self._rows_sql: dict[int, tuple[bytes, list[int], list[int], list[int]]] = {}  # see rows_sql
 
-    def rows_sql(self, n: int) -> tuple[bytes, list[int]]:
-        """This PostgreSQL ``INSERT ... VALUES (...)`` of one row as one of ``n`` rows: the text,
-        its parameters numbered (``$1`` ..), and the index in :meth:`values` of each parameter
-        of one row's group (cached per ``n``)."""
+    def rows_sql(self, n: int) -> tuple[bytes, list[int], list[int], list[int]]:
+        """This PostgreSQL statement of one ``VALUES (...)`` group (an ``INSERT``'s, or an
+        ``UPDATE ... FROM (VALUES ...)``'s) as one of ``n`` groups: the text, its parameters
+        numbered (``$1`` ..), and the index in :meth:`values` of each parameter before the groups,
+        in one group, and after them (those outside take the first set's values; cached per
+        ``n``)."""
         got = self._rows_sql.get(n)
         if got is None:
-            head, sep, rest = self.sql.partition(" VALUES (")
-            bare = _PLACEHOLDER.sub(lambda m: "_" * len(m.group(0)), rest)  # the parameters' own parens out
-            close = bare.find(")")
+            head, sep, rest = self.sql.partition("VALUES (")
+            head = head.removesuffix(" ")  # " VALUES (" of an INSERT, "(VALUES (" of a FROM
+            # the group's own closing paren: the parameters' parens out of the count
+            bare = _PLACEHOLDER.sub(lambda m: "_" * len(m.group(0)), rest)
+            depth, close = 1, -1
+            for k, ch in enumerate(bare):
+                depth += (ch == "(") - (ch == ")")
+                if depth == 0:
+                    close = k
+                    break
+            if not sep or self.positional or close < 0 or sep in rest:
+                raise TypeError("Direct.run_rows: not a statement of one VALUES group of named parameters")
             group, tail = rest[:close], rest[close + 1 :]
-            names = _PLACEHOLDER.findall(group)
-            if not sep or self.positional or close < 0 or "(" in bare[:close] or "%" in head + tail:
-                raise TypeError("Direct.run_rows: not an INSERT of one VALUES group of named parameters")
-            order = [self._names.index(name) for name in names]
-            # numbered as PostgreSQL's own ($1 ..): psycopg parses a text of %s afresh every time
-            # once it is past 4 KB (a few rows of an invocation), but sends a raw cursor's as it is
-            numbers = iter(range(1, n * len(names) + 1))
-            groups = ["(" + _PLACEHOLDER.sub(lambda _m: f"${next(numbers)}", group) + ")" for _ in range(n)]
-            got = self._rows_sql[n] = (f"{head} VALUES {', '.join(groups)}{tail}".encode(), order)
+            before, inner, after = (
+                [self._names.index(name) for name in _PLACEHOLDER.findall(text)]
+                for text in (head, group, tail)
+            )
+            # numbered as PostgreSQL's own ($1 ..), in the text's order: psycopg parses a text of
+            # %s afresh every time once it is past 4 KB or 50 parameters (a few rows of an
+            # invocation), but sends a raw cursor's as it is
+            numbers = iter(range(1, len(before) + n * len(inner) + len(after) + 1))
+
+            def numbered(text: str) -> str:
+                return _PLACEHOLDER.sub(lambda _m: f"${next(numbers)}", text).replace("%%", "%")
+
+            sql = numbered(head) + ("VALUES " if head.endswith("(") else " VALUES ")
+            sql += ", ".join("(" + numbered(group) + ")" for _ in range(n))
+            sql += numbered(tail)
+            got = self._rows_sql[n] = (sql.encode(), before, inner, after)
         return got
 
     def values(self, given: Mapping[str, Any]) -> list[Any]:
@@ -257,9 +276,11 @@ class Direct(_Statement):
         return self.run(connection, distilled_params)
 
     def run_rows(self, connection: Connection, param_sets: Sequence[Mapping[str, Any]]) -> DirectResult:
-        """This one-row ``INSERT ... VALUES`` of every set in ``param_sets`` (rows in order), as
-        one statement of up to ``ROWS_MAX`` rows (more: one per ``ROWS_MAX``); the ``RETURNING``
-        rows of them all. On SQLite, ``run``: its statements are calls, not round trips."""
+        """This statement of one ``VALUES`` row (``_Compiled.rows_sql``) with a row for every set
+        in ``param_sets`` (in order), as one statement of up to ``ROWS_MAX`` rows (more: one per
+        ``ROWS_MAX``); the ``RETURNING`` rows of them all. The parameters outside the ``VALUES``
+        must be the same in every set. On SQLite, ``run``: its statements are calls, not round
+        trips."""
         if connection.dialect.name != "postgresql" or len(param_sets) < 2:
             return self.run(connection, param_sets)
         rows: list[Any] = []
@@ -267,11 +288,16 @@ class Direct(_Statement):
         for start in range(0, len(param_sets), ROWS_MAX):
             part = param_sets[start : start + ROWS_MAX]
             c = self._compiled(connection.dialect, part[0])
-            sql, order = c.rows_sql(len(part))
-            flat = []
-            for given in part:
-                values = c.values(given)
-                flat += [values[k] for k in order]
+            sql, before, inner, after = c.rows_sql(len(part))
+            outer = before + after
+            sets = [c.values(given) for given in part]
+            first = sets[0]
+            if outer and any(values[k] != first[k] for values in sets[1:] for k in outer):
+                raise sa.exc.ArgumentError("Direct.run_rows: sets that differ outside the VALUES group")
+            flat = [first[k] for k in before]
+            for values in sets:
+                flat += [values[k] for k in inner]
+            flat += [first[k] for k in after]
             got, n = self._execute(connection, c, sql, [flat], numbered=True)
             rows += got
             count += n

@@ -129,6 +129,8 @@ class _Statements:
         # for an executemany of many acks (one round trip: psycopg pipelines it).
         self.ack: dict[tuple[bool, bool], Any] = {}
         self.ack_many: dict[tuple[bool, bool], Any] = {}
+        # PostgreSQL: many acks as one UPDATE ... FROM (VALUES ...) (``Direct.run_rows``)
+        self.ack_rows: dict[tuple[bool, bool], Direct] = {}
         for by_attempt in (False, True):
             for by_worker in (False, True):
                 conds = [_inv.c.invocation_id == B("id"), _inv.c.state == "running"]
@@ -149,6 +151,8 @@ class _Statements:
                     )
                 )
                 self.ack_many[by_attempt, by_worker] = Direct(update, dialect)
+                if dialect == "postgresql":
+                    self.ack_rows[by_attempt, by_worker] = _ack_rows(by_attempt, by_worker)
                 self.ack[by_attempt, by_worker] = Direct(
                     update.returning(_inv.c.invocation_id, _inv.c.queue, _inv.c.namespace, _inv.c.shape),
                     dialect,
@@ -204,5 +208,47 @@ class _Statements:
 
 
 @functools.cache
+def _ack_rows(by_attempt: bool, by_worker: bool) -> Direct:
+    """``ack_many``'s UPDATE for PostgreSQL with its per-ack values in one ``VALUES`` row, so
+    ``Direct.run_rows`` sends many acks as one statement (psycopg's pipelined executemany costs
+    about what the round trips it saves did). Each value is cast: a column of only NULLs in the
+    ``VALUES`` would be text, which a ``bytea`` or ``json`` column refuses."""
+    B = sa.bindparam
+    cols = [
+        ("id", _inv.c.invocation_id.type),
+        ("b_state", _inv.c.state.type),
+        ("b_attempt", _inv.c.attempt.type),
+        ("worker", _inv.c.worker_id.type),
+        ("blob", _inv.c.result_blob.type),
+        ("b_error", _inv.c.error.type),
+        ("b_ref", _inv.c.result_ref.type),
+    ]
+    if not by_attempt:
+        cols = [c for c in cols if c[0] != "b_attempt"]
+    if not by_worker:
+        cols = [c for c in cols if c[0] != "worker"]
+    v = sa.values(*(sa.column(name, type_) for name, type_ in cols), name="v").data(
+        [tuple(sa.cast(B(name, type_=type_), type_) for name, type_ in cols)]
+    )
+    conds = [_inv.c.invocation_id == v.c.id, _inv.c.state == "running"]
+    if by_attempt:
+        conds.append(_inv.c.attempt == v.c.b_attempt)
+    if by_worker:
+        conds.append(_inv.c.worker_id == v.c.worker)
+    update = (
+        sa.update(_inv)
+        .where(*conds)
+        .values(
+            state=v.c.b_state,
+            finished_at=B("now"),
+            result_blob=v.c.blob,
+            error=v.c.b_error,
+            result_ref=v.c.b_ref,
+            lease_expires_at=None,
+        )
+    )
+    return Direct(update, "postgresql")
+
+
 def _statements(dialect: str) -> _Statements:
     return _Statements(dialect)

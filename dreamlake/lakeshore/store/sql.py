@@ -323,8 +323,8 @@ class SqlStore(
     @retry_on_disconnect
     def _apply_writes(self, batch: Sequence[tuple[int, Any]]) -> list[WriteResult | PlaneError]:
         """One transaction: the submits (one multi-row insert), then the other writes in order
-        (each run of consecutive acks as one ``_ack_many_in``); the waiters are woken after the
-        commit."""
+        (each run of acks as one ``_ack_many_in``, the polls of other workers it passes after
+        it); the waiters are woken after the commit."""
         submits = [(k, p) for k, (_, p) in enumerate(batch) if isinstance(p, _Prepared)]
         results: list[WriteResult | PlaneError | None] = [None] * len(batch)
         channels: list[str] = []
@@ -355,28 +355,16 @@ class SqlStore(
             submitted = self._submit_many_in(conn, preps, now) if preps else []
             for (k, _), res in zip(submits, submitted, strict=True):
                 results[k] = res
-            acks: list[tuple[int, AckRequest]] = []  # a run of consecutive acks, applied together
-            for k, (_, p) in enumerate([*batch, (-1, None)]):
-                if isinstance(p, AckRequest):
-                    acks.append((k, p))
-                    continue
-                if acks:
-                    for (j, req), ack in zip(
-                        acks, self._ack_many_in(conn, [a for _, a in acks], now), strict=True
-                    ):
-                        results[j] = ack
-                        if ack.ok and not ack.duplicate:
-                            channels.append(f"inv:{req.invocation_id}")
-                            requeued.extend(freed_channels(ack.freed))  # room under a limit
-                        if ack.requeued:  # a retry claimable now: one wake per invocation
-                            requeued.extend(
-                                invocation_channels(
-                                    ack.requeued_namespace or DEFAULT_NAMESPACE,
-                                    ack.requeued,
-                                    ack.requeued_shape,
-                                )
-                            )
-                    acks = []
+            # A run of acks is applied together (one statement on PostgreSQL). It runs on past
+            # the polls of workers none of its later acks belong to (the polls then follow it): a
+            # pass claims queued calls, renews and takes its own worker's, so another worker's ack
+            # changes nothing it does but free room under a limit, as it would have had it come
+            # first. A poll's own worker's later ack (or one that names no worker) ends the run
+            # before it: that poll renews the lease the ack ends, in the order they came.
+            acks: list[tuple[int, AckRequest]] = []
+            passed: list[tuple[int, PollRequest]] = []
+
+            def write(k: int, p: Any) -> None:
                 if isinstance(p, FrameRequest):
                     chunk = self._append_frame_in(conn, p, now)
                     results[k] = chunk
@@ -393,6 +381,40 @@ class SqlStore(
                     polled = self._poll_in(conn, p, now, pin=True, duties=duties.get(k, ([], None)))
                     results[k] = polled
                     channels.extend(f"inv:{i.invocation_id}" for i in polled.invocations)
+
+            def flush() -> None:
+                if acks:
+                    for (j, req), ack in zip(
+                        acks, self._ack_many_in(conn, [a for _, a in acks], now), strict=True
+                    ):
+                        results[j] = ack
+                        if ack.ok and not ack.duplicate:
+                            channels.append(f"inv:{req.invocation_id}")
+                            requeued.extend(freed_channels(ack.freed))  # room under a limit
+                        if ack.requeued:  # a retry claimable now: one wake per invocation
+                            requeued.extend(
+                                invocation_channels(
+                                    ack.requeued_namespace or DEFAULT_NAMESPACE,
+                                    ack.requeued,
+                                    ack.requeued_shape,
+                                )
+                            )
+                    acks.clear()
+                for k, p in passed:
+                    write(k, p)
+                passed.clear()
+
+            for k, (_, p) in enumerate(batch):
+                if isinstance(p, AckRequest):
+                    if passed and (p.worker_id is None or any(q.worker_id == p.worker_id for _, q in passed)):
+                        flush()
+                    acks.append((k, p))
+                elif acks and isinstance(p, PollRequest):
+                    passed.append((k, p))
+                else:
+                    flush()
+                    write(k, p)
+            flush()
         if preps:
             handed = {i for _, p in batch if isinstance(p, PollRequest) for i in p.handed}
             self._submitted(preps, submitted, handed)
