@@ -282,6 +282,9 @@ def test_list_labelled_finds_containers_of_a_previous_life(
     worker = f"test-{RUN_ID}-{kind}"
     task = started.task(docker_fns.hang, False, labels={"nymph.worker": worker})
     handle = started.start(make_runner(), task)
+    # once the task has written into its workdir (else its write races the removal: "Directory
+    # not empty", seen once in the full suite on a loaded machine)
+    kit.until(lambda: (task.workdir / "started").exists(), "the task to start")
     shutil.rmtree(task.workdir)  # the previous life's workdir is gone; the container is not
     later = make_runner()
     found = later.list_labelled(worker_id=worker)
