@@ -357,10 +357,10 @@ class SqlStore(
                 results[k] = res
             # A run of acks is applied together (one statement on PostgreSQL). It runs on past
             # the polls of workers none of its later acks belong to (the polls then follow it): a
-            # pass claims queued calls, renews and takes its own worker's, so another worker's ack
-            # changes nothing it does but free room under a limit, as it would have had it come
-            # first. A poll's own worker's later ack (or one that names no worker) ends the run
-            # before it: that poll renews the lease the ack ends, in the order they came.
+            # pass claims queued calls and records its own worker's offer and commands, so another
+            # worker's ack changes nothing it does but free room under a limit, as it would have
+            # had the ack come first. A later ack of a passed poll's own worker (or one that names
+            # no worker) ends the run before it: one worker's writes keep the order they came in.
             acks: list[tuple[int, AckRequest]] = []
             passed: list[tuple[int, PollRequest]] = []
 
