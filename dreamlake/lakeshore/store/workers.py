@@ -91,29 +91,6 @@ class _Statements:
             sa.select(n.c.nymph_version).where(n.c.name == sa.func.coalesce(registered, "default"))
         )
         self.pinned = Direct(sa.select(n.c.nymph_version).where(n.c.name == B("b_namespace")))
-        # PostgreSQL: one daemon's touch, take and pinned version in one statement, one round trip
-        # for three (data-modifying CTEs run whether or not the query reads them, all on the
-        # query's snapshot, which is all the version needs: neither changes what it reads). One
-        # row at least: the version, with each taken command's columns (NULL when none was).
-        touched = sa.update(w).where(w.c.worker_id == B("worker")).values(last_seen=B("now"))
-        touched_cte = touched.returning(w.c.worker_id).cte("touched")
-        taken = (
-            sa.delete(c)
-            .where(c.c.worker_id == B("worker"))
-            .returning(c.c.command_id, c.c.kind, c.c.body, c.c.created_at)
-            .cte("taken")
-        )
-
-        def duties(version: Any) -> Direct:
-            v = sa.select(version.scalar_subquery().label("version")).subquery("v")
-            cols = (v.c.version, taken.c.command_id, taken.c.kind, taken.c.body, taken.c.created_at)
-            query = sa.select(*cols).select_from(v.outerjoin(taken, sa.true())).add_cte(touched_cte)
-            return Direct(query, "postgresql")
-
-        self.pg_duties_of_worker = duties(
-            sa.select(n.c.nymph_version).where(n.c.name == sa.func.coalesce(registered, "default"))
-        )
-        self.pg_duties = duties(sa.select(n.c.nymph_version).where(n.c.name == B("b_namespace")))
         # The same for the many daemons of one group commit: one statement each, whatever their
         # number (a fleet's heartbeats and poll renewals arrive dozens to a batch).
         many: Any = B("workers", expanding=True)
@@ -129,9 +106,12 @@ class _Statements:
         self.pinned_of_names = sa.select(n.c.name, n.c.nymph_version).where(
             n.c.name.in_(B("names", expanding=True))
         )
-        # PostgreSQL: the four in one statement, the lists as arrays. Its rows: each taken command
-        # (``worker_id`` and the command's columns), each unbound worker's registered namespace
-        # (``worker_id`` and ``name``), each pinned version asked for (``name`` and ``version``).
+        # PostgreSQL: the four in one statement, one round trip for one daemon or many, the lists
+        # as arrays (data-modifying CTEs run whether or not the query reads them, all on the
+        # query's snapshot, which is all the pins and namespaces need: neither changes what they
+        # read). Its rows: each taken command (``worker_id`` and the command's columns), each
+        # unbound worker's registered namespace (``worker_id`` and ``name``), each pinned version
+        # asked for (``name`` and ``version``).
         some = postgresql.ARRAY(sa.String)
         workers, unbound, names = B("workers", type_=some), B("unbound", type_=some), B("names", type_=some)
         touched_all = (
@@ -157,7 +137,7 @@ class _Statements:
             .cte("reg")
         )
         text, null = sa.String(), sa.null()
-        self.pg_duties_many = Direct(
+        self.pg_duties = Direct(
             sa.union_all(
                 sa.select(
                     taken_all.c.worker_id,
@@ -275,18 +255,17 @@ class WorkerStore(StoreBase):
     ) -> list[tuple[list[Command], str | None]]:
         """``_take_commands_in`` and ``_pinned_in`` for many ``(worker_id, namespace)`` at once
         (the polls and heartbeats of one group commit), in four statements whatever their number
-        (PostgreSQL: one, ``pg_duties_many``; a SQLite statement is a call, not a round trip).
+        (PostgreSQL: one, ``pg_duties``, for one daemon too; a SQLite statement is a call, not a
+        round trip).
         A worker's pending commands go to its first entry; the others of that worker get none."""
+        if self.db.dialect == "postgresql":
+            return self._pg_duties_in(conn, asks, now)
         if len(asks) == 1:  # one daemon: the plain statements (an expanding IN renders per call)
             worker, namespace = asks[0]
-            if self.db.dialect == "postgresql":  # the three in one round trip
-                return [self._pg_duties_in(conn, worker, namespace, now)]
             commands = self._take_commands_in(conn, worker, now)
             return [(commands, self._pinned_in(conn, worker, namespace))]
         st = self._worker_st
         workers = sorted({w for w, _ in asks})
-        if self.db.dialect == "postgresql":
-            return self._pg_duties_many_in(conn, asks, workers, now)
         conn.execute(st.touch_workers, {"workers": workers, "now": now})
         pending: dict[str, list[Any]] = {}
         for r in conn.execute(st.take_commands_of, {"workers": workers}):
@@ -302,17 +281,17 @@ class WorkerStore(StoreBase):
             out.append((_commands(pending.pop(worker, ())), versions.get(name)))
         return out
 
-    def _pg_duties_many_in(
-        self, conn: Connection, asks: Sequence[tuple[str, str | None]], workers: list[str], now: float
+    def _pg_duties_in(
+        self, conn: Connection, asks: Sequence[tuple[str, str | None]], now: float
     ) -> list[tuple[list[Command], str | None]]:
-        """``_duties_in`` of many daemons in one PostgreSQL statement (``pg_duties_many``)."""
+        """``_duties_in`` on PostgreSQL: one statement (``pg_duties``) for one daemon or many."""
         unbound = sorted({w for w, ns in asks if ns is None})
         names = sorted({ns for _, ns in asks if ns is not None} | ({DEFAULT_NAMESPACE} if unbound else set()))
-        params = {"workers": workers, "unbound": unbound, "names": names, "now": now}
+        params = {"workers": sorted({w for w, _ in asks}), "unbound": unbound, "names": names, "now": now}
         pending: dict[str, list[Any]] = {}
         registered: dict[str, str] = {}
         versions: dict[str, str | None] = {}
-        for r in conn.execute(self._worker_st.pg_duties_many, params):
+        for r in conn.execute(self._worker_st.pg_duties, params):
             if r.command_id is not None:
                 pending.setdefault(r.worker_id, []).append(r)
             elif r.worker_id is not None:
@@ -324,18 +303,6 @@ class WorkerStore(StoreBase):
             name = ns if ns is not None else registered.get(worker, DEFAULT_NAMESPACE)
             out.append((_commands(pending.pop(worker, ())), versions.get(name)))
         return out
-
-    def _pg_duties_in(
-        self, conn: Connection, worker_id: str, namespace: str | None, now: float
-    ) -> tuple[list[Command], str | None]:
-        """``_take_commands_in`` and ``_pinned_in`` of one daemon in one PostgreSQL statement."""
-        st = self._worker_st
-        if namespace is not None:
-            params = {"worker": worker_id, "now": now, "b_namespace": namespace}
-            rows = conn.execute(st.pg_duties, params).all()
-        else:
-            rows = conn.execute(st.pg_duties_of_worker, {"worker": worker_id, "now": now}).all()
-        return _commands(r for r in rows if r.command_id is not None), rows[0].version
 
     # -- namespaces ------------------------------------------------------------------------------
 
