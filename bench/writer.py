@@ -6,6 +6,14 @@ as this thread's CPU time (``time.thread_time``), so a loaded machine slows it l
 wall-clock figures. Beside it the same run's raw-store baseline: the same row inserted with the
 driver alone (``sqlite3`` / ``psycopg``, prepared, one transaction per batch).
 
+Then the warm call's two transactions on SQLite (``bench/warm.py``'s ``submit?wait``): a submit
+with the waiting poll's pass it was handed (the insert and the claim, one transaction), then the
+ack. Three rows, CPU per call: the store's ``write_batch``; the same statements on the store's own
+``invocations`` table with ``sqlite3`` alone (a whole row inserted, claimed by id with ``RETURNING
+*``, acked by a conditional ``UPDATE``); and ``bench/floor.py``'s table and statements. The first
+less the second is the store's Python per warm call; the second less the third, the row's columns
+and indexes.
+
 Run: ``python bench/writer.py [--pg URL] [--n 2000]`` (PostgreSQL also from
 ``LAKESHORE_TEST_PG_URL``). ``PYTHONPATH=OTHER_CHECKOUT python bench/writer.py`` measures another
 checkout's store with the same code (a before and after on one machine).
@@ -14,6 +22,7 @@ checkout's store with the same code (a before and after on one machine).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -122,6 +131,111 @@ def _raw(store: Any, n: int, size: int) -> float:
         raw.close()
 
 
+WARM_ARGS = b"\x93\x90\x80\xc0" * 40  # an Envelope's size of a noop call
+
+
+def _timed_cycles(n: int, cycle: Any) -> float:
+    """This thread's CPU per ``cycle()``, the median of ``n`` after 200 untimed."""
+    for _ in range(200):
+        cycle()
+    per: list[float] = []
+    for _ in range(n):
+        t = time.thread_time()
+        cycle()
+        per.append(time.thread_time() - t)
+    return _median(per)
+
+
+def warm_cycle(path: Path, n: int) -> tuple[float, float, float]:
+    """CPU per warm call's two transactions on SQLite (module docstring): the store's, the same
+    statements raw on its table, the floor's."""
+    import sqlite3
+
+    from dreamlake.lakeshore.ids import new_ulid
+    from dreamlake.lakeshore.store import open_store
+    from dreamlake.lakeshore.store.api import AckRequest, PollRequest, SubmitRequest
+
+    store = open_store(f"sqlite:///{path / 'store.db'}")
+    try:
+        run_config = {"queue": "warm", "priority": 0.0, "key": None}
+
+        def store_cycle() -> None:
+            inv = new_ulid()
+            poll = PollRequest("bench-w", ["warm"], 8, exec_jobs=False, duties=False, handed=(inv,))
+            out = store.write_batch([SubmitRequest(inv, "warm", FN, WARM_ARGS, run_config), poll])
+            (claimed,) = out[1].invocations  # type: ignore[union-attr]
+            (acked,) = store.write_batch([AckRequest(inv, "succeeded", claimed.attempt, "bench-w", b"\xc0")])
+            assert acked.ok, acked  # type: ignore[union-attr]
+
+        store_us = _timed_cycles(n, store_cycle) * 1e6
+    finally:
+        store.close()
+
+    db = sqlite3.connect(path / "store.db", isolation_level=None)
+    for pragma in ("journal_mode = WAL", "synchronous = NORMAL", "wal_autocheckpoint = 16384"):
+        db.execute(f"PRAGMA {pragma}")
+    cols = [r[1] for r in db.execute("PRAGMA table_info(invocations)")]
+    insert = (
+        f"INSERT INTO invocations ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))}) "
+        "ON CONFLICT DO NOTHING RETURNING invocation_id"
+    )
+    claim = (
+        "UPDATE invocations SET state = 'running', worker_id = ?, started_at = ?, lease_expires_at = ?, "
+        "attempt = attempt + 1 WHERE invocation_id = ? RETURNING *"
+    )
+    ack = (
+        "UPDATE invocations SET state = 'succeeded', finished_at = ?, lease_expires_at = NULL, "
+        "result_blob = ? WHERE invocation_id = ? AND worker_id = ? AND state = 'running' AND attempt = ?"
+    )
+    fn, rc = json.dumps(FN), json.dumps(run_config)
+
+    def raw_cycle() -> None:
+        inv, now = new_ulid(), time.time()
+        row = dict.fromkeys(cols)
+        row.update(
+            invocation_id=inv, queue="warm", state="queued", priority=0, function_key="k" * 64, function=fn,
+            args_blob=WARM_ARGS, run_config=rc, code_context="{}", namespace="default", content_hash="h" * 64,
+            attempt=0, max_attempts=1, submitted_at=now, cancel_requested=0, shape="", preemptions=0,
+        )  # fmt: skip
+        db.execute("BEGIN IMMEDIATE")
+        db.execute(insert, [row[c] for c in cols]).fetchall()
+        db.execute(claim, ("bench-w", now, now + 30.0, inv)).fetchall()
+        db.execute("COMMIT")
+        db.execute("BEGIN IMMEDIATE")
+        if db.execute(ack, (time.time(), b"\xc0", inv, "bench-w", 1)).rowcount != 1:
+            raise AssertionError("the raw ack updated no row")
+        db.execute("COMMIT")
+
+    try:
+        raw_us = _timed_cycles(n, raw_cycle) * 1e6
+    finally:
+        db.close()
+
+    import floor
+
+    bare = floor.Floor(str(path / "floor.db"))
+
+    def floor_cycle() -> None:
+        inv, now = new_ulid(), time.time()
+        bare.db.execute("BEGIN IMMEDIATE")
+        bare.db.execute(
+            "INSERT INTO calls (id, queue, state, args, submitted) VALUES (?, ?, 'queued', ?, ?)",
+            (inv, floor.QUEUE, WARM_ARGS, now),
+        )
+        bare.db.execute(floor.CLAIM_ONE, ("bench-w", now, now + floor.LEASE_S, inv))
+        bare.db.execute("COMMIT")
+        bare.db.execute("BEGIN IMMEDIATE")
+        bare.db.execute(floor.ACK, (b"\xc0", now, inv, "bench-w"))
+        bare.db.execute(floor.CLAIM_OLDEST, ("bench-w", now, now + floor.LEASE_S, floor.QUEUE)).fetchone()
+        bare.db.execute("COMMIT")
+
+    try:
+        floor_us = _timed_cycles(n, floor_cycle) * 1e6
+    finally:
+        bare.db.close()
+    return store_us, raw_us, floor_us
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pg", default=os.environ.get("LAKESHORE_TEST_PG_URL"))
@@ -149,6 +263,16 @@ def main() -> None:
                 )
         if args.pg:
             ctx.__exit__(None, None, None)
+        store_us, raw_us, floor_us = warm_cycle(Path(tmp), args.n)
+    print(
+        "\nwarm call's two transactions on SQLite (submit with the waiting poll's claim, then the ack), "
+        "CPU µs per call"
+    )
+    print(f"{'store.write_batch':<44} {store_us:>7.0f}  (its Python: {store_us - raw_us:.0f})")
+    print(
+        f"{'the same statements, sqlite3 alone, its table':<44} {raw_us:>7.0f}  (the row: {raw_us - floor_us:.0f})"
+    )
+    print(f"{'bench/floor.py table and statements':<44} {floor_us:>7.0f}")
 
 
 if __name__ == "__main__":

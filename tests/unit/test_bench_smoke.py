@@ -92,5 +92,7 @@ def test_benchmark_runs_and_prints_its_table(name: str) -> None:
     assert out.stdout.strip(), "the benchmark printed no figures"
     if "--profile" in CASES[name]:  # the sampled server wrote its samples and they were read back
         assert "profile: lakeshore server" in out.stdout and "busy samples" in out.stdout, out.stdout[-2000:]
+    if name == "writer":  # the warm call's store share, beside the same statements raw and the floor's
+        assert "store.write_batch" in out.stdout and "bench/floor.py" in out.stdout, out.stdout[-2000:]
     if name in ("warm", "hotpaths"):  # a user's f.call() is measured beside the cheap client's
         assert "f.call()" in out.stdout, out.stdout[-2000:]
