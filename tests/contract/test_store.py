@@ -260,6 +260,28 @@ def test_ack_refusals(store: SqlStore) -> None:
     assert store.get(inv).state == "running"  # type: ignore[union-attr]
 
 
+def test_acks_in_one_batch_compare_whole_ids_as_a_lone_ack_does(store: SqlStore) -> None:
+    """An ack from a worker whose id only begins with the holder's is refused, alone or several in
+    one group commit (on PostgreSQL one ``UPDATE ... FROM (VALUES ...)``, whose values were once
+    cast to ``VARCHAR(64)``: a longer id was cut to the holder's and its acks landed)."""
+    from dreamlake.lakeshore.store.api import AckRequest
+
+    holder = "w" * 64  # an id of the column's whole length
+    other = holder + "-not-the-holder"
+    invs = [submit(store) for _ in range(3)]
+    claimed = store.claim(holder, ["q"], limit=3)
+    assert {c.invocation_id for c in claimed} == set(invs)
+    lone, *pair = claimed
+    alone = store.write_batch([AckRequest(lone.invocation_id, "succeeded", lone.attempt, other, b"forged")])
+    batch = store.write_batch(
+        [AckRequest(i.invocation_id, "succeeded", i.attempt, other, b"forged") for i in pair]
+    )
+    assert [(r.ok, r.status) for r in (*alone, *batch)] == [(False, 403)] * 3  # type: ignore[union-attr]
+    for inv in claimed:
+        row = store.get(inv.invocation_id)
+        assert row is not None and (row.state, row.worker_id, row.result_blob) == ("running", holder, None)
+
+
 def test_ack_from_superseded_attempt_is_refused(store: SqlStore) -> None:
     inv = submit(store)
     store.claim("w1", ["q"])

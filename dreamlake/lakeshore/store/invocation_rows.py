@@ -212,13 +212,16 @@ def _ack_rows(by_attempt: bool, by_worker: bool) -> Direct:
     """``ack_many``'s UPDATE for PostgreSQL with its per-ack values in one ``VALUES`` row, so
     ``Direct.run_rows`` sends many acks as one statement (psycopg's pipelined executemany costs
     about what the round trips it saves did). Each value is cast: a column of only NULLs in the
-    ``VALUES`` would be text, which a ``bytea`` or ``json`` column refuses."""
+    ``VALUES`` would be text, which a ``bytea`` or ``json`` column refuses. Strings are cast to
+    unbounded ``VARCHAR``: a cast to ``VARCHAR(64)`` cuts a longer value short without an error,
+    so an ack from a worker whose id only began with the holder's would have matched its row."""
     B = sa.bindparam
+    text = sa.String()
     cols = [
-        ("id", _inv.c.invocation_id.type),
-        ("b_state", _inv.c.state.type),
+        ("id", text),
+        ("b_state", text),
         ("b_attempt", _inv.c.attempt.type),
-        ("worker", _inv.c.worker_id.type),
+        ("worker", text),
         ("blob", _inv.c.result_blob.type),
         ("b_error", _inv.c.error.type),
         ("b_ref", _inv.c.result_ref.type),
