@@ -142,3 +142,52 @@ def test_bad_placement_fields_are_refused_naming_the_field(
     with pytest.raises(PlaneError, match=message) as err:
         submit(store, "q", **run_config)
     assert err.value.status == 400
+
+
+def test_a_shape_named_in_a_group_commit_that_rolled_back_is_written_by_its_retry(store: SqlStore) -> None:
+    """A group commit that fails (here a row the database refuses) is rolled back and each submit
+    retried alone. The shape a submit named in the failed transaction was in the claim's cache by
+    then, but its ``shapes`` row was not: the retry must write it, or once the cache is read again
+    (a second later, another replica, a restart) no poller's plan has that head and the call stays
+    queued for ever. The same for a concurrency key's ``max_concurrency``: its limit, not written,
+    would not hold."""
+    from dreamlake.lakeshore.errors import PlaneError
+    from dreamlake.lakeshore.ids import new_ulid
+    from dreamlake.lakeshore.store.api import SubmitRequest
+    from tests.contract.store_kit import FN
+    from tests.contract.test_store_lifecycle import REFUSE_BAD_ARGS
+
+    with store.db.tx(write=True) as conn:
+        if store.kind == "postgresql":
+            conn.exec_driver_sql(REFUSE_BAD_ARGS)
+        else:
+            conn.exec_driver_sql(
+                "CREATE TRIGGER refuse_bad BEFORE INSERT ON invocations WHEN NEW.args_blob = X'626164' "
+                "BEGIN SELECT RAISE(ABORT, 'refused by the test'); END"
+            )
+    try:
+        placed, bad = new_ulid(), new_ulid()
+        done, refused = store.write_batch(
+            [
+                SubmitRequest(
+                    placed,
+                    "sel",
+                    FN,
+                    b"ok",
+                    {"selector": {"pool": "a"}, "concurrency_key": "k", "max_concurrency": 1},
+                ),
+                SubmitRequest(bad, "sel", FN, b"bad", {}),
+            ]
+        )
+        assert not isinstance(done, PlaneError) and isinstance(refused, PlaneError)
+        with store.db.tx(write=False) as conn:
+            store._placer.refresh(conn, force=True)  # what the cache holds once read again
+            # the key's max_concurrency, named in the same transaction, is written by the retry too
+            assert [tuple(r) for r in conn.exec_driver_sql("SELECT max_running FROM limits")] == [(1,)]
+        got = store.claim("w", ["sel"], limit=5, offer=Offer.of(0, {"pool": "a"}))
+        assert [i.invocation_id for i in got] == [placed]
+    finally:
+        with store.db.tx(write=True) as conn:
+            conn.exec_driver_sql(
+                "DROP TRIGGER refuse_bad" + (" ON invocations" if store.kind == "postgresql" else "")
+            )

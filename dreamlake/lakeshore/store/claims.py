@@ -19,10 +19,11 @@ the ``limits`` table; the statements built here are run by ``InvocationStore._cl
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -226,6 +227,9 @@ def _key_name(needs: Needs) -> str | None:
     return key_limit(needs.concurrency_key) if needs.concurrency_key is not None else None
 
 
+_ABSENT = object()  # a limit the cache did not hold (``Placer.tentative``'s undo)
+
+
 class Placer:
     """Which heads a claim reads, from the ``shapes`` and ``limits`` tables (cached for
     ``REFRESH_S``: both are small and change rarely; a shape this replica submitted is known at
@@ -236,6 +240,41 @@ class Placer:
         self._shapes: dict[str, dict[str, Needs]] = {}
         self._limits: dict[str, int] = {}
         self._read_at = -1e9
+        # per thread, inside ``tentative``: how to undo what its transaction taught the cache
+        self._pending = threading.local()
+
+    @contextlib.contextmanager
+    def tentative(self) -> Iterator[None]:
+        """Around a write transaction: the shapes and limits this thread teaches the cache inside
+        (``learn``, ``set_limit``) are undone should the block raise. A submit names its shape in
+        the cache before the commit (the claims of its own transaction plan with it); had its
+        transaction rolled back, the shape would stay cached without its ``shapes`` row, and the
+        retry, finding it known, would write none: once the cache was read again (``REFRESH_S``,
+        another replica, a restart) no plan would have that head, and the call would stay queued."""
+        undo: list[tuple[str, str, Any]] = []
+        outer = getattr(self._pending, "undo", None)
+        self._pending.undo = undo
+        try:
+            yield
+        except BaseException:
+            with self._lock:
+                for kind, a, b in reversed(undo):
+                    if kind == "shape":
+                        self._shapes.get(a, {}).pop(b, None)
+                    elif b is _ABSENT:
+                        self._limits.pop(a, None)
+                    else:
+                        self._limits[a] = b
+            raise
+        finally:
+            self._pending.undo = outer
+            if outer is not None:  # a nested block's changes are its caller's transaction's too
+                outer.extend(undo)
+
+    def _hold(self, kind: str, a: str, b: Any) -> None:
+        undo = getattr(self._pending, "undo", None)
+        if undo is not None:
+            undo.append((kind, a, b))
 
     def learn(self, queue: str, shape: str, needs: Needs) -> bool:
         """Remember a shape submitted here; True when it was new to this cache."""
@@ -246,7 +285,8 @@ class Placer:
             if shape in known:
                 return False
             known[shape] = needs
-            return True
+        self._hold("shape", queue, shape)
+        return True
 
     def knows_shape(self, queue: str, shape: str) -> bool:
         """Whether ``learn`` of this shape would find it known (a plain call's: always)."""
@@ -261,10 +301,12 @@ class Placer:
 
     def set_limit(self, name: str, value: int | None) -> None:
         with self._lock:
+            before = self._limits.get(name, _ABSENT)
             if value is None:
                 self._limits.pop(name, None)
             else:
                 self._limits[name] = value
+        self._hold("limit", name, before)
 
     def any_limits(self) -> bool:
         """Whether any limit is cached: when not, ``limited`` is False for every call (an ack of

@@ -101,7 +101,7 @@ class InvocationStore(AckStore, LeaseStore):
     @retry_on_disconnect
     def submit(self, req: SubmitRequest) -> SubmitResult:
         prepared = self._prepare_submit(req)
-        with self.db.tx(write=True) as conn:
+        with self._placer.tentative(), self.db.tx(write=True) as conn:
             (result,) = self._submit_many_in(conn, [prepared], time.time())
         if isinstance(result, PlaneError):
             raise result

@@ -28,6 +28,8 @@ from .notify import invocation_channels
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
+    from .claims import Placer
+
 MAX_RUNNING = 2**31 - 1
 
 
@@ -47,6 +49,7 @@ class LimitStore(StoreBase):
     """Set, clear and read the fleet-wide limits."""
 
     if TYPE_CHECKING:  # InvocationStore's (the claim's cache of limits is kept there)
+        _placer: Placer
 
         def set_limit_in(self, conn: Connection, name: str, most: int | None, now: float) -> None: ...
 
@@ -54,7 +57,7 @@ class LimitStore(StoreBase):
     def set_queue_limit(self, queue: str, max_running: int | None) -> None:
         """Cap the calls of ``queue`` running at once across the fleet (None: no cap)."""
         most = None if max_running is None else check_max_running(max_running)
-        with self.db.tx(write=True) as conn:
+        with self._placer.tentative(), self.db.tx(write=True) as conn:
             self.set_limit_in(conn, queue_limit(queue), most, time.time())
         self._notify(*invocation_channels(DEFAULT_NAMESPACE, queue))  # more room, maybe: a pass
 

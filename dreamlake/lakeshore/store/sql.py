@@ -341,7 +341,8 @@ class SqlStore(
             single = len(submits) == len(batch) <= ROWS_MAX and all(self._lone_insert(p) for _, p in submits)
         else:
             single = len(batch) == 1 and self._lone_ack(batch[0][1])
-        with self.db.tx(write=True, single=single) as conn:
+        # (tentative: a shape or limit its submits named is forgotten should it roll back)
+        with self._placer.tentative(), self.db.tx(write=True, single=single) as conn:
             duties = dict(
                 zip(
                     (k for k, _ in daemons),
