@@ -295,7 +295,9 @@ class Database:
                     _rollback(conn, raw)
                     conn._handle_dbapi_exception(exc, "COMMIT", (), None, None)
         finally:
-            if autocommit and conn is not None:
+            # (not on an invalidated connection: reading its ``connection`` would open a new one
+            # here, in an outage a connect attempt per failed write; ``_settled`` replaces it)
+            if autocommit and conn is not None and not conn.invalidated:
                 try:
                     conn.connection.driver_connection.autocommit = False  # type: ignore[union-attr]
                 except Exception:  # a broken connection: ``_settled`` replaces it
