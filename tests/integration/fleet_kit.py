@@ -21,8 +21,12 @@ def headers(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}", "Content-Type": MSGPACK}
 
 
-async def poll_once(client: httpx.AsyncClient, worker: str, queue: str) -> dict[str, Any]:
-    body = {"worker_id": worker, "queues": [queue], "max": 1, "timeout_s": POLL_S}
+async def poll_once(
+    client: httpx.AsyncClient, worker: str, queue: str, offer: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"worker_id": worker, "queues": [queue], "max": 1, "timeout_s": POLL_S}
+    if offer is not None:  # what the daemon has free (placement): {"gpus": 1, "labels": {...}}
+        body["offer"] = offer
     resp = await client.post("/v1/daemon/poll", content=msgpack.packb(body))
     assert resp.status_code == 200, resp.content
     out: dict[str, Any] = msgpack.unpackb(resp.content)

@@ -117,3 +117,33 @@ def test_a_batch_is_handed_to_every_waiting_poll_and_the_rest_waits_for_the_next
                 assert sorted(claimed) == sorted(ids)
 
         asyncio.run(main())
+
+
+def test_a_new_shapes_first_submit_goes_to_a_waiting_poll_that_can_run_it(store_url: str) -> None:
+    """The first call of a placement shape the control plane has not seen yet (its needs are named
+    in the submit's own transaction) is handed to the longest-waiting poll whose offer fits it, not
+    to an older poll that cannot run it: that one's pass would claim nothing and spend the call's
+    only wake-up, and the call would wait queued for a re-check (600 s here, 15-30 s by default)
+    although a poll that fits was waiting."""
+    with running_control_plane(store_url, config=NO_RECHECK) as cp:
+        hub = cp.app.state.ctx.polls
+        queue = f"shape-{new_ulid()}"
+
+        async def main() -> None:
+            async with _clients(cp) as (d, producer):
+                cpu = asyncio.ensure_future(poll_once(d, new_ulid(), queue))  # waits longest, no GPU
+                await until_async(lambda: hub.waiting == 1, "the CPU poll waiting")
+                gpu = asyncio.ensure_future(poll_once(d, new_ulid(), queue, {"gpus": 1}))
+                await until_async(lambda: hub.waiting == 2, "the GPU poll waiting")
+                inv = new_ulid()
+                body = submit_body(inv, queue, run_config={"resources": {"gpus": 1}})
+                resp = await producer.post("/v1/producer/submit", content=msgpack.packb(body))
+                assert resp.status_code == 200, resp.content
+                try:
+                    answer = await asyncio.wait_for(asyncio.shield(gpu), 10)
+                    assert [c["body"]["invocation_id"] for c in answer["commands"]] == [inv]
+                    assert not cpu.done() and hub.waiting == 1  # the CPU poll still waits
+                finally:
+                    cpu.cancel()
+
+        asyncio.run(main())

@@ -173,7 +173,9 @@ class Ticket:
         A wake is spent by a claim of its own kind (queue and namespace), or by a pass with room
         to spare (nothing of its kind was left to claim). A full pass of other work hands it on: a
         poll of several queues, or an unbound one taking another namespace's work, may have
-        claimed the work whose wake went to another poll, and left this one's."""
+        claimed the work whose wake went to another poll, and left this one's. So does a pass with
+        room whose offer cannot take the wake's shape (a shape this replica did not know when the
+        wake was routed): its work is still there, for a poll that fits."""
         wakes, self.woken = self.woken, []
         if not wakes:
             return
@@ -183,7 +185,7 @@ class Ticket:
         for wake in wakes:
             if wake in units:
                 units.remove(wake)
-            elif not room:
+            elif not room or not self.hub._fits(self, wake):  # (one it cannot take: not spent)
                 unused.append(wake)
         if unused:
             self.hub._pass_on(unused)
@@ -287,11 +289,13 @@ class PollHub:
     ) -> Ticket:
         return Ticket(self, worker_id, queues, takes_exec=takes_exec, namespace=namespace, offer=offer)
 
-    def _fits(self, t: Ticket, wake: Wake) -> bool:
-        """Whether ``t``'s offer fits ``wake``'s shape (an unknown shape: any poll may try)."""
+    def _fits(self, t: Ticket, wake: Wake, needs: Needs | None = None) -> bool:
+        """Whether ``t``'s offer fits ``wake``'s shape, of ``needs`` when the caller knows them
+        (an unknown shape: any poll may try)."""
         if wake.shape == PLAIN:
             return True
-        needs = self.needs_of(wake.queue, wake.shape)
+        if needs is None:
+            needs = self.needs_of(wake.queue, wake.shape)
         return needs is None or t.offer.fits(needs)
 
     # -- routing --------------------------------------------------------------------------------
@@ -352,21 +356,27 @@ class PollHub:
         for wake in wakes:
             self._dispatch(wake, seq, relayed=False)
 
-    def _first(self, wake: Wake) -> Ticket | None:
-        """The longest-waiting poll that may claim ``wake``: the older head of its (queue,
-        namespace) FIFO and of the queue's FIFO of unbound polls."""
+    def _first(self, wake: Wake, needs: Needs | None = None) -> Ticket | None:
+        """The longest-waiting poll that may claim ``wake`` (of ``needs``, when known): the older
+        head of its (queue, namespace) FIFO and of the queue's FIFO of unbound polls."""
         index = self._run if wake.kind == RUN else self._exec
         bound, unbound = index.get((wake.queue, wake.namespace)), index.get((wake.queue, None))
-        found = [t for t in (self._fitting(bound, wake), self._fitting(unbound, wake)) if t is not None]
+        found = [
+            t
+            for t in (self._fitting(bound, wake, needs), self._fitting(unbound, wake, needs))
+            if t is not None
+        ]
         return min(found, key=lambda t: t.id) if found else None
 
-    def _fitting(self, fifo: OrderedDict[int, Ticket] | None, wake: Wake) -> Ticket | None:
+    def _fitting(
+        self, fifo: OrderedDict[int, Ticket] | None, wake: Wake, needs: Needs | None = None
+    ) -> Ticket | None:
         """The longest-waiting poll of ``fifo`` whose offer fits ``wake``."""
         if not fifo:
             return None
         if wake.shape == PLAIN:
             return next(iter(fifo.values()))
-        return next((t for t in fifo.values() if self._fits(t, wake)), None)
+        return next((t for t in fifo.values() if self._fits(t, wake, needs)), None)
 
     def _wake(self, t: Ticket, wake: Wake | None, reason: str) -> None:
         self._unregister(t)
@@ -388,11 +398,13 @@ class PollHub:
             if len(out) >= MAX_HANDOFFS:
                 break
             try:
-                shape = needs_of(submit.run_config, submit.namespace or DEFAULT_NAMESPACE).key()
+                needs = needs_of(submit.run_config, submit.namespace or DEFAULT_NAMESPACE)
             except PlaneError:  # the submit is refused: nothing to hand
                 continue
-            wake = Wake(RUN, submit.queue, submit.namespace, shape)
-            t = self._first(wake)
+            wake = Wake(RUN, submit.queue, submit.namespace, needs.key())
+            # its needs as submitted: a shape new to the store is not in ``needs_of`` until this
+            # transaction names it, and a poll whose offer cannot take it would spend its wake
+            t = self._first(wake, needs)
             if t is None or t.prepare is None or t._future is None or t._future.done():
                 continue
             try:
