@@ -282,6 +282,48 @@ def test_acks_in_one_batch_compare_whole_ids_as_a_lone_ack_does(store: SqlStore)
         assert row is not None and (row.state, row.worker_id, row.result_blob) == ("running", holder, None)
 
 
+def test_an_ack_of_a_call_finished_earlier_in_the_same_group_commit_is_refused_to_another_worker(
+    store: SqlStore,
+) -> None:
+    """One group commit: the holder's ack of a call, then (after another write) acks of the same
+    call and of an unknown one from another worker. The others' acks are refused and the holder's
+    result stands. Once, a run of acks that matched fewer rows than it had read its rows back and
+    took an ack as applied when its row held its state with this transaction's time: the holder's
+    ack, earlier in the transaction, made the forger's look applied (answered ok, its forged
+    result handed to the call's waiters)."""
+    from dreamlake.lakeshore.store.api import AckRequest, FramesRequest
+
+    inv = submit(store)
+    (claimed,) = store.claim("holder", ["q"])
+    out = store.write_batch(
+        [
+            AckRequest(inv, "succeeded", claimed.attempt, "holder", b"genuine"),
+            FramesRequest(new_ulid(), 1, [(0, b"frame", False)], "forger"),  # ends the run of acks
+            AckRequest(inv, "succeeded", claimed.attempt, "forger", b"forged"),
+            AckRequest(new_ulid(), "succeeded", 1, "forger", b"forged"),
+        ]
+    )
+    genuine, _frames, forged, unknown = out
+    assert genuine.ok and not genuine.duplicate  # type: ignore[union-attr]
+    assert (forged.ok, forged.status) == (False, 403), forged  # type: ignore[union-attr]
+    assert not unknown.ok  # type: ignore[union-attr]
+    row = store.get(inv)
+    assert row is not None
+    assert (row.state, row.worker_id, row.result_blob) == ("succeeded", "holder", b"genuine")
+    # the holder's own ack read back the same way is applied, its error as JSON keeps it (a tuple
+    # comes back a list)
+    killed = submit(store)
+    (held,) = store.claim("holder", ["q"])
+    error = {"type": "Killed", "message": "by the test", "args": (1, 2)}
+    mine, stranger = store.write_batch(
+        [
+            AckRequest(killed, "killed", held.attempt, "holder", None, error),
+            AckRequest(new_ulid(), "succeeded", 1, "holder", b"x"),  # matches no row: a read back
+        ]
+    )
+    assert (mine.ok, mine.duplicate) == (True, False) and not stranger.ok  # type: ignore[union-attr]
+
+
 def test_ack_from_superseded_attempt_is_refused(store: SqlStore) -> None:
     inv = submit(store)
     store.claim("w1", ["q"])

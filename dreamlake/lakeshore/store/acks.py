@@ -394,9 +394,9 @@ class AckStore(StoreBase):
         one row per ack (each UPDATE names one invocation id and holds the lease conditions: state
         running, the attempt, the worker) and no fleet limit is cached (no ack frees room), every
         ack applied and nothing is read back. Otherwise one read of the rows: an ack applied iff
-        its row now holds its state with ``finished_at == now`` (this transaction's time: an
-        earlier outcome has an earlier one); the others are refused or repeats, told apart as
-        ``_ack_in`` does. Acks of one invocation twice go one by one."""
+        its row now holds its outcome with ``finished_at == now`` (this transaction's time: an
+        earlier outcome has an earlier one) under its worker and attempt; the others are refused
+        or repeats, told apart as ``_ack_in`` does. Acks of one invocation twice go one by one."""
         if len(reqs) < 2 or len({r.invocation_id for r in reqs}) < len(reqs):
             return [self._ack_in(conn, r, now, retry_first=retry_first) for r in reqs]
         retried: dict[int, AckResult] = {}
@@ -441,10 +441,27 @@ class AckStore(StoreBase):
         out: list[AckResult] = []
         for r in reqs:
             inv = found.get(r.invocation_id)
-            applied = inv is not None and inv.state == r.state and inv.finished_at == now
+            # its row holds its outcome, from this transaction (an earlier outcome has an earlier
+            # time), under its worker and attempt: an ack earlier in this transaction (another run
+            # of acks) may have finished the row, and another worker's ack of it is not applied
+            applied = (
+                inv is not None
+                and inv.finished_at == now
+                and (inv.state, inv.result_blob) == (r.state, r.result_blob)
+                and _same_json(inv.error, r.error)
+                and _same_json(inv.result_ref, r.result_ref)
+                and r.worker_id in (None, inv.worker_id)
+                and r.attempt in (None, inv.attempt)
+            )
             out.append(
                 AckResult(ok=True, state=r.state, freed=self._freed(inv))
                 if applied
                 else self._refusal_in(conn, r)
             )
         return out
+
+
+def _same_json(stored: Any, sent: Any) -> bool:
+    """Whether a JSON column read back holds ``sent`` (a tuple comes back a list, an int key a
+    string)."""
+    return stored == sent or values.canonical(stored) == values.canonical(sent)
