@@ -34,3 +34,28 @@ def ack(store: SqlStore, inv: str, state: str = "succeeded", **kw: Any) -> Any:
     args: dict[str, Any] = {"attempt": None, "worker_id": None, "result_blob": None, "error": None}
     args.update(kw)
     return store.ack(inv, state, **args)
+
+
+# a trigger that refuses an invocation whose args are b"bad" (a row the database refuses)
+REFUSE_BAD_ARGS = """
+CREATE FUNCTION refuse_bad() RETURNS trigger AS $$
+BEGIN
+  IF NEW.args_blob = '\\x626164'::bytea THEN RAISE EXCEPTION 'refused by the test'; END IF;
+  RETURN NEW;
+END $$ LANGUAGE plpgsql;
+CREATE TRIGGER refuse_bad BEFORE INSERT ON invocations FOR EACH ROW EXECUTE FUNCTION refuse_bad();
+"""
+REFUSE_BAD_ARGS_SQLITE = (
+    "CREATE TRIGGER refuse_bad BEFORE INSERT ON invocations WHEN NEW.args_blob = X'626164' "
+    "BEGIN SELECT RAISE(ABORT, 'refused by the test'); END"
+)
+
+
+def refuse_bad_args(store: SqlStore, on: bool = True) -> None:
+    """Make the store's database refuse (``on``) or take again an invocation whose args are b"bad"."""
+    pg = store.kind == "postgresql"
+    with store.db.tx(write=True) as conn:
+        if on:
+            conn.exec_driver_sql(REFUSE_BAD_ARGS if pg else REFUSE_BAD_ARGS_SQLITE)
+        else:
+            conn.exec_driver_sql("DROP TRIGGER refuse_bad" + (" ON invocations" if pg else ""))

@@ -25,6 +25,7 @@ from dreamlake.lakeshore.store.engine import HEAD_REVISION, MIGRATIONS_DIR, norm
 from dreamlake.lakeshore.store.notify import Notifier
 from dreamlake.lakeshore.store.sql import SqlStore
 from tests.contract.conftest import pg_database
+from tests.contract.store_kit import REFUSE_BAD_ARGS
 
 # sys.executable, not the realpath: the venv's python must stay the venv's (site-packages).
 PYTHON = sys.executable
@@ -144,16 +145,6 @@ def test_a_file_stores_writes_survive_their_kept_connection_breaking(tmp_path: P
         assert s.db._writer is not left and s.get(last) is not None
     finally:
         s.close()
-
-
-REFUSE_BAD_ARGS = """
-CREATE FUNCTION refuse_bad() RETURNS trigger AS $$
-BEGIN
-  IF NEW.args_blob = '\\x626164'::bytea THEN RAISE EXCEPTION 'refused by the test'; END IF;
-  RETURN NEW;
-END $$ LANGUAGE plpgsql;
-CREATE TRIGGER refuse_bad BEFORE INSERT ON invocations FOR EACH ROW EXECUTE FUNCTION refuse_bad();
-"""
 
 
 def test_postgresql_writes_stay_whole_on_their_kept_connection_and_survive_it_breaking() -> None:

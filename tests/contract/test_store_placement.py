@@ -10,12 +10,13 @@ import time
 import pytest
 
 from dreamlake.lakeshore.errors import PlaneError
-from dreamlake.lakeshore.store.api import AckRequest
+from dreamlake.lakeshore.ids import new_ulid
+from dreamlake.lakeshore.store.api import AckRequest, SubmitRequest
 from dreamlake.lakeshore.store.claims import queue_limit
 from dreamlake.lakeshore.store.notify import run_queue_channel
 from dreamlake.lakeshore.store.placement import Offer
 from dreamlake.lakeshore.store.sql import SqlStore
-from tests.contract.store_kit import ack, submit
+from tests.contract.store_kit import FN, ack, refuse_bad_args, submit
 
 TIMEOUT_ERR = {"type": "TimeoutError", "message": "the backend did not answer"}
 
@@ -151,20 +152,7 @@ def test_a_shape_named_in_a_group_commit_that_rolled_back_is_written_by_its_retr
     (a second later, another replica, a restart) no poller's plan has that head and the call stays
     queued for ever. The same for a concurrency key's ``max_concurrency``: its limit, not written,
     would not hold."""
-    from dreamlake.lakeshore.errors import PlaneError
-    from dreamlake.lakeshore.ids import new_ulid
-    from dreamlake.lakeshore.store.api import SubmitRequest
-    from tests.contract.store_kit import FN
-    from tests.contract.test_store_lifecycle import REFUSE_BAD_ARGS
-
-    with store.db.tx(write=True) as conn:
-        if store.kind == "postgresql":
-            conn.exec_driver_sql(REFUSE_BAD_ARGS)
-        else:
-            conn.exec_driver_sql(
-                "CREATE TRIGGER refuse_bad BEFORE INSERT ON invocations WHEN NEW.args_blob = X'626164' "
-                "BEGIN SELECT RAISE(ABORT, 'refused by the test'); END"
-            )
+    refuse_bad_args(store)
     try:
         placed, bad = new_ulid(), new_ulid()
         done, refused = store.write_batch(
@@ -187,7 +175,4 @@ def test_a_shape_named_in_a_group_commit_that_rolled_back_is_written_by_its_retr
         got = store.claim("w", ["sel"], limit=5, offer=Offer.of(0, {"pool": "a"}))
         assert [i.invocation_id for i in got] == [placed]
     finally:
-        with store.db.tx(write=True) as conn:
-            conn.exec_driver_sql(
-                "DROP TRIGGER refuse_bad" + (" ON invocations" if store.kind == "postgresql" else "")
-            )
+        refuse_bad_args(store, on=False)
