@@ -85,7 +85,15 @@ class Job(SupervisedJob[wd.Outcome]):
         after: Job | None = None,
     ) -> None:
         self.body = body
-        self.run_config: dict[str, Any] = dict(body.get("run_config") or {})
+        given = body.get("run_config") or {}
+        # a run_config that is not a map is refused by the gates (``InvalidRunConfig``, acked), not
+        # raised here, outside the lifecycle that acks (the call would wait out its lease)
+        self.bad_run_config = (
+            None
+            if isinstance(given, dict)
+            else f"run_config must be a map, got {type(given).__name__}: {str(given)[:80]!r}"
+        )
+        self.run_config: dict[str, Any] = dict(given) if isinstance(given, dict) else {}
         super().__init__(ctx, invocation_id, attempt, body.get("timeout_s", self.run_config.get("timeout_s")))
         self.invocation_id = invocation_id
         self.attempt: int = attempt
@@ -211,7 +219,7 @@ class Job(SupervisedJob[wd.Outcome]):
     def _gates(self) -> None:
         """The worker-side gates (:mod:`nymph.gates`), in order; who the task runs as is set here."""
         cfg = self.ctx.config
-        gates.check_run_config(cfg, self.bad_timeout, self.script)
+        gates.check_run_config(cfg, self.bad_run_config or self.bad_timeout, self.script)
         pip = None  # cfg["pip"]: a pip environment (nymph.callenv)
         if self.script is None:
             self._code, pip = gates.check_function(cfg, self._staged, self.body)

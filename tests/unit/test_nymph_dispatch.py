@@ -106,6 +106,19 @@ def test_a_bad_timeout_is_acked_failed_before_anything_runs(tmp_path: Path) -> N
     assert ack["error"]["type"] == "InvalidRunConfig" and "'soon'" in ack["error"]["message"]
 
 
+@pytest.mark.parametrize("run_config", ["garbage", [1, 2, 3]])
+def test_a_run_config_that_is_not_a_map_is_acked_failed_before_anything_runs(
+    tmp_path: Path, run_config: Any
+) -> None:
+    # before: dict(run_config) raised while the job was made, outside the lifecycle that acks: the
+    # command was logged and dropped, and the call waited out its lease as running
+    runner, ack = _run_job(tmp_path, {"run_config": run_config})
+    assert runner.started == [] and ack["state"] == "failed"
+    assert (
+        ack["error"]["type"] == "InvalidRunConfig" and "run_config must be a map" in ack["error"]["message"]
+    )
+
+
 def test_an_allowed_user_that_does_not_exist_is_refused_clearly(tmp_path: Path) -> None:
     FakeRunner.capabilities = Capabilities(as_user=True)
     try:
