@@ -68,3 +68,98 @@ def test_acks_on_a_poll_cannot_settle_another_workers_lease(tmp_path: Path) -> N
         assert status == 403
         got = cp.store.get(inv)
         assert got is not None and got.state == "running"
+
+
+def _a_write_waits() -> bool:
+    """Whether another thread is inside ``write_batch`` (the group commit, waiting on the lock)."""
+    import sys
+    import threading
+    import traceback
+
+    me = threading.get_ident()
+    return any(
+        any(f.name == "write_batch" for f in traceback.extract_stack(frame))
+        for tid, frame in sys._current_frames().items()
+        if tid != me
+    )
+
+
+def test_another_tenants_ack_in_the_holders_group_commit_settles_nothing(tmp_path: Path) -> None:
+    """A daemon of another namespace, holding no lease, acks a call in the same group commit as the
+    holder's ack of it (after a write of its own that splits the run of acks, with an ack of an
+    unknown call beside it). Its ack is refused and the call's producer gets the holder's result:
+    the acks' run once read its rows back and took any ack of a row this transaction finished as
+    applied, and its forged result went to the call's waiters from memory."""
+    import threading
+
+    from dreamlake.lakeshore.wire.frames import FRAME_VALUE, encode_frame
+    from tests.stack.wait import until
+
+    config = ServerConfig(lease_s=600.0, expire_every_s=3600.0)
+    with running_control_plane(str(tmp_path / "s.db"), config=config) as cp:
+        store, writer = cp.store, cp.app.state.ctx.writer
+        prod_a = store.create_token("producer", "prod-a", "team-a")
+        daemon_a = store.create_token("daemon", "daemon-a", "team-a")
+        daemon_b = store.create_token("daemon", "daemon-b", "team-b")  # the attacker
+        inv = new_ulid()
+        assert cp.call("/v1/producer/submit", submit_body(inv, "qa"), prod_a)[0] == 200
+        holder, intruder = new_ulid(), new_ulid()
+        poll = {"worker_id": holder, "queues": ["qa"], "timeout_s": 0, "kinds": ["run"]}
+        status, out = cp.call("/v1/daemon/poll", poll, daemon_a)
+        assert status == 200 and out["commands"][0]["body"]["invocation_id"] == inv, out
+        assert cp.call("/v1/daemon/register", {"worker_id": intruder, "queues": ["qb"]}, daemon_b)[0] == 200
+        awaited: dict[str, Any] = {}
+        waiter = threading.Thread(
+            target=lambda: awaited.update(
+                r=cp.call("/v1/producer/await", {"invocation_id": inv, "timeout_s": 30}, prod_a)
+            )
+        )
+        waiter.start()
+        chunk = {
+            "invocation_id": new_ulid(),
+            "attempt": 1,
+            "worker_id": intruder,
+            "frames": [encode_frame(FRAME_VALUE, 0, b"x")],
+        }
+
+        def ack(of: str, worker: str, blob: bytes) -> dict[str, Any]:
+            return {
+                "invocation_id": of,
+                "state": "succeeded",
+                "attempt": 1,
+                "worker_id": worker,
+                "result_blob": blob,
+            }
+
+        sends = [
+            ("blocker", "/v1/daemon/result-chunks", chunk, daemon_b),  # waits on the lock, alone
+            ("holder", "/v1/daemon/ack", ack(inv, holder, wire.pack("genuine")), daemon_a),
+            ("split", "/v1/daemon/result-chunks", chunk, daemon_b),
+            ("forged", "/v1/daemon/ack", ack(inv, intruder, wire.pack("forged")), daemon_b),
+            ("unknown", "/v1/daemon/ack", ack(new_ulid(), intruder, b""), daemon_b),
+        ]
+        answers: dict[str, Any] = {}
+        threads = []
+        with store.db.write_lock:  # what arrives meanwhile queues for one group commit, in order
+            for k, (name, path, body, token) in enumerate(sends):
+                t = threading.Thread(
+                    target=lambda n=name, p=path, b=body, tk=token: answers.update({n: cp.call(p, b, tk)})
+                )
+                t.start()
+                threads.append(t)
+                if k == 0:  # the blocker's group commit waits on the lock: the rest queue behind it
+                    until(_a_write_waits, "the blocker's write waiting on the lock")
+                else:  # each queued, in order, before the next is sent
+                    until(
+                        lambda k=k: writer._queue is not None and writer._queue.qsize() == k,
+                        f"write {k} queued",
+                    )
+        for t in threads:
+            t.join(30)
+        waiter.join(30)
+        assert answers["holder"][0] == 200, answers
+        assert answers["forged"][0] == 403, answers["forged"]
+        status, out = awaited["r"]
+        assert status == 200 and wire.unpack(out["result_blob"]) == "genuine", out
+        got = store.get(inv)
+        assert got is not None and (got.worker_id, wire.unpack(got.result_blob)) == (holder, "genuine")
