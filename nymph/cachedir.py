@@ -78,8 +78,8 @@ def remove(path: Path) -> None:
         for name in dirs:
             try:
                 os.chmod(os.path.join(here, name), 0o700, follow_symlinks=False)
-            except OSError:
-                pass
+            except (OSError, NotImplementedError):  # a link to a directory (Linux cannot chmod a
+                pass  # link itself): left as it is, removed as a link, never followed
     try:
         os.chmod(path, 0o700)
     except OSError:

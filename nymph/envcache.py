@@ -19,7 +19,8 @@ first calls (threads of one nymph, or several nymphs on one host) wait for one b
 
 Who builds: ``uv`` runs as the task's user (nymph's task user when nymph is root, or the call's
 ``as_user``), never as root: a package's build backend is code the producer chose. It writes only
-to its staging directory and its own uv cache (``{env_cache}/.uv-<uid>``); nymph then takes the
+to its scratch directory and a uv cache inside it, both removed after the build (a uv cache kept
+for the task uid would be writable by the next tenant's task as that uid); nymph then takes the
 tree over (owner nymph, files 0444, directories 0555), so no task can change what the next one
 runs. The task interpreter's version and platform come from the runner (:class:`Interpreter`): the
 process and slurm runners build for their python, the container runners for the image's
@@ -41,6 +42,7 @@ import logging
 import os
 import pwd
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -51,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from dreamlake.lakeshore.runenv import check_pip
-from nymph import cachedir
+from nymph import cachedir, safeio
 from nymph import observability as obs
 from nymph.errors import JobRefused
 from nymph.taskenv import host_base
@@ -181,6 +183,7 @@ class EnvCache:
         self._lock = threading.Lock()
         self._held: dict[str, int] = {}
         self.builds = 0  # environments this process built (the cache's misses)
+        self._swept = False  # the old uv caches removed (_prepare_root)
 
     def path_for(self, sha256: str) -> Path:
         return self.root / sha256
@@ -257,6 +260,10 @@ class EnvCache:
         for sub in ("", ".locks", ".specs"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o711)  # traversable by task users, not listable
+        if not self._swept:  # the uv caches per uid an older nymph kept (see _workspace): unsafe
+            self._swept = True
+            for old in self.root.glob(".uv-*"):
+                cachedir.remove(old)
 
     def _spec_key(self, record: Mapping[str, Any], interp: Interpreter) -> str:
         doc = [record["format"], record["text"], interp.tag, interp.version, self.index_url, self.find_links]
@@ -296,7 +303,11 @@ class EnvCache:
                     user,
                     "resolve",
                 )
-                text = (work / "requirements.txt").read_text()
+                # the builder's file, read as root: never through a link it left, never another's
+                got = safeio.read_output(work, "requirements.txt")
+                if got is None:
+                    raise EnvBuildFailed("pip environment: uv's resolve left no requirements.txt of its own")
+                text = got.decode("utf-8", errors="replace")
             fd, tmp = tempfile.mkstemp(dir=spec.parent, prefix=".tmp-")
             with os.fdopen(fd, "w") as fh:
                 fh.write(text)
@@ -335,6 +346,8 @@ class EnvCache:
                     user,
                     "build",
                 )
+                if not stat.S_ISDIR(os.lstat(site).st_mode):  # a link the builder left: not followed
+                    raise EnvBuildFailed("pip environment: uv's build left no site directory of its own")
                 os.rmdir(staging)
                 # nymph's own copy (the builder's is removed): links stay links, anything but a
                 # file, a directory or a link (a FIFO the build left) is not copied
@@ -354,16 +367,18 @@ class EnvCache:
 
     @contextlib.contextmanager
     def _workspace(self, user: str | None) -> Iterator[tuple[Path, dict[str, str]]]:
-        """A scratch directory owned by ``user`` and the environment uv runs in (its cache is
-        per uid under the root, kept between builds); removed afterwards."""
+        """A scratch directory owned by ``user`` and the environment uv runs in, its uv cache
+        inside it; both removed afterwards. No uv cache is kept between builds: a cache the task
+        user owns would be writable by every task that runs as that uid (a pool user serves one
+        tenant, then another), and a later build of another tenant would install what one of them
+        planted there, sealed into an environment every tenant with that lock imports."""
         uid, gid, home = _ids(user)
-        cache = self.root / f".uv-{uid}"
-        cache.mkdir(exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=".work-", dir=self.root))
+        cache = work / ".uv-cache"
+        cache.mkdir(mode=0o700)
         if uid != os.geteuid():
             for path in (cache, work):
                 os.chown(path, uid, gid)
-        os.chmod(cache, 0o700)
         env = dict(host_base())
         # nymph's own network settings (a proxy, a private CA): uv is nymph's tool, not the task's
         env.update({k: v for k, v in os.environ.items() if k in _NETWORK_ENV})

@@ -194,10 +194,17 @@ def test_a_build_runs_as_the_task_user_never_root_and_ends_owned_by_nymph(shared
         envcache.host_interpreter("/usr/bin/python3"),
         "nymphtest",
     )
-    uv_cache = cache.root / f".uv-{user.pw_uid}"
-    assert os.stat(uv_cache).st_uid == user.pw_uid  # uv ran as the task user: its cache is theirs
     assert os.stat(env / "lsdemo" / "__init__.py").st_uid == 0  # nymph's copy: no task can change it
     assert not [p for p in cache.root.iterdir() if p.name.startswith(".work-")]  # the builder's tree is gone
+    # nothing the task user can write is left under the cache: a uv cache kept for its uid would
+    # be open to the next tenant's task as that uid (a pool user), whose code a later build of
+    # another tenant would install and seal (uv's cache lived in the builder's tree, gone with it)
+    left = [
+        p
+        for p in cache.root.rglob("*")
+        if not p.is_symlink() and (p.stat().st_uid == user.pw_uid or p.stat().st_mode & 0o002)
+    ]
+    assert left == [], left
 
 
 def test_a_bad_requirement_is_env_build_failed_with_uvs_words_and_nothing_cached(shared_root: Path) -> None:
@@ -218,3 +225,32 @@ def test_prune_keeps_held_environments_and_drops_old_ones(shared_root: Path) -> 
     cache.release(old.name)
     removed = cache.prune(now=os.stat(old).st_mtime + 3600)
     assert removed == [old.name] and held.is_dir() and not old.exists()
+
+
+@pytest.mark.parametrize("left", ["a link for its lock", "a link for its site"])
+def test_what_the_builder_leaves_is_never_read_through_a_link(shared_root: Path, left: str) -> None:
+    """nymph (root) reads what uv left in the builder's scratch directory: the resolved lock and
+    the installed tree. A build backend runs the producer's code as the task user and could leave
+    links there instead, to a file only root may read (another tenant's secrets): nymph reads
+    neither through a link, and the build fails EnvBuildFailed with nothing of the target kept."""
+    private = shared_root / "private"
+    private.mkdir(mode=0o700)
+    (private / "secret.env").write_text("HF_TOKEN=the-other-tenants-token\n")
+    (private / "pkg").mkdir()
+    (private / "pkg" / "secret.txt").write_text("the-other-tenants-token\n")
+    fake = shared_root / "fake-uv"
+    compile_step = f"ln -s {private / 'secret.env'} requirements.txt"
+    install_step = f"ln -s {private / 'pkg'} site"
+    if left == "a link for its site":
+        compile_step = "echo 'lsdemo==1.0' > requirements.txt"
+    fake.write_text(
+        f'#!/bin/sh\ncase "$2" in\n  compile) {compile_step} ;;\n  install) {install_step} ;;\nesac\n'
+    )
+    fake.chmod(0o755)
+    cache = envcache.EnvCache(shared_root / "envs", uv=str(fake))
+    with pytest.raises(envcache.EnvBuildFailed, match="of its own"):
+        cache.acquire(
+            {"format": "requirements", "text": "lsdemo\n"}, envcache.host_interpreter(sys.executable)
+        )
+    kept = [p for p in (shared_root / "envs").rglob("*") if p.is_file() and not p.is_symlink()]
+    assert not [p for p in kept if "the-other-tenants-token" in p.read_text(errors="replace")], kept
