@@ -37,6 +37,29 @@ def test_finished_work_past_its_retention_is_deleted_with_its_frames_and_attempt
     assert store.gc_batch(later, 7 * DAY).rows == 0  # idempotent
 
 
+def test_a_tree_is_kept_whole_while_any_call_of_it_runs(store: SqlStore) -> None:
+    """A finished parent (and a finished sibling) past retention stay while a child of their tree
+    still runs: deleted, the tree's status and its cancel (walked from the root down its parent
+    links) would lose the running child. Once the tree is done, all of it goes."""
+    parent = submit(store, "tree")
+    store.claim("w", ["tree"])
+    done_child = submit(store, "tree", parent=parent)
+    store.claim("w", ["tree"])
+    ack(store, done_child, "succeeded", attempt=1, worker_id="w", result_blob=b"\xc0")
+    running = submit(store, "tree", parent=parent)
+    store.claim("w", ["tree"])
+    ack(store, parent, "succeeded", attempt=1, worker_id="w", result_blob=b"\xc0")
+    other = _finished(store, "tree")  # a call of no tree: expires as before
+    later = time.time() + 8 * DAY
+    got = store.gc(later, 7 * DAY)
+    assert got.invocations == 1 and store.get(other) is None
+    assert store.get(parent) is not None and store.get(done_child) is not None
+    assert [d[0] for d in store.descendants(parent)] == [done_child, running]  # its cancel reaches it
+    ack(store, running, "succeeded", attempt=1, worker_id="w", result_blob=b"\xc0")
+    assert store.gc(later, 7 * DAY).invocations == 3
+    assert store.get(parent) is None and store.get(running) is None
+
+
 def test_a_queue_keeps_its_own_retention_and_off_keeps_for_ever(store: SqlStore) -> None:
     gpu, scratch, audit, plain = (_finished(store, q) for q in ("gpu", "scratch", "audit", "plain"))
     rules = {"gpu": 30 * DAY, "scratch": 3600.0, "audit": 0}
@@ -74,7 +97,14 @@ def test_expired_exec_jobs_name_the_payload_keys_they_referenced(store: SqlStore
     got = store.gc(time.time() + 8 * DAY, 7 * DAY)
     assert got.exec_jobs == 1 and store.get_exec("ns", job) is None
     archived = archive_keys(job, float(created_at))  # its output archive (issue 36) goes too
-    assert sorted(got.payload_keys) == sorted(
-        ["payloads/2026/01/01/job/args", "payloads/2026/01/01/job/stdout", *archived]
-    )
+    # its args are still the queued job's (the same payloadRef sent twice): kept for it
+    assert sorted(got.payload_keys) == sorted(["payloads/2026/01/01/job/stdout", *archived])
     assert store.get_exec("ns", running) is not None  # not done: kept
+    store.claim_exec("w", ["q"])
+    published = {"exit_code": 0, "resultRef": {"key": "payloads/2026/01/01/running/result"}}
+    assert store.publish_exec_result("ns", running, published, worker_id="w").ok
+    later = store.gc(time.time() + 8 * DAY, 7 * DAY)  # the last job naming the args: they go now
+    assert later.exec_jobs == 1 and {
+        "payloads/2026/01/01/job/args",
+        "payloads/2026/01/01/running/result",  # what the daemon published (resultRef) goes too
+    } <= set(later.payload_keys)

@@ -4,8 +4,10 @@ expire after a time set per queue, and are deleted in small batches.
 ``gc_batch`` deletes, in one transaction, at most ``limit`` invocations that finished (a terminal
 state) longer ago than their queue's retention, with their journal (``frames``, a range of the
 primary key per invocation) and their ``invocation_attempts`` rows, and at most ``limit`` exec jobs
-(``done``) likewise. It answers the counts and the payload keys (``payload_ref.key`` of an exec job
-and of its published result) the expired jobs referenced, for the caller to delete from S3. The
+(``done``) likewise. A call whose tree (its root and every descendant) still has a live call is
+kept, so a tree goes whole. It answers the counts and the payload keys (``payload_ref.key`` of an
+exec job and of its published result) the expired jobs referenced and no other job still names,
+for the caller to delete from S3. The
 candidates are read off ``ix_invocations_finished`` (finished_at, over finished rows only), so a
 batch costs the same whatever the table holds; the server's sweep (``server/app.py``) and
 ``lakeshore gc`` call it until a batch comes back short, so the write lock (SQLite) or the rows
@@ -68,7 +70,8 @@ def _expired(
 
 
 def _payload_keys(ref: Any, result: bytes | None) -> list[str]:
-    """The S3 keys an exec job references: its ``payload_ref`` and its result's, when present."""
+    """The S3 keys an exec job references: its ``payload_ref`` and its result's (``resultRef``),
+    when present."""
     keys: list[str] = []
     refs = [ref]
     if result:
@@ -76,8 +79,8 @@ def _payload_keys(ref: Any, result: bytes | None) -> list[str]:
             published = msgpack.unpackb(result, raw=False)
         except Exception:  # a result that is not msgpack references nothing we know of
             published = None
-        if isinstance(published, dict):
-            refs += [published.get("payload_ref"), published.get("payloadRef")]
+        if isinstance(published, dict):  # resultRef: what the daemon published (server/namespaces.py)
+            refs += [published.get("payload_ref"), published.get("payloadRef"), published.get("resultRef")]
     for item in refs:
         if isinstance(item, dict) and isinstance(item.get("key"), str):
             keys.append(item["key"])
@@ -126,7 +129,16 @@ class RetentionStore(StoreBase):
         limit: int,
         out: GcResult,
     ) -> None:
-        finished = sa.and_(_inv.c.finished_at.isnot(None), _inv.c.state.in_(sorted(TERMINAL_STATES)))
+        terminal = sorted(TERMINAL_STATES)
+        # a call's tree is kept whole while any call of it is live (the root, or a descendant:
+        # ``root_invocation_id``, indexed): a finished parent deleted under a running child would
+        # take the tree's status with it, and its cancel would no longer reach the child
+        live, tree = _inv.alias("live"), sa.func.coalesce(_inv.c.root_invocation_id, _inv.c.invocation_id)
+        idle_tree = ~sa.exists().where(
+            sa.or_(live.c.root_invocation_id == tree, live.c.invocation_id == tree),
+            live.c.state.not_in(terminal),
+        )
+        finished = sa.and_(_inv.c.finished_at.isnot(None), _inv.c.state.in_(terminal), idle_tree)
         selects = _expired(_inv, _inv.c.invocation_id, finished, default, named, kept)
         ids = _first_ids(conn, selects, limit)
         if not ids:
@@ -157,13 +169,24 @@ class RetentionStore(StoreBase):
         ids = _first_ids(conn, _expired(_exec, _exec.c.exec_id, finished, default, named, kept), limit)
         if not ids:
             return
+        keys: list[str] = []
         for exec_id, created_at, ref, result in conn.execute(
             sa.select(_exec.c.exec_id, _exec.c.created_at, _exec.c.payload_ref, _exec.c.result).where(
                 _exec.c.exec_id.in_(ids)
             )
         ):
-            out.payload_keys += _payload_keys(ref, bytes(result) if result is not None else None)
-            out.payload_keys += archive_keys(exec_id, float(created_at))  # its output archive
+            keys += _payload_keys(ref, bytes(result) if result is not None else None)
+            keys += archive_keys(exec_id, float(created_at))  # its output archive
+        if keys:  # a payload another job still names (the same payloadRef sent twice) is kept
+            still = set()
+            for (ref,) in conn.execute(
+                sa.select(_exec.c.payload_ref).where(
+                    _exec.c.exec_id.not_in(ids), _exec.c.payload_ref.isnot(None)
+                )
+            ):
+                still.update(_payload_keys(ref, None))
+            keys = [k for k in keys if k not in still]
+        out.payload_keys += keys
         out.exec_jobs += conn.execute(sa.delete(_exec).where(_exec.c.exec_id.in_(ids))).rowcount or 0
 
     def gc(
