@@ -277,7 +277,9 @@ class KeepAlive:
             else:
                 conn.sock.sendall(head + content if content else head)
             status, version, answer = conn.read_head()
-            while status == 100:  # Continue: the answer follows (as http.client skips it)
+            # an interim answer (100 Continue, 102, 103 Early Hints a proxy may add): the answer
+            # follows, as http.client skips them; 101 (a protocol switch) is not one
+            while 100 <= status < 200 and status != 101:
                 status, version, answer = conn.read_head()
             fields: dict[str, str] = {}
             for name, value in answer:

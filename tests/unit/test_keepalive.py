@@ -207,6 +207,12 @@ def _one_answer(answer: bytes) -> tuple[str, list[bytes]]:
             True,
         ),
         (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", b"ok", True),
+        (  # a proxy's Early Hints: an interim answer too (it was taken for the answer, body empty)
+            b"HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n"
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+            b"ok",
+            True,
+        ),
         (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok", b"ok", False),
         (b"HTTP/1.0 200 OK\r\n\r\nup to the end", b"up to the end", False),
         (b"HTTP/1.1 204 No Content\r\n\r\n", b"", True),
