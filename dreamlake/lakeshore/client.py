@@ -247,9 +247,11 @@ class PlaneClient:
         params: dict[str, Any] | None = None,
         timeout_s: float | None = None,
         attempts: int | None = None,
+        within_s: float | None = None,
     ) -> Any:
         """Send ``body`` (msgpack, or JSON with ``as_json``; none when ``None``) and return the
-        decoded answer, retrying a retryable failure up to ``attempts`` (default: the client's)."""
+        decoded answer, retrying a retryable failure up to ``attempts`` (default: the client's)
+        within the client's window, or ``within_s`` when that is shorter (a caller's deadline)."""
         request: dict[str, Any] = {"params": params}
         if as_json:
             request["headers"] = {"Accept": "application/json"}
@@ -280,17 +282,20 @@ class PlaneClient:
                 raise first.pop()
             return self._once(method, path, request)
 
-        return self.policy(attempts, spent_s=spent_s)(attempt)
+        return self.policy(attempts, spent_s=spent_s, within_s=within_s)(attempt)
 
-    def policy(self, attempts: int | None = None, *, spent_s: float = 0.0) -> tenacity.Retrying:
-        """This client's retry policy: ``attempts`` (default: the client's) and its window, less
-        ``spent_s`` of it already spent."""
+    def policy(
+        self, attempts: int | None = None, *, spent_s: float = 0.0, within_s: float | None = None
+    ) -> tenacity.Retrying:
+        """This client's retry policy: ``attempts`` (default: the client's) and its window (or
+        ``within_s``, when shorter), less ``spent_s`` of it already spent."""
         attempts = self.attempts if attempts is None else attempts
-        if self.window_s is None:
+        window = self.window_s if within_s is None else min(within_s, self.window_s or within_s)
+        if window is None:
             return retrying(attempts=attempts)
         return retrying(
             attempts=attempts,
-            stop=tenacity.stop_after_delay(max(0.0, self.window_s - spent_s)),
+            stop=tenacity.stop_after_delay(max(0.0, window - spent_s)),
             max_s=WINDOW_MAX_WAIT_S,
         )
 

@@ -327,3 +327,31 @@ def test_nymph_counts_a_store_outage_503_as_the_control_plane_gone(error: str, o
         client.heartbeat({"worker_id": "w", "running": []})
     assert error in str(raised.value)
     assert client.link.up is (not outage)
+
+
+def test_a_wait_retries_a_failure_only_while_its_caller_waits() -> None:
+    """A submit that waits and an await retry a failure within the caller's wait (at least
+    ``RETRY_AT_LEAST_S``), not the client's whole window: ``f.call(timeout=1)`` against a control
+    plane answering 503 took the window (60 s by default) before it raised."""
+    from dreamlake.lakeshore.ids import new_ulid
+    from dreamlake.lakeshore.protocol.producer import RETRY_AT_LEAST_S, ProducerClient
+
+    calls: list[float] = []
+
+    def down(request: httpx.Request) -> httpx.Response:
+        calls.append(time.monotonic())
+        return _answer(503, {"error": "the store is down"})
+
+    client = ProducerClient(
+        "http://cp.test/", "lsk_tok", attempts=None, window_s=30, transport=httpx.MockTransport(down)
+    )
+    for wait in (
+        lambda: client.await_result(new_ulid(), 0.5),
+        lambda: client.submit({"invocation_id": new_ulid(), "queue": "q"}, wait_s=0.5),
+    ):
+        calls.clear()
+        started = time.monotonic()
+        with pytest.raises(errors.Unavailable, match="the store is down"):
+            wait()
+        took = time.monotonic() - started
+        assert len(calls) > 1 and RETRY_AT_LEAST_S <= took < RETRY_AT_LEAST_S + 3, (took, len(calls))

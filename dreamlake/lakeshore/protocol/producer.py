@@ -33,6 +33,16 @@ def _wait(wait_s: float | None) -> float | None:
     return None if wait_s is None else max(0.0, wait_s) + SLACK_S
 
 
+# A request that waits (submit with ``wait_s``, await) retries a failure only while its caller
+# still waits (``f.call(timeout=1)`` against a control plane answering 503 took the whole retry
+# window, 60 s by default), but never for less than this: a dropped connection is still retried.
+RETRY_AT_LEAST_S = 2.0
+
+
+def _within(wait_s: float | None) -> float | None:
+    return None if wait_s is None else max(RETRY_AT_LEAST_S, wait_s)
+
+
 class ProducerClient(PlaneClient):
     """The producer routes over one :class:`PlaneClient` (thread-safe, as it is)."""
 
@@ -40,7 +50,8 @@ class ProducerClient(PlaneClient):
         """Queue one call (``wait_s``: and await it for up to that long, in the same request)."""
         if wait_s is not None:
             body = cast("SubmitBody", {**body, "wait_s": wait_s})
-        return cast("SubmitAnswer", self.request("POST", routes.SUBMIT, body, timeout_s=_wait(wait_s)))
+        answer = self.request("POST", routes.SUBMIT, body, timeout_s=_wait(wait_s), within_s=_within(wait_s))
+        return cast("SubmitAnswer", answer)
 
     def submit_batch(self, common: dict[str, Any], submits: Sequence[dict[str, Any]]) -> SubmitBatchAnswer:
         """Many calls in one request (one transaction); ``common`` holds what every call shares."""
@@ -52,7 +63,8 @@ class ProducerClient(PlaneClient):
 
     def await_result(self, invocation_id: str, timeout: float) -> AwaitAnswer:
         body = {"invocation_id": invocation_id, "timeout_s": max(0.0, timeout)}
-        return cast("AwaitAnswer", dict(self.request("POST", routes.AWAIT, body, timeout_s=_wait(timeout))))
+        answer = self.request("POST", routes.AWAIT, body, timeout_s=_wait(timeout), within_s=_within(timeout))
+        return cast("AwaitAnswer", dict(answer))
 
     def await_batch(self, invocation_ids: Sequence[str], timeout: float) -> dict[str, Any]:
         body = {"invocation_ids": list(invocation_ids), "timeout_s": max(0.0, timeout)}
