@@ -406,12 +406,14 @@ class FrameStore(StoreBase):
                 why = f"invocation {invocation_id} has ended ({lease.state}): its body takes no more sends"
             elif last is not None and last.final:
                 why = f"the sends into {invocation_id} were closed"
-            elif index > expected:
-                why = f"send {index} into {invocation_id} skips ahead: the next is {expected}; send in order, each once"
             else:
                 newest = conn.execute(st.last_frame, {"owner": invocation_id}).first()
                 reach = (-1 if newest is None else int(newest.seq)) + SEND_WINDOW
-                if index > reach:
+                if newest is not None and newest.final:  # its END is journaled; the ack may lag
+                    why = f"invocation {invocation_id} has ended its stream: its body takes no more sends"
+                elif index > expected:
+                    why = f"send {index} into {invocation_id} skips ahead: the next is {expected}; send in order, each once"
+                elif index > reach:
                     why = (
                         f"send window full: {invocation_id} has not yielded far enough to take send "
                         f"{index} (at most {SEND_WINDOW} ahead of its stream); read its next value first"
@@ -427,7 +429,16 @@ class FrameStore(StoreBase):
                 "final": bool(final),
                 "now": time.time(),
             }
-            conn.execute(st.insert_frame, params)
+            if conn.execute(st.insert_frame, params).first() is None:
+                # another send of this index committed since ``last`` was read (PostgreSQL reads
+                # at READ COMMITTED): a repeat of it, or a different value (refused, not dropped)
+                kept = conn.execute(st.read_frames, {"owner": owner, "since": index - 1, "limit": 1}).first()
+                if kept is not None and bytes(kept.data) == bytes(data):
+                    return ChunkResult(ok=True, seq=index, duplicate=True)
+                other = f"yield {index} of {invocation_id} was already sent a different value"
+                return ChunkResult(
+                    ok=False, seq=index, reason=other, status=OUT_OF_ORDER, expected_seq=index + 1
+                )
         self._notify(owner)
         return ChunkResult(ok=True, seq=index)
 
