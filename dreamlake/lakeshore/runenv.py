@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from typing import Any
 
 RESERVED_PREFIX = "LAKESHORE_"  # a call's env may not set these: nymph's own variables for the task
+# nor these: the operator's import path, which the container runners also mount (a call's own
+# PYTHONPATH once bound any host directory, a sibling task's workdir among them, into its container)
+RESERVED_NAMES = frozenset({"PYTHONPATH"})
 MAX_ENV_VARS = 256
 MAX_ENV_BYTES = 64 * 1024
 MAX_NAMES = 64
@@ -46,6 +49,11 @@ def user_env(value: Any, what: str = "run_config.env") -> dict[str, str]:
             raise ValueError(
                 f"{what}: {name!r} is reserved (nymph sets the {RESERVED_PREFIX}* variables of a task); "
                 "pick another name"
+            )
+        if name in RESERVED_NAMES:
+            raise ValueError(
+                f"{what}: {name!r} is nymph's (the operator's import path for tasks); ship the code with "
+                "the call (its code archive) or have the operator add it to nymph's code_dirs"
             )
         if not isinstance(val, str) or "\0" in val:
             raise ValueError(f"{what}: {name} must be a string without NUL bytes, got {type(val).__name__}")

@@ -13,8 +13,8 @@ The container::
     /opt/lakeshore/entry.zip   the entry bundle, read-only, first on PYTHONPATH: an image with a bare
                  python3 (and nothing of dreamlake) can run invocations
     code_dirs    host directories of user code, read-only at the same path, on PYTHONPATH; with
-                 mount_pythonpath (default) also the existing entries of nymph's own PYTHONPATH (the
-                 operator's code, as the process runner sees it); never a path the call's env names
+                 mount_pythonpath (default) also the existing entries of the task's PYTHONPATH (the
+                 operator's code on nymph's own PYTHONPATH, as the process runner sees it)
     /opt/lakeshore/code/<sha256>   each code archive the call shipped (nymph's code cache), and
                  its pip environment (nymph.envcache, built for the image's python3), read-only,
                  first on the import path (LAKESHORE_CODE_PATH; the entry puts it there)
@@ -468,11 +468,7 @@ class DockerRunner:
     ) -> dict[str, Any]:
         env = {k: v for k, v in task.env.items() if k != "PYTHONPATH"}
         task_path = task.env.get("PYTHONPATH")
-        # mounted: the operator's code only (code_dirs, nymph's own PYTHONPATH), never a path the
-        # call's env names (a producer's PYTHONPATH would bind any host directory, a sibling
-        # task's workdir with its token among them, into its container)
-        own = os.environ.get("PYTHONPATH")
-        code = policy.code_paths(self.code_dirs, own if self.mount_pythonpath else None)
+        code = policy.code_paths(self.code_dirs, task_path if self.mount_pythonpath else None)
         env["PYTHONPATH"] = policy.pythonpath(BUNDLE_TARGET, code, task_path)
         mounts = [
             Mount(target=WORKDIR_TARGET, source=str(workdir), type="bind", read_only=False),

@@ -65,11 +65,10 @@ def container_user(as_user: str | None, users: Mapping[str, str], workdir: Path)
     return f"{st.st_uid}:{st.st_gid}"
 
 
-def code_paths(code_dirs: Iterable[str], own_pythonpath: str | None) -> list[str]:
-    """Host paths to mount read-only at the same place: ``code_dirs`` then the existing entries of
-    nymph's own PYTHONPATH (the operator's, never the call's)."""
+def code_paths(code_dirs: Iterable[str], task_pythonpath: str | None) -> list[str]:
+    """Host paths to mount read-only at the same place: ``code_dirs`` then existing PYTHONPATH entries."""
     out: list[str] = []
-    candidates = [*code_dirs, *(own_pythonpath or "").split(os.pathsep)]
+    candidates = [*code_dirs, *(task_pythonpath or "").split(os.pathsep)]
     for entry in candidates:
         if not entry or not os.path.isabs(entry):
             continue

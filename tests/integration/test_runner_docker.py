@@ -216,25 +216,6 @@ def test_tasks_run_without_capabilities_or_network(runner: DockerRunner, started
     assert code == 0 and out == "CapEff:\t0000000000000000\n['lo']\n"
 
 
-def test_a_path_the_calls_pythonpath_names_is_never_mounted(
-    make_runner: Callable[..., DockerRunner], started: TaskFactory, tmp_path: Path
-) -> None:
-    """``mount_pythonpath`` mounts the operator's code (nymph's own PYTHONPATH), never what the
-    call's env names: a producer's ``run_config.env`` PYTHONPATH once bound any host directory
-    into its container (a sibling task's workdir with its token, /root, /etc)."""
-    runner = make_runner(mount_pythonpath=True)
-    host_only = tmp_path / "host-only"
-    host_only.mkdir()
-    (host_only / "token").write_text("lsk_a_siblings_token")
-    task = started.task(None, script=f"cat {host_only}/token 2>&1; ls -d /root/.* 2>&1 | head -1; echo done")
-    task.env["PYTHONPATH"] = f"{host_only}{os.pathsep}/root"  # the call's, through run_config.env
-    status = runner.wait(started.start(runner, task), LIMIT_S)
-    out = (task.workdir / "stdout.log").read_text()
-    assert status is not None and "done" in out, out
-    assert "lsk_a_siblings_token" not in out, out
-    assert "No such file" in out.splitlines()[0], out
-
-
 # --- scripts --------------------------------------------------------------------------------------
 
 

@@ -163,3 +163,15 @@ def test_another_tenants_ack_in_the_holders_group_commit_settles_nothing(tmp_pat
         assert status == 200 and wire.unpack(out["result_blob"]) == "genuine", out
         got = store.get(inv)
         assert got is not None and (got.worker_id, wire.unpack(got.result_blob)) == (holder, "genuine")
+
+
+def test_a_call_cannot_set_the_tasks_pythonpath(tmp_path: Path) -> None:
+    """The container runners mount the task's PYTHONPATH (the operator's code, nymph's own): a
+    producer's ``run_config.env`` naming one (a sibling task's workdir, /root) is refused at
+    submit with what to do instead, and nothing is queued."""
+    with running_control_plane(str(tmp_path / "s.db")) as cp:
+        inv = new_ulid()
+        body = submit_body(inv, "q", run_config={"env": {"PYTHONPATH": "/srv/nymph/work/other:/root"}})
+        status, out = cp.call("/v1/producer/submit", body, cp.producer_token)
+        assert status == 400 and "PYTHONPATH" in out["error"] and "code archive" in out["error"], out
+        assert cp.store.get(inv) is None

@@ -44,6 +44,8 @@ def test_pip_rides_in_the_envelope_cfg_and_env_secrets_mounts_in_run_config() ->
     ("kwargs", "says"),
     [
         ({"env": {"LAKESHORE_TOKEN": "x"}}, "reserved"),
+        # the operator's import path, which the container runners mount: never the call's
+        ({"env": {"PYTHONPATH": "/srv/other-tenant"}}, "nymph's .*code archive.*code_dirs"),
         ({"env": {"1BAD": "x"}}, "not a variable name"),
         ({"env": {"A": 1}}, "must be a string"),
         ({"secrets": "HF_TOKEN"}, "list of names"),

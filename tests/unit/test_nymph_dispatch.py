@@ -119,6 +119,14 @@ def test_a_run_config_that_is_not_a_map_is_acked_failed_before_anything_runs(
     )
 
 
+def test_a_calls_pythonpath_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    # a run command from a client that skipped the control plane's check: the container runners
+    # mount the task's PYTHONPATH (the operator's), so a call's own would bind any host directory
+    runner, ack = _run_job(tmp_path, {"run_config": {"env": {"PYTHONPATH": "/srv/other-tenant"}}})
+    assert runner.started == [] and ack["state"] == "failed"
+    assert ack["error"]["type"] == "InvalidRunConfig" and "PYTHONPATH" in ack["error"]["message"]
+
+
 def test_an_allowed_user_that_does_not_exist_is_refused_clearly(tmp_path: Path) -> None:
     FakeRunner.capabilities = Capabilities(as_user=True)
     try:
