@@ -61,7 +61,7 @@ import msgpack
 
 from dreamlake.lakeshore.backoff import backoff_s
 from dreamlake.lakeshore.client import error_for
-from dreamlake.lakeshore.errors import PlaneError, Refused
+from dreamlake.lakeshore.errors import PlaneError, Refused, Unauthorized
 from dreamlake.lakeshore.protocol import routes
 from nymph import observability as obs
 from nymph.client import ControlPlaneClient, is_retryable
@@ -112,8 +112,9 @@ class _Lane:
 
 def _retryable(status: Any) -> bool:
     """Whether an ack a poll carried, answered not ok with ``status``, goes again: a retryable
-    status (5xx, 429), or none the sender could act on; a final refusal (4xx) does not."""
-    if not isinstance(status, int) or status < 400:
+    status (5xx, 429), a refused token (401: nymph's, not the ack's), or none the sender could act
+    on; a final refusal of the ack itself (another 4xx) does not."""
+    if not isinstance(status, int) or status < 400 or status == 401:
         return True
     return is_retryable(error_for(status, ""))
 
@@ -530,6 +531,9 @@ class Outbox:
         what = f"frames {batch.first_seq}..{batch.last_seq}"
         try:
             self._client.result_chunks(body)
+        except Unauthorized as exc:  # nymph's token, not these frames: they wait for a good one
+            self._failed(lane, what, exc)
+            return
         except Refused as exc:
             log.warning("invocation %s: %s refused, the stream ends here: %s", lane.key, what, exc)
             stream.refuse(str(exc))
@@ -551,6 +555,9 @@ class Outbox:
                 answer = self._client.call_json(msg.route, body)
             else:
                 answer = self._client.call(msg.route, msg.body)
+        except Unauthorized as exc:  # nymph's token (unknown, expired, revoked), not this message:
+            self._failed(lane, msg.route, exc)  # it waits, on disk, for the operator's new token
+            return
         except Refused as exc:
             log.warning("invocation %s: %s refused, dropped: %s", msg.invocation_id, msg.route, exc)
             self._done(lane, msg)
