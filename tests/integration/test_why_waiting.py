@@ -115,3 +115,32 @@ def test_concurrency_limits_are_visible_in_queues_and_the_dashboard(control_plan
     assert m.group(1) == "warn"  # at its limit
     cells = [re.sub(r"<[^>]+>", "", c).strip() for c in re.findall(r"<td[^>]*>(.*?)</td>", m.group(2), re.S)]
     assert cells == ["default/gpu-db", "2", "2"]
+
+
+def test_why_it_waits_counts_only_the_workers_that_may_claim_it(control_plane: ControlPlane) -> None:
+    """A worker bound to another namespace never claims this namespace's calls: the reason a call
+    waits (and the submit's placement warning) says no worker serves its queue, not that one
+    fits, and tells nothing of the other tenant's worker (it said "1 live worker ... fit it" and
+    "offers 16 GPUs (largest: 8)", mapping another tenant's fleet a request at a time)."""
+    cp = control_plane
+    other = cp.store.create_token("daemon", "daemon-b", "team-b")
+    body = {
+        "worker_id": new_ulid(),
+        "queues": ["shared-q"],
+        "capacity": {"gpus": [{"index": i, "model": "H100", "memory_mib": 81559} for i in range(8)]},
+        "slots": 2,
+    }
+    assert cp.call("/v1/daemon/register", body, other)[0] == 200
+    producer = cp.store.create_token("producer", "prod-a", "team-a")
+    waits = []
+    for run_config in ({}, {"resources": {"gpus": 16}}):
+        inv = new_ulid()
+        status, out = cp.call(
+            "/v1/producer/submit", submit_body(inv, "shared-q", run_config=run_config), producer
+        )
+        assert status == 200 and "largest" not in str(out.get("warning")), out
+        waits.append(_waiting(cp, inv))
+    for waiting in waits:
+        assert waiting == {"reason": "no_worker", "message": "no live worker serves queue 'shared-q'"}, (
+            waiting
+        )

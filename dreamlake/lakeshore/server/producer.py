@@ -123,7 +123,8 @@ async def _placement_warning(ctx: Context, queue: str, req: SubmitRequest) -> st
     needs = needs_of(req.run_config, req.namespace or DEFAULT_NAMESPACE)
     if not (needs.gpus or needs.selector or needs.memory or needs.cpus):
         return None
-    infos = await ctx.call(ctx.store.live_workers_of, queue)
+    namespace = req.namespace or DEFAULT_NAMESPACE  # the workers that may claim it (waiting.py)
+    infos = await ctx.call(ctx.store.live_workers_of, queue, namespace=namespace)
     return placement_warning(queue, needs, infos)
 
 

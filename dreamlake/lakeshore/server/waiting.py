@@ -33,7 +33,9 @@ async def why_waiting(ctx: Context, inv: Invocation, now: float | None = None) -
     now = time.time() if now is None else now
     if inv.not_before is not None and inv.not_before > now:
         return {"reason": "not_before", "message": f"not before {_at(inv.not_before)}"}
-    infos = await ctx.call(ctx.store.live_workers_of, inv.queue)
+    # the workers that may claim it: its namespace's own and the shared ones (a worker bound to
+    # another namespace never takes it, and what it offers is not this caller's to learn)
+    infos = await ctx.call(ctx.store.live_workers_of, inv.queue, namespace=inv.namespace)
     if not infos:
         return {"reason": "no_worker", "message": f"no live worker serves queue {inv.queue!r}"}
     try:

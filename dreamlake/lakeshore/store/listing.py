@@ -109,10 +109,13 @@ class ListingStore(StoreBase):
                 serving[q] = serving.get(q, 0) + 1
         return serving
 
-    def live_workers_of(self, queue: str, live_within: float = LIVE_WINDOW_S) -> list[dict[str, Any]]:
-        """The registered infos (labels, capacity) of the live workers serving ``queue``."""
+    def live_workers_of(
+        self, queue: str, live_within: float = LIVE_WINDOW_S, *, namespace: str | None = None
+    ) -> list[dict[str, Any]]:
+        """The registered infos (labels, capacity) of the live workers serving ``queue`` that may
+        claim the work of ``namespace`` (its own and the shared ones; None: all)."""
         with self.db.tx(write=False) as conn:
-            infos = self._live_infos(conn, None, live_within)
+            infos = self._live_infos(conn, namespace, live_within)
         return [i for i in infos if isinstance(i, dict) and queue in _worker_queues(i)]
 
     def count_workers(self, live_within: float | None = LIVE_WINDOW_S) -> int:

@@ -87,7 +87,9 @@ class Listing(Protocol):
         """Queue name -> number of workers serving it that were seen within ``live_within`` s."""
         ...
 
-    def live_workers_of(self, queue: str, live_within: float = LIVE_WINDOW_S) -> list[dict[str, Any]]:
+    def live_workers_of(
+        self, queue: str, live_within: float = LIVE_WINDOW_S, *, namespace: str | None = None
+    ) -> list[dict[str, Any]]:
         """The registered infos (labels, capacity) of the live workers serving ``queue``."""
         ...
 
