@@ -5,7 +5,9 @@ in the claim; a call with ``not_before`` ahead is not claimed before it."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from pathlib import Path
 
 import pytest
 
@@ -176,3 +178,27 @@ def test_a_shape_named_in_a_group_commit_that_rolled_back_is_written_by_its_retr
         assert [i.invocation_id for i in got] == [placed]
     finally:
         refuse_bad_args(store, on=False)
+
+
+@pytest.mark.parametrize("backend", ["sqlite-file", "postgresql"])
+def test_a_keys_max_concurrency_holds_across_replicas_whose_caches_lag(backend: str, tmp_path: Path) -> None:
+    """Two control planes over one store (replicas): A runs a call of key ``db`` (max_concurrency
+    1) in one queue; B, whose cached shapes were read before A's shape existed, claims a call of
+    the same key in another queue. B's claim must count A's running call. It counted only the
+    shapes in its own cache, which lags another replica's by up to a second: two ran under 1."""
+    from dreamlake.lakeshore.store import open_store
+    from tests.contract.conftest import pg_database
+
+    with pg_database() if backend == "postgresql" else contextlib.nullcontext(str(tmp_path / "s.db")) as url:
+        a, b = open_store(url), open_store(url)
+        try:
+            b.claim("w-b0", ["nothing"], limit=1)  # its cache read now: no shape of the key yet
+            submit(a, "qa", concurrency_key="db", max_concurrency=1, selector={"pool": "a"})
+            assert len(a.claim("w-a", ["qa"], limit=5, offer=Offer.of(0, {"pool": "a"}))) == 1
+            held = submit(b, "qb", concurrency_key="db", max_concurrency=1)
+            assert b.claim("w-b", ["qb"], limit=5) == []  # the key's one place is taken
+            assert a.key_limit_use() == [("default/db", 1, 1)]
+            assert b.get(held).state == "queued"  # type: ignore[union-attr]
+        finally:
+            a.close()
+            b.close()

@@ -386,13 +386,15 @@ class Placer:
         count = sa.select(sa.func.count()).select_from(_inv).where(_inv.c.state == "running")
         if kind == "queue":
             return int(conn.execute(count.where(_inv.c.queue == value)).scalar_one())
-        with self._lock:
-            pairs = [
-                (q, s)
-                for q, shapes in self._shapes.items()
-                for s, n in shapes.items()
-                if n.concurrency_key == value
-            ]
+        # the shapes naming the key, read in this transaction (after the limit's row lock), not
+        # from the cache: another replica's new shape of the key is up to REFRESH_S late there, and
+        # its running calls were not counted (two replicas ran two calls under max_concurrency 1)
+        sh = t.shapes
+        pairs = [
+            (q, s)
+            for q, s, needs in conn.execute(sa.select(sh.c.queue, sh.c.shape, sh.c.needs))
+            if Needs.from_json(needs).concurrency_key == value
+        ]
         if not pairs:
             return 0
         return int(conn.execute(count.where(sa.tuple_(_inv.c.queue, _inv.c.shape).in_(pairs))).scalar_one())
