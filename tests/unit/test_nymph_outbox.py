@@ -90,22 +90,19 @@ def test_a_refused_token_holds_the_acks_until_a_good_one_not_drops_them(tmp_path
     stays on disk and goes once the token is good again. It was taken for a final refusal (401 is a
     ``Refused``) and dropped: every outcome sent meanwhile was lost. A 403 (another worker holds
     the call's lease) is the ack's own refusal and is still dropped."""
-    plane = FakePlane([401, 401, 401])
-    box = Outbox(tmp_path, plane.client(), max_backoff_s=0.05)
-    box.start()
-    box.ack(_ack(0))
-    box.ack(_ack(1))
-    assert box.flush(10.0)
-    box.stop()
-    assert [body["invocation_id"] for _, body in plane.received] == ["inv0", "inv1"]
-    plane = FakePlane([403])
-    box = Outbox(tmp_path, plane.client(), max_backoff_s=0.05)
-    box.start()
-    box.ack(_ack(2))
-    box.ack(_ack(3))
-    assert box.flush(10.0)
-    box.stop()
-    assert [body["invocation_id"] for _, body in plane.received] == ["inv3"]
+
+    def delivered(statuses: list[int], acks: list[int]) -> list[str]:
+        plane = FakePlane(statuses)
+        box = Outbox(tmp_path, plane.client(), max_backoff_s=0.05)
+        box.start()
+        for n in acks:
+            box.ack(_ack(n))
+        assert box.flush(10.0)
+        box.stop()
+        return [body["invocation_id"] for _, body in plane.received]
+
+    assert delivered([401, 401, 401], [0, 1]) == ["inv0", "inv1"]
+    assert delivered([403], [2, 3]) == ["inv3"]
 
 
 def test_final_refusals_are_dropped_not_retried(tmp_path: Path) -> None:
