@@ -394,13 +394,7 @@ class FrameStore(StoreBase):
             last = conn.execute(st.last_frame, {"owner": owner}).first()
             expected = 0 if last is None else int(last.seq) + 1
             if index < expected:
-                kept = conn.execute(st.read_frames, {"owner": owner, "since": index - 1, "limit": 1}).first()
-                if kept is not None and bytes(kept.data) == bytes(data):
-                    return ChunkResult(ok=True, seq=index, duplicate=True)
-                other = f"yield {index} of {invocation_id} was already sent a different value"
-                return ChunkResult(
-                    ok=False, seq=index, reason=other, status=OUT_OF_ORDER, expected_seq=expected
-                )
+                return self._sent_before(conn, invocation_id, index, data, expected)
             why: str | None = None
             if lease.state not in ("queued", "running"):
                 why = f"invocation {invocation_id} has ended ({lease.state}): its body takes no more sends"
@@ -432,15 +426,22 @@ class FrameStore(StoreBase):
             if conn.execute(st.insert_frame, params).first() is None:
                 # another send of this index committed since ``last`` was read (PostgreSQL reads
                 # at READ COMMITTED): a repeat of it, or a different value (refused, not dropped)
-                kept = conn.execute(st.read_frames, {"owner": owner, "since": index - 1, "limit": 1}).first()
-                if kept is not None and bytes(kept.data) == bytes(data):
-                    return ChunkResult(ok=True, seq=index, duplicate=True)
-                other = f"yield {index} of {invocation_id} was already sent a different value"
-                return ChunkResult(
-                    ok=False, seq=index, reason=other, status=OUT_OF_ORDER, expected_seq=index + 1
-                )
+                return self._sent_before(conn, invocation_id, index, data, index + 1)
         self._notify(owner)
         return ChunkResult(ok=True, seq=index)
+
+    def _sent_before(
+        self, conn: Connection, invocation_id: str, index: int, data: bytes, expected: int
+    ) -> ChunkResult:
+        """The answer to a send of a yield already answered: a repeat (the same bytes) or a
+        different value, refused."""
+        st = self._frame_st
+        owner = SEND_PREFIX + invocation_id
+        kept = conn.execute(st.read_frames, {"owner": owner, "since": index - 1, "limit": 1}).first()
+        if kept is not None and bytes(kept.data) == bytes(data):
+            return ChunkResult(ok=True, seq=index, duplicate=True)
+        other = f"yield {index} of {invocation_id} was already sent a different value"
+        return ChunkResult(ok=False, seq=index, reason=other, status=OUT_OF_ORDER, expected_seq=expected)
 
     # -- topics ----------------------------------------------------------------------------------
 
