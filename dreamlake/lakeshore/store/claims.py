@@ -252,8 +252,7 @@ class Placer:
         retry, finding it known, would write none: once the cache was read again (``REFRESH_S``,
         another replica, a restart) no plan would have that head, and the call would stay queued."""
         undo: list[tuple[str, str, Any]] = []
-        outer = getattr(self._pending, "undo", None)
-        self._pending.undo = undo
+        self._pending.undo = undo  # (one write transaction at a time in a thread: never nested)
         try:
             yield
         except BaseException:
@@ -267,9 +266,7 @@ class Placer:
                         self._limits[a] = b
             raise
         finally:
-            self._pending.undo = outer
-            if outer is not None:  # a nested block's changes are its caller's transaction's too
-                outer.extend(undo)
+            self._pending.undo = None
 
     def _hold(self, kind: str, a: str, b: Any) -> None:
         undo = getattr(self._pending, "undo", None)
