@@ -6,6 +6,7 @@ the loop. (A ``--workers`` process turns it off: tests/unit/test_worker_processe
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -15,7 +16,7 @@ import pytest
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.server.writer import GroupWriter
 from dreamlake.lakeshore.store import open_store
-from dreamlake.lakeshore.store.api import PollRequest, SubmitRequest, SubmitResult
+from dreamlake.lakeshore.store.api import AckRequest, PollRequest, SubmitRequest, SubmitResult
 from dreamlake.lakeshore.store.sql import SqlStore
 
 
@@ -43,9 +44,9 @@ def _record_threads(store: SqlStore, monkeypatch: pytest.MonkeyPatch) -> list[in
     threads: list[int] = []
     real = store.write_batch
 
-    def recording(requests: Sequence[Any], on_commit: Any = None) -> Any:
+    def recording(requests: Sequence[Any], on_commit: Any = None, **kw: Any) -> Any:
         threads.append(threading.get_ident())
-        return real(requests, on_commit)
+        return real(requests, on_commit, **kw)
 
     monkeypatch.setattr(store, "write_batch", recording)
     return threads
@@ -123,6 +124,107 @@ def test_a_held_lock_sends_the_batch_to_the_writer_thread_and_the_loop_keeps_run
     assert row is not None and row.state == "queued"
 
 
+class _OtherProcess:
+    """A connection of its own to the store's file holding SQLite's write lock (``BEGIN
+    IMMEDIATE``), as another process does (``lakeshore gc``, an admin command writing a token),
+    until ``release``: SQLite's lock is the file's, so the store's connections wait on it."""
+
+    def __init__(self, path: str) -> None:
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+
+    def hold(self) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def release(self) -> None:
+        if self.db.in_transaction:
+            self.db.execute("COMMIT")
+
+    def close(self) -> None:
+        self.release()
+        self.db.close()
+
+
+def test_a_file_lock_held_by_another_process_never_stalls_the_loop(
+    sqlite_store: SqlStore, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's in-process lock is free, so the batch starts on the loop; SQLite's file lock is
+    another process's: the loop must not wait for it there (it did, for as long as the other
+    held it: ``busy_timeout``), but hand the batch to the writer's thread, which waits for it."""
+    threads = _record_threads(sqlite_store, monkeypatch)
+    other = _OtherProcess(str(tmp_path / "lakeshore.db"))
+    other.hold()
+
+    async def main() -> tuple[int, int, bool, SubmitResult]:
+        writer = GroupWriter(sqlite_store, inline_lock=sqlite_store.inline_write_lock())
+        try:
+            write = asyncio.ensure_future(writer.write(_submit()))
+            ticks = 0
+            for _ in range(20):  # the loop runs on while the write waits for the file lock
+                await asyncio.sleep(0.01)
+                ticks += 1
+            waiting = not write.done()
+            other.release()
+            result = await asyncio.wait_for(write, 10)
+        finally:
+            await writer.aclose()
+        return threading.get_ident(), ticks, waiting, result  # type: ignore[return-value]
+
+    try:
+        loop_thread, ticks, waiting, result = asyncio.run(main())
+    finally:
+        other.close()
+    assert ticks == 20 and waiting  # never blocked, and nothing answered before it was written
+    assert threads[0] == loop_thread and threads[1:] and loop_thread not in threads[1:]
+    row = sqlite_store.get(result.invocation_id)
+    assert row is not None and row.state == "queued"
+
+
+def test_a_file_lock_taken_between_a_batchs_transactions_writes_the_rest_once(
+    sqlite_store: SqlStore, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch is up to three transactions; should another process take the file lock after the
+    first committed on the loop, only the writes not applied go to the writer's thread: the
+    submit is not written twice, the ack is applied once, and each caller gets its own answer."""
+    queued = sqlite_store.submit(_submit()).invocation_id
+    (claim,) = sqlite_store.write_batch([PollRequest("w", ["q"])])[0].invocations  # type: ignore[union-attr]
+    other = _OtherProcess(str(tmp_path / "lakeshore.db"))
+    real_group = sqlite_store._apply_group
+    groups: list[int] = []
+
+    def taken_after_the_first(requests: Any, live: Any, out: Any) -> None:
+        groups.append(len(live))
+        if len(groups) == 2:  # the submits committed: the other process takes the lock now
+            other.hold()
+            threading.Timer(0.3, other.release).start()
+        real_group(requests, live, out)
+
+    monkeypatch.setattr(sqlite_store, "_apply_group", taken_after_the_first)
+    submit = _submit()
+
+    async def main() -> list[Any]:
+        writer = GroupWriter(sqlite_store, inline_lock=sqlite_store.inline_write_lock())
+        try:
+            return list(
+                await writer.write_many(
+                    [submit, AckRequest(claim.invocation_id, "succeeded", claim.attempt, "w", b"r")]
+                )
+            )
+        finally:
+            await writer.aclose()
+
+    try:
+        submitted, acked = asyncio.run(main())
+    finally:
+        other.close()
+    assert groups == [1, 1, 1]  # the submit's, the ack's on the loop (busy), the ack's in the thread
+    assert isinstance(submitted, SubmitResult) and not submitted.duplicate
+    assert acked.ok and not acked.duplicate
+    row = sqlite_store.get(claim.invocation_id)
+    assert row is not None and row.state == "succeeded" and row.result_blob == b"r"
+    assert queued == claim.invocation_id
+    assert sqlite_store.get(submit.invocation_id).state == "queued"  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize("inline", [True, False], ids=["on-the-loop", "writer-thread"])
 def test_a_handed_poll_pass_is_delivered_before_its_submits_caller_goes_on(
     sqlite_store: SqlStore, inline: bool
@@ -166,11 +268,11 @@ def test_a_batch_written_again_caller_by_caller_writes_a_handed_pass_after_its_s
     real = sqlite_store.write_batch
     failed: list[int] = []
 
-    def failing_once(requests: Sequence[Any], on_commit: Any = None) -> Any:
+    def failing_once(requests: Sequence[Any], on_commit: Any = None, **kw: Any) -> Any:
         if len(requests) > 1 and not failed:
             failed.append(len(requests))
             raise RuntimeError("a bug a value met, outside any one write")
-        return real(requests, on_commit)
+        return real(requests, on_commit, **kw)
 
     monkeypatch.setattr(sqlite_store, "write_batch", failing_once)
     claimed: list[Any] = []

@@ -27,9 +27,11 @@ batch is written on the event loop itself when that lock is free: the hop to the
 and back (two wake-ups, the GIL handed over twice) cost as much CPU as the write. When the lock is
 held (a lease sweep or a checkpoint writing in another thread) the batch goes to the writer's
 thread as before, so the loop never waits on a lock. PostgreSQL offers none, and a server of
-several worker processes (``--workers``) turns it off: there SQLite's file lock, held by a
-sibling, could stall the loop. (Another process writing the same file, an admin command's token
-or pin, holds a single server's loop for as long as its one short write.)
+several worker processes (``--workers``) turns it off: there a sibling holds SQLite's file lock
+half the time. On the loop the store begins each transaction without waiting for the file lock
+(``write_batch(wait=False)``): should another process hold it (``lakeshore gc``, an admin
+command's token or pin), it raises ``WriteLockBusy`` with the writes not yet applied, and those go
+to the writer's thread, which waits; the loop goes on serving meanwhile.
 
 Under load the batches grow by themselves (the longer a commit takes, the more writes wait for the
 next one); an idle server commits each write at once, in a batch of one.
@@ -59,7 +61,7 @@ from dreamlake.lakeshore.store.api import (
     WriteRequest,
     WriteResult,
 )
-from dreamlake.lakeshore.store.outage import Outages, StoreOutage, classify
+from dreamlake.lakeshore.store.outage import Outages, StoreOutage, WriteLockBusy, classify
 
 log = logging.getLogger(__name__)
 
@@ -289,6 +291,7 @@ class GroupWriter:
         error is its own and never its neighbours' (the store isolates the writes it knows fail)."""
         answers = _Answers(batch)
         writes = [req for reqs, _ in batch for req in reqs]
+        indexes: Sequence[int] = range(len(writes))  # which writes ``results`` answers
 
         def committed(pairs: list[tuple[int, Any]]) -> None:
             # in the store's thread: answer one committed transaction's writes on the loop now,
@@ -298,10 +301,24 @@ class GroupWriter:
         try:
             lock = self.inline_lock
             if lock is not None and lock.acquire(blocking=False):
+                busy: WriteLockBusy | None = None
                 try:  # on the loop: each transaction's answers as it commits, no thread hop
-                    results = self._store.write_batch(writes, answers.answer)
+                    results = self._store.write_batch(writes, answers.answer, wait=False)
+                except WriteLockBusy as exc:  # another process writes the file: wait in the thread
+                    busy = exc
                 finally:
                     lock.release()
+                if busy is not None:
+                    pending = busy.pending
+                    rest = [writes[i] for i in pending]
+
+                    def rest_committed(pairs: list[tuple[int, Any]]) -> None:
+                        committed([(pending[j], r) for j, r in pairs])
+
+                    results = await loop.run_in_executor(
+                        self._pool, self._store.write_batch, rest, rest_committed
+                    )
+                    indexes = pending  # the others were answered as their transactions committed
             else:
                 results = await loop.run_in_executor(self._pool, self._store.write_batch, writes, committed)
         except Exception as exc:  # the store raised outside any one write
@@ -322,7 +339,8 @@ class GroupWriter:
                 log.exception("a group commit of %d writes failed", len(writes))
                 failed = PlaneError(f"the store failed: {type(exc).__name__}", status=500)
             results = [failed] * len(writes)
-        answers.answer(list(enumerate(results)))
+            indexes = range(len(writes))
+        answers.answer(list(zip(indexes, results, strict=True)))
         if self._outages is not None:
             down = [r for r in results if isinstance(r, StoreOutage)]
             if down:

@@ -338,6 +338,8 @@ class Store(Listing, Protocol):
         self,
         requests: Sequence[WriteRequest],
         on_commit: Callable[[list[tuple[int, WriteResult | PlaneError]]], None] | None = None,
+        *,
+        wait: bool = True,
     ) -> list[WriteResult | PlaneError]:
         """Apply many writes (submits, acks, frames, frame batches, heartbeats, poll passes)
         together: the group commit. Each answers as its single call would (``submit``, ``ack``,
@@ -348,7 +350,10 @@ class Store(Listing, Protocol):
         right after them), then the acks, frames and other poll passes in order in a second, then
         the heartbeats in a third. ``on_commit`` receives each transaction's
         ``(index, answer)`` pairs once it committed, but the last one's (nothing is answered
-        before it is durable); the return is every answer, in order, once all have committed."""
+        before it is durable); the return is every answer, in order, once all have committed.
+        ``wait=False``, under ``inline_write_lock`` on the event loop: a transaction that would
+        wait for another process's lock on a SQLite file raises
+        :class:`~dreamlake.lakeshore.store.outage.WriteLockBusy` with the writes not applied."""
         ...
 
     def expire_leases(self, now: float | None = None) -> list[str]:

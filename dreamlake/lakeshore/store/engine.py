@@ -50,8 +50,10 @@ import contextlib
 import functools
 import logging
 import os
+import sqlite3
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
@@ -62,6 +64,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import StaticPool
 
 from dreamlake.lakeshore.errors import PlaneError
+from dreamlake.lakeshore.store.outage import WriteLockBusy
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +167,9 @@ class Database:
         # PostgreSQL's, one at a time, under _pg_writer_lock
         self._writer: Connection | None = None
         self._writer_free = True  # False while a write transaction uses it (a nested one: the pool)
+        # set by the caller holding the write lock: the next ``_held_tx`` on a SQLite file does not
+        # wait for another process's write lock (raises ``WriteLockBusy``); cleared as it begins
+        self.nowait = False
         # PostgreSQL's writes run side by side: the first to take this (the group writer, mostly)
         # runs on the kept connection, the others on pooled ones
         self._pg_writer_lock = threading.Lock()
@@ -267,12 +273,18 @@ class Database:
             if conn is None or not _settled(conn):
                 if conn is not None:
                     with contextlib.suppress(Exception):
+                        conn.invalidate()  # closed, not pooled: a SQLite one's busy_timeout is 0
                         conn.close()
                 conn = self._writer = self.engine.connect()
+                if self.dialect == "sqlite":  # its waits for the file lock are _begin_immediate's
+                    conn.connection.driver_connection.execute("PRAGMA busy_timeout = 0")  # type: ignore[union-attr]
             raw: Any = conn.connection.driver_connection
             if self.dialect == "sqlite":
+                nowait, self.nowait = self.nowait, False
                 try:
-                    raw.execute("BEGIN IMMEDIATE")
+                    _begin_immediate(raw, nowait)
+                except WriteLockBusy:
+                    raise
                 except Exception as exc:  # as SQLAlchemy raises it: a closed connection is invalidated
                     conn._handle_dbapi_exception(exc, "BEGIN IMMEDIATE", (), None, None)
             elif autocommit:
@@ -321,6 +333,31 @@ class Database:
             finally:
                 lock.release()
         self.engine.dispose()
+
+
+def _begin_immediate(raw: Any, nowait: bool) -> None:
+    """``BEGIN IMMEDIATE`` on the kept write connection, whose own ``busy_timeout`` is 0: while
+    another process holds the file's write lock, ``nowait`` raises :class:`WriteLockBusy` at once
+    (the group commit's event-loop path, which must not stall); otherwise it tries again with a
+    growing sleep, as SQLite's busy handler would, up to ``SQLITE_BUSY_TIMEOUT_MS`` (then the
+    driver's "database is locked", an outage)."""
+    deadline = 0.0
+    delay = 0.001
+    while True:
+        try:
+            raw.execute("BEGIN IMMEDIATE")
+            return
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorcode", None) != sqlite3.SQLITE_BUSY:
+                raise
+            if nowait:
+                raise WriteLockBusy() from exc
+            now = time.monotonic()
+            deadline = deadline or now + SQLITE_BUSY_TIMEOUT_MS / 1000
+            if now >= deadline:
+                raise
+            time.sleep(min(delay, deadline - now))
+            delay = min(delay * 2, 0.05)
 
 
 def _rollback(conn: Connection, raw: Any) -> None:

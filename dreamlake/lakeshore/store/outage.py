@@ -62,6 +62,18 @@ _SQLITE_UNAVAILABLE = (
 )
 
 
+class WriteLockBusy(Exception):
+    """A write begun without waiting (``Database.nowait``) found a SQLite file's write lock held
+    by another process: nothing of it was written. The group commit's event-loop path raises it
+    instead of stalling the loop for as long as the other process writes; the writer then hands
+    the writes to its thread, which waits. ``pending``: the indexes, in the ``write_batch`` call,
+    of the writes not applied (a batch's earlier transactions may have committed)."""
+
+    def __init__(self, pending: list[int] | None = None) -> None:
+        super().__init__("the SQLite file's write lock is held by another process")
+        self.pending = pending or []
+
+
 class StoreOutage(PlaneError):
     """The store cannot answer now: ``kind`` ``unavailable`` or ``full``, ``cause`` in words."""
 

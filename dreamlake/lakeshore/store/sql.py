@@ -58,7 +58,7 @@ from .invocations import CANCEL_REASON, InvocationStore, _Prepared, freed_channe
 from .limits import LimitStore
 from .listing import ListingStore
 from .notify import Notifier, exec_queue_channel, invocation_channels
-from .outage import classify
+from .outage import WriteLockBusy, classify
 from .outcomes import OutcomeStore
 from .placement import NO_OFFER, Offer
 from .quotas import QuotaStore
@@ -231,7 +231,7 @@ class SqlStore(
     # -- group commit ----------------------------------------------------------------------------
 
     def write_batch(
-        self, requests: Sequence[WriteRequest], on_commit: OnCommit | None = None
+        self, requests: Sequence[WriteRequest], on_commit: OnCommit | None = None, *, wait: bool = True
     ) -> list[WriteResult | PlaneError]:
         """See ``api.Store.write_batch``. Each request is checked first, outside the transaction
         (a malformed one answers its PlaneError and takes no part). The writes apply in three
@@ -249,7 +249,11 @@ class SqlStore(
         claim, which a daemon waits for, must not wait behind the heartbeats of a fleet batched
         with them (on PostgreSQL 30 of them took 40-100 ms); a heartbeat only has to land within
         its lease. The polls' and heartbeats' shared duties (touch the worker, take its commands,
-        read its pinned version) run once per transaction for all of them (``_duties_in``)."""
+        read its pinned version) run once per transaction for all of them (``_duties_in``).
+
+        ``wait=False`` (the group commit on the event loop, SQLite): a transaction that finds the
+        file's write lock held by another process raises :class:`WriteLockBusy` naming the writes
+        not applied, instead of waiting (those of the transactions before it committed)."""
         out: list[WriteResult | PlaneError | None] = [None] * len(requests)
         groups: tuple[list[tuple[int, Any]], ...] = ([], [], [])
         for i, req in enumerate(requests):
@@ -272,7 +276,13 @@ class SqlStore(
             on_commit(refused)
         todo = [live for live in groups if live]
         for n, live in enumerate(todo, 1):
-            self._apply_group(requests, live, out)
+            self.db.nowait = not wait  # (this transaction's first try only: retries alone wait)
+            try:
+                self._apply_group(requests, live, out)
+            except WriteLockBusy:
+                raise WriteLockBusy([i for group in todo[n - 1 :] for i, _ in group]) from None
+            finally:
+                self.db.nowait = False
             if on_commit is not None and n < len(todo):  # the last ones go back with the return
                 on_commit([(i, r) for i, _ in live if (r := out[i]) is not None])
         return [r for r in out if r is not None]
@@ -289,6 +299,8 @@ class SqlStore(
                 for i, res in zip((i for i, _ in live), self._apply_writes(live), strict=True):
                     out[i] = res
                 live = []
+            except WriteLockBusy:  # nothing of it written: the caller writes it where it may wait
+                raise
             except Exception as exc:  # a value a column refuses, a lost connection: find whose it is
                 outage = classify(exc)
                 if outage is not None:  # the store is down: no write of it can be applied alone
@@ -298,9 +310,12 @@ class SqlStore(
                 log.warning(
                     "a group commit of %d writes failed; retrying each alone", len(live), exc_info=True
                 )
+                self.db.nowait = False  # one alone must not stop the rest half written
         for i, prepared in live:
             try:
                 out[i] = self._apply_writes([(i, prepared)])[0]
+            except WriteLockBusy:  # (only a lone write's first try: nothing written)
+                raise
             except Exception as exc:
                 outage = classify(exc)
                 if outage is None:
