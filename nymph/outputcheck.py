@@ -9,6 +9,13 @@ caller a ``DecodeError`` for ever (the call is never retried), so nymph checks f
   byte, nothing after it). Only the structure is walked (headers, lengths); user values are not
   decoded, ext data (arrays, tensors) not looked at: C-fast for a result held in memory
   (``msgpack.Unpacker.skip``), a walk over a memory map for one left on disk.
+- the result's digest: an entry that writes one leaves ``result.digest`` beside the result
+  (``"blake2b-256 <hex> <size>"`` of its exact bytes, published before it); :func:`result_damage`
+  and :func:`result_file_damage` given that record also compare the bytes with it, so a byte
+  changed between the entry and nymph inside a value (an int's digit, a string no longer UTF-8:
+  still well-formed msgpack) is caught too. An entry from before the digest writes none; nymph
+  cannot tell which entry version a runner ran (its runtime and ``PYTHONPATH`` are the runner's),
+  so a result with no ``result.digest`` gets the structural check alone, as before.
 - :func:`error_damage`: ``error.json`` parses as a JSON object with a ``type``.
 
 Each returns None for a sound output, else what is wrong, in words, for the ``DamagedOutput``
@@ -17,19 +24,34 @@ failure nymph reports instead (retried by default, as a crash is: store/retry.py
 
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
 import os
+import re
 import struct
 from typing import Any, BinaryIO
 
 import msgpack
 
 DAMAGED = "DamagedOutput"  # the error type of an ack whose output was damaged
+# The entry's record of the result's bytes (dreamlake/lakeshore/daemon/entry_outputs.py)
+RESULT_DIGEST = "result.digest"
+DIGEST_KIND = "blake2b-256"
+DIGEST_MAX_BYTES = 256  # the record is under 100 bytes; more is not one
+_DIGEST_RECORD = re.compile(re.escape(DIGEST_KIND.encode()) + rb" ([0-9a-f]{64}) (0|[1-9][0-9]{0,19})\n")
 
 
-def result_damage(data: bytes | bytearray | memoryview) -> str | None:
-    """None when ``data`` is one whole msgpack value, else what is wrong with it."""
+def result_damage(data: bytes | bytearray | memoryview, digest: bytes | None = None) -> str | None:
+    """None when ``data`` is one whole msgpack value (and matches ``digest``, the entry's
+    ``result.digest`` record, when there is one), else what is wrong with it."""
+    damage = _structure_damage(data)
+    if damage is None and digest is not None:
+        damage = digest_damage(digest, data)
+    return damage
+
+
+def _structure_damage(data: bytes | bytearray | memoryview) -> str | None:
     size = len(data)
     if size == 0:
         return "it is empty"
@@ -47,14 +69,37 @@ def result_damage(data: bytes | bytearray | memoryview) -> str | None:
     return None
 
 
-def result_file_damage(fh: BinaryIO) -> str | None:
+def result_file_damage(fh: BinaryIO, digest: bytes | None = None) -> str | None:
     """:func:`result_damage` for a result left on disk (over the inline threshold): the structure
-    is walked over a memory map, so the file never enters memory."""
+    is walked, and the digest computed, over a memory map, so the file never enters memory."""
     size = os.fstat(fh.fileno()).st_size
     if size == 0:
         return "it is empty"
     with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        return _walk(buf, size)
+        damage = _walk(buf, size)
+        if damage is None and digest is not None:
+            damage = digest_damage(digest, buf)
+        return damage
+
+
+def digest_damage(record: bytes, data: Any) -> str | None:
+    """None when ``data`` (a buffer) is what the entry's ``result.digest`` ``record`` says it
+    wrote, else what differs: the bytes were changed after the entry wrote them."""
+    match = _DIGEST_RECORD.fullmatch(record)
+    if match is None:
+        shown = record[:100].decode("ascii", "replace")
+        return (
+            f"its digest record ({RESULT_DIGEST}) is damaged ({shown!r} is not "
+            f"'{DIGEST_KIND} <64 hex digits> <size>'), so its bytes cannot be checked"
+        )
+    hexdigest, expected = match.group(1).decode(), int(match.group(2))
+    got = len(data)
+    why = "it was changed between the entry writing it and nymph reading it"
+    if got != expected:
+        return f"it holds {got} bytes, not the {expected} the entry wrote ({RESULT_DIGEST}): {why}"
+    if hashlib.blake2b(data, digest_size=32).hexdigest() != hexdigest:
+        return f"its bytes do not match the {DIGEST_KIND} digest the entry wrote ({RESULT_DIGEST}): {why}"
+    return None
 
 
 # Bytes after a header byte, for the fixed-size kinds: floats, ints, fixext (type byte + data).

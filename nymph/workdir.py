@@ -250,14 +250,18 @@ def read_outcome(
     if code == 0 or status is None:
         result, size = safeio.read_output_within(path, RESULT, big)
         if result is None and size >= 0:  # over ``big``: left on disk
-            damage = _result_file_damage(path)
+            digest, damage = _result_digest(path)
+            if damage is None:
+                damage = _result_file_damage(path, digest)
             if damage is not None:
                 return _damaged(path, RESULT, damage, status)
             return Outcome("succeeded", b"", None, {"result_file": RESULT, "result_size": size})
     if code == 0 or result is not None:
         if result is None:
             return Outcome.failed("MissingResult", "the entry exited 0 but left no result.msgpack")
-        damage = outputcheck.result_damage(result)
+        digest, damage = _result_digest(path)
+        if damage is None:
+            damage = outputcheck.result_damage(result, digest)
         if damage is not None:
             return _damaged(path, RESULT, damage, status)
         return Outcome("succeeded", result)
@@ -306,12 +310,31 @@ def out_of_memory(status: ExitStatus, logs: str | None) -> Outcome:
     return outcome
 
 
-def _result_file_damage(path: Path) -> str | None:
+def _result_file_damage(path: Path, digest: bytes | None) -> str | None:
     fh = safeio.open_output(path, RESULT)
     if fh is None:
         return "it could not be opened again to be checked"
     with fh:
-        return outputcheck.result_file_damage(fh)
+        return outputcheck.result_file_damage(fh, digest)
+
+
+def _result_digest(path: Path) -> tuple[bytes | None, str | None]:
+    """``(the entry's result.digest record, None)``; ``(None, None)`` when there is none (an entry
+    from before the digest: the result gets the structural check alone); ``(None, what is
+    wrong)`` when there is one nymph may not or cannot read (it never reads as absent then)."""
+    name = outputcheck.RESULT_DIGEST
+    try:
+        fd = safeio.open_fd(path, name, os.O_RDONLY)
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"its digest record ({name}) could not be read ({exc}), so its bytes cannot be checked"
+    try:
+        return safeio.read_all(fd, outputcheck.DIGEST_MAX_BYTES + 1), None
+    except OSError as exc:
+        return None, f"its digest record ({name}) could not be read ({exc}), so its bytes cannot be checked"
+    finally:
+        os.close(fd)
 
 
 def _damaged(path: Path, name: str, damage: str, status: ExitStatus | None) -> Outcome:

@@ -28,6 +28,7 @@ import pytest
 import dreamlake.lakeshore as dls
 from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.envelope import Envelope
+from nymph import workdir as wd
 from nymph.codecache import CodeCache, code_env
 from nymph.runner import Handle, Runner, Task
 from nymph.runnerkit import BUNDLE_TARGET, CODE_TARGET
@@ -202,6 +203,30 @@ def test_plain_result(runner: Runner, prepare: Callable[..., Task]) -> None:
     assert wire.unpack((task.workdir / "result.msgpack").read_bytes()) == 5
     assert runner.inspect(handle) in ("exited", "gone")
     runner.destroy(handle)
+
+
+def test_a_result_changed_after_the_entry_wrote_it_is_damage_never_a_success(
+    runner: Runner, prepare: Callable[..., Task]
+) -> None:
+    """The entry (the bundle's, in a container) leaves ``result.digest`` beside ``result.msgpack``,
+    and what nymph acks from (``workdir.read_outcome``, the one reader for every runner) checks it:
+    one byte changed inside the string value (no longer UTF-8; the msgpack structure intact) is a
+    ``DamagedOutput``, never a success."""
+    task = prepare(nymph_fns.env_value, "LAKESHORE_INVOCATION_ID")
+    handle = kit.start_saved(runner, task)
+    status = runner.wait(handle, LIMIT_S)
+    runner.destroy(handle)
+    assert status is not None and status.exit_code == 0, (status, _error_text(task))
+    ok = wd.read_outcome(task.workdir, status)
+    assert ok.state == "succeeded" and wire.unpack(ok.result_blob) == task.invocation_id, ok
+    assert (task.workdir / "result.digest").exists()
+    data = (task.workdir / "result.msgpack").read_bytes()
+    at = data.index(task.invocation_id.encode()) + 3
+    (task.workdir / "damaged").write_bytes(data[:at] + b"\xff" + data[at + 1 :])
+    os.replace(task.workdir / "damaged", task.workdir / "result.msgpack")  # whoever owns the old one
+    out = wd.read_outcome(task.workdir, status)
+    assert out.state == "failed" and out.error is not None and out.error["type"] == "DamagedOutput", out
+    assert "changed between the entry writing it and nymph reading it" in out.error["message"], out
 
 
 def test_generator_frames_appear_while_running(runner: Runner, prepare: Callable[..., Task]) -> None:

@@ -70,7 +70,30 @@ def test_plain_result(tmp_path: Path) -> None:
     proc = _run(workdir)
     assert proc.returncode == 0, proc.stderr
     assert _result(workdir) == 5
-    assert sorted(p.name for p in workdir.iterdir()) == ["args.msgpack", "result.msgpack"]
+    assert sorted(p.name for p in workdir.iterdir()) == ["args.msgpack", "result.digest", "result.msgpack"]
+    _assert_digest_checks(workdir)
+
+
+def _assert_digest_checks(workdir: Path) -> None:
+    """result.digest is the blake2b of result.msgpack's exact bytes, and nymph checks it: the same
+    bytes pass, one byte changed inside the value is damage."""
+    import hashlib
+
+    from nymph import workdir as wd
+    from nymph.runner import ExitStatus
+
+    data = (workdir / "result.msgpack").read_bytes()
+    kind, hexdigest, size = (workdir / "result.digest").read_bytes().split()
+    assert (kind, hexdigest, int(size)) == (
+        b"blake2b-256",
+        hashlib.blake2b(data, digest_size=32).hexdigest().encode(),
+        len(data),
+    )
+    assert wd.read_outcome(workdir, ExitStatus(0)).state == "succeeded"
+    (workdir / "result.msgpack").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    out = wd.read_outcome(workdir, ExitStatus(0))
+    assert out.error is not None and out.error["type"] == "DamagedOutput", out
+    (workdir / "result.msgpack").write_bytes(data)
 
 
 def test_generator_frames_then_end(tmp_path: Path) -> None:
@@ -83,6 +106,7 @@ def test_generator_frames_then_end(tmp_path: Path) -> None:
     assert wire.unpack(frames[3].body) == "done"  # type: ignore[arg-type]
     assert all(isinstance(f.meta, dict) and isinstance(f.meta["ts"], float) for f in frames)
     assert _result(workdir) == "done"
+    _assert_digest_checks(workdir)  # a generator's return value comes with its digest too
 
 
 def test_an_async_def_runs_to_completion(tmp_path: Path) -> None:

@@ -11,9 +11,11 @@ from typing import Any
 import pytest
 
 from dreamlake.lakeshore import ids, wire
+from dreamlake.lakeshore.daemon.entry_outputs import RESULT_DIGEST_FILE, result_digest
 from dreamlake.lakeshore.envelope import Envelope, fn_for
 from dreamlake.lakeshore.errors import InvalidId
 from dreamlake.lakeshore.store import retry
+from nymph import outputcheck
 from nymph import workdir as wd
 from nymph.config import resolve
 from nymph.job import GateRefused, Job, JobContext
@@ -94,6 +96,84 @@ def test_a_sound_result_passes_the_check_in_memory_and_on_disk(tmp_path: Path, b
         assert wire.unpack(out.result_blob) == wire.unpack(_GOOD)
     else:
         assert out.extra == {"result_file": "result.msgpack", "result_size": len(_GOOD)}
+
+
+_VALUES = wire.pack({"name": "caf\u00e9 au lait", "count": 1234567, "pad": b"\0" * 40})
+
+
+def _flipped(data: bytes, inside: bytes, new: bytes) -> bytes:
+    """``data`` with the byte at the first ``inside``'s first byte replaced by ``new``."""
+    at = data.index(inside)
+    return data[:at] + new + data[at + 1 :]
+
+
+# one byte changed inside a value, the msgpack structure untouched: a string no longer UTF-8, an
+# int's digit (1234567 is a uint32 0x0012d687: its low byte), a byte of a bin
+_FLIPS = {
+    "str-utf8": _flipped(_VALUES, "\u00e9".encode(), b"\xff"),
+    "int": _flipped(_VALUES, (1234567).to_bytes(4, "big"), b"\x01"),
+    "bin": _flipped(_VALUES, b"\0" * 40, b"\x01"),
+}
+
+
+@pytest.mark.parametrize("flip", sorted(_FLIPS))
+@pytest.mark.parametrize("status", [ExitStatus(0), None])  # None: collected after a restart
+@pytest.mark.parametrize("big", [None, 16])  # in memory, or over the inline threshold: left on disk
+def test_a_byte_changed_inside_a_value_after_the_entry_wrote_it_is_damaged_never_a_success(
+    tmp_path: Path, flip: str, status: ExitStatus | None, big: int | None
+) -> None:
+    damaged = _FLIPS[flip]
+    assert damaged != _VALUES and len(damaged) == len(_VALUES)
+    assert outputcheck.result_damage(damaged) is None  # the structure alone cannot tell
+    (tmp_path / RESULT_DIGEST_FILE).write_bytes(result_digest(_VALUES))  # what the entry wrote
+    (tmp_path / "result.msgpack").write_bytes(damaged)  # what nymph finds
+    out = wd.read_outcome(tmp_path, status, big=big)
+    assert out.state == "failed" and out.result_blob == b"" and "result_file" not in out.extra, out
+    assert out.error is not None and out.error["type"] == "DamagedOutput", out
+    message = out.error["message"]
+    assert "result.msgpack is damaged" in message and "do not match the blake2b-256 digest" in message
+    assert "changed between the entry writing it and nymph reading it" in message, message
+    assert retry.delay({}, out.state, out.error, 1, 3) is not None  # retried, as a crash is
+
+    (tmp_path / "result.msgpack").write_bytes(_VALUES)  # the bytes the entry wrote: a success
+    ok = wd.read_outcome(tmp_path, status, big=big)
+    assert ok.state == "succeeded", ok
+
+
+@pytest.mark.parametrize(
+    ("record", "says"),
+    [
+        (b"", "digest record (result.digest) is damaged"),
+        (result_digest(_VALUES).replace(b"blake2b", b"blake2c"), "digest record (result.digest) is damaged"),
+        (result_digest(_VALUES)[:-3] + b"9\n", "not the 9 the entry wrote"),
+        (result_digest(_VALUES) * 2, "digest record (result.digest) is damaged"),
+    ],
+)
+@pytest.mark.parametrize("big", [None, 16])
+def test_a_damaged_digest_record_is_damage_too_never_an_unchecked_success(
+    tmp_path: Path, record: bytes, says: str, big: int | None
+) -> None:
+    (tmp_path / RESULT_DIGEST_FILE).write_bytes(record)
+    (tmp_path / "result.msgpack").write_bytes(_VALUES)
+    out = wd.read_outcome(tmp_path, ExitStatus(0), big=big)
+    assert out.state == "failed" and out.error is not None and out.error["type"] == "DamagedOutput", out
+    assert says in out.error["message"], out
+
+
+@pytest.mark.parametrize("big", [None, 16])
+def test_a_result_without_a_digest_from_an_older_entry_is_still_accepted(
+    tmp_path: Path, big: int | None
+) -> None:
+    # an entry from before result.digest leaves the result alone: nymph cannot tell which entry its
+    # runner ran, so the structural check is all there is, as it was
+    (tmp_path / "result.msgpack").write_bytes(_VALUES)
+    out = wd.read_outcome(tmp_path, ExitStatus(0), big=big)
+    assert out.state == "succeeded", out
+    if big is None:
+        assert out.result_blob == _VALUES
+    (tmp_path / "result.msgpack").write_bytes(_VALUES[:-3])  # and its structural damage still counts
+    damaged = wd.read_outcome(tmp_path, ExitStatus(0), big=big)
+    assert damaged.error is not None and damaged.error["type"] == "DamagedOutput", damaged
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,8 @@ It runs one invocation per the workdir contract (docs/architecture.md). With the
 ``DIR``), it reads ``args.msgpack`` (the Envelope; a warm-forked entry may be handed its bytes
 instead, :func:`run_args`), resolves the function through the worker-side gates, calls it and leaves:
 
-- ``result.msgpack``: ``wire.pack(return value)``, exit 0 (for a generator: its return value);
+- ``result.msgpack``: ``wire.pack(return value)``, exit 0 (for a generator: its return value),
+  after ``result.digest`` (the blake2b digest and size of those bytes, which nymph checks);
 - ``error.json``: ``{"type", "message", "traceback"}``, exit 1 when the function raised, exit 2 when a
   gate refused or the Envelope was bad;
 - ``frames.msgpack`` for a generator result: one VALUE frame per yield, appended and flushed one by
@@ -61,12 +62,13 @@ from dreamlake.lakeshore.daemon.entry_outputs import (
     EXIT_OK,
     EXIT_RAISED,
     EXIT_REFUSED,
+    RESULT_DIGEST_FILE,
     RESULT_FILE,
     RESULT_MAX_ENV,
     ResultTooLarge,
     _check_result_size,
     _fail,
-    _write_atomic,
+    _write_result,
     error_info,
 )
 from dreamlake.lakeshore.daemon.entry_streams import (
@@ -103,6 +105,7 @@ __all__ = [
     "EXIT_RAISED",
     "EXIT_REFUSED",
     "FRAMES_FILE",
+    "RESULT_DIGEST_FILE",
     "RESULT_FILE",
     "RESULT_MAX_ENV",
     "SENDS_ENV",
@@ -283,7 +286,7 @@ def run(blob: Any = None) -> int:
         except BaseException as exc:
             interrupts.close()
             return _fail(error_info(exc), EXIT_RAISED)
-    _write_atomic(RESULT_FILE, packed)
+    _write_result(packed)
     return EXIT_OK
 
 

@@ -2,9 +2,13 @@
 
 Both are written to a temporary name, fsynced and renamed (:func:`_write_atomic`): a host crash
 leaves either a whole output or none, never a truncated one (nymph checks anyway:
-``nymph/outputcheck.py``). The directory is not fsynced: it is the invocation's hot path. A result
-too big to pack within the task's memory (``LAKESHORE_RESULT_MAX_BYTES``, which the process runner
-sets to half the task's memory limit) is refused before it is packed (:class:`ResultTooLarge`).
+``nymph/outputcheck.py``). A result comes with ``result.digest`` (:func:`_write_result`), the
+blake2b digest and size of the exact bytes written, published before the result itself: nymph
+compares them before it acks a success, so a byte changed on the way (a value still well-formed
+msgpack, a string no longer UTF-8) is a ``DamagedOutput``, not a success. The directory is not
+fsynced: it is the invocation's hot path. A result too big to pack within the task's memory
+(``LAKESHORE_RESULT_MAX_BYTES``, which the process runner sets to half the task's memory limit) is
+refused before it is packed (:class:`ResultTooLarge`).
 
 Part of the entry bundle, like :mod:`dreamlake.lakeshore.daemon.entry`: importable on Python
 3.9, no ``typing`` at runtime.
@@ -23,6 +27,10 @@ if TYPE_CHECKING:
 
 RESULT_FILE = "result.msgpack"
 ERROR_FILE = "error.json"
+# ``"blake2b-256 <64 hex digits> <size>\n"`` of result.msgpack's bytes; nymph's reader:
+# nymph/outputcheck.py (an entry from before it wrote none: nymph then checks the structure only)
+RESULT_DIGEST_FILE = "result.digest"
+RESULT_DIGEST_KIND = "blake2b-256"
 
 EXIT_OK = 0
 EXIT_RAISED = 1
@@ -49,6 +57,24 @@ def _write_atomic(name: str, data: bytes) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, name)
+
+
+def result_digest(data: bytes) -> bytes:
+    """The ``result.digest`` line of ``data``: :data:`RESULT_DIGEST_KIND`, its hex digest, its size."""
+    try:  # hashlib's own blake2b; hashlib itself imports OpenSSL (ms on every start)
+        from _blake2 import blake2b
+    except ImportError:  # an interpreter built without it as a module of its own
+        from hashlib import blake2b
+    hexdigest = blake2b(data, digest_size=32).hexdigest()
+    return f"{RESULT_DIGEST_KIND} {hexdigest} {len(data)}\n".encode("ascii")
+
+
+def _write_result(packed: bytes) -> None:
+    """``result.msgpack`` and its ``result.digest``, each written atomically: the digest first, so
+    a result is never there without its digest (a digest without a result, left by an entry that
+    died between the two renames, reads as no result: nymph looks at the digest only beside one)."""
+    _write_atomic(RESULT_DIGEST_FILE, result_digest(packed))
+    _write_atomic(RESULT_FILE, packed)
 
 
 def error_info(exc: BaseException) -> Dict[str, Any]:

@@ -28,10 +28,9 @@ from dreamlake.lakeshore import envvars, wire
 from dreamlake.lakeshore.daemon.entry_outputs import (
     EXIT_OK,
     EXIT_RAISED,
-    RESULT_FILE,
     _fail,
     _write_all,
-    _write_atomic,
+    _write_result,
     error_info,
 )
 from dreamlake.lakeshore.errors import Interrupted
@@ -194,7 +193,7 @@ def _journaled(
     finally:
         if not ended:
             journal.close()
-    _write_atomic(RESULT_FILE, returned)
+    _write_result(returned)
     return EXIT_OK
 
 
