@@ -63,7 +63,16 @@ from nymph import taskuser
 from nymph.config import NymphConfig
 from nymph.errors import JobRefused, is_disk_full
 from nymph.outbox import Outbox
-from nymph.runner import ExitStatus, Handle, Runner, RunnerError, RunnerUnavailable, Task, Watching
+from nymph.runner import (
+    ExitStatus,
+    Handle,
+    Runner,
+    RunnerError,
+    RunnerUnavailable,
+    Task,
+    Watching,
+    Withdrawing,
+)
 from nymph.slots import Slots
 
 if TYPE_CHECKING:
@@ -380,6 +389,7 @@ class SupervisedJob(abc.ABC, Generic[OutcomeT]):
             self._settle_once(self.start_refused(exc))
             return None
         if handle is None:  # stopped (cancel, shutdown, lost lease, timeout) while the runner was down
+            self._withdraw(task)
             self._settle_once(self.stopped(self.due_stop() or Stop("killed", "cancelled", 0.0)))
             return None
         self.handle = handle
@@ -389,6 +399,26 @@ class SupervisedJob(abc.ABC, Generic[OutcomeT]):
             return self._park(handle, fd)
         self.conclude(lambda: self._started(handle))
         return None
+
+    def _withdraw(self, task: Task) -> None:
+        """Stopped while the start was tried again: a start that raised RunnerUnavailable may have
+        started the task after all (its answer was lost), and nobody would supervise it. A runner
+        that can (``Capabilities.withdraw``) withdraws it; one that cannot be asked now does it
+        once it can (:class:`~nymph.runner.Withdrawing`)."""
+        runner = self.ctx.runner
+        if not runner.capabilities.withdraw:
+            return
+        try:
+            cast(Withdrawing, runner).withdraw(task)
+        except RunnerUnavailable as exc:
+            log.warning(
+                "%s %s: runner %s unavailable; what an unanswered start left is withdrawn once it "
+                "answers: %s",
+                self.kind, self.job_id, runner.name, exc,
+            )  # fmt: skip
+            self.ctx.on_unavailable(exc)
+        except RunnerError as exc:
+            log.warning("%s %s: withdrawing an unanswered start failed: %s", self.kind, self.job_id, exc)
 
     def _running(self, handle: Handle) -> None:
         if self.workdir is not None:

@@ -42,7 +42,12 @@ REQUIRED_METHODS = ("check", "start", "wait", "stop", "destroy", "inspect", "rec
 #: Protocol methods added after the first plugins were written: a class without one gets a no-op.
 OPTIONAL_METHODS = ("close",)
 #: The method each optional feature of Capabilities needs.
-FEATURE_METHODS = {"list_labelled": "list_labelled", "reap_orphans": "reap_orphans", "exit_fd": "exit_fd"}
+FEATURE_METHODS = {
+    "list_labelled": "list_labelled",
+    "reap_orphans": "reap_orphans",
+    "exit_fd": "exit_fd",
+    "withdraw": "withdraw",
+}
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,16 @@ small. The lifecycle mirrors Nomad's task drivers::
 
 ``start`` is idempotent under retry: a start tried again for the same invocation and attempt
 (after ``RunnerUnavailable``, when the first answer may have been lost) finds what the first one
-started and adopts it instead of starting a second task.
+started and adopts it instead of starting a second task. When the job is stopped before any start
+was answered, a runner that says ``Capabilities.withdraw`` is asked to withdraw what such a start
+may have left running (:class:`Withdrawing`).
 
 Handles are small, versioned JSON documents (``handle.json`` in the workdir), so a restarted nymph
 can re-attach to what a previous life started; only a file nymph itself wrote is loaded (a task
 cannot forge one, see :mod:`nymph.safeio`). Optional features are declared in
 :class:`Capabilities` and read only from there: nymph refuses a task that needs one the runner
-lacks, before starting it, and calls an optional method (:class:`Labelling`, :class:`Reaping`) only
+lacks, before starting it, and calls an optional method (:class:`Labelling`, :class:`Reaping`,
+:class:`Withdrawing`) only
 when the capability says the runner has it (:class:`Watching`: a task nymph waits for with no thread).
 
 Runners are plugins: the entry-point group ``nymph.runners`` maps a name to a class implementing
@@ -68,6 +71,9 @@ class Capabilities:
     # says what one task may be given here (Offering: memory, CPUs): the claim matches calls'
     # resources against it (docs/protocol.md "Placement"); False: not matched on them
     task_offer: bool = False
+    # withdraws what a start whose answer was lost may have started (Withdrawing): nymph calls it
+    # when the job is stopped (cancel, timeout, shutdown) while its start was being tried again
+    withdraw: bool = False
 
 
 @dataclass
@@ -195,6 +201,21 @@ class Offering(Protocol):
         """What one task may be given here, as the poll's offer says it: ``memory`` (bytes: the
         most one task's limit may be; 0 where no limit can be held, so calls asking for memory
         are not claimed here) and ``cpus`` (likewise); a key left out is not matched on."""
+        ...
+
+
+@runtime_checkable
+class Withdrawing(Protocol):
+    """The method of a runner whose :class:`Capabilities` say ``withdraw=True``."""
+
+    def withdraw(self, task: Task) -> None:
+        """Stop and free whatever a start of ``task`` that raised RunnerUnavailable started after
+        all (the answer was lost); a no-op when nothing was started. nymph calls it when the job is
+        stopped before any start of it was answered, so nothing runs that nobody supervises.
+
+        Raise RunnerUnavailable when the runner cannot be asked now; it should then remember the
+        withdrawal and do it once it can (nymph does not call it again).
+        """
         ...
 
 

@@ -8,25 +8,32 @@ dreamlake.lakeshore.daemon.entry`` or ``bash -c SCRIPT`` under :mod:`nymph_slurm
 ``proctrack/linuxproc``; see :mod:`nymph_slurm.jobs`) and submits it::
 
     [runuser -u USER --] sbatch --parsable --chdir WORKDIR --output WORKDIR/stdout.log
-        --error WORKDIR/stderr.log --open-mode=append --job-name nymph-<invocation_id>
-        --comment nymph:<invocation_id> --no-requeue --nodes=1 --ntasks=1
+        --error WORKDIR/stderr.log --open-mode=append --job-name nymph-<invocation_id>-a<attempt>
+        --comment nymph:<invocation_id>:a<attempt> --no-requeue --nodes=1 --ntasks=1
         [--partition/--account/--qos/--time] [--cpus-per-task/--mem/--gres=gpu:N] [extra_args]
         WORKDIR/slurm-job.sh
 
 ``run_config.resources`` is read by :mod:`nymph.resources`; ``pids`` and ``shm`` are refused
 (Slurm has no such per-job limit). The handle is ``{job_id, job_name, workdir}``.
 
-A start tried again after an sbatch whose answer never came (it timed out, or the controller
-stopped answering: :class:`~nymph.runner.RunnerUnavailable`) may find the job submitted after all:
-before submitting again it looks the job up by its name and workdir (``squeue --states=all``),
-leaving out jobs this runner destroyed (an earlier attempt's in the same workdir), and adopts it,
-so the invocation never runs twice. ``wait`` polls ``scontrol show job -o`` (never
-``sbatch --wait``, which polls at 2 s, 10 s, 42 s, ...) and maps ``JobState`` / ``ExitCode`` to an
-:class:`~nymph.runner.ExitStatus`. A job that has aged out of ``scontrol`` (``MinJobAge``, 300 s by
-default, and there is no ``sacct`` without slurmdbd) is ``gone``: its exit code is inferred from
-the workdir (``result.msgpack`` -> 0, ``error.json`` -> 1, neither -> unknown), as the process
-runner does for a re-attached process. A job id that now names another job (ids restart with a
-fresh ``StateSaveLocation``) is gone too: the job name must match.
+The job's name holds the attempt (:func:`nymph_slurm.jobs.job_name`): it is the job's identity.
+An sbatch whose answer never came (it timed out, or the controller stopped answering:
+:class:`~nymph.runner.RunnerUnavailable`) may have submitted the job after all, so every start
+first asks ``squeue --states=all`` for the invocation's jobs in its workdir
+(:func:`nymph_slurm.jobs.plan_start`): this attempt's is adopted (a start tried again, by this
+runner or by a restarted nymph's, never submits twice); another attempt's still active there (or
+one named the older nymphs' way, ``nymph-<invocation_id>``) is cancelled first, never adopted. A
+job stopped before any start was answered (a cancel during the retries) is withdrawn
+(:meth:`SlurmRunner.withdraw`): looked up the same way and cancelled, or, while the controller does
+not answer, once it does again (``check``, the next ``start``).
+
+``wait`` polls ``scontrol show job -o`` (never ``sbatch --wait``, which polls at 2 s, 10 s, 42 s,
+...) and maps ``JobState`` / ``ExitCode`` to an :class:`~nymph.runner.ExitStatus`. A job that has
+aged out of ``scontrol`` (``MinJobAge``, 300 s by default, and there is no ``sacct`` without
+slurmdbd) is ``gone``: its exit code is inferred from the workdir (``result.msgpack`` -> 0,
+``error.json`` -> 1, neither -> unknown), as the process runner does for a re-attached process. A
+job id that now names another job (ids restart with a fresh ``StateSaveLocation``) is gone too: the
+job name must match (a handle saved by an older nymph keeps its old name and is read the same way).
 
 The ladder: ``scancel --signal=TERM --full`` (the batch step and every process it started),
 ``grace_s``, then ``scancel --full`` (a cancel: Slurm sends SIGTERM and, ``KillWait`` seconds later,
@@ -54,6 +61,7 @@ import random
 import shlex
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -70,7 +78,21 @@ from nymph.runnerkit import (
     log_tail,
 )
 from nymph.taskenv import host_base
-from nymph_slurm.jobs import GPU_ENV, JobRecord, batch_script, exit_status, parse_record, resource_args
+from nymph_slurm.jobs import (
+    GPU_ENV,
+    QUEUE_FORMAT,
+    JobRecord,
+    QueuedJob,
+    StartPlan,
+    batch_script,
+    exit_status,
+    job_name,
+    lookup_names,
+    parse_queue,
+    parse_record,
+    plan_start,
+    resource_args,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +117,9 @@ class SlurmRunner:
     """Runs each invocation as one Slurm batch job (see the module docstring)."""
 
     name: ClassVar[str] = "slurm"
-    capabilities: ClassVar[Capabilities] = Capabilities(as_user=True, gpus=True, resources=True, recover=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        as_user=True, gpus=True, resources=True, recover=True, withdraw=True
+    )
 
     def __init__(
         self,
@@ -134,8 +158,9 @@ class SlurmRunner:
         self.poll_interval_s = float(poll_interval_s)
         self.cancel_wait_s = float(cancel_wait_s)
         self._destroyed: set[str] = set()  # job ids destroyed here: finished, nothing to re-attach to
-        # (invocation, attempt) whose sbatch gave no answer: a start tried again looks the job up first
-        self._unanswered: set[tuple[str, int]] = set()
+        # starts withdrawn while the controller did not answer, by (invocation, attempt): done later
+        self._withdrawing: dict[tuple[str, int], Task] = {}
+        self._lock = threading.Lock()  # jobs of many invocations call in from their own threads
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -155,25 +180,25 @@ class SlurmRunner:
                 "slurmctld (on a dev box: scripts/services/slurm.sh) or point SLURM_CONF at the "
                 "cluster's slurm.conf"
             )
+        self._withdraw_pending()
 
     def start(self, task: Task) -> Handle:
         workdir = Path(task.workdir)
         if not workdir.is_dir():  # sbatch would silently run the job in /tmp
             raise RunnerError(f"slurm runner: workdir {workdir} does not exist; nothing submitted")
-        job_name = f"nymph-{task.invocation_id}"
+        name = job_name(task.invocation_id, task.attempt)
         res_args = resource_args((task.run_config or {}).get("resources"), len(task.gpus))
-        key = (task.invocation_id, task.attempt)
-        if key in self._unanswered:
-            job_id = self._submitted(job_name, workdir)
-            if job_id is not None:
-                log.warning(
-                    "invocation %s: Slurm job %s of this attempt was submitted (an earlier sbatch's "
-                    "answer was lost); adopting it",
-                    task.invocation_id,
-                    job_id,
-                )
-                self._unanswered.discard(key)
-                return self._handle(task, job_id, job_name, workdir)
+        self._withdraw_pending()
+        plan = self._plan(task)  # never submitted twice: this attempt's job may exist already
+        self._cancel(task, plan.cancel, "another attempt's, in this workdir")
+        if plan.adopt is not None:
+            log.warning(
+                "invocation %s: Slurm job %s of this attempt was submitted (an earlier sbatch's "
+                "answer was lost); adopting it",
+                task.invocation_id,
+                plan.adopt,
+            )
+            return self._handle(task, plan.adopt, name, workdir)
         env = {**host_base(), **task.env}  # the documented base and the task's own (nymph.taskenv)
         if any(a.startswith("--gres=gpu") for a in res_args):
             env = {k: v for k, v in env.items() if k not in GPU_ENV}  # Slurm sets them for its GPUs
@@ -194,8 +219,8 @@ class SlurmRunner:
             f"--output={workdir / 'stdout.log'}",
             f"--error={workdir / 'stderr.log'}",
             "--open-mode=append",
-            f"--job-name={job_name}",
-            f"--comment=nymph:{task.invocation_id}",
+            f"--job-name={name}",
+            f"--comment=nymph:{task.invocation_id}:a{task.attempt}",
             "--no-requeue",  # a requeued job would run the invocation twice in the same workdir
             "--nodes=1",
             "--ntasks=1",
@@ -211,41 +236,70 @@ class SlurmRunner:
         argv += [*res_args, *self.extra_args, str(script)]
         if task.as_user:
             argv = [self.runuser, "-u", task.as_user, "--", *argv]
-        self._unanswered.add(key)
-        try:
-            out = self._run(argv, env=self._submit_env(task), what="sbatch")
-        except RunnerUnavailable:
-            raise  # it may have been submitted: the start tried again looks first
-        except RunnerError:
-            self._unanswered.discard(key)  # refused: nothing was submitted
-            raise
-        self._unanswered.discard(key)
+        # RunnerUnavailable: it may have been submitted; the start tried again looks first
+        out = self._run(argv, env=self._submit_env(task), what="sbatch")
         job_id = out.stdout.strip().split(";")[0]  # --parsable: "ID" or "ID;CLUSTER"
         if not job_id.isdigit():
             raise RunnerError(f"slurm runner: sbatch answered {out.stdout.strip()[:200]!r}, not a job id")
         log.debug("invocation %s: submitted Slurm job %s", task.invocation_id, job_id)
-        return self._handle(task, job_id, job_name, workdir)
+        return self._handle(task, job_id, name, workdir)
 
-    def _handle(self, task: Task, job_id: str, job_name: str, workdir: Path) -> Handle:
+    def withdraw(self, task: Task) -> None:
+        """Cancel what a start of ``task`` whose answer was lost submitted after all (nymph stopped
+        the job before any start was answered), found by the job's name in its workdir, as a start
+        would find it. While the controller does not answer (RunnerUnavailable) it is remembered,
+        and done once it answers again: in :meth:`check`, which nymph calls until it passes, or at
+        the next :meth:`start`."""
+        with self._lock:
+            self._withdrawing[(task.invocation_id, task.attempt)] = task
+        self._withdraw_pending()
+
+    def _withdraw_pending(self) -> None:
+        with self._lock:
+            pending = list(self._withdrawing.items())
+        for key, task in pending:
+            try:
+                plan = self._plan(task)
+                self._cancel(task, (*([plan.adopt] if plan.adopt else []), *plan.cancel), "withdrawn")
+            except RunnerUnavailable:
+                raise  # still remembered: tried again once the controller answers
+            except RunnerError as exc:  # not transient: trying again would not do better
+                log.warning("invocation %s: withdrawing its Slurm job failed: %s", task.invocation_id, exc)
+            with self._lock:
+                self._withdrawing.pop(key, None)
+
+    def _plan(self, task: Task) -> StartPlan:
+        return plan_start(
+            self._queued(task.invocation_id, task.attempt),
+            task.invocation_id,
+            task.attempt,
+            str(task.workdir),
+            self._destroyed,
+        )
+
+    def _queued(self, invocation_id: str, attempt: int) -> list[QueuedJob]:
+        """The jobs Slurm knows (in any state) under the invocation's names (:func:`lookup_names`)."""
+        names = ",".join(lookup_names(invocation_id, attempt))
+        out = self._run(
+            [self.squeue, "--noheader", "--states=all", f"--name={names}", f"--format={QUEUE_FORMAT}"],
+            what="squeue",
+        )
+        return parse_queue(out.stdout)
+
+    def _cancel(self, task: Task, job_ids: Iterable[str], why: str) -> None:
+        """Cancel each job (and wait for it to end, as :meth:`destroy` does); it counts as destroyed."""
+        for job_id in job_ids:
+            log.warning("invocation %s: cancelling Slurm job %s (%s)", task.invocation_id, job_id, why)
+            # no job name to match: the id was read from squeue just now
+            self.destroy(Handle(self.name, task.invocation_id, task.attempt, {"job_id": job_id}))
+
+    def _handle(self, task: Task, job_id: str, name: str, workdir: Path) -> Handle:
         return Handle(
             runner=self.name,
             invocation_id=task.invocation_id,
             attempt=task.attempt,
-            data={"job_id": job_id, "job_name": job_name, "workdir": str(workdir)},
+            data={"job_id": job_id, "job_name": name, "workdir": str(workdir)},
         )
-
-    def _submitted(self, job_name: str, workdir: Path) -> str | None:
-        """The id of a job named ``job_name`` in ``workdir`` that Slurm knows (in any state) and this
-        runner did not destroy (an earlier attempt's), or None."""
-        out = self._run(
-            [self.squeue, "--noheader", "--states=all", f"--name={job_name}", "--format=%i|%Z"],
-            what="squeue",
-        )
-        for line in out.stdout.splitlines():
-            job_id, _, where = line.strip().partition("|")
-            if job_id.isdigit() and where == str(workdir) and job_id not in self._destroyed:
-                return job_id
-        return None
 
     def wait(self, handle: Handle, timeout: float | None = None) -> ExitStatus | None:
         deadline = None if timeout is None else time.monotonic() + timeout

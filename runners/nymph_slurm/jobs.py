@@ -11,6 +11,9 @@ Nothing here runs a Slurm command, so every rule is testable without a cluster:
   options (``cpus`` -> ``--cpus-per-task``, ``memory`` -> ``--mem``, ``gpus`` -> ``--gres=gpu:N``);
   ``pids`` and ``shm`` are refused (:data:`UNSUPPORTED_RESOURCES`);
 - :func:`parse_record`: one line of ``scontrol show job -o`` as a :class:`JobRecord`;
+- :func:`job_name`: ``nymph-<invocation id>-a<attempt>``, the job's identity on the cluster, and
+  :func:`lookup_names` / :func:`parse_queue` / :func:`plan_start`: what a start does with the jobs
+  squeue knows under this invocation's names in its workdir (adopt this attempt's, cancel the rest);
 - :func:`exit_status`: a finished job's ``JobState`` and ``ExitCode`` (``"3:0"``: exit 3,
   ``"0:9"``: signal 9) as an :class:`~nymph.runner.ExitStatus` with a reason.
 """
@@ -20,7 +23,7 @@ from __future__ import annotations
 import math
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +78,11 @@ UNSUPPORTED_RESOURCES = {
 }
 
 
+# squeue's columns for the look-up before a submission: id, name, long state, workdir (last: a path
+# may hold the separator)
+QUEUE_FORMAT = "%i|%j|%T|%Z"
+
+
 @dataclass(frozen=True)
 class JobRecord:
     """What the runner reads from ``scontrol show job -o``."""
@@ -114,6 +122,84 @@ def parse_record(line: str) -> JobRecord:
         reason=fields.get("Reason", "None"),
         fields=fields,
     )
+
+
+def job_name(invocation_id: str, attempt: int) -> str:
+    """``nymph-<invocation id>-a<attempt>`` (:func:`nymph.runnerkit.task_name`), the job's name.
+
+    The attempt is part of it so that the look-up before a submission finds this attempt's job and
+    never an earlier attempt's in the same workdir (the workdir is the invocation's, every attempt
+    uses it); 36 characters for a ULID, far inside Slurm's limits.
+    """
+    return f"nymph-{invocation_id.lower()}-a{attempt}"
+
+
+def legacy_job_name(invocation_id: str) -> str:
+    """``nymph-<invocation id>``: the name older nymphs gave every attempt's job (no attempt in it)."""
+    return f"nymph-{invocation_id}"
+
+
+def lookup_names(invocation_id: str, attempt: int) -> list[str]:
+    """The names a start of ``attempt`` asks squeue about: its own first, then every earlier
+    attempt's and the older nymphs' name, whose jobs must not run beside it in the same workdir."""
+    earlier = [job_name(invocation_id, k) for k in range(attempt - 1, 0, -1)]
+    return [job_name(invocation_id, attempt), *earlier, legacy_job_name(invocation_id)]
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    """One line of ``squeue --format=QUEUE_FORMAT``."""
+
+    job_id: str
+    name: str
+    state: str  # the long form, as scontrol's JobState
+    workdir: str
+
+    @property
+    def active(self) -> bool:
+        return self.state.split("+")[0].upper() in ACTIVE_STATES
+
+
+def parse_queue(text: str) -> list[QueuedJob]:
+    """The jobs in squeue's answer (``--noheader --format=QUEUE_FORMAT``); other lines are skipped."""
+    jobs = []
+    for line in text.splitlines():
+        parts = line.strip().split("|", 3)
+        if len(parts) == 4 and parts[0].isdigit():
+            jobs.append(QueuedJob(*parts))
+    return jobs
+
+
+@dataclass(frozen=True)
+class StartPlan:
+    """What a start does before (or instead of) submitting."""
+
+    adopt: str | None  # this attempt's job, submitted by a start whose answer was lost: not again
+    cancel: tuple[str, ...]  # other jobs of the invocation active in its workdir: never beside it
+
+
+def plan_start(
+    jobs: list[QueuedJob], invocation_id: str, attempt: int, workdir: str, destroyed: Collection[str]
+) -> StartPlan:
+    """Decide from the jobs squeue knows under :func:`lookup_names` (in any state).
+
+    Only jobs in ``workdir`` count (the name alone could be another nymph's with the same
+    invocation: another workdir root), and none this runner destroyed. This attempt's job is
+    adopted whatever its state, so a lost sbatch answer never submits twice, even across a nymph
+    restart (the name, not a memory of the lost answer, finds it); when there are several (the
+    double submission this prevents), the first one is adopted. Every other one still active (an
+    earlier attempt's, one named the older nymphs' way, a duplicate) is cancelled: it would run
+    the invocation a second time in the same workdir. A finished one is left alone.
+    """
+    own = job_name(invocation_id, attempt)
+    names = set(lookup_names(invocation_id, attempt))
+    found = sorted(
+        (j for j in jobs if j.workdir == workdir and j.name in names and j.job_id not in destroyed),
+        key=lambda j: int(j.job_id),
+    )
+    adopt = next((j.job_id for j in found if j.name == own), None)
+    cancel = tuple(j.job_id for j in found if j.active and j.job_id != adopt)
+    return StartPlan(adopt, cancel)
 
 
 def exit_status(record: JobRecord) -> ExitStatus:

@@ -7,6 +7,7 @@ ExitCode mapping, resources as sbatch options) and ``check()`` on a host without
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pwd
@@ -153,6 +154,41 @@ def _scontrol(job_id: str) -> str:
     return subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
 
 
+def _jobs_in(workdir: Path) -> list[tuple[str, str]]:
+    """``(job id, state)`` of every job Slurm knows in ``workdir``, whatever its name."""
+    out = subprocess.run(
+        ["squeue", "-h", "--states=all", "-o", "%i|%T|%Z"], capture_output=True, text=True, check=True
+    ).stdout
+    rows = [line.strip().split("|", 2) for line in out.splitlines() if line.strip()]
+    return sorted(
+        ((r[0], r[1]) for r in rows if len(r) == 3 and r[2] == str(workdir)), key=lambda r: int(r[0])
+    )
+
+
+@pytest.fixture
+def cancel_leftovers() -> Iterator[list[Path]]:
+    """Workdirs whose jobs are cancelled at teardown: one a handle never named (a double submission)."""
+    workdirs: list[Path] = []
+    yield workdirs
+    for workdir in workdirs:
+        for job_id, _ in _jobs_in(workdir):
+            subprocess.run(["scancel", "--full", job_id], capture_output=True)
+
+
+def _losing(tmp_path: Path, tool: str, says: str) -> tuple[Path, Path]:
+    """A wrapper of the Slurm ``tool`` that runs it for real, and the flag that, while it exists,
+    turns its answer into the unreachable controller's message once (the answer is "lost")."""
+    lose, wrapper = tmp_path / f"lose-{tool}", tmp_path / tool
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'out=$({tool} "$@") || exit $?\n'
+        f'if [ -e {lose} ]; then rm -f {lose}; echo "{tool}: error: {says}" >&2; exit 1; fi\n'
+        'echo "$out"\n'
+    )
+    wrapper.chmod(0o755)
+    return lose, wrapper
+
+
 def _running(pids: list[int]) -> list[int]:
     alive = []
     for pid in pids:
@@ -173,8 +209,9 @@ def test_plain_result_and_the_job_is_labelled(runner: SlurmRunner, tasks: TaskFa
     assert status is not None and status.exit_code == 0, status
     assert wire.unpack((task.workdir / "result.msgpack").read_bytes()) == 5
     record = _scontrol(handle.data["job_id"])
-    assert f"JobName=nymph-{task.invocation_id} " in record
-    assert f"Comment=nymph:{task.invocation_id} " in record
+    # the attempt is in the job's identity (a start tried again finds this attempt's job, only it)
+    assert f"JobName=nymph-{task.invocation_id.lower()}-a1 " in record
+    assert f"Comment=nymph:{task.invocation_id}:a1 " in record
     assert f"WorkDir={task.workdir} " in record
     assert (task.workdir / SCRIPT_FILE).exists()
     assert runner.inspect(handle) == "exited"
@@ -330,40 +367,87 @@ def test_missing_workdir_is_refused_before_anything_is_submitted(
     shutil.rmtree(task.workdir)
     with pytest.raises(RunnerError, match="does not exist"):
         runner.start(task)
-    queued = subprocess.run(
-        ["squeue", "-h", "-n", f"nymph-{task.invocation_id}", "-o", "%i"], capture_output=True, text=True
-    )
-    assert queued.stdout.strip() == ""
+    assert _jobs_in(task.workdir) == []
 
 
 def test_start_tried_again_after_a_lost_sbatch_answer_adopts_the_job(
     tasks: TaskFactory, slurm_ok: None, tmp_path: Path
 ) -> None:
-    lose = tmp_path / "lose-the-answer"
-    wrapper = tmp_path / "sbatch"
-    wrapper.write_text(  # submits for real; while the flag exists, the answer is "lost" once
-        "#!/bin/sh\n"
-        'out=$(sbatch "$@") || exit $?\n'
-        f"if [ -e {lose} ]; then rm -f {lose}; "
-        'echo "sbatch: error: Socket timed out on send/recv operation" >&2; exit 1; fi\n'
-        'echo "$out"\n'
-    )
-    wrapper.chmod(0o755)
+    lose, wrapper = _losing(tmp_path, "sbatch", "Socket timed out on send/recv operation")
     runner = SlurmRunner(sbatch=str(wrapper), poll_interval_s=0.1)
     task = tasks.task(nymph_fns.add, 2, 3)
     lose.touch()
     with pytest.raises(RunnerUnavailable, match="cannot be reached"):
         runner.start(task)  # submitted, but nymph never heard the job id
     handle = tasks.start(runner, task)  # what the job does after RunnerUnavailable: start again
-    queued = subprocess.run(
-        ["squeue", "-h", "--states=all", "-n", f"nymph-{task.invocation_id}", "-o", "%i"],
-        capture_output=True,
-        text=True,
-    )
-    assert queued.stdout.split() == [handle.data["job_id"]]  # adopted: one job, not two
+    assert [j for j, _ in _jobs_in(task.workdir)] == [handle.data["job_id"]]  # adopted: one job, not two
     status = runner.wait(handle, LIMIT_S)
     assert status is not None and status.exit_code == 0, status
     assert wire.unpack((task.workdir / "result.msgpack").read_bytes()) == 5
+
+
+def test_a_restarted_nymph_adopts_the_job_a_lost_sbatch_answer_submitted(
+    tasks: TaskFactory, slurm_ok: None, tmp_path: Path, cancel_leftovers: list[Path]
+) -> None:
+    """Before, only the first runner's memory of the unanswered sbatch led to the look-up: a new
+    runner instance (nymph restarted before trying again) submitted the invocation a second time."""
+    lose, wrapper = _losing(tmp_path, "sbatch", "Socket timed out on send/recv operation")
+    task = tasks.task(nymph_fns.add, 2, 3)
+    cancel_leftovers.append(task.workdir)
+    lose.touch()
+    with pytest.raises(RunnerUnavailable):
+        SlurmRunner(sbatch=str(wrapper)).start(task)  # submitted; the answer lost; then nymph died
+    restarted = SlurmRunner(poll_interval_s=0.1)  # no memory of the lost answer
+    handle = tasks.start(restarted, task)
+    assert [j for j, _ in _jobs_in(task.workdir)] == [handle.data["job_id"]]  # one job, not two
+    status = restarted.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 0, status
+    assert wire.unpack((task.workdir / "result.msgpack").read_bytes()) == 5
+
+
+def test_a_later_attempt_never_adopts_an_earlier_attempts_job_and_cancels_it(
+    tasks: TaskFactory, slurm_ok: None, cancel_leftovers: list[Path]
+) -> None:
+    """Attempt 2 in the workdir of an attempt 1 whose job is still there (its nymph restarted and
+    the control plane ran the invocation again): a job of its own, and attempt 1's cancelled, not
+    left to run the invocation a second time in the same workdir."""
+    first = tasks.task(nymph_fns.wait_for_file, "release")
+    cancel_leftovers.append(first.workdir)
+    old = SlurmRunner(poll_interval_s=0.1).start(first)
+    second = dataclasses.replace(first, attempt=2)
+    runner = SlurmRunner(poll_interval_s=0.1)  # a restarted nymph's
+    handle = tasks.start(runner, second)
+    assert handle.data["job_id"] != old.data["job_id"]
+    assert dict(_jobs_in(first.workdir))[old.data["job_id"]] == "CANCELLED"
+    assert handle.data["job_name"] == f"nymph-{first.invocation_id.lower()}-a2"
+    (first.workdir / "release").touch()
+    status = runner.wait(handle, LIMIT_S)
+    assert status is not None and status.exit_code == 0, status
+    assert wire.unpack((first.workdir / "result.msgpack").read_bytes()) == "released"
+
+
+def test_a_withdrawn_start_cancels_the_job_its_lost_answer_submitted(
+    tasks: TaskFactory, slurm_ok: None, tmp_path: Path, cancel_leftovers: list[Path]
+) -> None:
+    """A cancel while the start was tried again: nymph withdraws the start (before, the job Slurm
+    had accepted ran on with nobody supervising it). While the controller does not answer, the
+    runner remembers it and withdraws it at the next check()."""
+    lose, sbatch = _losing(tmp_path, "sbatch", "Socket timed out on send/recv operation")
+    down, squeue = _losing(tmp_path, "squeue", "Unable to contact slurm controller (connect failure)")
+    runner = SlurmRunner(sbatch=str(sbatch), squeue=str(squeue), poll_interval_s=0.1)
+    task = tasks.task(nymph_fns.wait_for_file, "release")
+    cancel_leftovers.append(task.workdir)
+    lose.touch()
+    with pytest.raises(RunnerUnavailable):
+        runner.start(task)
+    [(job_id, _)] = _jobs_in(task.workdir)
+    down.touch()
+    with pytest.raises(RunnerUnavailable):
+        runner.withdraw(task)  # nymph's job settles "killed"; the runner still owes the cancel
+    assert dict(_jobs_in(task.workdir))[job_id] != "CANCELLED"
+    runner.check()  # what nymph calls until the runner answers again
+    assert _jobs_in(task.workdir) == [(job_id, "CANCELLED")]
+    assert not (task.workdir / "result.msgpack").exists()
 
 
 def test_resources_are_visible_in_scontrol(runner: SlurmRunner, tasks: TaskFactory) -> None:

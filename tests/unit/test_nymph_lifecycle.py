@@ -22,7 +22,7 @@ from nymph.execjob import ExecJob
 from nymph.job import Job
 from nymph.lifecycle import JobContext, Phase
 from nymph.observability import configure_logging, log_context
-from nymph.runner import Handle, RunnerUnavailable, Task
+from nymph.runner import Capabilities, Handle, RunnerUnavailable, Task
 from nymph.slots import Slots
 from tests.unit.dispatch_kit import FakeRunner
 
@@ -321,6 +321,59 @@ def test_a_timeout_passing_while_the_runner_is_unavailable_settles_timeout_witho
     assert runner.started == []
     [ack] = outbox.acks
     assert ack["state"] == "timeout" and ack["error"]["type"] == "Timeout"
+
+
+class _WithdrawingRunner(_FlakyRunner):
+    """A runner whose start is never answered (it may have started the task) and that can withdraw."""
+
+    capabilities = Capabilities(withdraw=True)
+
+    def __init__(self, *failures: BaseException, withdraw_raises: BaseException | None = None) -> None:
+        super().__init__(*failures)
+        self.withdrawn: list[Task] = []
+        self.withdraw_raises = withdraw_raises
+
+    def withdraw(self, task: Task) -> None:
+        self.withdrawn.append(task)
+        if self.withdraw_raises is not None:
+            raise self.withdraw_raises
+
+
+@pytest.mark.parametrize("withdraw_raises", [None, RunnerUnavailable("still down")])
+def test_a_cancel_while_the_start_is_tried_again_withdraws_what_an_unanswered_start_left(
+    tmp_path: Path, withdraw_raises: BaseException | None
+) -> None:
+    """Before, the job settled and the runner was never told: a Slurm job whose sbatch answer was
+    lost ran on, unsupervised. A withdraw the runner cannot do now is its to do later."""
+    told: list[RunnerUnavailable] = []
+    outbox = _Outbox()
+    runner = _WithdrawingRunner(*[RunnerUnavailable("no answer")] * 1000, withdraw_raises=withdraw_raises)
+
+    def on_unavailable(exc: RunnerUnavailable) -> None:
+        told.append(exc)
+        job.cancel("cancelled by the user", 0.0)
+
+    job = Job(_ctx(tmp_path, runner, outbox, on_unavailable=on_unavailable), ID, 3, {"script": "true"})
+    _run_in_thread(job)
+    assert runner.started == []
+    assert [(t.invocation_id, t.attempt) for t in runner.withdrawn] == [(ID, 3)]
+    assert len(told) == (2 if withdraw_raises else 1)  # the agent re-checks the runner until it answers
+    [ack] = outbox.acks
+    assert ack["state"] == "killed"
+
+
+def test_a_runner_that_cannot_withdraw_is_not_asked(tmp_path: Path) -> None:
+    outbox = _Outbox()
+    runner = _WithdrawingRunner(*[RunnerUnavailable("no answer")] * 1000)
+    runner.capabilities = Capabilities()  # type: ignore[misc]  # read only from the capabilities
+    job = Job(
+        _ctx(tmp_path, runner, outbox, on_unavailable=lambda e: job.cancel("x", 0.0)),
+        ID,
+        1,
+        {"script": "true"},
+    )
+    _run_in_thread(job)
+    assert runner.withdrawn == [] and outbox.acks[0]["state"] == "killed"
 
 
 # --- the job's id on every log line --------------------------------------------------------------------
