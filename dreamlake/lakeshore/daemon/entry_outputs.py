@@ -44,16 +44,18 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _write_atomic(name: str, data: bytes) -> None:
+def _write_atomic(name: str, data: bytes, sync: bool = True) -> None:
     """``name`` replaced by ``data``: written to a temporary name, fsynced, renamed. The fsync is
     what keeps a host crash (a power loss) from leaving the new name with data not yet on disk (a
     truncated result nymph would otherwise find); the directory is not fsynced: a rename lost with
-    the host leaves no output at all, which reads as a crash and is retried."""
+    the host leaves no output at all, which reads as a crash and is retried. ``sync=False`` skips
+    the fsync (0.4 ms here) where a host crash can only make nymph fail the call safe."""
     tmp = f".{name}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)  # as open("wb")
     try:
         _write_all(fd, data)
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, name)
@@ -72,8 +74,10 @@ def result_digest(data: bytes) -> bytes:
 def _write_result(packed: bytes) -> None:
     """``result.msgpack`` and its ``result.digest``, each written atomically: the digest first, so
     a result is never there without its digest (a digest without a result, left by an entry that
-    died between the two renames, reads as no result: nymph looks at the digest only beside one)."""
-    _write_atomic(RESULT_DIGEST_FILE, result_digest(packed))
+    died between the two renames, reads as no result: nymph looks at the digest only beside one).
+    The digest is not fsynced: a host crash that loses its bytes but keeps the result's leaves a
+    digest that does not match (a ``DamagedOutput``, retried) or none (the structural check)."""
+    _write_atomic(RESULT_DIGEST_FILE, result_digest(packed), sync=False)
     _write_atomic(RESULT_FILE, packed)
 
 
