@@ -2,8 +2,9 @@
 
 Messages (acks, exec results) are durable: :meth:`Outbox.put` writes one (route + msgpack body) to
 ``{state_dir}/outbox/`` atomically (temp file, fsync, rename, fsync of the directory) and returns.
-On a full state dir (``ENOSPC``) a message is kept in memory instead and delivered all the same
-(see :meth:`Outbox.put`); a failed write leaves no partial file, and messages already written stay.
+On a full state dir (``ENOSPC``), or any other failed write (``EIO``, ``EROFS``, ``EACCES``), a
+message is kept in memory instead and delivered all the same (see :meth:`Outbox.put`); a failed
+write leaves no partial file, and messages already written stay.
 Frames are not copied here while their job runs: an invocation's stream is a
 :class:`~nymph.pump.Pump` over its journal in the workdir (durable there), opened with
 :meth:`Outbox.open_stream`. A finished job whose frames cannot be delivered for a while (the
@@ -19,7 +20,9 @@ final refusal (409 superseded, 404 unknown, other 4xx: logged; a refused stream 
 frames). A transient failure (connection, timeout, 5xx, 429, a refused token) pauses the sender as
 a whole, with exponential backoff and jitter, and the same request is tried first again: the
 control plane is one for every lane. On start-up the directory is replayed in the order it was
-written, so an outage or a restart costs latency, never results.
+written, so an outage or a restart costs latency, never results. A file there that is not a
+message nymph wrote (a stray name, a directory, a link, unreadable or corrupt bytes) never stops
+the start-up: it is moved aside as ``.bad`` (logged once, saying where) and never sent.
 
 :meth:`Outbox.pending_entries` names the invocations with frames or an ack not yet confirmed
 here: the heartbeat keeps renewing their leases (a lease is given up only by the ack). Metrics (:meth:`Outbox.stats`):
@@ -47,8 +50,11 @@ piece would reach into the others' state.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import re
+import stat
 import threading
 import time
 from collections import OrderedDict, deque
@@ -66,7 +72,7 @@ from dreamlake.lakeshore.protocol import routes
 from nymph import observability as obs
 from nymph.client import ControlPlaneClient, is_retryable
 from nymph.errors import is_disk_full
-from nymph.safeio import write_all
+from nymph.safeio import read_all, write_all
 from nymph.watcher import Watcher
 
 if TYPE_CHECKING:
@@ -80,6 +86,9 @@ CHUNK = routes.RESULT_CHUNK
 CHUNKS = routes.RESULT_CHUNKS
 NAMESPACE_ROUTES = routes.NAMESPACE_ROUTES
 _SUFFIX = ".msg"
+_NAME = re.compile(r"([0-9]+)-(.*)\.msg")  # what put names a message: {sequence}-{invocation id}.msg
+# a message is read without following a link, and without blocking on a FIFO (see nymph.safeio)
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 _IDLE_S = 1.0
 HOLD_S = 0.05  # how long an ack put while a poll is imminent waits for that poll before the sender takes it
 
@@ -91,7 +100,7 @@ class Message:
     body: dict[str, Any]
     created: float = field(default_factory=time.time, compare=False)
     size: int = 0  # bytes on disk
-    durable: bool = True  # False: kept in memory only (the state dir was full when it was put)
+    durable: bool = True  # False: kept in memory only (it could not be written when it was put)
 
     @property
     def invocation_id(self) -> str:
@@ -181,6 +190,9 @@ class Outbox:
         memory only (``on_full`` is told): it is delivered like any other, and only a death of
         nymph before that loses it, after which the lease lapses and the invocation runs again
         (at least once, as after any crash). Messages already on disk are never touched by it.
+        Any other failed write (``EIO``, ``EROFS``, ``EACCES`` ...) is treated the same way, but
+        ``on_full`` is not told (no room to wait for): this never raises an ``OSError``, so an ack
+        is never lost to a failing state dir while nymph lives. One line is logged per message.
         """
         data = msgpack.packb({"route": route, "body": body}, use_bin_type=True)
         with self._cond:
@@ -190,14 +202,15 @@ class Outbox:
             try:
                 self._write(path, data)
             except OSError as exc:
-                if not is_disk_full(exc):
-                    raise
+                full = is_disk_full(exc)
                 log.error(
                     "outbox: %s for invocation %s kept in memory, not on disk (%s); it is still "
-                    "delivered, but lost if nymph dies first (then its lease lapses and it runs again)",
+                    "delivered, but lost if nymph dies first (then its lease lapses and it runs again)%s",
                     route, body.get("invocation_id") or body.get("exec_id"), exc,
+                    "" if full else f" -- writes to {self.dir} fail: check that filesystem "
+                    "(read-only? I/O errors? permissions?)",
                 )  # fmt: skip
-                if self._on_full is not None:
+                if full and self._on_full is not None:
                     self._on_full(exc)
                 msg = Message(path, route, body, size=0, durable=False)
             else:
@@ -220,7 +233,8 @@ class Outbox:
                 os.close(fd)
             os.replace(tmp, path)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # the first error is the one to report; a start-up
+                tmp.unlink(missing_ok=True)  # removes a temporary file left here all the same
             raise
         try:
             _fsync_dir(self.dir)
@@ -611,20 +625,83 @@ class Outbox:
         self._served(lane)
 
     def _replay(self) -> None:
+        """Queue the messages a previous run left, in the order they were written.
+
+        Nothing found here stops the start-up: a temporary file of an interrupted write is removed
+        (one that cannot be is set aside), and anything else that is not a message nymph wrote (see
+        :meth:`_load`) is moved aside as ``.bad`` (:meth:`_set_aside`), so it is logged once and
+        never sent, while every good message beside it is delivered.
+        """
         for tmp in self.dir.glob("*.tmp"):
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError as exc:  # a directory of that name: not an interrupted write of put's
+                self._set_aside(tmp, f"cannot be removed ({exc.strerror or exc})")
         count = 0
         for path in sorted(self.dir.glob("*" + _SUFFIX)):
-            try:
-                raw = msgpack.unpackb(path.read_bytes(), raw=False)
-                msg = Message(path, str(raw["route"]), dict(raw["body"]), size=path.stat().st_size)
-            except (OSError, ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
-                log.error("outbox: unreadable message %s moved aside: %s", path.name, exc)
-                os.replace(path, path.with_suffix(".bad"))
+            loaded = self._load(path)
+            if isinstance(loaded, str):
+                self._set_aside(path, loaded)
                 continue
+            if loaded is None:
+                continue  # gone since the listing
+            seq, msg = loaded
             self._lane(msg.invocation_id).messages.append(msg)
             self._count_disk(msg.size)
-            self._seq = max(self._seq, int(path.name.split("-", 1)[0]))
+            self._seq = max(self._seq, seq)
             count += 1
         if count:
             log.info("outbox: replaying %d message(s) left by a previous run", count)
+
+    def _load(self, path: Path) -> tuple[int, Message] | str | None:
+        """``(sequence, message)`` of a message file :meth:`put` wrote; else why it is not one (a
+        name put does not write, not a regular file, unreadable, corrupt); None when it is gone."""
+        match = _NAME.fullmatch(path.name)
+        if match is None:
+            return "is not a name nymph writes ({sequence}-{invocation id}.msg)"
+        try:
+            fd = os.open(path, _READ_FLAGS)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return "is a symbolic link, not a message nymph wrote"
+            return f"cannot be opened ({exc.strerror or exc})"
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return "is not a regular file"
+            data = read_all(fd)
+        except OSError as exc:
+            return f"cannot be read ({exc.strerror or exc})"
+        finally:
+            os.close(fd)
+        try:
+            raw = msgpack.unpackb(data, raw=False)
+        except Exception as exc:  # truncated, garbage, bad UTF-8, too deep: whatever msgpack says
+            return f"is corrupt ({type(exc).__name__}: {exc})"
+        if (
+            not isinstance(raw, dict)
+            or not isinstance(raw.get("route"), str)
+            or not isinstance(raw.get("body"), dict)
+        ):
+            return "is corrupt (not a route and a body)"
+        return int(match[1]), Message(path, raw["route"], raw["body"], size=len(data))
+
+    def _set_aside(self, path: Path, why: str) -> None:
+        """Rename ``path`` to ``.bad`` (never over an earlier one), so no later start reads it
+        again; one line says why and where it went. Never raises."""
+        dest = path.with_suffix(".bad")
+        if os.path.lexists(dest):
+            dest = path.with_name(f"{path.stem}.{time.time_ns()}.bad")
+        try:
+            os.rename(path, dest)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            log.error(
+                "outbox: %s %s; not sent, and it cannot be moved aside (%s): skipped at every start "
+                "until it is removed (look at it, then delete it)",
+                path, why, exc.strerror or exc,
+            )  # fmt: skip
+            return
+        log.error("outbox: %s %s; not sent, moved aside to %s (look at it, then delete it)", path, why, dest)

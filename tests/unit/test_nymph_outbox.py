@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -11,6 +14,7 @@ import httpx
 import msgpack
 import pytest
 
+import nymph.outbox as outbox_mod
 from dreamlake.lakeshore.errors import AuthError, BadRequest, Conflict, NotFound, Unavailable
 from nymph.client import ControlPlaneClient, is_retryable
 from nymph.outbox import HOLD_S, Outbox
@@ -260,3 +264,135 @@ def test_an_ack_put_while_a_poll_is_imminent_waits_for_it_briefly_then_goes_by_i
     assert box.flush(5.0)
     box.stop()
     assert [body["invocation_id"] for _, body in plane.received] == ["inv1", "inv2"]
+
+
+def _stray_outbox(tmp_path: Path) -> Path:
+    """An outbox with one good ack (inv1, written by put) beside every kind of file that is not a
+    message nymph wrote; returns the outbox directory."""
+    Outbox(tmp_path, FakePlane().client()).ack(_ack(1))  # not started: the ack stays on disk
+    box = tmp_path / "outbox"
+    good = next(box.glob("*.msg")).read_bytes()
+    for name in ("junk.msg", "a.b.msg", "12345.msg", "abc-def.msg", "-x.msg", ".msg"):
+        (box / name).write_bytes(good)  # a good body under a name put never writes
+    (box / "junk.bad").write_bytes(b"an earlier one")  # never overwritten by a later one
+    (box / "00000000000000000001-dir.msg").mkdir()
+    (box / "00000000000000000002-link.msg").symlink_to(next(box.glob("0*-inv*.msg")))
+    (box / ".#00000000000000000003-lock.msg").symlink_to("nowhere")  # an editor's lock (dangling)
+    os.mkfifo(box / "00000000000000000004-fifo.msg")  # read the ordinary way, it hangs the start-up
+    (box / "00000000000000000005-unreadable.msg").write_bytes(good)  # open refused (see the test)
+    (box / "00000000000000000006-trunc.msg").write_bytes(good[: len(good) // 2])
+    (box / "00000000000000000007-garbage.msg").write_bytes(b"\xc1\xc1 not msgpack")
+    (box / "00000000000000000008-list.msg").write_bytes(msgpack.packb(["route", "body"]))
+    (box / "00000000000000000009-nobody.msg").write_bytes(msgpack.packb({"route": "/v1/daemon/ack"}))
+    (box / "00000000000000000010-x.msg.tmp").mkdir()  # a temporary name that cannot be unlinked
+    return box
+
+
+def test_stray_and_corrupt_files_are_moved_aside_and_the_good_message_is_still_delivered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before the fix a ``*.msg`` name put never writes (``junk.msg``) raised ValueError out of the
+    replay, so nymph could not start at all; a FIFO hung it, and a file that could not be moved
+    aside (a directory over a directory) raised too."""
+    box = _stray_outbox(tmp_path)
+    real_open = os.open
+
+    def open_(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if str(path).endswith("-unreadable.msg"):  # EACCES, as a non-root nymph meets a 000 file
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+    plane = FakePlane()
+    caplog.set_level(logging.INFO, logger="nymph.outbox")
+    again = Outbox(tmp_path, plane.client(), max_backoff_s=0.05)
+    monkeypatch.undo()
+    assert again.pending() == 1
+    again.start()
+    assert again.flush(10.0)
+    again.stop()
+    assert [body["invocation_id"] for _, body in plane.received] == ["inv1"]
+    assert sorted(p.name for p in box.glob("*.msg")) == []  # none left to retry at the next start
+    bad = {p.name for p in box.glob("*.bad")}
+    numbered = ("dir", "link", "", "fifo", "unreadable", "trunc", "garbage", "list", "nobody")
+    stems = [f"{n + 1:020d}-{what}" for n, what in enumerate(numbered) if what]
+    for stem in ("a.b", "12345", "abc-def", "-x", ".#00000000000000000003-lock", *stems):
+        assert f"{stem}.bad" in bad, bad
+    assert ".msg.bad" in bad and "00000000000000000010-x.msg.bad" in bad
+    assert list(box.glob("*.tmp")) == []
+    assert (box / "junk.bad").read_bytes() == b"an earlier one"
+    assert len([n for n in bad if n.startswith("junk.") and n != "junk.bad"]) == 1
+    aside = [r.getMessage() for r in caplog.records if "moved aside to" in r.getMessage()]
+    assert len(aside) == 16 and all("look at it, then delete it" in m for m in aside), aside
+    assert any("trunc.msg is corrupt" in m and "00000000000000000006-trunc.bad" in m for m in aside)
+
+    caplog.clear()  # moved aside: the next start neither reads them nor logs them again
+    Outbox(tmp_path, plane.client()).stop()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING or "moved aside" in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    ("where", "code"),
+    [("write", errno.EIO), ("open", errno.EROFS), ("open", errno.EACCES), ("rename", errno.EIO)],
+)
+def test_a_write_that_fails_other_than_disk_full_keeps_the_message_in_memory_and_delivers_it(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    where: str,
+    code: int,
+) -> None:
+    """Before the fix only ENOSPC/EDQUOT were kept in memory: EIO, EROFS or EACCES left put as a
+    raw OSError, so the caller's ack was lost (and the job's thread failed)."""
+    full: list[BaseException] = []
+    plane = FakePlane()
+    box = Outbox(tmp_path, plane.client(), max_backoff_s=0.05, on_full=full.append)
+    failure = OSError(code, os.strerror(code))
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise failure
+
+    if where == "write":
+        monkeypatch.setattr(outbox_mod, "write_all", fail)
+    elif where == "rename":
+        monkeypatch.setattr(outbox_mod.os, "replace", fail)
+    else:
+        real_open = os.open
+
+        def open_(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+            if str(path).endswith(".tmp"):
+                raise failure
+            return real_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(outbox_mod.os, "open", open_)
+    box.ack(_ack(1))  # raised OSError before the fix
+    monkeypatch.undo()
+    assert list((tmp_path / "outbox").iterdir()) == []  # no partial file, no temporary file
+    assert full == []  # not a full disk: claims are not paused for it
+    lines = [r.getMessage() for r in caplog.records if "kept in memory, not on disk" in r.getMessage()]
+    assert len(lines) == 1 and os.strerror(code) in lines[0] and "check that filesystem" in lines[0]
+    box.ack(_ack(2))  # the state dir works again: durable as before
+    assert len(list((tmp_path / "outbox").glob("*.msg"))) == 1
+    box.start()
+    assert box.flush(10.0)
+    box.stop()
+    assert [body["invocation_id"] for _, body in plane.received] == ["inv1", "inv2"]
+    assert list((tmp_path / "outbox").iterdir()) == []
+
+
+def test_a_full_disk_still_tells_on_full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    full: list[BaseException] = []
+    plane = FakePlane()
+    box = Outbox(tmp_path, plane.client(), max_backoff_s=0.05, on_full=full.append)
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(outbox_mod, "write_all", fail)
+    box.ack(_ack(1))
+    monkeypatch.undo()
+    assert len(full) == 1 and list((tmp_path / "outbox").iterdir()) == []
+    box.start()
+    assert box.flush(10.0)
+    box.stop()
+    assert [body["invocation_id"] for _, body in plane.received] == ["inv1"]
