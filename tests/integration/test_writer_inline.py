@@ -52,6 +52,27 @@ def _record_threads(store: SqlStore, monkeypatch: pytest.MonkeyPatch) -> list[in
     return threads
 
 
+async def _write_while_held(
+    store: SqlStore, lock: threading.RLock | None, release: Any
+) -> tuple[int, int, bool, SubmitResult]:
+    """A submit through a ``GroupWriter`` while something holds a lock it needs: the loop's
+    thread, how many of 20 ticks of 10 ms the loop ran meanwhile, whether the write was still
+    unanswered after them (then ``release()``), and its result."""
+    writer = GroupWriter(store, inline_lock=lock)
+    try:
+        write = asyncio.ensure_future(writer.write(_submit()))
+        ticks = 0
+        for _ in range(20):  # the loop runs on while the write waits for the lock
+            await asyncio.sleep(0.01)
+            ticks += 1
+        waiting = not write.done()
+        release()
+        result = await asyncio.wait_for(write, 10)
+    finally:
+        await writer.aclose()
+    return threading.get_ident(), ticks, waiting, result  # type: ignore[return-value]
+
+
 def test_only_sqlite_offers_the_loop_its_write_lock(store: SqlStore) -> None:
     lock = store.inline_write_lock()
     if store.kind == "postgresql":
@@ -98,23 +119,8 @@ def test_a_held_lock_sends_the_batch_to_the_writer_thread_and_the_loop_keeps_run
     holder.start()
     assert held.wait(5)
 
-    async def main() -> tuple[int, int, bool, SubmitResult]:
-        writer = GroupWriter(sqlite_store, inline_lock=lock)
-        try:
-            write = asyncio.ensure_future(writer.write(_submit()))
-            ticks = 0
-            for _ in range(20):  # the loop runs on while the write waits for the lock
-                await asyncio.sleep(0.01)
-                ticks += 1
-            waiting = not write.done()
-            release.set()
-            result = await asyncio.wait_for(write, 10)
-        finally:
-            await writer.aclose()
-        return threading.get_ident(), ticks, waiting, result
-
     try:
-        loop_thread, ticks, waiting, result = asyncio.run(main())
+        loop_thread, ticks, waiting, result = asyncio.run(_write_while_held(sqlite_store, lock, release.set))
     finally:
         release.set()
         holder.join(10)
@@ -154,23 +160,10 @@ def test_a_file_lock_held_by_another_process_never_stalls_the_loop(
     other = _OtherProcess(str(tmp_path / "lakeshore.db"))
     other.hold()
 
-    async def main() -> tuple[int, int, bool, SubmitResult]:
-        writer = GroupWriter(sqlite_store, inline_lock=sqlite_store.inline_write_lock())
-        try:
-            write = asyncio.ensure_future(writer.write(_submit()))
-            ticks = 0
-            for _ in range(20):  # the loop runs on while the write waits for the file lock
-                await asyncio.sleep(0.01)
-                ticks += 1
-            waiting = not write.done()
-            other.release()
-            result = await asyncio.wait_for(write, 10)
-        finally:
-            await writer.aclose()
-        return threading.get_ident(), ticks, waiting, result  # type: ignore[return-value]
-
     try:
-        loop_thread, ticks, waiting, result = asyncio.run(main())
+        loop_thread, ticks, waiting, result = asyncio.run(
+            _write_while_held(sqlite_store, sqlite_store.inline_write_lock(), other.release)
+        )
     finally:
         other.close()
     assert ticks == 20 and waiting  # never blocked, and nothing answered before it was written
