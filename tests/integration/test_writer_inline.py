@@ -17,6 +17,7 @@ from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.server.writer import GroupWriter
 from dreamlake.lakeshore.store import open_store
 from dreamlake.lakeshore.store.api import AckRequest, PollRequest, SubmitRequest, SubmitResult
+from dreamlake.lakeshore.store.outage import WriteLockBusy
 from dreamlake.lakeshore.store.sql import SqlStore
 
 
@@ -184,12 +185,12 @@ def test_a_file_lock_taken_between_a_batchs_transactions_writes_the_rest_once(
     real_group = sqlite_store._apply_group
     groups: list[int] = []
 
-    def taken_after_the_first(requests: Any, live: Any, out: Any) -> None:
+    def taken_after_the_first(requests: Any, live: Any, out: Any, **kw: Any) -> None:
         groups.append(len(live))
         if len(groups) == 2:  # the submits committed: the other process takes the lock now
             other.hold()
             threading.Timer(0.3, other.release).start()
-        real_group(requests, live, out)
+        real_group(requests, live, out, **kw)
 
     monkeypatch.setattr(sqlite_store, "_apply_group", taken_after_the_first)
     submit = _submit()
@@ -216,6 +217,37 @@ def test_a_file_lock_taken_between_a_batchs_transactions_writes_the_rest_once(
     assert row is not None and row.state == "succeeded" and row.result_blob == b"r"
     assert queued == claim.invocation_id
     assert sqlite_store.get(submit.invocation_id).state == "queued"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("applied_alone", [0, 1], ids=["before-the-first-alone", "after-the-first-alone"])
+def test_writes_retried_alone_on_the_loop_never_wait_for_the_file_lock(
+    sqlite_store: SqlStore, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, applied_alone: int
+) -> None:
+    """A group's transaction fails (a value a column refuses), so its writes are retried one by
+    one; should another process hold the file lock by then, ``wait=False`` still does not wait:
+    it names exactly the writes not applied, once each."""
+    other = _OtherProcess(str(tmp_path / "lakeshore.db"))
+    real = sqlite_store._apply_writes
+    calls: list[int] = []
+
+    def apply(batch: Any) -> Any:
+        calls.append(len(batch))
+        if len(calls) == 1:
+            raise RuntimeError("a value a column refuses")
+        if len(calls) == 2 + applied_alone:  # the other process takes the lock now
+            other.hold()
+        return real(batch)
+
+    monkeypatch.setattr(sqlite_store, "_apply_writes", apply)
+    submits = [_submit(), _submit(), _submit()]
+    try:
+        with pytest.raises(WriteLockBusy) as busy:
+            sqlite_store.write_batch(submits, wait=False)
+    finally:
+        other.close()
+    assert busy.value.pending == list(range(applied_alone, 3))
+    written = [s.invocation_id for s in submits if sqlite_store.get(s.invocation_id) is not None]
+    assert written == [s.invocation_id for s in submits[:applied_alone]]
 
 
 @pytest.mark.parametrize("inline", [True, False], ids=["on-the-loop", "writer-thread"])

@@ -348,7 +348,7 @@ def _begin_immediate(raw: Any, nowait: bool) -> None:
             raw.execute("BEGIN IMMEDIATE")
             return
         except sqlite3.OperationalError as exc:
-            if getattr(exc, "sqlite_errorcode", None) != sqlite3.SQLITE_BUSY:
+            if getattr(exc, "sqlite_errorcode", 0) & 0xFF != sqlite3.SQLITE_BUSY:  # (BUSY_RECOVERY too)
                 raise
             if nowait:
                 raise WriteLockBusy() from exc

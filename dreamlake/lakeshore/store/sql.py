@@ -276,11 +276,10 @@ class SqlStore(
             on_commit(refused)
         todo = [live for live in groups if live]
         for n, live in enumerate(todo, 1):
-            self.db.nowait = not wait  # (this transaction's first try only: retries alone wait)
             try:
-                self._apply_group(requests, live, out)
-            except WriteLockBusy:
-                raise WriteLockBusy([i for group in todo[n - 1 :] for i, _ in group]) from None
+                self._apply_group(requests, live, out, nowait=not wait)
+            except WriteLockBusy as busy:  # these and the later transactions' writes are not applied
+                raise WriteLockBusy(busy.pending + [i for group in todo[n:] for i, _ in group]) from None
             finally:
                 self.db.nowait = False
             if on_commit is not None and n < len(todo):  # the last ones go back with the return
@@ -292,15 +291,20 @@ class SqlStore(
         requests: Sequence[WriteRequest],
         live: list[tuple[int, Any]],
         out: list[WriteResult | PlaneError | None],
+        *,
+        nowait: bool = False,
     ) -> None:
-        """Apply ``live`` in one transaction into ``out``; each alone should that fail."""
+        """Apply ``live`` in one transaction into ``out``; each alone should that fail. ``nowait``:
+        each transaction begins without waiting for another process's lock on a SQLite file, and
+        :class:`WriteLockBusy` names the writes of ``live`` not applied when one finds it held."""
         if len(live) > 1:
             try:
+                self.db.nowait = nowait
                 for i, res in zip((i for i, _ in live), self._apply_writes(live), strict=True):
                     out[i] = res
                 live = []
             except WriteLockBusy:  # nothing of it written: the caller writes it where it may wait
-                raise
+                raise WriteLockBusy([i for i, _ in live]) from None
             except Exception as exc:  # a value a column refuses, a lost connection: find whose it is
                 outage = classify(exc)
                 if outage is not None:  # the store is down: no write of it can be applied alone
@@ -310,12 +314,12 @@ class SqlStore(
                 log.warning(
                     "a group commit of %d writes failed; retrying each alone", len(live), exc_info=True
                 )
-                self.db.nowait = False  # one alone must not stop the rest half written
-        for i, prepared in live:
+        for k, (i, prepared) in enumerate(live):
             try:
+                self.db.nowait = nowait
                 out[i] = self._apply_writes([(i, prepared)])[0]
-            except WriteLockBusy:  # (only a lone write's first try: nothing written)
-                raise
+            except WriteLockBusy:  # this one and those after it are not applied
+                raise WriteLockBusy([j for j, _ in live[k:]]) from None
             except Exception as exc:
                 outage = classify(exc)
                 if outage is None:
