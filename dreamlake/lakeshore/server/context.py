@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from dreamlake.lakeshore.errors import PlaneError
+from dreamlake.lakeshore.errors import PlaneError, QuotaExceeded
 from dreamlake.lakeshore.server import task_tokens
 from dreamlake.lakeshore.server.auth import Authenticator
 from dreamlake.lakeshore.server.authz import WorkerBindings
@@ -22,6 +22,7 @@ from dreamlake.lakeshore.server.metrics import Metrics
 from dreamlake.lakeshore.server.outcomes import AcksInFlight
 from dreamlake.lakeshore.server.polls import PollHub
 from dreamlake.lakeshore.server.quotas import Quotas
+from dreamlake.lakeshore.server.quotas import answer as quota_answer
 from dreamlake.lakeshore.server.task_tokens import TaskTokens
 from dreamlake.lakeshore.server.writer import GroupWriter
 from dreamlake.lakeshore.store.api import Principal, Store, WriteRequest, WriteResult
@@ -44,7 +45,10 @@ def store_dialect(store: Any) -> str:
 
 def answer_of(exc: PlaneError) -> Exception:
     """A store refusal with a 4xx status as that HTTP answer; anything else unchanged (a 500, or
-    a store outage's 503: the app's guard answers it)."""
+    a store outage's 503: the app's guard answers it). A quota's refusal keeps its ``quota``,
+    ``limit`` and ``Retry-After`` (server/quotas.py)."""
+    if isinstance(exc, QuotaExceeded):
+        return quota_answer(exc)
     if isinstance(exc.status, int) and 400 <= exc.status < 500:
         return HTTPError(exc.status, str(exc))
     return exc

@@ -4,12 +4,15 @@ A producer acts in one namespace (``authz.confined_to``): its submits land there
 invocation of another namespace is unknown to it (404). A submit is checked before it is queued:
 run_config limits (``store.values.check_run_config``, 400) and a script's permission
 (``authz.check_submit``, 403), then written through the group commit (``ctx.write``) and
-answered once committed. The result and topic streams live in ``server.streams``.
+answered once committed. A namespace's ``max_queued`` quota is checked early here and held
+strictly in the submit's own transaction (server/quotas.py). The result and topic streams live in
+``server.streams``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from typing import Any
@@ -17,12 +20,13 @@ from typing import Any
 from starlette.requests import Request
 
 from dreamlake.lakeshore import wire
-from dreamlake.lakeshore.errors import PlaneError
+from dreamlake.lakeshore.errors import PlaneError, QuotaExceeded
 from dreamlake.lakeshore.server import authz, http, secrets, tasks
 from dreamlake.lakeshore.server.authz import Caller
 from dreamlake.lakeshore.server.context import Context
 from dreamlake.lakeshore.server.http import HTTPError, field
 from dreamlake.lakeshore.server.liveness import placement_warning
+from dreamlake.lakeshore.server.quotas import answer as quota_answer
 from dreamlake.lakeshore.store.api import (
     DEFAULT_NAMESPACE,
     TERMINAL_STATES,
@@ -36,6 +40,7 @@ from dreamlake.lakeshore.store.placement import needs_of
 from dreamlake.lakeshore.store.values import check_run_config
 
 log = logging.getLogger(__name__)
+_QUOTA_GROUPS = itertools.count(1)  # a submit-batch's ``quota_group``: its items queued all or none
 
 
 def check_config(caller: Caller, run_config: dict[str, Any]) -> None:
@@ -153,7 +158,8 @@ async def submit(ctx: Context, caller: Caller, body: dict[str, Any]) -> dict[str
         )
         if refused is not None:
             raise refused
-    await ctx.quotas.check_queued(req.namespace, 1)
+    # 429 early when already full; the store holds the submit to the limit in its transaction
+    req.max_queued = await ctx.quotas.check_queued(req.namespace, 1)
     mark = ctx.wake.mark()  # before the write: a submit-and-wait misses no wake-up after its commit
     result = await ctx.write(req)
     assert isinstance(result, SubmitResult)
@@ -199,6 +205,8 @@ async def _acked(ctx: Context, invocation_id: str, deadline: float, mark: int) -
 def _item_error(exc: HTTPError | PlaneError, body: Any) -> dict[str, Any]:
     """One refused item of a submit batch: the error text (and extra fields) the single submit
     answers, its status, and the item's invocation id when it had a readable one."""
+    if isinstance(exc, QuotaExceeded):  # (items written alone after a failed group commit)
+        exc = quota_answer(exc)  # its quota, limit and retry_after_s, as the whole batch's 429 has
     if isinstance(exc, HTTPError):
         out: dict[str, Any] = {"error": exc.message, "status": exc.status, **exc.extra}
     else:
@@ -280,8 +288,15 @@ async def submit_batch(
                 kept.append((i, req))
         where, reqs = [i for i, _ in kept], [r for _, r in kept]
     if reqs:  # the batch is queued whole or not at all past the namespace's quota
-        await ctx.quotas.check_queued(reqs[0].namespace, len(reqs))
+        limit = await ctx.quotas.check_queued(reqs[0].namespace, len(reqs))
+        if limit is not None:  # held in the store's transaction, the batch as one (server/quotas.py)
+            group = next(_QUOTA_GROUPS)
+            for req in reqs:
+                req.max_queued, req.quota_group = limit, group
     results = await ctx.write_many(list(reqs))
+    over = next((r for r in results if isinstance(r, QuotaExceeded)), None)
+    if over is not None and not any(isinstance(r, SubmitResult) for r in results):
+        raise quota_answer(over)  # the store refused the batch whole: nothing of it was queued
     queues: dict[str, None] = {}
     counts = [0, 0]  # new, duplicate
     for i, req, result in zip(where, reqs, results, strict=True):

@@ -7,7 +7,7 @@ An operator sets a namespace's limits with ``lakeshore namespace quota NS --queu
 :class:`~dreamlake.lakeshore.errors.QuotaExceeded`); nothing of it is stored:
 
 * ``max_queued``: the namespace's queued, due invocations (delayed retries are not), checked at
-  submit and submit-batch (``Retry-After`` 5 s: they run and leave);
+  submit and submit-batch (``Retry-After`` 5 s: they run and leave), strictly: see below;
 * ``max_topics``: the topics the namespace's producers made (a topic belongs to the namespace of
   the post that made it), checked at a post that would make one; posts to a made topic go on;
 * ``max_payload_bytes``: the bytes presigned for upload in the namespace within the payload window
@@ -19,8 +19,22 @@ An operator sets a namespace's limits with ``lakeshore namespace quota NS --queu
 Cheap on the hot path: the limits of every namespace are read once per :data:`REFRESH_S` (one
 small query for all of them), a namespace without a quota costs a dict lookup, and one with a
 quota counts off an index, stopping at the quota where it can (``store.count_queued(ns,
-up_to=quota)``): the cost is bounded by the quota, never the table. The checks run before the
-write, so concurrent requests may pass together and overshoot a quota by the number in flight.
+up_to=quota)``): the cost is bounded by the quota, never the table.
+
+``max_queued`` holds strictly. The route's check (:meth:`Quotas.check_queued`) is only a cheap
+early refusal, read in a transaction of its own (it spares the group commit a flood of doomed
+submits); the authoritative one is the store's, in the transaction that inserts the submits: the
+route hands the namespace's limit on with each submit (``SubmitRequest.max_queued``; a
+submit-batch's items share a ``quota_group``, queued all or none), and the store counts the
+namespace's queued invocations there (on PostgreSQL under an advisory lock of the namespace, so
+the submits of several server processes cannot pass together) and refuses the ones past the
+limit with this 429, each write's refusal its own (store/invocations.py ``_hold_quotas_in``).
+Idempotent repeats (answered ``duplicate``) add nothing there. A namespace without a quota passes
+no limit and the store does nothing more for it. What stays loose: a quota just set or changed
+applies within :data:`REFRESH_S` (each process's cached limit), and a repeat that finds its
+namespace full meets the route's early 429 (it cannot tell a repeat without a read).
+The other two quotas are checked before the write, as before: concurrent requests may pass
+together and overshoot them by the number in flight.
 """
 
 from __future__ import annotations
@@ -29,26 +43,35 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from dreamlake.lakeshore.errors import QuotaExceeded
 from dreamlake.lakeshore.humanize import size as human_size
 from dreamlake.lakeshore.server.http import HTTPError
 from dreamlake.lakeshore.store.api import Quota
+from dreamlake.lakeshore.store.quotas import QUEUED_RETRY_AFTER_S, queued_refusal, quota_message
 
 REFRESH_S = 5.0  # how stale a quota the operator just set may be (every replica re-reads it)
-RETRY_AFTER_S = 5  # queued invocations run and leave: worth asking again soon
+RETRY_AFTER_S = QUEUED_RETRY_AFTER_S  # queued invocations run and leave: worth asking again soon
 RETRY_AFTER_LONG_S = 3600  # topics and payload bytes free up with retention or the operator
 DEFAULT_PAYLOAD_WINDOW_S = 7 * 86400.0  # the blob directory's default retention (server/blobdir.py)
 MADE_TOPICS_KEPT = 10_000  # topics remembered as made (a post to one then costs no store read)
-_ASK = "or ask the operator to raise it (lakeshore namespace quota)"
 
 
 def refusal(namespace: str, quota: str, limit: int, detail: str, hint: str, retry_after_s: int) -> HTTPError:
     """The 429 of a namespace past ``quota``: its message names the quota and the limit."""
     return HTTPError(
         429,
-        f"namespace '{namespace}' is at its quota {quota} of {limit}{detail}: {hint}, {_ASK}",
+        quota_message(namespace, quota, limit, detail, hint),
         quota=quota,
         limit=limit,
         retry_after_s=retry_after_s,
+    )
+
+
+def answer(exc: QuotaExceeded) -> HTTPError:
+    """The 429 of a store's quota refusal (``max_queued`` in a submit's transaction)."""
+    retry_after = RETRY_AFTER_S if exc.retry_after is None else int(exc.retry_after)
+    return HTTPError(
+        429, str(exc), quota=exc.quota or "max_queued", limit=exc.limit, retry_after_s=retry_after
     )
 
 
@@ -80,22 +103,18 @@ class Quotas:
             self._read_at = time.monotonic()
         return self._limits.get(namespace)
 
-    async def check_queued(self, namespace: str, adding: int) -> None:
-        """429 when ``adding`` more queued invocations would take ``namespace`` past its quota."""
+    async def check_queued(self, namespace: str, adding: int) -> int | None:
+        """429 when ``adding`` more queued invocations would take ``namespace`` past its quota;
+        else the namespace's ``max_queued`` (None: no quota), for the submits to carry to the
+        store, which holds them to it in their own transaction (see the module docstring)."""
         quota = await self._quota(namespace)
         limit = None if quota is None else quota.max_queued
         if limit is None or adding <= 0:
-            return
+            return limit
         queued = await self._call(self._store.count_queued, namespace, limit)
         if queued + adding > limit:
-            raise refusal(
-                namespace,
-                "max_queued",
-                limit,
-                f" queued invocations ({queued} queued, {adding} more asked)",
-                "retry once some have run",
-                RETRY_AFTER_S,
-            )
+            raise answer(queued_refusal(namespace, limit, queued, adding))
+        return limit
 
     async def check_topic(self, namespace: str, topic: str) -> None:
         """429 when a post would make a new topic in ``namespace`` past its topic quota."""

@@ -348,7 +348,10 @@ class Store(Listing, Protocol):
         fails another. Submits apply first, in order, in a transaction of their own (committed,
         their waiters woken, before the rest) with the poll passes handed them (``PollRequest.handed``:
         right after them), then the acks, frames and other poll passes in order in a second, then
-        the heartbeats in a third. ``on_commit`` receives each transaction's
+        the heartbeats in a third. A submit carrying ``max_queued`` past which its namespace's
+        queued invocations would go answers QuotaExceeded (429) and leaves nothing (a
+        ``quota_group``'s submits all or none), decided in the submits' transaction.
+        ``on_commit`` receives each transaction's
         ``(index, answer)`` pairs once it committed, but the last one's (nothing is answered
         before it is durable); the return is every answer, in order, once all have committed.
         ``wait=False``, under ``inline_write_lock`` on the event loop: a transaction that would

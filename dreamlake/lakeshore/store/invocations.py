@@ -54,19 +54,29 @@ from .leases import LOST as LOST
 from .leases import LeaseStore
 from .notify import Notifier, invocation_channels
 from .placement import NO_OFFER, Needs, Offer, needs_of, not_before_of
+from .quotas import count_queued_in, lock_queued_in, queued_refusal
 from .workers import queue_command
 
 KNOWN_MAX = 10_000  # queues and functions remembered as already in the store
 
 
 class _Prepared:
-    """A validated submit: its invocations row, less the root and the time (set in the batch)."""
+    """A validated submit: its invocations row, less the root and the time (set in the batch),
+    and the namespace quota it is checked against (``SubmitRequest.max_queued``, ``quota_group``)."""
 
-    __slots__ = ("needs", "row")
+    __slots__ = ("max_queued", "needs", "quota_group", "row")
 
-    def __init__(self, row: dict[str, Any], needs: Needs | None = None) -> None:
+    def __init__(
+        self,
+        row: dict[str, Any],
+        needs: Needs | None = None,
+        max_queued: int | None = None,
+        quota_group: int | None = None,
+    ) -> None:
         self.row = row
         self.needs = needs or Needs()
+        self.max_queued = max_queued
+        self.quota_group = quota_group
 
 
 class _Known:
@@ -141,7 +151,8 @@ class InvocationStore(AckStore, LeaseStore):
             "shape": needs.key(),
             "not_before": not_before_of(run_config),
         }
-        return _Prepared(row, needs)
+        limit = None if req.max_queued is None else max(0, int(req.max_queued))
+        return _Prepared(row, needs, limit, req.quota_group)
 
     def _submit_many_in(
         self, conn: Connection, batch: Sequence[_Prepared], now: float
@@ -152,8 +163,12 @@ class InvocationStore(AckStore, LeaseStore):
         Queues and functions this store already wrote are skipped (``_known``; remembered only once
         the transaction committed, by ``_submitted``). ``ON CONFLICT DO NOTHING`` covers the id and
         the (queue, key) unique index, so only a submit whose row was not inserted needs the
-        lookups that tell a duplicate from a clash (a PlaneError(409) in its place)."""
+        lookups that tell a duplicate from a clash (a PlaneError(409) in its place).
+
+        Submits that carry their namespace's ``max_queued`` are held to it here, in this
+        transaction (``_hold_quotas_in``); the others pay nothing for it."""
         st = self._inv_st
+        queued = self._queued_in(conn, batch)
         rows = [p.row for p in batch]
         queues = sorted({r["queue"] for r in rows} - self._known.queues)
         if queues:
@@ -199,7 +214,72 @@ class InvocationStore(AckStore, LeaseStore):
                 if existing is not None
                 else PlaneError(f"submit of {inv_id} conflicted; retry it", status=409)
             )
+        if queued:
+            self._hold_quotas_in(conn, batch, out, queued)
         return out
+
+    def _queued_in(self, conn: Connection, batch: Sequence[_Prepared]) -> dict[str, int]:
+        """The queued (due) invocations of each namespace a quota-checked submit of ``batch``
+        names, counted up to its quota, before the batch's rows go in; empty (no statement) when
+        none is checked. On PostgreSQL the namespaces' advisory locks are taken first, so no
+        other process's quota-checked submit of them commits between this count and our commit."""
+        most: dict[str, int] = {}
+        for p in batch:
+            if p.max_queued is not None:
+                ns = p.row["namespace"]
+                most[ns] = max(most.get(ns, 0), p.max_queued)
+        if not most:
+            return {}
+        lock_queued_in(conn, self.db.dialect, most)
+        return {ns: count_queued_in(conn, ns, up_to) for ns, up_to in most.items()}
+
+    def _hold_quotas_in(
+        self,
+        conn: Connection,
+        batch: Sequence[_Prepared],
+        out: list[SubmitResult | PlaneError],
+        queued: dict[str, int],
+    ) -> None:
+        """Refuse the quota-checked submits that took their namespace past ``max_queued``, in
+        batch order: each one alone, or a ``quota_group`` (one submit-batch) all together. Only
+        the rows this batch inserted and made due count (a duplicate, a clash or a submit with a
+        ``not_before`` still ahead adds nothing to the queue). A refused submit's row is deleted
+        in this transaction (no other saw it) and its answer is :func:`queued_refusal` (429); a
+        repeat in the batch of a refused one is refused with it."""
+        units: dict[tuple[str, int], list[int]] = {}
+        for k, p in enumerate(batch):
+            if p.max_queued is not None:
+                unit = ("group", p.quota_group) if p.quota_group is not None else ("alone", k)
+                units.setdefault(unit, []).append(k)
+        refused: dict[str, PlaneError] = {}
+        for members in units.values():
+            adds: dict[str, int] = {}
+            limits: dict[str, int] = {}
+            for k in members:
+                p, res = batch[k], out[k]
+                ns, limit = p.row["namespace"], p.max_queued
+                assert limit is not None
+                limits[ns] = min(limits.get(ns, limit), limit)
+                if isinstance(res, SubmitResult) and not res.duplicate and p.row["not_before"] is None:
+                    adds[ns] = adds.get(ns, 0) + 1
+            over = [ns for ns, n in adds.items() if queued[ns] + n > limits[ns]]
+            if not over:
+                for ns, n in adds.items():
+                    queued[ns] += n
+                continue
+            ns = over[0]
+            refusal = queued_refusal(ns, limits[ns], queued[ns], adds[ns])
+            for k in members:
+                res = out[k]
+                if isinstance(res, SubmitResult) and not res.duplicate:
+                    refused[res.invocation_id] = refusal
+                out[k] = refusal
+        if not refused:
+            return
+        conn.execute(sa.delete(_inv).where(_inv.c.invocation_id.in_(sorted(refused))))
+        for k, res in enumerate(out):
+            if isinstance(res, SubmitResult) and res.invocation_id in refused:
+                out[k] = refused[res.invocation_id]  # a repeat of a refused submit: nothing to repeat
 
     def _lone_insert(self, p: _Prepared) -> bool:
         """Whether ``_submit_many_in`` of ``p`` alone writes with one statement, the invocation's
@@ -207,7 +287,8 @@ class InvocationStore(AckStore, LeaseStore):
         name (then its lookups, should the insert meet a conflict, are reads)."""
         row, needs = p.row, p.needs
         return (
-            row["queue"] in self._known.queues
+            p.max_queued is None  # (a quota's lock and count go before the insert)
+            and row["queue"] in self._known.queues
             and row["function_key"] in self._known.functions
             and not row["parent_invocation_id"]
             and self._placer.knows_shape(row["queue"], row["shape"])

@@ -8,7 +8,9 @@ for upload within the payload retention); NULL is no limit, and a namespace with
 
 The counts each read one index and stop early where they can: ``count_queued`` and
 ``count_topics`` count at most ``up_to`` rows (the quota), so their cost is bounded by the quota
-and never by the table; ``payload_bytes`` sums the namespace's presigns since a moment off
+and never by the table (``count_queued_in`` is the same count in the caller's transaction: the
+submit's own, which enforces ``max_queued`` strictly, store/invocations.py ``_submit_many_in``,
+after ``lock_queued_in`` serialised the namespace's quota-checked submits on PostgreSQL); ``payload_bytes`` sums the namespace's presigns since a moment off
 ``ix_payload_usage_ns``. ``record_payload`` adds one presigned upload (an upsert on its key: the
 same key presigned again is counted once, at its latest size) and drops that namespace's rows
 older than the window it is given, so the ledger holds at most one retention's presigns.
@@ -16,14 +18,75 @@ older than the window it is given, so the ledger holds at most one retention's p
 
 from __future__ import annotations
 
+import hashlib
 import time
+from collections.abc import Iterable
 
 import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from dreamlake.lakeshore.errors import QuotaExceeded
 
 from . import schema as t
 from .api import Quota
 from .base import StoreBase
 from .engine import retry_on_disconnect
+
+QUEUED_RETRY_AFTER_S = 5  # queued invocations run and leave: worth asking again soon
+ASK = "or ask the operator to raise it (lakeshore namespace quota)"
+# pg_advisory_xact_lock(class, key) of a namespace's quota-checked submits: "quot", then a hash of
+# the namespace (two int4 keys: a space apart from the migrations' one bigint key, engine.py)
+_PG_QUEUED_LOCK = 0x71756F74
+
+
+def quota_message(namespace: str, quota: str, limit: int, detail: str, hint: str) -> str:
+    """The text of a namespace's 429 past ``quota`` (server/quotas.py ``refusal``)."""
+    return f"namespace '{namespace}' is at its quota {quota} of {limit}{detail}: {hint}, {ASK}"
+
+
+def queued_refusal(namespace: str, limit: int, queued: int, adding: int) -> QuotaExceeded:
+    """The refusal of ``adding`` more queued invocations in ``namespace`` past its ``max_queued``
+    of ``limit`` with ``queued`` queued: the server answers it as a 429 with ``Retry-After``."""
+    return QuotaExceeded(
+        quota_message(
+            namespace,
+            "max_queued",
+            limit,
+            f" queued invocations ({queued} queued, {adding} more asked)",
+            "retry once some have run",
+        ),
+        429,
+        QUEUED_RETRY_AFTER_S,
+        quota="max_queued",
+        limit=limit,
+    )
+
+
+def _lock_key(namespace: str) -> int:
+    """A signed int4 of ``namespace`` (two namespaces sharing one only share a lock)."""
+    return int.from_bytes(hashlib.blake2b(namespace.encode(), digest_size=4).digest(), "big", signed=True)
+
+
+def lock_queued_in(conn: Connection, dialect: str, namespaces: Iterable[str]) -> None:
+    """Serialise the quota-checked submits of ``namespaces`` until the caller's transaction ends:
+    on PostgreSQL (READ COMMITTED, writers side by side in several processes) an advisory lock
+    per namespace, taken in order (no two transactions wait on each other); SQLite's writes are
+    one at a time already. Held, a transaction's count sees every earlier holder's commit."""
+    if dialect != "postgresql":
+        return
+    for namespace in sorted(set(namespaces)):
+        conn.execute(
+            sa.text("SELECT pg_advisory_xact_lock(:c, :k)"), {"c": _PG_QUEUED_LOCK, "k": _lock_key(namespace)}
+        )
+
+
+def count_queued_in(conn: Connection, namespace: str, up_to: int) -> int:
+    """``count_queued`` in the caller's transaction."""
+    i = t.invocations
+    due = sa.select(sa.literal(1)).where(
+        i.c.namespace == namespace, i.c.state == "queued", i.c.not_before.is_(None)
+    )
+    return int(conn.execute(sa.select(sa.func.count()).select_from(due.limit(up_to).subquery())).scalar_one())
 
 
 class QuotaStore(StoreBase):
@@ -66,14 +129,8 @@ class QuotaStore(StoreBase):
     def count_queued(self, namespace: str, up_to: int) -> int:
         """How many invocations of ``namespace`` are queued and due, counted up to ``up_to`` at most
         (off the ``ix_invocations_queued_ns`` index: the cost is bounded by the quota, not the table)."""
-        i = t.invocations
-        due = sa.select(sa.literal(1)).where(
-            i.c.namespace == namespace, i.c.state == "queued", i.c.not_before.is_(None)
-        )
         with self.db.tx(write=False) as conn:
-            return int(
-                conn.execute(sa.select(sa.func.count()).select_from(due.limit(up_to).subquery())).scalar_one()
-            )
+            return count_queued_in(conn, namespace, up_to)
 
     @retry_on_disconnect
     def count_topics(self, namespace: str, up_to: int) -> int:

@@ -55,6 +55,11 @@ class SubmitRequest:
     parent_invocation_id: str | None = None
     namespace: str = "default"
     args_ref: dict[str, Any] | None = None  # the Envelope in the payload store (args_blob then b"")
+    # The namespace's ``max_queued`` quota, checked in the submit's own transaction (store/quotas.py):
+    # past it the submit answers QuotaExceeded (429) and nothing of it stays. None: no check.
+    max_queued: int | None = None
+    # Submits sharing a ``quota_group`` (one submit-batch) are checked together: all or none.
+    quota_group: int | None = None
 
 
 @dataclass

@@ -243,7 +243,10 @@ class SqlStore(
         that caused it (as a PlaneError with status 500). ``on_commit`` is called (in this
         thread) with the ``(index, answer)`` pairs of each transaction but the last once it has
         committed, so the caller may answer them before the next ones are written (the last
-        transaction's answers are the return's: one wake-up of the caller fewer).
+        transaction's answers are the return's: one wake-up of the caller fewer). Submits that
+        carry a ``max_queued`` are held to it in their transaction (``_submit_many_in``); written
+        alone after such a failure, a ``quota_group``'s items are each held to it alone (never
+        past the quota, though no longer all or none).
 
         The order is latency's: a submit's wake-up, which a waiting poll claims on, and a poll's
         claim, which a daemon waits for, must not wait behind the heartbeats of a fleet batched
