@@ -343,7 +343,13 @@ class Job(SupervisedJob[wd.Outcome]):
         any outcome) and nothing runs in the workdir: ack nothing (a failure would lose a call that
         never ran) and let the control plane run it again once its lease lapses (the lease rule:
         the next attempt, here or on another nymph; at least once, as after any crash). The workdir
-        goes first, so a launch still in flight when nymph died finds nothing to run."""
+        goes first, so a launch still in flight when nymph died finds nothing to run.
+
+        A start whose answer was lost may have started the task after all, away from this host (a
+        Slurm job that has not begun yet): a runner that can withdraw (``Capabilities.withdraw``)
+        is asked to, with the task as the workdir records it, before the workdir goes; one that
+        cannot be asked now withdraws it once it can, from that record alone."""
+        self._withdraw(self._recorded_task(workdir))
         wd.remove(workdir)
         self.state = "released"
         log.warning(
@@ -351,6 +357,19 @@ class Job(SupervisedJob[wd.Outcome]):
             "runs, no outcome); nothing is acked: the control plane runs it again once its lease lapses",
             self.invocation_id,
             self.attempt,
+        )
+
+    def _recorded_task(self, workdir: Path) -> Task:
+        """The Task a previous life started (or tried to), as its invocation.json records it
+        (:meth:`attach`): its identity, workdir, and who it ran as; no environment."""
+        return Task(
+            invocation_id=self.invocation_id,
+            attempt=self.attempt,
+            workdir=workdir,
+            env={},
+            script=self.script,
+            as_user=self.run_as,
+            run_config=self.run_config,
         )
 
     def _recover_when_available(self, handle: Handle) -> bool | None:

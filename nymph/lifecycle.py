@@ -389,8 +389,10 @@ class SupervisedJob(abc.ABC, Generic[OutcomeT]):
             self._settle_once(self.start_refused(exc))
             return None
         if handle is None:  # stopped (cancel, shutdown, lost lease, timeout) while the runner was down
-            self._withdraw(task)
+            # settled first: the runner did not answer just now, and a withdrawal may wait out its
+            # timeout before it is deferred; the outcome need not wait for that
             self._settle_once(self.stopped(self.due_stop() or Stop("killed", "cancelled", 0.0)))
+            self._withdraw(task)
             return None
         self.handle = handle
         self.phase = Phase.STARTED
@@ -401,10 +403,11 @@ class SupervisedJob(abc.ABC, Generic[OutcomeT]):
         return None
 
     def _withdraw(self, task: Task) -> None:
-        """Stopped while the start was tried again: a start that raised RunnerUnavailable may have
-        started the task after all (its answer was lost), and nobody would supervise it. A runner
-        that can (``Capabilities.withdraw``) withdraws it; one that cannot be asked now does it
-        once it can (:class:`~nymph.runner.Withdrawing`)."""
+        """Stopped while the start was tried again (called once the job settled), or a restarted
+        nymph releases an attempt no start of which was answered: a start that raised
+        RunnerUnavailable may have started the task after all (its answer was lost), and nobody
+        would supervise it. A runner that can (``Capabilities.withdraw``) withdraws it; one that
+        cannot be asked now does it once it can (:class:`~nymph.runner.Withdrawing`)."""
         runner = self.ctx.runner
         if not runner.capabilities.withdraw:
             return

@@ -211,10 +211,13 @@ class Withdrawing(Protocol):
     def withdraw(self, task: Task) -> None:
         """Stop and free whatever a start of ``task`` that raised RunnerUnavailable started after
         all (the answer was lost); a no-op when nothing was started. nymph calls it when the job is
-        stopped before any start of it was answered, so nothing runs that nobody supervises.
+        stopped before any start of it was answered (after the job settled: it may wait on a
+        runner that just did not answer), and when a restarted nymph releases an attempt that saved
+        no handle (before its workdir is removed; ``task`` then has no environment), so nothing
+        runs that nobody supervises.
 
         Raise RunnerUnavailable when the runner cannot be asked now; it should then remember the
-        withdrawal and do it once it can (nymph does not call it again).
+        withdrawal and do it once it can (nymph does not call it again), without the workdir.
         """
         ...
 

@@ -19,13 +19,18 @@ dreamlake.lakeshore.daemon.entry`` or ``bash -c SCRIPT`` under :mod:`nymph_slurm
 The job's name holds the attempt (:func:`nymph_slurm.jobs.job_name`): it is the job's identity.
 An sbatch whose answer never came (it timed out, or the controller stopped answering:
 :class:`~nymph.runner.RunnerUnavailable`) may have submitted the job after all, so every start
-first asks ``squeue --states=all`` for the invocation's jobs in its workdir
-(:func:`nymph_slurm.jobs.plan_start`): this attempt's is adopted (a start tried again, by this
-runner or by a restarted nymph's, never submits twice); another attempt's still active there (or
-one named the older nymphs' way, ``nymph-<invocation_id>``) is cancelled first, never adopted. A
-job stopped before any start was answered (a cancel during the retries) is withdrawn
-(:meth:`SlurmRunner.withdraw`): looked up the same way and cancelled, or, while the controller does
-not answer, once it does again (``check``, the next ``start``).
+first asks ``squeue --states=all --all --user=SUBMITTER`` (the controller filters by user; a
+``--name`` alone is filtered by squeue after loading the cluster's whole job table) for the
+invocation's jobs in its workdir (:func:`nymph_slurm.jobs.plan_start`): this attempt's is adopted
+(a start tried again, by this runner or by a restarted nymph's, never submits twice); another
+attempt's still active there (or one named the older nymphs' way, ``nymph-<invocation_id>``) is
+cancelled first, never adopted. The look-up is skipped only where nothing can be found: a first
+attempt whose workdir has no :data:`SUBMIT_MARK` (written and fsynced right before every sbatch,
+so a start after a lost answer, in this life or the next, sees it). A job stopped before any start
+was answered (a cancel during the retries, or a restarted nymph releasing an attempt that has no
+handle) is withdrawn (:meth:`SlurmRunner.withdraw`): looked up the same way and cancelled, or,
+while the controller does not answer, once it does again (``check``, the next ``start``); the
+deferred cancel needs nothing of the workdir, which may be gone by then.
 
 ``wait`` polls ``scontrol show job -o`` (never ``sbatch --wait``, which polls at 2 s, 10 s, 42 s,
 ...) and maps ``JobState`` / ``ExitCode`` to an :class:`~nymph.runner.ExitStatus`. A job that has
@@ -57,6 +62,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
 import random
 import shlex
 import shutil
@@ -96,9 +102,12 @@ from nymph_slurm.jobs import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SCRIPT_FILE", "SlurmRunner"]
+__all__ = ["SCRIPT_FILE", "SUBMIT_MARK", "SlurmRunner"]
 
 SCRIPT_FILE = "slurm-job.sh"
+# written (and fsynced, with its directory) in the workdir right before each sbatch: an sbatch may
+# have been sent for it, so a start or a withdrawal must look the job up (squeue) first
+SUBMIT_MARK = ".slurm-sbatch-sent"
 _CMD_TIMEOUT_S = 30.0
 _PING_TIMEOUT_S = 10.0  # check(): a client without a configuration source hangs in DNS lookups
 _FIRST_POLL_S = 0.05  # polls start fast (a trivial job ends in about 1 s) and back off
@@ -189,16 +198,17 @@ class SlurmRunner:
         name = job_name(task.invocation_id, task.attempt)
         res_args = resource_args((task.run_config or {}).get("resources"), len(task.gpus))
         self._withdraw_pending()
-        plan = self._plan(task)  # never submitted twice: this attempt's job may exist already
-        self._cancel(task, plan.cancel, "another attempt's, in this workdir")
-        if plan.adopt is not None:
-            log.warning(
-                "invocation %s: Slurm job %s of this attempt was submitted (an earlier sbatch's "
-                "answer was lost); adopting it",
-                task.invocation_id,
-                plan.adopt,
-            )
-            return self._handle(task, plan.adopt, name, workdir)
+        if self._may_have_submitted(task):  # never submitted twice: this attempt's job may exist already
+            plan = self._plan(task)
+            self._cancel(task, plan.cancel, "another attempt's, in this workdir")
+            if plan.adopt is not None:
+                log.warning(
+                    "invocation %s: Slurm job %s of this attempt was submitted (an earlier sbatch's "
+                    "answer was lost); adopting it",
+                    task.invocation_id,
+                    plan.adopt,
+                )
+                return self._handle(task, plan.adopt, name, workdir)
         env = {**host_base(), **task.env}  # the documented base and the task's own (nymph.taskenv)
         if any(a.startswith("--gres=gpu") for a in res_args):
             env = {k: v for k, v in env.items() if k not in GPU_ENV}  # Slurm sets them for its GPUs
@@ -236,6 +246,10 @@ class SlurmRunner:
         argv += [*res_args, *self.extra_args, str(script)]
         if task.as_user:
             argv = [self.runuser, "-u", task.as_user, "--", *argv]
+        try:  # durable before the sbatch: a start or withdrawal after a lost answer must look
+            _write_mark(workdir)
+        except OSError as exc:
+            raise RunnerError(f"slurm runner: cannot write {workdir / SUBMIT_MARK}: {exc}") from exc
         # RunnerUnavailable: it may have been submitted; the start tried again looks first
         out = self._run(argv, env=self._submit_env(task), what="sbatch")
         job_id = out.stdout.strip().split(";")[0]  # --parsable: "ID" or "ID;CLUSTER"
@@ -246,10 +260,14 @@ class SlurmRunner:
 
     def withdraw(self, task: Task) -> None:
         """Cancel what a start of ``task`` whose answer was lost submitted after all (nymph stopped
-        the job before any start was answered), found by the job's name in its workdir, as a start
-        would find it. While the controller does not answer (RunnerUnavailable) it is remembered,
-        and done once it answers again: in :meth:`check`, which nymph calls until it passes, or at
-        the next :meth:`start`."""
+        the job before any start was answered, or a restarted nymph releases an attempt that saved
+        no handle), found by the job's name in its workdir, as a start would find it. Nothing to do
+        when no sbatch was sent for it (:meth:`_may_have_submitted`). While the controller does not
+        answer (RunnerUnavailable) it is remembered, and done once it answers again: in
+        :meth:`check`, which nymph calls until it passes, or at the next :meth:`start`; that needs
+        only the task's identity, workdir path and user, not the workdir itself."""
+        if not self._may_have_submitted(task):
+            return
         with self._lock:
             self._withdrawing[(task.invocation_id, task.attempt)] = task
         self._withdraw_pending()
@@ -270,21 +288,37 @@ class SlurmRunner:
 
     def _plan(self, task: Task) -> StartPlan:
         return plan_start(
-            self._queued(task.invocation_id, task.attempt),
+            self._queued(task),
             task.invocation_id,
             task.attempt,
             str(task.workdir),
             self._destroyed,
         )
 
-    def _queued(self, invocation_id: str, attempt: int) -> list[QueuedJob]:
-        """The jobs Slurm knows (in any state) under the invocation's names (:func:`lookup_names`)."""
-        names = ",".join(lookup_names(invocation_id, attempt))
-        out = self._run(
-            [self.squeue, "--noheader", "--states=all", f"--name={names}", f"--format={QUEUE_FORMAT}"],
-            what="squeue",
-        )
-        return parse_queue(out.stdout)
+    @staticmethod
+    def _may_have_submitted(task: Task) -> bool:
+        """Whether a job of the invocation may exist for this workdir: an earlier attempt's (any
+        attempt after the first), or one an sbatch sent for this one (:data:`SUBMIT_MARK`), or the
+        workdir is gone (nothing says no sbatch was sent). A first attempt's first start (nothing
+        marked) skips the look-up."""
+        workdir = Path(task.workdir)
+        return task.attempt > 1 or not workdir.is_dir() or os.path.lexists(workdir / SUBMIT_MARK)
+
+    def _queued(self, task: Task) -> list[QueuedJob]:
+        """The jobs Slurm knows (in any state) under the invocation's names (:func:`lookup_names`),
+        of the user that submits them: ``--user`` is filtered by the controller (``--name`` alone
+        makes squeue load the cluster's whole job table), ``--all`` includes hidden partitions."""
+        names = ",".join(lookup_names(task.invocation_id, task.attempt))
+        argv = [
+            self.squeue,
+            "--noheader",
+            "--all",
+            "--states=all",
+            f"--user={task.as_user or _effective_user()}",
+            f"--name={names}",
+            f"--format={QUEUE_FORMAT}",
+        ]
+        return parse_queue(self._run(argv, what="squeue").stdout)
 
     def _cancel(self, task: Task, job_ids: Iterable[str], why: str) -> None:
         """Cancel each job (and wait for it to end, as :meth:`destroy` does); it counts as destroyed."""
@@ -463,6 +497,25 @@ class SlurmRunner:
         if any(marker in said.lower() for marker in _UNREACHABLE):
             return RunnerUnavailable(f"slurm runner: the Slurm controller cannot be reached ({what}): {said}")
         return RunnerError(f"slurm runner: {what} failed: {said}")
+
+
+def _effective_user() -> str:
+    """Who sbatch submits as without ``runuser``: nymph's effective user (its uid without a name)."""
+    uid = os.geteuid()
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _write_mark(workdir: Path) -> None:
+    """:data:`SUBMIT_MARK`, fsynced with its directory entry: it survives a crash of this host."""
+    safeio.write_file(workdir, SUBMIT_MARK, b"sbatch\n", 0o600, sync=True)
+    fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _already_over(said: str) -> bool:

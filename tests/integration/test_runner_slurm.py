@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +23,13 @@ import psutil
 import pytest
 
 from dreamlake.lakeshore import wire
-from nymph.runner import Handle, RunnerError, RunnerUnavailable
+from dreamlake.lakeshore.ids import new_ulid
+from nymph import workdir as wd
+from nymph.config import NymphConfig
+from nymph.job import Job
+from nymph.lifecycle import JobContext
+from nymph.runner import Handle, RunnerError, RunnerUnavailable, Task
+from nymph.slots import Slots
 from tests import nymph_fns
 from tests import runner_kit as kit
 from tests.conftest import ROOT, require
@@ -448,6 +455,48 @@ def test_a_withdrawn_start_cancels_the_job_its_lost_answer_submitted(
     runner.check()  # what nymph calls until the runner answers again
     assert _jobs_in(task.workdir) == [(job_id, "CANCELLED")]
     assert not (task.workdir / "result.msgpack").exists()
+
+
+@pytest.mark.parametrize("controller_down", [False, True], ids=["answering", "down"])
+def test_a_restarted_nymph_withdraws_the_job_of_an_attempt_whose_sbatch_answer_was_lost(
+    slurm_ok: None, tmp_path: Path, cancel_leftovers: list[Path], controller_down: bool
+) -> None:
+    """nymph died while the start was tried again (no handle saved), and the lost sbatch had
+    submitted the job (held here: it has not begun, so nothing runs in the workdir). The restarted
+    nymph releases the attempt (the control plane runs it again) and removes the workdir; before,
+    the job ran on beside the next attempt. It is cancelled now, or, while the controller does not
+    answer, at the next check(), found by its identity alone (the workdir is gone by then)."""
+    root = tmp_path / "w"
+    root.mkdir()
+    inv = new_ulid()
+    meta = {"invocation_id": inv, "attempt": 1, "script": "true", "started_at": time.time()}
+    path = wd.create(root, inv, b"", meta, None)
+    cancel_leftovers.append(path)
+    lose, sbatch = _losing(tmp_path, "sbatch", "Socket timed out on send/recv operation")
+    lose.touch()
+    with pytest.raises(RunnerUnavailable):  # the previous life's start: submitted, answer lost
+        SlurmRunner(sbatch=str(sbatch), extra_args=["--hold"]).start(Task(inv, 1, path, {}, script="true"))
+    [(job_id, state)] = _jobs_in(path)
+    assert state == "PENDING"
+    down, squeue = _losing(tmp_path, "squeue", "Unable to contact slurm controller (connect failure)")
+    if controller_down:
+        down.touch()
+    restarted = SlurmRunner(squeue=str(squeue), poll_interval_s=0.1)  # a new life, no memory
+    cfg = NymphConfig(
+        server="http://cp", token="t", workdir=root, state_dir=tmp_path / "s", allow_script=True
+    )
+    slots = Slots(1)
+    slots.take()
+    told: list[RunnerUnavailable] = []
+    ctx = JobContext(cfg, restarted, None, slots, "W1", on_unavailable=told.append)  # type: ignore[arg-type]
+    job = Job.attach(ctx, path, wd.read_meta(path) or {}, None)  # no handle.json
+    job.start_thread(lambda: job.resume(False))
+    job.join(LIMIT_S)
+    assert job.state == "released" and not path.exists()
+    if controller_down:
+        assert len(told) == 1 and dict(_jobs_in(path))[job_id] == "PENDING"  # owed, not forgotten
+        restarted.check()  # what nymph calls until the runner answers again
+    assert _jobs_in(path) == [(job_id, "CANCELLED")]
 
 
 def test_resources_are_visible_in_scontrol(runner: SlurmRunner, tasks: TaskFactory) -> None:

@@ -328,13 +328,21 @@ class _WithdrawingRunner(_FlakyRunner):
 
     capabilities = Capabilities(withdraw=True)
 
-    def __init__(self, *failures: BaseException, withdraw_raises: BaseException | None = None) -> None:
+    def __init__(
+        self,
+        *failures: BaseException,
+        withdraw_raises: BaseException | None = None,
+        on_withdraw: Any = None,
+    ) -> None:
         super().__init__(*failures)
         self.withdrawn: list[Task] = []
         self.withdraw_raises = withdraw_raises
+        self.on_withdraw = on_withdraw  # called with the task, as withdraw begins
 
     def withdraw(self, task: Task) -> None:
         self.withdrawn.append(task)
+        if self.on_withdraw is not None:
+            self.on_withdraw(task)
         if self.withdraw_raises is not None:
             raise self.withdraw_raises
 
@@ -360,6 +368,26 @@ def test_a_cancel_while_the_start_is_tried_again_withdraws_what_an_unanswered_st
     assert len(told) == (2 if withdraw_raises else 1)  # the agent re-checks the runner until it answers
     [ack] = outbox.acks
     assert ack["state"] == "killed"
+
+
+def test_a_stopped_start_is_settled_before_it_is_withdrawn(tmp_path: Path) -> None:
+    """The runner did not answer just now, so a withdrawal may wait out its timeout (Slurm's
+    MessageTimeout, the command's 30 s) before it is deferred: the outcome does not wait for it."""
+    outbox = _Outbox()
+    acks_seen: list[int] = []
+    runner = _WithdrawingRunner(
+        *[RunnerUnavailable("no answer")] * 1000, on_withdraw=lambda task: acks_seen.append(len(outbox.acks))
+    )
+    job = Job(
+        _ctx(tmp_path, runner, outbox, on_unavailable=lambda e: job.cancel("x", 0.0)),
+        ID,
+        1,
+        {"script": "true"},
+    )
+    _run_in_thread(job)
+    assert len(runner.withdrawn) == 1
+    assert acks_seen == [1]  # the killed ack was in the outbox before withdraw was called
+    assert outbox.acks[0]["state"] == "killed"
 
 
 def test_a_runner_that_cannot_withdraw_is_not_asked(tmp_path: Path) -> None:
@@ -457,6 +485,34 @@ def test_a_claim_whose_task_never_started_is_left_to_its_lease_not_failed(
     job.join(60)
     assert thread_crashes == [] and outbox.acks == []  # nothing ran: nothing to report
     assert job.state == "released" and not path.exists()
+
+
+@pytest.mark.parametrize("withdraw_raises", [None, RunnerUnavailable("still down")])
+def test_a_claim_whose_start_was_never_answered_is_withdrawn_before_it_is_released(
+    tmp_path: Path, thread_crashes: list[BaseException], withdraw_raises: BaseException | None
+) -> None:
+    """A previous life's start may have been taken after all, its answer lost (a Slurm job not yet
+    running), and no handle saved: before the workdir goes and the attempt is released (the
+    control plane runs it again), the runner withdraws it, from what invocation.json records.
+    Before, it was never asked, and the job ran on beside the next attempt."""
+    told: list[RunnerUnavailable] = []
+    outbox = _Outbox()
+    seen: list[bool] = []
+    runner = _WithdrawingRunner(
+        withdraw_raises=withdraw_raises, on_withdraw=lambda task: seen.append(task.workdir.is_dir())
+    )
+    ctx = _ctx(tmp_path, runner, outbox, on_unavailable=told.append)
+    path = _claimed_workdir(tmp_path)
+    meta = {"invocation_id": ID, "attempt": 2, "as_user": "alice", "script": "true"}
+    job = Job.attach(ctx, path, meta, None)
+    job.start_thread(lambda: job.resume(False))
+    job.join(60)
+    assert thread_crashes == [] and outbox.acks == []
+    [task] = runner.withdrawn
+    assert (task.invocation_id, task.attempt, task.workdir, task.as_user) == (ID, 2, path, "alice")
+    assert seen == [True]  # asked while the workdir was still there
+    assert job.state == "released" and not path.exists()
+    assert len(told) == (1 if withdraw_raises else 0)  # the agent re-checks the runner until it answers
 
 
 def test_a_task_running_without_a_saved_handle_is_waited_for_and_its_outcome_reported(

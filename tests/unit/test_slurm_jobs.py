@@ -8,10 +8,13 @@ way; an earlier attempt's job in the same workdir is never adopted. Against a re
 
 from __future__ import annotations
 
+import os
+import pwd
 from pathlib import Path
 
 from nymph.runner import Task
 from nymph.runnerkit import task_name
+from nymph_slurm import SUBMIT_MARK, SlurmRunner
 from nymph_slurm.jobs import (
     QUEUE_FORMAT,
     QueuedJob,
@@ -76,3 +79,80 @@ def test_of_two_jobs_of_one_attempt_the_first_is_adopted_and_the_other_cancelled
     mine = job_name(INV, 1)
     jobs = [_job("21", mine), _job("9", mine, "COMPLETED"), _job("30", mine, "PENDING")]
     assert plan_start(jobs, INV, 1, WD, set()) == StartPlan("9", ("21", "30"))
+
+
+# --- the look-up's command line (fake Slurm tools that record what they were run with) ------------
+
+
+def _fake_slurm(tmp_path: Path) -> tuple[SlurmRunner, Path]:
+    """A runner whose sbatch answers job 4242 and whose squeue knows no job; both, and runuser,
+    record their command line (sbatch: and whether the workdir's submit mark existed) in ``calls``."""
+    calls = tmp_path / "calls"
+    tools = {
+        "sbatch": 'for a in "$@"; do case $a in --chdir=*) d=${a#--chdir=};; esac; done\n'
+        f'echo "sbatch mark=$([ -e "$d/{SUBMIT_MARK}" ] && echo yes || echo no) $*" >> {calls}\n'
+        "echo 4242\n",
+        "squeue": f'echo "squeue $*" >> {calls}\n',
+        "runuser": f'echo "runuser $1 $2" >> {calls}\nshift 3\nexec "$@"\n',
+    }
+    for tool, body in tools.items():
+        (tmp_path / tool).write_text("#!/bin/sh\n" + body)
+        (tmp_path / tool).chmod(0o755)
+    runner = SlurmRunner(
+        sbatch=str(tmp_path / "sbatch"), squeue=str(tmp_path / "squeue"), runuser=str(tmp_path / "runuser")
+    )
+    return runner, calls
+
+
+def _calls(calls: Path, tool: str) -> list[list[str]]:
+    if not calls.exists():
+        return []
+    return [line.split()[1:] for line in calls.read_text().splitlines() if line.split()[0] == tool]
+
+
+def test_the_look_up_is_filtered_by_the_controller_and_skipped_where_nothing_can_be_found(
+    tmp_path: Path,
+) -> None:
+    """``squeue --name`` alone makes squeue load the cluster's whole job table and filter it
+    itself: every start did that. The look-up names the submitting user (``--user``, filtered by the
+    controller) and every partition (``--all``), and a first attempt's first start, whose workdir
+    holds no submit mark, does not look at all; a start after an sbatch (the mark, fsynced before
+    it) or of a later attempt still does."""
+    runner, calls = _fake_slurm(tmp_path)
+    me = pwd.getpwuid(os.geteuid()).pw_name
+    workdir = tmp_path / INV
+    workdir.mkdir()
+    task = Task(INV, 1, workdir, {})
+    assert runner.start(task).data["job_id"] == "4242"
+    assert _calls(calls, "squeue") == []  # nothing submitted before: nothing to look up
+    [sbatch] = _calls(calls, "sbatch")
+    assert sbatch[0] == "mark=yes"  # durable before the sbatch ran
+    runner.start(task)  # tried again (its answer lost, say): the mark says to look first
+    names = ",".join(lookup_names(INV, 1))
+    assert _calls(calls, "squeue") == [
+        ["--noheader", "--all", "--states=all", f"--user={me}", f"--name={names}", f"--format={QUEUE_FORMAT}"]
+    ]
+    # a later attempt (an earlier one's job may still run there), submitted with runuser: its user
+    calls.unlink()
+    later = tmp_path / "later" / INV
+    later.mkdir(parents=True)
+    runner.start(Task(INV, 2, later, {}, as_user="alice"))
+    [squeue] = _calls(calls, "squeue")
+    assert (
+        "--user=alice" in squeue
+        and "--all" in squeue
+        and f"--name={','.join(lookup_names(INV, 2))}" in squeue
+    )
+    assert _calls(calls, "runuser") == [["-u", "alice"]]
+
+
+def test_a_withdrawal_looks_only_where_an_sbatch_may_have_been_sent(tmp_path: Path) -> None:
+    runner, calls = _fake_slurm(tmp_path)
+    workdir = tmp_path / INV
+    workdir.mkdir()
+    runner.withdraw(Task(INV, 1, workdir, {}))  # the start never reached sbatch: nothing to find
+    assert _calls(calls, "squeue") == []
+    (workdir / SUBMIT_MARK).touch()
+    runner.withdraw(Task(INV, 1, workdir, {}))
+    runner.withdraw(Task(INV, 1, tmp_path / "gone", {}))  # the workdir is gone: nothing says no
+    assert len(_calls(calls, "squeue")) == 2
