@@ -303,6 +303,8 @@ class Job(SupervisedJob[wd.Outcome]):
                 self.phase = Phase.RUNNING
                 self.conclude(lambda: self._close_stream(self._collect(None)))
                 return
+            if self.workdir is not None:  # stopped or timed out while it ran unsupervised: it goes
+                self._withdraw(self._recorded_task(self.workdir))
             self._settle_once(self.failure("DaemonRestart", "nymph restarted before the task was started"))
             return
         if alive is None:

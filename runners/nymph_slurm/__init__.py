@@ -18,15 +18,17 @@ dreamlake.lakeshore.daemon.entry`` or ``bash -c SCRIPT`` under :mod:`nymph_slurm
 
 The job's name holds the attempt (:func:`nymph_slurm.jobs.job_name`): it is the job's identity.
 An sbatch whose answer never came (it timed out, or the controller stopped answering:
-:class:`~nymph.runner.RunnerUnavailable`) may have submitted the job after all, so every start
-first asks ``squeue --states=all --all --user=SUBMITTER`` (the controller filters by user; a
+:class:`~nymph.runner.RunnerUnavailable`) may have submitted the job after all, so a start
+tried again, and any later attempt's start, first asks ``squeue --states=all --all --user=SUBMITTER`` (the controller filters by user; a
 ``--name`` alone is filtered by squeue after loading the cluster's whole job table) for the
 invocation's jobs in its workdir (:func:`nymph_slurm.jobs.plan_start`): this attempt's is adopted
-(a start tried again, by this runner or by a restarted nymph's, never submits twice); another
+(a start tried again never submits twice); another
 attempt's still active there (or one named the older nymphs' way, ``nymph-<invocation_id>``) is
 cancelled first, never adopted. The look-up is skipped only where nothing can be found: a first
-attempt whose workdir has no :data:`SUBMIT_MARK` (written and fsynced right before every sbatch,
-so a start after a lost answer, in this life or the next, sees it). A job stopped before any start
+attempt's start when no sbatch for it was sent in this nymph's life (kept in memory, never in the
+workdir, which the task user can write: a task that deleted a mark there would have a lost answer
+submitted twice). A restarted nymph never starts the same attempt again (it releases it, withdrawing
+what its start may have left; the control plane runs the next attempt). A job stopped before any start
 was answered (a cancel during the retries, or a restarted nymph releasing an attempt that has no
 handle) is withdrawn (:meth:`SlurmRunner.withdraw`): looked up the same way and cancelled, or,
 while the controller does not answer, once it does again (``check``, the next ``start``); the
@@ -102,12 +104,9 @@ from nymph_slurm.jobs import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SCRIPT_FILE", "SUBMIT_MARK", "SlurmRunner"]
+__all__ = ["SCRIPT_FILE", "SlurmRunner"]
 
 SCRIPT_FILE = "slurm-job.sh"
-# written (and fsynced, with its directory) in the workdir right before each sbatch: an sbatch may
-# have been sent for it, so a start or a withdrawal must look the job up (squeue) first
-SUBMIT_MARK = ".slurm-sbatch-sent"
 _CMD_TIMEOUT_S = 30.0
 _PING_TIMEOUT_S = 10.0  # check(): a client without a configuration source hangs in DNS lookups
 _FIRST_POLL_S = 0.05  # polls start fast (a trivial job ends in about 1 s) and back off
@@ -169,6 +168,9 @@ class SlurmRunner:
         self._destroyed: set[str] = set()  # job ids destroyed here: finished, nothing to re-attach to
         # starts withdrawn while the controller did not answer, by (invocation, attempt): done later
         self._withdrawing: dict[tuple[str, int], Task] = {}
+        # (invocation, attempt) whose sbatch was sent with no job id answered yet: its start tried
+        # again looks the job up first
+        self._sent: set[tuple[str, int]] = set()
         self._lock = threading.Lock()  # jobs of many invocations call in from their own threads
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -198,7 +200,10 @@ class SlurmRunner:
         name = job_name(task.invocation_id, task.attempt)
         res_args = resource_args((task.run_config or {}).get("resources"), len(task.gpus))
         self._withdraw_pending()
-        if self._may_have_submitted(task):  # never submitted twice: this attempt's job may exist already
+        key = (task.invocation_id, task.attempt)
+        with self._lock:
+            sent = key in self._sent
+        if sent or task.attempt > 1:  # never submitted twice: this attempt's job may exist already
             plan = self._plan(task)
             self._cancel(task, plan.cancel, "another attempt's, in this workdir")
             if plan.adopt is not None:
@@ -246,15 +251,15 @@ class SlurmRunner:
         argv += [*res_args, *self.extra_args, str(script)]
         if task.as_user:
             argv = [self.runuser, "-u", task.as_user, "--", *argv]
-        try:  # durable before the sbatch: a start or withdrawal after a lost answer must look
-            _write_mark(workdir)
-        except OSError as exc:
-            raise RunnerError(f"slurm runner: cannot write {workdir / SUBMIT_MARK}: {exc}") from exc
+        with self._lock:
+            self._sent.add(key)
         # RunnerUnavailable: it may have been submitted; the start tried again looks first
         out = self._run(argv, env=self._submit_env(task), what="sbatch")
         job_id = out.stdout.strip().split(";")[0]  # --parsable: "ID" or "ID;CLUSTER"
         if not job_id.isdigit():
             raise RunnerError(f"slurm runner: sbatch answered {out.stdout.strip()[:200]!r}, not a job id")
+        with self._lock:
+            self._sent.discard(key)  # answered: no start of this attempt comes again
         log.debug("invocation %s: submitted Slurm job %s", task.invocation_id, job_id)
         return self._handle(task, job_id, name, workdir)
 
@@ -265,10 +270,10 @@ class SlurmRunner:
         when no sbatch was sent for it (:meth:`_may_have_submitted`). While the controller does not
         answer (RunnerUnavailable) it is remembered, and done once it answers again: in
         :meth:`check`, which nymph calls until it passes, or at the next :meth:`start`; that needs
-        only the task's identity, workdir path and user, not the workdir itself."""
-        if not self._may_have_submitted(task):
-            return
+        only the task's identity, workdir path and user, not the workdir itself. It always looks:
+        the sbatch may have been sent by this nymph before a restart."""
         with self._lock:
+            self._sent.discard((task.invocation_id, task.attempt))
             self._withdrawing[(task.invocation_id, task.attempt)] = task
         self._withdraw_pending()
 
@@ -294,15 +299,6 @@ class SlurmRunner:
             str(task.workdir),
             self._destroyed,
         )
-
-    @staticmethod
-    def _may_have_submitted(task: Task) -> bool:
-        """Whether a job of the invocation may exist for this workdir: an earlier attempt's (any
-        attempt after the first), or one an sbatch sent for this one (:data:`SUBMIT_MARK`), or the
-        workdir is gone (nothing says no sbatch was sent). A first attempt's first start (nothing
-        marked) skips the look-up."""
-        workdir = Path(task.workdir)
-        return task.attempt > 1 or not workdir.is_dir() or os.path.lexists(workdir / SUBMIT_MARK)
 
     def _queued(self, task: Task) -> list[QueuedJob]:
         """The jobs Slurm knows (in any state) under the invocation's names (:func:`lookup_names`),
@@ -506,16 +502,6 @@ def _effective_user() -> str:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
         return str(uid)
-
-
-def _write_mark(workdir: Path) -> None:
-    """:data:`SUBMIT_MARK`, fsynced with its directory entry: it survives a crash of this host."""
-    safeio.write_file(workdir, SUBMIT_MARK, b"sbatch\n", 0o600, sync=True)
-    fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _already_over(said: str) -> bool:

@@ -393,25 +393,6 @@ def test_start_tried_again_after_a_lost_sbatch_answer_adopts_the_job(
     assert wire.unpack((task.workdir / "result.msgpack").read_bytes()) == 5
 
 
-def test_a_restarted_nymph_adopts_the_job_a_lost_sbatch_answer_submitted(
-    tasks: TaskFactory, slurm_ok: None, tmp_path: Path, cancel_leftovers: list[Path]
-) -> None:
-    """Before, only the first runner's memory of the unanswered sbatch led to the look-up: a new
-    runner instance (nymph restarted before trying again) submitted the invocation a second time."""
-    lose, wrapper = _losing(tmp_path, "sbatch", "Socket timed out on send/recv operation")
-    task = tasks.task(nymph_fns.add, 2, 3)
-    cancel_leftovers.append(task.workdir)
-    lose.touch()
-    with pytest.raises(RunnerUnavailable):
-        SlurmRunner(sbatch=str(wrapper)).start(task)  # submitted; the answer lost; then nymph died
-    restarted = SlurmRunner(poll_interval_s=0.1)  # no memory of the lost answer
-    handle = tasks.start(restarted, task)
-    assert [j for j, _ in _jobs_in(task.workdir)] == [handle.data["job_id"]]  # one job, not two
-    status = restarted.wait(handle, LIMIT_S)
-    assert status is not None and status.exit_code == 0, status
-    assert wire.unpack((task.workdir / "result.msgpack").read_bytes()) == 5
-
-
 def test_a_later_attempt_never_adopts_an_earlier_attempts_job_and_cancels_it(
     tasks: TaskFactory, slurm_ok: None, cancel_leftovers: list[Path]
 ) -> None:
@@ -463,8 +444,8 @@ def test_a_restarted_nymph_withdraws_the_job_of_an_attempt_whose_sbatch_answer_w
 ) -> None:
     """nymph died while the start was tried again (no handle saved), and the lost sbatch had
     submitted the job (held here: it has not begun, so nothing runs in the workdir). The restarted
-    nymph releases the attempt (the control plane runs it again) and removes the workdir; before,
-    the job ran on beside the next attempt. It is cancelled now, or, while the controller does not
+    nymph never starts that attempt again: it releases it (the control plane runs it again) and
+    removes the workdir; before, the job ran on beside the next attempt. It is cancelled now, or, while the controller does not
     answer, at the next check(), found by its identity alone (the workdir is gone by then)."""
     root = tmp_path / "w"
     root.mkdir()

@@ -515,6 +515,36 @@ def test_a_claim_whose_start_was_never_answered_is_withdrawn_before_it_is_releas
     assert len(told) == (1 if withdraw_raises else 0)  # the agent re-checks the runner until it answers
 
 
+def test_a_task_running_without_a_saved_handle_that_outlives_its_timeout_is_withdrawn(
+    tmp_path: Path, thread_crashes: list[BaseException]
+) -> None:
+    """The restart waits for a task that runs with no handle saved (a Slurm job whose sbatch answer
+    was lost, running on a node, its entry lock seen on the shared workdir); should the wait end
+    by its timeout (or a stop), the attempt is settled ``DaemonRestart`` and the runner withdraws
+    the task. Before, it was never asked: the job ran on while the call ran again."""
+    import fcntl
+    import os
+
+    import nymph.workdir as wd
+
+    outbox = _Outbox()
+    runner = _WithdrawingRunner()
+    ctx = _ctx(tmp_path, runner, outbox)
+    path = _claimed_workdir(tmp_path)
+    fd = os.open(path / wd.ENTRY_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # the task's entry runs
+        meta = {"invocation_id": ID, "attempt": 2, "script": None, "timeout_s": 1, "started_at": 1.0}
+        job = Job.attach(ctx, path, meta, None)
+        job.start_thread(lambda: job.resume(False))
+        job.join(60)
+    finally:
+        os.close(fd)
+    assert thread_crashes == []
+    assert [a["error"]["type"] for a in outbox.acks] == ["DaemonRestart"]
+    assert [(t.invocation_id, t.attempt) for t in runner.withdrawn] == [(ID, 2)]
+
+
 def test_a_task_running_without_a_saved_handle_is_waited_for_and_its_outcome_reported(
     tmp_path: Path, thread_crashes: list[BaseException]
 ) -> None:

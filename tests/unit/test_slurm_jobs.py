@@ -12,9 +12,11 @@ import os
 import pwd
 from pathlib import Path
 
-from nymph.runner import Task
+import pytest
+
+from nymph.runner import RunnerUnavailable, Task
 from nymph.runnerkit import task_name
-from nymph_slurm import SUBMIT_MARK, SlurmRunner
+from nymph_slurm import SlurmRunner
 from nymph_slurm.jobs import (
     QUEUE_FORMAT,
     QueuedJob,
@@ -85,12 +87,14 @@ def test_of_two_jobs_of_one_attempt_the_first_is_adopted_and_the_other_cancelled
 
 
 def _fake_slurm(tmp_path: Path) -> tuple[SlurmRunner, Path]:
-    """A runner whose sbatch answers job 4242 and whose squeue knows no job; both, and runuser,
-    record their command line (sbatch: and whether the workdir's submit mark existed) in ``calls``."""
+    """A runner whose sbatch answers job 4242 (or, while ``tmp_path/down`` exists, that the
+    controller cannot be reached: a lost answer) and whose squeue knows no job; both, and runuser,
+    record their command line in ``calls``."""
     calls = tmp_path / "calls"
+    down = tmp_path / "down"
     tools = {
-        "sbatch": 'for a in "$@"; do case $a in --chdir=*) d=${a#--chdir=};; esac; done\n'
-        f'echo "sbatch mark=$([ -e "$d/{SUBMIT_MARK}" ] && echo yes || echo no) $*" >> {calls}\n'
+        "sbatch": f'echo "sbatch $*" >> {calls}\n'
+        f'if [ -e {down} ]; then echo "sbatch: error: Unable to contact slurm controller" >&2; exit 1; fi\n'
         "echo 4242\n",
         "squeue": f'echo "squeue $*" >> {calls}\n',
         "runuser": f'echo "runuser $1 $2" >> {calls}\nshift 3\nexec "$@"\n',
@@ -115,9 +119,9 @@ def test_the_look_up_is_filtered_by_the_controller_and_skipped_where_nothing_can
 ) -> None:
     """``squeue --name`` alone makes squeue load the cluster's whole job table and filter it
     itself: every start did that. The look-up names the submitting user (``--user``, filtered by the
-    controller) and every partition (``--all``), and a first attempt's first start, whose workdir
-    holds no submit mark, does not look at all; a start after an sbatch (the mark, fsynced before
-    it) or of a later attempt still does."""
+    controller) and every partition (``--all``), and a first attempt's first start does not look at
+    all; a start tried again after an sbatch whose answer was lost, or a later attempt's, does,
+    whatever the task did to its workdir (which it can write: nothing of it decides this)."""
     runner, calls = _fake_slurm(tmp_path)
     me = pwd.getpwuid(os.geteuid()).pw_name
     workdir = tmp_path / INV
@@ -125,10 +129,17 @@ def test_the_look_up_is_filtered_by_the_controller_and_skipped_where_nothing_can
     task = Task(INV, 1, workdir, {})
     assert runner.start(task).data["job_id"] == "4242"
     assert _calls(calls, "squeue") == []  # nothing submitted before: nothing to look up
-    [sbatch] = _calls(calls, "sbatch")
-    assert sbatch[0] == "mark=yes"  # durable before the sbatch ran
-    runner.start(task)  # tried again (its answer lost, say): the mark says to look first
-    names = ",".join(lookup_names(INV, 1))
+    assert len(_calls(calls, "sbatch")) == 1
+    other = Task("01J0000000000000000000000B", 1, tmp_path / "other", {})
+    other.workdir.mkdir()
+    (tmp_path / "down").touch()
+    with pytest.raises(RunnerUnavailable):
+        runner.start(other)  # the sbatch went, its answer did not come
+    (tmp_path / "down").unlink()
+    for leftover in other.workdir.iterdir():  # the task user empties its workdir meanwhile
+        leftover.unlink()
+    runner.start(other)  # tried again: it looks first
+    names = ",".join(lookup_names(other.invocation_id, 1))
     assert _calls(calls, "squeue") == [
         ["--noheader", "--all", "--states=all", f"--user={me}", f"--name={names}", f"--format={QUEUE_FORMAT}"]
     ]
@@ -146,13 +157,13 @@ def test_the_look_up_is_filtered_by_the_controller_and_skipped_where_nothing_can
     assert _calls(calls, "runuser") == [["-u", "alice"]]
 
 
-def test_a_withdrawal_looks_only_where_an_sbatch_may_have_been_sent(tmp_path: Path) -> None:
+def test_a_withdrawal_always_looks_the_job_up(tmp_path: Path) -> None:
+    """A withdrawal is rare (a job stopped while its start was tried again, an attempt a restarted
+    nymph releases) and its sbatch may have been sent by this nymph before a restart, so it looks
+    whether or not this runner sent one, with the workdir there or gone."""
     runner, calls = _fake_slurm(tmp_path)
     workdir = tmp_path / INV
     workdir.mkdir()
-    runner.withdraw(Task(INV, 1, workdir, {}))  # the start never reached sbatch: nothing to find
-    assert _calls(calls, "squeue") == []
-    (workdir / SUBMIT_MARK).touch()
     runner.withdraw(Task(INV, 1, workdir, {}))
-    runner.withdraw(Task(INV, 1, tmp_path / "gone", {}))  # the workdir is gone: nothing says no
+    runner.withdraw(Task(INV, 1, tmp_path / "gone", {}))
     assert len(_calls(calls, "squeue")) == 2
