@@ -183,3 +183,37 @@ def test_concurrent_submits_of_two_stores_never_pass_max_queued(store: SqlStore,
     assert sum(isinstance(a, SubmitResult) for a in answers) == 6
     assert sum(isinstance(a, QuotaExceeded) for a in answers) == 74
     assert store.count_queued("team-b", 100) == 6
+
+
+def test_quota_locks_of_namespaces_sharing_a_lock_key_never_deadlock(store: SqlStore) -> None:
+    """PostgreSQL serialises quota-checked submits with one advisory lock per namespace, keyed by
+    a 32-bit hash of its name. "ns3588" and "ns4110" share a key and "ns4" sorts between them, so
+    taken in the names' order, {ns3588, ns4} and {ns4, ns4110} took the same two locks in opposite
+    orders: a deadlock (40P01), every write of both group commits answered 503. In key order, never."""
+    from dreamlake.lakeshore.store.quotas import _lock_key, lock_queued_in
+
+    if store.db.dialect != "postgresql":
+        pytest.skip("SQLite's writes are one at a time: no advisory locks")
+    a, b, c = "ns3588", "ns4", "ns4110"
+    assert a < b < c and _lock_key(a) == _lock_key(c) != _lock_key(b)
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def tx(namespaces: list[str]) -> None:
+        for _ in range(15):
+            try:
+                with store.db.engine.connect() as conn, conn.begin():
+                    barrier.wait(10)
+                    lock_queued_in(conn, "postgresql", namespaces)
+                    time.sleep(0.002)  # held a moment, as a submit's count and insert hold them
+            except Exception as exc:
+                errors.append(exc)
+                barrier.abort()
+                return
+
+    threads = [threading.Thread(target=tx, args=(ns,)) for ns in ([a, b], [b, c])]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []

@@ -70,14 +70,13 @@ def _lock_key(namespace: str) -> int:
 def lock_queued_in(conn: Connection, dialect: str, namespaces: Iterable[str]) -> None:
     """Serialise the quota-checked submits of ``namespaces`` until the caller's transaction ends:
     on PostgreSQL (READ COMMITTED, writers side by side in several processes) an advisory lock
-    per namespace, taken in order (no two transactions wait on each other); SQLite's writes are
+    per namespace, taken in the order of their keys (no two transactions wait on each other: in
+    the names' order, two names sharing a key would break it and deadlock); SQLite's writes are
     one at a time already. Held, a transaction's count sees every earlier holder's commit."""
     if dialect != "postgresql":
         return
-    for namespace in sorted(set(namespaces)):
-        conn.execute(
-            sa.text("SELECT pg_advisory_xact_lock(:c, :k)"), {"c": _PG_QUEUED_LOCK, "k": _lock_key(namespace)}
-        )
+    for key in sorted({_lock_key(namespace) for namespace in namespaces}):
+        conn.execute(sa.text("SELECT pg_advisory_xact_lock(:c, :k)"), {"c": _PG_QUEUED_LOCK, "k": key})
 
 
 def count_queued_in(conn: Connection, namespace: str, up_to: int) -> int:
