@@ -389,8 +389,7 @@ class SupervisedJob(abc.ABC, Generic[OutcomeT]):
             self._settle_once(self.start_refused(exc))
             return None
         if handle is None:  # stopped (cancel, shutdown, lost lease, timeout) while the runner was down
-            # settled first: the runner did not answer just now, and a withdrawal may wait out its
-            # timeout before it is deferred; the outcome need not wait for that
+            # settled first: a withdrawal may wait out the runner's timeout before it is deferred
             self._settle_once(self.stopped(self.due_stop() or Stop("killed", "cancelled", 0.0)))
             self._withdraw(task)
             return None
@@ -403,22 +402,19 @@ class SupervisedJob(abc.ABC, Generic[OutcomeT]):
         return None
 
     def _withdraw(self, task: Task) -> None:
-        """Stopped while the start was tried again (called once the job settled), or a restarted
-        nymph releases an attempt no start of which was answered: a start that raised
-        RunnerUnavailable may have started the task after all (its answer was lost), and nobody
-        would supervise it. A runner that can (``Capabilities.withdraw``) withdraws it; one that
-        cannot be asked now does it once it can (:class:`~nymph.runner.Withdrawing`)."""
+        """Stopped while the start was tried again (once the job settled), or a restarted nymph
+        releases an attempt no start of which was answered: such a start may have started the task
+        after all, and nobody would supervise it. A runner that can (``Capabilities.withdraw``)
+        withdraws it, now or once it answers again (:class:`~nymph.runner.Withdrawing`)."""
         runner = self.ctx.runner
         if not runner.capabilities.withdraw:
             return
         try:
             cast(Withdrawing, runner).withdraw(task)
-        except RunnerUnavailable as exc:
+        except RunnerUnavailable as exc:  # the runner withdraws it once it answers again
             log.warning(
-                "%s %s: runner %s unavailable; what an unanswered start left is withdrawn once it "
-                "answers: %s",
-                self.kind, self.job_id, runner.name, exc,
-            )  # fmt: skip
+                "%s %s: runner %s unavailable; withdrawn later: %s", self.kind, self.job_id, runner.name, exc
+            )
             self.ctx.on_unavailable(exc)
         except RunnerError as exc:
             log.warning("%s %s: withdrawing an unanswered start failed: %s", self.kind, self.job_id, exc)
