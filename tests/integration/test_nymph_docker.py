@@ -310,7 +310,12 @@ def test_an_exec_container_is_labelled_with_the_worker_and_listed_for_start_up_c
         listed = until(lambda: runner.list_labelled(worker_id=worker), "the exec container to be listed")
         assert [h.invocation_id for h in listed] == [job.exec_id]
         cid = str(listed[0].data["container_id"])
-        labels = json.loads(docker("inspect", "--format", "{{json .Config.Labels}}", cid).stdout)
+        inspected = docker("inspect", "--format", "{{json .Config.Labels}}", cid)
+        assert inspected.returncode == 0, (  # (seen once in a full run: say what the job was doing)
+            f"container {cid[:12]} was listed, then {inspected.stderr.strip()!r}; the job: state "
+            f"{job.state!r}, phase {job.phase!r}"
+        )
+        labels = json.loads(inspected.stdout)
         assert labels["nymph.worker"] == worker and labels["nymph.exec"] == job.exec_id
     finally:
         job.cancel("test over", 0.5)
