@@ -467,7 +467,10 @@ class Agent:
                 if not killed:
                     log.warning("shutdown grace expired: stopping %d job(s)", count)
                 killed = True
-            self.jobs.wait_idle(SHUTDOWN_STEP_S)
+            if busy:
+                self.jobs.wait_idle(SHUTDOWN_STEP_S)
+            else:  # only the in-flight poll is waited for (wait_idle would return at once: a spin)
+                self.poller.join(max(0.0, min(SHUTDOWN_STEP_S, settle_by - time.monotonic())))
         if self.outbox is not None and not self.outbox.flush(5.0):
             log.warning(
                 "outbox: %d message(s) not delivered yet; the next start sends them", self.outbox.pending()

@@ -441,3 +441,28 @@ def test_runners_lists_the_process_runner_as_usable() -> None:
     assert out.returncode == 0
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("process"))
     assert "dreamlake-lakeshore" in line and "usable" in line and "NOT" not in line
+
+
+def test_an_idle_nymph_stopping_waits_for_its_poll_without_spinning(
+    control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    """Stopping, nymph waits for its in-flight long poll (what it still claims is handed back, not
+    left to lapse); idle, it spun a core meanwhile, up to --poll-timeout-s (30 s by default): the
+    wait for running jobs returned at once when none ran. Its CPU while it stops is measured."""
+    cp = control_plane
+    n = nymph_factory(cp.url, cp.daemon_token)
+    until(lambda: "registered as worker" in n.output(), "nymph to register")
+    time.sleep(0.3)  # its long poll (2 s here) is in flight
+    proc = psutil.Process(n.proc.pid)  # type: ignore[union-attr]
+    before = proc.cpu_times()
+    used = 0.0
+    n.signal(signal.SIGTERM)
+    while n.proc.poll() is None:  # type: ignore[union-attr]
+        try:
+            now = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            break
+        used = (now.user + now.system) - (before.user + before.system)
+        time.sleep(0.05)
+    assert n.wait() == 0
+    assert used < 0.5, f"nymph used {used:.2f} CPU seconds stopping while idle (a spin)"
