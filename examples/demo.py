@@ -57,7 +57,9 @@ def main() -> int:
         for chunk in q.logs(inv, follow=True):
             for line in chunk.text.splitlines():
                 print(f"   [{chunk.stream}] {line}")
-        print(f"   it returned {q.result(inv, timeout=30)!r}; `lakeshore logs {inv}` prints it again")
+        print(
+            f"   it returned {q.result(inv, timeout=30)!r} (on a plane you keep, `lakeshore logs ID` prints it again)"
+        )
 
         print("\n-- a failure: explode(-1)")
         inv = workload.explode.submit(-1, _dispatch=plane)

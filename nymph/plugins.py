@@ -144,7 +144,8 @@ def _noop(self: object) -> None:
 
 def install_hint(ep: EntryPoint, missing: str | None) -> str:
     """``; install it: pip install 'DIST[EXTRA]'`` when ``missing`` (a top-level module) is a
-    requirement of an extra of the plugin's distribution (``docker`` of ``dreamlake-lakeshore``);
+    requirement of an extra of the plugin's distribution (``docker`` of ``dreamlake-lakeshore``), or
+    the extra named after the runner when ``missing`` is one of its dependencies' (``kube``);
     ``; install it: pip install NAME`` otherwise; empty when nothing is known to be missing."""
     if not missing:
         return ""
@@ -163,6 +164,9 @@ def install_hint(ep: EntryPoint, missing: str | None) -> str:
         if extras:  # the extra made for it, rather than 'all'
             extra = sorted(extras, key=lambda e: (e == "all", e))[0]
             return f"; install it: pip install '{name}[{extra}]'"
+        if dist is not None and ep.name in (dist.metadata.get_all("Provides-Extra") or []):
+            # a dependency of a dependency (kubernetes' urllib3): the runner's own extra brings it
+            return f"; install the {ep.name} runner's extra: pip install '{name}[{ep.name}]'"
     except Exception:  # a damaged dist-info: the plain hint below
         pass
     return f"; install it: pip install {top}"

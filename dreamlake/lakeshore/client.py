@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import email.utils
+import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -68,6 +70,8 @@ _IN_TASK_HINT = (
     "network), and --task-url when tasks reach the control plane at another address "
     "(docs/nymph.md, 'Tasks that submit tasks')"
 )
+
+log = logging.getLogger(__name__)
 
 MSGPACK = "application/x-msgpack"
 CONNECT_TIMEOUT_S = 5.0
@@ -190,6 +194,7 @@ class PlaneClient:
         verify: Any = self._ssl if self._ssl is not None else True
         self.attempts = None if attempts is None else max(1, attempts)
         self.window_s = None if window_s is None else max(0.0, float(window_s))
+        self._warned_unreachable = False  # a retried unreachable plane is logged once
         self._transport = transport
         self._bare: httpx.Client | None = None
         self._bare_lock = threading.Lock()
@@ -276,13 +281,28 @@ class PlaneClient:
                 raise
             first = [exc]
         spent_s = time.monotonic() - started
+        policy = self.policy(attempts, spent_s=spent_s, within_s=within_s)
+        if getattr(first[0], "unreachable", False) and not self._warned_unreachable:
+            self._warned_unreachable = True  # once per client: a caller is not left silent for the window
+            window = self.window_s if within_s is None else min(within_s, self.window_s or within_s)
+            left = "" if window is None else f" for up to {max(0.0, window - spent_s):.0f} s"
+            log.warning("%s; retrying%s", first[0], left)
+        reached = [False]  # whether any try may have been received (not a refused connection)
 
         def attempt() -> Any:
-            if first:
-                raise first.pop()
-            return self._once(method, path, request)
+            try:
+                if first:
+                    raise first.pop()
+                return self._once(method, path, request)
+            except Exception as exc:
+                reached[0] = reached[0] or not getattr(exc, "unsent", False)
+                raise
 
-        return self.policy(attempts, spent_s=spent_s, within_s=within_s)(attempt)
+        try:
+            return policy(attempt)
+        except Unavailable as exc:
+            exc.maybe_received = reached[0]  # False: no try reached the plane (nothing stored)
+            raise
 
     def policy(
         self, attempts: int | None = None, *, spent_s: float = 0.0, within_s: float | None = None
@@ -424,7 +444,7 @@ class PlaneClient:
     def _unreachable(self, what: str, exc: BaseException) -> LakeshoreError:
         if tls.untrusted(exc):  # not a transient failure: retrying cannot help, the message says what to do
             return BadRequest(f"{what}: {tls.untrusted_message(self.url, exc)}")
-        return Unavailable(
+        err = Unavailable(
             f"cannot reach the control plane at {self.url} ({what}): {type(exc).__name__}: {exc}. "
             + (
                 _IN_TASK_HINT
@@ -432,6 +452,13 @@ class PlaneClient:
                 else "Is `lakeshore server` running there?"
             )
         )
+        err.unreachable = True
+        # a connection refused or a name not resolved: nothing of the request was sent
+        cause = exc.__cause__ if isinstance(exc, KeepAliveError) else exc
+        err.unsent = isinstance(exc, httpx.ConnectError) or isinstance(
+            cause, (ConnectionRefusedError, socket.gaierror)
+        )
+        return err
 
     def _refusal(self, resp: httpx.Response, what: str) -> PlaneError:
         status = resp.status_code

@@ -170,7 +170,14 @@ class PlaneError(LakeshoreError):
 
 class Unavailable(PlaneError):
     """Worth retrying: the plane was unreachable, timed out, failed internally (5xx) or asked the
-    caller to slow down (429). ``retry_after`` is the server's ``Retry-After`` in seconds, if any."""
+    caller to slow down (429). ``retry_after`` is the server's ``Retry-After`` in seconds, if any.
+    ``unreachable``: no answer came (the connection failed); ``unsent``: not even a connection (it
+    was refused, the name did not resolve), so nothing was sent; ``maybe_received``, on what a
+    retried request raised at last: whether any of its tries may have reached the plane."""
+
+    unreachable = False
+    unsent = False
+    maybe_received = True
 
     def __init__(self, message: str, status: int | None = None, retry_after: float | None = None) -> None:
         super().__init__(message, status)

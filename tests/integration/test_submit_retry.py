@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -129,19 +130,64 @@ def test_the_local_plane_takes_a_retried_submit_once() -> None:
     assert [i.invocation_id for i in plane.store.list_invocations(None, queue=QUEUE).invocations] == [first]
 
 
-def test_a_submit_that_outlasts_the_window_carries_its_invocation_id() -> None:
+def test_a_submit_that_never_reached_the_plane_says_nothing_was_stored(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Nothing listens: every try is a refused connection, so nothing can have been stored, and
+    the caller is told so (not to go and ask for a status no plane has); the first retry is logged
+    at once, so a script is not silent for the whole window."""
     port = free_port()  # nothing listens there
     plane = HttpDispatch(f"http://127.0.0.1:{port}", "lsk_test", retry_window=1.0)
     thunk = square.thunk(5)
     envelope = thunk.to_envelope()
     started = time.monotonic()
-    with pytest.raises(Unavailable) as caught:
+    with caplog.at_level("WARNING"), pytest.raises(Unavailable) as caught:
         plane.submit(envelope, QUEUE, thunk.run_config())
     waited = time.monotonic() - started
     inv = envelope.id
+    said = str(caught.value)
     assert caught.value.invocation_id == inv
-    assert inv in str(caught.value) and "status" in str(caught.value)
+    assert inv in said and "nothing was stored" in said and "lakeshore show" not in said, said
     assert 1.0 <= waited < 10.0  # it retried for its window, then gave up
+    told = [r.getMessage() for r in caplog.records if "retrying for up to" in r.getMessage()]
+    assert len(told) == 1 and "cannot reach the control plane" in told[0], told
+
+
+def test_a_submit_whose_tries_reached_the_plane_carries_its_id_and_how_to_ask() -> None:
+    """A plane that takes the connection and drops it unanswered may have stored the call: the
+    error carries its id and says how to ask for its status (a fresh submit would run it twice)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    stop = threading.Event()
+
+    def drop() -> None:  # read the request, then close without an answer
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.settimeout(1.0)
+                with contextlib.suppress(OSError):
+                    conn.recv(65536)
+
+    thread = threading.Thread(target=drop, daemon=True)
+    thread.start()
+    try:
+        plane = HttpDispatch(f"http://127.0.0.1:{listener.getsockname()[1]}", "lsk_test", retry_window=1.0)
+        thunk = square.thunk(5)
+        envelope = thunk.to_envelope()
+        with pytest.raises(Unavailable) as caught:
+            plane.submit(envelope, QUEUE, thunk.run_config())
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+    said = str(caught.value)
+    assert caught.value.invocation_id == envelope.id
+    assert "may have been stored" in said and f"lakeshore show {envelope.id}" in said, said
 
 
 def test_the_default_retry_window_outlasts_a_restart(monkeypatch: pytest.MonkeyPatch) -> None:

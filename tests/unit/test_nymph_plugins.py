@@ -93,6 +93,7 @@ notclass = fakeplug_ok:make_runner
 boaster = fakeplug_ok:Boaster
 shy = fakeplug_ok:Shy
 closing = fakeplug_ok:Closing
+engine = fakeplug_deep:Runner
 
 [console_scripts]
 unrelated = fakeplug_ok:make_runner
@@ -104,6 +105,7 @@ def fakeplug(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     root = tmp_path_factory.mktemp("site")
     (root / "fakeplug_ok.py").write_text(MODULE)
     (root / "fakeplug_broken.py").write_text("import fakeplug_dependency_that_is_not_installed\n")
+    (root / "fakeplug_deep.py").write_text("import fakeplug_transitive_dependency\n")  # (not a Requires-Dist)
     info = root / "fakeplug-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(
@@ -116,7 +118,7 @@ def fakeplug(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield root
     finally:
         sys.path.remove(str(root))
-        for mod in ("fakeplug_ok", "fakeplug_broken"):
+        for mod in ("fakeplug_ok", "fakeplug_broken", "fakeplug_deep"):
             sys.modules.pop(mod, None)
 
 
@@ -151,6 +153,16 @@ def test_import_error_names_plugin_distribution_and_problem(fakeplug: Path) -> N
     assert "fakeplug_dependency_that_is_not_installed" in msg
     # the missing module is a requirement of an extra: the message names the pip command
     assert "install it: pip install 'fakeplug[engine]'" in msg
+
+
+def test_a_missing_dependency_of_a_dependency_names_the_runners_extra(fakeplug: Path) -> None:
+    """kubernetes needs urllib3: a kube runner without it said `pip install urllib3`, where the
+    runner's own extra is what brings everything it needs."""
+    with pytest.raises(RunnerLoadError) as err:
+        load_runner("engine")
+    msg = str(err.value)
+    assert "fakeplug_transitive_dependency" in msg
+    assert "pip install 'fakeplug[engine]'" in msg and "pip install fakeplug_transitive" not in msg
 
 
 @pytest.mark.parametrize(

@@ -91,8 +91,15 @@ def _retry_window() -> float:
 def _submit_failed(exc: PlaneError, invocation_id: str, window: float) -> PlaneError:
     """The error of a submit, carrying ``invocation_id``; one that outlasted the retry window says
     the call may be stored and how to find out (a fresh submit would run it twice)."""
-    if isinstance(exc, Unavailable):
+    if isinstance(exc, Unavailable) and getattr(exc, "maybe_received", True) is False:
         new: PlaneError = Unavailable(
+            f"submit of invocation {invocation_id}: no try reached the control plane within the "
+            f"{window:g} s retry window, so nothing was stored: {exc}",
+            exc.status,
+            exc.retry_after,
+        )
+    elif isinstance(exc, Unavailable):
+        new = Unavailable(
             f"submit of invocation {invocation_id} got no answer within the {window:g} s retry window: "
             f"{exc}. It may have been stored: ask for its status (plane.status({invocation_id!r}) or "
             f"`lakeshore show {invocation_id}`), or submit the same call again (the same Envelope id: "

@@ -24,7 +24,7 @@ def no_worker_warning(queue: str, live: dict[str, int], window_s: float = LIVE_W
     window = f"{window_s / 60:g} min" if window_s >= 60 else f"{window_s:g} s"
     names = sorted(live)
     if not names:
-        known = "none (start one: nymph start --server URL --token DAEMON_TOKEN --queue " + queue + ")"
+        known = f"none (start one: NYMPH_TOKEN=DAEMON_TOKEN nymph start --server URL --queue {queue})"
     else:
         known = ", ".join(names[:_SHOWN]) + (
             f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
