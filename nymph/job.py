@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import pwd
 import time
 from pathlib import Path
 from typing import Any, ClassVar
@@ -214,7 +215,21 @@ class Job(SupervisedJob[wd.Outcome]):
         self._callenv.release(self.ctx.config)
         if self._sends is not None:
             self._sends.stop()
+        self._take_back()
         super()._release()
+
+    def _take_back(self) -> None:
+        """A workdir its pool user still owns as the job ends (kept after a failure, or left by a
+        settle that failed) is taken back (:func:`nymph.workdir.seal`) before the user goes back to
+        the pool, whose next task is another tenant's; a deferred job's is the next life's."""
+        user = taskuser.task_users(self.ctx.config).lease_of(self)
+        if user is None or self.workdir is None or self.state == "deferred":
+            return
+        try:
+            uid = pwd.getpwnam(user).pw_uid
+        except KeyError:
+            return
+        wd.seal(self.workdir, owners={uid})
 
     def _gates(self) -> None:
         """The worker-side gates (:mod:`nymph.gates`), in order; who the task runs as is set here."""
@@ -624,7 +639,7 @@ class Job(SupervisedJob[wd.Outcome]):
                 wd.remove(self.workdir)
             else:
                 self._keep_args(self.workdir)
-                wd.mark_settled(self.workdir, outcome)
+                wd.mark_settled(self.workdir, outcome)  # a pool user's is taken back next (_release)
         err = f" {outcome.error.get('type')}: {outcome.error.get('message')}" if outcome.error else ""
         log.info(
             "invocation %s: %s runner=%s attempt=%d duration=%.3fs%s",

@@ -2,7 +2,9 @@
 
 For each ``{workdir}/{ULID}/``:
 
-* already settled (``outcome.json``: a failure kept for inspection): left alone;
+* already settled (``outcome.json``: a failure kept for inspection): left alone, but one a user of
+  the task user pool still owns (a previous life died before it sealed it, or predates the seal)
+  is taken back first (:func:`nymph.workdir.seal`): that uid runs other tenants' tasks;
 * a persisted handle the runner can re-attach to (:meth:`Runner.recover`): supervised again
   (frames keep flowing, the wait, the ack) as if nothing happened;
 * a handle whose task is gone: its outputs are read and acked (frames not yet sent go first);
@@ -36,6 +38,7 @@ from collections.abc import Callable, Collection
 from typing import cast
 
 from dreamlake.lakeshore import ids
+from nymph import taskuser
 from nymph import workdir as wd
 from nymph.job import Job, JobContext
 from nymph.runner import Handle, Labelling, RunnerError, RunnerUnavailable
@@ -93,9 +96,12 @@ def recover_all(ctx: JobContext) -> Recovered:
     kept: set[str] = set()
     found = Recovered()
     found.sweep_pending = sweep_pending
+    pool_uids = taskuser.task_users(ctx.config).pool_uids()
     for path in wd.leftovers(ctx.config.workdir):
         invocation_id = path.name
         if wd.is_settled(path):
+            if pool_uids:
+                wd.seal(path, owners=pool_uids)
             continue
         meta = wd.read_meta(path)
         if meta is None or meta.get("invocation_id") != invocation_id:

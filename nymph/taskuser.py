@@ -26,6 +26,13 @@ task's outputs are read without following links and only when they belong to tha
 (:mod:`nymph.safeio`). :class:`TaskUsers` (:func:`task_users`) is the one place that says which
 user(s) nymph runs tasks as.
 
+A pool user serves one tenant, then another. So before a user goes back to the pool
+(:meth:`TaskUsers.release`), and before this nymph leases it for the first time, every process of
+its uid outside a task cgroup is killed (:mod:`nymph.uidreap`: a pip build's daemon, a task's on a
+host without cgroups); a user a reap cannot clear is leased only once one can. A failed call's kept
+workdir is taken back from the user before that (:func:`nymph.workdir.seal`, as the invocation
+is released). Neither applies to the shared task user (several tasks share it) nor to ``as_user``.
+
 The pool needs at least ``concurrency`` users (one per slot). When it has fewer (not set up, or
 too small), ``nymph start`` says so and refuses, unless the operator allows the fallback with
 ``--shared-task-user``: then tasks beyond the pool (all of them, without a pool) run as the one
@@ -40,6 +47,7 @@ calls per worker, no isolation between calls by design) runs as the shared task 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pwd
@@ -47,6 +55,7 @@ import shutil
 import subprocess
 import threading
 
+from nymph import uidreap
 from nymph.config import NymphConfig
 from nymph.errors import TaskUserError as TaskUserError  # re-exported: raised here
 from nymph.runner import Runner
@@ -133,6 +142,7 @@ class TaskUsers:
         self.fallback = fallback  # the operator allows the shared user when the pool is used up
         self._lock = threading.Lock()
         self._leased: dict[int, str] = {}  # id(holder) -> user
+        self._clean: set[str] = set()  # reaped since their last lease: nothing of theirs runs
 
     def users(self) -> list[str]:
         """Every user tasks without ``as_user`` may run as here (the pool's, then the shared one)."""
@@ -144,23 +154,49 @@ class TaskUsers:
     def acquire(self, holder: object) -> str | None:
         """A user for ``holder``'s task: a free user of the pool, else the shared one when allowed.
 
+        A user this nymph has not leased yet (or whose last reap left a process) is reaped first
+        (:mod:`nymph.uidreap`: a previous life's leftovers); one that cannot be is skipped.
         Raises :class:`TaskUserError` when the pool is used up and the fallback is not allowed."""
         if not self.pooled:
             return self.shared
-        with self._lock:
-            if id(holder) in self._leased:
-                return self._leased[id(holder)]
-            busy = set(self._leased.values())
-            for name in self.pool:
-                if name not in busy:
-                    self._leased[id(holder)] = name
+        skipped: set[str] = set()
+        while True:
+            with self._lock:
+                if id(holder) in self._leased:
+                    return self._leased[id(holder)]
+                busy = set(self._leased.values()) | skipped
+                free = [name for name in self.pool if name not in busy]
+                name = next((n for n in free if n in self._clean), free[0] if free else None)
+                if name is None:
+                    break
+                self._leased[id(holder)] = name  # no other job takes it while it is reaped
+                if name in self._clean:
+                    self._clean.discard(name)
                     return name
+            if _reaped(name):
+                return name
+            skipped.add(name)
+            with self._lock:
+                self._leased.pop(id(holder), None)
         if self.fallback:
             return self.shared
         raise TaskUserError(
             f"every user of the task user pool ({len(self.pool)}) runs a task: make the pool bigger "
             f"(--task-user-pool, `nymph doctor --fix`), lower --concurrency, or pass {SHARED_FLAG}"
         )
+
+    def pool_uids(self) -> set[int]:
+        """The uids of the pool's users (empty when tasks get no user of the pool)."""
+        out = set()
+        for name in self.pool if self.pooled else ():
+            with contextlib.suppress(KeyError):
+                out.add(pwd.getpwnam(name).pw_uid)
+        return out
+
+    def lease_of(self, holder: object) -> str | None:
+        """The pool user leased to ``holder`` (None: it runs as no user of the pool)."""
+        with self._lock:
+            return self._leased.get(id(holder))
 
     def hold(self, holder: object, name: str | None) -> None:
         """``holder`` is a recovered task that runs as ``name``: its user stays leased to it."""
@@ -169,8 +205,18 @@ class TaskUsers:
                 self._leased[id(holder)] = name
 
     def release(self, holder: object) -> None:
+        """Give ``holder``'s pool user back, once every process of that uid outside a task cgroup
+        is killed (:mod:`nymph.uidreap`: what a build or an escaped process left must not meet
+        the next tenant's task); a user that cannot be reaped now is reaped at its next lease."""
+        with self._lock:
+            name = self._leased.get(id(holder))
+        if name is None:  # the shared user, an as_user, nymph's own: not the pool's, never reaped
+            return
+        clean = _reaped(name)
         with self._lock:
             self._leased.pop(id(holder), None)
+            if clean:
+                self._clean.add(name)
 
     def pool_problem(self, cfg: NymphConfig, *, short: bool = False) -> str:
         """What is wrong with the pool (fewer users than ``concurrency``), and what to do."""
@@ -189,6 +235,22 @@ class TaskUsers:
             f"task user {cfg.task_user!r} (no boundary between them), or pass {ROOT_FLAG} to run "
             "tasks as root"
         )
+
+
+def _reaped(name: str) -> bool:
+    """Kill what the pool user ``name`` left running (:func:`nymph.uidreap.reap`); True when none
+    is left. Never raises: a failure keeps the user from the next lease (False)."""
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:  # not a user (any more): nothing runs as it
+        return True
+    if pw.pw_uid == 0:
+        return False
+    try:
+        return not uidreap.reap(pw.pw_uid, pw.pw_gid)
+    except Exception:
+        log.exception("task user %s: killing what it left running failed; not leased until it can be", name)
+        return False
 
 
 _USERS: dict[tuple[object, ...], TaskUsers] = {}

@@ -14,6 +14,8 @@ From then on the task's user can write the directory, so nymph reads and writes 
 :mod:`nymph.safeio` (no symbolic link followed, no FIFO opened blocking, atomic replacement, an
 ownership rule for what it reads). After the runner is done, :func:`read_outcome` turns
 ``result.msgpack`` / ``error.json`` and the exit status into the ack's state, result and error.
+A failed call's workdir is kept; one of a task user pool's user is taken back (:func:`seal`) before
+that user serves another tenant: the files stay, but no path reaches them but root's.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import os
 import pwd
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,6 +163,29 @@ def mark_settled(path: Path, outcome: Outcome) -> None:
         safeio.write_file(path, OUTCOME, data, sync=True)
     except OSError as exc:
         log.warning("workdir %s: cannot write %s: %s", path, OUTCOME, exc)
+
+
+def seal(path: Path, owners: Collection[int] | None = None) -> None:
+    """Take a kept workdir back from the task's user: the directory itself becomes nymph's
+    (``chown`` to nymph's uid:gid, mode 0700, through an ``O_NOFOLLOW | O_DIRECTORY`` fd: never a
+    link), so no path reaches the files in it for anyone but root, whatever their modes. For a
+    user of the task user pool, before it goes back to the pool: the next task as that uid is
+    another tenant's. ``owners``: only a workdir one of these uids owns. A workdir that cannot be
+    sealed is removed (its logs are not worth a leak)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:  # owner first: the task's user can change the mode no more
+            if owners is not None and os.fstat(fd).st_uid not in owners:
+                return
+            os.fchown(fd, os.geteuid(), os.getegid())
+            os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        log.error("workdir %s: cannot take it back from the task's user (%s); removed", path, exc)
+        remove(path)
 
 
 def is_settled(path: Path) -> bool:

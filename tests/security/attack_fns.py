@@ -196,3 +196,12 @@ def fork_bomb(tries: int) -> dict[str, object]:
 def big_result(mib: int) -> bytes:
     """A result of ``mib`` MiB: fits the task's memory once, not twice (packing copies it)."""
     return bytes(mib << 20)
+
+
+def fail_when(gate: str, limit_s: float = 60.0) -> None:
+    """Wait for the file ``gate`` (relative: in the workdir, where the test puts it), then fail:
+    nymph keeps the workdir of a failed call."""
+    deadline = time.monotonic() + limit_s
+    while not Path(gate).exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    raise RuntimeError("failed on cue")
