@@ -309,6 +309,7 @@ class Agent:
         limits = self.client.limits_of(answer)  # what the control plane allows (ServerLimits)
         self.inline_threshold = limits.inline_threshold_bytes
         self.poller.limits = limits
+        self.client.limits = limits  # its jobs' uploads (a checkpoint) are sized by it
         log.info(
             "registered as worker %s (runner %s, queues %s, %d slot(s)) with %s",
             self.worker_id,

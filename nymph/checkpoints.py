@@ -8,8 +8,10 @@ only: links, devices and other users' files are left out, nothing is followed, e
 relative to its parent's descriptor, see :func:`_pack_tree`), uploads the tar through the payload store (key
 ``payloads/<date>/<invocation_id>.<random>/checkpoint``) and records it with ``POST
 /v1/daemon/checkpoint`` before the ack, while the lease is still this attempt's: the control plane
-refuses a stale attempt's. A checkpoint over ``checkpoint_max_mb`` (default 1024) is not carried
-(one warning). The next run command carries ``checkpoint_ref``; :func:`restore` fetches it (size
+refuses a stale attempt's. A checkpoint (its tar) over ``checkpoint_max_mb`` (default 1024) or over
+the control plane's ``MAX_PAYLOAD_BYTES`` (default 100 MiB; its register answer says it: the
+client's ``limits.max_payload_bytes``), whichever is smaller, is not carried: one warning names
+the setting to raise (:func:`size_limit`). The next run command carries ``checkpoint_ref``; :func:`restore` fetches it (size
 and sha256 checked), unpacks it with tarfile's ``data`` filter (no absolute paths, no ``..``, no
 links out, no devices) into the new workdir's ``checkpoint/`` and gives it to the task's user.
 
@@ -139,6 +141,19 @@ def _pack_dir(
             os.close(fd)
 
 
+def size_limit(client: ControlPlaneClient | None, max_bytes: int) -> tuple[int, str]:
+    """The largest checkpoint nymph carries, and what to raise to carry a larger one. ``max_bytes``
+    is nymph's ``checkpoint_max_mb``; the control plane refuses an upload over its
+    ``MAX_PAYLOAD_BYTES`` (the client's ``limits``, from the register answer)."""
+    plane = getattr(getattr(client, "limits", None), "max_payload_bytes", None)
+    if isinstance(plane, int) and plane < max_bytes:
+        return plane, (
+            f"the control plane's MAX_PAYLOAD_BYTES ({plane / 2**20:g} MiB, under nymph's checkpoint_max_mb "
+            f"of {max_bytes / 2**20:g} MiB) is the limit: raise MAX_PAYLOAD_BYTES on the control plane"
+        )
+    return max_bytes, f"nymph's checkpoint_max_mb ({max_bytes / 2**20:g} MiB) is the limit: raise it"
+
+
 def save(
     client: ControlPlaneClient | None,
     workdir: Path,
@@ -149,7 +164,8 @@ def save(
     namespace: str,
     max_bytes: int,
 ) -> bool:
-    """Carry ``{workdir}/checkpoint`` to the next attempt (see the module docstring); whether it was."""
+    """Carry ``{workdir}/checkpoint`` to the next attempt (see the module docstring); whether it
+    was. ``max_bytes``: nymph's ``checkpoint_max_mb`` (the control plane's limit may be smaller)."""
     try:
         st = os.lstat(workdir / DIR)
     except OSError:
@@ -160,13 +176,17 @@ def save(
         )
         return False
     try:
+        limit, setting = size_limit(client, max_bytes)
         with tempfile.TemporaryFile(dir=workdir.parent) as tmp:
-            packed = _pack_tree(workdir, tmp, max_bytes)
-            if packed is None:
+            packed = _pack_tree(workdir, tmp, limit)
+            size = tmp.tell()  # the tar, headers and padding included: what is uploaded
+            if packed is None or size > limit:
                 log.warning(
-                    "invocation %s: checkpoint over %d MiB (checkpoint_max_mb); not carried to the next attempt",
+                    "invocation %s: checkpoint not carried to the next attempt: its tar is over %d bytes; "
+                    "%s to carry a larger one",
                     invocation_id,
-                    max_bytes // 2**20,
+                    limit,
+                    setting,
                 )
                 return False
             members, total = packed

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from dreamlake.lakeshore.client import MSGPACK, is_retryable
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.protocol.daemon import DaemonClient
+from dreamlake.lakeshore.protocol.limits import ServerLimits
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -111,6 +112,9 @@ class ControlPlaneClient(DaemonClient):
     ) -> None:
         super().__init__(server, token, timeout_s=timeout_s, transport=transport)
         self.link = PlaneLink(self.url)
+        # what the control plane allows, as its register answer says (set by the agent); until then
+        # what one that says nothing is taken to allow
+        self.limits = ServerLimits()
 
     @property
     def server(self) -> str:

@@ -90,7 +90,8 @@ class NymphConfig:
     grace_s: float = 30.0  # shutdown: how long running work may finish after SIGTERM
     # drain (SIGUSR1, ``nymph drain``): how long running work may finish; None: as long as it takes
     drain_timeout_s: float | None = None
-    # dls.checkpoint_dir() carried to the next attempt up to this size (nymph.checkpoints)
+    # dls.checkpoint_dir() carried to the next attempt up to this size, and up to the control
+    # plane's MAX_PAYLOAD_BYTES (nymph.checkpoints.size_limit)
     checkpoint_max_mb: float = 1024.0
     stop_grace_s: float = 10.0  # cancel / timeout ladder: SIGTERM, this grace, SIGKILL
     heartbeat_s: float | None = None  # None: what the control plane says at registration

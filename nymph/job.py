@@ -295,7 +295,9 @@ class Job(SupervisedJob[wd.Outcome]):
         if handle is not None:
             job._callenv.hold(ctx.config, meta.get("env_sha256"))
         gpus = [str(g) for g in meta.get("gpus") or []]
-        if handle is not None and gpus and ctx.slots.claim_gpus(gpus):
+        # its devices stay its own while it may still run: with a handle, or none saved but its
+        # entry holding the lock (nymph died between the start and the handle's write)
+        if gpus and (handle is not None or wd.entry_runs(workdir)) and ctx.slots.claim_gpus(gpus):
             job._gpus = gpus
         return job
 

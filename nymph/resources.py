@@ -15,7 +15,8 @@ field      accepted                                               read as
            ``2GiB``): k/m/g/t and Ki/Mi/Gi/Ti are powers of 1024
 ``pids``   a positive whole number (``1024``, ``"1024"``)           processes and threads of the task
 ``shm``    a size, as ``memory``                                  bytes of ``/dev/shm``
-``gpus``   a whole number, 0 or more; alias ``nvidia.com/gpu``     a GPU count
+``gpus``   a whole number from 0 to 1024 (``2``, ``2.0``, ``"2"``);  a GPU count, read as the control
+           alias ``nvidia.com/gpu``                                plane reads it (``gpucount``)
 ========== ====================================================== ==================================
 
 A runner that cannot enforce a field names it in ``unsupported`` (field -> why); a task asking
@@ -38,6 +39,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from dreamlake.lakeshore import gpucount
 from nymph.runner import RunnerError
 
 __all__ = ["ALIASES", "FIELDS", "ResourceError", "Resources", "parse_defaults", "parse_resources"]
@@ -45,7 +47,7 @@ __all__ = ["ALIASES", "FIELDS", "ResourceError", "Resources", "parse_defaults", 
 #: The fields of ``run_config.resources``, in the order messages list them.
 FIELDS = ("cpus", "memory", "pids", "shm", "gpus")
 #: Other names accepted for a field (Kubernetes' own resource names).
-ALIASES = {"cpu": "cpus", "nvidia.com/gpu": "gpus"}
+ALIASES = {"cpu": "cpus", gpucount.ALIAS: gpucount.FIELD}
 TASK_SOURCE = "run_config.resources"
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -57,7 +59,7 @@ _EXPECTED = {
     "memory": "a positive size such as 512m, 1g or 512Mi",
     "shm": "a positive size such as 512m, 1g or 512Mi",
     "pids": "a positive whole number",
-    "gpus": "a whole number of GPUs (0 or more)",
+    "gpus": gpucount.EXPECTED,
 }
 _REFUSED_FIX = "leave it out, or send the task to a nymph whose runner enforces it"
 
@@ -219,14 +221,10 @@ def _pids(value: Any) -> int | None:
     return _whole(value, 1)
 
 
-def _gpus(value: Any) -> int | None:
-    return _whole(value, 0)
-
-
 _PARSERS: dict[str, Callable[[Any], int | None]] = {
     "cpus": _millicpus,
     "memory": _size,
     "shm": _size,
     "pids": _pids,
-    "gpus": _gpus,
+    "gpus": gpucount.gpu_count,  # the control plane's reading too: what it places, runs
 }

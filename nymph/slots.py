@@ -4,10 +4,11 @@ nymph claims work only while a slot is free: the poll asks for at most :meth:`Sl
 invocations, and each claimed invocation holds one slot until it is acked. GPUs are a second,
 finer resource: each poll offers the devices free now (:meth:`Slots.free_gpus`) and the control
 plane hands out only calls that fit (docs/protocol.md "Placement"), so an invocation whose
-``run_config.resources.gpus`` is N takes N devices of the :class:`nymph.gpus.GpuPool` when its
-run command arrives (:meth:`Slots.take_gpus`, before the next poll offers them again) and gets
-them as ``CUDA_VISIBLE_DEVICES``. It never waits for devices another call holds: one that finds
-too few free (a control plane older than placement) fails at once with NotEnoughGpus.
+``run_config.resources.gpus`` (or ``nvidia.com/gpu``) is N takes N devices of the
+:class:`nymph.gpus.GpuPool` when its run command arrives (:meth:`Slots.take_gpus`, before the next
+poll offers them again) and gets them as ``CUDA_VISIBLE_DEVICES``. It never waits for devices
+another call holds: one that finds too few free (a control plane older than placement) fails at
+once with NotEnoughGpus.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import threading
 from typing import Any, Protocol
 
+from dreamlake.lakeshore.gpucount import gpus_of
 from nymph.errors import NotEnoughGpus as NotEnoughGpus  # re-exported: raised here
 
 log = logging.getLogger(__name__)
@@ -27,10 +29,12 @@ class GpuPoolLike(Protocol):
 
 
 def gpus_requested(run_config: dict[str, Any]) -> int:
-    resources = run_config.get("resources") or {}
+    """The devices a call asks for, read as the control plane placed it (``gpus`` or its alias
+    ``nvidia.com/gpu``: :func:`dreamlake.lakeshore.gpucount.gpus_of`); 0 for a value that is no
+    count (the runner refuses it, naming the field)."""
     try:
-        return max(0, int(resources.get("gpus") or 0)) if isinstance(resources, dict) else 0
-    except (TypeError, ValueError):
+        return gpus_of(run_config.get("resources"))
+    except ValueError:
         return 0
 
 

@@ -78,3 +78,10 @@ def slow_finally(marker: str, started: str) -> str:
         time.sleep(0.5)
         Path(marker).write_text("cleaned up")
     return "slept"
+
+
+@dls.udf(queue="nymph")
+def big_checkpoint(size: int) -> str:
+    """Leave ``size`` bytes in the checkpoint directory, then fail."""
+    (Path(dls.checkpoint_dir()) / "weights").write_bytes(b"w" * size)
+    raise ValueError(f"failed with a checkpoint of {size} bytes")

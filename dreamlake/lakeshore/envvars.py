@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 MiB = 1024 * 1024
 DEFAULT_INLINE_THRESHOLD_BYTES = 256 * 1024  # seed 003
+DEFAULT_MAX_PAYLOAD_BYTES = 100 * MiB  # the largest upload the payload store presigns
 INLINE_THRESHOLD_ENV = "INLINE_THRESHOLD_BYTES"
 INLINE_THRESHOLD_ALIASES = ("LAKESHORE_INLINE_THRESHOLD_BYTES",)  # deprecated
 
@@ -168,7 +169,7 @@ SETTINGS: tuple[Setting, ...] = (
       fallbacks=("AWS_SECRET_ACCESS_KEY",)),
     S("AWS_SESSION_TOKEN", "secret", None, "server",
       "An S3 session token, used with the `AWS_*` keys (not with `LAKESHORE_S3_ACCESS_KEY`)."),
-    S("MAX_PAYLOAD_BYTES", "int", 100 * MiB, "server",
+    S("MAX_PAYLOAD_BYTES", "int", DEFAULT_MAX_PAYLOAD_BYTES, "server",
       "Presigning a larger upload answers 413."),
     S("PAYLOAD_PRESIGN_TTL_S", "int", 900, "server",
       "The lifetime of a presigned payload URL, seconds."),

@@ -24,8 +24,10 @@ def checkpoint_dir() -> str:
     """A directory whose content the next attempt of this call finds here again (after a
     preemption, a retried failure or a timeout; issue 30), created on first use. Outside a task it
     is ``./checkpoint``. Write what resuming needs (a step number, model weights) and read it at the
-    start; keep it small (nymph's ``checkpoint_max_mb``, default 1 GiB) and write files atomically
-    (write a temporary name, then ``os.replace``), as the attempt may be stopped at any moment."""
+    start; keep it small (a larger one is not carried: over nymph's ``checkpoint_max_mb``, default
+    1 GiB, or the control plane's ``MAX_PAYLOAD_BYTES``, default 100 MiB) and write files
+    atomically (write a temporary name, then ``os.replace``), as the attempt may be stopped at any
+    moment."""
     path = envvars.string(CHECKPOINT_ENV, None, None) or os.path.abspath("checkpoint")
     os.makedirs(path, mode=0o700, exist_ok=True)
     return path

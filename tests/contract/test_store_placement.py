@@ -8,13 +8,15 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.store.api import AckRequest, SubmitRequest
-from dreamlake.lakeshore.store.claims import queue_limit
+from dreamlake.lakeshore.store.claims import Plan, queue_limit
 from dreamlake.lakeshore.store.notify import run_queue_channel
 from dreamlake.lakeshore.store.placement import Offer
 from dreamlake.lakeshore.store.sql import SqlStore
@@ -71,6 +73,36 @@ def test_fleet_wide_limits_hold_in_the_claim(store: SqlStore) -> None:
     with store.db.tx(write=True) as conn:
         store.set_limit_in(conn, queue_limit("lim"), None, time.time())
     assert len(store.claim("w5", ["lim"], limit=4)) == 2
+
+
+def test_a_claim_under_a_queue_limit_reads_and_locks_only_the_rows_it_may_take(
+    store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queue limit makes every claim of the queue a placed one with one head (its plain shape).
+    Its pick reads the head's first ``limit`` rows, and on PostgreSQL locks only those, never the
+    whole queued backlog (it did: every claim read, and locked FOR UPDATE, every queued row)."""
+    for _ in range(30):
+        submit(store, "lim")
+    store.set_queue_limit("lim", 100)
+    seen: list[tuple[int, int | None]] = []  # (rows the pick returned, queued rows it left unlocked)
+    choose = Plan.choose
+
+    def counting(plan: Plan, rows: list[Any], limit: int, offer: Offer) -> list[str]:
+        unlocked = None
+        if store.kind == "postgresql":  # seen from another transaction while the claim holds its locks
+            with store.db.engine.connect() as other:
+                unlocked = other.execute(
+                    sa.text(
+                        "SELECT count(*) FROM (SELECT 1 FROM invocations WHERE queue = 'lim' AND "
+                        "state = 'queued' FOR UPDATE SKIP LOCKED) AS free"
+                    )
+                ).scalar_one()
+        seen.append((len(rows), unlocked))
+        return choose(plan, rows, limit, offer)
+
+    monkeypatch.setattr(Plan, "choose", counting)
+    assert len(store.claim("w", ["lim"], limit=2)) == 2
+    assert seen == [(2, 28 if store.kind == "postgresql" else None)]
 
 
 def test_not_before_keeps_a_call_queued_until_its_time(store: SqlStore) -> None:

@@ -67,6 +67,26 @@ def test_a_ten_step_loop_preempted_twice_does_each_step_once(
     assert [a["state"] for a in history] == ["preempted", "preempted", "succeeded"]
 
 
+def test_a_checkpoint_over_the_control_planes_max_payload_bytes_is_skipped_saying_what_to_raise(
+    store_url: str, nymph_factory: Callable[..., Nymph], tmp_path: Path
+) -> None:
+    """nymph's checkpoint_max_mb (1024) is over the control plane's MAX_PAYLOAD_BYTES (here 64 KiB;
+    100 MiB by default): the register answer says the latter, so a checkpoint between the two is
+    skipped by nymph with a line naming the setting to raise, not packed whole and then refused
+    by the presign (HTTP 413)."""
+    blobs = local_blobs(tmp_path / "blobs", max_payload_bytes=64 << 10)
+    with running_control_plane(store_url, payloads=blobs) as cp:
+        node = nymph_factory(cp.url, cp.daemon_token, base=_base(tmp_path / "n"))
+        inv = submit(
+            cp.url, cp.producer_token, envelope(preempt_fns.big_checkpoint, 100 << 10), max_attempts=1
+        )
+        assert await_result(cp.url, cp.producer_token, inv)["state"] == "failed"
+        until(lambda: "checkpoint not carried" in node.output(), "the checkpoint to be skipped")
+        out = node.output()
+        assert "raise MAX_PAYLOAD_BYTES on the control plane" in out, out[-3000:]
+        assert "HTTP 413" not in out, out[-3000:]  # decided before packing it all and asking for an upload
+
+
 def _claimed(cp: ControlPlane, token: str, queue: str, worker: str) -> dict[str, object]:
     body = {"worker_id": worker, "queues": [queue], "timeout_s": 5}
     assert cp.call("/v1/daemon/register", body, token)[0] == 200

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
 from typing import Any
 
 import httpx
@@ -14,6 +15,7 @@ import pytest
 from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.errors import Conflict
 from dreamlake.lakeshore.ids import new_ulid
+from dreamlake.lakeshore.protocol.limits import ServerLimits
 from dreamlake.lakeshore.server.config import ServerConfig
 from tests.integration.conftest import ControlPlane, running_control_plane
 from tests.integration.daemon_kit import follow, frame, poll
@@ -36,6 +38,8 @@ def test_register_answers_lease_and_heartbeat(control_plane: ControlPlane) -> No
     limits = out.pop("limits")  # what the control plane allows, as GET /v1/ops/info says it
     assert (status, out) == (200, {"worker_id": worker, "lease_s": 30.0, "heartbeat_s": 10.0})
     assert limits["acks_per_poll"] == 256 and limits["inline_threshold_bytes"] is None  # no payload store
+    assert limits["max_payload_bytes"] == 100 * 2**20  # MAX_PAYLOAD_BYTES: nymph sizes checkpoints by it
+    assert set(limits) == {f.name for f in fields(ServerLimits)}  # every limit the client side knows
 
 
 def test_run_command_body_is_exact(control_plane: ControlPlane) -> None:

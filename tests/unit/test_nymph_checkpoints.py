@@ -6,12 +6,15 @@ directory while nymph walks the tree) and a file nymph's task does not own are n
 from __future__ import annotations
 
 import io
+import logging
 import os
 import tarfile
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 
+from dreamlake.lakeshore.protocol.limits import ServerLimits
 from nymph import checkpoints
 
 
@@ -101,3 +104,70 @@ def test_a_file_the_task_does_not_own_is_not_carried(tmp_path: Path) -> None:
     os.chown(foreign, other_uid, other_uid)
     assert "foreign" not in _packed(workdir)
     assert "state.bin" in _packed(workdir)
+
+
+class _Client:
+    """A control-plane client whose register answer said ``max_payload_bytes``; records uploads."""
+
+    def __init__(self, max_payload_bytes: int) -> None:
+        self.limits = ServerLimits(max_payload_bytes=max_payload_bytes)
+        self.recorded: list[dict[str, object]] = []
+
+    def checkpoint(self, body: dict[str, object]) -> None:
+        self.recorded.append(body)
+
+
+@pytest.mark.parametrize(
+    ("checkpoint_max", "plane_max", "carried", "raise_what"),
+    [
+        (
+            1 << 20,
+            16 << 10,
+            False,
+            "raise MAX_PAYLOAD_BYTES on the control plane",
+        ),  # 1 GiB vs 100 MiB, scaled
+        (16 << 10, 1 << 20, False, "checkpoint_max_mb (0.015625 MiB) is the limit: raise it"),
+        (1 << 20, 40_000, False, "MAX_PAYLOAD_BYTES"),  # its files fit; the tar (headers, padding) does not
+        (1 << 20, 10 << 20, True, None),
+    ],
+)
+def test_a_checkpoint_is_carried_up_to_the_smaller_of_the_two_limits_and_a_skip_says_what_to_raise(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    checkpoint_max: int,
+    plane_max: int,
+    carried: bool,
+    raise_what: str | None,
+) -> None:
+    """The control plane refuses an upload over its MAX_PAYLOAD_BYTES (100 MiB by default), which
+    its register answer says; nymph's checkpoint_max_mb defaults to 1 GiB. A checkpoint between the
+    two used to be packed and then dropped at the upload."""
+    workdir, _ = _tree(tmp_path)
+    (workdir / "checkpoint" / "weights").write_bytes(b"w" * 39_000)  # 39 KB of files, ~42 KB of tar
+    shipped: list[int] = []
+
+    def ship(
+        client: object, namespace: str, invocation_id: str, data: BinaryIO, kind: str
+    ) -> dict[str, object]:
+        shipped.append(data.seek(0, os.SEEK_END))
+        return {"key": "k"}
+
+    monkeypatch.setattr(checkpoints.refs, "ship", ship)
+    client = _Client(plane_max)
+    with caplog.at_level(logging.WARNING, logger="nymph.checkpoints"):
+        got = checkpoints.save(
+            client,  # type: ignore[arg-type]
+            workdir,
+            invocation_id="x",
+            attempt=1,
+            worker_id="w",
+            namespace="default",
+            max_bytes=checkpoint_max,
+        )
+    assert got is carried and bool(shipped) is carried and bool(client.recorded) is carried
+    if carried:
+        assert shipped[0] <= min(checkpoint_max, plane_max)
+    else:
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert "checkpoint not carried" in line and str(raise_what) in line, line

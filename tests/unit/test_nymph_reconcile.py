@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -82,6 +84,27 @@ def test_reattached_task_keeps_its_gpus(tmp_path: Path) -> None:
     assert isinstance(job, Job) and job._gpus == ["1"]
     assert job._env()["CUDA_VISIBLE_DEVICES"] == "1"
     assert slots.acquire_gpus(1) == ["0"]  # device 1 stays with the re-attached task
+
+
+def test_a_task_running_without_a_saved_handle_keeps_its_gpus_until_it_ends(tmp_path: Path) -> None:
+    """nymph died between the task's start and the handle's write: the entry still holds its lock,
+    so the task runs on its recorded devices, and the next life must not offer them to another call
+    (it did: a second gpus=1 call ran on the same device)."""
+    slots = Slots(2, GpuPool([Gpu(0, "u0", "H200", 1), Gpu(1, "u1", "H200", 1)]), gpu_total=2)
+    inv = _leftover(tmp_path, handle=False, gpus=["1"])
+    idle = _leftover(tmp_path, handle=False, gpus=["0"])  # never started: nothing holds its lock
+    fd = os.open(tmp_path / inv / wd.ENTRY_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # the running task's entry
+        found = {job.invocation_id: job for job, _ in recover_all(_ctx(tmp_path, set(), set(), slots))}
+        assert found[inv].handle is None and found[inv]._gpus == ["1"]
+        assert found[idle]._gpus == []
+        assert slots.free_gpus() == 1 and slots.acquire_gpus(1) == ["0"]
+        slots.release_gpus(["0"])
+    finally:
+        os.close(fd)  # the task ended (with no outcome: its attempt is released)
+    found[inv].resume(False)
+    assert found[inv]._gpus == [] and slots.free_gpus() == 2
 
 
 class _LabellingRunner(_Runner):

@@ -10,8 +10,11 @@ from typing import Any
 import pytest
 
 from dreamlake.lakeshore import ids
+from dreamlake.lakeshore.errors import PlaneError
+from dreamlake.lakeshore.store.placement import needs_of
 from nymph.resources import ResourceError, Resources, parse_defaults, parse_resources
 from nymph.runner import RunnerError, Task
+from nymph.slots import gpus_requested
 
 
 @pytest.mark.parametrize(
@@ -61,6 +64,40 @@ def test_aliases_whole_numbers_and_defaults() -> None:
         parse_defaults("docker", memory="lots")
 
 
+@pytest.mark.parametrize(
+    "resources",
+    [
+        {"gpus": 1},
+        {"gpus": 1.0},
+        {"gpus": "2"},
+        {"gpus": 0},
+        {"nvidia.com/gpu": 1},
+        {"nvidia.com/gpu": "3"},
+        {"gpus": 1.5},
+        {"gpus": "1.0"},
+        {"gpus": -1},
+        {"gpus": True},
+        {"gpus": 2000},
+        {"gpus": 1, "nvidia.com/gpu": 1},
+    ],
+)
+def test_a_gpu_count_is_placed_as_nymph_runs_it(resources: dict[str, Any]) -> None:
+    """The control plane's placement, the runners' reading and the devices nymph takes agree on
+    every value: a count placed is the count run (the alias used to be placed as 1 GPU and run
+    with none; 1.0 placed, then refused by the runner), a value refused is refused by both."""
+    try:
+        placed: int | None = needs_of({"resources": resources}, "default").gpus
+    except PlaneError as exc:
+        assert exc.status == 400
+        placed = None
+    try:
+        run: int | None = parse_resources(resources, "any").gpus or 0
+    except ResourceError:
+        run = None
+    assert placed == run, (placed, run)
+    assert gpus_requested({"resources": resources}) == (placed or 0)
+
+
 # --- every runner: one table of inputs, one error shape -----------------------------------------
 
 OK = None
@@ -93,6 +130,8 @@ TABLE: list[tuple[Any, dict[str, str | None]]] = [
     ({"pids": 0}, _everywhere("pids")),
     ({"gpus": -1}, _everywhere("gpus")),
     ({"gpus": True}, _everywhere("gpus")),
+    ({"gpus": 1.0}, _everywhere(OK)),  # as the control plane places it (dreamlake.lakeshore.gpucount)
+    ({"gpus": 1.5}, _everywhere("gpus")),
     ({"cpus": 1, "cpu": 2}, _everywhere("cpus")),
     ({"disk": "1g"}, _everywhere("")),
     ("2 cpus", _everywhere("")),

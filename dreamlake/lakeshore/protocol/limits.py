@@ -45,6 +45,7 @@ class ServerLimits:
     await_batch_max: int = 1000  # ids one await-batch request asks for at most
     poll_max_commands: int = 64  # commands one poll hands out at most
     result_chunks_max: int = 10_000  # frames one result-chunks request carries at most
+    max_payload_bytes: int = envvars.DEFAULT_MAX_PAYLOAD_BYTES  # one upload to the payload store at most
 
     @classmethod
     def from_answer(cls, answer: Any) -> ServerLimits:

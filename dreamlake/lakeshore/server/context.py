@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from dreamlake.lakeshore import envvars
 from dreamlake.lakeshore.errors import PlaneError, QuotaExceeded
 from dreamlake.lakeshore.server import task_tokens
 from dreamlake.lakeshore.server.auth import Authenticator
@@ -109,6 +110,13 @@ class Context:
         false keeps the control plane on the inline-bytes wire)."""
         config = getattr(self.payloads, "config", None)
         return None if config is None else int(config.inline_threshold_bytes)
+
+    @property
+    def max_payload_bytes(self) -> int:
+        """``MAX_PAYLOAD_BYTES``: the largest upload the payload store presigns (its default
+        without a payload store, where nothing is uploaded)."""
+        config = getattr(self.payloads, "config", None)
+        return envvars.DEFAULT_MAX_PAYLOAD_BYTES if config is None else int(config.max_payload_bytes)
 
     def check_inline(self, what: str, size: int, namespace: str, use: str) -> None:
         """413 (:func:`~.payloads.over_threshold`) when ``size`` bytes may not ride inline."""

@@ -129,6 +129,7 @@ def server_limits(ctx: Context) -> dict[str, Any]:
         "await_batch_max": AWAIT_BATCH_MAX,
         "poll_max_commands": ctx.config.poll_max_commands,
         "result_chunks_max": MAX_BATCH_FRAMES,
+        "max_payload_bytes": ctx.max_payload_bytes,  # MAX_PAYLOAD_BYTES: nymph sizes checkpoints by it
     }
 
 

@@ -55,25 +55,32 @@ class QueueWatch:
 
 def placement_warning(queue: str, needs: Needs, infos: list[dict[str, Any]]) -> str | None:
     """Why no live worker of ``queue`` (``infos``: their registered infos) could ever take a call
-    of ``needs``: ``no live worker of queue 'gpu' offers 4 GPUs (largest: 2)``, or one naming the
-    selector no worker's labels satisfy; None when one could (or none is live: the no-worker
-    warning says so)."""
+    of ``needs``, naming each need no worker meets: ``no live worker of queue 'gpu' offers 4 GPUs
+    (largest: 2)``, ``... gives one task 2 CPUs (largest: 1)``, ``... has the labels pool=a``
+    (several joined by ``; nor``); when each is met by some worker but none meets them all, the
+    needs together. None when one could (or none is live: the no-worker warning says so)."""
     if not infos:
         return None
     offers = _offers(infos)
     if any(o.fits(needs) for o in offers):
         return None
-    largest = max(o.gpus for o in offers)
-    if needs.gpus > largest:
-        return f"no live worker of queue {queue!r} offers {needs.gpus} GPUs (largest: {largest})"
-    memories = [o.memory for o in offers if o.memory is not None]
-    if needs.memory and memories and needs.memory > max(memories):
-        return (
-            f"no live worker of queue {queue!r} gives one task {needs.describe()} "
-            f"(largest: {max(memories)} bytes)"
-        )
-    wanted = ", ".join(f"{k}={v}" for k, v in needs.selector)
-    return f"no live worker of queue {queue!r} has the labels {wanted} with {needs.gpus} GPU(s)"
+    unmet: list[str] = []
+    if needs.gpus and not any(o.fits(Needs(gpus=needs.gpus)) for o in offers):
+        unmet.append(f"offers {needs.gpus} GPUs (largest: {max(o.gpus for o in offers)})")
+    if needs.memory and not any(o.fits(Needs(memory=needs.memory)) for o in offers):
+        largest = max(o.memory for o in offers if o.memory is not None)
+        most = f"largest: {largest} bytes" if largest else "none can limit a task's memory"
+        unmet.append(f"gives one task {Needs(memory=needs.memory).describe()} ({most})")
+    if needs.cpus and not any(o.fits(Needs(cpus=needs.cpus)) for o in offers):
+        cpus = max(o.cpus for o in offers if o.cpus is not None)
+        most = f"largest: {cpus:g}" if cpus else "none can limit a task's CPUs"
+        unmet.append(f"gives one task {needs.cpus:g} CPUs ({most})")
+    if needs.selector and not any(o.fits(Needs(selector=needs.selector)) for o in offers):
+        unmet.append("has the labels " + ", ".join(f"{k}={v}" for k, v in needs.selector))
+    if not unmet:  # each need is met somewhere, never all on one worker
+        together = Needs(needs.gpus, needs.selector, memory=needs.memory, cpus=needs.cpus).describe()
+        unmet.append(f"has all of {together} at once")
+    return f"no live worker of queue {queue!r} " + "; nor ".join(unmet)
 
 
 def _labels(value: Any) -> dict[str, str]:

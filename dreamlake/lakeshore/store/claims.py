@@ -65,9 +65,14 @@ def _picks(n_heads: int, by_namespace: bool, cols: Sequence[Any], limit: Any) ->
     if n_heads > MERGED_QUEUES_MAX:
         pairs = sa.tuple_(_inv.c.queue, _inv.c.shape).in_(sa.bindparam("heads", expanding=True))
         return sa.select(*cols).where(queued, pairs).order_by(*_claim_order).with_for_update(skip_locked=True)
-    if n_heads == 1:
+    if n_heads == 1:  # its first ``limit`` rows: every row of one head has the same needs, so a
+        # placed claim (Plan.choose) that skips one skips every later one too
         return (
-            sa.select(*cols).where(queued, _head(0)).order_by(*_claim_order).with_for_update(skip_locked=True)
+            sa.select(*cols)
+            .where(queued, _head(0))
+            .order_by(*_claim_order)
+            .limit(limit)
+            .with_for_update(skip_locked=True)
         )
     full = (*cols, _inv.c.priority, _inv.c.submitted_at)
     firsts = [

@@ -1,7 +1,8 @@
 """Placement: what a call needs, what a poller offers, and whether the one fits the other.
 
 A call's needs come from its ``run_config`` (:func:`needs_of`): ``resources.gpus`` (a whole
-number; alias ``nvidia.com/gpu``), ``selector`` (label -> value, every one of which the poller's
+number; alias ``nvidia.com/gpu``; read by :func:`dreamlake.lakeshore.gpucount.gpus_of`, as nymph
+reads it), ``selector`` (label -> value, every one of which the poller's
 labels must equal; a key the poller has no label for never matches) and ``concurrency_key``
 (calls sharing it count against one fleet-wide ``max_concurrency``). Calls with the same needs
 share a *shape*: :meth:`Needs.key`, a short hash ('' for a call with none, the plain shape), stored
@@ -30,11 +31,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dreamlake.lakeshore.errors import PlaneError
+from dreamlake.lakeshore.gpucount import MAX_GPUS, gpus_of
 
 PLAIN = ""  # the shape of a call that needs nothing placement matches on
 MAX_SELECTOR = 16  # labels one selector may name
 MAX_LABEL = 128  # characters of a label's key or value
-MAX_GPUS = 1024
 MAX_NOT_BEFORE_S = 366 * 86400.0  # a not_before further ahead than this is refused
 SHAPE_LEN = 16
 MAX_CPUS = 4096
@@ -135,18 +136,10 @@ NO_OFFER = Offer()
 
 
 def _gpus(resources: Any) -> int:
-    if not isinstance(resources, dict):
-        return 0
-    value = resources.get("gpus", resources.get("nvidia.com/gpu"))
-    if value is None:
-        return 0
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value.strip())
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-        raise PlaneError(f"run_config.resources.gpus must be a whole number of GPUs, got {value!r:.40}", 400)
-    if not 0 <= value <= MAX_GPUS:
-        raise PlaneError(f"run_config.resources.gpus must be from 0 to {MAX_GPUS}, got {value!r}", 400)
-    return int(value)
+    try:
+        return gpus_of(resources)  # nymph reads the count by the same function (dreamlake.lakeshore.gpucount)
+    except ValueError as exc:
+        raise PlaneError(str(exc), 400) from None
 
 
 def _shown(n: int) -> str:
