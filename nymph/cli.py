@@ -27,6 +27,8 @@ from dreamlake.lakeshore import __version__, tls
 from nymph.config import NymphConfig, resolve
 from nymph.errors import ConfigError, RunnerLoadError
 
+ZYGOTES_MIN = 4  # the process runner's own default (nymph_process.forking.ZYGOTES_DEFAULT)
+
 
 def _options(fn: Any) -> Any:
     opts = [
@@ -233,6 +235,8 @@ def _resolve(kwargs: dict[str, Any]) -> NymphConfig:
     if cfg.runner == "process":  # the task cgroups' caps (nymph.limits); a runner option still wins
         opts.setdefault("memory", None if cfg.task_memory_max in ("", "0") else cfg.task_memory_max)
         opts.setdefault("pids", cfg.task_pids_max or None)
+        # prefork's zygotes, one per namespace (and environment): one for each slot's task at least
+        opts.setdefault("zygotes", max(ZYGOTES_MIN, cfg.concurrency))
         cfg = dataclasses.replace(cfg, runner_options=opts)
     if cfg.runner == "process" and opts.get("warm"):
         # one warm worker per slot: every slot's call finds one, none is kept beyond that

@@ -235,6 +235,7 @@ class ExecJob(SupervisedJob[ExecResult]):
             env=env,
             script=self.command,
             as_user=run_as,
+            namespace=self.namespace,
             labels={
                 "nymph.exec": self.exec_id,
                 "nymph.namespace": self.namespace,

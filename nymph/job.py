@@ -194,6 +194,7 @@ class Job(SupervisedJob[wd.Outcome]):
             code_dirs=list(self._code_dirs),
             mounts=dict(self._callenv.mounts),
             args=self._args_inline,
+            namespace=refs.namespace_of(self.body),
         )
 
     def _fetch_code(self) -> None:

@@ -105,6 +105,9 @@ class Task:
     # the Envelope's bytes, not written to the workdir (Capabilities.args_inline, small inline
     # arguments only); None: they are in args.msgpack
     args: bytes | None = None
+    # the namespace the invocation belongs to (its tenant): a runner that keeps processes between
+    # tasks (the process runner's zygotes) never lets one namespace's task start from another's
+    namespace: str | None = None
 
 
 @dataclass

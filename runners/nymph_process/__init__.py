@@ -24,9 +24,10 @@ Never twice in one workdir: a Python entry runs only under the workdir's entry l
 
 Options: ``python`` (the tasks' interpreter, default nymph's own), ``pythonpath`` (the tasks'
 ``PYTHONPATH`` instead of nymph's own, a list; e.g. the entry bundle and the code's directory when
-the task user cannot read nymph's environment), ``prefork``, ``cgroup``, ``memory``, ``pids``, and the warm mode's
-``warm`` (off by default), ``warm_max_calls`` (recycle a worker after that many calls; 0: never)
-and ``warm_workers`` (``nymph start`` passes its slot count).
+the task user cannot read nymph's environment), ``prefork``, ``zygotes`` (how many zygotes live at
+once, one per namespace and environment; ``nymph start`` passes its slot count, at least 4),
+``cgroup``, ``memory``, ``pids``, and the warm mode's ``warm`` (off by default), ``warm_max_calls``
+(recycle a worker after that many calls; 0: never) and ``warm_workers`` (its slot count too).
 
 ``warm=True`` (:mod:`nymph_process.warm`, trusted code only): a Python ``ref`` call with no user
 to become runs in a long-lived warm worker that imports its module once and runs call after call
@@ -36,9 +37,8 @@ Scripts, tasks with a user to become and pickled functions take the paths above.
 The task's environment is the documented host base (``PATH``, ``HOME``, ``LANG``, ``TZ``, ...:
 :func:`nymph.taskenv.host_base`, cached and recomputed only when nymph's own environment changed)
 plus ``Task.env``; never nymph's whole environment. A pip environment (nymph.envcache) is built for
-the runner's ``python`` (:meth:`ProcessRunner.pip_interpreter`) and comes in ``Task.code_dirs``.
-
-Code a call shipped (``Task.code_dirs``) reaches the task as ``LAKESHORE_CODE_PATH``.
+the runner's ``python`` (:meth:`ProcessRunner.pip_interpreter`) and comes in ``Task.code_dirs``;
+code a call shipped (``Task.code_dirs``) reaches the task as ``LAKESHORE_CODE_PATH``.
 
 Optional features (:class:`~nymph.runner.Capabilities`): ``reap_orphans`` (nymph is a child
 subreaper; the agent calls :meth:`ProcessRunner.reap_orphans`) and ``exit_fd`` (a spawned entry's
@@ -81,7 +81,7 @@ from nymph.workdir import ARGS as ARGS_FILE
 from nymph_process import caps as taskcaps
 from nymph_process import cgroups, entrylock, groups
 from nymph_process.caps import MEMORY_MAX_DEFAULT, PIDS_MAX_DEFAULT
-from nymph_process.forking import ZYGOTE_TIMEOUT_S, Zygotes
+from nymph_process.forking import ZYGOTE_TIMEOUT_S, ZYGOTES_DEFAULT, Zygotes
 from nymph_process.forking import interpreter_key as _interpreter_key
 from nymph_process.groups import TASK_MARKER_ENV, become_subreaper
 from nymph_process.prefork import ForkedChild, ZygoteClient
@@ -115,6 +115,7 @@ class ProcessRunner:
         bash: str = "bash",
         runuser: str = "runuser",
         prefork: bool = PREFORK_DEFAULT,
+        zygotes: int = ZYGOTES_DEFAULT,
         cgroup: str = "auto",
         pythonpath: Iterable[str] | str | None = None,
         warm: bool = False,
@@ -140,7 +141,7 @@ class ProcessRunner:
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         self._pidfds: dict[int, int] = {}
         self._forked: dict[int, tuple[ZygoteClient, ForkedChild]] = {}
-        self._zygote_pool = Zygotes(self.python)  # prefork (nymph_process.forking)
+        self._zygote_pool = Zygotes(self.python, int(zygotes))  # prefork (nymph_process.forking)
         self._zygotes = self._zygote_pool.live
         # held from spawning a leader until it is in _children, and while reaping anything that is
         # not: an orphan sweep must never reap a leader Popen has not been told about (its exit
@@ -229,12 +230,12 @@ class ProcessRunner:
             self._joins[cgroup] = joins
 
     def _start(self, task: Task, cgroup: Path | None) -> Handle:
+        if task.args is not None and task.script is None:  # the entry reads them from the file,
+            self._write_args(task)  # spawned or forked (never through a zygote: nymph_process.forking)
         if self.prefork and task.script is None and (not task.as_user or os.geteuid() == 0):
             handle = self._start_forked(task, cgroup)
             if handle is not None:
                 return handle
-        if task.args is not None and task.script is None:  # the spawned entry reads them from the file
-            self._write_args(task)
         cmd = [self.bash, "-c", task.script] if task.script is not None else [self.python, "-m", ENTRY_MODULE]
         if task.as_user:
             cmd = [self.runuser, "-u", task.as_user, "--", *cmd]
@@ -465,8 +466,8 @@ class ProcessRunner:
 
     @staticmethod
     def _write_args(task: Task) -> None:
-        """``args.msgpack`` for an entry that reads it (spawned), when nymph handed the arguments
-        in the Task (``args_inline``); a file already there (a start tried again) is kept."""
+        """``args.msgpack`` for the entry (spawned or forked: it reads it as the task's user), when
+        nymph handed the arguments in the Task (``args_inline``); a file already there is kept."""
         workdir = Path(task.workdir)
         if os.path.lexists(workdir / ARGS_FILE):
             return

@@ -10,7 +10,6 @@ dead; the runner starts another or spawns the entry the normal way.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import itertools
 import json
@@ -143,6 +142,12 @@ class ZygoteClient:
     def alive(self) -> bool:
         return not self._dead.is_set()
 
+    @property
+    def idle(self) -> bool:
+        """No fork request unanswered and every child it forked ended: closing it orphans nothing."""
+        with self._lock:
+            return not self._pending and all(c.done.is_set() for c in self.children.values())
+
     def wait_ready(self, timeout: float) -> bool:
         self._ready.wait(timeout)
         return self._ready.is_set() and self.alive
@@ -155,13 +160,13 @@ class ZygoteClient:
         *,
         cgroup: str | None = None,
         user: Mapping[str, Any] | None = None,
-        args: bytes | None = None,
     ) -> tuple[ForkedChild, float]:
         """Fork a child for ``workdir``; returns it and its start time (psutil ``create_time``).
 
         ``cgroup``: the ``cgroup.procs`` file the child joins before anything else; ``user``: who
-        it becomes before it runs the entry (``uid``, ``gid``, ``groups``, ``name``, ``home``);
-        ``args``: the Envelope's bytes, handed to the child's entry (no ``args.msgpack`` read).
+        it becomes before it runs the entry (``uid``, ``gid``, ``groups``, ``name``, ``home``).
+        The child reads the arguments from the workdir's ``args.msgpack``: they never pass through
+        the zygote, whose memory every later child inherits.
         """
         if not self.wait_ready(timeout):
             raise ZygoteError("the zygote is not ready" if self.alive else "the zygote is dead")
@@ -173,8 +178,6 @@ class ZygoteClient:
             req["env_update"] = {k: v for k, v in env.items() if self.env.get(k) != v}
         else:
             req["env"] = dict(env)
-        if args is not None:
-            req["args"] = base64.b64encode(args).decode("ascii")
         line = json.dumps(req).encode() + b"\n"
         with self._lock:
             if self._dead.is_set():

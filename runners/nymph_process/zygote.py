@@ -20,10 +20,12 @@ workdir (the lock, the logs) are opened without following links or blocking on F
 when they are regular files of the task's user or of the zygote's own.
 
 Protocol, one JSON document per line. Runner -> zygote: ``{"id", "workdir", "env" or "env_update",
-"cgroup", "user", "args"}`` (``env``: the task's whole environment; ``env_update``: what it adds to
-or changes in the zygote's own, the per-task variables, so a request does not carry the rest) (``args``: the Envelope's bytes, base64, when nymph hands them over instead of
-writing ``args.msgpack``: the child runs the entry's ``run_args`` with them, or, with an entry from
-before it, writes the file itself first). Zygote ->
+"cgroup", "user"}`` (``env``: the task's whole environment; ``env_update``: what it adds to or
+changes in the zygote's own, the per-task variables, so a request does not carry the rest). Never
+the task's arguments: every child inherits the zygote's heap, freed memory included, so the child
+reads them from ``args.msgpack`` in its workdir once it is the task's user, and the zygote drops
+each request as soon as the child is forked (nymph keeps a zygote to one namespace's tasks:
+:mod:`nymph_process.forking`). Zygote ->
 runner: ``{"ready": pid}`` once; ``{"id", "pid", "ticks"}`` (``ticks``: the child's start time in
 clock ticks after boot, from ``/proc``, so the runner can record it even if the child is already
 gone) or ``{"id", "error"}``; ``{"exit": pid, "code"}`` when a child ends (only the zygote, its
@@ -49,9 +51,9 @@ Stdlib only besides the entry, and Python 3.9 syntax: it runs in whichever inter
 from __future__ import annotations
 
 import _signal
-import base64
 import errno
 import fcntl
+import functools
 import gc
 import importlib
 import json
@@ -134,9 +136,13 @@ class Zygote:
                 if not data:
                     return  # nymph is gone
                 self.buf += data
+                del data  # no request outlives its handling (the next child would inherit it)
                 while b"\n" in self.buf:
                     line, self.buf = self.buf.split(b"\n", 1)
-                    self.handle(json.loads(line))
+                    req = json.loads(line)
+                    del line
+                    self.handle(req)
+                    del req
 
     def reap(self) -> None:
         while True:
@@ -188,6 +194,7 @@ class Zygote:
             _signal.signal(sig, handler)
         _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
         os.close(self.sock.detach())
+        self.buf = b""  # requests nymph sent after this one: not this task's
         os.close(self.wake_r)
         os.close(self.wake_w)
         workdir = req["workdir"]
@@ -232,33 +239,13 @@ class Zygote:
         sys.argv = [entry.__file__ or "entry"]
         sys.modules["__main__"] = entry
         main: object = entry.main
-        if req.get("args") is not None:
-            blob = base64.b64decode(req["args"])
-            run_args = getattr(entry, "run_args", None)
-            if run_args is not None:
-                # fds 1 and 2 append to the workdir's logs already (above): an entry that can be told
-                # so does not open them again
-                code = getattr(run_args, "__code__", None)
-                params = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount] if code else ()
-                captured = "captured" in params
-
-                def main() -> int:
-                    return int(run_args(blob, captured=True) if captured else run_args(blob))
-
-            else:  # an entry from before run_args: the file it reads
-                try:
-                    fd = _open_in_workdir(
-                        getattr(entry, "ARGS_FILE", "args.msgpack"),
-                        os.O_WRONLY | os.O_CREAT | os.O_EXCL,
-                        0o600,
-                    )
-                    try:
-                        os.write(fd, blob)
-                    finally:
-                        os.close(fd)
-                except OSError as exc:
-                    sys.stderr.write(f"lakeshore zygote: cannot write the arguments in {workdir!r}: {exc}\n")
-                    return _CHILD_SETUP_FAILED
+        run_args = getattr(entry, "run_args", None)
+        code = getattr(run_args, "__code__", None)
+        params = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount] if code is not None else ()
+        if run_args is not None and "captured" in params:
+            # fds 1 and 2 append to the workdir's logs already (above): an entry that can be told
+            # so does not open them again; it reads args.msgpack as the task's user
+            main = functools.partial(run_args, None, captured=True)
         _exit(_run(main))
         return _CHILD_SETUP_FAILED  # not reached
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -212,16 +213,25 @@ def test_state_does_not_leak_between_invocations(runner: ProcessRunner, prepare:
     assert "PREFORK_JUNK" not in psutil.Process(zygote).environ()
 
 
-def test_arguments_in_the_task_reach_a_forked_child_over_the_socket_and_a_spawned_entry_by_file(
-    runner: ProcessRunner, prepare: Callable[..., Task]
+def test_arguments_in_the_task_reach_a_forked_child_by_file_never_through_the_zygote(
+    runner: ProcessRunner, prepare: Callable[..., Task], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert ProcessRunner.capabilities.args_inline
-    forked = prepare(say, "over the socket", inline=True)
+    sent: list[bytes] = []
+    real_sendall = socket.socket.sendall
+
+    def record(sock: Any, data: bytes) -> None:
+        sent.append(bytes(data))
+        real_sendall(sock, data)
+
+    monkeypatch.setattr(socket.socket, "sendall", record)  # what nymph sends its zygotes
+    forked = prepare(say, "by file, never through the zygote", inline=True)
     handle, status = _run(runner, forked)
     assert status.exit_code == 0, status
     assert handle.data["pid"] in runner._forked  # the zygote forked it
-    assert _result(forked) == "over the socket"
-    assert not (forked.workdir / "args.msgpack").exists()  # one file less per invocation
+    assert _result(forked) == "by file, never through the zygote"
+    assert (forked.workdir / "args.msgpack").read_bytes() == forked.args  # the runner wrote it
+    assert sent and not [line for line in sent if b'"args"' in line or b"by file" in line]
     runner.destroy(handle)
     spawner = ProcessRunner(prefork=False)
     try:
@@ -233,6 +243,20 @@ def test_arguments_in_the_task_reach_a_forked_child_over_the_socket_and_a_spawne
         spawner.destroy(handle)
     finally:
         spawner.close()
+
+
+def test_each_namespace_has_a_zygote_of_its_own(runner: ProcessRunner, prepare: Callable[..., Task]) -> None:
+    parents: dict[str | None, set[int]] = {}
+    for namespace in ("team-a", "team-b", "team-a", None, "team-b"):
+        task = prepare(observe)
+        task.namespace = namespace
+        handle = runner.start(task)
+        parents.setdefault(namespace, set()).add(psutil.Process(handle.data["pid"]).ppid())
+        status = runner.wait(handle, LIMIT_S)
+        assert status is not None and status.exit_code == 0, status
+        runner.destroy(handle)
+    assert all(len(p) == 1 for p in parents.values()), parents  # one zygote per namespace, reused
+    assert len(set().union(*parents.values())) == 3 == len(_zygote_pids(runner))
 
 
 def test_script_and_as_user_tasks_are_spawned(runner: ProcessRunner, prepare: Callable[..., Task]) -> None:

@@ -205,3 +205,40 @@ def fail_when(gate: str, limit_s: float = 60.0) -> None:
     while not Path(gate).exists() and time.monotonic() < deadline:
         time.sleep(0.02)
     raise RuntimeError("failed on cue")
+
+
+def echo(value: str) -> str:
+    """A tenant's task whose argument is its secret (what another tenant's task hunts for)."""
+    return value
+
+
+def scan_memory(needles_file: str) -> dict[str, int]:
+    """Hunt this process's own memory for another task's request data: for each ``[anchor,
+    length, sha256]`` in the JSON file ``needles_file``, how many places hold ``length`` bytes
+    starting with ``anchor`` whose digest is ``sha256``. Only digests are handed over (and in a file,
+    so the request that started this task stays small), so the needles themselves never enter this
+    process unless they were in its memory already (inherited from whatever it was forked from). Reads every
+    readable mapping that is not a file (the heap, anonymous arenas, the stack) listed in
+    ``/proc/self/maps``, directly (``/proc/self/mem`` is root's in a process that changed its uid)."""
+    import ctypes
+    import hashlib
+    import json
+
+    needles = json.loads(Path(needles_file).read_text())
+    found = {digest: 0 for _anchor, _length, digest in needles}
+    with open("/proc/self/maps") as fh:
+        maps = [line.split() for line in fh.read().splitlines()]
+    for parts in maps:
+        name = parts[5] if len(parts) > 5 else ""
+        if "r" not in parts[1] or (name and name not in ("[heap]", "[stack]")):
+            continue
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        data = ctypes.string_at(lo, hi - lo)
+        for anchor, length, digest in needles:
+            key = anchor.encode()
+            at = data.find(key)
+            while at != -1:
+                if hashlib.sha256(data[at : at + length]).hexdigest() == digest:
+                    found[digest] += 1
+                at = data.find(key, at + 1)
+    return found

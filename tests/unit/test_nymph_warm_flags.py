@@ -18,7 +18,8 @@ def _opts(**flags: Any) -> dict[str, Any]:
 
 
 TASK_USER = {"warm_users": ["nymph-task"]}  # a root nymph's tasks (and so its warm workers) run as it
-CAPS = {"memory": "90%", "pids": 4096}  # the task cgroups' caps (--task-memory-max, --task-pids-max)
+# the task cgroups' caps (--task-memory-max, --task-pids-max), and as many zygotes as slots, 4 at least
+CAPS = {"memory": "90%", "pids": 4096, "zygotes": 4}
 
 
 def test_warm_turns_the_mode_on_with_one_worker_per_slot() -> None:
@@ -46,10 +47,16 @@ def test_off_by_default_and_runner_opts_still_win() -> None:
 
 
 def test_the_task_caps_reach_the_process_runner_and_a_runner_opt_still_wins() -> None:
-    assert _opts(task_memory_max="2g", task_pids_max=64) == {"memory": "2g", "pids": 64}
-    assert _opts(task_memory_max="0", task_pids_max=0) == {"memory": None, "pids": None}
+    assert _opts(task_memory_max="2g", task_pids_max=64) == {"memory": "2g", "pids": 64, "zygotes": 4}
+    assert _opts(task_memory_max="0", task_pids_max=0) == {"memory": None, "pids": None, "zygotes": 4}
     assert _opts(task_memory_max="2g", runner_opts=("memory=1g",))["memory"] == "1g"
     assert _opts(runner="docker") == {}  # a container runner has limits of its own
+
+
+def test_prefork_keeps_as_many_zygotes_as_slots_four_at_least() -> None:
+    assert _opts(concurrency=16)["zygotes"] == 16
+    assert _opts(concurrency=2)["zygotes"] == 4
+    assert _opts(concurrency=16, runner_opts=("zygotes=2",))["zygotes"] == 2
 
 
 def test_bad_values_and_other_runners_are_refused_with_what_to_do() -> None:

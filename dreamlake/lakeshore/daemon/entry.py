@@ -1,8 +1,8 @@
 """The in-sandbox program every runner starts: ``python3 -m dreamlake.lakeshore.daemon.entry [DIR]``.
 
 It runs one invocation per the workdir contract (docs/architecture.md). With the workdir as cwd (or
-``DIR``), it reads ``args.msgpack`` (the Envelope; a warm-forked entry may be handed its bytes
-instead, :func:`run_args`), resolves the function through the worker-side gates, calls it and leaves:
+``DIR``), it reads ``args.msgpack`` (the Envelope; a caller that holds its bytes may hand them
+over instead, :func:`run_args`), resolves the function through the worker-side gates, calls it and leaves:
 
 - ``result.msgpack``: ``wire.pack(return value)``, exit 0 (for a generator: its return value),
   after ``result.digest`` (the blake2b digest and size of those bytes, which nymph checks);
@@ -307,11 +307,11 @@ def main(argv: list[str] | None = None) -> int:
     return run()
 
 
-def run_args(blob: bytes, captured: bool = False) -> int:
-    """:func:`main` in the current directory with the Envelope's bytes given, not read from
-    ``args.msgpack``: what the process runner's zygote runs in a forked child when nymph handed it
-    the arguments over its socket (fewer files per invocation). ``captured``: fd 1 and fd 2 append
-    to the workdir's logs already (the zygote's child opened them), so they are not opened again."""
+def run_args(blob: bytes | None = None, captured: bool = False) -> int:
+    """:func:`main` in the current directory, with the Envelope's bytes given (``blob``; None: read
+    from ``args.msgpack``, as :func:`main` does): what the process runner's zygote runs in a forked
+    child. ``captured``: fd 1 and fd 2 append to the workdir's logs already (the zygote's child
+    opened them), so they are not opened again."""
     if envvars.flag(CAPTURE_ENV):
         capture_output(reopen=not captured)
     return run(blob)
