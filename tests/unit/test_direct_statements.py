@@ -3,13 +3,14 @@ as SQLAlchemy would (a DBAPIError the store's outage and retry logic know)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
-from dreamlake.lakeshore.store.direct import Direct
+from dreamlake.lakeshore.store.direct import Direct, JSONText
 from dreamlake.lakeshore.store.engine import Database
 
 META = sa.MetaData()
@@ -196,3 +197,34 @@ def test_an_update_from_values_of_many_rows_is_one_statement() -> None:
         finally:
             db.dispose()
     assert back == {"u0": (10, 2.5), "u1": (0, None), "u2": (12, 2.5), "u3": (0, None), "u4": (14, 2.5)}
+
+
+def test_sqlite_stores_a_json_text_as_given_and_a_value_as_encoded(tmp_path: Path) -> None:
+    """A submit's JSON columns are encoded once, by its checks (``values.json_encoded``): the text
+    goes to SQLite as it is, never encoded again as a JSON string; what reads back is the value,
+    and the stored text is the one the column's serializer writes for the value itself."""
+    from dreamlake.lakeshore.store import values
+
+    database = Database(tmp_path / "d.db")
+    META.create_all(database.engine)
+    direct = _insert(database.dialect)
+    doc = {"queue": "q", "nested": [1, 2.5, None], "nan": float("nan")}
+    fixed, text = values.json_encoded(doc, "run_config")
+    assert fixed["nan"] == "nan" and type(text) is JSONText  # non-finite floats spelled as strings
+    with database.tx(write=True) as conn:
+        conn.execute(direct, {"id": "text", "doc": text, "n": 1, "at": None})
+        conn.execute(direct, {"id": "value", "doc": fixed, "n": 2, "at": None})
+    with database.engine.connect() as conn:
+        read = dict(conn.execute(sa.select(T.c.id, T.c.doc)).all())
+        raw = dict(conn.exec_driver_sql("SELECT id, doc FROM t").all())
+    assert read["text"] == read["value"] == fixed
+    assert raw["text"] == raw["value"] == json.dumps(fixed)
+    database.dispose()
+
+
+def test_a_plain_str_in_a_json_column_stays_a_json_string(db: Database) -> None:
+    """Only a :class:`JSONText` is taken as encoded: a str value is a JSON string, as ever."""
+    with db.tx(write=True) as conn:
+        conn.execute(_insert(db.dialect), {"id": "plain", "doc": '{"not": "a map"}', "n": 1, "at": None})
+    with db.engine.connect() as conn:
+        assert conn.execute(sa.select(T.c.doc).where(T.c.id == "plain")).scalar_one() == '{"not": "a map"}'

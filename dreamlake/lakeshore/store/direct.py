@@ -27,6 +27,11 @@ SQLAlchemy would apply) and then executed on the raw driver connection of the ca
   exactly as from ``conn.execute`` of the statement itself (``retry_on_disconnect`` and
   store/outage.py rely on that).
 
+A JSON column's value given as :class:`JSONText` (the text the caller already encoded to check it,
+``json.dumps``'s, what the column's serializer would write) goes to SQLite as it is: a submit's
+three JSON columns were encoded twice, once by its checks and once here. PostgreSQL's binds wrap
+values for psycopg and take no ``JSONText`` (the caller gives it there only on SQLite).
+
 The transaction, its ``BEGIN`` and commit, stay SQLAlchemy's (``Database.tx``): ``Direct`` changes
 how a statement is executed, never when it commits, so durability before an answer is untouched.
 The rows it returns are named tuples of the ``RETURNING`` columns (result processors applied).
@@ -61,6 +66,22 @@ _PLACEHOLDER = re.compile(r"%\((\w+)\)s")  # a named parameter in psycopg's (pyf
 ROWS_MAX = 64  # rows to one statement of ``Direct.run_rows`` (a text each count, prepared by psycopg)
 
 
+class JSONText(str):
+    """A JSON column's value already encoded, as ``json.dumps`` (the column's serializer) writes
+    it: a SQLite statement stores it as it is (see the module docstring)."""
+
+    __slots__ = ()
+
+
+def _text_first(proc: Any) -> Any:
+    """A SQLite JSON bind's processor that stores a :class:`JSONText` as given."""
+
+    def process(value: Any) -> Any:
+        return str(value) if type(value) is JSONText else proc(value)
+
+    return process
+
+
 def _of_none(proc: Any) -> Any:
     """``proc(None)``, computed once; ``_UNKNOWN`` when it raises (then it runs per value)."""
     try:
@@ -93,6 +114,8 @@ class _Compiled:
         for name in names:
             bp = by_name[name]
             proc = bp.type.dialect_impl(dialect).bind_processor(dialect)
+            if proc is not None and dialect.name == "sqlite" and isinstance(bp.type, sa.JSON):
+                proc = _text_first(proc)
             default = None if bp.required else (bp.effective_value,)
             binds.append((name, proc, default))
         # every value read with one C ``itemgetter``, then only the binds with a processor

@@ -21,7 +21,7 @@ key.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -64,7 +64,7 @@ class _Prepared:
     """A validated submit: its invocations row, less the root and the time (set in the batch),
     and the namespace quota it is checked against (``SubmitRequest.max_queued``, ``quota_group``)."""
 
-    __slots__ = ("max_queued", "needs", "quota_group", "row")
+    __slots__ = ("max_queued", "needs", "quota_group", "row", "texts")
 
     def __init__(
         self,
@@ -72,8 +72,11 @@ class _Prepared:
         needs: Needs | None = None,
         max_queued: int | None = None,
         quota_group: int | None = None,
+        texts: Mapping[str, str] | None = None,
     ) -> None:
         self.row = row
+        # the JSON columns' texts, as the checks encoded them: SQLite stores them as they are
+        self.texts = texts or {}
         self.needs = needs or Needs()
         self.max_queued = max_queued
         self.quota_group = quota_group
@@ -122,9 +125,9 @@ class InvocationStore(AckStore, LeaseStore):
         """Validate ``req`` and build its row (everything but the root and the time), outside any
         transaction; raises PlaneError(400) for a malformed submit."""
         queue = req.queue or str(req.run_config.get("queue") or "") or "default"
-        run_config = values.json_safe({**req.run_config, "queue": queue}, "run_config")
-        function = values.json_safe(req.function, "function")
-        code_context = values.json_safe(req.code_context or {}, "code_context")
+        run_config, run_config_text = values.json_encoded({**req.run_config, "queue": queue}, "run_config")
+        function, function_text = values.json_encoded(req.function, "function")
+        code_context, code_context_text = values.json_encoded(req.code_context or {}, "code_context")
         key = values.idempotency_key(run_config)
         namespace = req.namespace or DEFAULT_NAMESPACE
         needs = needs_of(run_config, namespace)
@@ -133,7 +136,7 @@ class InvocationStore(AckStore, LeaseStore):
             "queue": queue,
             "state": "queued",
             "priority": values.normalize_priority(run_config.get("priority")),
-            "function_key": values.function_key(function),
+            "function_key": values.function_key(function, function_text),
             "function": function,
             "args_blob": bytes(req.args_blob),
             "run_config": run_config,
@@ -152,7 +155,8 @@ class InvocationStore(AckStore, LeaseStore):
             "not_before": not_before_of(run_config),
         }
         limit = None if req.max_queued is None else max(0, int(req.max_queued))
-        return _Prepared(row, needs, limit, req.quota_group)
+        texts = {"run_config": run_config_text, "function": function_text, "code_context": code_context_text}
+        return _Prepared(row, needs, limit, req.quota_group, texts)
 
     def _submit_many_in(
         self, conn: Connection, batch: Sequence[_Prepared], now: float
@@ -189,13 +193,17 @@ class InvocationStore(AckStore, LeaseStore):
             roots = {r[0]: r[1] for r in conn.execute(st.roots_of, {"ids": sorted(parents)})}
         batch_roots: dict[str, str | None] = {}
         params = []
-        for r in rows:
+        texts = self.db.dialect == "sqlite"  # (PostgreSQL's binds wrap the values for psycopg)
+        for p in batch:
+            r = p.row
             parent = r["parent_invocation_id"]
             root = None
             if parent:  # an unknown parent is taken as the root; a parent of this batch counts
                 root = roots.get(parent) or batch_roots.get(parent) or parent
             batch_roots.setdefault(r["invocation_id"], root)
-            params.append({**r, "root_invocation_id": root, "submitted_at": now})
+            params.append(
+                {**r, **(p.texts if texts else {}), "root_invocation_id": root, "submitted_at": now}
+            )
         inserted = set(st.insert_invocation.run_rows(conn, params).scalars())
         out: list[SubmitResult | PlaneError] = []
         for r in rows:

@@ -25,6 +25,7 @@ from typing import Any
 from dreamlake.lakeshore.errors import PlaneError
 
 from .api import DEFAULT_MAX_ATTEMPTS, SubmitRequest
+from .direct import JSONText
 
 MAX_ATTEMPTS_CAP = 100
 MAX_TIMEOUT_S = 30 * 86400.0
@@ -129,13 +130,18 @@ def _check_environment(run_config: dict[str, Any]) -> None:
 
 
 def json_safe(value: Any, what: str) -> Any:
-    """``value`` with non-finite floats spelled as strings; PlaneError(400) if not JSON data.
+    """``value`` with non-finite floats spelled as strings; PlaneError(400) if not JSON data."""
+    return json_encoded(value, what)[0]
 
-    Most values have no such float: one encoding (in C) says so, and they are returned as they
-    are; the walk that spells them runs only for a value the encoder refused."""
+
+def json_encoded(value: Any, what: str) -> tuple[Any, JSONText]:
+    """:func:`json_safe`'s value and its JSON text (``json.dumps``'s, as the store's JSON column
+    would write it: the check's own encoding, kept so the row is not encoded again).
+
+    Most values have no non-finite float: one encoding (in C) says so, and they are returned as
+    they are; the walk that spells them runs only for a value the encoder refused."""
     try:
-        json.dumps(value, allow_nan=False)
-        return value
+        return value, JSONText(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError):
         pass
 
@@ -150,21 +156,34 @@ def json_safe(value: Any, what: str) -> Any:
 
     fixed = fix(value)
     try:
-        json.dumps(fixed, allow_nan=False)
+        text = json.dumps(fixed, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise PlaneError(
             f"{what} must hold JSON data only (str, int, float, bool, None, list, dict with str keys): {exc}",
             status=400,
         ) from exc
-    return fixed
+    return fixed, JSONText(text)
 
 
 def canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
-def function_key(function: dict[str, Any]) -> str:
-    return hashlib.sha256(canonical(function).encode()).hexdigest()
+_FUNCTION_KEYS: dict[str, str] = {}  # a function's JSON text -> its key (a sweep submits one function)
+_FUNCTION_KEYS_MAX = 1024
+
+
+def function_key(function: dict[str, Any], text: str | None = None) -> str:
+    """The sha256 of ``function``'s canonical JSON; with ``text`` (its :func:`json_encoded` text:
+    one text is one value, so one key) remembered for the next submit of the same function."""
+    if text is None:
+        return hashlib.sha256(canonical(function).encode()).hexdigest()
+    key = _FUNCTION_KEYS.get(text)
+    if key is None:
+        if len(_FUNCTION_KEYS) >= _FUNCTION_KEYS_MAX:
+            _FUNCTION_KEYS.clear()
+        key = _FUNCTION_KEYS[text] = hashlib.sha256(canonical(function).encode()).hexdigest()
+    return key
 
 
 def content_hash(req: SubmitRequest, queue: str, run_config: dict[str, Any]) -> str:
