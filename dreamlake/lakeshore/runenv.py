@@ -41,6 +41,8 @@ MAX_REQUIREMENTS = 500
 MAX_LOCK_BYTES = 1024 * 1024
 PIP_FORMATS = ("requirements", "pylock.toml")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# a mount's name, as an operator may declare one (`nymph start --mount NAME=/host/path`, nymph.mounts)
+MOUNT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
 
 
 def user_env(value: Any, what: str = "run_config.env") -> dict[str, str]:
@@ -114,6 +116,20 @@ def _refuse_startup(name: str, what: str) -> None:
             "root nymph), so a call may not set it; set it inside the task (os.environ, before the "
             "subprocess that needs it), or have the operator pass nymph's own with --pass-env"
         )
+
+
+def mount_names(value: Any, what: str = "run_config.mounts") -> list[str]:
+    """Mount names: each one an operator could declare (``--mount NAME=/host/path``), so a name
+    no worker can ever offer (a path, ``..``) is refused at once rather than failing the call later."""
+    out = names(value, what)
+    for name in out:
+        if not MOUNT_NAME.fullmatch(name):
+            raise ValueError(
+                f"{what}: {name[:80]!r} is not a mount name (1 to 63 letters, digits, _ and -, a letter "
+                "or digit first): ask for a mount by the name the operator declared it under "
+                "(nymph's --mount NAME=/host/path), never by its path"
+            )
+    return out
 
 
 def pip_record(pip: Any = None, requirements: Any = None) -> dict[str, Any] | None:

@@ -54,3 +54,16 @@ def test_a_secret_cannot_be_named_for_the_loader(tmp_path: Path) -> None:
             assert status == 400 and name in out["error"], (name, status, out)
         status, out = cp.json("GET", "/v1/namespaces/default/secrets", None, cp.producer_token)
         assert status == 200 and out["secrets"] == [], out
+
+
+@pytest.mark.parametrize("mount", ["../etc", "/etc", "data sets", "a\nb", "x" * 64])
+def test_a_mount_name_no_operator_could_declare_is_refused_at_submit(tmp_path: Path, mount: str) -> None:
+    # before: stored, claimed and acked failed by nymph (MountRefused), whose advice named an
+    # impossible `--mount ../etc=/host/path[:ro]`
+    with running_control_plane(str(tmp_path / "s.db")) as cp:
+        inv = new_ulid()
+        body = submit_body(inv, "q", run_config={"mounts": [mount]})
+        status, out = cp.call("/v1/producer/submit", body, cp.producer_token)
+        assert status == 400 and "is not a mount name" in out["error"], out
+        assert "\n" not in out["error"]
+        assert cp.store.get(inv) is None

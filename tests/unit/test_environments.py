@@ -55,6 +55,11 @@ def test_pip_rides_in_the_envelope_cfg_and_env_secrets_mounts_in_run_config() ->
         ({"secrets": ["LD_PRELOAD"]}, "changes how the processes"),  # a secret's value lands there too
         ({"secrets": ["PYTHONPATH"]}, "nymph's"),
         ({"env": {"1BAD": "x"}}, "not a variable name"),
+        # a name no operator can declare (--mount NAME=...): before, accepted and failed on nymph
+        # with MountRefused suggesting `--mount ../etc=/host/path`
+        ({"mounts": ["../etc"]}, "not a mount name.*never by its path"),
+        ({"mounts": ["/srv/datasets"]}, "not a mount name"),
+        ({"mounts": ["a\nb"]}, "not a mount name"),
         ({"env": {"A": 1}}, "must be a string"),
         ({"secrets": "HF_TOKEN"}, "list of names"),
         ({"secrets": ["LAKESHORE_X"]}, "reserved"),
