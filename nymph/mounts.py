@@ -4,11 +4,9 @@ environment both read it; its own module so that neither imports the other)."""
 from __future__ import annotations
 
 import os
-import re
 
+from dreamlake.lakeshore.runenv import MOUNT_NAME as _MOUNT_NAME  # what a call may ask for, too
 from nymph.errors import ConfigError
-
-_MOUNT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
 
 
 def parse_mount(spec: str) -> tuple[str, str, bool]:

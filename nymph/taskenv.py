@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from dreamlake.lakeshore import twoway
 from dreamlake.lakeshore.daemon.entry import ALLOW_MODULES_ENV, CAPTURE_ENV
-from dreamlake.lakeshore.runenv import names, user_env
+from dreamlake.lakeshore.runenv import mount_names, names, secret_names, user_env
 from dreamlake.lakeshore.settings import TOKEN_FILE_ENV
 from nymph import codecache
 from nymph.errors import GateRefused
@@ -106,7 +106,8 @@ def call_env(
     (``InvalidRunConfig``, ``MountRefused``) before anything runs, with what to do."""
     try:
         env = user_env(run_config.get("env"))
-        wanted = names(run_config.get("mounts"), "run_config.mounts")
+        secret_names(run_config.get("secrets"))  # their values land here too (callenv)
+        wanted = mount_names(run_config.get("mounts"))
     except ValueError as exc:
         raise GateRefused("InvalidRunConfig", str(exc)) from None
     unknown = [m for m in wanted if m not in config.mounts]

@@ -288,7 +288,7 @@ class UDF:
         if secrets is not None:
             self.options["secrets"] = runenv.secret_names(secrets, "secrets")
         if mounts is not None:
-            self.options["mounts"] = runenv.names(mounts, "mounts")
+            self.options["mounts"] = runenv.mount_names(mounts, "mounts")
         if "selector" in self.options:
             self.options["selector"] = _check_selector(self.options["selector"])
         if timeout_s is not None:

@@ -21,6 +21,19 @@ RESERVED_PREFIX = "LAKESHORE_"  # a call's env may not set these: nymph's own va
 # nor these: the operator's import path, which the container runners also mount (a call's own
 # PYTHONPATH once bound any host directory, a sibling task's workdir among them, into its container)
 RESERVED_NAMES = frozenset({"PYTHONPATH"})
+# nor these: they steer how a program is loaded (the dynamic loader's LD_*, and the others glibc
+# ignores for a setuid program) or how a Python interpreter starts, and nymph's own processes start
+# the task with its environment, as root for a root nymph (the process runner's zygote, runuser):
+# a call's LD_PRELOAD or PYTHONUSERBASE would run code of its choosing there
+LOADER_PREFIX = "LD_"
+STARTUP_NAMES = frozenset(
+    {
+        *("GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTALIASES", "LOCALDOMAIN", "LOCPATH"),
+        *("MALLOC_TRACE", "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS", "TZDIR"),
+        *("PYTHONHOME", "PYTHONUSERBASE", "PYTHONSTARTUP", "PYTHONPYCACHEPREFIX", "PYTHONEXECUTABLE"),
+        *("PYTHONPLATLIBDIR", "PYTHONINSPECT"),
+    }
+)
 MAX_ENV_VARS = 256
 MAX_ENV_BYTES = 64 * 1024
 MAX_NAMES = 64
@@ -28,6 +41,8 @@ MAX_REQUIREMENTS = 500
 MAX_LOCK_BYTES = 1024 * 1024
 PIP_FORMATS = ("requirements", "pylock.toml")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# a mount's name, as an operator may declare one (`nymph start --mount NAME=/host/path`, nymph.mounts)
+MOUNT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
 
 
 def user_env(value: Any, what: str = "run_config.env") -> dict[str, str]:
@@ -55,6 +70,7 @@ def user_env(value: Any, what: str = "run_config.env") -> dict[str, str]:
                 f"{what}: {name!r} is nymph's (the operator's import path for tasks); ship the code with "
                 "the call (its code archive) or have the operator add it to nymph's code_dirs"
             )
+        _refuse_startup(name, what)
         if not isinstance(val, str) or "\0" in val:
             raise ValueError(f"{what}: {name} must be a string without NUL bytes, got {type(val).__name__}")
         size += len(name) + len(val)
@@ -86,6 +102,33 @@ def secret_names(value: Any, what: str = "run_config.secrets") -> list[str]:
             raise ValueError(f"{what}: {name!r} is not a secret name (letters, digits, _; not a digit first)")
         if name.startswith(RESERVED_PREFIX):
             raise ValueError(f"{what}: {name!r} is reserved (nymph sets the {RESERVED_PREFIX}* variables)")
+        if name in RESERVED_NAMES:  # a secret's value lands in the task's environment as env's does
+            raise ValueError(f"{what}: {name!r} is nymph's (the operator's import path for tasks)")
+        _refuse_startup(name, what)
+    return out
+
+
+def _refuse_startup(name: str, what: str) -> None:
+    """ValueError when ``name`` steers how a program is loaded or an interpreter starts."""
+    if name.startswith(LOADER_PREFIX) or name in STARTUP_NAMES:
+        raise ValueError(
+            f"{what}: {name!r} changes how the processes that start a task load (nymph's, root's on a "
+            "root nymph), so a call may not set it; set it inside the task (os.environ, before the "
+            "subprocess that needs it), or have the operator pass nymph's own with --pass-env"
+        )
+
+
+def mount_names(value: Any, what: str = "run_config.mounts") -> list[str]:
+    """Mount names: each one an operator could declare (``--mount NAME=/host/path``), so a name
+    no worker can ever offer (a path, ``..``) is refused at once rather than failing the call later."""
+    out = names(value, what)
+    for name in out:
+        if not MOUNT_NAME.fullmatch(name):
+            raise ValueError(
+                f"{what}: {name[:80]!r} is not a mount name (1 to 63 letters, digits, _ and -, a letter "
+                "or digit first): ask for a mount by the name the operator declared it under "
+                "(nymph's --mount NAME=/host/path), never by its path"
+            )
     return out
 
 

@@ -60,6 +60,29 @@ def test_submit_sends_the_seed_submit_body() -> None:
     assert (env.id, env.prefix, env.key) == (inv, "scenes/0007", "k")
 
 
+def test_each_placement_warning_is_logged_once_not_only_the_queues_first(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # before: the SDK logged the first warning of a queue and then none, so a call no worker
+    # could ever place (another GPU count, a selector no nymph has) waited queued without a word
+    said = {
+        4: "no live worker of queue 'gpu-w' offers 4 GPUs (largest: 1)",
+        8: "no live worker of queue 'gpu-w' offers 8 GPUs (largest: 1)",
+    }
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = msgpack.unpackb(request.content, raw=False)
+        gpus = body["run_config"]["resources"]["gpus"]
+        return _answer(200, {"invocation_id": body["invocation_id"], "queue": "gpu-w", "warning": said[gpus]})
+
+    plane = _plane(handler)
+    with caplog.at_level("WARNING", logger="dreamlake.lakeshore.dispatch.http"):
+        for gpus in (4, 4, 8, 8):
+            dls.udf(queue="gpu-w", resources={"gpus": gpus}, dispatch=plane)(double.__wrapped__).submit(1)  # type: ignore[attr-defined]
+    logged = [r.getMessage() for r in caplog.records if "no live worker" in r.getMessage()]
+    assert logged == [said[4], said[8]]
+
+
 @pytest.mark.parametrize("transient", [503, 500, 429])
 def test_transient_failures_are_retried(transient: int) -> None:
     calls: list[int] = []

@@ -46,7 +46,20 @@ def test_pip_rides_in_the_envelope_cfg_and_env_secrets_mounts_in_run_config() ->
         ({"env": {"LAKESHORE_TOKEN": "x"}}, "reserved"),
         # the operator's import path, which the container runners mount: never the call's
         ({"env": {"PYTHONPATH": "/srv/other-tenant"}}, "nymph's .*code archive.*code_dirs"),
+        # what the dynamic loader or a Python interpreter reads as it starts: nymph's own processes
+        # (the process runner's zygote, runuser; root's on a root nymph) start the task with it
+        ({"env": {"LD_PRELOAD": "/tmp/x.so"}}, "changes how the processes that start a task load"),
+        ({"env": {"LD_LIBRARY_PATH": "/tmp/lib"}}, "--pass-env"),
+        ({"env": {"PYTHONUSERBASE": "/tmp/u"}}, "changes how the processes"),
+        ({"env": {"GLIBC_TUNABLES": "x"}}, "changes how the processes"),
+        ({"secrets": ["LD_PRELOAD"]}, "changes how the processes"),  # a secret's value lands there too
+        ({"secrets": ["PYTHONPATH"]}, "nymph's"),
         ({"env": {"1BAD": "x"}}, "not a variable name"),
+        # a name no operator can declare (--mount NAME=...): before, accepted and failed on nymph
+        # with MountRefused suggesting `--mount ../etc=/host/path`
+        ({"mounts": ["../etc"]}, "not a mount name.*never by its path"),
+        ({"mounts": ["/srv/datasets"]}, "not a mount name"),
+        ({"mounts": ["a\nb"]}, "not a mount name"),
         ({"env": {"A": 1}}, "must be a string"),
         ({"secrets": "HF_TOKEN"}, "list of names"),
         ({"secrets": ["LAKESHORE_X"]}, "reserved"),

@@ -127,6 +127,27 @@ def test_a_calls_pythonpath_is_refused_before_anything_runs(tmp_path: Path) -> N
     assert ack["error"]["type"] == "InvalidRunConfig" and "PYTHONPATH" in ack["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    "run_config",
+    [
+        {"env": {"LD_PRELOAD": "/tmp/x.so"}},
+        {"env": {"PYTHONHOME": "/nonexistent"}},  # once: every zygote died and prefork went off
+        {"secrets": ["PYTHONUSERBASE"]},
+        {"secrets": ["PYTHONPATH"]},
+    ],
+)
+def test_a_calls_loader_or_interpreter_start_up_variable_is_refused_before_anything_runs(
+    tmp_path: Path, run_config: dict[str, Any]
+) -> None:
+    # nymph's own processes start the task with its environment (the process runner's zygote and
+    # runuser, as root on a root nymph): a call's LD_PRELOAD ran a library of its choosing there
+    runner, ack = _run_job(tmp_path, {"run_config": run_config})
+    assert runner.started == [] and ack["state"] == "failed"
+    assert ack["error"]["type"] == "InvalidRunConfig", ack
+    name = next(iter(run_config.get("env") or run_config.get("secrets") or ()))
+    assert name in ack["error"]["message"]
+
+
 def test_an_allowed_user_that_does_not_exist_is_refused_clearly(tmp_path: Path) -> None:
     FakeRunner.capabilities = Capabilities(as_user=True)
     try:

@@ -72,7 +72,10 @@ __all__ = ["ACK_TRIES", "HttpDispatch", "inline_threshold_from_env"]
 log = logging.getLogger(__name__)
 
 _STREAM_RECONNECTS = 5
-_WARNED: set[tuple[str, str]] = set()  # (control plane, queue) whose no-worker warning was logged
+# (control plane, queue, warning) logged already: each once, not each submit's. Keyed by the text:
+# a placement warning names the call's own needs (`no live worker of queue 'gpu' offers 4 GPUs`), and
+# one logged for a queue before must not hide another call's, nor the queue's no-worker warning
+_WARNED: set[tuple[str, str, str]] = set()
 # (control plane, queue) -> when its workers were last asked whether they run pickled functions
 _PICKLES_ASKED: dict[tuple[str, str], float] = {}
 PICKLES_ASK_EVERY_S = 30.0  # while no live worker serves the queue, ask again at most this often
@@ -257,9 +260,7 @@ class HttpDispatch(HttpWorkerPlane, Plane):
             err = _submit_failed(exc, chunk[0][0].id, self.retry_window)
             return [_batch_failed(err, envelope.id, len(chunk)) for envelope, _ in chunk]
         for queue, warning in (answer.get("warnings") or {}).items():
-            if (self.url, queue) not in _WARNED:
-                _WARNED.add((self.url, queue))
-                log.warning("%s", warning)
+            self._warn(queue, warning)
         results = answer.get("results") or []
         if len(results) != len(chunk):
             raise Unavailable(f"submit-batch answered {len(results)} results for {len(chunk)} calls")
@@ -318,12 +319,17 @@ class HttpDispatch(HttpWorkerPlane, Plane):
                 out = self._client.submit(body, wait_s=wait_s)
         except PlaneError as exc:
             raise _submit_failed(exc, body["invocation_id"], self.retry_window) from exc
-        warning = out.get("warning")
-        queue = str(body["queue"])
-        if warning and (self.url, queue) not in _WARNED:  # "no worker has polled queue ...": once
-            _WARNED.add((self.url, queue))
-            log.warning("%s", warning)
+        if out.get("warning"):
+            self._warn(str(body["queue"]), out["warning"])
         return str(out["invocation_id"]), dict(out)
+
+    def _warn(self, queue: str, warning: Any) -> None:
+        """Log a submit's ``warning`` (no worker polls ``queue``; no live worker could place the
+        call) once per control plane, queue and text."""
+        seen = (self.url, queue, str(warning))
+        if seen not in _WARNED:
+            _WARNED.add(seen)
+            log.warning("%s", warning)
 
     def _resolved(self, out: dict[str, Any], invocation_id: str) -> dict[str, Any]:
         """An await answer with a ``result_ref`` fetched (sha256 checked) into ``result_blob``."""

@@ -27,6 +27,7 @@ import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from dreamlake.lakeshore import runenv
 from dreamlake.lakeshore.server import authz, http, tasks
 from dreamlake.lakeshore.server.http import HTTPError, field
 
@@ -89,6 +90,10 @@ def check_name(value: Any) -> str:
             f"secret name {str(value)[:80]!r} is not a variable name of at most 128 letters, digits and _ "
             "(not starting with a digit or LAKESHORE_): it becomes one in the task",
         )
+    try:  # nor one no call may ask for (PYTHONPATH, LD_PRELOAD, ...: dreamlake.lakeshore.runenv)
+        runenv.secret_names([value], "secret name")
+    except ValueError as exc:
+        raise HTTPError(400, str(exc)) from None
     return value
 
 

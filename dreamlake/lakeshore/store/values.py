@@ -124,7 +124,7 @@ def _check_environment(run_config: dict[str, Any]) -> None:
     try:
         runenv.user_env(run_config.get("env"))
         runenv.secret_names(run_config.get("secrets"))
-        runenv.names(run_config.get("mounts"), "run_config.mounts")
+        runenv.mount_names(run_config.get("mounts"))
     except ValueError as exc:
         raise PlaneError(str(exc), status=400) from None
 
