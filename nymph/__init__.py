@@ -47,6 +47,7 @@ Layout (one concern per module)::
     taskuser.py   who tasks run as: never root; a user of its own from the task user pool on the
                   process runner (task_users(cfg) is the one accessor), else the task user
     uidreap.py    kills what a pool user left running outside a task cgroup before the next lease
+    uidsweep.py   removes what a pool user left in /tmp, /dev/shm & co. and its SysV IPC objects
     limits.py     memory.max / pids.max in each process-runner task's cgroup, and OOM kills
     doctor.py     ``nymph doctor``: checks with what to fix
     observability.py  logs (text or JSON lines, the job's id on each), metrics, /healthz

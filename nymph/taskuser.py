@@ -29,9 +29,12 @@ user(s) nymph runs tasks as.
 A pool user serves one tenant, then another. So before a user goes back to the pool
 (:meth:`TaskUsers.release`), and before this nymph leases it for the first time, every process of
 its uid outside a task cgroup is killed (:mod:`nymph.uidreap`: a pip build's daemon, a task's on a
-host without cgroups); a user a reap cannot clear is leased only once one can. A failed call's kept
+host without cgroups); a user a reap cannot clear is leased only once one can. Then what the uid
+left outside its workdir is removed (:mod:`nymph.uidsweep`: its files in ``/tmp``, ``/var/tmp``,
+``/dev/shm``, its SysV IPC objects), so the next tenant cannot read it. A failed call's kept
 workdir is taken back from the user before that (:func:`nymph.workdir.seal`, as the invocation
-is released). Neither applies to the shared task user (several tasks share it) nor to ``as_user``.
+is released). None of this applies to the shared task user (several tasks share it) nor to
+``as_user``.
 
 The pool needs at least ``concurrency`` users (one per slot). When it has fewer (not set up, or
 too small), ``nymph start`` says so and refuses, unless the operator allows the fallback with
@@ -55,7 +58,7 @@ import shutil
 import subprocess
 import threading
 
-from nymph import uidreap
+from nymph import uidreap, uidsweep
 from nymph.config import NymphConfig
 from nymph.errors import TaskUserError as TaskUserError  # re-exported: raised here
 from nymph.runner import Runner
@@ -207,7 +210,8 @@ class TaskUsers:
     def release(self, holder: object) -> None:
         """Give ``holder``'s pool user back, once every process of that uid outside a task cgroup
         is killed (:mod:`nymph.uidreap`: what a build or an escaped process left must not meet
-        the next tenant's task); a user that cannot be reaped now is reaped at its next lease."""
+        the next tenant's task) and what it left in ``/tmp`` & co. is removed (:mod:`nymph.uidsweep`);
+        a user that cannot be reaped now is reaped at its next lease."""
         with self._lock:
             name = self._leased.get(id(holder))
         if name is None:  # the shared user, an as_user, nymph's own: not the pool's, never reaped
@@ -238,8 +242,9 @@ class TaskUsers:
 
 
 def _reaped(name: str) -> bool:
-    """Kill what the pool user ``name`` left running (:func:`nymph.uidreap.reap`); True when none
-    is left. Never raises: a failure keeps the user from the next lease (False)."""
+    """Kill what the pool user ``name`` left running (:func:`nymph.uidreap.reap`), then remove what
+    it left in ``/tmp`` & co. (:func:`nymph.uidsweep.sweep`); True when no process is left. Never
+    raises: a failure to kill keeps the user from the next lease (False)."""
     try:
         pw = pwd.getpwnam(name)
     except KeyError:  # not a user (any more): nothing runs as it
@@ -247,10 +252,13 @@ def _reaped(name: str) -> bool:
     if pw.pw_uid == 0:
         return False
     try:
-        return not uidreap.reap(pw.pw_uid, pw.pw_gid)
+        if uidreap.reap(pw.pw_uid, pw.pw_gid):
+            return False
     except Exception:
         log.exception("task user %s: killing what it left running failed; not leased until it can be", name)
         return False
+    uidsweep.sweep(pw.pw_uid)  # its files in /tmp & co., its SysV IPC objects: never keeps it out
+    return True
 
 
 _USERS: dict[tuple[object, ...], TaskUsers] = {}

@@ -86,6 +86,16 @@ def strays(uid: int) -> list[int]:
     return out
 
 
+def live(uid: int) -> bool:
+    """Whether a process of ``uid`` (any of its uids) lives, one in a task cgroup included."""
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            status = _status(entry.name)
+            if status is not None and _of(status, uid):
+                return True
+    return False
+
+
 def _status(pid: str) -> bytes | None:
     try:
         fd = os.open(f"/proc/{pid}/status", os.O_RDONLY | os.O_CLOEXEC)
