@@ -4,9 +4,10 @@ The security tests of nymph (issue 11) attack it as a producer would: through th
 with functions shipped by reference or scripts, and assert what the attacker sees (the ack's state
 and error) and what happened on the host. Fixtures:
 
-- :func:`task_user`: nymph's default task user ``nymph-task``, created with ``useradd --system``
-  when missing (and removed again at the end of the run: :mod:`tests.host_users`), with the first
-  :data:`POOL` users of its pool ``nymph-task-0`` .. (:func:`pool_uids`: the process runner runs
+- :func:`task_user`: the task user :data:`TASK_USER` (``nymph-task``; ``nymph-task-gwN`` on an
+  xdist worker), created with ``useradd --system`` when missing (and removed again at the end of
+  the run: :mod:`tests.host_users`), with the first :data:`POOL` users of its pool
+  ``{TASK_USER}-0`` .. (:func:`pool_uids`: the process runner runs
   each task as one of them, :mod:`nymph.taskuser`);
 - :func:`readable_runtime`: an interpreter and a ``PYTHONPATH`` the task user can read (the system
   ``python3``, the entry bundle, and copies of the test modules): nymph's own venv may sit under a
@@ -38,8 +39,13 @@ from tests.host_users import ensure_user
 from tests.integration.conftest import ControlPlane, running_control_plane, submit_body
 from tests.stack.nymph import NymphProcess
 
-TASK_USER = "nymph-task"
-POOL = 4  # pool users the tests make: nymph-task-0 .. nymph-task-3 (concurrency 4 at most)
+# nymph's default task user on one test process; each pytest-xdist worker has a pool of its own
+# (nymph-task-gw1, its pool nymph-task-gw1-0 ..): a root nymph reaps its pool users' processes as it
+# leases and releases them (nymph.uidreap), and one worker's nymph must not kill another worker's
+# nymph's start-up check or remove its tasks' files, as two nymphs sharing a pool on one host would
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+TASK_USER = f"nymph-task-{_WORKER}" if _WORKER else "nymph-task"
+POOL = 4  # pool users the tests make: {TASK_USER}-0 .. -3 (concurrency 4 at most)
 USER_FLAGS = ("--no-create-home", "--home-dir", "/nonexistent", "--shell", "/usr/sbin/nologin")
 LIMIT_S = 60.0
 
@@ -120,6 +126,7 @@ def nymph_args(cp: ControlPlane, base: Path, runtime: tuple[str, list[str]] | No
         sys.executable, "-m", "nymph", "start", "--server", cp.url, "--token-file", str(token_file),
         "--queue", "default", "--workdir", str(base / "work"), "--state-dir", str(base / "state"),
         "--heartbeat-s", "0.5", "--poll-timeout-s", "2", "--stop-grace-s", "0.5",
+        "--task-user", TASK_USER,  # (a test's own --task-user in ``extra`` comes later: it wins)
     ]  # fmt: skip
     if runtime is not None:
         python, pythonpath = runtime

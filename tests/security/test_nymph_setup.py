@@ -24,6 +24,7 @@ import pytest
 
 from tests.integration.conftest import ControlPlane
 from tests.security.nymph_stack import (  # noqa: F401  (fixtures)
+    TASK_USER,
     nymph_args,
     plane,
     readable_runtime,
@@ -32,7 +33,7 @@ from tests.security.nymph_stack import (  # noqa: F401  (fixtures)
 from tests.stack.procs import child_env
 
 LIMIT_S = 120
-USER = r"nymph-task(-\d+)?"  # the shared task user, or a user of the task user pool (one accessor)
+USER = re.escape(TASK_USER) + r"(-\d+)?"  # the shared task user, or a user of its pool (one accessor)
 
 
 @pytest.fixture
@@ -60,12 +61,12 @@ def _workers(cp: ControlPlane) -> list[object]:
 def _unreadable_interpreter() -> str:
     """nymph's own interpreter, when the task user cannot reach it (the trap this test is about)."""
     real = os.path.realpath(sys.executable)
-    user = pwd.getpwnam("nymph-task")
+    user = pwd.getpwnam(TASK_USER)
     for parent in Path(real).parents:
         st = parent.stat()
         if st.st_uid != user.pw_uid and not st.st_mode & 0o001:
             return str(parent)
-    pytest.fail(f"{real} is reachable by nymph-task here: this host does not have the trap to test")
+    pytest.fail(f"{real} is reachable by {TASK_USER} here: this host does not have the trap to test")
 
 
 def test_start_refuses_an_interpreter_the_task_user_cannot_run_and_doctor_agrees(

@@ -11,7 +11,7 @@ into it. After: every process of the uid outside a task cgroup is killed before 
 to the pool (nymph.uidreap), and a kept workdir is taken back (root's, 0700) before that.
 
 The uids here are users of their own (``nymph-reap``, ``nymph-reap-0`` ..): killing every process of
-a uid must not reach the tasks of another test's nymph, whose pool is ``nymph-task-*``.
+a uid must not reach the tasks of another test's nymph, whose pool is ``nymph-task[-gwN]-*``.
 """
 
 from __future__ import annotations

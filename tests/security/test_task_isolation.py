@@ -38,6 +38,7 @@ from tests.integration.conftest import submit_body
 from tests.security.attack_fns import RELEASE, VICTIM
 from tests.security.nymph_stack import (  # noqa: F401  (fixtures)
     LIMIT_S,
+    TASK_USER,
     ControlPlane,
     RootNymph,
     await_result,
@@ -262,11 +263,11 @@ def test_a_pool_smaller_than_the_slots_refuses_the_start_unless_sharing_is_allow
     plane: ControlPlane, root_nymph: Callable[..., RootNymph], readable_runtime: tuple[str, list[str]]
 ) -> None:
     base = Path(tempfile.mkdtemp(prefix="nymph-sec-"))
-    try:  # the tests made nymph-task-0 .. nymph-task-3: eight slots need eight
+    try:  # the tests made {TASK_USER}-0 .. -3: eight slots need eight
         args = nymph_args(plane, base, readable_runtime, "--concurrency", "8")
         out = subprocess.run(args, capture_output=True, text=True, env=child_env(), timeout=LIMIT_S)
         assert out.returncode != 0
-        assert "4 of nymph-task-0 .. nymph-task-63 exist and --concurrency 8 needs 8" in out.stderr
+        assert f"4 of {TASK_USER}-0 .. {TASK_USER}-63 exist and --concurrency 8 needs 8" in out.stderr
         assert "nymph doctor --fix" in out.stderr and "--shared-task-user" in out.stderr
         assert not (base / "state" / "worker_id").exists()  # never registered
     finally:
@@ -274,7 +275,7 @@ def test_a_pool_smaller_than_the_slots_refuses_the_start_unless_sharing_is_allow
     n = root_nymph("--concurrency", "8", "--shared-task-user")
     inv = _submit(plane, _producer(plane, "team-a"), ref("tests.security.attack_fns", "ids"))
     assert await_result(plane, inv)["state"] == "succeeded", n.output()[-3000:]
-    assert "tasks beyond the pool run as the shared task user 'nymph-task'" in n.output()
+    assert f"tasks beyond the pool run as the shared task user '{TASK_USER}'" in n.output()
 
 
 def test_doctor_fix_creates_the_task_user_pool(
