@@ -196,6 +196,7 @@ def warm_cycle(path: Path, n: int) -> tuple[float, float, float]:
             invocation_id=inv, queue="warm", state="queued", priority=0, function_key="k" * 64, function=fn,
             args_blob=WARM_ARGS, run_config=rc, code_context="{}", namespace="default", content_hash="h" * 64,
             attempt=0, max_attempts=1, submitted_at=now, cancel_requested=0, shape="", preemptions=0,
+            handbacks=0,
         )  # fmt: skip
         db.execute("BEGIN IMMEDIATE")
         db.execute(insert, [row[c] for c in cols]).fetchall()

@@ -26,9 +26,10 @@ Shutdown (SIGTERM, or the first SIGINT): stop polling, let running work finish w
 ``{type: "Preempted", message: "daemon shutdown grace expired", reason: <why nymph stopped>}``
 (the control plane runs it again elsewhere at once); a second SIGINT skips the grace. Drain
 (SIGUSR1, ``nymph drain``: :mod:`nymph.drain`) is the same with ``drain_timeout_s`` (unbounded by
-default) as the grace. A call a poll in flight claims after the stop began is preempted before it
-starts. The outbox is flushed best-effort; what it keeps is replayed by the next start. The
-runner is closed last.
+default) as the grace. A call a poll in flight claims after the stop began is handed back before
+it starts (``preempted`` with ``started: false``: it spends no attempt nor preemption). The
+outbox is flushed best-effort; what it keeps is replayed by the next start. The runner is closed
+last.
 """
 
 from __future__ import annotations
@@ -393,8 +394,8 @@ class Agent:
 
     def _dispatch_claimed(self, command: Any) -> None:
         """A poll's command; a run claimed as nymph stops (the poll was in flight) is acked
-        ``preempted`` at once, never started (no workdir, no task): the control plane hands it to
-        another nymph."""
+        ``preempted`` at once, never started (no workdir, no task), with ``started: false``: the
+        control plane hands it to another nymph without counting an attempt or a preemption."""
         body = command.get("body") if isinstance(command, dict) else None
         if (
             self.stopping.event.is_set()
@@ -408,8 +409,13 @@ class Agent:
             except (InvalidId, TypeError, ValueError):
                 self.jobs.dispatch(command)  # malformed: refused there, as any other
                 return
-            log.warning("invocation %s: claimed as nymph stops; handed back (preempted)", invocation_id)
-            error = {"type": "Preempted", "message": SHUTDOWN_MESSAGE, "reason": self.stopping.why}
+            log.warning("invocation %s: claimed as nymph stops; handed back before it started", invocation_id)
+            error = {
+                "type": "Preempted",
+                "message": SHUTDOWN_MESSAGE,
+                "reason": self.stopping.why,
+                "started": False,  # spends no attempt nor preemption (docs/protocol.md)
+            }
             self.outbox.ack(
                 {
                     "invocation_id": invocation_id,

@@ -13,8 +13,11 @@ supervises it the same way (:meth:`Job.resume`).
 Outcomes: ``succeeded`` (workdir deleted), ``failed`` (workdir kept with its logs), ``killed``
 (``{type: "Cancelled", message: <why>}``), ``timeout`` (``{type: "Timeout", ...}``) and
 ``preempted`` (nymph stopped under it: ``{type: "Preempted", message: "daemon shutdown grace
-expired"}``; the control plane requeues it). Before the ladder signals the task, ``stop.reason``
-in the workdir says why (the entry's ``dls.Interrupted`` carries it).
+expired"}``; the control plane requeues it; ``started: false`` in the error when the task never
+started, so the hand-back spends nothing). Before the ladder signals the task, ``stop.reason``
+in the workdir says why (the entry's ``dls.Interrupted`` carries it) and ``stop.json`` records the
+stop, so a nymph that dies before it settles acks that stop after its restart, not the failure the
+``Interrupted`` left.
 A ``script`` run ends its LOG stream with END whose body is ``wire.pack({"exit_code": 0})`` (the
 same bytes are the ack's ``result_blob``), or with ERROR ``{type: "ScriptFailed", ...}``.
 
@@ -30,8 +33,9 @@ import logging
 import os
 import pwd
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from dreamlake.lakeshore import wire
 from dreamlake.lakeshore.daemon.entry import STOP_REASON_FILE
@@ -65,6 +69,8 @@ SPILL_AFTER_S = 2.0  # how long a finished job waits for its frames before the o
 # arguments up to this size go to a runner that takes them in the Task (Capabilities.args_inline)
 # instead of into args.msgpack: one file less per invocation; larger ones are written as always
 ARGS_INLINE_MAX = 64 * 1024
+RESTART_MESSAGE = "nymph restarted between the claim and the start"
+T = TypeVar("T")
 
 
 class Job(SupervisedJob[wd.Outcome]):
@@ -114,6 +120,8 @@ class Job(SupervisedJob[wd.Outcome]):
         self._made_workdir = False  # this life made the workdir (prepare): no stream state there yet
         self._sends: SendRelay | None = None  # a two-way call's sends, fetched into the workdir
         self._tls: list[tuple[str, bytes, int]] = []  # the TLS files handed to the task (nymph.tasktls)
+        self._claimed_by: str | None = None  # the worker a recovered workdir says claimed it
+        self._start_tried = False  # runner.start was called: the task may have started, answer or not
 
     def cancel(self, message: str = "cancelled by producer", grace_s: float | None = None) -> None:
         """Stop the task with the ladder and ack ``killed`` ``{type: Cancelled, message}``."""
@@ -287,6 +295,7 @@ class Job(SupervisedJob[wd.Outcome]):
         job.workdir = workdir
         job.handle = handle
         job.started_at = float(meta.get("started_at") or time.time())
+        job._claimed_by = meta.get("worker_id")
         if not job.as_user:  # its pool user runs it still (or ran it): not leased to another task
             taskuser.task_users(ctx.config).hold(job, meta.get("run_as"))
             job.run_as = meta.get("run_as")
@@ -368,9 +377,25 @@ class Job(SupervisedJob[wd.Outcome]):
         A start whose answer was lost may have started the task after all, away from this host (a
         Slurm job that has not begun yet): a runner that can withdraw (``Capabilities.withdraw``)
         is asked to, with the task as the workdir records it, before the workdir goes; one that
-        cannot be asked now withdraws it once it can, from that record alone."""
+        cannot be asked now withdraws it once it can, from that record alone.
+
+        When no entry ever ran there and this nymph's worker id (kept in its state dir across
+        restarts) is the one that claimed the attempt, it is handed back at once instead:
+        ``preempted`` with ``error.started`` false (:meth:`stopped`), which requeues the call
+        without spending one of its attempts or preemptions, nor waiting for the lease."""
+        never_ran = wd.entry_never_ran(workdir)
         self._withdraw(self._recorded_task(workdir))
         wd.remove(workdir)
+        if never_ran and self._claimed_by == self.ctx.worker_id:
+            self.workdir = None
+            log.warning(
+                "invocation %s: nymph restarted between the claim and the start of attempt %d "
+                "(nothing runs); handed back before it started",
+                self.invocation_id,
+                self.attempt,
+            )
+            self._settle_once(self.stopped(Stop("preempted", RESTART_MESSAGE, 0.0, "nymph restarted")))
+            return
         self.state = "released"
         log.warning(
             "invocation %s: nymph restarted between the claim and the start of attempt %d (nothing "
@@ -513,6 +538,11 @@ class Job(SupervisedJob[wd.Outcome]):
         outcome = wd.read_outcome(
             self.workdir, status, script=self.script is not None, big=self.ctx.inline_threshold
         )
+        recorded = wd.read_stopping(self.workdir) if outcome.state != "succeeded" else None
+        if recorded is not None and recorded[0] in _ERROR_TYPES:
+            # a previous life stopped the task (stop.json) and died before it settled: the outcome
+            # is that stop (a preemption carries its checkpoint), not the Interrupted it left
+            return self.stopped(Stop(recorded[0], recorded[1], 0.0, recorded[2]))
         if outcome.extra.get("disk_full"):  # the task met a full disk: no claims until there is room
             self.ctx.on_disk_full(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.workdir)))
         return outcome
@@ -599,18 +629,30 @@ class Job(SupervisedJob[wd.Outcome]):
             safeio.write_file(self.workdir, STOP_REASON_FILE, reason.encode(), 0o644)
         except OSError as exc:  # the task is stopped all the same; Interrupted says "shutdown"
             log.warning("invocation %s: cannot write %s: %s", self.invocation_id, STOP_REASON_FILE, exc)
+        wd.mark_stopping(self.workdir, stop.reason, stop.message, stop.detail)  # for a restart
 
     # --- outcomes --------------------------------------------------------------------------------
 
     def failure(self, type_: str, message: str) -> wd.Outcome:
         return wd.Outcome.failed(type_, message)
 
+    def when_available(self, doing: str, op: Callable[[], T], *, timed: bool = False) -> T | None:
+        if doing == "starting":  # the lifecycle's runner.start: from here on it may have started
+            self._start_tried = True
+        return super().when_available(doing, op, timed=timed)
+
+    def _never_started(self) -> bool:
+        """No start of the task was tried (nor one of a previous life is known): nothing ran."""
+        return self.handle is None and not self._start_tried and self.phase in (Phase.CLAIMED, Phase.PREPARED)
+
     def stopped(self, stop: Stop) -> wd.Outcome:
         if stop.reason == "lost":
             return wd.Outcome("lost", b"", None)
-        error = {"type": _ERROR_TYPES[stop.reason], "message": stop.message}
+        error: dict[str, Any] = {"type": _ERROR_TYPES[stop.reason], "message": stop.message}
         if stop.detail:
             error["reason"] = stop.detail
+        if stop.reason == "preempted" and self._never_started():  # handed back before it started:
+            error["started"] = False  # it spends no attempt nor preemption (docs/protocol.md)
         return wd.Outcome(stop.reason, b"", error)
 
     def settle(self, outcome: wd.Outcome) -> None:

@@ -47,6 +47,7 @@ OUTCOME = "outcome.json"
 STDOUT = "stdout.log"
 STDERR = "stderr.log"
 TOKEN = "task.token"  # the attempt's task token, 0400, the task's user's (LAKESHORE_TOKEN_FILE)
+STOP = "stop.json"  # nymph's record of why it stopped the task (mark_stopping): a restart acks that
 OLD_MARK = ".old-"  # ``{invocation_id}.old-{unix time}``: an earlier attempt's workdir, moved aside
 
 
@@ -192,6 +193,32 @@ def is_settled(path: Path) -> bool:
     return safeio.exists_own(path, OUTCOME)
 
 
+def mark_stopping(path: Path, reason: str, message: str, detail: str = "") -> None:
+    """Record, before the ladder signals the task, why nymph stops it (``Stop.reason``, message
+    and detail): a nymph that dies before the outcome is settled acks it so after its restart
+    (:func:`read_stopping`), not as the failure the task's ``Interrupted`` left."""
+    try:
+        data = json.dumps({"reason": reason, "message": message, "detail": detail}).encode()
+        safeio.write_file(path, STOP, data, sync=True)
+    except OSError as exc:
+        log.warning("workdir %s: cannot write %s: %s", path, STOP, exc)
+
+
+def read_stopping(path: Path) -> tuple[str, str, str] | None:
+    """``(reason, message, detail)`` as :func:`mark_stopping` recorded it (nymph's own file only);
+    None when nymph never stopped the task."""
+    data = safeio.read_own(path, STOP)
+    try:
+        raw = json.loads(data) if data is not None else None
+    except ValueError:
+        return None
+    if not isinstance(raw, dict) or not all(
+        isinstance(raw.get(k, ""), str) for k in ("reason", "message", "detail")
+    ):
+        return None
+    return str(raw.get("reason")), str(raw.get("message") or ""), str(raw.get("detail") or "")
+
+
 ENTRY_LOCK = ".entry.lock"  # the process runner's entry lock: held by whichever process runs the entry
 # what a task leaves once it got somewhere: an outcome, frames, or the runner's handle
 OUTCOME_SIGNS = (RESULT, ERROR, FRAMES, HANDLE_FILE)
@@ -215,6 +242,12 @@ def _entry_lock_state(path: Path) -> str:
     finally:
         os.close(fd)  # releases it again when it was taken
     return "free"
+
+
+def entry_never_ran(path: Path) -> bool:
+    """Whether no entry process ever took the workdir's entry lock (no lock file): the task never
+    started there, as far as the workdir can tell."""
+    return _entry_lock_state(path) == "none"
 
 
 def entry_runs(path: Path) -> bool:

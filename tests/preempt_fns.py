@@ -85,3 +85,22 @@ def big_checkpoint(size: int) -> str:
     """Leave ``size`` bytes in the checkpoint directory, then fail."""
     (Path(dls.checkpoint_dir()) / "weights").write_bytes(b"w" * size)
     raise ValueError(f"failed with a checkpoint of {size} bytes")
+
+
+@dls.udf(queue="nymph")
+def stopped_slowly(marker: str, started: str) -> str:
+    """Checkpoint, then sleep; an Interrupted writes its reason to ``marker`` and takes another
+    second to end (nymph can be killed meanwhile). An attempt that finds the checkpoint returns."""
+    ckpt = Path(dls.checkpoint_dir())
+    if (ckpt / "state").exists():
+        return f"resumed on attempt {dls.attempt()} from {(ckpt / 'state').read_text()}"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / "state").write_text(f"attempt {dls.attempt()}")
+    Path(started).touch()
+    try:
+        time.sleep(120)
+    except dls.Interrupted as exc:
+        Path(marker).write_text(exc.reason)
+        time.sleep(1.0)
+        raise
+    return "slept"

@@ -165,7 +165,11 @@ def attempt_label(inv: dict[str, Any], long: bool = False) -> str:
     over, no ``/3`` that reads as retries still coming (``1 final``, or ``1 of up to 3, final``)."""
     n, most = inv["attempt"], inv["max_attempts"]
     preempted = int(inv.get("preemptions") or 0)  # attempts that spent none of max_attempts
-    note = f" (+{preempted} preempted, not counted)" if long and preempted else ""
+    handed = int(inv.get("handbacks") or 0)  # nor those handed back before they started
+    parts = [f"+{preempted} preempted"] if preempted else []
+    parts += [f"+{handed} handed back"] if handed else []
+    note = f" ({', '.join(parts)}, not counted)" if long and parts else ""
+    preempted += handed
     if inv["state"] not in _TERMINAL:
         return (f"{n} of {most + preempted}{note}") if long else f"{n}/{most + preempted}"
     if long:

@@ -137,6 +137,63 @@ def test_the_group_commit_preempts_as_a_single_ack_does(store: SqlStore) -> None
     assert store.claim("w2", ["q"])[0].invocation_id == pre
 
 
+NOT_STARTED = {**PREEMPTED, "started": False}
+
+
+def test_an_attempt_handed_back_before_it_started_spends_neither_attempts_nor_preemptions(
+    store: SqlStore,
+) -> None:
+    """A call claimed by a poll in flight as nymph stopped, or by a nymph that restarted between the
+    claim and the start, is handed back ``preempted`` with ``error.started`` false: requeued at
+    once, ``handbacks`` + 1, and neither ``max_attempts`` nor ``max_preemptions`` is spent (before,
+    it was a preemption: with ``max_preemptions=0`` the call failed without ever running)."""
+    inv = submit(store, max_attempts=1, max_preemptions=0)
+    store.claim("a", ["q"])
+    got = ack(store, inv, "preempted", attempt=1, worker_id="a", error=NOT_STARTED)
+    assert got.ok and got.state == "queued" and got.requeued == "q"
+    assert ack(store, inv, "preempted", attempt=1, worker_id="a", error=NOT_STARTED).duplicate
+    row = store.get(inv)
+    assert row is not None and (row.state, row.preemptions, row.handbacks) == ("queued", 0, 1)
+    assert row.status()["handbacks"] == 1
+    assert store.claim("b", ["q"])[0].attempt == 2  # claimable at once, although max_attempts is 1
+    ack(store, inv, "succeeded", attempt=2, worker_id="b", result_blob=b"\xc0")
+    assert [(a["attempt"], a["state"]) for a in store.attempts(inv)] == [(1, "preempted"), (2, "succeeded")]
+    lapses = submit(store, max_attempts=2)  # attempts spent: attempt - preemptions - handbacks
+    store.claim("a", ["q"])
+    ack(store, lapses, "preempted", attempt=1, worker_id="a", error=NOT_STARTED)
+    store.claim("b", ["q"])
+    store.expire_leases(now=10**10)  # attempt 2 is the first one spent: requeued
+    assert store.get(lapses).state == "queued"  # type: ignore[union-attr]
+    store.claim("c", ["q"])
+    store.expire_leases(now=10**10)  # attempt 3 is the second: no more
+    assert store.get(lapses).error["type"] == "LeaseExpired"  # type: ignore[union-attr,index]
+    assert store.attempts(inv)[0]["error"] == NOT_STARTED
+
+
+def test_hand_backs_past_the_cap_count_as_preemptions_and_a_cancel_still_ends_the_call(
+    store: SqlStore,
+) -> None:
+    from dreamlake.lakeshore.store import retry
+
+    inv = submit(store, max_attempts=1, max_preemptions=0)
+    for n in range(1, retry.MAX_HANDBACKS + 1):
+        store.claim("a", ["q"])
+        assert ack(store, inv, "preempted", attempt=n, worker_id="a", error=NOT_STARTED).state == "queued"
+    store.claim("a", ["q"])  # a nymph that dies each time it prepares the call ends no loop
+    last = ack(store, inv, "preempted", attempt=retry.MAX_HANDBACKS + 1, worker_id="a", error=NOT_STARTED)
+    assert last.state == "failed" and "max_preemptions (0)" in store.get(inv).error["message"]  # type: ignore[union-attr,index]
+    cancelled = submit(store)
+    store.claim("a", ["q"])
+    store.cancel(cancelled)
+    assert (
+        ack(store, cancelled, "preempted", attempt=1, worker_id="a", error=NOT_STARTED).state == "cancelled"
+    )
+    stale = submit(store)
+    store.claim("a", ["q"])
+    assert not ack(store, stale, "preempted", attempt=1, worker_id="b", error=NOT_STARTED).ok  # not b's
+    assert store.get(stale).handbacks == 0  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize("value", [-1, 1001, "3", True, 2.5])
 def test_a_malformed_max_preemptions_is_refused_at_submit(value: Any) -> None:
     from dreamlake.lakeshore.errors import PlaneError

@@ -104,6 +104,41 @@ def _ref(inv: str, tag: str = "abc") -> dict[str, object]:
     }
 
 
+@pytest.fixture
+def sqlite_blob_plane(tmp_path: Path) -> Iterator[ControlPlane]:
+    config = ServerConfig(expire_every_s=0.2, recheck_s=0.5)
+    store = str(tmp_path / "lakeshore.db")
+    with running_control_plane(store, config=config, payloads=local_blobs(tmp_path / "blobs")) as cp:
+        yield cp
+
+
+def test_a_nymph_killed_while_it_stops_a_call_acks_that_stop_and_its_checkpoint_after_a_restart(
+    sqlite_blob_plane: ControlPlane, nymph_factory: Callable[..., Nymph], tmp_path: Path
+) -> None:
+    """SIGTERM preempts the call (``max_attempts=1``); nymph is SIGKILLed after the ladder told the
+    function (its Interrupted says ``preempted``) but before the ack. The restarted nymph acks the
+    preemption it recorded, with the checkpoint, and attempt 2 resumes from it. Before, it acked
+    ``failed``/``Interrupted`` from the task's error.json: the call failed, its checkpoint lost."""
+    cp = sqlite_blob_plane
+    marker, started = tmp_path / "marker", tmp_path / "started"
+    a = nymph_factory(cp.url, cp.daemon_token, "--grace-s", "0.2", base=_base(tmp_path / "a"))
+    fn = envelope(preempt_fns.stopped_slowly, str(marker), str(started))
+    inv = submit(cp.url, cp.producer_token, fn, max_attempts=1)
+    until(started.exists, "the function to run")
+    a.signal(15)
+    until(marker.exists, "the ladder's SIGTERM to reach the function")
+    a.kill()  # the function takes a second more to end: nothing is acked yet
+    assert marker.read_text() == "preempted"
+    assert status_of(cp.url, cp.producer_token, inv)["state"] == "running"
+    a.start()
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert out["state"] == "succeeded", a.output()[-3000:]
+    assert wire.unpack(out["result_blob"]) == "resumed on attempt 2 from attempt 1"
+    history = status_of(cp.url, cp.producer_token, inv)["attempts"]
+    assert [(h["attempt"], h["state"]) for h in history] == [(1, "preempted"), (2, "succeeded")]
+    assert history[0]["error"]["type"] == "Preempted" and "started" not in history[0]["error"]
+
+
 def test_the_checkpoint_route_takes_only_the_lease_holders_checkpoint(blob_plane: ControlPlane) -> None:
     cp = blob_plane
     queue = f"q{new_ulid().lower()[-8:]}"

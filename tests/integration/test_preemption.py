@@ -154,3 +154,59 @@ def test_finally_runs_when_the_call_is_cancelled_timed_out_or_preempted(
     until(lambda: marks["preempted"].exists(), "the preempted call's finally")
     assert marks["preempted"].read_text() == "preempted"
     assert status_of(cp.url, cp.producer_token, pre)["attempts"][0]["state"] == "preempted"
+
+
+def test_a_call_a_poll_in_flight_claims_as_nymph_stops_is_handed_back_spending_nothing(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph]
+) -> None:
+    """A long poll waits in the control plane as nymph gets SIGTERM; a call submitted then is
+    claimed by it and handed back before it starts: ``handbacks`` 1, no preemption counted, so a
+    call with ``max_preemptions=0`` stays queued. Before, it failed ``Preempted`` without running."""
+    cp = sqlite_control_plane
+    n = nymph_factory(cp.url, cp.daemon_token, "--poll-timeout-s", "30", "--grace-s", "5")
+    until(lambda: cp.app.state.ctx.polls.waiting >= 1, "nymph's long poll to wait")
+    n.signal(15)
+    until(lambda: "no new claims" in n.output(), "nymph to take the SIGTERM")
+    inv = submit(cp.url, cp.producer_token, envelope(preempt_fns.sleepy, 0), max_preemptions=0)
+    assert n.wait() == 0
+    status = status_of(cp.url, cp.producer_token, inv)
+    assert (status["state"], status["preemptions"], status["handbacks"]) == ("queued", 0, 1), status
+    [first] = status["attempts"]
+    assert (first["state"], first["error"]["started"]) == ("preempted", False)
+    assert not (n.workdir / inv).exists()  # it never started
+
+
+def test_a_nymph_restarted_between_the_claim_and_the_start_hands_the_attempt_back_at_once(
+    sqlite_control_plane: ControlPlane, nymph_factory: Callable[..., Nymph], tmp_path: Path
+) -> None:
+    """A previous life of nymph (same worker id, same state dir) claimed attempt 1 and made its
+    workdir, then died before the start (restoring a checkpoint, say). The restarted nymph hands
+    the attempt back at once, spending nothing, and runs attempt 2 of a ``max_attempts=1`` call.
+    Before, it acked nothing: the lease lapsed and the call failed ``LeaseExpired``."""
+    import nymph.workdir as wd
+    from dreamlake.lakeshore.ids import new_ulid
+
+    cp = sqlite_control_plane
+    base = _base(tmp_path / "a")
+    worker = new_ulid()
+    (base / "state").mkdir()
+    (base / "state" / "worker_id").write_text(worker + "\n")
+    inv = submit(cp.url, cp.producer_token, envelope(preempt_fns.sleepy, 0), max_attempts=1)
+    body = {"worker_id": worker, "queues": ["default"], "timeout_s": 5}
+    assert cp.call("/v1/daemon/register", body, cp.daemon_token)[0] == 200
+    status, out = cp.call("/v1/daemon/poll", body, cp.daemon_token)
+    assert status == 200 and [c["body"]["invocation_id"] for c in out["commands"]] == [inv], out
+    (base / "work").mkdir()
+    meta = {"invocation_id": inv, "attempt": 1, "worker_id": worker, "started_at": time.time()}
+    wd.create(base / "work", inv, b"", meta, None, write_args=False)  # what the claim left, no task
+    n = nymph_factory(cp.url, cp.daemon_token, base=base)
+    out = await_result(cp.url, cp.producer_token, inv)
+    assert out["state"] == "succeeded", n.output()[-3000:]
+    status_now = status_of(cp.url, cp.producer_token, inv)
+    assert [(a["attempt"], a["state"]) for a in status_now["attempts"]] == [
+        (1, "preempted"),
+        (2, "succeeded"),
+    ]
+    assert status_now["attempts"][0]["error"]["started"] is False
+    assert (status_now["preemptions"], status_now["handbacks"]) == (0, 1)
+    assert "handed back before it started" in n.output()

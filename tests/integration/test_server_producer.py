@@ -92,8 +92,9 @@ def test_submit_answers_seed_body_and_status_shows_row(control_plane: ControlPla
         "attempts",  # issue 12: each attempt's outcome
         "children",
         "preemptions",  # issue 30: attempts a stopping host handed back (they spend no max_attempts)
+        "handbacks",  # attempts handed back before they started (they spend nothing)
     }
-    assert row["children"] == [] and row["preemptions"] == 0
+    assert row["children"] == [] and row["preemptions"] == 0 and row["handbacks"] == 0
 
 
 def test_submit_with_same_key_is_duplicate(control_plane: ControlPlane) -> None:

@@ -262,7 +262,8 @@ class AckStore(StoreBase):
             row.run_config or {},
             req.state,
             req.error,
-            row.attempt - row.preemptions,  # preempted attempts spend none of max_attempts
+            # preempted attempts, and those handed back before they started, spend no max_attempts
+            row.attempt - row.preemptions - row.handbacks,
             row.max_attempts,
             cancel_requested=bool(row.cancel_requested),
         )
@@ -331,7 +332,9 @@ class AckStore(StoreBase):
         """A ``preempted`` ack (the host stopped under the attempt): the call goes back to the
         queue at once, ``preemptions`` + 1, and the attempt is kept in the history as
         ``preempted``; past ``run_config.max_preemptions`` it fails ``{type: "Preempted"}``, and
-        with a cancel requested it ends ``cancelled``. A refusal (superseded, another worker's, a
+        with a cancel requested it ends ``cancelled``. One that hands back an attempt that never
+        started (``error.started`` false: :func:`retry.is_hand_back`) counts ``handbacks`` + 1
+        instead, and no preemption limit ends it. A refusal (superseded, another worker's, a
         repeat) is told as for any ack; nothing of a superseded attempt changes the row."""
         st = self._inv_st
         row = conn.execute(st.retry_row, {"id": req.invocation_id}).first()
@@ -345,7 +348,10 @@ class AckStore(StoreBase):
         error = dict(req.error or {"type": retry.PREEMPTED_TYPE, "message": "the host stopped"})
         run_config = row.run_config or {}
         cancel = bool(row.cancel_requested)
-        if not retry.may_requeue_preempted(run_config, row.preemptions, cancel_requested=cancel):
+        handed = retry.is_hand_back(req.error, row.handbacks)  # it never started: spends nothing
+        if (cancel or not handed) and not retry.may_requeue_preempted(
+            run_config, row.preemptions, cancel_requested=cancel
+        ):
             if cancel:
                 final, error = "cancelled", {"type": "Cancelled", "message": CANCEL_REASON}
             else:
@@ -363,7 +369,7 @@ class AckStore(StoreBase):
                 return self._refusal_in(conn, req)
             return AckResult(ok=True, state=final)
         params = {"id": req.invocation_id, "b_attempt": row.attempt, "b_error": error}
-        if conn.execute(st.preempt, params).first() is None:
+        if conn.execute(st.hand_back if handed else st.preempt, params).first() is None:
             return self._refusal_in(conn, req)
         conn.execute(
             st.insert_attempt,

@@ -60,6 +60,7 @@ def invocation_from(m: Mapping[str, Any]) -> Invocation:
         not_before=m.get("not_before"),
         shape=m.get("shape") or "",
         preemptions=int(m.get("preemptions") or 0),
+        handbacks=int(m.get("handbacks") or 0),
         checkpoint_ref=m.get("checkpoint_ref"),
     )
 
@@ -170,6 +171,7 @@ class _Statements:
             _inv.c.run_config,
             _inv.c.cancel_requested,
             _inv.c.preemptions,
+            _inv.c.handbacks,
             _inv.c.shape,
         ).where(_inv.c.invocation_id == B("id"))
         # a running attempt back to queued (a retry, a lapsed lease, a preemption): which row, and
@@ -190,6 +192,10 @@ class _Statements:
         # a preempted attempt: back to queued at once, one more preemption (spends no attempt)
         self.preempt = running_attempt.values(
             **queued_again, not_before=None, preemptions=_inv.c.preemptions + 1
+        ).returning(_inv.c.invocation_id)
+        # an attempt handed back before it started: back to queued at once, spending nothing
+        self.hand_back = running_attempt.values(
+            **queued_again, not_before=None, handbacks=_inv.c.handbacks + 1
         ).returning(_inv.c.invocation_id)
         self.insert_attempt = dialect_insert(dialect, _att).on_conflict_do_nothing()
         self.attempt_of = sa.select(_att).where(

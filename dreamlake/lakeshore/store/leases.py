@@ -61,8 +61,9 @@ class LeaseStore(StoreBase):
             .values(state="cancelled", finished_at=now, **gone)
             .returning(_inv.c.invocation_id)
         ).fetchall()
-        # attempts spent: preempted ones are not (``preemptions``)
-        retries = (*lapsed, _inv.c.attempt - _inv.c.preemptions < _inv.c.max_attempts)
+        # attempts spent: preempted ones and those handed back before they started are not
+        spent = _inv.c.attempt - _inv.c.preemptions - _inv.c.handbacks
+        retries = (*lapsed, spent < _inv.c.max_attempts)
         lost = conn.execute(
             sa.select(_inv.c.invocation_id, _inv.c.attempt, _inv.c.worker_id, _inv.c.started_at).where(
                 *retries

@@ -99,6 +99,7 @@ class Invocation:
     not_before: float | None = None  # a retry waits queued until then (None: claimable)
     shape: str = ""  # its placement shape (store/placement.py); '' needs nothing
     preemptions: int = 0  # attempts that ended preempted: they spend no max_attempts
+    handbacks: int = 0  # attempts handed back before they started: they spend nothing
     checkpoint_ref: dict[str, Any] | None = None  # what the next attempt starts from (issue 30)
 
     def status(self) -> dict[str, Any]:
@@ -112,6 +113,7 @@ class Invocation:
             "attempt": self.attempt,
             "max_attempts": self.max_attempts,
             "preemptions": self.preemptions,
+            "handbacks": self.handbacks,
             "worker_id": self.worker_id,
             "submitted_at": self.submitted_at,
             "started_at": self.started_at,

@@ -22,6 +22,12 @@ is not a failure: the call is requeued at once and the attempt is not counted ag
 ``max_attempts`` (the attempts spent are ``attempt - preemptions``), while ``preemptions <
 run_config.max_preemptions`` (default :data:`DEFAULT_MAX_PREEMPTIONS`); past that the call fails
 ``{type: "Preempted"}`` (:func:`may_requeue_preempted`), so a host that keeps stopping ends no loop.
+A ``preempted`` ack whose error says ``started: false`` hands back an attempt that never started
+(claimed by a poll in flight as nymph stopped, or nymph restarted between the claim and the start):
+requeued at once, spending neither ``max_attempts`` nor ``max_preemptions`` (``handbacks`` + 1;
+the attempts spent are ``attempt - preemptions - handbacks``); past :data:`MAX_HANDBACKS` such
+hand-backs it counts as a preemption (:func:`is_hand_back`), so a nymph that dies each time it
+prepares the call ends no loop either.
 
 The next attempt becomes claimable ``backoff_s * 2**(attempt - 1)`` seconds after the failure
 (``run_config.backoff_s``, default :data:`DEFAULT_BACKOFF_S`; at most :data:`MAX_BACKOFF_S`). A
@@ -67,6 +73,7 @@ DEFAULT_BACKOFF_S = 1.0
 DEFAULT_MAX_PREEMPTIONS = 10
 MAX_PREEMPTIONS_CAP = 1000
 PREEMPTED_TYPE = "Preempted"  # the error type of a preempted attempt (and of a call out of preemptions)
+MAX_HANDBACKS = 10  # hand-backs of attempts that never started that spend nothing; then preemptions
 MAX_BACKOFF_S = 3600.0
 MAX_RETRY_ON = 32  # names in run_config.retry_on at most
 
@@ -159,3 +166,9 @@ def max_preemptions(run_config: Mapping[str, Any]) -> int:
 def may_requeue_preempted(run_config: Mapping[str, Any], preemptions: int, *, cancel_requested: bool) -> bool:
     """Whether a preempted attempt queues the next one (``preemptions`` before this one)."""
     return not cancel_requested and preemptions < max_preemptions(run_config)
+
+
+def is_hand_back(error: Mapping[str, Any] | None, handbacks: int) -> bool:
+    """Whether a ``preempted`` ack with ``error`` hands back an attempt that never started, for free
+    (``handbacks`` before this one): ``error.started`` is false and :data:`MAX_HANDBACKS` not reached."""
+    return isinstance(error, Mapping) and error.get("started") is False and handbacks < MAX_HANDBACKS

@@ -74,6 +74,9 @@ invocations = sa.Table(
     # 0010: attempts that ended ``preempted`` (the host stopped): they spend no max_attempts, so
     # the attempts spent are ``attempt - preemptions``; run_config.max_preemptions bounds them
     sa.Column("preemptions", sa.Integer, nullable=False, server_default="0"),
+    # 0019: attempts handed back before they started (a ``preempted`` ack with ``error.started``
+    # false): they spend neither max_attempts nor max_preemptions (store/retry.py, MAX_HANDBACKS)
+    sa.Column("handbacks", sa.Integer, nullable=False, server_default="0"),
     # 0010: the checkpoint the next attempt starts from ({bucket, key, size, sha256}, a tar of the
     # task's dls.checkpoint_dir() in the payload store), set by the attempt that held the lease
     sa.Column("checkpoint_ref", sa.JSON, nullable=True),
