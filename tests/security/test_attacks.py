@@ -270,7 +270,8 @@ def test_a_script_from_a_token_without_may_script_is_refused(stack: Stack, token
         ({"max_attempts": 1e9}, "run_config.max_attempts must be a whole number from 1 to 100"),
         ({"priority": math.nan}, "run_config.priority must be a finite number from -9007199254740992"),
         ({"priority": 1e300}, "run_config.priority must be a finite number from -9007199254740992"),
-        ({"resources": {"memory": -1}}, "run_config.resources.memory must be a finite number >= 0"),
+        ({"resources": {"memory": -1}}, "run_config.resources.memory must be a positive size such as 512m"),
+        ({"resources": {"memory": 0}}, "run_config.resources.memory must be a positive size such as 512m"),
         ({"resources": ["cpus"]}, "run_config.resources must be a map of at most 16 limits"),
     ],
 )

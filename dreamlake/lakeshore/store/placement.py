@@ -10,7 +10,8 @@ on the row and indexed, so a claim reads the heads of the shapes its poller may 
 range read (store/claims.py).
 
 ``resources.memory`` (bytes, or a size such as ``"16g"`` / ``"512Mi"``) and ``resources.cpus``
-are part of the needs too.
+are part of the needs too, read as nymph reads them (``dreamlake.lakeshore.resourcevalues``): a
+positive limit; 0 is refused (400), not read as "not asked".
 
 A poller's :class:`Offer` is what it has free now: its free GPUs and its labels (an old daemon that
 sends none offers no GPUs and no labels: it takes plain calls and calls that need neither), and
@@ -25,11 +26,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from dreamlake.lakeshore import resourcevalues
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.gpucount import MAX_GPUS, gpus_of
 
@@ -39,8 +40,6 @@ MAX_LABEL = 128  # characters of a label's key or value
 MAX_NOT_BEFORE_S = 366 * 86400.0  # a not_before further ahead than this is refused
 SHAPE_LEN = 16
 MAX_CPUS = 4096
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 
 
 @dataclass(frozen=True)
@@ -150,37 +149,33 @@ def _shown(n: int) -> str:
 
 
 def _memory(resources: Any) -> int:
-    """``resources.memory`` in bytes (a number, or a size such as ``"16g"``, ``"512Mi"``); 0: none."""
+    """``resources.memory`` in bytes (a number, or a size such as ``"16g"``, ``"512Mi"``: read as
+    nymph reads it, by ``resourcevalues``); 0 when absent."""
     value = resources.get("memory") if isinstance(resources, dict) else None
     if value is None:
         return 0
-    if isinstance(value, str) and (match := _SIZE.match(value)):
-        number = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        number = float(value)
-    else:
+    size = resourcevalues.size(value)
+    if size is None:
         raise PlaneError(
-            f"run_config.resources.memory must be bytes or a size such as '16g' or '512Mi', got {value!r:.40}",
-            400,
+            f"run_config.resources.memory must be {resourcevalues.EXPECTED['memory']}, got {value!r:.40}", 400
         )
-    return max(0, int(number))
+    return size
 
 
 def _cpus(resources: Any) -> float:
-    """``resources.cpus`` (a number, or millicpus such as ``"500m"``); 0: none."""
+    """``resources.cpus`` (a number, or millicpus such as ``"500m"``: read as nymph reads it, by
+    ``resourcevalues``); 0 when absent."""
     value = resources.get("cpus") if isinstance(resources, dict) else None
     if value is None:
         return 0.0
-    if isinstance(value, str) and value.strip().endswith("m") and value.strip()[:-1].isdigit():
-        return int(value.strip()[:-1]) / 1000
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            value = None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_CPUS:
-        raise PlaneError(f"run_config.resources.cpus must be a number of CPUs from 0 to {MAX_CPUS}", 400)
-    return float(value)
+    milli = resourcevalues.millicpus(value)
+    if milli is None or milli > MAX_CPUS * 1000:
+        raise PlaneError(
+            f"run_config.resources.cpus must be {resourcevalues.EXPECTED['cpus']}, at most {MAX_CPUS}, "
+            f"got {value!r:.40}",
+            400,
+        )
+    return milli / 1000
 
 
 def _label_text(value: Any, what: str) -> str:
