@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from dreamlake.lakeshore import ids
+from dreamlake.lakeshore import gpucount, ids
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.store.placement import needs_of
 from dreamlake.lakeshore.store.values import check_run_config
@@ -147,6 +148,20 @@ def test_a_limit_nymph_refuses_is_refused_at_submit(resources: dict[str, Any], r
     if name in ("memory", "cpus"):  # placement reads these two the same way
         with pytest.raises(PlaneError, match=f"^run_config.resources.{name} must be a positive"):
             needs_of({"resources": resources}, "default")
+
+
+@pytest.mark.parametrize("value", [-1, True, None, math.nan, math.inf, 1.5, "two", 2000])
+@pytest.mark.parametrize("name", ["gpus", "nvidia.com/gpu"])
+def test_a_bad_gpu_count_is_refused_saying_what_a_gpu_count_is(name: str, value: object) -> None:
+    """The general resources words (``a finite number >= 0 or a size such as '512Mi'``) used to
+    answer a bad GPU count, the general check running before the GPU one: the 400 says what a GPU
+    count must be, as gpucount (and nymph) say it."""
+    with pytest.raises(PlaneError) as err:
+        check_run_config({"resources": {name: value}})
+    assert err.value.status == 400
+    assert str(err.value).startswith(f"run_config.resources.{name} must be {gpucount.EXPECTED}, got "), (
+        err.value
+    )
 
 
 # --- every runner: one table of inputs, one error shape -----------------------------------------

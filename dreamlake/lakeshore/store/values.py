@@ -6,8 +6,9 @@ range) the run_config values that would otherwise be bent into shape below or ru
 ``priority`` not a finite number in -2^53..2^53, ``max_attempts`` not a whole number in 1..100,
 ``timeout_s`` not a finite number of seconds in (0, 30 days], ``resources`` not a map of at most
 16 names to non-negative finite numbers or short strings, or one whose ``cpus`` (``cpu``),
-``memory``, ``shm`` or ``pids`` nymph would refuse (read by ``resourcevalues``, nymph's own
-parsers: a positive limit; 0 is refused, not "no limit") or that names one field twice. The store
+``memory``, ``shm``, ``pids`` or ``gpus`` (``nvidia.com/gpu``) nymph would refuse (read by
+``resourcevalues``, nymph's own parsers: a positive limit, 0 refused rather than read as "no
+limit"; a GPU count from 0, as ``gpucount`` says, in its words) or that names one field twice. The store
 itself stays lenient, as the seed asks:
 
 - ``priority``: ints as given; floats truncated toward zero; bools, non-numbers, NaN and
@@ -37,8 +38,6 @@ MAX_RESOURCES = 16
 MAX_RESOURCE_TEXT = 64
 MAX_KEY_LEN = 1024  # the idempotency_key column: PostgreSQL refuses longer, SQLite would not
 _I64 = 2**63 - 1
-# the fields nymph reads with ``resourcevalues``' parsers, so refused at submit by them
-_READ_HERE = frozenset(("cpus", "memory", "shm", "pids"))
 
 
 def normalize_priority(value: Any) -> int:
@@ -121,8 +120,8 @@ def check_run_config(run_config: dict[str, Any]) -> None:
                 status=400,
             )
         seen[field] = name
-        if field in _READ_HERE:  # nymph reads it: refused here as nymph would refuse it
-            if resourcevalues.PARSERS[field](limit) is None:
+        if field in resourcevalues.PARSERS:  # nymph reads it: refused as nymph would, in its words
+            if resourcevalues.PARSERS[field](limit) is None:  # (a GPU count's: gpucount.EXPECTED)
                 raise _bad(what, resourcevalues.EXPECTED[field], limit)
             continue
         text = isinstance(limit, str) and 0 < len(limit) <= MAX_RESOURCE_TEXT
