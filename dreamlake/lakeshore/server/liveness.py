@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from dreamlake.lakeshore.labels import label_shown
 from dreamlake.lakeshore.store.api import LIVE_WINDOW_S
 from dreamlake.lakeshore.store.placement import Needs, Offer
 
@@ -76,7 +77,7 @@ def placement_warning(queue: str, needs: Needs, infos: list[dict[str, Any]]) -> 
         most = f"largest: {cpus:g}" if cpus else "none can limit a task's CPUs"
         unmet.append(f"gives one task {needs.cpus:g} CPUs ({most})")
     if needs.selector and not any(o.fits(Needs(selector=needs.selector)) for o in offers):
-        unmet.append("has the labels " + ", ".join(f"{k}={v}" for k, v in needs.selector))
+        unmet.append("has the labels " + ", ".join(label_shown(k, v) for k, v in needs.selector))
     if not unmet:  # each need is met somewhere, never all on one worker
         together = Needs(needs.gpus, needs.selector, memory=needs.memory, cpus=needs.cpus).describe()
         unmet.append(f"has all of {together} at once")

@@ -3,7 +3,8 @@
 A call's needs come from its ``run_config`` (:func:`needs_of`): ``resources.gpus`` (a whole
 number; alias ``nvidia.com/gpu``; read by :func:`dreamlake.lakeshore.gpucount.gpus_of`, as nymph
 reads it), ``selector`` (label -> value, every one of which the poller's
-labels must equal; a key the poller has no label for never matches) and ``concurrency_key``
+labels must equal; a key the poller has no label for never matches; an entry no nymph label could
+be, by ``dreamlake.lakeshore.labels``' rule, is refused) and ``concurrency_key``
 (calls sharing it count against one fleet-wide ``max_concurrency``). Calls with the same needs
 share a *shape*: :meth:`Needs.key`, a short hash ('' for a call with none, the plain shape), stored
 on the row and indexed, so a claim reads the heads of the shapes its poller may take, each one a
@@ -33,10 +34,10 @@ from typing import Any
 from dreamlake.lakeshore import resourcevalues
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.gpucount import MAX_GPUS, gpus_of
+from dreamlake.lakeshore.labels import MAX_LABEL, label_problem, label_shown
 
 PLAIN = ""  # the shape of a call that needs nothing placement matches on
 MAX_SELECTOR = 16  # labels one selector may name
-MAX_LABEL = 128  # characters of a label's key or value
 MAX_NOT_BEFORE_S = 366 * 86400.0  # a not_before further ahead than this is refused
 SHAPE_LEN = 16
 MAX_CPUS = 4096
@@ -91,7 +92,7 @@ class Needs:
             parts.append(f"{_shown(self.memory)} of memory")
         if self.cpus:
             parts.append(f"{self.cpus:g} CPUs")
-        parts += [f"{k}={v}" for k, v in self.selector]
+        parts += [label_shown(k, v) for k, v in self.selector]
         if self.concurrency_key is not None:
             parts.append(f"concurrency_key={self.concurrency_key}")
         return ", ".join(parts) or "nothing"
@@ -218,7 +219,10 @@ def needs_of(run_config: dict[str, Any], namespace: str) -> Needs:
                 400,
             )
         for k, v in selector.items():
-            pairs.append((_label_text(k, "a selector's label"), _label_text(v, f"run_config.selector.{k}")))
+            refused = label_problem(k, v, "run_config.selector")  # nymph's own rule for its labels
+            if refused is not None:
+                raise PlaneError(refused, 400)
+            pairs.append((k, v))
     key = run_config.get("concurrency_key")
     if key is not None:
         key = _label_text(key, "run_config.concurrency_key")
