@@ -34,6 +34,7 @@ from typing import Any
 from dreamlake.lakeshore import resourcevalues
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.gpucount import MAX_GPUS, gpus_of
+from dreamlake.lakeshore.humanize import size as human_size
 from dreamlake.lakeshore.labels import MAX_LABEL, label_problem, label_shown
 
 PLAIN = ""  # the shape of a call that needs nothing placement matches on
@@ -89,7 +90,7 @@ class Needs:
         if self.gpus:
             parts.append(f"{self.gpus} GPU{'s' if self.gpus != 1 else ''}")
         if self.memory:
-            parts.append(f"{_shown(self.memory)} of memory")
+            parts.append(f"{human_size(self.memory)} of memory")
         if self.cpus:
             parts.append(f"{self.cpus:g} CPUs")
         parts += [label_shown(k, v) for k, v in self.selector]
@@ -140,13 +141,6 @@ def _gpus(resources: Any) -> int:
         return gpus_of(resources)  # nymph reads the count by the same function (dreamlake.lakeshore.gpucount)
     except ValueError as exc:
         raise PlaneError(str(exc), 400) from None
-
-
-def _shown(n: int) -> str:
-    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if n >= size:
-            return f"{n / size:g} {unit}"
-    return f"{n} B"
 
 
 def _memory(resources: Any) -> int:
