@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dreamlake.lakeshore.labels import label_problem
 from nymph.errors import ConfigError as ConfigError  # re-exported: raised here
 
 if TYPE_CHECKING:
@@ -208,18 +209,24 @@ def _parse_bool(name: str, value: Any) -> bool:
 
 
 def _parse_labels(name: str, value: Any) -> dict[str, str]:
-    if isinstance(value, Mapping):
-        return {str(k): str(v) for k, v in value.items()}
-    items = value.split(",") if isinstance(value, str) else list(value)
+    """``k=v`` items (split at the first ``=``, each side stripped) or a table; each label held to
+    the rule a call's selector is held to (dreamlake.lakeshore.labels), so a selector can match it."""
     out: dict[str, str] = {}
-    for item in items:
-        item = str(item).strip()
-        if not item:
-            continue
-        key, sep, val = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"{name}: expected k=v, got {item!r}")
-        out[key.strip()] = val.strip()
+    if isinstance(value, Mapping):
+        out = {str(k).strip(): str(v).strip() for k, v in value.items()}
+    else:
+        for item in value.split(",") if isinstance(value, str) else list(value):
+            item = str(item).strip()
+            if not item:
+                continue
+            key, sep, val = item.partition("=")
+            if not sep or not key:
+                raise ConfigError(f"{name}: expected k=v, got {item!r}")
+            out[key.strip()] = val.strip()
+    for key, val in out.items():
+        refused = label_problem(key, val, name)
+        if refused is not None:
+            raise ConfigError(refused)
     return out
 
 

@@ -33,34 +33,17 @@ A :class:`ResourceError` is a :class:`~nymph.runner.RunnerError`, so the invocat
 
 from __future__ import annotations
 
-import math
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from dreamlake.lakeshore import gpucount
+# the parsers and their words are the control plane's too: it refuses at submit what they refuse
+from dreamlake.lakeshore.resourcevalues import ALIASES, EXPECTED, FIELDS, PARSERS
 from nymph.runner import RunnerError
 
 __all__ = ["ALIASES", "FIELDS", "ResourceError", "Resources", "parse_defaults", "parse_resources"]
 
-#: The fields of ``run_config.resources``, in the order messages list them.
-FIELDS = ("cpus", "memory", "pids", "shm", "gpus")
-#: Other names accepted for a field (Kubernetes' own resource names).
-ALIASES = {"cpu": "cpus", gpucount.ALIAS: gpucount.FIELD}
 TASK_SOURCE = "run_config.resources"
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
-_MILLI = re.compile(r"^\s*(\d+)\s*m\s*$")
-_WHOLE = re.compile(r"^\s*\d+\s*$")
-_EXPECTED = {
-    "cpus": "a positive number of CPUs such as 2 or 1.5, or millicores such as '500m'",
-    "memory": "a positive size such as 512m, 1g or 512Mi",
-    "shm": "a positive size such as 512m, 1g or 512Mi",
-    "pids": "a positive whole number",
-    "gpus": gpucount.EXPECTED,
-}
 _REFUSED_FIX = "leave it out, or send the task to a nymph whose runner enforces it"
 
 
@@ -158,73 +141,13 @@ def parse_defaults(runner: str, **options: Any) -> Resources:
 def _read(wanted: Mapping[str, Any], runner: str, source: str) -> Resources:
     def bad(name: str) -> ResourceError:
         return ResourceError(
-            runner, name, f"expected {_EXPECTED[name]}, got {wanted[name]!r}", "correct the value", source
+            runner, name, f"expected {EXPECTED[name]}, got {wanted[name]!r}", "correct the value", source
         )
 
     out: dict[str, int] = {}
     for name, raw in wanted.items():
-        parsed = _PARSERS[name](raw)
+        parsed = PARSERS[name](raw)
         if parsed is None:
             raise bad(name)
         out["millicpus" if name == "cpus" else name] = parsed
     return Resources(**out)
-
-
-def _millicpus(value: Any) -> int | None:
-    if isinstance(value, str) and (milli := _MILLI.match(value)):
-        count = int(milli.group(1))
-    else:
-        number = _number(value)
-        if number is None:
-            return None
-        count = round(number * 1000)
-    return count if count >= 1 else None
-
-
-def _size(value: Any) -> int | None:
-    if isinstance(value, str):
-        match = _SIZE.match(value)
-        if not match:
-            return None
-        number = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    else:
-        found = _number(value)
-        if found is None:
-            return None
-        number = found
-    return int(number) if number >= 1 else None
-
-
-def _whole(value: Any, least: int) -> int | None:
-    if isinstance(value, str) and _WHOLE.match(value):
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        return None
-    return value
-
-
-def _number(value: Any) -> float | None:
-    """A finite int/float, or a string of one; never a bool."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            return None
-    if not isinstance(value, int | float) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
-def _pids(value: Any) -> int | None:
-    return _whole(value, 1)
-
-
-_PARSERS: dict[str, Callable[[Any], int | None]] = {
-    "cpus": _millicpus,
-    "memory": _size,
-    "shm": _size,
-    "pids": _pids,
-    "gpus": gpucount.gpu_count,  # the control plane's reading too: what it places, runs
-}

@@ -15,6 +15,7 @@ import math
 
 from dreamlake.lakeshore.default_dispatch import get_default_dispatch
 from dreamlake.lakeshore.errors import PlaneError, Unavailable
+from dreamlake.lakeshore.labels import label_problem
 
 TYPE_CHECKING = False  # typing costs every invocation's start-up
 if TYPE_CHECKING:
@@ -65,6 +66,10 @@ def _check_selector(selector: Any) -> dict[str, str] | None:
         raise ValueError(
             f"selector must map label names to values, e.g. {{'pool': 'a'}}; got {selector!r:.60}"
         )
+    for name, value in selector.items():  # one no nymph's label could be would wait for ever
+        refused = label_problem(name, value, "selector")
+        if refused is not None:
+            raise ValueError(refused)
     return dict(selector)
 
 

@@ -40,13 +40,15 @@ _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 
 
 def size(n: int) -> str:
-    """``n`` bytes for a person: ``512 B``, ``1.5 KiB``, ``10 GiB``."""
+    """``n`` bytes for a person: ``512 B``, ``1.5 KiB``, ``10 GiB``, ``1000 KiB``, ``99999 TiB``
+    (three digits, or the whole number where three would need an exponent)."""
     value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            break
         value /= 1024
-    return f"{value:.3g} TiB"
+    text = f"{value:.0f}" if unit == "B" else f"{value:.3g}"
+    return f"{value:.0f} {unit}" if "e" in text else f"{text} {unit}"
 
 
 def parse_size(text: str) -> int:

@@ -283,7 +283,7 @@ def test_a_memory_call_waits_for_a_nymph_whose_tasks_may_have_that_much(
     --task-memory-max, held by its memory controller): never claimed by one that would refuse it."""
     small = nymphs("small", "none", "--task-memory-max", "256m")
     first = _submit(plane, nymph_fns.add, 2, 2, resources={"memory": "1g"}, max_attempts=1)
-    assert "gives one task 1 GiB of memory (largest: 268435456 bytes)" in first.get("warning", ""), first
+    assert "gives one task 1 GiB of memory (largest: 256 MiB)" in first.get("warning", ""), first
     inv = first["invocation_id"]
     _stays_queued(plane, inv, 2.0)
     big = nymphs("big", "none", "--task-memory-max", "2g")

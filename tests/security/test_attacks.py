@@ -270,8 +270,11 @@ def test_a_script_from_a_token_without_may_script_is_refused(stack: Stack, token
         ({"max_attempts": 1e9}, "run_config.max_attempts must be a whole number from 1 to 100"),
         ({"priority": math.nan}, "run_config.priority must be a finite number from -9007199254740992"),
         ({"priority": 1e300}, "run_config.priority must be a finite number from -9007199254740992"),
-        ({"resources": {"memory": -1}}, "run_config.resources.memory must be a finite number >= 0"),
+        ({"resources": {"memory": -1}}, "run_config.resources.memory must be a positive size such as 512m"),
+        ({"resources": {"memory": 0}}, "run_config.resources.memory must be a positive size such as 512m"),
         ({"resources": ["cpus"]}, "run_config.resources must be a map of at most 16 limits"),
+        ({"resources": {"gpus": -1}}, "run_config.resources.gpus must be a whole number of GPUs from 0"),
+        ({"selector": {"pool": "a\nb"}}, "run_config.selector entry 'pool'='a\\nb' is not a label a nymph"),
     ],
 )
 def test_bad_submit_values_are_400_naming_the_field_and_range(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -9,9 +10,10 @@ from typing import Any
 
 import pytest
 
-from dreamlake.lakeshore import ids
+from dreamlake.lakeshore import gpucount, ids
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.store.placement import needs_of
+from dreamlake.lakeshore.store.values import check_run_config
 from nymph.resources import ResourceError, Resources, parse_defaults, parse_resources
 from nymph.runner import RunnerError, Task
 from nymph.slots import gpus_requested
@@ -96,6 +98,70 @@ def test_a_gpu_count_is_placed_as_nymph_runs_it(resources: dict[str, Any]) -> No
         run = None
     assert placed == run, (placed, run)
     assert gpus_requested({"resources": resources}) == (placed or 0)
+
+
+_LIMITS = [
+    ({"memory": 0}, "memory must be a positive size such as 512m, 1g or 512Mi, got 0"),
+    ({"memory": "0"}, "memory must be a positive size"),
+    ({"memory": "0Mi"}, "memory must be a positive size"),
+    ({"memory": 0.5}, "memory must be a positive size"),
+    ({"memory": "lots"}, "memory must be a positive size"),
+    ({"shm": 0}, "shm must be a positive size"),
+    ({"cpus": 0}, "cpus must be a positive number of CPUs"),
+    ({"cpus": "0"}, "cpus must be a positive number of CPUs"),
+    ({"cpus": "0m"}, "cpus must be a positive number of CPUs"),
+    ({"cpus": 0.0001}, "cpus must be a positive number of CPUs"),  # 0 millicores
+    ({"cpu": 0}, "cpu must be a positive number of CPUs"),
+    ({"pids": 0}, "pids must be a positive whole number, got 0"),
+    ({"pids": "many"}, "pids must be a positive whole number"),
+    ({"pids": 1.5}, "pids must be a positive whole number"),
+    ({"cpus": 1, "cpu": 2}, "cpus is given twice (as 'cpus' and 'cpu'): give it once"),
+    ({"memory": 1}, None),
+    ({"memory": "512Mi"}, None),
+    ({"shm": "64m"}, None),
+    ({"cpus": "500m"}, None),
+    ({"cpus": 0.5}, None),
+    ({"cpu": "1.5"}, None),
+    ({"pids": "64"}, None),
+]
+
+
+@pytest.mark.parametrize(("resources", "refused"), _LIMITS)
+def test_a_limit_nymph_refuses_is_refused_at_submit(resources: dict[str, Any], refused: str | None) -> None:
+    """``memory: 0`` and ``cpus: "0"`` used to be queued (0 read as "not asked") and then failed by
+    nymph (``ResourceError: expected a positive ...``): submit refuses, with nymph's words, what
+    nymph would refuse, and accepts what it runs."""
+    try:
+        parse_resources(resources, "any")
+        runs = True
+    except ResourceError:
+        runs = False
+    assert runs == (refused is None)
+    if refused is None:
+        check_run_config({"resources": resources})
+        needs_of({"resources": resources}, "default")
+        return
+    with pytest.raises(PlaneError, match="^run_config.resources." + re.escape(refused)) as err:
+        check_run_config({"resources": resources})
+    assert err.value.status == 400
+    (name,) = set(resources) if len(resources) == 1 else ("",)
+    if name in ("memory", "cpus"):  # placement reads these two the same way
+        with pytest.raises(PlaneError, match=f"^run_config.resources.{name} must be a positive"):
+            needs_of({"resources": resources}, "default")
+
+
+@pytest.mark.parametrize("value", [-1, True, None, math.nan, math.inf, 1.5, "two", 2000])
+@pytest.mark.parametrize("name", ["gpus", "nvidia.com/gpu"])
+def test_a_bad_gpu_count_is_refused_saying_what_a_gpu_count_is(name: str, value: object) -> None:
+    """The general resources words (``a finite number >= 0 or a size such as '512Mi'``) used to
+    answer a bad GPU count, the general check running before the GPU one: the 400 says what a GPU
+    count must be, as gpucount (and nymph) say it."""
+    with pytest.raises(PlaneError) as err:
+        check_run_config({"resources": {name: value}})
+    assert err.value.status == 400
+    assert str(err.value).startswith(f"run_config.resources.{name} must be {gpucount.EXPECTED}, got "), (
+        err.value
+    )
 
 
 # --- every runner: one table of inputs, one error shape -----------------------------------------

@@ -26,7 +26,7 @@ FLEET = [_worker(memory=2**30, cpus=0), _worker(2, {"pool": "a"}, memory=2**30, 
     [
         (Needs(cpus=2.0), "gives one task 2 CPUs (none can limit a task's CPUs)"),
         (Needs(gpus=4), "offers 4 GPUs (largest: 2)"),
-        (Needs(memory=2**31), "gives one task 2 GiB of memory (largest: 1073741824 bytes)"),
+        (Needs(memory=2**31), "gives one task 2 GiB of memory (largest: 1 GiB)"),
         (Needs(selector=(("pool", "b"),)), "has the labels pool=b"),
         (
             Needs(gpus=4, cpus=1.5),
@@ -57,3 +57,19 @@ def test_needs_met_apart_but_never_together_are_named_together() -> None:
 def test_no_warning_when_a_worker_fits_or_none_is_live() -> None:
     assert placement_warning("q", Needs(gpus=2, selector=(("pool", "a"),)), FLEET) is None
     assert placement_warning("q", Needs(cpus=2.0), []) is None
+
+
+@pytest.mark.parametrize(
+    ("asked", "largest", "said"),
+    [
+        # the QA case: "99999 TiB of memory (largest: 22748575334 bytes)" mixed units
+        (99999 * 2**40, 22748575334, "99999 TiB of memory (largest: 21.2 GiB)"),
+        (3 * 2**29, 2**29, "1.5 GiB of memory (largest: 512 MiB)"),
+        (1000 * 2**10, 999 * 2**10, "1000 KiB of memory (largest: 999 KiB)"),
+        # too close to tell apart in three digits: both exactly, in bytes
+        (2**30 + 2**20, 2**30, "1074790400 bytes of memory (largest: 1073741824 bytes)"),
+    ],
+)
+def test_the_memory_warning_writes_both_sizes_one_way(asked: int, largest: int, said: str) -> None:
+    got = placement_warning("q", Needs(memory=asked), [_worker(memory=largest)])
+    assert got == f"no live worker of queue 'q' gives one task {said}"

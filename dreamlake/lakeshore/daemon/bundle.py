@@ -79,6 +79,7 @@ SDK_FILES = (
     "dreamlake/lakeshore/decorator.py",
     "dreamlake/lakeshore/scopes.py",
     "dreamlake/lakeshore/calls.py",
+    "dreamlake/lakeshore/labels.py",  # calls.py's selector check
     "dreamlake/lakeshore/default_dispatch.py",
     "dreamlake/lakeshore/runenv.py",
     "dreamlake/lakeshore/handles.py",

@@ -13,6 +13,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from dreamlake.lakeshore.humanize import size as human_size
+from dreamlake.lakeshore.labels import label_shown
 from dreamlake.lakeshore.store.api import LIVE_WINDOW_S
 from dreamlake.lakeshore.store.placement import Needs, Offer
 
@@ -56,7 +58,9 @@ class QueueWatch:
 def placement_warning(queue: str, needs: Needs, infos: list[dict[str, Any]]) -> str | None:
     """Why no live worker of ``queue`` (``infos``: their registered infos) could ever take a call
     of ``needs``, naming each need no worker meets: ``no live worker of queue 'gpu' offers 4 GPUs
-    (largest: 2)``, ``... gives one task 2 CPUs (largest: 1)``, ``... has the labels pool=a``
+    (largest: 2)``, ``... gives one task 2 CPUs (largest: 1)``, ``... gives one task 64 GiB of
+    memory (largest: 21.2 GiB)`` (sizes as the CLI writes them, ``humanize.size``), ``... has the
+    labels pool=a``
     (several joined by ``; nor``); when each is met by some worker but none meets them all, the
     needs together. None when one could (or none is live: the no-worker warning says so)."""
     if not infos:
@@ -69,14 +73,17 @@ def placement_warning(queue: str, needs: Needs, infos: list[dict[str, Any]]) -> 
         unmet.append(f"offers {needs.gpus} GPUs (largest: {max(o.gpus for o in offers)})")
     if needs.memory and not any(o.fits(Needs(memory=needs.memory)) for o in offers):
         largest = max(o.memory for o in offers if o.memory is not None)
-        most = f"largest: {largest} bytes" if largest else "none can limit a task's memory"
-        unmet.append(f"gives one task {Needs(memory=needs.memory).describe()} ({most})")
+        asked, most = human_size(needs.memory), human_size(largest)
+        if asked == most:  # too close to tell apart at 3 digits: both in bytes
+            asked, most = f"{needs.memory} bytes", f"{largest} bytes"
+        most = f"largest: {most}" if largest else "none can limit a task's memory"
+        unmet.append(f"gives one task {asked} of memory ({most})")
     if needs.cpus and not any(o.fits(Needs(cpus=needs.cpus)) for o in offers):
         cpus = max(o.cpus for o in offers if o.cpus is not None)
         most = f"largest: {cpus:g}" if cpus else "none can limit a task's CPUs"
         unmet.append(f"gives one task {needs.cpus:g} CPUs ({most})")
     if needs.selector and not any(o.fits(Needs(selector=needs.selector)) for o in offers):
-        unmet.append("has the labels " + ", ".join(f"{k}={v}" for k, v in needs.selector))
+        unmet.append("has the labels " + ", ".join(label_shown(k, v) for k, v in needs.selector))
     if not unmet:  # each need is met somewhere, never all on one worker
         together = Needs(needs.gpus, needs.selector, memory=needs.memory, cpus=needs.cpus).describe()
         unmet.append(f"has all of {together} at once")

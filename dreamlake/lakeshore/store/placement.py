@@ -3,14 +3,16 @@
 A call's needs come from its ``run_config`` (:func:`needs_of`): ``resources.gpus`` (a whole
 number; alias ``nvidia.com/gpu``; read by :func:`dreamlake.lakeshore.gpucount.gpus_of`, as nymph
 reads it), ``selector`` (label -> value, every one of which the poller's
-labels must equal; a key the poller has no label for never matches) and ``concurrency_key``
+labels must equal; a key the poller has no label for never matches; an entry no nymph label could
+be, by ``dreamlake.lakeshore.labels``' rule, is refused) and ``concurrency_key``
 (calls sharing it count against one fleet-wide ``max_concurrency``). Calls with the same needs
 share a *shape*: :meth:`Needs.key`, a short hash ('' for a call with none, the plain shape), stored
 on the row and indexed, so a claim reads the heads of the shapes its poller may take, each one a
 range read (store/claims.py).
 
 ``resources.memory`` (bytes, or a size such as ``"16g"`` / ``"512Mi"``) and ``resources.cpus``
-are part of the needs too.
+are part of the needs too, read as nymph reads them (``dreamlake.lakeshore.resourcevalues``): a
+positive limit; 0 is refused (400), not read as "not asked".
 
 A poller's :class:`Offer` is what it has free now: its free GPUs and its labels (an old daemon that
 sends none offers no GPUs and no labels: it takes plain calls and calls that need neither), and
@@ -25,22 +27,21 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from dreamlake.lakeshore import resourcevalues
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.gpucount import MAX_GPUS, gpus_of
+from dreamlake.lakeshore.humanize import size as human_size
+from dreamlake.lakeshore.labels import MAX_LABEL, label_problem, label_shown
 
 PLAIN = ""  # the shape of a call that needs nothing placement matches on
 MAX_SELECTOR = 16  # labels one selector may name
-MAX_LABEL = 128  # characters of a label's key or value
 MAX_NOT_BEFORE_S = 366 * 86400.0  # a not_before further ahead than this is refused
 SHAPE_LEN = 16
 MAX_CPUS = 4096
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 
 
 @dataclass(frozen=True)
@@ -89,10 +90,10 @@ class Needs:
         if self.gpus:
             parts.append(f"{self.gpus} GPU{'s' if self.gpus != 1 else ''}")
         if self.memory:
-            parts.append(f"{_shown(self.memory)} of memory")
+            parts.append(f"{human_size(self.memory)} of memory")
         if self.cpus:
             parts.append(f"{self.cpus:g} CPUs")
-        parts += [f"{k}={v}" for k, v in self.selector]
+        parts += [label_shown(k, v) for k, v in self.selector]
         if self.concurrency_key is not None:
             parts.append(f"concurrency_key={self.concurrency_key}")
         return ", ".join(parts) or "nothing"
@@ -142,45 +143,34 @@ def _gpus(resources: Any) -> int:
         raise PlaneError(str(exc), 400) from None
 
 
-def _shown(n: int) -> str:
-    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if n >= size:
-            return f"{n / size:g} {unit}"
-    return f"{n} B"
-
-
 def _memory(resources: Any) -> int:
-    """``resources.memory`` in bytes (a number, or a size such as ``"16g"``, ``"512Mi"``); 0: none."""
+    """``resources.memory`` in bytes (a number, or a size such as ``"16g"``, ``"512Mi"``: read as
+    nymph reads it, by ``resourcevalues``); 0 when absent."""
     value = resources.get("memory") if isinstance(resources, dict) else None
     if value is None:
         return 0
-    if isinstance(value, str) and (match := _SIZE.match(value)):
-        number = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        number = float(value)
-    else:
+    size = resourcevalues.size(value)
+    if size is None:
         raise PlaneError(
-            f"run_config.resources.memory must be bytes or a size such as '16g' or '512Mi', got {value!r:.40}",
-            400,
+            f"run_config.resources.memory must be {resourcevalues.EXPECTED['memory']}, got {value!r:.40}", 400
         )
-    return max(0, int(number))
+    return size
 
 
 def _cpus(resources: Any) -> float:
-    """``resources.cpus`` (a number, or millicpus such as ``"500m"``); 0: none."""
+    """``resources.cpus`` (a number, or millicpus such as ``"500m"``: read as nymph reads it, by
+    ``resourcevalues``); 0 when absent."""
     value = resources.get("cpus") if isinstance(resources, dict) else None
     if value is None:
         return 0.0
-    if isinstance(value, str) and value.strip().endswith("m") and value.strip()[:-1].isdigit():
-        return int(value.strip()[:-1]) / 1000
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            value = None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_CPUS:
-        raise PlaneError(f"run_config.resources.cpus must be a number of CPUs from 0 to {MAX_CPUS}", 400)
-    return float(value)
+    milli = resourcevalues.millicpus(value)
+    if milli is None or milli > MAX_CPUS * 1000:
+        raise PlaneError(
+            f"run_config.resources.cpus must be {resourcevalues.EXPECTED['cpus']}, at most {MAX_CPUS}, "
+            f"got {value!r:.40}",
+            400,
+        )
+    return milli / 1000
 
 
 def _label_text(value: Any, what: str) -> str:
@@ -223,7 +213,10 @@ def needs_of(run_config: dict[str, Any], namespace: str) -> Needs:
                 400,
             )
         for k, v in selector.items():
-            pairs.append((_label_text(k, "a selector's label"), _label_text(v, f"run_config.selector.{k}")))
+            refused = label_problem(k, v, "run_config.selector")  # nymph's own rule for its labels
+            if refused is not None:
+                raise PlaneError(refused, 400)
+            pairs.append((k, v))
     key = run_config.get("concurrency_key")
     if key is not None:
         key = _label_text(key, "run_config.concurrency_key")

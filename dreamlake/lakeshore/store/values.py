@@ -5,7 +5,10 @@ both planes run on a Submit before it reaches the store.
 range) the run_config values that would otherwise be bent into shape below or run as given:
 ``priority`` not a finite number in -2^53..2^53, ``max_attempts`` not a whole number in 1..100,
 ``timeout_s`` not a finite number of seconds in (0, 30 days], ``resources`` not a map of at most
-16 names to non-negative finite numbers or short strings (nymph checks the units). The store
+16 names to non-negative finite numbers or short strings, or one whose ``cpus`` (``cpu``),
+``memory``, ``shm``, ``pids`` or ``gpus`` (``nvidia.com/gpu``) nymph would refuse (read by
+``resourcevalues``, nymph's own parsers: a positive limit, 0 refused rather than read as "no
+limit"; a GPU count from 0, as ``gpucount`` says, in its words) or that names one field twice. The store
 itself stays lenient, as the seed asks:
 
 - ``priority``: ints as given; floats truncated toward zero; bools, non-numbers, NaN and
@@ -22,6 +25,7 @@ import json
 import math
 from typing import Any
 
+from dreamlake.lakeshore import resourcevalues
 from dreamlake.lakeshore.errors import PlaneError
 
 from .api import DEFAULT_MAX_ATTEMPTS, SubmitRequest
@@ -104,10 +108,22 @@ def check_run_config(run_config: dict[str, Any]) -> None:
             f"a map of at most {MAX_RESOURCES} limits such as {{'cpus': 2}}",
             resources,
         )
+    seen: dict[str, str] = {}  # a field -> the name it was given by (its own, or an alias)
     for name, limit in resources.items():
         what = f"run_config.resources.{str(name)[:40]}"
         if not isinstance(name, str) or not name:
             raise _bad("run_config.resources", "a map with string keys", resources)
+        field = resourcevalues.ALIASES.get(name, name)
+        if field in seen:
+            raise PlaneError(
+                f"run_config.resources.{field} is given twice (as {seen[field]!r} and {name!r}): give it once",
+                status=400,
+            )
+        seen[field] = name
+        if field in resourcevalues.PARSERS:  # nymph reads it: refused as nymph would, in its words
+            if resourcevalues.PARSERS[field](limit) is None:  # (a GPU count's: gpucount.EXPECTED)
+                raise _bad(what, resourcevalues.EXPECTED[field], limit)
+            continue
         text = isinstance(limit, str) and 0 < len(limit) <= MAX_RESOURCE_TEXT
         if not text and not (_number(limit) and limit >= 0):
             raise _bad(
