@@ -107,7 +107,8 @@ def no_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(nymph.lifecycle, "backoff_s", lambda tries, cap=10.0: 0.0)
 
 
-def _ctx(tmp_path: Path, runner: Any, outbox: _Outbox, **kwargs: Any) -> JobContext:
+def _config(tmp_path: Path) -> NymphConfig:
+    """A nymph's config over ``tmp_path`` (its workdir made), every gate open."""
     cfg = NymphConfig(
         server="http://cp",
         token="t",
@@ -118,6 +119,11 @@ def _ctx(tmp_path: Path, runner: Any, outbox: _Outbox, **kwargs: Any) -> JobCont
         allow_exec=True,
     )
     (tmp_path / "w").mkdir(exist_ok=True)
+    return cfg
+
+
+def _ctx(tmp_path: Path, runner: Any, outbox: _Outbox, **kwargs: Any) -> JobContext:
+    cfg = _config(tmp_path)
     slots = Slots(2)
     slots.take()
     return JobContext(cfg, runner, outbox, slots, "W1", **kwargs)  # type: ignore[arg-type]
@@ -125,16 +131,7 @@ def _ctx(tmp_path: Path, runner: Any, outbox: _Outbox, **kwargs: Any) -> JobCont
 
 def _agent(tmp_path: Path, runner: Any) -> tuple[Agent, _Outbox]:
     """An agent between start-up and its first poll: outbox and worker id set, nothing running."""
-    cfg = NymphConfig(
-        server="http://cp",
-        token="t",
-        workdir=tmp_path / "w",
-        state_dir=tmp_path / "s",
-        allow_root_tasks=True,
-        allow_script=True,
-        allow_exec=True,
-    )
-    (tmp_path / "w").mkdir(exist_ok=True)
+    cfg = _config(tmp_path)
     client = ControlPlaneClient(
         "http://cp", "t", transport=httpx.MockTransport(lambda r: httpx.Response(500))
     )
