@@ -2,8 +2,8 @@
 same run's raw baselines.
 
 The server is ``lakeshore server`` in a subprocess (``--workers N`` to try several); the load comes
-from separate processes with a cheap client (``http.client`` on one keep-alive connection each,
-msgpack bodies), so the client never shares the server's core or interpreter. Figures:
+from separate processes with a cheap client (:class:`Client`: a raw socket, one keep-alive
+connection each, msgpack bodies), so the client never shares the server's core or interpreter. Figures:
 
 - submit/s: ``--producers`` processes submitting ``--jobs`` invocations in all, as fast as answered;
 - claim+ack/s: ``--daemons`` processes draining the queue as a busy nymph with ``--poll-max``
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.client
 import importlib.util
 import json
 import multiprocessing as mp
@@ -95,31 +94,59 @@ def free_port() -> int:
 
 
 class Client:
-    """One keep-alive HTTP/1.1 connection; msgpack in, msgpack out. Each request's head and body
-    leave in one segment (corked, as the SDK's client sends them: ``dreamlake.lakeshore.keepalive``,
-    written out here because the load must not change with the ``--tree`` under test)."""
+    """One keep-alive HTTP/1.1 connection; msgpack in, msgpack out: the load's cheap client.
+
+    A request is one ``sendall`` of its head and body; the answer is its status line, its headers
+    (only ``Content-Length`` and ``Transfer-Encoding`` are looked at) and a body of that length.
+    ``http.client`` cost the load about 0.2 ms of CPU a request (a file object per answer, every
+    header checked by a regular expression, the head parsed by the ``email`` package), as much as
+    the server's hello-world: the bench measured itself. Written out here, not taken from the SDK
+    (``dreamlake.lakeshore.keepalive``), because the load must not change with the ``--tree``
+    under test. A chunked answer, a closed connection or a malformed head raises."""
 
     def __init__(self, port: int, token: str | None) -> None:
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        self.headers = {"Content-Type": MSGPACK}
-        if token:
-            self.headers["Authorization"] = f"Bearer {token}"
+        self.port = port
+        self.sock: socket.socket | None = None
+        self.buf = b""
+        auth = f"Authorization: Bearer {token}\r\n" if token else ""
+        self.head = f"Host: 127.0.0.1:{port}\r\nContent-Type: {MSGPACK}\r\n{auth}Content-Length: "
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=60)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock, self.buf = sock, b""
+        return sock
 
     def post(self, path: str, body: Any) -> tuple[int, Any]:
-        if self.conn.sock is None:
-            self.conn.connect()
-            self.conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        cork = getattr(socket, "TCP_CORK", None)
-        if cork is not None:
-            self.conn.sock.setsockopt(socket.IPPROTO_TCP, cork, 1)
-        try:
-            self.conn.request("POST", path, msgpack.packb(body, use_bin_type=True), self.headers)
-        finally:
-            if cork is not None and self.conn.sock is not None:
-                self.conn.sock.setsockopt(socket.IPPROTO_TCP, cork, 0)
-        resp = self.conn.getresponse()
-        data = resp.read()
-        return resp.status, msgpack.unpackb(data, raw=False) if data else None
+        sock = self.sock or self._connect()
+        data = msgpack.packb(body, use_bin_type=True)
+        sock.sendall(f"POST {path} HTTP/1.1\r\n{self.head}{len(data)}\r\n\r\n".encode() + data)
+        buf = self.buf
+        while (end := buf.find(b"\r\n\r\n")) < 0:
+            buf += self._recv(sock)
+        lines = buf[:end].decode("latin-1").split("\r\n")
+        status = int(lines[0].split(" ", 2)[1])
+        length = 0
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            name = name.strip().lower()
+            if name == "content-length":
+                length = int(value)
+            elif name == "transfer-encoding":
+                raise RuntimeError(f"the bench client reads Content-Length answers only, not {line!r}")
+        buf = buf[end + 4 :]
+        while len(buf) < length:
+            buf += self._recv(sock)
+        payload, self.buf = buf[:length], buf[length:]
+        return status, msgpack.unpackb(payload, raw=False) if payload else None
+
+    def _recv(self, sock: socket.socket) -> bytes:
+        chunk = sock.recv(65536)
+        if not chunk:
+            sock.close()
+            self.sock = None
+            raise ConnectionError("the server closed the connection")
+        return chunk
 
 
 # -- load processes ----------------------------------------------------------------------------

@@ -75,7 +75,7 @@ def _ms(times: list[float]) -> str:
 
 class Producer:
     """Submit and await over the producer routes with a cheap client (``control_plane.Client``:
-    ``http.client``, one keep-alive connection per thread), so the producer's own cost is small
+    a raw socket, one keep-alive connection per thread), so the producer's own cost is small
     beside what it measures."""
 
     def __init__(self, port: int, token: str) -> None:

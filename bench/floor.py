@@ -15,7 +15,7 @@ in the same transaction; the ack, which commits before the producer is answered)
 Python on this machine.
 
 The server is this file (``--serve PORT DB``) in a subprocess; the load comes from separate
-processes with ``control_plane.Client`` (``http.client``, one keep-alive connection each, msgpack
+processes with ``control_plane.Client`` (a raw socket, one keep-alive connection each, msgpack
 bodies): one producer (``--calls`` sequential ``POST /submit`` with ``wait_s``, timed after
 ``WARMUP`` untimed calls) and one worker (``POST /poll`` with the previous call's ack, a noop
 between). Rows:

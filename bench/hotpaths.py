@@ -15,7 +15,7 @@ repeats the control-plane rows with ``lakeshore server --workers N``.
 It runs the other benches' own functions, so the figures mean what they mean there:
 
 - submits/s and claim+ack/s, SQLite and PostgreSQL (``control_plane.py``: ``lakeshore server`` in
-  a subprocess, load from separate processes with ``http.client``), each two ways: one submit per
+  a subprocess, load from separate processes with ``control_plane.Client``, a raw socket), each two ways: one submit per
   request and a sweep's ``--batch`` per ``POST /v1/producer/submit-batch`` (``UDF.map``; per
   call); a busy nymph's claim path (``max`` slots, each ack on the poll that refills its slot)
   and ``lakeshore worker``'s

@@ -53,6 +53,9 @@ def _ray(calls: int, out: PeerFigures) -> None:
     import ray
 
     ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, logging_level="ERROR")
+    # this module is imported from bench/ (not on Ray's workers' path): its functions travel by
+    # value, as a driver script's own do
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     try:
         f = ray.remote(_noop)
 

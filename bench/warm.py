@@ -5,7 +5,7 @@ The stack is real processes on loopback: ``lakeshore server`` over a SQLite file
 ``lakeshore worker start --queue warm --prefetch N`` (the SDK's long-lived worker) or ``nymph start
 --warm --queue warm --concurrency S`` (nymph's process runner in warm mode, docs/nymph.md "Warm
 mode"; its cold prefork path is ``bench/dispatch.py``'s), each against a server of its own. The load comes from separate processes
-with a cheap client (``http.client`` on one keep-alive connection each, msgpack bodies, envelopes
+with a cheap client (``control_plane.Client``: a raw socket, one keep-alive connection each, msgpack bodies, envelopes
 built before the clock starts). Each call is a ref noop (``bench/bench_fns.py``).
 
 Rows, each beside its goal (<= 3 ms p50, >= 500/s) and the same run's baseline:
