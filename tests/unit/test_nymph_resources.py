@@ -100,6 +100,15 @@ def test_a_gpu_count_is_placed_as_nymph_runs_it(resources: dict[str, Any]) -> No
     assert gpus_requested({"resources": resources}) == (placed or 0)
 
 
+@pytest.mark.parametrize("resources", [{"cpus": 2}, {"cpu": 2}, {"cpu": "500m"}, {"cpus": "1.5"}, {}])
+def test_cpus_are_placed_as_nymph_limits_them(resources: dict[str, Any]) -> None:
+    """``cpu`` (Kubernetes' name) limits the task to that many CPUs on every runner, and used to be
+    placed as no CPUs at all: a 4-CPU call went to a host with 1 free. Placement reads the field
+    or its alias as the runners do."""
+    limited = parse_resources(resources, "any").cpus
+    assert needs_of({"resources": resources}, "default").cpus == (limited or 0.0)
+
+
 _LIMITS = [
     ({"memory": 0}, "memory must be a positive size such as 512m, 1g or 512Mi, got 0"),
     ({"memory": "0"}, "memory must be a positive size"),
@@ -123,6 +132,10 @@ _LIMITS = [
     ({"cpus": 0.5}, None),
     ({"cpu": "1.5"}, None),
     ({"pids": "64"}, None),
+    # a name nymph does not know: every runner fails the call before it runs (ResourceError)
+    ({"gpu": 1}, "gpu is not a resource nymph knows: use cpus, memory, pids, shm, gpus"),
+    ({"mem": "1g"}, "mem is not a resource nymph knows"),
+    ({"disk": 1}, "disk is not a resource nymph knows"),
 ]
 
 
@@ -145,7 +158,7 @@ def test_a_limit_nymph_refuses_is_refused_at_submit(resources: dict[str, Any], r
         check_run_config({"resources": resources})
     assert err.value.status == 400
     (name,) = set(resources) if len(resources) == 1 else ("",)
-    if name in ("memory", "cpus"):  # placement reads these two the same way
+    if name in ("memory", "cpus", "cpu"):  # placement reads these the same way
         with pytest.raises(PlaneError, match=f"^run_config.resources.{name} must be a positive"):
             needs_of({"resources": resources}, "default")
 

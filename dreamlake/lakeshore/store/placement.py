@@ -158,15 +158,19 @@ def _memory(resources: Any) -> int:
 
 
 def _cpus(resources: Any) -> float:
-    """``resources.cpus`` (a number, or millicpus such as ``"500m"``: read as nymph reads it, by
-    ``resourcevalues``); 0 when absent."""
-    value = resources.get("cpus") if isinstance(resources, dict) else None
+    """``resources.cpus`` or its alias ``cpu`` (a number, or millicpus such as ``"500m"``: read as
+    nymph reads it, by ``resourcevalues``); 0 when absent."""
+    value, name = None, "cpus"
+    if isinstance(resources, dict):
+        value = resources.get("cpus")
+        if value is None:
+            value, name = resources.get("cpu"), "cpu"
     if value is None:
         return 0.0
     milli = resourcevalues.millicpus(value)
     if milli is None or milli > MAX_CPUS * 1000:
         raise PlaneError(
-            f"run_config.resources.cpus must be {resourcevalues.EXPECTED['cpus']}, at most {MAX_CPUS}, "
+            f"run_config.resources.{name} must be {resourcevalues.EXPECTED['cpus']}, at most {MAX_CPUS}, "
             f"got {value!r:.40}",
             400,
         )

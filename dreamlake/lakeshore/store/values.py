@@ -5,7 +5,8 @@ both planes run on a Submit before it reaches the store.
 range) the run_config values that would otherwise be bent into shape below or run as given:
 ``priority`` not a finite number in -2^53..2^53, ``max_attempts`` not a whole number in 1..100,
 ``timeout_s`` not a finite number of seconds in (0, 30 days], ``resources`` not a map of at most
-16 names to non-negative finite numbers or short strings, or one whose ``cpus`` (``cpu``),
+16 names, one that names a resource nymph does not know (every runner fails such a call with a
+``ResourceError`` before it runs), or one whose ``cpus`` (``cpu``),
 ``memory``, ``shm``, ``pids`` or ``gpus`` (``nvidia.com/gpu``) nymph would refuse (read by
 ``resourcevalues``, nymph's own parsers: a positive limit, 0 refused rather than read as "no
 limit"; a GPU count from 0, as ``gpucount`` says, in its words) or that names one field twice. The store
@@ -35,7 +36,6 @@ MAX_ATTEMPTS_CAP = 100
 MAX_TIMEOUT_S = 30 * 86400.0
 PRIORITY_BOUND = 2**53  # priorities are exact in a float (msgpack, JSON) up to here
 MAX_RESOURCES = 16
-MAX_RESOURCE_TEXT = 64
 MAX_KEY_LEN = 1024  # the idempotency_key column: PostgreSQL refuses longer, SQLite would not
 _I64 = 2**63 - 1
 
@@ -120,17 +120,14 @@ def check_run_config(run_config: dict[str, Any]) -> None:
                 status=400,
             )
         seen[field] = name
-        if field in resourcevalues.PARSERS:  # nymph reads it: refused as nymph would, in its words
-            if resourcevalues.PARSERS[field](limit) is None:  # (a GPU count's: gpucount.EXPECTED)
-                raise _bad(what, resourcevalues.EXPECTED[field], limit)
-            continue
-        text = isinstance(limit, str) and 0 < len(limit) <= MAX_RESOURCE_TEXT
-        if not text and not (_number(limit) and limit >= 0):
-            raise _bad(
-                what,
-                f"a finite number >= 0 or a size such as '512Mi' (at most {MAX_RESOURCE_TEXT} characters)",
-                limit,
+        if field not in resourcevalues.PARSERS:  # nymph refuses the call, on every runner
+            raise PlaneError(
+                f"{what} is not a resource nymph knows: use {', '.join(resourcevalues.FIELDS)} "
+                f"(aliases: {', '.join(resourcevalues.ALIASES)})",
+                status=400,
             )
+        if resourcevalues.PARSERS[field](limit) is None:  # refused as nymph would, in its words
+            raise _bad(what, resourcevalues.EXPECTED[field], limit)  # (a GPU count's: gpucount.EXPECTED)
 
 
 def _check_environment(run_config: dict[str, Any]) -> None:
