@@ -153,7 +153,9 @@ def test_lifting_a_quota_lets_the_namespace_go_on(tenants: Tenants) -> None:
     while (r := _post(s, tenants.b, "b-three")).status_code == 429 and time.monotonic() < deadline:
         time.sleep(0.5)
     assert r.status_code == 200
-    assert _submit(s, tenants.b)[1] == 429  # still at max_queued
+    # B fills its max_queued of 3 (whatever the tests before left queued), and is held there still
+    statuses = [_submit(s, tenants.b)[1] for _ in range(4)]
+    assert statuses[-1] == 429 and set(statuses) <= {200, 429} and statuses.count(200) <= 3
     bad = subprocess.run(
         [sys.executable, "-m", "dreamlake.lakeshore.cli", "namespace", "quota", "team-b", "--clear", "--queued", "1"],
         env=s.env, capture_output=True, text=True, check=False,
