@@ -47,6 +47,7 @@ __all__ = ["KeepAlive", "KeepAliveError", "Reply", "usable"]
 
 MAX_IDLE = 16  # idle connections kept per client
 MAX_HEAD = 64 * 1024  # an answer's status line and headers, at most
+MAX_HEADS = 256  # request heads kept built (by method, target and headers)
 _JOINED = 64 * 1024  # a body up to this size is sent in the same sendall as the head
 _NO_BODY = frozenset({204, 304})
 _BAD_TARGET = re.compile(r"[\x00-\x20\x7f]")  # as http.client refuses them in a request target
@@ -94,11 +95,17 @@ def usable(url: str) -> bool:
 class _Conn:
     """One keep-alive connection and what of the server's bytes it read past the last answer."""
 
-    __slots__ = ("buf", "sock")
+    __slots__ = ("buf", "sock", "timeout_s")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.buf = bytearray()
+        self.timeout_s: float | None = None  # the socket's, as last set (``settimeout`` is 2 syscalls)
+
+    def set_timeout(self, timeout_s: float) -> None:
+        if timeout_s != self.timeout_s:
+            self.sock.settimeout(timeout_s)
+            self.timeout_s = timeout_s
 
     def close(self) -> None:
         try:
@@ -201,6 +208,7 @@ class KeepAlive:
         self._headers = dict(headers)
         self._connect_s = connect_timeout_s
         self._idle: list[_Conn] = []
+        self._heads: dict[tuple[str, str, tuple[tuple[str, str], ...]], bytes] = {}
         self._lock = threading.Lock()
         self._closed = False
 
@@ -225,11 +233,23 @@ class KeepAlive:
         conn.close()
 
     def _head(self, method: str, target: str, headers: dict[str, str] | None, length: int | None) -> bytes:
+        """The request's head; all but its ``Content-Length`` checked and built once per method,
+        target and headers (a worker sends the same few requests all day)."""
+        key = (method, target, tuple(headers.items()) if headers else ())
+        start = self._heads.get(key)
+        if start is None:
+            start = self._head_start(method, target, headers)
+            if len(self._heads) >= MAX_HEADS:
+                self._heads.clear()
+            self._heads[key] = start
+        if length is None:
+            return start + b"\r\n"
+        return b"%sContent-Length: %d\r\n\r\n" % (start, length)
+
+    def _head_start(self, method: str, target: str, headers: dict[str, str] | None) -> bytes:
         sent = {**self._headers, **(headers or {})}
         lines = [f"{method} {target} HTTP/1.1", f"Host: {self._host_header}", "Accept-Encoding: identity"]
         lines += [f"{name}: {value}" for name, value in sent.items()]
-        if length is not None:
-            lines.append(f"Content-Length: {length}")
         if any("\r" in line or "\n" in line for line in lines):
             raise KeepAliveError("a request header or its target holds a line break; not sent")
         if _BAD_TARGET.search(target) or any(_BAD_NAME.search(name) for name in sent):
@@ -237,7 +257,7 @@ class KeepAlive:
                 f"a request target or header name with a control character, space or colon ({target[:80]!r}); "
                 "not sent: quote it (urllib.parse.quote)"
             )
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        return ("\r\n".join(lines) + "\r\n").encode("latin-1")
 
     def request(
         self,
@@ -270,7 +290,7 @@ class KeepAlive:
                         sock.close()
                         raise
                 conn = _Conn(sock)
-            conn.sock.settimeout(read_timeout_s)
+            conn.set_timeout(read_timeout_s)
             if content and len(content) > _JOINED:
                 conn.sock.sendall(head)
                 conn.sock.sendall(content)
