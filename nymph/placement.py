@@ -8,14 +8,18 @@ then offers the GPUs free now and these labels (nymph/poller.py; docs/protocol.m
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 from typing import Any
 
 import psutil
 
+from dreamlake.lakeshore.labels import label_problem
 from nymph.gpus import capacity as gpu_capacity
 from nymph.runner import Offering
+
+log = logging.getLogger(__name__)
 
 
 def host_capacity(gpu_pool: Any, runner: Any = None) -> dict[str, Any]:
@@ -34,9 +38,23 @@ def host_capacity(gpu_pool: Any, runner: Any = None) -> dict[str, Any]:
 
 
 def auto_labels(capacity: dict[str, Any]) -> dict[str, str]:
-    """``arch``, ``os`` and (when the GPUs' model is known, and one) ``gpu_model``."""
-    labels = {"arch": str(capacity.get("arch") or ""), "os": str(capacity.get("os") or "")}
-    models = {g.get("model") for g in capacity.get("gpus") or []} - {"", "unknown", None}
+    """``arch``, ``os`` and (when the GPUs' model is known, and one) ``gpu_model``, each held to
+    the label rule (dreamlake.lakeshore.labels) as an operator's ``--label`` is: a value with a
+    space at either end (a driver's padded model name) is stripped, so a selector naming it as
+    shown matches; one that still breaks the rule (a control character) is left out, logged,
+    rather than offered as a label no selector can name."""
+    texts = {"arch": capacity.get("arch"), "os": capacity.get("os")}
+    models = {str(g.get("model") or "").strip() for g in capacity.get("gpus") or []} - {"", "unknown"}
     if len(models) == 1:
-        labels["gpu_model"] = str(models.pop())
-    return {k: v for k, v in labels.items() if v}
+        texts["gpu_model"] = models.pop()
+    labels: dict[str, str] = {}
+    for name, raw in texts.items():
+        value = str(raw or "").strip()
+        if not value:
+            continue
+        refused = label_problem(name, value, "automatic labels")
+        if refused is not None:
+            log.warning("nymph: %s; not offered", refused)
+            continue
+        labels[name] = value
+    return labels

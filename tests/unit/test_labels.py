@@ -82,3 +82,20 @@ def test_the_warning_writes_a_label_plainly_and_an_odd_one_escaped() -> None:
     assert plain == "no live worker of queue 'q' has the labels pool=a"
     odd = placement_warning("q", Needs(selector=(("pool", "a\nINFO forged"),)), fleet)
     assert odd == "no live worker of queue 'q' has the labels 'pool'='a\\nINFO forged'"
+
+
+def test_nymphs_automatic_labels_are_ones_a_selector_can_name() -> None:
+    """A driver's padded GPU model (``"NVIDIA H100 80GB HBM3 "``) was offered as the label value
+    with its trailing space, which no selector may name (the rule refuses it at submit): a call
+    selecting the model as shown waited for ever. Automatic labels keep to the rule: stripped, and
+    one that still breaks it left out."""
+    from nymph.placement import auto_labels
+
+    padded = {"arch": "x86_64 ", "os": "linux", "gpus": [{"model": " NVIDIA H100 80GB HBM3 "}] * 2}
+    labels = auto_labels(padded)
+    assert labels == {"arch": "x86_64", "os": "linux", "gpu_model": "NVIDIA H100 80GB HBM3"}
+    needs = needs_of({"selector": {"gpu_model": "NVIDIA H100 80GB HBM3"}}, "default")
+    assert dict(needs.selector).items() <= labels.items()
+    odd = auto_labels({"arch": "x86_64", "os": "linux", "gpus": [{"model": "GPU\x1b[2J"}]})
+    assert odd == {"arch": "x86_64", "os": "linux"}  # never offered raw
+    assert auto_labels({"arch": "", "os": None, "gpus": [{"model": "unknown"}]}) == {}
