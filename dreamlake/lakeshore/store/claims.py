@@ -140,6 +140,26 @@ def claim_statement(n_heads: int, by_namespace: bool = False) -> Any:
 
 
 @functools.cache
+def claimed_insert_statement(n_heads: int, by_namespace: bool = False) -> Direct:
+    """SQLite: a submit's row inserted as a plain claim of ``n_heads`` heads would leave it
+    (state running, ``attempt``, ``worker_id``, ``started_at`` and ``lease_expires_at`` given),
+    only when none of those heads holds a due queued row (each head probed off its index of queued
+    rows, as the claim reads it); ``RETURNING`` the whole row, as the claim's update does. Nothing
+    is inserted (no row returned) when one does, or on a conflict (``ON CONFLICT DO NOTHING``).
+    Parameters: the insert's (``invocation_rows._SUBMIT_COLS``, and the three of the claim) and the
+    heads' (``head_params``). See ``InvocationStore._claim_on_insert_in``."""
+    from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+    from .invocation_rows import _SUBMIT_COLS
+
+    cols = (*_SUBMIT_COLS, "worker_id", "started_at", "lease_expires_at")
+    row = sa.select(*(sa.bindparam(c, type_=_inv.c[c].type) for c in cols))
+    none_due = [~sa.exists().where(_queued(by_namespace), _head(i)) for i in range(n_heads)]
+    insert = sqlite_insert(_inv).from_select(cols, row.where(*none_due))  # (its WHERE: the upsert's parse)
+    return Direct(insert.on_conflict_do_nothing().returning(*_inv.c), "sqlite")
+
+
+@functools.cache
 def pick_statement(n_heads: int, by_namespace: bool = False) -> Any:
     """A placed claim's pick: ``(invocation_id, queue, shape)`` of each head's first ``:limit``
     rows, in claim order, locked; parameters as :func:`claim_statement`'s (no worker, now, lease)."""

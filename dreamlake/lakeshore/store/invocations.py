@@ -39,11 +39,21 @@ from .api import (
     DEFAULT_LEASE_S,
     DEFAULT_NAMESPACE,
     Invocation,
+    PollRequest,
     SubmitRequest,
     SubmitResult,
 )
 from .base import dialect_insert
-from .claims import Placer, claim_params, head_params, key_limit, pick_statement, take_statement
+from .claims import (
+    MERGED_QUEUES_MAX,
+    Placer,
+    claim_params,
+    claimed_insert_statement,
+    head_params,
+    key_limit,
+    pick_statement,
+    take_statement,
+)
 from .engine import Database, retry_on_disconnect
 from .invocation_rows import CANCEL_REASON as CANCEL_REASON
 from .invocation_rows import _inv, _statements, row_to_invocation
@@ -102,6 +112,10 @@ class _Known:
 
 class InvocationStore(AckStore, LeaseStore):
     """Invocations from submit to their outcome (acks: :class:`AckStore`, leases: :class:`LeaseStore`)."""
+
+    # A lone submit's row inserted as the pass it was handed would claim it (``_claim_on_insert_in``);
+    # False: that pass claims with its statement, as any other (tests compare the two).
+    claim_on_insert = True
 
     def __init__(self, db: Database, notifier: Notifier) -> None:
         super().__init__(db, notifier)
@@ -306,6 +320,50 @@ class InvocationStore(AckStore, LeaseStore):
                 or self._placer.knows_limit(key_limit(needs.concurrency_key), needs.max_concurrency)
             )
         )
+
+    def _claimable_on_insert(self, p: _Prepared, q: PollRequest) -> bool:
+        """Whether the pass ``q``, handed the submit ``p`` and written right after it with nothing
+        between them, may claim it by its insert (``_claim_on_insert_in``): on SQLite, a pass that
+        claims, and a submit due now that writes its row alone (``_lone_insert``: no quota to
+        hold, no parent, queue, function, shape or limit to name first)."""
+        return (
+            self.claim_on_insert
+            and self.db.dialect == "sqlite"
+            and bool(q.queues)
+            and q.limit >= 1
+            and p.row["invocation_id"] in q.handed
+            and p.row["not_before"] is None
+            and self._lone_insert(p)
+        )
+
+    def _claim_on_insert_in(
+        self, conn: Connection, p: _Prepared, q: PollRequest, now: float
+    ) -> tuple[SubmitResult, list[Invocation]] | None:
+        """``_submit_many_in([p])`` then ``q``'s ``_claim_in``, as one insert, when that is what
+        they would write: the pass's plan is plain (no limit, no GPU), the new row is of one of
+        its heads (and of its namespace, when bound), and none of those heads holds a due queued
+        row (the insert's own probe). The claim would then take the new row alone, whatever its
+        ``limit``: the row goes in as that claim leaves it (``claimed_insert_statement``: running,
+        attempt 1, the pass's worker, ``started_at`` now, its lease), one statement where there
+        were two, and two indexes of queued rows untouched. None, with nothing written, when
+        it may not (or the insert met a conflict): the caller writes both the usual way."""
+        plan = self._placer.plan(conn, q.queues, q.offer, q.namespace, self.db.dialect)
+        row = p.row
+        if (
+            plan.placed
+            or len(plan.heads) > MERGED_QUEUES_MAX
+            or (row["queue"], row["shape"]) not in plan.heads
+            or (q.namespace is not None and q.namespace != row["namespace"])
+        ):
+            return None
+        params = {**row, **p.texts, "submitted_at": now, "state": "running", "attempt": row["attempt"] + 1}
+        params.update(worker_id=q.worker_id, started_at=now, lease_expires_at=now + q.lease_s)
+        params.update(head_params(plan.heads, q.namespace))
+        stmt = claimed_insert_statement(len(plan.heads), q.namespace is not None)
+        got = conn.execute(stmt, params).first()
+        if got is None:
+            return None
+        return SubmitResult(invocation_id=row["invocation_id"], queue=row["queue"]), [row_to_invocation(got)]
 
     def _shapes_in(self, conn: Connection, batch: Sequence[_Prepared], now: float) -> None:
         """Name the batch's new placement shapes in ``shapes``, and the ``max_concurrency`` of its
