@@ -19,11 +19,10 @@ the ``limits`` table; the statements built here are run by ``InvocationStore._cl
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,7 +146,16 @@ def claimed_insert_statement(n_heads: int, by_namespace: bool = False) -> Direct
     rows, as the claim reads it); ``RETURNING`` the whole row, as the claim's update does. Nothing
     is inserted (no row returned) when one does, or on a conflict (``ON CONFLICT DO NOTHING``).
     Parameters: the insert's (``invocation_rows._SUBMIT_COLS``, and the three of the claim) and the
-    heads' (``head_params``). See ``InvocationStore._claim_on_insert_in``."""
+    heads' (``head_params``).
+
+    Why it writes what the insert and the pass's claim would (``InvocationStore._claim_on_insert_in``
+    runs it for a batch of one submit and the pass it was handed, nothing else): under SQLite's
+    write lock nothing changes between the probe and the insert; with no due row in the heads but
+    the new one, a plain claim (no limit, no GPU: ``Plan.placed`` false) of any ``limit`` takes that
+    row alone and leaves it running, ``attempt`` + 1, its worker, ``started_at`` now and its lease,
+    exactly the values inserted here; and the submit is a lone insert (no quota counting queued
+    rows, no parent, nothing new to name), due now. One statement where there were two, and the
+    two indexes of queued rows untouched (tests/contract/test_claim_on_insert.py compares both)."""
     from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
     from .invocation_rows import _SUBMIT_COLS
@@ -255,6 +263,24 @@ def _key_name(needs: Needs) -> str | None:
 _ABSENT = object()  # a limit the cache did not hold (``Placer.tentative``'s undo)
 
 
+class _Tentative:
+    """``Placer.tentative``'s block (a class: it is around every write transaction)."""
+
+    __slots__ = ("_placer", "_undo")
+
+    def __init__(self, placer: Placer) -> None:
+        self._placer = placer
+        self._undo: list[tuple[str, str, Any]] = []
+
+    def __enter__(self) -> None:
+        self._placer._pending.undo = self._undo  # (one write transaction at a time in a thread)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._placer._pending.undo = None
+        if exc_type is not None and self._undo:
+            self._placer._undo(self._undo)
+
+
 class Placer:
     """Which heads a claim reads, from the ``shapes`` and ``limits`` tables (cached for
     ``REFRESH_S``: both are small and change rarely; a shape this replica submitted is known at
@@ -268,30 +294,24 @@ class Placer:
         # per thread, inside ``tentative``: how to undo what its transaction taught the cache
         self._pending = threading.local()
 
-    @contextlib.contextmanager
-    def tentative(self) -> Iterator[None]:
+    def tentative(self) -> _Tentative:
         """Around a write transaction: the shapes and limits this thread teaches the cache inside
         (``learn``, ``set_limit``) are undone should the block raise. A submit names its shape in
         the cache before the commit (the claims of its own transaction plan with it); had its
         transaction rolled back, the shape would stay cached without its ``shapes`` row, and the
         retry, finding it known, would write none: once the cache was read again (``REFRESH_S``,
         another replica, a restart) no plan would have that head, and the call would stay queued."""
-        undo: list[tuple[str, str, Any]] = []
-        self._pending.undo = undo  # (one write transaction at a time in a thread: never nested)
-        try:
-            yield
-        except BaseException:
-            with self._lock:
-                for kind, a, b in reversed(undo):
-                    if kind == "shape":
-                        self._shapes.get(a, {}).pop(b, None)
-                    elif b is _ABSENT:
-                        self._limits.pop(a, None)
-                    else:
-                        self._limits[a] = b
-            raise
-        finally:
-            self._pending.undo = None
+        return _Tentative(self)
+
+    def _undo(self, undo: list[tuple[str, str, Any]]) -> None:
+        with self._lock:
+            for kind, a, b in reversed(undo):
+                if kind == "shape":
+                    self._shapes.get(a, {}).pop(b, None)
+                elif b is _ABSENT:
+                    self._limits.pop(a, None)
+                else:
+                    self._limits[a] = b
 
     def _hold(self, kind: str, a: str, b: Any) -> None:
         undo = getattr(self._pending, "undo", None)

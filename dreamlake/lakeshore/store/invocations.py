@@ -132,7 +132,8 @@ class InvocationStore(AckStore, LeaseStore):
             (result,) = self._submit_many_in(conn, [prepared], time.time())
         if isinstance(result, PlaneError):
             raise result
-        self._submitted([prepared], [result])
+        wakes, changed = self._submitted([prepared], [result])
+        self._notify(*wakes, *changed)
         return result
 
     def _prepare_submit(self, req: SubmitRequest) -> _Prepared:
@@ -322,10 +323,8 @@ class InvocationStore(AckStore, LeaseStore):
         )
 
     def _claimable_on_insert(self, p: _Prepared, q: PollRequest) -> bool:
-        """Whether the pass ``q``, handed the submit ``p`` and written right after it with nothing
-        between them, may claim it by its insert (``_claim_on_insert_in``): on SQLite, a pass that
-        claims, and a submit due now that writes its row alone (``_lone_insert``: no quota to
-        hold, no parent, queue, function, shape or limit to name first)."""
+        """Whether ``q``, handed ``p`` and written right after it, may claim it by its insert
+        (``_claim_on_insert_in``): SQLite, a pass that claims, a lone insert due now."""
         return (
             self.claim_on_insert
             and self.db.dialect == "sqlite"
@@ -339,14 +338,9 @@ class InvocationStore(AckStore, LeaseStore):
     def _claim_on_insert_in(
         self, conn: Connection, p: _Prepared, q: PollRequest, now: float
     ) -> tuple[SubmitResult, list[Invocation]] | None:
-        """``_submit_many_in([p])`` then ``q``'s ``_claim_in``, as one insert, when that is what
-        they would write: the pass's plan is plain (no limit, no GPU), the new row is of one of
-        its heads (and of its namespace, when bound), and none of those heads holds a due queued
-        row (the insert's own probe). The claim would then take the new row alone, whatever its
-        ``limit``: the row goes in as that claim leaves it (``claimed_insert_statement``: running,
-        attempt 1, the pass's worker, ``started_at`` now, its lease), one statement where there
-        were two, and two indexes of queued rows untouched. None, with nothing written, when
-        it may not (or the insert met a conflict): the caller writes both the usual way."""
+        """``_submit_many_in([p])`` then ``q``'s ``_claim_in`` as one insert, when the claim would
+        take the new row alone (``claimed_insert_statement``): a plain plan, the row of one of its
+        heads (and namespace), none of them holding a due row. None, nothing written, when not."""
         plan = self._placer.plan(conn, q.queues, q.offer, q.namespace, self.db.dialect)
         row = p.row
         if (
@@ -415,19 +409,21 @@ class InvocationStore(AckStore, LeaseStore):
         batch: Sequence[_Prepared],
         results: Sequence[SubmitResult | PlaneError],
         handed: Collection[str] = (),
-    ) -> None:
-        """After the commit: remember the queues and functions now in the store, wake the waiters
-        (but the polls of the ``handed`` invocations: a pass of the same transaction has their
-        wake, server/polls.py)."""
-        channels: list[str] = []
+    ) -> tuple[list[str], list[str]]:
+        """After the commit: remember the queues and functions now in the store; the waiters to
+        wake (the caller's to notify), as ``(wakes, changed)``: one ``run-queue:<ns>:<q>`` per new
+        invocation (the poll hub wakes one poll each), but for the ``handed`` invocations (a pass
+        of the same transaction has their wake, server/polls.py), and each one's ``inv:<id>``."""
+        wakes: list[str] = []
+        changed: list[str] = []
         for p, res in zip(batch, results, strict=True):
             self._known.remember(p.row["queue"], p.row["function_key"])
             if isinstance(res, SubmitResult) and not res.duplicate:
                 queued = invocation_channels(p.row["namespace"], res.queue, p.row["shape"])
                 # a handed one's run-queue wake is its poll's already: the rest still hear it
-                channels += queued[:1] if res.invocation_id in handed else queued
-                channels.append(f"inv:{res.invocation_id}")
-        self._notify(*channels)  # one run-queue:<ns>:<q> per new invocation: the poll hub wakes one poll each
+                wakes += queued[:1] if res.invocation_id in handed else queued
+                changed.append(f"inv:{res.invocation_id}")
+        return wakes, changed
 
     def _existing(self, conn: Connection, row: dict[str, Any]) -> SubmitResult | None:
         """The earlier submit a row that was not inserted repeats (same id and content, or the same

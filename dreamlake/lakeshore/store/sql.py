@@ -363,11 +363,16 @@ class SqlStore(
             if isinstance(p, HeartbeatRequest) or (isinstance(p, PollRequest) and p.duties)
         ]
         # submits whose rows are all they write (one statement: ``_submit_many_in``), or a lone
-        # ack that is one UPDATE: their own transaction (PostgreSQL: one round trip, not three)
-        if submits:
-            single = len(submits) == len(batch) <= ROWS_MAX and all(self._lone_insert(p) for _, p in submits)
-        else:
-            single = len(batch) == 1 and self._lone_ack(batch[0][1])
+        # ack that is one UPDATE: their own transaction (PostgreSQL: one round trip, not three;
+        # SQLite's are calls: ``tx`` ignores it there)
+        single = False
+        if self.db.dialect == "postgresql":
+            if submits:
+                single = len(submits) == len(batch) <= ROWS_MAX and all(
+                    self._lone_insert(p) for _, p in submits
+                )
+            else:
+                single = len(batch) == 1 and self._lone_ack(batch[0][1])
         # a lone submit and the pass it was handed, nothing else: the pass may claim it by its
         # insert (``_claim_on_insert_in``), else each is written as usual
         on_insert: tuple[int, PollRequest] | None = None
@@ -379,14 +384,16 @@ class SqlStore(
         early: dict[int, list[Invocation]] = {}  # what a pass claimed by its submit's insert
         # (tentative: a shape or limit its submits named is forgotten should it roll back)
         with self._placer.tentative(), self.db.tx(write=True, single=single) as conn:
-            duties = dict(
-                zip(
-                    (k for k, _ in daemons),
-                    self._duties_in(conn, [(p.worker_id, p.namespace) for _, p in daemons], now)
-                    if daemons
-                    else (),
-                    strict=True,
+            duties = (
+                dict(
+                    zip(
+                        (k for k, _ in daemons),
+                        self._duties_in(conn, [(p.worker_id, p.namespace) for _, p in daemons], now),
+                        strict=True,
+                    )
                 )
+                if daemons
+                else {}
             )
             preps = [p for _, p in submits]
             got = self._claim_on_insert_in(conn, preps[0], on_insert[1], now) if on_insert else None
@@ -460,10 +467,12 @@ class SqlStore(
                     flush()
                     write(k, p)
             flush()
+        wakes: list[str] = []
         if preps:
             handed = {i for _, p in batch if isinstance(p, PollRequest) for i in p.handed}
-            self._submitted(preps, submitted, handed)
-        self._notify(*dict.fromkeys(channels), *requeued)
+            wakes, changed = self._submitted(preps, submitted, handed)
+            channels[:0] = changed  # (a submit a pass claimed changed once: one inv:<id>)
+        self._notify(*wakes, *dict.fromkeys(channels), *requeued)
         return [r for r in results if r is not None]
 
     def expire_leases(self, now: float | None = None) -> list[str]:
