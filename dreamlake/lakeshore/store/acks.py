@@ -214,7 +214,7 @@ class AckStore(StoreBase):
             if retried is not None:
                 return retried
         variant = (req.attempt is not None, req.worker_id is not None)
-        done = conn.execute(self._inv_st.ack[variant], self._ack_params(req, now)).first()
+        done = self._inv_st.ack[variant].run(conn, [self._ack_params(req, now)]).first()
         if done is not None:
             return AckResult(ok=True, state=req.state, freed=self._freed(done))
         return self._refusal_in(conn, req)

@@ -354,7 +354,7 @@ class InvocationStore(AckStore, LeaseStore):
         params.update(worker_id=q.worker_id, started_at=now, lease_expires_at=now + q.lease_s)
         params.update(head_params(plan.heads, q.namespace))
         stmt = claimed_insert_statement(len(plan.heads), q.namespace is not None)
-        got = conn.execute(stmt, params).first()
+        got = stmt.run(conn, [params]).first()
         if got is None:
             return None
         return SubmitResult(invocation_id=row["invocation_id"], queue=row["queue"]), [row_to_invocation(got)]
