@@ -267,3 +267,41 @@ def test_the_insert_probes_each_head_off_its_index(pair: _Pair) -> None:
         searches = [p for p in plan if p.startswith("SEARCH invocations")]
         assert len(searches) == heads and all(index in p for p in searches), plan
         assert not any(p.startswith("SCAN invocations") for p in plan), plan
+
+
+def test_a_remembered_plan_follows_every_change_of_the_placer_s_cache(tmp_path: Path) -> None:
+    """``Placer.plan`` makes a plan that reads nothing once per queues and offer; a shape learnt
+    (and undone with its rolled-back transaction), a limit set or cleared, and a refresh that
+    reads another replica's shape each make the next plan afresh."""
+    from dreamlake.lakeshore.store.placement import PLAIN, Needs
+
+    s = open_store(tmp_path / "plans.db")
+    other = open_store(tmp_path / "plans.db")
+    placer, offer = s._placer, Offer.of(labels={"pool": "a"})
+    pool = Needs(selector=(("pool", "a"),))
+
+    def heads() -> list[tuple[str, str]]:
+        with s.db.tx(write=False) as conn:
+            first = placer.plan(conn, ["q"], offer, None, s.kind)
+            assert placer.plan(conn, ["q"], offer, None, s.kind) is first  # remembered
+            return first.heads
+
+    try:
+        assert heads() == [("q", PLAIN)]
+        with pytest.raises(RuntimeError), placer.tentative():
+            placer.learn("q", "s1", pool)
+            assert heads() == [("q", PLAIN), ("q", "s1")]
+            raise RuntimeError("its transaction rolled back")
+        assert heads() == [("q", PLAIN)]
+        s.set_queue_limit("q", 3)
+        with s.db.tx(write=False) as conn:
+            assert placer.plan(conn, ["q"], offer, None, s.kind).placed  # reads the limit's room
+        s.set_queue_limit("q", None)
+        assert heads() == [("q", PLAIN)]
+        other.write_batch([sub("r1", selector={"pool": "a"})])  # another replica names a shape
+        with s.db.tx(write=False) as conn:
+            placer.refresh(conn, force=True)
+        assert len(heads()) == 2
+    finally:
+        other.close()
+        s.close()

@@ -38,6 +38,7 @@ _claim_order = (_inv.c.priority.desc(), _inv.c.submitted_at.asc(), _inv.c.invoca
 # Claims of up to this many heads (queue, shape) merge each head's best rows (see claim_statement).
 MERGED_QUEUES_MAX = 32
 REFRESH_S = 1.0  # how stale the cached shapes and limits may be (another replica's new ones)
+PLANS_MAX = 1024  # plans remembered (``Placer.plan``): one per poller's queues and offer
 
 
 Head = tuple[str, str]  # (queue, shape)
@@ -293,6 +294,9 @@ class Placer:
         self._read_at = -1e9
         # per thread, inside ``tentative``: how to undo what its transaction taught the cache
         self._pending = threading.local()
+        # the plans that read nothing (no limit applies), by (queues, offer): made from the cache
+        # as it stands, so replaced (emptied) whenever the cache changes
+        self._plans: dict[tuple[tuple[str, ...], Offer], Plan] = {}
 
     def tentative(self) -> _Tentative:
         """Around a write transaction: the shapes and limits this thread teaches the cache inside
@@ -305,6 +309,7 @@ class Placer:
 
     def _undo(self, undo: list[tuple[str, str, Any]]) -> None:
         with self._lock:
+            self._plans = {}
             for kind, a, b in reversed(undo):
                 if kind == "shape":
                     self._shapes.get(a, {}).pop(b, None)
@@ -327,6 +332,7 @@ class Placer:
             if shape in known:
                 return False
             known[shape] = needs
+            self._plans = {}
         self._hold("shape", queue, shape)
         return True
 
@@ -344,6 +350,7 @@ class Placer:
     def set_limit(self, name: str, value: int | None) -> None:
         with self._lock:
             before = self._limits.get(name, _ABSENT)
+            self._plans = {}
             if value is None:
                 self._limits.pop(name, None)
             else:
@@ -382,6 +389,8 @@ class Placer:
             shapes.setdefault(queue, {})[shape] = Needs.from_json(needs)
         limits = {n: int(m) for n, m in conn.execute(sa.select(t.limits.c.name, t.limits.c.max_running))}
         with self._lock:
+            if shapes != self._shapes or limits != self._limits:
+                self._plans = {}
             self._shapes = shapes  # a shape learnt by a submit that rolled back is forgotten here
             self._limits = limits
             self._read_at = now
@@ -391,12 +400,20 @@ class Placer:
     ) -> Plan:
         """The heads of ``queues`` that ``offer`` fits, and (placed) the room of the limits that
         apply, counted now: on PostgreSQL under a lock of their ``limits`` rows (``FOR UPDATE``),
-        so claims on other replicas count after this one commits."""
+        so claims on other replicas count after this one commits. A plan that reads nothing (no
+        limit applies) is made once for its queues and offer, until the cache changes (``_plans``;
+        its callers only read it)."""
         self.refresh(conn)
+        key = (tuple(queues), offer)
+        plans = self._plans
+        got = plans.get(key)
+        if got is not None:
+            return got
         heads: list[Head] = []
         needs: dict[Head, Needs] = {}
         placed = False
         with self._lock:
+            plans = self._plans  # (the cache as this plan reads it)
             limits = dict(self._limits)
             for queue in sorted(set(queues)):
                 heads.append((queue, PLAIN))
@@ -408,7 +425,11 @@ class Placer:
         names = {queue_limit(q) for q, _ in heads} | {k for n in needs.values() if (k := _key_name(n))}
         limited = sorted(n for n in names if n in limits)
         if not limited:
-            return Plan(heads, placed, needs)
+            plan = Plan(heads, placed, needs)
+            with self._lock:
+                if self._plans is plans and len(plans) < PLANS_MAX:  # the cache unchanged since
+                    plans[key] = plan
+            return plan
         lim = t.limits
         read = sa.select(lim.c.name, lim.c.max_running).where(lim.c.name.in_(limited)).order_by(lim.c.name)
         if dialect == "postgresql":

@@ -142,6 +142,12 @@ def _check_environment(run_config: dict[str, Any]) -> None:
         raise PlaneError(str(exc), status=400) from None
 
 
+# ``json.dumps(value, allow_nan=False)`` and the canonical form's dumps, their encoders made once
+# (``json.dumps`` given any argument makes one per call; each encode starts afresh all the same)
+_ENCODE = json.JSONEncoder(allow_nan=False).encode
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), allow_nan=False).encode
+
+
 def json_safe(value: Any, what: str) -> Any:
     """``value`` with non-finite floats spelled as strings; PlaneError(400) if not JSON data."""
     return json_encoded(value, what)[0]
@@ -154,7 +160,7 @@ def json_encoded(value: Any, what: str) -> tuple[Any, JSONText]:
     Most values have no non-finite float: one encoding (in C) says so, and they are returned as
     they are; the walk that spells them runs only for a value the encoder refused."""
     try:
-        return value, JSONText(json.dumps(value, allow_nan=False))
+        return value, JSONText(_ENCODE(value))
     except (TypeError, ValueError):
         pass
 
@@ -179,7 +185,7 @@ def json_encoded(value: Any, what: str) -> tuple[Any, JSONText]:
 
 
 def canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return _CANONICAL(value)
 
 
 _FUNCTION_KEYS: dict[str, str] = {}  # a function's JSON text -> its key (a sweep submits one function)
