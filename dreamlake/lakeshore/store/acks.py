@@ -232,6 +232,8 @@ class AckStore(StoreBase):
     def _freed(self, row: Any) -> tuple[str, str, str] | None:
         """``(namespace, queue, shape)`` of a call that stopped running under a fleet-wide limit
         (its end frees room: a poll is woken, ``freed_channels``); None when no limit covers it."""
+        if not self._placer.any_limits():
+            return None
         return (row.namespace, row.queue, row.shape) if self._placer.limited(row.queue, row.shape) else None
 
     def _refusal_in(self, conn: Connection, req: AckRequest) -> AckResult:

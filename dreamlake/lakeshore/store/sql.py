@@ -442,7 +442,8 @@ class SqlStore(
                         results[j] = ack
                         if ack.ok and not ack.duplicate:
                             channels.append(f"inv:{req.invocation_id}")
-                            requeued.extend(freed_channels(ack.freed))  # room under a limit
+                            if ack.freed is not None:  # room under a limit
+                                requeued.extend(freed_channels(ack.freed))
                         if ack.requeued:  # a retry claimable now: one wake per invocation
                             requeued.extend(
                                 invocation_channels(
@@ -456,6 +457,7 @@ class SqlStore(
                     write(k, p)
                 passed.clear()
 
+            # (``passed`` holds polls only while ``acks`` holds acks: ``flush`` empties both)
             for k, (_, p) in enumerate(batch):
                 if isinstance(p, AckRequest):
                     if passed and (p.worker_id is None or any(q.worker_id == p.worker_id for _, q in passed)):
@@ -464,9 +466,12 @@ class SqlStore(
                 elif acks and isinstance(p, PollRequest):
                     passed.append((k, p))
                 else:
-                    flush()
-                    write(k, p)
-            flush()
+                    if acks:
+                        flush()
+                    if not isinstance(p, _Prepared):  # (the submits are written above)
+                        write(k, p)
+            if acks:
+                flush()
         wakes: list[str] = []
         if preps:
             handed = {i for _, p in batch if isinstance(p, PollRequest) for i in p.handed}
