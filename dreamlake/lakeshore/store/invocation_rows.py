@@ -160,7 +160,7 @@ class _Statements:
         # ``ack``: one ack, RETURNING whether it applied; ``ack_many``: the same without RETURNING,
         # for an executemany of many acks (one round trip: psycopg pipelines it).
         self.ack: dict[tuple[bool, bool], Direct] = {}
-        self.ack_many: dict[tuple[bool, bool], Any] = {}
+        self.ack_many: dict[tuple[bool, bool], Direct] = {}
         # PostgreSQL: many acks as one UPDATE ... FROM (VALUES ...) (``Direct.run_rows``)
         self.ack_rows: dict[tuple[bool, bool], Direct] = {}
         for by_attempt in (False, True):
