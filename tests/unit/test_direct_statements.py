@@ -228,3 +228,63 @@ def test_a_plain_str_in_a_json_column_stays_a_json_string(db: Database) -> None:
         conn.execute(_insert(db.dialect), {"id": "plain", "doc": '{"not": "a map"}', "n": 1, "at": None})
     with db.engine.connect() as conn:
         assert conn.execute(sa.select(T.c.doc).where(T.c.id == "plain")).scalar_one() == '{"not": "a map"}'
+
+
+def test_returned_json_texts_decode_as_json_loads_decodes_them(tmp_path: Path) -> None:
+    """SQLite's JSON columns in ``RETURNING`` are decoded by json.loads's scanner where a text is
+    one value and nothing around it; any other text (whitespace around it, a BOM, not JSON) goes
+    to SQLAlchemy's own processor, so each answers or fails as json.loads does."""
+    database = Database(tmp_path / "j.db")
+    META.create_all(database.engine)
+    texts = [
+        '{"a": [1, 2.5, null, "\\u00e9"]}',
+        "[]",
+        "3",
+        '"s"',
+        "null",
+        " [1] ",
+        "[1]\n",
+        "\ufeff[1]",
+        "[1",
+        "{}x",
+    ]
+    raw = sa.text("INSERT INTO t (id, doc, n) VALUES (:id, :doc, 0)")
+    get = Direct(sa.update(T).where(T.c.id == sa.bindparam("b_id")).values(n=1).returning(T.c.doc), "sqlite")
+    try:
+        with database.tx(write=True) as conn:
+            for k, text in enumerate(texts):
+                conn.execute(raw, {"id": f"j{k}", "doc": text})
+        for k, text in enumerate(texts):
+            try:
+                expected: object = json.loads(text)
+            except ValueError as exc:
+                expected = type(exc)
+            with database.tx(write=True) as conn:
+                try:
+                    got: object = conn.execute(get, {"b_id": f"j{k}"}).scalar_one()
+                except ValueError as exc:
+                    got = type(exc)
+            assert got == expected, text
+    finally:
+        database.dispose()
+
+
+def test_a_row_converts_to_the_invocation_its_mapping_does() -> None:
+    """``row_to_invocation`` (a claim's rows, by position) is ``invocation_from`` of the row's
+    mapping, whatever the columns hold (blobs as memoryview, NULL counts, a NULL shape)."""
+    from dreamlake.lakeshore.store.invocation_rows import _INV_COLS, invocation_from, row_to_invocation
+
+    base = {c: f"v-{c}" for c in _INV_COLS}
+    variants = [
+        {"priority": 3, "args_blob": b"a", "result_blob": None, "cancel_requested": 0, "shape": "",
+         "preemptions": 0, "handbacks": 0},
+        {"priority": 7.0, "args_blob": memoryview(b"x"), "result_blob": memoryview(b"r"),
+         "cancel_requested": 1, "shape": None, "preemptions": None, "handbacks": 2},
+        {"priority": -1, "args_blob": None, "result_blob": b"", "cancel_requested": True, "shape": "s1",
+         "preemptions": 4, "handbacks": None},
+    ]  # fmt: skip
+    for v in variants:
+        row = tuple({**base, **v}[c] for c in _INV_COLS)
+        assert row_to_invocation(row) == invocation_from(dict(zip(_INV_COLS, row, strict=True)))  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        row_to_invocation(row[:-1])  # type: ignore[arg-type]

@@ -206,7 +206,8 @@ class AckStore(StoreBase):
     ) -> AckResult:
         """Apply a prepared ack in the caller's transaction: a failure that queues another attempt
         (``_retry_in``), else one conditional UPDATE; a refusal (or a repeat) reads the row to say
-        why, and changes nothing."""
+        why, and changes nothing. With no fleet limit cached (no ack frees room: ``_freed``), the
+        UPDATE returns no row: its count (one, by primary key, or none) says whether it applied."""
         if req.state == PREEMPTED:
             return self._preempt_in(conn, req, now)
         if retry_first and req.state in retry.RETRY_STATES:
@@ -214,9 +215,14 @@ class AckStore(StoreBase):
             if retried is not None:
                 return retried
         variant = (req.attempt is not None, req.worker_id is not None)
-        done = conn.execute(self._inv_st.ack[variant], self._ack_params(req, now)).first()
-        if done is not None:
-            return AckResult(ok=True, state=req.state, freed=self._freed(done))
+        params = [self._ack_params(req, now)]
+        if not self._placer.any_limits() and conn.dialect.supports_sane_rowcount:
+            if self._inv_st.ack_many[variant].run(conn, params).rowcount == 1:
+                return AckResult(ok=True, state=req.state)
+        else:
+            done = self._inv_st.ack[variant].run(conn, params).first()
+            if done is not None:
+                return AckResult(ok=True, state=req.state, freed=self._freed(done))
         return self._refusal_in(conn, req)
 
     def _lone_ack(self, prepared: Any) -> bool:
@@ -232,6 +238,8 @@ class AckStore(StoreBase):
     def _freed(self, row: Any) -> tuple[str, str, str] | None:
         """``(namespace, queue, shape)`` of a call that stopped running under a fleet-wide limit
         (its end frees room: a poll is woken, ``freed_channels``); None when no limit covers it."""
+        if not self._placer.any_limits():
+            return None
         return (row.namespace, row.queue, row.shape) if self._placer.limited(row.queue, row.shape) else None
 
     def _refusal_in(self, conn: Connection, req: AckRequest) -> AckResult:

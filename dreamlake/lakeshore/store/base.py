@@ -55,5 +55,4 @@ class StoreBase:
 
     def _notify(self, *channels: str) -> None:
         """Wake the waiters of ``channels`` (call after the transaction committed)."""
-        for ch in channels:
-            self.notifier.notify(ch)
+        self.notifier.notify_many(channels)

@@ -19,11 +19,10 @@ the ``limits`` table; the statements built here are run by ``InvocationStore._cl
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +38,7 @@ _claim_order = (_inv.c.priority.desc(), _inv.c.submitted_at.asc(), _inv.c.invoca
 # Claims of up to this many heads (queue, shape) merge each head's best rows (see claim_statement).
 MERGED_QUEUES_MAX = 32
 REFRESH_S = 1.0  # how stale the cached shapes and limits may be (another replica's new ones)
+PLANS_MAX = 1024  # plans remembered (``Placer.plan``): one per poller's queues and offer
 
 
 Head = tuple[str, str]  # (queue, shape)
@@ -140,6 +140,35 @@ def claim_statement(n_heads: int, by_namespace: bool = False) -> Any:
 
 
 @functools.cache
+def claimed_insert_statement(n_heads: int, by_namespace: bool = False) -> Direct:
+    """SQLite: a submit's row inserted as a plain claim of ``n_heads`` heads would leave it
+    (state running, ``attempt``, ``worker_id``, ``started_at`` and ``lease_expires_at`` given),
+    only when none of those heads holds a due queued row (each head probed off its index of queued
+    rows, as the claim reads it); ``RETURNING`` the whole row, as the claim's update does. Nothing
+    is inserted (no row returned) when one does, or on a conflict (``ON CONFLICT DO NOTHING``).
+    Parameters: the insert's (``invocation_rows._SUBMIT_COLS``, and the three of the claim) and the
+    heads' (``head_params``).
+
+    Why it writes what the insert and the pass's claim would (``InvocationStore._claim_on_insert_in``
+    runs it for a batch of one submit and the pass it was handed, nothing else): under SQLite's
+    write lock nothing changes between the probe and the insert; with no due row in the heads but
+    the new one, a plain claim (no limit, no GPU: ``Plan.placed`` false) of any ``limit`` takes that
+    row alone and leaves it running, ``attempt`` + 1, its worker, ``started_at`` now and its lease,
+    exactly the values inserted here; and the submit is a lone insert (no quota counting queued
+    rows, no parent, nothing new to name), due now. One statement where there were two, and the
+    two indexes of queued rows untouched (tests/contract/test_claim_on_insert.py compares both)."""
+    from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+    from .invocation_rows import _SUBMIT_COLS
+
+    cols = (*_SUBMIT_COLS, "worker_id", "started_at", "lease_expires_at")
+    row = sa.select(*(sa.bindparam(c, type_=_inv.c[c].type) for c in cols))
+    none_due = [~sa.exists().where(_queued(by_namespace), _head(i)) for i in range(n_heads)]
+    insert = sqlite_insert(_inv).from_select(cols, row.where(*none_due))  # (its WHERE: the upsert's parse)
+    return Direct(insert.on_conflict_do_nothing().returning(*_inv.c), "sqlite")
+
+
+@functools.cache
 def pick_statement(n_heads: int, by_namespace: bool = False) -> Any:
     """A placed claim's pick: ``(invocation_id, queue, shape)`` of each head's first ``:limit``
     rows, in claim order, locked; parameters as :func:`claim_statement`'s (no worker, now, lease)."""
@@ -235,6 +264,24 @@ def _key_name(needs: Needs) -> str | None:
 _ABSENT = object()  # a limit the cache did not hold (``Placer.tentative``'s undo)
 
 
+class _Tentative:
+    """``Placer.tentative``'s block (a class: it is around every write transaction)."""
+
+    __slots__ = ("_placer", "_undo")
+
+    def __init__(self, placer: Placer) -> None:
+        self._placer = placer
+        self._undo: list[tuple[str, str, Any]] = []
+
+    def __enter__(self) -> None:
+        self._placer._pending.undo = self._undo  # (one write transaction at a time in a thread)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._placer._pending.undo = None
+        if exc_type is not None and self._undo:
+            self._placer._undo(self._undo)
+
+
 class Placer:
     """Which heads a claim reads, from the ``shapes`` and ``limits`` tables (cached for
     ``REFRESH_S``: both are small and change rarely; a shape this replica submitted is known at
@@ -247,31 +294,29 @@ class Placer:
         self._read_at = -1e9
         # per thread, inside ``tentative``: how to undo what its transaction taught the cache
         self._pending = threading.local()
+        # the plans that read nothing (no limit applies), by (queues, offer): made from the cache
+        # as it stands, so replaced (emptied) whenever the cache changes
+        self._plans: dict[tuple[tuple[str, ...], Offer], Plan] = {}
 
-    @contextlib.contextmanager
-    def tentative(self) -> Iterator[None]:
+    def tentative(self) -> _Tentative:
         """Around a write transaction: the shapes and limits this thread teaches the cache inside
         (``learn``, ``set_limit``) are undone should the block raise. A submit names its shape in
         the cache before the commit (the claims of its own transaction plan with it); had its
         transaction rolled back, the shape would stay cached without its ``shapes`` row, and the
         retry, finding it known, would write none: once the cache was read again (``REFRESH_S``,
         another replica, a restart) no plan would have that head, and the call would stay queued."""
-        undo: list[tuple[str, str, Any]] = []
-        self._pending.undo = undo  # (one write transaction at a time in a thread: never nested)
-        try:
-            yield
-        except BaseException:
-            with self._lock:
-                for kind, a, b in reversed(undo):
-                    if kind == "shape":
-                        self._shapes.get(a, {}).pop(b, None)
-                    elif b is _ABSENT:
-                        self._limits.pop(a, None)
-                    else:
-                        self._limits[a] = b
-            raise
-        finally:
-            self._pending.undo = None
+        return _Tentative(self)
+
+    def _undo(self, undo: list[tuple[str, str, Any]]) -> None:
+        with self._lock:
+            self._plans = {}
+            for kind, a, b in reversed(undo):
+                if kind == "shape":
+                    self._shapes.get(a, {}).pop(b, None)
+                elif b is _ABSENT:
+                    self._limits.pop(a, None)
+                else:
+                    self._limits[a] = b
 
     def _hold(self, kind: str, a: str, b: Any) -> None:
         undo = getattr(self._pending, "undo", None)
@@ -287,6 +332,7 @@ class Placer:
             if shape in known:
                 return False
             known[shape] = needs
+            self._plans = {}
         self._hold("shape", queue, shape)
         return True
 
@@ -304,6 +350,7 @@ class Placer:
     def set_limit(self, name: str, value: int | None) -> None:
         with self._lock:
             before = self._limits.get(name, _ABSENT)
+            self._plans = {}
             if value is None:
                 self._limits.pop(name, None)
             else:
@@ -342,6 +389,8 @@ class Placer:
             shapes.setdefault(queue, {})[shape] = Needs.from_json(needs)
         limits = {n: int(m) for n, m in conn.execute(sa.select(t.limits.c.name, t.limits.c.max_running))}
         with self._lock:
+            if shapes != self._shapes or limits != self._limits:
+                self._plans = {}
             self._shapes = shapes  # a shape learnt by a submit that rolled back is forgotten here
             self._limits = limits
             self._read_at = now
@@ -351,12 +400,20 @@ class Placer:
     ) -> Plan:
         """The heads of ``queues`` that ``offer`` fits, and (placed) the room of the limits that
         apply, counted now: on PostgreSQL under a lock of their ``limits`` rows (``FOR UPDATE``),
-        so claims on other replicas count after this one commits."""
+        so claims on other replicas count after this one commits. A plan that reads nothing (no
+        limit applies) is made once for its queues and offer, until the cache changes (``_plans``;
+        its callers only read it)."""
         self.refresh(conn)
+        key = (tuple(queues), offer)
+        plans = self._plans
+        got = plans.get(key)
+        if got is not None:
+            return got
         heads: list[Head] = []
         needs: dict[Head, Needs] = {}
         placed = False
         with self._lock:
+            plans = self._plans  # (the cache as this plan reads it)
             limits = dict(self._limits)
             for queue in sorted(set(queues)):
                 heads.append((queue, PLAIN))
@@ -368,7 +425,11 @@ class Placer:
         names = {queue_limit(q) for q, _ in heads} | {k for n in needs.values() if (k := _key_name(n))}
         limited = sorted(n for n in names if n in limits)
         if not limited:
-            return Plan(heads, placed, needs)
+            plan = Plan(heads, placed, needs)
+            with self._lock:
+                if self._plans is plans and len(plans) < PLANS_MAX:  # the cache unchanged since
+                    plans[key] = plan
+            return plan
         lim = t.limits
         read = sa.select(lim.c.name, lim.c.max_running).where(lim.c.name.in_(limited)).order_by(lim.c.name)
         if dialect == "postgresql":

@@ -47,6 +47,7 @@ tests/unit/test_direct_statements.py on both dialects: the ``_execute_on_connect
 from __future__ import annotations
 
 import collections
+import json
 import operator
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -78,6 +79,29 @@ def _text_first(proc: Any) -> Any:
 
     def process(value: Any) -> Any:
         return str(value) if type(value) is JSONText else proc(value)
+
+    return process
+
+
+# json.loads's own scanner (a decoder of its default decoder's settings)
+_SCAN: Any = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+def _json_first(proc: Any) -> Any:
+    """A SQLite JSON column's result processor (SQLAlchemy's ``proc``, ``json.loads`` of the text)
+    that decodes a text of one JSON value and nothing around it (what ``json.dumps`` writes) with
+    the scanner alone: what ``json.loads`` returns for it, without its two whitespace matches and
+    its frames. Anything else (whitespace, a BOM, an error, not a string) goes to ``proc``."""
+
+    def process(value: Any) -> Any:
+        if type(value) is str:
+            try:
+                obj, end = _SCAN(value, 0)
+            except StopIteration:
+                return proc(value)
+            if end == len(value):
+                return obj
+        return None if value is None else proc(value)
 
     return process
 
@@ -203,6 +227,11 @@ class _Compiled:
             procs = [
                 t.result_processor(self.dialect, code) for t, code in zip(self.types, codes, strict=True)
             ]
+            if self.dialect.name == "sqlite" and self.dialect._json_deserializer is None:
+                procs = [
+                    _json_first(p) if p is not None and isinstance(t, sa.JSON) else p
+                    for t, p in zip(self.types, procs, strict=True)
+                ]
             self.result_procs = [(k, p) for k, p in enumerate(procs) if p is not None]
         make = self.row._make
         pairs = self.result_procs
@@ -279,7 +308,7 @@ class Direct(_Statement):
     def _compiled(self, dialect: Dialect, params: Mapping[str, Any]) -> _Compiled:
         """The statement compiled for ``dialect`` (an engine's: its options count) and the
         values of its literal parameters in ``params``, once."""
-        values = tuple(params.get(n) for n in self._literal)
+        values = tuple(params.get(n) for n in self._literal) if self._literal else ()
         key = (id(dialect), values)
         got = self._by_dialect.get(key)
         if got is None or got[0] is not dialect:

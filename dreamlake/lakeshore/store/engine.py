@@ -167,6 +167,8 @@ class Database:
         # PostgreSQL's, one at a time, under _pg_writer_lock
         self._writer: Connection | None = None
         self._writer_free = True  # False while a write transaction uses it (a nested one: the pool)
+        self._writer_raw: Any = None  # a SQLite file's: its driver connection (``_FileWrite``) ...
+        self._writer_clean = False  # ... and whether its last transaction committed cleanly
         # set by the caller holding the write lock: the next ``_held_tx`` on a SQLite file does not
         # wait for another process's write lock (raises ``WriteLockBusy``); cleared as it begins
         self.nowait = False
@@ -218,15 +220,20 @@ class Database:
         a time anyway); None on PostgreSQL, whose writers run side by side."""
         return self._lock
 
-    @contextlib.contextmanager
-    def tx(self, *, write: bool, single: bool = False) -> Iterator[Connection]:
+    def tx(self, *, write: bool, single: bool = False) -> contextlib.AbstractContextManager[Connection]:
         """A transaction: committed on normal exit, rolled back on an exception.
 
         ``single``: the caller writes with one statement (reads may follow it). On PostgreSQL that
         statement then runs as its own transaction (the driver in autocommit), without a ``BEGIN``
         and a ``COMMIT`` of two round trips more: durable when it returns, all or nothing, as the
         transaction would be. Ignored on SQLite (its ``BEGIN`` and commit are calls, not trips)
-        and when the kept write connection is busy."""
+        and when the kept write connection is busy. A SQLite file's write: :class:`_FileWrite`."""
+        if write and self._checkpointer is not None:
+            return _FileWrite(self)
+        return self._tx(write=write, single=single)
+
+    @contextlib.contextmanager
+    def _tx(self, *, write: bool, single: bool = False) -> Iterator[Connection]:
         if self.dialect != "sqlite":
             if write and self._pg_writer_lock.acquire(blocking=False):
                 try:
@@ -239,73 +246,49 @@ class Database:
                 yield conn
             return
         lock = self._lock if (self._lock is not None and (write or self.memory)) else None
-        with lock if lock is not None else contextlib.nullcontext():
-            if write and not self.memory and self._writer_free:
-                with self._held_tx() as conn:
-                    yield conn
-            else:
-                with self.engine.connect() as conn:
-                    # BEGIN straight on the sqlite3 connection: cheaper than a statement through SQLAlchemy
-                    conn.connection.driver_connection.execute("BEGIN IMMEDIATE" if write else "BEGIN")  # type: ignore[union-attr]
-                    with conn.begin():
-                        yield conn
-        if write and self._checkpointer is not None:
-            self._checkpointer.committed()
+        with lock if lock is not None else contextlib.nullcontext(), self.engine.connect() as conn:
+            # BEGIN straight on the sqlite3 connection: cheaper than a statement through SQLAlchemy
+            conn.connection.driver_connection.execute("BEGIN IMMEDIATE" if write else "BEGIN")  # type: ignore[union-attr]
+            with conn.begin():
+                yield conn
+
+    def _kept(self) -> tuple[Connection, Any]:
+        """The kept write connection and its driver connection, replaced first when it may not take
+        the next transaction (``_settled``): a connection SQLAlchemy found broken (invalidated),
+        or one left with a transaction open, is closed and a fresh one opened."""
+        conn = self._writer
+        if conn is None or not _settled(conn):
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    conn.invalidate()  # closed, not pooled: a SQLite one's busy_timeout is 0
+                    conn.close()
+            conn = self._writer = self.engine.connect()
+            if self.dialect == "sqlite":  # its waits for the file lock are _begin_immediate's
+                conn.connection.driver_connection.execute("PRAGMA busy_timeout = 0")  # type: ignore[union-attr]
+        return conn, conn.connection.driver_connection
 
     @contextlib.contextmanager
     def _held_tx(self, *, autocommit: bool = False) -> Iterator[Connection]:
-        """A write transaction on the connection the writes keep: a SQLite file's (under the
-        write lock, which the caller holds), or PostgreSQL's (under ``_pg_writer_lock``, taken
-        without waiting by the caller: a write that finds it busy takes a pooled connection). No
-        pool checkout, check-in and reset per transaction (they took half of what a small SQLite
-        write transaction spent outside SQLite: 55 -> 28 us). The transaction is the driver's:
-        SQLite's ``BEGIN IMMEDIATE``, psycopg's own ``BEGIN`` before the first statement (none in
-        ``autocommit``: see ``tx``'s ``single``), then ``COMMIT`` (or ``ROLLBACK`` on an
-        exception), its errors raised as SQLAlchemy raises them. SQLAlchemy's own begin and commit
-        around it cost about 17 us a transaction in the control plane, on every write; it begins
-        one only when a statement goes through it (not a ``Direct`` one), and then commits it. A
-        connection SQLAlchemy found broken (invalidated), or one left with a transaction open, is
-        closed and the next transaction opens a fresh one (``retry_on_disconnect`` sees the same
-        error as before)."""
+        """A PostgreSQL write transaction on the connection the writes keep (under
+        ``_pg_writer_lock``, taken without waiting by the caller: a write that finds it busy takes
+        a pooled connection; a SQLite file's: :class:`_FileWrite`). No pool checkout, check-in and
+        reset per transaction. The transaction is the driver's: psycopg's own ``BEGIN`` before the
+        first statement (none in ``autocommit``: see ``tx``'s ``single``), then ``COMMIT`` (or
+        ``ROLLBACK`` on an exception), its errors raised as SQLAlchemy raises them (``_commit``).
+        A broken connection is replaced by the next transaction (``_kept``;
+        ``retry_on_disconnect`` sees the same error as before)."""
         self._writer_free = False
-        conn = self._writer
+        conn: Connection | None = None
         try:
-            if conn is None or not _settled(conn):
-                if conn is not None:
-                    with contextlib.suppress(Exception):
-                        conn.invalidate()  # closed, not pooled: a SQLite one's busy_timeout is 0
-                        conn.close()
-                conn = self._writer = self.engine.connect()
-                if self.dialect == "sqlite":  # its waits for the file lock are _begin_immediate's
-                    conn.connection.driver_connection.execute("PRAGMA busy_timeout = 0")  # type: ignore[union-attr]
-            raw: Any = conn.connection.driver_connection
-            if self.dialect == "sqlite":
-                nowait, self.nowait = self.nowait, False
-                try:
-                    _begin_immediate(raw, nowait)
-                except WriteLockBusy:
-                    raise
-                except Exception as exc:  # as SQLAlchemy raises it: a closed connection is invalidated
-                    conn._handle_dbapi_exception(exc, "BEGIN IMMEDIATE", (), None, None)
-            elif autocommit:
+            conn, raw = self._kept()
+            if autocommit:
                 raw.autocommit = True  # idle (``_settled``): no round trip
             try:
                 yield conn
             except BaseException:
                 _rollback(conn, raw)
                 raise
-            if conn.get_transaction() is not None:  # a statement through SQLAlchemy began one
-                try:
-                    conn.commit()
-                except BaseException:  # its transaction is left invalid: rolled back, or none works
-                    _rollback(conn, raw)
-                    raise
-            else:
-                try:
-                    raw.commit()  # (psycopg, in autocommit or with nothing begun: none to send)
-                except Exception as exc:  # rolled back, then raised as SQLAlchemy raises it
-                    _rollback(conn, raw)
-                    conn._handle_dbapi_exception(exc, "COMMIT", (), None, None)
+            _commit(conn, raw)
         finally:
             # (not on an invalidated connection: reading its ``connection`` would open a new one
             # here, in an outage a connect attempt per failed write; ``_settled`` replaces it)
@@ -326,13 +309,104 @@ class Database:
         lock = self._lock if self._lock is not None else self._pg_writer_lock
         if self._writer is not None and lock.acquire(timeout=5.0):
             try:
-                writer, self._writer = self._writer, None
+                writer, self._writer, self._writer_clean = self._writer, None, False
                 if writer is not None:
                     with contextlib.suppress(Exception):
                         writer.close()
             finally:
                 lock.release()
         self.engine.dispose()
+
+
+class _FileWrite:
+    """A SQLite file's write transaction (``Database.tx``), under the write lock: on the connection
+    the writes keep (no pool checkout, check-in and reset per transaction: they took half of what
+    a small write transaction spent outside SQLite, 55 -> 28 us), or, nested in another write of
+    this thread (which holds that connection), on a pooled one. The transaction is the driver's:
+    ``BEGIN IMMEDIATE`` (``_begin_immediate``: ``Database.nowait``), then ``COMMIT`` (or
+    ``ROLLBACK`` on an exception), its errors raised as SQLAlchemy raises them (``_commit``).
+    SQLAlchemy's own begin and commit around it cost about 17 us a transaction in the control
+    plane, on every write; it begins one only when a statement goes through it (not a ``Direct``
+    one), and then commits it. A class, not a generator: its entry and exit are the group
+    commit's on every transaction. The connection is checked (``_settled``) only when the
+    transaction before it on it did not commit cleanly (``_writer_clean``); a clean one is
+    still checked for a transaction left open, which also finds a driver connection closed
+    under it (then replaced, as ``_kept`` replaces any broken one)."""
+
+    __slots__ = ("_conn", "_db", "_nested", "_raw")
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        self._nested: contextlib.AbstractContextManager[Connection] | None = None
+
+    def __enter__(self) -> Connection:
+        db = self._db
+        lock = db._lock
+        assert lock is not None
+        lock.acquire()
+        try:
+            if not db._writer_free:  # a write nested in this thread's: a pooled connection
+                self._nested = db._tx(write=True)
+                return self._nested.__enter__()
+            db._writer_free = False
+            conn, raw, clean = db._writer, db._writer_raw, db._writer_clean
+            db._writer_clean = False  # until this one commits cleanly
+            try:
+                if conn is None or not clean or raw.in_transaction:
+                    raise LookupError
+            except Exception:  # (a closed driver connection raises too)
+                conn, raw = db._kept()
+                db._writer_raw = raw
+            self._conn, self._raw = conn, raw
+            nowait, db.nowait = db.nowait, False
+            try:
+                _begin_immediate(raw, nowait)
+            except WriteLockBusy:
+                raise
+            except Exception as exc:  # as SQLAlchemy raises it: a closed connection is invalidated
+                conn._handle_dbapi_exception(exc, "BEGIN IMMEDIATE", (), None, None)
+            return conn
+        except BaseException:
+            if self._nested is None:
+                db._writer_free = True
+            lock.release()
+            raise
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        db = self._db
+        try:
+            if self._nested is not None:
+                self._nested.__exit__(exc_type, exc, tb)
+            elif exc_type is not None:
+                _rollback(self._conn, self._raw)
+            else:
+                _commit(self._conn, self._raw)
+                db._writer_clean = True
+        finally:
+            if self._nested is None:
+                db._writer_free = True
+            assert db._lock is not None
+            db._lock.release()
+        if exc_type is None and db._checkpointer is not None:
+            db._checkpointer.committed()
+
+
+def _commit(conn: Connection, raw: Any) -> None:
+    """Commit a held write transaction: SQLAlchemy's when a statement through it began one, else
+    the driver's (psycopg, in autocommit or with nothing begun: none to send); a commit that fails
+    is rolled back, then raised as SQLAlchemy raises it."""
+    if conn.get_transaction() is not None:  # a statement through SQLAlchemy began one
+        try:
+            conn.commit()
+        except BaseException:  # its transaction is left invalid: rolled back, or none works
+            _rollback(conn, raw)
+            raise
+    else:
+        try:
+            raw.commit()
+        except Exception as exc:
+            _rollback(conn, raw)
+            conn._handle_dbapi_exception(exc, "COMMIT", (), None, None)
 
 
 def _begin_immediate(raw: Any, nowait: bool) -> None:

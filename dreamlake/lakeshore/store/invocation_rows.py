@@ -4,7 +4,9 @@ that read and write it, built once per dialect; shared by submit and claim (invo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,9 +25,38 @@ _att = t.invocation_attempts
 _INV_COLS = tuple(c.name for c in _inv.c)
 
 
+# an Invocation's fields, in its order, read off a row of every column at once (a claim's
+# conversion: ``invocation_from``'s own, without a mapping built first)
+_FIELDS = [f.name for f in dataclasses.fields(Invocation)]
+_PICK = operator.itemgetter(*(_INV_COLS.index(name) for name in _FIELDS))
+_PRIORITY, _ARGS, _RESULT, _CANCEL, _SHAPE, _PREEMPTIONS, _HANDBACKS = (
+    _FIELDS.index(name)
+    for name in (
+        "priority",
+        "args_blob",
+        "result_blob",
+        "cancel_requested",
+        "shape",
+        "preemptions",
+        "handbacks",
+    )
+)
+
+
 def row_to_invocation(r: Row[Any]) -> Invocation:
-    """An Invocation from a row holding every invocations column (``select(_inv)`` / returning)."""
-    return invocation_from(dict(zip(_INV_COLS, r, strict=True)))
+    """An Invocation from a row holding every invocations column (``select(_inv)`` / returning),
+    converted as ``invocation_from`` converts them."""
+    if len(r) != len(_INV_COLS):
+        raise ValueError(f"a row of {len(r)} columns, not the invocations' {len(_INV_COLS)}")
+    v = list(_PICK(r))
+    v[_PRIORITY] = int(v[_PRIORITY])
+    v[_ARGS] = bytes(v[_ARGS]) if v[_ARGS] is not None else b""
+    v[_RESULT] = bytes(v[_RESULT]) if v[_RESULT] is not None else None
+    v[_CANCEL] = bool(v[_CANCEL])
+    v[_SHAPE] = v[_SHAPE] or ""
+    v[_PREEMPTIONS] = int(v[_PREEMPTIONS] or 0)
+    v[_HANDBACKS] = int(v[_HANDBACKS] or 0)
+    return Invocation(*v)
 
 
 def invocation_from(m: Mapping[str, Any]) -> Invocation:
@@ -128,8 +159,8 @@ class _Statements:
         self.get_many = sa.select(_inv).where(_inv.c.invocation_id.in_(B("ids", expanding=True)))
         # ``ack``: one ack, RETURNING whether it applied; ``ack_many``: the same without RETURNING,
         # for an executemany of many acks (one round trip: psycopg pipelines it).
-        self.ack: dict[tuple[bool, bool], Any] = {}
-        self.ack_many: dict[tuple[bool, bool], Any] = {}
+        self.ack: dict[tuple[bool, bool], Direct] = {}
+        self.ack_many: dict[tuple[bool, bool], Direct] = {}
         # PostgreSQL: many acks as one UPDATE ... FROM (VALUES ...) (``Direct.run_rows``)
         self.ack_rows: dict[tuple[bool, bool], Direct] = {}
         for by_attempt in (False, True):

@@ -39,11 +39,21 @@ from .api import (
     DEFAULT_LEASE_S,
     DEFAULT_NAMESPACE,
     Invocation,
+    PollRequest,
     SubmitRequest,
     SubmitResult,
 )
 from .base import dialect_insert
-from .claims import Placer, claim_params, head_params, key_limit, pick_statement, take_statement
+from .claims import (
+    MERGED_QUEUES_MAX,
+    Placer,
+    claim_params,
+    claimed_insert_statement,
+    head_params,
+    key_limit,
+    pick_statement,
+    take_statement,
+)
 from .engine import Database, retry_on_disconnect
 from .invocation_rows import CANCEL_REASON as CANCEL_REASON
 from .invocation_rows import _inv, _statements, row_to_invocation
@@ -103,6 +113,10 @@ class _Known:
 class InvocationStore(AckStore, LeaseStore):
     """Invocations from submit to their outcome (acks: :class:`AckStore`, leases: :class:`LeaseStore`)."""
 
+    # A lone submit's row inserted as the pass it was handed would claim it (``_claim_on_insert_in``);
+    # False: that pass claims with its statement, as any other (tests compare the two).
+    claim_on_insert = True
+
     def __init__(self, db: Database, notifier: Notifier) -> None:
         super().__init__(db, notifier)
         self._inv_st = _statements(db.dialect)
@@ -118,7 +132,8 @@ class InvocationStore(AckStore, LeaseStore):
             (result,) = self._submit_many_in(conn, [prepared], time.time())
         if isinstance(result, PlaneError):
             raise result
-        self._submitted([prepared], [result])
+        wakes, changed = self._submitted([prepared], [result])
+        self._notify(*wakes, *changed)
         return result
 
     def _prepare_submit(self, req: SubmitRequest) -> _Prepared:
@@ -307,6 +322,43 @@ class InvocationStore(AckStore, LeaseStore):
             )
         )
 
+    def _claimable_on_insert(self, p: _Prepared, q: PollRequest) -> bool:
+        """Whether ``q``, handed ``p`` and written right after it, may claim it by its insert
+        (``_claim_on_insert_in``): SQLite, a pass that claims, a lone insert due now."""
+        return (
+            self.claim_on_insert
+            and self.db.dialect == "sqlite"
+            and bool(q.queues)
+            and q.limit >= 1
+            and p.row["invocation_id"] in q.handed
+            and p.row["not_before"] is None
+            and self._lone_insert(p)
+        )
+
+    def _claim_on_insert_in(
+        self, conn: Connection, p: _Prepared, q: PollRequest, now: float
+    ) -> tuple[SubmitResult, list[Invocation]] | None:
+        """``_submit_many_in([p])`` then ``q``'s ``_claim_in`` as one insert, when the claim would
+        take the new row alone (``claimed_insert_statement``): a plain plan, the row of one of its
+        heads (and namespace), none of them holding a due row. None, nothing written, when not."""
+        plan = self._placer.plan(conn, q.queues, q.offer, q.namespace, self.db.dialect)
+        row = p.row
+        if (
+            plan.placed
+            or len(plan.heads) > MERGED_QUEUES_MAX
+            or (row["queue"], row["shape"]) not in plan.heads
+            or (q.namespace is not None and q.namespace != row["namespace"])
+        ):
+            return None
+        params = {**row, **p.texts, "submitted_at": now, "state": "running", "attempt": row["attempt"] + 1}
+        params.update(worker_id=q.worker_id, started_at=now, lease_expires_at=now + q.lease_s)
+        params.update(head_params(plan.heads, q.namespace))
+        stmt = claimed_insert_statement(len(plan.heads), q.namespace is not None)
+        got = stmt.run(conn, [params]).first()
+        if got is None:
+            return None
+        return SubmitResult(invocation_id=row["invocation_id"], queue=row["queue"]), [row_to_invocation(got)]
+
     def _shapes_in(self, conn: Connection, batch: Sequence[_Prepared], now: float) -> None:
         """Name the batch's new placement shapes in ``shapes``, and the ``max_concurrency`` of its
         concurrency keys in ``limits`` (the latest submit's value wins)."""
@@ -357,19 +409,21 @@ class InvocationStore(AckStore, LeaseStore):
         batch: Sequence[_Prepared],
         results: Sequence[SubmitResult | PlaneError],
         handed: Collection[str] = (),
-    ) -> None:
-        """After the commit: remember the queues and functions now in the store, wake the waiters
-        (but the polls of the ``handed`` invocations: a pass of the same transaction has their
-        wake, server/polls.py)."""
-        channels: list[str] = []
+    ) -> tuple[list[str], list[str]]:
+        """After the commit: remember the queues and functions now in the store; the waiters to
+        wake (the caller's to notify), as ``(wakes, changed)``: one ``run-queue:<ns>:<q>`` per new
+        invocation (the poll hub wakes one poll each), but for the ``handed`` invocations (a pass
+        of the same transaction has their wake, server/polls.py), and each one's ``inv:<id>``."""
+        wakes: list[str] = []
+        changed: list[str] = []
         for p, res in zip(batch, results, strict=True):
             self._known.remember(p.row["queue"], p.row["function_key"])
             if isinstance(res, SubmitResult) and not res.duplicate:
                 queued = invocation_channels(p.row["namespace"], res.queue, p.row["shape"])
                 # a handed one's run-queue wake is its poll's already: the rest still hear it
-                channels += queued[:1] if res.invocation_id in handed else queued
-                channels.append(f"inv:{res.invocation_id}")
-        self._notify(*channels)  # one run-queue:<ns>:<q> per new invocation: the poll hub wakes one poll each
+                wakes += queued[:1] if res.invocation_id in handed else queued
+                changed.append(f"inv:{res.invocation_id}")
+        return wakes, changed
 
     def _existing(self, conn: Connection, row: dict[str, Any]) -> SubmitResult | None:
         """The earlier submit a row that was not inserted repeats (same id and content, or the same

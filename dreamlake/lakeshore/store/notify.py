@@ -87,29 +87,39 @@ class Notifier:
             self._listeners = tuple(x for x in self._listeners if x is not listener)
 
     def notify(self, channel: str, *, relayed: bool = False) -> None:
+        self.notify_many((channel,), relayed=relayed)
+
+    def notify_many(self, channels: Iterable[str], *, relayed: bool = False) -> None:
+        """``notify`` each of ``channels``, in order, under one take of the lock (a transaction's
+        wake-ups together); the waiters and listeners of each are called after, in that order."""
+        heard: list[tuple[str, int, list[tuple[asyncio.AbstractEventLoop, asyncio.Future[bool]]]]] = []
         with self._lock:
-            self._seq += 1
-            seq = self._seq
-            self._last[channel] = seq
-            self._last.move_to_end(channel)
-            while len(self._last) > MAX_CHANNELS:
-                self._forgot = self._last.popitem(last=False)[1]
+            last, waiting = self._last, self._async
+            for channel in channels:
+                self._seq += 1
+                last[channel] = self._seq
+                last.move_to_end(channel)
+                heard.append((channel, self._seq, list(waiting[channel]) if channel in waiting else []))
+            if not heard:
+                return
+            while len(last) > MAX_CHANNELS:
+                self._forgot = last.popitem(last=False)[1]
             if self._blocked:
                 self._cond.notify_all()
-            waiters = list(self._async.get(channel, ()))
             listeners = self._listeners
-        if waiters:
-            here = asyncio._get_running_loop()
-            for loop, fut in waiters:
-                if loop is here:  # notified on the waiter's own loop (the inline group commit)
-                    _wake(fut)
-                    continue
-                try:
-                    loop.call_soon_threadsafe(_wake, fut)
-                except RuntimeError:  # the waiter's loop is closed; nothing to wake
-                    pass
-        for listener in listeners:
-            listener(channel, seq, relayed)
+        for channel, seq, waiters in heard:
+            if waiters:
+                here = asyncio._get_running_loop()
+                for loop, fut in waiters:
+                    if loop is here:  # notified on the waiter's own loop (the inline group commit)
+                        _wake(fut)
+                        continue
+                    try:
+                        loop.call_soon_threadsafe(_wake, fut)
+                    except RuntimeError:  # the waiter's loop is closed; nothing to wake
+                        pass
+            for listener in listeners:
+                listener(channel, seq, relayed)
 
     def fired(self, channels: Iterable[str], since: int) -> bool:
         """True when one of ``channels`` was notified after ``since`` (or may have been: it is

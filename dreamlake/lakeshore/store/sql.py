@@ -47,6 +47,7 @@ from .api import (
     PollResult,
     Store,
     SubmitRequest,
+    SubmitResult,
     WriteRequest,
     WriteResult,
 )
@@ -160,20 +161,24 @@ class SqlStore(
         *,
         pin: bool,
         duties: tuple[list[Command], str | None] | None = None,
+        claimed: list[Invocation] | None = None,
     ) -> PollResult:
         """One poll pass in the caller's transaction (the waiters of what it claimed are the
         caller's to notify, after the commit). ``duties``: its commands and pinned version, when
-        the caller took them for the whole batch (``_duties_in``)."""
+        the caller took them for the whole batch (``_duties_in``). ``claimed``: what its claim
+        took already (``_claim_on_insert_in``), when it did."""
         if duties is not None:
             commands, pinned = duties
         else:
             commands = self._take_commands_in(conn, req.worker_id, now)
-        claimed: list[Invocation] = []
         jobs: list[dict[str, Any]] = []
-        if req.queues and req.limit >= 1:
-            claimed = self._claim_in(
-                conn, req.worker_id, req.queues, req.limit, req.lease_s, now, req.namespace, req.offer
-            )
+        if not req.queues or req.limit < 1:
+            claimed = []
+        else:
+            if claimed is None:
+                claimed = self._claim_in(
+                    conn, req.worker_id, req.queues, req.limit, req.lease_s, now, req.namespace, req.offer
+                )
             if req.exec_jobs and len(claimed) < req.limit:
                 left = req.limit - len(claimed)
                 jobs = self._claim_exec_in(
@@ -358,24 +363,46 @@ class SqlStore(
             if isinstance(p, HeartbeatRequest) or (isinstance(p, PollRequest) and p.duties)
         ]
         # submits whose rows are all they write (one statement: ``_submit_many_in``), or a lone
-        # ack that is one UPDATE: their own transaction (PostgreSQL: one round trip, not three)
-        if submits:
-            single = len(submits) == len(batch) <= ROWS_MAX and all(self._lone_insert(p) for _, p in submits)
-        else:
-            single = len(batch) == 1 and self._lone_ack(batch[0][1])
+        # ack that is one UPDATE: their own transaction (PostgreSQL: one round trip, not three;
+        # SQLite's are calls: ``tx`` ignores it there)
+        single = False
+        if self.db.dialect == "postgresql":
+            if submits:
+                single = len(submits) == len(batch) <= ROWS_MAX and all(
+                    self._lone_insert(p) for _, p in submits
+                )
+            else:
+                single = len(batch) == 1 and self._lone_ack(batch[0][1])
+        # a lone submit and the pass it was handed, nothing else: the pass may claim it by its
+        # insert (``_claim_on_insert_in``), else each is written as usual
+        on_insert: tuple[int, PollRequest] | None = None
+        if len(submits) == 1 and len(batch) == 2:
+            k = 1 - submits[0][0]
+            q = batch[k][1]
+            if isinstance(q, PollRequest) and self._claimable_on_insert(submits[0][1], q):
+                on_insert = (k, q)
+        early: dict[int, list[Invocation]] = {}  # what a pass claimed by its submit's insert
         # (tentative: a shape or limit its submits named is forgotten should it roll back)
         with self._placer.tentative(), self.db.tx(write=True, single=single) as conn:
-            duties = dict(
-                zip(
-                    (k for k, _ in daemons),
-                    self._duties_in(conn, [(p.worker_id, p.namespace) for _, p in daemons], now)
-                    if daemons
-                    else (),
-                    strict=True,
+            duties = (
+                dict(
+                    zip(
+                        (k for k, _ in daemons),
+                        self._duties_in(conn, [(p.worker_id, p.namespace) for _, p in daemons], now),
+                        strict=True,
+                    )
                 )
+                if daemons
+                else {}
             )
             preps = [p for _, p in submits]
-            submitted = self._submit_many_in(conn, preps, now) if preps else []
+            got = self._claim_on_insert_in(conn, preps[0], on_insert[1], now) if on_insert else None
+            submitted: list[SubmitResult | PlaneError]
+            if got is not None and on_insert is not None:
+                submitted = [got[0]]
+                early[on_insert[0]] = got[1]
+            else:
+                submitted = self._submit_many_in(conn, preps, now) if preps else []
             for (k, _), res in zip(submits, submitted, strict=True):
                 results[k] = res
             # A run of acks is applied together (one statement on PostgreSQL). It runs on past
@@ -401,7 +428,9 @@ class SqlStore(
                 elif isinstance(p, HeartbeatRequest):
                     results[k] = self._heartbeat_in(conn, p, now, pin=True, duties=duties[k])
                 elif isinstance(p, PollRequest):
-                    polled = self._poll_in(conn, p, now, pin=True, duties=duties.get(k, ([], None)))
+                    polled = self._poll_in(
+                        conn, p, now, pin=True, duties=duties.get(k, ([], None)), claimed=early.get(k)
+                    )
                     results[k] = polled
                     channels.extend(f"inv:{i.invocation_id}" for i in polled.invocations)
 
@@ -413,7 +442,8 @@ class SqlStore(
                         results[j] = ack
                         if ack.ok and not ack.duplicate:
                             channels.append(f"inv:{req.invocation_id}")
-                            requeued.extend(freed_channels(ack.freed))  # room under a limit
+                            if ack.freed is not None:  # room under a limit
+                                requeued.extend(freed_channels(ack.freed))
                         if ack.requeued:  # a retry claimable now: one wake per invocation
                             requeued.extend(
                                 invocation_channels(
@@ -427,6 +457,7 @@ class SqlStore(
                     write(k, p)
                 passed.clear()
 
+            # (``passed`` holds polls only while ``acks`` holds acks: ``flush`` empties both)
             for k, (_, p) in enumerate(batch):
                 if isinstance(p, AckRequest):
                     if passed and (p.worker_id is None or any(q.worker_id == p.worker_id for _, q in passed)):
@@ -435,13 +466,18 @@ class SqlStore(
                 elif acks and isinstance(p, PollRequest):
                     passed.append((k, p))
                 else:
-                    flush()
-                    write(k, p)
-            flush()
+                    if acks:
+                        flush()
+                    if not isinstance(p, _Prepared):  # (the submits are written above)
+                        write(k, p)
+            if acks:
+                flush()
+        wakes: list[str] = []
         if preps:
             handed = {i for _, p in batch if isinstance(p, PollRequest) for i in p.handed}
-            self._submitted(preps, submitted, handed)
-        self._notify(*dict.fromkeys(channels), *requeued)
+            wakes, changed = self._submitted(preps, submitted, handed)
+            channels[:0] = changed  # (a submit a pass claimed changed once: one inv:<id>)
+        self._notify(*wakes, *dict.fromkeys(channels), *requeued)
         return [r for r in results if r is not None]
 
     def expire_leases(self, now: float | None = None) -> list[str]:
