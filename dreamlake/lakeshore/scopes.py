@@ -167,16 +167,32 @@ class _Run:
 run = _Run()
 
 
-@contextlib.contextmanager
-def invocation_context(envelope: Envelope) -> Iterator[RunState]:
-    """The run state of a remote invocation, around its call (used by workers and the entry)."""
+def invocation_context(envelope: Envelope) -> _InvocationContext:
+    """The run state of a remote invocation, around its call (used by workers and the entry):
+    ``with invocation_context(envelope) as state: ...``."""
     fn = envelope.fn if isinstance(envelope.fn, dict) else {}
-    state = RunState(id=envelope.id, prefix=envelope.prefix or "", name=fn.get("qualname"))
-    token = _STATE.set(state)
-    try:
-        yield state
-    finally:
-        _STATE.reset(token)
+    return _InvocationContext(RunState(envelope.id, envelope.prefix or "", fn.get("qualname")))
+
+
+class _InvocationContext:
+    """:func:`invocation_context`'s context manager: a class, not ``contextlib.contextmanager``'s
+    generator (a warm worker enters one per call, and the generator's machinery cost more than
+    setting the variable)."""
+
+    __slots__ = ("_state", "_token")
+
+    def __init__(self, state: RunState) -> None:
+        self._state = state
+        self._token: contextvars.Token[RunState] | None = None
+
+    def __enter__(self) -> RunState:
+        self._token = _STATE.set(self._state)
+        return self._state
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            _STATE.reset(self._token)
+            self._token = None
 
 
 # --- local generator calls ------------------------------------------------------------------------
