@@ -120,6 +120,8 @@ class FrameWriter:
         raises what refused a write (TimeoutError after ``timeout``)."""
         with self._cond:
             streams = [(k, s) for k, s in self._streams.items() if k[0] == invocation_id]
+            if not streams:  # nothing of it appended (a plain call): nothing to wait for
+                return
             done = self._cond.wait_for(
                 lambda: all(s.error is not None or (not s.queue and not s.writing) for _k, s in streams),
                 timeout,
