@@ -49,8 +49,12 @@ __all__ = ["KeepAlive", "KeepAliveError", "Reply", "usable"]
 MAX_IDLE = 16  # idle connections kept per client
 MAX_HEAD = 64 * 1024  # an answer's status line and headers, at most
 MAX_HEADS = 256  # request heads kept built (by method, target and headers)
+MAX_LINES = 256  # answer header lines kept split (by the line)
 _JOINED = 64 * 1024  # a body up to this size is sent in the same sendall as the head
 _NO_BODY = frozenset({204, 304})
+# an answer's header line -> (its name stripped and lower-cased, its value stripped): the lines a
+# server sends again and again (its name, the content type, a length) are split once
+_LINES: dict[str, tuple[str, str]] = {}
 _POLL = hasattr(select, "poll")
 _POLL_MAX_S = 2_000_000  # poll's timeout is an int of milliseconds: longer ones keep the socket's
 _BAD_TARGET = re.compile(r"[\x00-\x20\x7f]")  # as http.client refuses them in a request target
@@ -65,13 +69,13 @@ class Reply:
     """One answer: ``status_code``, ``headers`` (names lower-cased; of a repeated name, the last),
     ``content``; :meth:`response` is the same answer as an ``httpx.Response``."""
 
-    __slots__ = ("_raw", "content", "headers", "status_code")
+    __slots__ = ("_lines", "content", "headers", "status_code")
 
-    def __init__(self, status_code: int, raw: list[tuple[str, str]], headers: dict[str, str], content: bytes):
+    def __init__(self, status_code: int, lines: list[str], headers: dict[str, str], content: bytes):
         self.status_code = status_code
         self.headers = headers
         self.content = content
-        self._raw = raw
+        self._lines = lines  # the head's header lines, checked: split into (name, value) on demand
 
     @property
     def text(self) -> str:
@@ -81,7 +85,7 @@ class Reply:
         return json.loads(self.content)
 
     def response(self) -> httpx.Response:
-        return httpx.Response(self.status_code, headers=self._raw, content=self.content)
+        return httpx.Response(self.status_code, headers=_pairs(self._lines), content=self.content)
 
 
 def usable(url: str) -> bool:
@@ -188,10 +192,11 @@ class _Conn:
             raise ConnectionResetError("the server closed the connection")
         self.buf += data
 
-    def read_head(self) -> tuple[int, str, list[tuple[str, str]], dict[str, str], bool]:
-        """The next answer's status, version and headers (the buffer keeps what follows); the
-        headers also by lower-cased name (of a repeated name, the last), and whether two
-        ``Content-Length`` headers differ."""
+    def read_head(self) -> tuple[int, str, list[str], dict[str, str], bool]:
+        """The next answer's status, version and header lines (the buffer keeps what follows);
+        the headers by lower-cased name (of a repeated name, the last), and whether two
+        ``Content-Length`` headers differ. A line seen before is split as it was then
+        (:data:`_LINES`: a server sends the same few lines again and again)."""
         while True:
             end = self.buf.find(b"\r\n\r\n")
             if end >= 0:
@@ -201,24 +206,27 @@ class _Conn:
             self._fill()
         head = self.buf[:end].decode("latin-1")
         del self.buf[: end + 4]
-        status_line, *lines = head.split("\r\n")
+        lines = head.split("\r\n")
+        status_line = lines.pop(0)
         version, _, rest = status_line.partition(" ")
         if not version.startswith("HTTP/1."):
             raise ValueError(f"not an HTTP/1.x answer: {status_line[:80]!r}")
-        headers = []
         fields: dict[str, str] = {}
         clash = False
         for line in lines:
-            name, sep, value = line.partition(":")
-            if not sep:
-                raise ValueError(f"a malformed header line: {line[:80]!r}")
-            name, value = name.strip(), value.strip()
-            headers.append((name, value))
-            key = name.lower()
+            kept = _LINES.get(line)
+            if kept is None:
+                name, sep, value = line.partition(":")
+                if not sep:
+                    raise ValueError(f"a malformed header line: {line[:80]!r}")
+                if len(_LINES) >= MAX_LINES:
+                    _LINES.clear()
+                kept = _LINES[line] = (name.strip().lower(), value.strip())
+            key, value = kept
             if key == "content-length" and fields.get(key, value) != value:
                 clash = True
             fields[key] = value
-        return int(rest.partition(" ")[0]), version, headers, fields, clash
+        return int(rest.partition(" ")[0]), version, lines, fields, clash
 
     def read_exactly(self, n: int) -> bytes:
         while len(self.buf) < n:
@@ -420,11 +428,20 @@ class KeepAlive:
             conn.close()
 
 
-def _lengths(headers: list[tuple[str, str]]) -> str:
-    """The first two different ``Content-Length`` values of an answer's headers, as the refusal
-    names them."""
+def _pairs(lines: list[str]) -> list[tuple[str, str]]:
+    """Header lines (each checked to hold a colon) as (name, value) pairs, as sent but stripped."""
+    pairs = []
+    for line in lines:
+        name, _, value = line.partition(":")
+        pairs.append((name.strip(), value.strip()))
+    return pairs
+
+
+def _lengths(lines: list[str]) -> str:
+    """The first two different ``Content-Length`` values of an answer's header lines, as the
+    refusal names them."""
     seen: list[str] = []
-    for name, value in headers:
+    for name, value in _pairs(lines):
         if name.lower() == "content-length" and value not in seen:
             seen.append(value)
     return ", ".join(repr(v) for v in seen[:2])
