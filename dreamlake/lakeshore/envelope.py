@@ -135,11 +135,13 @@ class Envelope:
 
     def unpack_args(self) -> tuple[list[Any], dict[str, Any]]:
         """Decode ``args`` and ``kwargs`` with the value codec."""
-        from dreamlake.lakeshore import wire
-
         # The Envelope's own size bounded these already (MAX_PAYLOAD_BYTES when it came by reference)
         # No arguments (an empty array, an empty map) are what the codec would decode them to.
         a, k = self.args, self.kwargs
+        if a == _NO_ARGS and k == _NO_KWARGS:
+            return [], {}
+        from dreamlake.lakeshore import wire
+
         args = [] if a == _NO_ARGS else wire.unpack(a, limits=wire.limits_for(a))
         kwargs = {} if k == _NO_KWARGS else wire.unpack(k, limits=wire.limits_for(k))
         if not isinstance(args, list):
@@ -205,17 +207,18 @@ class Envelope:
         fields = _validate(read_map(data, skip_user_values=False))
         # _validate leaves every known field in ``fields``: any more are a newer writer's
         extra = {k: v for k, v in fields.items() if k not in _FIELDS} if len(fields) > len(_FIELDS) else {}
+        # id, fn, args, kwargs, prefix, key, cfg, parent, v, extra (positional: one call, no keywords)
         return cls(
-            id=fields["id"],
-            fn=fields["fn"],
-            args=fields["args"],
-            kwargs=fields["kwargs"],
-            prefix=fields["prefix"],
-            key=fields["key"],
-            cfg=fields["cfg"],
-            parent=fields["parent"],
-            v=fields["v"],
-            extra=extra,
+            fields["id"],
+            fields["fn"],
+            fields["args"],
+            fields["kwargs"],
+            fields["prefix"],
+            fields["key"],
+            fields["cfg"],
+            fields["parent"],
+            fields["v"],
+            extra,
         )
 
     @staticmethod
@@ -250,17 +253,19 @@ def _validate(fields: dict[str, Any]) -> dict[str, Any]:
             f"Envelope wire version {v} is newer than this reader's ({WIRE_VERSION}): "
             "upgrade dreamlake-lakeshore on the reading side (worker or entry bundle)"
         )
-    try:
-        ids.validate(fields.get("id"), "envelope id")
-    except ValueError as exc:
-        raise EnvelopeError(str(exc)) from exc
+    if not ids.is_ulid(fields.get("id")):
+        try:
+            ids.validate(fields.get("id"), "envelope id")
+        except ValueError as exc:
+            raise EnvelopeError(str(exc)) from exc
     fn = fields.get("fn")
     if not isinstance(fn, dict):
         raise EnvelopeError(f"envelope field 'fn' must be a map, got {type(fn).__name__}")
     check_fn(fn)
-    for name in ("args", "kwargs"):
-        if not isinstance(fields.get(name), bytes):
-            raise EnvelopeError(f"envelope field {name!r} must be bin (pre-packed by wire.pack)")
+    if not (isinstance(fields.get("args"), bytes) and isinstance(fields.get("kwargs"), bytes)):
+        for name in ("args", "kwargs"):
+            if not isinstance(fields.get(name), bytes):
+                raise EnvelopeError(f"envelope field {name!r} must be bin (pre-packed by wire.pack)")
     if fields.get("prefix") is None:  # absent, or nil from a peer with no scope: no prefix
         fields["prefix"] = ""
     key = fields.setdefault("key", None)

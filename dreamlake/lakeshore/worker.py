@@ -100,8 +100,7 @@ class _Heartbeat:
             self._cancelled.discard(invocation_id)
 
     def cancelled(self, invocation_id: str) -> bool:
-        with self._lock:
-            return invocation_id in self._cancelled
+        return invocation_id in self._cancelled  # one read of a set: atomic, no lock needed
 
     def _beat(self) -> None:
         with self._lock:
@@ -321,13 +320,16 @@ def run_worker(
                     return None
                 continue
             heartbeat.hold(*claims)
+            debug = log.isEnabledFor(logging.DEBUG)  # asked once a poll, not twice a call
             for claim in claims:
-                log.debug("running %s (attempt %s)", claim.invocation_id, claim.attempt)
+                if debug:
+                    log.debug("running %s (attempt %s)", claim.invocation_id, claim.attempt)
                 try:
                     state = _Job(plane, wid, claim, allow, runtime_policy, later).run(heartbeat)
                 finally:
                     heartbeat.release(claim.invocation_id)
-                log.debug("%s %s", claim.invocation_id, state)
+                if debug:
+                    log.debug("%s %s", claim.invocation_id, state)
                 if once:
                     return state
         return None
