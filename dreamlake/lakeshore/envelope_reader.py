@@ -127,6 +127,10 @@ def _read_small_map(view: bytes | memoryview, keep_user_values: bool) -> dict[st
 
 
 def read_map(data: bytes | bytearray | memoryview, *, skip_user_values: bool) -> dict[str, Any]:
-    if not isinstance(data, (bytes, bytearray, memoryview)):
+    if type(data) is bytes and len(data) <= _WINDOW:  # small bytes (a warm worker's every call)
+        small = _read_small_map(data, not skip_user_values)
+        if small is not None:
+            return small
+    elif not isinstance(data, (bytes, bytearray, memoryview)):
         raise EnvelopeError(f"an Envelope is bytes, got {type(data).__name__}")
     return _read_header_map(data, keep_user_values=not skip_user_values)

@@ -203,7 +203,10 @@ class _Conn:
                 break
             if len(self.buf) > MAX_HEAD:
                 raise ValueError(f"an answer's head over {MAX_HEAD} bytes")
-            self._fill()
+            data = self.recv()
+            if not data:
+                raise ConnectionResetError("the server closed the connection")
+            self.buf += data
         head = self.buf[:end].decode("latin-1")
         del self.buf[: end + 4]
         lines = head.split("\r\n")
@@ -380,7 +383,8 @@ class KeepAlive:
                         sock.close()
                         raise
                 conn = _Conn(sock)
-            conn.set_timeout(read_timeout_s)
+            if read_timeout_s != conn.timeout_s:
+                conn.set_timeout(read_timeout_s)
             if content and len(content) > _JOINED:
                 conn.send(head)
                 conn.send(content)
@@ -406,7 +410,12 @@ class KeepAlive:
                 length_text = fields["content-length"]
                 if not length_text.isdigit():
                     raise ValueError(f"a bad Content-Length: {length_text[:40]!r}")
-                body = conn.read_exactly(int(length_text))
+                n = int(length_text)
+                if len(conn.buf) == n:  # all of it came with the head (the usual case)
+                    body = bytes(conn.buf)
+                    conn.buf.clear()
+                else:
+                    body = conn.read_exactly(n)
             else:
                 body = conn.read_to_end()
                 will_close = True
