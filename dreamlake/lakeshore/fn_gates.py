@@ -90,7 +90,7 @@ def resolve_fn(
         except TypeError:  # an unhashable field: the gates below refuse it
             kept = None
         if kept is not None:
-            obj = _still(key[0], key[1], kept)
+            obj = _still(key[0], kept)
             if obj is not None:
                 return obj
     if runtime_policy not in RUNTIME_POLICIES:
@@ -102,36 +102,41 @@ def resolve_fn(
 
 
 # The ``ref`` records that passed the gates (see the module docstring): (module, qualname,
-# src_hash, policy) -> (module object, attribute, callable, code its source check matched or None).
-# A key holds only str fields (check_fn passed) and a known policy, so a hit needs no check_fn.
-_RESOLVED: dict[tuple[Any, Any, Any, str], tuple[Any, Any, Any, Any]] = {}
+# src_hash, policy) -> (module object, the qualname's parts, attribute, callable, code its source
+# check matched or None). A key holds only str fields (check_fn passed) and a known policy, so a
+# hit needs no check_fn.
+_RESOLVED: dict[tuple[Any, Any, Any, str], tuple[Any, list[str], Any, Any, Any]] = {}
 _RESOLVED_MAX = 1024
 
 
-def _still(module_name: Any, qualname: Any, kept: tuple[Any, Any, Any, Any]) -> Callable[..., Any] | None:
+def _still(module_name: Any, kept: tuple[Any, list[str], Any, Any, Any]) -> Callable[..., Any] | None:
     """The remembered callable while its module, attribute, callable and code are those it was
     resolved from; None: resolve it again."""
-    module, attr, obj, code = kept
+    module, parts, attr, obj, code = kept
+    fn: Callable[..., Any] = obj
     if sys.modules.get(module_name) is not module:
         return None
+    now = module
     try:
-        if _getattr_chain(module, qualname) is not attr:
-            return None
+        for part in parts:  # _getattr_chain(module, qualname)
+            now = getattr(now, part)
     except Exception:  # gone, or a module __getattr__ that fails now: the gates say what
+        return None
+    if now is not attr:
         return None
     inner = getattr(attr, "__lakeshore_fn__", None)
     if (attr if inner is None else inner) is not obj:
         return None
     if code is not None and getattr(_underlying(obj), "__code__", None) is not code:
         return None
-    return obj  # type: ignore[no-any-return]
+    return fn
 
 
 def _remember(record: FnRecord, policy: str, module: Any, attr: Any, obj: Any, code: Any) -> None:
     key = (record["module"], record["qualname"], record.get("src_hash"), policy)
     if len(_RESOLVED) >= _RESOLVED_MAX:
         _RESOLVED.clear()
-    _RESOLVED[key] = (module, attr, obj, code)
+    _RESOLVED[key] = (module, record["qualname"].split("."), attr, obj, code)
 
 
 def _unpickle(record: FnRecord, *, allow_pickled: bool, policy: str) -> Callable[..., Any]:

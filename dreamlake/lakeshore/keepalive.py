@@ -133,12 +133,6 @@ class _Conn:
             self.polled = False
         self.timeout_s = timeout_s
 
-    def dropped(self) -> bool:
-        """Whether this idle connection was closed by the server (or sent junk): readable."""
-        if self.polled:
-            return bool(self._poll.poll(0))
-        return _dropped(self.sock)
-
     def close(self) -> None:
         try:
             self.sock.close()
@@ -314,8 +308,8 @@ class KeepAlive:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
                 return None
-            if not conn.buf and not conn.dropped():
-                return conn
+            if not conn.buf and not (conn._poll.poll(0) if conn.polled else _dropped(conn.sock)):
+                return conn  # nothing readable on an idle connection: the server did not close it
             conn.close()
 
     def _give_back(self, conn: _Conn) -> None:

@@ -170,8 +170,26 @@ run = _Run()
 def invocation_context(envelope: Envelope) -> _InvocationContext:
     """The run state of a remote invocation, around its call (used by workers and the entry):
     ``with invocation_context(envelope) as state: ...``."""
+    return _InvocationContext(_invocation_state(envelope))
+
+
+def _invocation_state(envelope: Envelope) -> RunState:
     fn = envelope.fn if isinstance(envelope.fn, dict) else {}
-    return _InvocationContext(RunState(envelope.id, envelope.prefix or "", fn.get("qualname")))
+    # tuple.__new__ itself: RunState(...) would run namedtuple's __new__, a Python function
+    return _new_tuple(RunState, (envelope.id, envelope.prefix or "", fn.get("qualname")))
+
+
+_new_tuple = tuple.__new__
+
+
+def begin_invocation(envelope: Envelope) -> contextvars.Token[RunState]:
+    """:func:`invocation_context` entered, for a caller that leaves it with :func:`end_invocation`
+    (in a ``finally``): the warm worker's every call, without a context manager object."""
+    return _STATE.set(_invocation_state(envelope))
+
+
+def end_invocation(token: contextvars.Token[RunState]) -> None:
+    _STATE.reset(token)
 
 
 class _InvocationContext:

@@ -40,7 +40,7 @@ from dreamlake.lakeshore.daemon.entry_streams import settled
 from dreamlake.lakeshore.envelope import Envelope, resolve_fn
 from dreamlake.lakeshore.errors import EnvelopeError, PlaneError
 from dreamlake.lakeshore.protocol.beats import Beats
-from dreamlake.lakeshore.scopes import invocation_context
+from dreamlake.lakeshore.scopes import begin_invocation, end_invocation
 
 if TYPE_CHECKING:
     from dreamlake.lakeshore.dispatch import Claim, Plane
@@ -182,14 +182,16 @@ class _Job:
             log.warning("refusing %s: %s: %s", inv, type(exc).__name__, exc)
             self.ack("failed", error=error_info(exc))
             return "failed"
-        with invocation_context(envelope):
-            try:
-                return self._call(fn, args, kwargs, heartbeat)
-            except _Superseded as exc:
-                # Nothing more of this attempt is wanted (its ack would be refused too); the
-                # worker goes on with the next job instead of dying on the refusal.
-                log.warning("invocation %s: attempt %s superseded: %s", inv, self.claim.attempt, exc)
-                return "superseded"
+        token = begin_invocation(envelope)  # scopes.invocation_context, without its object
+        try:
+            return self._call(fn, args, kwargs, heartbeat)
+        except _Superseded as exc:
+            # Nothing more of this attempt is wanted (its ack would be refused too); the
+            # worker goes on with the next job instead of dying on the refusal.
+            log.warning("invocation %s: attempt %s superseded: %s", inv, self.claim.attempt, exc)
+            return "superseded"
+        finally:
+            end_invocation(token)
 
     def _call(self, fn: Any, args: Any, kwargs: Any, heartbeat: _Heartbeat) -> str:
         inv = self.claim.invocation_id

@@ -158,13 +158,13 @@ class HttpWorkerPlane:
                     self._later.setdefault(worker_id, [])[:0] = acks
                 raise
             if acks:
-                self._settle_acks(worker_id, acks, list(out.get("acked") or []))
-            claims = self._claims(worker_id, list(out.get("commands") or []))
+                self._settle_acks(worker_id, acks, out.get("acked") or [])
+            claims = self._claims(worker_id, out.get("commands") or [])
             if claims or time.monotonic() >= deadline:
                 return claims
             left = max(0.0, deadline - time.monotonic())
 
-    def _settle_acks(self, worker_id: str, acks: list[dict[str, Any]], answers: list[Any]) -> None:
+    def _settle_acks(self, worker_id: str, acks: list[dict[str, Any]], answers: Any) -> None:
         """A poll's ``acked`` answers to the acks it carried: one the store failed goes again."""
         again = []
         tried = self._ack_tries
@@ -194,7 +194,7 @@ class HttpWorkerPlane:
         if again:
             self._later.setdefault(worker_id, [])[:0] = again
 
-    def _claims(self, worker_id: str, commands: list[Any]) -> list[Claim]:
+    def _claims(self, worker_id: str, commands: Any) -> list[Claim]:
         claims: list[Claim] = []
         for cmd in commands:
             if cmd.get("kind") == "run":
@@ -268,7 +268,9 @@ class HttpWorkerPlane:
             "error": error,
             "attempt": attempt,
         }
-        if result_blob and by_reference(len(result_blob), self._worker_threshold):
+        limits = self._limits  # by_reference(len(result_blob), self._worker_threshold), inline
+        threshold = None if limits is None else limits.inline_threshold_bytes
+        if result_blob and threshold is not None and len(result_blob) > threshold:
             ref = self._upload(bytes(result_blob), invocation_id, "result")
             if ref is not None:
                 body["result_blob"] = b""
