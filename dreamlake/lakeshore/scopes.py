@@ -38,7 +38,16 @@ if TYPE_CHECKING:
 
     from dreamlake.lakeshore.envelope import Envelope
 
-__all__ = ["LocalGenerator", "RunState", "invocation_context", "run", "scope", "set_default_code"]
+__all__ = [
+    "LocalGenerator",
+    "RunState",
+    "begin_invocation",
+    "end_invocation",
+    "invocation_context",
+    "run",
+    "scope",
+    "set_default_code",
+]
 
 # --- run context ----------------------------------------------------------------------------------
 
