@@ -25,7 +25,7 @@ _MAP_HEADERS = {0xDE: 2, 0xDF: 4}  # map 16/32
 _WINDOW = 64 * 1024
 
 
-def _unpack_at(view: bytes | memoryview, pos: int) -> tuple[Any, int]:
+def _unpack_at(view: memoryview, pos: int) -> tuple[Any, int]:
     """One msgpack object at ``pos`` of ``view`` and the position after it, decoding only a window
     of the buffer (grown until the object fits), never the whole of it."""
     window = _WINDOW
@@ -40,7 +40,7 @@ def _unpack_at(view: bytes | memoryview, pos: int) -> tuple[Any, int]:
             window *= 4
 
 
-def _skip_bin(view: bytes | memoryview, pos: int) -> int | None:
+def _skip_bin(view: memoryview, pos: int) -> int | None:
     """The position after the bin object at ``pos`` (its length read off its header), or None when
     the object there is not a bin."""
     width = _BIN_HEADERS.get(view[pos]) if pos < len(view) else None
@@ -61,11 +61,7 @@ def _read_header_map(
     """The Envelope's fields with ``args`` / ``kwargs`` skipped by their bin headers: a header of a
     big Envelope (a memory map of a staged file, say) costs its small fields, not a copy of it.
     With ``keep_user_values`` they are copied out once each (a full decode: no buffer copy)."""
-    view: bytes | memoryview
-    if type(data) is bytes and len(data) <= _WINDOW:
-        view = data  # small: read as it is (a slice of it copies little)
-    else:
-        view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
+    view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
     if len(view) <= _WINDOW:  # small: one decode (of what a field-by-field read decodes anyway)
         small = _read_small_map(view, keep_user_values)
         if small is not None:
@@ -127,7 +123,7 @@ def _read_small_map(view: bytes | memoryview, keep_user_values: bool) -> dict[st
 
 
 def read_map(data: bytes | bytearray | memoryview, *, skip_user_values: bool) -> dict[str, Any]:
-    if type(data) is bytes and len(data) <= _WINDOW:  # small bytes (a warm worker's every call)
+    if type(data) is bytes and len(data) <= _WINDOW:  # small bytes (a warm worker's every call): as they are
         small = _read_small_map(data, not skip_user_values)
         if small is not None:
             return small

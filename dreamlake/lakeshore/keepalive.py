@@ -50,6 +50,7 @@ MAX_IDLE = 16  # idle connections kept per client
 MAX_HEAD = 64 * 1024  # an answer's status line and headers, at most
 MAX_HEADS = 256  # request heads kept built (by method, target and headers)
 MAX_LINES = 256  # answer header lines kept split (by the line)
+_LINE_KEPT = 256  # a longer header line is split each time, not kept
 _JOINED = 64 * 1024  # a body up to this size is sent in the same sendall as the head
 _NO_BODY = frozenset({204, 304})
 # an answer's header line -> (its name stripped and lower-cased, its value stripped): the lines a
@@ -106,7 +107,7 @@ class _Conn:
     socket with a timeout has CPython poll before every ``send`` and ``recv`` and costs a syscall
     to set (each request of a worker's poll loop had six; this way it has four: the idle check, the
     send, the wait for the answer and its read). A TLS socket (decrypted bytes it holds are not the
-    socket's to poll for), a platform without ``poll`` and a timeout ``poll`` cannot take keep the
+    socket's to poll for), a platform without ``poll`` and a timeout too long for ``poll`` keep the
     socket's own timeout. Either way a read or a write waits at most the timeout, as before."""
 
     __slots__ = ("_poll", "buf", "polled", "sock", "timeout_s")
@@ -216,9 +217,11 @@ class _Conn:
                 name, sep, value = line.partition(":")
                 if not sep:
                     raise ValueError(f"a malformed header line: {line[:80]!r}")
-                if len(_LINES) >= MAX_LINES:
-                    _LINES.clear()
-                kept = _LINES[line] = (name.strip().lower(), value.strip())
+                kept = (name.strip().lower(), value.strip())
+                if len(line) <= _LINE_KEPT:
+                    if len(_LINES) >= MAX_LINES:
+                        _LINES.clear()
+                    _LINES[line] = kept
             key, value = kept
             if key == "content-length" and fields.get(key, value) != value:
                 clash = True

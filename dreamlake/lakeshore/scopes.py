@@ -176,50 +176,33 @@ class _Run:
 run = _Run()
 
 
-def invocation_context(envelope: Envelope) -> _InvocationContext:
-    """The run state of a remote invocation, around its call (used by workers and the entry):
-    ``with invocation_context(envelope) as state: ...``."""
-    return _InvocationContext(_invocation_state(envelope))
-
-
-def _invocation_state(envelope: Envelope) -> RunState:
+@contextlib.contextmanager
+def invocation_context(envelope: Envelope) -> Iterator[RunState]:
+    """The run state of a remote invocation, around its call (used by workers and the entry)."""
     fn = envelope.fn if isinstance(envelope.fn, dict) else {}
-    # tuple.__new__ itself: RunState(...) would run namedtuple's __new__, a Python function
-    return _new_tuple(RunState, (envelope.id, envelope.prefix or "", fn.get("qualname")))
-
-
-_new_tuple = tuple.__new__
+    state = RunState(id=envelope.id, prefix=envelope.prefix or "", name=fn.get("qualname"))
+    token = _STATE.set(state)
+    try:
+        yield state
+    finally:
+        _STATE.reset(token)
 
 
 def begin_invocation(envelope: Envelope) -> contextvars.Token[RunState]:
-    """:func:`invocation_context` entered, for a caller that leaves it with :func:`end_invocation`
-    (in a ``finally``): the warm worker's every call, without a context manager object."""
-    return _STATE.set(_invocation_state(envelope))
+    """What entering :func:`invocation_context` does, for a caller that undoes it with
+    :func:`end_invocation` in a ``finally``: the warm worker, once a call, without the context
+    manager's generator machinery (which cost more than setting the variable)."""
+    fn = envelope.fn if isinstance(envelope.fn, dict) else {}
+    # tuple.__new__ itself: RunState(...) would run namedtuple's __new__, a Python function
+    return _STATE.set(_new_tuple(RunState, (envelope.id, envelope.prefix or "", fn.get("qualname"))))
 
 
 def end_invocation(token: contextvars.Token[RunState]) -> None:
+    """Undo :func:`begin_invocation`."""
     _STATE.reset(token)
 
 
-class _InvocationContext:
-    """:func:`invocation_context`'s context manager: a class, not ``contextlib.contextmanager``'s
-    generator (a warm worker enters one per call, and the generator's machinery cost more than
-    setting the variable)."""
-
-    __slots__ = ("_state", "_token")
-
-    def __init__(self, state: RunState) -> None:
-        self._state = state
-        self._token: contextvars.Token[RunState] | None = None
-
-    def __enter__(self) -> RunState:
-        self._token = _STATE.set(self._state)
-        return self._state
-
-    def __exit__(self, *exc: object) -> None:
-        if self._token is not None:
-            _STATE.reset(self._token)
-            self._token = None
+_new_tuple = tuple.__new__
 
 
 # --- local generator calls ------------------------------------------------------------------------
