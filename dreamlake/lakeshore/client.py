@@ -263,7 +263,7 @@ class PlaneClient:
             if body is not None:
                 request["json"] = body
         elif body is not None:
-            request["content"] = msgpack.packb(body, use_bin_type=True)
+            request["content"] = _pack(body)
             request["headers"] = {"Content-Type": MSGPACK}
         if timeout_s is not None:
             request["timeout_s"] = timeout_s
@@ -320,7 +320,6 @@ class PlaneClient:
         )
 
     def _once(self, method: str, path: str, request: dict[str, Any]) -> Any:
-        what = f"{method} {path}"
         if self._fast is not None and "json" not in request:
             try:
                 resp: httpx.Response | Reply = self._fast.request(
@@ -332,17 +331,18 @@ class PlaneClient:
                     read_timeout_s=request.get("timeout_s") or self._timeout_s,
                 )
             except KeepAliveError as exc:
-                raise self._unreachable(what, exc) from exc
+                raise self._unreachable(f"{method} {path}", exc) from exc
         else:
-            with self._translated(what):
+            with self._translated(f"{method} {path}"):
                 resp = self._http.request(method, path, **_httpx_request(request))
         if resp.status_code >= 400:  # a refusal: its error tree reads an httpx.Response
-            raise self._refusal(resp.response() if isinstance(resp, Reply) else resp, what)
+            raise self._refusal(resp.response() if isinstance(resp, Reply) else resp, f"{method} {path}")
         if not resp.content:
             return {}
         try:
             return _decode(resp)
         except ValueError as exc:
+            what = f"{method} {path}"
             raise Unavailable(
                 f"{what}: undecodable answer (HTTP {resp.status_code}, "
                 f"{resp.headers.get('content-type', 'no content type')}): {resp.text[:80]!r}",
@@ -478,6 +478,26 @@ class PlaneClient:
             quota=quota.get("quota"),
             limit=quota.get("limit"),
         )
+
+
+# Packers kept for the next body: ``msgpack.packb`` makes (and frees) a packer and its buffer on
+# every call. A packer serves one body at a time: taken off the list, put back after (one whose
+# pack raised is dropped).
+_PACKERS: list[msgpack.Packer] = []
+_PACKERS_MAX = 8
+_PACKER_KEEP = 1 << 20  # one that packed more than this is not kept (its buffer grew with it)
+
+
+def _pack(body: Any) -> bytes:
+    """``msgpack.packb(body, use_bin_type=True)``."""
+    try:
+        packer = _PACKERS.pop()
+    except IndexError:
+        packer = msgpack.Packer(use_bin_type=True)
+    out: bytes = packer.pack(body)
+    if len(out) <= _PACKER_KEEP and len(_PACKERS) < _PACKERS_MAX:
+        _PACKERS.append(packer)
+    return out
 
 
 def _httpx_request(request: dict[str, Any]) -> dict[str, Any]:

@@ -135,11 +135,15 @@ class Envelope:
 
     def unpack_args(self) -> tuple[list[Any], dict[str, Any]]:
         """Decode ``args`` and ``kwargs`` with the value codec."""
+        # The Envelope's own size bounded these already (MAX_PAYLOAD_BYTES when it came by reference)
+        # No arguments (an empty array, an empty map) are what the codec would decode them to.
+        a, k = self.args, self.kwargs
+        if a == _NO_ARGS and k == _NO_KWARGS:
+            return [], {}
         from dreamlake.lakeshore import wire
 
-        # The Envelope's own size bounded these already (MAX_PAYLOAD_BYTES when it came by reference)
-        args = wire.unpack(self.args, limits=wire.limits_for(self.args))
-        kwargs = wire.unpack(self.kwargs, limits=wire.limits_for(self.kwargs))
+        args = [] if a == _NO_ARGS else wire.unpack(a, limits=wire.limits_for(a))
+        kwargs = {} if k == _NO_KWARGS else wire.unpack(k, limits=wire.limits_for(k))
         if not isinstance(args, list):
             raise EnvelopeError(f"envelope {self.id}: args must pack a list, got {type(args).__name__}")
         if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
@@ -201,18 +205,20 @@ class Envelope:
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> Envelope:
         """Decode and validate an Envelope; raises :class:`EnvelopeError` / :class:`VersionError`."""
         fields = _validate(read_map(data, skip_user_values=False))
-        extra = {k: v for k, v in fields.items() if k not in _FIELDS}
+        # _validate leaves every known field in ``fields``: any more are a newer writer's
+        extra = {k: v for k, v in fields.items() if k not in _FIELDS} if len(fields) > len(_FIELDS) else {}
+        # id, fn, args, kwargs, prefix, key, cfg, parent, v, extra (positional: one call, no keywords)
         return cls(
-            id=fields["id"],
-            fn=fields["fn"],
-            args=fields["args"],
-            kwargs=fields["kwargs"],
-            prefix=fields["prefix"],
-            key=fields["key"],
-            cfg=fields["cfg"],
-            parent=fields["parent"],
-            v=fields["v"],
-            extra=extra,
+            fields["id"],
+            fields["fn"],
+            fields["args"],
+            fields["kwargs"],
+            fields["prefix"],
+            fields["key"],
+            fields["cfg"],
+            fields["parent"],
+            fields["v"],
+            extra,
         )
 
     @staticmethod
@@ -225,6 +231,8 @@ class Envelope:
 
 
 _PARTS_FROM = 1 << 20  # arguments this large are joined from parts: one copy, not two
+_NO_ARGS = b"\x90"  # wire.pack([])
+_NO_KWARGS = b"\x80"  # wire.pack({})
 
 
 def _bin_header(n: int) -> bytes:
@@ -245,24 +253,32 @@ def _validate(fields: dict[str, Any]) -> dict[str, Any]:
             f"Envelope wire version {v} is newer than this reader's ({WIRE_VERSION}): "
             "upgrade dreamlake-lakeshore on the reading side (worker or entry bundle)"
         )
-    try:
-        ids.validate(fields.get("id"), "envelope id")
-    except ValueError as exc:
-        raise EnvelopeError(str(exc)) from exc
+    if not ids.is_ulid(fields.get("id")):
+        try:
+            ids.validate(fields.get("id"), "envelope id")
+        except ValueError as exc:
+            raise EnvelopeError(str(exc)) from exc
     fn = fields.get("fn")
     if not isinstance(fn, dict):
         raise EnvelopeError(f"envelope field 'fn' must be a map, got {type(fn).__name__}")
     check_fn(fn)
-    for name in ("args", "kwargs"):
-        if not isinstance(fields.get(name), bytes):
-            raise EnvelopeError(f"envelope field {name!r} must be bin (pre-packed by wire.pack)")
+    if not (isinstance(fields.get("args"), bytes) and isinstance(fields.get("kwargs"), bytes)):
+        for name in ("args", "kwargs"):
+            if not isinstance(fields.get(name), bytes):
+                raise EnvelopeError(f"envelope field {name!r} must be bin (pre-packed by wire.pack)")
     if fields.get("prefix") is None:  # absent, or nil from a peer with no scope: no prefix
         fields["prefix"] = ""
-    fields.setdefault("key", None)
-    fields.setdefault("cfg", {})
-    fields.setdefault("parent", None)
-    _expect(fields, "prefix", (str,))
-    _expect(fields, "key", (str, type(None)))
-    _expect(fields, "cfg", (dict,))
-    _expect(fields, "parent", (str, type(None)))
+    key = fields.setdefault("key", None)
+    cfg = fields.setdefault("cfg", {})
+    parent = fields.setdefault("parent", None)
+    if not (
+        isinstance(fields["prefix"], str)
+        and (key is None or isinstance(key, str))
+        and isinstance(cfg, dict)
+        and (parent is None or isinstance(parent, str))
+    ):  # one of them is wrong: the checks in order, for the first one's error
+        _expect(fields, "prefix", (str,))
+        _expect(fields, "key", (str, type(None)))
+        _expect(fields, "cfg", (dict,))
+        _expect(fields, "parent", (str, type(None)))
     return fields

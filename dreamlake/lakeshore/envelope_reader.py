@@ -102,20 +102,19 @@ def _read_header_map(
     return out
 
 
-def _read_small_map(view: memoryview, keep_user_values: bool) -> dict[str, Any] | None:
+def _read_small_map(view: bytes | memoryview, keep_user_values: bool) -> dict[str, Any] | None:
     """:func:`_read_header_map` of an Envelope of at most :data:`_WINDOW` bytes, in one decode
     (one unpacker instead of one per field); None for anything but a well-formed map of string
     keys, whose error the field-by-field reader then names (the same words as for a big one)."""
     if not len(view) or not (0x80 <= view[0] <= 0x8F or view[0] in _MAP_HEADERS):
         return None
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=len(view))
-    try:
-        unpacker.feed(view)
-        out: dict[str, Any] = unpacker.unpack()
-    except Exception:  # msgpack raises several unrelated types on bad input
+    try:  # every length bounded by the buffer's, as an Unpacker of max_buffer_size=len(view) does
+        out: dict[str, Any] = msgpack.unpackb(view, raw=False, strict_map_key=True)
+    except Exception:  # bad input, trailing bytes (ExtraData): msgpack raises several unrelated types
         return None
-    if unpacker.tell() != len(view) or not all(isinstance(name, str) for name in out):
-        return None
+    for name in out:
+        if type(name) is not str:  # a bin key (strict_map_key lets str and bytes through)
+            return None
     if not keep_user_values:
         for name in USER_VALUES:
             if type(out.get(name)) is bytes:
@@ -124,6 +123,10 @@ def _read_small_map(view: memoryview, keep_user_values: bool) -> dict[str, Any] 
 
 
 def read_map(data: bytes | bytearray | memoryview, *, skip_user_values: bool) -> dict[str, Any]:
-    if not isinstance(data, (bytes, bytearray, memoryview)):
+    if type(data) is bytes and len(data) <= _WINDOW:  # small bytes (a warm worker's every call): as they are
+        small = _read_small_map(data, not skip_user_values)
+        if small is not None:
+            return small
+    elif not isinstance(data, (bytes, bytearray, memoryview)):
         raise EnvelopeError(f"an Envelope is bytes, got {type(data).__name__}")
     return _read_header_map(data, keep_user_values=not skip_user_values)

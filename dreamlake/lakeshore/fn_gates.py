@@ -4,6 +4,15 @@
 unpickle: :func:`check_runtime`, ``strict`` | ``minor`` | ``off``) plus the blob hash, then for a
 ``ref`` the ``src_hash`` staleness check (the worker's source must hash as the submitter's did).
 cloudpickle is imported only to unpickle.
+
+A long-lived worker resolves the same few ``ref`` records all day: a record that passed every gate
+is remembered (:data:`_RESOLVED`, by module, qualname, ``src_hash`` and runtime policy) with the
+module object, the attribute and the callable it gave, and the code object its source check matched.
+The next record with the same fields is answered from there only while all of them still hold:
+the same module object in ``sys.modules``, the same attribute under the qualname (``importlib.reload``
+rebinds it), the same callable behind it and the same code in that callable (a hot reload that
+swaps ``__code__``); anything else goes through the gates again. A pickled function is never
+remembered: each passes the gates (``allow_pickled`` first).
 """
 
 from __future__ import annotations
@@ -11,7 +20,7 @@ from __future__ import annotations
 import sys
 
 from dreamlake.lakeshore.errors import EnvelopeError, PickleRefused, RuntimeMismatch, StaleSource
-from dreamlake.lakeshore.fn_record import _getattr_chain, _local_src_hash, _sha256_hex, check_fn
+from dreamlake.lakeshore.fn_record import _getattr_chain, _local_src_hash, _sha256_hex, _underlying, check_fn
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -74,12 +83,60 @@ def resolve_fn(
     fn: Mapping[str, Any], *, allow_pickled: bool, runtime_policy: str = "minor"
 ) -> Callable[..., Any]:
     """The callable for ``fn`` after the gates: allow_pickled, runtime + hash, src_hash staleness."""
+    if type(fn) is dict and fn.get("kind") == "ref":
+        key = (fn.get("module"), fn.get("qualname"), fn.get("src_hash"), runtime_policy)
+        try:
+            kept = _RESOLVED.get(key)
+        except TypeError:  # an unhashable field: the gates below refuse it
+            kept = None
+        if kept is not None:
+            obj = _still(key[0], kept)
+            if obj is not None:
+                return obj
     if runtime_policy not in RUNTIME_POLICIES:
         raise ValueError(f"unknown runtime policy {runtime_policy!r}: use 'strict', 'minor' or 'off'")
     record = check_fn(dict(fn))
     if record["kind"] == "pickle":
         return _unpickle(record, allow_pickled=allow_pickled, policy=runtime_policy)
     return _resolve_ref(record, policy=runtime_policy)
+
+
+# The ``ref`` records that passed the gates (see the module docstring): (module, qualname,
+# src_hash, policy) -> (module object, the qualname's parts, attribute, callable, code its source
+# check matched or None). A key holds only str fields (check_fn passed) and a known policy, so a
+# hit needs no check_fn.
+_RESOLVED: dict[tuple[Any, Any, Any, str], tuple[Any, list[str], Any, Any, Any]] = {}
+_RESOLVED_MAX = 1024
+
+
+def _still(module_name: Any, kept: tuple[Any, list[str], Any, Any, Any]) -> Callable[..., Any] | None:
+    """The remembered callable while its module, attribute, callable and code are those it was
+    resolved from; None: resolve it again."""
+    module, parts, attr, obj, code = kept
+    fn: Callable[..., Any] = obj
+    if sys.modules.get(module_name) is not module:
+        return None
+    now = module
+    try:
+        for part in parts:  # _getattr_chain(module, qualname)
+            now = getattr(now, part)
+    except Exception:  # gone, or a module __getattr__ that fails now: the gates say what
+        return None
+    if now is not attr:
+        return None
+    inner = getattr(attr, "__lakeshore_fn__", None)
+    if (attr if inner is None else inner) is not obj:
+        return None
+    if code is not None and getattr(_underlying(obj), "__code__", None) is not code:
+        return None
+    return fn
+
+
+def _remember(record: FnRecord, policy: str, module: Any, attr: Any, obj: Any, code: Any) -> None:
+    key = (record["module"], record["qualname"], record.get("src_hash"), policy)
+    if len(_RESOLVED) >= _RESOLVED_MAX:
+        _RESOLVED.clear()
+    _RESOLVED[key] = (module, record["qualname"].split("."), attr, obj, code)
 
 
 def _unpickle(record: FnRecord, *, allow_pickled: bool, policy: str) -> Callable[..., Any]:
@@ -164,7 +221,7 @@ def _resolve_ref(record: FnRecord, *, policy: str) -> Callable[..., Any]:
             f"cannot import module {module_name!r} for {module_name}.{qualname}: {why}"
         ) from exc
     try:
-        obj = _getattr_chain(module, qualname)
+        attr = obj = _getattr_chain(module, qualname)
     except AttributeError as exc:
         raise EnvelopeError(
             f"module {module_name!r} has no attribute {qualname!r}: deploy the same code on the worker "
@@ -176,6 +233,7 @@ def _resolve_ref(record: FnRecord, *, policy: str) -> Callable[..., Any]:
     if not callable(obj):
         raise EnvelopeError(f"{module_name}.{qualname} is a {type(obj).__name__}, not a callable")
     expected = record.get("src_hash")
+    code = None  # the code the source check matched (None: no check made)
     if expected and policy != "off":
         local = _local_src_hash(obj, expected)
         if local is not None and local != expected:
@@ -190,4 +248,10 @@ def _resolve_ref(record: FnRecord, *, policy: str) -> Callable[..., Any]:
                 f"to {expected}, so the worker would run different code. Deploy the same code on both "
                 "sides (or set the runtime policy to 'off' to skip this check)"
             )
+        if local is None:  # no source to check: checked again next time, as the gate always did
+            return obj  # type: ignore[no-any-return]
+        code = getattr(_underlying(obj), "__code__", None)  # the code _local_src_hash matched
+        if code is None:
+            return obj  # type: ignore[no-any-return]
+    _remember(record, policy, module, attr, obj, code)
     return obj  # type: ignore[no-any-return]

@@ -37,11 +37,13 @@ def check_fn(fn: Any) -> FnRecord:
         raise EnvelopeError(f"fn must be a map, got {type(fn).__name__}")
     kind = fn.get("kind")
     if kind == "ref":
-        _expect(fn, "module", (str,), "fn")
-        _expect(fn, "qualname", (str,), "fn")
-        if not fn["module"] or not fn["qualname"]:
+        module, qualname, hashed = fn.get("module"), fn.get("qualname"), fn.get("src_hash")
+        if not (isinstance(module, str) and isinstance(qualname, str)):
+            _expect(fn, "module", (str,), "fn")
+            _expect(fn, "qualname", (str,), "fn")
+        if not module or not qualname:
             raise EnvelopeError("fn 'module' and 'qualname' must not be empty")
-        if fn.get("src_hash") is not None:
+        if hashed is not None and not isinstance(hashed, str):
             _expect(fn, "src_hash", (str,), "fn")
     elif kind == "pickle":
         _expect(fn, "blob", (bytes,), "fn")

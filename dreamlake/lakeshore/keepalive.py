@@ -37,6 +37,7 @@ import select
 import socket
 import ssl
 import threading
+import time
 import urllib.parse
 import urllib.request
 from typing import Any
@@ -48,8 +49,15 @@ __all__ = ["KeepAlive", "KeepAliveError", "Reply", "usable"]
 MAX_IDLE = 16  # idle connections kept per client
 MAX_HEAD = 64 * 1024  # an answer's status line and headers, at most
 MAX_HEADS = 256  # request heads kept built (by method, target and headers)
+MAX_LINES = 256  # answer header lines kept split (by the line)
+_LINE_KEPT = 256  # a longer header line is split each time, not kept
 _JOINED = 64 * 1024  # a body up to this size is sent in the same sendall as the head
 _NO_BODY = frozenset({204, 304})
+# an answer's header line -> (its name stripped and lower-cased, its value stripped): the lines a
+# server sends again and again (its name, the content type, a length) are split once
+_LINES: dict[str, tuple[str, str]] = {}
+_POLL = hasattr(select, "poll")
+_POLL_MAX_S = 2_000_000  # poll's timeout is an int of milliseconds: longer ones keep the socket's
 _BAD_TARGET = re.compile(r"[\x00-\x20\x7f]")  # as http.client refuses them in a request target
 _BAD_NAME = re.compile(r"[\x00-\x20\x7f:]|^$")  # in a header name (a token)
 
@@ -62,13 +70,13 @@ class Reply:
     """One answer: ``status_code``, ``headers`` (names lower-cased; of a repeated name, the last),
     ``content``; :meth:`response` is the same answer as an ``httpx.Response``."""
 
-    __slots__ = ("_raw", "content", "headers", "status_code")
+    __slots__ = ("_lines", "content", "headers", "status_code")
 
-    def __init__(self, status_code: int, raw: list[tuple[str, str]], headers: dict[str, str], content: bytes):
+    def __init__(self, status_code: int, lines: list[str], headers: dict[str, str], content: bytes):
         self.status_code = status_code
         self.headers = headers
         self.content = content
-        self._raw = raw
+        self._lines = lines  # the head's header lines, checked: split into (name, value) on demand
 
     @property
     def text(self) -> str:
@@ -78,7 +86,7 @@ class Reply:
         return json.loads(self.content)
 
     def response(self) -> httpx.Response:
-        return httpx.Response(self.status_code, headers=self._raw, content=self.content)
+        return httpx.Response(self.status_code, headers=_pairs(self._lines), content=self.content)
 
 
 def usable(url: str) -> bool:
@@ -93,19 +101,38 @@ def usable(url: str) -> bool:
 
 
 class _Conn:
-    """One keep-alive connection and what of the server's bytes it read past the last answer."""
+    """One keep-alive connection and what of the server's bytes it read past the last answer.
 
-    __slots__ = ("buf", "sock", "timeout_s")
+    A plain socket is kept non-blocking and waited on here, with a ``poll`` object made once: a
+    socket with a timeout has CPython poll before every ``send`` and ``recv`` and costs a syscall
+    to set (each request of a worker's poll loop had six; this way it has four: the idle check, the
+    send, the wait for the answer and its read). A TLS socket (decrypted bytes it holds are not the
+    socket's to poll for), a platform without ``poll`` and a timeout too long for ``poll`` keep the
+    socket's own timeout. Either way a read or a write waits at most the timeout, as before."""
+
+    __slots__ = ("_poll", "buf", "polled", "sock", "timeout_s")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.buf = bytearray()
-        self.timeout_s: float | None = None  # the socket's, as last set (``settimeout`` is 2 syscalls)
+        self.timeout_s: float | None = None  # as last set (``settimeout`` is a syscall)
+        self.polled = False  # whether the socket is non-blocking and waited on by ``_poll``
+        self._poll: Any = None
+        if _POLL and not isinstance(sock, ssl.SSLSocket):
+            self._poll = select.poll()
+            self._poll.register(sock, select.POLLIN)
 
     def set_timeout(self, timeout_s: float) -> None:
-        if timeout_s != self.timeout_s:
+        if timeout_s == self.timeout_s:
+            return
+        if self._poll is not None and isinstance(timeout_s, (int, float)) and 0 < timeout_s < _POLL_MAX_S:
+            if not self.polled:
+                self.sock.setblocking(False)
+                self.polled = True
+        else:
             self.sock.settimeout(timeout_s)
-            self.timeout_s = timeout_s
+            self.polled = False
+        self.timeout_s = timeout_s
 
     def close(self) -> None:
         try:
@@ -113,38 +140,101 @@ class _Conn:
         except OSError:
             pass
 
+    def send(self, data: bytes) -> None:
+        """``sendall``, within the timeout (as a whole)."""
+        if not self.polled:
+            self.sock.sendall(data)
+            return
+        try:
+            sent = self.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        if sent == len(data):
+            return
+        timeout_s = self.timeout_s or 0.0
+        deadline = time.monotonic() + timeout_s
+        view = memoryview(data)[sent:]
+        writable = select.poll()
+        writable.register(self.sock, select.POLLOUT)
+        while view:
+            left = deadline - time.monotonic()
+            if left <= 0 or not writable.poll(left * 1000):
+                raise TimeoutError("timed out")
+            try:
+                view = view[self.sock.send(view) :]
+            except BlockingIOError:
+                continue
+
+    def recv(self) -> bytes:
+        """Up to 64 KiB the server sent (b"" once it closed), waiting at most the timeout."""
+        if not self.polled:
+            return self.sock.recv(65536)
+        ms = (self.timeout_s or 0.0) * 1000
+        deadline = None
+        while True:
+            if not self._poll.poll(ms):
+                raise TimeoutError("timed out")
+            try:
+                return self.sock.recv(65536)
+            except BlockingIOError:  # readable, then nothing to read: wait what is left
+                if deadline is None:
+                    deadline = time.monotonic() + ms / 1000
+                ms = max(0.0, deadline - time.monotonic()) * 1000
+
     def _fill(self) -> None:
-        data = self.sock.recv(65536)
+        data = self.recv()
         if not data:
             raise ConnectionResetError("the server closed the connection")
         self.buf += data
 
-    def read_head(self) -> tuple[int, str, list[tuple[str, str]]]:
-        """The next answer's status, version and headers (the buffer keeps what follows)."""
+    def read_head(self) -> tuple[int, str, list[str], dict[str, str], bool]:
+        """The next answer's status, version and header lines (the buffer keeps what follows);
+        the headers by lower-cased name (of a repeated name, the last), and whether two
+        ``Content-Length`` headers differ. A line seen before is split as it was then
+        (:data:`_LINES`: a server sends the same few lines again and again)."""
         while True:
             end = self.buf.find(b"\r\n\r\n")
             if end >= 0:
                 break
             if len(self.buf) > MAX_HEAD:
                 raise ValueError(f"an answer's head over {MAX_HEAD} bytes")
-            self._fill()
-        head = bytes(self.buf[:end]).decode("latin-1")
+            data = self.recv()
+            if not data:
+                raise ConnectionResetError("the server closed the connection")
+            self.buf += data
+        head = self.buf[:end].decode("latin-1")
         del self.buf[: end + 4]
-        status_line, *lines = head.split("\r\n")
+        lines = head.split("\r\n")
+        status_line = lines.pop(0)
         version, _, rest = status_line.partition(" ")
         if not version.startswith("HTTP/1."):
             raise ValueError(f"not an HTTP/1.x answer: {status_line[:80]!r}")
-        headers = []
+        fields: dict[str, str] = {}
+        clash = False
         for line in lines:
-            name, sep, value = line.partition(":")
-            if not sep:
-                raise ValueError(f"a malformed header line: {line[:80]!r}")
-            headers.append((name.strip(), value.strip()))
-        return int(rest.partition(" ")[0]), version, headers
+            kept = _LINES.get(line)
+            if kept is None:
+                name, sep, value = line.partition(":")
+                if not sep:
+                    raise ValueError(f"a malformed header line: {line[:80]!r}")
+                kept = (name.strip().lower(), value.strip())
+                if len(line) <= _LINE_KEPT:
+                    if len(_LINES) >= MAX_LINES:
+                        _LINES.clear()
+                    _LINES[line] = kept
+            key, value = kept
+            if key == "content-length" and fields.get(key, value) != value:
+                clash = True
+            fields[key] = value
+        return int(rest.partition(" ")[0]), version, lines, fields, clash
 
     def read_exactly(self, n: int) -> bytes:
         while len(self.buf) < n:
             self._fill()
+        if len(self.buf) == n:  # the answer's last bytes (the usual case): one copy
+            out = bytes(self.buf)
+            self.buf.clear()
+            return out
         out = bytes(self.buf[:n])
         del self.buf[:n]
         return out
@@ -175,7 +265,7 @@ class _Conn:
         body = bytearray(self.buf)
         self.buf.clear()
         while True:
-            data = self.sock.recv(65536)
+            data = self.recv()
             if not data:
                 return bytes(body)
             body += data
@@ -221,8 +311,8 @@ class KeepAlive:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
                 return None
-            if not conn.buf and not _dropped(conn.sock):
-                return conn
+            if not conn.buf and not (conn._poll.poll(0) if conn.polled else _dropped(conn.sock)):
+                return conn  # nothing readable on an idle connection: the server did not close it
             conn.close()
 
     def _give_back(self, conn: _Conn) -> None:
@@ -290,35 +380,39 @@ class KeepAlive:
                         sock.close()
                         raise
                 conn = _Conn(sock)
-            conn.set_timeout(read_timeout_s)
+            if read_timeout_s != conn.timeout_s:
+                conn.set_timeout(read_timeout_s)
             if content and len(content) > _JOINED:
-                conn.sock.sendall(head)
-                conn.sock.sendall(content)
+                conn.send(head)
+                conn.send(content)
             else:
-                conn.sock.sendall(head + content if content else head)
-            status, version, answer = conn.read_head()
+                conn.send(head + content if content else head)
+            status, version, answer, fields, clash = conn.read_head()
             # an interim answer (100 Continue, 102, 103 Early Hints a proxy may add): the answer
             # follows, as http.client skips them; 101 (a protocol switch) is not one
             while 100 <= status < 200 and status != 101:
-                status, version, answer = conn.read_head()
-            fields: dict[str, str] = {}
-            for name, value in answer:
-                key = name.lower()
-                if key == "content-length" and fields.get(key, value) != value:
-                    raise ValueError(f"two different Content-Length headers: {fields[key]!r}, {value!r}")
-                fields[key] = value
-            will_close = "close" in fields.get("connection", "").lower() or (
-                version == "HTTP/1.0" and "keep-alive" not in fields.get("connection", "").lower()
-            )
+                status, version, answer, fields, clash = conn.read_head()
+            if clash:
+                raise ValueError(f"two different Content-Length headers: {_lengths(answer)}")
+            connection = fields.get("connection")
+            will_close = connection is not None and "close" in connection.lower()
+            if version == "HTTP/1.0" and not will_close:
+                will_close = "keep-alive" not in (connection or "").lower()
+            encoding = fields.get("transfer-encoding")
             if method == "HEAD" or status in _NO_BODY or 100 <= status < 200:
                 body = b""
-            elif "chunked" in fields.get("transfer-encoding", "").lower():
+            elif encoding is not None and "chunked" in encoding.lower():
                 body = conn.read_chunked()
             elif "content-length" in fields:
                 length_text = fields["content-length"]
                 if not length_text.isdigit():
                     raise ValueError(f"a bad Content-Length: {length_text[:40]!r}")
-                body = conn.read_exactly(int(length_text))
+                n = int(length_text)
+                if len(conn.buf) == n:  # all of it came with the head (the usual case)
+                    body = bytes(conn.buf)
+                    conn.buf.clear()
+                else:
+                    body = conn.read_exactly(n)
             else:
                 body = conn.read_to_end()
                 will_close = True
@@ -338,6 +432,25 @@ class KeepAlive:
             conns, self._idle = self._idle, []
         for conn in conns:
             conn.close()
+
+
+def _pairs(lines: list[str]) -> list[tuple[str, str]]:
+    """Header lines (each checked to hold a colon) as (name, value) pairs, as sent but stripped."""
+    pairs = []
+    for line in lines:
+        name, _, value = line.partition(":")
+        pairs.append((name.strip(), value.strip()))
+    return pairs
+
+
+def _lengths(lines: list[str]) -> str:
+    """The first two different ``Content-Length`` values of an answer's header lines, as the
+    refusal names them."""
+    seen: list[str] = []
+    for name, value in _pairs(lines):
+        if name.lower() == "content-length" and value not in seen:
+            seen.append(value)
+    return ", ".join(repr(v) for v in seen[:2])
 
 
 def _dropped(sock: Any) -> bool:

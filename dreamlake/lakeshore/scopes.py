@@ -38,7 +38,16 @@ if TYPE_CHECKING:
 
     from dreamlake.lakeshore.envelope import Envelope
 
-__all__ = ["LocalGenerator", "RunState", "invocation_context", "run", "scope", "set_default_code"]
+__all__ = [
+    "LocalGenerator",
+    "RunState",
+    "begin_invocation",
+    "end_invocation",
+    "invocation_context",
+    "run",
+    "scope",
+    "set_default_code",
+]
 
 # --- run context ----------------------------------------------------------------------------------
 
@@ -177,6 +186,23 @@ def invocation_context(envelope: Envelope) -> Iterator[RunState]:
         yield state
     finally:
         _STATE.reset(token)
+
+
+def begin_invocation(envelope: Envelope) -> contextvars.Token[RunState]:
+    """What entering :func:`invocation_context` does, for a caller that undoes it with
+    :func:`end_invocation` in a ``finally``: the warm worker, once a call, without the context
+    manager's generator machinery (which cost more than setting the variable)."""
+    fn = envelope.fn if isinstance(envelope.fn, dict) else {}
+    # tuple.__new__ itself: RunState(...) would run namedtuple's __new__, a Python function
+    return _STATE.set(_new_tuple(RunState, (envelope.id, envelope.prefix or "", fn.get("qualname"))))
+
+
+def end_invocation(token: contextvars.Token[RunState]) -> None:
+    """Undo :func:`begin_invocation`."""
+    _STATE.reset(token)
+
+
+_new_tuple = tuple.__new__
 
 
 # --- local generator calls ------------------------------------------------------------------------

@@ -31,12 +31,16 @@ import logging
 import threading
 import time
 from functools import partial
+from types import FunctionType
 from typing import TYPE_CHECKING, Any
 
-from dreamlake.lakeshore import ids
+from dreamlake.lakeshore import ids, wire
 from dreamlake.lakeshore.daemon.entry_outputs import error_info  # the error shape the entry acks too
+from dreamlake.lakeshore.daemon.entry_streams import settled
+from dreamlake.lakeshore.envelope import Envelope, resolve_fn
 from dreamlake.lakeshore.errors import EnvelopeError, PlaneError
 from dreamlake.lakeshore.protocol.beats import Beats
+from dreamlake.lakeshore.scopes import begin_invocation, end_invocation
 
 if TYPE_CHECKING:
     from dreamlake.lakeshore.dispatch import Claim, Plane
@@ -49,6 +53,15 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 10.0
 CANCELLED = {"type": "Cancelled", "message": "cancelled by producer"}
+_GENERATOR_FLAGS = inspect.CO_GENERATOR | inspect.CO_ASYNC_GENERATOR
+
+
+def _is_generator(fn: Any) -> bool:
+    """``inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn)``; for a plain function
+    (what a ref resolves to) read off its code's flags, as inspect does, without inspect's unwrapping."""
+    if type(fn) is FunctionType:
+        return bool(fn.__code__.co_flags & _GENERATOR_FLAGS)
+    return inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn)
 
 
 class _Cancelled(Exception):
@@ -87,8 +100,7 @@ class _Heartbeat:
             self._cancelled.discard(invocation_id)
 
     def cancelled(self, invocation_id: str) -> bool:
-        with self._lock:
-            return invocation_id in self._cancelled
+        return invocation_id in self._cancelled  # one read of a set: atomic, no lock needed
 
     def _beat(self) -> None:
         with self._lock:
@@ -122,22 +134,30 @@ class _Job:
         self.seq = 0
 
     def ack(self, state: str, result_blob: bytes | None = None, error: dict[str, Any] | None = None) -> None:
-        kwargs: dict[str, Any] = {"later": True} if self.later else {}
-        ok = self.plane.ack(
-            self.claim.invocation_id,
-            state,
-            attempt=self.claim.attempt,
-            worker_id=self.worker_id,
-            result_blob=result_blob,
-            error=error,
-            **kwargs,
-        )
+        claim = self.claim
+        if self.later:
+            ok = self.plane.ack(
+                claim.invocation_id,
+                state,
+                attempt=claim.attempt,
+                worker_id=self.worker_id,
+                result_blob=result_blob,
+                error=error,
+                later=True,
+            )
+        else:
+            ok = self.plane.ack(
+                claim.invocation_id,
+                state,
+                attempt=claim.attempt,
+                worker_id=self.worker_id,
+                result_blob=result_blob,
+                error=error,
+            )
         if not ok:
             log.warning("ack %s of %s was refused (superseded or cancelled)", state, self.claim.invocation_id)
 
     def frame(self, kind: int, body: Any, final: bool = False) -> None:
-        from dreamlake.lakeshore import wire
-
         self._append(wire.encode_frame(kind, self.seq, body, {"ts": time.time()}), final)
 
     def _append(self, data: bytes, final: bool) -> None:
@@ -152,9 +172,6 @@ class _Job:
         self.seq += 1
 
     def run(self, heartbeat: _Heartbeat) -> str:
-        from dreamlake.lakeshore.decorator import invocation_context
-        from dreamlake.lakeshore.envelope import Envelope, resolve_fn
-
         inv = self.claim.invocation_id
         try:
             envelope = Envelope.from_bytes(self.claim.args_blob)
@@ -165,21 +182,20 @@ class _Job:
             log.warning("refusing %s: %s: %s", inv, type(exc).__name__, exc)
             self.ack("failed", error=error_info(exc))
             return "failed"
-        with invocation_context(envelope):
-            try:
-                return self._call(fn, args, kwargs, heartbeat)
-            except _Superseded as exc:
-                # Nothing more of this attempt is wanted (its ack would be refused too); the
-                # worker goes on with the next job instead of dying on the refusal.
-                log.warning("invocation %s: attempt %s superseded: %s", inv, self.claim.attempt, exc)
-                return "superseded"
+        token = begin_invocation(envelope)  # scopes.invocation_context, without its object
+        try:
+            return self._call(fn, args, kwargs, heartbeat)
+        except _Superseded as exc:
+            # Nothing more of this attempt is wanted (its ack would be refused too); the
+            # worker goes on with the next job instead of dying on the refusal.
+            log.warning("invocation %s: attempt %s superseded: %s", inv, self.claim.attempt, exc)
+            return "superseded"
+        finally:
+            end_invocation(token)
 
     def _call(self, fn: Any, args: Any, kwargs: Any, heartbeat: _Heartbeat) -> str:
-        from dreamlake.lakeshore import wire
-        from dreamlake.lakeshore.daemon.entry import settled
-
         inv = self.claim.invocation_id
-        is_gen = inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn)
+        is_gen = _is_generator(fn)
         try:
             if not is_gen:
                 blob = wire.pack(settled(fn(*args, **kwargs)))  # an async def: run to completion
@@ -209,8 +225,6 @@ class _Job:
 
     def _drain(self, gen: Any, heartbeat: _Heartbeat) -> bytes:
         """Journal each yield as a VALUE frame, then END with the packed return value."""
-        from dreamlake.lakeshore import wire
-
         try:
             inv = self.claim.invocation_id
             while True:
@@ -227,7 +241,7 @@ class _Job:
     def _drain_two_way(self, gen: Any, heartbeat: _Heartbeat) -> bytes:
         """:meth:`_drain` for a two-way body: each VALUE frame names its index (``meta.send``) and
         the body waits at that yield for the send answering it, read from the plane (twoway.py)."""
-        from dreamlake.lakeshore import twoway, wire
+        from dreamlake.lakeshore import twoway
 
         inv = self.claim.invocation_id
         timeout_s = twoway.timeout_of(self.claim.run_config)
@@ -308,13 +322,16 @@ def run_worker(
                     return None
                 continue
             heartbeat.hold(*claims)
+            debug = log.isEnabledFor(logging.DEBUG)  # asked once a poll, not twice a call
             for claim in claims:
-                log.debug("running %s (attempt %s)", claim.invocation_id, claim.attempt)
+                if debug:
+                    log.debug("running %s (attempt %s)", claim.invocation_id, claim.attempt)
                 try:
                     state = _Job(plane, wid, claim, allow, runtime_policy, later).run(heartbeat)
                 finally:
                     heartbeat.release(claim.invocation_id)
-                log.debug("%s %s", claim.invocation_id, state)
+                if debug:
+                    log.debug("%s %s", claim.invocation_id, state)
                 if once:
                     return state
         return None

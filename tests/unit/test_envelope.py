@@ -15,7 +15,7 @@ import msgpack
 import pytest
 
 from dreamlake.lakeshore import envelope as env
-from dreamlake.lakeshore import envelope_reader, fn_record
+from dreamlake.lakeshore import envelope_reader, fn_gates, fn_record
 from dreamlake.lakeshore.envelope import (
     INLINE_PICKLE_LIMIT,
     WIRE_VERSION,
@@ -414,6 +414,7 @@ def test_gate3_hashes_a_loaded_functions_source_once_and_refuses_every_stale_cal
     every call."""
 
     fn_record._MATCHED.clear()
+    fn_gates._RESOLVED.clear()  # a worker that has resolved nothing yet
     sliced: list[Any] = []
     real = fn_record._sliced_source
 

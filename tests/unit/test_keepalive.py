@@ -309,3 +309,113 @@ def test_a_target_or_header_name_http_client_refuses_is_refused_before_sending(
             client.request("GET", path, content=None, headers=headers, params=None, read_timeout_s=1)
     finally:
         client.close()
+
+
+def test_two_different_content_lengths_are_named_in_the_error() -> None:
+    from dreamlake.lakeshore.keepalive import KeepAlive, KeepAliveError
+
+    url, _seen = _one_answer(
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\nContent-Length: 5\r\n\r\nabcde"
+    )
+    client = KeepAlive(url, {}, connect_timeout_s=5)
+    try:
+        with pytest.raises(KeepAliveError, match="two different Content-Length headers: '2', '5'"):
+            client.request("GET", "/v1/x", content=None, headers=None, params=None, read_timeout_s=5)
+    finally:
+        client.close()
+
+
+def test_header_lines_seen_before_read_the_same_and_a_refusal_keeps_them_as_sent() -> None:
+    """Answer header lines are split once and remembered: the same answer twice reads the same,
+    and the ``httpx.Response`` of a refusal has the headers with their names as sent."""
+    from dreamlake.lakeshore.keepalive import KeepAlive
+
+    answer = b"HTTP/1.1 429 Too Many\r\nRetry-After:  7 \r\nX-Odd:a:b\r\nContent-Length: 2\r\n\r\nno"
+    for _ in range(2):
+        url, _seen = _one_answer(answer)
+        client = KeepAlive(url, {}, connect_timeout_s=5)
+        try:
+            resp = client.request("GET", "/v1/x", content=None, headers=None, params=None, read_timeout_s=5)
+        finally:
+            client.close()
+        assert (resp.status_code, resp.content) == (429, b"no")
+        assert resp.headers == {"retry-after": "7", "x-odd": "a:b", "content-length": "2"}
+        raw = resp.response().headers.raw
+        assert raw == [(b"Retry-After", b"7"), (b"X-Odd", b"a:b"), (b"Content-Length", b"2")]
+
+
+def test_a_body_bigger_than_the_socket_buffers_is_sent_whole_and_a_stalled_server_times_out() -> None:
+    """The socket is non-blocking: a write the kernel takes in parts waits for room, within the
+    request's timeout, and a server that reads nothing (or answers nothing) times the request out."""
+    from dreamlake.lakeshore.keepalive import KeepAlive, KeepAliveError
+
+    body = b"z" * (32 << 20)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    got: list[int] = []
+    release = threading.Event()
+
+    def serve() -> None:
+        with listener:
+            conn, _ = listener.accept()  # the first: read slowly, then answer the length
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, _, rest = data.partition(b"\r\n\r\n")
+                want = int(
+                    next(
+                        v
+                        for k, _, v in (ln.partition(b":") for ln in head.split(b"\r\n"))
+                        if k == b"Content-Length"
+                    )
+                )
+                n = len(rest)
+                while n < want:
+                    release.wait(0.001)
+                    n += len(conn.recv(1 << 16))
+                got.append(n)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            stalled, _ = listener.accept()  # the second: reads nothing, answers nothing
+            with stalled:
+                release.wait(30)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    client = KeepAlive(f"http://127.0.0.1:{port}", {}, connect_timeout_s=5)
+    try:
+        resp = client.request("POST", "/v1/x", content=body, headers=None, params=None, read_timeout_s=30)
+        assert resp.content == b"ok" and got == [len(body)]
+        client.close()
+        client = KeepAlive(f"http://127.0.0.1:{port}", {}, connect_timeout_s=5)
+        with pytest.raises(KeepAliveError, match="TimeoutError: timed out"):
+            client.request("POST", "/v1/x", content=body, headers=None, params=None, read_timeout_s=0.5)
+    finally:
+        release.set()
+        client.close()
+        thread.join(5)
+
+
+def test_a_server_that_never_answers_times_the_read_out() -> None:
+    from dreamlake.lakeshore.keepalive import KeepAlive, KeepAliveError
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    done = threading.Event()
+
+    def serve() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                done.wait(30)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    client = KeepAlive(f"http://127.0.0.1:{port}", {}, connect_timeout_s=5)
+    try:
+        with pytest.raises(KeepAliveError, match="TimeoutError: timed out"):
+            client.request("POST", "/v1/x", content=b"x", headers=None, params=None, read_timeout_s=0.3)
+    finally:
+        done.set()
+        client.close()
+        thread.join(5)

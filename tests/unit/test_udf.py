@@ -244,6 +244,28 @@ def test_invocation_context_sets_id_and_prefix() -> None:
     assert dls.run.id is None
 
 
+def test_begin_and_end_invocation_set_and_reset_what_invocation_context_does() -> None:
+    from dreamlake.lakeshore.scopes import begin_invocation, end_invocation
+
+    env = configured.thunk(1).to_envelope()
+    env.prefix = "jobs/7"
+    with invocation_context(env) as state:
+        expected = (dls.run.id, dls.run.prefix, dls.run.name)
+    token = begin_invocation(env)
+    try:
+        assert (dls.run.id, dls.run.prefix, dls.run.name) == expected == tuple(state)
+        assert type(state) is type(scopes_state())
+    finally:
+        end_invocation(token)
+    assert (dls.run.id, dls.run.prefix, dls.run.name) == (None, "", None)
+
+
+def scopes_state() -> object:
+    from dreamlake.lakeshore import scopes
+
+    return scopes._STATE.get()
+
+
 # -- Thunk / Envelope -------------------------------------------------------------------------------
 
 

@@ -118,8 +118,12 @@ class FrameWriter:
     def flush(self, invocation_id: str, timeout: float | None = None) -> None:
         """Wait until every queued frame of ``invocation_id`` was written, then forget its streams;
         raises what refused a write (TimeoutError after ``timeout``)."""
+        if not self._streams:  # no stream at all (plain calls): nothing to wait for, no lock to take
+            return
         with self._cond:
             streams = [(k, s) for k, s in self._streams.items() if k[0] == invocation_id]
+            if not streams:  # nothing of it appended: nothing to wait for
+                return
             done = self._cond.wait_for(
                 lambda: all(s.error is not None or (not s.queue and not s.writing) for _k, s in streams),
                 timeout,

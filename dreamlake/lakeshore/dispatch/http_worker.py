@@ -27,6 +27,7 @@ from dreamlake.lakeshore.errors import Conflict, PlaneError
 from dreamlake.lakeshore.protocol.daemon import SLACK_S, DaemonClient
 from dreamlake.lakeshore.protocol.limits import ServerLimits, by_reference
 from dreamlake.lakeshore.protocol.producer import ProducerClient
+from dreamlake.lakeshore.version import __version__
 
 if TYPE_CHECKING:
     from dreamlake.lakeshore.dispatch.batching import FrameWriter
@@ -109,8 +110,6 @@ class HttpWorkerPlane:
     # -- worker side --------------------------------------------------------------------------------
 
     def _register(self, worker_id: str, queues: list[str]) -> None:
-        from dreamlake.lakeshore.version import __version__
-
         answer = self._client.register(
             {
                 "worker_id": worker_id,
@@ -133,14 +132,12 @@ class HttpWorkerPlane:
         """Up to ``limit`` invocations in one long poll (waiting up to ``timeout`` for the first),
         carrying the acks queued by ``ack(..., later=True)``: one request answers those acks (each
         committed with the poll's first pass) and hands out the next work."""
-        from dreamlake.lakeshore.version import __version__
-
         if worker_id not in self._registered:
             self._register(worker_id, queues)
         per_poll = (self._limits or ServerLimits()).acks_per_poll
-        deadline = time.monotonic() + max(0.0, timeout)
+        left = max(0.0, timeout)  # the whole wait, the first time (the same read timeout each poll)
+        deadline = time.monotonic() + left
         while True:
-            left = max(0.0, deadline - time.monotonic())
             body: dict[str, Any] = {
                 "worker_id": worker_id,
                 "queues": list(queues),
@@ -160,15 +157,22 @@ class HttpWorkerPlane:
                 if acks:  # not known to have landed: they go again, first (an ack is idempotent)
                     self._later.setdefault(worker_id, [])[:0] = acks
                 raise
-            self._settle_acks(worker_id, acks, list(out.get("acked") or []))
-            claims = self._claims(worker_id, list(out.get("commands") or []))
+            if acks:
+                self._settle_acks(worker_id, acks, out.get("acked") or [])
+            claims = self._claims(worker_id, out.get("commands") or [])
             if claims or time.monotonic() >= deadline:
                 return claims
+            left = max(0.0, deadline - time.monotonic())
 
-    def _settle_acks(self, worker_id: str, acks: list[dict[str, Any]], answers: list[Any]) -> None:
+    def _settle_acks(self, worker_id: str, acks: list[dict[str, Any]], answers: Any) -> None:
         """A poll's ``acked`` answers to the acks it carried: one the store failed goes again."""
         again = []
+        tried = self._ack_tries
         for sent, answer in zip(acks, answers):  # noqa: B905 (Python 3.9 has no strict)
+            if answer.get("ok"):  # landed: all there is to do is forget its failed tries
+                if tried:
+                    tried.pop(str(sent.get("invocation_id")), None)
+                continue
             status, inv = answer.get("status"), str(sent.get("invocation_id"))
             failed = not answer.get("ok") and isinstance(status, int) and status >= 500
             tries = self._ack_tries.pop(inv, 0) + 1  # polls it rode that the store failed
@@ -190,7 +194,7 @@ class HttpWorkerPlane:
         if again:
             self._later.setdefault(worker_id, [])[:0] = again
 
-    def _claims(self, worker_id: str, commands: list[Any]) -> list[Claim]:
+    def _claims(self, worker_id: str, commands: Any) -> list[Claim]:
         claims: list[Claim] = []
         for cmd in commands:
             if cmd.get("kind") == "run":
@@ -198,11 +202,10 @@ class HttpWorkerPlane:
                 args = b.get("args_blob") or b""
                 if b.get("args_ref") is not None:
                     args = self._download(b["args_ref"], f"args_ref of {b['invocation_id']}")
-                claims.append(
-                    Claim(
-                        b["invocation_id"], args, dict(b.get("run_config") or {}), int(b.get("attempt") or 1)
-                    )
-                )
+                rc = b.get("run_config")
+                # the decoded answer's own map is this claim's alone: no copy of it is needed
+                run_config = rc if type(rc) is dict else dict(rc or {})
+                claims.append(Claim(b["invocation_id"], args, run_config, int(b.get("attempt") or 1)))
             elif cmd.get("kind") == "cancel":
                 # the control plane asks again on every heartbeat that reports it running
                 log.debug("worker %s: cancel by poll, left to the heartbeat: %s", worker_id, cmd)
@@ -261,19 +264,25 @@ class HttpWorkerPlane:
         body: dict[str, Any] = {
             "invocation_id": invocation_id,
             "state": state,
-            "result_blob": bytes(result_blob or b""),
+            "result_blob": result_blob if type(result_blob) is bytes else bytes(result_blob or b""),
             "error": error,
-            "worker_id": worker_id,
             "attempt": attempt,
         }
-        if result_blob and by_reference(len(result_blob), self._worker_threshold):
+        limits = self._limits  # by_reference(len(result_blob), self._worker_threshold), inline
+        threshold = None if limits is None else limits.inline_threshold_bytes
+        if result_blob and threshold is not None and len(result_blob) > threshold:
             ref = self._upload(bytes(result_blob), invocation_id, "result")
             if ref is not None:
                 body["result_blob"] = b""
                 body["result_ref"] = ref
-        if later:
-            self._later.setdefault(worker_id, []).append({k: v for k, v in body.items() if k != "worker_id"})
+        if later:  # the poll that carries it names the worker
+            queued = self._later.get(worker_id)
+            if queued is None:
+                self._later[worker_id] = [body]
+            else:
+                queued.append(body)
             return True
+        body["worker_id"] = worker_id
         try:
             self._client.ack(body)
         except Conflict as exc:
