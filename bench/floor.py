@@ -51,7 +51,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
 from _stats import median_p90  # noqa: E402
-from control_plane import Client, _process, cpu_seconds, free_port, has, hello_parser, ulid  # noqa: E402
+from control_plane import Client, _process, cpu_seconds, free_port, has, hello_parser, run_load, ulid  # noqa: E402
 from warm import hello_round_trip, in_processes, ms, split  # noqa: E402
 
 QUEUE = "floor"
@@ -302,6 +302,38 @@ def floor_round_trip(calls: int) -> tuple[list[float], float]:
     and the floor server's CPU ms per call over them."""
     times, cpu, _parts = _measure(calls)
     return times, cpu
+
+
+def _submits(port: int, n: int, go: Any, out: Any) -> None:
+    """``n`` submits one per request, answered at once (``wait_s`` 0: no worker takes them)."""
+    c = Client(port, None)
+    go.wait()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        status, answer = c.post("/submit", {"id": ulid(), "queue": QUEUE, "args": NOOP_ARGS, "wait_s": 0})
+        if status != 200 or answer.get("state") != "queued":
+            raise RuntimeError(f"submit answered {status}: {answer}")
+    out.put((t0, time.perf_counter(), n))
+
+
+def floor_submit_rate(producers: int, n: int) -> tuple[float, float]:
+    """Submits/s through the floor server, one per request (each a ``BEGIN IMMEDIATE``, an insert
+    and a ``COMMIT``, then its row read back), from ``producers`` load processes of ``n`` each, and
+    the floor server's CPU ms per submit: the most a durable submit can be asked of Python on this
+    stack, beside the hello-world that answers without writing anything."""
+    with tempfile.TemporaryDirectory() as tmp:
+        port = free_port()
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--serve",
+            str(port),
+            str(Path(tmp) / "floor.db"),
+        ]
+        with _process(cmd, port) as pid:
+            cpu = cpu_seconds(pid)
+            rate, total = run_load(_submits, [(port, n)] * producers)
+            return rate, (cpu_seconds(pid) - cpu) * 1000 / total
 
 
 HEADER = f"{'path':<42} {'p50 ms':>8} {'p90 ms':>8} {'x hello':>8} {'server cpu ms/call':>19}"

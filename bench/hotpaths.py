@@ -118,6 +118,9 @@ def _peer(value: float | None, issue: float, unit: str) -> str:
 
 def control_plane_rows(args: argparse.Namespace, tmp: Path) -> list[Row]:
     hello, hello_cpu = cp.hello_rate(args.producers, max(200, args.jobs // args.producers))
+    import floor  # the same load on the floor of a durable submit (a bare ASGI app over raw sqlite3)
+
+    low, low_cpu = floor.floor_submit_rate(args.producers, max(200, args.jobs // args.producers))
     rows = []
     raw_sq = cp.raw_sqlite(tmp / "raw.db", 3000, 100)
     raws = {"sqlite": raw_sq}
@@ -157,6 +160,15 @@ def control_plane_rows(args: argparse.Namespace, tmp: Path) -> list[Row]:
                     base,
                 )
             )
+            if kind == "sqlite" and n == args.workers[0]:
+                rows.append(
+                    Row(
+                        "  the floor of a durable submit in Python (bench/floor.py: bare ASGI + sqlite3, 1 commit)",
+                        f"{_rate(low)} = {low / hello if hello else 0.0:.2f}x hello; {low_cpu:.2f} cpu ms",
+                        "(the most 0.5x hello could be asked of)",
+                        base,
+                    )
+                )
             if f.batch_rate:
                 rows.append(
                     Row(
