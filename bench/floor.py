@@ -27,7 +27,9 @@ between). Rows:
 - ``where it goes``: the p50 of each part of the round trip, from the producer's wall clock and
   the row's ``submitted``, ``started`` (the claim) and ``finished`` (the ack).
 
-``floor_round_trip(calls)`` is the measurement alone, for ``bench/hotpaths.py``.
+``floor_round_trip(calls)`` is the measurement alone, for ``bench/hotpaths.py``;
+``floor_submit_rate(producers, n)`` the floor of the single-submits row (durable submits, one per
+request, from the same load processes), printed beside it.
 
 Run: ``python bench/floor.py [--calls 2000]``.
 """
