@@ -175,6 +175,13 @@ class Envelope:
             ) from exc
         return parts
 
+    def pieces(self) -> list[bytes]:
+        """:meth:`to_bytes` as pieces to send or upload: a big Envelope's :meth:`to_parts` (its
+        arguments not copied), a small one's bytes as one piece (one msgpack call, not one per field)."""
+        if len(self.args) + len(self.kwargs) >= _PARTS_FROM:
+            return self.to_parts()
+        return [self._packed()]
+
     def _packed(self) -> bytes:
         body = self._body()
         try:

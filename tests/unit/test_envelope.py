@@ -520,3 +520,14 @@ def test_header_and_decode_read_a_memoryview_in_place(tmp_path: Any) -> None:
         Envelope.header(memoryview(env.to_bytes())[:-10])
     with pytest.raises(EnvelopeError, match="trailing"):
         Envelope.from_bytes(env.to_bytes() + b"\x00")
+
+
+@pytest.mark.parametrize("n", [0, 200, 70_000, 2_000_000])
+def test_pieces_join_to_the_packed_bytes_and_keep_big_arguments_uncopied(n: int) -> None:
+    env = _big_envelope(n)
+    pieces = env.pieces()
+    assert b"".join(pieces) == env.to_bytes()
+    if n >= 1 << 20:
+        assert any(p is env.args for p in pieces)  # streamed to the payload store in place
+    else:
+        assert len(pieces) == 1  # a small one in one msgpack call

@@ -230,7 +230,7 @@ class HttpDispatch(HttpWorkerPlane, Plane):
             "queue": queue,
             "run_config": {**run_config, "queue": queue},
         }
-        parts = envelope.to_parts()
+        parts = envelope.pieces()
         ref = None
         if by_reference(sum(len(p) for p in parts), self.inline_threshold):
             ref = self._upload(parts, envelope.id, "args")
