@@ -131,29 +131,20 @@ class _Job:
         self.plane, self.worker_id, self.claim = plane, worker_id, claim
         self.allow_pickled, self.policy = allow_pickled, policy
         self.later = later  # the ack rides on the next poll (``HttpDispatch.claim_batch``)
+        self._later: dict[str, Any] = {"later": True} if later else {}  # (a plane without it takes none)
         self.seq = 0
 
     def ack(self, state: str, result_blob: bytes | None = None, error: dict[str, Any] | None = None) -> None:
         claim = self.claim
-        if self.later:
-            ok = self.plane.ack(
-                claim.invocation_id,
-                state,
-                attempt=claim.attempt,
-                worker_id=self.worker_id,
-                result_blob=result_blob,
-                error=error,
-                later=True,
-            )
-        else:
-            ok = self.plane.ack(
-                claim.invocation_id,
-                state,
-                attempt=claim.attempt,
-                worker_id=self.worker_id,
-                result_blob=result_blob,
-                error=error,
-            )
+        ok = self.plane.ack(
+            claim.invocation_id,
+            state,
+            attempt=claim.attempt,
+            worker_id=self.worker_id,
+            result_blob=result_blob,
+            error=error,
+            **self._later,
+        )
         if not ok:
             log.warning("ack %s of %s was refused (superseded or cancelled)", state, self.claim.invocation_id)
 
