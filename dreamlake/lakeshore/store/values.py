@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable
 from typing import Any
 
 from dreamlake.lakeshore import resourcevalues
@@ -143,30 +142,9 @@ def _check_environment(run_config: dict[str, Any]) -> None:
         raise PlaneError(str(exc), status=400) from None
 
 
-def _encoder(**options: Any) -> Callable[[Any], str]:
-    """``json.dumps(value, allow_nan=False, **options)``, its encoder made once (``json.dumps``
-    given any argument makes one per call, and that encoder its C encoder per encode). The C
-    encoder is made without the circular-reference check (its marks would outlive a failed
-    encode): a value that holds itself recurses to a RecursionError instead of a ValueError,
-    which ``json_encoded`` met all the same (its ``fix`` recursed on), so its callers do."""
-    enc = json.JSONEncoder(allow_nan=False, **options)
-    make = getattr(json.encoder, "c_make_encoder", None)
-    if make is None:  # (no C accelerator)
-        return enc.encode
-    escape = json.encoder.encode_basestring_ascii
-    c = make(
-        None, enc.default, escape, enc.indent, enc.key_separator, enc.item_separator, enc.sort_keys,
-        enc.skipkeys, enc.allow_nan,
-    )  # fmt: skip
-
-    def encode(value: Any) -> str:
-        return enc.encode(value) if isinstance(value, str) else "".join(c(value, 0))
-
-    return encode
-
-
-_ENCODE = _encoder()
-_CANONICAL = _encoder(sort_keys=True, separators=(",", ":"))
+# ``json.dumps`` given any argument makes an encoder per call: these are made once
+_ENCODE = json.JSONEncoder(allow_nan=False).encode
+_CANONICAL = json.JSONEncoder(allow_nan=False, sort_keys=True, separators=(",", ":")).encode
 
 
 def json_safe(value: Any, what: str) -> Any:
