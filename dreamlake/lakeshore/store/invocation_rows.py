@@ -25,8 +25,7 @@ _att = t.invocation_attempts
 _INV_COLS = tuple(c.name for c in _inv.c)
 
 
-# an Invocation's fields, in its order, read off a row of every column at once (a claim's
-# conversion: ``invocation_from``'s own, without a mapping built first)
+# an Invocation's fields, in its order, and where each is in a row of every column
 _FIELDS = [f.name for f in dataclasses.fields(Invocation)]
 _PICK = operator.itemgetter(*(_INV_COLS.index(name) for name in _FIELDS))
 _PRIORITY, _ARGS, _RESULT, _CANCEL, _SHAPE, _PREEMPTIONS, _HANDBACKS = (
@@ -45,10 +44,22 @@ _PRIORITY, _ARGS, _RESULT, _CANCEL, _SHAPE, _PREEMPTIONS, _HANDBACKS = (
 
 def row_to_invocation(r: Row[Any]) -> Invocation:
     """An Invocation from a row holding every invocations column (``select(_inv)`` / returning),
-    converted as ``invocation_from`` converts them."""
+    its fields read off it at once (no mapping built first)."""
     if len(r) != len(_INV_COLS):
         raise ValueError(f"a row of {len(r)} columns, not the invocations' {len(_INV_COLS)}")
-    v = list(_PICK(r))
+    return _converted(list(_PICK(r)))
+
+
+def invocation_from(m: Mapping[str, Any]) -> Invocation:
+    """An Invocation from a mapping of invocations columns; the two blobs may be left out (a
+    listing reads neither): the arguments are then empty and the result None."""
+    return _converted([m.get(name) for name in _FIELDS])
+
+
+def _converted(v: list[Any]) -> Invocation:
+    """An Invocation of its fields' column values, in its order, converted (the one rule of both
+    readers): the priority an int, the blobs bytes (no arguments: empty), the flags and counters
+    of their types, no shape ''."""
     v[_PRIORITY] = int(v[_PRIORITY])
     v[_ARGS] = bytes(v[_ARGS]) if v[_ARGS] is not None else b""
     v[_RESULT] = bytes(v[_RESULT]) if v[_RESULT] is not None else None
@@ -57,43 +68,6 @@ def row_to_invocation(r: Row[Any]) -> Invocation:
     v[_PREEMPTIONS] = int(v[_PREEMPTIONS] or 0)
     v[_HANDBACKS] = int(v[_HANDBACKS] or 0)
     return Invocation(*v)
-
-
-def invocation_from(m: Mapping[str, Any]) -> Invocation:
-    """An Invocation from a mapping of invocations columns; the two blobs may be left out (a
-    listing reads neither): the arguments are then empty and the result None."""
-    args_blob, result_blob = m.get("args_blob"), m.get("result_blob")
-    return Invocation(
-        invocation_id=m["invocation_id"],
-        queue=m["queue"],
-        state=m["state"],
-        priority=int(m["priority"]),
-        function=m["function"],
-        args_blob=bytes(args_blob) if args_blob is not None else b"",
-        run_config=m["run_config"],
-        code_context=m["code_context"],
-        namespace=m["namespace"],
-        attempt=m["attempt"],
-        max_attempts=m["max_attempts"],
-        parent_invocation_id=m["parent_invocation_id"],
-        root_invocation_id=m["root_invocation_id"],
-        idempotency_key=m["idempotency_key"],
-        worker_id=m["worker_id"],
-        submitted_at=m["submitted_at"],
-        started_at=m["started_at"],
-        finished_at=m["finished_at"],
-        lease_expires_at=m["lease_expires_at"],
-        result_blob=bytes(result_blob) if result_blob is not None else None,
-        error=m["error"],
-        cancel_requested=bool(m["cancel_requested"]),
-        args_ref=m.get("args_ref"),
-        result_ref=m.get("result_ref"),
-        not_before=m.get("not_before"),
-        shape=m.get("shape") or "",
-        preemptions=int(m.get("preemptions") or 0),
-        handbacks=int(m.get("handbacks") or 0),
-        checkpoint_ref=m.get("checkpoint_ref"),
-    )
 
 
 _SUBMIT_COLS = (
