@@ -179,19 +179,17 @@ run = _Run()
 @contextlib.contextmanager
 def invocation_context(envelope: Envelope) -> Iterator[RunState]:
     """The run state of a remote invocation, around its call (used by workers and the entry)."""
-    fn = envelope.fn if isinstance(envelope.fn, dict) else {}
-    state = RunState(id=envelope.id, prefix=envelope.prefix or "", name=fn.get("qualname"))
-    token = _STATE.set(state)
+    token = begin_invocation(envelope)
     try:
-        yield state
+        yield _STATE.get()
     finally:
-        _STATE.reset(token)
+        end_invocation(token)
 
 
 def begin_invocation(envelope: Envelope) -> contextvars.Token[RunState]:
-    """What entering :func:`invocation_context` does, for a caller that undoes it with
-    :func:`end_invocation` in a ``finally``: the warm worker, once a call, without the context
-    manager's generator machinery (which cost more than setting the variable)."""
+    """Set the run state of a remote invocation (what :func:`invocation_context` does around a
+    call), for a caller that undoes it with :func:`end_invocation` in a ``finally``: the warm
+    worker, once a call, without the context manager's generator machinery."""
     fn = envelope.fn if isinstance(envelope.fn, dict) else {}
     # tuple.__new__ itself: RunState(...) would run namedtuple's __new__, a Python function
     return _STATE.set(_new_tuple(RunState, (envelope.id, envelope.prefix or "", fn.get("qualname"))))

@@ -259,10 +259,9 @@ def _is_big(value: Any) -> bool:
 
 def pack(value: Any) -> bytes:
     """msgpack bytes of ``value``; ``TypeError`` (with the fix) for a type nothing can pack."""
-    kind = type(value)
-    if kind.__module__ == "numpy" and getattr(value, "nbytes", 0) >= _BIG:  # _is_big(value), inline
+    if _is_big(value):
         return _pack_big(value)
-    if kind is list and any(_is_big(v) for v in value):  # an Envelope's args
+    if type(value) is list and any(_is_big(v) for v in value):  # an Envelope's args
         return _pack_list_big(value)
     try:
         packer = _POOL.pop()
