@@ -263,7 +263,7 @@ class PlaneClient:
             if body is not None:
                 request["json"] = body
         elif body is not None:
-            request["content"] = _pack(body)
+            request["content"] = msgpack.packb(body, use_bin_type=True)
             request["headers"] = {"Content-Type": MSGPACK}
         if timeout_s is not None:
             request["timeout_s"] = timeout_s
@@ -478,26 +478,6 @@ class PlaneClient:
             quota=quota.get("quota"),
             limit=quota.get("limit"),
         )
-
-
-# Packers kept for the next body: ``msgpack.packb`` makes (and frees) a packer and its buffer on
-# every call. A packer serves one body at a time: taken off the list, put back after (one whose
-# pack raised is dropped).
-_PACKERS: list[msgpack.Packer] = []
-_PACKERS_MAX = 8
-_PACKER_KEEP = 1 << 20  # one that packed more than this is not kept (its buffer grew with it)
-
-
-def _pack(body: Any) -> bytes:
-    """``msgpack.packb(body, use_bin_type=True)``."""
-    try:
-        packer = _PACKERS.pop()
-    except IndexError:
-        packer = msgpack.Packer(use_bin_type=True)
-    out: bytes = packer.pack(body)
-    if len(out) <= _PACKER_KEEP and len(_PACKERS) < _PACKERS_MAX:
-        _PACKERS.append(packer)
-    return out
 
 
 def _httpx_request(request: dict[str, Any]) -> dict[str, Any]:
