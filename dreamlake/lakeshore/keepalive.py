@@ -49,13 +49,8 @@ __all__ = ["KeepAlive", "KeepAliveError", "Reply", "usable"]
 MAX_IDLE = 16  # idle connections kept per client
 MAX_HEAD = 64 * 1024  # an answer's status line and headers, at most
 MAX_HEADS = 256  # request heads kept built (by method, target and headers)
-MAX_LINES = 256  # answer header lines kept split (by the line)
-_LINE_KEPT = 256  # a longer header line is split each time, not kept
 _JOINED = 64 * 1024  # a body up to this size is sent in the same sendall as the head
 _NO_BODY = frozenset({204, 304})
-# an answer's header line -> (its name stripped and lower-cased, its value stripped): the lines a
-# server sends again and again (its name, the content type, a length) are split once
-_LINES: dict[str, tuple[str, str]] = {}
 _POLL = hasattr(select, "poll")
 _POLL_MAX_S = 2_000_000  # poll's timeout is an int of milliseconds: longer ones keep the socket's
 _BAD_TARGET = re.compile(r"[\x00-\x20\x7f]")  # as http.client refuses them in a request target
@@ -191,18 +186,14 @@ class _Conn:
     def read_head(self) -> tuple[int, str, list[str], dict[str, str], bool]:
         """The next answer's status, version and header lines (the buffer keeps what follows);
         the headers by lower-cased name (of a repeated name, the last), and whether two
-        ``Content-Length`` headers differ. A line seen before is split as it was then
-        (:data:`_LINES`: a server sends the same few lines again and again)."""
+        ``Content-Length`` headers differ."""
         while True:
             end = self.buf.find(b"\r\n\r\n")
             if end >= 0:
                 break
             if len(self.buf) > MAX_HEAD:
                 raise ValueError(f"an answer's head over {MAX_HEAD} bytes")
-            data = self.read_some()
-            if not data:
-                raise ConnectionResetError("the server closed the connection")
-            self.buf += data
+            self._fill()
         head = self.buf[:end].decode("latin-1")
         del self.buf[: end + 4]
         lines = head.split("\r\n")
@@ -213,17 +204,10 @@ class _Conn:
         fields: dict[str, str] = {}
         clash = False
         for line in lines:
-            kept = _LINES.get(line)
-            if kept is None:
-                name, sep, value = line.partition(":")
-                if not sep:
-                    raise ValueError(f"a malformed header line: {line[:80]!r}")
-                kept = (name.strip().lower(), value.strip())
-                if len(line) <= _LINE_KEPT:
-                    if len(_LINES) >= MAX_LINES:
-                        _LINES.clear()
-                    _LINES[line] = kept
-            key, value = kept
+            name, sep, value = line.partition(":")
+            if not sep:
+                raise ValueError(f"a malformed header line: {line[:80]!r}")
+            key, value = name.strip().lower(), value.strip()
             if key == "content-length" and fields.get(key, value) != value:
                 clash = True
             fields[key] = value
