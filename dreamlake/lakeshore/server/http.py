@@ -202,6 +202,17 @@ def bound_document(value: Any, what: str, *, depth: int = MAX_DOC_DEPTH, size: i
     """``value`` when it nests at most ``depth`` containers and weighs at most ``size`` bytes
     (strings, bytes and keys at their length, every other item 8); 400 naming the field (and the
     first-level key where it went too deep) otherwise. Iterative: any depth is safe to check."""
+    if isinstance(value, dict) and depth > 0:  # a flat map (most run configs): one pass, no stack
+        total = 8
+        for key, child in value.items():
+            if isinstance(child, (dict, list, tuple)):
+                break
+            total += (len(key) if isinstance(key, str) else 8) + (
+                len(child) if isinstance(child, (str, bytes)) else 8
+            )
+        else:
+            if total <= size:
+                return value
     total = 0
     stack: list[tuple[Any, int, str]] = [(value, 0, what)]
     while stack:

@@ -301,9 +301,13 @@ class PollHub:
     # -- routing --------------------------------------------------------------------------------
 
     def _listener(self, channel: str, seq: int, relayed: bool) -> None:
-        """Called by the notifier in the notifying thread: hand routed channels to the loop."""
+        """Called by the notifier in the notifying thread: hand routed channels to the loop (a
+        turn later; from the loop itself, the group commit on the loop, without waking it)."""
         loop = self._loop
         if loop is not None and channel.startswith(_ROUTED):
+            if asyncio._get_running_loop() is loop:
+                loop.call_soon(self._route, channel, seq, relayed)
+                return
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
                 loop.call_soon_threadsafe(self._route, channel, seq, relayed)
 

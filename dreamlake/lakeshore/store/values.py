@@ -26,9 +26,10 @@ import json
 import math
 from typing import Any
 
-from dreamlake.lakeshore import resourcevalues
+from dreamlake.lakeshore import resourcevalues, runenv
 from dreamlake.lakeshore.errors import PlaneError
 
+from . import retry
 from .api import DEFAULT_MAX_ATTEMPTS, SubmitRequest
 from .direct import JSONText
 
@@ -95,9 +96,7 @@ def check_run_config(run_config: dict[str, Any]) -> None:
         )
     check_max_attempts(run_config.get("max_attempts"))
     check_timeout(run_config.get("timeout_s"))
-    from . import retry  # retry_on and backoff_s
-
-    retry.check(run_config)
+    retry.check(run_config)  # retry_on and backoff_s
     _check_environment(run_config)
     resources = run_config.get("resources")
     if resources is None:
@@ -132,8 +131,6 @@ def check_run_config(run_config: dict[str, Any]) -> None:
 
 def _check_environment(run_config: dict[str, Any]) -> None:
     """``env``, ``secrets`` and ``mounts`` (docs/nymph.md "Environments") of the right shape."""
-    from dreamlake.lakeshore import runenv
-
     try:
         runenv.user_env(run_config.get("env"))
         runenv.secret_names(run_config.get("secrets"))
