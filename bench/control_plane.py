@@ -457,6 +457,19 @@ def _measured(
     return rate, total, (cpu_seconds(pid) - cpu) * 1000 / max(1, total)
 
 
+def sqlite_submit_rate(producers: int, n: int) -> tuple[float, float]:
+    """Single submits/s through ``lakeshore server`` on a SQLite file (one per request, ``n`` from
+    each of ``producers`` load processes, a registered worker serving the queue) and the server's
+    CPU ms per submit: the table's single-submits row alone."""
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        lakeshore_server(f"sqlite:///{tmp}/submits.db", Path(tmp) / "data", 1) as (port, token, pid),
+    ):
+        _serve_queue(port, token, "submits", 1)
+        rate, _total, cpu = _measured(pid, _producer, [(port, token, n, "submits")] * producers)
+        return rate, cpu
+
+
 def control_plane(db: str, data_dir: Path, args: argparse.Namespace) -> Figures:
     """Per rep: single submits drained by busy-nymph-style daemons (each ack on the next poll),
     then (``args.batch`` > 0) as many submits through submit-batch drained by ``lakeshore worker``

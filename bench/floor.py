@@ -28,16 +28,20 @@ between). Rows:
   the row's ``submitted``, ``started`` (the claim) and ``finished`` (the ack).
 
 ``floor_round_trip(calls)`` is the measurement alone, for ``bench/hotpaths.py``;
-``floor_submit_rate(producers, n)`` the floor of the single-submits row (durable submits, one per
-request, from the same load processes), printed beside it.
+``floor_submit_rate(producers, n, app)`` the floors of the single-submits row (durable submits, one
+per request, from the same load processes), printed beside it: ``floor`` (this design's small
+table, a commit per submit) and ``row`` (:class:`RowFloor`: lakeshore's own row, table and indexes,
+group commits, and still none of the product's code).
 
-Run: ``python bench/floor.py [--calls 2000]``.
+Run: ``python bench/floor.py [--calls 2000]``; ``python bench/floor.py --submits`` prints the two
+submit floors and ``lakeshore server``'s single submits beside the same period's hello-world.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sqlite3
 import sys
@@ -53,7 +57,17 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
 from _stats import median_p90  # noqa: E402
-from control_plane import Client, _process, cpu_seconds, free_port, has, hello_parser, run_load, ulid  # noqa: E402
+from control_plane import (  # noqa: E402
+    Client,
+    _process,
+    cpu_seconds,
+    free_port,
+    has,
+    hello_parser,
+    run_load,
+    submit_body,
+    ulid,
+)
 from warm import hello_round_trip, in_processes, ms, split  # noqa: E402
 
 QUEUE = "floor"
@@ -215,12 +229,90 @@ class Floor:
         return {"calls": [] if calls is _EXPIRED else calls}
 
 
-def serve(port: int, db_path: str) -> None:
+class RowFloor:
+    """The floor of a submit of lakeshore's own row: ``POST /submit`` takes the body the product's
+    bench sends (``control_plane.submit_body``), encodes its three JSON columns and inserts the
+    row the product writes (every column of ``invocations``, through the product's own schema and
+    indexes, made by its migrations) in a group commit: every submit that arrived in one loop turn
+    goes into one ``BEGIN IMMEDIATE`` ... ``COMMIT``, each answered after it. No token, no checks,
+    no key or hash, no wake-ups, no metrics: what is left is what a durable submit of this row
+    costs in Python, whatever the product does around it."""
+
+    def __init__(self, db_path: str) -> None:
+        from dreamlake.lakeshore.store import open_store
+        from dreamlake.lakeshore.store.api import SubmitRequest
+
+        store = open_store(f"sqlite:///{db_path}")  # the product's schema, its migrations
+        body = submit_body(QUEUE)
+        prepared = store._prepare_submit(  # the row the product writes for this body
+            SubmitRequest(
+                body["invocation_id"], QUEUE, body["function"], body["args_blob"], body["run_config"]
+            )
+        )
+        store.close()
+        self.template = {**prepared.row, **prepared.texts, "root_invocation_id": None}
+        self.columns = list(self.template)
+        self.insert = (
+            f"INSERT INTO invocations ({', '.join(self.columns)}) "
+            f"VALUES ({', '.join('?' * len(self.columns))}) ON CONFLICT DO NOTHING"
+        )
+        self.db = sqlite3.connect(db_path, isolation_level=None)
+        for pragma in ("busy_timeout = 30000", "journal_mode = WAL", "synchronous = NORMAL"):
+            self.db.execute(f"PRAGMA {pragma}")
+        self.pending: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        message = await receive()
+        body = message.get("body", b"")
+        while message.get("more_body"):
+            message = await receive()
+            body += message.get("body", b"")
+        req = msgpack.unpackb(body, raw=False)
+        row = {
+            **self.template,
+            "invocation_id": req["invocation_id"],
+            "args_blob": req["args_blob"],
+            "function": json.dumps(req["function"]),
+            "run_config": json.dumps(req["run_config"]),
+            "code_context": json.dumps(req["code_context"]),
+        }
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self.pending.append((tuple(row[c] for c in self.columns), fut))
+        if len(self.pending) == 1:
+            loop.call_soon(self._commit)
+        await fut
+        data = msgpack.packb({"invocation_id": req["invocation_id"], "queue": req["queue"]})
+        headers = [(b"content-type", b"application/x-msgpack"), (b"content-length", b"%d" % len(data))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
+
+    def _commit(self) -> None:
+        batch, self.pending = self.pending, []
+        now = time.time()
+        at = self.columns.index("submitted_at")
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+            self.db.executemany(self.insert, [(*p[:at], now, *p[at + 1 :]) for p, _ in batch])
+            self.db.execute("COMMIT")
+        except BaseException as exc:
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+            for _, fut in batch:
+                fut.set_exception(exc)
+            return
+        for _, fut in batch:
+            fut.set_result(None)
+
+
+def serve(port: int, db_path: str, app: str = "floor") -> None:
     import uvicorn
 
     loop = "uvloop" if has("uvloop") else "asyncio"
     uvicorn.run(
-        Floor(db_path),
+        RowFloor(db_path) if app == "row" else Floor(db_path),
         host="127.0.0.1",
         port=port,
         log_level="warning",
@@ -318,36 +410,78 @@ def _submits(port: int, n: int, go: Any, out: Any) -> None:
     out.put((t0, time.perf_counter(), n))
 
 
-def floor_submit_rate(producers: int, n: int) -> tuple[float, float]:
-    """Submits/s through the floor server, one per request (each a ``BEGIN IMMEDIATE``, an insert
-    and a ``COMMIT``, then its row read back), from ``producers`` load processes of ``n`` each, and
-    the floor server's CPU ms per submit: the most a durable submit can be asked of Python on this
-    stack, beside the hello-world that answers without writing anything."""
+def _row_submits(port: int, n: int, go: Any, out: Any) -> None:
+    """``n`` submits of the product bench's body, one per request, to the row floor."""
+    c = Client(port, None)
+    go.wait()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        status, answer = c.post("/submit", submit_body(QUEUE))
+        if status != 200 or "invocation_id" not in answer:
+            raise RuntimeError(f"submit answered {status}: {answer}")
+    out.put((t0, time.perf_counter(), n))
+
+
+def floor_submit_rate(producers: int, n: int, app: str = "floor") -> tuple[float, float]:
+    """Submits/s through a floor server, one per request, from ``producers`` load processes of
+    ``n`` each, and the floor server's CPU ms per submit, beside the hello-world that answers
+    without writing anything. ``app``: ``floor`` (:class:`Floor`: a ``BEGIN IMMEDIATE``, an insert
+    into a small table and a ``COMMIT`` per submit, then its row read back) or ``row``
+    (:class:`RowFloor`: lakeshore's own row and table, group commits)."""
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
-        cmd = [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "--serve",
-            str(port),
-            str(Path(tmp) / "floor.db"),
-        ]
+        db = str(Path(tmp) / "floor.db")
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", str(port), db, "--app", app]
         with _process(cmd, port) as pid:
             cpu = cpu_seconds(pid)
-            rate, total = run_load(_submits, [(port, n)] * producers)
+            load = _row_submits if app == "row" else _submits
+            rate, total = run_load(load, [(port, n)] * producers)
             return rate, (cpu_seconds(pid) - cpu) * 1000 / total
 
 
 HEADER = f"{'path':<42} {'p50 ms':>8} {'p90 ms':>8} {'x hello':>8} {'server cpu ms/call':>19}"
 
 
+def submit_floors(producers: int, jobs: int) -> None:
+    """``--submits``: the two submit floors and lakeshore's single submits (SQLite file), each
+    beside the same period's hello-world, alternated."""
+    from control_plane import hello_rate, sqlite_submit_rate
+
+    per = max(200, jobs // producers)
+    print(f"single submits, one per request, {producers} load processes; {os.cpu_count()} cores")
+    print(f"{'server':<58} {'req/s':>8} {'x hello':>8} {'cpu ms/req':>11}")
+    for name, measure in (
+        ("hello-world (Starlette, the same stack)", lambda: hello_rate(producers, per)),
+        (
+            "floor: bare ASGI + sqlite3, a small table, 1 commit each",
+            lambda: floor_submit_rate(producers, per),
+        ),
+        (
+            "floor: bare ASGI + sqlite3, lakeshore's row, group commit",
+            lambda: floor_submit_rate(producers, per, "row"),
+        ),
+        ("lakeshore server", lambda: sqlite_submit_rate(producers, per)),
+    ):
+        rate, cpu = measure()
+        if name.startswith("hello"):
+            hello = rate
+        print(f"{name:<58} {rate:>8,.0f} {rate / hello:>7.2f}x {cpu:>11.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--calls", type=int, default=2000, help="sequential timed calls")
     ap.add_argument("--serve", nargs=2, metavar=("PORT", "DB"), help="run the floor server (internal)")
+    ap.add_argument("--app", choices=("floor", "row"), default="floor", help="which floor --serve runs")
+    ap.add_argument("--submits", action="store_true", help="the submit floors beside hello-world")
+    ap.add_argument("--producers", type=int, default=4, help="load processes (--submits)")
+    ap.add_argument("--jobs", type=int, default=6000, help="submits per figure (--submits)")
     args = ap.parse_args()
     if args.serve:
-        serve(int(args.serve[0]), args.serve[1])
+        serve(int(args.serve[0]), args.serve[1], args.app)
+        return
+    if args.submits:
+        submit_floors(args.producers, args.jobs)
         return
     hello = hello_round_trip(args.calls)
     times, cpu, parts = _measure(args.calls)
