@@ -457,14 +457,14 @@ def _measured(
     return rate, total, (cpu_seconds(pid) - cpu) * 1000 / max(1, total)
 
 
-def sqlite_submit_rate(producers: int, n: int) -> tuple[float, float]:
-    """Single submits/s through ``lakeshore server`` on a SQLite file (one per request, ``n`` from
-    each of ``producers`` load processes, a registered worker serving the queue) and the server's
-    CPU ms per submit: the table's single-submits row alone."""
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        lakeshore_server(f"sqlite:///{tmp}/submits.db", Path(tmp) / "data", 1) as (port, token, pid),
-    ):
+def submit_rate(producers: int, n: int, pg: str | None = None) -> tuple[float, float]:
+    """Single submits/s through ``lakeshore server`` (``--workers 1``) on a SQLite file, or with
+    ``pg`` in a fresh database of that PostgreSQL server (one per request, ``n`` from each of
+    ``producers`` load processes, a registered worker serving the queue) and the server's CPU ms per
+    submit: the table's single-submits row alone."""
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        db = stack.enter_context(pg_database(pg)) if pg else f"sqlite:///{tmp}/submits.db"
+        port, token, pid = stack.enter_context(lakeshore_server(db, Path(tmp) / "data", 1))
         _serve_queue(port, token, "submits", 1)
         rate, _total, cpu = _measured(pid, _producer, [(port, token, n, "submits")] * producers)
         return rate, cpu

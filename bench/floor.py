@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sqlite3
@@ -48,6 +49,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,7 @@ from control_plane import (  # noqa: E402
     free_port,
     has,
     hello_parser,
+    pg_database,
     run_load,
     submit_body,
     ulid,
@@ -233,16 +236,20 @@ class RowFloor:
     """The floor of a submit of lakeshore's own row: ``POST /submit`` takes the body the product's
     bench sends (``control_plane.submit_body``), encodes its three JSON columns and inserts the
     row the product writes (every column of ``invocations``, through the product's own schema and
-    indexes, made by its migrations) in a group commit: every submit that arrived in one loop turn
-    goes into one ``BEGIN IMMEDIATE`` ... ``COMMIT``, each answered after it. No token, no checks,
+    indexes, made by its migrations) in a group commit: the submits that arrived while the previous
+    commit ran go into the next transaction together, each answered after it commits. On a SQLite
+    file (``db`` a path) the commit runs on the event loop (``BEGIN IMMEDIATE``, the inserts,
+    ``COMMIT``), as the product's does; on PostgreSQL (``db`` a URL) it is one multi-row insert in
+    autocommit (one round trip), in a thread of its own, as the product's is. No token, no checks,
     no key or hash, no wake-ups, no metrics: what is left is what a durable submit of this row
     costs in Python, whatever the product does around it."""
 
-    def __init__(self, db_path: str) -> None:
+    def __init__(self, db: str) -> None:
         from dreamlake.lakeshore.store import open_store
         from dreamlake.lakeshore.store.api import SubmitRequest
 
-        store = open_store(f"sqlite:///{db_path}")  # the product's schema, its migrations
+        self.pg = db.startswith("postgresql")
+        store = open_store(db if self.pg else f"sqlite:///{db}")  # the product's schema, its migrations
         body = submit_body(QUEUE)
         prepared = store._prepare_submit(  # the row the product writes for this body
             SubmitRequest(
@@ -252,14 +259,21 @@ class RowFloor:
         store.close()
         self.template = {**prepared.row, **prepared.texts, "root_invocation_id": None}
         self.columns = list(self.template)
-        self.insert = (
-            f"INSERT INTO invocations ({', '.join(self.columns)}) "
-            f"VALUES ({', '.join('?' * len(self.columns))}) ON CONFLICT DO NOTHING"
-        )
-        self.db = sqlite3.connect(db_path, isolation_level=None)
-        for pragma in ("busy_timeout = 30000", "journal_mode = WAL", "synchronous = NORMAL"):
-            self.db.execute(f"PRAGMA {pragma}")
+        self.at = self.columns.index("submitted_at")
+        self.head = f"INSERT INTO invocations ({', '.join(self.columns)}) VALUES "
         self.pending: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
+        self.committing = False
+        if self.pg:
+            import psycopg
+            from sqlalchemy.engine import make_url
+
+            url = make_url(db).set(drivername="postgresql").render_as_string(hide_password=False)
+            self.conn: Any = psycopg.connect(url, autocommit=True)
+            self.pool = ThreadPoolExecutor(max_workers=1)
+        else:
+            self.conn = sqlite3.connect(db, isolation_level=None)
+            for pragma in ("busy_timeout = 30000", "journal_mode = WAL", "synchronous = NORMAL"):
+                self.conn.execute(f"PRAGMA {pragma}")
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -281,30 +295,57 @@ class RowFloor:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self.pending.append((tuple(row[c] for c in self.columns), fut))
-        if len(self.pending) == 1:
-            loop.call_soon(self._commit)
+        if not self.committing:
+            self.committing = True
+            loop.call_soon(self._next)
         await fut
         data = msgpack.packb({"invocation_id": req["invocation_id"], "queue": req["queue"]})
         headers = [(b"content-type", b"application/x-msgpack"), (b"content-length", b"%d" % len(data))]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": data})
 
-    def _commit(self) -> None:
+    def _next(self) -> None:
+        """Commit what is pending (a batch); when it has committed, answer it and take the next."""
         batch, self.pending = self.pending, []
-        now = time.time()
-        at = self.columns.index("submitted_at")
-        try:
-            self.db.execute("BEGIN IMMEDIATE")
-            self.db.executemany(self.insert, [(*p[:at], now, *p[at + 1 :]) for p, _ in batch])
-            self.db.execute("COMMIT")
-        except BaseException as exc:
-            if self.db.in_transaction:
-                self.db.execute("ROLLBACK")
-            for _, fut in batch:
-                fut.set_exception(exc)
+        if not batch:
+            self.committing = False
             return
+        now, at = time.time(), self.at
+        rows = [(*p[:at], now, *p[at + 1 :]) for p, _ in batch]
+        if self.pg:
+            done = asyncio.get_running_loop().run_in_executor(self.pool, self._write_pg, rows)
+            done.add_done_callback(lambda f: self._answer(batch, f.exception()))
+            return
+        try:
+            self._write_sqlite(rows)
+        except BaseException as exc:
+            self._answer(batch, exc)
+            return
+        self._answer(batch, None)
+
+    def _answer(self, batch: list[tuple[Any, asyncio.Future[Any]]], exc: BaseException | None) -> None:
         for _, fut in batch:
-            fut.set_result(None)
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(None)
+        self._next()
+
+    def _write_sqlite(self, rows: list[tuple[Any, ...]]) -> None:
+        insert = self.head + f"({', '.join('?' * len(self.columns))}) ON CONFLICT DO NOTHING"
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
+            self.conn.executemany(insert, rows)
+            self.conn.execute("COMMIT")
+        except BaseException:
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+            raise
+
+    def _write_pg(self, rows: list[tuple[Any, ...]]) -> None:
+        one = "(" + ", ".join(["%s"] * len(self.columns)) + ")"
+        insert = self.head + ", ".join([one] * len(rows)) + " ON CONFLICT DO NOTHING"
+        self.conn.execute(insert, [v for r in rows for v in r])
 
 
 def serve(port: int, db_path: str, app: str = "floor") -> None:
@@ -422,35 +463,38 @@ def _row_submits(port: int, n: int, go: Any, out: Any) -> None:
     out.put((t0, time.perf_counter(), n))
 
 
-def floor_submit_rate(producers: int, n: int, app: str = "floor") -> tuple[float, float]:
+def floor_submit_rate(
+    producers: int, n: int, app: str = "floor", pg: str | None = None
+) -> tuple[float, float]:
     """Submits/s through a floor server, one per request, from ``producers`` load processes of
     ``n`` each, and the floor server's CPU ms per submit, beside the hello-world that answers
     without writing anything. ``app``: ``floor`` (:class:`Floor`: a ``BEGIN IMMEDIATE``, an insert
     into a small table and a ``COMMIT`` per submit, then its row read back) or ``row``
-    (:class:`RowFloor`: lakeshore's own row and table, group commits)."""
-    with tempfile.TemporaryDirectory() as tmp:
+    (:class:`RowFloor`: lakeshore's own row and table, group commits), on a SQLite file, or with
+    ``pg`` (a PostgreSQL URL; ``row`` only) in a fresh database of that server."""
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        db = stack.enter_context(pg_database(pg)) if pg else str(Path(tmp) / "floor.db")
         port = free_port()
-        db = str(Path(tmp) / "floor.db")
         cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", str(port), db, "--app", app]
-        with _process(cmd, port) as pid:
-            cpu = cpu_seconds(pid)
-            load = _row_submits if app == "row" else _submits
-            rate, total = run_load(load, [(port, n)] * producers)
-            return rate, (cpu_seconds(pid) - cpu) * 1000 / total
+        pid = stack.enter_context(_process(cmd, port))
+        cpu = cpu_seconds(pid)
+        load = _row_submits if app == "row" else _submits
+        rate, total = run_load(load, [(port, n)] * producers)
+        return rate, (cpu_seconds(pid) - cpu) * 1000 / total
 
 
 HEADER = f"{'path':<42} {'p50 ms':>8} {'p90 ms':>8} {'x hello':>8} {'server cpu ms/call':>19}"
 
 
-def submit_floors(producers: int, jobs: int) -> None:
-    """``--submits``: the two submit floors and lakeshore's single submits (SQLite file), each
-    beside the same period's hello-world, alternated."""
-    from control_plane import hello_rate, sqlite_submit_rate
+def submit_floors(producers: int, jobs: int, pg: str | None) -> None:
+    """``--submits``: the submit floors and lakeshore's single submits (a SQLite file; with ``pg``,
+    PostgreSQL too), each beside the same period's hello-world."""
+    from control_plane import hello_rate, submit_rate
 
     per = max(200, jobs // producers)
     print(f"single submits, one per request, {producers} load processes; {os.cpu_count()} cores")
-    print(f"{'server':<58} {'req/s':>8} {'x hello':>8} {'cpu ms/req':>11}")
-    for name, measure in (
+    print(f"{'server':<64} {'req/s':>8} {'x hello':>8} {'cpu ms/req':>11}")
+    cases = [
         ("hello-world (Starlette, the same stack)", lambda: hello_rate(producers, per)),
         (
             "floor: bare ASGI + sqlite3, a small table, 1 commit each",
@@ -460,12 +504,21 @@ def submit_floors(producers: int, jobs: int) -> None:
             "floor: bare ASGI + sqlite3, lakeshore's row, group commit",
             lambda: floor_submit_rate(producers, per, "row"),
         ),
-        ("lakeshore server", lambda: sqlite_submit_rate(producers, per)),
-    ):
+        ("lakeshore server, SQLite", lambda: submit_rate(producers, per)),
+    ]
+    if pg:
+        cases += [
+            (
+                "floor: bare ASGI + psycopg, lakeshore's row, group commit",
+                lambda: floor_submit_rate(producers, per, "row", pg),
+            ),
+            ("lakeshore server, PostgreSQL (--workers 1)", lambda: submit_rate(producers, per, pg)),
+        ]
+    hello = 0.0
+    for name, measure in cases:
         rate, cpu = measure()
-        if name.startswith("hello"):
-            hello = rate
-        print(f"{name:<58} {rate:>8,.0f} {rate / hello:>7.2f}x {cpu:>11.3f}")
+        hello = hello or rate
+        print(f"{name:<64} {rate:>8,.0f} {rate / hello:>7.2f}x {cpu:>11.3f}")
 
 
 def main() -> None:
@@ -476,12 +529,15 @@ def main() -> None:
     ap.add_argument("--submits", action="store_true", help="the submit floors beside hello-world")
     ap.add_argument("--producers", type=int, default=4, help="load processes (--submits)")
     ap.add_argument("--jobs", type=int, default=6000, help="submits per figure (--submits)")
+    ap.add_argument(
+        "--pg", default=os.environ.get("LAKESHORE_TEST_PG_URL"), help="PostgreSQL too (--submits)"
+    )
     args = ap.parse_args()
     if args.serve:
         serve(int(args.serve[0]), args.serve[1], args.app)
         return
     if args.submits:
-        submit_floors(args.producers, args.jobs)
+        submit_floors(args.producers, args.jobs, args.pg)
         return
     hello = hello_round_trip(args.calls)
     times, cpu, parts = _measure(args.calls)

@@ -21,9 +21,10 @@ It runs the other benches' own functions, so the figures mean what they mean the
   and ``lakeshore worker``'s
   (``--prefetch``, the acks riding on the next poll); baselines: a Starlette hello-world on the
   same HTTP stack, raw ``sqlite3`` / ``psycopg`` inserts (100 per transaction); under the
-  single-submits row, the floors of a durable submit under the same load (``floor.py``: a bare
-  ASGI app over raw ``sqlite3`` with no product code, on a small table with a commit per submit,
-  and with lakeshore's own row, table and indexes in group commits);
+  single-submits rows, the floors of a durable submit under the same load (``floor.py``: a bare
+  ASGI app with no product code over raw ``sqlite3``, on a small table with a commit per submit,
+  and with lakeshore's own row, table and indexes in group commits; over ``psycopg`` with that
+  row, for PostgreSQL);
 - frames/s nymph -> live consumer over HTTP and the first frame's latency (``streams.py``'s
   stack: ``lakeshore server`` + ``nymph start --runner process``); baseline: a bare msgpack
   pack+unpack per frame;
@@ -126,6 +127,17 @@ def control_plane_rows(args: argparse.Namespace, tmp: Path) -> list[Row]:
     per = max(200, args.jobs // args.producers)
     low, low_cpu = floor.floor_submit_rate(args.producers, per)
     row_low, row_cpu = floor.floor_submit_rate(args.producers, per, "row")
+    floors = {
+        "sqlite": [
+            ("bare ASGI + sqlite3, a small table, 1 commit each", low, low_cpu),
+            ("bare ASGI + sqlite3, lakeshore's row and table, group commit", row_low, row_cpu),
+        ]
+    }
+    if args.pg:
+        pg_low, pg_cpu = floor.floor_submit_rate(args.producers, per, "row", args.pg)
+        floors["postgresql"] = [
+            ("bare ASGI + psycopg, lakeshore's row and table, group commit", pg_low, pg_cpu)
+        ]
     rows = []
     raw_sq = cp.raw_sqlite(tmp / "raw.db", 3000, 100)
     raws = {"sqlite": raw_sq}
@@ -165,14 +177,11 @@ def control_plane_rows(args: argparse.Namespace, tmp: Path) -> list[Row]:
                     base,
                 )
             )
-            if kind == "sqlite" and n == args.workers[0]:
-                for name, rate, cpu in (
-                    ("a small table, 1 commit each", low, low_cpu),
-                    ("lakeshore's row and table, group commit", row_low, row_cpu),
-                ):
+            if n == args.workers[0]:
+                for name, rate, cpu in floors[kind]:
                     rows.append(
                         Row(
-                            f"  floor of a durable submit (bench/floor.py: bare ASGI + sqlite3, {name})",
+                            f"  floor of a durable submit (bench/floor.py: {name})",
                             f"{_rate(rate)} = {rate / hello if hello else 0.0:.2f}x hello; {cpu:.2f} cpu ms",
                             "(no product code: the most 0.5x hello can ask)",
                             base,
