@@ -105,6 +105,16 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 # -- the floor server ----------------------------------------------------------------------------
 
 
+async def _body(receive: Receive) -> bytes:
+    """A request's whole body, from its ASGI messages."""
+    message = await receive()
+    body = message.get("body", b"")
+    while message.get("more_body"):
+        message = await receive()
+        body += message.get("body", b"")
+    return bytes(body)
+
+
 def _expire(fut: asyncio.Future[Any]) -> None:
     if not fut.done():
         fut.set_result(_EXPIRED)
@@ -128,11 +138,7 @@ class Floor:
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        message = await receive()
-        body = message.get("body", b"")
-        while message.get("more_body"):
-            message = await receive()
-            body += message.get("body", b"")
+        body = await _body(receive)
         path = scope["path"]
         try:
             request = msgpack.unpackb(body, raw=False)
@@ -278,11 +284,7 @@ class RowFloor:
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        message = await receive()
-        body = message.get("body", b"")
-        while message.get("more_body"):
-            message = await receive()
-            body += message.get("body", b"")
+        body = await _body(receive)
         req = msgpack.unpackb(body, raw=False)
         row = {
             **self.template,
