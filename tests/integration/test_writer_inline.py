@@ -103,6 +103,57 @@ def test_a_free_lock_writes_the_batch_on_the_loop_and_answers_once_committed(
     assert sqlite_store.inline_write_lock().acquire(blocking=False)  # released after each batch
 
 
+def _record_sizes(store: SqlStore, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of writes in each ``write_batch`` of ``store``, in order."""
+    sizes: list[int] = []
+    real = store.write_batch
+
+    def recording(requests: Sequence[Any], on_commit: Any = None, **kw: Any) -> Any:
+        sizes.append(len(requests))
+        return real(requests, on_commit, **kw)
+
+    monkeypatch.setattr(store, "write_batch", recording)
+    return sizes
+
+
+def test_writes_a_turn_apart_share_a_commit_only_while_writes_come_together(
+    sqlite_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the loop, a lone caller's write is committed at once; once a batch held several callers'
+    writes, the next batch waits a few loop turns and takes the writes on their way (what fills the
+    transactions of concurrent submits), until a batch of one caller turns that off again."""
+    sizes = _record_sizes(sqlite_store, monkeypatch)
+
+    async def staggered(writer: GroupWriter) -> None:  # a second caller one loop turn after the first
+        first = asyncio.ensure_future(writer.write(_submit()))
+        await asyncio.sleep(0)
+        second = asyncio.ensure_future(writer.write(_submit()))
+        await asyncio.gather(first, second)
+
+    async def main() -> list[list[int]]:
+        writer = GroupWriter(sqlite_store, inline_lock=sqlite_store.inline_write_lock())
+        steps = []
+        try:
+            await staggered(writer)  # lone writes so far: each committed as it comes
+            steps.append(list(sizes))
+            sizes.clear()
+            await asyncio.gather(writer.write(_submit()), writer.write(_submit()))  # together
+            await staggered(writer)
+            steps.append(list(sizes))
+            sizes.clear()
+            await writer.write(_submit())  # alone again (it still waited its turns: one batch)
+            await staggered(writer)
+            steps.append(list(sizes))
+        finally:
+            await writer.aclose()
+        return steps
+
+    lone, together, alone_again = asyncio.run(main())
+    assert lone == [1, 1]
+    assert together == [2, 2]  # the second pair, a turn apart, in one commit
+    assert alone_again == [1, 1, 1]
+
+
 def test_a_held_lock_sends_the_batch_to_the_writer_thread_and_the_loop_keeps_running(
     sqlite_store: SqlStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
