@@ -97,6 +97,7 @@ ACK = (
     "WHERE id = ? AND worker = ? AND state = 'running'"
 )
 _EXPIRED = object()  # what a wait's timer hands its future
+GATHER_TURNS = 2  # the group commit's wait for more writes on the loop (server/writer.py's)
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -245,10 +246,11 @@ class RowFloor:
     indexes, made by its migrations) in a group commit: the submits that arrived while the previous
     commit ran go into the next transaction together, each answered after it commits. On a SQLite
     file (``db`` a path) the commit runs on the event loop (``BEGIN IMMEDIATE``, the inserts,
-    ``COMMIT``), as the product's does; on PostgreSQL (``db`` a URL) it is one multi-row insert in
-    autocommit (one round trip), in a thread of its own, as the product's is. No token, no checks,
-    no key or hash, no wake-ups, no metrics: what is left is what a durable submit of this row
-    costs in Python, whatever the product does around it."""
+    ``COMMIT``), waiting ``GATHER_TURNS`` loop turns for more submits once a batch held several, as
+    the product's does; on PostgreSQL (``db`` a URL) it is one multi-row insert in autocommit (one
+    round trip), in a thread of its own, as the product's is. No token, no checks, no key or hash,
+    no wake-ups, no metrics: what is left is what a durable submit of this row costs in Python,
+    whatever the product does around it."""
 
     def __init__(self, db: str) -> None:
         from dreamlake.lakeshore.store import open_store
@@ -269,6 +271,7 @@ class RowFloor:
         self.head = f"INSERT INTO invocations ({', '.join(self.columns)}) VALUES "
         self.pending: list[tuple[tuple[Any, ...], asyncio.Future[Any]]] = []
         self.committing = False
+        self.gather = False  # SQLite: the last batch held several submits (see ``_next``)
         if self.pg:
             import psycopg
             from sqlalchemy.engine import make_url
@@ -299,15 +302,19 @@ class RowFloor:
         self.pending.append((tuple(row[c] for c in self.columns), fut))
         if not self.committing:
             self.committing = True
-            loop.call_soon(self._next)
+            loop.call_soon(self._next, GATHER_TURNS if self.gather else 0)
         await fut
         data = msgpack.packb({"invocation_id": req["invocation_id"], "queue": req["queue"]})
         headers = [(b"content-type", b"application/x-msgpack"), (b"content-length", b"%d" % len(data))]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": data})
 
-    def _next(self) -> None:
-        """Commit what is pending (a batch); when it has committed, answer it and take the next."""
+    def _next(self, wait: int = 0) -> None:
+        """Commit what is pending (a batch), after ``wait`` more loop turns; when it has committed,
+        answer it and take the next."""
+        if wait:
+            asyncio.get_running_loop().call_soon(self._next, wait - 1)
+            return
         batch, self.pending = self.pending, []
         if not batch:
             self.committing = False
@@ -318,6 +325,7 @@ class RowFloor:
             done = asyncio.get_running_loop().run_in_executor(self.pool, self._write_pg, rows)
             done.add_done_callback(lambda f: self._answer(batch, f.exception()))
             return
+        self.gather = len(batch) > 1  # the product's gather on the loop (server/writer.py)
         try:
             self._write_sqlite(rows)
         except BaseException as exc:
