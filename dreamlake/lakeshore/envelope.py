@@ -138,8 +138,6 @@ class Envelope:
         # The Envelope's own size bounded these already (MAX_PAYLOAD_BYTES when it came by reference)
         # No arguments (an empty array, an empty map) are what the codec would decode them to.
         a, k = self.args, self.kwargs
-        if a == _NO_ARGS and k == _NO_KWARGS:
-            return [], {}
         from dreamlake.lakeshore import wire
 
         args = [] if a == _NO_ARGS else wire.unpack(a, limits=wire.limits_for(a))

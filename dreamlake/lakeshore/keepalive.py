@@ -365,8 +365,7 @@ class KeepAlive:
                         sock.close()
                         raise
                 conn = _Conn(sock)
-            if read_timeout_s != conn.timeout_s:
-                conn.set_timeout(read_timeout_s)
+            conn.set_timeout(read_timeout_s)
             if content and len(content) > _JOINED:
                 conn.send(head)
                 conn.send(content)
@@ -392,12 +391,7 @@ class KeepAlive:
                 length_text = fields["content-length"]
                 if not length_text.isdigit():
                     raise ValueError(f"a bad Content-Length: {length_text[:40]!r}")
-                n = int(length_text)
-                if len(conn.buf) == n:  # all of it came with the head (the usual case)
-                    body = bytes(conn.buf)
-                    conn.buf.clear()
-                else:
-                    body = conn.read_exactly(n)
+                body = conn.read_exactly(int(length_text))
             else:
                 body = conn.read_to_end()
                 will_close = True

@@ -130,8 +130,8 @@ class _Job:
     ) -> None:
         self.plane, self.worker_id, self.claim = plane, worker_id, claim
         self.allow_pickled, self.policy = allow_pickled, policy
-        self.later = later  # the ack rides on the next poll (``HttpDispatch.claim_batch``)
-        self._later: dict[str, Any] = {"later": True} if later else {}  # (a plane without it takes none)
+        # the ack rides on the next poll (``HttpDispatch.claim_batch``); a plane without it takes none
+        self._later: dict[str, Any] = {"later": True} if later else {}
         self.seq = 0
 
     def ack(self, state: str, result_blob: bytes | None = None, error: dict[str, Any] | None = None) -> None:

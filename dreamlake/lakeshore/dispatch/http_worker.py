@@ -174,17 +174,17 @@ class HttpWorkerPlane:
                     tried.pop(str(sent.get("invocation_id")), None)
                 continue
             status, inv = answer.get("status"), str(sent.get("invocation_id"))
-            failed = not answer.get("ok") and isinstance(status, int) and status >= 500
-            tries = self._ack_tries.pop(inv, 0) + 1  # polls it rode that the store failed
+            failed = isinstance(status, int) and status >= 500
+            tries = tried.pop(inv, 0) + 1  # polls it rode that the store failed
             if failed and tries < ACK_TRIES:
-                self._ack_tries[inv] = tries
+                tried[inv] = tries
                 again.append(sent)  # the store failed it: it goes again with the next poll
             elif failed:
                 log.error(
                     "ack of %s failed in the store %d times, given up: its lease lapses and "
                     "it runs again (%s)", inv, tries, answer.get("error"),
                 )  # fmt: skip
-            elif not answer.get("ok"):
+            else:
                 log.warning(
                     "ack of %s refused (%s): %s",
                     answer.get("invocation_id"),
@@ -268,19 +268,13 @@ class HttpWorkerPlane:
             "error": error,
             "attempt": attempt,
         }
-        limits = self._limits  # by_reference(len(result_blob), self._worker_threshold), inline
-        threshold = None if limits is None else limits.inline_threshold_bytes
-        if result_blob and threshold is not None and len(result_blob) > threshold:
+        if result_blob and by_reference(len(result_blob), self._worker_threshold):
             ref = self._upload(bytes(result_blob), invocation_id, "result")
             if ref is not None:
                 body["result_blob"] = b""
                 body["result_ref"] = ref
         if later:  # the poll that carries it names the worker
-            queued = self._later.get(worker_id)
-            if queued is None:
-                self._later[worker_id] = [body]
-            else:
-                queued.append(body)
+            self._later.setdefault(worker_id, []).append(body)
             return True
         body["worker_id"] = worker_id
         try:
