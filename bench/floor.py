@@ -449,26 +449,16 @@ def floor_round_trip(calls: int) -> tuple[list[float], float]:
     return times, cpu
 
 
-def _submits(port: int, n: int, go: Any, out: Any) -> None:
-    """``n`` submits one per request, answered at once (``wait_s`` 0: no worker takes them)."""
+def _submits(port: int, n: int, row: bool, go: Any, out: Any) -> None:
+    """``n`` submits one per request, each answered at once: to :class:`Floor`, a small body with
+    ``wait_s`` 0 (no worker takes them); with ``row``, the product bench's body to :class:`RowFloor`."""
     c = Client(port, None)
     go.wait()
     t0 = time.perf_counter()
     for _ in range(n):
-        status, answer = c.post("/submit", {"id": ulid(), "queue": QUEUE, "args": NOOP_ARGS, "wait_s": 0})
-        if status != 200 or answer.get("state") != "queued":
-            raise RuntimeError(f"submit answered {status}: {answer}")
-    out.put((t0, time.perf_counter(), n))
-
-
-def _row_submits(port: int, n: int, go: Any, out: Any) -> None:
-    """``n`` submits of the product bench's body, one per request, to the row floor."""
-    c = Client(port, None)
-    go.wait()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        status, answer = c.post("/submit", submit_body(QUEUE))
-        if status != 200 or "invocation_id" not in answer:
+        body = submit_body(QUEUE) if row else {"id": ulid(), "queue": QUEUE, "args": NOOP_ARGS, "wait_s": 0}
+        status, answer = c.post("/submit", body)
+        if status != 200 or ("invocation_id" not in answer if row else answer.get("state") != "queued"):
             raise RuntimeError(f"submit answered {status}: {answer}")
     out.put((t0, time.perf_counter(), n))
 
@@ -488,8 +478,7 @@ def floor_submit_rate(
         cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", str(port), db, "--app", app]
         pid = stack.enter_context(_process(cmd, port))
         cpu = cpu_seconds(pid)
-        load = _row_submits if app == "row" else _submits
-        rate, total = run_load(load, [(port, n)] * producers)
+        rate, total = run_load(_submits, [(port, n, app == "row")] * producers)
         return rate, (cpu_seconds(pid) - cpu) * 1000 / total
 
 
