@@ -355,6 +355,34 @@ class Direct(_Statement):
             count += n
         return DirectResult(rows, count)
 
+    def append(self, connection: Connection, param_sets: Sequence[Mapping[str, Any]]) -> int:
+        """SQLite: this ``INSERT`` (no ``RETURNING``) with each of ``param_sets`` in order, as one
+        ``executemany``, up to the first set a constraint refuses: how many sets were inserted
+        before it (``len(param_sets)``: all). The refused set's statement is undone by SQLite
+        (ABORT: that statement alone, never the transaction), so it and the sets after it are not
+        written and the caller writes them another way. Any other error is raised as ``run``
+        raises it. On SQLite's ``RETURNING`` each row costs an ``execute`` and a fetch of its own
+        (``_execute``); with none, the rows go in one call, in C."""
+        import sqlite3
+
+        c = self._compiled(connection.dialect, param_sets[0])
+        assert not c.returns and connection.dialect.name == "sqlite"
+        raw = connection.connection.dbapi_connection
+        assert raw is not None
+        sets = [c.params(p) for p in param_sets]
+        before = raw.total_changes  # (counts every row inserted: the table has no trigger)
+        cursor = raw.cursor()
+        try:
+            cursor.executemany(c.sql, sets)
+        except sqlite3.IntegrityError:  # a key taken: the sets before it are in
+            return int(raw.total_changes - before)
+        except Exception as exc:  # as ``run`` raises it (store/outage.py classifies these)
+            connection._handle_dbapi_exception(exc, c.sql, sets, cursor, None)
+            raise
+        finally:
+            cursor.close()
+        return len(sets)
+
     def run(self, connection: Connection, param_sets: Sequence[Mapping[str, Any]]) -> DirectResult:
         first: Mapping[str, Any] = param_sets[0] if param_sets else {}
         c = self._compiled(connection.dialect, first)

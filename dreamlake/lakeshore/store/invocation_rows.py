@@ -122,6 +122,18 @@ class _Statements:
             .returning(_inv.c.invocation_id),
             dialect,
         )
+        # SQLite: the same rows with neither (``Direct.append``: one executemany; the rows from a
+        # conflict on go through ``insert_invocation``)
+        self.append_invocations = (
+            Direct(
+                dialect_insert(dialect, _inv).values(
+                    {col: B(col, type_=_inv.c[col].type) for col in _SUBMIT_COLS}
+                ),
+                dialect,
+            )
+            if dialect == "sqlite"
+            else None
+        )
         self.roots_of = sa.select(_inv.c.invocation_id, _inv.c.root_invocation_id).where(
             _inv.c.invocation_id.in_(B("ids", expanding=True))
         )
