@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 import msgpack
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from dreamlake.lakeshore import ids
@@ -40,7 +40,11 @@ class HTTPError(Exception):
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (413) anything over ``limit`` bytes before buffering it all."""
+    """The request body, refusing (413) anything over ``limit`` bytes before buffering it all.
+
+    Read from the ASGI messages straight (Starlette's ``Request.stream`` is an async generator
+    per request, for the one message a small body comes in); a client gone mid-body raises
+    ``ClientDisconnect`` as ``stream`` does."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -52,9 +56,16 @@ async def read_body(request: Request, limit: int) -> bytes:
                 )
         except ValueError:
             raise HTTPError(400, "invalid Content-Length header") from None
+    receive = request.receive
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        if message["type"] != "http.request":
+            continue
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise HTTPError(
@@ -63,7 +74,8 @@ async def read_body(request: Request, limit: int) -> bytes:
                 "(LAKESHORE_MAX_BODY_BYTES); send large payloads through the payload store",
             )
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def decode_msgpack(data: bytes) -> dict[str, Any]:
@@ -113,8 +125,25 @@ def decode_json(data: bytes) -> dict[str, Any]:
     return value
 
 
+class MsgpackResponse(Response):
+    """``Response(msgpack.packb(value), status, media_type=MSGPACK)``, its two headers made
+    straight (the hot routes answer every call with one: ``init_headers`` rebuilds them from
+    strings each time)."""
+
+    media_type = MSGPACK
+
+    def __init__(self, value: Any, status_code: int = 200) -> None:
+        self.status_code = status_code
+        self.background = None
+        self.body = body = msgpack.packb(value, use_bin_type=True)
+        self.raw_headers = [(b"content-length", b"%d" % len(body)), (b"content-type", _MSGPACK_TYPE)]
+
+
+_MSGPACK_TYPE = MSGPACK.encode("latin-1")
+
+
 def msgpack_response(value: Any, status: int = 200) -> Response:
-    return Response(msgpack.packb(value, use_bin_type=True), status_code=status, media_type=MSGPACK)
+    return MsgpackResponse(value, status)
 
 
 def json_response(value: Any, status: int = 200) -> Response:

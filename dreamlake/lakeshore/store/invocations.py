@@ -219,13 +219,11 @@ class InvocationStore(AckStore, LeaseStore):
             params.append(
                 {**r, **(p.texts if texts else {}), "root_invocation_id": root, "submitted_at": now}
             )
-        if st.append_invocations is not None:  # SQLite: all in one call, up to a conflict
-            done = st.append_invocations.append(conn, params)
-            inserted = {p["invocation_id"] for p in params[:done]}
-            if done < len(params):  # a conflict: the rest as before, each one's answer told apart
-                inserted |= set(st.insert_invocation.run_rows(conn, params[done:]).scalars())
-        else:
-            inserted = set(st.insert_invocation.run_rows(conn, params).scalars())
+        # SQLite: one call up to a conflict; the rest (PostgreSQL: all) each one's answer told apart
+        done = st.append_invocations.append(conn, params) if st.append_invocations and params else 0
+        inserted = {p["invocation_id"] for p in params[:done]}
+        if done < len(params):
+            inserted |= set(st.insert_invocation.run_rows(conn, params[done:]).scalars())
         out: list[SubmitResult | PlaneError] = []
         for r in rows:
             inv_id = r["invocation_id"]
