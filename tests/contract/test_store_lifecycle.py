@@ -56,7 +56,7 @@ def test_migrations_match_schema_and_reopen_is_idempotent(store_url: str) -> Non
     try:
         with second.db.tx(write=False) as conn:
             ctx = MigrationContext.configure(conn)
-            assert ctx.get_current_revision() == HEAD_REVISION == "0019_handbacks"
+            assert ctx.get_current_revision() == HEAD_REVISION == "0020_partial_indexes"
             assert compare_metadata(ctx, schema.metadata) == []
     finally:
         first.close()

@@ -76,7 +76,7 @@ _PG_IDLE = 0  # psycopg.pq.TransactionStatus.IDLE (psycopg is imported only for 
 _PG_MIGRATION_LOCK = 0x6C616B65  # pg_advisory_xact_lock key: "lake"
 # The newest revision in migrations/versions; a test checks it against Alembic's script head.
 # Bump it with every new migration, or opens will skip the upgrade.
-HEAD_REVISION = "0019_handbacks"
+HEAD_REVISION = "0020_partial_indexes"
 
 
 P = ParamSpec("P")

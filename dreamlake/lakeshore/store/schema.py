@@ -80,10 +80,20 @@ invocations = sa.Table(
     # 0010: the checkpoint the next attempt starts from ({bucket, key, size, sha256}, a tar of the
     # task's dls.checkpoint_dir() in the payload store), set by the attempt that held the lease
     sa.Column("checkpoint_ref", sa.JSON, nullable=True),
+    # 0020: every row, not only the running ones: listings by state read it (migration 0020)
     sa.Index("ix_invocations_lease", "state", "lease_expires_at"),
-    sa.Index("ix_invocations_root", "root_invocation_id"),
-    # 0004: a key is unique within its namespace and queue.
+    # 0004: a key is unique within its namespace and queue; 0020: every row, not only the keyed
+    # ones: the reads of one namespace search it by its first column (migration 0020)
     sa.Index("ux_invocations_queue_key", "namespace", "queue", "idempotency_key", unique=True),
+)
+# 0020: only the rows with a root (a submit with no parent skips it); ``root_invocation_id = x``
+# implies the predicate, so the lineage reads use it as they used the full index.
+_HAS_ROOT = invocations.c.root_invocation_id.isnot(None)
+sa.Index(
+    "ix_invocations_root",
+    invocations.c.root_invocation_id,
+    sqlite_where=_HAS_ROOT,
+    postgresql_where=_HAS_ROOT,
 )
 # 0003: the claim order of one queue, over queued rows only (see claims.claim_statement);
 # 0006: only those due (a retry waiting for its backoff is not in it: claims stay a range read);
