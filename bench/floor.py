@@ -30,10 +30,12 @@ between). Rows:
 ``floor_round_trip(calls)`` is the measurement alone, for ``bench/hotpaths.py``;
 ``floor_submit_rate(producers, n, app)`` the floors of the single-submits row (durable submits, one
 per request, from the same load processes), printed beside it: ``floor`` (this design's small
-table, a commit per submit) and ``row`` (:class:`RowFloor`: lakeshore's own row, table and indexes,
-group commits, and still none of the product's code).
+table, a commit per submit), ``row`` (:class:`RowFloor`: lakeshore's own row, table and indexes,
+group commits, and still none of the product's code) and ``checked`` (:class:`CheckedFloor`: the
+same after the checks every submit must make, made with the product's own check functions: what
+any implementation as safe as the seeds ask pays, before the product's own features).
 
-Run: ``python bench/floor.py [--calls 2000]``; ``python bench/floor.py --submits`` prints the two
+Run: ``python bench/floor.py [--calls 2000]``; ``python bench/floor.py --submits`` prints the three
 submit floors and ``lakeshore server``'s single submits beside the same period's hello-world.
 """
 
@@ -42,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import sqlite3
@@ -297,17 +300,19 @@ class RowFloor:
             "run_config": json.dumps(req["run_config"]),
             "code_context": json.dumps(req["code_context"]),
         }
+        await self._committed(tuple(row[c] for c in self.columns))
+        await _answer(send, {"invocation_id": req["invocation_id"], "queue": req["queue"]})
+
+    async def _committed(self, values: tuple[Any, ...]) -> None:
+        """Hand ``values`` (a row, in ``columns``' order) to the next group commit; return once it
+        has committed."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self.pending.append((tuple(row[c] for c in self.columns), fut))
+        self.pending.append((values, fut))
         if not self.committing:
             self.committing = True
             loop.call_soon(self._next, GATHER_TURNS if self.gather else 0)
         await fut
-        data = msgpack.packb({"invocation_id": req["invocation_id"], "queue": req["queue"]})
-        headers = [(b"content-type", b"application/x-msgpack"), (b"content-length", b"%d" % len(data))]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": data})
 
     def _next(self, wait: int = 0) -> None:
         """Commit what is pending (a batch), after ``wait`` more loop turns; when it has committed,
@@ -358,12 +363,88 @@ class RowFloor:
         self.conn.execute(insert, [v for r in rows for v in r])
 
 
+class CheckedFloor(RowFloor):
+    """:class:`RowFloor` with the checks every submit must make before its row is written, and
+    nothing else of the product: what a durable submit costs in Python on this stack once it is
+    as safe as the seeds ask, whoever writes it. Per request: the bearer token's digest looked up
+    (401; the product's cache), the body bounded (413) and decoded with the product's bounds (400),
+    and its fields checked with the product's own checks (the same cost as the product's): the
+    invocation_id a ULID, the queue a name, ``function`` and ``code_context`` bounded documents,
+    ``args_blob`` bytes, ``run_config``'s keys strings, its size and depth bounded and its limits
+    in range, every JSON column JSON data; then the row's derived columns (the function's key, the
+    content hash that tells a repeat from a clash, the idempotency key, the priority). Still no
+    auth table, quota, wake-up, poll hand-off, metrics, warnings or outage handling. An unknown
+    token is taken too (the floor has no token store): only the lookup's cost counts."""
+
+    def __init__(self, db: str) -> None:
+        from dreamlake.lakeshore.server.config import ServerConfig
+
+        super().__init__(db)
+        self.tokens: dict[str, Any] = {}
+        self.max_body = ServerConfig().max_body_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        from dreamlake.lakeshore.server import http
+        from dreamlake.lakeshore.store import values
+        from dreamlake.lakeshore.store.api import SubmitRequest
+
+        if scope["type"] != "http":
+            return
+        secret, declared = b"", 0
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                secret = value.partition(b" ")[2].strip()
+            elif name == b"content-length":
+                declared = int(value)
+        self.tokens.get(hashlib.sha256(secret).hexdigest())
+        if declared > self.max_body:
+            raise RuntimeError(f"a body of {declared} bytes: the floor's load sends small ones")
+        req = http.decode_msgpack(await _body(receive))
+        invocation_id = http.ulid_field(req, "invocation_id")
+        run_config = http.field(req, "run_config", dict, default={})
+        queue = http.name(req.get("queue") or run_config.get("queue") or "default", "queue")
+        function = http.document(req, "function")
+        args_blob = http.field(req, "args_blob", bytes)
+        code_context = http.document(req, "code_context", default={})
+        http.ulid_field(req, "parent_invocation_id", optional=True)
+        if not all(isinstance(key, str) for key in run_config):
+            raise RuntimeError("run_config keys must be strings")
+        values.check_run_config(http.bound_document(run_config, "run_config"))
+        run_config, run_config_text = values.json_encoded(run_config, "run_config")
+        function, function_text = values.json_encoded(function, "function")
+        code_context, code_context_text = values.json_encoded(code_context, "code_context")
+        submit = SubmitRequest(invocation_id, queue, function, args_blob, run_config, code_context)
+        row = {
+            **self.template,
+            "invocation_id": invocation_id,
+            "queue": queue,
+            "args_blob": args_blob,
+            "function": function_text,
+            "run_config": run_config_text,
+            "code_context": code_context_text,
+            "function_key": values.function_key(function, function_text),
+            "content_hash": values.content_hash(submit, queue, run_config),
+            "idempotency_key": values.idempotency_key(run_config),
+            "priority": values.normalize_priority(run_config.get("priority")),
+        }
+        await self._committed(tuple(row[c] for c in self.columns))
+        await _answer(send, {"invocation_id": invocation_id, "queue": queue})
+
+
+async def _answer(send: Send, value: Any) -> None:
+    """A 200 of ``value`` in msgpack."""
+    data = msgpack.packb(value)
+    headers = [(b"content-type", b"application/x-msgpack"), (b"content-length", b"%d" % len(data))]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
+
+
 def serve(port: int, db_path: str, app: str = "floor") -> None:
     import uvicorn
 
     loop = "uvloop" if has("uvloop") else "asyncio"
     uvicorn.run(
-        RowFloor(db_path) if app == "row" else Floor(db_path),
+        {"row": RowFloor, "checked": CheckedFloor}.get(app, Floor)(db_path),
         host="127.0.0.1",
         port=port,
         log_level="warning",
@@ -449,10 +530,12 @@ def floor_round_trip(calls: int) -> tuple[list[float], float]:
     return times, cpu
 
 
-def _submits(port: int, n: int, row: bool, go: Any, out: Any) -> None:
-    """``n`` submits one per request, each answered at once: to :class:`Floor`, a small body with
-    ``wait_s`` 0 (no worker takes them); with ``row``, the product bench's body to :class:`RowFloor`."""
-    c = Client(port, None)
+def _submits(port: int, n: int, app: str, go: Any, out: Any) -> None:
+    """``n`` submits one per request, each answered at once: to :class:`Floor` (``app``
+    "floor"), a small body with ``wait_s`` 0 (no worker takes them); to :class:`RowFloor` and
+    :class:`CheckedFloor` ("row", "checked"), the product bench's body (and, checked, a token)."""
+    row = app != "floor"
+    c = Client(port, "floor-token" if app == "checked" else None)
     go.wait()
     t0 = time.perf_counter()
     for _ in range(n):
@@ -469,16 +552,17 @@ def floor_submit_rate(
     """Submits/s through a floor server, one per request, from ``producers`` load processes of
     ``n`` each, and the floor server's CPU ms per submit, beside the hello-world that answers
     without writing anything. ``app``: ``floor`` (:class:`Floor`: a ``BEGIN IMMEDIATE``, an insert
-    into a small table and a ``COMMIT`` per submit, then its row read back) or ``row``
-    (:class:`RowFloor`: lakeshore's own row and table, group commits), on a SQLite file, or with
-    ``pg`` (a PostgreSQL URL; ``row`` only) in a fresh database of that server."""
+    into a small table and a ``COMMIT`` per submit, then its row read back), ``row``
+    (:class:`RowFloor`: lakeshore's own row and table, group commits) or ``checked``
+    (:class:`CheckedFloor`: that, after the checks every submit must make), on a SQLite file, or
+    with ``pg`` (a PostgreSQL URL; ``row`` or ``checked``) in a fresh database of that server."""
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         db = stack.enter_context(pg_database(pg)) if pg else str(Path(tmp) / "floor.db")
         port = free_port()
         cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", str(port), db, "--app", app]
         pid = stack.enter_context(_process(cmd, port))
         cpu = cpu_seconds(pid)
-        rate, total = run_load(_submits, [(port, n, app == "row")] * producers)
+        rate, total = run_load(_submits, [(port, n, app)] * producers)
         return rate, (cpu_seconds(pid) - cpu) * 1000 / total
 
 
@@ -503,6 +587,10 @@ def submit_floors(producers: int, jobs: int, pg: str | None) -> None:
             "floor: bare ASGI + sqlite3, lakeshore's row, group commit",
             lambda: floor_submit_rate(producers, per, "row"),
         ),
+        (
+            "floor: the same + the checks every submit must make",
+            lambda: floor_submit_rate(producers, per, "checked"),
+        ),
         ("lakeshore server, SQLite", lambda: submit_rate(producers, per)),
     ]
     if pg:
@@ -524,7 +612,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--calls", type=int, default=2000, help="sequential timed calls")
     ap.add_argument("--serve", nargs=2, metavar=("PORT", "DB"), help="run the floor server (internal)")
-    ap.add_argument("--app", choices=("floor", "row"), default="floor", help="which floor --serve runs")
+    ap.add_argument(
+        "--app", choices=("floor", "row", "checked"), default="floor", help="which floor --serve runs"
+    )
     ap.add_argument("--submits", action="store_true", help="the submit floors beside hello-world")
     ap.add_argument("--producers", type=int, default=4, help="load processes (--submits)")
     ap.add_argument("--jobs", type=int, default=6000, help="submits per figure (--submits)")

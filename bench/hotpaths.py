@@ -23,8 +23,9 @@ It runs the other benches' own functions, so the figures mean what they mean the
   same HTTP stack, raw ``sqlite3`` / ``psycopg`` inserts (100 per transaction); under the
   single-submits rows, the floors of a durable submit under the same load (``floor.py``: a bare
   ASGI app with no product code over raw ``sqlite3``, on a small table with a commit per submit,
-  and with lakeshore's own row, table and indexes in group commits; over ``psycopg`` with that
-  row, for PostgreSQL);
+  with lakeshore's own row, table and indexes in group commits, and that after the checks every
+  submit must make (token, bounds, ids, the run_config's limits, JSON, content hash); over
+  ``psycopg`` with that row, for PostgreSQL);
 - frames/s nymph -> live consumer over HTTP and the first frame's latency (``streams.py``'s
   stack: ``lakeshore server`` + ``nymph start --runner process``); baseline: a bare msgpack
   pack+unpack per frame;
@@ -127,10 +128,12 @@ def control_plane_rows(args: argparse.Namespace, tmp: Path) -> list[Row]:
     per = max(200, args.jobs // args.producers)
     low, low_cpu = floor.floor_submit_rate(args.producers, per)
     row_low, row_cpu = floor.floor_submit_rate(args.producers, per, "row")
+    checked_low, checked_cpu = floor.floor_submit_rate(args.producers, per, "checked")
     floors = {
         "sqlite": [
             ("bare ASGI + sqlite3, a small table, 1 commit each", low, low_cpu),
             ("bare ASGI + sqlite3, lakeshore's row and table, group commit", row_low, row_cpu),
+            ("the same + the checks every submit must make", checked_low, checked_cpu),
         ]
     }
     if args.pg:

@@ -396,7 +396,7 @@ class PollHub:
         submits in their transaction (its ``handed`` names its submit: the store sends that one no
         ``run-queue`` notification, the poll holds its wake), and what to call with its answer."""
         out: list[tuple[PollRequest, Callable[[Any], None]]] = []
-        if self.closing:
+        if self.closing or not self._run:  # (no run poll waits: none to hand, no needs to weigh)
             return out
         for submit in submits:
             if len(out) >= MAX_HANDOFFS:
