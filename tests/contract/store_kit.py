@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
+import sqlalchemy as sa
+
 from dreamlake.lakeshore.ids import new_ulid
+from dreamlake.lakeshore.store import schema
 from dreamlake.lakeshore.store.api import SubmitRequest
 from dreamlake.lakeshore.store.sql import SqlStore
 
@@ -59,3 +63,14 @@ def refuse_bad_args(store: SqlStore, on: bool = True) -> None:
             conn.exec_driver_sql(REFUSE_BAD_ARGS if pg else REFUSE_BAD_ARGS_SQLITE)
         else:
             conn.exec_driver_sql("DROP TRIGGER refuse_bad" + (" ON invocations" if pg else ""))
+
+
+def filled(store: SqlStore, rows: Iterable[dict[str, Any]]) -> SqlStore:
+    """``store`` with ``rows`` inserted into ``invocations`` as they are (a backlog for the query
+    plans' tests), and on PostgreSQL the table's statistics taken, as autovacuum would."""
+    with store.db.tx(write=True) as conn:
+        conn.execute(sa.insert(schema.invocations), list(rows))
+    if store.kind == "postgresql":
+        with store.db.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql("ANALYZE invocations")
+    return store

@@ -36,6 +36,7 @@ from dreamlake.lakeshore.store import schema
 from dreamlake.lakeshore.store.claims import claim_params, head_params, pick_statement
 from dreamlake.lakeshore.store.placement import Needs, Offer
 from dreamlake.lakeshore.store.sql import SqlStore
+from tests.contract.store_kit import filled
 
 QUEUED_ROWS = 20_000
 DONE_ROWS = 5_000
@@ -72,12 +73,7 @@ def _rows() -> Iterator[dict[str, Any]]:
 
 @pytest.fixture
 def backlog(store: SqlStore) -> SqlStore:
-    with store.db.tx(write=True) as conn:
-        conn.execute(sa.insert(schema.invocations), list(_rows()))
-    if store.kind == "postgresql":
-        with store.db.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            conn.exec_driver_sql("ANALYZE invocations")
-    return store
+    return filled(store, _rows())
 
 
 def _explain(

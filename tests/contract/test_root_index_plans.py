@@ -34,6 +34,7 @@ from dreamlake.lakeshore.store.api import SubmitRequest
 from dreamlake.lakeshore.store.engine import HEAD_REVISION, MIGRATIONS_DIR, normalize_url
 from dreamlake.lakeshore.store.sql import SqlStore
 from tests.contract.conftest import pg_database
+from tests.contract.store_kit import filled
 
 ROWS = 20_000
 TREE = 8  # rows per tree: a root and its descendants
@@ -76,12 +77,7 @@ def _rows() -> Iterator[dict[str, Any]]:
 
 @pytest.fixture
 def trees(store: SqlStore) -> SqlStore:
-    with store.db.tx(write=True) as conn:
-        conn.execute(sa.insert(schema.invocations), list(_rows()))
-    if store.kind == "postgresql":
-        with store.db.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            conn.exec_driver_sql("ANALYZE invocations")
-    return store
+    return filled(store, _rows())
 
 
 def _sent(store: SqlStore, call: Any, marker: str) -> tuple[str, Any]:
