@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.engine import Connection
 
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.store import schema
@@ -74,3 +76,26 @@ def filled(store: SqlStore, rows: Iterable[dict[str, Any]]) -> SqlStore:
         with store.db.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             conn.exec_driver_sql("ANALYZE invocations")
     return store
+
+
+def generic_plan(conn: Connection, statement: str, values: Mapping[str, Any], name: str) -> Any:
+    """PostgreSQL's generic plan of ``statement`` (psycopg's ``%(name)s`` parameters), the one a
+    prepared statement may switch to after five executions: planned without its values."""
+    from psycopg import sql
+
+    names: list[str] = []
+
+    def numbered(m: re.Match[str]) -> str:
+        if m.group(1) not in names:
+            names.append(m.group(1))
+        return f"${names.index(m.group(1)) + 1}"
+
+    text = re.sub(r"%\((\w+)\)s", numbered, statement)
+    args = ", ".join(sql.Literal(values[k]).as_string(None) for k in names)
+    conn.exec_driver_sql(f"PREPARE {name} AS {text}")
+    try:
+        conn.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
+        ((plan,),) = conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) EXECUTE {name}({args})").fetchall()
+    finally:
+        conn.exec_driver_sql(f"DEALLOCATE {name}")
+    return plan[0]["Plan"]

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,7 +35,7 @@ from dreamlake.lakeshore.store import schema
 from dreamlake.lakeshore.store.claims import claim_params, head_params, pick_statement
 from dreamlake.lakeshore.store.placement import Needs, Offer
 from dreamlake.lakeshore.store.sql import SqlStore
-from tests.contract.store_kit import filled
+from tests.contract.store_kit import filled, generic_plan
 
 QUEUED_ROWS = 20_000
 DONE_ROWS = 5_000
@@ -101,27 +100,9 @@ def _pg_generic_plan(
 ) -> dict[str, Any]:
     """The plan PostgreSQL caches for the claim (or ``statement``) once prepared (psycopg prepares
     a statement run five times): planned without the parameters' values."""
-    from psycopg import sql
-
     stmt, params = statement or claim_params(queues, limit, "w", 1.0, 30.0, namespace)
     state = stmt.compile(dialect=conn.dialect).construct_expanded_state(params)
-    values = state.parameters
-    names: list[str] = []
-
-    def numbered(m: re.Match[str]) -> str:
-        if m.group(1) not in names:
-            names.append(m.group(1))
-        return f"${names.index(m.group(1)) + 1}"
-
-    text = re.sub(r"%\((\w+)\)s", numbered, state.statement)
-    args = ", ".join(sql.Literal(values[k]).as_string(None) for k in names)
-    conn.exec_driver_sql(f"PREPARE claim_plan AS {text}")
-    try:
-        conn.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
-        ((plan,),) = conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) EXECUTE claim_plan({args})").fetchall()
-    finally:
-        conn.exec_driver_sql("DEALLOCATE claim_plan")
-    return plan[0]["Plan"]  # type: ignore[no-any-return]
+    return generic_plan(conn, state.statement, state.parameters, "claim_plan")  # type: ignore[no-any-return]
 
 
 def _sqlite_plan(

@@ -34,7 +34,7 @@ from dreamlake.lakeshore.store.api import SubmitRequest
 from dreamlake.lakeshore.store.engine import HEAD_REVISION, MIGRATIONS_DIR, normalize_url
 from dreamlake.lakeshore.store.sql import SqlStore
 from tests.contract.conftest import pg_database
-from tests.contract.store_kit import filled
+from tests.contract.store_kit import filled, generic_plan
 
 ROWS = 20_000
 TREE = 8  # rows per tree: a root and its descendants
@@ -104,26 +104,9 @@ def _sqlite_plan(conn: Connection, sent: tuple[str, Any]) -> str:
 
 def _pg_plans(conn: Connection, sent: tuple[str, Any]) -> list[dict[str, Any]]:
     """The plan for the statement's values, and its generic plan (planned without them)."""
-    from psycopg import sql
-
     statement, params = sent
     ((custom,),) = conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) {statement}", params).fetchall()
-    names: list[str] = []
-
-    def numbered(m: re.Match[str]) -> str:
-        if m.group(1) not in names:
-            names.append(m.group(1))
-        return f"${names.index(m.group(1)) + 1}"
-
-    text = re.sub(r"%\((\w+)\)s", numbered, statement)
-    args = ", ".join(sql.Literal(params[k]).as_string(None) for k in names)
-    conn.exec_driver_sql(f"PREPARE tree_plan AS {text}")
-    try:
-        conn.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
-        ((generic,),) = conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) EXECUTE tree_plan({args})").fetchall()
-    finally:
-        conn.exec_driver_sql("DEALLOCATE tree_plan")
-    return [custom[0]["Plan"], generic[0]["Plan"]]
+    return [custom[0]["Plan"], generic_plan(conn, statement, params, "tree_plan")]
 
 
 def _nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
