@@ -50,6 +50,7 @@ import collections
 import json
 import operator
 import re
+import sqlite3
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -363,8 +364,6 @@ class Direct(_Statement):
         written and the caller writes them another way. Any other error is raised as ``run``
         raises it. On SQLite's ``RETURNING`` each row costs an ``execute`` and a fetch of its own
         (``_execute``); with none, the rows go in one call, in C."""
-        import sqlite3
-
         c = self._compiled(connection.dialect, param_sets[0])
         assert not c.returns and connection.dialect.name == "sqlite"
         raw = connection.connection.dbapi_connection

@@ -166,8 +166,6 @@ def _encoder(**options: Any) -> Callable[[Any], str]:
     )
 
     def encode(value: Any) -> str:
-        if isinstance(value, str):  # (the C encoder takes containers and scalars other than str)
-            return plain.encode(value)
         return "".join(c(value, 0))
 
     return encode
