@@ -377,17 +377,18 @@ class CheckedFloor(RowFloor):
     token is taken too (the floor has no token store): only the lookup's cost counts."""
 
     def __init__(self, db: str) -> None:
+        from dreamlake.lakeshore.server import http
         from dreamlake.lakeshore.server.config import ServerConfig
+        from dreamlake.lakeshore.store import values
+        from dreamlake.lakeshore.store.api import SubmitRequest
 
         super().__init__(db)
         self.tokens: dict[str, Any] = {}
         self.max_body = ServerConfig().max_body_bytes
+        self.checks = (http, values, SubmitRequest)  # the product's own, imported once
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        from dreamlake.lakeshore.server import http
-        from dreamlake.lakeshore.store import values
-        from dreamlake.lakeshore.store.api import SubmitRequest
-
+        http, values, SubmitRequest = self.checks
         if scope["type"] != "http":
             return
         secret, declared = b"", 0
