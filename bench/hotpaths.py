@@ -186,7 +186,7 @@ def control_plane_rows(args: argparse.Namespace, tmp: Path) -> list[Row]:
                         Row(
                             f"  floor of a durable submit (bench/floor.py: {name})",
                             f"{_rate(rate)} = {rate / hello if hello else 0.0:.2f}x hello; {cpu:.2f} cpu ms",
-                            "(no product code: the most 0.5x hello can ask)",
+                            "(none of the product's features: the most 0.5x hello can ask)",
                             base,
                         )
                     )

@@ -97,9 +97,13 @@ def _sent(store: SqlStore, call: Any, marker: str) -> tuple[str, Any]:
     return seen[0]
 
 
-def _sqlite_plan(conn: Connection, sent: tuple[str, Any]) -> str:
+def _sqlite_plans(conn: Connection, sent: tuple[str, Any]) -> Iterator[str]:
+    """The statement's plan as the store runs it (no ANALYZE), then with the table's statistics."""
     statement, params = sent
-    return "\n".join(r[3] for r in conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", params))
+    for analyze in (False, True):
+        if analyze:
+            conn.exec_driver_sql("ANALYZE")
+        yield "\n".join(r[3] for r in conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", params))
 
 
 def _pg_plans(conn: Connection, sent: tuple[str, Any]) -> list[dict[str, Any]]:
@@ -125,11 +129,8 @@ def test_descendants_read_the_tree_off_the_partial_root_index(trees: SqlStore) -
                 scans = [n for n in _nodes(plan) if n.get("Relation Name") == "invocations"]
                 assert scans and {n["Node Type"] for n in scans} <= {"Index Scan", "Bitmap Heap Scan"}, text
                 assert ROOT_INDEX in {n.get("Index Name") for n in _nodes(plan)}, text
-        else:  # as the store runs (no ANALYZE), then with statistics
-            for analyze in (False, True):
-                if analyze:
-                    conn.exec_driver_sql("ANALYZE")
-                shown = _sqlite_plan(conn, sent)
+        else:
+            for shown in _sqlite_plans(conn, sent):
                 assert f"SEARCH invocations USING INDEX {ROOT_INDEX} (root_invocation_id=?)" in shown, shown
                 assert "SCAN invocations" not in shown, shown
     got = trees.descendants(root)  # it does what the plan says
@@ -149,10 +150,7 @@ def test_the_retention_sweeps_live_tree_check_searches_the_partial_root_index(tr
                 live_scans = [n for n in nodes if n["Node Type"] == "Seq Scan" and n.get("Alias") == "live"]
                 assert not live_scans, text
         else:
-            for analyze in (False, True):
-                if analyze:
-                    conn.exec_driver_sql("ANALYZE")
-                shown = _sqlite_plan(conn, sent)
+            for shown in _sqlite_plans(conn, sent):
                 assert f"SEARCH live USING INDEX {ROOT_INDEX} (root_invocation_id=?)" in shown, shown
                 assert "SCAN live" not in shown, shown
 

@@ -63,8 +63,6 @@ async def read_body(request: Request, limit: int) -> bytes:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientDisconnect()
-        if message["type"] != "http.request":
-            continue
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
