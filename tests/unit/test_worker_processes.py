@@ -1,6 +1,7 @@
 """A process of ``lakeshore server --workers N`` knows it has siblings: work they take in may wake
 nothing here, so its polls re-check often and none skips its pass (``server/idle.py``), and its group
-commit never runs on the event loop (a sibling may hold SQLite's file lock)."""
+commit never runs on the event loop (a sibling may hold SQLite's file lock); over SQLite it runs no
+PostgreSQL wake-up relay."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ def test_a_worker_process_does_not_trust_its_own_wake_ups_alone(tmp_path: Path) 
         "ctx = plane_context(app_from_env())\n"
         "assert ctx.polls.shared_store and not ctx.polls.reliable\n"
         "assert ctx.writer.inline_lock is None\n"
+        # no PostgreSQL LISTEN relay over SQLite (it dialled postgresql:///<the SQLite path>)
+        "from dreamlake.lakeshore.server.app import _relay\n"
+        "assert _relay(ctx) is None and ctx.polls.relay is None\n"
         "ctx.daemons.wrote('w', ctx.daemons.begin(), None)\n"
         "assert ctx.daemons.known('w') is None\n"
     )

@@ -449,8 +449,8 @@ async def _prune_loop(blobs: BlobDir, every_s: float) -> None:
 def _relay(ctx: Context) -> PgRelay | None:
     """The LISTEN/NOTIFY relay of a PostgreSQL store, attached to the poll hub; None on SQLite."""
     url = getattr(getattr(ctx.store, "db", None), "url", None)
-    if not ctx.polls.shared_store or not isinstance(url, str):
-        return None
+    if not ctx.polls.shared_store or ctx.dialect != "postgresql" or not isinstance(url, str):
+        return None  # SQLite siblings (--workers N) have no LISTEN: their polls re-check the store
 
     def on_listening(up: bool) -> None:
         if not up:
