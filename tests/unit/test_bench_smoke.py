@@ -38,7 +38,7 @@ CASES = {
     "dispatch": ["--calls", "2", "--batch", "6", "--slots", "2", "--idle-s", "0"],
     "fleet": ["--sizes", "1,2", "--submits", "3", "--idle-s", "0.2"],
     "floor": ["--calls", "5"],
-    "floor:submits": ["--submits", "--producers", "2", "--jobs", "40"],  # 200 a process at least
+    "floor:submits": ["--submits", "--producers", "2", "--jobs", "40", "--rounds", "2"],  # 200 a process
     "payloads": ["--sizes", "0.25,0.5", "--reps", "1"],
     "preempt": ["--rounds", "1", "--grace-s", "0.5"],
     "logs": ["--say", "3", "--pause-ms", "5", "--lines", "200", "--values", "20"],
@@ -101,5 +101,6 @@ def test_benchmark_runs_and_prints_its_table(name: str) -> None:
     if name == "floor:submits":  # the three floors and the product's submits, each beside hello-world
         for row in ("lakeshore's row", "the checks every submit must make", "lakeshore server"):
             assert row in out.stdout, out.stdout[-2000:]
+        assert "2 rounds" in out.stdout and out.stdout.count(" 1.00x  1.00x  1.00x      2/2") == 1, out.stdout
     if name in ("warm", "hotpaths"):  # a user's f.call() is measured beside the cheap client's
         assert "f.call()" in out.stdout, out.stdout[-2000:]
