@@ -148,10 +148,16 @@ class Watcher:
                 polled = [w for w in self._watches.values() if w.wd is None]
             timeout = self._poll_s if polled else max(0.0, next_tick - time.monotonic())
             fds = [self._wake_r] + ([self._fd] if self._fd >= 0 else [])
-            try:
-                ready, _, _ = select.select(fds, [], [], timeout)
+            try:  # poll, not select: a busy nymph's descriptors pass 1023, which select refuses
+                waiting = select.poll()
+                for fd in fds:
+                    waiting.register(fd, select.POLLIN)
+                events = waiting.poll(timeout * 1000)
             except (OSError, ValueError):
                 return
+            if any(ev & select.POLLNVAL for _, ev in events):
+                return  # closed under it (stop): as select's EBADF was
+            ready = [fd for fd, _ in events]
             fired: dict[int, _Watch] = {}
             if self._wake_r in ready:
                 try:

@@ -437,6 +437,10 @@ def _dropped(sock: Any) -> bool:
     if isinstance(sock, ssl.SSLSocket) and sock.pending():
         return True  # decrypted bytes nobody asked for
     try:
+        if _POLL:  # select.select refuses a descriptor of 1024 and more: a busy process has those
+            once = select.poll()
+            once.register(sock, select.POLLIN)
+            return bool(once.poll(0))
         readable, _, _ = select.select([sock], [], [], 0)
     except (OSError, ValueError):
         return True

@@ -181,7 +181,9 @@ class WarmWorker:
             if self.code is not None:
                 return None
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not select.select([self.sock], [], [], left)[0]:
+            readable = select.poll()  # not select: nymph's descriptors may pass 1023, which it refuses
+            readable.register(self.sock, select.POLLIN)
+            if not readable.poll(None if left is None else left * 1000):
                 return None
             try:
                 data = self.sock.recv(1 << 16)

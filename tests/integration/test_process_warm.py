@@ -33,7 +33,7 @@ from tests.conftest import ROOT
 from tests.host_users import ensure_user
 from tests.integration.conftest import ControlPlane
 from tests.stack.nymph import Nymph
-from tests.stack.procs import alive
+from tests.stack.procs import alive, busy_descriptors
 from tests.stack.producer import await_result, call, envelope, frames_of, submit
 from tests.stack.wait import until
 
@@ -252,6 +252,31 @@ def test_calls_given_other_gpus_or_other_code_get_workers_of_their_own(tmp_path:
         code.mkdir()
         shipped = run({"LAKESHORE_CODE_PATH": str(code)})
         assert shipped[0] not in (gpu0[0], gpu1[0]) and shipped[1] == 1
+    finally:
+        runner.close()
+
+
+def test_a_nymph_past_1023_descriptors_still_runs_calls_warm(tmp_path: Path) -> None:
+    """At the runner, in a process holding over a thousand descriptors (a busy nymph): its warm
+    worker's socket is numbered past 1023, which ``select.select`` refused (every call's wait for
+    the worker's answer raised ``ValueError``). Two calls run in one worker."""
+    runner = ProcessRunner(warm=True, warm_workers=1)
+    try:
+        got = []
+        with busy_descriptors():
+            for _ in range(2):
+                workdir = tmp_path / ids.new_ulid()
+                workdir.mkdir(mode=0o700)
+                (workdir / "args.msgpack").write_bytes(envelope(warm_fns.count))
+                env = {"LAKESHORE_INVOCATION_ID": workdir.name, "PYTHONPATH": str(ROOT)}
+                handle = runner.start(Task(workdir.name, 1, workdir, env=env))
+                status = runner.wait(handle, 60)
+                assert status is not None and status.exit_code == 0, status
+                runner.destroy(handle)
+                assert "warm" in handle.data
+                got.append(tuple(wire.unpack((workdir / "result.msgpack").read_bytes())))
+        (pid1, calls1), (pid2, calls2) = got
+        assert pid1 == pid2 and (calls1, calls2) == (1, 2)
     finally:
         runner.close()
 

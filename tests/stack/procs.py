@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,3 +40,27 @@ def alive(pid: int) -> bool:
         return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
     except psutil.NoSuchProcess:
         return False
+
+
+@contextlib.contextmanager
+def busy_descriptors(past: int = 1100) -> Iterator[None]:
+    """This process as a busy nymph: its descriptors taken up to ``past`` (``/dev/null``, the
+    soft ``RLIMIT_NOFILE`` raised for them), so what it opens next is numbered past 1023, where
+    ``select.select`` refuses to go. Skips when the hard limit does not allow it."""
+    import resource
+
+    import pytest
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < past + 256:
+        pytest.skip(f"RLIMIT_NOFILE's hard limit {hard} leaves no room past {past} descriptors")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, past + 256), hard))
+    held: list[int] = []
+    try:
+        while not held or held[-1] < past:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -16,6 +16,7 @@ import pytest
 from dreamlake.lakeshore import errors
 from dreamlake.lakeshore.client import PlaneClient
 from dreamlake.lakeshore.keepalive import usable
+from tests.stack.procs import busy_descriptors
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -419,3 +420,20 @@ def test_a_server_that_never_answers_times_the_read_out() -> None:
         done.set()
         client.close()
         thread.join(5)
+
+
+def test_an_idle_connection_with_a_descriptor_past_1023_is_kept_and_a_closed_one_noticed() -> None:
+    """A busy nymph holds more than 1024 descriptors: ``select.select`` refuses those, and every
+    TLS connection past them was taken for closed and replaced before each request."""
+    from dreamlake.lakeshore.keepalive import _dropped
+
+    with busy_descriptors():
+        ours, theirs = socket.socketpair()
+    try:
+        assert ours.fileno() > 1023
+        assert not _dropped(ours)  # idle, open: kept
+        theirs.close()
+        assert _dropped(ours)  # the peer closed it: replaced
+    finally:
+        ours.close()
+        theirs.close()

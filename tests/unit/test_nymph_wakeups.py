@@ -5,6 +5,7 @@ on every poll while there is room."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -22,6 +23,7 @@ from nymph.outbox import Outbox
 from nymph.pump import Pump
 from nymph.sdnotify import SdNotify
 from nymph.watcher import Watcher
+from tests.stack.procs import busy_descriptors
 from tests.stack.wait import until
 from tests.unit.outbox_kit import FakePlane
 
@@ -75,13 +77,18 @@ def test_a_stream_with_output_still_waits_for_its_frames_before_the_ack(tmp_path
         box.stop()
 
 
+@pytest.mark.parametrize("busy", [False, True], ids=["few-fds", "fds-past-1023"])
 def test_the_watcher_hears_writes_to_a_streams_files_only(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, busy: bool
 ) -> None:
+    """Busy: the watcher made by a nymph holding over a thousand descriptors (its inotify and wake
+    descriptors past 1023, which ``select.select`` refused: the watcher's thread ended unheard)."""
     monkeypatch.setattr(watcher_module, "TICK_S", 600.0)  # no safety tick inside the test
     (tmp_path / "stdout.log").touch()  # nymph creates the logs before the task starts
     heard = threading.Event()
-    watcher = Watcher()
+    with busy_descriptors() if busy else contextlib.nullcontext():
+        watcher = Watcher()
+    assert not busy or min(watcher._wake_r, watcher._fd) > 1023
     if not watcher.inotify:
         watcher.close()
         pytest.skip("no inotify here: the watcher polls every workdir")
