@@ -22,7 +22,9 @@ a whole, with exponential backoff and jitter, and the same request is tried firs
 control plane is one for every lane. On start-up the directory is replayed in the order it was
 written, so an outage or a restart costs latency, never results. A file there that is not a
 message nymph wrote (a stray name, a directory, a link, unreadable or corrupt bytes) never stops
-the start-up: it is moved aside as ``.bad`` (logged once, saying where) and never sent.
+the start-up: it is moved aside as ``.bad`` (logged once, saying where) and never sent. Those are
+kept for a look, within bounds: each start deletes the oldest past ``BAD_KEEP`` and any older than
+``BAD_MAX_AGE_S`` (one line says how many).
 
 :meth:`Outbox.pending_entries` names the invocations with frames or an ack not yet confirmed
 here: the heartbeat keeps renewing their leases (a lease is given up only by the ack). Metrics (:meth:`Outbox.stats`):
@@ -91,6 +93,11 @@ _NAME = re.compile(r"([0-9]+)-(.*)\.msg")  # what put names a message: {sequence
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 _IDLE_S = 1.0
 HOLD_S = 0.05  # how long an ack put while a poll is imminent waits for that poll before the sender takes it
+# files moved aside (``.bad``) are kept for the operator to look at, within bounds: at each start
+# the oldest past BAD_KEEP, and any older than BAD_MAX_AGE_S, are deleted (a poison message that
+# recurs must not fill the state directory, which the acks of every call need)
+BAD_KEEP = 64
+BAD_MAX_AGE_S = 14 * 86400.0
 
 
 @dataclass(frozen=True)
@@ -652,6 +659,31 @@ class Outbox:
             count += 1
         if count:
             log.info("outbox: replaying %d message(s) left by a previous run", count)
+        self._prune_aside()
+
+    def _prune_aside(self) -> None:
+        """Delete the ``.bad`` files past ``BAD_KEEP`` (the oldest first) and those older than
+        ``BAD_MAX_AGE_S``; a file that cannot be looked at or deleted is left. Never raises."""
+        aged: list[tuple[float, Path]] = []
+        for path in self.dir.glob("*.bad"):
+            with contextlib.suppress(OSError):
+                st = path.lstat()
+                if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+                    aged.append((st.st_mtime, path))
+        aged.sort(reverse=True)  # the newest first
+        cutoff = time.time() - BAD_MAX_AGE_S
+        gone = 0
+        for n, (mtime, path) in enumerate(aged):
+            if n < BAD_KEEP and mtime >= cutoff:
+                continue
+            with contextlib.suppress(OSError):
+                path.unlink()
+                gone += 1
+        if gone:
+            log.warning(
+                "outbox: deleted %d file(s) set aside (.bad) in %s: the oldest past %d, or older than "
+                "%d days", gone, self.dir, BAD_KEEP, BAD_MAX_AGE_S // 86400,
+            )  # fmt: skip
 
     def _load(self, path: Path) -> tuple[int, Message] | str | None:
         """``(sequence, message)`` of a message file :meth:`put` wrote; else why it is not one (a

@@ -396,3 +396,33 @@ def test_a_full_disk_still_tells_on_full(tmp_path: Path, monkeypatch: pytest.Mon
     assert box.flush(10.0)
     box.stop()
     assert [body["invocation_id"] for _, body in plane.received] == ["inv1"]
+
+
+def test_files_set_aside_are_kept_within_bounds_at_each_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A poison message that recurs is set aside each time: the ``.bad`` files stay for a look, but
+    each start deletes the oldest past ``BAD_KEEP`` and those older than ``BAD_MAX_AGE_S``;
+    directories are not touched, and a good message beside them is still sent."""
+    Outbox(tmp_path, FakePlane().client()).ack(_ack(1))  # not started: the ack stays on disk
+    box = tmp_path / "outbox"
+    now = time.time()
+    names = [f"{n:020d}-poison.bad" for n in range(outbox_mod.BAD_KEEP + 6)]
+    for n, name in enumerate(names):  # the later the name, the newer
+        (box / name).write_bytes(b"x")
+        os.utime(box / name, (now - 3600 + n, now - 3600 + n))
+    old = box / "00000000000000009999-ancient.bad"
+    old.write_bytes(b"x")
+    os.utime(old, (now - outbox_mod.BAD_MAX_AGE_S - 60,) * 2)
+    (box / "kept-dir.bad").mkdir()
+    plane = FakePlane()
+    caplog.set_level(logging.WARNING, logger="nymph.outbox")
+    again = Outbox(tmp_path, plane.client(), max_backoff_s=0.05)
+    left = sorted(p.name for p in box.glob("*.bad") if p.is_file())
+    assert left == names[6:]  # the newest BAD_KEEP; the ancient one too is gone
+    assert (box / "kept-dir.bad").is_dir()
+    assert any("deleted 7 file(s) set aside" in r.getMessage() for r in caplog.records), caplog.text
+    again.start()
+    assert again.flush(10.0)
+    again.stop()
+    assert [body["invocation_id"] for _, body in plane.received] == ["inv1"]
