@@ -13,11 +13,15 @@ of the uid writes meanwhile, nor holds a directory open):
   holds the POSIX message queues where it is mounted; where it is not, they are out of reach) and
   of ``/run/user/<uid>`` whose owner (``lstat``) is the uid: a directory with everything under it
   (``shutil.rmtree`` on the parent's fd: no link followed, nothing outside the tree reached),
-  anything else unlinked (a symlink: the link, never its target). The uid's entries deeper inside
-  a directory someone else owns (a root-owned ``/tmp/.X11-unix``, another user's world-writable
-  directory) are out of reach of this pass, and so are its files anywhere else (a world-writable
-  directory elsewhere): only the well-known shared places are walked, one ``scandir`` each (a
-  ``stat`` per entry).
+  anything else unlinked (a symlink: the link, never its target). Inside them, a directory someone
+  else owns that every user may write to (another user's ``/tmp/shared`` of mode 1777) is walked
+  the same way, as the uid may have left entries there too: down to :data:`NESTED_DEPTH` levels,
+  each opened by its parent's fd without following a link, and at most :data:`NESTED_ENTRIES`
+  entries looked at per place (a warning says when that stopped the walk). The uid's entries in a
+  directory it could not write to as "other" (a root-owned ``/tmp/.X11-unix``, a group-writable
+  one) are out of reach, and so are its files anywhere else (a world-writable directory elsewhere):
+  only the well-known shared places are walked, one ``scandir`` per directory (a ``stat`` per
+  entry).
 - **SysV IPC**: each shared memory segment, semaphore array and message queue (``/proc/sysvipc``)
   whose owner or creator is the uid, removed with ``IPC_RMID`` through libc (``ctypes``: no
   ``ipcrm`` per object). Those of nymph's IPC namespace, which process-runner tasks share. A
@@ -52,6 +56,9 @@ _IPC_RMID = 0
 _SHM_DEST = 0o1000  # a segment already removed, waiting for its last detach
 _IPC = (("shm", "shm segment(s)"), ("sem", "semaphore array(s)"), ("msg", "message queue(s)"))
 _LIBC: list[ctypes.CDLL] = []
+NESTED_DEPTH = 4  # world-writable directories of others inside a shared place: walked this deep
+NESTED_ENTRIES = 20_000  # entries looked at under one shared place, at most
+_SUBDIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def sweep(uid: int) -> dict[str, int]:
@@ -80,29 +87,52 @@ def sweep(uid: int) -> dict[str, int]:
 
 
 def _sweep_dir(path: str, uid: int) -> int:
-    """Remove the entries of ``uid`` at the top level of the directory ``path``; how many went."""
+    """Remove the entries of ``uid`` in the directory ``path`` and in the world-writable
+    directories of others under it (see the module docstring); how many went."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:  # not on this host (no /dev/mqueue, no /run/user/<uid>)
         return 0
-    count = 0
+    budget = [NESTED_ENTRIES]
     try:
-        with os.scandir(fd) as entries:
-            for entry in entries:
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue  # gone meanwhile
-                if st.st_uid != uid:
-                    continue
-                if _remove(fd, entry.name, st):
-                    count += 1
-                else:
-                    log.warning(
-                        "uid %d: could not remove all of %s it left", uid, os.path.join(path, entry.name)
-                    )
+        count = _sweep_fd(fd, path, uid, 0, budget)
     finally:
         os.close(fd)
+    if budget[0] < 0:
+        log.warning(
+            "uid %d: stopped looking under %s after %d entries; what it left deeper may remain",
+            uid, path, NESTED_ENTRIES,
+        )  # fmt: skip
+    return count
+
+
+def _sweep_fd(fd: int, path: str, uid: int, depth: int, budget: list[int]) -> int:
+    """``_sweep_dir``'s walk of the directory ``fd`` (named ``path`` in messages)."""
+    count = 0
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            budget[0] -= 1
+            if budget[0] < 0:
+                break
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue  # gone meanwhile
+            if st.st_uid != uid:
+                if depth < NESTED_DEPTH and stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_IWOTH:
+                    try:  # not a link (O_NOFOLLOW): swapped for one meanwhile, it is skipped
+                        sub = os.open(entry.name, _SUBDIR, dir_fd=fd)
+                    except OSError:
+                        continue
+                    try:
+                        count += _sweep_fd(sub, os.path.join(path, entry.name), uid, depth + 1, budget)
+                    finally:
+                        os.close(sub)
+                continue
+            if _remove(fd, entry.name, st):
+                count += 1
+            else:
+                log.warning("uid %d: could not remove all of %s it left", uid, os.path.join(path, entry.name))
     return count
 
 

@@ -160,6 +160,74 @@ def test_a_release_removes_what_the_pool_user_left_in_tmp_and_sysv_ipc_and_nothi
         _drop_ipc(sweep_users)
 
 
+def test_what_the_pool_user_left_in_others_world_writable_directories_goes_too(
+    sweep_users: list[pwd.struct_passwd], shared: Path
+) -> None:
+    """Before: only the top level of ``/tmp`` was swept, so tenant A's task could leave
+    ``/tmp/<someone's 1777 dir>/model-key`` for the next tenant on the uid. Now each world-writable
+    directory of another owner is walked too (nested ones as well, no link followed); the owner's
+    own files, and directories the uid could not write to, are left."""
+    mine, other = sweep_users
+    users = TaskUsers(None, [mine.pw_name], pooled=True, fallback=False)
+    a = object()
+    assert users.acquire(a) == mine.pw_name
+    (shared / "roots-1777").mkdir()
+    os.chmod(shared / "roots-1777", 0o1777)
+    (shared / "roots-0755").mkdir()
+    (shared / "roots-0755" / "keep").write_text("root's")
+    made = _as(
+        other,
+        f"cd {shared} && mkdir -m 1777 theirs theirs/deeper && echo own > theirs/own "
+        f"&& echo own > theirs/deeper/own && ln -s {shared}/roots-1777 theirs/link",
+    )
+    assert made.returncode == 0, made.stderr
+    made = _as(
+        mine,
+        f"cd {shared} && echo secret > roots-1777/model-key && echo secret > theirs/model-key "
+        f"&& mkdir theirs/deeper/tree && echo x > theirs/deeper/tree/key",
+    )
+    assert made.returncode == 0, made.stderr
+    users.release(a)
+    left = sorted(str(p.relative_to(shared)) for p in shared.rglob("*"))
+    assert left == [
+        "roots-0755",
+        "roots-0755/keep",
+        "roots-1777",
+        "theirs",
+        "theirs/deeper",
+        "theirs/deeper/own",
+        "theirs/link",
+        "theirs/own",
+    ], left
+
+
+def test_the_walk_is_bounded_and_says_where_it_stopped(
+    sweep_users: list[pwd.struct_passwd], shared: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """A ``/tmp`` of many entries costs a release a bounded walk: past ``NESTED_ENTRIES`` it stops,
+    with a warning naming the place; past ``NESTED_DEPTH`` nested directories are not entered."""
+    mine = sweep_users[0]
+    made = _as(mine, f"cd {shared} && for i in 1 2 3 4 5 6; do echo x > f$i; done")
+    assert made.returncode == 0, made.stderr
+    monkeypatch.setattr(uidsweep, "NESTED_ENTRIES", 4)
+    with caplog.at_level("WARNING", logger="nymph.uidsweep"):
+        assert uidsweep.sweep(mine.pw_uid)[str(shared)] == 4
+    assert len(list(shared.iterdir())) == 2
+    assert f"stopped looking under {shared} after 4 entries" in caplog.text
+    assert uidsweep.sweep(mine.pw_uid)[str(shared)] == 2  # the next release takes the rest
+    monkeypatch.setattr(uidsweep, "NESTED_ENTRIES", 1000)
+    monkeypatch.setattr(uidsweep, "NESTED_DEPTH", 1)
+    nested = shared / "a" / "b"
+    nested.mkdir(parents=True)
+    for d in (shared / "a", nested):
+        os.chmod(d, 0o1777)
+    made = _as(mine, f"echo x > {shared}/a/one && echo x > {nested}/two")
+    assert made.returncode == 0, made.stderr
+    assert uidsweep.sweep(mine.pw_uid)[str(shared)] == 1
+    assert not (shared / "a" / "one").exists() and (nested / "two").exists()
+
+
 def test_the_next_lease_of_a_pool_user_cannot_see_what_the_last_tenant_left(
     sweep_users: list[pwd.struct_passwd], shared: Path
 ) -> None:
