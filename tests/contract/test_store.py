@@ -187,6 +187,25 @@ def test_a_claim_of_more_queues_than_merged_keeps_the_order(store: SqlStore) -> 
     assert [i.invocation_id for i in got] == [ids[q] for q in expected]
 
 
+def test_a_claim_of_more_heads_than_merged_takes_the_best_of_every_group_and_leaves_the_rest(
+    store: SqlStore,
+) -> None:
+    """Past ``MERGED_QUEUES_MAX`` heads the claim picks each head's first rows in groups (before:
+    one statement that read and sorted every queued row of those heads, at any backlog)."""
+    queues = [f"q{n:02d}" for n in range(2 * MERGED_QUEUES_MAX + 3)]  # three groups of heads
+    backlog = {q: [submit(store, q) for _ in range(3)] for q in queues}
+    best = [
+        submit(store, queues[-1], priority=9),  # the last group
+        submit(store, queues[MERGED_QUEUES_MAX], priority=8),  # the middle one
+        submit(store, queues[0], priority=7),  # the first
+    ]
+    assert [i.invocation_id for i in store.claim("w", queues, limit=3)] == best
+    # then the oldest of priority 0: the first queue's backlog, submitted first
+    assert [i.invocation_id for i in store.claim("w", queues, limit=2)] == backlog[queues[0]][:2]
+    left = store.claim("w", list(reversed(queues)), limit=1000)
+    assert len(left) == 3 * len(queues) - 2 and len({i.invocation_id for i in left}) == len(left)
+
+
 def _drain_concurrently(store: SqlStore, queues: list[str]) -> list[str]:
     """Six threads claim two at a time from ``queues`` until a claim comes back empty."""
     claimed: list[str] = []

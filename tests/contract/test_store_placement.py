@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.store.api import AckRequest, SubmitRequest
-from dreamlake.lakeshore.store.claims import Plan, queue_limit
+from dreamlake.lakeshore.store.claims import MERGED_QUEUES_MAX, Plan, queue_limit
 from dreamlake.lakeshore.store.notify import run_queue_channel
 from dreamlake.lakeshore.store.placement import Offer
 from dreamlake.lakeshore.store.sql import SqlStore
@@ -37,6 +37,20 @@ def test_a_claim_takes_only_what_the_offer_fits_greedily_in_claim_order(store: S
     got = store.claim("w2", ["gpu"], limit=10, offer=Offer.of(4))
     assert [i.invocation_id for i in got] == big[1:]
     assert {store.get(i).state for i in big} == {"running"}  # type: ignore[union-attr]
+
+
+def test_a_placed_claim_of_more_heads_than_merged_chooses_across_its_groups(store: SqlStore) -> None:
+    """Past ``MERGED_QUEUES_MAX`` (queue, shape) heads the pick runs in groups of heads; the
+    greedy choice within the free GPUs is made over all of them in claim order, as below it."""
+    queues = [f"g{n:02d}" for n in range(MERGED_QUEUES_MAX + 8)]
+    for q in queues:  # two heads a queue: plain and gpus=2
+        submit(store, q)
+        submit(store, q, resources={"gpus": 2})
+    best = submit(store, queues[-1], resources={"gpus": 2}, priority=9)  # the last group's head
+    one = submit(store, queues[1], resources={"gpus": 1}, priority=8)  # a third shape, first group
+    got = store.claim("w", queues, limit=3, offer=Offer.of(3))  # 2 + 1 GPUs, then a plain call
+    assert [i.invocation_id for i in got][:2] == [best, one]
+    assert got[2].run_config.get("resources") is None and got[2].queue == queues[0]
 
 
 def test_a_selector_matches_only_equal_labels_and_an_unknown_key_never(store: SqlStore) -> None:

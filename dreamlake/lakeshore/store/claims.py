@@ -59,12 +59,12 @@ def _head(i: int) -> Any:
 
 
 def _picks(n_heads: int, by_namespace: bool, cols: Sequence[Any], limit: Any) -> Any:
-    """The first ``limit`` rows of each head, merged in claim order (all rows of the heads past
-    ``MERGED_QUEUES_MAX``), locked ``FOR UPDATE SKIP LOCKED`` on PostgreSQL."""
-    queued = _queued(by_namespace)
+    """The first ``limit`` rows of each head, merged in claim order, locked ``FOR UPDATE SKIP
+    LOCKED`` on PostgreSQL. Several heads: ``cols`` then ``priority`` and ``submitted_at``; at
+    most ``MERGED_QUEUES_MAX`` (a claim of more picks them in groups: :func:`head_groups`)."""
     if n_heads > MERGED_QUEUES_MAX:
-        pairs = sa.tuple_(_inv.c.queue, _inv.c.shape).in_(sa.bindparam("heads", expanding=True))
-        return sa.select(*cols).where(queued, pairs).order_by(*_claim_order).with_for_update(skip_locked=True)
+        raise ValueError(f"a pick of {n_heads} heads: at most {MERGED_QUEUES_MAX} (head_groups)")
+    queued = _queued(by_namespace)
     if n_heads == 1:  # its first ``limit`` rows: every row of one head has the same needs, so a
         # placed claim (Plan.choose) that skips one skips every later one too
         return (
@@ -118,8 +118,9 @@ def claim_statement(n_heads: int, by_namespace: bool = False) -> Any:
     ``limit`` rows of each (each locked ``FOR UPDATE SKIP LOCKED`` on PostgreSQL) and keep the best
     ``limit`` of those, so the sort is over at most ``n_heads * limit`` rows whatever the backlog;
     the rows picked but not kept stay locked until the claim commits, and a concurrent claim skips
-    them meanwhile. Past ``MERGED_QUEUES_MAX`` heads (SQLite caps a compound SELECT at 500 terms)
-    the pick reads every queued row of those heads and sorts them.
+    them meanwhile. At most ``MERGED_QUEUES_MAX`` heads (SQLite caps a compound SELECT at 500
+    terms): a claim of more picks its heads in groups and takes its choice by key
+    (``InvocationStore._claim_in``, :func:`head_groups`), still ``n_heads * limit`` rows at most.
 
     The update finds the picked rows by primary key only: no ``state`` test there, which SQLite
     would plan as a scan of queued rows by a state index. None is needed: on SQLite the statement
@@ -134,9 +135,7 @@ def claim_statement(n_heads: int, by_namespace: bool = False) -> Any:
         .cte("picked")
         .prefix_with("MATERIALIZED")  # evaluated once: a bare IN (subquery) may run it per row
     )
-    claim = _claimed(_inv.c.invocation_id.in_(sa.select(picked.c.invocation_id)))
-    # through the driver (store/direct.py), but past MERGED_QUEUES_MAX (an expanding list)
-    return claim if n_heads > MERGED_QUEUES_MAX else Direct(claim)
+    return Direct(_claimed(_inv.c.invocation_id.in_(sa.select(picked.c.invocation_id))))
 
 
 @functools.cache
@@ -184,14 +183,26 @@ def take_statement() -> Any:
 
 def head_params(heads: Sequence[Head], namespace: str | None) -> dict[str, Any]:
     params: dict[str, Any] = {}
-    if len(heads) > MERGED_QUEUES_MAX:
-        params["heads"] = [tuple(h) for h in heads]
-    else:
-        for i, (queue, shape) in enumerate(heads):
-            params[f"q{i}"], params[f"s{i}"] = queue, shape
+    for i, (queue, shape) in enumerate(heads):
+        params[f"q{i}"], params[f"s{i}"] = queue, shape
     if namespace is not None:
         params["b_namespace"] = namespace
     return params
+
+
+def head_groups(heads: Sequence[Head]) -> list[Sequence[Head]]:
+    """``heads`` (more than ``MERGED_QUEUES_MAX``) in groups of at most that many, as even as may
+    be: each group at least two heads, so each pick returns the columns a merge sorts by."""
+    n, count = -(-len(heads) // MERGED_QUEUES_MAX), len(heads)
+    return [heads[i * count // n : (i + 1) * count // n] for i in range(n)]
+
+
+def merged_picks(groups: Sequence[Sequence[Any]]) -> list[Any]:
+    """The rows of several groups' picks (``invocation_id``, ``queue``, ``shape``, ``priority``,
+    ``submitted_at``) in claim order: priority desc, submitted_at, invocation_id."""
+    rows = [row for group in groups for row in group]
+    rows.sort(key=lambda r: (-r[3], r[4], r[0]))
+    return rows
 
 
 def claim_params(

@@ -49,8 +49,10 @@ from .claims import (
     Placer,
     claim_params,
     claimed_insert_statement,
+    head_groups,
     head_params,
     key_limit,
+    merged_picks,
     pick_statement,
     take_statement,
 )
@@ -581,15 +583,21 @@ class InvocationStore(AckStore, LeaseStore):
         plan = self._placer.plan(conn, queues, offer, namespace, self.db.dialect)
         if not plan.heads:
             return []
-        if not plan.placed:
+        if not plan.placed and len(plan.heads) <= MERGED_QUEUES_MAX:
             stmt, params = claim_params(queues, limit, worker_id, now, lease_s, namespace, plan.heads)
             rows = conn.execute(stmt, params).fetchall()
         else:
-            picked = conn.execute(
-                pick_statement(len(plan.heads), namespace is not None),
-                {"limit": int(limit), **head_params(plan.heads, namespace)},
-            ).fetchall()
-            chosen = plan.choose(picked, limit, offer)
+            # each head's first rows (in groups past MERGED_QUEUES_MAX heads), then the choice by key
+            groups = [plan.heads] if len(plan.heads) <= MERGED_QUEUES_MAX else head_groups(plan.heads)
+            picks = [
+                conn.execute(
+                    pick_statement(len(heads), namespace is not None),
+                    {"limit": int(limit), **head_params(heads, namespace)},
+                ).fetchall()
+                for heads in groups
+            ]
+            picked = picks[0] if len(picks) == 1 else merged_picks(picks)
+            chosen = plan.choose(picked, limit, offer) if plan.placed else [r[0] for r in picked[:limit]]
             if not chosen:
                 return []
             params = {"ids": chosen, "worker": worker_id, "now": now, "lease": now + lease_s}
