@@ -18,8 +18,8 @@ of the uid writes meanwhile, nor holds a directory open):
   the same way, as the uid may have left entries there too: down to :data:`NESTED_DEPTH` levels,
   each opened by its parent's fd without following a link, and at most :data:`NESTED_ENTRIES`
   entries looked at per place (a warning says when that stopped the walk). The uid's entries in a
-  directory it could not write to as "other" (a root-owned ``/tmp/.X11-unix``, a group-writable
-  one) are out of reach, and so are its files anywhere else (a world-writable directory elsewhere):
+  directory it could not write to as "other" (a service's ``/tmp/systemd-private-*``, 0700; a
+  group-writable one) are out of reach, and so are its files anywhere else (a world-writable directory elsewhere):
   only the well-known shared places are walked, one ``scandir`` per directory (a ``stat`` per
   entry).
 - **SysV IPC**: each shared memory segment, semaphore array and message queue (``/proc/sysvipc``)
