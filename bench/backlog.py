@@ -7,8 +7,9 @@ same run's figure at the smallest size (the baseline) and that goal.
 Layouts:
 
 - ``1 queue``: every row in one queue at one priority (the old plan sorted all of them per claim).
-- ``100 queues x 10 pri``: rows spread over 100 queues and 10 priorities; claims from one queue
-  and from four (the merge of each queue's first rows).
+- ``100 queues x 10 pri``: rows spread over 100 queues and 10 priorities; claims from one queue,
+  from four (the merge of each queue's first rows) and from forty (past the 32 heads one
+  statement merges: each group's merge, then the best taken by key).
 - ``mixed shapes`` (placement, issue 29): one queue, 10 priorities, rows spread over 60 shapes (10
   resource shapes: 0 to 9 GPUs, times no selector or one of 5: ``pool=a`` .. ``pool=e``), named
   in the ``shapes`` table as submits would; claims from pollers of 3 kinds: one offering nothing
@@ -91,7 +92,12 @@ LAYOUTS: dict[str, tuple[int, int, bool, list[Pattern]]] = {
         100,
         10,
         False,
-        [("1 queue(s)", ["q007"], NO_OFFER), ("4 queue(s)", ["q007", "q031", "q058", "q090"], NO_OFFER)],
+        [
+            ("1 queue(s)", ["q007"], NO_OFFER),
+            ("4 queue(s)", ["q007", "q031", "q058", "q090"], NO_OFFER),
+            # past MERGED_QUEUES_MAX heads: picked in groups (store/claims.py, head_groups)
+            ("40 queue(s)", [f"q{i:03d}" for i in range(0, 80, 2)], NO_OFFER),
+        ],
     ),
     "mixed shapes": (
         1,
