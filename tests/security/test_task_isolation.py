@@ -230,11 +230,10 @@ def _sleepers(workdir: Path) -> list[int]:
 def test_exec_jobs_are_claimed_only_by_a_nymph_started_with_allow_exec(
     plane: ControlPlane, root_nymph: Callable[..., RootNymph]
 ) -> None:
-    where = Path(tempfile.mkdtemp(prefix="nymph-sec-exec-"))
-    os.chmod(where, 0o777)  # the exec job runs as a task user
-    marker = where / "exec-ran"
+    # what the job ran says so on its stdout (a file it wrote in a shared /tmp directory would be
+    # swept at its pool user's release: nymph.uidsweep)
     status, job = plane.json(
-        "POST", "/v1/namespaces/team-a/exec", {"command": f"touch {marker}"}, plane.admin_token
+        "POST", "/v1/namespaces/team-a/exec", {"command": "echo ran-as-$(id -u)"}, plane.admin_token
     )
     assert status == 202, job
     n = root_nymph()
@@ -242,7 +241,6 @@ def test_exec_jobs_are_claimed_only_by_a_nymph_started_with_allow_exec(
     inv = _submit(plane, _producer(plane, "team-a"), ref("tests.security.attack_fns", "ids"))
     assert await_result(plane, inv)["state"] == "succeeded", n.output()[-3000:]
     assert plane.store.get_exec("team-a", job["exec_id"])["attempt"] in (0, None)  # type: ignore[index]
-    assert not marker.exists()
     opted_in = root_nymph("--allow-exec")
     status, out = plane.json(
         "GET",
@@ -252,8 +250,8 @@ def test_exec_jobs_are_claimed_only_by_a_nymph_started_with_allow_exec(
         timeout=90,
     )
     assert status == 200 and out["exit_code"] == 0, (out, opted_in.output()[-3000:])
-    assert marker.exists()
-    shutil.rmtree(where)
+    ran = out["stdout"].decode() if isinstance(out["stdout"], bytes) else out["stdout"]
+    assert ran.startswith("ran-as-") and ran.strip() != "ran-as-0", out  # run, as a task user
 
 
 # --- the pool: said at start, shared only with the operator's leave ----------------------------------

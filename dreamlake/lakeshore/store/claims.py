@@ -197,6 +197,21 @@ def head_groups(heads: Sequence[Head]) -> list[Sequence[Head]]:
     return [heads[i * count // n : (i + 1) * count // n] for i in range(n)]
 
 
+def pick_rows(conn: Connection, heads: Sequence[Head], limit: int, namespace: str | None) -> list[Any]:
+    """Each head's first ``limit`` rows, locked, in claim order (``invocation_id``, ``queue``,
+    ``shape``, ...): one :func:`pick_statement`, or past ``MERGED_QUEUES_MAX`` heads one for each
+    of :func:`head_groups`, merged (:func:`merged_picks`)."""
+    groups = [heads] if len(heads) <= MERGED_QUEUES_MAX else head_groups(heads)
+    picks = [
+        conn.execute(
+            pick_statement(len(group), namespace is not None),
+            {"limit": int(limit), **head_params(group, namespace)},
+        ).fetchall()
+        for group in groups
+    ]
+    return list(picks[0]) if len(picks) == 1 else merged_picks(picks)
+
+
 def merged_picks(groups: Sequence[Sequence[Any]]) -> list[Any]:
     """The rows of several groups' picks (``invocation_id``, ``queue``, ``shape``, ``priority``,
     ``submitted_at``) in claim order: priority desc, submitted_at, invocation_id."""

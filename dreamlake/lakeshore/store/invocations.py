@@ -49,11 +49,9 @@ from .claims import (
     Placer,
     claim_params,
     claimed_insert_statement,
-    head_groups,
     head_params,
     key_limit,
-    merged_picks,
-    pick_statement,
+    pick_rows,
     take_statement,
 )
 from .engine import Database, retry_on_disconnect
@@ -587,16 +585,7 @@ class InvocationStore(AckStore, LeaseStore):
             stmt, params = claim_params(queues, limit, worker_id, now, lease_s, namespace, plan.heads)
             rows = conn.execute(stmt, params).fetchall()
         else:
-            # each head's first rows (in groups past MERGED_QUEUES_MAX heads), then the choice by key
-            groups = [plan.heads] if len(plan.heads) <= MERGED_QUEUES_MAX else head_groups(plan.heads)
-            picks = [
-                conn.execute(
-                    pick_statement(len(heads), namespace is not None),
-                    {"limit": int(limit), **head_params(heads, namespace)},
-                ).fetchall()
-                for heads in groups
-            ]
-            picked = picks[0] if len(picks) == 1 else merged_picks(picks)
+            picked = pick_rows(conn, plan.heads, limit, namespace)  # (in groups past MERGED_QUEUES_MAX)
             chosen = plan.choose(picked, limit, offer) if plan.placed else [r[0] for r in picked[:limit]]
             if not chosen:
                 return []
