@@ -143,15 +143,14 @@ class Watcher:
 
     def _run(self) -> None:
         next_tick = time.monotonic() + TICK_S
+        waiting = select.poll()  # not select: a busy nymph's descriptors pass 1023, which it refuses
+        for fd in [self._wake_r] + ([self._fd] if self._fd >= 0 else []):
+            waiting.register(fd, select.POLLIN)
         while not self._stop.is_set():
             with self._lock:
                 polled = [w for w in self._watches.values() if w.wd is None]
             timeout = self._poll_s if polled else max(0.0, next_tick - time.monotonic())
-            fds = [self._wake_r] + ([self._fd] if self._fd >= 0 else [])
-            try:  # poll, not select: a busy nymph's descriptors pass 1023, which select refuses
-                waiting = select.poll()
-                for fd in fds:
-                    waiting.register(fd, select.POLLIN)
+            try:
                 events = waiting.poll(timeout * 1000)
             except (OSError, ValueError):
                 return

@@ -127,6 +127,9 @@ class WarmWorker:
         finally:
             theirs.close()
         self.sock = ours
+        # poll, not select: nymph's descriptors may pass 1023, which select refuses
+        self._readable = select.poll()
+        self._readable.register(ours, select.POLLIN)
         self.pid = self.proc.pid
         if cgroup is not None and user is not None:
             # it cannot join a root-owned cgroup itself once it is the task user: moved in by nymph,
@@ -181,9 +184,7 @@ class WarmWorker:
             if self.code is not None:
                 return None
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            readable = select.poll()  # not select: nymph's descriptors may pass 1023, which it refuses
-            readable.register(self.sock, select.POLLIN)
-            if not readable.poll(None if left is None else left * 1000):
+            if not self._readable.poll(None if left is None else left * 1000):
                 return None
             try:
                 data = self.sock.recv(1 << 16)
