@@ -32,6 +32,7 @@ from .api import (
     Invocation,
 )
 from .base import StoreBase
+from .direct import Sent
 from .engine import retry_on_disconnect
 from .invocation_rows import CANCEL_REASON, _att, _inv, row_to_invocation
 from .notify import invocation_channels, run_queue_channel
@@ -450,6 +451,39 @@ class AckStore(StoreBase):
             and not self._placer.any_limits()
         ):
             return [AckResult(ok=True, state=r.state) for r in reqs]
+        return self._acks_checked_in(conn, reqs, now)
+
+    def _acks_send(self, conn: Connection, reqs: Sequence[AckRequest], now: float) -> list[Sent]:
+        """``_ack_many_in``'s UPDATEs on PostgreSQL, their answers left to ``_acks_sent`` (a
+        pipeline's: sql.py's ``_send_plain``), for acks it writes with them alone: ``_lone_ack``'s,
+        of distinct invocations, with no fleet limit cached."""
+        st = self._inv_st
+        by_variant: dict[tuple[bool, bool], list[dict[str, Any]]] = {}
+        for r in reqs:
+            by_variant.setdefault((r.attempt is not None, r.worker_id is not None), []).append(
+                self._ack_params(r, now)
+            )
+        sent: list[Sent] = []
+        for variant, params in by_variant.items():
+            if len(params) == 1:  # as ``_ack_in`` writes one
+                sent.append(st.ack_many[variant].send(conn, params[0]))
+            else:
+                sent += st.ack_rows[variant].send_rows(conn, params)
+        return sent
+
+    def _acks_sent(
+        self, conn: Connection, reqs: Sequence[AckRequest], now: float, sent: Sequence[Sent]
+    ) -> list[AckResult]:
+        """The answers to ``reqs``, sent by ``_acks_send``: all applied when the UPDATEs matched a
+        row each, else read back as ``_ack_many_in`` reads them (``_acks_checked_in``)."""
+        if sum(s.result().rowcount for s in sent) == len(reqs):
+            return [AckResult(ok=True, state=r.state) for r in reqs]
+        return self._acks_checked_in(conn, reqs, now)
+
+    def _acks_checked_in(self, conn: Connection, reqs: Sequence[AckRequest], now: float) -> list[AckResult]:
+        """Which of ``reqs`` (acks of distinct invocations, just written) applied, and why each
+        other did not (see ``_ack_many_in``)."""
+        st = self._inv_st
         rows = conn.execute(st.get_many, {"ids": [r.invocation_id for r in reqs]}).fetchall()
         found = {inv.invocation_id: inv for inv in map(row_to_invocation, rows)}
         out: list[AckResult] = []

@@ -47,12 +47,14 @@ tests/unit/test_direct_statements.py on both dialects: the ``_execute_on_connect
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 import json
 import operator
 import re
 import sqlite3
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Dialect
@@ -285,6 +287,71 @@ class DirectResult:
         return iter(self._rows)
 
 
+class Sent:
+    """A statement sent in psycopg's pipeline mode (:func:`pipeline`), its answer not read yet:
+    :meth:`result` reads it once the pipeline has synced (no round trip of its own then; before,
+    psycopg flushes the pipeline and waits for it). Outside a pipeline, the answer has arrived."""
+
+    __slots__ = ("_c", "_connection", "_cursor", "_sql", "_values")
+
+    def __init__(
+        self, connection: Connection, c: _Compiled, cursor: Any, sql: str | bytes, values: Any
+    ) -> None:
+        self._connection, self._c, self._cursor, self._sql, self._values = connection, c, cursor, sql, values
+
+    def result(self) -> DirectResult:
+        """The ``RETURNING`` rows and the row count, as :meth:`Direct.run` answers them."""
+        c, cursor = self._c, self._cursor
+        # the columns' description only until the result processors are made from it: psycopg
+        # builds it anew on every read, an object per column (a claim's row has 37)
+        description = None
+        rows: list[Any] = []
+        try:
+            if c.returns:
+                description = None if c.result_procs is not None else cursor.description
+                rows = cursor.fetchall()
+            count = cursor.rowcount
+        except Exception as exc:
+            _reraise(self._connection, exc, self._sql, [self._values], cursor)
+        finally:
+            cursor.close()
+        return DirectResult(c.rows(rows, description) if rows else [], count)
+
+
+def _reraise(connection: Connection, exc: Exception, sql: str | bytes, sets: Any, cursor: Any) -> NoReturn:
+    """A driver error raised as SQLAlchemy raises it: wrapped in DBAPIError, a lost connection
+    invalidated (its own handler, which always raises)."""
+    connection._handle_dbapi_exception(exc, sql if isinstance(sql, str) else sql.decode(), sets, cursor, None)
+    raise exc  # (not reached)
+
+
+@functools.cache
+def pipeline_supported() -> bool:
+    """Whether psycopg's libpq takes pipeline mode (libpq 14 and later; its binary wheels' does)."""
+    import psycopg
+
+    return bool(psycopg.Pipeline.is_supported())
+
+
+@contextlib.contextmanager
+def pipeline(connection: Connection) -> Iterator[None]:
+    """psycopg's pipeline mode on ``connection``'s driver connection (PostgreSQL): the statements
+    sent in it (:meth:`Direct.send`; nothing that reads its answer at once) go out together, and
+    its exit syncs once, one round trip for them all, their answers then held by their
+    :class:`Sent`. A transaction's ``BEGIN`` goes with them. An error of any statement is raised
+    at the exit (those after it are not run: PostgreSQL aborts the rest of the pipeline, and the
+    transaction is then only fit to be rolled back), wrapped as :meth:`Direct.run` wraps one."""
+    raw = connection.connection.dbapi_connection
+    assert raw is not None
+    try:
+        with raw.pipeline():
+            yield
+    except sa.exc.DBAPIError:
+        raise
+    except Exception as exc:
+        _reraise(connection, exc, "(the statements of a pipeline)", (), None)
+
+
 class Direct(_Statement):
     """A SQLAlchemy Core statement executed through the DB-API driver (see the module docstring)."""
 
@@ -338,6 +405,16 @@ class Direct(_Statement):
             return self.run(connection, param_sets)
         rows: list[Any] = []
         count = 0
+        for c, sql, flat in self._row_parts(connection, param_sets):
+            got, n = self._execute(connection, c, sql, [flat], numbered=True)
+            rows += got
+            count += n
+        return DirectResult(rows, count)
+
+    def _row_parts(
+        self, connection: Connection, param_sets: Sequence[Mapping[str, Any]]
+    ) -> Iterator[tuple[_Compiled, bytes, list[Any]]]:
+        """``run_rows``'s statements: each one's compiled form, text and flat values."""
         for start in range(0, len(param_sets), ROWS_MAX):
             part = param_sets[start : start + ROWS_MAX]
             c = self._compiled(connection.dialect, part[0])
@@ -351,10 +428,43 @@ class Direct(_Statement):
             for values in sets:
                 flat += [values[k] for k in inner]
             flat += [first[k] for k in after]
-            got, n = self._execute(connection, c, sql, [flat], numbered=True)
-            rows += got
-            count += n
-        return DirectResult(rows, count)
+            yield c, sql, flat
+
+    def send(self, connection: Connection, params: Mapping[str, Any]) -> Sent:
+        """``run`` of one parameter set, its answer left to read (:class:`Sent`): in a
+        :func:`pipeline`, the statement goes out with the others sent there."""
+        c = self._compiled(connection.dialect, params)
+        return self._send(connection, c, c.sql, c.params(params))
+
+    def send_rows(self, connection: Connection, param_sets: Sequence[Mapping[str, Any]]) -> list[Sent]:
+        """``run_rows`` as ``send`` is ``run``: a :class:`Sent` per statement (PostgreSQL)."""
+        if len(param_sets) < 2:
+            return [self.send(connection, param_sets[0])]
+        return [
+            self._send(connection, c, sql, flat, numbered=True)
+            for c, sql, flat in self._row_parts(connection, param_sets)
+        ]
+
+    @staticmethod
+    def _send(
+        connection: Connection, c: _Compiled, sql: str | bytes, values: Any, *, numbered: bool = False
+    ) -> Sent:
+        """``sql`` with ``values`` on the driver, its answer left to :meth:`Sent.result`.
+        ``numbered``: PostgreSQL's own parameters (``$1`` ..), on psycopg's raw cursor."""
+        raw = connection.connection.dbapi_connection
+        assert raw is not None
+        if numbered:
+            import psycopg
+
+            cursor: Any = psycopg.RawCursor(raw)  # type: ignore[call-overload]
+        else:
+            cursor = raw.cursor()
+        try:
+            cursor.execute(sql, values)
+        except Exception as exc:
+            cursor.close()
+            _reraise(connection, exc, sql, [values], cursor)
+        return Sent(connection, c, cursor, sql, values)
 
     def append(self, connection: Connection, param_sets: Sequence[Mapping[str, Any]]) -> int:
         """SQLite: this ``INSERT`` (no ``RETURNING``) with each of ``param_sets`` in order, as one
@@ -397,28 +507,18 @@ class Direct(_Statement):
     ) -> tuple[list[Any], int]:
         """``sql`` with each of ``sets`` on the driver: the ``RETURNING`` rows, the row count.
         ``numbered``: PostgreSQL's own parameters (``$1`` ..), on psycopg's raw cursor."""
+        if len(sets) == 1:
+            got = Direct._send(connection, c, sql, sets[0], numbered=numbered).result()
+            return got._rows, got.rowcount
         raw = connection.connection.dbapi_connection
         assert raw is not None
-        if numbered:
-            import psycopg
-
-            cursor: Any = psycopg.RawCursor(raw)  # type: ignore[call-overload]
-        else:
-            cursor = raw.cursor()
-        # the columns' description only until the result processors are made from it: psycopg
-        # builds it anew on every read, an object per column (a claim's row has 37)
-        described = c.result_procs is not None
+        cursor: Any = raw.cursor()
+        described = c.result_procs is not None  # (see ``Sent.result``)
         try:
             rows: list[Any] = []
             count = 0
             description = None
-            if len(sets) == 1:
-                cursor.execute(sql, sets[0])
-                if c.returns:
-                    description = None if described else cursor.description
-                    rows = cursor.fetchall()
-                count = cursor.rowcount
-            elif not c.returns:
+            if not c.returns:
                 cursor.executemany(sql, sets)
                 count = cursor.rowcount
             elif connection.dialect.name == "postgresql":
@@ -436,11 +536,7 @@ class Direct(_Statement):
                     rows += cursor.fetchall()
                     count += max(0, cursor.rowcount)
         except Exception as exc:
-            # SQLAlchemy's own handling: wrapped in DBAPIError, a lost connection invalidated
-            connection._handle_dbapi_exception(
-                exc, sql if isinstance(sql, str) else sql.decode(), sets, cursor, None
-            )
-            raise  # (the handler always raises)
+            _reraise(connection, exc, sql, sets, cursor)
         finally:
             cursor.close()
         return (c.rows(rows, description) if rows else []), count

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import sqlalchemy as sa
@@ -40,6 +40,12 @@ _PRIORITY, _ARGS, _RESULT, _CANCEL, _SHAPE, _PREEMPTIONS, _HANDBACKS = (
         "handbacks",
     )
 )
+
+
+def claimed_in_order(rows: Iterable[Row[Any]]) -> list[Invocation]:
+    """A claim's rows (``RETURNING`` every column) as invocations, best first: priority, then
+    submission time, then id (the order a claim's pick takes them in)."""
+    return sorted(map(row_to_invocation, rows), key=lambda i: (-i.priority, i.submitted_at, i.invocation_id))
 
 
 def row_to_invocation(r: Row[Any]) -> Invocation:

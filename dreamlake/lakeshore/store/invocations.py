@@ -56,7 +56,7 @@ from .claims import (
 )
 from .engine import Database, retry_on_disconnect
 from .invocation_rows import CANCEL_REASON as CANCEL_REASON
-from .invocation_rows import _inv, _statements, row_to_invocation
+from .invocation_rows import _inv, _statements, claimed_in_order, row_to_invocation
 from .invocation_rows import invocation_from as invocation_from
 from .leases import LEASE_EXPIRED as LEASE_EXPIRED
 from .leases import LEASE_LOST as LEASE_LOST
@@ -591,7 +591,4 @@ class InvocationStore(AckStore, LeaseStore):
                 return []
             params = {"ids": chosen, "worker": worker_id, "now": now, "lease": now + lease_s}
             rows = conn.execute(take_statement(), params).fetchall()
-        return sorted(
-            (row_to_invocation(r) for r in rows),
-            key=lambda i: (-i.priority, i.submitted_at, i.invocation_id),
-        )
+        return claimed_in_order(rows)

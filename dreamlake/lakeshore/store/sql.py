@@ -61,6 +61,7 @@ from .listing import ListingStore
 from .notify import Notifier, exec_queue_channel, invocation_channels
 from .outage import WriteLockBusy, classify
 from .outcomes import OutcomeStore
+from .pipelined import send_plain, write_steps
 from .placement import NO_OFFER, Offer
 from .quotas import QuotaStore
 from .retention import RetentionStore
@@ -350,8 +351,9 @@ class SqlStore(
     @retry_on_disconnect
     def _apply_writes(self, batch: Sequence[tuple[int, Any]]) -> list[WriteResult | PlaneError]:
         """One transaction: the submits (one multi-row insert), then the other writes in order
-        (each run of acks as one ``_ack_many_in``, the polls of other workers it passes after
-        it); the waiters are woken after the commit."""
+        (``write_steps``: each run of acks as one ``_ack_many_in``, the polls of other workers it
+        passes after it); the waiters are woken after the commit. On PostgreSQL a batch of polls
+        and acks alone (a busy daemon's) sends its statements in one pipeline (``send_plain``)."""
         submits = [(k, p) for k, (_, p) in enumerate(batch) if isinstance(p, _Prepared)]
         results: list[WriteResult | PlaneError | None] = [None] * len(batch)
         channels: list[str] = []
@@ -383,18 +385,17 @@ class SqlStore(
                 on_insert = (k, q)
         early: dict[int, list[Invocation]] = {}  # what a pass claimed by its submit's insert
         # (tentative: a shape or limit its submits named is forgotten should it roll back)
+        steps = write_steps(batch)
         with self._placer.tentative(), self.db.tx(write=True, single=single) as conn:
-            duties = (
-                dict(
-                    zip(
-                        (k for k, _ in daemons),
-                        self._duties_in(conn, [(p.worker_id, p.namespace) for _, p in daemons], now),
-                        strict=True,
-                    )
-                )
-                if daemons
-                else {}
-            )
+            # the plain daemon transaction on PostgreSQL: its statements in one round trip
+            sent = None if submits or single else send_plain(self, conn, batch, steps, daemons, now)
+            if sent is not None:
+                duties, early = sent.duties, sent.claimed
+            elif daemons:
+                asks = [(p.worker_id, p.namespace) for _, p in daemons]
+                duties = dict(zip((k for k, _ in daemons), self._duties_in(conn, asks, now), strict=True))
+            else:
+                duties = {}
             preps = [p for _, p in submits]
             got = self._claim_on_insert_in(conn, preps[0], on_insert[1], now) if on_insert else None
             submitted: list[SubmitResult | PlaneError]
@@ -405,14 +406,6 @@ class SqlStore(
                 submitted = self._submit_many_in(conn, preps, now) if preps else []
             for (k, _), res in zip(submits, submitted, strict=True):
                 results[k] = res
-            # A run of acks is applied together (one statement on PostgreSQL). It runs on past
-            # the polls of workers none of its later acks belong to (the polls then follow it): a
-            # pass claims queued calls and records its own worker's offer and commands, so another
-            # worker's ack changes nothing it does but free room under a limit, as it would have
-            # had the ack come first. A later ack of a passed poll's own worker (or one that names
-            # no worker) ends the run before it: one worker's writes keep the order they came in.
-            acks: list[tuple[int, AckRequest]] = []
-            passed: list[tuple[int, PollRequest]] = []
 
             def write(k: int, p: Any) -> None:
                 if isinstance(p, FrameRequest):
@@ -434,11 +427,11 @@ class SqlStore(
                     results[k] = polled
                     channels.extend(f"inv:{i.invocation_id}" for i in polled.invocations)
 
-            def flush() -> None:
-                if acks:
-                    for (j, req), ack in zip(
-                        acks, self._ack_many_in(conn, [a for _, a in acks], now), strict=True
-                    ):
+            for run, writes in steps:  # (``write_steps``: a run of acks together, then the rest)
+                if run:
+                    reqs = [a for _, a in run]
+                    acked = [sent.acked[j] for j, _ in run] if sent else self._ack_many_in(conn, reqs, now)
+                    for (j, req), ack in zip(run, acked, strict=True):
                         results[j] = ack
                         if ack.ok and not ack.duplicate:
                             channels.append(f"inv:{req.invocation_id}")
@@ -452,26 +445,8 @@ class SqlStore(
                                     ack.requeued_shape,
                                 )
                             )
-                    acks.clear()
-                for k, p in passed:
+                for k, p in writes:
                     write(k, p)
-                passed.clear()
-
-            # (``passed`` holds polls only while ``acks`` holds acks: ``flush`` empties both)
-            for k, (_, p) in enumerate(batch):
-                if isinstance(p, AckRequest):
-                    if passed and (p.worker_id is None or any(q.worker_id == p.worker_id for _, q in passed)):
-                        flush()
-                    acks.append((k, p))
-                elif acks and isinstance(p, PollRequest):
-                    passed.append((k, p))
-                else:
-                    if acks:
-                        flush()
-                    if not isinstance(p, _Prepared):  # (the submits are written above)
-                        write(k, p)
-            if acks:
-                flush()
         wakes: list[str] = []
         if preps:
             handed = {i for _, p in batch if isinstance(p, PollRequest) for i in p.handed}

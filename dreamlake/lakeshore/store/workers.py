@@ -46,7 +46,7 @@ from dreamlake.lakeshore.ids import new_ulid
 from . import schema as t
 from .api import DEFAULT_NAMESPACE, TOKEN_KINDS, Command, Principal
 from .base import StoreBase
-from .direct import Direct
+from .direct import Direct, Sent
 from .engine import Database, retry_on_disconnect
 from .keys import KeyRing
 from .notify import Notifier
@@ -285,13 +285,23 @@ class WorkerStore(StoreBase):
         self, conn: Connection, asks: Sequence[tuple[str, str | None]], now: float
     ) -> list[tuple[list[Command], str | None]]:
         """``_duties_in`` on PostgreSQL: one statement (``pg_duties``) for one daemon or many."""
+        return self._pg_duties_read(asks, self._pg_duties_send(conn, asks, now).result())
+
+    def _pg_duties_send(self, conn: Connection, asks: Sequence[tuple[str, str | None]], now: float) -> Sent:
+        """``_pg_duties_in``'s statement, its answer left to ``_pg_duties_read`` (a pipeline's)."""
         unbound = sorted({w for w, ns in asks if ns is None})
         names = sorted({ns for _, ns in asks if ns is not None} | ({DEFAULT_NAMESPACE} if unbound else set()))
         params = {"workers": sorted({w for w, _ in asks}), "unbound": unbound, "names": names, "now": now}
+        return self._worker_st.pg_duties.send(conn, params)
+
+    @staticmethod
+    def _pg_duties_read(
+        asks: Sequence[tuple[str, str | None]], rows: Iterable[Any]
+    ) -> list[tuple[list[Command], str | None]]:
         pending: dict[str, list[Any]] = {}
         registered: dict[str, str] = {}
         versions: dict[str, str | None] = {}
-        for r in conn.execute(self._worker_st.pg_duties, params):
+        for r in rows:
             if r.command_id is not None:
                 pending.setdefault(r.worker_id, []).append(r)
             elif r.worker_id is not None:

@@ -1,0 +1,228 @@
+"""A daemon's plain transaction of polls and acks, sent in one pipeline on PostgreSQL
+(store/pipelined.py), writes and answers exactly what the same batch written statement by
+statement does, on every store.
+
+Each scenario runs twice on one store (fresh queue and workers each time): once as the product
+writes it, once with the pipeline turned off (``sql.send_plain`` answering None, the sequential
+path). Answers and rows are compared by role. One more test shows the pipeline is what runs on
+PostgreSQL (every statement sent before any answer is read), and one that a statement failing
+inside it rolls its transaction back and leaves each write to be written alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from dreamlake.lakeshore.errors import PlaneError
+from dreamlake.lakeshore.ids import new_ulid
+from dreamlake.lakeshore.store import direct, open_store, pipelined
+from dreamlake.lakeshore.store import sql as sql_module
+from dreamlake.lakeshore.store.api import AckRequest, AckResult, PollRequest, PollResult, SubmitRequest
+from dreamlake.lakeshore.store.sql import SqlStore
+from tests.contract.store_kit import FN
+
+
+def _setup(store: SqlStore, n: int = 9) -> tuple[str, str, str, list[str], list[str]]:
+    """A queue of ``n`` calls (priorities mixed); w1 runs two of them, w2 three."""
+    tag = new_ulid()[-10:]
+    queue, w1, w2 = f"q-{tag}", f"w1-{tag}", f"w2-{tag}"
+    for i in range(n):
+        store.submit(SubmitRequest(new_ulid(), queue, FN, b"a%d" % i, {"priority": i % 3}))
+    (one,) = store.write_batch([PollRequest(w1, [queue], 2, exec_jobs=False)])
+    (two,) = store.write_batch([PollRequest(w2, [queue], 3, exec_jobs=False)])
+    assert isinstance(one, PollResult) and isinstance(two, PollResult)
+    return (
+        queue,
+        w1,
+        w2,
+        [i.invocation_id for i in one.invocations],
+        [i.invocation_id for i in two.invocations],
+    )
+
+
+def _outcome(store: SqlStore, batch: list[Any], roles: dict[str, str]) -> Any:
+    """The batch's answers and its calls' rows, every id and worker by its role."""
+
+    def role(x: str | None) -> str | None:
+        return None if x is None else roles.setdefault(x, f"new{len(roles)}")
+
+    answers: list[Any] = []
+    for got in store.write_batch(batch):
+        if isinstance(got, PlaneError):
+            answers.append(("refused", got.status))
+        elif isinstance(got, AckResult):
+            answers.append(("ack", got.ok, got.duplicate, got.state, got.status if not got.ok else None))
+        else:
+            assert isinstance(got, PollResult)
+            answers.append(
+                (
+                    "poll",
+                    [(c.kind, role(c.body.get("invocation_id"))) for c in got.commands],
+                    [(role(i.invocation_id), i.attempt, role(i.worker_id)) for i in got.invocations],
+                    len(got.exec_jobs),
+                    got.pinned_version,
+                )
+            )
+    queue = next(p.queues[0] for p in batch if isinstance(p, PollRequest))
+    with store.db.tx(write=False) as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT invocation_id, state, attempt, worker_id, result_blob FROM invocations"
+                " WHERE queue = :q ORDER BY invocation_id"
+            ),
+            {"q": queue},
+        ).all()
+    table = sorted((role(r[0]), r[1], r[2], role(r[3]), r[4]) for r in rows if r[0] in roles)
+    return answers, table, sum(1 for r in rows if r[1] == "queued")
+
+
+def _both(store: SqlStore, monkeypatch: pytest.MonkeyPatch, scenario: Any) -> None:
+    """``scenario(store)`` -> (batch, roles) written with the pipeline and without; the same."""
+    seen = []
+    for pipe in (True, False):
+        with monkeypatch.context() as m:
+            if not pipe:
+                m.setattr(sql_module, "send_plain", lambda *_a: None)
+            batch, roles = scenario(store)
+            seen.append(_outcome(store, batch, roles))
+    assert seen[0] == seen[1]
+
+
+def test_acks_and_polls_of_two_workers_answer_as_written_one_by_one(
+    store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def scenario(s: SqlStore) -> tuple[list[Any], dict[str, str]]:
+        queue, w1, w2, mine, theirs = _setup(s)
+        s.write_batch([AckRequest(mine[1], "succeeded", 1, w1, b"r")])  # its repeat: a duplicate
+        s.cancel(theirs[1])  # a cancel command waits for w2
+        roles = {w1: "w1", w2: "w2", **{x: f"m{k}" for k, x in enumerate(mine)}}
+        roles.update({x: f"t{k}" for k, x in enumerate(theirs)})
+        batch = [
+            AckRequest(mine[0], "succeeded", 1, w1, b"done"),  # applies
+            PollRequest(w1, [queue], 1, exec_jobs=False),  # refills its slot
+            AckRequest(theirs[0], "succeeded", 1, w2, b"theirs"),  # the run passes w1's poll
+            AckRequest(mine[1], "succeeded", 1, w1, b"r"),  # a repeat: ends the run before it
+            AckRequest(theirs[1], "succeeded", 2, w2, b"stale"),  # an attempt it never had
+            AckRequest(theirs[2], "succeeded", 1, w1, b"forged"),  # another worker's call
+            PollRequest(w2, [queue], 3, exec_jobs=False),  # the rest, and its cancel
+        ]
+        return batch, roles
+
+    _both(store, monkeypatch, scenario)
+
+
+def test_polls_alone_a_lone_poll_and_an_empty_queue_answer_the_same(
+    store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def scenario(s: SqlStore) -> tuple[list[Any], dict[str, str]]:
+        queue, w1, w2, mine, theirs = _setup(s, n=6)
+        roles = {w1: "w1", w2: "w2", **{x: f"m{k}" for k, x in enumerate(mine + theirs)}}
+        batch = [
+            PollRequest(w1, [queue], 4),  # one left to claim; then exec jobs (none)
+            PollRequest(w2, [queue, f"{queue}-empty"], 2, exec_jobs=False),  # nothing left
+            PollRequest(w2, [], 1),  # no queue: its duties only
+        ]
+        return batch, roles
+
+    _both(store, monkeypatch, scenario)
+
+
+def test_acks_the_pipeline_does_not_take_are_written_as_before(
+    store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure (the retry rule reads first), and two acks of one call, go the sequential way."""
+
+    def scenario(s: SqlStore) -> tuple[list[Any], dict[str, str]]:
+        queue, w1, w2, mine, theirs = _setup(s)
+        roles = {w1: "w1", w2: "w2", **{x: f"m{k}" for k, x in enumerate(mine + theirs)}}
+        batch = [
+            AckRequest(mine[0], "succeeded", 1, w1, b"once"),
+            AckRequest(mine[0], "succeeded", 1, w1, b"twice"),
+            AckRequest(theirs[0], "failed", 1, w2, None, {"type": "E", "message": "m"}),
+            PollRequest(w1, [queue], 2, exec_jobs=False),
+        ]
+        return batch, roles
+
+    _both(store, monkeypatch, scenario)
+
+
+@pytest.fixture
+def pg_store(pg_session_url: str) -> Iterator[SqlStore]:
+    """PostgreSQL's store alone: the pipeline is its (a SQLite statement is a call, not a trip)."""
+    s = open_store(pg_session_url)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def test_on_postgresql_every_statement_is_sent_before_an_answer_is_read(
+    pg_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = pg_store
+    queue, w1, _w2, mine, _theirs = _setup(store)
+    events: list[str] = []
+    send, result, pipe = direct.Direct._send, direct.Sent.result, direct.pipeline
+
+    def sending(*a: Any, **kw: Any) -> Any:
+        events.append("send")
+        return send(*a, **kw)
+
+    def reading(self: Any) -> Any:
+        events.append("read")
+        return result(self)
+
+    class Piped:
+        def __init__(self, conn: Any) -> None:
+            self._inner = pipe(conn)
+
+        def __enter__(self) -> None:
+            events.append("pipeline")
+            self._inner.__enter__()
+
+        def __exit__(self, *exc: Any) -> Any:
+            got = self._inner.__exit__(*exc)
+            events.append("synced")
+            return got
+
+    monkeypatch.setattr(direct.Direct, "_send", staticmethod(sending))
+    monkeypatch.setattr(direct.Sent, "result", reading)
+    monkeypatch.setattr(pipelined, "pipeline", Piped)
+    ack, polled = store.write_batch(
+        [AckRequest(mine[0], "succeeded", 1, w1, b"r"), PollRequest(w1, [queue], 1, exec_jobs=False)]
+    )
+    assert isinstance(ack, AckResult) and ack.ok and not ack.duplicate
+    assert isinstance(polled, PollResult) and len(polled.invocations) == 1
+    # the duties, the ack's UPDATE and the claim, then one sync, then their three answers
+    assert events == ["pipeline", "send", "send", "send", "synced", "read", "read", "read"]
+
+
+def test_a_statement_failing_in_the_pipeline_fails_that_write_alone(
+    pg_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The transaction is rolled back (the ack sent before the failing claim is not kept from it)
+    and each write is written alone: the ack applies, the poll answers its 500."""
+    store = pg_store
+    queue, w1, _w2, mine, _theirs = _setup(store)
+    real = pipelined.claim_params
+
+    def failing(*a: Any, **kw: Any) -> Any:
+        _stmt, params = real(*a, **kw)
+        return direct.Direct(sa.select(sa.literal_column("1 / 0")), "postgresql"), params
+
+    monkeypatch.setattr(pipelined, "claim_params", failing)
+    ack, polled = store.write_batch(
+        [AckRequest(mine[0], "succeeded", 1, w1, b"kept"), PollRequest(w1, [queue], 1, exec_jobs=False)]
+    )
+    assert isinstance(ack, AckResult) and ack.ok and not ack.duplicate
+    assert isinstance(polled, PlaneError) and polled.status == 500
+    got = store.get(mine[0])
+    assert got is not None and (got.state, got.result_blob, got.attempt) == ("succeeded", b"kept", 1)
+    # the store goes on: the same poll, the pipeline back as it is, claims
+    monkeypatch.setattr(pipelined, "claim_params", real)
+    (again,) = store.write_batch([PollRequest(w1, [queue], 1, exec_jobs=False)])
+    assert isinstance(again, PollResult) and len(again.invocations) == 1
