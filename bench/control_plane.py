@@ -217,20 +217,22 @@ def _worker(port: int, token: str, queue: str, poll_max: int, go: Any, out: Any)
 
 def _daemon(port: int, token: str, queue: str, poll_max: int, go: Any, out: Any) -> None:
     """A busy nymph's loop with ``poll_max`` slots: a first poll claims that many; each call, once
-    run, frees its slot, and the poll that refills it carries its ack (``max`` 1, no wait)."""
+    run, frees its slot, and the poll that refills it carries its ack (``max`` 1, no wait). Each
+    poll says what nymph's says by default (nymph/poller.py): run commands only (exec jobs are
+    its ``--allow-exec`` opt-in) and its offer (a host without GPUs)."""
     c = Client(port, token)
     worker, done = ulid(), 0
     go.wait()
     t0 = time.perf_counter()
-    poll: dict[str, Any] = {"worker_id": worker, "queues": [queue], "max": poll_max, "timeout_s": 0}
+    base = {"worker_id": worker, "queues": [queue], "timeout_s": 0, "kinds": ["run"], "offer": {"gpus": 0}}
+    poll: dict[str, Any] = {**base, "max": poll_max}
     status, answer = c.post("/v1/daemon/poll", poll)
     if status != 200:
         raise RuntimeError(f"poll answered {status}: {answer}")
     running = list(answer["commands"])
     while running:
         cmd = running.pop(0)
-        poll = {"worker_id": worker, "queues": [queue], "max": 1, "timeout_s": 0}
-        poll["acks"] = [_ack_body(cmd, worker)]
+        poll = {**base, "max": 1, "acks": [_ack_body(cmd, worker)]}
         status, answer = c.post("/v1/daemon/poll", poll)
         if status != 200 or any(not a.get("ok") for a in answer.get("acked") or []):
             raise RuntimeError(f"poll answered {status}: {str(answer)[:300]}")

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from psycopg.pq import TransactionStatus
 
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.ids import new_ulid
@@ -121,8 +122,17 @@ def test_polls_alone_a_lone_poll_and_an_empty_queue_answer_the_same(
     def scenario(s: SqlStore) -> tuple[list[Any], dict[str, str]]:
         queue, w1, w2, mine, theirs = _setup(s, n=6)
         roles = {w1: "w1", w2: "w2", **{x: f"m{k}" for k, x in enumerate(mine + theirs)}}
+        s.create_exec(
+            "default",
+            "true",
+            payload_inline=None,
+            payload_ref=None,
+            queue=queue,
+            worker_id=None,
+            timeout_s=None,
+        )
         batch = [
-            PollRequest(w1, [queue], 4),  # one left to claim; then exec jobs (none)
+            PollRequest(w1, [queue], 4),  # one call left to claim, then the exec job
             PollRequest(w2, [queue, f"{queue}-empty"], 2, exec_jobs=False),  # nothing left
             PollRequest(w2, [], 1),  # no queue: its duties only
         ]
@@ -160,45 +170,74 @@ def pg_store(pg_session_url: str) -> Iterator[SqlStore]:
         s.close()
 
 
-def test_on_postgresql_every_statement_is_sent_before_an_answer_is_read(
-    pg_store: SqlStore, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    store = pg_store
-    queue, w1, _w2, mine, _theirs = _setup(store)
-    events: list[str] = []
+@pytest.fixture
+def events(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """What the store does with its driver connection, in order: a pipeline entered, a statement
+    sent, the pipeline synced with the transaction committed ("synced") or still open ("open"),
+    an answer read."""
+    seen: list[str] = []
     send, result, pipe = direct.Direct._send, direct.Sent.result, direct.pipeline
 
     def sending(*a: Any, **kw: Any) -> Any:
-        events.append("send")
+        seen.append("send")
         return send(*a, **kw)
 
     def reading(self: Any) -> Any:
-        events.append("read")
+        seen.append("read")
         return result(self)
 
     class Piped:
         def __init__(self, conn: Any) -> None:
+            self._conn = conn
             self._inner = pipe(conn)
 
-        def __enter__(self) -> None:
-            events.append("pipeline")
-            self._inner.__enter__()
+        def __enter__(self) -> Any:
+            seen.append("pipeline")
+            return self._inner.__enter__()
 
         def __exit__(self, *exc: Any) -> Any:
             got = self._inner.__exit__(*exc)
-            events.append("synced")
+            raw = self._conn.connection.dbapi_connection
+            seen.append("synced" if raw.info.transaction_status == TransactionStatus.IDLE else "open")
             return got
 
     monkeypatch.setattr(direct.Direct, "_send", staticmethod(sending))
     monkeypatch.setattr(direct.Sent, "result", reading)
     monkeypatch.setattr(pipelined, "pipeline", Piped)
-    ack, polled = store.write_batch(
+    return seen
+
+
+def test_on_postgresql_a_busy_daemons_transaction_is_one_round_trip(
+    pg_store: SqlStore, events: list[str]
+) -> None:
+    """The duties, the ack's UPDATE, the claim and COMMIT sent together, one sync, then the three
+    answers read (a poll that claims no exec job needs no answer before its COMMIT)."""
+    queue, w1, _w2, mine, _theirs = _setup(pg_store)
+    events.clear()
+    ack, polled = pg_store.write_batch(
         [AckRequest(mine[0], "succeeded", 1, w1, b"r"), PollRequest(w1, [queue], 1, exec_jobs=False)]
     )
     assert isinstance(ack, AckResult) and ack.ok and not ack.duplicate
     assert isinstance(polled, PollResult) and len(polled.invocations) == 1
-    # the duties, the ack's UPDATE and the claim, then one sync, then their three answers
     assert events == ["pipeline", "send", "send", "send", "synced", "read", "read", "read"]
+    got = pg_store.get(mine[0])
+    assert got is not None and (got.state, got.result_blob) == ("succeeded", b"r")
+
+
+def test_a_poll_that_may_claim_exec_jobs_keeps_its_transaction_open_for_them(
+    pg_store: SqlStore, events: list[str]
+) -> None:
+    """How many exec jobs it may take is known from its claim's answer: the COMMIT waits for it,
+    and the exec job is claimed in the same transaction."""
+    queue, w1, _w2, _mine, _theirs = _setup(pg_store, n=6)  # one call left
+    exec_id = pg_store.create_exec(
+        "default", "true", payload_inline=None, payload_ref=None, queue=queue, worker_id=None, timeout_s=None
+    )
+    events.clear()
+    (polled,) = pg_store.write_batch([PollRequest(w1, [queue], 3)])
+    assert isinstance(polled, PollResult) and len(polled.invocations) == 1
+    assert [j["exec_id"] for j in polled.exec_jobs] == [exec_id]
+    assert events[:5] == ["pipeline", "send", "send", "open", "read"]
 
 
 def test_a_statement_failing_in_the_pipeline_fails_that_write_alone(
@@ -226,3 +265,44 @@ def test_a_statement_failing_in_the_pipeline_fails_that_write_alone(
     monkeypatch.setattr(pipelined, "claim_params", real)
     (again,) = store.write_batch([PollRequest(w1, [queue], 1, exec_jobs=False)])
     assert isinstance(again, PollResult) and len(again.invocations) == 1
+
+
+def test_a_refused_acks_reason_read_after_the_commit_fails_that_ack_alone(
+    pg_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With COMMIT in the pipeline, why an ack did not apply is read in a transaction of its own:
+    should that read fail, that ack answers the store's error (its daemon sends it again) and the
+    committed writes stand, answered as written: nothing is written twice."""
+    queue, w1, w2, mine, theirs = _setup(pg_store)
+
+    def broken(*_a: Any, **_kw: Any) -> Any:
+        raise RuntimeError("the read failed")
+
+    monkeypatch.setattr(SqlStore, "_acks_checked_in", broken)
+    good, forged, polled = pg_store.write_batch(
+        [
+            AckRequest(mine[0], "succeeded", 1, w1, b"mine"),
+            AckRequest(theirs[0], "succeeded", 1, w1, b"forged"),  # w2's call: not applied
+            PollRequest(w1, [queue], 2, exec_jobs=False),
+        ]
+    )
+    assert isinstance(forged, PlaneError) and forged.status == 500
+    assert isinstance(good, PlaneError)  # (its run's read failed: which of the two applied is unknown)
+    assert isinstance(polled, PollResult) and len(polled.invocations) == 2
+    row = pg_store.get(mine[0])
+    assert row is not None and (row.state, row.result_blob) == ("succeeded", b"mine")
+    other = pg_store.get(theirs[0])
+    assert other is not None and (other.state, other.worker_id) == ("running", w2)
+    monkeypatch.undo()
+    # sent again, each gets its answer; the claimed calls are w1's, running, claimed once
+    again, forged_again = pg_store.write_batch(
+        [
+            AckRequest(mine[0], "succeeded", 1, w1, b"mine"),
+            AckRequest(theirs[0], "succeeded", 1, w1, b"forged"),
+        ]
+    )
+    assert isinstance(again, AckResult) and again.ok and again.duplicate
+    assert isinstance(forged_again, AckResult) and not forged_again.ok
+    for inv in polled.invocations:
+        got = pg_store.get(inv.invocation_id)
+        assert got is not None and (got.state, got.worker_id, got.attempt) == ("running", w1, 1)

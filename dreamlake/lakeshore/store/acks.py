@@ -454,8 +454,8 @@ class AckStore(StoreBase):
         return self._acks_checked_in(conn, reqs, now)
 
     def _acks_send(self, conn: Connection, reqs: Sequence[AckRequest], now: float) -> list[Sent]:
-        """``_ack_many_in``'s UPDATEs on PostgreSQL, their answers left to ``_acks_sent`` (a
-        pipeline's: sql.py's ``_send_plain``), for acks it writes with them alone: ``_lone_ack``'s,
+        """``_ack_many_in``'s UPDATEs on PostgreSQL, their answers left to ``_acks_applied`` (a
+        pipeline's: pipelined.py's ``send_plain``), for acks it writes with them alone: ``_lone_ack``'s,
         of distinct invocations, with no fleet limit cached."""
         st = self._inv_st
         by_variant: dict[tuple[bool, bool], list[dict[str, Any]]] = {}
@@ -471,14 +471,13 @@ class AckStore(StoreBase):
                 sent += st.ack_rows[variant].send_rows(conn, params)
         return sent
 
-    def _acks_sent(
-        self, conn: Connection, reqs: Sequence[AckRequest], now: float, sent: Sequence[Sent]
-    ) -> list[AckResult]:
-        """The answers to ``reqs``, sent by ``_acks_send``: all applied when the UPDATEs matched a
-        row each, else read back as ``_ack_many_in`` reads them (``_acks_checked_in``)."""
-        if sum(s.result().rowcount for s in sent) == len(reqs):
-            return [AckResult(ok=True, state=r.state) for r in reqs]
-        return self._acks_checked_in(conn, reqs, now)
+    @staticmethod
+    def _acks_applied(reqs: Sequence[AckRequest], sent: Sequence[Sent]) -> list[AckResult] | None:
+        """The answers to ``reqs``, sent by ``_acks_send``, when their UPDATEs matched a row each
+        (all applied); None when not, for ``_acks_checked_in`` to read back which did and why not."""
+        if sum(s.result().rowcount for s in sent) != len(reqs):
+            return None
+        return [AckResult(ok=True, state=r.state) for r in reqs]
 
     def _acks_checked_in(self, conn: Connection, reqs: Sequence[AckRequest], now: float) -> list[AckResult]:
         """Which of ``reqs`` (acks of distinct invocations, just written) applied, and why each

@@ -333,23 +333,47 @@ def pipeline_supported() -> bool:
     return bool(psycopg.Pipeline.is_supported())
 
 
+class Pipeline:
+    """What :func:`pipeline` yields: its ``commit``."""
+
+    __slots__ = ("_commit", "_raw")
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self._commit: Any = None
+
+    def commit(self) -> None:
+        """``COMMIT`` after the statements sent so far, in the same round trip. Once the pipeline
+        has synced without an error, the transaction is committed and the driver's connection idle
+        (the caller's commit then sends nothing; a statement after it begins a transaction of its
+        own). An error of a statement before it skips it (PostgreSQL runs nothing more of the
+        pipeline): raised at the exit, the transaction then only fit to be rolled back."""
+        self._commit = self._raw.cursor()
+        self._commit.execute(b"COMMIT")
+
+
 @contextlib.contextmanager
-def pipeline(connection: Connection) -> Iterator[None]:
+def pipeline(connection: Connection) -> Iterator[Pipeline]:
     """psycopg's pipeline mode on ``connection``'s driver connection (PostgreSQL): the statements
     sent in it (:meth:`Direct.send`; nothing that reads its answer at once) go out together, and
     its exit syncs once, one round trip for them all, their answers then held by their
-    :class:`Sent`. A transaction's ``BEGIN`` goes with them. An error of any statement is raised
-    at the exit (those after it are not run: PostgreSQL aborts the rest of the pipeline, and the
-    transaction is then only fit to be rolled back), wrapped as :meth:`Direct.run` wraps one."""
+    :class:`Sent`. A transaction's ``BEGIN`` goes with them (and its ``COMMIT``, when asked:
+    :meth:`Pipeline.commit`). An error of any statement is raised at the exit (those after it are
+    not run: PostgreSQL aborts the rest of the pipeline, and the transaction is then only fit to be
+    rolled back), wrapped as :meth:`Direct.run` wraps one."""
     raw = connection.connection.dbapi_connection
     assert raw is not None
+    handle = Pipeline(raw)
     try:
         with raw.pipeline():
-            yield
+            yield handle
     except sa.exc.DBAPIError:
         raise
     except Exception as exc:
         _reraise(connection, exc, "(the statements of a pipeline)", (), None)
+    finally:
+        if handle._commit is not None:
+            handle._commit.close()
 
 
 class Direct(_Statement):

@@ -7,8 +7,9 @@ freed). Written statement by statement, each is a round trip of its own: ``BEGIN
 such a transaction holds under load (stop 55's count), three a poll. None of those statements
 needs an earlier one's rows to be written, only to be answered, and PostgreSQL runs them in the
 order sent (a claim sees what an ack before it changed, as before). :func:`send_plain` sends them
-all in one pipeline (``direct.pipeline``), which syncs once; their answers are read after it, and
-the transaction commits as before: two round trips, whatever the batch holds.
+all in one pipeline (``direct.pipeline``), ``COMMIT`` too, which syncs once: one round trip for
+the transaction. Its answers are read after it; the writes are answered after the commit, as
+before (durable first).
 
 It takes the plain case only, where the statements sent are exactly those the sequential path
 (sql.py's ``_apply_writes``) would run, in the same order (:func:`write_steps`):
@@ -19,14 +20,21 @@ It takes the plain case only, where the statements sent are exactly those the se
 - no fleet limit cached: an ack then frees no room that a later claim counts, and no plan reads
   (and locks) a limit's row;
 - each claiming poll's plan plain (no GPU shape to place, whose take needs its pick's rows) and of
-  at most ``MERGED_QUEUES_MAX`` heads: its claim is one statement.
+  at most ``MERGED_QUEUES_MAX`` heads: its claim is one statement, and it takes no GPU, so what it
+  leaves free of its offer (``_offered_in``) is known before its answer.
 
 Anything else (a submit, a frame, a heartbeat, a limit, a placed shape) is written the sequential
-way. What needs an answer before it may run still runs after the sync, in the same transaction:
-an ack whose ``UPDATE`` matched no row is read back to say why (``_acks_checked_in``; after the
-claims now, which never take a finished row: only a refusal's reason can differ, when this very
-poll claimed the call the stale ack names); a poll that claimed fewer calls than it asked for
-then claims exec jobs; a changed GPU offer is written.
+way. Two things need an answer first:
+
+- A poll that claims exec jobs too (``kinds`` with ``exec``: nymph's ``--allow-exec``) claims them
+  for the slots its claim left, so its transaction's ``COMMIT`` waits for that claim: two round
+  trips.
+- An ack whose ``UPDATE`` matched no row (a refusal, a repeat) is read back to say why
+  (``_acks_checked_in``). That read comes after the claims, which never take a finished row, so
+  only a refusal's reason can differ (when this very poll claimed the call the stale ack names).
+  With ``COMMIT`` gone before it, the caller reads it after the transaction, in one of its own
+  (``Answers.unread``): should that read fail, only those acks answer the store's error (a daemon
+  sends an ack again; the transaction's other writes stand, answered as written).
 """
 
 from __future__ import annotations
@@ -62,9 +70,11 @@ class _Store(Protocol):
         self, asks: Sequence[tuple[str, str | None]], rows: Iterable[Any]
     ) -> list[tuple[list[Command], str | None]]: ...
     def _acks_send(self, conn: Connection, reqs: Sequence[AckRequest], now: float) -> list[Sent]: ...
-    def _acks_sent(
-        self, conn: Connection, reqs: Sequence[AckRequest], now: float, sent: Sequence[Sent]
+    def _acks_applied(self, reqs: Sequence[AckRequest], sent: Sequence[Sent]) -> list[AckResult] | None: ...
+    def _acks_checked_in(
+        self, conn: Connection, reqs: Sequence[AckRequest], now: float
     ) -> list[AckResult]: ...
+    def _offered_send(self, conn: Connection, worker_id: str, gpus: int) -> Sent | None: ...
 
 
 # One step of a transaction's writes after its submits: a run of acks applied together (one
@@ -111,6 +121,10 @@ class Answers:
     duties: dict[int, tuple[list[Command], str | None]] = field(default_factory=dict)
     acked: dict[int, AckResult] = field(default_factory=dict)
     claimed: dict[int, list[Invocation]] = field(default_factory=dict)
+    # the runs of acks whose UPDATEs matched fewer rows than acks, once the pipeline's COMMIT has
+    # gone: which applied and why the others did not is for the caller to read after the
+    # transaction (``_acks_checked_in``), in one of its own
+    unread: list[list[tuple[int, AckRequest]]] = field(default_factory=list)
 
 
 def send_plain(
@@ -149,14 +163,20 @@ def send_plain(
     duties: Sent | None = None
     acks: list[tuple[list[tuple[int, AckRequest]], list[Sent]]] = []
     claims: dict[int, Sent] = {}
+    offers: list[Sent] = []
     answers = Answers()
-    with pipeline(conn):
+    with pipeline(conn) as piped:
         if asks:
             duties = store._pg_duties_send(conn, asks, now)
         for run, writes in steps:
             if run:
                 acks.append((run, store._acks_send(conn, [a for _, a in run], now)))
             for k, p in writes:
+                # what a plain pass leaves free of its offer: all of it (it takes no GPU); the
+                # pass (``_poll_in``) finds it written
+                offered = store._offered_send(conn, p.worker_id, max(0, p.offer.gpus))
+                if offered is not None:
+                    offers.append(offered)
                 claiming = plans.get(k)
                 if claiming is None:
                     continue
@@ -167,12 +187,24 @@ def send_plain(
                     p.queues, p.limit, p.worker_id, now, p.lease_s, p.namespace, claiming.heads
                 )
                 claims[k] = stmt.send(conn, params)
+        # nothing left that needs an answer first (but a refused ack's reason: after the commit)
+        committed = not any(p.exec_jobs for k, (_, p) in enumerate(batch) if k in plans)
+        if committed:
+            piped.commit()
+    for offered in offers:
+        offered.result()
     if duties is not None:
         got = store._pg_duties_read(asks, duties.result())
         answers.duties = dict(zip((k for k, _ in daemons), got, strict=True))
     for k, sent in claims.items():
         answers.claimed[k] = claimed_in_order(sent.result())
     for run, sent_acks in acks:
-        outcomes = store._acks_sent(conn, [a for _, a in run], now, sent_acks)
+        reqs = [a for _, a in run]
+        outcomes = store._acks_applied(reqs, sent_acks)
+        if outcomes is None and committed:
+            answers.unread.append(run)
+            continue
+        if outcomes is None:
+            outcomes = store._acks_checked_in(conn, reqs, now)
         answers.acked.update(zip((k for k, _ in run), outcomes, strict=True))
     return answers

@@ -36,6 +36,7 @@ from .api import (
     DEFAULT_LEASE_S,
     DEFAULT_NAMESPACE,
     AckRequest,
+    AckResult,
     Command,
     FrameRequest,
     FramesRequest,
@@ -384,7 +385,22 @@ class SqlStore(
             if isinstance(q, PollRequest) and self._claimable_on_insert(submits[0][1], q):
                 on_insert = (k, q)
         early: dict[int, list[Invocation]] = {}  # what a pass claimed by its submit's insert
+
         # (tentative: a shape or limit its submits named is forgotten should it roll back)
+        def answer_acks(run: list[tuple[int, AckRequest]], acked: Sequence[AckResult]) -> None:
+            for (j, req), ack in zip(run, acked, strict=True):
+                results[j] = ack
+                if ack.ok and not ack.duplicate:
+                    channels.append(f"inv:{req.invocation_id}")
+                    if ack.freed is not None:  # room under a limit
+                        requeued.extend(freed_channels(ack.freed))
+                if ack.requeued:  # a retry claimable now: one wake per invocation
+                    requeued.extend(
+                        invocation_channels(
+                            ack.requeued_namespace or DEFAULT_NAMESPACE, ack.requeued, ack.requeued_shape
+                        )
+                    )
+
         steps = write_steps(batch)
         with self._placer.tentative(), self.db.tx(write=True, single=single) as conn:
             # the plain daemon transaction on PostgreSQL: its statements in one round trip
@@ -428,25 +444,16 @@ class SqlStore(
                     channels.extend(f"inv:{i.invocation_id}" for i in polled.invocations)
 
             for run, writes in steps:  # (``write_steps``: a run of acks together, then the rest)
-                if run:
-                    reqs = [a for _, a in run]
-                    acked = [sent.acked[j] for j, _ in run] if sent else self._ack_many_in(conn, reqs, now)
-                    for (j, req), ack in zip(run, acked, strict=True):
-                        results[j] = ack
-                        if ack.ok and not ack.duplicate:
-                            channels.append(f"inv:{req.invocation_id}")
-                            if ack.freed is not None:  # room under a limit
-                                requeued.extend(freed_channels(ack.freed))
-                        if ack.requeued:  # a retry claimable now: one wake per invocation
-                            requeued.extend(
-                                invocation_channels(
-                                    ack.requeued_namespace or DEFAULT_NAMESPACE,
-                                    ack.requeued,
-                                    ack.requeued_shape,
-                                )
-                            )
+                if not run:
+                    pass
+                elif sent is None:
+                    answer_acks(run, self._ack_many_in(conn, [a for _, a in run], now))
+                elif run[0][0] in sent.acked:  # (else read after the commit, below)
+                    answer_acks(run, [sent.acked[j] for j, _ in run])
                 for k, p in writes:
                     write(k, p)
+        for run in sent.unread if sent is not None else ():
+            self._read_back(run, now, results, answer_acks)
         wakes: list[str] = []
         if preps:
             handed = {i for _, p in batch if isinstance(p, PollRequest) for i in p.handed}
@@ -454,6 +461,28 @@ class SqlStore(
             channels[:0] = changed  # (a submit a pass claimed changed once: one inv:<id>)
         self._notify(*wakes, *dict.fromkeys(channels), *requeued)
         return [r for r in results if r is not None]
+
+    def _read_back(
+        self,
+        run: list[tuple[int, AckRequest]],
+        now: float,
+        results: list[WriteResult | PlaneError | None],
+        answer: Callable[[list[tuple[int, AckRequest]], Sequence[AckResult]], None],
+    ) -> None:
+        """Which acks of ``run`` applied in a transaction committed already and why the others did
+        not (``_acks_checked_in``), read in a transaction of its own (see pipelined.py); should
+        that read fail, each answers the store's error and the rest of its batch stands."""
+        try:
+            with self.db.tx(write=False) as conn:
+                acked = self._acks_checked_in(conn, [a for _, a in run], now)
+        except Exception as exc:
+            failed = classify(exc)
+            if failed is None:
+                log.exception("reading back %d acks failed", len(run))
+            for j, _ in run:
+                results[j] = failed or PlaneError(f"the store failed: {type(exc).__name__}", status=500)
+            return
+        answer(run, acked)
 
     def expire_leases(self, now: float | None = None) -> list[str]:
         now = time.time() if now is None else now

@@ -72,7 +72,7 @@ class _Statements:
         self.touch_worker = Direct(
             sa.update(t.workers).where(t.workers.c.worker_id == B("worker")).values(last_seen=B("now"))
         )
-        self.set_free_gpus = (
+        self.set_free_gpus = Direct(
             sa.update(t.workers).where(t.workers.c.worker_id == B("worker")).values(free_gpus=B("gpus"))
         )
         self.take_commands = Direct(
@@ -236,12 +236,19 @@ class WorkerStore(StoreBase):
     def _offered_in(self, conn: Connection, worker_id: str, gpus: int) -> None:
         """Keep the free GPUs a poll offered on its worker's row (``lakeshore workers``), written
         only when they differ from what this store last wrote for it: an idle fleet writes none."""
+        sent = self._offered_send(conn, worker_id, gpus)
+        if sent is not None:
+            sent.result()
+
+    def _offered_send(self, conn: Connection, worker_id: str, gpus: int) -> Sent | None:
+        """``_offered_in``'s write, its answer left to read (a pipeline's); None when none is due."""
         if self._offered.get(worker_id) == gpus:
-            return
-        conn.execute(self._worker_st.set_free_gpus, {"worker": worker_id, "gpus": gpus})
+            return None
+        sent = self._worker_st.set_free_gpus.send(conn, {"worker": worker_id, "gpus": gpus})
         if len(self._offered) >= 100_000:
             self._offered.clear()
         self._offered[worker_id] = gpus
+        return sent
 
     def _take_commands_in(self, conn: Connection, worker_id: str, now: float) -> list[Command]:
         """Touch the worker's ``last_seen`` and take its pending commands, oldest first."""
