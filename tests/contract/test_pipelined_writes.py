@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from psycopg._pipeline_base import BasePipeline
 from psycopg.pq import TransactionStatus
 
 from dreamlake.lakeshore.errors import PlaneError
@@ -23,6 +24,7 @@ from dreamlake.lakeshore.ids import new_ulid
 from dreamlake.lakeshore.store import direct, open_store, pipelined
 from dreamlake.lakeshore.store import sql as sql_module
 from dreamlake.lakeshore.store.api import AckRequest, AckResult, PollRequest, PollResult, SubmitRequest
+from dreamlake.lakeshore.store.placement import Offer
 from dreamlake.lakeshore.store.sql import SqlStore
 from tests.contract.store_kit import FN
 
@@ -173,10 +175,16 @@ def pg_store(pg_session_url: str) -> Iterator[SqlStore]:
 @pytest.fixture
 def events(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """What the store does with its driver connection, in order: a pipeline entered, a statement
-    sent, the pipeline synced with the transaction committed ("synced") or still open ("open"),
-    an answer read."""
+    sent, a sync (a round trip's end), the pipeline left with the transaction committed ("synced")
+    or still open ("open"), an answer read."""
     seen: list[str] = []
     send, result, pipe = direct.Direct._send, direct.Sent.result, direct.pipeline
+    # every round trip of a pipeline ends at a sync (psycopg's own BEGIN waits for one too)
+    enqueue_sync = BasePipeline._enqueue_sync
+
+    def syncing(self: Any) -> None:
+        seen.append("sync")
+        enqueue_sync(self)
 
     def sending(*a: Any, **kw: Any) -> Any:
         seen.append("send")
@@ -201,6 +209,7 @@ def events(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             seen.append("synced" if raw.info.transaction_status == TransactionStatus.IDLE else "open")
             return got
 
+    monkeypatch.setattr(BasePipeline, "_enqueue_sync", syncing)
     monkeypatch.setattr(direct.Direct, "_send", staticmethod(sending))
     monkeypatch.setattr(direct.Sent, "result", reading)
     monkeypatch.setattr(pipelined, "pipeline", Piped)
@@ -210,8 +219,8 @@ def events(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_on_postgresql_a_busy_daemons_transaction_is_one_round_trip(
     pg_store: SqlStore, events: list[str]
 ) -> None:
-    """The duties, the ack's UPDATE, the claim and COMMIT sent together, one sync, then the three
-    answers read (a poll that claims no exec job needs no answer before its COMMIT)."""
+    """BEGIN, the duties, the ack's UPDATE, the claim and COMMIT sent together, one sync, then the
+    three answers read (a poll that claims no exec job needs no answer before its COMMIT)."""
     queue, w1, _w2, mine, _theirs = _setup(pg_store)
     events.clear()
     ack, polled = pg_store.write_batch(
@@ -219,7 +228,7 @@ def test_on_postgresql_a_busy_daemons_transaction_is_one_round_trip(
     )
     assert isinstance(ack, AckResult) and ack.ok and not ack.duplicate
     assert isinstance(polled, PollResult) and len(polled.invocations) == 1
-    assert events == ["pipeline", "send", "send", "send", "synced", "read", "read", "read"]
+    assert events == ["pipeline", "send", "send", "send", "sync", "synced", "read", "read", "read"]
     got = pg_store.get(mine[0])
     assert got is not None and (got.state, got.result_blob) == ("succeeded", b"r")
 
@@ -237,7 +246,9 @@ def test_a_poll_that_may_claim_exec_jobs_keeps_its_transaction_open_for_them(
     (polled,) = pg_store.write_batch([PollRequest(w1, [queue], 3)])
     assert isinstance(polled, PollResult) and len(polled.invocations) == 1
     assert [j["exec_id"] for j in polled.exec_jobs] == [exec_id]
-    assert events[:5] == ["pipeline", "send", "send", "open", "read"]
+    # the duties (psycopg's BEGIN before it, and its sync), the claim, the pipeline's sync; then
+    # the claim's answer read, and the exec job claimed after it
+    assert events[:7] == ["pipeline", "send", "sync", "send", "sync", "open", "read"]
 
 
 def test_a_statement_failing_in_the_pipeline_fails_that_write_alone(
@@ -306,3 +317,28 @@ def test_a_refused_acks_reason_read_after_the_commit_fails_that_ack_alone(
     for inv in polled.invocations:
         got = pg_store.get(inv.invocation_id)
         assert got is not None and (got.state, got.worker_id, got.attempt) == ("running", w1, 1)
+
+
+def test_two_passes_of_one_worker_leave_its_last_offer_and_nothing_runs_after_the_commit(
+    pg_store: SqlStore, events: list[str]
+) -> None:
+    """Its free GPUs are written once, the last pass's, with the rest: no statement after the
+    pipeline's COMMIT (it would begin a transaction of its own)."""
+    queue, w1, _w2, _mine, _theirs = _setup(pg_store)
+    pg_store.register_worker(w1, {"slots": 4})
+    (first,) = pg_store.write_batch([PollRequest(w1, [queue], 1, exec_jobs=False, offer=Offer.of(gpus=1))])
+    assert isinstance(first, PollResult)
+    events.clear()
+    got = pg_store.write_batch(
+        [
+            PollRequest(w1, [queue], 1, exec_jobs=False, offer=Offer.of(gpus=2)),
+            PollRequest(w1, [queue], 1, exec_jobs=False, offer=Offer.of(gpus=0)),
+        ]
+    )
+    assert all(isinstance(g, PollResult) and len(g.invocations) == 1 for g in got)
+    synced = events.index("synced")
+    assert "sync" in events[:synced] and set(events[synced + 1 :]) == {"read"}
+    assert events.count("sync") == 1
+    with pg_store.db.tx(write=False) as conn:
+        free = conn.execute(sa.text("SELECT free_gpus FROM workers WHERE worker_id = :w"), {"w": w1}).scalar()
+    assert free == 0

@@ -299,6 +299,10 @@ class Sent:
     ) -> None:
         self._connection, self._c, self._cursor, self._sql, self._values = connection, c, cursor, sql, values
 
+    def close(self) -> None:
+        """Let go of the statement unread (its pipeline failed)."""
+        self._cursor.close()
+
     def result(self) -> DirectResult:
         """The ``RETURNING`` rows and the row count, as :meth:`Direct.run` answers them."""
         c, cursor = self._c, self._cursor
@@ -334,13 +338,18 @@ def pipeline_supported() -> bool:
 
 
 class Pipeline:
-    """What :func:`pipeline` yields: its ``commit``."""
+    """What :func:`pipeline` yields: the transaction's own ``begin`` and ``commit`` in it."""
 
-    __slots__ = ("_commit", "_raw")
+    __slots__ = ("_commands", "_raw")
 
     def __init__(self, raw: Any) -> None:
         self._raw = raw
-        self._commit: Any = None
+        self._commands: list[Any] = []
+
+    def begin(self) -> None:
+        """``BEGIN`` before the statements, in the same round trip, on a driver connection in
+        autocommit (psycopg's own ``BEGIN`` in a pipeline waits for its answer: a round trip)."""
+        self._command(b"BEGIN")
 
     def commit(self) -> None:
         """``COMMIT`` after the statements sent so far, in the same round trip. Once the pipeline
@@ -348,8 +357,16 @@ class Pipeline:
         (the caller's commit then sends nothing; a statement after it begins a transaction of its
         own). An error of a statement before it skips it (PostgreSQL runs nothing more of the
         pipeline): raised at the exit, the transaction then only fit to be rolled back."""
-        self._commit = self._raw.cursor()
-        self._commit.execute(b"COMMIT")
+        self._command(b"COMMIT")
+
+    def _command(self, sql: bytes) -> None:
+        cursor = self._raw.cursor()
+        self._commands.append(cursor)
+        cursor.execute(sql)
+
+    def _close(self) -> None:
+        for cursor in self._commands:
+            cursor.close()
 
 
 @contextlib.contextmanager
@@ -372,8 +389,7 @@ def pipeline(connection: Connection) -> Iterator[Pipeline]:
     except Exception as exc:
         _reraise(connection, exc, "(the statements of a pipeline)", (), None)
     finally:
-        if handle._commit is not None:
-            handle._commit.close()
+        handle._close()
 
 
 class Direct(_Statement):

@@ -7,12 +7,14 @@ freed). Written statement by statement, each is a round trip of its own: ``BEGIN
 such a transaction holds under load (stop 55's count), three a poll. None of those statements
 needs an earlier one's rows to be written, only to be answered, and PostgreSQL runs them in the
 order sent (a claim sees what an ack before it changed, as before). :func:`send_plain` sends them
-all in one pipeline (``direct.pipeline``), ``COMMIT`` too, which syncs once: one round trip for
-the transaction. Its answers are read after it; the writes are answered after the commit, as
-before (durable first).
+all in one pipeline (``direct.pipeline``), ``BEGIN`` and ``COMMIT`` too (its own ``BEGIN``, on
+the driver connection put in autocommit for it: psycopg's, sent before a transaction's first
+statement in a pipeline, waits for its answer), which syncs once: one round trip for the
+transaction. Its answers are read after it (:meth:`Pending.read`); the writes are answered after
+the commit, as before (durable first).
 
-It takes the plain case only, where the statements sent are exactly those the sequential path
-(sql.py's ``_apply_writes``) would run, in the same order (:func:`write_steps`):
+It takes the plain case only, where the statements sent are the sequential path's (sql.py's
+``_apply_writes``), in its order (:func:`write_steps`):
 
 - every write a poll, or an ack ``_lone_ack`` takes (no failure the retry rule may turn into
   another attempt, no preemption: their first statement is a read that decides the next);
@@ -21,24 +23,31 @@ It takes the plain case only, where the statements sent are exactly those the se
   (and locks) a limit's row;
 - each claiming poll's plan plain (no GPU shape to place, whose take needs its pick's rows) and of
   at most ``MERGED_QUEUES_MAX`` heads: its claim is one statement, and it takes no GPU, so what it
-  leaves free of its offer (``_offered_in``) is known before its answer.
+  leaves free of its offer (``_offered_in``) is known before its answer: written once a worker,
+  its last pass's, with that pass's claim (the passes, ``_poll_in``, then write none).
 
 Anything else (a submit, a frame, a heartbeat, a limit, a placed shape) is written the sequential
 way. Two things need an answer first:
 
 - A poll that claims exec jobs too (``kinds`` with ``exec``: nymph's ``--allow-exec``) claims them
-  for the slots its claim left, so its transaction's ``COMMIT`` waits for that claim: two round
-  trips.
+  for the slots its claim left, after the sync, so its transaction keeps psycopg's ``BEGIN`` and
+  commits as before: four round trips (``BEGIN``, the pipeline, the exec claim, ``COMMIT``).
 - An ack whose ``UPDATE`` matched no row (a refusal, a repeat) is read back to say why
   (``_acks_checked_in``). That read comes after the claims, which never take a finished row, so
   only a refusal's reason can differ (when this very poll claimed the call the stale ack names).
   With ``COMMIT`` gone before it, the caller reads it after the transaction, in one of its own
-  (``Answers.unread``): should that read fail, only those acks answer the store's error (a daemon
-  sends an ack again; the transaction's other writes stand, answered as written).
+  (``Answers.unread``): should that read fail, the acks of its run answer the store's error (a
+  daemon sends an ack again) and their calls' waiters are woken all the same; the transaction's
+  other writes stand, answered as written.
+
+Once the pipeline's ``COMMIT`` has synced, nothing of the batch is written again: an error while
+reading its answers fails the writes not yet answered (sql.py), where a retry would have its polls
+claim a second time.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -47,7 +56,8 @@ from sqlalchemy.engine import Connection
 
 from .api import AckRequest, AckResult, Command, Invocation, PollRequest
 from .claims import MERGED_QUEUES_MAX, Plan, claim_params
-from .direct import Sent, pipeline, pipeline_supported
+from .direct import Sent as Statement
+from .direct import pipeline, pipeline_supported
 from .invocation_rows import claimed_in_order
 from .invocations import _Prepared
 
@@ -65,16 +75,19 @@ class _Store(Protocol):
     def _lone_ack(self, prepared: Any) -> bool: ...
     def _pg_duties_send(
         self, conn: Connection, asks: Sequence[tuple[str, str | None]], now: float
-    ) -> Sent: ...
+    ) -> Statement: ...
     def _pg_duties_read(
         self, asks: Sequence[tuple[str, str | None]], rows: Iterable[Any]
     ) -> list[tuple[list[Command], str | None]]: ...
-    def _acks_send(self, conn: Connection, reqs: Sequence[AckRequest], now: float) -> list[Sent]: ...
-    def _acks_applied(self, reqs: Sequence[AckRequest], sent: Sequence[Sent]) -> list[AckResult] | None: ...
+    def _acks_send(self, conn: Connection, reqs: Sequence[AckRequest], now: float) -> list[Statement]: ...
+    def _acks_applied(
+        self, reqs: Sequence[AckRequest], sent: Sequence[Statement]
+    ) -> list[AckResult] | None: ...
     def _acks_checked_in(
         self, conn: Connection, reqs: Sequence[AckRequest], now: float
     ) -> list[AckResult]: ...
-    def _offered_send(self, conn: Connection, worker_id: str, gpus: int) -> Sent | None: ...
+    def _offered_send(self, conn: Connection, worker_id: str, gpus: int) -> Statement | None: ...
+    def _offered_forget(self, workers: Iterable[str]) -> None: ...
 
 
 # One step of a transaction's writes after its submits: a run of acks applied together (one
@@ -127,6 +140,51 @@ class Answers:
     unread: list[list[tuple[int, AckRequest]]] = field(default_factory=list)
 
 
+@dataclass
+class Pending:
+    """What :func:`send_plain` sent, its answers not read yet (:meth:`read`)."""
+
+    committed: bool  # its COMMIT went in the pipeline: the transaction is over
+    asks: list[tuple[str, str | None]]
+    daemons: Sequence[tuple[int, Any]]
+    duties: Statement | None = None
+    acks: list[tuple[list[tuple[int, AckRequest]], list[Statement]]] = field(default_factory=list)
+    claims: dict[int, Statement] = field(default_factory=dict)
+    offers: list[Statement] = field(default_factory=list)
+    unclaimed: list[int] = field(default_factory=list)  # claiming polls with no head to claim from
+
+    def statements(self) -> list[Statement]:
+        return [
+            *([self.duties] if self.duties else []),
+            *(s for _, sent in self.acks for s in sent),
+            *self.claims.values(),
+            *self.offers,
+        ]
+
+    def read(self, store: _Store, conn: Connection, now: float) -> Answers:
+        """The answers of what was sent (once its pipeline has synced: no round trip), but a
+        refused ack's reason once committed (``Answers.unread``); before the commit, that is read
+        here, in the transaction."""
+        answers = Answers(claimed={k: [] for k in self.unclaimed})
+        for offered in self.offers:
+            offered.result()
+        if self.duties is not None:
+            got = store._pg_duties_read(self.asks, self.duties.result())
+            answers.duties = dict(zip((k for k, _ in self.daemons), got, strict=True))
+        for k, sent in self.claims.items():
+            answers.claimed[k] = claimed_in_order(sent.result())
+        for run, sent_acks in self.acks:
+            reqs = [a for _, a in run]
+            outcomes = store._acks_applied(reqs, sent_acks)
+            if outcomes is None and self.committed:
+                answers.unread.append(run)
+                continue
+            if outcomes is None:
+                outcomes = store._acks_checked_in(conn, reqs, now)
+            answers.acked.update(zip((k for k, _ in run), outcomes, strict=True))
+        return answers
+
+
 def send_plain(
     store: _Store,
     conn: Connection,
@@ -134,11 +192,13 @@ def send_plain(
     steps: Sequence[Step],
     daemons: Sequence[tuple[int, Any]],
     now: float,
-) -> Answers | None:
-    """Write ``batch`` (in ``steps``' order) as the sequential path would, its statements in one
-    pipeline (see the module docstring); None, with nothing written, when it is not the plain
-    case. ``daemons``: the batch's writes that take duties, as ``_apply_writes`` lists them."""
-    if store.db.dialect != "postgresql" or not pipeline_supported():
+) -> Pending | None:
+    """Send ``batch``'s statements (in ``steps``' order) as the sequential path would write them,
+    in one pipeline (see the module docstring); None, with nothing sent, when it is not the plain
+    case. ``daemons``: the batch's writes that take duties, as ``_apply_writes`` lists them. The
+    polls' free GPUs are written here (each worker's last), not by their passes (``_poll_in``'s
+    ``offer_written``). Raises what a statement raised, its transaction not committed."""
+    if store.db.dialect != "postgresql" or not pipeline_supported() or store._placer.any_limits():
         return None
     ids: list[str] = []
     for _, p in batch:
@@ -159,52 +219,59 @@ def send_plain(
             plans[k] = plan
     if store._placer.any_limits():
         return None
-    asks = [(p.worker_id, p.namespace) for _, p in daemons]
-    duties: Sent | None = None
-    acks: list[tuple[list[tuple[int, AckRequest]], list[Sent]]] = []
-    claims: dict[int, Sent] = {}
-    offers: list[Sent] = []
-    answers = Answers()
-    with pipeline(conn) as piped:
-        if asks:
-            duties = store._pg_duties_send(conn, asks, now)
-        for run, writes in steps:
-            if run:
-                acks.append((run, store._acks_send(conn, [a for _, a in run], now)))
-            for k, p in writes:
-                # what a plain pass leaves free of its offer: all of it (it takes no GPU); the
-                # pass (``_poll_in``) finds it written
-                offered = store._offered_send(conn, p.worker_id, max(0, p.offer.gpus))
-                if offered is not None:
-                    offers.append(offered)
-                claiming = plans.get(k)
-                if claiming is None:
-                    continue
-                if not claiming.heads:  # nothing it may claim: as ``_claim_in`` answers
-                    answers.claimed[k] = []
-                    continue
-                stmt, params = claim_params(
-                    p.queues, p.limit, p.worker_id, now, p.lease_s, p.namespace, claiming.heads
-                )
-                claims[k] = stmt.send(conn, params)
-        # nothing left that needs an answer first (but a refused ack's reason: after the commit)
-        committed = not any(p.exec_jobs for k, (_, p) in enumerate(batch) if k in plans)
-        if committed:
-            piped.commit()
-    for offered in offers:
-        offered.result()
-    if duties is not None:
-        got = store._pg_duties_read(asks, duties.result())
-        answers.duties = dict(zip((k for k, _ in daemons), got, strict=True))
-    for k, sent in claims.items():
-        answers.claimed[k] = claimed_in_order(sent.result())
-    for run, sent_acks in acks:
-        reqs = [a for _, a in run]
-        outcomes = store._acks_applied(reqs, sent_acks)
-        if outcomes is None and committed:
-            answers.unread.append(run)
-            continue
-        if outcomes is None:
-            outcomes = store._acks_checked_in(conn, reqs, now)
-        answers.acked.update(zip((k for k, _ in run), outcomes, strict=True))
-    return answers
+    # a poll that may claim exec jobs claims them for the slots its claim leaves: after its answer
+    sent = Pending(
+        not any(batch[k][1].exec_jobs for k in plans),
+        [(p.worker_id, p.namespace) for _, p in daemons],
+        daemons,
+    )
+    # what each worker's plain passes leave free of their offers: all of it (they take no GPU);
+    # the last one's, as the passes one by one would leave it
+    offered = {p.worker_id: max(0, p.offer.gpus) for _, p in batch if isinstance(p, PollRequest)}
+    from psycopg.pq import TransactionStatus  # (PostgreSQL's alone: not imported for SQLite)
+
+    raw = conn.connection.dbapi_connection
+    assert raw is not None
+    # the transaction's BEGIN in the pipeline too, when it commits there (psycopg's own BEGIN, sent
+    # before the first statement of a transaction, waits for its answer: a round trip of its own)
+    begin = sent.committed and not raw.autocommit and raw.info.transaction_status == TransactionStatus.IDLE
+    if begin:
+        raw.autocommit = True  # (idle: no round trip)
+    try:
+        with pipeline(conn) as piped:
+            if begin:
+                piped.begin()
+            if sent.asks:
+                sent.duties = store._pg_duties_send(conn, sent.asks, now)
+            for run, writes in steps:
+                if run:
+                    sent.acks.append((run, store._acks_send(conn, [a for _, a in run], now)))
+                for k, p in writes:
+                    gpus = offered.pop(p.worker_id, None)
+                    if gpus is not None and (free := store._offered_send(conn, p.worker_id, gpus)):
+                        sent.offers.append(free)
+                    claiming = plans.get(k)
+                    if claiming is None:
+                        continue
+                    if not claiming.heads:  # nothing it may claim: as ``_claim_in`` answers
+                        sent.unclaimed.append(k)
+                        continue
+                    stmt, params = claim_params(
+                        p.queues, p.limit, p.worker_id, now, p.lease_s, p.namespace, claiming.heads
+                    )
+                    sent.claims[k] = stmt.send(conn, params)
+            if sent.committed:
+                piped.commit()
+    except BaseException:
+        for statement in sent.statements():
+            statement.close()
+        store._offered_forget(p.worker_id for _, p in batch if isinstance(p, PollRequest))
+        if begin:  # the transaction is ours to end: rolled back, the driver as it was
+            with contextlib.suppress(Exception):
+                raw.rollback()
+        raise
+    finally:
+        if begin:
+            with contextlib.suppress(Exception):  # (a broken connection is replaced: ``_settled``)
+                raw.autocommit = False
+    return sent

@@ -62,7 +62,7 @@ from .listing import ListingStore
 from .notify import Notifier, exec_queue_channel, invocation_channels
 from .outage import WriteLockBusy, classify
 from .outcomes import OutcomeStore
-from .pipelined import send_plain, write_steps
+from .pipelined import Answers, Pending, send_plain, write_steps
 from .placement import NO_OFFER, Offer
 from .quotas import QuotaStore
 from .retention import RetentionStore
@@ -164,11 +164,13 @@ class SqlStore(
         pin: bool,
         duties: tuple[list[Command], str | None] | None = None,
         claimed: list[Invocation] | None = None,
+        offer_written: bool = False,
     ) -> PollResult:
         """One poll pass in the caller's transaction (the waiters of what it claimed are the
         caller's to notify, after the commit). ``duties``: its commands and pinned version, when
         the caller took them for the whole batch (``_duties_in``). ``claimed``: what its claim
-        took already (``_claim_on_insert_in``), when it did."""
+        took already (``_claim_on_insert_in``, pipelined.py), when it did. ``offer_written``: the
+        free GPUs it leaves are written already (pipelined.py)."""
         if duties is not None:
             commands, pinned = duties
         else:
@@ -186,8 +188,9 @@ class SqlStore(
                 jobs = self._claim_exec_in(
                     conn, req.worker_id, req.queues, left, now, req.namespace, req.lease_s
                 )
-        taken = sum(n.gpus for i in claimed if i.shape and (n := self.shape_needs(i.queue, i.shape)))
-        self._offered_in(conn, req.worker_id, max(0, req.offer.gpus - taken))  # free after this pass
+        if not offer_written:
+            taken = sum(n.gpus for i in claimed if i.shape and (n := self.shape_needs(i.queue, i.shape)))
+            self._offered_in(conn, req.worker_id, max(0, req.offer.gpus - taken))  # free after this pass
         if duties is None:
             pinned = self._pinned_in(conn, req.worker_id, req.namespace) if pin else None
         return PollResult(commands, claimed, jobs, pinned)
@@ -402,58 +405,78 @@ class SqlStore(
                     )
 
         steps = write_steps(batch)
-        with self._placer.tentative(), self.db.tx(write=True, single=single) as conn:
-            # the plain daemon transaction on PostgreSQL: its statements in one round trip
-            sent = None if submits or single else send_plain(self, conn, batch, steps, daemons, now)
-            if sent is not None:
-                duties, early = sent.duties, sent.claimed
-            elif daemons:
-                asks = [(p.worker_id, p.namespace) for _, p in daemons]
-                duties = dict(zip((k for k, _ in daemons), self._duties_in(conn, asks, now), strict=True))
-            else:
-                duties = {}
-            preps = [p for _, p in submits]
-            got = self._claim_on_insert_in(conn, preps[0], on_insert[1], now) if on_insert else None
-            submitted: list[SubmitResult | PlaneError]
-            if got is not None and on_insert is not None:
-                submitted = [got[0]]
-                early[on_insert[0]] = got[1]
-            else:
-                submitted = self._submit_many_in(conn, preps, now) if preps else []
-            for (k, _), res in zip(submits, submitted, strict=True):
-                results[k] = res
+        pending: Pending | None = None  # (the plain daemon transaction on PostgreSQL: one round trip)
+        sent: Answers | None = None
+        preps = [p for _, p in submits]
+        submitted: list[SubmitResult | PlaneError] = []
+        try:
+            with self._placer.tentative(), self.db.tx(write=True, single=single) as conn:
+                if not submits and not single:  # the plain daemon transaction on PostgreSQL
+                    pending = send_plain(self, conn, batch, steps, daemons, now)
+                    sent = pending.read(self, conn, now) if pending is not None else None
+                if sent is not None:
+                    duties, early = sent.duties, sent.claimed
+                elif daemons:
+                    asks = [(p.worker_id, p.namespace) for _, p in daemons]
+                    duties = dict(zip((k for k, _ in daemons), self._duties_in(conn, asks, now), strict=True))
+                else:
+                    duties = {}
+                got = self._claim_on_insert_in(conn, preps[0], on_insert[1], now) if on_insert else None
+                if got is not None and on_insert is not None:
+                    submitted = [got[0]]
+                    early[on_insert[0]] = got[1]
+                else:
+                    submitted = self._submit_many_in(conn, preps, now) if preps else []
+                for (k, _), res in zip(submits, submitted, strict=True):
+                    results[k] = res
 
-            def write(k: int, p: Any) -> None:
-                if isinstance(p, FrameRequest):
-                    chunk = self._append_frame_in(conn, p, now)
-                    results[k] = chunk
-                    if chunk.ok and not chunk.duplicate:
-                        channels.append(frame_channel(p.owner_id))
-                elif isinstance(p, FramesRequest):
-                    chunks = self._append_frames_in(conn, p, now)
-                    results[k] = FramesResult(chunks)
-                    if any(c.ok and not c.duplicate for c in chunks):
-                        channels.append(frame_channel(p.invocation_id))
-                elif isinstance(p, HeartbeatRequest):
-                    results[k] = self._heartbeat_in(conn, p, now, pin=True, duties=duties[k])
-                elif isinstance(p, PollRequest):
-                    polled = self._poll_in(
-                        conn, p, now, pin=True, duties=duties.get(k, ([], None)), claimed=early.get(k)
-                    )
-                    results[k] = polled
-                    channels.extend(f"inv:{i.invocation_id}" for i in polled.invocations)
+                def write(k: int, p: Any) -> None:
+                    if isinstance(p, FrameRequest):
+                        chunk = self._append_frame_in(conn, p, now)
+                        results[k] = chunk
+                        if chunk.ok and not chunk.duplicate:
+                            channels.append(frame_channel(p.owner_id))
+                    elif isinstance(p, FramesRequest):
+                        chunks = self._append_frames_in(conn, p, now)
+                        results[k] = FramesResult(chunks)
+                        if any(c.ok and not c.duplicate for c in chunks):
+                            channels.append(frame_channel(p.invocation_id))
+                    elif isinstance(p, HeartbeatRequest):
+                        results[k] = self._heartbeat_in(conn, p, now, pin=True, duties=duties[k])
+                    elif isinstance(p, PollRequest):
+                        polled = self._poll_in(
+                            conn,
+                            p,
+                            now,
+                            pin=True,
+                            duties=duties.get(k, ([], None)),
+                            claimed=early.get(k),
+                            offer_written=pending is not None,
+                        )
+                        results[k] = polled
+                        channels.extend(f"inv:{i.invocation_id}" for i in polled.invocations)
 
-            for run, writes in steps:  # (``write_steps``: a run of acks together, then the rest)
-                if not run:
-                    pass
-                elif sent is None:
-                    answer_acks(run, self._ack_many_in(conn, [a for _, a in run], now))
-                elif run[0][0] in sent.acked:  # (else read after the commit, below)
-                    answer_acks(run, [sent.acked[j] for j, _ in run])
-                for k, p in writes:
-                    write(k, p)
+                for run, writes in steps:  # (``write_steps``: a run of acks together, then the rest)
+                    if not run:
+                        pass
+                    elif sent is None:
+                        answer_acks(run, self._ack_many_in(conn, [a for _, a in run], now))
+                    elif run[0][0] in sent.acked:  # (else read after the commit, below)
+                        answer_acks(run, [sent.acked[j] for j, _ in run])
+                    for k, p in writes:
+                        write(k, p)
+        except Exception as exc:
+            if pending is None or not pending.committed:
+                raise
+            # committed already: never to be written again (its polls would claim again)
+            log.exception("answering a committed transaction of %d writes failed", len(batch))
+            for k, (_, p) in enumerate(batch):
+                if results[k] is None:
+                    results[k] = PlaneError(f"the store failed: {type(exc).__name__}", status=500)
+                if isinstance(p, AckRequest):  # (a wake-up too many is harmless; one too few is not)
+                    channels.append(f"inv:{p.invocation_id}")
         for run in sent.unread if sent is not None else ():
-            self._read_back(run, now, results, answer_acks)
+            self._read_back(run, now, results, answer_acks, channels)
         wakes: list[str] = []
         if preps:
             handed = {i for _, p in batch if isinstance(p, PollRequest) for i in p.handed}
@@ -468,10 +491,12 @@ class SqlStore(
         now: float,
         results: list[WriteResult | PlaneError | None],
         answer: Callable[[list[tuple[int, AckRequest]], Sequence[AckResult]], None],
+        channels: list[str],
     ) -> None:
         """Which acks of ``run`` applied in a transaction committed already and why the others did
         not (``_acks_checked_in``), read in a transaction of its own (see pipelined.py); should
-        that read fail, each answers the store's error and the rest of its batch stands."""
+        that read fail, each answers the store's error (the rest of its batch stands), and each
+        call's waiters are woken all the same (some of them did apply)."""
         try:
             with self.db.tx(write=False) as conn:
                 acked = self._acks_checked_in(conn, [a for _, a in run], now)
@@ -479,8 +504,9 @@ class SqlStore(
             failed = classify(exc)
             if failed is None:
                 log.exception("reading back %d acks failed", len(run))
-            for j, _ in run:
+            for j, req in run:
                 results[j] = failed or PlaneError(f"the store failed: {type(exc).__name__}", status=500)
+                channels.append(f"inv:{req.invocation_id}")
             return
         answer(run, acked)
 

@@ -240,6 +240,11 @@ class WorkerStore(StoreBase):
         if sent is not None:
             sent.result()
 
+    def _offered_forget(self, workers: Iterable[str]) -> None:
+        """Forget what was written for ``workers`` (a transaction that wrote it rolled back)."""
+        for worker in workers:
+            self._offered.pop(worker, None)
+
     def _offered_send(self, conn: Connection, worker_id: str, gpus: int) -> Sent | None:
         """``_offered_in``'s write, its answer left to read (a pipeline's); None when none is due."""
         if self._offered.get(worker_id) == gpus:
