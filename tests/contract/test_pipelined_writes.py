@@ -342,3 +342,31 @@ def test_two_passes_of_one_worker_leave_its_last_offer_and_nothing_runs_after_th
     with pg_store.db.tx(write=False) as conn:
         free = conn.execute(sa.text("SELECT free_gpus FROM workers WHERE worker_id = :w"), {"w": w1}).scalar()
     assert free == 0
+
+
+def test_a_connection_lost_under_the_pipeline_is_written_again_on_a_new_one(
+    pg_store: SqlStore, pg_session_url: str
+) -> None:
+    """The write connection's backend ended (a restart, a failover) between two transactions:
+    the pipeline's sync finds it gone, nothing was committed, and the batch is written once on a
+    new connection (``retry_on_disconnect``), each write answered as written."""
+    import psycopg
+
+    queue, w1, _w2, mine, _theirs = _setup(pg_store)
+    writer = pg_store.db._writer
+    assert writer is not None
+    backend = writer.connection.driver_connection.info.backend_pid  # type: ignore[union-attr]
+    with psycopg.connect(pg_session_url, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", [backend])
+    ack, polled = pg_store.write_batch(
+        [AckRequest(mine[0], "succeeded", 1, w1, b"once"), PollRequest(w1, [queue], 2, exec_jobs=False)]
+    )
+    assert isinstance(ack, AckResult) and ack.ok and not ack.duplicate
+    assert isinstance(polled, PollResult) and len(polled.invocations) == 2
+    for inv in polled.invocations:
+        got = pg_store.get(inv.invocation_id)
+        assert got is not None and (got.state, got.worker_id, got.attempt) == ("running", w1, 1)
+    got = pg_store.get(mine[0])
+    assert got is not None and (got.state, got.result_blob) == ("succeeded", b"once")
+    again = pg_store.db._writer
+    assert again is not None and again.connection.driver_connection.info.backend_pid != backend  # type: ignore[union-attr]
