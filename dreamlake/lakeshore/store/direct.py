@@ -22,6 +22,8 @@ SQLAlchemy would apply) and then executed on the raw driver connection of the ca
   ``ROWS_MAX`` to a statement): on PostgreSQL a third of an ``executemany``'s CPU for 8 rows
   (psycopg's pipeline is costly in Python), and one statement, so all or nothing even outside a
   transaction;
+- on PostgreSQL a statement may be sent now and read later (``send``, :class:`Sent`), several in
+  one of psycopg's pipelines, one round trip for them all (:func:`pipeline`, store/pipelined.py);
 - a driver error is handed to SQLAlchemy's own handler, so it is raised wrapped in
   :class:`sqlalchemy.exc.DBAPIError` with ``connection_invalidated`` set on a lost connection,
   exactly as from ``conn.execute`` of the statement itself (``retry_on_disconnect`` and
@@ -294,9 +296,7 @@ class Sent:
 
     __slots__ = ("_c", "_connection", "_cursor", "_sql", "_values")
 
-    def __init__(
-        self, connection: Connection, c: _Compiled, cursor: Any, sql: str | bytes, values: Any
-    ) -> None:
+    def __init__(self, connection: Connection, c: _Compiled, cursor: Any, sql: str | bytes, values: Any):
         self._connection, self._c, self._cursor, self._sql, self._values = connection, c, cursor, sql, values
 
     def close(self) -> None:
@@ -374,8 +374,9 @@ def pipeline(connection: Connection) -> Iterator[Pipeline]:
     """psycopg's pipeline mode on ``connection``'s driver connection (PostgreSQL): the statements
     sent in it (:meth:`Direct.send`; nothing that reads its answer at once) go out together, and
     its exit syncs once, one round trip for them all, their answers then held by their
-    :class:`Sent`. A transaction's ``BEGIN`` goes with them (and its ``COMMIT``, when asked:
-    :meth:`Pipeline.commit`). An error of any statement is raised at the exit (those after it are
+    :class:`Sent`. The transaction's own ``BEGIN`` and ``COMMIT`` may go with them
+    (:meth:`Pipeline.begin`, :meth:`Pipeline.commit`; psycopg's ``BEGIN``, sent before the first
+    statement of a transaction, waits for its answer). An error of any statement is raised at the exit (those after it are
     not run: PostgreSQL aborts the rest of the pipeline, and the transaction is then only fit to be
     rolled back), wrapped as :meth:`Direct.run` wraps one."""
     raw = connection.connection.dbapi_connection
