@@ -435,12 +435,8 @@ class AckStore(StoreBase):
                 )
             return [answers[k] for k in range(len(reqs))]
         st = self._inv_st
-        by_variant: dict[tuple[bool, bool], list[dict[str, Any]]] = {}
-        for r in reqs:
-            variant = (r.attempt is not None, r.worker_id is not None)
-            by_variant.setdefault(variant, []).append(self._ack_params(r, now))
         matched = 0
-        for variant, params in by_variant.items():
+        for variant, params in self._ack_variants(reqs, now).items():
             if st.ack_rows:  # PostgreSQL: one statement for them all
                 matched += st.ack_rows[variant].run_rows(conn, params).rowcount
             else:
@@ -458,18 +454,24 @@ class AckStore(StoreBase):
         pipeline's: pipelined.py's ``send_plain``), for acks it writes with them alone: ``_lone_ack``'s,
         of distinct invocations, with no fleet limit cached."""
         st = self._inv_st
-        by_variant: dict[tuple[bool, bool], list[dict[str, Any]]] = {}
-        for r in reqs:
-            by_variant.setdefault((r.attempt is not None, r.worker_id is not None), []).append(
-                self._ack_params(r, now)
-            )
         sent: list[Sent] = []
-        for variant, params in by_variant.items():
+        for variant, params in self._ack_variants(reqs, now).items():
             if len(params) == 1:  # as ``_ack_in`` writes one
                 sent.append(st.ack_many[variant].send(conn, params[0]))
             else:
                 sent += st.ack_rows[variant].send_rows(conn, params)
         return sent
+
+    def _ack_variants(
+        self, reqs: Sequence[AckRequest], now: float
+    ) -> dict[tuple[bool, bool], list[dict[str, Any]]]:
+        """Each ack's UPDATE parameters by the statement's variant (with an attempt, a worker)."""
+        by_variant: dict[tuple[bool, bool], list[dict[str, Any]]] = {}
+        for r in reqs:
+            by_variant.setdefault((r.attempt is not None, r.worker_id is not None), []).append(
+                self._ack_params(r, now)
+            )
+        return by_variant
 
     @staticmethod
     def _acks_applied(reqs: Sequence[AckRequest], sent: Sequence[Sent]) -> list[AckResult] | None:

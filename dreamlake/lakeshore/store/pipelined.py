@@ -145,13 +145,17 @@ class Pending:
     """What :func:`send_plain` sent, its answers not read yet (:meth:`read`)."""
 
     committed: bool  # its COMMIT went in the pipeline: the transaction is over
-    asks: list[tuple[str, str | None]]
     daemons: Sequence[tuple[int, Any]]
     duties: Statement | None = None
     acks: list[tuple[list[tuple[int, AckRequest]], list[Statement]]] = field(default_factory=list)
     claims: dict[int, Statement] = field(default_factory=dict)
     offers: list[Statement] = field(default_factory=list)
     unclaimed: list[int] = field(default_factory=list)  # claiming polls with no head to claim from
+
+    @property
+    def asks(self) -> list[tuple[str, str | None]]:
+        """The daemons' ``(worker_id, namespace)``, as ``_duties_in`` takes them."""
+        return [(p.worker_id, p.namespace) for _, p in self.daemons]
 
     def statements(self) -> list[Statement]:
         return [
@@ -220,11 +224,7 @@ def send_plain(
     if store._placer.any_limits():
         return None
     # a poll that may claim exec jobs claims them for the slots its claim leaves: after its answer
-    sent = Pending(
-        not any(batch[k][1].exec_jobs for k in plans),
-        [(p.worker_id, p.namespace) for _, p in daemons],
-        daemons,
-    )
+    sent = Pending(not any(batch[k][1].exec_jobs for k in plans), daemons)
     # what each worker's plain passes leave free of their offers: all of it (they take no GPU);
     # the last one's, as the passes one by one would leave it
     offered = {p.worker_id: max(0, p.offer.gpus) for _, p in batch if isinstance(p, PollRequest)}
@@ -241,7 +241,7 @@ def send_plain(
         with pipeline(conn) as piped:
             if begin:
                 piped.begin()
-            if sent.asks:
+            if daemons:
                 sent.duties = store._pg_duties_send(conn, sent.asks, now)
             for run, writes in steps:
                 if run:

@@ -457,11 +457,9 @@ class SqlStore(
                         channels.extend(f"inv:{i.invocation_id}" for i in polled.invocations)
 
                 for run, writes in steps:  # (``write_steps``: a run of acks together, then the rest)
-                    if not run:
-                        pass
-                    elif sent is None:
+                    if run and sent is None:
                         answer_acks(run, self._ack_many_in(conn, [a for _, a in run], now))
-                    elif run[0][0] in sent.acked:  # (else read after the commit, below)
+                    elif run and sent is not None and run[0][0] in sent.acked:  # (else read back below)
                         answer_acks(run, [sent.acked[j] for j, _ in run])
                     for k, p in writes:
                         write(k, p)
