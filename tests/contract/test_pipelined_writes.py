@@ -16,12 +16,11 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from psycopg._pipeline_base import BasePipeline
 from psycopg.pq import TransactionStatus
 
 from dreamlake.lakeshore.errors import PlaneError
 from dreamlake.lakeshore.ids import new_ulid
-from dreamlake.lakeshore.store import direct, open_store, pipelined
+from dreamlake.lakeshore.store import direct, libpq, open_store, pipelined
 from dreamlake.lakeshore.store import sql as sql_module
 from dreamlake.lakeshore.store.api import AckRequest, AckResult, PollRequest, PollResult, SubmitRequest
 from dreamlake.lakeshore.store.placement import Offer
@@ -175,20 +174,29 @@ def pg_store(pg_session_url: str) -> Iterator[SqlStore]:
 @pytest.fixture
 def events(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """What the store does with its driver connection, in order: a pipeline entered, a statement
-    sent, a sync (a round trip's end), the pipeline left with the transaction committed ("synced")
-    or still open ("open"), an answer read."""
+    sent (queued in the pipeline, or run at once), a sync (a pipeline's round trip: every answer
+    read up to its ``Sync``), the pipeline left with the transaction committed ("synced") or still
+    open ("open"), an answer read."""
     seen: list[str] = []
-    send, result, pipe = direct.Direct._send, direct.Sent.result, direct.pipeline
-    # every round trip of a pipeline ends at a sync (psycopg's own BEGIN waits for one too)
-    enqueue_sync = BasePipeline._enqueue_sync
-
-    def syncing(self: Any) -> None:
-        seen.append("sync")
-        enqueue_sync(self)
+    send, add, result, pipe, answers = (
+        direct.Direct._send,
+        libpq.Pipeline.add,
+        libpq.Sent.result,
+        libpq.pipeline,
+        libpq._read,
+    )
 
     def sending(*a: Any, **kw: Any) -> Any:
         seen.append("send")
         return send(*a, **kw)
+
+    def adding(self: Any, *a: Any) -> Any:
+        seen.append("send")
+        return add(self, *a)
+
+    def syncing(*a: Any) -> Any:
+        seen.append("sync")
+        return answers(*a)
 
     def reading(self: Any) -> Any:
         seen.append("read")
@@ -209,9 +217,10 @@ def events(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             seen.append("synced" if raw.info.transaction_status == TransactionStatus.IDLE else "open")
             return got
 
-    monkeypatch.setattr(BasePipeline, "_enqueue_sync", syncing)
     monkeypatch.setattr(direct.Direct, "_send", staticmethod(sending))
-    monkeypatch.setattr(direct.Sent, "result", reading)
+    monkeypatch.setattr(libpq.Pipeline, "add", adding)
+    monkeypatch.setattr(libpq, "_read", syncing)
+    monkeypatch.setattr(libpq.Sent, "result", reading)
     monkeypatch.setattr(pipelined, "pipeline", Piped)
     return seen
 
@@ -246,9 +255,9 @@ def test_a_poll_that_may_claim_exec_jobs_keeps_its_transaction_open_for_them(
     (polled,) = pg_store.write_batch([PollRequest(w1, [queue], 3)])
     assert isinstance(polled, PollResult) and len(polled.invocations) == 1
     assert [j["exec_id"] for j in polled.exec_jobs] == [exec_id]
-    # the duties (psycopg's BEGIN before it, and its sync), the claim, the pipeline's sync; then
-    # the claim's answer read, and the exec job claimed after it
-    assert events[:7] == ["pipeline", "send", "sync", "send", "sync", "open", "read"]
+    # BEGIN, the duties and the claim in one round trip, the transaction left open; then the
+    # claim's answer read, and the exec job claimed after it
+    assert events[:6] == ["pipeline", "send", "send", "sync", "open", "read"]
 
 
 def test_a_statement_failing_in_the_pipeline_fails_that_write_alone(
@@ -370,3 +379,74 @@ def test_a_connection_lost_under_the_pipeline_is_written_again_on_a_new_one(
     assert got is not None and (got.state, got.result_blob) == ("succeeded", b"once")
     again = pg_store.db._writer
     assert again is not None and again.connection.driver_connection.info.backend_pid != backend  # type: ignore[union-attr]
+
+
+def _writer_prepared(store: SqlStore) -> set[str]:
+    """The names of the statements prepared on the store's write connection (its session's)."""
+    writer = store.db._writer
+    assert writer is not None
+    raw = writer.connection.driver_connection
+    with raw.cursor() as cur:  # type: ignore[union-attr]
+        cur.execute("SELECT name FROM pg_prepared_statements")
+        names = {row[0] for row in cur.fetchall()}
+    raw.commit()  # type: ignore[union-attr]  # (psycopg's rollback would deallocate them all)
+    return names
+
+
+def test_the_pipelines_statements_are_prepared_once_on_the_connection(pg_store: SqlStore) -> None:
+    """Each statement text is prepared on the write connection by its first pipeline and executed
+    by name after that (PostgreSQL plans it once): later pipelines prepare nothing more."""
+    queue, w1, w2, mine, theirs = _setup(pg_store, n=12)
+    batch = [
+        AckRequest(mine[0], "succeeded", 1, w1, b"r"),
+        PollRequest(w1, [queue], 1, exec_jobs=False),
+        AckRequest(theirs[0], "succeeded", 1, w2, b"r"),
+        PollRequest(w2, [queue], 1, exec_jobs=False),
+    ]
+    pg_store.write_batch(batch)
+    ours = {n for n in _writer_prepared(pg_store) if n.startswith("_lakeshore_")}
+    assert len(ours) >= 3  # the duties, the acks' UPDATE, the claim
+    got = pg_store.write_batch(
+        [
+            AckRequest(mine[1], "succeeded", 1, w1, b"r"),
+            PollRequest(w1, [queue], 1, exec_jobs=False),
+            AckRequest(theirs[1], "succeeded", 1, w2, b"r"),
+            PollRequest(w2, [queue], 1, exec_jobs=False),
+        ]
+    )
+    assert [type(g) for g in got] == [AckResult, PollResult, AckResult, PollResult]
+    assert {n for n in _writer_prepared(pg_store) if n.startswith("_lakeshore_")} == ours
+
+
+def test_statements_deallocated_under_the_store_cost_one_batch_written_the_slow_way(
+    pg_store: SqlStore, events: list[str]
+) -> None:
+    """psycopg deallocates every prepared statement of a connection when it rolls back a
+    transaction it had prepared in: a rollback not through the store leaves the pipeline's names
+    gone. That batch is written the sequential way, answered as written; the next pipeline
+    prepares its statements again, one round trip as before."""
+    queue, w1, _w2, mine, _theirs = _setup(pg_store, n=8)
+    writer = pg_store.db._writer
+    assert writer is not None
+    raw = writer.connection.driver_connection
+    raw.execute("DEALLOCATE ALL")  # type: ignore[union-attr]
+    raw.rollback()  # type: ignore[union-attr]
+    events.clear()
+    ack, polled = pg_store.write_batch(
+        [AckRequest(mine[0], "succeeded", 1, w1, b"once"), PollRequest(w1, [queue], 1, exec_jobs=False)]
+    )
+    assert isinstance(ack, AckResult) and ack.ok and not ack.duplicate
+    assert isinstance(polled, PollResult) and len(polled.invocations) == 1
+    # the first pipeline raised at its sync (not left "synced" or "open"); then each write alone
+    assert events[:5] == ["pipeline", "send", "send", "send", "sync"] and events[5] not in ("synced", "open")
+    got = pg_store.get(mine[0])
+    assert got is not None and (got.state, got.result_blob, got.attempt) == ("succeeded", b"once", 1)
+    claimed = pg_store.get(polled.invocations[0].invocation_id)
+    assert claimed is not None and (claimed.state, claimed.worker_id, claimed.attempt) == ("running", w1, 1)
+    events.clear()
+    ack2, polled2 = pg_store.write_batch(
+        [AckRequest(mine[1], "succeeded", 1, w1, b"r"), PollRequest(w1, [queue], 1, exec_jobs=False)]
+    )
+    assert isinstance(ack2, AckResult) and ack2.ok
+    assert isinstance(polled2, PollResult) and len(polled2.invocations) == 1
+    assert events.count("sync") == 1 and "synced" in events

@@ -32,9 +32,9 @@ from .api import (
     Invocation,
 )
 from .base import StoreBase
-from .direct import Sent
 from .engine import retry_on_disconnect
 from .invocation_rows import CANCEL_REASON, _att, _inv, row_to_invocation
+from .libpq import Sent
 from .notify import invocation_channels, run_queue_channel
 
 if TYPE_CHECKING:

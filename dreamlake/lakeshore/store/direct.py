@@ -23,7 +23,7 @@ SQLAlchemy would apply) and then executed on the raw driver connection of the ca
   (psycopg's pipeline is costly in Python), and one statement, so all or nothing even outside a
   transaction;
 - on PostgreSQL a statement may be sent now and read later (``send``, :class:`Sent`), several in
-  one of psycopg's pipelines, one round trip for them all (:func:`pipeline`, store/pipelined.py);
+  one of libpq's pipelines, one round trip for them all (store/libpq.py, store/pipelined.py);
 - a driver error is handed to SQLAlchemy's own handler, so it is raised wrapped in
   :class:`sqlalchemy.exc.DBAPIError` with ``connection_invalidated`` set on a lost connection,
   exactly as from ``conn.execute`` of the statement itself (``retry_on_disconnect`` and
@@ -49,17 +49,17 @@ tests/unit/test_direct_statements.py on both dialects: the ``_execute_on_connect
 from __future__ import annotations
 
 import collections
-import contextlib
-import functools
 import json
 import operator
 import re
 import sqlite3
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Dialect
+
+from .libpq import DirectResult, Sent, open_on, reraise
 
 if TYPE_CHECKING:  # to the type checker a Direct is a statement conn.execute takes (it is, by duck)
     from sqlalchemy.sql.base import Executable as _Statement
@@ -167,6 +167,18 @@ class _Compiled:
         # (index, processor) pairs of the columns that have one
         self.result_procs: list[tuple[int, Any]] | None = None
         self._rows_sql: dict[int, tuple[bytes, list[int], list[int], list[int]]] = {}  # see rows_sql
+        self._numbered: bytes | None = None  # see numbered
+
+    def numbered(self) -> bytes:
+        """This PostgreSQL statement with its parameters numbered (``$1`` .., in :meth:`values`'
+        order), as libpq takes it (store/libpq.py)."""
+        if self._numbered is None:
+            if self.positional:
+                raise TypeError("Direct: a positional statement has no numbered form")
+            index = {name: k for k, name in enumerate(self._names, start=1)}
+            text = _PLACEHOLDER.sub(lambda m: f"${index[m.group(1)]}", self.sql).replace("%%", "%")
+            self._numbered = text.encode()
+        return self._numbered
 
     def rows_sql(self, n: int) -> tuple[bytes, list[int], list[int], list[int]]:
         """This PostgreSQL statement of one ``VALUES (...)`` group (an ``INSERT``'s, or an
@@ -251,148 +263,6 @@ class _Compiled:
         return out
 
 
-class DirectResult:
-    """What :class:`Direct` answers: the ``RETURNING`` rows (``first``, ``fetchall``, ``all``,
-    ``scalars``, iteration) and ``rowcount``."""
-
-    def __init__(self, rows: list[Any], rowcount: int) -> None:
-        self._rows = rows
-        self.rowcount = rowcount
-
-    def first(self) -> Any:
-        return self._rows[0] if self._rows else None
-
-    def fetchall(self) -> list[Any]:
-        return list(self._rows)
-
-    all = fetchall
-
-    def scalars(self) -> list[Any]:
-        return [r[0] for r in self._rows]
-
-    def scalar(self) -> Any:
-        return self._rows[0][0] if self._rows else None
-
-    def scalar_one_or_none(self) -> Any:
-        if len(self._rows) > 1:
-            raise sa.exc.MultipleResultsFound("multiple rows were found when one or none was required")
-        return self.scalar()
-
-    def scalar_one(self) -> Any:
-        if len(self._rows) != 1:
-            raise (sa.exc.NoResultFound if not self._rows else sa.exc.MultipleResultsFound)(
-                "exactly one row was required"
-            )
-        return self._rows[0][0]
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._rows)
-
-
-class Sent:
-    """A statement sent in psycopg's pipeline mode (:func:`pipeline`), its answer not read yet:
-    :meth:`result` reads it once the pipeline has synced (no round trip of its own then; before,
-    psycopg flushes the pipeline and waits for it). Outside a pipeline, the answer has arrived."""
-
-    __slots__ = ("_c", "_connection", "_cursor", "_sql", "_values")
-
-    def __init__(self, connection: Connection, c: _Compiled, cursor: Any, sql: str | bytes, values: Any):
-        self._connection, self._c, self._cursor, self._sql, self._values = connection, c, cursor, sql, values
-
-    def close(self) -> None:
-        """Let go of the statement unread (its pipeline failed)."""
-        self._cursor.close()
-
-    def result(self) -> DirectResult:
-        """The ``RETURNING`` rows and the row count, as :meth:`Direct.run` answers them."""
-        c, cursor = self._c, self._cursor
-        # the columns' description only until the result processors are made from it: psycopg
-        # builds it anew on every read, an object per column (a claim's row has 37)
-        description = None
-        rows: list[Any] = []
-        try:
-            if c.returns:
-                description = None if c.result_procs is not None else cursor.description
-                rows = cursor.fetchall()
-            count = cursor.rowcount
-        except Exception as exc:
-            _reraise(self._connection, exc, self._sql, [self._values], cursor)
-        finally:
-            cursor.close()
-        return DirectResult(c.rows(rows, description) if rows else [], count)
-
-
-def _reraise(connection: Connection, exc: Exception, sql: str | bytes, sets: Any, cursor: Any) -> NoReturn:
-    """A driver error raised as SQLAlchemy raises it: wrapped in DBAPIError, a lost connection
-    invalidated (its own handler, which always raises)."""
-    connection._handle_dbapi_exception(exc, sql if isinstance(sql, str) else sql.decode(), sets, cursor, None)
-    raise exc  # (not reached)
-
-
-@functools.cache
-def pipeline_supported() -> bool:
-    """Whether psycopg's libpq takes pipeline mode (libpq 14 and later; its binary wheels' does)."""
-    import psycopg
-
-    return bool(psycopg.Pipeline.is_supported())
-
-
-class Pipeline:
-    """What :func:`pipeline` yields: the transaction's own ``begin`` and ``commit`` in it."""
-
-    __slots__ = ("_commands", "_raw")
-
-    def __init__(self, raw: Any) -> None:
-        self._raw = raw
-        self._commands: list[Any] = []
-
-    def begin(self) -> None:
-        """``BEGIN`` before the statements, in the same round trip, on a driver connection in
-        autocommit (psycopg's own ``BEGIN`` in a pipeline waits for its answer: a round trip)."""
-        self._command(b"BEGIN")
-
-    def commit(self) -> None:
-        """``COMMIT`` after the statements sent so far, in the same round trip. Once the pipeline
-        has synced without an error, the transaction is committed and the driver's connection idle
-        (the caller's commit then sends nothing; a statement after it begins a transaction of its
-        own). An error of a statement before it skips it (PostgreSQL runs nothing more of the
-        pipeline): raised at the exit, the transaction then only fit to be rolled back."""
-        self._command(b"COMMIT")
-
-    def _command(self, sql: bytes) -> None:
-        cursor = self._raw.cursor()
-        self._commands.append(cursor)
-        cursor.execute(sql)
-
-    def _close(self) -> None:
-        for cursor in self._commands:
-            cursor.close()
-
-
-@contextlib.contextmanager
-def pipeline(connection: Connection) -> Iterator[Pipeline]:
-    """psycopg's pipeline mode on ``connection``'s driver connection (PostgreSQL): the statements
-    sent in it (:meth:`Direct.send`; nothing that reads its answer at once) go out together, and
-    its exit syncs once, one round trip for them all, their answers then held by their
-    :class:`Sent`. The transaction's own ``BEGIN`` and ``COMMIT`` may go with them
-    (:meth:`Pipeline.begin`, :meth:`Pipeline.commit`; psycopg's ``BEGIN``, sent before the first
-    statement of a transaction, waits for its answer). An error of any statement is raised at the exit (those after it are
-    not run: PostgreSQL aborts the rest of the pipeline, and the transaction is then only fit to be
-    rolled back), wrapped as :meth:`Direct.run` wraps one."""
-    raw = connection.connection.dbapi_connection
-    assert raw is not None
-    handle = Pipeline(raw)
-    try:
-        with raw.pipeline():
-            yield handle
-    except sa.exc.DBAPIError:
-        raise
-    except Exception as exc:
-        _reraise(connection, exc, "(the statements of a pipeline)", (), None)
-    finally:
-        handle._close()
-
-
 class Direct(_Statement):
     """A SQLAlchemy Core statement executed through the DB-API driver (see the module docstring)."""
 
@@ -472,17 +342,23 @@ class Direct(_Statement):
             yield c, sql, flat
 
     def send(self, connection: Connection, params: Mapping[str, Any]) -> Sent:
-        """``run`` of one parameter set, its answer left to read (:class:`Sent`): in a
-        :func:`pipeline`, the statement goes out with the others sent there."""
+        """``run`` of one parameter set, its answer left to read (:class:`Sent`): in a pipeline
+        (store/libpq.py), the statement is queued, to go out with the others sent there."""
         c = self._compiled(connection.dialect, params)
+        piped = open_on(connection.connection.dbapi_connection)
+        if piped is not None:
+            return piped.add(c, c.numbered(), c.values(params))
         return self._send(connection, c, c.sql, c.params(params))
 
     def send_rows(self, connection: Connection, param_sets: Sequence[Mapping[str, Any]]) -> list[Sent]:
         """``run_rows`` as ``send`` is ``run``: a :class:`Sent` per statement (PostgreSQL)."""
         if len(param_sets) < 2:
             return [self.send(connection, param_sets[0])]
+        piped = open_on(connection.connection.dbapi_connection)
         return [
-            self._send(connection, c, sql, flat, numbered=True)
+            piped.add(c, sql, flat)
+            if piped is not None
+            else self._send(connection, c, sql, flat, numbered=True)
             for c, sql, flat in self._row_parts(connection, param_sets)
         ]
 
@@ -494,6 +370,8 @@ class Direct(_Statement):
         ``numbered``: PostgreSQL's own parameters (``$1`` ..), on psycopg's raw cursor."""
         raw = connection.connection.dbapi_connection
         assert raw is not None
+        if open_on(raw) is not None:  # it would run before the statements queued there
+            raise RuntimeError("Direct: a statement run at once inside a pipeline (send it)")
         if numbered:
             import psycopg
 
@@ -504,7 +382,7 @@ class Direct(_Statement):
             cursor.execute(sql, values)
         except Exception as exc:
             cursor.close()
-            _reraise(connection, exc, sql, [values], cursor)
+            reraise(connection, exc, sql, [values], cursor)
         return Sent(connection, c, cursor, sql, values)
 
     def append(self, connection: Connection, param_sets: Sequence[Mapping[str, Any]]) -> int:
@@ -577,7 +455,7 @@ class Direct(_Statement):
                     rows += cursor.fetchall()
                     count += max(0, cursor.rowcount)
         except Exception as exc:
-            _reraise(connection, exc, sql, sets, cursor)
+            reraise(connection, exc, sql, sets, cursor)
         finally:
             cursor.close()
         return (c.rows(rows, description) if rows else []), count

@@ -64,6 +64,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import StaticPool
 
 from dreamlake.lakeshore.errors import PlaneError
+from dreamlake.lakeshore.store import libpq
 from dreamlake.lakeshore.store.outage import WriteLockBusy
 
 log = logging.getLogger(__name__)
@@ -437,6 +438,7 @@ def _begin_immediate(raw: Any, nowait: bool) -> None:
 def _rollback(conn: Connection, raw: Any) -> None:
     """Roll a held write transaction back, SQLAlchemy's when a statement through it began one; a
     rollback that fails leaves the transaction open, and ``_settled`` replaces the connection."""
+    libpq.forget(raw)  # (psycopg's rollback deallocates what the connection had prepared)
     with contextlib.suppress(Exception):
         if conn.get_transaction() is not None:  # active or not: an invalid one blocks every statement
             conn.rollback()  # (after a failed commit it ends SQLAlchemy's, not always the driver's)

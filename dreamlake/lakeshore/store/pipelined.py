@@ -1,5 +1,5 @@
 """The group commit's order of writes, and its plain daemon transaction on PostgreSQL sent in one
-round trip (psycopg's pipeline mode).
+round trip (libpq's pipeline mode, store/libpq.py).
 
 A busy nymph's transaction is polls and the acks they carry (each poll refills the slots its acks
 freed). Written statement by statement, each is a round trip of its own: ``BEGIN``, the duties
@@ -7,9 +7,8 @@ freed). Written statement by statement, each is a round trip of its own: ``BEGIN
 such a transaction holds under load (stop 55's count), three a poll. None of those statements
 needs an earlier one's rows to be written, only to be answered, and PostgreSQL runs them in the
 order sent (a claim sees what an ack before it changed, as before). :func:`send_plain` sends them
-all in one pipeline (``direct.pipeline``), ``BEGIN`` and ``COMMIT`` too (its own ``BEGIN``, on
-the driver connection put in autocommit for it: psycopg's, sent before a transaction's first
-statement in a pipeline, waits for its answer), which syncs once: one round trip for the
+all in one pipeline on libpq (store/libpq.py: each statement prepared once per connection, one
+flush, no psycopg cursor), ``BEGIN`` and ``COMMIT`` too, which syncs once: one round trip for the
 transaction. Its answers are read after it (:meth:`Pending.read`); the writes are answered after
 the commit, as before (durable first).
 
@@ -30,8 +29,9 @@ Anything else (a submit, a frame, a heartbeat, a limit, a placed shape) is writt
 way. Two things need an answer first:
 
 - A poll that claims exec jobs too (``kinds`` with ``exec``: nymph's ``--allow-exec``) claims them
-  for the slots its claim left, after the sync, so its transaction keeps psycopg's ``BEGIN`` and
-  commits as before: four round trips (``BEGIN``, the pipeline, the exec claim, ``COMMIT``).
+  for the slots its claim left, after the sync, so its transaction stays open after the pipeline
+  and commits as before: three round trips (the pipeline with its ``BEGIN``, the exec claim,
+  ``COMMIT``).
 - An ack whose ``UPDATE`` matched no row (a refusal, a repeat) is read back to say why
   (``_acks_checked_in``). That read comes after the claims, which never take a finished row, so
   only a refusal's reason can differ (when this very poll claimed the call the stale ack names).
@@ -47,7 +47,6 @@ claim a second time.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -56,10 +55,10 @@ from sqlalchemy.engine import Connection
 
 from .api import AckRequest, AckResult, Command, Invocation, PollRequest
 from .claims import MERGED_QUEUES_MAX, Plan, claim_params
-from .direct import Sent as Statement
-from .direct import pipeline, pipeline_supported
 from .invocation_rows import claimed_in_order
 from .invocations import _Prepared
+from .libpq import Sent as Statement
+from .libpq import pipeline, pipeline_supported
 
 if TYPE_CHECKING:
     from .claims import Placer
@@ -228,19 +227,8 @@ def send_plain(
     # what each worker's plain passes leave free of their offers: all of it (they take no GPU);
     # the last one's, as the passes one by one would leave it
     offered = {p.worker_id: max(0, p.offer.gpus) for _, p in batch if isinstance(p, PollRequest)}
-    from psycopg.pq import TransactionStatus  # (PostgreSQL's alone: not imported for SQLite)
-
-    raw = conn.connection.dbapi_connection
-    assert raw is not None
-    # the transaction's BEGIN in the pipeline too, when it commits there (psycopg's own BEGIN, sent
-    # before the first statement of a transaction, waits for its answer: a round trip of its own)
-    begin = sent.committed and not raw.autocommit and raw.info.transaction_status == TransactionStatus.IDLE
-    if begin:
-        raw.autocommit = True  # (idle: no round trip)
     try:
         with pipeline(conn) as piped:
-            if begin:
-                piped.begin()
             if daemons:
                 sent.duties = store._pg_duties_send(conn, sent.asks, now)
             for run, writes in steps:
@@ -262,16 +250,9 @@ def send_plain(
                     sent.claims[k] = stmt.send(conn, params)
             if sent.committed:
                 piped.commit()
-    except BaseException:
+    except BaseException:  # (the caller rolls the transaction back)
         for statement in sent.statements():
             statement.close()
         store._offered_forget(p.worker_id for _, p in batch if isinstance(p, PollRequest))
-        if begin:  # the transaction is ours to end: rolled back, the driver as it was
-            with contextlib.suppress(Exception):
-                raw.rollback()
         raise
-    finally:
-        if begin:
-            with contextlib.suppress(Exception):  # (a broken connection is replaced: ``_settled``)
-                raw.autocommit = False
     return sent

@@ -46,9 +46,10 @@ from dreamlake.lakeshore.ids import new_ulid
 from . import schema as t
 from .api import DEFAULT_NAMESPACE, TOKEN_KINDS, Command, Principal
 from .base import StoreBase
-from .direct import Direct, Sent
+from .direct import Direct
 from .engine import Database, retry_on_disconnect
 from .keys import KeyRing
+from .libpq import Sent
 from .notify import Notifier
 from .values import json_safe
 
