@@ -13,9 +13,8 @@ SQLAlchemy would apply) and then executed on the raw driver connection of the ca
 - ``conn.execute(direct, params)`` works as for any statement (``Direct`` implements the hook
   ``Connection.execute`` dispatches on), so a call site does not change, and a statement that
   ``Direct`` cannot take (an ``expanding`` list, escaped bind names) raises at import, not later;
-- it is prepared: ``sqlite3`` keeps each statement text prepared per connection; on PostgreSQL
-  one parameter set runs on libpq itself (store/libpq.py: a pipeline of one statement, prepared
-  server-side on its first execution on a connection, no psycopg cursor and its socket waits);
+- the driver prepares it: ``sqlite3`` keeps each statement text prepared per connection, and
+  psycopg prepares one server-side from its fifth execution on a connection (``prepare_threshold``);
 - several parameter sets go as one ``executemany`` (psycopg pipelines it: one round trip), with
   ``RETURNING`` rows collected set by set (SQLite: one ``execute`` per row, in C);
 - a statement of one ``VALUES`` row (an ``INSERT``'s, an ``UPDATE ... FROM (VALUES ...)``'s)
@@ -60,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Dialect
 
-from .libpq import DirectResult, Sent, open_on, pipeline, pipeline_supported, reraise
+from .libpq import DirectResult, Sent, open_on, reraise
 
 if TYPE_CHECKING:  # to the type checker a Direct is a statement conn.execute takes (it is, by duck)
     from sqlalchemy.sql.base import Executable as _Statement
@@ -318,11 +317,7 @@ class Direct(_Statement):
         rows: list[Any] = []
         count = 0
         for c, sql, flat in self._row_parts(connection, param_sets):
-            if _piped(connection):
-                one = self._one(connection, c, sql, flat)
-                got, n = one._rows, one.rowcount
-            else:
-                got, n = self._execute(connection, c, sql, [flat], numbered=True)
+            got, n = self._execute(connection, c, sql, [flat], numbered=True)
             rows += got
             count += n
         return DirectResult(rows, count)
@@ -421,19 +416,9 @@ class Direct(_Statement):
         c = self._compiled(connection.dialect, first)
         if self._literal and any(p.get(n) != first.get(n) for p in param_sets for n in self._literal):
             raise sa.exc.ArgumentError(f"an executemany with different {self._literal} values")
-        if len(param_sets) <= 1 and _piped(connection):
-            return self._one(connection, c, c.numbered(), c.values(first))
         sets = [c.params(p) for p in param_sets] if param_sets else [c.params({})]
         rows, count = self._execute(connection, c, c.sql, sets)
         return DirectResult(rows, count)
-
-    @staticmethod
-    def _one(connection: Connection, c: _Compiled, sql: bytes, values: list[Any]) -> DirectResult:
-        """One statement (numbered) on PostgreSQL, as a pipeline of one on libpq (store/libpq.py):
-        prepared once per connection, a flush and a read, no psycopg cursor."""
-        with pipeline(connection) as piped:
-            sent = piped.add(c, sql, values)
-        return sent.result()
 
     @staticmethod
     def _execute(
@@ -474,11 +459,6 @@ class Direct(_Statement):
         finally:
             cursor.close()
         return (c.rows(rows, description) if rows else []), count
-
-
-def _piped(connection: Connection) -> bool:
-    """Whether a statement on ``connection`` runs as a pipeline of one (PostgreSQL's libpq 14+)."""
-    return connection.dialect.name == "postgresql" and pipeline_supported()
 
 
 def _sqlite() -> Dialect:

@@ -346,7 +346,7 @@ def pipeline(connection: Connection) -> Iterator[Pipeline]:
     raw = connection.connection.dbapi_connection
     assert raw is not None
     if id(raw) in _OPEN:
-        raise RuntimeError("a statement run at once inside a pipeline (it would run before those queued)")
+        raise RuntimeError("a pipeline opened inside a pipeline on the same connection")
     handle = _OPEN[id(raw)] = Pipeline(connection, raw)
     try:
         yield handle
