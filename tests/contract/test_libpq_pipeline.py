@@ -116,3 +116,19 @@ def test_a_lost_connection_is_invalidated(db: Database, pg_session_url: str) -> 
     with db.tx(write=True) as conn, libpq.pipeline(conn):
         sent = INSERT.send(conn, {"id": "b", "doc": None, "n": 2})
     assert sent.result().first().id == "b"
+
+
+def test_nothing_is_prepared_where_psycopg_prepares_nothing(db: Database) -> None:
+    """``prepare_threshold`` None (a pooler whose server connections keep no prepared statement):
+    the statements go unnamed, answered as before."""
+    with db.tx(write=True) as conn:
+        raw = conn.connection.dbapi_connection
+        raw.prepare_threshold = None  # type: ignore[union-attr]
+        try:
+            libpq.forget(raw)
+            with libpq.pipeline(conn):
+                sent = INSERT.send(conn, {"id": "a", "doc": {"k": 1}, "n": 1})
+            assert tuple(sent.result().first()) == ("a", {"k": 1}, 1)
+            assert libpq._PREPARED[raw] == {}
+        finally:
+            raw.prepare_threshold = 5  # type: ignore[union-attr]

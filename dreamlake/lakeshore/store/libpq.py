@@ -11,7 +11,7 @@ psycopg's cursors and its pipeline, 45-63 us here). So a pipeline here queues th
 (``psycopg.pq``, public): the parameters dumped by a ``psycopg.adapt.Transformer`` of the
 connection (the adapters, and so the values, a cursor would send), each statement text prepared
 server-side once per connection and parameter types (as psycopg's ``prepare_threshold`` does for
-its cursors), one ``Sync``, one flush, then every answer read, and each :class:`Sent` given its
+its cursors; none where that is None), one ``Sync``, one flush, then every answer read, and each :class:`Sent` given its
 result. The driver connection is psycopg's throughout; its lock is held while the pipeline runs,
 and libpq's pipeline mode is left before it is handed back, with every answer read.
 
@@ -224,6 +224,9 @@ class Pipeline:
         names = _PREPARED.get(raw)
         if names is None:
             names = _PREPARED[raw] = {}
+        # none prepared where psycopg prepares none (``prepare_threshold`` None: a pooler such as
+        # PgBouncer in transaction mode, whose server connections do not keep them)
+        prepares = raw.prepare_threshold is not None
         # each command: its text, its values dumped (None: a command of none), their types and
         # formats, and what it answers: a Sent, None (BEGIN, COMMIT); dumped before anything is sent
         commands: list[tuple[bytes, Sequence[Any] | None, tuple[int, ...], Any, Sent | None]] = []
@@ -250,7 +253,7 @@ class Pipeline:
                         continue
                     key = (sql, types)
                     name = names.get(key)
-                    if name is None and len(names) < PREPARED_MAX:
+                    if name is None and len(names) < PREPARED_MAX and prepares:
                         name = b"_lakeshore_%d" % next(_NUMBERS)
                         pg.send_prepare(name, sql, types)
                         expect.append((key, name))
