@@ -11,8 +11,8 @@ psycopg's cursors and its pipeline, 45-63 us here). So a pipeline here queues th
 (``psycopg.pq``, public): the parameters dumped by a ``psycopg.adapt.Transformer`` of the
 connection (the adapters, and so the values, a cursor would send), each statement text prepared
 server-side once per connection and parameter types (as psycopg's ``prepare_threshold`` does for
-its cursors; none where that is None), one ``Sync``, one flush, then every answer read, and each :class:`Sent` given its
-result. The driver connection is psycopg's throughout; its lock is held while the pipeline runs,
+its cursors; none where that is None), one ``Sync``, one flush, then every answer read, and each
+:class:`Sent` given its result. The driver connection is psycopg's throughout; its lock is held while the pipeline runs,
 and libpq's pipeline mode is left before it is handed back, with every answer read.
 
 Errors are raised as :meth:`Direct.run` raises one (:func:`reraise`: SQLAlchemy's own handler,
