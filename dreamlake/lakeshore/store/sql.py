@@ -406,16 +406,16 @@ class SqlStore(
 
         steps = write_steps(batch)
         pending: Pending | None = None  # (the plain daemon transaction on PostgreSQL: one round trip)
-        sent: Answers | None = None
+        answered: Answers | None = None
         preps = [p for _, p in submits]
         submitted: list[SubmitResult | PlaneError] = []
         try:
             with self._placer.tentative(), self.db.tx(write=True, single=single) as conn:
                 if not submits and not single:  # the plain daemon transaction on PostgreSQL
                     pending = send_plain(self, conn, batch, steps, daemons, now)
-                    sent = pending.read(self, conn, now) if pending is not None else None
-                if sent is not None:
-                    duties, early = sent.duties, sent.claimed
+                    answered = pending.read(self, conn, now) if pending is not None else None
+                if answered is not None:
+                    duties, early = answered.duties, answered.claimed
                 elif daemons:
                     asks = [(p.worker_id, p.namespace) for _, p in daemons]
                     duties = dict(zip((k for k, _ in daemons), self._duties_in(conn, asks, now), strict=True))
@@ -457,10 +457,12 @@ class SqlStore(
                         channels.extend(f"inv:{i.invocation_id}" for i in polled.invocations)
 
                 for run, writes in steps:  # (``write_steps``: a run of acks together, then the rest)
-                    if run and sent is None:
+                    if run and answered is None:
                         answer_acks(run, self._ack_many_in(conn, [a for _, a in run], now))
-                    elif run and sent is not None and run[0][0] in sent.acked:  # (else read back below)
-                        answer_acks(run, [sent.acked[j] for j, _ in run])
+                    elif (
+                        run and answered is not None and run[0][0] in answered.acked
+                    ):  # (else read back below)
+                        answer_acks(run, [answered.acked[j] for j, _ in run])
                     for k, p in writes:
                         write(k, p)
         except Exception as exc:
@@ -473,7 +475,7 @@ class SqlStore(
                     results[k] = PlaneError(f"the store failed: {type(exc).__name__}", status=500)
                 if isinstance(p, AckRequest):  # (a wake-up too many is harmless; one too few is not)
                     channels.append(f"inv:{p.invocation_id}")
-        for run in sent.unread if sent is not None else ():
+        for run in answered.unread if answered is not None else ():
             self._read_back(run, now, results, answer_acks, channels)
         wakes: list[str] = []
         if preps:
